@@ -1,0 +1,50 @@
+# changebus: one entry point for set-up, tests, lint, benchmarks and the demo.
+# `make test` works on a fresh machine: it installs system packages (as root,
+# when missing), creates .venv and installs the project with its extras.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+EXTRAS := dev,mysql,zk
+PYTEST_ARGS ?=
+
+.PHONY: all install system-deps test lint fmt bench demo wheel clean
+
+all: test
+
+system-deps:
+	@bash deploy/scripts/install-system-deps.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+install: system-deps $(STAMP)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+demo: install
+	$(PY) -m changebus.schemas demo
+
+wheel: $(STAMP)
+	$(PY) -m build --wheel --outdir dist .
+
+clean:
+	rm -rf $(VENV) dist build .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,251 @@
+"""Relay serving throughput against raw socket push, same data, same run.
+
+A relay process serves a pre-filled buffer of ~2.5 KB events; 1, 4 and 16
+consumer processes each read the whole buffer through ``/v1/stream`` (binary,
+``max_bytes`` 4 MiB per request, no decoding). Baseline: a raw asyncio socket
+server pushing the same bytes as 1 MiB memoryview slices to the same number
+of client processes. A second relay pass gives each consumer a ``mod:4``
+partition filter (consumer i takes bucket i % 4).
+
+Goal: relay >= 0.5 of raw push with 4 consumers. Last line: one JSON object.
+
+Usage: ``python bench/relay_throughput.py [--mib 200] [--consumers 1,4,16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+_PATHS = [str(_ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")]
+sys.path[:0] = _PATHS
+
+import numpy as np  # noqa: E402
+
+from changebus.relay import BufferConfig, EventBuffer  # noqa: E402
+from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash  # noqa: E402
+
+
+def prefill(directory: Path, capacity: int, fill: int) -> tuple[int, int]:
+    """Write ~``fill`` bytes of 10-event windows; returns (bytes, events)."""
+    buf = EventBuffer(directory, BufferConfig(capacity_bytes=capacity))
+    buf.set_start(999)
+    rng = np.random.default_rng(5)
+    blob = rng.integers(0, 256, size=10_000, dtype=np.uint8).tobytes()
+    total = events = 0
+    scn = 1000
+    while total < fill:
+        parts = []
+        for i in range(10):
+            key = (scn * 10 + i).to_bytes(8, "little")
+            parts.append(
+                encode_event(
+                    Op.INSERT,
+                    scn,
+                    i,
+                    0,
+                    key,
+                    blob[i * 100 : i * 100 + 2400],
+                    key_hash=key_hash(key),
+                    source_id=1,
+                )
+            )
+        parts.append(encode_control(EndOfWindow(10, ""), scn, 10, 0))
+        window = b"".join(parts)
+        buf.append_window(window)
+        total += len(window)
+        events += 11
+        scn += 1
+    buf.close()
+    return total, events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- relay consumers ---------------------------------------------------------
+
+
+def relay_consumer(url: str, filt: str | None, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import aiohttp
+
+    async def go() -> tuple[int, int]:
+        got = 0
+        requests = 0
+        scn, offset = -1, -1
+        async with aiohttp.ClientSession() as http:
+            while True:
+                params = {"scn": str(scn), "offset": str(offset), "max_bytes": str(4 << 20)}
+                if filt:
+                    params["filter"] = filt
+                async with http.get(url, params=params) as resp:
+                    if resp.status == 204:
+                        return got, requests
+                    resp.raise_for_status()
+                    async for chunk in resp.content.iter_any():
+                        got += len(chunk)
+                    scn = int(resp.headers["X-Changebus-Next-Scn"])
+                    offset = int(resp.headers["X-Changebus-Next-Offset"])
+                    requests += 1
+
+    t0 = time.perf_counter()
+    got, requests = asyncio.run(go())
+    out.put((got, time.perf_counter() - t0, requests))
+
+
+def run_relay_pass(url: str, consumers: int, filtered: bool) -> dict[str, float]:
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [
+        ctx.Process(target=relay_consumer, args=(url, f"mod:4:{i % 4}" if filtered else None, out))
+        for i in range(consumers)
+    ]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    total = sum(r[0] for r in results)
+    return {"mb_per_s": total / wall / 1e6, "bytes": float(total), "seconds": wall}
+
+
+# ---- raw push baseline -------------------------------------------------------
+
+
+def raw_server(data_path: str, port: int, ready: Any, clients: int) -> None:
+    data = np.memmap(data_path, dtype=np.uint8, mode="r")
+    view = memoryview(data)  # type: ignore[arg-type]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for start in range(0, len(view), 1 << 20):
+            writer.write(view[start : start + (1 << 20)])
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        ready.set()
+        async with server:
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+def raw_client(port: int, expect: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    t0 = time.perf_counter()
+    got = 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        buf = bytearray(1 << 20)
+        while got < expect:
+            n = s.recv_into(buf)
+            if not n:
+                break
+            got += n
+    out.put((got, time.perf_counter() - t0))
+
+
+def run_raw_pass(data_path: str, size: int, consumers: int) -> dict[str, float]:
+    ctx = mp.get_context("fork")
+    port = free_port()
+    ready = ctx.Event()
+    server = ctx.Process(target=raw_server, args=(data_path, port, ready, consumers), daemon=True)
+    server.start()
+    ready.wait(30)
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=raw_client, args=(port, size, out)) for _ in range(consumers)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    server.kill()
+    server.join()
+    total = sum(r[0] for r in results)
+    return {"mb_per_s": total / wall / 1e6, "bytes": float(total), "seconds": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=200, help="bytes of events to serve")
+    ap.add_argument("--consumers", default="1,4,16")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.consumers.split(",")]
+    result: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        data_dir = Path(tmp) / "relay"
+        capacity = (args.mib + 16) << 20
+        size, events = prefill(data_dir / "bench", capacity, args.mib << 20)
+        # the raw baseline pushes the same event bytes
+        raw_path = Path(tmp) / "raw.dat"
+        ring = np.memmap(data_dir / "bench" / "ring.dat", dtype=np.uint8, mode="r")
+        np.asarray(ring[:size]).tofile(raw_path)
+        del ring
+        print(f"prefilled {size / 1e6:.0f} MB, {events:,} events", flush=True)
+        port = free_port()
+        config = Path(tmp) / "relay.toml"
+        config.write_text(
+            f'data_dir = "{data_dir}"\nflush_interval_s = 0\nlog_level = "warning"\n'
+            f"[http]\nport = {port}\nmax_response_bytes = {64 << 20}\n"
+            f'[[partitions]]\nname = "bench"\nid = 1\ncapacity_bytes = {capacity}\n'
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_PATHS)}
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(config)], env=env
+        )
+        try:
+            url = f"http://127.0.0.1:{port}/v1/stream"
+            deadline = time.time() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.1)
+            for n in counts:
+                raw = run_raw_pass(str(raw_path), size, n)
+                rel = run_relay_pass(url, n, filtered=False)
+                filt = run_relay_pass(url, n, filtered=True)
+                result[f"raw_{n}c_mb_per_s"] = round(raw["mb_per_s"], 1)
+                result[f"relay_{n}c_mb_per_s"] = round(rel["mb_per_s"], 1)
+                result[f"relay_{n}c_events_per_s"] = round(
+                    rel["bytes"] / (size / events) / rel["seconds"]
+                )
+                result[f"relay_{n}c_ratio"] = round(rel["mb_per_s"] / raw["mb_per_s"], 3)
+                result[f"relay_mod4_{n}c_mb_per_s"] = round(filt["mb_per_s"], 1)
+                result[f"relay_mod4_{n}c_events_per_s"] = round(
+                    filt["bytes"] / (size / events) / filt["seconds"]
+                )
+                print(
+                    f"{n:2d} consumers: relay {rel['mb_per_s']:,.0f} MB/s, raw push {raw['mb_per_s']:,.0f} MB/s "
+                    f"(ratio {result[f'relay_{n}c_ratio']:.2f}); with mod-4 filter {filt['mb_per_s']:,.0f} MB/s",
+                    flush=True,
+                )
+        finally:
+            relay.terminate()
+            relay.wait(30)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

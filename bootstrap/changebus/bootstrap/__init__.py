@@ -1,0 +1,3 @@
+"""changebus.bootstrap: see docs/ for what this slice provides."""
+
+__all__: list[str] = []

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install the Debian packages the test suite and the demo need, when missing.
+# Idempotent and quiet when everything is present; needs root to install.
+set -euo pipefail
+
+# package -> a file that proves it is installed
+declare -A NEED=(
+  [postgresql-15]=/usr/lib/postgresql/15/bin/postgres
+)
+
+missing=()
+for pkg in "${!NEED[@]}"; do
+  [ -e "${NEED[$pkg]}" ] || missing+=("$pkg")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "missing system packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})" >&2
+  exit 1
+fi
+echo "installing system packages: ${missing[*]}"
+# keep package post-install scripts from starting services of their own
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+  chmod +x /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

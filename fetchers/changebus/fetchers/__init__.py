@@ -1,0 +1,38 @@
+"""changebus.fetchers: change sources that feed the relay.
+
+The :class:`Fetcher` protocol, the :class:`Window` and :class:`ResumePoint`
+values it exchanges with the relay, and a registry of fetcher kinds
+(``synthetic`` built in; ``postgres`` and ``mysql`` as they land).
+"""
+
+from ._base import (
+    Fetcher as Fetcher,
+)
+from ._base import (
+    FetcherFactory as FetcherFactory,
+)
+from ._base import (
+    ResumePoint as ResumePoint,
+)
+from ._base import (
+    Window as Window,
+)
+from ._base import (
+    create_fetcher as create_fetcher,
+)
+from ._base import (
+    fetcher_kinds as fetcher_kinds,
+)
+from ._base import (
+    register_fetcher as register_fetcher,
+)
+
+__all__ = [
+    "Fetcher",
+    "FetcherFactory",
+    "ResumePoint",
+    "Window",
+    "create_fetcher",
+    "fetcher_kinds",
+    "register_fetcher",
+]

@@ -1,0 +1,706 @@
+"""The relay's event buffer: a space-bounded circular log of whole windows.
+
+Data structures (all memory-mapped files in the buffer's directory, so the
+process's own memory stays small whatever the capacity, and a restarted
+relay finds everything again):
+
+* ``ring.dat`` -- ``capacity`` bytes of events, back to back. Byte positions
+  are *virtual* (bytes ever written); a position's offset in the file is
+  ``pos % capacity``. An event never straddles the end of the file: when the
+  next event does not fit before the end, the writer continues at the next
+  lap's start (the skipped bytes belong to no event).
+* ``events.dat`` -- the event table (see :mod:`._tables`): position, SCN,
+  key hash, length, op and source of every live event, by event number.
+* ``index.dat`` -- the SCN index: for each ring block of ``block_bytes`` in
+  which a window starts, the SCN and first event number of the first such
+  window. A lookup is a binary search over the index plus a vectorised scan
+  of the event table between two index entries.
+* ``meta.dat`` -- the published state (:class:`._meta.BufferMeta`).
+
+Invariants (hold whenever the lock is free):
+
+* live events ``[head_event, tail_event)`` and live bytes
+  ``[head_pos, tail_pos)`` hold whole windows only, in strictly increasing
+  SCN order, each closed by an END_OF_WINDOW event;
+* ``tail_pos - head_pos <= capacity`` and ``tail_event - head_event <= event_slots``;
+* ``prev_scn`` is the SCN of the newest evicted window (or the SCN the
+  buffer was started at), so nothing after ``prev_scn`` is missing.
+
+Concurrency
+===========
+There is one writer (a dedicated thread, fed by a fetcher through a bounded
+queue) and many readers (the HTTP handlers on the event loop). One
+``threading.Lock`` guards the published state; nobody holds it for I/O:
+
+* The writer first makes room: it moves ``head`` past whole windows *under
+  the lock*, then copies the new window into space no reader can reach (it
+  lies beyond ``tail``), writes the event table and index entries, and only
+  then publishes the new ``tail`` under the lock. Readers therefore never
+  see part of a window.
+* A reader selects events under the lock and, in the same critical section,
+  *pins* the lowest byte position it will send. It then writes memoryview
+  slices of the ring to its socket without the lock, and releases the pin
+  when the bytes have left the process. Before evicting bytes at or beyond a
+  pinned position the writer waits (``pin_timeout_s``); after that it marks
+  the pin as overrun and evicts anyway. A reader whose pin was overrun must
+  abort its response (the client then sees a short body and retries); it
+  never delivers bytes that may have been overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import (
+    HEADER_SIZE,
+    CorruptEventError,
+    EventTooLargeError,
+    Op,
+    PartitionFilter,
+    ScnNotFoundError,
+    check_headers,
+    decode_control,
+    headers_at,
+    parse_stream,
+    verify_payloads,
+)
+from changebus.schemas.errors import BadRequestError, ConfigError
+
+from ._meta import BufferMeta, MetaFile
+from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
+
+__all__ = ["BufferConfig", "EventBuffer", "Pin", "Selection"]
+
+log = logging.getLogger("changebus.relay.buffer")
+
+_EOW = int(Op.END_OF_WINDOW)
+_FIRST_CONTROL = 16
+_SCAN_CHUNK = 16384
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Sizes of one buffer. Bytes for sizes, seconds for durations."""
+
+    capacity_bytes: int = 64 << 20
+    #: event table slots; 0 = capacity_bytes // 128 (average event >= 128 B)
+    event_slots: int = 0
+    #: bytes per SCN index block; 0 = chosen so the index has ~capacity/4 KiB entries
+    block_bytes: int = 0
+    #: largest window accepted (0 = the capacity)
+    max_window_bytes: int = 0
+    #: how long the writer waits for a slow reader before overrunning its pin
+    pin_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 64 * 1024:
+            raise ConfigError(f"buffer capacity_bytes must be >= 64 KiB, got {self.capacity_bytes}")
+        if self.event_slots < 0 or self.block_bytes < 0 or self.max_window_bytes < 0:
+            raise ConfigError("buffer sizes must not be negative")
+        if self.max_window_bytes > self.capacity_bytes:
+            raise ConfigError("max_window_bytes cannot exceed capacity_bytes")
+        if self.pin_timeout_s <= 0:
+            raise ConfigError("pin_timeout_s must be positive")
+
+    @property
+    def slots(self) -> int:
+        return self.event_slots or max(1024, self.capacity_bytes // 128)
+
+    @property
+    def block(self) -> int:
+        return self.block_bytes or max(
+            256, self.capacity_bytes // max(1, self.capacity_bytes // 4096)
+        )
+
+    @property
+    def window_limit(self) -> int:
+        return self.max_window_bytes or self.capacity_bytes
+
+
+@dataclass(eq=False)
+class Pin:
+    """A reader's claim on ring bytes from ``pos`` on (see the module docstring)."""
+
+    pos: int
+    overrun: bool = False
+
+
+@dataclass
+class Selection:
+    """What a reader should send: ring byte spans, and where it got to.
+
+    ``spans`` are physical ``(start, stop)`` offsets into the ring, each a
+    run of back-to-back selected events. ``next_scn``/``next_offset`` form the
+    checkpoint after these events: ``next_offset`` is -1 when the last window
+    was sent whole, else the number of that window's events already passed
+    (sent or filtered out). ``partial`` says a window was cut by the byte
+    limit. ``pin`` must be released with :meth:`EventBuffer.release`.
+    """
+
+    spans: list[tuple[int, int]]
+    events: int
+    nbytes: int
+    next_scn: int
+    next_offset: int
+    partial: bool
+    windows: int
+    pin: Pin | None = None
+    views: list[memoryview] = field(default_factory=list)
+
+
+class EventBuffer:
+    """A circular buffer of whole windows for one physical partition."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: BufferConfig,
+        *,
+        name: str = "default",
+        partition_id: int = 0,
+        on_publish: Callable[[], None] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self.name = name
+        self.partition_id = partition_id
+        self.on_publish = on_publish
+        self.capacity = config.capacity_bytes
+        self.block = config.block
+        index_slots = math.ceil(self.capacity / self.block) + 4
+        directory.mkdir(parents=True, exist_ok=True)
+        self._metafile = MetaFile(directory / "meta.dat")
+        previous = None if self._metafile.created else self._metafile.load()
+        compatible = (
+            previous is not None
+            and previous.capacity == self.capacity
+            and previous.event_slots == config.slots
+            and previous.index_slots == index_slots
+            and (directory / "ring.dat").exists()
+            and (directory / "ring.dat").stat().st_size == self.capacity
+        )
+        if previous is not None and not compatible:
+            log.warning("buffer %s: sizes changed or files missing; starting empty", name)
+        create = not compatible
+        self._ring: npt.NDArray[np.uint8] = np.memmap(
+            directory / "ring.dat",
+            dtype=np.uint8,
+            mode="w+" if create else "r+",
+            shape=(self.capacity,),
+        )
+        self._ring_view = memoryview(self._ring)  # type: ignore[arg-type]
+        self._events = CircularTable(
+            directory / "events.dat", EVENT_DTYPE, config.slots, create=create
+        )
+        self._index = CircularTable(
+            directory / "index.dat", INDEX_DTYPE, index_slots, create=create
+        )
+        self._lock = threading.Lock()
+        self._pins_changed = threading.Condition(self._lock)
+        self._pins: set[Pin] = set()
+        self.stats = {
+            "windows_appended": 0,
+            "events_appended": 0,
+            "bytes_appended": 0,
+            "windows_evicted": 0,
+            "windows_refused": 0,
+            "pins_overrun": 0,
+        }
+        self.last_source_position = ""
+        if compatible and previous is not None:
+            self._meta = self._recover(previous)
+        else:
+            self._meta = BufferMeta(self.capacity, config.slots, index_slots)
+            self._metafile.publish(self._meta)
+
+    # ------------------------------------------------------------------
+    # state
+
+    @property
+    def meta(self) -> BufferMeta:
+        """The last published state (a consistent, immutable snapshot)."""
+        return self._meta
+
+    def set_start(self, scn: int) -> None:
+        """Declare an empty buffer complete after ``scn`` (sets ``prev_scn``).
+
+        Used when a fetcher starts at a known source position with nothing
+        buffered yet: consumers at ``scn`` or later have missed nothing.
+        """
+        with self._lock:
+            m = self._meta
+            if m.tail_event != m.head_event:
+                raise ValueError("set_start needs an empty buffer")
+            self._meta = _replace(m, prev_scn=scn, last_scn=max(m.last_scn, scn))
+            self._metafile.publish(self._meta)
+
+    # ------------------------------------------------------------------
+    # writer side (one thread)
+
+    def append_window(self, window: bytes | memoryview) -> int:
+        """Append one whole window (events back to back, ending with END_OF_WINDOW).
+
+        Returns the window's SCN. Validates the window completely before it
+        touches the buffer; raises :class:`EventTooLargeError` when it is larger
+        than the configured limit, :class:`CorruptEventError` /
+        :class:`BadRequestError` when it is malformed or out of order.
+        """
+        size = len(window)
+        if size > self.config.window_limit:
+            self.stats["windows_refused"] += 1
+            raise EventTooLargeError(
+                f"window of {size} bytes exceeds buffer {self.name!r} limit of "
+                f"{self.config.window_limit} bytes",
+                size=size,
+                limit=self.config.window_limit,
+            )
+        offsets, headers = parse_stream(window)
+        n = len(offsets)
+        if n == 0 or int(headers["op"][-1]) != _EOW:
+            raise BadRequestError("a window must end with an END_OF_WINDOW event")
+        scn = int(headers["scn"][0])
+        if not (headers["scn"] == headers["scn"][0]).all():
+            raise BadRequestError("all events of a window must carry the window's SCN")
+        if not (headers["seq"] == np.arange(n, dtype=np.uint32)).all():
+            raise BadRequestError("event seq numbers of a window must be 0, 1, 2, ...")
+        if ((headers["op"] == _EOW)[:-1]).any():
+            raise BadRequestError("END_OF_WINDOW may only close a window")
+        if n > self.config.slots:
+            self.stats["windows_refused"] += 1
+            raise EventTooLargeError(
+                f"window of {n} events exceeds the event table ({self.config.slots})"
+            )
+        m = self._meta
+        if scn <= m.last_scn and m.windows > 0:
+            raise BadRequestError(f"window SCN {scn} is not above the last SCN {m.last_scn}")
+        if scn < m.prev_scn:
+            raise BadRequestError(f"window SCN {scn} is below the buffer start {m.prev_scn}")
+
+        # placement: events never straddle the end of the ring
+        rel_end = offsets + headers["total_length"].astype(np.int64)
+        start = m.tail_pos
+        phys = start % self.capacity
+        positions = start + offsets
+        if phys + size > self.capacity:
+            room = self.capacity - phys
+            k = int(np.searchsorted(rel_end, room, side="right"))
+            positions[k:] += room - int(offsets[k])
+        new_tail_pos = int(positions[-1]) + int(rel_end[-1] - offsets[-1])
+
+        self._make_room(new_tail_pos - self.capacity, m.tail_event + n - self.config.slots)
+        m = self._meta
+
+        # copy bytes (beyond tail: invisible to readers)
+        src = np.frombuffer(window, dtype=np.uint8)
+        if phys + size <= self.capacity:
+            self._ring[phys : phys + size] = src
+        else:
+            cut = int(offsets[k]) if k < n else size
+            self._ring[phys : phys + cut] = src[:cut]
+            self._ring[0 : size - cut] = src[cut:]
+
+        records = np.zeros(n, dtype=EVENT_DTYPE)
+        records["pos"] = positions
+        records["scn"] = headers["scn"]
+        records["key_hash"] = headers["key_hash"]
+        records["length"] = headers["total_length"]
+        records["op"] = headers["op"]
+        records["source_id"] = headers["source_id"]
+        first_event = m.tail_event
+        self._events.put(first_event, records)
+
+        index_tail = m.index_tail
+        index_head = m.index_head
+        block = int(positions[0]) // self.block
+        if (
+            index_tail == index_head
+            or int(self._events.at(int(self._index.at(index_tail - 1)["event"]))["pos"])
+            // self.block
+            != block
+        ):
+            if index_tail - index_head >= self._index.slots:
+                index_head += 1  # cannot happen with whole-window eviction; keep bounded
+            entry = np.zeros(1, dtype=INDEX_DTYPE)
+            entry["scn"] = scn
+            entry["event"] = first_event
+            self._index.put(index_tail, entry)
+            index_tail += 1
+
+        eow_payload = window[int(offsets[-1]) + HEADER_SIZE :]
+        try:
+            position = decode_control(Op.END_OF_WINDOW, bytes(eow_payload))
+            source_position = getattr(position, "source_position", "")
+        except CorruptEventError:
+            source_position = ""
+        ts = int(headers["timestamp_ns"][-1])
+        with self._lock:
+            m = self._meta
+            empty_before = m.tail_event == m.head_event
+            self._meta = _replace(
+                m,
+                tail_event=m.tail_event + n,
+                tail_pos=new_tail_pos,
+                head_pos=int(positions[0]) if empty_before else m.head_pos,
+                last_scn=scn,
+                min_scn=scn if empty_before else m.min_scn,
+                index_head=index_head,
+                index_tail=index_tail,
+                first_ts=ts if empty_before else m.first_ts,
+                last_ts=ts,
+                windows=m.windows + 1,
+            )
+            self.last_source_position = source_position
+            self._metafile.publish(self._meta)
+        self.stats["windows_appended"] += 1
+        self.stats["events_appended"] += n
+        self.stats["bytes_appended"] += size
+        if self.on_publish is not None:
+            self.on_publish()
+        return scn
+
+    def _find(self, start: int, pred: Callable[[npt.NDArray[Any]], npt.NDArray[np.bool_]]) -> int:
+        """First event number >= ``start`` whose record satisfies ``pred`` (or tail)."""
+        tail = self._meta.tail_event
+        e = start
+        while e < tail:
+            stop = min(e + _SCAN_CHUNK, tail)
+            hits = np.flatnonzero(pred(self._events.get(e, stop)))
+            if hits.size:
+                return e + int(hits[0])
+            e = stop
+        return tail
+
+    def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
+        """Evict whole oldest windows until the head is past both bounds."""
+        m = self._meta
+        if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
+            return
+        cand = self._find(m.head_event, lambda r: r["pos"] >= min_head_pos)
+        cand = max(cand, min_head_event)
+        if cand <= m.head_event:
+            return
+        if cand < m.tail_event and int(self._events.at(cand - 1)["op"]) != _EOW:
+            cand = self._find(cand, lambda r: r["op"] == _EOW) + 1
+        new_head = min(cand, m.tail_event)
+        prev_scn = int(self._events.at(new_head - 1)["scn"])
+        if new_head < m.tail_event:
+            first_rec = self._events.at(new_head)
+            head_pos, min_scn = int(first_rec["pos"]), int(first_rec["scn"])
+        else:
+            head_pos, min_scn = m.tail_pos, -1
+        idx_events = self._index.get(m.index_head, m.index_tail, "event")
+        index_head = m.index_head + int(np.searchsorted(idx_events, new_head, side="left"))
+        evicted = int(np.count_nonzero(self._events.get(m.head_event, new_head, "op") == _EOW))
+        with self._pins_changed:
+            deadline = time.monotonic() + self.config.pin_timeout_s
+            while any(p.pos < head_pos and not p.overrun for p in self._pins):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for p in self._pins:
+                        if p.pos < head_pos and not p.overrun:
+                            p.overrun = True
+                            self.stats["pins_overrun"] += 1
+                    log.warning(
+                        "buffer %s: overran a reader slower than %.1f s",
+                        self.name,
+                        self.config.pin_timeout_s,
+                    )
+                    break
+                self._pins_changed.wait(left)
+            m = self._meta
+            self._meta = _replace(
+                m,
+                head_event=new_head,
+                head_pos=head_pos,
+                prev_scn=prev_scn,
+                min_scn=min_scn,
+                index_head=index_head,
+                windows=m.windows - evicted,
+            )
+            self._metafile.publish(self._meta)
+        self.stats["windows_evicted"] += evicted
+
+    # ------------------------------------------------------------------
+    # reader side
+
+    def locate(self, window_scn: int, window_offset: int) -> tuple[int, int]:
+        """Where to start sending after checkpoint ``(window_scn, window_offset)``.
+
+        Returns ``(start_event, window_first_event)``: the first event to
+        send, and the first event of the window it belongs to (they differ
+        only when resuming inside a window). ``window_scn`` -1 means "from
+        the oldest event kept". ``start_event == tail_event`` means nothing
+        newer exists yet. Raises :class:`ScnNotFoundError` when events after
+        the checkpoint may have been evicted: the consumer must catch up
+        from the bootstrap server.
+        """
+        m = self._meta
+        if window_scn < 0:
+            return m.head_event, m.head_event
+        complete = window_offset < 0
+        if m.tail_event == m.head_event:
+            if m.prev_scn < 0 or window_scn > m.prev_scn or (window_scn == m.prev_scn and complete):
+                return m.tail_event, m.tail_event
+            raise self._too_old(window_scn, m)
+        if window_scn < m.min_scn:
+            if m.prev_scn >= 0 and (
+                window_scn > m.prev_scn or (window_scn == m.prev_scn and complete)
+            ):
+                return m.head_event, m.head_event
+            raise self._too_old(window_scn, m)
+        if window_scn > m.last_scn or (window_scn == m.last_scn and complete):
+            return m.tail_event, m.tail_event
+        # binary search in the SCN index, then a short scan of the event table
+        idx = self._index.get(m.index_head, m.index_tail)
+        i = int(np.searchsorted(idx["scn"], window_scn, side="right"))
+        lo = max(int(idx["event"][i - 1]) if i > 0 else m.head_event, m.head_event)
+        hi = int(idx["event"][i]) if i < len(idx) else m.tail_event
+        scns = self._events.get(lo, hi, "scn")
+        first_at = lo + int(np.searchsorted(scns, window_scn, side="left"))
+        after = lo + int(np.searchsorted(scns, window_scn, side="right"))
+        if complete:
+            return after, after
+        if first_at == after:
+            raise ScnNotFoundError(
+                f"checkpoint is inside window {window_scn}, which buffer {self.name!r} does not "
+                "have; resume from the last complete window (prev_scn)",
+                oldest_scn=m.min_scn,
+                prev_scn=m.prev_scn,
+            )
+        return min(first_at + window_offset, after), first_at
+
+    def _too_old(self, scn: int, m: BufferMeta) -> ScnNotFoundError:
+        return ScnNotFoundError(
+            f"SCN {scn} is older than buffer {self.name!r} keeps (oldest window {m.min_scn}, "
+            f"complete after {m.prev_scn}); catch up from the bootstrap server",
+            oldest_scn=m.min_scn,
+            prev_scn=m.prev_scn,
+        )
+
+    def select(
+        self,
+        window_scn: int,
+        window_offset: int,
+        max_bytes: int,
+        *,
+        key_filter: PartitionFilter | None = None,
+        sources: frozenset[int] | None = None,
+    ) -> Selection | None:
+        """Choose the events to send after a checkpoint, and pin them.
+
+        Returns None when nothing newer than the checkpoint exists (the
+        caller long-polls). Whole windows only, unless the first window alone
+        exceeds ``max_bytes``: then as many of its events as fit (at least
+        one), and ``partial`` is set. Control events are always selected.
+        The caller must :meth:`release` the selection after sending it.
+        """
+        if max_bytes <= 0:
+            raise BadRequestError("max_bytes must be positive")
+        src_table: npt.NDArray[np.bool_] | None = None
+        if sources is not None:
+            src_table = np.zeros(65536, dtype=bool)
+            src_table[sorted(sources)] = True
+        with self._lock:
+            m = self._meta
+            start, window_first = self.locate(window_scn, window_offset)
+            if start >= m.tail_event:
+                return None
+            result, low = self._select_locked(
+                m, start, window_first, max_bytes, key_filter, src_table
+            )
+            pin = Pin(low)
+            self._pins.add(pin)
+        result.pin = pin
+        rv = self._ring_view
+        result.views = [rv[a:b] for a, b in result.spans]
+        return result
+
+    def release(self, selection: Selection) -> bool:
+        """Release a selection's pin; False when the writer overran it meanwhile."""
+        pin = selection.pin
+        if pin is None:
+            return True
+        with self._pins_changed:
+            self._pins.discard(pin)
+            self._pins_changed.notify_all()
+        selection.pin = None
+        selection.views = []
+        return not pin.overrun
+
+    def _select_locked(
+        self,
+        m: BufferMeta,
+        start: int,
+        window_first: int,
+        max_bytes: int,
+        key_filter: PartitionFilter | None,
+        src_table: npt.NDArray[np.bool_] | None,
+    ) -> tuple[Selection, int]:
+        pos_parts: list[npt.NDArray[np.uint64]] = []
+        len_parts: list[npt.NDArray[np.uint32]] = []
+        used = windows = 0
+        next_scn, next_offset, partial = -1, -1, False
+        e = start
+        chunk = _SCAN_CHUNK
+        while e < m.tail_event and used < max_bytes:
+            stop = min(e + chunk, m.tail_event)
+            rec = self._events.get(e, stop)
+            ops = rec["op"]
+            eows = np.flatnonzero(ops == _EOW)
+            if eows.size == 0 and stop < m.tail_event:
+                chunk *= 2  # a window longer than the chunk: look further
+                continue
+            keep = ops >= _FIRST_CONTROL
+            data = ~keep
+            if key_filter is not None:
+                data &= key_filter.mask(rec["key_hash"])
+            if src_table is not None:
+                data &= src_table[rec["source_id"]]
+            keep |= data
+            cum = np.cumsum(np.where(keep, rec["length"], 0).astype(np.int64))
+            budget = max_bytes - used
+            fits = eows[cum[eows] <= budget]
+            if fits.size:
+                last = int(fits[-1])
+                pos_parts.append(rec["pos"][: last + 1][keep[: last + 1]])
+                len_parts.append(rec["length"][: last + 1][keep[: last + 1]])
+                used += int(cum[last])
+                windows += int(fits.size)
+                next_scn, next_offset = int(rec["scn"][last]), -1
+                e += last + 1
+                if fits.size < eows.size:
+                    break  # the next complete window does not fit
+                continue
+            if windows:
+                break
+            # the first window alone exceeds the limit: send a part of it
+            over = np.flatnonzero(cum > budget)
+            cut = max(int(over[0]) if over.size else len(ops), 1)
+            pos_parts.append(rec["pos"][:cut][keep[:cut]])
+            len_parts.append(rec["length"][:cut][keep[:cut]])
+            used += int(cum[cut - 1])
+            e += cut
+            next_scn = int(rec["scn"][0])
+            if int(ops[cut - 1]) == _EOW:
+                next_offset, windows = -1, 1
+            else:
+                next_offset, partial = e - window_first, True
+            break
+        pos = np.concatenate(pos_parts).astype(np.int64) if pos_parts else np.zeros(0, np.int64)
+        lens = np.concatenate(len_parts).astype(np.int64) if len_parts else np.zeros(0, np.int64)
+        selection = Selection(
+            spans=_runs(pos, lens, self.capacity),
+            events=int(pos.size),
+            nbytes=int(lens.sum()),
+            next_scn=next_scn,
+            next_offset=next_offset,
+            partial=partial,
+            windows=windows,
+        )
+        return selection, int(pos[0]) if pos.size else m.tail_pos
+
+    # ------------------------------------------------------------------
+    # lifecycle
+
+    def _recover(self, meta: BufferMeta) -> BufferMeta:
+        """Validate what the last published state says is live; trim damage."""
+        n = meta.tail_event - meta.head_event
+        if n <= 0:
+            return meta
+        rec = self._events.get(meta.head_event, meta.tail_event)
+        phys = (rec["pos"] % np.uint64(self.capacity)).astype(np.int64)
+        ring = self._ring_view
+        try:
+            headers = headers_at(ring, phys)
+            check_headers(ring, phys, headers)
+            verify_payloads(ring, phys, headers)
+            if not (
+                (headers["scn"] == rec["scn"]).all()
+                and (headers["total_length"] == rec["length"]).all()
+                and (headers["op"] == rec["op"]).all()
+            ):
+                raise CorruptEventError("event table does not match the ring")
+        except CorruptEventError as exc:
+            log.warning(
+                "buffer %s: damaged after a crash (%s); starting empty after SCN %d",
+                self.name,
+                exc,
+                meta.last_scn,
+            )
+            fresh = BufferMeta(
+                meta.capacity,
+                meta.event_slots,
+                meta.index_slots,
+                head_event=meta.tail_event,
+                tail_event=meta.tail_event,
+                head_pos=meta.tail_pos,
+                tail_pos=meta.tail_pos,
+                prev_scn=meta.last_scn,
+                last_scn=meta.last_scn,
+                index_head=meta.index_tail,
+                index_tail=meta.index_tail,
+            )
+            self._metafile.publish(fresh)
+            return fresh
+        last = int(phys[-1])
+        try:
+            eow = decode_control(
+                Op.END_OF_WINDOW, bytes(ring[last + HEADER_SIZE : last + int(rec["length"][-1])])
+            )
+            self.last_source_position = getattr(eow, "source_position", "")
+        except CorruptEventError:
+            self.last_source_position = ""
+        log.info(
+            "buffer %s: recovered %d events, SCN %d..%d", self.name, n, meta.min_scn, meta.last_scn
+        )
+        return meta
+
+    def flush(self) -> None:
+        """msync everything (clean shutdown, periodic durability)."""
+        flush = getattr(self._ring, "flush", None)
+        if flush is not None:
+            flush()
+        self._events.flush()
+        self._index.flush()
+        self._metafile.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._ring_view.release()
+        mm = getattr(self._ring, "_mmap", None)
+        if mm is not None:
+            mm.close()
+        self._events.close()
+        self._index.close()
+        self._metafile.close()
+
+
+def _runs(
+    pos: npt.NDArray[np.int64], lens: npt.NDArray[np.int64], capacity: int
+) -> list[tuple[int, int]]:
+    """Physical spans of back-to-back events (split at gaps and at the ring end)."""
+    if pos.size == 0:
+        return []
+    ends = pos + lens
+    brk = (pos[1:] != ends[:-1]) | (pos[1:] // capacity != pos[:-1] // capacity)
+    starts_idx = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    stops_idx = np.concatenate((starts_idx[1:] - 1, [pos.size - 1]))
+    s = pos[starts_idx] % capacity
+    t = s + (ends[stops_idx] - pos[starts_idx])
+    return list(zip(s.tolist(), t.tolist(), strict=True))
+
+
+def _replace(meta: BufferMeta, **changes: int) -> BufferMeta:
+    from dataclasses import replace
+
+    return replace(meta, **changes)

@@ -1,0 +1,121 @@
+"""Relay configuration (``changebus relay --config relay.toml``).
+
+Example::
+
+    data_dir = "var/relay"
+
+    [http]
+    host = "127.0.0.1"
+    port = 8470
+
+    [[partitions]]
+    name = "pgmain"
+    id = 1
+    capacity_bytes = "256MiB"
+
+    [partitions.fetcher]
+    kind = "postgres"              # or "synthetic", "mysql", "none"
+    options = { dsn = "postgresql://..." }
+
+Environment overrides use the prefix ``CHANGEBUS_RELAY_`` (for example
+``CHANGEBUS_RELAY_HTTP__PORT=9000``); ``--set http.port=9000`` on the command
+line wins over both. Sizes are bytes (``"64MiB"`` accepted), durations seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from changebus.schemas import ConfigError
+from changebus.schemas.config import size_field
+
+from ._buffer import BufferConfig
+
+__all__ = ["FetcherConfig", "HttpConfig", "PartitionConfig", "RelayConfig"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP listener and request limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8470
+    #: longest long-poll a client may ask for
+    max_wait_s: float = 60.0
+    #: response size when the client does not say
+    default_max_bytes: int = size_field(1 << 20)
+    #: largest response size a client may ask for
+    max_response_bytes: int = size_field(64 << 20)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"http.port must be 0..65535, got {self.port}")
+        if self.max_wait_s < 0 or self.default_max_bytes <= 0 or self.max_response_bytes <= 0:
+            raise ConfigError("http limits must be positive")
+
+
+@dataclass(frozen=True)
+class FetcherConfig:
+    """Which fetcher feeds a partition, and its own options table."""
+
+    kind: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+    #: first delay before restarting a failed fetcher (doubles up to max)
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """One physical partition: one buffer, one fetcher."""
+
+    name: str
+    id: int = 0
+    capacity_bytes: int = size_field(64 << 20)
+    event_slots: int = 0
+    block_bytes: int = 0
+    max_window_bytes: int = size_field(0)
+    pin_timeout_s: float = 2.0
+    fetcher: FetcherConfig = field(default_factory=FetcherConfig)
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(f"partition name {self.name!r} must match [A-Za-z0-9_.-]{{1,128}}")
+        if not 0 <= self.id <= 65535:
+            raise ConfigError(f"partition {self.name}: id must be 0..65535")
+
+    @property
+    def buffer(self) -> BufferConfig:
+        return BufferConfig(
+            capacity_bytes=self.capacity_bytes,
+            event_slots=self.event_slots,
+            block_bytes=self.block_bytes,
+            max_window_bytes=self.max_window_bytes,
+            pin_timeout_s=self.pin_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """The whole relay daemon."""
+
+    data_dir: Path = Path("var/relay")
+    http: HttpConfig = field(default_factory=HttpConfig)
+    partitions: tuple[PartitionConfig, ...] = ()
+    #: how often buffers are msync'ed to disk (0 = only on shutdown)
+    flush_interval_s: float = 5.0
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.partitions]
+        ids = [p.id for p in self.partitions]
+        if len(set(names)) != len(names) or len(set(ids)) != len(ids):
+            raise ConfigError("partition names and ids must be unique")
+        if self.flush_interval_s < 0:
+            raise ConfigError("flush_interval_s must not be negative")

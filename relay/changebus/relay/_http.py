@@ -1,0 +1,439 @@
+"""The relay's HTTP API (aiohttp); documented in docs/protocol.md section 6.
+
+Every error leaves as JSON ``{"error": code, "message": ..., "retriable": ...}``
+with the status of the :class:`ChangebusError` subclass (400 bad input, 404
+unknown partition or source, 410 checkpoint too old, 500 otherwise); an
+unexpected exception is logged and answered with 500, never a crash.
+
+``GET /v1/stream`` is the hot path. It selects events with the vectorised
+buffer scan, then writes memoryview slices of the mmapped ring straight to
+the socket (no copy), with chunked transfer encoding: the terminating chunk
+is sent only after the buffer confirms that the writer did not overrun the
+slices meanwhile. A client that sees a body end without it must discard it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import decimal
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from changebus.schemas import (
+    BadRequestError,
+    ChangebusError,
+    ChangeDecoder,
+    Checkpoint,
+    CheckpointError,
+    Op,
+    PartitionCheckpoint,
+    PartitionFilter,
+    UnknownSchemaError,
+    UnknownSourceError,
+    decode_control,
+    decode_header,
+    event_at,
+    parse_stream,
+)
+
+from ._config import RelayConfig
+from ._host import PartitionHost
+from ._metrics import RelayMetrics
+
+__all__ = ["HOSTS", "build_app"]
+
+log = logging.getLogger("changebus.relay.http")
+
+HOSTS: web.AppKey[dict[str, PartitionHost]] = web.AppKey("hosts", dict)
+CONFIG: web.AppKey[RelayConfig] = web.AppKey("config", RelayConfig)
+METRICS: web.AppKey[RelayMetrics] = web.AppKey("metrics", RelayMetrics)
+
+_ZERO_COPY_SAFE = sys.version_info < (3, 12)  # 3.11 transports copy unsent bytes
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(
+        data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=_jsonable)
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    route = (
+        request.match_info.route.resource.canonical
+        if request.match_info.route.resource
+        else "unmatched"
+    )
+    try:
+        response = await handler(request)
+    except ChangebusError as exc:
+        response = _json(exc.to_json(), status=exc.http_status)
+    except web.HTTPException as exc:
+        response = _json(
+            {"error": "http", "message": exc.reason, "retriable": False}, status=exc.status
+        )
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        log.exception("unexpected error serving %s", request.path)
+        response = _json(
+            {"error": "internal", "message": f"{type(exc).__name__}", "retriable": True}, status=500
+        )
+    metrics.request(route, response.status)
+    return response
+
+
+def _host(request: web.Request, name: str | None) -> PartitionHost:
+    hosts = request.app[HOSTS]
+    if name is None:
+        if len(hosts) == 1:
+            return next(iter(hosts.values()))
+        raise BadRequestError(f"name the partition: one of {', '.join(sorted(hosts))}")
+    try:
+        return hosts[name]
+    except KeyError:
+        raise UnknownSourceError(
+            f"no partition {name!r} here; known: {', '.join(sorted(hosts))}"
+        ) from None
+
+
+def _int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadRequestError(f"parameter {name} must be an integer, got {text[:40]!r}") from None
+    if not lo <= value <= hi:
+        raise BadRequestError(f"parameter {name} must be within {lo}..{hi}, got {value}")
+    return value
+
+
+def _float(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadRequestError(f"parameter {name} must be a number, got {text[:40]!r}") from None
+    if not lo <= value <= hi:
+        raise BadRequestError(f"parameter {name} must be within {lo}..{hi}, got {value}")
+    return value
+
+
+_STREAM_PARAMS = frozenset(
+    {
+        "partition",
+        "checkpoint",
+        "scn",
+        "offset",
+        "from",
+        "sources",
+        "filter",
+        "max_bytes",
+        "wait",
+        "format",
+        "client",
+    }
+)
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/stream``: events after a checkpoint, long-polling when none."""
+    unknown = sorted(set(request.query) - _STREAM_PARAMS)
+    if unknown:
+        raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}")
+    cfg = request.app[CONFIG].http
+    host = _host(request, request.query.get("partition"))
+    start = request.query.get("from")
+    checkpoint_text = request.query.get("checkpoint")
+    if sum(x is not None for x in (start, checkpoint_text, request.query.get("scn"))) > 1:
+        raise BadRequestError("give only one of checkpoint, scn/offset and from")
+    if checkpoint_text is not None:
+        pc = Checkpoint.parse(checkpoint_text).get(host.name)
+        if pc.mode.value != "online":
+            raise CheckpointError(
+                f"partition {host.name} is in {pc.mode.value} mode: read it from the bootstrap server"
+            )
+        scn, offset = pc.window_scn, pc.window_offset
+    elif start is not None:
+        if start not in ("earliest", "latest"):
+            raise BadRequestError("parameter from must be earliest or latest")
+        scn, offset = (-1, -1) if start == "earliest" else (host.buffer.meta.last_scn, -1)
+    else:
+        scn = _int(request, "scn", -1, -1, 2**63 - 1)
+        offset = _int(request, "offset", -1, -1, 2**31)
+    max_bytes = _int(request, "max_bytes", cfg.default_max_bytes, 1, cfg.max_response_bytes)
+    wait = _float(request, "wait", 0.0, 0.0, cfg.max_wait_s)
+    fmt = request.query.get("format", "binary")
+    if fmt not in ("binary", "ndjson"):
+        raise BadRequestError("parameter format must be binary or ndjson")
+    key_filter = (
+        PartitionFilter.parse(request.query["filter"]) if "filter" in request.query else None
+    )
+    sources = _source_ids(host, request.query.get("sources"))
+    client = request.query.get("client", "")[:128] or (request.remote or "unknown")
+
+    deadline = time.monotonic() + wait
+    while True:
+        selection = host.buffer.select(
+            scn, offset, max_bytes, key_filter=key_filter, sources=sources
+        )
+        if selection is not None:
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            host.saw_consumer(client, scn, 0, request.remote or "")
+            headers = _next_headers(host, scn, offset, checkpoint_text)
+            return web.Response(status=204, headers=headers)
+        await host.wait_for_window(left)
+
+    metrics = request.app[METRICS]
+    m = host.buffer.meta
+    host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
+    headers = _next_headers(host, selection.next_scn, selection.next_offset, checkpoint_text)
+    headers.update(
+        {
+            "X-Changebus-Events": str(selection.events),
+            "X-Changebus-Windows": str(selection.windows),
+            "X-Changebus-Partial": "1" if selection.partial else "0",
+        }
+    )
+    if fmt == "ndjson":
+        try:
+            body = b"".join(bytes(v) for v in selection.views)
+        finally:
+            ok = host.buffer.release(selection)
+        if not ok:
+            raise ChangebusError("the writer overran this response; retry", retriable=True)
+        return web.Response(
+            body=_ndjson(host, body), headers=headers, content_type="application/x-ndjson"
+        )
+
+    resp = web.StreamResponse(status=200, headers=headers)
+    resp.content_type = "application/vnd.changebus.events"
+    resp.enable_chunked_encoding()
+    ok = False
+    try:
+        await resp.prepare(request)
+        for view in selection.views:
+            await resp.write(view)
+        transport = request.transport
+        if not _ZERO_COPY_SAFE and transport is not None:
+            # transports signal no 'empty' event: poll briefly
+            while transport.get_write_buffer_size() and not transport.is_closing():  # noqa: ASYNC110
+                await asyncio.sleep(0.0005)
+    finally:
+        ok = host.buffer.release(selection)
+    if not ok:
+        # the bytes may have been overwritten while being sent: end the body
+        # without its last chunk so the client discards it
+        metrics.overrun(host.name)
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    await resp.write_eof()
+    metrics.streamed(host.name, selection.nbytes, selection.events)
+    return resp
+
+
+def _next_headers(
+    host: PartitionHost, scn: int, offset: int, checkpoint_text: str | None
+) -> dict[str, str]:
+    m = host.buffer.meta
+    headers = {
+        "X-Changebus-Partition": host.name,
+        "X-Changebus-Next-Scn": str(scn),
+        "X-Changebus-Next-Offset": str(offset),
+        "X-Changebus-Last-Scn": str(m.last_scn),
+        "X-Changebus-Min-Scn": str(m.min_scn),
+    }
+    if checkpoint_text is not None:
+        current = Checkpoint.parse(checkpoint_text)
+        pc = current.get(host.name)
+        updated = (
+            PartitionCheckpoint(
+                window_scn=scn,
+                window_offset=offset,
+                prev_scn=scn if offset < 0 else pc.prev_scn,
+                timestamp_ns=pc.timestamp_ns,
+            )
+            if scn >= 0
+            else pc
+        )
+        headers["X-Changebus-Checkpoint"] = current.with_partition(host.name, updated).to_token()
+    return headers
+
+
+def _source_ids(host: PartitionHost, text: str | None) -> frozenset[int] | None:
+    if text is None:
+        return None
+    ids = set()
+    for name in (s.strip() for s in text.split(",")):
+        if not name:
+            continue
+        try:
+            ids.add(host.registry.source_id(name))
+        except UnknownSchemaError:
+            raise UnknownSourceError(f"partition {host.name} has no source {name!r}") from None
+    return frozenset(ids)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    if isinstance(value, datetime.date | datetime.time | datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _ndjson(host: PartitionHost, body: bytes) -> bytes:
+    """Decode events to JSON lines (for people; slower than binary)."""
+    offsets, headers = parse_stream(body)
+    lines = []
+    decoders: dict[tuple[int, int], ChangeDecoder] = {}
+    for off, h in zip(offsets.tolist(), headers, strict=True):
+        op = Op(int(h["op"]))
+        record: dict[str, Any] = {
+            "scn": int(h["scn"]),
+            "seq": int(h["seq"]),
+            "op": op.name.lower(),
+            "timestamp_ns": int(h["timestamp_ns"]),
+        }
+        header = decode_header(body, off)
+        key, payload = event_at(body, off, header)
+        if op.is_control:
+            record["control"] = _control_json(op, bytes(payload))
+        else:
+            sid, version = int(h["source_id"]), int(h["schema_version"])
+            dec = decoders.get((sid, version))
+            if dec is None:
+                table = host.registry.get(host.registry.name_for_id(sid), version)
+                dec = decoders[(sid, version)] = ChangeDecoder(table)
+            change = dec.decode(payload)
+            record.update(
+                source=dec.writer.name,
+                key=dec.decode_key(key) if len(key) else None,
+                after=change.after,
+                before=change.before,
+            )
+            if change.after_not_sent:
+                record["after_not_sent"] = list(change.after_not_sent)
+            if change.before_not_sent:
+                record["before_not_sent"] = list(change.before_not_sent)
+        lines.append(json.dumps(record, default=_jsonable, separators=(",", ":")))
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _control_json(op: Op, payload: bytes) -> dict[str, Any]:
+    info = decode_control(op, payload)
+    return {name: getattr(info, name) for name in info.__slots__}
+
+
+async def sources(request: web.Request) -> web.Response:
+    """``GET /v1/sources``: partitions and the logical sources they carry."""
+    out = [
+        {
+            "partition": host.name,
+            "id": host.config.id,
+            "sources": [
+                {
+                    "id": sid,
+                    "name": name,
+                    "versions": [t.version for t in host.registry.versions(name)],
+                }
+                for sid, name in host.registry.sources()
+            ],
+        }
+        for host in request.app[HOSTS].values()
+    ]
+    return _json({"partitions": out})
+
+
+async def schemas(request: web.Request) -> web.Response:
+    """``GET /v1/schemas/{source}``: every version of a source's table schema."""
+    name = request.match_info["source"]
+    hosts = request.app[HOSTS]
+    wanted = request.query.get("partition")
+    found = []
+    for host in hosts.values():
+        if wanted is not None and host.name != wanted:
+            continue
+        try:
+            versions = host.registry.versions(name)
+        except UnknownSchemaError:
+            continue
+        found.append(
+            {
+                "partition": host.name,
+                "source_id": host.registry.source_id(name),
+                "versions": [
+                    {
+                        "version": t.version,
+                        "fingerprint": f"{t.fingerprint:016x}",
+                        "schema": t.to_json(),
+                    }
+                    for t in versions
+                ],
+            }
+        )
+    if not found:
+        raise UnknownSourceError(f"no source {name!r} on this relay")
+    return _json({"source": name, "partitions": found})
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /v1/status``: per-partition buffer bounds, fetcher and consumers."""
+    return _json({"partitions": [h.status() for h in request.app[HOSTS].values()]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    hosts = request.app[HOSTS]
+    states = {h.name: h.state for h in hosts.values()}
+    ready = all(h.ready for h in hosts.values())
+    return _json({"ready": ready, "partitions": states}, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Application:
+    """The aiohttp application serving ``hosts``; the caller starts/stops hosts."""
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
+    app[CONFIG] = config
+    app[HOSTS] = hosts
+    app[METRICS] = RelayMetrics(hosts)
+    app.router.add_get("/v1/stream", stream)
+    app.router.add_get("/v1/sources", sources)
+    app.router.add_get("/v1/schemas/{source}", schemas)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

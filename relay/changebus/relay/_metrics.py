@@ -1,0 +1,121 @@
+"""Prometheus metrics of the relay (``GET /metrics``).
+
+Buffer and fetcher figures are read from the live objects when scraped (a
+custom collector), so the hot paths only bump plain counters. Each relay app
+has its own ``CollectorRegistry``: nothing global, several relays can live in
+one process (tests do that).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from ._host import PartitionHost
+
+__all__ = ["RelayMetrics"]
+
+_GAUGES = (
+    ("min_scn", "Oldest window SCN in the buffer (-1: empty)"),
+    ("max_scn", "Newest window SCN in the buffer"),
+    ("prev_scn", "Newest evicted window SCN: consumers at or after it missed nothing"),
+    ("bytes_used", "Bytes of events held"),
+    ("capacity_bytes", "Buffer capacity in bytes"),
+    ("events", "Events held"),
+    ("windows", "Windows (transactions) held"),
+)
+_COUNTERS = (
+    ("windows_appended", "Windows appended"),
+    ("events_appended", "Events appended"),
+    ("bytes_appended", "Bytes appended"),
+    ("windows_evicted", "Windows evicted to make room"),
+    ("windows_refused", "Windows refused as too large"),
+    ("windows_data_loss", "Windows replaced by a data-loss marker"),
+    ("pins_overrun", "Responses overrun by the writer (slow readers)"),
+    ("fetcher_restarts", "Fetcher restarts after errors"),
+)
+
+
+class RelayMetrics:
+    """Counters updated by handlers plus a collector over the partitions."""
+
+    def __init__(self, hosts: dict[str, PartitionHost]) -> None:
+        self._hosts = hosts
+        self._requests: Counter[tuple[str, int]] = Counter()
+        self._streamed_bytes: Counter[str] = Counter()
+        self._streamed_events: Counter[str] = Counter()
+        self._overruns: Counter[str] = Counter()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def request(self, route: str, status: int) -> None:
+        self._requests[(route, status)] += 1
+
+    def streamed(self, partition: str, nbytes: int, events: int) -> None:
+        self._streamed_bytes[partition] += nbytes
+        self._streamed_events[partition] += events
+
+    def overrun(self, partition: str) -> None:
+        self._overruns[partition] += 1
+
+    def render(self) -> bytes:
+        body: bytes = generate_latest(self.registry)
+        return body
+
+    def collect(self) -> Iterator[Any]:
+        gauges = {
+            n: GaugeMetricFamily(f"changebus_relay_buffer_{n}", h, labels=["partition"])
+            for n, h in _GAUGES
+        }
+        counters = {
+            n: CounterMetricFamily(f"changebus_relay_{n}", h, labels=["partition"])
+            for n, h in _COUNTERS
+        }
+        ready = GaugeMetricFamily(
+            "changebus_relay_partition_ready",
+            "1 when the partition's fetcher streams",
+            labels=["partition", "state"],
+        )
+        consumers = GaugeMetricFamily(
+            "changebus_relay_consumers",
+            "Consumers seen in the last 5 minutes",
+            labels=["partition"],
+        )
+        fetcher = GaugeMetricFamily(
+            "changebus_relay_fetcher", "Fetcher-specific figures", labels=["partition", "figure"]
+        )
+        for host in self._hosts.values():
+            st = host.status()
+            for n in gauges:
+                gauges[n].add_metric([host.name], float(st[n]))
+            for n in counters:
+                counters[n].add_metric([host.name], float(st["stats"].get(n, 0)))
+            ready.add_metric([host.name, host.state], 1.0 if host.ready else 0.0)
+            consumers.add_metric([host.name], float(len(st["consumers"])))
+            for key, value in st.get("fetcher", {}).items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    fetcher.add_metric([host.name, key], float(value))
+        streamed_b = CounterMetricFamily(
+            "changebus_relay_streamed_bytes", "Event bytes sent to consumers", labels=["partition"]
+        )
+        streamed_e = CounterMetricFamily(
+            "changebus_relay_streamed_events", "Events sent to consumers", labels=["partition"]
+        )
+        for name in self._hosts:
+            streamed_b.add_metric([name], float(self._streamed_bytes[name]))
+            streamed_e.add_metric([name], float(self._streamed_events[name]))
+        requests = CounterMetricFamily(
+            "changebus_relay_http_requests",
+            "HTTP requests by route and status",
+            labels=["route", "status"],
+        )
+        for (route, code), count in sorted(self._requests.items()):
+            requests.add_metric([route, str(code)], float(count))
+        yield from gauges.values()
+        yield from counters.values()
+        yield from (ready, consumers, fetcher, streamed_b, streamed_e, requests)

@@ -1,0 +1,98 @@
+"""Fixed-size circular tables in memory-mapped files, addressed virtually.
+
+A :class:`CircularTable` holds ``slots`` records of a numpy dtype in a file
+mapped with ``numpy.memmap``. Records are addressed by a *virtual* number
+that only grows (event 0, 1, 2, ... ever written); record ``n`` lives in slot
+``n % slots``. The owner keeps the live range ``[head, tail)`` and guarantees
+``tail - head <= slots``; the table itself holds no state but the mapping,
+so it is as safe to share between threads as the owner's locking makes it.
+
+Two tables are used per buffer:
+
+* the **event table** (:data:`EVENT_DTYPE`, 32 bytes per event): the virtual
+  byte position of each event in the ring plus the header fields the relay
+  filters on, so selection is vectorised and never touches the ring;
+* the **SCN index** (:data:`INDEX_DTYPE`, 16 bytes per entry): one entry per
+  ring block in which a window starts (the first such window), mapping its
+  SCN to its first event number. Lookup is a binary search in the index
+  followed by a short vectorised scan of the event table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["EVENT_DTYPE", "INDEX_DTYPE", "CircularTable"]
+
+EVENT_DTYPE: Final = np.dtype(
+    [
+        ("pos", "<u8"),  # virtual byte position of the event in the ring
+        ("scn", "<u8"),
+        ("key_hash", "<u8"),
+        ("length", "<u4"),
+        ("op", "u1"),
+        ("_pad", "u1"),
+        ("source_id", "<u2"),
+    ]
+)
+assert EVENT_DTYPE.itemsize == 32
+
+INDEX_DTYPE: Final = np.dtype([("scn", "<u8"), ("event", "<u8")])
+
+
+class CircularTable:
+    """``slots`` records of ``dtype`` in a memory-mapped file."""
+
+    def __init__(self, path: Path, dtype: np.dtype[np.void], slots: int, *, create: bool) -> None:
+        self.path = path
+        self.slots = slots
+        self.data: npt.NDArray[Any] = np.memmap(
+            path, dtype=dtype, mode="w+" if create else "r+", shape=(slots,)
+        )
+
+    def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Physical ``[a, b)`` slot spans covering virtual ``[start, stop)``."""
+        if stop <= start:
+            return []
+        a = start % self.slots
+        n = stop - start
+        if a + n <= self.slots:
+            return [(a, a + n)]
+        return [(a, self.slots), (0, n - (self.slots - a))]
+
+    def get(self, start: int, stop: int, field: str | None = None) -> npt.NDArray[Any]:
+        """Records (or one field) of virtual ``[start, stop)``; a copy only when wrapping."""
+        spans = self._spans(start, stop)
+        src = self.data if field is None else self.data[field]
+        if not spans:
+            return src[0:0]
+        if len(spans) == 1:
+            a, b = spans[0]
+            return src[a:b]
+        return np.concatenate([src[a:b] for a, b in spans])
+
+    def put(self, start: int, records: npt.NDArray[Any]) -> None:
+        """Store ``records`` at virtual numbers ``start, start + 1, ...``."""
+        done = 0
+        for a, b in self._spans(start, start + len(records)):
+            self.data[a:b] = records[done : done + (b - a)]
+            done += b - a
+
+    def at(self, n: int) -> Any:
+        """The record with virtual number ``n`` (a numpy structured scalar)."""
+        return self.data[n % self.slots]
+
+    def flush(self) -> None:
+        flush = getattr(self.data, "flush", None)
+        if flush is not None:
+            flush()
+
+    def close(self) -> None:
+        self.flush()
+        mm = getattr(self.data, "_mmap", None)
+        if mm is not None:
+            mm.close()

@@ -1,0 +1,7 @@
+"""``python -m changebus.schemas`` runs the ``changebus`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,218 @@
+"""Control events: the envelope's signals that are not row changes.
+
+Every control event has ``source_id`` 0, an empty key, ``key_hash`` 0 and an
+Avro payload under one fixed schema per op (below; their 64-bit fingerprints
+go into ``schema_id`` so a reader can tell a control payload apart at a
+glance). Control events pass every partition filter.
+
+======================  =====================================================
+op                      payload fields
+======================  =====================================================
+END_OF_WINDOW (16)      event_count: long (data events in the window),
+                        source_position: string (the source's own position
+                        at commit: Postgres end LSN ``X/Y``; MySQL
+                        ``gtid=D-S-N;file=NAME;pos=P``; may be empty)
+HEARTBEAT (17)          source_position: string
+SCHEMA_CHANGE (18)      source_id: int, source: string, version: int,
+                        fingerprint: long (as signed 64-bit), schema: string
+                        (the table schema JSON)
+DATA_LOSS (19)          from_scn: long, to_scn: long (inclusive range of SCNs
+                        known to be missing), reason: string
+CHECKPOINT (20)         checkpoint: string (a checkpoint token)
+MESSAGE (21)            prefix: string, content: bytes, transactional: boolean
+======================  =====================================================
+
+A window is the events of one source transaction followed by exactly one
+END_OF_WINDOW whose ``seq`` equals the number of events before it.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Final
+
+import fastavro
+
+from ._envelope import Op, encode_event
+from .errors import CorruptEventError
+
+__all__ = [
+    "CONTROL_SCHEMAS",
+    "CheckpointMarker",
+    "ControlPayload",
+    "DataLoss",
+    "EndOfWindow",
+    "Heartbeat",
+    "LogicalMessage",
+    "SchemaChange",
+    "control_schema_id",
+    "decode_control",
+    "encode_control",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfWindow:
+    """Closes a window (one source transaction)."""
+
+    event_count: int
+    source_position: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The source is alive and has reached this SCN (an empty window)."""
+
+    source_position: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaChange:
+    """A table's schema changed; rows after this use the new version."""
+
+    source_id: int
+    source: str
+    version: int
+    fingerprint: int
+    schema: str
+
+
+@dataclass(frozen=True, slots=True)
+class DataLoss:
+    """SCNs ``from_scn..to_scn`` (inclusive) are known to be missing."""
+
+    from_scn: int
+    to_scn: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMarker:
+    """A checkpoint token injected into a stream (bootstrap progress)."""
+
+    checkpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalMessage:
+    """A message the application wrote into the source's log."""
+
+    prefix: str
+    content: bytes
+    transactional: bool
+
+
+ControlPayload = (
+    EndOfWindow | Heartbeat | SchemaChange | DataLoss | CheckpointMarker | LogicalMessage
+)
+
+
+def _record(name: str, fields: list[tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "type": "record",
+        "name": name,
+        "namespace": "changebus.control",
+        "fields": [{"name": n, "type": t} for n, t in fields],
+    }
+
+
+_SPECS: Final[dict[Op, tuple[type[Any], dict[str, Any]]]] = {
+    Op.END_OF_WINDOW: (
+        EndOfWindow,
+        _record("EndOfWindow", [("event_count", "long"), ("source_position", "string")]),
+    ),
+    Op.HEARTBEAT: (Heartbeat, _record("Heartbeat", [("source_position", "string")])),
+    Op.SCHEMA_CHANGE: (
+        SchemaChange,
+        _record(
+            "SchemaChange",
+            [
+                ("source_id", "int"),
+                ("source", "string"),
+                ("version", "int"),
+                ("fingerprint", "long"),
+                ("schema", "string"),
+            ],
+        ),
+    ),
+    Op.DATA_LOSS: (
+        DataLoss,
+        _record("DataLoss", [("from_scn", "long"), ("to_scn", "long"), ("reason", "string")]),
+    ),
+    Op.CHECKPOINT: (CheckpointMarker, _record("Checkpoint", [("checkpoint", "string")])),
+    Op.MESSAGE: (
+        LogicalMessage,
+        _record(
+            "Message", [("prefix", "string"), ("content", "bytes"), ("transactional", "boolean")]
+        ),
+    ),
+}
+
+#: The Avro schema (JSON) of each control op's payload.
+CONTROL_SCHEMAS: Final = {op: spec[1] for op, spec in _SPECS.items()}
+_PARSED: Final = {op: fastavro.parse_schema(schema) for op, schema in CONTROL_SCHEMAS.items()}
+_BY_TYPE: Final = {spec[0]: op for op, spec in _SPECS.items()}
+_FIELDS: Final = {
+    op: [f["name"] for f in schema["fields"]] for op, schema in CONTROL_SCHEMAS.items()
+}
+_SIGN: Final = 1 << 63
+
+
+def _fingerprint(schema: dict[str, Any]) -> int:
+    canonical = fastavro.schema.to_parsing_canonical_form(schema)
+    return int(fastavro.schema.fingerprint(canonical, "CRC-64-AVRO"), 16)
+
+
+_SCHEMA_IDS: Final = {op: _fingerprint(schema) for op, schema in CONTROL_SCHEMAS.items()}
+
+
+def control_schema_id(op: Op) -> int:
+    """The ``schema_id`` header value of a control op."""
+    return _SCHEMA_IDS[op]
+
+
+def _to_record(payload: ControlPayload) -> dict[str, Any]:
+    record = {name: getattr(payload, name) for name in _FIELDS[_BY_TYPE[type(payload)]]}
+    if isinstance(payload, SchemaChange):
+        # Avro has no unsigned long: store the fingerprint's bit pattern signed.
+        fp = payload.fingerprint
+        record["fingerprint"] = fp - (1 << 64) if fp >= _SIGN else fp
+    return record
+
+
+def encode_control(
+    payload: ControlPayload, scn: int, seq: int, timestamp_ns: int, *, partition: int = 0
+) -> bytes:
+    """Encode a control event carrying ``payload``."""
+    op = _BY_TYPE[type(payload)]
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, _PARSED[op], _to_record(payload))
+    return encode_event(
+        op,
+        scn,
+        seq,
+        timestamp_ns,
+        b"",
+        buf.getvalue(),
+        partition=partition,
+        schema_id=_SCHEMA_IDS[op],
+    )
+
+
+def decode_control(op: Op | int, payload: bytes | memoryview) -> ControlPayload:
+    """Decode the payload of a control event of type ``op``."""
+    try:
+        cls, _schema = _SPECS[Op(op)]
+    except (KeyError, ValueError):
+        raise CorruptEventError(f"op {int(op)} is not a control op") from None
+    try:
+        record = fastavro.schemaless_reader(io.BytesIO(payload), _PARSED[Op(op)], None)
+    except Exception as exc:  # fastavro raises assorted errors on garbage
+        raise CorruptEventError(f"undecodable {Op(op).name} payload: {exc}") from exc
+    if not isinstance(record, dict):
+        raise CorruptEventError(f"undecodable {Op(op).name} payload")
+    if cls is SchemaChange and record["fingerprint"] < 0:
+        record["fingerprint"] += 1 << 64
+    result: ControlPayload = cls(**record)
+    return result

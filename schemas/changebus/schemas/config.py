@@ -1,0 +1,231 @@
+"""Configuration loading shared by the daemons: TOML file, env, CLI overrides.
+
+Every component describes its configuration as frozen dataclasses (nested for
+sections, validated in ``__post_init__``) with one unit per quantity: sizes
+in bytes, durations in seconds (float). :func:`load_config` fills them from,
+in increasing priority:
+
+1. the dataclass defaults;
+2. a TOML file (sections are nested dataclasses; arrays of tables are
+   ``tuple[SomeDataclass, ...]`` fields);
+3. environment variables ``<PREFIX><SECTION>__<KEY>`` (double underscore
+   between levels, case-insensitive), e.g. ``CHANGEBUS_RELAY_HTTP__PORT=9000``;
+4. ``--set key.path=value`` overrides from the command line.
+
+Env and CLI values are parsed as TOML values when they parse (``8080``,
+``true``, ``["a", "b"]``) and taken as plain strings otherwise.
+
+Fields whose metadata holds ``{"secret": True}`` (DSNs, passwords) are shown
+as ``"***"`` by :func:`redacted`, which is what daemons log. Size fields with
+``{"unit": "bytes"}`` also accept strings such as ``"64MiB"`` or ``"2GB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from .errors import ConfigError
+
+__all__ = ["load_config", "load_config_dict", "parse_size", "redacted", "secret", "size_field"]
+
+T = TypeVar("T")
+
+_SIZE_RE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*")
+_SCALE: Final = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like ``"64MiB"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.fullmatch(value)
+    if not m:
+        raise ConfigError(f"bad size {value!r}: expected bytes or e.g. '64MiB', '2GB'")
+    base = 1024 if m.group(3) or m.group(2) == "" else 1000
+    return int(float(m.group(1)) * base ** _SCALE[m.group(2).lower()])
+
+
+def secret(default: Any = "", **kwargs: Any) -> Any:
+    """A dataclass field whose value must never be logged."""
+    return dataclasses.field(default=default, metadata={"secret": True}, **kwargs)
+
+
+def size_field(default: int, **kwargs: Any) -> Any:
+    """A dataclass field holding bytes; accepts ``"64MiB"``-style strings."""
+    return dataclasses.field(default=default, metadata={"unit": "bytes"}, **kwargs)
+
+
+def _parse_text(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], path: Sequence[str], value: Any, origin: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {'.'.join(path)} goes through a non-section value")
+        node = child
+    node[path[-1]] = value
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+
+
+def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | None) -> Any:
+    origin = typing.get_origin(tp)
+    if field is not None and field.metadata.get("unit") == "bytes":
+        return parse_size(value)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where, None)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(
+            f"{where}: {value!r} fits none of the accepted types ({'; '.join(errors)})"
+        )
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            value = [value] if not isinstance(value, str) else [s for s in value.split(",") if s]
+        item = args[0]
+        return tuple(_convert(item, v, f"{where}[{i}]", None) for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a section (table), got {value!r}")
+        return _build(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number (seconds or a ratio), got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if tp is Path:
+        if isinstance(value, str | Path):
+            return Path(value)
+        raise ConfigError(f"{where}: expected a path, got {value!r}")
+    raise ConfigError(f"{where}: unsupported config type {tp!r}")  # pragma: no cover
+
+
+def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    kwargs = {
+        name: _convert(hints[name], value, f"{where}.{name}" if where else name, fields[name])
+        for name, value in data.items()
+    }
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
+
+
+def load_config(
+    cls: type[T],
+    path: Path | str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    env_prefix: str = "",
+    overrides: Sequence[str] = (),
+) -> T:
+    """Build ``cls`` from defaults, a TOML file, env variables and overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with Path(path).open("rb") as fh:
+                _merge(tree, tomllib.load(fh))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    if env_prefix:
+        source = os.environ if env is None else env
+        for name, text in sorted(source.items()):
+            if name.upper().startswith(env_prefix.upper()) and len(name) > len(env_prefix):
+                parts = name[len(env_prefix) :].lower().split("__")
+                _set_path(tree, parts, _parse_text(text), f"environment variable {name}")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"bad override {item!r}: expected key.path=value")
+        _set_path(tree, key.strip().split("."), _parse_text(text.strip()), f"override {item!r}")
+    return _build(cls, tree, "")
+
+
+def load_config_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build ``cls`` from an already-parsed table (e.g. a plugin's options)."""
+    return _build(cls, data, where)
+
+
+def redacted(config: Any) -> Any:
+    """A JSON-friendly copy of a config dataclass with secrets masked."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.metadata.get("secret"):
+                out[f.name] = "***" if value else value
+            else:
+                out[f.name] = redacted(value)
+        return out
+    if isinstance(config, tuple | list):
+        return [redacted(v) for v in config]
+    if isinstance(config, Path):
+        return str(config)
+    return config

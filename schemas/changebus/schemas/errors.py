@@ -1,0 +1,216 @@
+"""One exception tree for every changebus component.
+
+Every error raised on purpose by changebus derives from :class:`ChangebusError`.
+Callers decide what to do from *data*, not from type checks scattered around:
+
+* ``retriable`` -- trying the same operation again later may succeed (a relay
+  restarting, a source that is briefly unreachable, a reader overtaken by the
+  writer). ``False`` means the input or the configuration must change first.
+* ``http_status`` -- the status a daemon answers with when the error reaches
+  an HTTP boundary (400 for bad input, 404 for unknown things, ...).
+* ``code`` -- a stable, machine-readable short name, sent in JSON error
+  bodies (``{"error": code, "message": ..., "retriable": ...}``).
+
+Tree::
+
+    ChangebusError
+    +-- ConfigError                  bad or missing configuration
+    +-- ProtocolError                the wire contract was broken
+    |   +-- CorruptEventError        checksum / length / magic mismatch
+    |   +-- CheckpointError          a checkpoint that cannot be parsed or used
+    |   +-- BadRequestError          malformed request parameters
+    +-- SchemaError                  Avro schema problems
+    |   +-- UnknownSchemaError       no schema with that id / version
+    |   +-- IncompatibleSchemaError  reader cannot read writer's data
+    +-- UnknownSourceError           a source / partition nobody serves
+    +-- EventTooLargeError           an event or window over a configured limit
+    +-- ScnNotFoundError             checkpoint older than what is kept (retriable
+    |                                through another server, e.g. bootstrap)
+    +-- OverwrittenError             a reader was overtaken by the writer (retriable)
+    +-- DataLossError                a known gap in the change stream
+    +-- SourceError                  the source database misbehaves (retriable)
+    |   +-- SourceConfigError        the source's settings forbid capture
+    +-- TransportError               network / HTTP failure talking to a peer
+                                     (retriable; also an ``OSError``)
+
+The classes are plain exceptions; they carry no references to live objects
+and are safe to pickle (they cross process boundaries in the fetchers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BadRequestError",
+    "ChangebusError",
+    "CheckpointError",
+    "ConfigError",
+    "CorruptEventError",
+    "DataLossError",
+    "EventTooLargeError",
+    "IncompatibleSchemaError",
+    "OverwrittenError",
+    "ProtocolError",
+    "SchemaError",
+    "ScnNotFoundError",
+    "SourceConfigError",
+    "SourceError",
+    "TransportError",
+    "UnknownSchemaError",
+    "UnknownSourceError",
+]
+
+
+class ChangebusError(Exception):
+    """Root of every changebus error.
+
+    ``retriable`` and ``http_status`` are class-level defaults; an instance may
+    override ``retriable`` through the keyword argument of the same name.
+    """
+
+    retriable: ClassVar[bool] = False
+    http_status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, *, retriable: bool | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if retriable is not None:
+            # Instance attribute shadows the ClassVar default on purpose.
+            self.__dict__["retriable"] = retriable
+        self.details: dict[str, Any] = details
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body a daemon sends for this error (never holds secrets)."""
+        body: dict[str, Any] = {
+            "error": self.code,
+            "message": self.message,
+            "retriable": self.retriable,
+        }
+        body.update(self.details)
+        return body
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.__dict__.get("retriable"), self.details))
+
+
+def _rebuild(
+    cls: type[ChangebusError], message: str, retriable: bool | None, details: dict[str, Any]
+) -> ChangebusError:
+    return cls(message, retriable=retriable, **details)
+
+
+class ConfigError(ChangebusError):
+    """The configuration is invalid; the message names the key and the fix."""
+
+    code = "config"
+
+
+class ProtocolError(ChangebusError):
+    """A peer broke the wire contract."""
+
+    http_status = 400
+    code = "protocol"
+
+
+class CorruptEventError(ProtocolError):
+    """An event failed validation (magic, version, length or checksum)."""
+
+    http_status = 500
+    code = "corrupt_event"
+
+
+class CheckpointError(ProtocolError):
+    """A checkpoint could not be parsed, or is inconsistent."""
+
+    code = "bad_checkpoint"
+
+
+class BadRequestError(ProtocolError):
+    """Malformed request parameters."""
+
+    code = "bad_request"
+
+
+class SchemaError(ChangebusError):
+    """A problem with Avro schemas."""
+
+    code = "schema"
+
+
+class UnknownSchemaError(SchemaError):
+    """No schema is registered under the requested id or version."""
+
+    http_status = 404
+    code = "unknown_schema"
+
+
+class IncompatibleSchemaError(SchemaError):
+    """A reader schema cannot read data written with a writer schema."""
+
+    code = "incompatible_schema"
+
+
+class UnknownSourceError(ChangebusError):
+    """A source or physical partition that this server does not serve."""
+
+    http_status = 404
+    code = "unknown_source"
+
+
+class EventTooLargeError(ChangebusError):
+    """An event or a transaction window is over a configured size limit."""
+
+    http_status = 413
+    code = "too_large"
+
+
+class ScnNotFoundError(ChangebusError):
+    """The requested SCN is older than the oldest one kept.
+
+    ``details`` carries ``oldest_scn`` (and ``prev_scn``): the consumer must
+    catch up elsewhere (the bootstrap server) before it can come back.
+    """
+
+    retriable = True
+    http_status = 410
+    code = "scn_not_found"
+
+
+class OverwrittenError(ChangebusError):
+    """A reader's range was overwritten by the writer while it was read."""
+
+    retriable = True
+    http_status = 409
+    code = "overwritten"
+
+
+class DataLossError(ChangebusError):
+    """A range of SCNs is known to be missing (purged binlog, lost slot, ...)."""
+
+    http_status = 500
+    code = "data_loss"
+
+
+class SourceError(ChangebusError):
+    """The source database failed or went away; usually temporary."""
+
+    retriable = True
+    http_status = 503
+    code = "source"
+
+
+class SourceConfigError(SourceError):
+    """The source's settings forbid capture (e.g. ``wal_level`` is not logical)."""
+
+    retriable = False
+    code = "source_config"
+
+
+class TransportError(ChangebusError, OSError):
+    """A network or HTTP failure while talking to a peer."""
+
+    retriable = True
+    http_status = 502
+    code = "transport"

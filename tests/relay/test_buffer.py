@@ -1,0 +1,281 @@
+"""Event buffer invariants: windows, eviction, wraparound, pins, restart."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.schemas import (
+    BadRequestError,
+    CorruptEventError,
+    EndOfWindow,
+    EventTooLargeError,
+    Op,
+    PartitionFilter,
+    ScnNotFoundError,
+    encode_control,
+    encode_event,
+    key_hash,
+    parse_stream,
+)
+
+CAP = 64 * 1024
+
+
+def make_window(scn: int, sizes: list[int], *, source_id: int = 1) -> bytes:
+    events = []
+    for i, size in enumerate(sizes):
+        key = f"k{scn}-{i}".encode()
+        events.append(
+            encode_event(
+                Op.INSERT,
+                scn,
+                i,
+                scn * 1000,
+                key,
+                bytes([scn % 251]) * size,
+                key_hash=key_hash(key),
+                source_id=source_id,
+            )
+        )
+    events.append(encode_control(EndOfWindow(len(sizes), f"pos{scn}"), scn, len(sizes), scn * 1000))
+    return b"".join(events)
+
+
+def drain(
+    buf: EventBuffer, scn: int, offset: int, max_bytes: int, **kw
+) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Read everything after a checkpoint; returns [(scn, seq)] and the final checkpoint."""
+    seen: list[tuple[int, int]] = []
+    while True:
+        sel = buf.select(scn, offset, max_bytes, **kw)
+        if sel is None:
+            return seen, (scn, offset)
+        data = b"".join(bytes(v) for v in sel.views)
+        assert buf.release(sel)
+        assert len(data) == sel.nbytes
+        _, headers = parse_stream(data)
+        seen.extend((int(h["scn"]), int(h["seq"])) for h in headers)
+        assert (sel.next_scn, sel.next_offset) != (scn, offset), "no progress"
+        scn, offset = sel.next_scn, sel.next_offset
+
+
+@pytest.fixture
+def buf(tmp_path: Path):
+    b = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=CAP, event_slots=2048))
+    b.set_start(0)
+    yield b
+    b.close()
+
+
+windows_st = st.lists(st.lists(st.integers(0, 3000), max_size=6), min_size=1, max_size=60)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(windows_st, st.integers(200, 20000), st.data())
+def test_random_windows_and_reads(tmp_path_factory, spec, max_bytes, data) -> None:
+    path = tmp_path_factory.mktemp("buf")
+    buf = EventBuffer(path, BufferConfig(capacity_bytes=CAP, event_slots=2048))
+    buf.set_start(0)
+    expected: dict[int, int] = {}
+    checkpoint = (0, -1)
+    seen_all: list[tuple[int, int]] = []
+    try:
+        for i, sizes in enumerate(spec, start=1):
+            scn = i * 3
+            buf.append_window(make_window(scn, sizes))
+            expected[scn] = len(sizes) + 1
+            if data.draw(st.booleans()):
+                try:
+                    seen, checkpoint = drain(buf, *checkpoint, max_bytes)
+                except ScnNotFoundError as exc:
+                    # fell behind: everything after prev_scn is still there
+                    assert exc.details["prev_scn"] > checkpoint[0]
+                    checkpoint = (exc.details["prev_scn"], -1)
+                    seen_all.clear()
+                    continue
+                seen_all.extend(seen)
+        m = buf.meta
+        assert m.tail_pos - m.head_pos <= CAP
+        # the live windows are exactly the newest ones, complete, in order
+        seen, _ = drain(buf, -1, -1, 1 << 30)
+        scns = sorted({s for s, _ in seen})
+        assert scns == sorted(expected)[-len(scns) :]
+        assert m.prev_scn == (
+            max(s for s in expected if s < scns[0]) if scns[0] != min(expected) else 0
+        )
+        for s in scns:
+            assert [q for t, q in seen if t == s] == list(range(expected[s]))
+        # incremental reads saw each event once, in order
+        assert seen_all == sorted(set(seen_all))
+    finally:
+        buf.close()
+
+
+def test_partial_window_when_larger_than_limit(buf: EventBuffer) -> None:
+    buf.append_window(make_window(5, [1000] * 10))
+    buf.append_window(make_window(6, [10]))
+    sel = buf.select(0, -1, 3000)
+    assert sel is not None and sel.partial and sel.next_scn == 5 and sel.next_offset == 2
+    buf.release(sel)
+    seen, ck = drain(buf, 0, -1, 3000)
+    assert seen == [(5, i) for i in range(11)] + [(6, 0), (6, 1)]
+    assert ck == (6, -1)
+    # resume inside window 5 from offset 7
+    seen, _ = drain(buf, 5, 7, 1 << 20)
+    assert seen[:4] == [(5, 7), (5, 8), (5, 9), (5, 10)]
+
+
+def test_filters_keep_control_events(buf: EventBuffer) -> None:
+    for scn in range(1, 30):
+        buf.append_window(make_window(scn, [50] * 4, source_id=scn % 3))
+    everything, _ = drain(buf, 0, -1, 1 << 20)
+    parts = [drain(buf, 0, -1, 700, key_filter=PartitionFilter.mod(3, b))[0] for b in range(3)]
+    data_events = {e for e in everything if e[1] < 4}
+    union = [e for p in parts for e in p if e[1] < 4]
+    assert sorted(union) == sorted(data_events)  # exactly once across partitions
+    for p in parts:
+        assert {e for e in p if e[1] == 4} == {(s, 4) for s in range(1, 30)}  # every EOW
+    only_src1, _ = drain(buf, 0, -1, 1 << 20, sources=frozenset({1}))
+    assert {s for s, q in only_src1 if q < 4} == {s for s in range(1, 30) if s % 3 == 1}
+
+
+def test_checkpoint_semantics(buf: EventBuffer) -> None:
+    for scn in (10, 20, 30):
+        buf.append_window(make_window(scn, [5]))
+    assert buf.select(30, -1, 1000) is None  # nothing newer: long-poll
+    assert buf.select(99, -1, 1000) is None  # from the future: wait too
+    seen, _ = drain(buf, 15, -1, 1000)  # between windows: next one
+    assert seen[0] == (20, 0)
+    with pytest.raises(ScnNotFoundError, match="does not have"):
+        buf.select(15, 0, 1000)  # inside a window that does not exist
+    seen, _ = drain(buf, -1, -1, 1000)
+    assert seen[0] == (10, 0)
+
+
+def test_fell_off_is_reported_with_oldest_scn(buf: EventBuffer) -> None:
+    for scn in range(1, 200):
+        buf.append_window(make_window(scn, [900]))
+    m = buf.meta
+    assert m.prev_scn > 1
+    with pytest.raises(ScnNotFoundError) as info:
+        buf.select(1, -1, 1000)
+    assert info.value.details == {"oldest_scn": m.min_scn, "prev_scn": m.prev_scn}
+    assert info.value.retriable
+    seen, _ = drain(buf, m.prev_scn, -1, 1 << 20)  # exactly at prev_scn: no gap
+    assert seen[0] == (m.min_scn, 0)
+
+
+def test_bad_windows_are_refused(buf: EventBuffer) -> None:
+    with pytest.raises(EventTooLargeError):
+        buf.append_window(make_window(1, [CAP]))
+    assert buf.stats["windows_refused"] == 1
+    with pytest.raises(BadRequestError, match="END_OF_WINDOW"):
+        buf.append_window(encode_event(Op.INSERT, 1, 0, 0, b"k", b""))
+    buf.append_window(make_window(5, [5]))
+    with pytest.raises(BadRequestError, match="not above"):
+        buf.append_window(make_window(5, [5]))
+    with pytest.raises(CorruptEventError):
+        buf.append_window(make_window(7, [5])[:-1])
+    assert buf.meta.last_scn == 5
+
+
+def test_restart_keeps_windows(tmp_path: Path) -> None:
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path, cfg)
+    b.set_start(0)
+    for scn in range(1, 100):
+        b.append_window(make_window(scn, [300, 20]))
+    before = b.meta
+    before_events, _ = drain(b, -1, -1, 1 << 20)
+    b.close()
+    b2 = EventBuffer(tmp_path, cfg)
+    assert b2.meta == before
+    assert b2.last_source_position == "pos99"
+    assert drain(b2, -1, -1, 1 << 20)[0] == before_events
+    b2.append_window(make_window(100, [1]))
+    b2.close()
+
+
+def test_recovery_discards_damaged_events(tmp_path: Path) -> None:
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path, cfg)
+    b.set_start(0)
+    for scn in range(1, 10):
+        b.append_window(make_window(scn, [100]))
+    b.close()
+    ring = tmp_path / "ring.dat"
+    raw = bytearray(ring.read_bytes())
+    raw[100] ^= 0xFF
+    ring.write_bytes(bytes(raw))
+    b2 = EventBuffer(tmp_path, cfg)
+    assert b2.meta.head_event == b2.meta.tail_event  # nothing damaged is served
+    assert b2.meta.prev_scn == 9  # and consumers before 9 are told to bootstrap
+    with pytest.raises(ScnNotFoundError):
+        b2.select(3, -1, 1000)
+    b2.close()
+
+
+def test_concurrent_writer_and_readers_never_see_torn_data(tmp_path: Path) -> None:
+    b = EventBuffer(tmp_path, BufferConfig(capacity_bytes=CAP, pin_timeout_s=0.05))
+    b.set_start(0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    counts = {"reads": 0, "overrun": 0, "fell_off": 0}
+
+    def writer() -> None:
+        try:
+            for scn in range(1, 3000):
+                b.append_window(
+                    make_window(scn, [random.randint(0, 1500) for _ in range(random.randint(0, 4))])
+                )
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def reader() -> None:
+        ck = (0, -1)
+        while not stop.is_set():
+            try:
+                sel = b.select(*ck, 4000)
+            except ScnNotFoundError as exc:
+                counts["fell_off"] += 1
+                ck = (exc.details["prev_scn"], -1)
+                continue
+            if sel is None:
+                continue
+            data = b"".join(bytes(v) for v in sel.views)
+            if not b.release(sel):
+                counts["overrun"] += 1
+                continue  # the bytes may be torn: they must be thrown away
+            try:
+                _, headers = parse_stream(data)
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+                return
+            scns = headers["scn"].tolist()
+            if scns != sorted(scns) or (scns[0] <= ck[0] and ck[1] < 0):
+                errors.append(AssertionError(f"out of order {scns[:3]} after {ck}"))
+                return
+            counts["reads"] += 1
+            ck = (sel.next_scn, sel.next_offset)
+
+    threads = [threading.Thread(target=writer)] + [
+        threading.Thread(target=reader) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    b.close()
+    assert not errors, errors
+    assert counts["reads"] > 0

@@ -1,0 +1,107 @@
+"""The shared config loader: TOML + env + overrides into frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from changebus.schemas import ConfigError
+from changebus.schemas.config import load_config, parse_size, redacted, secret, size_field
+
+
+@dataclass(frozen=True)
+class Http:
+    host: str = "127.0.0.1"
+    port: int = 8400
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    dsn: str = secret()
+    kind: Literal["postgres", "mysql"] = "postgres"
+
+
+@dataclass(frozen=True)
+class Cfg:
+    http: Http = field(default_factory=Http)
+    buffer_bytes: int = size_field(1 << 20)
+    poll_seconds: float = 0.5
+    debug: bool = False
+    data_dir: Path = Path("var")
+    sources: tuple[Source, ...] = ()
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.poll_seconds <= 0:
+            raise ValueError("poll_seconds must be positive")
+
+
+def test_defaults() -> None:
+    cfg = load_config(Cfg, env={})
+    assert cfg == Cfg()
+
+
+def test_layers_apply_in_order(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(
+        'buffer_bytes = "64MiB"\npoll_seconds = 2\n[http]\nport = 9000\n'
+        '[[sources]]\nname = "pg"\ndsn = "postgresql://u:hunter2@h/db"\n'
+    )
+    env = {"CB_HTTP__PORT": "9100", "CB_DEBUG": "true", "OTHER": "x"}
+    cfg = load_config(
+        Cfg, p, env=env, env_prefix="CB_", overrides=["http.host=0.0.0.0", 'tags=["a","b"]']
+    )
+    assert cfg.buffer_bytes == 64 * 1024 * 1024
+    assert cfg.poll_seconds == 2.0
+    assert cfg.http == Http("0.0.0.0", 9100)
+    assert cfg.debug is True
+    assert cfg.sources == (Source("pg", "postgresql://u:hunter2@h/db"),)
+    assert cfg.tags == ("a", "b")
+    shown = redacted(cfg)
+    assert shown["sources"][0]["dsn"] == "***"
+    assert "hunter2" not in repr(shown)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["nope=1"], "unknown config key"),
+        (["http.port=high"], "expected an integer"),
+        (["poll_seconds=-1"], "poll_seconds must be positive"),
+        (["debug=maybe"], "true or false"),
+        (["buffer_bytes=lots"], "bad size"),
+        (["sources=[{name='x', kind='oracle'}]"], "not one of"),
+        (["justtext"], "bad override"),
+    ],
+)
+def test_errors_are_clear(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(Cfg, env={}, overrides=overrides)
+
+
+def test_missing_and_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Cfg, tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[http\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(Cfg, bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4096", 4096),
+        ("1KiB", 1024),
+        ("1kB", 1000),
+        ("2GB", 2 * 10**9),
+        ("64MiB", 64 << 20),
+        ("1.5MiB", 3 << 19),
+    ],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size

@@ -1,0 +1,96 @@
+"""The portable key hash and the mod / range / slice partition filters."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from changebus.schemas import HASH_SPACE, BadRequestError, PartitionFilter, key_hash
+
+hashes = st.integers(0, HASH_SPACE - 1)
+
+
+def test_key_hash_is_blake2b_64_little_endian() -> None:
+    # fixed vectors (also in docs/protocol.md) so other languages can check theirs
+    assert key_hash(b"") == 0xB4B2797457A0A6E4
+    assert key_hash(b"\x02") == 0xA2D93ED663050975  # Avro long 1
+    assert key_hash(b"\x06abc") == 0x1AFBBEF70CC527A3  # Avro string "abc"
+    assert key_hash(b"abc") == int.from_bytes(
+        hashlib.blake2b(b"abc", digest_size=8).digest(), "little"
+    )
+
+
+@given(st.integers(1, 64), st.lists(hashes, min_size=1, max_size=200))
+def test_mod_filters_partition_the_stream_exactly_once(n: int, hs: list[int]) -> None:
+    arr = np.array(hs, dtype=np.uint64)
+    counts = np.zeros(len(hs), dtype=int)
+    for b in range(n):
+        f = PartitionFilter.mod(n, b)
+        m = f.mask(arr)
+        assert m.tolist() == [f.matches(h) for h in hs]
+        counts += m
+    assert (counts == 1).all()
+
+
+@given(st.integers(1, 64), st.lists(hashes, min_size=1, max_size=200))
+def test_slices_partition_the_stream_exactly_once(n: int, hs: list[int]) -> None:
+    arr = np.array(hs, dtype=np.uint64)
+    counts = np.zeros(len(hs), dtype=int)
+    for i in range(n):
+        f = PartitionFilter.slice(i, n)
+        m = f.mask(arr)
+        assert m.tolist() == [f.matches(h) for h in hs]
+        counts += m
+    assert (counts == 1).all()
+
+
+def test_range_edges() -> None:
+    f = PartitionFilter.range(10, 20)
+    arr = np.array([9, 10, 19, 20, HASH_SPACE - 1], dtype=np.uint64)
+    assert f.mask(arr).tolist() == [False, True, True, False, False]
+    top = PartitionFilter.range(HASH_SPACE - 1)
+    assert top.mask(arr).tolist() == [False, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mod:4:0,2-3", PartitionFilter.mod(4, {0, 2, 3})),
+        ("mod:1:0", PartitionFilter.mod(1, 0)),
+        ("range:0x10:max", PartitionFilter.range(16)),
+        ("range:5:17", PartitionFilter.range(5, 17)),
+        ("slice:1/4", PartitionFilter.range(HASH_SPACE // 4, HASH_SPACE // 2)),
+    ],
+)
+def test_parse(text: str, expected: PartitionFilter) -> None:
+    f = PartitionFilter.parse(text)
+    assert f == expected
+    assert PartitionFilter.parse(str(f)) == f
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "mod",
+        "mod:0:0",
+        "mod:4:4",
+        "mod:4:",
+        "mod:4:3-1",
+        "mod:4:-1",
+        "range:5:5",
+        "range:9:3",
+        "range:0:0x1ffffffffffffffff",
+        "slice:4/4",
+        "slice:0/0",
+        "hash:1",
+        "mod:4:1;drop table",
+    ],
+)
+def test_parse_rejects_garbage(text: str) -> None:
+    with pytest.raises(BadRequestError):
+        PartitionFilter.parse(text)
