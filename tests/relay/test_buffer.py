@@ -7,8 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from changebus.relay._buffer import BufferConfig, EventBuffer
 from changebus.schemas import (

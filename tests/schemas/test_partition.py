@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from changebus.schemas import HASH_SPACE, BadRequestError, PartitionFilter, key_hash
 
 hashes = st.integers(0, HASH_SPACE - 1)
 
 
-def test_key_hash_is_blake2b_64_little_endian() -> None:
+def test_key_hash_is_xxh3_64() -> None:
     # fixed vectors (also in docs/protocol.md) so other languages can check theirs
-    assert key_hash(b"") == 0xB4B2797457A0A6E4
-    assert key_hash(b"\x02") == 0xA2D93ED663050975  # Avro long 1
-    assert key_hash(b"\x06abc") == 0x1AFBBEF70CC527A3  # Avro string "abc"
-    assert key_hash(b"abc") == int.from_bytes(
-        hashlib.blake2b(b"abc", digest_size=8).digest(), "little"
-    )
+    assert key_hash(b"") == 0x2D06800538D394C2
+    assert key_hash(b"\x02") == 0xC9F42E6C9E93DFFF  # Avro long 1
+    assert key_hash(b"\x06abc") == 0x7A65300C20E0EC76  # Avro string "abc"
+    assert key_hash(b"abc") != key_hash(b"abd")
 
 
 @given(st.integers(1, 64), st.lists(hashes, min_size=1, max_size=200))

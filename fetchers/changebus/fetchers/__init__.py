@@ -7,23 +7,11 @@ values it exchanges with the relay, and a registry of fetcher kinds
 
 from ._base import (
     Fetcher as Fetcher,
-)
-from ._base import (
     FetcherFactory as FetcherFactory,
-)
-from ._base import (
     ResumePoint as ResumePoint,
-)
-from ._base import (
     Window as Window,
-)
-from ._base import (
     create_fetcher as create_fetcher,
-)
-from ._base import (
     fetcher_kinds as fetcher_kinds,
-)
-from ._base import (
     register_fetcher as register_fetcher,
 )
 

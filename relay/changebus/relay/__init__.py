@@ -10,27 +10,16 @@ embed it with ``async with Relay(config)``.
 
 from ._buffer import (
     BufferConfig as BufferConfig,
-)
-from ._buffer import (
     EventBuffer as EventBuffer,
-)
-from ._buffer import (
     Selection as Selection,
 )
 from ._config import (
     FetcherConfig as FetcherConfig,
-)
-from ._config import (
     HttpConfig as HttpConfig,
-)
-from ._config import (
     PartitionConfig as PartitionConfig,
-)
-from ._config import (
     RelayConfig as RelayConfig,
 )
-from ._daemon import Relay as Relay
-from ._daemon import run as run
+from ._daemon import Relay as Relay, run as run
 
 __all__ = [
     "BufferConfig",

@@ -325,7 +325,7 @@ class Checkpoint:
         if not sep or prefix not in ("cb1", "cb1z"):
             raise CheckpointError("checkpoint token must start with 'cb1.' or 'cb1z.'")
         try:
-            raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+            raw = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
             if prefix == "cb1z":
                 d = zlib.decompressobj()
                 raw = d.decompress(raw, MAX_TEXT + 1)
@@ -340,6 +340,6 @@ class Checkpoint:
     def parse(cls, text: str) -> Checkpoint:
         """A checkpoint from its JSON or token form."""
         t = text.strip()
-        if t.startswith("{"):
+        if t.startswith(("{", "[")):
             return cls.from_json(t)
         return cls.from_token(t)

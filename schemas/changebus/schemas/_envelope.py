@@ -11,22 +11,22 @@ order of every machine we run on, so numpy reads headers without swapping)::
        0    2   u16   magic           0x4243 ("CB" on the wire)
        2    1   u8    version         1
        3    1   u8    op              see :class:`Op`
-       4    4   u32   header_crc      CRC-32 of bytes [0, 4) + [8, 64)
+       4    4   u32   total_length    64 + key_length + payload_length
        8    8   u64   scn             window SCN (the source's commit clock)
       16    8   i64   timestamp_ns    commit time, ns since the Unix epoch
       24    8   u64   key_hash        partition hash of the key bytes (0: no key)
       32    8   u64   schema_id       64-bit fingerprint of the writer schema
-      40    4   u32   total_length    64 + key_length + payload_length
-      44    4   u32   payload_length  bytes of payload
-      48    4   u32   payload_crc     CRC-32 of key bytes + payload bytes
-      52    4   u32   seq             0-based position of the event in its window
-      56    2   u16   source_id       logical source (table) id; 0 for control
-      58    2   u16   partition       physical partition id
-      60    2   u16   schema_version  version of the writer schema (0: none)
-      62    2   u16   key_length      bytes of key
+      40    4   u32   payload_length  bytes of payload
+      44    4   u32   payload_crc     CRC-32 of key bytes + payload bytes
+      48    4   u32   seq             0-based position of the event in its window
+      52    2   u16   source_id       logical source (table) id; 0 for control
+      54    2   u16   partition       physical partition id
+      56    2   u16   schema_version  version of the writer schema (0: none)
+      58    2   u16   key_length      bytes of key
+      60    4   u32   header_crc      CRC-32 of bytes [0, 60)
 
 CRC-32 is zlib's (polynomial 0xEDB88320). The header CRC covers every header
-byte except itself, including ``payload_crc``; the payload CRC covers the key
+byte before it, including ``payload_crc``; the payload CRC covers the key
 and the payload. So any change to any single byte of an event is detected: a
 header byte breaks the header CRC, a key or payload byte breaks the payload
 CRC, and a damaged CRC field no longer matches what it protects.
@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import enum
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from ._crc import crc32
 from .errors import CorruptEventError, EventTooLargeError
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ __all__ = [
     "encode_event",
     "event_at",
     "headers_at",
+    "pack_header",
     "parse_stream",
     "scan_offsets",
     "verify_event",
@@ -113,12 +114,11 @@ HEADER_DTYPE: Final = np.dtype(
         ("magic", "<u2"),
         ("version", "u1"),
         ("op", "u1"),
-        ("header_crc", "<u4"),
+        ("total_length", "<u4"),
         ("scn", "<u8"),
         ("timestamp_ns", "<i8"),
         ("key_hash", "<u8"),
         ("schema_id", "<u8"),
-        ("total_length", "<u4"),
         ("payload_length", "<u4"),
         ("payload_crc", "<u4"),
         ("seq", "<u4"),
@@ -126,20 +126,16 @@ HEADER_DTYPE: Final = np.dtype(
         ("partition", "<u2"),
         ("schema_version", "<u2"),
         ("key_length", "<u2"),
+        ("header_crc", "<u4"),
     ]
 )
 assert HEADER_DTYPE.itemsize == HEADER_SIZE
 
-# bytes [8, 64): everything after the header CRC
-_TAIL = struct.Struct("<QqQQIIIIHHHH")
-_PREFIX = struct.Struct("<HBB")
+# bytes [0, 60): everything the header CRC covers
+_BODY = struct.Struct("<HBBIQqQQIIIHHHH")
 _U32 = struct.Struct("<I")
-_TOTAL_AT = struct.Struct("<HBBI")  # magic, version, op, header_crc: 8 bytes
-_LEN_OFFSET: Final = 40
-
-# Precomputed first four bytes and their CRC state for every op.
-_PREFIXES: Final = {int(op): _PREFIX.pack(MAGIC, VERSION, int(op)) for op in Op}
-_PREFIX_CRC: Final = {op: zlib.crc32(p) for op, p in _PREFIXES.items()}
+_START = struct.Struct("<HBBI")  # magic, version, op, total_length: 8 bytes
+_CRC_AT: Final = 60
 _VALID_OPS: Final = np.zeros(256, dtype=bool)
 _VALID_OPS[[int(op) for op in Op]] = True
 
@@ -149,11 +145,11 @@ class EventHeader:
     """One decoded header (the scalar twin of a :data:`HEADER_DTYPE` record)."""
 
     op: Op
+    total_length: int
     scn: int
     timestamp_ns: int
     key_hash: int
     schema_id: int
-    total_length: int
     payload_length: int
     payload_crc: int
     seq: int
@@ -189,28 +185,77 @@ def encode_event(
     total = HEADER_SIZE + klen + plen
     if total > MAX_EVENT_SIZE:
         raise EventTooLargeError(f"event is {total} bytes; the format limit is {MAX_EVENT_SIZE}")
-    body = key + payload if klen else payload
+    out = bytearray(total)
+    out[HEADER_SIZE : HEADER_SIZE + klen] = key
+    out[HEADER_SIZE + klen :] = payload
+    pack_header(
+        out,
+        op,
+        scn,
+        seq,
+        timestamp_ns,
+        klen,
+        plen,
+        crc32(memoryview(out)[HEADER_SIZE:]),
+        key_hash=key_hash,
+        source_id=source_id,
+        partition=partition,
+        schema_id=schema_id,
+        schema_version=schema_version,
+    )
+    return bytes(out)
+
+
+def pack_header(
+    out: bytearray | memoryview,
+    op: Op | int,
+    scn: int,
+    seq: int,
+    timestamp_ns: int,
+    key_length: int,
+    payload_length: int,
+    payload_crc: int,
+    *,
+    key_hash: int = 0,
+    source_id: int = 0,
+    partition: int = 0,
+    schema_id: int = 0,
+    schema_version: int = 0,
+    offset: int = 0,
+) -> None:
+    """Write a complete header (with its CRC) into ``out`` at ``offset``.
+
+    For encoders that build key and payload in place behind a reserved
+    64-byte gap; ``payload_crc`` is the CRC-32 of key + payload.
+    """
+    if int(op) not in _OPS:
+        raise ValueError(f"cannot encode event header: unknown op {op!r}")
     try:
-        tail = _TAIL.pack(
+        _BODY.pack_into(
+            out,
+            offset,
+            MAGIC,
+            VERSION,
+            int(op),
+            HEADER_SIZE + key_length + payload_length,
             scn,
             timestamp_ns,
             key_hash,
             schema_id,
-            total,
-            plen,
-            zlib.crc32(body),
+            payload_length,
+            payload_crc,
             seq,
             source_id,
             partition,
             schema_version,
-            klen,
+            key_length,
         )
-        op_i = int(op)
-        prefix = _PREFIXES[op_i]
-    except (struct.error, KeyError) as exc:
+    except struct.error as exc:
         raise ValueError(f"cannot encode event header: {exc}") from exc
-    crc = zlib.crc32(tail, _PREFIX_CRC[op_i])
-    return b"".join((prefix, _U32.pack(crc), tail, body))
+    _U32.pack_into(out, offset + _CRC_AT, crc32(memoryview(out)[offset : offset + _CRC_AT]))
+
+
+_OPS: Final = frozenset(int(op) for op in Op)
 
 
 def decode_header(buf: Buffer, offset: int = 0) -> EventHeader:
@@ -222,23 +267,20 @@ def decode_header(buf: Buffer, offset: int = 0) -> EventHeader:
     mv = memoryview(buf)
     if offset < 0 or offset + HEADER_SIZE > len(mv):
         raise CorruptEventError(f"truncated event header at offset {offset}")
-    magic, version, op, hcrc = _TOTAL_AT.unpack_from(mv, offset)
+    fields = _BODY.unpack_from(mv, offset)
+    magic, version, op = fields[0], fields[1], fields[2]
     if magic != MAGIC or version != VERSION:
         raise CorruptEventError(
             f"not a changebus v{VERSION} event at offset {offset} "
             f"(magic 0x{magic:04x}, version {version})"
         )
-    if (
-        zlib.crc32(mv[offset + 8 : offset + HEADER_SIZE], zlib.crc32(mv[offset : offset + 4]))
-        != hcrc
-    ):
+    if crc32(mv[offset : offset + _CRC_AT]) != _U32.unpack_from(mv, offset + _CRC_AT)[0]:
         raise CorruptEventError(f"header checksum mismatch at offset {offset}")
-    fields = _TAIL.unpack_from(mv, offset + 8)
     try:
         op_e = Op(op)
     except ValueError:
         raise CorruptEventError(f"unknown op {op} at offset {offset}") from None
-    header = EventHeader(op_e, *fields)
+    header = EventHeader(op_e, *fields[3:])
     if header.total_length != HEADER_SIZE + header.key_length + header.payload_length:
         raise CorruptEventError(f"inconsistent lengths in event header at offset {offset}")
     return header
@@ -251,7 +293,7 @@ def verify_event(buf: Buffer, offset: int = 0) -> EventHeader:
     end = offset + header.total_length
     if end > len(mv):
         raise CorruptEventError(f"truncated event at offset {offset}")
-    if zlib.crc32(mv[offset + HEADER_SIZE : end]) != header.payload_crc:
+    if crc32(mv[offset + HEADER_SIZE : end]) != header.payload_crc:
         raise CorruptEventError(f"payload checksum mismatch at offset {offset}")
     return header
 
@@ -277,14 +319,12 @@ def scan_offsets(buf: Buffer, start: int = 0, end: int | None = None) -> npt.NDA
     offsets: list[int] = []
     append = offsets.append
     pos = start
-    unpack = _TOTAL_AT.unpack_from
-    unpack_len = _U32.unpack_from
+    unpack = _START.unpack_from
     limit = stop - HEADER_SIZE
     while pos <= limit:
-        magic, version, _op, _crc = unpack(mv, pos)
+        magic, version, _op, total = unpack(mv, pos)
         if magic != MAGIC or version != VERSION:
             raise CorruptEventError(f"no event at offset {pos} (magic 0x{magic:04x})")
-        total = unpack_len(mv, pos + _LEN_OFFSET)[0]
         if total < HEADER_SIZE:
             raise CorruptEventError(f"impossible event length {total} at offset {pos}")
         if pos + total > stop:
@@ -322,6 +362,18 @@ def check_headers(
     inside the buffer, all in numpy; then one CRC per header. Raises
     :class:`CorruptEventError` naming the first bad offset.
     """
+    _check_structure(buf, offsets, headers)
+    offs = np.asarray(offsets, dtype=np.int64)
+    mv = memoryview(buf)
+    stored = headers["header_crc"].tolist()
+    for off, want in zip(offs.tolist(), stored, strict=True):
+        if crc32(mv[off : off + _CRC_AT]) != want:
+            raise CorruptEventError(f"header checksum mismatch at offset {off}")
+
+
+def _check_structure(
+    buf: Buffer, offsets: npt.NDArray[np.integer[Any]], headers: npt.NDArray[Any]
+) -> None:
     if headers.size == 0:
         return
     offs = np.asarray(offsets, dtype=np.int64)
@@ -341,12 +393,6 @@ def check_headers(
     if bad.any():
         first = int(offs[int(np.argmax(bad))])
         raise CorruptEventError(f"malformed event header at offset {first}")
-    mv = memoryview(buf)
-    crc32 = zlib.crc32
-    stored = headers["header_crc"].tolist()
-    for off, want in zip(offs.tolist(), stored, strict=True):
-        if crc32(mv[off + 8 : off + HEADER_SIZE], crc32(mv[off : off + 4])) != want:
-            raise CorruptEventError(f"header checksum mismatch at offset {off}")
 
 
 def verify_payloads(
@@ -354,7 +400,6 @@ def verify_payloads(
 ) -> None:
     """Check the payload CRC (key + payload) of every event."""
     mv = memoryview(buf)
-    crc32 = zlib.crc32
     for off, total, want in zip(
         np.asarray(offsets, dtype=np.int64).tolist(),
         headers["total_length"].tolist(),
@@ -372,14 +417,31 @@ def parse_stream(
 
     Returns ``(offsets, headers)``. The events must fill the buffer exactly:
     trailing bytes that are not a whole event raise :class:`CorruptEventError`
-    (a response cut short, or a corrupted length).
+    (a response cut short, or a corrupted length). Structural checks are
+    vectorised; the CRCs (header, and payload unless ``verify_payload`` is
+    false) are computed in one pass.
     """
     offsets = scan_offsets(buf)
     headers = headers_at(buf, offsets)
-    check_headers(buf, offsets, headers)
+    _check_structure(buf, offsets, headers)
     end = int(offsets[-1]) + int(headers["total_length"][-1]) if offsets.size else 0
-    if end != len(memoryview(buf)):
-        raise CorruptEventError(f"{len(memoryview(buf)) - end} stray bytes after the last event")
+    mv = memoryview(buf)
+    if end != len(mv):
+        raise CorruptEventError(f"{len(mv) - end} stray bytes after the last event")
     if verify_payload:
-        verify_payloads(buf, offsets, headers)
+        for off, total, hcrc, pcrc in zip(
+            offsets.tolist(),
+            headers["total_length"].tolist(),
+            headers["header_crc"].tolist(),
+            headers["payload_crc"].tolist(),
+            strict=True,
+        ):
+            if crc32(mv[off : off + _CRC_AT]) != hcrc:
+                raise CorruptEventError(f"header checksum mismatch at offset {off}")
+            if crc32(mv[off + HEADER_SIZE : off + total]) != pcrc:
+                raise CorruptEventError(f"payload checksum mismatch at offset {off}")
+    else:
+        for off, hcrc in zip(offsets.tolist(), headers["header_crc"].tolist(), strict=True):
+            if crc32(mv[off : off + _CRC_AT]) != hcrc:
+                raise CorruptEventError(f"header checksum mismatch at offset {off}")
     return offsets, headers

@@ -1,0 +1,158 @@
+"""Data-event payloads: RowEncoder and ChangeDecoder, including resolution."""
+
+from __future__ import annotations
+
+import decimal
+import io
+from typing import Any
+
+import fastavro
+import pytest
+from hypothesis import given, strategies as st
+
+from changebus.schemas import (
+    HEADER_SIZE,
+    ChangeDecoder,
+    Column,
+    CorruptEventError,
+    Op,
+    RowEncoder,
+    SchemaError,
+    TableSchema,
+    event_at,
+    key_hash,
+    parse_stream,
+    pg_avro_type,
+    verify_event,
+)
+
+TABLE = TableSchema(
+    "public.items",
+    (
+        Column("id", "long", nullable=False),
+        Column("region", "string", nullable=False),
+        Column("price", pg_avro_type("numeric(10,2)")),
+        Column("note", "string"),
+    ),
+    key=("region", "id"),
+    version=1,
+)
+
+rows = st.fixed_dictionaries(
+    {
+        "id": st.integers(-(2**63), 2**63 - 1),
+        "region": st.text(max_size=10),
+        "price": st.none()
+        | st.decimals(min_value=-(10**7), max_value=10**7, places=2, allow_nan=False),
+        "note": st.none() | st.text(max_size=50),
+    }
+)
+
+
+@given(rows, st.none() | rows, st.lists(st.sampled_from(["note", "price"]), unique=True))
+def test_round_trip(
+    after: dict[str, Any], before: dict[str, Any] | None, not_sent: list[str]
+) -> None:
+    enc = RowEncoder(TABLE, source_id=3, partition=2)
+    data = enc.encode(Op.UPDATE, 99, 4, 123, after, before, after_not_sent=not_sent)
+    h = verify_event(data)
+    assert (h.source_id, h.partition, h.schema_version, h.schema_id) == (3, 2, 1, TABLE.fingerprint)
+    key, payload = event_at(data, 0, h)
+    assert h.key_hash == key_hash(bytes(key))
+    dec = ChangeDecoder(TABLE)
+    change = dec.decode(payload)
+    assert change.after == after
+    assert change.before == before
+    assert change.after_not_sent == tuple(not_sent)
+    assert change.before_not_sent == ()
+    assert dec.decode_key(key) == {"region": after["region"], "id": after["id"]}
+
+
+def test_bytes_are_plain_avro_of_the_change_record() -> None:
+    enc = RowEncoder(TABLE, source_id=1)
+    after = {"id": 1, "region": "eu", "price": decimal.Decimal("9.99"), "note": None}
+    before = {"id": 1, "region": "eu", "price": None, "note": None}
+    data = enc.encode(Op.UPDATE, 5, 0, 0, after, before, before_not_sent=["price", "note"])
+    h = verify_event(data)
+    key, payload = event_at(data, 0, h)
+    generic = fastavro.schemaless_reader(
+        io.BytesIO(bytes(payload)), fastavro.parse_schema(TABLE.change_schema), None
+    )
+    assert generic == {
+        "after": after,
+        "before": before,
+        "after_not_sent": [],
+        "before_not_sent": ["price", "note"],
+    }
+    kbuf = io.BytesIO()
+    fastavro.schemaless_writer(
+        kbuf, fastavro.parse_schema(TABLE.key_schema), {"region": "eu", "id": 1}
+    )
+    assert bytes(key) == kbuf.getvalue()  # the fast key path equals generic Avro
+
+
+def test_delete_keys_come_from_before_and_truncate_has_none() -> None:
+    enc = RowEncoder(TABLE, source_id=1)
+    row = {"id": 5, "region": "us", "price": None, "note": None}
+    d = enc.encode(Op.DELETE, 1, 0, 0, None, row)
+    hd = verify_event(d)
+    assert hd.key_length > 0
+    t = enc.encode(Op.TRUNCATE, 1, 1, 0, None, None)
+    ht = verify_event(t)
+    assert ht.key_length == 0
+    change = ChangeDecoder(TABLE).decode(event_at(t, 0, ht)[1])
+    assert change.after is None and change.before is None
+
+
+def test_renamed_columns_round_trip() -> None:
+    t = TableSchema(
+        "s.odd", (Column("my id", "long", nullable=False), Column("x-y", "string")), ("my id",), 1
+    )
+    enc = RowEncoder(t, source_id=1)
+    data = enc.encode(Op.INSERT, 1, 0, 0, {"my id": 7, "x-y": "v"})
+    h = verify_event(data)
+    key, payload = event_at(data, 0, h)
+    dec = ChangeDecoder(t)
+    assert dec.decode(payload).after == {"my id": 7, "x-y": "v"}
+    assert dec.decode_key(key) == {"my id": 7}
+
+
+def test_errors() -> None:
+    with pytest.raises(SchemaError, match="registered"):
+        RowEncoder(TABLE.with_version(0), source_id=1)
+    enc = RowEncoder(TABLE, source_id=1)
+    with pytest.raises(SchemaError, match="key"):
+        enc.encode(Op.INSERT, 1, 0, 0, {"id": 1})
+    with pytest.raises(SchemaError):
+        enc.encode(Op.INSERT, 1, 0, 0, {"id": 1, "region": "x", "price": "not a decimal"})
+    with pytest.raises(CorruptEventError):
+        ChangeDecoder(TABLE).decode(b"\x04garbage")
+    with pytest.raises(CorruptEventError):
+        ChangeDecoder(TABLE).decode(b"\x02\xff")
+
+
+@given(
+    st.lists(st.tuples(rows, st.none() | rows, st.booleans()), min_size=1, max_size=20),
+    st.integers(0, 1000),
+)
+def test_batch_forms_equal_single_forms(
+    changes: list[tuple[Any, Any, bool]], first_seq: int
+) -> None:
+    enc = RowEncoder(TABLE, source_id=3)
+    dec = ChangeDecoder(TABLE)
+    items = [
+        (Op.UPDATE if before else Op.INSERT, after, before, ["note"] if flag else [], [])
+        for after, before, flag in changes
+    ]
+    batch = enc.encode_many(items, 77, 5, first_seq=first_seq)
+    singles = b"".join(
+        enc.encode(op, 77, first_seq + i, 5, a, b, after_not_sent=ans)
+        for i, (op, a, b, ans, _) in enumerate(items)
+    )
+    assert batch == singles
+    offsets, headers = parse_stream(batch)
+    starts = (offsets + HEADER_SIZE + headers["key_length"]).tolist()
+    stops = (offsets + headers["total_length"]).tolist()
+    many = dec.decode_many(batch, starts, stops)
+    assert many == [dec.decode(batch[a:b]) for a, b in zip(starts, stops, strict=True)]
+    assert [m.after for m in many] == [a for a, _, _ in changes]
