@@ -140,7 +140,7 @@ def test_batch_forms_equal_single_forms(
 ) -> None:
     enc = RowEncoder(TABLE, source_id=3)
     dec = ChangeDecoder(TABLE)
-    items = [
+    items: list[tuple[Any, ...]] = [
         (Op.UPDATE if before else Op.INSERT, after, before, ["note"] if flag else [], [])
         for after, before, flag in changes
     ]

@@ -26,7 +26,13 @@ _DONE = object()
 
 
 class ThreadFeed(Generic[T]):
-    """A bounded bridge from one producer thread to async consumers."""
+    """A bounded bridge from one producer thread to async consumers.
+
+    The producer takes a slot of a semaphore of ``maxsize`` slots before it
+    hands an item to the loop with ``call_soon_threadsafe`` (no round trip:
+    it does not wait for the loop to run); the consumer gives the slot back
+    when it takes the item, so at most ``maxsize`` items are in flight.
+    """
 
     def __init__(
         self,
@@ -36,7 +42,8 @@ class ThreadFeed(Generic[T]):
         name: str = "changebus-feed",
     ) -> None:
         self._produce = produce
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize)
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._slots = threading.BoundedSemaphore(maxsize)
         self._loop = asyncio.get_running_loop()
         self.stopping = threading.Event()
         self._error: BaseException | None = None
@@ -44,17 +51,15 @@ class ThreadFeed(Generic[T]):
         self._thread.start()
 
     def _emit(self, item: T) -> None:
+        while not self._slots.acquire(timeout=0.2):
+            if self.stopping.is_set():
+                raise _Stopped
         if self.stopping.is_set():
             raise _Stopped
-        fut = asyncio.run_coroutine_threadsafe(self._queue.put(item), self._loop)
-        while True:
-            try:
-                fut.result(timeout=0.2)
-                return
-            except TimeoutError:
-                if self.stopping.is_set():
-                    fut.cancel()
-                    raise _Stopped from None
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop closed
+            raise _Stopped from None
 
     def _run(self) -> None:
         try:
@@ -64,9 +69,8 @@ class ThreadFeed(Generic[T]):
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
             self._error = exc
         finally:
-            if not self._loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    asyncio.run_coroutine_threadsafe(self._queue.put(_DONE), self._loop)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
 
     async def items(self) -> AsyncIterator[T]:
         """Items in production order; ends when the producer returns."""
@@ -76,13 +80,12 @@ class ThreadFeed(Generic[T]):
                 if self._error is not None:
                     raise self._error
                 return
+            self._slots.release()
             yield item  # type: ignore[misc]
 
     async def close(self) -> None:
         """Ask the producer to stop and wait for its thread."""
         self.stopping.set()
-        while not self._queue.empty():  # unblock a producer waiting for room
-            self._queue.get_nowait()
         await asyncio.to_thread(self._thread.join, 5.0)
 
 

@@ -49,11 +49,13 @@ queue) and many readers (the HTTP handlers on the event loop). One
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,12 +65,14 @@ import numpy.typing as npt
 
 from changebus.schemas import (
     HEADER_SIZE,
+    MAGIC,
     CorruptEventError,
     EventTooLargeError,
     Op,
     PartitionFilter,
     ScnNotFoundError,
     check_headers,
+    crc32,
     decode_control,
     headers_at,
     parse_stream,
@@ -80,6 +84,24 @@ from ._meta import BufferMeta, MetaFile
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 
 __all__ = ["BufferConfig", "EventBuffer", "Pin", "Selection"]
+
+_Hook = Callable[[bytes | memoryview, npt.NDArray[np.int64], npt.NDArray[Any]], None]
+#: groups up to this size are validated event by event, larger ones in bulk
+_SCALAR_PARSE_BYTES = 32 * 1024
+_FULL_HEADER = struct.Struct("<HBBIQqQQIIIHHHHI")
+_OPS = frozenset(int(op) for op in Op)
+_PARSED_DTYPE = np.dtype(
+    [
+        ("off", "<i8"),
+        ("scn", "<i8"),
+        ("key_hash", "<u8"),
+        ("length", "<i8"),
+        ("op", "u1"),
+        ("source_id", "<u2"),
+        ("ts", "<i8"),
+        ("first", "?"),
+    ]
+)
 
 log = logging.getLogger("changebus.relay.buffer")
 
@@ -192,12 +214,13 @@ class EventBuffer:
         if previous is not None and not compatible:
             log.warning("buffer %s: sizes changed or files missing; starting empty", name)
         create = not compatible
-        self._ring: npt.NDArray[np.uint8] = np.memmap(
+        self._ring_map = np.memmap(
             directory / "ring.dat",
             dtype=np.uint8,
             mode="w+" if create else "r+",
             shape=(self.capacity,),
         )
+        self._ring: npt.NDArray[np.uint8] = self._ring_map.view(np.ndarray)
         self._ring_view = memoryview(self._ring)  # type: ignore[arg-type]
         self._events = CircularTable(
             directory / "events.dat", EVENT_DTYPE, config.slots, create=create
@@ -216,7 +239,7 @@ class EventBuffer:
             "windows_refused": 0,
             "pins_overrun": 0,
         }
-        self.last_source_position = ""
+        self._start_position = ""
         if compatible and previous is not None:
             self._meta = self._recover(previous)
         else:
@@ -248,136 +271,297 @@ class EventBuffer:
     # writer side (one thread)
 
     def append_window(self, window: bytes | memoryview) -> int:
-        """Append one whole window (events back to back, ending with END_OF_WINDOW).
+        """Append one whole window; see :meth:`append_windows`. Returns its SCN."""
+        return self.append_windows([window])
 
-        Returns the window's SCN. Validates the window completely before it
-        touches the buffer; raises :class:`EventTooLargeError` when it is larger
-        than the configured limit, :class:`CorruptEventError` /
-        :class:`BadRequestError` when it is malformed or out of order.
+    def append_windows(
+        self,
+        windows: Sequence[bytes | memoryview],
+        *,
+        before_publish: _Hook | None = None,
+    ) -> int:
+        """Append whole windows (each: events back to back, ending with END_OF_WINDOW).
+
+        All windows are validated before anything touches the buffer, then
+        appended and published together (one group commit: the writer thread
+        hands over everything that queued up while it was busy). Returns the
+        last SCN. Raises :class:`EventTooLargeError` when a window exceeds the
+        configured limit, :class:`CorruptEventError` / :class:`BadRequestError`
+        when one is malformed or out of order; then nothing is appended.
+        ``before_publish(data, offsets, headers)`` runs after the bytes are in
+        place and before readers can see them (the relay registers new table
+        schemas there).
         """
-        size = len(window)
-        if size > self.config.window_limit:
-            self.stats["windows_refused"] += 1
-            raise EventTooLargeError(
-                f"window of {size} bytes exceeds buffer {self.name!r} limit of "
-                f"{self.config.window_limit} bytes",
-                size=size,
-                limit=self.config.window_limit,
-            )
-        offsets, headers = parse_stream(window)
-        n = len(offsets)
-        if n == 0 or int(headers["op"][-1]) != _EOW:
-            raise BadRequestError("a window must end with an END_OF_WINDOW event")
-        scn = int(headers["scn"][0])
-        if not (headers["scn"] == headers["scn"][0]).all():
-            raise BadRequestError("all events of a window must carry the window's SCN")
-        if not (headers["seq"] == np.arange(n, dtype=np.uint32)).all():
-            raise BadRequestError("event seq numbers of a window must be 0, 1, 2, ...")
-        if ((headers["op"] == _EOW)[:-1]).any():
-            raise BadRequestError("END_OF_WINDOW may only close a window")
-        if n > self.config.slots:
-            self.stats["windows_refused"] += 1
-            raise EventTooLargeError(
-                f"window of {n} events exceeds the event table ({self.config.slots})"
-            )
-        m = self._meta
-        if scn <= m.last_scn and m.windows > 0:
-            raise BadRequestError(f"window SCN {scn} is not above the last SCN {m.last_scn}")
-        if scn < m.prev_scn:
-            raise BadRequestError(f"window SCN {scn} is below the buffer start {m.prev_scn}")
+        limit = self.config.window_limit
+        for w in windows:
+            if len(w) > limit:
+                self.stats["windows_refused"] += 1
+                raise EventTooLargeError(
+                    f"window of {len(w)} bytes exceeds buffer {self.name!r} limit of {limit} bytes",
+                    size=len(w),
+                    limit=limit,
+                )
+        # split so that one group never exceeds the ring (each part appends alone)
+        group: list[bytes | memoryview] = []
+        size = 0
+        last = -1
+        for w in windows:
+            if group and size + len(w) > self.capacity // 2:
+                last = self._append_group(group, before_publish)
+                group, size = [], 0
+            group.append(w)
+            size += len(w)
+        if group:
+            last = self._append_group(group, before_publish)
+        return last
 
+    def _append_group(
+        self, windows: Sequence[bytes | memoryview], before_publish: _Hook | None
+    ) -> int:
+        data = windows[0] if len(windows) == 1 else b"".join(windows)
+        if len(data) <= _SCALAR_PARSE_BYTES:
+            ev, offsets, headers = self._parse_small(windows, data)
+        else:
+            ev, offsets, headers = self._parse_large(windows, data)
+        return self._commit(windows, data, ev, offsets, headers, before_publish)
+
+    def _check_order(self, first_scn: int) -> None:
+        m = self._meta
+        if m.windows > 0 and first_scn <= m.last_scn:
+            raise BadRequestError(f"window SCN {first_scn} is not above the last SCN {m.last_scn}")
+        if first_scn < m.prev_scn:
+            raise BadRequestError(f"window SCN {first_scn} is below the buffer start {m.prev_scn}")
+
+    def _parse_small(
+        self, windows: Sequence[bytes | memoryview], data: bytes | memoryview
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any] | None]:
+        """Validate a small group event by event (no per-call numpy overhead)."""
+        mv = memoryview(data)
+        size = len(mv)
+        bounds = list(itertools.accumulate(len(w) for w in windows))
+        rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+        unpack = _FULL_HEADER.unpack_from
+        pos = wi = seq_next = 0
+        win_scn = last = -1
+        while pos < size:
+            if pos + HEADER_SIZE > size:
+                raise CorruptEventError(f"{size - pos} stray bytes after the last event")
+            (
+                magic,
+                version,
+                op,
+                total,
+                scn,
+                ts,
+                khash,
+                _sid,
+                plen,
+                pcrc,
+                seq,
+                source,
+                _part,
+                _ver,
+                klen,
+                hcrc,
+            ) = unpack(mv, pos)
+            if magic != MAGIC or version != 1 or op not in _OPS:
+                raise CorruptEventError(f"malformed event header at offset {pos}")
+            end = pos + total
+            if total != HEADER_SIZE + klen + plen or end > size:
+                raise CorruptEventError(f"inconsistent event lengths at offset {pos}")
+            if crc32(mv[pos : pos + 60]) != hcrc:
+                raise CorruptEventError(f"header checksum mismatch at offset {pos}")
+            if crc32(mv[pos + HEADER_SIZE : end]) != pcrc:
+                raise CorruptEventError(f"payload checksum mismatch at offset {pos}")
+            if seq_next == 0:
+                if scn <= last:
+                    raise BadRequestError("window SCNs must increase")
+                win_scn = scn
+            elif scn != win_scn:
+                raise BadRequestError("all events of a window must carry the window's SCN")
+            if seq != seq_next:
+                raise BadRequestError("event seq numbers of a window must be 0, 1, 2, ...")
+            boundary = wi < len(bounds) and end == bounds[wi]
+            if (op == _EOW) != boundary:
+                raise BadRequestError("each window must end with exactly one END_OF_WINDOW event")
+            rows.append((pos, scn, khash, total, op, source, ts, seq_next == 0))
+            if op == _EOW:
+                wi += 1
+                seq_next = 0
+                last = scn
+            else:
+                seq_next += 1
+            pos = end
+        if not rows or wi != len(windows):
+            raise BadRequestError("each window must end with exactly one END_OF_WINDOW event")
+        if max(len(rows), 0) > self.config.slots:
+            self.stats["windows_refused"] += 1
+            raise EventTooLargeError(
+                f"a window has more events than the event table ({self.config.slots})"
+            )
+        ev = np.array(rows, dtype=_PARSED_DTYPE)
+        return ev, ev["off"], None
+
+    def _parse_large(
+        self, windows: Sequence[bytes | memoryview], data: bytes | memoryview
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """Validate a large group with bulk numpy checks."""
+        offsets, headers = parse_stream(data)
+        n = len(offsets)
+        ops = headers["op"]
+        scns = headers["scn"].astype(np.int64)
+        eows = np.flatnonzero(ops == _EOW)
+        if n == 0 or eows.size != len(windows) or eows[-1] != n - 1:
+            raise BadRequestError("each window must end with exactly one END_OF_WINDOW event")
+        ends = offsets[eows] + headers["total_length"][eows].astype(np.int64)
+        if (ends != np.cumsum([len(w) for w in windows])).any():
+            raise BadRequestError("END_OF_WINDOW may only close a window")
+        starts = np.concatenate(([0], eows[:-1] + 1))
+        sizes = np.diff(np.concatenate((starts, [n])))
+        window_of = np.repeat(np.arange(len(windows)), sizes)
+        if (scns != scns[eows][window_of]).any():
+            raise BadRequestError("all events of a window must carry the window's SCN")
+        if (headers["seq"].astype(np.int64) != np.arange(n) - starts[window_of]).any():
+            raise BadRequestError("event seq numbers of a window must be 0, 1, 2, ...")
+        if (np.diff(scns[eows]) <= 0).any():
+            raise BadRequestError("window SCNs must increase")
+        if int(sizes.max()) > self.config.slots:
+            self.stats["windows_refused"] += 1
+            raise EventTooLargeError(
+                f"a window has more events than the event table ({self.config.slots})"
+            )
+        ev = np.empty(n, dtype=_PARSED_DTYPE)
+        ev["off"] = offsets
+        ev["scn"] = scns
+        ev["key_hash"] = headers["key_hash"]
+        ev["length"] = headers["total_length"]
+        ev["op"] = ops
+        ev["source_id"] = headers["source_id"]
+        ev["ts"] = headers["timestamp_ns"]
+        ev["first"] = False
+        ev["first"][starts] = True
+        return ev, offsets, headers
+
+    def _commit(
+        self,
+        windows: Sequence[bytes | memoryview],
+        data: bytes | memoryview,
+        ev: npt.NDArray[Any],
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any] | None,
+        before_publish: _Hook | None,
+    ) -> int:
+        """Place, copy, index and publish validated windows (writer thread)."""
+        n = len(ev)
+        size = len(data)
+        first_scn = int(ev["scn"][0])
+        last_scn = int(ev["scn"][-1])
+        self._check_order(first_scn)
+        m = self._meta
         # placement: events never straddle the end of the ring
-        rel_end = offsets + headers["total_length"].astype(np.int64)
-        start = m.tail_pos
-        phys = start % self.capacity
-        positions = start + offsets
+        positions = ev["off"] + m.tail_pos
+        phys = m.tail_pos % self.capacity
+        k = n
         if phys + size > self.capacity:
             room = self.capacity - phys
-            k = int(np.searchsorted(rel_end, room, side="right"))
-            positions[k:] += room - int(offsets[k])
-        new_tail_pos = int(positions[-1]) + int(rel_end[-1] - offsets[-1])
+            k = int(np.searchsorted(ev["off"] + ev["length"], room, side="right"))
+            positions[k:] += room - int(ev["off"][k])
+        new_tail_pos = int(positions[-1]) + int(ev["length"][-1])
 
         self._make_room(new_tail_pos - self.capacity, m.tail_event + n - self.config.slots)
         m = self._meta
 
         # copy bytes (beyond tail: invisible to readers)
-        src = np.frombuffer(window, dtype=np.uint8)
-        if phys + size <= self.capacity:
-            self._ring[phys : phys + size] = src
-        else:
-            cut = int(offsets[k]) if k < n else size
-            self._ring[phys : phys + cut] = src[:cut]
+        src = np.frombuffer(data, dtype=np.uint8)
+        cut = int(ev["off"][k]) if k < n else size
+        self._ring[phys : phys + cut] = src[:cut]
+        if cut < size:
             self._ring[0 : size - cut] = src[cut:]
 
         records = np.zeros(n, dtype=EVENT_DTYPE)
         records["pos"] = positions
-        records["scn"] = headers["scn"]
-        records["key_hash"] = headers["key_hash"]
-        records["length"] = headers["total_length"]
-        records["op"] = headers["op"]
-        records["source_id"] = headers["source_id"]
+        for name in ("scn", "key_hash", "length", "op", "source_id"):
+            records[name] = ev[name]
         first_event = m.tail_event
         self._events.put(first_event, records)
 
-        index_tail = m.index_tail
-        index_head = m.index_head
-        block = int(positions[0]) // self.block
-        if (
-            index_tail == index_head
-            or int(self._events.at(int(self._index.at(index_tail - 1)["event"]))["pos"])
-            // self.block
-            != block
-        ):
-            if index_tail - index_head >= self._index.slots:
-                index_head += 1  # cannot happen with whole-window eviction; keep bounded
-            entry = np.zeros(1, dtype=INDEX_DTYPE)
-            entry["scn"] = scn
-            entry["event"] = first_event
-            self._index.put(index_tail, entry)
-            index_tail += 1
+        # SCN index: the first window starting in each new block
+        index_head, index_tail = m.index_head, m.index_tail
+        firsts = np.flatnonzero(ev["first"])
+        blocks = positions[firsts] // self.block
+        if index_tail > index_head:
+            last_event = int(self._index.at(index_tail - 1)["event"])
+            last_block = int(self._events.at(last_event)["pos"]) // self.block
+        else:
+            last_block = -1
+        fresh = firsts[np.flatnonzero(blocks != np.concatenate(([last_block], blocks[:-1])))]
+        if fresh.size:
+            entries = np.empty(fresh.size, dtype=INDEX_DTYPE)
+            entries["scn"] = ev["scn"][fresh]
+            entries["event"] = first_event + fresh
+            index_head = max(index_head, index_tail + fresh.size - self._index.slots)
+            self._index.put(index_tail, entries[-self._index.slots :])
+            index_tail += fresh.size
 
-        eow_payload = window[int(offsets[-1]) + HEADER_SIZE :]
-        try:
-            position = decode_control(Op.END_OF_WINDOW, bytes(eow_payload))
-            source_position = getattr(position, "source_position", "")
-        except CorruptEventError:
-            source_position = ""
-        ts = int(headers["timestamp_ns"][-1])
+        if before_publish is not None:
+            if headers is None:
+                headers = headers_at(data, offsets)
+            before_publish(data, offsets, headers)
         with self._lock:
             m = self._meta
             empty_before = m.tail_event == m.head_event
-            self._meta = _replace(
-                m,
+            self._meta = BufferMeta(
+                m.capacity,
+                m.event_slots,
+                m.index_slots,
+                head_event=m.head_event,
                 tail_event=m.tail_event + n,
-                tail_pos=new_tail_pos,
                 head_pos=int(positions[0]) if empty_before else m.head_pos,
-                last_scn=scn,
-                min_scn=scn if empty_before else m.min_scn,
+                tail_pos=new_tail_pos,
+                prev_scn=m.prev_scn,
+                last_scn=last_scn,
+                min_scn=first_scn if empty_before else m.min_scn,
                 index_head=index_head,
                 index_tail=index_tail,
-                first_ts=ts if empty_before else m.first_ts,
-                last_ts=ts,
-                windows=m.windows + 1,
+                first_ts=int(ev["ts"][0]) if empty_before else m.first_ts,
+                last_ts=int(ev["ts"][-1]),
+                windows=m.windows + len(windows),
             )
-            self.last_source_position = source_position
             self._metafile.publish(self._meta)
-        self.stats["windows_appended"] += 1
+        self.stats["windows_appended"] += len(windows)
         self.stats["events_appended"] += n
         self.stats["bytes_appended"] += size
         if self.on_publish is not None:
             self.on_publish()
-        return scn
+        return last_scn
+
+    @property
+    def last_source_position(self) -> str:
+        """The source position in the newest window's END_OF_WINDOW ("" if none)."""
+        m = self._meta
+        if m.tail_event == m.head_event:
+            return self._start_position
+        rec = self._events.at(m.tail_event - 1)
+        start = int(rec["pos"]) % self.capacity
+        payload = bytes(self._ring_view[start + HEADER_SIZE : start + int(rec["length"])])
+        try:
+            eow = decode_control(Op.END_OF_WINDOW, payload)
+        except CorruptEventError:
+            return ""
+        return str(getattr(eow, "source_position", ""))
 
     def _find(self, start: int, pred: Callable[[npt.NDArray[Any]], npt.NDArray[np.bool_]]) -> int:
         """First event number >= ``start`` whose record satisfies ``pred`` (or tail)."""
         tail = self._meta.tail_event
         e = start
+        chunk = 64
         while e < tail:
-            stop = min(e + _SCAN_CHUNK, tail)
+            stop = min(e + chunk, tail)
             hits = np.flatnonzero(pred(self._events.get(e, stop)))
             if hits.size:
                 return e + int(hits[0])
             e = stop
+            chunk = min(chunk * 4, _SCAN_CHUNK)
         return tail
 
     def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
@@ -385,7 +569,7 @@ class EventBuffer:
         m = self._meta
         if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
             return
-        cand = self._find(m.head_event, lambda r: r["pos"] >= min_head_pos)
+        cand = self._events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
         cand = max(cand, min_head_event)
         if cand <= m.head_event:
             return
@@ -398,8 +582,7 @@ class EventBuffer:
             head_pos, min_scn = int(first_rec["pos"]), int(first_rec["scn"])
         else:
             head_pos, min_scn = m.tail_pos, -1
-        idx_events = self._index.get(m.index_head, m.index_tail, "event")
-        index_head = m.index_head + int(np.searchsorted(idx_events, new_head, side="left"))
+        index_head = self._index.searchsorted(m.index_head, m.index_tail, "event", new_head)
         evicted = int(np.count_nonzero(self._events.get(m.head_event, new_head, "op") == _EOW))
         with self._pins_changed:
             deadline = time.monotonic() + self.config.pin_timeout_s
@@ -461,10 +644,10 @@ class EventBuffer:
         if window_scn > m.last_scn or (window_scn == m.last_scn and complete):
             return m.tail_event, m.tail_event
         # binary search in the SCN index, then a short scan of the event table
-        idx = self._index.get(m.index_head, m.index_tail)
-        i = int(np.searchsorted(idx["scn"], window_scn, side="right"))
-        lo = max(int(idx["event"][i - 1]) if i > 0 else m.head_event, m.head_event)
-        hi = int(idx["event"][i]) if i < len(idx) else m.tail_event
+        i = self._index.searchsorted(m.index_head, m.index_tail, "scn", window_scn, "right")
+        lo = int(self._index.at(i - 1)["event"]) if i > m.index_head else m.head_event
+        lo = max(lo, m.head_event)
+        hi = int(self._index.at(i)["event"]) if i < m.index_tail else m.tail_event
         scns = self._events.get(lo, hi, "scn")
         first_at = lo + int(np.searchsorted(scns, window_scn, side="left"))
         after = lo + int(np.searchsorted(scns, window_scn, side="right"))
@@ -652,14 +835,6 @@ class EventBuffer:
             )
             self._metafile.publish(fresh)
             return fresh
-        last = int(phys[-1])
-        try:
-            eow = decode_control(
-                Op.END_OF_WINDOW, bytes(ring[last + HEADER_SIZE : last + int(rec["length"][-1])])
-            )
-            self.last_source_position = getattr(eow, "source_position", "")
-        except CorruptEventError:
-            self.last_source_position = ""
         log.info(
             "buffer %s: recovered %d events, SCN %d..%d", self.name, n, meta.min_scn, meta.last_scn
         )
@@ -667,9 +842,7 @@ class EventBuffer:
 
     def flush(self) -> None:
         """msync everything (clean shutdown, periodic durability)."""
-        flush = getattr(self._ring, "flush", None)
-        if flush is not None:
-            flush()
+        self._ring_map.flush()
         self._events.flush()
         self._index.flush()
         self._metafile.flush()
@@ -677,7 +850,9 @@ class EventBuffer:
     def close(self) -> None:
         self.flush()
         self._ring_view.release()
-        mm = getattr(self._ring, "_mmap", None)
+        del self._ring
+        mm = getattr(self._ring_map, "_mmap", None)
+        del self._ring_map
         if mm is not None:
             mm.close()
         self._events.close()

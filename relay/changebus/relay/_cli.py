@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 
 from changebus.schemas import ChangebusError
@@ -48,5 +49,9 @@ def _main(args: argparse.Namespace) -> int:
         print(f"changebus relay: {exc.message}")
         return 2
     setup_logging(config.log_level, config.log_format)
+    # The relay runs its writer and fetcher threads beside the event loop; a
+    # short GIL switch interval keeps a waiting loop from stalling up to the
+    # default 5 ms behind them (the process is ours: this is not library code).
+    sys.setswitchinterval(config.gil_switch_interval_s)
     asyncio.run(run(config))
     return 0

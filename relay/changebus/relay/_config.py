@@ -109,6 +109,8 @@ class RelayConfig:
     partitions: tuple[PartitionConfig, ...] = ()
     #: how often buffers are msync'ed to disk (0 = only on shutdown)
     flush_interval_s: float = 5.0
+    #: the daemon's GIL switch interval (seconds); short keeps latency low
+    gil_switch_interval_s: float = 0.0005
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -119,3 +121,5 @@ class RelayConfig:
             raise ConfigError("partition names and ids must be unique")
         if self.flush_interval_s < 0:
             raise ConfigError("flush_interval_s must not be negative")
+        if not 0 < self.gil_switch_interval_s <= 0.1:
+            raise ConfigError("gil_switch_interval_s must be within (0, 0.1]")

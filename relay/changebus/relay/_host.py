@@ -1,10 +1,13 @@
 """One hosted partition: its buffer, schema registry, fetcher and ingest task.
 
-The ingest task (on the event loop) pulls windows from the fetcher and hands
-each to the partition's single writer thread, which registers any new table
-schemas, appends the window to the buffer and returns; only then is the
-window acknowledged to the fetcher (so the source releases only what the
-relay holds). Readers wait for new windows through :meth:`wait_for_window`,
+The ingest task (on the event loop) pulls windows from the fetcher through a
+bounded queue and hands them to the partition's single writer thread in
+groups: everything that queued up while the writer was busy goes in one
+group commit (at most 512 windows or 8 MiB), so the per-append cost is
+shared when the source is busy and latency stays minimal when it is not.
+The writer registers any new table schemas, appends the group and returns;
+only then is the group's last SCN acknowledged to the fetcher (so the source
+releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
 
 A fetcher failure marked retriable restarts the fetcher from the buffer's
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from changebus.fetchers import Fetcher, ResumePoint, Window, create_fetcher
 from changebus.schemas import (
@@ -39,17 +43,33 @@ from changebus.schemas import (
     TableSchema,
     decode_control,
     encode_control,
-    parse_stream,
 )
 
 from ._buffer import EventBuffer
 from ._config import PartitionConfig
 
-__all__ = ["ConsumerSeen", "PartitionHost"]
+__all__ = ["CachedResponse", "ConsumerSeen", "PartitionHost"]
 
 log = logging.getLogger("changebus.relay.ingest")
 
 _SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
+#: windows waiting between the fetcher and the writer (back-pressure beyond)
+_QUEUE_WINDOWS = 4096
+#: a group commit takes at most this much of what queued up
+_GROUP_WINDOWS = 512
+_GROUP_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CachedResponse:
+    """A small stream response, copied out of the ring and shared by identical requests."""
+
+    body: bytes
+    next_scn: int
+    next_offset: int
+    events: int
+    windows: int
+    partial: bool
 
 
 @dataclass
@@ -85,6 +105,7 @@ class PartitionHost:
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
         self.last_error = ""
         self.consumers: dict[str, ConsumerSeen] = {}
+        self._responses: dict[tuple[Any, ...], CachedResponse] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
 
     # ---- lifecycle ----------------------------------------------------
@@ -134,6 +155,21 @@ class PartitionHost:
             return False
         return True
 
+    def cached_response(self, key: tuple[Any, ...]) -> CachedResponse | None:
+        """A response computed for an identical request at the same buffer tail.
+
+        Many consumers long-polling at the newest SCN ask the same question
+        whenever a window commits; the first one's answer (an immutable copy)
+        serves the others. The buffer's tail is part of the key, so an entry
+        can never hide newer windows.
+        """
+        return self._responses.get(key)
+
+    def cache_response(self, key: tuple[Any, ...], response: CachedResponse) -> None:
+        if len(self._responses) >= 256:
+            self._responses.clear()
+        self._responses[key] = response
+
     def saw_consumer(self, client: str, scn: int, behind_bytes: int, peer: str) -> None:
         now = time.monotonic()
         self.consumers[client] = ConsumerSeen(scn, behind_bytes, now, peer)
@@ -144,52 +180,94 @@ class PartitionHost:
 
     # ---- ingest -------------------------------------------------------
 
-    def _append(self, window: Window) -> None:
-        """Writer thread: register new schemas, then append the window."""
-        offsets, headers = parse_stream(window.data)
+    def _register_schemas(
+        self, data: bytes | memoryview, offsets: npt.NDArray[np.int64], headers: npt.NDArray[Any]
+    ) -> None:
+        """Writer thread, before readers see the windows: record new table schemas."""
         for i in np.flatnonzero(headers["op"] == _SCHEMA_CHANGE).tolist():
             start = int(offsets[i]) + HEADER_SIZE
-            payload = window.data[start : int(offsets[i]) + int(headers["total_length"][i])]
+            payload = bytes(data[start : int(offsets[i]) + int(headers["total_length"][i])])
             change = decode_control(Op.SCHEMA_CHANGE, payload)
             assert isinstance(change, SchemaChange)
             table = TableSchema.from_json(json.loads(change.schema))
             self.registry.register_as(table, change.source_id)
-        try:
-            self.buffer.append_window(window.data)
-        except EventTooLargeError as exc:
-            # never a silent gap: the window is replaced by a DATA_LOSS marker
-            self.stats["windows_data_loss"] += 1
-            log.error(
-                "partition %s: %s; recorded as data loss at SCN %d",
-                self.name,
-                exc.message,
-                window.scn,
+
+    def _loss_marker(self, window: Window, reason: str) -> bytes:
+        """A window that says SCN ``window.scn`` was lost (never a silent gap)."""
+        return b"".join(
+            (
+                encode_control(
+                    DataLoss(window.scn, window.scn, reason),
+                    window.scn,
+                    0,
+                    window.timestamp_ns,
+                    partition=self.config.id,
+                ),
+                encode_control(
+                    EndOfWindow(0, window.source_position),
+                    window.scn,
+                    1,
+                    window.timestamp_ns,
+                    partition=self.config.id,
+                ),
             )
-            marker = b"".join(
-                (
-                    encode_control(
-                        DataLoss(window.scn, window.scn, exc.message),
-                        window.scn,
-                        0,
-                        window.timestamp_ns,
-                        partition=self.config.id,
-                    ),
-                    encode_control(
-                        EndOfWindow(0, window.source_position),
-                        window.scn,
-                        1,
-                        window.timestamp_ns,
-                        partition=self.config.id,
-                    ),
+        )
+
+    def _append(self, batch: list[Window]) -> None:
+        """Writer thread: append a group of windows (one group commit)."""
+        limit = self.buffer.config.window_limit
+        datas: list[bytes] = []
+        for window in batch:
+            if len(window.data) > limit:
+                self.stats["windows_data_loss"] += 1
+                reason = (
+                    f"window of {len(window.data)} bytes exceeds the buffer limit of {limit} bytes"
                 )
-            )
-            self.buffer.append_window(marker)
+                log.error(
+                    "partition %s: %s; recorded as data loss at SCN %d",
+                    self.name,
+                    reason,
+                    window.scn,
+                )
+                datas.append(self._loss_marker(window, reason))
+            else:
+                datas.append(window.data)
+        try:
+            self.buffer.append_windows(datas, before_publish=self._register_schemas)
+        except EventTooLargeError:
+            # one window has more events than the event table: find it, one by one
+            for window, data in zip(batch, datas, strict=True):
+                try:
+                    self.buffer.append_windows([data], before_publish=self._register_schemas)
+                except EventTooLargeError as exc:
+                    self.stats["windows_data_loss"] += 1
+                    log.error(
+                        "partition %s: %s; recorded as data loss at SCN %d",
+                        self.name,
+                        exc.message,
+                        window.scn,
+                    )
+                    self.buffer.append_windows([self._loss_marker(window, exc.message)])
+
+    async def _pump(
+        self, fetcher: Fetcher, queue: asyncio.Queue[Window | BaseException | None]
+    ) -> None:
+        """Move windows from the fetcher into the bounded queue; errors too."""
+        try:
+            async for window in fetcher.windows():
+                await queue.put(window)
+            await queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the ingest loop, re-raised there
+            await queue.put(exc)
 
     async def _ingest(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config.fetcher
         delay = cfg.retry_initial_s
         while True:
+            pump: asyncio.Task[None] | None = None
             try:
                 self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
                 meta = self.buffer.meta
@@ -199,10 +277,33 @@ class PartitionHost:
                     await loop.run_in_executor(self._writer, self.buffer.set_start, start_scn)
                 self.state = "streaming"
                 self.last_error = ""
-                async for window in self.fetcher.windows():
-                    await loop.run_in_executor(self._writer, self._append, window)
-                    await self.fetcher.acknowledge(window.scn)
-                    delay = cfg.retry_initial_s
+                queue: asyncio.Queue[Window | BaseException | None] = asyncio.Queue(_QUEUE_WINDOWS)
+                pump = asyncio.create_task(
+                    self._pump(self.fetcher, queue), name=f"pump-{self.name}"
+                )
+                finished = False
+                while not finished:
+                    item = await queue.get()
+                    batch: list[Window] = []
+                    size = 0
+                    while True:
+                        if item is None:
+                            finished = True
+                            break
+                        if isinstance(item, BaseException):
+                            if batch:  # keep what came before the failure
+                                await loop.run_in_executor(self._writer, self._append, batch)
+                                await self.fetcher.acknowledge(batch[-1].scn)
+                            raise item
+                        batch.append(item)
+                        size += len(item.data)
+                        if size >= _GROUP_BYTES or len(batch) >= _GROUP_WINDOWS or queue.empty():
+                            break
+                        item = queue.get_nowait()
+                    if batch:
+                        await loop.run_in_executor(self._writer, self._append, batch)
+                        await self.fetcher.acknowledge(batch[-1].scn)
+                        delay = cfg.retry_initial_s
                 self.state = "finished"
                 log.info("partition %s: fetcher finished", self.name)
                 return
@@ -226,7 +327,11 @@ class PartitionHost:
                     "partition %s: unexpected fetcher error, retrying in %.1fs", self.name, delay
                 )
             finally:
-                if self.fetcher is not None and self.state != "streaming":
+                if pump is not None:
+                    pump.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await pump
+                if self.fetcher is not None and self.state not in ("streaming", "finished"):
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
             self.state = "retrying"

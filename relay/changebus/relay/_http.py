@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import decimal
 import json
 import logging
+import socket
 import sys
 import time
 import uuid
@@ -35,6 +37,7 @@ from changebus.schemas import (
     Checkpoint,
     CheckpointError,
     Op,
+    OverwrittenError,
     PartitionCheckpoint,
     PartitionFilter,
     UnknownSchemaError,
@@ -45,8 +48,9 @@ from changebus.schemas import (
     parse_stream,
 )
 
+from ._buffer import Selection
 from ._config import RelayConfig
-from ._host import PartitionHost
+from ._host import CachedResponse, PartitionHost
 from ._metrics import RelayMetrics
 
 __all__ = ["HOSTS", "build_app"]
@@ -148,6 +152,8 @@ _STREAM_PARAMS = frozenset(
         "wait",
         "format",
         "client",
+        "follow",
+        "follow_bytes",
     }
 )
 
@@ -188,11 +194,26 @@ async def stream(request: web.Request) -> web.StreamResponse:
     sources = _source_ids(host, request.query.get("sources"))
     client = request.query.get("client", "")[:128] or (request.remote or "unknown")
 
-    deadline = time.monotonic() + wait
-    while True:
-        selection = host.buffer.select(
-            scn, offset, max_bytes, key_filter=key_filter, sources=sources
+    follow = request.query.get("follow", "0")
+    if follow not in ("0", "1"):
+        raise BadRequestError("parameter follow must be 0 or 1")
+    if follow == "1":
+        if fmt != "binary":
+            raise BadRequestError("follow=1 needs format=binary")
+        budget = _int(request, "follow_bytes", 64 << 20, 1, 1 << 40)
+        return await _follow(
+            request, host, scn, offset, max_bytes, key_filter, sources, wait, budget, client
         )
+    deadline = time.monotonic() + wait
+    filter_text = request.query.get("filter")
+    selection: Selection | CachedResponse | None
+    while True:
+        cache_key = (scn, offset, max_bytes, filter_text, sources, host.buffer.meta.tail_event)
+        selection = host.cached_response(cache_key) if fmt == "binary" else None
+        if selection is None:
+            selection = host.buffer.select(
+                scn, offset, max_bytes, key_filter=key_filter, sources=sources
+            )
         if selection is not None:
             break
         left = deadline - time.monotonic()
@@ -205,6 +226,28 @@ async def stream(request: web.Request) -> web.StreamResponse:
     metrics = request.app[METRICS]
     m = host.buffer.meta
     host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
+    if fmt == "binary" and isinstance(selection, CachedResponse):
+        return _small_response(host, selection, checkpoint_text, metrics)
+    assert isinstance(selection, Selection)
+    if fmt == "binary" and selection.nbytes <= _COPY_BYTES:
+        # small: one copy, checked against the pin, shared with identical requests
+        try:
+            body = b"".join(selection.views)
+        finally:
+            ok = host.buffer.release(selection)
+        if not ok:
+            metrics.overrun(host.name)
+            raise OverwrittenError("the buffer's writer overran this response; repeat the request")
+        cached = CachedResponse(
+            body,
+            selection.next_scn,
+            selection.next_offset,
+            selection.events,
+            selection.windows,
+            selection.partial,
+        )
+        host.cache_response(cache_key, cached)
+        return _small_response(host, cached, checkpoint_text, metrics)
     headers = _next_headers(host, selection.next_scn, selection.next_offset, checkpoint_text)
     headers.update(
         {
@@ -230,13 +273,13 @@ async def stream(request: web.Request) -> web.StreamResponse:
     ok = False
     try:
         await resp.prepare(request)
-        for view in selection.views:
-            await resp.write(view)
-        transport = request.transport
-        if not _ZERO_COPY_SAFE and transport is not None:
-            # transports signal no 'empty' event: poll briefly
-            while transport.get_write_buffer_size() and not transport.is_closing():  # noqa: ASYNC110
-                await asyncio.sleep(0.0005)
+        for chunk in _coalesce(selection.views):
+            await resp.write(chunk)
+        if not _ZERO_COPY_SAFE and request.transport is not None:
+            # newer asyncio transports keep references to unsent memoryviews:
+            # wait until everything left the process before the pin goes
+            request.transport.set_write_buffer_limits(high=0)
+            await request.writer.drain()
     finally:
         ok = host.buffer.release(selection)
     if not ok:
@@ -248,6 +291,141 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return resp
     await resp.write_eof()
     metrics.streamed(host.name, selection.nbytes, selection.events)
+    return resp
+
+
+_COALESCE_BYTES = 256 * 1024
+_FOLLOW_SNDBUF = 64 * 1024
+#: results up to this size are copied once (and shared), larger ones streamed zero-copy
+_COPY_BYTES = 256 * 1024
+
+
+def _small_response(
+    host: PartitionHost, cached: CachedResponse, checkpoint_text: str | None, metrics: RelayMetrics
+) -> web.Response:
+    headers = _next_headers(host, cached.next_scn, cached.next_offset, checkpoint_text)
+    headers["X-Changebus-Events"] = str(cached.events)
+    headers["X-Changebus-Windows"] = str(cached.windows)
+    headers["X-Changebus-Partial"] = "1" if cached.partial else "0"
+    metrics.streamed(host.name, len(cached.body), cached.events)
+    return web.Response(
+        body=cached.body, headers=headers, content_type="application/vnd.changebus.events"
+    )
+
+
+def _coalesce(views: list[memoryview]) -> list[memoryview | bytes]:
+    """Runs to write: large runs as they are (zero copy), small ones joined.
+
+    A filtered selection is many short runs; one write per run would cost a
+    system call and an HTTP chunk each, so runs shorter than 64 KiB are
+    gathered (one copy) into writes of about 256 KiB.
+    """
+    out: list[memoryview | bytes] = []
+    pending: list[memoryview] = []
+    pending_bytes = 0
+    for view in views:
+        if len(view) >= 64 * 1024:
+            if pending:
+                out.append(b"".join(pending))
+                pending, pending_bytes = [], 0
+            out.append(view)
+            continue
+        pending.append(view)
+        pending_bytes += len(view)
+        if pending_bytes >= _COALESCE_BYTES:
+            out.append(b"".join(pending))
+            pending, pending_bytes = [], 0
+    if pending:
+        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+    return out
+
+
+async def _follow(
+    request: web.Request,
+    host: PartitionHost,
+    scn: int,
+    offset: int,
+    max_bytes: int,
+    key_filter: PartitionFilter | None,
+    sources: frozenset[int] | None,
+    wait: float,
+    budget: int,
+    client: str,
+) -> web.StreamResponse:
+    """Follow mode: one held response; each new batch of windows is pushed as a chunk.
+
+    The response ends when ``wait`` seconds pass with nothing new, when
+    ``budget`` bytes were sent, or when the client goes away. Every push is a
+    copy taken under a pin and checked before it is written, so every byte
+    on the wire is valid; the client tracks its position from the
+    END_OF_WINDOW events it reads (see docs/protocol.md 6.1).
+    """
+    metrics = request.app[METRICS]
+    filter_text = request.query.get("filter")
+    # fail before the 200 when the checkpoint is already too old
+    host.buffer.locate(scn, offset)
+    resp = web.StreamResponse(status=200, headers=_next_headers(host, scn, offset, None))
+    resp.headers["X-Changebus-Follow"] = "1"
+    resp.content_type = "application/vnd.changebus.events"
+    resp.enable_chunked_encoding()
+    transport = request.transport
+    if transport is not None:
+        # self-clocking: a small send buffer, and the next push only once the
+        # previous one has left the process, so new windows gather here into
+        # one larger push instead of queueing in socket buffers
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
+        transport.set_write_buffer_limits(high=0)
+    await resp.prepare(request)
+    sent = 0
+    idle_until = time.monotonic() + wait
+    while sent < budget:
+        m = host.buffer.meta
+        key = (scn, offset, max_bytes, filter_text, sources, m.tail_event)
+        cached = host.cached_response(key)
+        if cached is None:
+            try:
+                selection = host.buffer.select(
+                    scn, offset, max_bytes, key_filter=key_filter, sources=sources
+                )
+            except ChangebusError as exc:  # e.g. evicted meanwhile: end the stream, client re-asks
+                log.info("follow stream for %s ends: %s", client, exc.message)
+                break
+            if selection is None:
+                left = idle_until - time.monotonic()
+                if left <= 0:
+                    break
+                await host.wait_for_window(left)
+                continue
+            try:
+                body = b"".join(selection.views)
+            finally:
+                ok = host.buffer.release(selection)
+            if not ok:
+                metrics.overrun(host.name)
+                break
+            cached = CachedResponse(
+                body,
+                selection.next_scn,
+                selection.next_offset,
+                selection.events,
+                selection.windows,
+                selection.partial,
+            )
+            host.cache_response(key, cached)
+        await resp.write(cached.body)
+        await request.writer.drain()  # limits are 0: returns once the push left the process
+        # write and drain often complete without suspending; yield so that a
+        # stream that always finds new windows cannot starve the others
+        await asyncio.sleep(0)
+        metrics.streamed(host.name, len(cached.body), cached.events)
+        sent += len(cached.body)
+        scn, offset = cached.next_scn, cached.next_offset
+        host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
+        idle_until = time.monotonic() + wait
+    await resp.write_eof()
     return resp
 
 

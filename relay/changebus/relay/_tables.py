@@ -50,9 +50,10 @@ class CircularTable:
     def __init__(self, path: Path, dtype: np.dtype[np.void], slots: int, *, create: bool) -> None:
         self.path = path
         self.slots = slots
-        self.data: npt.NDArray[Any] = np.memmap(
-            path, dtype=dtype, mode="w+" if create else "r+", shape=(slots,)
-        )
+        self._mm = np.memmap(path, dtype=dtype, mode="w+" if create else "r+", shape=(slots,))
+        # a plain ndarray view: np.memmap's Python-level __getitem__ costs
+        # microseconds per slice, and this table is sliced on every request
+        self.data: npt.NDArray[Any] = self._mm.view(np.ndarray)
 
     def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Physical ``[a, b)`` slot spans covering virtual ``[start, stop)``."""
@@ -75,6 +76,25 @@ class CircularTable:
             return src[a:b]
         return np.concatenate([src[a:b] for a, b in spans])
 
+    def searchsorted(
+        self, start: int, stop: int, field: str, value: int, side: str = "left"
+    ) -> int:
+        """Binary search of ``value`` in ``field`` over virtual ``[start, stop)`` (sorted there).
+
+        Returns a virtual number; searches the (at most two) physical spans
+        in place, without copying the range.
+        """
+        spans = self._spans(start, stop)
+        if not spans:
+            return start
+        col = self.data[field]
+        a, b = spans[0]
+        i = int(np.searchsorted(col[a:b], value, side=side))  # type: ignore[call-overload]
+        if i < b - a or len(spans) == 1:
+            return start + i
+        c, d = spans[1]
+        return start + (b - a) + int(np.searchsorted(col[c:d], value, side=side))  # type: ignore[call-overload]
+
     def put(self, start: int, records: npt.NDArray[Any]) -> None:
         """Store ``records`` at virtual numbers ``start, start + 1, ...``."""
         done = 0
@@ -87,12 +107,12 @@ class CircularTable:
         return self.data[n % self.slots]
 
     def flush(self) -> None:
-        flush = getattr(self.data, "flush", None)
-        if flush is not None:
-            flush()
+        self._mm.flush()
 
     def close(self) -> None:
         self.flush()
-        mm = getattr(self.data, "_mmap", None)
+        del self.data
+        mm = getattr(self._mm, "_mmap", None)
+        del self._mm
         if mm is not None:
             mm.close()

@@ -32,10 +32,13 @@ from ._control import (
     decode_control as decode_control,
     encode_control as encode_control,
 )
+from ._crc import crc32 as crc32
 from ._envelope import (
     HEADER_DTYPE as HEADER_DTYPE,
     HEADER_SIZE as HEADER_SIZE,
+    MAGIC as MAGIC,
     MAX_EVENT_SIZE as MAX_EVENT_SIZE,
+    VERSION as VERSION,
     EventHeader as EventHeader,
     Op as Op,
     check_headers as check_headers,
@@ -113,9 +116,11 @@ __all__ = [
     "HEADER_DTYPE",
     "HEADER_SIZE",
     "INTERVAL_SCHEMA",
+    "MAGIC",
     "MAX_EVENT_SIZE",
     "MAX_SCN",
     "NO_SCN",
+    "VERSION",
     "AvroType",
     "BadRequestError",
     "BootstrapProgress",
@@ -161,6 +166,7 @@ __all__ = [
     "check_compatible",
     "check_headers",
     "control_schema_id",
+    "crc32",
     "decode_control",
     "decode_header",
     "encode_control",
