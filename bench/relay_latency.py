@@ -100,8 +100,13 @@ class LeanHttp:
 
 
 def consumer_proc(
-    host: str, port: int, tasks: int, seconds: float, follow: bool, out: mp.Queue
-) -> None:  # type: ignore[type-arg]
+    host: str,
+    port: int,
+    tasks: int,
+    seconds: float,
+    follow: bool,
+    out: mp.Queue,  # type: ignore[type-arg]
+) -> None:
     async def one(lat: list[float], stop_at: float) -> None:
         http = await LeanHttp.connect(host, port, 64 * 1024 if follow else 0)
         _, headers, _ = await http.get("/v1/stream?from=latest")

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Checkpoint, Op, parse_stream
+from changebus.schemas import Checkpoint, Op, headers_at, parse_stream, scan_offsets
 
 
 def relay_config(tmp_path: Path, **fetcher: Any) -> RelayConfig:
@@ -273,3 +273,68 @@ async def _resume(
                 return events, token
             _, headers = parse_stream(body)
             events.extend((int(h["scn"]), int(h["seq"]), int(h["op"])) for h in headers)
+
+
+async def test_follow_streams_backlog_then_ends(relay: Relay, http: aiohttp.ClientSession) -> None:
+    await wait_windows(relay, 300)
+    params: dict[str, Any] = {
+        "partition": "syn",
+        "scn": -1,
+        "follow": 1,
+        "wait": 0.3,
+        "max_bytes": 3000,
+    }
+    t0 = time.monotonic()
+    async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+        assert resp.status == 200
+        assert resp.headers["X-Changebus-Follow"] == "1"
+        body = await resp.read()
+    assert time.monotonic() - t0 >= 0.3  # held open until idle for `wait`
+    _, headers = parse_stream(body)
+    eows = [int(h["scn"]) for h in headers if h["op"] == Op.END_OF_WINDOW]
+    assert len(eows) == 300
+    assert eows == sorted(set(eows))
+
+
+async def test_follow_pushes_live_windows(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with Relay(relay_config(tmp_path, windows_per_s=50, max_windows=0)) as relay:
+        await wait_windows(relay, 1)
+        start = relay.hosts["syn"].buffer.meta.last_scn
+        params = {
+            "partition": "syn",
+            "scn": start,
+            "follow": 1,
+            "wait": 5,
+            "follow_bytes": 1_000_000,
+        }
+        got: list[int] = []
+        buf = b""
+        t0 = time.monotonic()
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                offsets = scan_offsets(buf)
+                if len(offsets):
+                    end = int(offsets[-1]) + int(headers_at(buf, offsets[-1:])["total_length"][0])
+                    _, hdr = parse_stream(buf[:end])
+                    got.extend(int(h["scn"]) for h in hdr if h["op"] == Op.END_OF_WINDOW)
+                    buf = buf[end:]
+                if len(got) >= 10:
+                    break
+        assert got == list(range(start + 1, start + 1 + len(got)))
+        assert time.monotonic() - t0 < 3  # pushed as they commit (50/s), not at the end
+
+
+async def test_follow_with_too_old_checkpoint_gets_410(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    async with Relay(relay_config(tmp_path, max_windows=50)) as relay:
+        await wait_windows(relay, 50)
+        params: dict[str, Any] = {"partition": "syn", "scn": 5, "follow": 1, "wait": 1}
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 410
+            assert (await resp.json())["error"] == "scn_not_found"
+        async with http.get(
+            f"{relay.url}/v1/stream", params={**params, "format": "ndjson"}
+        ) as resp:
+            assert resp.status == 400

@@ -53,5 +53,9 @@ def _main(args: argparse.Namespace) -> int:
     # short GIL switch interval keeps a waiting loop from stalling up to the
     # default 5 ms behind them (the process is ours: this is not library code).
     sys.setswitchinterval(config.gil_switch_interval_s)
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    except ChangebusError as exc:
+        print(f"changebus relay: {exc.message}")
+        return 2
     return 0

@@ -114,6 +114,9 @@ class PartitionHost:
         self._loop = asyncio.get_running_loop()
         self._new_window = asyncio.Event()
         if self.config.fetcher.kind != "none":
+            # build it now: an unknown kind or bad options fail the start-up
+            cfg = self.config.fetcher
+            self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
             self._task = asyncio.create_task(self._ingest(), name=f"ingest-{self.name}")
 
     async def stop(self) -> None:
@@ -269,7 +272,8 @@ class PartitionHost:
         while True:
             pump: asyncio.Task[None] | None = None
             try:
-                self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
+                if self.fetcher is None:
+                    self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
                 meta = self.buffer.meta
                 resume = ResumePoint(meta.last_scn, self.buffer.last_source_position)
                 start_scn = await self.fetcher.start(resume)
@@ -334,6 +338,7 @@ class PartitionHost:
                 if self.fetcher is not None and self.state not in ("streaming", "finished"):
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
+            self.fetcher = None  # a fresh one for the next attempt
             self.state = "retrying"
             self.stats["fetcher_restarts"] += 1
             await asyncio.sleep(delay)
