@@ -300,7 +300,7 @@ async def test_follow_pushes_live_windows(tmp_path: Path, http: aiohttp.ClientSe
     async with Relay(relay_config(tmp_path, windows_per_s=50, max_windows=0)) as relay:
         await wait_windows(relay, 1)
         start = relay.hosts["syn"].buffer.meta.last_scn
-        params = {
+        params: dict[str, Any] = {
             "partition": "syn",
             "scn": start,
             "follow": 1,
