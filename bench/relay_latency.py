@@ -22,28 +22,15 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-_PATHS = [str(_ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")]
-sys.path[:0] = _PATHS
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from changebus.schemas import Op, parse_stream  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from _common import free_port, start_relay, stop_relay
+from changebus.schemas import Op, parse_stream
 
 #: receipts in the first second (connections, catching up to the newest window) are not counted
 WARMUP_S = 1.0
@@ -219,20 +206,8 @@ def main() -> None:
             f'[partitions.fetcher]\nkind = "synthetic"\n'
             f"options = {{ windows_per_s = {args.rate}, events_per_window = 3, row_bytes = 200 }}\n"
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_PATHS)}
-        relay = subprocess.Popen(
-            [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(config)], env=env
-        )
+        relay = start_relay(config, port)
         try:
-            deadline = time.time() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.1)
             time.sleep(1.0)
             for mode in ("longpoll", "follow"):
                 for n in (1, 50):
@@ -249,8 +224,7 @@ def main() -> None:
                         flush=True,
                     )
         finally:
-            relay.terminate()
-            relay.wait(30)
+            stop_relay(relay)
     print(json.dumps(result))
 
 

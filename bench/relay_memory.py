@@ -16,21 +16,16 @@ import argparse
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-_PATHS = [str(_ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")]
-sys.path[:0] = _PATHS
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from changebus.relay import BufferConfig, EventBuffer  # noqa: E402
-from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash  # noqa: E402
+from _common import start_relay, stop_relay
+from changebus.relay import BufferConfig, EventBuffer
+from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
 
 
 def fill(directory: Path, capacity: int) -> int:
@@ -86,20 +81,8 @@ def serve_and_measure(data_dir: Path, name: str, capacity: int) -> dict[str, flo
         f"[http]\nport = {port}\nmax_response_bytes = {64 << 20}\n"
         f'[[partitions]]\nname = "{name}"\nid = 1\ncapacity_bytes = {capacity}\n'
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(_PATHS)}
-    relay = subprocess.Popen(
-        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(cfg)], env=env
-    )
+    relay = start_relay(cfg, port)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).read()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.1)
         served, scn, t0 = 0, -1, time.perf_counter()
         while True:
             url = f"http://127.0.0.1:{port}/v1/stream?scn={scn}&max_bytes={16 << 20}"
@@ -111,8 +94,7 @@ def serve_and_measure(data_dir: Path, name: str, capacity: int) -> dict[str, flo
         seconds = time.perf_counter() - t0
         mem = smaps(relay.pid)
     finally:
-        relay.terminate()
-        relay.wait(30)
+        stop_relay(relay)
     return {
         "served_bytes": float(served),
         "seconds": seconds,

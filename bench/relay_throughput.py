@@ -20,21 +20,16 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parent.parent
-_PATHS = [str(_ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")]
-sys.path[:0] = _PATHS
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from changebus.relay import BufferConfig, EventBuffer  # noqa: E402
-from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash  # noqa: E402
+from _common import free_port, start_relay, stop_relay
+from changebus.relay import BufferConfig, EventBuffer
+from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
 
 
 def prefill(directory: Path, capacity: int, fill: int) -> tuple[int, int]:
@@ -69,12 +64,6 @@ def prefill(directory: Path, capacity: int, fill: int) -> tuple[int, int]:
         scn += 1
     buf.close()
     return total, events
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- relay consumers ---------------------------------------------------------
@@ -207,21 +196,9 @@ def main() -> None:
             f"[http]\nport = {port}\nmax_response_bytes = {64 << 20}\n"
             f'[[partitions]]\nname = "bench"\nid = 1\ncapacity_bytes = {capacity}\n'
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_PATHS)}
-        relay = subprocess.Popen(
-            [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(config)], env=env
-        )
+        relay = start_relay(config, port)
         try:
             url = f"http://127.0.0.1:{port}/v1/stream"
-            deadline = time.time() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.1)
             for n in counts:
                 raw = run_raw_pass(str(raw_path), size, n)
                 rel = run_relay_pass(url, n, filtered=False)
@@ -242,8 +219,7 @@ def main() -> None:
                     flush=True,
                 )
         finally:
-            relay.terminate()
-            relay.wait(30)
+            stop_relay(relay)
     print(json.dumps(result))
 
 

@@ -231,22 +231,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
     assert isinstance(selection, Selection)
     if fmt == "binary" and selection.nbytes <= _COPY_BYTES:
         # small: one copy, checked against the pin, shared with identical requests
-        try:
-            body = b"".join(selection.views)
-        finally:
-            ok = host.buffer.release(selection)
-        if not ok:
-            metrics.overrun(host.name)
+        cached = _copy_out(host, selection, cache_key, metrics)
+        if cached is None:
             raise OverwrittenError("the buffer's writer overran this response; repeat the request")
-        cached = CachedResponse(
-            body,
-            selection.next_scn,
-            selection.next_offset,
-            selection.events,
-            selection.windows,
-            selection.partial,
-        )
-        host.cache_response(cache_key, cached)
         return _small_response(host, cached, checkpoint_text, metrics)
     headers = _next_headers(host, selection.next_scn, selection.next_offset, checkpoint_text)
     headers.update(
@@ -298,6 +285,33 @@ _COALESCE_BYTES = 256 * 1024
 _FOLLOW_SNDBUF = 64 * 1024
 #: results up to this size are copied once (and shared), larger ones streamed zero-copy
 _COPY_BYTES = 256 * 1024
+
+
+def _copy_out(
+    host: PartitionHost, selection: Selection, key: tuple[Any, ...], metrics: RelayMetrics
+) -> CachedResponse | None:
+    """Copy a selection out of the ring, release its pin, and cache the copy.
+
+    Returns None when the writer overran the pin while copying (the copy may
+    be torn and is dropped).
+    """
+    try:
+        body = b"".join(selection.views)
+    finally:
+        ok = host.buffer.release(selection)
+    if not ok:
+        metrics.overrun(host.name)
+        return None
+    cached = CachedResponse(
+        body,
+        selection.next_scn,
+        selection.next_offset,
+        selection.events,
+        selection.windows,
+        selection.partial,
+    )
+    host.cache_response(key, cached)
+    return cached
 
 
 def _small_response(
@@ -399,22 +413,9 @@ async def _follow(
                     break
                 await host.wait_for_window(left)
                 continue
-            try:
-                body = b"".join(selection.views)
-            finally:
-                ok = host.buffer.release(selection)
-            if not ok:
-                metrics.overrun(host.name)
+            cached = _copy_out(host, selection, key, metrics)
+            if cached is None:
                 break
-            cached = CachedResponse(
-                body,
-                selection.next_scn,
-                selection.next_offset,
-                selection.events,
-                selection.windows,
-                selection.partial,
-            )
-            host.cache_response(key, cached)
         await resp.write(cached.body)
         await request.writer.drain()  # limits are 0: returns once the push left the process
         # write and drain often complete without suspending; yield so that a

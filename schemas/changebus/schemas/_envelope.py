@@ -131,8 +131,9 @@ HEADER_DTYPE: Final = np.dtype(
 )
 assert HEADER_DTYPE.itemsize == HEADER_SIZE
 
-# bytes [0, 60): everything the header CRC covers
-_BODY = struct.Struct("<HBBIQqQQIIIHHHH")
+#: bytes [0, 60) of the header: everything the header CRC covers
+HEADER_BODY: Final = struct.Struct("<HBBIQqQQIIIHHHH")
+_BODY = HEADER_BODY
 _U32 = struct.Struct("<I")
 _START = struct.Struct("<HBBI")  # magic, version, op, total_length: 8 bytes
 _CRC_AT: Final = 60

@@ -35,14 +35,14 @@ from typing import Any, Final, NamedTuple, cast
 import fastavro
 
 from ._crc import crc32
-from ._envelope import HEADER_SIZE, MAGIC, MAX_EVENT_SIZE, VERSION, Op
+from ._envelope import HEADER_BODY, HEADER_SIZE, MAGIC, MAX_EVENT_SIZE, VERSION, Op
 from ._partition import key_hash
 from ._table import TableSchema
 from .errors import CorruptEventError, EventTooLargeError, SchemaError
 
 __all__ = ["ChangeDecoder", "DecodedChange", "RowChange", "RowEncoder"]
 
-_HEAD: Final = struct.Struct("<HBBIQqQQIIIHHHH")
+_HEAD: Final = HEADER_BODY
 _U32: Final = struct.Struct("<I")
 _crc32 = crc32
 _write_row = fastavro.schemaless_writer
@@ -400,45 +400,8 @@ class ChangeDecoder:
         self._rename = dict(self.reader.column_for_field)
 
     def decode(self, payload: bytes | memoryview) -> DecodedChange:
-        """Decode one change record."""
-        bio = io.BytesIO(payload)
-        read = bio.read
-        try:
-            branch = read(1)
-            if branch == _PRESENT:
-                after = _read_row(bio, self._w, self._r)
-            elif branch == _NULL:
-                after = None
-            else:
-                raise CorruptEventError(f"bad union branch {branch!r} in change payload")
-            branch = read(1)
-            if branch == _PRESENT:
-                before = _read_row(bio, self._w, self._r)
-            elif branch == _NULL:
-                before = None
-            else:
-                raise CorruptEventError(f"bad union branch {branch!r} in change payload")
-            pos = bio.tell()
-            if len(payload) - pos == 2 and payload[pos] == 0 and payload[pos + 1] == 0:
-                after_ns: tuple[str, ...] = ()
-                before_ns: tuple[str, ...] = ()
-            else:
-                after_ns = _read_string_array(bio)
-                before_ns = _read_string_array(bio)
-                if read(1):
-                    raise CorruptEventError("trailing bytes after the change record")
-        except CorruptEventError:
-            raise
-        except Exception as exc:
-            raise CorruptEventError(
-                f"undecodable {self.writer.name!r} v{self.writer.version} payload: {exc!r}"
-            ) from exc
-        if self._rename:
-            if after is not None:
-                after = {self._rename.get(k, k): v for k, v in after.items()}
-            if before is not None:
-                before = {self._rename.get(k, k): v for k, v in before.items()}
-        return _new_change((after, before, after_ns, before_ns))
+        """Decode one change record (see :meth:`decode_many` for batches)."""
+        return self.decode_many(payload, (0,), (len(payload),))[0]
 
     def decode_many(
         self, buf: bytes | bytearray | memoryview, starts: Sequence[int], stops: Sequence[int]
