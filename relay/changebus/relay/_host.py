@@ -58,6 +58,9 @@ _QUEUE_WINDOWS = 4096
 #: a group commit takes at most this much of what queued up
 _GROUP_WINDOWS = 512
 _GROUP_BYTES = 8 << 20
+#: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
+_TICK_PER_WAITER_S = 0.0001
+_MAX_TICK_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,9 @@ class PartitionHost:
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"relay-writer-{config.name}")
         self._new_window: asyncio.Event | None = None
+        self._waiters = 0
+        self._tick: asyncio.TimerHandle | None = None
+        self._last_wake = 0.0
         self._task: asyncio.Task[None] | None = None
         self.fetcher: Fetcher | None = None
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
@@ -120,6 +126,8 @@ class PartitionHost:
             self._task = asyncio.create_task(self._ingest(), name=f"ingest-{self.name}")
 
     async def stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -142,20 +150,46 @@ class PartitionHost:
     def _published(self) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake)
+            loop.call_soon_threadsafe(self._on_publish)
+
+    def _on_publish(self) -> None:
+        """Loop thread: wake waiting readers, coalescing when there are many.
+
+        One waiter is woken at once. With ``n`` waiters, wake-ups are at
+        least ``min(n - 1, 50) * 100 us`` apart: waiters wake together, share
+        one selection (the response cache) and each gets a larger batch,
+        instead of every commit costing one response per waiter.
+        """
+        if self._tick is not None:
+            return  # a wake-up is already scheduled; it will see this window
+        assert self._loop is not None
+        now = self._loop.time()
+        interval = min(max(self._waiters - 1, 0) * _TICK_PER_WAITER_S, _MAX_TICK_S)
+        at = self._last_wake + interval
+        if at <= now:
+            self._wake()
+        else:
+            self._tick = self._loop.call_at(at, self._wake)
 
     def _wake(self) -> None:
         assert self._new_window is not None
+        assert self._loop is not None
+        self._tick = None
+        self._last_wake = self._loop.time()
         self._new_window.set()
         self._new_window = asyncio.Event()
 
     async def wait_for_window(self, seconds: float) -> bool:
         """Wait until a window is published (True) or ``seconds`` pass."""
         assert self._new_window is not None
+        self._waiters += 1
         try:
-            await asyncio.wait_for(self._new_window.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._new_window.wait()
         except TimeoutError:
             return False
+        finally:
+            self._waiters -= 1
         return True
 
     def cached_response(self, key: tuple[Any, ...]) -> CachedResponse | None:
