@@ -1,0 +1,268 @@
+"""Postgres binary send formats to Python values (for pgoutput ``binary 'true'``).
+
+:func:`decode_value` turns one tuple cell into the Python value the Avro
+mapping of :mod:`changebus.schemas` expects for its type:
+
+================================  ==========================================
+type                              value
+================================  ==========================================
+int2, int4, int8, oid             int
+float4, float8                    float
+numeric                           Decimal (NaN, +/-Infinity included)
+bool                              bool
+text, varchar, bpchar, name,      str
+"char", xml, enum labels
+bytea                             bytes
+date                              datetime.date (+/-infinity: date.max/min)
+time                              datetime.time
+timetz                            str, ``HH:MM:SS[.ffffff]+HH[:MM]``
+timestamp                         naive datetime (+/-infinity: max/min)
+timestamptz                       aware datetime in UTC
+interval                          {"months", "days", "micros"}
+uuid                              uuid.UUID
+json, jsonb                       str (the JSON text)
+inet, cidr                        str, as Postgres prints it
+macaddr                           str ``08:00:2b:01:02:03``
+money                             str with two decimals (the minor unit count / 100)
+arrays of any of these            list (nested lists for more dimensions)
+================================  ==========================================
+
+Cells in text format (a ``str``) are returned as the text itself; unknown
+type OIDs in binary format are decoded as UTF-8 text (enums send their label
+that way). Domains must be resolved to their base type by the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import ipaddress
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any, Final
+
+from changebus.schemas import CorruptEventError
+
+from ._pgoutput import UNCHANGED, Cell
+
+__all__ = ["TYPE_OIDS", "decode_value"]
+
+_EPOCH_DATE: Final = datetime.date(2000, 1, 1)
+_EPOCH_TS: Final = datetime.datetime(2000, 1, 1)
+_EPOCH_TSZ: Final = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+_INT32_MAX: Final = 2**31 - 1
+_INT64_MAX: Final = 2**63 - 1
+
+_S_I16 = struct.Struct(">h")
+_S_I32 = struct.Struct(">i")
+_S_U32 = struct.Struct(">I")
+_S_I64 = struct.Struct(">q")
+_S_F32 = struct.Struct(">f")
+_S_F64 = struct.Struct(">d")
+_S_NUMERIC = struct.Struct(">hhHh")
+_S_INTERVAL = struct.Struct(">qii")
+_S_TIMETZ = struct.Struct(">qi")
+_S_ARRAY = struct.Struct(">iiI")
+
+
+def _text(b: bytes) -> str:
+    return b.decode()
+
+
+def _date(b: bytes) -> datetime.date:
+    (days,) = _S_I32.unpack(b)
+    if days == _INT32_MAX:
+        return datetime.date.max
+    if days == -_INT32_MAX - 1:
+        return datetime.date.min
+    return _EPOCH_DATE + datetime.timedelta(days=days)
+
+
+def _time(b: bytes) -> datetime.time:
+    (us,) = _S_I64.unpack(b)
+    secs, us = divmod(us, 1_000_000)
+    mins, secs = divmod(secs, 60)
+    hours, mins = divmod(mins, 60)
+    return datetime.time(hours % 24, mins, secs, us)
+
+
+def _timetz(b: bytes) -> str:
+    _us, zone_west = _S_TIMETZ.unpack(b)
+    t = _time(b[:8]).isoformat()
+    east = -zone_west
+    sign = "+" if east >= 0 else "-"
+    hh, rem = divmod(abs(east), 3600)
+    mm, ss = divmod(rem, 60)
+    zone = f"{sign}{hh:02d}" + (f":{mm:02d}" if mm or ss else "") + (f":{ss:02d}" if ss else "")
+    return t + zone
+
+
+def _timestamp(b: bytes) -> datetime.datetime:
+    (us,) = _S_I64.unpack(b)
+    if us == _INT64_MAX:
+        return datetime.datetime.max
+    if us == -_INT64_MAX - 1:
+        return datetime.datetime.min
+    return _EPOCH_TS + datetime.timedelta(microseconds=us)
+
+
+def _timestamptz(b: bytes) -> datetime.datetime:
+    (us,) = _S_I64.unpack(b)
+    if us == _INT64_MAX:
+        return datetime.datetime.max.replace(tzinfo=datetime.UTC)
+    if us == -_INT64_MAX - 1:
+        return datetime.datetime.min.replace(tzinfo=datetime.UTC)
+    return _EPOCH_TSZ + datetime.timedelta(microseconds=us)
+
+
+def _interval(b: bytes) -> dict[str, int]:
+    micros, days, months = _S_INTERVAL.unpack(b)
+    return {"months": months, "days": days, "micros": micros}
+
+
+def _numeric(b: bytes) -> decimal.Decimal:
+    ndigits, weight, sign, dscale = _S_NUMERIC.unpack_from(b)
+    if sign == 0xC000:
+        return decimal.Decimal("NaN")
+    if sign == 0xD000:
+        return decimal.Decimal("Infinity")
+    if sign == 0xF000:
+        return decimal.Decimal("-Infinity")
+    digits = struct.unpack_from(f">{ndigits}H", b, 8)
+    text = "".join(f"{d:04d}" for d in digits)
+    int_len = (weight + 1) * 4
+    if int_len <= 0:
+        whole, frac = "0", "0" * -int_len + text
+    elif int_len >= len(text):
+        whole, frac = text + "0" * (int_len - len(text)), ""
+    else:
+        whole, frac = text[:int_len], text[int_len:]
+    whole = whole.lstrip("0") or "0"
+    frac = frac[:dscale].ljust(dscale, "0")
+    value = f"{'-' if sign == 0x4000 else ''}{whole}{'.' + frac if dscale else ''}"
+    return decimal.Decimal(value)
+
+
+def _inet(b: bytes, *, cidr: bool = False) -> str:
+    family, bits, is_cidr, nb = b[0], b[1], b[2], b[3]
+    addr_bytes = b[4 : 4 + nb]
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address = (
+        ipaddress.IPv4Address(addr_bytes) if family == 2 else ipaddress.IPv6Address(addr_bytes)
+    )
+    full = 32 if family == 2 else 128
+    if cidr or is_cidr or bits != full:
+        return f"{addr}/{bits}"
+    return str(addr)
+
+
+def _macaddr(b: bytes) -> str:
+    return ":".join(f"{x:02x}" for x in b)
+
+
+def _money(b: bytes) -> str:
+    (cents,) = _S_I64.unpack(b)
+    return str(decimal.Decimal(cents).scaleb(-2))
+
+
+def _jsonb(b: bytes) -> str:
+    if not b or b[0] != 1:
+        raise CorruptEventError("unknown jsonb binary format version")
+    return b[1:].decode()
+
+
+def _array(b: bytes) -> list[Any]:
+    ndim, _flags, elem_oid = _S_ARRAY.unpack_from(b)
+    if ndim == 0:
+        return []
+    pos = 12
+    dims = []
+    for _ in range(ndim):
+        length, _lbound = struct.unpack_from(">ii", b, pos)
+        dims.append(length)
+        pos += 8
+    decode = _DECODERS.get(elem_oid, _text)
+    flat: list[Any] = []
+    total = 1
+    for d in dims:
+        total *= d
+    for _ in range(total):
+        (size,) = _S_I32.unpack_from(b, pos)
+        pos += 4
+        if size < 0:
+            flat.append(None)
+        else:
+            flat.append(decode(b[pos : pos + size]))
+            pos += size
+    return _nest(flat, dims)
+
+
+def _nest(flat: list[Any], dims: list[int]) -> list[Any]:
+    if len(dims) == 1:
+        return flat
+    step = len(flat) // dims[0]
+    return [_nest(flat[i * step : (i + 1) * step], dims[1:]) for i in range(dims[0])]
+
+
+#: well-known type OIDs (pg_type) by name
+TYPE_OIDS: Final = {
+    "bool": 16, "bytea": 17, "char": 18, "name": 19, "int8": 20, "int2": 21, "int4": 23,
+    "text": 25, "oid": 26, "json": 114, "xml": 142, "cidr": 650, "float4": 700, "float8": 701,
+    "money": 790, "macaddr": 829, "inet": 869, "bpchar": 1042, "varchar": 1043, "date": 1082,
+    "time": 1083, "timestamp": 1114, "timestamptz": 1184, "interval": 1186, "timetz": 1266,
+    "numeric": 1700, "uuid": 2950, "jsonb": 3802,
+}  # fmt: skip
+
+_DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
+    16: lambda b: b == b"\x01",
+    17: bytes,
+    18: _text,
+    19: _text,
+    20: lambda b: _S_I64.unpack(b)[0],
+    21: lambda b: _S_I16.unpack(b)[0],
+    23: lambda b: _S_I32.unpack(b)[0],
+    25: _text,
+    26: lambda b: _S_U32.unpack(b)[0],
+    114: _text,
+    142: _text,
+    650: lambda b: _inet(b, cidr=True),
+    700: lambda b: _S_F32.unpack(b)[0],
+    701: lambda b: _S_F64.unpack(b)[0],
+    790: _money,
+    829: _macaddr,
+    869: _inet,
+    1042: _text,
+    1043: _text,
+    1082: _date,
+    1083: _time,
+    1114: _timestamp,
+    1184: _timestamptz,
+    1186: _interval,
+    1266: _timetz,
+    1700: _numeric,
+    2950: lambda b: uuid.UUID(bytes=b),
+    3802: _jsonb,
+}
+# arrays: the array's element OID is in its binary header
+_ARRAY_OIDS: Final = frozenset(
+    {1000, 1001, 1002, 1003, 1005, 1007, 1009, 1014, 1015, 1016, 1021, 1022, 1028, 1040, 1041,
+     651, 791, 1115, 1182, 1183, 1185, 1187, 1231, 1270, 2951, 3807, 199, 143}
+)  # fmt: skip
+
+
+def decode_value(type_oid: int, cell: Cell, *, is_array: bool = False) -> Any:
+    """The Python value of one cell (see the module docstring).
+
+    ``is_array`` marks a column whose type is an array type with an OID not in
+    the built-in list (arrays of enums or domains); NULL and UNCHANGED cells
+    are returned as they are.
+    """
+    if cell is None or cell is UNCHANGED or isinstance(cell, str):
+        return cell
+    assert isinstance(cell, bytes)
+    try:
+        if is_array or type_oid in _ARRAY_OIDS:
+            return _array(cell)
+        return _DECODERS.get(type_oid, _text)(cell)
+    except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise CorruptEventError(f"cannot decode a value of type oid {type_oid}: {exc}") from exc
