@@ -1,9 +1,12 @@
 """changebus.fetchers.postgres: Postgres logical decoding (pgoutput) building blocks.
 
-Work in progress (issue 4): the pgoutput message parser and the binary value
-decoders. The streaming fetcher built on them is not here yet.
+Work in progress (issue 4): the pgoutput message parser, the binary value
+decoders, the catalog type resolver and the assembler that turns a message
+stream into encoded windows. The streaming (START_REPLICATION) fetcher built
+on them is not here yet.
 """
 
+from ._assembler import Assembler as Assembler
 from ._pgoutput import (
     UNCHANGED as UNCHANGED,
     Begin as Begin,
@@ -19,12 +22,15 @@ from ._pgoutput import (
     Update as Update,
     parse_message as parse_message,
 )
+from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
 
 __all__ = [
     "TYPE_OIDS",
     "UNCHANGED",
+    "Assembler",
     "Begin",
+    "ColumnType",
     "Commit",
     "Delete",
     "Insert",
@@ -34,6 +40,7 @@ __all__ = [
     "RelationColumn",
     "Truncate",
     "TypeInfo",
+    "TypeResolver",
     "Update",
     "decode_value",
     "parse_message",

@@ -1,0 +1,292 @@
+"""From pgoutput messages to encoded windows (one per transaction).
+
+:class:`Assembler` consumes parsed pgoutput messages in stream order and
+returns a :class:`~changebus.fetchers.Window` at every Commit:
+
+* the SCN is the commit LSN (Begin's ``final_lsn``), the timestamp the commit
+  time, the END_OF_WINDOW's ``source_position`` the commit's end LSN (``X/Y``:
+  where the slot may be advanced once the relay holds the window);
+* a Relation message turns into a :class:`~changebus.schemas.TableSchema`
+  (types resolved through the catalog); a new or changed table gets a new
+  schema version and a SCHEMA_CHANGE event before its first row;
+* Insert / Update / Delete become data events with after- and before-images:
+  ``REPLICA IDENTITY DEFAULT`` gives a key-only before-image (the other
+  columns are listed as not sent), ``FULL`` the whole old row; unchanged
+  TOASTed values are listed in ``after_not_sent``, never silently null;
+* Truncate becomes one TRUNCATE event per table; transactional logical
+  messages become MESSAGE events inside their window; a non-transactional
+  one becomes a window of its own at its LSN.
+
+The event key is the table's primary key (from ``primary_key``, the catalog)
+and falls back to the replica identity columns pgoutput flags; a table
+without either has no key.
+
+Not thread-safe: one assembler per fetcher thread.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from changebus.schemas import (
+    Column,
+    EndOfWindow,
+    LogicalMessage as MessagePayload,
+    Op,
+    RowEncoder,
+    SchemaChange,
+    SchemaRegistry,
+    TableSchema,
+    encode_control,
+    pg_numeric_text,
+    scn_to_lsn,
+)
+
+from .._base import Window
+from ._pgoutput import (
+    UNCHANGED,
+    Begin,
+    Cell,
+    Commit,
+    Delete,
+    Insert,
+    LogicalMessage,
+    Message,
+    Relation,
+    Truncate,
+    Update,
+)
+from ._types import ColumnType
+from ._values import decode_value
+
+__all__ = ["Assembler"]
+
+log = logging.getLogger("changebus.fetchers.postgres")
+
+
+@dataclass
+class _Table:
+    schema: TableSchema
+    encoder: RowEncoder
+    types: tuple[ColumnType, ...]
+    adapters: tuple[Callable[[Any], Any] | None, ...]
+    names: tuple[str, ...]
+    key_flags: tuple[bool, ...]
+    announced: bool = False
+
+
+@dataclass
+class _Txn:
+    scn: int
+    ts_ns: int
+    events: list[bytes] = field(default_factory=list)
+    data_events: int = 0
+
+
+def _adapter(avro: Any) -> Callable[[Any], Any] | None:
+    """A converter from decoded values to what fastavro takes, where needed."""
+    if isinstance(avro, dict):
+        if avro.get("changebus.type") == "numeric":
+            return lambda v: pg_numeric_text(v) if isinstance(v, decimal.Decimal) else v
+        if avro.get("type") == "array":
+            items = avro["items"][1] if isinstance(avro["items"], list) else avro["items"]
+            inner = _adapter(items)
+            if inner is not None:
+                return lambda v: _deep(v, inner)
+    return None
+
+
+def _deep(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, list):
+        return [_deep(v, fn) for v in value]
+    return None if value is None else fn(value)
+
+
+class Assembler:
+    """Builds windows from pgoutput messages (see the module docstring)."""
+
+    def __init__(
+        self,
+        partition_id: int,
+        resolve: Callable[[int, int], ColumnType],
+        registry: SchemaRegistry | None = None,
+        *,
+        primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
+    ) -> None:
+        self.partition_id = partition_id
+        self._resolve = resolve
+        self._primary_key = primary_key
+        self.registry = registry or SchemaRegistry()
+        self._tables: dict[int, _Table] = {}
+        self._txn: _Txn | None = None
+
+    # ---- relations ----------------------------------------------------
+
+    def _relation(self, rel: Relation) -> None:
+        types = tuple(self._resolve(c.type_oid, c.typmod) for c in rel.columns)
+        columns = tuple(
+            Column(c.name, t.avro, nullable=not c.key, source_type=t.formatted)
+            for c, t in zip(rel.columns, types, strict=True)
+        )
+        identity = tuple(c.name for c in rel.columns if c.key)
+        pk = self._primary_key(rel.oid) if self._primary_key is not None else None
+        key = pk if pk else identity
+        table = self.registry.register(TableSchema(f"{rel.namespace}.{rel.name}", columns, key))
+        old = self._tables.get(rel.oid)
+        if (
+            old is not None
+            and old.schema.version == table.version
+            and old.schema.name == table.name
+        ):
+            return  # Postgres re-sends unchanged Relation messages after reconnects
+        source_id = self.registry.source_id(table.name)
+        self._tables[rel.oid] = _Table(
+            table,
+            RowEncoder(table, source_id=source_id, partition=self.partition_id),
+            types,
+            tuple(_adapter(t.avro) for t in types),
+            tuple(c.name for c in rel.columns),
+            tuple(c.key for c in rel.columns),
+        )
+
+    def _announce(self, txn: _Txn, table: _Table) -> None:
+        if table.announced:
+            return
+        schema = table.schema
+        change = SchemaChange(
+            table.encoder.source_id,
+            schema.name,
+            schema.version,
+            schema.fingerprint,
+            json.dumps(schema.to_json(), separators=(",", ":")),
+        )
+        txn.events.append(
+            encode_control(change, txn.scn, len(txn.events), txn.ts_ns, partition=self.partition_id)
+        )
+        table.announced = True
+
+    # ---- rows ---------------------------------------------------------
+
+    def _row(self, table: _Table, cells: tuple[Cell, ...]) -> tuple[dict[str, Any], list[str]]:
+        row: dict[str, Any] = {}
+        not_sent: list[str] = []
+        for name, ctype, adapt, cell in zip(
+            table.names, table.types, table.adapters, cells, strict=True
+        ):
+            if cell is UNCHANGED:
+                row[name] = None
+                not_sent.append(name)
+                continue
+            value = decode_value(ctype.decode_oid, cell, is_array=ctype.is_array)
+            if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
+                # NaN/Infinity in a numeric(p,s) column: Avro's decimal cannot hold it
+                log.warning(
+                    "%s.%s holds %s, which numeric(p,s) maps cannot carry; sent as not-sent",
+                    table.schema.name,
+                    name,
+                    value,
+                )
+                row[name] = None
+                not_sent.append(name)
+                continue
+            row[name] = value if adapt is None or value is None else adapt(value)
+        return row, not_sent
+
+    def _data(
+        self,
+        rel_oid: int,
+        op: Op,
+        new: tuple[Cell, ...] | None,
+        old: tuple[Cell, ...] | None,
+        old_kind: str | None,
+    ) -> None:
+        txn = self._txn
+        if txn is None:
+            raise ValueError("a row change outside a transaction")
+        table = self._tables[rel_oid]
+        self._announce(txn, table)
+        after, after_ns = self._row(table, new) if new is not None else (None, [])
+        before: dict[str, Any] | None = None
+        before_ns: list[str] = []
+        if old is not None:
+            before, before_ns = self._row(table, old)
+            if old_kind == "K":  # only the key columns were sent
+                before_ns = [n for n, k in zip(table.names, table.key_flags, strict=True) if not k]
+        txn.events.append(
+            table.encoder.encode(
+                op,
+                txn.scn,
+                len(txn.events),
+                txn.ts_ns,
+                after,
+                before,
+                after_not_sent=after_ns,
+                before_not_sent=before_ns,
+            )
+        )
+        txn.data_events += 1
+
+    # ---- the message loop ----------------------------------------------
+
+    def feed(self, msg: Message) -> Window | None:
+        """Take one message; returns a complete window at a Commit."""
+        if isinstance(msg, Begin):
+            self._txn = _Txn(msg.final_lsn, msg.commit_ts_ns)
+        elif isinstance(msg, Relation):
+            self._relation(msg)
+        elif isinstance(msg, Insert):
+            self._data(msg.relation_oid, Op.INSERT, msg.new, None, None)
+        elif isinstance(msg, Update):
+            self._data(msg.relation_oid, Op.UPDATE, msg.new, msg.old, msg.old_kind)
+        elif isinstance(msg, Delete):
+            self._data(msg.relation_oid, Op.DELETE, None, msg.old, msg.old_kind)
+        elif isinstance(msg, Truncate):
+            txn = self._txn
+            if txn is None:
+                raise ValueError("a truncate outside a transaction")
+            for oid in msg.relation_oids:
+                table = self._tables[oid]
+                self._announce(txn, table)
+                txn.events.append(
+                    table.encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None)
+                )
+                txn.data_events += 1
+        elif isinstance(msg, LogicalMessage):
+            payload = MessagePayload(msg.prefix, msg.content, msg.transactional)
+            if msg.transactional and self._txn is not None:
+                txn = self._txn
+                txn.events.append(
+                    encode_control(
+                        payload, txn.scn, len(txn.events), txn.ts_ns, partition=self.partition_id
+                    )
+                )
+            else:
+                txn = _Txn(msg.lsn, 0)
+                txn.events.append(
+                    encode_control(payload, msg.lsn, 0, 0, partition=self.partition_id)
+                )
+                return self._close(txn, scn_to_lsn(msg.lsn))
+        elif isinstance(msg, Commit):
+            txn = self._txn
+            self._txn = None
+            if txn is None:
+                raise ValueError("a commit without a begin")
+            return self._close(txn, scn_to_lsn(msg.end_lsn))
+        return None
+
+    def _close(self, txn: _Txn, position: str) -> Window:
+        txn.events.append(
+            encode_control(
+                EndOfWindow(txn.data_events, position),
+                txn.scn,
+                len(txn.events),
+                txn.ts_ns,
+                partition=self.partition_id,
+            )
+        )
+        return Window(txn.scn, txn.ts_ns, b"".join(txn.events), len(txn.events), position)

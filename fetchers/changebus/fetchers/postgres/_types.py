@@ -1,0 +1,95 @@
+"""Column types from the Postgres catalog, for the Avro mapping and the decoders.
+
+pgoutput's Relation message gives each column's type OID and typmod only.
+:class:`TypeResolver` asks ``pg_type`` once per (OID, typmod) and answers
+with a :class:`ColumnType`: the ``format_type`` text the Avro mapping reads
+(for a domain: its base type), the OID whose binary format the value has,
+whether it is an array, and enum labels. Results are cached; the resolver is
+used from the fetcher's own thread only (it holds a blocking connection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from changebus.schemas import AvroType, pg_avro_type
+
+__all__ = ["ColumnType", "TypeResolver"]
+
+_QUERY = """
+SELECT t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory,
+       format_type(t.oid, %(typmod)s),
+       CASE WHEN t.typtype = 'e' THEN ARRAY(
+           SELECT enumlabel::text FROM pg_enum WHERE enumtypid = t.oid ORDER BY enumsortorder)
+       END,
+       e.typtype,
+       CASE WHEN e.typtype = 'e' THEN ARRAY(
+           SELECT enumlabel::text FROM pg_enum WHERE enumtypid = e.oid ORDER BY enumsortorder)
+       END
+FROM pg_type t LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A'
+WHERE t.oid = %(oid)s
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnType:
+    """How to map and decode one column type."""
+
+    formatted: str
+    decode_oid: int
+    is_array: bool
+    enum_labels: tuple[str, ...] | None
+
+    @property
+    def avro(self) -> AvroType:
+        return pg_avro_type(self.formatted, enum_labels=self.enum_labels)
+
+
+class TypeResolver:
+    """Resolves (type OID, typmod) pairs through a psycopg connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._cache: dict[tuple[int, int], ColumnType] = {}
+
+    def primary_key(self, relation_oid: int) -> tuple[str, ...] | None:
+        """The table's primary key columns in key order, or None without one.
+
+        pgoutput flags the *replica identity* columns, which under
+        ``REPLICA IDENTITY FULL`` are all of them; the event key must be the
+        real key.
+        """
+        row = self._conn.execute(
+            "SELECT array_agg(a.attname::text ORDER BY k.ord) FROM pg_index i "
+            "CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord) "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+            "WHERE i.indrelid = %s AND i.indisprimary",
+            (relation_oid,),
+        ).fetchone()
+        return tuple(row[0]) if row and row[0] else None
+
+    def resolve(self, oid: int, typmod: int) -> ColumnType:
+        key = (oid, typmod)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self._lookup(oid, typmod)
+        return found
+
+    def _lookup(self, oid: int, typmod: int) -> ColumnType:
+        row = self._conn.execute(_QUERY, {"oid": oid, "typmod": typmod}).fetchone()
+        if row is None:
+            return ColumnType("text", oid, False, None)
+        typtype, base, base_typmod, elem, category, formatted, labels, elem_type, elem_labels = row
+        if typtype == "d":  # a domain travels as its base type
+            return self.resolve(int(base), int(base_typmod))
+        if typtype == "e":
+            return ColumnType(formatted, oid, False, tuple(labels))
+        if category == "A":
+            if elem_type == "e":
+                return ColumnType(formatted, oid, True, tuple(elem_labels))
+            if elem_type == "d":
+                inner = self.resolve(int(elem), -1)
+                return ColumnType(inner.formatted + "[]", oid, True, inner.enum_labels)
+            return ColumnType(formatted, oid, True, None)
+        return ColumnType(formatted, oid, False, None)
