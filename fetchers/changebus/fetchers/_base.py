@@ -115,3 +115,4 @@ def create_fetcher(kind: str, name: str, partition_id: int, options: Mapping[str
 def _load_builtin() -> None:
     # imported lazily: a fetcher's heavy dependencies load only when used
     from . import _synthetic  # noqa: F401
+    from .postgres import _fetcher  # noqa: F401
