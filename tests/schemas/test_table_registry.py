@@ -1,10 +1,18 @@
-"""Table schemas (names, fingerprints) and the schema registry."""
+"""Table schemas (names, fingerprints, validation) and the schema registry."""
 
 from __future__ import annotations
 
+import io
+import itertools
+import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import fastavro
 import pytest
 
 from changebus.schemas import (
@@ -13,8 +21,10 @@ from changebus.schemas import (
     SchemaRegistry,
     TableSchema,
     UnknownSchemaError,
+    crc32,
     pg_avro_type,
 )
+from changebus.schemas._table import field_name
 
 
 def users(*extra: Column, key: tuple[str, ...] = ("id",)) -> TableSchema:
@@ -29,16 +39,99 @@ def users(*extra: Column, key: tuple[str, ...] = ("id",)) -> TableSchema:
     )
 
 
+def row_bytes(table: TableSchema, row: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(table.row_schema), row)
+    return buf.getvalue()
+
+
+def read_row(writer: TableSchema, reader: TableSchema, data: bytes) -> dict[str, Any]:
+    w = fastavro.parse_schema(writer.row_schema)
+    r = fastavro.parse_schema(reader.row_schema)
+    record = fastavro.schemaless_reader(io.BytesIO(data), w, r)
+    assert isinstance(record, dict)
+    return record
+
+
+# ---- TableSchema --------------------------------------------------------
+
+
 def test_fingerprint_is_stable_and_sensitive() -> None:
     a, b = users(), users()
     assert a.fingerprint == b.fingerprint
     assert a.with_version(3).fingerprint == a.fingerprint  # version is not content
+    assert TableSchema.from_json(json.loads(json.dumps(a.to_json()))).fingerprint == a.fingerprint
     assert users(Column("age", "int")).fingerprint != a.fingerprint
     assert users(key=("id", "name")).fingerprint != a.fingerprint
+    assert users(key=()).fingerprint != a.fingerprint
     n1 = users(Column("price", pg_avro_type("numeric(10,2)")))
     n2 = users(Column("price", pg_avro_type("numeric(12,4)")))
     assert n1.fingerprint != n2.fingerprint  # logical type attributes count
+    e1 = users(Column("mood", pg_avro_type("mood", enum_labels=["a"])))
+    e2 = users(Column("mood", pg_avro_type("mood", enum_labels=["a", "b"])))
+    assert e1.fingerprint != e2.fingerprint  # custom attributes count
+    assert (
+        users(Column("age", "int", nullable=False)).fingerprint
+        != users(Column("age", "int")).fingerprint
+    )
+    assert (
+        users(Column("age", "int", source_type="int4")).fingerprint
+        != users(Column("age", "int")).fingerprint
+    )
+    renamed = TableSchema("public.people", a.columns, a.key)
+    assert renamed.fingerprint != a.fingerprint  # the name counts
     assert 0 <= a.fingerprint < 2**64
+
+
+def test_fingerprint_is_the_documented_formula() -> None:
+    """Fingerprints are part of the wire contract: same content, same number."""
+    t = users()
+    text = json.dumps(
+        {"name": t.name, "row": t.row_schema, "key": list(t.key)},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    assert t.fingerprint == int(fastavro.schema.fingerprint(text, "CRC-64-AVRO"), 16)
+    # and it does not depend on the process (hash seeds, dict order)
+    code = (
+        "from changebus.schemas import Column, TableSchema\n"
+        "t = TableSchema('public.users', (Column('id', 'long', nullable=False,"
+        " source_type='bigint'), Column('name', 'string')), key=('id',))\n"
+        "print(t.fingerprint)\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout) == t.fingerprint
+
+
+def test_row_key_and_change_schemas() -> None:
+    t = users(Column("age", "int"))
+    row = t.row_schema
+    assert row["type"] == "record"
+    assert (row["namespace"], row["name"]) == ("changebus.row", "public__users")
+    assert [f["type"] for f in row["fields"]] == [
+        ["null", "long"],
+        ["null", "string"],
+        ["null", "int"],
+    ]
+    assert all(f["default"] is None for f in row["fields"])
+    assert row["fields"][0]["changebus.nullable"] is False
+    assert row["fields"][0]["changebus.source_type"] == "bigint"
+    assert "changebus.nullable" not in row["fields"][1]
+    assert t.key_schema["fields"] == [{"name": "id", "type": "long"}]
+    change = {f["name"]: f for f in t.change_schema["fields"]}
+    assert change["after"]["type"] == ["null", row]
+    assert change["before"]["type"] == ["null", "changebus.row.public__users"]
+    assert change["after_not_sent"] == {
+        "name": "after_not_sent",
+        "type": {"type": "array", "items": "string"},
+        "default": [],
+    }
+    assert change["before_not_sent"]["default"] == []
+    # a record name that does not depend on the version
+    assert t.with_version(7).row_schema["name"] == users().row_schema["name"]
 
 
 def test_odd_column_names_are_sanitised() -> None:
@@ -49,70 +142,252 @@ def test_odd_column_names_are_sanitised() -> None:
             Column("Order Date", "string"),
             Column("Order_Date", "string"),
             Column("1st", "int"),
+            Column('qu"ote', "int"),
+            Column("naïve ☃", "int"),
         ),
         key=("id",),
     )
     fields = t.field_names
-    assert fields[0] == "id"
-    assert len(set(fields)) == 4
-    assert all(f.replace("_", "a").isalnum() and not f[0].isdigit() for f in fields)
-    assert t.column_for_field == {fields[1]: "Order Date", fields[3]: "1st"}
+    assert fields[0] == "id" and fields[2] == "Order_Date"
+    assert len(set(fields)) == len(fields)
+    assert all(f.replace("_", "a").isascii() and f.replace("_", "a").isalnum() for f in fields)
+    assert not any(f[0].isdigit() for f in fields)
+    assert t.column_for_field == {
+        fields[1]: "Order Date",
+        fields[3]: "1st",
+        fields[4]: 'qu"ote',
+        fields[5]: "naïve ☃",
+    }
     assert t.row_schema["fields"][1]["changebus.column"] == "Order Date"
-    assert TableSchema.from_json(t.to_json()) == t
+    assert "changebus.column" not in t.row_schema["fields"][2]
+    assert t.record_name == "public__weird_table"
+    assert TableSchema.from_json(json.loads(json.dumps(t.to_json()))) == t
+    assert users().column_for_field == {}  # the usual case: nothing to rename
+    fastavro.parse_schema(t.change_schema)
+
+
+def test_sanitised_field_names_do_not_move_between_versions() -> None:
+    """Adding ``Order_Date`` must not give it the field of ``Order Date``'s data."""
+    v1 = TableSchema("s.t", (Column("id", "long"), Column("Order Date", "string")), ("id",))
+    v2 = TableSchema(
+        "s.t",
+        (Column("id", "long"), Column("Order_Date", "string"), Column("Order Date", "string")),
+        ("id",),
+    )
+    assert v1.field_names[1] == v2.field_names[2] == field_name("Order Date")
+    data = row_bytes(v1, {"id": 1, field_name("Order Date"): "2024-01-01"})
+    got = read_row(v1, v2, data)
+    assert got == {"id": 1, "Order_Date": None, field_name("Order Date"): "2024-01-01"}
+
+
+def test_named_types_are_defined_once() -> None:
+    t = TableSchema(
+        "public.spans",
+        (
+            Column("a", pg_avro_type("interval"), nullable=False),
+            Column("b", pg_avro_type("interval")),
+            Column("c", pg_avro_type("interval[]")),
+            Column("d", pg_avro_type("interval")),
+        ),
+        key=("a", "d"),
+    )
+    row = t.row_schema
+    assert row["fields"][0]["type"][1]["type"] == "record"
+    assert row["fields"][1]["type"] == ["null", "changebus.Interval"]
+    assert row["fields"][2]["type"][1]["items"] == ["null", "changebus.Interval"]
+    value = {"months": 1, "days": -2, "micros": 3}
+    record = {"a": value, "b": None, "c": [value, None], "d": value}
+    assert read_row(t, t, row_bytes(t, record)) == record
+    for schema in (t.change_schema, t.key_schema):
+        fastavro.parse_schema(schema)
+    assert t.key_schema["fields"][1]["type"] == "changebus.Interval"
+
+
+def test_union_column_types_are_merged_into_the_nullable_union() -> None:
+    t = TableSchema("s.t", (Column("id", "long"), Column("u", ["int", "string"])), ("id",))
+    assert t.row_schema["fields"][1]["type"] == ["null", "int", "string"]
+    assert read_row(t, t, row_bytes(t, {"id": 1, "u": "x"}))["u"] == "x"
+
+
+def test_column_types_are_private_copies() -> None:
+    avro_type: dict[str, Any] = {"type": "long", "logicalType": "timestamp-micros"}
+    col = Column("ts", avro_type)
+    avro_type["logicalType"] = "changed later"
+    assert col.type == {"type": "long", "logicalType": "timestamp-micros"}
+    assert hash(users()) == hash(users())  # usable as a dict key
 
 
 @pytest.mark.parametrize(
-    ("columns", "key", "needle"),
+    ("make", "needle"),
     [
-        ((), (), "no columns"),
-        ((Column("a", "int"), Column("a", "int")), (), "duplicate column"),
-        ((Column("a", "int"),), ("b",), "not columns"),
+        (lambda: TableSchema("t", ()), "no columns"),
+        (lambda: TableSchema("", (Column("a", "int"),)), "name of 1..512"),
+        (lambda: TableSchema("t" * 513, (Column("a", "int"),)), "name of 1..512"),
+        (
+            lambda: TableSchema("t", (Column("a", "int"), Column("a", "int"))),
+            r"duplicate column names \['a'\]",
+        ),
+        (lambda: TableSchema("t", (Column("a", "int"),), ("b",)), "not columns"),
+        (lambda: TableSchema("t", (Column("a", "int"),), ("a", "a")), "duplicate key"),
+        (lambda: TableSchema("t", (Column("a", "int"),), "a"), "sequence of column names"),  # type: ignore[arg-type]
+        (lambda: TableSchema("t", (Column("a", "int"),), version=65536), "version"),
+        (lambda: TableSchema("t", (Column("a", "int"),), version=-1), "version"),
+        (lambda: TableSchema("t", tuple(Column(f"c{i}", "int") for i in range(65536))), "65535"),
+        (lambda: TableSchema("t", (Column("a", "no_such_type"),)), "invalid Avro"),
+        (lambda: TableSchema("t", (Column("a", {"type": "array"}),)), "invalid Avro"),
+        (lambda: Column("", "int"), "non-empty"),
+        (lambda: Column("a", "null"), "must not include null"),
+        (lambda: Column("a", ["null", "int"]), "must not include null"),
+        (lambda: Column("a", ["int", ["long"]]), "nested union"),
+        (lambda: Column("a", {"type": "bytes", "x": object()}), "not JSON"),
     ],
 )
-def test_invalid_tables(columns: tuple[Column, ...], key: tuple[str, ...], needle: str) -> None:
+def test_invalid_tables(make: Any, needle: str) -> None:
     with pytest.raises(SchemaError, match=needle):
-        TableSchema("t", columns, key)
+        make()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {},
+        {"name": "t", "columns": [{"name": "a"}]},
+        {"name": "t", "columns": [{"name": "a", "type": "int", "nullable": "no"}]},
+        {"name": "t", "columns": [{"name": "a", "type": "int"}], "key": "a"},
+        {"name": "t", "columns": [{"name": "a", "type": "int"}], "version": "1"},
+        {"name": "t", "columns": "a"},
+        [],
+    ],
+)
+def test_bad_json_is_a_schema_error(data: Any) -> None:
+    with pytest.raises(SchemaError):
+        TableSchema.from_json(data)
+
+
+# ---- SchemaRegistry -----------------------------------------------------
 
 
 def test_versions_follow_time(tmp_path: Path) -> None:
     reg = SchemaRegistry(tmp_path / "schemas.jsonl")
     v1 = reg.register(users())
     assert (v1.version, reg.source_id("public.users")) == (1, 1)
-    assert reg.register(users()) == v1  # unchanged: same version
+    assert reg.register(users()) is v1  # unchanged: the same version
+    assert reg.register(users().with_version(9)) is v1  # the given version is ignored
     v2 = reg.register(users(Column("age", "int")))
     assert v2.version == 2
     v3 = reg.register(users())  # back to the first shape: still a new version
-    assert v3.version == 3
+    assert v3.version == 3 and v3.fingerprint == v1.fingerprint
     assert reg.latest("public.users") == v3
     assert [t.version for t in reg.versions("public.users")] == [1, 2, 3]
     assert reg.by_fingerprint(v2.fingerprint) == v2
+    assert reg.by_fingerprint(v1.fingerprint) == v1  # the earliest of equal versions
     other = reg.register(TableSchema("public.orders", (Column("id", "long"),), ("id",)))
     assert reg.source_id(other.name) == 2
+    assert reg.name_for_id(2) == "public.orders"
     assert reg.sources() == [(1, "public.users"), (2, "public.orders")]
+
     reopened = SchemaRegistry(tmp_path / "schemas.jsonl")
     assert reopened.to_json() == reg.to_json()
     assert reopened.get("public.users", 2) == v2
-    with pytest.raises(UnknownSchemaError):
-        reopened.get("public.users", 4)
-    with pytest.raises(UnknownSchemaError):
-        reopened.source_id("nope")
+    assert reopened.register(users()).version == 3  # the latest survives a restart
+    assert reopened.register(TableSchema("x.y", (Column("id", "long"),))).version == 1
+    assert reopened.source_id("x.y") == 3
 
 
-def test_torn_last_line_is_dropped_but_damage_elsewhere_is_not(tmp_path: Path) -> None:
+def test_unknown_lookups(tmp_path: Path) -> None:
+    reg = SchemaRegistry()
+    reg.register(users())
+    for call in (
+        lambda: reg.get("public.users", 2),
+        lambda: reg.get("public.users", 0),
+        lambda: reg.get("nope", 1),
+        lambda: reg.latest("nope"),
+        lambda: reg.versions("nope"),
+        lambda: reg.source_id("nope"),
+        lambda: reg.name_for_id(99),
+        lambda: reg.by_fingerprint(123),
+    ):
+        with pytest.raises(UnknownSchemaError):
+            call()
+    assert SchemaRegistry(tmp_path / "missing.jsonl").sources() == []
+
+
+def lines(path: Path) -> list[bytes]:
+    return path.read_bytes().split(b"\n")
+
+
+def test_torn_last_line_is_ignored_then_overwritten(tmp_path: Path) -> None:
     path = tmp_path / "schemas.jsonl"
     reg = SchemaRegistry(path)
     reg.register(users())
     reg.register(users(Column("age", "int")))
-    data = path.read_bytes()
-    path.write_bytes(data[:-20])  # a crash in the middle of the second append
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-20])  # a crash in the middle of the second append
     reopened = SchemaRegistry(path)
     assert [t.version for t in reopened.versions("public.users")] == [1]
-    assert reopened.register(users(Column("age", "int"))).version == 2  # appends cleanly again
-    assert [t.version for t in SchemaRegistry(path).versions("public.users")] == [1, 2]
-    lines = path.read_bytes().split(b"\n")
-    lines[0] = lines[0].replace(b'"name"', b'"nams"', 1)
-    path.write_bytes(b"\n".join(lines))
-    with pytest.raises(SchemaError, match="damaged at line 1"):
+    assert path.read_bytes() == whole[:-20]  # opening never modifies the file
+    assert reopened.register(users(Column("height", "int"))).version == 2
+    assert path.read_bytes().count(b"\n") == 2  # the torn tail was replaced
+    again = SchemaRegistry(path)
+    assert [c.name for c in again.latest("public.users").columns] == ["id", "name", "height"]
+
+
+def test_unterminated_last_line_does_not_count(tmp_path: Path) -> None:
+    path = tmp_path / "schemas.jsonl"
+    reg = SchemaRegistry(path)
+    reg.register(users())
+    reg.register(users(Column("age", "int")))
+    path.write_bytes(path.read_bytes()[:-1])  # complete entry, newline not written
+    reopened = SchemaRegistry(path)
+    assert [t.version for t in reopened.versions("public.users")] == [1]
+    reopened.register(TableSchema("a.b", (Column("id", "long"),)))
+    final = SchemaRegistry(path)
+    assert [t.version for t in final.versions("public.users")] == [1]
+    assert final.latest("a.b").version == 1
+    assert all(json.loads(x) for x in lines(path)[:-1]) and lines(path)[-1] == b""
+
+
+def test_corrupt_but_terminated_last_line_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "schemas.jsonl"
+    reg = SchemaRegistry(path)
+    reg.register(users())
+    reg.register(users(Column("age", "int")))
+    data = lines(path)
+    data[1] = b"\x00" * len(data[1])  # blocks allocated, contents never written
+    path.write_bytes(b"\n".join(data))
+    assert [t.version for t in SchemaRegistry(path).versions("public.users")] == [1]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda line: line.replace(b'"name"', b'"nams"', 1),  # valid JSON, CRC mismatch
+        lambda line: line[:-5],  # not JSON
+        lambda line: b"",  # an empty line
+    ],
+)
+def test_damage_in_the_middle_is_an_error(tmp_path: Path, damage: Any) -> None:
+    path = tmp_path / "schemas.jsonl"
+    reg = SchemaRegistry(path)
+    reg.register(users())
+    reg.register(users(Column("age", "int")))
+    reg.register(users(Column("age", "long")))
+    data = lines(path)
+    data[1] = damage(data[1])
+    path.write_bytes(b"\n".join(data))
+    with pytest.raises(SchemaError, match="damaged at line 2"):
+        SchemaRegistry(path)
+
+
+def test_a_crc_valid_entry_with_a_version_gap_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "schemas.jsonl"
+    SchemaRegistry(path).register(users())
+    bad_entry = {"source_id": 1, "schema": users().with_version(3).to_json()}
+    text = json.dumps(bad_entry, sort_keys=True, separators=(",", ":"))
+    line = json.dumps({"crc": crc32(text.encode()), "entry": bad_entry})
+    first = path.read_bytes()
+    path.write_bytes(first + line.encode() + b"\n" + first)  # the bad entry is not last
+    with pytest.raises(SchemaError, match=r"line 2.*expected 2"):
         SchemaRegistry(path)
 
 
@@ -121,29 +396,69 @@ def test_register_as_mirrors_another_registry(tmp_path: Path) -> None:
     t1 = source.register(users())
     t2 = source.register(users(Column("age", "int")))
     mirror = SchemaRegistry(tmp_path / "m.jsonl")
-    mirror.register_as(t1, 7)
-    mirror.register_as(t1, 7)  # idempotent
+    assert mirror.register_as(t1, 7) == t1
+    assert mirror.register_as(t1, 7) == t1  # idempotent
     mirror.register_as(t2, 7)
     assert mirror.source_id("public.users") == 7
     with pytest.raises(SchemaError, match="already exists"):
         mirror.register_as(users(Column("x", "int")).with_version(2), 7)
     with pytest.raises(SchemaError, match="expected 3"):
         mirror.register_as(users().with_version(5), 7)
+    with pytest.raises(SchemaError, match="source id 7, not 8"):
+        mirror.register_as(t1, 8)
+    with pytest.raises(SchemaError, match="already names"):
+        mirror.register_as(TableSchema("x.y", (Column("a", "int"),), version=1), 7)
+    with pytest.raises(SchemaError, match=r"not in 1\.\.65535"):
+        mirror.register_as(TableSchema("x.y", (Column("a", "int"),), version=1), 0)
+    assert SchemaRegistry(tmp_path / "m.jsonl").to_json() == mirror.to_json()
 
 
-def test_concurrent_registration() -> None:
-    reg = SchemaRegistry()
-    results: list[int] = []
+def test_import_entries_from_json(tmp_path: Path) -> None:
+    server = SchemaRegistry()
+    server.register(users())
+    server.register(TableSchema("a.b", (Column("id", "long"),), ("id",)))
+    server.register(users(Column("age", "int")))
+    served = json.loads(json.dumps(server.to_json()))  # as fetched over HTTP
+    client = SchemaRegistry(tmp_path / "client.jsonl")
+    imported = client.import_entries(reversed(served))
+    assert [(t.name, t.version) for t in imported] == [
+        ("a.b", 1),
+        ("public.users", 1),
+        ("public.users", 2),
+    ]
+    assert client.to_json() == server.to_json()
+    assert client.sources() == server.sources()
+    assert client.import_entries([(1, server.get("public.users", 1))])[0].version == 1
+    with pytest.raises(SchemaError, match="bad schema entry"):
+        client.import_entries([{"schema": {}}])
+
+
+def test_concurrent_registration(tmp_path: Path) -> None:
+    path = tmp_path / "schemas.jsonl"
+    reg = SchemaRegistry(path)
+    results: dict[str, list[int]] = {}
+    lock = threading.Lock()
+    start = threading.Barrier(8)
 
     def work(i: int) -> None:
-        for j in range(50):
-            t = TableSchema(f"s.t{(i + j) % 5}", (Column("id", "long"),), ("id",))
-            results.append(reg.register(t).version)
+        start.wait()
+        for j in range(40):
+            name = f"s.t{(i + j) % 5}"
+            extra = (Column(f"c{j % 3}", "int"),) if j % 2 else ()
+            t = reg.register(TableSchema(name, (Column("id", "long"), *extra), ("id",)))
+            with lock:
+                results.setdefault(name, []).append(t.version)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert set(results) == {1}
     assert sorted(i for i, _ in reg.sources()) == [1, 2, 3, 4, 5]
+    for name in results:
+        versions = reg.versions(name)
+        assert [t.version for t in versions] == list(range(1, len(versions) + 1))
+        # consecutive versions always differ in content
+        assert all(a.fingerprint != b.fingerprint for a, b in itertools.pairwise(versions))
+        assert set(results[name]) <= {t.version for t in versions}
+    assert SchemaRegistry(path).to_json() == reg.to_json()

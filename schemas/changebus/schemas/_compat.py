@@ -2,83 +2,172 @@
 
 Row fields are always ``["null", T]`` with default null, so added and dropped
 columns resolve in both directions; what can break is a column whose type
-changed. Allowed, as Avro resolution (and fastavro) applies it: the same
-type; ``int -> long -> float -> double`` promotions (``int``/``long`` also to
-``float``/``double``); ``string <-> bytes``; arrays and records recursively
-(records by name); for logical types, decimals must keep precision and scale.
+changed. :func:`check_compatible` compares each column present in both
+schemas, by Avro's schema resolution rules as fastavro applies them:
+
+* the same type, or a promotion: ``int -> long -> float -> double`` (``int``
+  and ``long`` also straight to ``float`` / ``double``), ``string <-> bytes``;
+* unions: every writer branch must be readable by the reader (by one of its
+  branches, if the reader is a union);
+* arrays and maps by their items / values; records by name, field by field
+  (a reader field missing in the writer needs a default); enums by name,
+  with every writer symbol known to the reader unless it has a default;
+  fixed types by name and size; named-type references by name;
+* logical types: fastavro decodes with the *writer's* logical type, so only
+  the one that changes the meaning of the bytes is checked -- a ``decimal``
+  must keep its precision and scale, on both sides (Avro's rule).
+
+Beyond Avro, the two tables must have the same record name (be the same
+table) and each shared column the same field name.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from ._table import AvroType, TableSchema
 from .errors import IncompatibleSchemaError
 
 __all__ = ["check_compatible"]
 
-_PROMOTIONS = {
-    ("int", "long"),
-    ("int", "float"),
-    ("int", "double"),
-    ("long", "float"),
-    ("long", "double"),
-    ("float", "double"),
-    ("string", "bytes"),
-    ("bytes", "string"),
-}
+_PRIMITIVES: Final = frozenset(
+    {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
+)
+_NAMED: Final = frozenset({"record", "enum", "fixed"})
+_COMPLEX: Final = _NAMED | {"array", "map"}
+_PROMOTIONS: Final = frozenset(
+    {
+        ("int", "long"),
+        ("int", "float"),
+        ("int", "double"),
+        ("long", "float"),
+        ("long", "double"),
+        ("float", "double"),
+        ("string", "bytes"),
+        ("bytes", "string"),
+    }
+)
 
 
-def _base(t: AvroType) -> str:
-    if isinstance(t, dict):
-        return str(t["type"]) if not isinstance(t["type"], dict | list) else _base(t["type"])
+def _as_dict(t: Any) -> dict[str, Any]:
+    """``t`` as ``{"type": kind, ...}`` with nested type objects unwrapped."""
+    while isinstance(t, dict) and isinstance(t.get("type"), dict):
+        t = t["type"]
+    return t if isinstance(t, dict) else {"type": t}
+
+
+def _short(name: Any) -> str:
+    return str(name).rpartition(".")[2]
+
+
+def _is_ref(kind: Any) -> bool:
+    """Is ``kind`` the name of a named type (not a primitive or complex keyword)?"""
+    return isinstance(kind, str) and kind not in _PRIMITIVES and kind not in _COMPLEX
+
+
+def _ref_name(d: dict[str, Any]) -> str | None:
+    kind = d["type"]
+    if _is_ref(kind):
+        return _short(kind)
+    if kind in _NAMED:
+        return _short(d.get("name"))
+    return None
+
+
+def _describe(t: Any) -> str:
     if isinstance(t, list):
-        return "union"
-    return t
+        return "union[" + ", ".join(_describe(b) for b in t) + "]"
+    d = _as_dict(t)
+    kind = d["type"]
+    if isinstance(kind, list):
+        return _describe(kind)
+    if d.get("logicalType") == "decimal":
+        return f"decimal({d.get('precision')},{d.get('scale', 0)})"
+    if kind in _NAMED:
+        return f"{kind} {d.get('name')}"
+    return str(kind)
+
+
+def _decimal(d: dict[str, Any]) -> tuple[Any, Any] | None:
+    if d.get("logicalType") != "decimal":
+        return None
+    return (d.get("precision"), d.get("scale", 0))
 
 
 def _why_not(writer: AvroType, reader: AvroType) -> str | None:
-    wb, rb = _base(writer), _base(reader)
-    if wb == "union" or rb == "union":
-        return None if writer == reader else "union types differ"
-    if wb != rb and (wb, rb) not in _PROMOTIONS:
-        return f"{wb} cannot be read as {rb}"
-    w: dict[str, Any] = writer if isinstance(writer, dict) else {"type": writer}
-    r: dict[str, Any] = reader if isinstance(reader, dict) else {"type": reader}
-    decimal = w.get("logicalType") == "decimal" or r.get("logicalType") == "decimal"
-    if decimal and (w.get("precision"), w.get("scale")) != (r.get("precision"), r.get("scale")):
-        return "decimal precision/scale changed"
-    if wb == "array":
-        return _why_not(w["items"], r["items"])
-    if wb == "record":
-        if w.get("name") != r.get("name"):
-            return "record names differ"
-        rfields = {f["name"]: f for f in r["fields"]}
-        for f in w["fields"]:
-            if f["name"] in rfields:
-                why = _why_not(f["type"], rfields[f["name"]]["type"])
+    """Why data of type ``writer`` cannot be read as ``reader`` (None: it can)."""
+    w, r = _as_dict(writer), _as_dict(reader)
+    wk, rk = w["type"], r["type"]
+    if isinstance(wk, list):
+        for branch in wk:
+            why = _why_not(branch, reader)
+            if why:
+                return why
+        return None
+    if isinstance(rk, list):
+        if any(_why_not(writer, branch) is None for branch in rk):
+            return None
+        return f"{_describe(writer)} cannot be read as {_describe(reader)}"
+    if _decimal(w) != _decimal(r):
+        return f"{_describe(writer)} cannot be read as {_describe(reader)}"
+    if wk != rk and (wk, rk) not in _PROMOTIONS:
+        wn, rn = _ref_name(w), _ref_name(r)
+        if (_is_ref(wk) or _is_ref(rk)) and wn is not None and wn == rn:
+            return None  # a reference and a definition (or two references) of one name
+        return f"{_describe(writer)} cannot be read as {_describe(reader)}"
+    if wk == "array":
+        why = _why_not(w["items"], r["items"])
+        return f"array items: {why}" if why else None
+    if wk == "map":
+        why = _why_not(w["values"], r["values"])
+        return f"map values: {why}" if why else None
+    if wk in _NAMED and _short(w.get("name")) != _short(r.get("name")):
+        return f"{_describe(writer)} cannot be read as {_describe(reader)}: names differ"
+    if wk == "fixed" and w.get("size") != r.get("size"):
+        return f"fixed size {w.get('size')} cannot be read as size {r.get('size')}"
+    if wk == "enum" and "default" not in r:
+        unknown = [s for s in w.get("symbols", []) if s not in set(r.get("symbols", []))]
+        if unknown:
+            return f"enum symbols {unknown} unknown to the reader"
+    if wk == "record":
+        wfields = {f["name"]: f for f in w.get("fields", [])}
+        for f in r.get("fields", []):
+            if f["name"] in wfields:
+                why = _why_not(wfields[f["name"]]["type"], f["type"])
                 if why:
-                    return f"{f['name']}: {why}"
-        wnames = {f["name"] for f in w["fields"]}
-        for name, f in rfields.items():
-            if name not in wnames and "default" not in f:
-                return f"field {name} has no default"
+                    return f"field {f['name']}: {why}"
+            elif "default" not in f:
+                return f"field {f['name']} is new and has no default"
     return None
 
 
 def check_compatible(writer: TableSchema, reader: TableSchema) -> None:
-    """Raise :class:`IncompatibleSchemaError` if ``reader`` cannot read ``writer``'s rows."""
+    """Raise :class:`IncompatibleSchemaError` if ``reader`` cannot read ``writer``'s rows.
+
+    The message names the first offending column and the reason.
+    """
     if writer.record_name != reader.record_name:
         raise IncompatibleSchemaError(
             f"{reader.name!r} cannot read rows of another table {writer.name!r}"
         )
+    wfield = dict(zip((c.name for c in writer.columns), writer.field_names, strict=True))
+    rfield = dict(zip((c.name for c in reader.columns), reader.field_names, strict=True))
+    rcolumn = {f: c for c, f in rfield.items()}
     rcols = {c.name: c for c in reader.columns}
     for col in writer.columns:
+        where = f"{reader.name!r} v{reader.version} cannot read column {col.name!r} of v{writer.version}"
+        owner = rcolumn.get(wfield[col.name], col.name)
+        if owner != col.name:
+            raise IncompatibleSchemaError(
+                f"{where}: its field {wfield[col.name]!r} is column {owner!r} in the reader"
+            )
         other = rcols.get(col.name)
         if other is None:
             continue  # dropped in the reader: skipped when reading
+        if rfield[col.name] != wfield[col.name]:
+            raise IncompatibleSchemaError(
+                f"{where}: field name {wfield[col.name]!r} became {rfield[col.name]!r}"
+            )
         why = _why_not(col.type, other.type)
         if why:
-            raise IncompatibleSchemaError(
-                f"{reader.name!r} v{reader.version} cannot read column {col.name!r} of v{writer.version}: {why}"
-            )
+            raise IncompatibleSchemaError(f"{where}: {why}")

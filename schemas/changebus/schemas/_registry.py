@@ -1,37 +1,56 @@
 """The schema registry: every version of every table schema ever seen.
 
-Versions of a table are numbered 1, 2, 3, ... in the order they were first
-seen. Registering a schema whose fingerprint equals the table's *latest*
-version returns that version; any other change -- including a return to an
-older shape (a column added, then dropped again) -- gets a new version, so
-versions always follow time and a reader can tell "newer" from "older".
-Each table also gets a small stable ``source_id`` (1..65535) that events carry
-in their header.
+Versions. A table's versions are numbered 1, 2, 3, ... in the order they
+were first seen. Registering a schema whose fingerprint equals the table's
+*latest* version returns that version. Any other change gets a new version
+-- including a return to an older shape (a column added, then dropped
+again): versions always follow time, so a reader can tell "newer" from
+"older" by comparing numbers, at the price of two versions with equal
+content. :meth:`SchemaRegistry.by_fingerprint` returns the earliest of them.
 
-Persistence: with a ``path``, every new entry is appended to a JSON-lines
-file (``{"crc": ..., "entry": {...}}`` per line, the CRC-32 over the entry's
-compact JSON) and flushed with fsync before :meth:`register` returns. On
-open, a torn or corrupt *last* line (a crash during the append) is dropped;
-damage anywhere else raises :class:`SchemaError` rather than guessing.
+Source ids. Each table also gets a small stable ``source_id`` (1..65535,
+the next free one above the highest in use) at its first registration; events
+carry it in their header. It never changes once persisted.
 
-Thread-safety: all methods take one internal lock; the registry may be shared
-by the relay's writer thread and its HTTP handlers.
+Persistence. With a ``path``, each new version is one line of a JSON-lines
+file, ``{"crc": <CRC-32>, "entry": {"source_id": ..., "schema": {...}}}``, the
+CRC over the entry's compact sorted-key JSON. :meth:`register` returns only
+after the line is written and fsync'ed (and, for a new file, its directory).
+An entry counts once its terminating newline is on disk. On open, a torn or
+corrupt *last* line (a crash during an append) is ignored, and the next
+append overwrites it; damage anywhere else raises :class:`SchemaError` rather
+than guessing. Opening never modifies the file, so other processes may read
+a file while one process (the only writer) appends to it.
+
+Thread-safety. One :class:`threading.Lock` guards all state; every public
+method takes it, :meth:`register` holds it across the file append. The
+registry may be shared by a fetcher thread, the relay's writer and its HTTP
+handlers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._crc import crc32
 from ._table import TableSchema
 from .errors import SchemaError, UnknownSchemaError
 
 __all__ = ["SchemaRegistry"]
+
+log = logging.getLogger("changebus.schemas")
+
+_MAX_SOURCE_ID = 65535
+
+
+def _entry_text(entry: Mapping[str, Any]) -> bytes:
+    return json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
 
 
 class SchemaRegistry:
@@ -44,47 +63,73 @@ class SchemaRegistry:
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._by_fp: dict[int, TableSchema] = {}
+        self._end = 0  # file offset just past the last good entry
         if path is not None and path.exists():
             self._load(path)
 
     # ---- persistence --------------------------------------------------
 
     def _load(self, path: Path) -> None:
-        lines = path.read_bytes().split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
-        for i, line in enumerate(lines):
+        data = path.read_bytes()
+        pos, lineno = 0, 0
+        while pos < len(data):
+            lineno += 1
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                log.warning("schema registry %s: ignoring an unterminated last line", path)
+                return
             try:
-                record = json.loads(line)
+                record = json.loads(data[pos:nl])
                 entry = record["entry"]
-                text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
-                if zlib.crc32(text.encode()) != record["crc"]:
+                if crc32(_entry_text(entry)) != record["crc"]:
                     raise ValueError("checksum mismatch")
                 table = TableSchema.from_json(entry["schema"])
-                self._add(table, int(entry["source_id"]))
+                source_id = entry["source_id"]
+                if not isinstance(source_id, int):
+                    raise TypeError(f"bad source id {source_id!r}")
+                self._check(table, source_id)
             except (ValueError, KeyError, TypeError, SchemaError) as exc:
-                if i == len(lines) - 1:
-                    # torn append: cut it off so the next append starts clean
-                    good = b"".join(x + b"\n" for x in lines[:-1])
-                    path.write_bytes(good)
+                if nl == len(data) - 1:
+                    log.warning("schema registry %s: ignoring a torn last line: %s", path, exc)
                     return
                 raise SchemaError(
-                    f"schema registry {path} is damaged at line {i + 1}: {exc}"
+                    f"schema registry {path} is damaged at line {lineno}: {exc}"
                 ) from None
+            self._add(table, source_id)
+            pos = self._end = nl + 1
 
     def _append(self, table: TableSchema, source_id: int) -> None:
         if self.path is None:
             return
         entry = {"source_id": source_id, "schema": table.to_json()}
-        text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
-        line = json.dumps({"crc": zlib.crc32(text.encode()), "entry": entry}, separators=(",", ":"))
+        line = json.dumps(
+            {"crc": crc32(_entry_text(entry)), "entry": entry}, separators=(",", ":")
+        ).encode()
+        line += b"\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size != self._end:
+                os.ftruncate(fd, self._end)  # drop a torn tail left by a crash
+            done = 0
+            while done < len(line):
+                done += os.pwrite(fd, line[done:], self._end + done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        self._end += len(line)
 
-    def _add(self, table: TableSchema, source_id: int) -> None:
+    def _check(self, table: TableSchema, source_id: int) -> None:
+        """Raise unless ``table`` can be the next version under ``source_id``."""
+        if not 1 <= source_id <= _MAX_SOURCE_ID:
+            raise SchemaError(f"source id {source_id} is not in 1..{_MAX_SOURCE_ID}")
         known = self._ids.get(table.name)
         if known is not None and known != source_id:
             raise SchemaError(
@@ -93,69 +138,102 @@ class SchemaRegistry:
         other = self._names.get(source_id)
         if other is not None and other != table.name:
             raise SchemaError(f"source id {source_id} already names {other!r}, not {table.name!r}")
-        versions = self._versions.setdefault(table.name, [])
-        if table.version != len(versions) + 1:
+        expected = len(self._versions.get(table.name, ())) + 1
+        if table.version != expected:
             raise SchemaError(
-                f"table {table.name!r}: expected version {len(versions) + 1}, got {table.version}"
+                f"table {table.name!r}: got version {table.version}, expected {expected}"
             )
-        versions.append(table)
+
+    def _add(self, table: TableSchema, source_id: int) -> None:
+        self._versions.setdefault(table.name, []).append(table)
         self._ids[table.name] = source_id
         self._names[source_id] = table.name
         self._by_fp.setdefault(table.fingerprint, table)
 
+    def _commit(self, table: TableSchema, source_id: int) -> None:
+        self._check(table, source_id)
+        self._append(table, source_id)  # disk first: memory never runs ahead of it
+        self._add(table, source_id)
+
+    def _next_source_id(self) -> int:
+        top = max(self._names, default=0)
+        if top < _MAX_SOURCE_ID:
+            return top + 1
+        free = next((i for i in range(1, _MAX_SOURCE_ID + 1) if i not in self._names), None)
+        if free is None:
+            raise SchemaError(f"the registry is full ({_MAX_SOURCE_ID} sources)")
+        return free
+
     # ---- registration -------------------------------------------------
 
     def register(self, table: TableSchema) -> TableSchema:
-        """The registered version of ``table`` (a new version when it changed)."""
+        """The registered version of ``table``: the latest if unchanged, else a new one.
+
+        ``table.version`` is ignored. A new table also gets its source id.
+        """
+        fingerprint = table.fingerprint  # computed outside the lock
         with self._lock:
             versions = self._versions.get(table.name, [])
-            if versions and versions[-1].fingerprint == table.fingerprint:
+            if versions and versions[-1].fingerprint == fingerprint:
                 return versions[-1]
-            source_id = self._ids.get(table.name)
-            if source_id is None:
-                source_id = next(
-                    (i for i in range(len(self._names) + 1, 65536) if i not in self._names), 0
-                )
-                if source_id == 0:
-                    source_id = next((i for i in range(1, 65536) if i not in self._names), 0)
-                if source_id == 0:
-                    raise SchemaError("the registry is full (65535 sources)")
+            source_id = self._ids.get(table.name) or self._next_source_id()
             registered = table.with_version(len(versions) + 1)
-            self._add(registered, source_id)
-            self._append(registered, source_id)
+            self._commit(registered, source_id)
             return registered
 
     def register_as(self, table: TableSchema, source_id: int) -> TableSchema:
         """Record a schema with the version and source id another registry gave it.
 
-        Used by the relay to mirror its fetcher's registry from SCHEMA_CHANGE
-        events: a version already known with the same fingerprint is a no-op.
+        Used to mirror a registry (the relay from SCHEMA_CHANGE events, a
+        client from ``/v1/schemas``): a version already known with the same
+        content and source id is a no-op; a known version with other content,
+        a gap in the versions or another source id raise :class:`SchemaError`.
         """
+        fingerprint = table.fingerprint
         with self._lock:
             versions = self._versions.get(table.name, [])
             if 0 < table.version <= len(versions):
                 have = versions[table.version - 1]
-                if have.fingerprint != table.fingerprint:
+                if have.fingerprint != fingerprint:
                     raise SchemaError(
-                        f"table {table.name!r} version {table.version} already exists with other columns"
+                        f"table {table.name!r} version {table.version} already exists"
+                        " with other columns"
+                    )
+                if self._ids[table.name] != source_id:
+                    raise SchemaError(
+                        f"table {table.name!r} has source id {self._ids[table.name]},"
+                        f" not {source_id}"
                     )
                 return have
-            if table.version != len(versions) + 1:
-                raise SchemaError(
-                    f"table {table.name!r}: got version {table.version}, expected {len(versions) + 1}"
-                )
-            self._add(table, source_id)
-            self._append(table, source_id)
+            self._commit(table, source_id)
             return table
 
-    def import_entries(self, entries: Iterable[tuple[int, TableSchema]]) -> None:
-        """Load ``(source_id, schema)`` pairs fetched from a server (in version order)."""
-        for source_id, table in sorted(entries, key=lambda e: (e[1].name, e[1].version)):
-            self.register_as(table, source_id)
+    def import_entries(
+        self, entries: Iterable[tuple[int, TableSchema] | Mapping[str, Any]]
+    ) -> list[TableSchema]:
+        """Load schemas fetched from a server; returns them as registered.
+
+        Each entry is ``(source_id, schema)`` or the JSON form
+        ``{"source_id": ..., "schema": {...}}`` of :meth:`to_json`. Entries may
+        come in any order; per table they must form a gap-free run of versions
+        following the ones already known (see :meth:`register_as`).
+        """
+        pairs: list[tuple[int, TableSchema]] = []
+        for e in entries:
+            if isinstance(e, Mapping):
+                try:
+                    pairs.append((int(e["source_id"]), TableSchema.from_json(e["schema"])))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise SchemaError(f"bad schema entry: {exc!r}") from None
+            else:
+                pairs.append((e[0], e[1]))
+        pairs.sort(key=lambda p: (p[1].name, p[1].version))
+        return [self.register_as(table, source_id) for source_id, table in pairs]
 
     # ---- lookups ------------------------------------------------------
 
     def source_id(self, name: str) -> int:
+        """The source id of table ``name``."""
         with self._lock:
             try:
                 return self._ids[name]
@@ -163,6 +241,7 @@ class SchemaRegistry:
                 raise UnknownSchemaError(f"no source named {name!r}") from None
 
     def name_for_id(self, source_id: int) -> str:
+        """The table name that ``source_id`` stands for."""
         with self._lock:
             try:
                 return self._names[source_id]
@@ -170,6 +249,7 @@ class SchemaRegistry:
                 raise UnknownSchemaError(f"no source with id {source_id}") from None
 
     def get(self, name: str, version: int) -> TableSchema:
+        """Version ``version`` (1-based) of table ``name``."""
         with self._lock:
             versions = self._versions.get(name, [])
             if not 1 <= version <= len(versions):
@@ -177,6 +257,7 @@ class SchemaRegistry:
             return versions[version - 1]
 
     def latest(self, name: str) -> TableSchema:
+        """The newest version of table ``name``."""
         with self._lock:
             versions = self._versions.get(name)
             if not versions:
@@ -184,6 +265,7 @@ class SchemaRegistry:
             return versions[-1]
 
     def versions(self, name: str) -> list[TableSchema]:
+        """Every version of table ``name``, oldest first."""
         with self._lock:
             versions = self._versions.get(name)
             if not versions:
@@ -191,6 +273,7 @@ class SchemaRegistry:
             return list(versions)
 
     def by_fingerprint(self, fingerprint: int) -> TableSchema:
+        """The earliest version (of any table) with this fingerprint."""
         with self._lock:
             try:
                 return self._by_fp[fingerprint]
@@ -198,10 +281,12 @@ class SchemaRegistry:
                 raise UnknownSchemaError(f"no schema with fingerprint {fingerprint:016x}") from None
 
     def sources(self) -> list[tuple[int, str]]:
+        """``(source_id, name)`` of every table, by source id."""
         with self._lock:
             return sorted(self._names.items())
 
     def to_json(self) -> list[dict[str, Any]]:
+        """Every version as ``{"source_id", "schema"}``, by name then version."""
         with self._lock:
             return [
                 {"source_id": self._ids[name], "schema": t.to_json()}

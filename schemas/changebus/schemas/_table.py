@@ -4,45 +4,69 @@ A :class:`TableSchema` is the column list of one logical source (a table) at
 one point in time, plus its key columns. From it derive:
 
 * ``row_schema`` -- the Avro record of a row. Every field is
-  ``["null", T]`` with default ``null`` (key columns too: their non-nullness is
-  kept in the ``changebus.nullable`` attribute), so that columns can be added
-  and dropped while readers with older or newer schemas keep reading.
+  ``["null", T]`` with default ``null`` (key columns too: a non-nullable
+  column carries ``"changebus.nullable": false``), so that columns can be
+  added and dropped while readers with older or newer schemas keep reading.
 * ``key_schema`` -- the record of the key columns with non-null types; its
   Avro encoding is an event's key bytes (and the input of the partition hash).
 * ``change_schema`` -- the payload record of a data event (see
-  :mod:`._payload`).
+  :mod:`._payload`): ``after`` and ``before`` images (``["null", Row]``) and
+  the ``after_not_sent`` / ``before_not_sent`` column lists.
 
-Avro names: the record is named after the table (sanitised to Avro's name
-rules, the same for every version of a table, so resolution matches records);
-a column whose name is not a valid Avro name gets a sanitised unique field
-name and keeps its real name in the ``changebus.column`` attribute.
+Avro names. The record is named after the table (sanitised to Avro's name
+rules, the same for every version of a table, so resolution matches records).
+A column whose name is a valid Avro name is its own field name. Any other
+column gets ``<sanitised>_<crc32 of the name, 8 hex digits>`` and keeps its
+real name in the ``changebus.column`` attribute. That field name depends on
+the column's name only, so it is the same in every version of the table and
+Avro resolution pairs the right fields (a column ``Order_Date`` added later
+cannot capture the data of an older ``Order Date``). Only if that name is
+taken anyway (by a real column or a CRC collision) does a ``_2``, ``_3``, ...
+suffix follow, in column order.
+
+Named types (records such as ``changebus.Interval``) are defined at their
+first use in a schema and referenced by full name afterwards, so a table may
+have several interval columns. A column type that is itself a union has its
+branches merged into the field's ``["null", ...]`` union (Avro forbids
+nested unions); ``"null"`` cannot be a branch of a column type.
 
 ``fingerprint`` is the CRC-64-AVRO (Rabin) fingerprint of a normalised JSON
 (sorted keys, no spaces) of the table name, the row schema with all its
 attributes, and the key. Avro's own parsing canonical form would drop logical
 types (a change from ``numeric(10,2)`` to ``numeric(12,4)``), so it is not
 used. ``version`` is given by the :class:`SchemaRegistry` and is not part of
-the fingerprint. Instances are immutable.
+the fingerprint.
+
+Invariants, checked on construction (:class:`SchemaError` otherwise): a name
+of 1..512 characters; 1..65535 columns with unique non-empty names; key
+columns exist and are distinct; ``version`` in 0..65535; the derived Avro
+schemas parse. Instances are immutable: a column's type is deep-copied (as
+JSON) when the :class:`Column` is made, and the derived schemas are cached.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Final, Union
 
 import fastavro
+from fastavro.schema import SchemaParseException, UnknownType
 
 from .errors import SchemaError
 
-__all__ = ["AvroType", "Column", "TableSchema", "avro_name"]
+__all__ = ["AvroType", "Column", "TableSchema", "avro_name", "field_name"]
 
 #: Avro type JSON for a non-null value
 AvroType = Union[str, dict[str, Any], list[Any]]  # noqa: UP007
 
 _AVRO_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAMED: Final = frozenset({"record", "error", "enum", "fixed"})
+MAX_COLUMNS: Final = 65535
 
 
 def avro_name(text: str) -> str:
@@ -53,19 +77,96 @@ def avro_name(text: str) -> str:
     return name
 
 
+def field_name(column: str) -> str:
+    """The preferred Avro field name of a column (see the module docstring)."""
+    if _AVRO_NAME.fullmatch(column):
+        return column
+    crc = zlib.crc32(column.encode("utf-8", "surrogatepass"))
+    return f"{avro_name(column)}_{crc:08x}"
+
+
+def _normalise_type(column: str, avro_type: Any) -> AvroType:
+    """A private JSON copy of ``avro_type``; rejects null and nested unions."""
+    try:
+        copy = json.loads(json.dumps(avro_type))
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"column {column!r}: type is not JSON: {exc}") from None
+    branches = copy if isinstance(copy, list) else [copy]
+    if not branches:
+        raise SchemaError(f"column {column!r}: empty union type")
+    for b in branches:
+        if b == "null" or (isinstance(b, dict) and b.get("type") == "null"):
+            raise SchemaError(f"column {column!r}: the type must not include null")
+        if isinstance(b, list):
+            raise SchemaError(f"column {column!r}: nested union type")
+        if not isinstance(b, str | dict):
+            raise SchemaError(f"column {column!r}: {b!r} is not an Avro type")
+    result: AvroType = copy
+    return result
+
+
+def _fullname(name: str, namespace: Any, enclosing: str) -> str:
+    if "." in name:
+        return name
+    ns = namespace if isinstance(namespace, str) else enclosing
+    return f"{ns}.{name}" if ns else name
+
+
+def _share_named(t: Any, seen: set[str], namespace: str) -> Any:
+    """``t`` with every named type defined once: later uses become references."""
+    if isinstance(t, list):
+        return [_share_named(b, seen, namespace) for b in t]
+    if not isinstance(t, dict):
+        return t
+    kind = t.get("type")
+    if kind in _NAMED and isinstance(t.get("name"), str):
+        full = _fullname(t["name"], t.get("namespace"), namespace)
+        if full in seen:
+            return full
+        seen.add(full)
+        if kind in ("record", "error"):
+            inner = full.rpartition(".")[0]
+            fields = [{**f, "type": _share_named(f["type"], seen, inner)} for f in t["fields"]]
+            return {**t, "fields": fields}
+        return t
+    if kind == "array":
+        return {**t, "items": _share_named(t["items"], seen, namespace)}
+    if kind == "map":
+        return {**t, "values": _share_named(t["values"], seen, namespace)}
+    if isinstance(kind, dict | list):
+        return {**t, "type": _share_named(kind, seen, namespace)}
+    return t
+
+
 @dataclass(frozen=True)
 class Column:
-    """One column: its name, its Avro type (for non-null values), nullability."""
+    """One column: its source name, its Avro type (for non-null values), nullability.
+
+    ``name`` is the source's column name verbatim; ``type`` an Avro type JSON
+    (never ``null``; a union's branches join the field's nullable union);
+    ``source_type`` the source's own type text, kept for information.
+    """
 
     name: str
     type: AvroType
     nullable: bool = True
     source_type: str = ""
 
+    def __post_init__(self) -> None:
+        name: object = self.name
+        if not isinstance(name, str) or not name:
+            raise SchemaError(f"a column name must be a non-empty string, not {name!r}")
+        object.__setattr__(self, "type", _normalise_type(self.name, self.type))
+        object.__setattr__(self, "nullable", bool(self.nullable))
+        object.__setattr__(self, "source_type", str(self.source_type))
+
+    def __hash__(self) -> int:
+        return hash((self.name, json.dumps(self.type, sort_keys=True), self.nullable))
+
 
 @dataclass(frozen=True)
 class TableSchema:
-    """A table's columns and key (see the module docstring)."""
+    """A table's columns and key at one version (see the module docstring)."""
 
     name: str
     columns: tuple[Column, ...]
@@ -73,41 +174,62 @@ class TableSchema:
     version: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name) > 512:
+        name: object = self.name
+        if not isinstance(name, str) or not 1 <= len(name) <= 512:
             raise SchemaError("a table schema needs a name of 1..512 characters")
+        key: object = self.key
+        if isinstance(key, str):
+            raise SchemaError(f"table {name!r}: key must be a sequence of column names")
+        object.__setattr__(self, "columns", tuple(self.columns))
+        object.__setattr__(self, "key", tuple(self.key))
         if not self.columns:
             raise SchemaError(f"table {self.name!r} has no columns")
-        if len(self.columns) > 65535:
-            raise SchemaError(f"table {self.name!r} has more than 65535 columns")
+        if len(self.columns) > MAX_COLUMNS:
+            raise SchemaError(f"table {self.name!r} has more than {MAX_COLUMNS} columns")
+        if not all(isinstance(c, Column) for c in self.columns):
+            raise SchemaError(f"table {self.name!r}: columns must be Column instances")
         names = [c.name for c in self.columns]
         if len(set(names)) != len(names):
-            raise SchemaError(f"table {self.name!r} has duplicate column names")
-        missing = [k for k in self.key if k not in names]
+            dups = sorted(n for n, count in Counter(names).items() if count > 1)
+            raise SchemaError(f"table {self.name!r} has duplicate column names {dups}")
+        known = set(names)
+        missing = [k for k in self.key if k not in known]
         if missing:
             raise SchemaError(f"table {self.name!r}: key column(s) {missing} are not columns")
         if len(set(self.key)) != len(self.key):
-            raise SchemaError(f"table {self.name!r}: duplicate key columns")
-        if self.version < 0 or self.version > 65535:
+            raise SchemaError(f"table {self.name!r}: duplicate key columns {list(self.key)}")
+        version: object = self.version
+        if not isinstance(version, int) or not 0 <= version <= 65535:
             raise SchemaError(f"table {self.name!r}: version must be 0..65535")
+        try:
+            fastavro.parse_schema(self.change_schema)
+            fastavro.parse_schema(self.key_schema)
+        except (SchemaParseException, UnknownType, KeyError, TypeError, ValueError) as exc:
+            raise SchemaError(f"table {self.name!r}: invalid Avro column types: {exc}") from None
+
+    def __hash__(self) -> int:
+        return hash((self.fingerprint, self.version))
 
     # ---- Avro names ---------------------------------------------------
 
     @cached_property
     def record_name(self) -> str:
+        """The row record's name (namespace ``changebus.row``), from the table name."""
         return avro_name(self.name.replace(".", "__"))
 
     @cached_property
     def field_names(self) -> tuple[str, ...]:
         """Avro field names, in column order."""
-        used: set[str] = set()
+        taken = {c.name for c in self.columns if _AVRO_NAME.fullmatch(c.name)}
         out = []
         for c in self.columns:
-            base = c.name if _AVRO_NAME.fullmatch(c.name) else avro_name(c.name)
-            name, i = base, 1
-            while name in used or (name != c.name and name in {x.name for x in self.columns}):
-                i += 1
-                name = f"{base}_{i}"
-            used.add(name)
+            name = field_name(c.name)
+            if name != c.name:
+                base, i = name, 1
+                while name in taken:
+                    i += 1
+                    name = f"{base}_{i}"
+                taken.add(name)
             out.append(name)
         return tuple(out)
 
@@ -122,9 +244,13 @@ class TableSchema:
 
     @cached_property
     def row_schema(self) -> dict[str, Any]:
+        """The Avro record of a row: every field ``["null", T]``, default null."""
+        seen: set[str] = set()
         fields_ = []
         for fname, col in zip(self.field_names, self.columns, strict=True):
-            f: dict[str, Any] = {"name": fname, "type": ["null", col.type], "default": None}
+            t = _share_named(col.type, seen, "changebus.row")
+            branches = t if isinstance(t, list) else [t]
+            f: dict[str, Any] = {"name": fname, "type": ["null", *branches], "default": None}
             if fname != col.name:
                 f["changebus.column"] = col.name
             if col.source_type:
@@ -143,17 +269,23 @@ class TableSchema:
 
     @cached_property
     def key_schema(self) -> dict[str, Any]:
-        by_name = dict(zip((c.name for c in self.columns), self.field_names, strict=True))
+        """The record of the key columns (non-null types), in key order."""
+        field_of = dict(zip((c.name for c in self.columns), self.field_names, strict=True))
         cols = {c.name: c for c in self.columns}
+        seen: set[str] = set()
         return {
             "type": "record",
             "name": self.record_name + "Key",
             "namespace": "changebus.key",
-            "fields": [{"name": by_name[k], "type": cols[k].type} for k in self.key],
+            "fields": [
+                {"name": field_of[k], "type": _share_named(cols[k].type, seen, "changebus.key")}
+                for k in self.key
+            ],
         }
 
     @cached_property
     def change_schema(self) -> dict[str, Any]:
+        """The payload record of one change event (row images and not-sent lists)."""
         full = f"changebus.row.{self.record_name}"
         return {
             "type": "record",
@@ -177,6 +309,7 @@ class TableSchema:
 
     @cached_property
     def fingerprint(self) -> int:
+        """64-bit CRC-64-AVRO of name, row schema (all attributes) and key."""
         text = json.dumps(
             {"name": self.name, "row": self.row_schema, "key": list(self.key)},
             sort_keys=True,
@@ -185,6 +318,7 @@ class TableSchema:
         return int(fastavro.schema.fingerprint(text, "CRC-64-AVRO"), 16)
 
     def with_version(self, version: int) -> TableSchema:
+        """This schema with another version number (the content is unchanged)."""
         return replace(self, version=version)
 
     # ---- JSON form ----------------------------------------------------
@@ -208,18 +342,20 @@ class TableSchema:
 
     @classmethod
     def from_json(cls, data: Any) -> TableSchema:
+        """The inverse of :meth:`to_json`; :class:`SchemaError` if malformed."""
         try:
-            cols = tuple(
-                Column(
-                    c["name"],
-                    c["type"],
-                    bool(c.get("nullable", True)),
-                    str(c.get("source_type", "")),
-                )
-                for c in data["columns"]
-            )
-            return cls(
-                str(data["name"]), cols, tuple(data.get("key", ())), int(data.get("version", 0))
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            cols = []
+            for c in data["columns"]:
+                nullable = c.get("nullable", True)
+                if not isinstance(nullable, bool) or not isinstance(c["name"], str):
+                    raise TypeError(f"bad column {c!r}")
+                cols.append(Column(c["name"], c["type"], nullable, str(c.get("source_type", ""))))
+            key = data.get("key", [])
+            if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
+                raise TypeError(f"bad key {key!r}")
+            version = data.get("version", 0)
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise TypeError(f"bad version {version!r}")
+            return cls(str(data["name"]), tuple(cols), tuple(key), version)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SchemaError(f"bad table schema JSON: {exc!r}") from None

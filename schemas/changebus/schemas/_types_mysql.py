@@ -32,27 +32,64 @@ geometry types                                bytes, ``changebus.type: wkb``
 anything else                                 string, ``changebus.type: <type>``
 ============================================  ====================================
 
-Value converters for what mysql-replication delivers in another shape:
-:func:`mysql_bit`, :func:`mysql_set`, :func:`mysql_uuid`,
-:func:`mysql_time_micros`, :func:`mysql_unsigned_bigint`.
+How mysql-replication 1.0 (``binlog_row_metadata=FULL``) delivers values,
+and what fastavro needs:
+
+==================  ==========================  ===============================
+column              mysql-replication gives     for fastavro
+==================  ==========================  ===============================
+integers, year      ``int``                     as is
+bigint unsigned     ``int`` up to 2**64-1       :func:`mysql_unsigned_bigint`
+tinyint(1)          ``int``                     as is; as boolean:
+                                                :func:`mysql_boolean` (in a
+                                                nullable union fastavro takes
+                                                only a real ``bool``)
+decimal             ``Decimal``                 as is
+float               ``float`` (widened float32) as is (exact in Avro float)
+double              ``float``                   as is
+bit(n)              ``str`` like ``'10101'``    :func:`mysql_bit`
+enum                ``str``                     as is
+set                 ``set`` of ``str``          :func:`mysql_set`
+json                ``str`` (MariaDB) or parsed :func:`mysql_json`
+                    JSON (MySQL)
+uuid (MariaDB)      16 raw ``bytes``            :func:`mysql_uuid`
+date                ``datetime.date``           as is
+time                ``datetime.timedelta``      :func:`mysql_time_micros`
+datetime            naive ``datetime``          as is
+timestamp           naive ``datetime`` in UTC   :func:`mysql_timestamp` (fastavro
+                                                takes a naive datetime as
+                                                process-local time)
+strings             ``str``                     as is
+binary, blob        ``bytes``                   as is
+geometry            ``bytes``                   as is (MySQL's internal form:
+                                                4-byte SRID, then WKB)
+==================  ==========================  ===============================
+
+Values read back: fastavro returns ``Decimal`` for decimals (bigint unsigned
+too), ``uuid.UUID`` for uuid, aware UTC datetimes for timestamps, ``int``
+microseconds for time.
 """
 
 from __future__ import annotations
 
 import datetime
 import decimal
+import json
 import re
 import uuid
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 from ._table import AvroType
 
 __all__ = [
     "mysql_avro_type",
     "mysql_bit",
+    "mysql_boolean",
+    "mysql_json",
     "mysql_set",
     "mysql_time_micros",
+    "mysql_timestamp",
     "mysql_unsigned_bigint",
     "mysql_uuid",
 ]
@@ -158,23 +195,35 @@ def mysql_avro_type(column_type: str, *, tinyint1_as_boolean: bool = False) -> A
 
 
 def mysql_bit(value: str | int | bytes) -> int:
-    """A BIT value (``'10101'``, raw bytes or int) as an integer."""
-    if isinstance(value, int):
-        return value
+    """A BIT value (``'10101'``, raw big-endian bytes or int) as an Avro long.
+
+    ``bit(64)`` values with the top bit set do not fit a signed long; they
+    are stored as the negative long with the same 64 bits (``v & (2**64 - 1)``
+    gives the unsigned value back).
+    """
     if isinstance(value, bytes):
-        return int.from_bytes(value, "big")
-    return int(value, 2) if value else 0
+        n = int.from_bytes(value, "big")
+    elif isinstance(value, str):
+        n = int(value, 2) if value else 0
+    else:
+        n = value
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def mysql_boolean(value: int | bool) -> bool:
+    """A ``tinyint(1)`` value for its boolean mapping (any non-zero is true)."""
+    return bool(value)
 
 
 def mysql_set(value: Iterable[str] | str) -> list[str]:
-    """A SET value as a sorted list of its members."""
+    """A SET value (a ``set``, or the ``'a,b'`` text) as a sorted list of members."""
     if isinstance(value, str):
         return sorted(v for v in value.split(",") if v)
     return sorted(value)
 
 
 def mysql_uuid(value: bytes | str | uuid.UUID) -> str:
-    """A MariaDB UUID (16 raw bytes or text) as canonical text."""
+    """A MariaDB UUID (16 raw bytes, text or ``uuid.UUID``) as canonical text."""
     if isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, bytes):
@@ -187,6 +236,46 @@ def mysql_time_micros(value: datetime.timedelta) -> int:
     return (value.days * 86400 + value.seconds) * 1_000_000 + value.microseconds
 
 
+_UTC: Final = datetime.UTC
+
+
+def mysql_timestamp(value: datetime.datetime) -> datetime.datetime:
+    """A TIMESTAMP value (a naive datetime in UTC) made timezone-aware (UTC).
+
+    An aware datetime is passed through.
+    """
+    return value.replace(tzinfo=_UTC) if value.tzinfo is None else value
+
+
+def _json_text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, dict):
+        return {_json_text(k): _json_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_text(v) for v in value]
+    return value
+
+
+def mysql_json(value: Any) -> str:
+    """A JSON value as its text.
+
+    MariaDB's ``str`` (JSON is LONGTEXT there) is passed through as JSON
+    text; a value MySQL's binary JSON was parsed into (dict, list, number,
+    ...) is re-encoded, ``bytes`` keys and strings (as some parser versions
+    give) decoded as UTF-8. A ``str`` is always taken to be JSON text.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return json.dumps(_json_text(value), ensure_ascii=False, separators=(",", ":"))
+
+
 def mysql_unsigned_bigint(value: int) -> decimal.Decimal:
-    """A BIGINT UNSIGNED value for its decimal(20,0) Avro type."""
-    return decimal.Decimal(value)
+    """A BIGINT UNSIGNED value for its decimal(20,0) Avro type.
+
+    A negative value (the signed reading of the same 64 bits, as a reader
+    without the unsigned flag would give) is taken modulo 2**64.
+    """
+    return decimal.Decimal(value + (1 << 64) if value < 0 else value)
