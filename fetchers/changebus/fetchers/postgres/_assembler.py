@@ -15,7 +15,17 @@ returns a :class:`~changebus.fetchers.Window` at every Commit:
   TOASTed values are listed in ``after_not_sent``, never silently null;
 * Truncate becomes one TRUNCATE event per table; transactional logical
   messages become MESSAGE events inside their window; a non-transactional
-  one becomes a window of its own at its LSN.
+  one becomes a window of its own at its LSN; the fetcher's own idle
+  heartbeat message (prefix :data:`HEARTBEAT_PREFIX`) becomes a window
+  holding a HEARTBEAT event.
+
+Large transactions: with ``max_window_bytes`` set, a transaction whose
+encoded events pass the limit stops being kept (its rows are only counted, so
+memory stays bounded by the limit). At its Commit, ``on_oversized="fail"``
+raises a non-retriable :class:`~changebus.schemas.SourceConfigError` naming
+the transaction and the option to raise, and ``"skip"`` returns a window
+holding one DATA_LOSS event for the transaction's SCN instead of its rows:
+never a silent gap.
 
 The event key is the table's primary key (from ``primary_key``, the catalog)
 and falls back to the replica identity columns pgoutput flags; a table
@@ -29,18 +39,23 @@ from __future__ import annotations
 import decimal
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from changebus.schemas import (
     Column,
+    ControlPayload,
+    DataLoss,
     EndOfWindow,
+    Heartbeat,
     LogicalMessage as MessagePayload,
     Op,
     RowEncoder,
     SchemaChange,
     SchemaRegistry,
+    SourceConfigError,
     TableSchema,
     encode_control,
     pg_numeric_text,
@@ -64,7 +79,10 @@ from ._pgoutput import (
 from ._types import ColumnType
 from ._values import decode_value
 
-__all__ = ["Assembler"]
+__all__ = ["HEARTBEAT_PREFIX", "Assembler"]
+
+#: prefix of the non-transactional logical message the fetcher emits when idle
+HEARTBEAT_PREFIX = "changebus.heartbeat"
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -86,6 +104,9 @@ class _Txn:
     ts_ns: int
     events: list[bytes] = field(default_factory=list)
     data_events: int = 0
+    size: int = 0
+    oversized: bool = False
+    announced: list[_Table] = field(default_factory=list)
 
 
 def _adapter(avro: Any) -> Callable[[Any], Any] | None:
@@ -117,8 +138,14 @@ class Assembler:
         registry: SchemaRegistry | None = None,
         *,
         primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
+        max_window_bytes: int = 0,
+        on_oversized: str = "fail",
     ) -> None:
+        if on_oversized not in ("fail", "skip"):
+            raise ValueError(f"on_oversized must be 'fail' or 'skip', not {on_oversized!r}")
         self.partition_id = partition_id
+        self.max_window_bytes = max_window_bytes
+        self.on_oversized = on_oversized
         self._resolve = resolve
         self._primary_key = primary_key
         self.registry = registry or SchemaRegistry()
@@ -169,6 +196,19 @@ class Assembler:
             encode_control(change, txn.scn, len(txn.events), txn.ts_ns, partition=self.partition_id)
         )
         table.announced = True
+        txn.announced.append(table)
+
+    def _add(self, txn: _Txn, event: bytes) -> None:
+        txn.events.append(event)
+        txn.size += len(event)
+        if self.max_window_bytes and txn.size > self.max_window_bytes:
+            # stop keeping the transaction; its schema announcements are
+            # repeated in the next window that uses those tables
+            txn.oversized = True
+            txn.events.clear()
+            for table in txn.announced:
+                table.announced = False
+            txn.announced.clear()
 
     # ---- rows ---------------------------------------------------------
 
@@ -208,6 +248,9 @@ class Assembler:
         txn = self._txn
         if txn is None:
             raise ValueError("a row change outside a transaction")
+        if txn.oversized:
+            txn.data_events += 1
+            return
         table = self._tables[rel_oid]
         self._announce(txn, table)
         after, after_ns = self._row(table, new) if new is not None else (None, [])
@@ -217,7 +260,8 @@ class Assembler:
             before, before_ns = self._row(table, old)
             if old_kind == "K":  # only the key columns were sent
                 before_ns = [n for n, k in zip(table.names, table.key_flags, strict=True) if not k]
-        txn.events.append(
+        self._add(
+            txn,
             table.encoder.encode(
                 op,
                 txn.scn,
@@ -227,7 +271,7 @@ class Assembler:
                 before,
                 after_not_sent=after_ns,
                 before_not_sent=before_ns,
-            )
+            ),
         )
         txn.data_events += 1
 
@@ -250,34 +294,75 @@ class Assembler:
             if txn is None:
                 raise ValueError("a truncate outside a transaction")
             for oid in msg.relation_oids:
+                txn.data_events += 1
+                if txn.oversized:
+                    continue
                 table = self._tables[oid]
                 self._announce(txn, table)
-                txn.events.append(
-                    table.encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None)
+                self._add(
+                    txn,
+                    table.encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None),
                 )
-                txn.data_events += 1
         elif isinstance(msg, LogicalMessage):
-            payload = MessagePayload(msg.prefix, msg.content, msg.transactional)
             if msg.transactional and self._txn is not None:
                 txn = self._txn
-                txn.events.append(
-                    encode_control(
-                        payload, txn.scn, len(txn.events), txn.ts_ns, partition=self.partition_id
+                if not txn.oversized:
+                    payload = MessagePayload(msg.prefix, msg.content, msg.transactional)
+                    self._add(
+                        txn,
+                        encode_control(
+                            payload,
+                            txn.scn,
+                            len(txn.events),
+                            txn.ts_ns,
+                            partition=self.partition_id,
+                        ),
                     )
-                )
+            elif msg.prefix == HEARTBEAT_PREFIX:
+                return self.control_window(Heartbeat(scn_to_lsn(msg.lsn)), msg.lsn)
             else:
-                txn = _Txn(msg.lsn, 0)
-                txn.events.append(
-                    encode_control(payload, msg.lsn, 0, 0, partition=self.partition_id)
+                return self.control_window(
+                    MessagePayload(msg.prefix, msg.content, msg.transactional), msg.lsn
                 )
-                return self._close(txn, scn_to_lsn(msg.lsn))
         elif isinstance(msg, Commit):
             txn = self._txn
             self._txn = None
             if txn is None:
                 raise ValueError("a commit without a begin")
+            if txn.oversized:
+                return self._oversized(txn, scn_to_lsn(msg.end_lsn))
             return self._close(txn, scn_to_lsn(msg.end_lsn))
         return None
+
+    @property
+    def in_transaction(self) -> bool:
+        """True between a Begin and its Commit."""
+        return self._txn is not None
+
+    def control_window(
+        self, payload: ControlPayload, scn: int, position: str = "", timestamp_ns: int = 0
+    ) -> Window:
+        """A window of one control event at ``scn`` (heartbeat, data loss, message).
+
+        ``position`` defaults to ``scn`` as an LSN, the timestamp to now.
+        """
+        ts = timestamp_ns or time.time_ns()
+        txn = _Txn(scn, ts)
+        txn.events.append(encode_control(payload, scn, 0, ts, partition=self.partition_id))
+        return self._close(txn, position or scn_to_lsn(scn))
+
+    def _oversized(self, txn: _Txn, position: str) -> Window:
+        what = (
+            f"transaction at LSN {scn_to_lsn(txn.scn)} has {txn.data_events} changes and "
+            f"more than {self.max_window_bytes} bytes of events (max_transaction_bytes)"
+        )
+        if self.on_oversized == "fail":
+            raise SourceConfigError(
+                f"{what}; raise max_transaction_bytes (and the relay's buffer) or set "
+                "on_oversized_transaction = 'skip' to replace it by a data-loss event"
+            )
+        log.error("%s: replaced by a data-loss event", what)
+        return self.control_window(DataLoss(txn.scn, txn.scn, what), txn.scn, position, txn.ts_ns)
 
     def _close(self, txn: _Txn, position: str) -> Window:
         txn.events.append(

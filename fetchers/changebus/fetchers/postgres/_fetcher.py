@@ -43,12 +43,19 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from changebus.schemas import ConfigError, SourceConfigError, SourceError, lsn_to_scn, scn_to_lsn
+from changebus.schemas import (
+    ConfigError,
+    DataLoss,
+    SourceConfigError,
+    SourceError,
+    lsn_to_scn,
+    scn_to_lsn,
+)
 from changebus.schemas.config import load_config_dict, secret
 
 from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
-from ._assembler import Assembler
+from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._pgoutput import parse_message
 from ._types import TypeResolver
 
@@ -73,11 +80,45 @@ class PostgresConfig:
     tables: tuple[str, ...] = ()
     create_slot: bool = True
     create_publication: bool = True
+    #: "stream" (replication protocol) or "sql" (peek + advance, no replication connection)
+    mode: str = "stream"
     status_interval_s: float = 1.0
+    #: emit a heartbeat message after this long without a window (0 = never)
+    heartbeat_interval_s: float = 10.0
+    #: how often the slot's retained WAL is read for /v1/status and /metrics
+    slot_stats_interval_s: float = 5.0
+    #: a transaction whose events pass this size is refused or skipped (0 = no limit)
+    max_transaction_bytes: int = 128 << 20
+    #: "fail" (stop with a clear error) or "skip" (a DATA_LOSS event replaces it)
+    on_oversized_transaction: str = "fail"
+    #: an invalidated or vanished slot: "recreate" (after a DATA_LOSS event) or "fail"
+    on_slot_lost: str = "recreate"
+    #: SQL mode: changes asked per peek, and the pause when nothing is new
+    sql_batch_changes: int = 20_000
+    sql_poll_interval_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.dsn:
             raise ConfigError("the postgres fetcher needs options.dsn")
+        choices = {
+            "mode": ("stream", "sql"),
+            "on_oversized_transaction": ("fail", "skip"),
+            "on_slot_lost": ("recreate", "fail"),
+        }
+        for option, allowed in choices.items():
+            if getattr(self, option) not in allowed:
+                raise ConfigError(
+                    f"fetcher option {option} must be one of {', '.join(allowed)}, "
+                    f"not {getattr(self, option)!r}"
+                )
+        for option in ("status_interval_s", "sql_poll_interval_s"):
+            if getattr(self, option) <= 0:
+                raise ConfigError(f"fetcher option {option} must be positive")
+        for option in ("heartbeat_interval_s", "slot_stats_interval_s", "max_transaction_bytes"):
+            if getattr(self, option) < 0:
+                raise ConfigError(f"fetcher option {option} must not be negative")
+        if self.sql_batch_changes < 1:
+            raise ConfigError("fetcher option sql_batch_changes must be at least 1")
         for name in (self.slot, self.publication):
             if not name.replace("_", "").isalnum() or not name.islower():
                 raise ConfigError(
@@ -90,7 +131,13 @@ def _now_pg_us() -> int:
 
 
 class PostgresFetcher:
-    """Streams a Postgres database's changes as windows (see the module docstring)."""
+    """Streams a Postgres database's changes as windows (see the module docstring).
+
+    Thread-safety: ``start``/``acknowledge``/``close``/``status`` run on the
+    event loop; the stream thread reads ``_acked_end_lsn`` and writes
+    ``stats``; ``_pending`` (emitted, not yet acknowledged windows) is shared
+    under ``_lock``.
+    """
 
     def __init__(self, name: str, partition_id: int, config: PostgresConfig) -> None:
         self.name = name
@@ -101,7 +148,16 @@ class PostgresFetcher:
         self._acked_end_lsn = 0  # written by the loop thread, read by the stream thread
         self._pending: deque[tuple[int, int]] = deque()  # (scn, end lsn) of emitted windows
         self._lock = threading.Lock()
-        self.stats: dict[str, Any] = {"windows": 0, "keepalives": 0, "retained_wal_bytes": -1}
+        #: (from_scn, to_scn, reason) to announce before the stream: the slot was lost
+        self._data_loss: tuple[int, int, str] | None = None
+        self.stats: dict[str, Any] = {
+            "windows": 0,
+            "keepalives": 0,
+            "heartbeats": 0,
+            "retained_wal_bytes": -1,
+            "unconfirmed_wal_bytes": -1,
+        }
+        self._slot_state = ""
 
     # ---- Fetcher protocol -------------------------------------------------
 
@@ -127,7 +183,7 @@ class PostgresFetcher:
                     (self.config.slot,),
                 ).fetchone()
         except psycopg.OperationalError as exc:
-            raise SourceError(f"cannot connect to Postgres: {exc.__class__.__name__}") from None
+            raise SourceError(f"cannot connect to Postgres: {_reason(exc)}") from None
         return lsn_to_scn(row[0]) if row and row[0] else -1
 
     async def windows(self) -> AsyncIterator[Window]:
@@ -148,7 +204,9 @@ class PostgresFetcher:
     def status(self) -> dict[str, Any]:
         return {
             "kind": "postgres",
+            "mode": self.config.mode,
             "slot": self.config.slot,
+            "slot_wal_status": self._slot_state,
             "acked_lsn": scn_to_lsn(self._acked_end_lsn) if self._acked_end_lsn else "",
             **{k: v for k, v in self.stats.items() if v != -1},
         }
@@ -162,24 +220,45 @@ class PostgresFetcher:
         try:
             catalog = psycopg.connect(cfg.dsn, autocommit=True)
         except psycopg.OperationalError as exc:
-            raise SourceError(f"cannot connect to Postgres: {exc.__class__.__name__}") from None
+            raise SourceError(f"cannot connect to Postgres: {_reason(exc)}") from None
         with catalog:
             resolver = TypeResolver(catalog)
             assembler = Assembler(
-                self.partition_id, resolver.resolve, primary_key=resolver.primary_key
+                self.partition_id,
+                resolver.resolve,
+                primary_key=resolver.primary_key,
+                max_window_bytes=cfg.max_transaction_bytes,
+                on_oversized=cfg.on_oversized_transaction,
             )
+            if self._data_loss is not None:
+                lo, hi, reason = self._data_loss
+                self._emit(assembler.control_window(DataLoss(lo, hi, reason), hi), emit)
+                self._data_loss = None
+            ticker = _Ticker(self, catalog)
             try:
-                repl = psycopg.connect(cfg.dsn, autocommit=True, replication="database")
-            except psycopg.OperationalError as exc:
-                raise SourceError(
-                    f"cannot open a replication connection: {exc.__class__.__name__}"
-                ) from None
-            # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
-            # fail before closing, leaving the server's walsender holding the slot
-            try:
-                self._stream(repl, catalog, assembler, emit, stopping)
-            finally:
-                repl.close()
+                if cfg.mode == "sql":
+                    self._poll_sql(catalog, assembler, emit, stopping, ticker)
+                    return
+                try:
+                    repl = psycopg.connect(cfg.dsn, autocommit=True, replication="database")
+                except psycopg.OperationalError as exc:
+                    raise SourceError(
+                        f"cannot open a replication connection: {_reason(exc)}"
+                    ) from None
+                # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
+                # fail before closing, leaving the server's walsender holding the slot
+                try:
+                    self._stream(repl, assembler, emit, stopping, ticker)
+                finally:
+                    repl.close()
+            except psycopg.OperationalError as exc:  # the server went away mid-stream
+                raise SourceError(f"lost the Postgres connection: {_reason(exc)}") from None
+
+    def _emit(self, window: Window, emit: Callable[[Window], None]) -> None:
+        with self._lock:
+            self._pending.append((window.scn, lsn_to_scn(window.source_position)))
+        emit(window)
+        self.stats["windows"] += 1
 
     def _prepare(self, catalog: Any) -> None:
         import psycopg
@@ -215,17 +294,12 @@ class PostgresFetcher:
                     )
                 log.info("created publication %s", cfg.publication)
             slot = catalog.execute(
-                "SELECT plugin, active, active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s",
+                "SELECT plugin, active, active_pid, wal_status FROM pg_replication_slots "
+                "WHERE slot_name = %s",
                 (cfg.slot,),
             ).fetchone()
-            if slot is None:
-                if not cfg.create_slot:
-                    raise SourceConfigError(f"replication slot {cfg.slot!r} does not exist")
-                catalog.execute(
-                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (cfg.slot,)
-                )
-                log.info("created replication slot %s", cfg.slot)
-            else:
+            lost = ""
+            if slot is not None:
                 plugin, active, pid, wal_status = slot
                 if plugin != "pgoutput":
                     raise SourceConfigError(
@@ -234,21 +308,76 @@ class PostgresFetcher:
                 if active:  # often the previous run's walsender, still exiting: retriable
                     raise SourceError(f"slot {cfg.slot!r} is in use by another process (pid {pid})")
                 if wal_status == "lost":
+                    lost = f"slot {cfg.slot!r} was invalidated (the WAL it needed was removed)"
+            elif self._resume.scn >= 0:
+                lost = f"slot {cfg.slot!r} vanished (dropped while the relay held its changes)"
+            if lost:
+                if cfg.on_slot_lost == "fail":
                     raise SourceConfigError(
-                        f"slot {cfg.slot!r} was invalidated (WAL removed): changes are lost"
+                        f"{lost}: changes are lost; set on_slot_lost = 'recreate' to go on "
+                        "after a data-loss event"
                     )
+                if slot is not None:
+                    catalog.execute("SELECT pg_drop_replication_slot(%s)", (cfg.slot,))
+                slot = None
+            if slot is None:
+                if not cfg.create_slot:
+                    raise SourceConfigError(f"replication slot {cfg.slot!r} does not exist")
+                catalog.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (cfg.slot,)
+                )
+                log.info("created replication slot %s", cfg.slot)
+            row = catalog.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                (cfg.slot,),
+            ).fetchone()
+            self._check_gap(lost, lsn_to_scn(row[0]))
         except psycopg.errors.InsufficientPrivilege as exc:
             raise SourceConfigError(
                 f"the Postgres user lacks a privilege: {exc.diag.message_primary}"
             ) from None
 
+    def _check_gap(self, lost: str, confirmed: int) -> None:
+        """Plan a DATA_LOSS window when the slot starts after the relay's last window.
+
+        The fetcher confirms only what the relay holds, so a slot confirmed
+        beyond the end of the relay's last window (``resume.source_position``)
+        means changes in between were consumed elsewhere or are gone with a lost
+        slot. Checked at every start, so a relay restarted before announcing
+        the loss announces it then.
+        """
+        self._data_loss = None
+        resume = self._resume
+        if resume.scn < 0 or resume.source_position.count("/") != 1:
+            return  # the relay holds nothing from this slot yet
+        if confirmed <= lsn_to_scn(resume.source_position):
+            return
+        what = lost or (
+            f"slot {self.config.slot!r} was confirmed beyond the relay's last window "
+            "(recreated, or used by another consumer)"
+        )
+        self._announce_loss(what, confirmed)
+
+    def _announce_loss(self, what: str, new_start: int) -> None:
+        """Plan the DATA_LOSS window for changes between the relay's end and a new slot."""
+        last = self._resume.scn
+        hi = max(new_start - 1, last + 1)
+        reason = (
+            f"{what}; a new slot streams from {scn_to_lsn(new_start)}: changes committed "
+            f"after SCN {last} and before it are missing"
+        )
+        log.error("partition %s: %s", self.name, reason)
+        self._data_loss = (last + 1, hi, reason)
+        # the stream continues after the new slot's start, not the relay's old end
+        self._resume = ResumePoint(hi, scn_to_lsn(new_start))
+
     def _stream(
         self,
         repl: Any,
-        catalog: Any,
         assembler: Assembler,
         emit: Callable[[Window], None],
         stopping: threading.Event,
+        ticker: _Ticker,
     ) -> None:
         import psycopg
 
@@ -268,7 +397,7 @@ class PostgresFetcher:
                 f"slot {cfg.slot!r} is in use by another process: {exc.diag.message_primary}"
             ) from None
         except psycopg.Error as exc:
-            raise SourceError(f"START_REPLICATION failed: {exc.__class__.__name__}") from None
+            raise SourceError(f"START_REPLICATION failed: {_reason(exc)}") from None
         pgconn = repl.pgconn
         sock = pgconn.socket
         last_status = 0.0
@@ -282,14 +411,14 @@ class PostgresFetcher:
                 last_status, sent_flush = now, flush
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
+                ticker.tick(now, idle=not assembler.in_transaction)
                 ready, _, _ = select.select([sock], [], [], min(cfg.status_interval_s, 0.2))
                 if ready:
                     pgconn.consume_input()
                 continue
             if nbytes < 0:
-                raise SourceError(
-                    f"replication stream ended: {pgconn.get_error_message().decode(errors='replace').strip()}"
-                )
+                message = pgconn.get_error_message().decode(errors="replace").strip()
+                raise SourceError(f"replication stream ended: {message}")
             kind = data[:1]
             if kind == b"w":
                 _start, end, _send = _XLOG.unpack_from(data, 1)
@@ -298,10 +427,8 @@ class PostgresFetcher:
                 if window is not None:
                     if window.scn <= resume.scn:
                         continue  # the relay holds it already (resent after a restart)
-                    with self._lock:
-                        self._pending.append((window.scn, lsn_to_scn(window.source_position)))
-                    emit(window)
-                    self.stats["windows"] += 1
+                    self._emit(window, emit)
+                    ticker.activity(now)
             elif kind == b"k":
                 end, _send, reply = _KEEPALIVE.unpack_from(data, 1)
                 written = max(written, end)
@@ -312,10 +439,131 @@ class PostgresFetcher:
                     )
                     last_status = time.monotonic()
 
+    def _poll_sql(
+        self,
+        catalog: Any,
+        assembler: Assembler,
+        emit: Callable[[Window], None],
+        stopping: threading.Event,
+        ticker: _Ticker,
+    ) -> None:
+        """The SQL-interface mode: peek a batch, emit new windows, advance to what is acked.
+
+        Peeking does not consume: the slot moves only by
+        ``pg_replication_slot_advance`` to the end of acknowledged windows, so
+        a crash re-reads (and drops, by SCN) what the relay already holds.
+        """
+        cfg = self.config
+        emitted = self._resume.scn
+        emitted_end = 0
+        advanced = 0
+        peek = (
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s, "
+            "'proto_version', '1', 'publication_names', %s, 'binary', 'true', "
+            "'messages', 'true')"
+        )
+        while not stopping.is_set():
+            # wait (briefly) for the relay to take what was emitted: peeking
+            # again before the slot advances would decode the same changes twice
+            deadline = time.monotonic() + 1.0
+            while (
+                self._acked_end_lsn < emitted_end
+                and time.monotonic() < deadline
+                and not stopping.is_set()
+            ):
+                stopping.wait(0.001)
+            acked = self._acked_end_lsn
+            if acked > advanced:
+                catalog.execute(
+                    "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
+                    (cfg.slot, scn_to_lsn(acked)),
+                )
+                advanced = acked
+            rows = catalog.execute(peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication))
+            fresh = 0
+            for (data,) in rows:
+                window = assembler.feed(parse_message(memoryview(data)))
+                if window is not None and window.scn > emitted:
+                    self._emit(window, emit)
+                    emitted = window.scn
+                    emitted_end = lsn_to_scn(window.source_position)
+                    fresh += 1
+            now = time.monotonic()
+            if fresh:
+                ticker.activity(now)
+            else:
+                ticker.tick(now, idle=True)
+                stopping.wait(cfg.sql_poll_interval_s)
+
     def _send_status(self, pgconn: Any, written: int, flushed: int) -> None:
         msg = _STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0)
         pgconn.put_copy_data(msg)
         pgconn.flush()
+
+
+class _Ticker:
+    """Periodic work of the stream thread: idle heartbeats and slot figures.
+
+    A heartbeat is a non-transactional logical message (prefix
+    ``changebus.heartbeat``) written through the catalog connection when no
+    window went out for ``heartbeat_interval_s``: it comes back through the
+    slot as a HEARTBEAT window, which the relay stores and acknowledges, so the
+    slot advances and WAL does not pile up on an idle database (or one whose
+    writes all go to tables outside the publication).
+    """
+
+    def __init__(self, fetcher: PostgresFetcher, catalog: Any) -> None:
+        self.fetcher = fetcher
+        self.catalog = catalog
+        now = time.monotonic()
+        self.last_activity = now
+        self.last_stats = 0.0
+
+    def activity(self, now: float) -> None:
+        self.last_activity = now
+
+    def tick(self, now: float, *, idle: bool) -> None:
+        cfg = self.fetcher.config
+        stats = self.fetcher.stats
+        if (
+            idle
+            and cfg.heartbeat_interval_s
+            and now - self.last_activity >= cfg.heartbeat_interval_s
+        ):
+            self.catalog.execute(
+                "SELECT pg_logical_emit_message(false, %s, '')", (HEARTBEAT_PREFIX,)
+            )
+            stats["heartbeats"] += 1
+            self.last_activity = now
+        if cfg.slot_stats_interval_s and now - self.last_stats >= cfg.slot_stats_interval_s:
+            self.last_stats = now
+            row = self.catalog.execute(
+                "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, "
+                "(pg_current_wal_lsn() - confirmed_flush_lsn)::int8, wal_status "
+                "FROM pg_replication_slots WHERE slot_name = %s",
+                (cfg.slot,),
+            ).fetchone()
+            if row is None:
+                raise SourceError(f"replication slot {cfg.slot!r} vanished while streaming")
+            stats["retained_wal_bytes"] = row[0] if row[0] is not None else -1
+            stats["unconfirmed_wal_bytes"] = row[1] if row[1] is not None else -1
+            state = row[2] or ""
+            if state != self.fetcher._slot_state and state in ("unreserved", "lost"):
+                log.warning(
+                    "partition %s: slot %s is %s: max_slot_wal_keep_size is about to drop "
+                    "WAL it needs",
+                    self.fetcher.name,
+                    cfg.slot,
+                    state,
+                )
+            self.fetcher._slot_state = state
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's first line without connection details (no DSN, no password)."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    return str(primary) if primary else exc.__class__.__name__
 
 
 def _factory(name: str, partition_id: int, options: Mapping[str, Any]) -> PostgresFetcher:

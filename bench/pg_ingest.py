@@ -1,0 +1,260 @@
+"""Postgres ingest: backlog drain against pg_recvlogical, and commit -> relay latency.
+
+Starts a throwaway Postgres 15 (the test fixture's recipe), then:
+
+* **backlog**: two slots are created at the same point, then a backlog of
+  ``--rows`` rows (10 columns; ~2.5 KB and ~200 B rows, in 100-row
+  transactions) is written. ``pg_recvlogical`` (shipped with Postgres) drains
+  one slot to /dev/null in binary pgoutput mode up to the backlog's end LSN:
+  the baseline. A relay with the postgres fetcher drains the other slot into
+  its buffer (decoding every value and encoding every event). Ratio =
+  changebus rows/s / pg_recvlogical rows/s; goal >= 0.5.
+* **latency**: 1,000 rows/s in 10-row transactions, each carrying a
+  transactional logical message with its number; from ``COMMIT`` returned in
+  the client to the window published in the relay's buffer. Goal p50 <= 2 ms,
+  p99 <= 8 ms.
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT
+
+sys.path.insert(0, str(ROOT / "tests"))
+
+import numpy as np
+import psycopg
+
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import HEADER_SIZE, Op, decode_control, lsn_to_scn
+from fix_pg import PG_BIN, start_pg  # tests/ is on sys.path
+
+COLUMNS = "id int8 PRIMARY KEY, a int4, b int8, c text, d text, e text, f numeric(12,2), g timestamptz, h bool, i text"
+
+
+def make_backlog(dsn: str, rows: int, text_bytes: int) -> int:
+    """Insert the backlog in 100-row transactions; returns the end LSN as an SCN."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for start in range(0, rows, 100):
+            conn.execute(
+                "INSERT INTO t SELECT g, g %% 1000, g * 7, repeat(md5(g::text), %s), repeat('y', %s), "
+                "repeat('z', %s), g / 100.0, now(), g %% 2 = 0, 'const' "
+                "FROM generate_series(%s::int8, %s::int8) AS g",
+                (
+                    max(1, text_bytes // 32),
+                    text_bytes // 3,
+                    text_bytes // 3,
+                    start + 1,
+                    min(start + 100, rows),
+                ),
+            )
+        end = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert end is not None
+    return lsn_to_scn(end[0])
+
+
+def recvlogical(port: int, dbname: str, slot: str, end_lsn: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(
+        [
+            str(PG_BIN / "pg_recvlogical"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-U",
+            "postgres",
+            "-d",
+            dbname,
+            "--slot",
+            slot,
+            "--start",
+            "--endpos",
+            end_lsn,
+            "-f",
+            "/dev/null",
+            "--no-loop",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=pub",
+            "-o",
+            "binary=true",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return time.perf_counter() - t0
+
+
+def backlog(base: Path, server: Any, rows: int, text_bytes: int, label: str) -> dict[str, float]:
+    db = f"b_{label}"
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {db}")
+    dsn = server.dsn(db)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE t ({COLUMNS})")
+        conn.execute("CREATE PUBLICATION pub FOR TABLE t")
+        for slot in (f"cb_{label}", f"recv_{label}"):
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    print(f"{label}: writing a backlog of {rows:,} rows ...", flush=True)
+    end = make_backlog(dsn, rows, text_bytes)
+    with psycopg.connect(dsn) as conn:
+        size = conn.execute("SELECT pg_total_relation_size('t')").fetchone()
+    recv_s = recvlogical(server.port, db, f"recv_{label}", f"{end >> 32:X}/{end & 0xFFFFFFFF:X}")
+    cb_s, _events = asyncio.run(relay_drain_until(base, dsn, rows, f"cb_{label}"))
+    return {
+        f"{label}_rows": rows,
+        f"{label}_table_mb": round((size[0] if size else 0) / 1e6, 1),
+        f"{label}_recvlogical_rows_per_s": round(rows / recv_s),
+        f"{label}_changebus_rows_per_s": round(rows / cb_s),
+        f"{label}_vs_recvlogical_ratio": round(recv_s / cb_s, 3),
+    }
+
+
+async def relay_drain_until(tmp: Path, dsn: str, rows: int, slot: str) -> tuple[float, int]:
+    """Time until the relay's buffer holds every backlog row (one event per row)."""
+    cfg = RelayConfig(
+        data_dir=tmp / f"relay-{rows}-{time.monotonic_ns()}",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=256 << 20,
+                fetcher=FetcherConfig(
+                    "postgres",
+                    {"dsn": dsn, "slot": slot, "publication": "pub", "create_slot": False},
+                ),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    t0 = time.perf_counter()
+    async with Relay(cfg) as relay:
+        buf = relay.hosts["pg"].buffer
+        windows = rows // 100
+        while buf.stats["windows_appended"] < windows:
+            if time.perf_counter() - t0 > 600:
+                raise TimeoutError("the relay did not drain the backlog")
+            await asyncio.sleep(0.005)
+        return time.perf_counter() - t0, buf.stats["events_appended"]
+
+
+async def latency(base: Path, server: Any, seconds: float) -> dict[str, float]:
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE lat")
+    dsn = server.dsn("lat")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE t ({COLUMNS})")
+    cfg = RelayConfig(
+        data_dir=base / "relay-lat",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=64 << 20,
+                fetcher=FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.5}),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    published: dict[int, int] = {}
+    committed: dict[int, int] = {}
+    async with Relay(cfg) as relay:
+        host = relay.hosts["pg"]
+        while host.state != "streaming":  # noqa: ASYNC110 - a benchmark's start-up poll
+            await asyncio.sleep(0.05)
+        buf = host.buffer
+        original = buf.on_publish
+
+        def on_publish() -> None:
+            now = time.perf_counter_ns()
+            m = buf.meta
+            rec = buf._events.at(m.tail_event - 2)  # the MESSAGE event before END_OF_WINDOW
+            if int(rec["op"]) == Op.MESSAGE:
+                start = int(rec["pos"]) % buf.capacity
+                payload = bytes(buf._ring[start + HEADER_SIZE : start + int(rec["length"])])
+                msg = decode_control(Op.MESSAGE, payload)
+                published[int(msg.content)] = now  # type: ignore[union-attr]
+            if original is not None:
+                original()
+
+        buf.on_publish = on_publish
+
+        def writer() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                n = 0
+                next_at = time.perf_counter()
+                stop = next_at + seconds
+                while time.perf_counter() < stop:
+                    with conn.transaction():
+                        conn.execute(
+                            "INSERT INTO t SELECT g, 1, 2, 'c', 'd', 'e', 1.5, now(), true, 'i' "
+                            "FROM generate_series(%s::int8, %s::int8) AS g",
+                            (n * 10, n * 10 + 9),
+                        )
+                        conn.execute("SELECT pg_logical_emit_message(true, 'bench', %s)", (str(n),))
+                    committed[n] = time.perf_counter_ns()
+                    n += 1
+                    next_at += 0.01  # 100 transactions of 10 rows per second
+                    time.sleep(max(0.0, next_at - time.perf_counter()))
+
+        await asyncio.to_thread(writer)
+        await asyncio.sleep(0.5)
+    lat = np.array(
+        [(published[n] - committed[n]) / 1e6 for n in committed if n in published and n > 50]
+    )
+    return {
+        "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
+        "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
+        "latency_samples": int(lat.size),
+        "latency_transactions": len(committed),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    args = ap.parse_args()
+    result: dict[str, float] = {}
+    base = Path(tempfile.mkdtemp(prefix="changebus-bench-pg-"))
+    server = start_pg(base)
+    try:
+        for label, text_bytes in (("large", 2400), ("small", 120)):
+            figs = backlog(base, server, args.rows, text_bytes, label)
+            result.update(figs)
+            print(
+                f"{label} rows: changebus {figs[f'{label}_changebus_rows_per_s']:,} rows/s, "
+                f"pg_recvlogical {figs[f'{label}_recvlogical_rows_per_s']:,} rows/s "
+                f"(ratio {figs[f'{label}_vs_recvlogical_ratio']:.2f})",
+                flush=True,
+            )
+        lat = asyncio.run(latency(base, server, args.seconds))
+        result.update(lat)
+        print(
+            f"latency at 1,000 rows/s in 10-row transactions: p50 {lat['latency_p50_ms']} ms, "
+            f"p99 {lat['latency_p99_ms']} ms over {lat['latency_samples']} transactions",
+            flush=True,
+        )
+    finally:
+        server.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

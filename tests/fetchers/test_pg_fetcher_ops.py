@@ -1,0 +1,298 @@
+"""The postgres fetcher in operation: heartbeats, slot figures, lost slots, large
+transactions, the SQL-interface mode, and a relay killed with -9 mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_pg_fetcher import caught_up, replay_buffer, source, wait_until, workload
+
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import (
+    DataLoss,
+    Op,
+    decode_control,
+    event_at,
+    lsn_to_scn,
+    parse_stream,
+    verify_event,
+)
+from fix_pg import PgServer
+
+pytestmark = pytest.mark.pg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(tmp: Path, dsn: str, **options: Any) -> RelayConfig:
+    return RelayConfig(
+        data_dir=tmp / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=8 << 20,
+                fetcher=FetcherConfig(
+                    "postgres", {"dsn": dsn, "status_interval_s": 0.2, **options}
+                ),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+
+
+def control_events(relay: Relay, op: Op) -> list[tuple[int, Any]]:
+    """(scn, payload) of every control event ``op`` in the relay's buffer."""
+    buf = relay.hosts["pg"].buffer
+    sel = buf.select(-1, -1, 1 << 30)
+    if sel is None:
+        return []  # nothing yet
+    data = b"".join(bytes(v) for v in sel.views)
+    assert buf.release(sel)
+    offsets, _ = parse_stream(data)
+    out = []
+    for off in offsets.tolist():
+        h = verify_event(data, off)
+        if h.op == op:
+            out.append((h.scn, decode_control(op, event_at(data, off, h)[1])))
+    return out
+
+
+def make_table(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int8 PRIMARY KEY, bal int8, name text)")
+
+
+def wal_lsn(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return lsn_to_scn(row[0])
+
+
+async def test_idle_heartbeats_advance_the_slot_and_show_retained_wal(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, heartbeat_interval_s=0.2, slot_stats_interval_s=0.1)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await wait_until(lambda: len(control_events(relay, Op.HEARTBEAT)) >= 3)
+        beats = control_events(relay, Op.HEARTBEAT)
+        assert [s for s, _ in beats] == sorted({s for s, _ in beats})
+        status = relay.hosts["pg"].status()["fetcher"]
+        assert status["heartbeats"] >= 3
+        assert status["retained_wal_bytes"] >= 0
+        assert status["slot_wal_status"] == "reserved"
+        metrics = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"{relay.url}/metrics", timeout=10).read().decode()
+        )
+        assert 'figure="retained_wal_bytes"' in metrics
+        # the slot follows the heartbeats: confirmed past the second one
+        second = beats[1][0]
+
+        def confirmed() -> int:
+            with psycopg.connect(pg_dsn) as conn:
+                row = conn.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                    "WHERE slot_name = 'changebus'"
+                ).fetchone()
+            assert row is not None
+            return lsn_to_scn(row[0])
+
+        await wait_until(lambda: confirmed() > second)
+
+
+@pytest.mark.parametrize("how", ["dropped", "invalidated"])
+async def test_lost_slot_becomes_a_data_loss_event(
+    tmp_path: Path, pg_server: PgServer, pg_dsn: str, how: str
+) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, heartbeat_interval_s=0)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 1, 20)
+        await caught_up(relay, pg_dsn)
+        last = relay.hosts["pg"].buffer.meta.last_scn
+    lost_from = wal_lsn(pg_dsn)
+    if how == "dropped":
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot('changebus')")
+        await asyncio.to_thread(workload, pg_dsn, 2, 10)
+    else:
+        admin = pg_server.dsn()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+            conn.execute("SELECT pg_reload_conf()")
+        try:
+            await asyncio.to_thread(workload, pg_dsn, 2, 10)
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                for _ in range(3):
+                    conn.execute("INSERT INTO acct VALUES (1000, 1, 'x') ON CONFLICT DO NOTHING")
+                    conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+                state = conn.execute(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'changebus'"
+                ).fetchone()
+            assert state == ("lost",)
+        finally:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+                conn.execute("SELECT pg_reload_conf()")
+    lost_to = wal_lsn(pg_dsn)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 3, 10)
+        await caught_up(relay, pg_dsn)
+        losses = control_events(relay, Op.DATA_LOSS)
+        _, scns = replay_buffer(relay)
+    assert len(losses) == 1
+    scn, loss = losses[0]
+    assert isinstance(loss, DataLoss)
+    assert loss.from_scn == last + 1
+    assert loss.from_scn <= lost_from + 1 and loss.to_scn >= lost_to
+    assert scn == loss.to_scn
+    assert how in loss.reason or "vanished" in loss.reason
+    # the stream goes on after the gap, in order
+    assert scns == sorted(set(scns)) and scns[-1] > scn
+
+
+async def test_lost_slot_can_fail_instead(tmp_path: Path, pg_dsn: str) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, on_slot_lost="fail")
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 1, 3)
+        await caught_up(relay, pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('changebus')")
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "failed")
+        assert "vanished" in relay.hosts["pg"].last_error
+        assert "on_slot_lost" in relay.hosts["pg"].last_error
+
+
+def big_transaction(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO acct SELECT g, g, repeat('x', 100) FROM generate_series(1, 500) g"
+        )
+        conn.execute("INSERT INTO acct VALUES (9999, 1, 'small')")
+
+
+async def test_oversized_transaction_is_skipped_with_a_data_loss_event(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, max_transaction_bytes=20_000, on_oversized_transaction="skip")
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(big_transaction, pg_dsn)
+        await caught_up(relay, pg_dsn)
+        losses = control_events(relay, Op.DATA_LOSS)
+        rows, _ = replay_buffer(relay)  # decodes: the next window re-announces its schema
+        changes = control_events(relay, Op.SCHEMA_CHANGE)
+    assert len(losses) == 1
+    scn, loss = losses[0]
+    assert loss.from_scn == loss.to_scn == scn
+    assert "500 changes" in loss.reason
+    assert list(rows) == [9999]
+    assert len(changes) == 1 and changes[0][0] > scn
+
+
+async def test_oversized_transaction_fails_clearly_by_default(tmp_path: Path, pg_dsn: str) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, max_transaction_bytes=20_000)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(big_transaction, pg_dsn)
+        await wait_until(lambda: relay.hosts["pg"].state == "failed")
+        assert "max_transaction_bytes" in relay.hosts["pg"].last_error
+        assert control_events(relay, Op.END_OF_WINDOW) == []  # nothing half-written
+
+
+async def test_sql_interface_mode_exactly_once_across_restart(tmp_path: Path, pg_dsn: str) -> None:
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, mode="sql", sql_batch_changes=50, sql_poll_interval_s=0.02)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 1, 60)
+        await caught_up(relay, pg_dsn)
+        first_rows, first_scns = replay_buffer(relay)
+    assert first_rows == source(pg_dsn)
+    await asyncio.to_thread(workload, pg_dsn, 2, 40)
+    async with Relay(cfg) as relay:
+        await caught_up(relay, pg_dsn)
+        rows, scns = replay_buffer(relay)
+    assert scns[: len(first_scns)] == first_scns
+    assert scns == sorted(set(scns))
+    assert len(scns) >= len(first_scns) + 40
+    assert rows == source(pg_dsn)
+
+
+def test_relay_killed_with_9_mid_stream_loses_and_repeats_nothing(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    make_table(pg_dsn)
+    data_dir = tmp_path / "relay"
+    toml = tmp_path / "relay.toml"
+    toml.write_text(
+        f'data_dir = "{data_dir}"\nflush_interval_s = 0\n[http]\nport = 0\n'
+        f'[[partitions]]\nname = "pg"\nid = 1\ncapacity_bytes = "8MiB"\n'
+        f'[partitions.fetcher]\nkind = "postgres"\n'
+        f'options = {{ dsn = "{pg_dsn}", status_interval_s = 0.2 }}\n'
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            str(ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")
+        ),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(toml)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # wait until the slot is streaming to the relay, then write while killing it
+        deadline = time.monotonic() + 30
+        while True:
+            with psycopg.connect(pg_dsn) as conn:
+                row = conn.execute(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = 'changebus'"
+                ).fetchone()
+            if row == (True,):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workload(pg_dsn, 1, 40)
+        proc.send_signal(signal.SIGKILL)
+        workload(pg_dsn, 2, 40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+    async def restart() -> tuple[dict[int, dict[str, Any]], list[int]]:
+        async with Relay(config(tmp_path, pg_dsn)) as relay:
+            await wait_until(lambda: relay.hosts["pg"].state == "streaming", 60)
+            await caught_up(relay, pg_dsn)
+            rows, scns = replay_buffer(relay)
+            return rows, scns
+
+    rows, scns = asyncio.run(restart())
+    assert scns == sorted(set(scns))  # no duplicate window, commit order
+    assert len(scns) >= 60  # 80 transactions, minus those that changed nothing
+    assert rows == source(pg_dsn)
