@@ -43,10 +43,18 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
-    """Where the relay's buffer ends: the fetcher continues after it."""
+    """Where the relay's buffer ends: the fetcher continues after it.
+
+    ``schemas`` is the relay's schema registry (the JSON entries of
+    :meth:`~changebus.schemas.SchemaRegistry.to_json`): a fetcher that
+    numbers schema versions and source ids seeds its own registry with it, so
+    that after a restart a table keeps its source id and an unchanged table
+    its version, and a changed one gets the next version.
+    """
 
     scn: int = -1
     source_position: str = ""
+    schemas: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

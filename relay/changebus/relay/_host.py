@@ -309,7 +309,11 @@ class PartitionHost:
                 if self.fetcher is None:
                     self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
                 meta = self.buffer.meta
-                resume = ResumePoint(meta.last_scn, self.buffer.last_source_position)
+                resume = ResumePoint(
+                    meta.last_scn,
+                    self.buffer.last_source_position,
+                    tuple(self.registry.to_json()),
+                )
                 start_scn = await self.fetcher.start(resume)
                 if meta.tail_event == meta.head_event and meta.prev_scn < 0 and start_scn >= 0:
                     await loop.run_in_executor(self._writer, self.buffer.set_start, start_scn)

@@ -46,6 +46,7 @@ from typing import Any
 from changebus.schemas import (
     ConfigError,
     DataLoss,
+    SchemaRegistry,
     SourceConfigError,
     SourceError,
     lsn_to_scn,
@@ -223,9 +224,12 @@ class PostgresFetcher:
             raise SourceError(f"cannot connect to Postgres: {_reason(exc)}") from None
         with catalog:
             resolver = TypeResolver(catalog)
+            registry = SchemaRegistry()
+            registry.import_entries(self._resume.schemas)
             assembler = Assembler(
                 self.partition_id,
                 resolver.resolve,
+                registry,
                 primary_key=resolver.primary_key,
                 max_window_bytes=cfg.max_transaction_bytes,
                 on_oversized=cfg.on_oversized_transaction,
@@ -369,7 +373,7 @@ class PostgresFetcher:
         log.error("partition %s: %s", self.name, reason)
         self._data_loss = (last + 1, hi, reason)
         # the stream continues after the new slot's start, not the relay's old end
-        self._resume = ResumePoint(hi, scn_to_lsn(new_start))
+        self._resume = ResumePoint(hi, scn_to_lsn(new_start), self._resume.schemas)
 
     def _stream(
         self,
