@@ -128,6 +128,15 @@ def _deep(value: Any, fn: Callable[[Any], Any]) -> Any:
     return None if value is None else fn(value)
 
 
+def _depth(value: Any) -> int:
+    """Dimensions of a decoded (non-empty) array: nested lists."""
+    depth = 0
+    while isinstance(value, list) and value:
+        depth += 1
+        value = value[0]
+    return depth
+
+
 class Assembler:
     """Builds windows from pgoutput messages (see the module docstring)."""
 
@@ -138,6 +147,7 @@ class Assembler:
         registry: SchemaRegistry | None = None,
         *,
         primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
+        array_dims: Callable[[int], dict[str, int]] | None = None,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
     ) -> None:
@@ -148,6 +158,7 @@ class Assembler:
         self.on_oversized = on_oversized
         self._resolve = resolve
         self._primary_key = primary_key
+        self._array_dims = array_dims
         self.registry = registry or SchemaRegistry()
         self._tables: dict[int, _Table] = {}
         self._txn: _Txn | None = None
@@ -156,6 +167,11 @@ class Assembler:
 
     def _relation(self, rel: Relation) -> None:
         types = tuple(self._resolve(c.type_oid, c.typmod) for c in rel.columns)
+        if self._array_dims is not None and any(t.is_array for t in types):
+            dims = self._array_dims(rel.oid)
+            types = tuple(
+                t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
+            )
         columns = tuple(
             Column(c.name, t.avro, nullable=not c.key, source_type=t.formatted)
             for c, t in zip(rel.columns, types, strict=True)
@@ -223,6 +239,19 @@ class Assembler:
                 not_sent.append(name)
                 continue
             value = decode_value(ctype.decode_oid, cell, is_array=ctype.is_array)
+            if ctype.is_array and value and _depth(value) != ctype.dims:
+                # Postgres does not enforce declared dimensions; Avro types do
+                log.warning(
+                    "%s.%s holds a %d-dimensional array in a column declared with %d; "
+                    "sent as not-sent",
+                    table.schema.name,
+                    name,
+                    _depth(value),
+                    ctype.dims,
+                )
+                row[name] = None
+                not_sent.append(name)
+                continue
             if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
                 # NaN/Infinity in a numeric(p,s) column: Avro's decimal cannot hold it
                 log.warning(

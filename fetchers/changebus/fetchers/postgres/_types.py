@@ -4,13 +4,15 @@ pgoutput's Relation message gives each column's type OID and typmod only.
 :class:`TypeResolver` asks ``pg_type`` once per (OID, typmod) and answers
 with a :class:`ColumnType`: the ``format_type`` text the Avro mapping reads
 (for a domain: its base type), the OID whose binary format the value has,
-whether it is an array, and enum labels. Results are cached; the resolver is
+whether it is an array, and enum labels. An array column's declared number of
+dimensions (``int4[][]``: 2; from ``pg_attribute.attndims``, which the type
+does not carry) nests its Avro array type. Results are cached; the resolver is
 used from the fetcher's own thread only (it holds a blocking connection).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from changebus.schemas import AvroType, pg_avro_type
@@ -40,10 +42,20 @@ class ColumnType:
     decode_oid: int
     is_array: bool
     enum_labels: tuple[str, ...] | None
+    #: array dimensions (sub-arrays are never NULL, elements may be)
+    dims: int = 1
 
     @property
     def avro(self) -> AvroType:
-        return pg_avro_type(self.formatted, enum_labels=self.enum_labels)
+        avro = pg_avro_type(self.formatted, enum_labels=self.enum_labels)
+        for _ in range(self.dims - 1):
+            avro = {"type": "array", "items": avro}
+        return avro
+
+    def with_dims(self, dims: int) -> ColumnType:
+        """This type declared with ``dims`` dimensions (arrays only; 0 means 1)."""
+        dims = max(1, dims)
+        return self if not self.is_array or dims == self.dims else replace(self, dims=dims)
 
 
 class TypeResolver:
@@ -68,6 +80,15 @@ class TypeResolver:
             (relation_oid,),
         ).fetchone()
         return tuple(row[0]) if row and row[0] else None
+
+    def array_dims(self, relation_oid: int) -> dict[str, int]:
+        """Declared dimensions of the table's array columns (by column name)."""
+        rows = self._conn.execute(
+            "SELECT attname::text, attndims FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND attndims > 1 AND NOT attisdropped",
+            (relation_oid,),
+        ).fetchall()
+        return {str(name): int(dims) for name, dims in rows}
 
     def resolve(self, oid: int, typmod: int) -> ColumnType:
         key = (oid, typmod)
