@@ -23,22 +23,17 @@ import argparse
 import asyncio
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT
-
-sys.path.insert(0, str(ROOT / "tests"))
-
 import numpy as np
 import psycopg
 
+from changebus.fetchers.postgres import EmbeddedPostgres
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import HEADER_SIZE, Op, decode_control, lsn_to_scn
-from fix_pg import PG_BIN, start_pg  # tests/ is on sys.path
 
 COLUMNS = "id int8 PRIMARY KEY, a int4, b int8, c text, d text, e text, f numeric(12,2), g timestamptz, h bool, i text"
 
@@ -64,11 +59,11 @@ def make_backlog(dsn: str, rows: int, text_bytes: int) -> int:
     return lsn_to_scn(end[0])
 
 
-def recvlogical(port: int, dbname: str, slot: str, end_lsn: str) -> float:
+def recvlogical(bin_dir: Path, port: int, dbname: str, slot: str, end_lsn: str) -> float:
     t0 = time.perf_counter()
     subprocess.run(
         [
-            str(PG_BIN / "pg_recvlogical"),
+            str(bin_dir / "pg_recvlogical"),
             "-h",
             "127.0.0.1",
             "-p",
@@ -113,7 +108,9 @@ def backlog(base: Path, server: Any, rows: int, text_bytes: int, label: str) -> 
     end = make_backlog(dsn, rows, text_bytes)
     with psycopg.connect(dsn) as conn:
         size = conn.execute("SELECT pg_total_relation_size('t')").fetchone()
-    recv_s = recvlogical(server.port, db, f"recv_{label}", f"{end >> 32:X}/{end & 0xFFFFFFFF:X}")
+    recv_s = recvlogical(
+        server.bin_dir, server.port, db, f"recv_{label}", f"{end >> 32:X}/{end & 0xFFFFFFFF:X}"
+    )
     cb_s, _events = asyncio.run(relay_drain_until(base, dsn, rows, f"cb_{label}"))
     return {
         f"{label}_rows": rows,
@@ -233,7 +230,7 @@ def main() -> None:
     args = ap.parse_args()
     result: dict[str, float] = {}
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-pg-"))
-    server = start_pg(base)
+    server = EmbeddedPostgres.start(base)
     try:
         for label, text_bytes in (("large", 2400), ("small", 120)):
             figs = backlog(base, server, args.rows, text_bytes, label)

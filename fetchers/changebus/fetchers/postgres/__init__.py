@@ -1,12 +1,14 @@
 """changebus.fetchers.postgres: Postgres logical decoding (pgoutput) building blocks.
 
-Work in progress (issue 4): the pgoutput message parser, the binary value
-decoders, the catalog type resolver and the assembler that turns a message
-stream into encoded windows. The streaming (START_REPLICATION) fetcher built
-on them is not here yet.
+The fetcher itself registers as kind ``postgres`` (docs/postgres.md); this
+package exposes its building blocks: the pgoutput message parser, the binary
+value decoders, the catalog type resolver, the assembler that turns a message
+stream into encoded windows, and :class:`EmbeddedPostgres`, a private
+throwaway server for demos and tests.
 """
 
 from ._assembler import Assembler as Assembler
+from ._embedded import EmbeddedPostgres as EmbeddedPostgres, find_pg_bin as find_pg_bin
 from ._pgoutput import (
     UNCHANGED as UNCHANGED,
     Begin as Begin,
@@ -33,6 +35,7 @@ __all__ = [
     "ColumnType",
     "Commit",
     "Delete",
+    "EmbeddedPostgres",
     "Insert",
     "LogicalMessage",
     "Origin",
@@ -43,5 +46,6 @@ __all__ = [
     "TypeResolver",
     "Update",
     "decode_value",
+    "find_pg_bin",
     "parse_message",
 ]
