@@ -1,3 +1,69 @@
-"""changebus.client: see docs/ for what this slice provides."""
+"""changebus.client: the consumer library.
 
-__all__: list[str] = []
+Reads one physical partition from one or more relays (failover with
+backoff), validates and decodes every event, and hands the application whole
+transactions (:class:`Window` of :class:`ChangeEvent`) in commit order:
+
+* iterator API -- ``async for window in Consumer(config)``, or
+  ``for window in SyncConsumer(config)`` without asyncio;
+* callback API (after Databus) -- :class:`Callbacks` / :class:`AsyncCallbacks`
+  with rollback and replay on recoverable errors;
+* checkpoints -- persisted after each processed window through a
+  :class:`CheckpointPersister` (:class:`FileCheckpointPersister` replaces a
+  file atomically); delivery is at-least-once;
+* replicas -- :class:`SqliteReplica` / :class:`PostgresReplica` apply a
+  stream to tables of another database with idempotent upserts and the
+  checkpoint in the same transaction (effectively-once);
+* ``changebus tail`` -- prints a stream as JSON lines.
+
+Errors are part of the :mod:`changebus.schemas` tree: a position older than
+the relays keep raises :class:`FellOffRelayError` (HTTP 410), a gap in the
+stream :class:`DataLossDetectedError`, an unrecoverable callback
+:class:`ConsumerAbortedError`.
+"""
+
+from ._apply import Replica as Replica
+from ._apply_pg import PostgresReplica as PostgresReplica
+from ._apply_sqlite import SqliteReplica as SqliteReplica
+from ._callbacks import (
+    AsyncCallbacks as AsyncCallbacks,
+    CallbackResult as CallbackResult,
+    Callbacks as Callbacks,
+)
+from ._config import ConsumerConfig as ConsumerConfig
+from ._consumer import Consumer as Consumer
+from ._errors import (
+    ConsumerAbortedError as ConsumerAbortedError,
+    DataLossDetectedError as DataLossDetectedError,
+    FellOffRelayError as FellOffRelayError,
+    RelayUnavailableError as RelayUnavailableError,
+)
+from ._model import ChangeEvent as ChangeEvent, ChangeOp as ChangeOp, Window as Window
+from ._persist import (
+    CheckpointPersister as CheckpointPersister,
+    FileCheckpointPersister as FileCheckpointPersister,
+    MemoryCheckpointPersister as MemoryCheckpointPersister,
+)
+from ._sync import SyncConsumer as SyncConsumer
+
+__all__ = [
+    "AsyncCallbacks",
+    "CallbackResult",
+    "Callbacks",
+    "ChangeEvent",
+    "ChangeOp",
+    "CheckpointPersister",
+    "Consumer",
+    "ConsumerAbortedError",
+    "ConsumerConfig",
+    "DataLossDetectedError",
+    "FellOffRelayError",
+    "FileCheckpointPersister",
+    "MemoryCheckpointPersister",
+    "PostgresReplica",
+    "RelayUnavailableError",
+    "Replica",
+    "SqliteReplica",
+    "SyncConsumer",
+    "Window",
+]

@@ -1,0 +1,356 @@
+"""Replicas: apply a change stream to tables of another database, effectively once.
+
+A :class:`Replica` is both the consumer's callbacks and its checkpoint
+persister. It collects a window's events and, in ``on_end_window``, applies
+them in **one database transaction together with the checkpoint after that
+window**: the target tables and the stored position always agree, so a
+crash anywhere replays nothing twice and loses nothing. Windows at or below
+the stored position are skipped (a replay after a commit), and the writes
+are idempotent anyway:
+
+* INSERT / UPDATE -- an upsert on the key columns (``INSERT ... ON
+  CONFLICT (key) DO UPDATE``) of the columns the source sent (``not_sent``
+  columns keep their old value); an update whose before-image has another
+  key deletes the old key first;
+* DELETE -- ``DELETE ... WHERE key``; TRUNCATE -- ``DELETE FROM`` the table.
+
+Target tables are created from the event's table schema when missing
+(column types from the Avro types, primary key = the source key), and
+columns added by later schema versions are added with ``ALTER TABLE``.
+Tables without a key cannot be upserted: the replica stops (FATAL).
+
+All database work runs in one worker thread per replica (the connection
+lives and dies there), never on the event loop. Dialects
+(:class:`~._apply_sqlite.SqliteReplica`,
+:class:`~._apply_pg.PostgresReplica`) supply the connection, quoting,
+types and value adaptation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from changebus.schemas import Checkpoint, Column, ConfigError, TableSchema
+
+from ._callbacks import AsyncCallbacks, CallbackResult, Result
+from ._config import ConsumerConfig
+from ._model import ChangeEvent, ChangeOp, Window
+
+__all__ = ["Replica"]
+
+log = logging.getLogger(__name__)
+
+
+class Replica(AsyncCallbacks):
+    """Base of the database replicas (module docstring); use a dialect subclass.
+
+    ``consumer_name`` keys the stored checkpoint (several replicas may share
+    a database); ``table_names`` maps a source name to its target table
+    (a mapping or a function; default: the dialect's rule);
+    ``checkpoint_table`` names the table holding checkpoints.
+    """
+
+    #: the DB-API parameter placeholder of the dialect
+    placeholder: ClassVar[str] = "?"
+
+    def __init__(
+        self,
+        *,
+        consumer_name: str = "default",
+        table_names: Mapping[str, str] | Callable[[str], str] | None = None,
+        checkpoint_table: str = "changebus_checkpoints",
+    ) -> None:
+        self.consumer_name = consumer_name
+        self._table_names = table_names
+        self.checkpoint_table = checkpoint_table
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-replica")
+        self._conn: Any = None  # worker thread only
+        self._columns: dict[str, set[str]] = {}  # worker thread only
+        self._pending: list[ChangeEvent] = []
+        self._stored: Checkpoint | None = None
+        self._consumer: Any = None
+        self.windows_applied = 0
+        self.windows_skipped = 0
+
+    # ---- dialect hooks (worker thread) ----------------------------------
+
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _close_connection(self, conn: Any) -> None:
+        conn.close()
+
+    def _transaction(self, conn: Any) -> contextlib.AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def _execute(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def _executemany(self, conn: Any, sql: str, rows: list[list[Any]]) -> None:
+        raise NotImplementedError
+
+    def _quote(self, name: str) -> str:
+        return '"' + name.replace('"', '""') + '"'
+
+    def _qualified(self, table: str) -> str:
+        return self._quote(table)
+
+    def _existing_columns(self, conn: Any, table: str) -> set[str] | None:
+        raise NotImplementedError
+
+    def _prepare_table(self, conn: Any, table: str) -> None:
+        return None
+
+    def _column_type(self, column: Column) -> str:
+        raise NotImplementedError
+
+    def _adapt(self, value: Any) -> Any:
+        return value
+
+    def default_table_name(self, source: str) -> str:
+        """The target table of ``source`` when ``table_names`` does not say."""
+        return source.replace(".", "_")
+
+    # ---- naming -----------------------------------------------------------
+
+    def table_for(self, source: str) -> str:
+        """The target table name of source ``source``."""
+        names = self._table_names
+        if names is None:
+            return self.default_table_name(source)
+        if callable(names):
+            return names(source)
+        return names.get(source) or self.default_table_name(source)
+
+    # ---- thread plumbing --------------------------------------------------
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            self._conn = self._connect()
+            q = self._quote
+            self._execute(
+                self._conn,
+                f"CREATE TABLE IF NOT EXISTS {q(self.checkpoint_table)}"
+                " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
+            )
+        return self._conn
+
+    def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
+        q, p = self._quote, self.placeholder
+        self._execute(
+            conn,
+            f"INSERT INTO {q(self.checkpoint_table)} (consumer, checkpoint) VALUES ({p}, {p})"
+            " ON CONFLICT (consumer) DO UPDATE SET checkpoint = excluded.checkpoint",
+            (self.consumer_name, checkpoint.to_json()),
+        )
+
+    # ---- persister protocol ---------------------------------------------
+
+    async def load(self) -> Checkpoint | None:
+        """The checkpoint stored with the replicated rows (None: start afresh)."""
+        self._stored = await self._in_thread(self._load)
+        return self._stored
+
+    def _load(self) -> Checkpoint | None:
+        conn = self._connection()
+        q, p = self._quote, self.placeholder
+        rows = self._execute(
+            conn,
+            f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}",
+            (self.consumer_name,),
+        )
+        return Checkpoint.parse(rows[0][0]) if rows else None
+
+    async def store(self, checkpoint: Checkpoint) -> None:
+        """Store a checkpoint not written with rows already (empty windows)."""
+        if checkpoint == self._stored:
+            return
+        await self._in_thread(self._store, checkpoint)
+        self._stored = checkpoint
+
+    def _store(self, checkpoint: Checkpoint) -> None:
+        conn = self._connection()
+        with self._transaction(conn):
+            self._write_checkpoint(conn, checkpoint)
+
+    # ---- callbacks ------------------------------------------------------
+
+    async def on_start_window(self, window: Window) -> Result:
+        """Start collecting the window's events."""
+        self._pending = []
+        return None
+
+    async def on_event(self, event: ChangeEvent) -> Result:
+        """Collect one event (applied at the window's end)."""
+        self._pending.append(event)
+        return None
+
+    async def on_rollback(self, checkpoint: Checkpoint) -> Result:
+        """Drop collected events; the database never saw them."""
+        self._pending = []
+        return None
+
+    async def on_end_window(self, window: Window) -> Result:
+        """Apply the window and its checkpoint in one transaction."""
+        stored = self._stored.get(window.partition) if self._stored is not None else None
+        if stored is not None and stored.window_scn >= window.scn and stored.window_offset < 0:
+            self.windows_skipped += 1  # applied before a crash or a failed checkpoint
+            return None
+        base = self._stored if self._stored is not None else Checkpoint({})
+        after = base.with_partition(
+            window.partition,
+            base.get(window.partition).on_end_of_window(window.scn, window.timestamp_ns),
+        )
+        events, self._pending = self._pending, []
+        try:
+            await self._in_thread(self._apply, events, after)
+        except ConfigError as exc:
+            log.error("replica cannot apply window %d: %s", window.scn, exc.message)
+            return CallbackResult.FATAL
+        self._stored = after
+        self.windows_applied += 1
+        return None
+
+    # ---- applying (worker thread) -------------------------------------------
+
+    def _apply(self, events: list[ChangeEvent], checkpoint: Checkpoint) -> None:
+        conn = self._connection()
+        for event in events:
+            self._ensure_table(conn, event)
+        with self._transaction(conn):
+            for sql, rows in _runs(self._statements(events)):
+                self._executemany(conn, sql, rows)
+            self._write_checkpoint(conn, checkpoint)
+
+    def _ensure_table(self, conn: Any, event: ChangeEvent) -> None:
+        schema = event.schema
+        if schema is None:
+            raise ConfigError(f"event of {event.table!r} carries no table schema")
+        table = self.table_for(event.table)
+        known = self._columns.get(table)
+        wanted = {c.name for c in schema.columns}
+        if known is not None and wanted <= known:
+            return
+        if not schema.key:
+            raise ConfigError(f"table {schema.name!r} has no key: rows cannot be upserted")
+        if known is None:
+            known = self._existing_columns(conn, table)
+        with self._transaction(conn):
+            if known is None:
+                self._prepare_table(conn, table)
+                self._execute(conn, self._create_sql(table, schema))
+                known = wanted
+                log.info("replica created table %s for source %s", table, schema.name)
+            for column in schema.columns:
+                if column.name not in known:
+                    self._execute(
+                        conn,
+                        f"ALTER TABLE {self._qualified(table)} ADD COLUMN"
+                        f" {self._quote(column.name)} {self._column_type(column)}",
+                    )
+                    known.add(column.name)
+        self._columns[table] = known
+
+    def _create_sql(self, table: str, schema: TableSchema) -> str:
+        q = self._quote
+        cols = [f"{q(c.name)} {self._column_type(c)}" for c in schema.columns]
+        key = ", ".join(q(k) for k in schema.key)
+        return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)}, PRIMARY KEY ({key}))"
+
+    def _statements(self, events: list[ChangeEvent]) -> Iterator[tuple[str, list[Any]]]:
+        q, p = self._quote, self.placeholder
+        for e in events:
+            schema = e.schema
+            assert schema is not None
+            table = self._qualified(self.table_for(e.table))
+            key = schema.key
+            where = " AND ".join(f"{q(k)} = {p}" for k in key)
+            if e.op is ChangeOp.TRUNCATE:
+                yield f"DELETE FROM {table}", []
+                continue
+            if e.op is ChangeOp.DELETE or e.after is None:
+                image = e.key or (e.before or {})
+                yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
+                continue
+            if e.before is not None:
+                old = {k: e.before.get(k) for k in key}
+                if all(v is not None for v in old.values()) and old != {k: e.key[k] for k in key}:
+                    yield (
+                        f"DELETE FROM {table} WHERE {where}",
+                        [self._adapt(old[k]) for k in key],
+                    )
+            skip = set(e.not_sent)
+            cols = [c for c in e.after if c not in skip]
+            values = [self._adapt(e.key[c] if c in e.key else e.after[c]) for c in cols]
+            updates = [c for c in cols if c not in key]
+            conflict = (
+                "DO UPDATE SET " + ", ".join(f"{q(c)} = excluded.{q(c)}" for c in updates)
+                if updates
+                else "DO NOTHING"
+            )
+            yield (
+                f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
+                f" VALUES ({', '.join(p for _ in cols)})"
+                f" ON CONFLICT ({', '.join(q(k) for k in key)}) {conflict}",
+                values,
+            )
+
+    # ---- running ----------------------------------------------------------
+
+    async def run(self, config: ConsumerConfig) -> None:
+        """Consume ``config``'s stream into this replica until :meth:`stop` or an error."""
+        from ._consumer import Consumer
+
+        consumer = Consumer(config, persister=self)
+        self._consumer = consumer
+        try:
+            async with consumer:
+                await consumer.run(self)
+        finally:
+            self._consumer = None
+
+    def stop(self) -> None:
+        """End :meth:`run` after the current window (any thread)."""
+        consumer = self._consumer
+        if consumer is not None:
+            consumer.stop()
+
+    async def close(self) -> None:
+        """Close the database connection and the worker thread."""
+        if self._conn is not None:
+            await self._in_thread(self._close)
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        self._columns.clear()
+        if conn is not None:
+            self._close_connection(conn)
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run a read query on the replica's connection (blocking; for inspection)."""
+        return self._executor.submit(
+            lambda: self._execute(self._connection(), sql, params)
+        ).result()
+
+
+def _runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
+    """Consecutive statements with the same SQL, grouped for ``executemany``."""
+    sql: str | None = None
+    rows: list[list[Any]] = []
+    for text, params in statements:
+        if text != sql and sql is not None:
+            yield sql, rows
+            rows = []
+        sql = text
+        rows.append(params)
+    if sql is not None:
+        yield sql, rows

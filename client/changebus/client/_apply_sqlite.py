@@ -1,0 +1,110 @@
+"""The SQLite replica (stdlib :mod:`sqlite3`); see :mod:`._apply` for the semantics.
+
+Column types follow SQLite's affinities: integers and booleans INTEGER,
+floating point REAL, bytes BLOB, everything else TEXT (decimals as their
+exact text, dates and times in ISO 8601, UUIDs as text, records, arrays and
+JSON columns as JSON text). Target tables are named after the source with
+``.`` replaced by ``_`` unless ``table_names`` says otherwise.
+
+The connection is opened in the replica's worker thread (sqlite3 objects
+stay in the thread that made them) in autocommit mode; each window is one
+``BEGIN IMMEDIATE`` ... ``COMMIT``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import decimal
+import json
+import os
+import sqlite3
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from changebus.schemas import Column
+
+from ._apply import Replica
+from ._json import jsonable
+
+__all__ = ["SqliteReplica"]
+
+_INTEGER = frozenset({"int", "long", "boolean"})
+_REAL = frozenset({"float", "double"})
+
+
+class SqliteReplica(Replica):
+    """Applies a change stream to a SQLite database file (see :mod:`._apply`)."""
+
+    placeholder = "?"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        consumer_name: str = "default",
+        table_names: Mapping[str, str] | Callable[[str], str] | None = None,
+        checkpoint_table: str = "changebus_checkpoints",
+    ) -> None:
+        super().__init__(
+            consumer_name=consumer_name,
+            table_names=table_names,
+            checkpoint_table=checkpoint_table,
+        )
+        self.path = os.fspath(path)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        return conn
+
+    @contextlib.contextmanager
+    def _transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _execute(
+        self, conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()
+    ) -> list[tuple[Any, ...]]:
+        return conn.execute(sql, params).fetchall()
+
+    def _executemany(self, conn: sqlite3.Connection, sql: str, rows: list[list[Any]]) -> None:
+        conn.executemany(sql, rows)
+
+    def _existing_columns(self, conn: sqlite3.Connection, table: str) -> set[str] | None:
+        rows = conn.execute(f"PRAGMA table_info({self._quote(table)})").fetchall()
+        return {str(r[1]) for r in rows} if rows else None
+
+    def _column_type(self, column: Column) -> str:
+        t = column.type
+        if isinstance(t, str):
+            if t in _INTEGER:
+                return "INTEGER"
+            if t in _REAL:
+                return "REAL"
+            if t == "bytes":
+                return "BLOB"
+            return "TEXT"
+        if isinstance(t, dict) and t.get("logicalType") is None:
+            base = t.get("type")
+            if base in _INTEGER:
+                return "INTEGER"
+            if base in _REAL:
+                return "REAL"
+        return "TEXT"
+
+    def _adapt(self, value: Any) -> Any:
+        if value is None or isinstance(value, int | float | str | bytes):
+            return value  # bool is an int: stored as 0 / 1
+        if isinstance(value, decimal.Decimal | uuid.UUID):
+            return str(value)
+        if isinstance(value, datetime.date | datetime.time | datetime.datetime):
+            return value.isoformat()
+        return json.dumps(value, default=jsonable, separators=(",", ":"))

@@ -1,0 +1,164 @@
+"""From response bytes to validated raw windows (sans-IO: no sockets, no loop).
+
+Two small state machines, fed by the fetcher:
+
+* :class:`EventSplitter` cuts a byte stream (follow-mode chunks) at event
+  boundaries: :meth:`~EventSplitter.push` returns the longest prefix made of
+  whole events and keeps the rest (a partial event) for the next chunk.
+* :class:`WindowAssembler` validates events and groups them into windows.
+  Every event is checked (magic, version, op, lengths, header and payload
+  CRCs: :func:`~changebus.schemas.parse_stream`), then the window structure:
+  all events of a window share its SCN, ``seq`` increases inside it, an
+  END_OF_WINDOW closes it, and window SCNs strictly increase. A violation
+  raises :class:`~changebus.schemas.CorruptEventError`; the fetcher then
+  drops the partial window (:meth:`~WindowAssembler.reset`) and asks again
+  from the last complete one.
+
+Invariant: ``last_scn`` is the SCN of the last window returned complete
+(-1 before any); ``pending`` holds the events of at most one unfinished
+window, all with SCN ``> last_scn``.
+
+Not thread-safe: one fetcher task owns each instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import CorruptEventError, Op, headers_at, parse_stream, scan_offsets
+
+__all__ = ["EventSplitter", "RawWindow", "WindowAssembler"]
+
+_EOW: Final = int(Op.END_OF_WINDOW)
+
+
+@dataclass(frozen=True, slots=True)
+class RawWindow:
+    """One complete, validated window: its events back to back in ``body``.
+
+    ``offsets`` are the event starts in ``body`` and ``headers`` their
+    :data:`~changebus.schemas.HEADER_DTYPE` records (END_OF_WINDOW last).
+    """
+
+    scn: int
+    timestamp_ns: int
+    body: bytes
+    offsets: npt.NDArray[np.int64]
+    headers: npt.NDArray[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.body)
+
+
+class EventSplitter:
+    """Splits a byte stream into whole events (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    @property
+    def leftover(self) -> int:
+        """Bytes of an event not yet complete."""
+        return len(self._buf)
+
+    def push(self, chunk: bytes) -> bytes:
+        """Append ``chunk``; return the complete events now available (maybe ``b""``)."""
+        if not self._buf:
+            data: bytes | bytearray = chunk
+        else:
+            self._buf += chunk
+            data = self._buf
+        offsets = scan_offsets(data)
+        if offsets.size == 0:
+            if data is chunk:
+                self._buf = bytearray(chunk)
+            return b""
+        last = int(offsets[-1])
+        end = last + int.from_bytes(data[last + 4 : last + 8], "little")
+        out = bytes(data[:end])
+        self._buf = bytearray(data[end:])
+        return out
+
+    def reset(self) -> None:
+        self._buf.clear()
+
+
+class WindowAssembler:
+    """Validates events and groups them into windows (see the module docstring)."""
+
+    def __init__(self, last_scn: int = -1) -> None:
+        self.last_scn = last_scn
+        self._pending: list[bytes] = []
+        self._pending_scn = -1
+        self._pending_seq = -1
+
+    @property
+    def in_window(self) -> bool:
+        """Whether events of an unfinished window are held."""
+        return bool(self._pending)
+
+    def reset(self, last_scn: int | None = None) -> None:
+        """Drop the unfinished window (and optionally move ``last_scn``)."""
+        self._pending.clear()
+        self._pending_scn = -1
+        self._pending_seq = -1
+        if last_scn is not None:
+            self.last_scn = last_scn
+
+    def feed(self, data: bytes) -> list[RawWindow]:
+        """Validate whole events ``data``; return the windows they complete."""
+        if not data:
+            return []
+        offsets, headers = parse_stream(data)
+        ops = headers["op"]
+        scns = headers["scn"]
+        seqs = headers["seq"].astype(np.int64)
+        ends = np.flatnonzero(ops == _EOW).tolist()
+        out: list[RawWindow] = []
+        start = 0
+        last = len(offsets) - 1
+        bounds = ends if ends and ends[-1] == last else [*ends, last]
+        for end in bounds:
+            closed = int(ops[end]) == _EOW
+            scn = int(scns[start])
+            if not bool(np.all(scns[start : end + 1] == scns[start])):
+                raise CorruptEventError(f"window {scn} is not closed before events of another SCN")
+            if end > start and not bool(np.all(np.diff(seqs[start : end + 1]) > 0)):
+                raise CorruptEventError(f"event seq numbers do not increase in window {scn}")
+            self._accept(scn, int(seqs[start]))
+            lo = int(offsets[start])
+            hi = int(offsets[end]) + int(headers["total_length"][end])
+            self._pending.append(data[lo:hi])
+            self._pending_seq = int(seqs[end])
+            if closed:
+                out.append(self._close(scn, int(headers["timestamp_ns"][end])))
+            start = end + 1
+        return out
+
+    def _accept(self, scn: int, first_seq: int) -> None:
+        """Check that events of window ``scn`` starting at ``first_seq`` may come now."""
+        if self._pending:
+            if scn != self._pending_scn:
+                raise CorruptEventError(
+                    f"window {self._pending_scn} is not closed before window {scn}"
+                )
+            if first_seq <= self._pending_seq:
+                raise CorruptEventError(f"event seq numbers go back in window {scn}")
+            return
+        if scn <= self.last_scn:
+            raise CorruptEventError(
+                f"window {scn} arrives after window {self.last_scn}: SCNs must increase"
+            )
+        self._pending_scn = scn
+
+    def _close(self, scn: int, timestamp_ns: int) -> RawWindow:
+        body = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        offsets = scan_offsets(body)  # already verified in feed(): no CRCs again
+        headers = headers_at(body, offsets)
+        self.reset(scn)
+        return RawWindow(scn, timestamp_ns, body, offsets, headers)

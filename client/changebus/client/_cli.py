@@ -1,0 +1,116 @@
+"""``changebus tail``: print a relay stream as JSON lines, following it live.
+
+One line per row change: ``{"scn", "seq", "op", "table", "key", "before",
+"after", "not_sent"}``. With ``--checkpoint FILE`` the position is kept in
+``FILE`` (atomically replaced after each window), so a second run continues
+where the first stopped. Ctrl-C (or SIGTERM) stops cleanly with status 0.
+A gap in the stream or a position the relays no longer keep ends the command
+with a message on stderr and status 3.
+
+It is built on :class:`~._sync.SyncConsumer`: the consumer's event loop runs
+in a background thread and this thread does the (blocking) printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+from types import FrameType
+
+from changebus.schemas import ChangebusError
+from changebus.schemas._logsetup import setup_logging
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``tail`` subcommand."""
+    p = sub.add_parser(
+        "tail",
+        help="print a relay's change stream as JSON lines",
+        description="Print every row change of a relay partition as one JSON line, "
+        "following new transactions as they commit (Ctrl-C stops).",
+    )
+    p.add_argument(
+        "--relay",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="relay base URL; repeat for failover relays (tried in order)",
+    )
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="logical source (table) to show; repeatable or comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--from",
+        dest="start",
+        default="latest",
+        metavar="POSITION",
+        help="earliest, latest (default) or an SCN to continue after; a stored --checkpoint wins",
+    )
+    p.add_argument("--checkpoint", metavar="FILE", help="keep the position in FILE")
+    p.add_argument(
+        "--partition", help="physical partition name (needed when the relay has several)"
+    )
+    p.add_argument("--filter", help="partition filter on the key hash, e.g. mod:3:0")
+    p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_main)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ._config import ConsumerConfig
+    from ._json import event_json
+    from ._persist import FileCheckpointPersister
+    from ._sync import SyncConsumer
+
+    setup_logging(args.log_level, "text")
+    sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
+    try:
+        config = ConsumerConfig(
+            relays=tuple(args.relay),
+            partition=args.partition,
+            sources=sources,
+            filter=args.filter,
+            start=args.start,
+            client_id="changebus-tail",
+            yield_empty_windows=False,
+        )
+    except ChangebusError as exc:
+        print(f"changebus tail: {exc.message}", file=sys.stderr)
+        return 2
+    persister = FileCheckpointPersister(args.checkpoint) if args.checkpoint else None
+    signal.signal(signal.SIGTERM, _interrupt)
+    printed = 0
+    out = sys.stdout
+    consumer = SyncConsumer(config, persister=persister)
+    try:
+        for window in consumer:
+            for event in window.events:
+                out.write(event_json(event) + "\n")
+                printed += 1
+                if args.limit and printed >= args.limit:
+                    out.flush()
+                    return 0
+            out.flush()
+    except KeyboardInterrupt:
+        return 0
+    except ChangebusError as exc:
+        print(f"changebus tail: {exc.message}", file=sys.stderr)
+        return 3
+    except BrokenPipeError:
+        return 0
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):
+            consumer.close()
+    return 0

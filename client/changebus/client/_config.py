@@ -1,0 +1,165 @@
+"""Consumer configuration: one frozen, validated dataclass.
+
+Units: durations are float seconds (``_s``), sizes are bytes (``_bytes``),
+counts are plain ints. Every value is checked once, in ``__post_init__``;
+a bad one raises :class:`~changebus.schemas.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from changebus.schemas import (
+    ChangebusError,
+    ConfigError,
+    PartitionFilter,
+    TableSchema,
+    parse_scn,
+)
+
+__all__ = ["ConsumerConfig"]
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """How a :class:`~changebus.client.Consumer` reads one physical partition.
+
+    Subscription:
+
+    * ``relays`` -- base URLs of relays serving the same partition, tried in
+      order; on failure the consumer moves to the next (failover), and after
+      a full round of failures waits (exponential backoff with jitter from
+      ``backoff_initial_s`` up to ``backoff_max_s``). ``max_attempts``
+      consecutive failed requests (0: never give up) raise
+      :class:`~changebus.client.RelayUnavailableError`.
+    * ``partition`` -- the physical partition (buffer) name; may be omitted
+      when the relay has exactly one.
+    * ``sources`` -- logical source names to receive (empty: all).
+    * ``filter`` -- a partition filter on the key hash (``mod:3:0``,
+      ``range:LO:HI``, ``slice:I/N``; text or a :class:`PartitionFilter`):
+      consumers with disjoint filters share the stream between them.
+    * ``start`` -- where to begin when the persister has no checkpoint:
+      ``"earliest"`` (the oldest window a relay keeps), ``"latest"`` (only
+      windows committed from now on) or an SCN (decimal, ``X/Y`` or
+      ``file:pos``): the windows *after* it. A stored checkpoint always wins.
+
+    Transfer: ``follow`` keeps one response open and lets the relay push
+    windows as they commit (otherwise long-poll requests); ``wait_s`` is how
+    long the relay holds a request (or an idle follow response) with nothing
+    new; ``max_bytes`` bounds one response or push and ``follow_bytes`` one
+    follow response. A connection silent for ``wait_s + read_margin_s``
+    counts as broken.
+
+    Flow control: at most ``queue_windows`` windows and about ``queue_bytes``
+    bytes wait between fetching and processing; beyond that the consumer
+    stops reading from the relay (TCP back-pressure).
+
+    Delivery: ``on_data_loss`` -- ``"raise"``
+    (:class:`~changebus.client.DataLossDetectedError`) or ``"deliver"`` (a
+    window with ``data_loss`` set); ``yield_empty_windows`` -- whether the
+    iterator yields windows with nothing in them (their position is always
+    checkpointed); ``auto_commit`` -- the iterator persists the checkpoint
+    past a window when the next one is asked for (otherwise call
+    :meth:`~changebus.client.Consumer.commit`). Schemas: ``reader_schemas`` maps a source name to the
+    schema the application reads its rows as; ``resolve_latest`` reads every
+    other source as its newest known version.
+
+    Callbacks: each call has ``callback_time_budget_s``; a recoverable error
+    rolls back and replays the windows since the last checkpoint, at most
+    ``max_rollbacks`` times in a row (-1: no limit), ``rollback_backoff_s``
+    apart (doubling); the checkpoint is taken every
+    ``checkpoint_every_windows`` windows.
+    """
+
+    relays: tuple[str, ...]
+    partition: str | None = None
+    sources: tuple[str, ...] = ()
+    filter: PartitionFilter | str | None = None
+    start: str = "earliest"
+    client_id: str = ""
+    follow: bool = True
+    wait_s: float = 10.0
+    max_bytes: int = 1 << 20
+    follow_bytes: int = 64 << 20
+    queue_windows: int = 256
+    queue_bytes: int = 16 << 20
+    connect_timeout_s: float = 5.0
+    read_margin_s: float = 10.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 10.0
+    backoff_multiplier: float = 2.0
+    max_attempts: int = 0
+    on_data_loss: Literal["raise", "deliver"] = "raise"
+    yield_empty_windows: bool = False
+    auto_commit: bool = True
+    reader_schemas: Mapping[str, TableSchema] = field(default_factory=dict, hash=False)
+    resolve_latest: bool = False
+    callback_time_budget_s: float = 300.0
+    max_rollbacks: int = 10
+    rollback_backoff_s: float = 0.05
+    checkpoint_every_windows: int = 1
+
+    def __post_init__(self) -> None:
+        relays: object = self.relays
+        if isinstance(relays, str):
+            relays = (relays,)
+        if not isinstance(relays, tuple | list) or not relays:
+            raise ConfigError("relays: give at least one relay URL")
+        cleaned = []
+        for url in relays:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
+            cleaned.append(url.rstrip("/"))
+        object.__setattr__(self, "relays", tuple(cleaned))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if any(not s or "," in s for s in self.sources):
+            raise ConfigError(f"sources: bad source name in {list(self.sources)}")
+        if isinstance(self.filter, str):
+            try:
+                object.__setattr__(self, "filter", PartitionFilter.parse(self.filter))
+            except ChangebusError as exc:
+                raise ConfigError(f"filter: {exc.message}") from None
+        if self.start not in ("earliest", "latest"):
+            try:
+                parse_scn(self.start)
+            except ChangebusError:
+                raise ConfigError(
+                    f"start must be earliest, latest or an SCN, got {self.start!r}"
+                ) from None
+        for name in ("wait_s", "connect_timeout_s", "read_margin_s", "rollback_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s or self.backoff_multiplier < 1:
+            raise ConfigError(
+                "backoff: need 0 < backoff_initial_s <= backoff_max_s and backoff_multiplier >= 1"
+            )
+        for name in ("max_bytes", "follow_bytes", "queue_windows", "queue_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.max_attempts < 0 or self.max_rollbacks < -1:
+            raise ConfigError("max_attempts must be >= 0 and max_rollbacks >= -1")
+        if self.callback_time_budget_s <= 0 or self.checkpoint_every_windows < 1:
+            raise ConfigError("callback_time_budget_s must be > 0, checkpoint_every_windows >= 1")
+        if self.on_data_loss not in ("raise", "deliver"):
+            raise ConfigError("on_data_loss must be 'raise' or 'deliver'")
+        readers: dict[str, object] = dict(self.reader_schemas)
+        for name, schema in readers.items():
+            if not isinstance(schema, TableSchema) or schema.name != name:
+                raise ConfigError(f"reader_schemas[{name!r}] must be a TableSchema named {name!r}")
+        object.__setattr__(self, "reader_schemas", MappingProxyType(readers))
+
+    @property
+    def key_filter(self) -> PartitionFilter | None:
+        """The partition filter, parsed (``filter`` as given may be text)."""
+        f = self.filter
+        return f if isinstance(f, PartitionFilter) else None
+
+    @property
+    def start_scn(self) -> int | None:
+        """The SCN of ``start``, or None for ``earliest`` / ``latest``."""
+        if self.start in ("earliest", "latest"):
+            return None
+        return parse_scn(self.start)

@@ -1,0 +1,301 @@
+"""The asyncio consumer: iterator and callback APIs over one relay partition.
+
+Structure::
+
+    relays --HTTP--> RelayFetcher task --> WindowQueue (bounded) --> iterator / Dispatcher
+                     (validate, decode)     (flow control)           (application)
+
+:class:`Consumer` owns the fetcher task, the queue, the schema cache, the
+HTTP session (unless one is given) and the :class:`~._position.PositionTracker`.
+It serves one application loop at a time: either ``async for window in
+consumer`` or ``await consumer.run(callbacks)``, not both.
+
+Delivery is at-least-once: a window's position is persisted only after the
+application finished it (iterator: when it asks for the next window or calls
+:meth:`Consumer.commit`; callbacks: after ``on_checkpoint``), so a crash
+replays at most the windows since the last persisted checkpoint. Use
+:attr:`ChangeEvent.dedupe_key` (or an idempotent sink, see
+:mod:`._apply`) to make processing effectively-once.
+
+Thread-safety: every method is for the consumer's event loop, except
+:meth:`Consumer.stop`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import aiohttp
+
+from changebus.schemas import Checkpoint, CheckpointError, Mode
+
+from ._callbacks import AsyncCallbacks, Callbacks
+from ._config import ConsumerConfig
+from ._decode import SchemaCache
+from ._dispatch import Dispatcher
+from ._errors import DataLossDetectedError
+from ._fetch import RelayFetcher
+from ._model import Window
+from ._persist import CheckpointPersister, MemoryCheckpointPersister
+from ._position import PositionTracker
+from ._queue import QueueClosed, WindowQueue
+
+__all__ = ["Consumer"]
+
+log = logging.getLogger(__name__)
+
+
+class Consumer:
+    """Consumes one physical partition from a set of relays (module docstring).
+
+    ``persister`` keeps the checkpoint between runs (default: in memory
+    only); a stored checkpoint overrides ``config.start``. ``session`` lets
+    the application share an :class:`aiohttp.ClientSession` (it is then not
+    closed here).
+
+    Usage::
+
+        async with Consumer(config, persister=FileCheckpointPersister("ckpt.json")) as c:
+            async for window in c:
+                for event in window.events:
+                    ...
+    """
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        *,
+        persister: CheckpointPersister | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.config = config
+        self.persister: CheckpointPersister = persister or MemoryCheckpointPersister()
+        self._session = session
+        self._own_session = session is None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: WindowQueue | None = None
+        self._fetcher: RelayFetcher | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._position: PositionTracker | None = None
+        self._mode: Literal["", "iterator", "callbacks"] = ""
+        self._uncommitted: Window | None = None
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._stopping: asyncio.Future[None] | None = None
+        self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
+
+    # ---- lifecycle ----------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the checkpoint and start fetching (implied by iteration and ``run``)."""
+        if self._task is not None:
+            return
+        if self._closed:
+            raise RuntimeError("this consumer is closed")
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        stored = await self.persister.load()
+        checkpoint = stored if stored is not None else Checkpoint({})
+        partition = cfg.partition
+        if partition is None and len(checkpoint.partitions) == 1:
+            partition = next(iter(checkpoint.partitions))
+        pc = checkpoint.get(partition) if partition is not None else None
+        latest = False
+        if pc is not None and pc.has_position:
+            if pc.mode is not Mode.ONLINE:
+                raise CheckpointError(
+                    f"the checkpoint of partition {partition} is in {pc.mode.value} mode;"
+                    " this consumer reads relays only"
+                )
+            position = pc.rollback().window_scn  # a partial window is read again whole
+            log.info("resuming partition %s after SCN %d", partition, position)
+        else:
+            start_scn = cfg.start_scn
+            position = -1 if start_scn is None else start_scn
+            latest = cfg.start == "latest"
+        self._position = PositionTracker(checkpoint, self.persister)
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
+        self._fetcher = RelayFetcher(
+            cfg,
+            self._session,
+            self._queue,
+            self.cache,
+            position=position,
+            latest=latest,
+            partition=partition,
+        )
+        self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
+
+    async def close(self) -> None:
+        """Stop fetching and release everything; idempotent.
+
+        In iterator mode the position of windows already committed or skipped
+        as empty is persisted; the last window yielded and not committed is
+        not (it comes again next time).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._queue is not None:
+            await self._queue.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, QueueClosed):
+                await self._task
+        try:
+            if self._mode == "iterator" and self._position is not None and self._failed is None:
+                await self._position.persist()
+        finally:
+            if self._own_session and self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    def stop(self) -> None:
+        """Ask a running :meth:`run` or iteration to end after the current window.
+
+        Safe to call from any thread (a sync callback, a signal handler).
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._stop_soon)
+
+    def _stop_soon(self) -> None:
+        if self._queue is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._queue.close())
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # ---- state ----------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The position after the last window the application finished."""
+        if self._position is None:
+            raise RuntimeError("the consumer has not started")
+        return self._position.current
+
+    @property
+    def committed(self) -> Checkpoint:
+        """The last checkpoint handed to the persister."""
+        if self._position is None:
+            raise RuntimeError("the consumer has not started")
+        return self._position.committed
+
+    @property
+    def partition(self) -> str | None:
+        """The physical partition's name (learned from the relay when not configured)."""
+        return self._fetcher.partition if self._fetcher is not None else self.config.partition
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for monitoring (requests, failovers, queue, position)."""
+        f, q, p = self._fetcher, self._queue, self._position
+        return {
+            "relay": f.relay if f else None,
+            "requests": f.requests if f else 0,
+            "failovers": f.failovers if f else 0,
+            "windows_fetched": f.windows if f else 0,
+            "fetch_position": f.position if f else -1,
+            "queued_windows": len(q) if q else 0,
+            "queued_bytes": q.nbytes if q else 0,
+            "queue_full_waits": q.waits if q else 0,
+            "checkpoints_persisted": p.persisted if p else 0,
+            "schema_fetches": self.cache.fetches,
+        }
+
+    # ---- iterator API ---------------------------------------------------
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Window:
+        """The next window; commits the previous one first when ``auto_commit``."""
+        if self._mode == "callbacks":
+            raise RuntimeError("this consumer is running callbacks")
+        self._mode = "iterator"
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise StopAsyncIteration
+        await self.start()
+        assert self._queue is not None
+        assert self._position is not None
+        if self.config.auto_commit and self._uncommitted is not None:
+            await self.commit()
+        while True:
+            if not len(self._queue) and self._uncommitted is None and self._position.dirty:
+                await self._position.persist()  # idle: store what empty windows advanced
+            try:
+                window = await self._queue.get()
+            except QueueClosed:
+                raise StopAsyncIteration from None
+            except Exception as exc:
+                self._failed = exc
+                raise
+            loss = window.data_loss
+            if loss is not None and self.config.on_data_loss == "raise":
+                self._failed = DataLossDetectedError(
+                    f"partition {window.partition}: SCNs {loss.from_scn}..{loss.to_scn} were"
+                    f" lost ({loss.reason}); reported in window {window.scn}",
+                    from_scn=loss.from_scn,
+                    to_scn=loss.to_scn,
+                    reason=loss.reason,
+                    window_scn=window.scn,
+                )
+                raise self._failed
+            if window.is_empty and not self.config.yield_empty_windows:
+                if self._uncommitted is None:
+                    self._position.advance(window)
+                else:
+                    self._uncommitted = window  # committing the later one covers both
+                continue
+            self._uncommitted = window
+            return window
+
+    async def commit(self) -> None:
+        """Persist the position after the last window yielded (and the empty ones after it)."""
+        if self._position is None:
+            return
+        if self._uncommitted is not None:
+            self._position.advance(self._uncommitted)
+            self._uncommitted = None
+        await self._position.persist()
+
+    # ---- callback API ---------------------------------------------------
+
+    async def run(self, callbacks: Callbacks | AsyncCallbacks) -> None:
+        """Dispatch windows to ``callbacks`` until :meth:`stop`/:meth:`close` or an error.
+
+        Raises :class:`~changebus.client.ConsumerAbortedError` when a callback
+        fails unrecoverably, :class:`~changebus.client.DataLossDetectedError`
+        when ``on_data_loss`` does not accept a gap, and the fetcher's terminal
+        errors (:class:`~changebus.client.FellOffRelayError`, ...), each after
+        ``on_error``.
+        """
+        if self._mode:
+            raise RuntimeError(f"this consumer is already used in {self._mode} mode")
+        self._mode = "callbacks"
+        await self.start()
+        assert self._queue is not None
+        assert self._position is not None
+        dispatcher = Dispatcher(callbacks, self.config, self._position, self._queue.get)
+        try:
+            await dispatcher.run()
+        except QueueClosed:
+            return
+        except Exception as exc:
+            self._failed = exc
+            raise

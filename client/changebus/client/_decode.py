@@ -1,0 +1,276 @@
+"""Writer-schema cache and window decoding.
+
+:class:`SchemaCache` maps ``(source_id, schema_version)`` -- what an event
+header names -- to the writer's :class:`~changebus.schemas.TableSchema`.
+It learns schemas two ways: from SCHEMA_CHANGE events in the stream (free),
+and from the relay (``GET /v1/sources`` for id -> name, then
+``GET /v1/schemas/{source}``) through a :class:`SchemaSource` when an event
+names a version it has not seen (a consumer that starts after the
+SCHEMA_CHANGE). Source ids are per relay partition, so the fetcher clears the
+cache when it switches relays.
+
+Decoders (:class:`~changebus.schemas.ChangeDecoder`) are cached by writer
+and reader: with a reader schema (``ConsumerConfig.reader_schemas``, checked
+with :func:`~changebus.schemas.check_compatible` once per writer version, or
+the newest version with ``resolve_latest``, which asks the relay for every
+version of a source once) rows come out in the
+reader's shape under Avro resolution rules.
+
+:func:`decode_window` turns a :class:`~._assembler.RawWindow` into a
+:class:`~._model.Window`: data events grouped by writer version and decoded
+in one pass per group, control events decoded into the window's signals.
+
+Not thread-safe: owned by one fetcher task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, Final, Protocol
+
+import numpy as np
+
+from changebus.schemas import (
+    HEADER_SIZE,
+    ChangeDecoder,
+    CheckpointMarker,
+    DataLoss,
+    EndOfWindow,
+    Heartbeat,
+    LogicalMessage,
+    SchemaChange,
+    TableSchema,
+    UnknownSchemaError,
+    check_compatible,
+    decode_control,
+)
+
+from ._assembler import RawWindow
+from ._model import ChangeEvent, ChangeOp, Window
+
+__all__ = ["SchemaCache", "SchemaSource", "decode_window"]
+
+log = logging.getLogger(__name__)
+
+_FIRST_CONTROL: Final = 16
+
+
+class SchemaSource(Protocol):
+    """Where the cache fetches what the stream did not tell it (a relay)."""
+
+    async def source_names(self) -> dict[int, str]:
+        """``{source_id: name}`` of the partition."""
+        ...
+
+    async def source_schemas(self, name: str) -> list[tuple[int, TableSchema]]:
+        """Every version of source ``name`` as ``(source_id, schema)``."""
+        ...
+
+
+class SchemaCache:
+    """Writer schemas by ``(source_id, version)``, and decoders (module docstring)."""
+
+    def __init__(
+        self, readers: Mapping[str, TableSchema] | None = None, *, resolve_latest: bool = False
+    ) -> None:
+        self._readers = dict(readers or {})
+        self._resolve_latest = resolve_latest
+        self._schemas: dict[tuple[int, int], TableSchema] = {}
+        self._names: dict[int, str] = {}
+        self._latest: dict[str, TableSchema] = {}
+        self._decoders: dict[tuple[int, int], ChangeDecoder] = {}
+        self._complete: set[str] = set()  # sources whose versions were all fetched
+        self.fetches = 0
+
+    def clear(self) -> None:
+        """Forget everything (source ids differ between relays)."""
+        self._schemas.clear()
+        self._names.clear()
+        self._latest.clear()
+        self._decoders.clear()
+        self._complete.clear()
+
+    def add(self, source_id: int, schema: TableSchema) -> None:
+        """Record one writer schema version."""
+        self._schemas[(source_id, schema.version)] = schema
+        self._names[source_id] = schema.name
+        newest = self._latest.get(schema.name)
+        if newest is None or schema.version > newest.version:
+            self._latest[schema.name] = schema
+            if self._resolve_latest:
+                # decoders resolving to the previous newest must be rebuilt
+                stale = [k for k, d in self._decoders.items() if d.writer.name == schema.name]
+                for k in stale:
+                    del self._decoders[k]
+
+    def learn(self, change: SchemaChange) -> None:
+        """Record the schema a SCHEMA_CHANGE event carries."""
+        schema = TableSchema.from_json(json.loads(change.schema))
+        if schema.version != change.version or schema.name != change.source:
+            schema = TableSchema(schema.name, schema.columns, schema.key, change.version)
+        self.add(change.source_id, schema)
+
+    async def writer(self, source_id: int, version: int, source: SchemaSource) -> TableSchema:
+        """The writer schema an event names, fetched from ``source`` when unknown."""
+        found = self._schemas.get((source_id, version))
+        if found is not None:
+            if self._resolve_latest and found.name not in self._complete:
+                await self._fetch_versions(found.name, source)  # to know the newest
+            return found
+        name = self._names.get(source_id)
+        if name is None:
+            self.fetches += 1
+            self._names.update(await source.source_names())
+            name = self._names.get(source_id)
+            if name is None:
+                raise UnknownSchemaError(f"the relay knows no source with id {source_id}")
+        await self._fetch_versions(name, source)
+        found = self._schemas.get((source_id, version))
+        if found is None:
+            raise UnknownSchemaError(f"the relay has no version {version} of source {name!r}")
+        log.debug("fetched writer schema %s v%d", name, version)
+        return found
+
+    async def _fetch_versions(self, name: str, source: SchemaSource) -> None:
+        self.fetches += 1
+        for sid, schema in await source.source_schemas(name):
+            self.add(sid, schema)
+        self._complete.add(name)
+
+    def latest(self, name: str) -> TableSchema | None:
+        """The newest version of ``name`` seen so far."""
+        return self._latest.get(name)
+
+    def decoder(self, source_id: int, writer: TableSchema) -> ChangeDecoder:
+        """A decoder from ``writer`` to this consumer's reader schema for its table."""
+        key = (source_id, writer.version)
+        dec = self._decoders.get(key)
+        if dec is not None:
+            return dec
+        reader = self._readers.get(writer.name)
+        if reader is not None:
+            check_compatible(writer, reader)
+        elif self._resolve_latest:
+            reader = self._latest.get(writer.name)
+            if reader is not None and reader.version == writer.version:
+                reader = None
+        dec = self._decoders[key] = ChangeDecoder(writer, reader)
+        return dec
+
+
+async def decode_window(
+    raw: RawWindow, partition: str, cache: SchemaCache, source: SchemaSource
+) -> Window:
+    """Decode a validated raw window (see the module docstring)."""
+    headers = raw.headers
+    ops = headers["op"].tolist()
+    body = raw.body
+    mv = memoryview(body)
+    schema_changes: list[SchemaChange] = []
+    messages: list[LogicalMessage] = []
+    data_loss: DataLoss | None = None
+    source_position = ""
+    data_idx: list[int] = []
+    for i, op in enumerate(ops):
+        if op < _FIRST_CONTROL:
+            data_idx.append(i)
+            continue
+        off = int(raw.offsets[i])
+        payload = mv[off + HEADER_SIZE : off + int(headers["total_length"][i])]
+        control = decode_control(op, payload)
+        if isinstance(control, SchemaChange):
+            cache.learn(control)
+            schema_changes.append(control)
+        elif isinstance(control, EndOfWindow | Heartbeat):
+            source_position = control.source_position or source_position
+        elif isinstance(control, DataLoss):
+            data_loss = control
+        elif isinstance(control, LogicalMessage):
+            messages.append(control)
+        elif isinstance(control, CheckpointMarker):
+            pass  # bootstrap progress markers mean nothing online
+    events: list[ChangeEvent] = []
+    if data_idx:
+        events = await _decode_data(raw, data_idx, cache, source)
+    return Window(
+        scn=raw.scn,
+        timestamp_ns=raw.timestamp_ns,
+        partition=partition,
+        events=tuple(events),
+        source_position=source_position,
+        schema_changes=tuple(schema_changes),
+        messages=tuple(messages),
+        data_loss=data_loss,
+        nbytes=raw.nbytes,
+    )
+
+
+async def _decode_data(
+    raw: RawWindow, idx: list[int], cache: SchemaCache, source: SchemaSource
+) -> list[ChangeEvent]:
+    h = raw.headers[np.asarray(idx, dtype=np.int64)]
+    offs = raw.offsets[np.asarray(idx, dtype=np.int64)].tolist()
+    sids = h["source_id"].tolist()
+    versions = h["schema_version"].tolist()
+    klens = h["key_length"].tolist()
+    totals = h["total_length"].tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for j, writer_id in enumerate(zip(sids, versions, strict=True)):
+        groups.setdefault(writer_id, []).append(j)
+    decoded: list[Any] = [None] * len(idx)
+    shapes: list[TableSchema | None] = [None] * len(idx)
+    body = raw.body
+    mv = memoryview(body)
+    for (sid, version), members in groups.items():
+        writer = await cache.writer(sid, version, source)
+        dec = cache.decoder(sid, writer)
+        starts = [offs[j] + HEADER_SIZE + klens[j] for j in members]
+        stops = [offs[j] + totals[j] for j in members]
+        changes = dec.decode_many(body, starts, stops)
+        key_cols = writer.key
+        for j, change in zip(members, changes, strict=True):
+            klen = klens[j]
+            # the key columns are in the row image (after; before for a delete):
+            # taking them from there saves decoding the key bytes a second time
+            image = change.after if change.after is not None else change.before
+            if not klen:
+                key: dict[str, Any] = {}
+            elif (
+                image is not None
+                and all(k in image and image[k] is not None for k in key_cols)
+                and not (change.after_not_sent if change.after is not None else ())
+            ):
+                key = {k: image[k] for k in key_cols}
+            else:
+                key = dec.decode_key(mv[offs[j] + HEADER_SIZE : offs[j] + HEADER_SIZE + klen])
+            decoded[j] = (change, key)
+            shapes[j] = dec.reader
+    scn = raw.scn
+    seqs = h["seq"].tolist()
+    ops = h["op"].tolist()
+    ts = raw.timestamp_ns
+    out: list[ChangeEvent] = []
+    for j in range(len(idx)):
+        change, key = decoded[j]
+        shape = shapes[j]
+        assert shape is not None
+        out.append(
+            ChangeEvent(
+                scn=scn,
+                seq=seqs[j],
+                op=ChangeOp.from_op(ops[j]),
+                table=shape.name,
+                key=key,
+                after=change.after,
+                before=change.before,
+                not_sent=change.after_not_sent,
+                before_not_sent=change.before_not_sent,
+                timestamp_ns=ts,
+                source_id=sids[j],
+                schema_version=versions[j],
+                schema=shape,
+            )
+        )
+    return out

@@ -1,0 +1,330 @@
+"""Drives the callbacks: windows in, rollback and replay on recoverable errors.
+
+State kept by :class:`Dispatcher`:
+
+* ``replay`` -- the windows after the last persisted checkpoint, in order.
+  They stay in memory until a checkpoint succeeds, so a rollback replays
+  them without asking the relay again (as Databus keeps them in its client
+  buffer). With ``checkpoint_every_windows = 1`` that is one window.
+* the :class:`~._position.PositionTracker` -- ``current`` advances after
+  each window's ``on_end_window``; a rollback resets it to ``committed``.
+* ``rollbacks`` -- consecutive rollbacks since the last successful
+  checkpoint; over ``max_rollbacks`` the dispatcher gives up.
+
+The callback sequence of a window is a *plan* (a list of method names and
+arguments, :func:`window_plan`); a :class:`_Runner` executes plans for sync
+:class:`~._callbacks.Callbacks` (one worker thread, one hop per window) or
+:class:`~._callbacks.AsyncCallbacks` (on the loop), enforcing the time
+budget of each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+from ._callbacks import AsyncCallbacks, CallbackResult, Callbacks
+from ._config import ConsumerConfig
+from ._errors import ConsumerAbortedError, DataLossDetectedError
+from ._model import Window
+from ._position import PositionTracker
+from ._queue import QueueClosed
+
+__all__ = ["Dispatcher", "window_plan"]
+
+log = logging.getLogger(__name__)
+
+Plan = list[tuple[str, tuple[Any, ...]]]
+
+
+def window_plan(window: Window) -> Plan:
+    """The callbacks of one window, in order (see :mod:`._callbacks`)."""
+    plan: Plan = [("on_start_window", (window,))]
+    plan.extend(("on_control", (window, c)) for c in window.schema_changes)
+    plan.extend(("on_control", (window, m)) for m in window.messages)
+    if window.data_loss is not None:
+        plan.append(("on_data_loss", (window, window.data_loss)))
+    current: str | None = None
+    for event in window.events:
+        if event.table != current:
+            if current is not None:
+                plan.append(("on_end_source", (window, current)))
+            current = event.table
+            plan.append(("on_start_source", (window, current)))
+        plan.append(("on_event", (event,)))
+    if current is not None:
+        plan.append(("on_end_source", (window, current)))
+    plan.append(("on_end_window", (window,)))
+    return plan
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """How a plan went: the worst result, the callback that gave it, and why."""
+
+    result: CallbackResult
+    callback: str = ""
+    error: BaseException | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.result in (CallbackResult.SUCCESS, CallbackResult.SKIP_CHECKPOINT)
+
+
+_OK = _Outcome(CallbackResult.SUCCESS)
+
+
+class _Runner(Protocol):
+    async def run(self, plan: Plan) -> _Outcome: ...
+
+    async def close(self) -> None: ...
+
+
+def _result(value: object, name: str) -> _Outcome:
+    if value is None or value is CallbackResult.SUCCESS:
+        return _OK
+    if isinstance(value, CallbackResult):
+        return _Outcome(value, name)
+    return _Outcome(
+        CallbackResult.ERROR, name, TypeError(f"{name} returned {value!r}, not a CallbackResult")
+    )
+
+
+class _CallState:
+    """The call in progress of one plan: ``(name, monotonic start)``, or ``("", 0.0)``.
+
+    Written by the worker thread, read by the loop; a tuple swap is atomic.
+    """
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: tuple[str, float] = ("", 0.0)
+
+
+class _ThreadRunner:
+    """Runs plans of sync callbacks in one worker thread (module docstring)."""
+
+    def __init__(self, callbacks: Callbacks, budget_s: float) -> None:
+        self._cb = callbacks
+        self._budget = budget_s
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-callbacks")
+
+    def _run_plan(self, plan: Plan, abandon: threading.Event, state: _CallState) -> _Outcome:
+        last = CallbackResult.SUCCESS
+        for name, args in plan:
+            if abandon.is_set():
+                return _Outcome(CallbackResult.ERROR, name, timed_out=True)
+            started = time.monotonic()
+            state.current = (name, started)
+            try:
+                value = getattr(self._cb, name)(*args)
+            except Exception as exc:  # noqa: BLE001 - a failed callback is a recoverable error
+                return _Outcome(CallbackResult.ERROR, name, exc)
+            finally:
+                state.current = ("", 0.0)
+            if time.monotonic() - started > self._budget:
+                return _Outcome(CallbackResult.ERROR, name, timed_out=True)
+            outcome = _result(value, name)
+            if not outcome.ok:
+                return outcome
+            last = outcome.result
+        return _Outcome(last) if last is not CallbackResult.SUCCESS else _OK
+
+    async def run(self, plan: Plan) -> _Outcome:
+        loop = asyncio.get_running_loop()
+        abandon = threading.Event()
+        state = _CallState()
+        future = loop.run_in_executor(self._executor, self._run_plan, plan, abandon, state)
+        try:
+            while True:
+                name, started = state.current
+                left = self._budget if not started else started + self._budget - time.monotonic()
+                if left <= 0:
+                    abandon.set()  # the worker stops after the call it is stuck in
+                    return _Outcome(CallbackResult.ERROR, name, timed_out=True)
+                done, _ = await asyncio.wait({future}, timeout=left)
+                if done:
+                    return future.result()
+        except asyncio.CancelledError:
+            abandon.set()
+            raise
+
+    async def close(self) -> None:
+        # waits for a callback still running (threads cannot be interrupted)
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+
+class _LoopRunner:
+    """Awaits plans of async callbacks on the loop, each call within its budget."""
+
+    def __init__(self, callbacks: AsyncCallbacks, budget_s: float) -> None:
+        self._cb = callbacks
+        self._budget = budget_s
+
+    async def run(self, plan: Plan) -> _Outcome:
+        last = CallbackResult.SUCCESS
+        for name, args in plan:
+            try:
+                async with asyncio.timeout(self._budget) as scope:
+                    value = await getattr(self._cb, name)(*args)
+            except TimeoutError as exc:
+                if scope.expired():
+                    return _Outcome(CallbackResult.ERROR, name, timed_out=True)
+                return _Outcome(CallbackResult.ERROR, name, exc)
+            except Exception as exc:  # noqa: BLE001 - a failed callback is a recoverable error
+                return _Outcome(CallbackResult.ERROR, name, exc)
+            outcome = _result(value, name)
+            if not outcome.ok:
+                return outcome
+            last = outcome.result
+        return _Outcome(last) if last is not CallbackResult.SUCCESS else _OK
+
+    async def close(self) -> None:
+        return None
+
+
+def _describe(outcome: _Outcome) -> str:
+    if outcome.timed_out:
+        return f"{outcome.callback} exceeded its time budget"
+    if outcome.error is not None:
+        return f"{outcome.callback} raised {outcome.error!r}"
+    return f"{outcome.callback} returned {outcome.result.name}"
+
+
+class Dispatcher:
+    """Feeds windows to callbacks with rollback and replay (module docstring)."""
+
+    def __init__(
+        self,
+        callbacks: Callbacks | AsyncCallbacks,
+        config: ConsumerConfig,
+        position: PositionTracker,
+        next_window: Callable[[], Awaitable[Window]],
+    ) -> None:
+        budget = config.callback_time_budget_s
+        self._runner: _Runner = (
+            _LoopRunner(callbacks, budget)
+            if isinstance(callbacks, AsyncCallbacks)
+            else _ThreadRunner(callbacks, budget)
+        )
+        self._config = config
+        self._position = position
+        self._next_window = next_window
+        self.replay: list[Window] = []
+        self.rollbacks = 0
+        self.total_rollbacks = 0
+        self.windows = 0
+
+    async def run(self) -> None:
+        """Process windows until ``next_window`` raises (closing or a fetch error)."""
+        try:
+            while True:
+                try:
+                    window = await self._next_window()
+                except (QueueClosed, ConsumerAbortedError, DataLossDetectedError):
+                    raise
+                except Exception as exc:
+                    await self._report(exc)
+                    raise
+                self.replay.append(window)
+                await self._process()
+        finally:
+            await self._runner.close()
+
+    async def _process(self) -> None:
+        i = len(self.replay) - 1
+        while i < len(self.replay):
+            window = self.replay[i]
+            outcome = _OK if window.is_empty else await self._runner.run(window_plan(window))
+            if outcome.ok:
+                self._position.advance(window)
+                self.windows += 1
+                i += 1
+                if i < len(self.replay) or i < self._config.checkpoint_every_windows:
+                    continue
+                outcome = await self._checkpoint()
+                if outcome.ok:
+                    continue
+            if outcome.result is CallbackResult.FATAL:
+                await self._abort(outcome, window)
+            await self._rollback(outcome, window)
+            i = 0
+
+    async def _checkpoint(self) -> _Outcome:
+        checkpoint = self._position.current
+        outcome = await self._runner.run([("on_checkpoint", (checkpoint,))])
+        if not outcome.ok or outcome.result is CallbackResult.SKIP_CHECKPOINT:
+            return outcome
+        try:
+            await self._position.persist()
+        except Exception as exc:  # noqa: BLE001 - a failed store is recoverable: replay, store again
+            return _Outcome(CallbackResult.ERROR, "persister.store", exc)
+        self.replay.clear()
+        self.rollbacks = 0
+        return outcome
+
+    async def _rollback(self, outcome: _Outcome, window: Window) -> None:
+        """Count a recoverable failure, tell the application, wait a little."""
+        while True:
+            self.rollbacks += 1
+            self.total_rollbacks += 1
+            limit = self._config.max_rollbacks
+            if 0 <= limit < self.rollbacks:
+                await self._abort(
+                    outcome, window, f"gave up after {limit} rollbacks; last: {_describe(outcome)}"
+                )
+            log.warning(
+                "window %d: %s; rolling back to the last checkpoint (rollback %d)",
+                window.scn,
+                _describe(outcome),
+                self.rollbacks,
+            )
+            self._position.rollback()
+            delay = min(
+                self._config.rollback_backoff_s * 2 ** min(self.rollbacks - 1, 30),
+                self._config.backoff_max_s,
+            )
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rolled = await self._runner.run([("on_rollback", (self._position.committed,))])
+            if rolled.ok:
+                return
+            if rolled.result is CallbackResult.FATAL:
+                await self._abort(rolled, window)
+            outcome = rolled
+
+    async def _abort(self, outcome: _Outcome, window: Window, message: str = "") -> NoReturn:
+        error: Exception
+        loss = window.data_loss
+        if outcome.callback == "on_data_loss" and loss is not None and not message:
+            error = DataLossDetectedError(
+                f"SCNs {loss.from_scn}..{loss.to_scn} were lost ({loss.reason});"
+                f" reported in window {window.scn}",
+                from_scn=loss.from_scn,
+                to_scn=loss.to_scn,
+                reason=loss.reason,
+                window_scn=window.scn,
+            )
+        else:
+            error = ConsumerAbortedError(
+                message or f"window {window.scn}: {_describe(outcome)}; consumption stops",
+                callback=outcome.callback,
+                scn=window.scn,
+            )
+            error.__cause__ = outcome.error
+        await self._report(error)
+        raise error
+
+    async def _report(self, error: BaseException) -> None:
+        """``on_error``; its own failure is logged, never raised."""
+        outcome = await self._runner.run([("on_error", (error,))])
+        if outcome.error is not None:
+            log.error("on_error raised %r while reporting %r", outcome.error, error)

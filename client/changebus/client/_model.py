@@ -1,0 +1,118 @@
+"""What a consumer receives: :class:`Window` (one source transaction) of :class:`ChangeEvent`.
+
+A window is the unit of delivery, of atomicity and of checkpointing: it holds
+the decoded data events of one source transaction that passed the consumer's
+subscription (sources, partition filter), in ``seq`` order, plus the control
+signals the transaction carried. With a filter, ``seq`` numbers have gaps (the
+relay leaves out other consumers' events but keeps their numbering), so
+``(scn, seq)`` identifies an event the same way for every consumer and across
+replays: use :attr:`ChangeEvent.dedupe_key` to drop duplicates of
+at-least-once delivery.
+
+Everything here is immutable (frozen dataclasses, tuples) and safe to share
+between threads. Row dicts (``key``/``before``/``after``) are plain dicts
+made for each event: an application may keep them, and must not expect
+mutations to be seen by anyone else.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from changebus.schemas import DataLoss, LogicalMessage, Op, SchemaChange, TableSchema
+
+__all__ = ["ChangeEvent", "ChangeOp", "Window"]
+
+
+class ChangeOp(enum.Enum):
+    """The kind of a row change (the data ops of the envelope, by name)."""
+
+    INSERT = "insert"
+    UPDATE = "update"
+    DELETE = "delete"
+    TRUNCATE = "truncate"
+
+    @classmethod
+    def from_op(cls, op: Op | int) -> ChangeOp:
+        """The change op of an envelope data op (``ValueError`` for control ops)."""
+        return _FROM_OP[int(op)]
+
+
+_FROM_OP: dict[int, ChangeOp] = {
+    int(Op.INSERT): ChangeOp.INSERT,
+    int(Op.UPDATE): ChangeOp.UPDATE,
+    int(Op.DELETE): ChangeOp.DELETE,
+    int(Op.TRUNCATE): ChangeOp.TRUNCATE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeEvent:
+    """One row change, decoded.
+
+    * ``table`` -- the logical source name (``schema.table`` / ``db.table``);
+    * ``key`` -- the key columns (``{}`` for TRUNCATE);
+    * ``after`` / ``before`` -- the row images, ``None`` when the source gave
+      none (an insert has no before-image, a delete no after-image; an update
+      has a before-image only when the source sends one);
+    * ``not_sent`` -- columns with no value in ``after`` (their value there is
+      ``None`` and means nothing: Postgres' unchanged TOAST values), and
+      ``before_not_sent`` likewise for ``before``;
+    * ``schema_version`` -- the writer's schema version; ``schema`` the table
+      schema the rows are shaped by (the reader schema when the consumer
+      resolves to one, else the writer's), shared between events.
+    """
+
+    scn: int
+    seq: int
+    op: ChangeOp
+    table: str
+    key: dict[str, Any]
+    after: dict[str, Any] | None
+    before: dict[str, Any] | None
+    not_sent: tuple[str, ...] = ()
+    before_not_sent: tuple[str, ...] = ()
+    timestamp_ns: int = 0
+    source_id: int = 0
+    schema_version: int = 0
+    schema: TableSchema | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def dedupe_key(self) -> tuple[int, int]:
+        """``(scn, seq)``: the same for this event in every delivery and every consumer."""
+        return (self.scn, self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One source transaction as delivered (see the module docstring).
+
+    ``events`` are in ``seq`` order. ``schema_changes`` and ``messages`` are
+    the SCHEMA_CHANGE and MESSAGE control events of the window. ``data_loss``
+    is set only when the stream said that SCNs were lost *and* the consumer
+    was configured to deliver that as a signal instead of raising
+    :class:`~changebus.client.DataLossDetectedError`. ``source_position`` is
+    the source's own position at commit (Postgres LSN, MySQL GTID/file/pos).
+    ``nbytes`` is the wire size of the window's events (flow control).
+    """
+
+    scn: int
+    timestamp_ns: int
+    partition: str
+    events: tuple[ChangeEvent, ...] = ()
+    source_position: str = ""
+    schema_changes: tuple[SchemaChange, ...] = ()
+    messages: tuple[LogicalMessage, ...] = ()
+    data_loss: DataLoss | None = None
+    nbytes: int = field(default=0, compare=False)
+
+    @property
+    def is_empty(self) -> bool:
+        """No data events and no control signal (an empty or fully filtered transaction)."""
+        return not (self.events or self.schema_changes or self.messages or self.data_loss)
+
+    def tables(self) -> list[str]:
+        """The tables with events in this window, in order of first appearance."""
+        return list(dict.fromkeys(e.table for e in self.events))

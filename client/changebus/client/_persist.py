@@ -1,0 +1,121 @@
+"""Where a consumer keeps its checkpoint between runs.
+
+:class:`CheckpointPersister` is the protocol: ``load()`` returns the stored
+checkpoint (None when there is none) and ``store()`` replaces it. The
+consumer calls ``store`` after it has processed a window (at-least-once: a
+crash between processing and ``store`` replays that window) and ``load``
+once, on start.
+
+* :class:`FileCheckpointPersister` -- a JSON file, replaced atomically:
+  write ``<name>.tmp``, fsync it, ``os.replace`` over the file, fsync the
+  directory. A reader sees the old or the new checkpoint, never a torn one.
+  File work runs in a worker thread (never on the event loop).
+* :class:`MemoryCheckpointPersister` -- in memory (tests, throwaway readers).
+
+To store the checkpoint in the application's own database transaction
+(effectively-once processing), implement the protocol over that database, as
+the replica helpers (:mod:`._apply`) do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from changebus.schemas import Checkpoint, CheckpointError
+
+__all__ = ["CheckpointPersister", "FileCheckpointPersister", "MemoryCheckpointPersister"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class CheckpointPersister(Protocol):
+    """Loads and stores a consumer's :class:`~changebus.schemas.Checkpoint`."""
+
+    async def load(self) -> Checkpoint | None:
+        """The stored checkpoint, or None when nothing was stored yet."""
+        ...
+
+    async def store(self, checkpoint: Checkpoint) -> None:
+        """Durably replace the stored checkpoint; returns once it is safe."""
+        ...
+
+
+class MemoryCheckpointPersister:
+    """Keeps the checkpoint in memory (lost with the process).
+
+    ``stored`` counts calls to :meth:`store`. Used from one event loop.
+    """
+
+    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.stored = 0
+
+    async def load(self) -> Checkpoint | None:
+        """The checkpoint held, if any."""
+        return self.checkpoint
+
+    async def store(self, checkpoint: Checkpoint) -> None:
+        """Hold ``checkpoint``."""
+        self.checkpoint = checkpoint
+        self.stored += 1
+
+
+class FileCheckpointPersister:
+    """A checkpoint file (compact JSON) replaced atomically on every store.
+
+    Thread-safety: the file is written by one consumer; concurrent
+    :meth:`store` calls of one instance are serialised by an asyncio lock.
+    A corrupt file raises :class:`~changebus.schemas.CheckpointError` on
+    :meth:`load` rather than silently restarting from the beginning.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = asyncio.Lock()
+
+    async def load(self) -> Checkpoint | None:
+        """Read and parse the file (None when it does not exist)."""
+        return await asyncio.to_thread(self.load_sync)
+
+    def load_sync(self) -> Checkpoint | None:
+        """Blocking form of :meth:`load` (for threads and the command line)."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            return Checkpoint.parse(text)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint file {self.path}: {exc.message}") from None
+
+    async def store(self, checkpoint: Checkpoint) -> None:
+        """Write the checkpoint atomically (temp file, fsync, rename, fsync dir)."""
+        text = checkpoint.to_json() + "\n"
+        async with self._lock:
+            await asyncio.to_thread(self._write, text)
+
+    def _write(self, text: str) -> None:
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            data = text.encode()
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        log.debug("checkpoint stored in %s", self.path)

@@ -1,0 +1,99 @@
+"""The bounded hand-off between the fetcher task and the consumer (flow control).
+
+:class:`WindowQueue` holds decoded windows in order, bounded by count and by
+bytes (the windows' wire size). :meth:`~WindowQueue.put` waits while the
+queue is full, so a slow application stops the fetcher, which stops reading
+the HTTP response, which makes the relay's push wait: back-pressure all the
+way, with no credit protocol. A window larger than the byte bound is still
+admitted when the queue is empty, so progress is always possible.
+
+A terminal error (:meth:`~WindowQueue.fail`) is queued behind the windows
+already held: the consumer first receives everything fetched before the
+failure, then the error. :meth:`~WindowQueue.close` wakes everyone;
+``get`` then raises :class:`QueueClosed`.
+
+Single event loop only (asyncio primitives, no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from ._model import Window
+
+__all__ = ["QueueClosed", "WindowQueue"]
+
+
+class QueueClosed(Exception):
+    """The queue was closed (the consumer is shutting down)."""
+
+
+class WindowQueue:
+    """Windows in order, at most ``max_windows`` and about ``max_bytes``."""
+
+    def __init__(self, max_windows: int, max_bytes: int) -> None:
+        self.max_windows = max_windows
+        self.max_bytes = max_bytes
+        self._items: deque[Window] = deque()
+        self._bytes = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._changed = asyncio.Condition()
+        #: times a put had to wait for room (flow control engaged)
+        self.waits = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def _full(self, size: int) -> bool:
+        if not self._items:
+            return False
+        return len(self._items) >= self.max_windows or self._bytes + size > self.max_bytes
+
+    async def put(self, window: Window) -> None:
+        """Append ``window``, waiting while the queue is full."""
+        async with self._changed:
+            if self._full(window.nbytes):
+                self.waits += 1
+                await self._changed.wait_for(lambda: self._closed or not self._full(window.nbytes))
+            if self._closed:
+                raise QueueClosed
+            self._items.append(window)
+            self._bytes += window.nbytes
+            self._changed.notify_all()
+
+    async def fail(self, error: BaseException) -> None:
+        """Queue a terminal error behind the windows held."""
+        async with self._changed:
+            if self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    async def get(self) -> Window:
+        """The next window; the terminal error once the windows are drained."""
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._closed or bool(self._items) or self._error is not None
+            )
+            if self._closed:
+                raise QueueClosed
+            if self._items:
+                window = self._items.popleft()
+                self._bytes -= window.nbytes
+                self._changed.notify_all()
+                return window
+            assert self._error is not None
+            raise self._error
+
+    async def close(self) -> None:
+        """Drop everything and wake all waiters (they raise :class:`QueueClosed`)."""
+        async with self._changed:
+            self._closed = True
+            self._items.clear()
+            self._bytes = 0
+            self._changed.notify_all()

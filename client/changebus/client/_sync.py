@@ -1,0 +1,124 @@
+"""A blocking facade over :class:`~._consumer.Consumer` for code without asyncio.
+
+:class:`SyncConsumer` starts a private event loop in a background thread
+(``changebus-consumer``) and runs the async consumer there; each blocking
+method submits a coroutine to that loop and waits for its result. So the
+async core is the only implementation: the sync API adds no behaviour.
+
+Thread-safety: one application thread at a time may call the blocking
+methods (they serialise on the loop anyway); :meth:`SyncConsumer.stop` may
+be called from any thread. Always :meth:`~SyncConsumer.close` (or use
+``with``): it stops the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from changebus.schemas import Checkpoint
+
+from ._callbacks import AsyncCallbacks, Callbacks
+from ._config import ConsumerConfig
+from ._consumer import Consumer
+from ._model import Window
+from ._persist import CheckpointPersister
+
+__all__ = ["SyncConsumer"]
+
+T = TypeVar("T")
+
+
+class SyncConsumer:
+    """Blocking consumer: ``for window in consumer`` or ``consumer.run(callbacks)``.
+
+    Same arguments and semantics as :class:`~changebus.client.Consumer`
+    (``persister`` methods run on the background loop).
+    """
+
+    def __init__(
+        self, config: ConsumerConfig, *, persister: CheckpointPersister | None = None
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="changebus-consumer", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        self.consumer = self._call(self._make(config, persister))
+
+    @staticmethod
+    async def _make(config: ConsumerConfig, persister: CheckpointPersister | None) -> Consumer:
+        return Consumer(config, persister=persister)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this consumer is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # interrupted (Ctrl-C) or failed: do not leave the coroutine running
+            future.cancel()
+            raise
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> Window:
+        try:
+            return self._call(self.consumer.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def commit(self) -> None:
+        """Persist the position after the last window returned."""
+        self._call(self.consumer.commit())
+
+    def run(self, callbacks: Callbacks | AsyncCallbacks) -> None:
+        """Dispatch to ``callbacks`` until :meth:`stop` or an error (blocks)."""
+        self._call(self.consumer.run(callbacks))
+
+    def stop(self) -> None:
+        """End a running :meth:`run` or iteration after the current window (any thread)."""
+        self.consumer.stop()
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The position after the last window the application finished."""
+        return self.consumer.checkpoint
+
+    def stats(self) -> dict[str, Any]:
+        """See :meth:`Consumer.stats`."""
+        future = concurrent.futures.Future[dict[str, Any]]()
+
+        def collect() -> None:
+            future.set_result(self.consumer.stats())
+
+        self._loop.call_soon_threadsafe(collect)
+        return future.result()
+
+    def close(self) -> None:
+        """Close the consumer and stop the background loop; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._call(self.consumer.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

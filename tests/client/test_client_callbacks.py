@@ -1,0 +1,248 @@
+"""Callback API: dispatch order, rollback and replay, unrecoverable errors, budgets, data loss."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import pytest
+
+from changebus.client import (
+    AsyncCallbacks,
+    CallbackResult,
+    Callbacks,
+    ChangeEvent,
+    Consumer,
+    ConsumerAbortedError,
+    ConsumerConfig,
+    DataLossDetectedError,
+    MemoryCheckpointPersister,
+    Window,
+)
+from changebus.relay import Relay
+from changebus.schemas import Checkpoint, Column, DataLoss, Op, TableSchema
+
+MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
+
+
+def config(url: str, **kw: Any) -> ConsumerConfig:
+    return ConsumerConfig(
+        relays=(url,), partition="syn", wait_s=0.3, rollback_backoff_s=0.001, **kw
+    )
+
+
+class Recorder(Callbacks):
+    """Records calls; fails as told by ``plan`` {(callback, scn): [result or exception, ...]}."""
+
+    def __init__(self, stop_after: int, consumer: list[Consumer]) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.applied: list[int] = []  # windows whose end was reached and checkpointed
+        self.plan: dict[tuple[str, int], list[Any]] = {}
+        self.stop_after = stop_after
+        self.consumer = consumer
+        self.scn = -1
+        self.errors: list[BaseException] = []
+
+    def _step(self, name: str, scn: int) -> CallbackResult | None:
+        todo = self.plan.get((name, scn))
+        if todo:
+            action = todo.pop(0)
+            if isinstance(action, BaseException):
+                raise action
+            if isinstance(action, float):
+                time.sleep(action)
+                return None
+            assert isinstance(action, CallbackResult)
+            return action
+        return None
+
+    def on_start_window(self, window: Window) -> CallbackResult | None:
+        self.scn = window.scn
+        self.calls.append(("start_window", window.scn))
+        return self._step("on_start_window", window.scn)
+
+    def on_start_source(self, window: Window, table: str) -> CallbackResult | None:
+        self.calls.append(("start_source", table))
+        return None
+
+    def on_event(self, event: ChangeEvent) -> CallbackResult | None:
+        self.calls.append(("event", event.dedupe_key))
+        return self._step("on_event", event.scn)
+
+    def on_end_source(self, window: Window, table: str) -> CallbackResult | None:
+        self.calls.append(("end_source", table))
+        return None
+
+    def on_end_window(self, window: Window) -> CallbackResult | None:
+        self.calls.append(("end_window", window.scn))
+        return self._step("on_end_window", window.scn)
+
+    def on_checkpoint(self, checkpoint: Checkpoint) -> CallbackResult | None:
+        scn = checkpoint.get("syn").window_scn
+        self.calls.append(("checkpoint", scn))
+        result = self._step("on_checkpoint", scn)
+        if result is None:
+            self.applied.append(scn)
+            if len(self.applied) >= self.stop_after:
+                self.consumer[0].stop()
+        return result
+
+    def on_rollback(self, checkpoint: Checkpoint) -> CallbackResult | None:
+        self.calls.append(("rollback", checkpoint.get("syn").window_scn))
+        return None
+
+    def on_error(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+
+async def run(relay: Relay, rec: Recorder, **kw: Any) -> Consumer:
+    persister = MemoryCheckpointPersister()
+    consumer = Consumer(config(relay.url, **kw), persister=persister)
+    rec.consumer.append(consumer)
+    async with consumer:
+        await consumer.run(rec)
+    return consumer
+
+
+async def test_dispatch_order_follows_databus(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=20) as relay:
+        rec = Recorder(20, [])
+        consumer = await run(relay, rec)
+    first = rec.calls[: rec.calls.index(("checkpoint", 1000)) + 1]
+    names = [c[0] for c in first]
+    assert names[0] == "start_window" and names[-2:] == ["end_window", "checkpoint"]
+    # sources are bracketed: start_source, events, end_source
+    for i, name in enumerate(names):
+        if name == "event":
+            assert "start_source" in names[:i] and "end_source" in names[i:]
+    assert names.count("event") == 3
+    assert rec.applied == list(range(1000, 1020))
+    assert consumer.committed.get("syn").window_scn == 1019
+
+
+async def test_recoverable_errors_roll_back_and_replay_the_window(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=20) as relay:
+        rec = Recorder(20, [])
+        rec.plan[("on_event", 1005)] = [CallbackResult.ERROR]
+        rec.plan[("on_end_window", 1010)] = [RuntimeError("db down"), RuntimeError("db down")]
+        rec.plan[("on_checkpoint", 1012)] = [CallbackResult.ERROR]
+        await run(relay, rec)
+    rollbacks = [c for c in rec.calls if c[0] == "rollback"]
+    # back to the window before each failing one, every time
+    assert rollbacks == [
+        ("rollback", 1004),
+        ("rollback", 1009),
+        ("rollback", 1009),
+        ("rollback", 1011),
+    ]
+    starts = [c[1] for c in rec.calls if c[0] == "start_window"]
+    assert starts.count(1005) == 2 and starts.count(1010) == 3 and starts.count(1012) == 2
+    assert starts.count(1004) == 1  # checkpointed windows are never replayed
+    assert rec.applied == list(range(1000, 1020))  # each window applied exactly once
+    assert rec.errors == []
+
+
+async def test_unrecoverable_error_stops_with_a_clear_report(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=20) as relay:
+        rec = Recorder(100, [])
+        rec.plan[("on_event", 1007)] = [CallbackResult.FATAL]
+        with pytest.raises(ConsumerAbortedError) as info:
+            await run(relay, rec)
+    err = info.value
+    assert err.scn == 1007 and err.callback == "on_event" and not err.retriable
+    assert rec.errors == [err]
+    assert rec.applied == list(range(1000, 1007))
+    assert rec.consumer[0].committed.get("syn").window_scn == 1006
+    assert not [c for c in rec.calls if c[0] == "rollback"]
+
+
+async def test_rollbacks_are_bounded(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=5) as relay:
+        rec = Recorder(100, [])
+        rec.plan[("on_event", 1002)] = [ValueError("bad row")] * 10
+        with pytest.raises(ConsumerAbortedError) as info:
+            await run(relay, rec, max_rollbacks=3)
+    assert "gave up after 3 rollbacks" in info.value.message
+    assert isinstance(info.value.__cause__, ValueError)
+    assert [c[1] for c in rec.calls if c[0] == "rollback"] == [1001] * 3
+
+
+async def test_time_budget_exceeded_rolls_back_sync(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=5) as relay:
+        rec = Recorder(5, [])
+        rec.plan[("on_end_window", 1003)] = [0.5]
+        await run(relay, rec, callback_time_budget_s=0.15)
+    assert ("rollback", 1002) in rec.calls
+    assert rec.applied == list(range(1000, 1005))
+
+
+class SlowAsync(AsyncCallbacks):
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+        self.rollbacks: list[int] = []
+        self.slow_once = True
+        self.consumer: Consumer | None = None
+
+    async def on_end_window(self, window: Window) -> CallbackResult | None:
+        if window.scn == 1002 and self.slow_once:
+            self.slow_once = False
+            await asyncio.sleep(5)  # cancelled by the budget
+        self.ends.append(window.scn)
+        if window.scn == 1004 and self.consumer is not None:
+            self.consumer.stop()
+        return None
+
+    async def on_rollback(self, checkpoint: Checkpoint) -> CallbackResult | None:
+        self.rollbacks.append(checkpoint.get("syn").window_scn)
+        return None
+
+
+async def test_time_budget_exceeded_rolls_back_async(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=5) as relay:
+        cb = SlowAsync()
+        t0 = time.monotonic()
+        async with Consumer(config(relay.url, callback_time_budget_s=0.15)) as c:
+            cb.consumer = c
+            await c.run(cb)
+    assert time.monotonic() - t0 < 3
+    assert cb.rollbacks == [1001]
+    assert cb.ends == [1000, 1001, 1002, 1003, 1004]
+
+
+TABLE = TableSchema(
+    "app.items", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1
+)
+
+
+async def test_data_loss_is_never_silent(scripted_relay: Any, window_type: Any) -> None:
+    ScriptedWindow = window_type
+    script = [
+        ScriptedWindow(
+            10, rows=[(TABLE, 1, Op.INSERT, {"id": 1, "v": "a"}, None)], announce=[(1, TABLE)]
+        ),
+        ScriptedWindow(20, loss=DataLoss(11, 19, "slot lost")),
+        ScriptedWindow(30, rows=[(TABLE, 1, Op.INSERT, {"id": 2, "v": "b"}, None)]),
+    ]
+    async with scripted_relay(script) as relay:
+        # iterator: raises, and keeps raising
+        async with Consumer(config(relay.url)) as c:
+            first = await c.__anext__()
+            assert first.scn == 10
+            with pytest.raises(DataLossDetectedError) as info:
+                await c.__anext__()
+            assert (info.value.from_scn, info.value.to_scn, info.value.window_scn) == (11, 19, 20)
+            with pytest.raises(DataLossDetectedError):
+                await c.__anext__()
+        # iterator asked to deliver it as a signal
+        async with Consumer(config(relay.url, on_data_loss="deliver")) as c:
+            windows = [await c.__anext__() for _ in range(3)]
+        assert windows[1].data_loss == DataLoss(11, 19, "slot lost")
+        assert windows[2].events[0].after == {"id": 2, "v": "b"}
+        # callbacks: the default on_data_loss stops consumption
+        rec = Recorder(100, [])
+        with pytest.raises(DataLossDetectedError):
+            await run(relay, rec)
+        assert rec.applied == [10] and isinstance(rec.errors[0], DataLossDetectedError)

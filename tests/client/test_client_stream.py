@@ -1,0 +1,227 @@
+"""The consumer against real relays: order, completeness, positions, failover, 410."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from changebus.client import (
+    ChangeOp,
+    Consumer,
+    ConsumerConfig,
+    FellOffRelayError,
+    FileCheckpointPersister,
+    MemoryCheckpointPersister,
+    RelayUnavailableError,
+    SyncConsumer,
+    Window,
+)
+from changebus.relay import Relay
+from changebus.schemas import Checkpoint, ScnNotFoundError
+
+MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
+FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
+
+
+def config(*relays: str, **kw: Any) -> ConsumerConfig:
+    return ConsumerConfig(relays=relays, **{"partition": "syn", **FAST, **kw})
+
+
+async def take(consumer: Consumer, n: int) -> list[Window]:
+    out: list[Window] = []
+    async for window in consumer:
+        out.append(window)
+        if len(out) == n:
+            break
+    return out
+
+
+async def relay_ndjson(relay: Relay) -> list[dict[str, Any]]:
+    """Every data event as the relay itself decodes it (format=ndjson)."""
+    rows: list[dict[str, Any]] = []
+    scn = -1
+    async with aiohttp.ClientSession() as http:
+        while True:
+            params = {"partition": "syn", "scn": str(scn), "format": "ndjson"}
+            async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+                if resp.status == 204:
+                    return rows
+                text = await resp.text()
+                scn = int(resp.headers["X-Changebus-Next-Scn"])
+            rows.extend(
+                e
+                for e in map(json.loads, text.splitlines())
+                if e["op"] in ("insert", "update", "delete")
+            )
+
+
+@pytest.mark.parametrize(("follow", "max_bytes"), [(True, 1 << 20), (False, 300), (True, 300)])
+async def test_every_window_in_order_exactly_once(
+    make_relay: MakeRelay, follow: bool, max_bytes: int
+) -> None:
+    async with make_relay() as relay:
+        expected = await relay_ndjson(relay)
+        async with Consumer(config(relay.url, follow=follow, max_bytes=max_bytes)) as c:
+            windows = await take(c, 300)
+    scns = [w.scn for w in windows]
+    assert scns == list(range(1000, 1300))  # the synthetic source's SCNs, none twice
+    events = [e for w in windows for e in w.events]
+    assert all(len(w.events) == 3 and w.partition == "syn" for w in windows)
+    assert len({e.dedupe_key for e in events}) == len(events) == 900
+    got = [
+        {
+            "scn": e.scn,
+            "seq": e.seq,
+            "op": e.op.value,
+            "source": e.table,
+            "key": e.key,
+            "after": e.after,
+            "before": e.before,
+        }
+        for e in events
+    ]
+    assert got == [{k: r[k] for k in got[0]} for r in expected]
+    assert {e.op for e in events} >= {ChangeOp.INSERT, ChangeOp.UPDATE}
+
+
+async def test_start_latest_and_scn_and_schema_fetch(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=0, windows_per_s=200, wait=False) as relay:
+        await asyncio.sleep(0.2)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        async with Consumer(config(relay.url, start="latest")) as c:
+            windows = await take(c, 5)
+            # the SCHEMA_CHANGE was in the first window: schemas came from /v1/schemas
+            assert c.stats()["schema_fetches"] >= 1
+        assert windows[0].scn > last
+        assert [w.scn for w in windows] == list(range(windows[0].scn, windows[0].scn + 5))
+        async with Consumer(config(relay.url, start=str(last))) as c:
+            windows = await take(c, 3)
+        assert [w.scn for w in windows] == [last + 1, last + 2, last + 3]
+        assert all(e.after is None or e.after["n"] == e.scn for w in windows for e in w.events)
+
+
+async def test_checkpoint_file_restart_resumes_without_loss(
+    make_relay: MakeRelay, tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt" / "consumer.json"
+    async with make_relay() as relay:
+        async with Consumer(config(relay.url), persister=FileCheckpointPersister(path)) as c:
+            first = await take(c, 100)
+        # the last window yielded was not committed: at-least-once
+        stored = Checkpoint.parse(path.read_text())
+        assert stored.get("syn").window_scn == first[-2].scn
+        assert not path.with_name("consumer.json.tmp").exists()
+        async with Consumer(config(relay.url), persister=FileCheckpointPersister(path)) as c:
+            rest = await take(c, 300 - 99)
+    assert rest[0].scn == first[-1].scn  # replayed once
+    seen = [w.scn for w in first[:-1]] + [w.scn for w in rest]
+    assert seen == list(range(1000, 1300))
+    assert Checkpoint.parse(path.read_text()).get("syn").window_scn == rest[-2].scn
+
+
+async def test_partitioned_consumers_cover_the_stream_exactly_once(make_relay: MakeRelay) -> None:
+    async with make_relay() as relay:
+        async with Consumer(config(relay.url)) as whole:
+            everything = {e.dedupe_key for w in await take(whole, 300) for e in w.events}
+        parts: list[set[tuple[int, int]]] = []
+        for bucket in range(3):
+            cfg = config(relay.url, filter=f"mod:3:{bucket}", yield_empty_windows=True)
+            async with Consumer(cfg) as c:
+                windows = await take(c, 300)  # every window reaches every consumer
+            assert [w.scn for w in windows] == list(range(1000, 1300))
+            parts.append({e.dedupe_key for w in windows for e in w.events})
+    assert all(parts)
+    assert sum(len(p) for p in parts) == len(everything) == 900
+    assert set().union(*parts) == everything
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_failover_to_the_second_relay(make_relay: MakeRelay) -> None:
+    async with make_relay() as relay, Consumer(config(dead_url(), relay.url)) as c:
+        windows = await take(c, 300)
+        stats = c.stats()
+    assert [w.scn for w in windows] == list(range(1000, 1300))
+    assert stats["failovers"] >= 1 and stats["relay"] == relay.url
+
+
+async def test_failover_mid_stream_continues_without_gap(make_relay: MakeRelay) -> None:
+    # two relays with the same synthetic source (same seed: same windows)
+    async with make_relay() as second, contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(make_relay())
+        cfg = config(first.url, second.url, queue_windows=4, follow=False, max_bytes=2000)
+        async with Consumer(cfg) as c:
+            windows = await take(c, 50)
+            await stack.aclose()  # the first relay goes away mid-stream
+            windows += await take(c, 250)
+            assert c.stats()["relay"] == second.url
+    assert [w.scn for w in windows] == list(range(1000, 1300))
+
+
+async def test_all_relays_dead_gives_up_after_max_attempts() -> None:
+    cfg = config(dead_url(), dead_url(), max_attempts=5)
+    async with Consumer(cfg) as c:
+        with pytest.raises(RelayUnavailableError) as info:
+            await take(c, 1)
+    assert info.value.retriable and "5 attempts" in info.value.message
+
+
+async def test_fell_off_the_relay_raises_typed_410(make_relay: MakeRelay) -> None:
+    async with make_relay(max_windows=400, row_bytes=2000, capacity_bytes=128 << 10) as relay:
+        m = relay.hosts["syn"].buffer.meta
+        assert m.min_scn > 1001
+        c = Consumer(config(relay.url), persister=MemoryCheckpointPersister())
+        # a stored checkpoint long evicted
+        c.persister = MemoryCheckpointPersister(
+            Checkpoint.parse('{"v":1,"partitions":{"syn":{"window_scn":1000,"prev_scn":1000}}}')
+        )
+        async with c:
+            with pytest.raises(FellOffRelayError) as info:
+                await take(c, 1)
+    err = info.value
+    assert isinstance(err, ScnNotFoundError)
+    assert (err.oldest_scn, err.prev_scn, err.requested_scn) == (m.min_scn, m.prev_scn, 1000)
+    assert err.partition == "syn" and err.details["oldest_scn"] == m.min_scn
+
+
+async def test_sync_consumer_iterates_in_a_thread(make_relay: MakeRelay) -> None:
+    async with make_relay() as relay:
+
+        def consume() -> list[int]:
+            with SyncConsumer(config(relay.url)) as c:
+                scns = []
+                for window in c:
+                    scns.append(window.scn)
+                    if len(scns) == 120:
+                        break
+                assert c.checkpoint.get("syn").window_scn == scns[-2]
+                return scns
+
+        scns = await asyncio.to_thread(consume)
+    assert scns == list(range(1000, 1120))
+
+
+async def test_flow_control_bounds_the_queue(make_relay: MakeRelay) -> None:
+    async with make_relay() as relay, Consumer(config(relay.url, queue_windows=5)) as c:
+        await take(c, 1)
+        await asyncio.sleep(0.3)  # the application is slow: the fetcher must wait
+        stats = c.stats()
+        assert stats["queued_windows"] <= 5
+        assert stats["queue_full_waits"] >= 1
+        assert stats["fetch_position"] < 1299
+        rest = await take(c, 299)
+    assert rest[-1].scn == 1299
