@@ -10,15 +10,23 @@ database per test module. Debian's binaries are used; `make test` installs
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from changebus.fetchers.postgres import EmbeddedPostgres
+from changebus.schemas import lsn_to_scn
+
+if TYPE_CHECKING:
+    from changebus.relay import Relay
 
 PgServer = EmbeddedPostgres
 
@@ -42,8 +50,6 @@ def pg_server() -> Iterator[PgServer]:
 @pytest.fixture
 def pg_dsn(pg_server: PgServer) -> Iterator[str]:
     """A fresh database on the session's server; dropped afterwards."""
-    import psycopg
-
     name = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -56,3 +62,19 @@ def pg_dsn(pg_server: PgServer) -> Iterator[str]:
             ).fetchall():
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+async def wait_until(pred: Any, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def caught_up(relay: Relay, dsn: str) -> None:
+    """Wait until the relay holds everything committed so far (a sync marker's window)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        marker = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
+    assert marker is not None
+    target = lsn_to_scn(marker[0])
+    await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= target)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,10 @@ from changebus.schemas import (
     SchemaRegistry,
     TableSchema,
     event_at,
-    lsn_to_scn,
     parse_stream,
     verify_event,
 )
+from fix_pg import caught_up, wait_until
 
 pytestmark = pytest.mark.pg
 
@@ -59,22 +58,6 @@ def workload(dsn: str, seed: int, txns: int) -> None:
                         conn.execute("UPDATE acct SET bal = bal + 1 WHERE id = %s", (k,))
                     else:
                         conn.execute("DELETE FROM acct WHERE id = %s", (k,))
-
-
-async def wait_until(pred: Any, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
-async def caught_up(relay: Relay, dsn: str) -> None:
-    """Wait until the relay holds everything committed so far (a sync marker's window)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        marker = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
-    assert marker is not None
-    target = lsn_to_scn(marker[0])
-    await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= target)
 
 
 def replay_buffer(relay: Relay) -> tuple[dict[int, dict[str, Any]], list[int]]:

@@ -26,7 +26,9 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``tail`` subcommand."""
+    """Add the ``tail`` and ``replicate`` subcommands."""
+    from . import _cli_replicate
+
     p = sub.add_parser(
         "tail",
         help="print a relay's change stream as JSON lines",
@@ -62,6 +64,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_main)
+    _cli_replicate.register(sub)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -68,15 +69,18 @@ class MemoryCheckpointPersister:
 class FileCheckpointPersister:
     """A checkpoint file (compact JSON) replaced atomically on every store.
 
-    Thread-safety: the file is written by one consumer; concurrent
-    :meth:`store` calls of one instance are serialised by an asyncio lock.
+    Thread-safety: the file is written by one consumer; :meth:`store` calls
+    of one instance are serialised by a lock taken in the writing thread, so
+    a write whose awaiting task was cancelled (it goes on in its thread)
+    still finishes before the next one starts, and the newer checkpoint is
+    the one that stays.
     A corrupt file raises :class:`~changebus.schemas.CheckpointError` on
     :meth:`load` rather than silently restarting from the beginning.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._lock = asyncio.Lock()
+        self._lock = threading.Lock()
 
     async def load(self) -> Checkpoint | None:
         """Read and parse the file (None when it does not exist)."""
@@ -96,10 +100,13 @@ class FileCheckpointPersister:
     async def store(self, checkpoint: Checkpoint) -> None:
         """Write the checkpoint atomically (temp file, fsync, rename, fsync dir)."""
         text = checkpoint.to_json() + "\n"
-        async with self._lock:
-            await asyncio.to_thread(self._write, text)
+        await asyncio.to_thread(self._write, text)
 
     def _write(self, text: str) -> None:
+        with self._lock:
+            self._write_locked(text)
+
+    def _write_locked(self, text: str) -> None:
         directory = self.path.parent
         directory.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -416,8 +416,12 @@ async def _follow(
             cached = _copy_out(host, selection, key, metrics)
             if cached is None:
                 break
-        await resp.write(cached.body)
-        await request.writer.drain()  # limits are 0: returns once the push left the process
+        try:
+            await resp.write(cached.body)
+            await request.writer.drain()  # limits are 0: returns once the push left the process
+        except ConnectionResetError:  # the consumer went away: nothing to report
+            log.debug("follow stream for %s: the consumer disconnected", client)
+            return resp
         # write and drain often complete without suspending; yield so that a
         # stream that always finds new windows cannot starve the others
         await asyncio.sleep(0)
@@ -426,7 +430,8 @@ async def _follow(
         scn, offset = cached.next_scn, cached.next_offset
         host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
         idle_until = time.monotonic() + wait
-    await resp.write_eof()
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
     return resp
 
 

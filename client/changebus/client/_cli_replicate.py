@@ -1,0 +1,125 @@
+"""``changebus replicate``: keep tables of a SQLite or Postgres database equal to a stream.
+
+It runs a :class:`~._apply_sqlite.SqliteReplica` or
+:class:`~._apply_pg.PostgresReplica` over one relay partition: every window
+is applied in one database transaction together with the checkpoint, so the
+command can be killed at any moment (even with ``kill -9``) and started again:
+it continues after the last window it committed, applying nothing twice.
+
+The Postgres target's connection string is read from the environment
+variable ``CHANGEBUS_REPLICA_DSN`` when ``--postgres`` is given without a
+value, so that a password need not appear on the command line (where ``ps``
+shows it); it is never logged. SIGTERM or Ctrl-C stop after the current
+window with status 0; a gap in the stream or a position the relays no longer
+keep ends the command with a message on stderr and status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from changebus.schemas import ChangebusError
+from changebus.schemas._logsetup import setup_logging
+
+__all__ = ["register"]
+
+log = logging.getLogger("changebus.client.replicate")
+
+_DSN_ENV = "CHANGEBUS_REPLICA_DSN"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``replicate`` subcommand."""
+    p = sub.add_parser(
+        "replicate",
+        help="apply a relay's change stream to tables of SQLite or Postgres",
+        description="Keep tables of a SQLite file or a Postgres database equal to the source "
+        "tables of a relay partition (idempotent upserts, checkpoint in the same transaction; "
+        "safe to kill and restart).",
+    )
+    p.add_argument(
+        "--relay", action="append", required=True, metavar="URL", help="relay base URL; repeatable"
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--sqlite", metavar="FILE", help="target SQLite database file")
+    target.add_argument(
+        "--postgres",
+        nargs="?",
+        const="",
+        metavar="DSN",
+        help=f"target Postgres; without a value the DSN is read from ${_DSN_ENV}",
+    )
+    p.add_argument(
+        "--source", action="append", default=[], metavar="NAME", help="source to apply (all)"
+    )
+    p.add_argument("--partition", help="physical partition name (needed when several)")
+    p.add_argument("--filter", help="partition filter on the key hash, e.g. mod:3:0")
+    p.add_argument(
+        "--from",
+        dest="start",
+        default="earliest",
+        metavar="POSITION",
+        help="earliest (default), latest or an SCN, when the target has no checkpoint yet",
+    )
+    p.add_argument("--consumer-name", default="default", help="key of the stored checkpoint")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", default="text", choices=("text", "json"))
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from ._apply import Replica
+    from ._apply_pg import PostgresReplica
+    from ._apply_sqlite import SqliteReplica
+    from ._config import ConsumerConfig
+
+    sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
+    try:
+        config = ConsumerConfig(
+            relays=tuple(args.relay),
+            partition=args.partition,
+            sources=sources,
+            filter=args.filter,
+            start=args.start,
+            client_id=f"changebus-replicate-{args.consumer_name}",
+        )
+    except ChangebusError as exc:
+        print(f"changebus replicate: {exc.message}", file=sys.stderr)
+        return 2
+    replica: Replica
+    if args.sqlite is not None:
+        replica = SqliteReplica(args.sqlite, consumer_name=args.consumer_name)
+    else:
+        dsn = args.postgres or os.environ.get(_DSN_ENV, "")
+        if not dsn:
+            print(f"changebus replicate: give --postgres DSN or set ${_DSN_ENV}", file=sys.stderr)
+            return 2
+        replica = PostgresReplica(dsn, consumer_name=args.consumer_name)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, replica.stop)
+    log.info("replicating %s into %r", ", ".join(config.relays), replica)
+    try:
+        await replica.run(config)
+    except ChangebusError as exc:
+        print(f"changebus replicate: {exc.message}", file=sys.stderr)
+        return 3
+    finally:
+        await replica.close()
+    log.info(
+        "stopped: %d windows applied, %d skipped", replica.windows_applied, replica.windows_skipped
+    )
+    return 0
