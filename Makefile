@@ -41,7 +41,7 @@ bench: install
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 demo: install
-	$(PY) -m changebus.schemas demo
+	$(PY) -m changebus.schemas demo $(DEMO_ARGS)
 
 wheel: $(STAMP)
 	$(PY) -m build --wheel --outdir dist .

@@ -152,6 +152,11 @@ class Replica(AsyncCallbacks):
             (self.consumer_name, checkpoint.to_json()),
         )
 
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint last committed with the rows (None before the first)."""
+        return self._stored
+
     # ---- persister protocol ---------------------------------------------
 
     async def load(self) -> Checkpoint | None:

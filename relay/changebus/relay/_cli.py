@@ -33,24 +33,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--log-format", choices=("text", "json"), help="log line format")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_main)
-    d = sub.add_parser(
-        "demo",
-        help="run an embedded pipeline and print live changes",
-        description="An embedded relay with the synthetic source and a consumer printing live changes "
-        "(the Postgres-based demo arrives with the Postgres fetcher and the client library).",
-    )
-    d.add_argument(
-        "--seconds", type=float, default=10.0, help="how long to run (Ctrl-C stops earlier)"
-    )
-    d.add_argument("--rate", type=float, default=5.0, help="synthetic transactions per second")
-    d.set_defaults(func=_demo)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
-
-    setup_logging("warning", "text")
-    return asyncio.run(run_demo(args.seconds, args.rate))
 
 
 def _main(args: argparse.Namespace) -> int:
