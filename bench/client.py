@@ -1,132 +1,297 @@
-"""Client throughput: decoded events per second through the consumer library.
+"""Client benchmark: decode throughput against bare fastavro, and Postgres commit -> callback.
 
-An in-process relay (synthetic fetcher, pre-filled with ``--windows`` windows
-of 5 events of ~200 B) serves one consumer reading from the earliest window
-in follow mode; the figure is events delivered to ``async for`` per second,
-every event validated (CRCs), decoded (Avro) and grouped into windows.
-Baseline in the same run: the bare minimum a client must do with the same
-bytes -- one HTTP read of the stream (long-poll, 4 MiB responses),
-``parse_stream`` and ``ChangeDecoder.decode_many`` -- with no windows, no
-keys, no queue and no checkpoints. ``client_vs_bare_ratio`` =
-client / bare (1.0 = the library adds nothing).
+**Decode.** ``--rows`` rows of 10 columns (~2.5 KB, then ~200 B; the rows of
+``bench/codec.py``) encoded as a relay sends them (windows of 10 inserts),
+cut into 1 MiB responses and taken through the client's receive path in
+this process: event splitting, window assembly with every CRC and order
+check, Avro decode, key extraction, :class:`ChangeEvent` and :class:`Window`
+objects. Baseline in the same run: bare fastavro ``schemaless_reader`` of
+the same rows (one stream per 1,000 rows, its cheapest form).
+``decode_*_ratio`` = client / bare fastavro (goal >= 0.7). For reference,
+``http_*_events_per_s``: a :class:`Consumer` reading the same number of
+events (synthetic rows of the same size) from a relay process over HTTP.
 
-The relay shares the event loop with the consumer (both figures pay that).
-Last line: one JSON object.
+**Latency.** A private Postgres, a relay process with the Postgres fetcher,
+and in this process a consumer with :class:`AsyncCallbacks`; a writer
+process commits 10-row transactions at 1,000 rows/s, each carrying a
+transactional logical message with its number. Latency = ``COMMIT`` returned
+in the writer -> ``on_end_window`` of that transaction in the consumer
+(monotonic clock, shared by the processes). Goal p50 <= 3 ms, p99 <= 10 ms.
+Baseline in the same run: the writer's own ``SELECT 1`` round trip to
+Postgres (``latency_vs_pg_roundtrip_ratio`` = p50 / round-trip p50).
+
+Last line: one JSON object. Usage: ``python bench/client.py [--rows N] [--seconds S]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
+import multiprocessing as mp
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import aiohttp
+import fastavro
+import numpy as np
+import psycopg
 
-import _common  # noqa: F401  (puts the checkout on sys.path)
-from changebus.client import Consumer, ConsumerConfig
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import HEADER_SIZE, ChangeDecoder, Op, parse_stream
+from _common import free_port, start_relay, stop_relay
+from changebus.client import AsyncCallbacks, Consumer, ConsumerConfig, Window
+from changebus.client._assembler import EventSplitter, WindowAssembler
+from changebus.client._decode import SchemaCache, decode_window
+from changebus.fetchers.postgres import EmbeddedPostgres
+from changebus.schemas import EndOfWindow, Op, RowEncoder, TableSchema, encode_control
+from codec import make_rows, make_table
 
-EVENTS_PER_WINDOW = 5
+EVENTS_PER_WINDOW = 10
 
 
-async def bare(relay: Relay) -> int:
-    """Events decoded by a minimal client (see the module docstring)."""
-    registry = relay.hosts["bench"].registry
-    decoders: dict[tuple[int, int], ChangeDecoder] = {}
+def relay_toml(data_dir: Path, port: int, kind: str, options: dict[str, Any]) -> str:
+    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
+    return (
+        f'data_dir = "{data_dir}"\nflush_interval_s = 0\nlog_level = "warning"\n'
+        f'[http]\nport = {port}\n[[partitions]]\nname = "bench"\nid = 1\n'
+        f'capacity_bytes = "1GiB"\n[partitions.fetcher]\nkind = "{kind}"\n'
+        f"options = {{ {opts} }}\n"
+    )
+
+
+class _Schemas:
+    """The client's schema source, answering from the bench's one table."""
+
+    def __init__(self, table: TableSchema) -> None:
+        self.table = table
+
+    async def source_names(self) -> dict[int, str]:
+        return {1: self.table.name}
+
+    async def source_schemas(self, name: str) -> list[tuple[int, TableSchema]]:
+        return [(1, self.table)]
+
+
+def stream_bytes(table: TableSchema, rows: list[dict[str, Any]]) -> bytes:
+    """A relay response's bytes: windows of 10 inserts, each closed by END_OF_WINDOW."""
+    encoder = RowEncoder(table, source_id=1)
+    out = []
+    ts = 1_700_000_000_000_000_000
+    for w, i in enumerate(range(0, len(rows), EVENTS_PER_WINDOW)):
+        chunk = rows[i : i + EVENTS_PER_WINDOW]
+        scn = 1000 + w
+        out.append(encoder.encode_many([(Op.INSERT, r, None, (), ()) for r in chunk], scn, ts))
+        out.append(encode_control(EndOfWindow(len(chunk), f"bench:{scn}"), scn, len(chunk), ts))
+    return b"".join(out)
+
+
+async def client_decode(data: bytes, table: TableSchema, response_bytes: int) -> int:
+    """The client's receive path over in-memory responses: events into ChangeEvents."""
+    cache = SchemaCache({}, resolve_latest=False)
+    source = _Schemas(table)
+    splitter, assembler = EventSplitter(), WindowAssembler()
     events = 0
-    scn = -1
-    async with aiohttp.ClientSession() as http:
-        while True:
-            params = {"partition": "bench", "scn": str(scn), "max_bytes": str(4 << 20)}
-            async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
-                if resp.status == 204:
-                    return events
-                body = await resp.read()
-                scn = int(resp.headers["X-Changebus-Next-Scn"])
-            offsets, headers = parse_stream(body)
-            for i in range(len(offsets)):
-                h = headers[i]
-                if int(h["op"]) >= int(Op.END_OF_WINDOW):
-                    continue
-                key = (int(h["source_id"]), int(h["schema_version"]))
-                dec = decoders.get(key)
-                if dec is None:
-                    table = registry.get(registry.name_for_id(key[0]), key[1])
-                    dec = decoders[key] = ChangeDecoder(table)
-                start = int(offsets[i]) + HEADER_SIZE + int(h["key_length"])
-                dec.decode_many(body, [start], [int(offsets[i]) + int(h["total_length"])])
-                events += 1
-
-
-async def client(relay: Relay, windows: int) -> int:
-    cfg = ConsumerConfig(relays=(relay.url,), partition="bench", wait_s=0.5)
-    events = 0
-    async with Consumer(cfg) as consumer:
-        n = 0
-        async for window in consumer:
+    for i in range(0, len(data), response_bytes):
+        for raw in assembler.feed(splitter.push(data[i : i + response_bytes])):
+            window = await decode_window(raw, "bench", cache, source)
             events += len(window.events)
-            n += 1
-            if n == windows:
-                break
     return events
 
 
-async def run(windows: int, repeat: int) -> dict[str, float]:
-    options = {
-        "windows_per_s": 0,
-        "max_windows": windows,
-        "events_per_window": EVENTS_PER_WINDOW,
-        "row_bytes": 200,
-        "tables": 2,
-    }
-    with tempfile.TemporaryDirectory(prefix="changebus-bench-") as tmp:
-        config = RelayConfig(
-            data_dir=Path(tmp),
-            http=HttpConfig(port=0),
-            partitions=(
-                PartitionConfig(
-                    "bench",
-                    1,
-                    capacity_bytes=256 << 20,
-                    fetcher=FetcherConfig("synthetic", options),
-                ),
-            ),
-            flush_interval_s=0,
-        )
-        async with Relay(config) as relay:
-            while relay.hosts["bench"].state != "finished":  # noqa: ASYNC110 - no event to wait on
-                await asyncio.sleep(0.05)
-            best_client = best_bare = 0.0
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                n = await client(relay, windows)
-                best_client = max(best_client, n / (time.perf_counter() - t0))
-                t0 = time.perf_counter()
-                n = await bare(relay)
-                best_bare = max(best_bare, n / (time.perf_counter() - t0))
+def bare_fastavro(table: TableSchema, rows: list[dict[str, Any]]) -> tuple[list[bytes], Any]:
+    parsed = fastavro.parse_schema(table.row_schema)
+    streams = []
+    for i in range(0, len(rows), 1000):
+        bio = io.BytesIO()
+        for row in rows[i : i + 1000]:
+            fastavro.schemaless_writer(bio, parsed, row)
+        streams.append(bio.getvalue())
+    return streams, parsed
+
+
+def bare_read(streams: list[bytes], parsed: Any, n: int) -> int:
+    kept: list[Any] = []
+    read = fastavro.schemaless_reader
+    for data in streams:
+        bio = io.BytesIO(data)
+        kept.extend(read(bio, parsed) for _ in range(min(1000, n - len(kept))))
+    return len(kept)
+
+
+def decode_case(label: str, row_bytes: int, n: int, repeat: int) -> dict[str, float]:
+    table = make_table()
+    rows = make_rows(n, row_bytes)
+    data = stream_bytes(table, rows)
+    streams, parsed = bare_fastavro(table, rows)
+    best_client = best_bare = 0.0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        assert asyncio.run(client_decode(data, table, 1 << 20)) == n
+        best_client = max(best_client, n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        assert bare_read(streams, parsed, n) == n
+        best_bare = max(best_bare, n / (time.perf_counter() - t0))
     return {
-        "client_events_per_s": best_client,
-        "bare_events_per_s": best_bare,
-        "client_vs_bare_ratio": best_client / best_bare,
+        f"decode_{label}_client_events_per_s": round(best_client),
+        f"decode_{label}_bare_fastavro_events_per_s": round(best_bare),
+        f"decode_{label}_ratio": round(best_client / best_bare, 3),
     }
+
+
+async def consume(url: str, windows: int) -> float:
+    cfg = ConsumerConfig(relays=(url,), partition="bench", wait_s=1.0, queue_bytes=64 << 20)
+    events = seen = 0
+    async with Consumer(cfg) as consumer:
+        t0 = time.perf_counter()
+        async for window in consumer:
+            events += len(window.events)
+            seen += 1
+            if seen == windows:
+                break
+        return events / (time.perf_counter() - t0)
+
+
+def over_http(row_bytes: int, windows: int) -> float:
+    """Events/s of a Consumer reading a relay process (synthetic rows) over HTTP."""
+    with tempfile.TemporaryDirectory(prefix="changebus-bench-client-") as tmp:
+        port = free_port()
+        config = Path(tmp) / "relay.toml"
+        options = {
+            "windows_per_s": 0,
+            "max_windows": windows,
+            "events_per_window": EVENTS_PER_WINDOW,
+            "row_bytes": row_bytes,
+            "tables": 2,
+        }
+        config.write_text(relay_toml(Path(tmp) / "data", port, "synthetic", options))
+        relay = start_relay(config, port)
+        try:
+            return asyncio.run(consume(f"http://127.0.0.1:{port}", windows))
+        finally:
+            stop_relay(relay)
+
+
+# ---- latency ---------------------------------------------------------------------
+
+
+def writer(dsn: str, seconds: float, out: Any) -> None:
+    """Commit 10-row transactions at 100/s; send {n: commit-returned ns} and round trips."""
+    committed: dict[int, int] = {}
+    rtts: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        n = 0
+        next_at = time.perf_counter()
+        stop = next_at + seconds
+        while time.perf_counter() < stop:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO t SELECT g, 'row ' || g, now() FROM generate_series(%s::int8, %s::int8) g",
+                    (n * 10, n * 10 + 9),
+                )
+                conn.execute("SELECT pg_logical_emit_message(true, 'bench', %s)", (str(n),))
+            committed[n] = time.perf_counter_ns()
+            if n % 10 == 5:
+                t0 = time.perf_counter_ns()
+                conn.execute("SELECT 1")
+                rtts.append((time.perf_counter_ns() - t0) / 1e6)
+            n += 1
+            next_at += 0.01
+            time.sleep(max(0.0, next_at - time.perf_counter()))
+    out.put((committed, rtts))
+
+
+class Receipts(AsyncCallbacks):
+    def __init__(self) -> None:
+        self.received: dict[int, int] = {}
+
+    async def on_end_window(self, window: Window) -> None:
+        now = time.perf_counter_ns()
+        for msg in window.messages:
+            if msg.prefix == "bench":
+                self.received[int(msg.content)] = now
+
+
+async def latency_run(url: str, dsn: str, seconds: float) -> dict[str, float]:
+    cfg = ConsumerConfig(relays=(url,), partition="bench", wait_s=1.0, start="latest")
+    receipts = Receipts()
+    async with Consumer(cfg) as consumer:
+        runner = asyncio.create_task(consumer.run(receipts))
+        await asyncio.sleep(1.0)  # connected and waiting
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=writer, args=(dsn, seconds, queue))
+        proc.start()
+        committed, rtts = await asyncio.to_thread(queue.get)
+        await asyncio.to_thread(proc.join)
+        await asyncio.sleep(0.5)
+        consumer.stop()
+        await runner
+    lat = np.array(
+        [(receipts.received[n] - t) / 1e6 for n, t in committed.items() if n in receipts.received]
+    )
+    lat = lat[50:]  # warm-up
+    rtt = float(np.percentile(rtts, 50))
+    p50 = float(np.percentile(lat, 50))
+    return {
+        "latency_p50_ms": round(p50, 3),
+        "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
+        "latency_samples": int(lat.size),
+        "latency_missing": len(committed) - len(receipts.received),
+        "pg_roundtrip_p50_ms": round(rtt, 3),
+        "latency_vs_pg_roundtrip_ratio": round(p50 / rtt, 2),
+    }
+
+
+def latency_case(seconds: float) -> dict[str, float]:
+    base = Path(tempfile.mkdtemp(prefix="changebus-bench-client-pg-"))
+    base.chmod(0o755)
+    server = EmbeddedPostgres.start(base / "pg")
+    relay = None
+    try:
+        dsn = server.dsn()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int8 PRIMARY KEY, name text, at timestamptz)")
+        port = free_port()
+        config = base / "relay.toml"
+        options = {"dsn": dsn, "status_interval_s": 0.5}
+        config.write_text(relay_toml(base / "relay", port, "postgres", options))
+        relay = start_relay(config, port)
+        return asyncio.run(latency_run(f"http://127.0.0.1:{port}", dsn, seconds))
+    finally:
+        if relay is not None:
+            stop_relay(relay)
+        server.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--windows", type=int, default=20_000)
+    ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args()
-    result = asyncio.run(run(args.windows, args.repeat))
+    result: dict[str, float] = {}
+    for label, row_bytes in (("large", 2500), ("small", 200)):
+        figs = decode_case(label, row_bytes, args.rows, args.repeat)
+        result.update(figs)
+        print(
+            f"decode ~{row_bytes} B rows: client {figs[f'decode_{label}_client_events_per_s']:,}"
+            f" events/s, bare fastavro {figs[f'decode_{label}_bare_fastavro_events_per_s']:,}"
+            f" events/s (ratio {figs[f'decode_{label}_ratio']:.2f})",
+            flush=True,
+        )
+        rate = round(over_http(row_bytes, args.rows // EVENTS_PER_WINDOW))
+        result[f"http_{label}_events_per_s"] = rate
+        print(f"  the same through a relay process over HTTP: {rate:,} events/s", flush=True)
+    lat = latency_case(args.seconds)
+    result.update(lat)
     print(
-        f"client {result['client_events_per_s']:,.0f} events/s, "
-        f"bare parse+decode {result['bare_events_per_s']:,.0f} events/s "
-        f"(ratio {result['client_vs_bare_ratio']:.2f})"
+        f"Postgres commit -> callback at 1,000 rows/s: p50 {lat['latency_p50_ms']} ms, "
+        f"p99 {lat['latency_p99_ms']} ms over {lat['latency_samples']} transactions "
+        f"(Postgres SELECT 1 round trip p50 {lat['pg_roundtrip_p50_ms']} ms)",
+        flush=True,
     )
-    print(json.dumps({k: round(v, 3) for k, v in result.items()}))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

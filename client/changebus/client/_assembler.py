@@ -111,32 +111,62 @@ class WindowAssembler:
             self.last_scn = last_scn
 
     def feed(self, data: bytes) -> list[RawWindow]:
-        """Validate whole events ``data``; return the windows they complete."""
+        """Validate whole events ``data``; return the windows they complete.
+
+        The order checks run once over the whole response (vectorised): inside
+        a window the SCN stays the same and seq numbers increase; only the
+        first piece of each window is checked against what came before.
+        """
         if not data:
             return []
         offsets, headers = parse_stream(data)
         ops = headers["op"]
         scns = headers["scn"]
         seqs = headers["seq"].astype(np.int64)
-        ends = np.flatnonzero(ops == _EOW).tolist()
+        is_end = ops == _EOW
+        ends = np.flatnonzero(is_end).tolist()
+        # pairs (i, i + 1) inside one window: i is not an END_OF_WINDOW
+        inside = ~is_end[:-1]
+        bad_scn = np.flatnonzero(inside & (scns[1:] != scns[:-1]))
+        if bad_scn.size:
+            raise CorruptEventError(
+                f"window {int(scns[bad_scn[0]])} is not closed before events of another SCN"
+            )
+        bad_seq = np.flatnonzero(inside & (seqs[1:] <= seqs[:-1]))
+        if bad_seq.size:
+            raise CorruptEventError(
+                f"event seq numbers do not increase in window {int(scns[bad_seq[0]])}"
+            )
         out: list[RawWindow] = []
         start = 0
         last = len(offsets) - 1
         bounds = ends if ends and ends[-1] == last else [*ends, last]
+        starts_l = offsets.tolist()
+        totals_l = headers["total_length"].tolist()
         for end in bounds:
-            closed = int(ops[end]) == _EOW
             scn = int(scns[start])
-            if not bool(np.all(scns[start : end + 1] == scns[start])):
-                raise CorruptEventError(f"window {scn} is not closed before events of another SCN")
-            if end > start and not bool(np.all(np.diff(seqs[start : end + 1]) > 0)):
-                raise CorruptEventError(f"event seq numbers do not increase in window {scn}")
             self._accept(scn, int(seqs[start]))
-            lo = int(offsets[start])
-            hi = int(offsets[end]) + int(headers["total_length"][end])
-            self._pending.append(data[lo:hi])
-            self._pending_seq = int(seqs[end])
-            if closed:
-                out.append(self._close(scn, int(headers["timestamp_ns"][end])))
+            lo = starts_l[start]
+            hi = starts_l[end] + totals_l[end]
+            if is_end[end] and not self._pending:
+                # the whole window is in this response: reuse what was parsed
+                out.append(
+                    RawWindow(
+                        scn,
+                        int(headers["timestamp_ns"][end]),
+                        data[lo:hi],
+                        offsets[start : end + 1] - lo,
+                        headers[start : end + 1],
+                    )
+                )
+                self.last_scn = scn
+                self._pending_scn = -1
+                self._pending_seq = -1
+            else:
+                self._pending.append(data[lo:hi])
+                self._pending_seq = int(seqs[end])
+                if is_end[end]:
+                    out.append(self._close(scn, int(headers["timestamp_ns"][end])))
             start = end + 1
         return out
 

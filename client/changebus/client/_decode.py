@@ -48,7 +48,7 @@ from changebus.schemas import (
 )
 
 from ._assembler import RawWindow
-from ._model import ChangeEvent, ChangeOp, Window
+from ._model import _FROM_OP, ChangeEvent, Window
 
 __all__ = ["SchemaCache", "SchemaSource", "decode_window"]
 
@@ -207,6 +207,10 @@ async def decode_window(
     )
 
 
+def _key_bytes(dec: ChangeDecoder, mv: memoryview, off: int, klen: int) -> dict[str, Any]:
+    return dec.decode_key(mv[off + HEADER_SIZE : off + HEADER_SIZE + klen])
+
+
 async def _decode_data(
     raw: RawWindow, idx: list[int], cache: SchemaCache, source: SchemaSource
 ) -> list[ChangeEvent]:
@@ -219,10 +223,12 @@ async def _decode_data(
     groups: dict[tuple[int, int], list[int]] = {}
     for j, writer_id in enumerate(zip(sids, versions, strict=True)):
         groups.setdefault(writer_id, []).append(j)
-    decoded: list[Any] = [None] * len(idx)
-    shapes: list[TableSchema | None] = [None] * len(idx)
+    out: list[Any] = [None] * len(idx)
     body = raw.body
     mv = memoryview(body)
+    scn, ts = raw.scn, raw.timestamp_ns
+    seqs = h["seq"].tolist()
+    ops = h["op"].tolist()
     for (sid, version), members in groups.items():
         writer = await cache.writer(sid, version, source)
         dec = cache.decoder(sid, writer)
@@ -230,47 +236,41 @@ async def _decode_data(
         stops = [offs[j] + totals[j] for j in members]
         changes = dec.decode_many(body, starts, stops)
         key_cols = writer.key
+        single = key_cols[0] if len(key_cols) == 1 else None
+        shape = dec.reader
+        name = shape.name
         for j, change in zip(members, changes, strict=True):
-            klen = klens[j]
+            after, before, after_ns, before_ns = change
             # the key columns are in the row image (after; before for a delete):
             # taking them from there saves decoding the key bytes a second time
-            image = change.after if change.after is not None else change.before
-            if not klen:
-                key: dict[str, Any] = {}
-            elif (
-                image is not None
-                and all(k in image and image[k] is not None for k in key_cols)
-                and not (change.after_not_sent if change.after is not None else ())
-            ):
+            image, image_ns = (after, after_ns) if after is not None else (before, ())
+            key: dict[str, Any]
+            if not klens[j]:
+                key = {}
+            elif image is None or image_ns:
+                key = _key_bytes(dec, mv, offs[j], klens[j])
+            elif single is not None:
+                value = image.get(single)
+                key = (
+                    {single: value} if value is not None else _key_bytes(dec, mv, offs[j], klens[j])
+                )
+            elif all(image.get(k) is not None for k in key_cols):
                 key = {k: image[k] for k in key_cols}
             else:
-                key = dec.decode_key(mv[offs[j] + HEADER_SIZE : offs[j] + HEADER_SIZE + klen])
-            decoded[j] = (change, key)
-            shapes[j] = dec.reader
-    scn = raw.scn
-    seqs = h["seq"].tolist()
-    ops = h["op"].tolist()
-    ts = raw.timestamp_ns
-    out: list[ChangeEvent] = []
-    for j in range(len(idx)):
-        change, key = decoded[j]
-        shape = shapes[j]
-        assert shape is not None
-        out.append(
-            ChangeEvent(
-                scn=scn,
-                seq=seqs[j],
-                op=ChangeOp.from_op(ops[j]),
-                table=shape.name,
-                key=key,
-                after=change.after,
-                before=change.before,
-                not_sent=change.after_not_sent,
-                before_not_sent=change.before_not_sent,
-                timestamp_ns=ts,
-                source_id=sids[j],
-                schema_version=versions[j],
-                schema=shape,
+                key = _key_bytes(dec, mv, offs[j], klens[j])
+            out[j] = ChangeEvent(
+                scn,
+                seqs[j],
+                _FROM_OP[ops[j]],
+                name,
+                key,
+                after,
+                before,
+                after_ns,
+                before_ns,
+                ts,
+                sid,
+                version,
+                shape,
             )
-        )
     return out
