@@ -103,33 +103,61 @@ def source_rows(dsn: str) -> dict[str, set[tuple[Any, ...]]]:
     return {"acct": set(acct), "orders": set(orders)}
 
 
-def replica_rows(db: Path) -> dict[str, set[tuple[Any, ...]]]:
-    conn = sqlite3.connect(db)
-    try:
-        acct = conn.execute("SELECT id, bal, name, active FROM public_acct").fetchall()
-        orders = conn.execute("SELECT acct, no, amount, note FROM public_orders").fetchall()
-    finally:
-        conn.close()
-    return {
-        "acct": {(i, str(Decimal(b)), n, bool(a)) for i, b, n, a in acct},
-        "orders": set(orders),
-    }
+class Target:
+    """Where ``changebus replicate`` writes: a SQLite file or another Postgres database."""
+
+    def __init__(self, kind: str, tmp: Path, dsn: str) -> None:
+        self.kind = kind
+        self.path = tmp / "replica.db"
+        self.dsn = dsn.replace("dbname=", "dbname=r")
+        if kind == "postgres":
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{self.dsn.rsplit("dbname=", 1)[1]}"')
+
+    def drop(self, dsn: str) -> None:
+        if self.kind == "postgres":
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE "{self.dsn.rsplit("dbname=", 1)[1]}" WITH (FORCE)')
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return ("--sqlite", str(self.path)) if self.kind == "sqlite" else ("--postgres",)
+
+    @property
+    def env(self) -> dict[str, str]:
+        # the DSN travels in the environment, never on the command line
+        return {"CHANGEBUS_REPLICA_DSN": self.dsn} if self.kind == "postgres" else {}
+
+    def scn(self) -> int:
+        try:
+            rows = self._query("SELECT checkpoint FROM changebus_checkpoints")
+        except (sqlite3.OperationalError, psycopg.errors.UndefinedTable):
+            return -1
+        return Checkpoint.parse(rows[0][0]).get("pg").window_scn if rows else -1
+
+    def rows(self) -> dict[str, set[tuple[Any, ...]]]:
+        prefix = "public_" if self.kind == "sqlite" else "public."
+        acct = self._query(f"SELECT id, bal, name, active FROM {prefix}acct")
+        orders = self._query(f"SELECT acct, no, amount, note FROM {prefix}orders")
+        return {
+            "acct": {(i, str(Decimal(b)), n, bool(a)) for i, b, n, a in acct},
+            "orders": {tuple(r) for r in orders},
+        }
+
+    def _query(self, sql: str) -> list[tuple[Any, ...]]:
+        if self.kind == "sqlite":
+            if not self.path.exists():
+                raise sqlite3.OperationalError("no file yet")
+            conn = sqlite3.connect(self.path)
+            try:
+                return conn.execute(sql).fetchall()
+            finally:
+                conn.close()
+        with psycopg.connect(self.dsn) as pg:
+            return pg.execute(sql).fetchall()
 
 
-def replica_scn(db: Path) -> int:
-    if not db.exists():
-        return -1
-    conn = sqlite3.connect(db)
-    try:
-        rows = conn.execute("SELECT checkpoint FROM changebus_checkpoints").fetchall()
-    except sqlite3.OperationalError:
-        return -1
-    finally:
-        conn.close()
-    return Checkpoint.parse(rows[0][0]).get("pg").window_scn if rows else -1
-
-
-async def changebus(*args: str) -> asyncio.subprocess.Process:
+async def changebus(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -137,7 +165,7 @@ async def changebus(*args: str) -> asyncio.subprocess.Process:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=ENV,
+        env={**ENV, **(env or {})},
     )
 
 
@@ -155,39 +183,48 @@ async def sync_marker(dsn: str) -> int:
     return await asyncio.to_thread(emit)
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 async def test_replica_equals_source_across_consumer_kill_9_and_relay_restart(
-    pg_dsn: str, tmp_path: Path
+    pg_dsn: str, tmp_path: Path, kind: str
 ) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(TABLES)
-    db = tmp_path / "replica.db"
+    target = Target(kind, tmp_path, pg_dsn)
+    try:
+        await replicate_through_failures(pg_dsn, tmp_path, target)
+    finally:
+        target.drop(pg_dsn)
+
+
+async def replicate_through_failures(pg_dsn: str, tmp_path: Path, target: Target) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     writer = asyncio.create_task(asyncio.to_thread(workload, pg_dsn, 7, 400, 0.004))
-    replicate = ("replicate", "--relay", url, "--sqlite", str(db), "--log-level", "warning")
+    replicate = ("replicate", "--relay", url, *target.args, "--log-level", "info")
     async with pg_relay(tmp_path, pg_dsn, port):
-        first = await changebus(*replicate)
-        await wait_until(lambda: replica_scn(db) > 0)
+        first = await changebus(*replicate, env=target.env)
+        await wait_until(lambda: target.scn() > 0)
         await asyncio.sleep(0.3)
         first.send_signal(signal.SIGKILL)  # mid-stream, mid-window
         await first.wait()
-        killed_at = replica_scn(db)
-        second = await changebus(*replicate)
+        killed_at = target.scn()
+        second = await changebus(*replicate, env=target.env)
         await asyncio.sleep(0.3)
     # the relay is down now (clean stop); the consumer keeps retrying the same URL
     await asyncio.sleep(0.5)
     async with pg_relay(tmp_path, pg_dsn, port) as relay:
         await writer
-        target = await sync_marker(pg_dsn)
+        end = await sync_marker(pg_dsn)
         await caught_up(relay, pg_dsn)
-        await wait_until(lambda: replica_scn(db) >= target, 60)
+        await wait_until(lambda: target.scn() >= end, 60)
         second.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(second.communicate(), 30)
         assert second.returncode == 0, err.decode()
-    assert 0 < killed_at < target
+        assert "stopped:" in err.decode() and "dbname" not in err.decode()  # no DSN in logs
+    assert 0 < killed_at < end
     expected = source_rows(pg_dsn)
     assert expected["acct"] and expected["orders"]
-    assert replica_rows(db) == expected
+    assert target.rows() == expected
 
 
 async def test_tail_killed_with_9_repeats_only_its_last_window(

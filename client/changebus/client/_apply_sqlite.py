@@ -54,6 +54,9 @@ class SqliteReplica(Replica):
         )
         self.path = os.fspath(path)
 
+    def __repr__(self) -> str:
+        return f"SqliteReplica({self.path!r}, consumer_name={self.consumer_name!r})"
+
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
