@@ -32,6 +32,7 @@ from changebus.schemas import DataLossError, TableSchema
 from .._config import ConsumerConfig
 from .._consumer import Consumer
 from .._errors import FellOffRelayError
+from .._model import Window
 from ._arrow import BatchBuilder
 from ._options import SourceOptions
 
@@ -103,6 +104,19 @@ def _config(
     )
 
 
+def _check_loss(opts: SourceOptions, spec: RangeSpec, window: Window) -> None:
+    loss = window.data_loss
+    if loss is None:
+        return
+    message = (
+        f"partition {spec.partition}: SCNs {loss.from_scn}..{loss.to_scn}"
+        f" were lost ({loss.reason}); reported in window {window.scn}"
+    )
+    if opts.fail_on_data_loss:
+        raise DataLossError(message + " (failOnDataLoss=true)")
+    log.warning("%s; skipped (failOnDataLoss=false)", message)
+
+
 async def _read(
     opts: SourceOptions,
     spec: RangeSpec,
@@ -117,31 +131,28 @@ async def _read(
         consumer = Consumer(_config(opts, spec, position, tables))
         try:
             async with consumer:
+                loop = asyncio.get_running_loop()
                 it = aiter(consumer)
                 while position < spec.until:
-                    try:
-                        window = await asyncio.wait_for(anext(it), idle_s)
-                    except TimeoutError:
-                        raise TimeoutError(
-                            f"partition {spec.partition}: no window after SCN {position} within"
-                            f" {idle_s:g} s while reading up to {spec.until}"
-                        ) from None
-                    if window.scn > spec.until:
-                        position = spec.until
-                        break
-                    position = window.scn
-                    if window.data_loss is not None:
-                        loss = window.data_loss
-                        message = (
-                            f"partition {spec.partition}: SCNs {loss.from_scn}..{loss.to_scn}"
-                            f" were lost ({loss.reason}); reported in window {window.scn}"
-                        )
-                        if opts.fail_on_data_loss:
-                            raise DataLossError(message + " (failOnDataLoss=true)")
-                        log.warning("%s; skipped (failOnDataLoss=false)", message)
-                    builder.add_window(window)
+                    # the timeout covers the reading between two yields only: a generator
+                    # step runs in a task of its own, and a timeout belongs to one task
+                    async with asyncio.timeout(idle_s) as deadline:
+                        while position < spec.until and builder.rows < opts.arrow_batch_rows:
+                            window = await anext(it)
+                            deadline.reschedule(loop.time() + idle_s)
+                            if window.scn > spec.until:
+                                position = spec.until
+                                break
+                            position = window.scn
+                            _check_loss(opts, spec, window)
+                            builder.add_window(window)
                     if builder.rows >= opts.arrow_batch_rows:
                         yield builder.flush()
+        except TimeoutError:
+            raise TimeoutError(
+                f"partition {spec.partition}: no window after SCN {position} within"
+                f" {idle_s:g} s while reading up to {spec.until}"
+            ) from None
         except FellOffRelayError as exc:
             if opts.fail_on_data_loss:
                 raise FellOffRelayError(
