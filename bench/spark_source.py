@@ -16,7 +16,7 @@ A relay process (synthetic fetcher, pre-filled with ``--windows`` windows of
 The relay, the Spark JVM, its Python workers and the baseline share 2 cores.
 Last line: one JSON object.
 
-Usage: ``python bench/spark_source.py [--windows 60000] [--partitions 2]``
+Usage: ``python bench/spark_source.py [--windows 60000] [--partitions 2] [--split-by key|scn]``
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=60_000)
     ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--split-by", choices=["key", "scn"], default="key")
     args = ap.parse_args()
 
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -98,7 +99,9 @@ def main() -> None:
             raw_rows, raw_s = raw_client(url, since, until)
             assert raw_rows == expected, (raw_rows, expected)
             raw_rate = raw_rows / raw_s
-            print(f"raw client -> Arrow: {raw_rows:,} rows in {raw_s:.2f} s = {raw_rate:,.0f} rows/s")
+            print(
+                f"raw client -> Arrow: {raw_rows:,} rows in {raw_s:.2f} s = {raw_rate:,.0f} rows/s"
+            )
 
             spark = (
                 SparkSession.builder.master("local[2]")
@@ -116,6 +119,7 @@ def main() -> None:
                     .option("startingScn", str(since))
                     .option("endingScn", str(min(until, since + 2000)))
                     .option("numPartitions", str(args.partitions))
+                    .option("splitBy", args.split_by)
                     .load()
                     .count()
                 )
@@ -126,6 +130,7 @@ def main() -> None:
                     .option("relays", url)
                     .option("startingScn", str(since))
                     .option("numPartitions", str(args.partitions))
+                    .option("splitBy", args.split_by)
                     .load()
                     .writeStream.format("noop")
                     .option("checkpointLocation", f"{tmp}/ck")
@@ -141,7 +146,8 @@ def main() -> None:
             assert spark_rows == expected, (spark_rows, expected)
             spark_rate = spark_rows / spark_s
             print(
-                f"spark format('changebus') -> noop, {args.partitions} partitions:"
+                f"spark format('changebus') -> noop, {args.partitions} partitions"
+                f" split by {args.split_by}:"
                 f" {spark_rows:,} rows in {spark_s:.2f} s ({batches} batches) ="
                 f" {spark_rate:,.0f} rows/s"
             )
@@ -154,6 +160,7 @@ def main() -> None:
             {
                 "rows": expected,
                 "partitions": args.partitions,
+                "split_by": args.split_by,
                 "raw_client_rows_per_s": round(raw_rate),
                 "spark_rows_per_s": round(spark_rate),
                 "spark_vs_raw_client_ratio": round(ratio, 3),

@@ -20,7 +20,7 @@ import pytest
 from changebus.client import ChangeOp, ConsumerConfig, SyncConsumer
 from changebus.fetchers import ResumePoint, Window, register_fetcher
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
-from changebus.schemas import Column, Op, TableSchema
+from changebus.schemas import Column, DataLoss, Op, TableSchema
 from fix_spark import RelayThread
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
@@ -198,11 +198,18 @@ def script(n_windows: int, seed: int) -> tuple[list[Any], dict[int, int]]:
 def scripted(tmp_path: Path, window_type: Any) -> Any:
     started: list[RelayThread] = []
 
-    def start(n_windows: int, seed: int) -> tuple[RelayThread, dict[int, int]]:
+    def start(
+        n_windows: int, seed: int, loss_at: int | None = None
+    ) -> tuple[RelayThread, dict[int, int]]:
         raw, sizes = script(n_windows, seed)
         W = window_type
         windows = [
-            W(scn, rows=rows, announce=[(1, ORDERS), (2, ITEMS)] if i == 0 else [])
+            W(
+                scn,
+                rows=rows,
+                announce=[(1, ORDERS), (2, ITEMS)] if i == 0 else [],
+                loss=DataLoss(scn - 5, scn - 1, "test gap") if i == loss_at else None,
+            )
             for i, (scn, rows) in enumerate(raw)
         ]
         name = f"s{next(_ids)}"
@@ -300,6 +307,21 @@ def test_batch_read_of_an_scn_range_and_user_schema(spark: Any, scripted: Any) -
     )
     got = as_changes(df.collect(), COLS)
     want = [c for c in expected if lo < c[0] <= hi]
+    assert sorted(got, key=lambda c: (c[0], c[1], c[2])) == sorted(
+        want, key=lambda c: (c[0], c[1], c[2])
+    )
+    # the same range cut into SCN sub-ranges (cuts fall between window SCNs)
+    by_scn = (
+        spark.read.format("changebus")
+        .option("relays", relay.url)
+        .option("startingScn", str(lo))
+        .option("endingScn", str(hi))
+        .option("numPartitions", "4")
+        .option("splitBy", "scn")
+        .load()
+    )
+    assert by_scn.rdd.getNumPartitions() == 4
+    got = as_changes(by_scn.collect(), COLS)
     assert sorted(got, key=lambda c: (c[0], c[1], c[2])) == sorted(
         want, key=lambda c: (c[0], c[1], c[2])
     )
@@ -409,3 +431,15 @@ def test_register_helper(spark: Any, scripted: Any) -> None:
     register(spark)
     n = spark.read.format("changebus").option("relays", relay.url).load().count()
     assert n == len(truth(relay.url))
+
+
+def test_data_loss_window_fails_or_is_skipped(spark: Any, scripted: Any) -> None:
+    relay, sizes = scripted(10, seed=9, loss_at=6)
+    read = spark.read.format("changebus").option("relays", relay.url)
+    with pytest.raises(Exception, match=r"were lost \(test gap\)"):
+        read.load().collect()
+    rows = read.option("failOnDataLoss", "false").load().collect()
+    assert {(r["_commit_scn"], r["_txn_seq"]) for r in rows} == {
+        (c[0], c[1]) for c in truth(relay.url, on_data_loss="deliver")
+    }
+    assert {r["_commit_scn"] for r in rows} == set(sizes)  # the loss window's rows too

@@ -36,7 +36,8 @@ OPTION_NAMES: dict[str, str] = {
     "startingscn": "earliest | latest | an SCN | JSON {partition: scn} (first start only)",
     "endingscn": "batch reads: latest | an SCN | JSON {partition: scn} (inclusive)",
     "maxrowspertrigger": "admission control: about this many change events per micro-batch",
-    "numpartitions": "Spark partitions per physical partition (key-hash slices)",
+    "numpartitions": "Spark partitions per physical partition and batch",
+    "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
     "failondataloss": "true: a range the relay no longer keeps fails the query",
     "bootstrapurl": "the bootstrap server (not available yet: rejected)",
     "maxbytesperrequest": "bytes per relay response while reading",
@@ -107,6 +108,15 @@ def _int(options: Mapping[str, str], key: str, default: int, minimum: int) -> in
     return value
 
 
+def _split_by(raw: str) -> Literal["key", "scn"]:
+    low = raw.strip().lower()
+    if low == "key":
+        return "key"
+    if low == "scn":
+        return "scn"
+    raise ConfigError(f"option splitBy: expected key or scn, got {raw!r}")
+
+
 def _list(options: Mapping[str, str], key: str) -> tuple[str, ...]:
     raw = options.get(key)
     if raw is None:
@@ -129,9 +139,12 @@ class SourceOptions:
     * ``max_rows_per_trigger`` -- the default read limit (0: everything
       available); a micro-batch always ends on a transaction boundary, so it
       may exceed the limit by the rest of one transaction;
-    * ``num_partitions`` -- Spark partitions per physical partition: the
-      key-hash space (or ``key_filter``) is cut into this many slices that the
-      relay filters server-side;
+    * ``num_partitions`` -- Spark partitions per physical partition and batch;
+      ``split_by`` ``key``: the key-hash space (or ``key_filter``) is cut into
+      this many slices that the relay filters server-side (every slice still
+      receives each window's end marker); ``scn``: the batch's SCN range is cut
+      into this many consecutive sub-ranges (cheaper per window; balanced as
+      far as SCN distance follows volume, as Postgres LSNs do);
     * ``fail_on_data_loss`` -- whether an evicted range fails the query (else
       it is skipped with a warning, as Spark's Kafka source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
@@ -146,6 +159,7 @@ class SourceOptions:
     ending: Position = "latest"
     max_rows_per_trigger: int = 0
     num_partitions: int = 1
+    split_by: Literal["key", "scn"] = "key"
     fail_on_data_loss: bool = True
     max_bytes_per_request: int = 4 << 20
     arrow_batch_rows: int = 65536
@@ -211,6 +225,7 @@ class SourceOptions:
             ending=ending,
             max_rows_per_trigger=_int(opts, "maxrowspertrigger", 0, 1),
             num_partitions=_int(opts, "numpartitions", 1, 1),
+            split_by=_split_by(opts.get("splitby", "key")),
             fail_on_data_loss=_bool(opts, "failondataloss", True),
             max_bytes_per_request=_int(opts, "maxbytesperrequest", 4 << 20, 1024),
             arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),

@@ -133,15 +133,23 @@ def _range_partitions(
     opts: SourceOptions, start: dict[str, Any], end: dict[str, Any]
 ) -> list[ScnRangePartition]:
     out: list[ScnRangePartition] = []
-    slices = opts.slices()
+    slices = opts.slices() if opts.split_by == "key" else [opts.key_filter]
+    filters = [str(f) if f else None for f in slices]
     for name, until_raw in sorted(end.items()):
         until = int(until_raw)
         since = int(start.get(name, until))
-        if until > since:
+        if until <= since:
+            continue
+        if opts.split_by == "scn":
+            n = min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1
+            cuts = [since + (until - since) * i // max(n, 1) for i in range(max(n, 1) + 1)]
             out.extend(
-                ScnRangePartition(RangeSpec(name, since, until, str(f) if f else None))
-                for f in slices
+                ScnRangePartition(RangeSpec(name, cuts[i], cuts[i + 1], filters[0]))
+                for i in range(max(n, 1))
+                if cuts[i + 1] > cuts[i]
             )
+        else:
+            out.extend(ScnRangePartition(RangeSpec(name, since, until, f)) for f in filters)
     return out
 
 
