@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from _common import PATHS, free_port, start_relay, stop_relay
+from changebus.client.spark._arrow import union_schema
 from changebus.client.spark._options import SourceOptions
 from changebus.client.spark._read import RangeSpec, read_range
 from changebus.client.spark._relay import partition_bounds, run_sync, table_schemas
-from changebus.client.spark._arrow import union_schema
 
 EVENTS_PER_WINDOW = 5
 
