@@ -199,6 +199,26 @@ def test_batch_builder_rows_and_types() -> None:
             _event(ChangeOp.DELETE, 3, None, None, {"id": 1}),
             _event(ChangeOp.INSERT, 4, {"id": 5, "qty": 1, "note": "x"}, None, {"id": 5}, "app.b"),
             _event(ChangeOp.TRUNCATE, 5, None, None, {}, "app.b"),
+            ChangeEvent(
+                7,
+                6,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 5},
+                {"id": 5, "qty": 2, "note": None},
+                {"id": 5, "qty": 1, "note": "big"},
+                not_sent=("note",),
+            ),
+            ChangeEvent(
+                7,
+                7,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 5},
+                {"id": 5, "qty": 3, "note": None},
+                None,
+                not_sent=("note",),
+            ),
         ),
     )
     schema = union_schema([A, B])
@@ -215,8 +235,13 @@ def test_batch_builder_rows_and_types() -> None:
         "delete",
         "insert",
         "truncate",
+        "update_preimage",
+        "update_postimage",
+        "update_postimage",
     ]
-    assert [r["_txn_seq"] for r in rows] == [0, 1, 1, 2, 3, 4, 5]
+    # an unchanged TOAST value comes from the before-image; without one it stays null
+    assert [r["note"] for r in rows[-3:]] == ["big", "big", None]
+    assert [r["_txn_seq"] for r in rows] == [0, 1, 1, 2, 3, 4, 5, 6, 6, 7]
     assert rows[0]["u"] == str(u)
     assert rows[0]["t"] == ((1 * 60 + 2) * 60 + 3) * 1_000_000 + 4
     assert rows[0]["d"] == decimal.Decimal("1.25")

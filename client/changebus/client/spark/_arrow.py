@@ -4,7 +4,9 @@ Column layout of the Spark source (one row per change; see docs/spark.md):
 
 * the table's columns, typed from the Avro schema of the newest table
   version (:func:`arrow_type`), always nullable (a delete without a
-  before-image carries only the key; a truncate no row at all);
+  before-image carries only the key; a truncate no row at all; a value the
+  source did not send, Postgres' unchanged TOAST, is taken from the
+  before-image when there is one, else null);
 * ``_change_type`` -- ``insert``, ``update_preimage``, ``update_postimage``,
   ``delete`` (Delta Lake's change data feed names) or ``truncate``;
 * ``_commit_scn`` (long), ``_commit_timestamp`` (timestamp, UTC),
@@ -250,7 +252,15 @@ class BatchBuilder:
         if e.op is ChangeOp.UPDATE:
             if self.include_preimage and e.before is not None:
                 self._row(e, e.before, "update_preimage")
-            self._row(e, e.after, "update_postimage")
+            after = e.after
+            if e.not_sent and after is not None and e.before is not None:
+                # values the source did not send (unchanged TOAST) are the old ones
+                # when the before-image has them
+                after = dict(after)
+                for name in e.not_sent:
+                    if name not in e.before_not_sent and name in e.before:
+                        after[name] = e.before[name]
+            self._row(e, after, "update_postimage")
         elif e.op is ChangeOp.DELETE:
             self._row(e, e.before if e.before is not None else e.key, "delete")
         elif e.op is ChangeOp.INSERT:
