@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import PATHS, free_port, start_relay, stop_relay
+from changebus.client.spark import register
 from changebus.client.spark._arrow import union_schema
 from changebus.client.spark._options import SourceOptions
 from changebus.client.spark._read import RangeSpec, read_range
@@ -112,6 +113,7 @@ def main() -> None:
                 .getOrCreate()
             )
             spark.sparkContext.setLogLevel("ERROR")
+            register(spark)
             try:
                 warm = (
                     spark.read.format("changebus")

@@ -269,3 +269,29 @@ def test_batch_builder_rows_and_types() -> None:
 
 
 META_COLUMNS_NAMES = [f.name for f in META_COLUMNS]
+
+
+def test_discovery_shim_is_found_the_way_spark_looks() -> None:
+    """Spark's look-up (pyspark/sql/worker/lookup_data_sources.py) in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from fix_spark import spark_env
+
+    code = (
+        "from importlib import import_module\n"
+        "from pkgutil import iter_modules\n"
+        "from pyspark.sql.datasource import DataSource\n"
+        "found = {}\n"
+        "for info in iter_modules():\n"
+        "    if info.name.startswith('pyspark_'):\n"
+        "        mod = import_module(info.name)\n"
+        "        if hasattr(mod, 'DefaultSource') and issubclass(mod.DefaultSource, DataSource):\n"
+        "            found[mod.DefaultSource.name()] = mod.DefaultSource.__module__\n"
+        "print(found)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=spark_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "'changebus': 'changebus.client.spark._source'" in out.stdout
