@@ -443,3 +443,11 @@ def test_data_loss_window_fails_or_is_skipped(spark: Any, scripted: Any) -> None
         (c[0], c[1]) for c in truth(relay.url, on_data_loss="deliver")
     }
     assert {r["_commit_scn"] for r in rows} == set(sizes)  # the loss window's rows too
+
+
+def test_relay_without_tables_needs_a_schema(spark: Any, tmp_path: Path) -> None:
+    with RelayThread(relay_config(tmp_path, "none", {})) as relay:
+        read = spark.read.format("changebus").option("relays", relay.url)
+        with pytest.raises(Exception, match="no table schemas yet"):
+            read.load()
+        assert read.schema("id LONG, _commit_scn LONG").load().count() == 0

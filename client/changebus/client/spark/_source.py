@@ -92,9 +92,15 @@ def source_schema(opts: SourceOptions) -> pa.Schema:
     return union_schema(tables.values())
 
 
-def _check_user_schema(given: StructType, derived: pa.Schema) -> pa.Schema:
-    """The Arrow form of a user-given schema, which must be a subset of ``derived``."""
+def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schema:
+    """The Arrow form of a user-given schema, which must be a subset of ``derived``.
+
+    With no ``derived`` schema (the relay has seen no table yet) the user's
+    schema is taken as it is: columns are filled by name.
+    """
     wanted = to_arrow_schema(given, timezone="UTC")
+    if derived is None:
+        return wanted
     have = {f.name: f for f in derived}
     for f in wanted:
         d = have.get(f.name)
@@ -160,7 +166,7 @@ class _ReaderBase:
         self.opts = opts
         tables, _ = _tables(opts)
         self.tables = tables
-        derived = union_schema(tables.values()) if tables else pa.schema([])
+        derived = union_schema(tables.values()) if tables else None
         self.arrow_schema = _check_user_schema(schema, derived)
 
     def read(self, partition: ScnRangePartition) -> Iterator[pa.RecordBatch]:
