@@ -40,14 +40,19 @@ def relay_keys(url: str) -> list[tuple[int, int]]:
     return keys
 
 
-def run_job(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(JOB), *args],
-        env=spark_env(),
-        start_new_session=True,  # the JVM is the job's child: one process group to kill
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+def run_job(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as err:  # a file, not a pipe: Spark's output must never block it
+        return subprocess.Popen(
+            [sys.executable, str(JOB), *args],
+            env=spark_env(),
+            start_new_session=True,  # the JVM is the job's child: one process group to kill
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
 
 
 def test_driver_killed_mid_batch_replays_it(tmp_path: Path) -> None:
@@ -76,26 +81,25 @@ def test_driver_killed_mid_batch_replays_it(tmp_path: Path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         expected = relay_keys(relay.url)
-        job = run_job([relay.url, str(ck), str(out), "2", str(marker)])
+        log = tmp_path / "job.log"
+        job = run_job([relay.url, str(ck), str(out), "2", str(marker)], log)
         try:
             deadline = time.monotonic() + 300
             while not marker.exists():
-                assert job.poll() is None, job.stderr.read().decode()[-3000:] if job.stderr else ""
+                assert job.poll() is None, tail(log)
                 assert time.monotonic() < deadline, "the job never reached batch 2"
                 time.sleep(0.2)
         finally:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait(60)
-            if job.stderr:
-                job.stderr.close()
         assert not (ck / "commits" / "2").exists() and (ck / "offsets" / "2").exists()
-        job = run_job([relay.url, str(ck), str(out), "-1", str(marker)])
+        job = run_job([relay.url, str(ck), str(out), "-1", str(marker)], log)
         try:
-            _, err = job.communicate(timeout=400)
+            job.wait(400)
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
-        assert job.returncode == 0, err.decode()[-3000:]
+        assert job.returncode == 0, tail(log)
     ledger = [tuple(map(int, line.split())) for line in (out / "ledger").read_text().splitlines()]
     ids = [b for b, _ in ledger]
     assert ids.count(2) == 2  # batch 2 ran twice: before the kill and as the replay
