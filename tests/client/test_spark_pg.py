@@ -177,6 +177,7 @@ def test_parquet_mirror_equals_the_table_across_restart(
             "_commit_timestamp": "timestamp",
             "_txn_seq": "bigint",
             "_source": "string",
+            "_partition": "string",
         }
 
         def run() -> None:

@@ -264,6 +264,7 @@ def test_available_now_row_limit_whole_transactions(
         "_commit_timestamp",
         "_txn_seq",
         "_source",
+        "_partition",
     ]
     q, batches = collect_stream(spark, df, tmp_path / "ck", availableNow=True)
     assert q.awaitTermination(300)  # AvailableNow drains and stops by itself
@@ -451,3 +452,57 @@ def test_relay_without_tables_needs_a_schema(spark: Any, tmp_path: Path) -> None
         with pytest.raises(Exception, match="no table schemas yet"):
             read.load()
         assert read.schema("id LONG, _commit_scn LONG").load().count() == 0
+
+
+def test_two_physical_partitions_offsets_per_partition(spark: Any, tmp_path: Path) -> None:
+    def part(name: str, pid: int, start: int, seed: int) -> PartitionConfig:
+        options = {
+            "windows_per_s": 0,
+            "max_windows": 400,
+            "events_per_window": 3,
+            "row_bytes": 30,
+            "tables": 2,
+            "keys": 300,
+            "start_scn": start,
+            "seed": seed,
+        }
+        return PartitionConfig(
+            name, pid, capacity_bytes=4 << 20, fetcher=FetcherConfig("synthetic", options)
+        )
+
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay2",
+        http=HttpConfig(port=0, max_wait_s=10),
+        partitions=(part("east", 1, 1000, 1), part("west", 2, 5000, 2)),
+        flush_interval_s=0,
+    )
+    with RelayThread(cfg) as relay:
+        deadline = time.monotonic() + 60
+        while relay.state("east") != "finished" or relay.state("west") != "finished":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        expected = set()
+        for name in ("east", "west"):
+            cfgc = ConsumerConfig(relays=(relay.url,), partition=name, follow=False, wait_s=0.2)
+            with SyncConsumer(cfgc) as consumer:
+                for i, window in enumerate(consumer):
+                    expected |= {(name, e.scn, e.seq) for e in window.events}
+                    if i + 1 == 400:
+                        break
+        df = (
+            spark.readStream.format("changebus")
+            .option("relays", relay.url)
+            .option("startingScn", "earliest")
+            .option("maxRowsPerTrigger", "600")
+            .load()
+        )
+        q, batches = collect_stream(spark, df, tmp_path / "ck", availableNow=True)
+        assert q.awaitTermination(300)
+        got = [
+            (r["_partition"], r["_commit_scn"], r["_txn_seq"]) for _, rows in batches for r in rows
+        ]
+        offsets = json.loads(q.lastProgress["sources"][0]["endOffset"])
+    assert len(got) == len(set(got)) and set(got) == expected
+    assert offsets == {"east": 1399, "west": 5399}
+    # the row limit is shared between the partitions: 300 events each per batch
+    assert max(len(rows) for _, rows in batches) <= 600

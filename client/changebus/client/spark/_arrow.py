@@ -10,8 +10,9 @@ Column layout of the Spark source (one row per change; see docs/spark.md):
 * ``_change_type`` -- ``insert``, ``update_preimage``, ``update_postimage``,
   ``delete`` (Delta Lake's change data feed names) or ``truncate``;
 * ``_commit_scn`` (long), ``_commit_timestamp`` (timestamp, UTC),
-  ``_txn_seq`` (long: the event's ``seq`` in its transaction; with the SCN a
-  key unique in the stream) and ``_source`` (the table name).
+  ``_txn_seq`` (long: the event's ``seq`` in its transaction), ``_source``
+  (the table name) and ``_partition`` (the relay's physical partition; with
+  ``_commit_scn`` and ``_txn_seq`` a key unique in the stream).
 
 With several tables the data columns are the union by name
 (:func:`union_schema`); a column two tables type differently is an error
@@ -52,6 +53,7 @@ META_COLUMNS: tuple[pa.Field, ...] = (
     pa.field("_commit_timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
     pa.field("_txn_seq", pa.int64(), nullable=False),
     pa.field("_source", pa.string(), nullable=False),
+    pa.field("_partition", pa.string(), nullable=False),
 )
 _META_NAMES = frozenset(f.name for f in META_COLUMNS)
 
@@ -245,8 +247,11 @@ class BatchBuilder:
 
     def add_window(self, window: Window) -> None:
         """Append one row per change of ``window`` (two for an update with preimage)."""
+        before = self.rows
         for event in window.events:
             self._add_event(event)
+        if "_partition" in self._cols:
+            self._cols["_partition"].extend([window.partition] * (self.rows - before))
 
     def _add_event(self, e: ChangeEvent) -> None:
         if e.op is ChangeOp.UPDATE:
