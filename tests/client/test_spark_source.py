@@ -506,3 +506,44 @@ def test_two_physical_partitions_offsets_per_partition(spark: Any, tmp_path: Pat
     assert offsets == {"east": 1399, "west": 5399}
     # the row limit is shared between the partitions: 300 events each per batch
     assert max(len(rows) for _, rows in batches) <= 600
+
+
+def test_starting_and_ending_timestamp(spark: Any, tmp_path: Path) -> None:
+    synthetic = {
+        "windows_per_s": 200,
+        "max_windows": 400,
+        "events_per_window": 3,
+        "row_bytes": 30,
+        "tables": 2,
+        "keys": 300,
+    }
+    with RelayThread(relay_config(tmp_path, "synthetic", synthetic)) as relay:
+        wait_finished(relay)
+        times: dict[int, int] = {}
+        cfg = ConsumerConfig(relays=(relay.url,), partition="syn", follow=False, wait_s=0.2)
+        with SyncConsumer(cfg) as consumer:
+            for i, window in enumerate(consumer):
+                times[window.scn] = window.timestamp_ns
+                if i + 1 == 400:
+                    break
+        scns = sorted(times)
+        start_ms = times[scns[100]] // 1_000_000 + 1  # inside the gap after window 100
+        end_ms = times[scns[300]] // 1_000_000
+        want = {s for s, t in times.items() if start_ms * 1_000_000 <= t <= end_ms * 1_000_000}
+        assert 150 < len(want) < 210
+        rows = (
+            spark.read.format("changebus")
+            .option("relays", relay.url)
+            .option("startingTimestamp", str(start_ms))
+            .option("endingTimestamp", str(end_ms))
+            .load()
+            .select("_commit_scn")
+            .collect()
+        )
+        assert {r[0] for r in rows} == want
+        assert len(rows) == 3 * len(want)
+        # before everything: from the oldest window; after everything: nothing
+        early = spark.read.format("changebus").option("relays", relay.url)
+        assert early.option("startingTimestamp", "0").load().count() == 3 * 400
+        late = str(times[scns[-1]] // 1_000_000 + 10_000)
+        assert early.option("startingTimestamp", late).load().count() == 0

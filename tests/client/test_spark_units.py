@@ -18,7 +18,7 @@ from changebus.client.spark._arrow import (
     arrow_type,
     union_schema,
 )
-from changebus.client.spark._options import SourceOptions, parse_position
+from changebus.client.spark._options import AtTime, SourceOptions, parse_position
 from changebus.schemas import HASH_SPACE, Column, ConfigError, PartitionFilter, TableSchema
 
 
@@ -53,6 +53,13 @@ def test_options_parse_and_reject() -> None:
         SourceOptions.parse({"relays": "http://x", "failOnDataLoss": "maybe"})
     with pytest.raises(ConfigError, match="filter"):
         SourceOptions.parse({"relays": "http://x", "filter": "mod:0:1"})
+    with pytest.raises(ConfigError, match="not both"):
+        SourceOptions.parse({"relays": "http://x", "startingScn": "1", "startingTimestamp": "5"})
+    with pytest.raises(ConfigError, match="batch reads"):
+        SourceOptions.parse({"relays": "http://x", "endingTimestamp": "5"})
+    assert SourceOptions.parse({"relays": "http://x", "startingTimestamp": "5"}).starting == AtTime(
+        5
+    )
     assert parse_position("LATEST", "x") == "latest"
     assert parse_position("-1", "x") == -1
     assert parse_position("1:20", "x") == (1 << 32) | 20

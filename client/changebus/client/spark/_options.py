@@ -22,10 +22,18 @@ from typing import Literal
 
 from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
 
-__all__ = ["OPTION_NAMES", "Position", "SourceOptions", "parse_position"]
+__all__ = ["OPTION_NAMES", "AtTime", "Position", "SourceOptions", "parse_position"]
 
-#: ``"earliest"`` / ``"latest"`` / one SCN / ``{partition: scn}``
-Position = str | int | dict[str, int]
+
+@dataclass(frozen=True, slots=True)
+class AtTime:
+    """A position given as a commit time (``startingTimestamp`` / ``endingTimestamp``)."""
+
+    time_ms: int
+
+
+#: ``"earliest"`` / ``"latest"`` / one SCN / ``{partition: scn}`` / a commit time
+Position = str | int | dict[str, int] | AtTime
 
 #: every option the source accepts (lower case) -> what it means, for errors and docs
 OPTION_NAMES: dict[str, str] = {
@@ -35,6 +43,8 @@ OPTION_NAMES: dict[str, str] = {
     "filter": "key-hash filter (mod:N:B.., range:LO:HI or slice:I/N) this query reads",
     "startingscn": "earliest | latest | an SCN | JSON {partition: scn} (first start only)",
     "endingscn": "batch reads: latest | an SCN | JSON {partition: scn} (inclusive)",
+    "startingtimestamp": "start at the first window committed at/after this time (ms since epoch)",
+    "endingtimestamp": "batch reads: end at the last window committed at/before this time (ms)",
     "maxrowspertrigger": "admission control: about this many change events per micro-batch",
     "numpartitions": "Spark partitions per physical partition and batch",
     "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
@@ -206,11 +216,22 @@ class SourceOptions:
         starting: Position = "latest" if mode == "stream" else "earliest"
         if "startingscn" in opts:
             starting = parse_position(opts["startingscn"], "startingScn")
+        if "startingtimestamp" in opts:
+            if "startingscn" in opts:
+                raise ConfigError("give startingScn or startingTimestamp, not both")
+            starting = AtTime(_int(opts, "startingtimestamp", 0, 0))
         ending: Position = "latest"
-        if "endingscn" in opts:
+        if "endingscn" in opts or "endingtimestamp" in opts:
             if mode == "stream":
-                raise ConfigError("option endingScn is for batch reads (spark.read) only")
-            ending = parse_position(opts["endingscn"], "endingScn", allow_earliest=False)
+                raise ConfigError(
+                    "options endingScn / endingTimestamp are for batch reads (spark.read) only"
+                )
+            if "endingscn" in opts and "endingtimestamp" in opts:
+                raise ConfigError("give endingScn or endingTimestamp, not both")
+            if "endingscn" in opts:
+                ending = parse_position(opts["endingscn"], "endingScn", allow_earliest=False)
+            else:
+                ending = AtTime(_int(opts, "endingtimestamp", 0, 0))
         timeout_raw = opts.get("requesttimeouts", "30")
         try:
             timeout_s = float(timeout_raw)

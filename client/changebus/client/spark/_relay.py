@@ -47,7 +47,14 @@ from .._errors import FellOffRelayError, RelayUnavailableError
 from .._fetch import safe_url
 from ._options import SourceOptions
 
-__all__ = ["PartitionBounds", "end_after_rows", "partition_bounds", "run_sync", "table_schemas"]
+__all__ = [
+    "PartitionBounds",
+    "end_after_rows",
+    "partition_bounds",
+    "position_at_time",
+    "run_sync",
+    "table_schemas",
+]
 
 log = logging.getLogger(__name__)
 
@@ -241,5 +248,54 @@ async def end_after_rows(
                     return end
             window_events += int(np.count_nonzero(data[start:]))  # a window cut by max_bytes
             scn, offset = next_scn, next_offset
+
+    return await _with_relays(opts, call)
+
+
+async def position_at_time(
+    opts: SourceOptions, bounds: PartitionBounds, time_ns: int, *, inclusive: bool
+) -> int:
+    """The position before the first window committed at/after ``time_ns`` (binary search).
+
+    With ``inclusive`` false the result ``p`` is the last window committed
+    before ``time_ns`` (a start: the stream continues at the first window at
+    or after it); with ``inclusive`` true the last window committed at or
+    before it (an end). Bounded by the relay's buffer: before the oldest kept
+    window gives ``prev_scn``, after the newest ``max_scn``. Commit times
+    follow commit order, so each probe (the first event after a position,
+    ``max_bytes=1``) halves the SCN interval; about 40 probes for Postgres LSNs.
+    """
+
+    def passes(ts: int) -> bool:
+        return ts > time_ns if inclusive else ts >= time_ns
+
+    async def call(session: aiohttp.ClientSession, url: str) -> int:
+        lo, hi = bounds.prev_scn, max(bounds.max_scn, bounds.prev_scn)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            params = {
+                "partition": bounds.name,
+                "scn": str(mid),
+                "offset": "-1",
+                "max_bytes": "1",
+                "wait": "0",
+                "client": "spark-planner",
+            }
+            async with session.get(f"{url}/v1/stream", params=params) as resp:
+                if resp.status == 204:
+                    hi = mid
+                    continue
+                if resp.status != 200:
+                    raise TransportError(
+                        f"relay {safe_url(url)} answered {resp.status} to a position probe"
+                    )
+                body = await resp.read()
+            _, headers = parse_stream(body, verify_payload=False)
+            first_scn = int(headers["scn"][0])
+            if passes(int(headers["timestamp_ns"][0])):
+                hi = mid
+            else:
+                lo = max(first_scn, mid + 1)
+        return lo
 
     return await _with_relays(opts, call)

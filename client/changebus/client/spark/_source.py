@@ -47,9 +47,16 @@ from pyspark.sql.types import StructType
 from changebus.schemas import ConfigError, TableSchema
 
 from ._arrow import union_schema
-from ._options import Position, SourceOptions
+from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
-from ._relay import PartitionBounds, end_after_rows, partition_bounds, run_sync, table_schemas
+from ._relay import (
+    PartitionBounds,
+    end_after_rows,
+    partition_bounds,
+    position_at_time,
+    run_sync,
+    table_schemas,
+)
 
 __all__ = [
     "ChangebusBatchReader",
@@ -114,11 +121,19 @@ def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schem
     return wanted
 
 
-def _resolve(position: Position, bounds: dict[str, PartitionBounds], what: str) -> dict[str, int]:
-    """A concrete ``{partition: scn}`` for ``earliest`` / ``latest`` / SCN / JSON."""
+def _resolve(
+    opts: SourceOptions, position: Position, bounds: dict[str, PartitionBounds], what: str
+) -> dict[str, int]:
+    """A concrete ``{partition: scn}`` for ``earliest`` / ``latest`` / SCN / JSON / time."""
     out: dict[str, int] = {}
     for name, b in bounds.items():
-        if position == "earliest":
+        if isinstance(position, AtTime):
+            out[name] = run_sync(
+                position_at_time(
+                    opts, b, position.time_ms * 1_000_000, inclusive=what.startswith("ending")
+                )
+            )
+        elif position == "earliest":
             out[name] = b.prev_scn
         elif position == "latest":
             out[name] = b.max_scn if b.max_scn >= 0 else b.prev_scn
@@ -188,7 +203,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
     def initialOffset(self) -> dict[str, int]:
         """Where a new query starts (``startingScn``), resolved once to concrete SCNs."""
         if self._initial is None:
-            self._initial = _resolve(self.opts.starting, self._bounds(), "startingScn")
+            self._initial = _resolve(self.opts, self.opts.starting, self._bounds(), "startingScn")
             log.info("changebus stream starts after %s", self._initial)
         return dict(self._initial)
 
@@ -257,8 +272,8 @@ class ChangebusBatchReader(_ReaderBase, DataSourceReader):  # type: ignore[misc]
     def partitions(self) -> Sequence[InputPartition]:
         """Resolve the range now (``latest`` = the newest window at planning time)."""
         bounds = run_sync(partition_bounds(self.opts))
-        start = _resolve(self.opts.starting, bounds, "startingScn")
-        end = _resolve(self.opts.ending, bounds, "endingScn")
+        start = _resolve(self.opts, self.opts.starting, bounds, "startingScn")
+        end = _resolve(self.opts, self.opts.ending, bounds, "endingScn")
         parts = _range_partitions(self.opts, start, end)
         return parts or [ScnRangePartition(RangeSpec(next(iter(bounds)), 0, 0))]
 
