@@ -118,9 +118,14 @@ class ParquetMirror:
                     F.struct(F.col("_commit_scn"), F.col("_txn_seq")),
                 )
             ).alias("truncate"),
+            F.countDistinct("_source").alias("tables"),
         ).collect()[0]
         if stats["n"] == 0:
             return version
+        if stats["tables"] > 1:
+            raise ValueError(
+                "ParquetMirror mirrors one table: read the stream with option sources=<table>"
+            )
         data_cols = [c for c in df.columns if c not in _META]
         base = None
         if version is not None:
