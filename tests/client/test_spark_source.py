@@ -352,8 +352,8 @@ def test_batch_read_of_an_scn_range_and_user_schema(spark: Any, scripted: Any) -
 
 def test_restart_from_checkpoint_no_loss_no_duplicates(spark: Any, tmp_path: Path) -> None:
     synthetic = {
-        "windows_per_s": 150,
-        "max_windows": 1200,
+        "windows_per_s": 100,
+        "max_windows": 2000,
         "events_per_window": 3,
         "row_bytes": 40,
         "tables": 2,
@@ -369,7 +369,7 @@ def test_restart_from_checkpoint_no_loss_no_duplicates(spark: Any, tmp_path: Pat
         ck = tmp_path / "ck"
         q, batches = collect_stream(spark, df, ck, processingTime="500 milliseconds")
         deadline = time.monotonic() + 120
-        while len([b for b in batches if b[1]]) < 3:
+        while len([b for b in batches if b[1]]) < 2:
             assert time.monotonic() < deadline and q.isActive, q.exception()
             time.sleep(0.2)
         q.stop()
@@ -380,7 +380,9 @@ def test_restart_from_checkpoint_no_loss_no_duplicates(spark: Any, tmp_path: Pat
         assert q2.awaitTermination(300)
         assert q2.exception() is None
         cols = ["id", "n", "payload"]
-        got = [c for _, rows in first + batches2 for c in as_changes(rows, cols)]
+        # an idempotent sink keyed by batch id: a replayed batch replaces its first run
+        by_id = dict(first + batches2)
+        got = [c for _, rows in sorted(by_id.items()) for c in as_changes(rows, cols)]
         expected = project(truth(relay.url), cols)
     assert batches2
     assert batches2[0][0] in (first[-1][0], first[-1][0] + 1)  # continues the batch ids
@@ -389,7 +391,7 @@ def test_restart_from_checkpoint_no_loss_no_duplicates(spark: Any, tmp_path: Pat
     assert sorted(got, key=lambda c: (c[0], c[1], c[2])) == sorted(
         expected, key=lambda c: (c[0], c[1], c[2])
     )
-    assert len(expected) == 1200 * 3
+    assert len(expected) == 2000 * 3
 
 
 def test_evicted_range_fails_loudly_or_is_skipped(spark: Any, tmp_path: Path) -> None:
