@@ -46,6 +46,7 @@ from pyspark.sql.types import StructType
 
 from changebus.schemas import ConfigError, TableSchema
 
+from .._errors import FellOffRelayError
 from ._arrow import union_schema
 from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
@@ -240,11 +241,19 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         if isinstance(limit, ReadMaxRows) and heads:
             budget = max(1, limit.max_rows // len(heads))
             for name, head in heads.items():
-                since = int(start[name])
-                end[name] = run_sync(end_after_rows(self.opts, name, since, head, budget))
+                end[name] = self._limited_end(name, int(start[name]), head, budget)
         else:
             end.update(heads)
         return end
+
+    def _limited_end(self, name: str, since: int, head: int, budget: int) -> int:
+        try:
+            return run_sync(end_after_rows(self.opts, name, since, head, budget))
+        except FellOffRelayError as exc:
+            if self.opts.fail_on_data_loss or exc.prev_scn <= since:
+                raise
+            # the windows up to prev_scn are gone: read() skips them too (with a warning)
+            return run_sync(end_after_rows(self.opts, name, exc.prev_scn, head, budget))
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         """The newest SCN per partition (Spark shows it as the source's latestOffset: lag)."""
