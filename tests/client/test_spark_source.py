@@ -551,3 +551,24 @@ def test_starting_and_ending_timestamp(spark: Any, tmp_path: Path) -> None:
         assert early.option("startingTimestamp", "0").load().count() == 3 * 400
         late = str(times[scns[-1]] // 1_000_000 + 10_000)
         assert early.option("startingTimestamp", late).load().count() == 0
+
+
+def test_relay_failover_on_driver_and_executors(spark: Any, scripted: Any) -> None:
+    import socket
+
+    relay, _ = scripted(8, seed=11)
+    with socket.socket() as s:  # a port with nothing listening: the first relay is down
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rows = (
+        spark.read.format("changebus")
+        .option("relays", f"{dead},{relay.url}")
+        .option("numPartitions", "2")
+        .load()
+        .collect()
+    )
+    assert sorted((r["_commit_scn"], r["_txn_seq"], r["_change_type"]) for r in rows) == sorted(
+        (c[0], c[1], c[2]) for c in truth(relay.url)
+    )
+    with pytest.raises(Exception, match="no relay of 1 answered"):
+        spark.read.format("changebus").option("relays", dead).load()
