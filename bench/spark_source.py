@@ -13,6 +13,10 @@ A relay process (synthetic fetcher, pre-filled with ``--windows`` windows of
   task scheduling included; session start-up and a warm-up query excluded).
 
 ``spark_vs_raw_client_ratio`` = Spark rows/s / baseline rows/s (goal >= 0.5).
+CPU seconds per million rows of the whole process tree (this process, the
+relay, the JVM and Spark's Python workers) are printed too: on a shared
+machine they move less than wall-clock rates; ``cpu_efficiency_ratio`` =
+baseline CPU / Spark CPU for the same rows.
 The relay, the Spark JVM, its Python workers and the baseline share 2 cores.
 Last line: one JSON object.
 
@@ -45,6 +49,31 @@ def status(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
         data: dict[str, Any] = json.load(resp)["partitions"][0]
         return data
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system, reaped children included) of ``root`` and its descendants."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ppid = int(fields[1])
+        ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        stats[int(entry)] = (ppid, ticks / os.sysconf("SC_CLK_TCK"))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo.extend(children.get(pid, []))
+    return total
 
 
 def raw_client(url: str, since: int, until: int) -> tuple[int, float]:
@@ -97,11 +126,14 @@ def main() -> None:
             print(f"relay holds {st['windows']} windows, SCNs ({since}, {until}]", flush=True)
 
             raw_client(url, since, min(until, since + 2000))  # warm-up
+            cpu0 = tree_cpu_s(os.getpid())
             raw_rows, raw_s = raw_client(url, since, until)
+            raw_cpu = tree_cpu_s(os.getpid()) - cpu0
             assert raw_rows == expected, (raw_rows, expected)
             raw_rate = raw_rows / raw_s
             print(
-                f"raw client -> Arrow: {raw_rows:,} rows in {raw_s:.2f} s = {raw_rate:,.0f} rows/s"
+                f"raw client -> Arrow: {raw_rows:,} rows in {raw_s:.2f} s = {raw_rate:,.0f} rows/s,"
+                f" {raw_cpu / raw_rows * 1e6:.1f} CPU-s per 1M rows (relay included)"
             )
 
             spark = (
@@ -126,6 +158,7 @@ def main() -> None:
                     .count()
                 )
                 assert warm > 0
+                cpu0 = tree_cpu_s(os.getpid())
                 t0 = time.perf_counter()
                 q = (
                     spark.readStream.format("changebus")
@@ -141,6 +174,7 @@ def main() -> None:
                 )
                 q.awaitTermination()
                 spark_s = time.perf_counter() - t0
+                spark_cpu = tree_cpu_s(os.getpid()) - cpu0
                 spark_rows = sum(int(p["numInputRows"]) for p in q.recentProgress)
                 batches = len([p for p in q.recentProgress if int(p["numInputRows"])])
             finally:
@@ -151,7 +185,8 @@ def main() -> None:
                 f"spark format('changebus') -> noop, {args.partitions} partitions"
                 f" split by {args.split_by}:"
                 f" {spark_rows:,} rows in {spark_s:.2f} s ({batches} batches) ="
-                f" {spark_rate:,.0f} rows/s"
+                f" {spark_rate:,.0f} rows/s, {spark_cpu / spark_rows * 1e6:.1f} CPU-s per 1M rows"
+                " (JVM, Python workers, relay)"
             )
         finally:
             stop_relay(relay)
@@ -166,6 +201,9 @@ def main() -> None:
                 "raw_client_rows_per_s": round(raw_rate),
                 "spark_rows_per_s": round(spark_rate),
                 "spark_vs_raw_client_ratio": round(ratio, 3),
+                "raw_client_cpu_s_per_mrow": round(raw_cpu / expected * 1e6, 1),
+                "spark_cpu_s_per_mrow": round(spark_cpu / expected * 1e6, 1),
+                "cpu_efficiency_ratio": round(raw_cpu / spark_cpu, 3),
             }
         )
     )
