@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
-EXTRAS := dev,mysql,zk
+EXTRAS := dev,mysql,zk,spark
 PYTEST_ARGS ?=
 
 .PHONY: all install system-deps test lint fmt bench demo wheel clean

@@ -12,6 +12,9 @@ missing=()
 for pkg in "${!NEED[@]}"; do
   [ -e "${NEED[$pkg]}" ] || missing+=("$pkg")
 done
+# the Spark source's tests run a local Spark (pyspark), which needs a Java 17+
+# runtime; any java on PATH will do, else Debian's headless JRE
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -1,0 +1,156 @@
+"""An idempotent ``foreachBatch`` sink: a Parquet mirror of one table, MERGE-style.
+
+:class:`ParquetMirror` keeps, under ``path``, full copies of the table as
+Parquet directories ``v=<batch_id>`` and a small pointer file ``_current.json``
+naming the newest complete one. Applying micro-batch ``batch_id``:
+
+1. if the pointer already names ``batch_id`` or a later batch, do nothing
+   (Spark replays the last batch after a crash: idempotence by batch id);
+2. otherwise take the last change per key in the batch (ordered by
+   ``_commit_scn``, ``_txn_seq``), drop the keys it touches from the current
+   copy, add the rows whose last change is not a delete (a truncate in the
+   batch empties the copy first), and write the result to ``v=<batch_id>``;
+3. replace the pointer atomically (write + rename), then remove older copies.
+
+A crash between 2 and 3 leaves an unreferenced directory that the replay
+overwrites. Readers use :meth:`ParquetMirror.read` (or the directory the
+pointer names), never a glob. The pointer is a local file, so ``path`` must be
+a local or mounted file system; on object stores use a table format with
+MERGE (Delta Lake, Iceberg) instead. One query writes a mirror; the methods
+are called by Spark one batch at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import (
+    DataFrame,
+    SparkSession,
+    Window,
+    functions as F,
+)
+
+from ._arrow import META_COLUMNS
+
+__all__ = ["ParquetMirror"]
+
+log = logging.getLogger(__name__)
+
+_META = [f.name for f in META_COLUMNS]
+
+
+class ParquetMirror:
+    """``query.foreachBatch(ParquetMirror(path, key=["id"]))`` (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], key: Sequence[str]) -> None:
+        if not key:
+            raise ValueError("ParquetMirror needs the table's key columns")
+        self.path = Path(path)
+        self.key = list(key)
+
+    # ---- pointer ------------------------------------------------------
+
+    @property
+    def _pointer(self) -> Path:
+        return self.path / "_current.json"
+
+    def current(self) -> dict[str, Any] | None:
+        """``{"batch_id": applied, "version": directory batch id}``, or None when empty."""
+        try:
+            data: dict[str, Any] = json.loads(self._pointer.read_text())
+        except FileNotFoundError:
+            return None
+        return data
+
+    def _set_current(self, batch_id: int, version: int | None) -> None:
+        tmp = self.path / "_current.json.tmp"
+        tmp.write_text(json.dumps({"batch_id": batch_id, "version": version}))
+        os.replace(tmp, self._pointer)
+
+    def _dir(self, version: int) -> Path:
+        return self.path / f"v={version}"
+
+    # ---- reading ------------------------------------------------------
+
+    def read(self, spark: SparkSession) -> DataFrame | None:
+        """The mirror's current rows (None before the first non-empty batch)."""
+        cur = self.current()
+        if cur is None or cur.get("version") is None:
+            return None
+        return spark.read.parquet(str(self._dir(int(cur["version"]))))
+
+    # ---- applying a batch ---------------------------------------------
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        cur = self.current()
+        if cur is not None and int(cur["batch_id"]) >= batch_id:
+            log.info(
+                "batch %d is already in the mirror (at %d): skipped", batch_id, cur["batch_id"]
+            )
+            return
+        version = None if cur is None else cur.get("version")
+        df = df.persist()
+        try:
+            new_version = self._apply(df, batch_id, version)
+        finally:
+            df.unpersist()
+        self._set_current(batch_id, new_version)
+        for child in self.path.glob("v=*"):
+            if new_version is None or child.name != f"v={new_version}":
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _apply(self, df: DataFrame, batch_id: int, version: int | None) -> int | None:
+        spark = df.sparkSession
+        changes = df.where(F.col("_change_type") != "update_preimage")
+        stats = changes.agg(
+            F.count(F.lit(1)).alias("n"),
+            F.max(
+                F.when(
+                    F.col("_change_type") == "truncate",
+                    F.struct(F.col("_commit_scn"), F.col("_txn_seq")),
+                )
+            ).alias("truncate"),
+            F.countDistinct("_source").alias("tables"),
+        ).collect()[0]
+        if stats["n"] == 0:
+            return version
+        if stats["tables"] > 1:
+            raise ValueError(
+                "ParquetMirror mirrors one table: read the stream with option sources=<table>"
+            )
+        data_cols = [c for c in df.columns if c not in _META]
+        base = None
+        if version is not None:
+            base = spark.read.parquet(str(self._dir(version)))
+        truncate = stats["truncate"]
+        if truncate is not None:
+            base = None  # the table was emptied inside this batch
+            later = (F.col("_commit_scn") > truncate[0]) | (
+                (F.col("_commit_scn") == truncate[0]) & (F.col("_txn_seq") > truncate[1])
+            )
+            changes = changes.where(later)
+        changes = changes.where(F.col("_change_type") != "truncate")
+        order = Window.partitionBy(*self.key).orderBy(
+            F.col("_commit_scn").desc(), F.col("_txn_seq").desc()
+        )
+        last = (
+            changes.withColumn("_rank", F.row_number().over(order))
+            .where(F.col("_rank") == 1)
+            .drop("_rank")
+        )
+        upserts = last.where(F.col("_change_type") != "delete").select(*data_cols)
+        if base is not None:
+            kept = base.join(last.select(*self.key), on=self.key, how="left_anti")
+            result = kept.unionByName(upserts, allowMissingColumns=True)
+        else:
+            result = upserts
+        result.write.mode("overwrite").parquet(str(self._dir(batch_id)))
+        return batch_id

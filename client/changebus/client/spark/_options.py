@@ -1,0 +1,279 @@
+"""The Spark source's options: parsed once from Spark's option map, validated, frozen.
+
+Spark hands a data source its ``.option(key, value)`` pairs as strings in a
+case-insensitive map. :meth:`SourceOptions.parse` reads them into a frozen
+dataclass (one unit per quantity: ``_s`` seconds, ``_bytes`` bytes) and
+rejects unknown keys, so a typo such as ``maxRowPerTrigger`` fails the query
+at once instead of being ignored. Nothing here imports pyspark: the module is
+plain data and is pickled to the executors inside the reader.
+
+Positions (``startingScn`` / ``endingScn``) are :data:`Position` values:
+``"earliest"``, ``"latest"``, one SCN for every physical partition, or a JSON
+object ``{"partition": scn, ...}`` naming them one by one (the same shape as
+the source's offsets in Spark's checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
+
+__all__ = ["OPTION_NAMES", "AtTime", "Position", "SourceOptions", "parse_position"]
+
+
+@dataclass(frozen=True, slots=True)
+class AtTime:
+    """A position given as a commit time (``startingTimestamp`` / ``endingTimestamp``)."""
+
+    time_ms: int
+
+
+#: ``"earliest"`` / ``"latest"`` / one SCN / ``{partition: scn}`` / a commit time
+Position = str | int | dict[str, int] | AtTime
+
+#: every option the source accepts (lower case) -> what it means, for errors and docs
+OPTION_NAMES: dict[str, str] = {
+    "relays": "comma-separated relay base URLs serving the same partitions (failover order)",
+    "partitions": "comma-separated physical partition names (default: every one the relay has)",
+    "sources": "comma-separated logical source (table) names (default: every source)",
+    "filter": "key-hash filter (mod:N:B.., range:LO:HI or slice:I/N) this query reads",
+    "startingscn": "earliest | latest | an SCN | JSON {partition: scn} (first start only)",
+    "endingscn": "batch reads: latest | an SCN | JSON {partition: scn} (inclusive)",
+    "startingtimestamp": "start at the first window committed at/after this time (ms since epoch)",
+    "endingtimestamp": "batch reads: end at the last window committed at/before this time (ms)",
+    "maxrowspertrigger": "admission control: about this many change events per micro-batch",
+    "numpartitions": "Spark partitions per physical partition and batch",
+    "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
+    "failondataloss": "true: a range the relay no longer keeps fails the query",
+    "bootstrapurl": "the bootstrap server (not available yet: rejected)",
+    "maxbytesperrequest": "bytes per relay response while reading",
+    "arrowbatchrows": "rows per Arrow record batch handed to Spark",
+    "requesttimeouts": "seconds a relay request may take before failing over",
+    "includepreimage": "true: updates with a before-image also give an update_preimage row",
+}
+
+
+def parse_position(text: str, what: str, *, allow_earliest: bool = True) -> Position:
+    """Parse ``startingScn`` / ``endingScn`` text (see the module docstring)."""
+    t = text.strip()
+    low = t.lower()
+    if low == "latest" or (low == "earliest" and allow_earliest):
+        return low
+    if t.startswith("{"):
+        try:
+            data = json.loads(t)
+        except ValueError as exc:
+            raise ConfigError(f"{what}: bad JSON {t!r}: {exc}") from None
+        if not isinstance(data, dict) or not data:
+            raise ConfigError(f"{what}: JSON must be a non-empty object {{partition: scn}}")
+        out: dict[str, int] = {}
+        for name, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ConfigError(f"{what}: the SCN of {name!r} must be a number or SCN text")
+            out[str(name)] = _scn(str(value), what) if isinstance(value, str) else value
+            if out[str(name)] < -1:
+                raise ConfigError(f"{what}: the SCN of {name!r} must be >= -1")
+        return out
+    return _scn(t, what)
+
+
+def _scn(text: str, what: str) -> int:
+    if text.strip() == "-1":
+        return -1
+    try:
+        return parse_scn(text)
+    except ChangebusError:
+        raise ConfigError(
+            f"{what} must be earliest, latest, an SCN (decimal, X/Y or file:pos) or a JSON"
+            f" object {{partition: scn}}, got {text!r}"
+        ) from None
+
+
+def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = options.get(key)
+    if raw is None:
+        return default
+    low = str(raw).strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"option {key}: expected true or false, got {raw!r}")
+
+
+def _int(options: Mapping[str, str], key: str, default: int, minimum: int) -> int:
+    raw = options.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(f"option {key}: expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"option {key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _split_by(raw: str) -> Literal["key", "scn"]:
+    low = raw.strip().lower()
+    if low == "key":
+        return "key"
+    if low == "scn":
+        return "scn"
+    raise ConfigError(f"option splitBy: expected key or scn, got {raw!r}")
+
+
+def _list(options: Mapping[str, str], key: str) -> tuple[str, ...]:
+    raw = options.get(key)
+    if raw is None:
+        return ()
+    items = tuple(s.strip() for s in str(raw).split(",") if s.strip())
+    if len(set(items)) != len(items):
+        raise ConfigError(f"option {key}: duplicate names in {raw!r}")
+    return items
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What one ``format("changebus")`` query reads, and how (module docstring).
+
+    * ``relays`` -- relay base URLs, tried in order (failover);
+    * ``partitions`` -- physical partitions to read (empty: all of the relay's);
+    * ``sources`` -- tables to read (empty: all); ``key_filter`` a key-hash
+      subset of them;
+    * ``starting`` / ``ending`` -- positions (``ending`` for batch reads);
+    * ``max_rows_per_trigger`` -- the default read limit (0: everything
+      available); a micro-batch always ends on a transaction boundary, so it
+      may exceed the limit by the rest of one transaction;
+    * ``num_partitions`` -- Spark partitions per physical partition and batch;
+      ``split_by`` ``key``: the key-hash space (or ``key_filter``) is cut into
+      this many slices that the relay filters server-side (every slice still
+      receives each window's end marker); ``scn``: the batch's SCN range is cut
+      into this many consecutive sub-ranges (cheaper per window; balanced as
+      far as SCN distance follows volume, as Postgres LSNs do);
+    * ``fail_on_data_loss`` -- whether an evicted range fails the query (else
+      it is skipped with a warning, as Spark's Kafka source does);
+    * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
+      transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows.
+    """
+
+    relays: tuple[str, ...]
+    partitions: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    key_filter: PartitionFilter | None = None
+    starting: Position = "latest"
+    ending: Position = "latest"
+    max_rows_per_trigger: int = 0
+    num_partitions: int = 1
+    split_by: Literal["key", "scn"] = "key"
+    fail_on_data_loss: bool = True
+    max_bytes_per_request: int = 4 << 20
+    arrow_batch_rows: int = 65536
+    request_timeout_s: float = 30.0
+    include_preimage: bool = True
+    mode: Literal["stream", "batch"] = field(default="stream", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.relays:
+            raise ConfigError("option relays: give at least one relay URL")
+        for url in self.relays:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"option relays: {url!r} is not an http:// or https:// URL")
+        if self.num_partitions < 1 or self.arrow_batch_rows < 1 or self.max_bytes_per_request < 1:
+            raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
+        if self.request_timeout_s <= 0:
+            raise ConfigError("requestTimeoutS must be > 0")
+
+    @classmethod
+    def parse(
+        cls, options: Mapping[str, str], *, mode: Literal["stream", "batch"] = "stream"
+    ) -> SourceOptions:
+        """Read Spark's option map (keys in any case); unknown keys are an error."""
+        opts = {str(k).lower(): str(v) for k, v in options.items()}
+        unknown = sorted(k for k in opts if k not in OPTION_NAMES)
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {unknown} for format('changebus'); known: "
+                + ", ".join(sorted(OPTION_NAMES))
+            )
+        if "bootstrapurl" in opts:
+            raise ConfigError(
+                "option bootstrapUrl: this version of the Spark source reads relays only; a"
+                " position the relays no longer keep fails the query (failOnDataLoss=true)"
+                " or is skipped (failOnDataLoss=false)"
+            )
+        relays = tuple(u.rstrip("/") for u in _list(opts, "relays"))
+        key_filter = None
+        if "filter" in opts:
+            try:
+                key_filter = PartitionFilter.parse(opts["filter"])
+            except ChangebusError as exc:
+                raise ConfigError(f"option filter: {exc.message}") from None
+        starting: Position = "latest" if mode == "stream" else "earliest"
+        if "startingscn" in opts:
+            starting = parse_position(opts["startingscn"], "startingScn")
+        if "startingtimestamp" in opts:
+            if "startingscn" in opts:
+                raise ConfigError("give startingScn or startingTimestamp, not both")
+            starting = AtTime(_int(opts, "startingtimestamp", 0, 0))
+        ending: Position = "latest"
+        if "endingscn" in opts or "endingtimestamp" in opts:
+            if mode == "stream":
+                raise ConfigError(
+                    "options endingScn / endingTimestamp are for batch reads (spark.read) only"
+                )
+            if "endingscn" in opts and "endingtimestamp" in opts:
+                raise ConfigError("give endingScn or endingTimestamp, not both")
+            if "endingscn" in opts:
+                ending = parse_position(opts["endingscn"], "endingScn", allow_earliest=False)
+            else:
+                ending = AtTime(_int(opts, "endingtimestamp", 0, 0))
+        timeout_raw = opts.get("requesttimeouts", "30")
+        try:
+            timeout_s = float(timeout_raw)
+        except ValueError:
+            raise ConfigError(f"option requestTimeoutS: not a number: {timeout_raw!r}") from None
+        return cls(
+            relays=relays,
+            partitions=_list(opts, "partitions"),
+            sources=_list(opts, "sources"),
+            key_filter=key_filter,
+            starting=starting,
+            ending=ending,
+            max_rows_per_trigger=_int(opts, "maxrowspertrigger", 0, 1),
+            num_partitions=_int(opts, "numpartitions", 1, 1),
+            split_by=_split_by(opts.get("splitby", "key")),
+            fail_on_data_loss=_bool(opts, "failondataloss", True),
+            max_bytes_per_request=_int(opts, "maxbytesperrequest", 4 << 20, 1024),
+            arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),
+            request_timeout_s=timeout_s,
+            include_preimage=_bool(opts, "includepreimage", True),
+            mode=mode,
+        )
+
+    def slices(self) -> list[PartitionFilter | None]:
+        """The key-hash filters of the ``num_partitions`` Spark partitions.
+
+        Without a ``key_filter`` the hash space is cut into equal ranges
+        (``slice:i/n``); a range filter is cut the same way; a mod filter's
+        buckets are dealt out round-robin (at most one slice per bucket).
+        Together the slices select exactly what ``key_filter`` selects.
+        """
+        n = self.num_partitions
+        f = self.key_filter
+        if n == 1:
+            return [f]
+        if f is None:
+            return [PartitionFilter.slice(i, n) for i in range(n)]
+        if f.modulus is None:
+            width = f.hi - f.lo
+            n = min(n, width)
+            bounds = [f.lo + i * width // n for i in range(n + 1)]
+            return [PartitionFilter.range(bounds[i], bounds[i + 1]) for i in range(n)]
+        buckets = sorted(f.buckets)
+        groups = [buckets[i :: min(n, len(buckets))] for i in range(min(n, len(buckets)))]
+        return [PartitionFilter.mod(f.modulus, g) for g in groups]

@@ -1,0 +1,181 @@
+"""Executor-side reading: one SCN range of one partition slice into Arrow batches.
+
+:func:`read_range` is what a Spark task runs for one input partition. It
+creates its client lazily (a :class:`~changebus.client.Consumer` started at
+``since``, on a private event loop driven from this generator, no extra
+thread), reads the windows ``(since, until]`` of one physical partition
+restricted to one key-hash slice, and yields :class:`pyarrow.RecordBatch`
+objects of the declared schema. It stops at the first window past ``until``
+and never reads further, so a replayed batch (same offsets after a crash or
+a restart from the checkpoint) gives the same rows: the relay's windows are
+immutable, and a range the relay no longer keeps fails loudly
+(:class:`~changebus.client.FellOffRelayError`) instead of yielding fewer rows.
+
+With ``fail_on_data_loss`` false, an evicted range continues after the
+relay's newest evicted window and a DATA_LOSS window is skipped, each with a
+warning (Spark's Kafka source behaves the same way with ``failOnDataLoss``).
+
+Nothing here is shared between threads; each call owns its loop and client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from changebus.schemas import DataLossError, TableSchema
+
+from .._config import ConsumerConfig
+from .._consumer import Consumer
+from .._errors import FellOffRelayError
+from .._model import Window
+from ._arrow import BatchBuilder
+from ._options import SourceOptions
+
+__all__ = ["RangeSpec", "read_range"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RangeSpec:
+    """One unit of reading: windows ``(since, until]`` of ``partition``, key slice ``key_filter``.
+
+    ``key_filter`` is the text form of a :class:`~changebus.schemas.PartitionFilter`
+    (None: every key). Plain data, pickled into Spark tasks.
+    """
+
+    partition: str
+    since: int
+    until: int
+    key_filter: str | None = None
+
+
+def read_range(
+    opts: SourceOptions,
+    spec: RangeSpec,
+    schema: pa.Schema,
+    tables: Mapping[str, TableSchema],
+) -> Iterator[pa.RecordBatch]:
+    """Yield the rows of ``spec`` as record batches of ``schema`` (module docstring)."""
+    if spec.until <= spec.since:
+        return
+    loop = asyncio.new_event_loop()
+    agen = _read(opts, spec, schema, tables)
+    try:
+        while True:
+            try:
+                batch = loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                break
+            yield batch
+    finally:
+        try:
+            loop.run_until_complete(agen.aclose())
+        finally:
+            loop.close()
+
+
+def _config(
+    opts: SourceOptions, spec: RangeSpec, position: int, tables: Mapping[str, TableSchema]
+) -> ConsumerConfig:
+    return ConsumerConfig(
+        relays=opts.relays,
+        partition=spec.partition,
+        sources=opts.sources,
+        filter=spec.key_filter,
+        start="earliest" if position < 0 else str(position),
+        client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
+        follow=False,
+        wait_s=1.0,
+        max_bytes=opts.max_bytes_per_request,
+        connect_timeout_s=min(opts.request_timeout_s, 10.0),
+        read_margin_s=opts.request_timeout_s,
+        max_attempts=10,
+        backoff_max_s=5.0,
+        on_data_loss="deliver",
+        yield_empty_windows=True,
+        auto_commit=False,
+        reader_schemas=dict(tables),
+    )
+
+
+def _check_loss(opts: SourceOptions, spec: RangeSpec, window: Window) -> None:
+    loss = window.data_loss
+    if loss is None:
+        return
+    message = (
+        f"partition {spec.partition}: SCNs {loss.from_scn}..{loss.to_scn}"
+        f" were lost ({loss.reason}); reported in window {window.scn}"
+    )
+    if opts.fail_on_data_loss:
+        raise DataLossError(message + " (failOnDataLoss=true)")
+    log.warning("%s; skipped (failOnDataLoss=false)", message)
+
+
+async def _read(
+    opts: SourceOptions,
+    spec: RangeSpec,
+    schema: pa.Schema,
+    tables: Mapping[str, TableSchema],
+) -> AsyncGenerator[pa.RecordBatch, None]:
+    builder = BatchBuilder(schema, include_preimage=opts.include_preimage)
+    position = spec.since
+    # a relay that stops answering usefully fails the task after this long
+    idle_s = max(4 * opts.request_timeout_s, 60.0)
+    while position < spec.until:
+        consumer = Consumer(_config(opts, spec, position, tables))
+        try:
+            async with consumer:
+                loop = asyncio.get_running_loop()
+                it = aiter(consumer)
+                while position < spec.until:
+                    # the timeout covers the reading between two yields only: a generator
+                    # step runs in a task of its own, and a timeout belongs to one task
+                    async with asyncio.timeout(idle_s) as deadline:
+                        while position < spec.until and builder.rows < opts.arrow_batch_rows:
+                            window = await anext(it)
+                            deadline.reschedule(loop.time() + idle_s)
+                            if window.scn > spec.until:
+                                position = spec.until
+                                break
+                            position = window.scn
+                            _check_loss(opts, spec, window)
+                            builder.add_window(window)
+                    if builder.rows >= opts.arrow_batch_rows:
+                        yield builder.flush()
+        except TimeoutError:
+            raise TimeoutError(
+                f"partition {spec.partition}: no window after SCN {position} within"
+                f" {idle_s:g} s while reading up to {spec.until}"
+            ) from None
+        except FellOffRelayError as exc:
+            if opts.fail_on_data_loss:
+                raise FellOffRelayError(
+                    f"partition {spec.partition}: the batch's range ({spec.since}, {spec.until}]"
+                    f" starts at SCN {exc.requested_scn}, older than the relays keep (oldest"
+                    f" window {exc.oldest_scn}); the rows in between are gone from the relays."
+                    " Restart the query from a newer startingScn with a new checkpoint, or set"
+                    " failOnDataLoss=false to skip them",
+                    partition=exc.partition,
+                    requested_scn=exc.requested_scn,
+                    oldest_scn=exc.oldest_scn,
+                    prev_scn=exc.prev_scn,
+                    relay=exc.relay,
+                ) from exc
+            log.warning(
+                "partition %s: SCNs after %d up to %d are gone from the relays; skipped"
+                " (failOnDataLoss=false)",
+                spec.partition,
+                position,
+                exc.prev_scn,
+            )
+            if exc.prev_scn <= position:
+                raise
+            position = exc.prev_scn
+    if builder.rows:
+        yield builder.flush()

@@ -1,0 +1,301 @@
+"""Driver-side relay queries of the Spark source: bounds, schemas, row-limited ends.
+
+The Spark driver plans micro-batches; it never reads rows. It needs three
+answers from the relays, each a short HTTP exchange:
+
+* :func:`partition_bounds` -- per physical partition the newest window SCN
+  (``max_scn``, the end of "everything available"), the oldest kept window
+  (``min_scn``) and the position just before it (``prev_scn``: where an
+  ``earliest`` start resolves to, so that the first batch names a concrete
+  range that replays identically or fails loudly once evicted);
+* :func:`table_schemas` -- the newest schema version of each subscribed
+  source (the Spark schema is derived from these);
+* :func:`end_after_rows` -- the SCN at which a batch starting after ``since``
+  holds at most ``max_events`` change events, ending on a window boundary
+  (admission control). It reads the range's binary events once and counts
+  the data events per window from the headers alone (no row decoding).
+
+Each call tries the relays in the configured order and fails over on
+connection errors and 5xx answers; when none answers it raises
+:class:`~changebus.client.RelayUnavailableError`. The functions are
+coroutines; :func:`run_sync` runs one to completion from blocking code (the
+Spark driver's Python runner has no event loop of its own). Nothing is kept
+between calls, so there is nothing to share between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+
+from changebus.schemas import (
+    ChangebusError,
+    Op,
+    TableSchema,
+    TransportError,
+    UnknownSourceError,
+    parse_stream,
+)
+
+from .._errors import FellOffRelayError, RelayUnavailableError
+from .._fetch import safe_url
+from ._options import SourceOptions
+
+__all__ = [
+    "PartitionBounds",
+    "end_after_rows",
+    "partition_bounds",
+    "position_at_time",
+    "run_sync",
+    "table_schemas",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_EOW = int(Op.END_OF_WINDOW)
+_FIRST_CONTROL = 16  # ops below are data events (protocol section 1.2)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionBounds:
+    """What one relay partition holds now: ``(prev_scn, max_scn]`` in windows.
+
+    ``max_scn`` is -1 when the buffer is empty; ``newest_timestamp_ns`` the
+    commit time of ``max_scn``.
+    """
+
+    name: str
+    min_scn: int
+    max_scn: int
+    prev_scn: int
+    newest_timestamp_ns: int
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on a private event loop (for the Spark driver's blocking calls)."""
+    return asyncio.run(coro)
+
+
+async def _with_relays(
+    opts: SourceOptions, call: Callable[[aiohttp.ClientSession, str], Awaitable[T]]
+) -> T:
+    """``call(session, relay_url)`` on the first relay that answers."""
+    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
+    last = ""
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for url in opts.relays:
+            try:
+                return await call(session, url)
+            except (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError) as exc:
+                last = exc.message if isinstance(exc, ChangebusError) else repr(exc)
+                log.warning("relay %s failed: %s", safe_url(url), last)
+    raise RelayUnavailableError(f"no relay of {len(opts.relays)} answered; last: {last}")
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, params: dict[str, str]) -> Any:
+    async with session.get(url, params=params) as resp:
+        if resp.status == 404:
+            raise UnknownSourceError(f"relay {safe_url(url)}: {await resp.text()}")
+        if resp.status != 200:
+            raise TransportError(f"relay {safe_url(url)} answered {resp.status}")
+        return await resp.json()
+
+
+async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
+    """Bounds of the partitions ``opts`` reads (all of the relay's when none are named)."""
+
+    async def call(session: aiohttp.ClientSession, url: str) -> dict[str, PartitionBounds]:
+        data = await _get_json(session, f"{url}/v1/status", {})
+        out = {
+            str(p["name"]): PartitionBounds(
+                str(p["name"]),
+                int(p["min_scn"]),
+                int(p["max_scn"]),
+                int(p["prev_scn"]),
+                int(p.get("newest_timestamp_ns") or 0),
+            )
+            for p in data.get("partitions", [])
+        }
+        return out
+
+    found = await _with_relays(opts, call)
+    if not opts.partitions:
+        if not found:
+            raise UnknownSourceError("the relay serves no partitions")
+        return dict(sorted(found.items()))
+    missing = [p for p in opts.partitions if p not in found]
+    if missing:
+        raise UnknownSourceError(
+            f"option partitions: the relay has no partition(s) {missing}; it has {sorted(found)}"
+        )
+    return {p: found[p] for p in opts.partitions}
+
+
+async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str, TableSchema]:
+    """The newest schema of every source read, by source name, in the relay's order."""
+
+    async def call(session: aiohttp.ClientSession, url: str) -> dict[str, TableSchema]:
+        data = await _get_json(session, f"{url}/v1/sources", {})
+        names: list[str] = []
+        for part in data.get("partitions", []):
+            if part.get("partition") in partitions:
+                names.extend(str(s["name"]) for s in part.get("sources", []))
+        names = list(dict.fromkeys(names))
+        if opts.sources:
+            missing = [s for s in opts.sources if s not in names]
+            if missing:
+                raise UnknownSourceError(
+                    f"option sources: the relay has no source(s) {missing} in partitions"
+                    f" {partitions}; it has {names}"
+                )
+            names = list(opts.sources)
+        out: dict[str, TableSchema] = {}
+        for name in names:
+            body = await _get_json(session, f"{url}/v1/schemas/{name}", {})
+            newest: TableSchema | None = None
+            for part in body.get("partitions", []):
+                if part.get("partition") not in partitions:
+                    continue
+                for v in part.get("versions", []):
+                    schema = TableSchema.from_json(v["schema"])
+                    if newest is None or schema.version > newest.version:
+                        newest = schema
+            if newest is not None:
+                out[name] = newest
+        return out
+
+    return await _with_relays(opts, call)
+
+
+async def end_after_rows(
+    opts: SourceOptions, partition: str, since: int, until: int, max_events: int
+) -> int:
+    """The last window SCN in ``(since, until]`` keeping the batch at ``max_events``.
+
+    Counts the data events of ``opts.sources`` and ``opts.key_filter`` window by
+    window from ``since`` on. The first window is always taken whole, even when
+    it alone is larger (a transaction is never split); the batch then ends
+    before the first window that would exceed the limit. Returns ``until`` when
+    the whole range fits, and ``since`` only when the range holds no window.
+    """
+    if until <= since:
+        return since
+
+    async def call(session: aiohttp.ClientSession, url: str) -> int:
+        scn, offset = since, -1
+        count = 0
+        end = since
+        window_events = 0
+        while True:
+            params = {
+                "partition": partition,
+                "scn": str(scn),
+                "offset": str(offset),
+                "max_bytes": str(opts.max_bytes_per_request),
+                "wait": "0",
+                "client": "spark-planner",
+            }
+            if opts.sources:
+                params["sources"] = ",".join(opts.sources)
+            if opts.key_filter is not None:
+                params["filter"] = str(opts.key_filter)
+            async with session.get(f"{url}/v1/stream", params=params) as resp:
+                if resp.status == 204:
+                    return end
+                if resp.status == 410:
+                    body = await resp.json(content_type=None)
+                    raise FellOffRelayError(
+                        f"relay {safe_url(url)}: SCN {scn} of partition {partition} is older"
+                        f" than the relay keeps (oldest window {body.get('oldest_scn')})",
+                        partition=partition,
+                        requested_scn=scn,
+                        oldest_scn=int(body.get("oldest_scn", -1)),
+                        prev_scn=int(body.get("prev_scn", -1)),
+                        relay=safe_url(url),
+                    )
+                if resp.status != 200:
+                    raise TransportError(f"relay {safe_url(url)} answered {resp.status}")
+                body_bytes = await resp.read()
+                next_scn = int(resp.headers["X-Changebus-Next-Scn"])
+                next_offset = int(resp.headers["X-Changebus-Next-Offset"])
+            if not body_bytes:
+                return end
+            _, headers = parse_stream(body_bytes, verify_payload=False)
+            ops = headers["op"]
+            scns = headers["scn"]
+            data = ops < _FIRST_CONTROL
+            ends = np.flatnonzero(ops == _EOW)
+            start = 0
+            for e in ends.tolist():
+                window_events += int(np.count_nonzero(data[start : e + 1]))
+                wscn = int(scns[e])
+                if wscn > until:
+                    return end
+                if end != since and count + window_events > max_events:
+                    return end
+                count += window_events
+                window_events = 0
+                end = wscn
+                start = e + 1
+                if count >= max_events or end >= until:
+                    return end
+            window_events += int(np.count_nonzero(data[start:]))  # a window cut by max_bytes
+            scn, offset = next_scn, next_offset
+
+    return await _with_relays(opts, call)
+
+
+async def position_at_time(
+    opts: SourceOptions, bounds: PartitionBounds, time_ns: int, *, inclusive: bool
+) -> int:
+    """The position before the first window committed at/after ``time_ns`` (binary search).
+
+    With ``inclusive`` false the result ``p`` is the last window committed
+    before ``time_ns`` (a start: the stream continues at the first window at
+    or after it); with ``inclusive`` true the last window committed at or
+    before it (an end). Bounded by the relay's buffer: before the oldest kept
+    window gives ``prev_scn``, after the newest ``max_scn``. Commit times
+    follow commit order, so each probe (the first event after a position,
+    ``max_bytes=1``) halves the SCN interval; about 40 probes for Postgres LSNs.
+    """
+
+    def passes(ts: int) -> bool:
+        return ts > time_ns if inclusive else ts >= time_ns
+
+    async def call(session: aiohttp.ClientSession, url: str) -> int:
+        lo, hi = bounds.prev_scn, max(bounds.max_scn, bounds.prev_scn)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            params = {
+                "partition": bounds.name,
+                "scn": str(mid),
+                "offset": "-1",
+                "max_bytes": "1",
+                "wait": "0",
+                "client": "spark-planner",
+            }
+            async with session.get(f"{url}/v1/stream", params=params) as resp:
+                if resp.status == 204:
+                    hi = mid
+                    continue
+                if resp.status != 200:
+                    raise TransportError(
+                        f"relay {safe_url(url)} answered {resp.status} to a position probe"
+                    )
+                body = await resp.read()
+            _, headers = parse_stream(body, verify_payload=False)
+            first_scn = int(headers["scn"][0])
+            if passes(int(headers["timestamp_ns"][0])):
+                hi = mid
+            else:
+                lo = max(first_scn, mid + 1)
+        return lo
+
+    return await _with_relays(opts, call)

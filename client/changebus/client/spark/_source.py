@@ -1,0 +1,305 @@
+"""The PySpark data source ``changebus``: streaming and batch readers over the relays.
+
+Where each piece runs (PySpark's Python data source API, 4.2+):
+
+* :class:`ChangebusDataSource` is created in a short-lived Python worker and
+  pickled to the JVM; ``schema()`` asks a relay for the tables' newest
+  schemas and maps them to Spark types (:mod:`._arrow`).
+* :class:`ChangebusStreamReader` lives in the driver's long-lived Python
+  runner, which calls ``initialOffset``, ``latestOffset``, ``partitions``,
+  ``commit``; a second copy is pickled into the tasks, where ``read()`` runs
+  on the executors. Instances therefore hold only plain data set in
+  ``__init__`` (options, the Arrow schema, table schemas); clients are made
+  inside the calls. State the driver copy gains later (the resolved start,
+  the AvailableNow target) never reaches ``read()``, which depends on its
+  :class:`ScnRangePartition` alone.
+
+Offsets are ``{partition: scn}`` (JSON of primitives, written by Spark to
+``offsets/`` in the checkpoint): the SCN of the last window included per
+physical partition. A micro-batch reads windows ``(start, end]``; since all
+events of a transaction share one window SCN, a batch never splits a
+transaction. ``partitions(start, end)`` cuts every partition's range into
+``numPartitions`` key-hash slices that the relay filters server-side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from changebus.schemas import ConfigError, TableSchema
+
+from .._errors import FellOffRelayError
+from ._arrow import union_schema
+from ._options import AtTime, Position, SourceOptions
+from ._read import RangeSpec, read_range
+from ._relay import (
+    PartitionBounds,
+    end_after_rows,
+    partition_bounds,
+    position_at_time,
+    run_sync,
+    table_schemas,
+)
+
+__all__ = [
+    "ChangebusBatchReader",
+    "ChangebusDataSource",
+    "ChangebusStreamReader",
+    "ScnRangePartition",
+    "source_schema",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ScnRangePartition(InputPartition):
+    """One Spark input partition: a :class:`~._read.RangeSpec` (picklable)."""
+
+    def __init__(self, spec: RangeSpec) -> None:
+        super().__init__(spec)
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return f"ScnRangePartition({s.partition}, ({s.since}, {s.until}], {s.key_filter or 'all'})"
+
+
+def _tables(opts: SourceOptions) -> tuple[dict[str, TableSchema], list[str]]:
+    bounds = run_sync(partition_bounds(opts))
+    names = list(bounds)
+    return run_sync(table_schemas(opts, names)), names
+
+
+def source_schema(opts: SourceOptions) -> pa.Schema:
+    """The Arrow schema of what ``opts`` reads (asks a relay for the table schemas)."""
+    tables, names = _tables(opts)
+    if not tables:
+        raise ConfigError(
+            f"the relay has no table schemas yet in partitions {names}"
+            + (f" for sources {list(opts.sources)}" if opts.sources else "")
+            + "; give the schema with .schema(...) or start when the source has written"
+        )
+    return union_schema(tables.values())
+
+
+def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schema:
+    """The Arrow form of a user-given schema, which must be a subset of ``derived``.
+
+    With no ``derived`` schema (the relay has seen no table yet) the user's
+    schema is taken as it is: columns are filled by name.
+    """
+    wanted = to_arrow_schema(given, timezone="UTC")
+    if derived is None:
+        return wanted
+    have = {f.name: f for f in derived}
+    for f in wanted:
+        d = have.get(f.name)
+        if d is None:
+            raise ConfigError(
+                f"schema column {f.name!r} is not a column of the changebus source"
+                f" (columns: {[x.name for x in derived]})"
+            )
+        if d.type != f.type:
+            raise ConfigError(f"schema column {f.name!r}: the source gives {d.type}, not {f.type}")
+    return wanted
+
+
+def _resolve(
+    opts: SourceOptions, position: Position, bounds: dict[str, PartitionBounds], what: str
+) -> dict[str, int]:
+    """A concrete ``{partition: scn}`` for ``earliest`` / ``latest`` / SCN / JSON / time."""
+    out: dict[str, int] = {}
+    for name, b in bounds.items():
+        if isinstance(position, AtTime):
+            out[name] = run_sync(
+                position_at_time(
+                    opts, b, position.time_ms * 1_000_000, inclusive=what.startswith("ending")
+                )
+            )
+        elif position == "earliest":
+            out[name] = b.prev_scn
+        elif position == "latest":
+            out[name] = b.max_scn if b.max_scn >= 0 else b.prev_scn
+        elif isinstance(position, int):
+            out[name] = position
+        elif isinstance(position, dict):
+            if name not in position:
+                raise ConfigError(
+                    f"{what}: no SCN for partition {name!r} (have {sorted(position)})"
+                )
+            out[name] = int(position[name])
+        else:  # pragma: no cover - parse_position returns nothing else
+            raise ConfigError(f"{what}: bad position {position!r}")
+    return out
+
+
+def _range_partitions(
+    opts: SourceOptions, start: dict[str, Any], end: dict[str, Any]
+) -> list[ScnRangePartition]:
+    out: list[ScnRangePartition] = []
+    slices = opts.slices() if opts.split_by == "key" else [opts.key_filter]
+    filters = [str(f) if f else None for f in slices]
+    for name, until_raw in sorted(end.items()):
+        until = int(until_raw)
+        since = int(start.get(name, until))
+        if until <= since:
+            continue
+        if opts.split_by == "scn":
+            n = min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1
+            cuts = [since + (until - since) * i // max(n, 1) for i in range(max(n, 1) + 1)]
+            out.extend(
+                ScnRangePartition(RangeSpec(name, cuts[i], cuts[i + 1], filters[0]))
+                for i in range(max(n, 1))
+                if cuts[i + 1] > cuts[i]
+            )
+        else:
+            out.extend(ScnRangePartition(RangeSpec(name, since, until, f)) for f in filters)
+    return out
+
+
+class _ReaderBase:
+    """What the batch and stream readers share: options, schemas, read()."""
+
+    def __init__(self, opts: SourceOptions, schema: StructType) -> None:
+        self.opts = opts
+        tables, _ = _tables(opts)
+        self.tables = tables
+        derived = union_schema(tables.values()) if tables else None
+        self.arrow_schema = _check_user_schema(schema, derived)
+
+    def read(self, partition: ScnRangePartition) -> Iterator[pa.RecordBatch]:
+        """Runs on an executor: the rows of one SCN range and key slice."""
+        return read_range(self.opts, partition.spec, self.arrow_schema, self.tables)
+
+
+class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+    """Micro-batch reader with admission control and Trigger.AvailableNow (module docstring)."""
+
+    def __init__(self, opts: SourceOptions, schema: StructType) -> None:
+        super().__init__(opts, schema)
+        self._initial: dict[str, int] | None = None
+        self._target: dict[str, int] | None = None
+
+    def _bounds(self) -> dict[str, PartitionBounds]:
+        return run_sync(partition_bounds(self.opts))
+
+    def initialOffset(self) -> dict[str, int]:
+        """Where a new query starts (``startingScn``), resolved once to concrete SCNs."""
+        if self._initial is None:
+            self._initial = _resolve(self.opts, self.opts.starting, self._bounds(), "startingScn")
+            log.info("changebus stream starts after %s", self._initial)
+        return dict(self._initial)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        """``maxRowsPerTrigger`` as :class:`ReadMaxRows`, else everything available."""
+        if self.opts.max_rows_per_trigger:
+            return ReadMaxRows(self.opts.max_rows_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Pin the newest SCN of every partition: the query drains up to there and stops."""
+        self._target = {n: b.max_scn for n, b in self._bounds().items()}
+        log.info("changebus AvailableNow target %s", self._target)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        """The end of the next batch: the newest windows, capped by ``limit`` and the target."""
+        bounds = self._bounds()
+        end: dict[str, int] = {}
+        heads: dict[str, int] = {}
+        for name, b in bounds.items():
+            if name not in start:
+                # a partition that appeared after the query started: it enters the
+                # offsets at its oldest position and is read from the next batch on
+                end[name] = b.prev_scn
+                continue
+            since = int(start[name])
+            head = b.max_scn
+            if self._target is not None:
+                head = min(head, self._target.get(name, since))
+            heads[name] = max(head, since)
+        for name, value in start.items():
+            if name not in bounds:
+                end[name] = int(value)  # a partition the relay no longer lists: stays put
+        if isinstance(limit, ReadMaxRows) and heads:
+            budget = max(1, limit.max_rows // len(heads))
+            for name, head in heads.items():
+                end[name] = self._limited_end(name, int(start[name]), head, budget)
+        else:
+            end.update(heads)
+        return end
+
+    def _limited_end(self, name: str, since: int, head: int, budget: int) -> int:
+        try:
+            return run_sync(end_after_rows(self.opts, name, since, head, budget))
+        except FellOffRelayError as exc:
+            if self.opts.fail_on_data_loss or exc.prev_scn <= since:
+                raise
+            # the windows up to prev_scn are gone: read() skips them too (with a warning)
+            return run_sync(end_after_rows(self.opts, name, exc.prev_scn, head, budget))
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        """The newest SCN per partition (Spark shows it as the source's latestOffset: lag)."""
+        try:
+            return {n: b.max_scn for n, b in self._bounds().items()}
+        except Exception as exc:  # noqa: BLE001 - monitoring must not fail the query
+            log.warning("changebus: reportLatestOffset failed: %r", exc)
+            return None
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        """``numPartitions`` key-hash slices of every partition's ``(start, end]``."""
+        return _range_partitions(self.opts, start, end)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Spark finished everything up to ``end`` (its checkpoint is the record; nothing to do)."""
+        log.debug("changebus batch committed up to %s", end)
+
+    def stop(self) -> None:
+        """Nothing is held between calls."""
+
+
+class ChangebusBatchReader(_ReaderBase, DataSourceReader):  # type: ignore[misc]
+    """``spark.read.format("changebus")``: windows ``(startingScn, endingScn]``."""
+
+    def partitions(self) -> Sequence[InputPartition]:
+        """Resolve the range now (``latest`` = the newest window at planning time)."""
+        bounds = run_sync(partition_bounds(self.opts))
+        start = _resolve(self.opts, self.opts.starting, bounds, "startingScn")
+        end = _resolve(self.opts, self.opts.ending, bounds, "endingScn")
+        parts = _range_partitions(self.opts, start, end)
+        return parts or [ScnRangePartition(RangeSpec(next(iter(bounds)), 0, 0))]
+
+
+class ChangebusDataSource(DataSource):
+    """``format("changebus")``: change events of the relays' tables as rows (docs/spark.md)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "changebus"
+
+    def schema(self) -> StructType:
+        opts = SourceOptions.parse(self.options, mode="batch")  # the most permissive
+        return from_arrow_schema(source_schema(opts), prefer_timestamp_ntz=True)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return ChangebusBatchReader(SourceOptions.parse(self.options, mode="batch"), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return ChangebusStreamReader(SourceOptions.parse(self.options, mode="stream"), schema)

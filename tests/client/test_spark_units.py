@@ -1,0 +1,304 @@
+"""Spark source pieces that need no Spark: options, key slices, Avro -> Arrow, row building."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import uuid
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from changebus.client import ChangeEvent, ChangeOp, Window
+from changebus.client.spark._arrow import (
+    META_COLUMNS,
+    BatchBuilder,
+    arrow_type,
+    union_schema,
+)
+from changebus.client.spark._options import AtTime, SourceOptions, parse_position
+from changebus.schemas import HASH_SPACE, Column, ConfigError, PartitionFilter, TableSchema
+
+
+def test_options_parse_and_reject() -> None:
+    o = SourceOptions.parse(
+        {
+            "Relays": "http://127.0.0.1:1/, http://127.0.0.1:2",
+            "startingScn": '{"pg": "0/10", "my": 5}',
+            "MAXROWSPERTRIGGER": "100",
+            "numPartitions": "3",
+            "failOnDataLoss": "false",
+            "sources": "public.a,public.b",
+        }
+    )
+    assert o.relays == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert o.starting == {"pg": 16, "my": 5}
+    assert (o.max_rows_per_trigger, o.num_partitions, o.fail_on_data_loss) == (100, 3, False)
+    assert o.sources == ("public.a", "public.b")
+    assert SourceOptions.parse({"relays": "http://x"}).starting == "latest"
+    assert SourceOptions.parse({"relays": "http://x"}, mode="batch").starting == "earliest"
+    with pytest.raises(ConfigError, match="maxrowpertrigger"):
+        SourceOptions.parse({"relays": "http://x", "maxRowPerTrigger": "5"})
+    with pytest.raises(ConfigError, match="bootstrapUrl"):
+        SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b"})
+    with pytest.raises(ConfigError, match="relay URL"):
+        SourceOptions.parse({})
+    with pytest.raises(ConfigError, match="batch reads"):
+        SourceOptions.parse({"relays": "http://x", "endingScn": "5"})
+    with pytest.raises(ConfigError, match=">= 1"):
+        SourceOptions.parse({"relays": "http://x", "maxRowsPerTrigger": "0"})
+    with pytest.raises(ConfigError, match="true or false"):
+        SourceOptions.parse({"relays": "http://x", "failOnDataLoss": "maybe"})
+    with pytest.raises(ConfigError, match="filter"):
+        SourceOptions.parse({"relays": "http://x", "filter": "mod:0:1"})
+    with pytest.raises(ConfigError, match="not both"):
+        SourceOptions.parse({"relays": "http://x", "startingScn": "1", "startingTimestamp": "5"})
+    with pytest.raises(ConfigError, match="batch reads"):
+        SourceOptions.parse({"relays": "http://x", "endingTimestamp": "5"})
+    assert SourceOptions.parse({"relays": "http://x", "startingTimestamp": "5"}).starting == AtTime(
+        5
+    )
+    assert parse_position("LATEST", "x") == "latest"
+    assert parse_position("-1", "x") == -1
+    assert parse_position("1:20", "x") == (1 << 32) | 20
+    for bad in ("soon", "{}", '{"a": true}', "[1]"):
+        with pytest.raises(ConfigError):
+            parse_position(bad, "startingScn")
+    with pytest.raises(ConfigError):
+        parse_position("earliest", "endingScn", allow_earliest=False)
+
+
+@pytest.mark.parametrize(
+    ("filter_text", "n"),
+    [(None, 1), (None, 4), ("range:1000:0x8000000000000000", 3), ("mod:10:1-7", 3), ("mod:4:2", 5)],
+)
+def test_slices_cover_the_filter_exactly_once(filter_text: str | None, n: int) -> None:
+    opts: dict[str, str] = {"relays": "http://x", "numPartitions": str(n)}
+    if filter_text:
+        opts["filter"] = filter_text
+    o = SourceOptions.parse(opts)
+    slices = o.slices()
+    rng = np.random.default_rng(7)
+    hashes = np.concatenate(
+        [
+            rng.integers(0, HASH_SPACE - 1, 20_000, dtype=np.uint64),
+            np.array([0, 999, 1000, 1 << 63, (1 << 63) - 1, HASH_SPACE - 1], dtype=np.uint64),
+        ]
+    )
+    whole = o.key_filter.mask(hashes) if o.key_filter else np.ones(len(hashes), dtype=bool)
+    hits = np.zeros(len(hashes), dtype=np.int64)
+    for f in slices:
+        hits += f.mask(hashes) if f is not None else 1
+    assert np.array_equal(hits, whole.astype(np.int64))  # every selected hash exactly once
+    assert (
+        len(slices) == min(n, len(o.key_filter.buckets))
+        if o.key_filter and o.key_filter.modulus
+        else len(slices) == n
+    )
+    for f in slices:
+        if f is not None:
+            assert PartitionFilter.parse(str(f)) == f  # the text form crosses to the relay
+
+
+def test_avro_to_arrow_types() -> None:
+    interval = {
+        "type": "record",
+        "name": "Interval",
+        "namespace": "changebus",
+        "fields": [
+            {"name": "months", "type": "int"},
+            {"name": "days", "type": "int"},
+            {"name": "micros", "type": "long"},
+        ],
+    }
+    named: dict[str, Any] = {}
+    cases = [
+        ("int", pa.int32()),
+        ("long", pa.int64()),
+        ("float", pa.float32()),
+        ("double", pa.float64()),
+        ("boolean", pa.bool_()),
+        ("string", pa.string()),
+        ("bytes", pa.binary()),
+        (
+            {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2},
+            pa.decimal128(10, 2),
+        ),
+        ({"type": "bytes", "logicalType": "decimal", "precision": 60, "scale": 2}, pa.string()),
+        ({"type": "int", "logicalType": "date"}, pa.date32()),
+        ({"type": "long", "logicalType": "time-micros"}, pa.int64()),
+        ({"type": "long", "logicalType": "timestamp-micros"}, pa.timestamp("us", tz="UTC")),
+        ({"type": "long", "logicalType": "local-timestamp-micros"}, pa.timestamp("us")),
+        ({"type": "string", "logicalType": "uuid"}, pa.string()),
+        ({"type": "string", "changebus.type": "jsonb"}, pa.string()),
+        ({"type": "array", "items": ["null", "long"]}, pa.list_(pa.int64())),
+        (
+            interval,
+            pa.struct([("months", pa.int32()), ("days", pa.int32()), ("micros", pa.int64())]),
+        ),
+        (
+            "changebus.Interval",
+            pa.struct([("months", pa.int32()), ("days", pa.int32()), ("micros", pa.int64())]),
+        ),
+        ({"type": "enum", "name": "mood", "symbols": ["a", "b"]}, pa.string()),
+        (["null", "long", "string"], pa.string()),
+    ]
+    for avro, expected in cases:
+        assert arrow_type(avro, named) == expected, avro
+    with pytest.raises(ConfigError):
+        arrow_type("nosuchtype", {})
+
+
+A = TableSchema(
+    "app.a",
+    (
+        Column("id", "long", nullable=False),
+        Column("qty", "int"),
+        Column("u", {"type": "string", "logicalType": "uuid"}),
+        Column("t", {"type": "long", "logicalType": "time-micros"}),
+        Column("d", {"type": "bytes", "logicalType": "decimal", "precision": 8, "scale": 2}),
+    ),
+    ("id",),
+    1,
+)
+B = TableSchema(
+    "app.b",
+    (Column("id", "long", nullable=False), Column("qty", "long"), Column("note", "string")),
+    ("id",),
+    1,
+)
+
+
+def test_union_schema_widens_and_refuses_conflicts() -> None:
+    s = union_schema([A, B])
+    assert s.names == ["id", "qty", "u", "t", "d", "note", *(f.name for f in META_COLUMNS)]
+    assert s.field("qty").type == pa.int64()
+    bad = TableSchema("app.c", (Column("id", "string", nullable=False),), ("id",), 1)
+    with pytest.raises(ConfigError, match="separate streams"):
+        union_schema([A, bad])
+    clash = TableSchema("app.d", (Column("_source", "string"),), (), 1)
+    with pytest.raises(ConfigError, match="metadata"):
+        union_schema([clash])
+
+
+def _event(
+    op: ChangeOp, seq: int, after: Any, before: Any, key: Any, table: str = "app.a"
+) -> ChangeEvent:
+    return ChangeEvent(
+        7, seq, op, table, key, after, before, timestamp_ns=1_700_000_000_123_456_789
+    )
+
+
+def test_batch_builder_rows_and_types() -> None:
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    row1 = {"id": 1, "qty": 2, "u": u, "t": dt.time(1, 2, 3, 4), "d": decimal.Decimal("1.25")}
+    row1b = {**row1, "qty": 3}
+    window = Window(
+        7,
+        0,
+        "p",
+        (
+            _event(ChangeOp.INSERT, 0, row1, None, {"id": 1}),
+            _event(ChangeOp.UPDATE, 1, row1b, row1, {"id": 1}),
+            _event(ChangeOp.UPDATE, 2, row1b, None, {"id": 1}),
+            _event(ChangeOp.DELETE, 3, None, None, {"id": 1}),
+            _event(ChangeOp.INSERT, 4, {"id": 5, "qty": 1, "note": "x"}, None, {"id": 5}, "app.b"),
+            _event(ChangeOp.TRUNCATE, 5, None, None, {}, "app.b"),
+            ChangeEvent(
+                7,
+                6,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 5},
+                {"id": 5, "qty": 2, "note": None},
+                {"id": 5, "qty": 1, "note": "big"},
+                not_sent=("note",),
+            ),
+            ChangeEvent(
+                7,
+                7,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 5},
+                {"id": 5, "qty": 3, "note": None},
+                None,
+                not_sent=("note",),
+            ),
+        ),
+    )
+    schema = union_schema([A, B])
+    b = BatchBuilder(schema)
+    b.add_window(window)
+    batch = b.flush()
+    assert batch.schema == schema
+    rows = batch.to_pylist()
+    assert [r["_change_type"] for r in rows] == [
+        "insert",
+        "update_preimage",
+        "update_postimage",
+        "update_postimage",
+        "delete",
+        "insert",
+        "truncate",
+        "update_preimage",
+        "update_postimage",
+        "update_postimage",
+    ]
+    # an unchanged TOAST value comes from the before-image; without one it stays null
+    assert [r["note"] for r in rows[-3:]] == ["big", "big", None]
+    assert [r["_txn_seq"] for r in rows] == [0, 1, 1, 2, 3, 4, 5, 6, 6, 7]
+    assert rows[0]["u"] == str(u)
+    assert rows[0]["t"] == ((1 * 60 + 2) * 60 + 3) * 1_000_000 + 4
+    assert rows[0]["d"] == decimal.Decimal("1.25")
+    assert rows[1]["qty"] == 2 and rows[2]["qty"] == 3
+    assert rows[4] == {
+        **dict.fromkeys(schema.names),
+        **{k: rows[4][k] for k in META_COLUMNS_NAMES},
+        "id": 1,
+    }
+    assert rows[5]["note"] == "x" and rows[5]["u"] is None and rows[5]["_source"] == "app.b"
+    assert rows[0]["_commit_timestamp"] == dt.datetime(
+        2023, 11, 14, 22, 13, 20, 123456, tzinfo=dt.UTC
+    )
+    assert all(r["_commit_scn"] == 7 for r in rows)
+    # without preimages; a narrower schema (a user's projection)
+    narrow = pa.schema([schema.field("id"), schema.field("_change_type")])
+    b2 = BatchBuilder(narrow, include_preimage=False)
+    b2.add_window(window)
+    assert b2.flush().to_pylist()[:3] == [
+        {"id": 1, "_change_type": "insert"},
+        {"id": 1, "_change_type": "update_postimage"},
+        {"id": 1, "_change_type": "update_postimage"},
+    ]
+    assert b2.flush().num_rows == 0
+
+
+META_COLUMNS_NAMES = [f.name for f in META_COLUMNS]
+
+
+def test_discovery_shim_is_found_the_way_spark_looks() -> None:
+    """Spark's look-up (pyspark/sql/worker/lookup_data_sources.py) in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from fix_spark import spark_env
+
+    code = (
+        "from importlib import import_module\n"
+        "from pkgutil import iter_modules\n"
+        "from pyspark.sql.datasource import DataSource\n"
+        "found = {}\n"
+        "for info in iter_modules():\n"
+        "    if info.name.startswith('pyspark_'):\n"
+        "        mod = import_module(info.name)\n"
+        "        if hasattr(mod, 'DefaultSource') and issubclass(mod.DefaultSource, DataSource):\n"
+        "            found[mod.DefaultSource.name()] = mod.DefaultSource.__module__\n"
+        "print(found)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=spark_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "'changebus': 'changebus.client.spark._source'" in out.stdout
