@@ -57,7 +57,6 @@ from changebus.schemas.config import load_config_dict, secret
 from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
 from ._assembler import HEARTBEAT_PREFIX, Assembler
-from ._pgoutput import parse_message
 from ._types import TypeResolver
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
@@ -428,7 +427,7 @@ class PostgresFetcher:
             if kind == b"w":
                 _start, end, _send = _XLOG.unpack_from(data, 1)
                 written = max(written, end)
-                window = assembler.feed(parse_message(memoryview(data)[25:]))
+                window = assembler.feed_raw(data, 25)
                 if window is not None:
                     if window.scn <= resume.scn:
                         continue  # the relay holds it already (resent after a restart)
@@ -487,7 +486,7 @@ class PostgresFetcher:
             rows = catalog.execute(peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication))
             fresh = 0
             for (data,) in rows:
-                window = assembler.feed(parse_message(memoryview(data)))
+                window = assembler.feed_raw(data)
                 if window is not None and window.scn > emitted:
                     self._emit(window, emit)
                     emitted = window.scn
