@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
@@ -29,9 +30,13 @@ class ThreadFeed(Generic[T]):
     """A bounded bridge from one producer thread to async consumers.
 
     The producer takes a slot of a semaphore of ``maxsize`` slots before it
-    hands an item to the loop with ``call_soon_threadsafe`` (no round trip:
-    it does not wait for the loop to run); the consumer gives the slot back
-    when it takes the item, so at most ``maxsize`` items are in flight.
+    appends an item to ``_handover`` (a deque, under ``_lock``); the consumer
+    gives the slot back when it takes the item, so at most ``maxsize`` items
+    are in flight. The loop is woken with ``call_soon_threadsafe`` only when
+    no wake-up is pending (``_wake_pending``): one wake-up moves every item
+    handed over meanwhile. Each wake-up is a write to the loop's self-pipe, a
+    system call after which the producer must win the GIL back; one per item
+    made a fast producer wait on the GIL for most of its time.
     """
 
     def __init__(
@@ -43,6 +48,9 @@ class ThreadFeed(Generic[T]):
     ) -> None:
         self._produce = produce
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._handover: deque[object] = deque()
+        self._wake_pending = False
         self._slots = threading.BoundedSemaphore(maxsize)
         self._loop = asyncio.get_running_loop()
         self.stopping = threading.Event()
@@ -57,9 +65,27 @@ class ThreadFeed(Generic[T]):
         if self.stopping.is_set():
             raise _Stopped
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._hand_over(item)
         except RuntimeError:  # the loop closed
             raise _Stopped from None
+
+    def _hand_over(self, item: object) -> None:
+        """Producer thread: queue ``item`` for the loop; wake it unless a wake-up is pending."""
+        with self._lock:
+            self._handover.append(item)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        self._loop.call_soon_threadsafe(self._move)
+
+    def _move(self) -> None:
+        """Loop thread: move the handed-over items into the queue, in order."""
+        with self._lock:
+            items = list(self._handover)
+            self._handover.clear()
+            self._wake_pending = False
+        for item in items:
+            self._queue.put_nowait(item)
 
     def _run(self) -> None:
         try:
@@ -70,7 +96,7 @@ class ThreadFeed(Generic[T]):
             self._error = exc
         finally:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
+                self._hand_over(_DONE)
 
     async def items(self) -> AsyncIterator[T]:
         """Items in production order; ends when the producer returns."""
