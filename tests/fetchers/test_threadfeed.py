@@ -59,3 +59,30 @@ async def test_close_stops_a_blocked_producer() -> None:
     await asyncio.sleep(0.1)
     await feed.close()
     assert not feed._thread.is_alive()
+
+
+async def test_held_items_arrive_on_flush_on_age_and_before_the_producer_waits() -> None:
+    flushed = threading.Event()
+    go_on = threading.Event()
+    feed_box: list[ThreadFeed[int]] = []
+
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        emit(0)  # held: fewer than hold_items, younger than hold_s
+        go_on.wait(5)
+        feed_box[0].flush()
+        flushed.set()
+        for i in range(1, 200):  # more than maxsize: held items must reach the consumer
+            emit(i)
+
+    feed = ThreadFeed(produce, maxsize=16, hold_items=1000, hold_s=60.0)
+    feed_box.append(feed)
+    items = feed.items()
+    first = asyncio.ensure_future(items.__anext__())
+    await asyncio.sleep(0.2)
+    assert not first.done()  # held back
+    go_on.set()
+    assert await asyncio.wait_for(first, 5) == 0
+    assert flushed.is_set()
+    rest = [item async for item in items]
+    assert rest == list(range(1, 200))
+    await feed.close()

@@ -187,7 +187,10 @@ class PostgresFetcher:
         return lsn_to_scn(row[0]) if row and row[0] else -1
 
     async def windows(self) -> AsyncIterator[Window]:
-        self._feed = ThreadFeed(self._run, maxsize=1024, name=f"pg-{self.name}")
+        # windows held back up to 64 or 5 ms: the stream flushes before it waits for data
+        self._feed = ThreadFeed(
+            self._run, maxsize=1024, name=f"pg-{self.name}", hold_items=64, hold_s=0.005
+        )
         async for window in self._feed.items():
             yield window
 
@@ -407,14 +410,26 @@ class PostgresFetcher:
         last_status = 0.0
         written = 0
         sent_flush = -1
+        feed = self._feed
+        last_wake = 0.0
         while not stopping.is_set():
             now = time.monotonic()
+            if feed is not None and now - last_wake >= 0.005:  # held windows wait <= ~5 ms
+                feed.flush()
+                last_wake = now
             flush = self._acked_end_lsn
             if now - last_status >= cfg.status_interval_s or flush != sent_flush:
                 self._send_status(pgconn, max(written, flush), flush)
                 last_status, sent_flush = now, flush
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
+                # what the socket holds already, without a wait (select lets go of the
+                # GIL, and winning it back from busy relay threads takes long)
+                pgconn.consume_input()
+                nbytes, data = pgconn.get_copy_data(1)
+            if nbytes == 0:
+                if feed is not None:
+                    feed.flush()
                 ticker.tick(now, idle=not assembler.in_transaction)
                 ready, _, _ = select.select([sock], [], [], min(cfg.status_interval_s, 0.2))
                 if ready:
@@ -492,6 +507,8 @@ class PostgresFetcher:
                     emitted = window.scn
                     emitted_end = lsn_to_scn(window.source_position)
                     fresh += 1
+            if self._feed is not None:
+                self._feed.flush()  # the acks waited for above need the loop to see them
             now = time.monotonic()
             if fresh:
                 ticker.activity(now)

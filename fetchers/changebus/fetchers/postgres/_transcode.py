@@ -250,6 +250,106 @@ def _rule(ctype: ColumnType) -> str | None:
     return rule
 
 
+#: fixed-width rules read in struct runs: (struct code, width)
+_RUN_FORMATS: Final = {
+    "int2": ("h", 2), "int4": ("i", 4), "int8": ("q", 8), "oid": ("I", 4), "bool": ("B", 1),
+    "date": ("i", 4), "time": ("q", 8), "timestamp": ("q", 8),
+}  # fmt: skip
+#: code from the integer `x` (a run's value) to `p` (and `e`, for key columns)
+_FROM_X: Final = {
+    "int2": ("e = zz(x)", "p = pzz(x)"),
+    "int4": ("e = zz(x)", "p = pzz(x)"),
+    "int8": ("e = zz(x)", "p = pzz(x)"),
+    "oid": ("e = zz(x)", "p = pzz(x)"),
+    "bool": (
+        "if x > 1: raise Fallback\ne = BOOL_BY_INT[x]",
+        "if x > 1: raise Fallback\np = PBOOL_BY_INT[x]",
+    ),
+    "date": (
+        "if x < DAY_MIN or x > DAY_MAX: raise Fallback\ne = zz(x + PG_EPOCH_DAYS)",
+        "if x < DAY_MIN or x > DAY_MAX: raise Fallback\np = pzz(x + PG_EPOCH_DAYS)",
+    ),
+    "time": (
+        "if x < 0 or x >= DAY_US: raise Fallback\ne = zz(x)",
+        "if x < 0 or x >= DAY_US: raise Fallback\np = pzz(x)",
+    ),
+    "timestamp": (
+        "if x < US_MIN or x > US_MAX: raise Fallback\ne = zz(x + PG_EPOCH_US)",
+        "if x < US_MIN or x > US_MAX: raise Fallback\np = pzz(x + PG_EPOCH_US)",
+    ),
+}
+
+
+def _head(rule: str | None) -> bytes:
+    """Kind ``b`` and the value length of a fixed-width rule, as pgoutput writes them."""
+    return b"b" + _RUN_FORMATS[str(rule)][1].to_bytes(4, "big")
+
+
+def _value_lines(rule: str, i: int, is_key: bool, indent: str) -> list[str]:
+    """Lines from a run's integer ``x`` to ``p<i>`` (and ``k<i>``)."""
+    code_e, code_p = _FROM_X[rule]
+    if is_key:
+        return [indent + line for line in code_e.split("\n")] + [
+            f"{indent}p{i} = b'\\x02' + e",
+            f"{indent}k{i} = e",
+        ]
+    return [indent + line for line in code_p.replace("p = ", f"p{i} = ").split("\n")]
+
+
+def _column_lines(
+    rule: str | None, i: int, is_key: bool, indent: str, ctype: ColumnType | None = None
+) -> list[str]:
+    """Lines reading column i's cell at ``pos`` into ``p<i>`` (and ``k<i>``)."""
+    width = 0
+    code_p: str | None = None
+    if rule is None:
+        code = f"e = general{i}(v)"
+    elif rule == "decimal":
+        assert ctype is not None
+        avro = ctype.avro
+        assert isinstance(avro, dict)
+        code = f"e = decimal_bytes(v, {int(avro['scale'])}, {10 ** int(avro['precision'])})"
+    else:
+        width, code, code_p = _SNIPPETS[rule]
+    if is_key or code_p is None:
+        body = [*code.split("\n"), f"p{i} = b'\\x02' + e"]
+        if is_key:
+            body.append(f"k{i} = e")
+    else:
+        body = code_p.replace("p = ", f"p{i} = ").split("\n")
+    out: list[str] = []
+    if width:  # kind 'b' and the length in one comparison
+        head = b"b" + width.to_bytes(4, "big")
+        out += [
+            f"if buf[pos:pos + 5] == {head!r}:",
+            f"    v = buf[pos + 5:pos + {5 + width}]",
+            f"    pos += {5 + width}",
+        ]
+    else:
+        out += [
+            "if buf[pos] == 98:",
+            "    n = from_bytes(buf[pos + 1:pos + 5], 'big')",
+            "    pos += 5",
+            "    v = buf[pos:pos + n]",
+            "    if len(v) != n: raise Fallback",
+            "    pos += n",
+        ]
+    out += ["    " + line for line in body]
+    if not is_key:  # a NULL or unchanged key column: the general path
+        out += [
+            "elif buf[pos] == 110:",
+            f"    p{i} = b'\\x00'",
+            "    pos += 1",
+            "elif buf[pos] == 117:",
+            f"    p{i} = b'\\x00'",
+            "    pos += 1",
+            "    if ns is None: ns = []",
+            f"    ns.append(names[{i}])",
+        ]
+    out += ["else:", "    raise Fallback"]
+    return [indent + line for line in out]
+
+
 class Transcoder:
     """Turns pgoutput row messages of one table into event bodies (module docstring).
 
@@ -279,15 +379,23 @@ class Transcoder:
         types: Sequence[ColumnType],
         adapters: Sequence[Callable[[Any], Any] | None],
         key: tuple[int, ...],
-    ) -> Callable[[bytes, int], tuple[list[bytes], bytes, list[str] | None, int]]:
+    ) -> Callable[[bytes, int], tuple[tuple[bytes, ...], bytes, list[str] | None, int]]:
+        """Python source for this table's tuple walker, compiled.
+
+        ``p<i>`` gets column i's union bytes (``0x00``, or ``0x02`` + T),
+        ``k<i>`` a key column's T bytes. Runs of fixed-width integer-like
+        columns are read with one ``struct`` call when all of them are
+        present (the usual case); otherwise column by column.
+        """
         env: dict[str, Any] = {
             "Fallback": Fallback,
             "zz": zigzag,
             "pzz": present_zigzag,
             "PBOOL": _PBOOL,
             "from_bytes": int.from_bytes,
-            "i32": _I32.unpack_from,
             "BOOL": _BOOL,
+            "BOOL_BY_INT": (b"\x00", b"\x01"),
+            "PBOOL_BY_INT": (b"\x02\x00", b"\x02\x01"),
             "float4": _float4,
             "interval": _interval,
             "uuid_": _uuid,
@@ -305,63 +413,46 @@ class Transcoder:
             "def tuple_(buf, pos):",
             f"    if buf[pos:pos + 2] != {self.ncols.to_bytes(2, 'big')!r}: raise Fallback",
             "    pos += 2",
-            "    out = []",
-            "    a = out.append",
+            "    size = len(buf)",
             "    ns = None",
         ]
-        for i, ctype in enumerate(types):
-            rule = _rule(ctype)
-            width = 0
-            code_p: str | None = None
+        rules = [_rule(t) for t in types]
+        i = 0
+        while i < len(types):
+            j = i
+            while j < len(types) and rules[j] in _RUN_FORMATS:
+                j += 1
+            if j > i:  # columns i..j-1 form a run of fixed-width columns
+                run = range(i, j)
+                fmt = ">" + "".join("5s" + _RUN_FORMATS[str(rules[c])][0] for c in run)
+                width = struct.calcsize(fmt)
+                env[f"RUN{i}"] = struct.Struct(fmt).unpack_from
+                heads = " and ".join(
+                    f"r[{2 * n}] == {_head(rules[c])!r}" for n, c in enumerate(run)
+                )
+                lines += [
+                    f"    r = RUN{i}(buf, pos) if pos + {width} <= size else None",
+                    f"    if r is not None and {heads}:",
+                    f"        pos += {width}",
+                ]
+                for n, c in enumerate(run):
+                    lines.append(f"        x = r[{2 * n + 1}]")
+                    lines += _value_lines(str(rules[c]), c, c in key, "        ")
+                lines.append("    else:")
+                for c in run:
+                    lines += _column_lines(str(rules[c]), c, c in key, "        ")
+                i = j
+                continue
+            rule = rules[i]
             if rule is None:
-                env[f"general{i}"] = _general_column(ctype, adapters[i])
-                code = f"e = general{i}(v)"
-            elif rule == "decimal":
-                avro = ctype.avro
-                assert isinstance(avro, dict)
-                code = f"e = decimal_bytes(v, {int(avro['scale'])}, {10 ** int(avro['precision'])})"
-            else:
-                width, code, code_p = _SNIPPETS[rule]
-            is_key = i in key
-            if is_key or code_p is None:
-                body = [*code.split("\n"), "a(b'\\x02' + e)"]
-                if is_key:
-                    body.append(f"k{i} = e")
-            else:
-                body = [*code_p.split("\n"), "a(p)"]
-            if width:  # kind 'b' and the length in one comparison
-                head = b"b" + width.to_bytes(4, "big")
-                lines += [
-                    f"    if buf[pos:pos + 5] == {head!r}:",
-                    f"        v = buf[pos + 5:pos + {5 + width}]",
-                    f"        pos += {5 + width}",
-                ]
-            else:
-                lines += [
-                    "    if buf[pos] == 98:",
-                    "        n = from_bytes(buf[pos + 1:pos + 5], 'big')",
-                    "        pos += 5",
-                    "        v = buf[pos:pos + n]",
-                    "        if len(v) != n: raise Fallback",
-                    "        pos += n",
-                ]
-            lines += ["        " + line for line in body]
-            if not is_key:  # a NULL or unchanged key column: the general path
-                lines += [
-                    "    elif buf[pos] == 110:",
-                    "        a(b'\\x00')",
-                    "        pos += 1",
-                    "    elif buf[pos] == 117:",
-                    "        a(b'\\x00')",
-                    "        pos += 1",
-                    "        if ns is None: ns = []",
-                    f"        ns.append(names[{i}])",
-                ]
-            lines += ["    else:", "        raise Fallback"]
-        key_expr = " + ".join(f"k{i}" for i in key) if key else "b''"
-        lines.append(f"    return out, {key_expr}, ns, pos")
-        exec("\n".join(lines), env)  # the code is built above from fixed snippets
-        fn: Callable[[bytes, int], tuple[list[bytes], bytes, list[str] | None, int]]
+                env[f"general{i}"] = _general_column(types[i], adapters[i])
+            lines += _column_lines(rule, i, i in key, "    ", types[i])
+            i += 1
+        key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
+        pieces = ", ".join(f"p{c}" for c in range(len(types)))
+        lines.append(f"    return ({pieces}{',' if len(types) == 1 else ''}), {key_expr}, ns, pos")
+        exec("\n".join(lines), env)  # the code is built from the fixed snippets here
+        fn: Callable[[bytes, int], tuple[tuple[bytes, ...], bytes, list[str] | None, int]]
         fn = env["tuple_"]
         return fn
 
