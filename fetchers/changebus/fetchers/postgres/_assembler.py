@@ -27,6 +27,14 @@ the transaction and the option to raise, and ``"skip"`` returns a window
 holding one DATA_LOSS event for the transaction's SCN instead of its rows:
 never a silent gap.
 
+Two entries: :meth:`Assembler.feed` takes parsed messages and decodes every
+value to Python before fastavro encodes the row (the general path);
+:meth:`Assembler.feed_raw` takes the raw message bytes and sends Insert /
+Update / Delete messages of known tables through the table's
+:class:`~._transcode.Transcoder` (pgoutput binary straight to Avro, about 3x
+less work per row), which hands anything unusual back to the general path.
+Both write the same bytes.
+
 The event key is the table's primary key (from ``primary_key``, the catalog)
 and falls back to the replica identity columns pgoutput flags; a table
 without either has no key.

@@ -4,6 +4,12 @@ One thread per fetcher owns two blocking psycopg connections: a replication
 connection (``replication=database``) in COPY_BOTH mode, and a regular one
 for the catalog (types, primary keys) and for set-up. Windows go to the event
 loop through a bounded :class:`ThreadFeed`, so a slow relay slows the stream.
+The feed holds windows back (up to 64, or 5 ms) and the loop flushes it
+before it waits for the server: every wake-up of the event loop, like every
+wait on the socket, gives the GIL away, and winning it back from the relay's
+busy threads costs far more than the wake-up itself. Messages reach the
+:class:`Assembler` raw (:meth:`Assembler.feed_raw`): row changes are
+transcoded from pgoutput binary to Avro without Python values in between.
 
 Protocol (psycopg >= 3.3 has no replication API; the framing is ours):
 

@@ -68,20 +68,21 @@ _PRESENT_ZZ: Final = tuple(b"\x02" + b for b in _ZZ_TABLE)
 
 
 def zigzag(n: int) -> bytes:
-    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
+    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint.
+
+    Built from tables: 14 low bits as two continuation bytes, then the varint
+    of the rest (non-zero in each branch), up to 56 bits (timestamps in µs).
+    """
     z = (n << 1) ^ (n >> 63)
     if z < 0x4000:
         return _ZZ_TABLE[z]
+    t = _ZZ_14
     if z < 0x10000000:
-        if z < 0x200000:
-            return _ZZ_14[z & 0x3FFF] + _ZZ_TABLE[z >> 14]
-        return _ZZ_14[z & 0x3FFF] + _ZZ_14[(z >> 14) & 0x3FFF][:1] + bytes((z >> 21,))
-    if z < 0x100000000000000:  # 56 bits: timestamps in microseconds
-        t = _ZZ_14
-        if z < 0x40000000000:
-            head = t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF]
-            return head + _zz_slow(z >> 28)
-        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + t[(z >> 28) & 0x3FFF] + _zz_slow(z >> 42)
+        return t[z & 0x3FFF] + _ZZ_TABLE[z >> 14]
+    if z < 0x40000000000:
+        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + _ZZ_TABLE[z >> 28]
+    if z < 0x100000000000000:
+        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + t[(z >> 28) & 0x3FFF] + _ZZ_TABLE[z >> 42]
     return _zz_slow(z)
 
 
@@ -98,6 +99,8 @@ _F4BE: Final = struct.Struct(">f")
 _F4LE: Final = struct.Struct("<f")
 _INTERVAL: Final = struct.Struct(">qii")
 _NUMERIC: Final = struct.Struct(">hhHh")
+#: readers of numeric base-10000 digit groups, by count
+_DIGITS: Final = tuple(struct.Struct(f">{k}H").unpack_from for k in range(64))
 _BOOL: Final = {b"\x00": b"\x00", b"\x01": b"\x01"}
 _PBOOL: Final = {b"\x00": b"\x02\x00", b"\x01": b"\x02\x01"}
 _PG_EPOCH_DAYS: Final = 10_957  # 1970-01-01 -> 2000-01-01
@@ -118,7 +121,7 @@ def _decimal_bytes(v: bytes, scale: int, limit: int) -> bytes:
     if (sign != 0 and sign != 0x4000) or dscale != scale or len(v) != 8 + 2 * ndigits:
         raise Fallback
     n: int = 0
-    for d in struct.unpack_from(f">{ndigits}H", v, 8):
+    for d in _DIGITS[ndigits](v, 8) if ndigits < 64 else struct.unpack_from(f">{ndigits}H", v, 8):
         n = n * 10_000 + d
     exp = 4 * (weight - ndigits + 1) + scale
     if exp >= 0:
