@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
@@ -29,9 +31,19 @@ class ThreadFeed(Generic[T]):
     """A bounded bridge from one producer thread to async consumers.
 
     The producer takes a slot of a semaphore of ``maxsize`` slots before it
-    hands an item to the loop with ``call_soon_threadsafe`` (no round trip:
-    it does not wait for the loop to run); the consumer gives the slot back
-    when it takes the item, so at most ``maxsize`` items are in flight.
+    appends an item to ``_handover`` (a deque, under ``_lock``); the consumer
+    gives the slot back when it takes the item, so at most ``maxsize`` items
+    are in flight. The loop is woken with ``call_soon_threadsafe`` only when
+    no wake-up is pending (``_wake_pending``): one wake-up moves every item
+    handed over meanwhile. Each wake-up is a write to the loop's self-pipe, a
+    system call after which the producer must win the GIL back; one per item
+    made a fast producer wait on the GIL for most of its time.
+
+    With ``hold_items`` above 1 the producer may also hold items back: the
+    loop is woken once ``hold_items`` items wait or the oldest has waited
+    ``hold_s``, and at the latest when the producer calls :meth:`flush`
+    (which it must do before it waits for its source) or must wait for a
+    slot (done here).
     """
 
     def __init__(
@@ -40,9 +52,17 @@ class ThreadFeed(Generic[T]):
         *,
         maxsize: int = 64,
         name: str = "changebus-feed",
+        hold_items: int = 1,
+        hold_s: float = 0.005,
     ) -> None:
         self._produce = produce
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._handover: deque[object] = deque()
+        self._wake_pending = False
+        self._hold_items = hold_items
+        self._hold_s = hold_s
+        self._held_since = 0.0
         self._slots = threading.BoundedSemaphore(maxsize)
         self._loop = asyncio.get_running_loop()
         self.stopping = threading.Event()
@@ -51,15 +71,53 @@ class ThreadFeed(Generic[T]):
         self._thread.start()
 
     def _emit(self, item: T) -> None:
-        while not self._slots.acquire(timeout=0.2):
-            if self.stopping.is_set():
-                raise _Stopped
+        if not self._slots.acquire(blocking=False):
+            self.flush()  # the consumer must see what is held before the producer waits
+            while not self._slots.acquire(timeout=0.2):
+                if self.stopping.is_set():
+                    raise _Stopped
         if self.stopping.is_set():
             raise _Stopped
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._hand_over(item, hold=self._hold_items > 1)
         except RuntimeError:  # the loop closed
             raise _Stopped from None
+
+    def _hand_over(self, item: object, *, hold: bool = False) -> None:
+        """Producer thread: queue ``item`` for the loop; wake it unless a wake-up is pending."""
+        with self._lock:
+            handover = self._handover
+            handover.append(item)
+            if self._wake_pending:
+                return
+            if hold:
+                now = time.monotonic()
+                if len(handover) == 1:
+                    self._held_since = now
+                if len(handover) < self._hold_items and now - self._held_since < self._hold_s:
+                    return
+            self._wake_pending = True
+        self._loop.call_soon_threadsafe(self._move)
+
+    def flush(self) -> None:
+        """Producer thread: wake the loop for the items held back, if any."""
+        with self._lock:
+            if not self._handover or self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._move)
+        except RuntimeError:  # the loop closed
+            raise _Stopped from None
+
+    def _move(self) -> None:
+        """Loop thread: move the handed-over items into the queue, in order."""
+        with self._lock:
+            items = list(self._handover)
+            self._handover.clear()
+            self._wake_pending = False
+        for item in items:
+            self._queue.put_nowait(item)
 
     def _run(self) -> None:
         try:
@@ -70,7 +128,7 @@ class ThreadFeed(Generic[T]):
             self._error = exc
         finally:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
+                self._hand_over(_DONE)
 
     async def items(self) -> AsyncIterator[T]:
         """Items in production order; ends when the producer returns."""

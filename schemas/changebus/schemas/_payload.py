@@ -248,7 +248,18 @@ class RowEncoder:
                 write(_string_array(before_not_sent))
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
             raise SchemaError(f"cannot encode a {self.table.name!r} row: {exc!r}") from exc
-        body = bio.getvalue()
+        return self.frame(op, scn, seq, timestamp_ns, key, bio.getvalue())
+
+    def frame(
+        self, op: Op | int, scn: int, seq: int, timestamp_ns: int, key: bytes, body: bytes
+    ) -> bytes:
+        """One data event from its encoded parts: the header, then ``body``.
+
+        ``body`` is the key bytes followed by the change record (Avro of
+        :attr:`TableSchema.change_schema`), as written by an encoder that
+        produces Avro itself (the Postgres fetcher's transcoder); ``key`` is
+        that key again (for its length and hash). :meth:`encode` ends here.
+        """
         klen = len(key)
         size = len(body)
         if size + HEADER_SIZE > MAX_EVENT_SIZE:
@@ -262,7 +273,7 @@ class RowEncoder:
             head = _HEAD.pack(
                 MAGIC,
                 VERSION,
-                op,
+                op_i,
                 HEADER_SIZE + size,
                 scn,
                 timestamp_ns,

@@ -27,6 +27,14 @@ the transaction and the option to raise, and ``"skip"`` returns a window
 holding one DATA_LOSS event for the transaction's SCN instead of its rows:
 never a silent gap.
 
+Two entries: :meth:`Assembler.feed` takes parsed messages and decodes every
+value to Python before fastavro encodes the row (the general path);
+:meth:`Assembler.feed_raw` takes the raw message bytes and sends Insert /
+Update / Delete messages of known tables through the table's
+:class:`~._transcode.Transcoder` (pgoutput binary straight to Avro, about 3x
+less work per row), which hands anything unusual back to the general path.
+Both write the same bytes.
+
 The event key is the table's primary key (from ``primary_key``, the catalog)
 and falls back to the replica identity columns pgoutput flags; a table
 without either has no key.
@@ -39,6 +47,7 @@ from __future__ import annotations
 import decimal
 import json
 import logging
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +84,9 @@ from ._pgoutput import (
     Relation,
     Truncate,
     Update,
+    parse_message,
 )
+from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
 from ._values import decode_value
 
@@ -95,6 +106,7 @@ class _Table:
     adapters: tuple[Callable[[Any], Any] | None, ...]
     names: tuple[str, ...]
     key_flags: tuple[bool, ...]
+    transcoder: Transcoder
     announced: bool = False
 
 
@@ -162,6 +174,9 @@ class Assembler:
         self.registry = registry or SchemaRegistry()
         self._tables: dict[int, _Table] = {}
         self._txn: _Txn | None = None
+        #: row messages taken by :meth:`feed_raw` through the transcoder / the general path
+        self.rows_transcoded = 0
+        self.rows_general = 0
 
     # ---- relations ----------------------------------------------------
 
@@ -188,13 +203,17 @@ class Assembler:
         ):
             return  # Postgres re-sends unchanged Relation messages after reconnects
         source_id = self.registry.source_id(table.name)
+        names = tuple(c.name for c in rel.columns)
+        adapters = tuple(_adapter(t.avro) for t in types)
+        key_flags = tuple(c.key for c in rel.columns)
         self._tables[rel.oid] = _Table(
             table,
             RowEncoder(table, source_id=source_id, partition=self.partition_id),
             types,
-            tuple(_adapter(t.avro) for t in types),
-            tuple(c.name for c in rel.columns),
-            tuple(c.key for c in rel.columns),
+            adapters,
+            names,
+            key_flags,
+            Transcoder(names, types, adapters, [names.index(k) for k in key], key_flags),
         )
 
     def _announce(self, txn: _Txn, table: _Table) -> None:
@@ -305,6 +324,39 @@ class Assembler:
         txn.data_events += 1
 
     # ---- the message loop ----------------------------------------------
+
+    def feed_raw(self, buf: bytes | memoryview, offset: int = 0) -> Window | None:
+        """Take one pgoutput message ``buf[offset:]``; returns a window at a Commit.
+
+        The same as ``feed(parse_message(buf[offset:]))``, byte for byte, but
+        row messages of known tables go through the table's
+        :class:`~._transcode.Transcoder` (pgoutput binary straight to Avro)
+        unless it hands them back to the general path.
+        """
+        if type(buf) is not bytes:
+            buf = bytes(buf)
+        kind = buf[offset]
+        txn = self._txn
+        if (kind == 0x49 or kind == 0x55 or kind == 0x44) and txn is not None:
+            table = self._tables.get(int.from_bytes(buf[offset + 1 : offset + 5], "big"))
+            if table is not None and not txn.oversized:
+                try:
+                    op, key, body = table.transcoder.change(buf, offset)
+                except Fallback:
+                    pass
+                except (IndexError, ValueError, TypeError, KeyError, struct.error):
+                    pass  # malformed: the general path says what is wrong
+                else:
+                    if not table.announced:
+                        self._announce(txn, table)
+                    self._add(
+                        txn, table.encoder.frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body)
+                    )
+                    txn.data_events += 1
+                    self.rows_transcoded += 1
+                    return None
+            self.rows_general += 1
+        return self.feed(parse_message(memoryview(buf)[offset:]))
 
     def feed(self, msg: Message) -> Window | None:
         """Take one message; returns a complete window at a Commit."""

@@ -4,6 +4,12 @@ One thread per fetcher owns two blocking psycopg connections: a replication
 connection (``replication=database``) in COPY_BOTH mode, and a regular one
 for the catalog (types, primary keys) and for set-up. Windows go to the event
 loop through a bounded :class:`ThreadFeed`, so a slow relay slows the stream.
+The feed holds windows back (up to 64, or 5 ms) and the loop flushes it
+before it waits for the server: every wake-up of the event loop, like every
+wait on the socket, gives the GIL away, and winning it back from the relay's
+busy threads costs far more than the wake-up itself. Messages reach the
+:class:`Assembler` raw (:meth:`Assembler.feed_raw`): row changes are
+transcoded from pgoutput binary to Avro without Python values in between.
 
 Protocol (psycopg >= 3.3 has no replication API; the framing is ours):
 
@@ -57,7 +63,6 @@ from changebus.schemas.config import load_config_dict, secret
 from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
 from ._assembler import HEARTBEAT_PREFIX, Assembler
-from ._pgoutput import parse_message
 from ._types import TypeResolver
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
@@ -188,7 +193,10 @@ class PostgresFetcher:
         return lsn_to_scn(row[0]) if row and row[0] else -1
 
     async def windows(self) -> AsyncIterator[Window]:
-        self._feed = ThreadFeed(self._run, maxsize=1024, name=f"pg-{self.name}")
+        # windows held back up to 64 or 5 ms: the stream flushes before it waits for data
+        self._feed = ThreadFeed(
+            self._run, maxsize=1024, name=f"pg-{self.name}", hold_items=64, hold_s=0.005
+        )
         async for window in self._feed.items():
             yield window
 
@@ -408,14 +416,26 @@ class PostgresFetcher:
         last_status = 0.0
         written = 0
         sent_flush = -1
+        feed = self._feed
+        last_wake = 0.0
         while not stopping.is_set():
             now = time.monotonic()
+            if feed is not None and now - last_wake >= 0.005:  # held windows wait <= ~5 ms
+                feed.flush()
+                last_wake = now
             flush = self._acked_end_lsn
             if now - last_status >= cfg.status_interval_s or flush != sent_flush:
                 self._send_status(pgconn, max(written, flush), flush)
                 last_status, sent_flush = now, flush
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
+                # what the socket holds already, without a wait (select lets go of the
+                # GIL, and winning it back from busy relay threads takes long)
+                pgconn.consume_input()
+                nbytes, data = pgconn.get_copy_data(1)
+            if nbytes == 0:
+                if feed is not None:
+                    feed.flush()
                 ticker.tick(now, idle=not assembler.in_transaction)
                 ready, _, _ = select.select([sock], [], [], min(cfg.status_interval_s, 0.2))
                 if ready:
@@ -428,7 +448,7 @@ class PostgresFetcher:
             if kind == b"w":
                 _start, end, _send = _XLOG.unpack_from(data, 1)
                 written = max(written, end)
-                window = assembler.feed(parse_message(memoryview(data)[25:]))
+                window = assembler.feed_raw(data, 25)
                 if window is not None:
                     if window.scn <= resume.scn:
                         continue  # the relay holds it already (resent after a restart)
@@ -487,12 +507,14 @@ class PostgresFetcher:
             rows = catalog.execute(peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication))
             fresh = 0
             for (data,) in rows:
-                window = assembler.feed(parse_message(memoryview(data)))
+                window = assembler.feed_raw(data)
                 if window is not None and window.scn > emitted:
                     self._emit(window, emit)
                     emitted = window.scn
                     emitted_end = lsn_to_scn(window.source_position)
                     fresh += 1
+            if self._feed is not None:
+                self._feed.flush()  # the acks waited for above need the loop to see them
             now = time.monotonic()
             if fresh:
                 ticker.activity(now)

@@ -46,7 +46,7 @@ from changebus.schemas import CorruptEventError
 
 from ._pgoutput import UNCHANGED, Cell
 
-__all__ = ["TYPE_OIDS", "decode_value"]
+__all__ = ["DECODERS", "TYPE_OIDS", "decode_value"]
 
 _EPOCH_DATE: Final = datetime.date(2000, 1, 1)
 _EPOCH_TS: Final = datetime.datetime(2000, 1, 1)
@@ -181,7 +181,7 @@ def _array(b: bytes) -> list[Any]:
         length, _lbound = struct.unpack_from(">ii", b, pos)
         dims.append(length)
         pos += 8
-    decode = _DECODERS.get(elem_oid, _text)
+    decode = DECODERS.get(elem_oid, _text)
     flat: list[Any] = []
     total = 1
     for d in dims:
@@ -213,7 +213,8 @@ TYPE_OIDS: Final = {
     "numeric": 1700, "uuid": 2950, "jsonb": 3802,
 }  # fmt: skip
 
-_DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
+#: binary decoders by type OID (any other OID is decoded as UTF-8 text)
+DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
     16: lambda b: b == b"\x01",
     17: bytes,
     18: _text,
@@ -263,6 +264,6 @@ def decode_value(type_oid: int, cell: Cell, *, is_array: bool = False) -> Any:
     try:
         if is_array or type_oid in _ARRAY_OIDS:
             return _array(cell)
-        return _DECODERS.get(type_oid, _text)(cell)
+        return DECODERS.get(type_oid, _text)(cell)
     except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
         raise CorruptEventError(f"cannot decode a value of type oid {type_oid}: {exc}") from exc

@@ -1,0 +1,88 @@
+"""ThreadFeed: order, bound, coalesced wake-ups and errors, with a real producer thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from changebus.fetchers._threadfeed import ThreadFeed
+
+
+async def test_items_arrive_in_order_and_the_error_after_them() -> None:
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        for i in range(20_000):
+            emit(i)
+        raise ValueError("source broke")
+
+    feed = ThreadFeed(produce, maxsize=64)
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for item in feed.items():
+            got.append(item)
+            if item % 5000 == 0:
+                await asyncio.sleep(0.01)  # let items pile up behind one wake-up
+
+    with pytest.raises(ValueError, match="source broke"):
+        await consume()
+    assert got == list(range(20_000))
+    await feed.close()
+
+
+async def test_the_bound_holds_the_producer_back() -> None:
+    produced: list[int] = []
+
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        for i in range(100):
+            emit(i)
+            produced.append(i)
+
+    feed = ThreadFeed(produce, maxsize=8)
+    await asyncio.sleep(0.3)  # nothing consumed: the producer waits for a slot
+    assert len(produced) == 8
+    got = [item async for item in feed.items()]
+    assert got == list(range(100))
+    await feed.close()
+
+
+async def test_close_stops_a_blocked_producer() -> None:
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        i = 0
+        while True:
+            emit(i)
+            i += 1
+
+    feed = ThreadFeed(produce, maxsize=4)
+    await asyncio.sleep(0.1)
+    await feed.close()
+    assert not feed._thread.is_alive()
+
+
+async def test_held_items_arrive_on_flush_on_age_and_before_the_producer_waits() -> None:
+    flushed = threading.Event()
+    go_on = threading.Event()
+    feed_box: list[ThreadFeed[int]] = []
+
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        emit(0)  # held: fewer than hold_items, younger than hold_s
+        go_on.wait(5)
+        feed_box[0].flush()
+        flushed.set()
+        for i in range(1, 200):  # more than maxsize: held items must reach the consumer
+            emit(i)
+
+    feed = ThreadFeed(produce, maxsize=16, hold_items=1000, hold_s=60.0)
+    feed_box.append(feed)
+    items = feed.items()
+    first = asyncio.ensure_future(items.__anext__())
+    await asyncio.sleep(0.2)
+    assert not first.done()  # held back
+    go_on.set()
+    assert await asyncio.wait_for(first, 5) == 0
+    assert flushed.is_set()
+    rest = [item async for item in items]
+    assert rest == list(range(1, 200))
+    await feed.close()
