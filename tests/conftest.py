@@ -1,3 +1,3 @@
 """Shared test fixtures: throwaway servers live in fix_*.py plugins."""
 
-pytest_plugins = ["fix_pg"]
+pytest_plugins = ["fix_pg", "fix_mysql"]

@@ -1,0 +1,382 @@
+"""From binlog events to encoded windows (one per transaction).
+
+:class:`BinlogAssembler` is fed the events of mysql-replication's
+``BinLogStreamReader`` in stream order and returns a
+:class:`~changebus.fetchers.Window` when a transaction ends:
+
+* a transaction opens at its GTID event (MariaDB; MySQL also sends
+  ``BEGIN``) and ends at its ``XID`` event, at ``COMMIT`` (non-transactional
+  engines), or right after its one statement (DDL: standalone GTID);
+* the SCN is ``binlog file number << 32 | end position of the commit event``
+  (strictly increasing along one server's binlog, across rotations and
+  restarts); the END_OF_WINDOW's ``source_position`` is
+  ``gtid=D-S-N;file=NAME;pos=P`` (docs/protocol.md 1.4, 5): where to resume;
+* row images are decoded by the layout's compiled decoder
+  (:mod:`._layout`) straight from the event bytes: TABLE_MAP gives the layout
+  valid at that position; a new or changed layout is a new schema version,
+  announced by a SCHEMA_CHANGE event before its first row;
+* WRITE / UPDATE / DELETE rows become INSERT / UPDATE (before and after
+  images) / DELETE (full before image) events; ``TRUNCATE`` becomes a
+  TRUNCATE event; other DDL updates the declared-type history
+  (:class:`._ddl.DeclaredTypes`) and its window holds no text of the
+  statement (it can hold passwords).
+
+Large transactions: with ``max_window_bytes`` set, a transaction whose events
+pass it stops being kept; at its end ``on_oversized="fail"`` raises a
+:class:`~changebus.schemas.SourceConfigError` and ``"skip"`` returns a window
+with one DATA_LOSS event instead.
+
+Not thread-safe: one assembler per fetcher thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from changebus.schemas import (
+    ControlPayload,
+    DataLoss,
+    EndOfWindow,
+    Op,
+    RowEncoder,
+    SchemaChange,
+    SchemaRegistry,
+    SourceConfigError,
+    binlog_file_number,
+    binlog_to_scn,
+    crc32,
+    encode_control,
+)
+
+from .._base import Window
+from ._config import SYSTEM_DATABASES
+from ._ddl import DeclaredTypes
+from ._layout import RowsDecoder, TableLayout, compile_decoder, layout_from_table_map
+
+__all__ = ["BinlogAssembler", "format_position", "parse_position"]
+
+log = logging.getLogger("changebus.fetchers.mysql")
+
+#: MariaDB GTID event flag: a standalone event group (DDL, no XID follows)
+_FL_STANDALONE = 1
+
+
+def format_position(gtid: str, file: str, pos: int) -> str:
+    """The ``source_position`` text of a window: ``gtid=D-S-N;file=NAME;pos=P``."""
+    return f"gtid={gtid};file={file};pos={pos}"
+
+
+def parse_position(text: str) -> dict[str, str]:
+    """The fields of a ``source_position`` (empty when it is not a MySQL one)."""
+    out: dict[str, str] = {}
+    for part in text.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out if "file" in out and "pos" in out else {}
+
+
+@dataclass
+class _Table:
+    layout: TableLayout
+    encoder: RowEncoder
+    decode: RowsDecoder
+    ncols: int
+    announced: bool = False
+
+
+@dataclass
+class _Txn:
+    gtid: str
+    ts_ns: int
+    standalone: bool
+    events: list[bytes] = field(default_factory=list)
+    #: events kept so far (the next event's seq)
+    count: int = 0
+    data_events: int = 0
+    size: int = 0
+    oversized: bool = False
+    announced: list[_Table] = field(default_factory=list)
+
+
+class BinlogAssembler:
+    """Builds windows from binlog events (see the module docstring)."""
+
+    def __init__(
+        self,
+        partition_id: int,
+        registry: SchemaRegistry,
+        declared: DeclaredTypes,
+        *,
+        databases: tuple[str, ...] = (),
+        checksum_bytes: int = 4,
+        tinyint1_as_boolean: bool = False,
+        max_window_bytes: int = 0,
+        on_oversized: str = "fail",
+    ) -> None:
+        self.partition_id = partition_id
+        self.registry = registry
+        self.declared = declared
+        self._databases = frozenset(d.lower() for d in databases)
+        self._checksum = checksum_bytes
+        self._boolean = tinyint1_as_boolean
+        self.max_window_bytes = max_window_bytes
+        self.on_oversized = on_oversized
+        self.file = ""
+        self._file_number = 0
+        self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
+        self._cache: dict[tuple[Any, ...], _Table] = {}  # layout bytes + declared -> table
+        self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
+        self._txn: _Txn | None = None
+        self.row_count = 0
+
+    # ---- positions ----------------------------------------------------------
+
+    def rotate(self, next_file: str) -> None:
+        """The stream moved to ``next_file`` (a RotateEvent; also at connect)."""
+        self.file = next_file
+        self._file_number = binlog_file_number(next_file)
+        self._by_id.clear()  # table ids are only valid within one binlog file
+
+    def scn_at(self, end_pos: int) -> int:
+        return binlog_to_scn(self._file_number, end_pos)
+
+    def captured(self, database: str) -> bool:
+        db = database.lower()
+        if db in SYSTEM_DATABASES:
+            return False
+        return not self._databases or db in self._databases
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._txn is not None
+
+    # ---- events -----------------------------------------------------------
+
+    def begin(self, gtid: str, timestamp_s: int, flags: int) -> None:
+        """A GTID event: a transaction (or a standalone statement) starts."""
+        self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
+
+    def table_map(self, event: Any) -> None:
+        if not self.captured(event.schema):
+            self._by_id[event.table_id] = None
+            return
+        raw = event.packet.packet._data
+        declared = self.declared.get(event.schema, event.table) or {}
+        key = (
+            event.schema,
+            event.table,
+            bytes(raw[26 : len(raw) - self._checksum]),  # after the table id
+            tuple(sorted(declared.items())),
+        )
+        table = self._cache.get(key)
+        if table is None:
+            layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
+            schema = self.registry.register(layout.table_schema())
+            table = _Table(
+                layout,
+                RowEncoder(
+                    schema,
+                    source_id=self.registry.source_id(schema.name),
+                    partition=self.partition_id,
+                ),
+                compile_decoder(layout),
+                len(layout.columns),
+            )
+            old = self._latest.get(layout.name)
+            if old is not None and old.encoder.table.version == schema.version:
+                table.announced = old.announced
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = table
+        self._by_id[event.table_id] = table
+        self._latest[table.layout.name] = table
+
+    def rows(self, event: Any, op: Op) -> None:
+        txn = self._txn
+        if txn is None:
+            raise SourceConfigError("a rows event outside a transaction")
+        table = self._by_id.get(event.table_id)
+        if table is None:
+            return  # not captured
+        packet = event.packet.packet
+        raw = packet._data
+        start, end = packet._position, len(raw) - self._checksum
+        full = (1 << table.ncols) - 1
+        if (
+            event.number_of_columns != table.ncols
+            or int.from_bytes(event.columns_present_bitmap, "little") != full
+        ):
+            raise SourceConfigError(
+                f"a rows event of {table.layout.name} lacks columns: set binlog_row_image = FULL "
+                "on the server"
+            )
+        if txn.oversized:
+            images = table.decode(raw, start, end, 1)
+            n = len(images) // (2 if op == Op.UPDATE else 1)
+            txn.data_events += n
+            self.row_count += n
+            return
+        self._announce(txn, table)
+        images = table.decode(raw, start, end, 1)
+        changes: list[tuple[int, Any, Any, Any, Any]]
+        if op == Op.INSERT:
+            changes = [(1, row, None, ns or (), ()) for row, ns in images]
+        elif op == Op.DELETE:
+            changes = [(3, None, row, (), ns or ()) for row, ns in images]
+        else:
+            if int.from_bytes(event.columns_present_bitmap2, "little") != full:
+                raise SourceConfigError(
+                    f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
+                    "FULL on the server"
+                )
+            changes = [
+                (2, a, b, ans or (), bns or ())
+                for (b, bns), (a, ans) in zip(images[0::2], images[1::2], strict=True)
+            ]
+        # SCN 0 for now: the commit position is known at the end of the
+        # transaction; _close patches it in
+        self._add(
+            txn, table.encoder.encode_many(changes, 0, txn.ts_ns, first_seq=txn.count), len(changes)
+        )
+        txn.data_events += len(changes)
+        self.row_count += len(changes)
+
+    def _add(self, txn: _Txn, data: bytes, events: int) -> None:
+        txn.events.append(data)
+        txn.count += events
+        txn.size += len(data)
+        if self.max_window_bytes and txn.size > self.max_window_bytes:
+            txn.oversized = True
+            txn.events.clear()
+            txn.count = 0
+            for table in txn.announced:
+                table.announced = False
+            txn.announced.clear()
+
+    def _announce(self, txn: _Txn, table: _Table) -> None:
+        if table.announced:
+            return
+        schema = table.encoder.table
+        change = SchemaChange(
+            table.encoder.source_id,
+            schema.name,
+            schema.version,
+            schema.fingerprint,
+            json.dumps(schema.to_json(), separators=(",", ":")),
+        )
+        self._add(
+            txn, encode_control(change, 0, txn.count, txn.ts_ns, partition=self.partition_id), 1
+        )
+        table.announced = True
+        for other in self._cache.values():  # every cached layout of this version
+            if other.encoder.table.fingerprint == schema.fingerprint:
+                other.announced = True
+        txn.announced.append(table)
+
+    def query(self, event: Any, end_pos: int) -> Window | None:
+        """A QueryEvent: BEGIN, COMMIT, DDL or TRUNCATE."""
+        text = event.query.strip()
+        head = text[:8].upper()
+        if head.startswith("BEGIN"):
+            if self._txn is None:
+                self._txn = _Txn("", event.timestamp * 1_000_000_000, False)
+            return None
+        if head.startswith("COMMIT"):
+            return self.commit(end_pos)
+        if head.startswith(("ROLLBACK", "XA ", "SAVEPOIN")):
+            return None
+        schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
+        effect = self.declared.apply(text, schema or "")
+        txn = self._txn
+        if txn is None:  # a statement without a GTID event (old servers)
+            txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
+        if effect.kind == "truncate":
+            db, name = effect.tables[0]
+            table = self._find(db, name)
+            if table is not None and not txn.oversized:
+                self._announce(txn, table)
+                self._add(txn, table.encoder.encode(Op.TRUNCATE, 0, txn.count, txn.ts_ns, None), 1)
+                txn.data_events += 1
+        elif effect.kind in ("alter", "drop", "rename", "create"):
+            for db, name in effect.tables:
+                table = self._find(db, name)
+                if table is not None:
+                    log.info(
+                        "DDL (%s) on %s at %s:%d",
+                        effect.kind,
+                        table.layout.name,
+                        self.file,
+                        end_pos,
+                    )
+        if txn.standalone:
+            return self.commit(end_pos)
+        return None
+
+    def _find(self, db: str, name: str) -> _Table | None:
+        for key, table in self._latest.items():
+            if key.lower() == f"{db}.{name}":
+                return table
+        return None
+
+    def commit(self, end_pos: int) -> Window | None:
+        """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT)."""
+        txn = self._txn
+        self._txn = None
+        if txn is None:
+            return None
+        scn = self.scn_at(end_pos)
+        position = format_position(txn.gtid, self.file, end_pos)
+        if txn.oversized:
+            what = (
+                f"transaction {txn.gtid or position} has {txn.data_events} changes and more "
+                f"than {self.max_window_bytes} bytes of events (max_transaction_bytes)"
+            )
+            if self.on_oversized == "fail":
+                raise SourceConfigError(
+                    f"{what}; raise max_transaction_bytes (and the relay's buffer) or set "
+                    "on_oversized_transaction = 'skip' to replace it by a data-loss event"
+                )
+            log.error("%s: replaced by a data-loss event", what)
+            return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
+        return self._close(txn, scn, position)
+
+    def control_window(
+        self, payload: ControlPayload, scn: int, position: str, timestamp_ns: int = 0
+    ) -> Window:
+        """A window of one control event at ``scn`` (data loss)."""
+        ts = timestamp_ns or time.time_ns()
+        events = [encode_control(payload, scn, 0, ts, partition=self.partition_id)]
+        end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
+        return Window(scn, ts, b"".join([*events, end]), 2, position)
+
+    def _close(self, txn: _Txn, scn: int, position: str) -> Window:
+        count = txn.count
+        body = _patch_scn(b"".join(txn.events), scn) if txn.events else b""
+        end = encode_control(
+            EndOfWindow(txn.data_events, position),
+            scn,
+            count,
+            txn.ts_ns,
+            partition=self.partition_id,
+        )
+        return Window(scn, txn.ts_ns, body + end, count + 1, position)
+
+
+def _patch_scn(data: bytes, scn: int) -> bytes:
+    """Set the SCN of back-to-back events (written with SCN 0) and redo their header CRCs."""
+    buf = bytearray(data)
+    view = memoryview(buf)
+    pos = 0
+    scn_bytes = scn.to_bytes(8, "little")
+    while pos < len(buf):
+        total = int.from_bytes(buf[pos + 4 : pos + 8], "little")
+        buf[pos + 8 : pos + 16] = scn_bytes
+        buf[pos + 60 : pos + 64] = crc32(view[pos : pos + 60]).to_bytes(4, "little")
+        pos += total
+    view.release()
+    return bytes(buf)

@@ -1,0 +1,233 @@
+"""The mysql fetcher in operation: ops, DDL, rotation, restarts, kill -9, settings, purges."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_mysql_fetcher import caught_up, execute, relay_config, replay, source_rows, wait_until
+
+from changebus.fetchers import ResumePoint
+from changebus.fetchers.mysql import EmbeddedMariaDB, MySQLConfig, MySQLFetcher
+from changebus.relay import Relay
+from changebus.schemas import DataLoss, Op, SchemaChange, SourceConfigError
+
+pytestmark = pytest.mark.mysql
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def current(rows: dict[Any, dict[str, Any]], source: dict[Any, dict[str, Any]]) -> dict[Any, Any]:
+    """Rebuilt rows read with the source's present columns (as an Avro reader schema would)."""
+    columns = next(iter(source.values())).keys() if source else ()
+    return {k: {c: r.get(c) for c in columns} for k, r in rows.items()}
+
+
+def make_tables(server: EmbeddedMariaDB, db: str) -> None:
+    execute(
+        server,
+        db,
+        "CREATE TABLE acct (id int PRIMARY KEY, bal bigint, name varchar(20))",
+        "CREATE TABLE log (id int AUTO_INCREMENT PRIMARY KEY, acct int, delta int)",
+    )
+
+
+def workload(server: EmbeddedMariaDB, db: str, seed: int, txns: int) -> None:
+    """Multi-table transactions: inserts, updates (incl. key changes) and deletes."""
+    rnd = random.Random(seed)
+    conn = server.connect(db)
+    conn.autocommit(False)
+    try:
+        with conn.cursor() as cur:
+            for _ in range(txns):
+                for _ in range(rnd.randint(1, 4)):
+                    k = rnd.randint(1, 40)
+                    r = rnd.random()
+                    if r < 0.5:
+                        cur.execute(
+                            "INSERT INTO acct VALUES (%s, %s, %s) ON DUPLICATE KEY UPDATE bal = VALUES(bal)",
+                            (k, rnd.randint(0, 1000), f"n{k}"),
+                        )
+                    elif r < 0.75:
+                        cur.execute("UPDATE acct SET bal = bal + 1 WHERE id = %s", (k,))
+                    elif r < 0.85:
+                        cur.execute("UPDATE IGNORE acct SET id = id + 100 WHERE id = %s", (k,))
+                    else:
+                        cur.execute("DELETE FROM acct WHERE id = %s", (k,))
+                    cur.execute("INSERT INTO log (acct, delta) VALUES (%s, 1)", (k,))
+                conn.commit()
+    finally:
+        conn.close()
+
+
+async def test_ops_ddl_rotation_truncate_and_restart(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    make_tables(mysql_server, mysql_db)
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        await asyncio.to_thread(workload, mysql_server, mysql_db, 1, 30)
+        execute(mysql_server, mysql_db, "FLUSH BINARY LOGS")
+        await asyncio.to_thread(workload, mysql_server, mysql_db, 2, 20)
+        # DDL mid-stream: a new column, then rows with it; then a dropped column
+        execute(mysql_server, mysql_db, "ALTER TABLE acct ADD COLUMN note json NULL")
+        execute(mysql_server, mysql_db, "UPDATE acct SET note = '{\"k\": 1}' WHERE id < 20")
+        await caught_up(relay, mysql_server, mysql_db)
+        rows, first_scns, events = replay(relay, "acct")
+        src = source_rows(mysql_server, mysql_db, "acct")
+        assert current(rows, src) == src
+    # more while the relay is down: a rotation, a column drop, a truncate
+    execute(mysql_server, mysql_db, "FLUSH BINARY LOGS", "ALTER TABLE acct DROP COLUMN note")
+    await asyncio.to_thread(workload, mysql_server, mysql_db, 3, 20)
+    execute(mysql_server, mysql_db, "TRUNCATE TABLE log", "INSERT INTO log (acct, delta) VALUES (7, 7)")
+    async with Relay(cfg) as relay:
+        await caught_up(relay, mysql_server, mysql_db)
+        rows, scns, events = replay(relay, "acct")
+        log_rows, _, _ = replay(relay, "log")
+        status = relay.hosts["my"].status()
+    assert scns[: len(first_scns)] == first_scns  # nothing rewritten
+    assert scns == sorted(set(scns))  # commit order, no duplicate window
+    src = source_rows(mysql_server, mysql_db, "acct")
+    assert current(rows, src) == src and "note" not in src[next(iter(src))]
+    assert log_rows == source_rows(mysql_server, mysql_db, "log")
+    assert len({s >> 32 for s in scns}) >= 3  # three binlog files
+    ops = [op for op, _ in events]
+    assert Op.TRUNCATE in ops and Op.UPDATE in ops and Op.DELETE in ops
+    versions = [
+        (p.source, p.version) for op, p in events if op == Op.SCHEMA_CHANGE and isinstance(p, SchemaChange)
+    ]
+    acct = [v for s, v in versions if s.endswith(".acct")]
+    assert acct == [1, 2, 3]  # survived the restart: no version repeated or renumbered
+    updates = [p[1] for op, p in events if op == Op.UPDATE and p[0].endswith(".acct")]
+    assert all(u.before is not None and u.after is not None for u in updates)
+    assert status["fetcher"]["kind"] == "mysql" and status["fetcher"]["windows"] > 0
+
+
+async def test_wrong_server_setting_is_a_clear_error(
+    mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_image = 'MINIMAL'")
+    try:
+        fetcher = MySQLFetcher("my", 1, MySQLConfig(host="127.0.0.1", port=mysql_server.port, user="root"))
+        with pytest.raises(SourceConfigError, match="binlog_row_image = FULL"):
+            await fetcher.start(ResumePoint())
+    finally:
+        execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_image = 'FULL'")
+    execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_metadata = 'MINIMAL'")
+    try:
+        with pytest.raises(SourceConfigError, match="binlog_row_metadata"):
+            await fetcher.start(ResumePoint())
+    finally:
+        execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_metadata = 'FULL'")
+
+
+async def test_purged_binlog_becomes_a_data_loss_event(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    make_tables(mysql_server, mysql_db)
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        await asyncio.to_thread(workload, mysql_server, mysql_db, 1, 5)
+        await caught_up(relay, mysql_server, mysql_db)
+        _, before, _ = replay(relay, "acct")
+    # while the relay is down: changes, then their binlog file is purged
+    await asyncio.to_thread(workload, mysql_server, mysql_db, 2, 5)
+    conn = mysql_server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("FLUSH BINARY LOGS")
+            cur.execute("SHOW MASTER STATUS")
+            current = cur.fetchone()[0]
+            # the stopped relay's dump thread may linger and keep its file in use
+            cur.execute("SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'")
+            for (pid,) in cur.fetchall():
+                cur.execute(f"KILL {int(pid)}")
+            deadline = time.monotonic() + 10  # InnoDB may still need the file briefly
+            while True:
+                cur.execute(f"PURGE BINARY LOGS TO '{current}'")
+                cur.execute("SHOW BINARY LOGS")
+                if [r[0] for r in cur.fetchall()] == [current]:
+                    break
+                assert time.monotonic() < deadline, "the server kept the old binlog"
+                time.sleep(0.1)
+    finally:
+        conn.close()
+    async with Relay(cfg) as relay:
+        await caught_up(relay, mysql_server, mysql_db)
+        _, scns, events = replay(relay, "acct")
+    losses = [p for op, p in events if op == Op.DATA_LOSS and isinstance(p, DataLoss)]
+    assert len(losses) == 1
+    assert losses[0].from_scn == before[-1] + 1 and "purged" in losses[0].reason
+    assert scns == sorted(set(scns))
+
+
+def test_relay_killed_with_9_mid_stream_loses_and_repeats_nothing(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    make_tables(mysql_server, mysql_db)
+    data_dir = tmp_path / "relay"
+    toml = tmp_path / "relay.toml"
+    toml.write_text(
+        f'data_dir = "{data_dir}"\nflush_interval_s = 0\n[http]\nport = 0\n'
+        f'[[partitions]]\nname = "my"\nid = 1\ncapacity_bytes = "16MiB"\n'
+        f'[partitions.fetcher]\nkind = "mysql"\n'
+        f'options = {{ host = "127.0.0.1", port = {mysql_server.port}, user = "root", '
+        f'databases = ["{mysql_db}"] }}\n'
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            str(ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")
+        ),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(toml)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not any(data_dir.glob("**/*")) or not _binlog_client(mysql_server):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workload(mysql_server, mysql_db, 1, 40)
+        proc.send_signal(signal.SIGKILL)
+        workload(mysql_server, mysql_db, 2, 40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+    async def restart() -> tuple[dict[Any, dict[str, Any]], list[int]]:
+        async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming", 60)
+            await caught_up(relay, mysql_server, mysql_db)
+            rows, scns, _ = replay(relay, "acct")
+            return rows, scns
+
+    rows, scns = asyncio.run(restart())
+    assert scns == sorted(set(scns))  # no duplicate window, commit order
+    assert len(scns) >= 80  # every transaction
+    assert rows == source_rows(mysql_server, mysql_db, "acct")
+
+
+def _binlog_client(server: EmbeddedMariaDB) -> bool:
+    """True when a binlog reader (the relay's fetcher) is connected."""
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'")
+            return bool(cur.fetchone()[0])
+    finally:
+        conn.close()
