@@ -18,7 +18,14 @@ from test_mysql_fetcher import caught_up, execute, relay_config, replay, source_
 from changebus.fetchers import ResumePoint
 from changebus.fetchers.mysql import EmbeddedMariaDB, MySQLConfig, MySQLFetcher
 from changebus.relay import Relay
-from changebus.schemas import DataLoss, Op, SchemaChange, SourceConfigError
+from changebus.schemas import (
+    DataLoss,
+    Op,
+    SchemaChange,
+    SourceConfigError,
+    binlog_file_number,
+    binlog_to_scn,
+)
 
 pytestmark = pytest.mark.mysql
 
@@ -88,7 +95,9 @@ async def test_ops_ddl_rotation_truncate_and_restart(
     # more while the relay is down: a rotation, a column drop, a truncate
     execute(mysql_server, mysql_db, "FLUSH BINARY LOGS", "ALTER TABLE acct DROP COLUMN note")
     await asyncio.to_thread(workload, mysql_server, mysql_db, 3, 20)
-    execute(mysql_server, mysql_db, "TRUNCATE TABLE log", "INSERT INTO log (acct, delta) VALUES (7, 7)")
+    execute(
+        mysql_server, mysql_db, "TRUNCATE TABLE log", "INSERT INTO log (acct, delta) VALUES (7, 7)"
+    )
     async with Relay(cfg) as relay:
         await caught_up(relay, mysql_server, mysql_db)
         rows, scns, events = replay(relay, "acct")
@@ -103,7 +112,9 @@ async def test_ops_ddl_rotation_truncate_and_restart(
     ops = [op for op, _ in events]
     assert Op.TRUNCATE in ops and Op.UPDATE in ops and Op.DELETE in ops
     versions = [
-        (p.source, p.version) for op, p in events if op == Op.SCHEMA_CHANGE and isinstance(p, SchemaChange)
+        (p.source, p.version)
+        for op, p in events
+        if op == Op.SCHEMA_CHANGE and isinstance(p, SchemaChange)
     ]
     acct = [v for s, v in versions if s.endswith(".acct")]
     assert acct == [1, 2, 3]  # survived the restart: no version repeated or renumbered
@@ -117,7 +128,9 @@ async def test_wrong_server_setting_is_a_clear_error(
 ) -> None:
     execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_image = 'MINIMAL'")
     try:
-        fetcher = MySQLFetcher("my", 1, MySQLConfig(host="127.0.0.1", port=mysql_server.port, user="root"))
+        fetcher = MySQLFetcher(
+            "my", 1, MySQLConfig(host="127.0.0.1", port=mysql_server.port, user="root")
+        )
         with pytest.raises(SourceConfigError, match="binlog_row_image = FULL"):
             await fetcher.start(ResumePoint())
     finally:
@@ -142,33 +155,44 @@ async def test_purged_binlog_becomes_a_data_loss_event(
         _, before, _ = replay(relay, "acct")
     # while the relay is down: changes, then their binlog file is purged
     await asyncio.to_thread(workload, mysql_server, mysql_db, 2, 5)
-    conn = mysql_server.connect()
+    current = await asyncio.to_thread(purge_binlogs, mysql_server)
+    execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (999, 9, 'after')")
+    async with Relay(cfg) as relay:
+        await caught_up(relay, mysql_server, mysql_db)
+        rows, scns, events = replay(relay, "acct")
+    losses = [p for op, p in events if op == Op.DATA_LOSS and isinstance(p, DataLoss)]
+    assert len(losses) == 1
+    assert losses[0].from_scn == before[-1] + 1 and "purged" in losses[0].reason
+    assert losses[0].to_scn == binlog_to_scn(binlog_file_number(current), 4)
+    assert scns == sorted(set(scns))
+    # the stream goes on from the oldest binlog kept: the row written after the purge is there
+    assert rows[999]["name"] == "after"
+
+
+def purge_binlogs(server: EmbeddedMariaDB) -> str:
+    """Rotate, then purge every binlog file but the new one (its name)."""
+    conn = server.connect()
     try:
         with conn.cursor() as cur:
             cur.execute("FLUSH BINARY LOGS")
             cur.execute("SHOW MASTER STATUS")
-            current = cur.fetchone()[0]
+            current = str(cur.fetchone()[0])
             # the stopped relay's dump thread may linger and keep its file in use
-            cur.execute("SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'")
+            cur.execute(
+                "SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'"
+            )
             for (pid,) in cur.fetchall():
                 cur.execute(f"KILL {int(pid)}")
-            deadline = time.monotonic() + 10  # InnoDB may still need the file briefly
+            deadline = time.monotonic() + 10  # until InnoDB's binlog checkpoint moves on
             while True:
                 cur.execute(f"PURGE BINARY LOGS TO '{current}'")
                 cur.execute("SHOW BINARY LOGS")
                 if [r[0] for r in cur.fetchall()] == [current]:
-                    break
+                    return current
                 assert time.monotonic() < deadline, "the server kept the old binlog"
                 time.sleep(0.1)
     finally:
         conn.close()
-    async with Relay(cfg) as relay:
-        await caught_up(relay, mysql_server, mysql_db)
-        _, scns, events = replay(relay, "acct")
-    losses = [p for op, p in events if op == Op.DATA_LOSS and isinstance(p, DataLoss)]
-    assert len(losses) == 1
-    assert losses[0].from_scn == before[-1] + 1 and "purged" in losses[0].reason
-    assert scns == sorted(set(scns))
 
 
 def test_relay_killed_with_9_mid_stream_loses_and_repeats_nothing(
@@ -227,7 +251,9 @@ def _binlog_client(server: EmbeddedMariaDB) -> bool:
     conn = server.connect()
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'")
+            cur.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'"
+            )
             return bool(cur.fetchone()[0])
     finally:
         conn.close()
