@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -123,24 +125,144 @@ async def test_ops_ddl_rotation_truncate_and_restart(
     assert status["fetcher"]["kind"] == "mysql" and status["fetcher"]["windows"] > 0
 
 
+@pytest.mark.parametrize(
+    ("setting", "bad", "good"),
+    [
+        ("binlog_format", "STATEMENT", "ROW"),
+        ("binlog_format", "MIXED", "ROW"),
+        ("binlog_row_image", "MINIMAL", "FULL"),
+        ("binlog_row_image", "NOBLOB", "FULL"),
+        ("binlog_row_metadata", "MINIMAL", "FULL"),
+    ],
+)
 async def test_wrong_server_setting_is_a_clear_error(
+    mysql_server: EmbeddedMariaDB, mysql_db: str, setting: str, bad: str, good: str
+) -> None:
+    fetcher = MySQLFetcher(
+        "my", 1, MySQLConfig(host="127.0.0.1", port=mysql_server.port, user="root")
+    )
+    execute(mysql_server, mysql_db, f"SET GLOBAL {setting} = '{bad}'")
+    try:
+        with pytest.raises(SourceConfigError, match=f"{setting} is {bad}.*{setting} = {good}") as e:
+            await fetcher.start(ResumePoint())
+        assert not e.value.retriable
+    finally:
+        execute(mysql_server, mysql_db, f"SET GLOBAL {setting} = '{good}'")
+
+
+async def test_missing_privileges_are_a_clear_error(
     mysql_server: EmbeddedMariaDB, mysql_db: str
 ) -> None:
-    execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_image = 'MINIMAL'")
+    # no privilege at all: the start-up checks fail; BINLOG MONITOR + SELECT but no
+    # REPLICATION SLAVE: the binlog stream itself is refused
+    users = {f"n{mysql_db}": "", f"m{mysql_db}": "BINLOG MONITOR, SELECT"}
+    for user, grants in users.items():
+        execute(mysql_server, mysql_db, f"CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'pw'")
+        if grants:
+            execute(mysql_server, mysql_db, f"GRANT {grants} ON *.* TO '{user}'@'127.0.0.1'")
     try:
-        fetcher = MySQLFetcher(
-            "my", 1, MySQLConfig(host="127.0.0.1", port=mysql_server.port, user="root")
+        for user in users:
+            config = MySQLConfig(
+                port=mysql_server.port, user=user, password="pw", reconnect_backoff_s=0.01
+            )
+            fetcher = MySQLFetcher("my", 1, config)
+            with pytest.raises(SourceConfigError, match="REPLICATION SLAVE") as e:
+                await start_and_read(fetcher)
+            await fetcher.close()
+            assert not e.value.retriable and "pw" not in e.value.message
+    finally:
+        for user in users:
+            execute(mysql_server, mysql_db, f"DROP USER '{user}'@'127.0.0.1'")
+
+
+async def start_and_read(fetcher: MySQLFetcher) -> None:
+    await fetcher.start(ResumePoint())
+    async for _ in fetcher.windows():
+        pass
+
+
+async def test_a_statement_logged_change_stops_the_stream_with_a_clear_error(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    make_tables(mysql_server, mysql_db)
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (1, 1, 'row')")
+        execute(
+            mysql_server,
+            mysql_db,
+            "SET SESSION binlog_format = 'STATEMENT'",
+            "INSERT INTO acct VALUES (2, 2, 'statement')",
         )
-        with pytest.raises(SourceConfigError, match="binlog_row_image = FULL"):
-            await fetcher.start(ResumePoint())
-    finally:
-        execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_image = 'FULL'")
-    execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_metadata = 'MINIMAL'")
+        await wait_until(lambda: relay.hosts["my"].state == "failed")
+        host = relay.hosts["my"]
+        assert "logged as a statement" in host.last_error
+        assert "'statement'" not in host.last_error  # no statement text
+        rows, _, _ = replay(relay, "acct")
+    assert list(rows) == [1]  # the row change before it is kept
+
+
+async def test_fetcher_reconnects_after_the_server_drops_its_stream(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    make_tables(mysql_server, mysql_db)
+    cfg = relay_config(tmp_path, mysql_server, mysql_db, reconnect_backoff_s=0.05)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        writer = asyncio.create_task(asyncio.to_thread(workload, mysql_server, mysql_db, 5, 150))
+        kills = 0
+        while not writer.done():
+            kills += await asyncio.to_thread(kill_binlog_dumps, mysql_server)
+            await asyncio.sleep(0.1)
+        await writer
+        await caught_up(relay, mysql_server, mysql_db)
+        rows, scns, _ = replay(relay, "acct")
+        status = relay.hosts["my"].status()
+        restarts = relay.hosts["my"].stats["fetcher_restarts"]
+    # the fetcher reconnected by itself: the relay never had to restart it
+    assert kills >= 1 and status["fetcher"]["reconnects"] >= 1 and restarts == 0
+    assert scns == sorted(set(scns)) and len(scns) >= 150  # no loss, no duplicate window
+    assert rows == source_rows(mysql_server, mysql_db, "acct")
+
+
+def kill_binlog_dumps(server: EmbeddedMariaDB) -> int:
+    """Kill the server's binlog dump threads (what a network cut looks like); how many."""
+    conn = server.connect()
     try:
-        with pytest.raises(SourceConfigError, match="binlog_row_metadata"):
-            await fetcher.start(ResumePoint())
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'"
+            )
+            ids = [int(r[0]) for r in cur.fetchall()]
+            for pid in ids:
+                cur.execute(f"KILL {pid}")
+            return len(ids)
     finally:
-        execute(mysql_server, mysql_db, "SET GLOBAL binlog_row_metadata = 'FULL'")
+        conn.close()
+
+
+async def test_a_rewritten_binlog_is_refused_not_misread(tmp_path: Path) -> None:
+    """Same file names, other contents (RESET MASTER, or a failover to another server)."""
+    server = await asyncio.to_thread(EmbeddedMariaDB.start, Path(tempfile.mkdtemp()))
+    try:
+        execute(server, "mysql", "CREATE DATABASE fo")
+        make_tables(server, "fo")
+        cfg = relay_config(tmp_path, server, "fo")
+        async with Relay(cfg) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            await asyncio.to_thread(workload, server, "fo", 1, 10)
+            await caught_up(relay, server, "fo")
+            _, before, _ = replay(relay, "acct")
+        execute(server, "fo", "RESET MASTER")
+        await asyncio.to_thread(workload, server, "fo", 2, 30)
+        async with Relay(cfg) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "failed")
+            assert "is not in this server's binlog" in relay.hosts["my"].last_error
+            _, after, _ = replay(relay, "acct")
+        assert after == before  # nothing read from the wrong place
+    finally:
+        await asyncio.to_thread(server.stop)
+        shutil.rmtree(server.directory, ignore_errors=True)
 
 
 async def test_purged_binlog_becomes_a_data_loss_event(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,9 @@ from ._layout import RowsDecoder, TableLayout, compile_decoder, layout_from_tabl
 __all__ = ["BinlogAssembler", "format_position", "parse_position"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
+
+#: a statement that changes rows (statement-based logging of DML)
+_DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
 
 #: MariaDB GTID event flag: a standalone event group (DDL, no XID follows)
 _FL_STANDALONE = 1
@@ -291,6 +295,15 @@ class BinlogAssembler:
         if head.startswith(("ROLLBACK", "XA ", "SAVEPOIN")):
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
+        if _DML.match(text) and self._may_touch_captured(schema or "", text):
+            # a session ran with binlog_format = STATEMENT or MIXED: the rows it
+            # changed are not in the binlog, only its text (never forwarded)
+            raise SourceConfigError(
+                f"a data change was logged as a statement (at {self.file}:{end_pos}), not as "
+                "rows: a client session ran with binlog_format = STATEMENT or MIXED. Its rows "
+                "cannot be captured; keep binlog_format = ROW for every session (revoke "
+                "SUPER / BINLOG ADMIN from applications), then reseed the tables it changed"
+            )
         effect = self.declared.apply(text, schema or "")
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
@@ -316,6 +329,13 @@ class BinlogAssembler:
         if txn.standalone:
             return self.commit(end_pos)
         return None
+
+    def _may_touch_captured(self, schema: str, text: str) -> bool:
+        """Whether a statement run in ``schema`` may have changed a captured table."""
+        if not self._databases or self.captured(schema):
+            return True
+        lowered = text.lower()
+        return any(db in lowered for db in self._databases)
 
     def _find(self, db: str, name: str) -> _Table | None:
         for key, table in self._latest.items():

@@ -68,6 +68,9 @@ _REQUIRED = (
 )
 
 
+#: server errors that retrying cannot fix: access denied (1044, 1045, 1227), 1142/1143
+_ACCESS_DENIED = frozenset((1044, 1045, 1142, 1143, 1227))
+
 _JSON_VALID = re.compile(r"json_valid\(`((?:[^`]|``)+)`\)", re.I)
 
 
@@ -175,6 +178,7 @@ class MySQLFetcher:
                     raise SourceConfigError("binary logging is off: start the server with log_bin")
                 current = (str(status[0]), int(status[1]))
                 start_scn = self._plan_start(logs, current)
+                self._verify_start(cur)
                 self._seed_declared(cur)
         except pymysql.err.OperationalError as exc:
             raise SourceError(f"lost the MySQL connection: {_reason(exc)}") from None
@@ -242,6 +246,40 @@ class MySQLFetcher:
         else:
             self._start = current
         return binlog_to_scn(binlog_file_number(self._start[0]), self._start[1])
+
+    def _verify_start(self, cur: Any) -> None:
+        """Refuse a resume position that this server's binlog does not hold.
+
+        The relay's last window names its GTID and where it ended (file and
+        position). On the same server, ``BINLOG_GTID_POS(file, pos)`` (MariaDB)
+        is the GTID state right after that window, so it lists the window's
+        GTID. Anything else means the binlog was rewritten under the same file
+        names (``RESET MASTER``) or this is another server (a failover to a
+        replica): reading on from the same file name and offset would decode
+        garbage or skip or repeat transactions, so the fetcher stops instead.
+        MySQL has no such function; there the check is skipped.
+        """
+        import pymysql
+
+        pos = parse_position(self._resume.source_position) if self._resume.scn >= 0 else {}
+        gtid = pos.get("gtid", "")
+        if not gtid or self._data_loss is not None or not pos:
+            return
+        file, offset = pos["file"], int(pos["pos"])
+        try:
+            cur.execute("SELECT BINLOG_GTID_POS(%s, %s)", (file, offset))
+            row = cur.fetchone()
+        except pymysql.err.MySQLError:
+            return  # MySQL: no BINLOG_GTID_POS
+        state = "" if row is None or row[0] is None else str(row[0])
+        if gtid not in {g.strip() for g in state.split(",")}:
+            raise SourceConfigError(
+                f"the relay's last transaction (GTID {gtid}, ending at {file}:{offset}) is not "
+                f"in this server's binlog there (GTID state at that point: {state or 'none'}): "
+                "the server is another one (a failover) or its binlog was reset. Resuming "
+                "by file and offset would skip or repeat transactions; see docs/mysql.md, "
+                "Failover, for the way back"
+            )
 
     def _seed_declared(self, cur: Any) -> None:
         """Declared types: the relay's registry first, information_schema for the rest."""
@@ -313,6 +351,13 @@ class MySQLFetcher:
                 pymysql.err.InterfaceError,
                 _LibraryReconnect,
             ) as exc:
+                code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+                if code in _ACCESS_DENIED:
+                    raise SourceConfigError(
+                        f"the MySQL user may not read the binlog: {_reason(exc)}; grant it "
+                        "REPLICATION SLAVE (and BINLOG MONITOR on MariaDB, REPLICATION CLIENT on "
+                        "MySQL, and SELECT)"
+                    ) from None
                 if self.stats["windows"] > before:
                     failures = 0
                 failures += 1
