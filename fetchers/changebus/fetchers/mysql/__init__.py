@@ -2,7 +2,8 @@
 
 The fetcher registers as kind ``mysql`` (it needs the ``[mysql]`` extra:
 mysql-replication and PyMySQL). This package exposes its configuration, its
-building blocks (TABLE_MAP layouts and their compiled row decoders, the
+building blocks (TABLE_MAP layouts, their compiled row decoders and
+binlog-to-Avro transcoders, the
 declared-type history that follows DDL, the binlog-to-window assembler), the
 consistent-snapshot helper the bootstrap server seeds from, and
 :class:`EmbeddedMariaDB`, a private throwaway server for tests and benchmarks.
@@ -20,8 +21,10 @@ from ._fetcher import MySQLFetcher as MySQLFetcher
 from ._layout import (
     ColumnLayout as ColumnLayout,
     RowsDecoder as RowsDecoder,
+    RowsTranscoder as RowsTranscoder,
     TableLayout as TableLayout,
     compile_decoder as compile_decoder,
+    compile_transcoder as compile_transcoder,
     layout_from_table_map as layout_from_table_map,
 )
 
@@ -34,8 +37,10 @@ __all__ = [
     "MySQLConfig",
     "MySQLFetcher",
     "RowsDecoder",
+    "RowsTranscoder",
     "TableLayout",
     "compile_decoder",
+    "compile_transcoder",
     "find_mariadb_bin",
     "format_position",
     "layout_from_table_map",

@@ -56,7 +56,7 @@ from changebus.schemas import (
 from .._base import Window
 from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
-from ._layout import RowsDecoder, TableLayout, compile_decoder, layout_from_table_map
+from ._layout import RowsTranscoder, TableLayout, compile_transcoder, layout_from_table_map
 
 __all__ = ["BinlogAssembler", "format_position", "parse_position"]
 
@@ -88,7 +88,7 @@ def parse_position(text: str) -> dict[str, str]:
 class _Table:
     layout: TableLayout
     encoder: RowEncoder
-    decode: RowsDecoder
+    transcode: RowsTranscoder
     ncols: int
     announced: bool = False
 
@@ -188,7 +188,7 @@ class BinlogAssembler:
                     source_id=self.registry.source_id(schema.name),
                     partition=self.partition_id,
                 ),
-                compile_decoder(layout),
+                compile_transcoder(layout),
                 len(layout.columns),
             )
             old = self._latest.get(layout.name)
@@ -219,19 +219,18 @@ class BinlogAssembler:
                 f"a rows event of {table.layout.name} lacks columns: set binlog_row_image = FULL "
                 "on the server"
             )
+        images = table.transcode(raw, start, end)
         if txn.oversized:
-            images = table.decode(raw, start, end, 1)
             n = len(images) // (2 if op == Op.UPDATE else 1)
             txn.data_events += n
             self.row_count += n
             return
         self._announce(txn, table)
-        images = table.decode(raw, start, end, 1)
-        changes: list[tuple[int, Any, Any, Any, Any]]
+        changes: list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]]
         if op == Op.INSERT:
-            changes = [(1, row, None, ns or (), ()) for row, ns in images]
+            changes = [(1, key, row, None, ns or (), ()) for key, row, ns in images]
         elif op == Op.DELETE:
-            changes = [(3, None, row, (), ns or ()) for row, ns in images]
+            changes = [(3, key, None, row, (), ns or ()) for key, row, ns in images]
         else:
             if int.from_bytes(event.columns_present_bitmap2, "little") != full:
                 raise SourceConfigError(
@@ -239,14 +238,13 @@ class BinlogAssembler:
                     "FULL on the server"
                 )
             changes = [
-                (2, a, b, ans or (), bns or ())
-                for (b, bns), (a, ans) in zip(images[0::2], images[1::2], strict=True)
+                (2, akey, a, b, ans or (), bns or ())
+                for (_bkey, b, bns), (akey, a, ans) in zip(images[0::2], images[1::2], strict=True)
             ]
         # SCN 0 for now: the commit position is known at the end of the
         # transaction; _close patches it in
-        self._add(
-            txn, table.encoder.encode_many(changes, 0, txn.ts_ns, first_seq=txn.count), len(changes)
-        )
+        data = table.encoder.encode_many_encoded(changes, 0, txn.ts_ns, first_seq=txn.count)
+        self._add(txn, data, len(changes))
         txn.data_events += len(changes)
         self.row_count += len(changes)
 

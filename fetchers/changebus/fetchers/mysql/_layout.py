@@ -40,8 +40,10 @@ from changebus.schemas import AvroType, Column, SourceConfigError, TableSchema, 
 __all__ = [
     "ColumnLayout",
     "RowsDecoder",
+    "RowsTranscoder",
     "TableLayout",
     "compile_decoder",
+    "compile_transcoder",
     "layout_from_table_map",
 ]
 
@@ -296,6 +298,13 @@ def _days_from_civil(year: int, month: int, day: int) -> int:
 
 def _decimal(raw: bytes, precision: int, scale: int) -> decimal.Decimal:
     """A binlog packed DECIMAL (MySQL's decimal2bin format) as a Decimal of ``scale``."""
+    n = _unscaled(raw, precision, scale)
+    # from text: exact at any precision (scaleb would round to the context's 28 digits)
+    return decimal.Decimal(f"{n}E-{scale}")
+
+
+def _unscaled(raw: bytes, precision: int, scale: int) -> int:
+    """A binlog packed DECIMAL as its unscaled integer (the value times ``10**scale``)."""
     intg = precision - scale
     intg0, intg_x = divmod(intg, 9)
     frac0, frac_x = divmod(scale, 9)
@@ -319,8 +328,7 @@ def _decimal(raw: bytes, precision: int, scale: int) -> decimal.Decimal:
     size = _DIG2BYTES[frac_x]
     if size:
         digits = digits * 10**frac_x + int.from_bytes(data[pos : pos + size], "big")
-    # from text: exact at any precision (scaleb would round to the context's 28 digits)
-    return decimal.Decimal(f"{'-' if negative else ''}{digits}E-{scale}")
+    return -digits if negative else digits
 
 
 def _decimal_size(precision: int, scale: int) -> int:
@@ -405,6 +413,7 @@ def _bit(raw: bytes) -> int:
 
 _HELPERS: Final[dict[str, Any]] = {
     "_decimal": _decimal,
+    "_unscaled": _unscaled,
     "_time2": _time2,
     "_datetime2": _datetime2,
     "_date": _date,
@@ -563,3 +572,237 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
     exec(code, env)  # generated from the layout alone: no outside text in the code
     decoder: RowsDecoder = env["decode"]
     return decoder
+
+
+# ---- the generated transcoder: binlog row images straight to Avro ------------------
+
+#: (raw event bytes, start, end) -> list of (key, row, not_sent) per image: the Avro
+#: bytes of the key record and of the row record, the columns not sent (or None)
+RowsTranscoder = Callable[[bytes, int, int], list[tuple[bytes, bytes, list[str] | None]]]
+
+_BYTE: Final = tuple(bytes((i,)) for i in range(256))
+_F32: Final = struct.Struct("<f")
+_F64: Final = struct.Struct("<d")
+
+
+def _long(n: int) -> bytes:
+    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
+    z = (n << 1) ^ (n >> 63)
+    if z < 0x80:
+        return _BYTE[z]
+    if z < 0x4000:
+        return bytes(((z & 0x7F) | 0x80, z >> 7))
+    if z < 0x200000:
+        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
+    last = (z.bit_length() - 1) // 7 * 7
+    return bytes([((z >> s) & 0x7F) | 0x80 for s in range(0, last, 7)]) + _BYTE[z >> last]
+
+
+#: days since the epoch of a packed DATETIME2 date part (``year * 13 + month << 5 | day``);
+#: bounded (cleared when full); None for a zero date. Shared by every transcoder of
+#: the process: entries never change, and a racing clear only costs a recomputation.
+_DAYS: dict[int, int | None] = {}
+
+
+def _ymd_days(ymd: int) -> int | None:
+    ym, day = ymd >> 5, ymd & 31
+    year, month = divmod(ym, 13)
+    days = None if month == 0 or day == 0 else _days_from_civil(year, month, day)
+    if len(_DAYS) > 65536:
+        _DAYS.clear()
+    _DAYS[ymd] = days
+    return days
+
+
+def _decimal_expr(precision: int, scale: int, x: str) -> str:
+    """An expression for the unscaled value of the magnitude ``x`` of a packed decimal
+    (its bytes as one big-endian integer, sign bit and negation already undone)."""
+    intg = precision - scale
+    chunks: list[tuple[int, int]] = []  # (bytes, decimal digits), most significant first
+    if _DIG2BYTES[intg % 9]:
+        chunks.append((_DIG2BYTES[intg % 9], intg % 9))
+    chunks += [(4, 9)] * (intg // 9) + [(4, 9)] * (scale // 9)
+    if _DIG2BYTES[scale % 9]:
+        chunks.append((_DIG2BYTES[scale % 9], scale % 9))
+    terms = []
+    shift = sum(b for b, _ in chunks) * 8
+    digits_after = sum(d for _, d in chunks)
+    for size, digits in chunks:
+        shift -= size * 8
+        digits_after -= digits
+        term = (
+            f"(({x} >> {shift}) & {(1 << size * 8) - 1})"
+            if shift
+            else f"({x} & {(1 << size * 8) - 1})"
+        )
+        terms.append(f"{term} * {10**digits_after}" if digits_after else term)
+    return " + ".join(terms) or "0"
+
+
+def _avro_decimal(n: int) -> bytes:
+    """Avro ``bytes`` of a decimal's unscaled value: big-endian two's complement, shortest."""
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True)
+    return _long(len(raw)) + raw
+
+
+def _avro_string(v: str) -> bytes:
+    raw = v.encode()
+    return _long(len(raw)) + raw
+
+
+def _avro_bytes(v: bytes) -> bytes:
+    return _long(len(v)) + v
+
+
+def _avro_strings(items: list[str]) -> bytes:
+    if not items:
+        return b"\x00"
+    return _long(len(items)) + b"".join(_avro_string(x) for x in items) + b"\x00"
+
+
+_ENCODERS: Final[dict[str, Any]] = {
+    "_DAYS": _DAYS,
+    "_MISS": object(),
+    "_ymd_days": _ymd_days,
+    "_long": _long,
+    "_adec": _avro_decimal,
+    "_astr": _avro_string,
+    "_abytes": _avro_bytes,
+    "_astrs": _avro_strings,
+    "_pf32": _F32.pack,
+    "_pf64": _F64.pack,
+}
+
+
+def _avro_kind(avro: AvroType) -> str:
+    """The Avro physical type of a column type (with ``decimal`` for the logical one)."""
+    if isinstance(avro, dict):
+        if avro.get("logicalType") == "decimal":
+            return "decimal"
+        return str(avro["type"])
+    return str(avro)
+
+
+def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
+    """Statements that read column ``c`` at ``pos`` into ``@e`` (its Avro bytes, or None
+    when the value has no Avro form: listed as not sent) and advance ``pos``."""
+    t = c.binlog_type
+    kind = _avro_kind(c.avro)
+    # the hot types, without a Python value in between where the bytes allow it
+    if t in (T_VARCHAR, T_STRING, T_VAR_STRING, T_BLOB, T_JSON) and c.codec == "utf-8":
+        if t in (T_BLOB, T_JSON):
+            n = c.m("length")
+            head = [f"ln = _from(buf[pos:pos + {n}], 'little')", f"pos += {n}"]
+        elif c.m("length") > 255:
+            head = ["ln = _u16(buf, pos)[0]", "pos += 2"]
+        else:
+            head = ["ln = buf[pos]", "pos += 1"]
+        return [*head, "@e = _long(ln) + buf[pos:pos + ln]", "pos += ln"]
+    if t == T_NEWDECIMAL:
+        p, sc = c.m("precision"), c.m("scale")
+        n = _decimal_size(p, sc)
+        # the sign is the top bit, inverted; a negative value has every byte inverted
+        return [
+            f"x = _from(buf[pos:pos + {n}], 'big')",
+            f"neg = x >> {8 * n - 1} == 0",
+            f"x ^= {1 << (8 * n - 1)}",
+            f"if neg: x ^= {(1 << 8 * n) - 1}",
+            f"u = {_decimal_expr(p, sc, 'x')}",
+            "@e = _adec(-u if neg else u)",
+            f"pos += {n}",
+        ]
+    if t == T_DATETIME2:
+        fsp = c.m("fsp")
+        frac = f" + _frac(buf, pos + 5, {fsp})" if fsp else ""
+        return [
+            "x = _from(buf[pos:pos + 5], 'big') - 0x8000000000",
+            "dd = _DAYS.get(x >> 17, _MISS)",
+            "if dd is _MISS: dd = _ymd_days(x >> 17)",
+            "if dd is None: @e = None",
+            "else:",
+            "    h = x & 0x1FFFF",
+            "    @e = _long((dd * 86400 + (h >> 12) * 3600 + ((h >> 6) & 63) * 60 + (h & 63))"
+            f" * 1000000{frac})",
+            f"pos += {5 + (fsp + 1) // 2}",
+        ]
+    if t == T_DOUBLE and kind == "double":
+        return ["@e = buf[pos:pos + 8]", "pos += 8"]
+    if t == T_FLOAT and kind == "float":
+        return ["@e = buf[pos:pos + 4]", "pos += 4"]
+    # the decoder's own not-sent bookkeeping is done by the caller here
+    code = [line for line in _value_code(c, i) if not line.startswith("if @v is None: ns")]
+    if t == T_LONGLONG and c.unsigned and kind == "decimal":
+        code = [line for line in code if line != "@v = _dec(@v)"]
+        enc = "_adec(@v)"
+    elif kind in ("int", "long"):
+        enc = "_long(@v)"
+    elif kind == "boolean":
+        enc = "(b'\\x01' if @v else b'\\x00')"
+    elif kind == "float":
+        enc = "_pf32(@v)"
+    elif kind == "double":
+        enc = "_pf64(@v)"
+    elif kind == "string":
+        enc = "_astr(@v)"
+    elif kind == "bytes":
+        enc = "_abytes(@v)"
+    elif kind == "array":
+        enc = "_astrs(@v)"
+    else:
+        raise SourceConfigError(f"column {c.name!r}: no Avro encoding for {c.avro!r}")
+    # a value without an Avro form (a zero date) is None here and listed as not sent
+    return [*code, f"@e = None if @v is None else {enc}"]
+
+
+def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
+    """A function from row images to Avro bytes for ``layout`` (the row record of
+    ``layout.table_schema()``: every field ``["null", T]``, in column order; the key
+    record: the key columns' ``T`` in key order).
+
+    Same values as :func:`compile_decoder` followed by fastavro, without the Python
+    row in between: UTF-8 text, doubles and floats are copied as they are in the
+    binlog, decimals go from their packed form to Avro's two's complement directly.
+    """
+    cols = layout.columns
+    nbytes = (len(cols) + 7) // 8
+    index = {c.name: i for i, c in enumerate(cols)}
+    key = [index[k] for k in layout.key]
+    lines = [
+        "def transcode(buf, pos, end):",
+        "    out = []",
+        "    append = out.append",
+        "    while pos < end:",
+        f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
+        f"        pos += {nbytes}",
+        "        ns = None",
+    ]
+    env = dict(_HELPERS)
+    env.update(_ENCODERS)
+    for i, c in enumerate(cols):
+        env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec
+        lines.append(f"        if nulls >> {i} & 1:")
+        lines.append(f"            e{i} = b'\\x00'")
+        lines.append("        else:")
+        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in _transcode_code(c, i)]
+        lines.extend("            " + s for s in body)
+        lines.append(f"            if e{i} is None:")
+        lines.append(f"                e{i} = b'\\x00'")
+        lines.append(f"                ns = (ns or []) + [_name{i}]")
+        lines.append("            else:")
+        if i in key:
+            lines.append(f"                k{i} = e{i}")
+        lines.append(f"                e{i} = b'\\x02' + e{i}")
+    if key:
+        keyexpr = (
+            f"k{key[0]}" if len(key) == 1 else f"b''.join(({', '.join(f'k{i}' for i in key)},))"
+        )
+    else:
+        keyexpr = "b''"
+    row = ", ".join(f"e{i}" for i in range(len(cols)))
+    lines.append(f"        append(({keyexpr}, b''.join(({row},)), ns))")
+    lines.append("    return out")
+    source = "\n".join(lines)
+    code = compile(source, f"<changebus mysql transcoder {layout.name}>", "exec")
+    exec(code, env)  # generated from the layout alone: no outside text in the code
+    transcoder: RowsTranscoder = env["transcode"]
+    return transcoder
