@@ -18,7 +18,12 @@ import pytest
 from test_mysql_fetcher import caught_up, execute, relay_config, replay, source_rows, wait_until
 
 from changebus.fetchers import ResumePoint
-from changebus.fetchers.mysql import EmbeddedMariaDB, MySQLConfig, MySQLFetcher
+from changebus.fetchers.mysql import (
+    EmbeddedMariaDB,
+    MySQLConfig,
+    MySQLFetcher,
+    consistent_snapshot,
+)
 from changebus.relay import Relay
 from changebus.schemas import (
     DataLoss,
@@ -379,3 +384,45 @@ def _binlog_client(server: EmbeddedMariaDB) -> bool:
             return bool(cur.fetchone()[0])
     finally:
         conn.close()
+
+
+async def test_consistent_snapshot_plus_the_stream_after_it_is_the_table(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """Seeding: rows of a snapshot taken under load, then the windows after its SCN."""
+    make_tables(mysql_server, mysql_db)
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        host = relay.hosts["my"]
+        writer = asyncio.create_task(asyncio.to_thread(workload, mysql_server, mysql_db, 7, 400))
+        # the snapshot lands in the middle of the writes
+        await wait_until(lambda: host.buffer.stats["windows_appended"] >= 20)
+        config = MySQLConfig(port=mysql_server.port, user="root")
+        with await asyncio.to_thread(consistent_snapshot, config) as snap:
+            assert not writer.done()
+            seeded = {r["id"]: r for batch in snap.rows(mysql_db, "acct", 7) for r in batch}
+            at = snap.scn
+        await writer
+        assert not writer.exception()
+        await caught_up(relay, mysql_server, mysql_db)
+        _, scns, events = replay(relay, "acct")
+    assert scns[0] < at < scns[-1]  # taken while the stream ran
+    # apply the changes of the windows after the snapshot to its rows
+    rows = dict(seeded)
+    pending: list[tuple[Op, Any]] = []
+    window_scns = iter(scns)
+    applied = 0
+    for op, payload in events:
+        if op == Op.END_OF_WINDOW:
+            if next(window_scns) > at:
+                for change_op, change in pending:
+                    applied += 1
+                    if change_op in (Op.UPDATE, Op.DELETE):
+                        rows.pop(change.before["id"], None)
+                    if change_op in (Op.INSERT, Op.UPDATE):
+                        rows[change.after["id"]] = change.after
+            pending = []
+        elif not op.is_control and payload[0].endswith(".acct"):
+            pending.append((op, payload[1]))
+    assert applied > 0 and seeded  # both halves matter
+    assert rows == source_rows(mysql_server, mysql_db, "acct")

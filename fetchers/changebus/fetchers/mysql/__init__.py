@@ -27,6 +27,7 @@ from ._layout import (
     compile_transcoder as compile_transcoder,
     layout_from_table_map as layout_from_table_map,
 )
+from ._snapshot import MySQLSnapshot as MySQLSnapshot, consistent_snapshot as consistent_snapshot
 
 __all__ = [
     "BinlogAssembler",
@@ -36,11 +37,13 @@ __all__ = [
     "EmbeddedMariaDB",
     "MySQLConfig",
     "MySQLFetcher",
+    "MySQLSnapshot",
     "RowsDecoder",
     "RowsTranscoder",
     "TableLayout",
     "compile_decoder",
     "compile_transcoder",
+    "consistent_snapshot",
     "find_mariadb_bin",
     "format_position",
     "layout_from_table_map",
