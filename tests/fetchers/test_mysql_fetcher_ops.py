@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_mysql_fetcher import caught_up, execute, relay_config, replay, source_rows, wait_until
+from test_mysql_fetcher import (
+    caught_up,
+    execute,
+    master_scn,
+    relay_config,
+    replay,
+    source_rows,
+    wait_until,
+)
 
 from changebus.fetchers import ResumePoint
 from changebus.fetchers.mysql import (
@@ -27,6 +35,7 @@ from changebus.fetchers.mysql import (
 from changebus.relay import Relay
 from changebus.schemas import (
     DataLoss,
+    Heartbeat,
     Op,
     SchemaChange,
     SourceConfigError,
@@ -426,3 +435,35 @@ async def test_consistent_snapshot_plus_the_stream_after_it_is_the_table(
             pending.append((op, payload[1]))
     assert applied > 0 and seeded  # both halves matter
     assert rows == source_rows(mysql_server, mysql_db, "acct")
+
+
+async def test_a_quiet_database_still_moves_the_resume_position(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """Transactions elsewhere become a HEARTBEAT window now and then, not one each."""
+    make_tables(mysql_server, mysql_db)
+    other = f"o{mysql_db}"
+    execute(mysql_server, mysql_db, f"CREATE DATABASE {other}")
+    execute(mysql_server, other, "CREATE TABLE busy (id int PRIMARY KEY)")
+    cfg = relay_config(tmp_path, mysql_server, mysql_db, idle_window_interval_s=0.3)
+    try:
+        async with Relay(cfg) as relay:
+            host = relay.hosts["my"]
+            await wait_until(lambda: host.state == "streaming")
+            first = host.buffer.meta.last_scn
+            t0 = time.monotonic()
+            for i in range(60):
+                execute(mysql_server, other, f"INSERT INTO busy VALUES ({i})")
+                await asyncio.sleep(0.02)
+            target = master_scn(mysql_server)
+            execute(mysql_server, other, "INSERT INTO busy VALUES (1000)")  # past the interval
+            await wait_until(lambda: host.buffer.meta.last_scn >= target)
+            elapsed = time.monotonic() - t0
+            _, scns, events = replay(relay, "acct")
+    finally:
+        execute(mysql_server, mysql_db, f"DROP DATABASE {other}")
+    beats = [p for op, p in events if op == Op.HEARTBEAT]
+    # one per interval at most (61 transactions passed), and no other windows
+    assert 1 <= len(beats) <= min(elapsed / 0.3 + 1, 40) and len(scns) == len(beats)
+    assert scns[-1] > first and scns == sorted(set(scns))
+    assert all(isinstance(b, Heartbeat) and "file=" in b.source_position for b in beats)

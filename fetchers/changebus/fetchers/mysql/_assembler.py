@@ -42,6 +42,7 @@ from changebus.schemas import (
     ControlPayload,
     DataLoss,
     EndOfWindow,
+    Heartbeat,
     Op,
     RowEncoder,
     SchemaChange,
@@ -64,6 +65,9 @@ log = logging.getLogger("changebus.fetchers.mysql")
 
 #: a statement that changes rows (statement-based logging of DML)
 _DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
+
+#: header, CRC, union branches and empty not-sent arrays of one row event (a bound)
+_EVENT_OVERHEAD = 72
 
 #: MariaDB GTID event flag: a standalone event group (DDL, no XID follows)
 _FL_STANDALONE = 1
@@ -98,7 +102,9 @@ class _Txn:
     gtid: str
     ts_ns: int
     standalone: bool
-    events: list[bytes] = field(default_factory=list)
+    #: encoded events with SCN 0 (patched at the commit), or row changes still to
+    #: frame, ``(encoder, changes, first seq)``, framed at the commit with its SCN
+    events: list[bytes | tuple[RowEncoder, list[Any], int]] = field(default_factory=list)
     #: events kept so far (the next event's seq)
     count: int = 0
     data_events: int = 0
@@ -137,6 +143,8 @@ class BinlogAssembler:
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
         self._txn: _Txn | None = None
         self.row_count = 0
+        #: the last window :meth:`commit` returned holds no change (see there)
+        self.last_empty = False
 
     # ---- positions ----------------------------------------------------------
 
@@ -243,15 +251,24 @@ class BinlogAssembler:
             ]
         # SCN 0 for now: the commit position is known at the end of the
         # transaction; _close patches it in
-        data = table.encoder.encode_many_encoded(changes, 0, txn.ts_ns, first_seq=txn.count)
-        self._add(txn, data, len(changes))
+        # framed at the commit, when the SCN is known; the size is the framed size
+        size = len(changes) * _EVENT_OVERHEAD + sum(
+            len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
+        )
+        self._add(txn, (table.encoder, changes, txn.count), len(changes), size)
         txn.data_events += len(changes)
         self.row_count += len(changes)
 
-    def _add(self, txn: _Txn, data: bytes, events: int) -> None:
+    def _add(
+        self,
+        txn: _Txn,
+        data: bytes | tuple[RowEncoder, list[Any], int],
+        events: int,
+        size: int = 0,
+    ) -> None:
         txn.events.append(data)
         txn.count += events
-        txn.size += len(data)
+        txn.size += size or len(data)
         if self.max_window_bytes and txn.size > self.max_window_bytes:
             txn.oversized = True
             txn.events.clear()
@@ -342,7 +359,12 @@ class BinlogAssembler:
         return None
 
     def commit(self, end_pos: int) -> Window | None:
-        """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT)."""
+        """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT).
+
+        After it, :attr:`last_empty` says whether the window holds no change (a
+        HEARTBEAT window for a transaction that touched nothing captured).
+        """
+        self.last_empty = False
         txn = self._txn
         self._txn = None
         if txn is None:
@@ -374,7 +396,18 @@ class BinlogAssembler:
 
     def _close(self, txn: _Txn, scn: int, position: str) -> Window:
         count = txn.count
-        body = _patch_scn(b"".join(txn.events), scn) if txn.events else b""
+        self.last_empty = count == 0
+        if count == 0:
+            # nothing captured (other databases, DDL): a HEARTBEAT window, which the
+            # fetcher writes only now and then, to keep the resume position current
+            return self.control_window(Heartbeat(position), scn, position, txn.ts_ns)
+        parts = [
+            _patch_scn(part, scn)
+            if isinstance(part, bytes)
+            else part[0].encode_many_encoded(part[1], scn, txn.ts_ns, first_seq=part[2])
+            for part in txn.events
+        ]
+        body = b"".join(parts)
         end = encode_control(
             EndOfWindow(txn.data_events, position),
             scn,

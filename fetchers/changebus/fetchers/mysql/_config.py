@@ -28,6 +28,10 @@ class MySQLConfig:
     server_id: int = 0
     #: the server sends a heartbeat after this long without events (idle detection, shutdown)
     heartbeat_interval_s: float = 1.0
+    #: a transaction with no captured change (other databases, DDL) becomes a HEARTBEAT
+    #: window at most this often: the relay's resume position keeps up (a purged
+    #: binlog behind a quiet database is no false data loss) without a window for each
+    idle_window_interval_s: float = 5.0
     connect_timeout_s: float = 10.0
     #: reconnects from the last emitted window before the error goes to the relay
     reconnect_attempts: int = 3
@@ -59,7 +63,12 @@ class MySQLConfig:
         for option in ("heartbeat_interval_s", "connect_timeout_s"):
             if getattr(self, option) <= 0:
                 raise ConfigError(f"fetcher option {option} must be positive")
-        for option in ("reconnect_attempts", "reconnect_backoff_s", "max_transaction_bytes"):
+        for option in (
+            "reconnect_attempts",
+            "reconnect_backoff_s",
+            "max_transaction_bytes",
+            "idle_window_interval_s",
+        ):
             if getattr(self, option) < 0:
                 raise ConfigError(f"fetcher option {option} must not be negative")
         if not 0 <= self.server_id < 2**32:

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -458,6 +459,8 @@ class MySQLFetcher:
         )
 
         ops = {WriteRowsEvent: Op.INSERT, UpdateRowsEvent: Op.UPDATE, DeleteRowsEvent: Op.DELETE}
+        cfg = self.config
+        last_emit = time.monotonic()
         reader = self._reader()
         assembler._txn = None  # a reconnect starts at a transaction boundary
         try:
@@ -491,6 +494,11 @@ class MySQLFetcher:
                     )
                     if window.scn <= self._last_scn:
                         continue  # the relay holds it already
+                    if assembler.last_empty:
+                        now = time.monotonic()
+                        if now - last_emit < cfg.idle_window_interval_s:
+                            continue  # nothing captured: a HEARTBEAT window now and then
+                    last_emit = time.monotonic()
                     self._emit(window, emit)
                     self.stats["rows"] = assembler.row_count
         finally:

@@ -780,18 +780,23 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     env.update(_ENCODERS)
     for i, c in enumerate(cols):
         env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec
-        lines.append(f"        if nulls >> {i} & 1:")
-        lines.append(f"            e{i} = b'\\x00'")
-        lines.append("        else:")
+        # NOT NULL columns skip the null bit; only temporal types can lack an Avro value
+        pad = "            " if c.nullable else "        "
+        if c.nullable:
+            lines.append(f"        if nulls >> {i} & 1:")
+            lines.append(f"            e{i} = b'\\x00'")
+            lines.append("        else:")
         body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in _transcode_code(c, i)]
-        lines.extend("            " + s for s in body)
-        lines.append(f"            if e{i} is None:")
-        lines.append(f"                e{i} = b'\\x00'")
-        lines.append(f"                ns = (ns or []) + [_name{i}]")
-        lines.append("            else:")
+        lines.extend(pad + s for s in body)
+        if c.binlog_type in (T_DATE, T_DATETIME2, T_TIMESTAMP2):
+            lines.append(f"{pad}if e{i} is None:")
+            lines.append(f"{pad}    e{i} = b'\\x00'")
+            lines.append(f"{pad}    ns = (ns or []) + [_name{i}]")
+            lines.append(f"{pad}else:")
+            pad += "    "
         if i in key:
-            lines.append(f"                k{i} = e{i}")
-        lines.append(f"                e{i} = b'\\x02' + e{i}")
+            lines.append(f"{pad}k{i} = e{i}")
+        lines.append(f"{pad}e{i} = b'\\x02' + e{i}")
     if key:
         keyexpr = (
             f"k{key[0]}" if len(key) == 1 else f"b''.join(({', '.join(f'k{i}' for i in key)},))"
