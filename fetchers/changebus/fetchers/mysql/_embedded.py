@@ -95,6 +95,13 @@ class EmbeddedMariaDB:
         directory.mkdir(parents=True, exist_ok=True)
         user = _server_user()
         if user is not None:
+            for parent in directory.resolve().parents:
+                if not parent.stat().st_mode & 0o001:
+                    raise ConfigError(
+                        f"{directory} is inside {parent}, which the server's user {user} "
+                        f"cannot enter (mode {parent.stat().st_mode & 0o777:o}): use a "
+                        "directory whose parents are searchable by others (tempfile.mkdtemp())"
+                    )
             shutil.chown(directory, user)
             directory.chmod(0o755)
         data = directory / "data"
