@@ -110,7 +110,7 @@ def stock_decode(server: EmbeddedMariaDB, files: list[str]) -> dict[str, tuple[i
 
 
 async def changebus_drain(
-    server: EmbeddedMariaDB, base: Path, windows: list[int]
+    server: EmbeddedMariaDB, base: Path, windows: list[int], decode_workers: int = 0
 ) -> tuple[list[float], dict[str, Any]]:
     """Seconds from the relay's start until its buffer holds ``windows[i]`` windows."""
     cfg = RelayConfig(
@@ -122,7 +122,10 @@ async def changebus_drain(
                 1,
                 capacity_bytes=512 << 20,
                 fetcher=FetcherConfig(
-                    "mysql", server.options(databases=["bench"], start_at="earliest")
+                    "mysql",
+                    server.options(
+                        databases=["bench"], start_at="earliest", decode_workers=decode_workers
+                    ),
                 ),
             ),
         ),
@@ -157,6 +160,9 @@ def main() -> None:
     ap.add_argument("--txn-rows", type=int, default=1_000)
     ap.add_argument("--wide", action="store_true", help="7 columns instead of 5")
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs; best of each")
+    ap.add_argument(
+        "--decode-workers", type=int, default=0, help="the fetcher's decode_workers option"
+    )
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-mysql-"))
     server = EmbeddedMariaDB.start(base)
@@ -165,6 +171,7 @@ def main() -> None:
         "txn_rows": args.txn_rows,
         "wide": args.wide,
         "rounds": args.rounds,
+        "decode_workers": args.decode_workers,
     }
     try:
         print(f"writing a backlog of {args.rows:,} inserts and {args.rows:,} updates ...")
@@ -176,7 +183,9 @@ def main() -> None:
             for file, (n, stock_s) in stock_decode(server, files).items():
                 assert n == args.rows, (file, n)
                 best[f"stock {file}"] = min(best.get(f"stock {file}", 1e9), stock_s)
-            marks, stats = asyncio.run(changebus_drain(server, base, [txns, 2 * txns]))
+            marks, stats = asyncio.run(
+                changebus_drain(server, base, [txns, 2 * txns], args.decode_workers)
+            )
             best["changebus start"] = min(best.get("changebus start", 1e9), marks[0])
             best["changebus insert"] = min(best.get("changebus insert", 1e9), marks[1])
             best["changebus update"] = min(best.get("changebus update", 1e9), marks[2] - marks[1])

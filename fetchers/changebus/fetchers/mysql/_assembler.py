@@ -35,6 +35,8 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +52,6 @@ from changebus.schemas import (
     SourceConfigError,
     binlog_file_number,
     binlog_to_scn,
-    crc32,
     encode_control,
 )
 
@@ -59,7 +60,13 @@ from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
 from ._layout import RowsTranscoder, TableLayout, compile_transcoder, layout_from_table_map
 
-__all__ = ["BinlogAssembler", "format_position", "parse_position"]
+__all__ = [
+    "BinlogAssembler",
+    "PendingWindow",
+    "format_position",
+    "parse_position",
+    "transcode_changes",
+]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
@@ -97,16 +104,22 @@ class _Table:
     announced: bool = False
 
 
+_Part = (
+    tuple[RowEncoder, "list[Any] | Future[list[Any]]"] | tuple[Callable[[int, int], bytes], bool]
+)
+
+
 @dataclass
 class _Txn:
     gtid: str
     ts_ns: int
     standalone: bool
-    #: encoded events with SCN 0 (patched at the commit), or row changes still to
-    #: frame, ``(encoder, changes, first seq)``, framed at the commit with its SCN
-    events: list[bytes | tuple[RowEncoder, list[Any], int]] = field(default_factory=list)
-    #: events kept so far (the next event's seq)
-    count: int = 0
+    #: the window's events, encoded at the commit (SCN and seq known then): row
+    #: changes ``(encoder, changes or a future of them)`` or a control/TRUNCATE event
+    #: ``(fn(scn, seq) -> bytes, is a data event)``
+    events: list[_Part] = field(default_factory=list)
+    #: futures of row changes of an oversized transaction (counted only)
+    dropped: list[Future[list[Any]]] = field(default_factory=list)
     data_events: int = 0
     size: int = 0
     oversized: bool = False
@@ -127,6 +140,7 @@ class BinlogAssembler:
         tinyint1_as_boolean: bool = False,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
+        pool: Executor | None = None,
     ) -> None:
         self.partition_id = partition_id
         self.registry = registry
@@ -136,6 +150,8 @@ class BinlogAssembler:
         self._boolean = tinyint1_as_boolean
         self.max_window_bytes = max_window_bytes
         self.on_oversized = on_oversized
+        #: decode workers (processes) that transcode rows events; None: this thread
+        self._pool = pool
         self.file = ""
         self._file_number = 0
         self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
@@ -227,52 +243,46 @@ class BinlogAssembler:
                 f"a rows event of {table.layout.name} lacks columns: set binlog_row_image = FULL "
                 "on the server"
             )
-        images = table.transcode(raw, start, end)
+        changes: list[Any] | Future[list[Any]]
+        if self._pool is not None:
+            changes = self._pool.submit(transcode_changes, table.layout, raw[start:end], int(op))
+            size = (end - start) * 2  # an estimate until the worker is done
+        else:
+            changes = transcode_changes(table.layout, raw, int(op), start, end, table.transcode)
+            size = len(changes) * _EVENT_OVERHEAD + sum(
+                len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
+            )
+        if int(op) == 2 and int.from_bytes(event.columns_present_bitmap2, "little") != full:
+            raise SourceConfigError(
+                f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
+                "FULL on the server"
+            )
         if txn.oversized:
-            n = len(images) // (2 if op == Op.UPDATE else 1)
-            txn.data_events += n
-            self.row_count += n
+            if isinstance(changes, Future):
+                txn.dropped.append(changes)
+            else:
+                txn.data_events += len(changes)
+                self.row_count += len(changes)
             return
         self._announce(txn, table)
-        changes: list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]]
-        if op == Op.INSERT:
-            changes = [(1, key, row, None, ns or (), ()) for key, row, ns in images]
-        elif op == Op.DELETE:
-            changes = [(3, key, None, row, (), ns or ()) for key, row, ns in images]
-        else:
-            if int.from_bytes(event.columns_present_bitmap2, "little") != full:
-                raise SourceConfigError(
-                    f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
-                    "FULL on the server"
-                )
-            changes = [
-                (2, akey, a, b, ans or (), bns or ())
-                for (_bkey, b, bns), (akey, a, ans) in zip(images[0::2], images[1::2], strict=True)
-            ]
-        # SCN 0 for now: the commit position is known at the end of the
-        # transaction; _close patches it in
-        # framed at the commit, when the SCN is known; the size is the framed size
-        size = len(changes) * _EVENT_OVERHEAD + sum(
-            len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
-        )
-        self._add(txn, (table.encoder, changes, txn.count), len(changes), size)
-        txn.data_events += len(changes)
-        self.row_count += len(changes)
+        self._add(txn, (table.encoder, changes), size)
 
-    def _add(
-        self,
-        txn: _Txn,
-        data: bytes | tuple[RowEncoder, list[Any], int],
-        events: int,
-        size: int = 0,
-    ) -> None:
-        txn.events.append(data)
-        txn.count += events
-        txn.size += size or len(data)
+    def _add(self, txn: _Txn, part: _Part, size: int) -> None:
+        txn.events.append(part)
+        txn.size += size
         if self.max_window_bytes and txn.size > self.max_window_bytes:
             txn.oversized = True
+            for kept in txn.events:  # only counted from now on
+                if isinstance(kept[0], RowEncoder):
+                    changes = kept[1]
+                    if isinstance(changes, Future):
+                        txn.dropped.append(changes)
+                    else:
+                        txn.data_events += len(changes)
+                        self.row_count += len(changes)
+                elif kept[1]:
+                    txn.data_events += 1
             txn.events.clear()
-            txn.count = 0
             for table in txn.announced:
                 table.announced = False
             txn.announced.clear()
@@ -288,8 +298,11 @@ class BinlogAssembler:
             schema.fingerprint,
             json.dumps(schema.to_json(), separators=(",", ":")),
         )
+        ts, partition = txn.ts_ns, self.partition_id
         self._add(
-            txn, encode_control(change, 0, txn.count, txn.ts_ns, partition=self.partition_id), 1
+            txn,
+            (lambda scn, seq: encode_control(change, scn, seq, ts, partition=partition), False),
+            len(change.schema) + 200,
         )
         table.announced = True
         for other in self._cache.values():  # every cached layout of this version
@@ -297,7 +310,7 @@ class BinlogAssembler:
                 other.announced = True
         txn.announced.append(table)
 
-    def query(self, event: Any, end_pos: int) -> Window | None:
+    def query(self, event: Any, end_pos: int) -> Window | PendingWindow | None:
         """A QueryEvent: BEGIN, COMMIT, DDL or TRUNCATE."""
         text = event.query.strip()
         head = text[:8].upper()
@@ -328,8 +341,12 @@ class BinlogAssembler:
             table = self._find(db, name)
             if table is not None and not txn.oversized:
                 self._announce(txn, table)
-                self._add(txn, table.encoder.encode(Op.TRUNCATE, 0, txn.count, txn.ts_ns, None), 1)
-                txn.data_events += 1
+                encoder, ts = table.encoder, txn.ts_ns
+                self._add(
+                    txn,
+                    (lambda scn, seq: encoder.encode(Op.TRUNCATE, scn, seq, ts, None), True),
+                    100,
+                )
         elif effect.kind in ("alter", "drop", "rename", "create"):
             for db, name in effect.tables:
                 table = self._find(db, name)
@@ -358,9 +375,11 @@ class BinlogAssembler:
                 return table
         return None
 
-    def commit(self, end_pos: int) -> Window | None:
+    def commit(self, end_pos: int) -> Window | PendingWindow | None:
         """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT).
 
+        Returns its window; with decode workers a :class:`PendingWindow` (its
+        rows are still being transcoded) that the caller resolves in order.
         After it, :attr:`last_empty` says whether the window holds no change (a
         HEARTBEAT window for a transaction that touched nothing captured).
         """
@@ -371,6 +390,30 @@ class BinlogAssembler:
             return None
         scn = self.scn_at(end_pos)
         position = format_position(txn.gtid, self.file, end_pos)
+        if not txn.events and not txn.dropped and not txn.oversized:
+            # nothing captured (other databases, DDL): a HEARTBEAT window, which the
+            # fetcher writes only now and then, to keep the resume position current
+            self.last_empty = True
+            return self.control_window(Heartbeat(position), scn, position, txn.ts_ns)
+        pending = PendingWindow(self, txn, scn, position)
+        return pending if self._pool is not None else pending.resolve()
+
+    def control_window(
+        self, payload: ControlPayload, scn: int, position: str, timestamp_ns: int = 0
+    ) -> Window:
+        """A window of one control event at ``scn`` (data loss)."""
+        ts = timestamp_ns or time.time_ns()
+        events = [encode_control(payload, scn, 0, ts, partition=self.partition_id)]
+        end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
+        return Window(scn, ts, b"".join([*events, end]), 2, position)
+
+    def _close(self, txn: _Txn, scn: int, position: str) -> Window:
+        """Encode a committed transaction's events (futures are waited for)."""
+        for future in txn.dropped:
+            n = len(future.result())
+            txn.data_events += n
+            self.row_count += n
+        txn.dropped.clear()
         if txn.oversized:
             what = (
                 f"transaction {txn.gtid or position} has {txn.data_events} changes and more "
@@ -383,51 +426,80 @@ class BinlogAssembler:
                 )
             log.error("%s: replaced by a data-loss event", what)
             return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
-        return self._close(txn, scn, position)
-
-    def control_window(
-        self, payload: ControlPayload, scn: int, position: str, timestamp_ns: int = 0
-    ) -> Window:
-        """A window of one control event at ``scn`` (data loss)."""
-        ts = timestamp_ns or time.time_ns()
-        events = [encode_control(payload, scn, 0, ts, partition=self.partition_id)]
-        end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
-        return Window(scn, ts, b"".join([*events, end]), 2, position)
-
-    def _close(self, txn: _Txn, scn: int, position: str) -> Window:
-        count = txn.count
-        self.last_empty = count == 0
-        if count == 0:
-            # nothing captured (other databases, DDL): a HEARTBEAT window, which the
-            # fetcher writes only now and then, to keep the resume position current
-            return self.control_window(Heartbeat(position), scn, position, txn.ts_ns)
-        parts = [
-            _patch_scn(part, scn)
-            if isinstance(part, bytes)
-            else part[0].encode_many_encoded(part[1], scn, txn.ts_ns, first_seq=part[2])
-            for part in txn.events
-        ]
-        body = b"".join(parts)
-        end = encode_control(
-            EndOfWindow(txn.data_events, position),
-            scn,
-            count,
-            txn.ts_ns,
-            partition=self.partition_id,
-        )
-        return Window(scn, txn.ts_ns, body + end, count + 1, position)
+        ts = txn.ts_ns
+        parts: list[bytes] = []
+        seq = data = 0
+        for part in txn.events:
+            if isinstance(part[0], RowEncoder):
+                changes = part[1]
+                if isinstance(changes, Future):
+                    changes = changes.result()
+                assert isinstance(changes, list)
+                parts.append(part[0].encode_many_encoded(changes, scn, ts, first_seq=seq))
+                seq += len(changes)
+                data += len(changes)
+                self.row_count += len(changes)
+            else:
+                encode, is_data = part
+                parts.append(encode(scn, seq))
+                seq += 1
+                data += is_data
+        end = encode_control(EndOfWindow(data, position), scn, seq, ts, partition=self.partition_id)
+        parts.append(end)
+        return Window(scn, ts, b"".join(parts), seq + 1, position)
 
 
-def _patch_scn(data: bytes, scn: int) -> bytes:
-    """Set the SCN of back-to-back events (written with SCN 0) and redo their header CRCs."""
-    buf = bytearray(data)
-    view = memoryview(buf)
-    pos = 0
-    scn_bytes = scn.to_bytes(8, "little")
-    while pos < len(buf):
-        total = int.from_bytes(buf[pos + 4 : pos + 8], "little")
-        buf[pos + 8 : pos + 16] = scn_bytes
-        buf[pos + 60 : pos + 64] = crc32(view[pos : pos + 60]).to_bytes(4, "little")
-        pos += total
-    view.release()
-    return bytes(buf)
+class PendingWindow:
+    """A committed transaction whose rows decode workers are still transcoding.
+
+    :meth:`ready` does not block; :meth:`resolve` waits for the workers and
+    encodes the window (call it in commit order, from the assembler's thread).
+    """
+
+    def __init__(self, assembler: BinlogAssembler, txn: _Txn, scn: int, position: str) -> None:
+        self._assembler = assembler
+        self._txn = txn
+        self.scn = scn
+        self.source_position = position
+
+    def ready(self) -> bool:
+        futures = [p[1] for p in self._txn.events if isinstance(p[1], Future)]
+        return all(f.done() for f in (*futures, *self._txn.dropped))
+
+    def resolve(self) -> Window:
+        return self._assembler._close(self._txn, self.scn, self.source_position)
+
+
+#: transcoders in a decode worker process, by the layout's repr (bounded)
+_WORKER_TRANSCODERS: dict[str, RowsTranscoder] = {}
+
+
+def transcode_changes(
+    layout: TableLayout,
+    raw: bytes,
+    op: int,
+    start: int = 0,
+    end: int = -1,
+    transcode: RowsTranscoder | None = None,
+) -> list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]]:
+    """Row changes of one rows event, ready for :meth:`RowEncoder.encode_many_encoded`.
+
+    In the fetcher's thread ``transcode`` is the table's; in a decode worker
+    process it is compiled from ``layout`` on first use and cached.
+    """
+    if transcode is None:
+        key = repr(layout)
+        transcode = _WORKER_TRANSCODERS.get(key)
+        if transcode is None:
+            if len(_WORKER_TRANSCODERS) > 1024:
+                _WORKER_TRANSCODERS.clear()
+            transcode = _WORKER_TRANSCODERS[key] = compile_transcoder(layout)
+    images = transcode(raw, start, len(raw) if end < 0 else end)
+    if op == 1:
+        return [(1, k, r, None, ns or (), ()) for k, r, ns in images]
+    if op == 3:
+        return [(3, k, None, r, (), ns or ()) for k, r, ns in images]
+    return [
+        (2, ak, a, b, ans or (), bns or ())
+        for (_, b, bns), (ak, a, ans) in zip(images[0::2], images[1::2], strict=True)
+    ]

@@ -45,6 +45,9 @@ class MySQLConfig:
     on_binlog_purged: str = "data_loss"
     #: where a relay holding nothing starts: "current" (the binlog's end) or "earliest"
     start_at: str = "current"
+    #: processes that transcode row events next to the stream thread (order kept);
+    #: 0 = the stream thread does it. A second core makes the drain of a backlog faster
+    decode_workers: int = 0
     #: map tinyint(1) to Avro boolean instead of int
     tinyint1_as_boolean: bool = False
 
@@ -68,6 +71,7 @@ class MySQLConfig:
             "reconnect_backoff_s",
             "max_transaction_bytes",
             "idle_window_interval_s",
+            "decode_workers",
         ):
             if getattr(self, option) < 0:
                 raise ConfigError(f"fetcher option {option} must not be negative")

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import queue
 import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from changebus.schemas import (
@@ -54,7 +57,7 @@ from changebus.schemas.config import load_config_dict
 
 from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
-from ._assembler import BinlogAssembler, parse_position
+from ._assembler import BinlogAssembler, PendingWindow, parse_position
 from ._config import SYSTEM_DATABASES, MySQLConfig
 from ._ddl import DeclaredTypes
 
@@ -68,6 +71,9 @@ _REQUIRED = (
     ("binlog_row_metadata", "FULL"),
 )
 
+
+#: committed windows waiting for decode workers before the stream waits for them
+_MAX_PENDING = 32
 
 #: server errors that retrying cannot fix: access denied (1044, 1045, 1227), 1142/1143
 _ACCESS_DENIED = frozenset((1044, 1045, 1142, 1143, 1227))
@@ -94,6 +100,7 @@ class MySQLFetcher:
         self._checksum = 4
         self._data_loss: tuple[int, int, str, str] | None = None  # lo, hi, reason, position
         self._declared = DeclaredTypes()
+        self._pool: ProcessPoolExecutor | None = None
         self.position = ""  # source_position of the last emitted window
         self.stats: dict[str, Any] = {
             "windows": 0,
@@ -123,12 +130,16 @@ class MySQLFetcher:
     async def close(self) -> None:
         if self._feed is not None:
             await self._feed.close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
     def status(self) -> dict[str, Any]:
         return {
             "kind": "mysql",
             "server_id": self.server_id,
             "source_position": self.position,
+            "decode_workers": 0 if self._pool is None else self.config.decode_workers,
             **self.stats,
         }
 
@@ -185,6 +196,8 @@ class MySQLFetcher:
             raise SourceError(f"lost the MySQL connection: {_reason(exc)}") from None
         finally:
             conn.close()
+        if self.config.decode_workers and self._pool is None:
+            self._pool = _start_workers(self.config.decode_workers, self.name)
         return start_scn
 
     def _check_settings(self, cur: Any) -> None:
@@ -336,6 +349,7 @@ class MySQLFetcher:
             tinyint1_as_boolean=cfg.tinyint1_as_boolean,
             max_window_bytes=cfg.max_transaction_bytes,
             on_oversized=cfg.on_oversized_transaction,
+            pool=self._pool,
         )
         if self._data_loss is not None:
             lo, hi, reason, position = self._data_loss
@@ -461,15 +475,75 @@ class MySQLFetcher:
         ops = {WriteRowsEvent: Op.INSERT, UpdateRowsEvent: Op.UPDATE, DeleteRowsEvent: Op.DELETE}
         cfg = self.config
         last_emit = time.monotonic()
+        skipped: list[Window] = []  # the newest HEARTBEAT window not written
+
+        def hand_on(window: Window, empty: bool) -> None:
+            nonlocal last_emit
+            # where a reconnect resumes: after the last window handed on (or skipped)
+            pos = parse_position(window.source_position)
+            self._start = (pos["file"], int(pos["pos"]))
+            if window.scn <= self._last_scn:
+                return  # the relay holds it already
+            if empty and time.monotonic() - last_emit < cfg.idle_window_interval_s:
+                skipped[:] = [window]  # nothing captured: a HEARTBEAT window now and then
+                return
+            skipped.clear()
+            last_emit = time.monotonic()
+            self._emit(window, emit)
+            self.stats["rows"] = assembler.row_count
+
+        # with decode workers, committed windows wait here in commit order while the
+        # stream reads on; one resolver thread waits for their rows and hands them on
+        # (it is then the only thread that emits)
+        waiting: queue.Queue[tuple[Window | PendingWindow, bool] | str | None]
+        waiting = queue.Queue(_MAX_PENDING)
+
+        def idle() -> None:
+            # the server is idle: the newest skipped HEARTBEAT window goes out now, so
+            # the resume position reaches the binlog's end
+            if skipped:
+                hand_on(skipped.pop(), False)
+
+        failed: list[BaseException] = []
+
+        def resolve() -> None:
+            try:
+                while (item := waiting.get()) is not None:
+                    if isinstance(item, str):
+                        idle()
+                        continue
+                    window, empty = item
+                    if isinstance(window, PendingWindow):
+                        window = window.resolve()
+                    hand_on(window, empty)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the stream thread
+                failed.append(exc)
+
+        resolver: threading.Thread | None = None
+        if self._pool is not None:
+            resolver = threading.Thread(target=resolve, name=f"mysql-{self.name}-resolve")
+            resolver.start()
+
+        def put(item: tuple[Window | PendingWindow, bool] | str | None) -> None:
+            while resolver is not None and resolver.is_alive():
+                try:
+                    waiting.put(item, timeout=0.2)
+                    return
+                except queue.Full:
+                    if stopping.is_set():
+                        return
+
         reader = self._reader()
         assembler._txn = None  # a reconnect starts at a transaction boundary
         try:
             while not stopping.is_set():
+                if failed:
+                    raise failed[0]
                 event = reader.fetchone()
                 if event is None:
                     continue
                 cls = type(event)
-                window: Window | None = None
+                window: Window | PendingWindow | None = None
                 op = ops.get(cls)
                 if op is not None:
                     assembler.rows(event, op)
@@ -487,28 +561,52 @@ class MySQLFetcher:
                     assembler.rotate(event.next_binlog)
                 elif cls is HeartbeatLogEvent:
                     self.stats["heartbeats"] += 1
-                if window is not None:
-                    self._start = (
-                        assembler.file,
-                        int(parse_position(window.source_position)["pos"]),
-                    )
-                    if window.scn <= self._last_scn:
-                        continue  # the relay holds it already
-                    if assembler.last_empty:
-                        now = time.monotonic()
-                        if now - last_emit < cfg.idle_window_interval_s:
-                            continue  # nothing captured: a HEARTBEAT window now and then
-                    last_emit = time.monotonic()
-                    self._emit(window, emit)
-                    self.stats["rows"] = assembler.row_count
+                    if resolver is not None:
+                        put("idle")
+                    else:
+                        idle()
+                if window is None:
+                    continue
+                if resolver is not None:
+                    put((window, assembler.last_empty))
+                else:
+                    assert isinstance(window, Window)
+                    hand_on(window, assembler.last_empty)
         finally:
             reader.close()
+            if resolver is not None:
+                # hand on what was committed before the stream ended (a reconnect then
+                # resumes after it), unless the fetcher is stopping
+                put(None)
+                resolver.join()
+        if failed:
+            raise failed[0]
 
     def _emit(self, window: Window, emit: Callable[[Window], None]) -> None:
         emit(window)
         self._last_scn = window.scn
         self.position = window.source_position
         self.stats["windows"] += 1
+
+
+def _start_workers(workers: int, name: str) -> ProcessPoolExecutor:
+    """Decode worker processes (spawned: the relay has threads), started and warmed up
+    here so that their start-up (imports) is not in the stream's way."""
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for future in [pool.submit(_warm_up) for _ in range(workers)]:
+            future.result(timeout=120)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    log.info("partition %s: %d decode worker processes", name, workers)
+    return pool
+
+
+def _warm_up() -> int:
+    from . import _assembler
+
+    return len(_assembler.__all__)
 
 
 def _reason(exc: BaseException) -> str:
