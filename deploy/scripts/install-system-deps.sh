@@ -6,6 +6,7 @@ set -euo pipefail
 # package -> a file that proves it is installed
 declare -A NEED=(
   [postgresql-15]=/usr/lib/postgresql/15/bin/postgres
+  [mariadb-server]=/usr/sbin/mariadbd
 )
 
 missing=()

@@ -124,3 +124,10 @@ def _load_builtin() -> None:
     # imported lazily: a fetcher's heavy dependencies load only when used
     from . import _synthetic  # noqa: F401
     from .postgres import _fetcher  # noqa: F401
+
+    try:  # the [mysql] extra (mysql-replication, PyMySQL) may be missing
+        import pymysql  # noqa: F401
+        import pymysqlreplication  # noqa: F401
+    except ImportError:
+        return
+    from .mysql import _fetcher as _mysql_fetcher  # noqa: F401

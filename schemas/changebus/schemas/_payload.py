@@ -333,7 +333,63 @@ class RowEncoder:
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 raise SchemaError(f"cannot encode a {self.table.name!r} row: {exc!r}") from exc
             spans.append((start, int(op), len(key), key))
-        end = tell()
+        return self._frame(bio, spans, scn, timestamp_ns, first_seq)
+
+    def encode_many_encoded(
+        self,
+        changes: Iterable[
+            tuple[int, bytes, bytes | None, bytes | None, Sequence[str], Sequence[str]]
+        ],
+        scn: int,
+        timestamp_ns: int,
+        *,
+        first_seq: int = 0,
+    ) -> bytes:
+        """:meth:`encode_many` for rows a source decoder wrote in Avro itself.
+
+        Each change is ``(op, key, after, before, after_not_sent,
+        before_not_sent)``: ``key`` the Avro bytes of the key record,
+        ``after``/``before`` the Avro bytes of the row record (this
+        encoder's table schema, field by field) or None. The result is the
+        same bytes :meth:`encode_many` gives for the same rows; the caller
+        owns the correctness of the row bytes (they are not parsed here).
+        """
+        bio = io.BytesIO()
+        write = bio.write
+        tell = bio.tell
+        spans: list[tuple[int, int, int, bytes]] = []
+        for op, key, after, before, after_ns, before_ns in changes:
+            if not 1 <= op <= 4:
+                raise ValueError(f"{op!r} is not a data op")
+            start = tell()
+            if before is None and after is not None and not after_ns and not before_ns:
+                write(b"".join((_HEADER_GAP, key, _PRESENT, after, _NULL_AND_TWO_EMPTY_ARRAYS)))
+            else:
+                write(
+                    b"".join(
+                        (
+                            _HEADER_GAP,
+                            key,
+                            _NULL if after is None else _PRESENT + after,
+                            _NULL if before is None else _PRESENT + before,
+                            _string_array(after_ns),
+                            _string_array(before_ns),
+                        )
+                    )
+                )
+            spans.append((start, int(op), len(key), key))
+        return self._frame(bio, spans, scn, timestamp_ns, first_seq)
+
+    def _frame(
+        self,
+        bio: io.BytesIO,
+        spans: list[tuple[int, int, int, bytes]],
+        scn: int,
+        timestamp_ns: int,
+        first_seq: int,
+    ) -> bytes:
+        """Fill in the headers of back-to-back events (spans: start, op, key length, key)."""
+        end = bio.tell()
         view = bio.getbuffer()
         try:
             pack = _HEAD.pack_into

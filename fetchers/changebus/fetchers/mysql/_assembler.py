@@ -1,0 +1,505 @@
+"""From binlog events to encoded windows (one per transaction).
+
+:class:`BinlogAssembler` is fed the events of mysql-replication's
+``BinLogStreamReader`` in stream order and returns a
+:class:`~changebus.fetchers.Window` when a transaction ends:
+
+* a transaction opens at its GTID event (MariaDB; MySQL also sends
+  ``BEGIN``) and ends at its ``XID`` event, at ``COMMIT`` (non-transactional
+  engines), or right after its one statement (DDL: standalone GTID);
+* the SCN is ``binlog file number << 32 | end position of the commit event``
+  (strictly increasing along one server's binlog, across rotations and
+  restarts); the END_OF_WINDOW's ``source_position`` is
+  ``gtid=D-S-N;file=NAME;pos=P`` (docs/protocol.md 1.4, 5): where to resume;
+* row images are decoded by the layout's compiled decoder
+  (:mod:`._layout`) straight from the event bytes: TABLE_MAP gives the layout
+  valid at that position; a new or changed layout is a new schema version,
+  announced by a SCHEMA_CHANGE event before its first row;
+* WRITE / UPDATE / DELETE rows become INSERT / UPDATE (before and after
+  images) / DELETE (full before image) events; ``TRUNCATE`` becomes a
+  TRUNCATE event; other DDL updates the declared-type history
+  (:class:`._ddl.DeclaredTypes`) and its window holds no text of the
+  statement (it can hold passwords).
+
+Large transactions: with ``max_window_bytes`` set, a transaction whose events
+pass it stops being kept; at its end ``on_oversized="fail"`` raises a
+:class:`~changebus.schemas.SourceConfigError` and ``"skip"`` returns a window
+with one DATA_LOSS event instead.
+
+Not thread-safe: one assembler per fetcher thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from changebus.schemas import (
+    ControlPayload,
+    DataLoss,
+    EndOfWindow,
+    Heartbeat,
+    Op,
+    RowEncoder,
+    SchemaChange,
+    SchemaRegistry,
+    SourceConfigError,
+    binlog_file_number,
+    binlog_to_scn,
+    encode_control,
+)
+
+from .._base import Window
+from ._config import SYSTEM_DATABASES
+from ._ddl import DeclaredTypes
+from ._layout import RowsTranscoder, TableLayout, compile_transcoder, layout_from_table_map
+
+__all__ = [
+    "BinlogAssembler",
+    "PendingWindow",
+    "format_position",
+    "parse_position",
+    "transcode_changes",
+]
+
+log = logging.getLogger("changebus.fetchers.mysql")
+
+#: a statement that changes rows (statement-based logging of DML)
+_DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
+
+#: header, CRC, union branches and empty not-sent arrays of one row event (a bound)
+_EVENT_OVERHEAD = 72
+
+#: MariaDB GTID event flag: a standalone event group (DDL, no XID follows)
+_FL_STANDALONE = 1
+
+
+def format_position(gtid: str, file: str, pos: int) -> str:
+    """The ``source_position`` text of a window: ``gtid=D-S-N;file=NAME;pos=P``."""
+    return f"gtid={gtid};file={file};pos={pos}"
+
+
+def parse_position(text: str) -> dict[str, str]:
+    """The fields of a ``source_position`` (empty when it is not a MySQL one)."""
+    out: dict[str, str] = {}
+    for part in text.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out if "file" in out and "pos" in out else {}
+
+
+@dataclass
+class _Table:
+    layout: TableLayout
+    encoder: RowEncoder
+    transcode: RowsTranscoder
+    ncols: int
+    announced: bool = False
+
+
+_Part = (
+    tuple[RowEncoder, "list[Any] | Future[list[Any]]"] | tuple[Callable[[int, int], bytes], bool]
+)
+
+
+@dataclass
+class _Txn:
+    gtid: str
+    ts_ns: int
+    standalone: bool
+    #: the window's events, encoded at the commit (SCN and seq known then): row
+    #: changes ``(encoder, changes or a future of them)`` or a control/TRUNCATE event
+    #: ``(fn(scn, seq) -> bytes, is a data event)``
+    events: list[_Part] = field(default_factory=list)
+    #: futures of row changes of an oversized transaction (counted only)
+    dropped: list[Future[list[Any]]] = field(default_factory=list)
+    data_events: int = 0
+    size: int = 0
+    oversized: bool = False
+    announced: list[_Table] = field(default_factory=list)
+
+
+class BinlogAssembler:
+    """Builds windows from binlog events (see the module docstring)."""
+
+    def __init__(
+        self,
+        partition_id: int,
+        registry: SchemaRegistry,
+        declared: DeclaredTypes,
+        *,
+        databases: tuple[str, ...] = (),
+        checksum_bytes: int = 4,
+        tinyint1_as_boolean: bool = False,
+        max_window_bytes: int = 0,
+        on_oversized: str = "fail",
+        pool: Executor | None = None,
+    ) -> None:
+        self.partition_id = partition_id
+        self.registry = registry
+        self.declared = declared
+        self._databases = frozenset(d.lower() for d in databases)
+        self._checksum = checksum_bytes
+        self._boolean = tinyint1_as_boolean
+        self.max_window_bytes = max_window_bytes
+        self.on_oversized = on_oversized
+        #: decode workers (processes) that transcode rows events; None: this thread
+        self._pool = pool
+        self.file = ""
+        self._file_number = 0
+        self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
+        self._cache: dict[tuple[Any, ...], _Table] = {}  # layout bytes + declared -> table
+        self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
+        self._txn: _Txn | None = None
+        self.row_count = 0
+        #: the last window :meth:`commit` returned holds no change (see there)
+        self.last_empty = False
+
+    # ---- positions ----------------------------------------------------------
+
+    def rotate(self, next_file: str) -> None:
+        """The stream moved to ``next_file`` (a RotateEvent; also at connect)."""
+        self.file = next_file
+        self._file_number = binlog_file_number(next_file)
+        self._by_id.clear()  # table ids are only valid within one binlog file
+
+    def scn_at(self, end_pos: int) -> int:
+        return binlog_to_scn(self._file_number, end_pos)
+
+    def captured(self, database: str) -> bool:
+        db = database.lower()
+        if db in SYSTEM_DATABASES:
+            return False
+        return not self._databases or db in self._databases
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._txn is not None
+
+    # ---- events -----------------------------------------------------------
+
+    def begin(self, gtid: str, timestamp_s: int, flags: int) -> None:
+        """A GTID event: a transaction (or a standalone statement) starts."""
+        self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
+
+    def table_map(self, event: Any) -> None:
+        if not self.captured(event.schema):
+            self._by_id[event.table_id] = None
+            return
+        raw = event.packet.packet._data
+        declared = self.declared.get(event.schema, event.table) or {}
+        key = (
+            event.schema,
+            event.table,
+            bytes(raw[26 : len(raw) - self._checksum]),  # after the table id
+            tuple(sorted(declared.items())),
+        )
+        table = self._cache.get(key)
+        if table is None:
+            layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
+            schema = self.registry.register(layout.table_schema())
+            table = _Table(
+                layout,
+                RowEncoder(
+                    schema,
+                    source_id=self.registry.source_id(schema.name),
+                    partition=self.partition_id,
+                ),
+                compile_transcoder(layout),
+                len(layout.columns),
+            )
+            old = self._latest.get(layout.name)
+            if old is not None and old.encoder.table.version == schema.version:
+                table.announced = old.announced
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = table
+        self._by_id[event.table_id] = table
+        self._latest[table.layout.name] = table
+
+    def rows(self, event: Any, op: Op) -> None:
+        txn = self._txn
+        if txn is None:
+            raise SourceConfigError("a rows event outside a transaction")
+        table = self._by_id.get(event.table_id)
+        if table is None:
+            return  # not captured
+        packet = event.packet.packet
+        raw = packet._data
+        start, end = packet._position, len(raw) - self._checksum
+        full = (1 << table.ncols) - 1
+        if (
+            event.number_of_columns != table.ncols
+            or int.from_bytes(event.columns_present_bitmap, "little") != full
+        ):
+            raise SourceConfigError(
+                f"a rows event of {table.layout.name} lacks columns: set binlog_row_image = FULL "
+                "on the server"
+            )
+        changes: list[Any] | Future[list[Any]]
+        if self._pool is not None:
+            changes = self._pool.submit(transcode_changes, table.layout, raw[start:end], int(op))
+            size = (end - start) * 2  # an estimate until the worker is done
+        else:
+            changes = transcode_changes(table.layout, raw, int(op), start, end, table.transcode)
+            size = len(changes) * _EVENT_OVERHEAD + sum(
+                len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
+            )
+        if int(op) == 2 and int.from_bytes(event.columns_present_bitmap2, "little") != full:
+            raise SourceConfigError(
+                f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
+                "FULL on the server"
+            )
+        if txn.oversized:
+            if isinstance(changes, Future):
+                txn.dropped.append(changes)
+            else:
+                txn.data_events += len(changes)
+                self.row_count += len(changes)
+            return
+        self._announce(txn, table)
+        self._add(txn, (table.encoder, changes), size)
+
+    def _add(self, txn: _Txn, part: _Part, size: int) -> None:
+        txn.events.append(part)
+        txn.size += size
+        if self.max_window_bytes and txn.size > self.max_window_bytes:
+            txn.oversized = True
+            for kept in txn.events:  # only counted from now on
+                if isinstance(kept[0], RowEncoder):
+                    changes = kept[1]
+                    if isinstance(changes, Future):
+                        txn.dropped.append(changes)
+                    else:
+                        txn.data_events += len(changes)
+                        self.row_count += len(changes)
+                elif kept[1]:
+                    txn.data_events += 1
+            txn.events.clear()
+            for table in txn.announced:
+                table.announced = False
+            txn.announced.clear()
+
+    def _announce(self, txn: _Txn, table: _Table) -> None:
+        if table.announced:
+            return
+        schema = table.encoder.table
+        change = SchemaChange(
+            table.encoder.source_id,
+            schema.name,
+            schema.version,
+            schema.fingerprint,
+            json.dumps(schema.to_json(), separators=(",", ":")),
+        )
+        ts, partition = txn.ts_ns, self.partition_id
+        self._add(
+            txn,
+            (lambda scn, seq: encode_control(change, scn, seq, ts, partition=partition), False),
+            len(change.schema) + 200,
+        )
+        table.announced = True
+        for other in self._cache.values():  # every cached layout of this version
+            if other.encoder.table.fingerprint == schema.fingerprint:
+                other.announced = True
+        txn.announced.append(table)
+
+    def query(self, event: Any, end_pos: int) -> Window | PendingWindow | None:
+        """A QueryEvent: BEGIN, COMMIT, DDL or TRUNCATE."""
+        text = event.query.strip()
+        head = text[:8].upper()
+        if head.startswith("BEGIN"):
+            if self._txn is None:
+                self._txn = _Txn("", event.timestamp * 1_000_000_000, False)
+            return None
+        if head.startswith("COMMIT"):
+            return self.commit(end_pos)
+        if head.startswith(("ROLLBACK", "XA ", "SAVEPOIN")):
+            return None
+        schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
+        if _DML.match(text) and self._may_touch_captured(schema or "", text):
+            # a session ran with binlog_format = STATEMENT or MIXED: the rows it
+            # changed are not in the binlog, only its text (never forwarded)
+            raise SourceConfigError(
+                f"a data change was logged as a statement (at {self.file}:{end_pos}), not as "
+                "rows: a client session ran with binlog_format = STATEMENT or MIXED. Its rows "
+                "cannot be captured; keep binlog_format = ROW for every session (revoke "
+                "SUPER / BINLOG ADMIN from applications), then reseed the tables it changed"
+            )
+        effect = self.declared.apply(text, schema or "")
+        txn = self._txn
+        if txn is None:  # a statement without a GTID event (old servers)
+            txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
+        if effect.kind == "truncate":
+            db, name = effect.tables[0]
+            table = self._find(db, name)
+            if table is not None and not txn.oversized:
+                self._announce(txn, table)
+                encoder, ts = table.encoder, txn.ts_ns
+                self._add(
+                    txn,
+                    (lambda scn, seq: encoder.encode(Op.TRUNCATE, scn, seq, ts, None), True),
+                    100,
+                )
+        elif effect.kind in ("alter", "drop", "rename", "create"):
+            for db, name in effect.tables:
+                table = self._find(db, name)
+                if table is not None:
+                    log.info(
+                        "DDL (%s) on %s at %s:%d",
+                        effect.kind,
+                        table.layout.name,
+                        self.file,
+                        end_pos,
+                    )
+        if txn.standalone:
+            return self.commit(end_pos)
+        return None
+
+    def _may_touch_captured(self, schema: str, text: str) -> bool:
+        """Whether a statement run in ``schema`` may have changed a captured table."""
+        if not self._databases or self.captured(schema):
+            return True
+        lowered = text.lower()
+        return any(db in lowered for db in self._databases)
+
+    def _find(self, db: str, name: str) -> _Table | None:
+        for key, table in self._latest.items():
+            if key.lower() == f"{db}.{name}":
+                return table
+        return None
+
+    def commit(self, end_pos: int) -> Window | PendingWindow | None:
+        """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT).
+
+        Returns its window; with decode workers a :class:`PendingWindow` (its
+        rows are still being transcoded) that the caller resolves in order.
+        After it, :attr:`last_empty` says whether the window holds no change (a
+        HEARTBEAT window for a transaction that touched nothing captured).
+        """
+        self.last_empty = False
+        txn = self._txn
+        self._txn = None
+        if txn is None:
+            return None
+        scn = self.scn_at(end_pos)
+        position = format_position(txn.gtid, self.file, end_pos)
+        if not txn.events and not txn.dropped and not txn.oversized:
+            # nothing captured (other databases, DDL): a HEARTBEAT window, which the
+            # fetcher writes only now and then, to keep the resume position current
+            self.last_empty = True
+            return self.control_window(Heartbeat(position), scn, position, txn.ts_ns)
+        pending = PendingWindow(self, txn, scn, position)
+        return pending if self._pool is not None else pending.resolve()
+
+    def control_window(
+        self, payload: ControlPayload, scn: int, position: str, timestamp_ns: int = 0
+    ) -> Window:
+        """A window of one control event at ``scn`` (data loss)."""
+        ts = timestamp_ns or time.time_ns()
+        events = [encode_control(payload, scn, 0, ts, partition=self.partition_id)]
+        end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
+        return Window(scn, ts, b"".join([*events, end]), 2, position)
+
+    def _close(self, txn: _Txn, scn: int, position: str) -> Window:
+        """Encode a committed transaction's events (futures are waited for)."""
+        for future in txn.dropped:
+            n = len(future.result())
+            txn.data_events += n
+            self.row_count += n
+        txn.dropped.clear()
+        if txn.oversized:
+            what = (
+                f"transaction {txn.gtid or position} has {txn.data_events} changes and more "
+                f"than {self.max_window_bytes} bytes of events (max_transaction_bytes)"
+            )
+            if self.on_oversized == "fail":
+                raise SourceConfigError(
+                    f"{what}; raise max_transaction_bytes (and the relay's buffer) or set "
+                    "on_oversized_transaction = 'skip' to replace it by a data-loss event"
+                )
+            log.error("%s: replaced by a data-loss event", what)
+            return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
+        ts = txn.ts_ns
+        parts: list[bytes] = []
+        seq = data = 0
+        for part in txn.events:
+            if isinstance(part[0], RowEncoder):
+                changes = part[1]
+                if isinstance(changes, Future):
+                    changes = changes.result()
+                assert isinstance(changes, list)
+                parts.append(part[0].encode_many_encoded(changes, scn, ts, first_seq=seq))
+                seq += len(changes)
+                data += len(changes)
+                self.row_count += len(changes)
+            else:
+                encode, is_data = part
+                parts.append(encode(scn, seq))
+                seq += 1
+                data += is_data
+        end = encode_control(EndOfWindow(data, position), scn, seq, ts, partition=self.partition_id)
+        parts.append(end)
+        return Window(scn, ts, b"".join(parts), seq + 1, position)
+
+
+class PendingWindow:
+    """A committed transaction whose rows decode workers are still transcoding.
+
+    :meth:`ready` does not block; :meth:`resolve` waits for the workers and
+    encodes the window (call it in commit order, from the assembler's thread).
+    """
+
+    def __init__(self, assembler: BinlogAssembler, txn: _Txn, scn: int, position: str) -> None:
+        self._assembler = assembler
+        self._txn = txn
+        self.scn = scn
+        self.source_position = position
+
+    def ready(self) -> bool:
+        futures = [p[1] for p in self._txn.events if isinstance(p[1], Future)]
+        return all(f.done() for f in (*futures, *self._txn.dropped))
+
+    def resolve(self) -> Window:
+        return self._assembler._close(self._txn, self.scn, self.source_position)
+
+
+#: transcoders in a decode worker process, by the layout's repr (bounded)
+_WORKER_TRANSCODERS: dict[str, RowsTranscoder] = {}
+
+
+def transcode_changes(
+    layout: TableLayout,
+    raw: bytes,
+    op: int,
+    start: int = 0,
+    end: int = -1,
+    transcode: RowsTranscoder | None = None,
+) -> list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]]:
+    """Row changes of one rows event, ready for :meth:`RowEncoder.encode_many_encoded`.
+
+    In the fetcher's thread ``transcode`` is the table's; in a decode worker
+    process it is compiled from ``layout`` on first use and cached.
+    """
+    if transcode is None:
+        key = repr(layout)
+        transcode = _WORKER_TRANSCODERS.get(key)
+        if transcode is None:
+            if len(_WORKER_TRANSCODERS) > 1024:
+                _WORKER_TRANSCODERS.clear()
+            transcode = _WORKER_TRANSCODERS[key] = compile_transcoder(layout)
+    images = transcode(raw, start, len(raw) if end < 0 else end)
+    if op == 1:
+        return [(1, k, r, None, ns or (), ()) for k, r, ns in images]
+    if op == 3:
+        return [(3, k, None, r, (), ns or ()) for k, r, ns in images]
+    return [
+        (2, ak, a, b, ans or (), bns or ())
+        for (_, b, bns), (ak, a, ans) in zip(images[0::2], images[1::2], strict=True)
+    ]

@@ -1,0 +1,345 @@
+"""Schema history from the DDL statements in the binlog.
+
+The binlog's TABLE_MAP events (``binlog_row_metadata=FULL``) are the
+authority for *decoding*: they describe each table as it was when its rows
+were written. What they cannot say is a handful of declared types that share
+a binlog representation with others (``uuid`` / ``inet6`` are ``binary(16)``,
+``json`` is ``longtext``, ``tinyint(1)`` is ``tinyint``). :class:`DeclaredTypes`
+keeps, per table, the declared type text of each column and follows the DDL
+in the binlog as the stream passes it, so the declared type used for an
+event is the one valid at that event's position, never the present one.
+
+Seeds: the relay's schema registry (the source types of the newest version
+of each table, valid at the relay's last window) and, for tables the registry
+does not know, ``information_schema.COLUMNS`` read right after the start
+position was taken (valid from that position on, since the DDL that follows
+it is applied again as the stream passes it).
+
+The parser understands ``CREATE TABLE`` (column list, ``LIKE``), ``ALTER
+TABLE`` (``ADD``/``MODIFY``/``CHANGE``/``DROP``/``RENAME COLUMN``, ``RENAME
+TO``), ``RENAME TABLE``, ``DROP TABLE`` and ``TRUNCATE``. A statement it cannot
+follow for a table it tracks makes it forget that table's declared types:
+the table then decodes with the types the binlog gives (``binary(16)``
+instead of ``uuid``), which is safe, and a warning says so. Statement text
+is never logged or forwarded (it can hold passwords).
+
+Not thread-safe: one instance per fetcher thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["DdlEffect", "DeclaredTypes"]
+
+log = logging.getLogger("changebus.fetchers.mysql")
+
+_TOKEN: Final = re.compile(
+    r"""\s+|/\*.*?\*/|--[^\n]*|\#[^\n]*
+    |(?P<q>`(?:[^`]|``)*`)
+    |(?P<s>'(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*")
+    |(?P<w>[A-Za-z0-9_$@]+)
+    |(?P<p>.)""",
+    re.S | re.X,
+)
+_NOT_COLUMNS: Final = frozenset(
+    [
+        "index",
+        "key",
+        "primary",
+        "unique",
+        "constraint",
+        "fulltext",
+        "spatial",
+        "foreign",
+        "check",
+        "period",
+        "system",
+    ]
+)
+_TYPE_FLAGS: Final = frozenset(("unsigned", "signed", "zerofill"))
+
+TableName = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class DdlEffect:
+    """What a statement did: ``kind`` and the tables it touched (``(db, table)``, lower case)."""
+
+    kind: str  # create, alter, drop, rename, truncate, other
+    tables: tuple[TableName, ...] = ()
+
+
+class _Tokens:
+    def __init__(self, sql: str) -> None:
+        self.items: list[
+            tuple[str, str]
+        ] = []  # (kind, text): w word, q quoted name, s string, p punct
+        for m in _TOKEN.finditer(sql):
+            kind = m.lastgroup
+            if kind is None:
+                continue
+            text = m.group(kind)
+            if kind == "q":
+                text = text[1:-1].replace("``", "`")
+            self.items.append((kind, text))
+        self.i = 0
+
+    def peek(self, k: int = 0) -> str:
+        j = self.i + k
+        if j >= len(self.items):
+            return ""
+        kind, text = self.items[j]
+        return text.lower() if kind == "w" else ("\0" + text if kind == "q" else text)
+
+    def take(self) -> tuple[str, str]:
+        item = self.items[self.i] if self.i < len(self.items) else ("", "")
+        self.i += 1
+        return item
+
+    def accept(self, *words: str) -> bool:
+        if self.peek() in words:
+            self.i += 1
+            return True
+        return False
+
+    def name(self) -> str:
+        kind, text = self.take()
+        if kind not in ("w", "q"):
+            raise ValueError("expected a name")
+        return text
+
+    def table(self, default_db: str) -> TableName:
+        first = self.name()
+        if self.peek() == ".":
+            self.i += 1
+            return first.lower(), self.name().lower()
+        return default_db.lower(), first.lower()
+
+    def skip_group(self) -> None:
+        """Skip a parenthesised group (at ``(``)."""
+        depth = 0
+        while self.i < len(self.items):
+            kind, text = self.take()
+            if kind == "p" and text == "(":
+                depth += 1
+            elif kind == "p" and text == ")":
+                depth -= 1
+            if depth == 0:
+                return
+
+    def until_comma(self) -> None:
+        """Skip to the next top-level comma (consumed) or the end of a group."""
+        depth = 0
+        while self.i < len(self.items):
+            kind, text = self.items[self.i]
+            if kind == "p" and text == "(":
+                depth += 1
+            elif kind == "p" and text == ")":
+                if depth == 0:
+                    return
+                depth -= 1
+            elif kind == "p" and text == "," and depth == 0:
+                self.i += 1
+                return
+            self.i += 1
+
+    def column_type(self) -> str:
+        """A column's declared type text: ``name[(args)] [unsigned|signed|zerofill]...``."""
+        base = self.name().lower()
+        if base in ("double", "national", "long") and self.peek() in (
+            "precision",
+            "char",
+            "varchar",
+            "varbinary",
+        ):
+            base += " " + self.name().lower()
+        args = ""
+        if self.peek() == "(":
+            start = self.i
+            self.skip_group()
+            args = (
+                "("
+                + ",".join(
+                    t for k, t in self.items[start + 1 : self.i - 1] if not (k == "p" and t == ",")
+                )
+                + ")"
+            )
+        flags = []
+        while self.peek() in _TYPE_FLAGS:
+            flags.append(self.name().lower())
+        return " ".join([base + args, *flags])
+
+
+class DeclaredTypes:
+    """Declared column types per table, following the DDL (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[TableName, dict[str, str]] = {}
+
+    def get(self, database: str, table: str) -> dict[str, str] | None:
+        return self._tables.get((database.lower(), table.lower()))
+
+    def set(self, database: str, table: str, columns: dict[str, str]) -> None:
+        self._tables[(database.lower(), table.lower())] = {
+            k.lower(): v.lower() for k, v in columns.items()
+        }
+
+    def known(self, database: str, table: str) -> bool:
+        return (database.lower(), table.lower()) in self._tables
+
+    def apply(self, sql: str, default_db: str) -> DdlEffect:
+        """Follow one statement; never raises (an unparsable statement is 'other')."""
+        tokens = _Tokens(sql)
+        try:
+            return self._apply(tokens, default_db)
+        except (ValueError, IndexError):
+            return DdlEffect("other")
+
+    def _apply(self, t: _Tokens, db: str) -> DdlEffect:
+        head = t.peek()
+        if head == "truncate":
+            t.i += 1
+            t.accept("table")
+            return DdlEffect("truncate", (t.table(db),))
+        if head == "drop":
+            t.i += 1
+            t.accept("temporary")
+            if not t.accept("table", "tables"):
+                return DdlEffect("other")
+            t.accept("if") and t.accept("exists")
+            names = [t.table(db)]
+            while t.accept(","):
+                names.append(t.table(db))
+            for n in names:
+                self._tables.pop(n, None)
+            return DdlEffect("drop", tuple(names))
+        if head == "rename":
+            t.i += 1
+            if not t.accept("table", "tables"):
+                return DdlEffect("other")
+            touched = []
+            while True:
+                old, new = t.table(db), None
+                if not t.accept("to"):
+                    raise ValueError("RENAME TABLE without TO")
+                new = t.table(db)
+                self._move(old, new)
+                touched += [old, new]
+                if not t.accept(","):
+                    break
+            return DdlEffect("rename", tuple(touched))
+        if head == "create":
+            t.i += 1
+            if t.accept("or"):
+                t.accept("replace")
+            t.accept("temporary")
+            if not t.accept("table"):
+                return DdlEffect("other")
+            if t.accept("if"):
+                t.accept("not")
+                t.accept("exists")
+            name = t.table(db)
+            if t.accept("like"):
+                src = t.table(db)
+                if src in self._tables:
+                    self._tables[name] = dict(self._tables[src])
+                else:
+                    self._tables.pop(name, None)
+                return DdlEffect("create", (name,))
+            if t.peek() == "(" and t.peek(1) != "select":
+                t.i += 1
+                cols = self._definitions(t)
+                self._tables[name] = cols
+            else:
+                self._tables.pop(name, None)  # CREATE ... SELECT: types unknown
+            return DdlEffect("create", (name,))
+        if head == "alter":
+            t.i += 1
+            t.accept("online")
+            t.accept("ignore")
+            if not t.accept("table"):
+                return DdlEffect("other")
+            t.accept("if") and t.accept("exists")
+            name = t.table(db)
+            target = self._alter(t, name, db)
+            if target is not None:
+                return DdlEffect("alter", (name,) if target == name else (name, target))
+            if name in self._tables:
+                log.warning(
+                    "an ALTER TABLE of %s.%s was not understood: its columns decode with "
+                    "binlog types from here on (uuid as binary(16), json as text)",
+                    *name,
+                )
+            self._tables.pop(name, None)
+            return DdlEffect("alter", (name,))
+        return DdlEffect("other")
+
+    def _move(self, old: TableName, new: TableName) -> None:
+        cols = self._tables.pop(old, None)
+        if cols is not None:
+            self._tables[new] = cols
+        else:
+            self._tables.pop(new, None)
+
+    @staticmethod
+    def _definitions(t: _Tokens) -> dict[str, str]:
+        """Column definitions up to the closing parenthesis (consumed)."""
+        cols: dict[str, str] = {}
+        while t.peek() not in (")", ""):
+            if t.peek() in _NOT_COLUMNS or t.peek() == "(":
+                t.until_comma()
+                continue
+            name = t.name().lower()
+            cols[name] = t.column_type()
+            t.until_comma()
+        t.accept(")")
+        return cols
+
+    def _alter(self, t: _Tokens, name: TableName, db: str) -> TableName | None:
+        """Apply ALTER TABLE specifications; the table's (new) name, None if not understood."""
+        cols = dict(self._tables.get(name, {}))
+        target = name
+        while t.peek() != "":
+            op = t.peek()
+            t.i += 1
+            if op == "rename" and t.peek() not in ("column", "index", "key"):
+                t.accept("to", "as")
+                target = t.table(db)
+            elif op == "convert":
+                return None  # CONVERT TO CHARACTER SET changes every text column
+            elif op in ("add", "modify", "change", "drop", "rename"):
+                if t.peek() in _NOT_COLUMNS or t.peek() in ("partition", "index", "key"):
+                    t.until_comma()
+                    continue
+                t.accept("column")
+                if t.accept("if"):
+                    t.accept("not")
+                    t.accept("exists")
+                if op == "add" and t.accept("("):
+                    cols.update(self._definitions(t))
+                elif op in ("add", "modify"):
+                    col = t.name().lower()
+                    cols[col] = t.column_type()
+                elif op == "change":
+                    old = t.name().lower()
+                    new_col = t.name().lower()
+                    cols.pop(old, None)
+                    cols[new_col] = t.column_type()
+                elif op == "drop":
+                    cols.pop(t.name().lower(), None)
+                else:  # rename column
+                    old = t.name().lower()
+                    t.accept("to")
+                    new_col = t.name().lower()
+                    if old in cols:
+                        cols[new_col] = cols.pop(old)
+            t.until_comma()
+        known = name in self._tables
+        self._tables.pop(name, None)
+        if known:
+            self._tables[target] = cols
+        return target
