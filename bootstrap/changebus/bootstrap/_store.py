@@ -1,0 +1,476 @@
+"""The bootstrap server's storage: a log store and a snapshot store in one SQL database.
+
+Tables (one database holds every physical partition, ``part`` = its name):
+
+``cb_log`` -- the **log store**: every event the producer took from the relay,
+  raw (exactly the relay's bytes, validated), one row per event, whole windows
+  per database transaction, in stream order (``id`` ascending = SCN order).
+  Control events are kept too, so a catch-up page is a valid stream of
+  windows.
+``cb_snap`` -- the **snapshot store**: per (partition, source id, key) the
+  latest data event: ``scn`` of the change that wrote it, ``deleted`` for a
+  delete (a *tombstone*: a consumer that saw the row earlier must learn it is
+  gone). An upsert keeps the row's ``id``, so a scan in ``id`` order is stable
+  while the applier keeps writing.
+``cb_trunc`` -- the newest TRUNCATE per (partition, source): the snapshot rows
+  of that source before it are removed; the event itself is served first in a
+  snapshot to consumers that saw the table before it.
+``cb_state`` -- per partition: ``producer_scn`` (newest window in the log),
+  ``applier_scn`` / ``applier_id`` (the snapshot reflects every window up to
+  it), ``log_min_scn`` (windows after it are all in the log).
+``cb_schema`` -- table schemas by (partition, source id, version), from the
+  SCHEMA_CHANGE events the producer saw.
+
+Invariants: ``applier_scn <= producer_scn``; ``cb_snap`` = the fold of the log
+windows up to ``applier_scn`` (plus what was seeded); the log holds every
+window in ``(log_min_scn, producer_scn]``.
+
+Two dialects with the same statements: SQLite (the default: one file, no
+server) and Postgres (``psycopg``). A :class:`Store` is **not thread-safe**:
+the daemon owns each one from a single thread (see :mod:`._service`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from changebus.schemas import HEADER_SIZE, Op, PartitionFilter, decode_header, parse_stream
+
+__all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
+
+log = logging.getLogger("changebus.bootstrap.store")
+
+_EOW = int(Op.END_OF_WINDOW)
+_DELETE = int(Op.DELETE)
+_TRUNCATE = int(Op.TRUNCATE)
+_SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """Where the producer and the applier are in one partition (SCNs; -1 = none)."""
+
+    producer_scn: int = -1
+    applier_scn: int = -1
+    applier_id: int = 0
+    log_min_scn: int = -1
+
+
+@dataclass(frozen=True)
+class SnapshotPage:
+    """Events of one snapshot page and where the next page starts.
+
+    ``position`` is ``(source_id, row id)`` of the last row considered;
+    ``complete`` says the snapshot of every asked source is done.
+    """
+
+    data: bytes
+    events: int
+    position: tuple[int, int]
+    complete: bool
+
+
+@dataclass(frozen=True)
+class CatchupPage:
+    """Whole windows of the log in ``(after, target]`` and the last log row sent."""
+
+    data: bytes
+    events: int
+    last_scn: int
+    last_id: int
+    complete: bool
+
+
+class _Conn(Protocol):
+    def execute(self, sql: str, params: Sequence[Any] = ...) -> Any: ...
+
+
+_DDL = [
+    """CREATE TABLE IF NOT EXISTS cb_log (
+        id {serial} PRIMARY KEY, part TEXT NOT NULL, scn BIGINT NOT NULL,
+        source_id INTEGER NOT NULL, op INTEGER NOT NULL, event {blob} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS cb_log_part_scn ON cb_log (part, scn, id)",
+    """CREATE TABLE IF NOT EXISTS cb_snap (
+        id {serial} PRIMARY KEY, part TEXT NOT NULL, source_id INTEGER NOT NULL,
+        key {blob} NOT NULL, scn BIGINT NOT NULL, deleted INTEGER NOT NULL,
+        event {blob} NOT NULL, UNIQUE (part, source_id, key))""",
+    "CREATE INDEX IF NOT EXISTS cb_snap_scan ON cb_snap (part, source_id, id)",
+    "CREATE INDEX IF NOT EXISTS cb_snap_scn ON cb_snap (part, scn)",
+    """CREATE TABLE IF NOT EXISTS cb_trunc (
+        part TEXT NOT NULL, source_id INTEGER NOT NULL, scn BIGINT NOT NULL,
+        event {blob} NOT NULL, PRIMARY KEY (part, source_id))""",
+    """CREATE TABLE IF NOT EXISTS cb_state (
+        part TEXT PRIMARY KEY, producer_scn BIGINT NOT NULL, applier_scn BIGINT NOT NULL,
+        applier_id BIGINT NOT NULL, log_min_scn BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS cb_schema (
+        part TEXT NOT NULL, source_id INTEGER NOT NULL, version INTEGER NOT NULL,
+        name TEXT NOT NULL, schema TEXT NOT NULL, PRIMARY KEY (part, source_id, version))""",
+]
+
+_UPSERT = (
+    "INSERT INTO cb_snap (part, source_id, key, scn, deleted, event) VALUES ({p}, {p}, {p}, {p}, {p}, {p}) "
+    "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn, "
+    "deleted = excluded.deleted, event = excluded.event"
+)
+
+
+class Store:
+    """One bootstrap database (see the module docstring). Not thread-safe."""
+
+    def __init__(self, conn: Any, dialect: str) -> None:
+        self._conn = conn
+        self.dialect = dialect
+        self._p = "?" if dialect == "sqlite" else "%s"
+        serial = "INTEGER" if dialect == "sqlite" else "BIGINT GENERATED BY DEFAULT AS IDENTITY"
+        blob = "BLOB" if dialect == "sqlite" else "BYTEA"
+        with self._txn():
+            for ddl in _DDL:
+                self._conn.execute(ddl.format(serial=serial, blob=blob))
+
+    @classmethod
+    def sqlite(cls, path: Path) -> Store:
+        """Open (create) a SQLite store file; WAL journal, synchronous=NORMAL."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA cache_size=-65536")
+        return cls(conn, "sqlite")
+
+    @classmethod
+    def postgres(cls, dsn: str) -> Store:
+        """Open a Postgres store (the tables are created when missing)."""
+        import psycopg
+
+        conn = psycopg.connect(dsn, autocommit=True)
+        return cls(conn, "postgres")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # ---- plumbing -------------------------------------------------------
+
+    def _sql(self, text: str) -> str:
+        return text.replace("{p}", self._p)
+
+    def _txn(self) -> Any:
+        store = self
+
+        class _Txn:
+            def __enter__(self) -> None:
+                store._conn.execute("BEGIN")
+
+            def __exit__(self, kind: object, exc: object, tb: object) -> None:
+                store._conn.execute("COMMIT" if kind is None else "ROLLBACK")
+
+        return _Txn()
+
+    def _one(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(self._sql(sql), params).fetchone()
+
+    def _all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return list(self._conn.execute(self._sql(sql), params).fetchall())
+
+    def _many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        if self.dialect == "sqlite":
+            self._conn.executemany(self._sql(sql), rows)
+        else:
+            with self._conn.cursor() as cur:
+                cur.executemany(self._sql(sql), rows)
+
+    # ---- state ------------------------------------------------------------
+
+    def state(self, part: str) -> PartitionState:
+        row = self._one(
+            "SELECT producer_scn, applier_scn, applier_id, log_min_scn FROM cb_state WHERE part = {p}",
+            (part,),
+        )
+        return PartitionState(*(int(v) for v in row)) if row else PartitionState()
+
+    def _put_state(self, part: str, st: PartitionState) -> None:
+        self._conn.execute(
+            self._sql(
+                "INSERT INTO cb_state (part, producer_scn, applier_scn, applier_id, log_min_scn) "
+                "VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT (part) DO UPDATE SET "
+                "producer_scn = excluded.producer_scn, applier_scn = excluded.applier_scn, "
+                "applier_id = excluded.applier_id, log_min_scn = excluded.log_min_scn"
+            ),
+            (part, st.producer_scn, st.applier_scn, st.applier_id, st.log_min_scn),
+        )
+
+    def partitions(self) -> list[str]:
+        return [str(r[0]) for r in self._all("SELECT part FROM cb_state ORDER BY part")]
+
+    def counts(self, part: str) -> dict[str, int]:
+        """Rows in the log and the snapshot (live and tombstones) of a partition."""
+        logn = self._one("SELECT count(*) FROM cb_log WHERE part = {p}", (part,))
+        snap = self._all(
+            "SELECT deleted, count(*) FROM cb_snap WHERE part = {p} GROUP BY deleted", (part,)
+        )
+        by = {int(d): int(n) for d, n in snap}
+        return {"log_events": int(logn[0]), "rows": by.get(0, 0), "tombstones": by.get(1, 0)}
+
+    # ---- producer -------------------------------------------------------
+
+    def append(self, part: str, data: bytes, *, start_scn: int = -1) -> int:
+        """Append whole windows (events back to back, validated); returns the new producer SCN.
+
+        Windows at or below the producer SCN are skipped (a replay after a
+        restart). ``start_scn`` is where the stream began when the store
+        has nothing yet: the log is complete after it.
+        """
+        st = self.state(part)
+        offsets, headers = parse_stream(data)
+        if not offsets.size:
+            return st.producer_scn
+        scns = headers["scn"].astype(np.int64)
+        keep = scns > st.producer_scn
+        if not keep.any():
+            return st.producer_scn
+        ops = headers["op"]
+        eow = np.flatnonzero(ops == _EOW)
+        if not eow.size or int(eow[-1]) != offsets.size - 1:
+            raise ValueError("append needs whole windows (the data must end with END_OF_WINDOW)")
+        mv = memoryview(data)
+        rows = [
+            (part, int(scns[i]), int(headers["source_id"][i]), int(ops[i]), bytes(mv[o : o + n]))
+            for i, (o, n) in enumerate(
+                zip(offsets.tolist(), headers["total_length"].tolist(), strict=True)
+            )
+            if keep[i]
+        ]
+        new_scn = int(scns[-1])
+        log_min = st.log_min_scn if st.producer_scn >= 0 else start_scn
+        with self._txn():
+            self._many(
+                "INSERT INTO cb_log (part, scn, source_id, op, event) VALUES ({p}, {p}, {p}, {p}, {p})",
+                rows,
+            )
+            self._put_state(
+                part,
+                PartitionState(new_scn, st.applier_scn, st.applier_id, log_min),
+            )
+        return new_scn
+
+    def put_schemas(self, part: str, entries: Iterable[tuple[int, int, str, str]]) -> None:
+        """Record (source_id, version, name, schema JSON); known ones are kept."""
+        sql = (
+            "INSERT INTO cb_schema (part, source_id, version, name, schema) "
+            "VALUES ({p}, {p}, {p}, {p}, {p}) ON CONFLICT DO NOTHING"
+        )
+        with self._txn():
+            self._many(sql, [(part, *e) for e in entries])
+
+    def schemas(self, part: str) -> list[tuple[int, int, str, str]]:
+        return [
+            (int(s), int(v), str(n), str(j))
+            for s, v, n, j in self._all(
+                "SELECT source_id, version, name, schema FROM cb_schema WHERE part = {p} "
+                "ORDER BY source_id, version",
+                (part,),
+            )
+        ]
+
+    # ---- applier ----------------------------------------------------------
+
+    def apply(self, part: str, max_events: int = 10_000) -> PartitionState:
+        """Fold the next whole windows of the log (about ``max_events``) into the snapshot.
+
+        One transaction: the snapshot rows and the applier position move
+        together, so a crash never applies a window twice or half.
+        """
+        st = self.state(part)
+        if st.applier_scn >= st.producer_scn:
+            return st
+        # the SCN up to which to apply: the window holding the max_events-th row
+        row = self._one(
+            "SELECT scn FROM cb_log WHERE part = {p} AND id > {p} ORDER BY id LIMIT 1 OFFSET {p}",
+            (part, st.applier_id, max_events - 1),
+        )
+        upto = st.producer_scn if row is None else min(int(row[0]), st.producer_scn)
+        rows = self._all(
+            "SELECT id, source_id, op, scn, event FROM cb_log WHERE part = {p} AND id > {p} "
+            "AND scn <= {p} ORDER BY id",
+            (part, st.applier_id, upto),
+        )
+        if not rows:
+            return st
+        upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
+        with self._txn():
+            for _id, source_id, op, scn, event in rows:
+                if op == _TRUNCATE:
+                    self._flush_upserts(upserts)
+                    self._truncate(part, int(source_id), int(scn), bytes(event))
+                elif op < 16:
+                    event = bytes(event)
+                    key = event[HEADER_SIZE : HEADER_SIZE + decode_header(event).key_length]
+                    upserts[(int(source_id), key)] = (
+                        part,
+                        int(source_id),
+                        key,
+                        int(scn),
+                        1 if op == _DELETE else 0,
+                        event,
+                    )
+            self._flush_upserts(upserts)
+            cur = self.state(part)
+            new = PartitionState(cur.producer_scn, upto, int(rows[-1][0]), cur.log_min_scn)
+            self._put_state(part, new)
+        return new
+
+    def _flush_upserts(self, upserts: dict[tuple[int, bytes], tuple[Any, ...]]) -> None:
+        self._many(_UPSERT, upserts.values())
+        upserts.clear()
+
+    def _truncate(self, part: str, source_id: int, scn: int, event: bytes) -> None:
+        self._conn.execute(
+            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p}"),
+            (part, source_id),
+        )
+        self._conn.execute(
+            self._sql(
+                "INSERT INTO cb_trunc (part, source_id, scn, event) VALUES ({p}, {p}, {p}, {p}) "
+                "ON CONFLICT (part, source_id) DO UPDATE SET scn = excluded.scn, event = excluded.event"
+            ),
+            (part, source_id, scn, event),
+        )
+
+    # ---- serving ------------------------------------------------------------
+
+    def changed_since(self, part: str, since_scn: int, upto_scn: int) -> int:
+        """Log data events in ``(since_scn, upto_scn]`` (what a catch-up-only bootstrap costs)."""
+        row = self._one(
+            "SELECT count(*) FROM cb_log WHERE part = {p} AND scn > {p} AND scn <= {p} AND op < 16",
+            (part, since_scn, upto_scn),
+        )
+        return int(row[0])
+
+    def snapshot_page(
+        self,
+        part: str,
+        source_ids: Sequence[int],
+        *,
+        since_scn: int,
+        start_scn: int,
+        position: tuple[int, int],
+        max_bytes: int,
+        key_filter: PartitionFilter | None = None,
+        batch_rows: int = 2000,
+    ) -> SnapshotPage:
+        """Rows changed in ``(since_scn, start_scn]``, by source then row id, after ``position``.
+
+        Tombstones are sent only to a consumer that has a position
+        (``since_scn >= 0``); a source's TRUNCATE in the range comes first.
+        At least one event is returned when any is left (even over
+        ``max_bytes``).
+        """
+        sources = sorted(source_ids)
+        src, after = position
+        chunks: list[bytes] = []
+        size = events = 0
+        for sid in sources:
+            if sid < src:
+                continue
+            if sid > src:
+                after = 0
+            if after == 0:
+                trunc = self._one(
+                    "SELECT scn, event FROM cb_trunc WHERE part = {p} AND source_id = {p}",
+                    (part, sid),
+                )
+                if trunc is not None and since_scn >= 0 and since_scn < int(trunc[0]) <= start_scn:
+                    chunks.append(bytes(trunc[1]))
+                    size += len(trunc[1])
+                    events += 1
+            while True:
+                rows = self._all(
+                    "SELECT id, scn, deleted, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                    "AND id > {p} ORDER BY id LIMIT {p}",
+                    (part, sid, after, batch_rows),
+                )
+                for rid, scn, deleted, event in rows:
+                    after = int(rid)
+                    if not since_scn < int(scn) <= start_scn:
+                        continue
+                    if deleted and since_scn < 0:
+                        continue
+                    ev = bytes(event)
+                    if key_filter is not None and not key_filter.matches(
+                        decode_header(ev).key_hash
+                    ):
+                        continue
+                    chunks.append(ev)
+                    size += len(ev)
+                    events += 1
+                    if size >= max_bytes:
+                        return SnapshotPage(b"".join(chunks), events, (sid, after), False)
+                if len(rows) < batch_rows:
+                    break
+            src = sid
+        last = sources[-1] if sources else 0
+        return SnapshotPage(b"".join(chunks), events, (last, after), True)
+
+    def catchup_page(
+        self,
+        part: str,
+        *,
+        after_scn: int,
+        target_scn: int,
+        max_bytes: int,
+        batch_rows: int = 5000,
+    ) -> CatchupPage:
+        """Whole log windows with ``after_scn < scn <= target_scn``, oldest first.
+
+        Stops after the window that passes ``max_bytes`` (at least one
+        window). Filtering by source and key is the caller's (the relay's
+        selection rules apply to the returned stream).
+        """
+        chunks: list[bytes] = []
+        size = events = 0
+        last_scn, last_id = after_scn, 0
+        cursor_scn, cursor_id = after_scn, 0
+        while True:
+            rows = self._all(
+                "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
+                "(scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} ORDER BY scn, id LIMIT {p}",
+                (part, cursor_scn, cursor_scn, cursor_id, target_scn, batch_rows),
+            )
+            for rid, scn, op, event in rows:
+                cursor_scn, cursor_id = int(scn), int(rid)
+                chunks.append(bytes(event))
+                size += len(event)
+                events += 1
+                if op == _EOW:
+                    last_scn, last_id = int(scn), int(rid)
+                    if size >= max_bytes:
+                        data = b"".join(chunks)
+                        return CatchupPage(data, events, last_scn, last_id, last_scn >= target_scn)
+            if len(rows) < batch_rows:
+                break
+        # drop a trailing partial window (cannot happen with whole-window appends)
+        return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
+
+    def prune_log(self, part: str, keep_after_scn: int) -> int:
+        """Delete applied log windows at or below ``keep_after_scn``; returns rows deleted."""
+        st = self.state(part)
+        upto = min(keep_after_scn, st.applier_scn)
+        if upto <= st.log_min_scn:
+            return 0
+        with self._txn():
+            cur = self._conn.execute(
+                self._sql("DELETE FROM cb_log WHERE part = {p} AND scn <= {p}"), (part, upto)
+            )
+            self._put_state(
+                part, PartitionState(st.producer_scn, st.applier_scn, st.applier_id, upto)
+            )
+        return int(cur.rowcount or 0)

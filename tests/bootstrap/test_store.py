@@ -1,0 +1,224 @@
+"""The bootstrap store (SQLite and Postgres run the same tests): log, applier,
+snapshot pages, catch-up pages, consistency of snapshot + catch-up."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from changebus.bootstrap._store import Store
+from changebus.schemas import (
+    ChangeDecoder,
+    Column,
+    EndOfWindow,
+    Op,
+    RowEncoder,
+    SchemaRegistry,
+    TableSchema,
+    encode_control,
+    event_at,
+    parse_stream,
+    verify_event,
+)
+
+REG = SchemaRegistry()
+TABLES = [
+    REG.register(
+        TableSchema(
+            f"public.t{i}",
+            (Column("id", "long", nullable=False), Column("v", "string")),
+            ("id",),
+        )
+    )
+    for i in (1, 2)
+]
+ENC = {t.name: RowEncoder(t, source_id=REG.source_id(t.name), partition=1) for t in TABLES}
+SID = {REG.source_id(t.name): t for t in TABLES}
+
+
+def window(scn: int, changes: list[tuple[str, Op, int, str | None]]) -> bytes:
+    out = []
+    for seq, (table, op, key, v) in enumerate(changes):
+        enc = ENC[table]
+        if op == Op.TRUNCATE:
+            out.append(enc.encode(op, scn, seq, scn * 10, None))
+        elif op == Op.DELETE:
+            out.append(enc.encode(op, scn, seq, scn * 10, None, {"id": key, "v": None}))
+        else:
+            out.append(enc.encode(op, scn, seq, scn * 10, {"id": key, "v": v}))
+    out.append(encode_control(EndOfWindow(len(changes), ""), scn, len(changes), scn * 10))
+    return b"".join(out)
+
+
+def replay(data: bytes, state: dict[tuple[str, int], str | None]) -> None:
+    offsets, _ = parse_stream(data)
+    for off in offsets.tolist():
+        h = verify_event(data, off)
+        if h.op.is_control:
+            continue
+        table = SID[h.source_id]
+        if h.op == Op.TRUNCATE:
+            for k in [k for k in state if k[0] == table.name]:
+                del state[k]
+            continue
+        ch = ChangeDecoder(table).decode(event_at(data, off, h)[1])
+        if h.op == Op.DELETE:
+            assert ch.before is not None
+            state.pop((table.name, ch.before["id"]), None)
+        else:
+            assert ch.after is not None
+            state[(table.name, ch.after["id"])] = ch.after["v"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: Any, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s = Store.sqlite(tmp_path / "b.db")
+    else:
+        s = Store.postgres(request.getfixturevalue("pg_dsn"))
+    yield s
+    s.close()
+
+
+def random_windows(seed: int, n: int, first_scn: int = 100) -> list[bytes]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        changes: list[tuple[str, Op, int, str | None]] = []
+        for _ in range(rnd.randint(1, 4)):
+            t = rnd.choice(TABLES).name
+            r = rnd.random()
+            if r < 0.01:
+                changes.append((t, Op.TRUNCATE, 0, None))
+            elif r < 0.2:
+                changes.append((t, Op.DELETE, rnd.randint(1, 30), None))
+            else:
+                changes.append((t, Op.INSERT, rnd.randint(1, 30), f"v{i}"))
+        out.append(window(first_scn + i * 10, changes))
+    return out
+
+
+def full_bootstrap(store: Store, since: int, have: dict[tuple[str, int], str | None]) -> int:
+    """Snapshot (small pages) then catch-up, as a consumer would; returns the target SCN."""
+    start = store.state("p").applier_scn
+    pos = (0, 0)
+    ids = sorted(SID)
+    while True:
+        page = store.snapshot_page(
+            "p", ids, since_scn=since, start_scn=start, position=pos, max_bytes=300
+        )
+        if page.data:
+            replay(page.data, have)
+        pos = page.position
+        if page.complete:
+            break
+    target = store.state("p").producer_scn
+    after = start
+    while True:
+        cpage = store.catchup_page("p", after_scn=after, target_scn=target, max_bytes=500)
+        if cpage.data:
+            replay(cpage.data, have)
+        after = cpage.last_scn
+        if cpage.complete:
+            return target
+
+
+def test_snapshot_plus_catchup_equals_the_log(store: Store) -> None:
+    wins = random_windows(1, 300)
+    truth: dict[tuple[str, int], str | None] = {}
+    for w in wins:
+        replay(w, truth)
+    # the producer appends in groups; the applier runs behind
+    for i in range(0, 200, 7):
+        store.append("p", b"".join(wins[i : min(i + 7, 200)]), start_scn=50)
+    store.apply("p", max_events=150)
+    mid = store.state("p")
+    assert 0 < mid.applier_scn < mid.producer_scn
+    # a new consumer: snapshot at the applier, then catch-up to the producer
+    have: dict[tuple[str, int], str | None] = {}
+    full_bootstrap(store, -1, have)
+    expect: dict[tuple[str, int], str | None] = {}
+    for w in wins[:200]:
+        replay(w, expect)
+    assert have == expect
+    # the rest arrives; a consumer that was at window 150 gets only what changed
+    store.append("p", b"".join(wins[200:]))
+    while store.state("p").applier_scn < store.state("p").producer_scn:
+        store.apply("p", max_events=100)
+    partial: dict[tuple[str, int], str | None] = {}
+    for w in wins[:150]:
+        replay(w, partial)
+    since = 100 + 149 * 10
+    full_bootstrap(store, since, partial)
+    assert partial == truth
+    counts = store.counts("p")
+    assert counts["log_events"] > 0 and counts["rows"] == len(truth)
+
+
+def test_replayed_windows_are_skipped_and_state_survives_reopen(
+    store: Store, tmp_path: Path
+) -> None:
+    wins = random_windows(2, 20)
+    store.append("p", b"".join(wins[:10]), start_scn=0)
+    n = store.counts("p")["log_events"]
+    assert store.append("p", b"".join(wins[5:10])) == 100 + 9 * 10  # all seen: nothing added
+    assert store.counts("p")["log_events"] == n
+    store.append("p", b"".join(wins[5:20]))  # overlapping: only the new ones
+    assert store.state("p").producer_scn == 100 + 19 * 10
+    with pytest.raises(ValueError, match="whole windows"):
+        store.append("p", window(1000, [("public.t1", Op.INSERT, 1, "x")])[:-64])
+
+
+def test_catchup_pages_hold_whole_windows(store: Store) -> None:
+    wins = random_windows(3, 50)
+    store.append("p", b"".join(wins), start_scn=0)
+    after, seen = -1, []
+    while True:
+        page = store.catchup_page("p", after_scn=after, target_scn=100 + 49 * 10, max_bytes=1)
+        offsets, headers = parse_stream(page.data)
+        assert int(headers["op"][-1]) == Op.END_OF_WINDOW
+        assert len({int(s) for s in headers["scn"]}) == 1  # one window per page at 1 byte
+        seen.append(page.last_scn)
+        after = page.last_scn
+        if page.complete:
+            break
+    assert seen == [100 + i * 10 for i in range(50)]
+
+
+def test_tombstones_reach_only_consumers_that_saw_the_row(store: Store) -> None:
+    store.append(
+        "p",
+        window(10, [("public.t1", Op.INSERT, 1, "a"), ("public.t1", Op.INSERT, 2, "b")])
+        + window(20, [("public.t1", Op.DELETE, 1, None)]),
+        start_scn=0,
+    )
+    store.apply("p")
+    ids = sorted(SID)
+    fresh = store.snapshot_page(
+        "p", ids, since_scn=-1, start_scn=20, position=(0, 0), max_bytes=1 << 20
+    )
+    old = store.snapshot_page(
+        "p", ids, since_scn=10, start_scn=20, position=(0, 0), max_bytes=1 << 20
+    )
+    assert fresh.events == 1 and fresh.complete
+    _, h = parse_stream(fresh.data)
+    assert int(h["op"][0]) == Op.INSERT
+    _, h = parse_stream(old.data)
+    assert [int(o) for o in h["op"]] == [Op.DELETE]
+
+
+def test_prune_keeps_unapplied_windows(store: Store) -> None:
+    wins = random_windows(4, 30)
+    store.append("p", b"".join(wins), start_scn=0)
+    store.apply("p", max_events=20)
+    applied = store.state("p").applier_scn
+    assert store.prune_log("p", 10**9) > 0
+    st = store.state("p")
+    assert st.log_min_scn == applied
+    page = store.catchup_page("p", after_scn=applied, target_scn=st.producer_scn, max_bytes=1 << 30)
+    _, h = parse_stream(page.data)
+    assert int(h["scn"].min()) > applied and page.last_scn == st.producer_scn
