@@ -13,9 +13,11 @@ import pytest
 from changebus.bootstrap._store import Store
 from changebus.schemas import (
     ChangeDecoder,
+    CorruptEventError,
     Column,
     EndOfWindow,
     Op,
+    ProtocolError,
     RowEncoder,
     SchemaRegistry,
     TableSchema,
@@ -169,8 +171,15 @@ def test_replayed_windows_are_skipped_and_state_survives_reopen(
     assert store.counts("p")["log_events"] == n
     store.append("p", b"".join(wins[5:20]))  # overlapping: only the new ones
     assert store.state("p").producer_scn == 100 + 19 * 10
-    with pytest.raises(ValueError, match="whole windows"):
-        store.append("p", window(1000, [("public.t1", Op.INSERT, 1, "x")])[:-64])
+    partial = window(1000, [("public.t1", Op.INSERT, 1, "x")])
+    offsets, _ = parse_stream(partial)
+    # whole events, but the window's END_OF_WINDOW is missing: refused
+    with pytest.raises(ProtocolError, match="whole windows"):
+        store.append("p", partial[: int(offsets[-1])])
+    # bytes cut inside an event: corrupt, refused by validation
+    with pytest.raises(CorruptEventError):
+        store.append("p", partial[:-5])
+    assert store.state("p").producer_scn == 100 + 19 * 10  # nothing was stored
 
 
 def test_catchup_pages_hold_whole_windows(store: Store) -> None:

@@ -41,7 +41,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from changebus.schemas import HEADER_SIZE, Op, PartitionFilter, decode_header, parse_stream
+from changebus.schemas import (
+    HEADER_SIZE,
+    Op,
+    PartitionFilter,
+    ProtocolError,
+    decode_header,
+    parse_stream,
+)
 
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
@@ -51,6 +58,7 @@ _EOW = int(Op.END_OF_WINDOW)
 _DELETE = int(Op.DELETE)
 _TRUNCATE = int(Op.TRUNCATE)
 _SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
+_MAX_ID = 2**62
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,7 @@ class Store:
         ops = headers["op"]
         eow = np.flatnonzero(ops == _EOW)
         if not eow.size or int(eow[-1]) != offsets.size - 1:
-            raise ValueError("append needs whole windows (the data must end with END_OF_WINDOW)")
+            raise ProtocolError("append needs whole windows (the data must end with END_OF_WINDOW)")
         mv = memoryview(data)
         rows = [
             (part, int(scns[i]), int(headers["source_id"][i]), int(ops[i]), bytes(mv[o : o + n]))
@@ -438,7 +446,9 @@ class Store:
         chunks: list[bytes] = []
         size = events = 0
         last_scn, last_id = after_scn, 0
-        cursor_scn, cursor_id = after_scn, 0
+        # (scn, id) of the last row read; windows have one SCN each and
+        # ``after_scn``'s window was sent already: start past all of it
+        cursor_scn, cursor_id = after_scn, _MAX_ID
         while True:
             rows = self._all(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
