@@ -13,8 +13,8 @@ import pytest
 from changebus.bootstrap._store import Store
 from changebus.schemas import (
     ChangeDecoder,
-    CorruptEventError,
     Column,
+    CorruptEventError,
     EndOfWindow,
     Op,
     ProtocolError,
@@ -188,7 +188,7 @@ def test_catchup_pages_hold_whole_windows(store: Store) -> None:
     after, seen = -1, []
     while True:
         page = store.catchup_page("p", after_scn=after, target_scn=100 + 49 * 10, max_bytes=1)
-        offsets, headers = parse_stream(page.data)
+        _offsets, headers = parse_stream(page.data)
         assert int(headers["op"][-1]) == Op.END_OF_WINDOW
         assert len({int(s) for s in headers["scn"]}) == 1  # one window per page at 1 byte
         seen.append(page.last_scn)

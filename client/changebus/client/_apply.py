@@ -201,13 +201,17 @@ class Replica(AsyncCallbacks):
     async def on_end_window(self, window: Window) -> Result:
         """Apply the window and its checkpoint in one transaction."""
         stored = self._stored.get(window.partition) if self._stored is not None else None
-        if stored is not None and stored.window_scn >= window.scn and stored.window_offset < 0:
+        if (
+            stored is not None
+            and not window.bootstrapping
+            and stored.window_scn >= window.scn
+            and stored.window_offset < 0
+        ):
             self.windows_skipped += 1  # applied before a crash or a failed checkpoint
             return None
         base = self._stored if self._stored is not None else Checkpoint({})
         after = base.with_partition(
-            window.partition,
-            base.get(window.partition).on_end_of_window(window.scn, window.timestamp_ns),
+            window.partition, window.position_after(base.get(window.partition))
         )
         events, self._pending = self._pending, []
         try:
