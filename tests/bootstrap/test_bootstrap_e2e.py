@@ -8,8 +8,13 @@ fast (a few thousand changes per test; bench/bootstrap.py runs larger).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -34,7 +39,7 @@ from changebus.client import (
     Window,
 )
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Mode, lsn_to_scn
+from changebus.schemas import Mode, Op, lsn_to_scn
 
 pytestmark = pytest.mark.pg
 
@@ -128,15 +133,27 @@ TINY = 256 << 10  # relay buffer: a few hundred windows
 
 
 class WatchedReplica(SqliteReplica):
-    """A SQLite replica recording the phases of the windows it applied."""
+    """A SQLite replica recording the phases of the windows it applied.
 
-    def __init__(self, path: Path) -> None:
+    ``hook(phase, n)`` runs before the n-th window of a phase; it may raise
+    :class:`Crash` to end the consumer abruptly there (like a kill: whatever
+    the replica committed stays, nothing else is stored).
+    """
+
+    def __init__(self, path: Path, hook: Callable[[str, int], None] | None = None) -> None:
         super().__init__(path)
         self.phases: list[str] = []
+        self._hook = hook
 
     async def on_start_window(self, window: Window) -> Any:
         self.phases.append(window.phase)
+        if self._hook is not None:
+            self._hook(window.phase, self.phases.count(window.phase))
         return await super().on_start_window(window)
+
+
+class Crash(BaseException):
+    """Ends a consumer run abruptly (not an error the consumer handles)."""
 
 
 def consumer_config(relay: str, boot: str | None, **kw: Any) -> ConsumerConfig:
@@ -320,3 +337,171 @@ async def test_no_bootstrap_server_raises_unless_jump_chosen(tmp_path: Path, pg_
             assert sum(len(r) for r in replica_rows(tmp_path / "r2.db").values()) == 0
         finally:
             await replica.close()
+
+
+async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        async with BootstrapServer(bootstrap_config(tmp_path, relay.url, "sqlite")) as boot:
+            await asyncio.to_thread(workload, pg_dsn, 7, 1200)
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            # the applier lags (stopped): the snapshot stays here, the log grows
+            applier = boot.service.workers["pg"].tasks[1]
+            applier.cancel()
+            await asyncio.to_thread(workload, pg_dsn, 8, 600)
+            marker = sync_marker(pg_dsn)
+            await wait_until(lambda: boot.service.workers["pg"].producer_scn >= marker)
+            db = tmp_path / "replica.db"
+            cfg = consumer_config(relay.url, boot.url, bootstrap_page_bytes=4 << 10)
+
+            def crash_at(phase: str, n: int) -> Callable[[str, int], None]:
+                def hook(p: str, i: int) -> None:
+                    if p == phase and i == n:
+                        raise Crash
+
+                return hook
+
+            loaded = []
+            for hook in (crash_at("snapshot", 3), crash_at("catchup", 50), None):
+                replica = WatchedReplica(db, hook)
+                try:
+                    loaded.append(await replica.load())
+                    if hook is None:
+                        await replicate_until(replica, cfg, marker)
+                    else:
+                        with pytest.raises(Crash):
+                            await asyncio.wait_for(replica.run(cfg), 60)
+                finally:
+                    await replica.close()
+            assert loaded[0] is None
+            assert loaded[1] is not None and loaded[2] is not None
+            snap = loaded[1].get("pg")
+            assert snap.mode is Mode.SNAPSHOT
+            assert snap.bootstrap is not None and snap.bootstrap.snapshot_position
+            catch = loaded[2].get("pg")
+            assert catch.mode is Mode.CATCHUP and catch.bootstrap is not None
+            assert catch.window_scn > catch.bootstrap.start_scn
+            assert replica.phases[0] == "catchup"  # the last run continued the catch-up
+            assert replica_rows(db) == source_rows(pg_dsn)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "changebus.schemas",
+                "bootstrap",
+                "--config",
+                str(config),
+                "--set",
+                "applier.batch_events=100",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def http_json(url: str) -> Any:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return await r.json() if r.status == 200 else None
+    except aiohttp.ClientError:
+        return None
+
+
+async def test_bootstrap_daemon_kill_9_while_producing_applying_and_serving(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = tmp_path / "bootstrap.toml"
+        store = tmp_path / "boot" / "b.db"
+        config.write_text(
+            f'relays = ["{relay.url}"]\ndata_dir = "{tmp_path / "boot"}"\n'
+            f'[store]\npath = "{store}"\n[http]\nport = {port}\n'
+        )
+        log = tmp_path / "bootstrap.log"
+        proc = start_daemon(config, log)
+        try:
+            writer = threading.Thread(target=workload, args=(pg_dsn, 9, 2500))
+            writer.start()
+            # killed while the producer appends and the applier applies
+            seen: dict[str, Any] = {}
+
+            async def producing() -> bool:
+                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
+                seen.update(st or {})
+                return bool(st and st["producer_scn"] > 0 and writer.is_alive())
+
+            for _ in range(400):
+                if await producing():
+                    break
+                await asyncio.sleep(0.05)
+            assert seen.get("producer_scn", -1) > 0, log.read_text()[-2000:]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc = start_daemon(config, log)
+            await asyncio.to_thread(writer.join)
+            marker = sync_marker(pg_dsn)
+
+            async def applied() -> bool:
+                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
+                return bool(st and st["applier_scn"] >= marker)
+
+            for _ in range(1200):
+                if await applied():
+                    break
+                await asyncio.sleep(0.05)
+            assert await applied(), log.read_text()[-2000:]
+            # killed while serving a consumer's snapshot; the consumer retries and goes on
+            killed: list[int] = []
+
+            def kill_in_snapshot(phase: str, n: int) -> None:
+                if phase == "snapshot" and n == 2 and not killed:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(n)
+
+            db = tmp_path / "replica.db"
+            replica = WatchedReplica(db, kill_in_snapshot)
+            cfg = consumer_config(relay.url, url, bootstrap_page_bytes=4 << 10)
+            task = asyncio.create_task(replicate_until(replica, cfg, marker, 120))
+            await wait_until(lambda: bool(killed), 60, "the snapshot")
+            proc.wait()
+            proc = start_daemon(config, log)
+            try:
+                await task
+            finally:
+                await replica.close()
+            assert replica_rows(db) == source_rows(pg_dsn)
+            assert replica.phases.count("snapshot") > 2
+            # the log holds each window once, whatever the kills interrupted
+            conn = sqlite3.connect(store)
+            try:
+                n, distinct = conn.execute(
+                    "SELECT count(*), count(DISTINCT scn) FROM cb_log WHERE op = ?",
+                    (int(Op.END_OF_WINDOW),),
+                ).fetchone()
+            finally:
+                conn.close()
+            assert n == distinct > 1000
+            # SIGTERM: a graceful stop
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -11,6 +11,7 @@ not: nothing is half-written) and close the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from types import TracebackType
@@ -85,6 +86,19 @@ async def run(config: BootstrapConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with BootstrapServer(config):
-        await stop.wait()
+    server = BootstrapServer(config)
+    starting = asyncio.create_task(server.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a start-up error ends the daemon
+            await stopping
+        else:
+            starting.cancel()  # e.g. still waiting for a relay
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
         log.info("bootstrap server shutting down")
+    finally:
+        stopping.cancel()
+        await server.stop()

@@ -43,7 +43,7 @@ from changebus.client._assembler import RawWindow
 from changebus.client._decode import SchemaCache
 from changebus.client._fetch import RelayFetcher, _RelaySchemas, safe_url
 from changebus.client._queue import WindowQueue
-from changebus.schemas import ChangebusError, UnknownSourceError
+from changebus.schemas import ChangebusError
 
 from ._config import BootstrapConfig
 from ._store import PartitionState, Store
@@ -201,8 +201,8 @@ class BootstrapService:
 
     async def _relay_partitions(self) -> list[str]:
         assert self._session is not None
-        last: Exception | None = None
-        for _ in range(50):
+        tries = 0
+        while True:
             for url in self.config.relays:
                 try:
                     async with self._session.get(
@@ -211,9 +211,14 @@ class BootstrapService:
                         data = await resp.json()
                     return [str(p["partition"]) for p in data.get("partitions", [])]
                 except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                    last = exc
+                    if tries % 25 == 0:
+                        log.warning(
+                            "relay %s does not answer /v1/sources (%r); waiting for it",
+                            safe_url(url),
+                            exc,
+                        )
+            tries += 1
             await asyncio.sleep(0.2)
-        raise UnknownSourceError(f"no relay answered /v1/sources: {last!r}", retriable=True)
 
     # ---- producer -------------------------------------------------------
 
