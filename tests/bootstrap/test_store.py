@@ -3,6 +3,7 @@ snapshot pages, catch-up pages, consistency of snapshot + catch-up."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,3 +232,51 @@ def test_prune_keeps_unapplied_windows(store: Store) -> None:
     page = store.catchup_page("p", after_scn=applied, target_scn=st.producer_scn, max_bytes=1 << 30)
     _, h = parse_stream(page.data)
     assert int(h["scn"].min()) > applied and page.last_scn == st.producer_scn
+
+
+def test_key_change_leaves_a_tombstone_and_unsent_columns_are_kept(store: Store) -> None:
+    t = TABLES[0]
+    sid = REG.source_id(t.name)
+    store.put_schemas("p", [(sid, t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+
+    def win(scn: int, event: bytes) -> bytes:
+        return event + encode_control(EndOfWindow(1, ""), scn, 1, scn * 10)
+
+    store.append(
+        "p",
+        win(10, enc.encode(Op.INSERT, 10, 0, 100, {"id": 1, "v": "a"}))
+        + win(
+            20,
+            enc.encode(
+                Op.UPDATE,
+                20,
+                0,
+                200,
+                {"id": 5, "v": "b"},
+                {"id": 1, "v": None},
+                before_not_sent=("v",),
+            ),
+        )
+        + win(30, enc.encode(Op.UPDATE, 30, 0, 300, {"id": 5, "v": None}, after_not_sent=("v",))),
+        start_scn=0,
+    )
+    store.apply("p")
+    ids = sorted(SID)
+
+    def rows(since: int) -> list[tuple[int, int, Any, tuple[str, ...]]]:
+        page = store.snapshot_page(
+            "p", ids, since_scn=since, start_scn=30, position=(0, 0), max_bytes=1 << 20
+        )
+        out = []
+        offsets, _ = parse_stream(page.data)
+        for off in offsets.tolist():
+            h = verify_event(page.data, off)
+            ch = ChangeDecoder(t).decode(event_at(page.data, off, h)[1])
+            image = ch.after if ch.after is not None else ch.before
+            assert image is not None
+            out.append((int(h.op), image["id"], image["v"], ch.after_not_sent))
+        return sorted(out, key=lambda r: r[1])
+
+    assert rows(-1) == [(int(Op.UPDATE), 5, "b", ())]  # old key gone, v from before
+    assert rows(10) == [(int(Op.DELETE), 1, None, ()), (int(Op.UPDATE), 5, "b", ())]
