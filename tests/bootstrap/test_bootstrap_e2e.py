@@ -8,6 +8,7 @@ fast (a few thousand changes per test; bench/bootstrap.py runs larger).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ from changebus.bootstrap import (
     BootstrapConfig,
     BootstrapServer,
     HttpConfig as BootstrapHttp,
+    SeedConfig,
     StoreConfig,
 )
 from changebus.client import (
@@ -503,7 +505,8 @@ async def test_bootstrap_daemon_kill_9_while_producing_applying_and_serving(
 
             db = tmp_path / "replica.db"
             replica = WatchedReplica(db, kill_in_snapshot)
-            cfg = consumer_config(relay.url, url, bootstrap_page_bytes=4 << 10)
+            # a one-window queue: the fetcher is at most a page or two ahead of the kill
+            cfg = consumer_config(relay.url, url, bootstrap_page_bytes=4 << 10, queue_windows=1)
             task = asyncio.create_task(replicate_until(replica, cfg, marker, 120))
             await wait_until(lambda: bool(killed), 60, "the snapshot")
             proc.wait()
@@ -524,6 +527,12 @@ async def test_bootstrap_daemon_kill_9_while_producing_applying_and_serving(
             finally:
                 conn.close()
             assert n == distinct > 1000
+            # the restarted daemon served the rest of the snapshot
+            metrics = None
+            async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+                metrics = await r.text()
+            rows = [ln for ln in metrics.splitlines() if 'what="snapshot_rows"' in ln]
+            assert rows and float(rows[0].split()[-1]) > 0
             # SIGTERM: a graceful stop
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=20) == 0, log.read_text()[-3000:]
@@ -531,3 +540,51 @@ async def test_bootstrap_daemon_kill_9_while_producing_applying_and_serving(
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+async def test_seed_from_the_source_while_writers_write(
+    tmp_path: Path, pg_dsn: str, store_kind: str, store_dsn: str
+) -> None:
+    """Rows written before capture began reach a new consumer through the seed (an
+    exported snapshot aligned with an SCN), merged with changes made meanwhile."""
+    create_tables(pg_dsn)
+    await asyncio.to_thread(workload, pg_dsn, 11, 400)  # before the relay: not in the stream
+    before = source_rows(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for t in TABLES:  # the relay learns the tables' schemas
+                conn.execute(f"INSERT INTO {t} VALUES (100000, 1, 'x')")
+        bcfg = bootstrap_config(tmp_path, relay.url, store_kind, store_dsn)
+        bcfg = dataclasses.replace(bcfg, seed=SeedConfig(dsn=pg_dsn, on_start=True, chunk_rows=100))
+        writer = threading.Thread(target=workload, args=(pg_dsn, 12, 600))
+        writer.start()
+        async with BootstrapServer(bcfg) as boot:
+            w = boot.service.workers["pg"]
+            await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the seed")
+            assert w.seed.state == "done", w.seed.error
+            assert w.seed.rows >= sum(len(r) for r in before.values())
+            first_seed = w.seed.scn
+            await asyncio.to_thread(writer.join)
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            db = tmp_path / "replica.db"
+            replica = WatchedReplica(db)
+            try:
+                await replicate_until(replica, consumer_config(relay.url, boot.url), marker)
+            finally:
+                await replica.close()
+            now = source_rows(pg_dsn)
+            assert_same(replica_rows(db), now)
+            # some rows were never changed after capture began: only the seed had them
+            untouched = sum(1 for t in TABLES for k, r in before[t].items() if now[t].get(k) == r)
+            assert untouched > 10
+            # re-seed one table on demand
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"{boot.url}/v1/seed?tables=public.acct") as r,
+            ):
+                assert r.status == 202
+            await wait_until(lambda: w.seed.state in ("done", "failed"), 60, "the re-seed")
+            assert w.seed.state == "done" and w.seed.tables_total == 1
+            assert w.seed.scn > first_seed

@@ -15,6 +15,7 @@ from ._config import (
     BootstrapConfig as BootstrapConfig,
     HttpConfig as HttpConfig,
     ProducerConfig as ProducerConfig,
+    SeedConfig as SeedConfig,
     StoreConfig as StoreConfig,
 )
 from ._daemon import BootstrapServer as BootstrapServer, run as run
@@ -33,6 +34,7 @@ __all__ = [
     "HttpConfig",
     "PartitionState",
     "ProducerConfig",
+    "SeedConfig",
     "SnapshotPage",
     "Store",
     "StoreConfig",

@@ -30,7 +30,14 @@ from typing import Literal
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 
-__all__ = ["ApplierConfig", "BootstrapConfig", "HttpConfig", "ProducerConfig", "StoreConfig"]
+__all__ = [
+    "ApplierConfig",
+    "BootstrapConfig",
+    "HttpConfig",
+    "ProducerConfig",
+    "SeedConfig",
+    "StoreConfig",
+]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -103,6 +110,31 @@ class ApplierConfig:
 
 
 @dataclass(frozen=True)
+class SeedConfig:
+    """Seeding the snapshot from the source (Postgres; see :mod:`._seed`).
+
+    ``dsn`` -- the source database (secret: never logged); empty: no
+    seeding. ``tables`` -- ``schema.table`` names (empty: every source of
+    the partition the relay has seen). ``on_start`` -- seed once at start-up
+    (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
+    demand). ``partition`` -- the partition the source feeds (empty: the
+    only one).
+    """
+
+    dsn: str = secret("")
+    tables: tuple[str, ...] = ()
+    on_start: bool = False
+    partition: str = ""
+    chunk_rows: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.chunk_rows <= 0:
+            raise ConfigError("seed.chunk_rows must be positive")
+        if self.on_start and not self.dsn:
+            raise ConfigError("seed.on_start needs seed.dsn")
+
+
+@dataclass(frozen=True)
 class BootstrapConfig:
     """The whole bootstrap daemon.
 
@@ -119,6 +151,7 @@ class BootstrapConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
     applier: ApplierConfig = field(default_factory=ApplierConfig)
+    seed: SeedConfig = field(default_factory=SeedConfig)
     catchup_ratio: float = 2.0
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -173,6 +173,7 @@ _PARAMS = {
     "status": {"partition"},
     "snapshot": {"partition", "since", "start", "position", "max_bytes", "sources", "filter"},
     "catchup": {"partition", "after", "target", "max_bytes", "sources", "filter"},
+    "seed": {"partition", "tables"},
 }
 
 
@@ -432,6 +433,15 @@ def _select(data: bytes, key_filter: PartitionFilter | None, wanted: list[int] |
     )
 
 
+async def seed(request: web.Request) -> web.Response:
+    """``POST /v1/seed?partition=P&tables=a,b``: (re-)seed tables from the source (202)."""
+    _check_params(request, "seed")
+    part = _partition(request)
+    tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
+    progress = request.app[SERVICE].start_seed(part, tables, again=True)
+    return web.json_response({"partition": part, "seed": progress.as_dict()}, status=202)
+
+
 async def sources(request: web.Request) -> web.Response:
     """``GET /v1/sources``: as the relay's, from the schemas copied from it."""
     service = request.app[SERVICE]
@@ -518,6 +528,7 @@ def build_app(service: BootstrapService) -> web.Application:
     app.router.add_get("/v1/bootstrap/status", status)
     app.router.add_get("/v1/bootstrap/snapshot", snapshot)
     app.router.add_get("/v1/bootstrap/catchup", catchup)
+    app.router.add_post("/v1/seed", seed)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status_all)

@@ -43,9 +43,10 @@ from changebus.client._assembler import RawWindow
 from changebus.client._decode import SchemaCache
 from changebus.client._fetch import RelayFetcher, _RelaySchemas, safe_url
 from changebus.client._queue import WindowQueue
-from changebus.schemas import ChangebusError
+from changebus.schemas import BadRequestError, ChangebusError, TableSchema, UnknownSourceError
 
 from ._config import BootstrapConfig
+from ._seed import SeedProgress, seed_postgres
 from ._store import PartitionState, Store
 
 __all__ = ["BootstrapService", "PartitionWorker"]
@@ -131,6 +132,8 @@ class PartitionWorker:
     last_error: str = ""
     last_window_ts_ns: int = 0
     applied_at: float = field(default_factory=time.monotonic)
+    seed: SeedProgress = field(default_factory=SeedProgress)
+    seeding: asyncio.Task[None] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -148,6 +151,7 @@ class PartitionWorker:
             "events_applied": self.events_applied,
             "fell_off": self.fell_off,
             "last_error": self.last_error,
+            "seed": self.seed.as_dict(),
         }
 
 
@@ -159,6 +163,7 @@ class BootstrapService:
         self.stores = _StoreThreads(config)
         self.workers: dict[str, PartitionWorker] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._stop_seed = threading.Event()
 
     async def start(self) -> None:
         cfg = self.config
@@ -176,6 +181,8 @@ class BootstrapService:
             self.workers[name] = w
             w.tasks.append(asyncio.create_task(self._produce(w), name=f"producer-{name}"))
             w.tasks.append(asyncio.create_task(self._apply(w), name=f"applier-{name}"))
+        if cfg.seed.on_start:
+            self.start_seed(self._seed_partition(), list(cfg.seed.tables), again=False)
         log.info(
             "bootstrap serving partitions %s from %s",
             ", ".join(self.workers) or "(none)",
@@ -183,7 +190,10 @@ class BootstrapService:
         )
 
     async def stop(self) -> None:
+        self._stop_seed.set()
         for w in self.workers.values():
+            if w.seeding is not None:
+                w.tasks.append(w.seeding)
             for t in w.tasks:
                 t.cancel()
         for w in self.workers.values():
@@ -357,3 +367,93 @@ class BootstrapService:
             w.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(w.wake.wait(), self.config.applier.idle_s)
+
+    # ---- seeding -------------------------------------------------------------
+
+    def _seed_partition(self) -> str:
+        name = self.config.seed.partition
+        if name:
+            if name not in self.workers:
+                raise UnknownSourceError(f"seed.partition {name!r} is not served here")
+            return name
+        if len(self.workers) != 1:
+            raise BadRequestError("name the partition to seed (seed.partition)")
+        return next(iter(self.workers))
+
+    def start_seed(self, part: str, tables: list[str], *, again: bool) -> SeedProgress:
+        """Start seeding ``tables`` of ``part`` (all known sources when empty) in the background.
+
+        ``again``: copy them even when seeded before (re-seed on demand).
+        """
+        if not self.config.seed.dsn:
+            raise BadRequestError("no source to seed from: set seed.dsn")
+        w = self.workers[part]
+        if w.seeding is not None and not w.seeding.done():
+            raise BadRequestError(f"partition {part} is being seeded already")
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._seed(w, tables, again), name=f"seed-{part}")
+        return w.seed
+
+    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+        cfg = self.config
+        try:
+            await self._wait_for_schemas(w, tables)
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
+            names = tables or sorted({n for _s, _v, n, _j in rows})
+            if again:
+                await self.stores.write(lambda s: s.forget_seed(w.name, names))
+            done = set(await self.stores.write(lambda s: s.seeded(w.name)))
+            part_id = await self._relay_partition_id(w.name)
+            loop = asyncio.get_running_loop()
+
+            def write(table: str, events: list[bytes], scn: int) -> None:
+                # from the seeder's thread: hand over to the writer thread and wait
+                asyncio.run_coroutine_threadsafe(
+                    self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
+                ).result()
+
+            await asyncio.to_thread(
+                seed_postgres,
+                cfg.seed.dsn,
+                part_id,
+                schemas,
+                names,
+                done,
+                write,
+                w.seed,
+                chunk_rows=cfg.seed.chunk_rows,
+                stop=self._stop_seed,
+            )
+            log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
+        except asyncio.CancelledError:
+            w.seed.state = "stopped"
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in /v1/status, the daemon goes on
+            w.seed.state = "failed"
+            w.seed.error = exc.message if isinstance(exc, ChangebusError) else repr(exc)
+            log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
+
+    async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
+        """Until the store knows the schemas of ``tables`` (any, when empty) from the relay."""
+        for _ in range(600):
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            names = {n for _s, _v, n, _j in rows}
+            if (set(tables) <= names) if tables else names:
+                return
+            await asyncio.sleep(0.1)
+
+    async def _relay_partition_id(self, name: str) -> int:
+        assert self._session is not None
+        for url in self.config.relays:
+            try:
+                async with self._session.get(
+                    f"{url}/v1/sources", timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
+                    data = await resp.json()
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            for p in data.get("partitions", []):
+                if p.get("partition") == name:
+                    return int(p.get("id", 0))
+        raise UnknownSourceError(f"no relay names partition {name!r}", retriable=True)

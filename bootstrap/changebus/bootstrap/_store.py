@@ -19,6 +19,8 @@ Tables (one database holds every physical partition, ``part`` = its name):
   ``applier_scn`` / ``applier_id`` (the snapshot reflects every window up to
   it), ``log_min_scn`` (windows after it are all in the log), ``base_scn``
   (the snapshot holds every change after it; -1: the whole history).
+``cb_seed`` -- tables copied from the source in full (see :mod:`._seed`),
+  with the SCN of the copy.
 ``cb_schema`` -- table schemas by (partition, source id, version), from the
   SCHEMA_CHANGE events the producer saw.
 
@@ -127,15 +129,18 @@ _DDL = [
     """CREATE TABLE IF NOT EXISTS cb_state (
         part TEXT PRIMARY KEY, producer_scn BIGINT NOT NULL, applier_scn BIGINT NOT NULL,
         applier_id BIGINT NOT NULL, log_min_scn BIGINT NOT NULL, base_scn BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS cb_seed (
+        part TEXT NOT NULL, name TEXT NOT NULL, scn BIGINT NOT NULL, PRIMARY KEY (part, name))""",
     """CREATE TABLE IF NOT EXISTS cb_schema (
         part TEXT NOT NULL, source_id INTEGER NOT NULL, version INTEGER NOT NULL,
         name TEXT NOT NULL, schema TEXT NOT NULL, PRIMARY KEY (part, source_id, version))""",
 ]
 
+# never replaces a newer state of a key (seeded rows may be ahead of the applier)
 _UPSERT = (
     "INSERT INTO cb_snap (part, source_id, key, scn, deleted, event) VALUES ({p}, {p}, {p}, {p}, {p}, {p}) "
     "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn, "
-    "deleted = excluded.deleted, event = excluded.event"
+    "deleted = excluded.deleted, event = excluded.event WHERE excluded.scn >= cb_snap.scn"
 )
 
 
@@ -480,8 +485,8 @@ class Store:
 
     def _truncate(self, part: str, source_id: int, scn: int, event: bytes) -> None:
         self._conn.execute(
-            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p}"),
-            (part, source_id),
+            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p} AND scn <= {p}"),
+            (part, source_id, scn),
         )
         self._conn.execute(
             self._sql(
@@ -490,6 +495,44 @@ class Store:
             ),
             (part, source_id, scn, event),
         )
+
+    # ---- seeding --------------------------------------------------------------
+
+    def seed_rows(self, part: str, table: str, events: Sequence[bytes], scn: int) -> None:
+        """Merge seed rows (INSERT events at ``scn``), or record ``table`` as seeded when empty.
+
+        A row is written unless the snapshot holds a newer state of its key.
+        """
+        with self._txn():
+            if not events:
+                self._conn.execute(
+                    self._sql(
+                        "INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, {p}) "
+                        "ON CONFLICT (part, name) DO UPDATE SET scn = excluded.scn"
+                    ),
+                    (part, table, scn),
+                )
+                return
+            rows = []
+            for ev in events:
+                h = decode_header(ev)
+                key = ev[HEADER_SIZE : HEADER_SIZE + h.key_length]
+                rows.append((part, h.source_id, key, h.scn, 0, ev))
+            self._many(_UPSERT, rows)
+
+    def seeded(self, part: str) -> dict[str, int]:
+        """Tables seeded in full, with the SCN of their seed."""
+        return {
+            str(n): int(s)
+            for n, s in self._all("SELECT name, scn FROM cb_seed WHERE part = {p}", (part,))
+        }
+
+    def forget_seed(self, part: str, tables: Sequence[str]) -> None:
+        """Mark ``tables`` as not seeded (a re-seed copies them again)."""
+        with self._txn():
+            self._many(
+                "DELETE FROM cb_seed WHERE part = {p} AND name = {p}", [(part, t) for t in tables]
+            )
 
     # ---- serving ------------------------------------------------------------
 
