@@ -280,3 +280,30 @@ def test_key_change_leaves_a_tombstone_and_unsent_columns_are_kept(store: Store)
 
     assert rows(-1) == [(int(Op.UPDATE), 5, "b", ())]  # old key gone, v from before
     assert rows(10) == [(int(Op.DELETE), 1, None, ()), (int(Op.UPDATE), 5, "b", ())]
+
+
+def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
+    from changebus.bootstrap._http import NotYetError, _plan
+
+    with pytest.raises(NotYetError):
+        _plan(store, "p", -1, 2.0)  # nothing yet
+    wins = random_windows(5, 40)
+    store.append("p", b"".join(wins), start_scn=-1)
+    store.apply("p")
+    # from nothing, replaying the log: start just before its first window (a valid SCN)
+    plan = _plan(store, "p", -1, 1e18)
+    assert plan["snapshot"] is False and 0 <= plan["start_scn"] < 100
+    page = store.catchup_page(
+        "p", after_scn=plan["start_scn"], target_scn=plan["producer_scn"], max_bytes=1 << 30
+    )
+    have: dict[tuple[str, int], str | None] = {}
+    replay(page.data, have)
+    truth: dict[tuple[str, int], str | None] = {}
+    for w in wins:
+        replay(w, truth)
+    assert have == truth
+    # a consumer a little behind: catch-up only; far behind with ratio 0: a snapshot
+    last = 100 + 39 * 10
+    assert _plan(store, "p", last - 10, 2.0)["snapshot"] is False
+    far = _plan(store, "p", 100, 0.0)
+    assert far["snapshot"] is True and far["start_scn"] == last

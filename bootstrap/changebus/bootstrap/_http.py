@@ -245,6 +245,8 @@ def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
             f"change after {st.base_scn}); the consumer must start again from nothing",
             base_scn=st.base_scn,
         )
+    if st.producer_scn < 0:
+        raise NotYetError("the bootstrap server has no windows yet; retry soon")
     if since > st.producer_scn:
         raise NotYetError(
             f"the bootstrap server's log ends at {st.producer_scn}, before position {since}"
@@ -256,6 +258,8 @@ def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
         rows = store.snapshot_changed(part, since, st.applier_scn)
         if log_events <= ratio * rows or st.applier_scn <= since:
             snapshot, start = False, since
+            if start < 0:  # from nothing: just before the log's first window (an SCN >= 0)
+                start = max(store.first_log_scn(part) - 1, 0)
     if snapshot and start < since:
         raise NotYetError(f"the snapshot is at {start}, before position {since}; retry soon")
     return {

@@ -544,6 +544,11 @@ class Store:
         )
         return int(row[0])
 
+    def first_log_scn(self, part: str) -> int:
+        """SCN of the oldest window in the log (-1: empty)."""
+        row = self._one("SELECT min(scn) FROM cb_log WHERE part = {p}", (part,))
+        return int(row[0]) if row is not None and row[0] is not None else -1
+
     def snapshot_changed(self, part: str, since_scn: int, upto_scn: int) -> int:
         """Snapshot rows (tombstones too) last changed in ``(since_scn, upto_scn]``."""
         row = self._one(
