@@ -367,6 +367,12 @@ async def test_no_bootstrap_server_raises_unless_jump_chosen(tmp_path: Path, pg_
             await replica.close()
 
 
+async def restart_applier(boot: BootstrapServer, marker: int) -> None:
+    worker = boot.service.workers["pg"]
+    worker.tasks.append(asyncio.create_task(boot.service._apply(worker)))
+    await wait_until(lambda: worker.applier_scn >= marker)
+
+
 async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
     tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -393,7 +399,14 @@ async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
                 return hook
 
             loaded = []
-            for hook in (crash_at("snapshot", 3), crash_at("catchup", 50), None):
+            stages = (crash_at("snapshot", 3), crash_at("catchup", 50), crash_at("catchup", 50))
+            for i, hook in enumerate((*stages, None)):
+                if i == 3:
+                    # meanwhile the applier catches up and the log is pruned past the
+                    # consumer's catch-up position: it must run the snapshot again
+                    await restart_applier(boot, marker)
+                    pruned = await boot.service.stores.write(lambda s: s.prune_to("pg", 100))
+                    assert pruned > 0
                 replica = WatchedReplica(db, hook)
                 try:
                     loaded.append(await replica.load())
@@ -412,7 +425,13 @@ async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
             catch = loaded[2].get("pg")
             assert catch.mode is Mode.CATCHUP and catch.bootstrap is not None
             assert catch.window_scn > catch.bootstrap.start_scn
-            assert replica.phases[0] == "catchup"  # the last run continued the catch-up
+            assert loaded[3] is not None
+            late = loaded[3].get("pg")
+            assert late.mode is Mode.CATCHUP and late.bootstrap is not None
+            state = await boot.service.stores.read(lambda s: s.state("pg"))
+            assert late.window_scn < state.log_min_scn
+            # the last run found its catch-up pruned (410) and ran the snapshot again
+            assert replica.phases[0] == "snapshot"
             assert_same(replica_rows(db), source_rows(pg_dsn))
 
 

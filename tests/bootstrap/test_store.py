@@ -307,3 +307,14 @@ def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
     assert _plan(store, "p", last - 10, 2.0)["snapshot"] is False
     far = _plan(store, "p", 100, 0.0)
     assert far["snapshot"] is True and far["start_scn"] == last
+
+
+def test_prune_to_keeps_about_n_events(store: Store) -> None:
+    wins = random_windows(6, 60)
+    store.append("p", b"".join(wins), start_scn=-1)
+    store.apply("p")
+    total = store.counts("p")["log_events"]
+    assert store.prune_to("p", 50) > 0
+    left = store.counts("p")["log_events"]
+    assert 40 <= left <= 50 < total
+    assert store.state("p").log_min_scn > 100

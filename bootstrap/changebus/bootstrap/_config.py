@@ -103,10 +103,15 @@ class ApplierConfig:
     batch_events: int = 20_000
     #: longest sleep when there is nothing to apply
     idle_s: float = 0.5
+    #: log events kept (about: whole windows); older applied windows are pruned
+    #: (0: keep the whole log). Consumers behind the kept log get a snapshot.
+    log_keep_events: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_events <= 0 or self.idle_s <= 0:
             raise ConfigError("applier.batch_events and applier.idle_s must be positive")
+        if self.log_keep_events < 0:
+            raise ConfigError("applier.log_keep_events must not be negative")
 
 
 @dataclass(frozen=True)

@@ -352,16 +352,21 @@ class BootstrapService:
         while True:
             before = w.applier_scn
 
-            def step(s: Store) -> tuple[PartitionState, int, int]:
+            def step(
+                s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
+            ) -> tuple[PartitionState, int, int]:
                 done = s.applied_events
                 st = s.apply(w.name, batch)
+                if keep and st.applier_scn != before:
+                    s.prune_to(w.name, keep)
+                    st = s.state(w.name)
                 return st, s.applied_events - done, s.unapplied_events(w.name)
 
             st, applied, left = await self.stores.write(step)
             if st.applier_scn != before:
                 w.events_applied += applied
                 w.lag_events = left
-                w.applier_scn = st.applier_scn
+                w.applier_scn, w.log_min_scn = st.applier_scn, st.log_min_scn
                 w.applied_at = time.monotonic()
                 continue
             w.wake.clear()

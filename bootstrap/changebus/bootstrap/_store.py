@@ -675,6 +675,16 @@ class Store:
         # drop a trailing partial window (cannot happen with whole-window appends)
         return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
 
+    def prune_to(self, part: str, keep_events: int) -> int:
+        """Prune applied windows so that about ``keep_events`` log events remain."""
+        row = self._one(
+            "SELECT scn FROM cb_log WHERE part = {p} ORDER BY id DESC LIMIT 1 OFFSET {p}",
+            (part, keep_events),
+        )
+        if row is None:
+            return 0
+        return self.prune_log(part, int(row[0]))
+
     def prune_log(self, part: str, keep_after_scn: int) -> int:
         """Delete applied log windows at or below ``keep_after_scn``; returns rows deleted."""
         st = self.state(part)

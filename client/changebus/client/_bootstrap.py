@@ -100,6 +100,8 @@ class BootstrapFetcher(RelayFetcher):
         #: how many bootstraps this fetcher ran, and the current phase
         self.bootstraps = 0
         self.phase = "online"
+        #: the checkpoint after the last window queued in the current bootstrap
+        self._last: PartitionCheckpoint | None = None
 
     @property
     def server(self) -> str:
@@ -147,13 +149,19 @@ class BootstrapFetcher(RelayFetcher):
         """Snapshot then catch-up from a bootstrap server; ends at the target SCN."""
         self.bootstraps += 1
         attempts = 0
+        self._last = None
+        # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
+        dirty = resume is not None
         while True:
             url = self.server
+            queued = self._queued()
+            current = queued or resume  # after a failure: from the last window queued
             try:
-                target = await self._run_once(url, since, resume)
+                target = await self._run_once(url, since, current, dirty or queued is not None)
                 break
             except _Restart:
-                resume = None  # the log moved on: snapshot again from the same since
+                # the log moved on: snapshot again (with deletes: the consumer has rows)
+                resume, self._last, dirty = None, None, True
                 continue
             except _RETRIABLE as exc:
                 attempts += 1
@@ -177,15 +185,36 @@ class BootstrapFetcher(RelayFetcher):
             "bootstrap of partition %s done at SCN %d; back to the relays", self.partition, target
         )
 
-    async def _run_once(self, url: str, since: int, resume: PartitionCheckpoint | None) -> int:
+    def _queued(self) -> PartitionCheckpoint | None:
+        """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
+        return self._last
+
+    async def _run_once(
+        self, url: str, since: int, resume: PartitionCheckpoint | None, dirty: bool
+    ) -> int:
+        """One attempt on ``url``: continue ``resume`` there, or start (again).
+
+        ``dirty``: the consumer already holds rows of an earlier (partial)
+        bootstrap. A new snapshot for it must include deletes even when it
+        started from nothing, so it asks for everything after the server's
+        ``base_scn`` (all the server holds, tombstones included).
+        """
         prog: BootstrapProgress
         mode = Mode.SNAPSHOT
+        if self.partition is None:
+            self._learn_partition((await self._get_json(url, "status", {}))["partition"])
+        if resume is not None and resume.mode is Mode.ONLINE and self._queued() is not None:
+            return resume.window_scn  # everything was queued before the failure
         if resume is not None and resume.bootstrap is not None and resume.bootstrap.server == url:
             prog, mode = resume.bootstrap, resume.mode
         else:
+            if resume is not None and resume.bootstrap is not None:
+                since = resume.bootstrap.since_scn
+            if dirty and since < 0:
+                status = await self._get_json(url, "status", {})
+                since = max(int(status["base_scn"]), 0)
             prog = BootstrapProgress(since_scn=since)
-        if self.partition is None:
-            self._learn_partition((await self._get_json(url, "status", {}))["partition"])
+        since = prog.since_scn
         if mode is Mode.SNAPSHOT and prog.start_scn < 0:
             plan = await self._get_json(url, "start", {"since": str(since)})
             start = int(plan["start_scn"])
@@ -268,6 +297,7 @@ class BootstrapFetcher(RelayFetcher):
         await self._queue.put(
             dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc)
         )
+        self._last = pc
 
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
@@ -301,6 +331,7 @@ class BootstrapFetcher(RelayFetcher):
                         bootstrap=prog,
                     )
                 await self._queue.put(dataclasses.replace(window, phase="catchup", checkpoint=pc))
+                self._last = pc
                 after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
             last = int(headers.get("X-Changebus-Last-Scn", after))
             if headers.get("X-Changebus-Complete") == "1" or last >= target:
@@ -319,6 +350,7 @@ class BootstrapFetcher(RelayFetcher):
                     checkpoint=pc,
                 )
             )
+            self._last = pc
         return target
 
     # ---- HTTP ---------------------------------------------------------------
