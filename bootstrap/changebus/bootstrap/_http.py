@@ -7,7 +7,7 @@ A consumer that fell off the relays (or starts from nothing) asks:
    consumer still covered by the log gets catch-up only when that is
    cheaper);
 2. ``GET /v1/bootstrap/snapshot?...&since=&start=&position=`` -- pages of
-   rows changed in ``(since, start]`` at their latest version, in a stable
+   rows changed after ``since`` at their latest version, in a stable
    order; each page names the position to resume from;
 3. ``GET /v1/bootstrap/status?partition=P`` -- ``producer_scn``: the
    catch-up target once the snapshot is done;
@@ -322,7 +322,7 @@ def _binary(data: bytes, headers: dict[str, str]) -> web.Response:
 
 
 async def snapshot(request: web.Request) -> web.Response:
-    """``GET /v1/bootstrap/snapshot``: one page of rows changed in ``(since, start]``."""
+    """``GET /v1/bootstrap/snapshot``: one page of rows changed after ``since``."""
     _check_params(request, "snapshot")
     service = request.app[SERVICE]
     part = _partition(request)

@@ -578,10 +578,16 @@ class Store:
         key_filter: PartitionFilter | None = None,
         batch_rows: int = 2000,
     ) -> SnapshotPage:
-        """Rows changed in ``(since_scn, start_scn]``, by source then row id, after ``position``.
+        """Rows changed after ``since_scn``, at their latest version, by source then row id.
 
+        ``start_scn`` is the snapshot's SCN (the catch-up starts there). Rows
+        the applier changed after it are sent too, at their newer version:
+        the catch-up replays their older changes and ends at a target past
+        them, so the end state is the same, and a row is always sent whole
+        (a catch-up UPDATE may carry only some columns: Postgres' unchanged
+        TOAST values). Pages resume after ``position`` (source id, row id).
         Tombstones are sent only to a consumer that has a position
-        (``since_scn >= 0``); a source's TRUNCATE in the range comes first.
+        (``since_scn >= 0``); a source's TRUNCATE after it comes first.
         At least one event is returned when any is left (even over
         ``max_bytes``).
         """
@@ -599,21 +605,21 @@ class Store:
                     "SELECT scn, event FROM cb_trunc WHERE part = {p} AND source_id = {p}",
                     (part, sid),
                 )
-                if trunc is not None and since_scn >= 0 and since_scn < int(trunc[0]) <= start_scn:
+                if trunc is not None and 0 <= since_scn < int(trunc[0]):
                     chunks.append(bytes(trunc[1]))
                     size += len(trunc[1])
                     events += 1
             while True:
                 rows = self._all(
                     "SELECT id, scn, deleted, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
-                    "AND id > {p} AND scn > {p} AND scn <= {p}"
+                    "AND id > {p} AND scn > {p}"
                     + (" AND deleted = 0" if since_scn < 0 else "")
                     + " ORDER BY id LIMIT {p}",
-                    (part, sid, after, since_scn, start_scn, batch_rows),
+                    (part, sid, after, since_scn, batch_rows),
                 )
                 for rid, scn, deleted, event in rows:
                     after = int(rid)
-                    if not since_scn < int(scn) <= start_scn:
+                    if int(scn) <= since_scn:
                         continue
                     if deleted and since_scn < 0:
                         continue

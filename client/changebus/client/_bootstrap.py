@@ -3,13 +3,13 @@
 :class:`BootstrapFetcher` is a :class:`~._fetch.RelayFetcher` that leaves the
 relays when they cannot serve the consumer's position and comes back::
 
-    relay --410--> start(since) --> snapshot pages (since, start] --> status: target
+    relay --410--> start(since) --> snapshot pages (since, ...) --> status: target
           <-- relay after target <-- catch-up windows (start, target] <--+
 
 Phases, and the checkpoint entry that holds after each delivered window
 (:attr:`~._model.Window.checkpoint`):
 
-* **snapshot** -- each page of rows changed in ``(since, start]`` at their
+* **snapshot** -- each page of rows changed after ``since`` at their
   latest version becomes one window (``phase = "snapshot"``); after it the
   checkpoint is ``bootstrap-snapshot`` with the page's resume position, or,
   after the last page, ``bootstrap-catchup`` at ``start`` with the target.
@@ -17,11 +17,12 @@ Phases, and the checkpoint entry that holds after each delivered window
   relay windows (``phase = "catchup"``); checkpoint ``bootstrap-catchup`` at
   the window, and ``online`` at ``target`` after the last one.
 
-Why the end state is consistent: every row the snapshot skipped or sent at
-an older version changed after ``start``, and every change after ``start``
-up to ``target`` is replayed in order by the catch-up, with full row images.
-So after the target window the consumer holds the source state at
-``target`` -- as if it had read every window. Nothing is skipped: a
+Why the end state is consistent: a snapshot row sent at a version newer
+than ``start`` has those changes in ``(start, target]``, which the catch-up
+replays in order; columns a replayed UPDATE does not carry keep the
+snapshot's value, which no change in between touched (docs/protocol.md
+section 7.1). So after the target window the consumer holds the source
+state at ``target`` -- as if it had read every window. Nothing is skipped: a
 snapshot row is sent only when it changed after ``since`` (a consumer a
 little behind gets just the changed keys, deletes as tombstones).
 
