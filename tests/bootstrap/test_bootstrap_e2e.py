@@ -8,6 +8,7 @@ fast (a few thousand changes per test; bench/bootstrap.py runs larger).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
@@ -607,3 +608,55 @@ async def test_seed_from_the_source_while_writers_write(
             await wait_until(lambda: w.seed.state in ("done", "failed"), 60, "the re-seed")
             assert w.seed.state == "done" and w.seed.tables_total == 1
             assert w.seed.scn > first_seed
+
+
+async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The bootstrap producer stalls, the tiny relay evicts windows it never got: it
+    jumps over the gap, seeds its snapshot again (rows deleted in the gap become
+    tombstones), and both an old consumer and a new one end exact."""
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        bcfg = dataclasses.replace(
+            bootstrap_config(tmp_path, relay.url, "sqlite"),
+            seed=SeedConfig(dsn=pg_dsn, chunk_rows=200),
+        )
+        async with BootstrapServer(bcfg) as boot:
+            w = boot.service.workers["pg"]
+            await asyncio.to_thread(workload, pg_dsn, 21, 800)
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            old_db = tmp_path / "old.db"
+            old = WatchedReplica(old_db)
+            cfg = consumer_config(relay.url, boot.url)
+            try:
+                await replicate_until(old, cfg, marker)
+            finally:
+                await old.close()
+            # the producer stalls while the relay evicts what it did not read
+            producer = w.tasks[0]
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            await asyncio.to_thread(workload, pg_dsn, 22, 1500)
+            gap_marker = sync_marker(pg_dsn)
+            await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= gap_marker)
+            assert relay.hosts["pg"].status()["prev_scn"] > w.producer_scn  # a real gap
+            w.tasks[0] = asyncio.create_task(boot.service._produce(w))
+            await wait_until(lambda: w.fell_off > 0, 30, "the producer to fall off")
+            await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
+            assert w.seed.state == "done", w.seed.error
+            assert await boot.service.stores.read(lambda s: s.gap("pg")) is None
+            await asyncio.to_thread(workload, pg_dsn, 23, 200)
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            for db in (old_db, tmp_path / "new.db"):  # behind the gap, and from nothing
+                replica = WatchedReplica(db)
+                try:
+                    await replicate_until(replica, cfg, marker)
+                finally:
+                    await replica.close()
+                assert replica.phases[0] in ("snapshot", "catchup")
+                assert_same(replica_rows(db), source_rows(pg_dsn))

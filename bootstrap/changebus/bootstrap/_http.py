@@ -237,6 +237,15 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
     return sorted(ids[n] for n in wanted)
 
 
+def _check_gap(store: Store, part: str, since: int) -> None:
+    gap = store.gap(part)
+    if gap is not None and since < gap:
+        raise NotYetError(
+            f"this server missed changes up to {gap} (its producer fell off the relay) and is "
+            "seeding its snapshot again from the source; retry soon"
+        )
+
+
 def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
     st = store.state(part)
     if 0 <= since < st.base_scn:
@@ -247,6 +256,7 @@ def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
         )
     if st.producer_scn < 0:
         raise NotYetError("the bootstrap server has no windows yet; retry soon")
+    _check_gap(store, part, since)
     if since > st.producer_scn:
         raise NotYetError(
             f"the bootstrap server's log ends at {st.producer_scn}, before position {since}"
@@ -341,6 +351,7 @@ async def snapshot(request: web.Request) -> web.Response:
                 f"(after {st.base_scn})",
                 base_scn=st.base_scn,
             )
+        _check_gap(store, part, since)
         if start_scn > st.applier_scn:
             raise BadRequestError(
                 f"snapshot SCN {start_scn} is not one this server gave (applier at {st.applier_scn})"

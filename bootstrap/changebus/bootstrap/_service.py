@@ -263,11 +263,14 @@ class BootstrapService:
                     await fetcher.fetch()
                 except FellOffRelayError as exc:
                     # the relay dropped windows this log never got: the log has a gap
-                    # (re-seed needed); keep the log as it is and retry later
                     w.state = "fell_off"
                     w.fell_off += 1
                     w.last_error = exc.message
                     log.error("partition %s: the producer fell off the relay: %s", w.name, exc)
+                    if cfg.seed.dsn:
+                        await sink.join()
+                        await self._repair_gap(w, fetcher.relay)
+                        continue
                 except ChangebusError as exc:
                     w.state = "error"
                     w.last_error = exc.message
@@ -373,6 +376,24 @@ class BootstrapService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(w.wake.wait(), self.config.applier.idle_s)
 
+    async def _repair_gap(self, w: PartitionWorker, relay: str) -> None:
+        """Jump over the windows the relay evicted and seed the snapshot again."""
+        gap_end = await self._relay_prev_scn(w, relay)
+        st = await self.stores.write(lambda s: s.mark_gap(w.name, gap_end))
+        w.producer_scn, w.log_min_scn = st.producer_scn, st.log_min_scn
+        log.error(
+            "partition %s: windows up to SCN %d are lost to this server; the producer goes on "
+            "after them and the snapshot is seeded again from the source",
+            w.name,
+            gap_end,
+        )
+        if w.seeding is not None and not w.seeding.done():
+            w.seeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.seeding
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._seed(w, [], True), name=f"seed-{w.name}")
+
     # ---- seeding -------------------------------------------------------------
 
     def _seed_partition(self) -> str:
@@ -430,6 +451,8 @@ class BootstrapService:
                 chunk_rows=cfg.seed.chunk_rows,
                 stop=self._stop_seed,
             )
+            if await self.stores.write(lambda s: s.clear_gap(w.name)):
+                log.info("partition %s: the gap in the log is repaired", w.name)
             log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
         except asyncio.CancelledError:
             w.seed.state = "stopped"
