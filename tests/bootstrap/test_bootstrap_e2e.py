@@ -2,7 +2,8 @@
 
 Every test ends by comparing the consumer's tables with the source tables row
 by row. Sizes are scaled down from the issue's 100k changes to keep the suite
-fast (a few thousand changes per test; bench/bootstrap.py runs larger).
+fast (a few thousand changes per test); bench/bootstrap_e2e.py runs the issue's ~100k
+changes through the same pipeline.
 """
 
 from __future__ import annotations
@@ -434,6 +435,25 @@ async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
             # the last run found its catch-up pruned (410) and ran the snapshot again
             assert replica.phases[0] == "snapshot"
             assert_same(replica_rows(db), source_rows(pg_dsn))
+            # bad requests get clear JSON errors; the server goes on
+            bad = {
+                "/v1/bootstrap/snapshot": 400,  # no start
+                "/v1/bootstrap/snapshot?start=1&position=abc": 400,
+                "/v1/bootstrap/start?since=x": 400,
+                "/v1/bootstrap/start?bogus=1": 400,
+                "/v1/bootstrap/status?partition=nope": 404,
+                "/v1/bootstrap/catchup?after=5&target=1": 400,
+                f"/v1/bootstrap/catchup?after=1&target={2**62}": 410,  # pruned
+                f"/v1/bootstrap/start?since={2**62}": 503,  # ahead of the log
+                "/v1/schemas/public.nope": 404,
+            }
+            async with aiohttp.ClientSession() as http:
+                for path, status in bad.items():
+                    async with http.get(boot.url + path) as r:
+                        body = await r.json()
+                        assert (r.status, set(body) >= {"error", "message"}) == (status, True), path
+                async with http.get(boot.url + "/readyz") as r:
+                    assert r.status == 200
 
 
 def free_port() -> int:
