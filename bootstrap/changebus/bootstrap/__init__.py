@@ -1,3 +1,42 @@
-"""changebus.bootstrap: see docs/ for what this slice provides."""
+"""changebus.bootstrap: the bootstrap server.
 
-__all__: list[str] = []
+A client of the relay (the *producer*) appends every window to a persistent
+**log store**; the *applier* folds the log into a **snapshot store** (the
+latest row per key, with the SCN that last changed it). Consumers that fell
+off the relays, or start from nothing, read a snapshot then catch up from the
+log, and return to the relay (Databus's startSCN/targetSCN protocol, see
+docs/protocol.md section 8). Storage is SQLite (default) or Postgres, same
+code (:class:`Store`). Run it with ``changebus bootstrap --config
+bootstrap.toml`` or embedded with :class:`BootstrapServer`.
+"""
+
+from ._config import (
+    ApplierConfig as ApplierConfig,
+    BootstrapConfig as BootstrapConfig,
+    HttpConfig as HttpConfig,
+    ProducerConfig as ProducerConfig,
+    SeedConfig as SeedConfig,
+    StoreConfig as StoreConfig,
+)
+from ._daemon import BootstrapServer as BootstrapServer, run as run
+from ._store import (
+    CatchupPage as CatchupPage,
+    PartitionState as PartitionState,
+    SnapshotPage as SnapshotPage,
+    Store as Store,
+)
+
+__all__ = [
+    "ApplierConfig",
+    "BootstrapConfig",
+    "BootstrapServer",
+    "CatchupPage",
+    "HttpConfig",
+    "PartitionState",
+    "ProducerConfig",
+    "SeedConfig",
+    "SnapshotPage",
+    "Store",
+    "StoreConfig",
+    "run",
+]

@@ -20,11 +20,17 @@ Errors are part of the :mod:`changebus.schemas` tree: a position older than
 the relays keep raises :class:`FellOffRelayError` (HTTP 410), a gap in the
 stream :class:`DataLossDetectedError`, an unrecoverable callback
 :class:`ConsumerAbortedError`.
+
+With ``bootstrap_servers`` configured, a consumer that fell off the relays
+(or starts from nothing) reads a snapshot and the catch-up log from a
+bootstrap server and returns to the relays by itself (:mod:`._bootstrap`);
+windows tell the application (``Window.phase``, ``Window.bootstrapping``).
 """
 
 from ._apply import Replica as Replica
 from ._apply_pg import PostgresReplica as PostgresReplica
 from ._apply_sqlite import SqliteReplica as SqliteReplica
+from ._bootstrap import BootstrapFailedError as BootstrapFailedError
 from ._callbacks import (
     AsyncCallbacks as AsyncCallbacks,
     CallbackResult as CallbackResult,
@@ -48,6 +54,7 @@ from ._sync import SyncConsumer as SyncConsumer
 
 __all__ = [
     "AsyncCallbacks",
+    "BootstrapFailedError",
     "CallbackResult",
     "Callbacks",
     "ChangeEvent",

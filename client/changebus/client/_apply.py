@@ -206,13 +206,17 @@ class Replica(AsyncCallbacks):
     async def on_end_window(self, window: Window) -> Result:
         """Apply the window and its checkpoint in one transaction."""
         stored = self._stored.get(window.partition) if self._stored is not None else None
-        if stored is not None and stored.window_scn >= window.scn and stored.window_offset < 0:
+        if (
+            stored is not None
+            and not window.bootstrapping
+            and stored.window_scn >= window.scn
+            and stored.window_offset < 0
+        ):
             self.windows_skipped += 1  # applied before a crash or a failed checkpoint
             return None
         base = self._stored if self._stored is not None else Checkpoint({})
         after = base.with_partition(
-            window.partition,
-            base.get(window.partition).on_end_of_window(window.scn, window.timestamp_ns),
+            window.partition, window.position_after(base.get(window.partition))
         )
         events, self._pending = self._pending, []
         try:
@@ -285,14 +289,20 @@ class Replica(AsyncCallbacks):
                 image = e.key or (e.before or {})
                 yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
                 continue
+            skip = set(e.not_sent)
             if e.before is not None:
                 old = {k: e.before.get(k) for k in key}
                 if all(v is not None for v in old.values()) and old != {k: e.key[k] for k in key}:
-                    yield (
-                        f"DELETE FROM {table} WHERE {where}",
-                        [self._adapt(old[k]) for k in key],
-                    )
-            skip = set(e.not_sent)
+                    old_values = [self._adapt(old[k]) for k in key]
+                    if skip:
+                        # columns not sent keep their value: move the row to its new key
+                        sets = ", ".join(f"{q(k)} = {p}" for k in key)
+                        yield (
+                            f"UPDATE {table} SET {sets} WHERE {where}",
+                            [self._adapt(e.key[k]) for k in key] + old_values,
+                        )
+                    else:
+                        yield f"DELETE FROM {table} WHERE {where}", old_values
             cols = [c for c in e.after if c not in skip]
             values = [self._adapt(e.key[c] if c in e.key else e.after[c]) for c in cols]
             updates = [c for c in cols if c not in key]

@@ -67,6 +67,19 @@ class ConsumerConfig:
     schema the application reads its rows as; ``resolve_latest`` reads every
     other source as its newest known version.
 
+    Bootstrap: ``bootstrap_servers`` -- base URLs of bootstrap servers (tried
+    in order, failover with the same backoff). When every relay answers that
+    the position is older than it keeps (HTTP 410), or when the consumer
+    starts with no checkpoint and ``start = "earliest"``, the consumer reads a
+    snapshot then the catch-up log from a bootstrap server and returns to the
+    relays at the catch-up target; windows say so (``Window.phase``) and the
+    checkpoint holds the bootstrap progress (a restart resumes it).
+    ``bootstrap_page_bytes`` bounds one snapshot or catch-up page. Without
+    bootstrap servers a consumer that fell off raises
+    :class:`~changebus.client.FellOffRelayError`, unless ``on_fell_off =
+    "latest"``: it then jumps to the relay's newest SCN, skipping the changes
+    in between (an explicit choice of the application).
+
     Callbacks: each call has ``callback_time_budget_s``; a recoverable error
     rolls back and replays the windows since the last checkpoint, at most
     ``max_rollbacks`` times in a row (-1: no limit), ``rollback_backoff_s``
@@ -101,6 +114,9 @@ class ConsumerConfig:
     max_rollbacks: int = 10
     rollback_backoff_s: float = 0.05
     checkpoint_every_windows: int = 1
+    bootstrap_servers: tuple[str, ...] = ()
+    bootstrap_page_bytes: int = 1 << 20
+    on_fell_off: Literal["raise", "latest"] = "raise"
 
     def __post_init__(self) -> None:
         relays: object = self.relays
@@ -114,6 +130,17 @@ class ConsumerConfig:
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
             cleaned.append(url.rstrip("/"))
         object.__setattr__(self, "relays", tuple(cleaned))
+        servers: object = self.bootstrap_servers
+        if isinstance(servers, str):
+            servers = (servers,)
+        if not isinstance(servers, tuple | list):
+            raise ConfigError("bootstrap_servers: give a list of URLs")
+        for url in servers:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"bootstrap_servers: {url!r} is not an http:// or https:// URL")
+        object.__setattr__(self, "bootstrap_servers", tuple(u.rstrip("/") for u in servers))
+        if self.on_fell_off not in ("raise", "latest"):
+            raise ConfigError("on_fell_off must be 'raise' or 'latest'")
         object.__setattr__(self, "sources", tuple(self.sources))
         if any(not s or "," in s for s in self.sources):
             raise ConfigError(f"sources: bad source name in {list(self.sources)}")
@@ -136,7 +163,13 @@ class ConsumerConfig:
             raise ConfigError(
                 "backoff: need 0 < backoff_initial_s <= backoff_max_s and backoff_multiplier >= 1"
             )
-        for name in ("max_bytes", "follow_bytes", "queue_windows", "queue_bytes"):
+        for name in (
+            "max_bytes",
+            "follow_bytes",
+            "queue_windows",
+            "queue_bytes",
+            "bootstrap_page_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.max_attempts < 0 or self.max_rollbacks < -1:

@@ -33,6 +33,7 @@ import aiohttp
 
 from changebus.schemas import Checkpoint, CheckpointError, Mode
 
+from ._bootstrap import BootstrapFetcher
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
@@ -105,12 +106,17 @@ class Consumer:
             partition = next(iter(checkpoint.partitions))
         pc = checkpoint.get(partition) if partition is not None else None
         latest = False
-        if pc is not None and pc.has_position:
-            if pc.mode is not Mode.ONLINE:
+        resume = None
+        if pc is not None and pc.mode is not Mode.ONLINE:
+            if not cfg.bootstrap_servers:
                 raise CheckpointError(
                     f"the checkpoint of partition {partition} is in {pc.mode.value} mode;"
-                    " this consumer reads relays only"
+                    " configure bootstrap_servers to continue it"
                 )
+            resume = pc
+            position = pc.window_scn
+            log.info("resuming the bootstrap of partition %s (%s)", partition, pc.mode.value)
+        elif pc is not None and pc.has_position:
             position = pc.rollback().window_scn  # a partial window is read again whole
             log.info("resuming partition %s after SCN %d", partition, position)
         else:
@@ -121,15 +127,27 @@ class Consumer:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
-        self._fetcher = RelayFetcher(
-            cfg,
-            self._session,
-            self._queue,
-            self.cache,
-            position=position,
-            latest=latest,
-            partition=partition,
-        )
+        if cfg.bootstrap_servers or cfg.on_fell_off != "raise":
+            self._fetcher = BootstrapFetcher(
+                cfg,
+                self._session,
+                self._queue,
+                self.cache,
+                position=position,
+                latest=latest,
+                partition=partition,
+                resume=resume,
+            )
+        else:
+            self._fetcher = RelayFetcher(
+                cfg,
+                self._session,
+                self._queue,
+                self.cache,
+                position=position,
+                latest=latest,
+                partition=partition,
+            )
         self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
 
     async def close(self) -> None:
@@ -214,6 +232,8 @@ class Consumer:
             "queue_full_waits": q.waits if q else 0,
             "checkpoints_persisted": p.persisted if p else 0,
             "schema_fetches": self.cache.fetches,
+            "phase": f.phase if isinstance(f, BootstrapFetcher) else "online",
+            "bootstraps": f.bootstraps if isinstance(f, BootstrapFetcher) else 0,
         }
 
     # ---- iterator API ---------------------------------------------------

@@ -174,6 +174,10 @@ class RelayFetcher:
             log.debug("fetcher ends: %r", exc)
             await self._queue.fail(exc)
 
+    async def fetch(self) -> None:
+        """Fetch until cancelled, *raising* a terminal error (``run`` queues it)."""
+        await self._loop()
+
     async def _loop(self) -> None:
         relays = self.config.relays
         attempts = 0

@@ -21,7 +21,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from changebus.schemas import DataLoss, LogicalMessage, Op, SchemaChange, TableSchema
+from changebus.schemas import (
+    DataLoss,
+    LogicalMessage,
+    Op,
+    PartitionCheckpoint,
+    SchemaChange,
+    TableSchema,
+)
 
 __all__ = ["ChangeEvent", "ChangeOp", "Window"]
 
@@ -96,6 +103,14 @@ class Window:
     :class:`~changebus.client.DataLossDetectedError`. ``source_position`` is
     the source's own position at commit (Postgres LSN, MySQL GTID/file/pos).
     ``nbytes`` is the wire size of the window's events (flow control).
+
+    Bootstrapping: ``phase`` is ``"online"`` for windows from a relay,
+    ``"snapshot"`` for a page of a bootstrap server's snapshot (rows at their
+    latest version, each event with the SCN that last changed the row; the
+    window's ``scn`` is the snapshot's SCN) and ``"catchup"`` for a log window
+    replayed by a bootstrap server. Such windows carry the ``checkpoint``
+    entry that holds after them (bootstrap progress); see
+    :meth:`position_after`.
     """
 
     scn: int
@@ -107,6 +122,19 @@ class Window:
     messages: tuple[LogicalMessage, ...] = ()
     data_loss: DataLoss | None = None
     nbytes: int = field(default=0, compare=False)
+    phase: str = "online"
+    checkpoint: PartitionCheckpoint | None = field(default=None, compare=False)
+
+    @property
+    def bootstrapping(self) -> bool:
+        """Whether this window comes from a bootstrap server (snapshot or catch-up)."""
+        return self.phase != "online"
+
+    def position_after(self, before: PartitionCheckpoint) -> PartitionCheckpoint:
+        """The partition's checkpoint once this window is processed (``before`` it)."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return before.on_end_of_window(self.scn, self.timestamp_ns)
 
     @property
     def is_empty(self) -> bool:

@@ -42,9 +42,7 @@ class PositionTracker:
     def advance(self, window: Window) -> None:
         """``current`` moves past ``window`` (which the application finished)."""
         pc = self.current.get(window.partition)
-        self.current = self.current.with_partition(
-            window.partition, pc.on_end_of_window(window.scn, window.timestamp_ns)
-        )
+        self.current = self.current.with_partition(window.partition, window.position_after(pc))
 
     def position_of(self, partition: str) -> PartitionCheckpoint:
         """``current``'s entry of ``partition``."""

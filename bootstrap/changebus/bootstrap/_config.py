@@ -1,0 +1,181 @@
+"""Bootstrap server configuration (``changebus bootstrap --config bootstrap.toml``).
+
+Example::
+
+    relays = ["http://127.0.0.1:8470"]
+    partitions = []                  # empty: every partition of the first relay
+
+    [store]
+    kind = "sqlite"                  # or "postgres"
+    path = "var/bootstrap/bootstrap.db"
+    # dsn = "postgresql://..."       # kind = "postgres" (never logged)
+
+    [http]
+    host = "127.0.0.1"
+    port = 8471
+
+Environment overrides use the prefix ``CHANGEBUS_BOOTSTRAP_`` (for example
+``CHANGEBUS_BOOTSTRAP_HTTP__PORT=9000``); ``--set http.port=9000`` on the
+command line wins over both. Sizes are bytes (``"64MiB"`` accepted),
+durations seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from changebus.schemas import ConfigError
+from changebus.schemas.config import secret, size_field
+
+__all__ = [
+    "ApplierConfig",
+    "BootstrapConfig",
+    "HttpConfig",
+    "ProducerConfig",
+    "SeedConfig",
+    "StoreConfig",
+]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where the log and snapshot stores live (one database for both)."""
+
+    kind: Literal["sqlite", "postgres"] = "sqlite"
+    #: SQLite file (default: ``<data_dir>/bootstrap.db``)
+    path: Path | None = None
+    #: Postgres connection string (secret: never logged)
+    dsn: str = secret("")
+
+    def __post_init__(self) -> None:
+        if self.kind == "postgres" and not self.dsn:
+            raise ConfigError("store.dsn is needed when store.kind = 'postgres'")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP listener and page limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8471
+    #: page size when the client does not say
+    default_page_bytes: int = size_field(1 << 20)
+    #: largest page a client may ask for
+    max_page_bytes: int = size_field(16 << 20)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"http.port must be 0..65535, got {self.port}")
+        if not 0 < self.default_page_bytes <= self.max_page_bytes:
+            raise ConfigError("http: need 0 < default_page_bytes <= max_page_bytes")
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """How the producer reads the relay."""
+
+    #: bytes per relay response (or follow push)
+    max_bytes: int = size_field(4 << 20)
+    #: long-poll / idle follow time
+    wait_s: float = 5.0
+    #: windows appended to the log in one transaction at most
+    batch_windows: int = 500
+    #: delay before retrying after the relay said the producer fell off
+    fell_off_retry_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.batch_windows <= 0:
+            raise ConfigError("producer.max_bytes and producer.batch_windows must be positive")
+        if self.wait_s < 0 or self.fell_off_retry_s <= 0:
+            raise ConfigError("producer.wait_s must be >= 0 and fell_off_retry_s > 0")
+
+
+@dataclass(frozen=True)
+class ApplierConfig:
+    """How the applier folds the log into the snapshot."""
+
+    #: log events folded in one transaction (about: whole windows)
+    batch_events: int = 20_000
+    #: longest sleep when there is nothing to apply
+    idle_s: float = 0.5
+    #: log events kept (about: whole windows); older applied windows are pruned
+    #: (0: keep the whole log). Consumers behind the kept log get a snapshot.
+    log_keep_events: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_events <= 0 or self.idle_s <= 0:
+            raise ConfigError("applier.batch_events and applier.idle_s must be positive")
+        if self.log_keep_events < 0:
+            raise ConfigError("applier.log_keep_events must not be negative")
+
+
+@dataclass(frozen=True)
+class SeedConfig:
+    """Seeding the snapshot from the source (Postgres; see :mod:`._seed`).
+
+    ``dsn`` -- the source database (secret: never logged); empty: no
+    seeding. ``tables`` -- ``schema.table`` names (empty: every source of
+    the partition the relay has seen). ``on_start`` -- seed once at start-up
+    (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
+    demand). ``partition`` -- the partition the source feeds (empty: the
+    only one).
+    """
+
+    dsn: str = secret("")
+    tables: tuple[str, ...] = ()
+    on_start: bool = False
+    partition: str = ""
+    chunk_rows: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.chunk_rows <= 0:
+            raise ConfigError("seed.chunk_rows must be positive")
+        if self.on_start and not self.dsn:
+            raise ConfigError("seed.on_start needs seed.dsn")
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """The whole bootstrap daemon.
+
+    ``catchup_ratio``: a consumer whose position is still in the log gets
+    catch-up only (no snapshot) when the log holds at most this many events
+    per snapshot row it would otherwise receive (replaying a short log is
+    cheaper than a scan; Databus's rule of thumb).
+    """
+
+    relays: tuple[str, ...] = ()
+    partitions: tuple[str, ...] = ()
+    data_dir: Path = Path("var/bootstrap")
+    store: StoreConfig = field(default_factory=StoreConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
+    applier: ApplierConfig = field(default_factory=ApplierConfig)
+    seed: SeedConfig = field(default_factory=SeedConfig)
+    catchup_ratio: float = 2.0
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        if not self.relays:
+            raise ConfigError('relays: give at least one relay URL (relays = ["http://..."])')
+        for url in self.relays:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
+        object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in self.relays))
+        for name in self.partitions:
+            if not _NAME.fullmatch(name):
+                raise ConfigError(f"partition name {name!r} must match [A-Za-z0-9_.-]{{1,128}}")
+        if len(set(self.partitions)) != len(self.partitions):
+            raise ConfigError("partitions must be unique")
+        if self.catchup_ratio < 0:
+            raise ConfigError("catchup_ratio must not be negative")
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.store.path if self.store.path is not None else self.data_dir / "bootstrap.db"

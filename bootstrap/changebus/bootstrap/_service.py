@@ -1,0 +1,487 @@
+"""The bootstrap server's moving parts: producer and applier per partition, store threads.
+
+Structure::
+
+    relay --HTTP--> producer (RelayFetcher, raw windows) --asyncio.Queue--> log writer
+                                                                               |
+                     applier (log -> snapshot) <---- wake-up ------------------+
+    HTTP handlers --> reader threads (own store connections) --> pages
+
+Threads. Store calls block (SQLite, psycopg), so none runs on the event
+loop: every write (log appends, applier transactions, schema rows) runs in
+one *writer* thread that owns the writer :class:`~._store.Store`; reads for
+HTTP pages run in a small pool of *reader* threads, each with its own
+connection (SQLite in WAL mode and Postgres both let readers run beside the
+writer). The queue between the producer and the log writer is bounded
+(``producer.batch_windows`` x 2): a slow store slows reading from the
+relay, it never grows memory.
+
+Crash safety comes from the store: a batch of windows and the producer SCN
+commit together, and the applier moves the snapshot and its position in one
+transaction. On restart the producer resumes after the log's newest window
+(the relay skips what came before) and the applier after its last one, so a
+``kill -9`` anywhere loses or doubles nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+from changebus.client import ConsumerConfig, FellOffRelayError
+from changebus.client._assembler import RawWindow
+from changebus.client._decode import SchemaCache
+from changebus.client._fetch import RelayFetcher, _RelaySchemas, safe_url
+from changebus.client._queue import WindowQueue
+from changebus.schemas import BadRequestError, ChangebusError, TableSchema, UnknownSourceError
+
+from ._config import BootstrapConfig
+from ._seed import SeedProgress, seed_postgres
+from ._store import PartitionState, Store
+
+__all__ = ["BootstrapService", "PartitionWorker"]
+
+log = logging.getLogger("changebus.bootstrap")
+
+T = TypeVar("T")
+
+
+def open_store(config: BootstrapConfig) -> Store:
+    """A new connection to the configured store (tables created when missing)."""
+    if config.store.kind == "postgres":
+        return Store.postgres(config.store.dsn)
+    return Store.sqlite(config.sqlite_path)
+
+
+class _StoreThreads:
+    """The writer thread and the reader pool, each thread with its own :class:`Store`."""
+
+    def __init__(self, config: BootstrapConfig, readers: int = 2) -> None:
+        self._config = config
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="bootstrap-writer")
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="bootstrap-reader")
+        self._local = threading.local()
+        self._opened: list[Store] = []
+        self._lock = threading.Lock()
+
+    def _store(self) -> Store:
+        store: Store | None = getattr(self._local, "store", None)
+        if store is None:
+            store = open_store(self._config)
+            self._local.store = store
+            with self._lock:
+                self._opened.append(store)
+        return store
+
+    async def write(self, fn: Callable[[Store], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer, lambda: fn(self._store()))
+
+    async def read(self, fn: Callable[[Store], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, lambda: fn(self._store()))
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for store in self._opened:
+                with contextlib.suppress(Exception):
+                    store.close()
+            self._opened.clear()
+
+
+class _RawFetcher(RelayFetcher):
+    """A :class:`RelayFetcher` that hands over raw windows (no decoding)."""
+
+    def __init__(self, sink: asyncio.Queue[tuple[RawWindow, str]], *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._sink = sink
+
+    async def _emit(self, raw: RawWindow, url: str) -> None:
+        await self._sink.put((raw, url))
+        self.position = raw.scn
+        self.windows += 1
+
+
+@dataclass
+class PartitionWorker:
+    """Producer and applier of one partition, and their figures (event loop only)."""
+
+    name: str
+    state: str = "starting"
+    producer_scn: int = -1
+    applier_scn: int = -1
+    log_min_scn: int = -1
+    base_scn: int = -1
+    lag_events: int = 0
+    windows_appended: int = 0
+    events_appended: int = 0
+    events_applied: int = 0
+    fell_off: int = 0
+    last_error: str = ""
+    last_window_ts_ns: int = 0
+    applied_at: float = field(default_factory=time.monotonic)
+    seed: SeedProgress = field(default_factory=SeedProgress)
+    seeding: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "partition": self.name,
+            "state": self.state,
+            "producer_scn": self.producer_scn,
+            "applier_scn": self.applier_scn,
+            "log_min_scn": self.log_min_scn,
+            "base_scn": self.base_scn,
+            "applier_lag_events": self.lag_events,
+            "windows_appended": self.windows_appended,
+            "events_appended": self.events_appended,
+            "events_applied": self.events_applied,
+            "fell_off": self.fell_off,
+            "last_error": self.last_error,
+            "seed": self.seed.as_dict(),
+        }
+
+
+class BootstrapService:
+    """Producers and appliers of every partition, over one store (module docstring)."""
+
+    def __init__(self, config: BootstrapConfig) -> None:
+        self.config = config
+        self.stores = _StoreThreads(config)
+        self.workers: dict[str, PartitionWorker] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._stop_seed = threading.Event()
+
+    async def start(self) -> None:
+        cfg = self.config
+        await self.stores.write(lambda s: None)  # open the writer store (creates tables)
+        self._session = aiohttp.ClientSession()
+        names = list(cfg.partitions) or await self._relay_partitions()
+        for name in names:
+            w = PartitionWorker(name)
+            st = await self.stores.write(lambda s, n=name: s.state(n))  # type: ignore[misc]
+            w.producer_scn, w.applier_scn = st.producer_scn, st.applier_scn
+            w.log_min_scn, w.base_scn = st.log_min_scn, st.base_scn
+            w.lag_events = await self.stores.write(
+                lambda s, n=name: s.unapplied_events(n)  # type: ignore[misc]
+            )
+            self.workers[name] = w
+            w.tasks.append(asyncio.create_task(self._produce(w), name=f"producer-{name}"))
+            w.tasks.append(asyncio.create_task(self._apply(w), name=f"applier-{name}"))
+        if cfg.seed.on_start:
+            self.start_seed(self._seed_partition(), list(cfg.seed.tables), again=False)
+        log.info(
+            "bootstrap serving partitions %s from %s",
+            ", ".join(self.workers) or "(none)",
+            ", ".join(safe_url(u) for u in cfg.relays),
+        )
+
+    async def stop(self) -> None:
+        self._stop_seed.set()
+        for w in self.workers.values():
+            if w.seeding is not None:
+                w.tasks.append(w.seeding)
+            for t in w.tasks:
+                t.cancel()
+        for w in self.workers.values():
+            for t in w.tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await asyncio.get_running_loop().run_in_executor(None, self.stores.close)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.workers) and all(w.state == "streaming" for w in self.workers.values())
+
+    async def _relay_partitions(self) -> list[str]:
+        assert self._session is not None
+        tries = 0
+        while True:
+            for url in self.config.relays:
+                try:
+                    async with self._session.get(
+                        f"{url}/v1/sources", timeout=aiohttp.ClientTimeout(total=10)
+                    ) as resp:
+                        data = await resp.json()
+                    return [str(p["partition"]) for p in data.get("partitions", [])]
+                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    if tries % 25 == 0:
+                        log.warning(
+                            "relay %s does not answer /v1/sources (%r); waiting for it",
+                            safe_url(url),
+                            exc,
+                        )
+            tries += 1
+            await asyncio.sleep(0.2)
+
+    # ---- producer -------------------------------------------------------
+
+    async def _produce(self, w: PartitionWorker) -> None:
+        cfg = self.config
+        assert self._session is not None
+        sink: asyncio.Queue[tuple[RawWindow, str]] = asyncio.Queue(cfg.producer.batch_windows * 2)
+        writer = asyncio.create_task(self._write_log(w, sink), name=f"log-writer-{w.name}")
+        try:
+            while True:
+                consumer_cfg = ConsumerConfig(
+                    relays=cfg.relays,
+                    partition=w.name,
+                    follow=True,
+                    wait_s=cfg.producer.wait_s,
+                    max_bytes=cfg.producer.max_bytes,
+                    follow_bytes=1 << 40,
+                    client_id=f"bootstrap-producer-{w.name}",
+                )
+                fetcher = _RawFetcher(
+                    sink,
+                    consumer_cfg,
+                    self._session,
+                    WindowQueue(1, 1),
+                    SchemaCache(),
+                    position=w.producer_scn,
+                    latest=False,
+                    partition=w.name,
+                )
+                w.state = "streaming"
+                try:
+                    await fetcher.fetch()
+                except FellOffRelayError as exc:
+                    # the relay dropped windows this log never got: the log has a gap
+                    w.state = "fell_off"
+                    w.fell_off += 1
+                    w.last_error = exc.message
+                    log.error("partition %s: the producer fell off the relay: %s", w.name, exc)
+                    if cfg.seed.dsn:
+                        await sink.join()
+                        await self._repair_gap(w, fetcher.relay)
+                        continue
+                except ChangebusError as exc:
+                    w.state = "error"
+                    w.last_error = exc.message
+                    log.error("partition %s: producer stopped: %s", w.name, exc.message)
+                await asyncio.sleep(cfg.producer.fell_off_retry_s)
+                # resume after what was written (the sink may still be draining)
+                await sink.join()
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    async def _write_log(
+        self, w: PartitionWorker, sink: asyncio.Queue[tuple[RawWindow, str]]
+    ) -> None:
+        known: set[tuple[int, int]] = {
+            (sid, v) for sid, v, _n, _j in await self.stores.write(lambda s: s.schemas(w.name))
+        }
+        start_scn: int | None = None
+        while True:
+            batch = [await sink.get()]
+            while len(batch) < self.config.producer.batch_windows and not sink.empty():
+                batch.append(sink.get_nowait())
+            wanted: set[tuple[int, int]] = set()
+            for raw, _url in batch:
+                h = raw.headers[raw.headers["op"] < 16]
+                wanted.update(
+                    zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True)
+                )
+            if not wanted <= known:
+                known |= await self._sync_schemas(w, batch[-1][1])
+            if start_scn is None and w.producer_scn < 0:
+                start_scn = await self._relay_prev_scn(w, batch[0][1])
+            data = b"".join(raw.body for raw, _ in batch)
+            events = sum(len(raw.offsets) for raw, _ in batch)
+            first = start_scn if start_scn is not None else -1
+
+            def append(s: Store, d: bytes = data, f: int = first) -> int:
+                return s.append(w.name, d, start_scn=f)
+
+            await self.stores.write(append)
+            st = await self.stores.write(lambda s: s.state(w.name))
+            w.producer_scn, w.log_min_scn, w.base_scn = st.producer_scn, st.log_min_scn, st.base_scn
+            w.windows_appended += len(batch)
+            w.events_appended += events
+            w.lag_events += events
+            w.last_window_ts_ns = batch[-1][0].timestamp_ns
+            w.wake.set()
+            for _ in batch:
+                sink.task_done()
+
+    async def _relay_prev_scn(self, w: PartitionWorker, url: str) -> int:
+        """The relay's "complete after" SCN: the log's history starts there."""
+        assert self._session is not None
+        async with self._session.get(
+            f"{url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)
+        ) as resp:
+            data = await resp.json()
+        for part in data.get("partitions", []):
+            if part.get("name") == w.name:
+                return int(part.get("prev_scn", -1))
+        return -1
+
+    async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
+        """Copy the relay's table schemas of the partition into the store."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=30)
+        source = _RelaySchemas(self._session, url, w.name, timeout)
+        names = await source.source_names()
+        entries: list[tuple[int, int, str, str]] = []
+        for name in sorted(set(names.values())):
+            for sid, schema in await source.source_schemas(name):
+                entries.append((sid, schema.version, schema.name, json.dumps(schema.to_json())))
+        await self.stores.write(lambda s: s.put_schemas(w.name, entries))
+        log.info("partition %s: %d schema versions copied from the relay", w.name, len(entries))
+        return {(sid, v) for sid, v, _n, _j in entries}
+
+    # ---- applier ---------------------------------------------------------
+
+    async def _apply(self, w: PartitionWorker) -> None:
+        batch = self.config.applier.batch_events
+        while True:
+            before = w.applier_scn
+
+            def step(
+                s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
+            ) -> tuple[PartitionState, int, int]:
+                done = s.applied_events
+                st = s.apply(w.name, batch)
+                if keep and st.applier_scn != before:
+                    s.prune_to(w.name, keep)
+                    st = s.state(w.name)
+                return st, s.applied_events - done, s.unapplied_events(w.name)
+
+            st, applied, left = await self.stores.write(step)
+            if st.applier_scn != before:
+                w.events_applied += applied
+                w.lag_events = left
+                w.applier_scn, w.log_min_scn = st.applier_scn, st.log_min_scn
+                w.applied_at = time.monotonic()
+                continue
+            w.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.wake.wait(), self.config.applier.idle_s)
+
+    async def _repair_gap(self, w: PartitionWorker, relay: str) -> None:
+        """Jump over the windows the relay evicted and seed the snapshot again."""
+        gap_end = await self._relay_prev_scn(w, relay)
+        st = await self.stores.write(lambda s: s.mark_gap(w.name, gap_end))
+        w.producer_scn, w.log_min_scn = st.producer_scn, st.log_min_scn
+        log.error(
+            "partition %s: windows up to SCN %d are lost to this server; the producer goes on "
+            "after them and the snapshot is seeded again from the source",
+            w.name,
+            gap_end,
+        )
+        if w.seeding is not None and not w.seeding.done():
+            w.seeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.seeding
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._seed(w, [], True), name=f"seed-{w.name}")
+
+    # ---- seeding -------------------------------------------------------------
+
+    def _seed_partition(self) -> str:
+        name = self.config.seed.partition
+        if name:
+            if name not in self.workers:
+                raise UnknownSourceError(f"seed.partition {name!r} is not served here")
+            return name
+        if len(self.workers) != 1:
+            raise BadRequestError("name the partition to seed (seed.partition)")
+        return next(iter(self.workers))
+
+    def start_seed(self, part: str, tables: list[str], *, again: bool) -> SeedProgress:
+        """Start seeding ``tables`` of ``part`` (all known sources when empty) in the background.
+
+        ``again``: copy them even when seeded before (re-seed on demand).
+        """
+        if not self.config.seed.dsn:
+            raise BadRequestError("no source to seed from: set seed.dsn")
+        w = self.workers[part]
+        if w.seeding is not None and not w.seeding.done():
+            raise BadRequestError(f"partition {part} is being seeded already")
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._seed(w, tables, again), name=f"seed-{part}")
+        return w.seed
+
+    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+        cfg = self.config
+        try:
+            await self._wait_for_schemas(w, tables)
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
+            names = tables or sorted({n for _s, _v, n, _j in rows})
+            if again:
+                await self.stores.write(lambda s: s.forget_seed(w.name, names))
+            done = set(await self.stores.write(lambda s: s.seeded(w.name)))
+            part_id = await self._relay_partition_id(w.name)
+            loop = asyncio.get_running_loop()
+
+            def write(table: str, events: list[bytes], scn: int) -> None:
+                # from the seeder's thread: hand over to the writer thread and wait
+                asyncio.run_coroutine_threadsafe(
+                    self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
+                ).result()
+
+            await asyncio.to_thread(
+                seed_postgres,
+                cfg.seed.dsn,
+                part_id,
+                schemas,
+                names,
+                done,
+                write,
+                w.seed,
+                chunk_rows=cfg.seed.chunk_rows,
+                stop=self._stop_seed,
+            )
+            if await self.stores.write(lambda s: s.clear_gap(w.name)):
+                log.info("partition %s: the gap in the log is repaired", w.name)
+            log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
+        except asyncio.CancelledError:
+            w.seed.state = "stopped"
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in /v1/status, the daemon goes on
+            w.seed.state = "failed"
+            w.seed.error = exc.message if isinstance(exc, ChangebusError) else repr(exc)
+            log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
+
+    async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
+        """Until the store knows the schemas of ``tables`` (any, when empty) from the relay."""
+        for _ in range(600):
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            names = {n for _s, _v, n, _j in rows}
+            if (set(tables) <= names) if tables else names:
+                return
+            await asyncio.sleep(0.1)
+
+    async def _relay_partition_id(self, name: str) -> int:
+        assert self._session is not None
+        for url in self.config.relays:
+            try:
+                async with self._session.get(
+                    f"{url}/v1/sources", timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
+                    data = await resp.json()
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            for p in data.get("partitions", []):
+                if p.get("partition") == name:
+                    return int(p.get("id", 0))
+        raise UnknownSourceError(f"no relay names partition {name!r}", retriable=True)

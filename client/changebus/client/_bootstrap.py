@@ -1,0 +1,413 @@
+"""Switching between relays and bootstrap servers (Databus's snapshot + catch-up).
+
+:class:`BootstrapFetcher` is a :class:`~._fetch.RelayFetcher` that leaves the
+relays when they cannot serve the consumer's position and comes back::
+
+    relay --410--> start(since) --> snapshot pages (since, ...) --> status: target
+          <-- relay after target <-- catch-up windows (start, target] <--+
+
+Phases, and the checkpoint entry that holds after each delivered window
+(:attr:`~._model.Window.checkpoint`):
+
+* **snapshot** -- each page of rows changed after ``since`` at their
+  latest version becomes one window (``phase = "snapshot"``); after it the
+  checkpoint is ``bootstrap-snapshot`` with the page's resume position, or,
+  after the last page, ``bootstrap-catchup`` at ``start`` with the target.
+* **catch-up** -- the log windows in ``(start, target]``, validated like
+  relay windows (``phase = "catchup"``); checkpoint ``bootstrap-catchup`` at
+  the window, and ``online`` at ``target`` after the last one.
+
+Why the end state is consistent: a snapshot row sent at a version newer
+than ``start`` has those changes in ``(start, target]``, which the catch-up
+replays in order; columns a replayed UPDATE does not carry keep the
+snapshot's value, which no change in between touched (docs/protocol.md
+section 7.1). So after the target window the consumer holds the source
+state at ``target`` -- as if it had read every window. Nothing is skipped: a
+snapshot row is sent only when it changed after ``since`` (a consumer a
+little behind gets just the changed keys, deletes as tombstones).
+
+A restart resumes from the checkpoint: the snapshot at its position when the
+same server is used (positions are per server), otherwise from the start
+with the same ``since``; the catch-up after its last window. A catch-up
+whose log was pruned meanwhile (410) restarts the snapshot. Retriable
+failures (connection errors, 5xx, a server not ready yet) move to the next
+bootstrap server with backoff, like relay failover.
+
+Runs on the consumer's event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import aiohttp
+
+from changebus.schemas import (
+    BadRequestError,
+    BootstrapProgress,
+    ChangebusError,
+    CheckpointError,
+    CorruptEventError,
+    Mode,
+    Op,
+    PartitionCheckpoint,
+    TransportError,
+    UnknownSourceError,
+    parse_stream,
+)
+
+from ._assembler import RawWindow, WindowAssembler
+from ._backoff import Backoff
+from ._decode import decode_window
+from ._errors import FellOffRelayError
+from ._fetch import RelayFetcher, _RelaySchemas, safe_url
+from ._model import ChangeOp, Window
+from ._queue import QueueClosed
+
+__all__ = ["BootstrapFailedError", "BootstrapFetcher"]
+
+log = logging.getLogger(__name__)
+
+_RETRIABLE = (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError, CorruptEventError)
+
+
+class BootstrapFailedError(ChangebusError):
+    """A bootstrap server cannot bring this consumer up to date (e.g. its history is too short)."""
+
+    code = "bootstrap_failed"
+
+
+class _Restart(Exception):
+    """Internal: the catch-up log is gone, run the snapshot again."""
+
+
+class BootstrapFetcher(RelayFetcher):
+    """Relays plus bootstrap servers (module docstring).
+
+    ``resume`` is the stored checkpoint entry of the partition when it is in a
+    bootstrap mode (the bootstrap then continues first).
+    """
+
+    def __init__(self, *args: Any, resume: PartitionCheckpoint | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._resume = resume
+        self._server_index = 0
+        self._boot_backoff = Backoff(
+            self.config.backoff_initial_s, self.config.backoff_max_s, self.config.backoff_multiplier
+        )
+        #: how many bootstraps this fetcher ran, and the current phase
+        self.bootstraps = 0
+        self.phase = "online"
+        #: the checkpoint after the last window queued in the current bootstrap
+        self._last: PartitionCheckpoint | None = None
+
+    @property
+    def server(self) -> str:
+        return self.config.bootstrap_servers[self._server_index]
+
+    async def run(self) -> None:
+        try:
+            await self._switching()
+        except (asyncio.CancelledError, QueueClosed):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every terminal error reaches the consumer
+            log.debug("fetcher ends: %r", exc)
+            await self._queue.fail(exc)
+
+    async def _switching(self) -> None:
+        cfg = self.config
+        resume, self._resume = self._resume, None
+        if resume is not None and resume.mode is not Mode.ONLINE:
+            assert resume.bootstrap is not None
+            await self._bootstrap(resume.bootstrap.since_scn, resume)
+        elif self.position < 0 and not self._latest and cfg.bootstrap_servers:
+            await self._bootstrap(-1, None)
+        while True:
+            try:
+                await self.fetch()
+                return
+            except FellOffRelayError as exc:
+                if cfg.bootstrap_servers:
+                    log.warning("%s; bootstrapping", exc.message)
+                    await self._bootstrap(self.position, None)
+                elif cfg.on_fell_off == "latest":
+                    log.warning(
+                        "%s; jumping to the newest SCN as configured (on_fell_off = latest):"
+                        " the changes in between are skipped",
+                        exc.message,
+                    )
+                    self._latest = True
+                    self._restart_window()
+                else:
+                    raise
+
+    # ---- one bootstrap ----------------------------------------------------
+
+    async def _bootstrap(self, since: int, resume: PartitionCheckpoint | None) -> None:
+        """Snapshot then catch-up from a bootstrap server; ends at the target SCN."""
+        self.bootstraps += 1
+        attempts = 0
+        self._last = None
+        # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
+        dirty = resume is not None
+        while True:
+            url = self.server
+            queued = self._queued()
+            current = queued or resume  # after a failure: from the last window queued
+            try:
+                target = await self._run_once(url, since, current, dirty or queued is not None)
+                break
+            except _Restart:
+                # the log moved on: snapshot again (with deletes: the consumer has rows)
+                resume, self._last, dirty = None, None, True
+                continue
+            except _RETRIABLE as exc:
+                attempts += 1
+                what = exc.message if isinstance(exc, ChangebusError) else repr(exc)
+                if self.config.max_attempts and attempts >= self.config.max_attempts:
+                    raise TransportError(
+                        f"no bootstrap server answered in {attempts} attempts; last: {what}"
+                    ) from exc
+                log.warning("bootstrap server %s failed: %s", safe_url(url), what)
+                if len(self.config.bootstrap_servers) > 1:
+                    self._server_index = (self._server_index + 1) % len(
+                        self.config.bootstrap_servers
+                    )
+                await asyncio.sleep(self._boot_backoff.next_delay())
+        self._boot_backoff.reset()
+        self.phase = "online"
+        self.position = target
+        self._restart_window()
+        self._cache.clear()  # back to the relays' source ids
+        log.info(
+            "bootstrap of partition %s done at SCN %d; back to the relays", self.partition, target
+        )
+
+    def _queued(self) -> PartitionCheckpoint | None:
+        """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
+        return self._last
+
+    async def _run_once(
+        self, url: str, since: int, resume: PartitionCheckpoint | None, dirty: bool
+    ) -> int:
+        """One attempt on ``url``: continue ``resume`` there, or start (again).
+
+        ``dirty``: the consumer already holds rows of an earlier (partial)
+        bootstrap. A new snapshot for it must include deletes even when it
+        started from nothing, so it asks for everything after the server's
+        ``base_scn`` (all the server holds, tombstones included).
+        """
+        prog: BootstrapProgress
+        mode = Mode.SNAPSHOT
+        if self.partition is None:
+            self._learn_partition((await self._get_json(url, "status", {}))["partition"])
+        if resume is not None and resume.mode is Mode.ONLINE and self._queued() is not None:
+            return resume.window_scn  # everything was queued before the failure
+        if resume is not None and resume.bootstrap is not None and resume.bootstrap.server == url:
+            prog, mode = resume.bootstrap, resume.mode
+        else:
+            if resume is not None and resume.bootstrap is not None:
+                since = resume.bootstrap.since_scn
+            if dirty and since < 0:
+                status = await self._get_json(url, "status", {})
+                since = max(int(status["base_scn"]), 0)
+            prog = BootstrapProgress(since_scn=since)
+        since = prog.since_scn
+        if mode is Mode.SNAPSHOT and prog.start_scn < 0:
+            plan = await self._get_json(url, "start", {"since": str(since)})
+            start = int(plan["start_scn"])
+            prog = BootstrapProgress(since_scn=since, start_scn=start, server=url)
+            if not plan["snapshot"]:
+                mode = Mode.CATCHUP
+            log.info(
+                "partition %s: bootstrap from %s after SCN %d: %s at SCN %d",
+                self.partition,
+                safe_url(url),
+                since,
+                "snapshot" if plan["snapshot"] else "catch-up only",
+                start,
+            )
+        if mode is Mode.SNAPSHOT:
+            prog = await self._snapshot(url, prog)
+        if prog.target_scn < 0:
+            status = await self._get_json(url, "status", {})
+            prog = dataclasses.replace(
+                prog, target_scn=max(int(status["producer_scn"]), prog.start_scn)
+            )
+        after = prog.start_scn
+        if resume is not None and resume.mode is Mode.CATCHUP and resume.bootstrap == prog:
+            after = max(after, resume.window_scn)
+        return await self._catchup(url, prog, after)
+
+    async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
+        self.phase = "snapshot"
+        source = _RelaySchemas(self._session, url, self.partition, self._timeout)
+        while True:
+            params = {
+                "since": str(prog.since_scn),
+                "start": str(prog.start_scn),
+                "max_bytes": str(self.config.bootstrap_page_bytes),
+            }
+            if prog.snapshot_position:
+                params["position"] = prog.snapshot_position
+            body, headers = await self._get_body(url, "snapshot", params)
+            position = headers.get("X-Changebus-Snapshot-Position", "")
+            complete = headers.get("X-Changebus-Snapshot-Complete") == "1"
+            if complete:
+                status = await self._get_json(url, "status", {})
+                target = max(int(status["producer_scn"]), prog.start_scn)
+                prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
+                pc = PartitionCheckpoint(
+                    mode=Mode.CATCHUP,
+                    window_scn=prog.start_scn,
+                    prev_scn=prog.start_scn,
+                    bootstrap=prog,
+                )
+            else:
+                prog = dataclasses.replace(prog, snapshot_position=position)
+                pc = PartitionCheckpoint(
+                    mode=Mode.SNAPSHOT,
+                    window_scn=prog.since_scn,
+                    prev_scn=prog.since_scn,
+                    bootstrap=prog,
+                )
+            await self._put_snapshot_page(body, prog.start_scn, pc, source)
+            if complete:
+                return prog
+
+    async def _put_snapshot_page(
+        self, body: bytes, start_scn: int, pc: PartitionCheckpoint, source: _RelaySchemas
+    ) -> None:
+        offsets, headers = parse_stream(body)  # validates every event
+        if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
+            raise CorruptEventError("a snapshot page holds control events")
+        raw = RawWindow(start_scn, 0, body, offsets, headers)
+        window = await decode_window(raw, self.partition or "", self._cache, source)
+        scns = headers["scn"].tolist()
+        events = tuple(
+            # a snapshot row is the row's state: its own SCN, and no before-image (a key
+            # change long ago must not delete a key that exists again now)
+            dataclasses.replace(e, scn=scn)
+            if e.op in (ChangeOp.DELETE, ChangeOp.TRUNCATE)
+            else dataclasses.replace(e, scn=scn, before=None, before_not_sent=())
+            for e, scn in zip(window.events, scns, strict=True)
+        )
+        await self._queue.put(
+            dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc)
+        )
+        self._last = pc
+
+    async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
+        self.phase = "catchup"
+        target = prog.target_scn
+        source = _RelaySchemas(self._session, url, self.partition, self._timeout)
+        assembler = WindowAssembler(after)
+        last_ts = 0
+        online = False
+        while after < target:
+            params = {
+                "after": str(after),
+                "target": str(target),
+                "max_bytes": str(self.config.bootstrap_page_bytes),
+            }
+            body, headers = await self._get_body(url, "catchup", params)
+            raws = assembler.feed(body)
+            if assembler.in_window:
+                raise CorruptEventError("a catch-up page ends inside a window")
+            for raw in raws:
+                window = await decode_window(raw, self.partition or "", self._cache, source)
+                if raw.scn >= target:
+                    pc = PartitionCheckpoint(
+                        window_scn=raw.scn, prev_scn=raw.scn, timestamp_ns=raw.timestamp_ns
+                    )
+                else:
+                    pc = PartitionCheckpoint(
+                        mode=Mode.CATCHUP,
+                        window_scn=raw.scn,
+                        prev_scn=raw.scn,
+                        timestamp_ns=raw.timestamp_ns,
+                        bootstrap=prog,
+                    )
+                await self._queue.put(dataclasses.replace(window, phase="catchup", checkpoint=pc))
+                self._last = pc
+                after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
+            last = int(headers.get("X-Changebus-Last-Scn", after))
+            if headers.get("X-Changebus-Complete") == "1" or last >= target:
+                break
+            if not raws:
+                raise TransportError("the bootstrap server sent an empty catch-up page")
+        if not online:
+            # no window at the target was delivered (nothing to replay): go online there
+            pc = PartitionCheckpoint(window_scn=target, prev_scn=target, timestamp_ns=last_ts)
+            await self._queue.put(
+                Window(
+                    scn=target,
+                    timestamp_ns=last_ts,
+                    partition=self.partition or "",
+                    phase="catchup",
+                    checkpoint=pc,
+                )
+            )
+            self._last = pc
+        return target
+
+    # ---- HTTP ---------------------------------------------------------------
+
+    def _boot_params(self, extra: dict[str, str]) -> dict[str, str]:
+        params = dict(extra)
+        if self.partition is not None:
+            params["partition"] = self.partition
+        if self.config.sources:
+            params["sources"] = ",".join(self.config.sources)
+        if self.config.key_filter is not None:
+            params["filter"] = str(self.config.key_filter)
+        return params
+
+    async def _get_json(self, url: str, what: str, params: dict[str, str]) -> Any:
+        query = {
+            k: v for k, v in self._boot_params(params).items() if k not in ("sources", "filter")
+        }
+        async with self._session.get(
+            f"{url}/v1/bootstrap/{what}", params=query, timeout=self._timeout
+        ) as resp:
+            if resp.status != 200:
+                raise await self._boot_error(resp, url)
+            return await resp.json()
+
+    async def _get_body(
+        self, url: str, what: str, params: dict[str, str]
+    ) -> tuple[bytes, dict[str, str]]:
+        async with self._session.get(
+            f"{url}/v1/bootstrap/{what}", params=self._boot_params(params), timeout=self._timeout
+        ) as resp:
+            if resp.status != 200:
+                raise await self._boot_error(resp, url)
+            body = await resp.read()
+            return body, dict(resp.headers)
+
+    async def _boot_error(self, resp: aiohttp.ClientResponse, url: str) -> BaseException:
+        try:
+            body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError):
+            body = None
+        if not isinstance(body, dict):
+            body = {}
+        message = str(body.get("message") or resp.reason or "")
+        where = f"bootstrap server {safe_url(url)}"
+        if resp.status == 410:
+            if "catchup" in resp.url.path:
+                log.warning("%s: %s; running the snapshot again", where, message)
+                return _Restart()
+            return BootstrapFailedError(f"{where}: {message}")
+        if resp.status == 400:
+            if body.get("error") == "bad_checkpoint":
+                return CheckpointError(f"{where}: {message}")
+            return BadRequestError(f"{where}: {message}")
+        if resp.status == 404:
+            return UnknownSourceError(f"{where}: {message}")
+        if resp.status >= 500 or body.get("retriable") is True:
+            return TransportError(f"{where} answered {resp.status}: {message}")
+        return ChangebusError(f"{where} answered {resp.status}: {message}")

@@ -1,0 +1,344 @@
+"""The bootstrap store (SQLite and Postgres run the same tests): log, applier,
+snapshot pages, catch-up pages, consistency of snapshot + catch-up."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from changebus.bootstrap._store import Store
+from changebus.schemas import (
+    ChangeDecoder,
+    Column,
+    CorruptEventError,
+    EndOfWindow,
+    Op,
+    ProtocolError,
+    RowEncoder,
+    SchemaRegistry,
+    TableSchema,
+    encode_control,
+    event_at,
+    parse_stream,
+    verify_event,
+)
+
+REG = SchemaRegistry()
+TABLES = [
+    REG.register(
+        TableSchema(
+            f"public.t{i}",
+            (Column("id", "long", nullable=False), Column("v", "string")),
+            ("id",),
+        )
+    )
+    for i in (1, 2)
+]
+ENC = {t.name: RowEncoder(t, source_id=REG.source_id(t.name), partition=1) for t in TABLES}
+SID = {REG.source_id(t.name): t for t in TABLES}
+
+
+def window(scn: int, changes: list[tuple[str, Op, int, str | None]]) -> bytes:
+    out = []
+    for seq, (table, op, key, v) in enumerate(changes):
+        enc = ENC[table]
+        if op == Op.TRUNCATE:
+            out.append(enc.encode(op, scn, seq, scn * 10, None))
+        elif op == Op.DELETE:
+            out.append(enc.encode(op, scn, seq, scn * 10, None, {"id": key, "v": None}))
+        else:
+            out.append(enc.encode(op, scn, seq, scn * 10, {"id": key, "v": v}))
+    out.append(encode_control(EndOfWindow(len(changes), ""), scn, len(changes), scn * 10))
+    return b"".join(out)
+
+
+def replay(data: bytes, state: dict[tuple[str, int], str | None]) -> None:
+    offsets, _ = parse_stream(data)
+    for off in offsets.tolist():
+        h = verify_event(data, off)
+        if h.op.is_control:
+            continue
+        table = SID[h.source_id]
+        if h.op == Op.TRUNCATE:
+            for k in [k for k in state if k[0] == table.name]:
+                del state[k]
+            continue
+        ch = ChangeDecoder(table).decode(event_at(data, off, h)[1])
+        if h.op == Op.DELETE:
+            assert ch.before is not None
+            state.pop((table.name, ch.before["id"]), None)
+        else:
+            assert ch.after is not None
+            state[(table.name, ch.after["id"])] = ch.after["v"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: Any, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s = Store.sqlite(tmp_path / "b.db")
+    else:
+        s = Store.postgres(request.getfixturevalue("pg_dsn"))
+    yield s
+    s.close()
+
+
+def random_windows(seed: int, n: int, first_scn: int = 100) -> list[bytes]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        changes: list[tuple[str, Op, int, str | None]] = []
+        for _ in range(rnd.randint(1, 4)):
+            t = rnd.choice(TABLES).name
+            r = rnd.random()
+            if r < 0.01:
+                changes.append((t, Op.TRUNCATE, 0, None))
+            elif r < 0.2:
+                changes.append((t, Op.DELETE, rnd.randint(1, 30), None))
+            else:
+                changes.append((t, Op.INSERT, rnd.randint(1, 30), f"v{i}"))
+        out.append(window(first_scn + i * 10, changes))
+    return out
+
+
+def full_bootstrap(store: Store, since: int, have: dict[tuple[str, int], str | None]) -> int:
+    """Snapshot (small pages) then catch-up, as a consumer would; returns the target SCN."""
+    start = store.state("p").applier_scn
+    pos = (0, 0)
+    ids = sorted(SID)
+    while True:
+        page = store.snapshot_page(
+            "p", ids, since_scn=since, start_scn=start, position=pos, max_bytes=300
+        )
+        if page.data:
+            replay(page.data, have)
+        pos = page.position
+        if page.complete:
+            break
+    target = store.state("p").producer_scn
+    after = start
+    while True:
+        cpage = store.catchup_page("p", after_scn=after, target_scn=target, max_bytes=500)
+        if cpage.data:
+            replay(cpage.data, have)
+        after = cpage.last_scn
+        if cpage.complete:
+            return target
+
+
+def test_snapshot_plus_catchup_equals_the_log(store: Store) -> None:
+    wins = random_windows(1, 300)
+    truth: dict[tuple[str, int], str | None] = {}
+    for w in wins:
+        replay(w, truth)
+    # the producer appends in groups; the applier runs behind
+    for i in range(0, 200, 7):
+        store.append("p", b"".join(wins[i : min(i + 7, 200)]), start_scn=50)
+    store.apply("p", max_events=150)
+    mid = store.state("p")
+    assert 0 < mid.applier_scn < mid.producer_scn
+    # a new consumer: snapshot at the applier, then catch-up to the producer
+    have: dict[tuple[str, int], str | None] = {}
+    full_bootstrap(store, -1, have)
+    expect: dict[tuple[str, int], str | None] = {}
+    for w in wins[:200]:
+        replay(w, expect)
+    assert have == expect
+    # the rest arrives; a consumer that was at window 150 gets only what changed
+    store.append("p", b"".join(wins[200:]))
+    while store.state("p").applier_scn < store.state("p").producer_scn:
+        store.apply("p", max_events=100)
+    partial: dict[tuple[str, int], str | None] = {}
+    for w in wins[:150]:
+        replay(w, partial)
+    since = 100 + 149 * 10
+    full_bootstrap(store, since, partial)
+    assert partial == truth
+    counts = store.counts("p")
+    assert counts["log_events"] > 0 and counts["rows"] == len(truth)
+
+
+def test_replayed_windows_are_skipped_and_state_survives_reopen(
+    store: Store, tmp_path: Path
+) -> None:
+    wins = random_windows(2, 20)
+    store.append("p", b"".join(wins[:10]), start_scn=0)
+    n = store.counts("p")["log_events"]
+    assert store.append("p", b"".join(wins[5:10])) == 100 + 9 * 10  # all seen: nothing added
+    assert store.counts("p")["log_events"] == n
+    store.append("p", b"".join(wins[5:20]))  # overlapping: only the new ones
+    assert store.state("p").producer_scn == 100 + 19 * 10
+    partial = window(1000, [("public.t1", Op.INSERT, 1, "x")])
+    offsets, _ = parse_stream(partial)
+    # whole events, but the window's END_OF_WINDOW is missing: refused
+    with pytest.raises(ProtocolError, match="whole windows"):
+        store.append("p", partial[: int(offsets[-1])])
+    # bytes cut inside an event: corrupt, refused by validation
+    with pytest.raises(CorruptEventError):
+        store.append("p", partial[:-5])
+    assert store.state("p").producer_scn == 100 + 19 * 10  # nothing was stored
+
+
+def test_catchup_pages_hold_whole_windows(store: Store) -> None:
+    wins = random_windows(3, 50)
+    store.append("p", b"".join(wins), start_scn=0)
+    after, seen = -1, []
+    while True:
+        page = store.catchup_page("p", after_scn=after, target_scn=100 + 49 * 10, max_bytes=1)
+        _offsets, headers = parse_stream(page.data)
+        assert int(headers["op"][-1]) == Op.END_OF_WINDOW
+        assert len({int(s) for s in headers["scn"]}) == 1  # one window per page at 1 byte
+        seen.append(page.last_scn)
+        after = page.last_scn
+        if page.complete:
+            break
+    assert seen == [100 + i * 10 for i in range(50)]
+
+
+def test_tombstones_reach_only_consumers_that_saw_the_row(store: Store) -> None:
+    store.append(
+        "p",
+        window(10, [("public.t1", Op.INSERT, 1, "a"), ("public.t1", Op.INSERT, 2, "b")])
+        + window(20, [("public.t1", Op.DELETE, 1, None)]),
+        start_scn=0,
+    )
+    store.apply("p")
+    ids = sorted(SID)
+    fresh = store.snapshot_page(
+        "p", ids, since_scn=-1, start_scn=20, position=(0, 0), max_bytes=1 << 20
+    )
+    old = store.snapshot_page(
+        "p", ids, since_scn=10, start_scn=20, position=(0, 0), max_bytes=1 << 20
+    )
+    assert fresh.events == 1 and fresh.complete
+    _, h = parse_stream(fresh.data)
+    assert int(h["op"][0]) == Op.INSERT
+    _, h = parse_stream(old.data)
+    assert [int(o) for o in h["op"]] == [Op.DELETE]
+
+
+def test_prune_keeps_unapplied_windows(store: Store) -> None:
+    wins = random_windows(4, 30)
+    store.append("p", b"".join(wins), start_scn=0)
+    store.apply("p", max_events=20)
+    applied = store.state("p").applier_scn
+    assert store.prune_log("p", 10**9) > 0
+    st = store.state("p")
+    assert st.log_min_scn == applied
+    page = store.catchup_page("p", after_scn=applied, target_scn=st.producer_scn, max_bytes=1 << 30)
+    _, h = parse_stream(page.data)
+    assert int(h["scn"].min()) > applied and page.last_scn == st.producer_scn
+
+
+def test_key_change_leaves_a_tombstone_and_unsent_columns_are_kept(store: Store) -> None:
+    t = TABLES[0]
+    sid = REG.source_id(t.name)
+    store.put_schemas("p", [(sid, t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+
+    def win(scn: int, event: bytes) -> bytes:
+        return event + encode_control(EndOfWindow(1, ""), scn, 1, scn * 10)
+
+    store.append(
+        "p",
+        win(10, enc.encode(Op.INSERT, 10, 0, 100, {"id": 1, "v": "a"}))
+        + win(
+            20,
+            enc.encode(
+                Op.UPDATE,
+                20,
+                0,
+                200,
+                {"id": 5, "v": "b"},
+                {"id": 1, "v": None},
+                before_not_sent=("v",),
+            ),
+        )
+        + win(30, enc.encode(Op.UPDATE, 30, 0, 300, {"id": 5, "v": None}, after_not_sent=("v",))),
+        start_scn=0,
+    )
+    store.apply("p")
+    ids = sorted(SID)
+
+    def rows(since: int) -> list[tuple[int, int, Any, tuple[str, ...]]]:
+        page = store.snapshot_page(
+            "p", ids, since_scn=since, start_scn=30, position=(0, 0), max_bytes=1 << 20
+        )
+        out = []
+        offsets, _ = parse_stream(page.data)
+        for off in offsets.tolist():
+            h = verify_event(page.data, off)
+            ch = ChangeDecoder(t).decode(event_at(page.data, off, h)[1])
+            image = ch.after if ch.after is not None else ch.before
+            assert image is not None
+            out.append((int(h.op), image["id"], image["v"], ch.after_not_sent))
+        return sorted(out, key=lambda r: r[1])
+
+    assert rows(-1) == [(int(Op.UPDATE), 5, "b", ())]  # old key gone, v from before
+    assert rows(10) == [(int(Op.DELETE), 1, None, ()), (int(Op.UPDATE), 5, "b", ())]
+
+
+def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
+    from changebus.bootstrap._http import NotYetError, _plan
+
+    with pytest.raises(NotYetError):
+        _plan(store, "p", -1, 2.0)  # nothing yet
+    wins = random_windows(5, 40)
+    store.append("p", b"".join(wins), start_scn=-1)
+    store.apply("p")
+    # from nothing, replaying the log: start just before its first window (a valid SCN)
+    plan = _plan(store, "p", -1, 1e18)
+    assert plan["snapshot"] is False and 0 <= plan["start_scn"] < 100
+    page = store.catchup_page(
+        "p", after_scn=plan["start_scn"], target_scn=plan["producer_scn"], max_bytes=1 << 30
+    )
+    have: dict[tuple[str, int], str | None] = {}
+    replay(page.data, have)
+    truth: dict[tuple[str, int], str | None] = {}
+    for w in wins:
+        replay(w, truth)
+    assert have == truth
+    # a consumer a little behind: catch-up only; far behind with ratio 0: a snapshot
+    last = 100 + 39 * 10
+    assert _plan(store, "p", last - 10, 2.0)["snapshot"] is False
+    far = _plan(store, "p", 100, 0.0)
+    assert far["snapshot"] is True and far["start_scn"] == last
+
+
+def test_prune_to_keeps_about_n_events(store: Store) -> None:
+    wins = random_windows(6, 60)
+    store.append("p", b"".join(wins), start_scn=-1)
+    store.apply("p")
+    total = store.counts("p")["log_events"]
+    assert store.prune_to("p", 50) > 0
+    left = store.counts("p")["log_events"]
+    assert 40 <= left <= 50 < total
+    assert store.state("p").log_min_scn > 100
+
+
+def test_rows_changed_after_the_snapshot_scn_come_whole(store: Store) -> None:
+    """A row whose only change after the snapshot SCN is an UPDATE without some
+    columns (unsent TOAST values) must still reach the consumer whole."""
+    t = TABLES[0]
+    sid = REG.source_id(t.name)
+    store.put_schemas("p", [(sid, t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    eow = encode_control(EndOfWindow(1, ""), 10, 1, 100)
+    store.append("p", enc.encode(Op.INSERT, 10, 0, 100, {"id": 1, "v": "big"}) + eow, start_scn=0)
+    store.apply("p")
+    start = store.state("p").applier_scn  # the consumer's snapshot SCN
+    partial = enc.encode(Op.UPDATE, 20, 0, 200, {"id": 1, "v": None}, after_not_sent=("v",))
+    store.append("p", partial + encode_control(EndOfWindow(1, ""), 20, 1, 200))
+    store.apply("p")  # the applier moves on while the consumer reads its snapshot
+    page = store.snapshot_page(
+        "p", sorted(SID), since_scn=-1, start_scn=start, position=(0, 0), max_bytes=1 << 20
+    )
+    offsets, _ = parse_stream(page.data)
+    assert len(offsets) == 1
+    h = verify_event(page.data, int(offsets[0]))
+    change = ChangeDecoder(t).decode(event_at(page.data, int(offsets[0]), h)[1])
+    assert change.after == {"id": 1, "v": "big"} and change.after_not_sent == ()
