@@ -25,7 +25,7 @@ def leftovers() -> set[str]:
 def test_demo_prints_live_changes_and_a_checked_summary() -> None:
     before = leftovers()
     done = subprocess.run(
-        [*DEMO, "--seconds", "2", "--rate", "25", "--json"],
+        [*DEMO, "--seconds", "3", "--rate", "25", "--json"],
         env=ENV,
         capture_output=True,
         text=True,
@@ -42,8 +42,13 @@ def test_demo_prints_live_changes_and_a_checked_summary() -> None:
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     summary = [line for line in lines if line.startswith("# ")]
     assert any(f"# summary: {len(changes)} changes" in line for line in summary), summary
-    replica = next(line for line in summary if "replica vs source" in line)
+    replica = next(line for line in summary if line.startswith("# SQLite replica vs source"))
     assert replica.count(" equal") == 2 and "DIFFERENT" not in replica
+    # the consumer that joined late caught up through the bootstrap server
+    late = next(line for line in summary if line.startswith("# late consumer:"))
+    assert int(late.split()[3]) > 0, late  # rows from the bootstrap snapshot
+    late_check = next(line for line in summary if "late consumer's replica" in line)
+    assert late_check.count(" equal") == 2 and "DIFFERENT" not in late_check
     assert leftovers() <= before  # the private server's directory is gone
 
 

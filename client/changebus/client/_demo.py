@@ -6,6 +6,10 @@ What runs (everything private, on 127.0.0.1, removed at the end)::
      (shop tables,                  mmapped ring buffer     \\------> SqliteReplica
       workload thread)                                                (checked at the end)
 
+A bootstrap server (SQLite store) follows the relay from the start; halfway
+through, a second consumer with a replica of its own joins late: it reads a
+snapshot and the log from the bootstrap server, then goes on from the relay.
+
 A workload thread runs small shop transactions (new customers with orders,
 payments, shipments, cancellations) for ``seconds``; the consumer prints every
 transaction as it commits, with its SCN (the commit LSN) and the time from
@@ -31,12 +35,14 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TextIO
 
-from changebus.schemas import lsn_to_scn
+from changebus.schemas import Mode, lsn_to_scn
 
+from ._apply_sqlite import SqliteReplica
 from ._config import ConsumerConfig
 from ._consumer import Consumer
 from ._json import event_json, jsonable
@@ -155,6 +161,7 @@ def _describe(event: ChangeEvent) -> str:
     if event.op is ChangeOp.UPDATE and before:
         changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
         what = ", ".join(f"{k}: {_text(a)} -> {_text(b)}" for k, (a, b) in changed.items())
+        what = what or "(no column changed)"
     elif event.op is ChangeOp.DELETE:
         what = ""
     else:
@@ -212,8 +219,6 @@ async def run_demo(seconds: float, rate: float, *, as_json: bool = False) -> int
     from changebus.fetchers.postgres import EmbeddedPostgres
     from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 
-    from ._apply_sqlite import SqliteReplica
-
     out = sys.stdout
     stop = threading.Event()
     loop = asyncio.get_running_loop()
@@ -253,7 +258,7 @@ async def run_demo(seconds: float, rate: float, *, as_json: bool = False) -> int
                 f"{rate:g} transactions/s for {seconds:g} s (Ctrl-C stops earlier)\n"
             )
             out.flush()
-            return await _stream(relay.url, dsn, tmp, seconds, rate, stop, as_json, SqliteReplica)
+            return await _stream(relay.url, dsn, tmp, seconds, rate, stop, as_json)
     finally:
         stop.set()
         if server is not None:
@@ -274,6 +279,20 @@ def _create_tables(dsn: str) -> None:
         conn.execute(_TABLES)
 
 
+class _LateReplica(SqliteReplica):
+    """The replica of a consumer that joins late: counts its windows per phase."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, consumer_name="late")
+        self.phases: Counter[str] = Counter()
+        self.rows: Counter[str] = Counter()
+
+    async def on_start_window(self, window: Window) -> Any:
+        self.phases[window.phase] += 1
+        self.rows[window.phase] += len(window.events)
+        return await super().on_start_window(window)
+
+
 async def _stream(
     url: str,
     dsn: str,
@@ -282,52 +301,95 @@ async def _stream(
     rate: float,
     stop: threading.Event,
     as_json: bool,
-    replica_cls: Any,
 ) -> int:
+    from changebus.bootstrap import (
+        BootstrapConfig,
+        BootstrapServer,
+        HttpConfig as BootstrapHttp,
+        StoreConfig,
+    )
+
     out = sys.stdout
     printer = _Printer(out, as_json)
     config = ConsumerConfig(
         relays=(url,), partition=_PARTITION, wait_s=1.0, client_id="demo", yield_empty_windows=True
     )
-    replica = replica_cls(tmp / "replica.db", consumer_name="demo")
-    replica_task = asyncio.create_task(replica.run(config))
+    boot_config = BootstrapConfig(
+        relays=(url,),
+        data_dir=tmp / "bootstrap",
+        store=StoreConfig(kind="sqlite", path=tmp / "bootstrap" / "store.db"),
+        http=BootstrapHttp(port=0),
+    )
+    replica = SqliteReplica(tmp / "replica.db", consumer_name="demo")
+    late = _LateReplica(tmp / "late.db")
+    tasks: list[asyncio.Task[Any]] = []
     workload = asyncio.create_task(asyncio.to_thread(_workload, dsn, rate, stop))
-    timer = asyncio.get_running_loop().call_later(seconds, stop.set)
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(seconds, stop.set)
     transactions = 0
-    try:
-        async with Consumer(config) as consumer:
-            end_scn = -1
-            async for window in consumer:
-                if window.events:
-                    printer.window(window)
-                if end_scn < 0 and workload.done():
-                    transactions, end_scn = workload.result()
-                if 0 <= end_scn <= window.scn:
-                    break
-            lag = consumer.stats()["queued_windows"]
-        await _wait_replica(replica, printer.last_scn)
-    finally:
-        timer.cancel()
-        stop.set()
-        replica.stop()
-        await asyncio.gather(replica_task, workload, return_exceptions=True)
-        await replica.close()
+    async with BootstrapServer(boot_config) as boot:
+        late_config = replace(config, client_id="late", bootstrap_servers=(boot.url,))
+
+        def join_late() -> None:
+            out.write(
+                f"# a consumer joins late: it catches up from the bootstrap server {boot.url}\n"
+            )
+            tasks.append(asyncio.create_task(late.run(late_config)))
+
+        tasks.append(asyncio.create_task(replica.run(config)))
+        joiner = loop.call_later(seconds / 2, join_late)
+        try:
+            async with Consumer(config) as consumer:
+                end_scn = -1
+                async for window in consumer:
+                    if window.events:
+                        printer.window(window)
+                    if end_scn < 0 and workload.done():
+                        transactions, end_scn = workload.result()
+                    if 0 <= end_scn <= window.scn:
+                        break
+                lag = consumer.stats()["queued_windows"]
+            await _wait_replica(replica, printer.last_scn)
+            if tasks[1:]:
+                await _wait_replica(late, printer.last_scn)
+        finally:
+            timer.cancel()
+            joiner.cancel()
+            stop.set()
+            replica.stop()
+            late.stop()
+            await asyncio.gather(*tasks, workload, return_exceptions=True)
+            await replica.close()
+            await late.close()
     checks = await asyncio.to_thread(_compare, dsn, tmp / "replica.db")
     total = sum(printer.ops.values())
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(printer.ops.items()))
     out.write(
         f"# summary: {total} changes ({kinds}) in {printer.windows} transactions "
-        f"({transactions} committed by the workload), SCN {printer.first_position}..{printer.last_position}\n"
+        f"({transactions} committed by the workload), "
+        f"SCN {printer.first_position}..{printer.last_position}\n"
         f"# commit -> consumer: p50 {printer.percentile(0.5):.1f} ms, "
         f"p99 {printer.percentile(0.99):.1f} ms; windows still queued at the end: {lag}\n"
     )
-    ok = all(equal for _, equal in checks.values())
+    ok = _report(out, "SQLite replica vs source", checks)
+    if tasks[1:]:
+        p, r = late.phases, late.rows
+        out.write(
+            f"# late consumer: {r['snapshot']} rows from the bootstrap snapshot, "
+            f"{p['catchup']} transactions of catch-up, then {p['online']} live from the relay\n"
+        )
+        late_checks = await asyncio.to_thread(_compare, dsn, tmp / "late.db")
+        ok = _report(out, "late consumer's replica vs source", late_checks) and ok
+    out.flush()
+    return 0 if ok else 1
+
+
+def _report(out: TextIO, what: str, checks: dict[str, tuple[int, bool]]) -> bool:
     tables = ", ".join(
         f"{t} {n} rows {'equal' if eq else 'DIFFERENT'}" for t, (n, eq) in checks.items()
     )
-    out.write(f"# SQLite replica vs source: {tables}\n")
-    out.flush()
-    return 0 if ok else 1
+    out.write(f"# {what}: {tables}\n")
+    return all(equal for _, equal in checks.values())
 
 
 async def _wait_replica(replica: Any, scn: int, timeout_s: float = 30.0) -> None:
@@ -337,6 +399,7 @@ async def _wait_replica(replica: Any, scn: int, timeout_s: float = 30.0) -> None
         if (
             stored is not None
             and _PARTITION in stored.partitions
+            and stored.get(_PARTITION).mode is Mode.ONLINE
             and stored.get(_PARTITION).window_scn >= scn
         ):
             return
