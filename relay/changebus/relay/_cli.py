@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from pathlib import Path
 
-from changebus.schemas import ChangebusError
-from changebus.schemas._logsetup import setup_logging
-from changebus.schemas.config import load_config
+from changebus.schemas._daemon_cli import add_daemon_parser, run_daemon
 
 from ._config import RelayConfig
 from ._daemon import run
@@ -18,44 +14,18 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "relay", help="run the relay daemon", description="Run the changebus relay daemon."
+    p = add_daemon_parser(
+        sub, "relay", help="run the relay daemon", description="Run the changebus relay daemon."
     )
-    p.add_argument("--config", type=Path, help="relay TOML file (see docs/operations.md)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set http.port=9000 (repeatable)",
-    )
-    p.add_argument("--log-format", choices=("text", "json"), help="log line format")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.log_format:
-        overrides.append(f"log_format={args.log_format}")
-    if args.log_level:
-        overrides.append(f"log_level={args.log_level}")
-    try:
-        config = load_config(
-            RelayConfig, args.config, env_prefix="CHANGEBUS_RELAY_", overrides=overrides
-        )
-    except ChangebusError as exc:
-        print(f"changebus relay: {exc.message}")
-        return 2
-    setup_logging(config.log_level, config.log_format)
+def _switch_interval(config: RelayConfig) -> None:
     # The relay runs its writer and fetcher threads beside the event loop; a
     # short GIL switch interval keeps a waiting loop from stalling up to the
     # default 5 ms behind them (the process is ours: this is not library code).
     sys.setswitchinterval(config.gil_switch_interval_s)
-    try:
-        asyncio.run(run(config))
-    except ChangebusError as exc:
-        print(f"changebus relay: {exc.message}")
-        return 2
-    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    return run_daemon(args, "relay", RelayConfig, run, prepare=_switch_interval)

@@ -1,0 +1,84 @@
+"""The command-line frame shared by the daemons (``changebus relay``, ``changebus bootstrap``).
+
+:func:`add_daemon_parser` adds a subcommand with the options every daemon
+has (``--config FILE``, ``--set KEY=VALUE``, ``--log-format``,
+``--log-level``); :func:`run_daemon` builds the daemon's frozen config from
+defaults, the TOML file, ``CHANGEBUS_<NAME>_...`` environment variables and
+the overrides, configures logging (this is a program, not library code) and
+runs the daemon's coroutine. A bad config or a fatal start-up error is
+printed as one line and gives exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ._logsetup import setup_logging
+from .config import load_config
+from .errors import ChangebusError
+
+__all__ = ["add_daemon_parser", "run_daemon"]
+
+C = TypeVar("C")
+
+
+def add_daemon_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` with the common daemon options; returns its parser."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("--config", type=Path, help=f"{name} TOML file (see docs/operations.md)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set http.port=9000 (repeatable)",
+    )
+    p.add_argument("--log-format", choices=("text", "json"), help="log line format")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def run_daemon(
+    args: argparse.Namespace,
+    name: str,
+    config_cls: type[C],
+    run: Callable[[C], Coroutine[Any, Any, None]],
+    *,
+    prepare: Callable[[C], None] | None = None,
+) -> int:
+    """Load ``config_cls`` (module docstring) and run ``run(config)`` to its end."""
+    overrides = list(args.overrides)
+    if args.log_format:
+        overrides.append(f"log_format={args.log_format}")
+    if args.log_level:
+        overrides.append(f"log_level={args.log_level}")
+    try:
+        config = load_config(
+            config_cls,
+            args.config,
+            env_prefix=f"CHANGEBUS_{name.upper()}_",
+            overrides=overrides,
+        )
+    except ChangebusError as exc:
+        print(f"changebus {name}: {exc.message}")
+        return 2
+    setup_logging(getattr(config, "log_level", "info"), getattr(config, "log_format", "text"))
+    if prepare is not None:
+        prepare(config)
+    try:
+        asyncio.run(run(config))
+    except ChangebusError as exc:
+        print(f"changebus {name}: {exc.message}")
+        return 2
+    return 0
