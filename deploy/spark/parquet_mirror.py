@@ -2,10 +2,12 @@
 
     PYSPARK_PYTHON=$(which python) python deploy/spark/parquet_mirror.py \\
         --relays http://127.0.0.1:8080 --source public.accounts --key id \\
-        --mirror /data/mirror/accounts --checkpoint /data/ckpt/accounts [--available-now]
+        --mirror /data/mirror/accounts --checkpoint /data/ckpt/accounts [--available-now] \\
+        [--bootstrap http://127.0.0.1:8090]
 
 The query reads ``format("changebus")`` from the earliest SCN the relay keeps
-and applies every micro-batch with :class:`changebus.client.spark.ParquetMirror`
+(with ``--bootstrap``: from a snapshot of the bootstrap server, which also
+recovers a position the relay no longer keeps) and applies every micro-batch with :class:`changebus.client.spark.ParquetMirror`
 (MERGE-style upserts and deletes by key, idempotent per batch id). Stop it at
 any time (Ctrl-C, kill -9 of the driver): started again with the same
 ``--checkpoint`` and ``--mirror`` it continues after the last committed batch
@@ -33,6 +35,7 @@ def start_mirror(
     available_now: bool = False,
     trigger_s: float = 5.0,
     max_rows_per_trigger: int = 0,
+    bootstrap: str = "",
 ) -> Any:
     """Start the mirroring query on ``spark``; returns the StreamingQuery."""
     reader = (
@@ -41,6 +44,8 @@ def start_mirror(
         .option("sources", source)
         .option("startingScn", "earliest")
     )
+    if bootstrap:
+        reader = reader.option("bootstrapUrl", bootstrap)
     if max_rows_per_trigger:
         reader = reader.option("maxRowsPerTrigger", str(max_rows_per_trigger))
     writer = (
@@ -68,6 +73,7 @@ def main() -> None:
     p.add_argument("--available-now", action="store_true", help="catch up, then exit")
     p.add_argument("--trigger-s", type=float, default=5.0, help="seconds between batches")
     p.add_argument("--max-rows-per-trigger", type=int, default=0)
+    p.add_argument("--bootstrap", default="", help="comma-separated bootstrap server URLs")
     args = p.parse_args()
     spark = SparkSession.builder.appName("changebus parquet mirror").getOrCreate()
     query = start_mirror(
@@ -80,6 +86,7 @@ def main() -> None:
         available_now=args.available_now,
         trigger_s=args.trigger_s,
         max_rows_per_trigger=args.max_rows_per_trigger,
+        bootstrap=args.bootstrap,
     )
     query.awaitTermination()
 

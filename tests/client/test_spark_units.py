@@ -41,8 +41,17 @@ def test_options_parse_and_reject() -> None:
     assert SourceOptions.parse({"relays": "http://x"}, mode="batch").starting == "earliest"
     with pytest.raises(ConfigError, match="maxrowpertrigger"):
         SourceOptions.parse({"relays": "http://x", "maxRowPerTrigger": "5"})
+    o = SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b/, http://c"})
+    assert o.bootstrap == ("http://b", "http://c")
+    assert SourceOptions.parse({"relays": "http://x", "BOOTSTRAPURLS": "http://b"}).bootstrap == (
+        "http://b",
+    )
     with pytest.raises(ConfigError, match="bootstrapUrl"):
-        SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b"})
+        SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "b:80"})
+    with pytest.raises(ConfigError, match="not both"):
+        SourceOptions.parse(
+            {"relays": "http://x", "bootstrapUrl": "http://b", "bootstrapUrls": "http://c"}
+        )
     with pytest.raises(ConfigError, match="relay URL"):
         SourceOptions.parse({})
     with pytest.raises(ConfigError, match="batch reads"):
@@ -302,3 +311,34 @@ def test_discovery_shim_is_found_the_way_spark_looks() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "'changebus': 'changebus.client.spark._source'" in out.stdout
+
+
+def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
+    from changebus.client.spark._relay import PartitionBounds
+    from changebus.client.spark._source import _needs_bootstrap, _range_partitions, _resolve
+
+    bounds = {
+        "a": PartitionBounds("a", 50, 90, 40, 0),
+        "b": PartitionBounds("b", 50, 90, 40, 0),
+        "c": PartitionBounds("c", 50, 90, 40, 0),
+    }
+    plain = SourceOptions.parse({"relays": "http://x", "numPartitions": "3"})
+    boot = SourceOptions.parse(
+        {
+            "relays": "http://x",
+            "numPartitions": "3",
+            "bootstrapUrl": "http://b",
+            "filter": "mod:4:1",
+        }
+    )
+    start = {"a": -1, "b": 10, "c": 40}
+    assert _needs_bootstrap(plain, start, bounds) == set()
+    whole = _needs_bootstrap(boot, start, bounds)
+    assert whole == {"a", "b"}  # before everything / evicted; "c" starts where the relay does
+    parts = _range_partitions(boot, start, {"a": 90, "b": 90, "c": 90}, whole)
+    specs = sorted((p.spec.partition, p.spec.since, p.spec.key_filter) for p in parts)
+    assert [s for s in specs if s[0] in "ab"] == [("a", -1, "mod:4:1"), ("b", 10, "mod:4:1")]
+    assert len([s for s in specs if s[0] == "c"]) == 1  # mod:4:1 has one bucket: one slice
+    assert SourceOptions.parse({"relays": "http://x"}).bootstrap == ()
+    assert _resolve(boot, "earliest", bounds, "startingScn") == {"a": -1, "b": -1, "c": -1}
+    assert _resolve(plain, "earliest", bounds, "startingScn") == {"a": 40, "b": 40, "c": 40}

@@ -49,7 +49,9 @@ OPTION_NAMES: dict[str, str] = {
     "numpartitions": "Spark partitions per physical partition and batch",
     "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
     "failondataloss": "true: a range the relay no longer keeps fails the query",
-    "bootstrapurl": "the bootstrap server (not available yet: rejected)",
+    "bootstrapurl": "bootstrap server base URL(s), comma-separated: earliest = snapshot + live,"
+    " and a range the relays no longer keep is recovered through it",
+    "bootstrapurls": "the same as bootstrapUrl",
     "maxbytesperrequest": "bytes per relay response while reading",
     "arrowbatchrows": "rows per Arrow record batch handed to Spark",
     "requesttimeouts": "seconds a relay request may take before failing over",
@@ -155,13 +157,18 @@ class SourceOptions:
       receives each window's end marker); ``scn``: the batch's SCN range is cut
       into this many consecutive sub-ranges (cheaper per window; balanced as
       far as SCN distance follows volume, as Postgres LSNs do);
-    * ``fail_on_data_loss`` -- whether an evicted range fails the query (else
-      it is skipped with a warning, as Spark's Kafka source does);
+    * ``bootstrap`` -- bootstrap server URLs (failover order); with them
+      ``earliest`` is a snapshot followed by the live stream, and a range the
+      relays no longer keep is read through a bootstrap server instead;
+    * ``fail_on_data_loss`` -- without ``bootstrap``: whether an evicted range
+      fails the query (else it is skipped with a warning, as Spark's Kafka
+      source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
       transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows.
     """
 
     relays: tuple[str, ...]
+    bootstrap: tuple[str, ...] = ()
     partitions: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     key_filter: PartitionFilter | None = None
@@ -183,6 +190,9 @@ class SourceOptions:
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"option relays: {url!r} is not an http:// or https:// URL")
+        for url in self.bootstrap:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"option bootstrapUrl: {url!r} is not an http:// or https:// URL")
         if self.num_partitions < 1 or self.arrow_batch_rows < 1 or self.max_bytes_per_request < 1:
             raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
         if self.request_timeout_s <= 0:
@@ -200,12 +210,11 @@ class SourceOptions:
                 f"unknown option(s) {unknown} for format('changebus'); known: "
                 + ", ".join(sorted(OPTION_NAMES))
             )
-        if "bootstrapurl" in opts:
-            raise ConfigError(
-                "option bootstrapUrl: this version of the Spark source reads relays only; a"
-                " position the relays no longer keep fails the query (failOnDataLoss=true)"
-                " or is skipped (failOnDataLoss=false)"
-            )
+        if "bootstrapurl" in opts and "bootstrapurls" in opts:
+            raise ConfigError("give bootstrapUrl or bootstrapUrls, not both")
+        bootstrap = tuple(
+            u.rstrip("/") for u in _list(opts, "bootstrapurl") + _list(opts, "bootstrapurls")
+        )
         relays = tuple(u.rstrip("/") for u in _list(opts, "relays"))
         key_filter = None
         if "filter" in opts:
@@ -239,6 +248,7 @@ class SourceOptions:
             raise ConfigError(f"option requestTimeoutS: not a number: {timeout_raw!r}") from None
         return cls(
             relays=relays,
+            bootstrap=bootstrap,
             partitions=_list(opts, "partitions"),
             sources=_list(opts, "sources"),
             key_filter=key_filter,

@@ -15,6 +15,14 @@ With ``fail_on_data_loss`` false, an evicted range continues after the
 relay's newest evicted window and a DATA_LOSS window is skipped, each with a
 warning (Spark's Kafka source behaves the same way with ``failOnDataLoss``).
 
+With bootstrap servers (``bootstrapUrl``) the consumer recovers by itself: a
+range starting before everything (``since`` -1) or before the relays' oldest
+window is read as a snapshot (every page taken whole: its rows are at their
+latest version, possibly newer than ``until``), then the catch-up log and the
+relays up to ``until``. Such a replayed range gives the same keys but maybe
+newer row versions; the windows after ``until`` follow in the next batch, so
+an upsert sink ordered by ``_commit_scn`` converges to the same state.
+
 Nothing here is shared between threads; each call owns its loop and client.
 """
 
@@ -101,6 +109,7 @@ def _config(
         yield_empty_windows=True,
         auto_commit=False,
         reader_schemas=dict(tables),
+        bootstrap_servers=opts.bootstrap,
     )
 
 
@@ -140,6 +149,11 @@ async def _read(
                         while position < spec.until and builder.rows < opts.arrow_batch_rows:
                             window = await anext(it)
                             deadline.reschedule(loop.time() + idle_s)
+                            if window.phase == "snapshot":
+                                # a snapshot page: rows at their latest version, whatever
+                                # the range's end; the position moves with the catch-up
+                                builder.add_window(window)
+                                continue
                             if window.scn > spec.until:
                                 position = spec.until
                                 break

@@ -49,6 +49,7 @@ from ._options import SourceOptions
 
 __all__ = [
     "PartitionBounds",
+    "bootstrap_target",
     "end_after_rows",
     "partition_bounds",
     "position_at_time",
@@ -84,19 +85,23 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _with_relays(
-    opts: SourceOptions, call: Callable[[aiohttp.ClientSession, str], Awaitable[T]]
+    opts: SourceOptions,
+    call: Callable[[aiohttp.ClientSession, str], Awaitable[T]],
+    urls: tuple[str, ...] = (),
 ) -> T:
-    """``call(session, relay_url)`` on the first relay that answers."""
+    """``call(session, url)`` on the first of ``urls`` (default: the relays) that answers."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     last = ""
+    urls = urls or opts.relays
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for url in opts.relays:
+        for url in urls:
             try:
                 return await call(session, url)
             except (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError) as exc:
                 last = exc.message if isinstance(exc, ChangebusError) else repr(exc)
                 log.warning("relay %s failed: %s", safe_url(url), last)
-    raise RelayUnavailableError(f"no relay of {len(opts.relays)} answered; last: {last}")
+    what = "relay" if urls == opts.relays else "bootstrap server"
+    raise RelayUnavailableError(f"no {what} of {len(urls)} answered; last: {last}")
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, params: dict[str, str]) -> Any:
@@ -299,3 +304,17 @@ async def position_at_time(
         return lo
 
     return await _with_relays(opts, call)
+
+
+async def bootstrap_target(opts: SourceOptions, partition: str) -> int:
+    """The newest SCN a bootstrap server holds for ``partition`` (its catch-up target now).
+
+    Tries ``opts.bootstrap`` in order, like the relays; raises
+    :class:`~changebus.client.RelayUnavailableError` when none answers.
+    """
+
+    async def call(session: aiohttp.ClientSession, url: str) -> int:
+        body = await _get_json(session, f"{url}/v1/bootstrap/status", {"partition": partition})
+        return int(body["producer_scn"])
+
+    return await _with_relays(opts, call, urls=opts.bootstrap)

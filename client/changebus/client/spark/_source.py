@@ -20,6 +20,13 @@ physical partition. A micro-batch reads windows ``(start, end]``; since all
 events of a transaction share one window SCN, a batch never splits a
 transaction. ``partitions(start, end)`` cuts every partition's range into
 ``numPartitions`` key-hash slices that the relay filters server-side.
+
+With bootstrap servers (``bootstrapUrl``) ``earliest`` is SCN -1, and a
+range starting before the relays' oldest window (-1 included) is one batch
+read by one task through the client's bootstrap switching (snapshot,
+catch-up, relays up to the end; :func:`_needs_bootstrap`, module
+:mod:`._read`). Such a batch ends at the relay's newest window, or under a
+read limit at the bootstrap server's newest SCN (it is never cut by rows).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
 from ._relay import (
     PartitionBounds,
+    bootstrap_target,
     end_after_rows,
     partition_bounds,
     position_at_time,
@@ -135,7 +143,8 @@ def _resolve(
                 )
             )
         elif position == "earliest":
-            out[name] = b.prev_scn
+            # with a bootstrap server: before everything (a snapshot comes first)
+            out[name] = -1 if opts.bootstrap else b.prev_scn
         elif position == "latest":
             out[name] = b.max_scn if b.max_scn >= 0 else b.prev_scn
         elif isinstance(position, int):
@@ -151,9 +160,30 @@ def _resolve(
     return out
 
 
+def _needs_bootstrap(
+    opts: SourceOptions, start: dict[str, Any], bounds: dict[str, PartitionBounds]
+) -> set[str]:
+    """Partitions whose next range starts before what the relays keep (bootstrap reads it)."""
+    if not opts.bootstrap:
+        return set()
+    return {
+        name
+        for name, b in bounds.items()
+        if name in start and (int(start[name]) < 0 or int(start[name]) < b.prev_scn)
+    }
+
+
 def _range_partitions(
-    opts: SourceOptions, start: dict[str, Any], end: dict[str, Any]
+    opts: SourceOptions,
+    start: dict[str, Any],
+    end: dict[str, Any],
+    whole: set[str] | frozenset[str] = frozenset(),
 ) -> list[ScnRangePartition]:
+    """Input partitions of ``(start, end]``; a partition in ``whole`` is read by one task.
+
+    ``whole`` names the ranges that go through a bootstrap server: one
+    consumer reads the snapshot, the catch-up and the relays up to the end.
+    """
     out: list[ScnRangePartition] = []
     slices = opts.slices() if opts.split_by == "key" else [opts.key_filter]
     filters = [str(f) if f else None for f in slices]
@@ -161,6 +191,10 @@ def _range_partitions(
         until = int(until_raw)
         since = int(start.get(name, until))
         if until <= since:
+            continue
+        if name in whole:
+            f = str(opts.key_filter) if opts.key_filter else None
+            out.append(ScnRangePartition(RangeSpec(name, since, until, f)))
             continue
         if opts.split_by == "scn":
             n = min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1
@@ -224,6 +258,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         bounds = self._bounds()
         end: dict[str, int] = {}
         heads: dict[str, int] = {}
+        boot = _needs_bootstrap(self.opts, start, bounds)
         for name, b in bounds.items():
             if name not in start:
                 # a partition that appeared after the query started: it enters the
@@ -234,6 +269,20 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             head = b.max_scn
             if self._target is not None:
                 head = min(head, self._target.get(name, since))
+            if name in boot:
+                # one batch through the bootstrap server; with a read limit it ends at
+                # the server's newest SCN (snapshot + catch-up), else at the head
+                if isinstance(limit, ReadMaxRows):
+                    target = run_sync(bootstrap_target(self.opts, name))
+                    head = min(head, max(target, b.prev_scn))
+                end[name] = max(head, since)
+                log.info(
+                    "changebus partition %s: (%d, %d] is read through the bootstrap server",
+                    name,
+                    since,
+                    end[name],
+                )
+                continue
             heads[name] = max(head, since)
         for name, value in start.items():
             if name not in bounds:
@@ -264,8 +313,13 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             return None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        """``numPartitions`` key-hash slices of every partition's ``(start, end]``."""
-        return _range_partitions(self.opts, start, end)
+        """``numPartitions`` key-hash slices of every partition's ``(start, end]``.
+
+        A range that starts before what the relays keep is one task when a
+        bootstrap server is configured (:func:`_needs_bootstrap`).
+        """
+        whole = _needs_bootstrap(self.opts, start, self._bounds()) if self.opts.bootstrap else set()
+        return _range_partitions(self.opts, start, end, whole)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Spark finished everything up to ``end`` (its checkpoint is the record; nothing to do)."""
@@ -283,7 +337,7 @@ class ChangebusBatchReader(_ReaderBase, DataSourceReader):  # type: ignore[misc]
         bounds = run_sync(partition_bounds(self.opts))
         start = _resolve(self.opts, self.opts.starting, bounds, "startingScn")
         end = _resolve(self.opts, self.opts.ending, bounds, "endingScn")
-        parts = _range_partitions(self.opts, start, end)
+        parts = _range_partitions(self.opts, start, end, _needs_bootstrap(self.opts, start, bounds))
         return parts or [ScnRangePartition(RangeSpec(next(iter(bounds)), 0, 0))]
 
 
