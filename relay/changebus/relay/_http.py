@@ -15,16 +15,12 @@ slices meanwhile. A client that sees a body end without it must discard it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import datetime
-import decimal
 import json
 import logging
 import socket
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,6 +43,7 @@ from changebus.schemas import (
     event_at,
     parse_stream,
 )
+from changebus.schemas._jsonable import jsonable
 
 from ._buffer import Selection
 from ._config import RelayConfig
@@ -68,7 +65,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(
-        data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=_jsonable)
+        data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=jsonable)
     )
 
 
@@ -477,18 +474,6 @@ def _source_ids(host: PartitionHost, text: str | None) -> frozenset[int] | None:
     return frozenset(ids)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(value)).decode()
-    if isinstance(value, decimal.Decimal | uuid.UUID):
-        return str(value)
-    if isinstance(value, datetime.date | datetime.time | datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
 def _ndjson(host: PartitionHost, body: bytes) -> bytes:
     """Decode events to JSON lines (for people; slower than binary)."""
     offsets, headers = parse_stream(body)
@@ -523,7 +508,7 @@ def _ndjson(host: PartitionHost, body: bytes) -> bytes:
                 record["after_not_sent"] = list(change.after_not_sent)
             if change.before_not_sent:
                 record["before_not_sent"] = list(change.before_not_sent)
-        lines.append(json.dumps(record, default=_jsonable, separators=(",", ":")))
+        lines.append(json.dumps(record, default=jsonable, separators=(",", ":")))
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
