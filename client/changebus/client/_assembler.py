@@ -68,6 +68,14 @@ class EventSplitter:
 
     def push(self, chunk: bytes) -> bytes:
         """Append ``chunk``; return the complete events now available (maybe ``b""``)."""
+        return self.split(chunk)[0]
+
+    def split(self, chunk: bytes) -> tuple[bytes, npt.NDArray[np.int64]]:
+        """:meth:`push`, also returning the offsets of the events it returns.
+
+        Hand both to :meth:`WindowAssembler.feed` so the events are not
+        scanned for a second time.
+        """
         if not self._buf:
             data: bytes | bytearray = chunk
         else:
@@ -77,12 +85,14 @@ class EventSplitter:
         if offsets.size == 0:
             if data is chunk:
                 self._buf = bytearray(chunk)
-            return b""
+            return b"", offsets
         last = int(offsets[-1])
         end = last + int.from_bytes(data[last + 4 : last + 8], "little")
-        out = bytes(data[:end])
-        self._buf = bytearray(data[end:])
-        return out
+        if end == len(data) and data is chunk:
+            return chunk, offsets  # the common case: the chunk ends at an event's end
+        out = bytes(memoryview(data)[:end])
+        self._buf = bytearray(memoryview(data)[end:])
+        return out, offsets
 
     def reset(self) -> None:
         self._buf.clear()
@@ -110,16 +120,17 @@ class WindowAssembler:
         if last_scn is not None:
             self.last_scn = last_scn
 
-    def feed(self, data: bytes) -> list[RawWindow]:
+    def feed(self, data: bytes, offsets: npt.NDArray[np.int64] | None = None) -> list[RawWindow]:
         """Validate whole events ``data``; return the windows they complete.
 
         The order checks run once over the whole response (vectorised): inside
         a window the SCN stays the same and seq numbers increase; only the
         first piece of each window is checked against what came before.
+        ``offsets``: the event offsets :meth:`EventSplitter.split` found.
         """
         if not data:
             return []
-        offsets, headers = parse_stream(data)
+        offsets, headers = parse_stream(data, offsets=offsets)
         ops = headers["op"]
         scns = headers["scn"]
         seqs = headers["seq"].astype(np.int64)

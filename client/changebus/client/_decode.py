@@ -30,8 +30,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
-import numpy as np
-
 from changebus.schemas import (
     HEADER_SIZE,
     ChangeDecoder,
@@ -48,7 +46,7 @@ from changebus.schemas import (
 )
 
 from ._assembler import RawWindow
-from ._model import _FROM_OP, ChangeEvent, Window
+from ._model import _FROM_OP, ChangeEvent, Window, _EventTwin
 
 __all__ = ["SchemaCache", "SchemaSource", "decode_window"]
 
@@ -163,9 +161,16 @@ class SchemaCache:
 async def decode_window(
     raw: RawWindow, partition: str, cache: SchemaCache, source: SchemaSource
 ) -> Window:
-    """Decode a validated raw window (see the module docstring)."""
+    """Decode a validated raw window (see the module docstring).
+
+    The header columns are taken out of numpy once as Python lists: a window
+    holds a handful of events, and per-window numpy calls (each ~1 us) would
+    cost more than the events themselves.
+    """
     headers = raw.headers
     ops = headers["op"].tolist()
+    offs = raw.offsets.tolist()
+    totals = headers["total_length"].tolist()
     body = raw.body
     mv = memoryview(body)
     schema_changes: list[SchemaChange] = []
@@ -177,9 +182,8 @@ async def decode_window(
         if op < _FIRST_CONTROL:
             data_idx.append(i)
             continue
-        off = int(raw.offsets[i])
-        payload = mv[off + HEADER_SIZE : off + int(headers["total_length"][i])]
-        control = decode_control(op, payload)
+        off = offs[i]
+        control = decode_control(op, mv[off + HEADER_SIZE : off + totals[i]])
         if isinstance(control, SchemaChange):
             cache.learn(control)
             schema_changes.append(control)
@@ -193,7 +197,7 @@ async def decode_window(
             pass  # bootstrap progress markers mean nothing online
     events: list[ChangeEvent] = []
     if data_idx:
-        events = await _decode_data(raw, data_idx, cache, source)
+        events = await _decode_data(raw, data_idx, ops, offs, totals, cache, source)
     return Window(
         scn=raw.scn,
         timestamp_ns=raw.timestamp_ns,
@@ -212,56 +216,67 @@ def _key_bytes(dec: ChangeDecoder, mv: memoryview, off: int, klen: int) -> dict[
 
 
 async def _decode_data(
-    raw: RawWindow, idx: list[int], cache: SchemaCache, source: SchemaSource
+    raw: RawWindow,
+    idx: list[int],
+    ops: list[int],
+    offs: list[int],
+    totals: list[int],
+    cache: SchemaCache,
+    source: SchemaSource,
 ) -> list[ChangeEvent]:
-    h = raw.headers[np.asarray(idx, dtype=np.int64)]
-    offs = raw.offsets[np.asarray(idx, dtype=np.int64)].tolist()
+    """The data events ``idx`` of ``raw``, decoded in one pass per writer schema."""
+    h = raw.headers
+    klens = h["key_length"].tolist()
     sids = h["source_id"].tolist()
     versions = h["schema_version"].tolist()
-    klens = h["key_length"].tolist()
-    totals = h["total_length"].tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for j, writer_id in enumerate(zip(sids, versions, strict=True)):
-        groups.setdefault(writer_id, []).append(j)
-    out: list[Any] = [None] * len(idx)
+    seqs = h["seq"].tolist()
+    first = idx[0]
+    sid0, version0 = sids[first], versions[first]
+    groups: dict[tuple[int, int], list[int]]
+    if all(sids[i] == sid0 and versions[i] == version0 for i in idx):
+        groups = {(sid0, version0): idx}  # the common case: one table, one version
+    else:
+        groups = {}
+        for i in idx:
+            groups.setdefault((sids[i], versions[i]), []).append(i)
+    events: dict[int, ChangeEvent] = {}
     body = raw.body
     mv = memoryview(body)
     scn, ts = raw.scn, raw.timestamp_ns
-    seqs = h["seq"].tolist()
-    ops = h["op"].tolist()
+    twin = _EventTwin
+    from_op = _FROM_OP
     for (sid, version), members in groups.items():
         writer = await cache.writer(sid, version, source)
         dec = cache.decoder(sid, writer)
-        starts = [offs[j] + HEADER_SIZE + klens[j] for j in members]
-        stops = [offs[j] + totals[j] for j in members]
+        starts = [offs[i] + HEADER_SIZE + klens[i] for i in members]
+        stops = [offs[i] + totals[i] for i in members]
         changes = dec.decode_many(body, starts, stops)
         key_cols = writer.key
         single = key_cols[0] if len(key_cols) == 1 else None
         shape = dec.reader
         name = shape.name
-        for j, change in zip(members, changes, strict=True):
-            after, before, after_ns, before_ns = change
+        for i, (after, before, after_ns, before_ns) in zip(members, changes, strict=True):
             # the key columns are in the row image (after; before for a delete):
             # taking them from there saves decoding the key bytes a second time
-            image, image_ns = (after, after_ns) if after is not None else (before, ())
-            key: dict[str, Any]
-            if not klens[j]:
-                key = {}
-            elif image is None or image_ns:
-                key = _key_bytes(dec, mv, offs[j], klens[j])
-            elif single is not None:
-                value = image.get(single)
-                key = (
-                    {single: value} if value is not None else _key_bytes(dec, mv, offs[j], klens[j])
-                )
-            elif all(image.get(k) is not None for k in key_cols):
-                key = {k: image[k] for k in key_cols}
+            key: dict[str, Any] | None = None
+            if after is not None:
+                image = None if after_ns else after
             else:
-                key = _key_bytes(dec, mv, offs[j], klens[j])
-            out[j] = ChangeEvent(
+                image = before
+            if image is not None:
+                if single is not None:
+                    value = image.get(single)
+                    if value is not None:
+                        key = {single: value}
+                elif all(image.get(k) is not None for k in key_cols):
+                    key = {k: image[k] for k in key_cols}
+            if key is None:
+                key = _key_bytes(dec, mv, offs[i], klens[i]) if klens[i] else {}
+            # a ChangeEvent built through its mutable twin (see _model._EventTwin)
+            event: Any = twin(
                 scn,
-                seqs[j],
-                _FROM_OP[ops[j]],
+                seqs[i],
+                from_op[ops[i]],
                 name,
                 key,
                 after,
@@ -273,4 +288,8 @@ async def _decode_data(
                 version,
                 shape,
             )
-    return out
+            event.__class__ = ChangeEvent
+            events[i] = event
+    if len(groups) == 1:
+        return list(events.values())
+    return [events[i] for i in idx]

@@ -274,9 +274,9 @@ class RelayFetcher:
     async def _read_follow(self, resp: aiohttp.ClientResponse, url: str) -> None:
         splitter = EventSplitter()
         async for chunk in resp.content.iter_any():
-            complete = splitter.push(chunk)
+            complete, offsets = splitter.split(chunk)
             if complete:
-                for raw in self._assembler.feed(complete):
+                for raw in self._assembler.feed(complete, offsets):
                     await self._emit(raw, url)
         if splitter.leftover:
             raise TransportError("the relay's follow response ended inside an event")

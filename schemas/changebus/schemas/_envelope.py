@@ -412,7 +412,10 @@ def verify_payloads(
 
 
 def parse_stream(
-    buf: Buffer, *, verify_payload: bool = True
+    buf: Buffer,
+    *,
+    verify_payload: bool = True,
+    offsets: npt.NDArray[np.int64] | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
     """Split a buffer of back-to-back events and validate all of them.
 
@@ -420,9 +423,12 @@ def parse_stream(
     trailing bytes that are not a whole event raise :class:`CorruptEventError`
     (a response cut short, or a corrupted length). Structural checks are
     vectorised; the CRCs (header, and payload unless ``verify_payload`` is
-    false) are computed in one pass.
+    false) are computed in one pass. ``offsets``, when given, are what
+    :func:`scan_offsets` returned for ``buf`` (the scan is not repeated;
+    everything else is checked as usual).
     """
-    offsets = scan_offsets(buf)
+    if offsets is None:
+        offsets = scan_offsets(buf)
     headers = headers_at(buf, offsets)
     _check_structure(buf, offsets, headers)
     end = int(offsets[-1]) + int(headers["total_length"][-1]) if offsets.size else 0

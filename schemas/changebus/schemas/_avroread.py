@@ -1,0 +1,387 @@
+"""Generated Avro readers: Python source written per schema, faster than a generic reader.
+
+A generic Avro reader (fastavro's ``schemaless_reader`` included) walks the
+schema for every value it reads: it looks up each field's type, dispatches
+on it, checks for a logical type, builds the record. For a table's row
+record all of that is known in advance, so :func:`compile_change_reader`
+writes, once per schema, a Python function that does only the reading:
+one straight line of code per field, varints decoded inline (one byte is
+the common case), strings sliced and decoded in place, logical types
+converted without a lookup, the record built as one dict display. Column
+names (not Avro field names) are the dict keys, so renamed fields cost
+nothing either.
+
+The values are those fastavro returns for the same bytes and writer schema:
+the same Python types, the same logical-type conversions (the less common
+ones call fastavro's own ``LOGICAL_READERS`` functions), and
+``tests/schemas/test_avroread.py`` checks the two readers value for value on
+every type the type mappers produce. What is not supported (recursive
+named types) makes :func:`compile_change_reader` return ``None``, and the
+caller keeps using fastavro; so does schema resolution to a different
+reader schema.
+
+Errors: malformed input raises whatever Python raises while reading
+(``IndexError`` past the end, ``UnicodeDecodeError``, ``struct.error``,
+``ValueError``); the caller wraps them (see
+:class:`~changebus.schemas.ChangeDecoder`). Every record must end exactly
+at its stop offset.
+
+Thread-safety: generated functions keep no state and may be shared.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, Final
+
+from fastavro.read import LOGICAL_READERS
+
+from .errors import CorruptEventError
+
+__all__ = ["ChangeReader", "compile_change_reader"]
+
+ChangeReader = Callable[[bytes, Sequence[int], Sequence[int]], list[Any]]
+"""``(buf, starts, stops) -> [(after, before, after_not_sent, before_not_sent), ...]``."""
+
+_PRIMITIVES: Final = frozenset(
+    ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
+)
+_DAYS_TO_ORDINAL: Final = date(1970, 1, 1).toordinal()
+
+
+class _Unsupported(Exception):
+    """The schema uses something the generator does not handle."""
+
+
+def _long(buf: bytes, pos: int) -> tuple[int, int]:
+    """A zig-zag varint of more than one byte at ``pos``: (value, next position).
+
+    Unrolled up to 8 bytes (timestamps in microseconds take 8), then a loop.
+    """
+    z = buf[pos] & 0x7F
+    b = buf[pos + 1]
+    z |= (b & 0x7F) << 7
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 2
+    b = buf[pos + 2]
+    z |= (b & 0x7F) << 14
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 3
+    b = buf[pos + 3]
+    z |= (b & 0x7F) << 21
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 4
+    b = buf[pos + 4]
+    z |= (b & 0x7F) << 28
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 5
+    b = buf[pos + 5]
+    z |= (b & 0x7F) << 35
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 6
+    b = buf[pos + 6]
+    z |= (b & 0x7F) << 42
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 7
+    b = buf[pos + 7]
+    z |= (b & 0x7F) << 49
+    if b < 0x80:
+        return (z >> 1) ^ -(z & 1), pos + 8
+    shift = 56
+    pos += 8
+    while True:
+        b = buf[pos]
+        pos += 1
+        z |= (b & 0x7F) << shift
+        if b < 0x80:
+            return (z >> 1) ^ -(z & 1), pos
+        shift += 7
+        if shift > 63:
+            raise CorruptEventError("varint too long in payload")
+
+
+def _size(buf: bytes, pos: int) -> tuple[int, int]:
+    """A length (a non-negative long) at ``pos``."""
+    n, pos = _long(buf, pos) if buf[pos] >= 0x80 else ((buf[pos] >> 1) ^ -(buf[pos] & 1), pos + 1)
+    if n < 0:
+        raise CorruptEventError(f"negative length {n} in payload")
+    return n, pos
+
+
+def _string_array(buf: bytes, pos: int) -> tuple[tuple[str, ...], int]:
+    """An Avro ``array<string>`` at ``pos`` (the not-sent column lists)."""
+    out: list[str] = []
+    while True:
+        count, pos = (
+            _long(buf, pos) if buf[pos] >= 0x80 else ((buf[pos] >> 1) ^ -(buf[pos] & 1), pos + 1)
+        )
+        if count == 0:
+            return tuple(out), pos
+        if count < 0:  # a block with its byte size, not needed here
+            count = -count
+            _, pos = _size(buf, pos)
+        for _ in range(count):
+            n, pos = _size(buf, pos)
+            end = pos + n
+            if end > len(buf):
+                raise CorruptEventError("truncated string in payload")
+            out.append(buf[pos:end].decode())
+            pos = end
+
+
+def _bad_branch(byte: int, where: str) -> CorruptEventError:
+    return CorruptEventError(f"bad union branch byte 0x{byte:02x} in {where}")
+
+
+class _Writer:
+    """Accumulates the generated source and the constants it refers to."""
+
+    def __init__(self, named: Mapping[str, Any]) -> None:
+        self.named = named
+        self.lines: list[str] = []
+        self.consts: dict[str, Any] = {
+            "_long": _long,
+            "_size": _size,
+            "_string_array": _string_array,
+            "_bad_branch": _bad_branch,
+            "_Corrupt": CorruptEventError,
+            "_f32": struct.Struct("<f").unpack_from,
+            "_f64": struct.Struct("<d").unpack_from,
+            "_epoch": datetime(1970, 1, 1, tzinfo=UTC),
+            "_epoch_naive": datetime(1970, 1, 1),
+            "_td": timedelta,
+            "_fromordinal": date.fromordinal,
+            "_uuid": uuid.UUID,
+        }
+        self._n = 0
+        self._open: set[str] = set()
+
+    def name(self, prefix: str = "v") -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def const(self, value: Any, prefix: str = "_c") -> str:
+        ref = self.name(prefix)
+        self.consts[ref] = value
+        return ref
+
+    def emit(self, indent: int, line: str) -> None:
+        self.lines.append("    " * indent + line)
+
+    # ---- values ---------------------------------------------------------------
+
+    def varint(self, target: str, ind: int) -> None:
+        """A zig-zag varint: one and two bytes inline, longer ones by a call."""
+        self.emit(ind, "b = buf[pos]")
+        self.emit(ind, "if b < 0x80:")
+        self.emit(ind + 1, f"{target} = (b >> 1) ^ -(b & 1)")
+        self.emit(ind + 1, "pos += 1")
+        self.emit(ind, "elif buf[pos + 1] < 0x80:")
+        self.emit(ind + 1, "b = (b & 0x7F) | (buf[pos + 1] << 7)")
+        self.emit(ind + 1, f"{target} = (b >> 1) ^ -(b & 1)")
+        self.emit(ind + 1, "pos += 2")
+        self.emit(ind, "else:")
+        self.emit(ind + 1, f"{target}, pos = _long(buf, pos)")
+
+    def length(self, target: str, ind: int) -> None:
+        """A length (non-negative): one and two bytes inline."""
+        self.emit(ind, f"{target} = buf[pos]")
+        self.emit(ind, f"if {target} < 0x80 and not {target} & 1:")
+        self.emit(ind + 1, f"{target} >>= 1")
+        self.emit(ind + 1, "pos += 1")
+        self.emit(ind, f"elif {target} >= 0x80 and buf[pos + 1] < 0x80 and not {target} & 1:")
+        self.emit(ind + 1, f"{target} = (({target} & 0x7F) | (buf[pos + 1] << 7)) >> 1")
+        self.emit(ind + 1, "pos += 2")
+        self.emit(ind, "else:")
+        self.emit(ind + 1, f"{target}, pos = _size(buf, pos)")
+
+    def value(self, schema: Any, target: str, ind: int) -> None:
+        """Emit code reading one value of ``schema`` at ``pos`` into ``target``."""
+        if isinstance(schema, list):
+            self.union(schema, target, ind)
+        elif isinstance(schema, str):
+            if schema in _PRIMITIVES:
+                self.primitive(schema, target, ind)
+            elif schema in self.named:
+                if schema in self._open:
+                    raise _Unsupported(f"recursive type {schema}")
+                self._open.add(schema)
+                self.value(self.named[schema], target, ind)
+                self._open.discard(schema)
+            else:
+                raise _Unsupported(f"unknown type {schema!r}")
+        elif isinstance(schema, dict):
+            self.complex(schema, target, ind)
+        else:
+            raise _Unsupported(f"bad schema {schema!r}")
+
+    def primitive(self, kind: str, target: str, ind: int) -> None:
+        if kind == "null":
+            self.emit(ind, f"{target} = None")
+        elif kind == "boolean":
+            self.emit(ind, f"{target} = buf[pos] != 0")
+            self.emit(ind, "pos += 1")
+        elif kind in ("int", "long"):
+            self.varint(target, ind)
+        elif kind == "float":
+            self.emit(ind, f"{target} = _f32(buf, pos)[0]")
+            self.emit(ind, "pos += 4")
+        elif kind == "double":
+            self.emit(ind, f"{target} = _f64(buf, pos)[0]")
+            self.emit(ind, "pos += 8")
+        else:  # bytes, string
+            n = self.name("n")
+            self.length(n, ind)
+            # no bounds check: a value running past its event makes the record
+            # miss its stop offset, which read_changes checks
+            self.emit(ind, f"end = pos + {n}")
+            self.emit(ind, f"{target} = buf[pos:end]" + (".decode()" if kind == "string" else ""))
+            self.emit(ind, "pos = end")
+
+    def union(self, branches: list[Any], target: str, ind: int) -> None:
+        """A union: the branch index, then that branch (non-null branches tested first)."""
+        if len(branches) > 63:
+            raise _Unsupported("a union of more than 63 branches")
+        # an index below 64 is one varint byte: the zig-zag of i is 2 * i
+        idx = self.name("u")
+        self.emit(ind, f"{idx} = buf[pos]")
+        self.emit(ind, "pos += 1")
+        order = sorted(range(len(branches)), key=lambda i: branches[i] == "null")
+        for n, i in enumerate(order):
+            self.emit(ind, f"{'if' if n == 0 else 'elif'} {idx} == {2 * i}:")
+            self.value(branches[i], target, ind + 1)
+        self.emit(ind, "else:")
+        self.emit(ind + 1, f"raise _bad_branch({idx}, 'a value')")
+
+    def complex(self, schema: dict[str, Any], target: str, ind: int) -> None:
+        kind = schema.get("type")
+        logical = schema.get("logicalType")
+        if kind == "record" or kind == "error":
+            self.record(schema, target, ind, None)
+        elif kind == "enum":
+            symbols = self.const(tuple(schema["symbols"]), "_sym")
+            i = self.name("e")
+            self.varint(i, ind)
+            self.emit(ind, f"{target} = {symbols}[{i}]")
+        elif kind == "fixed":
+            size = int(schema["size"])
+            self.emit(ind, f"{target} = buf[pos:pos + {size}]")
+            self.emit(ind, f"pos += {size}")
+        elif kind == "array":
+            self.blocks(schema["items"], None, target, ind)
+        elif kind == "map":
+            self.blocks(schema["values"], "string", target, ind)
+        elif isinstance(kind, str) and kind in _PRIMITIVES:
+            self.primitive(kind, target, ind)
+        elif isinstance(kind, str | list | dict):
+            self.value(kind, target, ind)
+        else:
+            raise _Unsupported(f"bad schema {schema!r}")
+        if logical is None:
+            return
+        base = kind if isinstance(kind, str) else ""
+        key = f"{base}-{logical}"
+        if key == "long-timestamp-micros":
+            self.emit(ind, f"{target} = _epoch + _td(microseconds={target})")
+        elif key == "long-local-timestamp-micros":
+            self.emit(ind, f"{target} = _epoch_naive + _td(microseconds={target})")
+        elif key == "int-date":
+            self.emit(ind, f"{target} = _fromordinal({target} + {_DAYS_TO_ORDINAL})")
+        elif key == "string-uuid":
+            self.emit(ind, f"{target} = _uuid({target})")
+        elif key in LOGICAL_READERS:
+            fn = self.const(LOGICAL_READERS[key], "_lr")
+            sch = self.const(schema, "_ls")
+            self.emit(ind, f"{target} = {fn}({target}, {sch}, None)")
+
+    def blocks(self, item: Any, key: str | None, target: str, ind: int) -> None:
+        """An array (``key`` None) or a map: blocks of items until a zero count."""
+        count, k, v = self.name("k"), self.name("mk"), self.name("it")
+        self.emit(ind, f"{target} = {{}}" if key else f"{target} = []")
+        self.emit(ind, "while True:")
+        self.varint(count, ind + 1)
+        self.emit(ind + 1, f"if {count} == 0:")
+        self.emit(ind + 2, "break")
+        self.emit(ind + 1, f"if {count} < 0:")
+        self.emit(ind + 2, f"{count} = -{count}")
+        self.emit(ind + 2, "_, pos = _size(buf, pos)")
+        self.emit(ind + 1, f"for _ in range({count}):")
+        if key:
+            self.primitive(key, k, ind + 2)
+        self.value(item, v, ind + 2)
+        self.emit(ind + 2, f"{target}[{k}] = {v}" if key else f"{target}.append({v})")
+
+    def record(
+        self, schema: dict[str, Any], target: str, ind: int, names: Mapping[str, str] | None
+    ) -> None:
+        """A record as one dict display; ``names`` renames top-level fields."""
+        parts = []
+        for f in schema["fields"]:
+            var = self.name()
+            self.value(f["type"], var, ind)
+            key = f["name"] if names is None else names.get(f["name"], f["name"])
+            parts.append(f"{key!r}: {var}")
+        self.emit(ind, f"{target} = {{{', '.join(parts)}}}")
+
+
+def compile_change_reader(
+    parsed_row: Mapping[str, Any], rename: Mapping[str, str], new: Callable[[tuple[Any, ...]], Any]
+) -> ChangeReader | None:
+    """A reader of change records whose row record is ``parsed_row``.
+
+    ``parsed_row`` is the row schema as ``fastavro.parse_schema`` returns it
+    (named types by full name); ``rename`` maps field names to the column
+    names rows are keyed by; ``new`` builds one decoded change from the
+    tuple ``(after, before, after_not_sent, before_not_sent)``. ``None``
+    when the schema holds something the generator does not handle.
+    """
+    named = dict(parsed_row.get("__named_schemas", {}))
+    w = _Writer(named)
+    w.consts["_new"] = new
+    try:
+        # the row reader (used for before-images), then the batch loop with
+        # the after-image's code inline
+        w.emit(0, "def read_row(buf, pos):")
+        w.record(dict(parsed_row), "row", 1, rename)
+        w.emit(1, "return row, pos")
+        w.emit(0, "def read_changes(buf, starts, stops):")
+        w.emit(1, "out = []")
+        w.emit(1, "append = out.append")
+        w.emit(1, "for pos, stop in zip(starts, stops):")
+        w.emit(2, "b = buf[pos]")
+        w.emit(2, "pos += 1")
+        w.emit(2, "if b == 2:")
+        w.record(dict(parsed_row), "after", 3, rename)
+        w.emit(2, "elif b == 0:")
+        w.emit(3, "after = None")
+        w.emit(2, "else:")
+        w.emit(3, "raise _bad_branch(b, 'a change record')")
+        w.emit(2, "b = buf[pos]")
+        w.emit(2, "pos += 1")
+        w.emit(2, "if b == 2:")
+        w.emit(3, "before, pos = read_row(buf, pos)")
+        w.emit(2, "elif b == 0:")
+        w.emit(3, "before = None")
+        w.emit(2, "else:")
+        w.emit(3, "raise _bad_branch(b, 'a change record')")
+        w.emit(2, "if pos + 2 == stop and buf[pos] == 0 and buf[pos + 1] == 0:")
+        w.emit(3, "append(_new((after, before, (), ())))")
+        w.emit(3, "continue")
+        w.emit(2, "after_ns, pos = _string_array(buf, pos)")
+        w.emit(2, "before_ns, pos = _string_array(buf, pos)")
+        w.emit(2, "if pos != stop:")
+        w.emit(3, "raise _Corrupt('change record does not end where its event ends')")
+        w.emit(2, "append(_new((after, before, after_ns, before_ns)))")
+        w.emit(1, "return out")
+    except _Unsupported:
+        return None
+    namespace = dict(w.consts)
+    code = compile(
+        "\n".join(w.lines) + "\n", f"<changebus reader {parsed_row.get('name')}>", "exec"
+    )
+    exec(code, namespace)  # our own generated source: schema names appear only as literals
+    reader: ChangeReader = namespace["read_changes"]
+    return reader
