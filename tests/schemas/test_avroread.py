@@ -323,3 +323,67 @@ def test_malformed_payloads_raise_corrupt_event_error(row: dict[str, Any], data:
 def test_structure_errors(payload: bytes) -> None:
     with pytest.raises(CorruptEventError):
         ChangeDecoder(TABLE).decode_many(payload, [0], [len(payload)])
+
+
+def _versions() -> tuple[TableSchema, TableSchema, TableSchema]:
+    v1 = TableSchema(
+        "public.evolving",
+        (
+            Column("id", "long", nullable=False),
+            Column("gone", "string"),
+            Column("span", pg_avro_type("interval")),
+            Column("n", "int"),
+        ),
+        key=("id",),
+        version=1,
+    )
+    v2 = TableSchema(  # "gone" dropped, "new" added
+        "public.evolving",
+        (
+            Column("id", "long", nullable=False),
+            Column("span", pg_avro_type("interval")),
+            Column("n", "int"),
+            Column("new", pg_avro_type("timestamptz")),
+        ),
+        key=("id",),
+        version=2,
+    )
+    v3 = TableSchema(  # n: int -> long (a promotion: left to fastavro)
+        "public.evolving",
+        (
+            Column("id", "long", nullable=False),
+            Column("span", pg_avro_type("interval")),
+            Column("n", "long"),
+        ),
+        key=("id",),
+        version=3,
+    )
+    return v1, v2, v3
+
+
+def test_added_and_dropped_columns_are_resolved_by_the_generated_reader() -> None:
+    v1, v2, v3 = _versions()
+    rows = [
+        {"id": 1, "gone": "x", "span": {"months": 1, "days": 2, "micros": 3}, "n": 4},
+        {"id": 2, "gone": None, "span": None, "n": None},
+    ]
+    data = _events(
+        v1, [(Op.UPDATE, rows[0], rows[1], ("n",), ()), (Op.DELETE, None, rows[1], (), ())]
+    )
+    starts, stops = _payload_spans(data)
+    fast = ChangeDecoder(v1, v2)
+    assert fast._fast is not None
+    slow = ChangeDecoder(v1, v2)
+    slow._fast = None
+    got = fast.decode_many(data, starts, stops)
+    assert _same(got, slow.decode_many(data, starts, stops))
+    assert got[0].after == {
+        "id": 1,
+        "span": {"months": 1, "days": 2, "micros": 3},
+        "n": 4,
+        "new": None,
+    }
+    assert list(got[0].after) == ["id", "span", "n", "new"]  # type: ignore[arg-type]
+    promoted = ChangeDecoder(v1, v3)
+    assert promoted._fast is None  # int -> long: fastavro resolves it
+    assert promoted.decode_many(data, starts, stops)[1].before == {"id": 2, "span": None, "n": None}

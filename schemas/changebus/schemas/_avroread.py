@@ -15,10 +15,11 @@ The values are those fastavro returns for the same bytes and writer schema:
 the same Python types, the same logical-type conversions (the less common
 ones call fastavro's own ``LOGICAL_READERS`` functions), and
 ``tests/schemas/test_avroread.py`` checks the two readers value for value on
-every type the type mappers produce. What is not supported (recursive
-named types) makes :func:`compile_change_reader` return ``None``, and the
-caller keeps using fastavro; so does schema resolution to a different
-reader schema.
+every type the type mappers produce. Resolution to a reader schema is done
+here for what schema evolution usually brings (columns added as nullable,
+columns dropped); anything else (type promotions, aliases, recursive named
+types) makes :func:`compile_change_reader` return ``None``, and the caller
+keeps using fastavro.
 
 Errors: malformed input raises whatever Python raises while reading
 (``IndexError`` past the end, ``UnicodeDecodeError``, ``struct.error``,
@@ -31,11 +32,12 @@ Thread-safety: generated functions keep no state and may be shared.
 
 from __future__ import annotations
 
+import json
 import struct
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, date, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from fastavro.read import LOGICAL_READERS
 
@@ -315,37 +317,120 @@ class _Writer:
         self.emit(ind + 2, f"{target}[{k}] = {v}" if key else f"{target}.append({v})")
 
     def record(
-        self, schema: dict[str, Any], target: str, ind: int, names: Mapping[str, str] | None
+        self,
+        schema: dict[str, Any],
+        target: str,
+        ind: int,
+        names: Mapping[str, str] | None,
+        resolve: _Resolution | None = None,
     ) -> None:
-        """A record as one dict display; ``names`` renames top-level fields."""
+        """A record as one dict display; ``names`` renames top-level fields.
+
+        With ``resolve`` (top level only) the dict has the reader's fields:
+        writer fields the reader lacks are read and dropped, reader fields
+        the writer lacks get None; keys in fastavro's order (the writer's
+        fields first).
+        """
         parts = []
         for f in schema["fields"]:
             var = self.name()
             self.value(f["type"], var, ind)
+            if resolve is not None and f["name"] in resolve.dropped:
+                continue
             key = f["name"] if names is None else names.get(f["name"], f["name"])
             parts.append(f"{key!r}: {var}")
+        for name in resolve.added if resolve is not None else ():
+            key = name if names is None else names.get(name, name)
+            parts.append(f"{key!r}: None")
         self.emit(ind, f"{target} = {{{', '.join(parts)}}}")
 
 
+class _Resolution(NamedTuple):
+    """What reading a writer's row record as a reader's takes (:func:`_plan`)."""
+
+    dropped: frozenset[str]  # writer fields the reader does not have
+    added: tuple[str, ...]  # reader fields the writer does not have (null by default)
+
+
+def _expanded(schema: Any, named: Mapping[str, Any], seen: frozenset[str] = frozenset()) -> Any:
+    """``schema`` with every named-type reference replaced by its definition."""
+    if isinstance(schema, str):
+        if schema in named and schema not in seen:
+            return _expanded(named[schema], named, seen | {schema})
+        return schema
+    if isinstance(schema, list):
+        return [_expanded(b, named, seen) for b in schema]
+    if isinstance(schema, dict):
+        inner = seen | {schema["name"]} if "name" in schema else seen
+        out = dict(schema)
+        for k in ("type", "items", "values"):
+            if k in out:
+                out[k] = _expanded(out[k], named, inner)
+        if "fields" in out:
+            out["fields"] = [{**f, "type": _expanded(f["type"], named, inner)} for f in out["fields"]]
+        return out
+    return schema
+
+
+def _plan(writer: Mapping[str, Any], reader: Mapping[str, Any]) -> _Resolution:
+    """The resolution the generated reader can do itself, or :class:`_Unsupported`.
+
+    Supported: fields dropped, and fields added that are nullable with a
+    null default, the rest alike in type. Anything else (type promotions,
+    aliases, other defaults, nested changes) stays with fastavro.
+    """
+    wnamed = writer.get("__named_schemas", {})
+    rnamed = reader.get("__named_schemas", {})
+    wfields = {f["name"]: f for f in writer["fields"]}
+    rfields = {f["name"]: f for f in reader["fields"]}
+    if writer.get("name") != reader.get("name"):
+        raise _Unsupported("renamed record")
+    added = []
+    for name, rf in rfields.items():
+        if rf.get("aliases"):
+            raise _Unsupported("field aliases")
+        wf = wfields.get(name)
+        if wf is None:
+            rtype = rf["type"]
+            if not (
+                isinstance(rtype, list) and rtype[:1] == ["null"] and rf.get("default", 0) is None
+            ):
+                raise _Unsupported(f"added field {name!r} without a null default")
+            added.append(name)
+            continue
+        same = json.dumps(_expanded(wf["type"], wnamed), sort_keys=True) == json.dumps(
+            _expanded(rf["type"], rnamed), sort_keys=True
+        )
+        if not same:
+            raise _Unsupported(f"field {name!r} changed type")
+    return _Resolution(frozenset(wfields) - frozenset(rfields), tuple(added))
+
+
 def compile_change_reader(
-    parsed_row: Mapping[str, Any], rename: Mapping[str, str], new: Callable[[tuple[Any, ...]], Any]
+    parsed_row: Mapping[str, Any],
+    rename: Mapping[str, str],
+    new: Callable[[tuple[Any, ...]], Any],
+    reader: Mapping[str, Any] | None = None,
 ) -> ChangeReader | None:
     """A reader of change records whose row record is ``parsed_row``.
 
     ``parsed_row`` is the row schema as ``fastavro.parse_schema`` returns it
-    (named types by full name); ``rename`` maps field names to the column
-    names rows are keyed by; ``new`` builds one decoded change from the
-    tuple ``(after, before, after_not_sent, before_not_sent)``. ``None``
-    when the schema holds something the generator does not handle.
+    (named types by full name); ``reader``, when given, the (parsed) row
+    schema rows are to be resolved to; ``rename`` maps the fields of the
+    rows returned to the column names they are keyed by; ``new`` builds one
+    decoded change from the tuple ``(after, before, after_not_sent,
+    before_not_sent)``. ``None`` when the schemas hold something the
+    generator does not handle.
     """
     named = dict(parsed_row.get("__named_schemas", {}))
     w = _Writer(named)
     w.consts["_new"] = new
     try:
+        resolve = None if reader is None else _plan(parsed_row, reader)
         # the row reader (used for before-images), then the batch loop with
         # the after-image's code inline
         w.emit(0, "def read_row(buf, pos):")
-        w.record(dict(parsed_row), "row", 1, rename)
+        w.record(dict(parsed_row), "row", 1, rename, resolve)
         w.emit(1, "return row, pos")
         w.emit(0, "def read_changes(buf, starts, stops):")
         w.emit(1, "out = []")
@@ -354,7 +439,7 @@ def compile_change_reader(
         w.emit(2, "b = buf[pos]")
         w.emit(2, "pos += 1")
         w.emit(2, "if b == 2:")
-        w.record(dict(parsed_row), "after", 3, rename)
+        w.record(dict(parsed_row), "after", 3, rename, resolve)
         w.emit(2, "elif b == 0:")
         w.emit(3, "after = None")
         w.emit(2, "else:")

@@ -466,10 +466,13 @@ class ChangeDecoder:
         )
         self._wkey = fastavro.parse_schema(writer.key_schema)
         self._rename = dict(self.reader.column_for_field)
-        # a generated reader when rows come back as written (see _avroread)
+        # a generated reader (see _avroread); it does the common resolutions
+        # (columns added or dropped) itself and leaves the rest to fastavro
         self._fast: ChangeReader | None = (
-            compile_change_reader(self._w, self._rename, _new_change)
-            if self._r is None and isinstance(self._w, dict)
+            compile_change_reader(
+                self._w, self._rename, _new_change, None if self._r is None else self._r
+            )
+            if isinstance(self._w, dict) and (self._r is None or isinstance(self._r, dict))
             else None
         )
 
