@@ -367,7 +367,9 @@ def _expanded(schema: Any, named: Mapping[str, Any], seen: frozenset[str] = froz
             if k in out:
                 out[k] = _expanded(out[k], named, inner)
         if "fields" in out:
-            out["fields"] = [{**f, "type": _expanded(f["type"], named, inner)} for f in out["fields"]]
+            out["fields"] = [
+                {**f, "type": _expanded(f["type"], named, inner)} for f in out["fields"]
+            ]
         return out
     return schema
 
