@@ -383,7 +383,7 @@ def test_added_and_dropped_columns_are_resolved_by_the_generated_reader() -> Non
         "n": 4,
         "new": None,
     }
-    assert list(got[0].after) == ["id", "span", "n", "new"]  # type: ignore[arg-type]
+    assert list(got[0].after) == ["id", "span", "n", "new"]
     promoted = ChangeDecoder(v1, v3)
     assert promoted._fast is None  # int -> long: fastavro resolves it
     assert promoted.decode_many(data, starts, stops)[1].before == {"id": 2, "span": None, "n": None}

@@ -470,5 +470,5 @@ def compile_change_reader(
         "\n".join(w.lines) + "\n", f"<changebus reader {parsed_row.get('name')}>", "exec"
     )
     exec(code, namespace)  # our own generated source: schema names appear only as literals
-    reader: ChangeReader = namespace["read_changes"]
-    return reader
+    compiled: ChangeReader = namespace["read_changes"]
+    return compiled
