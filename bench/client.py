@@ -104,32 +104,19 @@ async def client_decode(data: bytes, table: TableSchema, response_bytes: int) ->
     return events
 
 
-def payload_streams(table: TableSchema, rows: list[dict[str, Any]]) -> list[bytes]:
-    """The rows' event payloads (change records), 1,000 to a stream: what the baseline reads."""
-    parsed = fastavro.parse_schema(table.change_schema)
+def avro_streams(table: TableSchema, rows: list[dict[str, Any]], *, payloads: bool) -> list[bytes]:
+    """The rows as Avro, 1,000 to a stream: the event payloads (change records)
+    when ``payloads``, else the bare row records."""
+    schema = table.change_schema if payloads else table.row_schema
+    parsed = fastavro.parse_schema(schema)
     streams = []
     for i in range(0, len(rows), 1000):
         bio = io.BytesIO()
         for row in rows[i : i + 1000]:
-            change: dict[str, Any] = {
-                "after": row,
-                "before": None,
-                "after_not_sent": [],
-                "before_not_sent": [],
-            }
-            fastavro.schemaless_writer(bio, parsed, change)
-        streams.append(bio.getvalue())
-    return streams
-
-
-def row_streams(table: TableSchema, rows: list[dict[str, Any]]) -> list[bytes]:
-    """The bare row records (no change-record framing), 1,000 to a stream."""
-    parsed = fastavro.parse_schema(table.row_schema)
-    streams = []
-    for i in range(0, len(rows), 1000):
-        bio = io.BytesIO()
-        for row in rows[i : i + 1000]:
-            fastavro.schemaless_writer(bio, parsed, row)
+            value: dict[str, Any] = row
+            if payloads:
+                value = {"after": row, "before": None, "after_not_sent": [], "before_not_sent": []}
+            fastavro.schemaless_writer(bio, parsed, value)
         streams.append(bio.getvalue())
     return streams
 
@@ -154,7 +141,8 @@ def decode_case(label: str, row_bytes: int, n: int, repeat: int) -> dict[str, fl
     table = make_table()
     rows = make_rows(n, row_bytes)
     data = stream_bytes(table, rows)
-    payloads, bare_rows = payload_streams(table, rows), row_streams(table, rows)
+    payloads = avro_streams(table, rows, payloads=True)
+    bare_rows = avro_streams(table, rows, payloads=False)
     best_client = best_bare = best_rows = 0.0
     for _ in range(repeat):
         t0 = time.process_time()

@@ -18,7 +18,7 @@ mutations to be seen by anyone else.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from changebus.schemas import (
@@ -92,32 +92,23 @@ class ChangeEvent:
         return (self.scn, self.seq)
 
 
-@dataclass(slots=True)
-class _EventTwin:
-    """:class:`ChangeEvent`'s mutable twin: the same fields, so the same slot layout.
+_EventTwin: Any = make_dataclass(
+    "_EventTwin",
+    [
+        (f.name, f.type, field(default=f.default, repr=f.repr, compare=f.compare))
+        for f in fields(ChangeEvent)
+    ],
+    slots=True,
+)
+_EventTwin.__doc__ = """:class:`ChangeEvent`'s mutable twin: the same fields, so the same slot layout.
 
-    A frozen dataclass sets each field through ``object.__setattr__`` in its
-    ``__init__`` (~1.5 us for these 13 fields, more than a row's worth of
-    varints); the decoder builds a twin with plain slot stores (~0.2 us) and
-    retypes it with :func:`_new_event`. The retyped object *is* a
-    ``ChangeEvent`` (frozen, equal to one built normally) and is never
-    changed afterwards. ``tests/client/test_client_model.py`` checks the two
-    classes stay alike.
-    """
-
-    scn: int
-    seq: int
-    op: ChangeOp
-    table: str
-    key: dict[str, Any]
-    after: dict[str, Any] | None
-    before: dict[str, Any] | None
-    not_sent: tuple[str, ...] = ()
-    before_not_sent: tuple[str, ...] = ()
-    timestamp_ns: int = 0
-    source_id: int = 0
-    schema_version: int = 0
-    schema: TableSchema | None = field(default=None, repr=False, compare=False)
+A frozen dataclass sets each field through ``object.__setattr__`` in its
+``__init__`` (~1.5 us for these 13 fields, more than a row's worth of
+varints); the decoder builds a twin with plain slot stores (~0.2 us) and
+retypes it (see :func:`_new_event`). The retyped object *is* a
+``ChangeEvent`` (frozen, equal to one built normally) and is never changed
+afterwards. ``tests/client/test_client_model.py`` checks the classes stay alike.
+"""
 
 
 def _new_event(

@@ -495,9 +495,7 @@ class ChangeDecoder:
             except CorruptEventError:
                 raise
             except Exception as exc:
-                raise CorruptEventError(
-                    f"undecodable {self.writer.name!r} v{self.writer.version} payload: {exc!r}"
-                ) from exc
+                raise self._undecodable(exc) from exc
         bio = io.BytesIO(buf)
         read, seek, tell = bio.read, bio.seek, bio.tell
         w, r, rename = self._w, self._r, self._rename
@@ -532,10 +530,13 @@ class ChangeDecoder:
         except CorruptEventError:
             raise
         except Exception as exc:
-            raise CorruptEventError(
-                f"undecodable {self.writer.name!r} v{self.writer.version} payload: {exc!r}"
-            ) from exc
+            raise self._undecodable(exc) from exc
         return out
+
+    def _undecodable(self, exc: Exception) -> CorruptEventError:
+        return CorruptEventError(
+            f"undecodable {self.writer.name!r} v{self.writer.version} payload: {exc!r}"
+        )
 
     def decode_key(self, key: bytes | memoryview) -> dict[str, Any]:
         """Decode key bytes into ``{column: value}``."""
