@@ -494,6 +494,8 @@ class ChangeDecoder:
                 return self._fast(data, starts, stops)
             except CorruptEventError:
                 raise
+            except (ValueError, OverflowError):
+                pass  # maybe a value Python cannot hold (a date past 9999): the generic path decides
             except Exception as exc:
                 raise self._undecodable(exc) from exc
         bio = io.BytesIO(buf)
