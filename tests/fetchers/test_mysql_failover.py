@@ -182,3 +182,35 @@ async def test_a_divergent_server_is_refused(
         assert "diverged" in error
         _, after, _ = replay(relay, "acct")
     assert after == before  # nothing read from the wrong server
+
+
+def test_locate_gtid_pages_through_a_binlog_and_across_files(
+    mysql_server: EmbeddedMariaDB, mysql_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where each transaction ends, by GTID, equals the position BINLOG_GTID_POS agrees with,
+    with pages of a few events (the page boundary falls inside transactions)."""
+    from changebus.fetchers.mysql import _failover
+
+    make_tables(mysql_server, mysql_db)
+    ends: dict[str, tuple[str, int]] = {}
+    conn = mysql_server.connect(mysql_db)
+    try:
+        with conn.cursor() as cur:
+            for i in range(12):
+                if i == 6:
+                    cur.execute("FLUSH BINARY LOGS")
+                cur.execute("INSERT INTO log (acct, delta) VALUES (%s, 1)", (i,))
+                cur.execute("SELECT @@last_gtid")
+                gtid = str(cur.fetchone()[0])
+                cur.execute("SHOW MASTER STATUS")
+                file, pos = cur.fetchone()[:2]
+                ends[gtid] = (str(file), int(pos))
+            cur.execute("SHOW BINARY LOGS")
+            logs = [str(r[0]) for r in cur.fetchall()]
+            monkeypatch.setattr(_failover, "_PAGE", 3)
+            for gtid, end in ends.items():
+                assert _failover.locate_gtid(cur, logs, gtid) == end
+            assert _failover.locate_gtid(cur, logs, "0-77-5") is None  # never there
+            assert _failover.locate_gtid(cur, logs, "not-a-gtid") is None
+    finally:
+        conn.close()
