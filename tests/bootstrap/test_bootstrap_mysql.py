@@ -29,10 +29,10 @@ from changebus.bootstrap import (
     BootstrapServer,
     HttpConfig as BootstrapHttp,
     SeedConfig,
+    SeedProgress,
     StoreConfig,
+    seed_mysql,
 )
-from changebus.bootstrap._seed import SeedProgress
-from changebus.bootstrap._seed_mysql import seed_mysql
 from changebus.client import ConsumerConfig, SqliteReplica, Window
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig

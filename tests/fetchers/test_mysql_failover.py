@@ -24,9 +24,10 @@ import pytest
 from test_mysql_fetcher import execute, relay_config, replay, source_rows, wait_until
 from test_mysql_fetcher_ops import make_tables, workload
 
+from changebus.bootstrap import SeedProgress, seed_mysql
 from changebus.fetchers.mysql import EmbeddedMariaDB, parse_position
 from changebus.relay import Relay
-from changebus.schemas import EndOfWindow, Op, binlog_file_number, binlog_to_scn
+from changebus.schemas import DataLoss, EndOfWindow, Op, binlog_file_number, binlog_to_scn
 
 pytestmark = pytest.mark.mysql
 
@@ -146,6 +147,22 @@ async def test_resume_on_a_promoted_replica(
         status = relay.hosts["my"].status()["fetcher"]
         assert status["mysql_server_id"] == 2 and status["scn_base"] > 0
         gtids = check(relay, replica, db)
+        # a bootstrap seed from the new primary is aligned with the relay's SCNs (base)
+        host = relay.hosts["my"]
+        seed_scn = await asyncio.to_thread(
+            seed_mysql,
+            f"mysql://root:@127.0.0.1:{replica.port}",
+            1,
+            [(host.registry.source_id(f"{db}.acct"), host.registry.latest(f"{db}.acct"))],
+            [f"{db}.acct"],
+            set(),
+            lambda _t, _events, _scn: None,
+            SeedProgress(),
+            relay_fetcher=status,
+        )
+        assert seed_scn >= host.buffer.meta.last_scn  # everything the relay holds is in it
+        await caught_up(relay, replica, db)  # one more transaction: after the seed
+        assert host.buffer.meta.last_scn > seed_scn
     # GTIDs of the old primary, then the new primary's own: none missing, none twice
     assert len(gtids) == len(set(gtids))
     assert any(g.startswith("0-1-") for g in gtids) and any(g.startswith("0-2-") for g in gtids)
@@ -182,6 +199,20 @@ async def test_a_divergent_server_is_refused(
         assert "diverged" in error
         _, after, _ = replay(relay, "acct")
     assert after == before  # nothing read from the wrong server
+    # or, if configured, a data-loss event and on from the new server's binlog end
+    lenient = relay_config(tmp_path, replica, db, on_divergent_server="data_loss")
+    async with Relay(lenient) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(replica, db, "INSERT INTO acct VALUES (5000, 1, 'new')")
+        await caught_up(relay, replica, db)
+        _, scns, events = replay(relay, "acct")
+    assert scns == sorted(set(scns)) and scns[: len(before)] == before
+    losses = [p for op, p in events if op == Op.DATA_LOSS and isinstance(p, DataLoss)]
+    assert len(losses) == 1 and losses[0].to_scn == before[-1] + 1
+    assert "diverged" in losses[0].reason
+    assert scns[len(before)] == before[-1] + 1 and len(scns) > len(before) + 1
+    new_rows = [p[1].after for op, p in events if op == Op.INSERT and p[1].after["id"] == 5000]
+    assert new_rows == [{"id": 5000, "bal": 1, "name": "new"}]
 
 
 def test_locate_gtid_pages_through_a_binlog_and_across_files(

@@ -245,7 +245,7 @@ class MySQLFetcher:
         if pos:
             self._base = int(pos.get("base", "0"))
             if self._other_server(pos):
-                return self._fail_over(cur, logs, pos)
+                return self._fail_over(cur, logs, current, pos)
         if resume.scn >= 0 and not pos:
             # no window yet (the relay recorded only where the stream started):
             # the SCN itself is the binlog position
@@ -289,14 +289,17 @@ class MySQLFetcher:
 
         Positions name their server (``server=ID``); older ones do not, and
         then the GTID's originating server stands in for it (a relay reading a
-        primary sees its own GTIDs). MySQL GTIDs (``uuid:N``): never.
+        primary sees its own GTIDs; an old position with a MySQL GTID,
+        ``uuid:N``, is taken as this server's).
         """
         if "server" in pos:
             return int(pos["server"]) != self._server
         parts = gtid_parts(pos.get("gtid", ""))
         return parts is not None and parts[1] != self._server
 
-    def _fail_over(self, cur: Any, logs: list[str], pos: Mapping[str, str]) -> int:
+    def _fail_over(
+        self, cur: Any, logs: list[str], current: tuple[str, int], pos: Mapping[str, str]
+    ) -> int:
         """Resume after the relay's last window on another server, found by its GTID."""
         import pymysql
 
@@ -305,21 +308,35 @@ class MySQLFetcher:
         origin = pos.get("server") or "unknown"
         where = f"{pos['file']}:{pos['pos']} of server id {origin}"
         if not gtid:
-            raise SourceConfigError(
+            return self._diverged(
+                current,
                 f"the relay's last window ended at {where}, this is server id {self._server}, "
-                "and that window has no GTID to find its place here: point the fetcher back at "
-                "the old server, or see docs/mysql.md, Failover"
+                "and that window has no GTID to find its place here",
             )
         try:
             found = locate_gtid(cur, logs, gtid)
-        except pymysql.err.ProgrammingError:
-            found = None  # MySQL: no Gtid_list events
+            cur.execute("SELECT @@gtid_binlog_state")
+            row = cur.fetchone()
+        except pymysql.err.MySQLError:
+            found, row = None, None  # MySQL: no Gtid_list events, no gtid_binlog_state
         if found is None:
-            raise SourceConfigError(
+            return self._diverged(
+                current,
                 f"the relay's last transaction (GTID {gtid}, ending at {where}) is not in "
                 f"this server's binlog (server id {self._server}): its history diverged from "
-                "the old server's, or it purged that part of its binlog. Resuming anywhere "
-                "would skip or repeat transactions; see docs/mysql.md, Failover"
+                "the old server's, or it purged that part of its binlog",
+            )
+        parts = gtid_parts(gtid)
+        state = "" if row is None or row[0] is None else str(row[0])
+        domains = {p[0] for g in state.split(",") if (p := gtid_parts(g)) is not None}
+        if parts is not None and domains - {parts[0]}:
+            # transactions of other domains may lie on either side of this one here and
+            # on the old server: the position after it is not the same cut on both
+            return self._diverged(
+                current,
+                f"this server's binlog holds more than one GTID domain "
+                f"({', '.join(str(d) for d in sorted(domains))}): resuming after GTID {gtid} "
+                "by position is exact only with one domain",
             )
         file, end = found
         self._start = (file, end)
@@ -334,6 +351,33 @@ class MySQLFetcher:
             end,
             self._server,
             self._base,
+        )
+        return resume.scn
+
+    def _diverged(self, current: tuple[str, int], reason: str) -> int:
+        """No exact place on this server: refuse, or a DATA_LOSS window and the binlog's end."""
+        if self.config.on_divergent_server == "fail":
+            raise SourceConfigError(
+                f"{reason}. Resuming anywhere would skip or repeat transactions; see "
+                "docs/mysql.md, Failover (on_divergent_server = 'data_loss' goes on from this "
+                "server's binlog end after a data-loss event)"
+            )
+        resume = self._resume
+        hi = resume.scn + 1
+        self._start = current
+        self._base = hi - binlog_to_scn(binlog_file_number(current[0]), current[1])
+        log.error(
+            "partition %s: %s; going on from %s:%d after a data-loss event",
+            self.name,
+            reason,
+            *current,
+        )
+        where = format_position("", current[0], current[1], self._server, self._base)
+        self._data_loss = (
+            resume.scn + 1,
+            hi,
+            f"{reason}: changes from here on up to the switch to this server may be missing",
+            where.partition(";")[2],
         )
         return resume.scn
 
