@@ -40,6 +40,8 @@ from changebus.schemas import (
     ChangeDecoder,
     Mode,
     Op,
+    SourceConfigError,
+    SourceError,
     binlog_file_number,
     binlog_to_scn,
     event_at,
@@ -410,3 +412,39 @@ async def test_a_seeded_row_is_encoded_as_the_fetcher_encodes_it(
             assert list(change.after_not_sent) == ["dz"]  # a zero date: no Avro value
         # the very bytes the fetcher wrote for the same row (values, nulls, not-sent columns)
         assert payload in streamed, change
+
+
+def test_a_seed_is_refused_unless_aligned_with_the_relays_server(
+    mysql_server: EmbeddedMariaDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No running mysql fetcher on the relay, or another server than the relay's: refused."""
+    caplog.set_level(logging.DEBUG)
+    dsn = seed_user(mysql_server)
+
+    def seed(relay_fetcher: dict[str, Any] | None) -> int:
+        return seed_mysql(
+            dsn, 1, [], ["d.t"], set(), lambda *_: None, SeedProgress(), relay_fetcher=relay_fetcher
+        )
+
+    for missing in (None, {"kind": "postgres"}, {"kind": "mysql", "mysql_server_id": 0}):
+        with pytest.raises(SourceError, match="not a running mysql fetcher") as info:
+            seed(missing)
+        assert info.value.retriable
+    with pytest.raises(SourceConfigError, match="the relay reads server id 99"):
+        seed({"kind": "mysql", "mysql_server_id": 99, "scn_base": 0})
+    with pytest.raises(SourceConfigError, match=r"d\.t is not in the relay's stream"):
+        seed({"kind": "mysql", "mysql_server_id": 1, "scn_base": 0})
+    bad = dsn.replace(PASSWORD, "wrong-" + PASSWORD)
+    with pytest.raises(SourceConfigError) as denied:
+        seed_mysql(
+            bad,
+            1,
+            [],
+            ["d.t"],
+            set(),
+            lambda *_: None,
+            SeedProgress(),
+            relay_fetcher={"kind": "mysql", "mysql_server_id": 1},
+        )
+    assert PASSWORD not in str(denied.value)
+    assert PASSWORD not in caplog.text

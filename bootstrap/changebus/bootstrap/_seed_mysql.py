@@ -50,6 +50,7 @@ from changebus.schemas import (
     RowEncoder,
     SchemaRegistry,
     SourceConfigError,
+    SourceError,
     TableSchema,
     mysql_bit,
     mysql_boolean,
@@ -137,12 +138,20 @@ def _micros(value: Any) -> Any:
 
 
 def _relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:
-    """``(server id, SCN base)`` of the relay's mysql fetcher (0, 0 when unknown)."""
-    if not relay_fetcher:
-        return 0, 0
-    return int(relay_fetcher.get("mysql_server_id", 0) or 0), int(
-        relay_fetcher.get("scn_base", 0) or 0
-    )
+    """``(server id, SCN base)`` of the relay's started mysql fetcher.
+
+    Without them the seed's SCN could not be placed among the relay's (after
+    a failover the base is not 0), so their absence is an error (retriable:
+    a relay that is starting has no fetcher status yet).
+    """
+    server = int((relay_fetcher or {}).get("mysql_server_id", 0) or 0)
+    if relay_fetcher is None or relay_fetcher.get("kind") != "mysql" or not server:
+        raise SourceError(
+            "the relay's fetcher of this partition is not a running mysql fetcher (no server "
+            "id and SCN base in its /v1/status): cannot align a MySQL seed with its SCNs",
+            retriable=True,
+        )
+    return server, int(relay_fetcher.get("scn_base", 0) or 0)
 
 
 def seed_mysql(
@@ -182,7 +191,7 @@ def seed_mysql(
             cur.execute("SELECT @@server_id")
             row = cur.fetchone()
         server = int(row[0]) if row else 0
-        if relay_server and server != relay_server:
+        if server != relay_server:
             raise SourceConfigError(
                 f"the seed source is server id {server}, the relay reads server id "
                 f"{relay_server}: seed from the server the relay reads (binlog positions, "
