@@ -38,6 +38,7 @@ from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import (
     ChangeDecoder,
+    ConfigError,
     Mode,
     Op,
     SourceConfigError,
@@ -448,3 +449,16 @@ def test_a_seed_is_refused_unless_aligned_with_the_relays_server(
         )
     assert PASSWORD not in str(denied.value)
     assert PASSWORD not in caplog.text
+
+
+def test_seed_config_of_kind_mysql_wants_a_mysql_url() -> None:
+    secret_dsn = f"postgresql://u:{PASSWORD}@h/db"
+    with pytest.raises(ConfigError, match="mysql://") as info:
+        SeedConfig(kind="mysql", dsn=secret_dsn)
+    assert PASSWORD not in str(info.value)
+    cfg = SeedConfig(kind="mysql", dsn=f"mysql://u:{PASSWORD}@h:3306")
+    assert PASSWORD not in repr(cfg)  # secrets stay out of reprs (and so of logs)
+    # tables seeded before are skipped: nothing to do, no connection made
+    progress = SeedProgress(scn=7)
+    assert seed_mysql(cfg.dsn, 1, [], ["d.t"], {"d.t"}, lambda *_: None, progress) == 7
+    assert progress.state == "done" and progress.tables_done == 1
