@@ -7,7 +7,9 @@ off the relays, or start from nothing, read a snapshot then catch up from the
 log, and return to the relay (Databus's startSCN/targetSCN protocol, see
 docs/protocol.md section 8). Storage is SQLite (default) or Postgres, same
 code (:class:`Store`). Run it with ``changebus bootstrap --config
-bootstrap.toml`` or embedded with :class:`BootstrapServer`.
+bootstrap.toml`` or embedded with :class:`BootstrapServer`. Seeding the
+snapshot from the source goes through one :class:`Seeder` per source kind
+(:func:`seeder_for`: :func:`seed_postgres`, :func:`seed_mysql`).
 """
 
 from ._config import (
@@ -19,6 +21,9 @@ from ._config import (
     StoreConfig as StoreConfig,
 )
 from ._daemon import BootstrapServer as BootstrapServer, run as run
+from ._seed import SeedProgress as SeedProgress, seed_postgres as seed_postgres
+from ._seed_mysql import seed_mysql as seed_mysql
+from ._seeders import Seeder as Seeder, seeder_for as seeder_for
 from ._store import (
     CatchupPage as CatchupPage,
     PartitionState as PartitionState,
@@ -35,8 +40,13 @@ __all__ = [
     "PartitionState",
     "ProducerConfig",
     "SeedConfig",
+    "SeedProgress",
+    "Seeder",
     "SnapshotPage",
     "Store",
     "StoreConfig",
     "run",
+    "seed_mysql",
+    "seed_postgres",
+    "seeder_for",
 ]

@@ -116,16 +116,18 @@ class ApplierConfig:
 
 @dataclass(frozen=True)
 class SeedConfig:
-    """Seeding the snapshot from the source (Postgres; see :mod:`._seed`).
+    """Seeding the snapshot from the source (see :mod:`._seeders`).
 
-    ``dsn`` -- the source database (secret: never logged); empty: no
-    seeding. ``tables`` -- ``schema.table`` names (empty: every source of
+    ``kind`` -- ``postgres`` (a libpq DSN) or ``mysql`` (MySQL/MariaDB: a
+    ``mysql://user:password@host:port`` URL). ``dsn`` -- the source database
+    (secret: never logged); empty: no seeding. ``tables`` -- ``schema.table`` names (empty: every source of
     the partition the relay has seen). ``on_start`` -- seed once at start-up
     (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
     demand). ``partition`` -- the partition the source feeds (empty: the
     only one).
     """
 
+    kind: Literal["postgres", "mysql"] = "postgres"
     dsn: str = secret("")
     tables: tuple[str, ...] = ()
     on_start: bool = False
@@ -137,6 +139,14 @@ class SeedConfig:
             raise ConfigError("seed.chunk_rows must be positive")
         if self.on_start and not self.dsn:
             raise ConfigError("seed.on_start needs seed.dsn")
+        if (
+            self.kind == "mysql"
+            and self.dsn
+            and not self.dsn.startswith(("mysql://", "mariadb://"))
+        ):
+            raise ConfigError(
+                "seed.dsn must be a mysql://user:password@host:port URL for kind mysql"
+            )
 
 
 @dataclass(frozen=True)

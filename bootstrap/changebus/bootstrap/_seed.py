@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,13 +126,15 @@ def seed_postgres(
     *,
     chunk_rows: int = 5000,
     stop: threading.Event | None = None,
+    relay_fetcher: Mapping[str, Any] | None = None,
 ) -> int:
     """Copy ``tables`` (``schema.table`` names) at one exported snapshot; returns its SCN.
 
     ``schemas`` mirrors the relay's registry (source id, schema) so events get
     the relay's ids and versions; ``done`` names tables already seeded (skipped);
     ``write(table, events, scn)`` merges one chunk and records a finished table
-    when ``events`` is empty.
+    when ``events`` is empty. ``relay_fetcher`` is not needed (commit LSNs are
+    the server's own SCNs) and ignored.
     """
     import psycopg
 

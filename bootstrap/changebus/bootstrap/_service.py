@@ -46,7 +46,8 @@ from changebus.client._queue import WindowQueue
 from changebus.schemas import BadRequestError, ChangebusError, TableSchema, UnknownSourceError
 
 from ._config import BootstrapConfig
-from ._seed import SeedProgress, seed_postgres
+from ._seed import SeedProgress
+from ._seeders import seeder_for
 from ._store import PartitionState, Store
 
 __all__ = ["BootstrapService", "PartitionWorker"]
@@ -439,8 +440,9 @@ class BootstrapService:
                     self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
                 ).result()
 
+            relay_fetcher = await self._relay_fetcher(w.name)
             await asyncio.to_thread(
-                seed_postgres,
+                seeder_for(cfg.seed.kind),
                 cfg.seed.dsn,
                 part_id,
                 schemas,
@@ -450,6 +452,7 @@ class BootstrapService:
                 w.seed,
                 chunk_rows=cfg.seed.chunk_rows,
                 stop=self._stop_seed,
+                relay_fetcher=relay_fetcher,
             )
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info("partition %s: the gap in the log is repaired", w.name)
@@ -470,6 +473,22 @@ class BootstrapService:
             if (set(tables) <= names) if tables else names:
                 return
             await asyncio.sleep(0.1)
+
+    async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:
+        """The fetcher status of partition ``name`` on the first relay that answers."""
+        assert self._session is not None
+        for url in self.config.relays:
+            try:
+                async with self._session.get(
+                    f"{url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
+                    data = await resp.json()
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            for part in data.get("partitions", []):
+                if part.get("name") == name and isinstance(part.get("fetcher"), dict):
+                    return dict(part["fetcher"])
+        return None
 
     async def _relay_partition_id(self, name: str) -> int:
         assert self._session is not None

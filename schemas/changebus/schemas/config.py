@@ -56,7 +56,8 @@ def parse_size(value: int | str) -> int:
 
 
 def secret(default: Any = "", **kwargs: Any) -> Any:
-    """A dataclass field whose value must never be logged."""
+    """A dataclass field whose value must never be logged (left out of the repr too)."""
+    kwargs.setdefault("repr", False)
     return dataclasses.field(default=default, metadata={"secret": True}, **kwargs)
 
 

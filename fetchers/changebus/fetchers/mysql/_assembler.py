@@ -8,9 +8,11 @@
   ``BEGIN``) and ends at its ``XID`` event, at ``COMMIT`` (non-transactional
   engines), or right after its one statement (DDL: standalone GTID);
 * the SCN is ``binlog file number << 32 | end position of the commit event``
-  (strictly increasing along one server's binlog, across rotations and
-  restarts); the END_OF_WINDOW's ``source_position`` is
-  ``gtid=D-S-N;file=NAME;pos=P`` (docs/protocol.md 1.4, 5): where to resume;
+  plus :attr:`BinlogAssembler.scn_base` (0 on the first server a relay
+  reads; set after a failover so that SCNs go on increasing: docs/protocol.md
+  5); the END_OF_WINDOW's ``source_position`` is
+  ``gtid=D-S-N;file=NAME;pos=P;server=ID[;base=B]`` (docs/protocol.md 1.4,
+  5): where to resume, on which server, with which SCN base;
 * row images are decoded by the layout's compiled decoder
   (:mod:`._layout`) straight from the event bytes: TABLE_MAP gives the layout
   valid at that position; a new or changed layout is a new schema version,
@@ -80,9 +82,17 @@ _EVENT_OVERHEAD = 72
 _FL_STANDALONE = 1
 
 
-def format_position(gtid: str, file: str, pos: int) -> str:
-    """The ``source_position`` text of a window: ``gtid=D-S-N;file=NAME;pos=P``."""
-    return f"gtid={gtid};file={file};pos={pos}"
+def format_position(gtid: str, file: str, pos: int, server: int = 0, base: int = 0) -> str:
+    """The ``source_position`` text of a window: ``gtid=D-S-N;file=NAME;pos=P``.
+
+    ``server`` (the ``@@server_id`` whose binlog ``file``/``pos`` are in) adds
+    ``;server=ID`` when non-zero; a non-zero SCN ``base`` adds ``;base=B``
+    (SCN = base + ``file_number << 32 | pos``; docs/protocol.md 5).
+    """
+    text = f"gtid={gtid};file={file};pos={pos}"
+    if server:
+        text += f";server={server}"
+    return f"{text};base={base}" if base else text
 
 
 def parse_position(text: str) -> dict[str, str]:
@@ -154,6 +164,11 @@ class BinlogAssembler:
         self._pool = pool
         self.file = ""
         self._file_number = 0
+        #: added to ``file_number << 32 | pos``: 0 unless the relay failed over to
+        #: this server from another one (set by the fetcher before the stream starts)
+        self.scn_base = 0
+        #: the server's ``@@server_id`` (0: unknown), recorded in every position
+        self.server = 0
         self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
         self._cache: dict[tuple[Any, ...], _Table] = {}  # layout bytes + declared -> table
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
@@ -171,7 +186,11 @@ class BinlogAssembler:
         self._by_id.clear()  # table ids are only valid within one binlog file
 
     def scn_at(self, end_pos: int) -> int:
-        return binlog_to_scn(self._file_number, end_pos)
+        return binlog_to_scn(self._file_number, end_pos) + self.scn_base
+
+    def position_at(self, gtid: str, end_pos: int) -> str:
+        """The ``source_position`` of a transaction ending at ``end_pos`` of :attr:`file`."""
+        return format_position(gtid, self.file, end_pos, self.server, self.scn_base)
 
     def captured(self, database: str) -> bool:
         db = database.lower()
@@ -389,7 +408,7 @@ class BinlogAssembler:
         if txn is None:
             return None
         scn = self.scn_at(end_pos)
-        position = format_position(txn.gtid, self.file, end_pos)
+        position = self.position_at(txn.gtid, end_pos)
         if not txn.events and not txn.dropped and not txn.oversized:
             # nothing captured (other databases, DDL): a HEARTBEAT window, which the
             # fetcher writes only now and then, to keep the resume position current

@@ -43,6 +43,10 @@ class MySQLConfig:
     #: the binlog file to resume from was purged: "data_loss" (a DATA_LOSS window, then
     #: go on from the oldest binlog kept) or "fail"
     on_binlog_purged: str = "data_loss"
+    #: the relay's last window came from another server that does not hold its GTID
+    #: (or the GTID cannot be placed exactly): "fail" or "data_loss" (a DATA_LOSS
+    #: window, then go on from this server's binlog end)
+    on_divergent_server: str = "fail"
     #: where a relay holding nothing starts: "current" (the binlog's end) or "earliest"
     start_at: str = "current"
     #: processes that transcode row events next to the stream thread (order kept);
@@ -55,6 +59,7 @@ class MySQLConfig:
         choices = {
             "on_oversized_transaction": ("fail", "skip"),
             "on_binlog_purged": ("data_loss", "fail"),
+            "on_divergent_server": ("fail", "data_loss"),
             "start_at": ("current", "earliest"),
         }
         for option, allowed in choices.items():

@@ -7,9 +7,20 @@ server heartbeats, and hands windows to the event loop through a bounded
 :class:`ThreadFeed`, so a slow relay slows the stream.
 
 Positions: every window's END_OF_WINDOW carries
-``gtid=D-S-N;file=NAME;pos=P`` (where the next transaction starts); on start
-the stream resumes from the relay's last window's position. Windows at or
-below the relay's last SCN are dropped (no duplicates in the buffer).
+``gtid=D-S-N;file=NAME;pos=P;server=ID[;base=B]`` (where the next
+transaction starts, on which server, and the SCN base); on start the stream
+resumes from the relay's last window's position. Windows at or below the
+relay's last SCN are dropped (no duplicates in the buffer).
+
+Failover (MariaDB): when the relay's last window came from another server
+(its ``server`` differs from this server's ``@@server_id``), the fetcher
+finds that window's GTID in this server's binlog (:mod:`._failover`) and
+goes on right after it, with a new SCN base so that SCNs keep increasing
+(``base = relay's last SCN - (file_number << 32 | end position)`` of that
+transaction here: the transaction keeps its SCN on the new server). A GTID
+this server does not hold is refused (divergent history). On the same
+server, a GTID that is not where the relay saw it means the binlog was
+rewritten (``RESET MASTER``): refused too.
 
 Reconnects are the fetcher's own: a lost connection makes it reopen the
 stream at the end of the last window it emitted (up to
@@ -57,9 +68,10 @@ from changebus.schemas.config import load_config_dict
 
 from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
-from ._assembler import BinlogAssembler, PendingWindow, parse_position
+from ._assembler import BinlogAssembler, PendingWindow, format_position, parse_position
 from ._config import SYSTEM_DATABASES, MySQLConfig
 from ._ddl import DeclaredTypes
+from ._failover import gtid_parts, locate_gtid
 
 __all__ = ["MySQLFetcher"]
 
@@ -96,6 +108,8 @@ class MySQLFetcher:
         self._resume = ResumePoint()
         self._feed: ThreadFeed[Window] | None = None
         self._start: tuple[str, int] = ("", 0)  # (file, pos) the stream starts at
+        self._server = 0  # the server's @@server_id
+        self._base = 0  # SCN = base + (file_number << 32 | pos): see the module docstring
         self._last_scn = -1
         self._checksum = 4
         self._data_loss: tuple[int, int, str, str] | None = None  # lo, hi, reason, position
@@ -140,6 +154,8 @@ class MySQLFetcher:
             "server_id": self.server_id,
             "source_position": self.position,
             "decode_workers": 0 if self._pool is None else self.config.decode_workers,
+            "mysql_server_id": self._server,
+            "scn_base": self._base,
             **self.stats,
         }
 
@@ -173,9 +189,10 @@ class MySQLFetcher:
         try:
             with conn.cursor() as cur:
                 self._check_settings(cur)
-                cur.execute("SELECT @@binlog_checksum")
+                cur.execute("SELECT @@binlog_checksum, @@server_id")
                 row = cur.fetchone()
                 self._checksum = 0 if row is None or str(row[0]).upper() == "NONE" else 4
+                self._server = 0 if row is None else int(row[1])
                 try:
                     cur.execute("SHOW BINARY LOGS")
                     logs = [str(r[0]) for r in cur.fetchall()]
@@ -189,7 +206,7 @@ class MySQLFetcher:
                 if status is None or not logs:
                     raise SourceConfigError("binary logging is off: start the server with log_bin")
                 current = (str(status[0]), int(status[1]))
-                start_scn = self._plan_start(logs, current)
+                start_scn = self._plan_start(cur, logs, current)
                 self._verify_start(cur)
                 self._seed_declared(cur)
         except pymysql.err.OperationalError as exc:
@@ -219,11 +236,16 @@ class MySQLFetcher:
                     "config file); the fetcher cannot decode rows otherwise"
                 )
 
-    def _plan_start(self, logs: list[str], current: tuple[str, int]) -> int:
+    def _plan_start(self, cur: Any, logs: list[str], current: tuple[str, int]) -> int:
         """Where the stream starts; plans a DATA_LOSS window for a purged resume file."""
         resume = self._resume
         self._data_loss = None
+        self._base = 0
         pos = parse_position(resume.source_position) if resume.scn >= 0 else {}
+        if pos:
+            self._base = int(pos.get("base", "0"))
+            if self._other_server(pos):
+                return self._fail_over(cur, logs, current, pos)
         if resume.scn >= 0 and not pos:
             # no window yet (the relay recorded only where the stream started):
             # the SCN itself is the binlog position
@@ -237,7 +259,7 @@ class MySQLFetcher:
                 self._start = (file, offset)
                 return resume.scn
             oldest = logs[0]
-            new_scn = binlog_to_scn(binlog_file_number(oldest), 4)
+            new_scn = self._base + binlog_to_scn(binlog_file_number(oldest), 4)
             reason = (
                 f"binlog file {file} was purged (the oldest kept is {oldest}): changes "
                 f"committed after SCN {resume.scn} and before {oldest} are missing"
@@ -252,7 +274,8 @@ class MySQLFetcher:
                     f"{reason}; set on_binlog_purged = 'data_loss' to go on after a data-loss event"
                 )
             log.error("partition %s: %s", self.name, reason)
-            self._data_loss = (resume.scn + 1, new_scn, reason, f"file={oldest};pos=4")
+            where = format_position("", oldest, 4, self._server, self._base).partition(";")[2]
+            self._data_loss = (resume.scn + 1, new_scn, reason, where)
             self._start = (oldest, 4)
             return resume.scn
         if self.config.start_at == "earliest":
@@ -261,15 +284,113 @@ class MySQLFetcher:
             self._start = current
         return binlog_to_scn(binlog_file_number(self._start[0]), self._start[1])
 
+    def _other_server(self, pos: Mapping[str, str]) -> bool:
+        """Whether the relay's last window was read from another server than this one.
+
+        Positions name their server (``server=ID``); older ones do not, and
+        then the GTID's originating server stands in for it (a relay reading a
+        primary sees its own GTIDs; an old position with a MySQL GTID,
+        ``uuid:N``, is taken as this server's).
+        """
+        if "server" in pos:
+            return int(pos["server"]) != self._server
+        parts = gtid_parts(pos.get("gtid", ""))
+        return parts is not None and parts[1] != self._server
+
+    def _fail_over(
+        self, cur: Any, logs: list[str], current: tuple[str, int], pos: Mapping[str, str]
+    ) -> int:
+        """Resume after the relay's last window on another server, found by its GTID."""
+        import pymysql
+
+        resume = self._resume
+        gtid = pos.get("gtid", "")
+        origin = pos.get("server") or "unknown"
+        where = f"{pos['file']}:{pos['pos']} of server id {origin}"
+        if not gtid:
+            return self._diverged(
+                current,
+                f"the relay's last window ended at {where}, this is server id {self._server}, "
+                "and that window has no GTID to find its place here",
+            )
+        try:
+            found = locate_gtid(cur, logs, gtid)
+            cur.execute("SELECT @@gtid_binlog_state")
+            row = cur.fetchone()
+        except pymysql.err.MySQLError:
+            found, row = None, None  # MySQL: no Gtid_list events, no gtid_binlog_state
+        if found is None:
+            return self._diverged(
+                current,
+                f"the relay's last transaction (GTID {gtid}, ending at {where}) is not in "
+                f"this server's binlog (server id {self._server}): its history diverged from "
+                "the old server's, or it purged that part of its binlog",
+            )
+        parts = gtid_parts(gtid)
+        state = "" if row is None or row[0] is None else str(row[0])
+        domains = {p[0] for g in state.split(",") if (p := gtid_parts(g)) is not None}
+        if parts is not None and domains - {parts[0]}:
+            # transactions of other domains may lie on either side of this one here and
+            # on the old server: the position after it is not the same cut on both
+            return self._diverged(
+                current,
+                f"this server's binlog holds more than one GTID domain "
+                f"({', '.join(str(d) for d in sorted(domains))}): resuming after GTID {gtid} "
+                "by position is exact only with one domain",
+            )
+        file, end = found
+        self._start = (file, end)
+        self._base = resume.scn - binlog_to_scn(binlog_file_number(file), end)
+        log.warning(
+            "partition %s: the relay's last window came from server id %s; its transaction "
+            "%s ends at %s:%d on this server (id %d): going on from there, SCN base %d",
+            self.name,
+            origin,
+            gtid,
+            file,
+            end,
+            self._server,
+            self._base,
+        )
+        return resume.scn
+
+    def _diverged(self, current: tuple[str, int], reason: str) -> int:
+        """No exact place on this server: refuse, or a DATA_LOSS window and the binlog's end."""
+        if self.config.on_divergent_server == "fail":
+            raise SourceConfigError(
+                f"{reason}. Resuming anywhere would skip or repeat transactions; see "
+                "docs/mysql.md, Failover (on_divergent_server = 'data_loss' goes on from this "
+                "server's binlog end after a data-loss event)"
+            )
+        resume = self._resume
+        hi = resume.scn + 1
+        self._start = current
+        self._base = hi - binlog_to_scn(binlog_file_number(current[0]), current[1])
+        log.error(
+            "partition %s: %s; going on from %s:%d after a data-loss event",
+            self.name,
+            reason,
+            *current,
+        )
+        where = format_position("", current[0], current[1], self._server, self._base)
+        self._data_loss = (
+            resume.scn + 1,
+            hi,
+            f"{reason}: changes from here on up to the switch to this server may be missing",
+            where.partition(";")[2],
+        )
+        return resume.scn
+
     def _verify_start(self, cur: Any) -> None:
         """Refuse a resume position that this server's binlog does not hold.
 
         The relay's last window names its GTID and where it ended (file and
-        position). On the same server, ``BINLOG_GTID_POS(file, pos)`` (MariaDB)
-        is the GTID state right after that window, so it lists the window's
-        GTID. Anything else means the binlog was rewritten under the same file
-        names (``RESET MASTER``) or this is another server (a failover to a
-        replica): reading on from the same file name and offset would decode
+        position; after :meth:`_fail_over`, where it ends on this server). On
+        the server that wrote the position, ``BINLOG_GTID_POS(file, pos)``
+        (MariaDB) is the GTID state right after that window, so it lists the
+        window's GTID. Anything else means the binlog was rewritten under the
+        same file names (``RESET MASTER``; GTIDs may then be reused by other
+        transactions, so they are not searched for): reading on would decode
         garbage or skip or repeat transactions, so the fetcher stops instead.
         MySQL has no such function; there the check is skipped.
         """
@@ -279,7 +400,7 @@ class MySQLFetcher:
         gtid = pos.get("gtid", "")
         if not gtid or self._data_loss is not None or not pos:
             return
-        file, offset = pos["file"], int(pos["pos"])
+        file, offset = self._start
         try:
             cur.execute("SELECT BINLOG_GTID_POS(%s, %s)", (file, offset))
             row = cur.fetchone()
@@ -290,7 +411,7 @@ class MySQLFetcher:
             raise SourceConfigError(
                 f"the relay's last transaction (GTID {gtid}, ending at {file}:{offset}) is not "
                 f"in this server's binlog there (GTID state at that point: {state or 'none'}): "
-                "the server is another one (a failover) or its binlog was reset. Resuming "
+                "its binlog was reset (RESET MASTER) or rewritten. Resuming "
                 "by file and offset would skip or repeat transactions; see docs/mysql.md, "
                 "Failover, for the way back"
             )
@@ -351,6 +472,7 @@ class MySQLFetcher:
             on_oversized=cfg.on_oversized_transaction,
             pool=self._pool,
         )
+        assembler.server, assembler.scn_base = self._server, self._base
         if self._data_loss is not None:
             lo, hi, reason, position = self._data_loss
             self._emit(assembler.control_window(DataLoss(lo, hi, reason), hi, position), emit)
