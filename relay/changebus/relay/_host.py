@@ -254,6 +254,7 @@ class PartitionHost:
         """Writer thread: append a group of windows (one group commit)."""
         limit = self.buffer.config.window_limit
         datas: list[bytes] = []
+        sizes: list[tuple[int, ...]] = []
         for window in batch:
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
@@ -267,15 +268,19 @@ class PartitionHost:
                     window.scn,
                 )
                 datas.append(self._loss_marker(window, reason))
+                sizes.append(())
             else:
                 datas.append(window.data)
+                sizes.append(window.event_sizes)
         try:
-            self.buffer.append_windows(datas, before_publish=self._register_schemas)
+            self.buffer.append_windows(datas, before_publish=self._register_schemas, sizes=sizes)
         except EventTooLargeError:
             # one window has more events than the event table: find it, one by one
-            for window, data in zip(batch, datas, strict=True):
+            for window, data, size in zip(batch, datas, sizes, strict=True):
                 try:
-                    self.buffer.append_windows([data], before_publish=self._register_schemas)
+                    self.buffer.append_windows(
+                        [data], before_publish=self._register_schemas, sizes=[size]
+                    )
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
                     log.error(

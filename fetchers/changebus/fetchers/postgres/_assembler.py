@@ -88,7 +88,7 @@ from ._pgoutput import (
 )
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
-from ._values import decode_value
+from ._values import OUT_OF_RANGE, contains_out_of_range, decode_value
 
 __all__ = ["HEARTBEAT_PREFIX", "Assembler"]
 
@@ -267,6 +267,16 @@ class Assembler:
                     name,
                     _depth(value),
                     ctype.dims,
+                )
+                row[name] = None
+                not_sent.append(name)
+                continue
+            if value is OUT_OF_RANGE or (ctype.is_array and contains_out_of_range(value)):
+                log.warning(
+                    "%s.%s holds a timestamp after 294247-01-10, beyond an Avro long's "
+                    "microseconds; sent as not-sent",
+                    table.schema.name,
+                    name,
                 )
                 row[name] = None
                 not_sent.append(name)
@@ -455,4 +465,8 @@ class Assembler:
                 partition=self.partition_id,
             )
         )
-        return Window(txn.scn, txn.ts_ns, b"".join(txn.events), len(txn.events), position)
+        events = txn.events
+        # framed here by RowEncoder / encode_control: the relay may trust the sizes
+        return Window(
+            txn.scn, txn.ts_ns, b"".join(events), len(events), position, tuple(map(len, events))
+        )

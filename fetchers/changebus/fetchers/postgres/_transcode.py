@@ -42,7 +42,7 @@ from typing import Any, Final
 import fastavro
 
 from ._types import ColumnType
-from ._values import DECODERS, decode_value
+from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
 __all__ = ["Fallback", "Transcoder", "zigzag"]
 
@@ -172,6 +172,8 @@ def _general_column(
     def encode(v: bytes) -> bytes:
         value = decode_value(oid, v, is_array=is_array)
         if is_array and value and _depth(value) != dims:
+            raise Fallback
+        if value is OUT_OF_RANGE or (is_array and contains_out_of_range(value)):
             raise Fallback
         if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
             raise Fallback
