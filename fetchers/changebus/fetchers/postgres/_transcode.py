@@ -196,7 +196,11 @@ _SNIPPETS: Final[dict[str, tuple[int, str, str | None]]] = {
     "int8": (8, _INT + "e = zz(x)", _INT + "p = pzz(x)"),
     "oid": (4, "e = zz(from_bytes(v, 'big'))", "p = pzz(from_bytes(v, 'big'))"),
     "bool": (1, "e = BOOL[v]", "p = PBOOL[v]"),
-    "string": (0, "v.decode()\ne = zz(n) + v", "v.decode()\np = pzz(n) + v"),
+    "string": (
+        0,
+        "if not v.isascii(): v.decode()\ne = zz(n) + v",
+        "if not v.isascii(): v.decode()\np = pzz(n) + v",
+    ),
     "bytea": (0, "e = zz(n) + v", "p = pzz(n) + v"),
     "float4": (4, "e = float4(v)", None),
     "float8": (8, "e = v[::-1]", None),
