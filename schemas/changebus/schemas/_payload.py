@@ -39,6 +39,7 @@ from ._crc import crc32
 from ._envelope import HEADER_BODY, HEADER_SIZE, MAGIC, MAX_EVENT_SIZE, VERSION, Op
 from ._partition import key_hash
 from ._table import TableSchema
+from ._varint import avro_long
 from .errors import CorruptEventError, EventTooLargeError, SchemaError
 
 __all__ = ["ChangeDecoder", "DecodedChange", "RowChange", "RowEncoder"]
@@ -57,21 +58,7 @@ _PRESENT: Final = b"\x02"
 _EMPTY_ARRAY: Final = b"\x00"
 
 
-def _zigzag(n: int) -> bytes:
-    """Avro ``long``: zig-zag then little-endian base-128 varint."""
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x80:
-        return bytes((z,))
-    if z < 0x4000:
-        return bytes(((z & 0x7F) | 0x80, z >> 7))
-    if z < 0x200000:
-        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
-    out = bytearray()
-    while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
+_zigzag = avro_long
 
 
 def _avro_string(s: str) -> bytes:

@@ -35,7 +35,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from changebus.schemas import AvroType, Column, SourceConfigError, TableSchema, mysql_avro_type
+from changebus.schemas import (
+    AvroType,
+    Column,
+    SourceConfigError,
+    TableSchema,
+    avro_long,
+    mysql_avro_type,
+)
 
 __all__ = [
     "ColumnLayout",
@@ -580,22 +587,12 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
 #: bytes of the key record and of the row record, the columns not sent (or None)
 RowsTranscoder = Callable[[bytes, int, int], list[tuple[bytes, bytes, list[str] | None]]]
 
-_BYTE: Final = tuple(bytes((i,)) for i in range(256))
 _F32: Final = struct.Struct("<f")
 _F64: Final = struct.Struct("<d")
 
 
-def _long(n: int) -> bytes:
-    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x80:
-        return _BYTE[z]
-    if z < 0x4000:
-        return bytes(((z & 0x7F) | 0x80, z >> 7))
-    if z < 0x200000:
-        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
-    last = (z.bit_length() - 1) // 7 * 7
-    return bytes([((z >> s) & 0x7F) | 0x80 for s in range(0, last, 7)]) + _BYTE[z >> last]
+#: Avro ``int``/``long`` bytes (table-driven: see :func:`changebus.schemas.avro_long`)
+_long = avro_long
 
 
 #: days since the epoch of a packed DATETIME2 date part (``year * 13 + month << 5 | day``);
