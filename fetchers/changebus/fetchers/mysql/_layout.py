@@ -41,6 +41,7 @@ from changebus.schemas import (
     SourceConfigError,
     TableSchema,
     avro_long,
+    avro_present_long,
     mysql_avro_type,
 )
 
@@ -642,6 +643,12 @@ def _avro_decimal(n: int) -> bytes:
     return _long(len(raw)) + raw
 
 
+def _avro_present_decimal(n: int) -> bytes:
+    """``0x02`` (the union's value branch), then :func:`_avro_decimal` of ``n``."""
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True)
+    return avro_present_long(len(raw)) + raw
+
+
 def _avro_string(v: str) -> bytes:
     raw = v.encode()
     return _long(len(raw)) + raw
@@ -662,7 +669,9 @@ _ENCODERS: Final[dict[str, Any]] = {
     "_MISS": object(),
     "_ymd_days": _ymd_days,
     "_long": _long,
+    "_plong": avro_present_long,
     "_adec": _avro_decimal,
+    "_padec": _avro_present_decimal,
     "_astr": _avro_string,
     "_abytes": _avro_bytes,
     "_astrs": _avro_strings,
@@ -751,6 +760,30 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
     return [*code, f"@e = None if @v is None else {enc}"]
 
 
+#: value encoders and their forms with the union's value branch in front
+_WITH_BRANCH: Final = (
+    ("@e = None if @v is None else _long(@v)", "@e = None if @v is None else _plong(@v)"),
+    ("@e = _long(", "@e = _plong("),
+    ("@e = _adec(", "@e = _padec("),
+)
+
+
+def _with_branch(code: list[str]) -> tuple[list[str], bool]:
+    """``code`` writing ``0x02`` + the value into ``@e``, when every assignment allows it."""
+    out: list[str] = []
+    for line in code:
+        stripped = line.lstrip()
+        if stripped.startswith("@e ="):
+            for plain, branch in _WITH_BRANCH:
+                if stripped.startswith(plain):
+                    line = line.replace(plain, branch, 1)
+                    break
+            else:
+                return code, False
+        out.append(line)
+    return out, True
+
+
 def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     """A function from row images to Avro bytes for ``layout`` (the row record of
     ``layout.table_schema()``: every field ``["null", T]``, in column order; the key
@@ -783,7 +816,11 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
             lines.append(f"        if nulls >> {i} & 1:")
             lines.append(f"            e{i} = b'\\x00'")
             lines.append("        else:")
-        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in _transcode_code(c, i)]
+        code = _transcode_code(c, i)
+        present = i not in key and c.binlog_type not in (T_DATE, T_DATETIME2, T_TIMESTAMP2)
+        if present:  # write the union's value branch with the value: one concatenation less
+            code, present = _with_branch(code)
+        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in code]
         lines.extend(pad + s for s in body)
         if c.binlog_type in (T_DATE, T_DATETIME2, T_TIMESTAMP2):
             lines.append(f"{pad}if e{i} is None:")
@@ -793,7 +830,8 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
             pad += "    "
         if i in key:
             lines.append(f"{pad}k{i} = e{i}")
-        lines.append(f"{pad}e{i} = b'\\x02' + e{i}")
+        if not present:
+            lines.append(f"{pad}e{i} = b'\\x02' + e{i}")
     if key:
         keyexpr = (
             f"k{key[0]}" if len(key) == 1 else f"b''.join(({', '.join(f'k{i}' for i in key)},))"
