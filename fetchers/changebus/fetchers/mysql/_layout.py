@@ -829,11 +829,11 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
             lines.append(f"        if nulls >> {i} & 1:")
             lines.append(f"            e{i} = b'\\x00'")
             lines.append("        else:")
-        code = _transcode_code(c, i)
+        lines_i = _transcode_code(c, i)
         present = i not in key
         if present:  # write the union's value branch with the value: one concatenation less
-            code, present = _with_branch(code)
-        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in code]
+            lines_i, present = _with_branch(lines_i)
+        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in lines_i]
         lines.extend(pad + s for s in body)
         if c.binlog_type in (T_DATE, T_DATETIME2, T_TIMESTAMP2):
             lines.append(f"{pad}if e{i} is None:")
