@@ -18,7 +18,8 @@ early, so a large buffer is not pulled into memory at start-up.
 
 Thread-safety: :meth:`advance` is called by the buffer's single writer;
 :meth:`close` must run before the mapping is unmapped (it waits for a
-running call to finish).
+running call to finish). The thread holds the ring only weakly between
+calls: a buffer dropped without :meth:`close` does not leak its mapping.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ctypes
 import ctypes.util
 import logging
 import threading
+import weakref
 
 import numpy as np
 import numpy.typing as npt
@@ -63,7 +65,8 @@ class Prefaulter:
 
     def __init__(self, ring: npt.NDArray[np.uint8], start: int, ahead_bytes: int) -> None:
         capacity = int(ring.size)
-        self._ring: npt.NDArray[np.uint8] | None = ring  # keeps the mapping alive meanwhile
+        # weak: a buffer dropped without close() frees its mapping; the thread then ends
+        self._ring = weakref.ref(ring)
         self._address = int(ring.ctypes.data)
         self._capacity = capacity
         self._ahead = min(ahead_bytes, capacity)
@@ -97,18 +100,24 @@ class Prefaulter:
             if hi <= lo:
                 if lo >= end:
                     return  # the whole ring was covered once
-                self._wake.wait()
-                self._wake.clear()
+                if self._wake.wait(1.0):
+                    self._wake.clear()
+                elif self._ring() is None:
+                    return
                 continue
             phys = lo % self._capacity
             length = min(hi - lo, self._capacity - phys)
-            if fn(self._address + phys, length, _MADV_POPULATE_WRITE) != 0:
+            ring = self._ring()  # the mapping stays while the call runs
+            if ring is None:
+                return
+            rc = fn(self._address + phys, length, _MADV_POPULATE_WRITE)
+            del ring
+            if rc != 0:
                 log.debug(
                     "MADV_POPULATE_WRITE refused (errno %d): no prefaulting", ctypes.get_errno()
                 )
                 return
             self._done = lo + length
-        self._ring = None
 
     def close(self) -> None:
         """Stop the thread; returns once no ``madvise`` call is running (before unmapping)."""
@@ -119,4 +128,3 @@ class Prefaulter:
         self._wake.set()
         thread.join()
         self._thread = None
-        self._ring = None
