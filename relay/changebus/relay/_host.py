@@ -5,7 +5,10 @@ bounded queue and hands them to the partition's single writer thread in
 groups: everything that queued up while the writer was busy goes in one
 group commit (at most 512 windows or 8 MiB), so the per-append cost is
 shared when the source is busy and latency stays minimal when it is not.
-The writer registers any new table schemas, appends the group and returns;
+Windows that carry their event sizes (framed in this process by changebus's
+encoders: :attr:`~changebus.fetchers.Window.event_sizes`) take the buffer's
+trusted path, without a rescan or CRCs computed again; others are verified in
+full. The writer registers any new table schemas, appends the group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
