@@ -305,8 +305,9 @@ class EventBuffer:
         the trusted path. Their events are located from the sizes instead of
         a scan and their CRCs, computed once by the encoder, are not computed
         again; every structural check (magic, version, op, lengths, window
-        ends, SCNs, seq numbers, order) still applies, vectorised. A group
-        with any window without sizes is verified in full, CRCs included.
+        ends, SCNs, seq numbers, order, the sizes themselves) still applies.
+        A group with any window without sizes is verified in full, CRCs
+        included.
         """
         limit = self.config.window_limit
         for w in windows:
@@ -317,9 +318,9 @@ class EventBuffer:
                     size=len(w),
                     limit=limit,
                 )
-        # split so that one group never exceeds the ring (each part appends alone)
         if sizes is not None and len(sizes) != len(windows):
             raise ValueError("sizes must have one entry per window")
+        # split so that one group never exceeds the ring (each part appends alone)
         group: list[bytes | memoryview] = []
         group_sizes: list[Sequence[int]] = []
         size = 0

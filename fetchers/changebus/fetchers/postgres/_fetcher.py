@@ -200,7 +200,7 @@ class PostgresFetcher:
         return lsn_to_scn(row[0]) if row and row[0] else -1
 
     async def windows(self) -> AsyncIterator[Window]:
-        # windows held back up to 64 or 5 ms: the stream flushes before it waits for data
+        # windows held back while the stream is busy: it flushes before it waits for data
         self._feed = ThreadFeed(
             self._run,
             maxsize=1024,
