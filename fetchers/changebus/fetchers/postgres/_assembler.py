@@ -343,7 +343,11 @@ class Assembler:
         :class:`~._transcode.Transcoder` (pgoutput binary straight to Avro)
         unless it hands them back to the general path.
         """
-        if type(buf) is not bytes:
+        if isinstance(buf, memoryview):
+            # psycopg hands over a memoryview of a whole bytes object: no copy of it then
+            whole = buf.obj if buf.contiguous else None
+            buf = whole if type(whole) is bytes and len(whole) == buf.nbytes else bytes(buf)
+        elif type(buf) is not bytes:
             buf = bytes(buf)
         kind = buf[offset]
         txn = self._txn
