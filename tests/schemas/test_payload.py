@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import decimal
 import io
 from typing import Any
@@ -18,7 +19,9 @@ from changebus.schemas import (
     Op,
     RowEncoder,
     SchemaError,
+    SchemaRegistry,
     TableSchema,
+    decode_header,
     event_at,
     key_hash,
     parse_stream,
@@ -156,3 +159,48 @@ def test_batch_forms_equal_single_forms(
     many = dec.decode_many(batch, starts, stops)
     assert many == [dec.decode(batch[a:b]) for a, b in zip(starts, stops, strict=True)]
     assert [m.after for m in many] == [a for a, _, _ in changes]
+
+
+def test_dates_outside_pythons_range_decode_to_their_avro_ints() -> None:
+    """A BC date or a year-10000 timestamp: the Avro int, not an error; the rest as usual."""
+    date = {"type": "int", "logicalType": "date"}
+    ts = {"type": "long", "logicalType": "timestamp-micros"}
+    lts = {"type": "long", "logicalType": "local-timestamp-micros"}
+    writer = SchemaRegistry().register(
+        TableSchema(
+            "s.d",
+            (
+                Column("k", date, nullable=False),
+                Column("d", date),
+                Column("ts", ts),
+                Column("lts", lts),
+                Column("arr", {"type": "array", "items": ["null", ts]}),
+            ),
+            ("k",),
+        )
+    )
+    bc, y10k = -800_000, 253_402_300_800_000_001  # 0221 BC; 10000-01-01T00:00:00.000001
+    after = {"k": bc, "d": bc, "ts": y10k, "lts": -y10k, "arr": [0, None, y10k]}
+    before: dict[str, Any] = {"k": 0, "d": 1, "ts": None, "lts": 0, "arr": []}
+    event = RowEncoder(writer, source_id=1).encode(Op.UPDATE, 9, 0, 0, after, before)
+    h = decode_header(event)
+    key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+    payload = event[HEADER_SIZE + h.key_length :]
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+    want_before: dict[str, Any] = {
+        "k": datetime.date(1970, 1, 1),
+        "d": datetime.date(1970, 1, 2),
+        "ts": None,
+        "lts": datetime.datetime(1970, 1, 1),
+        "arr": [],
+    }
+    decoder = ChangeDecoder(writer)
+    change = decoder.decode(payload)
+    assert change.after == {"k": bc, "d": bc, "ts": y10k, "lts": -y10k, "arr": [epoch, None, y10k]}
+    assert change.before == want_before
+    assert decoder.decode_key(key) == {"k": bc}
+    # with a reader schema (one more column): resolution still applies
+    reader = TableSchema("s.d", (*writer.columns, Column("extra", "long")), ("k",), version=2)
+    resolved = ChangeDecoder(writer, reader).decode_many(payload, [0], [len(payload)])[0]
+    assert resolved.after == {**change.after, "extra": None}
+    assert resolved.before == {**want_before, "extra": None}

@@ -63,6 +63,14 @@ class Window:
 
     ``data`` holds the events back to back, ending with END_OF_WINDOW; every
     event carries ``scn``. ``events`` counts them (END_OF_WINDOW included).
+
+    ``event_sizes`` (the byte size of each event, in order) may be given only
+    by a fetcher whose events were framed in this process by changebus's own
+    encoders (:class:`~changebus.schemas.RowEncoder`,
+    :func:`~changebus.schemas.encode_control`), which compute every CRC: the
+    relay then appends the window without scanning it or computing its CRCs
+    again (structure, SCNs and order are still checked). Empty: the relay
+    verifies every event, CRCs included (any other producer).
     """
 
     scn: int
@@ -70,6 +78,7 @@ class Window:
     data: bytes
     events: int
     source_position: str = ""
+    event_sizes: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -81,6 +81,7 @@ from changebus.schemas import (
 from changebus.schemas.errors import BadRequestError, ConfigError
 
 from ._meta import BufferMeta, MetaFile
+from ._prefault import Prefaulter
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 
 __all__ = ["BufferConfig", "EventBuffer", "Pin", "Selection"]
@@ -90,6 +91,8 @@ _Hook = Callable[[bytes | memoryview, npt.NDArray[np.int64], npt.NDArray[Any]], 
 _SCALAR_PARSE_BYTES = 32 * 1024
 _FULL_HEADER = struct.Struct("<HBBIQqQQIIIHHHHI")
 _OPS = frozenset(int(op) for op in Op)
+_VALID_OP = np.zeros(256, dtype=bool)
+_VALID_OP[sorted(_OPS)] = True
 _PARSED_DTYPE = np.dtype(
     [
         ("off", "<i8"),
@@ -108,6 +111,8 @@ log = logging.getLogger("changebus.relay.buffer")
 _EOW = int(Op.END_OF_WINDOW)
 _FIRST_CONTROL = 16
 _SCAN_CHUNK = 16384
+#: ring bytes faulted in ahead of the writer (see :mod:`._prefault`)
+_PREFAULT_AHEAD = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,7 @@ class EventBuffer:
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)
             self._metafile.publish(self._meta)
+        self._prefault = Prefaulter(self._ring, self._meta.tail_pos, _PREFAULT_AHEAD)
 
     # ------------------------------------------------------------------
     # state
@@ -279,6 +285,7 @@ class EventBuffer:
         windows: Sequence[bytes | memoryview],
         *,
         before_publish: _Hook | None = None,
+        sizes: Sequence[Sequence[int]] | None = None,
     ) -> int:
         """Append whole windows (each: events back to back, ending with END_OF_WINDOW).
 
@@ -291,6 +298,16 @@ class EventBuffer:
         ``before_publish(data, offsets, headers)`` runs after the bytes are in
         place and before readers can see them (the relay registers new table
         schemas there).
+
+        ``sizes`` (one sequence of event sizes per window, or an empty one
+        for a window without) marks windows that changebus's own encoders
+        framed in this process (:attr:`changebus.fetchers.Window.event_sizes`):
+        the trusted path. Their events are located from the sizes instead of
+        a scan and their CRCs, computed once by the encoder, are not computed
+        again; every structural check (magic, version, op, lengths, window
+        ends, SCNs, seq numbers, order, the sizes themselves) still applies.
+        A group with any window without sizes is verified in full, CRCs
+        included.
         """
         limit = self.config.window_limit
         for w in windows:
@@ -301,26 +318,39 @@ class EventBuffer:
                     size=len(w),
                     limit=limit,
                 )
+        if sizes is not None and len(sizes) != len(windows):
+            raise ValueError("sizes must have one entry per window")
         # split so that one group never exceeds the ring (each part appends alone)
         group: list[bytes | memoryview] = []
+        group_sizes: list[Sequence[int]] = []
         size = 0
         last = -1
-        for w in windows:
+        for i, w in enumerate(windows):
             if group and size + len(w) > self.capacity // 2:
-                last = self._append_group(group, before_publish)
-                group, size = [], 0
+                last = self._append_group(group, group_sizes, before_publish)
+                group, group_sizes, size = [], [], 0
             group.append(w)
+            group_sizes.append(sizes[i] if sizes is not None else ())
             size += len(w)
         if group:
-            last = self._append_group(group, before_publish)
+            last = self._append_group(group, group_sizes, before_publish)
         return last
 
     def _append_group(
-        self, windows: Sequence[bytes | memoryview], before_publish: _Hook | None
+        self,
+        windows: Sequence[bytes | memoryview],
+        sizes: Sequence[Sequence[int]],
+        before_publish: _Hook | None,
     ) -> int:
         data = windows[0] if len(windows) == 1 else b"".join(windows)
-        if len(data) <= _SCALAR_PARSE_BYTES:
-            ev, offsets, headers = self._parse_small(windows, data)
+        headers: npt.NDArray[Any] | None
+        trusted = all(sizes)
+        if len(data) <= _SCALAR_PARSE_BYTES:  # numpy's per-call cost would dominate
+            ev, offsets, headers = self._parse_small(windows, data, check_crc=not trusted)
+            if trusted:
+                _check_sizes(windows, sizes, ev["length"].tolist())
+        elif trusted:
+            ev, offsets, headers = self._parse_trusted(windows, sizes, data)
         else:
             ev, offsets, headers = self._parse_large(windows, data)
         return self._commit(windows, data, ev, offsets, headers, before_publish)
@@ -333,9 +363,16 @@ class EventBuffer:
             raise BadRequestError(f"window SCN {first_scn} is below the buffer start {m.prev_scn}")
 
     def _parse_small(
-        self, windows: Sequence[bytes | memoryview], data: bytes | memoryview
+        self,
+        windows: Sequence[bytes | memoryview],
+        data: bytes | memoryview,
+        *,
+        check_crc: bool = True,
     ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any] | None]:
-        """Validate a small group event by event (no per-call numpy overhead)."""
+        """Validate a small group event by event (no per-call numpy overhead).
+
+        ``check_crc`` False (trusted windows) skips the two CRCs per event.
+        """
         mv = memoryview(data)
         size = len(mv)
         bounds = list(itertools.accumulate(len(w) for w in windows))
@@ -369,10 +406,11 @@ class EventBuffer:
             end = pos + total
             if total != HEADER_SIZE + klen + plen or end > size:
                 raise CorruptEventError(f"inconsistent event lengths at offset {pos}")
-            if crc32(mv[pos : pos + 60]) != hcrc:
-                raise CorruptEventError(f"header checksum mismatch at offset {pos}")
-            if crc32(mv[pos + HEADER_SIZE : end]) != pcrc:
-                raise CorruptEventError(f"payload checksum mismatch at offset {pos}")
+            if check_crc:
+                if crc32(mv[pos : pos + 60]) != hcrc:
+                    raise CorruptEventError(f"header checksum mismatch at offset {pos}")
+                if crc32(mv[pos + HEADER_SIZE : end]) != pcrc:
+                    raise CorruptEventError(f"payload checksum mismatch at offset {pos}")
             if seq_next == 0:
                 if scn <= last:
                     raise BadRequestError("window SCNs must increase")
@@ -407,6 +445,44 @@ class EventBuffer:
     ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any]]:
         """Validate a large group with bulk numpy checks."""
         offsets, headers = parse_stream(data)
+        return self._check_windows(windows, offsets, headers)
+
+    def _parse_trusted(
+        self,
+        windows: Sequence[bytes | memoryview],
+        sizes: Sequence[Sequence[int]],
+        data: bytes | memoryview,
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """Locate and check the events of trusted windows (no scan, no CRCs)."""
+        lens = np.fromiter(itertools.chain.from_iterable(sizes), dtype=np.int64)
+        ends = np.cumsum(lens)
+        window_ends = ends[np.cumsum([len(s) for s in sizes]) - 1]
+        if (window_ends != np.cumsum([len(w) for w in windows])).any():
+            raise BadRequestError("event sizes do not add up to their windows")
+        offsets = ends - lens
+        headers = headers_at(data, offsets)
+        if (
+            (headers["magic"] != MAGIC)
+            | (headers["version"] != 1)
+            | ~_VALID_OP[headers["op"]]
+            | (headers["total_length"] != lens)
+            | (
+                headers["key_length"].astype(np.int64)
+                + headers["payload_length"].astype(np.int64)
+                + HEADER_SIZE
+                != lens
+            )
+        ).any():
+            raise CorruptEventError("malformed event header in a trusted window")
+        return self._check_windows(windows, offsets, headers)
+
+    def _check_windows(
+        self,
+        windows: Sequence[bytes | memoryview],
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any],
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """Window structure of located, well-formed events, in numpy."""
         n = len(offsets)
         ops = headers["op"]
         scns = headers["scn"].astype(np.int64)
@@ -528,6 +604,7 @@ class EventBuffer:
                 windows=m.windows + len(windows),
             )
             self._metafile.publish(self._meta)
+        self._prefault.advance(new_tail_pos)
         self.stats["windows_appended"] += len(windows)
         self.stats["events_appended"] += n
         self.stats["bytes_appended"] += size
@@ -848,6 +925,7 @@ class EventBuffer:
         self._metafile.flush()
 
     def close(self) -> None:
+        self._prefault.close()
         self.flush()
         self._ring_view.release()
         del self._ring
@@ -858,6 +936,16 @@ class EventBuffer:
         self._events.close()
         self._index.close()
         self._metafile.close()
+
+
+def _check_sizes(
+    windows: Sequence[bytes | memoryview], sizes: Sequence[Sequence[int]], found: list[int]
+) -> None:
+    """The event sizes a trusted group came with against those its headers say."""
+    if any(sum(s) != len(w) for w, s in zip(windows, sizes, strict=True)):
+        raise BadRequestError("event sizes do not add up to their windows")
+    if list(itertools.chain.from_iterable(sizes)) != found:
+        raise CorruptEventError("event sizes do not match the event headers")
 
 
 def _runs(

@@ -5,7 +5,10 @@ bounded queue and hands them to the partition's single writer thread in
 groups: everything that queued up while the writer was busy goes in one
 group commit (at most 512 windows or 8 MiB), so the per-append cost is
 shared when the source is busy and latency stays minimal when it is not.
-The writer registers any new table schemas, appends the group and returns;
+Windows that carry their event sizes (framed in this process by changebus's
+encoders: :attr:`~changebus.fetchers.Window.event_sizes`) take the buffer's
+trusted path, without a rescan or CRCs computed again; others are verified in
+full. The writer registers any new table schemas, appends the group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
@@ -254,6 +257,7 @@ class PartitionHost:
         """Writer thread: append a group of windows (one group commit)."""
         limit = self.buffer.config.window_limit
         datas: list[bytes] = []
+        sizes: list[tuple[int, ...]] = []
         for window in batch:
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
@@ -267,15 +271,19 @@ class PartitionHost:
                     window.scn,
                 )
                 datas.append(self._loss_marker(window, reason))
+                sizes.append(())
             else:
                 datas.append(window.data)
+                sizes.append(window.event_sizes)
         try:
-            self.buffer.append_windows(datas, before_publish=self._register_schemas)
+            self.buffer.append_windows(datas, before_publish=self._register_schemas, sizes=sizes)
         except EventTooLargeError:
             # one window has more events than the event table: find it, one by one
-            for window, data in zip(batch, datas, strict=True):
+            for window, data, size in zip(batch, datas, sizes, strict=True):
                 try:
-                    self.buffer.append_windows([data], before_publish=self._register_schemas)
+                    self.buffer.append_windows(
+                        [data], before_publish=self._register_schemas, sizes=[size]
+                    )
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
                     log.error(

@@ -98,6 +98,7 @@ from ._types_pg import (
     pg_interval as pg_interval,
     pg_numeric_text as pg_numeric_text,
 )
+from ._varint import avro_long as avro_long, avro_present_long as avro_present_long
 from ._version import __version__ as __version__
 from .errors import (
     BadRequestError as BadRequestError,
@@ -170,7 +171,9 @@ __all__ = [
     "UnknownSchemaError",
     "UnknownSourceError",
     "__version__",
+    "avro_long",
     "avro_name",
+    "avro_present_long",
     "binlog_file_number",
     "binlog_to_scn",
     "check_compatible",

@@ -26,6 +26,7 @@ schemas) and may be shared between threads.
 
 from __future__ import annotations
 
+import datetime
 import io
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,6 +40,7 @@ from ._crc import crc32
 from ._envelope import HEADER_BODY, HEADER_SIZE, MAGIC, MAX_EVENT_SIZE, VERSION, Op
 from ._partition import key_hash
 from ._table import TableSchema
+from ._varint import avro_long
 from .errors import CorruptEventError, EventTooLargeError, SchemaError
 
 __all__ = ["ChangeDecoder", "DecodedChange", "RowChange", "RowEncoder"]
@@ -57,21 +59,7 @@ _PRESENT: Final = b"\x02"
 _EMPTY_ARRAY: Final = b"\x00"
 
 
-def _zigzag(n: int) -> bytes:
-    """Avro ``long``: zig-zag then little-endian base-128 varint."""
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x80:
-        return bytes((z,))
-    if z < 0x4000:
-        return bytes(((z & 0x7F) | 0x80, z >> 7))
-    if z < 0x200000:
-        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
-    out = bytearray()
-    while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
+_zigzag = avro_long
 
 
 def _avro_string(s: str) -> bytes:
@@ -293,13 +281,21 @@ class RowEncoder:
         return b"".join((head, _U32.pack(_crc32(head)), body))
 
     def encode_many(
-        self, changes: Iterable[tuple[Any, ...]], scn: int, timestamp_ns: int, *, first_seq: int = 0
+        self,
+        changes: Iterable[tuple[Any, ...]],
+        scn: int,
+        timestamp_ns: int,
+        *,
+        first_seq: int = 0,
+        sizes: list[int] | None = None,
     ) -> bytes:
         """Encode a run of changes of one window as back-to-back events.
 
         Equal to joining :meth:`encode` of each change with seq numbers
         ``first_seq, first_seq + 1, ...``, but built in one buffer: headers
-        are patched in place once key and payload are written.
+        are patched in place once key and payload are written. The size of
+        each event is appended to ``sizes`` when given (for
+        :attr:`changebus.fetchers.Window.event_sizes`).
         """
         bio = io.BytesIO()
         write = bio.write
@@ -334,7 +330,7 @@ class RowEncoder:
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 raise SchemaError(f"cannot encode a {self.table.name!r} row: {exc!r}") from exc
             spans.append((start, int(op), len(key), key))
-        return self._frame(bio, spans, scn, timestamp_ns, first_seq)
+        return self._frame(bio, spans, scn, timestamp_ns, first_seq, sizes)
 
     def encode_many_encoded(
         self,
@@ -345,6 +341,7 @@ class RowEncoder:
         timestamp_ns: int,
         *,
         first_seq: int = 0,
+        sizes: list[int] | None = None,
     ) -> bytes:
         """:meth:`encode_many` for rows a source decoder wrote in Avro itself.
 
@@ -379,7 +376,7 @@ class RowEncoder:
                     )
                 )
             spans.append((start, int(op), len(key), key))
-        return self._frame(bio, spans, scn, timestamp_ns, first_seq)
+        return self._frame(bio, spans, scn, timestamp_ns, first_seq, sizes)
 
     def _frame(
         self,
@@ -388,6 +385,7 @@ class RowEncoder:
         scn: int,
         timestamp_ns: int,
         first_seq: int,
+        sizes: list[int] | None = None,
     ) -> bytes:
         """Fill in the headers of back-to-back events (spans: start, op, key length, key)."""
         end = bio.tell()
@@ -398,6 +396,8 @@ class RowEncoder:
             schema_id, source_id = self._schema_id, self.source_id
             partition, version = self.partition, self.table.version
             stops = [s[0] for s in spans[1:]] + [end]
+            if sizes is not None:
+                sizes += [stop - span[0] for span, stop in zip(spans, stops, strict=True)]
             for seq, ((start, op_i, klen, key), stop) in enumerate(
                 zip(spans, stops, strict=True), first_seq
             ):
@@ -433,6 +433,98 @@ class RowEncoder:
         return bio.getvalue()
 
 
+#: logical types whose values can lie outside Python's date and datetime (years 1-9999)
+_WIDE_LOGICAL: Final = frozenset({"date", "timestamp-micros", "local-timestamp-micros"})
+_DAYS_TO_ORDINAL: Final = 719_163  # date(1970, 1, 1).toordinal()
+_EPOCH_UTC: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_EPOCH_NAIVE: Final = datetime.datetime(1970, 1, 1)
+
+
+def _plain(schema: Any) -> Any:
+    """``schema`` with the wide logical types dropped (their values read as plain ints)."""
+    if isinstance(schema, list):
+        return [_plain(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _plain(v) for k, v in schema.items() if k != "logicalType"}
+    if schema.get("logicalType") not in _WIDE_LOGICAL and "logicalType" in schema:
+        out["logicalType"] = schema["logicalType"]
+    if "fields" in schema:
+        out["fields"] = [{**f, "type": _plain(f["type"])} for f in schema["fields"]]
+    return out
+
+
+def _widen(logical: str) -> Callable[[int], Any]:
+    """An int of a wide logical type to what fastavro gives, or the int outside Python's range."""
+    if logical == "date":
+
+        def date(n: int) -> Any:
+            try:
+                return datetime.date.fromordinal(n + _DAYS_TO_ORDINAL)
+            except (ValueError, OverflowError):
+                return n
+
+        return date
+    epoch = _EPOCH_UTC if logical == "timestamp-micros" else _EPOCH_NAIVE
+
+    def timestamp(n: int) -> Any:
+        try:
+            return epoch + datetime.timedelta(microseconds=n)
+        except OverflowError:
+            return n
+
+    return timestamp
+
+
+def _converter(schema: Any) -> Callable[[Any], Any] | None:
+    """For a value read with :func:`_plain`: turn the wide logical ints back (None: nothing to do)."""
+    if isinstance(schema, list):
+        branches = [c for c in (_converter(s) for s in schema) if c is not None]
+        if not branches:
+            return None
+        inner = branches[0]  # a changebus union is ["null", T]
+        return lambda v: None if v is None else inner(v)
+    if isinstance(schema, dict):
+        if schema.get("logicalType") in _WIDE_LOGICAL:
+            return _widen(str(schema["logicalType"]))
+        if schema.get("type") == "array":
+            item = _converter(schema["items"])
+            if item is not None:
+                return lambda v: [item(x) for x in v]
+        if schema.get("type") == "record":
+            fields = [(f["name"], _converter(f["type"])) for f in schema["fields"]]
+            todo = [(n, c) for n, c in fields if c is not None]
+            if todo:
+
+                def record(v: dict[str, Any]) -> dict[str, Any]:
+                    for name, conv in todo:
+                        if name in v:
+                            v[name] = conv(v[name])
+                    return v
+
+                return record
+    return None
+
+
+class _PlainReader:
+    """The second try for rows with dates or timestamps outside Python's years 1-9999.
+
+    fastavro raises when it builds such a ``date`` / ``datetime``; this
+    reader reads the row with the wide logical types dropped, then converts
+    every value in range as fastavro would and leaves the others as the Avro
+    int itself (days, or µs, since 1970-01-01).
+    """
+
+    def __init__(self, writer: dict[str, Any], reader: dict[str, Any] | None) -> None:
+        self.writer = fastavro.parse_schema(_plain(writer))
+        self.reader = None if reader is None else fastavro.parse_schema(_plain(reader))
+        convert = _converter(reader if reader is not None else writer)
+        self.convert: Callable[[Any], Any] = convert if convert is not None else (lambda v: v)
+
+    def read(self, bio: io.BytesIO) -> Any:
+        return self.convert(_read_row(bio, self.writer, self.reader))
+
+
 class DecodedChange(NamedTuple):
     """The decoded payload of one data event (rows keyed by column name)."""
 
@@ -453,6 +545,13 @@ class ChangeDecoder:
     With ``reader`` None (or equal to the writer) rows come back as written;
     otherwise Avro schema resolution applies (added columns get null,
     dropped columns disappear, int widens to long, ...).
+
+    Values of logical type ``date``, ``timestamp-micros`` and
+    ``local-timestamp-micros`` come back as ``date`` / ``datetime`` objects,
+    except those outside Python's years 1-9999 (a Postgres BC date, a year
+    10000 timestamp), which Python cannot represent: they come back as the
+    Avro int itself (days since 1970-01-01, microseconds since
+    1970-01-01T00:00 UTC), never as an error.
     """
 
     def __init__(self, writer: TableSchema, reader: TableSchema | None = None) -> None:
@@ -475,6 +574,8 @@ class ChangeDecoder:
             if isinstance(self._w, dict) and (self._r is None or isinstance(self._r, dict))
             else None
         )
+        self._plain_row: _PlainReader | None = None
+        self._plain_key: _PlainReader | None = None
 
     def decode(self, payload: bytes | memoryview) -> DecodedChange:
         """Decode one change record (see :meth:`decode_many` for batches)."""
@@ -506,14 +607,18 @@ class ChangeDecoder:
         try:
             for start, stop in zip(starts, stops, strict=True):
                 seek(start)
-                branch = read(1)
-                after = _read_row(bio, w, r) if branch == _PRESENT else None
-                if after is None and branch != _NULL:
-                    raise CorruptEventError(f"bad union branch {branch!r} in change payload")
-                branch = read(1)
-                before = _read_row(bio, w, r) if branch == _PRESENT else None
-                if before is None and branch != _NULL:
-                    raise CorruptEventError(f"bad union branch {branch!r} in change payload")
+                try:
+                    branch = read(1)
+                    after = _read_row(bio, w, r) if branch == _PRESENT else None
+                    if after is None and branch != _NULL:
+                        raise CorruptEventError(f"bad union branch {branch!r} in change payload")
+                    branch = read(1)
+                    before = _read_row(bio, w, r) if branch == _PRESENT else None
+                    if before is None and branch != _NULL:
+                        raise CorruptEventError(f"bad union branch {branch!r} in change payload")
+                except (ValueError, OverflowError):
+                    # a date or timestamp outside Python's range: read it again as ints
+                    after, before = self._plain_images(bio, start)
                 pos = tell()
                 if stop - pos == 2 and buf[pos] == 0 and buf[pos + 1] == 0:
                     after_ns: tuple[str, ...] = ()
@@ -540,12 +645,41 @@ class ChangeDecoder:
             f"undecodable {self.writer.name!r} v{self.writer.version} payload: {exc!r}"
         )
 
+    def _plain_images(
+        self, bio: io.BytesIO, start: int
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Both images of the change record at ``start``, through :class:`_PlainReader`."""
+        plain = self._plain_row
+        if plain is None:
+            reader = None if self._r is None else self.reader.row_schema
+            plain = self._plain_row = _PlainReader(self.writer.row_schema, reader)
+        bio.seek(start)
+        images: list[dict[str, Any] | None] = []
+        for _ in range(2):
+            branch = bio.read(1)
+            if branch == _PRESENT:
+                images.append(plain.read(bio))
+            elif branch == _NULL:
+                images.append(None)
+            else:
+                raise CorruptEventError(f"bad union branch {branch!r} in change payload")
+        return images[0], images[1]
+
     def decode_key(self, key: bytes | memoryview) -> dict[str, Any]:
-        """Decode key bytes into ``{column: value}``."""
+        """Decode key bytes into ``{column: value}``.
+
+        Dates and timestamps outside Python's years 1-9999 come back as their
+        Avro ints (days, or µs, since 1970-01-01), as in :meth:`decode_many`.
+        """
         try:
-            row = cast(
-                dict[str, Any], fastavro.schemaless_reader(io.BytesIO(key), self._wkey, None)
-            )
+            try:
+                row = cast(
+                    dict[str, Any], fastavro.schemaless_reader(io.BytesIO(key), self._wkey, None)
+                )
+            except (ValueError, OverflowError):
+                if self._plain_key is None:
+                    self._plain_key = _PlainReader(self.writer.key_schema, None)
+                row = cast(dict[str, Any], self._plain_key.read(io.BytesIO(key)))
         except Exception as exc:
             raise CorruptEventError(f"undecodable {self.writer.name!r} key: {exc!r}") from exc
         if self.writer.column_for_field:

@@ -422,9 +422,9 @@ class BinlogAssembler:
     ) -> Window:
         """A window of one control event at ``scn`` (data loss)."""
         ts = timestamp_ns or time.time_ns()
-        events = [encode_control(payload, scn, 0, ts, partition=self.partition_id)]
+        event = encode_control(payload, scn, 0, ts, partition=self.partition_id)
         end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
-        return Window(scn, ts, b"".join([*events, end]), 2, position)
+        return Window(scn, ts, event + end, 2, position, (len(event), len(end)))
 
     def _close(self, txn: _Txn, scn: int, position: str) -> Window:
         """Encode a committed transaction's events (futures are waited for)."""
@@ -447,6 +447,7 @@ class BinlogAssembler:
             return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
         ts = txn.ts_ns
         parts: list[bytes] = []
+        sizes: list[int] = []  # framed here: the relay may trust them (Window.event_sizes)
         seq = data = 0
         for part in txn.events:
             if isinstance(part[0], RowEncoder):
@@ -454,18 +455,23 @@ class BinlogAssembler:
                 if isinstance(changes, Future):
                     changes = changes.result()
                 assert isinstance(changes, list)
-                parts.append(part[0].encode_many_encoded(changes, scn, ts, first_seq=seq))
+                parts.append(
+                    part[0].encode_many_encoded(changes, scn, ts, first_seq=seq, sizes=sizes)
+                )
                 seq += len(changes)
                 data += len(changes)
                 self.row_count += len(changes)
             else:
                 encode, is_data = part
-                parts.append(encode(scn, seq))
+                event = encode(scn, seq)
+                parts.append(event)
+                sizes.append(len(event))
                 seq += 1
                 data += is_data
         end = encode_control(EndOfWindow(data, position), scn, seq, ts, partition=self.partition_id)
         parts.append(end)
-        return Window(scn, ts, b"".join(parts), seq + 1, position)
+        sizes.append(len(end))
+        return Window(scn, ts, b"".join(parts), seq + 1, position, tuple(sizes))
 
 
 class PendingWindow:

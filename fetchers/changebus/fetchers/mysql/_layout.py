@@ -35,7 +35,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from changebus.schemas import AvroType, Column, SourceConfigError, TableSchema, mysql_avro_type
+from changebus.schemas import (
+    AvroType,
+    Column,
+    SourceConfigError,
+    TableSchema,
+    avro_long,
+    avro_present_long,
+    mysql_avro_type,
+)
 
 __all__ = [
     "ColumnLayout",
@@ -373,6 +381,15 @@ def _frac(buf: bytes, pos: int, fsp: int) -> int:
     return int.from_bytes(buf[pos : pos + 3], "big")
 
 
+def _frac_expr(fsp: int, at: str) -> str:
+    """:func:`_frac` inlined into generated code (a function call less per value)."""
+    if fsp <= 2:
+        return f"buf[{at}] * 10000"
+    if fsp <= 4:
+        return f"_from(buf[{at}:{at} + 2], 'big') * 100"
+    return f"_from(buf[{at}:{at} + 3], 'big')"
+
+
 def _datetime2(buf: bytes, pos: int, fsp: int) -> int | None:
     """Microseconds since the epoch (local time) of a DATETIME2; None for a zero date."""
     intpart = int.from_bytes(buf[pos : pos + 5], "big") - _DATETIME_OFS
@@ -552,7 +569,9 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
         "    out = []",
         "    append = out.append",
         "    while pos < end:",
-        f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
+        "        nulls = buf[pos]"
+        if nbytes == 1
+        else f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
         f"        pos += {nbytes}",
         "        ns = None",
     ]
@@ -580,22 +599,12 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
 #: bytes of the key record and of the row record, the columns not sent (or None)
 RowsTranscoder = Callable[[bytes, int, int], list[tuple[bytes, bytes, list[str] | None]]]
 
-_BYTE: Final = tuple(bytes((i,)) for i in range(256))
 _F32: Final = struct.Struct("<f")
 _F64: Final = struct.Struct("<d")
 
 
-def _long(n: int) -> bytes:
-    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x80:
-        return _BYTE[z]
-    if z < 0x4000:
-        return bytes(((z & 0x7F) | 0x80, z >> 7))
-    if z < 0x200000:
-        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
-    last = (z.bit_length() - 1) // 7 * 7
-    return bytes([((z >> s) & 0x7F) | 0x80 for s in range(0, last, 7)]) + _BYTE[z >> last]
+#: Avro ``int``/``long`` bytes (table-driven: see :func:`changebus.schemas.avro_long`)
+_long = avro_long
 
 
 #: days since the epoch of a packed DATETIME2 date part (``year * 13 + month << 5 | day``);
@@ -645,6 +654,12 @@ def _avro_decimal(n: int) -> bytes:
     return _long(len(raw)) + raw
 
 
+def _avro_present_decimal(n: int) -> bytes:
+    """``0x02`` (the union's value branch), then :func:`_avro_decimal` of ``n``."""
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True)
+    return avro_present_long(len(raw)) + raw
+
+
 def _avro_string(v: str) -> bytes:
     raw = v.encode()
     return _long(len(raw)) + raw
@@ -665,7 +680,9 @@ _ENCODERS: Final[dict[str, Any]] = {
     "_MISS": object(),
     "_ymd_days": _ymd_days,
     "_long": _long,
+    "_plong": avro_present_long,
     "_adec": _avro_decimal,
+    "_padec": _avro_present_decimal,
     "_astr": _avro_string,
     "_abytes": _avro_bytes,
     "_astrs": _avro_strings,
@@ -713,7 +730,7 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
         ]
     if t == T_DATETIME2:
         fsp = c.m("fsp")
-        frac = f" + _frac(buf, pos + 5, {fsp})" if fsp else ""
+        frac = f" + {_frac_expr(fsp, 'pos + 5')}" if fsp else ""
         return [
             "x = _from(buf[pos:pos + 5], 'big') - 0x8000000000",
             "dd = _DAYS.get(x >> 17, _MISS)",
@@ -754,6 +771,30 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
     return [*code, f"@e = None if @v is None else {enc}"]
 
 
+#: value encoders and their forms with the union's value branch in front
+_WITH_BRANCH: Final = (
+    ("@e = None if @v is None else _long(@v)", "@e = None if @v is None else _plong(@v)"),
+    ("@e = _long(", "@e = _plong("),
+    ("@e = _adec(", "@e = _padec("),
+)
+
+
+def _with_branch(code: list[str]) -> tuple[list[str], bool]:
+    """``code`` writing ``0x02`` + the value into ``@e``, when every assignment allows it."""
+    out: list[str] = []
+    for line in code:
+        stripped = line.lstrip()
+        if stripped.startswith("@e ="):
+            for plain, branch in _WITH_BRANCH:
+                if stripped.startswith(plain):
+                    line = line.replace(plain, branch, 1)
+                    break
+            else:
+                return code, False
+        out.append(line)
+    return out, True
+
+
 def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     """A function from row images to Avro bytes for ``layout`` (the row record of
     ``layout.table_schema()``: every field ``["null", T]``, in column order; the key
@@ -772,7 +813,9 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
         "    out = []",
         "    append = out.append",
         "    while pos < end:",
-        f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
+        "        nulls = buf[pos]"
+        if nbytes == 1
+        else f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
         f"        pos += {nbytes}",
         "        ns = None",
     ]
@@ -786,17 +829,24 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
             lines.append(f"        if nulls >> {i} & 1:")
             lines.append(f"            e{i} = b'\\x00'")
             lines.append("        else:")
-        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in _transcode_code(c, i)]
+        lines_i = _transcode_code(c, i)
+        present = i not in key
+        if present:  # write the union's value branch with the value: one concatenation less
+            lines_i, present = _with_branch(lines_i)
+        body = [s.replace("@e", f"e{i}").replace("@v", f"v{i}") for s in lines_i]
         lines.extend(pad + s for s in body)
         if c.binlog_type in (T_DATE, T_DATETIME2, T_TIMESTAMP2):
             lines.append(f"{pad}if e{i} is None:")
             lines.append(f"{pad}    e{i} = b'\\x00'")
             lines.append(f"{pad}    ns = (ns or []) + [_name{i}]")
+            if present:
+                continue
             lines.append(f"{pad}else:")
             pad += "    "
         if i in key:
             lines.append(f"{pad}k{i} = e{i}")
-        lines.append(f"{pad}e{i} = b'\\x02' + e{i}")
+        if not present:
+            lines.append(f"{pad}e{i} = b'\\x02' + e{i}")
     if key:
         keyexpr = (
             f"k{key[0]}" if len(key) == 1 else f"b''.join(({', '.join(f'k{i}' for i in key)},))"

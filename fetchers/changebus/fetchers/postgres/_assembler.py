@@ -88,7 +88,7 @@ from ._pgoutput import (
 )
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
-from ._values import decode_value
+from ._values import OUT_OF_RANGE, contains_out_of_range, decode_value
 
 __all__ = ["HEARTBEAT_PREFIX", "Assembler"]
 
@@ -271,6 +271,16 @@ class Assembler:
                 row[name] = None
                 not_sent.append(name)
                 continue
+            if value is OUT_OF_RANGE or (ctype.is_array and contains_out_of_range(value)):
+                log.warning(
+                    "%s.%s holds a timestamp after 294247-01-10, beyond an Avro long's "
+                    "microseconds; sent as not-sent",
+                    table.schema.name,
+                    name,
+                )
+                row[name] = None
+                not_sent.append(name)
+                continue
             if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
                 # NaN/Infinity in a numeric(p,s) column: Avro's decimal cannot hold it
                 log.warning(
@@ -333,7 +343,11 @@ class Assembler:
         :class:`~._transcode.Transcoder` (pgoutput binary straight to Avro)
         unless it hands them back to the general path.
         """
-        if type(buf) is not bytes:
+        if isinstance(buf, memoryview):
+            # psycopg hands over a memoryview of a whole bytes object: no copy of it then
+            whole = buf.obj if buf.contiguous else None
+            buf = whole if type(whole) is bytes and len(whole) == buf.nbytes else bytes(buf)
+        elif type(buf) is not bytes:
             buf = bytes(buf)
         kind = buf[offset]
         txn = self._txn
@@ -455,4 +469,8 @@ class Assembler:
                 partition=self.partition_id,
             )
         )
-        return Window(txn.scn, txn.ts_ns, b"".join(txn.events), len(txn.events), position)
+        events = txn.events
+        # framed here by RowEncoder / encode_control: the relay may trust the sizes
+        return Window(
+            txn.scn, txn.ts_ns, b"".join(events), len(events), position, tuple(map(len, events))
+        )

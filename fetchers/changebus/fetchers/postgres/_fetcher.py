@@ -4,10 +4,12 @@ One thread per fetcher owns two blocking psycopg connections: a replication
 connection (``replication=database``) in COPY_BOTH mode, and a regular one
 for the catalog (types, primary keys) and for set-up. Windows go to the event
 loop through a bounded :class:`ThreadFeed`, so a slow relay slows the stream.
-The feed holds windows back (up to 64, or 5 ms) and the loop flushes it
+The feed holds windows back (up to 256, or 20 ms) and the loop flushes it
 before it waits for the server: every wake-up of the event loop, like every
-wait on the socket, gives the GIL away, and winning it back from the relay's
-busy threads costs far more than the wake-up itself. Messages reach the
+wait on the socket or status message to the server, gives the GIL away, and
+winning it back from the relay's busy threads costs far more than the system
+call itself. For the same reason a new acknowledgement is reported to the
+server at most every 50 ms. Messages reach the
 :class:`Assembler` raw (:meth:`Assembler.feed_raw`): row changes are
 transcoded from pgoutput binary to Avro without Python values in between.
 
@@ -73,6 +75,11 @@ _XLOG = struct.Struct(">QQQ")
 _KEEPALIVE = struct.Struct(">QQB")
 _STATUS = struct.Struct(">cQQQQB")
 _PG_EPOCH_US = 946_684_800_000_000
+#: windows held back in the feed while the stream is busy (it flushes before it waits)
+_HOLD_WINDOWS = 256
+_HOLD_S = 0.02
+#: a new acknowledgement is reported at most this often (besides status_interval_s)
+_ACK_STATUS_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -193,9 +200,13 @@ class PostgresFetcher:
         return lsn_to_scn(row[0]) if row and row[0] else -1
 
     async def windows(self) -> AsyncIterator[Window]:
-        # windows held back up to 64 or 5 ms: the stream flushes before it waits for data
+        # windows held back while the stream is busy: it flushes before it waits for data
         self._feed = ThreadFeed(
-            self._run, maxsize=1024, name=f"pg-{self.name}", hold_items=64, hold_s=0.005
+            self._run,
+            maxsize=1024,
+            name=f"pg-{self.name}",
+            hold_items=_HOLD_WINDOWS,
+            hold_s=_HOLD_S,
         )
         async for window in self._feed.items():
             yield window
@@ -420,11 +431,13 @@ class PostgresFetcher:
         last_wake = 0.0
         while not stopping.is_set():
             now = time.monotonic()
-            if feed is not None and now - last_wake >= 0.005:  # held windows wait <= ~5 ms
+            if feed is not None and now - last_wake >= _HOLD_S:  # held windows wait <= _HOLD_S
                 feed.flush()
                 last_wake = now
             flush = self._acked_end_lsn
-            if now - last_status >= cfg.status_interval_s or flush != sent_flush:
+            if now - last_status >= cfg.status_interval_s or (
+                flush != sent_flush and now - last_status >= _ACK_STATUS_S
+            ):
                 self._send_status(pgconn, max(written, flush), flush)
                 last_status, sent_flush = now, flush
             nbytes, data = pgconn.get_copy_data(1)

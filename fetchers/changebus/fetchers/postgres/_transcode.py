@@ -41,8 +41,10 @@ from typing import Any, Final
 
 import fastavro
 
+from changebus.schemas import avro_long, avro_present_long
+
 from ._types import ColumnType
-from ._values import DECODERS, decode_value
+from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
 __all__ = ["Fallback", "Transcoder", "zigzag"]
 
@@ -51,47 +53,9 @@ class Fallback(Exception):
     """This message needs the general path (see the module docstring)."""
 
 
-def _zz_slow(z: int) -> bytes:
-    out = bytearray()
-    while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
-
-
-_ZZ_TABLE: Final = tuple(_zz_slow(z) for z in range(0x4000))
-#: 14 bits as two varint bytes, both with the continuation bit
-_ZZ_14: Final = tuple(bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000))
-#: the union branch "present" (0x02) followed by a small varint
-_PRESENT_ZZ: Final = tuple(b"\x02" + b for b in _ZZ_TABLE)
-
-
-def zigzag(n: int) -> bytes:
-    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint.
-
-    Built from tables: 14 low bits as two continuation bytes, then the varint
-    of the rest (non-zero in each branch), up to 56 bits (timestamps in µs).
-    """
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x4000:
-        return _ZZ_TABLE[z]
-    t = _ZZ_14
-    if z < 0x10000000:
-        return t[z & 0x3FFF] + _ZZ_TABLE[z >> 14]
-    if z < 0x40000000000:
-        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + _ZZ_TABLE[z >> 28]
-    if z < 0x100000000000000:
-        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + t[(z >> 28) & 0x3FFF] + _ZZ_TABLE[z >> 42]
-    return _zz_slow(z)
-
-
-def present_zigzag(n: int) -> bytes:
-    """``0x02`` (the union's value branch), then :func:`zigzag` of ``n``."""
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x4000:
-        return _PRESENT_ZZ[z]
-    return b"\x02" + zigzag(n)
+#: Avro ``int``/``long`` bytes, and the same after the union's value branch ``0x02``
+zigzag = avro_long
+present_zigzag = avro_present_long
 
 
 _I32: Final = struct.Struct(">i")
@@ -173,6 +137,8 @@ def _general_column(
         value = decode_value(oid, v, is_array=is_array)
         if is_array and value and _depth(value) != dims:
             raise Fallback
+        if value is OUT_OF_RANGE or (is_array and contains_out_of_range(value)):
+            raise Fallback
         if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
             raise Fallback
         if adapt is not None:
@@ -194,7 +160,11 @@ _SNIPPETS: Final[dict[str, tuple[int, str, str | None]]] = {
     "int8": (8, _INT + "e = zz(x)", _INT + "p = pzz(x)"),
     "oid": (4, "e = zz(from_bytes(v, 'big'))", "p = pzz(from_bytes(v, 'big'))"),
     "bool": (1, "e = BOOL[v]", "p = PBOOL[v]"),
-    "string": (0, "v.decode()\ne = zz(n) + v", "v.decode()\np = pzz(n) + v"),
+    "string": (
+        0,
+        "if not v.isascii(): v.decode()\ne = zz(n) + v",
+        "if not v.isascii(): v.decode()\np = pzz(n) + v",
+    ),
     "bytea": (0, "e = zz(n) + v", "p = pzz(n) + v"),
     "float4": (4, "e = float4(v)", None),
     "float8": (8, "e = v[::-1]", None),

@@ -13,11 +13,16 @@ bool                              bool
 text, varchar, bpchar, name,      str
 "char", xml, enum labels
 bytea                             bytes
-date                              datetime.date (+/-infinity: date.max/min)
+date                              datetime.date (+/-infinity: date.max/min);
+                                  int days since 1970-01-01 outside
+                                  Python's years 1-9999 (BC, 10000+)
 time                              datetime.time
 timetz                            str, ``HH:MM:SS[.ffffff]+HH[:MM]``
-timestamp                         naive datetime (+/-infinity: max/min)
-timestamptz                       aware datetime in UTC
+timestamp                         naive datetime (+/-infinity: max/min);
+                                  int µs since 1970-01-01 outside years
+                                  1-9999, :data:`OUT_OF_RANGE` beyond an
+                                  Avro long (after 294247-01-10)
+timestamptz                       aware datetime in UTC (the same rules)
 interval                          {"months", "days", "micros"}
 uuid                              uuid.UUID
 json, jsonb                       str (the JSON text)
@@ -26,6 +31,10 @@ macaddr                           str ``08:00:2b:01:02:03``
 money                             str with two decimals (the minor unit count / 100)
 arrays of any of these            list (nested lists for more dimensions)
 ================================  ==========================================
+
+The ints are the Avro values themselves (fastavro writes ints of a ``date``
+or ``timestamp-micros`` type unchanged), computed from Postgres' binary
+value (days or µs since 2000-01-01) without Python date objects.
 
 Cells in text format (a ``str``) are returned as the text itself; unknown
 type OIDs in binary format are decoded as UTF-8 text (enums send their label
@@ -46,13 +55,39 @@ from changebus.schemas import CorruptEventError
 
 from ._pgoutput import UNCHANGED, Cell
 
-__all__ = ["DECODERS", "TYPE_OIDS", "decode_value"]
+__all__ = ["DECODERS", "OUT_OF_RANGE", "TYPE_OIDS", "contains_out_of_range", "decode_value"]
 
 _EPOCH_DATE: Final = datetime.date(2000, 1, 1)
 _EPOCH_TS: Final = datetime.datetime(2000, 1, 1)
 _EPOCH_TSZ: Final = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MAX: Final = 2**63 - 1
+_PG_EPOCH_DAYS: Final = 10_957  # 1970-01-01 -> 2000-01-01
+_PG_EPOCH_US: Final = _PG_EPOCH_DAYS * 86_400_000_000
+#: Postgres days / microseconds (since 2000-01-01) that Python's date and datetime hold
+_DAY_MIN: Final = -730_119  # 0001-01-01
+_DAY_MAX: Final = 2_921_939  # 9999-12-31
+_US_MIN: Final = _DAY_MIN * 86_400_000_000
+_US_MAX: Final = (_DAY_MAX + 1) * 86_400_000_000 - 1
+
+
+class _OutOfRange:
+    """The type of :data:`OUT_OF_RANGE`."""
+
+    def __repr__(self) -> str:
+        return "OUT_OF_RANGE"
+
+
+#: a timestamp an Avro long cannot hold (after 294247-01-10 UTC): sent as not-sent
+OUT_OF_RANGE: Final = _OutOfRange()
+
+
+def contains_out_of_range(value: Any) -> bool:
+    """True when ``value`` is :data:`OUT_OF_RANGE` or a (nested) list holding it."""
+    if isinstance(value, list):
+        return any(contains_out_of_range(v) for v in value)
+    return value is OUT_OF_RANGE
+
 
 _S_I16 = struct.Struct(">h")
 _S_I32 = struct.Struct(">i")
@@ -70,13 +105,16 @@ def _text(b: bytes) -> str:
     return b.decode()
 
 
-def _date(b: bytes) -> datetime.date:
+def _date(b: bytes) -> datetime.date | int:
     (days,) = _S_I32.unpack(b)
     if days == _INT32_MAX:
         return datetime.date.max
     if days == -_INT32_MAX - 1:
         return datetime.date.min
-    return _EPOCH_DATE + datetime.timedelta(days=days)
+    if _DAY_MIN <= days <= _DAY_MAX:
+        return _EPOCH_DATE + datetime.timedelta(days=days)
+    # outside Python's dates (BC, after 9999): the Avro value, days since 1970-01-01
+    return int(days) + _PG_EPOCH_DAYS
 
 
 def _time(b: bytes) -> datetime.time:
@@ -98,22 +136,32 @@ def _timetz(b: bytes) -> str:
     return t + zone
 
 
-def _timestamp(b: bytes) -> datetime.datetime:
+def _timestamp(b: bytes) -> datetime.datetime | int | _OutOfRange:
     (us,) = _S_I64.unpack(b)
     if us == _INT64_MAX:
         return datetime.datetime.max
     if us == -_INT64_MAX - 1:
         return datetime.datetime.min
-    return _EPOCH_TS + datetime.timedelta(microseconds=us)
+    if _US_MIN <= us <= _US_MAX:
+        return _EPOCH_TS + datetime.timedelta(microseconds=us)
+    return _unix_micros(us)
 
 
-def _timestamptz(b: bytes) -> datetime.datetime:
+def _timestamptz(b: bytes) -> datetime.datetime | int | _OutOfRange:
     (us,) = _S_I64.unpack(b)
     if us == _INT64_MAX:
         return datetime.datetime.max.replace(tzinfo=datetime.UTC)
     if us == -_INT64_MAX - 1:
         return datetime.datetime.min.replace(tzinfo=datetime.UTC)
-    return _EPOCH_TSZ + datetime.timedelta(microseconds=us)
+    if _US_MIN <= us <= _US_MAX:
+        return _EPOCH_TSZ + datetime.timedelta(microseconds=us)
+    return _unix_micros(us)
+
+
+def _unix_micros(us: int) -> int | _OutOfRange:
+    """Microseconds since 2000 -> since 1970 (the Avro value), when an Avro long holds it."""
+    unix = us + _PG_EPOCH_US
+    return unix if -_INT64_MAX - 1 <= unix <= _INT64_MAX else OUT_OF_RANGE
 
 
 def _interval(b: bytes) -> dict[str, int]:

@@ -1,0 +1,207 @@
+"""The buffer's trusted append path (windows framed in-process, with event sizes).
+
+It must leave exactly what the verifying path leaves (ring bytes, event
+table, SCN index, published state), still refuse structurally wrong windows,
+and windows without sizes (any other producer) must still have every CRC
+checked. Also: the relay host passes a fetcher's ``event_sizes`` on, and the
+ring prefaulting never changes what is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from changebus.fetchers import Window
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.schemas import (
+    BadRequestError,
+    Column,
+    CorruptEventError,
+    EndOfWindow,
+    Op,
+    RowEncoder,
+    SchemaRegistry,
+    TableSchema,
+    encode_control,
+    parse_stream,
+)
+
+CAP = 256 * 1024
+
+
+def framed_windows(count: int, seed: int = 1) -> list[tuple[bytes, tuple[int, ...]]]:
+    """Windows of RowEncoder events (random sizes), with their event sizes."""
+    rnd = random.Random(seed)
+    table = SchemaRegistry().register(
+        TableSchema("s.t", (Column("id", "long", nullable=False), Column("v", "string")), ("id",))
+    )
+    enc = RowEncoder(table, source_id=3, partition=1)
+    out = []
+    for w in range(count):
+        scn = 1000 + 7 * w
+        events = [
+            enc.encode(
+                Op.INSERT, scn, i, scn * 10, {"id": w * 100 + i, "v": "x" * rnd.randrange(2000)}
+            )
+            for i in range(rnd.randrange(1, 12))
+        ]
+        events.append(
+            encode_control(
+                EndOfWindow(len(events), f"pos{scn}"), scn, len(events), scn * 10, partition=1
+            )
+        )
+        out.append((b"".join(events), tuple(len(e) for e in events)))
+    return out
+
+
+def drain(buf: EventBuffer) -> list[tuple[int, int, bytes]]:
+    """Every event a reader gets from the start: (scn, seq, bytes)."""
+    out: list[tuple[int, int, bytes]] = []
+    scn, offset = -1, -1
+    while (sel := buf.select(scn, offset, 1 << 20)) is not None:
+        data = b"".join(bytes(v) for v in sel.views)
+        assert buf.release(sel)
+        offsets, headers = parse_stream(data)
+        ends = offsets + headers["total_length"]
+        out += [
+            (int(h["scn"]), int(h["seq"]), data[a:b])
+            for h, a, b in zip(headers, offsets.tolist(), ends.tolist(), strict=True)
+        ]
+        scn, offset = sel.next_scn, sel.next_offset
+    return out
+
+
+def state(buf: EventBuffer) -> tuple[object, bytes, bytes, bytes]:
+    m = buf.meta
+    return (
+        m,
+        bytes(buf._ring),
+        buf._events.get(m.head_event, m.tail_event).tobytes(),
+        buf._index.get(m.index_head, m.index_tail).tobytes(),
+    )
+
+
+@pytest.mark.parametrize("group", [1, 3, 40])
+def test_trusted_path_leaves_the_same_buffer(tmp_path: Path, group: int) -> None:
+    windows = framed_windows(300)
+    cfg = BufferConfig(capacity_bytes=CAP)  # wraps around several times
+    verified = EventBuffer(tmp_path / "v", cfg)
+    trusted = EventBuffer(tmp_path / "t", cfg)
+    for i in range(0, len(windows), group):
+        part = windows[i : i + group]
+        verified.append_windows([d for d, _ in part])
+        trusted.append_windows([d for d, _ in part], sizes=[s for _, s in part])
+    assert trusted.stats["windows_evicted"] > 0  # the ring wrapped
+    assert state(trusted) == state(verified)
+    assert drain(trusted) == drain(verified)
+    verified.close()
+    trusted.close()
+
+
+def test_trusted_path_still_checks_structure(tmp_path: Path) -> None:
+    buf = EventBuffer(tmp_path, BufferConfig(capacity_bytes=CAP))
+    (data, sizes), (data2, sizes2) = framed_windows(2)
+    with pytest.raises(BadRequestError, match="add up"):
+        buf.append_windows([data], sizes=[(*sizes[:-1], sizes[-1] + 1)])
+    with pytest.raises(BadRequestError, match="add up"):
+        buf.append_windows([data, data2], sizes=[sizes2, sizes])
+    if len(sizes) > 2:  # two events given as one: the lengths no longer match the headers
+        merged = (sizes[0] + sizes[1], *sizes[2:])
+        with pytest.raises(CorruptEventError):
+            buf.append_windows([data], sizes=[merged])
+    bad = bytearray(data)
+    bad[0] ^= 0xFF  # the magic
+    with pytest.raises(CorruptEventError):
+        buf.append_windows([bytes(bad)], sizes=[sizes])
+    buf.append_windows([data2], sizes=[sizes2])
+    with pytest.raises(BadRequestError, match="not above"):  # order, as on the other path
+        buf.append_windows([data], sizes=[sizes])
+    assert buf.meta.windows == 1
+    buf.close()
+
+
+def test_windows_without_sizes_are_still_verified(tmp_path: Path) -> None:
+    """A flipped payload byte: refused without sizes; the group appends nothing."""
+    buf = EventBuffer(tmp_path, BufferConfig(capacity_bytes=CAP))
+    windows = framed_windows(3)
+    for k, (data, _) in enumerate(windows):
+        bad = bytearray(data)
+        bad[len(bad) // 2] ^= 0x01
+        with pytest.raises(CorruptEventError, match="checksum"):
+            buf.append_windows([bytes(bad)])
+        if k:  # after a window with sizes, in one group: the whole group is verified
+            earlier, sizes = windows[k - 1]
+            with pytest.raises(CorruptEventError, match="checksum"):
+                buf.append_windows([earlier, bytes(bad)], sizes=[sizes, ()])
+    assert buf.meta.windows == 0
+    buf.close()
+
+
+def test_prefaulted_ring_reopens_with_the_same_windows(tmp_path: Path) -> None:
+    cfg = BufferConfig(capacity_bytes=CAP)
+    buf = EventBuffer(tmp_path, cfg)
+    for data, sizes in framed_windows(40):
+        buf.append_windows([data], sizes=[sizes])
+    before = state(buf)
+    events = drain(buf)
+    buf.close()
+    again = EventBuffer(tmp_path, cfg)  # recovery verifies every CRC of what is live
+    assert state(again) == before and drain(again) == events
+    again.close()
+
+
+async def test_host_hands_event_sizes_to_the_buffer(tmp_path: Path, monkeypatch) -> None:
+    """The relay uses the trusted path only for windows that carry sizes."""
+    seen: list[object] = []
+    real = EventBuffer.append_windows
+
+    def spy(self, windows, *, before_publish=None, sizes=None):
+        seen.append(sizes)
+        return real(self, windows, before_publish=before_publish, sizes=sizes)
+
+    monkeypatch.setattr(EventBuffer, "append_windows", spy)
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "syn",
+                1,
+                capacity_bytes=1 << 20,
+                fetcher=FetcherConfig("synthetic", {"windows_per_s": 0, "events_per_window": 3}),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    async with Relay(cfg) as relay:
+        for _ in range(200):
+            if relay.hosts["syn"].buffer.stats["windows_appended"] >= 20:
+                break
+            await asyncio.sleep(0.02)
+        assert relay.hosts["syn"].buffer.stats["windows_appended"] >= 20
+    # the synthetic fetcher does not give sizes: every window went the verified way
+    assert seen
+    for sizes in seen:
+        assert isinstance(sizes, list) and not any(sizes)
+    assert Window(1, 0, b"", 0).event_sizes == ()
+
+
+def test_encode_many_reports_event_sizes() -> None:
+    """The sizes a fetcher gives the relay are those of the events it framed."""
+    table = SchemaRegistry().register(
+        TableSchema("s.t", (Column("id", "long", nullable=False), Column("v", "string")), ("id",))
+    )
+    enc = RowEncoder(table, source_id=3)
+    sizes: list[int] = [7]
+    rows = [(int(Op.INSERT), {"id": i, "v": "x" * i}, None, (), ()) for i in range(5)]
+    data = enc.encode_many(rows, 5, 0, first_seq=1, sizes=sizes)
+    again = enc.encode_many_encoded(
+        [(int(Op.DELETE), b"\x02", None, b"\x02\x00", (), ())], 5, 0, sizes=sizes
+    )
+    _, headers = parse_stream(data + again)
+    assert sizes == [7, *headers["total_length"].tolist()]
