@@ -7,6 +7,14 @@ around it. :class:`CopyBothSocket` instead reads ~1 MiB at a time with
 int32 length counting itself, payload); the CopyData payloads are handed on
 as ``(start, end)`` spans of one ``bytes`` chunk, without a copy.
 
+The reads and writes go through libc's ``read``/``write`` called with the
+GIL held (``ctypes.PyDLL``), not ``os.read``: the socket is non-blocking, so
+they never wait, and a call that let the GIL go would cost the stream thread
+a wait to win it back from the relay's busy threads (up to a switch
+interval), far more than the read itself. psycopg's C ``PQconsumeInput``
+does not let it go either. A message larger than one read is read with
+``os.read``.
+
 It starts the stream itself: :meth:`CopyBothSocket.start` writes the
 ``START_REPLICATION`` query on the socket of an idle connection and reads
 the answer up to the CopyBothResponse. libpq never reads from this socket
@@ -31,6 +39,7 @@ Thread-safety: none; one thread (the fetcher's stream thread) owns it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -47,6 +56,16 @@ _D, _E, _C, _N, _S, _A, _W, _Z = b"dEcNSAWZ"
 _IGNORED = frozenset(b"SA")
 #: the largest single read (a message larger than this takes several)
 _MAX_READ = 64 << 20
+_AGAIN = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR))
+
+# libc's read and write, called without letting the GIL go (see the module docstring)
+_libc = ctypes.PyDLL(None, use_errno=True)
+_read = _libc.read
+_read.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_read.restype = ctypes.c_ssize_t
+_write = _libc.write
+_write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+_write.restype = ctypes.c_ssize_t
 
 
 class ServerError(Exception):
@@ -101,6 +120,10 @@ class CopyBothSocket:
             raise ValueError("recv_bytes must be positive")
         self.fd = fd
         self.recv_bytes = recv_bytes
+        #: the read target; each read's bytes are copied out once (into the chunk)
+        self._rbuf = bytearray(recv_bytes)
+        self._rview = memoryview(self._rbuf)
+        self._rptr = ctypes.addressof((ctypes.c_char * recv_bytes).from_buffer(self._rbuf))
         self._buf = b""
         self._pos = 0
         self._error: ServerError | None = None
@@ -197,17 +220,28 @@ class CopyBothSocket:
         want = self.recv_bytes
         if rest >= 5:  # a message larger than one read: ask for all of it at once
             want = min(max(want, _HEAD(self._buf, self._pos)[1] + 1 - rest), _MAX_READ)
-        try:
-            data = os.read(self.fd, want)
-        except BlockingIOError:
-            return False
-        except InterruptedError:
-            return False
-        if not data:
+        data: bytes | memoryview
+        if want > self.recv_bytes:
+            try:
+                data = os.read(self.fd, want)
+            except (BlockingIOError, InterruptedError):
+                return False
+            n = len(data)
+        else:
+            n = _read(self.fd, self._rptr, want)
+            if n < 0:
+                err = ctypes.get_errno()
+                if err in _AGAIN:
+                    return False
+                if err == errno.ECONNRESET:
+                    raise ConnectionError("the server closed the connection")
+                raise OSError(err, os.strerror(err))
+            data = self._rview[:n]
+        if not n:
             raise ConnectionError("the server closed the connection")
         self.reads += 1
-        self.bytes_read += len(data)
-        self._buf = self._buf[self._pos :] + data if rest else data
+        self.bytes_read += n
+        self._buf = self._buf[self._pos :] + data if rest else bytes(data)
         self._pos = 0
         return True
 
@@ -222,18 +256,17 @@ class CopyBothSocket:
 
     def send(self, data: bytes) -> None:
         """Write all of ``data`` on the non-blocking socket (waits while it is full)."""
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(self.fd, view)
-            except (BlockingIOError, InterruptedError):
-                select.select([], [self.fd], [], 1.0)
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.EPIPE, errno.ECONNRESET):
-                    raise ConnectionError("the server closed the connection") from None
-                raise
-            view = view[n:]
+        while data:
+            n = _write(self.fd, data, len(data))
+            if n < 0:
+                err = ctypes.get_errno()
+                if err in _AGAIN:
+                    select.select([], [self.fd], [], 1.0)
+                    continue
+                if err in (errno.EPIPE, errno.ECONNRESET):
+                    raise ConnectionError("the server closed the connection")
+                raise OSError(err, os.strerror(err))
+            data = data[n:]
 
     def _notice(self, start: int, end: int) -> None:
         fields = parse_fields(self._buf[start:end])
