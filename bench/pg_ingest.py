@@ -14,6 +14,10 @@ Starts a throwaway Postgres 15 (the test fixture's recipe), then:
   the client to the window published in the relay's buffer. Goal p50 <= 2 ms,
   p99 <= 8 ms.
 
+``--reader`` sets the fetcher's ``stream_reader`` option (``auto``, ``socket``,
+``libpq``); the fetcher thread's CPU time per row (from /proc) is printed
+with each backlog, as it moves far less than rates on a shared machine.
+
 Last line: one JSON object.
 """
 

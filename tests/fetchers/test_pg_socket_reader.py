@@ -176,7 +176,7 @@ async def test_both_readers_fill_identical_buffers(tmp_path: Path, pg_dsn: str) 
         marker = conn.execute("SELECT pg_logical_emit_message(true, 'end', 'x')::text").fetchone()
     assert marker is not None
     target = lsn_to_scn(marker[0])
-    runs = {
+    runs: dict[str, dict[str, Any]] = {
         "via_libpq": {"stream_reader": "libpq"},
         "via_socket": {"stream_reader": "socket"},
         "via_socket_tiny": {"stream_reader": "socket", "socket_read_bytes": 13},

@@ -22,6 +22,12 @@ Protocol (psycopg >= 3.3 has no replication API; the framing is ours):
   LSN, clock, reply flag), sent when asked, after acknowledgements, and at
   least every ``status_interval_s``.
 
+Two readers of that stream (option ``stream_reader``): libpq's
+``PQgetCopyData``, one message per call, or, on a connection without TLS or
+GSS encryption, the socket itself (:class:`~._wire.CopyBothSocket`: ~1 MiB
+per read, messages split in Python and handed to the assembler as spans of
+the chunk). Both fill the relay's buffer with the same bytes.
+
 Only what the relay has acknowledged (``acknowledge(scn)``: the window is in
 its buffer) is reported as flushed, so the slot never advances past a change
 the relay does not hold: a crash anywhere loses nothing. On start the stream
