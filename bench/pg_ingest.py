@@ -14,6 +14,10 @@ Starts a throwaway Postgres 15 (the test fixture's recipe), then:
   the client to the window published in the relay's buffer. Goal p50 <= 2 ms,
   p99 <= 8 ms.
 
+``--reader`` sets the fetcher's ``stream_reader`` option (``auto``, ``socket``,
+``libpq``); the fetcher thread's CPU time per row (from /proc) is printed
+with each backlog, as it moves far less than rates on a shared machine.
+
 Last line: one JSON object.
 """
 
@@ -22,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,7 +100,9 @@ def recvlogical(bin_dir: Path, port: int, dbname: str, slot: str, end_lsn: str) 
     return time.perf_counter() - t0
 
 
-def backlog(base: Path, server: Any, rows: int, text_bytes: int, label: str) -> dict[str, float]:
+def backlog(
+    base: Path, server: Any, rows: int, text_bytes: int, label: str, reader: str
+) -> dict[str, float]:
     db = f"b_{label}"
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {db}")
@@ -111,18 +119,21 @@ def backlog(base: Path, server: Any, rows: int, text_bytes: int, label: str) -> 
     recv_s = recvlogical(
         server.bin_dir, server.port, db, f"recv_{label}", f"{end >> 32:X}/{end & 0xFFFFFFFF:X}"
     )
-    cb_s, _events = asyncio.run(relay_drain_until(base, dsn, rows, f"cb_{label}"))
+    cb_s, fetcher_cpu_s = asyncio.run(relay_drain_until(base, dsn, rows, f"cb_{label}", reader))
     return {
         f"{label}_rows": rows,
         f"{label}_table_mb": round((size[0] if size else 0) / 1e6, 1),
         f"{label}_recvlogical_rows_per_s": round(rows / recv_s),
         f"{label}_changebus_rows_per_s": round(rows / cb_s),
         f"{label}_vs_recvlogical_ratio": round(recv_s / cb_s, 3),
+        f"{label}_fetcher_thread_cpu_us_per_row": round(fetcher_cpu_s / rows * 1e6, 2),
     }
 
 
-async def relay_drain_until(tmp: Path, dsn: str, rows: int, slot: str) -> tuple[float, int]:
-    """Time until the relay's buffer holds every backlog row (one event per row)."""
+async def relay_drain_until(
+    tmp: Path, dsn: str, rows: int, slot: str, reader: str
+) -> tuple[float, float]:
+    """Time until the relay's buffer holds every backlog row, and the fetcher thread's CPU time."""
     cfg = RelayConfig(
         data_dir=tmp / f"relay-{rows}-{time.monotonic_ns()}",
         http=HttpConfig(port=0),
@@ -133,7 +144,13 @@ async def relay_drain_until(tmp: Path, dsn: str, rows: int, slot: str) -> tuple[
                 capacity_bytes=256 << 20,
                 fetcher=FetcherConfig(
                     "postgres",
-                    {"dsn": dsn, "slot": slot, "publication": "pub", "create_slot": False},
+                    {
+                        "dsn": dsn,
+                        "slot": slot,
+                        "publication": "pub",
+                        "create_slot": False,
+                        "stream_reader": reader,
+                    },
                 ),
             ),
         ),
@@ -147,10 +164,22 @@ async def relay_drain_until(tmp: Path, dsn: str, rows: int, slot: str) -> tuple[
             if time.perf_counter() - t0 > 600:
                 raise TimeoutError("the relay did not drain the backlog")
             await asyncio.sleep(0.005)
-        return time.perf_counter() - t0, buf.stats["events_appended"]
+        elapsed = time.perf_counter() - t0
+        return elapsed, thread_cpu_s("pg-pg")
 
 
-async def latency(base: Path, server: Any, seconds: float) -> dict[str, float]:
+def thread_cpu_s(name: str) -> float:
+    """User + system CPU seconds of this process's thread ``name`` (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick
+    return float("nan")
+
+
+async def latency(base: Path, server: Any, seconds: float, reader: str) -> dict[str, float]:
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute("CREATE DATABASE lat")
     dsn = server.dsn("lat")
@@ -164,7 +193,9 @@ async def latency(base: Path, server: Any, seconds: float) -> dict[str, float]:
                 "pg",
                 1,
                 capacity_bytes=64 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.5}),
+                fetcher=FetcherConfig(
+                    "postgres", {"dsn": dsn, "status_interval_s": 0.5, "stream_reader": reader}
+                ),
             ),
         ),
         flush_interval_s=0,
@@ -227,21 +258,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument(
+        "--reader",
+        choices=("auto", "libpq", "socket"),
+        default="auto",
+        help="the postgres fetcher's stream_reader option",
+    )
     args = ap.parse_args()
-    result: dict[str, float] = {}
+    result: dict[str, Any] = {"reader": args.reader}
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-pg-"))
     server = EmbeddedPostgres.start(base)
     try:
         for label, text_bytes in (("large", 2400), ("small", 120)):
-            figs = backlog(base, server, args.rows, text_bytes, label)
+            figs = backlog(base, server, args.rows, text_bytes, label, args.reader)
             result.update(figs)
             print(
                 f"{label} rows: changebus {figs[f'{label}_changebus_rows_per_s']:,} rows/s, "
                 f"pg_recvlogical {figs[f'{label}_recvlogical_rows_per_s']:,} rows/s "
-                f"(ratio {figs[f'{label}_vs_recvlogical_ratio']:.2f})",
+                f"(ratio {figs[f'{label}_vs_recvlogical_ratio']:.2f}); fetcher thread "
+                f"{figs[f'{label}_fetcher_thread_cpu_us_per_row']} us of CPU per row",
                 flush=True,
             )
-        lat = asyncio.run(latency(base, server, args.seconds))
+        lat = asyncio.run(latency(base, server, args.seconds, args.reader))
         result.update(lat)
         print(
             f"latency at 1,000 rows/s in 10-row transactions: p50 {lat['latency_p50_ms']} ms, "

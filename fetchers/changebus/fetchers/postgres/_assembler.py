@@ -335,10 +335,12 @@ class Assembler:
 
     # ---- the message loop ----------------------------------------------
 
-    def feed_raw(self, buf: bytes | memoryview, offset: int = 0) -> Window | None:
-        """Take one pgoutput message ``buf[offset:]``; returns a window at a Commit.
+    def feed_raw(self, buf: bytes | memoryview, offset: int = 0, end: int = -1) -> Window | None:
+        """Take one pgoutput message ``buf[offset:end]``; returns a window at a Commit.
 
-        The same as ``feed(parse_message(buf[offset:]))``, byte for byte, but
+        ``end`` < 0: the message runs to the end of ``buf`` (the socket reader
+        hands over spans of a larger chunk, the libpq reader whole messages).
+        The same as ``feed(parse_message(buf[offset:end]))``, byte for byte, but
         row messages of known tables go through the table's
         :class:`~._transcode.Transcoder` (pgoutput binary straight to Avro)
         unless it hands them back to the general path.
@@ -355,7 +357,7 @@ class Assembler:
             table = self._tables.get(int.from_bytes(buf[offset + 1 : offset + 5], "big"))
             if table is not None and not txn.oversized:
                 try:
-                    op, key, body = table.transcoder.change(buf, offset)
+                    op, key, body = table.transcoder.change(buf, offset, end)
                 except Fallback:
                     pass
                 except (IndexError, ValueError, TypeError, KeyError, struct.error):
@@ -370,7 +372,8 @@ class Assembler:
                     self.rows_transcoded += 1
                     return None
             self.rows_general += 1
-        return self.feed(parse_message(memoryview(buf)[offset:]))
+        view = memoryview(buf)
+        return self.feed(parse_message(view[offset:end] if end >= 0 else view[offset:]))
 
     def feed(self, msg: Message) -> Window | None:
         """Take one message; returns a complete window at a Commit."""

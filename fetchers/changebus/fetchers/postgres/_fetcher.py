@@ -22,6 +22,12 @@ Protocol (psycopg >= 3.3 has no replication API; the framing is ours):
   LSN, clock, reply flag), sent when asked, after acknowledgements, and at
   least every ``status_interval_s``.
 
+Two readers of that stream (option ``stream_reader``): libpq's
+``PQgetCopyData``, one message per call, or, on a connection without TLS or
+GSS encryption, the socket itself (:class:`~._wire.CopyBothSocket`: ~1 MiB
+per read, messages split in Python and handed to the assembler as spans of
+the chunk). Both fill the relay's buffer with the same bytes.
+
 Only what the relay has acknowledged (``acknowledge(scn)``: the window is in
 its buffer) is reported as flushed, so the slot never advances past a change
 the relay does not hold: a crash anywhere loses nothing. On start the stream
@@ -66,6 +72,7 @@ from .._base import ResumePoint, Window, register_fetcher
 from .._threadfeed import ThreadFeed
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._types import TypeResolver
+from ._wire import CopyBothSocket, ServerError
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
 
@@ -109,6 +116,11 @@ class PostgresConfig:
     #: SQL mode: changes asked per peek, and the pause when nothing is new
     sql_batch_changes: int = 20_000
     sql_poll_interval_s: float = 0.05
+    #: how the stream is read: "socket" (straight from the connection's socket),
+    #: "libpq" (one PQgetCopyData per message) or "auto" (socket unless TLS/GSS)
+    stream_reader: str = "auto"
+    #: bytes asked per read of the socket reader
+    socket_read_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not self.dsn:
@@ -117,6 +129,7 @@ class PostgresConfig:
             "mode": ("stream", "sql"),
             "on_oversized_transaction": ("fail", "skip"),
             "on_slot_lost": ("recreate", "fail"),
+            "stream_reader": ("auto", "libpq", "socket"),
         }
         for option, allowed in choices.items():
             if getattr(self, option) not in allowed:
@@ -132,6 +145,8 @@ class PostgresConfig:
                 raise ConfigError(f"fetcher option {option} must not be negative")
         if self.sql_batch_changes < 1:
             raise ConfigError("fetcher option sql_batch_changes must be at least 1")
+        if self.socket_read_bytes < 1:
+            raise ConfigError("fetcher option socket_read_bytes must be at least 1")
         for name in (self.slot, self.publication):
             if not name.replace("_", "").isalnum() or not name.islower():
                 raise ConfigError(
@@ -171,6 +186,8 @@ class PostgresFetcher:
             "unconfirmed_wal_bytes": -1,
         }
         self._slot_state = ""
+        #: the reader of the current (or last) stream: "socket" or "libpq"
+        self.stream_reader = ""
 
     # ---- Fetcher protocol -------------------------------------------------
 
@@ -227,6 +244,7 @@ class PostgresFetcher:
             "mode": self.config.mode,
             "slot": self.config.slot,
             "slot_wal_status": self._slot_state,
+            "stream_reader": self.stream_reader,
             "acked_lsn": scn_to_lsn(self._acked_end_lsn) if self._acked_end_lsn else "",
             **{k: v for k, v in self.stats.items() if v != -1},
         }
@@ -414,6 +432,18 @@ class PostgresFetcher:
             f"START_REPLICATION SLOT {cfg.slot} LOGICAL {start_lsn} "
             f"(proto_version '1', publication_names '{cfg.publication}', binary 'true', messages 'true')"
         )
+        pgconn = repl.pgconn
+        plain = not pgconn.ssl_in_use and not pgconn.used_gssapi
+        if cfg.stream_reader == "socket" and not plain:
+            raise SourceConfigError(
+                "fetcher option stream_reader = 'socket' needs a connection without "
+                "TLS or GSS encryption; use 'auto' or 'libpq'"
+            )
+        if cfg.stream_reader != "libpq" and plain:
+            self.stream_reader = "socket"
+            self._stream_socket(pgconn, command, assembler, emit, stopping, ticker)
+            return
+        self.stream_reader = "libpq"
         try:
             repl.execute(command)
         except psycopg.errors.ObjectInUse as exc:
@@ -422,8 +452,12 @@ class PostgresFetcher:
             ) from None
         except psycopg.Error as exc:
             raise SourceError(f"START_REPLICATION failed: {_reason(exc)}") from None
-        pgconn = repl.pgconn
         sock = pgconn.socket
+
+        def send(msg: bytes) -> None:
+            pgconn.put_copy_data(msg)
+            pgconn.flush()
+
         last_status = 0.0
         written = 0
         sent_flush = -1
@@ -438,7 +472,7 @@ class PostgresFetcher:
             if now - last_status >= cfg.status_interval_s or (
                 flush != sent_flush and now - last_status >= _ACK_STATUS_S
             ):
-                self._send_status(pgconn, max(written, flush), flush)
+                self._send_status(send, max(written, flush), flush)
                 last_status, sent_flush = now, flush
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
@@ -472,10 +506,85 @@ class PostgresFetcher:
                 written = max(written, end)
                 self.stats["keepalives"] += 1
                 if reply:
-                    self._send_status(
-                        pgconn, max(written, self._acked_end_lsn), self._acked_end_lsn
-                    )
+                    self._send_status(send, max(written, self._acked_end_lsn), self._acked_end_lsn)
                     last_status = time.monotonic()
+
+    def _stream_socket(
+        self,
+        pgconn: Any,
+        command: str,
+        assembler: Assembler,
+        emit: Callable[[Window], None],
+        stopping: threading.Event,
+        ticker: _Ticker,
+    ) -> None:
+        """The stream loop of ``_stream`` with the socket reader (see ``_wire``).
+
+        The same work as the libpq loop, but per chunk of the socket (up to
+        ``socket_read_bytes``): the feed and the status update are looked at
+        once per chunk, then every CopyData message in it is handled.
+        """
+        cfg = self.config
+        resume = self._resume
+        wire = CopyBothSocket(pgconn.socket, cfg.socket_read_bytes)
+        try:
+            wire.start(command)
+        except ServerError as exc:
+            if exc.sqlstate == "55006":  # object_in_use
+                raise SourceError(
+                    f"slot {cfg.slot!r} is in use by another process: {exc.message}"
+                ) from None
+            raise SourceError(f"START_REPLICATION failed: {exc.message}") from None
+        except (OSError, TimeoutError) as exc:
+            raise SourceError(f"lost the Postgres connection: {exc}") from None
+        last_status = 0.0
+        written = 0
+        sent_flush = -1
+        feed = self._feed
+        last_wake = 0.0
+        send = wire.send_copy_data
+        xlog = _XLOG.unpack_from
+        try:
+            while not stopping.is_set():
+                now = time.monotonic()
+                if feed is not None and now - last_wake >= _HOLD_S:
+                    feed.flush()
+                    last_wake = now
+                flush = self._acked_end_lsn
+                if now - last_status >= cfg.status_interval_s or (
+                    flush != sent_flush and now - last_status >= _ACK_STATUS_S
+                ):
+                    self._send_status(send, max(written, flush), flush)
+                    last_status, sent_flush = now, flush
+                buf, spans = wire.read()
+                if not spans:
+                    if feed is not None:
+                        feed.flush()
+                    ticker.tick(now, idle=not assembler.in_transaction)
+                    wire.wait(min(cfg.status_interval_s, 0.2))
+                    continue
+                for start, end in spans:
+                    kind = buf[start]
+                    if kind == 0x77:  # 'w' XLogData
+                        lsn = xlog(buf, start + 1)[1]
+                        if lsn > written:
+                            written = lsn
+                        window = assembler.feed_raw(buf, start + 25, end)
+                        if window is not None and window.scn > resume.scn:
+                            self._emit(window, emit)
+                            ticker.activity(now)
+                    elif kind == 0x6B:  # 'k' keepalive
+                        lsn, _send, reply = _KEEPALIVE.unpack_from(buf, start + 1)
+                        written = max(written, lsn)
+                        self.stats["keepalives"] += 1
+                        if reply:
+                            acked = self._acked_end_lsn
+                            self._send_status(send, max(written, acked), acked)
+                            last_status = time.monotonic()
+        except ServerError as exc:
+            raise SourceError(f"replication stream ended: {exc.text}") from None
+        except OSError as exc:  # ConnectionError included
+            raise SourceError(f"lost the Postgres connection: {exc}") from None
 
     def _poll_sql(
         self,
@@ -535,10 +644,8 @@ class PostgresFetcher:
                 ticker.tick(now, idle=True)
                 stopping.wait(cfg.sql_poll_interval_s)
 
-    def _send_status(self, pgconn: Any, written: int, flushed: int) -> None:
-        msg = _STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0)
-        pgconn.put_copy_data(msg)
-        pgconn.flush()
+    def _send_status(self, send: Callable[[bytes], None], written: int, flushed: int) -> None:
+        send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0))
 
 
 class _Ticker:

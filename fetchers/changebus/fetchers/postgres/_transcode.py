@@ -429,11 +429,15 @@ class Transcoder:
         fn = env["tuple_"]
         return fn
 
-    def change(self, buf: bytes, pos: int) -> tuple[int, bytes, bytes]:
-        """``(op, key, body)`` of the I/U/D message at ``buf[pos]`` (body = key + record).
+    def change(self, buf: bytes, pos: int, end: int = -1) -> tuple[int, bytes, bytes]:
+        """``(op, key, body)`` of the I/U/D message ``buf[pos:end]`` (body = key + record).
 
-        Raises :class:`Fallback` when the general path must do it.
+        ``end`` < 0: the message runs to the end of ``buf``. A message whose
+        tuples would run past ``end`` is malformed (or truncated): raises
+        :class:`Fallback`, as it does whenever the general path must do it.
         """
+        if end < 0:
+            end = len(buf)
         kind = buf[pos]
         pos += 5  # kind, relation oid
         marker = buf[pos]
@@ -441,19 +445,25 @@ class Transcoder:
             if marker != 0x4E:
                 raise Fallback
             after, key, ns, pos = self._tuple(buf, pos + 1)
+            if pos > end:
+                raise Fallback
             tail = b"\x00\x00\x00" if ns is None else b"\x00" + _string_array(ns) + b"\x00"
             return 1, key, b"".join([key, b"\x02", *after, tail])
         if kind == 0x55:  # 'U'
             if marker == 0x4E:
                 after, key, ns, pos = self._tuple(buf, pos + 1)
+                if pos > end:
+                    raise Fallback
                 tail = b"\x00\x00\x00" if ns is None else b"\x00" + _string_array(ns) + b"\x00"
                 return 2, key, b"".join([key, b"\x02", *after, tail])
             if marker != 0x4B and marker != 0x4F:
                 raise Fallback
             before, _, bns, pos = self._tuple(buf, pos + 1)
-            if buf[pos] != 0x4E:
+            if pos >= end or buf[pos] != 0x4E:
                 raise Fallback
             after, key, ns, pos = self._tuple(buf, pos + 1)
+            if pos > end:
+                raise Fallback
             before_ns = self._key_only_not_sent if marker == 0x4B else _string_array(bns)
             return (
                 2,
@@ -464,6 +474,8 @@ class Transcoder:
             if marker != 0x4B and marker != 0x4F:
                 raise Fallback
             before, key, bns, pos = self._tuple(buf, pos + 1)
+            if pos > end:
+                raise Fallback
             before_ns = self._key_only_not_sent if marker == 0x4B else _string_array(bns)
             return 3, key, b"".join([key, b"\x00\x02", *before, b"\x00", before_ns])
         raise Fallback
