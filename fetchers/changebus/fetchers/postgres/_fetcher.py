@@ -458,22 +458,12 @@ class PostgresFetcher:
             pgconn.put_copy_data(msg)
             pgconn.flush()
 
-        last_status = 0.0
         written = 0
-        sent_flush = -1
         feed = self._feed
-        last_wake = 0.0
+        duties = _StreamDuties(self, send)
         while not stopping.is_set():
             now = time.monotonic()
-            if feed is not None and now - last_wake >= _HOLD_S:  # held windows wait <= _HOLD_S
-                feed.flush()
-                last_wake = now
-            flush = self._acked_end_lsn
-            if now - last_status >= cfg.status_interval_s or (
-                flush != sent_flush and now - last_status >= _ACK_STATUS_S
-            ):
-                self._send_status(send, max(written, flush), flush)
-                last_status, sent_flush = now, flush
+            duties.tick(now, written)
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
                 # what the socket holds already, without a wait (select lets go of the
@@ -506,8 +496,7 @@ class PostgresFetcher:
                 written = max(written, end)
                 self.stats["keepalives"] += 1
                 if reply:
-                    self._send_status(send, max(written, self._acked_end_lsn), self._acked_end_lsn)
-                    last_status = time.monotonic()
+                    duties.reply(written)
 
     def _stream_socket(
         self,
@@ -537,25 +526,14 @@ class PostgresFetcher:
             raise SourceError(f"START_REPLICATION failed: {exc.message}") from None
         except (OSError, TimeoutError) as exc:
             raise SourceError(f"lost the Postgres connection: {exc}") from None
-        last_status = 0.0
         written = 0
-        sent_flush = -1
         feed = self._feed
-        last_wake = 0.0
-        send = wire.send_copy_data
+        duties = _StreamDuties(self, wire.send_copy_data)
         xlog = _XLOG.unpack_from
         try:
             while not stopping.is_set():
                 now = time.monotonic()
-                if feed is not None and now - last_wake >= _HOLD_S:
-                    feed.flush()
-                    last_wake = now
-                flush = self._acked_end_lsn
-                if now - last_status >= cfg.status_interval_s or (
-                    flush != sent_flush and now - last_status >= _ACK_STATUS_S
-                ):
-                    self._send_status(send, max(written, flush), flush)
-                    last_status, sent_flush = now, flush
+                duties.tick(now, written)
                 buf, spans = wire.read()
                 if not spans:
                     if feed is not None:
@@ -578,9 +556,7 @@ class PostgresFetcher:
                         written = max(written, lsn)
                         self.stats["keepalives"] += 1
                         if reply:
-                            acked = self._acked_end_lsn
-                            self._send_status(send, max(written, acked), acked)
-                            last_status = time.monotonic()
+                            duties.reply(written)
         except ServerError as exc:
             raise SourceError(f"replication stream ended: {exc.text}") from None
         except OSError as exc:  # ConnectionError included
@@ -646,6 +622,43 @@ class PostgresFetcher:
 
     def _send_status(self, send: Callable[[bytes], None], written: int, flushed: int) -> None:
         send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0))
+
+
+class _StreamDuties:
+    """What a stream loop does on every turn, whichever reader it uses.
+
+    Wakes the event loop for windows the :class:`ThreadFeed` holds (they wait
+    at most ``_HOLD_S``) and sends standby status updates: every
+    ``status_interval_s``, and soon (``_ACK_STATUS_S``) after the relay
+    acknowledged more, or at once when the server asks for a reply. Owned by
+    the stream thread.
+    """
+
+    def __init__(self, fetcher: PostgresFetcher, send: Callable[[bytes], None]) -> None:
+        self._fetcher = fetcher
+        self._send = send
+        self._interval = fetcher.config.status_interval_s
+        self._last_status = 0.0
+        self._sent_flush = -1
+        self._last_wake = 0.0
+
+    def tick(self, now: float, written: int) -> None:
+        feed = self._fetcher._feed
+        if feed is not None and now - self._last_wake >= _HOLD_S:
+            feed.flush()
+            self._last_wake = now
+        flush = self._fetcher._acked_end_lsn
+        if now - self._last_status >= self._interval or (
+            flush != self._sent_flush and now - self._last_status >= _ACK_STATUS_S
+        ):
+            self._fetcher._send_status(self._send, max(written, flush), flush)
+            self._last_status, self._sent_flush = now, flush
+
+    def reply(self, written: int) -> None:
+        """Answer a keepalive that asks for a reply."""
+        flush = self._fetcher._acked_end_lsn
+        self._fetcher._send_status(self._send, max(written, flush), flush)
+        self._last_status = time.monotonic()
 
 
 class _Ticker:
