@@ -466,4 +466,4 @@ def test_seed_config_of_kind_mysql_wants_a_mysql_url() -> None:
     # tables seeded before are skipped: nothing to do, no connection made
     progress = SeedProgress(scn=7)
     assert seed_mysql(cfg.dsn, 1, [], ["d.t"], {"d.t"}, lambda *_: None, progress) == 7
-    assert progress.state == "done" and progress.tables_done == 1
+    assert progress.state == "copied" and progress.tables_done == 1

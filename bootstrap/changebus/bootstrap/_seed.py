@@ -63,7 +63,13 @@ _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 
 @dataclass
 class SeedProgress:
-    """What a seed run did (updated while it runs; read by /v1/status)."""
+    """What a seed run did (updated while it runs; read by /v1/status).
+
+    ``state``: ``idle``, ``starting``, ``running`` (copying), ``copied`` (a
+    seeder's last word: every table copied), then ``done`` once the bootstrap
+    service has also recorded the result (a gap in its log repaired), or
+    ``failed`` / ``stopped``.
+    """
 
     state: str = "idle"
     scn: int = -1
@@ -156,7 +162,7 @@ def seed_postgres(
     progress.state = "running"
     progress.started_at = time.monotonic()
     if not todo:
-        progress.state = "done"
+        progress.state = "copied"
         return progress.scn
     slot = f"changebus_seed_{uuid.uuid4().hex[:12]}"
     with (
@@ -251,7 +257,7 @@ def seed_postgres(
             progress.tables_done += 1
             log.info("seeded %s: %d rows so far", name, progress.rows)
         conn.execute("COMMIT")
-    progress.state = "done"
+    progress.state = "copied"
     progress.table = ""
     return scn
 

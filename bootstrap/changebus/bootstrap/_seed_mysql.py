@@ -183,7 +183,7 @@ def seed_mysql(
     progress.state = "running"
     progress.started_at = time.monotonic()
     if not todo:
-        progress.state = "done"
+        progress.state = "copied"
         return progress.scn
     relay_server, base = _relay_origin(relay_fetcher)
     with consistent_snapshot(mysql_config_from_dsn(dsn)) as snap:
@@ -231,7 +231,7 @@ def seed_mysql(
             write(name, [], scn)  # the table is done
             progress.tables_done += 1
             log.info("seeded %s: %d rows so far", name, progress.rows)
-    progress.state = "done"
+    progress.state = "copied"
     progress.table = ""
     return scn
 

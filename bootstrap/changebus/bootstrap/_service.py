@@ -456,6 +456,7 @@ class BootstrapService:
             )
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info("partition %s: the gap in the log is repaired", w.name)
+            w.seed.state = "done"  # only now: "done" promises the gap is repaired too
             log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
         except asyncio.CancelledError:
             w.seed.state = "stopped"
