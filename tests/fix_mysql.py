@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from changebus.fetchers.mysql import EmbeddedMariaDB
+from changebus.schemas import binlog_file_number, binlog_to_scn
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +52,15 @@ def mysql_db(mysql_server: EmbeddedMariaDB) -> Iterator[str]:
                 cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
         finally:
             conn.close()
+
+
+def master_scn(server: EmbeddedMariaDB) -> int:
+    """The SCN of the server's binlog end (``SHOW MASTER STATUS``)."""
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            file, pos = cur.fetchone()[:2]
+    finally:
+        conn.close()
+    return binlog_to_scn(binlog_file_number(file), int(pos))

@@ -43,12 +43,11 @@ from changebus.schemas import (
     Op,
     SourceConfigError,
     SourceError,
-    binlog_file_number,
-    binlog_to_scn,
     event_at,
     parse_stream,
     verify_event,
 )
+from fix_mysql import master_scn
 
 pytestmark = pytest.mark.mysql
 
@@ -187,14 +186,7 @@ def marker(server: EmbeddedMariaDB, db: str) -> int:
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
         "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
     )
-    conn = server.connect()
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-    finally:
-        conn.close()
-    return binlog_to_scn(binlog_file_number(file), int(pos))
+    return master_scn(server)
 
 
 async def wait_until(pred: Callable[[], bool], seconds: float = 60, what: str = "") -> None:

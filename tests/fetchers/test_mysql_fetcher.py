@@ -22,13 +22,12 @@ from changebus.schemas import (
     SchemaChange,
     SchemaRegistry,
     TableSchema,
-    binlog_file_number,
-    binlog_to_scn,
     decode_control,
     event_at,
     parse_stream,
     verify_event,
 )
+from fix_mysql import master_scn
 
 pytestmark = pytest.mark.mysql
 
@@ -60,17 +59,6 @@ def execute(server: EmbeddedMariaDB, db: str, *statements: str | tuple[str, Any]
                     cur.execute(s)
     finally:
         conn.close()
-
-
-def master_scn(server: EmbeddedMariaDB) -> int:
-    conn = server.connect()
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-    finally:
-        conn.close()
-    return binlog_to_scn(binlog_file_number(file), int(pos))
 
 
 async def wait_until(pred: Any, seconds: float = 30) -> None:

@@ -18,7 +18,6 @@ import pytest
 from test_mysql_fetcher import (
     caught_up,
     execute,
-    master_scn,
     relay_config,
     replay,
     source_rows,
@@ -42,6 +41,7 @@ from changebus.schemas import (
     binlog_file_number,
     binlog_to_scn,
 )
+from fix_mysql import master_scn
 
 pytestmark = pytest.mark.mysql
 

@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -475,32 +475,30 @@ class BootstrapService:
                 return
             await asyncio.sleep(0.1)
 
-    async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:
-        """The fetcher status of partition ``name`` on the first relay that answers."""
+    async def _relay_answers(self, path: str) -> AsyncIterator[dict[str, Any]]:
+        """The JSON answer to ``GET path`` of every relay that gives one, in order."""
         assert self._session is not None
         for url in self.config.relays:
             try:
                 async with self._session.get(
-                    f"{url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)
+                    f"{url}{path}", timeout=aiohttp.ClientTimeout(total=10)
                 ) as resp:
                     data = await resp.json()
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 continue
+            if isinstance(data, dict):
+                yield data
+
+    async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:
+        """The fetcher status of partition ``name`` on the first relay that answers."""
+        async for data in self._relay_answers("/v1/status"):
             for part in data.get("partitions", []):
                 if part.get("name") == name and isinstance(part.get("fetcher"), dict):
                     return dict(part["fetcher"])
         return None
 
     async def _relay_partition_id(self, name: str) -> int:
-        assert self._session is not None
-        for url in self.config.relays:
-            try:
-                async with self._session.get(
-                    f"{url}/v1/sources", timeout=aiohttp.ClientTimeout(total=10)
-                ) as resp:
-                    data = await resp.json()
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
+        async for data in self._relay_answers("/v1/sources"):
             for p in data.get("partitions", []):
                 if p.get("partition") == name:
                     return int(p.get("id", 0))
