@@ -186,7 +186,7 @@ def marker(server: EmbeddedMariaDB, db: str) -> int:
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
         "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
     )
-    return master_scn(server)
+    return int(master_scn(server))  # fix_mysql is untyped to mypy here
 
 
 async def wait_until(pred: Callable[[], bool], seconds: float = 60, what: str = "") -> None:
