@@ -86,3 +86,33 @@ async def test_held_items_arrive_on_flush_on_age_and_before_the_producer_waits()
     rest = [item async for item in items]
     assert rest == list(range(1, 200))
     await feed.close()
+
+
+async def test_the_byte_bound_holds_the_producer_back_but_lets_a_large_item_pass() -> None:
+    produced: list[bytes] = []
+
+    def produce(emit: Callable[[bytes], None], stopping: threading.Event) -> None:
+        for i in range(10):
+            item = bytes([i]) * (5000 if i == 6 else 300)  # item 6 alone is over the bound
+            emit(item)
+            produced.append(item)
+
+    feed = ThreadFeed(produce, maxsize=1000, weigh=len, max_bytes=1000)
+    await asyncio.sleep(0.3)  # nothing consumed: 3 items of 300 bytes fit, the 4th waits
+    assert len(produced) == 3
+    got = [item async for item in feed.items()]
+    assert got == produced
+    assert [len(item) for item in got].count(5000) == 1
+    assert feed._bytes == 0
+    await feed.close()
+
+
+async def test_close_stops_a_producer_waiting_for_bytes() -> None:
+    def produce(emit: Callable[[bytes], None], stopping: threading.Event) -> None:
+        while True:
+            emit(b"x" * 600)
+
+    feed = ThreadFeed(produce, maxsize=1000, weigh=len, max_bytes=1000)
+    await asyncio.sleep(0.1)
+    await feed.close()
+    assert not feed._thread.is_alive()

@@ -13,6 +13,7 @@ from ._base import (
     create_fetcher as create_fetcher,
     fetcher_kinds as fetcher_kinds,
     register_fetcher as register_fetcher,
+    window_bytes as window_bytes,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "create_fetcher",
     "fetcher_kinds",
     "register_fetcher",
+    "window_bytes",
 ]

@@ -38,6 +38,7 @@ __all__ = [
     "create_fetcher",
     "fetcher_kinds",
     "register_fetcher",
+    "window_bytes",
 ]
 
 
@@ -79,6 +80,11 @@ class Window:
     events: int
     source_position: str = ""
     event_sizes: tuple[int, ...] = ()
+
+
+def window_bytes(window: Window) -> int:
+    """The size of a window's data: the weight that bounds queues of windows."""
+    return len(window.data)
 
 
 @runtime_checkable

@@ -50,14 +50,17 @@ from changebus.schemas import (
 
 from ._buffer import EventBuffer
 from ._config import PartitionConfig
+from ._windowqueue import WindowQueue
 
 __all__ = ["CachedResponse", "ConsumerSeen", "PartitionHost"]
 
 log = logging.getLogger("changebus.relay.ingest")
 
 _SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
-#: windows waiting between the fetcher and the writer (back-pressure beyond)
+#: windows waiting between the fetcher and the writer (back-pressure beyond), by
+#: count and by bytes (see ._windowqueue)
 _QUEUE_WINDOWS = 4096
+_QUEUE_BYTES = 8 << 20
 #: a group commit takes at most this much of what queued up
 _GROUP_WINDOWS = 512
 _GROUP_BYTES = 8 << 20
@@ -295,7 +298,7 @@ class PartitionHost:
                     self.buffer.append_windows([self._loss_marker(window, exc.message)])
 
     async def _pump(
-        self, fetcher: Fetcher, queue: asyncio.Queue[Window | BaseException | None]
+        self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
     ) -> None:
         """Move windows from the fetcher into the bounded queue; errors too."""
         try:
@@ -327,7 +330,9 @@ class PartitionHost:
                     await loop.run_in_executor(self._writer, self.buffer.set_start, start_scn)
                 self.state = "streaming"
                 self.last_error = ""
-                queue: asyncio.Queue[Window | BaseException | None] = asyncio.Queue(_QUEUE_WINDOWS)
+                queue: WindowQueue[Window | BaseException | None] = WindowQueue(
+                    _QUEUE_WINDOWS, _QUEUE_BYTES
+                )
                 pump = asyncio.create_task(
                     self._pump(self.fetcher, queue), name=f"pump-{self.name}"
                 )

@@ -66,7 +66,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import load_config_dict
 
-from .._base import ResumePoint, Window, register_fetcher
+from .._base import ResumePoint, Window, register_fetcher, window_bytes
 from .._threadfeed import ThreadFeed
 from ._assembler import BinlogAssembler, PendingWindow, format_position, parse_position
 from ._config import SYSTEM_DATABASES, MySQLConfig
@@ -133,7 +133,9 @@ class MySQLFetcher:
         return await asyncio.to_thread(self._setup)
 
     async def windows(self) -> AsyncIterator[Window]:
-        self._feed = ThreadFeed(self._run, maxsize=1024, name=f"mysql-{self.name}")
+        self._feed = ThreadFeed(
+            self._run, maxsize=1024, name=f"mysql-{self.name}", weigh=window_bytes
+        )
         async for window in self._feed.items():
             yield window
 

@@ -68,7 +68,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import load_config_dict, secret
 
-from .._base import ResumePoint, Window, register_fetcher
+from .._base import ResumePoint, Window, register_fetcher, window_bytes
 from .._threadfeed import ThreadFeed
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._types import TypeResolver
@@ -224,6 +224,7 @@ class PostgresFetcher:
             name=f"pg-{self.name}",
             hold_items=_HOLD_WINDOWS,
             hold_s=_HOLD_S,
+            weigh=window_bytes,
         )
         async for window in self._feed.items():
             yield window
