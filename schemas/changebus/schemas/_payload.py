@@ -302,7 +302,7 @@ class RowEncoder:
         tell = bio.tell
         row_schema = self._row
         key_bytes = self._key_bytes
-        spans: list[tuple[int, int, int, bytes]] = []
+        spans: list[tuple[int, int, int, int, bytes]] = []
         for op, after, before, after_ns, before_ns in changes:
             if not 1 <= op <= 4:
                 raise ValueError(f"{op!r} is not a data op")
@@ -329,8 +329,13 @@ class RowEncoder:
                     write(_string_array(before_ns))
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 raise SchemaError(f"cannot encode a {self.table.name!r} row: {exc!r}") from exc
-            spans.append((start, int(op), len(key), key))
-        return self._frame(bio, spans, scn, timestamp_ns, first_seq, sizes)
+            spans.append((start, tell() - start, int(op), len(key), key))
+        view = bio.getbuffer()
+        try:
+            self._frame(view, spans, scn, timestamp_ns, first_seq, sizes)
+        finally:
+            view.release()
+        return bio.getvalue()
 
     def encode_many_encoded(
         self,
@@ -352,56 +357,64 @@ class RowEncoder:
         same bytes :meth:`encode_many` gives for the same rows; the caller
         owns the correctness of the row bytes (they are not parsed here).
         """
-        bio = io.BytesIO()
-        write = bio.write
-        tell = bio.tell
-        spans: list[tuple[int, int, int, bytes]] = []
+        parts: list[bytes] = []
+        extend = parts.extend
+        spans: list[tuple[int, int, int, int, bytes]] = []
+        add = spans.append
+        start = 0
         for op, key, after, before, after_ns, before_ns in changes:
             if not 1 <= op <= 4:
                 raise ValueError(f"{op!r} is not a data op")
-            start = tell()
             if before is None and after is not None and not after_ns and not before_ns:
-                write(b"".join((_HEADER_GAP, key, _PRESENT, after, _NULL_AND_TWO_EMPTY_ARRAYS)))
+                extend((_HEADER_GAP, key, _PRESENT, after, _NULL_AND_TWO_EMPTY_ARRAYS))
+                total = HEADER_SIZE + 4 + len(key) + len(after)
             else:
-                write(
-                    b"".join(
-                        (
-                            _HEADER_GAP,
-                            key,
-                            _NULL if after is None else _PRESENT + after,
-                            _NULL if before is None else _PRESENT + before,
-                            _string_array(after_ns),
-                            _string_array(before_ns),
-                        )
+                body = b"".join(
+                    (
+                        key,
+                        _NULL if after is None else _PRESENT + after,
+                        _NULL if before is None else _PRESENT + before,
+                        _string_array(after_ns),
+                        _string_array(before_ns),
                     )
                 )
-            spans.append((start, int(op), len(key), key))
-        return self._frame(bio, spans, scn, timestamp_ns, first_seq, sizes)
+                extend((_HEADER_GAP, body))
+                total = HEADER_SIZE + len(body)
+            add((start, total, op, len(key), key))
+            start += total
+        buf = bytearray(b"".join(parts))
+        view = memoryview(buf)
+        try:
+            self._frame(view, spans, scn, timestamp_ns, first_seq, sizes)
+        finally:
+            view.release()
+        return bytes(buf)
 
     def _frame(
         self,
-        bio: io.BytesIO,
-        spans: list[tuple[int, int, int, bytes]],
+        view: memoryview,
+        spans: list[tuple[int, int, int, int, bytes]],
         scn: int,
         timestamp_ns: int,
         first_seq: int,
         sizes: list[int] | None = None,
-    ) -> bytes:
-        """Fill in the headers of back-to-back events (spans: start, op, key length, key)."""
-        end = bio.tell()
-        view = bio.getbuffer()
+    ) -> None:
+        """Fill in the headers of back-to-back events in ``view``.
+
+        ``spans`` holds each event's (start, total size, op, key length, key);
+        its header's 64 bytes at ``start`` are overwritten.
+        """
+        pack = _HEAD.pack_into
+        pack_crc = _U32.pack_into
+        crc = _crc32
+        hash_key = key_hash
+        schema_id, source_id = self._schema_id, self.source_id
+        partition, version = self.partition, self.table.version
+        if sizes is not None:
+            sizes += [span[1] for span in spans]
+        seq = first_seq
         try:
-            pack = _HEAD.pack_into
-            pack_crc = _U32.pack_into
-            schema_id, source_id = self._schema_id, self.source_id
-            partition, version = self.partition, self.table.version
-            stops = [s[0] for s in spans[1:]] + [end]
-            if sizes is not None:
-                sizes += [stop - span[0] for span, stop in zip(spans, stops, strict=True)]
-            for seq, ((start, op_i, klen, key), stop) in enumerate(
-                zip(spans, stops, strict=True), first_seq
-            ):
-                total = stop - start
+            for start, total, op_i, klen, key in spans:
                 if total > MAX_EVENT_SIZE:
                     raise EventTooLargeError(
                         f"a {self.table.name!r} event of {total} bytes is over the format limit"
@@ -415,22 +428,20 @@ class RowEncoder:
                     total,
                     scn,
                     timestamp_ns,
-                    key_hash(key),
+                    hash_key(key),
                     schema_id,
                     total - HEADER_SIZE - klen,
-                    _crc32(view[start + HEADER_SIZE : stop]),
+                    crc(view[start + HEADER_SIZE : start + total]),
                     seq,
                     source_id,
                     partition,
                     version,
                     klen,
                 )
-                pack_crc(view, start + _CRC_AT, _crc32(view[start : start + _CRC_AT]))
+                pack_crc(view, start + _CRC_AT, crc(view[start : start + _CRC_AT]))
+                seq += 1
         except struct.error as exc:
             raise ValueError(f"cannot encode event header: {exc}") from exc
-        finally:
-            view.release()
-        return bio.getvalue()
 
 
 #: logical types whose values can lie outside Python's date and datetime (years 1-9999)

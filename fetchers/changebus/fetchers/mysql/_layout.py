@@ -654,10 +654,14 @@ def _avro_decimal(n: int) -> bytes:
     return _long(len(raw)) + raw
 
 
+#: 0x02 and the Avro length of a decimal's bytes (up to 65 digits: 28 bytes)
+_PRESENT_LEN: Final = tuple(b"\x02" + _long(k) for k in range(64))
+
+
 def _avro_present_decimal(n: int) -> bytes:
     """``0x02`` (the union's value branch), then :func:`_avro_decimal` of ``n``."""
-    raw = n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True)
-    return avro_present_long(len(raw)) + raw
+    size = (n.bit_length() + 8) // 8
+    return _PRESENT_LEN[size] + n.to_bytes(size, "big", signed=True)
 
 
 def _avro_string(v: str) -> bytes:
@@ -700,6 +704,10 @@ def _avro_kind(avro: AvroType) -> str:
     return str(avro)
 
 
+#: values remembered per column by a transcoder (datetimes)
+_MEMO_ENTRIES: Final = 4096
+
+
 def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
     """Statements that read column ``c`` at ``pos`` into ``@e`` (its Avro bytes, or None
     when the value has no Avro form: listed as not sent) and advance ``pos``."""
@@ -729,18 +737,26 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
             f"pos += {n}",
         ]
     if t == T_DATETIME2:
+        # rows of a transaction often share a datetime (NOW()): the Avro bytes are
+        # remembered by the packed value (_dtm<i>, cleared when full)
         fsp = c.m("fsp")
+        width = 5 + (fsp + 1) // 2
         frac = f" + {_frac_expr(fsp, 'pos + 5')}" if fsp else ""
         return [
-            "x = _from(buf[pos:pos + 5], 'big') - 0x8000000000",
-            "dd = _DAYS.get(x >> 17, _MISS)",
-            "if dd is _MISS: dd = _ymd_days(x >> 17)",
-            "if dd is None: @e = None",
-            "else:",
-            "    h = x & 0x1FFFF",
-            "    @e = _long((dd * 86400 + (h >> 12) * 3600 + ((h >> 6) & 63) * 60 + (h & 63))"
+            f"r = buf[pos:pos + {width}]",
+            f"@e = _dtm{i}.get(r, _MISS)",
+            "if @e is _MISS:",
+            "    x = _from(r[:5], 'big') - 0x8000000000",
+            "    dd = _DAYS.get(x >> 17, _MISS)",
+            "    if dd is _MISS: dd = _ymd_days(x >> 17)",
+            "    if dd is None: @e = None",
+            "    else:",
+            "        h = x & 0x1FFFF",
+            "        @e = _long((dd * 86400 + (h >> 12) * 3600 + ((h >> 6) & 63) * 60 + (h & 63))"
             f" * 1000000{frac})",
-            f"pos += {5 + (fsp + 1) // 2}",
+            f"    if len(_dtm{i}) >= {_MEMO_ENTRIES}: _dtm{i}.clear()",
+            f"    _dtm{i}[r] = @e",
+            f"pos += {width}",
         ]
     if t == T_DOUBLE and kind == "double":
         return ["@e = buf[pos:pos + 8]", "pos += 8"]
@@ -823,6 +839,7 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     env.update(_ENCODERS)
     for i, c in enumerate(cols):
         env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec
+        env[f"_dtm{i}"] = {}
         # NOT NULL columns skip the null bit; only temporal types can lack an Avro value
         pad = "            " if c.nullable else "        "
         if c.nullable:
