@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -164,6 +165,8 @@ def main() -> None:
         "--decode-workers", type=int, default=0, help="the fetcher's decode_workers option"
     )
     args = ap.parse_args()
+    # the relay daemon's GIL switch interval (changebus relay sets it from its config)
+    sys.setswitchinterval(RelayConfig.gil_switch_interval_s)
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-mysql-"))
     server = EmbeddedMariaDB.start(base)
     result: dict[str, Any] = {

@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -265,6 +266,8 @@ def main() -> None:
         help="the postgres fetcher's stream_reader option",
     )
     args = ap.parse_args()
+    # the relay daemon's GIL switch interval (changebus relay sets it from its config)
+    sys.setswitchinterval(RelayConfig.gil_switch_interval_s)
     result: dict[str, Any] = {"reader": args.reader}
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-pg-"))
     server = EmbeddedPostgres.start(base)
