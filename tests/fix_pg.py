@@ -10,20 +10,19 @@ database per test module. Debian's binaries are used; `make test` installs
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from changebus.fetchers.postgres import EmbeddedPostgres
 from changebus.schemas import lsn_to_scn
+from waiting import wait_until as wait_until  # re-exported: tests import it from here
 
 if TYPE_CHECKING:
     from changebus.relay import Relay
@@ -62,13 +61,6 @@ def pg_dsn(pg_server: PgServer) -> Iterator[str]:
             ).fetchall():
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-
-
-async def wait_until(pred: Any, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def caught_up(relay: Relay, dsn: str) -> None:

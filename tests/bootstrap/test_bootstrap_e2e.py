@@ -19,7 +19,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +43,7 @@ from changebus.client import (
 )
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Mode, Op, lsn_to_scn
+from waiting import wait_until
 
 pytestmark = pytest.mark.pg
 
@@ -140,13 +140,6 @@ def sync_marker(dsn: str) -> int:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
     return lsn_to_scn(row[0])
-
-
-async def wait_until(pred: Callable[[], bool], seconds: float = 60, what: str = "") -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or pred}"
-        await asyncio.sleep(0.05)
 
 
 TINY = 256 << 10  # relay buffer: a few hundred windows

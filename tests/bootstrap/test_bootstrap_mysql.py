@@ -17,8 +17,6 @@ import logging
 import random
 import sqlite3
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +46,7 @@ from changebus.schemas import (
     verify_event,
 )
 from fix_mysql import master_scn
+from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
 
@@ -187,13 +186,6 @@ def marker(server: EmbeddedMariaDB, db: str) -> int:
         "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
     )
     return int(master_scn(server))  # fix_mysql is untyped to mypy here
-
-
-async def wait_until(pred: Callable[[], bool], seconds: float = 60, what: str = "") -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or pred}"
-        await asyncio.sleep(0.05)
 
 
 class PhaseReplica(SqliteReplica):

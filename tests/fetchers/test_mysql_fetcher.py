@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import decimal
 import json
 import struct
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from changebus.schemas import (
     verify_event,
 )
 from fix_mysql import master_scn
+from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
 
@@ -59,13 +58,6 @@ def execute(server: EmbeddedMariaDB, db: str, *statements: str | tuple[str, Any]
                     cur.execute(s)
     finally:
         conn.close()
-
-
-async def wait_until(pred: Any, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from changebus.fetchers import Window
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.relay._prefault import Prefaulter
 from changebus.schemas import (
     BadRequestError,
     Column,
@@ -163,6 +166,33 @@ def test_prefaulted_ring_reopens_with_the_same_windows(tmp_path: Path) -> None:
     again = EventBuffer(tmp_path, cfg)  # recovery verifies every CRC of what is live
     assert state(again) == before and drain(again) == events
     again.close()
+
+
+def test_prefaulting_covers_the_ring_and_the_event_table(tmp_path: Path) -> None:
+    """Every madvise call must start on a page, whatever the writer's tail: an unaligned
+    start is refused with EINVAL, which used to stop prefaulting for good after the
+    first few MB (the writer then took every page fault itself)."""
+    size = 1 << 20
+    ring = np.memmap(tmp_path / "ring", dtype=np.uint8, mode="w+", shape=(size,))
+    view = ring.view(np.ndarray)
+    pre = Prefaulter(view, 0, 10_000)  # ahead: a few pages, not page-aligned
+    tail = 0
+    while tail < size:
+        tail += 3_001  # never page-aligned
+        pre.advance(tail)
+        deadline = time.monotonic() + 5
+        while pre._done < min(tail, size) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pre._done >= min(tail, size), (tail, pre._done)
+    assert pre._thread is not None
+    pre._thread.join(5)
+    assert not pre._thread.is_alive() and pre._done >= size  # covered once, then done
+    pre.close()
+    # the buffer prefaults its event table as well
+    buf = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=CAP))
+    assert buf._prefault_events._thread is not None
+    buf.close()
+    del view, ring
 
 
 async def test_host_hands_event_sizes_to_the_buffer(tmp_path: Path, monkeypatch) -> None:

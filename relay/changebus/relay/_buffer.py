@@ -115,6 +115,8 @@ _SCAN_CHUNK = 16384
 _SCRATCH_MAX = 32 << 20
 #: ring bytes faulted in ahead of the writer (see :mod:`._prefault`)
 _PREFAULT_AHEAD = 32 << 20
+#: event table bytes faulted in ahead of the writer (32 bytes per event)
+_PREFAULT_EVENTS_AHEAD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,14 @@ class EventBuffer:
         #: the writer's gather buffer for groups of windows (writer thread only)
         self._scratch = bytearray()
         self._prefault = Prefaulter(self._ring, self._meta.tail_pos, _PREFAULT_AHEAD)
+        # the event table's pages too: a first write to one is a page fault that
+        # reads ahead (zero-fills) a large folio of the file, in the writer thread
+        self._event_bytes: npt.NDArray[np.uint8] = self._events.data.view(np.uint8)
+        self._prefault_events = Prefaulter(
+            self._event_bytes,
+            self._meta.tail_event * EVENT_DTYPE.itemsize,
+            _PREFAULT_EVENTS_AHEAD,
+        )
 
     # ------------------------------------------------------------------
     # state
@@ -630,6 +640,7 @@ class EventBuffer:
             )
             self._metafile.publish(self._meta)
         self._prefault.advance(new_tail_pos)
+        self._prefault_events.advance((first_event + n) * EVENT_DTYPE.itemsize)
         self.stats["windows_appended"] += len(windows)
         self.stats["events_appended"] += n
         self.stats["bytes_appended"] += size
@@ -951,6 +962,8 @@ class EventBuffer:
 
     def close(self) -> None:
         self._prefault.close()
+        self._prefault_events.close()
+        del self._event_bytes  # a view of the event table's mapping, closed below
         self.flush()
         self._ring_view.release()
         del self._ring

@@ -95,8 +95,9 @@ class Prefaulter:
         assert fn is not None
         end = self._start + self._capacity
         while not self._closed:
-            lo = self._done
-            hi = min(self._target, end, lo + _CHUNK)
+            lo = self._done  # page-aligned: madvise refuses (EINVAL) any other start
+            target = -(-self._target // _PAGE) * _PAGE
+            hi = min(target, end, lo + _CHUNK)
             if hi <= lo:
                 if lo >= end:
                     return  # the whole ring was covered once
