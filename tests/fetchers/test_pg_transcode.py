@@ -22,6 +22,7 @@ from test_pgoutput import COLUMNS, VALUES
 
 from changebus.fetchers.postgres import Assembler, TypeResolver, parse_message
 from changebus.fetchers.postgres._transcode import zigzag
+from changebus.schemas import AVRO_PRESENT_SMALL
 
 pytestmark = pytest.mark.pg
 
@@ -169,3 +170,12 @@ def test_zigzag_matches_fastavro() -> None:
         bio = io.BytesIO()
         fastavro.schemaless_writer(bio, schema, v)
         assert zigzag(v) == bio.getvalue(), v
+
+
+def test_present_small_table_is_the_union_branch_and_fastavro_long() -> None:
+    schema = fastavro.parse_schema("long")
+    assert len(AVRO_PRESENT_SMALL) == 8192
+    for n in range(8192):
+        bio = io.BytesIO()
+        fastavro.schemaless_writer(bio, schema, n)
+        assert AVRO_PRESENT_SMALL[n] == b"\x02" + bio.getvalue(), n

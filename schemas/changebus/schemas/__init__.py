@@ -98,7 +98,11 @@ from ._types_pg import (
     pg_interval as pg_interval,
     pg_numeric_text as pg_numeric_text,
 )
-from ._varint import avro_long as avro_long, avro_present_long as avro_present_long
+from ._varint import (
+    AVRO_PRESENT_SMALL as AVRO_PRESENT_SMALL,
+    avro_long as avro_long,
+    avro_present_long as avro_present_long,
+)
 from ._version import __version__ as __version__
 from .errors import (
     BadRequestError as BadRequestError,
@@ -121,6 +125,7 @@ from .errors import (
 )
 
 __all__ = [
+    "AVRO_PRESENT_SMALL",
     "CONTROL_SCHEMAS",
     "HASH_SPACE",
     "HEADER_DTYPE",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["avro_long", "avro_present_long"]
+__all__ = ["AVRO_PRESENT_SMALL", "avro_long", "avro_present_long"]
 
 
 def _varint(z: int) -> bytes:
@@ -31,6 +31,9 @@ _SMALL: Final = tuple(_varint(z) for z in range(0x4000))
 _LOW14: Final = tuple(bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000))
 #: the union branch "present" (0x02) followed by a small varint
 _PRESENT_SMALL: Final = tuple(b"\x02" + b for b in _SMALL)
+#: ``avro_present_long(n)`` for ``0 <= n < 8192``, by ``n`` (lengths, counts): a lookup
+#: instead of a call where a generated encoder writes one per value
+AVRO_PRESENT_SMALL: Final = _PRESENT_SMALL[0::2]
 
 
 def avro_long(n: int) -> bytes:

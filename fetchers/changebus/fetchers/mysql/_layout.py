@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from changebus.schemas import (
+    AVRO_PRESENT_SMALL,
     AvroType,
     Column,
     SourceConfigError,
@@ -654,14 +655,10 @@ def _avro_decimal(n: int) -> bytes:
     return _long(len(raw)) + raw
 
 
-#: 0x02 and the Avro length of a decimal's bytes (up to 65 digits: 28 bytes)
-_PRESENT_LEN: Final = tuple(b"\x02" + _long(k) for k in range(64))
-
-
 def _avro_present_decimal(n: int) -> bytes:
     """``0x02`` (the union's value branch), then :func:`_avro_decimal` of ``n``."""
     size = (n.bit_length() + 8) // 8
-    return _PRESENT_LEN[size] + n.to_bytes(size, "big", signed=True)
+    return AVRO_PRESENT_SMALL[size] + n.to_bytes(size, "big", signed=True)
 
 
 def _avro_string(v: str) -> bytes:

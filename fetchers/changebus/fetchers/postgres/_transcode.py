@@ -42,7 +42,7 @@ from typing import Any, Final
 
 import fastavro
 
-from changebus.schemas import avro_long, avro_present_long
+from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
 from ._types import ColumnType
 from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
@@ -78,8 +78,6 @@ _US_MAX: Final = (_DAY_MAX + 1) * 86_400_000_000 - 1
 _DAY_US: Final = 86_400_000_000
 
 _POW10: Final = tuple(10**k for k in range(200))
-#: 0x02 and the Avro length of a short ``bytes`` value
-_PRESENT_LEN: Final = tuple(b"\x02" + avro_long(k) for k in range(64))
 #: timestamps remembered per transcoder (see _present_timestamp)
 _TS_MEMO: Final = 4096
 
@@ -116,7 +114,7 @@ def _present_decimal_bytes(v: bytes, scale: int, limit: int) -> bytes:
     if n >= limit:  # more digits than the precision: fastavro refuses it
         raise Fallback
     size = (n.bit_length() + 8) // 8
-    return _PRESENT_LEN[size] + (-n if sign else n).to_bytes(size, "big", signed=True)
+    return AVRO_PRESENT_SMALL[size] + (-n if sign else n).to_bytes(size, "big", signed=True)
 
 
 def _present_timestamp(memo: dict[int, bytes]) -> Callable[[int], bytes]:
