@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from changebus.schemas import HASH_SPACE, BadRequestError, PartitionFilter, key_hash
+from changebus.schemas import (
+    HASH_SPACE,
+    HEADER_DTYPE,
+    BadRequestError,
+    Op,
+    PartitionFilter,
+    event_mask,
+    key_hash,
+    source_table,
+)
 
 hashes = st.integers(0, HASH_SPACE - 1)
 
@@ -89,3 +98,41 @@ def test_parse(text: str, expected: PartitionFilter) -> None:
 def test_parse_rejects_garbage(text: str) -> None:
     with pytest.raises(BadRequestError):
         PartitionFilter.parse(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mod:" + "9" * 5000 + ":0",  # int() would raise ValueError past 4,300 digits
+        "range:" + "1" * 5000 + ":max",
+        "slice:0/" + "7" * 5000,
+        "mod:4:" + ",".join(["1"] * 3000),
+        "range:0x" + "f" * 40 + ":max",
+    ],
+)
+def test_parse_rejects_huge_numbers_as_bad_requests(text: str) -> None:
+    with pytest.raises(BadRequestError) as info:
+        PartitionFilter.parse(text)
+    assert not info.value.retriable
+    assert info.value.http_status == 400
+    assert len(info.value.message) < 300
+
+
+def _headers(ops: list[int], hashes: list[int], sources: list[int]) -> np.ndarray:
+    h = np.zeros(len(ops), dtype=HEADER_DTYPE)
+    h["op"], h["key_hash"], h["source_id"] = ops, hashes, sources
+    return h
+
+
+def test_event_mask_keeps_control_events_and_subscribed_data() -> None:
+    eow = int(Op.END_OF_WINDOW)
+    h = _headers([1, 2, 3, eow, 1, eow], [4, 5, 6, 0, 8, 0], [1, 2, 1, 0, 3, 0])
+    assert event_mask(h).tolist() == [True] * 6
+    only_even = PartitionFilter.mod(2, 0)
+    assert event_mask(h, only_even).tolist() == [True, False, True, True, True, True]
+    assert event_mask(h, None, [1]).tolist() == [True, False, True, True, False, True]
+    table = source_table([2, 3])
+    assert event_mask(h, only_even, table).tolist() == [False, False, False, True, True, True]
+    assert event_mask(h, None, []).tolist() == [False, False, False, True, False, True]
+    with pytest.raises(BadRequestError):
+        source_table([70000])

@@ -35,7 +35,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -47,6 +46,7 @@ from changebus.schemas import (
     ScnNotFoundError,
     TableSchema,
     UnknownSourceError,
+    event_mask,
     parse_stream,
 )
 
@@ -430,14 +430,7 @@ async def catchup(request: web.Request) -> web.Response:
 def _select(data: bytes, key_filter: PartitionFilter | None, wanted: list[int] | None) -> bytes:
     """Keep control events and the data events the consumer subscribed to (as the relay)."""
     offsets, headers = parse_stream(data)
-    ops = headers["op"]
-    keep = ops >= 16
-    sel = ~keep
-    if key_filter is not None:
-        sel &= key_filter.mask(headers["key_hash"])
-    if wanted is not None:
-        sel &= np.isin(headers["source_id"], np.asarray(wanted, dtype=np.int64))
-    keep |= sel
+    keep = event_mask(headers, key_filter, wanted)
     mv = memoryview(data)
     return b"".join(
         mv[o : o + n]

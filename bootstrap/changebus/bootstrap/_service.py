@@ -43,7 +43,13 @@ from changebus.client._assembler import RawWindow
 from changebus.client._decode import SchemaCache
 from changebus.client._fetch import RelayFetcher, _RelaySchemas, safe_url
 from changebus.client._queue import WindowQueue
-from changebus.schemas import BadRequestError, ChangebusError, TableSchema, UnknownSourceError
+from changebus.schemas import (
+    FIRST_CONTROL_OP,
+    BadRequestError,
+    ChangebusError,
+    TableSchema,
+    UnknownSourceError,
+)
 
 from ._config import BootstrapConfig
 from ._seed import SeedProgress
@@ -297,7 +303,7 @@ class BootstrapService:
                 batch.append(sink.get_nowait())
             wanted: set[tuple[int, int]] = set()
             for raw, _url in batch:
-                h = raw.headers[raw.headers["op"] < 16]
+                h = raw.headers[raw.headers["op"] < FIRST_CONTROL_OP]
                 wanted.update(
                     zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True)
                 )

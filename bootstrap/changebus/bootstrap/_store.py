@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from changebus.schemas import (
+    FIRST_CONTROL_OP,
     HEADER_SIZE,
     ChangeDecoder,
     DecodedChange,
@@ -349,7 +350,7 @@ class Store:
                 if op == _TRUNCATE:
                     self._flush_upserts(upserts)
                     self._truncate(part, int(source_id), int(scn), bytes(event))
-                elif op < 16:
+                elif op < FIRST_CONTROL_OP:
                     event = bytes(event)
                     h = decode_header(event)
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
@@ -618,8 +619,8 @@ class Store:
     def changed_since(self, part: str, since_scn: int, upto_scn: int) -> int:
         """Log data events in ``(since_scn, upto_scn]`` (what a catch-up-only bootstrap costs)."""
         row = self._one(
-            "SELECT count(*) FROM cb_log WHERE part = {p} AND scn > {p} AND scn <= {p} AND op < 16",
-            (part, since_scn, upto_scn),
+            "SELECT count(*) FROM cb_log WHERE part = {p} AND scn > {p} AND scn <= {p} AND op < {p}",
+            (part, since_scn, upto_scn, FIRST_CONTROL_OP),
         )
         return int(row[0])
 

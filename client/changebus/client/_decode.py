@@ -28,9 +28,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 from changebus.schemas import (
+    FIRST_CONTROL_OP,
     HEADER_SIZE,
     ChangeDecoder,
     CheckpointMarker,
@@ -51,8 +52,6 @@ from ._model import _FROM_OP, ChangeEvent, Window, _EventTwin
 __all__ = ["SchemaCache", "SchemaSource", "decode_window"]
 
 log = logging.getLogger(__name__)
-
-_FIRST_CONTROL: Final = 16
 
 
 class SchemaSource(Protocol):
@@ -179,7 +178,7 @@ async def decode_window(
     source_position = ""
     data_idx: list[int] = []
     for i, op in enumerate(ops):
-        if op < _FIRST_CONTROL:
+        if op < FIRST_CONTROL_OP:
             data_idx.append(i)
             continue
         off = offs[i]

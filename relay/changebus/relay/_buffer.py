@@ -74,8 +74,10 @@ from changebus.schemas import (
     check_headers,
     crc32,
     decode_control,
+    event_mask,
     headers_at,
     parse_stream,
+    source_table,
     verify_payloads,
 )
 from changebus.schemas.errors import BadRequestError, ConfigError
@@ -109,7 +111,6 @@ _PARSED_DTYPE = np.dtype(
 log = logging.getLogger("changebus.relay.buffer")
 
 _EOW = int(Op.END_OF_WINDOW)
-_FIRST_CONTROL = 16
 _SCAN_CHUNK = 16384
 #: the largest group gathered in the writer's reused scratch buffer (see _gather)
 _SCRATCH_MAX = 32 << 20
@@ -802,10 +803,7 @@ class EventBuffer:
         """
         if max_bytes <= 0:
             raise BadRequestError("max_bytes must be positive")
-        src_table: npt.NDArray[np.bool_] | None = None
-        if sources is not None:
-            src_table = np.zeros(65536, dtype=bool)
-            src_table[sorted(sources)] = True
+        src_table = None if sources is None else source_table(sources)
         with self._lock:
             m = self._meta
             start, window_first = self.locate(window_scn, window_offset)
@@ -856,13 +854,7 @@ class EventBuffer:
             if eows.size == 0 and stop < m.tail_event:
                 chunk *= 2  # a window longer than the chunk: look further
                 continue
-            keep = ops >= _FIRST_CONTROL
-            data = ~keep
-            if key_filter is not None:
-                data &= key_filter.mask(rec["key_hash"])
-            if src_table is not None:
-                data &= src_table[rec["source_id"]]
-            keep |= data
+            keep = event_mask(rec, key_filter, src_table)
             cum = np.cumsum(np.where(keep, rec["length"], 0).astype(np.int64))
             budget = max_bytes - used
             fits = eows[cum[eows] <= budget]

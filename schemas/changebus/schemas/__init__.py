@@ -34,6 +34,7 @@ from ._control import (
 )
 from ._crc import crc32 as crc32
 from ._envelope import (
+    FIRST_CONTROL_OP as FIRST_CONTROL_OP,
     HEADER_DTYPE as HEADER_DTYPE,
     HEADER_SIZE as HEADER_SIZE,
     MAGIC as MAGIC,
@@ -54,7 +55,9 @@ from ._envelope import (
 from ._partition import (
     HASH_SPACE as HASH_SPACE,
     PartitionFilter as PartitionFilter,
+    event_mask as event_mask,
     key_hash as key_hash,
+    source_table as source_table,
 )
 from ._payload import (
     ChangeDecoder as ChangeDecoder,
@@ -127,6 +130,7 @@ from .errors import (
 __all__ = [
     "AVRO_PRESENT_SMALL",
     "CONTROL_SCHEMAS",
+    "FIRST_CONTROL_OP",
     "HASH_SPACE",
     "HEADER_DTYPE",
     "HEADER_SIZE",
@@ -190,6 +194,7 @@ __all__ = [
     "encode_control",
     "encode_event",
     "event_at",
+    "event_mask",
     "field_name",
     "format_scn",
     "headers_at",
@@ -212,6 +217,7 @@ __all__ = [
     "scan_offsets",
     "scn_to_binlog",
     "scn_to_lsn",
+    "source_table",
     "verify_event",
     "verify_payloads",
 ]

@@ -23,11 +23,20 @@ A filter selects data events by their ``key_hash``:
 
 Both forms are evaluated on whole numpy arrays of hashes (:meth:`mask`), so a
 relay filters thousands of headers without a Python loop.
+
+Subscriptions
+=============
+:func:`event_mask` is the one definition of what a subscriber receives from a
+block of event headers: every control event (op >= ``FIRST_CONTROL_OP``:
+window ends, schema changes, heartbeats, ...) and the data events of the
+subscribed sources whose key hash passes the filter. The relay, the bootstrap
+server and the Spark source all select with it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final
 
@@ -35,19 +44,22 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from ._envelope import FIRST_CONTROL_OP
 from .errors import BadRequestError
 
-__all__ = ["HASH_SPACE", "PartitionFilter", "key_hash"]
+__all__ = ["HASH_SPACE", "PartitionFilter", "event_mask", "key_hash", "source_table"]
 
 HASH_SPACE: Final = 1 << 64
 #: The 64-bit partition hash of encoded key bytes (XXH3-64, seed 0).
 key_hash = xxhash.xxh3_64_intdigest
 
 
-_NUM = r"(?:0x[0-9a-fA-F]+|[0-9]+)"
-_MOD_RE: Final = re.compile(r"mod:([0-9]+):([0-9,\-]+)")
+# bounded digit counts: a filter is a request parameter, and a 5,000-digit number
+# must be a bad request, not a ValueError from int() deep inside
+_NUM = r"(?:0x[0-9a-fA-F]{1,17}|[0-9]{1,21})"
+_MOD_RE: Final = re.compile(r"mod:([0-9]{1,6}):([0-9,\-]{1,4096})")
 _RANGE_RE: Final = re.compile(rf"range:({_NUM}):({_NUM}|max)")
-_SLICE_RE: Final = re.compile(r"slice:([0-9]+)/([0-9]+)")
+_SLICE_RE: Final = re.compile(r"slice:([0-9]{1,6})/([0-9]{1,6})")
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,8 @@ class PartitionFilter:
     def parse(cls, text: str) -> PartitionFilter:
         """Parse the text form (see the module docstring)."""
         t = text.strip()
+        if len(t) > 4200:
+            raise BadRequestError(f"partition filter too long ({len(t)} characters)")
         if m := _MOD_RE.fullmatch(t):
             modulus = int(m.group(1))
             buckets: set[int] = set()
@@ -122,7 +136,7 @@ class PartitionFilter:
         if m := _SLICE_RE.fullmatch(t):
             return cls.slice(int(m.group(1)), int(m.group(2)))
         raise BadRequestError(
-            f"bad partition filter {text!r}: expected mod:N:B[,B-B...], range:LO:HI or slice:I/N"
+            f"bad partition filter {t[:80]!r}: expected mod:N:B[,B-B...], range:LO:HI or slice:I/N"
         )
 
     # ---- evaluation ---------------------------------------------------
@@ -152,3 +166,44 @@ class PartitionFilter:
             return f"mod:{self.modulus}:{','.join(map(str, sorted(self.buckets)))}"
         hi = "max" if self.hi >= HASH_SPACE else f"0x{self.hi:016x}"
         return f"range:0x{self.lo:016x}:{hi}"
+
+
+def source_table(source_ids: Collection[int]) -> npt.NDArray[np.bool_]:
+    """A lookup table for :func:`event_mask`: ``table[source_id]`` is True when subscribed.
+
+    Source ids are u16 in the event header, so the table has 65,536 entries;
+    build it once per request and pass it for every block of headers.
+    """
+    table = np.zeros(1 << 16, dtype=bool)
+    ids = sorted(source_ids)
+    if ids and not (ids[0] >= 0 and ids[-1] < 1 << 16):
+        raise BadRequestError(f"source ids must be within 0..65535, got {ids[0]}..{ids[-1]}")
+    table[ids] = True
+    return table
+
+
+def event_mask(
+    headers: npt.NDArray[np.void],
+    key_filter: PartitionFilter | None = None,
+    sources: npt.NDArray[np.bool_] | Collection[int] | None = None,
+) -> npt.NDArray[np.bool_]:
+    """Which of ``headers`` a subscriber receives (see "Subscriptions" above).
+
+    ``headers`` is a structured array with at least ``op``, ``key_hash`` and
+    ``source_id`` fields (the event header dtype or the relay's event table).
+    ``sources`` is a :func:`source_table` or a collection of source ids;
+    ``None`` subscribes to every source, and ``key_filter=None`` to every key.
+    Control events are always kept: a consumer needs the window boundaries
+    and schema changes whatever it filters.
+    """
+    ops = headers["op"]
+    control: npt.NDArray[np.bool_] = ops >= FIRST_CONTROL_OP
+    if key_filter is None and sources is None:
+        return np.ones(ops.shape, dtype=bool)
+    data = ~control
+    if key_filter is not None:
+        data &= key_filter.mask(headers["key_hash"])
+    if sources is not None:
+        table = sources if isinstance(sources, np.ndarray) else source_table(sources)
+        data &= table[headers["source_id"]]
+    return control | data

@@ -35,6 +35,7 @@ import aiohttp
 import numpy as np
 
 from changebus.schemas import (
+    FIRST_CONTROL_OP,
     ChangebusError,
     Op,
     TableSchema,
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _EOW = int(Op.END_OF_WINDOW)
-_FIRST_CONTROL = 16  # ops below are data events (protocol section 1.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +235,7 @@ async def end_after_rows(
             _, headers = parse_stream(body_bytes, verify_payload=False)
             ops = headers["op"]
             scns = headers["scn"]
-            data = ops < _FIRST_CONTROL
+            data = ops < FIRST_CONTROL_OP
             ends = np.flatnonzero(ops == _EOW)
             start = 0
             for e in ends.tolist():
