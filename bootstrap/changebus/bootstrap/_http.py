@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from changebus.schemas import (
     BadRequestError,
     ChangebusError,
+    NotYetError,
     PartitionFilter,
     ScnNotFoundError,
     TableSchema,
@@ -58,14 +59,6 @@ __all__ = ["build_app"]
 log = logging.getLogger("changebus.bootstrap.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class NotYetError(ChangebusError):
-    """The server cannot answer this yet (its applier or producer is behind)."""
-
-    retriable = True
-    http_status = 503
-    code = "not_yet"
 
 
 class BootstrapMetrics:

@@ -47,6 +47,7 @@ import aiohttp
 
 from changebus.schemas import (
     BadRequestError,
+    BootstrapFailedError,
     BootstrapProgress,
     ChangebusError,
     CheckpointError,
@@ -72,12 +73,6 @@ __all__ = ["BootstrapFailedError", "BootstrapFetcher"]
 log = logging.getLogger(__name__)
 
 _RETRIABLE = (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError, CorruptEventError)
-
-
-class BootstrapFailedError(ChangebusError):
-    """A bootstrap server cannot bring this consumer up to date (e.g. its history is too short)."""
-
-    code = "bootstrap_failed"
 
 
 class _Restart(Exception):

@@ -109,6 +109,7 @@ from ._varint import (
 from ._version import __version__ as __version__
 from .errors import (
     BadRequestError as BadRequestError,
+    BootstrapFailedError as BootstrapFailedError,
     ChangebusError as ChangebusError,
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
@@ -116,6 +117,7 @@ from .errors import (
     DataLossError as DataLossError,
     EventTooLargeError as EventTooLargeError,
     IncompatibleSchemaError as IncompatibleSchemaError,
+    NotYetError as NotYetError,
     OverwrittenError as OverwrittenError,
     ProtocolError as ProtocolError,
     SchemaError as SchemaError,
@@ -142,6 +144,7 @@ __all__ = [
     "VERSION",
     "AvroType",
     "BadRequestError",
+    "BootstrapFailedError",
     "BootstrapProgress",
     "ChangeDecoder",
     "ChangebusError",
@@ -162,6 +165,7 @@ __all__ = [
     "IncompatibleSchemaError",
     "LogicalMessage",
     "Mode",
+    "NotYetError",
     "Op",
     "OverwrittenError",
     "PartitionCheckpoint",

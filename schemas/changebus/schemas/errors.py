@@ -11,6 +11,12 @@ Callers decide what to do from *data*, not from type checks scattered around:
 * ``code`` -- a stable, machine-readable short name, sent in JSON error
   bodies (``{"error": code, "message": ..., "retriable": ...}``).
 
+The way back is :meth:`ChangebusError.from_json`: a client turns an error
+body into the exception of the same ``code`` (with the server's
+``retriable`` verdict and details), so both ends agree on what an answer
+means without a hand-written table per caller. Every class that defines its
+own ``code`` and keeps the base constructor is registered for it.
+
 Tree::
 
     ChangebusError
@@ -23,6 +29,8 @@ Tree::
     |   +-- UnknownSchemaError       no schema with that id / version
     |   +-- IncompatibleSchemaError  reader cannot read writer's data
     +-- UnknownSourceError           a source / partition nobody serves
+    +-- NotYetError                  the server cannot answer this yet (retriable)
+    +-- BootstrapFailedError         a bootstrap server cannot bring a consumer up to date
     +-- EventTooLargeError           an event or window over a configured limit
     +-- ScnNotFoundError             checkpoint older than what is kept (retriable
     |                                through another server, e.g. bootstrap)
@@ -39,10 +47,12 @@ and are safe to pickle (they cross process boundaries in the fetchers).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 __all__ = [
     "BadRequestError",
+    "BootstrapFailedError",
     "ChangebusError",
     "CheckpointError",
     "ConfigError",
@@ -50,6 +60,7 @@ __all__ = [
     "DataLossError",
     "EventTooLargeError",
     "IncompatibleSchemaError",
+    "NotYetError",
     "OverwrittenError",
     "ProtocolError",
     "SchemaError",
@@ -81,6 +92,43 @@ class ChangebusError(Exception):
             self.__dict__["retriable"] = retriable
         self.details: dict[str, Any] = details
 
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        # registered for from_json: a class of its own code, built like the base class
+        if "code" in cls.__dict__ and cls.__init__ is ChangebusError.__init__:
+            _BY_CODE.setdefault(cls.code, cls)
+
+    @classmethod
+    def from_json(
+        cls, body: Mapping[str, Any], *, status: int | None = None, where: str = ""
+    ) -> ChangebusError:
+        """The exception an error body (:meth:`to_json`) stands for.
+
+        The class is chosen by ``body["error"]`` (the ``code``); an unknown or
+        missing code falls back on the HTTP ``status`` (400 bad request, 404
+        unknown source, 409 overwritten, 410 SCN not found, 413 too large,
+        5xx transport), else :class:`ChangebusError`. The server's
+        ``retriable`` verdict is kept when it is a boolean; the other keys
+        become ``details``. ``where`` (e.g. ``"relay http://h:8470"``) is put
+        in front of the message. Never raises.
+        """
+        code = body.get("error")
+        found = _BY_CODE.get(code) if isinstance(code, str) else None
+        if found is None:
+            found = _BY_STATUS.get(status or 0)
+            if found is None:
+                found = TransportError if (status or 0) >= 500 else ChangebusError
+        message = str(body.get("message") or "")
+        if not message:
+            message = f"answered {status}" if status else "failed"
+        if where:
+            message = f"{where}: {message}"
+        retriable = body.get("retriable")
+        details = {str(k): v for k, v in body.items() if k not in ("error", "message", "retriable")}
+        return found(
+            message, retriable=retriable if isinstance(retriable, bool) else None, **details
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The JSON body a daemon sends for this error (never holds secrets)."""
         body: dict[str, Any] = {
@@ -93,6 +141,9 @@ class ChangebusError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.message, self.__dict__.get("retriable"), self.details))
+
+
+_BY_CODE: dict[str, type[ChangebusError]] = {"internal": ChangebusError}
 
 
 def _rebuild(
@@ -159,6 +210,21 @@ class UnknownSourceError(ChangebusError):
     code = "unknown_source"
 
 
+class NotYetError(ChangebusError):
+    """The server cannot answer this yet (its applier or producer is behind); retry soon."""
+
+    retriable = True
+    http_status = 503
+    code = "not_yet"
+
+
+class BootstrapFailedError(ChangebusError):
+    """A bootstrap server cannot bring this consumer up to date (e.g. its history is too short)."""
+
+    http_status = 410
+    code = "bootstrap_failed"
+
+
 class EventTooLargeError(ChangebusError):
     """An event or a transaction window is over a configured size limit."""
 
@@ -214,3 +280,12 @@ class TransportError(ChangebusError, OSError):
     retriable = True
     http_status = 502
     code = "transport"
+
+
+_BY_STATUS: dict[int, type[ChangebusError]] = {
+    400: BadRequestError,
+    404: UnknownSourceError,
+    409: OverwrittenError,
+    410: ScnNotFoundError,
+    413: EventTooLargeError,
+}
