@@ -65,6 +65,7 @@ from ._failover import Failover
 from ._http import RelaySchemas, RestartBootstrap, response_error, safe_url, transport_errors
 from ._model import ChangeOp, Window
 from ._queue import WindowQueue
+from ._stream import StreamConfig
 
 __all__ = ["Bootstrapper"]
 
@@ -93,11 +94,7 @@ class Bootstrapper:
         self._session = session
         self._queue = queue
         self._cache = cache
-        self._timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=config.connect_timeout_s,
-            sock_read=config.wait_s + config.read_margin_s,
-        )
+        self._timeout = StreamConfig.of(config).timeout  # the relays' request timeouts
         self._failover = Failover(
             config.bootstrap_servers,
             Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),

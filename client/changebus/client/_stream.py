@@ -244,13 +244,17 @@ class RelayStream:
         """
         failover = self._failover
         while True:
+            error: Exception
             try:
                 await self._request(failover.url, sink)
-            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
-                self._restart_window()
-                await failover.failed(exc.error if isinstance(exc, _FromSink) else exc)
+                failover.succeeded()
                 continue
-            failover.succeeded()
+            except _FromSink as wrapped:
+                error = wrapped.error  # raised again below as the sink's own, unwrapped
+            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
+                error = exc
+            self._restart_window()
+            await failover.failed(error)
 
     def _restart_window(self) -> None:
         self._assembler.reset(self._position)
