@@ -8,7 +8,8 @@ Tree (client additions marked ``+``)::
     +-- DataLossError
     |   +-- DataLossDetectedError +      the stream carried a DATA_LOSS window
     +-- TransportError
-    |   +-- RelayUnavailableError +      retries exhausted, no relay answered
+    |   +-- RelayUnavailableError +      retries exhausted, no relay (or bootstrap
+    |                                    server) answered
     +-- ConsumerAbortedError +           a callback reported an unrecoverable error,
                                          or rollbacks of a window were exhausted
 
@@ -128,7 +129,11 @@ class DataLossDetectedError(DataLossError):
 
 
 class RelayUnavailableError(TransportError):
-    """No relay answered usefully within ``ConsumerConfig.max_attempts`` attempts."""
+    """No server answered usefully within ``max_attempts`` consecutive attempts.
+
+    Raised by the one failover mechanism (:class:`~._failover.Failover`) for
+    relays and bootstrap servers alike; the last failure is the ``__cause__``.
+    """
 
     code = "relay_unavailable"
 
