@@ -195,6 +195,8 @@ class RelayStream:
             max_attempts=config.max_attempts,
         )
         self._timeout = config.timeout
+        #: the relays as named in messages (no credentials), worked out once
+        self._where = {url: f"relay {safe_url(url)}" for url in config.relays}
 
     # ---- state ------------------------------------------------------------
 
@@ -285,7 +287,7 @@ class RelayStream:
     async def _request(self, url: str, sink: StreamSink) -> None:
         params = self._params()
         self.requests += 1
-        where = f"relay {safe_url(url)}"
+        where = self._where[url]
         with transport_errors(where):
             async with self._session.get(
                 f"{url}/v1/stream", params=params, timeout=self._timeout
