@@ -2,7 +2,7 @@
 
 Structure::
 
-    relay --HTTP--> producer (RelayFetcher, raw windows) --asyncio.Queue--> log writer
+    relay --HTTP--> producer (RelayStream, raw windows) --asyncio.Queue--> log writer
                                                                                |
                      applier (log -> snapshot) <---- wake-up ------------------+
     HTTP handlers --> reader threads (own store connections) --> pages
@@ -38,11 +38,14 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from changebus.client import ConsumerConfig, FellOffRelayError
-from changebus.client._assembler import RawWindow
-from changebus.client._decode import SchemaCache
-from changebus.client._fetch import RelayFetcher, _RelaySchemas, safe_url
-from changebus.client._queue import WindowQueue
+from changebus.client import (
+    FellOffRelayError,
+    RawWindow,
+    RelaySchemas,
+    RelayStream,
+    StreamConfig,
+    safe_url,
+)
 from changebus.schemas import (
     FIRST_CONTROL_OP,
     BadRequestError,
@@ -106,19 +109,6 @@ class _StoreThreads:
                 with contextlib.suppress(Exception):
                     store.close()
             self._opened.clear()
-
-
-class _RawFetcher(RelayFetcher):
-    """A :class:`RelayFetcher` that hands over raw windows (no decoding)."""
-
-    def __init__(self, sink: asyncio.Queue[tuple[RawWindow, str]], *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._sink = sink
-
-    async def _emit(self, raw: RawWindow, url: str) -> None:
-        await self._sink.put((raw, url))
-        self.position = raw.scn
-        self.windows += 1
 
 
 @dataclass
@@ -243,31 +233,27 @@ class BootstrapService:
         cfg = self.config
         assert self._session is not None
         sink: asyncio.Queue[tuple[RawWindow, str]] = asyncio.Queue(cfg.producer.batch_windows * 2)
+        stream_cfg = StreamConfig(
+            relays=cfg.relays,
+            partition=w.name,
+            follow=True,
+            wait_s=cfg.producer.wait_s,
+            max_bytes=cfg.producer.max_bytes,
+            follow_bytes=1 << 40,
+            client_id=f"bootstrap-producer-{w.name}",
+        )
+
+        async def put(raw: RawWindow, relay: str) -> None:
+            await sink.put((raw, relay))
+
         writer = asyncio.create_task(self._write_log(w, sink), name=f"log-writer-{w.name}")
         try:
             while True:
-                consumer_cfg = ConsumerConfig(
-                    relays=cfg.relays,
-                    partition=w.name,
-                    follow=True,
-                    wait_s=cfg.producer.wait_s,
-                    max_bytes=cfg.producer.max_bytes,
-                    follow_bytes=1 << 40,
-                    client_id=f"bootstrap-producer-{w.name}",
-                )
-                fetcher = _RawFetcher(
-                    sink,
-                    consumer_cfg,
-                    self._session,
-                    WindowQueue(1, 1),
-                    SchemaCache(),
-                    position=w.producer_scn,
-                    latest=False,
-                    partition=w.name,
-                )
+                # a fresh reader after the newest window in the log
+                stream = RelayStream(stream_cfg, self._session, position=w.producer_scn)
                 w.state = "streaming"
                 try:
-                    await fetcher.fetch()
+                    await stream.run(put)
                 except FellOffRelayError as exc:
                     # the relay dropped windows this log never got: the log has a gap
                     w.state = "fell_off"
@@ -276,7 +262,7 @@ class BootstrapService:
                     log.error("partition %s: the producer fell off the relay: %s", w.name, exc)
                     if cfg.seed.dsn:
                         await sink.join()
-                        await self._repair_gap(w, fetcher.relay)
+                        await self._repair_gap(w, stream.relay)
                         continue
                 except ChangebusError as exc:
                     w.state = "error"
@@ -345,7 +331,7 @@ class BootstrapService:
         """Copy the relay's table schemas of the partition into the store."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=30)
-        source = _RelaySchemas(self._session, url, w.name, timeout)
+        source = RelaySchemas(self._session, url, w.name, timeout)
         names = await source.source_names()
         entries: list[tuple[int, int, str, str]] = []
         for name in sorted(set(names.values())):

@@ -21,16 +21,25 @@ the relays keep raises :class:`FellOffRelayError` (HTTP 410), a gap in the
 stream :class:`DataLossDetectedError`, an unrecoverable callback
 :class:`ConsumerAbortedError`.
 
+Low level: :class:`RelayStream` reads a relay's stream as validated
+:class:`RawWindow` objects into an async sink, with failover over several
+relays (:class:`StreamConfig`); the consumer, the bootstrap server's
+producer, the Spark source and relay chaining are built on it.
+:class:`RelaySchemas` looks up a relay's table schemas; :func:`safe_url`
+strips credentials from a URL for logs.
+
 With ``bootstrap_servers`` configured, a consumer that fell off the relays
 (or starts from nothing) reads a snapshot and the catch-up log from a
 bootstrap server and returns to the relays by itself (:mod:`._bootstrap`);
 windows tell the application (``Window.phase``, ``Window.bootstrapping``).
 """
 
+from changebus.schemas import BootstrapFailedError as BootstrapFailedError
+
 from ._apply import Replica as Replica
 from ._apply_pg import PostgresReplica as PostgresReplica
 from ._apply_sqlite import SqliteReplica as SqliteReplica
-from ._bootstrap import BootstrapFailedError as BootstrapFailedError
+from ._assembler import RawWindow as RawWindow
 from ._callbacks import (
     AsyncCallbacks as AsyncCallbacks,
     CallbackResult as CallbackResult,
@@ -44,11 +53,17 @@ from ._errors import (
     FellOffRelayError as FellOffRelayError,
     RelayUnavailableError as RelayUnavailableError,
 )
+from ._http import RelaySchemas as RelaySchemas, safe_url as safe_url
 from ._model import ChangeEvent as ChangeEvent, ChangeOp as ChangeOp, Window as Window
 from ._persist import (
     CheckpointPersister as CheckpointPersister,
     FileCheckpointPersister as FileCheckpointPersister,
     MemoryCheckpointPersister as MemoryCheckpointPersister,
+)
+from ._stream import (
+    RelayStream as RelayStream,
+    StreamConfig as StreamConfig,
+    StreamSink as StreamSink,
 )
 from ._sync import SyncConsumer as SyncConsumer
 
@@ -68,9 +83,15 @@ __all__ = [
     "FileCheckpointPersister",
     "MemoryCheckpointPersister",
     "PostgresReplica",
+    "RawWindow",
+    "RelaySchemas",
+    "RelayStream",
     "RelayUnavailableError",
     "Replica",
     "SqliteReplica",
+    "StreamConfig",
+    "StreamSink",
     "SyncConsumer",
     "Window",
+    "safe_url",
 ]

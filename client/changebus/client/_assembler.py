@@ -10,15 +10,19 @@ Two small state machines, fed by the fetcher:
   CRCs: :func:`~changebus.schemas.parse_stream`), then the window structure:
   all events of a window share its SCN, ``seq`` increases inside it, an
   END_OF_WINDOW closes it, and window SCNs strictly increase. A violation
-  raises :class:`~changebus.schemas.CorruptEventError`; the fetcher then
-  drops the partial window (:meth:`~WindowAssembler.reset`) and asks again
-  from the last complete one.
+  raises :class:`~changebus.schemas.CorruptEventError` marked *retriable*
+  (bytes damaged on the way; another attempt, maybe on another server, may
+  get them whole); the reader then drops the partial window
+  (:meth:`~WindowAssembler.reset`) and asks again from its position.
 
 Invariant: ``last_scn`` is the SCN of the last window returned complete
 (-1 before any); ``pending`` holds the events of at most one unfinished
-window, all with SCN ``> last_scn``.
+window, all with SCN ``> last_scn``. The assembler does not own the
+reader's position: :class:`~._stream.RelayStream` resets it to its position
+whenever it (re)starts a window, so ``last_scn`` is only the watermark of
+the order checks.
 
-Not thread-safe: one fetcher task owns each instance.
+Not thread-safe: one reader task owns each instance.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ from changebus.schemas import CorruptEventError, Op, headers_at, parse_stream, s
 __all__ = ["EventSplitter", "RawWindow", "WindowAssembler"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
+
+
+def _damaged(exc: CorruptEventError) -> CorruptEventError:
+    """``exc`` as a retriable error (received bytes, not a bug of ours)."""
+    return exc if exc.retriable else CorruptEventError(exc.message, retriable=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,10 @@ class EventSplitter:
         else:
             self._buf += chunk
             data = self._buf
-        offsets = scan_offsets(data)
+        try:
+            offsets = scan_offsets(data)
+        except CorruptEventError as exc:
+            raise _damaged(exc) from exc
         if offsets.size == 0:
             if data is chunk:
                 self._buf = bytearray(chunk)
@@ -130,7 +142,10 @@ class WindowAssembler:
         """
         if not data:
             return []
-        offsets, headers = parse_stream(data, offsets=offsets)
+        try:
+            offsets, headers = parse_stream(data, offsets=offsets)
+        except CorruptEventError as exc:
+            raise _damaged(exc) from exc
         ops = headers["op"]
         scns = headers["scn"]
         seqs = headers["seq"].astype(np.int64)
@@ -141,12 +156,14 @@ class WindowAssembler:
         bad_scn = np.flatnonzero(inside & (scns[1:] != scns[:-1]))
         if bad_scn.size:
             raise CorruptEventError(
-                f"window {int(scns[bad_scn[0]])} is not closed before events of another SCN"
+                f"window {int(scns[bad_scn[0]])} is not closed before events of another SCN",
+                retriable=True,
             )
         bad_seq = np.flatnonzero(inside & (seqs[1:] <= seqs[:-1]))
         if bad_seq.size:
             raise CorruptEventError(
-                f"event seq numbers do not increase in window {int(scns[bad_seq[0]])}"
+                f"event seq numbers do not increase in window {int(scns[bad_seq[0]])}",
+                retriable=True,
             )
         out: list[RawWindow] = []
         start = 0
@@ -186,14 +203,18 @@ class WindowAssembler:
         if self._pending:
             if scn != self._pending_scn:
                 raise CorruptEventError(
-                    f"window {self._pending_scn} is not closed before window {scn}"
+                    f"window {self._pending_scn} is not closed before window {scn}",
+                    retriable=True,
                 )
             if first_seq <= self._pending_seq:
-                raise CorruptEventError(f"event seq numbers go back in window {scn}")
+                raise CorruptEventError(
+                    f"event seq numbers go back in window {scn}", retriable=True
+                )
             return
         if scn <= self.last_scn:
             raise CorruptEventError(
-                f"window {scn} arrives after window {self.last_scn}: SCNs must increase"
+                f"window {scn} arrives after window {self.last_scn}: SCNs must increase",
+                retriable=True,
             )
         self._pending_scn = scn
 

@@ -1,7 +1,8 @@
 """Switching between relays and bootstrap servers (Databus's snapshot + catch-up).
 
-:class:`BootstrapFetcher` is a :class:`~._fetch.RelayFetcher` that leaves the
-relays when they cannot serve the consumer's position and comes back::
+:class:`Bootstrapper` runs one bootstrap for the consumer's fetcher
+(:class:`~._fetch.RelayFetcher`, which calls it when the relays cannot serve
+its position, and returns to the relays at the SCN it gives back)::
 
     relay --410--> start(since) --> snapshot pages (since, ...) --> status: target
           <-- relay after target <-- catch-up windows (start, target] <--+
@@ -31,159 +32,117 @@ same server is used (positions are per server), otherwise from the start
 with the same ``since``; the catch-up after its last window. A catch-up
 whose log was pruned meanwhile (410) restarts the snapshot. Retriable
 failures (connection errors, 5xx, a server not ready yet) move to the next
-bootstrap server with backoff, like relay failover.
+bootstrap server with backoff: the same :class:`~._failover.Failover` as
+relay failover. Error answers are mapped by :func:`~._http.response_error`.
 
 Runs on the consumer's event loop; not thread-safe.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
 from changebus.schemas import (
-    BadRequestError,
-    BootstrapFailedError,
     BootstrapProgress,
-    ChangebusError,
-    CheckpointError,
     CorruptEventError,
     Mode,
     Op,
     PartitionCheckpoint,
+    ProtocolError,
     TransportError,
-    UnknownSourceError,
     parse_stream,
 )
 
 from ._assembler import RawWindow, WindowAssembler
 from ._backoff import Backoff
-from ._decode import decode_window
-from ._errors import FellOffRelayError
-from ._fetch import RelayFetcher, _RelaySchemas, safe_url
+from ._config import ConsumerConfig
+from ._decode import SchemaCache, decode_window
+from ._failover import Failover
+from ._http import RelaySchemas, RestartBootstrap, response_error, safe_url, transport_errors
 from ._model import ChangeOp, Window
-from ._queue import QueueClosed
+from ._queue import WindowQueue
+from ._stream import StreamConfig
 
-__all__ = ["BootstrapFailedError", "BootstrapFetcher"]
+__all__ = ["Bootstrapper"]
 
 log = logging.getLogger(__name__)
 
-_RETRIABLE = (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError, CorruptEventError)
 
+class Bootstrapper:
+    """Runs bootstraps from the configured bootstrap servers (module docstring).
 
-class _Restart(Exception):
-    """Internal: the catch-up log is gone, run the snapshot again."""
-
-
-class BootstrapFetcher(RelayFetcher):
-    """Relays plus bootstrap servers (module docstring).
-
-    ``resume`` is the stored checkpoint entry of the partition when it is in a
-    bootstrap mode (the bootstrap then continues first).
+    ``partition`` is the partition's name (None: learned from the server);
+    ``phase`` the phase of the bootstrap running (``online`` between them).
     """
 
-    def __init__(self, *args: Any, resume: PartitionCheckpoint | None = None, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._resume = resume
-        self._server_index = 0
-        self._boot_backoff = Backoff(
-            self.config.backoff_initial_s, self.config.backoff_max_s, self.config.backoff_multiplier
-        )
-        #: how many bootstraps this fetcher ran, and the current phase
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        session: aiohttp.ClientSession,
+        queue: WindowQueue,
+        cache: SchemaCache,
+    ) -> None:
+        self.config = config
+        self.partition: str | None = config.partition
+        #: how many bootstraps ran, and the current phase
         self.bootstraps = 0
         self.phase = "online"
+        self._session = session
+        self._queue = queue
+        self._cache = cache
+        self._timeout = StreamConfig.of(config).timeout  # the relays' request timeouts
+        self._failover = Failover(
+            config.bootstrap_servers,
+            Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),
+            max_attempts=config.max_attempts,
+            what="bootstrap server",
+        )
         #: the checkpoint after the last window queued in the current bootstrap
         self._last: PartitionCheckpoint | None = None
 
-    @property
-    def server(self) -> str:
-        return self.config.bootstrap_servers[self._server_index]
+    async def run(self, since: int, resume: PartitionCheckpoint | None) -> int:
+        """Snapshot then catch-up after ``since``; returns the target SCN reached.
 
-    async def run(self) -> None:
-        try:
-            await self._switching()
-        except (asyncio.CancelledError, QueueClosed):
-            raise
-        except Exception as exc:  # noqa: BLE001 - every terminal error reaches the consumer
-            log.debug("fetcher ends: %r", exc)
-            await self._queue.fail(exc)
-
-    async def _switching(self) -> None:
-        cfg = self.config
-        resume, self._resume = self._resume, None
-        if resume is not None and resume.mode is not Mode.ONLINE:
-            assert resume.bootstrap is not None
-            await self._bootstrap(resume.bootstrap.since_scn, resume)
-        elif self.position < 0 and not self._latest and cfg.bootstrap_servers:
-            await self._bootstrap(-1, None)
-        while True:
-            try:
-                await self.fetch()
-                return
-            except FellOffRelayError as exc:
-                if cfg.bootstrap_servers:
-                    log.warning("%s; bootstrapping", exc.message)
-                    await self._bootstrap(self.position, None)
-                elif cfg.on_fell_off == "latest":
-                    log.warning(
-                        "%s; jumping to the newest SCN as configured (on_fell_off = latest):"
-                        " the changes in between are skipped",
-                        exc.message,
-                    )
-                    self._latest = True
-                    self._restart_window()
-                else:
-                    raise
-
-    # ---- one bootstrap ----------------------------------------------------
-
-    async def _bootstrap(self, since: int, resume: PartitionCheckpoint | None) -> None:
-        """Snapshot then catch-up from a bootstrap server; ends at the target SCN."""
+        ``resume``: the stored checkpoint entry of a bootstrap to continue.
+        """
         self.bootstraps += 1
-        attempts = 0
         self._last = None
         # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
         dirty = resume is not None
         while True:
-            url = self.server
+            url = self._failover.url
             queued = self._queued()
             current = queued or resume  # after a failure: from the last window queued
             try:
                 target = await self._run_once(url, since, current, dirty or queued is not None)
                 break
-            except _Restart:
+            except RestartBootstrap as exc:
                 # the log moved on: snapshot again (with deletes: the consumer has rows)
+                log.warning("%s", exc.message)
                 resume, self._last, dirty = None, None, True
                 continue
-            except _RETRIABLE as exc:
-                attempts += 1
-                what = exc.message if isinstance(exc, ChangebusError) else repr(exc)
-                if self.config.max_attempts and attempts >= self.config.max_attempts:
-                    raise TransportError(
-                        f"no bootstrap server answered in {attempts} attempts; last: {what}"
-                    ) from exc
-                log.warning("bootstrap server %s failed: %s", safe_url(url), what)
-                if len(self.config.bootstrap_servers) > 1:
-                    self._server_index = (self._server_index + 1) % len(
-                        self.config.bootstrap_servers
-                    )
-                await asyncio.sleep(self._boot_backoff.next_delay())
-        self._boot_backoff.reset()
+            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
+                await self._failover.failed(exc)
+        self._failover.succeeded()
         self.phase = "online"
-        self.position = target
-        self._restart_window()
-        self._cache.clear()  # back to the relays' source ids
         log.info(
             "bootstrap of partition %s done at SCN %d; back to the relays", self.partition, target
         )
+        return target
 
     def _queued(self) -> PartitionCheckpoint | None:
         """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
         return self._last
+
+    def _learn_partition(self, name: str) -> None:
+        if self.partition is None:
+            self.partition = name
+        elif name != self.partition:
+            raise ProtocolError(f"asked for partition {self.partition!r}, got {name!r}")
 
     async def _run_once(
         self, url: str, since: int, resume: PartitionCheckpoint | None, dirty: bool
@@ -239,7 +198,7 @@ class BootstrapFetcher(RelayFetcher):
 
     async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
         self.phase = "snapshot"
-        source = _RelaySchemas(self._session, url, self.partition, self._timeout)
+        source = RelaySchemas(self._session, url, self.partition, self._timeout)
         while True:
             params = {
                 "since": str(prog.since_scn),
@@ -274,11 +233,14 @@ class BootstrapFetcher(RelayFetcher):
                 return prog
 
     async def _put_snapshot_page(
-        self, body: bytes, start_scn: int, pc: PartitionCheckpoint, source: _RelaySchemas
+        self, body: bytes, start_scn: int, pc: PartitionCheckpoint, source: RelaySchemas
     ) -> None:
-        offsets, headers = parse_stream(body)  # validates every event
+        try:
+            offsets, headers = parse_stream(body)  # validates every event
+        except CorruptEventError as exc:  # damaged on the way: another attempt may cure it
+            raise CorruptEventError(exc.message, retriable=True) from exc
         if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
-            raise CorruptEventError("a snapshot page holds control events")
+            raise CorruptEventError("a snapshot page holds control events", retriable=True)
         raw = RawWindow(start_scn, 0, body, offsets, headers)
         window = await decode_window(raw, self.partition or "", self._cache, source)
         scns = headers["scn"].tolist()
@@ -298,7 +260,7 @@ class BootstrapFetcher(RelayFetcher):
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
         target = prog.target_scn
-        source = _RelaySchemas(self._session, url, self.partition, self._timeout)
+        source = RelaySchemas(self._session, url, self.partition, self._timeout)
         assembler = WindowAssembler(after)
         last_ts = 0
         online = False
@@ -311,7 +273,7 @@ class BootstrapFetcher(RelayFetcher):
             body, headers = await self._get_body(url, "catchup", params)
             raws = assembler.feed(body)
             if assembler.in_window:
-                raise CorruptEventError("a catch-up page ends inside a window")
+                raise CorruptEventError("a catch-up page ends inside a window", retriable=True)
             for raw in raws:
                 window = await decode_window(raw, self.partition or "", self._cache, source)
                 if raw.scn >= target:
@@ -365,44 +327,29 @@ class BootstrapFetcher(RelayFetcher):
         query = {
             k: v for k, v in self._boot_params(params).items() if k not in ("sources", "filter")
         }
-        async with self._session.get(
-            f"{url}/v1/bootstrap/{what}", params=query, timeout=self._timeout
-        ) as resp:
-            if resp.status != 200:
-                raise await self._boot_error(resp, url)
-            return await resp.json()
+        where = f"bootstrap server {safe_url(url)}"
+        with transport_errors(where):
+            async with self._session.get(
+                f"{url}/v1/bootstrap/{what}", params=query, timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    raise await response_error(resp, where, kind="bootstrap")
+                return await resp.json()
 
     async def _get_body(
-        self, url: str, what: str, params: dict[str, str]
+        self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]
     ) -> tuple[bytes, dict[str, str]]:
-        async with self._session.get(
-            f"{url}/v1/bootstrap/{what}", params=self._boot_params(params), timeout=self._timeout
-        ) as resp:
-            if resp.status != 200:
-                raise await self._boot_error(resp, url)
-            body = await resp.read()
-            return body, dict(resp.headers)
-
-    async def _boot_error(self, resp: aiohttp.ClientResponse, url: str) -> BaseException:
-        try:
-            body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, ValueError):
-            body = None
-        if not isinstance(body, dict):
-            body = {}
-        message = str(body.get("message") or resp.reason or "")
         where = f"bootstrap server {safe_url(url)}"
-        if resp.status == 410:
-            if "catchup" in resp.url.path:
-                log.warning("%s: %s; running the snapshot again", where, message)
-                return _Restart()
-            return BootstrapFailedError(f"{where}: {message}")
-        if resp.status == 400:
-            if body.get("error") == "bad_checkpoint":
-                return CheckpointError(f"{where}: {message}")
-            return BadRequestError(f"{where}: {message}")
-        if resp.status == 404:
-            return UnknownSourceError(f"{where}: {message}")
-        if resp.status >= 500 or body.get("retriable") is True:
-            return TransportError(f"{where} answered {resp.status}: {message}")
-        return ChangebusError(f"{where} answered {resp.status}: {message}")
+        with transport_errors(where):
+            async with self._session.get(
+                f"{url}/v1/bootstrap/{what}",
+                params=self._boot_params(params),
+                timeout=self._timeout,
+            ) as resp:
+                if resp.status != 200:
+                    kind: Literal["bootstrap", "catchup"] = (
+                        "catchup" if what == "catchup" else "bootstrap"
+                    )
+                    raise await response_error(resp, where, kind=kind)
+                body = await resp.read()
+                return body, dict(resp.headers)

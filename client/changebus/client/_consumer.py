@@ -2,11 +2,15 @@
 
 Structure::
 
-    relays --HTTP--> RelayFetcher task --> WindowQueue (bounded) --> iterator / Dispatcher
-                     (validate, decode)     (flow control)           (application)
+    relays --HTTP--> RelayStream --> RelayFetcher task --> WindowQueue --> iterator / Dispatcher
+                     (validate,       (decode; bootstrap    (bounded,      (application)
+                      failover)        when fallen off)      flow control)
 
 :class:`Consumer` owns the fetcher task, the queue, the schema cache, the
 HTTP session (unless one is given) and the :class:`~._position.PositionTracker`.
+Two positions, each with one owner: the fetch position (the last window
+queued: :attr:`.RelayStream.position`) and the application's checkpoint
+(processed and persisted: the tracker).
 It serves one application loop at a time: either ``async for window in
 consumer`` or ``await consumer.run(callbacks)``, not both.
 
@@ -33,7 +37,6 @@ import aiohttp
 
 from changebus.schemas import Checkpoint, CheckpointError, Mode
 
-from ._bootstrap import BootstrapFetcher
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
@@ -127,27 +130,16 @@ class Consumer:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
-        if cfg.bootstrap_servers or cfg.on_fell_off != "raise":
-            self._fetcher = BootstrapFetcher(
-                cfg,
-                self._session,
-                self._queue,
-                self.cache,
-                position=position,
-                latest=latest,
-                partition=partition,
-                resume=resume,
-            )
-        else:
-            self._fetcher = RelayFetcher(
-                cfg,
-                self._session,
-                self._queue,
-                self.cache,
-                position=position,
-                latest=latest,
-                partition=partition,
-            )
+        self._fetcher = RelayFetcher(
+            cfg,
+            self._session,
+            self._queue,
+            self.cache,
+            position=position,
+            latest=latest,
+            partition=partition,
+            resume=resume,
+        )
         self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
 
     async def close(self) -> None:
@@ -221,19 +213,20 @@ class Consumer:
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring (requests, failovers, queue, position)."""
         f, q, p = self._fetcher, self._queue, self._position
+        s = f.stream if f else None
         return {
-            "relay": f.relay if f else None,
-            "requests": f.requests if f else 0,
-            "failovers": f.failovers if f else 0,
-            "windows_fetched": f.windows if f else 0,
-            "fetch_position": f.position if f else -1,
+            "relay": s.relay if s else None,
+            "requests": s.requests if s else 0,
+            "failovers": s.failovers if s else 0,
+            "windows_fetched": s.windows if s else 0,
+            "fetch_position": s.position if s else -1,
             "queued_windows": len(q) if q else 0,
             "queued_bytes": q.nbytes if q else 0,
             "queue_full_waits": q.waits if q else 0,
             "checkpoints_persisted": p.persisted if p else 0,
             "schema_fetches": self.cache.fetches,
-            "phase": f.phase if isinstance(f, BootstrapFetcher) else "online",
-            "bootstraps": f.bootstraps if isinstance(f, BootstrapFetcher) else 0,
+            "phase": f.phase if f else "online",
+            "bootstraps": f.bootstraps if f else 0,
         }
 
     # ---- iterator API ---------------------------------------------------
@@ -265,16 +258,8 @@ class Consumer:
             except Exception as exc:
                 self._failed = exc
                 raise
-            loss = window.data_loss
-            if loss is not None and self.config.on_data_loss == "raise":
-                self._failed = DataLossDetectedError(
-                    f"partition {window.partition}: SCNs {loss.from_scn}..{loss.to_scn} were"
-                    f" lost ({loss.reason}); reported in window {window.scn}",
-                    from_scn=loss.from_scn,
-                    to_scn=loss.to_scn,
-                    reason=loss.reason,
-                    window_scn=window.scn,
-                )
+            if window.data_loss is not None and self.config.on_data_loss == "raise":
+                self._failed = DataLossDetectedError.reported_in(window)
                 raise self._failed
             if window.is_empty and not self.config.yield_empty_windows:
                 if self._uncommitted is None:

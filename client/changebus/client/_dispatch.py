@@ -303,16 +303,8 @@ class Dispatcher:
 
     async def _abort(self, outcome: _Outcome, window: Window, message: str = "") -> NoReturn:
         error: Exception
-        loss = window.data_loss
-        if outcome.callback == "on_data_loss" and loss is not None and not message:
-            error = DataLossDetectedError(
-                f"SCNs {loss.from_scn}..{loss.to_scn} were lost ({loss.reason});"
-                f" reported in window {window.scn}",
-                from_scn=loss.from_scn,
-                to_scn=loss.to_scn,
-                reason=loss.reason,
-                window_scn=window.scn,
-            )
+        if outcome.callback == "on_data_loss" and window.data_loss is not None and not message:
+            error = DataLossDetectedError.reported_in(window)
         else:
             error = ConsumerAbortedError(
                 message or f"window {window.scn}: {_describe(outcome)}; consumption stops",

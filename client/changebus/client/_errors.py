@@ -8,7 +8,8 @@ Tree (client additions marked ``+``)::
     +-- DataLossError
     |   +-- DataLossDetectedError +      the stream carried a DATA_LOSS window
     +-- TransportError
-    |   +-- RelayUnavailableError +      retries exhausted, no relay answered
+    |   +-- RelayUnavailableError +      retries exhausted, no relay (or bootstrap
+    |                                    server) answered
     +-- ConsumerAbortedError +           a callback reported an unrecoverable error,
                                          or rollbacks of a window were exhausted
 
@@ -19,12 +20,17 @@ None of them holds references to live objects; all pickle.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Self
+
 from changebus.schemas import (
     ChangebusError,
     DataLossError,
     ScnNotFoundError,
     TransportError,
 )
+
+if TYPE_CHECKING:
+    from ._model import Window
 
 __all__ = [
     "ConsumerAbortedError",
@@ -103,9 +109,31 @@ class DataLossDetectedError(DataLossError):
         self.reason = reason
         self.window_scn = window_scn
 
+    @classmethod
+    def reported_in(cls, window: Window, note: str = "") -> Self:
+        """The error for the DATA_LOSS signal of ``window`` (which must carry one).
+
+        The one place its message is written; ``note`` is appended (e.g. the
+        option that made it an error).
+        """
+        loss = window.data_loss
+        assert loss is not None, "the window carries no data loss signal"
+        return cls(
+            f"partition {window.partition}: SCNs {loss.from_scn}..{loss.to_scn} were lost"
+            f" ({loss.reason}); reported in window {window.scn}{note}",
+            from_scn=loss.from_scn,
+            to_scn=loss.to_scn,
+            reason=loss.reason,
+            window_scn=window.scn,
+        )
+
 
 class RelayUnavailableError(TransportError):
-    """No relay answered usefully within ``ConsumerConfig.max_attempts`` attempts."""
+    """No server answered usefully within ``max_attempts`` consecutive attempts.
+
+    Raised by the one failover mechanism (:class:`~._failover.Failover`) for
+    relays and bootstrap servers alike; the last failure is the ``__cause__``.
+    """
 
     code = "relay_unavailable"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from changebus.schemas import Checkpoint, PartitionCheckpoint
+from changebus.schemas import Checkpoint
 
 from ._model import Window
 from ._persist import CheckpointPersister
@@ -43,10 +43,6 @@ class PositionTracker:
         """``current`` moves past ``window`` (which the application finished)."""
         pc = self.current.get(window.partition)
         self.current = self.current.with_partition(window.partition, window.position_after(pc))
-
-    def position_of(self, partition: str) -> PartitionCheckpoint:
-        """``current``'s entry of ``partition``."""
-        return self.current.get(partition)
 
     @property
     def dirty(self) -> bool:

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from changebus.schemas import DataLossError, TableSchema
+from changebus.schemas import TableSchema
 
 from .._config import ConsumerConfig
 from .._consumer import Consumer
-from .._errors import FellOffRelayError
+from .._errors import DataLossDetectedError, FellOffRelayError
 from .._model import Window
 from ._arrow import BatchBuilder
 from ._options import SourceOptions
@@ -114,16 +114,11 @@ def _config(
 
 
 def _check_loss(opts: SourceOptions, spec: RangeSpec, window: Window) -> None:
-    loss = window.data_loss
-    if loss is None:
+    if window.data_loss is None:
         return
-    message = (
-        f"partition {spec.partition}: SCNs {loss.from_scn}..{loss.to_scn}"
-        f" were lost ({loss.reason}); reported in window {window.scn}"
-    )
     if opts.fail_on_data_loss:
-        raise DataLossError(message + " (failOnDataLoss=true)")
-    log.warning("%s; skipped (failOnDataLoss=false)", message)
+        raise DataLossDetectedError.reported_in(window, " (failOnDataLoss=true)")
+    log.warning("%s; skipped (failOnDataLoss=false)", DataLossDetectedError.reported_in(window))
 
 
 async def _read(

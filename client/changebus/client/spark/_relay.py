@@ -15,9 +15,13 @@ answers from the relays, each a short HTTP exchange:
   (admission control). It reads the range's binary events once and counts
   the data events per window from the headers alone (no row decoding).
 
-Each call tries the relays in the configured order and fails over on
-connection errors and 5xx answers; when none answers it raises
-:class:`~changebus.client.RelayUnavailableError`. The functions are
+Each call tries the relays in the configured order, once each, through the
+client's one failover mechanism (:class:`~.._failover.Failover`: retriable
+errors -- connection failures, 5xx -- move to the next relay, others end
+the call); when none answers it raises
+:class:`~changebus.client.RelayUnavailableError`. Error answers are mapped
+by :func:`~.._http.response_error` (a 410 on a stream request is
+:class:`~changebus.client.FellOffRelayError`). The functions are
 coroutines; :func:`run_sync` runs one to completion from blocking code (the
 Spark driver's Python runner has no event loop of its own). Nothing is kept
 between calls, so there is nothing to share between threads.
@@ -36,16 +40,15 @@ import numpy as np
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
-    ChangebusError,
     Op,
     TableSchema,
-    TransportError,
     UnknownSourceError,
     parse_stream,
 )
 
-from .._errors import FellOffRelayError, RelayUnavailableError
-from .._fetch import safe_url
+from .._backoff import Backoff
+from .._failover import Failover
+from .._http import response_error, safe_url, transport_errors
 from ._options import SourceOptions
 
 __all__ = [
@@ -91,25 +94,23 @@ async def _with_relays(
 ) -> T:
     """``call(session, url)`` on the first of ``urls`` (default: the relays) that answers."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
-    last = ""
     urls = urls or opts.relays
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for url in urls:
-            try:
-                return await call(session, url)
-            except (aiohttp.ClientError, TimeoutError, ConnectionError, TransportError) as exc:
-                last = exc.message if isinstance(exc, ChangebusError) else repr(exc)
-                log.warning("relay %s failed: %s", safe_url(url), last)
     what = "relay" if urls == opts.relays else "bootstrap server"
-    raise RelayUnavailableError(f"no {what} of {len(urls)} answered; last: {last}")
+    failover = Failover(urls, Backoff(0.1, 1.0), max_attempts=len(urls), what=what)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            url = failover.url
+            try:
+                with transport_errors(f"{what} {safe_url(url)}"):
+                    return await call(session, url)
+            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
+                await failover.failed(exc)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, params: dict[str, str]) -> Any:
     async with session.get(url, params=params) as resp:
-        if resp.status == 404:
-            raise UnknownSourceError(f"relay {safe_url(url)}: {await resp.text()}")
         if resp.status != 200:
-            raise TransportError(f"relay {safe_url(url)} answered {resp.status}")
+            raise await response_error(resp, safe_url(url))
         return await resp.json()
 
 
@@ -214,19 +215,14 @@ async def end_after_rows(
             async with session.get(f"{url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
                     return end
-                if resp.status == 410:
-                    body = await resp.json(content_type=None)
-                    raise FellOffRelayError(
-                        f"relay {safe_url(url)}: SCN {scn} of partition {partition} is older"
-                        f" than the relay keeps (oldest window {body.get('oldest_scn')})",
+                if resp.status != 200:
+                    raise await response_error(
+                        resp,
+                        f"relay {safe_url(url)}",
+                        kind="stream",
                         partition=partition,
                         requested_scn=scn,
-                        oldest_scn=int(body.get("oldest_scn", -1)),
-                        prev_scn=int(body.get("prev_scn", -1)),
-                        relay=safe_url(url),
                     )
-                if resp.status != 200:
-                    raise TransportError(f"relay {safe_url(url)} answered {resp.status}")
                 body_bytes = await resp.read()
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
                 next_offset = int(resp.headers["X-Changebus-Next-Offset"])
@@ -291,8 +287,12 @@ async def position_at_time(
                     hi = mid
                     continue
                 if resp.status != 200:
-                    raise TransportError(
-                        f"relay {safe_url(url)} answered {resp.status} to a position probe"
+                    raise await response_error(
+                        resp,
+                        f"relay {safe_url(url)}",
+                        kind="stream",
+                        partition=bounds.name,
+                        requested_scn=mid,
                     )
                 body = await resp.read()
             _, headers = parse_stream(body, verify_payload=False)

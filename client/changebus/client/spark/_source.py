@@ -209,6 +209,11 @@ def _range_partitions(
     return out
 
 
+def _offsets_key(offsets: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """``offsets`` in a comparable form (Spark may hand them back as a new dict)."""
+    return tuple(sorted((str(k), int(v)) for k, v in offsets.items()))
+
+
 class _ReaderBase:
     """What the batch and stream readers share: options, schemas, read()."""
 
@@ -231,6 +236,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         super().__init__(opts, schema)
         self._initial: dict[str, int] | None = None
         self._target: dict[str, int] | None = None
+        #: the bounds latestOffset used, for partitions() of the same batch (its start)
+        self._planned: tuple[tuple[tuple[str, int], ...], dict[str, PartitionBounds]] | None = None
 
     def _bounds(self) -> dict[str, PartitionBounds]:
         return run_sync(partition_bounds(self.opts))
@@ -254,8 +261,16 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         log.info("changebus AvailableNow target %s", self._target)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
-        """The end of the next batch: the newest windows, capped by ``limit`` and the target."""
-        bounds = self._bounds()
+        """The end of the next batch: the newest windows, capped by ``limit`` and the target.
+
+        One event loop and one bounds request per trigger: the bounds are kept
+        for :meth:`partitions` of the same batch (same ``start``).
+        """
+        return run_sync(self._latest(start, limit))
+
+    async def _latest(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        bounds = await partition_bounds(self.opts)
+        self._planned = (_offsets_key(start), bounds)
         end: dict[str, int] = {}
         heads: dict[str, int] = {}
         boot = _needs_bootstrap(self.opts, start, bounds)
@@ -273,7 +288,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 # one batch through the bootstrap server; with a read limit it ends at
                 # the server's newest SCN (snapshot + catch-up), else at the head
                 if isinstance(limit, ReadMaxRows):
-                    target = run_sync(bootstrap_target(self.opts, name))
+                    target = await bootstrap_target(self.opts, name)
                     head = min(head, max(target, b.prev_scn))
                 end[name] = max(head, since)
                 log.info(
@@ -290,19 +305,19 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         if isinstance(limit, ReadMaxRows) and heads:
             budget = max(1, limit.max_rows // len(heads))
             for name, head in heads.items():
-                end[name] = self._limited_end(name, int(start[name]), head, budget)
+                end[name] = await self._limited_end(name, int(start[name]), head, budget)
         else:
             end.update(heads)
         return end
 
-    def _limited_end(self, name: str, since: int, head: int, budget: int) -> int:
+    async def _limited_end(self, name: str, since: int, head: int, budget: int) -> int:
         try:
-            return run_sync(end_after_rows(self.opts, name, since, head, budget))
+            return await end_after_rows(self.opts, name, since, head, budget)
         except FellOffRelayError as exc:
             if self.opts.fail_on_data_loss or exc.prev_scn <= since:
                 raise
             # the windows up to prev_scn are gone: read() skips them too (with a warning)
-            return run_sync(end_after_rows(self.opts, name, exc.prev_scn, head, budget))
+            return await end_after_rows(self.opts, name, exc.prev_scn, head, budget)
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         """The newest SCN per partition (Spark shows it as the source's latestOffset: lag)."""
@@ -318,7 +333,14 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         A range that starts before what the relays keep is one task when a
         bootstrap server is configured (:func:`_needs_bootstrap`).
         """
-        whole = _needs_bootstrap(self.opts, start, self._bounds()) if self.opts.bootstrap else set()
+        whole: set[str] = set()
+        if self.opts.bootstrap:
+            planned, self._planned = self._planned, None
+            if planned is not None and planned[0] == _offsets_key(start):
+                bounds = planned[1]  # latestOffset of this batch asked already
+            else:
+                bounds = self._bounds()  # a batch replayed after a restart
+            whole = _needs_bootstrap(self.opts, start, bounds)
         return _range_partitions(self.opts, start, end, whole)
 
     def commit(self, end: dict[str, Any]) -> None:

@@ -1,0 +1,121 @@
+"""One failover mechanism over a list of servers (relays or bootstrap servers).
+
+:class:`Failover` is the bookkeeping of a retry loop; the loop itself stays
+with the caller::
+
+    failover = Failover(urls, backoff, max_attempts=cfg.max_attempts)
+    while True:
+        try:
+            result = await attempt(failover.url)
+        except Exception as exc:
+            await failover.failed(exc)   # raises when retrying cannot help
+            continue
+        failover.succeeded()
+
+Rules, decided by data (the exception's ``retriable`` attribute, which
+:mod:`._http` sets from the server's answer and for transport failures):
+
+* a :class:`~._errors.FellOffRelayError` moves to the next server without
+  counting an attempt; when every server said so, the first one's error is
+  raised (the position is gone everywhere);
+* a retriable error counts one attempt and moves to the next server at once;
+  after a whole round of failures it sleeps (:class:`~._backoff.Backoff`,
+  exponential with jitter); ``max_attempts`` consecutive failures (0: no
+  limit) raise :class:`~._errors.RelayUnavailableError`;
+* anything else (not a :class:`~changebus.schemas.ChangebusError`, or one
+  that is not retriable: a bad request, an unknown source) is raised as it is.
+
+:meth:`succeeded` resets the attempts, the round and the backoff. Not
+thread-safe: one task owns each instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from changebus.schemas import ChangebusError
+
+from ._backoff import Backoff
+from ._errors import FellOffRelayError, RelayUnavailableError
+from ._http import safe_url
+
+__all__ = ["Failover", "is_retriable"]
+
+log = logging.getLogger(__name__)
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """Whether another attempt may cure ``exc`` (its ``retriable`` attribute)."""
+    return isinstance(exc, ChangebusError) and exc.retriable
+
+
+class Failover:
+    """Which server to ask next, and when to give up (module docstring)."""
+
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        backoff: Backoff,
+        *,
+        max_attempts: int = 0,
+        what: str = "relay",
+    ) -> None:
+        if not urls:
+            raise ValueError("Failover needs at least one URL")
+        self.urls = urls
+        self.index = 0
+        #: how many times the server in use changed
+        self.switches = 0
+        #: consecutive failed attempts
+        self.attempts = 0
+        self._backoff = backoff
+        self._max_attempts = max_attempts
+        self._what = what
+        self._failed_in_round = 0
+        self._fell_off: dict[str, FellOffRelayError] = {}
+
+    @property
+    def url(self) -> str:
+        """The server to ask now."""
+        return self.urls[self.index]
+
+    def succeeded(self) -> None:
+        """The last attempt worked: start counting afresh."""
+        self.attempts = 0
+        self._failed_in_round = 0
+        self._fell_off.clear()
+        self._backoff.reset()
+
+    async def failed(self, exc: BaseException) -> None:
+        """Account for ``exc``: return to retry (on :attr:`url`), or raise."""
+        if isinstance(exc, FellOffRelayError):
+            self._fell_off[self.url] = exc
+            if len(self._fell_off) >= len(set(self.urls)):
+                first = self._fell_off.get(self.urls[0], exc)
+                raise first from None
+            log.warning("%s; trying the next %s", exc.message, self._what)
+            self._switch()
+            return
+        if not is_retriable(exc):
+            raise exc
+        assert isinstance(exc, ChangebusError)
+        self.attempts += 1
+        if self._max_attempts and self.attempts >= self._max_attempts:
+            raise RelayUnavailableError(
+                f"no {self._what} of {len(self.urls)} answered in {self.attempts} attempts;"
+                f" last: {exc.message}"
+            ) from exc
+        log.warning("%s %s failed: %s", self._what, safe_url(self.url), exc.message)
+        self._switch()
+        self._failed_in_round += 1
+        if self._failed_in_round >= len(self.urls):
+            self._failed_in_round = 0
+            delay = self._backoff.next_delay()
+            log.info("every %s failed; retrying in %.2fs", self._what, delay)
+            await asyncio.sleep(delay)
+
+    def _switch(self) -> None:
+        if len(self.urls) > 1:
+            self.index = (self.index + 1) % len(self.urls)
+            self.switches += 1

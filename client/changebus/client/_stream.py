@@ -1,0 +1,345 @@
+"""The low-level relay stream reader: HTTP -> validated raw windows -> an async sink.
+
+:class:`RelayStream` is the one piece of code that reads ``GET /v1/stream``.
+The consumer (which decodes into its queue), the bootstrap server's
+producer (which appends raw windows to its log), the Spark source and a
+relay following another relay all use it; none of them subclasses it::
+
+    stream = RelayStream(StreamConfig(relays=(url,), partition="p"), session, position=scn)
+    async def sink(window: RawWindow, relay: str) -> None:
+        ...                       # store, decode, forward; may raise
+    await stream.run(sink)        # until cancelled or a terminal error
+
+Transfer. In follow mode (``follow``) one held response carries the windows
+as the relay commits them; otherwise long-poll requests (``wait_s``). Each
+window is validated and assembled (:mod:`._assembler`) before the sink sees
+it. A long-poll response cut by ``max_bytes`` inside a window continues on
+the same relay from the relay's ``X-Changebus-Next-Scn`` /
+``X-Changebus-Next-Offset``; a follow response cut by ``follow_bytes`` is
+asked again from the window's start.
+
+Position. :attr:`RelayStream.position` is the SCN of the last window the
+sink *returned from* (-1: none yet, which asks for the relay's oldest
+window). It is the one position of a reader: the assembler's order
+watermark and the mid-window continuation are reset from it whenever a
+window restarts, and only :meth:`run` (after the sink), :meth:`seek` and
+:meth:`seek_latest` move it. So a window is handed over whole or not at all,
+and after a failure of any kind the next request asks for the windows after
+:attr:`position`: no window is skipped, and one is handed again only when
+the sink failed on it.
+
+Checkpoint. The reader asks with ``scn``/``offset`` and never sends the
+relay a ``checkpoint=`` token, so the relay does not answer one
+(``X-Changebus-Checkpoint``). A checkpoint is the *application's* record
+(bootstrap progress, other partitions, what it finished processing: the
+consumer's :class:`~._position.PositionTracker`); the reader's position is
+one SCN plus a continuation offset, which the relay's ``X-Changebus-Next-*``
+headers give exactly. Keeping the two apart means no second copy of the
+position travels through the relay.
+
+Failures (:mod:`._failover`, decided by each exception's ``retriable``):
+transport failures, 5xx answers, damaged events, an overrun reader and a
+sink that raises a retriable error restart the window and move to the next
+relay (backoff after a whole round, ``max_attempts``); a 410 from every
+relay raises :class:`~._errors.FellOffRelayError`; a bad request, an
+unknown partition or source, and any non-retriable exception of the sink
+end :meth:`run` with that exception.
+
+Not thread-safe: one task runs :meth:`run`; the attributes may be read
+from the same event loop at any time (monitoring).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from changebus.schemas import (
+    ConfigError,
+    PartitionFilter,
+    ProtocolError,
+    TransportError,
+)
+
+from ._assembler import EventSplitter, RawWindow, WindowAssembler
+from ._backoff import Backoff
+from ._config import ConsumerConfig
+from ._failover import Failover
+from ._http import response_error, safe_url, transport_errors
+
+__all__ = ["RelayStream", "StreamConfig", "StreamSink"]
+
+log = logging.getLogger(__name__)
+
+#: what :meth:`RelayStream.run` hands each window to: ``await sink(window, relay_url)``
+StreamSink = Callable[[RawWindow, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """What a :class:`RelayStream` reads and how (the transfer part of a ``ConsumerConfig``).
+
+    ``relays`` are base URLs serving the same partition, tried in order;
+    ``partition`` may be None when the relay has exactly one (the stream
+    learns it from the first answer). ``sources`` and ``key_filter`` narrow
+    the stream server-side. ``client_id`` names the reader in the relay's
+    metrics. Transfer, timeouts and failover as in
+    :class:`~changebus.client.ConsumerConfig` (same names, same units).
+    """
+
+    relays: tuple[str, ...]
+    partition: str | None = None
+    sources: tuple[str, ...] = ()
+    key_filter: PartitionFilter | None = None
+    client_id: str = ""
+    follow: bool = True
+    wait_s: float = 10.0
+    max_bytes: int = 1 << 20
+    follow_bytes: int = 64 << 20
+    connect_timeout_s: float = 5.0
+    read_margin_s: float = 10.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 10.0
+    backoff_multiplier: float = 2.0
+    max_attempts: int = 0
+
+    def __post_init__(self) -> None:
+        relays: object = self.relays
+        if isinstance(relays, str):
+            relays = (relays,)
+        if not isinstance(relays, tuple | list) or not relays:
+            raise ConfigError("relays: give at least one relay URL")
+        if any(not isinstance(u, str) or not u.startswith(("http://", "https://")) for u in relays):
+            raise ConfigError("relays: every relay must be an http:// or https:// URL")
+        object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in relays))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if self.max_bytes <= 0 or self.follow_bytes <= 0 or self.max_attempts < 0:
+            raise ConfigError("max_bytes and follow_bytes must be positive, max_attempts >= 0")
+        if min(self.wait_s, self.connect_timeout_s, self.read_margin_s) < 0:
+            raise ConfigError("wait_s, connect_timeout_s and read_margin_s must not be negative")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s or self.backoff_multiplier < 1:
+            raise ConfigError(
+                "backoff: need 0 < backoff_initial_s <= backoff_max_s and backoff_multiplier >= 1"
+            )
+
+    @classmethod
+    def of(cls, config: ConsumerConfig, partition: str | None = None) -> StreamConfig:
+        """The stream part of a consumer's configuration."""
+        return cls(
+            relays=config.relays,
+            partition=partition if partition is not None else config.partition,
+            sources=config.sources,
+            key_filter=config.key_filter,
+            client_id=config.client_id,
+            follow=config.follow,
+            wait_s=config.wait_s,
+            max_bytes=config.max_bytes,
+            follow_bytes=config.follow_bytes,
+            connect_timeout_s=config.connect_timeout_s,
+            read_margin_s=config.read_margin_s,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            backoff_multiplier=config.backoff_multiplier,
+            max_attempts=config.max_attempts,
+        )
+
+    @property
+    def timeout(self) -> aiohttp.ClientTimeout:
+        """Per request: connect within ``connect_timeout_s``; silence beyond the wait is a failure."""
+        return aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.connect_timeout_s,
+            sock_read=self.wait_s + self.read_margin_s,
+        )
+
+
+class _FromSink(Exception):
+    """Carries an exception of the sink past :func:`transport_errors` unchanged."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class RelayStream:
+    """Reads one partition's windows from a set of relays into a sink (module docstring).
+
+    ``position``: start after this SCN (-1: the relay's oldest window);
+    ``latest``: start with the windows committed from now on instead.
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        session: aiohttp.ClientSession,
+        *,
+        position: int = -1,
+        latest: bool = False,
+    ) -> None:
+        self.config = config
+        self.partition = config.partition
+        #: requests sent, windows handed to the sink (and returned from it)
+        self.requests = 0
+        self.windows = 0
+        self._session = session
+        self._position = position
+        self._latest = latest
+        self._assembler = WindowAssembler(position)
+        self._continue: tuple[int, int] | None = None
+        self._failover = Failover(
+            config.relays,
+            Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),
+            max_attempts=config.max_attempts,
+        )
+        self._timeout = config.timeout
+        #: the relays as named in messages (no credentials), worked out once
+        self._where = {url: f"relay {safe_url(url)}" for url in config.relays}
+
+    # ---- state ------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """The SCN of the last window the sink returned from (-1: none)."""
+        return self._position
+
+    @property
+    def relay(self) -> str:
+        """The URL of the relay in use."""
+        return self._failover.url
+
+    @property
+    def failovers(self) -> int:
+        """How many times the reader moved to another relay."""
+        return self._failover.switches
+
+    def seek(self, position: int) -> None:
+        """Continue after ``position`` (e.g. a bootstrap's target); not during :meth:`run`."""
+        self._position = position
+        self._latest = False
+        self._restart_window()
+
+    def seek_latest(self) -> None:
+        """Continue with the windows committed from now on (skipping the rest)."""
+        self._latest = True
+        self._restart_window()
+
+    def learn_partition(self, name: str | None) -> None:
+        """Adopt ``name`` when no partition is set; refuse a different one."""
+        if name is None:
+            return
+        if self.partition is None:
+            self.partition = name
+        elif name != self.partition:
+            raise ProtocolError(f"asked for partition {self.partition!r}, got {name!r}")
+
+    # ---- the loop -----------------------------------------------------------
+
+    async def run(self, sink: StreamSink) -> None:
+        """Hand windows to ``sink`` until cancelled; raise a terminal error.
+
+        The position moves past a window only after ``sink`` returned. A
+        retriable exception of the sink restarts that window (like a
+        transport failure); any other ends the stream with that exception.
+        """
+        failover = self._failover
+        while True:
+            error: Exception
+            try:
+                await self._request(failover.url, sink)
+                failover.succeeded()
+                continue
+            except _FromSink as wrapped:
+                error = wrapped.error  # raised again below as the sink's own, unwrapped
+            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
+                error = exc
+            self._restart_window()
+            await failover.failed(error)
+
+    def _restart_window(self) -> None:
+        self._assembler.reset(self._position)
+        self._continue = None
+
+    def _params(self) -> dict[str, str]:
+        cfg = self.config
+        params: dict[str, str] = {"max_bytes": str(cfg.max_bytes), "wait": f"{cfg.wait_s:g}"}
+        if self.partition is not None:
+            params["partition"] = self.partition
+        if self._latest:
+            params["from"] = "latest"
+        elif self._continue is not None and self._assembler.in_window:
+            params["scn"], params["offset"] = str(self._continue[0]), str(self._continue[1])
+        else:
+            params["scn"], params["offset"] = str(self._position), "-1"
+        if cfg.sources:
+            params["sources"] = ",".join(cfg.sources)
+        if cfg.key_filter is not None:
+            params["filter"] = str(cfg.key_filter)
+        if cfg.follow:
+            params["follow"] = "1"
+            params["follow_bytes"] = str(cfg.follow_bytes)
+        if cfg.client_id:
+            params["client"] = cfg.client_id
+        return params
+
+    async def _request(self, url: str, sink: StreamSink) -> None:
+        params = self._params()
+        self.requests += 1
+        where = self._where[url]
+        with transport_errors(where):
+            async with self._session.get(
+                f"{url}/v1/stream", params=params, timeout=self._timeout
+            ) as resp:
+                if resp.status not in (200, 204):
+                    raise await response_error(
+                        resp,
+                        where,
+                        kind="stream",
+                        partition=self.partition or "",
+                        requested_scn=int(params.get("scn", "-1")),
+                    )
+                self.learn_partition(resp.headers.get("X-Changebus-Partition"))
+                if self._latest and (resp.status == 204 or self.config.follow):
+                    # the relay's start position: windows after it are "from now on"
+                    self.seek(int(resp.headers.get("X-Changebus-Next-Scn", "-1")))
+                if resp.status == 204:
+                    return
+                if self.config.follow:
+                    await self._read_follow(resp, url, sink)
+                else:
+                    self._latest = False
+                    await self._read_whole(resp, url, sink)
+
+    async def _read_follow(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
+        splitter = EventSplitter()
+        async for chunk in resp.content.iter_any():
+            complete, offsets = splitter.split(chunk)
+            if complete:
+                for raw in self._assembler.feed(complete, offsets):
+                    await self._hand(raw, url, sink)
+        if splitter.leftover:
+            raise TransportError("the relay's follow response ended inside an event")
+        # a push cut inside a window (follow_bytes reached): ask again for it whole
+        self._restart_window()
+
+    async def _read_whole(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
+        body = await resp.read()  # raises when the body ends early: nothing is used
+        for raw in self._assembler.feed(body):
+            await self._hand(raw, url, sink)
+        if self._assembler.in_window:
+            self._continue = (
+                int(resp.headers["X-Changebus-Next-Scn"]),
+                int(resp.headers["X-Changebus-Next-Offset"]),
+            )
+        else:
+            self._continue = None
+
+    async def _hand(self, raw: RawWindow, url: str, sink: StreamSink) -> None:
+        try:
+            await sink(raw, url)
+        except Exception as exc:
+            raise _FromSink(exc) from exc
+        self._position = raw.scn
+        self.windows += 1
