@@ -61,7 +61,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.errors import BadRequestError
 
-__all__ = ["PARSED_DTYPE", "Parsed", "check_windows", "validate"]
+__all__ = ["PARSED_DTYPE", "Parsed", "check_sizes_add_up", "check_windows", "validate"]
 
 #: groups up to this size are validated event by event, larger ones in bulk
 _SCALAR_PARSE_BYTES: Final = 32 * 1024
