@@ -192,7 +192,7 @@ def _parse_small(
             raise BadRequestError(_BAD_SEQ)
         boundary = wi < len(bounds) and end == bounds[wi]
         if (op == _EOW) != boundary:
-            raise BadRequestError(_UNCLOSED)
+            raise BadRequestError(_EOW_INSIDE if op == _EOW else _UNCLOSED)
         rows.append((pos, scn, khash, total, op, source, ts, seq_next == 0))
         if op == _EOW:
             wi += 1
