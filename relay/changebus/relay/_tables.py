@@ -15,7 +15,7 @@ Two tables are used per buffer:
 * the **SCN index** (:data:`INDEX_DTYPE`, 16 bytes per entry): one entry per
   ring block in which a window starts (the first such window), mapping its
   SCN to its first event number. Lookup is a binary search in the index
-  followed by a short vectorised scan of the event table.
+  followed by a short vectorised scan of the event table (see :mod:`._index`).
 """
 
 from __future__ import annotations

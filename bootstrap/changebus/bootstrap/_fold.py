@@ -1,0 +1,209 @@
+"""The snapshot fold: the applier turns the log into the latest row per key.
+
+One job: the ``cb_snap`` and ``cb_trunc`` tables, written by folding log
+windows in (:meth:`SnapshotFold.apply`).
+
+``cb_snap`` -- the **snapshot store**: per (partition, source id, key) the
+  latest data event: ``scn`` of the change that wrote it, ``deleted`` for a
+  delete (a *tombstone*: a consumer that saw the row earlier must learn it is
+  gone). An upsert keeps the row's ``id``, so a scan in ``id`` order is stable
+  while the applier keeps writing; it never replaces a newer state of a key
+  (:data:`~._db.UPSERT_SNAP`: seeded rows may be ahead of the applier).
+``cb_trunc`` -- the newest TRUNCATE per (partition, source): the snapshot rows
+  of that source before it are removed; the event itself is served first in a
+  snapshot to consumers that saw the table before it (:mod:`._pages`).
+
+Invariants: ``applier_scn <= producer_scn``; ``cb_snap`` = the fold of the log
+windows up to ``applier_scn`` (plus what was seeded, :mod:`._gaps`). A fold
+step is one transaction: the snapshot rows and the applier position move
+together, so a crash never applies a window twice or half. An UPDATE is
+stored whole: a key change leaves a tombstone under the old key, and columns
+the source did not send (Postgres' unchanged TOAST values) are filled in
+from the row's previous image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from changebus.schemas import (
+    FIRST_CONTROL_OP,
+    HEADER_SIZE,
+    DecodedChange,
+    EventHeader,
+    Op,
+    RowEncoder,
+    decode_header,
+)
+
+from ._db import UPSERT_SNAP, PartitionState, StoreDb
+
+__all__ = ["SnapshotFold"]
+
+_DELETE = int(Op.DELETE)
+_UPDATE = int(Op.UPDATE)
+_TRUNCATE = int(Op.TRUNCATE)
+
+
+class SnapshotFold(StoreDb):
+    """The applier's fold of the log into the snapshot (a part of :class:`~._store.Store`)."""
+
+    #: log events folded into the snapshot through this connection
+    applied_events: int = 0
+
+    def apply(self, part: str, max_events: int = 10_000) -> PartitionState:
+        """Fold the next whole windows of the log (about ``max_events``) into the snapshot.
+
+        One transaction: the snapshot rows and the applier position move
+        together, so a crash never applies a window twice or half.
+        """
+        st = self.state(part)
+        if st.applier_scn >= st.producer_scn:
+            return st
+        # the SCN up to which to apply: the window holding the max_events-th row
+        row = self._one(
+            "SELECT scn FROM cb_log WHERE part = {p} AND id > {p} ORDER BY id LIMIT 1 OFFSET {p}",
+            (part, st.applier_id, max_events - 1),
+        )
+        upto = st.producer_scn if row is None else min(int(row[0]), st.producer_scn)
+        rows = self._all(
+            "SELECT id, source_id, op, scn, event FROM cb_log WHERE part = {p} AND id > {p} "
+            "AND scn <= {p} ORDER BY id",
+            (part, st.applier_id, upto),
+        )
+        if not rows:
+            return st
+        upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
+        with self._txn():
+            for _id, source_id, op, scn, event in rows:
+                if op == _TRUNCATE:
+                    self._flush_upserts(upserts)
+                    self._truncate(part, int(source_id), int(scn), bytes(event))
+                elif op < FIRST_CONTROL_OP:
+                    event = bytes(event)
+                    h = decode_header(event)
+                    key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+                    if op == _UPDATE:
+                        event = self._fold_update(part, h, key, event, upserts)
+                    upserts[(int(source_id), key)] = (
+                        part,
+                        int(source_id),
+                        key,
+                        int(scn),
+                        1 if op == _DELETE else 0,
+                        event,
+                    )
+            self._flush_upserts(upserts)
+            cur = self.state(part)
+            new = PartitionState(
+                cur.producer_scn, upto, int(rows[-1][0]), cur.log_min_scn, cur.base_scn
+            )
+            self._put_state(part, new)
+        self.applied_events += len(rows)
+        return new
+
+    def _fold_update(
+        self,
+        part: str,
+        h: EventHeader,
+        key: bytes,
+        event: bytes,
+        upserts: dict[tuple[int, bytes], tuple[Any, ...]],
+    ) -> bytes:
+        """What an UPDATE leaves in the snapshot; returns the event to store for its key.
+
+        * A key change (the before-image has another key) leaves a tombstone
+          for the old key, so no stale row survives under it.
+        * Columns the source did not send (Postgres' unchanged TOAST values)
+          are taken from the row's previous image, so a snapshot row is whole.
+        """
+        codec = self._codec(part, h)
+        if codec is None:
+            return event
+        dec, enc = codec
+        change = dec.decode(memoryview(event)[HEADER_SIZE + h.key_length :])
+        source_key = key  # where the row's previous image is
+        if change.before is not None and h.key_length:
+            tomb = enc.encode(
+                Op.DELETE,
+                h.scn,
+                h.seq,
+                h.timestamp_ns,
+                None,
+                change.before,
+                before_not_sent=change.before_not_sent,
+            )
+            old = tomb[HEADER_SIZE : HEADER_SIZE + decode_header(tomb).key_length]
+            if old != key:
+                source_key = old
+        if change.after_not_sent and change.after is not None:
+            event = self._fill_unsent(part, h, source_key, change, enc, upserts) or event
+        if source_key != key:
+            upserts[(h.source_id, source_key)] = (part, h.source_id, source_key, h.scn, 1, tomb)
+        return event
+
+    def _fill_unsent(
+        self,
+        part: str,
+        h: EventHeader,
+        source_key: bytes,
+        change: DecodedChange,
+        enc: RowEncoder,
+        upserts: dict[tuple[int, bytes], tuple[Any, ...]],
+    ) -> bytes | None:
+        """The UPDATE re-encoded with its unsent columns from the row's previous image."""
+        assert change.after is not None
+        pending = upserts.get((h.source_id, source_key))
+        if pending is not None:
+            prev: bytes | None = None if pending[4] else pending[5]
+        else:
+            row = self._one(
+                "SELECT event, deleted FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                "AND key = {p}",
+                (part, h.source_id, source_key),
+            )
+            prev = bytes(row[0]) if row is not None and not row[1] else None
+        if prev is None:
+            return None
+        ph = decode_header(prev)
+        pcodec = self._codec(part, ph)
+        if pcodec is None:
+            return None
+        old_change = pcodec[0].decode(memoryview(prev)[HEADER_SIZE + ph.key_length :])
+        image = old_change.after
+        if image is None:
+            return None
+        merged = dict(change.after)
+        still: list[str] = []
+        for col in change.after_not_sent:
+            if col in image and col not in old_change.after_not_sent:
+                merged[col] = image[col]
+            else:
+                still.append(col)
+        return enc.encode(
+            Op.UPDATE,
+            h.scn,
+            h.seq,
+            h.timestamp_ns,
+            merged,
+            change.before,
+            after_not_sent=still,
+            before_not_sent=change.before_not_sent,
+        )
+
+    def _flush_upserts(self, upserts: dict[tuple[int, bytes], tuple[Any, ...]]) -> None:
+        self._many(UPSERT_SNAP, upserts.values())
+        upserts.clear()
+
+    def _truncate(self, part: str, source_id: int, scn: int, event: bytes) -> None:
+        self._conn.execute(
+            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p} AND scn <= {p}"),
+            (part, source_id, scn),
+        )
+        self._conn.execute(
+            self._sql(
+                "INSERT INTO cb_trunc (part, source_id, scn, event) VALUES ({p}, {p}, {p}, {p}) "
+                "ON CONFLICT (part, source_id) DO UPDATE SET scn = excluded.scn, event = excluded.event"
+            ),
+            (part, source_id, scn, event),
+        )

@@ -1,0 +1,143 @@
+"""Seeding and gaps: which tables were copied from the source whole, and what is missing.
+
+One job: the ``cb_seed`` table. A row per table copied from the source in
+full (see :mod:`._seed`), with the SCN of the copy; seed rows are merged
+into the snapshot like applied changes (never over a newer state of a key).
+
+A *gap*: the producer fell off the relay, so windows up to ``gap_end`` may
+be missing from the log. It is recorded as a ``cb_seed`` row under a name no
+table has (``*gap*``) and, while it is there, every table must be seeded
+again and positions before ``gap_end`` cannot be served. When a table's
+seed ends after a gap, its snapshot rows the seed did not rewrite that are
+older than the gap were deleted during it: they become tombstones. The gap
+is forgotten once every known table has been seeded since.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from changebus.schemas import HEADER_SIZE, Op, decode_header
+
+from ._db import UPSERT_SNAP, PartitionState, StoreDb
+
+__all__ = ["SeedLedger"]
+
+
+class SeedLedger(StoreDb):
+    """Seeded tables and gaps in the log (a part of :class:`~._store.Store`)."""
+
+    _GAP = "*gap*"
+
+    def mark_gap(self, part: str, gap_end: int) -> PartitionState:
+        """The producer fell off the relay: windows up to ``gap_end`` may be missing.
+
+        The log continues after ``gap_end`` (catch-ups from before it are
+        refused), every table must be seeded again, and until that is done
+        positions before ``gap_end`` cannot be served (:meth:`gap`).
+        """
+        with self._txn():
+            st = self.state(part)
+            new = PartitionState(
+                max(st.producer_scn, gap_end),
+                st.applier_scn,
+                st.applier_id,
+                max(st.log_min_scn, gap_end),
+                st.base_scn,
+            )
+            self._put_state(part, new)
+            self._conn.execute(self._sql("DELETE FROM cb_seed WHERE part = {p}"), (part,))
+            self._conn.execute(
+                self._sql("INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, {p})"),
+                (part, self._GAP, gap_end),
+            )
+        return new
+
+    def gap(self, part: str) -> int | None:
+        """The end of a gap in the log not yet repaired by a seed (None: no gap)."""
+        row = self._one(
+            "SELECT scn FROM cb_seed WHERE part = {p} AND name = {p}", (part, self._GAP)
+        )
+        return int(row[0]) if row is not None else None
+
+    def clear_gap(self, part: str) -> bool:
+        """Forget the gap when every known table has been seeded since; True when it was."""
+        if self.gap(part) is None:
+            return False
+        with self._txn():
+            names = {n for _s, _v, n, _j in self.schemas(part)}
+            if not names <= set(self.seeded(part)):
+                return False
+            self._conn.execute(
+                self._sql("DELETE FROM cb_seed WHERE part = {p} AND name = {p}"),
+                (part, self._GAP),
+            )
+        return True
+
+    def _sweep(self, part: str, table: str, gap_end: int, seed_scn: int) -> None:
+        """After a table's seed at ``seed_scn``: rows it did not rewrite that are older
+        than the gap were deleted during the gap; they become tombstones at ``seed_scn``."""
+        sids = [s for s, _v, n, _j in self.schemas(part) if n == table]
+        if not sids:
+            return
+        rows = self._all(
+            "SELECT key, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+            "AND deleted = 0 AND scn <= {p} AND scn < {p}",
+            (part, sids[0], gap_end, seed_scn),
+        )
+        tombs = []
+        for key, event in rows:
+            ev = bytes(event)
+            h = decode_header(ev)
+            codec = self._codec(part, h)
+            if codec is None:
+                continue
+            change = codec[0].decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
+            image = change.after if change.after is not None else change.before
+            tomb = codec[1].encode(Op.DELETE, seed_scn, 0, h.timestamp_ns, None, image)
+            tombs.append((part, h.source_id, bytes(key), seed_scn, 1, tomb))
+        self._many(UPSERT_SNAP, tombs)
+
+    def seed_rows(self, part: str, table: str, events: Sequence[bytes], scn: int) -> None:
+        """Merge seed rows (INSERT events at ``scn``), or record ``table`` as seeded when empty.
+
+        A row is written unless the snapshot holds a newer state of its key.
+        After a gap (:meth:`mark_gap`) the end of a table also turns the rows
+        deleted during the gap into tombstones.
+        """
+        with self._txn():
+            if not events:
+                gap_end = self.gap(part)
+                if gap_end is not None:
+                    self._sweep(part, table, gap_end, scn)
+                self._conn.execute(
+                    self._sql(
+                        "INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, {p}) "
+                        "ON CONFLICT (part, name) DO UPDATE SET scn = excluded.scn"
+                    ),
+                    (part, table, scn),
+                )
+                return
+            rows = []
+            for ev in events:
+                h = decode_header(ev)
+                key = ev[HEADER_SIZE : HEADER_SIZE + h.key_length]
+                rows.append((part, h.source_id, key, h.scn, 0, ev))
+            self._many(UPSERT_SNAP, rows)
+
+    def seeded(self, part: str) -> dict[str, int]:
+        """Tables seeded in full, with the SCN of their seed."""
+        return {
+            str(n): int(s)
+            for n, s in self._all(
+                "SELECT name, scn FROM cb_seed WHERE part = {p} AND name <> {p}",
+                (part, self._GAP),
+            )
+        }
+
+    def forget_seed(self, part: str, tables: Sequence[str]) -> None:
+        """Mark ``tables`` as not seeded (a re-seed copies them again)."""
+        with self._txn():
+            self._many(
+                "DELETE FROM cb_seed WHERE part = {p} AND name = {p}", [(part, t) for t in tables]
+            )

@@ -1,0 +1,200 @@
+"""Pages: what the bootstrap server reads from the store for a consumer.
+
+One job: the read side. A bootstrap is a snapshot (:meth:`Pages.snapshot_page`:
+rows changed after the consumer's SCN, at their latest version, by source
+then row id) followed by a catch-up (:meth:`Pages.catchup_page`: whole log
+windows up to a target SCN, oldest first); plus the counts the server uses
+to choose between them. Pages resume from a position the previous page
+returned, so a consumer's bootstrap keeps no state on the server.
+
+Nothing here writes; the scans are stable while the applier writes (a
+snapshot upsert keeps its row ``id``, the log only grows at its end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from changebus.schemas import FIRST_CONTROL_OP, Op, PartitionFilter, decode_header
+
+from ._db import StoreDb
+
+__all__ = ["CatchupPage", "Pages", "SnapshotPage"]
+
+_EOW = int(Op.END_OF_WINDOW)
+_MAX_ID = 2**62
+
+
+@dataclass(frozen=True)
+class SnapshotPage:
+    """Events of one snapshot page and where the next page starts.
+
+    ``position`` is ``(source_id, row id)`` of the last row considered;
+    ``complete`` says the snapshot of every asked source is done.
+    """
+
+    data: bytes
+    events: int
+    position: tuple[int, int]
+    complete: bool
+
+
+@dataclass(frozen=True)
+class CatchupPage:
+    """Whole windows of the log in ``(after, target]`` and the last log row sent."""
+
+    data: bytes
+    events: int
+    last_scn: int
+    last_id: int
+    complete: bool
+
+
+class Pages(StoreDb):
+    """Snapshot and catch-up pages (a part of :class:`~._store.Store`)."""
+
+    def changed_since(self, part: str, since_scn: int, upto_scn: int) -> int:
+        """Log data events in ``(since_scn, upto_scn]`` (what a catch-up-only bootstrap costs)."""
+        row = self._one(
+            "SELECT count(*) FROM cb_log WHERE part = {p} AND scn > {p} AND scn <= {p} AND op < {p}",
+            (part, since_scn, upto_scn, FIRST_CONTROL_OP),
+        )
+        return int(row[0])
+
+    def first_log_scn(self, part: str) -> int:
+        """SCN of the oldest window in the log (-1: empty)."""
+        row = self._one("SELECT min(scn) FROM cb_log WHERE part = {p}", (part,))
+        return int(row[0]) if row is not None and row[0] is not None else -1
+
+    def snapshot_changed(self, part: str, since_scn: int, upto_scn: int) -> int:
+        """Snapshot rows (tombstones too) last changed in ``(since_scn, upto_scn]``."""
+        row = self._one(
+            "SELECT count(*) FROM cb_snap WHERE part = {p} AND scn > {p} AND scn <= {p}",
+            (part, since_scn, upto_scn),
+        )
+        return int(row[0])
+
+    def source_ids(self, part: str) -> list[int]:
+        """Source ids of the partition (those with a known schema or a snapshot row)."""
+        rows = self._all(
+            "SELECT DISTINCT source_id FROM cb_schema WHERE part = {p} UNION "
+            "SELECT DISTINCT source_id FROM cb_trunc WHERE part = {p}",
+            (part, part),
+        )
+        return sorted(int(r[0]) for r in rows)
+
+    def snapshot_page(
+        self,
+        part: str,
+        source_ids: Sequence[int],
+        *,
+        since_scn: int,
+        start_scn: int,
+        position: tuple[int, int],
+        max_bytes: int,
+        key_filter: PartitionFilter | None = None,
+        batch_rows: int = 2000,
+    ) -> SnapshotPage:
+        """Rows changed after ``since_scn``, at their latest version, by source then row id.
+
+        ``start_scn`` is the snapshot's SCN (the catch-up starts there). Rows
+        the applier changed after it are sent too, at their newer version:
+        the catch-up replays their older changes and ends at a target past
+        them, so the end state is the same, and a row is always sent whole
+        (a catch-up UPDATE may carry only some columns: Postgres' unchanged
+        TOAST values). Pages resume after ``position`` (source id, row id).
+        Tombstones are sent only to a consumer that has a position
+        (``since_scn >= 0``); a source's TRUNCATE after it comes first.
+        At least one event is returned when any is left (even over
+        ``max_bytes``).
+        """
+        sources = sorted(source_ids)
+        src, after = position
+        chunks: list[bytes] = []
+        size = events = 0
+        for sid in sources:
+            if sid < src:
+                continue
+            if sid > src:
+                after = 0
+            if after == 0:
+                trunc = self._one(
+                    "SELECT scn, event FROM cb_trunc WHERE part = {p} AND source_id = {p}",
+                    (part, sid),
+                )
+                if trunc is not None and 0 <= since_scn < int(trunc[0]):
+                    chunks.append(bytes(trunc[1]))
+                    size += len(trunc[1])
+                    events += 1
+            while True:
+                rows = self._all(
+                    "SELECT id, scn, deleted, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                    "AND id > {p} AND scn > {p}"
+                    + (" AND deleted = 0" if since_scn < 0 else "")
+                    + " ORDER BY id LIMIT {p}",
+                    (part, sid, after, since_scn, batch_rows),
+                )
+                for rid, scn, deleted, event in rows:
+                    after = int(rid)
+                    if int(scn) <= since_scn:
+                        continue
+                    if deleted and since_scn < 0:
+                        continue
+                    ev = bytes(event)
+                    if key_filter is not None and not key_filter.matches(
+                        decode_header(ev).key_hash
+                    ):
+                        continue
+                    chunks.append(ev)
+                    size += len(ev)
+                    events += 1
+                    if size >= max_bytes:
+                        return SnapshotPage(b"".join(chunks), events, (sid, after), False)
+                if len(rows) < batch_rows:
+                    break
+            src = sid
+        last = sources[-1] if sources else 0
+        return SnapshotPage(b"".join(chunks), events, (last, after), True)
+
+    def catchup_page(
+        self,
+        part: str,
+        *,
+        after_scn: int,
+        target_scn: int,
+        max_bytes: int,
+        batch_rows: int = 5000,
+    ) -> CatchupPage:
+        """Whole log windows with ``after_scn < scn <= target_scn``, oldest first.
+
+        Stops after the window that passes ``max_bytes`` (at least one
+        window). Filtering by source and key is the caller's (the relay's
+        selection rules apply to the returned stream).
+        """
+        chunks: list[bytes] = []
+        size = events = 0
+        last_scn, last_id = after_scn, 0
+        # (scn, id) of the last row read; windows have one SCN each and
+        # ``after_scn``'s window was sent already: start past all of it
+        cursor_scn, cursor_id = after_scn, _MAX_ID
+        while True:
+            rows = self._all(
+                "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
+                "(scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} ORDER BY scn, id LIMIT {p}",
+                (part, cursor_scn, cursor_scn, cursor_id, target_scn, batch_rows),
+            )
+            for rid, scn, op, event in rows:
+                cursor_scn, cursor_id = int(scn), int(rid)
+                chunks.append(bytes(event))
+                size += len(event)
+                events += 1
+                if op == _EOW:
+                    last_scn, last_id = int(scn), int(rid)
+                    if size >= max_bytes:
+                        data = b"".join(chunks)
+                        return CatchupPage(data, events, last_scn, last_id, last_scn >= target_scn)
+            if len(rows) < batch_rows:
+                break
+        # drop a trailing partial window (cannot happen with whole-window appends)
+        return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)

@@ -1,0 +1,150 @@
+"""Eviction and reader pins: how the writer makes room without pulling bytes from under a reader.
+
+One job: decide which oldest windows the writer evicts to fit a new group
+(:func:`plan_eviction`), and make it wait for the readers still sending
+those bytes (:func:`wait_for_readers`).
+
+Eviction invariants:
+
+* only whole windows are evicted: the new head is the first event after an
+  END_OF_WINDOW (or the tail, when everything goes);
+* ``prev_scn`` becomes the SCN of the newest evicted window, ``min_scn`` the
+  SCN of the oldest kept one (-1: none), ``index_head`` the first SCN index
+  entry at or after the new head (:mod:`._index`).
+
+Pins
+====
+A reader selects events under the buffer's lock and, in the same critical
+section, *pins* the lowest byte position it will send (a :class:`Pin` in the
+buffer's pin set). It then writes memoryview slices of the ring to its
+socket without the lock, and releases the pin when the bytes have left the
+process. Before evicting bytes at or beyond a pinned position the writer
+waits (``pin_timeout_s``); after that it marks the pin as overrun and evicts
+anyway. A reader whose pin was overrun must abort its response (the client
+then sees a short body and retries); it never delivers bytes that may have
+been overwritten.
+
+Thread-safety: :func:`plan_eviction` runs in the writer thread and reads
+only events the writer owns the fate of (readers never move the head);
+:func:`wait_for_readers` runs with the buffer's lock held, through the pin
+condition that shares it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import Op
+
+from ._meta import BufferMeta
+from ._tables import CircularTable
+
+__all__ = ["Eviction", "Pin", "plan_eviction", "wait_for_readers"]
+
+log = logging.getLogger("changebus.relay.buffer")
+
+_EOW = int(Op.END_OF_WINDOW)
+#: the longest run of events :func:`_find` examines at once
+_FIND_CHUNK = 16384
+
+
+@dataclass(eq=False)
+class Pin:
+    """A reader's claim on ring bytes from ``pos`` on (see the module docstring)."""
+
+    pos: int
+    overrun: bool = False
+
+
+class Eviction(NamedTuple):
+    """The state fields an eviction changes, and how many windows it drops."""
+
+    head_event: int
+    head_pos: int
+    prev_scn: int
+    min_scn: int
+    index_head: int
+    windows: int
+
+
+def plan_eviction(
+    events: CircularTable,
+    index: CircularTable,
+    m: BufferMeta,
+    min_head_pos: int,
+    min_head_event: int,
+) -> Eviction | None:
+    """Whole oldest windows to evict so the head is past both bounds (None: none)."""
+    if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
+        return None
+    cand = events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
+    cand = max(cand, min_head_event)
+    if cand <= m.head_event:
+        return None
+    if cand < m.tail_event and int(events.at(cand - 1)["op"]) != _EOW:
+        cand = _find(events, m.tail_event, cand, lambda r: r["op"] == _EOW) + 1
+    new_head = min(cand, m.tail_event)
+    prev_scn = int(events.at(new_head - 1)["scn"])
+    if new_head < m.tail_event:
+        first_rec = events.at(new_head)
+        head_pos, min_scn = int(first_rec["pos"]), int(first_rec["scn"])
+    else:
+        head_pos, min_scn = m.tail_pos, -1
+    return Eviction(
+        head_event=new_head,
+        head_pos=head_pos,
+        prev_scn=prev_scn,
+        min_scn=min_scn,
+        index_head=index.searchsorted(m.index_head, m.index_tail, "event", new_head),
+        windows=int(np.count_nonzero(events.get(m.head_event, new_head, "op") == _EOW)),
+    )
+
+
+def _find(
+    events: CircularTable,
+    tail: int,
+    start: int,
+    pred: Callable[[npt.NDArray[Any]], npt.NDArray[np.bool_]],
+) -> int:
+    """First event number in ``[start, tail)`` whose record satisfies ``pred`` (or tail)."""
+    e = start
+    chunk = 64
+    while e < tail:
+        stop = min(e + chunk, tail)
+        hits = np.flatnonzero(pred(events.get(e, stop)))
+        if hits.size:
+            return e + int(hits[0])
+        e = stop
+        chunk = min(chunk * 4, _FIND_CHUNK)
+    return tail
+
+
+def wait_for_readers(
+    pins: set[Pin], changed: threading.Condition, head_pos: int, timeout: float, name: str
+) -> int:
+    """Wait until no pin lies below ``head_pos``, at most ``timeout`` seconds.
+
+    The caller holds ``changed`` (the buffer's lock). Pins still below
+    ``head_pos`` then are marked overrun; returns how many.
+    """
+    deadline = time.monotonic() + timeout
+    overrun = 0
+    while any(p.pos < head_pos and not p.overrun for p in pins):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for p in pins:
+                if p.pos < head_pos and not p.overrun:
+                    p.overrun = True
+                    overrun += 1
+            log.warning("buffer %s: overran a reader slower than %.1f s", name, timeout)
+            break
+        changed.wait(left)
+    return overrun

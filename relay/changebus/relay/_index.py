@@ -1,0 +1,79 @@
+"""The SCN index: where a window with a given SCN starts, without scanning the ring.
+
+One job: keep and search ``index.dat``, a :class:`~._tables.CircularTable`
+of :data:`~._tables.INDEX_DTYPE` entries ``(scn, event)``. For each ring
+block of ``block`` bytes in which a window starts, the index holds the SCN
+and the first event number of the *first* window starting there.
+
+Invariants (with the buffer's published :class:`~._meta.BufferMeta`):
+
+* live entries are ``[index_head, index_tail)``; their SCNs and event numbers
+  strictly increase, and each names the first event of a live window (the
+  buffer moves ``index_head`` past evicted events, see :mod:`._evict`);
+* consecutive entries lie in different blocks, so the index has at most
+  ``capacity / block`` live entries (+ a few slots of slack); when it would
+  overflow anyway the oldest entries are dropped, which only makes lookups
+  scan a little more;
+* a window with SCN ``s`` lies between the events of the last entry with a
+  SCN ``<= s`` and the next entry (or the tail): a lookup is a binary search
+  in the index, then a vectorised scan of that stretch of the event table.
+
+Only the writer thread calls :func:`add_windows` (on entries beyond the
+published ``index_tail``); readers call :func:`scn_range` under the
+buffer's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._meta import BufferMeta
+from ._tables import INDEX_DTYPE, CircularTable
+
+__all__ = ["add_windows", "scn_range"]
+
+
+def add_windows(
+    index: CircularTable,
+    events: CircularTable,
+    block: int,
+    m: BufferMeta,
+    ev: npt.NDArray[Any],
+    positions: npt.NDArray[np.int64],
+    first_event: int,
+) -> tuple[int, int]:
+    """Index the windows of a group being committed; returns the new ``(index_head, index_tail)``.
+
+    ``ev`` are the group's parsed records (:data:`~._validate.PARSED_DTYPE`),
+    ``positions`` their virtual ring positions, ``first_event`` the event
+    number of the first one; ``m`` is the state before the group.
+    """
+    index_head, index_tail = m.index_head, m.index_tail
+    firsts = np.flatnonzero(ev["first"])
+    blocks = positions[firsts] // block
+    if index_tail > index_head:
+        last_event = int(index.at(index_tail - 1)["event"])
+        last_block = int(events.at(last_event)["pos"]) // block
+    else:
+        last_block = -1
+    fresh = firsts[np.flatnonzero(blocks != np.concatenate(([last_block], blocks[:-1])))]
+    if fresh.size:
+        entries = np.empty(fresh.size, dtype=INDEX_DTYPE)
+        entries["scn"] = ev["scn"][fresh]
+        entries["event"] = first_event + fresh
+        index_head = max(index_head, index_tail + fresh.size - index.slots)
+        index.put(index_tail, entries[-index.slots :])
+        index_tail += fresh.size
+    return index_head, index_tail
+
+
+def scn_range(index: CircularTable, m: BufferMeta, scn: int) -> tuple[int, int]:
+    """Events ``[lo, hi)`` that hold every live event with SCN ``scn``, if any."""
+    i = index.searchsorted(m.index_head, m.index_tail, "scn", scn, "right")
+    lo = int(index.at(i - 1)["event"]) if i > m.index_head else m.head_event
+    lo = max(lo, m.head_event)
+    hi = int(index.at(i)["event"]) if i < m.index_tail else m.tail_event
+    return lo, hi

@@ -1,0 +1,207 @@
+"""The reader side of the buffer: from a consumer's checkpoint to ring spans to send.
+
+One job: given a published :class:`~._meta.BufferMeta` and the event table,
+find where a checkpoint resumes (:func:`locate`) and choose the events that
+follow it (:func:`select_events`). Nothing here touches the ring bytes or
+writes anything: selection works on the event table alone, vectorised, so a
+request costs numpy calls per chunk of events, never Python work per event.
+
+Rules of a selection: whole windows only, unless the first window alone
+exceeds the byte limit (then as many of its events as fit, at least one,
+and the checkpoint points inside the window); events a consumer does not
+subscribe to are skipped but still passed by the checkpoint; control events
+are always selected (:func:`~changebus.schemas.event_mask`).
+
+Thread-safety: both functions run under the buffer's lock, on the state it
+published; the caller pins the lowest selected position in the same critical
+section (see :mod:`._evict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import Op, PartitionFilter, ScnNotFoundError, event_mask
+
+from ._evict import Pin
+from ._index import scn_range
+from ._meta import BufferMeta
+from ._tables import CircularTable
+
+__all__ = ["SCAN_CHUNK", "Selection", "locate", "select_events"]
+
+_EOW = int(Op.END_OF_WINDOW)
+#: events examined per step of a selection (doubled for a longer window)
+SCAN_CHUNK = 16384
+
+
+@dataclass
+class Selection:
+    """What a reader should send: ring byte spans, and where it got to.
+
+    ``spans`` are physical ``(start, stop)`` offsets into the ring, each a
+    run of back-to-back selected events. ``next_scn``/``next_offset`` form the
+    checkpoint after these events: ``next_offset`` is -1 when the last window
+    was sent whole, else the number of that window's events already passed
+    (sent or filtered out). ``partial`` says a window was cut by the byte
+    limit. ``pin`` must be released with :meth:`EventBuffer.release`.
+    """
+
+    spans: list[tuple[int, int]]
+    events: int
+    nbytes: int
+    next_scn: int
+    next_offset: int
+    partial: bool
+    windows: int
+    pin: Pin | None = None
+    views: list[memoryview] = field(default_factory=list)
+
+
+def locate(
+    events: CircularTable,
+    index: CircularTable,
+    m: BufferMeta,
+    name: str,
+    window_scn: int,
+    window_offset: int,
+) -> tuple[int, int]:
+    """Where to start sending after checkpoint ``(window_scn, window_offset)``.
+
+    Returns ``(start_event, window_first_event)``: the first event to
+    send, and the first event of the window it belongs to (they differ
+    only when resuming inside a window). ``window_scn`` -1 means "from
+    the oldest event kept". ``start_event == tail_event`` means nothing
+    newer exists yet. Raises :class:`ScnNotFoundError` when events after
+    the checkpoint may have been evicted: the consumer must catch up
+    from the bootstrap server.
+    """
+    if window_scn < 0:
+        return m.head_event, m.head_event
+    complete = window_offset < 0
+    if m.tail_event == m.head_event:
+        if m.prev_scn < 0 or window_scn > m.prev_scn or (window_scn == m.prev_scn and complete):
+            return m.tail_event, m.tail_event
+        raise _too_old(name, window_scn, m)
+    if window_scn < m.min_scn:
+        if m.prev_scn >= 0 and (window_scn > m.prev_scn or (window_scn == m.prev_scn and complete)):
+            return m.head_event, m.head_event
+        raise _too_old(name, window_scn, m)
+    if window_scn > m.last_scn or (window_scn == m.last_scn and complete):
+        return m.tail_event, m.tail_event
+    # binary search in the SCN index, then a short scan of the event table
+    lo, hi = scn_range(index, m, window_scn)
+    scns = events.get(lo, hi, "scn")
+    first_at = lo + int(np.searchsorted(scns, window_scn, side="left"))
+    after = lo + int(np.searchsorted(scns, window_scn, side="right"))
+    if complete:
+        return after, after
+    if first_at == after:
+        raise ScnNotFoundError(
+            f"checkpoint is inside window {window_scn}, which buffer {name!r} does not "
+            "have; resume from the last complete window (prev_scn)",
+            oldest_scn=m.min_scn,
+            prev_scn=m.prev_scn,
+        )
+    return min(first_at + window_offset, after), first_at
+
+
+def _too_old(name: str, scn: int, m: BufferMeta) -> ScnNotFoundError:
+    return ScnNotFoundError(
+        f"SCN {scn} is older than buffer {name!r} keeps (oldest window {m.min_scn}, "
+        f"complete after {m.prev_scn}); catch up from the bootstrap server",
+        oldest_scn=m.min_scn,
+        prev_scn=m.prev_scn,
+    )
+
+
+def select_events(
+    events: CircularTable,
+    capacity: int,
+    m: BufferMeta,
+    start: int,
+    window_first: int,
+    max_bytes: int,
+    key_filter: PartitionFilter | None,
+    src_table: npt.NDArray[np.bool_] | None,
+) -> tuple[Selection, int]:
+    """The events to send from event ``start`` (of the window starting at ``window_first``).
+
+    Returns the selection (without pin or views) and the lowest virtual byte
+    position it covers (``tail_pos`` when it is empty): what to pin.
+    """
+    pos_parts: list[npt.NDArray[np.uint64]] = []
+    len_parts: list[npt.NDArray[np.uint32]] = []
+    used = windows = 0
+    next_scn, next_offset, partial = -1, -1, False
+    e = start
+    chunk = SCAN_CHUNK
+    while e < m.tail_event and used < max_bytes:
+        stop = min(e + chunk, m.tail_event)
+        rec: npt.NDArray[Any] = events.get(e, stop)
+        ops = rec["op"]
+        eows = np.flatnonzero(ops == _EOW)
+        if eows.size == 0 and stop < m.tail_event:
+            chunk *= 2  # a window longer than the chunk: look further
+            continue
+        keep = event_mask(rec, key_filter, src_table)
+        cum = np.cumsum(np.where(keep, rec["length"], 0).astype(np.int64))
+        budget = max_bytes - used
+        fits = eows[cum[eows] <= budget]
+        if fits.size:
+            last = int(fits[-1])
+            pos_parts.append(rec["pos"][: last + 1][keep[: last + 1]])
+            len_parts.append(rec["length"][: last + 1][keep[: last + 1]])
+            used += int(cum[last])
+            windows += int(fits.size)
+            next_scn, next_offset = int(rec["scn"][last]), -1
+            e += last + 1
+            if fits.size < eows.size:
+                break  # the next complete window does not fit
+            continue
+        if windows:
+            break
+        # the first window alone exceeds the limit: send a part of it
+        over = np.flatnonzero(cum > budget)
+        cut = max(int(over[0]) if over.size else len(ops), 1)
+        pos_parts.append(rec["pos"][:cut][keep[:cut]])
+        len_parts.append(rec["length"][:cut][keep[:cut]])
+        used += int(cum[cut - 1])
+        e += cut
+        next_scn = int(rec["scn"][0])
+        if int(ops[cut - 1]) == _EOW:
+            next_offset, windows = -1, 1
+        else:
+            next_offset, partial = e - window_first, True
+        break
+    pos = np.concatenate(pos_parts).astype(np.int64) if pos_parts else np.zeros(0, np.int64)
+    lens = np.concatenate(len_parts).astype(np.int64) if len_parts else np.zeros(0, np.int64)
+    selection = Selection(
+        spans=_runs(pos, lens, capacity),
+        events=int(pos.size),
+        nbytes=int(lens.sum()),
+        next_scn=next_scn,
+        next_offset=next_offset,
+        partial=partial,
+        windows=windows,
+    )
+    return selection, int(pos[0]) if pos.size else m.tail_pos
+
+
+def _runs(
+    pos: npt.NDArray[np.int64], lens: npt.NDArray[np.int64], capacity: int
+) -> list[tuple[int, int]]:
+    """Physical spans of back-to-back events (split at gaps and at the ring end)."""
+    if pos.size == 0:
+        return []
+    ends = pos + lens
+    brk = (pos[1:] != ends[:-1]) | (pos[1:] // capacity != pos[:-1] // capacity)
+    starts_idx = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    stops_idx = np.concatenate((starts_idx[1:] - 1, [pos.size - 1]))
+    s = pos[starts_idx] % capacity
+    t = s + (ends[stops_idx] - pos[starts_idx])
+    return list(zip(s.tolist(), t.tolist(), strict=True))

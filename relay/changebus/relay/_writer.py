@@ -1,0 +1,285 @@
+"""The buffer's writer side: validate, make room, place, copy, index, publish.
+
+One job: append groups of whole windows to an :class:`~._buffer.EventBuffer`
+(whose writer side this class is: :class:`BufferWriter` is mixed into it).
+Only one thread appends (the relay's writer thread); readers run
+concurrently, so the order of a commit is what keeps them safe:
+
+1. validate the whole group before anything is touched (:mod:`._validate`);
+   then check its order against the buffer's newest window;
+2. place it: positions are virtual (bytes ever written) and an event never
+   straddles the end of ``ring.dat`` -- the first event that would is moved
+   to the next lap's start, and the skipped bytes belong to no event;
+3. make room: evict whole oldest windows, waiting for readers that pinned
+   them, and publish the new head *under the lock* (:mod:`._evict`);
+4. copy the bytes and write the event table records and SCN index entries
+   (:mod:`._index`) -- all beyond the published tail, where no reader looks;
+5. run the ``before_publish`` hook, then publish the new tail under the lock
+   (and in ``meta.dat``): readers see the whole group at once or not at all.
+
+:meth:`BufferWriter.append_windows` splits a batch into groups of at most
+half the ring (one window alone may be larger, up to ``max_window_bytes``);
+each group commits alone. A group of several windows is first gathered in a
+reused scratch buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import EventTooLargeError, headers_at
+from changebus.schemas.errors import BadRequestError
+
+from ._evict import Pin, plan_eviction, wait_for_readers
+from ._index import add_windows
+from ._meta import BufferMeta, MetaFile
+from ._prefault import Prefaulter
+from ._tables import EVENT_DTYPE, CircularTable
+from ._validate import validate
+
+if TYPE_CHECKING:
+    from ._buffer import BufferConfig
+
+__all__ = ["BufferWriter", "Hook"]
+
+#: ``before_publish(data, offsets, headers)``
+Hook = Callable[[bytes | memoryview, npt.NDArray[np.int64], npt.NDArray[Any]], None]
+
+#: the largest group gathered in the writer's reused scratch buffer (see _gather)
+_SCRATCH_MAX = 32 << 20
+
+
+class BufferWriter:
+    """The append side of :class:`~._buffer.EventBuffer` (writer thread only)."""
+
+    # the buffer's state this side uses, set up by EventBuffer.__init__
+    config: BufferConfig
+    name: str
+    capacity: int
+    block: int
+    on_publish: Callable[[], None] | None
+    stats: dict[str, int]
+    _meta: BufferMeta
+    _metafile: MetaFile
+    _ring: npt.NDArray[np.uint8]
+    _events: CircularTable
+    _index: CircularTable
+    _lock: threading.Lock
+    _pins_changed: threading.Condition
+    _pins: set[Pin]
+    #: the writer's gather buffer for groups of windows
+    _scratch: bytearray
+    _prefault: Prefaulter
+    _prefault_events: Prefaulter
+
+    def append_window(self, window: bytes | memoryview) -> int:
+        """Append one whole window; see :meth:`append_windows`. Returns its SCN."""
+        return self.append_windows([window])
+
+    def append_windows(
+        self,
+        windows: Sequence[bytes | memoryview],
+        *,
+        before_publish: Hook | None = None,
+        sizes: Sequence[Sequence[int]] | None = None,
+    ) -> int:
+        """Append whole windows (each: events back to back, ending with END_OF_WINDOW).
+
+        All windows are validated before anything touches the buffer, then
+        appended and published together (one group commit: the writer thread
+        hands over everything that queued up while it was busy). Returns the
+        last SCN. Raises :class:`EventTooLargeError` when a window exceeds the
+        configured limit, :class:`CorruptEventError` / :class:`BadRequestError`
+        when one is malformed or out of order; then nothing is appended.
+        ``before_publish(data, offsets, headers)`` runs after the bytes are in
+        place and before readers can see them (the relay registers new table
+        schemas there).
+
+        ``sizes`` (one sequence of event sizes per window, or an empty one
+        for a window without) marks windows that changebus's own encoders
+        framed in this process (:attr:`changebus.fetchers.Window.event_sizes`):
+        the trusted path. Their events are located from the sizes instead of
+        a scan and their CRCs, computed once by the encoder, are not computed
+        again; every structural check (magic, version, op, lengths, window
+        ends, SCNs, seq numbers, order, the sizes themselves) still applies.
+        A group with any window without sizes is verified in full, CRCs
+        included (see :mod:`._validate`).
+        """
+        limit = self.config.window_limit
+        for w in windows:
+            if len(w) > limit:
+                self.stats["windows_refused"] += 1
+                raise EventTooLargeError(
+                    f"window of {len(w)} bytes exceeds buffer {self.name!r} limit of {limit} bytes",
+                    size=len(w),
+                    limit=limit,
+                )
+        if sizes is not None and len(sizes) != len(windows):
+            raise ValueError("sizes must have one entry per window")
+        # split so that one group never exceeds the ring (each part appends alone)
+        group: list[bytes | memoryview] = []
+        group_sizes: list[Sequence[int]] = []
+        size = 0
+        last = -1
+        for i, w in enumerate(windows):
+            if group and size + len(w) > self.capacity // 2:
+                last = self._append_group(group, group_sizes, before_publish)
+                group, group_sizes, size = [], [], 0
+            group.append(w)
+            group_sizes.append(sizes[i] if sizes is not None else ())
+            size += len(w)
+        if group:
+            last = self._append_group(group, group_sizes, before_publish)
+        return last
+
+    def _append_group(
+        self,
+        windows: Sequence[bytes | memoryview],
+        sizes: Sequence[Sequence[int]],
+        before_publish: Hook | None,
+    ) -> int:
+        data = windows[0] if len(windows) == 1 else self._gather(windows)
+        try:
+            ev, offsets, headers = validate(windows, data, sizes, self.config.slots)
+        except EventTooLargeError:
+            self.stats["windows_refused"] += 1
+            raise
+        return self._commit(windows, data, ev, offsets, headers, before_publish)
+
+    def _gather(self, windows: Sequence[bytes | memoryview]) -> bytes | memoryview:
+        """The windows back to back, in the writer's reused scratch buffer.
+
+        A fresh ``b"".join`` of a group (megabytes) is newly mapped memory
+        every time, and its page faults cost more than the copy. The scratch
+        buffer is reused (grown, never above ``_SCRATCH_MAX``; larger groups
+        are joined). The view is only used until the group is committed.
+        """
+        size = sum(len(w) for w in windows)
+        if size > _SCRATCH_MAX:
+            return b"".join(windows)
+        if len(self._scratch) < size:
+            self._scratch = bytearray(min(max(size, 2 * len(self._scratch)), _SCRATCH_MAX))
+        view = memoryview(self._scratch)
+        pos = 0
+        for w in windows:
+            end = pos + len(w)
+            view[pos:end] = w
+            pos = end
+        return view[:size]
+
+    def _check_order(self, first_scn: int) -> None:
+        m = self._meta
+        if m.windows > 0 and first_scn <= m.last_scn:
+            raise BadRequestError(f"window SCN {first_scn} is not above the last SCN {m.last_scn}")
+        if first_scn < m.prev_scn:
+            raise BadRequestError(f"window SCN {first_scn} is below the buffer start {m.prev_scn}")
+
+    def _commit(
+        self,
+        windows: Sequence[bytes | memoryview],
+        data: bytes | memoryview,
+        ev: npt.NDArray[Any],
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any] | None,
+        before_publish: Hook | None,
+    ) -> int:
+        """Place, copy, index and publish validated windows (writer thread)."""
+        n = len(ev)
+        size = len(data)
+        first_scn = int(ev["scn"][0])
+        last_scn = int(ev["scn"][-1])
+        self._check_order(first_scn)
+        m = self._meta
+        # placement: events never straddle the end of the ring
+        positions = ev["off"] + m.tail_pos
+        phys = m.tail_pos % self.capacity
+        k = n
+        if phys + size > self.capacity:
+            room = self.capacity - phys
+            k = int(np.searchsorted(ev["off"] + ev["length"], room, side="right"))
+            positions[k:] += room - int(ev["off"][k])
+        new_tail_pos = int(positions[-1]) + int(ev["length"][-1])
+
+        self._make_room(new_tail_pos - self.capacity, m.tail_event + n - self.config.slots)
+        m = self._meta
+
+        # copy bytes (beyond tail: invisible to readers)
+        src = np.frombuffer(data, dtype=np.uint8)
+        cut = int(ev["off"][k]) if k < n else size
+        self._ring[phys : phys + cut] = src[:cut]
+        if cut < size:
+            self._ring[0 : size - cut] = src[cut:]
+
+        records = np.zeros(n, dtype=EVENT_DTYPE)
+        records["pos"] = positions
+        for name in ("scn", "key_hash", "length", "op", "source_id"):
+            records[name] = ev[name]
+        first_event = m.tail_event
+        self._events.put(first_event, records)
+
+        # SCN index: the first window starting in each new block
+        index_head, index_tail = add_windows(
+            self._index, self._events, self.block, m, ev, positions, first_event
+        )
+
+        if before_publish is not None:
+            if headers is None:
+                headers = headers_at(data, offsets)
+            before_publish(data, offsets, headers)
+        with self._lock:
+            m = self._meta
+            empty_before = m.tail_event == m.head_event
+            self._meta = BufferMeta(
+                m.capacity,
+                m.event_slots,
+                m.index_slots,
+                head_event=m.head_event,
+                tail_event=m.tail_event + n,
+                head_pos=int(positions[0]) if empty_before else m.head_pos,
+                tail_pos=new_tail_pos,
+                prev_scn=m.prev_scn,
+                last_scn=last_scn,
+                min_scn=first_scn if empty_before else m.min_scn,
+                index_head=index_head,
+                index_tail=index_tail,
+                first_ts=int(ev["ts"][0]) if empty_before else m.first_ts,
+                last_ts=int(ev["ts"][-1]),
+                windows=m.windows + len(windows),
+            )
+            self._metafile.publish(self._meta)
+        self._prefault.advance(new_tail_pos)
+        self._prefault_events.advance((first_event + n) * EVENT_DTYPE.itemsize)
+        self.stats["windows_appended"] += len(windows)
+        self.stats["events_appended"] += n
+        self.stats["bytes_appended"] += size
+        if self.on_publish is not None:
+            self.on_publish()
+        return last_scn
+
+    def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
+        """Evict whole oldest windows until the head is past both bounds."""
+        plan = plan_eviction(self._events, self._index, self._meta, min_head_pos, min_head_event)
+        if plan is None:
+            return
+        with self._pins_changed:
+            self.stats["pins_overrun"] += wait_for_readers(
+                self._pins, self._pins_changed, plan.head_pos, self.config.pin_timeout_s, self.name
+            )
+            m = self._meta
+            self._meta = replace(
+                m,
+                head_event=plan.head_event,
+                head_pos=plan.head_pos,
+                prev_scn=plan.prev_scn,
+                min_scn=plan.min_scn,
+                index_head=plan.index_head,
+                windows=m.windows - plan.windows,
+            )
+            self._metafile.publish(self._meta)
+        self.stats["windows_evicted"] += plan.windows
