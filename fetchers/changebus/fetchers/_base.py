@@ -157,6 +157,10 @@ def create_fetcher(kind: str, name: str, partition_id: int, options: Mapping[str
     An unknown kind, or a declared one whose module fails to import (a
     missing extra) or does not provide a factory, is a :class:`ConfigError`
     naming the kind and the installed kinds.
+
+    Blocking the first time a kind is named (the entry points are read and
+    the kind's module imported: file I/O): from a coroutine, call it in a
+    worker thread.
     """
     return _factory(kind)(name, partition_id, options)
 
