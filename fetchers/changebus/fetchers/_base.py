@@ -181,10 +181,10 @@ def _load(plugin: Plugin) -> FetcherFactory:
     where = f"fetcher kind {plugin.name!r} ({plugin.target}, declared by {plugin.origin})"
     try:
         factory = plugin.load()
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
         missing = f"module {exc.name!r} is missing" if exc.name else str(exc)
         raise ConfigError(f"{where} cannot be loaded: {missing}; {_available()}") from exc
-    except AttributeError as exc:
+    except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{where} cannot be loaded: {exc}; {_available()}") from exc
     if not callable(factory):
         raise ConfigError(f"{where} is not a fetcher factory; {_available()}")
