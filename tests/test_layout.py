@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import configparser
 import importlib
 import inspect
 import pkgutil
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -74,6 +78,57 @@ def test_cli_version_and_help() -> None:
     help_text = _run_cli("--help")
     assert "usage: changebus" in help_text
     assert "COMMAND" in help_text
+    listed = re.findall(r"^    (\w+)", help_text, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(COMMANDS)
+
+
+#: every ``changebus`` subcommand, and the provider (changebus.commands entry) that adds it
+COMMANDS = {
+    "relay": "relay",
+    "bootstrap": "bootstrap",
+    "tail": "client",
+    "replicate": "client",
+    "demo": "client",
+}
+
+
+def _entry_points(group: str) -> dict[str, str]:
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        table: dict[str, str] = tomllib.load(fh)["project"]["entry-points"][group]
+    return table
+
+
+def test_every_declared_command_provider_registers_its_subcommands() -> None:
+    from changebus.schemas._cli import GROUP, providers
+
+    declared = _entry_points(GROUP)
+    assert {p.name: p.target for p in providers()} == declared
+    assert set(declared) == set(COMMANDS.values())
+    for plugin in providers():
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers()
+        plugin.load()(sub)
+        added = set(sub.choices)
+        assert added == {c for c, p in COMMANDS.items() if p == plugin.name}, plugin
+        for command in added:  # each one runs something
+            assert callable(sub.choices[command].get_default("func")), command
+
+
+def test_importing_the_cli_imports_no_upper_slice() -> None:
+    code = (
+        "import sys, changebus.schemas._cli; "
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('changebus.')}))"
+    )
+    env_path = ":".join(str(ROOT / s) for s in SLICES)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        check=True,
+        timeout=60,
+    ).stdout
+    assert out.strip() == "['schemas']"
 
 
 def test_wheel_contains_only_the_namespace(tmp_path: Path) -> None:
@@ -105,11 +160,16 @@ def test_wheel_contains_only_the_namespace(tmp_path: Path) -> None:
     for slice_name in SLICES:
         assert f"changebus/{slice_name}/__init__.py" in names
         assert f"changebus/{slice_name}/py.typed" in names
+    # an installed changebus declares the same plugins as this checkout's pyproject.toml
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string(zipfile.ZipFile(wheel).read(entry_points).decode())
+    for group in ("changebus.fetchers", "changebus.commands"):
+        assert dict(parser[group]) == _entry_points(group)
 
 
 def test_version_matches_pyproject() -> None:
-    import tomllib
-
     from changebus.schemas import __version__
 
     with (ROOT / "pyproject.toml").open("rb") as fh:

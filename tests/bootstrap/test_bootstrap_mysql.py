@@ -28,6 +28,7 @@ from changebus.bootstrap import (
     HttpConfig as BootstrapHttp,
     SeedConfig,
     SeedProgress,
+    SeedRequest,
     StoreConfig,
     seed_mysql,
 )
@@ -378,14 +379,15 @@ async def test_a_seeded_row_is_encoded_as_the_fetcher_encodes_it(
         schemas = [(registry.source_id(n), s) for n in [f"{db}.ty"] for s in registry.versions(n)]
         seeded: list[bytes] = []
         scn = seed_mysql(
-            seed_user(server),
-            1,
-            schemas,
-            [f"{db}.ty"],
-            set(),
+            SeedRequest(
+                seed_user(server),
+                1,
+                (f"{db}.ty",),
+                schemas=tuple(schemas),
+                relay_fetcher=host.status()["fetcher"],
+            ),
             lambda _t, events, _scn: seeded.extend(events),
             SeedProgress(),
-            relay_fetcher=host.status()["fetcher"],
         )
     assert scn >= m  # the snapshot is after everything committed before it
     assert len(seeded) == 2 and len(streamed) == 2
@@ -412,9 +414,8 @@ def test_a_seed_is_refused_unless_aligned_with_the_relays_server(
     dsn = seed_user(mysql_server)
 
     def seed(relay_fetcher: dict[str, Any] | None) -> int:
-        return seed_mysql(
-            dsn, 1, [], ["d.t"], set(), lambda *_: None, SeedProgress(), relay_fetcher=relay_fetcher
-        )
+        request = SeedRequest(dsn, 1, ("d.t",), relay_fetcher=relay_fetcher)
+        return seed_mysql(request, lambda *_: None, SeedProgress())
 
     for missing in (None, {"kind": "postgres"}, {"kind": "mysql", "mysql_server_id": 0}):
         with pytest.raises(SourceError, match="not a running mysql fetcher") as info:
@@ -427,14 +428,9 @@ def test_a_seed_is_refused_unless_aligned_with_the_relays_server(
     bad = dsn.replace(PASSWORD, "wrong-" + PASSWORD)
     with pytest.raises(SourceConfigError) as denied:
         seed_mysql(
-            bad,
-            1,
-            [],
-            ["d.t"],
-            set(),
+            SeedRequest(bad, 1, ("d.t",), relay_fetcher={"kind": "mysql", "mysql_server_id": 1}),
             lambda *_: None,
             SeedProgress(),
-            relay_fetcher={"kind": "mysql", "mysql_server_id": 1},
         )
     assert PASSWORD not in str(denied.value)
     assert PASSWORD not in caplog.text
@@ -449,5 +445,6 @@ def test_seed_config_of_kind_mysql_wants_a_mysql_url() -> None:
     assert PASSWORD not in repr(cfg)  # secrets stay out of reprs (and so of logs)
     # tables seeded before are skipped: nothing to do, no connection made
     progress = SeedProgress(scn=7)
-    assert seed_mysql(cfg.dsn, 1, [], ["d.t"], {"d.t"}, lambda *_: None, progress) == 7
+    request = SeedRequest(cfg.dsn, 1, ("d.t",), done=frozenset({"d.t"}))
+    assert seed_mysql(request, lambda *_: None, progress) == 7
     assert progress.state == "copied" and progress.tables_done == 1

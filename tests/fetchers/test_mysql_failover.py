@@ -24,7 +24,7 @@ import pytest
 from test_mysql_fetcher import execute, relay_config, replay, source_rows, wait_until
 from test_mysql_fetcher_ops import make_tables, workload
 
-from changebus.bootstrap import SeedProgress, seed_mysql
+from changebus.bootstrap import SeedProgress, SeedRequest, seed_mysql
 from changebus.fetchers.mysql import EmbeddedMariaDB, parse_position
 from changebus.relay import Relay
 from changebus.schemas import DataLoss, EndOfWindow, Op, binlog_file_number, binlog_to_scn
@@ -149,16 +149,15 @@ async def test_resume_on_a_promoted_replica(
         gtids = check(relay, replica, db)
         # a bootstrap seed from the new primary is aligned with the relay's SCNs (base)
         host = relay.hosts["my"]
-        seed_scn = await asyncio.to_thread(
-            seed_mysql,
+        request = SeedRequest(
             f"mysql://root:@127.0.0.1:{replica.port}",
             1,
-            [(host.registry.source_id(f"{db}.acct"), host.registry.latest(f"{db}.acct"))],
-            [f"{db}.acct"],
-            set(),
-            lambda _t, _events, _scn: None,
-            SeedProgress(),
+            (f"{db}.acct",),
+            schemas=((host.registry.source_id(f"{db}.acct"), host.registry.latest(f"{db}.acct")),),
             relay_fetcher=status,
+        )
+        seed_scn = await asyncio.to_thread(
+            seed_mysql, request, lambda _t, _events, _scn: None, SeedProgress()
         )
         assert seed_scn >= host.buffer.meta.last_scn  # everything the relay holds is in it
         await caught_up(relay, replica, db)  # one more transaction: after the seed

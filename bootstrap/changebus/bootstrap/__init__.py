@@ -9,7 +9,8 @@ docs/protocol.md section 8). Storage is SQLite (default) or Postgres, same
 code (:class:`Store`). Run it with ``changebus bootstrap --config
 bootstrap.toml`` or embedded with :class:`BootstrapServer`. Seeding the
 snapshot from the source goes through one :class:`Seeder` per source kind
-(:func:`seeder_for`: :func:`seed_postgres`, :func:`seed_mysql`).
+(:func:`seeder_for`: :func:`seed_postgres`, :func:`seed_mysql`), given a
+:class:`SeedRequest` and reporting in a :class:`SeedProgress`.
 """
 
 from ._config import (
@@ -21,9 +22,14 @@ from ._config import (
     StoreConfig as StoreConfig,
 )
 from ._daemon import BootstrapServer as BootstrapServer, run as run
-from ._seed import SeedProgress as SeedProgress, seed_postgres as seed_postgres
+from ._seed import seed_postgres as seed_postgres
 from ._seed_mysql import seed_mysql as seed_mysql
 from ._seeders import Seeder as Seeder, seeder_for as seeder_for
+from ._seedtypes import (
+    SeedProgress as SeedProgress,
+    SeedRequest as SeedRequest,
+    SeedWriter as SeedWriter,
+)
 from ._store import (
     CatchupPage as CatchupPage,
     PartitionState as PartitionState,
@@ -41,6 +47,8 @@ __all__ = [
     "ProducerConfig",
     "SeedConfig",
     "SeedProgress",
+    "SeedRequest",
+    "SeedWriter",
     "Seeder",
     "SnapshotPage",
     "Store",

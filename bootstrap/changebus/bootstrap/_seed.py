@@ -40,8 +40,6 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from changebus.schemas import (
@@ -49,47 +47,17 @@ from changebus.schemas import (
     Op,
     SchemaRegistry,
     SourceConfigError,
-    TableSchema,
     lsn_to_scn,
     parse_stream,
 )
 
-__all__ = ["SeedProgress", "seed_postgres"]
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
+
+__all__ = ["seed_postgres"]
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
-
-
-@dataclass
-class SeedProgress:
-    """What a seed run did (updated while it runs; read by /v1/status).
-
-    ``state``: ``idle``, ``starting``, ``running`` (copying), ``copied`` (a
-    seeder's last word: every table copied), then ``done`` once the bootstrap
-    service has also recorded the result (a gap in its log repaired), or
-    ``failed`` / ``stopped``.
-    """
-
-    state: str = "idle"
-    scn: int = -1
-    table: str = ""
-    tables_done: int = 0
-    tables_total: int = 0
-    rows: int = 0
-    error: str = ""
-    started_at: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "scn": self.scn,
-            "table": self.table,
-            "tables_done": self.tables_done,
-            "tables_total": self.tables_total,
-            "rows": self.rows,
-            "error": self.error,
-        }
 
 
 def _copy_tuples(data: bytes) -> list[tuple[bytes | None, ...]]:
@@ -122,25 +90,18 @@ def _quote(name: str) -> str:
 
 
 def seed_postgres(
-    dsn: str,
-    partition_id: int,
-    schemas: Sequence[tuple[int, TableSchema]],
-    tables: Sequence[str],
-    done: set[str],
-    write: Callable[[str, list[bytes], int], None],
+    request: SeedRequest,
+    write: SeedWriter,
     progress: SeedProgress,
     *,
-    chunk_rows: int = 5000,
     stop: threading.Event | None = None,
-    relay_fetcher: Mapping[str, Any] | None = None,
 ) -> int:
-    """Copy ``tables`` (``schema.table`` names) at one exported snapshot; returns its SCN.
+    """Copy ``request.tables`` (``schema.table`` names) at one exported snapshot; returns its SCN.
 
-    ``schemas`` mirrors the relay's registry (source id, schema) so events get
-    the relay's ids and versions; ``done`` names tables already seeded (skipped);
-    ``write(table, events, scn)`` merges one chunk and records a finished table
-    when ``events`` is empty. ``relay_fetcher`` is not needed (commit LSNs are
-    the server's own SCNs) and ignored.
+    ``write`` merges each chunk and records a finished table; ``progress``
+    is updated as tables are copied; ``stop`` (when set) ends the run between
+    tables. ``request.relay_fetcher`` is not needed (commit LSNs are the
+    server's own SCNs) and ignored.
     """
     import psycopg
 
@@ -155,19 +116,15 @@ def seed_postgres(
     )
 
     registry = SchemaRegistry()
-    registry.import_entries(list(schemas))
-    todo = [t for t in tables if t not in done]
-    progress.tables_total = len(tables)
-    progress.tables_done = len(tables) - len(todo)
-    progress.state = "running"
-    progress.started_at = time.monotonic()
+    registry.import_entries(list(request.schemas))
+    todo = progress.begin(request)
     if not todo:
         progress.state = "copied"
         return progress.scn
     slot = f"changebus_seed_{uuid.uuid4().hex[:12]}"
     with (
-        psycopg.connect(dsn, autocommit=True, replication="database") as repl,
-        psycopg.connect(dsn, autocommit=True) as conn,
+        psycopg.connect(request.dsn, autocommit=True, replication="database") as repl,
+        psycopg.connect(request.dsn, autocommit=True) as conn,
     ):
         row = repl.execute(
             f"CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
@@ -181,12 +138,13 @@ def seed_postgres(
         conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot_name}'")
         resolver = TypeResolver(conn)
         assembler = Assembler(
-            partition_id,
+            request.partition_id,
             resolver.resolve,
             registry,
             primary_key=resolver.primary_key,
             array_dims=resolver.array_dims,
         )
+        chunk_rows = request.chunk_rows
         for name in todo:
             if stop is not None and stop.is_set():
                 raise ChangebusError("seeding stopped", retriable=True)

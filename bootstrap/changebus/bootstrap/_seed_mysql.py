@@ -1,7 +1,7 @@
 """Seeding the snapshot store from MySQL/MariaDB, aligned with an SCN, without stopping writes.
 
 The MySQL counterpart of :func:`._seed.seed_postgres`, with the same
-arguments and the same guarantees:
+arguments (a :class:`~._seedtypes.SeedRequest`) and the same guarantees:
 
 1. :func:`changebus.fetchers.mysql.consistent_snapshot` opens ``START
    TRANSACTION WITH CONSISTENT SNAPSHOT`` and reads the binlog position of
@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from changebus.schemas import (
@@ -51,7 +51,6 @@ from changebus.schemas import (
     SchemaRegistry,
     SourceConfigError,
     SourceError,
-    TableSchema,
     mysql_bit,
     mysql_boolean,
     mysql_json,
@@ -61,7 +60,7 @@ from changebus.schemas import (
     mysql_uuid,
 )
 
-from ._seed import SeedProgress
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["mysql_config_from_dsn", "seed_mysql"]
 
@@ -155,38 +154,28 @@ def _relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:
 
 
 def seed_mysql(
-    dsn: str,
-    partition_id: int,
-    schemas: Sequence[tuple[int, TableSchema]],
-    tables: Sequence[str],
-    done: set[str],
-    write: Callable[[str, list[bytes], int], None],
+    request: SeedRequest,
+    write: SeedWriter,
     progress: SeedProgress,
     *,
-    chunk_rows: int = 5000,
     stop: threading.Event | None = None,
-    relay_fetcher: Mapping[str, Any] | None = None,
 ) -> int:
-    """Copy ``tables`` (``database.table`` names) at one consistent snapshot; returns its SCN.
+    """Copy ``request.tables`` (``database.table`` names) at one consistent snapshot; returns its SCN.
 
-    Arguments as for :func:`._seed.seed_postgres`; ``relay_fetcher`` is the
-    relay's fetcher status of the partition (its ``mysql_server_id`` and
-    ``scn_base``).
+    Arguments as for :func:`._seed.seed_postgres`; ``request.relay_fetcher``
+    is the relay's fetcher status of the partition (its ``mysql_server_id``
+    and ``scn_base``).
     """
     from changebus.fetchers.mysql import consistent_snapshot
 
     registry = SchemaRegistry()
-    registry.import_entries(list(schemas))
-    todo = [t for t in tables if t not in done]
-    progress.tables_total = len(tables)
-    progress.tables_done = len(tables) - len(todo)
-    progress.state = "running"
-    progress.started_at = time.monotonic()
+    registry.import_entries(list(request.schemas))
+    todo = progress.begin(request)
     if not todo:
         progress.state = "copied"
         return progress.scn
-    relay_server, base = _relay_origin(relay_fetcher)
-    with consistent_snapshot(mysql_config_from_dsn(dsn)) as snap:
+    relay_server, base = _relay_origin(request.relay_fetcher)
+    with consistent_snapshot(mysql_config_from_dsn(request.dsn)) as snap:
         with snap.connection.cursor() as cur:
             cur.execute("SELECT @@server_id")
             row = cur.fetchone()
@@ -217,17 +206,10 @@ def seed_mysql(
                     f"table {name} is not in the relay's stream yet (no schema): it cannot be "
                     "seeded before the relay has seen a change of it"
                 ) from None
-            _copy_table(
-                snap,
-                name,
-                schema,
-                registry.source_id(name),
-                partition_id,
-                scn,
-                write,
-                progress,
-                chunk_rows,
+            encoder = RowEncoder(
+                schema, source_id=registry.source_id(name), partition=request.partition_id
             )
+            _copy_table(snap, name, encoder, scn, write, progress, request.chunk_rows)
             write(name, [], scn)  # the table is done
             progress.tables_done += 1
             log.info("seeded %s: %d rows so far", name, progress.rows)
@@ -239,15 +221,14 @@ def seed_mysql(
 def _copy_table(
     snap: Any,
     name: str,
-    schema: TableSchema,
-    source_id: int,
-    partition_id: int,
+    encoder: RowEncoder,
     scn: int,
-    write: Callable[[str, list[bytes], int], None],
+    write: SeedWriter,
     progress: SeedProgress,
     chunk_rows: int,
 ) -> None:
-    encoder = RowEncoder(schema, source_id=source_id, partition=partition_id)
+    """Copy table ``name`` in batches of ``chunk_rows``, as INSERTs encoded by ``encoder``."""
+    schema = encoder.table
     convert = [(c.name, _converter(c)) for c in schema.columns]
     wanted = {c.name for c in schema.columns}
     db, _, table = name.partition(".")

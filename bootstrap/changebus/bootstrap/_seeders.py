@@ -13,40 +13,34 @@ run in a worker thread; they write through the callback they are given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-from changebus.schemas import ConfigError, TableSchema
+from changebus.schemas import ConfigError
 
-from ._seed import SeedProgress, seed_postgres
+from ._seed import seed_postgres
 from ._seed_mysql import seed_mysql
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["Seeder", "seeder_for"]
 
 
 class Seeder(Protocol):
-    """Copies ``tables`` (``schema.table``) not in ``done``; returns the snapshot's SCN.
+    """Copies ``request.tables`` not in ``request.done``; returns the snapshot's SCN.
 
-    ``schemas`` mirrors the relay's registry (source id, schema), so events
-    get the relay's ids and versions; ``write(table, events, scn)`` merges one
-    chunk of INSERT events, or records ``table`` as seeded when ``events`` is
-    empty (the seed resumes per table). ``relay_fetcher`` is the relay's
-    fetcher status of the partition (a seeder may need its position scheme).
+    ``write(table, events, scn)`` merges one chunk of INSERT events, or
+    records ``table`` as seeded when ``events`` is empty (the seed resumes
+    per table); ``progress`` is updated as the copy goes (``state`` ends as
+    ``copied``); a set ``stop`` ends the run between tables with a retriable
+    error. Blocking: called in a worker thread.
     """
 
     def __call__(
         self,
-        dsn: str,
-        partition_id: int,
-        schemas: Sequence[tuple[int, TableSchema]],
-        tables: Sequence[str],
-        done: set[str],
-        write: Callable[[str, list[bytes], int], None],
+        request: SeedRequest,
+        write: SeedWriter,
         progress: SeedProgress,
         *,
-        chunk_rows: int = ...,
         stop: threading.Event | None = ...,
-        relay_fetcher: Mapping[str, Any] | None = ...,
     ) -> int: ...
 
 

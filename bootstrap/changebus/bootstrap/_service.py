@@ -55,8 +55,8 @@ from changebus.schemas import (
 )
 
 from ._config import BootstrapConfig
-from ._seed import SeedProgress
 from ._seeders import seeder_for
+from ._seedtypes import SeedProgress, SeedRequest
 from ._store import PartitionState, Store
 
 __all__ = ["BootstrapService", "PartitionWorker"]
@@ -432,19 +432,17 @@ class BootstrapService:
                     self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
                 ).result()
 
-            relay_fetcher = await self._relay_fetcher(w.name)
-            await asyncio.to_thread(
-                seeder_for(cfg.seed.kind),
+            request = SeedRequest(
                 cfg.seed.dsn,
                 part_id,
-                schemas,
-                names,
-                done,
-                write,
-                w.seed,
+                tuple(names),
+                schemas=tuple(schemas),
+                done=frozenset(done),
                 chunk_rows=cfg.seed.chunk_rows,
-                stop=self._stop_seed,
-                relay_fetcher=relay_fetcher,
+                relay_fetcher=await self._relay_fetcher(w.name),
+            )
+            await asyncio.to_thread(
+                seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed
             )
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info("partition %s: the gap in the log is repaired", w.name)

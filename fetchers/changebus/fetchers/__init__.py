@@ -1,8 +1,11 @@
 """changebus.fetchers: change sources that feed the relay.
 
 The :class:`Fetcher` protocol, the :class:`Window` and :class:`ResumePoint`
-values it exchanges with the relay, and a registry of fetcher kinds
-(``synthetic`` built in; ``postgres`` and ``mysql`` as they land).
+values it exchanges with the relay, and the registry of fetcher kinds:
+plugins declared in the ``changebus.fetchers`` entry-point group (changebus
+declares ``synthetic``, ``postgres`` and ``mysql``), each imported when a
+relay config first names it, plus kinds registered in process with
+:func:`register_fetcher`.
 """
 
 from ._base import (

@@ -17,9 +17,23 @@ closed by an END_OF_WINDOW event (see docs/protocol.md). The relay drives it:
 
 Fetchers that use blocking libraries run them in threads or processes and
 hand windows to the event loop through bounded queues, so back-pressure
-reaches the source. Implementations register a factory under a ``kind``
-name with :func:`register_fetcher`; the relay config names the kind and
-passes the options table to the factory.
+reaches the source.
+
+Kinds. The relay config names a fetcher ``kind`` and passes its options
+table to that kind's :data:`FetcherFactory`. Kinds are plugins: a
+distribution declares ``kind = "module:factory"`` in the entry-point group
+``changebus.fetchers`` (changebus declares ``synthetic``, ``postgres`` and
+``mysql`` in its pyproject.toml; a third-party fetcher installs the same
+way), found by :func:`changebus.schemas.plugins.declared_plugins` without
+importing anything. A kind's module is imported the first time a config
+names it, so this module imports none of the fetchers (no import cycle) and
+a relay loads only the fetcher it runs. :func:`register_fetcher` adds a
+kind in-process (tests, embedding applications); it wins over a declared
+kind of the same name.
+
+Thread-safety: the registry is two dicts; registering, loading and looking
+up are single dict operations (a race loads a module twice at worst, and
+imports are serialised by the interpreter).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from changebus.schemas import ConfigError
+from changebus.schemas.plugins import Plugin, declared_plugins
 
 __all__ = [
     "Fetcher",
@@ -109,40 +124,73 @@ class Fetcher(Protocol):
 #: builds a fetcher from (partition name, partition id, options table)
 FetcherFactory = Callable[[str, int, Mapping[str, Any]], Fetcher]
 
-_KINDS: dict[str, FetcherFactory] = {}
+#: the entry-point group fetcher kinds are declared in
+GROUP = "changebus.fetchers"
+
+# kinds registered in process (register_fetcher), and declared kinds once loaded
+_REGISTERED: dict[str, FetcherFactory] = {}
+_LOADED: dict[str, FetcherFactory] = {}
 
 
 def register_fetcher(kind: str, factory: FetcherFactory) -> None:
-    """Make ``kind`` available to relay configurations."""
-    _KINDS[kind] = factory
+    """Make ``kind`` available to relay configurations of this process.
+
+    Installed fetchers need not call this: they declare their kind in the
+    ``changebus.fetchers`` entry-point group. A kind registered here wins
+    over a declared kind of the same name.
+    """
+    _REGISTERED[kind] = factory
 
 
 def fetcher_kinds() -> list[str]:
-    """The registered fetcher kinds."""
-    _load_builtin()
-    return sorted(_KINDS)
+    """The available fetcher kinds: declared ones and those registered in process.
+
+    Nothing is imported: a declared kind whose module cannot load (a missing
+    extra) is listed, and :func:`create_fetcher` explains why it fails.
+    """
+    return sorted({*_REGISTERED, *(p.name for p in declared_plugins(GROUP))})
 
 
 def create_fetcher(kind: str, name: str, partition_id: int, options: Mapping[str, Any]) -> Fetcher:
-    """Build a fetcher of a registered kind; unknown kinds are a ConfigError."""
-    _load_builtin()
+    """Build a fetcher of ``kind`` for partition ``name``/``partition_id`` from its options.
+
+    An unknown kind, or a declared one whose module fails to import (a
+    missing extra) or does not provide a factory, is a :class:`ConfigError`
+    naming the kind and the installed kinds.
+
+    Blocking the first time a kind is named (the entry points are read and
+    the kind's module imported: file I/O): from a coroutine, call it in a
+    worker thread.
+    """
+    return _factory(kind)(name, partition_id, options)
+
+
+def _factory(kind: str) -> FetcherFactory:
+    factory = _REGISTERED.get(kind) or _LOADED.get(kind)
+    if factory is not None:
+        return factory
+    plugin = next((p for p in declared_plugins(GROUP) if p.name == kind), None)
+    if plugin is None:
+        raise ConfigError(f"unknown fetcher kind {kind!r}; {_available()}")
+    factory = _load(plugin)
+    _LOADED[kind] = factory
+    return factory
+
+
+def _load(plugin: Plugin) -> FetcherFactory:
+    where = f"fetcher kind {plugin.name!r} ({plugin.target}, declared by {plugin.origin})"
     try:
-        factory = _KINDS[kind]
-    except KeyError:
-        raise ConfigError(
-            f"unknown fetcher kind {kind!r}; available: {', '.join(sorted(_KINDS))}"
-        ) from None
-    return factory(name, partition_id, options)
+        factory = plugin.load()
+    except ModuleNotFoundError as exc:
+        missing = f"module {exc.name!r} is missing" if exc.name else str(exc)
+        raise ConfigError(f"{where} cannot be loaded: {missing}; {_available()}") from exc
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{where} cannot be loaded: {exc}; {_available()}") from exc
+    if not callable(factory):
+        raise ConfigError(f"{where} is not a fetcher factory; {_available()}")
+    checked: FetcherFactory = factory
+    return checked
 
 
-def _load_builtin() -> None:
-    # imported lazily: a fetcher's heavy dependencies load only when used
-    from . import _synthetic  # noqa: F401
-    from .postgres import _fetcher  # noqa: F401
-
-    try:  # the [mysql] extra (mysql-replication, PyMySQL) may be missing
-        import pymysql  # noqa: F401
-        import pymysqlreplication  # noqa: F401
-    except ImportError:
-        return
-    from .mysql import _fetcher as _mysql_fetcher  # noqa: F401
+def _available() -> str:
+    return f"installed kinds: {', '.join(fetcher_kinds()) or '(none)'}"

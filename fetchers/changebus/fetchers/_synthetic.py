@@ -32,10 +32,10 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import load_config_dict
 
-from ._base import ResumePoint, Window, register_fetcher
+from ._base import ResumePoint, Window
 from ._threadfeed import ThreadFeed
 
-__all__ = ["SyntheticConfig", "SyntheticFetcher"]
+__all__ = ["SyntheticConfig", "SyntheticFetcher", "fetcher_factory"]
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,8 @@ class SyntheticFetcher:
         }
 
 
-def _factory(name: str, partition_id: int, options: Mapping[str, Any]) -> SyntheticFetcher:
+def fetcher_factory(name: str, partition_id: int, options: Mapping[str, Any]) -> SyntheticFetcher:
+    """Build a ``synthetic`` fetcher (the kind's entry in the ``changebus.fetchers`` group)."""
     return SyntheticFetcher(
         name, partition_id, load_config_dict(SyntheticConfig, options, "fetcher")
     )
-
-
-register_fetcher("synthetic", _factory)

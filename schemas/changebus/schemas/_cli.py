@@ -1,40 +1,42 @@
 """The ``changebus`` console command: one entry point, one subcommand per component.
 
-Each component contributes its subcommand from a module of its own slice that
-defines ``register(subparsers)``; the table below names those modules so that
-an uninstalled checkout (plain ``python -m changebus.schemas``) still finds
-them. Modules are imported lazily, only when present, so a slice whose extra is
-not installed does not break ``changebus --help``.
+Each slice contributes its subcommands through a ``register(subparsers)``
+function of its own, declared in the entry-point group ``changebus.commands``
+(see :mod:`changebus.schemas.plugins`: changebus declares ``relay``,
+``bootstrap`` and ``client`` in its pyproject.toml, which an uninstalled
+checkout reads directly; a third-party distribution adds commands the same
+way). Nothing above this slice is imported when this module is: providers are
+imported while the parser is built, and one whose own module is absent (a
+slice left out of a build) is skipped, so ``changebus --help`` still works.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 from typing import Protocol
 
 from ._version import __version__
+from .plugins import Plugin, declared_plugins
 
-__all__ = ["build_parser", "main"]
+__all__ = ["GROUP", "build_parser", "main", "providers"]
 
-# subcommand provider modules, in the order they appear in --help
-_PROVIDERS: tuple[str, ...] = (
-    "changebus.relay._cli",
-    "changebus.bootstrap._cli",
-    "changebus.client._cli",
-    "changebus.fetchers._cli",
-    "changebus.schemas._cli_schemas",
-)
+#: the entry-point group of subcommand providers
+GROUP = "changebus.commands"
 
 
-class _Provider(Protocol):
-    def register(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None: ...
+class _Register(Protocol):
+    def __call__(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None: ...
+
+
+def providers() -> tuple[Plugin, ...]:
+    """The declared subcommand providers, in ``--help`` order."""
+    return declared_plugins(GROUP)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the full argument parser, asking each present slice for its subcommands."""
+    """Build the full argument parser, asking each declared provider for its subcommands."""
     parser = argparse.ArgumentParser(
         prog="changebus",
         description="changebus: change data capture from Postgres and MySQL/MariaDB, "
@@ -42,16 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"changebus {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _PROVIDERS:
+    for plugin in providers():
         try:
-            module = importlib.import_module(name)
+            register: _Register = plugin.load()
         except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue  # the slice does not provide a CLI (yet)
+            if exc.name is not None and _is_prefix(exc.name, plugin.module):
+                continue  # the provider's slice is not part of this installation
             raise
-        provider: _Provider = module
-        provider.register(sub)
+        register(sub)
     return parser
+
+
+def _is_prefix(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

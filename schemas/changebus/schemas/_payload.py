@@ -181,15 +181,6 @@ class RowEncoder:
             return row
         return {self._rename.get(k, k): v for k, v in row.items()}
 
-    def encode_key(self, row: Mapping[str, Any]) -> bytes:
-        """The key bytes of ``row`` (a row keyed by *field* names)."""
-        try:
-            return self._key_bytes(row)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SchemaError(
-                f"cannot encode the key of a {self.table.name!r} row: {exc!r}"
-            ) from exc
-
     def encode(
         self,
         op: Op,

@@ -1,6 +1,7 @@
 """changebus.fetchers.mysql: the MySQL / MariaDB binlog fetcher (docs/mysql.md).
 
-The fetcher registers as kind ``mysql`` (it needs the ``[mysql]`` extra:
+The fetcher is kind ``mysql``, built by :func:`fetcher_factory` (its entry in
+the ``changebus.fetchers`` group; it needs the ``[mysql]`` extra:
 mysql-replication and PyMySQL). This package exposes its configuration, its
 building blocks (TABLE_MAP layouts, their compiled row decoders and
 binlog-to-Avro transcoders, the
@@ -9,6 +10,10 @@ consistent-snapshot helper the bootstrap server seeds from, and
 :class:`EmbeddedMariaDB`, a private throwaway server for tests and benchmarks.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
+from .._base import Fetcher
 from ._assembler import (
     BinlogAssembler as BinlogAssembler,
     format_position as format_position,
@@ -17,7 +22,7 @@ from ._assembler import (
 from ._config import MySQLConfig as MySQLConfig
 from ._ddl import DdlEffect as DdlEffect, DeclaredTypes as DeclaredTypes
 from ._embedded import EmbeddedMariaDB as EmbeddedMariaDB, find_mariadb_bin as find_mariadb_bin
-from ._fetcher import MySQLFetcher as MySQLFetcher
+from ._fetcher import MySQLFetcher as MySQLFetcher, _factory
 from ._layout import (
     ColumnLayout as ColumnLayout,
     RowsDecoder as RowsDecoder,
@@ -28,6 +33,12 @@ from ._layout import (
     layout_from_table_map as layout_from_table_map,
 )
 from ._snapshot import MySQLSnapshot as MySQLSnapshot, consistent_snapshot as consistent_snapshot
+
+
+def fetcher_factory(name: str, partition_id: int, options: Mapping[str, Any]) -> Fetcher:
+    """Build a ``mysql`` fetcher for a relay partition from its options table."""
+    return _factory(name, partition_id, options)
+
 
 __all__ = [
     "BinlogAssembler",
@@ -44,6 +55,7 @@ __all__ = [
     "compile_decoder",
     "compile_transcoder",
     "consistent_snapshot",
+    "fetcher_factory",
     "find_mariadb_bin",
     "format_position",
     "layout_from_table_map",

@@ -66,7 +66,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import load_config_dict
 
-from .._base import ResumePoint, Window, register_fetcher, window_bytes
+from .._base import ResumePoint, Window, window_bytes
 from .._threadfeed import ThreadFeed
 from ._assembler import BinlogAssembler, PendingWindow, format_position, parse_position
 from ._config import SYSTEM_DATABASES, MySQLConfig
@@ -743,6 +743,3 @@ def _reason(exc: BaseException) -> str:
 
 def _factory(name: str, partition_id: int, options: Mapping[str, Any]) -> MySQLFetcher:
     return MySQLFetcher(name, partition_id, load_config_dict(MySQLConfig, options, "fetcher"))
-
-
-register_fetcher("mysql", _factory)

@@ -1,12 +1,17 @@
 """changebus.fetchers.postgres: Postgres logical decoding (pgoutput) building blocks.
 
-The fetcher itself registers as kind ``postgres`` (docs/postgres.md); this
+The fetcher itself is kind ``postgres`` (docs/postgres.md), built by
+:func:`fetcher_factory` (its entry in the ``changebus.fetchers`` group); this
 package exposes its building blocks: the pgoutput message parser, the binary
 value decoders, the catalog type resolver, the assembler that turns a message
 stream into encoded windows, and :class:`EmbeddedPostgres`, a private
 throwaway server for demos and tests.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
+from .._base import Fetcher
 from ._assembler import Assembler as Assembler
 from ._embedded import EmbeddedPostgres as EmbeddedPostgres, find_pg_bin as find_pg_bin
 from ._pgoutput import (
@@ -27,6 +32,18 @@ from ._pgoutput import (
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
 
+
+def fetcher_factory(name: str, partition_id: int, options: Mapping[str, Any]) -> Fetcher:
+    """Build a ``postgres`` fetcher for a relay partition from its options table.
+
+    The fetcher module (replication connection, stream thread) is imported
+    on the first call, so the building blocks above stay light to import.
+    """
+    from ._fetcher import _factory
+
+    return _factory(name, partition_id, options)
+
+
 __all__ = [
     "TYPE_OIDS",
     "UNCHANGED",
@@ -46,6 +63,7 @@ __all__ = [
     "TypeResolver",
     "Update",
     "decode_value",
+    "fetcher_factory",
     "find_pg_bin",
     "parse_message",
 ]

@@ -68,7 +68,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import load_config_dict, secret
 
-from .._base import ResumePoint, Window, register_fetcher, window_bytes
+from .._base import ResumePoint, Window, window_bytes
 from .._threadfeed import ThreadFeed
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._types import TypeResolver
@@ -729,6 +729,3 @@ def _reason(exc: BaseException) -> str:
 
 def _factory(name: str, partition_id: int, options: Mapping[str, Any]) -> PostgresFetcher:
     return PostgresFetcher(name, partition_id, load_config_dict(PostgresConfig, options, "fetcher"))
-
-
-register_fetcher("postgres", _factory)
