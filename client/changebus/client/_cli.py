@@ -20,7 +20,7 @@ import sys
 from types import FrameType
 
 from changebus.schemas import ChangebusError
-from changebus.schemas._logsetup import setup_logging
+from changebus.schemas.cli import setup_logging
 
 __all__ = ["register"]
 

@@ -24,7 +24,7 @@ import signal
 import sys
 
 from changebus.schemas import ChangebusError
-from changebus.schemas._logsetup import setup_logging
+from changebus.schemas.cli import setup_logging
 
 __all__ = ["register"]
 

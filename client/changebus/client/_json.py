@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from changebus.schemas._jsonable import jsonable
+from changebus.schemas import jsonable
 
 from ._model import ChangeEvent
 

@@ -52,6 +52,7 @@ from ._envelope import (
     verify_event as verify_event,
     verify_payloads as verify_payloads,
 )
+from ._jsonable import jsonable as jsonable
 from ._partition import (
     HASH_SPACE as HASH_SPACE,
     PartitionFilter as PartitionFilter,
@@ -202,6 +203,7 @@ __all__ = [
     "field_name",
     "format_scn",
     "headers_at",
+    "jsonable",
     "key_hash",
     "lsn_to_scn",
     "mysql_avro_type",

@@ -1,0 +1,10 @@
+"""Command-line support shared by the slices' ``changebus`` subcommands.
+
+The public face of the logging set-up (:func:`setup_logging`: text or JSON
+lines on stderr), which only command-line entry points call -- libraries
+never configure logging.
+"""
+
+from ._logsetup import setup_logging as setup_logging
+
+__all__ = ["setup_logging"]
