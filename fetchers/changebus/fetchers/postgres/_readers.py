@@ -5,8 +5,8 @@ for the CopyData messages that are complete now: one call per *read* of a
 batch of messages, never one per message. Each message comes as
 ``(buffer, start, end)``: its payload is ``buffer[start:end]`` (``end`` < 0:
 to the end of ``buffer``), so neither reader copies a message to hand it on.
-With none complete, the loop does its idle work and :meth:`~CopyDataReader.wait`\\ s;
-standby status updates go back through
+With none complete, the loop does its idle work and waits
+(:meth:`~CopyDataReader.wait`); standby status updates go back through
 :meth:`~CopyDataReader.send_copy_data`.
 
 * :class:`LibpqReader` (``stream_reader = "libpq"``): libpq's
@@ -17,9 +17,11 @@ standby status updates go back through
   connection without TLS or GSS encryption.
 
 ``"auto"`` takes the socket when it can. :func:`start_reader` sends
-``START_REPLICATION`` and returns the reader; the end of the stream is a
+``START_REPLICATION`` and returns the reader. The end of the stream is a
 :class:`SourceError` (libpq) or a :class:`~._wire.ServerError` (socket),
-which the stream loop words the same way.
+which the stream loop words the same way; a lost connection a
+``psycopg.OperationalError`` (libpq) or an ``OSError`` (socket), both
+"lost the Postgres connection" in the end.
 
 Thread-safety: none; a reader belongs to the fetcher's stream thread.
 """

@@ -198,7 +198,7 @@ def _now_pg_us() -> int:
 
 
 class _StreamDuties:
-    """What a stream loop does on every turn, whichever reader it uses.
+    """What the stream loop does on every turn (once per batch the reader hands over).
 
     Wakes the event loop for windows the :class:`ThreadFeed` holds (they wait
     at most ``HOLD_S``) and sends standby status updates: every
