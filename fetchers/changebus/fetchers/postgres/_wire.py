@@ -5,7 +5,9 @@ call now and then, a ``malloc`` and a copy per message, and a Python object
 around it. :class:`CopyBothSocket` instead reads ~1 MiB at a time with
 ``os.read`` and splits the backend's protocol messages itself (type byte,
 int32 length counting itself, payload); the CopyData payloads are handed on
-as ``(start, end)`` spans of one ``bytes`` chunk, without a copy.
+as ``(chunk, start, end)`` spans of one ``bytes`` chunk, without a copy: the
+batch shape of the stream's reader protocol (:mod:`._readers`), which this
+class implements (``read``, ``wait``, ``send_copy_data``).
 
 The reads and writes go through libc's ``read``/``write`` called with the
 GIL held (``ctypes.PyDLL``), not ``os.read``: the socket is non-blocking, so
@@ -169,28 +171,28 @@ class CopyBothSocket:
 
     # ---- streaming -------------------------------------------------------------
 
-    def read(self) -> tuple[bytes, list[tuple[int, int]]]:
+    def read(self) -> list[tuple[bytes, int, int]]:
         """The CopyData payloads that are complete now, without waiting.
 
-        Returns the chunk and ``(start, end)`` of each payload in it; the list
-        is empty when nothing complete is there (then :meth:`wait`). Reads the
-        socket (once) only when no whole message is buffered. Raises the
-        :class:`ServerError` that ended the stream once the messages before it
-        were handed on, :class:`ConnectionError` when the server closed the
-        connection.
+        Returns ``(chunk, start, end)`` of each payload (one chunk for all of
+        them); the list is empty when nothing complete is there (then
+        :meth:`wait`). Reads the socket (once) only when no whole message is
+        buffered. Raises the :class:`ServerError` that ended the stream once
+        the messages before it were handed on, :class:`ConnectionError` when
+        the server closed the connection.
         """
         spans = self._split()
         if not spans and self._error is None and self.fill():
             spans = self._split()
         if not spans and self._error is not None:
             raise self._error
-        return self._buf, spans
+        return spans
 
-    def _split(self) -> list[tuple[int, int]]:
+    def _split(self) -> list[tuple[bytes, int, int]]:
         buf = self._buf
         pos = self._pos
         size = len(buf)
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[bytes, int, int]] = []
         append = spans.append
         head = _HEAD
         while pos + 5 <= size and self._error is None:
@@ -199,7 +201,7 @@ class CopyBothSocket:
             if end > size:
                 break
             if kind == _D:
-                append((pos + 5, end))
+                append((buf, pos + 5, end))
             elif kind == _E:
                 self._error = ServerError(parse_fields(buf[pos + 5 : end]))
             elif kind == _C:

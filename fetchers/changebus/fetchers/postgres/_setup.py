@@ -1,0 +1,184 @@
+"""Set-up of the Postgres fetcher: server checks, publication and slot, loss detection.
+
+Runs at every start (:meth:`PostgresFetcher.start`, in a worker thread) on a
+regular connection, and returns a :class:`StartPlan`. The publication and
+the slot are created when missing, never dropped, except a lost slot with
+``on_slot_lost = "recreate"``. ``wal_level`` other than ``logical``, a
+missing privilege or an invalidated slot (with ``on_slot_lost = "fail"``)
+raise clear, non-retriable :class:`SourceConfigError`\\ s; a lost connection
+or a slot held by another process (often the previous run's walsender,
+still exiting) is a retriable :class:`SourceError`.
+
+Loss detection: the fetcher confirms only what the relay holds, so a slot
+that starts after the end of the relay's last window (invalidated, dropped
+and recreated, or consumed by someone else) means changes in between are
+gone. The plan then carries a DATA_LOSS window for them and a resume point
+at the new slot's start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from changebus.schemas import SourceConfigError, SourceError, lsn_to_scn, scn_to_lsn
+
+from .._base import ResumePoint
+from ._config import PostgresConfig
+
+__all__ = ["StartPlan", "reason", "set_up"]
+
+log = logging.getLogger("changebus.fetchers.postgres")
+
+
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """Where the stream of a (re)started fetcher goes on, and what it announces first.
+
+    ``resume``: the relay's resume point, or after a gap one at the new
+    slot's start, right after the DATA_LOSS window. ``data_loss``:
+    ``(from_scn, to_scn, reason)`` of that window, None without a gap.
+    ``confirmed``: the slot's confirmed position as an SCN (-1: unknown).
+    """
+
+    resume: ResumePoint
+    data_loss: tuple[int, int, str] | None
+    confirmed: int
+
+
+def set_up(config: PostgresConfig, resume: ResumePoint, partition: str) -> StartPlan:
+    """Check the server, create publication and slot when missing, look for a gap."""
+    import psycopg
+
+    try:
+        with psycopg.connect(config.dsn, autocommit=True) as catalog:
+            resume, data_loss = _prepare(catalog, config, resume, partition)
+            row = catalog.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                (config.slot,),
+            ).fetchone()
+    except psycopg.OperationalError as exc:
+        raise SourceError(f"cannot connect to Postgres: {reason(exc)}") from None
+    return StartPlan(resume, data_loss, lsn_to_scn(row[0]) if row and row[0] else -1)
+
+
+def _prepare(
+    catalog: Any, cfg: PostgresConfig, resume: ResumePoint, partition: str
+) -> tuple[ResumePoint, tuple[int, int, str] | None]:
+    """Check ``wal_level``, create publication and slot when missing (a lost slot:
+    recreated or refused); returns the resume point and the DATA_LOSS window to plan."""
+    import psycopg
+    from psycopg import sql
+
+    level = catalog.execute("SHOW wal_level").fetchone()[0]
+    if level != "logical":
+        raise SourceConfigError(
+            f"Postgres wal_level is {level!r}; set wal_level = logical and restart it"
+        )
+    try:
+        exists = catalog.execute(
+            "SELECT 1 FROM pg_publication WHERE pubname = %s", (cfg.publication,)
+        ).fetchone()
+        if exists is None:
+            if not cfg.create_publication:
+                raise SourceConfigError(f"publication {cfg.publication!r} does not exist")
+            if cfg.tables:
+                tables = sql.SQL(", ").join(sql.Identifier(*t.split(".", 1)) for t in cfg.tables)
+                catalog.execute(
+                    sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                        sql.Identifier(cfg.publication), tables
+                    )
+                )
+            else:
+                catalog.execute(
+                    sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(
+                        sql.Identifier(cfg.publication)
+                    )
+                )
+            log.info("created publication %s", cfg.publication)
+        slot = catalog.execute(
+            "SELECT plugin, active, active_pid, wal_status FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (cfg.slot,),
+        ).fetchone()
+        lost = ""
+        if slot is not None:
+            plugin, active, pid, wal_status = slot
+            if plugin != "pgoutput":
+                raise SourceConfigError(f"slot {cfg.slot!r} uses plugin {plugin!r}, not pgoutput")
+            if active:  # often the previous run's walsender, still exiting: retriable
+                raise SourceError(f"slot {cfg.slot!r} is in use by another process (pid {pid})")
+            if wal_status == "lost":
+                lost = f"slot {cfg.slot!r} was invalidated (the WAL it needed was removed)"
+        elif resume.scn >= 0:
+            lost = f"slot {cfg.slot!r} vanished (dropped while the relay held its changes)"
+        if lost:
+            if cfg.on_slot_lost == "fail":
+                raise SourceConfigError(
+                    f"{lost}: changes are lost; set on_slot_lost = 'recreate' to go on "
+                    "after a data-loss event"
+                )
+            if slot is not None:
+                catalog.execute("SELECT pg_drop_replication_slot(%s)", (cfg.slot,))
+            slot = None
+        if slot is None:
+            if not cfg.create_slot:
+                raise SourceConfigError(f"replication slot {cfg.slot!r} does not exist")
+            catalog.execute(
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (cfg.slot,)
+            )
+            log.info("created replication slot %s", cfg.slot)
+        row = catalog.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (cfg.slot,),
+        ).fetchone()
+        return _check_gap(cfg, resume, partition, lost, lsn_to_scn(row[0]))
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise SourceConfigError(
+            f"the Postgres user lacks a privilege: {exc.diag.message_primary}"
+        ) from None
+
+
+def _check_gap(
+    cfg: PostgresConfig, resume: ResumePoint, partition: str, lost: str, confirmed: int
+) -> tuple[ResumePoint, tuple[int, int, str] | None]:
+    """Plan a DATA_LOSS window when the slot starts after the relay's last window.
+
+    The fetcher confirms only what the relay holds, so a slot confirmed
+    beyond the end of the relay's last window (``resume.source_position``)
+    means changes in between were consumed elsewhere or are gone with a lost
+    slot. Checked at every start, so a relay restarted before announcing
+    the loss announces it then.
+    """
+    if resume.scn < 0 or resume.source_position.count("/") != 1:
+        return resume, None  # the relay holds nothing from this slot yet
+    if confirmed <= lsn_to_scn(resume.source_position):
+        return resume, None
+    what = lost or (
+        f"slot {cfg.slot!r} was confirmed beyond the relay's last window "
+        "(recreated, or used by another consumer)"
+    )
+    return _announce_loss(resume, partition, what, confirmed)
+
+
+def _announce_loss(
+    resume: ResumePoint, partition: str, what: str, new_start: int
+) -> tuple[ResumePoint, tuple[int, int, str]]:
+    """Plan the DATA_LOSS window for changes between the relay's end and a new slot."""
+    last = resume.scn
+    hi = max(new_start - 1, last + 1)
+    why = (
+        f"{what}; a new slot streams from {scn_to_lsn(new_start)}: changes committed "
+        f"after SCN {last} and before it are missing"
+    )
+    log.error("partition %s: %s", partition, why)
+    # the stream continues after the new slot's start, not the relay's old end
+    return ResumePoint(hi, scn_to_lsn(new_start), resume.schemas), (last + 1, hi, why)
+
+
+def reason(exc: BaseException) -> str:
+    """An error's first line without connection details (no DSN, no password)."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    return str(primary) if primary else exc.__class__.__name__

@@ -1,0 +1,292 @@
+"""The Postgres fetcher's stream thread: one loop over the replication stream, and SQL mode.
+
+:func:`stream` starts the stream on the replication connection and handles
+its messages, whichever reader (:mod:`._readers`) brings them: the reader
+hands over a batch of CopyData messages per read; the loop looks at the
+feed and the status update once per batch, then handles every message in
+it. Messages reach the :class:`Assembler` raw (:meth:`Assembler.feed_raw`):
+row changes are transcoded from pgoutput binary to Avro without Python
+values in between.
+
+Protocol (psycopg >= 3.3 has no replication API; the framing is ours):
+
+* server -> client CopyData: ``w`` XLogData (start LSN, end LSN, send time,
+  then one pgoutput message) and ``k`` keepalive (end LSN, send time,
+  reply-requested flag);
+* client -> server: ``r`` standby status update (written, flushed, applied
+  LSN, clock, reply flag), sent when asked, after acknowledgements, and at
+  least every ``status_interval_s``.
+
+The feed holds windows back (up to ``HOLD_WINDOWS``, or ``HOLD_S``) and the
+loop flushes it before it waits for the server: every wake-up of the event
+loop, like every wait on the socket or status message to the server, gives
+the GIL away, and winning it back from the relay's busy threads costs far
+more than the system call itself. For the same reason a new acknowledgement
+is reported to the server at most every ``_ACK_STATUS_S``.
+
+:func:`poll_sql` is the SQL-interface mode (``mode = "sql"``): peek and
+advance through the catalog connection, no replication connection.
+
+Everything here runs on the fetcher's stream thread; what it shares with
+the event loop is described on :class:`~._fetcher.PostgresFetcher`.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from changebus.schemas import SourceError, lsn_to_scn, scn_to_lsn
+
+from .._base import Window
+from ._assembler import HEARTBEAT_PREFIX, Assembler
+from ._readers import reader_kind, start_reader
+from ._wire import ServerError
+
+if TYPE_CHECKING:
+    from ._fetcher import PostgresFetcher
+
+__all__ = ["HOLD_S", "HOLD_WINDOWS", "Ticker", "poll_sql", "stream"]
+
+log = logging.getLogger("changebus.fetchers.postgres")
+
+_XLOG = struct.Struct(">QQQ")
+_KEEPALIVE = struct.Struct(">QQB")
+_STATUS = struct.Struct(">cQQQQB")
+_PG_EPOCH_US = 946_684_800_000_000
+#: windows held back in the feed while the stream is busy (it flushes before it waits)
+HOLD_WINDOWS = 256
+HOLD_S = 0.02
+#: a new acknowledgement is reported at most this often (besides status_interval_s)
+_ACK_STATUS_S = 0.05
+
+
+def stream(
+    fetcher: PostgresFetcher,
+    repl: Any,
+    assembler: Assembler,
+    emit: Callable[[Window], None],
+    stopping: threading.Event,
+    ticker: Ticker,
+) -> None:
+    """Stream from the slot on ``repl`` (a replication connection) until ``stopping``.
+
+    Resumes after the relay's last window (its END_OF_WINDOW carries the
+    commit's end LSN); windows at or below the relay's last SCN that
+    Postgres sends again are dropped.
+    """
+    cfg = fetcher.config
+    resume = fetcher._resume
+    start_lsn = "0/0"
+    if resume.source_position.count("/") == 1:
+        start_lsn = resume.source_position
+    command = (
+        f"START_REPLICATION SLOT {cfg.slot} LOGICAL {start_lsn} "
+        f"(proto_version '1', publication_names '{cfg.publication}', binary 'true', messages 'true')"
+    )
+    which = reader_kind(cfg, repl.pgconn)
+    fetcher.stream_reader = which
+    reader = start_reader(which, repl, cfg, command)
+    written = 0
+    feed = fetcher._feed
+    stats = fetcher.stats
+    duties = _StreamDuties(fetcher, reader.send_copy_data)
+    read = reader.read
+    xlog = _XLOG.unpack_from
+    try:
+        while not stopping.is_set():
+            now = time.monotonic()
+            duties.tick(now, written)
+            batch = read()
+            if not batch:
+                if feed is not None:
+                    feed.flush()
+                ticker.tick(now, idle=not assembler.in_transaction)
+                reader.wait(min(cfg.status_interval_s, 0.2))
+                continue
+            for buf, start, end in batch:
+                kind = buf[start]
+                if kind == 0x77:  # 'w' XLogData
+                    lsn = xlog(buf, start + 1)[1]
+                    if lsn > written:
+                        written = lsn
+                    window = assembler.feed_raw(buf, start + 25, end)
+                    if window is not None and window.scn > resume.scn:
+                        fetcher._emit(window, emit)
+                        ticker.activity(now)
+                elif kind == 0x6B:  # 'k' keepalive
+                    lsn, _send, reply = _KEEPALIVE.unpack_from(buf, start + 1)
+                    written = max(written, lsn)
+                    stats["keepalives"] += 1
+                    if reply:
+                        duties.reply(written)
+    except ServerError as exc:
+        raise SourceError(f"replication stream ended: {exc.text}") from None
+    except OSError as exc:  # ConnectionError included
+        raise SourceError(f"lost the Postgres connection: {exc}") from None
+
+
+def poll_sql(
+    fetcher: PostgresFetcher,
+    catalog: Any,
+    assembler: Assembler,
+    emit: Callable[[Window], None],
+    stopping: threading.Event,
+    ticker: Ticker,
+) -> None:
+    """The SQL-interface mode: peek a batch, emit new windows, advance to what is acked.
+
+    Peeking does not consume: the slot moves only by
+    ``pg_replication_slot_advance`` to the end of acknowledged windows, so
+    a crash re-reads (and drops, by SCN) what the relay already holds.
+    """
+    cfg = fetcher.config
+    emitted = fetcher._resume.scn
+    emitted_end = 0
+    advanced = 0
+    peek = (
+        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s, "
+        "'proto_version', '1', 'publication_names', %s, 'binary', 'true', "
+        "'messages', 'true')"
+    )
+    while not stopping.is_set():
+        # wait (briefly) for the relay to take what was emitted: peeking
+        # again before the slot advances would decode the same changes twice
+        deadline = time.monotonic() + 1.0
+        while (
+            fetcher._acked_end_lsn < emitted_end
+            and time.monotonic() < deadline
+            and not stopping.is_set()
+        ):
+            stopping.wait(0.001)
+        acked = fetcher._acked_end_lsn
+        if acked > advanced:
+            catalog.execute(
+                "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
+                (cfg.slot, scn_to_lsn(acked)),
+            )
+            advanced = acked
+        rows = catalog.execute(peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication))
+        fresh = 0
+        for (data,) in rows:
+            window = assembler.feed_raw(data)
+            if window is not None and window.scn > emitted:
+                fetcher._emit(window, emit)
+                emitted = window.scn
+                emitted_end = lsn_to_scn(window.source_position)
+                fresh += 1
+        if fetcher._feed is not None:
+            fetcher._feed.flush()  # the acks waited for above need the loop to see them
+        now = time.monotonic()
+        if fresh:
+            ticker.activity(now)
+        else:
+            ticker.tick(now, idle=True)
+            stopping.wait(cfg.sql_poll_interval_s)
+
+
+def _send_status(send: Callable[[bytes], None], written: int, flushed: int) -> None:
+    send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0))
+
+
+def _now_pg_us() -> int:
+    return time.time_ns() // 1000 - _PG_EPOCH_US
+
+
+class _StreamDuties:
+    """What the stream loop does on every turn (once per batch the reader hands over).
+
+    Wakes the event loop for windows the :class:`ThreadFeed` holds (they wait
+    at most ``HOLD_S``) and sends standby status updates: every
+    ``status_interval_s``, and soon (``_ACK_STATUS_S``) after the relay
+    acknowledged more, or at once when the server asks for a reply. Owned by
+    the stream thread.
+    """
+
+    def __init__(self, fetcher: PostgresFetcher, send: Callable[[bytes], None]) -> None:
+        self._fetcher = fetcher
+        self._send = send
+        self._interval = fetcher.config.status_interval_s
+        self._last_status = 0.0
+        self._sent_flush = -1
+        self._last_wake = 0.0
+
+    def tick(self, now: float, written: int) -> None:
+        feed = self._fetcher._feed
+        if feed is not None and now - self._last_wake >= HOLD_S:
+            feed.flush()
+            self._last_wake = now
+        flush = self._fetcher._acked_end_lsn
+        if now - self._last_status >= self._interval or (
+            flush != self._sent_flush and now - self._last_status >= _ACK_STATUS_S
+        ):
+            _send_status(self._send, max(written, flush), flush)
+            self._last_status, self._sent_flush = now, flush
+
+    def reply(self, written: int) -> None:
+        """Answer a keepalive that asks for a reply."""
+        flush = self._fetcher._acked_end_lsn
+        _send_status(self._send, max(written, flush), flush)
+        self._last_status = time.monotonic()
+
+
+class Ticker:
+    """Periodic work of the stream thread: idle heartbeats and slot figures.
+
+    A heartbeat is a non-transactional logical message (prefix
+    ``changebus.heartbeat``) written through the catalog connection when no
+    window went out for ``heartbeat_interval_s``: it comes back through the
+    slot as a HEARTBEAT window, which the relay stores and acknowledges, so the
+    slot advances and WAL does not pile up on an idle database (or one whose
+    writes all go to tables outside the publication).
+    """
+
+    def __init__(self, fetcher: PostgresFetcher, catalog: Any) -> None:
+        self.fetcher = fetcher
+        self.catalog = catalog
+        now = time.monotonic()
+        self.last_activity = now
+        self.last_stats = 0.0
+
+    def activity(self, now: float) -> None:
+        self.last_activity = now
+
+    def tick(self, now: float, *, idle: bool) -> None:
+        cfg = self.fetcher.config
+        stats = self.fetcher.stats
+        if (
+            idle
+            and cfg.heartbeat_interval_s
+            and now - self.last_activity >= cfg.heartbeat_interval_s
+        ):
+            self.catalog.execute(
+                "SELECT pg_logical_emit_message(false, %s, '')", (HEARTBEAT_PREFIX,)
+            )
+            stats["heartbeats"] += 1
+            self.last_activity = now
+        if cfg.slot_stats_interval_s and now - self.last_stats >= cfg.slot_stats_interval_s:
+            self.last_stats = now
+            row = self.catalog.execute(
+                "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, "
+                "(pg_current_wal_lsn() - confirmed_flush_lsn)::int8, wal_status "
+                "FROM pg_replication_slots WHERE slot_name = %s",
+                (cfg.slot,),
+            ).fetchone()
+            if row is None:
+                raise SourceError(f"replication slot {cfg.slot!r} vanished while streaming")
+            stats["retained_wal_bytes"] = row[0] if row[0] is not None else -1
+            stats["unconfirmed_wal_bytes"] = row[1] if row[1] is not None else -1
+            state = row[2] or ""
+            if state != self.fetcher._slot_state and state in ("unreserved", "lost"):
+                log.warning(
+                    "partition %s: slot %s is %s: max_slot_wal_keep_size is about to drop "
+                    "WAL it needs",
+                    self.fetcher.name,
+                    cfg.slot,
+                    state,
+                )
+            self.fetcher._slot_state = state
