@@ -13,6 +13,7 @@ from typing import Any
 
 from .._base import Fetcher
 from ._assembler import Assembler as Assembler
+from ._config import PostgresConfig as PostgresConfig
 from ._embedded import EmbeddedPostgres as EmbeddedPostgres, find_pg_bin as find_pg_bin
 from ._pgoutput import (
     UNCHANGED as UNCHANGED,
@@ -56,6 +57,7 @@ __all__ = [
     "Insert",
     "LogicalMessage",
     "Origin",
+    "PostgresConfig",
     "Relation",
     "RelationColumn",
     "Truncate",
