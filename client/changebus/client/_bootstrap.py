@@ -63,7 +63,7 @@ from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._failover import Failover
 from ._http import RestartBootstrap, response_error, safe_url, transport_errors
-from ._info import BootstrapStatus, RelayInfo, RelaySchemas
+from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
 from ._model import ChangeOp, Window
 from ._queue import WindowQueue
 from ._stream import StreamConfig
@@ -335,14 +335,10 @@ class Bootstrapper:
         params = {"since": str(since)}
         if self.partition is not None:
             params["partition"] = self.partition
-        plan = await self._info(url).get_json("/v1/bootstrap/start", params, kind="bootstrap")
-        try:
+        info = self._info(url)
+        plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
+        with malformed_answer(info.where, "/v1/bootstrap/start"):
             return int(plan["start_scn"]), bool(plan["snapshot"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(
-                f"bootstrap server {safe_url(url)}: malformed answer to /v1/bootstrap/start",
-                retriable=True,
-            ) from exc
 
     async def _get_body(
         self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]

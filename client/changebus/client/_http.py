@@ -1,4 +1,4 @@
-"""The client's HTTP boundary: error answers to exceptions, transport failures, schemas.
+"""The client's HTTP boundary: error answers to exceptions, transport failures, JSON bodies.
 
 Everything the client learns from a relay or a bootstrap server over HTTP
 passes through here, so that the rest of the client decides by data:

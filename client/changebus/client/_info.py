@@ -63,6 +63,7 @@ __all__ = [
     "RelaySchemas",
     "SourceInfo",
     "SourceSchemas",
+    "malformed_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class BootstrapStatus:
 
 
 @contextlib.contextmanager
-def _malformed(where: str, path: str) -> Iterator[None]:
+def malformed_answer(where: str, path: str) -> Iterator[None]:
     """Inside: a JSON document lacking what a query reads is a retriable ProtocolError."""
     try:
         yield
@@ -224,7 +225,7 @@ class RelayInfo:
         """``/v1/status``: every partition of the relay by name, in its order."""
         doc = await self.get_json("/v1/status")
         out: dict[str, PartitionStatus] = {}
-        with _malformed(self.where, "/v1/status"):
+        with malformed_answer(self.where, "/v1/status"):
             for p in _entries(doc, "partitions"):
                 fetcher = p.get("fetcher")
                 name = str(p["name"])
@@ -245,7 +246,7 @@ class RelayInfo:
         """``/v1/sources``: the sources of every partition by partition name, in order."""
         doc = await self.get_json("/v1/sources")
         out: dict[str, PartitionSources] = {}
-        with _malformed(self.where, "/v1/sources"):
+        with malformed_answer(self.where, "/v1/sources"):
             for p in _entries(doc, "partitions"):
                 name = str(p["partition"])
                 pid = p.get("id")
@@ -273,7 +274,7 @@ class RelayInfo:
         path = f"/v1/schemas/{name}"
         doc = await self.get_json(path, {"partition": partition} if partition else None)
         out: dict[str, SourceSchemas] = {}
-        with _malformed(self.where, path):
+        with malformed_answer(self.where, path):
             for p in _entries(doc, "partitions"):
                 part = str(p["partition"])
                 out[part] = SourceSchemas(
@@ -294,7 +295,7 @@ class RelayInfo:
         doc = await self.get_json(
             path, {"partition": partition} if partition else None, kind="bootstrap"
         )
-        with _malformed(self.where, path):
+        with malformed_answer(self.where, path):
             return BootstrapStatus(
                 partition=str(doc["partition"]),
                 producer_scn=int(doc["producer_scn"]),
