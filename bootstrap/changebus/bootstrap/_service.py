@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,6 +41,8 @@ import aiohttp
 from changebus.client import (
     FellOffRelayError,
     RawWindow,
+    RelayInfo,
+    RelayQueries,
     RelaySchemas,
     RelayStream,
     StreamConfig,
@@ -64,6 +66,9 @@ __all__ = ["BootstrapService", "PartitionWorker"]
 log = logging.getLogger("changebus.bootstrap")
 
 T = TypeVar("T")
+
+#: per JSON question to a relay (status, sources, schemas)
+_INFO_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 def open_store(config: BootstrapConfig) -> Store:
@@ -206,26 +211,21 @@ class BootstrapService:
     def ready(self) -> bool:
         return bool(self.workers) and all(w.state == "streaming" for w in self.workers.values())
 
-    async def _relay_partitions(self) -> list[str]:
+    def _relays(self, *, max_attempts: int | None = None) -> RelayQueries:
+        """The configured relays, asked in order (each once unless ``max_attempts``)."""
         assert self._session is not None
-        tries = 0
-        while True:
-            for url in self.config.relays:
-                try:
-                    async with self._session.get(
-                        f"{url}/v1/sources", timeout=aiohttp.ClientTimeout(total=10)
-                    ) as resp:
-                        data = await resp.json()
-                    return [str(p["partition"]) for p in data.get("partitions", [])]
-                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                    if tries % 25 == 0:
-                        log.warning(
-                            "relay %s does not answer /v1/sources (%r); waiting for it",
-                            safe_url(url),
-                            exc,
-                        )
-            tries += 1
-            await asyncio.sleep(0.2)
+        return RelayQueries(
+            self._session,
+            self.config.relays,
+            timeout=_INFO_TIMEOUT,
+            max_attempts=max_attempts,
+            backoff_initial_s=0.2,
+            backoff_max_s=2.0,
+        )
+
+    async def _relay_partitions(self) -> list[str]:
+        """The partitions of the first relay that answers; waits for one (with backoff)."""
+        return list(await self._relays(max_attempts=0).first(RelayInfo.sources))
 
     # ---- producer -------------------------------------------------------
 
@@ -318,14 +318,9 @@ class BootstrapService:
     async def _relay_prev_scn(self, w: PartitionWorker, url: str) -> int:
         """The relay's "complete after" SCN: the log's history starts there."""
         assert self._session is not None
-        async with self._session.get(
-            f"{url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)
-        ) as resp:
-            data = await resp.json()
-        for part in data.get("partitions", []):
-            if part.get("name") == w.name:
-                return int(part.get("prev_scn", -1))
-        return -1
+        status = await RelayInfo(self._session, url, timeout=_INFO_TIMEOUT).status()
+        part = status.get(w.name)
+        return part.prev_scn if part is not None else -1
 
     async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
         """Copy the relay's table schemas of the partition into the store."""
@@ -465,31 +460,23 @@ class BootstrapService:
                 return
             await asyncio.sleep(0.1)
 
-    async def _relay_answers(self, path: str) -> AsyncIterator[dict[str, Any]]:
-        """The JSON answer to ``GET path`` of every relay that gives one, in order."""
-        assert self._session is not None
-        for url in self.config.relays:
-            try:
-                async with self._session.get(
-                    f"{url}{path}", timeout=aiohttp.ClientTimeout(total=10)
-                ) as resp:
-                    data = await resp.json()
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
-            if isinstance(data, dict):
-                yield data
-
     async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:
-        """The fetcher status of partition ``name`` on the first relay that answers."""
-        async for data in self._relay_answers("/v1/status"):
-            for part in data.get("partitions", []):
-                if part.get("name") == name and isinstance(part.get("fetcher"), dict):
-                    return dict(part["fetcher"])
-        return None
+        """The fetcher status of partition ``name`` on the first relay that reports one."""
+
+        async def fetcher(info: RelayInfo) -> dict[str, Any] | None:
+            part = (await info.status()).get(name)
+            return dict(part.fetcher) if part is not None and part.fetcher is not None else None
+
+        return await self._relays().search(fetcher)
 
     async def _relay_partition_id(self, name: str) -> int:
-        async for data in self._relay_answers("/v1/sources"):
-            for p in data.get("partitions", []):
-                if p.get("partition") == name:
-                    return int(p.get("id", 0))
-        raise UnknownSourceError(f"no relay names partition {name!r}", retriable=True)
+        """The id of partition ``name`` on the first relay that names it."""
+
+        async def partition_id(info: RelayInfo) -> int | None:
+            part = (await info.sources()).get(name)
+            return part.id if part is not None else None
+
+        found = await self._relays().search(partition_id)
+        if found is None:
+            raise UnknownSourceError(f"no relay names partition {name!r}", retriable=True)
+        return found

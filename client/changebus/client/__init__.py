@@ -25,8 +25,14 @@ Low level: :class:`RelayStream` reads a relay's stream as validated
 :class:`RawWindow` objects into an async sink, with failover over several
 relays (:class:`StreamConfig`); the consumer, the bootstrap server's
 producer, the Spark source and relay chaining are built on it.
-:class:`RelaySchemas` looks up a relay's table schemas; :func:`safe_url`
-strips credentials from a URL for logs.
+:class:`RelayInfo` asks one relay (or bootstrap server) its small JSON
+questions -- status, sources, schemas, a bootstrap server's status -- as
+typed answers (:class:`PartitionStatus`, :class:`PartitionSources` of
+:class:`SourceInfo`, :class:`SourceSchemas`, :class:`BootstrapStatus`);
+:class:`RelayQueries` asks a list of them in order with the same failover
+(the first that answers, or every one that does). :class:`RelaySchemas`
+looks up a relay's table schemas for a decoder; :func:`safe_url` strips
+credentials from a URL for logs.
 
 With ``bootstrap_servers`` configured, a consumer that fell off the relays
 (or starts from nothing) reads a snapshot and the catch-up log from a
@@ -53,7 +59,17 @@ from ._errors import (
     FellOffRelayError as FellOffRelayError,
     RelayUnavailableError as RelayUnavailableError,
 )
-from ._http import RelaySchemas as RelaySchemas, safe_url as safe_url
+from ._http import safe_url as safe_url
+from ._info import (
+    BootstrapStatus as BootstrapStatus,
+    PartitionSources as PartitionSources,
+    PartitionStatus as PartitionStatus,
+    RelayInfo as RelayInfo,
+    RelayQueries as RelayQueries,
+    RelaySchemas as RelaySchemas,
+    SourceInfo as SourceInfo,
+    SourceSchemas as SourceSchemas,
+)
 from ._model import ChangeEvent as ChangeEvent, ChangeOp as ChangeOp, Window as Window
 from ._persist import (
     CheckpointPersister as CheckpointPersister,
@@ -70,6 +86,7 @@ from ._sync import SyncConsumer as SyncConsumer
 __all__ = [
     "AsyncCallbacks",
     "BootstrapFailedError",
+    "BootstrapStatus",
     "CallbackResult",
     "Callbacks",
     "ChangeEvent",
@@ -82,12 +99,18 @@ __all__ = [
     "FellOffRelayError",
     "FileCheckpointPersister",
     "MemoryCheckpointPersister",
+    "PartitionSources",
+    "PartitionStatus",
     "PostgresReplica",
     "RawWindow",
+    "RelayInfo",
+    "RelayQueries",
     "RelaySchemas",
     "RelayStream",
     "RelayUnavailableError",
     "Replica",
+    "SourceInfo",
+    "SourceSchemas",
     "SqliteReplica",
     "StreamConfig",
     "StreamSink",

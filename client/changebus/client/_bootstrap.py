@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal
+from typing import Literal
 
 import aiohttp
 
@@ -62,7 +62,8 @@ from ._backoff import Backoff
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._failover import Failover
-from ._http import RelaySchemas, RestartBootstrap, response_error, safe_url, transport_errors
+from ._http import RestartBootstrap, response_error, safe_url, transport_errors
+from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
 from ._model import ChangeOp, Window
 from ._queue import WindowQueue
 from ._stream import StreamConfig
@@ -157,7 +158,7 @@ class Bootstrapper:
         prog: BootstrapProgress
         mode = Mode.SNAPSHOT
         if self.partition is None:
-            self._learn_partition((await self._get_json(url, "status", {}))["partition"])
+            self._learn_partition((await self._status(url)).partition)
         if resume is not None and resume.mode is Mode.ONLINE and self._queued() is not None:
             return resume.window_scn  # everything was queued before the failure
         if resume is not None and resume.bootstrap is not None and resume.bootstrap.server == url:
@@ -166,31 +167,27 @@ class Bootstrapper:
             if resume is not None and resume.bootstrap is not None:
                 since = resume.bootstrap.since_scn
             if dirty and since < 0:
-                status = await self._get_json(url, "status", {})
-                since = max(int(status["base_scn"]), 0)
+                since = max((await self._status(url)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)
         since = prog.since_scn
         if mode is Mode.SNAPSHOT and prog.start_scn < 0:
-            plan = await self._get_json(url, "start", {"since": str(since)})
-            start = int(plan["start_scn"])
+            start, snapshot = await self._start(url, since)
             prog = BootstrapProgress(since_scn=since, start_scn=start, server=url)
-            if not plan["snapshot"]:
+            if not snapshot:
                 mode = Mode.CATCHUP
             log.info(
                 "partition %s: bootstrap from %s after SCN %d: %s at SCN %d",
                 self.partition,
                 safe_url(url),
                 since,
-                "snapshot" if plan["snapshot"] else "catch-up only",
+                "snapshot" if snapshot else "catch-up only",
                 start,
             )
         if mode is Mode.SNAPSHOT:
             prog = await self._snapshot(url, prog)
         if prog.target_scn < 0:
-            status = await self._get_json(url, "status", {})
-            prog = dataclasses.replace(
-                prog, target_scn=max(int(status["producer_scn"]), prog.start_scn)
-            )
+            status = await self._status(url)
+            prog = dataclasses.replace(prog, target_scn=max(status.producer_scn, prog.start_scn))
         after = prog.start_scn
         if resume is not None and resume.mode is Mode.CATCHUP and resume.bootstrap == prog:
             after = max(after, resume.window_scn)
@@ -198,7 +195,7 @@ class Bootstrapper:
 
     async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
         self.phase = "snapshot"
-        source = RelaySchemas(self._session, url, self.partition, self._timeout)
+        source = self._schemas(url)
         while True:
             params = {
                 "since": str(prog.since_scn),
@@ -211,8 +208,7 @@ class Bootstrapper:
             position = headers.get("X-Changebus-Snapshot-Position", "")
             complete = headers.get("X-Changebus-Snapshot-Complete") == "1"
             if complete:
-                status = await self._get_json(url, "status", {})
-                target = max(int(status["producer_scn"]), prog.start_scn)
+                target = max((await self._status(url)).producer_scn, prog.start_scn)
                 prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
                 pc = PartitionCheckpoint(
                     mode=Mode.CATCHUP,
@@ -260,7 +256,7 @@ class Bootstrapper:
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
         target = prog.target_scn
-        source = RelaySchemas(self._session, url, self.partition, self._timeout)
+        source = self._schemas(url)
         assembler = WindowAssembler(after)
         last_ts = 0
         online = False
@@ -323,18 +319,26 @@ class Bootstrapper:
             params["filter"] = str(self.config.key_filter)
         return params
 
-    async def _get_json(self, url: str, what: str, params: dict[str, str]) -> Any:
-        query = {
-            k: v for k, v in self._boot_params(params).items() if k not in ("sources", "filter")
-        }
-        where = f"bootstrap server {safe_url(url)}"
-        with transport_errors(where):
-            async with self._session.get(
-                f"{url}/v1/bootstrap/{what}", params=query, timeout=self._timeout
-            ) as resp:
-                if resp.status != 200:
-                    raise await response_error(resp, where, kind="bootstrap")
-                return await resp.json()
+    def _info(self, url: str) -> RelayInfo:
+        return RelayInfo(self._session, url, what="bootstrap server", timeout=self._timeout)
+
+    def _schemas(self, url: str) -> RelaySchemas:
+        return RelaySchemas(
+            self._session, url, self.partition, self._timeout, what="bootstrap server"
+        )
+
+    async def _status(self, url: str) -> BootstrapStatus:
+        return await self._info(url).bootstrap_status(self.partition)
+
+    async def _start(self, url: str, since: int) -> tuple[int, bool]:
+        """``/v1/bootstrap/start``: the plan's ``(start_scn, snapshot)``."""
+        params = {"since": str(since)}
+        if self.partition is not None:
+            params["partition"] = self.partition
+        info = self._info(url)
+        plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
+        with malformed_answer(info.where, "/v1/bootstrap/start"):
+            return int(plan["start_scn"]), bool(plan["snapshot"])
 
     async def _get_body(
         self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]

@@ -38,7 +38,7 @@ from ._bootstrap import Bootstrapper
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._errors import FellOffRelayError
-from ._http import RelaySchemas
+from ._info import RelaySchemas
 from ._queue import QueueClosed, WindowQueue
 from ._stream import RelayStream, StreamConfig
 

@@ -1,4 +1,4 @@
-"""The client's HTTP boundary: error answers to exceptions, transport failures, schemas.
+"""The client's HTTP boundary: error answers to exceptions, transport failures, JSON bodies.
 
 Everything the client learns from a relay or a bootstrap server over HTTP
 passes through here, so that the rest of the client decides by data:
@@ -16,16 +16,19 @@ passes through here, so that the rest of the client decides by data:
 * :func:`transport_errors` -- aiohttp, timeout and connection errors become
   :class:`~changebus.schemas.TransportError` (retriable), so a retry loop
   needs no tuple of foreign exception types (:mod:`._failover`).
-* :class:`RelaySchemas` -- the schema look-ups of one relay (or bootstrap
-  server), the :class:`~._decode.SchemaSource` of a schema cache.
+* :func:`json_body` -- the JSON document of an answer; a body that is not
+  JSON is a retriable :class:`~changebus.schemas.ProtocolError` (whatever
+  its content type), never a bare ``ValueError``.
 
-URLs in messages pass through :func:`safe_url` (no user name or password).
-Stateless apart from :class:`RelaySchemas`' session; safe on any event loop.
+The JSON queries built on these are in :mod:`._info`. URLs in messages pass
+through :func:`safe_url` (no user name or password). Stateless; safe on any
+event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -35,17 +38,16 @@ import yarl
 from changebus.schemas import (
     BootstrapFailedError,
     ChangebusError,
+    ProtocolError,
     ScnNotFoundError,
-    TableSchema,
     TransportError,
-    UnknownSourceError,
 )
 
 from ._errors import FellOffRelayError
 
 __all__ = [
-    "RelaySchemas",
     "RestartBootstrap",
+    "json_body",
     "response_error",
     "safe_url",
     "transport_errors",
@@ -81,6 +83,24 @@ def transport_errors(where: str) -> Iterator[None]:
         yield
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise TransportError(f"{where}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
+
+
+async def json_body(resp: aiohttp.ClientResponse, where: str) -> Any:
+    """The JSON document ``resp`` carries (read whole; call inside :func:`transport_errors`).
+
+    A body that does not parse as JSON (an HTML page of a proxy, a cut or
+    damaged body) raises a retriable :class:`ProtocolError` naming
+    ``where``, the status, content type and size, not the body itself.
+    """
+    body = await resp.read()
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        raise ProtocolError(
+            f"{where}: the answer ({resp.status}, {resp.content_type or 'no content type'},"
+            f" {len(body)} bytes) is not JSON",
+            retriable=True,
+        ) from exc
 
 
 async def response_error(
@@ -135,53 +155,3 @@ def _int(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return -1
-
-
-class RelaySchemas:
-    """Schema look-ups on one relay (the :class:`~._decode.SchemaSource` of a cache).
-
-    ``partition`` narrows the answers to one physical partition (None: the
-    server must have exactly one). Errors are those of :func:`response_error`
-    and :func:`transport_errors`.
-    """
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        url: str,
-        partition: str | None,
-        timeout: aiohttp.ClientTimeout | None = None,
-    ) -> None:
-        self.url = url
-        self._session = session
-        self._url = yarl.URL(url)
-        self._where = f"relay {safe_url(url)}"
-        self._partition = partition
-        self._timeout = timeout or aiohttp.ClientTimeout(total=30)
-
-    async def _get(self, url: yarl.URL, params: dict[str, str]) -> Any:
-        with transport_errors(self._where):
-            async with self._session.get(url, params=params, timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    raise await response_error(resp, self._where)
-                return await resp.json()
-
-    async def source_names(self) -> dict[int, str]:
-        """``{source_id: name}`` of the partition."""
-        data = await self._get(self._url / "v1" / "sources", {})
-        parts = data.get("partitions", [])
-        if self._partition is not None:
-            parts = [p for p in parts if p.get("partition") == self._partition]
-        if len(parts) != 1:
-            raise UnknownSourceError(f"{self._where} lacks this partition")
-        return {int(s["id"]): str(s["name"]) for s in parts[0]["sources"]}
-
-    async def source_schemas(self, name: str) -> list[tuple[int, TableSchema]]:
-        """Every ``(source_id, schema)`` version of source ``name`` in the partition."""
-        params = {"partition": self._partition} if self._partition else {}
-        data = await self._get(self._url / "v1" / "schemas" / name, params)
-        out: list[tuple[int, TableSchema]] = []
-        for part in data.get("partitions", []):
-            sid = int(part["source_id"])
-            out.extend((sid, TableSchema.from_json(v["schema"])) for v in part["versions"])
-        return out

@@ -15,12 +15,13 @@ answers from the relays, each a short HTTP exchange:
   (admission control). It reads the range's binary events once and counts
   the data events per window from the headers alone (no row decoding).
 
-Each call tries the relays in the configured order, once each, through the
-client's one failover mechanism (:class:`~.._failover.Failover`: retriable
-errors -- connection failures, 5xx -- move to the next relay, others end
-the call); when none answers it raises
-:class:`~changebus.client.RelayUnavailableError`. Error answers are mapped
-by :func:`~.._http.response_error` (a 410 on a stream request is
+Each call tries the relays in the configured order, once each, through
+:class:`~changebus.client.RelayQueries` (the client's one failover
+mechanism: retriable errors -- connection failures, 5xx, an answer that is
+not JSON -- move to the next relay, others end the call); when none answers
+it raises :class:`~changebus.client.RelayUnavailableError`. The JSON
+questions are :class:`~changebus.client.RelayInfo`'s; error answers of
+stream requests are mapped by :func:`~.._http.response_error` (a 410 is
 :class:`~changebus.client.FellOffRelayError`). The functions are
 coroutines; :func:`run_sync` runs one to completion from blocking code (the
 Spark driver's Python runner has no event loop of its own). Nothing is kept
@@ -46,9 +47,8 @@ from changebus.schemas import (
     parse_stream,
 )
 
-from .._backoff import Backoff
-from .._failover import Failover
-from .._http import response_error, safe_url, transport_errors
+from .._http import response_error
+from .._info import RelayInfo, RelayQueries
 from ._options import SourceOptions
 
 __all__ = [
@@ -89,49 +89,25 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 async def _with_relays(
     opts: SourceOptions,
-    call: Callable[[aiohttp.ClientSession, str], Awaitable[T]],
+    call: Callable[[RelayInfo], Awaitable[T]],
     urls: tuple[str, ...] = (),
 ) -> T:
-    """``call(session, url)`` on the first of ``urls`` (default: the relays) that answers."""
+    """``call(info)`` on the first of ``urls`` (default: the relays) that answers, each once."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     urls = urls or opts.relays
     what = "relay" if urls == opts.relays else "bootstrap server"
-    failover = Failover(urls, Backoff(0.1, 1.0), max_attempts=len(urls), what=what)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        while True:
-            url = failover.url
-            try:
-                with transport_errors(f"{what} {safe_url(url)}"):
-                    return await call(session, url)
-            except Exception as exc:  # noqa: BLE001 - Failover decides, by data
-                await failover.failed(exc)
-
-
-async def _get_json(session: aiohttp.ClientSession, url: str, params: dict[str, str]) -> Any:
-    async with session.get(url, params=params) as resp:
-        if resp.status != 200:
-            raise await response_error(resp, safe_url(url))
-        return await resp.json()
+        return await RelayQueries(session, urls, what=what, timeout=timeout).first(call)
 
 
 async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
     """Bounds of the partitions ``opts`` reads (all of the relay's when none are named)."""
 
-    async def call(session: aiohttp.ClientSession, url: str) -> dict[str, PartitionBounds]:
-        data = await _get_json(session, f"{url}/v1/status", {})
-        out = {
-            str(p["name"]): PartitionBounds(
-                str(p["name"]),
-                int(p["min_scn"]),
-                int(p["max_scn"]),
-                int(p["prev_scn"]),
-                int(p.get("newest_timestamp_ns") or 0),
-            )
-            for p in data.get("partitions", [])
-        }
-        return out
-
-    found = await _with_relays(opts, call)
+    status = await _with_relays(opts, RelayInfo.status)
+    found = {
+        name: PartitionBounds(name, p.min_scn, p.max_scn, p.prev_scn, p.newest_timestamp_ns)
+        for name, p in status.items()
+    }
     if not opts.partitions:
         if not found:
             raise UnknownSourceError("the relay serves no partitions")
@@ -147,12 +123,11 @@ async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
 async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str, TableSchema]:
     """The newest schema of every source read, by source name, in the relay's order."""
 
-    async def call(session: aiohttp.ClientSession, url: str) -> dict[str, TableSchema]:
-        data = await _get_json(session, f"{url}/v1/sources", {})
+    async def call(info: RelayInfo) -> dict[str, TableSchema]:
         names: list[str] = []
-        for part in data.get("partitions", []):
-            if part.get("partition") in partitions:
-                names.extend(str(s["name"]) for s in part.get("sources", []))
+        for part in (await info.sources()).values():
+            if part.name in partitions:
+                names.extend(s.name for s in part.sources)
         names = list(dict.fromkeys(names))
         if opts.sources:
             missing = [s for s in opts.sources if s not in names]
@@ -164,15 +139,12 @@ async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str,
             names = list(opts.sources)
         out: dict[str, TableSchema] = {}
         for name in names:
-            body = await _get_json(session, f"{url}/v1/schemas/{name}", {})
             newest: TableSchema | None = None
-            for part in body.get("partitions", []):
-                if part.get("partition") not in partitions:
+            for found in (await info.schemas(name)).values():
+                if found.partition not in partitions or not found.schemas:
                     continue
-                for v in part.get("versions", []):
-                    schema = TableSchema.from_json(v["schema"])
-                    if newest is None or schema.version > newest.version:
-                        newest = schema
+                if newest is None or found.newest.version > newest.version:
+                    newest = found.newest
             if newest is not None:
                 out[name] = newest
         return out
@@ -194,7 +166,7 @@ async def end_after_rows(
     if until <= since:
         return since
 
-    async def call(session: aiohttp.ClientSession, url: str) -> int:
+    async def call(info: RelayInfo) -> int:
         scn, offset = since, -1
         count = 0
         end = since
@@ -212,16 +184,12 @@ async def end_after_rows(
                 params["sources"] = ",".join(opts.sources)
             if opts.key_filter is not None:
                 params["filter"] = str(opts.key_filter)
-            async with session.get(f"{url}/v1/stream", params=params) as resp:
+            async with info.session.get(f"{info.url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
                     return end
                 if resp.status != 200:
                     raise await response_error(
-                        resp,
-                        f"relay {safe_url(url)}",
-                        kind="stream",
-                        partition=partition,
-                        requested_scn=scn,
+                        resp, info.where, kind="stream", partition=partition, requested_scn=scn
                     )
                 body_bytes = await resp.read()
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
@@ -270,7 +238,7 @@ async def position_at_time(
     def passes(ts: int) -> bool:
         return ts > time_ns if inclusive else ts >= time_ns
 
-    async def call(session: aiohttp.ClientSession, url: str) -> int:
+    async def call(info: RelayInfo) -> int:
         lo, hi = bounds.prev_scn, max(bounds.max_scn, bounds.prev_scn)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -282,17 +250,13 @@ async def position_at_time(
                 "wait": "0",
                 "client": "spark-planner",
             }
-            async with session.get(f"{url}/v1/stream", params=params) as resp:
+            async with info.session.get(f"{info.url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
                     hi = mid
                     continue
                 if resp.status != 200:
                     raise await response_error(
-                        resp,
-                        f"relay {safe_url(url)}",
-                        kind="stream",
-                        partition=bounds.name,
-                        requested_scn=mid,
+                        resp, info.where, kind="stream", partition=bounds.name, requested_scn=mid
                     )
                 body = await resp.read()
             _, headers = parse_stream(body, verify_payload=False)
@@ -313,8 +277,7 @@ async def bootstrap_target(opts: SourceOptions, partition: str) -> int:
     :class:`~changebus.client.RelayUnavailableError` when none answers.
     """
 
-    async def call(session: aiohttp.ClientSession, url: str) -> int:
-        body = await _get_json(session, f"{url}/v1/bootstrap/status", {"partition": partition})
-        return int(body["producer_scn"])
+    async def call(info: RelayInfo) -> int:
+        return (await info.bootstrap_status(partition)).producer_scn
 
     return await _with_relays(opts, call, urls=opts.bootstrap)
