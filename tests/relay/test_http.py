@@ -15,6 +15,9 @@ import pytest
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Checkpoint, Op, headers_at, parse_stream, scan_offsets
 
+# the relay runs in the test's event loop: none of its code may block that loop
+pytestmark = pytest.mark.usefixtures("no_blocking")
+
 
 def relay_config(tmp_path: Path, **fetcher: Any) -> RelayConfig:
     options = {

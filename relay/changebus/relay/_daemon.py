@@ -22,6 +22,7 @@ from typing import Self
 
 from aiohttp import web
 
+from changebus.fetchers import fetcher_kinds
 from changebus.schemas.config import redacted
 from changebus.schemas.server import Server, serve
 
@@ -34,13 +35,20 @@ __all__ = ["Relay", "run"]
 log = logging.getLogger("changebus.relay")
 
 
+def _new_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
+    # the fetcher plugins are imported on first use (imports read files): load
+    # them here, so that PartitionHost.start() on the loop finds them loaded
+    fetcher_kinds()
+    return PartitionHost(config, data_dir)
+
+
 async def _open_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
     """A new :class:`PartitionHost`, built in a thread (it opens and maps files).
 
     Cancelled meanwhile, it waits for the thread, closes what it opened and
     re-raises: a cancelled start-up leaks no buffer.
     """
-    opening = asyncio.ensure_future(asyncio.to_thread(PartitionHost, config, data_dir))
+    opening = asyncio.ensure_future(asyncio.to_thread(_new_host, config, data_dir))
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
