@@ -150,7 +150,7 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
         try:
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
-                logger.info("%s: signal during start-up, cancelling it", name)
+                logger.info("%s shutting down (signal during start-up)", name)
                 starting.cancel()
                 try:
                     await starting
@@ -161,7 +161,7 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
             else:
                 starting.result()  # a start-up error ends the daemon
                 await stopping
-            logger.info("%s shutting down", name)
+                logger.info("%s shutting down", name)
         finally:
             stopping.cancel()
             await service.stop()
