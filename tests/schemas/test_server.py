@@ -252,3 +252,26 @@ async def test_stop_runs_the_steps_backwards_after_the_listener_closed() -> None
         assert server.port == port and listening(port)
     assert events == ["first started", "second starting", "second stopped", "first stopped"]
     assert not listening(port)
+
+
+async def test_an_error_mid_stream_cuts_the_response() -> None:
+    async def half(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(b"first part")
+        raise RuntimeError("after the first chunk")
+
+    app = server_app("frametest", readiness=lambda: (True, {}), logger=log)
+    app.router.add_get("/half", half)
+    async with (
+        Server(app, name="t", host="127.0.0.1", port=0, logger=log) as server,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{server.url}/half") as r:
+            assert r.status == 200
+            # the body ends without its last chunk: the client sees it incomplete
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()
+        async with http.get(f"{server.url}/healthz") as r:  # the server goes on
+            assert r.status == 200

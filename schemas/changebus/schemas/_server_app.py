@@ -10,8 +10,10 @@ and its start-up/shutdown steps (``app.cleanup_ctx``, see
   route, 405 method, 413 body too large) as ``{"error": "http", ...}`` with
   its status; anything else is logged with its traceback and answered 500
   ``{"error": "internal", ...}`` whose message holds nothing of the
-  exception (no internals, no secrets). Every answer is counted by route and
-  status (``changebus_<daemon>_http_requests_total``).
+  exception (no internals, no secrets). An error after the handler's own
+  (streamed) response has begun cannot be answered any more: the connection
+  is cut, so the client sees a body without its end. Every answer is counted
+  by route and status (``changebus_<daemon>_http_requests_total``).
 * ``GET /healthz`` (the process answers), ``GET /readyz`` (the daemon's
   ``readiness()``: 200 ready / 503 not, with each partition's state) and
   ``GET /metrics`` (Prometheus text of the app's own registry: the request
@@ -117,28 +119,39 @@ def _route(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+def _error_answer(
+    request: web.Request, body: Mapping[str, Any], status: int, headers: Mapping[str, str] | None
+) -> web.StreamResponse:
+    if request.writer.output_size > 0:
+        # the handler's own response has begun: no second one can follow on
+        # this connection. Cut it, so the client sees a body without its end
+        # (and discards it); the stand-in below meets the closed connection,
+        # which aiohttp takes quietly.
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=status)
+    return json_response(body, status=status, headers=headers)
+
+
 def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             response = await handler(request)
         except ChangebusError as exc:
-            response = json_response(exc.to_json(), status=exc.http_status)
+            response = _error_answer(request, exc.to_json(), exc.http_status, None)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise  # a redirect is an answer, not an error
             headers = {k: v for k, v in exc.headers.items() if k.lower() != "content-type"}
             headers.pop("Content-Length", None)
-            response = json_response(
-                {"error": "http", "message": exc.reason, "retriable": False},
-                status=exc.status,
-                headers=headers,
-            )
+            body = {"error": "http", "message": exc.reason, "retriable": False}
+            response = _error_answer(request, body, exc.status, headers)
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client went away, or the server stops: nobody to answer
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
-            response = json_response(_INTERNAL, status=500)
+            response = _error_answer(request, _INTERNAL, 500, None)
         metrics.requests[(_route(request), response.status)] += 1
         return response
 
