@@ -32,6 +32,11 @@ DAEMON_MODULES = [
     "changebus.schemas._server_app",
     "changebus.schemas._server_query",
 ]
+#: not daemon code: the throwaway database servers the tests start (blocking by design)
+TEST_HELPERS = [
+    "changebus.fetchers.mysql._embedded",
+    "changebus.fetchers.postgres._embedded",
+]
 
 
 class _Seen:
@@ -62,7 +67,7 @@ def no_blocking(monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockBuster]:
 
     # blockbuster raises the class its module names at the time of the call
     monkeypatch.setattr(bb_module, "BlockingError", RecordedBlockingError)
-    with blockbuster_ctx(DAEMON_MODULES) as bb:
+    with blockbuster_ctx(DAEMON_MODULES, excluded_modules=TEST_HELPERS) as bb:
         # PartitionHost.stop() joins the partition's writer thread right after
         # awaiting its last job (closing the buffer): the thread only has to
         # exit, a wait of microseconds. (Better moved to a thread in _host.py.)
