@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import sys
@@ -43,10 +42,10 @@ from changebus.schemas import (
     event_at,
     parse_stream,
 )
-from changebus.schemas._jsonable import jsonable
 from changebus.schemas.server import (
     check_params,
     json_response,
+    json_text,
     query_choice,
     query_float,
     query_int,
@@ -468,7 +467,7 @@ def _ndjson(host: PartitionHost, body: bytes) -> bytes:
                 record["after_not_sent"] = list(change.after_not_sent)
             if change.before_not_sent:
                 record["before_not_sent"] = list(change.before_not_sent)
-        lines.append(json.dumps(record, default=jsonable, separators=(",", ":")))
+        lines.append(json_text(record))
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 

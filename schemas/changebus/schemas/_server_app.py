@@ -54,6 +54,7 @@ __all__ = [
     "HttpMetrics",
     "Readiness",
     "json_response",
+    "json_text",
     "server_app",
 ]
 
@@ -77,6 +78,11 @@ class Collector(Protocol):
 
 def _dumps(data: Any) -> str:
     return json.dumps(data, default=jsonable)
+
+
+def json_text(data: Any) -> str:
+    """Compact JSON text (e.g. one line of NDJSON); decoded Avro values as :func:`jsonable` says."""
+    return json.dumps(data, default=jsonable, separators=(",", ":"))
 
 
 def json_response(
