@@ -45,7 +45,8 @@ from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, R
 from changebus.schemas import Mode, Op, lsn_to_scn
 from waiting import wait_until
 
-pytestmark = pytest.mark.pg
+# relays and bootstrap servers run in the test's event loop: none may block that loop
+pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
 
 TABLES = ("acct", "item")
 

@@ -232,6 +232,9 @@ def seed_user(server: EmbeddedMariaDB) -> str:
     return f"mysql://seeder:{PASSWORD}@127.0.0.1:{server.port}"
 
 
+# the relay and the bootstrap server (seeding from MySQL) run in the test's event
+# loop: neither may block that loop
+@pytest.mark.usefixtures("no_blocking")
 async def test_late_consumer_gets_a_mysql_seed_then_catchup_then_live(
     tmp_path: Path,
     mysql_server: EmbeddedMariaDB,

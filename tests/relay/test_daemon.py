@@ -1,4 +1,7 @@
-"""The relay daemon as a process: kill -9 and restart, SIGTERM, bad configs."""
+"""The relay daemon as a process: kill -9 and restart, SIGTERM, bad configs.
+
+Also both daemons (relay, bootstrap server) stopped by SIGTERM during start-up.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,3 +175,121 @@ def test_bad_configs_fail_clearly(tmp_path: Path, body: str, needle: str) -> Non
     )
     assert result.returncode == 2
     assert needle in result.stdout + result.stderr
+
+
+#: ``python -c`` program: the relay daemon, with the opening of partition
+#: "slow" made to take a while (so that a signal surely arrives meanwhile)
+SLOW_OPEN = """
+import sys, time
+from changebus.relay import _daemon
+
+real = _daemon._new_host
+
+def slow(config, data_dir):
+    host = real(config, data_dir)
+    if config.name == "slow":
+        print("opening partition slow", flush=True)
+        time.sleep(1.5)
+    return host
+
+_daemon._new_host = slow
+from changebus.schemas._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class Output:
+    """Collects a process's output lines in a thread; waits for one to appear."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=self._read, args=(stdout,), daemon=True).start()
+
+    def _read(self, stdout: Any) -> None:
+        for raw in stdout:
+            with self._changed:
+                self.lines.append(raw.decode(errors="replace").rstrip())
+                self._changed.notify_all()
+
+    def wait_for(self, needle: str, seconds: float = 60) -> None:
+        with self._changed:
+            found = self._changed.wait_for(
+                lambda: any(needle in line for line in self.lines), seconds
+            )
+        assert found, f"no {needle!r} in:\n" + "\n".join(self.lines[-30:])
+
+    @property
+    def text(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sigterm_during_startup_ends_both_daemons_alike(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    # the relay: SIGTERM while its second partition opens (the first is open)
+    port = free_port()
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nflush_interval_s = 0\n[http]\nport = {port}\n'
+        '[[partitions]]\nname = "fast"\nid = 1\ncapacity_bytes = "1MiB"\n'
+        '[partitions.fetcher]\nkind = "synthetic"\noptions = { windows_per_s = 100 }\n'
+        '[[partitions]]\nname = "slow"\nid = 2\ncapacity_bytes = "1MiB"\n'
+    )
+    relay = subprocess.Popen(
+        [sys.executable, "-c", SLOW_OPEN, "relay", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    procs.append(relay)
+    out = Output(relay)
+    out.wait_for("opening partition slow")
+    relay.send_signal(signal.SIGTERM)
+    relay_status = relay.wait(30)
+    out.wait_for("relay stopped", 5)
+    assert "signal during start-up" in out.text
+    assert "Traceback" not in out.text
+    assert "listening on" not in out.text and not listening(port)
+    # both partitions were closed properly: a new relay opens them and serves
+    relay2 = start(cfg)
+    procs.append(relay2)
+    wait_ready(port, relay2)
+    status = json.loads(get(port, "/v1/status")[2])
+    assert {p["name"] for p in status["partitions"]} == {"fast", "slow"}
+    relay2.send_signal(signal.SIGTERM)
+    assert relay2.wait(20) == 0
+
+    # the bootstrap server: SIGTERM while it waits for a relay (its store is open)
+    boot_port = free_port()
+    boot_cfg = tmp_path / "bootstrap.toml"
+    boot_cfg.write_text(
+        f'relays = ["http://127.0.0.1:{free_port()}"]\ndata_dir = "{tmp_path / "boot"}"\n'
+        f"[http]\nport = {boot_port}\n"
+    )
+    boot = subprocess.Popen(
+        [sys.executable, "-m", "changebus.schemas", "bootstrap", "--config", str(boot_cfg)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    procs.append(boot)
+    boot_out = Output(boot)
+    boot_out.wait_for("waiting for it")
+    boot.send_signal(signal.SIGTERM)
+    boot_status = boot.wait(30)
+    boot_out.wait_for("bootstrap server stopped", 5)
+    assert "signal during start-up" in boot_out.text
+    assert "Traceback" not in boot_out.text
+    assert not listening(boot_port)
+    assert (tmp_path / "boot" / "bootstrap.db").exists()  # the store had been opened
+
+    assert relay_status == boot_status == 0

@@ -11,9 +11,23 @@ from typing import Any
 
 import aiohttp
 import pytest
+from blockbuster import BlockBuster
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Checkpoint, Op, headers_at, parse_stream, scan_offsets
+from changebus.schemas import (
+    Checkpoint,
+    EndOfWindow,
+    Op,
+    encode_control,
+    encode_event,
+    headers_at,
+    key_hash,
+    parse_stream,
+    scan_offsets,
+)
+
+# the relay runs in the test's event loop: none of its code may block that loop
+pytestmark = pytest.mark.usefixtures("no_blocking")
 
 
 def relay_config(tmp_path: Path, **fetcher: Any) -> RelayConfig:
@@ -338,3 +352,94 @@ async def test_follow_with_too_old_checkpoint_gets_410(
             f"{relay.url}/v1/stream", params={**params, "format": "ndjson"}
         ) as resp:
             assert resp.status == 400
+
+
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"scn": HUGE},
+        {"scn": "-" + HUGE},
+        {"offset": HUGE},
+        {"max_bytes": HUGE},
+        {"wait": HUGE},
+        {"wait": HUGE + ".5"},
+        {"filter": f"mod:{HUGE}:1"},
+        {"filter": f"mod:3:{HUGE}"},
+        {"follow": "1", "follow_bytes": HUGE},
+        {"checkpoint": '{"version": 1, "partitions": {"syn": {"window_scn": ' + HUGE + "}}}"},
+    ],
+)
+async def test_huge_numbers_are_bad_requests_never_retried(
+    relay: Relay, http: aiohttp.ClientSession, params: dict[str, str]
+) -> None:
+    async with http.get(f"{relay.url}/v1/stream", params={"partition": "syn", **params}) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["retriable"] is False
+    assert body["error"] in ("bad_request", "bad_checkpoint")
+    assert len(body["message"]) < 300  # the number is not echoed back
+
+
+def small_window(scn: int, payload_bytes: int) -> bytes:
+    key = f"k{scn}".encode()
+    return encode_event(
+        Op.INSERT, scn, 0, scn, key, b"x" * payload_bytes, key_hash=key_hash(key), source_id=1
+    ) + encode_control(EndOfWindow(1, ""), scn, 1, scn)
+
+
+@pytest.mark.parametrize("fmt", ["binary", "ndjson"])
+async def test_overrun_is_409_overwritten_on_every_copy_path(
+    tmp_path: Path, http: aiohttp.ClientSession, no_blocking: BlockBuster, fmt: str
+) -> None:
+    """A response whose pinned bytes the writer overran is 409 ``overwritten`` (retriable).
+
+    The overrun is made to happen at the one moment it can on these paths:
+    between the selection (which pins the bytes) and the copy (which checks
+    the pin) -- the test, acting as the partition's writer, appends past the
+    whole ring right after the relay's own selection.
+    """
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(PartitionConfig("ring", 1, capacity_bytes=64 << 10, pin_timeout_s=0.001),),
+        flush_interval_s=0,
+    )
+    # the test's writer waits (pin_timeout_s) for the pin on the loop thread: it
+    # stands in for the relay's writer thread, the relay itself does not wait
+    no_blocking.functions["threading.Lock.acquire"].can_block_in(
+        "tests/relay/test_http.py", "overrunning_select"
+    )
+    async with Relay(cfg) as relay:
+        buffer = relay.hosts["ring"].buffer
+        for scn in range(1, 6):
+            buffer.append_window(small_window(scn, 2000))
+        real_select = buffer.select
+        next_scn = [6]
+
+        def overrunning_select(*args: Any, **kw: Any) -> Any:
+            selection = real_select(*args, **kw)
+            for _ in range(40):  # 80 KB through a 64 KiB ring: past the pin
+                buffer.append_window(small_window(next_scn[0], 2000))
+                next_scn[0] += 1
+            return selection
+
+        buffer.select = overrunning_select  # type: ignore[method-assign]
+        overruns = buffer.stats["pins_overrun"]
+        async with http.get(
+            f"{relay.url}/v1/stream", params={"partition": "ring", "scn": -1, "format": fmt}
+        ) as resp:
+            assert resp.status == 409
+            body = await resp.json()
+        assert body["error"] == "overwritten" and body["retriable"] is True
+        assert buffer.stats["pins_overrun"] == overruns + 1
+        # nothing torn was cached: the same position now reads the windows written since
+        buffer.select = real_select  # type: ignore[method-assign]
+        async with http.get(
+            f"{relay.url}/v1/stream", params={"partition": "ring", "scn": -1}
+        ) as resp:
+            assert resp.status == 200
+            _, headers = parse_stream(await resp.read())
+        assert int(headers["scn"][0]) > 5

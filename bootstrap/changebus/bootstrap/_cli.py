@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from changebus.schemas._daemon_cli import add_daemon_parser, run_daemon
+from changebus.schemas.server import add_daemon_parser, run_daemon
 
 from ._config import BootstrapConfig
 from ._daemon import run

@@ -1,25 +1,30 @@
 """Running a bootstrap server: embedded (``async with BootstrapServer(config)``) or as the daemon.
 
-:class:`BootstrapServer` opens the store, starts the producer and applier of
-every partition (:class:`~._service.BootstrapService`), serves the HTTP API
-and closes all of it again in reverse order. :func:`run` is the daemon's
-main: SIGTERM/SIGINT stop accepting requests, finish the ones in flight, stop
-the producers and appliers (each store transaction either commits or does
-not: nothing is half-written) and close the store.
+:class:`BootstrapServer` is the bootstrap HTTP app (:func:`~._http.build_app`)
+inside the server frame (:class:`changebus.schemas.server.Server`) with one
+start-up step (``cleanup_ctx``): the :class:`~._service.BootstrapService`
+(open the store, find the partitions, start every producer and applier).
+Stopping closes the listener, finishes the requests in flight, then stops the
+producers and appliers (each store transaction either commits or does not:
+nothing is half-written) and closes the store. A failed or cancelled
+start-up (e.g. SIGTERM while still waiting for a relay) stops what it had
+started. :func:`run` is the daemon's main
+(:func:`~changebus.schemas.server.serve`: SIGTERM/SIGINT stop it gracefully,
+during start-up too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
 from aiohttp import web
 
 from changebus.schemas.config import redacted
+from changebus.schemas.server import Server, serve
 
 from ._config import BootstrapConfig
 from ._http import build_app
@@ -36,38 +41,40 @@ class BootstrapServer:
     def __init__(self, config: BootstrapConfig) -> None:
         self.config = config
         self.service = BootstrapService(config)
-        self._runner: web.AppRunner | None = None
-        self.port = config.http.port
+        app = build_app(self.service)
+        app.cleanup_ctx.append(self._running)
+        self.server = Server(
+            app,
+            name="bootstrap server",
+            host=config.http.host,
+            port=config.http.port,
+            logger=log,
+        )
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the configured one until started)."""
+        return self.server.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.http.host}:{self.port}"
+        return self.server.url
+
+    async def _running(self, app: web.Application) -> AsyncIterator[None]:
+        try:
+            await asyncio.to_thread(self.config.data_dir.mkdir, parents=True, exist_ok=True)
+            await self.service.start()
+            yield
+        finally:
+            await self.service.stop()
 
     async def start(self) -> None:
-        cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            await self.service.start()
-            self._runner = web.AppRunner(
-                build_app(self.service), access_log=None, handle_signals=False, shutdown_timeout=2.0
-            )
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port, reuse_address=True)
-            await site.start()
-        except BaseException:
-            await self.stop()
-            raise
-        addresses = self._runner.addresses
-        if addresses:
-            self.port = int(addresses[0][1])
-        log.info("bootstrap server listening on %s", self.url)
+        """Start the service, then listen (stops what it started when it fails)."""
+        await self.server.start()
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        await self.service.stop()
-        log.info("bootstrap server stopped")
+        """Stop listening, finish the requests, stop the service. Idempotent."""
+        await self.server.stop()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -82,23 +89,4 @@ class BootstrapServer:
 async def run(config: BootstrapConfig) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     log.info("bootstrap configuration: %s", redacted(config))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    server = BootstrapServer(config)
-    starting = asyncio.create_task(server.start())
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            starting.result()  # a start-up error ends the daemon
-            await stopping
-        else:
-            starting.cancel()  # e.g. still waiting for a relay
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-        log.info("bootstrap server shutting down")
-    finally:
-        stopping.cancel()
-        await server.stop()
+    await serve(BootstrapServer(config), name="bootstrap server", logger=log)

@@ -19,29 +19,28 @@ consumer: every request carries its position. ``/v1/sources`` and
 ``/v1/schemas/{source}`` answer like the relay's (the relay's source ids),
 so a consumer decodes pages exactly as relay responses.
 
-Every error leaves as JSON ``{"error": code, "message": ..., "retriable":
-...}`` with the status of its :class:`ChangebusError` class (400 bad input,
-404 unknown partition, 410 a position the server cannot serve, 503 not able
-*yet*); an unexpected exception is logged and answered with 500, never a
-crash.
+The server frame (:mod:`changebus.schemas.server`) gives the app its error
+middleware (every error leaves as JSON ``{"error": code, "message": ...,
+"retriable": ...}`` with the status of its :class:`ChangebusError` class:
+400 bad input, 404 unknown partition, 410 a position the server cannot
+serve, 503 not able *yet*; an unexpected exception is logged and answered
+with 500, never a crash), the query-parameter parsers (a malformed parameter
+is always 400, never retried) and ``/healthz``, ``/readyz`` and
+``/metrics``; this module adds the bootstrap routes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+import re
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from changebus.schemas import (
+    MAX_SCN,
     BadRequestError,
-    ChangebusError,
     NotYetError,
     PartitionFilter,
     ScnNotFoundError,
@@ -50,7 +49,15 @@ from changebus.schemas import (
     event_mask,
     parse_stream,
 )
+from changebus.schemas.server import (
+    check_params,
+    json_response,
+    query_int,
+    query_parsed,
+    server_app,
+)
 
+from ._metrics import BootstrapMetrics
 from ._service import BootstrapService
 from ._store import Store
 
@@ -58,107 +65,8 @@ __all__ = ["build_app"]
 
 log = logging.getLogger("changebus.bootstrap.http")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BootstrapMetrics:
-    """Request counters plus a collector over the partition workers."""
-
-    def __init__(self, service: BootstrapService) -> None:
-        self._service = service
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.rows_served: Counter[str] = Counter()
-        self.catchup_events: Counter[str] = Counter()
-        self.bytes_served: Counter[str] = Counter()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
-
-    def render(self) -> bytes:
-        body: bytes = generate_latest(self.registry)
-        return body
-
-    def collect(self) -> Iterator[Any]:
-        gauges = {
-            "producer_scn": "Newest window SCN in the log",
-            "applier_scn": "Newest window SCN folded into the snapshot",
-            "applier_lag_events": "Log events not yet folded into the snapshot",
-            "applier_lag_scn": "producer_scn - applier_scn",
-            "log_min_scn": "Windows after this SCN are all in the log",
-        }
-        fams = {
-            n: GaugeMetricFamily(f"changebus_bootstrap_{n}", h, labels=["partition"])
-            for n, h in gauges.items()
-        }
-        counters = {
-            "windows_appended": "Windows appended to the log",
-            "events_appended": "Events appended to the log",
-            "events_applied": "Log events folded into the snapshot",
-            "producer_fell_off": "Times the producer fell off the relay",
-        }
-        cfams = {
-            n: CounterMetricFamily(f"changebus_bootstrap_{n}", h, labels=["partition"])
-            for n, h in counters.items()
-        }
-        ready = GaugeMetricFamily(
-            "changebus_bootstrap_partition_ready",
-            "1 when the partition's producer streams from the relay",
-            labels=["partition", "state"],
-        )
-        for w in self._service.workers.values():
-            st = w.status()
-            st["applier_lag_scn"] = max(w.producer_scn - w.applier_scn, 0)
-            for n in gauges:
-                fams[n].add_metric([w.name], float(st[n]))
-            st["producer_fell_off"] = w.fell_off
-            for n in counters:
-                cfams[n].add_metric([w.name], float(st[n]))
-            ready.add_metric([w.name, w.state], 1.0 if w.state == "streaming" else 0.0)
-        served = CounterMetricFamily(
-            "changebus_bootstrap_served",
-            "Snapshot rows, catch-up events and bytes sent",
-            labels=["partition", "what"],
-        )
-        for name in self._service.workers:
-            served.add_metric([name, "snapshot_rows"], float(self.rows_served[name]))
-            served.add_metric([name, "catchup_events"], float(self.catchup_events[name]))
-            served.add_metric([name, "bytes"], float(self.bytes_served[name]))
-        requests = CounterMetricFamily(
-            "changebus_bootstrap_http_requests",
-            "HTTP requests by route and status",
-            labels=["route", "status"],
-        )
-        for (route, code), count in sorted(self.requests.items()):
-            requests.add_metric([route, str(code)], float(count))
-        yield from fams.values()
-        yield from cfams.values()
-        yield from (ready, served, requests)
-
-
 SERVICE: web.AppKey[BootstrapService] = web.AppKey("service", BootstrapService)
 METRICS: web.AppKey[BootstrapMetrics] = web.AppKey("metrics", BootstrapMetrics)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource else "unmatched"
-    try:
-        response = await handler(request)
-    except ChangebusError as exc:
-        response = web.json_response(exc.to_json(), status=exc.http_status)
-    except web.HTTPException as exc:
-        response = web.json_response(
-            {"error": "http", "message": exc.reason, "retriable": False}, status=exc.status
-        )
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        log.exception("unexpected error serving %s", request.path)
-        response = web.json_response(
-            {"error": "internal", "message": type(exc).__name__, "retriable": True}, status=500
-        )
-    request.app[METRICS].requests[(route, response.status)] += 1
-    return response
 
 
 _PARAMS = {
@@ -171,9 +79,7 @@ _PARAMS = {
 
 
 def _check_params(request: web.Request, kind: str) -> None:
-    unknown = sorted(set(request.query) - _PARAMS[kind])
-    if unknown:
-        raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}")
+    check_params(request.query, _PARAMS[kind])
 
 
 def _partition(request: web.Request) -> str:
@@ -184,36 +90,28 @@ def _partition(request: web.Request) -> str:
             return next(iter(workers))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
     if name not in workers:
-        raise UnknownSourceError(f"no partition {name!r} here; known: {', '.join(sorted(workers))}")
+        raise UnknownSourceError(
+            f"no partition {name[:128]!r} here; known: {', '.join(sorted(workers))}"
+        )
     return name
 
 
-def _int(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int:
-    text = request.query.get(name)
-    if text is None:
-        if default is None:
-            raise BadRequestError(f"parameter {name} is required")
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadRequestError(f"parameter {name} must be an integer, got {text[:40]!r}") from None
-    if not lo <= value <= hi:
-        raise BadRequestError(f"parameter {name} must be within {lo}..{hi}, got {value}")
-    return value
-
-
-_MAX = 2**63 - 1
+def _scn(request: web.Request, name: str, default: int | None = -1) -> int:
+    """An SCN parameter (-1: none yet); required when ``default`` is None."""
+    return query_int(request.query, name, default=default, lo=-1, hi=MAX_SCN)
 
 
 def _max_bytes(request: web.Request) -> int:
     http = request.app[SERVICE].config.http
-    return _int(request, "max_bytes", http.default_page_bytes, 1, http.max_page_bytes)
+    return query_int(
+        request.query, "max_bytes", default=http.default_page_bytes, lo=1, hi=http.max_page_bytes
+    )
 
 
 def _filter(request: web.Request) -> PartitionFilter | None:
-    text = request.query.get("filter")
-    return PartitionFilter.parse(text) if text else None
+    if not request.query.get("filter"):
+        return None
+    return query_parsed(request.query, "filter", PartitionFilter.parse)
 
 
 async def _source_ids(request: web.Request, part: str) -> list[int] | None:
@@ -281,10 +179,10 @@ async def start(request: web.Request) -> web.Response:
     """``GET /v1/bootstrap/start``: the snapshot SCN and whether a snapshot is needed."""
     _check_params(request, "start")
     part = _partition(request)
-    since = _int(request, "since", -1, -1, _MAX)
+    since = _scn(request, "since")
     ratio = request.app[SERVICE].config.catchup_ratio
     plan = await request.app[SERVICE].stores.read(lambda s: _plan(s, part, since, ratio))
-    return web.json_response(plan)
+    return json_response(plan)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -293,7 +191,7 @@ async def status(request: web.Request) -> web.Response:
     part = _partition(request)
     st = await request.app[SERVICE].stores.read(lambda s: s.state(part))
     w = request.app[SERVICE].workers[part]
-    return web.json_response(
+    return json_response(
         {
             "partition": part,
             "producer_scn": st.producer_scn,
@@ -305,18 +203,19 @@ async def status(request: web.Request) -> web.Response:
     )
 
 
+_POSITION = re.compile(r"([0-9]{1,19}):([0-9]{1,19})")
+
+
 def _parse_position(text: str | None) -> tuple[int, int]:
+    """``SOURCE:ROW`` of a snapshot page (two numbers in ``0..MAX_SCN``); absent: the start."""
     if not text:
         return (0, 0)
-    sid, sep, rid = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        pos = (int(sid), int(rid))
-    except ValueError:
-        raise BadRequestError(f"position must be SOURCE:ROW, got {text[:40]!r}") from None
-    if pos[0] < 0 or pos[1] < 0:
-        raise BadRequestError("position numbers must not be negative")
+    m = _POSITION.fullmatch(text)
+    if m is None:
+        raise BadRequestError(f"position must be SOURCE:ROW, got {text[:40]!r}")
+    pos = (int(m[1]), int(m[2]))
+    if max(pos) > MAX_SCN:
+        raise BadRequestError(f"position numbers must be within 0..{MAX_SCN}")
     return pos
 
 
@@ -329,8 +228,8 @@ async def snapshot(request: web.Request) -> web.Response:
     _check_params(request, "snapshot")
     service = request.app[SERVICE]
     part = _partition(request)
-    since = _int(request, "since", -1, -1, _MAX)
-    start_scn = _int(request, "start", None, -1, _MAX)
+    since = _scn(request, "since")
+    start_scn = _scn(request, "start", None)
     position = _parse_position(request.query.get("position"))
     max_bytes = _max_bytes(request)
     key_filter = _filter(request)
@@ -380,8 +279,8 @@ async def catchup(request: web.Request) -> web.Response:
     _check_params(request, "catchup")
     service = request.app[SERVICE]
     part = _partition(request)
-    after = _int(request, "after", None, -1, _MAX)
-    target = _int(request, "target", None, -1, _MAX)
+    after = _scn(request, "after", None)
+    target = _scn(request, "target", None)
     if after > target:
         raise BadRequestError(f"after ({after}) must not be past target ({target})")
     max_bytes = _max_bytes(request)
@@ -440,7 +339,7 @@ async def seed(request: web.Request) -> web.Response:
     part = _partition(request)
     tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
     progress = request.app[SERVICE].start_seed(part, tables, again=True)
-    return web.json_response({"partition": part, "seed": progress.as_dict()}, status=202)
+    return json_response({"partition": part, "seed": progress.as_dict()}, status=202)
 
 
 async def sources(request: web.Request) -> web.Response:
@@ -461,7 +360,7 @@ async def sources(request: web.Request) -> web.Response:
                 ],
             }
         )
-    return web.json_response({"partitions": out})
+    return json_response({"partitions": out})
 
 
 async def schemas(request: web.Request) -> web.Response:
@@ -493,38 +392,30 @@ async def schemas(request: web.Request) -> web.Response:
         )
     if not found:
         raise UnknownSourceError(f"no source {name!r} on this bootstrap server")
-    return web.json_response({"source": name, "partitions": found})
+    return json_response({"source": name, "partitions": found})
 
 
 async def status_all(request: web.Request) -> web.Response:
     """``GET /v1/status``: every partition's producer and applier."""
     service = request.app[SERVICE]
-    return web.json_response({"partitions": [w.status() for w in service.workers.values()]})
-
-
-async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    states = {w.name: w.state for w in service.workers.values()}
-    ready = service.ready
-    return web.json_response({"ready": ready, "partitions": states}, status=200 if ready else 503)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    return web.Response(
-        body=request.app[METRICS].render(),
-        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-    )
+    return json_response({"partitions": [w.status() for w in service.workers.values()]})
 
 
 def build_app(service: BootstrapService) -> web.Application:
-    """The aiohttp application of ``service`` (started and stopped by the caller)."""
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
+    """The aiohttp application of ``service``.
+
+    The caller starts and stops the service, e.g. as a ``cleanup_ctx`` step
+    (:class:`~._daemon.BootstrapServer`).
+    """
+    metrics = BootstrapMetrics(service)
+    app = server_app(
+        "bootstrap",
+        readiness=lambda: (service.ready, {w.name: w.state for w in service.workers.values()}),
+        collectors=[metrics],
+        logger=log,
+    )
     app[SERVICE] = service
-    app[METRICS] = BootstrapMetrics(service)
+    app[METRICS] = metrics
     app.router.add_get("/v1/bootstrap/start", start)
     app.router.add_get("/v1/bootstrap/status", status)
     app.router.add_get("/v1/bootstrap/snapshot", snapshot)
@@ -533,7 +424,4 @@ def build_app(service: BootstrapService) -> web.Application:
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status_all)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from changebus.schemas._daemon_cli import add_daemon_parser, run_daemon
+from changebus.schemas.server import add_daemon_parser, run_daemon
 
 from ._config import RelayConfig
 from ._daemon import run

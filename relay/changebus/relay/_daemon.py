@@ -1,25 +1,32 @@
 """Running a relay: embedded (``async with Relay(config)``) or as the daemon.
 
-:class:`Relay` opens every partition (buffer, registry, fetcher), serves the
-HTTP API and closes all of it again in reverse order. :func:`run` is the
-daemon's main: it adds SIGTERM/SIGINT handling (graceful: stop accepting,
-finish or cancel requests, stop fetchers, msync buffers) and periodic flushes.
+:class:`Relay` is the relay's HTTP app (:func:`~._http.build_app`) inside the
+server frame (:class:`changebus.schemas.server.Server`) with two start-up
+steps (``cleanup_ctx``): open every partition (buffer, registry, fetcher) in
+order, then the periodic msync of the buffers. Stopping runs them backwards
+after the listener closed and the requests in flight finished: flushing
+stops, then the partitions close in reverse order (fetchers stop, buffers are
+msynced and unmapped). A failed or cancelled start-up closes the partitions
+it had opened. :func:`run` is the daemon's main (:func:`~changebus.schemas.server.serve`:
+SIGTERM/SIGINT stop it gracefully, during start-up too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from aiohttp import web
 
+from changebus.fetchers import fetcher_kinds
 from changebus.schemas.config import redacted
+from changebus.schemas.server import Server, serve
 
-from ._config import RelayConfig
+from ._config import PartitionConfig, RelayConfig
 from ._host import PartitionHost
 from ._http import build_app
 
@@ -28,46 +35,83 @@ __all__ = ["Relay", "run"]
 log = logging.getLogger("changebus.relay")
 
 
+def _new_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
+    # the fetcher plugins are imported on first use (imports read files): load
+    # them here, so that PartitionHost.start() on the loop finds them loaded
+    fetcher_kinds()
+    return PartitionHost(config, data_dir)
+
+
+async def _open_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
+    """A new :class:`PartitionHost`, built in a thread (it opens and maps files).
+
+    Cancelled meanwhile, it waits for the thread, closes what it opened and
+    re-raises: a cancelled start-up leaks no buffer.
+    """
+    opening = asyncio.ensure_future(asyncio.to_thread(_new_host, config, data_dir))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        try:
+            host = await opening
+        except Exception:  # noqa: BLE001 - it failed to open: nothing to close
+            raise asyncio.CancelledError from None
+        await host.stop()
+        raise
+
+
 class Relay:
-    """A relay inside the current event loop."""
+    """A relay inside the current event loop.
+
+    ``hosts`` maps partition names to their :class:`PartitionHost`; it is
+    filled during :meth:`start` and emptied by :meth:`stop`.
+    """
 
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self.hosts: dict[str, PartitionHost] = {}
-        self._runner: web.AppRunner | None = None
-        self._flusher: asyncio.Task[None] | None = None
-        self.port = config.http.port
+        app = build_app(config, self.hosts)
+        app.cleanup_ctx.append(self._partitions)
+        if config.flush_interval_s > 0:
+            app.cleanup_ctx.append(self._flushing)
+        self.server = Server(
+            app, name="relay", host=config.http.host, port=config.http.port, logger=log
+        )
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the configured one until started)."""
+        return self.server.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.http.host}:{self.port}"
+        return self.server.url
 
-    async def start(self) -> None:
+    async def _partitions(self, app: web.Application) -> AsyncIterator[None]:
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
         try:
+            await asyncio.to_thread(cfg.data_dir.mkdir, parents=True, exist_ok=True)
             for part in cfg.partitions:
-                host = PartitionHost(part, cfg.data_dir)
+                host = await _open_host(part, cfg.data_dir)
                 self.hosts[part.name] = host
                 await host.start()
-            app = build_app(cfg, self.hosts)
-            self._runner = web.AppRunner(
-                app, access_log=None, handle_signals=False, shutdown_timeout=2.0
-            )
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port, reuse_address=True)
-            await site.start()
-        except BaseException:
-            await self.stop()
-            raise
-        addresses = self._runner.addresses  # the real port when 0 was asked for
-        if addresses:
-            self.port = int(addresses[0][1])
-        if cfg.flush_interval_s > 0:
-            self._flusher = asyncio.create_task(self._flush_loop(), name="relay-flush")
-        log.info(
-            "relay listening on %s with partitions %s", self.url, ", ".join(self.hosts) or "(none)"
-        )
+            log.info("relay partitions: %s", ", ".join(self.hosts) or "(none)")
+            yield
+        finally:
+            for host in reversed(list(self.hosts.values())):
+                try:
+                    await host.stop()
+                except Exception:
+                    log.exception("partition %s did not stop cleanly", host.name)
+            self.hosts.clear()
+
+    async def _flushing(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._flush_loop(), name="relay-flush")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -75,18 +119,13 @@ class Relay:
             for host in self.hosts.values():
                 host.flush()
 
+    async def start(self) -> None:
+        """Open the partitions, then listen (stops what it started when it fails)."""
+        await self.server.start()
+
     async def stop(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        for host in reversed(list(self.hosts.values())):
-            await host.stop()
-        self.hosts.clear()
-        log.info("relay stopped")
+        """Stop listening, finish the requests, close the partitions. Idempotent."""
+        await self.server.stop()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -101,10 +140,4 @@ class Relay:
 async def run(config: RelayConfig) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     log.info("relay configuration: %s", redacted(config))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with Relay(config):
-        await stop.wait()
-        log.info("relay shutting down")
+    await serve(Relay(config), name="relay", logger=log)

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from changebus.schemas import (
+    MAX_SCN,
     BadRequestError,
     ChangebusError,
     ChangeDecoder,
@@ -43,7 +42,16 @@ from changebus.schemas import (
     event_at,
     parse_stream,
 )
-from changebus.schemas._jsonable import jsonable
+from changebus.schemas.server import (
+    check_params,
+    json_response,
+    json_text,
+    query_choice,
+    query_float,
+    query_int,
+    query_parsed,
+    server_app,
+)
 
 from ._buffer import Selection
 from ._config import RelayConfig
@@ -60,41 +68,6 @@ METRICS: web.AppKey[RelayMetrics] = web.AppKey("metrics", RelayMetrics)
 
 _ZERO_COPY_SAFE = sys.version_info < (3, 12)  # 3.11 transports copy unsent bytes
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(
-        data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=jsonable)
-    )
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    metrics = request.app[METRICS]
-    route = (
-        request.match_info.route.resource.canonical
-        if request.match_info.route.resource
-        else "unmatched"
-    )
-    try:
-        response = await handler(request)
-    except ChangebusError as exc:
-        response = _json(exc.to_json(), status=exc.http_status)
-    except web.HTTPException as exc:
-        response = _json(
-            {"error": "http", "message": exc.reason, "retriable": False}, status=exc.status
-        )
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        log.exception("unexpected error serving %s", request.path)
-        response = _json(
-            {"error": "internal", "message": f"{type(exc).__name__}", "retriable": True}, status=500
-        )
-    metrics.request(route, response.status)
-    return response
-
 
 def _host(request: web.Request, name: str | None) -> PartitionHost:
     hosts = request.app[HOSTS]
@@ -106,34 +79,8 @@ def _host(request: web.Request, name: str | None) -> PartitionHost:
         return hosts[name]
     except KeyError:
         raise UnknownSourceError(
-            f"no partition {name!r} here; known: {', '.join(sorted(hosts))}"
+            f"no partition {name[:128]!r} here; known: {', '.join(sorted(hosts))}"
         ) from None
-
-
-def _int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
-    text = request.query.get(name)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadRequestError(f"parameter {name} must be an integer, got {text[:40]!r}") from None
-    if not lo <= value <= hi:
-        raise BadRequestError(f"parameter {name} must be within {lo}..{hi}, got {value}")
-    return value
-
-
-def _float(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
-    text = request.query.get(name)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise BadRequestError(f"parameter {name} must be a number, got {text[:40]!r}") from None
-    if not lo <= value <= hi:
-        raise BadRequestError(f"parameter {name} must be within {lo}..{hi}, got {value}")
-    return value
 
 
 _STREAM_PARAMS = frozenset(
@@ -157,56 +104,48 @@ _STREAM_PARAMS = frozenset(
 
 async def stream(request: web.Request) -> web.StreamResponse:
     """``GET /v1/stream``: events after a checkpoint, long-polling when none."""
-    unknown = sorted(set(request.query) - _STREAM_PARAMS)
-    if unknown:
-        raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}")
+    query = request.query
+    check_params(query, _STREAM_PARAMS)
     cfg = request.app[CONFIG].http
-    host = _host(request, request.query.get("partition"))
-    start = request.query.get("from")
-    checkpoint_text = request.query.get("checkpoint")
-    if sum(x is not None for x in (start, checkpoint_text, request.query.get("scn"))) > 1:
+    host = _host(request, query.get("partition"))
+    if sum(query.get(x) is not None for x in ("from", "checkpoint", "scn")) > 1:
         raise BadRequestError("give only one of checkpoint, scn/offset and from")
-    if checkpoint_text is not None:
-        pc = Checkpoint.parse(checkpoint_text).get(host.name)
+    checkpoint = query_parsed(query, "checkpoint", Checkpoint.parse)
+    if checkpoint is not None:
+        pc = checkpoint.get(host.name)
         if pc.mode.value != "online":
             raise CheckpointError(
                 f"partition {host.name} is in {pc.mode.value} mode: read it from the bootstrap server"
             )
         scn, offset = pc.window_scn, pc.window_offset
-    elif start is not None:
-        if start not in ("earliest", "latest"):
-            raise BadRequestError("parameter from must be earliest or latest")
+    elif "from" in query:
+        start = query_choice(query, "from", ("earliest", "latest"), default="earliest")
         scn, offset = (-1, -1) if start == "earliest" else (host.buffer.meta.last_scn, -1)
     else:
-        scn = _int(request, "scn", -1, -1, 2**63 - 1)
-        offset = _int(request, "offset", -1, -1, 2**31)
-    max_bytes = _int(request, "max_bytes", cfg.default_max_bytes, 1, cfg.max_response_bytes)
-    wait = _float(request, "wait", 0.0, 0.0, cfg.max_wait_s)
-    fmt = request.query.get("format", "binary")
-    if fmt not in ("binary", "ndjson"):
-        raise BadRequestError("parameter format must be binary or ndjson")
-    key_filter = (
-        PartitionFilter.parse(request.query["filter"]) if "filter" in request.query else None
+        scn = query_int(query, "scn", default=-1, lo=-1, hi=MAX_SCN)
+        offset = query_int(query, "offset", default=-1, lo=-1, hi=2**31)
+    max_bytes = query_int(
+        query, "max_bytes", default=cfg.default_max_bytes, lo=1, hi=cfg.max_response_bytes
     )
-    sources = _source_ids(host, request.query.get("sources"))
-    client = request.query.get("client", "")[:128] or (request.remote or "unknown")
+    wait = query_float(query, "wait", default=0.0, lo=0.0, hi=cfg.max_wait_s)
+    fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
+    key_filter = query_parsed(query, "filter", PartitionFilter.parse)
+    sources = _source_ids(host, query.get("sources"))
+    client = query.get("client", "")[:128] or (request.remote or "unknown")
 
-    follow = request.query.get("follow", "0")
-    if follow not in ("0", "1"):
-        raise BadRequestError("parameter follow must be 0 or 1")
-    if follow == "1":
+    if query_choice(query, "follow", ("0", "1"), default="0") == "1":
         if fmt != "binary":
             raise BadRequestError("follow=1 needs format=binary")
-        budget = _int(request, "follow_bytes", 64 << 20, 1, 1 << 40)
+        budget = query_int(query, "follow_bytes", default=64 << 20, lo=1, hi=1 << 40)
         return await _follow(
             request, host, scn, offset, max_bytes, key_filter, sources, wait, budget, client
         )
     deadline = time.monotonic() + wait
-    filter_text = request.query.get("filter")
+    filter_text = query.get("filter")
     selection: Selection | CachedResponse | None
     while True:
         cache_key = (scn, offset, max_bytes, filter_text, sources, host.buffer.meta.tail_event)
-        selection = host.cached_response(cache_key) if fmt == "binary" else None
+        selection = host.cached_response(cache_key)
         if selection is None:
             selection = host.buffer.select(
                 scn, offset, max_bytes, key_filter=key_filter, sources=sources
@@ -216,23 +155,24 @@ async def stream(request: web.Request) -> web.StreamResponse:
         left = deadline - time.monotonic()
         if left <= 0:
             host.saw_consumer(client, scn, 0, request.remote or "")
-            headers = _next_headers(host, scn, offset, checkpoint_text)
+            headers = _next_headers(host, scn, offset, checkpoint)
             return web.Response(status=204, headers=headers)
         await host.wait_for_window(left)
 
     metrics = request.app[METRICS]
     m = host.buffer.meta
     host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
-    if fmt == "binary" and isinstance(selection, CachedResponse):
-        return _small_response(host, selection, checkpoint_text, metrics)
-    assert isinstance(selection, Selection)
-    if fmt == "binary" and selection.nbytes <= _COPY_BYTES:
-        # small: one copy, checked against the pin, shared with identical requests
-        cached = _copy_out(host, selection, cache_key, metrics)
-        if cached is None:
-            raise OverwrittenError("the buffer's writer overran this response; repeat the request")
-        return _small_response(host, cached, checkpoint_text, metrics)
-    headers = _next_headers(host, selection.next_scn, selection.next_offset, checkpoint_text)
+    if isinstance(selection, Selection) and (fmt == "ndjson" or selection.nbytes <= _COPY_BYTES):
+        # small, or for people: one copy, checked against the pin (OverwrittenError
+        # when the writer overran it), shared with identical requests when small
+        selection = _copy_out(
+            host, selection, cache_key if selection.nbytes <= _COPY_BYTES else None, metrics
+        )
+    if isinstance(selection, CachedResponse):
+        if fmt == "ndjson":
+            return _ndjson_response(host, selection, checkpoint)
+        return _small_response(host, selection, checkpoint, metrics)
+    headers = _next_headers(host, selection.next_scn, selection.next_offset, checkpoint)
     headers.update(
         {
             "X-Changebus-Events": str(selection.events),
@@ -240,17 +180,6 @@ async def stream(request: web.Request) -> web.StreamResponse:
             "X-Changebus-Partial": "1" if selection.partial else "0",
         }
     )
-    if fmt == "ndjson":
-        try:
-            body = b"".join(bytes(v) for v in selection.views)
-        finally:
-            ok = host.buffer.release(selection)
-        if not ok:
-            raise ChangebusError("the writer overran this response; retry", retriable=True)
-        return web.Response(
-            body=_ndjson(host, body), headers=headers, content_type="application/x-ndjson"
-        )
-
     resp = web.StreamResponse(status=200, headers=headers)
     resp.content_type = "application/vnd.changebus.events"
     resp.enable_chunked_encoding()
@@ -267,8 +196,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
     finally:
         ok = host.buffer.release(selection)
     if not ok:
-        # the bytes may have been overwritten while being sent: end the body
-        # without its last chunk so the client discards it
+        # the bytes may have been overwritten while being sent (the status is
+        # gone already): end the body without its last chunk so the client
+        # discards it
         metrics.overrun(host.name)
         if request.transport is not None:
             request.transport.abort()
@@ -285,12 +215,17 @@ _COPY_BYTES = 256 * 1024
 
 
 def _copy_out(
-    host: PartitionHost, selection: Selection, key: tuple[Any, ...], metrics: RelayMetrics
-) -> CachedResponse | None:
-    """Copy a selection out of the ring, release its pin, and cache the copy.
+    host: PartitionHost,
+    selection: Selection,
+    key: tuple[Any, ...] | None,
+    metrics: RelayMetrics,
+) -> CachedResponse:
+    """Copy a selection out of the ring, release its pin, and cache the copy under ``key``.
 
-    Returns None when the writer overran the pin while copying (the copy may
-    be torn and is dropped).
+    Raises :class:`OverwrittenError` (409, retriable) when the writer overran
+    the pin while copying: the copy may be torn and is dropped. Every path
+    that answers from a copy (small binary responses, ``format=ndjson``,
+    follow pushes) goes through here.
     """
     try:
         body = b"".join(selection.views)
@@ -298,7 +233,9 @@ def _copy_out(
         ok = host.buffer.release(selection)
     if not ok:
         metrics.overrun(host.name)
-        return None
+        raise OverwrittenError(
+            f"partition {host.name}: the buffer's writer overran this response; repeat the request"
+        )
     cached = CachedResponse(
         body,
         selection.next_scn,
@@ -307,20 +244,41 @@ def _copy_out(
         selection.windows,
         selection.partial,
     )
-    host.cache_response(key, cached)
+    if key is not None:
+        host.cache_response(key, cached)
     return cached
 
 
-def _small_response(
-    host: PartitionHost, cached: CachedResponse, checkpoint_text: str | None, metrics: RelayMetrics
-) -> web.Response:
-    headers = _next_headers(host, cached.next_scn, cached.next_offset, checkpoint_text)
+def _copy_headers(
+    host: PartitionHost, cached: CachedResponse, checkpoint: Checkpoint | None
+) -> dict[str, str]:
+    headers = _next_headers(host, cached.next_scn, cached.next_offset, checkpoint)
     headers["X-Changebus-Events"] = str(cached.events)
     headers["X-Changebus-Windows"] = str(cached.windows)
     headers["X-Changebus-Partial"] = "1" if cached.partial else "0"
+    return headers
+
+
+def _small_response(
+    host: PartitionHost,
+    cached: CachedResponse,
+    checkpoint: Checkpoint | None,
+    metrics: RelayMetrics,
+) -> web.Response:
+    headers = _copy_headers(host, cached, checkpoint)
     metrics.streamed(host.name, len(cached.body), cached.events)
     return web.Response(
         body=cached.body, headers=headers, content_type="application/vnd.changebus.events"
+    )
+
+
+def _ndjson_response(
+    host: PartitionHost, cached: CachedResponse, checkpoint: Checkpoint | None
+) -> web.Response:
+    return web.Response(
+        body=_ndjson(host, cached.body),
+        headers=_copy_headers(host, cached, checkpoint),
+        content_type="application/x-ndjson",
     )
 
 
@@ -410,8 +368,10 @@ async def _follow(
                     break
                 await host.wait_for_window(left)
                 continue
-            cached = _copy_out(host, selection, key, metrics)
-            if cached is None:
+            try:
+                cached = _copy_out(host, selection, key, metrics)
+            except OverwrittenError as exc:  # nothing torn was sent: end, the client re-asks
+                log.info("follow stream for %s ends: %s", client, exc.message)
                 break
         try:
             await resp.write(cached.body)
@@ -433,7 +393,7 @@ async def _follow(
 
 
 def _next_headers(
-    host: PartitionHost, scn: int, offset: int, checkpoint_text: str | None
+    host: PartitionHost, scn: int, offset: int, current: Checkpoint | None
 ) -> dict[str, str]:
     m = host.buffer.meta
     headers = {
@@ -443,8 +403,7 @@ def _next_headers(
         "X-Changebus-Last-Scn": str(m.last_scn),
         "X-Changebus-Min-Scn": str(m.min_scn),
     }
-    if checkpoint_text is not None:
-        current = Checkpoint.parse(checkpoint_text)
+    if current is not None:
         pc = current.get(host.name)
         updated = (
             PartitionCheckpoint(
@@ -508,7 +467,7 @@ def _ndjson(host: PartitionHost, body: bytes) -> bytes:
                 record["after_not_sent"] = list(change.after_not_sent)
             if change.before_not_sent:
                 record["before_not_sent"] = list(change.before_not_sent)
-        lines.append(json.dumps(record, default=jsonable, separators=(",", ":")))
+        lines.append(json_text(record))
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
@@ -534,7 +493,7 @@ async def sources(request: web.Request) -> web.Response:
         }
         for host in request.app[HOSTS].values()
     ]
-    return _json({"partitions": out})
+    return json_response({"partitions": out})
 
 
 async def schemas(request: web.Request) -> web.Response:
@@ -566,43 +525,32 @@ async def schemas(request: web.Request) -> web.Response:
         )
     if not found:
         raise UnknownSourceError(f"no source {name!r} on this relay")
-    return _json({"source": name, "partitions": found})
+    return json_response({"source": name, "partitions": found})
 
 
 async def status(request: web.Request) -> web.Response:
     """``GET /v1/status``: per-partition buffer bounds, fetcher and consumers."""
-    return _json({"partitions": [h.status() for h in request.app[HOSTS].values()]})
+    return json_response({"partitions": [h.status() for h in request.app[HOSTS].values()]})
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    hosts = request.app[HOSTS]
-    states = {h.name: h.state for h in hosts.values()}
-    ready = all(h.ready for h in hosts.values())
-    return _json({"ready": ready, "partitions": states}, status=200 if ready else 503)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
-    return web.Response(
-        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+def _readiness(hosts: dict[str, PartitionHost]) -> tuple[bool, dict[str, str]]:
+    return all(h.ready for h in hosts.values()), {h.name: h.state for h in hosts.values()}
 
 
 def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Application:
-    """The aiohttp application serving ``hosts``; the caller starts/stops hosts."""
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
+    """The aiohttp application serving ``hosts``.
+
+    ``hosts`` is read live (the relay fills it at start-up); the caller
+    starts and stops the partitions, e.g. as a ``cleanup_ctx`` step
+    (:class:`~._daemon.Relay`).
+    """
+    metrics = RelayMetrics(hosts)
+    app = server_app("relay", readiness=lambda: _readiness(hosts), collectors=[metrics], logger=log)
     app[CONFIG] = config
     app[HOSTS] = hosts
-    app[METRICS] = RelayMetrics(hosts)
+    app[METRICS] = metrics
     app.router.add_get("/v1/stream", stream)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
     return app

@@ -1,9 +1,12 @@
 """Prometheus metrics of the relay (``GET /metrics``).
 
 Buffer and fetcher figures are read from the live objects when scraped (a
-custom collector), so the hot paths only bump plain counters. Each relay app
-has its own ``CollectorRegistry``: nothing global, several relays can live in
-one process (tests do that).
+custom collector), so the hot paths only bump plain counters. The collector
+joins the relay app's own ``CollectorRegistry`` (made by the server frame,
+:func:`changebus.schemas.server.server_app`, which also counts the HTTP
+requests): nothing global, several relays can live in one process (tests do
+that). Event loop only: the handlers bump the counters and a scrape reads
+them on the loop.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -42,19 +44,17 @@ _COUNTERS = (
 
 
 class RelayMetrics:
-    """Counters updated by handlers plus a collector over the partitions."""
+    """Counters updated by handlers plus a collector over the partitions.
+
+    ``hosts`` is the relay's live partition map (filled at start-up): a
+    scrape reports the partitions open at that moment.
+    """
 
     def __init__(self, hosts: dict[str, PartitionHost]) -> None:
         self._hosts = hosts
-        self._requests: Counter[tuple[str, int]] = Counter()
         self._streamed_bytes: Counter[str] = Counter()
         self._streamed_events: Counter[str] = Counter()
         self._overruns: Counter[str] = Counter()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
-
-    def request(self, route: str, status: int) -> None:
-        self._requests[(route, status)] += 1
 
     def streamed(self, partition: str, nbytes: int, events: int) -> None:
         self._streamed_bytes[partition] += nbytes
@@ -62,10 +62,6 @@ class RelayMetrics:
 
     def overrun(self, partition: str) -> None:
         self._overruns[partition] += 1
-
-    def render(self) -> bytes:
-        body: bytes = generate_latest(self.registry)
-        return body
 
     def collect(self) -> Iterator[Any]:
         gauges = {
@@ -109,13 +105,6 @@ class RelayMetrics:
         for name in self._hosts:
             streamed_b.add_metric([name], float(self._streamed_bytes[name]))
             streamed_e.add_metric([name], float(self._streamed_events[name]))
-        requests = CounterMetricFamily(
-            "changebus_relay_http_requests",
-            "HTTP requests by route and status",
-            labels=["route", "status"],
-        )
-        for (route, code), count in sorted(self._requests.items()):
-            requests.add_metric([route, str(code)], float(count))
         yield from gauges.values()
         yield from counters.values()
-        yield from (ready, consumers, fetcher, streamed_b, streamed_e, requests)
+        yield from (ready, consumers, fetcher, streamed_b, streamed_e)

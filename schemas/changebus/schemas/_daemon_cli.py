@@ -5,8 +5,13 @@ has (``--config FILE``, ``--set KEY=VALUE``, ``--log-format``,
 ``--log-level``); :func:`run_daemon` builds the daemon's frozen config from
 defaults, the TOML file, ``CHANGEBUS_<NAME>_...`` environment variables and
 the overrides, configures logging (this is a program, not library code) and
-runs the daemon's coroutine. A bad config or a fatal start-up error is
-printed as one line and gives exit status 2.
+runs the daemon's coroutine (which serves through
+:func:`changebus.schemas.server.serve`).
+
+Exit statuses, the same for every daemon: 0 after SIGTERM or SIGINT
+(whether the daemon was serving or still starting); 2 for a bad config or
+a fatal start-up error (a :class:`ChangebusError`, printed as one line);
+anything else is a bug and ends with Python's traceback (1).
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the bootstrap server (``GET /metrics``).
+
+Producer and applier figures are read from the live partition workers when
+scraped (a custom collector); the handlers only bump plain counters of what
+they served. The collector joins the app's own ``CollectorRegistry`` (made by
+the server frame, :func:`changebus.schemas.server.server_app`, which also
+counts the HTTP requests as ``changebus_bootstrap_http_requests_total``):
+nothing global. Event loop only: the handlers bump the counters and a
+scrape reads them on the loop.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from ._service import BootstrapService
+
+__all__ = ["BootstrapMetrics"]
+
+_GAUGES = {
+    "producer_scn": "Newest window SCN in the log",
+    "applier_scn": "Newest window SCN folded into the snapshot",
+    "applier_lag_events": "Log events not yet folded into the snapshot",
+    "applier_lag_scn": "producer_scn - applier_scn",
+    "log_min_scn": "Windows after this SCN are all in the log",
+}
+_COUNTERS = {
+    "windows_appended": "Windows appended to the log",
+    "events_appended": "Events appended to the log",
+    "events_applied": "Log events folded into the snapshot",
+    "producer_fell_off": "Times the producer fell off the relay",
+}
+
+
+class BootstrapMetrics:
+    """What the handlers served, by partition, plus a collector over the partition workers.
+
+    ``rows_served``, ``catchup_events`` and ``bytes_served`` count snapshot
+    rows, catch-up events and page bytes sent, keyed by partition name.
+    """
+
+    def __init__(self, service: BootstrapService) -> None:
+        self._service = service
+        self.rows_served: Counter[str] = Counter()
+        self.catchup_events: Counter[str] = Counter()
+        self.bytes_served: Counter[str] = Counter()
+
+    def collect(self) -> Iterator[Any]:
+        fams = {
+            n: GaugeMetricFamily(f"changebus_bootstrap_{n}", h, labels=["partition"])
+            for n, h in _GAUGES.items()
+        }
+        cfams = {
+            n: CounterMetricFamily(f"changebus_bootstrap_{n}", h, labels=["partition"])
+            for n, h in _COUNTERS.items()
+        }
+        ready = GaugeMetricFamily(
+            "changebus_bootstrap_partition_ready",
+            "1 when the partition's producer streams from the relay",
+            labels=["partition", "state"],
+        )
+        for w in self._service.workers.values():
+            st = w.status()
+            st["applier_lag_scn"] = max(w.producer_scn - w.applier_scn, 0)
+            for n in _GAUGES:
+                fams[n].add_metric([w.name], float(st[n]))
+            st["producer_fell_off"] = w.fell_off
+            for n in _COUNTERS:
+                cfams[n].add_metric([w.name], float(st[n]))
+            ready.add_metric([w.name, w.state], 1.0 if w.state == "streaming" else 0.0)
+        served = CounterMetricFamily(
+            "changebus_bootstrap_served",
+            "Snapshot rows, catch-up events and bytes sent",
+            labels=["partition", "what"],
+        )
+        for name in self._service.workers:
+            served.add_metric([name, "snapshot_rows"], float(self.rows_served[name]))
+            served.add_metric([name, "catchup_events"], float(self.catchup_events[name]))
+            served.add_metric([name, "bytes"], float(self.bytes_served[name]))
+        yield from fams.values()
+        yield from cfams.values()
+        yield from (ready, served)

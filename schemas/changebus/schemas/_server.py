@@ -1,0 +1,170 @@
+"""Running a daemon's aiohttp application: runner, site, start-up, shutdown, signals.
+
+A daemon is an application (:func:`~._server_app.server_app` plus its own
+routes) whose moving parts start and stop through aiohttp's
+``app.cleanup_ctx``: each step is an async generator that starts something,
+``yield``\\ s, then stops it. Written as ``try: <start>; yield / finally:
+<stop>``, a step also releases what it started when start-up fails or is
+cancelled halfway; aiohttp runs the steps in order at start-up and the
+stops of the steps that completed in reverse order at cleanup.
+
+:class:`Server` drives one application:
+
+* :meth:`Server.start` -- ``AppRunner.setup()`` (the start-up halves of the
+  steps), then the listening socket (``TCPSite``; port 0 picks a free port,
+  read back into :attr:`Server.port`). Any failure or cancellation on the
+  way cleans up what was started before it propagates.
+* :meth:`Server.stop` -- stop listening, finish (or after
+  ``shutdown_timeout`` cancel) the requests in flight, then the stop halves
+  of the steps in reverse. Idempotent.
+
+:func:`serve` is a daemon's main loop: SIGTERM or SIGINT stop it
+gracefully, *also during start-up* -- the start-up is cancelled where it
+is (e.g. while a partition opens, or while waiting for a relay), the steps
+release what they started, and the daemon ends normally (exit status 0),
+whatever the daemon. A second signal while stopping changes nothing.
+
+TLS is the ``ssl_context`` of :class:`Server` (the listening socket then
+speaks HTTPS); authentication and request limits are middlewares of
+:func:`~._server_app.server_app`. Both are left for the security issue.
+
+Thread-safety: a :class:`Server` belongs to the event loop that started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import ssl
+from types import TracebackType
+from typing import Protocol, Self
+
+from aiohttp import web
+
+__all__ = ["Server", "Service", "serve"]
+
+
+class Service(Protocol):
+    """Something :func:`serve` can run: ``start()`` then, later, ``stop()``."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class Server:
+    """One aiohttp application listening on ``host:port`` (module docstring).
+
+    ``name`` ("relay", "bootstrap server") is used in the log lines
+    ``<name> listening on <url>`` and ``<name> stopped``, written to
+    ``logger``.
+    """
+
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        name: str,
+        host: str,
+        port: int,
+        logger: logging.Logger,
+        ssl_context: ssl.SSLContext | None = None,
+        shutdown_timeout: float = 2.0,
+    ) -> None:
+        self.app = app
+        self.name = name
+        self.host = host
+        #: the configured port until started, then the one listened on
+        self.port = port
+        self._log = logger
+        self._ssl = ssl_context
+        self._shutdown_timeout = shutdown_timeout
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL clients use (``http://host:port``, IPv6 hosts in brackets)."""
+        scheme = "https" if self._ssl is not None else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Run the start-up steps, then listen (module docstring)."""
+        if self._runner is not None:
+            raise RuntimeError(f"{self.name} is already started")
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=self._shutdown_timeout,
+        )
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(
+                self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True
+            )
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        addresses = self._runner.addresses  # the real port when 0 was asked for
+        if addresses:
+            self.port = int(addresses[0][1])
+        self._log.info("%s listening on %s", self.name, self.url)
+
+    async def stop(self) -> None:
+        """Stop listening, finish the requests in flight, run the stop steps."""
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        try:
+            await runner.cleanup()
+        finally:
+            self._log.info("%s stopped", self.name)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
+    """Start ``service``, run until SIGTERM or SIGINT, stop it (module docstring).
+
+    A start-up error propagates (after what was started is stopped); a
+    signal during start-up cancels the start-up and returns normally.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.create_task(service.start(), name=f"{name}-start")
+        stopping = asyncio.create_task(stop.wait(), name=f"{name}-signal")
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                logger.info("%s shutting down (signal during start-up)", name)
+                starting.cancel()
+                try:
+                    await starting
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # serve() itself is being cancelled
+            else:
+                starting.result()  # a start-up error ends the daemon
+                await stopping
+                logger.info("%s shutting down", name)
+        finally:
+            stopping.cancel()
+            await service.stop()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,71 @@
+"""changebus.schemas.server: the HTTP server frame every changebus daemon runs in.
+
+The relay and the bootstrap server are thin users of this module; the next
+daemons (and TLS, authentication and limits, once) plug into it:
+
+* :func:`server_app` -- a new aiohttp application with the JSON error
+  middleware (``ChangebusError`` -> its status and ``to_json()``; anything
+  unexpected -> a logged 500 that leaks nothing), request counting and
+  ``/healthz``, ``/readyz``, ``/metrics``; :func:`json_response` for
+  handlers;
+* :class:`Server` -- runner, listening site (port 0: any free port), start-up
+  and shutdown through the app's ``cleanup_ctx`` steps; :func:`serve` -- the
+  daemon's main loop (SIGTERM/SIGINT, also during start-up);
+* ``query_*`` / :func:`check_params` -- query-parameter parsing where every
+  failure is a ``BadRequestError`` (400, not retriable);
+* :func:`add_daemon_parser` / :func:`run_daemon` -- a daemon's subcommand:
+  the common options, the config from file, environment and ``--set``, the
+  logging set-up and the exit statuses (0 after a signal, 2 for a bad config
+  or a fatal start-up error).
+
+This module imports aiohttp and prometheus_client; ``changebus.schemas``
+itself does not import it, so the wire contract stays light for the
+fetchers and clients.
+"""
+
+from ._daemon_cli import add_daemon_parser as add_daemon_parser, run_daemon as run_daemon
+from ._server import Server as Server, Service as Service, serve as serve
+from ._server_app import (
+    HTTP_METRICS as HTTP_METRICS,
+    PROMETHEUS_CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE,
+    REGISTRY as REGISTRY,
+    Collector as Collector,
+    Handler as Handler,
+    HttpMetrics as HttpMetrics,
+    Readiness as Readiness,
+    json_response as json_response,
+    json_text as json_text,
+    server_app as server_app,
+)
+from ._server_query import (
+    MAX_DIGITS as MAX_DIGITS,
+    check_params as check_params,
+    query_choice as query_choice,
+    query_float as query_float,
+    query_int as query_int,
+    query_parsed as query_parsed,
+)
+
+__all__ = [
+    "HTTP_METRICS",
+    "MAX_DIGITS",
+    "PROMETHEUS_CONTENT_TYPE",
+    "REGISTRY",
+    "Collector",
+    "Handler",
+    "HttpMetrics",
+    "Readiness",
+    "Server",
+    "Service",
+    "add_daemon_parser",
+    "check_params",
+    "json_response",
+    "json_text",
+    "query_choice",
+    "query_float",
+    "query_int",
+    "query_parsed",
+    "run_daemon",
+    "serve",
+    "server_app",
+]

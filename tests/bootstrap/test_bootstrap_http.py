@@ -1,0 +1,93 @@
+"""The bootstrap server's HTTP frame in-process: parameter errors, health, metrics.
+
+No source database and no relay are needed for these: the server starts its
+partition's producer (which keeps trying to reach a relay that is not there)
+and answers requests from its empty SQLite store meanwhile.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
+
+# the bootstrap server runs in the test's event loop: it may not block that loop
+pytestmark = pytest.mark.usefixtures("no_blocking")
+
+HUGE = "9" * 5000
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def boot(tmp_path: Path) -> AsyncIterator[BootstrapServer]:
+    cfg = BootstrapConfig(
+        relays=(f"http://127.0.0.1:{closed_port()}",),
+        partitions=("p",),
+        data_dir=tmp_path / "boot",
+        store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+        http=HttpConfig(port=0),
+    )
+    async with BootstrapServer(cfg) as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        f"/v1/bootstrap/start?partition=p&since={HUGE}",
+        f"/v1/bootstrap/start?partition=p&since=-{HUGE}",
+        f"/v1/bootstrap/snapshot?partition=p&start={HUGE}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&since={HUGE}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&max_bytes={HUGE}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&position={HUGE}:1",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&position=1:{'9' * 25}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&filter=mod:{HUGE}:1",
+        f"/v1/bootstrap/catchup?partition=p&after={HUGE}&target=1",
+        f"/v1/bootstrap/catchup?partition=p&after=1&target={HUGE}",
+        f"/v1/bootstrap/catchup?partition=p&after=1&target=2&max_bytes={HUGE}",
+        f"/v1/bootstrap/catchup?partition=p&after=1&target=2&filter=mod:3:{HUGE}",
+    ],
+)
+async def test_huge_numbers_are_bad_requests_never_retried(
+    boot: BootstrapServer, query: str
+) -> None:
+    async with aiohttp.ClientSession() as http, http.get(boot.url + query) as r:
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"] == "bad_request" and body["retriable"] is False
+    assert len(body["message"]) < 300
+
+
+async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(boot.url + "/healthz") as r:
+            assert r.status == 200
+        async with http.get(boot.url + "/readyz") as r:
+            body = await r.json()
+            assert r.status == (200 if body["ready"] else 503)
+            assert set(body["partitions"]) == {"p"}
+        async with http.get(boot.url + "/v1/bootstrap/start?partition=p") as r:
+            assert r.status == 503
+            body = await r.json()
+            assert body["error"] == "not_yet" and body["retriable"] is True
+        async with http.get(boot.url + "/v1/bootstrap/start?partition=q") as r:
+            assert r.status == 404
+        async with http.get(boot.url + "/v1/bootstrap/start?partition=p&bogus=1") as r:
+            assert r.status == 400
+        async with http.get(boot.url + "/metrics") as r:
+            text = await r.text()
+    assert (
+        'changebus_bootstrap_http_requests_total{route="/v1/bootstrap/start",status="503"} 1.0'
+        in text
+    )
+    assert 'changebus_bootstrap_producer_scn{partition="p"} -1.0' in text
