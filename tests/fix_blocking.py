@@ -81,10 +81,6 @@ def no_blocking(monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockBuster]:
     # blockbuster raises the class its module names at the time of the call
     monkeypatch.setattr(bb_module, "BlockingError", RecordedBlockingError)
     with blockbuster_ctx(_modules(DAEMON_MODULES), excluded_modules=_modules(TEST_HELPERS)) as bb:
-        # PartitionHost.stop() joins the partition's writer thread right after
-        # awaiting its last job (closing the buffer): the thread only has to
-        # exit, a wait of microseconds. (Better moved to a thread in _host.py.)
-        bb.functions["threading.Lock.acquire"].can_block_in("changebus/relay/_host.py", "stop")
         # Log records reach the handlers the program configured, on the thread
         # that logs: the daemons log to stderr (which blockbuster itself lets
         # pass) and under pytest a warning also reaches pytest's log-file

@@ -121,3 +121,13 @@ def test_decompression_bomb_is_refused() -> None:
     assert len(token) < 64 * 1024
     with pytest.raises(CheckpointError, match="size limit"):
         Checkpoint.from_token(token)
+
+
+def test_a_5000_digit_number_is_a_checkpoint_error() -> None:
+    text = '{"v":1,"partitions":{"p":{"window_scn":' + "9" * 5000 + "}}}"
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.parse(text)
+    assert not info.value.retriable
+    token = "cb1." + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+    with pytest.raises(CheckpointError):
+        Checkpoint.parse(token)

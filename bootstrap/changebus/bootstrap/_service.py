@@ -225,6 +225,10 @@ class BootstrapService:
 
     async def _relay_partitions(self) -> list[str]:
         """The partitions of the first relay that answers; waits for one (with backoff)."""
+        log.info(
+            "no partitions configured: asking the relays (%s) for theirs, waiting for one to answer",
+            ", ".join(safe_url(u) for u in self.config.relays),
+        )
         return list(await self._relays(max_attempts=0).first(RelayInfo.sources))
 
     # ---- producer -------------------------------------------------------

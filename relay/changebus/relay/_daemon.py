@@ -22,7 +22,6 @@ from typing import Self
 
 from aiohttp import web
 
-from changebus.fetchers import fetcher_kinds
 from changebus.schemas.config import redacted
 from changebus.schemas.server import Server, serve
 
@@ -36,9 +35,6 @@ log = logging.getLogger("changebus.relay")
 
 
 def _new_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
-    # the fetcher plugins are imported on first use (imports read files): load
-    # them here, so that PartitionHost.start() on the loop finds them loaded
-    fetcher_kinds()
     return PartitionHost(config, data_dir)
 
 

@@ -127,8 +127,7 @@ class PartitionHost:
         self._new_window = asyncio.Event()
         if self.config.fetcher.kind != "none":
             # build it now: an unknown kind or bad options fail the start-up
-            cfg = self.config.fetcher
-            self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
+            self.fetcher = await self._create_fetcher()
             self._task = asyncio.create_task(self._ingest(), name=f"ingest-{self.name}")
 
     async def stop(self) -> None:
@@ -141,7 +140,19 @@ class PartitionHost:
         if self.fetcher is not None:
             await self.fetcher.close()
         await asyncio.get_running_loop().run_in_executor(self._writer, self.buffer.close)
-        self._writer.shutdown(wait=True)
+        # the writer thread only has to exit now, but joining it is a wait: not on the loop
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
+
+    async def _create_fetcher(self) -> Fetcher:
+        """The configured fetcher, built in a thread.
+
+        The first use of a kind reads the plugin declarations and imports the
+        plugin's module (file reads), which must not happen on the event loop.
+        """
+        cfg = self.config.fetcher
+        return await asyncio.to_thread(
+            create_fetcher, cfg.kind, self.name, self.config.id, cfg.options
+        )
 
     def flush(self) -> None:
         """msync the buffer (runs on the writer thread to stay ordered with appends)."""
@@ -318,7 +329,7 @@ class PartitionHost:
             pump: asyncio.Task[None] | None = None
             try:
                 if self.fetcher is None:
-                    self.fetcher = create_fetcher(cfg.kind, self.name, self.config.id, cfg.options)
+                    self.fetcher = await self._create_fetcher()
                 meta = self.buffer.meta
                 resume = ResumePoint(
                     meta.last_scn,

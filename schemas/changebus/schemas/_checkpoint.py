@@ -306,7 +306,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint text is longer than {MAX_TEXT} characters")
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # ValueError: also a number past 4,300 digits
             raise CheckpointError("checkpoint is not valid JSON (nor a cb1. token)") from None
         return cls.from_dict(data)
 
