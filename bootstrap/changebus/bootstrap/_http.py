@@ -1,4 +1,4 @@
-"""The bootstrap server's HTTP API (aiohttp); documented in docs/protocol.md section 8.
+"""The bootstrap server's HTTP API (aiohttp); documented in docs/protocol.md section 7.
 
 A consumer that fell off the relays (or starts from nothing) asks:
 

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
-__all__ = ["DIG2BYTES", "ENCODERS", "HELPERS", "decimal_size"]
+__all__ = ["DIG2BYTES", "ENCODERS", "HELPERS", "decimal_expr", "decimal_size"]
 
 #: bytes of the leftover decimal digits (0..9) of a packed decimal
 DIG2BYTES: Final = (0, 1, 1, 2, 2, 3, 3, 4, 4, 4)
@@ -209,7 +209,7 @@ def _ymd_days(ymd: int) -> int | None:
     return days
 
 
-def _decimal_expr(precision: int, scale: int, x: str) -> str:
+def decimal_expr(precision: int, scale: int, x: str) -> str:
     """An expression for the unscaled value of the magnitude ``x`` of a packed decimal
     (its bytes as one big-endian integer, sign bit and negation already undone)."""
     intg = precision - scale

@@ -21,7 +21,7 @@ from typing import Final
 
 from changebus.schemas import AvroType, SourceConfigError
 
-from ._codecs import DIG2BYTES, ENCODERS, HELPERS, decimal_size
+from ._codecs import ENCODERS, HELPERS, decimal_expr, decimal_size
 from ._columns import (
     T_BLOB,
     T_DATE,
@@ -45,31 +45,6 @@ __all__ = ["RowsTranscoder", "compile_transcoder"]
 #: (raw event bytes, start, end) -> list of (key, row, not_sent) per image: the Avro
 #: bytes of the key record and of the row record, the columns not sent (or None)
 RowsTranscoder = Callable[[bytes, int, int], list[tuple[bytes, bytes, list[str] | None]]]
-
-
-def _decimal_expr(precision: int, scale: int, x: str) -> str:
-    """An expression for the unscaled value of the magnitude ``x`` of a packed decimal
-    (its bytes as one big-endian integer, sign bit and negation already undone)."""
-    intg = precision - scale
-    chunks: list[tuple[int, int]] = []  # (bytes, decimal digits), most significant first
-    if DIG2BYTES[intg % 9]:
-        chunks.append((DIG2BYTES[intg % 9], intg % 9))
-    chunks += [(4, 9)] * (intg // 9) + [(4, 9)] * (scale // 9)
-    if DIG2BYTES[scale % 9]:
-        chunks.append((DIG2BYTES[scale % 9], scale % 9))
-    terms = []
-    shift = sum(b for b, _ in chunks) * 8
-    digits_after = sum(d for _, d in chunks)
-    for size, digits in chunks:
-        shift -= size * 8
-        digits_after -= digits
-        term = (
-            f"(({x} >> {shift}) & {(1 << size * 8) - 1})"
-            if shift
-            else f"({x} & {(1 << size * 8) - 1})"
-        )
-        terms.append(f"{term} * {10**digits_after}" if digits_after else term)
-    return " + ".join(terms) or "0"
 
 
 def _frac_expr(fsp: int, at: str) -> str:
@@ -118,7 +93,7 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
             f"neg = x >> {8 * n - 1} == 0",
             f"x ^= {1 << (8 * n - 1)}",
             f"if neg: x ^= {(1 << 8 * n) - 1}",
-            f"u = {_decimal_expr(p, sc, 'x')}",
+            f"u = {decimal_expr(p, sc, 'x')}",
             "@e = _adec(-u if neg else u)",
             f"pos += {n}",
         ]
