@@ -8,7 +8,9 @@ shared when the source is busy and latency stays minimal when it is not.
 Windows that carry their event sizes (framed in this process by changebus's
 encoders: :attr:`~changebus.fetchers.Window.event_sizes`) take the buffer's
 trusted path, without a rescan or CRCs computed again; others are verified in
-full. The writer registers any new table schemas, appends the group and returns;
+full. The writer registers any new table schemas (from SCHEMA_CHANGE events,
+and the registry entries a window carries in ``Window.schemas``), appends the
+group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
@@ -119,6 +121,10 @@ class PartitionHost:
         self.consumers: dict[str, ConsumerSeen] = {}
         self._responses: dict[tuple[Any, ...], CachedResponse] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
+        #: the leadership epoch this partition serves under (None: not in a cluster);
+        #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
+        #: a deposed leader (changebus.relay.chain's ``min_epoch``)
+        self.epoch: int | None = None
 
     # ---- lifecycle ----------------------------------------------------
 
@@ -273,6 +279,8 @@ class PartitionHost:
         datas: list[bytes] = []
         sizes: list[tuple[int, ...]] = []
         for window in batch:
+            if window.schemas:  # a mirrored registry: known before the window is published
+                self.registry.import_entries(window.schemas)
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
                 reason = (
