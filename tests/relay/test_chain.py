@@ -394,10 +394,14 @@ async def test_stale_answer_is_refused_before_any_window(tmp_path: Path) -> None
         fetcher = ChainFetcher(PART, 1, cfg, min_epoch=lambda: 2)
         await fetcher.start(ResumePoint())
         try:
-            with pytest.raises(RelayUnavailableError) as info:
+
+            async def first_window() -> None:
                 async with asyncio.timeout(20):
                     async for _ in fetcher.windows():
                         raise AssertionError("a window of a stale upstream was handed over")
+
+            with pytest.raises(RelayUnavailableError) as info:
+                await first_window()
             assert isinstance(info.value.__cause__, StaleUpstreamError)
             assert fetcher.refused == 3 and fetcher.windows_received == 0
         finally:
