@@ -427,3 +427,41 @@ async def test_partition_id_must_match_the_upstream(tmp_path: Path) -> None:
         with pytest.raises(SourceConfigError):
             await fetcher.start(ResumePoint())
         await fetcher.close()
+
+
+# ---- switching roles at run time ------------------------------------------------------
+
+
+async def test_a_follower_takes_over_as_leader_and_back(tmp_path: Path) -> None:
+    """switch_fetcher: follower -> leader (its own source) -> follower, nothing lost or doubled."""
+    options = {**SYNTHETIC, "windows_per_s": 300, "max_windows": 3000}
+    async with (
+        relay(tmp_path / "a", FetcherConfig("synthetic", options)) as a,
+        relay(tmp_path / "b", chain(a.url)) as b,
+        aiohttp.ClientSession() as http,
+    ):
+        host = b.hosts[PART]
+        await wait_until(lambda: last_scn(b) >= 1150, 30)
+        await a.hosts[PART].switch_fetcher(FetcherConfig())  # the old leader stops reading
+        await same_tail(a, b)
+        handed_over = last_scn(b)
+        assert await stream_bytes(http, b) == await stream_bytes(http, a)
+
+        await host.switch_fetcher(FetcherConfig("synthetic", options))  # b leads now
+        await wait_until(lambda: last_scn(b) >= handed_over + 100, 30)
+        assert host.status()["fetcher"].get("kind") != "relay"
+        await a.hosts[PART].switch_fetcher(chain(b.url))  # and a follows it
+        await wait_until(lambda: last_scn(a) >= handed_over + 150, 30)
+
+        await host.switch_fetcher(FetcherConfig())  # b steps down; a catches up, then leads
+        await same_tail(b, a)
+        await a.hosts[PART].switch_fetcher(FetcherConfig("synthetic", options))
+        await host.switch_fetcher(chain(a.url))  # and b follows it
+        await wait_until(lambda: last_scn(a) >= handed_over + 300, 30)
+        await a.hosts[PART].switch_fetcher(FetcherConfig())  # a still stream, to compare
+        await same_tail(a, b)
+        body = await stream_bytes(http, b)
+        assert window_scns(body) == list(range(1000, last_scn(a) + 1))  # none lost or twice
+        assert body == await stream_bytes(http, a)
+        assert host.status()["fetcher"]["kind"] == "relay" and host.state == "streaming"
+        assert host.status()["fetcher"]["data_loss_windows"] == 0
