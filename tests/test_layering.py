@@ -26,11 +26,12 @@ SLICES = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
 
 #: which slices each slice may import (besides itself). schemas < fetchers < relay;
 #: schemas < client < bootstrap; bootstrap also uses the fetchers' public seeding
-#: helpers (snapshots, Postgres building blocks); discovery only re-exports the client.
+#: helpers (snapshots, Postgres building blocks); discovery only re-exports the client;
+#: relay reads another relay's stream through the client (the ``relay`` fetcher kind: chaining).
 ALLOWED: dict[str, frozenset[str]] = {
     "schemas": frozenset(),
     "fetchers": frozenset({"schemas"}),
-    "relay": frozenset({"schemas", "fetchers"}),
+    "relay": frozenset({"schemas", "fetchers", "client"}),
     "client": frozenset({"schemas"}),
     "bootstrap": frozenset({"schemas", "client", "fetchers"}),
     "discovery": frozenset({"client"}),

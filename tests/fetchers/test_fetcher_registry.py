@@ -25,7 +25,7 @@ from changebus.schemas.plugins import declared_plugins, source_tree_pyproject
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
-BUILTIN = {"synthetic", "postgres", "mysql"}
+BUILTIN = {"synthetic", "postgres", "mysql", "relay"}
 GROUP = "changebus.fetchers"
 
 
