@@ -71,20 +71,21 @@ class ZkServer:
         """Start the server and wait until a kazoo client connects."""
         assert self.proc is None, "already running"
         classpath = f"{CONF_DIR}:{JAR}" if CONF_DIR.is_dir() else str(JAR)
-        self.proc = subprocess.Popen(
-            [
-                "java",
-                "-Xmx256m",
-                "-XX:+UseSerialGC",
-                "-cp",
-                classpath,
-                "org.apache.zookeeper.server.quorum.QuorumPeerMain",
-                str(self.cfg),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=(self.base / "zk.log").open("ab"),
-            stderr=subprocess.STDOUT,
-        )
+        with (self.base / "zk.log").open("ab") as logfile:
+            self.proc = subprocess.Popen(
+                [
+                    "java",
+                    "-Xmx256m",
+                    "-XX:+UseSerialGC",
+                    "-cp",
+                    classpath,
+                    "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+                    str(self.cfg),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, f"ZooKeeper exited: {self.proc.returncode}"

@@ -253,6 +253,9 @@ class PartitionElection:
                 failures = 0
                 await self._lead(term)
             except CoordinationError as exc:
+                if self.session.state == "closed":
+                    log.info("partition %s: the session closed, candidacy ends", self.partition)
+                    return
                 if not exc.retriable:
                     log.error("partition %s: election stopped: %s", self.partition, exc)
                     raise
