@@ -6,9 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-
 from changebus.cluster import ClusterConfig, ZkSession
-
 
 SessionFactory = Callable[..., Awaitable[ZkSession]]
 

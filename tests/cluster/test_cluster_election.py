@@ -17,7 +17,6 @@ from changebus.cluster import (
     ClusterConfig,
     Leadership,
     PartitionElection,
-    ZkSession,
     current_leader,
     epoch_path,
 )
