@@ -77,28 +77,34 @@ def cluster_root(cluster: str) -> str:
 
 
 def members_path(cluster: str) -> str:
+    """``/changebus/<cluster>/members``."""
     return f"{cluster_root(cluster)}/members"
 
 
 def member_path(cluster: str, member_id: str) -> str:
+    """``/changebus/<cluster>/members/<member_id>`` (ephemeral)."""
     return f"{members_path(cluster)}/{member_id}"
 
 
 def partitions_path(cluster: str) -> str:
+    """``/changebus/<cluster>/partitions``."""
     return f"{cluster_root(cluster)}/partitions"
 
 
 def partition_path(cluster: str, partition: str) -> str:
+    """``/changebus/<cluster>/partitions/<partition>``."""
     if not partition or "/" in partition or partition in (".", ".."):
         raise ValueError(f"{partition!r} is not a partition name")
     return f"{partitions_path(cluster)}/{partition}"
 
 
 def election_path(cluster: str, partition: str) -> str:
+    """``.../partitions/<partition>/election`` (candidates: ephemeral sequential)."""
     return f"{partition_path(cluster, partition)}/election"
 
 
 def epoch_path(cluster: str, partition: str) -> str:
+    """``.../partitions/<partition>/epoch`` (persistent :class:`EpochRecord`)."""
     return f"{partition_path(cluster, partition)}/epoch"
 
 
@@ -121,6 +127,7 @@ class PartitionState:
     max_scn: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        """The JSON form stored in a member node."""
         return {
             "role": self.role,
             "epoch": self.epoch,
@@ -212,6 +219,7 @@ def decode_epoch(data: bytes | None) -> EpochRecord:
 
 
 def encode_candidate(member_id: str, url: str) -> bytes:
+    """The JSON bytes of an election candidate node."""
     return json.dumps({"member_id": member_id, "url": url}, separators=(",", ":")).encode()
 
 
