@@ -116,6 +116,8 @@ async def test_leader_loses_lease_when_zookeeper_stops_and_takes_a_new_epoch(
     async with asyncio.timeout(15):
         again = await election.wait_elected()
     assert again is not term and again.epoch > term.epoch and again.valid()
+    # nobody else led in between: the new term follows this member's own one
+    assert again.epoch == term.epoch + 1 and again.follows_own_term(term.epoch)
     assert not term.valid()
     await election.stop()
 
@@ -160,6 +162,7 @@ async def test_sigstopped_leader_is_fenced_when_it_wakes(zk_session, zk_hosts, z
         await wait_until(lambda: terms, 10, "the survivor to lead")
         new = terms[0]
         assert new.epoch > int(first["epoch"])  # type: ignore[call-overload]
+        assert not new.follows_own_term(new.epoch - 1)
         await asyncio.sleep(max(0.0, stopped + 2 * timeout_s - time.monotonic()))
         os.kill(proc.pid, signal.SIGCONT)
 

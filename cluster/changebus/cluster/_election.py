@@ -90,12 +90,21 @@ class Leadership:
     """
 
     def __init__(
-        self, session: ZkSession, partition: str, epoch: int, member_id: str, candidate: str
+        self,
+        session: ZkSession,
+        partition: str,
+        epoch: int,
+        member_id: str,
+        candidate: str,
+        previous: EpochRecord | None = None,
     ) -> None:
         self.partition = partition
         self.epoch = epoch
         self.member_id = member_id
         self.candidate = candidate
+        #: the epoch record this term replaced: when it is this member's own previous
+        #: epoch (``previous.epoch == epoch - 1``), nobody else led in between
+        self.previous = previous if previous is not None else EpochRecord(epoch - 1)
         self.lease_s = session.config.session_timeout_s * session.config.lease_fraction
         #: monotonic send time of the newest heartbeat that confirmed the epoch
         self.confirmed_at = time.monotonic()
@@ -115,7 +124,16 @@ class Leadership:
 
     @property
     def lost(self) -> bool:
+        """True once the leadership ended (for good)."""
         return self.lost_reason is not None
+
+    def follows_own_term(self, epoch: int) -> bool:
+        """True when this term directly follows this member's term ``epoch``.
+
+        Then no other member led in between (a re-election after a short
+        ZooKeeper suspension): the source connection of that term may carry on.
+        """
+        return self.previous.epoch == epoch and self.previous.member_id == self.member_id
 
     def on_lost(self, callback: Callable[[Leadership], None]) -> None:
         """Call ``callback(self)`` on the event loop when the leadership ends (at once if over)."""
@@ -357,7 +375,9 @@ class PartitionElection:
         if isinstance(results[1], Exception):
             log.info("partition %s: epoch race lost (%s)", self.partition, results[1])
             return None
-        term = Leadership(self.session, self.partition, new.epoch, self.member_id, candidate)
+        term = Leadership(
+            self.session, self.partition, new.epoch, self.member_id, candidate, previous=record
+        )
         term.confirmed_at = t0
         if self.session.thread_state != "connected":
             term.lose("ZooKeeper session not connected")
