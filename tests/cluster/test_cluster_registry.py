@@ -285,3 +285,12 @@ async def test_cluster_status_prints_the_table_and_json(zk_session, zk_hosts, zk
     await election.stop()
     await reg1.stop()
     await reg2.stop()
+
+
+async def test_cluster_status_of_an_empty_cluster_writes_nothing(
+    zk_session, zk_hosts, zk_cluster
+) -> None:
+    out = json.loads(await asyncio.to_thread(_status, zk_hosts, zk_cluster, "--json"))
+    assert out == {"cluster": zk_cluster, "members": [], "partitions": {}}
+    session = await zk_session("")
+    assert await session.op("exists", f"/changebus/{zk_cluster}") is None

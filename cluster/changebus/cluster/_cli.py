@@ -51,7 +51,7 @@ async def _read(args: argparse.Namespace) -> RoutingSnapshot:
     session = ZkSession(config)
     await session.start()
     try:
-        table = RoutingTable(session)
+        table = RoutingTable(session, create_paths=False)  # a status read writes nothing
         await table.start()
         await table.stop()
         return table.snapshot()

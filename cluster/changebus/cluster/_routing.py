@@ -107,9 +107,12 @@ class RoutingSnapshot:
 class RoutingTable:
     """Watches a cluster's members and leaders (see the module docstring)."""
 
-    def __init__(self, session: ZkSession, *, refresh_s: float = 10.0) -> None:
+    def __init__(
+        self, session: ZkSession, *, refresh_s: float = 10.0, create_paths: bool = True
+    ) -> None:
         self.session = session
         self.refresh_s = refresh_s
+        self.create_paths = create_paths
         self._snapshot = RoutingSnapshot()
         self._kick = asyncio.Event()
         self._changed = asyncio.Event()
@@ -121,6 +124,10 @@ class RoutingTable:
     async def start(self) -> None:
         """Read the table once (raises :class:`CoordinationError`), then keep it current."""
         self._loop = asyncio.get_running_loop()
+        if self.create_paths:
+            cluster = self.session.config.name
+            await self.session.ensure_path(members_path(cluster))
+            await self.session.ensure_path(partitions_path(cluster))
         await self._refresh()
         self._remove_listener = self.session.add_listener(self._on_state)
         self._task = asyncio.create_task(self._keep(), name="routing-table")
@@ -188,13 +195,19 @@ class RoutingTable:
     async def _refresh(self) -> None:
         cluster, timeout, watch = self.session.config.name, self.session.op_timeout_s, self._watch
         mroot, proot = members_path(cluster), partitions_path(cluster)
-        await self.session.ensure_path(mroot)
-        await self.session.ensure_path(proot)
+
+        def children(zk: Any, path: str) -> list[str]:
+            try:
+                names: list[str] = zk.get_children_async(path, watch=watch).get(timeout=timeout)
+            except NoNodeError:  # no such cluster (yet): watch for its creation
+                zk.exists_async(path, watch=watch).get(timeout=timeout)
+                return []
+            return names
 
         def read(zk: Any) -> tuple[dict[str, MemberInfo], dict[str, LeaderInfo], list[str]]:
-            ids = zk.get_children_async(mroot, watch=watch).get(timeout=timeout)
+            ids = children(zk, mroot)
             pending = [(i, zk.get_async(f"{mroot}/{i}", watch=watch)) for i in ids]
-            parts = sorted(zk.get_children_async(proot, watch=watch).get(timeout=timeout))
+            parts = sorted(children(zk, proot))
             pending_parts = [
                 (
                     p,

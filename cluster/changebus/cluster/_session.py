@@ -2,10 +2,13 @@
 
 kazoo is threaded: its connection thread does the I/O, its callback thread
 runs watches and completion callbacks, and even its "async" calls write to a
-blocking socket. So every request here runs in a worker thread
-(``asyncio.to_thread``) and waits at most ``op_timeout_s`` (the session
-timeout) for its answer, instead of kazoo's unbounded wait while the
-connection is suspended. The event loop never blocks on ZooKeeper.
+blocking socket. So every request here runs in a worker thread and waits at
+most ``op_timeout_s`` (the session timeout) for its answer, instead of
+kazoo's unbounded wait while the connection is suspended. The event loop
+never blocks on ZooKeeper. The workers are the session's own
+(``_WORKERS`` threads named ``changebus-zk``), not the loop's default
+executor: requests stuck while ZooKeeper is away cannot starve the
+``asyncio.to_thread`` work of the program hosting the session.
 
 State. kazoo reports CONNECTED, SUSPENDED (connection lost, the session may
 still live) and LOST (the session expired: every ephemeral node of it is
@@ -36,6 +39,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -58,6 +62,9 @@ __all__ = ["SessionState", "StateChange", "ZkSession"]
 log = logging.getLogger("changebus.cluster.session")
 
 T = TypeVar("T")
+
+#: worker threads per session (requests in flight at once)
+_WORKERS = 8
 
 SessionState = Literal["connecting", "connected", "suspended", "lost", "closed"]
 
@@ -113,6 +120,7 @@ class ZkSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[Callable[[StateChange], None]] = []
         self._changed = asyncio.Event()
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def client(self) -> Any:
@@ -131,6 +139,7 @@ class ZkSession:
         if self._zk is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="changebus-zk")
         zk = KazooClient(
             hosts=self.config.zookeeper,
             timeout=self.config.session_timeout_s,
@@ -145,10 +154,11 @@ class ZkSession:
         self._zk = zk
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(zk.start, self.config.connect_timeout_s)
+            await self._in_thread(lambda: zk.start(self.config.connect_timeout_s))
         except KazooTimeoutError:
             self._zk = None
-            await asyncio.to_thread(_close_quietly, zk)
+            await self._in_thread(lambda: _close_quietly(zk))
+            self._shutdown_pool()
             self.state = self.thread_state = "closed"
             raise CoordinationError(
                 f"ZooKeeper {self.config.zookeeper} did not answer within "
@@ -166,7 +176,8 @@ class ZkSession:
         self._set_state("closed")
         self._listeners.clear()
         zk, self._zk = self._zk, None
-        await asyncio.to_thread(_close_quietly, zk)
+        await self._in_thread(lambda: _close_quietly(zk))
+        self._shutdown_pool()
 
     def add_listener(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
         """Call ``callback`` on the event loop at each state change; returns the remover.
@@ -234,7 +245,7 @@ class ZkSession:
     async def _run(self, call: Callable[[], Any], what: str) -> Any:
         t0 = time.monotonic()
         try:
-            result = await asyncio.to_thread(call)
+            result = await self._in_thread(call)
         except _UNREACHABLE as exc:
             raise CoordinationError(
                 f"ZooKeeper {what} failed: {type(exc).__name__}", retriable=True
@@ -242,6 +253,16 @@ class ZkSession:
         if t0 > self.last_ok:
             self.last_ok = t0
         return result
+
+    async def _in_thread(self, call: Callable[[], T]) -> T:
+        if self._pool is None:
+            raise CoordinationError("the ZooKeeper session is closed", retriable=False)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def _shutdown_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- state hand-off ------------------------------------------------------------
 
