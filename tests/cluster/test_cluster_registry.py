@@ -154,6 +154,13 @@ async def test_routing_table_follows_members_and_leaders(zk_session) -> None:
 
     election = PartitionElection(s1, "p0")
     follower = PartitionElection(s2, "p0")
+    seen: list[tuple[str, int] | None] = []
+
+    async def follow() -> None:
+        async for leader in table.leader_changes("p0"):
+            seen.append(None if leader is None else (leader.member_id, leader.epoch))
+
+    following = asyncio.create_task(follow())
     await election.start()
     async with asyncio.timeout(10):
         term = await election.wait_elected()
@@ -197,6 +204,8 @@ async def test_routing_table_follows_members_and_leaders(zk_session) -> None:
     async with asyncio.timeout(1):
         assert (await table.wait_changed(version)).version > version
     assert changes
+    assert seen[0] is None and seen[1] == ("r1", term.epoch) and seen[-1] == ("r2", new.epoch)
+    following.cancel()
     await follower.stop()
     await reg2.stop()
     await table.stop()

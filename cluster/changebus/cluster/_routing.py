@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,22 @@ class RoutingTable:
 
     def leader(self, partition: str) -> LeaderInfo | None:
         return self._snapshot.leaders.get(partition)
+
+    async def leader_changes(self, partition: str) -> AsyncIterator[LeaderInfo | None]:
+        """The leader of ``partition`` now, then each time it changes (None: no leader).
+
+        A follower's loop: ``async for leader in table.leader_changes(p): ...``
+        (a new epoch of the same member counts as a change).
+        """
+        snapshot = self._snapshot
+        current = snapshot.leaders.get(partition)
+        yield current
+        while True:
+            snapshot = await self.wait_changed(snapshot.version)
+            leader = snapshot.leaders.get(partition)
+            if leader != current:
+                current = leader
+                yield leader
 
     async def wait_changed(self, after: int) -> RoutingSnapshot:
         """Wait for a snapshot with ``version > after``."""
