@@ -234,3 +234,23 @@ def test_cluster_config_from_toml(tmp_path: Path) -> None:
         ClusterConfig.from_table({"zookeeper": "h:1", "name": "a/b"})
     with pytest.raises(ConfigError):
         ClusterConfig.from_table({"zookeeper": "h:1", "name": "c", "bogus": 1})
+
+
+async def test_leader_whose_candidate_node_is_deleted_steps_down(zk_session) -> None:
+    s1, s2 = await zk_session("r1"), await zk_session("r2")
+    first = PartitionElection(s1, "p5")
+    await first.start()
+    async with asyncio.timeout(10):
+        term = await first.wait_elected()
+    second = PartitionElection(s2, "p5")
+    await second.start()
+    await asyncio.sleep(0.1)
+    await s2.op("delete", term.candidate)  # an operator removes it by hand
+    async with asyncio.timeout(5):
+        assert await term.wait_lost() == "candidate node gone"
+    assert not term.valid()
+    async with asyncio.timeout(10):
+        other = await second.wait_elected()
+    assert other.epoch == term.epoch + 1
+    await first.stop()
+    await second.stop()

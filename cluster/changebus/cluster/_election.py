@@ -18,8 +18,8 @@
 
 A :class:`Leadership` is lost for good (``lost_reason`` set, callbacks and
 :meth:`Leadership.wait_lost` fire) when the session is SUSPENDED, LOST or
-closed, when the epoch node changes (watched, and read by every heartbeat),
-when the candidate node is gone, or when the election stops.
+closed, when the epoch node changes or the candidate node is gone (both
+watched, and read by every heartbeat), or when the election stops.
 
 Fencing: :meth:`Leadership.valid` is a *lease*. It is true only while the
 leadership is not lost, kazoo reports the connection up, and the newest
@@ -397,6 +397,12 @@ class PartitionElection:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(term.lose, "the epoch moved on")
 
+        def candidate_watch(event: Any) -> None:
+            if getattr(event, "type", None) == "DELETED":
+                term.confirmed_at = float("-inf")
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(term.lose, "candidate node gone")
+
         if self.on_elected is not None:
             try:
                 self.on_elected(term)
@@ -407,7 +413,7 @@ class PartitionElection:
 
         def beat(zk: Any) -> tuple[int, bool]:
             pending_epoch = zk.get_async(node, watch=watch)
-            pending_candidate = zk.exists_async(candidate)
+            pending_candidate = zk.exists_async(candidate, watch=candidate_watch)
             data, _stat = pending_epoch.get(timeout=timeout)
             return decode_epoch(data).epoch, pending_candidate.get(timeout=timeout) is not None
 
