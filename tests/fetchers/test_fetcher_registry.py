@@ -24,7 +24,7 @@ from changebus.schemas import ConfigError, plugins as plugins_module
 from changebus.schemas.plugins import declared_plugins, source_tree_pyproject
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_ROOTS = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
 BUILTIN = {"synthetic", "postgres", "mysql", "relay"}
 GROUP = "changebus.fetchers"
 
