@@ -27,6 +27,7 @@ from blockbuster import BlockBuster, BlockingError, blockbuster_ctx
 
 #: the code that runs on a daemon's event loop
 DAEMON_MODULES = [
+    "changebus.cluster",
     "changebus.relay",
     "changebus.bootstrap",
     "changebus.fetchers",

@@ -26,7 +26,7 @@ import pytest
 from changebus.relay import Relay, RelayConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
 T = TypeVar("T")
 
 

@@ -22,17 +22,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: the source roots and the changebus slice each one holds (discovery/ holds the
 #: top-level ``pyspark_changebus`` shim that Spark finds data sources by)
-SLICES = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
+SLICES = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
 
-#: which slices each slice may import (besides itself). schemas < fetchers < relay;
-#: schemas < client < bootstrap; bootstrap also uses the fetchers' public seeding
-#: helpers (snapshots, Postgres building blocks); discovery only re-exports the client.
+#: which slices each slice may import (besides itself). schemas < cluster (ZooKeeper
+#: coordination); schemas < fetchers < relay; schemas < client < bootstrap; the relay
+#: follows other relays through the client's stream reader; bootstrap also uses the
+#: fetchers' public seeding helpers (snapshots, Postgres building blocks); relay, client
+#: and bootstrap use the cluster's elections, registry and routing table; discovery only
+#: re-exports the client.
 ALLOWED: dict[str, frozenset[str]] = {
     "schemas": frozenset(),
+    "cluster": frozenset({"schemas"}),
     "fetchers": frozenset({"schemas"}),
-    "relay": frozenset({"schemas", "fetchers"}),
-    "client": frozenset({"schemas"}),
-    "bootstrap": frozenset({"schemas", "client", "fetchers"}),
+    "relay": frozenset({"schemas", "fetchers", "client", "cluster"}),
+    "client": frozenset({"schemas", "cluster"}),
+    "bootstrap": frozenset({"schemas", "client", "fetchers", "cluster"}),
     "discovery": frozenset({"client"}),
 }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SLICES = ("schemas", "fetchers", "relay", "bootstrap", "client")
+SLICES = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
 
 
 @pytest.mark.parametrize("slice_name", SLICES)
@@ -89,6 +89,7 @@ COMMANDS = {
     "tail": "client",
     "replicate": "client",
     "demo": "client",
+    "cluster": "cluster",
 }
 
 

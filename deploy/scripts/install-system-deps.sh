@@ -7,6 +7,8 @@ set -euo pipefail
 declare -A NEED=(
   [postgresql-15]=/usr/lib/postgresql/15/bin/postgres
   [mariadb-server]=/usr/sbin/mariadbd
+  # the cluster tests start a private standalone ZooKeeper (tests/fix_zk.py)
+  [zookeeper]=/usr/share/java/zookeeper.jar
 )
 
 missing=()

@@ -24,8 +24,8 @@ from changebus.schemas import ConfigError, plugins as plugins_module
 from changebus.schemas.plugins import declared_plugins, source_tree_pyproject
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_ROOTS = ("schemas", "fetchers", "relay", "bootstrap", "client", "discovery")
-BUILTIN = {"synthetic", "postgres", "mysql"}
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
+BUILTIN = {"synthetic", "postgres", "mysql", "relay"}
 GROUP = "changebus.fetchers"
 
 

@@ -78,6 +78,7 @@ from ._persist import (
 )
 from ._stream import (
     RelayStream as RelayStream,
+    ResponseCheck as ResponseCheck,
     StreamConfig as StreamConfig,
     StreamSink as StreamSink,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "RelayStream",
     "RelayUnavailableError",
     "Replica",
+    "ResponseCheck",
     "SourceInfo",
     "SourceSchemas",
     "SqliteReplica",

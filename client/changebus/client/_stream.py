@@ -52,7 +52,7 @@ from the same event loop at any time (monitoring).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -70,12 +70,18 @@ from ._config import ConsumerConfig
 from ._failover import Failover
 from ._http import response_error, safe_url, transport_errors
 
-__all__ = ["RelayStream", "StreamConfig", "StreamSink"]
+__all__ = ["RelayStream", "ResponseCheck", "StreamConfig", "StreamSink"]
 
 log = logging.getLogger(__name__)
 
 #: what :meth:`RelayStream.run` hands each window to: ``await sink(window, relay_url)``
 StreamSink = Callable[[RawWindow, str], Awaitable[None]]
+
+#: what :class:`RelayStream` calls with ``(relay_url, headers)`` of every 200/204
+#: answer before its body is read (e.g. a relay's ``X-Changebus-Epoch`` checked
+#: for fencing); an exception it raises fails the request like a transport failure
+#: would (retriable: the next relay; else the end of :meth:`RelayStream.run`)
+ResponseCheck = Callable[[str, Mapping[str, str]], None]
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,8 @@ class RelayStream:
     """Reads one partition's windows from a set of relays into a sink (module docstring).
 
     ``position``: start after this SCN (-1: the relay's oldest window);
-    ``latest``: start with the windows committed from now on instead.
+    ``latest``: start with the windows committed from now on instead;
+    ``check_response``: a :data:`ResponseCheck` of each answer's headers.
     """
 
     def __init__(
@@ -178,6 +185,7 @@ class RelayStream:
         *,
         position: int = -1,
         latest: bool = False,
+        check_response: ResponseCheck | None = None,
     ) -> None:
         self.config = config
         self.partition = config.partition
@@ -187,6 +195,7 @@ class RelayStream:
         self._session = session
         self._position = position
         self._latest = latest
+        self._check = check_response
         self._assembler = WindowAssembler(position)
         self._continue: tuple[int, int] | None = None
         self._failover = Failover(
@@ -300,6 +309,8 @@ class RelayStream:
                         partition=self.partition or "",
                         requested_scn=int(params.get("scn", "-1")),
                     )
+                if self._check is not None:
+                    self._check(url, resp.headers)
                 self.learn_partition(resp.headers.get("X-Changebus-Partition"))
                 if self._latest and (resp.status == 204 or self.config.follow):
                     # the relay's start position: windows after it are "from now on"

@@ -87,6 +87,13 @@ class Window:
     relay then appends the window without scanning it or computing its CRCs
     again (structure, SCNs and order are still checked). Empty: the relay
     verifies every event, CRCs included (any other producer).
+
+    ``schemas`` (usually empty) are schema registry entries in the JSON form
+    of :meth:`~changebus.schemas.SchemaRegistry.to_json` that the relay
+    registers, with their source ids and versions, before it publishes this
+    window: a fetcher mirroring another registry (a relay following a relay,
+    whose upstream may no longer hold the SCHEMA_CHANGE events of its older
+    tables) hands it over this way, in order with the windows.
     """
 
     scn: int
@@ -95,6 +102,7 @@ class Window:
     events: int
     source_position: str = ""
     event_sizes: tuple[int, ...] = ()
+    schemas: tuple[Mapping[str, Any], ...] = ()
 
 
 def window_bytes(window: Window) -> int:

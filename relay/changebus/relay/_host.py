@@ -8,7 +8,9 @@ shared when the source is busy and latency stays minimal when it is not.
 Windows that carry their event sizes (framed in this process by changebus's
 encoders: :attr:`~changebus.fetchers.Window.event_sizes`) take the buffer's
 trusted path, without a rescan or CRCs computed again; others are verified in
-full. The writer registers any new table schemas, appends the group and returns;
+full. The writer registers any new table schemas (from SCHEMA_CHANGE events,
+and the registry entries a window carries in ``Window.schemas``), appends the
+group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -49,7 +52,7 @@ from changebus.schemas import (
 )
 
 from ._buffer import EventBuffer
-from ._config import PartitionConfig
+from ._config import FetcherConfig, PartitionConfig
 from ._windowqueue import WindowQueue
 
 __all__ = ["CachedResponse", "ConsumerSeen", "PartitionHost"]
@@ -67,6 +70,10 @@ _GROUP_BYTES = 8 << 20
 #: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
 _TICK_PER_WAITER_S = 0.0001
 _MAX_TICK_S = 0.005
+
+
+def _nothing() -> None:
+    """Run on the writer thread to wait for the work submitted before it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +126,11 @@ class PartitionHost:
         self.consumers: dict[str, ConsumerSeen] = {}
         self._responses: dict[tuple[Any, ...], CachedResponse] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
+        #: the leadership epoch this partition serves under (None: not in a cluster);
+        #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
+        #: a deposed leader (changebus.relay.chain's ``min_epoch``)
+        self.epoch: int | None = None
+        self._switching = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------
 
@@ -142,6 +154,36 @@ class PartitionHost:
         await asyncio.get_running_loop().run_in_executor(self._writer, self.buffer.close)
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
         await asyncio.to_thread(self._writer.shutdown, wait=True)
+
+    async def switch_fetcher(self, fetcher: FetcherConfig) -> None:
+        """Replace this partition's fetcher at run time (a leader's source <-> a follower's chain).
+
+        The ingest task stops between two windows, the old fetcher is closed
+        and the writer finishes the group in flight; the new fetcher (built
+        from ``fetcher``, kind ``"none"``: none) then starts from the
+        buffer's newest SCN and its registry, like after a restart: no
+        window is lost or appended twice. Reading goes on meanwhile. Calls
+        are serialised; ``stop`` must not run concurrently.
+        """
+        async with self._switching:
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+                self._task = None
+            if self.fetcher is not None:
+                with contextlib.suppress(Exception):
+                    await self.fetcher.close()
+                self.fetcher = None
+            # a group the cancelled task handed to the writer is appended before we resume
+            await asyncio.get_running_loop().run_in_executor(self._writer, _nothing)
+            self.config = dataclasses.replace(self.config, fetcher=fetcher)
+            self.state = "idle" if fetcher.kind == "none" else "starting"
+            self.last_error = ""
+            log.info("partition %s: fetcher switched to %s", self.name, fetcher.kind)
+            if fetcher.kind != "none":
+                self.fetcher = await self._create_fetcher()
+                self._task = asyncio.create_task(self._ingest(), name=f"ingest-{self.name}")
 
     async def _create_fetcher(self) -> Fetcher:
         """The configured fetcher, built in a thread.
@@ -273,6 +315,8 @@ class PartitionHost:
         datas: list[bytes] = []
         sizes: list[tuple[int, ...]] = []
         for window in batch:
+            if window.schemas:  # a mirrored registry: known before the window is published
+                self.registry.import_entries(window.schemas)
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
                 reason = (

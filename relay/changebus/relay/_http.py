@@ -403,6 +403,8 @@ def _next_headers(
         "X-Changebus-Last-Scn": str(m.last_scn),
         "X-Changebus-Min-Scn": str(m.min_scn),
     }
+    if host.epoch is not None:
+        headers["X-Changebus-Epoch"] = str(host.epoch)
     if current is not None:
         pc = current.get(host.name)
         updated = (

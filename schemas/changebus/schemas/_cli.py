@@ -3,7 +3,7 @@
 Each slice contributes its subcommands through a ``register(subparsers)``
 function of its own, declared in the entry-point group ``changebus.commands``
 (see :mod:`changebus.schemas.plugins`: changebus declares ``relay``,
-``bootstrap`` and ``client`` in its pyproject.toml, which an uninstalled
+``bootstrap``, ``client`` and ``cluster`` in its pyproject.toml, which an uninstalled
 checkout reads directly; a third-party distribution adds commands the same
 way). Nothing above this slice is imported when this module is: providers are
 imported while the parser is built, and one whose own module is absent (a

@@ -1,0 +1,69 @@
+"""changebus.cluster: coordination of relays and bootstrap servers through ZooKeeper.
+
+The pieces, each on one :class:`ZkSession` (an asyncio wrapper over kazoo):
+
+* :class:`ClusterConfig`: the ``[cluster]`` config table;
+* :class:`PartitionElection`: this member's candidacy for one partition;
+  when it wins it raises the partition's epoch and holds a
+  :class:`Leadership`, whose ``valid()`` is the lease to check before every
+  source acknowledgement and window publication (fencing);
+* :func:`current_leader`: who leads a partition now;
+* :class:`Registry`: this member's ephemeral node (kind, URL, partitions with
+  role, epoch and SCN range), re-created by itself after a session loss;
+* :class:`RoutingTable`: every member and leader, kept current by watches,
+  as immutable :class:`RoutingSnapshot` values.
+
+The ZooKeeper layout (``/changebus/<cluster>/members/<id>``,
+``partitions/<p>/election/c-<seq>``, ``partitions/<p>/epoch``) and its
+invariants are documented in ``changebus.cluster._layout``; the election
+and the lease in ``changebus.cluster._election``.
+"""
+
+from __future__ import annotations
+
+from ._config import ClusterConfig as ClusterConfig
+from ._election import (
+    LeaderInfo as LeaderInfo,
+    Leadership as Leadership,
+    PartitionElection as PartitionElection,
+    current_leader as current_leader,
+)
+from ._errors import CoordinationError as CoordinationError
+from ._layout import (
+    EpochRecord as EpochRecord,
+    MemberInfo as MemberInfo,
+    PartitionState as PartitionState,
+    cluster_root as cluster_root,
+    election_path as election_path,
+    epoch_path as epoch_path,
+    member_path as member_path,
+)
+from ._registry import Registry as Registry
+from ._routing import RoutingSnapshot as RoutingSnapshot, RoutingTable as RoutingTable
+from ._session import (
+    SessionState as SessionState,
+    StateChange as StateChange,
+    ZkSession as ZkSession,
+)
+
+__all__ = [
+    "ClusterConfig",
+    "CoordinationError",
+    "EpochRecord",
+    "LeaderInfo",
+    "Leadership",
+    "MemberInfo",
+    "PartitionElection",
+    "PartitionState",
+    "Registry",
+    "RoutingSnapshot",
+    "RoutingTable",
+    "SessionState",
+    "StateChange",
+    "ZkSession",
+    "cluster_root",
+    "current_leader",
+    "election_path",
+    "epoch_path",
+    "member_path",
+]

@@ -1,0 +1,79 @@
+"""``ClusterConfig``: the ``[cluster]`` table of a relay's or bootstrap server's config."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from changebus.schemas.config import load_config_dict
+from changebus.schemas.errors import ConfigError
+
+__all__ = ["ClusterConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Where the cluster's ZooKeeper is and who this member is.
+
+    * ``zookeeper``: the connect string, ``host:port[,host:port...]`` with an
+      optional ``/chroot``. It holds no secret (changebus uses no ZooKeeper
+      authentication), so it may be logged.
+    * ``name``: the cluster; every znode lives under ``/changebus/<name>/``.
+    * ``session_timeout_s``: the ZooKeeper session timeout asked for (the
+      server clamps it to 2..20 ticks). A crashed leader is replaced after
+      about this long; a leader's lease (:class:`~changebus.cluster.Leadership`)
+      lasts ``lease_fraction`` of it after each confirmed round trip.
+    * ``member_id``: unique in the cluster (the relay's or server's name);
+      ``advertised_url``: the URL other members and clients use to reach it.
+    * ``connect_timeout_s``: how long :meth:`ZkSession.start` waits for the
+      first connection before failing (retriable).
+    """
+
+    zookeeper: str
+    name: str
+    member_id: str = ""
+    advertised_url: str = ""
+    session_timeout_s: float = 4.0
+    connect_timeout_s: float = 15.0
+    lease_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.zookeeper.strip():
+            raise ConfigError("cluster.zookeeper: a connect string host:port[,host:port] is needed")
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"cluster.name: {self.name!r} is not a znode name")
+        if "/" in self.member_id or self.member_id in (".", ".."):
+            raise ConfigError(f"cluster.member_id: {self.member_id!r} is not a znode name")
+        if not 0.2 <= self.session_timeout_s <= 600:
+            raise ConfigError(
+                f"cluster.session_timeout_s: {self.session_timeout_s} is out of 0.2..600 s"
+            )
+        if self.connect_timeout_s <= 0:
+            raise ConfigError("cluster.connect_timeout_s must be positive")
+        if not 0.05 <= self.lease_fraction <= 0.9:
+            raise ConfigError(f"cluster.lease_fraction: {self.lease_fraction} is out of 0.05..0.9")
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], where: str = "cluster") -> ClusterConfig:
+        """Build from an already parsed ``[cluster]`` table."""
+        return load_config_dict(cls, table, where)
+
+    @classmethod
+    def from_toml(cls, path: Path | str) -> ClusterConfig | None:
+        """The ``[cluster]`` table of a TOML file, or None when it has none."""
+        try:
+            with Path(path).open("rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        table = tree.get("cluster")
+        if table is None:
+            return None
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{path}: [cluster] must be a table")
+        return cls.from_table(table)

@@ -1,0 +1,473 @@
+"""Leader election per partition, epochs, and the leader's lease (fencing).
+
+``PartitionElection`` runs one candidate of partition ``p`` (layout in
+:mod:`changebus.cluster._layout`):
+
+1. when connected, it creates its candidate ``partitions/<p>/election/c-<seq>``
+   (ephemeral sequential, JSON member id and URL) unless the current session
+   already has one;
+2. it waits until its candidate is the lowest (watching only its
+   predecessor, so a leader's exit wakes one candidate, not all);
+3. it raises the epoch: one transaction checks that its candidate still
+   exists and sets ``partitions/<p>/epoch`` to ``{"epoch": old + 1, member_id,
+   url}`` with a compare-and-set on the node's version. Success makes it the
+   leader of that epoch (a :class:`Leadership`); a lost race or a vanished
+   candidate sends it back to 1 or 2;
+4. it leads until the leadership is lost, then goes back to 1. A new term
+   always takes a new epoch: a candidate never resumes an old one.
+
+A :class:`Leadership` is lost for good (``lost_reason`` set, callbacks and
+:meth:`Leadership.wait_lost` fire) when the session is SUSPENDED, LOST or
+closed, when the epoch node changes or the candidate node is gone (both
+watched, and read by every heartbeat), or when the election stops.
+
+Fencing: :meth:`Leadership.valid` is a *lease*. It is true only while the
+leadership is not lost, kazoo reports the connection up, and the newest
+heartbeat that confirmed "the epoch is still ours and our candidate exists"
+was *sent* less than ``lease_fraction x session timeout`` ago (monotonic
+clock). ZooKeeper cannot expire the session sooner than a session timeout
+after it last heard from us, and a new leader needs that expiry first, so no
+other leader exists while the lease holds. A leader frozen (SIGSTOP, a GC or
+VM pause) past its session sees ``valid() == False`` the moment it runs
+again, before kazoo has noticed anything. Check ``valid()`` right before
+every source acknowledgement and every publication of a window; it is cheap
+(three attribute reads and a clock read) and thread-safe.
+
+Heartbeat: while leading, every ``lease / 3`` one thread hop reads the
+epoch node and checks the candidate node (two pipelined requests).
+
+Thread-safety: everything but :meth:`Leadership.valid` (any thread) runs on
+the event loop of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from ._errors import CoordinationError
+from ._layout import (
+    CANDIDATE_PREFIX,
+    EpochRecord,
+    candidate_seq,
+    decode_candidate,
+    decode_epoch,
+    election_path,
+    encode_candidate,
+    encode_epoch,
+    epoch_path,
+)
+from ._session import StateChange, ZkSession
+
+__all__ = ["LeaderInfo", "Leadership", "PartitionElection", "current_leader"]
+
+log = logging.getLogger("changebus.cluster.election")
+
+_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    """The leader of a partition: who, where, and the epoch it leads with."""
+
+    partition: str
+    member_id: str
+    url: str
+    epoch: int
+
+
+class Leadership:
+    """One term of leadership of ``partition`` with ``epoch`` (see the module docstring).
+
+    ``valid()`` may be called from any thread; the rest on the event loop.
+    """
+
+    def __init__(
+        self,
+        session: ZkSession,
+        partition: str,
+        epoch: int,
+        member_id: str,
+        candidate: str,
+        previous: EpochRecord | None = None,
+    ) -> None:
+        self.partition = partition
+        self.epoch = epoch
+        self.member_id = member_id
+        self.candidate = candidate
+        #: the epoch record this term replaced: when it is this member's own previous
+        #: epoch (``previous.epoch == epoch - 1``), nobody else led in between
+        self.previous = previous if previous is not None else EpochRecord(epoch - 1)
+        self.lease_s = session.config.session_timeout_s * session.config.lease_fraction
+        #: monotonic send time of the newest heartbeat that confirmed the epoch
+        self.confirmed_at = time.monotonic()
+        #: why the leadership ended; None while it lasts
+        self.lost_reason: str | None = None
+        self._session = session
+        self._lost = asyncio.Event()
+        self._callbacks: list[Callable[[Leadership], None]] = []
+
+    def valid(self) -> bool:
+        """True while this process may act as the leader (a lease; thread-safe)."""
+        return (
+            self.lost_reason is None
+            and self._session.thread_state == "connected"
+            and time.monotonic() - self.confirmed_at < self.lease_s
+        )
+
+    @property
+    def lost(self) -> bool:
+        """True once the leadership ended (for good)."""
+        return self.lost_reason is not None
+
+    def follows_own_term(self, epoch: int) -> bool:
+        """True when this term directly follows this member's term ``epoch``.
+
+        Then no other member led in between (a re-election after a short
+        ZooKeeper suspension): the source connection of that term may carry on.
+        """
+        return self.previous.epoch == epoch and self.previous.member_id == self.member_id
+
+    def on_lost(self, callback: Callable[[Leadership], None]) -> None:
+        """Call ``callback(self)`` on the event loop when the leadership ends (at once if over)."""
+        if self.lost_reason is not None:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    async def wait_lost(self) -> str:
+        """Wait until the leadership ends; returns the reason."""
+        await self._lost.wait()
+        assert self.lost_reason is not None
+        return self.lost_reason
+
+    def lose(self, reason: str) -> None:
+        """End the leadership (idempotent; on the event loop)."""
+        if self.lost_reason is not None:
+            return
+        self.lost_reason = reason
+        log.warning(
+            "partition %s: %s no longer leads epoch %d (%s)",
+            self.partition,
+            self.member_id,
+            self.epoch,
+            reason,
+        )
+        self._lost.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("a leadership-lost callback failed")
+
+    def __repr__(self) -> str:
+        state = "lost: " + self.lost_reason if self.lost_reason else "held"
+        return f"Leadership({self.partition!r}, epoch={self.epoch}, {state})"
+
+
+class PartitionElection:
+    """This member's candidacy for partition ``partition`` (see the module docstring).
+
+    ``on_elected(leadership)`` runs on the event loop each time it becomes
+    leader; pair it with ``leadership.on_lost`` or ``await
+    leadership.wait_lost()`` to step down.
+    """
+
+    def __init__(
+        self,
+        session: ZkSession,
+        partition: str,
+        *,
+        member_id: str | None = None,
+        url: str | None = None,
+        on_elected: Callable[[Leadership], None] | None = None,
+    ) -> None:
+        self.session = session
+        self.partition = partition
+        self.member_id = member_id or session.config.member_id
+        self.url = url if url is not None else session.config.advertised_url
+        if not self.member_id:
+            raise CoordinationError("an election needs a member id", retriable=False)
+        self.on_elected = on_elected
+        self.election = election_path(session.config.name, partition)
+        self.epoch_node = epoch_path(session.config.name, partition)
+        #: the current term, while leading (None between terms)
+        self.leadership: Leadership | None = None
+        self._candidate: str | None = None  # full path
+        self._candidate_session = 0
+        self._kick = asyncio.Event()
+        self._elected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._remove_listener: Callable[[], None] | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Join the election (returns at once; the candidacy runs in a task)."""
+        if self._task is not None:
+            return
+        self._remove_listener = self.session.add_listener(self._on_state)
+        self._task = asyncio.create_task(
+            self._run(), name=f"election-{self.partition}-{self.member_id}"
+        )
+
+    async def stop(self) -> None:
+        """Leave the election: end any leadership and delete the candidate node."""
+        self._stopping = True
+        if self.leadership is not None:
+            self.leadership.lose("election stopped")
+        if self._remove_listener is not None:
+            self._remove_listener()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        candidate, self._candidate = self._candidate, None
+        if candidate is not None and self.session.connected:
+            with contextlib.suppress(CoordinationError, NoNodeError):
+                await self.session.op("delete", candidate)
+
+    async def wait_elected(self) -> Leadership:
+        """Wait until this member leads (returns the current term)."""
+        while True:
+            term = self.leadership
+            if term is not None and not term.lost:
+                return term
+            self._elected.clear()
+            await self._elected.wait()
+
+    async def current_leader(self) -> LeaderInfo | None:
+        """The partition's leader as ZooKeeper has it now (one read)."""
+        return await current_leader(self.session, self.partition)
+
+    # -- the candidacy ----------------------------------------------------------
+
+    def _on_state(self, change: StateChange) -> None:
+        if change.state != "connected" and self.leadership is not None:
+            self.leadership.lose(f"ZooKeeper session {change.state}")
+        if change.new_session:
+            self._candidate = None  # its ephemeral node died with the old session
+        self._kick.set()
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping:
+            try:
+                await self.session.wait_connected()
+                await self._ensure_candidate()
+                if not await self._wait_turn():
+                    continue
+                term = await self._take_epoch()
+                if term is None:
+                    continue
+                failures = 0
+                await self._lead(term)
+            except CoordinationError as exc:
+                if self.session.state == "closed":
+                    log.info("partition %s: the session closed, candidacy ends", self.partition)
+                    return
+                if not exc.retriable:
+                    log.error("partition %s: election stopped: %s", self.partition, exc)
+                    raise
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                log.info("partition %s: election retry in %.2f s: %s", self.partition, delay, exc)
+                await asyncio.sleep(delay)
+
+    async def _ensure_candidate(self) -> None:
+        session = self.session
+        if self._candidate is not None and self._candidate_session == session.session_id:
+            return
+        await session.ensure_path(self.election)
+        with contextlib.suppress(NodeExistsError):
+            await session.op("create", self.epoch_node, encode_epoch(EpochRecord(0)))
+        sid = session.session_id
+        await self._drop_orphans(sid)
+        path = await session.op(
+            "create",
+            f"{self.election}/{CANDIDATE_PREFIX}",
+            encode_candidate(self.member_id, self.url),
+            ephemeral=True,
+            sequence=True,
+        )
+        self._candidate, self._candidate_session = str(path), sid
+        log.info("partition %s: %s is candidate %s", self.partition, self.member_id, path)
+
+    async def _drop_orphans(self, sid: int) -> None:
+        """Delete candidates of this session left by a create whose answer was lost."""
+        election, timeout = self.election, self.session.op_timeout_s
+
+        def scan(zk: Any) -> list[str]:
+            names = zk.get_children_async(election).get(timeout=timeout)
+            found = [(n, zk.get_async(f"{election}/{n}")) for n in names]
+            mine = []
+            for name, pending in found:
+                with contextlib.suppress(NoNodeError):
+                    data, stat = pending.get(timeout=timeout)
+                    if stat.ephemeralOwner == sid and decode_candidate(data)[0] == self.member_id:
+                        mine.append(f"{election}/{name}")
+            return mine
+
+        for path in await self.session.call(scan):
+            with contextlib.suppress(NoNodeError):
+                await self.session.op("delete", path)
+
+    async def _wait_turn(self) -> bool:
+        """Wait until our candidate is the lowest; False if it is gone or the session changed."""
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            candidate = self._candidate
+            if candidate is None:
+                return False
+            self._kick.clear()
+            names = await self.session.op("get_children", self.election)
+            ordered = sorted((n for n in names if candidate_seq(n) >= 0), key=candidate_seq)
+            mine = candidate.rpartition("/")[2]
+            if mine not in ordered:
+                log.info("partition %s: candidate %s is gone", self.partition, mine)
+                self._candidate = None
+                return False
+            at = ordered.index(mine)
+            if at == 0:
+                return True
+            kick = self._kick
+
+            def fired(_event: Any, kick: asyncio.Event = kick) -> None:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(kick.set)
+
+            predecessor = f"{self.election}/{ordered[at - 1]}"
+            if await self.session.op("exists", predecessor, watch=fired) is None:
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.session.op_timeout_s * 2):
+                    await kick.wait()
+            if self.session.state != "connected":
+                return False
+        return False
+
+    async def _take_epoch(self) -> Leadership | None:
+        candidate = self._candidate
+        if candidate is None:
+            return None
+        t0 = time.monotonic()
+        data, stat = await self.session.op("get", self.epoch_node)
+        record = decode_epoch(data)
+        new = EpochRecord(record.epoch + 1, self.member_id, self.url)
+        node = self.epoch_node
+
+        def build(tx: Any) -> None:
+            tx.check(candidate, 0)
+            tx.set_data(node, encode_epoch(new), stat.version)
+
+        results = await self.session.commit(build)
+        if isinstance(results[0], Exception):
+            self._candidate = None
+            return None
+        if isinstance(results[1], Exception):
+            log.info("partition %s: epoch race lost (%s)", self.partition, results[1])
+            return None
+        term = Leadership(
+            self.session, self.partition, new.epoch, self.member_id, candidate, previous=record
+        )
+        term.confirmed_at = t0
+        if self.session.thread_state != "connected":
+            term.lose("ZooKeeper session not connected")
+            return None
+        log.info("partition %s: %s leads with epoch %d", self.partition, self.member_id, new.epoch)
+        return term
+
+    async def _lead(self, term: Leadership) -> None:
+        self.leadership = term
+        self._elected.set()
+        loop = asyncio.get_running_loop()
+
+        def watch(event: Any) -> None:
+            if getattr(event, "type", None) in ("CHANGED", "DELETED"):
+                # another leader took a newer epoch: end the lease at once, in this thread
+                term.confirmed_at = float("-inf")
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(term.lose, "the epoch moved on")
+
+        def candidate_watch(event: Any) -> None:
+            if getattr(event, "type", None) == "DELETED":
+                term.confirmed_at = float("-inf")
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(term.lose, "candidate node gone")
+
+        if self.on_elected is not None:
+            try:
+                self.on_elected(term)
+            except Exception:
+                log.exception("an on_elected callback failed")
+        node, candidate, timeout = self.epoch_node, term.candidate, self.session.op_timeout_s
+        expected = term.epoch
+
+        def beat(zk: Any) -> tuple[int, bool]:
+            pending_epoch = zk.get_async(node, watch=watch)
+            pending_candidate = zk.exists_async(candidate, watch=candidate_watch)
+            data, _stat = pending_epoch.get(timeout=timeout)
+            return decode_epoch(data).epoch, pending_candidate.get(timeout=timeout) is not None
+
+        interval = term.lease_s / 3
+        try:
+            while not term.lost:
+                t0 = time.monotonic()
+                try:
+                    epoch, alive = await self.session.call(beat)
+                except CoordinationError:
+                    pass  # the lease runs out by itself; the session state decides the rest
+                else:
+                    if epoch != expected:
+                        term.lose(f"epoch is now {epoch}")
+                    elif not alive:
+                        term.lose("candidate node gone")
+                    elif t0 > term.confirmed_at:
+                        term.confirmed_at = t0
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await term.wait_lost()
+        finally:
+            if self.leadership is term:
+                self.leadership = None
+            if not term.lost:
+                term.lose("election task ended")
+        if term.lost_reason == "candidate node gone":
+            self._candidate = None
+
+
+async def current_leader(session: ZkSession, partition: str) -> LeaderInfo | None:
+    """The leader of ``partition`` now: the epoch's holder while its candidate lives.
+
+    None between leaders (no holder yet, or the holder's candidate is gone).
+    """
+    election = election_path(session.config.name, partition)
+    node, timeout = epoch_path(session.config.name, partition), session.op_timeout_s
+
+    def read(zk: Any) -> LeaderInfo | None:
+        try:
+            pending_epoch = zk.get_async(node)
+            names = zk.get_children_async(election).get(timeout=timeout)
+            record = decode_epoch(pending_epoch.get(timeout=timeout)[0])
+        except NoNodeError:
+            return None
+        ordered = sorted((n for n in names if candidate_seq(n) >= 0), key=candidate_seq)
+        if not record.member_id or not ordered:
+            return None
+        try:
+            data, _stat = zk.get_async(f"{election}/{ordered[0]}").get(timeout=timeout)
+        except NoNodeError:
+            return None
+        if decode_candidate(data)[0] != record.member_id:
+            return None
+        return LeaderInfo(partition, record.member_id, record.url, record.epoch)
+
+    return await session.call(read)

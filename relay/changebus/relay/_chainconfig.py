@@ -1,0 +1,61 @@
+"""Options of the ``relay`` fetcher kind: a relay following another relay (chaining)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from changebus.schemas import ConfigError
+from changebus.schemas.config import size_field
+
+__all__ = ["ChainConfig"]
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Options of the ``relay`` fetcher kind (seconds for durations, bytes for sizes).
+
+    ``upstream`` lists the relays to follow, tried in order (failover: the
+    next one on a failure or a refused answer); a single URL may be given
+    as a string. They must all serve the same partition with the same SCNs
+    (a leader and its followers). ``partition`` is the upstream partition's
+    name (empty: the local partition's name); its numeric id must equal the
+    local one, since the events carry it and are appended unchanged.
+
+    The transfer settings are those of :class:`changebus.client.StreamConfig`
+    (``follow``, ``wait_s``, ``max_bytes``, ``follow_bytes``, timeouts,
+    backoff, ``max_attempts``: 0 retries for ever). ``queue_windows`` and
+    ``queue_bytes`` bound the windows received but not yet taken by the
+    relay's ingest (beyond them the HTTP read stops: back-pressure reaches
+    the upstream through TCP). ``client_id`` names this follower in the
+    upstream's ``/v1/status`` (empty: ``relay-chain-<partition>``).
+    """
+
+    upstream: tuple[str, ...] = ()
+    partition: str = ""
+    client_id: str = ""
+    follow: bool = True
+    wait_s: float = 10.0
+    max_bytes: int = size_field(1 << 20)
+    follow_bytes: int = size_field(64 << 20)
+    connect_timeout_s: float = 5.0
+    read_margin_s: float = 10.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    backoff_multiplier: float = 2.0
+    max_attempts: int = 0
+    queue_windows: int = 1024
+    queue_bytes: int = size_field(8 << 20)
+
+    def __post_init__(self) -> None:
+        upstream: object = self.upstream
+        if isinstance(upstream, str):
+            upstream = (upstream,)
+        if not isinstance(upstream, tuple | list) or not upstream:
+            raise ConfigError("the relay fetcher needs options.upstream (one or more relay URLs)")
+        if any(
+            not isinstance(u, str) or not u.startswith(("http://", "https://")) for u in upstream
+        ):
+            raise ConfigError("options.upstream: every relay must be an http:// or https:// URL")
+        object.__setattr__(self, "upstream", tuple(u.rstrip("/") for u in upstream))
+        if self.queue_windows < 1 or self.queue_bytes < 1:
+            raise ConfigError("queue_windows and queue_bytes must be positive")

@@ -1,0 +1,256 @@
+"""Leader election per partition against a real ZooKeeper: one leader, rising epochs,
+fast handover on a closed session, and a SIGSTOPped leader fenced by its lease."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from changebus.cluster import (
+    ClusterConfig,
+    Leadership,
+    PartitionElection,
+    current_leader,
+    epoch_path,
+)
+from waiting import wait_until
+
+pytestmark = pytest.mark.zk
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
+
+
+def leaders(elections: list[PartitionElection]) -> list[PartitionElection]:
+    return [e for e in elections if e.leadership is not None and e.leadership.valid()]
+
+
+async def test_three_candidates_elect_one_leader_and_epochs_rise(zk_session) -> None:
+    sessions = [await zk_session(f"r{i}") for i in range(3)]
+    elections = [PartitionElection(s, "p0") for s in sessions]
+    for e in elections:
+        await e.start()
+    await wait_until(lambda: len(leaders(elections)) == 1, 10, "a leader")
+    # exactly one, and it stays that way
+    for _ in range(20):
+        assert len([e for e in elections if e.leadership is not None]) == 1
+        await asyncio.sleep(0.02)
+    first = leaders(elections)[0]
+    assert first.leadership is not None and first.leadership.epoch == 1
+    info = await current_leader(sessions[0], "p0")
+    assert info is not None
+    assert (info.member_id, info.epoch, info.url) == (
+        first.member_id,
+        1,
+        f"http://{first.member_id}.test:1",
+    )
+
+    # each leader resigns in turn: the next one takes a strictly higher epoch
+    epochs = [1]
+    remaining = list(elections)
+    while len(remaining) > 1:
+        current = leaders(remaining)[0]
+        term = current.leadership
+        assert term is not None
+        await current.stop()
+        assert term.lost and not term.valid()
+        remaining.remove(current)
+        await wait_until(lambda: len(leaders(remaining)) == 1, 10, "the next leader")
+        nxt = leaders(remaining)[0].leadership
+        assert nxt is not None
+        epochs.append(nxt.epoch)
+    assert epochs == sorted(set(epochs)) and len(epochs) == 3
+    for e in remaining:
+        await e.stop()
+
+
+async def test_closed_leader_session_hands_over_within_a_second(zk_session) -> None:
+    sessions = [await zk_session(f"r{i}", session_timeout_s=2.0) for i in range(3)]
+    elections = [PartitionElection(s, "p1") for s in sessions]
+    for e in elections:
+        await e.start()
+    await wait_until(lambda: len(leaders(elections)) == 1, 10, "a leader")
+    old = leaders(elections)[0]
+    term = old.leadership
+    assert term is not None
+    lost: list[str] = []
+    term.on_lost(lambda t: lost.append(t.lost_reason or ""))
+    others = [e for e in elections if e is not old]
+    started = time.monotonic()
+    await old.session.stop()
+    assert term.lost and not term.valid() and lost
+    await wait_until(lambda: len(leaders(others)) == 1, 5, "a new leader")
+    took = time.monotonic() - started
+    new = leaders(others)[0].leadership
+    assert new is not None
+    assert new.epoch == term.epoch + 1
+    assert took < 1.0, f"handover took {took:.3f} s"
+    for e in others:
+        await e.stop()
+
+
+async def test_leader_loses_lease_when_zookeeper_stops_and_takes_a_new_epoch(
+    zk_session, zk_server
+) -> None:
+    session = await zk_session("r0", session_timeout_s=2.0)
+    election = PartitionElection(session, "p2")
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    assert term.valid()
+    try:
+        await asyncio.to_thread(zk_server.stop)
+        # the lease ends within lease_s (1 s) of the last confirmed heartbeat
+        await wait_until(lambda: not term.valid(), term.lease_s + 1.0, "the lease to end")
+        await asyncio.to_thread(zk_server.start)
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    async with asyncio.timeout(15):
+        again = await election.wait_elected()
+    assert again is not term and again.epoch > term.epoch and again.valid()
+    # nobody else led in between: the new term follows this member's own one
+    assert again.epoch == term.epoch + 1 and again.follows_own_term(term.epoch)
+    assert not term.valid()
+    await election.stop()
+
+
+async def _lines(proc: asyncio.subprocess.Process, into: list[dict[str, object]]) -> None:
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        into.append(json.loads(line))
+
+
+async def test_sigstopped_leader_is_fenced_when_it_wakes(zk_session, zk_hosts, zk_cluster) -> None:
+    timeout_s = 1.0
+    env = {**os.environ, "PYTHONPATH": ":".join(str(ROOT / s) for s in SOURCE_ROOTS)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).with_name("zombie_candidate.py")),
+        zk_hosts,
+        zk_cluster,
+        "p3",
+        "zombie",
+        str(timeout_s),
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    events: list[dict[str, object]] = []
+    reader = asyncio.create_task(_lines(proc, events))
+    try:
+        await wait_until(
+            lambda: any(e["event"] == "elected" for e in events), 30, "the subprocess to lead"
+        )
+        (first,) = [e for e in events if e["event"] == "elected"]
+        assert first["valid"] is True
+        session = await zk_session("survivor", session_timeout_s=timeout_s)
+        terms: list[Leadership] = []
+        survivor = PartitionElection(session, "p3", on_elected=terms.append)
+        await survivor.start()
+        await asyncio.sleep(0.3)
+        assert not terms, "a second leader while the first is alive"
+
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        await wait_until(lambda: terms, 10, "the survivor to lead")
+        new = terms[0]
+        assert new.epoch > int(first["epoch"])  # type: ignore[call-overload]
+        assert not new.follows_own_term(new.epoch - 1)
+        await asyncio.sleep(max(0.0, stopped + 2 * timeout_s - time.monotonic()))
+        os.kill(proc.pid, signal.SIGCONT)
+
+        # the first valid() after waking, from the probe thread: already False
+        await wait_until(
+            lambda: any(e["event"] == "probe" and float(e["gap_s"]) > timeout_s for e in events),  # type: ignore[arg-type]
+            10,
+            "the probe after the gap",
+        )
+        probes = [e for e in events if e["event"] == "probe" and float(e["gap_s"]) > timeout_s]  # type: ignore[arg-type]
+        assert probes and all(p["valid"] is False for p in probes), probes
+        await wait_until(
+            lambda: any(e["event"] == "lost" for e in events), 10, "the old leader to step down"
+        )
+        # while the survivor leads, the old one never leads again
+        await asyncio.sleep(1.0)
+        assert [e for e in events if e["event"] == "elected"] == [first]
+        assert new.valid()
+        info = await current_leader(session, "p3")
+        assert info is not None and (info.member_id, info.epoch) == ("survivor", new.epoch)
+
+        # when the survivor resigns, the old member may lead again, but only with a new epoch
+        await survivor.stop()
+        await wait_until(
+            lambda: len([e for e in events if e["event"] == "elected"]) == 2, 10, "re-election"
+        )
+        second = [e for e in events if e["event"] == "elected"][1]
+        assert int(second["epoch"]) > new.epoch  # type: ignore[call-overload]
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+
+
+async def test_epoch_node_holds_the_holder(zk_session, zk_cluster) -> None:
+    session = await zk_session("r9")
+    election = PartitionElection(session, "p4")
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    data, _stat = await session.op("get", epoch_path(zk_cluster, "p4"))
+    assert json.loads(data) == {"epoch": term.epoch, "member_id": "r9", "url": "http://r9.test:1"}
+    await election.stop()
+    assert await current_leader(session, "p4") is None
+
+
+def test_cluster_config_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(
+        '[cluster]\nzookeeper = "127.0.0.1:2181"\nname = "c1"\nmember_id = "r1"\n'
+        'advertised_url = "http://r1:8470"\nsession_timeout_s = 6\n'
+    )
+    config = ClusterConfig.from_toml(path)
+    assert config == ClusterConfig(
+        zookeeper="127.0.0.1:2181",
+        name="c1",
+        member_id="r1",
+        advertised_url="http://r1:8470",
+        session_timeout_s=6.0,
+    )
+    assert config.session_timeout_s == 6.0 and config.connect_timeout_s == 15.0
+    (tmp_path / "plain.toml").write_text("[http]\nport = 1\n")
+    assert ClusterConfig.from_toml(tmp_path / "plain.toml") is None
+    from changebus.schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        ClusterConfig.from_table({"zookeeper": "h:1", "name": "a/b"})
+    with pytest.raises(ConfigError):
+        ClusterConfig.from_table({"zookeeper": "h:1", "name": "c", "bogus": 1})
+
+
+async def test_leader_whose_candidate_node_is_deleted_steps_down(zk_session) -> None:
+    s1, s2 = await zk_session("r1"), await zk_session("r2")
+    first = PartitionElection(s1, "p5")
+    await first.start()
+    async with asyncio.timeout(10):
+        term = await first.wait_elected()
+    second = PartitionElection(s2, "p5")
+    await second.start()
+    await asyncio.sleep(0.1)
+    await s2.op("delete", term.candidate)  # an operator removes it by hand
+    async with asyncio.timeout(5):
+        assert await term.wait_lost() == "candidate node gone"
+    assert not term.valid()
+    async with asyncio.timeout(10):
+        other = await second.wait_elected()
+    assert other.epoch == term.epoch + 1
+    await first.stop()
+    await second.stop()

@@ -1,0 +1,305 @@
+"""Registry, routing table and ``changebus cluster status`` against a real ZooKeeper."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from changebus.cluster import (
+    CoordinationError,
+    MemberInfo,
+    PartitionElection,
+    PartitionState,
+    Registry,
+    RoutingTable,
+    member_path,
+)
+from waiting import wait_until
+
+pytestmark = pytest.mark.zk
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
+
+
+async def _owner(session, path: str) -> int | None:
+    stat = await session.op("exists", path)
+    return None if stat is None else int(stat.ephemeralOwner)
+
+
+async def test_registry_publishes_and_throttles(zk_session, zk_cluster) -> None:
+    session = await zk_session("r1")
+    registry = Registry(session, "relay", min_interval_s=0.3)
+    await registry.start()
+    path = member_path(zk_cluster, "r1")
+    data, _ = await session.op("get", path)
+    assert json.loads(data) == {"kind": "relay", "url": "http://r1.test:1", "partitions": {}}
+
+    for scn in range(1, 51):  # a burst of updates: a few writes, the newest wins
+        registry.update({"p0": PartitionState("leader", 3, 1, scn)})
+    await asyncio.sleep(0)
+
+    async def newest() -> bool:
+        data, _ = await session.op("get", path)
+        return bool(json.loads(data)["partitions"].get("p0", {}).get("max_scn") == 50)
+
+    for _ in range(100):
+        if await newest():
+            break
+        await asyncio.sleep(0.05)
+    _, stat = await session.op("get", path)
+    assert await newest()
+    assert stat.version <= 3, f"{stat.version} writes for one burst"
+    await registry.stop()
+    assert await session.op("exists", path) is None
+
+
+async def test_registry_comes_back_after_a_zookeeper_restart(
+    zk_session, zk_server, zk_cluster
+) -> None:
+    session = await zk_session("r2", session_timeout_s=2.0)
+    registry = Registry(session, "bootstrap", min_interval_s=0.05)
+    await registry.start()
+    path = member_path(zk_cluster, "r2")
+    try:
+        await asyncio.to_thread(zk_server.restart)
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    async with asyncio.timeout(15):
+        await session.wait_connected()
+    registry.update({"p0": PartitionState("follower", 1, 5, 9)})
+
+    async def present() -> bool:
+        try:
+            data, _ = await session.op("get", path)
+        except (CoordinationError, NoNodeError):
+            return False
+        return bool(json.loads(data)["partitions"].get("p0", {}).get("max_scn") == 9)
+
+    for _ in range(150):
+        if await present():
+            break
+        await asyncio.sleep(0.1)
+    assert await present()
+    assert await _owner(session, path) == session.session_id
+    await registry.stop()
+
+
+async def test_registry_registers_again_after_the_session_expires(
+    zk_session, zk_hosts, zk_cluster
+) -> None:
+    session = await zk_session("r3", session_timeout_s=1.0)
+    registry = Registry(session, "relay", min_interval_s=0.05)
+    registry.update({"p0": PartitionState("follower", 2, 0, 7)})
+    await registry.start()
+    path = member_path(zk_cluster, "r3")
+    old_sid = session.session_id
+    assert await _owner(session, path) == old_sid
+
+    # expire the session the way kazoo's test harness does: another connection
+    # takes over the same session id and password, then closes it
+    sid, password = session.client.client_id
+
+    def expire() -> None:
+        other = KazooClient(hosts=zk_hosts, client_id=(sid, password), timeout=1.0)
+        other.start(timeout=10)
+        other.stop()
+        other.close()
+
+    await asyncio.to_thread(expire)
+    await wait_until(
+        lambda: session.session_id not in (0, old_sid) and session.state == "connected",
+        15,
+        "a new session",
+    )
+
+    async def registered() -> bool:
+        try:
+            return bool(await _owner(session, path) == session.session_id)
+        except CoordinationError:
+            return False
+
+    for _ in range(100):
+        if await registered():
+            break
+        await asyncio.sleep(0.05)
+    assert await registered()
+    assert registry.registrations == 2
+    data, _ = await session.op("get", path)
+    assert json.loads(data)["partitions"]["p0"]["max_scn"] == 7
+    await registry.stop()
+
+
+async def test_routing_table_follows_members_and_leaders(zk_session) -> None:
+    watcher = await zk_session("")
+    table = RoutingTable(watcher)
+    await table.start()
+    assert table.snapshot().members == {}
+
+    s1, s2 = await zk_session("r1"), await zk_session("r2")
+    reg1 = Registry(s1, "relay", min_interval_s=0.05)
+    reg2 = Registry(s2, "relay", min_interval_s=0.05)
+    await reg1.start()
+    await reg2.start()
+    await wait_until(lambda: set(table.snapshot().members) == {"r1", "r2"}, 10, "two members")
+
+    election = PartitionElection(s1, "p0")
+    follower = PartitionElection(s2, "p0")
+    seen: list[tuple[str, int] | None] = []
+
+    async def follow() -> None:
+        async for leader in table.leader_changes("p0"):
+            seen.append(None if leader is None else (leader.member_id, leader.epoch))
+
+    following = asyncio.create_task(follow())
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    await follower.start()
+    reg1.update({"p0": PartitionState("leader", term.epoch, 1, 100)})
+    reg2.update({"p0": PartitionState("follower", term.epoch, 1, 90)})
+    await wait_until(
+        lambda: (
+            table.leader("p0") is not None
+            and table.snapshot().lag("r2", "p0") == 10
+            and table.snapshot().lag("r1", "p0") == 0
+        ),
+        10,
+        "leader and lag",
+    )
+    leader = table.leader("p0")
+    assert leader is not None
+    assert (leader.member_id, leader.url, leader.epoch) == ("r1", "http://r1.test:1", term.epoch)
+    snap = table.snapshot()
+    assert [m.member_id for m in snap.serving("p0")] == ["r1", "r2"]
+    assert snap.members["r2"] == MemberInfo(
+        "r2", "relay", "http://r2.test:1", {"p0": PartitionState("follower", term.epoch, 1, 90)}
+    )
+
+    # the leader leaves: its member node and its leadership disappear, r2 takes over
+    version = table.snapshot().version
+    changes: list[int] = []
+    table.add_listener(lambda s: changes.append(s.version))
+    await election.stop()
+    await reg1.stop()
+    await wait_until(
+        lambda: (
+            set(table.snapshot().members) == {"r2"}
+            and (table.leader("p0") or term).member_id == "r2"
+        ),
+        10,
+        "r2 alone and leading",
+    )
+    new = table.leader("p0")
+    assert new is not None and new.epoch == term.epoch + 1
+    async with asyncio.timeout(1):
+        assert (await table.wait_changed(version)).version > version
+    assert changes
+    assert seen[0] is None and seen[1] == ("r1", term.epoch) and seen[-1] == ("r2", new.epoch)
+    following.cancel()
+    await follower.stop()
+    await reg2.stop()
+    await table.stop()
+
+
+def _status(zk_hosts: str, cluster: str, *extra: str) -> str:
+    env = {**os.environ, "PYTHONPATH": ":".join(str(ROOT / s) for s in SOURCE_ROOTS)}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "changebus.schemas",
+            "cluster",
+            "status",
+            "--zookeeper",
+            zk_hosts,
+            "--cluster",
+            cluster,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=60,
+    ).stdout
+
+
+async def test_cluster_status_prints_the_table_and_json(zk_session, zk_hosts, zk_cluster) -> None:
+    s1, s2 = await zk_session("relay-a"), await zk_session("relay-b")
+    reg1 = Registry(s1, "relay", min_interval_s=0.05)
+    reg2 = Registry(s2, "relay", min_interval_s=0.05)
+    election = PartitionElection(s1, "pg")
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    reg1.update({"pg": PartitionState("leader", term.epoch, 10, 500)})
+    reg2.update({"pg": PartitionState("follower", term.epoch, 10, 480)})
+    await reg1.start()
+    await reg2.start()
+
+    out = json.loads(await asyncio.to_thread(_status, zk_hosts, zk_cluster, "--json"))
+    assert out["cluster"] == zk_cluster
+    assert out["partitions"] == {
+        "pg": {"leader": "relay-a", "url": "http://relay-a.test:1", "epoch": term.epoch}
+    }
+    by_id = {m["member_id"]: m for m in out["members"]}
+    assert by_id["relay-a"]["partitions"]["pg"] == {
+        "role": "leader",
+        "epoch": term.epoch,
+        "min_scn": 10,
+        "max_scn": 500,
+        "lag": 0,
+    }
+    assert by_id["relay-b"]["partitions"]["pg"]["lag"] == 20
+    assert by_id["relay-b"]["kind"] == "relay"
+    assert by_id["relay-b"]["url"] == "http://relay-b.test:1"
+
+    text = await asyncio.to_thread(_status, zk_hosts, zk_cluster)
+    lines = text.splitlines()
+    assert lines[0] == f"cluster {zk_cluster}: 2 member(s)"
+    assert lines[1].split() == [
+        "MEMBER",
+        "KIND",
+        "URL",
+        "PARTITION",
+        "ROLE",
+        "EPOCH",
+        "MIN_SCN",
+        "MAX_SCN",
+        "LAG",
+    ]
+    assert lines[2].split() == [
+        "relay-a",
+        "relay",
+        "http://relay-a.test:1",
+        "pg",
+        "leader",
+        str(term.epoch),
+        "10",
+        "500",
+        "0",
+    ]
+    assert lines[3].split()[-1] == "20"
+    assert f"pg  relay-a  {term.epoch}  http://relay-a.test:1" in text
+    await election.stop()
+    await reg1.stop()
+    await reg2.stop()
+
+
+async def test_cluster_status_of_an_empty_cluster_writes_nothing(
+    zk_session, zk_hosts, zk_cluster
+) -> None:
+    out = json.loads(await asyncio.to_thread(_status, zk_hosts, zk_cluster, "--json"))
+    assert out == {"cluster": zk_cluster, "members": [], "partitions": {}}
+    session = await zk_session("")
+    assert await session.op("exists", f"/changebus/{zk_cluster}") is None
