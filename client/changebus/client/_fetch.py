@@ -84,6 +84,10 @@ class RelayFetcher:
     def partition(self) -> str | None:
         return self.stream.partition
 
+    def set_relays(self, relays: tuple[str, ...]) -> None:
+        """Read from ``relays`` from now on (see :meth:`.RelayStream.set_relays`)."""
+        self.stream.set_relays(relays)
+
     @property
     def phase(self) -> str:
         """``online``, or the bootstrap phase (``snapshot``, ``catchup``)."""
