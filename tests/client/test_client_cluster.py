@@ -217,3 +217,36 @@ async def test_tail_with_zookeeper_prints_windows(
     assert proc.returncode == 0, err.decode()
     lines = [json.loads(line) for line in out.decode().splitlines()]
     assert len(lines) == 30 and lines[0]["scn"] == 1000
+
+
+async def test_spark_options_resolve_the_relays_from_the_table(
+    make_relay: MakeRelay, register: Any, zk_hosts: str, zk_cluster: str
+) -> None:
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._read import RangeSpec, _config
+    from changebus.client.spark._relay import partition_bounds, resolve_cluster
+
+    with pytest.raises(ConfigError, match="zookeeper and cluster"):
+        SourceOptions.parse({})
+    opts = SourceOptions.parse(
+        {"zookeeper": zk_hosts, "cluster": zk_cluster, "preferFollowers": "true"}, mode="batch"
+    )
+    assert opts.relays == () and opts.prefer_followers
+    with pytest.raises(RelayUnavailableError, match="no relay of cluster"):
+        await resolve_cluster(opts)
+    async with (
+        make_relay() as leader,
+        make_relay() as follower,
+        register("a", leader.url, "leader"),
+        register("b", follower.url, "follower"),
+        register("boot", "http://127.0.0.1:9/boot", kind="bootstrap"),
+    ):
+        resolved = await resolve_cluster(opts)
+        assert resolved.relays == (follower.url, leader.url)
+        assert resolved.bootstrap == ("http://127.0.0.1:9/boot",)
+        bounds = await partition_bounds(opts)  # planning reads the table itself
+        assert bounds["syn"].max_scn == 1299
+        cfg = _config(
+            resolved, RangeSpec("syn", -1, 1299), -1, {}
+        )  # an executor's consumer follows the table
+        assert cfg.uses_cluster and cfg.prefer_followers and cfg.relays == resolved.relays

@@ -43,7 +43,7 @@ from ._backoff import Backoff
 from ._errors import RelayUnavailableError
 from ._http import safe_url
 
-__all__ = ["ClusterRoute", "relays_serving"]
+__all__ = ["ClusterRoute", "read_route", "relays_serving"]
 
 log = logging.getLogger(__name__)
 
@@ -202,3 +202,53 @@ class ClusterRoute:
             callback(relays)
 
         self._removers.append(self.table.add_listener(changed))
+
+
+async def read_route(
+    zookeeper: str,
+    cluster: str,
+    partitions: tuple[str, ...],
+    *,
+    kind: str = "relay",
+    prefer_followers: bool = False,
+    session_timeout_s: float = 10.0,
+) -> tuple[str, ...]:
+    """One look at the routing table: the URLs of ``kind`` serving ``partitions``.
+
+    For planners that ask once per decision (the Spark driver): the members
+    serving every partition named (all the table knows when none is), each
+    partition's in :func:`relays_serving` order, without duplicates. For
+    ``bootstrap`` also the bootstrap servers that name no partition.
+    """
+    route = ClusterRoute(
+        zookeeper,
+        cluster,
+        partitions[0] if partitions else "",
+        prefer_followers=prefer_followers,
+        session_timeout_s=session_timeout_s,
+    )
+    await route.start()
+    try:
+        snap = route.table.snapshot()
+    finally:
+        await route.stop()
+    names = partitions or tuple(
+        sorted(
+            set(snap.partitions).union(
+                *(m.partitions for m in snap.members.values() if m.kind == kind)
+            )
+        )
+    )
+    found: list[str] = []
+    for p in names:
+        if kind == "relay":
+            found.extend(relays_serving(snap, p, prefer_followers=prefer_followers))
+        else:
+            found.extend(m.url.rstrip("/") for m in snap.serving(p, kind) if m.url)
+    if kind != "relay":
+        found.extend(
+            m.url.rstrip("/")
+            for _, m in sorted(snap.members.items())
+            if m.kind == kind and m.url and not m.partitions
+        )
+    return tuple(dict.fromkeys(found))
