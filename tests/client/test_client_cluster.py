@@ -250,3 +250,52 @@ async def test_spark_options_resolve_the_relays_from_the_table(
             resolved, RangeSpec("syn", -1, 1299), -1, {}
         )  # an executor's consumer follows the table
         assert cfg.uses_cluster and cfg.prefer_followers and cfg.relays == resolved.relays
+
+
+async def test_replicate_with_zookeeper_applies_the_stream(
+    make_relay: MakeRelay, register: Any, zk_hosts: str, zk_cluster: str, tmp_path: Path
+) -> None:
+    import signal
+    import sqlite3
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / s) for s in SOURCE_ROOTS)}
+    db = tmp_path / "replica.db"
+
+    def rows() -> int:
+        if not db.exists():
+            return 0
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            names = [
+                r[0]
+                for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                if "synthetic" in r[0]
+            ]
+            return sum(conn.execute(f'SELECT count(*) FROM "{n}"').fetchone()[0] for n in names)
+
+    async with make_relay() as relay, register("r1", relay.url):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "changebus.schemas",
+            "replicate",
+            "--zookeeper",
+            zk_hosts,
+            "--cluster",
+            zk_cluster,
+            "--partition",
+            "syn",
+            "--sqlite",
+            str(db),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        try:
+            async with asyncio.timeout(60):
+                while rows() == 0:
+                    await asyncio.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    assert f"replicating cluster '{zk_cluster}'" in err.decode()

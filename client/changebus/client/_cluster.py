@@ -47,16 +47,19 @@ __all__ = ["ClusterRoute", "read_route", "relays_serving"]
 
 log = logging.getLogger(__name__)
 
+#: a member's URL must be one of these to be used (others are skipped)
+_SCHEMES = ("http://", "https://")
+
 
 def relays_serving(
     snapshot: RoutingSnapshot, partition: str, *, prefer_followers: bool = False
 ) -> tuple[str, ...]:
     """The URLs of the relays serving ``partition`` in the order to try them (module docstring).
 
-    The leader is the elected one; when the partition has no election (or
+    Members whose URL is not http(s) are skipped. The leader is the elected one; when the partition has no election (or
     no live leader) a member whose payload says ``leader`` counts as it.
     """
-    members = [m for m in snapshot.serving(partition) if m.url]
+    members = [m for m in snapshot.serving(partition) if m.url.startswith(_SCHEMES)]
     elected = snapshot.leaders.get(partition)
     leader = elected.member_id if elected is not None else None
     if leader is None:
