@@ -110,6 +110,9 @@ async def test_the_consumer_moves_on_when_its_member_goes_away(
                 await first_stack.aclose()
             await asyncio.sleep(0.3)
             async with register("r2", second.url):
+                async with asyncio.timeout(20):  # the table's change reaches the consumer
+                    while c.stats()["relays"] != [second.url]:
+                        await asyncio.sleep(0.02)
                 await take(c, len(ALL), scns)
                 stats = c.stats()
                 assert stats["relay"] == second.url
