@@ -179,6 +179,32 @@ async def test_bootstrap_servers_come_from_the_table(
             assert c._fetcher is not None
             assert c._fetcher._boot is not None  # the table's bootstrap server is configured
             assert c._fetcher._boot.config.bootstrap_servers == ("http://127.0.0.1:9/boot",)
+            async with register("b0", "http://127.0.0.1:9/boot0", kind="bootstrap"):
+                async with asyncio.timeout(20):  # the table's bootstrap servers are followed
+                    while c._fetcher._boot._failover.urls != (
+                        "http://127.0.0.1:9/boot0",
+                        "http://127.0.0.1:9/boot",
+                    ):
+                        await asyncio.sleep(0.02)
+
+
+async def test_failover_set_urls_keeps_the_server_in_use_and_wakes_a_backoff() -> None:
+    from changebus.client._backoff import Backoff
+    from changebus.client._failover import Failover
+    from changebus.schemas import TransportError
+
+    f = Failover(("http://a", "http://b"), Backoff(5.0, 5.0, 1.0))
+    f.index = 1
+    assert not f.set_urls(("http://c", "http://b")) and f.url == "http://b"
+    assert not f.set_urls(())  # an empty list changes nothing
+    assert f.set_urls(("http://d",)) and f.url == "http://d" and f.switches == 1
+    sleeper = asyncio.create_task(f.failed(TransportError("down")))  # a 5 s backoff sleep
+    await asyncio.sleep(0.05)
+    assert not sleeper.done()
+    f.set_urls(("http://e",))
+    async with asyncio.timeout(1):
+        await sleeper  # cut short by the new list
+    assert f.url == "http://e" and f.attempts == 1
 
 
 def test_config_names_the_fix() -> None:

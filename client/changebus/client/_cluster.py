@@ -175,36 +175,57 @@ class ClusterRoute:
                 async with asyncio.timeout(delay):
                     await self.table.wait_changed(snapshot.version)
 
-    def on_change(self, callback: Callable[[tuple[str, ...]], None]) -> None:
-        """Call ``callback(relays)`` when the table's relays for the partition change.
+    def on_change(
+        self, callback: Callable[[tuple[str, ...]], None], initial: tuple[str, ...]
+    ) -> None:
+        """Call ``callback(relays)`` whenever the partition's relays differ from the last ones.
 
-        An empty list is not passed on (the last known relays are kept and
-        fail over among themselves until someone registers); it is logged.
-        Removed by :meth:`stop`.
+        ``initial`` is the list the caller started with (a change since then
+        is passed on at once). An empty list is not passed on (the last known
+        relays are kept and fail over among themselves until someone
+        registers); it is logged. Removed by :meth:`stop`.
         """
-        last = [self.relays()]
+        self._follow(self.relays, callback, initial, "relay")
+
+    def on_bootstrap_change(
+        self, callback: Callable[[tuple[str, ...]], None], initial: tuple[str, ...]
+    ) -> None:
+        """The same as :meth:`on_change` for the registered bootstrap servers."""
+        self._follow(lambda _snap: self.bootstrap_servers(), callback, initial, "bootstrap server")
+
+    def _follow(
+        self,
+        compute: Callable[[RoutingSnapshot], tuple[str, ...]],
+        callback: Callable[[tuple[str, ...]], None],
+        initial: tuple[str, ...],
+        what: str,
+    ) -> None:
+        last = [initial]
 
         def changed(snapshot: RoutingSnapshot) -> None:
-            relays = self.relays(snapshot)
-            if relays == last[0]:
+            urls = compute(snapshot)
+            if urls == last[0]:
                 return
-            last[0] = relays
-            if not relays:
+            last[0] = urls
+            if not urls:
                 log.warning(
-                    "%s lists no relay for partition %s now; keeping the last known ones",
+                    "%s lists no %s for partition %s now; keeping the last known ones",
                     self.where,
+                    what,
                     self.partition,
                 )
                 return
             log.info(
-                "%s: partition %s is served by %s",
+                "%s: partition %s: %s %s",
                 self.where,
                 self.partition,
-                ", ".join(safe_url(u) for u in relays),
+                what,
+                ", ".join(safe_url(u) for u in urls),
             )
-            callback(relays)
+            callback(urls)
 
         self._removers.append(self.table.add_listener(changed))
+        changed(self.table.snapshot())
 
 
 async def read_route(

@@ -150,7 +150,11 @@ class Consumer:
         )
         self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
         if self._route is not None:
-            self._route.on_change(self._fetcher.set_relays)
+            self._route.on_change(self._fetcher.set_relays, cfg.relays)
+            if not self.config.bootstrap_servers and cfg.bootstrap_servers:
+                self._route.on_bootstrap_change(
+                    self._fetcher.set_bootstrap_servers, cfg.bootstrap_servers
+                )
 
     async def _route_cluster(self, cfg: ConsumerConfig) -> ConsumerConfig:
         """Open the cluster's routing table; ``cfg`` with the relays it lists (waits for one)."""
