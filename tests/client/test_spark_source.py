@@ -572,3 +572,36 @@ def test_relay_failover_on_driver_and_executors(spark: Any, scripted: Any) -> No
     )
     with pytest.raises(Exception, match="no relay of 1 answered"):
         spark.read.format("changebus").option("relays", dead).load()
+
+
+@pytest.mark.zk
+def test_relays_from_a_zookeeper_cluster(
+    spark: Any, scripted: Any, zk_hosts: str, zk_cluster: str
+) -> None:
+    """Options zookeeper + cluster instead of relays: driver and executors read the table."""
+    from kazoo.client import KazooClient
+
+    from changebus.cluster import MemberInfo, PartitionState, member_path
+    from changebus.cluster._layout import encode_member
+
+    relay, _ = scripted(8, seed=13)
+    zk = KazooClient(hosts=zk_hosts)
+    zk.start(timeout=15)
+    try:
+        info = MemberInfo("r1", "relay", relay.url, {"syn": PartitionState("leader", 1, 0, 0)})
+        zk.create(member_path(zk_cluster, "r1"), encode_member(info), ephemeral=True, makepath=True)
+        rows = (
+            spark.read.format("changebus")
+            .option("zookeeper", zk_hosts)
+            .option("cluster", zk_cluster)
+            .option("preferFollowers", "true")
+            .option("numPartitions", "2")
+            .load()
+            .collect()
+        )
+    finally:
+        zk.stop()
+        zk.close()
+    assert sorted((r["_commit_scn"], r["_txn_seq"], r["_change_type"]) for r in rows) == sorted(
+        (c[0], c[1], c[2]) for c in truth(relay.url)
+    )

@@ -105,6 +105,14 @@ class Bootstrapper:
         #: the checkpoint after the last window queued in the current bootstrap
         self._last: PartitionCheckpoint | None = None
 
+    def set_servers(self, servers: tuple[str, ...]) -> None:
+        """Ask ``servers`` from now on (a cluster's table changed); the progress is kept.
+
+        A bootstrap running goes on with the server in use while it is
+        listed; otherwise its next request goes to the new list.
+        """
+        self._failover.set_urls(servers)
+
     async def run(self, since: int, resume: PartitionCheckpoint | None) -> int:
         """Snapshot then catch-up after ``since``; returns the target SCN reached.
 

@@ -22,7 +22,41 @@ from types import FrameType
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
 
-__all__ = ["register"]
+__all__ = ["add_route_arguments", "register", "route_text"]
+
+
+def add_route_arguments(p: argparse.ArgumentParser) -> None:
+    """``--relay URL`` (repeatable) or ``--zookeeper HOSTS --cluster NAME [--prefer-followers]``."""
+    p.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="relay base URL; repeat for failover relays (tried in order)",
+    )
+    p.add_argument(
+        "--zookeeper",
+        default="",
+        metavar="HOSTS",
+        help="instead of --relay: ZooKeeper connect string of a relay cluster"
+        " (host:port[,host:port]); the relays come from its routing table (needs --cluster"
+        " and --partition)",
+    )
+    p.add_argument("--cluster", default="", metavar="NAME", help="the relay cluster's name")
+    p.add_argument(
+        "--prefer-followers",
+        action="store_true",
+        help="with --zookeeper: read from followers first, the leader last",
+    )
+
+
+def route_text(args: argparse.Namespace) -> str:
+    """Where the stream comes from, for log lines (no credentials)."""
+    from ._http import safe_url
+
+    if args.zookeeper:
+        return f"cluster {args.cluster!r} (ZooKeeper {args.zookeeper})"
+    return ", ".join(safe_url(u) for u in args.relay)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,13 +69,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Print every row change of a relay partition as one JSON line, "
         "following new transactions as they commit (Ctrl-C stops).",
     )
-    p.add_argument(
-        "--relay",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="relay base URL; repeat for failover relays (tried in order)",
-    )
+    add_route_arguments(p)
     p.add_argument(
         "--source",
         action="append",
@@ -102,6 +130,9 @@ def _main(args: argparse.Namespace) -> int:
     try:
         config = ConsumerConfig(
             relays=tuple(args.relay),
+            zookeeper=args.zookeeper,
+            cluster=args.cluster,
+            prefer_followers=args.prefer_followers,
             partition=args.partition,
             sources=sources,
             filter=args.filter,

@@ -26,6 +26,8 @@ import sys
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
 
+from ._cli import add_route_arguments, route_text
+
 __all__ = ["register"]
 
 log = logging.getLogger("changebus.client.replicate")
@@ -42,9 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "tables of a relay partition (idempotent upserts, checkpoint in the same transaction; "
         "safe to kill and restart).",
     )
-    p.add_argument(
-        "--relay", action="append", required=True, metavar="URL", help="relay base URL; repeatable"
-    )
+    add_route_arguments(p)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--sqlite", metavar="FILE", help="target SQLite database file")
     target.add_argument(
@@ -90,6 +90,9 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         config = ConsumerConfig(
             relays=tuple(args.relay),
+            zookeeper=args.zookeeper,
+            cluster=args.cluster,
+            prefer_followers=args.prefer_followers,
             partition=args.partition,
             sources=sources,
             filter=args.filter,
@@ -111,7 +114,7 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, replica.stop)
-    log.info("replicating %s into %r", ", ".join(config.relays), replica)
+    log.info("replicating %s into %r", route_text(args), replica)
     try:
         await replica.run(config)
     except ChangebusError as exc:

@@ -35,6 +35,17 @@ class ConsumerConfig:
       ``backoff_initial_s`` up to ``backoff_max_s``). ``max_attempts``
       consecutive failed requests (0: never give up) raise
       :class:`~changebus.client.RelayUnavailableError`.
+    * ``zookeeper`` and ``cluster`` -- instead of (or besides) ``relays``: a
+      ZooKeeper connect string and a cluster name. The consumer reads the
+      relays serving ``partition`` (required then) from the cluster's
+      routing table, the leader first (``prefer_followers``: the followers
+      first), and follows the table's changes without a restart (see
+      :mod:`._cluster`). Static ``relays`` given as well come after the
+      table's. While nobody serves the partition the consumer waits
+      (``max_attempts`` bounds the wait as it bounds failed requests).
+      Bootstrap servers registered in the cluster are used when
+      ``bootstrap_servers`` is empty. ``zookeeper_session_timeout_s`` is the
+      consumer's ZooKeeper session timeout.
     * ``partition`` -- the physical partition (buffer) name; may be omitted
       when the relay has exactly one.
     * ``sources`` -- logical source names to receive (empty: all).
@@ -87,7 +98,7 @@ class ConsumerConfig:
     ``checkpoint_every_windows`` windows.
     """
 
-    relays: tuple[str, ...]
+    relays: tuple[str, ...] = ()
     partition: str | None = None
     sources: tuple[str, ...] = ()
     filter: PartitionFilter | str | None = None
@@ -117,13 +128,32 @@ class ConsumerConfig:
     bootstrap_servers: tuple[str, ...] = ()
     bootstrap_page_bytes: int = 1 << 20
     on_fell_off: Literal["raise", "latest"] = "raise"
+    zookeeper: str = ""
+    cluster: str = ""
+    prefer_followers: bool = False
+    zookeeper_session_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         relays: object = self.relays
         if isinstance(relays, str):
             relays = (relays,)
-        if not isinstance(relays, tuple | list) or not relays:
-            raise ConfigError("relays: give at least one relay URL")
+        if bool(self.zookeeper.strip()) != bool(self.cluster.strip()):
+            raise ConfigError(
+                "zookeeper and cluster go together: give the ZooKeeper connect string"
+                " (host:port[,host:port]) and the cluster name, or neither"
+            )
+        if self.zookeeper.strip():
+            if not self.partition:
+                raise ConfigError("partition: name the partition to read when using zookeeper")
+            if not 0.2 <= self.zookeeper_session_timeout_s <= 600:
+                raise ConfigError("zookeeper_session_timeout_s must be within 0.2..600 s")
+        elif not isinstance(relays, tuple | list) or not relays:
+            raise ConfigError(
+                "relays: give at least one relay URL, or zookeeper and cluster"
+                " to read them from a cluster's routing table"
+            )
+        if not isinstance(relays, tuple | list):
+            raise ConfigError("relays: give a list of relay URLs")
         cleaned = []
         for url in relays:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -196,3 +226,8 @@ class ConsumerConfig:
         if self.start in ("earliest", "latest"):
             return None
         return parse_scn(self.start)
+
+    @property
+    def uses_cluster(self) -> bool:
+        """Whether the relays come from a cluster's routing table (``zookeeper``)."""
+        return bool(self.zookeeper.strip())

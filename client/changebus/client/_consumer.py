@@ -30,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import aiohttp
 
 from changebus.schemas import Checkpoint, CheckpointError, Mode
 
+from ._backoff import Backoff
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
@@ -47,6 +49,9 @@ from ._model import Window
 from ._persist import CheckpointPersister, MemoryCheckpointPersister
 from ._position import PositionTracker
 from ._queue import QueueClosed, WindowQueue
+
+if TYPE_CHECKING:
+    from ._cluster import ClusterRoute
 
 __all__ = ["Consumer"]
 
@@ -90,6 +95,7 @@ class Consumer:
         self._failed: BaseException | None = None
         self._closed = False
         self._stopping: asyncio.Future[None] | None = None
+        self._route: ClusterRoute | None = None
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
 
     # ---- lifecycle ----------------------------------------------------
@@ -126,6 +132,8 @@ class Consumer:
             start_scn = cfg.start_scn
             position = -1 if start_scn is None else start_scn
             latest = cfg.start == "latest"
+        if cfg.uses_cluster:
+            cfg = await self._route_cluster(cfg)
         self._position = PositionTracker(checkpoint, self.persister)
         if self._session is None:
             self._session = aiohttp.ClientSession()
@@ -141,6 +149,36 @@ class Consumer:
             resume=resume,
         )
         self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
+        if self._route is not None:
+            self._route.on_change(self._fetcher.set_relays, cfg.relays)
+            if not self.config.bootstrap_servers and cfg.bootstrap_servers:
+                self._route.on_bootstrap_change(
+                    self._fetcher.set_bootstrap_servers, cfg.bootstrap_servers
+                )
+
+    async def _route_cluster(self, cfg: ConsumerConfig) -> ConsumerConfig:
+        """Open the cluster's routing table; ``cfg`` with the relays it lists (waits for one)."""
+        from ._cluster import ClusterRoute  # kazoo only for consumers of a cluster
+
+        assert cfg.partition is not None  # the config demands it with zookeeper
+        route = ClusterRoute(
+            cfg.zookeeper,
+            cfg.cluster,
+            cfg.partition,
+            prefer_followers=cfg.prefer_followers,
+            static=cfg.relays,
+            session_timeout_s=cfg.zookeeper_session_timeout_s,
+        )
+        await route.start()
+        try:
+            backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
+            relays = await route.wait_relays(cfg.max_attempts, backoff)
+        except BaseException:
+            await route.stop()
+            raise
+        self._route = route
+        boot = cfg.bootstrap_servers or route.bootstrap_servers()
+        return replace(cfg, relays=relays, bootstrap_servers=boot)
 
     async def close(self) -> None:
         """Stop fetching and release everything; idempotent.
@@ -158,6 +196,9 @@ class Consumer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, QueueClosed):
                 await self._task
+        if self._route is not None:
+            await self._route.stop()
+            self._route = None
         try:
             if self._mode == "iterator" and self._position is not None and self._failed is None:
                 await self._position.persist()
@@ -216,6 +257,7 @@ class Consumer:
         s = f.stream if f else None
         return {
             "relay": s.relay if s else None,
+            "relays": list(s.relays) if s else list(self.config.relays),
             "requests": s.requests if s else 0,
             "failovers": s.failovers if s else 0,
             "windows_fetched": s.windows if s else 0,

@@ -25,13 +25,23 @@ Rules, decided by data (the exception's ``retriable`` attribute, which
 * anything else (not a :class:`~changebus.schemas.ChangebusError`, or one
   that is not retriable: a bad request, an unknown source) is raised as it is.
 
-:meth:`succeeded` resets the attempts, the round and the backoff. Not
-thread-safe: one task owns each instance.
+:meth:`succeeded` resets the attempts, the round and the backoff.
+
+The list may change while the loop runs (:meth:`set_urls`, e.g. from a
+cluster's routing table): the server in use stays when it is still listed,
+otherwise the first of the new list is next; a backoff sleep in progress is
+cut short so the new list is tried at once. The attempts are not reset (a
+list that keeps changing cannot stretch ``max_attempts``). The caller's
+position is not the failover's business, so nothing of it is lost.
+
+Not thread-safe: one task owns each instance (:meth:`set_urls` runs on the
+same event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from changebus.schemas import ChangebusError
@@ -74,11 +84,32 @@ class Failover:
         self._what = what
         self._failed_in_round = 0
         self._fell_off: dict[str, FellOffRelayError] = {}
+        #: set by :meth:`set_urls`: ends a backoff sleep early
+        self._changed = asyncio.Event()
 
     @property
     def url(self) -> str:
         """The server to ask now."""
         return self.urls[self.index]
+
+    def set_urls(self, urls: tuple[str, ...]) -> bool:
+        """Use ``urls`` from now on; True when the server in use is no longer listed.
+
+        An empty or unchanged list changes nothing.
+        """
+        urls = tuple(urls)
+        if not urls or urls == self.urls:
+            return False
+        current = self.url
+        self.urls = urls
+        moved = current not in urls
+        self.index = 0 if moved else urls.index(current)
+        if moved:
+            self.switches += 1
+        self._failed_in_round = 0
+        self._fell_off = {u: e for u, e in self._fell_off.items() if u in urls}
+        self._changed.set()
+        return moved
 
     def succeeded(self) -> None:
         """The last attempt worked: start counting afresh."""
@@ -113,7 +144,10 @@ class Failover:
             self._failed_in_round = 0
             delay = self._backoff.next_delay()
             log.info("every %s failed; retrying in %.2fs", self._what, delay)
-            await asyncio.sleep(delay)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._changed.wait()  # a new list of servers: try it now
 
     def _switch(self) -> None:
         if len(self.urls) > 1:

@@ -84,6 +84,15 @@ class RelayFetcher:
     def partition(self) -> str | None:
         return self.stream.partition
 
+    def set_relays(self, relays: tuple[str, ...]) -> None:
+        """Read from ``relays`` from now on (see :meth:`.RelayStream.set_relays`)."""
+        self.stream.set_relays(relays)
+
+    def set_bootstrap_servers(self, servers: tuple[str, ...]) -> None:
+        """Use ``servers`` for bootstraps from now on (see :meth:`.Failover.set_urls`)."""
+        if self._boot is not None:
+            self._boot.set_servers(servers)
+
     @property
     def phase(self) -> str:
         """``online``, or the bootstrap phase (``snapshot``, ``catchup``)."""

@@ -45,6 +45,14 @@ relay raises :class:`~._errors.FellOffRelayError`; a bad request, an
 unknown partition or source, and any non-retriable exception of the sink
 end :meth:`run` with that exception.
 
+Changing relays. :meth:`RelayStream.set_relays` replaces the list while
+:meth:`run` runs (a cluster's routing table changed). The relay in use stays
+when it is still listed; otherwise its open response is closed and the next
+request goes to the first of the new list, after :attr:`position` as always
+(the window in progress is read again whole; none is lost or repeated),
+without counting a failed attempt. :attr:`StreamConfig.relays` keeps the
+list the stream started with; :attr:`RelayStream.relays` is the current one.
+
 Not thread-safe: one task runs :meth:`run`; the attributes may be read
 from the same event loop at any time (monitoring).
 """
@@ -198,6 +206,9 @@ class RelayStream:
         self._check = check_response
         self._assembler = WindowAssembler(position)
         self._continue: tuple[int, int] | None = None
+        #: the response being read (closed by :meth:`set_relays` when its relay left)
+        self._response: aiohttp.ClientResponse | None = None
+        self._moved = False
         self._failover = Failover(
             config.relays,
             Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),
@@ -218,6 +229,31 @@ class RelayStream:
     def relay(self) -> str:
         """The URL of the relay in use."""
         return self._failover.url
+
+    @property
+    def relays(self) -> tuple[str, ...]:
+        """The relays in use now (:meth:`set_relays` may have changed them)."""
+        return self._failover.urls
+
+    def set_relays(self, relays: tuple[str, ...]) -> None:
+        """Read from ``relays`` from now on (module docstring); empty: no change.
+
+        On the event loop of :meth:`run`.
+        """
+        urls = tuple(u.rstrip("/") for u in relays)
+        if any(not u.startswith(("http://", "https://")) for u in urls):
+            raise ConfigError("relays: every relay must be an http:// or https:// URL")
+        for url in urls:
+            if url not in self._where:
+                self._where[url] = f"relay {safe_url(url)}"
+        old = self._failover.url
+        if self._failover.set_urls(urls):
+            log.info(
+                "relay %s no longer serves; moving to %s", safe_url(old), self._where[self.relay]
+            )
+            if self._response is not None:
+                self._moved = True
+                self._response.close()
 
     @property
     def failovers(self) -> int:
@@ -256,6 +292,7 @@ class RelayStream:
         failover = self._failover
         while True:
             error: Exception
+            moved = False
             try:
                 await self._request(failover.url, sink)
                 failover.succeeded()
@@ -264,8 +301,13 @@ class RelayStream:
                 error = wrapped.error  # raised again below as the sink's own, unwrapped
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
                 error = exc
+                moved = self._moved  # set_relays closed the response: not a failure
+            finally:
+                self._response = None
+                self._moved = False
             self._restart_window()
-            await failover.failed(error)
+            if not moved:
+                await failover.failed(error)
 
     def _restart_window(self) -> None:
         self._assembler.reset(self._position)
@@ -309,6 +351,8 @@ class RelayStream:
                         partition=self.partition or "",
                         requested_scn=int(params.get("scn", "-1")),
                     )
+                self._response = resp
+                self._moved = False
                 if self._check is not None:
                     self._check(url, resp.headers)
                 self.learn_partition(resp.headers.get("X-Changebus-Partition"))

@@ -38,6 +38,9 @@ Position = str | int | dict[str, int] | AtTime
 #: every option the source accepts (lower case) -> what it means, for errors and docs
 OPTION_NAMES: dict[str, str] = {
     "relays": "comma-separated relay base URLs serving the same partitions (failover order)",
+    "zookeeper": "instead of relays: ZooKeeper connect string of a relay cluster (with cluster)",
+    "cluster": "the relay cluster's name: relays (and bootstrap servers) from its routing table",
+    "preferfollowers": "true: with zookeeper, read from followers first, the leader last",
     "partitions": "comma-separated physical partition names (default: every one the relay has)",
     "sources": "comma-separated logical source (table) names (default: every source)",
     "filter": "key-hash filter (mod:N:B.., range:LO:HI or slice:I/N) this query reads",
@@ -144,6 +147,13 @@ class SourceOptions:
     """What one ``format("changebus")`` query reads, and how (module docstring).
 
     * ``relays`` -- relay base URLs, tried in order (failover);
+    * ``zookeeper`` / ``cluster`` -- instead of (or besides) ``relays``: the
+      relays come from the cluster's routing table, read on the driver at
+      reader creation and again for each planning request (so the query
+      follows the table), and by each executor's consumer, which follows
+      the table while it reads; ``prefer_followers`` puts the followers
+      first. Without ``bootstrap`` the bootstrap servers registered in the
+      cluster are used;
     * ``partitions`` -- physical partitions to read (empty: all of the relay's);
     * ``sources`` -- tables to read (empty: all); ``key_filter`` a key-hash
       subset of them;
@@ -167,7 +177,7 @@ class SourceOptions:
       transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows.
     """
 
-    relays: tuple[str, ...]
+    relays: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
     partitions: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
@@ -183,10 +193,21 @@ class SourceOptions:
     request_timeout_s: float = 30.0
     include_preimage: bool = True
     mode: Literal["stream", "batch"] = field(default="stream", compare=False)
+    zookeeper: str = ""
+    cluster: str = ""
+    prefer_followers: bool = False
 
     def __post_init__(self) -> None:
-        if not self.relays:
-            raise ConfigError("option relays: give at least one relay URL")
+        if bool(self.zookeeper.strip()) != bool(self.cluster.strip()):
+            raise ConfigError(
+                "options zookeeper and cluster go together: give the ZooKeeper connect string"
+                " and the cluster name"
+            )
+        if not self.relays and not self.zookeeper.strip():
+            raise ConfigError(
+                "option relays: give at least one relay URL, or the options zookeeper and"
+                " cluster to read them from a cluster's routing table"
+            )
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"option relays: {url!r} is not an http:// or https:// URL")
@@ -263,6 +284,9 @@ class SourceOptions:
             request_timeout_s=timeout_s,
             include_preimage=_bool(opts, "includepreimage", True),
             mode=mode,
+            zookeeper=opts.get("zookeeper", "").strip(),
+            cluster=opts.get("cluster", "").strip(),
+            prefer_followers=_bool(opts, "preferfollowers", False),
         )
 
     def slices(self) -> list[PartitionFilter | None]:

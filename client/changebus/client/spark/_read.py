@@ -110,6 +110,9 @@ def _config(
         auto_commit=False,
         reader_schemas=dict(tables),
         bootstrap_servers=opts.bootstrap,
+        zookeeper=opts.zookeeper,
+        cluster=opts.cluster,
+        prefer_followers=opts.prefer_followers,
     )
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -47,6 +47,7 @@ from changebus.schemas import (
     parse_stream,
 )
 
+from .._errors import RelayUnavailableError
 from .._http import response_error
 from .._info import RelayInfo, RelayQueries
 from ._options import SourceOptions
@@ -92,12 +93,58 @@ async def _with_relays(
     call: Callable[[RelayInfo], Awaitable[T]],
     urls: tuple[str, ...] = (),
 ) -> T:
-    """``call(info)`` on the first of ``urls`` (default: the relays) that answers, each once."""
+    """``call(info)`` on the first of ``urls`` (default: the relays) that answers, each once.
+
+    With ``opts.zookeeper`` the relays are read from the routing table first
+    (then the ones ``opts`` holds, in case the table lists nobody now).
+    """
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
-    urls = urls or opts.relays
-    what = "relay" if urls == opts.relays else "bootstrap server"
+    what = "bootstrap server" if urls else "relay"
+    if not urls:
+        urls = opts.relays
+        if opts.zookeeper:
+            urls = tuple(dict.fromkeys(await cluster_urls(opts, "relay") + opts.relays))
+        if not urls:
+            raise _no_relay(opts)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         return await RelayQueries(session, urls, what=what, timeout=timeout).first(call)
+
+
+def _no_relay(opts: SourceOptions) -> RelayUnavailableError:
+    return RelayUnavailableError(
+        f"no relay of cluster {opts.cluster!r} (ZooKeeper {opts.zookeeper}) serves"
+        f" {', '.join(opts.partitions) or 'any partition'}; start one or check the"
+        " options cluster and partitions"
+    )
+
+
+async def cluster_urls(opts: SourceOptions, kind: str) -> tuple[str, ...]:
+    """The URLs of ``kind`` serving ``opts.partitions``, from the cluster's routing table."""
+    from .._cluster import read_route  # kazoo only for queries of a cluster
+
+    return await read_route(
+        opts.zookeeper,
+        opts.cluster,
+        opts.partitions,
+        kind=kind,
+        prefer_followers=opts.prefer_followers,
+    )
+
+
+async def resolve_cluster(opts: SourceOptions) -> SourceOptions:
+    """``opts`` with the relays (and bootstrap servers) of its cluster filled in.
+
+    Planning time, on the driver: without ``zookeeper`` ``opts`` as it is.
+    The table's relays come first, the configured ones after them; the
+    configured bootstrap servers win over the table's.
+    """
+    if not opts.zookeeper:
+        return opts
+    relays = tuple(dict.fromkeys(await cluster_urls(opts, "relay") + opts.relays))
+    if not relays:
+        raise _no_relay(opts)
+    bootstrap = opts.bootstrap or await cluster_urls(opts, "bootstrap")
+    return replace(opts, relays=relays, bootstrap=bootstrap)
 
 
 async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:

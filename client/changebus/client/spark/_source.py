@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -63,6 +63,7 @@ from ._relay import (
     end_after_rows,
     partition_bounds,
     position_at_time,
+    resolve_cluster,
     run_sync,
     table_schemas,
 )
@@ -374,8 +375,13 @@ class ChangebusDataSource(DataSource):
         opts = SourceOptions.parse(self.options, mode="batch")  # the most permissive
         return from_arrow_schema(source_schema(opts), prefer_timestamp_ntz=True)
 
+    def _options(self, mode: Literal["stream", "batch"]) -> SourceOptions:
+        """The parsed options; with ``zookeeper`` the cluster's relays filled in (planning)."""
+        opts = SourceOptions.parse(self.options, mode=mode)
+        return run_sync(resolve_cluster(opts)) if opts.zookeeper else opts
+
     def reader(self, schema: StructType) -> DataSourceReader:
-        return ChangebusBatchReader(SourceOptions.parse(self.options, mode="batch"), schema)
+        return ChangebusBatchReader(self._options("batch"), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return ChangebusStreamReader(SourceOptions.parse(self.options, mode="stream"), schema)
+        return ChangebusStreamReader(self._options("stream"), schema)

@@ -1,0 +1,278 @@
+"""Relays and bootstrap servers from a cluster's routing table in ZooKeeper.
+
+A consumer configured with ``zookeeper`` and ``cluster`` (instead of, or
+besides, a static ``relays`` list) reads who serves its partition from the
+cluster's routing table (:class:`changebus.cluster.RoutingTable`, kept
+current by ZooKeeper watches) and follows it::
+
+    route = ClusterRoute(zookeeper, cluster, partition, prefer_followers=False)
+    await route.start()                            # a read-only ZooKeeper session
+    relays = await route.wait_relays(max_attempts, backoff)   # waits while none serves
+    remove = route.on_change(lambda relays: stream.set_relays(relays))
+    ...
+    await route.stop()
+
+Order of :meth:`ClusterRoute.relays`: the partition's leader first, then its
+followers (by member id); with ``prefer_followers`` the followers first and
+the leader last (reads move load off the member that reads the source; the
+leader stays as the last resort). Members of kind ``bootstrap`` are the
+bootstrap servers (:meth:`ClusterRoute.bootstrap_servers`). ``static`` URLs
+(a configured ``relays`` list given together with ZooKeeper) follow the
+table's, so they are used when the table lists nobody.
+
+ZooKeeper work runs in the cluster session's own worker threads, never on
+the event loop (:class:`changebus.cluster.ZkSession`). The session is
+read-only: it creates no znode (``create_paths=False``), so a client can
+watch a cluster that does not exist yet. The connect string holds no secret
+(changebus uses no ZooKeeper authentication); relay URLs are logged through
+:func:`~._http.safe_url` only.
+
+Thread-safety: on the event loop that called :meth:`ClusterRoute.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from changebus.cluster import ClusterConfig, RoutingSnapshot, RoutingTable, ZkSession
+
+from ._backoff import Backoff
+from ._errors import RelayUnavailableError
+from ._http import safe_url
+
+__all__ = ["ClusterRoute", "read_route", "relays_serving"]
+
+log = logging.getLogger(__name__)
+
+#: a member's URL must be one of these to be used (others are skipped)
+_SCHEMES = ("http://", "https://")
+
+
+def relays_serving(
+    snapshot: RoutingSnapshot, partition: str, *, prefer_followers: bool = False
+) -> tuple[str, ...]:
+    """The URLs of the relays serving ``partition`` in the order to try them (module docstring).
+
+    Members whose URL is not http(s) are skipped. The leader is the elected one; when the partition has no election (or
+    no live leader) a member whose payload says ``leader`` counts as it.
+    """
+    members = [m for m in snapshot.serving(partition) if m.url.startswith(_SCHEMES)]
+    elected = snapshot.leaders.get(partition)
+    leader = elected.member_id if elected is not None else None
+    if leader is None:
+        leader = next(
+            (m.member_id for m in members if m.partitions[partition].role == "leader"), None
+        )
+    members.sort(key=lambda m: (m.member_id == leader) == prefer_followers)
+    return tuple(dict.fromkeys(m.url.rstrip("/") for m in members))
+
+
+class ClusterRoute:
+    """One partition's relays and bootstrap servers, from a cluster (module docstring)."""
+
+    def __init__(
+        self,
+        zookeeper: str,
+        cluster: str,
+        partition: str,
+        *,
+        prefer_followers: bool = False,
+        static: tuple[str, ...] = (),
+        session_timeout_s: float = 10.0,
+        connect_timeout_s: float = 15.0,
+    ) -> None:
+        self.partition = partition
+        self.prefer_followers = prefer_followers
+        self.static = static
+        self.session = ZkSession(
+            ClusterConfig(
+                zookeeper=zookeeper,
+                name=cluster,
+                session_timeout_s=session_timeout_s,
+                connect_timeout_s=connect_timeout_s,
+            )
+        )
+        self.table = RoutingTable(self.session, create_paths=False)
+        self._removers: list[Callable[[], None]] = []
+
+    @property
+    def where(self) -> str:
+        """The cluster, as named in messages."""
+        cfg = self.session.config
+        return f"cluster {cfg.name!r} (ZooKeeper {cfg.zookeeper})"
+
+    async def start(self) -> None:
+        """Connect and read the table (raises a retriable ``CoordinationError``)."""
+        await self.session.start()
+        try:
+            await self.table.start()
+        except BaseException:
+            await self.session.stop()
+            raise
+
+    async def stop(self) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        await self.table.stop()
+        await self.session.stop()
+
+    def relays(self, snapshot: RoutingSnapshot | None = None) -> tuple[str, ...]:
+        """The relays to try now, in order (then the static ones not listed)."""
+        snap = snapshot if snapshot is not None else self.table.snapshot()
+        found = relays_serving(snap, self.partition, prefer_followers=self.prefer_followers)
+        return tuple(dict.fromkeys(found + self.static))
+
+    def bootstrap_servers(self) -> tuple[str, ...]:
+        """The bootstrap servers the table lists for the partition (registration order: by id)."""
+        snap = self.table.snapshot()
+        found = [m.url.rstrip("/") for m in snap.serving(self.partition, "bootstrap") if m.url]
+        if not found:  # a bootstrap server may register without naming partitions
+            found = [
+                m.url.rstrip("/")
+                for _, m in sorted(snap.members.items())
+                if m.kind == "bootstrap" and m.url and not m.partitions
+            ]
+        return tuple(dict.fromkeys(found))
+
+    async def wait_relays(self, max_attempts: int, backoff: Backoff) -> tuple[str, ...]:
+        """The relays serving the partition, waiting while there are none.
+
+        Each wait of one backoff delay without a relay counts one attempt;
+        ``max_attempts`` of them (0: no limit) raise
+        :class:`~changebus.client.RelayUnavailableError`.
+        """
+        attempts = 0
+        while True:
+            snapshot = self.table.snapshot()
+            relays = self.relays(snapshot)
+            if relays:
+                if attempts:
+                    log.info(
+                        "%s: partition %s is served by %s",
+                        self.where,
+                        self.partition,
+                        ", ".join(safe_url(u) for u in relays),
+                    )
+                return relays
+            attempts += 1
+            if max_attempts and attempts >= max_attempts:
+                raise RelayUnavailableError(
+                    f"no relay of {self.where} serves partition {self.partition!r}"
+                    f" after {attempts} attempts; start one or check the cluster name"
+                )
+            delay = backoff.next_delay()
+            if attempts == 1:
+                log.warning(
+                    "no relay of %s serves partition %s yet; waiting for one to register",
+                    self.where,
+                    self.partition,
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self.table.wait_changed(snapshot.version)
+
+    def on_change(
+        self, callback: Callable[[tuple[str, ...]], None], initial: tuple[str, ...]
+    ) -> None:
+        """Call ``callback(relays)`` whenever the partition's relays differ from the last ones.
+
+        ``initial`` is the list the caller started with (a change since then
+        is passed on at once). An empty list is not passed on (the last known
+        relays are kept and fail over among themselves until someone
+        registers); it is logged. Removed by :meth:`stop`.
+        """
+        self._follow(self.relays, callback, initial, "relay")
+
+    def on_bootstrap_change(
+        self, callback: Callable[[tuple[str, ...]], None], initial: tuple[str, ...]
+    ) -> None:
+        """The same as :meth:`on_change` for the registered bootstrap servers."""
+        self._follow(lambda _snap: self.bootstrap_servers(), callback, initial, "bootstrap server")
+
+    def _follow(
+        self,
+        compute: Callable[[RoutingSnapshot], tuple[str, ...]],
+        callback: Callable[[tuple[str, ...]], None],
+        initial: tuple[str, ...],
+        what: str,
+    ) -> None:
+        last = [initial]
+
+        def changed(snapshot: RoutingSnapshot) -> None:
+            urls = compute(snapshot)
+            if urls == last[0]:
+                return
+            last[0] = urls
+            if not urls:
+                log.warning(
+                    "%s lists no %s for partition %s now; keeping the last known ones",
+                    self.where,
+                    what,
+                    self.partition,
+                )
+                return
+            log.info(
+                "%s: partition %s: %s %s",
+                self.where,
+                self.partition,
+                what,
+                ", ".join(safe_url(u) for u in urls),
+            )
+            callback(urls)
+
+        self._removers.append(self.table.add_listener(changed))
+        changed(self.table.snapshot())
+
+
+async def read_route(
+    zookeeper: str,
+    cluster: str,
+    partitions: tuple[str, ...],
+    *,
+    kind: str = "relay",
+    prefer_followers: bool = False,
+    session_timeout_s: float = 10.0,
+) -> tuple[str, ...]:
+    """One look at the routing table: the URLs of ``kind`` serving ``partitions``.
+
+    For planners that ask once per decision (the Spark driver): the members
+    serving every partition named (all the table knows when none is), each
+    partition's in :func:`relays_serving` order, without duplicates. For
+    ``bootstrap`` also the bootstrap servers that name no partition.
+    """
+    route = ClusterRoute(
+        zookeeper,
+        cluster,
+        partitions[0] if partitions else "",
+        prefer_followers=prefer_followers,
+        session_timeout_s=session_timeout_s,
+    )
+    await route.start()
+    try:
+        snap = route.table.snapshot()
+    finally:
+        await route.stop()
+    names = partitions or tuple(
+        sorted(
+            set(snap.partitions).union(
+                *(m.partitions for m in snap.members.values() if m.kind == kind)
+            )
+        )
+    )
+    found: list[str] = []
+    for p in names:
+        if kind == "relay":
+            found.extend(relays_serving(snap, p, prefer_followers=prefer_followers))
+        else:
+            found.extend(m.url.rstrip("/") for m in snap.serving(p, kind) if m.url)
+    if kind != "relay":
+        found.extend(
+            m.url.rstrip("/")
+            for _, m in sorted(snap.members.items())
+            if m.kind == kind and m.url and not m.partitions
+        )
+    return tuple(dict.fromkeys(found))
