@@ -251,6 +251,20 @@ def stream_bytes(r: RelayProc, after: int) -> tuple[bytes, list[int]]:
         scn = int(headers["X-Changebus-Next-Scn"])
 
 
+async def new_leader(c: Cluster, above: int, seconds: float = 20) -> RelayProc:
+    """Wait for a streaming leader of an epoch above ``above``; returns it."""
+    found: list[RelayProc] = []
+
+    def look() -> bool:
+        leader = c.leader(above=above)
+        if leader is not None:
+            found.append(leader)
+        return leader is not None
+
+    await wait_until(look, seconds, f"a leader above epoch {above}")
+    return found[-1]
+
+
 async def all_hold(relays: list[RelayProc], scn: int, seconds: float = 30) -> None:
     await wait_until(
         lambda: all((st := r.status()) is not None and st["max_scn"] >= scn for r in relays),
@@ -342,10 +356,9 @@ async def test_kill_9_of_the_leader_under_a_writer(cluster: Cluster) -> None:
         killed_at = time.monotonic()
         leader.proc.kill()
         leader.proc.wait(10)
-        await wait_until(lambda: cluster.leader(above=epoch) is not None, 20, "a new leader")
+        new = await new_leader(cluster, epoch)
         failover = time.monotonic() - killed_at
-        new = cluster.leader(above=epoch)
-        assert new is not None and new is not leader
+        assert new is not leader
         before = w.committed
         await wait_until(lambda: w.committed >= before + 150, 30, "150 more transactions")
     target[0] = marker(cluster.dsn)
@@ -386,10 +399,9 @@ async def test_sigstop_leader_is_fenced_and_steps_down(cluster: Cluster) -> None
         stopped_at = time.monotonic()
         os.kill(old.proc.pid, signal.SIGSTOP)
         old.stopped = True
-        await wait_until(lambda: cluster.leader(above=epoch) is not None, 20, "a new leader")
+        new = await new_leader(cluster, epoch)
         takeover = time.monotonic() - stopped_at
-        new = cluster.leader(above=epoch)
-        assert new is not None and new is not old
+        assert new is not old
         new_epoch = cluster.epoch(new)
         # the new leader holds the slot; the paused one's walsender was ended
         await wait_until(lambda: len(walsenders(cluster.dsn)) == 1, 10, "one walsender")

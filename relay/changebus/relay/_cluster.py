@@ -62,6 +62,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -347,7 +348,11 @@ class PartitionRole:
 
 
 def _terminate_slot_holder(dsn: str, slot: str) -> int | None:
-    """Terminate the backend holding ``slot`` (blocking; a worker thread). Its pid or None."""
+    """Terminate the backend holding ``slot`` and wait (2 s at most) until it let go.
+
+    Blocking: a worker thread. Returns the ended backend's pid, None when the
+    slot was free.
+    """
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
@@ -356,7 +361,18 @@ def _terminate_slot_holder(dsn: str, slot: str) -> int | None:
             " WHERE slot_name = %s AND active_pid IS NOT NULL",
             (slot,),
         ).fetchone()
-    return int(row[0]) if row else None
+        if row is None:
+            return None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            held = conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
+                (slot, row[0]),
+            ).fetchone()
+            if held is None:
+                break
+            time.sleep(0.02)
+    return int(row[0])
 
 
 class ClusterMember:
