@@ -28,16 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psycopg
 import pytest
 
 from changebus.client import ChangeOp, Consumer, ConsumerConfig
+from changebus.cluster import ClusterConfig
+from changebus.fetchers.mysql import EmbeddedMariaDB
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Op, lsn_to_scn, parse_stream
+from fix_mysql import master_scn
 from fix_pg import wait_until
+from fix_zk import ZkServer
 
-pytestmark = pytest.mark.pg
+pytestmark = pytest.mark.zk
 
-PART = "pg"
+PART = "main"
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
     **os.environ,
@@ -117,7 +123,15 @@ class Cluster:
         return int(st.get("epoch", 0))
 
 
-def write_config(r: RelayProc, dsn: str, slot: str, zk: str, cluster: str) -> Path:
+def pg_source(dsn: str, slot: str) -> str:
+    return (
+        f'kind = "postgres"\n'
+        f'options = {{ dsn = "{dsn}", slot = "{slot}", status_interval_s = 0.2 }}\n'
+    )
+
+
+def write_config(r: RelayProc, source: str, zk: str, cluster: str) -> Path:
+    """``source``: the body of ``[partitions.fetcher]`` (kind and options)."""
     cfg = r.base / "relay.toml"
     r.base.mkdir(parents=True, exist_ok=True)
     cfg.write_text(
@@ -126,8 +140,7 @@ def write_config(r: RelayProc, dsn: str, slot: str, zk: str, cluster: str) -> Pa
         f'[cluster]\nzookeeper = "{zk}"\nname = "{cluster}"\nmember_id = "{r.name}"\n'
         f"session_timeout_s = 2.0\n"
         f'[[partitions]]\nname = "{PART}"\nid = 1\ncapacity_bytes = "16MiB"\n'
-        f'[partitions.fetcher]\nkind = "postgres"\nretry_initial_s = 0.1\nretry_max_s = 1.0\n'
-        f'options = {{ dsn = "{dsn}", slot = "{slot}", status_interval_s = 0.2 }}\n'
+        f"[partitions.fetcher]\nretry_initial_s = 0.1\nretry_max_s = 1.0\n{source}"
     )
     return cfg
 
@@ -150,6 +163,16 @@ def start(r: RelayProc) -> None:
     r.stopped = False
 
 
+def stop_all(relays: list[RelayProc]) -> None:
+    for r in relays:
+        if r.proc is not None and r.proc.poll() is None:
+            if r.stopped:
+                os.kill(r.proc.pid, signal.SIGCONT)
+            r.proc.kill()
+        if r.proc is not None:
+            r.proc.wait(10)
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, pg_dsn: str, zk_hosts: str, zk_cluster: str) -> Iterator[Cluster]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -157,20 +180,14 @@ def cluster(tmp_path: Path, pg_dsn: str, zk_hosts: str, zk_cluster: str) -> Iter
     slot = f"cb_{uuid.uuid4().hex[:10]}"
     relays = [RelayProc(f"r{i}", _free_port(), tmp_path / f"r{i}") for i in range(3)]
     for r in relays:
-        write_config(r, pg_dsn, slot, zk_hosts, zk_cluster)
+        write_config(r, pg_source(pg_dsn, slot), zk_hosts, zk_cluster)
     for r in relays:
         start(r)
     c = Cluster(relays, pg_dsn, slot)
     try:
         yield c
     finally:
-        for r in relays:
-            if r.proc is not None and r.proc.poll() is None:
-                if r.stopped:
-                    os.kill(r.proc.pid, signal.SIGCONT)
-                r.proc.kill()
-            if r.proc is not None:
-                r.proc.wait(10)
+        stop_all(relays)
         # the walsenders of killed relays must be gone before the database is dropped
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and walsenders(pg_dsn):
@@ -239,7 +256,8 @@ class Writer:
 
 def stream_bytes(r: RelayProc, after: int) -> tuple[bytes, list[int]]:
     """Everything ``r`` holds after SCN ``after``: the raw bytes and the window SCNs."""
-    body, scns, scn = b"", [], after
+    body, scn = b"", after
+    scns: list[int] = []
     while True:
         code, headers, chunk = r.get(f"/v1/stream?partition={PART}&scn={scn}&max_bytes=4000000")
         if code == 204:
@@ -309,6 +327,7 @@ def identical(relays: list[RelayProc]) -> int:
     return len(streams[0][1])
 
 
+@pytest.mark.pg
 async def test_three_relays_one_slot_reader_identical_bytes(cluster: Cluster) -> None:
     leader = await settled(cluster)
     with Writer(cluster.dsn, rate=400) as w:
@@ -327,6 +346,7 @@ async def test_three_relays_one_slot_reader_identical_bytes(cluster: Cluster) ->
     assert f'changebus_relay_partition_epoch{{partition="{PART}"}}' in text
 
 
+@pytest.mark.pg
 async def test_kill_9_of_the_leader_under_a_writer(cluster: Cluster) -> None:
     leader = await settled(cluster)
     epoch = cluster.epoch(leader)
@@ -381,7 +401,7 @@ async def test_kill_9_of_the_leader_under_a_writer(cluster: Cluster) -> None:
                     ids.append(key)
                 replica[key] = int(e.after["v"])
     with psycopg.connect(cluster.dsn) as conn:
-        source = dict(conn.execute("SELECT id, v FROM t").fetchall())
+        source: dict[int, int] = dict(conn.execute("SELECT id, v FROM t").fetchall())
     assert sorted(ids) == list(range(len(source)))  # every transaction, once
     assert replica == source
     survivors = [r for r in cluster.relays if r is not leader]
@@ -390,6 +410,7 @@ async def test_kill_9_of_the_leader_under_a_writer(cluster: Cluster) -> None:
     identical(survivors)
 
 
+@pytest.mark.pg
 async def test_sigstop_leader_is_fenced_and_steps_down(cluster: Cluster) -> None:
     old = await settled(cluster)
     epoch = cluster.epoch(old)
@@ -444,3 +465,193 @@ async def test_sigstop_leader_is_fenced_and_steps_down(cluster: Cluster) -> None
     with psycopg.connect(cluster.dsn) as conn:
         (count,) = conn.execute("SELECT count(*) FROM t").fetchone() or (0,)
     assert count == w.committed
+
+
+# ---- MariaDB: one binlog reader, a server id per member -----------------------------
+
+
+def binlog_dumps(server: EmbeddedMariaDB) -> int:
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%'"
+            )
+            (count,) = cur.fetchone()
+    finally:
+        conn.close()
+    return int(count)
+
+
+def my_rows(server: EmbeddedMariaDB, db: str, start: int, count: int) -> None:
+    conn = server.connect(db)
+    try:
+        with conn.cursor() as cur:
+            for i in range(start, start + count):
+                cur.execute("INSERT INTO t VALUES (%s, %s)", (i, i * 3))
+    finally:
+        conn.close()
+
+
+@pytest.mark.mysql
+async def test_mariadb_one_binlog_reader_unique_server_ids(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str, zk_hosts: str, zk_cluster: str
+) -> None:
+    my_rows_table = mysql_server.connect(mysql_db)
+    try:
+        with my_rows_table.cursor() as cur:
+            cur.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    finally:
+        my_rows_table.close()
+    source = (
+        'kind = "mysql"\n'
+        f'options = {{ host = "127.0.0.1", port = {mysql_server.port}, user = "root", '
+        f'databases = ["{mysql_db}"] }}\n'
+    )
+    relays = [RelayProc(f"m{i}", _free_port(), tmp_path / f"m{i}") for i in range(3)]
+    for r in relays:
+        write_config(r, source, zk_hosts, zk_cluster)
+        start(r)
+    c = Cluster(relays, "", "")
+    try:
+        leader = await settled(c)
+        epoch = c.epoch(leader)
+        await asyncio.to_thread(my_rows, mysql_server, mysql_db, 0, 100)
+        await wait_until(lambda: binlog_dumps(mysql_server) >= 1, 10, "a binlog reader")
+        await asyncio.sleep(0.5)
+        assert binlog_dumps(mysql_server) == 1
+        st = leader.status()
+        assert st is not None
+        first_id = st["fetcher"]["server_id"]
+        assert leader.proc is not None
+        leader.proc.kill()
+        leader.proc.wait(10)
+        new = await new_leader(c, epoch)
+        await asyncio.to_thread(my_rows, mysql_server, mysql_db, 100, 100)
+        st = new.status()
+        assert st is not None
+        assert st["fetcher"]["server_id"] != first_id
+        survivors = [r for r in relays if r is not leader]
+        end = await asyncio.to_thread(_master_scn, mysql_server)
+        await all_hold(survivors, end)
+        assert identical(survivors) >= 100
+        _body, scns = stream_bytes(new, -1)
+        assert scns == sorted(set(scns))
+        await wait_until(lambda: binlog_dumps(mysql_server) == 1, 10, "one binlog reader")
+    finally:
+        stop_all(relays)
+
+
+def _master_scn(server: EmbeddedMariaDB) -> int:
+    return int(master_scn(server))
+
+
+def aiohttp_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession()
+
+
+# ---- ZooKeeper restarted under load ---------------------------------------------------
+
+
+@pytest.mark.pg
+async def test_zookeeper_restart_under_load(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+
+    def config(name: str) -> RelayConfig:
+        source = FetcherConfig(
+            "postgres",
+            {"dsn": pg_dsn, "slot": slot, "status_interval_s": 0.2},
+            retry_initial_s=0.1,
+            retry_max_s=1.0,
+        )
+        return RelayConfig(
+            data_dir=tmp_path / name,
+            http=HttpConfig(port=0, max_wait_s=10),
+            partitions=(PartitionConfig(PART, 1, capacity_bytes=16 << 20, fetcher=source),),
+            flush_interval_s=0,
+            cluster=ClusterConfig(
+                zookeeper=zk_server.hosts, name=zk_cluster, member_id=name, session_timeout_s=2.0
+            ),
+        )
+
+    async with Relay(config("a")) as a, Relay(config("b")) as b:
+        hosts = [a.hosts[PART], b.hosts[PART]]
+        await wait_until(
+            lambda: (
+                sorted(h.role for h in hosts) == ["follower", "leader"]
+                and all(h.state == "streaming" for h in hosts)
+            ),
+            30,
+            "a leader and a follower",
+        )
+        leader = a if a.hosts[PART].role == "leader" else b
+        epoch = leader.hosts[PART].epoch or 0
+        with Writer(pg_dsn, rate=200) as w:
+            await wait_until(lambda: w.committed >= 100, 30, "100 transactions")
+            await asyncio.to_thread(zk_server.stop)
+            host = leader.hosts[PART]
+            await wait_until(lambda: host.state == "fenced", 10, "the leader fenced")
+            async with aiohttp_session() as http:
+                async with http.get(f"{leader.url}/readyz") as resp:
+                    assert resp.status == 503
+                    body = await resp.json()
+                assert body["partitions"][PART].startswith("fenced: stepped down")
+                async with http.get(f"{leader.url}/metrics") as resp:
+                    text = await resp.text()
+                assert (
+                    f'changebus_relay_partition_leader{{partition="{PART}",role="follower"}} 0.0'
+                    in text
+                )
+                for r in (a, b):  # both keep serving what they hold
+                    async with http.get(f"{r.url}/v1/stream?partition={PART}&scn=-1") as resp:
+                        assert resp.status == 200
+            # nobody acknowledges the slot while nobody can prove it leads
+            await wait_until(lambda: not walsenders(pg_dsn), 10, "the source closed")
+            confirmed = slot_state(pg_dsn, slot)[1]
+            await asyncio.sleep(1.0)
+            assert slot_state(pg_dsn, slot)[1] == confirmed
+            await asyncio.to_thread(zk_server.start)
+            await wait_until(
+                lambda: (
+                    any(h.role == "leader" and h.state == "streaming" for h in hosts)
+                    and all(h.state == "streaming" for h in hosts)
+                    and all((h.epoch or 0) > epoch for h in hosts)
+                ),
+                60,
+                "a new leader after ZooKeeper came back",
+            )
+            # both are registered (again, or still: ZooKeeper restores unexpired sessions)
+            # with the new epoch, as every member sees them
+            new_epoch = max(h.epoch or 0 for h in hosts)
+
+            def registered() -> bool:
+                for r in (a, b):
+                    assert r.cluster is not None
+                    members = r.cluster.table.snapshot().members
+                    if sorted(members) != ["a", "b"]:
+                        return False
+                    if any(m.partitions[PART].epoch != new_epoch for m in members.values()):
+                        return False
+                return True
+
+            await wait_until(registered, 20, "both registered with the new epoch")
+            before = w.committed
+            await wait_until(lambda: w.committed >= before + 100, 30, "100 more transactions")
+        end = marker(pg_dsn)
+        await wait_until(lambda: all(h.buffer.meta.last_scn >= end for h in hosts), 30, "caught up")
+        leader = a if a.hosts[PART].role == "leader" else b
+        windows: list[Any] = []
+        cfg = ConsumerConfig(relays=(a.url, b.url), partition=PART, start="earliest", wait_s=0.5)
+        async with asyncio.timeout(60), Consumer(cfg) as consumer:
+            async for window in consumer:
+                windows.append(window)
+                if window.scn >= end:
+                    break
+    scns = [win.scn for win in windows]
+    assert scns == sorted(set(scns))
+    ids = sorted(int(e.key["id"]) for win in windows for e in win.events if e.op == ChangeOp.INSERT)
+    assert ids == list(range(w.committed))
