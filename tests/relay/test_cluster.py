@@ -31,9 +31,10 @@ from typing import Any
 import aiohttp
 import psycopg
 import pytest
+from kazoo.client import KazooClient
 
 from changebus.client import ChangeOp, Consumer, ConsumerConfig
-from changebus.cluster import ClusterConfig
+from changebus.cluster import ClusterConfig, member_path
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Op, lsn_to_scn, parse_stream
@@ -104,6 +105,8 @@ class Cluster:
     relays: list[RelayProc]
     dsn: str
     slot: str
+    zk: str = ""
+    name: str = ""
 
     def leader(self, *, above: int = 0) -> RelayProc | None:
         for r in self.relays:
@@ -183,7 +186,7 @@ def cluster(tmp_path: Path, pg_dsn: str, zk_hosts: str, zk_cluster: str) -> Iter
         write_config(r, pg_source(pg_dsn, slot), zk_hosts, zk_cluster)
     for r in relays:
         start(r)
-    c = Cluster(relays, pg_dsn, slot)
+    c = Cluster(relays, pg_dsn, slot, zk_hosts, zk_cluster)
     try:
         yield c
     finally:
@@ -344,6 +347,50 @@ async def test_three_relays_one_slot_reader_identical_bytes(cluster: Cluster) ->
     text = body.decode()
     assert f'changebus_relay_partition_leader{{partition="{PART}",role="leader"}} 1.0' in text
     assert f'changebus_relay_partition_epoch{{partition="{PART}"}}' in text
+
+
+@pytest.mark.pg
+async def test_the_slot_never_passes_a_live_follower(cluster: Cluster) -> None:
+    """The leader acknowledges no further than a paused follower holds, until its node goes."""
+    leader = await settled(cluster)
+    follower = next(r for r in cluster.relays if r is not leader)
+    assert follower.proc is not None
+
+    def held() -> int:
+        """The SCN the follower registered it holds (its own ZooKeeper node)."""
+        zk = KazooClient(hosts=cluster.zk)
+        zk.start(10)
+        try:
+            data, _stat = zk.get(member_path(cluster.name, follower.name))
+        finally:
+            zk.stop()
+            zk.close()
+        return int(json.loads(data)["partitions"][PART]["max_scn"])
+
+    with Writer(cluster.dsn, rate=200) as w:
+        await wait_until(lambda: w.committed >= 50, 30, "50 transactions")
+        os.kill(follower.proc.pid, signal.SIGSTOP)
+        follower.stopped = True
+        await asyncio.sleep(0.3)
+        position = await asyncio.to_thread(held)
+        lacking = [scn for scn in stream_bytes(leader, position)[1] if scn > position]
+        # while the paused follower's member node lives (2 s session), the slot stays behind
+        deadline = time.monotonic() + 1.2
+        while time.monotonic() < deadline:
+            confirmed = slot_state(cluster.dsn, cluster.slot)[1]
+            lacking = lacking or [s for s in stream_bytes(leader, position)[1] if s > position]
+            if lacking:
+                assert confirmed <= lacking[0], "the slot passed what a live follower holds"
+            await asyncio.sleep(0.1)
+        assert lacking, "the writer ran: the follower must lack windows"
+        # its session expires: it holds nothing back any more
+        await wait_until(
+            lambda: slot_state(cluster.dsn, cluster.slot)[1] > lacking[0], 15, "the slot released"
+        )
+        os.kill(follower.proc.pid, signal.SIGCONT)
+        follower.stopped = False
+    await all_hold(cluster.relays, marker(cluster.dsn))
+    identical(cluster.relays)
 
 
 @pytest.mark.pg

@@ -33,15 +33,17 @@ acknowledging, and the role steps down. Losing ZooKeeper ends the lease
 while it cannot prove it leads; everyone keeps serving what it holds.
 
 No window lost at failover (Postgres). The leader acknowledges the source
-no further than the lowest position held by the live followers of the
-partition (:meth:`PartitionRole.follower_hold`): per follower the higher of
-its registered ``max_scn`` and the SCN of its latest ``/v1/stream`` request
-(client id ``relay-follower-<member>``); both are positions it holds, never
-beyond. A follower whose member node is gone holds nothing back. So the
-slot's confirmed position never passes what any live follower holds, and
-whichever follower wins the next election finds every window after its own
-newest SCN still in the slot; the Postgres fetcher resumes right after that
-SCN and drops what it holds already (SCNs are commit LSNs: the re-read
+no further than the lowest SCN held by the live followers of the partition
+(:meth:`PartitionRole.follower_hold`): each follower's ``max_scn`` as it
+registers it itself (its buffer's newest window, published within about
+``_TICK_S + _REGISTRY_INTERVAL_S``: it lags, never leads). The positions
+of its ``/v1/stream`` requests are *not* used: a follow response moves the
+position the leader sees as windows are *sent*, before the follower has
+appended them. A follower whose member node is gone holds nothing back. So
+the slot's confirmed position never passes what any live follower holds,
+and whichever follower wins the next election finds every window after its
+own newest SCN still in the slot; the Postgres fetcher resumes right after
+that SCN and drops what it holds already (SCNs are commit LSNs: the re-read
 windows have the same SCNs and bytes). A periodic catch-up
 (:meth:`~._host.PartitionHost.acknowledge_held`, every ``_TICK_S``) releases
 what the hold kept back once the followers caught up.
@@ -322,7 +324,6 @@ class PartitionRole:
     def follower_hold(self) -> int:
         """The lowest SCN held by a live follower of this partition (no follower: no limit)."""
         snapshot = self.member.table.snapshot()
-        consumers = self.host.consumers
         hold: int | None = None
         for member_id, info in snapshot.members.items():
             if member_id == self.member_id or info.kind != "relay":
@@ -330,11 +331,7 @@ class PartitionRole:
             state = info.partitions.get(self.name)
             if state is None or state.role != "follower":
                 continue
-            position = state.max_scn
-            seen = consumers.get(FOLLOWER_CLIENT.format(member=member_id))
-            if seen is not None and seen.scn > position:
-                position = seen.scn
-            hold = position if hold is None else min(hold, position)
+            hold = state.max_scn if hold is None else min(hold, state.max_scn)
         return (1 << 63) - 1 if hold is None else hold
 
     def state(self) -> PartitionState:
