@@ -161,11 +161,21 @@ class PartitionRole:
         self._task = asyncio.create_task(self._run(), name=f"cluster-role-{self.name}")
 
     async def stop(self) -> None:
+        """Stop switching, close the partition's fetcher, then leave the election.
+
+        In that order: a leader closes the source before a successor can be
+        elected, so two readers never overlap on a graceful stop.
+        """
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.plan[0] != "none" or self.host.fetcher is not None:
+            try:
+                await self.host.switch_fetcher(FetcherConfig())
+            finally:
+                self.plan = ("none", 0, "")
         await self.election.stop()
 
     def kick(self) -> None:
@@ -423,11 +433,10 @@ class ClusterMember:
             self._remove_listener()
             self._remove_listener = None
         for role in self.roles.values():
-            with contextlib.suppress(Exception):
+            try:
                 await role.stop()
-            if role.plan[0] != "none":
-                with contextlib.suppress(Exception):
-                    await role.host.switch_fetcher(FetcherConfig())
+            except Exception:
+                log.exception("partition %s: leaving the election failed", role.name)
         with contextlib.suppress(Exception):
             await self.table.stop()
         with contextlib.suppress(Exception):
