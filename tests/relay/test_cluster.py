@@ -743,3 +743,26 @@ async def test_zookeeper_restart_under_load(
     assert scns == sorted(set(scns))
     ids = sorted(int(e.key["id"]) for win in windows for e in win.events if e.op == ChangeOp.INSERT)
     assert ids == list(range(w.committed))
+
+
+# ---- configuration -------------------------------------------------------------------
+
+
+def test_cluster_table_in_the_relay_config(tmp_path: Path) -> None:
+    from changebus.relay._cluster import member_server_id
+    from changebus.schemas import ConfigError
+    from changebus.schemas.config import load_config
+
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        '[cluster]\nzookeeper = "127.0.0.1:2181"\nname = "prod"\nmember_id = "r1"\n'
+        "session_timeout_s = 3.0\n"
+    )
+    config = load_config(RelayConfig, cfg, env={})
+    assert config.cluster == ClusterConfig("127.0.0.1:2181", "prod", "r1", session_timeout_s=3.0)
+    assert load_config(RelayConfig, None, env={}).cluster is None  # stand-alone as before
+    cfg.write_text('[cluster]\nzookeeper = "127.0.0.1:2181"\nname = "prod"\n')
+    with pytest.raises(ConfigError, match="member_id"):
+        load_config(RelayConfig, cfg, env={})
+    ids = {member_server_id(m, "main") for m in ("r0", "r1", "r2", "relay-a", "relay-b")}
+    assert len(ids) == 5 and all(0x4352_0000 <= i <= 0x4352_FFFF for i in ids)
