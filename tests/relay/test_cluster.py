@@ -642,6 +642,7 @@ def aiohttp_session() -> aiohttp.ClientSession:
 
 
 @pytest.mark.pg
+@pytest.mark.usefixtures("no_blocking")
 async def test_zookeeper_restart_under_load(
     tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
 ) -> None:

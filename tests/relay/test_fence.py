@@ -12,9 +12,12 @@ import threading
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from fix_pg import wait_until
+
+pytestmark = pytest.mark.usefixtures("no_blocking")
 
 SYN = FetcherConfig(
     "synthetic", {"windows_per_s": 500, "events_per_window": 2, "row_bytes": 50, "keys": 100}
