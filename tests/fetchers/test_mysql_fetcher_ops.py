@@ -353,7 +353,8 @@ def test_relay_killed_with_9_mid_stream_loses_and_repeats_nothing(
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
-            str(ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")
+            str(ROOT / s)
+            for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
         ),
     }
     proc = subprocess.Popen(

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(
-        str(ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")
+        str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
     ),
 }
 

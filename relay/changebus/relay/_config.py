@@ -20,6 +20,13 @@ Example::
 Environment overrides use the prefix ``CHANGEBUS_RELAY_`` (for example
 ``CHANGEBUS_RELAY_HTTP__PORT=9000``); ``--set http.port=9000`` on the command
 line wins over both. Sizes are bytes (``"64MiB"`` accepted), durations seconds.
+
+A ``[cluster]`` table (:class:`changebus.cluster.ClusterConfig`) makes the
+relay a member of a relay cluster (``docs/cluster.md``): per partition it
+stands for election, leads with the configured fetcher (the *source*) or
+follows the leader by chaining. ``advertised_url`` defaults to the relay's
+own URL and ``member_id`` is then required. Without the table the relay
+works alone, as always.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
 
@@ -113,8 +121,12 @@ class RelayConfig:
     gil_switch_interval_s: float = 0.0005
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: membership of a relay cluster (None: a stand-alone relay)
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.cluster is not None and not self.cluster.member_id:
+            raise ConfigError("cluster.member_id is required for a relay in a cluster")
         names = [p.name for p in self.partitions]
         ids = [p.id for p in self.partitions]
         if len(set(names)) != len(names) or len(set(ids)) != len(ids):

@@ -7,13 +7,18 @@ order, then the periodic msync of the buffers. Stopping runs them backwards
 after the listener closed and the requests in flight finished: flushing
 stops, then the partitions close in reverse order (fetchers stop, buffers are
 msynced and unmapped). A failed or cancelled start-up closes the partitions
-it had opened. :func:`run` is the daemon's main (:func:`~changebus.schemas.server.serve`:
+it had opened. With a ``[cluster]`` table the partitions open without their
+fetchers; once the relay listens (its URL is known: the default advertised
+URL) a :class:`~._cluster.ClusterMember` joins the cluster and decides per
+partition whether the source fetcher or a chain to the leader runs; it
+leaves first when the relay stops. :func:`run` is the daemon's main (:func:`~changebus.schemas.server.serve`:
 SIGTERM/SIGINT stop it gracefully, during start-up too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +30,8 @@ from aiohttp import web
 from changebus.schemas.config import redacted
 from changebus.schemas.server import Server, serve
 
-from ._config import PartitionConfig, RelayConfig
+from ._cluster import ClusterMember
+from ._config import FetcherConfig, PartitionConfig, RelayConfig
 from ._host import PartitionHost
 from ._http import build_app
 
@@ -66,6 +72,8 @@ class Relay:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self.hosts: dict[str, PartitionHost] = {}
+        #: the cluster membership while started with a ``[cluster]`` table
+        self.cluster: ClusterMember | None = None
         app = build_app(config, self.hosts)
         app.cleanup_ctx.append(self._partitions)
         if config.flush_interval_s > 0:
@@ -88,6 +96,8 @@ class Relay:
         try:
             await asyncio.to_thread(cfg.data_dir.mkdir, parents=True, exist_ok=True)
             for part in cfg.partitions:
+                if cfg.cluster is not None:  # the cluster member starts the fetchers
+                    part = dataclasses.replace(part, fetcher=FetcherConfig())
                 host = await _open_host(part, cfg.data_dir)
                 self.hosts[part.name] = host
                 await host.start()
@@ -116,11 +126,33 @@ class Relay:
                 host.flush()
 
     async def start(self) -> None:
-        """Open the partitions, then listen (stops what it started when it fails)."""
+        """Open the partitions, listen, join the cluster (stops what it started when it fails)."""
         await self.server.start()
+        cluster = self.config.cluster
+        if cluster is None:
+            return
+        if not cluster.advertised_url:
+            cluster = dataclasses.replace(cluster, advertised_url=self.url)
+        sources = {p.name: p.fetcher for p in self.config.partitions}
+        member = ClusterMember(cluster, self.hosts, sources)
+        try:
+            await member.start()
+        except BaseException:
+            await self.server.stop()
+            raise
+        self.cluster = member
 
     async def stop(self) -> None:
-        """Stop listening, finish the requests, close the partitions. Idempotent."""
+        """Leave the cluster, stop listening, finish the requests, close the partitions.
+
+        Idempotent.
+        """
+        member, self.cluster = self.cluster, None
+        if member is not None:
+            try:
+                await member.stop()
+            except Exception:
+                log.exception("leaving the cluster failed")
         await self.server.stop()
 
     async def __aenter__(self) -> Self:

@@ -15,6 +15,15 @@ only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
 
+Fencing (relay clusters, :mod:`._cluster`). While :attr:`PartitionHost.fence`
+is set (the partition leads), the writer asks ``fence.admit()`` once per
+group, right before appending it, and the ingest asks ``fence.ack_scn(scn)``
+right before acknowledging it (one call each per group, never per event).
+A refusal stops the ingest on the spot: the group is neither appended nor
+acknowledged, the source fetcher is closed, the state becomes ``fenced``
+(``/readyz`` 503 with the reason) and ``fence.refused(reason)`` tells the
+cluster member to step down.
+
 A fetcher failure marked retriable restarts the fetcher from the buffer's
 last SCN with exponential backoff; a non-retriable one stops ingestion for
 this partition (``/readyz`` then reports it) while reading goes on.
@@ -31,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +64,7 @@ from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
 from ._windowqueue import WindowQueue
 
-__all__ = ["CachedResponse", "ConsumerSeen", "PartitionHost"]
+__all__ = ["CachedResponse", "ConsumerSeen", "IngestFence", "PartitionHost"]
 
 log = logging.getLogger("changebus.relay.ingest")
 
@@ -74,6 +83,30 @@ _MAX_TICK_S = 0.005
 
 def _nothing() -> None:
     """Run on the writer thread to wait for the work submitted before it."""
+
+
+class IngestFence(Protocol):
+    """What a leading partition checks before it appends or acknowledges (module docstring)."""
+
+    def admit(self) -> bool:
+        """True while the group may be appended (writer thread: must be thread-safe)."""
+        ...
+
+    def ack_scn(self, scn: int) -> int | None:
+        """How far the source may be acknowledged for a group ending at ``scn``.
+
+        At most ``scn``; below 0: nothing yet; None: not at all (fenced).
+        Event loop.
+        """
+        ...
+
+    def refused(self, reason: str) -> None:
+        """The ingest stopped because a check failed (event loop)."""
+        ...
+
+
+class _Fenced(Exception):
+    """A fence check failed: the ingest stops (never leaves this module)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +163,11 @@ class PartitionHost:
         #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
         #: a deposed leader (changebus.relay.chain's ``min_epoch``)
         self.epoch: int | None = None
+        #: the leader's checks before appending and acknowledging (None: none; see
+        #: the module docstring); set by the cluster member before it switches fetchers
+        self.fence: IngestFence | None = None
+        #: the partition's role in a relay cluster ("leader", "follower" or "": none)
+        self.role = ""
         self._switching = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------
@@ -155,7 +193,9 @@ class PartitionHost:
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
         await asyncio.to_thread(self._writer.shutdown, wait=True)
 
-    async def switch_fetcher(self, fetcher: FetcherConfig) -> None:
+    async def switch_fetcher(
+        self, fetcher: FetcherConfig, *, fence: IngestFence | None = None
+    ) -> None:
         """Replace this partition's fetcher at run time (a leader's source <-> a follower's chain).
 
         The ingest task stops between two windows, the old fetcher is closed
@@ -163,7 +203,10 @@ class PartitionHost:
         from ``fetcher``, kind ``"none"``: none) then starts from the
         buffer's newest SCN and its registry, like after a restart: no
         window is lost or appended twice. Reading goes on meanwhile. Calls
-        are serialised; ``stop`` must not run concurrently.
+        are serialised; ``stop`` must not run concurrently. ``fence``
+        replaces :attr:`fence` once the old fetcher stopped and its last
+        group is through the writer, before the new fetcher starts (so the old
+        source's windows meet the old fence, the new fetcher's the new one).
         """
         async with self._switching:
             if self._task is not None:
@@ -177,6 +220,7 @@ class PartitionHost:
                 self.fetcher = None
             # a group the cancelled task handed to the writer is appended before we resume
             await asyncio.get_running_loop().run_in_executor(self._writer, _nothing)
+            self.fence = fence
             self.config = dataclasses.replace(self.config, fetcher=fetcher)
             self.state = "idle" if fetcher.kind == "none" else "starting"
             self.last_error = ""
@@ -309,8 +353,14 @@ class PartitionHost:
             )
         )
 
-    def _append(self, batch: list[Window]) -> None:
-        """Writer thread: append a group of windows (one group commit)."""
+    def _append(self, batch: list[Window]) -> bool:
+        """Writer thread: append a group of windows (one group commit).
+
+        False (nothing appended) when the fence refuses the group.
+        """
+        fence = self.fence
+        if fence is not None and not fence.admit():
+            return False
         limit = self.buffer.config.window_limit
         datas: list[bytes] = []
         sizes: list[tuple[int, ...]] = []
@@ -351,6 +401,37 @@ class PartitionHost:
                         window.scn,
                     )
                     self.buffer.append_windows([self._loss_marker(window, exc.message)])
+        return True
+
+    async def _commit(self, fetcher: Fetcher, batch: list[Window]) -> None:
+        """Append ``batch`` (writer thread), then acknowledge it; raises _Fenced if refused."""
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(self._writer, self._append, batch):
+            raise _Fenced("the leadership lease is not valid: group not appended")
+        scn = batch[-1].scn
+        fence = self.fence
+        if fence is not None:
+            limit = fence.ack_scn(scn)
+            if limit is None:
+                raise _Fenced("the leadership lease is not valid: source not acknowledged")
+            if limit < 0:
+                return
+            scn = limit
+        await fetcher.acknowledge(scn)
+
+    async def acknowledge_held(self) -> None:
+        """Acknowledge what the fence now allows of the buffer (a leader's periodic catch-up).
+
+        The fence may have held an acknowledgement back (followers behind);
+        this releases it once they caught up, with the same check.
+        """
+        fetcher, fence = self.fetcher, self.fence
+        if fetcher is None or fence is None or self.state != "streaming":
+            return
+        last = self.buffer.meta.last_scn
+        limit = fence.ack_scn(last) if last >= 0 else -1
+        if limit is not None and limit >= 0:
+            await fetcher.acknowledge(limit)
 
     async def _pump(
         self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
@@ -371,7 +452,12 @@ class PartitionHost:
         delay = cfg.retry_initial_s
         while True:
             pump: asyncio.Task[None] | None = None
+            fenced = False
             try:
+                if self.fence is not None and not self.fence.admit():
+                    # a deposed leader never (re)opens the source: it might report
+                    # positions as flushed that the followers do not hold
+                    raise _Fenced("the leadership lease is not valid: source not started")
                 if self.fetcher is None:
                     self.fetcher = await self._create_fetcher()
                 meta = self.buffer.meta
@@ -402,8 +488,7 @@ class PartitionHost:
                             break
                         if isinstance(item, BaseException):
                             if batch:  # keep what came before the failure
-                                await loop.run_in_executor(self._writer, self._append, batch)
-                                await self.fetcher.acknowledge(batch[-1].scn)
+                                await self._commit(self.fetcher, batch)
                             raise item
                         batch.append(item)
                         size += len(item.data)
@@ -411,14 +496,18 @@ class PartitionHost:
                             break
                         item = queue.get_nowait()
                     if batch:
-                        await loop.run_in_executor(self._writer, self._append, batch)
-                        await self.fetcher.acknowledge(batch[-1].scn)
+                        await self._commit(self.fetcher, batch)
                         delay = cfg.retry_initial_s
                 self.state = "finished"
                 log.info("partition %s: fetcher finished", self.name)
                 return
             except asyncio.CancelledError:
                 raise
+            except _Fenced as exc:
+                self.state = "fenced"
+                self.last_error = str(exc)
+                log.error("partition %s: ingest stopped: %s", self.name, exc)
+                fenced = True
             except ChangebusError as exc:
                 self.last_error = exc.message
                 if not exc.retriable:
@@ -444,6 +533,11 @@ class PartitionHost:
                 if self.fetcher is not None and self.state not in ("streaming", "finished"):
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
+            if fenced:
+                self.fetcher = None
+                if self.fence is not None:
+                    self.fence.refused(self.last_error)
+                return
             self.fetcher = None  # a fresh one for the next attempt
             self.state = "retrying"
             self.stats["fetcher_restarts"] += 1
@@ -483,6 +577,10 @@ class PartitionHost:
             "consumers": consumers,
             "stats": {**self.buffer.stats, **self.stats},
         }
+        if self.role:
+            status["role"] = self.role
+        if self.epoch is not None:
+            status["epoch"] = self.epoch
         if self.last_error:
             status["last_error"] = self.last_error
         if self.fetcher is not None:

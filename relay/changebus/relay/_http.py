@@ -536,7 +536,11 @@ async def status(request: web.Request) -> web.Response:
 
 
 def _readiness(hosts: dict[str, PartitionHost]) -> tuple[bool, dict[str, str]]:
-    return all(h.ready for h in hosts.values()), {h.name: h.state for h in hosts.values()}
+    states = {
+        h.name: f"{h.state}: {h.last_error}" if h.state == "fenced" else h.state
+        for h in hosts.values()
+    }
+    return all(h.ready for h in hosts.values()), states
 
 
 def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Application:

@@ -85,7 +85,21 @@ class RelayMetrics:
         fetcher = GaugeMetricFamily(
             "changebus_relay_fetcher", "Fetcher-specific figures", labels=["partition", "figure"]
         )
+        leader = GaugeMetricFamily(
+            "changebus_relay_partition_leader",
+            "1 while this relay leads the partition in its cluster (reads the source)",
+            labels=["partition", "role"],
+        )
+        epoch = GaugeMetricFamily(
+            "changebus_relay_partition_epoch",
+            "The leadership epoch the partition serves under (led or followed)",
+            labels=["partition"],
+        )
         for host in self._hosts.values():
+            if host.role:
+                leader.add_metric([host.name, host.role], 1.0 if host.role == "leader" else 0.0)
+            if host.epoch is not None:
+                epoch.add_metric([host.name], float(host.epoch))
             st = host.status()
             for n in gauges:
                 gauges[n].add_metric([host.name], float(st[n]))
@@ -107,4 +121,4 @@ class RelayMetrics:
             streamed_e.add_metric([name], float(self._streamed_events[name]))
         yield from gauges.values()
         yield from counters.values()
-        yield from (ready, consumers, fetcher, streamed_b, streamed_e)
+        yield from (ready, consumers, fetcher, streamed_b, streamed_e, leader, epoch)

@@ -1,0 +1,479 @@
+"""A relay as a member of a relay cluster (``[cluster]``, ``docs/cluster.md``).
+
+:class:`ClusterMember` owns the relay's one :class:`~changebus.cluster.ZkSession`,
+its :class:`~changebus.cluster.Registry` node (kind ``relay``), a
+:class:`~changebus.cluster.RoutingTable` and, per partition, a
+:class:`PartitionRole`: the partition's :class:`~changebus.cluster.PartitionElection`
+and the fetcher switching that follows from it. The fetcher configured for a
+partition is its *source*; the partition's :class:`~._host.PartitionHost`
+starts without a fetcher and the role decides:
+
+* **leader** (this member holds a :class:`~changebus.cluster.Leadership`):
+  ``host.epoch = term.epoch``, the fence :class:`LeaderFence` is installed and
+  the source fetcher starts from the buffer's newest SCN. For a Postgres
+  source any other process still holding the replication slot (a paused,
+  deposed leader's walsender) is terminated first: the new epoch is
+  proof that it no longer leads.
+* **follower** (another member leads): the ``relay`` fetcher kind
+  (:mod:`changebus.relay.chain`) follows the leader's URL with
+  ``min_epoch`` = the newest leader epoch seen in ZooKeeper, so a deposed
+  leader's answers (a lower ``X-Changebus-Epoch``) are refused and none of
+  its late windows is appended. It is re-pointed whenever the leader or its
+  epoch changes.
+* **none** (no leader known, or this member just stepped down): no
+  fetcher; after a step-down the partition is ``fenced`` (``/readyz`` 503
+  with the reason) until a new leader is known.
+
+Fencing. :class:`LeaderFence` is checked by the host once per group, right
+before the append (``admit``: the lease ``term.valid()``) and right before
+the source acknowledgement (``ack_scn``: the lease again, then the follower
+hold below). A failed check stops the ingest without appending or
+acknowledging, and the role steps down. Losing ZooKeeper ends the lease
+(the session is SUSPENDED): the leader stops appending and acknowledging
+while it cannot prove it leads; everyone keeps serving what it holds.
+
+No window lost at failover (Postgres). The leader acknowledges the source
+no further than the lowest SCN held by the live followers of the partition
+(:meth:`PartitionRole.follower_hold`): each follower's ``max_scn`` as it
+registers it itself (its buffer's newest window, published within about
+``_TICK_S + _REGISTRY_INTERVAL_S``: it lags, never leads). The positions
+of its ``/v1/stream`` requests are *not* used: a follow response moves the
+position the leader sees as windows are *sent*, before the follower has
+appended them. A follower whose member node is gone holds nothing back. So
+the slot's confirmed position never passes what any live follower holds,
+and whichever follower wins the next election finds every window after its
+own newest SCN still in the slot; the Postgres fetcher resumes right after
+that SCN and drops what it holds already (SCNs are commit LSNs: the re-read
+windows have the same SCNs and bytes). A periodic catch-up
+(:meth:`~._host.PartitionHost.acknowledge_held`, every ``_TICK_S``) releases
+what the hold kept back once the followers caught up.
+
+MySQL: every member reads the binlog under its own ``server_id``: one is
+derived from the member id and the partition unless the options set one
+(:func:`member_server_id`); a new leader resumes from its own newest SCN
+(the window's GTID).
+
+Thread-safety: everything runs on the relay's event loop, except
+:meth:`LeaderFence.admit`, which the writer thread calls (it reads the
+lease, which is thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from changebus.cluster import (
+    ClusterConfig,
+    Leadership,
+    PartitionElection,
+    PartitionState,
+    Registry,
+    RoutingTable,
+    ZkSession,
+)
+
+from ._config import FetcherConfig
+from ._host import PartitionHost
+
+__all__ = ["ClusterMember", "LeaderFence", "PartitionRole", "member_server_id"]
+
+log = logging.getLogger("changebus.relay.cluster")
+
+#: how often a role re-checks its state, a leader recomputes the follower hold and
+#: releases held acknowledgements, and the registry payload is refreshed
+_TICK_S = 0.25
+#: the registry's write throttle
+_REGISTRY_INTERVAL_S = 0.5
+#: what a follower's stream requests are called (the leader finds them in host.consumers)
+FOLLOWER_CLIENT = "relay-follower-{member}"
+
+
+def member_server_id(member_id: str, partition: str) -> int:
+    """A MySQL replication server id for one member's reader of one partition.
+
+    Derived ids lie in ``0x4352_0000 .. 0x4352_FFFF`` ("CR"), apart from the
+    stand-alone relay's ``0x4342_xxxx``; two members of a cluster collide
+    with probability 1/65,536 (set ``server_id`` in the options to be sure).
+    """
+    mixed = zlib.crc32(f"{member_id}/{partition}".encode()) & 0xFFFF
+    return 0x4352_0000 | mixed
+
+
+class LeaderFence:
+    """The leader's checks before appending and acknowledging (``IngestFence``)."""
+
+    def __init__(self, role: PartitionRole, term: Leadership) -> None:
+        self.role = role
+        self.term = term
+
+    def admit(self) -> bool:
+        return self.term.valid()
+
+    def ack_scn(self, scn: int) -> int | None:
+        if not self.term.valid():
+            return None
+        return min(scn, self.role.hold)
+
+    def refused(self, reason: str) -> None:
+        self.role.fence_refused(self.term, reason)
+
+
+_Plan = tuple[str, int, str]  # (role "lead" | "follow" | "none", epoch, leader url)
+
+
+class PartitionRole:
+    """One partition's election and the fetcher it implies (module docstring)."""
+
+    def __init__(
+        self,
+        member: ClusterMember,
+        host: PartitionHost,
+        source: FetcherConfig,
+    ) -> None:
+        self.member = member
+        self.host = host
+        self.name = host.name
+        self.source = source
+        self.member_id = member.config.member_id
+        self.election = PartitionElection(member.session, host.name, on_elected=self._elected)
+        #: the SCN the leader may acknowledge up to (see follower_hold)
+        self.hold = 0
+        #: the newest leader epoch seen (a follower's min_epoch)
+        self.min_epoch = 0
+        #: the current plan
+        self.plan: _Plan = ("none", 0, "")
+        #: why this member last stepped down ("" while it did not)
+        self.step_down_reason = ""
+        self.terms = 0
+        self._refused_epoch = 0
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.election.start()
+        self._task = asyncio.create_task(self._run(), name=f"cluster-role-{self.name}")
+
+    async def stop(self) -> None:
+        """Stop switching, close the partition's fetcher, then leave the election.
+
+        In that order: a leader closes the source before a successor can be
+        elected, so two readers never overlap on a graceful stop.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.plan[0] != "none" or self.host.fetcher is not None:
+            try:
+                await self.host.switch_fetcher(FetcherConfig())
+            finally:
+                self.plan = ("none", 0, "")
+        await self.election.stop()
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    # -- callbacks (event loop) ----------------------------------------------
+
+    def _elected(self, term: Leadership) -> None:
+        term.on_lost(lambda _t: self._kick.set())
+        self._kick.set()
+
+    def fence_refused(self, term: Leadership, reason: str) -> None:
+        self._refused_epoch = max(self._refused_epoch, term.epoch)
+        self.step_down_reason = f"epoch {term.epoch}: {reason}"
+        self._kick.set()
+
+    # -- the plan ---------------------------------------------------------------
+
+    def _wanted(self) -> _Plan:
+        term = self.election.leadership
+        leader = self.member.table.leader(self.name)
+        if leader is not None:
+            self.min_epoch = max(self.min_epoch, leader.epoch)
+        if (
+            term is not None
+            and not term.lost
+            and term.epoch > self._refused_epoch
+            and term.epoch >= self.min_epoch
+            and term.valid()
+        ):
+            self.min_epoch = term.epoch
+            return ("lead", term.epoch, "")
+        if (
+            leader is not None
+            and leader.member_id != self.member_id
+            and leader.epoch >= self.min_epoch
+        ):
+            return ("follow", leader.epoch, leader.url)
+        return ("none", 0, "")
+
+    async def _run(self) -> None:
+        while True:
+            self._kick.clear()
+            try:
+                wanted = self._wanted()
+                if wanted != self.plan:
+                    await self._apply(wanted)
+                if self.plan[0] == "lead":
+                    self.hold = self.follower_hold()
+                    await self.host.acknowledge_held()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("partition %s: role change failed; retrying", self.name)
+                self.plan = ("none", -1, "")  # differs from every plan: try again
+                await asyncio.sleep(0.5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_TICK_S):
+                    await self._kick.wait()
+
+    async def _apply(self, plan: _Plan) -> None:
+        host, (what, epoch, url) = self.host, plan
+        was_leader = self.plan[0] == "lead"
+        if what == "lead":
+            term = self.election.leadership
+            assert term is not None
+            self.hold = self.follower_hold()
+            fence = LeaderFence(self, term)
+            await self._take_over_source(term)
+            host.epoch, host.role = epoch, "leader"
+            self.step_down_reason = ""
+            self.terms += 1
+            log.warning(
+                "partition %s: %s leads with epoch %d: reading the source",
+                self.name,
+                self.member_id,
+                epoch,
+            )
+            self.plan = plan
+            await host.switch_fetcher(self._source_config(), fence=fence)
+        elif what == "follow":
+            if was_leader and not self.step_down_reason:
+                self.step_down_reason = f"a new leader took epoch {epoch}"
+            log.warning(
+                "partition %s: %s follows %s (epoch %d)%s",
+                self.name,
+                self.member_id,
+                url,
+                epoch,
+                f"; stepped down: {self.step_down_reason}" if was_leader else "",
+            )
+            self.plan = plan
+            await host.switch_fetcher(self._follow_config(url))
+            host.epoch, host.role = epoch, "follower"
+        else:
+            if was_leader and not self.step_down_reason:
+                term = self.election.leadership
+                self.step_down_reason = (
+                    term.lost_reason or "lease not valid" if term else "leadership lost"
+                )
+            if was_leader:
+                log.error(
+                    "partition %s: %s stepped down (%s); no leader to follow yet",
+                    self.name,
+                    self.member_id,
+                    self.step_down_reason,
+                )
+            self.plan = plan
+            await host.switch_fetcher(FetcherConfig())
+            host.role = "follower" if host.role else ""
+            if self.step_down_reason:
+                host.state = "fenced"
+                host.last_error = f"stepped down: {self.step_down_reason}"
+
+    def _source_config(self) -> FetcherConfig:
+        source = self.source
+        if source.kind == "mysql" and not source.options.get("server_id"):
+            options = {**source.options, "server_id": member_server_id(self.member_id, self.name)}
+            return dataclasses.replace(source, options=options)
+        return source
+
+    def _follow_config(self, url: str) -> FetcherConfig:
+        options: dict[str, Any] = {
+            "upstream": [url],
+            "client_id": FOLLOWER_CLIENT.format(member=self.member_id),
+            "min_epoch": self._follower_min_epoch,
+            "backoff_max_s": 1.0,
+        }
+        return FetcherConfig("relay", options, retry_initial_s=0.1, retry_max_s=1.0)
+
+    def _follower_min_epoch(self) -> int:
+        return self.min_epoch
+
+    async def _take_over_source(self, term: Leadership) -> None:
+        """Postgres: end any other process's hold on the slot (a deposed leader's walsender)."""
+        if self.source.kind != "postgres":
+            return
+        dsn = str(self.source.options.get("dsn", ""))
+        slot = str(self.source.options.get("slot", "changebus"))
+        if not dsn or not term.valid():
+            return
+        try:
+            ended = await asyncio.to_thread(_terminate_slot_holder, dsn, slot)
+        except Exception as exc:  # noqa: BLE001 - best effort: the fetcher retries a busy slot
+            log.warning(
+                "partition %s: could not check the slot's holder: %s", self.name, type(exc).__name__
+            )
+            return
+        if ended:
+            log.warning(
+                "partition %s: ended the deposed holder of slot %s (pid %s)", self.name, slot, ended
+            )
+
+    # -- the follower hold ----------------------------------------------------------
+
+    def follower_hold(self) -> int:
+        """The lowest SCN held by a live follower of this partition (no follower: no limit)."""
+        snapshot = self.member.table.snapshot()
+        hold: int | None = None
+        for member_id, info in snapshot.members.items():
+            if member_id == self.member_id or info.kind != "relay":
+                continue
+            state = info.partitions.get(self.name)
+            if state is None or state.role != "follower":
+                continue
+            hold = state.max_scn if hold is None else min(hold, state.max_scn)
+        return (1 << 63) - 1 if hold is None else hold
+
+    def state(self) -> PartitionState:
+        meta = self.host.buffer.meta
+        return PartitionState(
+            "leader" if self.plan[0] == "lead" else "follower",
+            self.host.epoch or 0,
+            max(meta.min_scn, 0),
+            max(meta.last_scn, 0),
+        )
+
+
+def _terminate_slot_holder(dsn: str, slot: str) -> int | None:
+    """Terminate the backend holding ``slot`` and wait (2 s at most) until it let go.
+
+    Blocking: a worker thread. Returns the ended backend's pid, None when the
+    slot was free.
+    """
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute(
+            "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND active_pid IS NOT NULL",
+            (slot,),
+        ).fetchone()
+        if row is None:
+            return None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            held = conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
+                (slot, row[0]),
+            ).fetchone()
+            if held is None:
+                break
+            time.sleep(0.02)
+    return int(row[0])
+
+
+class ClusterMember:
+    """A relay's membership in its cluster: session, registry, routing table, roles."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        hosts: Mapping[str, PartitionHost],
+        sources: Mapping[str, FetcherConfig],
+    ) -> None:
+        self.config = config
+        self.session = ZkSession(config)
+        self.registry = Registry(self.session, "relay", min_interval_s=_REGISTRY_INTERVAL_S)
+        self.table = RoutingTable(self.session, refresh_s=2.0)
+        self.roles = {
+            name: PartitionRole(self, host, sources[name]) for name, host in hosts.items()
+        }
+        self._task: asyncio.Task[None] | None = None
+        self._remove_listener: Any = None
+
+    async def start(self) -> None:
+        """Connect, register, read the routing table, stand for election in every partition."""
+        await self.session.start()
+        try:
+            self.registry.update(self._states())
+            await self.registry.start()
+            await self.table.start()
+            self._remove_listener = self.table.add_listener(self._changed)
+            for role in self.roles.values():
+                await role.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.create_task(self._publish(), name="cluster-registry")
+        log.info(
+            "relay %s joined cluster %s (%s)",
+            self.config.member_id,
+            self.config.name,
+            self.config.advertised_url,
+        )
+
+    async def stop(self) -> None:
+        """Leave: stop the roles (a leader's source stops), deregister, close the session."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._remove_listener is not None:
+            self._remove_listener()
+            self._remove_listener = None
+        for role in self.roles.values():
+            try:
+                await role.stop()
+            except Exception:
+                log.exception("partition %s: leaving the election failed", role.name)
+        with contextlib.suppress(Exception):
+            await self.table.stop()
+        with contextlib.suppress(Exception):
+            await self.registry.stop()
+        await self.session.stop()
+
+    def status(self) -> dict[str, Any]:
+        """The member's view, for /v1/status."""
+        return {
+            "member_id": self.config.member_id,
+            "cluster": self.config.name,
+            "session": self.session.state,
+            "partitions": {
+                name: {
+                    "role": role.plan[0],
+                    "epoch": role.plan[1],
+                    "leader_url": role.plan[2],
+                    "min_epoch": role.min_epoch,
+                    "terms": role.terms,
+                    "step_down_reason": role.step_down_reason,
+                }
+                for name, role in self.roles.items()
+            },
+        }
+
+    def _changed(self, _snapshot: object) -> None:
+        for role in self.roles.values():
+            role.kick()
+
+    def _states(self) -> dict[str, PartitionState]:
+        return {name: role.state() for name, role in self.roles.items()}
+
+    async def _publish(self) -> None:
+        last: dict[str, PartitionState] = {}
+        while True:
+            states = self._states()
+            if states != last:
+                self.registry.update(states)
+                last = states
+            await asyncio.sleep(_TICK_S)
