@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PATHS = [str(ROOT / s) for s in ("schemas", "fetchers", "relay", "bootstrap", "client")]
+PATHS = [
+    str(ROOT / s)
+    for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
+]
 sys.path[:0] = [p for p in PATHS if p not in sys.path]
 
 
