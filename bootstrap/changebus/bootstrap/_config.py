@@ -14,6 +14,18 @@ Example::
     host = "127.0.0.1"
     port = 8471
 
+In a relay cluster (``docs/cluster.md``) a ``[cluster]`` table
+(:class:`changebus.cluster.ClusterConfig`: ``zookeeper``, ``name``,
+``member_id``, ``advertised_url``, ...) registers the server in the routing
+table (kind ``bootstrap``) and, when ``relays`` is empty, takes the relays
+from the table and follows it::
+
+    [cluster]
+    zookeeper = "127.0.0.1:2181"
+    name = "prod"
+    member_id = "bootstrap-1"        # required
+    advertised_url = ""              # default: http://<http.host>:<port>
+
 Environment overrides use the prefix ``CHANGEBUS_BOOTSTRAP_`` (for example
 ``CHANGEBUS_BOOTSTRAP_HTTP__PORT=9000``); ``--set http.port=9000`` on the
 command line wins over both. Sizes are bytes (``"64MiB"`` accepted),
@@ -27,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 
@@ -170,10 +183,16 @@ class BootstrapConfig:
     catchup_ratio: float = 2.0
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: membership of a relay cluster (None: relays from ``relays`` only)
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
-        if not self.relays:
-            raise ConfigError('relays: give at least one relay URL (relays = ["http://..."])')
+        if not self.relays and self.cluster is None:
+            raise ConfigError(
+                'relays: give at least one relay URL (relays = ["http://..."]) or a [cluster]'
+            )
+        if self.cluster is not None and not self.cluster.member_id:
+            raise ConfigError("cluster.member_id is required for a bootstrap server in a cluster")
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")

@@ -69,8 +69,17 @@ class BootstrapServer:
             await self.service.stop()
 
     async def start(self) -> None:
-        """Start the service, then listen (stops what it started when it fails)."""
+        """Start the service, then listen (stops what it started when it fails).
+
+        In a cluster the server registers once it listens (its URL is known then).
+        """
         await self.server.start()
+        if self.service.member is not None:
+            try:
+                await self.service.member.register(self.url)
+            except BaseException:
+                await self.server.stop()
+                raise
 
     async def stop(self) -> None:
         """Stop listening, finish the requests, stop the service. Idempotent."""

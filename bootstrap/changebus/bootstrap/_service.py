@@ -21,6 +21,13 @@ commit together, and the applier moves the snapshot and its position in one
 transaction. On restart the producer resumes after the log's newest window
 (the relay skips what came before) and the applier after its last one, so a
 ``kill -9`` anywhere loses or doubles nothing.
+
+In a relay cluster (``[cluster]``) the service holds a
+:class:`~._member.ClusterMember`: without configured ``relays`` the
+producers read the relays the routing table lists for their partition and
+are moved (:meth:`~changebus.client.RelayStream.set_relays`) when the table
+changes; every ``_PUBLISH_S`` the applier and producer SCNs of each
+partition are published in the server's member node.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -57,6 +64,7 @@ from changebus.schemas import (
 )
 
 from ._config import BootstrapConfig
+from ._member import ClusterMember
 from ._seeders import seeder_for
 from ._seedtypes import SeedProgress, SeedRequest
 from ._store import PartitionState, Store
@@ -69,6 +77,9 @@ T = TypeVar("T")
 
 #: per JSON question to a relay (status, sources, schemas)
 _INFO_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+#: how often the partitions' SCNs are published in a cluster (ZooKeeper writes are throttled)
+_PUBLISH_S = 0.5
 
 
 def open_store(config: BootstrapConfig) -> Store:
@@ -166,11 +177,18 @@ class BootstrapService:
         self.workers: dict[str, PartitionWorker] = {}
         self._session: aiohttp.ClientSession | None = None
         self._stop_seed = threading.Event()
+        #: membership of a relay cluster (``[cluster]``), from :meth:`start` on
+        self.member: ClusterMember | None = None
+        self._publisher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         cfg = self.config
         await self.stores.write(lambda s: None)  # open the writer store (creates tables)
         self._session = aiohttp.ClientSession()
+        if cfg.cluster is not None:
+            self.member = ClusterMember(cfg.cluster, static=cfg.relays)
+            await self.member.start()
+            self._publisher = asyncio.create_task(self._publish(), name="cluster-publisher")
         names = list(cfg.partitions) or await self._relay_partitions()
         for name in names:
             w = PartitionWorker(name)
@@ -188,7 +206,7 @@ class BootstrapService:
         log.info(
             "bootstrap serving partitions %s from %s",
             ", ".join(self.workers) or "(none)",
-            ", ".join(safe_url(u) for u in cfg.relays),
+            ", ".join(safe_url(u) for u in self._relay_urls()) or "(the routing table)",
         )
 
     async def stop(self) -> None:
@@ -202,6 +220,14 @@ class BootstrapService:
             for t in w.tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
+            self._publisher = None
+        if self.member is not None:
+            await self.member.stop()
+            self.member = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -211,12 +237,18 @@ class BootstrapService:
     def ready(self) -> bool:
         return bool(self.workers) and all(w.state == "streaming" for w in self.workers.values())
 
+    def _relay_urls(self, partition: str | None = None) -> tuple[str, ...]:
+        """The relays now: the routing table's (then the configured ones) in a cluster."""
+        if self.member is None:
+            return self.config.relays
+        return self.member.relays(partition)
+
     def _relays(self, *, max_attempts: int | None = None) -> RelayQueries:
-        """The configured relays, asked in order (each once unless ``max_attempts``)."""
+        """The relays, asked in order (each once unless ``max_attempts``)."""
         assert self._session is not None
         return RelayQueries(
             self._session,
-            self.config.relays,
+            self._relay_urls(),
             timeout=_INFO_TIMEOUT,
             max_attempts=max_attempts,
             backoff_initial_s=0.2,
@@ -225,9 +257,11 @@ class BootstrapService:
 
     async def _relay_partitions(self) -> list[str]:
         """The partitions of the first relay that answers; waits for one (with backoff)."""
+        if self.member is not None:
+            await self.member.wait_relays()
         log.info(
             "no partitions configured: asking the relays (%s) for theirs, waiting for one to answer",
-            ", ".join(safe_url(u) for u in self.config.relays),
+            ", ".join(safe_url(u) for u in self._relay_urls()),
         )
         return list(await self._relays(max_attempts=0).first(RelayInfo.sources))
 
@@ -237,8 +271,18 @@ class BootstrapService:
         cfg = self.config
         assert self._session is not None
         sink: asyncio.Queue[tuple[RawWindow, str]] = asyncio.Queue(cfg.producer.batch_windows * 2)
+        relays = cfg.relays
+        current: list[RelayStream] = []
+        if self.member is not None:
+            relays = await self.member.wait_relays(w.name)
+
+            def moved(urls: tuple[str, ...]) -> None:
+                if current:
+                    current[0].set_relays(urls)
+
+            self.member.follow(w.name, moved)
         stream_cfg = StreamConfig(
-            relays=cfg.relays,
+            relays=relays,
             partition=w.name,
             follow=True,
             wait_s=cfg.producer.wait_s,
@@ -254,7 +298,12 @@ class BootstrapService:
         try:
             while True:
                 # a fresh reader after the newest window in the log
+                if self.member is not None:  # the table's relays now
+                    stream_cfg = replace(
+                        stream_cfg, relays=self.member.relays(w.name) or stream_cfg.relays
+                    )
                 stream = RelayStream(stream_cfg, self._session, position=w.producer_scn)
+                current[:] = [stream]
                 w.state = "streaming"
                 try:
                     await stream.run(put)
@@ -339,6 +388,15 @@ class BootstrapService:
         await self.stores.write(lambda s: s.put_schemas(w.name, entries))
         log.info("partition %s: %d schema versions copied from the relay", w.name, len(entries))
         return {(sid, v) for sid, v, _n, _j in entries}
+
+    async def _publish(self) -> None:
+        """Publish each partition's applier and producer SCNs in the member node."""
+        assert self.member is not None
+        while True:
+            self.member.publish(
+                {n: (w.applier_scn, w.producer_scn) for n, w in self.workers.items()}
+            )
+            await asyncio.sleep(_PUBLISH_S)
 
     # ---- applier ---------------------------------------------------------
 

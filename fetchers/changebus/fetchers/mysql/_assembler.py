@@ -16,7 +16,12 @@
 * row images are decoded by the layout's compiled decoder
   (:mod:`._layout`) straight from the event bytes: TABLE_MAP gives the layout
   valid at that position; a new or changed layout is a new schema version,
-  announced by a SCHEMA_CHANGE event before its first row;
+  announced by a SCHEMA_CHANGE event before its first row. A table is
+  announced in the first window of this assembler touching it unless its
+  schema is one of the ``known`` ones (those the relay holds: the registry of
+  the :class:`~changebus.fetchers.ResumePoint`, matched by source id, name,
+  version and fingerprint), so a restarted fetcher or a new leader in a
+  relay cluster re-reads a window exactly as the previous reader wrote it;
 * WRITE / UPDATE / DELETE rows become INSERT / UPDATE (before and after
   images) / DELETE (full before image) events; ``TRUNCATE`` becomes a
   TRUNCATE event; other DDL updates the declared-type history
@@ -37,7 +42,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +57,7 @@ from changebus.schemas import (
     SchemaChange,
     SchemaRegistry,
     SourceConfigError,
+    TableSchema,
     binlog_file_number,
     binlog_to_scn,
     encode_control,
@@ -151,9 +157,14 @@ class BinlogAssembler:
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
         pool: Executor | None = None,
+        known: Iterable[TableSchema] = (),
     ) -> None:
         self.partition_id = partition_id
         self.registry = registry
+        #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
+        self._known = frozenset(
+            (registry.source_id(t.name), t.name, t.version, t.fingerprint) for t in known
+        )
         self.declared = declared
         self._databases = frozenset(d.lower() for d in databases)
         self._checksum = checksum_bytes
@@ -237,6 +248,10 @@ class BinlogAssembler:
             old = self._latest.get(layout.name)
             if old is not None and old.encoder.table.version == schema.version:
                 table.announced = old.announced
+            elif (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
+                self._known
+            ):
+                table.announced = True
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[key] = table

@@ -68,7 +68,7 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
 
     cfg = fetcher.config
     registry = SchemaRegistry()
-    registry.import_entries(fetcher._resume.schemas)
+    known = registry.import_entries(fetcher._resume.schemas)
     assembler = BinlogAssembler(
         fetcher.partition_id,
         registry,
@@ -79,6 +79,7 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
         max_window_bytes=cfg.max_transaction_bytes,
         on_oversized=cfg.on_oversized_transaction,
         pool=fetcher._pool,
+        known=known,
     )
     assembler.server, assembler.scn_base = fetcher._server, fetcher._base
     if fetcher._data_loss is not None:

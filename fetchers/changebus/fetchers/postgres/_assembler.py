@@ -8,7 +8,8 @@ returns a :class:`~changebus.fetchers.Window` at every Commit:
   where the slot may be advanced once the relay holds the window);
 * a Relation message turns into a :class:`~changebus.schemas.TableSchema`
   (types resolved through the catalog); a new or changed table gets a new
-  schema version and a SCHEMA_CHANGE event before its first row;
+  schema version and a SCHEMA_CHANGE event before its first row (see
+  "Announcements" below);
 * Insert / Update / Delete become data events with after- and before-images:
   ``REPLICA IDENTITY DEFAULT`` gives a key-only before-image (the other
   columns are listed as not sent), ``FULL`` the whole old row; unchanged
@@ -35,6 +36,17 @@ Update / Delete messages of known tables through the table's
 less work per row), which hands anything unusual back to the general path.
 Both write the same bytes.
 
+Announcements. A table's schema is announced (one SCHEMA_CHANGE event) in
+the first window of this assembler that touches the table, unless the schema
+is one of the ``known`` schemas: those the relay already holds (the
+registry of the :class:`~changebus.fetchers.ResumePoint` it resumed with),
+matched by source id, name, version and fingerprint (the columns and key).
+So a fetcher restarted on the same relay, or a new leader taking over the
+source in a relay cluster, writes a window it re-reads from the slot exactly
+as the previous reader did (the same events, the same ``seq`` numbers), while
+new tables and changed schemas are announced as always. The check runs once
+per Relation message, never per row.
+
 The event key is the table's primary key (from ``primary_key``, the catalog)
 and falls back to the replica identity columns pgoutput flags; a table
 without either has no key.
@@ -49,7 +61,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +174,7 @@ class Assembler:
         array_dims: Callable[[int], dict[str, int]] | None = None,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
+        known: Iterable[TableSchema] = (),
     ) -> None:
         if on_oversized not in ("fail", "skip"):
             raise ValueError(f"on_oversized must be 'fail' or 'skip', not {on_oversized!r}")
@@ -172,6 +185,10 @@ class Assembler:
         self._primary_key = primary_key
         self._array_dims = array_dims
         self.registry = registry or SchemaRegistry()
+        #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
+        self._known = frozenset(
+            (self.registry.source_id(t.name), t.name, t.version, t.fingerprint) for t in known
+        )
         self._tables: dict[int, _Table] = {}
         self._txn: _Txn | None = None
         #: row messages taken by :meth:`feed_raw` through the transcoder / the general path
@@ -214,6 +231,7 @@ class Assembler:
             names,
             key_flags,
             Transcoder(names, types, adapters, [names.index(k) for k in key], key_flags),
+            announced=(source_id, table.name, table.version, table.fingerprint) in self._known,
         )
 
     def _announce(self, txn: _Txn, table: _Table) -> None:

@@ -149,7 +149,7 @@ class PostgresFetcher:
         with catalog:
             resolver = TypeResolver(catalog)
             registry = SchemaRegistry()
-            registry.import_entries(self._resume.schemas)
+            known = registry.import_entries(self._resume.schemas)
             assembler = Assembler(
                 self.partition_id,
                 resolver.resolve,
@@ -158,6 +158,7 @@ class PostgresFetcher:
                 array_dims=resolver.array_dims,
                 max_window_bytes=cfg.max_transaction_bytes,
                 on_oversized=cfg.on_oversized_transaction,
+                known=known,
             )
             if self._data_loss is not None:
                 lo, hi, why = self._data_loss
