@@ -749,6 +749,62 @@ async def test_zookeeper_restart_under_load(
     assert ids == list(range(w.committed))
 
 
+async def test_a_relay_started_while_zookeeper_is_down_serves_and_joins_later(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    source = FetcherConfig(
+        "postgres", {"dsn": pg_dsn, "slot": slot}, retry_initial_s=0.1, retry_max_s=1.0
+    )
+    config = RelayConfig(
+        data_dir=tmp_path / "late",
+        http=HttpConfig(port=0, max_wait_s=10),
+        partitions=(PartitionConfig(PART, 1, capacity_bytes=16 << 20, fetcher=source),),
+        flush_interval_s=0,
+        cluster=ClusterConfig(
+            zookeeper=zk_server.hosts,
+            name=zk_cluster,
+            member_id="late",
+            session_timeout_s=2.0,
+            connect_timeout_s=1.0,
+        ),
+    )
+    await asyncio.to_thread(zk_server.stop)
+    try:
+        async with Relay(config) as relay, aiohttp_session() as http:
+            host = relay.hosts[PART]
+
+            def member() -> object:
+                return relay.cluster
+
+            assert member() is None  # not joined, yet serving
+            async with http.get(f"{relay.url}/v1/status") as resp:
+                assert resp.status == 200
+            async with http.get(f"{relay.url}/readyz") as resp:
+                assert resp.status == 503
+                body = await resp.json()
+            assert body["partitions"][PART].startswith("fenced: not in the cluster")
+            assert not walsenders(pg_dsn)  # nobody reads the source without a leader
+            await asyncio.to_thread(zk_server.start)
+            await wait_until(
+                lambda: host.role == "leader" and host.state == "streaming",
+                60,
+                "the relay joined and leads",
+            )
+            assert member() is not None
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO t VALUES (1, 1)")
+            end = marker(pg_dsn)
+            await wait_until(lambda: host.buffer.meta.last_scn >= end, 30, "the insert relayed")
+            async with http.get(f"{relay.url}/readyz") as resp:
+                assert resp.status == 200
+    finally:
+        if zk_server.proc is None:  # the test failed while ZooKeeper was down
+            await asyncio.to_thread(zk_server.start)
+
+
 # ---- configuration -------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from typing import Self
 
 from aiohttp import web
 
+from changebus.cluster import ClusterConfig, CoordinationError
 from changebus.schemas.config import redacted
 from changebus.schemas.server import Server, serve
 
@@ -74,6 +75,8 @@ class Relay:
         self.hosts: dict[str, PartitionHost] = {}
         #: the cluster membership while started with a ``[cluster]`` table
         self.cluster: ClusterMember | None = None
+        #: joins the cluster in the background when ZooKeeper did not answer at start-up
+        self._joining: asyncio.Task[None] | None = None
         app = build_app(config, self.hosts)
         app.cleanup_ctx.append(self._partitions)
         if config.flush_interval_s > 0:
@@ -126,27 +129,64 @@ class Relay:
                 host.flush()
 
     async def start(self) -> None:
-        """Open the partitions, listen, join the cluster (stops what it started when it fails)."""
+        """Open the partitions, listen, join the cluster (stops what it started when it fails).
+
+        A ZooKeeper that does not answer at start-up does not stop the relay:
+        it serves what its buffers hold, with no fetcher (``/readyz`` says
+        why), and joins the cluster in the background once ZooKeeper answers.
+        """
         await self.server.start()
         cluster = self.config.cluster
         if cluster is None:
             return
         if not cluster.advertised_url:
             cluster = dataclasses.replace(cluster, advertised_url=self.url)
-        sources = {p.name: p.fetcher for p in self.config.partitions}
-        member = ClusterMember(cluster, self.hosts, sources)
         try:
-            await member.start()
+            self.cluster = await self._join(cluster)
+        except CoordinationError as exc:
+            log.warning(
+                "%s; serving what the buffers hold, joining the cluster when ZooKeeper answers",
+                exc.message,
+            )
+            self._not_joined(exc.message)
+            self._joining = asyncio.create_task(self._join_later(cluster), name="cluster-join")
         except BaseException:
             await self.server.stop()
             raise
-        self.cluster = member
+
+    async def _join(self, cluster: ClusterConfig) -> ClusterMember:
+        sources = {p.name: p.fetcher for p in self.config.partitions}
+        member = ClusterMember(cluster, self.hosts, sources)
+        await member.start()  # stops what it started when it fails
+        return member
+
+    async def _join_later(self, cluster: ClusterConfig) -> None:
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                self.cluster = await self._join(cluster)
+            except CoordinationError as exc:
+                self._not_joined(exc.message)
+                delay = min(delay * 2, 10.0)
+                continue
+            log.info("joined cluster %s after ZooKeeper came back", cluster.name)
+            return
+
+    def _not_joined(self, why: str) -> None:
+        for host in self.hosts.values():
+            host.state = "fenced"
+            host.last_error = f"not in the cluster: {why}"
 
     async def stop(self) -> None:
         """Leave the cluster, stop listening, finish the requests, close the partitions.
 
         Idempotent.
         """
+        joining, self._joining = self._joining, None
+        if joining is not None:
+            joining.cancel()
+            await asyncio.gather(joining, return_exceptions=True)
         member, self.cluster = self.cluster, None
         if member is not None:
             try:
