@@ -328,3 +328,37 @@ async def test_replicate_with_zookeeper_applies_the_stream(
             _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert f"replicating cluster '{zk_cluster}'" in err.decode()
+
+
+async def test_zookeeper_away_at_start_is_waited_for(
+    make_relay: MakeRelay, register: Any, zk_server: Any, zk_hosts: str, zk_cluster: str
+) -> None:
+    scns: list[int] = []
+    async with make_relay() as relay, register("r1", relay.url):
+        await asyncio.to_thread(zk_server.stop)
+        try:
+            c = Consumer(config(zk_hosts, zk_cluster, connect_timeout_s=1.0))
+            reader = asyncio.create_task(take(c, 5, scns))  # starts the consumer: it retries
+            await asyncio.sleep(3.0)  # longer than one connection attempt
+            assert not reader.done() and scns == []
+        finally:
+            await asyncio.to_thread(zk_server.start)
+        try:
+            await reader  # the member's session survived the restart: it is still listed
+        finally:
+            await c.close()
+    assert scns == ALL[:5]
+
+
+async def test_zookeeper_away_gives_up_after_max_attempts(
+    zk_server: Any, zk_hosts: str, zk_cluster: str
+) -> None:
+    await asyncio.to_thread(zk_server.stop)
+    try:
+        c = Consumer(config(zk_hosts, zk_cluster, connect_timeout_s=1.0, max_attempts=2))
+        with pytest.raises(RelayUnavailableError, match="did not answer in 2 attempts"):
+            async with asyncio.timeout(30):
+                await c.start()
+        await c.close()
+    finally:
+        await asyncio.to_thread(zk_server.start)

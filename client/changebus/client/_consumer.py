@@ -43,7 +43,7 @@ from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
 from ._dispatch import Dispatcher
-from ._errors import DataLossDetectedError
+from ._errors import DataLossDetectedError, RelayUnavailableError
 from ._fetch import RelayFetcher
 from ._model import Window
 from ._persist import CheckpointPersister, MemoryCheckpointPersister
@@ -158,20 +158,38 @@ class Consumer:
 
     async def _route_cluster(self, cfg: ConsumerConfig) -> ConsumerConfig:
         """Open the cluster's routing table; ``cfg`` with the relays it lists (waits for one)."""
-        from ._cluster import ClusterRoute  # kazoo only for consumers of a cluster
+        # kazoo only for consumers of a cluster
+        from changebus.cluster import CoordinationError
+
+        from ._cluster import ClusterRoute
 
         assert cfg.partition is not None  # the config demands it with zookeeper
-        route = ClusterRoute(
-            cfg.zookeeper,
-            cfg.cluster,
-            cfg.partition,
-            prefer_followers=cfg.prefer_followers,
-            static=cfg.relays,
-            session_timeout_s=cfg.zookeeper_session_timeout_s,
-        )
-        await route.start()
+        backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
+        attempts = 0
+        while True:  # ZooKeeper away at start-up: wait for it like for a relay
+            route = ClusterRoute(
+                cfg.zookeeper,
+                cfg.cluster,
+                cfg.partition,
+                prefer_followers=cfg.prefer_followers,
+                static=cfg.relays,
+                session_timeout_s=cfg.zookeeper_session_timeout_s,
+                connect_timeout_s=max(cfg.connect_timeout_s, 1.0),
+            )
+            try:
+                await route.start()
+                break
+            except CoordinationError as exc:
+                attempts += 1
+                if cfg.max_attempts and attempts >= cfg.max_attempts:
+                    raise RelayUnavailableError(
+                        f"{route.where} did not answer in {attempts} attempts: {exc.message}"
+                    ) from exc
+                delay = backoff.next_delay()
+                log.warning("%s; trying again in %.2fs", exc.message, delay)
+                await asyncio.sleep(delay)
+        backoff.reset()
         try:
-            backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
             relays = await route.wait_relays(cfg.max_attempts, backoff)
         except BaseException:
             await route.stop()
