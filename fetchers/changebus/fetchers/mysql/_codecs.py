@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
-__all__ = ["DIG2BYTES", "ENCODERS", "HELPERS", "decimal_expr", "decimal_size"]
+__all__ = ["DIG2BYTES", "ENCODERS", "HELPERS", "decimal_expr", "decimal_size", "row_loop_head"]
 
 #: bytes of the leftover decimal digits (0..9) of a packed decimal
 DIG2BYTES: Final = (0, 1, 1, 2, 2, 3, 3, 4, 4, 4)
@@ -275,3 +275,19 @@ ENCODERS: Final[dict[str, Any]] = {
     "_pf32": _F32.pack,
     "_pf64": _F64.pack,
 }
+
+
+def row_loop_head(signature: str, nbytes: int) -> list[str]:
+    """The first lines of a generated row loop: ``def signature:``, the output list, and
+    the null bitmap of ``nbytes`` bytes read at ``pos`` (shared by both code generators)."""
+    return [
+        f"def {signature}:",
+        "    out = []",
+        "    append = out.append",
+        "    while pos < end:",
+        "        nulls = buf[pos]"
+        if nbytes == 1
+        else f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
+        f"        pos += {nbytes}",
+        "        ns = None",
+    ]

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from changebus.schemas import SourceConfigError
 
-from ._codecs import HELPERS, decimal_size
+from ._codecs import HELPERS, decimal_size, row_loop_head
 from ._columns import (
     T_BIT,
     T_BLOB,
@@ -168,17 +168,7 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
     """
     cols = layout.columns
     nbytes = (len(cols) + 7) // 8
-    lines = [
-        "def decode(buf, pos, end, images):",
-        "    out = []",
-        "    append = out.append",
-        "    while pos < end:",
-        "        nulls = buf[pos]"
-        if nbytes == 1
-        else f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
-        f"        pos += {nbytes}",
-        "        ns = None",
-    ]
+    lines = row_loop_head("decode(buf, pos, end, images)", nbytes)
     env = dict(HELPERS)
     for i, c in enumerate(cols):
         env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec

@@ -21,7 +21,7 @@ from typing import Final
 
 from changebus.schemas import AvroType, SourceConfigError
 
-from ._codecs import ENCODERS, HELPERS, decimal_expr, decimal_size
+from ._codecs import ENCODERS, HELPERS, decimal_expr, decimal_size, row_loop_head
 from ._columns import (
     T_BLOB,
     T_DATE,
@@ -185,17 +185,7 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     nbytes = (len(cols) + 7) // 8
     index = {c.name: i for i, c in enumerate(cols)}
     key = [index[k] for k in layout.key]
-    lines = [
-        "def transcode(buf, pos, end):",
-        "    out = []",
-        "    append = out.append",
-        "    while pos < end:",
-        "        nulls = buf[pos]"
-        if nbytes == 1
-        else f"        nulls = _from(buf[pos:pos + {nbytes}], 'little')",
-        f"        pos += {nbytes}",
-        "        ns = None",
-    ]
+    lines = row_loop_head("transcode(buf, pos, end)", nbytes)
     env = dict(HELPERS)
     env.update(ENCODERS)
     for i, c in enumerate(cols):
