@@ -109,6 +109,7 @@ from ._varint import (
 )
 from ._version import __version__ as __version__
 from .errors import (
+    AuthError as AuthError,
     BadRequestError as BadRequestError,
     BootstrapFailedError as BootstrapFailedError,
     ChangebusError as ChangebusError,
@@ -117,6 +118,7 @@ from .errors import (
     CorruptEventError as CorruptEventError,
     DataLossError as DataLossError,
     EventTooLargeError as EventTooLargeError,
+    ForbiddenError as ForbiddenError,
     IncompatibleSchemaError as IncompatibleSchemaError,
     NotYetError as NotYetError,
     OverwrittenError as OverwrittenError,
@@ -126,6 +128,7 @@ from .errors import (
     SourceConfigError as SourceConfigError,
     SourceError as SourceError,
     TransportError as TransportError,
+    UnauthorizedError as UnauthorizedError,
     UnknownSchemaError as UnknownSchemaError,
     UnknownSourceError as UnknownSourceError,
 )
@@ -143,6 +146,7 @@ __all__ = [
     "MAX_SCN",
     "NO_SCN",
     "VERSION",
+    "AuthError",
     "AvroType",
     "BadRequestError",
     "BootstrapFailedError",
@@ -162,6 +166,7 @@ __all__ = [
     "EndOfWindow",
     "EventHeader",
     "EventTooLargeError",
+    "ForbiddenError",
     "Heartbeat",
     "IncompatibleSchemaError",
     "LogicalMessage",
@@ -182,6 +187,7 @@ __all__ = [
     "SourceError",
     "TableSchema",
     "TransportError",
+    "UnauthorizedError",
     "UnknownSchemaError",
     "UnknownSourceError",
     "__version__",

@@ -29,6 +29,9 @@ Tree::
     |   +-- UnknownSchemaError       no schema with that id / version
     |   +-- IncompatibleSchemaError  reader cannot read writer's data
     +-- UnknownSourceError           a source / partition nobody serves
+    +-- AuthError                    the request is not allowed (not retriable)
+    |   +-- UnauthorizedError        no or unknown credentials (401)
+    |   +-- ForbiddenError           a known principal asked for more than granted (403)
     +-- NotYetError                  the server cannot answer this yet (retriable)
     +-- BootstrapFailedError         a bootstrap server cannot bring a consumer up to date
     +-- EventTooLargeError           an event or window over a configured limit
@@ -51,6 +54,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 __all__ = [
+    "AuthError",
     "BadRequestError",
     "BootstrapFailedError",
     "ChangebusError",
@@ -59,6 +63,7 @@ __all__ = [
     "CorruptEventError",
     "DataLossError",
     "EventTooLargeError",
+    "ForbiddenError",
     "IncompatibleSchemaError",
     "NotYetError",
     "OverwrittenError",
@@ -68,6 +73,7 @@ __all__ = [
     "SourceConfigError",
     "SourceError",
     "TransportError",
+    "UnauthorizedError",
     "UnknownSchemaError",
     "UnknownSourceError",
 ]
@@ -210,6 +216,27 @@ class UnknownSourceError(ChangebusError):
     code = "unknown_source"
 
 
+class AuthError(ChangebusError):
+    """The server refuses the request for who sent it (or for not saying who)."""
+
+    http_status = 403
+    code = "auth"
+
+
+class UnauthorizedError(AuthError):
+    """No credentials, or credentials the server does not know (HTTP 401)."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class ForbiddenError(AuthError):
+    """A known principal asked for a partition, source or scope it was not granted (403)."""
+
+    http_status = 403
+    code = "forbidden"
+
+
 class NotYetError(ChangebusError):
     """The server cannot answer this yet (its applier or producer is behind); retry soon."""
 
@@ -284,6 +311,8 @@ class TransportError(ChangebusError, OSError):
 
 _BY_STATUS: dict[int, type[ChangebusError]] = {
     400: BadRequestError,
+    401: UnauthorizedError,
+    403: ForbiddenError,
     404: UnknownSourceError,
     409: OverwrittenError,
     410: ScnNotFoundError,
