@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from changebus.schemas.config import load_config_dict
+from changebus.schemas.config import load_config_dict, secret
 from changebus.schemas.errors import ConfigError
 
 __all__ = ["ClusterConfig"]
@@ -30,6 +30,13 @@ class ClusterConfig:
       ``advertised_url``: the URL other members and clients use to reach it.
     * ``connect_timeout_s``: how long :meth:`ZkSession.start` waits for the
       first connection before failing (retriable).
+    * ``zk_user`` / ``zk_password`` (or ``zk_password_file``): ZooKeeper
+      *digest* credentials. With them, the session authenticates and every
+      znode it creates under ``/changebus/<name>/`` gets the ACL "this user
+      may do everything" plus, when ``zk_world_readable`` (the default),
+      "anyone may read" -- so consumers find relays without credentials but
+      nobody without them can register a member, stand for election or move
+      an epoch. The password is a secret: not in the repr, never logged.
     """
 
     zookeeper: str
@@ -39,6 +46,10 @@ class ClusterConfig:
     session_timeout_s: float = 4.0
     connect_timeout_s: float = 15.0
     lease_fraction: float = 0.5
+    zk_user: str = ""
+    zk_password: str = secret("")
+    zk_password_file: str = ""
+    zk_world_readable: bool = True
 
     def __post_init__(self) -> None:
         if not self.zookeeper.strip():
@@ -55,6 +66,35 @@ class ClusterConfig:
             raise ConfigError("cluster.connect_timeout_s must be positive")
         if not 0.05 <= self.lease_fraction <= 0.9:
             raise ConfigError(f"cluster.lease_fraction: {self.lease_fraction} is out of 0.05..0.9")
+        if ":" in self.zk_user:
+            raise ConfigError("cluster.zk_user must not contain ':'")
+        has_password = bool(self.zk_password) or bool(self.zk_password_file)
+        if bool(self.zk_user) != has_password:
+            raise ConfigError(
+                "cluster.zk_user and cluster.zk_password (or zk_password_file) go together"
+            )
+        if self.zk_password and self.zk_password_file:
+            raise ConfigError("give cluster.zk_password or cluster.zk_password_file, not both")
+
+    def zk_credentials(self) -> tuple[str, str] | None:
+        """``(user, password)`` for ZooKeeper digest authentication, or None.
+
+        Reads ``zk_password_file`` (blocking: call it off the event loop); an
+        unreadable or empty file is a :class:`ConfigError` naming the file.
+        """
+        if not self.zk_user:
+            return None
+        if self.zk_password:
+            return self.zk_user, self.zk_password
+        try:
+            password = Path(self.zk_password_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"cluster.zk_password_file {self.zk_password_file}: {exc.strerror}"
+            ) from None
+        if not password:
+            raise ConfigError(f"cluster.zk_password_file {self.zk_password_file} is empty")
+        return self.zk_user, password
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], where: str = "cluster") -> ClusterConfig:

@@ -27,6 +27,13 @@ the most recent successful request was *sent* (not answered): ZooKeeper saw
 the session alive no earlier than that, so a lease counted from it is
 conservative.
 
+Access control. With digest credentials in the config
+(:meth:`ClusterConfig.zk_credentials`), the session authenticates and its
+creates carry the cluster's ACL (:func:`cluster_acl`); after connecting, a
+member sets that ACL on the persistent nodes of its cluster's tree, so a
+tree created earlier without credentials (or by someone else) is taken back.
+``/changebus`` itself stays open, so clusters with other credentials share it.
+
 Thread-safety: :meth:`start`, :meth:`stop`, :meth:`op`, :meth:`commit` and the
 listeners belong to the event loop that called :meth:`start`;
 :attr:`thread_state` and :attr:`last_ok` may be read from any thread.
@@ -47,19 +54,39 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     ConnectionClosedError,
     ConnectionLoss,
+    NodeExistsError,
     OperationTimeoutError,
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
+from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_acl, make_digest_acl
+
+from changebus.schemas.errors import ConfigError
 
 from ._config import ClusterConfig
 from ._errors import CoordinationError
 from ._layout import cluster_root
 
-__all__ = ["SessionState", "StateChange", "ZkSession"]
+__all__ = ["SessionState", "StateChange", "ZkSession", "cluster_acl"]
 
 log = logging.getLogger("changebus.cluster.session")
+
+
+class _HideAuth(logging.Filter):
+    """Blanks the credentials of kazoo's ``Auth`` requests in its debug log lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, Auth) for a in args):
+            record.args = tuple(a._replace(auth="***") if isinstance(a, Auth) else a for a in args)
+        return True
+
+
+#: kazoo logs through this logger (given to every KazooClient here)
+_KAZOO_LOG = logging.getLogger("changebus.cluster.kazoo")
+_KAZOO_LOG.addFilter(_HideAuth())
 
 T = TypeVar("T")
 
@@ -97,6 +124,14 @@ class StateChange:
     state: SessionState
     session_id: int
     new_session: bool
+
+
+def cluster_acl(user: str, password: str, *, world_readable: bool) -> list[ACL]:
+    """The ACL of a cluster's znodes: ``user`` may do anything, the world may read (or not)."""
+    acl = [make_digest_acl(user, password, all=True)]
+    if world_readable:
+        acl.append(make_acl("world", "anyone", read=True))
+    return acl
 
 
 class ZkSession:
@@ -140,14 +175,29 @@ class ZkSession:
             return
         self._loop = asyncio.get_running_loop()
         self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="changebus-zk")
+        try:
+            credentials = await self._in_thread(self.config.zk_credentials)
+        except ConfigError:
+            self._shutdown_pool()
+            raise
+        security: dict[str, Any] = {}
+        if credentials is not None:
+            user, password = credentials
+            security = {
+                "auth_data": [("digest", f"{user}:{password}")],
+                "default_acl": cluster_acl(
+                    user, password, world_readable=self.config.zk_world_readable
+                ),
+            }
         zk = KazooClient(
             hosts=self.config.zookeeper,
+            **security,
             timeout=self.config.session_timeout_s,
             connection_retry=KazooRetry(
                 max_tries=-1, delay=0.05, backoff=2, max_delay=1.0, max_jitter=0.1
             ),
             command_retry=KazooRetry(max_tries=3, delay=0.05, max_delay=0.5, max_jitter=0.1),
-            logger=logging.getLogger("changebus.cluster.kazoo"),
+            logger=_KAZOO_LOG,
         )
         zk.add_listener(self._on_kazoo_state)
         self.state = self.thread_state = "connecting"
@@ -167,6 +217,42 @@ class ZkSession:
         self.last_ok = max(self.last_ok, t0)
         self.thread_state = "connected"
         self._set_state("connected")
+        if credentials is not None:
+            await self._secure_tree(security["default_acl"])
+
+    async def _secure_tree(self, acl: list[ACL]) -> None:
+        """Create the cluster's root with ``acl`` and set it on its persistent nodes.
+
+        ``/changebus`` is created open (shared by every cluster). Ephemeral
+        nodes are left alone: their owners' sessions created them.
+        """
+        root = self.root
+        top = root.rsplit("/", 1)[0]
+
+        def run(zk: Any) -> int:
+            timeout = self.op_timeout_s
+            if zk.exists_async(top).get(timeout=timeout) is None:
+                with contextlib.suppress(NodeExistsError):
+                    zk.create_async(top, b"", acl=OPEN_ACL_UNSAFE).get(timeout=timeout)
+            zk.ensure_path_async(root).get(timeout=timeout)
+            changed = 0
+            pending = [root]
+            while pending:
+                path = pending.pop()
+                stat = zk.exists_async(path).get(timeout=timeout)
+                if stat is None or stat.ephemeralOwner:
+                    continue
+                current, _ = zk.get_acls_async(path).get(timeout=timeout)
+                if sorted(map(str, current)) != sorted(map(str, acl)):
+                    zk.set_acls_async(path, acl).get(timeout=timeout)
+                    changed += 1
+                children = zk.get_children_async(path).get(timeout=timeout)
+                pending.extend(f"{path}/{child}" for child in children)
+            return changed
+
+        changed = await self.call(run)
+        if changed:
+            log.warning("set the cluster's ACL on %d znode(s) under %s", changed, root)
 
     async def stop(self) -> None:
         """Close the session (its ephemeral nodes go at once) and the client."""

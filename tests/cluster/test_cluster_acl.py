@@ -1,0 +1,143 @@
+"""ZooKeeper digest credentials: members own their cluster's tree, the world may only read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
+
+from changebus.cluster import (
+    ClusterConfig,
+    PartitionElection,
+    Registry,
+    RoutingTable,
+    ZkSession,
+    member_path,
+)
+from changebus.schemas import ConfigError
+from changebus.schemas.config import redacted
+
+pytestmark = pytest.mark.zk
+
+PASSWORD = "s3cret-zk-Pa55"
+
+
+def _config(hosts: str, cluster: str, member: str = "", **kw: object) -> ClusterConfig:
+    return ClusterConfig(
+        zookeeper=hosts,
+        name=cluster,
+        member_id=member,
+        advertised_url=f"http://{member}.test:1" if member else "",
+        session_timeout_s=2.0,
+        connect_timeout_s=10.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _plain(hosts: str) -> KazooClient:
+    zk = KazooClient(hosts=hosts, timeout=5.0)
+    zk.start(10)
+    return zk
+
+
+async def test_members_with_credentials_lock_out_writers_without(
+    zk_hosts: str, zk_cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret_file = tmp_path / "zk-password"
+    secret_file.write_text(PASSWORD + "\n")
+    member = ZkSession(
+        _config(zk_hosts, zk_cluster, "r1", zk_user="relay", zk_password_file=str(secret_file))
+    )
+    await member.start()
+    try:
+        registry = Registry(member, "relay", min_interval_s=0.05)
+        await registry.start()
+        election = PartitionElection(member, "p0")
+        await election.start()
+        async with asyncio.timeout(10):
+            leadership = await election.wait_elected()
+        assert leadership.valid()
+
+        # a reader without credentials still finds the relays (world-readable)
+        reader = ZkSession(_config(zk_hosts, zk_cluster))
+        await reader.start()
+        try:
+            table = RoutingTable(reader)
+            await table.start()
+            assert "r1" in table.snapshot().members
+            await table.stop()
+        finally:
+            await reader.stop()
+
+        # ... but cannot register a member, nor change anything of the cluster
+        zk = _plain(zk_hosts)
+        try:
+            with pytest.raises(NoAuthError):
+                zk.create(member_path(zk_cluster, "intruder"), b"{}", ephemeral=True)
+            with pytest.raises(NoAuthError):
+                zk.create(f"/changebus/{zk_cluster}/partitions/p9", b"")
+            with pytest.raises(NoAuthError):
+                zk.delete(f"/changebus/{zk_cluster}/members")
+            with pytest.raises(NoAuthError):
+                zk.set(f"/changebus/{zk_cluster}/partitions/p0/epoch", b'{"epoch": 99}')
+            data, _ = zk.get(member_path(zk_cluster, "r1"))
+            assert b'"relay"' in data
+        finally:
+            zk.stop()
+            zk.close()
+        await election.stop()
+        await registry.stop()
+    finally:
+        await member.stop()
+    assert PASSWORD not in caplog.text
+
+
+async def test_a_tree_created_open_is_taken_back(zk_hosts: str, zk_cluster: str) -> None:
+    zk = _plain(zk_hosts)
+    try:
+        zk.ensure_path(f"/changebus/{zk_cluster}/partitions/p0")  # open ACL, e.g. an intruder
+        member = ZkSession(
+            _config(zk_hosts, zk_cluster, "r1", zk_user="relay", zk_password=PASSWORD)
+        )
+        await member.start()
+        try:
+            with pytest.raises(NoAuthError):
+                zk.create(f"/changebus/{zk_cluster}/partitions/p0/x", b"")
+            with pytest.raises(NoAuthError):
+                zk.create(f"/changebus/{zk_cluster}/members", b"")
+        finally:
+            await member.stop()
+        # another cluster with other credentials can still live beside it
+        other = ZkSession(
+            _config(zk_hosts, zk_cluster + "b", "r2", zk_user="other", zk_password="pw-2")
+        )
+        await other.start()
+        try:
+            await other.ensure_path(f"/changebus/{zk_cluster}b/members")
+        finally:
+            await other.stop()
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def test_credential_settings_are_checked_and_never_shown() -> None:
+    with pytest.raises(ConfigError, match="go together"):
+        ClusterConfig(zookeeper="127.0.0.1:1", name="c", zk_user="relay")
+    with pytest.raises(ConfigError, match="go together"):
+        ClusterConfig(zookeeper="127.0.0.1:1", name="c", zk_password=PASSWORD)
+    with pytest.raises(ConfigError, match="':'"):
+        ClusterConfig(zookeeper="127.0.0.1:1", name="c", zk_user="a:b", zk_password="x")
+    config = ClusterConfig(zookeeper="127.0.0.1:1", name="c", zk_user="relay", zk_password=PASSWORD)
+    assert PASSWORD not in repr(config)
+    assert PASSWORD not in str(redacted(config))
+    missing = ClusterConfig(
+        zookeeper="127.0.0.1:1", name="c", zk_user="relay", zk_password_file="/nonexistent/pw"
+    )
+    with pytest.raises(ConfigError, match="/nonexistent/pw"):
+        missing.zk_credentials()
