@@ -18,12 +18,22 @@ from ._base import (
     register_fetcher as register_fetcher,
     window_bytes as window_bytes,
 )
+from ._policy import (
+    ColumnPolicy as ColumnPolicy,
+    ColumnRule as ColumnRule,
+    TablePlan as TablePlan,
+    canonical_bytes as canonical_bytes,
+)
 
 __all__ = [
+    "ColumnPolicy",
+    "ColumnRule",
     "Fetcher",
     "FetcherFactory",
     "ResumePoint",
+    "TablePlan",
     "Window",
+    "canonical_bytes",
     "create_fetcher",
     "fetcher_kinds",
     "register_fetcher",
