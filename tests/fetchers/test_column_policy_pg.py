@@ -186,6 +186,7 @@ def test_key_columns(pg_dsn: str) -> None:
             conn, policy=ColumnPolicy.parse({"public.k": {"email": "hash"}}, KEY)
         )
         assert mac("a@b").encode() in b"".join(datas) and b"a@b" not in b"".join(datas)
+        assert fast.rows_transcoded == 2  # the hashed key on the fast path
         resolver = TypeResolver(conn)
         for action in ("exclude", "truncate:2"):
             asm = Assembler(
