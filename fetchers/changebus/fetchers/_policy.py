@@ -12,6 +12,11 @@ to do with some of its columns before anything leaves the fetcher::
     [partitions.fetcher.options]
     column_hash_key = "..."                  # the HMAC key (secret), or
     column_hash_key_env = "CHANGEBUS_COLUMN_KEY"   # the environment variable holding it
+    # column_policy_file = "/etc/changebus/columns.toml"  # instead of column_policy
+
+The bootstrap server's ``[seed]`` table takes the same four options, so that
+seeded snapshot rows follow the same policy (the seeders check the relay's
+schemas against it: :meth:`ColumnPolicy.check_schema`).
 
 :class:`ColumnPolicy` is that table parsed and checked (:meth:`ColumnPolicy.parse`
 raises :class:`~changebus.schemas.ConfigError` naming the source and column,
@@ -57,12 +62,14 @@ import hashlib
 import hmac
 import logging
 import os
+import tomllib
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
-from changebus.schemas import Column, ConfigError, SourceConfigError
+from changebus.schemas import Column, ConfigError, SourceConfigError, TableSchema
 
 __all__ = ["ColumnPolicy", "ColumnRule", "TablePlan", "canonical_bytes"]
 
@@ -201,13 +208,28 @@ class ColumnPolicy:
         hash_key: str = "",
         hash_key_env: str = "",
         *,
+        file: str | Path = "",
         environ: Mapping[str, str] | None = None,
     ) -> ColumnPolicy:
         """Check and parse a ``column_policy`` table; :class:`ConfigError` when wrong.
 
+        ``file``: a TOML file holding the table instead (its top-level tables
+        are the sources), so that a relay and a bootstrap server share one.
         The key is ``hash_key``, else the value of the environment variable
         ``hash_key_env`` (which must then be set and non-empty).
         """
+        if file:
+            if table:
+                raise ConfigError("set column_policy or column_policy_file, not both")
+            try:
+                with Path(file).open("rb") as fh:
+                    table = tomllib.load(fh)
+            except OSError as exc:
+                raise ConfigError(
+                    f"column_policy_file {file}: cannot read it ({exc.strerror})"
+                ) from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"column_policy_file {file} is not valid TOML: {exc}") from None
         if hash_key and hash_key_env:
             raise ConfigError("set column_hash_key or column_hash_key_env, not both")
         key = hash_key
@@ -224,7 +246,7 @@ class ColumnPolicy:
             raise ConfigError("column_policy must be a table of sources")
         sources: dict[str, dict[str, ColumnRule]] = {}
         for source, columns in table.items():
-            if not isinstance(source, str) or "." not in source:
+            if "." not in source:
                 raise ConfigError(
                     f"column_policy: source {source!r} must be named 'schema.table' "
                     "('database.table' for MySQL)"
@@ -288,3 +310,27 @@ class ColumnPolicy:
         if all(r is None for r in rules):
             return None
         return TablePlan(tuple(out), tuple(rules), tuple(columns))
+
+    def rules_for(self, source: str) -> Mapping[str, ColumnRule]:
+        """The rules of ``source`` by column name (empty: none)."""
+        return self.sources.get(source, {})
+
+    def check_schema(self, schema: TableSchema) -> None:
+        """Refuse ``schema`` (a fetcher's) if this policy would not have made it.
+
+        For the bootstrap seeders, whose rows must follow the same policy as
+        the fetcher's: a column the schema shows hashed or truncated that this
+        policy leaves alone (or the reverse), or a column this policy
+        excludes that the schema has, raises :class:`SourceConfigError`
+        naming the column. (The hash key itself cannot be checked.)
+        """
+        rules = self.rules_for(schema.name)
+        for c in schema.columns:
+            rule = rules.get(c.name)
+            want = "exclude" if _is_excluded(rule) else (rule.label if rule else "")
+            if want != c.policy:
+                raise SourceConfigError(
+                    f"column {schema.name}.{c.name}: the relay's schema has policy "
+                    f"{c.policy or 'none'!r}, this column_policy says {want or 'none'!r}: "
+                    "give the seed the fetcher's column_policy (and hash key)"
+                )

@@ -63,6 +63,8 @@ class MySQLConfig:
     #: the HMAC key of "hash" policies (secret), or the environment variable holding it
     column_hash_key: str = secret()
     column_hash_key_env: str = ""
+    #: a TOML file holding the column_policy table instead (shared with the bootstrap seed)
+    column_policy_file: str = ""
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
@@ -111,5 +113,8 @@ class MySQLConfig:
     def column_rules(self) -> ColumnPolicy:
         """The parsed ``column_policy`` (:class:`ConfigError` when it is wrong)."""
         return ColumnPolicy.parse(
-            self.column_policy, self.column_hash_key, self.column_hash_key_env
+            self.column_policy,
+            self.column_hash_key,
+            self.column_hash_key_env,
+            file=self.column_policy_file,
         )
