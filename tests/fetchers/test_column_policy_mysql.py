@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_mysql_fetcher import caught_up, execute, relay_config
+from test_mysql_fetcher import _connect, caught_up, execute, relay_config
 
 from changebus.client import ChangeEvent, Consumer, ConsumerConfig
 from changebus.fetchers.mysql import EmbeddedMariaDB, MySQLConfig
 from changebus.relay import Relay
 from changebus.schemas import ConfigError
 from changebus.schemas.config import load_config_dict
+from fix_mysql import master_scn
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
@@ -153,3 +154,90 @@ def test_config_errors() -> None:
         MySQLConfig, {"column_hash_key": KEY, "column_policy": {"d.t": {"c": "hash"}}}, "fetcher"
     )
     assert KEY not in repr(cfg)
+
+
+def test_decoder_and_transcoder_agree_under_a_policy(
+    mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """With a policy, the generated decoder (+ fastavro) and transcoder write the same bytes."""
+    from pymysqlreplication import BinLogStreamReader
+    from pymysqlreplication.row_event import (
+        DeleteRowsEvent,
+        TableMapEvent,
+        UpdateRowsEvent,
+        WriteRowsEvent,
+    )
+
+    from changebus.fetchers import ColumnPolicy
+    from changebus.fetchers.mysql import (
+        compile_decoder,
+        compile_transcoder,
+        layout_from_table_map,
+    )
+    from changebus.schemas import RowEncoder, SchemaRegistry
+
+    db = mysql_db
+    rules = ColumnPolicy.parse(policy(db), KEY)
+    start = master_scn(mysql_server)
+    execute(
+        mysql_server,
+        db,
+        "CREATE TABLE users (uid bigint unsigned NOT NULL PRIMARY KEY, email varchar(100), "
+        "ssn varchar(20), bio text, code bigint, photo varbinary(10), n int)",
+        "INSERT INTO users VALUES (1, 'ann@example.com', 'x', 'long text', 42, x'01020304', 1), "
+        "(2, NULL, NULL, NULL, NULL, NULL, NULL)",
+        "UPDATE users SET n = 5, email = 'bob@example.com'",
+        "DELETE FROM users WHERE uid = 2",
+    )
+    number, pos = start >> 32, start & 0xFFFFFFFF
+    reader = BinLogStreamReader(
+        connection_settings={"host": "127.0.0.1", "port": mysql_server.port, "user": "root"},
+        server_id=4712,
+        blocking=False,
+        resume_stream=True,
+        log_file=f"mysql-bin.{number:06d}",
+        log_pos=pos,
+        only_events=[TableMapEvent, WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent],
+        only_schemas=[db],
+        pymysql_wrapper=_connect,
+    )
+    checked = 0
+    try:
+        table: Any = None
+        for event in reader:
+            if isinstance(event, TableMapEvent):
+                layout = layout_from_table_map(event, {}).with_policy(rules)
+                assert layout.plan is not None
+                encoder = RowEncoder(
+                    SchemaRegistry().register(layout.table_schema()), source_id=1, partition=1
+                )
+                table = (compile_decoder(layout), compile_transcoder(layout))
+                continue
+            decode, transcode = table
+            packet = event.packet.packet
+            raw, lo, hi = packet._data, packet._position, len(packet._data) - 4
+            decoded, coded = decode(raw, lo, hi, 1), transcode(raw, lo, hi)
+            for row, _ in decoded:
+                assert "ssn" not in row and row["uid"] in (mac("1"), mac("2"))
+            old: list[tuple[Any, ...]]
+            new: list[tuple[Any, ...]]
+            if isinstance(event, UpdateRowsEvent):
+                old = [
+                    (2, a, b, ans or (), bns or ())
+                    for (b, bns), (a, ans) in zip(decoded[0::2], decoded[1::2], strict=True)
+                ]
+                new = [
+                    (2, ak, a, b, ans or (), bns or ())
+                    for (_, b, bns), (ak, a, ans) in zip(coded[0::2], coded[1::2], strict=True)
+                ]
+            elif isinstance(event, DeleteRowsEvent):
+                old = [(3, None, r, (), ns or ()) for r, ns in decoded]
+                new = [(3, k, None, r, (), ns or ()) for k, r, ns in coded]
+            else:
+                old = [(1, r, None, ns or (), ()) for r, ns in decoded]
+                new = [(1, k, r, None, ns or (), ()) for k, r, ns in coded]
+            assert encoder.encode_many_encoded(new, 7, 9) == encoder.encode_many(old, 7, 9)
+            checked += len(old)
+    finally:
+        reader.close()
+    assert checked == 2 + 2 + 1

@@ -39,9 +39,11 @@ POLICY = {
         "bio": "truncate:5",
         "code": "hash",
         "photo": "truncate:3",
+        "notes": "hash",
         "gone": "exclude",  # not a column: a warning, not an error
     }
 }
+NOTES = "y" * 3000  # stored out of line: an update of another column does not send it
 FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.2}
 
 
@@ -54,21 +56,22 @@ def create(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "CREATE TABLE users (id int8 PRIMARY KEY, email text, ssn text, bio text, "
-            "code int8, photo bytea, n int4)"
+            "code int8, photo bytea, n int4, notes text)"
         )
         conn.execute("ALTER TABLE users ALTER COLUMN bio SET STORAGE EXTERNAL")
+        conn.execute("ALTER TABLE users ALTER COLUMN notes SET STORAGE EXTERNAL")
         conn.execute("CREATE TABLE plain (id int8 PRIMARY KEY, ssn text)")
 
 
 def write(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO users VALUES (1, 'ann@example.com', '123-45', %s, 42, %s, 1)",
-            ("x" * 3000, b"\x01\x02\x03\x04"),
+            "INSERT INTO users VALUES (1, 'ann@example.com', '123-45', %s, 42, %s, 1, %s)",
+            ("x" * 3000, b"\x01\x02\x03\x04", NOTES),
         )
         conn.execute(
-            "INSERT INTO users VALUES (2, 'ann@example.com', NULL, NULL, NULL, NULL, 2), "
-            "(3, 'bob@example.com', 'zzz', 'short', -7, '\\x00'::bytea, 3)"
+            "INSERT INTO users VALUES (2, 'ann@example.com', NULL, NULL, NULL, NULL, 2, NULL), "
+            "(3, 'bob@example.com', 'zzz', 'short', -7, '\\x00'::bytea, 3, 'n')"
         )
         conn.execute("UPDATE users SET n = 10 WHERE id = 1")  # bio: unchanged TOAST
         conn.execute("DELETE FROM users WHERE id = 3")
@@ -137,15 +140,16 @@ async def test_policies_end_to_end(
         "code": mac("42"),
         "photo": b"\x01\x02\x03",
         "n": 1,
+        "notes": mac(NOTES),
     }
     assert ins2.after == {"id": 2, "email": ins1.after["email"], "bio": None, "code": None,
-                          "photo": None, "n": 2}  # fmt: skip
+                          "photo": None, "n": 2, "notes": None}  # fmt: skip
     assert ins3.after is not None and ins3.after["code"] == mac("-7")
     assert ins3.after["bio"] == "short" and ins3.after["photo"] == b"\x00"
     assert ins3.after["email"] == mac("bob@example.com") != ins1.after["email"]
     # an unchanged TOAST value stays not sent (not a hash or a cut of a placeholder)
     assert upd.after is not None and upd.after["n"] == 10 and upd.after["bio"] is None
-    assert upd.not_sent == ("bio",)
+    assert upd.after["notes"] is None and upd.not_sent == ("bio", "notes")
     assert upd.after["email"] == ins1.after["email"]
     # a key-only before-image: the excluded column is not listed as not sent
     assert dele.before is not None and dele.before["id"] == 3 and "ssn" not in dele.before
