@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import hashlib
 import hmac
 import logging
 import os
@@ -125,7 +124,8 @@ class ColumnRule:
         if value is None:
             return None
         if self.action == "hash":
-            return hmac.new(self.key, canonical_bytes(value), hashlib.sha256).hexdigest()
+            # OpenSSL's one-shot HMAC: a few times faster than hmac.new(...).hexdigest()
+            return hmac.digest(self.key, canonical_bytes(value), "sha256").hex()
         if isinstance(value, str | bytes):
             return value[: self.length]
         if isinstance(value, bytearray | memoryview):
