@@ -78,13 +78,12 @@ def write(dsn: str) -> None:
         conn.execute("INSERT INTO plain VALUES (1, 'kept')")
 
 
-def relay_config(tmp: Path, dsn: str) -> RelayConfig:
-    options = {
-        "dsn": dsn,
-        "status_interval_s": 0.2,
-        "column_policy": POLICY,
-        "column_hash_key_env": ENV,
-    }
+def relay_config(tmp: Path, dsn: str, key_from: str = "env") -> RelayConfig:
+    options: dict[str, Any] = {"dsn": dsn, "status_interval_s": 0.2, "column_policy": POLICY}
+    if key_from == "env":
+        options["column_hash_key_env"] = ENV
+    else:
+        options["column_hash_key"] = KEY
     return RelayConfig(
         data_dir=tmp / "relay",
         http=HttpConfig(port=0),
@@ -107,13 +106,18 @@ async def consume(url: str, n: int) -> list[ChangeEvent]:
     return events
 
 
+@pytest.mark.parametrize("key_from", ["env", "option"])
 async def test_policies_end_to_end(
-    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    pg_dsn: str,
+    key_from: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv(ENV, KEY)
     create(pg_dsn)
-    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
+    async with Relay(relay_config(tmp_path, pg_dsn, key_from)) as relay:
         await wait_until(lambda: relay.hosts["pg"].state == "streaming")
         await asyncio.to_thread(write, pg_dsn)
         await caught_up(relay, pg_dsn)
