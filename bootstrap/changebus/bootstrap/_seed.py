@@ -190,7 +190,8 @@ def seed_postgres(
             if len(registry.versions(name)) != len(known):
                 raise SourceConfigError(
                     f"table {name} changed since the relay's newest schema version "
-                    f"{known[-1].version}: seed it after the relay has seen the change"
+                    f"{known[-1].version}: seed it after the relay has seen the change "
+                    "(or give the seed the fetcher's column_policy)"
                 )
             key = known[-1].key
             order = ", ".join(_quote(k) for k in key) if key else "ctid"

@@ -265,7 +265,8 @@ def _copy_table(
         if set(batch[0]) - excluded != wanted:
             raise SourceConfigError(
                 f"table {name} changed since the relay's newest schema version "
-                f"{schema.version}: seed it after the relay has seen the change"
+                f"{schema.version}: seed it after the relay has seen the change "
+                "(or give the seed the fetcher's column_policy)"
             )
         ts = time.time_ns()
         events = []

@@ -137,22 +137,23 @@ class ColumnRule:
 class TablePlan:
     """A policy applied to one table: the schema's columns and a rule per source column.
 
-    ``columns`` -- the table schema's columns (policy applied). ``rules`` --
-    per source column, in the source's order: its :class:`ColumnRule` or None.
-    ``excluded`` -- names of the excluded source columns.
+    ``columns`` -- the table schema's columns (policy applied: excluded ones
+    dropped, hashed ones retyped, ``Column.policy`` set). ``rules`` -- per
+    source column, in the source's order: its :class:`ColumnRule` or None.
+    ``source_columns`` -- the source's columns the plan was made from (as
+    long as ``rules``).
     """
 
     columns: tuple[Column, ...]
     rules: tuple[ColumnRule | None, ...]
+    source_columns: tuple[Column, ...]
 
     @property
     def excluded(self) -> frozenset[str]:
+        """Names of the excluded source columns."""
         return frozenset(
-            c.name for c, r in zip(self.columns_in, self.rules, strict=True) if _is_excluded(r)
+            c.name for c, r in zip(self.source_columns, self.rules, strict=True) if _is_excluded(r)
         )
-
-    #: the source columns the plan was made from (set by :meth:`ColumnPolicy.plan`)
-    columns_in: tuple[Column, ...] = ()
 
 
 def _is_excluded(rule: ColumnRule | None) -> bool:
