@@ -37,9 +37,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from changebus.cluster import ClusterConfig
+from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 
@@ -137,7 +138,12 @@ class SeedConfig:
     the partition the relay has seen). ``on_start`` -- seed once at start-up
     (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
     demand). ``partition`` -- the partition the source feeds (empty: the
-    only one).
+    only one). ``column_policy`` / ``column_policy_file``,
+    ``column_hash_key`` (secret) / ``column_hash_key_env`` -- the fetcher's
+    column policy (docs/column-policy.md), which seeded rows must follow
+    too: give the same values as the fetcher's options (a shared
+    ``column_policy_file`` and ``column_hash_key_env`` say it once). A seed
+    whose policy does not match the relay's schemas is refused.
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -146,8 +152,22 @@ class SeedConfig:
     on_start: bool = False
     partition: str = ""
     chunk_rows: int = 5000
+    column_policy: dict[str, Any] = field(default_factory=dict)
+    column_hash_key: str = secret("")
+    column_hash_key_env: str = ""
+    column_policy_file: str = ""
+
+    def column_rules(self) -> ColumnPolicy:
+        """The parsed column policy (:class:`ConfigError` when it is wrong)."""
+        return ColumnPolicy.parse(
+            self.column_policy,
+            self.column_hash_key,
+            self.column_hash_key_env,
+            file=self.column_policy_file,
+        )
 
     def __post_init__(self) -> None:
+        self.column_rules()  # checked at start
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
         if self.on_start and not self.dsn:

@@ -14,7 +14,10 @@ touched since are not in it. The seeder copies them from the source:
    ``chunk_rows`` rows, turned into events by the postgres fetcher's own
    :class:`~changebus.fetchers.postgres.Assembler` (same types, same Avro
    encoding, the relay's source ids and schema versions, mirrored from the
-   store).
+   store), under the fetcher's column policy (``request.column_policy``:
+   excluded columns are not copied out, hashed and truncated ones are
+   written as the fetcher writes them; a relay schema showing another
+   policy is refused, so masked data never leaks through a snapshot).
 3. Each chunk is merged into the snapshot at SCN ``C`` in one store
    transaction (:meth:`~._store.Store.seed_rows`): a row is written unless
    the snapshot already holds a *newer* state of its key (the applier's
@@ -42,6 +45,7 @@ import time
 import uuid
 from typing import Any
 
+from changebus.fetchers import ColumnPolicy
 from changebus.schemas import (
     ChangebusError,
     Op,
@@ -117,6 +121,7 @@ def seed_postgres(
 
     registry = SchemaRegistry()
     registry.import_entries(list(request.schemas))
+    policy = request.column_policy or ColumnPolicy()
     todo = progress.begin(request)
     if not todo:
         progress.state = "copied"
@@ -143,6 +148,7 @@ def seed_postgres(
             registry,
             primary_key=resolver.primary_key,
             array_dims=resolver.array_dims,
+            policy=policy,
         )
         chunk_rows = request.chunk_rows
         for name in todo:
@@ -156,6 +162,7 @@ def seed_postgres(
                     f"table {name} is not in the relay's stream yet (no schema): it cannot be "
                     "seeded before the relay has seen a change of it"
                 ) from None
+            policy.check_schema(known[-1])  # the rows follow the fetcher's column policy
             nsp, _, rel = name.partition(".")
             info = conn.execute(
                 "SELECT c.oid, c.relreplident::text FROM pg_class c "
@@ -183,7 +190,8 @@ def seed_postgres(
             if len(registry.versions(name)) != len(known):
                 raise SourceConfigError(
                     f"table {name} changed since the relay's newest schema version "
-                    f"{known[-1].version}: seed it after the relay has seen the change"
+                    f"{known[-1].version}: seed it after the relay has seen the change "
+                    "(or give the seed the fetcher's column_policy)"
                 )
             key = known[-1].key
             order = ", ".join(_quote(k) for k in key) if key else "ctid"

@@ -20,7 +20,8 @@ arguments (a :class:`~._seedtypes.SeedRequest`) and the same guarantees:
    Avro values the fetcher writes for the same row: :func:`_converter`), and
    each batch is merged into the snapshot in one store transaction. Zero
    dates (no Avro value) are sent as null and listed as not sent, as the
-   fetcher does.
+   fetcher does. The fetcher's column policy (``request.column_policy``)
+   applies to the rows as in the fetcher.
 
 Resumable per table: finished tables are recorded by the store and skipped;
 an interrupted table is copied again from a new snapshot (merges are
@@ -42,6 +43,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from changebus.fetchers import ColumnPolicy, ColumnRule
 from changebus.schemas import (
     ChangebusError,
     Column,
@@ -51,6 +53,7 @@ from changebus.schemas import (
     SchemaRegistry,
     SourceConfigError,
     SourceError,
+    mysql_avro_type,
     mysql_bit,
     mysql_boolean,
     mysql_json,
@@ -92,6 +95,25 @@ def mysql_config_from_dsn(dsn: str) -> Any:
         user=urllib.parse.unquote(parts.username or "changebus"),
         password=urllib.parse.unquote(parts.password or ""),
     )
+
+
+def _policy_converter(column: Column, rule: ColumnRule | None) -> Callable[[Any], Any]:
+    """:func:`_converter`, then the column's policy rule (hash, truncate) if any.
+
+    A hashed column's schema type is ``string``: its value is converted as its
+    source type (``source_type``) is first, as the fetcher's decoder does.
+    """
+    if rule is None:
+        return _converter(column)
+    if rule.action == "hash":
+        column = Column(column.name, mysql_avro_type(column.source_type), True, column.source_type)
+    convert, apply = _converter(column), rule.apply
+
+    def policed(value: Any) -> Any:
+        value = convert(value)
+        return value if value is _NOT_SENT else apply(value)
+
+    return policed
 
 
 def _converter(column: Column) -> Callable[[Any], Any]:
@@ -170,6 +192,7 @@ def seed_mysql(
 
     registry = SchemaRegistry()
     registry.import_entries(list(request.schemas))
+    policy = request.column_policy or ColumnPolicy()
     todo = progress.begin(request)
     if not todo:
         progress.state = "copied"
@@ -206,10 +229,11 @@ def seed_mysql(
                     f"table {name} is not in the relay's stream yet (no schema): it cannot be "
                     "seeded before the relay has seen a change of it"
                 ) from None
+            policy.check_schema(schema)  # the rows follow the fetcher's column policy
             encoder = RowEncoder(
                 schema, source_id=registry.source_id(name), partition=request.partition_id
             )
-            _copy_table(snap, name, encoder, scn, write, progress, request.chunk_rows)
+            _copy_table(snap, name, encoder, scn, write, progress, request.chunk_rows, policy)
             write(name, [], scn)  # the table is done
             progress.tables_done += 1
             log.info("seeded %s: %d rows so far", name, progress.rows)
@@ -226,17 +250,23 @@ def _copy_table(
     write: SeedWriter,
     progress: SeedProgress,
     chunk_rows: int,
+    policy: ColumnPolicy,
 ) -> None:
-    """Copy table ``name`` in batches of ``chunk_rows``, as INSERTs encoded by ``encoder``."""
+    """Copy table ``name`` in batches of ``chunk_rows``, as INSERTs encoded by ``encoder``
+    (under ``policy``: the columns it excludes are dropped, hashed and truncated ones go
+    through its rules after the conversion the fetcher's decoder makes)."""
     schema = encoder.table
-    convert = [(c.name, _converter(c)) for c in schema.columns]
+    rules = policy.rules_for(name)
+    convert = [(c.name, _policy_converter(c, rules.get(c.name))) for c in schema.columns]
     wanted = {c.name for c in schema.columns}
+    excluded = {c for c, r in rules.items() if r.action == "exclude"}
     db, _, table = name.partition(".")
     for batch in snap.rows(db, table, chunk_rows):
-        if set(batch[0]) != wanted:
+        if set(batch[0]) - excluded != wanted:
             raise SourceConfigError(
                 f"table {name} changed since the relay's newest schema version "
-                f"{schema.version}: seed it after the relay has seen the change"
+                f"{schema.version}: seed it after the relay has seen the change "
+                "(or give the seed the fetcher's column_policy)"
             )
         ts = time.time_ns()
         events = []

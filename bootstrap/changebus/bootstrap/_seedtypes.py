@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError, TableSchema
 
 __all__ = ["SeedProgress", "SeedRequest", "SeedWriter"]
@@ -34,7 +35,9 @@ class SeedRequest:
     skipped (a seed resumes per table). ``chunk_rows`` -- rows per chunk, one
     store transaction each. ``relay_fetcher`` -- the relay's ``/v1/status``
     fetcher entry of the partition (the MySQL seeder needs its server id and
-    SCN base; Postgres ignores it).
+    SCN base; Postgres ignores it). ``column_policy`` -- the fetcher's
+    column policy, applied to the copied rows (None: none; a relay schema
+    that shows another policy is refused).
     """
 
     dsn: str = field(repr=False)
@@ -44,6 +47,7 @@ class SeedRequest:
     done: frozenset[str] = frozenset()
     chunk_rows: int = 5000
     relay_fetcher: Mapping[str, Any] | None = None
+    column_policy: ColumnPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_rows <= 0:

@@ -497,6 +497,7 @@ class BootstrapService:
                 done=frozenset(done),
                 chunk_rows=cfg.seed.chunk_rows,
                 relay_fetcher=await self._relay_fetcher(w.name),
+                column_policy=cfg.seed.column_rules(),
             )
             await asyncio.to_thread(
                 seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed

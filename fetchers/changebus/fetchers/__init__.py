@@ -8,6 +8,8 @@ relay config first names it, plus kinds registered in process with
 :func:`register_fetcher`.
 """
 
+from typing import TYPE_CHECKING, Any, Final
+
 from ._base import (
     Fetcher as Fetcher,
     FetcherFactory as FetcherFactory,
@@ -19,11 +21,36 @@ from ._base import (
     window_bytes as window_bytes,
 )
 
+if TYPE_CHECKING:
+    from ._policy import (
+        ColumnPolicy as ColumnPolicy,
+        ColumnRule as ColumnRule,
+        TablePlan as TablePlan,
+        canonical_bytes as canonical_bytes,
+    )
+
+#: names of :mod:`._policy`, imported on first use: importing the registry loads no
+#: more than it (tests/test_layering.py)
+_LAZY: Final = frozenset({"ColumnPolicy", "ColumnRule", "TablePlan", "canonical_bytes"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import _policy
+
+        return getattr(_policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "ColumnPolicy",
+    "ColumnRule",
     "Fetcher",
     "FetcherFactory",
     "ResumePoint",
+    "TablePlan",
     "Window",
+    "canonical_bytes",
     "create_fetcher",
     "fetcher_kinds",
     "register_fetcher",

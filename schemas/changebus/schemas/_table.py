@@ -144,13 +144,18 @@ class Column:
 
     ``name`` is the source's column name verbatim; ``type`` an Avro type JSON
     (never ``null``; a union's branches join the field's nullable union);
-    ``source_type`` the source's own type text, kept for information.
+    ``source_type`` the source's own type text, kept for information;
+    ``policy`` the column policy the fetcher applied at ingest (``""``: none,
+    ``"hmac-sha256"``: the value is a keyed hash, ``"truncate:<n>"``: values
+    are cut to n characters or bytes), shown as the ``changebus.policy``
+    field property of the row schema.
     """
 
     name: str
     type: AvroType
     nullable: bool = True
     source_type: str = ""
+    policy: str = ""
 
     def __post_init__(self) -> None:
         name: object = self.name
@@ -159,9 +164,10 @@ class Column:
         object.__setattr__(self, "type", _normalise_type(self.name, self.type))
         object.__setattr__(self, "nullable", bool(self.nullable))
         object.__setattr__(self, "source_type", str(self.source_type))
+        object.__setattr__(self, "policy", str(self.policy))
 
     def __hash__(self) -> int:
-        return hash((self.name, json.dumps(self.type, sort_keys=True), self.nullable))
+        return hash((self.name, json.dumps(self.type, sort_keys=True), self.nullable, self.policy))
 
 
 @dataclass(frozen=True)
@@ -257,6 +263,8 @@ class TableSchema:
                 f["changebus.source_type"] = col.source_type
             if not col.nullable:
                 f["changebus.nullable"] = False
+            if col.policy:
+                f["changebus.policy"] = col.policy
             fields_.append(f)
         return {
             "type": "record",
@@ -335,6 +343,7 @@ class TableSchema:
                     "type": c.type,
                     "nullable": c.nullable,
                     "source_type": c.source_type,
+                    **({"policy": c.policy} if c.policy else {}),
                 }
                 for c in self.columns
             ],
@@ -349,7 +358,15 @@ class TableSchema:
                 nullable = c.get("nullable", True)
                 if not isinstance(nullable, bool) or not isinstance(c["name"], str):
                     raise TypeError(f"bad column {c!r}")
-                cols.append(Column(c["name"], c["type"], nullable, str(c.get("source_type", ""))))
+                cols.append(
+                    Column(
+                        c["name"],
+                        c["type"],
+                        nullable,
+                        str(c.get("source_type", "")),
+                        str(c.get("policy", "")),
+                    )
+                )
             key = data.get("key", [])
             if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
                 raise TypeError(f"bad key {key!r}")

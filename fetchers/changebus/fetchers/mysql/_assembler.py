@@ -64,6 +64,7 @@ from changebus.schemas import (
 )
 
 from .._base import Window
+from .._policy import ColumnPolicy
 from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
 from ._layout import RowsTranscoder, TableLayout, compile_transcoder, layout_from_table_map
@@ -158,8 +159,11 @@ class BinlogAssembler:
         on_oversized: str = "fail",
         pool: Executor | None = None,
         known: Iterable[TableSchema] = (),
+        policy: ColumnPolicy | None = None,
     ) -> None:
         self.partition_id = partition_id
+        #: column policies, applied to each table's layout when it is first mapped
+        self._policy = policy if policy else None
         self.registry = registry
         #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
         self._known = frozenset(
@@ -234,6 +238,7 @@ class BinlogAssembler:
         table = self._cache.get(key)
         if table is None:
             layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
+            layout = layout.with_policy(self._policy)
             schema = self.registry.register(layout.table_schema())
             table = _Table(
                 layout,

@@ -21,6 +21,8 @@ from typing import Final
 
 from changebus.schemas import AvroType, Column, TableSchema
 
+from .._policy import ColumnPolicy, ColumnRule, TablePlan
+
 __all__ = ["ColumnLayout", "TableLayout", "base_type"]
 
 # binlog column type codes (MySQL's enum_field_types)
@@ -60,26 +62,51 @@ class ColumnLayout:
 
 @dataclass(frozen=True, slots=True)
 class TableLayout:
-    """The layout of one table at one binlog position (see the module docstring)."""
+    """The layout of one table at one binlog position (see the module docstring).
+
+    ``plan`` -- the column policy applied to the table (None: none): the
+    table schema's columns and a rule per column, which the generated code
+    applies (:mod:`changebus.fetchers._policy`). Set by :meth:`with_policy`.
+    """
 
     database: str
     table: str
     columns: tuple[ColumnLayout, ...]
     key: tuple[str, ...]
+    plan: TablePlan | None = None
 
     @property
     def name(self) -> str:
         return f"{self.database}.{self.table}"
 
-    def table_schema(self) -> TableSchema:
-        return TableSchema(
-            self.name,
-            tuple(
-                Column(c.name, c.avro, nullable=c.nullable, source_type=c.source_type)
-                for c in self.columns
-            ),
-            self.key,
+    @property
+    def rules(self) -> tuple[ColumnRule | None, ...]:
+        """The policy's rule per column (all None without a policy)."""
+        return self.plan.rules if self.plan is not None else (None,) * len(self.columns)
+
+    def source_columns(self) -> tuple[Column, ...]:
+        """The columns as the source has them (before any policy)."""
+        return tuple(
+            Column(c.name, c.avro, nullable=c.nullable, source_type=c.source_type)
+            for c in self.columns
         )
+
+    def with_policy(self, policy: ColumnPolicy | None) -> TableLayout:
+        """This layout with ``policy`` applied (itself when no policy names the table).
+
+        Raises :class:`~changebus.schemas.SourceConfigError` for a policy the
+        table refuses (an excluded or truncated key column, ...).
+        """
+        if not policy:
+            return self
+        plan = policy.plan(self.name, self.source_columns(), self.key)
+        if plan is None:
+            return self
+        return TableLayout(self.database, self.table, self.columns, self.key, plan)
+
+    def table_schema(self) -> TableSchema:
+        columns = self.plan.columns if self.plan is not None else self.source_columns()
+        return TableSchema(self.name, columns, self.key)
 
 
 def base_type(declared: str) -> str:

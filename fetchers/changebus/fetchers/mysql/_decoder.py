@@ -170,14 +170,23 @@ def compile_decoder(layout: TableLayout) -> RowsDecoder:
     nbytes = (len(cols) + 7) // 8
     lines = row_loop_head("decode(buf, pos, end, images)", nbytes)
     env = dict(HELPERS)
+    rules = layout.rules
     for i, c in enumerate(cols):
         env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec
+        rule = rules[i]
+        stmts = value_code(c, i)
+        if rule is not None and rule.action == "exclude":  # read past it, keep nothing
+            stmts = [s for s in stmts if not s.startswith("if @v is None: ns")]
         lines.append(f"        if nulls >> {i} & 1:")
         lines.append(f"            v{i} = None")
         lines.append("        else:")
-        lines.extend("            " + s.replace("@v", f"v{i}") for s in value_code(c, i))
+        lines.extend("            " + s.replace("@v", f"v{i}") for s in stmts)
+        if rule is not None and rule.action != "exclude":
+            env[f"_rule{i}"] = rule.apply
+            lines.append(f"            if v{i} is not None: v{i} = _rule{i}(v{i})")
     # keys are names bound in the environment: no outside text in the generated code
-    row = ", ".join(f"_name{i}: v{i}" for i in range(len(cols)))
+    kept = [i for i, r in enumerate(rules) if r is None or r.action != "exclude"]
+    row = ", ".join(f"_name{i}: v{i}" for i in kept)
     lines.append(f"        append(({{{row}}}, ns))")
     lines.append("    return out")
     source = "\n".join(lines)

@@ -80,6 +80,7 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
         on_oversized=cfg.on_oversized_transaction,
         pool=fetcher._pool,
         known=known,
+        policy=cfg.column_rules(),
     )
     assembler.server, assembler.scn_base = fetcher._server, fetcher._base
     if fetcher._data_loss is not None:

@@ -21,6 +21,7 @@ from typing import Final
 
 from changebus.schemas import AvroType, SourceConfigError
 
+from .._policy import ColumnRule
 from ._codecs import ENCODERS, HELPERS, decimal_expr, decimal_size, row_loop_head
 from ._columns import (
     T_BLOB,
@@ -172,6 +173,29 @@ def _with_branch(code: list[str]) -> tuple[list[str], bool]:
     return out, True
 
 
+def _policy_code(c: ColumnLayout, i: int, rule: ColumnRule, is_key: bool) -> list[str]:
+    """Statements for a column with a policy rule: read ``@v`` at ``pos`` (the decoder's
+    statements), then nothing more (exclude) or ``@e`` = ``0x02`` + the Avro bytes of the
+    rule's value (``k<i>`` too for a key column); a value without an Avro form (a zero
+    date) is listed as not sent, as without a policy."""
+    code = [line for line in value_code(c, i) if not line.startswith("if @v is None: ns")]
+    if rule.action == "exclude":
+        return code
+    enc = "_abytes" if rule.action == "truncate" and _avro_kind(c.avro) == "bytes" else "_astr"
+    out = [
+        *code,
+        "if @v is None:",
+        "    @e = b'\\x00'",
+        f"    ns = (ns or []) + [_name{i}]",
+        "else:",
+        f"    @e = {enc}(_rule{i}(@v))",
+    ]
+    if is_key:
+        out.append(f"    k{i} = @e")
+    out.append("    @e = b'\\x02' + @e")
+    return out
+
+
 def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     """A function from row images to Avro bytes for ``layout`` (the row record of
     ``layout.table_schema()``: every field ``["null", T]``, in column order; the key
@@ -188,9 +212,24 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
     lines = row_loop_head("transcode(buf, pos, end)", nbytes)
     env = dict(HELPERS)
     env.update(ENCODERS)
+    rules = layout.rules
     for i, c in enumerate(cols):
         env[f"_labels{i}"], env[f"_name{i}"], env[f"_codec{i}"] = c.labels, c.name, c.codec
         env[f"_dtm{i}"] = {}
+        rule = rules[i]
+        if rule is not None:  # a column policy: the decoder's value, then the rule
+            env[f"_rule{i}"] = rule.apply
+            body = [
+                s.replace("@e", f"e{i}").replace("@v", f"v{i}")
+                for s in _policy_code(c, i, rule, i in key)
+            ]
+            if c.nullable:
+                null = "pass" if rule.action == "exclude" else f"e{i} = b'\\x00'"
+                lines += [f"        if nulls >> {i} & 1:", f"            {null}", "        else:"]
+                lines.extend("            " + s for s in body)
+            else:
+                lines.extend("        " + s for s in body)
+            continue
         # NOT NULL columns skip the null bit; only temporal types can lack an Avro value
         pad = "            " if c.nullable else "        "
         if c.nullable:
@@ -221,7 +260,7 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
         )
     else:
         keyexpr = "b''"
-    row = ", ".join(f"e{i}" for i in range(len(cols)))
+    row = ", ".join(f"e{i}" for i, r in enumerate(rules) if r is None or r.action != "exclude")
     lines.append(f"        append(({keyexpr}, b''.join(({row},)), ns))")
     lines.append("    return out")
     source = "\n".join(lines)

@@ -84,6 +84,7 @@ from changebus.schemas import (
 )
 
 from .._base import Window
+from .._policy import ColumnPolicy, ColumnRule
 from ._pgoutput import (
     UNCHANGED,
     Begin,
@@ -120,6 +121,10 @@ class _Table:
     key_flags: tuple[bool, ...]
     transcoder: Transcoder
     announced: bool = False
+    #: the column policy's rule per column (None: the table has no policy)
+    rules: tuple[ColumnRule | None, ...] | None = None
+    #: the not-sent list of a key-only before-image (non-key, non-excluded columns)
+    key_only_not_sent: tuple[str, ...] = ()
 
 
 @dataclass
@@ -152,6 +157,25 @@ def _deep(value: Any, fn: Callable[[Any], Any]) -> Any:
     return None if value is None else fn(value)
 
 
+def _apply_rules(
+    names: tuple[str, ...],
+    rules: tuple[ColumnRule | None, ...],
+    row: dict[str, Any],
+    not_sent: list[str],
+) -> None:
+    """The column policy on a decoded row: excluded columns go, the others are
+    hashed or truncated; a value not sent (unchanged TOAST) stays not sent."""
+    for name, rule in zip(names, rules, strict=True):
+        if rule is None:
+            continue
+        if rule.action == "exclude":
+            row.pop(name, None)
+            if name in not_sent:
+                not_sent.remove(name)
+        elif name not in not_sent:
+            row[name] = rule.apply(row.get(name))
+
+
 def _depth(value: Any) -> int:
     """Dimensions of a decoded (non-empty) array: nested lists."""
     depth = 0
@@ -175,6 +199,7 @@ class Assembler:
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
         known: Iterable[TableSchema] = (),
+        policy: ColumnPolicy | None = None,
     ) -> None:
         if on_oversized not in ("fail", "skip"):
             raise ValueError(f"on_oversized must be 'fail' or 'skip', not {on_oversized!r}")
@@ -184,6 +209,7 @@ class Assembler:
         self._resolve = resolve
         self._primary_key = primary_key
         self._array_dims = array_dims
+        self._policy = policy if policy else None
         self.registry = registry or SchemaRegistry()
         #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
         self._known = frozenset(
@@ -211,7 +237,11 @@ class Assembler:
         identity = tuple(c.name for c in rel.columns if c.key)
         pk = self._primary_key(rel.oid) if self._primary_key is not None else None
         key = pk if pk else identity
-        table = self.registry.register(TableSchema(f"{rel.namespace}.{rel.name}", columns, key))
+        name = f"{rel.namespace}.{rel.name}"
+        plan = self._policy.plan(name, columns, key) if self._policy is not None else None
+        if plan is not None:
+            columns = plan.columns
+        table = self.registry.register(TableSchema(name, columns, key))
         old = self._tables.get(rel.oid)
         if (
             old is not None
@@ -223,6 +253,8 @@ class Assembler:
         names = tuple(c.name for c in rel.columns)
         adapters = tuple(_adapter(t.avro) for t in types)
         key_flags = tuple(c.key for c in rel.columns)
+        rules = plan.rules if plan is not None else None
+        excluded = plan.excluded if plan is not None else frozenset()
         self._tables[rel.oid] = _Table(
             table,
             RowEncoder(table, source_id=source_id, partition=self.partition_id),
@@ -230,8 +262,12 @@ class Assembler:
             adapters,
             names,
             key_flags,
-            Transcoder(names, types, adapters, [names.index(k) for k in key], key_flags),
+            Transcoder(names, types, adapters, [names.index(k) for k in key], key_flags, rules),
             announced=(source_id, table.name, table.version, table.fingerprint) in self._known,
+            rules=rules,
+            key_only_not_sent=tuple(
+                n for n, k in zip(names, key_flags, strict=True) if not k and n not in excluded
+            ),
         )
 
     def _announce(self, txn: _Txn, table: _Table) -> None:
@@ -311,6 +347,8 @@ class Assembler:
                 not_sent.append(name)
                 continue
             row[name] = value if adapt is None or value is None else adapt(value)
+        if table.rules is not None:
+            _apply_rules(table.names, table.rules, row, not_sent)
         return row, not_sent
 
     def _data(
@@ -335,7 +373,7 @@ class Assembler:
         if old is not None:
             before, before_ns = self._row(table, old)
             if old_kind == "K":  # only the key columns were sent
-                before_ns = [n for n, k in zip(table.names, table.key_flags, strict=True) if not k]
+                before_ns = list(table.key_only_not_sent)
         self._add(
             txn,
             table.encoder.encode(

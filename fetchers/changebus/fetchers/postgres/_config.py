@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret
+
+from .._policy import ColumnPolicy
 
 __all__ = ["PostgresConfig"]
 
@@ -42,10 +45,19 @@ class PostgresConfig:
     stream_reader: str = "auto"
     #: bytes asked per read of the socket reader
     socket_read_bytes: int = 1 << 20
+    #: per source ("schema.table"): {column: "exclude" | "hash" |
+    #: "truncate:<n>"} applied at ingest (docs/column-policy.md)
+    column_policy: dict[str, Any] = field(default_factory=dict)
+    #: the HMAC key of "hash" policies (secret), or the environment variable holding it
+    column_hash_key: str = secret()
+    column_hash_key_env: str = ""
+    #: a TOML file holding the column_policy table instead (shared with the bootstrap seed)
+    column_policy_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.dsn:
             raise ConfigError("the postgres fetcher needs options.dsn")
+        self.column_rules()  # checked at start
         choices = {
             "mode": ("stream", "sql"),
             "on_oversized_transaction": ("fail", "skip"),
@@ -73,3 +85,12 @@ class PostgresConfig:
                 raise ConfigError(
                     f"slot and publication names must be lower-case [a-z0-9_], got {name!r}"
                 )
+
+    def column_rules(self) -> ColumnPolicy:
+        """The parsed ``column_policy`` (:class:`ConfigError` when it is wrong)."""
+        return ColumnPolicy.parse(
+            self.column_policy,
+            self.column_hash_key,
+            self.column_hash_key_env,
+            file=self.column_policy_file,
+        )

@@ -159,6 +159,7 @@ class PostgresFetcher:
                 max_window_bytes=cfg.max_transaction_bytes,
                 on_oversized=cfg.on_oversized_transaction,
                 known=known,
+                policy=cfg.column_rules(),
             )
             if self._data_loss is not None:
                 lo, hi, why = self._data_loss

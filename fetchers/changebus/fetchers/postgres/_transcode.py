@@ -44,6 +44,7 @@ import fastavro
 
 from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
+from .._policy import ColumnRule
 from ._types import ColumnType
 from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
@@ -163,10 +164,15 @@ def _depth(value: Any) -> int:
 
 
 def _general_column(
-    ctype: ColumnType, adapt: Callable[[Any], Any] | None
+    ctype: ColumnType, adapt: Callable[[Any], Any] | None, rule: ColumnRule | None = None
 ) -> Callable[[bytes], bytes]:
-    """T bytes of one value through the general decoder and fastavro."""
-    schema = fastavro.parse_schema(ctype.avro)
+    """T bytes of one value through the general decoder and fastavro.
+
+    With a column ``rule`` (hash, truncate) the decoded value goes through
+    it, and a hashed value is written as the string it becomes.
+    """
+    schema = fastavro.parse_schema("string" if rule and rule.action == "hash" else ctype.avro)
+    policy = None if rule is None else rule.apply
     write = fastavro.schemaless_writer
     oid, is_array, dims = ctype.decode_oid, ctype.is_array, ctype.dims
 
@@ -180,6 +186,8 @@ def _general_column(
             raise Fallback
         if adapt is not None:
             value = adapt(value)
+        if policy is not None:
+            value = policy(value)
         bio = io.BytesIO()
         write(bio, schema, value)
         return bio.getvalue()
@@ -367,13 +375,29 @@ def _column_lines(
     return [indent + line for line in out]
 
 
+def _skip_lines(indent: str) -> list[str]:
+    """Lines stepping over a cell at ``pos`` (an excluded column: no ``p<i>``)."""
+    out = [
+        "if buf[pos] == 98:",
+        "    pos += 5 + from_bytes(buf[pos + 1:pos + 5], 'big')",
+        "elif buf[pos] == 110 or buf[pos] == 117:",
+        "    pos += 1",
+        "else:",
+        "    raise Fallback",
+    ]
+    return [indent + line for line in out]
+
+
 class Transcoder:
     """Turns pgoutput row messages of one table into event bodies (module docstring).
 
     ``names`` and ``types`` are the table's columns in Relation order,
     ``key`` the indexes of the key columns in key order, ``key_flags`` the
     columns pgoutput marks as replica identity (a key-only before-image has
-    the others as not sent), ``adapters`` the general path's value adapters.
+    the others as not sent), ``adapters`` the general path's value adapters,
+    ``rules`` the column policy's rule per column (None: no policy): an
+    excluded column is stepped over, a hashed or truncated one goes through
+    its rule (:mod:`changebus.fetchers._policy`); the others are untouched.
     """
 
     def __init__(
@@ -383,12 +407,18 @@ class Transcoder:
         adapters: Sequence[Callable[[Any], Any] | None],
         key: Sequence[int],
         key_flags: Sequence[bool],
+        rules: Sequence[ColumnRule | None] | None = None,
     ) -> None:
         self.names = tuple(names)
         self.ncols = len(self.names)
+        self._rules = tuple(rules) if rules is not None else (None,) * self.ncols
         self._tuple = self._generate(types, adapters, tuple(key))
         self._key_only_not_sent = _string_array(
-            [n for n, k in zip(self.names, key_flags, strict=True) if not k]
+            [
+                n
+                for n, k, r in zip(self.names, key_flags, self._rules, strict=True)
+                if not k and not (r is not None and r.action == "exclude")
+            ]
         )
 
     def _generate(
@@ -437,7 +467,8 @@ class Transcoder:
             "    size = len(buf)",
             "    ns = None",
         ]
-        rules = [_rule(t) for t in types]
+        policy = self._rules
+        rules = [_rule(t) if r is None else None for t, r in zip(types, policy, strict=True)]
         i = 0
         while i < len(types):
             j = i
@@ -465,13 +496,20 @@ class Transcoder:
                 i = j
                 continue
             rule = rules[i]
+            column_rule = policy[i]
+            if column_rule is not None and column_rule.action == "exclude":
+                lines += _skip_lines("    ")
+                i += 1
+                continue
             if rule is None:
-                env[f"general{i}"] = _general_column(types[i], adapters[i])
+                env[f"general{i}"] = _general_column(types[i], adapters[i], column_rule)
             lines += _column_lines(rule, i, i in key, "    ", types[i])
             i += 1
         key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
-        pieces = ", ".join(f"p{c}" for c in range(len(types)))
-        lines.append(f"    return ({pieces}{',' if len(types) == 1 else ''}), {key_expr}, ns, pos")
+        excluded = {c for c, r in enumerate(policy) if r is not None and r.action == "exclude"}
+        kept = [c for c in range(len(types)) if c not in excluded]
+        pieces = ", ".join(f"p{c}" for c in kept)
+        lines.append(f"    return ({pieces}{',' if len(kept) == 1 else ''}), {key_expr}, ns, pos")
         exec("\n".join(lines), env)  # the code is built from the fixed snippets here
         fn: Callable[[bytes, int], tuple[tuple[bytes, ...], bytes, list[str] | None, int]]
         fn = env["tuple_"]
