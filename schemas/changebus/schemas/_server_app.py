@@ -167,17 +167,17 @@ def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
             headers.pop("Content-Length", None)
             body = {"error": "http", "message": exc.reason, "retriable": False}
             response = _error_answer(request, body, exc.status, headers)
-        except (ConnectionError, asyncio.CancelledError) as exc:
-            if not client_gone(request):
-                if isinstance(exc, asyncio.CancelledError):
-                    raise  # the server stops: nobody to answer
-                # the server's own connection (to an upstream) failed: an internal error
-                log.exception("unexpected error serving %s %s", request.method, request.path)
-                response = _error_answer(request, _INTERNAL, 500, None)
-            else:
-                # the client went away: nobody to answer, nothing to report
+        except asyncio.CancelledError:
+            if client_gone(request):  # its handler is cancelled: nobody to answer
+                metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
+            raise  # (or the server stops)
+        except ConnectionError:
+            if client_gone(request):  # nobody to answer, nothing to report
                 metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
                 raise
+            # the server's own connection (e.g. to an upstream) failed: an internal error
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            response = _error_answer(request, _INTERNAL, 500, None)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             response = _error_answer(request, _INTERNAL, 500, None)
