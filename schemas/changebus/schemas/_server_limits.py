@@ -212,7 +212,7 @@ class _Gate:
         self.loop = asyncio.get_running_loop()
         self.per_ip: Counter[str] = Counter()
         self.refusing: set[_Connection] = set()
-        self._warned_at = -_WARN_EVERY_S
+        self._warned_at = -float("inf")
         self._unreported = 0
 
     def __call__(self) -> _Connection:
@@ -247,13 +247,12 @@ class _Gate:
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
             self.log.warning(
-                "refused %d connection(s) in the last %.0f s: %s reached "
-                "(max_connections=%d, max_connections_per_ip=%d)",
-                self._unreported,
-                min(now - self._warned_at, _WARN_EVERY_S),
+                "refusing connections (answered 503): %s reached (max_connections=%d, "
+                "max_connections_per_ip=%d); %d refused since the last such warning",
                 reason,
                 self.limits.max_connections,
                 self.limits.max_connections_per_ip,
+                self._unreported,
             )
             self._warned_at = now
             self._unreported = 0
