@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -70,7 +73,9 @@ class Handlers:
 
 
 @asynccontextmanager
-async def serving(limits: ConnectionLimits) -> AsyncIterator[tuple[Server, Handlers]]:
+async def serving(
+    limits: ConnectionLimits, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[Server, Handlers]]:
     handlers = Handlers()
     app = server_app("limitstest", readiness=lambda: (True, {}), logger=log)
     app.router.add_get("/slow", handlers.slow)
@@ -78,7 +83,13 @@ async def serving(limits: ConnectionLimits) -> AsyncIterator[tuple[Server, Handl
     app.router.add_get("/flood", handlers.flood)
     app.router.add_get("/upstream", handlers.upstream)
     async with Server(
-        app, name="limits test", host="127.0.0.1", port=0, logger=log, limits=limits
+        app,
+        name="limits test",
+        host="127.0.0.1",
+        port=0,
+        logger=log,
+        limits=limits,
+        ssl_context=ssl_context,
     ) as server:
         yield server, handlers
 
@@ -331,3 +342,31 @@ async def test_a_client_that_goes_away_is_no_server_error(
         w.close()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == ["unexpected error serving GET /upstream"]
+
+
+# ---- TLS -----------------------------------------------------------------------
+
+
+async def test_the_limits_hold_over_tls(tls_files: Any) -> None:  # a fix_tls.TlsFiles
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tls_files.server_cert, tls_files.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(tls_files.ca))
+    limits = ConnectionLimits(header_timeout_s=0.5, max_connections=2)
+    async with serving(limits, server_ctx) as (s, handlers):
+        assert s.url.startswith("https://")
+        # a client that connects and never starts the handshake is dropped
+        reader, writer = await connect(s)
+        assert await closed_within(reader, 5) == b""
+        writer.close()
+        await wait_until(lambda: _open(s) == 0, 5, "the silent connection closed")
+        stats = s.app[HTTP_METRICS]
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=client_ctx, limit=1)
+        ) as http:
+            async with http.get(f"{s.url}/nap?s=1") as r:  # longer than the header timeout
+                assert r.status == 200
+            polling = asyncio.create_task(http.get(f"{s.url}/slow").__aenter__())
+            await wait_until(lambda: handlers.waiting == 1, 5, "the long-poll waiting")
+            polling.cancel()  # the client goes away mid long-poll: its handler stops
+            await wait_until(lambda: stats.in_flight == 0, 2, "the long-poll stopped")
+        assert stats.requests[("/slow", 499)] == 1
