@@ -33,6 +33,7 @@ DAEMON_MODULES = [
     "changebus.fetchers",
     "changebus.schemas._server",
     "changebus.schemas._server_app",
+    "changebus.schemas._server_limits",
     "changebus.schemas._server_query",
 ]
 #: not daemon code: the throwaway database servers the tests start (blocking by design)

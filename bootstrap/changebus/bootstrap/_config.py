@@ -13,6 +13,8 @@ Example::
     [http]
     host = "127.0.0.1"
     port = 8471
+    # keepalive_timeout_s = 75, header_timeout_s = 10, max_connections = 1024,
+    # max_connections_per_ip = 0 (no cap): changebus.schemas.server.ConnectionLimits
 
 In a relay cluster (``docs/cluster.md``) a ``[cluster]`` table
 (:class:`changebus.cluster.ClusterConfig`: ``zookeeper``, ``name``,
@@ -43,6 +45,7 @@ from changebus.cluster import ClusterConfig
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
+from changebus.schemas.server import ConnectionLimits
 
 __all__ = [
     "ApplierConfig",
@@ -72,8 +75,13 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class HttpConfig:
-    """The HTTP listener and page limits."""
+class HttpConfig(ConnectionLimits):
+    """The HTTP listener and page limits.
+
+    The connection limits (``keepalive_timeout_s``, ``header_timeout_s``,
+    ``max_connections``, ``max_connections_per_ip``) are the server frame's
+    :class:`~changebus.schemas.server.ConnectionLimits`.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8471
@@ -83,6 +91,7 @@ class HttpConfig:
     max_page_bytes: int = size_field(16 << 20)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"http.port must be 0..65535, got {self.port}")
         if not 0 < self.default_page_bytes <= self.max_page_bytes:

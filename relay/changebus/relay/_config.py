@@ -7,6 +7,8 @@ Example::
     [http]
     host = "127.0.0.1"
     port = 8470
+    # keepalive_timeout_s = 75, header_timeout_s = 10, max_connections = 1024,
+    # max_connections_per_ip = 0 (no cap): changebus.schemas.server.ConnectionLimits
 
     [[partitions]]
     name = "pgmain"
@@ -39,6 +41,7 @@ from typing import Any, Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
+from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig
 
@@ -48,8 +51,13 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @dataclass(frozen=True)
-class HttpConfig:
-    """The HTTP listener and request limits."""
+class HttpConfig(ConnectionLimits):
+    """The HTTP listener and request limits.
+
+    The connection limits (``keepalive_timeout_s``, ``header_timeout_s``,
+    ``max_connections``, ``max_connections_per_ip``) are the server frame's
+    :class:`~changebus.schemas.server.ConnectionLimits`.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8470
@@ -61,6 +69,7 @@ class HttpConfig:
     max_response_bytes: int = size_field(64 << 20)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"http.port must be 0..65535, got {self.port}")
         if self.max_wait_s < 0 or self.default_max_bytes <= 0 or self.max_response_bytes <= 0:

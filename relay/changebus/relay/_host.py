@@ -76,6 +76,10 @@ _QUEUE_BYTES = 8 << 20
 #: a group commit takes at most this much of what queued up
 _GROUP_WINDOWS = 512
 _GROUP_BYTES = 8 << 20
+#: consumers remembered per partition for /v1/status (least recently seen forgotten first)
+MAX_CONSUMERS = 1000
+#: characters of a ``client=`` id kept
+MAX_CLIENT_ID = 128
 #: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
 _TICK_PER_WAITER_S = 0.0001
 _MAX_TICK_S = 0.005
@@ -311,12 +315,19 @@ class PartitionHost:
         self._responses[key] = response
 
     def saw_consumer(self, client: str, scn: int, behind_bytes: int, peer: str) -> None:
-        now = time.monotonic()
-        self.consumers[client] = ConsumerSeen(scn, behind_bytes, now, peer)
-        if len(self.consumers) > 1000:  # forget the long gone
-            for key, seen in list(self.consumers.items()):
-                if now - seen.last_seen > 300:
-                    del self.consumers[key]
+        """Note a consumer's request for ``/v1/status``.
+
+        ``consumers`` is kept in least-recently-seen order (a consumer seen
+        again moves to the end) and holds at most :data:`MAX_CONSUMERS`
+        entries: beyond, the least recently seen is forgotten, so made-up
+        client ids cannot grow it (the HTTP layer cuts ids to
+        :data:`MAX_CLIENT_ID` characters).
+        """
+        consumers = self.consumers
+        consumers.pop(client, None)
+        consumers[client] = ConsumerSeen(scn, behind_bytes, time.monotonic(), peer)
+        if len(consumers) > MAX_CONSUMERS:
+            del consumers[next(iter(consumers))]
 
     # ---- ingest -------------------------------------------------------
 

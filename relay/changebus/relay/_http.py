@@ -55,7 +55,7 @@ from changebus.schemas.server import (
 
 from ._buffer import Selection
 from ._config import RelayConfig
-from ._host import CachedResponse, PartitionHost
+from ._host import MAX_CLIENT_ID, CachedResponse, PartitionHost
 from ._metrics import RelayMetrics
 
 __all__ = ["HOSTS", "build_app"]
@@ -131,7 +131,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(host, query.get("sources"))
-    client = query.get("client", "")[:128] or (request.remote or "unknown")
+    client = query.get("client", "")[:MAX_CLIENT_ID] or (request.remote or "unknown")
 
     if query_choice(query, "follow", ("0", "1"), default="0") == "1":
         if fmt != "binary":

@@ -26,7 +26,9 @@ whatever the daemon. A second signal while stopping changes nothing.
 
 TLS is the ``ssl_context`` of :class:`Server` (the listening socket then
 speaks HTTPS); authentication and request limits are middlewares of
-:func:`~._server_app.server_app`. Both are left for the security issue.
+:func:`~._server_app.server_app`. Connection limits (keep-alive and header
+timeouts, connection caps, handlers cancelled when their client goes away)
+are the ``limits`` of :class:`Server`, applied by :mod:`._server_limits`.
 
 Thread-safety: a :class:`Server` belongs to the event loop that started it.
 """
@@ -41,6 +43,8 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from aiohttp import web
+
+from ._server_limits import ConnectionLimits, LimitedSite, runner_options
 
 __all__ = ["Server", "Service", "serve"]
 
@@ -58,7 +62,8 @@ class Server:
 
     ``name`` ("relay", "bootstrap server") is used in the log lines
     ``<name> listening on <url>`` and ``<name> stopped``, written to
-    ``logger``.
+    ``logger``. ``limits`` bound the connections (default:
+    :class:`~._server_limits.ConnectionLimits`'s defaults).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class Server:
         logger: logging.Logger,
         ssl_context: ssl.SSLContext | None = None,
         shutdown_timeout: float = 2.0,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.app = app
         self.name = name
@@ -80,6 +86,7 @@ class Server:
         self._log = logger
         self._ssl = ssl_context
         self._shutdown_timeout = shutdown_timeout
+        self._limits = limits or ConnectionLimits()
         self._runner: web.AppRunner | None = None
 
     @property
@@ -98,11 +105,17 @@ class Server:
             access_log=None,
             handle_signals=False,
             shutdown_timeout=self._shutdown_timeout,
+            **runner_options(self._limits),
         )
         try:
             await self._runner.setup()
-            site = web.TCPSite(
-                self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True
+            site = LimitedSite(
+                self._runner,
+                self.host,
+                self.port,
+                limits=self._limits,
+                log=self._log,
+                ssl_context=self._ssl,
             )
             await site.start()
         except BaseException:

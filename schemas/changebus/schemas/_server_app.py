@@ -13,7 +13,12 @@ and its start-up/shutdown steps (``app.cleanup_ctx``, see
   exception (no internals, no secrets). An error after the handler's own
   (streamed) response has begun cannot be answered any more: the connection
   is cut, so the client sees a body without its end. Every answer is counted
-  by route and status (``changebus_<daemon>_http_requests_total``).
+  by route and status (``changebus_<daemon>_http_requests_total``); a
+  request whose client went away (its handler cancelled, or a
+  ``ConnectionError`` while the connection is closed) is counted as status
+  499 and not logged. ``changebus_<daemon>_http_requests_in_flight`` is the
+  number of handlers running; the connection counters are
+  :class:`~._server_limits.ConnectionStats`.
 * ``GET /healthz`` (the process answers), ``GET /readyz`` (the daemon's
   ``readiness()``: 200 ready / 503 not, with each partition's state) and
   ``GET /metrics`` (Prometheus text of the app's own registry: the request
@@ -40,9 +45,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ._jsonable import jsonable
+from ._server_limits import CLIENT_CLOSED, CONNECTION_STATS, ConnectionStats, client_gone
 from .errors import ChangebusError
 
 __all__ = [
@@ -98,11 +104,13 @@ class HttpMetrics:
     ``requests`` maps ``(route, status)`` to a count; the route is the
     matched resource's pattern (``/v1/schemas/{source}``), or
     ``"unmatched"``, so the label set stays small whatever clients ask for.
+    ``in_flight`` is the number of requests being handled now.
     """
 
     def __init__(self, daemon: str) -> None:
         self.daemon = daemon
         self.requests: Counter[tuple[str, int]] = Counter()
+        self.in_flight = 0
 
     def collect(self) -> Iterator[Any]:
         family = CounterMetricFamily(
@@ -113,6 +121,11 @@ class HttpMetrics:
         for (route, status), count in sorted(self.requests.items()):
             family.add_metric([route, str(status)], float(count))
         yield family
+        yield GaugeMetricFamily(
+            f"changebus_{self.daemon}_http_requests_in_flight",
+            "HTTP requests being handled",
+            value=self.in_flight,
+        )
 
 
 HTTP_METRICS: web.AppKey[HttpMetrics] = web.AppKey("changebus_http_metrics", HttpMetrics)
@@ -142,6 +155,7 @@ def _error_answer(
 def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        metrics.in_flight += 1
         try:
             response = await handler(request)
         except ChangebusError as exc:
@@ -153,11 +167,22 @@ def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
             headers.pop("Content-Length", None)
             body = {"error": "http", "message": exc.reason, "retriable": False}
             response = _error_answer(request, body, exc.status, headers)
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise  # the client went away, or the server stops: nobody to answer
+        except asyncio.CancelledError:
+            if client_gone(request):  # its handler is cancelled: nobody to answer
+                metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
+            raise  # (or the server stops)
+        except ConnectionError:
+            if client_gone(request):  # nobody to answer, nothing to report
+                metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
+                raise
+            # the server's own connection (e.g. to an upstream) failed: an internal error
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            response = _error_answer(request, _INTERNAL, 500, None)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             response = _error_answer(request, _INTERNAL, 500, None)
+        finally:
+            metrics.in_flight -= 1
         metrics.requests[(_route(request), response.status)] += 1
         return response
 
@@ -199,6 +224,8 @@ def server_app(
     metrics = HttpMetrics(daemon)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(metrics)
+    connections = ConnectionStats(daemon)
+    registry.register(connections)
     for collector in collectors:
         registry.register(collector)
     app = web.Application(
@@ -207,6 +234,7 @@ def server_app(
     )
     app[HTTP_METRICS] = metrics
     app[REGISTRY] = registry
+    app[CONNECTION_STATS] = connections
     app[_READINESS] = readiness
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)

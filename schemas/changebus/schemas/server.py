@@ -11,6 +11,9 @@ daemons (and TLS, authentication and limits, once) plug into it:
 * :class:`Server` -- runner, listening site (port 0: any free port), start-up
   and shutdown through the app's ``cleanup_ctx`` steps; :func:`serve` -- the
   daemon's main loop (SIGTERM/SIGINT, also during start-up);
+* :class:`ConnectionLimits` -- keep-alive and request-head timeouts, caps on
+  open connections (all, per client IP), handlers cancelled when their client
+  disconnects (the daemons' ``[http]`` tables inherit its fields);
 * ``query_*`` / :func:`check_params` -- query-parameter parsing where every
   failure is a ``BadRequestError`` (400, not retriable);
 * :func:`add_daemon_parser` / :func:`run_daemon` -- a daemon's subcommand:
@@ -37,6 +40,7 @@ from ._server_app import (
     json_text as json_text,
     server_app as server_app,
 )
+from ._server_limits import ConnectionLimits as ConnectionLimits
 from ._server_query import (
     MAX_DIGITS as MAX_DIGITS,
     check_params as check_params,
@@ -52,6 +56,7 @@ __all__ = [
     "PROMETHEUS_CONTENT_TYPE",
     "REGISTRY",
     "Collector",
+    "ConnectionLimits",
     "Handler",
     "HttpMetrics",
     "Readiness",

@@ -1,0 +1,450 @@
+"""Connection limits of the server frame: keep-alive, header timeout, connection caps.
+
+aiohttp serves each connection with a ``RequestHandler`` protocol; on its
+own it keeps an idle connection for 3,630 s, never limits how long a
+client may take to send a request head (a "slowloris" client sends it a
+byte at a time, or nothing), accepts any number of connections and lets a
+handler run on after its client went away. :class:`ConnectionLimits`
+bounds all of that, and the pieces below apply it:
+
+* :func:`runner_options` -- the ``web.AppRunner`` arguments: aiohttp's
+  ``keepalive_timeout`` (an idle connection, or one that has begun its next
+  request head but not finished it, is closed that long after its last
+  response, or after it opened) and ``handler_cancellation`` (a client that
+  disconnects cancels its handler: a long-poll or a follow stream stops at
+  once instead of running to its end).
+* :class:`LimitedSite` -- the listening socket (a ``web.BaseSite`` like
+  ``TCPSite``) whose protocol factory is a :class:`_Gate`. Each accepted
+  connection gets a :class:`_Connection`, a thin protocol in front of
+  aiohttp's ``RequestHandler`` that
+
+  - counts the open connections (all, and per client IP when
+    ``max_connections_per_ip`` is set). Beyond a cap the connection is
+    *refused*: no ``RequestHandler`` is made; once the request head has
+    arrived (or after at most a second) it is answered ``503`` with a JSON
+    body (``{"error": "overloaded", ...}``), ``Retry-After`` and
+    ``Connection: close``, and closed. Connections already open are not
+    touched. Too many refusals pending at once are aborted outright
+    (a refusal must not hold resources itself).
+  - runs a *header watchdog*: a new connection must deliver its first
+    request head (up to the empty line) within ``header_timeout_s``, else it
+    is answered ``408`` (when it sent anything) and closed. The watchdog
+    looks only at the bytes before the first head's end (a search for the
+    empty line, once per connection); after that every byte goes straight
+    through. Later requests on a kept-alive connection are bounded by the
+    keep-alive timeout (see above). With TLS the handshake is bounded by the
+    same ``header_timeout_s`` (``ssl_handshake_timeout``).
+
+* :class:`ConnectionStats` -- the Prometheus collector of the above
+  (``changebus_<daemon>_http_connections`` open now,
+  ``..._http_connections_refused_total{reason}``,
+  ``..._http_header_timeouts_total``), registered by
+  :func:`~._server_app.server_app` under :data:`CONNECTION_STATS`.
+* :func:`client_gone` -- whether a request's client has disconnected: the
+  error middleware then counts the request as ``499`` (client closed) and
+  logs nothing, instead of a ``500`` with a traceback.
+
+Thread-safety: everything here runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .errors import ConfigError
+
+__all__ = [
+    "CONNECTION_STATS",
+    "ConnectionLimits",
+    "ConnectionStats",
+    "LimitedSite",
+    "client_gone",
+    "runner_options",
+]
+
+#: status counted for a request whose client went away before its answer
+CLIENT_CLOSED: Final = 499
+#: how long a refused connection may take to send its request head
+_REFUSE_WAIT_S: Final = 1.0
+#: bytes read from a refused connection before it is answered anyway
+_REFUSE_READ_BYTES: Final = 16 * 1024
+#: refusals pending at once (beyond: aborted at once, no answer)
+_MAX_PENDING_REFUSALS: Final = 256
+#: at most one warning about refused connections per this many seconds
+_WARN_EVERY_S: Final = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionLimits:
+    """How long and how many connections a daemon's HTTP server keeps (module docstring).
+
+    The daemons' ``[http]`` config tables inherit these fields (same names in
+    the relay and the bootstrap server).
+    """
+
+    #: an idle kept-alive connection is closed after this many seconds
+    keepalive_timeout_s: float = 75.0
+    #: a new connection must send its first request head within this (and TLS handshake)
+    header_timeout_s: float = 10.0
+    #: open connections at most; more are answered 503 and closed
+    max_connections: int = 1024
+    #: open connections from one client IP at most (0: no per-IP cap)
+    max_connections_per_ip: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.keepalive_timeout_s <= 86400:
+            raise ConfigError("http.keepalive_timeout_s must be within (0, 86400]")
+        if not 0 < self.header_timeout_s <= 3600:
+            raise ConfigError("http.header_timeout_s must be within (0, 3600]")
+        if self.max_connections < 1:
+            raise ConfigError("http.max_connections must be at least 1")
+        if self.max_connections_per_ip < 0:
+            raise ConfigError("http.max_connections_per_ip must not be negative (0: no cap)")
+
+
+class ConnectionStats:
+    """Connections of one daemon's server: a Prometheus collector (module docstring).
+
+    ``open`` is the number of admitted connections now; ``refused`` counts
+    refusals by reason (``max_connections``, ``max_connections_per_ip``);
+    ``header_timeouts`` the connections closed by the header watchdog.
+    """
+
+    def __init__(self, daemon: str) -> None:
+        self.daemon = daemon
+        self.open = 0
+        self.refused: Counter[str] = Counter()
+        self.header_timeouts = 0
+
+    def collect(self) -> Iterator[Any]:
+        prefix = f"changebus_{self.daemon}_http"
+        yield GaugeMetricFamily(f"{prefix}_connections", "Open HTTP connections", value=self.open)
+        refused = CounterMetricFamily(
+            f"{prefix}_connections_refused",
+            "HTTP connections refused (answered 503) by the connection caps",
+            labels=["reason"],
+        )
+        for reason in ("max_connections", "max_connections_per_ip"):
+            refused.add_metric([reason], float(self.refused[reason]))
+        yield refused
+        yield CounterMetricFamily(
+            f"{prefix}_header_timeouts",
+            "HTTP connections closed because no request head arrived in time",
+            value=self.header_timeouts,
+        )
+
+
+CONNECTION_STATS: web.AppKey[ConnectionStats] = web.AppKey(
+    "changebus_connection_stats", ConnectionStats
+)
+
+
+def runner_options(limits: ConnectionLimits) -> dict[str, Any]:
+    """The ``web.AppRunner`` keyword arguments that apply ``limits`` (module docstring)."""
+    return {"keepalive_timeout": limits.keepalive_timeout_s, "handler_cancellation": True}
+
+
+def client_gone(request: web.BaseRequest) -> bool:
+    """True when the request's connection is closed or closing (the client went away)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _answer(status: int, reason: str, error: str, message: str, retry_after: int = 0) -> bytes:
+    """A complete HTTP/1.1 answer that closes the connection, with a JSON error body."""
+    body = json.dumps({"error": error, "message": message, "retriable": status != 408}).encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "Content-Type: application/json; charset=utf-8",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if retry_after:
+        head.append(f"Retry-After: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+_OVERLOADED: Final = _answer(
+    503,
+    "Service Unavailable",
+    "overloaded",
+    "too many open connections; retry later",
+    retry_after=1,
+)
+_HEADER_TIMEOUT: Final = _answer(
+    408, "Request Timeout", "timeout", "the request head did not arrive in time"
+)
+
+
+def _head_ends(data: bytes) -> bool:
+    """True when ``data`` holds the empty line that ends a request head (CRLF or bare LF)."""
+    return b"\n\r\n" in data or b"\n\n" in data
+
+
+class _Gate:
+    """The protocol factory of a :class:`LimitedSite`: one :class:`_Connection` per accept.
+
+    Keeps the counts the caps need: ``open`` (mirrored into the stats),
+    ``per_ip`` (only with a per-IP cap) and the refusals pending.
+    """
+
+    def __init__(
+        self,
+        server: web.Server,
+        limits: ConnectionLimits,
+        stats: ConnectionStats,
+        log: logging.Logger,
+    ) -> None:
+        self.server = server
+        self.limits = limits
+        self.stats = stats
+        self.log = log
+        self.loop = asyncio.get_running_loop()
+        self.per_ip: Counter[str] = Counter()
+        self.refusing: set[_Connection] = set()
+        self._warned_at = -float("inf")
+        self._unreported = 0
+
+    def __call__(self) -> _Connection:
+        return _Connection(self)
+
+    def admit(self, ip: str) -> str | None:
+        """Count a new connection from ``ip`` in, or say which cap refuses it."""
+        limits = self.limits
+        if self.stats.open >= limits.max_connections:
+            return "max_connections"
+        if limits.max_connections_per_ip:
+            if self.per_ip[ip] >= limits.max_connections_per_ip:
+                return "max_connections_per_ip"
+            self.per_ip[ip] += 1
+        self.stats.open += 1
+        return None
+
+    def release(self, ip: str) -> None:
+        """Count an admitted connection out."""
+        self.stats.open -= 1
+        if self.limits.max_connections_per_ip:
+            left = self.per_ip[ip] - 1
+            if left > 0:
+                self.per_ip[ip] = left
+            else:
+                del self.per_ip[ip]
+
+    def refused(self, reason: str) -> None:
+        """Count a refusal; warn at most once a minute (a flood must not flood the log)."""
+        self.stats.refused[reason] += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self.log.warning(
+                "refusing connections (answered 503): %s reached (max_connections=%d, "
+                "max_connections_per_ip=%d); %d refused since the last such warning",
+                reason,
+                self.limits.max_connections,
+                self.limits.max_connections_per_ip,
+                self._unreported,
+            )
+            self._warned_at = now
+            self._unreported = 0
+
+    def close_refusals(self) -> None:
+        """Abort the refusals still pending (the server stops)."""
+        for conn in list(self.refusing):
+            conn.abort()
+
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: admitted (aiohttp's handler behind it) or refused.
+
+    Admitted: every protocol call is passed to ``inner`` (the
+    ``RequestHandler``), and the header watchdog (``timer``) runs until the
+    first request head has arrived. Refused: ``inner`` stays None; the
+    connection reads the request head (``timer`` bounds the wait), answers
+    503 and closes.
+    """
+
+    __slots__ = ("_gate", "_inner", "_ip", "_received", "_tail", "_timer", "_transport")
+
+    def __init__(self, gate: _Gate) -> None:
+        self._gate = gate
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._ip = ""
+        self._tail = b""  # the last bytes of an unfinished head (the empty line may straddle)
+        self._received = 0
+
+    # ---- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        gate = self._gate
+        self._transport = transport
+        peer = transport.get_extra_info("peername")
+        self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        reason = gate.admit(self._ip)
+        if reason is not None:
+            self._refuse(reason)
+            return
+        self._timer = gate.loop.call_later(gate.limits.header_timeout_s, self._header_timeout)
+        self._inner = inner = gate.server()
+        inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        inner = self._inner
+        if inner is None:
+            self._refusal_data(data)
+        else:
+            if self._timer is not None:
+                self._watch_head(data)
+            inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        inner = self._inner
+        if inner is None:
+            self._answer_refusal()
+            return None
+        return inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        inner, self._inner = self._inner, None
+        if inner is None:
+            self._gate.refusing.discard(self)
+            return
+        self._gate.release(self._ip)
+        inner.connection_lost(exc)
+
+    # ---- admitted: the header watchdog ------------------------------------------
+
+    def _watch_head(self, data: bytes) -> None:
+        seen = self._tail + data if self._tail else data
+        if _head_ends(seen):
+            assert self._timer is not None
+            self._timer.cancel()
+            self._timer = None
+            self._tail = b""
+        else:
+            self._tail = seen[-2:]
+            self._received += len(data)
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        self._gate.stats.header_timeouts += 1
+        self._gate.log.debug("closing a connection from %s: no request head in time", self._ip)
+        if self._received:
+            transport.write(_HEADER_TIMEOUT)
+        transport.close()
+
+    # ---- refused -------------------------------------------------------------
+
+    def _refuse(self, reason: str) -> None:
+        gate = self._gate
+        gate.refused(reason)
+        if len(gate.refusing) >= _MAX_PENDING_REFUSALS:
+            self.abort()
+            return
+        gate.refusing.add(self)
+        self._timer = gate.loop.call_later(_REFUSE_WAIT_S, self._answer_refusal)
+
+    def _refusal_data(self, data: bytes) -> None:
+        if self._transport is None:
+            return
+        seen = self._tail + data if self._tail else data
+        self._received += len(data)
+        if _head_ends(seen) or self._received >= _REFUSE_READ_BYTES:
+            self._answer_refusal()
+        else:
+            self._tail = seen[-2:]
+
+    def _answer_refusal(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(_OVERLOADED)
+        transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once (no answer)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class LimitedSite(web.BaseSite):
+    """A TCP listening socket whose connections obey :class:`ConnectionLimits`.
+
+    Like ``web.TCPSite(runner, host, port, ssl_context=..., reuse_address=True)``
+    (module docstring); ``port`` 0 picks a free port. ``stats`` default to the
+    app's :data:`CONNECTION_STATS` (a private instance when the app has none).
+    """
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        limits: ConnectionLimits,
+        log: logging.Logger,
+        ssl_context: Any = None,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context)
+        self._host = host
+        self._port = port
+        self._limits = limits
+        self._log = log
+        self._gate: _Gate | None = None
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._ssl_context is not None else "http"
+        return f"{scheme}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        runner = self._runner
+        assert isinstance(runner, web.AppRunner)
+        assert runner.server is not None
+        stats = runner.app.get(CONNECTION_STATS) or ConnectionStats("http")
+        self._gate = gate = _Gate(runner.server, self._limits, stats, self._log)
+        self._server = await gate.loop.create_server(
+            gate,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._limits.header_timeout_s if self._ssl_context else None,
+            backlog=self._backlog,
+            reuse_address=True,
+        )
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._gate is not None:
+            self._gate.close_refusals()

@@ -1,0 +1,372 @@
+"""Connection limits of the server frame (issue 17, item 8) through a real server and raw sockets.
+
+Each test reproduces one finding: idle connections kept for 3,630 s, clients
+that never finish a request head, no connection cap, long-polls running on
+after their client left, and a client disconnect logged as a server error
+and counted as a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from changebus.schemas import ConfigError
+from changebus.schemas._server_limits import CONNECTION_STATS
+from changebus.schemas.server import HTTP_METRICS, ConnectionLimits, Server, server_app
+from waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("no_blocking")
+
+log = logging.getLogger("changebus.test.limits")
+
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Handlers:
+    """The test app's handlers and what they saw."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.cancelled = 0
+        self.release = asyncio.Event()
+
+    async def slow(self, request: web.Request) -> web.Response:
+        """A long-poll: waits up to 30 s for news."""
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(30):
+                await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.waiting -= 1
+        return web.json_response({"news": True})
+
+    async def nap(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(float(request.query.get("s", "1")))
+        return web.json_response({"slept": True})
+
+    async def flood(self, request: web.Request) -> web.StreamResponse:
+        """Writes until the client stops reading and goes away (a paused writer)."""
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        assert request.transport is not None
+        request.transport.set_write_buffer_limits(high=0)
+        while True:
+            await resp.write(b"x" * (1 << 20))
+
+    async def upstream(self, request: web.Request) -> web.Response:
+        """The server's own connection to an upstream fails: a server error, not the client."""
+        raise ConnectionResetError("upstream reset the connection")
+
+
+@asynccontextmanager
+async def serving(
+    limits: ConnectionLimits, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[Server, Handlers]]:
+    handlers = Handlers()
+    app = server_app("limitstest", readiness=lambda: (True, {}), logger=log)
+    app.router.add_get("/slow", handlers.slow)
+    app.router.add_get("/nap", handlers.nap)
+    app.router.add_get("/flood", handlers.flood)
+    app.router.add_get("/upstream", handlers.upstream)
+    async with Server(
+        app,
+        name="limits test",
+        host="127.0.0.1",
+        port=0,
+        logger=log,
+        limits=limits,
+        ssl_context=ssl_context,
+    ) as server:
+        yield server, handlers
+
+
+async def connect(server: Server, local: str | None = None) -> Conn:
+    return await asyncio.open_connection(
+        "127.0.0.1", server.port, local_addr=(local, 0) if local else None
+    )
+
+
+def get(path: str, keep_alive: bool = True) -> bytes:
+    connection = "keep-alive" if keep_alive else "close"
+    return f"GET {path} HTTP/1.1\r\nHost: test\r\nConnection: {connection}\r\n\r\n".encode()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer with a Content-Length body: (status, headers, body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", "0"))), 5)
+    return status, headers, body
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the server sent until it closed the connection (fails when it stays open)."""
+    return await asyncio.wait_for(reader.read(), seconds)
+
+
+async def scrape(server: Server) -> str:
+    reader, writer = await connect(server)
+    writer.write(get("/metrics", keep_alive=False))
+    status, _, body = await read_answer(reader)
+    writer.close()
+    assert status == 200
+    return body.decode()
+
+
+# ---- configuration -------------------------------------------------------------
+
+
+def test_limits_are_sane_by_default_and_checked() -> None:
+    limits = ConnectionLimits()
+    # aiohttp's own keep-alive default is 3,630 s and it has no header timeout or cap
+    assert 0 < limits.keepalive_timeout_s <= 120
+    assert 0 < limits.header_timeout_s <= 30
+    assert 0 < limits.max_connections <= 4096
+    for bad in (
+        {"keepalive_timeout_s": 0},
+        {"header_timeout_s": -1},
+        {"max_connections": 0},
+        {"max_connections_per_ip": -1},
+    ):
+        with pytest.raises(ConfigError):
+            ConnectionLimits(**bad)
+
+
+def test_daemon_http_tables_carry_the_limits() -> None:
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.relay import RelayConfig
+    from changebus.schemas.config import load_config_dict
+
+    table = {"keepalive_timeout_s": 30, "max_connections": 64, "max_connections_per_ip": 8}
+    relay = load_config_dict(RelayConfig, {"http": table})
+    boot = load_config_dict(BootstrapConfig, {"relays": ["http://r:1"], "http": table})
+    for http in (relay.http, boot.http):
+        assert isinstance(http, ConnectionLimits)
+        assert (http.keepalive_timeout_s, http.max_connections) == (30.0, 64)
+        assert http.max_connections_per_ip == 8 and http.header_timeout_s == 10.0
+    with pytest.raises(ConfigError, match="max_connections"):
+        load_config_dict(RelayConfig, {"http": {"max_connections": 0}})
+
+
+# ---- timeouts ------------------------------------------------------------------
+
+
+async def test_an_idle_kept_alive_connection_is_closed() -> None:
+    async with serving(ConnectionLimits(keepalive_timeout_s=0.5, header_timeout_s=5)) as (s, _):
+        reader, writer = await connect(s)
+        writer.write(get("/healthz"))
+        status, headers, _ = await read_answer(reader)
+        assert status == 200 and headers.get("connection", "keep-alive") != "close"
+        start = time.monotonic()
+        assert await closed_within(reader, 5) == b""  # closed by the server, quietly
+        assert 0.3 < time.monotonic() - start < 3
+        writer.close()
+
+
+async def test_silent_and_slow_clients_are_closed_after_the_header_timeout() -> None:
+    async with serving(ConnectionLimits(header_timeout_s=0.5, keepalive_timeout_s=30)) as (s, _):
+        silent_reader, silent = await connect(s)
+        slow_reader, slow = await connect(s)
+
+        async def trickle() -> None:  # slowloris: a byte now and then, never the end
+            for byte in b"GET /healthz HTTP/1.1\r\nHost: test\r\nX-Pad: " + b"a" * 200:
+                if slow.is_closing():
+                    return
+                slow.write(bytes([byte]))
+                await asyncio.sleep(0.05)
+
+        trickling = asyncio.create_task(trickle())
+        # a request that takes longer than the header timeout is not cut
+        nap_reader, nap = await connect(s)
+        nap.write(get("/nap?s=1.2"))
+        start = time.monotonic()
+        assert await closed_within(silent_reader, 5) == b""
+        answer = await closed_within(slow_reader, 5)
+        assert time.monotonic() - start < 3
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"] == "timeout"
+        status, _, body = await read_answer(nap_reader)
+        assert status == 200 and json.loads(body) == {"slept": True}
+        trickling.cancel()
+        for w in (silent, slow, nap):
+            w.close()
+        text = await scrape(s)
+    assert "changebus_limitstest_http_header_timeouts_total 2.0" in text
+
+
+# ---- connection caps ----------------------------------------------------------------
+
+
+async def test_connections_beyond_the_cap_are_refused_promptly() -> None:
+    limits = ConnectionLimits(max_connections=4, header_timeout_s=30)
+    async with serving(limits) as (s, _):
+        stats = s.app[HTTP_METRICS]
+        held = [await connect(s) for _ in range(4)]
+        await wait_until(lambda: _open(s) == 4, 5, "four connections open")
+        # the fifth is answered 503 (JSON, Retry-After) and closed at once
+        reader, writer = await connect(s)
+        start = time.monotonic()
+        writer.write(get("/healthz"))
+        status, headers, body = await read_answer(reader)
+        assert time.monotonic() - start < 1.0
+        assert status == 503 and headers["retry-after"] == "1"
+        assert headers["connection"] == "close"
+        assert json.loads(body) == {
+            "error": "overloaded",
+            "message": "too many open connections; retry later",
+            "retriable": True,
+        }
+        assert await closed_within(reader, 2) == b""
+        # one that sends nothing is answered too, after a second at most
+        silent_reader, silent = await connect(s)
+        assert (await closed_within(silent_reader, 3)).startswith(b"HTTP/1.1 503 ")
+        # the connections already open are served as before
+        for r, w in held[:2]:
+            w.write(get("/healthz"))
+            assert (await read_answer(r))[0] == 200
+        # a closed one makes room
+        held[3][1].close()
+        await wait_until(lambda: _open(s) == 3, 5, "a connection closed")
+        r, last = await connect(s)
+        last.write(get("/healthz", keep_alive=False))
+        assert (await read_answer(r))[0] == 200
+        for conn in [*(w for _, w in held), writer, silent, last]:
+            conn.close()
+        await wait_until(lambda: _open(s) == 0, 5, "all closed")
+        text = await scrape(s)
+        assert stats.requests[("/healthz", 503)] == 0  # refused before any request
+    assert 'changebus_limitstest_http_connections_refused_total{reason="max_connections"} 2.0' in (
+        text
+    )
+
+
+async def test_the_per_ip_cap_leaves_other_clients_alone() -> None:
+    limits = ConnectionLimits(max_connections=100, max_connections_per_ip=2, header_timeout_s=30)
+    async with serving(limits) as (s, _):
+        held = [await connect(s) for _ in range(2)]
+        await wait_until(lambda: _open(s) == 2, 5, "two connections open")
+        reader, writer = await connect(s)
+        writer.write(get("/healthz"))
+        assert (await read_answer(reader))[0] == 503
+        # another address (127.0.0.2 is loopback too) is still welcome
+        r, w = await connect(s, local="127.0.0.2")
+        w.write(get("/healthz"))
+        assert (await read_answer(r))[0] == 200
+        for _, conn in [*held, (None, writer), (None, w)]:
+            conn.close()
+        await wait_until(lambda: _open(s) == 0, 5, "all closed")
+        text = await scrape(s)
+    assert 'refused_total{reason="max_connections_per_ip"} 1.0' in text
+
+
+async def test_many_idle_connections_do_not_pile_up() -> None:
+    """The finding: 250 idle half-open connections stayed open (no cap, 3,630 s keep-alive)."""
+    limits = ConnectionLimits(max_connections=50, header_timeout_s=0.5)
+    async with serving(limits) as (s, _):
+        conns = [await connect(s) for _ in range(250)]
+        await wait_until(lambda: _open(s) == 50, 5, "the cap reached")
+        await wait_until(lambda: _open(s) == 0, 5, "idle connections closed")
+        r, w = await connect(s)
+        w.write(get("/healthz", keep_alive=False))
+        assert (await read_answer(r))[0] == 200
+        for _, conn in [*conns, (r, w)]:
+            conn.close()
+
+
+def _open(server: Server) -> int:
+    return server.app[CONNECTION_STATS].open
+
+
+# ---- client disconnects -------------------------------------------------------
+
+
+async def test_disconnected_long_polls_stop_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    async with serving(ConnectionLimits()) as (s, handlers):
+        stats = s.app[HTTP_METRICS]
+        conns = [await connect(s) for _ in range(50)]
+        for _, w in conns:
+            w.write(get("/slow"))
+        await wait_until(lambda: handlers.waiting == 50 and stats.in_flight == 50, 10)
+        for _, w in conns:
+            w.close()
+        start = time.monotonic()
+        await wait_until(lambda: stats.in_flight == 0, 2, "the long-polls stopped")
+        assert time.monotonic() - start < 2
+        assert handlers.waiting == 0 and handlers.cancelled == 50
+        assert stats.requests[("/slow", 499)] == 50
+        text = await scrape(s)
+    assert 'changebus_limitstest_http_requests_total{route="/slow",status="499"} 50.0' in text
+    assert "changebus_limitstest_http_requests_in_flight 1.0" in text  # the scrape itself
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_client_that_goes_away_is_no_server_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The finding: ``ConnectionError("Connection lost")`` was logged and counted as a 500."""
+    async with serving(ConnectionLimits()) as (s, _):
+        stats = s.app[HTTP_METRICS]
+        reader, writer = await connect(s)
+        writer.write(get("/flood"))
+        await reader.readexactly(64 * 1024)  # the response is flowing; now stop reading
+        await asyncio.sleep(0.2)
+        writer.transport.abort()
+        await wait_until(lambda: stats.requests[("/flood", 499)] == 1, 5, "the disconnect seen")
+        assert stats.in_flight == 0
+        assert not any(status == 500 for _, status in stats.requests)
+        # the server's own failing connection (an upstream) is still a logged 500
+        r, w = await connect(s)
+        w.write(get("/upstream", keep_alive=False))
+        status, _, body = await read_answer(r)
+        assert status == 500 and json.loads(body)["error"] == "internal"
+        w.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == ["unexpected error serving GET /upstream"]
+
+
+# ---- TLS -----------------------------------------------------------------------
+
+
+async def test_the_limits_hold_over_tls(tls_files: Any) -> None:  # a fix_tls.TlsFiles
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tls_files.server_cert, tls_files.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(tls_files.ca))
+    limits = ConnectionLimits(header_timeout_s=0.5, max_connections=2)
+    async with serving(limits, server_ctx) as (s, handlers):
+        assert s.url.startswith("https://")
+        # a client that connects and never starts the handshake is dropped
+        reader, writer = await connect(s)
+        assert await closed_within(reader, 5) == b""
+        writer.close()
+        await wait_until(lambda: _open(s) == 0, 5, "the silent connection closed")
+        stats = s.app[HTTP_METRICS]
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=client_ctx, limit=1)
+        ) as http:
+            async with http.get(f"{s.url}/nap?s=1") as r:  # longer than the header timeout
+                assert r.status == 200
+            polling = asyncio.create_task(http.get(f"{s.url}/slow").__aenter__())
+            await wait_until(lambda: handlers.waiting == 1, 5, "the long-poll waiting")
+            polling.cancel()  # the client goes away mid long-poll: its handler stops
+            await wait_until(lambda: stats.in_flight == 0, 2, "the long-poll stopped")
+        assert stats.requests[("/slow", 499)] == 1
