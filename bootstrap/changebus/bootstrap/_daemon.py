@@ -49,6 +49,7 @@ class BootstrapServer:
             host=config.http.host,
             port=config.http.port,
             logger=log,
+            security=config.security,
         )
 
     @property

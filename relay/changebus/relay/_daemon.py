@@ -82,7 +82,12 @@ class Relay:
         if config.flush_interval_s > 0:
             app.cleanup_ctx.append(self._flushing)
         self.server = Server(
-            app, name="relay", host=config.http.host, port=config.http.port, logger=log
+            app,
+            name="relay",
+            host=config.http.host,
+            port=config.http.port,
+            logger=log,
+            security=config.security,
         )
 
     @property

@@ -24,9 +24,13 @@ is (e.g. while a partition opens, or while waiting for a relay), the steps
 release what they started, and the daemon ends normally (exit status 0),
 whatever the daemon. A second signal while stopping changes nothing.
 
-TLS is the ``ssl_context`` of :class:`Server` (the listening socket then
-speaks HTTPS); authentication and request limits are middlewares of
-:func:`~._server_app.server_app`. Both are left for the security issue.
+TLS: a :class:`Server` given a ``security`` config with a ``[security.tls]``
+table listens with a :class:`~._tls_server.ServerTls` (HTTPS; SIGHUP to
+:func:`serve` reloads the certificate for new connections, see
+:mod:`._tls_server`); an explicit ``ssl_context`` is used as it is. Given a
+``security`` config, the server also refuses a non-loopback host without
+TLS and principals (:func:`~._security_config.check_bind`). Authentication
+is a middleware of :func:`~._server_app.server_app`.
 
 Thread-safety: a :class:`Server` belongs to the event loop that started it.
 """
@@ -41,6 +45,9 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from aiohttp import web
+
+from ._security_config import SecurityConfig, check_bind
+from ._tls_server import ServerTls, reload_all
 
 __all__ = ["Server", "Service", "serve"]
 
@@ -70,8 +77,16 @@ class Server:
         port: int,
         logger: logging.Logger,
         ssl_context: ssl.SSLContext | None = None,
+        security: SecurityConfig | None = None,
         shutdown_timeout: float = 2.0,
     ) -> None:
+        #: the reloadable TLS of ``security.tls`` (None: plain HTTP or ``ssl_context``)
+        self.tls: ServerTls | None = None
+        if security is not None:
+            check_bind(host, security)
+            if security.tls is not None and ssl_context is None:
+                self.tls = ServerTls(security.tls)
+                ssl_context = self.tls.context
         self.app = app
         self.name = name
         self.host = host
@@ -111,6 +126,8 @@ class Server:
         addresses = self._runner.addresses  # the real port when 0 was asked for
         if addresses:
             self.port = int(addresses[0][1])
+        if self.tls is not None:
+            self.tls.register()
         self._log.info("%s listening on %s", self.name, self.url)
 
     async def stop(self) -> None:
@@ -118,10 +135,16 @@ class Server:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        if self.tls is not None:
+            self.tls.unregister()
         try:
             await runner.cleanup()
         finally:
             self._log.info("%s stopped", self.name)
+
+    async def reload_tls(self) -> bool:
+        """Reload the TLS certificate (what SIGHUP does); False when none or it failed."""
+        return self.tls is not None and await self.tls.reload()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -138,12 +161,15 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
 
     A start-up error propagates (after what was started is stopped); a
     signal during start-up cancels the start-up and returns normally.
+    SIGHUP reloads the TLS certificates (:func:`~._tls_server.reload_all`).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[int]] = set()
+    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, reloads)
     try:
         starting = asyncio.create_task(service.start(), name=f"{name}-start")
         stopping = asyncio.create_task(stop.wait(), name=f"{name}-signal")
@@ -166,5 +192,11 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
             stopping.cancel()
             await service.stop()
     finally:
-        for sig in signals:
+        for sig in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+def _reload_on_signal(tasks: set[asyncio.Task[int]]) -> None:
+    task = asyncio.get_running_loop().create_task(reload_all(), name="tls-reload")
+    tasks.add(task)  # held until done
+    task.add_done_callback(tasks.discard)
