@@ -202,7 +202,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         if not _ZERO_COPY_SAFE and request.transport is not None:
             # newer asyncio transports keep references to unsent memoryviews:
             # wait until everything left the process before the pin goes
-            request.transport.set_write_buffer_limits(high=0)
+            _unbuffered(request.transport)
             await request.writer.drain()
     finally:
         ok = host.buffer.release(selection)
@@ -357,7 +357,7 @@ async def _follow(
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
-        transport.set_write_buffer_limits(high=0)
+        _unbuffered(transport)
     await resp.prepare(request)
     sent = 0
     idle_until = time.monotonic() + wait
@@ -401,6 +401,19 @@ async def _follow(
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
+
+
+def _unbuffered(transport: asyncio.BaseTransport) -> None:
+    """Write-buffer limit 0: ``drain()`` then returns once the bytes left the process.
+
+    Not over TLS: asyncio's TLS transport never resumes a writer paused at a
+    zero limit (``drain()`` would hang), and it encrypts -- copies -- what is
+    written at once, so no reference to the ring outlives the write anyway.
+    """
+    if transport.get_extra_info("ssl_object") is None and isinstance(
+        transport, asyncio.WriteTransport
+    ):
+        transport.set_write_buffer_limits(high=0)
 
 
 def _next_headers(

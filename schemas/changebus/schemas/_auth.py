@@ -67,7 +67,6 @@ MIN_TOKEN_CHARS: Final = 32
 _MAX_TOKEN_CHARS: Final = 4096
 WARN_INTERVAL_S: Final = 10.0
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
-_PRINCIPAL: Final = "changebus.principal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +141,8 @@ class Principal:
             return None
         return frozenset(s for s in available if s in granted)
 
+
+_PRINCIPAL: Final = web.RequestKey("changebus_principal", Principal)
 
 #: the principal of a server without security: everything, including ``admin``
 ANONYMOUS: Final = Principal("anonymous")
