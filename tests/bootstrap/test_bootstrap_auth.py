@@ -93,7 +93,7 @@ async def http(tls_files: TlsFiles) -> AsyncIterator[aiohttp.ClientSession]:
 
 async def call(
     http: aiohttp.ClientSession, url: str, token: str | None, method: str = "GET", **params: Any
-) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
+) -> tuple[int, Any, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else None
     async with http.request(method, url, params=params, headers=headers) as resp:
         if resp.content_type == "application/json":
