@@ -275,14 +275,17 @@ def test_non_loopback_bind_refused_without_security(tls_files: TlsFiles) -> None
         make_server(security(None), "0.0.0.0")
 
 
-def test_bad_tls_files_are_config_errors(tls_files: TlsFiles, tmp_path: Path) -> None:
+async def test_bad_tls_files_are_config_errors(tls_files: TlsFiles, tmp_path: Path) -> None:
     missing = TlsConfig(tmp_path / "none.pem", tls_files.server_key)
+    server = make_server(SecurityConfig(tls=missing))
     with pytest.raises(ConfigError, match=r"none\.pem"):
-        make_server(SecurityConfig(tls=missing))
+        await server.start()
     wrong_key = TlsConfig(tls_files.server_cert, tls_files.client_key)
     with pytest.raises(ConfigError, match="cannot load") as info:
-        make_server(SecurityConfig(tls=wrong_key))
+        await make_server(SecurityConfig(tls=wrong_key)).start()
     assert "PRIVATE KEY" not in info.value.message
+    # nothing was left listening
+    assert server.tls is None
 
 
 async def test_logs_name_the_principal_never_the_token(

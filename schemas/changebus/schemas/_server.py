@@ -46,7 +46,7 @@ from typing import Protocol, Self
 
 from aiohttp import web
 
-from ._security_config import SecurityConfig, check_bind
+from ._security_config import SecurityConfig, TlsConfig, check_bind
 from ._tls_server import ServerTls, reload_all
 
 __all__ = ["Server", "Service", "serve"]
@@ -80,13 +80,14 @@ class Server:
         security: SecurityConfig | None = None,
         shutdown_timeout: float = 2.0,
     ) -> None:
-        #: the reloadable TLS of ``security.tls`` (None: plain HTTP or ``ssl_context``)
+        #: the reloadable TLS of ``security.tls``, loaded by :meth:`start` (None: plain
+        #: HTTP or ``ssl_context``)
         self.tls: ServerTls | None = None
+        self._tls_config: TlsConfig | None = None
         if security is not None:
             check_bind(host, security)
-            if security.tls is not None and ssl_context is None:
-                self.tls = ServerTls(security.tls)
-                ssl_context = self.tls.context
+            if ssl_context is None:
+                self._tls_config = security.tls
         self.app = app
         self.name = name
         self.host = host
@@ -100,7 +101,7 @@ class Server:
     @property
     def url(self) -> str:
         """The base URL clients use (``http://host:port``, IPv6 hosts in brackets)."""
-        scheme = "https" if self._ssl is not None else "http"
+        scheme = "https" if self._ssl is not None or self._tls_config is not None else "http"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
@@ -115,6 +116,10 @@ class Server:
             shutdown_timeout=self._shutdown_timeout,
         )
         try:
+            if self._tls_config is not None and self.tls is None:
+                # the files are read in a thread; a bad one is a ConfigError
+                self.tls = await asyncio.to_thread(ServerTls, self._tls_config)
+                self._ssl = self.tls.context
             await self._runner.setup()
             site = web.TCPSite(
                 self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True
