@@ -105,6 +105,7 @@ class Principal:
             raise ForbiddenError(f"principal {self.name!r} does not have scope {scope!r}")
 
     def allows_partition(self, name: str) -> bool:
+        """Whether partition ``name`` is granted."""
         return self.partitions is None or name in self.partitions
 
     def check_partition(self, name: str) -> None:
