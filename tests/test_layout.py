@@ -90,6 +90,7 @@ COMMANDS = {
     "replicate": "client",
     "demo": "client",
     "cluster": "cluster",
+    "token": "token",
 }
 
 

@@ -28,6 +28,11 @@ from the table and follows it::
     member_id = "bootstrap-1"        # required
     advertised_url = ""              # default: http://<http.host>:<port>
 
+A ``[security]`` table (:class:`changebus.schemas.security.SecurityConfig`)
+secures the HTTP API as the relay's does: TLS, principals (``POST /v1/seed``
+needs scope ``admin``), open endpoints; without it the server is open and
+listens on loopback only.
+
 Environment overrides use the prefix ``CHANGEBUS_BOOTSTRAP_`` (for example
 ``CHANGEBUS_BOOTSTRAP_HTTP__PORT=9000``); ``--set http.port=9000`` on the
 command line wins over both. Sizes are bytes (``"64MiB"`` accepted),
@@ -45,6 +50,7 @@ from changebus.cluster import ClusterConfig
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
+from changebus.schemas.security import SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 __all__ = [
@@ -214,6 +220,8 @@ class BootstrapConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: membership of a relay cluster (None: relays from ``relays`` only)
     cluster: ClusterConfig | None = None
+    #: TLS, principals and open endpoints (default: open, loopback only)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if not self.relays and self.cluster is None:

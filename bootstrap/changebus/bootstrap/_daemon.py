@@ -50,6 +50,7 @@ class BootstrapServer:
             port=config.http.port,
             logger=log,
             limits=config.http,
+            security=config.security,
         )
 
     @property

@@ -27,6 +27,13 @@ serve, 503 not able *yet*; an unexpected exception is logged and answered
 with 500, never a crash), the query-parameter parsers (a malformed parameter
 is always 400, never retried) and ``/healthz``, ``/readyz`` and
 ``/metrics``; this module adds the bootstrap routes.
+
+Authorization (``[security]`` with principals, as on the relay): every
+partition-taking request is 403 for a partition not granted; ``sources=``
+naming a source not granted is 403, and a principal granted only some
+sources gets only those (snapshot pages and catch-up windows) when it names
+none; ``/v1/sources``, ``/v1/schemas`` and ``/v1/status`` show only what is
+granted; ``POST /v1/seed`` needs scope ``admin``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from changebus.schemas import (
     event_mask,
     parse_stream,
 )
+from changebus.schemas.security import principal_of
 from changebus.schemas.server import (
     check_params,
     json_response,
@@ -83,12 +91,17 @@ def _check_params(request: web.Request, kind: str) -> None:
 
 
 def _partition(request: web.Request) -> str:
+    """The ``partition`` parameter (may be left out when there is one); 403 when not granted."""
     workers = request.app[SERVICE].workers
     name = request.query.get("partition")
+    principal = principal_of(request)
     if name is None:
         if len(workers) == 1:
-            return next(iter(workers))
+            name = next(iter(workers))
+            principal.check_partition(name)
+            return name
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
+    principal.check_partition(name)  # before the lookup: 403 whether it exists or not
     if name not in workers:
         raise UnknownSourceError(
             f"no partition {name[:128]!r} here; known: {', '.join(sorted(workers))}"
@@ -115,13 +128,17 @@ def _filter(request: web.Request) -> PartitionFilter | None:
 
 
 async def _source_ids(request: web.Request, part: str) -> list[int] | None:
-    """Ids of the ``sources`` parameter (None: all)."""
+    """Ids of the ``sources`` parameter (None: all), limited to the principal's grant."""
     text = request.query.get("sources")
-    if not text:
+    principal = principal_of(request)
+    if not text and principal.sources is None:
         return None
-    wanted = {s.strip() for s in text.split(",") if s.strip()}
+    wanted: set[str] | frozenset[str] = {s.strip() for s in (text or "").split(",") if s.strip()}
     rows = await request.app[SERVICE].stores.read(lambda s: s.schemas(part))
     ids = {name: sid for sid, _v, name, _j in rows}
+    granted = principal.restrict_sources(wanted if text else None, ids)
+    if granted is not None:
+        wanted = granted
     missing = sorted(wanted - set(ids))
     if missing:
         raise UnknownSourceError(f"partition {part} has no source(s) {', '.join(missing)}")
@@ -336,6 +353,7 @@ def _select(data: bytes, key_filter: PartitionFilter | None, wanted: list[int] |
 async def seed(request: web.Request) -> web.Response:
     """``POST /v1/seed?partition=P&tables=a,b``: (re-)seed tables from the source (202)."""
     _check_params(request, "seed")
+    principal_of(request).check_scope("admin")
     part = _partition(request)
     tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
     progress = request.app[SERVICE].start_seed(part, tables, again=True)
@@ -343,13 +361,18 @@ async def seed(request: web.Request) -> web.Response:
 
 
 async def sources(request: web.Request) -> web.Response:
-    """``GET /v1/sources``: as the relay's, from the schemas copied from it."""
+    """``GET /v1/sources``: as the relay's, from the schemas copied from it (those granted)."""
     service = request.app[SERVICE]
+    principal = principal_of(request)
     out = []
     for part in service.workers:
+        if not principal.allows_partition(part):
+            continue
         rows = await service.stores.read(lambda s, p=part: s.schemas(p))  # type: ignore[misc]
         by: dict[int, tuple[str, list[int]]] = {}
         for sid, version, name, _j in rows:
+            if not principal.allows_source(name):
+                continue
             by.setdefault(sid, (name, []))[1].append(version)
         out.append(
             {
@@ -368,9 +391,13 @@ async def schemas(request: web.Request) -> web.Response:
     name = request.match_info["source"]
     service = request.app[SERVICE]
     wanted = request.query.get("partition")
+    principal = principal_of(request)
+    principal.restrict_sources((name,), ())  # 403 when the source is not granted
+    if wanted is not None:
+        principal.check_partition(wanted)
     found = []
     for part in service.workers:
-        if wanted is not None and part != wanted:
+        if (wanted is not None and part != wanted) or not principal.allows_partition(part):
             continue
         rows = await service.stores.read(lambda s, p=part: s.schemas(p))  # type: ignore[misc]
         versions = [(sid, v, j) for sid, v, n, j in rows if n == name]
@@ -398,7 +425,14 @@ async def schemas(request: web.Request) -> web.Response:
 async def status_all(request: web.Request) -> web.Response:
     """``GET /v1/status``: every partition's producer and applier."""
     service = request.app[SERVICE]
-    return json_response({"partitions": [w.status() for w in service.workers.values()]})
+    principal = principal_of(request)
+    return json_response(
+        {
+            "partitions": [
+                w.status() for w in service.workers.values() if principal.allows_partition(w.name)
+            ]
+        }
+    )
 
 
 def build_app(service: BootstrapService) -> web.Application:
@@ -413,6 +447,7 @@ def build_app(service: BootstrapService) -> web.Application:
         readiness=lambda: (service.ready, {w.name: w.state for w in service.workers.values()}),
         collectors=[metrics],
         logger=log,
+        security=service.config.security,
     )
     app[SERVICE] = service
     app[METRICS] = metrics

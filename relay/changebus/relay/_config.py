@@ -29,6 +29,11 @@ stands for election, leads with the configured fetcher (the *source*) or
 follows the leader by chaining. ``advertised_url`` defaults to the relay's
 own URL and ``member_id`` is then required. Without the table the relay
 works alone, as always.
+
+A ``[security]`` table (:class:`changebus.schemas.security.SecurityConfig`:
+TLS, principals with their partitions, sources and scopes, open endpoints)
+secures the HTTP API; without it the relay is open and listens on loopback
+only (``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any, Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
+from changebus.schemas.security import SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig
@@ -132,6 +138,8 @@ class RelayConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: membership of a relay cluster (None: a stand-alone relay)
     cluster: ClusterConfig | None = None
+    #: TLS, principals and open endpoints (default: open, loopback only)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not self.cluster.member_id:

@@ -88,6 +88,7 @@ class Relay:
             port=config.http.port,
             logger=log,
             limits=config.http,
+            security=config.security,
         )
 
     @property

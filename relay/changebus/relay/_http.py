@@ -10,6 +10,16 @@ buffer scan, then writes memoryview slices of the mmapped ring straight to
 the socket (no copy), with chunked transfer encoding: the terminating chunk
 is sent only after the buffer confirms that the writer did not overrun the
 slices meanwhile. A client that sees a body end without it must discard it.
+
+Authorization (``[security]`` with principals; see
+:mod:`changebus.schemas.security`): each handler asks the request's
+principal once per request -- a partition not granted is 403, a ``sources=``
+naming a source not granted is 403, and a principal granted only some
+sources that names none gets the granted ones as its source filter (so a
+key ``filter=`` only ever narrows the grant). ``/v1/sources``,
+``/v1/schemas`` and ``/v1/status`` show only what is granted; consumer ids
+and peers in ``/v1/status`` only to ``admin``. Without security every
+principal check passes at once (the anonymous principal grants all).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from changebus.schemas import (
     event_at,
     parse_stream,
 )
+from changebus.schemas.security import Principal, principal_of
 from changebus.schemas.server import (
     check_params,
     json_response,
@@ -107,7 +118,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     query = request.query
     check_params(query, _STREAM_PARAMS)
     cfg = request.app[CONFIG].http
-    host = _host(request, query.get("partition"))
+    host = _granted_host(request, query.get("partition"))
     if sum(query.get(x) is not None for x in ("from", "checkpoint", "scn")) > 1:
         raise BadRequestError("give only one of checkpoint, scn/offset and from")
     checkpoint = query_parsed(query, "checkpoint", Checkpoint.parse)
@@ -130,7 +141,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     wait = query_float(query, "wait", default=0.0, lo=0.0, hi=cfg.max_wait_s)
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
-    sources = _source_ids(host, query.get("sources"))
+    sources = _source_ids(request, host, query.get("sources"))
     client = query.get("client", "")[:MAX_CLIENT_ID] or (request.remote or "unknown")
 
     if query_choice(query, "follow", ("0", "1"), default="0") == "1":
@@ -191,7 +202,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         if not _ZERO_COPY_SAFE and request.transport is not None:
             # newer asyncio transports keep references to unsent memoryviews:
             # wait until everything left the process before the pin goes
-            request.transport.set_write_buffer_limits(high=0)
+            _unbuffered(request.transport)
             await request.writer.drain()
     finally:
         ok = host.buffer.release(selection)
@@ -346,7 +357,7 @@ async def _follow(
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
-        transport.set_write_buffer_limits(high=0)
+        _unbuffered(transport)
     await resp.prepare(request)
     sent = 0
     idle_until = time.monotonic() + wait
@@ -392,6 +403,19 @@ async def _follow(
     return resp
 
 
+def _unbuffered(transport: asyncio.BaseTransport) -> None:
+    """Write-buffer limit 0: ``drain()`` then returns once the bytes left the process.
+
+    Not over TLS: asyncio's TLS transport never resumes a writer paused at a
+    zero limit (``drain()`` would hang), and it encrypts -- copies -- what is
+    written at once, so no reference to the ring outlives the write anyway.
+    """
+    if transport.get_extra_info("ssl_object") is None and isinstance(
+        transport, asyncio.WriteTransport
+    ):
+        transport.set_write_buffer_limits(high=0)
+
+
 def _next_headers(
     host: PartitionHost, scn: int, offset: int, current: Checkpoint | None
 ) -> dict[str, str]:
@@ -421,13 +445,30 @@ def _next_headers(
     return headers
 
 
-def _source_ids(host: PartitionHost, text: str | None) -> frozenset[int] | None:
-    if text is None:
+def _granted_host(request: web.Request, name: str | None) -> PartitionHost:
+    """:func:`_host`, refused (403) when the principal may not read the partition."""
+    principal = principal_of(request)
+    if name is not None:
+        principal.check_partition(name)  # before the lookup: 403 whether it exists or not
+    host = _host(request, name)
+    principal.check_partition(host.name)
+    return host
+
+
+def _source_ids(
+    request: web.Request, host: PartitionHost, text: str | None
+) -> frozenset[int] | None:
+    """Source ids of ``sources=`` (None: all), limited to the principal's grant."""
+    requested = None if text is None else [n for n in (s.strip() for s in text.split(",")) if n]
+    granted = principal_of(request).restrict_sources(
+        requested, (name for _sid, name in host.registry.sources())
+    )
+    if granted is not None:
+        requested = list(granted)
+    if requested is None:
         return None
     ids = set()
-    for name in (s.strip() for s in text.split(",")):
-        if not name:
-            continue
+    for name in requested:
         try:
             ids.add(host.registry.source_id(name))
         except UnknownSchemaError:
@@ -479,7 +520,8 @@ def _control_json(op: Op, payload: bytes) -> dict[str, Any]:
 
 
 async def sources(request: web.Request) -> web.Response:
-    """``GET /v1/sources``: partitions and the logical sources they carry."""
+    """``GET /v1/sources``: partitions and the logical sources they carry (those granted)."""
+    principal = principal_of(request)
     out = [
         {
             "partition": host.name,
@@ -491,9 +533,11 @@ async def sources(request: web.Request) -> web.Response:
                     "versions": [t.version for t in host.registry.versions(name)],
                 }
                 for sid, name in host.registry.sources()
+                if principal.allows_source(name)
             ],
         }
         for host in request.app[HOSTS].values()
+        if principal.allows_partition(host.name)
     ]
     return json_response({"partitions": out})
 
@@ -503,9 +547,12 @@ async def schemas(request: web.Request) -> web.Response:
     name = request.match_info["source"]
     hosts = request.app[HOSTS]
     wanted = request.query.get("partition")
+    principal = _check_source(request, name, wanted)
     found = []
     for host in hosts.values():
-        if wanted is not None and host.name != wanted:
+        if (wanted is not None and host.name != wanted) or not principal.allows_partition(
+            host.name
+        ):
             continue
         try:
             versions = host.registry.versions(name)
@@ -530,9 +577,27 @@ async def schemas(request: web.Request) -> web.Response:
     return json_response({"source": name, "partitions": found})
 
 
+def _check_source(request: web.Request, source: str, partition: str | None) -> Principal:
+    """The principal, once checked that it may read ``source`` (and ``partition``): else 403."""
+    principal = principal_of(request)
+    principal.restrict_sources((source,), ())
+    if partition is not None:
+        principal.check_partition(partition)
+    return principal
+
+
 async def status(request: web.Request) -> web.Response:
     """``GET /v1/status``: per-partition buffer bounds, fetcher and consumers."""
-    return json_response({"partitions": [h.status() for h in request.app[HOSTS].values()]})
+    principal = principal_of(request)
+    hosts = request.app[HOSTS].values()
+    out = [h.status() for h in hosts if principal.allows_partition(h.name)]
+    if not principal.has_scope("admin"):  # who reads is for admins only
+        for part in out:
+            part["consumers"] = [
+                {k: v for k, v in c.items() if k not in ("client", "peer")}
+                for c in part["consumers"]
+            ]
+    return json_response({"partitions": out})
 
 
 def _readiness(hosts: dict[str, PartitionHost]) -> tuple[bool, dict[str, str]]:
@@ -551,7 +616,13 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     (:class:`~._daemon.Relay`).
     """
     metrics = RelayMetrics(hosts)
-    app = server_app("relay", readiness=lambda: _readiness(hosts), collectors=[metrics], logger=log)
+    app = server_app(
+        "relay",
+        readiness=lambda: _readiness(hosts),
+        collectors=[metrics],
+        logger=log,
+        security=config.security,
+    )
     app[CONFIG] = config
     app[HOSTS] = hosts
     app[METRICS] = metrics

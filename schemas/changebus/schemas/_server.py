@@ -24,9 +24,14 @@ is (e.g. while a partition opens, or while waiting for a relay), the steps
 release what they started, and the daemon ends normally (exit status 0),
 whatever the daemon. A second signal while stopping changes nothing.
 
-TLS is the ``ssl_context`` of :class:`Server` (the listening socket then
-speaks HTTPS); authentication and request limits are middlewares of
-:func:`~._server_app.server_app`. Connection limits (keep-alive and header
+TLS: a :class:`Server` given a ``security`` config with a ``[security.tls]``
+table listens with a :class:`~._tls_server.ServerTls` (HTTPS; SIGHUP to
+:func:`serve` reloads the certificate for new connections, see
+:mod:`._tls_server`); an explicit ``ssl_context`` is used as it is. Given a
+``security`` config, the server also refuses a non-loopback host without
+TLS and principals (:func:`~._security_config.check_bind`). Authentication
+is a middleware of :func:`~._server_app.server_app`.
+Connection limits (keep-alive and header
 timeouts, connection caps, handlers cancelled when their client goes away)
 are the ``limits`` of :class:`Server`, applied by :mod:`._server_limits`.
 
@@ -44,7 +49,9 @@ from typing import Protocol, Self
 
 from aiohttp import web
 
+from ._security_config import SecurityConfig, TlsConfig, check_bind
 from ._server_limits import ConnectionLimits, LimitedSite, runner_options
+from ._tls_server import ServerTls, reload_all
 
 __all__ = ["Server", "Service", "serve"]
 
@@ -75,9 +82,18 @@ class Server:
         port: int,
         logger: logging.Logger,
         ssl_context: ssl.SSLContext | None = None,
+        security: SecurityConfig | None = None,
         shutdown_timeout: float = 2.0,
         limits: ConnectionLimits | None = None,
     ) -> None:
+        #: the reloadable TLS of ``security.tls``, loaded by :meth:`start` (None: plain
+        #: HTTP or ``ssl_context``)
+        self.tls: ServerTls | None = None
+        self._tls_config: TlsConfig | None = None
+        if security is not None:
+            check_bind(host, security)
+            if ssl_context is None:
+                self._tls_config = security.tls
         self.app = app
         self.name = name
         self.host = host
@@ -92,7 +108,7 @@ class Server:
     @property
     def url(self) -> str:
         """The base URL clients use (``http://host:port``, IPv6 hosts in brackets)."""
-        scheme = "https" if self._ssl is not None else "http"
+        scheme = "https" if self._ssl is not None or self._tls_config is not None else "http"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
@@ -108,6 +124,10 @@ class Server:
             **runner_options(self._limits),
         )
         try:
+            if self._tls_config is not None and self.tls is None:
+                # the files are read in a thread; a bad one is a ConfigError
+                self.tls = await asyncio.to_thread(ServerTls, self._tls_config)
+                self._ssl = self.tls.context
             await self._runner.setup()
             site = LimitedSite(
                 self._runner,
@@ -124,6 +144,8 @@ class Server:
         addresses = self._runner.addresses  # the real port when 0 was asked for
         if addresses:
             self.port = int(addresses[0][1])
+        if self.tls is not None:
+            self.tls.register()
         self._log.info("%s listening on %s", self.name, self.url)
 
     async def stop(self) -> None:
@@ -131,10 +153,16 @@ class Server:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        if self.tls is not None:
+            self.tls.unregister()
         try:
             await runner.cleanup()
         finally:
             self._log.info("%s stopped", self.name)
+
+    async def reload_tls(self) -> bool:
+        """Reload the TLS certificate (what SIGHUP does); False when none or it failed."""
+        return self.tls is not None and await self.tls.reload()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -151,12 +179,15 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
 
     A start-up error propagates (after what was started is stopped); a
     signal during start-up cancels the start-up and returns normally.
+    SIGHUP reloads the TLS certificates (:func:`~._tls_server.reload_all`).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[int]] = set()
+    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, reloads)
     try:
         starting = asyncio.create_task(service.start(), name=f"{name}-start")
         stopping = asyncio.create_task(stop.wait(), name=f"{name}-signal")
@@ -179,5 +210,11 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
             stopping.cancel()
             await service.stop()
     finally:
-        for sig in signals:
+        for sig in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+def _reload_on_signal(tasks: set[asyncio.Task[int]]) -> None:
+    task = asyncio.get_running_loop().create_task(reload_all(), name="tls-reload")
+    tasks.add(task)  # held until done
+    task.add_done_callback(tasks.discard)

@@ -24,10 +24,14 @@ and its start-up/shutdown steps (``app.cleanup_ctx``, see
   ``GET /metrics`` (Prometheus text of the app's own registry: the request
   counter plus the daemon's collectors; nothing global, so several daemons
   live in one process).
-* **extension points** for the next layers: ``middlewares`` run inside the
-  error middleware (so an authentication or a limit middleware raises a
-  ``ChangebusError`` and gets a JSON answer); TLS is the ``ssl_context`` of
+* **authentication** -- given a ``security`` config with principals, the
+  middleware of :mod:`._auth` runs first inside the error middleware (401
+  with ``WWW-Authenticate: Bearer``, scopes by method; handlers ask
+  :func:`~._auth.principal_of`). TLS is the ``security`` of
   :class:`~._server.Server`.
+* **extension points** for the next layers: ``middlewares`` run inside the
+  error middleware (so a limit middleware raises a ``ChangebusError`` and
+  gets a JSON answer).
 
 Thread-safety: everything here runs on the event loop; the counters are
 plain dicts touched only by the loop (a Prometheus scrape reads them on the
@@ -47,7 +51,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ._auth import auth_middleware
 from ._jsonable import jsonable
+from ._security_config import SecurityConfig
 from ._server_limits import CLIENT_CLOSED, CONNECTION_STATS, ConnectionStats, client_gone
 from .errors import ChangebusError
 
@@ -211,13 +217,15 @@ def server_app(
     middlewares: Sequence[Any] = (),
     client_max_size: int = 64 * 1024,
     logger: logging.Logger | None = None,
+    security: SecurityConfig | None = None,
 ) -> web.Application:
     """A new application with the frame's middleware and routes (module docstring).
 
     ``daemon`` names the metric prefix (``changebus_<daemon>_...``);
     ``collectors`` join the app's Prometheus registry; ``middlewares`` run
     inside the error middleware, outermost first; unexpected errors are
-    logged to ``logger`` (default ``changebus.<daemon>.http``). The caller
+    logged to ``logger`` (default ``changebus.<daemon>.http``); with
+    ``security`` principals, requests are authenticated first. The caller
     adds its routes and ``cleanup_ctx`` steps before the app starts.
     """
     log = logger or logging.getLogger(f"changebus.{daemon}.http")
@@ -229,7 +237,11 @@ def server_app(
     for collector in collectors:
         registry.register(collector)
     app = web.Application(
-        middlewares=[_error_middleware(metrics, log), *middlewares],
+        middlewares=[
+            _error_middleware(metrics, log),
+            *([auth_middleware(security)] if security and security.authenticates else []),
+            *middlewares,
+        ],
         client_max_size=client_max_size,
     )
     app[HTTP_METRICS] = metrics
