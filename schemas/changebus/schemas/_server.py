@@ -42,6 +42,8 @@ from typing import Protocol, Self
 
 from aiohttp import web
 
+from ._server_log import protocol_log
+
 __all__ = ["Server", "Service", "serve"]
 
 
@@ -95,6 +97,7 @@ class Server:
             raise RuntimeError(f"{self.name} is already started")
         self._runner = web.AppRunner(
             self.app,
+            logger=protocol_log(),  # malformed requests: no tracebacks (._server_log)
             access_log=None,
             handle_signals=False,
             shutdown_timeout=self._shutdown_timeout,
