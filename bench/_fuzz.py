@@ -272,6 +272,8 @@ class Tally:
             self.cut += 1
         if out.closed and not out.statuses and req.methods:
             self.closed_without_answer += 1
+            if self.closed_without_answer <= 50:  # reported, not counted as an error
+                self._fail("closed", req, out, 0, out.bad_answer)
         self.leaks += out.leaked
 
     def _fail(self, kind: str, req: Request, out: Outcome, status: int, body: bytes) -> None:
@@ -412,7 +414,7 @@ def _run(opts: FuzzOptions, daemons: list[Daemon]) -> dict[str, Any]:
         incidents += found
         leaks += leaked
     blocks = {name: p.figures(started) for name, p in probes.items()}
-    worst = [b for name, p in probes.items() for b in blockers(p, name, started, tally.spans)]
+    worst = blockers(probes, started, tally.spans)
     rss = memory.figures()
     return {
         "requests": tally.cases,
@@ -456,13 +458,8 @@ def summary(result: dict[str, Any]) -> Iterator[str]:
         seen[(inc["log"], inc["exception"], inc["where"])] += 1
     for (log, exc, where), n in seen.most_common():
         yield f"{n:5d} x {log}: {exc} at {where}"
-    culprits: Counter[tuple[str, str]] = Counter()
-    longest: dict[tuple[str, str], int] = {}
-    for block in result["blocks"]:
-        for head in block["in_flight"]:
-            pair = (block["daemon"], head)
-            culprits[pair] += 1
-            longest[pair] = max(longest.get(pair, 0), block["block_ms"])
-    for (daemon, head), n in culprits.most_common(12):
-        most = longest[daemon, head]
-        yield f"in flight in {n} loop block(s) of the {daemon}, up to {most} ms: {head[:150]}"
+    for block in result["blocks"][:8]:  # the worst; the culprit is among those in flight
+        late = f" (the {', '.join(block['also_late'])} late as well)" if block["also_late"] else ""
+        yield f"loop block of {block['block_ms']} ms in the {block['daemon']}{late}; in flight:"
+        for head in block["in_flight"][:10]:
+            yield f"        {head[:150]!r}"

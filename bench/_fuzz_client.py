@@ -96,7 +96,7 @@ async def _read_body(
         else:
             while chunk := await reader.read(1 << 18):
                 keep(chunk)
-    except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+    except (asyncio.IncompleteReadError, OSError, ValueError):
         out.cut = True
     finally:
         out.bodies.append(bytes(kept))
@@ -160,7 +160,7 @@ async def exchange(port: int, req: Request, hang_s: float) -> Outcome:
     budget = hang_s + req.wait_s + sum(p for _o, p in req.pauses) + (req.read_for_s or 0)
     try:
         async with asyncio.timeout(budget + req.abort_after_s):
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(OSError):  # ConnectionError, ENOTCONN at the half-close
                 await _send(writer, req)  # a server may answer and close before all is sent
             if not req.expect_answer:
                 await asyncio.sleep(req.abort_after_s)
@@ -172,7 +172,7 @@ async def exchange(port: int, req: Request, hang_s: float) -> Outcome:
                         break
     except TimeoutError:
         out.hung = True
-    except (ConnectionError, ValueError) as exc:  # reset, or an over-long answer line
+    except (OSError, ValueError) as exc:  # reset, or an over-long answer line
         out.closed = True
         out.bad_answer = out.bad_answer or type(exc).__name__.encode()
     finally:

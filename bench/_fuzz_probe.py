@@ -160,15 +160,39 @@ class MemorySampler(threading.Thread):
         return out
 
 
-def blockers(probe: Probe, daemon: str, since: float, spans: list[Any]) -> list[dict[str, Any]]:
-    """The worst loop blocks (> 50 ms) of ``daemon`` with the cases in flight meanwhile."""
+def _slow(probe: Probe, since: float) -> list[tuple[float, float]]:
+    """(latency, end time) of the samples after ``since`` late by over 50 ms, worst first."""
     base = statistics.median([lat for t, lat in probe.samples if t < since] or [0.0])
-    worst = sorted(
-        ((lat, t) for t, lat in probe.samples if t >= since and lat - base > 0.05), reverse=True
+    return sorted(
+        ((lat - base, t) for t, lat in probe.samples if t >= since and lat - base > 0.05),
+        reverse=True,
     )
+
+
+def blockers(probes: dict[str, Probe], since: float, spans: list[Any]) -> list[dict[str, Any]]:
+    """The worst loop blocks (> 50 ms) of each daemon with the cases in flight meanwhile.
+
+    ``also_late`` names the other daemons whose probe was late at the same
+    time: a stall of every daemon at once is the machine's (or this
+    process's), not a request's.
+    """
+    slow = {name: _slow(p, since) for name, p in probes.items()}
     out = []
-    for lat, t in worst[:30]:
-        # in flight when the block began, and answered about when it ended
-        flight = [h for d, a, b, h in spans if d == daemon and a < t - lat and b > t - 0.05]
-        out.append({"daemon": daemon, "block_ms": round((lat - base) * 1e3), "in_flight": flight})
-    return out
+    for daemon, samples in slow.items():
+        for lat, t in samples[:30]:
+            began = t - lat  # the culprit was in flight when the block began
+            flight = [h for d, a, b, h in spans if d == daemon and a < began < b]
+            others = [
+                name
+                for name, other in slow.items()
+                if name != daemon and any(t2 - l2 < t and t2 > began for l2, t2 in other)
+            ]
+            out.append(
+                {
+                    "daemon": daemon,
+                    "block_ms": round(lat * 1e3),
+                    "also_late": others,
+                    "in_flight": flight,
+                }
+            )
+    return sorted(out, key=lambda b: -int(b["block_ms"]))
