@@ -61,7 +61,8 @@ def main() -> None:
         f"{result['requests']:,} cases at {result['requests_per_s']}/s: "
         f"{result['server_errors']} server errors, {result['hung']} hung, "
         f"{result['logged_tracebacks']} logged tracebacks, loop block up to "
-        f"{result['max_loop_block_ms']} ms, private memory growth up to "
+        f"{result['max_loop_block_ms']} ms ({result['max_loop_block_alone_ms']} ms in one daemon "
+        "alone), private memory growth up to "
         f"{result['max_rss_growth_mb']} MB"
     )
     print(json.dumps(result, separators=(",", ":")))

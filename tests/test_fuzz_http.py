@@ -31,5 +31,6 @@ def test_a_thousand_fuzzed_requests_get_no_server_error_hang_or_traceback(
     assert result["logged_tracebacks"] == 0, report
     assert result["secret_leaks"] == 0, report
     # the benchmark's goal is 50 ms; a loaded test machine gets a wide margin, still far
-    # below what a request that blocks the event loop costs (seconds)
-    assert result["max_loop_block_ms"] < 1000, report
+    # below what a request that blocks the event loop costs (seconds), and the stalls of
+    # both daemons at once (the machine's, not a request's) are left out
+    assert result["max_loop_block_alone_ms"] < 1000, report
