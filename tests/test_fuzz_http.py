@@ -15,10 +15,39 @@ from pathlib import Path
 import pytest
 
 from _fuzz import FuzzOptions, run_fuzz, summary
+from _fuzz_gen import Generator, Target
 
-pytestmark = pytest.mark.slow
+TARGET = Target(
+    partitions=("fill", "fz"),
+    sources=("synthetic.t0", "synthetic.t1", "synthetic.t2"),
+    scns={"fz": (1000, 2000), "fill": (1000, 2999)},
+    boot={"fz": (999, 1990, 2000), "fill": (999, 2999, 2999)},
+    ports={"relay": 1, "bootstrap": 2},
+)
 
 
+def test_the_generator_is_seeded_and_reaches_every_endpoint() -> None:
+    both = ("relay", "bootstrap")
+    gen, again, other = (
+        Generator(7, TARGET, both),
+        Generator(7, TARGET, both),
+        Generator(8, TARGET, both),
+    )
+    cases = [gen.next() for _ in range(1500)]
+    assert [c.data for c in cases] == [again.next().data for _ in range(1500)]
+    assert [c.data for c in cases[:20]] != [other.next().data for _ in range(20)]
+    seen = {f"{c.daemon} {c.endpoint}" for c in cases}
+    for route in ("/v1/stream", "/v1/sources", "/v1/status", "/healthz", "/readyz", "/metrics"):
+        assert f"relay GET {route}" in seen, route
+    for route in ("start", "status", "snapshot", "catchup"):
+        assert f"bootstrap GET /v1/bootstrap/{route}" in seen, route
+    assert {"relay GET /v1/schemas/{source}", "bootstrap POST /v1/seed"} <= seen
+    assert {"bootstrap GET /v1/sources", "bootstrap GET /v1/status"} <= seen
+    raw = {e.split(":", 1)[1] for e in seen if " raw:" in e}
+    assert raw >= {"garbage", "truncated", "slowloris", "pipelined", "abrupt_close", "header"}
+
+
+@pytest.mark.slow
 def test_a_thousand_fuzzed_requests_get_no_server_error_hang_or_traceback(
     tmp_path: Path,
 ) -> None:
