@@ -9,7 +9,9 @@ and memory probes); ``bench/fuzz_http.py`` is the command line and
 :func:`run_fuzz` starts a real relay process (two partitions fed by the
 synthetic fetcher: ``fz`` at 100 windows/s for the whole run, ``fill``
 pre-filled with 2,000 larger windows) and a real bootstrap server process
-(SQLite store) following it, then sends ``requests`` cases from
+(SQLite store) following it (not when only the relay is fuzzed; its seed
+DSN names a closed port, so ``POST /v1/seed`` runs its whole background path
+and fails there), then sends ``requests`` cases from
 :class:`_fuzz_gen.Generator` (seeded) over fresh TCP connections,
 ``concurrency`` at a time, and measures:
 
