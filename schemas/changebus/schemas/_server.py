@@ -51,6 +51,7 @@ from aiohttp import web
 
 from ._security_config import SecurityConfig, TlsConfig, check_bind
 from ._server_limits import ConnectionLimits, LimitedSite, runner_options
+from ._server_log import protocol_log
 from ._tls_server import ServerTls, reload_all
 
 __all__ = ["Server", "Service", "serve"]
@@ -118,6 +119,7 @@ class Server:
             raise RuntimeError(f"{self.name} is already started")
         self._runner = web.AppRunner(
             self.app,
+            logger=protocol_log(),  # malformed requests: no tracebacks (._server_log)
             access_log=None,
             handle_signals=False,
             shutdown_timeout=self._shutdown_timeout,
