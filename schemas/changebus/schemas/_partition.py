@@ -187,7 +187,7 @@ class PartitionFilter:
                 f"mod filter bucket list has {len(items)} items; at most {MAX_BUCKET_ITEMS}"
             )
         top = modulus - 1
-        table = np.zeros(modulus, dtype=bool)
+        runs: list[tuple[int, int]] = []
         for item in items:
             im = _ITEM_RE.fullmatch(item)
             if im is None:
@@ -196,7 +196,13 @@ class PartitionFilter:
             hi = lo if im.group(2) is None else _number(im.group(2), "mod filter bucket", top)
             if hi < lo:
                 raise BadRequestError(f"bad bucket range {item!r} in a mod filter")
-            table[lo : hi + 1] = True
+            runs.append((lo, hi))
+        table = np.zeros(modulus, dtype=bool)
+        end = -1  # overlapping runs are merged first: each table byte is set once
+        for lo, hi in sorted(runs):
+            if hi > end:
+                table[max(lo, end + 1) : hi + 1] = True
+                end = hi
         result = cls(modulus=modulus, buckets=frozenset(np.flatnonzero(table).tolist()))
         result.__dict__["_table"] = table  # the cached_property, already built
         return result
