@@ -31,7 +31,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay import (
+    BufferConfig,
+    EventBuffer,
+    FetcherConfig,
+    HttpConfig,
+    PartitionConfig,
+    Relay,
+    RelayConfig,
+)
 from changebus.relay._host import PartitionHost
 from changebus.relay._http import RESPONSES
 from changebus.relay._respcache import CachedResponse, ResponseCache
@@ -373,6 +381,35 @@ def _first_byte(sock: socket.socket, seconds: float) -> None:
     """Wait until the response starts arriving (peeks: reads nothing)."""
     sock.settimeout(seconds)
     assert sock.recv(1, socket.MSG_PEEK)
+
+
+def test_the_writer_overruns_a_stalled_pin_at_once_and_waits_for_others(tmp_path: Path) -> None:
+    buffer = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=1 << 20, pin_timeout_s=0.5))
+    try:
+        scn = 1
+        while buffer.meta.tail_pos < 900_000:
+            buffer.append_window(big_window(scn))
+            scn += 1
+        stuck = buffer.select(-1, -1, 1 << 20)
+        assert stuck is not None and stuck.pin is not None
+        buffer.stall(stuck.pin)
+        t0 = time.monotonic()
+        for _ in range(20):  # past the whole ring
+            buffer.append_window(big_window(scn))
+            scn += 1
+        assert time.monotonic() - t0 < 0.4  # not the 0.5 s pin timeout
+        assert not buffer.release(stuck)  # overrun: its reader aborts
+        assert buffer.stats["pins_overrun"] == 1
+        slow = buffer.select(-1, -1, 1 << 20)  # a reader still making progress
+        assert slow is not None
+        t0 = time.monotonic()
+        for _ in range(20):
+            buffer.append_window(big_window(scn))
+            scn += 1
+        assert time.monotonic() - t0 >= 0.5  # waited its pin_timeout_s for it, as before
+        assert not buffer.release(slow)
+    finally:
+        buffer.close()
 
 
 @pytest.mark.parametrize("mode", ["stream", "follow", "ndjson"])
