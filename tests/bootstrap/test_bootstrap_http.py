@@ -68,6 +68,32 @@ async def test_huge_numbers_are_bad_requests_never_retried(
     assert len(body["message"]) < 300
 
 
+LONG = "9" * 4000  # under Python's 4,300-digit int() limit: it must be refused before
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        f"/v1/bootstrap/snapshot?partition=p&start=1&filter=mod:3:{LONG}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&filter=mod:3:0-{LONG}",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&filter=range:{LONG}:max",
+        f"/v1/bootstrap/catchup?partition=p&after=1&target=2&filter=slice:1/{HUGE}",
+        f"/v1/bootstrap/catchup?partition=p&after=1&target=2&filter=mod:{LONG}:1",
+        f"/v1/bootstrap/snapshot?partition=p&start=1&position={LONG}:{LONG}",
+        f"/v1/bootstrap/start?partition=p&since={LONG}",
+    ],
+)
+async def test_long_numbers_are_short_bad_requests_without_tracebacks(
+    boot: BootstrapServer, query: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with aiohttp.ClientSession() as http, http.get(boot.url + query) as r:
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"] == "bad_request" and body["retriable"] is False
+    assert len(body["message"]) < 300
+    assert not [rec for rec in caplog.records if rec.levelno >= 40 or rec.exc_info]
+
+
 async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(boot.url + "/healthz") as r:

@@ -131,3 +131,42 @@ def test_a_5000_digit_number_is_a_checkpoint_error() -> None:
     token = "cb1." + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
     with pytest.raises(CheckpointError):
         Checkpoint.parse(token)
+
+
+LONG = "9" * 4000  # under Python's 4,300-digit int() limit: it must not get that far
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"v":1,"partitions":{"p":{"window_scn":' + LONG + "}}}",
+        '{"v":1,"partitions":{"p":{"window_scn":-' + LONG + "}}}",
+        '{"v":1,"partitions":{"p":{"timestamp_ns":' + "9" * 5000 + "}}}",
+        '{"v":' + LONG + ',"partitions":{}}',
+        '{"v":1,"partitions":{"p":{"mode":"bootstrap-snapshot","bootstrap":{"source_index":'
+        + LONG
+        + "}}}}",
+        '{"v":1,"partitions":{"p":{"window_scn":1' + "0" * 400 + ".5}}}",
+        '{"v":1,"partitions":{"p":{"window_scn":1e99999}}}',
+        '{"v":1,"partitions":{"p":{"window_scn":"' + LONG + '"}}}',
+        '{"v":1,"partitions":{"p":{"mode":"' + LONG + '"}}}',
+        '{"v":1,"partitions":{"' + LONG + '":{}}}',
+        '{"v":1,"partitions":{"p":{"' + LONG + '":1}}}',
+        '{"v":"' + LONG + '","partitions":{}}',
+    ],
+)
+@pytest.mark.parametrize("form", ["json", "token"])
+def test_long_numbers_and_strings_are_short_checkpoint_errors(body: str, form: str) -> None:
+    """Every number has at most MAX_DIGITS digits; no error message echoes a long value."""
+    text = body if form == "json" else "cb1." + base64.urlsafe_b64encode(body.encode()).decode()
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.parse(text)
+    assert not info.value.retriable
+    assert len(info.value.message) < 300
+
+
+def test_twenty_digit_numbers_still_parse() -> None:
+    cp = Checkpoint.parse('{"v":1,"partitions":{"p":{"window_scn":9223372036854775807}}}')
+    assert cp.get("p").window_scn == 2**63 - 1
+    with pytest.raises(CheckpointError, match="within"):
+        Checkpoint.parse('{"v":1,"partitions":{"p":{"window_scn":99999999999999999999}}}')

@@ -58,6 +58,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.security import principal_of
 from changebus.schemas.server import (
+    MAX_DIGITS,
     check_params,
     json_response,
     query_int,
@@ -220,7 +221,7 @@ async def status(request: web.Request) -> web.Response:
     )
 
 
-_POSITION = re.compile(r"([0-9]{1,19}):([0-9]{1,19})")
+_POSITION = re.compile(rf"([0-9]{{1,{MAX_DIGITS}}}):([0-9]{{1,{MAX_DIGITS}}})")
 
 
 def _parse_position(text: str | None) -> tuple[int, int]:

@@ -304,6 +304,17 @@ class EventBuffer(BufferWriter):
         result.views = [rv[a:b] for a, b in result.spans]
         return result
 
+    def stall(self, pin: Pin, stalled: bool = True) -> None:
+        """Say whether the reader holding ``pin`` waits for a client that does not read.
+
+        The writer overruns a stalled pin at once instead of waiting for it
+        (see :mod:`._evict`); a reader that makes progress again clears it.
+        """
+        with self._pins_changed:
+            pin.stalled = stalled
+            if stalled:
+                self._pins_changed.notify_all()
+
     def release(self, selection: Selection) -> bool:
         """Release a selection's pin; False when the writer overran it meanwhile."""
         pin = selection.pin

@@ -73,13 +73,27 @@ class HttpConfig(ConnectionLimits):
     default_max_bytes: int = size_field(1 << 20)
     #: largest response size a client may ask for
     max_response_bytes: int = size_field(64 << 20)
+    #: largest selection a ``format=ndjson`` response decodes (larger requests get less)
+    max_ndjson_bytes: int = size_field(4 << 20)
+    #: a client that accepts no part of a response for this long is cut off
+    send_timeout_s: float = 30.0
+    #: bytes of small responses kept per partition to share with identical requests
+    response_cache_bytes: int = size_field(16 << 20)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"http.port must be 0..65535, got {self.port}")
-        if self.max_wait_s < 0 or self.default_max_bytes <= 0 or self.max_response_bytes <= 0:
+        if (
+            self.max_wait_s < 0
+            or self.default_max_bytes <= 0
+            or self.max_response_bytes <= 0
+            or self.max_ndjson_bytes <= 0
+            or self.send_timeout_s <= 0
+        ):
             raise ConfigError("http limits must be positive")
+        if self.response_cache_bytes < 0:
+            raise ConfigError("http.response_cache_bytes must not be negative")
 
 
 @dataclass(frozen=True)

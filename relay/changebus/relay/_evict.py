@@ -24,6 +24,13 @@ anyway. A reader whose pin was overrun must abort its response (the client
 then sees a short body and retries); it never delivers bytes that may have
 been overwritten.
 
+A reader whose client stopped reading marks its pin *stalled*
+(:meth:`EventBuffer.stall <._buffer.EventBuffer.stall>`): the writer does not
+wait for a stalled pin at all, it overruns it at once. So one client that
+stops reading never holds up appends; its response is aborted (the relay
+cuts the connection after its send timeout, or as soon as the client reads
+again).
+
 Thread-safety: :func:`plan_eviction` runs in the writer thread and reads
 only events the writer owns the fate of (readers never move the head);
 :func:`wait_for_readers` runs with the buffer's lock held, through the pin
@@ -62,6 +69,8 @@ class Pin:
 
     pos: int
     overrun: bool = False
+    #: the reader is waiting for a client that does not read: do not wait for it
+    stalled: bool = False
 
 
 class Eviction(NamedTuple):
@@ -132,12 +141,25 @@ def wait_for_readers(
 ) -> int:
     """Wait until no pin lies below ``head_pos``, at most ``timeout`` seconds.
 
-    The caller holds ``changed`` (the buffer's lock). Pins still below
-    ``head_pos`` then are marked overrun; returns how many.
+    The caller holds ``changed`` (the buffer's lock). Stalled pins below
+    ``head_pos`` are overrun at once, without waiting; the others are
+    waited for, and those still below ``head_pos`` after ``timeout`` are
+    marked overrun. Returns how many pins were overrun.
     """
     deadline = time.monotonic() + timeout
     overrun = 0
-    while any(p.pos < head_pos and not p.overrun for p in pins):
+    while True:
+        waiting = 0
+        for p in pins:
+            if p.pos < head_pos and not p.overrun:
+                if p.stalled:
+                    p.overrun = True
+                    overrun += 1
+                    log.info("buffer %s: overran a reader whose client stopped reading", name)
+                else:
+                    waiting += 1
+        if not waiting:
+            break
         left = deadline - time.monotonic()
         if left <= 0:
             for p in pins:

@@ -64,7 +64,7 @@ from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
 from ._windowqueue import WindowQueue
 
-__all__ = ["CachedResponse", "ConsumerSeen", "IngestFence", "PartitionHost"]
+__all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
 
 log = logging.getLogger("changebus.relay.ingest")
 
@@ -113,18 +113,6 @@ class _Fenced(Exception):
     """A fence check failed: the ingest stops (never leaves this module)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CachedResponse:
-    """A small stream response, copied out of the ring and shared by identical requests."""
-
-    body: bytes
-    next_scn: int
-    next_offset: int
-    events: int
-    windows: int
-    partial: bool
-
-
 @dataclass
 class ConsumerSeen:
     """What the relay last saw of one consumer (for /v1/status only)."""
@@ -161,7 +149,6 @@ class PartitionHost:
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
         self.last_error = ""
         self.consumers: dict[str, ConsumerSeen] = {}
-        self._responses: dict[tuple[Any, ...], CachedResponse] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
         #: the leadership epoch this partition serves under (None: not in a cluster);
         #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
@@ -264,7 +251,8 @@ class PartitionHost:
 
         One waiter is woken at once. With ``n`` waiters, wake-ups are at
         least ``min(n - 1, 50) * 100 us`` apart: waiters wake together, share
-        one selection (the response cache) and each gets a larger batch,
+        one selection (the HTTP layer's response cache, :mod:`._respcache`)
+        and each gets a larger batch,
         instead of every commit costing one response per waiter.
         """
         if self._tick is not None:
@@ -298,21 +286,6 @@ class PartitionHost:
         finally:
             self._waiters -= 1
         return True
-
-    def cached_response(self, key: tuple[Any, ...]) -> CachedResponse | None:
-        """A response computed for an identical request at the same buffer tail.
-
-        Many consumers long-polling at the newest SCN ask the same question
-        whenever a window commits; the first one's answer (an immutable copy)
-        serves the others. The buffer's tail is part of the key, so an entry
-        can never hide newer windows.
-        """
-        return self._responses.get(key)
-
-    def cache_response(self, key: tuple[Any, ...], response: CachedResponse) -> None:
-        if len(self._responses) >= 256:
-            self._responses.clear()
-        self._responses[key] = response
 
     def saw_consumer(self, client: str, scn: int, behind_bytes: int, peer: str) -> None:
         """Note a consumer's request for ``/v1/status``.

@@ -55,6 +55,7 @@ class RelayMetrics:
         self._streamed_bytes: Counter[str] = Counter()
         self._streamed_events: Counter[str] = Counter()
         self._overruns: Counter[str] = Counter()
+        self._aborted: Counter[str] = Counter()
 
     def streamed(self, partition: str, nbytes: int, events: int) -> None:
         self._streamed_bytes[partition] += nbytes
@@ -62,6 +63,10 @@ class RelayMetrics:
 
     def overrun(self, partition: str) -> None:
         self._overruns[partition] += 1
+
+    def aborted(self, partition: str) -> None:
+        """A response cut off because its client read nothing for the send timeout."""
+        self._aborted[partition] += 1
 
     def collect(self) -> Iterator[Any]:
         gauges = {
@@ -116,9 +121,15 @@ class RelayMetrics:
         streamed_e = CounterMetricFamily(
             "changebus_relay_streamed_events", "Events sent to consumers", labels=["partition"]
         )
+        aborted = CounterMetricFamily(
+            "changebus_relay_responses_aborted",
+            "Responses cut off because the client read nothing for http.send_timeout_s",
+            labels=["partition"],
+        )
         for name in self._hosts:
             streamed_b.add_metric([name], float(self._streamed_bytes[name]))
             streamed_e.add_metric([name], float(self._streamed_events[name]))
+            aborted.add_metric([name], float(self._aborted[name]))
         yield from gauges.values()
         yield from counters.values()
-        yield from (ready, consumers, fetcher, streamed_b, streamed_e, leader, epoch)
+        yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, leader, epoch)

@@ -41,6 +41,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from ._scn import MAX_SCN
+from ._server_query import MAX_DIGITS
 from .errors import CheckpointError
 
 __all__ = ["BootstrapProgress", "Checkpoint", "Mode", "PartitionCheckpoint"]
@@ -58,12 +59,39 @@ class Mode(enum.Enum):
     CATCHUP = "bootstrap-catchup"
 
 
+def _short(value: object) -> str:
+    """``repr(value)`` cut to a length fit for an error message (values come from requests)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _json_int(text: str) -> int:
+    """``json.loads``'s integer hook: at most MAX_DIGITS digits, checked before converting."""
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise CheckpointError(
+            f"checkpoint holds a {len(text.lstrip('-'))}-digit number; "
+            f"numbers have at most {MAX_DIGITS} digits"
+        )
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    """``json.loads``'s hook for numbers with a fraction or exponent: never valid here."""
+    raise CheckpointError(f"checkpoint numbers are integers, got {_short(text)}")
+
+
 def _int(name: str, value: object, lo: int = -1, hi: int = MAX_SCN) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise CheckpointError(f"checkpoint field {name} must be an integer, got {value!r}")
+        raise CheckpointError(f"checkpoint field {name} must be an integer, got {_short(value)}")
     if not lo <= value <= hi:
         raise CheckpointError(f"checkpoint field {name} must be within {lo}..{hi}, got {value}")
     return value
+
+
+def _names(names: list[str]) -> str:
+    """A list of unknown field names for an error message (bounded)."""
+    shown = ", ".join(_short(n).strip("'") for n in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _opt_str(name: str, value: object, limit: int = 4096) -> str | None:
@@ -200,15 +228,14 @@ class PartitionCheckpoint:
         known = {"mode", "window_scn", "window_offset", "prev_scn", "timestamp_ns", "bootstrap"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise CheckpointError(
-                f"unknown checkpoint field(s) {', '.join(map(str, unknown))} in {where}"
-            )
+            raise CheckpointError(f"unknown checkpoint field(s) {_names(unknown)} in {where}")
         mode_text = data.get("mode", "online")
         try:
             mode = Mode(mode_text)
         except ValueError:
             raise CheckpointError(
-                f"unknown checkpoint mode {mode_text!r}; expected one of {[m.value for m in Mode]}"
+                f"unknown checkpoint mode {_short(mode_text)}; "
+                f"expected one of {[m.value for m in Mode]}"
             ) from None
         bootstrap = None
         if "bootstrap" in data:
@@ -218,9 +245,7 @@ class PartitionCheckpoint:
             names = {f.name for f in fields(BootstrapProgress)}
             bad = sorted(set(b) - names)
             if bad:
-                raise CheckpointError(
-                    f"unknown bootstrap field(s) {', '.join(map(str, bad))} in {where}"
-                )
+                raise CheckpointError(f"unknown bootstrap field(s) {_names(bad)} in {where}")
             try:
                 bootstrap = BootstrapProgress(**b)
             except TypeError as exc:
@@ -246,7 +271,9 @@ class Checkpoint:
         entries: list[tuple[object, object]] = list(copied.items())
         for name, pc in entries:
             if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-                raise CheckpointError(f"bad partition name {name!r}: use 1-128 of [A-Za-z0-9_.-]")
+                raise CheckpointError(
+                    f"bad partition name {_short(name)}: use 1-128 of [A-Za-z0-9_.-]"
+                )
             if not isinstance(pc, PartitionCheckpoint):
                 raise CheckpointError(f"partition {name}: not a PartitionCheckpoint")
         object.__setattr__(self, "partitions", MappingProxyType(copied))
@@ -282,17 +309,17 @@ class Checkpoint:
             raise CheckpointError("a checkpoint must be a JSON object")
         if data.get("v") != FORMAT_VERSION:
             raise CheckpointError(
-                f"unsupported checkpoint format version {data.get('v')!r}; expected 1"
+                f"unsupported checkpoint format version {_short(data.get('v'))}; expected 1"
             )
         unknown = sorted(set(data) - {"v", "partitions"})
         if unknown:
-            raise CheckpointError(f"unknown checkpoint field(s): {', '.join(map(str, unknown))}")
+            raise CheckpointError(f"unknown checkpoint field(s): {_names(unknown)}")
         parts = data.get("partitions", {})
         if not isinstance(parts, Mapping):
             raise CheckpointError("checkpoint 'partitions' must be an object")
         return cls(
             {
-                name: PartitionCheckpoint.from_dict(pc, f"partition {name!r}")
+                name: PartitionCheckpoint.from_dict(pc, f"partition {_short(name)}")
                 for name, pc in parts.items()
             }
         )
@@ -305,8 +332,10 @@ class Checkpoint:
         if len(text) > MAX_TEXT:
             raise CheckpointError(f"checkpoint text is longer than {MAX_TEXT} characters")
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError):  # ValueError: also a number past 4,300 digits
+            data = json.loads(text, parse_int=_json_int, parse_float=_json_float)
+        except CheckpointError:
+            raise
+        except (ValueError, RecursionError):
             raise CheckpointError("checkpoint is not valid JSON (nor a cb1. token)") from None
         return cls.from_dict(data)
 

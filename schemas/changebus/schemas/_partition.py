@@ -21,6 +21,11 @@ A filter selects data events by their ``key_hash``:
   (``LO = I * 2**64 // N``, ``HI = (I + 1) * 2**64 // N``): N consumers with
   slices 0..N-1 together see every event exactly once.
 
+Limits (a filter is a request parameter): at most 4,200 characters, numbers
+of at most 20 digits (:data:`~changebus.schemas.server.MAX_DIGITS`), a
+modulus of at most 65,536 and at most 1,024 bucket list items; parsing the
+largest filter costs milliseconds.
+
 Both forms are evaluated on whole numpy arrays of hashes (:meth:`mask`), so a
 relay filters thousands of headers without a Python loop.
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final
 
 import numpy as np
@@ -45,6 +51,7 @@ import numpy.typing as npt
 import xxhash
 
 from ._envelope import FIRST_CONTROL_OP
+from ._server_query import MAX_DIGITS
 from .errors import BadRequestError
 
 __all__ = ["HASH_SPACE", "PartitionFilter", "event_mask", "key_hash", "source_table"]
@@ -54,12 +61,33 @@ HASH_SPACE: Final = 1 << 64
 key_hash = xxhash.xxh3_64_intdigest
 
 
-# bounded digit counts: a filter is a request parameter, and a 5,000-digit number
-# must be a bad request, not a ValueError from int() deep inside
-_NUM = r"(?:0x[0-9a-fA-F]{1,17}|[0-9]{1,21})"
-_MOD_RE: Final = re.compile(r"mod:([0-9]{1,6}):([0-9,\-]{1,4096})")
-_RANGE_RE: Final = re.compile(rf"range:({_NUM}):({_NUM}|max)")
-_SLICE_RE: Final = re.compile(r"slice:([0-9]{1,6})/([0-9]{1,6})")
+# Bounded sizes: a filter is a request parameter, so parsing one must cost the
+# server little whatever it says. Every number has at most MAX_DIGITS digits
+# (checked before int(): a 5,000-digit number is a bad request, never a
+# ValueError or a quadratic conversion), a mod filter's bucket list has at most
+# MAX_BUCKET_ITEMS items, and the bucket table is built with numpy slices (one
+# per item), never one Python step per bucket.
+_MOD_RE: Final = re.compile(r"mod:([0-9]+):([0-9,\-]*)")
+_ITEM_RE: Final = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_RANGE_RE: Final = re.compile(r"range:(0x[0-9a-fA-F]+|[0-9]+):(0x[0-9a-fA-F]+|[0-9]+|max)")
+_SLICE_RE: Final = re.compile(r"slice:([0-9]+)/([0-9]+)")
+#: the largest modulus of a mod filter
+MAX_MODULUS: Final = 65536
+#: the most items (numbers or ranges) in a mod filter's bucket list
+MAX_BUCKET_ITEMS: Final = 1024
+#: the longest filter text accepted
+MAX_FILTER_TEXT: Final = 4200
+
+
+def _number(text: str, what: str, hi: int) -> int:
+    """``text`` (decimal, or hex with ``0x``) as an int within ``0..hi``, else a bad request."""
+    digits = text[2:] if text.startswith("0x") else text
+    if len(digits) > MAX_DIGITS:
+        raise BadRequestError(f"{what} must be within 0..{hi}, got a {len(digits)}-digit number")
+    value = int(text, 0) if text.startswith("0x") else int(text)
+    if value > hi:
+        raise BadRequestError(f"{what} must be within 0..{hi}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -67,6 +95,8 @@ class PartitionFilter:
     """A set of key hashes: ``mod`` buckets or a ``[lo, hi)`` range.
 
     ``modulus`` set (with ``buckets``) means a mod filter, else ``[lo, hi)``.
+    A mod filter keeps a lookup table (``modulus`` booleans, built once, at
+    most 64 KiB) that :meth:`mask` indexes with ``hash % modulus``.
     Instances are immutable and safe to share between threads.
     """
 
@@ -77,16 +107,27 @@ class PartitionFilter:
 
     def __post_init__(self) -> None:
         if self.modulus is not None:
-            if not 1 <= self.modulus <= 65536:
-                raise BadRequestError(f"mod filter modulus must be 1..65536, got {self.modulus}")
-            if not self.buckets or any(not 0 <= b < self.modulus for b in self.buckets):
+            if not 1 <= self.modulus <= MAX_MODULUS:
                 raise BadRequestError(
-                    f"mod filter buckets must be within 0..{self.modulus - 1}, got {sorted(self.buckets)}"
+                    f"mod filter modulus must be 1..{MAX_MODULUS}, got {self.modulus}"
+                )
+            if not self.buckets or min(self.buckets) < 0 or max(self.buckets) >= self.modulus:
+                shown = f"{min(self.buckets)}..{max(self.buckets)}" if self.buckets else "none"
+                raise BadRequestError(
+                    f"mod filter buckets must be within 0..{self.modulus - 1}, got {shown}"
                 )
         elif not 0 <= self.lo < self.hi <= HASH_SPACE:
             raise BadRequestError(
                 f"range filter needs 0 <= lo < hi <= 2**64, got [{self.lo}, {self.hi})"
             )
+
+    @cached_property
+    def _table(self) -> npt.NDArray[np.bool_]:
+        """``table[b]`` is True for every bucket ``b`` (mod filters only)."""
+        assert self.modulus is not None
+        table = np.zeros(self.modulus, dtype=bool)
+        table[np.fromiter(self.buckets, dtype=np.intp, count=len(self.buckets))] = True
+        return table
 
     # ---- constructors -------------------------------------------------
 
@@ -112,32 +153,59 @@ class PartitionFilter:
 
     @classmethod
     def parse(cls, text: str) -> PartitionFilter:
-        """Parse the text form (see the module docstring)."""
+        """Parse the text form (see the module docstring).
+
+        Any text costs at most a few milliseconds (see the size limits
+        above); anything malformed or out of range is a
+        :class:`BadRequestError` with a short message.
+        """
         t = text.strip()
-        if len(t) > 4200:
+        if len(t) > MAX_FILTER_TEXT:
             raise BadRequestError(f"partition filter too long ({len(t)} characters)")
         if m := _MOD_RE.fullmatch(t):
-            modulus = int(m.group(1))
-            buckets: set[int] = set()
-            for item in m.group(2).split(","):
-                a, sep, b = item.partition("-")
-                if not a or (sep and not b):
-                    raise BadRequestError(f"bad bucket list item {item!r} in filter {text!r}")
-                lo, hi = int(a), int(b) if sep else int(a)
-                if hi < lo or hi - lo > 65536:
-                    raise BadRequestError(f"bad bucket range {item!r} in filter {text!r}")
-                buckets.update(range(lo, hi + 1))
-            return cls.mod(modulus, buckets)
+            return cls._parse_mod(m.group(1), m.group(2))
         if m := _RANGE_RE.fullmatch(t):
+            lo = _number(m.group(1), "range filter lo", HASH_SPACE)
             hi_text = m.group(2)
-            return cls.range(
-                int(m.group(1), 0), HASH_SPACE if hi_text == "max" else int(hi_text, 0)
-            )
+            hi = HASH_SPACE if hi_text == "max" else _number(hi_text, "range filter hi", HASH_SPACE)
+            return cls.range(lo, hi)
         if m := _SLICE_RE.fullmatch(t):
-            return cls.slice(int(m.group(1)), int(m.group(2)))
+            count = _number(m.group(2), "slice count", HASH_SPACE)
+            return cls.slice(_number(m.group(1), "slice index", HASH_SPACE), count)
         raise BadRequestError(
             f"bad partition filter {t[:80]!r}: expected mod:N:B[,B-B...], range:LO:HI or slice:I/N"
         )
+
+    @classmethod
+    def _parse_mod(cls, modulus_text: str, bucket_text: str) -> PartitionFilter:
+        modulus = _number(modulus_text, "mod filter modulus", MAX_MODULUS)
+        if modulus < 1:
+            raise BadRequestError(f"mod filter modulus must be 1..{MAX_MODULUS}, got 0")
+        items = bucket_text.split(",")
+        if len(items) > MAX_BUCKET_ITEMS:
+            raise BadRequestError(
+                f"mod filter bucket list has {len(items)} items; at most {MAX_BUCKET_ITEMS}"
+            )
+        top = modulus - 1
+        runs: list[tuple[int, int]] = []
+        for item in items:
+            im = _ITEM_RE.fullmatch(item)
+            if im is None:
+                raise BadRequestError(f"bad bucket list item {item[:40]!r} in a mod filter")
+            lo = _number(im.group(1), "mod filter bucket", top)
+            hi = lo if im.group(2) is None else _number(im.group(2), "mod filter bucket", top)
+            if hi < lo:
+                raise BadRequestError(f"bad bucket range {item!r} in a mod filter")
+            runs.append((lo, hi))
+        table = np.zeros(modulus, dtype=bool)
+        end = -1  # overlapping runs are merged first: each table byte is set once
+        for lo, hi in sorted(runs):
+            if hi > end:
+                table[max(lo, end + 1) : hi + 1] = True
+                end = hi
+        result = cls(modulus=modulus, buckets=frozenset(np.flatnonzero(table).tolist()))
+        result.__dict__["_table"] = table  # the cached_property, already built
+        return result
 
     # ---- evaluation ---------------------------------------------------
 
@@ -152,9 +220,7 @@ class PartitionFilter:
         h = np.asarray(hashes, dtype=np.uint64)
         if self.modulus is not None:
             rem = h % np.uint64(self.modulus)
-            table = np.zeros(self.modulus, dtype=bool)
-            table[list(self.buckets)] = True
-            result: npt.NDArray[np.bool_] = table[rem.astype(np.intp)]
+            result: npt.NDArray[np.bool_] = self._table[rem.astype(np.intp)]
             return result
         lo_ok = h >= np.uint64(self.lo)
         if self.hi >= HASH_SPACE:
@@ -163,9 +229,19 @@ class PartitionFilter:
 
     def __str__(self) -> str:
         if self.modulus is not None:
-            return f"mod:{self.modulus}:{','.join(map(str, sorted(self.buckets)))}"
+            return f"mod:{self.modulus}:{_bucket_list(self._table)}"
         hi = "max" if self.hi >= HASH_SPACE else f"0x{self.hi:016x}"
         return f"range:0x{self.lo:016x}:{hi}"
+
+
+def _bucket_list(table: npt.NDArray[np.bool_]) -> str:
+    """The shortest bucket list text for a bucket table: runs become ``A-B``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], table.view(np.int8), [0]))))
+    starts, stops = edges[0::2], edges[1::2] - 1
+    return ",".join(
+        str(a) if a == b else f"{a}-{b}"
+        for a, b in zip(starts.tolist(), stops.tolist(), strict=True)
+    )
 
 
 def source_table(source_ids: Collection[int]) -> npt.NDArray[np.bool_]:

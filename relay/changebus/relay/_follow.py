@@ -1,0 +1,131 @@
+"""Follow mode of ``GET /v1/stream`` (``follow=1``): one held response, a chunk per batch.
+
+Each new batch of windows is pushed as a chunk of one long response. The
+response ends when ``wait`` seconds pass with nothing new, when ``budget``
+bytes were sent, or when the client goes away. Every push is a copy taken
+under a pin and checked before it is written (:func:`~._respond.copy_out`),
+so every byte on the wire is valid, and no pin is held while a push waits
+for the client; the client tracks its position from the END_OF_WINDOW events
+it reads (see docs/protocol.md 6.1).
+
+Pushes are self-clocked: a small socket send buffer, and the next push only
+once the previous one has left the process, so new windows gather here into
+one larger push instead of queueing in socket buffers. A push the client
+does not accept within the send timeout aborts the connection
+(:func:`~._send.send_body`). Small pushes are shared with identical
+followers through the partition's response cache, which is bounded by bytes
+(:mod:`._respcache`): pushes never accumulate there.
+
+Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from changebus.schemas import ChangebusError, OverwrittenError, PartitionFilter
+
+from ._host import PartitionHost
+from ._metrics import RelayMetrics
+from ._respcache import ResponseCache
+from ._respond import copy_out, next_headers
+from ._send import send_body, unbuffered
+
+__all__ = ["FollowRequest", "follow"]
+
+log = logging.getLogger("changebus.relay.http")
+
+_FOLLOW_SNDBUF = 64 * 1024
+
+
+@dataclass(frozen=True)
+class FollowRequest:
+    """What a follow request asked for (parsed and checked by the handler)."""
+
+    scn: int
+    offset: int
+    max_bytes: int
+    key_filter: PartitionFilter | None
+    filter_text: str | None
+    sources: frozenset[int] | None
+    wait: float
+    budget: int
+    client: str
+
+
+async def follow(
+    request: web.Request,
+    host: PartitionHost,
+    ask: FollowRequest,
+    cache: ResponseCache,
+    metrics: RelayMetrics,
+    send_timeout_s: float,
+) -> web.StreamResponse:
+    """Serve one follow request (module docstring)."""
+    scn, offset = ask.scn, ask.offset
+    # fail before the 200 when the checkpoint is already too old
+    host.buffer.locate(scn, offset)
+    resp = web.StreamResponse(status=200, headers=next_headers(host, scn, offset, None))
+    resp.headers["X-Changebus-Follow"] = "1"
+    resp.content_type = "application/vnd.changebus.events"
+    resp.enable_chunked_encoding()
+    transport = request.transport
+    if transport is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
+        unbuffered(transport)
+    await resp.prepare(request)
+    sent = 0
+    idle_until = time.monotonic() + ask.wait
+    while sent < ask.budget:
+        m = host.buffer.meta
+        key = (scn, offset, ask.max_bytes, ask.filter_text, ask.sources)
+        cached = cache.get(m.tail_event, key)
+        if cached is None:
+            try:
+                selection = host.buffer.select(
+                    scn, offset, ask.max_bytes, key_filter=ask.key_filter, sources=ask.sources
+                )
+            except ChangebusError as exc:  # e.g. evicted meanwhile: end the stream, client re-asks
+                log.info("follow stream for %s ends: %s", ask.client, exc.message)
+                break
+            if selection is None:
+                left = idle_until - time.monotonic()
+                if left <= 0:
+                    break
+                await host.wait_for_window(left)
+                continue
+            try:
+                cached = copy_out(host, selection, metrics)
+            except OverwrittenError as exc:  # nothing torn was sent: end, the client re-asks
+                log.info("follow stream for %s ends: %s", ask.client, exc.message)
+                break
+            cache.put(m.tail_event, key, cached)
+        try:
+            # limits are 0: returns once the push left the process
+            if not await send_body(request, resp, cached.body, send_timeout_s):
+                metrics.aborted(host.name)
+                return resp
+        except ConnectionResetError:  # the consumer went away: nothing to report
+            log.debug("follow stream for %s: the consumer disconnected", ask.client)
+            return resp
+        # write and drain often complete without suspending; yield so that a
+        # stream that always finds new windows cannot starve the others
+        await asyncio.sleep(0)
+        metrics.streamed(host.name, len(cached.body), cached.events)
+        sent += len(cached.body)
+        scn, offset = cached.next_scn, cached.next_offset
+        host.saw_consumer(ask.client, scn, m.tail_pos - m.head_pos, request.remote or "")
+        idle_until = time.monotonic() + ask.wait
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
