@@ -65,9 +65,12 @@ import numpy.typing as npt
 from changebus.schemas import (
     HEADER_SIZE,
     CorruptEventError,
+    DataLoss,
+    EndOfWindow,
     Op,
     PartitionFilter,
     decode_control,
+    encode_control,
     source_table,
 )
 from changebus.schemas.errors import BadRequestError, ConfigError
@@ -76,7 +79,7 @@ from ._evict import Pin
 from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
-from ._recovery import recover
+from ._recovery import Loss, recover
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 from ._writer import BufferWriter
 
@@ -192,8 +195,17 @@ class EventBuffer(BufferWriter):
             "windows_refused": 0,
             "pins_overrun": 0,
         }
+        loss: Loss | None = None
         if compatible and previous is not None:
-            self._meta = recover(previous, self._events, self._ring_view, self._metafile, name)
+            self._meta, loss = recover(
+                previous,
+                self._events,
+                self._index,
+                self.block,
+                self._ring_view,
+                self._metafile,
+                name,
+            )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)
             self._metafile.publish(self._meta)
@@ -207,6 +219,33 @@ class EventBuffer(BufferWriter):
             self._meta.tail_event * EVENT_DTYPE.itemsize,
             _PREFAULT_EVENTS_AHEAD,
         )
+        if loss is not None:
+            self._record_loss(loss)
+
+    def _record_loss(self, loss: Loss) -> None:
+        """Append the DATA_LOSS window recovery owes (see :mod:`._recovery`).
+
+        The published state still claims ``last_scn == loss.to_scn``; room
+        is made first, so no state without that claim is ever published,
+        then the window commits at ``loss.to_scn`` through the normal path.
+        """
+        part = self.partition_id
+        ts = loss.timestamp_ns
+        data = encode_control(
+            DataLoss(loss.from_scn, loss.to_scn, loss.reason), loss.to_scn, 0, ts, partition=part
+        ) + encode_control(EndOfWindow(0, loss.source_position), loss.to_scn, 1, ts, partition=part)
+        m = self._meta
+        phys = m.tail_pos % self.capacity
+        skip = self.capacity - phys if phys + len(data) > self.capacity else 0
+        self._make_room(
+            m.tail_pos + skip + len(data) - self.capacity, m.tail_event + 2 - m.event_slots
+        )
+        self._meta = replace(self._meta, last_scn=loss.from_scn - 1)  # not published
+        on_publish, self.on_publish = self.on_publish, None
+        try:
+            self.append_window(data)
+        finally:
+            self.on_publish = on_publish
 
     # ------------------------------------------------------------------
     # state

@@ -1,0 +1,292 @@
+"""Checking a reopened buffer's live events against the ring, in bulk.
+
+One job: given the event positions the event table claims for the live
+events ``[head_event, tail_event)``, find out how many of them, from the
+oldest on, are really in the ring, and where exactly. The ring's own event
+headers are the truth; the event table is only a hint (its ``pos`` column
+says where to look), so damage in the table is repaired, not trusted.
+
+An event ``i`` is *verified* when all of this holds (every check in numpy
+over all events at once, unless said otherwise):
+
+* its header is well formed (magic, version, op, ``total_length ==
+  64 + key_length + payload_length``) and it lies inside the ring file;
+* its position follows from its predecessor's by the writer's placement
+  rule: right after the previous event (the first one at the published
+  ``head_pos``), or at the next lap's start when it does not fit before the
+  end of the ring; the last one ends at the published ``tail_pos``;
+* the window rules: seq numbers ``0, 1, 2, ...`` restart after each
+  END_OF_WINDOW, the events of a window share its SCN and window SCNs
+  increase;
+* its header CRC matches: checked for 4096 headers per call (see
+  :func:`_first_bad_header`);
+* its payload CRC matches (one CRC call per event: the only per-event work,
+  done last and only over the events that passed everything else).
+
+When event ``i`` fails the placement rule (or a check that a wrong position
+would fail) the table's position may be the damaged part: the position
+the rule predicts is tried, and taken when a valid header there agrees with
+the table's record (SCN, length, op, key hash, source); then the checks run
+again (at most :data:`_MAX_REPAIRS` times). Otherwise event ``i`` is
+damaged in the ring and the verified prefix ends before it.
+
+Pure functions over a read-only view of the ring; run once at recovery.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from changebus.schemas import HEADER_DTYPE, HEADER_SIZE, MAGIC, VERSION, Op, crc32
+
+__all__ = ["RingCheck", "check_ring", "verified_event"]
+
+_EOW: Final = int(Op.END_OF_WINDOW)
+_VALID_OP = np.zeros(256, dtype=bool)
+_VALID_OP[[int(op) for op in Op]] = True
+#: how many wrong event positions one recovery repairs before it calls the rest damaged
+_MAX_REPAIRS: Final = 16
+#: headers per header-CRC call
+_CRC_CHUNK: Final = 4096
+#: offset of the header CRC in a header (it covers the bytes before it)
+_HCRC_AT: Final = 60
+
+
+def _valid_headers(count: int) -> bytes:
+    """``count`` well-checksummed 64-byte blocks, back to back.
+
+    The CRC-32 of a message followed by its own CRC (little-endian) is the
+    same constant whatever the message, so the CRC of ``k`` such blocks back
+    to back depends on ``k`` alone: ``crc32`` of ``k`` real headers equals
+    ``crc32`` of ``k`` of these exactly when (up to a 2**-32 chance) every
+    header CRC matches.
+    """
+    body = bytes(_HCRC_AT)
+    return (body + struct.pack("<I", crc32(body))) * count
+
+
+_TEMPLATE: Final = _valid_headers(_CRC_CHUNK)
+_TEMPLATE_CRC: Final = crc32(_TEMPLATE)
+
+
+@dataclass(frozen=True)
+class RingCheck:
+    """What :func:`check_ring` found.
+
+    Events ``[0, good)`` (numbered from the head event) are verified;
+    ``pos`` and ``headers`` hold their true virtual positions and headers.
+    ``repaired`` counts positions taken from the ring because the event
+    table's were wrong. ``problem`` says why event ``good`` was refused
+    (empty when every event is verified).
+    """
+
+    pos: npt.NDArray[np.int64]
+    headers: npt.NDArray[Any]
+    good: int
+    repaired: int
+    problem: str
+
+
+def check_ring(
+    ring: memoryview,
+    head_pos: int,
+    tail_pos: int,
+    records: npt.NDArray[Any],
+) -> RingCheck:
+    """Verify the live events (``records``: their event table rows) against the ring."""
+    capacity = len(ring)
+    raw = np.frombuffer(ring, dtype=np.uint8)
+    pos = records["pos"].astype(np.int64)
+    headers = _gather(raw, pos, capacity)
+    repaired = 0
+    while True:
+        bad, problem = _first_bad(raw, capacity, head_pos, tail_pos, pos, headers)
+        if bad == len(pos) or repaired >= _MAX_REPAIRS:
+            break
+        fixed = _repair(raw, capacity, head_pos, pos, headers, records, bad)
+        if fixed is None:
+            break
+        pos[bad], headers[bad] = fixed
+        repaired += 1
+    payload_bad = _first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
+    if payload_bad < bad:
+        bad, problem = payload_bad, "payload checksum mismatch"
+    return RingCheck(pos[:bad], headers[:bad], bad, repaired, problem)
+
+
+def _gather(raw: npt.NDArray[np.uint8], pos: npt.NDArray[np.int64], capacity: int) -> Any:
+    """The headers at ``pos`` (a copy); positions too close to the end read offset 0."""
+    phys = pos % capacity
+    safe = np.where(phys <= capacity - HEADER_SIZE, phys, 0)
+    rows = np.lib.stride_tricks.as_strided(
+        raw, shape=(capacity - HEADER_SIZE + 1, HEADER_SIZE), strides=(1, 1), writeable=False
+    )
+    return rows[safe].view(HEADER_DTYPE).reshape(-1)
+
+
+def _first_bad(
+    raw: npt.NDArray[np.uint8],
+    capacity: int,
+    head_pos: int,
+    tail_pos: int,
+    pos: npt.NDArray[np.int64],
+    headers: npt.NDArray[Any],
+) -> tuple[int, str]:
+    """The first event failing a structural, placement, window or header CRC check."""
+    n = len(pos)
+    if n == 0:
+        return 0, ""
+    phys = pos % capacity
+    total = headers["total_length"].astype(np.int64)
+    malformed = (
+        (phys > capacity - HEADER_SIZE)
+        | (headers["magic"] != MAGIC)
+        | (headers["version"] != VERSION)
+        | ~_VALID_OP[headers["op"]]
+        | (
+            total
+            != HEADER_SIZE
+            + headers["key_length"].astype(np.int64)
+            + headers["payload_length"].astype(np.int64)
+        )
+        | (phys + total > capacity)
+    )
+    # placement: right after the previous event, or at the next lap when it does not fit
+    expected = np.empty(n, dtype=np.int64)
+    expected[0] = head_pos
+    np.add(pos[:-1], total[:-1], out=expected[1:])
+    room = capacity - expected % capacity
+    expected = np.where(total > room, expected + room, expected)
+    misplaced = pos != expected
+    misplaced[-1] |= int(pos[-1]) + int(total[-1]) != tail_pos
+    # the window rules
+    op = headers["op"]
+    scn = headers["scn"].astype(np.int64)
+    opens = np.empty(n, dtype=bool)
+    opens[0] = True
+    np.equal(op[:-1], _EOW, out=opens[1:])
+    index = np.arange(n, dtype=np.int64)
+    first = np.maximum.accumulate(np.where(opens, index, 0))
+    out_of_window = headers["seq"].astype(np.int64) != index - first
+    same = np.empty(n, dtype=bool)
+    same[0] = True
+    np.equal(scn[1:], scn[:-1], out=same[1:])
+    rising = np.empty(n, dtype=bool)
+    rising[0] = True
+    np.greater(scn[1:], scn[:-1], out=rising[1:])
+    out_of_window |= np.where(opens, ~rising, ~same)
+    checks = (
+        (malformed, "malformed event header"),
+        (misplaced, "event not where the event table and the ring say"),
+        (out_of_window, "event breaks the window rules"),
+    )
+    bad, problem = n, ""
+    for mask, why in checks:
+        hits = np.flatnonzero(mask[:bad])
+        if hits.size:
+            bad, problem = int(hits[0]), why
+    crc_bad = _first_bad_header(headers[:bad])
+    if crc_bad < bad:
+        bad, problem = crc_bad, "header checksum mismatch"
+    return bad, problem
+
+
+def _first_bad_header(headers: npt.NDArray[Any]) -> int:
+    """The first header whose CRC does not match (``len(headers)``: none)."""
+    blocks = headers.view(np.uint8).reshape(-1, HEADER_SIZE)
+    n = len(blocks)
+    for start in range(0, n, _CRC_CHUNK):
+        chunk = blocks[start : start + _CRC_CHUNK]
+        want = _TEMPLATE_CRC if len(chunk) == _CRC_CHUNK else crc32(_TEMPLATE[: chunk.size])
+        if crc32(chunk) == want:
+            continue
+        stored = headers["header_crc"][start : start + _CRC_CHUNK].tolist()
+        for i, (row, crc) in enumerate(zip(chunk, stored, strict=True)):
+            if crc32(row[:_HCRC_AT]) != crc:
+                return start + i
+    return n
+
+
+def _first_bad_payload(
+    ring: memoryview, phys: npt.NDArray[np.int64], headers: npt.NDArray[Any]
+) -> int:
+    """The first event whose payload CRC (key + payload) does not match."""
+    starts = (phys + HEADER_SIZE).tolist()
+    ends = (phys + headers["total_length"].astype(np.int64)).tolist()
+    for i, (a, b, want) in enumerate(
+        zip(starts, ends, headers["payload_crc"].tolist(), strict=True)
+    ):
+        if crc32(ring[a:b]) != want:
+            return i
+    return len(starts)
+
+
+def _header_at(raw: npt.NDArray[np.uint8], capacity: int, pos: int) -> Any | None:
+    """The header at virtual ``pos`` if it is well formed, checksummed and fits the ring."""
+    phys = pos % capacity
+    if phys > capacity - HEADER_SIZE:
+        return None
+    h = raw[phys : phys + HEADER_SIZE].copy().view(HEADER_DTYPE)[0]
+    total = int(h["total_length"])
+    if (
+        int(h["magic"]) != MAGIC
+        or int(h["version"]) != VERSION
+        or not _VALID_OP[int(h["op"])]
+        or total != HEADER_SIZE + int(h["key_length"]) + int(h["payload_length"])
+        or phys + total > capacity
+        or crc32(raw[phys : phys + _HCRC_AT]) != int(h["header_crc"])
+    ):
+        return None
+    return h
+
+
+def verified_event(ring: memoryview, pos: int) -> Any | None:
+    """The header of the event at virtual ``pos`` if the event is intact (both CRCs), else None."""
+    capacity = len(ring)
+    h = _header_at(np.frombuffer(ring, dtype=np.uint8), capacity, pos)
+    if h is None:
+        return None
+    phys = pos % capacity
+    if crc32(ring[phys + HEADER_SIZE : phys + int(h["total_length"])]) != int(h["payload_crc"]):
+        return None
+    return h
+
+
+def _repair(
+    raw: npt.NDArray[np.uint8],
+    capacity: int,
+    head_pos: int,
+    pos: npt.NDArray[np.int64],
+    headers: npt.NDArray[Any],
+    records: npt.NDArray[Any],
+    i: int,
+) -> tuple[int, Any] | None:
+    """Where event ``i`` really is, if the event table's position is the damaged part.
+
+    Tries the positions the placement rule allows after the (verified)
+    previous event; a candidate is taken only when the header there is
+    valid, fits the rule, and agrees with the rest of the table's record.
+    """
+    expected = head_pos if i == 0 else int(pos[i - 1]) + int(headers["total_length"][i - 1])
+    room = capacity - expected % capacity
+    rec = records[i]
+    for cand in (expected, expected + room):
+        if cand == int(pos[i]):
+            continue
+        h = _header_at(raw, capacity, cand)
+        if h is None or (cand == expected) != (int(h["total_length"]) <= room):
+            continue
+        if (
+            int(h["scn"]) == int(rec["scn"])
+            and int(h["total_length"]) == int(rec["length"])
+            and int(h["op"]) == int(rec["op"])
+            and int(h["key_hash"]) == int(rec["key_hash"])
+            and int(h["source_id"]) == int(rec["source_id"])
+        ):
+            return cand, h
+    return None
