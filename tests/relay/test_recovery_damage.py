@@ -337,3 +337,30 @@ def test_an_interrupted_recovery_still_records_the_loss(
     assert (loss.from_scn, loss.to_scn) == (bad_scn, m.last_scn)
     assert again.last_source_position == ""  # the fetcher resumes from the SCN alone
     again.close()
+
+
+def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:
+    """A page the machine never wrote back holds older events whose CRCs still match."""
+    buf = fill(tmp_path, 1, 300)
+    buf.flush()
+    old_ring = (tmp_path / "ring.dat").read_bytes()
+    for scn in range(301, 420):  # about 48 KiB more: the newest pages are rewritten
+        buf.append_window(make_window(scn))
+    m = buf.meta
+    before = read_all(buf)
+    buf.close()
+    ring = bytearray((tmp_path / "ring.dat").read_bytes())
+    page = (m.tail_pos - 8192) % CAP // 4096 * 4096
+    assert ring[page : page + 4096] != old_ring[page : page + 4096]
+    ring[page : page + 4096] = old_ring[page : page + 4096]
+    (tmp_path / "ring.dat").write_bytes(bytes(ring))
+    again = EventBuffer(tmp_path, CFG)
+    got = read_all(again)
+    events = [e for e in got if e[2] != Op.DATA_LOSS and e[0] != m.last_scn]
+    assert events == before[: len(events)], "only windows before the stale page are served"
+    assert len(events) < len(before)
+    assert [(e[0], e[2]) for e in got[len(events) :]] == [
+        (m.last_scn, Op.DATA_LOSS),
+        (m.last_scn, Op.END_OF_WINDOW),
+    ]
+    again.close()

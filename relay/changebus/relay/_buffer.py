@@ -17,6 +17,12 @@ relay finds everything again):
   a vectorised scan of the event table between two index entries.
 * ``meta.dat`` -- the published state (:class:`._meta.BufferMeta`).
 
+What is checksummed: ``meta.dat`` (a CRC per slot) and every event in
+``ring.dat`` (header and payload CRCs). ``events.dat`` and ``index.dat``
+carry no checksum of their own: they are derived from the ring, and
+recovery checks them against the ring's event headers (rewriting damaged
+records) and rebuilds the index, so the writer pays nothing for them.
+
 Invariants (hold whenever the lock is free):
 
 * live events ``[head_event, tail_event)`` and live bytes
@@ -24,12 +30,16 @@ Invariants (hold whenever the lock is free):
   SCN order, each closed by an END_OF_WINDOW event;
 * ``tail_pos - head_pos <= capacity`` and ``tail_event - head_event <= event_slots``;
 * ``prev_scn`` is the SCN of the newest evicted window (or the SCN the
-  buffer was started at), so nothing after ``prev_scn`` is missing.
+  buffer was started at), so nothing after ``prev_scn`` is missing;
+* with live windows, ``last_scn`` is the SCN of the newest one (after
+  recovery dropped damaged windows, until it appended the DATA_LOSS window
+  it owes: see :mod:`._recovery`).
 
 The parts, one module each: placing and committing windows (the writer
 side, :mod:`._writer`), validating them (:mod:`._validate`), the SCN index
 (:mod:`._index`), eviction and reader pins (:mod:`._evict`), selecting what
-a reader sends (:mod:`._reader`) and recovery on open (:mod:`._recovery`).
+a reader sends (:mod:`._reader`) and recovery on open (:mod:`._recovery`,
+which checks the live events against the ring with :mod:`._ringcheck`).
 This module holds the state they share, its files and its lock, and the
 reader entry points.
 

@@ -100,7 +100,7 @@ def recover(
     if n <= 0:
         return meta, None
     records = events.get(meta.head_event, meta.tail_event)  # compared before anything is rewritten
-    check = check_ring(ring, meta.head_pos, meta.tail_pos, records)
+    check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
     _repair_events(events, meta.head_event, records[:keep], check, name)

@@ -17,7 +17,9 @@ over all events at once, unless said otherwise):
   end of the ring; the last one ends at the published ``tail_pos``;
 * the window rules: seq numbers ``0, 1, 2, ...`` restart after each
   END_OF_WINDOW, the events of a window share its SCN and window SCNs
-  increase;
+  increase from the published ``min_scn`` on (so stale events of an earlier
+  lap, left by a page the machine did not write before it went down, are
+  refused even though their CRCs match);
 * its header CRC matches: checked for 4096 headers per call (see
   :func:`_first_bad_header`);
 * its payload CRC matches (one CRC call per event: the only per-event work,
@@ -96,16 +98,21 @@ def check_ring(
     ring: memoryview,
     head_pos: int,
     tail_pos: int,
+    min_scn: int,
     records: npt.NDArray[Any],
 ) -> RingCheck:
-    """Verify the live events (``records``: their event table rows) against the ring."""
+    """Verify the live events (``records``: their event table rows) against the ring.
+
+    ``head_pos``, ``tail_pos`` and ``min_scn`` (the oldest window's SCN)
+    come from the published state.
+    """
     capacity = len(ring)
     raw = np.frombuffer(ring, dtype=np.uint8)
     pos = records["pos"].astype(np.int64)
     headers = _gather(raw, pos, capacity)
     repaired = 0
     while True:
-        bad, problem = _first_bad(raw, capacity, head_pos, tail_pos, pos, headers)
+        bad, problem = _first_bad(raw, capacity, (head_pos, tail_pos, min_scn), pos, headers)
         if bad == len(pos) or repaired >= _MAX_REPAIRS:
             break
         fixed = _repair(raw, capacity, head_pos, pos, headers, records, bad)
@@ -132,12 +139,15 @@ def _gather(raw: npt.NDArray[np.uint8], pos: npt.NDArray[np.int64], capacity: in
 def _first_bad(
     raw: npt.NDArray[np.uint8],
     capacity: int,
-    head_pos: int,
-    tail_pos: int,
+    published: tuple[int, int, int],
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
 ) -> tuple[int, str]:
-    """The first event failing a structural, placement, window or header CRC check."""
+    """The first event failing a structural, placement, window or header CRC check.
+
+    ``published`` is ``(head_pos, tail_pos, min_scn)`` of the published state.
+    """
+    head_pos, tail_pos, min_scn = published
     n = len(pos)
     if n == 0:
         return 0, ""
@@ -177,7 +187,7 @@ def _first_bad(
     same[0] = True
     np.equal(scn[1:], scn[:-1], out=same[1:])
     rising = np.empty(n, dtype=bool)
-    rising[0] = True
+    rising[0] = int(scn[0]) == min_scn
     np.greater(scn[1:], scn[:-1], out=rising[1:])
     out_of_window |= np.where(opens, ~rising, ~same)
     checks = (
