@@ -15,6 +15,7 @@ bits in one of its files and reopens it:
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 
 from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.relay._crcbatch import first_bad_header, first_bad_payload
 from changebus.relay._tables import EVENT_DTYPE, INDEX_DTYPE
 from changebus.schemas import (
     HEADER_SIZE,
@@ -33,8 +35,10 @@ from changebus.schemas import (
     decode_control,
     encode_control,
     encode_event,
+    headers_at,
     key_hash,
     parse_stream,
+    scan_offsets,
 )
 
 CAP = 64 * 1024
@@ -364,3 +368,30 @@ def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:
         (m.last_scn, Op.END_OF_WINDOW),
     ]
     again.close()
+
+
+def test_batched_crc_checks_name_the_first_damaged_event() -> None:
+    rng = random.Random(17)
+    sizes = [rng.choice([0, 1, 50, 300, 5000]) for _ in range(3000)]
+    sizes[1500] = 5 << 20  # larger than one batch
+    events = [
+        encode_event(Op.INSERT, 9, i, 1, b"k%d" % i, bytes([i % 256]) * s, key_hash=i)
+        for i, s in enumerate(sizes)
+    ]
+    data = b"".join(events)
+    offsets = scan_offsets(data)
+    headers = headers_at(data, offsets)
+    assert first_bad_payload(memoryview(data), offsets, headers) == len(events)
+    assert first_bad_header(headers) == len(events)
+    for victim in (0, 1, 777, 1500, 2999):
+        damaged = bytearray(data)
+        damaged[int(offsets[victim]) + len(events[victim]) - 1] ^= 0x10  # last key/payload byte
+        found = first_bad_payload(memoryview(bytes(damaged)), offsets, headers)
+        assert found == victim
+        bad_headers = headers.copy()
+        bad_headers["timestamp_ns"][victim] += 1
+        assert first_bad_header(bad_headers) == victim
+    # events that are not back to back (a lap skip) are checked as separate runs
+    gap = data[: int(offsets[10])] + bytes(100) + data[int(offsets[10]) : int(offsets[20])]
+    moved = np.concatenate((offsets[:10], offsets[10:20] + 100))
+    assert first_bad_payload(memoryview(gap), moved, headers[:20]) == 20

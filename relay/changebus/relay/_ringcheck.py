@@ -20,10 +20,9 @@ over all events at once, unless said otherwise):
   increase from the published ``min_scn`` on (so stale events of an earlier
   lap, left by a page the machine did not write before it went down, are
   refused even though their CRCs match);
-* its header CRC matches: checked for 4096 headers per call (see
-  :func:`_first_bad_header`);
-* its payload CRC matches (one CRC call per event: the only per-event work,
-  done last and only over the events that passed everything else).
+* its header CRC matches, and then its payload CRC (both checked with a
+  few large CRC calls, see :mod:`._crcbatch`; the payloads last, and only
+  those of the events that passed everything else).
 
 When event ``i`` fails the placement rule (or a check that a wrong position
 would fail) the table's position may be the damaged part: the position
@@ -37,7 +36,6 @@ Pure functions over a read-only view of the ring; run once at recovery.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -46,6 +44,8 @@ import numpy.typing as npt
 
 from changebus.schemas import HEADER_DTYPE, HEADER_SIZE, MAGIC, VERSION, Op, crc32
 
+from ._crcbatch import first_bad_header, first_bad_payload
+
 __all__ = ["RingCheck", "check_ring", "verified_event"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
@@ -53,27 +53,8 @@ _VALID_OP = np.zeros(256, dtype=bool)
 _VALID_OP[[int(op) for op in Op]] = True
 #: how many wrong event positions one recovery repairs before it calls the rest damaged
 _MAX_REPAIRS: Final = 16
-#: headers per header-CRC call
-_CRC_CHUNK: Final = 4096
 #: offset of the header CRC in a header (it covers the bytes before it)
 _HCRC_AT: Final = 60
-
-
-def _valid_headers(count: int) -> bytes:
-    """``count`` well-checksummed 64-byte blocks, back to back.
-
-    The CRC-32 of a message followed by its own CRC (little-endian) is the
-    same constant whatever the message, so the CRC of ``k`` such blocks back
-    to back depends on ``k`` alone: ``crc32`` of ``k`` real headers equals
-    ``crc32`` of ``k`` of these exactly when (up to a 2**-32 chance) every
-    header CRC matches.
-    """
-    body = bytes(_HCRC_AT)
-    return (body + struct.pack("<I", crc32(body))) * count
-
-
-_TEMPLATE: Final = _valid_headers(_CRC_CHUNK)
-_TEMPLATE_CRC: Final = crc32(_TEMPLATE)
 
 
 @dataclass(frozen=True)
@@ -120,7 +101,7 @@ def check_ring(
             break
         pos[bad], headers[bad] = fixed
         repaired += 1
-    payload_bad = _first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
+    payload_bad = first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
     if payload_bad < bad:
         bad, problem = payload_bad, "payload checksum mismatch"
     return RingCheck(pos[:bad], headers[:bad], bad, repaired, problem)
@@ -200,40 +181,10 @@ def _first_bad(
         hits = np.flatnonzero(mask[:bad])
         if hits.size:
             bad, problem = int(hits[0]), why
-    crc_bad = _first_bad_header(headers[:bad])
+    crc_bad = first_bad_header(headers[:bad])
     if crc_bad < bad:
         bad, problem = crc_bad, "header checksum mismatch"
     return bad, problem
-
-
-def _first_bad_header(headers: npt.NDArray[Any]) -> int:
-    """The first header whose CRC does not match (``len(headers)``: none)."""
-    blocks = headers.view(np.uint8).reshape(-1, HEADER_SIZE)
-    n = len(blocks)
-    for start in range(0, n, _CRC_CHUNK):
-        chunk = blocks[start : start + _CRC_CHUNK]
-        want = _TEMPLATE_CRC if len(chunk) == _CRC_CHUNK else crc32(_TEMPLATE[: chunk.size])
-        if crc32(chunk) == want:
-            continue
-        stored = headers["header_crc"][start : start + _CRC_CHUNK].tolist()
-        for i, (row, crc) in enumerate(zip(chunk, stored, strict=True)):
-            if crc32(row[:_HCRC_AT]) != crc:
-                return start + i
-    return n
-
-
-def _first_bad_payload(
-    ring: memoryview, phys: npt.NDArray[np.int64], headers: npt.NDArray[Any]
-) -> int:
-    """The first event whose payload CRC (key + payload) does not match."""
-    starts = (phys + HEADER_SIZE).tolist()
-    ends = (phys + headers["total_length"].astype(np.int64)).tolist()
-    for i, (a, b, want) in enumerate(
-        zip(starts, ends, headers["payload_crc"].tolist(), strict=True)
-    ):
-        if crc32(ring[a:b]) != want:
-            return i
-    return len(starts)
 
 
 def _header_at(raw: npt.NDArray[np.uint8], capacity: int, pos: int) -> Any | None:
