@@ -120,6 +120,9 @@ def test_undamaged_wrapped_buffer_reopens_unchanged(tmp_path: Path) -> None:
     assert again.meta == meta
     assert read_all(again) == before
     assert (again._index.get(meta.index_head, meta.index_tail) == index).all()
+    assert again.stats["recovery_records_rewritten"] == 0
+    assert again.stats["recovery_index_rebuilt"] == 0
+    assert again.stats["recovery_events_dropped"] == 0
     again.append_window(make_window(701))
     again.close()
 
@@ -139,6 +142,7 @@ def test_damaged_index_entry_never_skips_windows(tmp_path: Path, field: str, bit
     off = _index_entry_offset(buf, 3) + field_offset(INDEX_DTYPE, field)
     flip(tmp_path / "index.dat", off + bit // 8, bit % 8)
     again = EventBuffer(tmp_path, CFG)
+    assert again.stats["recovery_index_rebuilt"] == 1
     for i, scn in enumerate(scns[:-1]):
         got = read_all(again, scn, -1)
         assert window_scns(got) == scns[i + 1 :], f"windows skipped after checkpoint {scn}"
@@ -164,6 +168,7 @@ def test_damaged_key_hash_goes_to_the_right_consumer(tmp_path: Path) -> None:
     assert len(in_mine) == 1, "the event must reach the consumer of its key's bucket"
     assert in_other == [], "and no other mod-filter consumer"
     assert int(again._events.at(victim)["key_hash"]) == true_hash  # repaired on disk too
+    assert again.stats["recovery_records_rewritten"] == 1
     again.close()
 
 
@@ -210,6 +215,7 @@ def test_damage_in_the_ring_keeps_the_windows_before_it(
     kept = [e for e in before if e[0] < bad_scn]
     got = read_all(again)
     assert got[: len(kept)] == kept, "every complete window before the damage is kept"
+    assert again.stats["recovery_events_dropped"] == len(before) - len(kept)
     marker = got[len(kept) :]
     assert [(e[0], e[1], e[2]) for e in marker] == [
         (m.last_scn, 0, Op.DATA_LOSS),

@@ -204,6 +204,10 @@ class EventBuffer(BufferWriter):
             "windows_evicted": 0,
             "windows_refused": 0,
             "pins_overrun": 0,
+            # what recovery found at open (see ._recovery)
+            "recovery_records_rewritten": 0,
+            "recovery_index_rebuilt": 0,
+            "recovery_events_dropped": 0,
         }
         loss: Loss | None = None
         if compatible and previous is not None:
@@ -215,6 +219,7 @@ class EventBuffer(BufferWriter):
                 self._ring_view,
                 self._metafile,
                 name,
+                self.stats,
             )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)

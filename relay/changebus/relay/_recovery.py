@@ -90,11 +90,14 @@ def recover(
     ring: memoryview,
     metafile: MetaFile,
     name: str,
+    stats: dict[str, int],
 ) -> tuple[BufferMeta, Loss | None]:
     """Verify what the last published state says is live; repair side tables; trim damage.
 
     Returns the state to serve (published when it changed) and the
-    DATA_LOSS window the buffer owes, if any.
+    DATA_LOSS window the buffer owes, if any. Counts what it did in
+    ``stats`` (the buffer's): ``recovery_records_rewritten``,
+    ``recovery_index_rebuilt`` (0 or 1) and ``recovery_events_dropped``.
     """
     n = meta.tail_event - meta.head_event
     if n <= 0:
@@ -103,7 +106,9 @@ def recover(
     check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
-    _repair_events(events, meta.head_event, records[:keep], check, name)
+    stats["recovery_records_rewritten"] = _repair_events(
+        events, meta.head_event, records[:keep], check, name
+    )
     index_head, index_tail, reindexed = rebuild(
         index,
         block,
@@ -112,6 +117,8 @@ def recover(
         check.headers["op"][:keep],
         check.headers["scn"][:keep],
     )
+    stats["recovery_index_rebuilt"] = int(reindexed)
+    stats["recovery_events_dropped"] = n - keep
     if reindexed:
         log.warning("buffer %s: the SCN index did not match the events; rebuilt it", name)
     if keep == n:
@@ -191,8 +198,8 @@ def _repair_events(
     records: npt.NDArray[Any],
     check: RingCheck,
     name: str,
-) -> None:
-    """Rewrite the event table records that disagree with the (verified) ring."""
+) -> int:
+    """Rewrite the event table records that disagree with the (verified) ring; how many."""
     keep = len(records)
     h = check.headers[:keep]
     pos = check.pos[:keep]
@@ -201,7 +208,7 @@ def _repair_events(
         wrong |= h[header_field] != records[field]
     rows = np.flatnonzero(wrong)
     if rows.size == 0:
-        return
+        return 0
     truth = np.zeros(rows.size, dtype=EVENT_DTYPE)
     truth["pos"] = pos[rows]
     for field, header_field in _FIELDS:
@@ -214,6 +221,7 @@ def _repair_events(
         name,
         rows.size,
     )
+    return int(rows.size)
 
 
 def _last_position(ring: memoryview, meta: BufferMeta, rec: Any) -> str:
