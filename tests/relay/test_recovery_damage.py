@@ -14,8 +14,18 @@ bits in one of its files and reopens it:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -401,3 +411,105 @@ def test_batched_crc_checks_name_the_first_damaged_event() -> None:
     gap = data[: int(offsets[10])] + bytes(100) + data[int(offsets[10]) : int(offsets[20])]
     moved = np.concatenate((offsets[:10], offsets[10:20] + 100))
     assert first_bad_payload(memoryview(gap), moved, headers[:20]) == 20
+
+
+# ---- the relay daemon: a damaged ring at restart -----------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _start(cfg: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the relay exited"
+        with contextlib.suppress(OSError):
+            if _get(port, "/readyz")[0] == 200:
+                return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("relay did not become ready")
+
+
+def _windows(port: int) -> list[tuple[int, int]]:
+    """(SCN, op of the window's first event) of every window the relay holds."""
+    found: list[tuple[int, int]] = []
+    scn = -1
+    while True:
+        status, headers, body = _get(port, f"/v1/stream?partition=syn&scn={scn}&max_bytes=1000000")
+        if status == 204:
+            return found
+        assert status == 200, body
+        _, hdr = parse_stream(body)
+        found.extend((int(h["scn"]), int(h["op"])) for h in hdr if h["seq"] == 0)
+        scn = int(headers["X-Changebus-Next-Scn"])
+
+
+def test_relay_restarted_on_a_damaged_ring_keeps_the_windows_before_it(tmp_path: Path) -> None:
+    port = _free_port()
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nflush_interval_s = 0\n[http]\nport = {port}\n'
+        '[[partitions]]\nname = "syn"\nid = 1\ncapacity_bytes = "4MiB"\n'
+        '[partitions.fetcher]\nkind = "synthetic"\n'
+        "options = { windows_per_s = 300, events_per_window = 2, row_bytes = 64 }\n"
+    )
+    relay = _start(cfg, port)
+    try:
+        time.sleep(1.0)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(20) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait(10)
+    directory = tmp_path / "data" / "syn"
+    buf = EventBuffer(directory, BufferConfig(capacity_bytes=4 << 20))
+    m = buf.meta
+    assert m.windows > 50
+    middle = m.head_event + (m.tail_event - m.head_event) // 2
+    pos = int(buf._events.at(middle)["pos"])
+    bad_scn = int(buf._events.at(middle)["scn"])
+    buf.close()
+    flip(directory / "ring.dat", pos % (4 << 20) + HEADER_SIZE + 1, 3)
+    relay = _start(cfg, port)
+    try:
+        time.sleep(0.5)
+        after = _windows(port)
+        status = json.loads(_get(port, "/v1/status")[2])["partitions"][0]
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(20)
+    scns = [scn for scn, _ in after]
+    kept = scns.index(m.last_scn)
+    # every window before the damaged one, in order, then the loss, then the fetcher goes on
+    assert scns[:kept] == list(range(m.min_scn, bad_scn))
+    assert after[kept] == (m.last_scn, Op.DATA_LOSS)
+    assert scns[kept + 1 :] == list(range(m.last_scn + 1, m.last_scn + 1 + len(scns) - kept - 1))
+    assert len(scns) > kept + 1
+    assert status["stats"]["recovery_events_dropped"] > 0
