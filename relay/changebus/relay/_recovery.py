@@ -127,6 +127,13 @@ def recover(
             metafile.publish(fixed)
         last = int(check.headers["scn"][-1])
         if last < meta.last_scn:  # a marker owed by an earlier recovery that did not finish
+            log.warning(
+                "buffer %s: windows %d..%d were dropped by an interrupted recovery;"
+                " recorded as data loss now",
+                name,
+                last + 1,
+                meta.last_scn,
+            )
             return fixed, Loss(last + 1, meta.last_scn, meta.last_ts, "", _interrupted(last))
         log.info("buffer %s: recovered %d events, SCN %d..%d", name, n, meta.min_scn, meta.last_scn)
         return fixed, None
