@@ -99,7 +99,8 @@ def rebuild(
     starting in each block); the oldest window may have no entry in the
     file (it shared its block with an evicted window), which is as good.
     Returns ``(index_head, index_tail, rewritten)``: the file is rewritten
-    only when its live entries differ (a damaged index).
+    only when its entries for these events differ (a damaged index); the
+    entries of newer events (dropped by recovery) are cut off.
     """
     if len(pos) == 0:
         return m.index_tail, m.index_tail, m.index_head != m.index_tail
@@ -110,8 +111,9 @@ def rebuild(
     entries["scn"] = scn[fresh]
     entries["event"] = m.head_event + fresh
     current = index.get(m.index_head, m.index_tail)
-    skip = entries.size - current.size
-    if skip in (0, 1) and np.array_equal(current, entries[skip:]):
-        return m.index_head, m.index_tail, False
+    for skip in (0, 1):  # entries of events beyond these (dropped by recovery) may follow
+        k = entries.size - skip
+        if k <= current.size and np.array_equal(current[:k], entries[skip:]):
+            return m.index_head, m.index_head + k, False
     index.put(m.index_head, entries)
     return m.index_head, m.index_head + entries.size, True
