@@ -514,3 +514,30 @@ def test_relay_restarted_on_a_damaged_ring_keeps_the_windows_before_it(tmp_path:
     assert scns[kept + 1 :] == list(range(m.last_scn + 1, m.last_scn + 1 + len(scns) - kept - 1))
     assert len(scns) > kept + 1
     assert status["stats"]["recovery_events_dropped"] > 0
+
+
+@pytest.mark.parametrize("where", ["middle", "tail", "head"])
+def test_a_lost_page_of_the_event_table_is_rebuilt_from_the_ring(
+    tmp_path: Path, where: str
+) -> None:
+    """A page of events.dat the machine never wrote back (zeros): found again in the ring."""
+    buf = fill(tmp_path, 1, 700)
+    m = buf.meta
+    before = read_all(buf)
+    event = {"middle": (m.head_event + m.tail_event) // 2, "tail": m.tail_event - 1}.get(
+        where, m.head_event
+    )
+    buf.close()
+    page = (event % CFG.slots) * EVENT_DTYPE.itemsize // 4096 * 4096
+    raw = bytearray((tmp_path / "events.dat").read_bytes())
+    raw[page : page + 4096] = bytes(4096)
+    (tmp_path / "events.dat").write_bytes(bytes(raw))
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == m
+    assert read_all(again) == before
+    assert again.stats["recovery_records_rewritten"] > 0
+    assert again.stats["recovery_events_dropped"] == 0
+    again.close()
+    third = EventBuffer(tmp_path, CFG)  # and the table on disk is whole again
+    assert third.stats["recovery_records_rewritten"] == 0
+    third.close()

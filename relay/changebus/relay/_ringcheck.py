@@ -24,12 +24,13 @@ over all events at once, unless said otherwise):
   few large CRC calls, see :mod:`._crcbatch`; the payloads last, and only
   those of the events that passed everything else).
 
-When event ``i`` fails the placement rule (or a check that a wrong position
-would fail) the table's position may be the damaged part: the position
-the rule predicts is tried, and taken when a valid header there agrees with
-the table's record (SCN, length, op, key hash, source); then the checks run
-again (at most :data:`_MAX_REPAIRS` times). Otherwise event ``i`` is
-damaged in the ring and the verified prefix ends before it.
+When event ``i`` fails a check, the table's position may be the damaged
+part (a flipped bit, or a whole page of ``events.dat`` the machine did not
+write back): the ring is followed from the last verified event, event by
+event, by the placement rule and the window rules, as long as the table
+disagrees with it (:func:`_walk`); then the checks run again (at most
+:data:`_MAX_WALKS` times). When not even event ``i`` can be found that
+way, it is damaged in the ring and the verified prefix ends before it.
 
 Pure functions over a read-only view of the ring; run once at recovery.
 """
@@ -51,8 +52,11 @@ __all__ = ["RingCheck", "check_ring", "verified_event"]
 _EOW: Final = int(Op.END_OF_WINDOW)
 _VALID_OP = np.zeros(256, dtype=bool)
 _VALID_OP[[int(op) for op in Op]] = True
-#: how many wrong event positions one recovery repairs before it calls the rest damaged
-_MAX_REPAIRS: Final = 16
+#: stretches of wrong event positions one recovery follows in the ring (each costs a
+#: check of all events) and events per stretch (a Python step each), before it
+#: calls the rest damaged
+_MAX_WALKS: Final = 16
+_MAX_WALK: Final = 1 << 16
 #: offset of the header CRC in a header (it covers the bytes before it)
 _HCRC_AT: Final = 60
 
@@ -91,16 +95,17 @@ def check_ring(
     raw = np.frombuffer(ring, dtype=np.uint8)
     pos = records["pos"].astype(np.int64)
     headers = _gather(raw, pos, capacity)
-    repaired = 0
+    published = (head_pos, tail_pos, min_scn)
+    repaired = walks = 0
     while True:
-        bad, problem = _first_bad(raw, capacity, (head_pos, tail_pos, min_scn), pos, headers)
-        if bad == len(pos) or repaired >= _MAX_REPAIRS:
+        bad, problem = _first_bad(raw, capacity, published, pos, headers)
+        if bad == len(pos) or walks >= _MAX_WALKS:
             break
-        fixed = _repair(raw, capacity, head_pos, pos, headers, records, bad)
-        if fixed is None:
+        moved = _walk(raw, capacity, published, pos, headers, bad)
+        if moved == 0:
             break
-        pos[bad], headers[bad] = fixed
-        repaired += 1
+        repaired += moved
+        walks += 1
     payload_bad = first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
     if payload_bad < bad:
         bad, problem = payload_bad, "payload checksum mismatch"
@@ -218,36 +223,65 @@ def verified_event(ring: memoryview, pos: int) -> Any | None:
     return h
 
 
-def _repair(
+def _walk(
     raw: npt.NDArray[np.uint8],
     capacity: int,
-    head_pos: int,
+    published: tuple[int, int, int],
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
-    records: npt.NDArray[Any],
     i: int,
-) -> tuple[int, Any] | None:
-    """Where event ``i`` really is, if the event table's position is the damaged part.
+) -> int:
+    """Follow the ring from event ``i`` while the event table's positions are wrong.
 
-    Tries the positions the placement rule allows after the (verified)
-    previous event; a candidate is taken only when the header there is
-    valid, fits the rule, and agrees with the rest of the table's record.
+    Event ``i`` is the first one the checks refused; all before it are
+    verified. Each step takes the position the placement rule gives after
+    the previous event (right after it, or the next lap's start when the
+    event there does not fit) whose header is intact and continues the
+    window rules; it stops where the table is right again. A path that
+    never meets the table again before the published tail is refused (it
+    could skip events). Fixes ``pos`` and ``headers`` in place; returns how
+    many positions it took from the ring (0: none, event ``i`` counts as
+    damaged in the ring).
     """
-    expected = head_pos if i == 0 else int(pos[i - 1]) + int(headers["total_length"][i - 1])
-    room = capacity - expected % capacity
-    rec = records[i]
-    for cand in (expected, expected + room):
-        if cand == int(pos[i]):
-            continue
-        h = _header_at(raw, capacity, cand)
-        if h is None or (cand == expected) != (int(h["total_length"]) <= room):
-            continue
-        if (
-            int(h["scn"]) == int(rec["scn"])
-            and int(h["total_length"]) == int(rec["length"])
-            and int(h["op"]) == int(rec["op"])
-            and int(h["key_hash"]) == int(rec["key_hash"])
-            and int(h["source_id"]) == int(rec["source_id"])
-        ):
-            return cand, h
-    return None
+    head_pos, tail_pos, min_scn = published
+    n = len(pos)
+    saved_pos, saved_headers = pos[i : i + _MAX_WALK].copy(), headers[i : i + _MAX_WALK].copy()
+    j = i
+    while j < n and j - i < _MAX_WALK:
+        prev = headers[j - 1] if j > 0 else None
+        expected = head_pos if prev is None else int(pos[j - 1]) + int(prev["total_length"])
+        room = capacity - expected % capacity
+        found = None
+        for cand in (expected, expected + room):
+            h = _header_at(raw, capacity, cand)
+            if h is None or (cand == expected) != (int(h["total_length"]) <= room):
+                continue
+            end = cand + int(h["total_length"])
+            if end > tail_pos or (j == n - 1 and end != tail_pos):
+                continue
+            if _continues(prev, h, min_scn):
+                found = cand, h
+                break
+        if found is not None and found[0] == int(pos[j]) and j > i:
+            return j - i  # the table is right again
+        if found is None or found[0] == int(pos[j]):
+            break
+        pos[j], headers[j] = found
+        j += 1
+    if j == n:
+        return j - i  # followed to the published tail
+    # damaged in the ring at event i, or a path that never meets the table again (it
+    # would skip events: e.g. a window at the next lap's start): undone
+    pos[i : i + len(saved_pos)] = saved_pos
+    headers[i : i + len(saved_headers)] = saved_headers
+    return 0
+
+
+def _continues(prev: Any | None, h: Any, min_scn: int) -> bool:
+    """Whether header ``h`` may follow header ``prev`` (None: it opens the buffer)."""
+    seq, scn = int(h["seq"]), int(h["scn"])
+    if prev is None:
+        return seq == 0 and scn == min_scn
+    if int(prev["op"]) == _EOW:
+        return seq == 0 and scn > int(prev["scn"])
+    return seq == int(prev["seq"]) + 1 and scn == int(prev["scn"])
