@@ -17,6 +17,12 @@ relay finds everything again):
   a vectorised scan of the event table between two index entries.
 * ``meta.dat`` -- the published state (:class:`._meta.BufferMeta`).
 
+What is checksummed: ``meta.dat`` (a CRC per slot) and every event in
+``ring.dat`` (header and payload CRCs). ``events.dat`` and ``index.dat``
+carry no checksum of their own: they are derived from the ring, and
+recovery checks them against the ring's event headers (rewriting damaged
+records) and rebuilds the index, so the writer pays nothing for them.
+
 Invariants (hold whenever the lock is free):
 
 * live events ``[head_event, tail_event)`` and live bytes
@@ -24,12 +30,16 @@ Invariants (hold whenever the lock is free):
   SCN order, each closed by an END_OF_WINDOW event;
 * ``tail_pos - head_pos <= capacity`` and ``tail_event - head_event <= event_slots``;
 * ``prev_scn`` is the SCN of the newest evicted window (or the SCN the
-  buffer was started at), so nothing after ``prev_scn`` is missing.
+  buffer was started at), so nothing after ``prev_scn`` is missing;
+* with live windows, ``last_scn`` is the SCN of the newest one (after
+  recovery dropped damaged windows, until it appended the DATA_LOSS window
+  it owes: see :mod:`._recovery`).
 
 The parts, one module each: placing and committing windows (the writer
 side, :mod:`._writer`), validating them (:mod:`._validate`), the SCN index
 (:mod:`._index`), eviction and reader pins (:mod:`._evict`), selecting what
-a reader sends (:mod:`._reader`) and recovery on open (:mod:`._recovery`).
+a reader sends (:mod:`._reader`) and recovery on open (:mod:`._recovery`,
+which checks the live events against the ring with :mod:`._ringcheck`).
 This module holds the state they share, its files and its lock, and the
 reader entry points.
 
@@ -65,9 +75,12 @@ import numpy.typing as npt
 from changebus.schemas import (
     HEADER_SIZE,
     CorruptEventError,
+    DataLoss,
+    EndOfWindow,
     Op,
     PartitionFilter,
     decode_control,
+    encode_control,
     source_table,
 )
 from changebus.schemas.errors import BadRequestError, ConfigError
@@ -76,7 +89,7 @@ from ._evict import Pin
 from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
-from ._recovery import recover
+from ._recovery import Loss, recover
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 from ._writer import BufferWriter
 
@@ -191,9 +204,23 @@ class EventBuffer(BufferWriter):
             "windows_evicted": 0,
             "windows_refused": 0,
             "pins_overrun": 0,
+            # what recovery found at open (see ._recovery)
+            "recovery_records_rewritten": 0,
+            "recovery_index_rebuilt": 0,
+            "recovery_events_dropped": 0,
         }
+        loss: Loss | None = None
         if compatible and previous is not None:
-            self._meta = recover(previous, self._events, self._ring_view, self._metafile, name)
+            self._meta, loss = recover(
+                previous,
+                self._events,
+                self._index,
+                self.block,
+                self._ring_view,
+                self._metafile,
+                name,
+                self.stats,
+            )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)
             self._metafile.publish(self._meta)
@@ -207,6 +234,33 @@ class EventBuffer(BufferWriter):
             self._meta.tail_event * EVENT_DTYPE.itemsize,
             _PREFAULT_EVENTS_AHEAD,
         )
+        if loss is not None:
+            self._record_loss(loss)
+
+    def _record_loss(self, loss: Loss) -> None:
+        """Append the DATA_LOSS window recovery owes (see :mod:`._recovery`).
+
+        The published state still claims ``last_scn == loss.to_scn``; room
+        is made first, so no state without that claim is ever published,
+        then the window commits at ``loss.to_scn`` through the normal path.
+        """
+        part = self.partition_id
+        ts = loss.timestamp_ns
+        data = encode_control(
+            DataLoss(loss.from_scn, loss.to_scn, loss.reason), loss.to_scn, 0, ts, partition=part
+        ) + encode_control(EndOfWindow(0, loss.source_position), loss.to_scn, 1, ts, partition=part)
+        m = self._meta
+        phys = m.tail_pos % self.capacity
+        skip = self.capacity - phys if phys + len(data) > self.capacity else 0
+        self._make_room(
+            m.tail_pos + skip + len(data) - self.capacity, m.tail_event + 2 - m.event_slots
+        )
+        self._meta = replace(self._meta, last_scn=loss.from_scn - 1)  # not published
+        on_publish, self.on_publish = self.on_publish, None
+        try:
+            self.append_window(data)
+        finally:
+            self.on_publish = on_publish
 
     # ------------------------------------------------------------------
     # state

@@ -20,7 +20,8 @@ Invariants (with the buffer's published :class:`~._meta.BufferMeta`):
 
 Only the writer thread calls :func:`add_windows` (on entries beyond the
 published ``index_tail``); readers call :func:`scn_range` under the
-buffer's lock.
+buffer's lock. The index is derived data: recovery recomputes it from the
+verified event records (:func:`rebuild`) instead of trusting the file.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from changebus.schemas import Op
+
 from ._meta import BufferMeta
 from ._tables import INDEX_DTYPE, CircularTable
 
-__all__ = ["add_windows", "scn_range"]
+__all__ = ["add_windows", "rebuild", "scn_range"]
+
+_EOW = int(Op.END_OF_WINDOW)
 
 
 def add_windows(
@@ -77,3 +82,38 @@ def scn_range(index: CircularTable, m: BufferMeta, scn: int) -> tuple[int, int]:
     lo = max(lo, m.head_event)
     hi = int(index.at(i)["event"]) if i < m.index_tail else m.tail_event
     return lo, hi
+
+
+def rebuild(
+    index: CircularTable,
+    block: int,
+    m: BufferMeta,
+    pos: npt.NDArray[np.int64],
+    op: npt.NDArray[np.uint8],
+    scn: npt.NDArray[Any],
+) -> tuple[int, int, bool]:
+    """Recompute the index of the live events ``[m.head_event, m.head_event + len(pos))``.
+
+    ``pos``, ``op`` and ``scn`` are the events' verified fields (whole
+    windows). The entries follow the writer's rule (the first window
+    starting in each block); the oldest window may have no entry in the
+    file (it shared its block with an evicted window), which is as good.
+    Returns ``(index_head, index_tail, rewritten)``: the file is rewritten
+    only when its entries for these events differ (a damaged index); the
+    entries of newer events (dropped by recovery) are cut off.
+    """
+    if len(pos) == 0:
+        return m.index_tail, m.index_tail, m.index_head != m.index_tail
+    firsts = np.concatenate(([0], np.flatnonzero(op[:-1] == _EOW) + 1))
+    blocks = pos[firsts] // block
+    fresh = firsts[np.concatenate(([True], blocks[1:] != blocks[:-1]))][-index.slots :]
+    entries = np.empty(fresh.size, dtype=INDEX_DTYPE)
+    entries["scn"] = scn[fresh]
+    entries["event"] = m.head_event + fresh
+    current = index.get(m.index_head, m.index_tail)
+    for skip in (0, 1):  # entries of events beyond these (dropped by recovery) may follow
+        k = entries.size - skip
+        if k <= current.size and np.array_equal(current[:k], entries[skip:]):
+            return m.index_head, m.index_head + k, False
+    index.put(m.index_head, entries)
+    return m.index_head, m.index_head + entries.size, True

@@ -1,61 +1,152 @@
 """Recovery of a buffer's files after a restart or a crash.
 
-One job: decide what a reopened buffer may serve. The last published state
-(:meth:`~._meta.MetaFile.load`) names the live events; every one of them is
-verified against the ring (magic, version, op, lengths, both CRCs) and
-against its event table record (SCN, length, op). Any mismatch -- a crash
-in the middle of a write can leave torn pages when the machine itself went
-down -- makes the buffer start empty *after* the last published SCN
-(``prev_scn = last_scn``), so a consumer is sent to the bootstrap server
-rather than given damaged or missing events.
+One job: decide what a reopened buffer may serve, trusting only what
+carries its own checksum. The last published state (:meth:`~._meta.MetaFile.load`,
+CRC-protected) names the live events and bytes; the ring's event headers
+and payloads (CRC-protected) are the truth about them; the side tables
+are derived data and are checked or rebuilt from the ring:
 
-Runs once, in the constructor, before any reader or writer exists.
+* the **event table**: every live record is compared with the ring
+  (:func:`~._ringcheck.check_ring`): a wrong position is found again by
+  the writer's placement rule, and a wrong SCN, length, op, key hash or
+  source is rewritten from the event's header, so a damaged key hash can
+  never send an event to the wrong mod-filter consumer;
+* the **SCN index** is recomputed from the verified records
+  (:func:`~._index.rebuild`) and rewritten when it differs, so a damaged
+  entry can never make a reader skip windows.
+
+Damage in the ring itself (a torn page after the machine went down, a
+flipped bit) keeps every complete window before the first damaged event;
+that window and everything after it are dropped, never served:
+
+* when windows are kept, the buffer owes a DATA_LOSS window for
+  ``(last kept SCN + 1 .. last published SCN)`` at the last published SCN
+  (:class:`Loss`, appended by the buffer through its normal write path), so
+  a consumer past the kept windows is told, as for other losses in the
+  relay; the fetcher resumes after the last published SCN as before;
+* when nothing is kept (damage in the oldest window), the buffer starts
+  empty after the last published SCN (``prev_scn = last_scn``), so older
+  consumers are sent to the bootstrap server (``scn_not_found``).
+
+The state published by recovery keeps ``last_scn`` (the source was read
+that far): a buffer whose newest window is older than ``last_scn`` owes the
+marker, and a crash before it is written is found again at the next start.
+
+Runs once, in the buffer's constructor, before any reader or writer exists.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from changebus.schemas import CorruptEventError, check_headers, headers_at, verify_payloads
+from changebus.schemas import HEADER_SIZE, CorruptEventError, EndOfWindow, Op, decode_control
 
+from ._index import rebuild
 from ._meta import BufferMeta, MetaFile
-from ._tables import CircularTable
+from ._ringcheck import RingCheck, check_ring, verified_event
+from ._tables import EVENT_DTYPE, CircularTable
 
-__all__ = ["recover"]
+__all__ = ["Loss", "recover"]
 
 log = logging.getLogger("changebus.relay.buffer")
+
+_EOW = int(Op.END_OF_WINDOW)
+#: event table fields and the header fields they copy
+_FIELDS = (
+    ("scn", "scn"),
+    ("key_hash", "key_hash"),
+    ("length", "total_length"),
+    ("op", "op"),
+    ("source_id", "source_id"),
+)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Windows ``from_scn..to_scn`` were dropped by recovery: the buffer owes a DATA_LOSS window.
+
+    ``source_position`` is the END_OF_WINDOW position of the last dropped
+    window when it could still be verified ("" otherwise), so the fetcher
+    resumes exactly where it stopped.
+    """
+
+    from_scn: int
+    to_scn: int
+    timestamp_ns: int
+    source_position: str
+    reason: str
 
 
 def recover(
     meta: BufferMeta,
     events: CircularTable,
+    index: CircularTable,
+    block: int,
     ring: memoryview,
     metafile: MetaFile,
     name: str,
-) -> BufferMeta:
-    """Validate what the last published state says is live; trim damage."""
+    stats: dict[str, int],
+) -> tuple[BufferMeta, Loss | None]:
+    """Verify what the last published state says is live; repair side tables; trim damage.
+
+    Returns the state to serve (published when it changed) and the
+    DATA_LOSS window the buffer owes, if any. Counts what it did in
+    ``stats`` (the buffer's): ``recovery_records_rewritten``,
+    ``recovery_index_rebuilt`` (0 or 1) and ``recovery_events_dropped``.
+    """
     n = meta.tail_event - meta.head_event
     if n <= 0:
-        return meta
-    rec = events.get(meta.head_event, meta.tail_event)
-    phys = (rec["pos"] % np.uint64(meta.capacity)).astype(np.int64)
-    try:
-        headers = headers_at(ring, phys)
-        check_headers(ring, phys, headers)
-        verify_payloads(ring, phys, headers)
-        if not (
-            (headers["scn"] == rec["scn"]).all()
-            and (headers["total_length"] == rec["length"]).all()
-            and (headers["op"] == rec["op"]).all()
-        ):
-            raise CorruptEventError("event table does not match the ring")
-    except CorruptEventError as exc:
+        return meta, None
+    records = events.get(meta.head_event, meta.tail_event)  # compared before anything is rewritten
+    check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)
+    eows = np.flatnonzero(check.headers["op"] == _EOW)
+    keep = int(eows[-1]) + 1 if eows.size else 0
+    stats["recovery_records_rewritten"] = _repair_events(
+        events, meta.head_event, records[:keep], check, name
+    )
+    index_head, index_tail, reindexed = rebuild(
+        index,
+        block,
+        meta,
+        check.pos[:keep],
+        check.headers["op"][:keep],
+        check.headers["scn"][:keep],
+    )
+    stats["recovery_index_rebuilt"] = int(reindexed)
+    stats["recovery_events_dropped"] = n - keep
+    if reindexed:
+        log.warning("buffer %s: the SCN index did not match the events; rebuilt it", name)
+    if keep == n:
+        fixed = replace(meta, index_head=index_head, index_tail=index_tail)
+        if fixed != meta:
+            metafile.publish(fixed)
+        last = int(check.headers["scn"][-1])
+        if last < meta.last_scn:  # a marker owed by an earlier recovery that did not finish
+            log.warning(
+                "buffer %s: windows %d..%d were dropped by an interrupted recovery;"
+                " recorded as data loss now",
+                name,
+                last + 1,
+                meta.last_scn,
+            )
+            return fixed, Loss(last + 1, meta.last_scn, meta.last_ts, "", _interrupted(last))
+        log.info("buffer %s: recovered %d events, SCN %d..%d", name, n, meta.min_scn, meta.last_scn)
+        return fixed, None
+    lost_events = n - keep
+    at = int(records["pos"][min(check.good, n - 1)])
+    why = f"{check.problem or 'damaged event'} at ring position {at}"
+    if keep == 0:
         log.warning(
-            "buffer %s: damaged after a crash (%s); starting empty after SCN %d",
+            "buffer %s: %s in the oldest window: all %d events dropped, recorded as data loss;"
+            " starting empty after SCN %d (older consumers catch up from the bootstrap server)",
             name,
-            exc,
+            why,
+            n,
             meta.last_scn,
         )
         fresh = BufferMeta(
@@ -72,6 +163,86 @@ def recover(
             index_tail=meta.index_tail,
         )
         metafile.publish(fresh)
-        return fresh
-    log.info("buffer %s: recovered %d events, SCN %d..%d", name, n, meta.min_scn, meta.last_scn)
-    return meta
+        return fresh, None
+    h = check.headers
+    last_kept = int(h["scn"][keep - 1])
+    trimmed = replace(
+        meta,
+        tail_event=meta.head_event + keep,
+        tail_pos=int(check.pos[keep - 1]) + int(h["total_length"][keep - 1]),
+        last_ts=int(h["timestamp_ns"][keep - 1]),
+        index_head=index_head,
+        index_tail=index_tail,
+        windows=int(eows.size),
+    )  # last_scn stays: the source was read that far, and the marker below says what is lost
+    metafile.publish(trimmed)
+    reason = f"buffer {name!r} was damaged on disk ({why}); the relay dropped these windows"
+    log.warning(
+        "buffer %s: %s: kept %d windows up to SCN %d, dropped %d events;"
+        " recorded as data loss %d..%d",
+        name,
+        why,
+        eows.size,
+        last_kept,
+        lost_events,
+        last_kept + 1,
+        meta.last_scn,
+    )
+    position = _last_position(ring, meta, records[-1])
+    return trimmed, Loss(last_kept + 1, meta.last_scn, meta.last_ts, position, reason)
+
+
+def _interrupted(last: int) -> str:
+    return (
+        f"windows after SCN {last} were dropped by a recovery of a damaged buffer"
+        " that was interrupted before it recorded them"
+    )
+
+
+def _repair_events(
+    events: CircularTable,
+    head_event: int,
+    records: npt.NDArray[Any],
+    check: RingCheck,
+    name: str,
+) -> int:
+    """Rewrite the event table records that disagree with the (verified) ring; how many."""
+    keep = len(records)
+    h = check.headers[:keep]
+    pos = check.pos[:keep]
+    wrong = pos != records["pos"].astype(np.int64)
+    for field, header_field in _FIELDS:
+        wrong |= h[header_field] != records[field]
+    rows = np.flatnonzero(wrong)
+    if rows.size == 0:
+        return 0
+    truth = np.zeros(rows.size, dtype=EVENT_DTYPE)
+    truth["pos"] = pos[rows]
+    for field, header_field in _FIELDS:
+        truth[field] = h[header_field][rows]
+    for j, row in enumerate(rows.tolist()):
+        events.put(head_event + row, truth[j : j + 1])
+    log.warning(
+        "buffer %s: %d event table records did not match the ring; rewrote them from the"
+        " event headers",
+        name,
+        rows.size,
+    )
+    return int(rows.size)
+
+
+def _last_position(ring: memoryview, meta: BufferMeta, rec: Any) -> str:
+    """The source position in the newest window's END_OF_WINDOW, if it is intact ("" if not)."""
+    pos = int(rec["pos"])
+    h = verified_event(ring, pos)
+    if h is None or int(h["op"]) != _EOW or int(h["scn"]) != meta.last_scn:
+        return ""
+    if pos + int(h["total_length"]) != meta.tail_pos:
+        return ""
+    start = pos % len(ring)
+    payload = bytes(ring[start + HEADER_SIZE : start + int(h["total_length"])])
+    try:
+        eow = decode_control(Op.END_OF_WINDOW, payload)
+    except CorruptEventError:
+        return ""
+    return eow.source_position if isinstance(eow, EndOfWindow) else ""

@@ -1,0 +1,543 @@
+"""Recovery of damaged buffer files (issue 17, hardening item 6).
+
+Each test writes windows with a real :class:`EventBuffer`, closes it, flips
+bits in one of its files and reopens it:
+
+* a damaged SCN index entry must not make a reader skip windows;
+* a damaged key hash in the event table must not send an event to the wrong
+  mod-filter consumer;
+* a damaged event position in the event table is repaired from the ring;
+* damage in the ring keeps every complete window before the damaged one and
+  replaces the rest by one DATA_LOSS window (never a silent gap);
+* undamaged buffers (wrapped many times) reopen exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.relay._crcbatch import first_bad_header, first_bad_payload
+from changebus.relay._tables import EVENT_DTYPE, INDEX_DTYPE
+from changebus.schemas import (
+    HEADER_SIZE,
+    DataLoss,
+    EndOfWindow,
+    Op,
+    PartitionFilter,
+    ScnNotFoundError,
+    decode_control,
+    encode_control,
+    encode_event,
+    headers_at,
+    key_hash,
+    parse_stream,
+    scan_offsets,
+)
+
+CAP = 64 * 1024
+CFG = BufferConfig(capacity_bytes=CAP, event_slots=4096)
+
+
+def make_window(scn: int, events: int = 3, size: int = 90) -> bytes:
+    parts = []
+    for i in range(events):
+        key = f"key-{scn}-{i}".encode()
+        parts.append(
+            encode_event(
+                Op.UPDATE,
+                scn,
+                i,
+                scn * 1000 + i,
+                key,
+                bytes([(scn + i) % 251]) * (size + (scn * 7 + i * 13) % 60),
+                key_hash=key_hash(key),
+                source_id=1 + i % 2,
+            )
+        )
+    parts.append(encode_control(EndOfWindow(events, f"pos-{scn}"), scn, events, scn * 1000 + 9))
+    return b"".join(parts)
+
+
+def read_all(
+    buf: EventBuffer, scn: int = -1, offset: int = -1, **kw: object
+) -> list[tuple[int, int, int, int, bytes]]:
+    """Every event after a checkpoint: (scn, seq, op, key_hash, whole event bytes)."""
+    seen: list[tuple[int, int, int, int, bytes]] = []
+    while True:
+        sel = buf.select(scn, offset, 1 << 20, **kw)  # type: ignore[arg-type]
+        if sel is None:
+            return seen
+        data = b"".join(bytes(v) for v in sel.views)
+        assert buf.release(sel)
+        offsets, headers = parse_stream(data)  # every CRC checked
+        ends = offsets + headers["total_length"].astype(np.int64)
+        seen.extend(
+            (int(h["scn"]), int(h["seq"]), int(h["op"]), int(h["key_hash"]), data[a:b])
+            for h, a, b in zip(headers, offsets.tolist(), ends.tolist(), strict=True)
+        )
+        scn, offset = sel.next_scn, sel.next_offset
+
+
+def fill(directory: Path, first: int, last: int) -> EventBuffer:
+    buf = EventBuffer(directory, CFG)
+    buf.set_start(first - 1)
+    for scn in range(first, last + 1):
+        buf.append_window(make_window(scn))
+    return buf
+
+
+def field_offset(dtype: np.dtype[Any], name: str) -> int:
+    fields = dtype.fields
+    assert fields is not None
+    return int(fields[name][1])
+
+
+def flip(path: Path, offset: int, bit: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 1 << bit
+    path.write_bytes(bytes(raw))
+
+
+def window_scns(events: list[tuple[int, int, int, int, bytes]]) -> list[int]:
+    return [e[0] for e in events if e[2] == Op.END_OF_WINDOW]
+
+
+def test_undamaged_wrapped_buffer_reopens_unchanged(tmp_path: Path) -> None:
+    buf = fill(tmp_path, 1, 700)  # the ring wraps several times
+    assert buf.stats["windows_evicted"] > 300
+    meta = buf.meta
+    before = read_all(buf)
+    index = buf._index.get(meta.index_head, meta.index_tail).copy()
+    buf.close()
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == meta
+    assert read_all(again) == before
+    assert (again._index.get(meta.index_head, meta.index_tail) == index).all()
+    assert again.stats["recovery_records_rewritten"] == 0
+    assert again.stats["recovery_index_rebuilt"] == 0
+    assert again.stats["recovery_events_dropped"] == 0
+    again.append_window(make_window(701))
+    again.close()
+
+
+def _index_entry_offset(buf: EventBuffer, k: int) -> int:
+    m = buf.meta
+    return ((m.index_head + k) % buf._index.slots) * INDEX_DTYPE.itemsize
+
+
+@pytest.mark.parametrize(("field", "bit"), [("event", 4), ("event", 9), ("scn", 62), ("scn", 3)])
+def test_damaged_index_entry_never_skips_windows(tmp_path: Path, field: str, bit: int) -> None:
+    buf = fill(tmp_path, 1, 700)
+    m = buf.meta
+    assert m.index_tail - m.index_head > 6
+    scns = window_scns(read_all(buf))
+    buf.close()
+    off = _index_entry_offset(buf, 3) + field_offset(INDEX_DTYPE, field)
+    flip(tmp_path / "index.dat", off + bit // 8, bit % 8)
+    again = EventBuffer(tmp_path, CFG)
+    assert again.stats["recovery_index_rebuilt"] == 1
+    for i, scn in enumerate(scns[:-1]):
+        got = read_all(again, scn, -1)
+        assert window_scns(got) == scns[i + 1 :], f"windows skipped after checkpoint {scn}"
+    again.close()
+
+
+def test_damaged_key_hash_goes_to_the_right_consumer(tmp_path: Path) -> None:
+    buf = fill(tmp_path, 1, 300)
+    m = buf.meta
+    victim = m.head_event + 40
+    assert int(buf._events.at(victim)["op"]) == Op.UPDATE
+    true_hash = int(buf._events.at(victim)["key_hash"])
+    pos = int(buf._events.at(victim)["pos"])
+    buf.close()
+    off = (victim % CFG.slots) * EVENT_DTYPE.itemsize + field_offset(EVENT_DTYPE, "key_hash")
+    flip(tmp_path / "events.dat", off, 0)  # key_hash ^ 1: the other bucket of mod 2
+    again = EventBuffer(tmp_path, CFG)
+    mine = PartitionFilter.mod(2, true_hash % 2)
+    other = PartitionFilter.mod(2, 1 - true_hash % 2)
+    victim_bytes = bytes(again._ring_view[pos % CAP : pos % CAP + HEADER_SIZE])
+    in_mine = [e for e in read_all(again, key_filter=mine) if e[4][:HEADER_SIZE] == victim_bytes]
+    in_other = [e for e in read_all(again, key_filter=other) if e[4][:HEADER_SIZE] == victim_bytes]
+    assert len(in_mine) == 1, "the event must reach the consumer of its key's bucket"
+    assert in_other == [], "and no other mod-filter consumer"
+    assert int(again._events.at(victim)["key_hash"]) == true_hash  # repaired on disk too
+    assert again.stats["recovery_records_rewritten"] == 1
+    again.close()
+
+
+@pytest.mark.parametrize("bit", [3, 17, 40])
+def test_damaged_event_position_is_repaired_from_the_ring(tmp_path: Path, bit: int) -> None:
+    buf = fill(tmp_path, 1, 300)
+    m = buf.meta
+    before = read_all(buf)
+    victim = m.head_event + 57
+    buf.close()
+    off = (victim % CFG.slots) * EVENT_DTYPE.itemsize + field_offset(EVENT_DTYPE, "pos")
+    flip(tmp_path / "events.dat", off + bit // 8, bit % 8)
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == m
+    assert read_all(again) == before
+    again.close()
+
+
+def _loss_of(event: bytes) -> DataLoss:
+    loss = decode_control(Op.DATA_LOSS, event[HEADER_SIZE:])
+    assert isinstance(loss, DataLoss)
+    return loss
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "eow"])
+def test_damage_in_the_ring_keeps_the_windows_before_it(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = fill(tmp_path, 1, 700)
+    m = buf.meta
+    before = read_all(buf)
+    scns = window_scns(before)
+    bad_scn = scns[len(scns) // 2]
+    # the damaged event: the second event of window bad_scn (or its END_OF_WINDOW)
+    seq = 3 if where == "eow" else 1
+    k = next(i for i, e in enumerate(before) if e[0] == bad_scn and e[1] == seq)
+    phys = int(buf._events.at(m.head_event + k)["pos"]) % CAP
+    offset = phys + (HEADER_SIZE + 20 if where == "payload" else 9)
+    buf.close()
+    flip(tmp_path / "ring.dat", offset, 5)
+    with caplog.at_level(logging.WARNING, logger="changebus.relay.buffer"):
+        again = EventBuffer(tmp_path, CFG)
+    assert any("data loss" in r.getMessage() for r in caplog.records)
+    kept = [e for e in before if e[0] < bad_scn]
+    got = read_all(again)
+    assert got[: len(kept)] == kept, "every complete window before the damage is kept"
+    assert again.stats["recovery_events_dropped"] == len(before) - len(kept)
+    assert again.stats["recovery_index_rebuilt"] == 0  # its entries of kept windows were right
+    marker = got[len(kept) :]
+    assert [(e[0], e[1], e[2]) for e in marker] == [
+        (m.last_scn, 0, Op.DATA_LOSS),
+        (m.last_scn, 1, Op.END_OF_WINDOW),
+    ]
+    loss = _loss_of(marker[0][4])
+    assert (loss.from_scn, loss.to_scn) == (scns[len(scns) // 2 - 1] + 1, m.last_scn)
+    assert again.meta.last_scn == m.last_scn
+    assert again.meta.prev_scn == m.prev_scn
+    assert again.last_source_position == f"pos-{m.last_scn}"
+    # a consumer inside the lost range is told too (never a silent gap)
+    inside = read_all(again, bad_scn, -1)
+    assert [(e[0], e[2]) for e in inside] == [
+        (m.last_scn, Op.DATA_LOSS),
+        (m.last_scn, Op.END_OF_WINDOW),
+    ]
+    # consumers before the buffer start are still sent to the bootstrap server
+    with pytest.raises(ScnNotFoundError):
+        again.select(m.prev_scn - 5, -1, 1000)
+    # the writer goes on after the old last SCN
+    again.append_window(make_window(m.last_scn + 1))
+    after = again.meta
+    again.close()
+    # and a second restart finds the same buffer, without a second marker
+    third = EventBuffer(tmp_path, CFG)
+    assert third.meta == after
+    assert window_scns(read_all(third))[-2:] == [m.last_scn, m.last_scn + 1]
+    third.close()
+
+
+def test_damage_in_the_last_window_keeps_its_predecessors(tmp_path: Path) -> None:
+    buf = fill(tmp_path, 1, 200)
+    m = buf.meta
+    before = read_all(buf)
+    pos = int(buf._events.at(m.tail_event - 2)["pos"])  # the last window's last data event
+    buf.close()
+    flip(tmp_path / "ring.dat", pos % CAP + HEADER_SIZE + 3, 0)
+    again = EventBuffer(tmp_path, CFG)
+    got = read_all(again)
+    kept = [e for e in before if e[0] < m.last_scn]
+    assert got[: len(kept)] == kept
+    loss = _loss_of(got[len(kept)][4])
+    assert (loss.from_scn, loss.to_scn) == (m.last_scn, m.last_scn)
+    again.close()
+
+
+def test_damage_in_the_oldest_window_empties_the_buffer_as_before(tmp_path: Path) -> None:
+    buf = fill(tmp_path, 1, 50)
+    m = buf.meta
+    pos = int(buf._events.at(m.head_event + 1)["pos"])
+    buf.close()
+    flip(tmp_path / "ring.dat", pos % CAP + HEADER_SIZE + 1, 2)
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta.head_event == again.meta.tail_event
+    assert again.meta.prev_scn == m.last_scn
+    with pytest.raises(ScnNotFoundError):
+        again.select(10, -1, 1000)
+    again.close()
+
+
+@pytest.mark.parametrize(("field", "bit"), [("scn", 2), ("length", 5), ("op", 2), ("source_id", 1)])
+def test_damaged_event_fields_are_rewritten_from_the_ring(
+    tmp_path: Path, field: str, bit: int
+) -> None:
+    buf = fill(tmp_path, 1, 300)
+    m = buf.meta
+    before = read_all(buf)
+    victim = m.head_event + 22
+    record = buf._events.at(victim).copy()
+    buf.close()
+    off = (victim % CFG.slots) * EVENT_DTYPE.itemsize + field_offset(EVENT_DTYPE, field)
+    flip(tmp_path / "events.dat", off + bit // 8, bit % 8)
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == m
+    assert read_all(again) == before
+    assert read_all(again, sources=frozenset({1})) == [
+        e for e in before if e[2] == Op.END_OF_WINDOW or (e[1] % 2 == 0)
+    ]
+    assert again._events.at(victim) == record
+    again.close()
+
+
+def test_damaged_position_of_an_event_moved_to_the_next_lap(tmp_path: Path) -> None:
+    buf = fill(tmp_path, 1, 700)
+    m = buf.meta
+    before = read_all(buf)
+    rec = buf._events.get(m.head_event, m.tail_event)
+    pos = rec["pos"].astype(np.int64)
+    # an event the writer moved to the start of a lap (the previous one ended before the end)
+    moved = np.flatnonzero((pos[1:] % CAP == 0) & (pos[1:] != pos[:-1] + rec["length"][:-1]))
+    assert moved.size
+    victim = m.head_event + int(moved[-1]) + 1
+    buf.close()
+    off = (victim % CFG.slots) * EVENT_DTYPE.itemsize + field_offset(EVENT_DTYPE, "pos")
+    flip(tmp_path / "events.dat", off + 1, 4)
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == m
+    assert read_all(again) == before
+    again.close()
+
+
+def test_an_interrupted_recovery_still_records_the_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buf = fill(tmp_path, 1, 100)
+    m = buf.meta
+    before = read_all(buf)
+    pos = int(buf._events.at(m.head_event + 200)["pos"])
+    bad_scn = before[200][0]
+    buf.close()
+    flip(tmp_path / "ring.dat", pos % CAP + HEADER_SIZE + 2, 7)
+
+    def crash(self: EventBuffer, loss: object) -> None:
+        raise RuntimeError("killed before the DATA_LOSS window was written")
+
+    monkeypatch.setattr(EventBuffer, "_record_loss", crash)
+    with pytest.raises(RuntimeError):
+        EventBuffer(tmp_path, CFG)
+    monkeypatch.undo()
+    again = EventBuffer(tmp_path, CFG)
+    got = read_all(again)
+    kept = [e for e in before if e[0] < bad_scn]
+    assert got[: len(kept)] == kept
+    assert [(e[0], e[2]) for e in got[len(kept) :]] == [
+        (m.last_scn, Op.DATA_LOSS),
+        (m.last_scn, Op.END_OF_WINDOW),
+    ]
+    loss = _loss_of(got[len(kept)][4])
+    assert (loss.from_scn, loss.to_scn) == (bad_scn, m.last_scn)
+    assert again.last_source_position == ""  # the fetcher resumes from the SCN alone
+    again.close()
+
+
+def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:
+    """A page the machine never wrote back holds older events whose CRCs still match."""
+    buf = fill(tmp_path, 1, 300)
+    buf.flush()
+    old_ring = (tmp_path / "ring.dat").read_bytes()
+    for scn in range(301, 420):  # about 48 KiB more: the newest pages are rewritten
+        buf.append_window(make_window(scn))
+    m = buf.meta
+    before = read_all(buf)
+    buf.close()
+    ring = bytearray((tmp_path / "ring.dat").read_bytes())
+    page = (m.tail_pos - 8192) % CAP // 4096 * 4096
+    assert ring[page : page + 4096] != old_ring[page : page + 4096]
+    ring[page : page + 4096] = old_ring[page : page + 4096]
+    (tmp_path / "ring.dat").write_bytes(bytes(ring))
+    again = EventBuffer(tmp_path, CFG)
+    got = read_all(again)
+    events = [e for e in got if e[2] != Op.DATA_LOSS and e[0] != m.last_scn]
+    assert events == before[: len(events)], "only windows before the stale page are served"
+    assert len(events) < len(before)
+    assert [(e[0], e[2]) for e in got[len(events) :]] == [
+        (m.last_scn, Op.DATA_LOSS),
+        (m.last_scn, Op.END_OF_WINDOW),
+    ]
+    again.close()
+
+
+def test_batched_crc_checks_name_the_first_damaged_event() -> None:
+    rng = random.Random(17)
+    sizes = [rng.choice([0, 1, 50, 300, 5000]) for _ in range(3000)]
+    sizes[1500] = 5 << 20  # larger than one batch
+    events = [
+        encode_event(Op.INSERT, 9, i, 1, b"k%d" % i, bytes([i % 256]) * s, key_hash=i)
+        for i, s in enumerate(sizes)
+    ]
+    data = b"".join(events)
+    offsets = scan_offsets(data)
+    headers = headers_at(data, offsets)
+    assert first_bad_payload(memoryview(data), offsets, headers) == len(events)
+    assert first_bad_header(headers) == len(events)
+    for victim in (0, 1, 777, 1500, 2999):
+        damaged = bytearray(data)
+        damaged[int(offsets[victim]) + len(events[victim]) - 1] ^= 0x10  # last key/payload byte
+        found = first_bad_payload(memoryview(bytes(damaged)), offsets, headers)
+        assert found == victim
+        bad_headers = headers.copy()
+        bad_headers["timestamp_ns"][victim] += 1
+        assert first_bad_header(bad_headers) == victim
+    # events that are not back to back (a lap skip) are checked as separate runs
+    gap = data[: int(offsets[10])] + bytes(100) + data[int(offsets[10]) : int(offsets[20])]
+    moved = np.concatenate((offsets[:10], offsets[10:20] + 100))
+    assert first_bad_payload(memoryview(gap), moved, headers[:20]) == 20
+
+
+# ---- the relay daemon: a damaged ring at restart -----------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _start(cfg: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(cfg)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the relay exited"
+        with contextlib.suppress(OSError):
+            if _get(port, "/readyz")[0] == 200:
+                return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("relay did not become ready")
+
+
+def _windows(port: int) -> list[tuple[int, int]]:
+    """(SCN, op of the window's first event) of every window the relay holds."""
+    found: list[tuple[int, int]] = []
+    scn = -1
+    while True:
+        status, headers, body = _get(port, f"/v1/stream?partition=syn&scn={scn}&max_bytes=1000000")
+        if status == 204:
+            return found
+        assert status == 200, body
+        _, hdr = parse_stream(body)
+        found.extend((int(h["scn"]), int(h["op"])) for h in hdr if h["seq"] == 0)
+        scn = int(headers["X-Changebus-Next-Scn"])
+
+
+def test_relay_restarted_on_a_damaged_ring_keeps_the_windows_before_it(tmp_path: Path) -> None:
+    port = _free_port()
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nflush_interval_s = 0\n[http]\nport = {port}\n'
+        '[[partitions]]\nname = "syn"\nid = 1\ncapacity_bytes = "4MiB"\n'
+        '[partitions.fetcher]\nkind = "synthetic"\n'
+        "options = { windows_per_s = 300, events_per_window = 2, row_bytes = 64 }\n"
+    )
+    relay = _start(cfg, port)
+    try:
+        time.sleep(1.0)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(20) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait(10)
+    directory = tmp_path / "data" / "syn"
+    buf = EventBuffer(directory, BufferConfig(capacity_bytes=4 << 20))
+    m = buf.meta
+    assert m.windows > 50
+    middle = m.head_event + (m.tail_event - m.head_event) // 2
+    pos = int(buf._events.at(middle)["pos"])
+    bad_scn = int(buf._events.at(middle)["scn"])
+    buf.close()
+    flip(directory / "ring.dat", pos % (4 << 20) + HEADER_SIZE + 1, 3)
+    relay = _start(cfg, port)
+    try:
+        time.sleep(0.5)
+        after = _windows(port)
+        status = json.loads(_get(port, "/v1/status")[2])["partitions"][0]
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(20)
+    scns = [scn for scn, _ in after]
+    kept = scns.index(m.last_scn)
+    # every window before the damaged one, in order, then the loss, then the fetcher goes on
+    assert scns[:kept] == list(range(m.min_scn, bad_scn))
+    assert after[kept] == (m.last_scn, Op.DATA_LOSS)
+    assert scns[kept + 1 :] == list(range(m.last_scn + 1, m.last_scn + 1 + len(scns) - kept - 1))
+    assert len(scns) > kept + 1
+    assert status["stats"]["recovery_events_dropped"] > 0
+
+
+@pytest.mark.parametrize("where", ["middle", "tail", "head"])
+def test_a_lost_page_of_the_event_table_is_rebuilt_from_the_ring(
+    tmp_path: Path, where: str
+) -> None:
+    """A page of events.dat the machine never wrote back (zeros): found again in the ring."""
+    buf = fill(tmp_path, 1, 700)
+    m = buf.meta
+    before = read_all(buf)
+    event = {"middle": (m.head_event + m.tail_event) // 2, "tail": m.tail_event - 1}.get(
+        where, m.head_event
+    )
+    buf.close()
+    page = (event % CFG.slots) * EVENT_DTYPE.itemsize // 4096 * 4096
+    raw = bytearray((tmp_path / "events.dat").read_bytes())
+    raw[page : page + 4096] = bytes(4096)
+    (tmp_path / "events.dat").write_bytes(bytes(raw))
+    again = EventBuffer(tmp_path, CFG)
+    assert again.meta == m
+    assert read_all(again) == before
+    assert again.stats["recovery_records_rewritten"] > 0
+    assert again.stats["recovery_events_dropped"] == 0
+    again.close()
+    third = EventBuffer(tmp_path, CFG)  # and the table on disk is whole again
+    assert third.stats["recovery_records_rewritten"] == 0
+    third.close()
