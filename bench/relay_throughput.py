@@ -7,9 +7,15 @@ server pushing the same bytes as 1 MiB memoryview slices to the same number
 of client processes. A second relay pass gives each consumer a ``mod:4``
 partition filter (consumer i takes bucket i % 4).
 
-Goal: relay >= 0.5 of raw push with 4 consumers. Last line: one JSON object.
+A TLS pass (unless ``--no-tls``) then restarts the relay on the same buffer
+with ``[security.tls]`` (a throwaway CA and certificate from trustme) and
+reads it with 4 consumers over HTTPS.
 
-Usage: ``python bench/relay_throughput.py [--mib 200] [--consumers 1,4,16]``
+Goals: relay >= 0.5 of raw push with 4 consumers; relay over TLS >= 0.6 of
+the plain relay with 4 consumers (``relay_tls_4c_vs_plain_ratio``). Last
+line: one JSON object.
+
+Usage: ``python bench/relay_throughput.py [--mib 200] [--consumers 1,4,16] [--no-tls]``
 """
 
 from __future__ import annotations
@@ -69,14 +75,19 @@ def prefill(directory: Path, capacity: int, fill: int) -> tuple[int, int]:
 # ---- relay consumers ---------------------------------------------------------
 
 
-def relay_consumer(url: str, filt: str | None, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def relay_consumer(url: str, filt: str | None, out: mp.Queue, cafile: str | None = None) -> None:  # type: ignore[type-arg]
+    import ssl
+
     import aiohttp
 
     async def go() -> tuple[int, int]:
         got = 0
         requests = 0
         scn, offset = -1, -1
-        async with aiohttp.ClientSession() as http:
+        connector = None
+        if cafile is not None:
+            connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=cafile))
+        async with aiohttp.ClientSession(connector=connector) as http:
             while True:
                 params = {"scn": str(scn), "offset": str(offset), "max_bytes": str(4 << 20)}
                 if filt:
@@ -96,11 +107,16 @@ def relay_consumer(url: str, filt: str | None, out: mp.Queue) -> None:  # type: 
     out.put((got, time.perf_counter() - t0, requests))
 
 
-def run_relay_pass(url: str, consumers: int, filtered: bool) -> dict[str, float]:
+def run_relay_pass(
+    url: str, consumers: int, filtered: bool, cafile: str | None = None
+) -> dict[str, float]:
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     procs = [
-        ctx.Process(target=relay_consumer, args=(url, f"mod:4:{i % 4}" if filtered else None, out))
+        ctx.Process(
+            target=relay_consumer,
+            args=(url, f"mod:4:{i % 4}" if filtered else None, out, cafile),
+        )
         for i in range(consumers)
     ]
     t0 = time.perf_counter()
@@ -176,6 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=200, help="bytes of events to serve")
     ap.add_argument("--consumers", default="1,4,16")
+    ap.add_argument("--no-tls", action="store_true", help="skip the TLS pass")
     args = ap.parse_args()
     counts = [int(c) for c in args.consumers.split(",")]
     result: dict[str, float] = {}
@@ -191,11 +208,12 @@ def main() -> None:
         print(f"prefilled {size / 1e6:.0f} MB, {events:,} events", flush=True)
         port = free_port()
         config = Path(tmp) / "relay.toml"
-        config.write_text(
+        base_config = (
             f'data_dir = "{data_dir}"\nflush_interval_s = 0\nlog_level = "warning"\n'
             f"[http]\nport = {port}\nmax_response_bytes = {64 << 20}\n"
             f'[[partitions]]\nname = "bench"\nid = 1\ncapacity_bytes = {capacity}\n'
         )
+        config.write_text(base_config)
         relay = start_relay(config, port)
         try:
             url = f"http://127.0.0.1:{port}/v1/stream"
@@ -220,7 +238,43 @@ def main() -> None:
                 )
         finally:
             stop_relay(relay)
+        if not args.no_tls:
+            tls_pass(Path(tmp), config, base_config, port, result)
     print(json.dumps(result))
+
+
+def tls_pass(
+    tmp: Path, config: Path, base_config: str, port: int, result: dict[str, float]
+) -> None:
+    """The same relay with TLS on, 4 consumers over HTTPS (module docstring)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cafile, certfile, keyfile = tmp / "ca.pem", tmp / "relay.pem", tmp / "relay.key"
+    ca.cert_pem.write_to_path(str(cafile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(str(certfile), append=i > 0)
+    config.write_text(
+        base_config + f'[security.tls]\ncert_file = "{certfile}"\nkey_file = "{keyfile}"\n'
+    )
+    relay = start_relay(config, port)
+    try:
+        url = f"https://127.0.0.1:{port}/v1/stream"
+        run_relay_pass(url, 1, filtered=False, cafile=str(cafile))  # warm-up
+        tls = run_relay_pass(url, 4, filtered=False, cafile=str(cafile))
+    finally:
+        stop_relay(relay)
+    result["relay_tls_4c_mb_per_s"] = round(tls["mb_per_s"], 1)
+    plain = result.get("relay_4c_mb_per_s")
+    if plain:
+        result["relay_tls_4c_vs_plain_ratio"] = round(tls["mb_per_s"] / plain, 3)
+    print(
+        f" 4 consumers over TLS: {tls['mb_per_s']:,.0f} MB/s "
+        f"(ratio to plain {result.get('relay_tls_4c_vs_plain_ratio', float('nan')):.2f})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
