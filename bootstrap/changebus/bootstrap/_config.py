@@ -24,7 +24,15 @@ from the table and follows it::
     zookeeper = "127.0.0.1:2181"
     name = "prod"
     member_id = "bootstrap-1"        # required
-    advertised_url = ""              # default: http://<http.host>:<port>
+    advertised_url = ""              # default: http(s)://<http.host>:<port>
+
+An ``[upstream]`` table (:class:`changebus.schemas.security.ClientAuth`)
+says how the server connects to its relays (TLS, client certificate, bearer
+token)::
+
+    [upstream]
+    ca_file = "/etc/changebus/ca.pem"
+    token_file = "/etc/changebus/bootstrap.token"   # or CHANGEBUS_BOOTSTRAP_UPSTREAM__TOKEN
 
 Environment overrides use the prefix ``CHANGEBUS_BOOTSTRAP_`` (for example
 ``CHANGEBUS_BOOTSTRAP_HTTP__PORT=9000``); ``--set http.port=9000`` on the
@@ -42,6 +50,7 @@ from typing import Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
+from changebus.schemas.security import ClientAuth
 
 __all__ = [
     "ApplierConfig",
@@ -185,6 +194,8 @@ class BootstrapConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: membership of a relay cluster (None: relays from ``relays`` only)
     cluster: ClusterConfig | None = None
+    #: TLS and token of the connections to the relays
+    upstream: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
         if not self.relays and self.cluster is None:
