@@ -38,7 +38,9 @@ from changebus.relay.chain import ChainConfig
 from changebus.schemas import ConfigError, TransportError, UnauthorizedError
 from changebus.schemas.config import load_config, redacted
 from changebus.schemas.server import Server
-from fix_tls import TlsFiles
+
+#: fix_tls.TlsFiles (fix_tls is not on mypy's path: the fixture is typed loosely here)
+TlsFiles = Any
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
@@ -303,8 +305,18 @@ def test_sync_consumer_and_tail_over_https(tls_files: TlsFiles, tmp_path: Path) 
             auth = ClientAuth(ca_file=tls_files.ca, token_file=token_file)
             got = await asyncio.to_thread(_sync_read, consumer_config(r.url, auth), 3)
             assert len(got) == 3
-            base = ("-m", "changebus.schemas", "tail", "--relay", r.url, "--partition", PART)
-            base += ("--from", "earliest", "--limit", "5", "--ca-file", str(tls_files.ca))
+            base: tuple[str, ...] = ("-m", "changebus.schemas", "tail", "--relay", r.url)
+            base = (
+                *base,
+                "--partition",
+                PART,
+                "--from",
+                "earliest",
+                "--limit",
+                "5",
+                "--ca-file",
+                str(tls_files.ca),
+            )
             env = {**os.environ, "PYTHONPATH": _pythonpath()}
             env.pop("CHANGEBUS_TOKEN", None)
             out, err, code = await _run(*base, "--token-file", str(token_file), env=env)
