@@ -397,3 +397,43 @@ async def test_relay_follows_an_https_upstream_with_its_upstream_table(
                 await asyncio.sleep(0.02)
             assert up.url in host.last_error and "credentials" in host.last_error
             assert "z" * 40 not in host.last_error
+
+
+# ---- a bootstrap server reading an HTTPS relay ---------------------------------------------------
+
+
+async def test_bootstrap_server_reads_its_relay_over_https(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    from changebus.bootstrap import (
+        BootstrapConfig,
+        BootstrapServer,
+        HttpConfig as BootHttp,
+        StoreConfig,
+    )
+
+    toml = tmp_path / "bootstrap.toml"
+    toml.write_text(f'[upstream]\nca_file = "{tls_files.ca}"\n')
+    ctx = server_context(tls_files.server_cert, tls_files.server_key)
+    async with https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, windows=30) as r:
+        cfg = load_config(
+            BootstrapConfig,
+            toml,
+            env={"CHANGEBUS_BOOTSTRAP_UPSTREAM__TOKEN": TOKEN},
+            env_prefix="CHANGEBUS_BOOTSTRAP_",
+            overrides=[f'relays=["{r.url}"]', f'partitions=["{PART}"]'],
+        )
+        assert cfg.upstream == ClientAuth(ca_file=tls_files.ca, token=TOKEN)
+        cfg = dataclasses.replace(
+            cfg,
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=BootHttp(port=0),
+        )
+        last = r.hosts[PART].buffer.meta.last_scn
+        async with BootstrapServer(cfg) as boot:
+            worker = boot.service.workers[PART]
+            deadline = asyncio.get_running_loop().time() + 30
+            while worker.producer_scn < last:
+                assert asyncio.get_running_loop().time() < deadline, worker.last_error
+                await asyncio.sleep(0.05)
