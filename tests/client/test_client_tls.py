@@ -192,6 +192,14 @@ def test_upstream_tables_and_option_overrides(tls_files: TlsFiles, tmp_path: Pat
     auth = chain.client_auth(cfg.upstream)
     assert auth == ClientAuth(ca_file=tls_files.ca, token_file=token_file)
     assert ChainConfig(upstream=("https://x:1",)).client_auth(cfg.upstream) is cfg.upstream
+    # the relay hands its [upstream] to its relay fetchers (in process), to no other kind
+    from changebus.relay._daemon import with_upstream
+
+    chained = PartitionConfig(PART, 1, fetcher=FetcherConfig("relay", {"upstream": ["https://x"]}))
+    assert with_upstream(chained, cfg.upstream).fetcher.options["auth"] is cfg.upstream
+    assert with_upstream(chained, ClientAuth()) is chained
+    other = PartitionConfig(PART, 1, fetcher=FetcherConfig("synthetic", {}))
+    assert with_upstream(other, cfg.upstream) is other
 
 
 def test_spark_options_carry_the_auth_to_the_executors(tls_files: TlsFiles) -> None:
