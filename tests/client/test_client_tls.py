@@ -35,7 +35,7 @@ from changebus.client import (
 from changebus.client.spark._options import SourceOptions
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.relay.chain import ChainConfig
-from changebus.schemas import ConfigError, TransportError, UnauthorizedError
+from changebus.schemas import ConfigError, ForbiddenError, TransportError, UnauthorizedError
 from changebus.schemas.config import load_config, redacted
 from changebus.schemas.server import Server
 
@@ -45,6 +45,7 @@ TlsFiles = Any
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
 TOKEN = "t0ken-" + "x" * 40
+LIMITED = "limited-" + "w" * 40  # a known principal without the partition: 403
 PART = "syn"
 SYNTHETIC: dict[str, Any] = {
     "windows_per_s": 0,
@@ -67,6 +68,9 @@ def bearer_check(token: str, seen: list[str]) -> Any:
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
         seen.append(given)
+        if given == f"Bearer {LIMITED}":
+            body = ForbiddenError(f"principal limited may not read partition {PART}").to_json()
+            return web.json_response(body, status=403)
         if given != f"Bearer {token}":
             body = UnauthorizedError("no or unknown credentials").to_json()
             return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
@@ -261,6 +265,10 @@ async def test_consumer_with_ca_client_cert_and_token(tls_files: TlsFiles, tmp_p
         wrong = dataclasses.replace(auth, token="y" * 40)
         with pytest.raises(UnauthorizedError):
             await asyncio.wait_for(read_windows(consumer_config(r.url, wrong), 1), 20)
+        limited = dataclasses.replace(auth, token=LIMITED)
+        with pytest.raises(ForbiddenError) as ferr:
+            await asyncio.wait_for(read_windows(consumer_config(r.url, limited), 1), 20)
+        assert r.url in ferr.value.message and LIMITED not in ferr.value.message
 
         # without the client certificate the server ends the connection; TLS 1.3 tells the
         # client no more than "disconnected", so it counts as a failed attempt
