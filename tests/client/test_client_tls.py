@@ -453,3 +453,55 @@ async def test_bootstrap_server_reads_its_relay_over_https(
             while worker.producer_scn < last:
                 assert asyncio.get_running_loop().time() < deadline, worker.last_error
                 await asyncio.sleep(0.05)
+
+
+# ---- the Spark source over HTTPS --------------------------------------------------------------
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_spark_batch_read_over_https_with_a_token_file(
+    spark: Any, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """Driver and executors (other processes) both connect with tls.caFile and tokenFile."""
+    import threading
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-https-relay", daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    ctx = server_context(tls_files.server_cert, tls_files.server_key)
+    cm = https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, windows=30)
+    relay = call(cm.__aenter__())
+    try:
+        while relay.hosts[PART].state != "finished":
+            call(asyncio.sleep(0.05))
+        auth = ClientAuth(ca_file=tls_files.ca, token_file=token_file)
+        events = 0
+        with SyncConsumer(consumer_config(relay.url, auth, follow=False)) as consumer:
+            for window in consumer:
+                events += len(window.events)
+                if window.scn >= relay.hosts[PART].buffer.meta.last_scn:
+                    break
+
+        def read(**options: str) -> Any:
+            reader = spark.read.format("changebus").option("relays", relay.url)
+            reader = reader.option("partitions", PART).option("numPartitions", "2")
+            for key, value in options.items():
+                reader = reader.option(key, value)
+            return reader.load()
+
+        df = read(**{"tls.caFile": str(tls_files.ca), "tokenFile": str(token_file)})
+        assert df.count() == events > 0
+        with pytest.raises(Exception, match="no or unknown credentials"):
+            read(**{"tls.caFile": str(tls_files.ca)}).count()
+    finally:
+        call(cm.__aexit__(None, None, None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
