@@ -26,7 +26,15 @@ from the table and follows it::
     zookeeper = "127.0.0.1:2181"
     name = "prod"
     member_id = "bootstrap-1"        # required
-    advertised_url = ""              # default: http://<http.host>:<port>
+    advertised_url = ""              # default: http(s)://<http.host>:<port>
+
+An ``[upstream]`` table (:class:`changebus.schemas.security.ClientAuth`)
+says how the server connects to its relays (TLS, client certificate, bearer
+token)::
+
+    [upstream]
+    ca_file = "/etc/changebus/ca.pem"
+    token_file = "/etc/changebus/bootstrap.token"   # or CHANGEBUS_BOOTSTRAP_UPSTREAM__TOKEN
 
 A ``[security]`` table (:class:`changebus.schemas.security.SecurityConfig`)
 secures the HTTP API as the relay's does: TLS, principals (``POST /v1/seed``
@@ -50,7 +58,7 @@ from changebus.cluster import ClusterConfig
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
-from changebus.schemas.security import SecurityConfig
+from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 __all__ = [
@@ -222,6 +230,8 @@ class BootstrapConfig:
     cluster: ClusterConfig | None = None
     #: TLS, principals and open endpoints (default: open, loopback only)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    #: TLS and token of the connections to the relays
+    upstream: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
         if not self.relays and self.cluster is None:

@@ -53,6 +53,7 @@ from changebus.client import (
     RelaySchemas,
     RelayStream,
     StreamConfig,
+    open_session,
     safe_url,
 )
 from changebus.schemas import (
@@ -184,7 +185,7 @@ class BootstrapService:
     async def start(self) -> None:
         cfg = self.config
         await self.stores.write(lambda s: None)  # open the writer store (creates tables)
-        self._session = aiohttp.ClientSession()
+        self._session = await open_session(cfg.upstream)
         if cfg.cluster is not None:
             self.member = ClusterMember(cfg.cluster, static=cfg.relays)
             await self.member.start()

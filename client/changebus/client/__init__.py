@@ -34,6 +34,12 @@ typed answers (:class:`PartitionStatus`, :class:`PartitionSources` of
 looks up a relay's table schemas for a decoder; :func:`safe_url` strips
 credentials from a URL for logs.
 
+TLS and authentication: :class:`ClientAuth` (from
+:mod:`changebus.schemas.security`; ``ConsumerConfig(auth=...)``) holds the
+CA file, client certificate, host name check and bearer token;
+:func:`open_session` opens the :class:`aiohttp.ClientSession` that every
+changebus connection (consumer, relay chaining, bootstrap server) uses.
+
 With ``bootstrap_servers`` configured, a consumer that fell off the relays
 (or starts from nothing) reads a snapshot and the catch-up log from a
 bootstrap server and returns to the relays by itself (:mod:`._bootstrap`);
@@ -41,6 +47,7 @@ windows tell the application (``Window.phase``, ``Window.bootstrapping``).
 """
 
 from changebus.schemas import BootstrapFailedError as BootstrapFailedError
+from changebus.schemas.security import ClientAuth as ClientAuth
 
 from ._apply import Replica as Replica
 from ._apply_pg import PostgresReplica as PostgresReplica
@@ -59,7 +66,7 @@ from ._errors import (
     FellOffRelayError as FellOffRelayError,
     RelayUnavailableError as RelayUnavailableError,
 )
-from ._http import safe_url as safe_url
+from ._http import open_session as open_session, safe_url as safe_url
 from ._info import (
     BootstrapStatus as BootstrapStatus,
     PartitionSources as PartitionSources,
@@ -93,6 +100,7 @@ __all__ = [
     "ChangeEvent",
     "ChangeOp",
     "CheckpointPersister",
+    "ClientAuth",
     "Consumer",
     "ConsumerAbortedError",
     "ConsumerConfig",
@@ -118,5 +126,6 @@ __all__ = [
     "StreamSink",
     "SyncConsumer",
     "Window",
+    "open_session",
     "safe_url",
 ]

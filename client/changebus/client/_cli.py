@@ -7,6 +7,13 @@ where the first stopped. Ctrl-C (or SIGTERM) stops cleanly with status 0.
 A gap in the stream or a position the relays no longer keep ends the command
 with a message on stderr and status 3.
 
+TLS and authentication (shared with ``changebus replicate``):
+``--ca-file``, ``--cert-file``/``--key-file`` (mTLS),
+``--insecure-no-hostname-check`` and ``--token-file``; the token itself is
+taken from ``$CHANGEBUS_TOKEN``, never from a flag (command lines are
+visible to every user of the machine). A 401/403 answer or a failed TLS
+verification ends the command with a message and status 3.
+
 It is built on :class:`~._sync.SyncConsumer`: the consumer's event loop runs
 in a background thread and this thread does the (blocking) printing.
 """
@@ -15,14 +22,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
+from changebus.schemas.security import ClientAuth
 
-__all__ = ["add_route_arguments", "register", "route_text"]
+__all__ = ["TOKEN_ENV", "add_route_arguments", "auth_from_args", "register", "route_text"]
+
+#: the environment variable holding the bearer token (never a command-line flag)
+TOKEN_ENV = "CHANGEBUS_TOKEN"
 
 
 def add_route_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +60,47 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         "--prefer-followers",
         action="store_true",
         help="with --zookeeper: read from followers first, the leader last",
+    )
+    tls = p.add_argument_group("TLS and authentication")
+    tls.add_argument(
+        "--ca-file",
+        type=Path,
+        metavar="PEM",
+        help="CA certificates that verify https:// servers (default: the system store)",
+    )
+    tls.add_argument(
+        "--cert-file", type=Path, metavar="PEM", help="client certificate (mTLS), PEM chain"
+    )
+    tls.add_argument(
+        "--key-file", type=Path, metavar="PEM", help="the client certificate's private key"
+    )
+    tls.add_argument(
+        "--insecure-no-hostname-check",
+        action="store_true",
+        help="do not compare the server's certificate name with the URL's host"
+        " (the certificate chain is still verified)",
+    )
+    tls.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"file holding the bearer token (or set ${TOKEN_ENV}; never give it on the"
+        " command line)",
+    )
+
+
+def auth_from_args(args: argparse.Namespace) -> ClientAuth:
+    """The :class:`ClientAuth` of the TLS flags and ``$CHANGEBUS_TOKEN`` (raises ConfigError)."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and args.token_file is not None:
+        token = ""  # the explicit flag wins over the environment
+    return ClientAuth(
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        check_hostname=not args.insecure_no_hostname_check,
+        token=token,
+        token_file=args.token_file,
     )
 
 
@@ -139,6 +193,7 @@ def _main(args: argparse.Namespace) -> int:
             start=args.start,
             client_id="changebus-tail",
             yield_empty_windows=False,
+            auth=auth_from_args(args),
         )
     except ChangebusError as exc:
         print(f"changebus tail: {exc.message}", file=sys.stderr)

@@ -26,7 +26,7 @@ import sys
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
 
-from ._cli import add_route_arguments, route_text
+from ._cli import add_route_arguments, auth_from_args, route_text
 
 __all__ = ["register"]
 
@@ -98,6 +98,7 @@ async def _run(args: argparse.Namespace) -> int:
             filter=args.filter,
             start=args.start,
             client_id=f"changebus-replicate-{args.consumer_name}",
+            auth=auth_from_args(args),
         )
     except ChangebusError as exc:
         print(f"changebus replicate: {exc.message}", file=sys.stderr)

@@ -19,6 +19,7 @@ from changebus.schemas import (
     TableSchema,
     parse_scn,
 )
+from changebus.schemas.security import ClientAuth
 
 __all__ = ["ConsumerConfig"]
 
@@ -91,6 +92,13 @@ class ConsumerConfig:
     "latest"``: it then jumps to the relay's newest SCN, skipping the changes
     in between (an explicit choice of the application).
 
+    Security: ``auth`` (a :class:`~changebus.schemas.security.ClientAuth`)
+    is used for every relay and bootstrap server connection: CA file, client
+    certificate, host name check and bearer token. A 401 or 403 answer
+    (:class:`~changebus.schemas.UnauthorizedError`,
+    :class:`~changebus.schemas.ForbiddenError`) and a TLS handshake that
+    fails verification stop the consumer at once (not retriable).
+
     Callbacks: each call has ``callback_time_budget_s``; a recoverable error
     rolls back and replays the windows since the last checkpoint, at most
     ``max_rollbacks`` times in a row (-1: no limit), ``rollback_backoff_s``
@@ -132,6 +140,7 @@ class ConsumerConfig:
     cluster: str = ""
     prefer_followers: bool = False
     zookeeper_session_timeout_s: float = 10.0
+    auth: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
         relays: object = self.relays
@@ -213,6 +222,8 @@ class ConsumerConfig:
             if not isinstance(schema, TableSchema) or schema.name != name:
                 raise ConfigError(f"reader_schemas[{name!r}] must be a TableSchema named {name!r}")
         object.__setattr__(self, "reader_schemas", MappingProxyType(readers))
+        if not isinstance(self.auth, ClientAuth):
+            raise ConfigError("auth must be a changebus.schemas.security.ClientAuth")
 
     @property
     def key_filter(self) -> PartitionFilter | None:

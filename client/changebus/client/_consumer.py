@@ -45,6 +45,7 @@ from ._decode import SchemaCache
 from ._dispatch import Dispatcher
 from ._errors import DataLossDetectedError, RelayUnavailableError
 from ._fetch import RelayFetcher
+from ._http import open_session
 from ._model import Window
 from ._persist import CheckpointPersister, MemoryCheckpointPersister
 from ._position import PositionTracker
@@ -64,7 +65,8 @@ class Consumer:
     ``persister`` keeps the checkpoint between runs (default: in memory
     only); a stored checkpoint overrides ``config.start``. ``session`` lets
     the application share an :class:`aiohttp.ClientSession` (it is then not
-    closed here).
+    closed here, and ``config.auth`` is not applied to it: open it with
+    :func:`~changebus.client.open_session`).
 
     Usage::
 
@@ -136,7 +138,7 @@ class Consumer:
             cfg = await self._route_cluster(cfg)
         self._position = PositionTracker(checkpoint, self.persister)
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = await open_session(cfg.auth)
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
         self._fetcher = RelayFetcher(
             cfg,

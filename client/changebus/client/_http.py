@@ -16,9 +16,21 @@ passes through here, so that the rest of the client decides by data:
 * :func:`transport_errors` -- aiohttp, timeout and connection errors become
   :class:`~changebus.schemas.TransportError` (retriable), so a retry loop
   needs no tuple of foreign exception types (:mod:`._failover`).
+  A TLS failure that another attempt cannot cure -- the server's
+  certificate does not verify (wrong CA, wrong name, expired), the server
+  refused ours, or TLS spoken to a plain HTTP port -- is a
+  :class:`~changebus.schemas.TransportError` with ``retriable=False`` and a
+  message saying what to check: like Kafka's ``SslAuthenticationException``
+  it stops the caller at once instead of retrying the same handshake for
+  ever (the relay's fetcher restart and the failover loop both read
+  ``retriable``). A cut connection during a handshake stays retriable.
 * :func:`json_body` -- the JSON document of an answer; a body that is not
   JSON is a retriable :class:`~changebus.schemas.ProtocolError` (whatever
   its content type), never a bare ``ValueError``.
+* :func:`open_session` -- the one way to open an :class:`aiohttp.ClientSession`
+  for changebus servers: its connections use a
+  :class:`~changebus.schemas.security.ClientAuth`'s TLS settings, its
+  requests carry the bearer token.
 
 The JSON queries built on these are in :mod:`._info`. URLs in messages pass
 through :func:`safe_url` (no user name or password). Stateless; safe on any
@@ -27,8 +39,10 @@ event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -42,14 +56,17 @@ from changebus.schemas import (
     ScnNotFoundError,
     TransportError,
 )
+from changebus.schemas.security import ClientAuth
 
 from ._errors import FellOffRelayError
 
 __all__ = [
     "RestartBootstrap",
     "json_body",
+    "open_session",
     "response_error",
     "safe_url",
+    "tls_failure",
     "transport_errors",
 ]
 
@@ -82,7 +99,68 @@ def transport_errors(where: str) -> Iterator[None]:
     try:
         yield
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+        tls = tls_failure(exc)
+        if tls is not None:
+            raise TransportError(
+                f"{where}: TLS failed: {tls}; check the CA file (ca_file, --ca-file), the"
+                " server's certificate and name, and the client certificate; not retried",
+                retriable=False,
+            ) from exc
         raise TransportError(f"{where}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
+
+
+#: OpenSSL reasons that say the TLS settings of one side do not fit the other's
+_CONFIG_REASONS = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNKNOWN_PROTOCOL")
+
+
+def tls_failure(exc: BaseException) -> str | None:
+    """What went wrong when ``exc`` is a TLS failure another attempt cannot cure, else None.
+
+    A certificate that does not verify, an alert from the peer (it refused
+    our certificate or has none we accept), or TLS against a plain port.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, aiohttp.ClientConnectorCertificateError):
+            e = e.certificate_error  # (it is an ssl.CertificateError itself, without the details)
+        if isinstance(e, ssl.SSLCertVerificationError):
+            why = getattr(e, "verify_message", "") or getattr(e, "reason", "") or str(e)
+            return f"the server's certificate was not accepted ({why})"
+        if isinstance(e, ssl.SSLError):
+            reason = str(e.reason or "")
+            if "ALERT" in reason:
+                return f"the server refused the handshake ({reason.lower()})"
+            if reason in _CONFIG_REASONS:
+                return f"the server does not speak TLS there ({reason.lower()})"
+        if isinstance(e, aiohttp.ClientConnectorError):
+            todo.append(e.os_error)
+        todo.extend((e.__cause__, e.__context__))
+    return None
+
+
+async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp.ClientSession:
+    """A new :class:`aiohttp.ClientSession` for changebus servers, using ``auth``.
+
+    ``https://`` connections use ``auth``'s SSL context (its CA file, client
+    certificate and host name check); every request carries its bearer
+    token (``Authorization``). Without ``auth`` (or with an empty one) a
+    plain session, as before. ``kwargs`` go to the session (``timeout``,
+    ...). The files are read in a worker thread, not on the event loop; a
+    file that cannot be read raises :class:`~changebus.schemas.ConfigError`.
+    The token is read once: a session keeps it until it is closed.
+    """
+    if auth is None or not auth.enabled:
+        return aiohttp.ClientSession(**kwargs)
+    await asyncio.to_thread(auth.load)
+    ctx = auth.ssl_context()
+    headers = {**auth.headers(), **dict(kwargs.pop("headers", None) or {})}
+    connector = aiohttp.TCPConnector(ssl=ctx if ctx is not None else True)
+    return aiohttp.ClientSession(connector=connector, headers=headers, **kwargs)
 
 
 async def json_body(resp: aiohttp.ClientResponse, where: str) -> Any:

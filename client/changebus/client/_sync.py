@@ -30,6 +30,9 @@ from ._persist import CheckpointPersister
 
 __all__ = ["SyncConsumer"]
 
+#: how long :meth:`SyncConsumer.close` lets TLS connections finish closing
+_TLS_SETTLE_S = 0.1
+
 T = TypeVar("T")
 
 
@@ -109,11 +112,21 @@ class SyncConsumer:
             return
         try:
             self._call(self.consumer.close())
+            if self._may_use_tls():
+                # a TLS connection closed while a response was being read ends with a
+                # close_notify exchange that needs the loop a moment longer (otherwise
+                # its socket is left to the garbage collector)
+                self._call(asyncio.sleep(_TLS_SETTLE_S))
         finally:
             self._closed = True
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+    def _may_use_tls(self) -> bool:
+        cfg = self.consumer.config
+        urls = (*cfg.relays, *cfg.bootstrap_servers)
+        return cfg.uses_cluster or any(u.startswith("https://") for u in urls)
 
     def __enter__(self) -> Self:
         return self

@@ -69,6 +69,7 @@ from changebus.client import (
     RelayQueries,
     RelayStream,
     StreamConfig,
+    open_session,
     safe_url,
 )
 from changebus.fetchers import Fetcher, FetcherFactory, ResumePoint, Window
@@ -83,6 +84,7 @@ from changebus.schemas import (
     encode_control,
 )
 from changebus.schemas.config import load_config_dict
+from changebus.schemas.security import ClientAuth
 
 from ._chainconfig import ChainConfig
 from ._windowqueue import WindowQueue
@@ -125,10 +127,14 @@ class ChainFetcher:
         config: ChainConfig,
         *,
         min_epoch: Callable[[], int] | None = None,
+        auth: ClientAuth | None = None,
     ) -> None:
         self.name = name
         self.partition_id = partition_id
         self.config = config
+        #: TLS settings and token towards the upstream: ``auth`` (the relay's
+        #: ``[upstream]``) overridden by the fetcher's own options
+        self.auth = config.client_auth(auth or ClientAuth())
         self.upstream_partition = config.partition or name
         self._min_epoch = min_epoch
         self._stream_config = StreamConfig(
@@ -182,7 +188,7 @@ class ChainFetcher:
             sock_connect=self.config.connect_timeout_s,
             sock_read=self.config.wait_s + self.config.read_margin_s,
         )
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._session = await open_session(self.auth, timeout=timeout)
         self._queries = RelayQueries(self._session, self.config.upstream)
         self._known = {
             (str(e["schema"]["name"]), int(e["schema"]["version"])) for e in resume.schemas
@@ -415,15 +421,21 @@ def make_fetcher_factory(*, min_epoch: Callable[[], int] | None = None) -> Fetch
 
     Register it in process (``register_fetcher("relay", make_fetcher_factory(
     min_epoch=...))``) so that relay configs naming the kind get the check.
+    An in-process ``auth`` option (a :class:`ClientAuth`: the relay passes
+    its ``[upstream]`` table so) is the default TLS and token setting, which
+    the fetcher's own ``ca_file``, ``token_file``, ... options refine.
     """
 
     def factory(name: str, partition_id: int, options: Mapping[str, Any]) -> Fetcher:
         check = options.get("min_epoch", min_epoch)
         if check is not None and not callable(check):
             raise ConfigError("options.min_epoch must be a callable returning an int")
-        plain = {k: v for k, v in options.items() if k != "min_epoch"}
+        auth = options.get("auth")
+        if auth is not None and not isinstance(auth, ClientAuth):
+            raise ConfigError("options.auth must be a changebus.schemas.security.ClientAuth")
+        plain = {k: v for k, v in options.items() if k not in ("min_epoch", "auth")}
         config = load_config_dict(ChainConfig, plain, "fetcher")
-        return ChainFetcher(name, partition_id, config, min_epoch=check)
+        return ChainFetcher(name, partition_id, config, min_epoch=check, auth=auth)
 
     return factory
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from changebus.schemas import ConfigError
-from changebus.schemas.config import size_field
+from changebus.schemas.config import secret, size_field
+from changebus.schemas.security import ClientAuth
 
 __all__ = ["ChainConfig"]
 
@@ -28,6 +30,14 @@ class ChainConfig:
     relay's ingest (beyond them the HTTP read stops: back-pressure reaches
     the upstream through TCP). ``client_id`` names this follower in the
     upstream's ``/v1/status`` (empty: ``relay-chain-<partition>``).
+
+    TLS and authentication towards the upstream: the relay config's
+    ``[upstream]`` table (a :class:`~changebus.schemas.security.ClientAuth`)
+    is the default; ``ca_file``, ``cert_file``, ``key_file``,
+    ``check_hostname``, ``token_file`` and ``token`` given here replace its
+    fields of the same names for this partition (:meth:`client_auth`).
+    ``token`` is a secret: prefer ``token_file`` (or the ``[upstream]``
+    table, whose token an environment variable can set).
     """
 
     upstream: tuple[str, ...] = ()
@@ -45,6 +55,12 @@ class ChainConfig:
     max_attempts: int = 0
     queue_windows: int = 1024
     queue_bytes: int = size_field(8 << 20)
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    check_hostname: bool | None = None
+    token_file: Path | None = None
+    token: str = secret("")
 
     def __post_init__(self) -> None:
         upstream: object = self.upstream
@@ -59,3 +75,22 @@ class ChainConfig:
         object.__setattr__(self, "upstream", tuple(u.rstrip("/") for u in upstream))
         if self.queue_windows < 1 or self.queue_bytes < 1:
             raise ConfigError("queue_windows and queue_bytes must be positive")
+
+    def client_auth(self, default: ClientAuth) -> ClientAuth:
+        """``default`` (the relay's ``[upstream]``) with the settings given here instead.
+
+        A token or token file given here replaces both of the default's.
+        """
+        given: dict[str, object] = {
+            name: getattr(self, name)
+            for name in ("ca_file", "cert_file", "key_file", "check_hostname", "token_file")
+            if getattr(self, name) is not None
+        }
+        if self.token:
+            given["token"] = self.token
+        if "token" in given or "token_file" in given:
+            given.setdefault("token", "")
+            given.setdefault("token_file", None)
+        if "cert_file" in given and "key_file" not in given:
+            given["key_file"] = None  # the default's key belongs to the default's certificate
+        return replace(default, **given) if given else default  # type: ignore[arg-type]

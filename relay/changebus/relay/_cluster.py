@@ -78,6 +78,7 @@ from changebus.cluster import (
     RoutingTable,
     ZkSession,
 )
+from changebus.schemas.security import ClientAuth
 
 from ._config import FetcherConfig
 from ._host import PartitionHost
@@ -304,6 +305,8 @@ class PartitionRole:
             "min_epoch": self._follower_min_epoch,
             "backoff_max_s": 1.0,
         }
+        if self.member.upstream.enabled:
+            options["auth"] = self.member.upstream
         return FetcherConfig("relay", options, retry_initial_s=0.1, retry_max_s=1.0)
 
     def _follower_min_epoch(self) -> int:
@@ -390,8 +393,12 @@ class ClusterMember:
         config: ClusterConfig,
         hosts: Mapping[str, PartitionHost],
         sources: Mapping[str, FetcherConfig],
+        *,
+        upstream: ClientAuth | None = None,
     ) -> None:
         self.config = config
+        #: TLS and token of a follower's chain to the leader (the relay's ``[upstream]``)
+        self.upstream = upstream or ClientAuth()
         self.session = ZkSession(config)
         self.registry = Registry(self.session, "relay", min_interval_s=_REGISTRY_INTERVAL_S)
         self.table = RoutingTable(self.session, refresh_s=2.0)

@@ -27,8 +27,19 @@ A ``[cluster]`` table (:class:`changebus.cluster.ClusterConfig`) makes the
 relay a member of a relay cluster (``docs/cluster.md``): per partition it
 stands for election, leads with the configured fetcher (the *source*) or
 follows the leader by chaining. ``advertised_url`` defaults to the relay's
-own URL and ``member_id`` is then required. Without the table the relay
-works alone, as always.
+own URL (``https://`` when the relay serves TLS) and ``member_id`` is then
+required. Without the table the relay works alone, as always.
+
+An ``[upstream]`` table (:class:`changebus.schemas.security.ClientAuth`)
+says how this relay connects to other relays: the cluster's followers
+chaining to the leader, and the default of every ``relay`` fetcher (whose
+own options may override it per partition)::
+
+    [upstream]
+    ca_file = "/etc/changebus/ca.pem"
+    cert_file = "/etc/changebus/relay-client.pem"   # mTLS (optional)
+    key_file = "/etc/changebus/relay-client.key"
+    token_file = "/etc/changebus/relay.token"       # or CHANGEBUS_RELAY_UPSTREAM__TOKEN
 
 A ``[security]`` table (:class:`changebus.schemas.security.SecurityConfig`:
 TLS, principals with their partitions, sources and scopes, open endpoints)
@@ -46,7 +57,7 @@ from typing import Any, Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
-from changebus.schemas.security import SecurityConfig
+from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig
@@ -154,6 +165,8 @@ class RelayConfig:
     cluster: ClusterConfig | None = None
     #: TLS, principals and open endpoints (default: open, loopback only)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    #: TLS and token of this relay's connections to other relays (chaining)
+    upstream: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not self.cluster.member_id:

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from changebus.cluster import ClusterConfig, CoordinationError
 from changebus.schemas.config import redacted
+from changebus.schemas.security import ClientAuth
 from changebus.schemas.server import Server, serve
 
 from ._cluster import ClusterMember
@@ -61,6 +62,19 @@ async def _open_host(config: PartitionConfig, data_dir: Path) -> PartitionHost:
             raise asyncio.CancelledError from None
         await host.stop()
         raise
+
+
+def with_upstream(part: PartitionConfig, upstream: ClientAuth) -> PartitionConfig:
+    """``part`` whose ``relay`` fetcher gets the relay's ``[upstream]`` as its default auth.
+
+    Passed in process as the ``auth`` option (like ``min_epoch``); the
+    fetcher's own ``ca_file``, ``token_file``, ... options refine it.
+    """
+    fetcher = part.fetcher
+    if fetcher.kind != "relay" or "auth" in fetcher.options or not upstream.enabled:
+        return part
+    options = {**fetcher.options, "auth": upstream}
+    return dataclasses.replace(part, fetcher=dataclasses.replace(fetcher, options=options))
 
 
 class Relay:
@@ -107,6 +121,7 @@ class Relay:
             for part in cfg.partitions:
                 if cfg.cluster is not None:  # the cluster member starts the fetchers
                     part = dataclasses.replace(part, fetcher=FetcherConfig())
+                part = with_upstream(part, cfg.upstream)
                 host = await _open_host(part, cfg.data_dir)
                 self.hosts[part.name] = host
                 await host.start()
@@ -161,8 +176,9 @@ class Relay:
             raise
 
     async def _join(self, cluster: ClusterConfig) -> ClusterMember:
-        sources = {p.name: p.fetcher for p in self.config.partitions}
-        member = ClusterMember(cluster, self.hosts, sources)
+        upstream = self.config.upstream
+        sources = {p.name: with_upstream(p, upstream).fetcher for p in self.config.partitions}
+        member = ClusterMember(cluster, self.hosts, sources, upstream=upstream)
         await member.start()  # stops what it started when it fails
         return member
 

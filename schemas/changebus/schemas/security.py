@@ -17,6 +17,11 @@ Server side (the relay and the bootstrap server, through the server frame
 * :func:`server_ssl_context` / :class:`ServerTls` -- the listening context,
   reloadable on SIGHUP (:func:`reload_all`).
 
+Client side: :class:`ClientAuth` -- how an outgoing changebus connection
+(consumer, CLI, Spark source, bootstrap -> relay, relay -> relay) verifies
+the server (CA file, host name check), presents a client certificate (mTLS)
+and a bearer token (:mod:`changebus.schemas._client_auth`).
+
 This module imports aiohttp (for the request type); ``changebus.schemas``
 itself does not import it.
 """
@@ -31,6 +36,7 @@ from ._auth import (
     new_token as new_token,
     principal_of as principal_of,
 )
+from ._client_auth import ClientAuth as ClientAuth
 from ._security_config import (
     SCOPES as SCOPES,
     PrincipalConfig as PrincipalConfig,
@@ -46,13 +52,12 @@ from ._tls_server import (
     server_ssl_context as server_ssl_context,
 )
 
-# Client side: ClientAuth (helper "client-tls", module _client_auth) is re-exported here.
-
 __all__ = [
     "ANONYMOUS",
     "MIN_TOKEN_CHARS",
     "PUBLIC",
     "SCOPES",
+    "ClientAuth",
     "Principal",
     "PrincipalConfig",
     "SecurityConfig",

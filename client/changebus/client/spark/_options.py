@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
+from changebus.schemas.security import ClientAuth
 
 __all__ = ["OPTION_NAMES", "AtTime", "Position", "SourceOptions", "parse_position"]
 
@@ -59,6 +61,12 @@ OPTION_NAMES: dict[str, str] = {
     "arrowbatchrows": "rows per Arrow record batch handed to Spark",
     "requesttimeouts": "seconds a relay request may take before failing over",
     "includepreimage": "true: updates with a before-image also give an update_preimage row",
+    "tls.cafile": "CA certificates (PEM file) that verify https:// relays and bootstrap servers",
+    "tls.certfile": "client certificate (PEM) for mTLS, with tls.keyFile",
+    "tls.keyfile": "the client certificate's private key (PEM file)",
+    "tls.checkhostname": "false: do not compare the server certificate's name with the URL host",
+    "tokenfile": "file holding the bearer token (preferred over token: options show in plans)",
+    "token": "the bearer token itself (prefer tokenFile: options may show in plans and the UI)",
 }
 
 
@@ -142,6 +150,29 @@ def _list(options: Mapping[str, str], key: str) -> tuple[str, ...]:
     return items
 
 
+def _auth(options: Mapping[str, str]) -> ClientAuth:
+    """The ``tls.*``, ``tokenFile`` and ``token`` options as a :class:`ClientAuth`."""
+
+    def path(key: str) -> Path | None:
+        raw = options.get(key, "").strip()
+        return Path(raw) if raw else None
+
+    token = options.get("token", "").strip()
+    if token and "tokenfile" in options:
+        raise ConfigError("give the option tokenFile or token, not both")
+    try:
+        return ClientAuth(
+            ca_file=path("tls.cafile"),
+            cert_file=path("tls.certfile"),
+            key_file=path("tls.keyfile"),
+            check_hostname=_bool(options, "tls.checkhostname", True),
+            token=token,
+            token_file=path("tokenfile"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"options tls.* / tokenFile / token: {exc.message}") from None
+
+
 @dataclass(frozen=True)
 class SourceOptions:
     """What one ``format("changebus")`` query reads, and how (module docstring).
@@ -174,7 +205,11 @@ class SourceOptions:
       fails the query (else it is skipped with a warning, as Spark's Kafka
       source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
-      transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows.
+      transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows;
+    * ``auth`` -- TLS settings and bearer token of every connection, on the
+      driver and in the executors (``tls.*``, ``tokenFile``, ``token``; the
+      files must be readable at the same paths on every executor). Its
+      ``repr`` never shows the token.
     """
 
     relays: tuple[str, ...] = ()
@@ -196,6 +231,7 @@ class SourceOptions:
     zookeeper: str = ""
     cluster: str = ""
     prefer_followers: bool = False
+    auth: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
         if bool(self.zookeeper.strip()) != bool(self.cluster.strip()):
@@ -287,6 +323,7 @@ class SourceOptions:
             zookeeper=opts.get("zookeeper", "").strip(),
             cluster=opts.get("cluster", "").strip(),
             prefer_followers=_bool(opts, "preferfollowers", False),
+            auth=_auth(opts),
         )
 
     def slices(self) -> list[PartitionFilter | None]:

@@ -113,6 +113,7 @@ def _config(
         zookeeper=opts.zookeeper,
         cluster=opts.cluster,
         prefer_followers=opts.prefer_followers,
+        auth=opts.auth,
     )
 
 

@@ -48,7 +48,7 @@ from changebus.schemas import (
 )
 
 from .._errors import RelayUnavailableError
-from .._http import response_error
+from .._http import open_session, response_error
 from .._info import RelayInfo, RelayQueries
 from ._options import SourceOptions
 
@@ -106,7 +106,7 @@ async def _with_relays(
             urls = tuple(dict.fromkeys(await cluster_urls(opts, "relay") + opts.relays))
         if not urls:
             raise _no_relay(opts)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with await open_session(opts.auth, timeout=timeout) as session:
         return await RelayQueries(session, urls, what=what, timeout=timeout).first(call)
 
 
