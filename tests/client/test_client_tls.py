@@ -37,7 +37,7 @@ from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, R
 from changebus.relay.chain import ChainConfig
 from changebus.schemas import ConfigError, ForbiddenError, TransportError, UnauthorizedError
 from changebus.schemas.config import load_config, redacted
-from changebus.schemas.server import Server
+from changebus.schemas.security import PrincipalConfig, SecurityConfig, TlsConfig, hash_token
 
 #: fix_tls.TlsFiles (fix_tls is not on mypy's path: the fixture is typed loosely here)
 TlsFiles = Any
@@ -61,31 +61,36 @@ log = logging.getLogger("tests.tls")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def bearer_check(token: str, seen: list[str]) -> Any:
-    """A stand-in for the server's authentication: 401 without ``Bearer <token>``."""
+def recorder(seen: list[str]) -> Any:
+    """Records the Authorization header of every request that passed authentication."""
 
     @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "")
-        seen.append(given)
-        if given == f"Bearer {LIMITED}":
-            body = ForbiddenError(f"principal limited may not read partition {PART}").to_json()
-            return web.json_response(body, status=403)
-        if given != f"Bearer {token}":
-            body = UnauthorizedError("no or unknown credentials").to_json()
-            return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        seen.append(request.headers.get("Authorization", ""))
         return await handler(request)
 
-    return check
+    return record
 
 
-def server_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    if client_ca is not None:
-        ctx.load_verify_locations(client_ca)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+def server_tls(cert: Path, key: Path, client_ca: Path | None = None) -> TlsConfig:
+    """The relay's ``[security.tls]``: client certificates required when ``client_ca`` is given."""
+    return TlsConfig(
+        cert_file=cert,
+        key_file=key,
+        client_ca_file=client_ca,
+        client_cert="required" if client_ca is not None else "optional",
+    )
+
+
+def security(tls: TlsConfig, token: str) -> SecurityConfig:
+    """TLS, and with ``token``: principal ``reader`` (it) and ``limited`` (another partition)."""
+    principals: tuple[PrincipalConfig, ...] = ()
+    if token:
+        principals = (
+            PrincipalConfig("reader", tokens=(hash_token(token),)),
+            PrincipalConfig("limited", tokens=(hash_token(LIMITED),), partitions=("other",)),
+        )
+    return SecurityConfig(tls=tls, principals=principals)
 
 
 def relay_config(data_dir: Path, fetcher: FetcherConfig, **kw: Any) -> RelayConfig:
@@ -101,18 +106,16 @@ def relay_config(data_dir: Path, fetcher: FetcherConfig, **kw: Any) -> RelayConf
 @asynccontextmanager
 async def https_relay(
     cfg: RelayConfig,
-    ctx: ssl.SSLContext,
+    tls: TlsConfig,
     *,
     token: str = "",
     seen: list[str] | None = None,
     windows: int = 0,
 ) -> AsyncIterator[Relay]:
-    """``cfg``'s relay served over HTTPS with ``ctx`` (and a bearer check with ``token``)."""
-    relay = Relay(cfg)
-    app = relay.server.app
-    if token:
-        app.middlewares.append(bearer_check(token, seen if seen is not None else []))
-    relay.server = Server(app, name="relay", host="127.0.0.1", port=0, logger=log, ssl_context=ctx)
+    """``cfg``'s relay served over HTTPS (the real ``[security]``: TLS, and principals with ``token``)."""
+    relay = Relay(dataclasses.replace(cfg, security=security(tls, token)))
+    if seen is not None:
+        relay.server.app.middlewares.append(recorder(seen))
     async with relay:
         while relay.hosts[PART].buffer.meta.windows < windows:
             await asyncio.sleep(0.01)
@@ -240,7 +243,7 @@ def test_spark_options_carry_the_auth_to_the_executors(tls_files: TlsFiles) -> N
 
 async def test_consumer_with_ca_client_cert_and_token(tls_files: TlsFiles, tmp_path: Path) -> None:
     """mTLS server (client certificate required) + bearer token: every request carries both."""
-    ctx = server_context(tls_files.server_cert, tls_files.server_key, client_ca=tls_files.ca)
+    ctx = server_tls(tls_files.server_cert, tls_files.server_key, client_ca=tls_files.ca)
     seen: list[str] = []
     async with https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, seen=seen, windows=5) as r:
         assert r.url.startswith("https://127.0.0.1:")
@@ -286,7 +289,7 @@ async def test_wrong_ca_and_wrong_name_fail_clearly(
     cert, key = tmp_path / "other.pem", tmp_path / "other.key"
     other_name.cert_chain_pems[0].write_to_path(str(cert))
     other_name.private_key_pem.write_to_path(str(key))
-    async with https_relay(synthetic(tmp_path / "r"), server_context(cert, key), windows=3) as r:
+    async with https_relay(synthetic(tmp_path / "r"), server_tls(cert, key), windows=3) as r:
         wrong_ca = ClientAuth(ca_file=tls_files.other_ca)
         with pytest.raises(TransportError) as err:
             await asyncio.wait_for(read_windows(consumer_config(r.url, wrong_ca), 1), 20)
@@ -314,7 +317,7 @@ def test_sync_consumer_and_tail_over_https(tls_files: TlsFiles, tmp_path: Path) 
     """SyncConsumer, then ``changebus tail --ca-file --token-file`` (a subprocess)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    ctx = server_context(tls_files.server_cert, tls_files.server_key)
+    ctx = server_tls(tls_files.server_cert, tls_files.server_key)
 
     async def main() -> None:
         async with https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, windows=10) as r:
@@ -382,7 +385,7 @@ async def _run(*args: str, env: dict[str, str]) -> tuple[str, str, int | None]:
 async def test_relay_follows_an_https_upstream_with_its_upstream_table(
     tls_files: TlsFiles, tmp_path: Path
 ) -> None:
-    ctx = server_context(tls_files.server_cert, tls_files.server_key, client_ca=tls_files.ca)
+    ctx = server_tls(tls_files.server_cert, tls_files.server_key, client_ca=tls_files.ca)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     async with https_relay(synthetic(tmp_path / "up"), ctx, token=TOKEN, windows=30) as up:
@@ -411,7 +414,7 @@ async def test_relay_follows_an_https_upstream_with_its_upstream_table(
             while host.state != "failed":
                 assert asyncio.get_running_loop().time() < deadline, host.state
                 await asyncio.sleep(0.02)
-            assert up.url in host.last_error and "credentials" in host.last_error
+            assert up.url in host.last_error and "unknown bearer token" in host.last_error
             assert "z" * 40 not in host.last_error
 
 
@@ -430,7 +433,7 @@ async def test_bootstrap_server_reads_its_relay_over_https(
 
     toml = tmp_path / "bootstrap.toml"
     toml.write_text(f'[upstream]\nca_file = "{tls_files.ca}"\n')
-    ctx = server_context(tls_files.server_cert, tls_files.server_key)
+    ctx = server_tls(tls_files.server_cert, tls_files.server_key)
     async with https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, windows=30) as r:
         cfg = load_config(
             BootstrapConfig,
@@ -475,7 +478,7 @@ def test_spark_batch_read_over_https_with_a_token_file(
     def call(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
-    ctx = server_context(tls_files.server_cert, tls_files.server_key)
+    ctx = server_tls(tls_files.server_cert, tls_files.server_key)
     cm = https_relay(synthetic(tmp_path / "r"), ctx, token=TOKEN, windows=30)
     relay = call(cm.__aenter__())
     try:
@@ -498,7 +501,7 @@ def test_spark_batch_read_over_https_with_a_token_file(
 
         df = read(**{"tls.caFile": str(tls_files.ca), "tokenFile": str(token_file)})
         assert df.count() == events > 0
-        with pytest.raises(Exception, match="no or unknown credentials"):
+        with pytest.raises(Exception, match="UnauthorizedError: .*credentials required"):
             read(**{"tls.caFile": str(tls_files.ca)}).count()
     finally:
         call(cm.__aexit__(None, None, None))
