@@ -34,7 +34,6 @@ durations seconds.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,6 +41,9 @@ from typing import Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
+from changebus.schemas.files import NAME_RULE, safe_name
+
+from ._seedtypes import table_name_problem
 
 __all__ = [
     "ApplierConfig",
@@ -51,8 +53,6 @@ __all__ = [
     "SeedConfig",
     "StoreConfig",
 ]
-
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,9 @@ class SeedConfig:
     the partition the relay has seen). ``on_start`` -- seed once at start-up
     (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
     demand). ``partition`` -- the partition the source feeds (empty: the
-    only one).
+    only one). ``schema_wait_s`` -- a seed waits this long for the relay's
+    schemas of its tables (the relay must have seen a change of each), then
+    fails with a clear error.
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -146,10 +148,20 @@ class SeedConfig:
     on_start: bool = False
     partition: str = ""
     chunk_rows: int = 5000
+    #: how long a seed waits for the relay's schemas of its tables before it fails
+    schema_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
+        if self.schema_wait_s <= 0:
+            raise ConfigError("seed.schema_wait_s must be positive")
+        if self.partition and not safe_name(self.partition):
+            raise ConfigError(f"seed.partition {self.partition[:140]!r} must be {NAME_RULE}")
+        for table in self.tables:
+            problem = table_name_problem(table)
+            if problem is not None:
+                raise ConfigError(f"seed.tables: {problem}")
         if self.on_start and not self.dsn:
             raise ConfigError("seed.on_start needs seed.dsn")
         if (
@@ -198,8 +210,8 @@ class BootstrapConfig:
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
         object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in self.relays))
         for name in self.partitions:
-            if not _NAME.fullmatch(name):
-                raise ConfigError(f"partition name {name!r} must match [A-Za-z0-9_.-]{{1,128}}")
+            if not safe_name(name):
+                raise ConfigError(f"partition name {name[:140]!r} must be {NAME_RULE}")
         if len(set(self.partitions)) != len(self.partitions):
             raise ConfigError("partitions must be unique")
         if self.catchup_ratio < 0:

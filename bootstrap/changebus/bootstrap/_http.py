@@ -49,6 +49,7 @@ from changebus.schemas import (
     event_mask,
     parse_stream,
 )
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.server import (
     check_params,
     json_response,
@@ -89,6 +90,8 @@ def _partition(request: web.Request) -> str:
         if len(workers) == 1:
             return next(iter(workers))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
+    if not safe_name(name):
+        raise BadRequestError(f"partition name {name[:128]!r} must be {NAME_RULE}")
     if name not in workers:
         raise UnknownSourceError(
             f"no partition {name[:128]!r} here; known: {', '.join(sorted(workers))}"
@@ -338,7 +341,7 @@ async def seed(request: web.Request) -> web.Response:
     _check_params(request, "seed")
     part = _partition(request)
     tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
-    progress = request.app[SERVICE].start_seed(part, tables, again=True)
+    progress = await request.app[SERVICE].seed_on_demand(part, tables)
     return json_response({"partition": part, "seed": progress.as_dict()}, status=202)
 
 

@@ -42,6 +42,7 @@ from changebus.schemas import (
     ScnNotFoundError,
     TransportError,
 )
+from changebus.schemas.config import scrub_exception
 
 from ._errors import FellOffRelayError
 
@@ -77,12 +78,13 @@ def transport_errors(where: str) -> Iterator[None]:
     """Inside: aiohttp, timeout and connection errors raise :class:`TransportError`.
 
     ``where`` (``"relay http://h:8470"``, already safe) heads the message;
-    the original exception is the ``__cause__``.
+    the original exception is the ``__cause__``. aiohttp may quote the URL
+    (``InvalidURL``): passwords in it are masked (:func:`~changebus.schemas.config.scrub`).
     """
     try:
         yield
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-        raise TransportError(f"{where}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        raise TransportError(f"{where}: {scrub_exception(exc)}") from exc
 
 
 async def json_body(resp: aiohttp.ClientResponse, where: str) -> Any:

@@ -42,6 +42,7 @@ from changebus.schemas import (
     event_at,
     parse_stream,
 )
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.server import (
     check_params,
     json_response,
@@ -75,6 +76,8 @@ def _host(request: web.Request, name: str | None) -> PartitionHost:
         if len(hosts) == 1:
             return next(iter(hosts.values()))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(hosts))}")
+    if not safe_name(name):
+        raise BadRequestError(f"partition name {name[:128]!r} must be {NAME_RULE}")
     try:
         return hosts[name]
     except KeyError:
