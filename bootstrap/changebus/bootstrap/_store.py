@@ -33,8 +33,6 @@ import os
 import sqlite3
 from pathlib import Path
 
-from changebus.schemas import SourceError
-from changebus.schemas.config import scrub
 from changebus.schemas.files import FILE_MODE, private_dir, private_file
 
 from ._db import PartitionState, StoreDb
@@ -72,16 +70,9 @@ class Store(LogStore, SnapshotFold, SeedLedger, Pages, StoreDb):
     @classmethod
     def postgres(cls, dsn: str) -> Store:
         """Open a Postgres store (the tables are created when missing)."""
-        import psycopg
+        from changebus.fetchers.postgres import pg_connect
 
-        try:
-            conn = psycopg.connect(dsn, autocommit=True)
-        except psycopg.Error as exc:
-            text = scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "", (dsn,))
-            raise SourceError(
-                f"cannot open the Postgres store (store.dsn): {type(exc).__name__}: {text}",
-                retriable=isinstance(exc, psycopg.OperationalError),
-            ) from None
+        conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn")
         return cls(conn, "postgres")
 
     def counts(self, part: str) -> dict[str, int]:

@@ -195,12 +195,14 @@ def reason(exc: BaseException, dsn: str = "") -> str:
     return exc.__class__.__name__
 
 
-def connect(dsn: str, what: str, **kwargs: Any) -> Any:
+def connect(dsn: str, what: str, *, option: str = "fetcher option dsn", **kwargs: Any) -> Any:
     """``psycopg.connect(dsn, autocommit=True, **kwargs)``; errors never quote the DSN.
 
     A connection that fails is a retriable :class:`SourceError` headed by
-    ``what``; a DSN libpq cannot parse (``ProgrammingError``, whose message
-    may quote a piece of it) a :class:`SourceConfigError`.
+    ``what`` (the reason scrubbed of the DSN and its password); a DSN libpq
+    cannot parse (``ProgrammingError``) a :class:`SourceConfigError` naming
+    ``option``, without libpq's text: it quotes the piece it choked on, which
+    may be (part of) the password.
     """
     import psycopg
 
@@ -208,7 +210,8 @@ def connect(dsn: str, what: str, **kwargs: Any) -> Any:
         return psycopg.connect(dsn, autocommit=True, **kwargs)
     except psycopg.OperationalError as exc:
         raise SourceError(f"{what}: {reason(exc, dsn)}") from None
-    except psycopg.Error as exc:
+    except psycopg.Error:
         raise SourceConfigError(
-            f"fetcher option dsn is not a valid Postgres connection string: {reason(exc, dsn)}"
+            f"{option} is not a valid Postgres connection string (libpq's message is not "
+            "shown: it may quote the password); check its key=value pairs or URL syntax"
         ) from None
