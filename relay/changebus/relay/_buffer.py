@@ -71,7 +71,7 @@ from changebus.schemas import (
     source_table,
 )
 from changebus.schemas.errors import BadRequestError, ConfigError
-from changebus.schemas.files import private_dir, private_file
+from changebus.schemas.files import narrow_files, private_dir, private_file
 
 from ._evict import Pin
 from ._meta import BufferMeta, MetaFile
@@ -161,6 +161,7 @@ class EventBuffer(BufferWriter):
         private_dir(directory)  # row data: the owner's only (0700 / 0600)
         for file in _FILES:
             private_file(directory / file)
+        narrow_files(directory)  # the registry and any side file, also from older versions
         self._metafile = MetaFile(directory / "meta.dat")
         previous = None if self._metafile.created else self._metafile.load()
         compatible = (

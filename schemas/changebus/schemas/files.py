@@ -30,6 +30,7 @@ __all__ = [
     "DIR_MODE",
     "FILE_MODE",
     "NAME_RULE",
+    "narrow_files",
     "open_private",
     "private_dir",
     "private_file",
@@ -87,3 +88,14 @@ def open_private(path: Path, flags: int) -> int:
 def private_file(path: Path) -> None:
     """Make sure ``path`` exists with mode ``0600`` (contents untouched)."""
     os.close(open_private(path, os.O_RDONLY | os.O_CREAT))
+
+
+def narrow_files(directory: Path) -> None:
+    """Set every regular file directly in ``directory`` to mode ``0600``.
+
+    For a directory changebus owns whole (a relay partition's): files an older
+    version left world-readable are narrowed at start-up, whoever made them.
+    """
+    for entry in directory.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            os.chmod(entry, FILE_MODE)
