@@ -26,8 +26,13 @@ from changebus.bootstrap import (
     SeedConfig,
     StoreConfig,
 )
-from changebus.relay import FetcherConfig, PartitionConfig, Relay, RelayConfig
-from changebus.relay import HttpConfig as RelayHttp
+from changebus.relay import (
+    FetcherConfig,
+    HttpConfig as RelayHttp,
+    PartitionConfig,
+    Relay,
+    RelayConfig,
+)
 from changebus.schemas import ChangebusError
 from fix_pg import PgServer, wait_until
 
@@ -36,6 +41,7 @@ pytestmark = pytest.mark.pg
 PASSWORD = "cb-Boot-S3cret-4Wx"
 SPACED = f"{PASSWORD} tail"
 ROOT = Path(__file__).resolve().parents[2]
+DAEMON = (sys.executable, "-m", "changebus.schemas", "bootstrap")
 
 
 def assert_clean(text: str, where: str) -> None:
@@ -125,12 +131,12 @@ def test_the_daemon_with_a_malformed_store_dsn_fails_in_one_clean_line(tmp_path:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
-            str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
+            str(ROOT / s)
+            for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
         ),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "changebus.schemas", "bootstrap", "--config", str(cfg)]
-        + ["--log-format", "json", "--log-level", "debug"],
+        [*DAEMON, "--config", str(cfg), "--log-format", "json", "--log-level", "debug"],
         env=env,
         capture_output=True,
         timeout=60,

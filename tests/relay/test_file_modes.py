@@ -18,8 +18,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from changebus.bootstrap import BootstrapConfig, BootstrapServer, StoreConfig
-from changebus.bootstrap import HttpConfig as BootHttp
+from changebus.bootstrap import (
+    BootstrapConfig,
+    BootstrapServer,
+    HttpConfig as BootHttp,
+    StoreConfig,
+)
 from changebus.client import FileCheckpointPersister
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Checkpoint, ConfigError, PartitionCheckpoint

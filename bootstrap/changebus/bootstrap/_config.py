@@ -157,7 +157,7 @@ class SeedConfig:
         if self.schema_wait_s <= 0:
             raise ConfigError("seed.schema_wait_s must be positive")
         if self.partition and not safe_name(self.partition):
-            raise ConfigError(f"seed.partition {self.partition[:140]!r} must be {NAME_RULE}")
+            raise ConfigError(f"seed.partition {self.partition[:140]!r} must match {NAME_RULE}")
         for table in self.tables:
             problem = table_name_problem(table)
             if problem is not None:
@@ -211,7 +211,7 @@ class BootstrapConfig:
         object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in self.relays))
         for name in self.partitions:
             if not safe_name(name):
-                raise ConfigError(f"partition name {name[:140]!r} must be {NAME_RULE}")
+                raise ConfigError(f"partition name {name[:140]!r} must match {NAME_RULE}")
         if len(set(self.partitions)) != len(self.partitions):
             raise ConfigError("partitions must be unique")
         if self.catchup_ratio < 0:

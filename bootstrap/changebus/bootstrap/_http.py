@@ -91,7 +91,7 @@ def _partition(request: web.Request) -> str:
             return next(iter(workers))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
     if not safe_name(name):
-        raise BadRequestError(f"partition name {name[:128]!r} must be {NAME_RULE}")
+        raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     if name not in workers:
         raise UnknownSourceError(
             f"no partition {name[:128]!r} here; known: {', '.join(sorted(workers))}"

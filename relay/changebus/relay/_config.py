@@ -91,7 +91,7 @@ class PartitionConfig:
 
     def __post_init__(self) -> None:
         if not safe_name(self.name):  # it names the buffer's directory
-            raise ConfigError(f"partition name {self.name[:140]!r} must be {NAME_RULE}")
+            raise ConfigError(f"partition name {self.name[:140]!r} must match {NAME_RULE}")
         if not 0 <= self.id <= 65535:
             raise ConfigError(f"partition {self.name}: id must be 0..65535")
 

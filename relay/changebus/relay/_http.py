@@ -77,7 +77,7 @@ def _host(request: web.Request, name: str | None) -> PartitionHost:
             return next(iter(hosts.values()))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(hosts))}")
     if not safe_name(name):
-        raise BadRequestError(f"partition name {name[:128]!r} must be {NAME_RULE}")
+        raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     try:
         return hosts[name]
     except KeyError:

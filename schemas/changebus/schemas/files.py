@@ -42,7 +42,7 @@ DIR_MODE: Final = 0o700
 #: mode of the files changebus creates
 FILE_MODE: Final = 0o600
 #: what :func:`safe_name` accepts, in words (for error messages)
-NAME_RULE: Final = "1 to 128 of [A-Za-z0-9_.-], not '.' or '..'"
+NAME_RULE: Final = "[A-Za-z0-9_.-]{1,128} (and not be '.' or '..')"
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
