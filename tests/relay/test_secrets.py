@@ -25,10 +25,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from fix_pg import PgServer, wait_until
-
-pytestmark = pytest.mark.pg
 
 PASSWORD = "cb-Relay-S3cret-9Kq"
 #: libpq refuses blanks in a URL's password and quotes it whole in its error
@@ -68,6 +67,7 @@ def assert_clean(text: str, where: str) -> None:
         assert needle not in text, f"{where} shows a secret: ...{text[:3000]}"
 
 
+@pytest.mark.pg
 async def test_no_password_in_logs_status_metrics_or_errors(
     tmp_path: Path, pg_dsn: str, pg_server: PgServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -119,6 +119,7 @@ def get(port: int, path: str) -> str:
         return bytes(exc.read()).decode()
 
 
+@pytest.mark.pg
 def test_daemon_json_log_shows_no_password(
     tmp_path: Path, pg_dsn: str, pg_server: PgServer
 ) -> None:
@@ -215,3 +216,43 @@ async def test_a_bad_dsn_at_start_up_is_one_clean_line(tmp_path: Path) -> None:
         async with Relay(cfg):
             await asyncio.sleep(0)
     assert_clean(str(info.value), "the start-up error")
+
+
+@pytest.mark.mysql
+async def test_mysql_fetcher_password_stays_secret(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A MySQL fetcher refused its login (a wrong password for a known user)."""
+    caplog.set_level(logging.DEBUG)
+    options = {
+        "host": "127.0.0.1",
+        "port": mysql_server.port,
+        "user": "root",
+        "password": PASSWORD,
+        "reconnect_attempts": 0,
+        "connect_timeout_s": 5,
+    }
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "my",
+                1,
+                capacity_bytes=1 << 20,
+                fetcher=FetcherConfig("mysql", options, retry_initial_s=0.05, retry_max_s=0.2),
+            ),
+        ),
+    )
+    async with Relay(cfg) as relay:
+        host = relay.hosts["my"]
+        await wait_until(lambda: host.state in ("failed", "retrying"), 30, "a failed login")
+        async with aiohttp.ClientSession() as s:
+            texts = []
+            for path in ("/v1/status", "/metrics", "/readyz"):
+                async with s.get(relay.url + path) as r:
+                    texts.append(await r.text())
+        assert host.last_error
+    for text in texts:
+        assert_clean(text, "an answer")
+    assert_clean(caplog.text, "the log")
