@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from changebus.schemas import ConfigError
 from changebus.schemas._logsetup import _JsonFormatter, _TextFormatter
 from changebus.schemas.config import (
+    load_config_dict,
     redacted,
     scrub,
     scrub_exception,
@@ -149,3 +151,18 @@ def test_scrub_exception_and_the_daemon_log_formatters() -> None:
         for formatter in (_TextFormatter([PASSWORD]), _JsonFormatter([PASSWORD])):
             line = formatter.format(record)
             assert PASSWORD not in line and "***" in line
+
+
+def test_a_secret_of_the_wrong_type_is_not_quoted_in_the_config_error() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        dsn: str = secret("")
+        api_key: str = ""
+        port: int = 0
+
+    for data in ({"dsn": 918273645}, {"api_key": ["x", 918273645]}):
+        with pytest.raises(ConfigError) as info:
+            load_config_dict(Options, data, "fetcher")
+        assert "918273645" not in info.value.message and "secret" in info.value.message
+    with pytest.raises(ConfigError, match="918273645"):  # not a secret: shown
+        load_config_dict(Options, {"port": "918273645"}, "fetcher")

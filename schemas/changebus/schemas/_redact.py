@@ -31,7 +31,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["MASK", "dsn_passwords", "scrub", "scrub_exception", "secret_key", "secret_values"]
+__all__ = [
+    "MASK",
+    "dsn_passwords",
+    "redact_value",
+    "scrub",
+    "scrub_exception",
+    "secret_key",
+    "secret_values",
+]
 
 #: what replaces a secret
 MASK: Final = "***"

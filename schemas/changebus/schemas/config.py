@@ -188,10 +188,16 @@ def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
             f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
             f"known: {', '.join(sorted(fields))}"
         )
-    kwargs = {
-        name: _convert(hints[name], value, f"{where}.{name}" if where else name, fields[name])
-        for name, value in data.items()
-    }
+    kwargs = {}
+    for name, value in data.items():
+        at = f"{where}.{name}" if where else name
+        try:
+            kwargs[name] = _convert(hints[name], value, at, fields[name])
+        except ConfigError:
+            if not (fields[name].metadata.get("secret") or secret_key(name)):
+                raise
+            # the message would quote the value
+            raise ConfigError(f"{at}: bad value (not shown: it is a secret)") from None
     try:
         return cls(**kwargs)
     except ConfigError:
