@@ -140,7 +140,10 @@ def test_seed_config_refuses_reserved_tables_and_unsafe_partitions() -> None:
 async def test_a_known_table_is_accepted(servers: tuple[Relay, BootstrapServer]) -> None:
     _relay, boot = servers
     status, body = await post_seed(boot, "synthetic.t1")
-    assert status == 202, body  # the seed starts (and fails later: no source to copy from)
+    assert status == 202, body  # the seed starts, and fails: no source to copy from
+    w = boot.service.workers["syn"]
+    await wait_until(lambda: w.seed.state in ("done", "failed"), 30, "the seed")
+    assert "cannot connect to the seed source" in w.seed.error
 
 
 async def test_a_schema_wait_that_times_out_fails_the_seed_loudly(
