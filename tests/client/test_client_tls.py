@@ -501,7 +501,7 @@ def test_spark_batch_read_over_https_with_a_token_file(
 
         df = read(**{"tls.caFile": str(tls_files.ca), "tokenFile": str(token_file)})
         assert df.count() == events > 0
-        with pytest.raises(Exception, match="UnauthorizedError: .*credentials required"):
+        with pytest.raises(Exception, match=r"UnauthorizedError: .*credentials required"):
             read(**{"tls.caFile": str(tls_files.ca)}).count()
     finally:
         call(cm.__aexit__(None, None, None))

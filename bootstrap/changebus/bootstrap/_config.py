@@ -49,7 +49,6 @@ durations seconds.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,8 +57,11 @@ from changebus.cluster import ClusterConfig
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
+
+from ._seedtypes import table_name_problem
 
 __all__ = [
     "ApplierConfig",
@@ -69,8 +71,6 @@ __all__ = [
     "SeedConfig",
     "StoreConfig",
 ]
-
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,9 @@ class SeedConfig:
     too: give the same values as the fetcher's options (a shared
     ``column_policy_file`` and ``column_hash_key_env`` say it once). A seed
     whose policy does not match the relay's schemas is refused.
+    ``schema_wait_s`` -- a seed waits this long for the relay's
+    schemas of its tables (the relay must have seen a change of each), then
+    fails with a clear error.
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -189,10 +192,21 @@ class SeedConfig:
             file=self.column_policy_file,
         )
 
+    #: how long a seed waits for the relay's schemas of its tables before it fails
+    schema_wait_s: float = 60.0
+
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
+        if self.schema_wait_s <= 0:
+            raise ConfigError("seed.schema_wait_s must be positive")
+        if self.partition and not safe_name(self.partition):
+            raise ConfigError(f"seed.partition {self.partition[:140]!r} must match {NAME_RULE}")
+        for table in self.tables:
+            problem = table_name_problem(table)
+            if problem is not None:
+                raise ConfigError(f"seed.tables: {problem}")
         if self.on_start and not self.dsn:
             raise ConfigError("seed.on_start needs seed.dsn")
         if (
@@ -245,8 +259,8 @@ class BootstrapConfig:
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
         object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in self.relays))
         for name in self.partitions:
-            if not _NAME.fullmatch(name):
-                raise ConfigError(f"partition name {name!r} must match [A-Za-z0-9_.-]{{1,128}}")
+            if not safe_name(name):
+                raise ConfigError(f"partition name {name[:140]!r} must match {NAME_RULE}")
         if len(set(self.partitions)) != len(self.partitions):
             raise ConfigError("partitions must be unique")
         if self.catchup_ratio < 0:

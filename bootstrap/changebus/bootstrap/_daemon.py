@@ -24,6 +24,7 @@ from typing import Self
 from aiohttp import web
 
 from changebus.schemas.config import redacted
+from changebus.schemas.files import private_dir
 from changebus.schemas.server import Server, serve
 
 from ._config import BootstrapConfig
@@ -64,7 +65,7 @@ class BootstrapServer:
 
     async def _running(self, app: web.Application) -> AsyncIterator[None]:
         try:
-            await asyncio.to_thread(self.config.data_dir.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(private_dir, self.config.data_dir)
             await self.service.start()
             yield
         finally:

@@ -7,7 +7,10 @@ into the snapshot like applied changes (never over a newer state of a key).
 A *gap*: the producer fell off the relay, so windows up to ``gap_end`` may
 be missing from the log. It is recorded as a ``cb_seed`` row under a name no
 table has (``*gap*``) and, while it is there, every table must be seeded
-again and positions before ``gap_end`` cannot be served. When a table's
+again and positions before ``gap_end`` cannot be served. No table can
+take that name: :meth:`seed_rows` and :meth:`forget_seed` refuse names
+:func:`~._seedtypes.table_name_problem` rejects (the HTTP seed request is
+checked before it gets here). When a table's
 seed ends after a gap, its snapshot rows the seed did not rewrite that are
 older than the gap were deleted during it: they become tombstones. The gap
 is forgotten once every known table has been seeded since.
@@ -17,16 +20,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from changebus.schemas import HEADER_SIZE, Op, decode_header
+from changebus.schemas import HEADER_SIZE, BadRequestError, Op, decode_header
 
 from ._db import UPSERT_SNAP, PartitionState, StoreDb
+from ._seedtypes import table_name_problem
 
 __all__ = ["SeedLedger"]
+
+
+def _check_tables(tables: Sequence[str]) -> None:
+    """Refuse a name that is no table (the gap marker above all)."""
+    for table in tables:
+        problem = table_name_problem(table)
+        if problem is not None:
+            raise BadRequestError(problem)
 
 
 class SeedLedger(StoreDb):
     """Seeded tables and gaps in the log (a part of :class:`~._store.Store`)."""
 
+    #: the ``cb_seed`` name of a gap: reserved, never a table (no dot)
     _GAP = "*gap*"
 
     def mark_gap(self, part: str, gap_end: int) -> PartitionState:
@@ -105,6 +118,7 @@ class SeedLedger(StoreDb):
         After a gap (:meth:`mark_gap`) the end of a table also turns the rows
         deleted during the gap into tombstones.
         """
+        _check_tables([table])
         with self._txn():
             if not events:
                 gap_end = self.gap(part)
@@ -137,6 +151,7 @@ class SeedLedger(StoreDb):
 
     def forget_seed(self, part: str, tables: Sequence[str]) -> None:
         """Mark ``tables`` as not seeded (a re-seed copies them again)."""
+        _check_tables(tables)
         with self._txn():
             self._many(
                 "DELETE FROM cb_seed WHERE part = {p} AND name = {p}", [(part, t) for t in tables]

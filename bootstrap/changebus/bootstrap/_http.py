@@ -56,6 +56,7 @@ from changebus.schemas import (
     event_mask,
     parse_stream,
 )
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import principal_of
 from changebus.schemas.server import (
     MAX_DIGITS,
@@ -102,6 +103,8 @@ def _partition(request: web.Request) -> str:
             principal.check_partition(name)
             return name
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
+    if not safe_name(name):
+        raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     principal.check_partition(name)  # before the lookup: 403 whether it exists or not
     if name not in workers:
         raise UnknownSourceError(
@@ -357,7 +360,7 @@ async def seed(request: web.Request) -> web.Response:
     principal_of(request).check_scope("admin")
     part = _partition(request)
     tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
-    progress = request.app[SERVICE].start_seed(part, tables, again=True)
+    progress = await request.app[SERVICE].seed_on_demand(part, tables)
     return json_response({"partition": part, "seed": progress.as_dict()}, status=202)
 
 

@@ -107,7 +107,6 @@ def seed_postgres(
     tables. ``request.relay_fetcher`` is not needed (commit LSNs are the
     server's own SCNs) and ignored.
     """
-    import psycopg
 
     from changebus.fetchers.postgres import (
         Assembler,
@@ -117,6 +116,7 @@ def seed_postgres(
         Relation,
         RelationColumn,
         TypeResolver,
+        pg_connect,
     )
 
     registry = SchemaRegistry()
@@ -127,9 +127,10 @@ def seed_postgres(
         progress.state = "copied"
         return progress.scn
     slot = f"changebus_seed_{uuid.uuid4().hex[:12]}"
+    where = "cannot connect to the seed source"
     with (
-        psycopg.connect(request.dsn, autocommit=True, replication="database") as repl,
-        psycopg.connect(request.dsn, autocommit=True) as conn,
+        pg_connect(request.dsn, where, option="seed.dsn", replication="database") as repl,
+        pg_connect(request.dsn, where, option="seed.dsn") as conn,
     ):
         row = repl.execute(
             f"CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"

@@ -14,12 +14,35 @@ from typing import Any
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import ConfigError, TableSchema
 
-__all__ = ["SeedProgress", "SeedRequest", "SeedWriter"]
+__all__ = ["SeedProgress", "SeedRequest", "SeedWriter", "table_name_problem"]
+
+#: longest table name a seed accepts (``schema.table``: two identifiers and a dot)
+_MAX_TABLE_NAME = 256
 
 #: ``write(table, events, scn)``: merge one chunk of encoded INSERT events of
 #: ``table`` into the snapshot at ``scn``; an empty chunk records ``table`` as
 #: seeded. Called from the seeder's thread; returns once the chunk is stored.
 SeedWriter = Callable[[str, list[bytes], int], None]
+
+
+def table_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a table to seed (None: it can).
+
+    A table is ``schema.table`` (``database.table``): a dot with a name on
+    each side. Names changebus keeps for itself in the seed ledger (the gap
+    marker ``*gap*`` and anything else starting with ``*``, which has no
+    dot) are reserved; control characters and names over 256 characters are
+    refused.
+    """
+    shown = repr(name[:80]) + ("..." if len(name) > 80 else "")
+    if name.startswith("*"):
+        return f"table name {shown} is reserved by changebus"
+    schema, dot, table = name.partition(".")
+    if not dot or not schema or not table:
+        return f"table name {shown} is not schema.table"
+    if len(name) > _MAX_TABLE_NAME or not name.isprintable():
+        return f"table name {shown} is too long or holds control characters"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,14 +60,17 @@ from changebus.schemas import (
     FIRST_CONTROL_OP,
     BadRequestError,
     ChangebusError,
+    NotYetError,
+    SourceConfigError,
     TableSchema,
     UnknownSourceError,
 )
+from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._config import BootstrapConfig
 from ._member import ClusterMember
 from ._seeders import seeder_for
-from ._seedtypes import SeedProgress, SeedRequest
+from ._seedtypes import SeedProgress, SeedRequest, table_name_problem
 from ._store import PartitionState, Store
 
 __all__ = ["BootstrapService", "PartitionWorker"]
@@ -174,6 +177,8 @@ class BootstrapService:
 
     def __init__(self, config: BootstrapConfig) -> None:
         self.config = config
+        #: what error texts must never show (store and seed DSNs, their passwords)
+        self.secrets = secret_values(config)
         self.stores = _StoreThreads(config)
         self.workers: dict[str, PartitionWorker] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -312,16 +317,18 @@ class BootstrapService:
                     # the relay dropped windows this log never got: the log has a gap
                     w.state = "fell_off"
                     w.fell_off += 1
-                    w.last_error = exc.message
-                    log.error("partition %s: the producer fell off the relay: %s", w.name, exc)
+                    w.last_error = scrub(exc.message, self.secrets)
+                    log.error(
+                        "partition %s: the producer fell off the relay: %s", w.name, w.last_error
+                    )
                     if cfg.seed.dsn:
                         await sink.join()
                         await self._repair_gap(w, stream.relay)
                         continue
                 except ChangebusError as exc:
                     w.state = "error"
-                    w.last_error = exc.message
-                    log.error("partition %s: producer stopped: %s", w.name, exc.message)
+                    w.last_error = scrub(exc.message, self.secrets)
+                    log.error("partition %s: producer stopped: %s", w.name, w.last_error)
                 await asyncio.sleep(cfg.producer.fell_off_retry_s)
                 # resume after what was written (the sink may still be draining)
                 await sink.join()
@@ -457,6 +464,45 @@ class BootstrapService:
             raise BadRequestError("name the partition to seed (seed.partition)")
         return next(iter(self.workers))
 
+    async def seed_on_demand(self, part: str, tables: list[str]) -> SeedProgress:
+        """``POST /v1/seed``: check ``tables`` (400 naming a bad one), then re-seed them."""
+        await self.check_seed_tables(part, tables)
+        return self.start_seed(part, tables, again=True)
+
+    async def check_seed_tables(self, part: str, tables: list[str]) -> None:
+        """Raise 400 for a reserved or malformed table name, or one the partition lacks.
+
+        Known tables: those whose schemas the store holds, else those the
+        relays list for ``part`` (a table the relay knew before this server
+        copied its schema). No relay answering: 503, retriable.
+        """
+        for table in tables:
+            problem = table_name_problem(table)
+            if problem is not None:
+                raise BadRequestError(problem)
+        rows = await self.stores.read(lambda s: s.schemas(part))
+        unknown = sorted(set(tables) - {n for _s, _v, n, _j in rows})
+        if not unknown:
+            return
+
+        async def names(info: RelayInfo) -> set[str] | None:
+            found = (await info.sources()).get(part)
+            return {s.name for s in found.sources} if found is not None else None
+
+        try:
+            relay_names = await self._relays().search(names)
+        except ChangebusError as exc:
+            raise NotYetError(f"cannot check the tables with a relay: {exc.message}") from None
+        if relay_names is None:
+            raise NotYetError(f"no relay lists partition {part} yet; retry soon")
+        unknown = sorted(set(unknown) - relay_names)
+        if unknown:
+            shown = ", ".join(repr(t[:80]) for t in unknown[:10])
+            raise BadRequestError(
+                f"partition {part} has no table(s) {shown} (tables are schema.table names "
+                "the relay has seen a change of)"
+            )
+
     def start_seed(self, part: str, tables: list[str], *, again: bool) -> SeedProgress:
         """Start seeding ``tables`` of ``part`` (all known sources when empty) in the background.
 
@@ -512,16 +558,39 @@ class BootstrapService:
             raise
         except Exception as exc:  # noqa: BLE001 - reported in /v1/status, the daemon goes on
             w.seed.state = "failed"
-            w.seed.error = exc.message if isinstance(exc, ChangebusError) else repr(exc)
+            w.seed.error = (
+                scrub(exc.message, self.secrets)
+                if isinstance(exc, ChangebusError)
+                else scrub_exception(exc, self.secrets)
+            )
             log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
+            if not isinstance(exc, ChangebusError):  # a bug: its traceback, scrubbed
+                log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
 
     async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
-        """Until the store knows the schemas of ``tables`` (any, when empty) from the relay."""
-        for _ in range(600):
+        """Until the store knows the schemas of ``tables`` (any, when empty) from the relay.
+
+        Raises :class:`SourceConfigError` naming what is missing after
+        ``seed.schema_wait_s``: a seed never goes on without them.
+        """
+        deadline = time.monotonic() + self.config.seed.schema_wait_s
+        while True:
             rows = await self.stores.write(lambda s: s.schemas(w.name))
             names = {n for _s, _v, n, _j in rows}
             if (set(tables) <= names) if tables else names:
                 return
+            if time.monotonic() >= deadline:
+                missing = sorted(set(tables) - names) if tables else []
+                what = (
+                    f"the schemas of {', '.join(repr(t[:80]) for t in missing[:10])}"
+                    if missing
+                    else "any table schema"
+                )
+                raise SourceConfigError(
+                    f"partition {w.name}: gave up after {self.config.seed.schema_wait_s:g}s "
+                    f"waiting for {what} from the relay (it has not seen a change of them); "
+                    "nothing was seeded"
+                )
             await asyncio.sleep(0.1)
 
     async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:

@@ -20,14 +20,20 @@ window in ``(log_min_scn, producer_scn]``; ``base_scn <= log_min_scn`` (pruning
 the log moves only ``log_min_scn``).
 
 Two dialects with the same statements: SQLite (the default: one file, no
-server) and Postgres (``psycopg``). A :class:`Store` is **not thread-safe**:
+server; the file, its ``-wal`` and ``-shm`` are private: mode 0600 in a
+directory created 0700, :mod:`changebus.schemas.files`) and Postgres
+(``psycopg``; a failed connection is a :class:`SourceError` whose message
+never quotes the DSN). A :class:`Store` is **not thread-safe**:
 the daemon owns each one from a single thread (see :mod:`._service`).
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
+
+from changebus.schemas.files import FILE_MODE, private_dir, private_file
 
 from ._db import PartitionState, StoreDb
 from ._fold import SnapshotFold
@@ -43,8 +49,18 @@ class Store(LogStore, SnapshotFold, SeedLedger, Pages, StoreDb):
 
     @classmethod
     def sqlite(cls, path: Path) -> Store:
-        """Open (create) a SQLite store file; WAL journal, synchronous=NORMAL."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Open (create) a SQLite store file; WAL journal, synchronous=NORMAL.
+
+        The file is created (or narrowed to) mode 0600 before SQLite opens it;
+        SQLite gives the ``-wal`` and ``-shm`` files the database's mode, and
+        ones left by an older version are narrowed here too.
+        """
+        private_dir(path.parent, narrow=False)
+        private_file(path)
+        for side in ("-wal", "-shm"):
+            side_path = path.with_name(path.name + side)
+            if side_path.exists():
+                os.chmod(side_path, FILE_MODE)
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -54,9 +70,9 @@ class Store(LogStore, SnapshotFold, SeedLedger, Pages, StoreDb):
     @classmethod
     def postgres(cls, dsn: str) -> Store:
         """Open a Postgres store (the tables are created when missing)."""
-        import psycopg
+        from changebus.fetchers.postgres import pg_connect
 
-        conn = psycopg.connect(dsn, autocommit=True)
+        conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn")
         return cls(conn, "postgres")
 
     def counts(self, part: str) -> dict[str, int]:

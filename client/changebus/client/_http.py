@@ -56,6 +56,7 @@ from changebus.schemas import (
     ScnNotFoundError,
     TransportError,
 )
+from changebus.schemas.config import scrub_exception
 from changebus.schemas.security import ClientAuth
 
 from ._errors import FellOffRelayError
@@ -94,7 +95,8 @@ def transport_errors(where: str) -> Iterator[None]:
     """Inside: aiohttp, timeout and connection errors raise :class:`TransportError`.
 
     ``where`` (``"relay http://h:8470"``, already safe) heads the message;
-    the original exception is the ``__cause__``.
+    the original exception is the ``__cause__``. aiohttp may quote the URL
+    (``InvalidURL``): passwords in it are masked (:func:`~changebus.schemas.config.scrub`).
     """
     try:
         yield
@@ -106,7 +108,7 @@ def transport_errors(where: str) -> Iterator[None]:
                 " server's certificate and name, and the client certificate; not retried",
                 retriable=False,
             ) from exc
-        raise TransportError(f"{where}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        raise TransportError(f"{where}: {scrub_exception(exc)}") from exc
 
 
 #: OpenSSL reasons that say the TLS settings of one side do not fit the other's

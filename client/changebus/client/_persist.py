@@ -9,6 +9,7 @@ once, on start.
 * :class:`FileCheckpointPersister` -- a JSON file, replaced atomically:
   write ``<name>.tmp``, fsync it, ``os.replace`` over the file, fsync the
   directory. A reader sees the old or the new checkpoint, never a torn one.
+  Both files are mode 0600 whatever the umask (a directory it creates 0700).
   File work runs in a worker thread (never on the event loop).
 * :class:`MemoryCheckpointPersister` -- in memory (tests, throwaway readers).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from changebus.schemas import Checkpoint, CheckpointError
+from changebus.schemas.files import open_private, private_dir
 
 __all__ = ["CheckpointPersister", "FileCheckpointPersister", "MemoryCheckpointPersister"]
 
@@ -108,9 +110,9 @@ class FileCheckpointPersister:
 
     def _write_locked(self, text: str) -> None:
         directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory, narrow=False)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             data = text.encode()
             done = 0

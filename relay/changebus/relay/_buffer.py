@@ -84,6 +84,7 @@ from changebus.schemas import (
     source_table,
 )
 from changebus.schemas.errors import BadRequestError, ConfigError
+from changebus.schemas.files import narrow_files, private_dir, private_file
 
 from ._evict import Pin
 from ._meta import BufferMeta, MetaFile
@@ -96,6 +97,10 @@ from ._writer import BufferWriter
 __all__ = ["BufferConfig", "EventBuffer", "Pin", "Selection"]
 
 log = logging.getLogger("changebus.relay.buffer")
+
+#: the buffer's files, created mode 0600 before they are mapped (a side file added
+#: later must be created through :func:`changebus.schemas.files.private_file` too)
+_FILES = ("meta.dat", "ring.dat", "events.dat", "index.dat")
 
 #: ring bytes faulted in ahead of the writer (see :mod:`._prefault`)
 _PREFAULT_AHEAD = 32 << 20
@@ -166,7 +171,10 @@ class EventBuffer(BufferWriter):
         self.capacity = config.capacity_bytes
         self.block = config.block
         index_slots = math.ceil(self.capacity / self.block) + 4
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)  # row data: the owner's only (0700 / 0600)
+        for file in _FILES:
+            private_file(directory / file)
+        narrow_files(directory)  # the registry and any side file, also from older versions
         self._metafile = MetaFile(directory / "meta.dat")
         previous = None if self._metafile.created else self._metafile.load()
         compatible = (

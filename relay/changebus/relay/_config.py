@@ -49,7 +49,6 @@ only (``docs/security.md``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,14 +56,13 @@ from typing import Any, Literal
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig
 
 __all__ = ["FetcherConfig", "HttpConfig", "PartitionConfig", "RelayConfig"]
-
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -132,8 +130,8 @@ class PartitionConfig:
     fetcher: FetcherConfig = field(default_factory=FetcherConfig)
 
     def __post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name):
-            raise ConfigError(f"partition name {self.name!r} must match [A-Za-z0-9_.-]{{1,128}}")
+        if not safe_name(self.name):  # it names the buffer's directory
+            raise ConfigError(f"partition name {self.name[:140]!r} must match {NAME_RULE}")
         if not 0 <= self.id <= 65535:
             raise ConfigError(f"partition {self.name}: id must be 0..65535")
 

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from changebus.cluster import ClusterConfig, CoordinationError
 from changebus.schemas.config import redacted
+from changebus.schemas.files import private_dir
 from changebus.schemas.security import ClientAuth
 from changebus.schemas.server import Server, serve
 
@@ -117,7 +118,7 @@ class Relay:
     async def _partitions(self, app: web.Application) -> AsyncIterator[None]:
         cfg = self.config
         try:
-            await asyncio.to_thread(cfg.data_dir.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(private_dir, cfg.data_dir)
             for part in cfg.partitions:
                 if cfg.cluster is not None:  # the cluster member starts the fetchers
                     part = dataclasses.replace(part, fetcher=FetcherConfig())

@@ -26,7 +26,10 @@ cluster member to step down.
 
 A fetcher failure marked retriable restarts the fetcher from the buffer's
 last SCN with exponential backoff; a non-retriable one stops ingestion for
-this partition (``/readyz`` then reports it) while reading goes on.
+this partition (``/readyz`` then reports it) while reading goes on. Its text
+(``last_error`` in ``/v1/status``, the log lines) is scrubbed of the
+fetcher's secrets (:func:`changebus.schemas.config.scrub`): a driver may
+quote a malformed DSN in its message.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from changebus.schemas import (
     decode_control,
     encode_control,
 )
+from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
@@ -148,6 +152,8 @@ class PartitionHost:
         self.fetcher: Fetcher | None = None
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
         self.last_error = ""
+        #: what error texts must never show: the fetcher's secret option values
+        self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
         #: the leadership epoch this partition serves under (None: not in a cluster);
@@ -213,6 +219,7 @@ class PartitionHost:
             await asyncio.get_running_loop().run_in_executor(self._writer, _nothing)
             self.fence = fence
             self.config = dataclasses.replace(self.config, fetcher=fetcher)
+            self._secrets = secret_values(fetcher)
             self.state = "idle" if fetcher.kind == "none" else "starting"
             self.last_error = ""
             log.info("partition %s: fetcher switched to %s", self.name, fetcher.kind)
@@ -493,21 +500,26 @@ class PartitionHost:
                 log.error("partition %s: ingest stopped: %s", self.name, exc)
                 fenced = True
             except ChangebusError as exc:
-                self.last_error = exc.message
+                self.last_error = scrub(exc.message, self._secrets)
                 if not exc.retriable:
                     self.state = "failed"
-                    log.error("partition %s: fetcher failed for good: %s", self.name, exc.message)
+                    log.error(
+                        "partition %s: fetcher failed for good: %s", self.name, self.last_error
+                    )
                     return
                 log.warning(
                     "partition %s: fetcher error, retrying in %.1fs: %s",
                     self.name,
                     delay,
-                    exc.message,
+                    self.last_error,
                 )
-            except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception(
-                    "partition %s: unexpected fetcher error, retrying in %.1fs", self.name, delay
+            except Exception as exc:  # noqa: BLE001 - logged (scrubbed traceback), retried
+                self.last_error = scrub_exception(exc, self._secrets)
+                log.error(
+                    "partition %s: unexpected fetcher error, retrying in %.1fs: %s",
+                    self.name,
+                    delay,
+                    scrub_exception(exc, self._secrets, trace=True),
                 )
             finally:
                 if pump is not None:

@@ -43,6 +43,7 @@ from changebus.schemas import (
     UnknownSchemaError,
     UnknownSourceError,
 )
+from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import Principal, principal_of
 from changebus.schemas.server import (
     check_params,
@@ -85,6 +86,8 @@ def _host(request: web.Request, name: str | None) -> PartitionHost:
         if len(hosts) == 1:
             return next(iter(hosts.values()))
         raise BadRequestError(f"name the partition: one of {', '.join(sorted(hosts))}")
+    if not safe_name(name):
+        raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     try:
         return hosts[name]
     except KeyError:

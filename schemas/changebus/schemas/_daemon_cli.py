@@ -11,19 +11,21 @@ runs the daemon's coroutine (which serves through
 Exit statuses, the same for every daemon: 0 after SIGTERM or SIGINT
 (whether the daemon was serving or still starting); 2 for a bad config or
 a fatal start-up error (a :class:`ChangebusError`, printed as one line);
-anything else is a bug and ends with Python's traceback (1).
+anything else is a bug and ends with its traceback (1). What is printed or
+logged is scrubbed of the config's secrets (:func:`~.config.scrub`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ._logsetup import setup_logging
-from .config import load_config
+from .config import load_config, scrub, scrub_exception, secret_values
 from .errors import ChangebusError
 
 __all__ = ["add_daemon_parser", "run_daemon"]
@@ -78,12 +80,18 @@ def run_daemon(
     except ChangebusError as exc:
         print(f"changebus {name}: {exc.message}")
         return 2
-    setup_logging(getattr(config, "log_level", "info"), getattr(config, "log_format", "text"))
+    secrets = secret_values(config)
+    setup_logging(
+        getattr(config, "log_level", "info"), getattr(config, "log_format", "text"), secrets
+    )
     if prepare is not None:
         prepare(config)
     try:
         asyncio.run(run(config))
     except ChangebusError as exc:
-        print(f"changebus {name}: {exc.message}")
+        print(f"changebus {name}: {scrub(exc.message, secrets)}")
         return 2
+    except Exception as exc:  # noqa: BLE001 - a bug: its traceback, without the secrets
+        print(scrub_exception(exc, secrets, trace=True), file=sys.stderr)
+        return 1
     return 0

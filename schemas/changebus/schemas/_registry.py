@@ -41,6 +41,7 @@ from typing import Any
 from ._crc import crc32
 from ._table import TableSchema
 from .errors import SchemaError, UnknownSchemaError
+from .files import open_private, private_dir
 
 __all__ = ["SchemaRegistry"]
 
@@ -106,9 +107,9 @@ class SchemaRegistry:
             {"crc": crc32(_entry_text(entry)), "entry": entry}, separators=(",", ":")
         ).encode()
         line += b"\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, narrow=False)
         created = not self.path.exists()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             if os.fstat(fd).st_size != self._end:
                 os.ftruncate(fd, self._end)  # drop a torn tail left by a crash

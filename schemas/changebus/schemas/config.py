@@ -16,7 +16,12 @@ Env and CLI values are parsed as TOML values when they parse (``8080``,
 ``true``, ``["a", "b"]``) and taken as plain strings otherwise.
 
 Fields whose metadata holds ``{"secret": True}`` (DSNs, passwords) are shown
-as ``"***"`` by :func:`redacted`, which is what daemons log. Size fields with
+as ``"***"`` by :func:`redacted`, which is what daemons log; so are values of
+free-form option tables under secret-looking keys (``dsn``, ``password``,
+``column_hash_key``, ``token``...: :func:`secret_key`) and passwords inside
+any DSN or URL string. :func:`scrub` removes a config's secrets
+(:func:`secret_values`) and DSN passwords from any text: every error message
+that can reach a log, a status page or an HTTP body goes through it. Size fields with
 ``{"unit": "bytes"}`` also accept strings such as ``"64MiB"`` or ``"2GB"``.
 """
 
@@ -32,9 +37,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from ._redact import (
+    redact_value,
+    scrub as scrub,
+    scrub_exception as scrub_exception,
+    secret_key as secret_key,
+    secret_values as secret_values,
+)
 from .errors import ConfigError
 
-__all__ = ["load_config", "load_config_dict", "parse_size", "redacted", "secret", "size_field"]
+__all__ = [
+    "load_config",
+    "load_config_dict",
+    "parse_size",
+    "redacted",
+    "scrub",
+    "scrub_exception",
+    "secret",
+    "secret_key",
+    "secret_values",
+    "size_field",
+]
 
 T = TypeVar("T")
 
@@ -165,10 +188,16 @@ def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
             f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
             f"known: {', '.join(sorted(fields))}"
         )
-    kwargs = {
-        name: _convert(hints[name], value, f"{where}.{name}" if where else name, fields[name])
-        for name, value in data.items()
-    }
+    kwargs = {}
+    for name, value in data.items():
+        at = f"{where}.{name}" if where else name
+        try:
+            kwargs[name] = _convert(hints[name], value, at, fields[name])
+        except ConfigError:
+            if not (fields[name].metadata.get("secret") or secret_key(name)):
+                raise
+            # the message would quote the value
+            raise ConfigError(f"{at}: bad value (not shown: it is a secret)") from None
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -215,18 +244,10 @@ def load_config_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> 
 
 
 def redacted(config: Any) -> Any:
-    """A JSON-friendly copy of a config dataclass with secrets masked."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            if f.metadata.get("secret"):
-                out[f.name] = "***" if value else value
-            else:
-                out[f.name] = redacted(value)
-        return out
-    if isinstance(config, tuple | list):
-        return [redacted(v) for v in config]
-    if isinstance(config, Path):
-        return str(config)
-    return config
+    """A JSON-friendly copy of a config dataclass with secrets masked.
+
+    Masked: fields marked :func:`secret`, values of option tables under
+    secret-looking keys (:func:`secret_key`, at any depth) and the passwords
+    of DSNs and URLs in any other string.
+    """
+    return redact_value(config)

@@ -4,8 +4,9 @@ The fetcher itself is kind ``postgres`` (docs/postgres.md), built by
 :func:`fetcher_factory` (its entry in the ``changebus.fetchers`` group); this
 package exposes its building blocks: the pgoutput message parser, the binary
 value decoders, the catalog type resolver, the assembler that turns a message
-stream into encoded windows, and :class:`EmbeddedPostgres`, a private
-throwaway server for demos and tests.
+stream into encoded windows, :func:`pg_connect` (a connection whose errors
+never quote the DSN), and :class:`EmbeddedPostgres`, a private throwaway
+server for demos and tests.
 """
 
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from ._pgoutput import (
     Update as Update,
     parse_message as parse_message,
 )
+from ._setup import connect as pg_connect
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
 
@@ -68,4 +70,5 @@ __all__ = [
     "fetcher_factory",
     "find_pg_bin",
     "parse_message",
+    "pg_connect",
 ]

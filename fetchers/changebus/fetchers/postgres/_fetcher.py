@@ -49,7 +49,7 @@ from .._base import ResumePoint, Window, window_bytes
 from .._threadfeed import ThreadFeed
 from ._assembler import Assembler
 from ._config import PostgresConfig
-from ._setup import reason, set_up
+from ._setup import connect, reason, set_up
 from ._stream import HOLD_S, HOLD_WINDOWS, Ticker, poll_sql, stream
 from ._types import TypeResolver
 
@@ -142,10 +142,7 @@ class PostgresFetcher:
         import psycopg
 
         cfg = self.config
-        try:
-            catalog = psycopg.connect(cfg.dsn, autocommit=True)
-        except psycopg.OperationalError as exc:
-            raise SourceError(f"cannot connect to Postgres: {reason(exc)}") from None
+        catalog = connect(cfg.dsn, "cannot connect to Postgres")
         with catalog:
             resolver = TypeResolver(catalog)
             registry = SchemaRegistry()
@@ -170,12 +167,9 @@ class PostgresFetcher:
                 if cfg.mode == "sql":
                     poll_sql(self, catalog, assembler, emit, stopping, ticker)
                     return
-                try:
-                    repl = psycopg.connect(cfg.dsn, autocommit=True, replication="database")
-                except psycopg.OperationalError as exc:
-                    raise SourceError(
-                        f"cannot open a replication connection: {reason(exc)}"
-                    ) from None
+                repl = connect(
+                    cfg.dsn, "cannot open a replication connection", replication="database"
+                )
                 # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
                 # fail before closing, leaving the server's walsender holding the slot
                 try:
@@ -183,7 +177,7 @@ class PostgresFetcher:
                 finally:
                     repl.close()
             except psycopg.OperationalError as exc:  # the server went away mid-stream
-                raise SourceError(f"lost the Postgres connection: {reason(exc)}") from None
+                raise SourceError(f"lost the Postgres connection: {reason(exc, cfg.dsn)}") from None
 
     def _emit(self, window: Window, emit: Callable[[Window], None]) -> None:
         with self._lock:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from changebus.schemas import SourceConfigError, SourceError, lsn_to_scn, scn_to_lsn
+from changebus.schemas.config import scrub
 
 from .._base import ResumePoint
 from ._config import PostgresConfig
 
-__all__ = ["StartPlan", "reason", "set_up"]
+__all__ = ["StartPlan", "connect", "reason", "set_up"]
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -52,7 +53,7 @@ def set_up(config: PostgresConfig, resume: ResumePoint, partition: str) -> Start
     import psycopg
 
     try:
-        with psycopg.connect(config.dsn, autocommit=True) as catalog:
+        with connect(config.dsn, "cannot connect to Postgres") as catalog:
             resume, data_loss = _prepare(catalog, config, resume, partition)
             row = catalog.execute(
                 "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
@@ -177,8 +178,40 @@ def _announce_loss(
     return ResumePoint(hi, scn_to_lsn(new_start), resume.schemas), (last + 1, hi, why)
 
 
-def reason(exc: BaseException) -> str:
-    """An error's first line without connection details (no DSN, no password)."""
+def reason(exc: BaseException, dsn: str = "") -> str:
+    """An error's first line without connection details (no DSN, no password).
+
+    The server's primary message when there is one; else (a connection that
+    failed, a DSN libpq cannot parse) the first line of the error scrubbed of
+    ``dsn`` and its password; else the error's class name.
+    """
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None) if diag is not None else None
-    return str(primary) if primary else exc.__class__.__name__
+    if primary:
+        return str(primary)
+    lines = str(exc).strip().splitlines()
+    if dsn and lines:
+        return scrub(lines[0], (dsn,))
+    return exc.__class__.__name__
+
+
+def connect(dsn: str, what: str, *, option: str = "fetcher option dsn", **kwargs: Any) -> Any:
+    """``psycopg.connect(dsn, autocommit=True, **kwargs)``; errors never quote the DSN.
+
+    A connection that fails is a retriable :class:`SourceError` headed by
+    ``what`` (the reason scrubbed of the DSN and its password); a DSN libpq
+    cannot parse (``ProgrammingError``) a :class:`SourceConfigError` naming
+    ``option``, without libpq's text: it quotes the piece it choked on, which
+    may be (part of) the password.
+    """
+    import psycopg
+
+    try:
+        return psycopg.connect(dsn, autocommit=True, **kwargs)
+    except psycopg.OperationalError as exc:
+        raise SourceError(f"{what}: {reason(exc, dsn)}") from None
+    except psycopg.Error:
+        raise SourceConfigError(
+            f"{option} is not a valid Postgres connection string (libpq's message is not "
+            "shown: it may quote the password); check its key=value pairs or URL syntax"
+        ) from None

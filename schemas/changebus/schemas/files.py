@@ -1,0 +1,101 @@
+"""Private data files and safe names: how every changebus component touches its disk.
+
+Row data is customer data, so what changebus writes is readable by its own
+user only, whatever the process umask: directories it creates get mode
+``0700``, files ``0600``, set explicitly (``os.open`` with the mode, then
+``fchmod``/``chmod``, which the umask does not filter). Files made by other
+code (``numpy.memmap``, SQLite) are created through :func:`private_file`
+first; SQLite then gives its ``-wal`` and ``-shm`` files the database file's
+mode. A file or directory that exists already is narrowed to the same mode
+(an upgrade from a version that left them world-readable).
+
+Names that become a path component (partition names: the relay's buffer
+directories, the bootstrap store's rows) must be :func:`safe_name`: one
+component of ``[A-Za-z0-9_.-]``, at most 128 characters, never ``.`` or
+``..``.
+
+Every function here blocks (file system calls): call them from a worker
+thread when on an event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "NAME_RULE",
+    "narrow_files",
+    "open_private",
+    "private_dir",
+    "private_file",
+    "safe_name",
+]
+
+#: mode of the directories changebus creates
+DIR_MODE: Final = 0o700
+#: mode of the files changebus creates
+FILE_MODE: Final = 0o600
+#: what :func:`safe_name` accepts, in words (for error messages)
+NAME_RULE: Final = "[A-Za-z0-9_.-]{1,128} (and not be '.' or '..')"
+
+_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def safe_name(name: str) -> bool:
+    """Whether ``name`` is a safe single path component (:data:`NAME_RULE`)."""
+    return bool(_NAME.fullmatch(name)) and name not in (".", "..")
+
+
+def private_dir(path: Path, *, narrow: bool = True) -> None:
+    """Create ``path`` and its missing parents with mode ``0700``.
+
+    ``narrow``: an existing ``path`` (not its parents) is set to ``0700`` too;
+    leave it False for a directory the user chose that may be shared (the
+    parent of a configured file, the current directory).
+    """
+    missing: list[Path] = []
+    at = path
+    while not at.exists():
+        missing.append(at)
+        if at.parent == at:
+            break
+        at = at.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made concurrently
+            directory.mkdir(mode=DIR_MODE)
+        os.chmod(directory, DIR_MODE)
+    if narrow and not missing:
+        os.chmod(path, DIR_MODE)
+
+
+def open_private(path: Path, flags: int) -> int:
+    """``os.open(path, flags)`` for a file of mode ``0600`` (created or narrowed)."""
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def private_file(path: Path) -> None:
+    """Make sure ``path`` exists with mode ``0600`` (contents untouched)."""
+    os.close(open_private(path, os.O_RDONLY | os.O_CREAT))
+
+
+def narrow_files(directory: Path) -> None:
+    """Set every regular file directly in ``directory`` to mode ``0600``.
+
+    For a directory changebus owns whole (a relay partition's): files an older
+    version left world-readable are narrowed at start-up, whoever made them.
+    """
+    for entry in directory.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            os.chmod(entry, FILE_MODE)
