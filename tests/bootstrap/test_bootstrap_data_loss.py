@@ -231,6 +231,10 @@ async def test_a_data_loss_window_is_a_gap_positions_before_it_are_refused(
             assert "POST /v1/seed?partition=syn" in gap["repair"]
             assert "seed.dsn" in gap["repair"]
             assert part["data_loss"] == 1 and "15..19" in part["last_error"]
+            async with aiohttp.ClientSession() as http, http.get(boot.url + "/metrics") as r:
+                text = await r.text()
+            assert 'changebus_bootstrap_gap_before_scn{partition="syn"} 20.0' in text
+            assert 'changebus_bootstrap_data_loss_total{partition="syn"} 1.0' in text
             # ... and so does the log
             said = [r.getMessage() for r in caplog.records if r.name == "changebus.bootstrap"]
             assert any("15..19" in m and "POST /v1/seed" in m for m in said), said
