@@ -26,7 +26,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +134,14 @@ register_fetcher("boot-loss-script", ScriptFetcher)
 # ---- the store ---------------------------------------------------------------
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store.sqlite(tmp_path / "s.db")
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: Any, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s = Store.sqlite(tmp_path / "s.db")
+    else:
+        s = Store.postgres(request.getfixturevalue("pg_dsn"))  # a fresh database
+    yield s
+    s.close()
 
 
 def test_a_data_loss_window_opens_a_gap_with_it(store: Store) -> None:
