@@ -164,7 +164,9 @@ def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
     )
     if seeding:
         raise NotYetError(
-            f"{what}; it is seeding its snapshot again from the source; retry soon", gap_scn=gap
+            f"{what}; its snapshot is being seeded again from the source (progress: "
+            "/v1/status); retry soon",
+            gap_scn=gap,
         )
     raise NotYetError(
         f"{what}; no seed source is configured: an operator must set seed.dsn and seed every "
