@@ -4,8 +4,12 @@ One job: the ``cb_seed`` table. A row per table copied from the source in
 full (see :mod:`._seed`), with the SCN of the copy; seed rows are merged
 into the snapshot like applied changes (never over a newer state of a key).
 
-A *gap*: the producer fell off the relay, so windows up to ``gap_end`` may
-be missing from the log. It is recorded as a ``cb_seed`` row under a name no
+A *gap*: windows up to ``gap_end`` may be missing from the log, because the
+producer fell off the relay (the relay evicted windows it never read) or
+because the relay sent a DATA_LOSS window (SCNs it knows are lost: a chained
+relay that fell off its upstream, an oversized window, a damaged ring at
+restart; recorded with that window, :meth:`~._store.Store.append`). The
+snapshot then lacks whatever changed in the lost range. It is recorded as a ``cb_seed`` row under a name no
 table has (``*gap*``) and, while it is there, every table must be seeded
 again and positions before ``gap_end`` cannot be served. No table can
 take that name: :meth:`seed_rows` and :meth:`forget_seed` refuse names
@@ -43,7 +47,7 @@ class SeedLedger(StoreDb):
     _GAP = "*gap*"
 
     def mark_gap(self, part: str, gap_end: int) -> PartitionState:
-        """The producer fell off the relay: windows up to ``gap_end`` may be missing.
+        """Windows up to ``gap_end`` may be missing (fall-off or DATA_LOSS, module docstring).
 
         The log continues after ``gap_end`` (catch-ups from before it are
         refused), every table must be seeded again, and until that is done

@@ -149,16 +149,38 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
     return sorted(ids[n] for n in wanted)
 
 
-def _check_gap(store: Store, part: str, since: int) -> None:
+def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
+    """Refuse a position before a gap in the log (:mod:`._gaps`) until it is repaired.
+
+    Such a consumer would get a snapshot that lacks the lost changes, or a
+    catch-up across them, with no error: it waits (503, retriable) for the
+    re-seed instead. ``seeding``: a seed source is configured (the seed
+    repairs the gap by itself); without one the answer says an operator
+    must seed.
+    """
     gap = store.gap(part)
-    if gap is not None and since < gap:
+    if gap is None or since >= gap:
+        return
+    what = (
+        f"this server misses changes up to SCN {gap} (its producer fell off the relay, or the "
+        "relay reported them lost), so its snapshot is incomplete before it"
+    )
+    if seeding:
         raise NotYetError(
-            f"this server missed changes up to {gap} (its producer fell off the relay) and is "
-            "seeding its snapshot again from the source; retry soon"
+            f"{what}; its snapshot is being seeded again from the source (progress: "
+            "/v1/status); retry soon",
+            gap_scn=gap,
         )
+    raise NotYetError(
+        f"{what}; no seed source is configured: an operator must set seed.dsn and seed every "
+        f"table again (POST /v1/seed?partition={part}); retry later",
+        gap_scn=gap,
+    )
 
 
-def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
+def _plan(
+    store: Store, part: str, since: int, ratio: float, seeding: bool = True
+) -> dict[str, Any]:
     st = store.state(part)
     if 0 <= since < st.base_scn:
         raise ScnNotFoundError(
@@ -168,7 +190,7 @@ def _plan(store: Store, part: str, since: int, ratio: float) -> dict[str, Any]:
         )
     if st.producer_scn < 0:
         raise NotYetError("the bootstrap server has no windows yet; retry soon")
-    _check_gap(store, part, since)
+    _check_gap(store, part, since, seeding)
     if since > st.producer_scn:
         raise NotYetError(
             f"the bootstrap server's log ends at {st.producer_scn}, before position {since}"
@@ -201,8 +223,9 @@ async def start(request: web.Request) -> web.Response:
     _check_params(request, "start")
     part = _partition(request)
     since = _scn(request, "since")
-    ratio = request.app[SERVICE].config.catchup_ratio
-    plan = await request.app[SERVICE].stores.read(lambda s: _plan(s, part, since, ratio))
+    config = request.app[SERVICE].config
+    ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
+    plan = await request.app[SERVICE].stores.read(lambda s: _plan(s, part, since, ratio, seeding))
     return json_response(plan)
 
 
@@ -264,7 +287,7 @@ async def snapshot(request: web.Request) -> web.Response:
                 f"(after {st.base_scn})",
                 base_scn=st.base_scn,
             )
-        _check_gap(store, part, since)
+        _check_gap(store, part, since, bool(service.config.seed.dsn))
         if start_scn > st.applier_scn:
             raise BadRequestError(
                 f"snapshot SCN {start_scn} is not one this server gave (applier at {st.applier_scn})"

@@ -28,12 +28,15 @@ _GAUGES = {
     "applier_lag_events": "Log events not yet folded into the snapshot",
     "applier_lag_scn": "producer_scn - applier_scn",
     "log_min_scn": "Windows after this SCN are all in the log",
+    "gap_before_scn": "A gap in the log not repaired yet: positions before this SCN are "
+    "refused, the snapshot misses what was lost (-1: none)",
 }
 _COUNTERS = {
     "windows_appended": "Windows appended to the log",
     "events_appended": "Events appended to the log",
     "events_applied": "Log events folded into the snapshot",
     "producer_fell_off": "Times the producer fell off the relay",
+    "data_loss": "DATA_LOSS windows (SCNs the relay reported lost) received from the relay",
 }
 
 
@@ -67,6 +70,7 @@ class BootstrapMetrics:
         for w in self._service.workers.values():
             st = w.status()
             st["applier_lag_scn"] = max(w.producer_scn - w.applier_scn, 0)
+            st["gap_before_scn"] = w.gap.before_scn if w.gap is not None else -1
             for n in _GAUGES:
                 fams[n].add_metric([w.name], float(st[n]))
             st["producer_fell_off"] = w.fell_off

@@ -22,6 +22,11 @@ transaction. On restart the producer resumes after the log's newest window
 (the relay skips what came before) and the applier after its last one, so a
 ``kill -9`` anywhere loses or doubles nothing.
 
+Lost windows (the producer fell off the relay, or the relay sent a DATA_LOSS
+window) record a gap in the store (:mod:`._gaps`): positions before it are
+refused until every table is seeded again, which starts by itself with
+``seed.dsn`` (also at start-up); ``/v1/status`` and the log say how.
+
 In a relay cluster (``[cluster]``) the service holds a
 :class:`~._member.ClusterMember`: without configured ``relays`` the
 producers read the relays the routing table lists for their partition and
@@ -60,6 +65,7 @@ from changebus.schemas import (
     FIRST_CONTROL_OP,
     BadRequestError,
     ChangebusError,
+    DataLoss,
     NotYetError,
     SourceConfigError,
     TableSchema,
@@ -68,6 +74,7 @@ from changebus.schemas import (
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._config import BootstrapConfig
+from ._lost import DATA_LOSS_OP, Gap, loss_in, loss_reason, repair_hint
 from ._member import ClusterMember
 from ._seeders import seeder_for
 from ._seedtypes import SeedProgress, SeedRequest, table_name_problem
@@ -146,7 +153,11 @@ class PartitionWorker:
     events_appended: int = 0
     events_applied: int = 0
     fell_off: int = 0
+    #: DATA_LOSS windows received from the relay
+    data_loss: int = 0
     last_error: str = ""
+    #: a gap in the log not repaired yet: positions before it are refused
+    gap: Gap | None = None
     last_window_ts_ns: int = 0
     applied_at: float = field(default_factory=time.monotonic)
     seed: SeedProgress = field(default_factory=SeedProgress)
@@ -167,7 +178,9 @@ class PartitionWorker:
             "events_appended": self.events_appended,
             "events_applied": self.events_applied,
             "fell_off": self.fell_off,
+            "data_loss": self.data_loss,
             "last_error": self.last_error,
+            "gap": self.gap.as_dict() if self.gap is not None else None,
             "seed": self.seed.as_dict(),
         }
 
@@ -204,11 +217,26 @@ class BootstrapService:
             w.lag_events = await self.stores.write(
                 lambda s, n=name: s.unapplied_events(n)  # type: ignore[misc]
             )
+            gap = await self.stores.write(lambda s, n=name: s.gap(n))  # type: ignore[misc]
+            if gap is not None:
+                hint = repair_hint(name, seed_source=bool(cfg.seed.dsn))
+                w.gap = Gap(gap, "recorded before this server restarted", hint)
             self.workers[name] = w
             w.tasks.append(asyncio.create_task(self._produce(w), name=f"producer-{name}"))
             w.tasks.append(asyncio.create_task(self._apply(w), name=f"applier-{name}"))
         if cfg.seed.on_start:
             self.start_seed(self._seed_partition(), list(cfg.seed.tables), again=False)
+        for w in self.workers.values():
+            if w.gap is not None:  # still open from before: repair it now (or say how)
+                log.error(
+                    "partition %s: the snapshot misses changes up to SCN %d (a gap recorded "
+                    "before this restart); %s",
+                    w.name,
+                    w.gap.before_scn,
+                    w.gap.repair,
+                )
+                if cfg.seed.dsn and (w.seeding is None or w.seeding.done()):
+                    self.start_seed(w.name, [], again=False)
         log.info(
             "bootstrap serving partitions %s from %s",
             ", ".join(self.workers) or "(none)",
@@ -349,11 +377,15 @@ class BootstrapService:
             while len(batch) < self.config.producer.batch_windows and not sink.empty():
                 batch.append(sink.get_nowait())
             wanted: set[tuple[int, int]] = set()
+            losses: list[tuple[int, DataLoss]] = []
             for raw, _url in batch:
-                h = raw.headers[raw.headers["op"] < FIRST_CONTROL_OP]
+                ops = raw.headers["op"]
+                h = raw.headers[ops < FIRST_CONTROL_OP]
                 wanted.update(
                     zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True)
                 )
+                if (ops == DATA_LOSS_OP).any():
+                    losses.append((raw.scn, loss_in(raw)))
             if not wanted <= known:
                 known |= await self._sync_schemas(w, batch[-1][1])
             if start_scn is None and w.producer_scn < 0:
@@ -361,11 +393,19 @@ class BootstrapService:
             data = b"".join(raw.body for raw, _ in batch)
             events = sum(len(raw.offsets) for raw, _ in batch)
             first = start_scn if start_scn is not None else -1
+            # the gap a DATA_LOSS window opens ends at that window (the last one's)
+            lost_upto = max(scn for scn, _l in losses) if losses else None
 
-            def append(s: Store, d: bytes = data, f: int = first) -> int:
-                return s.append(w.name, d, start_scn=f)
+            def append(
+                s: Store, d: bytes = data, f: int = first, lost: int | None = lost_upto
+            ) -> int:
+                return s.append(w.name, d, start_scn=f, lost_upto=lost)
 
+            before = w.producer_scn
             await self.stores.write(append)
+            if lost_upto is not None and lost_upto > before:
+                w.data_loss += len(losses)
+                self._gap_recorded(w, lost_upto, loss_reason(losses))
             st = await self.stores.write(lambda s: s.state(w.name))
             w.producer_scn, w.log_min_scn, w.base_scn = st.producer_scn, st.log_min_scn, st.base_scn
             w.windows_appended += len(batch)
@@ -439,18 +479,45 @@ class BootstrapService:
         gap_end = await self._relay_prev_scn(w, relay)
         st = await self.stores.write(lambda s: s.mark_gap(w.name, gap_end))
         w.producer_scn, w.log_min_scn = st.producer_scn, st.log_min_scn
-        log.error(
-            "partition %s: windows up to SCN %d are lost to this server; the producer goes on "
-            "after them and the snapshot is seeded again from the source",
-            w.name,
+        self._gap_recorded(
+            w,
             gap_end,
+            f"the producer fell off the relay: windows up to SCN {gap_end} were evicted "
+            "there before this server read them",
         )
-        if w.seeding is not None and not w.seeding.done():
-            w.seeding.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await w.seeding
+
+    def _gap_recorded(self, w: PartitionWorker, gap_end: int, reason: str) -> None:
+        """A gap ending at ``gap_end`` is in the store: say so, and seed again when possible.
+
+        A seed running is restarted: it may have copied tables before the
+        gap was recorded (and every table must be copied after it).
+        """
+        w.gap = Gap(gap_end, reason, repair_hint(w.name, seed_source=bool(self.config.seed.dsn)))
+        w.last_error = reason
+        log.error(
+            "partition %s: %s; the snapshot misses the changes lost there, so positions "
+            "before SCN %d are refused (no silent catch-up across the gap) and the producer "
+            "goes on after it; %s",
+            w.name,
+            reason,
+            gap_end,
+            w.gap.repair,
+        )
+        if not self.config.seed.dsn:
+            return
+        old = w.seeding
+        if old is not None and not old.done():
+            old.cancel()
         w.seed = SeedProgress(state="starting")
-        w.seeding = asyncio.create_task(self._seed(w, [], True), name=f"seed-{w.name}")
+        w.seeding = asyncio.create_task(self._reseed(w, old), name=f"seed-{w.name}")
+
+    async def _reseed(self, w: PartitionWorker, old: asyncio.Task[None] | None) -> None:
+        """Seed every table of ``w`` again, after ``old`` (cancelled) has ended."""
+        if old is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await old
+            w.seed = SeedProgress(state="starting")  # the old one's end set it
+        await self._seed(w, [], True)
 
     # ---- seeding -------------------------------------------------------------
 
@@ -550,7 +617,11 @@ class BootstrapService:
                 seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed
             )
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
-                log.info("partition %s: the gap in the log is repaired", w.name)
+                log.info(
+                    "partition %s: the gap in the log is repaired: the snapshot is complete again",
+                    w.name,
+                )
+                w.gap = None
             w.seed.state = "done"  # only now: "done" promises the gap is repaired too
             log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
         except asyncio.CancelledError:

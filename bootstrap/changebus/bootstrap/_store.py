@@ -17,7 +17,9 @@ Reads for consumers are :mod:`._pages`.
 Invariants: ``applier_scn <= producer_scn``; ``cb_snap`` = the fold of the log
 windows up to ``applier_scn`` (plus what was seeded); the log holds every
 window in ``(log_min_scn, producer_scn]``; ``base_scn <= log_min_scn`` (pruning
-the log moves only ``log_min_scn``).
+the log moves only ``log_min_scn``). Windows that carry a DATA_LOSS signal
+are appended together with the gap they open (:meth:`Store.append`), so no
+crash keeps the one without the other.
 
 Two dialects with the same statements: SQLite (the default: one file, no
 server; the file, its ``-wal`` and ``-shm`` are private: mode 0600 in a
@@ -74,6 +76,25 @@ class Store(LogStore, SnapshotFold, SeedLedger, Pages, StoreDb):
 
         conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn")
         return cls(conn, "postgres")
+
+    def append(
+        self, part: str, data: bytes, *, start_scn: int = -1, lost_upto: int | None = None
+    ) -> int:
+        """:meth:`LogStore.append`; ``lost_upto``: the windows carry a DATA_LOSS signal.
+
+        ``lost_upto`` is the SCN of the (last) window that says SCNs were
+        lost: a gap ending there is recorded (:meth:`SeedLedger.mark_gap`) in
+        the same transaction as the windows, unless the log already held that
+        window (a replay: its gap was recorded then, and maybe repaired).
+        """
+        if lost_upto is None:
+            return super().append(part, data, start_scn=start_scn)
+        with self._txn():
+            before = self.state(part).producer_scn
+            scn = super().append(part, data, start_scn=start_scn)
+            if lost_upto > before:
+                self.mark_gap(part, lost_upto)
+        return scn
 
     def counts(self, part: str) -> dict[str, int]:
         """Rows in the log and the snapshot (live and tombstones) of a partition."""
