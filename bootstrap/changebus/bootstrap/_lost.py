@@ -5,7 +5,7 @@ One job: reading a DATA_LOSS signal out of a raw window from the relay
 gap in the log (:class:`Gap`, :func:`loss_reason`, :func:`repair_hint`).
 The gap itself -- positions before it refused until every table has been
 seeded again -- lives in the store (:mod:`._gaps`); the service records it
-(:mod:`._service`). Pure functions and an immutable value: thread-safe.
+(:mod:`._pipeline`, :mod:`._seeding`). Pure functions and an immutable value: thread-safe.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ server; the file, its ``-wal`` and ``-shm`` are private: mode 0600 in a
 directory created 0700, :mod:`changebus.schemas.files`) and Postgres
 (``psycopg``; a failed connection is a :class:`SourceError` whose message
 never quotes the DSN). A :class:`Store` is **not thread-safe**:
-the daemon owns each one from a single thread (see :mod:`._service`).
+the daemon owns each one from a single thread (see :mod:`._storethreads`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,222 @@
+"""The per-partition tasks: producer (relay -> queue), log writer (queue -> log), applier.
+
+Structure::
+
+    relay --HTTP--> producer (RelayStream, raw windows) --asyncio.Queue--> log writer
+                                                                               |
+                     applier (log -> snapshot) <---- wake-up ------------------+
+
+The queue between the producer and the log writer is bounded
+(``producer.batch_windows`` x 2): a slow store slows reading from the
+relay, it never grows memory. The log writer appends a batch of windows and
+the producer SCN in one store transaction, copies the relay's schemas of
+any (source, version) it has not seen first, and turns DATA_LOSS windows
+into a gap (:class:`~._seeding.Seeding`); the applier folds the log into the
+snapshot in the writer thread and sleeps until woken (or ``applier.idle_s``).
+On restart the producer resumes after the log's newest window (the relay
+skips what came before) and the applier after its last one.
+
+In a relay cluster the producers read the relays the routing table lists
+for their partition and are moved
+(:meth:`~changebus.client.RelayStream.set_relays`) when the table changes.
+When the producer falls off the relay with ``seed.dsn`` set, it records
+the gap, jumps over it and seeds again; without, it says so and retries
+after ``producer.fell_off_retry_s``.
+
+Thread-safety: the tasks run on the event loop and update only their own
+:class:`~._worker.PartitionWorker`; store calls go through the writer
+thread (:mod:`._storethreads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+import aiohttp
+
+from changebus.client import (
+    FellOffRelayError,
+    RawWindow,
+    RelaySchemas,
+    RelayStream,
+    StreamConfig,
+)
+from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss
+from changebus.schemas.config import scrub
+
+from ._lost import DATA_LOSS_OP, loss_in, loss_reason
+from ._seeding import Seeding
+from ._store import PartitionState, Store
+from ._worker import PartitionWorker
+
+__all__ = ["Pipelines"]
+
+log = logging.getLogger("changebus.bootstrap")
+
+
+class Pipelines(Seeding):
+    """Producer, log writer and applier tasks (module docstring); a base of the service."""
+
+    # ---- producer -------------------------------------------------------
+
+    async def _produce(self, w: PartitionWorker) -> None:
+        cfg = self.config
+        assert self._session is not None
+        sink: asyncio.Queue[tuple[RawWindow, str]] = asyncio.Queue(cfg.producer.batch_windows * 2)
+        relays = cfg.relays
+        current: list[RelayStream] = []
+        if self.member is not None:
+            relays = await self.member.wait_relays(w.name)
+
+            def moved(urls: tuple[str, ...]) -> None:
+                if current:
+                    current[0].set_relays(urls)
+
+            self.member.follow(w.name, moved)
+        stream_cfg = StreamConfig(
+            relays=relays,
+            partition=w.name,
+            follow=True,
+            wait_s=cfg.producer.wait_s,
+            max_bytes=cfg.producer.max_bytes,
+            follow_bytes=1 << 40,
+            client_id=f"bootstrap-producer-{w.name}",
+        )
+
+        async def put(raw: RawWindow, relay: str) -> None:
+            await sink.put((raw, relay))
+
+        writer = asyncio.create_task(self._write_log(w, sink), name=f"log-writer-{w.name}")
+        try:
+            while True:
+                # a fresh reader after the newest window in the log
+                if self.member is not None:  # the table's relays now
+                    stream_cfg = replace(
+                        stream_cfg, relays=self.member.relays(w.name) or stream_cfg.relays
+                    )
+                stream = RelayStream(stream_cfg, self._session, position=w.producer_scn)
+                current[:] = [stream]
+                w.state = "streaming"
+                try:
+                    await stream.run(put)
+                except FellOffRelayError as exc:
+                    # the relay dropped windows this log never got: the log has a gap
+                    w.state = "fell_off"
+                    w.fell_off += 1
+                    w.last_error = scrub(exc.message, self.secrets)
+                    log.error(
+                        "partition %s: the producer fell off the relay: %s", w.name, w.last_error
+                    )
+                    if cfg.seed.dsn:
+                        await sink.join()
+                        await self._repair_gap(w, stream.relay)
+                        continue
+                except ChangebusError as exc:
+                    w.state = "error"
+                    w.last_error = scrub(exc.message, self.secrets)
+                    log.error("partition %s: producer stopped: %s", w.name, w.last_error)
+                await asyncio.sleep(cfg.producer.fell_off_retry_s)
+                # resume after what was written (the sink may still be draining)
+                await sink.join()
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    async def _write_log(
+        self, w: PartitionWorker, sink: asyncio.Queue[tuple[RawWindow, str]]
+    ) -> None:
+        known: set[tuple[int, int]] = {
+            (sid, v) for sid, v, _n, _j in await self.stores.write(lambda s: s.schemas(w.name))
+        }
+        start_scn: int | None = None
+        while True:
+            batch = [await sink.get()]
+            while len(batch) < self.config.producer.batch_windows and not sink.empty():
+                batch.append(sink.get_nowait())
+            wanted: set[tuple[int, int]] = set()
+            losses: list[tuple[int, DataLoss]] = []
+            for raw, _url in batch:
+                ops = raw.headers["op"]
+                h = raw.headers[ops < FIRST_CONTROL_OP]
+                wanted.update(
+                    zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True)
+                )
+                if (ops == DATA_LOSS_OP).any():
+                    losses.append((raw.scn, loss_in(raw)))
+            if not wanted <= known:
+                known |= await self._sync_schemas(w, batch[-1][1])
+            if start_scn is None and w.producer_scn < 0:
+                start_scn = await self._relay_prev_scn(w, batch[0][1])
+            data = b"".join(raw.body for raw, _ in batch)
+            events = sum(len(raw.offsets) for raw, _ in batch)
+            first = start_scn if start_scn is not None else -1
+            # the gap a DATA_LOSS window opens ends at that window (the last one's)
+            lost_upto = max(scn for scn, _l in losses) if losses else None
+
+            def append(
+                s: Store, d: bytes = data, f: int = first, lost: int | None = lost_upto
+            ) -> int:
+                return s.append(w.name, d, start_scn=f, lost_upto=lost)
+
+            before = w.producer_scn
+            await self.stores.write(append)
+            if lost_upto is not None and lost_upto > before:
+                w.data_loss += len(losses)
+                self._gap_recorded(w, lost_upto, loss_reason(losses))
+            st = await self.stores.write(lambda s: s.state(w.name))
+            w.producer_scn, w.log_min_scn, w.base_scn = st.producer_scn, st.log_min_scn, st.base_scn
+            w.windows_appended += len(batch)
+            w.events_appended += events
+            w.lag_events += events
+            w.last_window_ts_ns = batch[-1][0].timestamp_ns
+            w.wake.set()
+            for _ in batch:
+                sink.task_done()
+
+    async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
+        """Copy the relay's table schemas of the partition into the store."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=30)
+        source = RelaySchemas(self._session, url, w.name, timeout)
+        names = await source.source_names()
+        entries: list[tuple[int, int, str, str]] = []
+        for name in sorted(set(names.values())):
+            for sid, schema in await source.source_schemas(name):
+                entries.append((sid, schema.version, schema.name, json.dumps(schema.to_json())))
+        await self.stores.write(lambda s: s.put_schemas(w.name, entries))
+        log.info("partition %s: %d schema versions copied from the relay", w.name, len(entries))
+        return {(sid, v) for sid, v, _n, _j in entries}
+
+    # ---- applier ---------------------------------------------------------
+
+    async def _apply(self, w: PartitionWorker) -> None:
+        batch = self.config.applier.batch_events
+        while True:
+            before = w.applier_scn
+
+            def step(
+                s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
+            ) -> tuple[PartitionState, int, int]:
+                done = s.applied_events
+                st = s.apply(w.name, batch)
+                if keep and st.applier_scn != before:
+                    s.prune_to(w.name, keep)
+                    st = s.state(w.name)
+                return st, s.applied_events - done, s.unapplied_events(w.name)
+
+            st, applied, left = await self.stores.write(step)
+            if st.applier_scn != before:
+                w.events_applied += applied
+                w.lag_events = left
+                w.applier_scn, w.log_min_scn = st.applier_scn, st.log_min_scn
+                w.applied_at = time.monotonic()
+                continue
+            w.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.wake.wait(), self.config.applier.idle_s)

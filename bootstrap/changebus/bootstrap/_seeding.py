@@ -1,0 +1,255 @@
+"""Seeding orchestration: seeds on demand and at start-up, and re-seeds after a gap in the log.
+
+:class:`Seeding` (a base of :class:`~._service.BootstrapService`) starts at
+most one seed task per partition (:attr:`~._worker.PartitionWorker.seeding`):
+``POST /v1/seed`` (:meth:`Seeding.seed_on_demand`, after
+:meth:`Seeding.check_seed_tables`), ``seed.on_start``, and a gap. The seed
+itself runs in a thread (the source kind's :func:`~._seeders.seeder_for`),
+handing each chunk of rows to the store's writer thread and waiting for it.
+
+Lost windows (the producer fell off the relay, or the relay sent a DATA_LOSS
+window) record a gap in the store (:mod:`._gaps`): positions before it are
+refused until every table is seeded again, which starts by itself with
+``seed.dsn`` (also at start-up); ``/v1/status`` and the log say how. A gap
+recorded while a seed runs restarts it (the tables it copied before the gap
+must be copied again). When a seed ends, before it reports ``done``, the
+store clears the gap if every known table has been seeded since it.
+
+Thread-safety: everything here runs on the event loop except the seeder,
+which touches only its :class:`~._seedtypes.SeedProgress` and the store
+through the writer thread; ``_stop_seed`` (a :class:`threading.Event`) asks
+a running seeder to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+
+from changebus.client import RelayInfo
+from changebus.schemas import (
+    BadRequestError,
+    ChangebusError,
+    NotYetError,
+    SourceConfigError,
+    TableSchema,
+    UnknownSourceError,
+)
+from changebus.schemas.config import scrub, scrub_exception
+
+from ._lost import Gap, repair_hint
+from ._seeders import seeder_for
+from ._seedtypes import SeedProgress, SeedRequest, table_name_problem
+from ._storethreads import StoreThreads
+from ._upstream import Upstream
+from ._worker import PartitionWorker
+
+__all__ = ["Seeding"]
+
+log = logging.getLogger("changebus.bootstrap")
+
+
+class Seeding(Upstream):
+    """Seed tasks of every partition and gap repair (module docstring); a base of the service."""
+
+    #: what error texts must never show (store and seed DSNs, their passwords)
+    secrets: tuple[str, ...]
+    stores: StoreThreads
+    workers: dict[str, PartitionWorker]
+    _stop_seed: threading.Event
+
+    # ---- gaps ------------------------------------------------------------------
+
+    async def _repair_gap(self, w: PartitionWorker, relay: str) -> None:
+        """Jump over the windows the relay evicted and seed the snapshot again."""
+        gap_end = await self._relay_prev_scn(w, relay)
+        st = await self.stores.write(lambda s: s.mark_gap(w.name, gap_end))
+        w.producer_scn, w.log_min_scn = st.producer_scn, st.log_min_scn
+        self._gap_recorded(
+            w,
+            gap_end,
+            f"the producer fell off the relay: windows up to SCN {gap_end} were evicted "
+            "there before this server read them",
+        )
+
+    def _gap_recorded(self, w: PartitionWorker, gap_end: int, reason: str) -> None:
+        """A gap ending at ``gap_end`` is in the store: say so, and seed again when possible.
+
+        A seed running is restarted: it may have copied tables before the
+        gap was recorded (and every table must be copied after it).
+        """
+        w.gap = Gap(gap_end, reason, repair_hint(w.name, seed_source=bool(self.config.seed.dsn)))
+        w.last_error = reason
+        log.error(
+            "partition %s: %s; the snapshot misses the changes lost there, so positions "
+            "before SCN %d are refused (no silent catch-up across the gap) and the producer "
+            "goes on after it; %s",
+            w.name,
+            reason,
+            gap_end,
+            w.gap.repair,
+        )
+        if not self.config.seed.dsn:
+            return
+        old = w.seeding
+        if old is not None and not old.done():
+            old.cancel()
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._reseed(w, old), name=f"seed-{w.name}")
+
+    async def _reseed(self, w: PartitionWorker, old: asyncio.Task[None] | None) -> None:
+        """Seed every table of ``w`` again, after ``old`` (cancelled) has ended."""
+        if old is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await old
+            w.seed = SeedProgress(state="starting")  # the old one's end set it
+        await self._seed(w, [], True)
+
+    # ---- seeding -------------------------------------------------------------
+
+    def _seed_partition(self) -> str:
+        name = self.config.seed.partition
+        if name:
+            if name not in self.workers:
+                raise UnknownSourceError(f"seed.partition {name!r} is not served here")
+            return name
+        if len(self.workers) != 1:
+            raise BadRequestError("name the partition to seed (seed.partition)")
+        return next(iter(self.workers))
+
+    async def seed_on_demand(self, part: str, tables: list[str]) -> SeedProgress:
+        """``POST /v1/seed``: check ``tables`` (400 naming a bad one), then re-seed them."""
+        await self.check_seed_tables(part, tables)
+        return self.start_seed(part, tables, again=True)
+
+    async def check_seed_tables(self, part: str, tables: list[str]) -> None:
+        """Raise 400 for a reserved or malformed table name, or one the partition lacks.
+
+        Known tables: those whose schemas the store holds, else those the
+        relays list for ``part`` (a table the relay knew before this server
+        copied its schema). No relay answering: 503, retriable.
+        """
+        for table in tables:
+            problem = table_name_problem(table)
+            if problem is not None:
+                raise BadRequestError(problem)
+        rows = await self.stores.read(lambda s: s.schemas(part))
+        unknown = sorted(set(tables) - {n for _s, _v, n, _j in rows})
+        if not unknown:
+            return
+
+        async def names(info: RelayInfo) -> set[str] | None:
+            found = (await info.sources()).get(part)
+            return {s.name for s in found.sources} if found is not None else None
+
+        try:
+            relay_names = await self._relays().search(names)
+        except ChangebusError as exc:
+            raise NotYetError(f"cannot check the tables with a relay: {exc.message}") from None
+        if relay_names is None:
+            raise NotYetError(f"no relay lists partition {part} yet; retry soon")
+        unknown = sorted(set(unknown) - relay_names)
+        if unknown:
+            shown = ", ".join(repr(t[:80]) for t in unknown[:10])
+            raise BadRequestError(
+                f"partition {part} has no table(s) {shown} (tables are schema.table names "
+                "the relay has seen a change of)"
+            )
+
+    def start_seed(self, part: str, tables: list[str], *, again: bool) -> SeedProgress:
+        """Start seeding ``tables`` of ``part`` (all known sources when empty) in the background.
+
+        ``again``: copy them even when seeded before (re-seed on demand).
+        """
+        if not self.config.seed.dsn:
+            raise BadRequestError("no source to seed from: set seed.dsn")
+        w = self.workers[part]
+        if w.seeding is not None and not w.seeding.done():
+            raise BadRequestError(f"partition {part} is being seeded already")
+        w.seed = SeedProgress(state="starting")
+        w.seeding = asyncio.create_task(self._seed(w, tables, again), name=f"seed-{part}")
+        return w.seed
+
+    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+        cfg = self.config
+        try:
+            await self._wait_for_schemas(w, tables)
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
+            names = tables or sorted({n for _s, _v, n, _j in rows})
+            if again:
+                await self.stores.write(lambda s: s.forget_seed(w.name, names))
+            done = set(await self.stores.write(lambda s: s.seeded(w.name)))
+            part_id = await self._relay_partition_id(w.name)
+            loop = asyncio.get_running_loop()
+
+            def write(table: str, events: list[bytes], scn: int) -> None:
+                # from the seeder's thread: hand over to the writer thread and wait
+                asyncio.run_coroutine_threadsafe(
+                    self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
+                ).result()
+
+            request = SeedRequest(
+                cfg.seed.dsn,
+                part_id,
+                tuple(names),
+                schemas=tuple(schemas),
+                done=frozenset(done),
+                chunk_rows=cfg.seed.chunk_rows,
+                relay_fetcher=await self._relay_fetcher(w.name),
+                column_policy=cfg.seed.column_rules(),
+            )
+            await asyncio.to_thread(
+                seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed
+            )
+            if await self.stores.write(lambda s: s.clear_gap(w.name)):
+                log.info(
+                    "partition %s: the gap in the log is repaired: the snapshot is complete again",
+                    w.name,
+                )
+                w.gap = None
+            w.seed.state = "done"  # only now: "done" promises the gap is repaired too
+            log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
+        except asyncio.CancelledError:
+            w.seed.state = "stopped"
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in /v1/status, the daemon goes on
+            w.seed.state = "failed"
+            w.seed.error = (
+                scrub(exc.message, self.secrets)
+                if isinstance(exc, ChangebusError)
+                else scrub_exception(exc, self.secrets)
+            )
+            log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
+            if not isinstance(exc, ChangebusError):  # a bug: its traceback, scrubbed
+                log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
+
+    async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
+        """Until the store knows the schemas of ``tables`` (any, when empty) from the relay.
+
+        Raises :class:`SourceConfigError` naming what is missing after
+        ``seed.schema_wait_s``: a seed never goes on without them.
+        """
+        deadline = time.monotonic() + self.config.seed.schema_wait_s
+        while True:
+            rows = await self.stores.write(lambda s: s.schemas(w.name))
+            names = {n for _s, _v, n, _j in rows}
+            if (set(tables) <= names) if tables else names:
+                return
+            if time.monotonic() >= deadline:
+                missing = sorted(set(tables) - names) if tables else []
+                what = (
+                    f"the schemas of {', '.join(repr(t[:80]) for t in missing[:10])}"
+                    if missing
+                    else "any table schema"
+                )
+                raise SourceConfigError(
+                    f"partition {w.name}: gave up after {self.config.seed.schema_wait_s:g}s "
+                    f"waiting for {what} from the relay (it has not seen a change of them); "
+                    "nothing was seeded"
+                )
+            await asyncio.sleep(0.1)

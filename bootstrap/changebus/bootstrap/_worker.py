@@ -1,0 +1,71 @@
+"""One partition's figures: the state its producer, applier and seed share with the HTTP side.
+
+A :class:`PartitionWorker` is a plain mutable record: the producer, log
+writer, applier and seed tasks of its partition update it, ``/v1/status``
+and ``/metrics`` read it. Its SCNs mirror what the store has committed
+(they are set from a :class:`~._store.PartitionState` after each store
+call), so they never run ahead of the store.
+
+Thread-safety: event loop only. The store threads never touch it; the
+seeder's thread updates only :attr:`PartitionWorker.seed` (a
+:class:`~._seedtypes.SeedProgress`, see there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._lost import Gap
+from ._seedtypes import SeedProgress
+
+__all__ = ["PartitionWorker"]
+
+
+@dataclass
+class PartitionWorker:
+    """Producer and applier of one partition, and their figures (event loop only)."""
+
+    name: str
+    state: str = "starting"
+    producer_scn: int = -1
+    applier_scn: int = -1
+    log_min_scn: int = -1
+    base_scn: int = -1
+    lag_events: int = 0
+    windows_appended: int = 0
+    events_appended: int = 0
+    events_applied: int = 0
+    fell_off: int = 0
+    #: DATA_LOSS windows received from the relay
+    data_loss: int = 0
+    last_error: str = ""
+    #: a gap in the log not repaired yet: positions before it are refused
+    gap: Gap | None = None
+    last_window_ts_ns: int = 0
+    applied_at: float = field(default_factory=time.monotonic)
+    seed: SeedProgress = field(default_factory=SeedProgress)
+    seeding: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "partition": self.name,
+            "state": self.state,
+            "producer_scn": self.producer_scn,
+            "applier_scn": self.applier_scn,
+            "log_min_scn": self.log_min_scn,
+            "base_scn": self.base_scn,
+            "applier_lag_events": self.lag_events,
+            "windows_appended": self.windows_appended,
+            "events_appended": self.events_appended,
+            "events_applied": self.events_applied,
+            "fell_off": self.fell_off,
+            "data_loss": self.data_loss,
+            "last_error": self.last_error,
+            "gap": self.gap.as_dict() if self.gap is not None else None,
+            "seed": self.seed.as_dict(),
+        }
