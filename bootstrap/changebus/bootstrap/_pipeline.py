@@ -218,5 +218,9 @@ class Pipelines(Seeding):
                 w.applied_at = time.monotonic()
                 continue
             w.wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a
+            # cancellation that arrives as the wake-up completes, and the
+            # applier would then never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(w.wake.wait(), self.config.applier.idle_s)
+                async with asyncio.timeout(self.config.applier.idle_s):
+                    await w.wake.wait()
