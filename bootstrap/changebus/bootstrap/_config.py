@@ -51,10 +51,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from changebus.cluster import ClusterConfig
-from changebus.fetchers import ColumnPolicy
+from changebus.fetchers import ColumnPolicyOptions
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 from changebus.schemas.files import NAME_RULE, safe_name
@@ -152,7 +152,7 @@ class ApplierConfig:
 
 
 @dataclass(frozen=True)
-class SeedConfig:
+class SeedConfig(ColumnPolicyOptions):
     """Seeding the snapshot from the source (see :mod:`._seeders`).
 
     ``kind`` -- ``postgres`` (a libpq DSN) or ``mysql`` (MySQL/MariaDB: a
@@ -178,20 +178,6 @@ class SeedConfig:
     on_start: bool = False
     partition: str = ""
     chunk_rows: int = 5000
-    column_policy: dict[str, Any] = field(default_factory=dict)
-    column_hash_key: str = secret("")
-    column_hash_key_env: str = ""
-    column_policy_file: str = ""
-
-    def column_rules(self) -> ColumnPolicy:
-        """The parsed column policy (:class:`ConfigError` when it is wrong)."""
-        return ColumnPolicy.parse(
-            self.column_policy,
-            self.column_hash_key,
-            self.column_hash_key_env,
-            file=self.column_policy_file,
-        )
-
     #: how long a seed waits for the relay's schemas of its tables before it fails
     schema_wait_s: float = 60.0
 

@@ -24,6 +24,7 @@ from ._base import (
 if TYPE_CHECKING:
     from ._policy import (
         ColumnPolicy as ColumnPolicy,
+        ColumnPolicyOptions as ColumnPolicyOptions,
         ColumnRule as ColumnRule,
         TablePlan as TablePlan,
         canonical_bytes as canonical_bytes,
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 
 #: names of :mod:`._policy`, imported on first use: importing the registry loads no
 #: more than it (tests/test_layering.py)
-_LAZY: Final = frozenset({"ColumnPolicy", "ColumnRule", "TablePlan", "canonical_bytes"})
+_LAZY: Final = frozenset(
+    {"ColumnPolicy", "ColumnPolicyOptions", "ColumnRule", "TablePlan", "canonical_bytes"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +47,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ColumnPolicy",
+    "ColumnPolicyOptions",
     "ColumnRule",
     "Fetcher",
     "FetcherFactory",

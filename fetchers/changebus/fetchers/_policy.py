@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from changebus.schemas import Column, ConfigError, SourceConfigError, TableSchema
+from changebus.schemas.config import secret
 
 __all__ = ["ColumnPolicy", "ColumnRule", "TablePlan", "canonical_bytes"]
 
@@ -335,3 +336,36 @@ class ColumnPolicy:
                     f"{c.policy or 'none'!r}, this column_policy says {want or 'none'!r}: "
                     "give the seed the fetcher's column_policy (and hash key)"
                 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColumnPolicyOptions:
+    """The column-policy settings, one set for every config that needs them.
+
+    The Postgres and MySQL fetchers' configs and the bootstrap server's
+    ``[seed]`` table inherit these four keyword-only fields, so an operator
+    writes the same keys everywhere (a shared ``column_policy_file`` and
+    ``column_hash_key_env`` say them once):
+
+    * ``column_policy`` -- per source (``schema.table`` / ``database.table``):
+      ``{column: "exclude" | "hash" | "truncate:<n>"}``, applied at ingest;
+    * ``column_hash_key`` -- the HMAC key of ``hash`` policies (secret: never
+      logged, not in the repr), or ``column_hash_key_env`` naming the
+      environment variable that holds it;
+    * ``column_policy_file`` -- a TOML file holding the ``column_policy``
+      table instead.
+    """
+
+    column_policy: dict[str, Any] = field(default_factory=dict)
+    column_hash_key: str = secret()
+    column_hash_key_env: str = ""
+    column_policy_file: str = ""
+
+    def column_rules(self) -> ColumnPolicy:
+        """The parsed column policy (:class:`ConfigError` when it is wrong)."""
+        return ColumnPolicy.parse(
+            self.column_policy,
+            self.column_hash_key,
+            self.column_hash_key_env,
+            file=self.column_policy_file,
+        )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 
-from .._policy import ColumnPolicy
+from .._policy import ColumnPolicyOptions
 
 __all__ = ["SYSTEM_DATABASES", "MySQLConfig"]
 
@@ -18,7 +17,7 @@ SYSTEM_DATABASES = frozenset(("mysql", "information_schema", "performance_schema
 
 
 @dataclass(frozen=True)
-class MySQLConfig:
+class MySQLConfig(ColumnPolicyOptions):
     """Options of the ``mysql`` fetcher kind (seconds for durations, bytes for sizes)."""
 
     host: str = "127.0.0.1"
@@ -57,14 +56,6 @@ class MySQLConfig:
     decode_workers: int = 0
     #: map tinyint(1) to Avro boolean instead of int
     tinyint1_as_boolean: bool = False
-    #: per source ("database.table"): {column: "exclude" | "hash" | "truncate:<n>"}
-    #: applied at ingest (docs/column-policy.md)
-    column_policy: dict[str, Any] = field(default_factory=dict)
-    #: the HMAC key of "hash" policies (secret), or the environment variable holding it
-    column_hash_key: str = secret()
-    column_hash_key_env: str = ""
-    #: a TOML file holding the column_policy table instead (shared with the bootstrap seed)
-    column_policy_file: str = ""
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
@@ -109,12 +100,3 @@ class MySQLConfig:
             return self.server_id
         mixed = (partition_id * 0x9E37 ^ zlib.crc32(partition_name.encode())) & 0xFFFF
         return 0x4342_0000 | mixed or 0x4342_0001
-
-    def column_rules(self) -> ColumnPolicy:
-        """The parsed ``column_policy`` (:class:`ConfigError` when it is wrong)."""
-        return ColumnPolicy.parse(
-            self.column_policy,
-            self.column_hash_key,
-            self.column_hash_key_env,
-            file=self.column_policy_file,
-        )

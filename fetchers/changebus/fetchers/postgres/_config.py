@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from changebus.schemas import ConfigError
 from changebus.schemas.config import secret
 
-from .._policy import ColumnPolicy
+from .._policy import ColumnPolicyOptions
 
 __all__ = ["PostgresConfig"]
 
 
 @dataclass(frozen=True)
-class PostgresConfig:
+class PostgresConfig(ColumnPolicyOptions):
     """Options of the ``postgres`` fetcher kind (seconds for durations)."""
 
     dsn: str = secret()
@@ -45,14 +44,6 @@ class PostgresConfig:
     stream_reader: str = "auto"
     #: bytes asked per read of the socket reader
     socket_read_bytes: int = 1 << 20
-    #: per source ("schema.table"): {column: "exclude" | "hash" |
-    #: "truncate:<n>"} applied at ingest (docs/column-policy.md)
-    column_policy: dict[str, Any] = field(default_factory=dict)
-    #: the HMAC key of "hash" policies (secret), or the environment variable holding it
-    column_hash_key: str = secret()
-    column_hash_key_env: str = ""
-    #: a TOML file holding the column_policy table instead (shared with the bootstrap seed)
-    column_policy_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.dsn:
@@ -85,12 +76,3 @@ class PostgresConfig:
                 raise ConfigError(
                     f"slot and publication names must be lower-case [a-z0-9_], got {name!r}"
                 )
-
-    def column_rules(self) -> ColumnPolicy:
-        """The parsed ``column_policy`` (:class:`ConfigError` when it is wrong)."""
-        return ColumnPolicy.parse(
-            self.column_policy,
-            self.column_hash_key,
-            self.column_hash_key_env,
-            file=self.column_policy_file,
-        )
