@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoAuthError
+from kazoo.exceptions import NoAuthError, NoNodeError
 
 from changebus.cluster import (
     ClusterConfig,
+    CoordinationError,
     PartitionElection,
+    PartitionState,
     Registry,
     RoutingTable,
     ZkSession,
@@ -141,3 +144,46 @@ def test_credential_settings_are_checked_and_never_shown() -> None:
     )
     with pytest.raises(ConfigError, match="/nonexistent/pw"):
         missing.zk_credentials()
+
+
+async def test_a_member_writes_again_after_zookeeper_restarts(
+    zk_server: Any, zk_hosts: str, zk_cluster: str
+) -> None:
+    """kazoo authenticates every new connection: after a restart the member still owns its tree."""
+    member = ZkSession(_config(zk_hosts, zk_cluster, "r1", zk_user="relay", zk_password=PASSWORD))
+    await member.start()
+    try:
+        registry = Registry(member, "relay", min_interval_s=0.05)
+        await registry.start()
+        path = member_path(zk_cluster, "r1")
+        try:
+            await asyncio.to_thread(zk_server.restart)
+        finally:
+            if zk_server.proc is None:
+                await asyncio.to_thread(zk_server.start)
+        async with asyncio.timeout(20):
+            await member.wait_connected()
+        registry.update({"p0": PartitionState("leader", 1, 1, 42)})
+
+        async def published() -> bool:
+            try:
+                data, _ = await member.op("get", path)
+            except (CoordinationError, NoNodeError):
+                return False
+            return b'"max_scn":42' in data
+
+        for _ in range(150):
+            if await published():
+                break
+            await asyncio.sleep(0.1)
+        assert await published()  # written through the ACL: the new connection is authenticated
+        zk = _plain(zk_hosts)
+        try:
+            with pytest.raises(NoAuthError):
+                zk.create(member_path(zk_cluster, "intruder"), b"{}", ephemeral=True)
+        finally:
+            zk.stop()
+            zk.close()
+        await registry.stop()
+    finally:
+        await member.stop()
