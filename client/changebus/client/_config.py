@@ -13,10 +13,13 @@ from types import MappingProxyType
 from typing import Literal
 
 from changebus.schemas import (
+    MAX_BUCKETS,
     ChangebusError,
     ConfigError,
     PartitionFilter,
     TableSchema,
+    Unit,
+    check_group_name,
     parse_scn,
 )
 from changebus.schemas.security import ClientAuth
@@ -99,6 +102,17 @@ class ConsumerConfig:
     :class:`~changebus.schemas.ForbiddenError`) and a TLS handshake that
     fails verification stop the consumer at once (not retriable).
 
+    Consumer groups: ``group`` (a name) with ``zookeeper`` makes this
+    consumer a member of a group that shares ``partitions`` (default: the
+    one ``partition``) between its members: each partition is cut into
+    ``buckets`` key buckets (the relay's mod filter), and each (partition,
+    bucket) unit is owned by one member at a time, with its own fenced
+    checkpoint (see :mod:`changebus.client.group`). ``member_name`` labels
+    this member in ``changebus group status`` (default ``host:pid``);
+    ``commit_interval_s`` is how often at most a unit's checkpoint is written
+    to the store (and always when a unit is revoked or the consumer closes).
+    In group mode ``cluster`` is optional: without it ``relays`` are static.
+
     Callbacks: each call has ``callback_time_budget_s``; a recoverable error
     rolls back and replays the windows since the last checkpoint, at most
     ``max_rollbacks`` times in a row (-1: no limit), ``rollback_backoff_s``
@@ -141,12 +155,20 @@ class ConsumerConfig:
     prefer_followers: bool = False
     zookeeper_session_timeout_s: float = 10.0
     auth: ClientAuth = field(default_factory=ClientAuth)
+    group: str = ""
+    partitions: tuple[str, ...] = ()
+    buckets: int = 64
+    member_name: str = ""
+    commit_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         relays: object = self.relays
         if isinstance(relays, str):
             relays = (relays,)
-        if bool(self.zookeeper.strip()) != bool(self.cluster.strip()):
+        self._check_group()
+        if self.group and not self.cluster.strip():
+            pass  # a group reads static relays when no cluster is named
+        elif bool(self.zookeeper.strip()) != bool(self.cluster.strip()):
             raise ConfigError(
                 "zookeeper and cluster go together: give the ZooKeeper connect string"
                 " (host:port[,host:port]) and the cluster name, or neither"
@@ -224,6 +246,44 @@ class ConsumerConfig:
         object.__setattr__(self, "reader_schemas", MappingProxyType(readers))
         if not isinstance(self.auth, ClientAuth):
             raise ConfigError("auth must be a changebus.schemas.security.ClientAuth")
+
+    def _check_group(self) -> None:
+        parts: object = self.partitions
+        if isinstance(parts, str):
+            parts = (parts,)
+        if not isinstance(parts, tuple | list):
+            raise ConfigError("partitions: give a list of partition names")
+        object.__setattr__(self, "partitions", tuple(parts))
+        if not self.group:
+            if self.partitions:
+                raise ConfigError("partitions: only a consumer group (group=...) reads several")
+            return
+        check_group_name(self.group)
+        if not self.zookeeper.strip():
+            raise ConfigError(f"group {self.group!r}: a consumer group needs zookeeper")
+        if not self.partitions:
+            if not self.partition:
+                raise ConfigError(
+                    f"group {self.group!r}: name the partitions to share (partitions or partition)"
+                )
+            object.__setattr__(self, "partitions", (self.partition,))
+        elif self.partition and self.partition not in self.partitions:
+            raise ConfigError("partition: must be one of partitions in a group")
+        if len(set(self.partitions)) != len(self.partitions):
+            raise ConfigError("partitions: a partition is named twice")
+        for name in self.partitions:
+            try:
+                Unit(name, 0)
+            except ConfigError:
+                raise ConfigError(f"partitions: {name!r} is not a partition name") from None
+        if not 1 <= self.buckets <= MAX_BUCKETS:
+            raise ConfigError(f"buckets must be within 1..{MAX_BUCKETS}, got {self.buckets}")
+        if self.filter is not None:
+            raise ConfigError("filter: a consumer group chooses the key buckets itself")
+        if not 0 <= self.commit_interval_s <= 3600:
+            raise ConfigError("commit_interval_s must be within 0..3600 s")
+        if "/" in self.member_name or len(self.member_name) > 128:
+            raise ConfigError("member_name: at most 128 characters, no '/'")
 
     @property
     def key_filter(self) -> PartitionFilter | None:

@@ -165,6 +165,11 @@ class Window:
     replayed by a bootstrap server. Such windows carry the ``checkpoint``
     entry that holds after them (bootstrap progress); see
     :meth:`position_after`.
+
+    Consumer groups: ``unit`` names the work unit (``<partition>.<bucket>``)
+    whose events the window holds; a group member delivers each unit's
+    windows in SCN order and makes no order promise across units. Empty
+    outside groups.
     """
 
     scn: int
@@ -178,6 +183,7 @@ class Window:
     nbytes: int = field(default=0, compare=False)
     phase: str = "online"
     checkpoint: PartitionCheckpoint | None = field(default=None, compare=False)
+    unit: str = ""
 
     @property
     def bootstrapping(self) -> bool:

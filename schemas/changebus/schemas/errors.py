@@ -286,6 +286,23 @@ class DataLossError(ChangebusError):
     code = "data_loss"
 
 
+class FencedError(ChangebusError):
+    """A write for a work unit this member no longer owns was refused.
+
+    Another member of the consumer group claimed the unit since (see
+    :class:`~changebus.schemas.UnitStore`); ``units`` names the refused
+    units in their text form (``<partition>.<bucket>``).
+    """
+
+    http_status = 409
+    code = "fenced"
+
+    def __init__(self, message: str, *, units: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        #: the refused units (text form)
+        self.units = units
+
+
 class SourceError(ChangebusError):
     """The source database failed or went away; usually temporary."""
 
