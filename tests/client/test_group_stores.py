@@ -243,6 +243,14 @@ async def test_postgres_store_keeps_the_password_out_of_errors() -> None:
     assert info.value.retriable
     assert "s3cretpw" not in str(info.value) and info.value.__cause__ is None
     assert "unit store x.unit_cp" in str(info.value)
+    replica = PostgresReplica("host=127.0.0.1 port=9 user=alice password=s3cretpw dbname=db")
+    try:
+        with pytest.raises(TransportError) as info:
+            await replica.claim(G, U, "m-1")
+    finally:
+        await replica.close()
+    assert info.value.retriable and "s3cretpw" not in str(info.value)
+    assert "s3cretpw" not in repr(replica)
 
 
 @pytest.mark.pg

@@ -23,9 +23,9 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import Column
+from changebus.schemas import ChangebusError, Column, TransportError
 
-from ._apply import Replica
+from ._apply_units import UnitReplica
 from ._json import jsonable
 from ._unitsql import DEFAULT_TABLE
 
@@ -35,7 +35,7 @@ _INTEGER = frozenset({"int", "long", "boolean"})
 _REAL = frozenset({"float", "double"})
 
 
-class SqliteReplica(Replica):
+class SqliteReplica(UnitReplica):
     """Applies a change stream to a SQLite database file (see :mod:`._apply`)."""
 
     placeholder = "?"
@@ -59,6 +59,11 @@ class SqliteReplica(Replica):
 
     def __repr__(self) -> str:
         return f"SqliteReplica({self.path!r}, consumer_name={self.consumer_name!r})"
+
+    def _store_error(self, exc: Exception) -> ChangebusError | None:
+        if isinstance(exc, sqlite3.OperationalError):  # e.g. locked by another writer too long
+            return TransportError(f"replica {self.path}: unit table {self.unit_table}: {exc}")
+        return None
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None)
