@@ -137,6 +137,7 @@ class GroupMember:
         # the registration: full member node path and the session that created it
         self._member_path = ""
         self._member_sid = 0
+        self._deleted_path = ""  # set by the member node's watch (kazoo's thread)
         self._started_ns = time.time_ns()
         self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
         self._target_cbs: list[UnitsCallback] = []
@@ -184,15 +185,17 @@ class GroupMember:
             self._remove_listener()
             self._remove_listener = None
         tasks, self._tasks = self._tasks, []
-        for task in [*tasks, *self._background]:
+        for task in tasks:
             task.cancel()
-        for task in [*tasks, *self._background]:
-            with contextlib.suppress(asyncio.CancelledError):
+        for task in [*tasks, *self._background]:  # undoing cancelled acquires: let them end
+            with contextlib.suppress(asyncio.CancelledError, CoordinationError):
                 await task
         path, owned = self._member_path, self.owned
         if path and self.session.connected:
             with contextlib.suppress(CoordinationError):
                 await delete_owners(self.session, self.group, path, owned)
+            with contextlib.suppress(CoordinationError):
+                await self._drop_stale()
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", path)
         self.owned = frozenset()
@@ -263,6 +266,7 @@ class GroupMember:
             if outcome == "created":
                 if path == self._member_path:
                     self.owned = self.owned | {unit}
+                    self._stale.discard(unit)  # a node of this session taken over
                     return
                 self._stale.add(unit)
                 continue
@@ -448,7 +452,8 @@ class GroupMember:
 
         def watch(event: Any) -> None:
             if getattr(event, "type", None) == "DELETED" and self._member_path == path:
-                self.confirmed_at = float("-inf")  # in kazoo's thread: the lease ends now
+                self._deleted_path = path  # in kazoo's thread: the lease ends now
+                self.confirmed_at = float("-inf")
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._wake_keeper.set)
 
@@ -456,14 +461,15 @@ class GroupMember:
         stat = await self.session.op("exists", path, watch=watch)
         if path != self._member_path:
             return
-        if stat is None or stat.ephemeralOwner != sid:
+        if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:
             self._member_gone(path, "member node gone")
         elif t0 > self.confirmed_at:
             self.confirmed_at = t0
 
     async def _drop_stale(self) -> None:
         """Delete owner nodes of an ended registration that the live session still holds."""
-        stale = frozenset(self._stale)
+        stale = frozenset(self._stale) - self.owned
+        self._stale -= self.owned
         if not stale:
             return
         await delete_owners(self.session, self.group, "", stale)
