@@ -495,3 +495,47 @@ async def test_sigstopped_member_is_fenced_when_it_wakes(make_member, zk_hosts, 
             proc.kill()
             await proc.wait()
         reader.cancel()
+
+
+async def test_the_leader_repairs_a_damaged_assignment(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    targets = [m.target for m, _ in pairs]
+    session = await zk_session("vandal")
+    await session.op("set", assignment_path(group), b"\xffnot json")
+
+    async def repaired() -> bool:
+        data, _ = await session.op("get", assignment_path(group))
+        try:
+            decode_assignment(data, "assignment")
+        except CoordinationError:
+            return False
+        return True
+
+    for _ in range(40):
+        if await repaired():
+            break
+        await asyncio.sleep(0.05)
+    assert await repaired()
+    await wait_until(lambda: settled(pairs), 5, "settled")
+    assert [m.target for m, _ in pairs] == targets  # nobody lost a unit over it
+
+
+@pytest.mark.usefixtures("no_blocking")
+async def test_group_coordination_does_not_block_the_loop(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    pairs.append(await make_member("c2"))
+    await wait_until(lambda: settled(pairs), 10, "rebalanced")
+    session = pairs[0][0].session
+    store = ZkUnitStore(session)
+    unit = sorted(pairs[0][0].owned)[0]
+    claim = await store.claim(group, unit, pairs[0][0].member_id)
+    checkpoint = PartitionCheckpoint(window_scn=1, prev_scn=1)
+    assert not (await store.commit(group, [UnitCommit(unit, checkpoint, claim.token)])).fenced
+    assert unit in await store.read(group)
+    state = await read_group(session, group)
+    assert len(state.members) == 3
+    await asyncio.sleep(pairs[0][0].lease_s)  # a few heartbeats
+    await pairs[2][0].stop()
+    await wait_until(lambda: settled(pairs[:2]), 10, "rebalanced after a leave")
