@@ -163,6 +163,10 @@ async def test_three_members_get_even_disjoint_targets(make_member, zk_session, 
     }
     assert state.owners == {u: m.member_id for m in members for u in sorted(m.owned)}
     assert state.generation >= 1
+    assert len(state.units) == 12
+    with pytest.raises(ConfigError, match="no consumer group nosuchgroup"):
+        await read_group(members[0].session, "nosuchgroup")
+    assert await ZkUnitStore(members[0].session).read("nosuchgroup") == {}
 
 
 async def test_a_leaving_member_moves_only_its_units(make_member) -> None:

@@ -44,6 +44,7 @@ from ._group_layout import (
     member_seq,
     owners_path,
 )
+from ._group_nodes import LOOP_ERRORS, retry_pause
 from ._session import ZkSession
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ log = logging.getLogger("changebus.cluster.group")
 
 #: pause after a change of the member list before the leader recomputes
 _SETTLE_S = 0.05
-_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 async def write_assignment(
@@ -119,13 +119,10 @@ async def run_leader(member: GroupMember) -> None:
                 await asyncio.sleep(_SETTLE_S)  # lost a race or was deposed: look again
                 continue
             failures = 0
-        except CoordinationError as exc:
-            if session.state == "closed":
+        except LOOP_ERRORS as exc:
+            if not await retry_pause(session, failures, f"group {group}: leader", exc):
                 return
-            delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
             failures += 1
-            log.info("group %s: leader retry in %.2f s: %s", group, delay, exc)
-            await asyncio.sleep(delay)
             continue
         settle = False
         with contextlib.suppress(TimeoutError):
