@@ -543,3 +543,21 @@ async def test_group_coordination_does_not_block_the_loop(make_member, zk_sessio
     await asyncio.sleep(pairs[0][0].lease_s)  # a few heartbeats
     await pairs[2][0].stop()
     await wait_until(lambda: settled(pairs[:2]), 10, "rebalanced after a leave")
+
+
+async def test_members_settle_again_after_zookeeper_restarts(make_member, zk_server) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    try:
+        await asyncio.to_thread(zk_server.restart)
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    # sessions may survive the restart or expire; either way the group settles again,
+    # every member with a valid lease, and nobody owns a unit twice
+    await wait_until(
+        lambda: settled(pairs) and all(m.lease_valid() for m, _ in pairs), 30, "settled again"
+    )
+    state = await read_group(pairs[0][0].session, pairs[0][0].group)
+    assert set(state.members) == {m.member_id for m, _ in pairs}
+    assert state.owners == {u: m.member_id for m, _ in pairs for u in m.owned}
