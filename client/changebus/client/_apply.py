@@ -19,6 +19,10 @@ Target tables are created from the event's table schema when missing
 columns added by later schema versions are added with ``ALTER TABLE``.
 Tables without a key cannot be upserted: the replica stops (FATAL).
 
+Consumer groups: the dialects are :class:`~._apply_units.UnitReplica`
+subclasses, which add the fenced unit checkpoints of a group (windows with
+``window.unit`` set); windows without a unit take the path described here.
+
 All database work runs in one worker thread per replica (the connection
 lives and dies there), never on the event loop. Dialects
 (:class:`~._apply_sqlite.SqliteReplica`,
@@ -35,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from changebus.schemas import Checkpoint, Column, ConfigError, TableSchema
+from changebus.schemas import Checkpoint, Column, ConfigError, PartitionCheckpoint, TableSchema
 
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
@@ -134,14 +138,33 @@ class Replica(AsyncCallbacks):
 
     def _connection(self) -> Any:
         if self._conn is None:
-            self._conn = self._connect()
-            q = self._quote
-            self._execute(
-                self._conn,
-                f"CREATE TABLE IF NOT EXISTS {q(self.checkpoint_table)}"
-                " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
-            )
+            conn = self._connect()
+            try:
+                self._create_missing(
+                    conn,
+                    self.checkpoint_table,
+                    f"CREATE TABLE IF NOT EXISTS {self._quote(self.checkpoint_table)}"
+                    " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
+                )
+            except BaseException:
+                self._close_connection(conn)
+                raise
+            self._conn = conn
         return self._conn
+
+    def _create_missing(self, conn: Any, table: str, create: str) -> None:
+        """Run ``create`` (``CREATE TABLE IF NOT EXISTS``) in a transaction of its own.
+
+        Replicas opening one database at once race on it (PostgreSQL: a
+        duplicate-type error; SQLite: a busy snapshot): when the statement
+        fails and the table exists now, another session made it.
+        """
+        try:
+            with self._transaction(conn):
+                self._execute(conn, create)
+        except Exception:
+            if not self._existing_columns(conn, table):
+                raise
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
         q, p = self._quote, self.placeholder
@@ -206,12 +229,7 @@ class Replica(AsyncCallbacks):
     async def on_end_window(self, window: Window) -> Result:
         """Apply the window and its checkpoint in one transaction."""
         stored = self._stored.get(window.partition) if self._stored is not None else None
-        if (
-            stored is not None
-            and not window.bootstrapping
-            and stored.window_scn >= window.scn
-            and stored.window_offset < 0
-        ):
+        if stored is not None and applied_before(stored, window):
             self.windows_skipped += 1  # applied before a crash or a failed checkpoint
             return None
         base = self._stored if self._stored is not None else Checkpoint({})
@@ -235,7 +253,7 @@ class Replica(AsyncCallbacks):
         for event in events:
             self._ensure_table(conn, event)
         with self._transaction(conn):
-            for sql, rows in _runs(self._statements(events)):
+            for sql, rows in runs(self._statements(events)):
                 self._executemany(conn, sql, rows)
             self._write_checkpoint(conn, checkpoint)
 
@@ -357,7 +375,12 @@ class Replica(AsyncCallbacks):
         ).result()
 
 
-def _runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
+def applied_before(stored: PartitionCheckpoint, window: Window) -> bool:
+    """Whether ``window`` is at or below ``stored``: applied already, to be skipped."""
+    return not window.bootstrapping and stored.window_scn >= window.scn and stored.window_offset < 0
+
+
+def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
     """Consecutive statements with the same SQL, grouped for ``executemany``."""
     sql: str | None = None
     rows: list[list[Any]] = []
