@@ -14,8 +14,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from changebus.bootstrap import BootstrapConfig, BootstrapServer, StoreConfig
-from changebus.bootstrap import HttpConfig as BootstrapHttp
+from changebus.bootstrap import (
+    BootstrapConfig,
+    BootstrapServer,
+    HttpConfig as BootstrapHttp,
+    StoreConfig,
+)
 from changebus.client import ConsumerConfig, SqliteReplica, Window
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import Mode, lsn_to_scn
@@ -83,9 +87,7 @@ class Phases(SqliteReplica):
         return await super().on_start_window(window)
 
 
-async def test_a_late_group_bootstraps_per_lane(
-    tmp_path: Path, pg_dsn: str, zk_hosts: str
-) -> None:
+async def test_a_late_group_bootstraps_per_lane(tmp_path: Path, pg_dsn: str, zk_hosts: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for t in TABLES:
             conn.execute(f"CREATE TABLE {t} (id int8 PRIMARY KEY, bal int8, name text)")
