@@ -497,7 +497,7 @@ async def test_members_find_the_relays_in_the_cluster_table(
         await session.start()
         registry = Registry(session, "relay")
         await registry.start()
-        registry.update({"syn": PartitionState("leader", 1, 1000, 1099)})  # type: ignore[arg-type]
+        registry.update({"syn": PartitionState("leader", 1, 1000, 1099)})
         await registry.flush()
         try:
             group = new_group()
