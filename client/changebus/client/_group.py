@@ -209,7 +209,7 @@ class GroupConsumer:
                     await self._calls.revoked(frozenset(u for u in gone if u in announced))
                     if self._mode == "iterator":
                         self._accept_iterator(gone)
-                    await owner.let_go(gone)
+                    await owner.let_go(gone, narrow=False)
             if self._queue is not None:
                 await self._queue.close()
         finally:
@@ -269,6 +269,7 @@ class GroupConsumer:
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:
                 continue
+            lane_.dequeued = batch
             now = time.monotonic()
             if now - lane_.advanced_at >= _ADVANCE_S:
                 lane_.advanced_at = now
@@ -349,10 +350,22 @@ class GroupConsumer:
                     self._accept_iterator(gone)
                 texts = {str(u) for u in gone}
                 self._purge_replay(texts)
-                await owner.let_go(gone)
+                for lane in {owner.held[u] for u in gone}:
+                    if lane.unadvanced is not None:  # their final positions as far as known
+                        self._advance_others(lane, lane.unadvanced, self._positions_())
+                replaced = await owner.let_go(gone)
+                if replaced:  # windows not handed out yet now belong to the narrowed lanes
+                    self._ready = deque(
+                        (replaced.get(lane, lane), unit, window)
+                        for lane, unit, window in self._ready
+                    )
         assigned = owner.take_assigned()
         if assigned:
             await self._calls.assigned(assigned)
+
+    def _positions_(self) -> GroupPositions:
+        assert self._positions is not None
+        return self._positions
 
     def _accept_iterator(self, units: frozenset[Unit]) -> None:
         """Iterator mode: positions of ``units`` are final (their uncommitted window is not)."""

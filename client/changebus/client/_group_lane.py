@@ -152,6 +152,10 @@ class Lane:
         #: the last batch dequeued whose position the units without events did not take yet
         self.unadvanced: LaneBatch | None = None
         self.advanced_at = 0.0
+        #: the last batch dequeued (every window of the lane up to it was handed out)
+        self.dequeued: LaneBatch | None = None
+        self.start_checkpoint = start
+        self._start_setting = config.start
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
         latest = False
         resume = None
@@ -182,19 +186,42 @@ class Lane:
         self._task: asyncio.Task[None] | None = None
         self.stopped = False
 
+    def restart_point(self) -> tuple[bool, PartitionCheckpoint | None]:
+        """``(possible, start)``: where a lane for (some of) these units would go on from.
+
+        After the last batch dequeued: a new lane started there neither skips
+        nor repeats a window of the units. Not while bootstrapping, nor before
+        anything came when the lane started at the newest window.
+        """
+        batch = self.dequeued
+        if batch is None:
+            possible = self.start_checkpoint is not None or self._start_setting != "latest"
+            return possible, self.start_checkpoint
+        if batch.checkpoint is not None:
+            return False, None
+        return True, PartitionCheckpoint(
+            window_scn=batch.scn, prev_scn=batch.scn, timestamp_ns=batch.timestamp_ns
+        )
+
     def describe(self) -> str:
         return ", ".join(str(u) for _, u in sorted(self.units.items()))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.fetcher.run(), name=f"changebus-lane-{self.name}")
 
-    async def stop(self) -> None:
-        """Stop fetching (idempotent); batches still queued are dropped at dequeue."""
+    def retire(self) -> None:
+        """Stop at once: no unit any more, batches still queued are dropped at dequeue."""
         self.stopped = True
         self.units = {}
+        self.unadvanced = None
+        if self._task is not None:
+            self._task.cancel()
+
+    async def stop(self) -> None:
+        """:meth:`retire` and wait for the fetcher task to end (idempotent)."""
+        self.retire()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, QueueClosed):
                 await task
 

@@ -185,33 +185,94 @@ class UnitOwner:
         gone = frozenset(u for u in self.held if u not in target)
         return gone, frozenset(u for u in gone if u not in self._unannounced)
 
-    async def let_go(self, units: Iterable[Unit]) -> None:
-        """Revoke ``units``: final commit of their accepted positions, leave the lanes, release."""
+    async def let_go(self, units: Iterable[Unit], *, narrow: bool = True) -> dict[Lane, Lane]:
+        """Revoke ``units``: final commit of their accepted positions, leave the lanes, release.
+
+        A lane that keeps some units is replaced by one reading just those
+        (``narrow``, see :meth:`_narrow`); returns the replacements (old -> new).
+        """
         gone = [u for u in units if u in self.held]
         if not gone:
-            return
+            return {}
         try:
             await self.positions.flush(gone, quiet=True)
         finally:
             self._unannounced.difference_update(gone)
-            self._forget(gone)
+            kept = self._forget(gone)
             await self.member.release(gone)
         log.info(
             "group %s: member %s gave up %s", self.config.group, self.member.member_id, _text(gone)
         )
         self._changed.set()
+        return self._narrow(kept) if narrow else {}
 
-    def _forget(self, units: Sequence[Unit]) -> None:
+    def _forget(self, units: Sequence[Unit]) -> set[Lane]:
+        """Drop ``units`` from their lanes (a lane left empty stops); the lanes that keep some."""
         by_lane: dict[Lane, list[Unit]] = {}
         for unit in units:
             lane = self.held.pop(unit, None)
             if lane is not None:
                 by_lane.setdefault(lane, []).append(unit)
         self.positions.remove(units)
+        kept: set[Lane] = set()
         for lane, lost in by_lane.items():
             if lane.drop(lost):
                 self.lanes.discard(lane)
+                lane.retire()
                 self._spawn(lane.stop())
+            else:
+                kept.add(lane)
+        return kept
+
+    def _narrow(self, lanes: Iterable[Lane]) -> dict[Lane, Lane]:
+        """Replace each of ``lanes`` by a lane filtering for its remaining units only.
+
+        The relay then stops sending the events of the units given away (a
+        member keeping a quarter of its units would otherwise still receive
+        and decode all of them). The new lane starts after the old lane's last
+        dequeued batch (:meth:`Lane.restart_point`): the windows of that batch
+        not handed out yet are the new lane's (the caller re-labels them).
+        """
+        replaced: dict[Lane, Lane] = {}
+        for lane in lanes:
+            possible, start = lane.restart_point()
+            if not possible or lane.stopped:
+                continue
+            units = sorted(lane.units.values())
+            new = self._new_lane(lane.partition, units, start)
+            for unit in units:
+                self.held[unit] = new
+            self.lanes.discard(lane)
+            lane.retire()  # its batches still queued must not move the units' positions
+            self._spawn(lane.stop())
+            new.start()
+            replaced[lane] = new
+            log.info(
+                "group %s: lane %s now reads %s only", self.config.group, new.name, new.describe()
+            )
+        return replaced
+
+    def _new_lane(
+        self, partition: str, units: Sequence[Unit], start: PartitionCheckpoint | None
+    ) -> Lane:
+        cfg = lane_config(
+            self.config,
+            partition,
+            frozenset(u.bucket for u in units),
+            self.relays[partition],
+            self.bootstrap.get(partition, ()),
+        )
+        lane = Lane(
+            cfg,
+            self._http,
+            self._queue,
+            units,
+            start,
+            self.config.buckets,
+            next(self._lane_numbers),
+        )
+        self.lanes.add(lane)
+        return lane
 
     # ---- relays -----------------------------------------------------------------
 
@@ -309,6 +370,11 @@ class UnitOwner:
 
     def _start(self, claims: list[UnitClaim]) -> None:
         """New lanes for ``claims``: one per partition and equal checkpoint."""
+        target, owned = self.member.target, self.member.owned
+        dropped = [c.unit for c in claims if c.unit not in target or c.unit not in owned]
+        if dropped:  # the target changed (or the membership was lost) while they were claimed
+            self._spawn(self.member.release(dropped))
+            claims = [c for c in claims if c.unit in target and c.unit in owned]
         groups: list[tuple[str, PartitionCheckpoint | None, list[UnitClaim]]] = []
         for claim in sorted(claims, key=lambda c: c.unit):
             for partition, checkpoint, members in groups:
@@ -318,28 +384,11 @@ class UnitOwner:
             else:
                 groups.append((claim.unit.partition, claim.checkpoint, [claim]))
         for partition, checkpoint, members in groups:
-            units = [c.unit for c in members]
-            cfg = lane_config(
-                self.config,
-                partition,
-                frozenset(u.bucket for u in units),
-                self.relays[partition],
-                self.bootstrap.get(partition, ()),
-            )
-            lane = Lane(
-                cfg,
-                self._http,
-                self._queue,
-                units,
-                checkpoint,
-                self.config.buckets,
-                next(self._lane_numbers),
-            )
+            lane = self._new_lane(partition, [c.unit for c in members], checkpoint)
             for claim in members:
                 self.positions.add(claim)
                 self.held[claim.unit] = lane
                 self._unannounced.add(claim.unit)
-            self.lanes.add(lane)
             lane.start()
             log.info(
                 "group %s: member %s reads %s from %s",
