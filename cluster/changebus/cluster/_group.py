@@ -35,6 +35,26 @@ becomes empty, the :meth:`GroupMember.on_lost` callbacks get the units it
 held, the target becomes empty (``on_target(frozenset())``), and the member
 registers again with a new member id, to which the leader gives units.
 
+Driving a member (what a group consumer does; callbacks run on the loop and
+must not block, so they start tasks)::
+
+    member = GroupMember(session, "orders-indexer", ["orders"], 64)
+    member.on_target(lambda target: spawn(retarget(target)))
+    member.on_lost(lambda units: drop(units))     # owner nodes gone: stop at once
+    await member.start()
+
+    async def retarget(target):
+        for unit in member.owned - target:        # revoke: commit, then release
+            await commit_last_positions(unit)
+            await member.release([unit])
+        for unit in target - member.owned:        # assign: own, claim, then read
+            await member.acquire(unit)            # waits for the previous owner
+            claim = await store.claim(group, unit, member.member_id)
+            start_reading(unit, claim)
+
+and before handing a window of ``unit`` to the application:
+``member.lease_valid() and unit in member.owned``.
+
 Thread-safety: everything runs on the event loop of the session except
 :meth:`GroupMember.lease_valid`, which any thread may call.
 """
@@ -75,6 +95,7 @@ from ._group_nodes import (
     create_member,
     create_owner,
     delete_owners,
+    mapped,
     retry_pause,
 )
 from ._session import StateChange, ZkSession
@@ -149,6 +170,7 @@ class GroupMember:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._remove_listener: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     # -- public API ------------------------------------------------------------------
@@ -162,6 +184,7 @@ class GroupMember:
         if self._tasks:
             return
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
         await self.session.wait_connected()
         if await check_meta(self.session, self.group, GroupMeta(self.buckets, self.partitions)):
             log.info(
@@ -169,7 +192,7 @@ class GroupMember:
             )
         session = self.session
         for path in (group_members_path(self.group), owners_path(self.group)):
-            await session.ensure_path(path)
+            await mapped(f"creating {path}", session.ensure_path(path))
         with contextlib.suppress(NodeExistsError):
             await session.op("create", assignment_path(self.group), b"")
         await self._register()
@@ -237,12 +260,24 @@ class GroupMember:
             raise ConfigError(f"group {self.group}: {unit} is not one of its units")
         registration = ""
         loop = asyncio.get_running_loop()
+        freed = asyncio.Event()
+
+        def watch(_event: Any) -> None:  # one function per call: kazoo keeps it once
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(freed.set)
+
         while True:
             if unit in self.owned:
                 return
             if self._stopping:
-                raise CoordinationError(f"group {self.group}: the member is stopped")
-            await self._registered.wait()
+                raise CoordinationError(
+                    f"group {self.group}: the member is stopped", retriable=False
+                )
+            if not self._member_path:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):  # to notice stop()
+                        await self._registered.wait()
+                continue
             await self.session.wait_connected()
             path, sid = self._member_path, self._member_sid
             if not path:
@@ -252,12 +287,7 @@ class GroupMember:
                     f"group {self.group}: membership lost while acquiring {unit}"
                 )
             registration = path
-            freed = asyncio.Event()
-
-            def watch(_event: Any, freed: asyncio.Event = freed) -> None:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(freed.set)
-
+            freed.clear()
             attempt = asyncio.ensure_future(
                 create_owner(self.session, self.group, path, sid, unit, watch)
             )
@@ -379,13 +409,11 @@ class GroupMember:
             try:
                 if not self._member_path:
                     await self.session.wait_connected()
-                    await self._drop_stale()
+                    await self._try_drop_stale()
                     if self.registrations:  # the group may have been deleted meanwhile
                         meta = GroupMeta(self.buckets, self.partitions)
                         await check_meta(self.session, self.group, meta)
                     await self._register()
-                elif self._stale:
-                    await self._drop_stale()
                 self._wake_keeper.clear()
                 await self._beat()
                 failures = 0
@@ -394,31 +422,42 @@ class GroupMember:
                     return
                 failures += 1
                 continue
+            if self._stale:
+                await self._try_drop_stale()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.lease_s / 3):
                     await self._wake_keeper.wait()
+
+    def _node_watch(self, event: Any) -> None:
+        """The member node's watch (kazoo's thread; one function, so kazoo keeps it once)."""
+        path = getattr(event, "path", None)
+        if getattr(event, "type", None) == "DELETED" and path and path == self._member_path:
+            self._deleted_path = path  # the lease ends now
+            self.confirmed_at = float("-inf")
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._wake_keeper.set)
 
     async def _beat(self) -> None:
         path, sid = self._member_path, self._member_sid
         if not path:
             return
-        loop = asyncio.get_running_loop()
-
-        def watch(event: Any) -> None:
-            if getattr(event, "type", None) == "DELETED" and self._member_path == path:
-                self._deleted_path = path  # in kazoo's thread: the lease ends now
-                self.confirmed_at = float("-inf")
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._wake_keeper.set)
-
         t0 = time.monotonic()
-        stat = await self.session.op("exists", path, watch=watch)
+        stat = await self.session.op("exists", path, watch=self._node_watch)
         if path != self._member_path:
             return
         if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:
             self._member_gone(path, "member node gone")
         elif t0 > self.confirmed_at:
             self.confirmed_at = t0
+
+    async def _try_drop_stale(self) -> None:
+        """:meth:`_drop_stale`, its failure logged (tried again on the next round)."""
+        try:
+            await self._drop_stale()
+        except CoordinationError as exc:
+            log.info("group %s: stale owner nodes stay for now: %s", self.group, exc)
 
     async def _drop_stale(self) -> None:
         """Delete owner nodes of an ended registration that the live session still holds."""
