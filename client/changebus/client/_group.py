@@ -51,7 +51,7 @@ from typing import Any, Literal
 import aiohttp
 
 from changebus.cluster import CoordinationError, GroupMember, ZkSession, ZkUnitStore
-from changebus.schemas import Checkpoint, PartitionCheckpoint, Unit, UnitStore
+from changebus.schemas import Checkpoint, Unit, UnitStore
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._cluster import ClusterRoute
@@ -264,7 +264,7 @@ class GroupConsumer:
             if not len(queue):
                 for lane in owner.lanes:  # idle: the positions of units without events catch up
                     if lane.unadvanced is not None:
-                        self._advance_others(lane, lane.unadvanced, positions)
+                        lane.advance_idle(lane.unadvanced, positions, self._held())
             batch = await queue.get()
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:
@@ -273,44 +273,10 @@ class GroupConsumer:
             now = time.monotonic()
             if now - lane_.advanced_at >= _ADVANCE_S:
                 lane_.advanced_at = now
-                self._advance_others(lane_, batch, positions)
+                lane_.advance_idle(batch, positions, self._held())
             else:
                 lane_.unadvanced = batch
             self._ready.extend((lane_, u, w) for u, w in batch.windows)
-
-    def _advance_others(self, lane: Lane, batch: LaneBatch, positions: GroupPositions) -> None:
-        """The lane's units without a window in ``batch`` move past it (position only).
-
-        Every window of those units before ``batch`` was handed out (the
-        batches of a lane are dequeued in order, and the next one only once
-        the windows of the last are handed out), so this skips nothing.
-        Done at most every ``_ADVANCE_S`` per lane and when the member is
-        idle: a position-only advance saves re-reading windows without
-        events after a move, nothing else, and costs a pass over the lane's units.
-        """
-        lane.unadvanced = None
-        units = lane.units
-        if len(batch.windows) == len(units):
-            return
-        got = {u.bucket for u, _ in batch.windows}
-        online = PartitionCheckpoint(
-            window_scn=batch.scn, prev_scn=batch.scn, timestamp_ns=batch.timestamp_ns
-        )
-        iterator = self._mode == "iterator"
-        for bucket, text in lane.texts.items():
-            if bucket in got or bucket not in units:
-                continue
-            if iterator and text in self._uncommitted:
-                # committing the unit's yielded window later covers this position too
-                self._uncommitted[text] = Window(
-                    batch.scn,
-                    batch.timestamp_ns,
-                    lane.partition,
-                    checkpoint=batch.checkpoint,
-                    unit=text,
-                )
-            else:
-                positions.advance_to(text, batch.scn, batch.timestamp_ns, batch.checkpoint, online)
 
     async def _fence(self, owner: UnitOwner, lane: Lane, unit: Unit) -> bool:
         """Whether ``unit``'s window may go to the application now (waits while the lease is in doubt)."""
@@ -352,7 +318,7 @@ class GroupConsumer:
                 self._purge_replay(texts)
                 for lane in {owner.held[u] for u in gone}:
                     if lane.unadvanced is not None:  # their final positions as far as known
-                        self._advance_others(lane, lane.unadvanced, self._positions_())
+                        lane.advance_idle(lane.unadvanced, self._positions_(), self._held())
                 replaced = await owner.let_go(gone)
                 if replaced:  # windows not handed out yet now belong to the narrowed lanes
                     self._ready = deque(
@@ -362,6 +328,10 @@ class GroupConsumer:
         assigned = owner.take_assigned()
         if assigned:
             await self._calls.assigned(assigned)
+
+    def _held(self) -> dict[str, Window] | None:
+        """Iterator mode: the windows yielded and not committed, by unit (else None)."""
+        return self._uncommitted if self._mode == "iterator" else None
 
     def _positions_(self) -> GroupPositions:
         assert self._positions is not None
