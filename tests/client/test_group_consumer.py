@@ -538,3 +538,29 @@ async def test_members_find_the_relays_in_the_cluster_table(
             await session.stop()
         assert not rec.errors, rec.errors[:5]
         assert rec.distinct() == expected
+
+
+async def test_lanes_at_one_position_merge(make_relay: MakeRelay, zk_hosts: str) -> None:
+    async with make_relay(
+        max_windows=400, windows_per_s=200, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        async with iterating(a, "a", rec):
+            await wait_until(lambda: len(a.units) == BUCKETS and rec.keys, 10, "a alone")
+            async with iterating(b, "b", rec):
+                await wait_until(lambda: len(b.units) == BUCKETS // 2, 10, "b's share")
+                await wait_until(lambda: len(rec.by_member["b"]) > 5, 10, "b reading")
+            # b left: a reads b's units in a lane of their own, then one lane again
+            await wait_until(lambda: len(a.units) == BUCKETS, 10, "a alone again")
+            while relay.hosts["syn"].state != "finished":
+                await asyncio.sleep(0.05)
+            expected = await everything(relay)
+            await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+            await wait_until(lambda: a.stats()["lanes"] == 1, 10, "one lane")
+            await asyncio.sleep(0.3)
+        assert not rec.errors, rec.errors[:5]
+        assert len(rec.keys) == len(expected)
+        assert rec.distinct() == expected

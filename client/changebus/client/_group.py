@@ -27,8 +27,19 @@ while the lease is in doubt (ZooKeeper disconnected) it waits, and a unit
 whose owner node is gone is dropped. So a member frozen past its session
 delivers nothing when it wakes.
 
-Ordering: the windows of one unit come in SCN order (one lane reads a unit;
-a new lane per claim); nothing is promised across units.
+The rebalance work runs on the application's path on purpose (a unit is
+never taken away in the middle of one of its windows); the price is that a
+member busy with one long window, or an iterator the application stops
+pulling from, hands its revoked units over only when it asks for the next
+window. Acquiring runs in the background: the units a member keeps go on
+flowing while new ones are claimed.
+
+Ordering: the windows of one unit come in SCN order (one lane reads a unit
+at a time; a unit changes lanes only at a point where every window of its
+old lane up to there was handed out); nothing is promised across units.
+Lanes: one per claim batch, narrowed when units leave, merged when the
+member is idle and lanes of a partition stand at the same window
+(:mod:`._group_units`).
 
 Commits: iterator ``commit()`` (auto-commit: when the next window is asked
 for) and the callbacks' ``on_checkpoint`` accept positions; the store is
@@ -265,6 +276,7 @@ class GroupConsumer:
                 for lane in owner.lanes:  # idle: the positions of units without events catch up
                     if lane.unadvanced is not None:
                         lane.advance_idle(lane.unadvanced, positions, self._held())
+                owner.merge_lanes()  # lanes of a partition at one position become one
             batch = await queue.get()
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:

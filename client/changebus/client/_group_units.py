@@ -252,6 +252,42 @@ class UnitOwner:
             )
         return replaced
 
+    def merge_lanes(self) -> None:
+        """Lanes of one partition whose last dequeued batch is the same window become one lane.
+
+        Called when every batch dequeued was handed out (the member is idle),
+        so each unit of those lanes is at most at that window and a lane
+        started after it misses nothing; with fewer lanes the relay sends each
+        window (its control events) fewer times. Lanes bootstrapping are left alone.
+        """
+        at: dict[tuple[str, int, int], list[Lane]] = {}
+        for lane in self.lanes:
+            batch = lane.dequeued
+            if batch is None or batch.checkpoint is not None or lane.stopped or not lane.units:
+                continue
+            at.setdefault((lane.partition, batch.scn, batch.timestamp_ns), []).append(lane)
+        for (partition, scn, ts), lanes in at.items():
+            if len(lanes) < 2:
+                continue
+            units = sorted(u for lane in lanes for u in lane.units.values())
+            start = PartitionCheckpoint(window_scn=scn, prev_scn=scn, timestamp_ns=ts)
+            new = self._new_lane(partition, units, start)
+            for unit in units:
+                self.held[unit] = new
+            for lane in lanes:
+                self.lanes.discard(lane)
+                lane.retire()
+                self._spawn(lane.stop())
+            new.start()
+            log.info(
+                "group %s: lanes %s merged into %s (%s) after SCN %d",
+                self.config.group,
+                ", ".join(lane.name for lane in lanes),
+                new.name,
+                new.describe(),
+                scn,
+            )
+
     def _new_lane(
         self, partition: str, units: Sequence[Unit], start: PartitionCheckpoint | None
     ) -> Lane:
