@@ -20,6 +20,12 @@ units (``held``: unit -> the :class:`~._group_lane.Lane` reading it):
   windows are no longer delivered and ``on_lost`` follows
   (:meth:`take_lost`).
 
+* **lanes**: a lane that keeps some units after a revoke is replaced by one
+  filtering for those only (:meth:`UnitOwner._narrow`), and lanes of a
+  partition standing at the same window while the member is idle become one
+  (:meth:`UnitOwner.merge_lanes`); either way the new lane starts after the
+  last window its units' old lanes handed out.
+
 A unit is never read by two members at once beyond what at-least-once
 allows: it is claimed only after its owner node exists (the previous owner
 released it after its final commit, or its session expired), and a zombie's
