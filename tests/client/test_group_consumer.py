@@ -58,12 +58,12 @@ def new_group() -> str:
     return f"g{uuid.uuid4().hex[:10]}"
 
 
-def bucket_of(event: Any) -> int:
+def bucket_of(event: Any, buckets: int = BUCKETS) -> int:
     """The bucket of an event's key, computed the way the fetcher hashed it."""
     if not event.key:
         return 0
     encoder = RowEncoder(event.schema, source_id=event.source_id)
-    return key_hash(encoder._key_bytes(event.key)) % BUCKETS
+    return key_hash(encoder._key_bytes(event.key)) % buckets
 
 
 async def everything(relay: Relay) -> set[tuple[int, int]]:
@@ -82,7 +82,8 @@ async def everything(relay: Relay) -> set[tuple[int, int]]:
 class Recorder:
     """Delivered windows of several members, checked as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: int = BUCKETS) -> None:
+        self.buckets = buckets
         self.keys: list[tuple[int, int]] = []
         self.last_scn: dict[str, int] = {}
         self.by_member: dict[str, list[Window]] = defaultdict(list)
@@ -96,10 +97,9 @@ class Recorder:
             )
         self.last_scn[window.unit] = max(window.scn, self.last_scn.get(window.unit, -1))
         for event in window.events:
-            if bucket_of(event) != unit.bucket:
-                self.errors.append(
-                    f"event {event.dedupe_key} of bucket {bucket_of(event)} in {unit}"
-                )
+            bucket = bucket_of(event, self.buckets)
+            if bucket != unit.bucket:
+                self.errors.append(f"event {event.dedupe_key} of bucket {bucket} in {unit}")
         self.keys.extend(e.dedupe_key for e in window.events)
         self.by_member[member].append(window)
 
@@ -564,3 +564,35 @@ async def test_lanes_at_one_position_merge(make_relay: MakeRelay, zk_hosts: str)
         assert not rec.errors, rec.errors[:5]
         assert len(rec.keys) == len(expected)
         assert rec.distinct() == expected
+
+
+async def test_schema_changes_go_with_bucket_0_and_a_gap_to_every_unit(
+    scripted_relay: Any, window_type: Any, zk_hosts: str
+) -> None:
+    from changebus.schemas import Column, DataLoss, Op, TableSchema
+
+    users = TableSchema(
+        "app.users", (Column("id", "long", nullable=False), Column("name", "string")), ("id",), 1
+    )
+    W = window_type
+    rows = [(users, 1, Op.INSERT, {"id": i, "name": f"u{i}"}, None) for i in range(40)]
+    script = [
+        W(10, rows=rows[:20], announce=[(1, users)]),
+        W(20, loss=DataLoss(11, 19, "test gap")),
+        W(30, rows=rows[20:]),
+    ]
+    async with scripted_relay(script) as relay:
+        rec = Recorder(buckets=4)
+        cfg = group_config(relay, zk_hosts, new_group(), buckets=4, on_data_loss="deliver")
+        got: list[Window] = []
+        async with Consumer(cfg) as c:
+            async for window in c:
+                got.append(window)
+                rec.take("a", window)
+                if len(rec.distinct()) == 40 and sum(w.data_loss is not None for w in got) == 4:
+                    break
+    assert not rec.errors, rec.errors[:5]
+    changes = [w for w in got if w.schema_changes]
+    assert [(w.scn, w.unit) for w in changes] == [(10, "syn.0")]
+    assert sorted(w.unit for w in got if w.data_loss is not None) == [f"syn.{b}" for b in range(4)]
+    assert {w.unit for w in got if w.scn == 10 and w.events} == {f"syn.{b}" for b in range(4)}
