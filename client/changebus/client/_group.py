@@ -100,6 +100,7 @@ class GroupConsumer:
     ) -> None:
         self.config = config
         self._store = store
+        self._own_store = store is None
         self._calls = ListenerCalls(listener)
         self._http = session
         self._own_http = session is None
@@ -146,23 +147,17 @@ class GroupConsumer:
         zk = self._zk = await connect(cfg)
         if self._store is None:
             self._store = ZkUnitStore(zk)
-            self._own_store = True
-        else:
-            self._own_store = False
         member = self.member = GroupMember(
             zk, cfg.group, cfg.partitions, cfg.buckets, name=cfg.member_name
         )
         if self._http is None:
             self._http = await open_session(cfg.auth)
         queue = self._queue = BoundedQueue[LaneBatch](cfg.queue_windows, cfg.queue_bytes)
-        owner_box: list[UnitOwner] = []
-        positions = self._positions = GroupPositions(
-            self._store, cfg.group, cfg.commit_interval_s, lambda u: owner_box[0].on_fenced(u)
-        )
+        positions = self._positions = GroupPositions(self._store, cfg.group, cfg.commit_interval_s)
         owner = self._owner = UnitOwner(
             cfg, member, self._store, positions, self._http, queue, self._wake
         )
-        owner_box.append(owner)
+        positions.on_fenced = owner.on_fenced
         for partition in cfg.partitions:
             route = await follow_relays(cfg, partition, owner)
             if route is not None:
@@ -230,17 +225,13 @@ class GroupConsumer:
             for route in self._routes:
                 await route.stop()
             self._routes.clear()
-            if self._own_store_close():
-                assert self._store is not None
+            if self._own_store and self._store is not None:
                 await self._store.close()
             if self._zk is not None:
                 await self._zk.stop()
             if self._own_http and self._http is not None:
                 await self._http.close()
                 self._http = None
-
-    def _own_store_close(self) -> bool:
-        return bool(getattr(self, "_own_store", False)) and self._store is not None
 
     def stop(self) -> None:
         """End a running ``run`` or iteration after the current window (any thread)."""
