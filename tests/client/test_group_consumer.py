@@ -319,6 +319,8 @@ def test_a_plain_checkpoint_persister_is_refused_in_a_group() -> None:
         Consumer(cfg, persister=MemoryCheckpointPersister())
     with pytest.raises(ConfigError, match="consumer groups"):
         Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",)), listener=Callbacks())
+    with pytest.raises(ConfigError, match="give the relays"):
+        ConsumerConfig(partition="syn", group="g", zookeeper="127.0.0.1:1")
 
 
 class Lost(AsyncCallbacks):

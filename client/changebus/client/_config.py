@@ -192,6 +192,10 @@ class ConsumerConfig:
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
             cleaned.append(url.rstrip("/"))
         object.__setattr__(self, "relays", tuple(cleaned))
+        if self.group and not self.cluster.strip() and not cleaned:
+            raise ConfigError(
+                f"group {self.group!r}: give the relays (or a cluster to find them in)"
+            )
         servers: object = self.bootstrap_servers
         if isinstance(servers, str):
             servers = (servers,)
