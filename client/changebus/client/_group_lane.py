@@ -152,6 +152,8 @@ class Lane:
         #: bucket -> unit, and bucket -> unit text, of the units still in the lane
         self.units: dict[int, Unit] = {u.bucket: u for u in units}
         self.texts = {u.bucket: str(u) for u in units}
+        # the lane's filter keeps one bucket: every event is that unit's
+        self._only = units[0].bucket if len(units) == 1 else None
         #: the last batch dequeued whose position the units without events did not take yet
         self.unadvanced: LaneBatch | None = None
         self.advanced_at = 0.0
@@ -281,8 +283,8 @@ class Lane:
         events = window.events
         groups: dict[int, Sequence[ChangeEvent]] = {}
         if events:
-            if len(units) == 1 and self.buckets > 1:
-                groups = {next(iter(units)): events}  # the relay filtered for the one bucket
+            if self._only is not None:
+                groups = {self._only: events}  # the relay filters for the one bucket
             else:
                 groups = self._group(events, raw)
         extra = bool(window.schema_changes or window.messages)
