@@ -598,3 +598,44 @@ async def test_schema_changes_go_with_bucket_0_and_a_gap_to_every_unit(
     assert [(w.scn, w.unit) for w in changes] == [(10, "syn.0")]
     assert sorted(w.unit for w in got if w.data_loss is not None) == [f"syn.{b}" for b in range(4)]
     assert {w.unit for w in got if w.scn == 10 and w.events} == {f"syn.{b}" for b in range(4)}
+
+
+async def test_sync_callbacks_get_the_rebalance_calls_in_their_worker_thread(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    import threading
+
+    async with make_relay(max_windows=60, events_per_window=2, keys=100) as relay:
+        expected = await everything(relay)
+        cfg = group_config(relay, zk_hosts, new_group(), buckets=4)
+        calls: list[tuple[str, str, frozenset[Unit]]] = []
+        seen: set[tuple[int, int]] = set()
+        threads: set[str] = set()
+
+        def consume() -> None:
+            consumer = SyncConsumer(cfg)
+
+            class Sync(Callbacks):
+                def on_assigned(self, units: frozenset[Unit]) -> None:
+                    calls.append(("assigned", threading.current_thread().name, units))
+
+                def on_revoked(self, units: frozenset[Unit]) -> None:
+                    calls.append(("revoked", threading.current_thread().name, units))
+
+                def on_end_window(self, window: Window) -> None:
+                    threads.add(threading.current_thread().name)
+                    seen.update(e.dedupe_key for e in window.events)
+                    if seen >= expected:
+                        consumer.stop()
+
+            try:
+                consumer.run(Sync())
+            finally:
+                consumer.close()
+
+        await asyncio.to_thread(consume)
+    units = frozenset(Unit("syn", b) for b in range(4))
+    assert seen == expected
+    assert [(kind, u) for kind, _, u in calls] == [("assigned", units), ("revoked", units)]
+    # on_assigned ran where the window callbacks run (on_revoked at close: after run ended)
+    assert calls[0][1] in threads and threads == {calls[0][1]}
