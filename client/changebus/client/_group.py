@@ -39,7 +39,7 @@ at a time; a unit changes lanes only at a point where every window of its
 old lane up to there was handed out); nothing is promised across units.
 Lanes: one per claim batch, narrowed when units leave, merged when the
 member is idle and lanes of a partition stand at the same window
-(:mod:`._group_units`).
+(:mod:`._group_lanes`).
 
 Commits: iterator ``commit()`` (auto-commit: when the next window is asked
 for) and the callbacks' ``on_checkpoint`` accept positions; the store is
@@ -159,7 +159,7 @@ class GroupConsumer:
         )
         positions.on_fenced = owner.on_fenced
         for partition in cfg.partitions:
-            route = await follow_relays(cfg, partition, owner)
+            route = await follow_relays(cfg, partition, owner.lanes)
             if route is not None:
                 self._routes.append(route)
         member.on_lost(self._on_lost)
@@ -267,7 +267,7 @@ class GroupConsumer:
                 for lane in owner.lanes:  # idle: the positions of units without events catch up
                     if lane.unadvanced is not None:
                         lane.advance_idle(lane.unadvanced, positions, self._held())
-                owner.merge_lanes()  # lanes of a partition at one position become one
+                owner.lanes.merge(owner.held)  # lanes of a partition at one position become one
             batch = await queue.get()
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:
