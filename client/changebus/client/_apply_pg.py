@@ -22,6 +22,7 @@ from typing import Any
 from changebus.schemas import Column
 
 from ._apply import Replica
+from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
 __all__ = ["PostgresReplica"]
 
@@ -50,6 +51,7 @@ class PostgresReplica(Replica):
     """Applies a change stream to a PostgreSQL database (see :mod:`._apply`)."""
 
     placeholder = "%s"
+    unit_time = POSTGRES_TIME
 
     def __init__(
         self,
@@ -58,11 +60,13 @@ class PostgresReplica(Replica):
         consumer_name: str = "default",
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
+        unit_table: str = DEFAULT_TABLE,
     ) -> None:
         super().__init__(
             consumer_name=consumer_name,
             table_names=table_names,
             checkpoint_table=checkpoint_table,
+            unit_table=unit_table,
         )
         self._dsn = dsn
 

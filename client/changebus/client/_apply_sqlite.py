@@ -27,6 +27,7 @@ from changebus.schemas import Column
 
 from ._apply import Replica
 from ._json import jsonable
+from ._unitsql import DEFAULT_TABLE
 
 __all__ = ["SqliteReplica"]
 
@@ -46,11 +47,13 @@ class SqliteReplica(Replica):
         consumer_name: str = "default",
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
+        unit_table: str = DEFAULT_TABLE,
     ) -> None:
         super().__init__(
             consumer_name=consumer_name,
             table_names=table_names,
             checkpoint_table=checkpoint_table,
+            unit_table=unit_table,
         )
         self.path = os.fspath(path)
 
