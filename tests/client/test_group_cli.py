@@ -1,0 +1,310 @@
+"""``changebus group status|list|delete`` and the group flags of ``changebus tail``.
+
+The commands run as subprocesses against a real ZooKeeper (``fix_zk``) and
+real relays started in the test's loop. The group trees are made by real
+members: ``GroupMember`` + ``ZkUnitStore`` (the coordination layer alone) and
+group ``Consumer`` instances (the whole engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import aiohttp
+from test_client_cli import ENV
+
+from changebus.client import PartitionStatus, RelayInfo
+from changebus.client._cli_group_status import Head, build_report, render_text, unit_lag
+from changebus.cluster import ClusterConfig, GroupMember, ZkSession, ZkUnitStore
+from changebus.relay import Relay
+from changebus.schemas import PartitionCheckpoint, StoredUnit, Unit, UnitCommit
+
+MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
+
+
+async def changebus(*args: str, wait_s: float = 60) -> tuple[int, str, str]:
+    """Run ``changebus ARGS`` to the end: (exit status, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "changebus.schemas",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=ENV,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), wait_s)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def group_name() -> str:
+    return f"g{uuid.uuid4().hex[:10]}"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+# -- the report, without servers ----------------------------------------------------------
+
+
+def ckpt(scn: int, ts_ns: int = 0) -> PartitionCheckpoint:
+    return PartitionCheckpoint(window_scn=scn, prev_scn=scn, timestamp_ns=ts_ns)
+
+
+def test_lag_is_scn_and_seconds_behind_the_head() -> None:
+    head = Head(scn=1100, timestamp_ns=5_000_000_000)
+    assert unit_lag(ckpt(1100, 5_000_000_000), head) == (0, 0.0)
+    assert unit_lag(ckpt(1200, 6_000_000_000), head) == (0, 0.0)  # ahead of a lagging relay
+    assert unit_lag(ckpt(1000, 2_500_000_000), head) == (100, 2.5)
+    assert unit_lag(ckpt(1000), head) == (100, None)  # no commit time known
+    assert unit_lag(None, head) == (None, None)
+    assert unit_lag(ckpt(1000), None) == (None, None)
+    # a window consumed halfway counts from the last complete one
+    half = PartitionCheckpoint(window_scn=1050, window_offset=2, prev_scn=1040)
+    assert unit_lag(half, head) == (60, None)
+    assert unit_lag(PartitionCheckpoint(), head) == (None, None)  # no position yet
+
+
+def test_report_states_counts_and_json() -> None:
+    units = Unit.all_of(("p",), 4)
+    report = build_report(
+        group="g1",
+        buckets=4,
+        partitions=("p",),
+        leader="m-0000000001",
+        members={
+            "m-0000000001": {"name": "a", "host": "h1", "pid": 10, "started_ns": 1},
+            "m-0000000002": {"name": "b", "host": "h2", "pid": 20, "started_ns": 2},
+        },
+        # m-0000000000 is gone: what it was assigned counts for nobody
+        assignment={
+            "m-0000000001": units[:2],
+            "m-0000000002": units[2:3],
+            "m-0000000000": units[3:],
+        },
+        owners={units[0]: "m-0000000001", units[1]: "m-0000000002", units[3]: "m-0000000002"},
+        stored={
+            units[0]: StoredUnit(units[0], ckpt(1100, 9), "m-0000000001", 3, 77),
+            units[1]: StoredUnit(units[1], None, "m-0000000002", 1, 0),
+        },
+        heads={"p": Head(1100, 9)},
+        relays="http://r:1",
+    )
+    states = {str(u.unit): (u.owner, u.state) for u in report.units}
+    assert states == {
+        "p.0": ("m-0000000001", "ok"),
+        "p.1": ("m-0000000002", "moving"),
+        "p.2": (None, "starting"),
+        "p.3": ("m-0000000002", "orphaned"),
+    }
+    assert [(m.member_id, m.owned, m.assigned, m.leader) for m in report.members] == [
+        ("m-0000000001", 1, 2, True),
+        ("m-0000000002", 2, 1, False),
+    ]
+    doc = json.loads(json.dumps(report.to_json()))
+    assert doc["units"][0] == {
+        "unit": "p.0",
+        "owner": "m-0000000001",
+        "assigned": "m-0000000001",
+        "state": "ok",
+        "generation": 3,
+        "checkpoint_scn": 1100,
+        "checkpoint_timestamp_ns": 9,
+        "mode": "online",
+        "updated_ns": 77,
+        "lag_scn": 0,
+        "lag_s": 0.0,
+    }
+    assert doc["units"][2]["checkpoint_scn"] is None and doc["units"][2]["lag_scn"] is None
+    text = render_text(report)
+    assert "leader m-0000000001" in text and "moving to m-0000000001" in text
+    assert "p 1100" in text
+
+
+# -- bad arguments -------------------------------------------------------------------------
+
+
+async def test_tail_rejects_bad_group_arguments(zk_hosts: str) -> None:
+    base = ("tail", "--relay", "http://127.0.0.1:1", "--partition", "p")
+    cases = [
+        (("--group", "g1", "--zookeeper", zk_hosts, "--buckets", "0"), "buckets"),
+        (("--group", "bad/name", "--zookeeper", zk_hosts), "not a valid group name"),
+        (("--group", "g1"), "needs --zookeeper"),
+        (("--buckets", "8"), "--buckets: only with --group"),
+        (("--group", "g1", "--zookeeper", zk_hosts, "--filter", "mod:2:0"), "filter"),
+        (("--group", "g1", "--zookeeper", zk_hosts, "--checkpoint", "x.json"), "--checkpoint"),
+        (("--group", "g1", "--zookeeper", zk_hosts, "--commit-interval", "-1"), "commit_interval"),
+    ]
+    for extra, needle in cases:
+        code, out, err = await changebus(*base, *extra)
+        assert code == 2, (extra, err)
+        assert needle in err and "Traceback" not in err, (extra, err)
+        assert out == ""
+    code, _, err = await changebus(
+        "replicate", "--relay", "http://127.0.0.1:1", "--sqlite", "x.db", "--buckets", "0",
+        "--group", "g1", "--zookeeper", zk_hosts, "--partition", "p",
+    )  # fmt: skip
+    assert code == 2 and "buckets" in err and "Traceback" not in err
+
+
+async def test_status_of_an_unknown_group_or_bad_name_exits_2(zk_hosts: str) -> None:
+    code, out, err = await changebus("group", "status", group_name(), "--zookeeper", zk_hosts)
+    assert code == 2 and out == ""
+    assert "no group" in err and "Traceback" not in err
+    code, _, err = await changebus("group", "status", "no/slash", "--zookeeper", zk_hosts)
+    assert code == 2 and "not a valid group name" in err
+    code, _, err = await changebus("group", "delete", group_name(), "--zookeeper", zk_hosts)
+    assert code == 2 and "no group" in err
+
+
+async def test_unreachable_zookeeper_is_one_line_not_a_traceback() -> None:
+    hosts = f"127.0.0.1:{closed_port()}"
+    for cmd in (("status", "g1"), ("list",), ("delete", "g1")):
+        code, out, err = await changebus(
+            "group", *cmd, "--zookeeper", hosts, "--timeout", "1", wait_s=30
+        )
+        assert code == 1, (cmd, err)
+        assert f"cannot reach ZooKeeper {hosts}" in err and "Traceback" not in err, err
+        assert out == ""
+
+
+# -- a group tree made by GroupMember + ZkUnitStore ---------------------------------------
+
+
+@asynccontextmanager
+async def zk_session(zk_hosts: str) -> AsyncIterator[ZkSession]:
+    session = ZkSession(ClusterConfig(zookeeper=zk_hosts, name="groups", session_timeout_s=4))
+    await session.start()
+    try:
+        yield session
+    finally:
+        await session.stop()
+
+
+async def eventually(check: Callable[[], bool], seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def relay_head(url: str) -> PartitionStatus:
+    async with aiohttp.ClientSession() as http:
+        return (await RelayInfo(http, url).status())["syn"]
+
+
+async def test_status_list_delete_of_a_group_of_two_members(
+    zk_hosts: str, make_relay: MakeRelay
+) -> None:
+    group = group_name()
+    async with (
+        make_relay(max_windows=30) as relay,
+        zk_session(zk_hosts) as s1,
+        zk_session(zk_hosts) as s2,
+    ):
+        head = await relay_head(relay.url)
+        assert head.max_scn >= 1000 and head.newest_timestamp_ns > 0
+        m1 = GroupMember(s1, group, ["syn"], 4, name="alpha")
+        m2 = GroupMember(s2, group, ["syn"], 4, name="beta")
+        await m1.start()
+        await m2.start()
+        try:
+            await eventually(lambda: len(m1.target) == 2 and len(m2.target) == 2)
+            assert m1.target | m2.target == set(Unit.all_of(["syn"], 4))
+            behind = Unit("syn", 3)  # this unit's checkpoint is 5 windows behind, 2 s older
+            for member, session in ((m1, s1), (m2, s2)):
+                store = ZkUnitStore(session)
+                for unit in sorted(member.target):
+                    await member.acquire(unit)
+                    claim = await store.claim(group, unit, member.member_id)
+                    assert claim.checkpoint is None and claim.generation == 1
+                    scn, ts = head.max_scn, head.newest_timestamp_ns
+                    if unit == behind:
+                        scn, ts = scn - 5, ts - 2_000_000_000
+                    result = await store.commit(
+                        group, [UnitCommit(unit, ckpt(scn, ts), claim.token)]
+                    )
+                    assert not result.fenced
+            owner = dict.fromkeys(m1.target, m1.member_id) | dict.fromkeys(m2.target, m2.member_id)
+
+            base = ("--zookeeper", zk_hosts, "--relay", relay.url)
+            code, out, err = await changebus("group", "status", group, *base, "--json")
+            assert code == 0, err
+            doc = json.loads(out)
+            assert doc["group"] == group and doc["buckets"] == 4 and doc["partitions"] == ["syn"]
+            assert doc["leader"] == min(m1.member_id, m2.member_id)
+            assert {(m["id"], m["name"], m["units"], m["assigned"]) for m in doc["members"]} == {
+                (m1.member_id, "alpha", 2, 2),
+                (m2.member_id, "beta", 2, 2),
+            }
+            assert all(m["host"] and m["pid"] for m in doc["members"])
+            assert doc["heads"]["syn"] == {
+                "scn": head.max_scn,
+                "timestamp_ns": head.newest_timestamp_ns,
+            }
+            units = {u["unit"]: u for u in doc["units"]}
+            assert sorted(units) == ["syn.0", "syn.1", "syn.2", "syn.3"]
+            for unit in Unit.all_of(["syn"], 4):
+                row = units[str(unit)]
+                assert row["owner"] == owner[unit] and row["state"] == "ok"
+                assert row["generation"] == 1
+                if unit == behind:
+                    assert row["checkpoint_scn"] == head.max_scn - 5
+                    assert row["lag_scn"] == 5 and row["lag_s"] == 2.0
+                else:
+                    assert row["checkpoint_scn"] == head.max_scn
+                    assert row["lag_scn"] == 0 and row["lag_s"] == 0.0
+
+            # the text form: one screen with both members and every unit
+            code, out, err = await changebus("group", "status", group, *base)
+            assert code == 0, err
+            assert f"group {group}: 1 partition(s) x 4 bucket(s) = 4 unit(s)" in out
+            for m in (m1, m2):
+                assert m.member_id in out
+            assert "alpha" in out and "beta" in out
+            lines = {line.split()[0]: line.split() for line in out.splitlines() if line}
+            assert lines["syn.3"] == [
+                "syn.3", owner[behind], "ok", "1", str(head.max_scn - 5), "5", "2.0"
+            ]  # fmt: skip
+            assert lines["syn.0"][-2:] == ["0", "0.0"]
+            assert lines[m1.member_id][:2] == [m1.member_id, "alpha"]
+
+            # without relays: no lag, but everything else
+            code, out, err = await changebus("group", "status", group, "--zookeeper", zk_hosts)
+            assert code == 0 and "relay heads: not asked" in out
+
+            code, out, err = await changebus("group", "list", "--zookeeper", zk_hosts, "--json")
+            assert code == 0, err
+            mine = [g for g in json.loads(out)["groups"] if g["group"] == group]
+            assert mine == [
+                {
+                    "group": group,
+                    "partitions": ["syn"],
+                    "buckets": 4,
+                    "members": 2,
+                    "leader": min(m1.member_id, m2.member_id),
+                }
+            ]
+            code, out, err = await changebus("group", "delete", group, "--zookeeper", zk_hosts)
+            assert code == 1 and "live member" in err and "--force" in err
+        finally:
+            await m1.stop()
+            await m2.stop()
+        code, out, err = await changebus("group", "delete", group, "--zookeeper", zk_hosts)
+        assert code == 0, err
+        assert f"deleted group {group}" in out
+        assert await s1.op("exists", f"/changebus/groups/{group}") is None
+        code, _, err = await changebus("group", "status", group, "--zookeeper", zk_hosts)
+        assert code == 2 and "no group" in err
