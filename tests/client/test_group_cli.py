@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 from test_client_cli import ENV
 
-from changebus.client import PartitionStatus, RelayInfo
+from changebus.client import FileUnitStore, PartitionStatus, RelayInfo
 from changebus.client._cli_group_status import Head, build_report, render_text, unit_lag
 from changebus.cluster import ClusterConfig, GroupMember, ZkSession, ZkUnitStore
 from changebus.relay import Relay
@@ -31,6 +33,13 @@ MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
 
 async def changebus(*args: str, wait_s: float = 60) -> tuple[int, str, str]:
     """Run ``changebus ARGS`` to the end: (exit status, stdout, stderr)."""
+    return await changebus_env({}, *args, wait_s=wait_s)
+
+
+async def changebus_env(
+    env: dict[str, str], *args: str, wait_s: float = 60
+) -> tuple[int, str, str]:
+    """``changebus ARGS`` with ``env`` added to the environment."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -38,7 +47,7 @@ async def changebus(*args: str, wait_s: float = 60) -> tuple[int, str, str]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=ENV,
+        env={**ENV, **env},
     )
     out, err = await asyncio.wait_for(proc.communicate(), wait_s)
     assert proc.returncode is not None
@@ -176,7 +185,8 @@ async def test_unreachable_zookeeper_is_one_line_not_a_traceback() -> None:
             "group", *cmd, "--zookeeper", hosts, "--timeout", "1", wait_s=30
         )
         assert code == 1, (cmd, err)
-        assert f"cannot reach ZooKeeper {hosts}" in err and "Traceback" not in err, err
+        assert err.startswith(f"changebus group {cmd[0]}: cannot reach ZooKeeper: "), err
+        assert hosts in err and len(err.splitlines()) == 1, err
         assert out == ""
 
 
@@ -308,3 +318,62 @@ async def test_status_list_delete_of_a_group_of_two_members(
         assert await s1.op("exists", f"/changebus/groups/{group}") is None
         code, _, err = await changebus("group", "status", group, "--zookeeper", zk_hosts)
         assert code == 2 and "no group" in err
+
+
+async def test_status_reads_other_stores_watches_and_hides_dsn_passwords(
+    zk_hosts: str, tmp_path: Path
+) -> None:
+    group = group_name()
+    async with zk_session(zk_hosts) as session:
+        member = GroupMember(session, group, ["p1", "p2"], 2, name="solo")
+        await member.start()
+        try:
+            await eventually(lambda: len(member.target) == 4)
+            store = FileUnitStore(tmp_path / "units")
+            for n, unit in enumerate(sorted(member.target)):
+                await member.acquire(unit)
+                claim = await store.claim(group, unit, member.member_id)
+                await store.commit(group, [UnitCommit(unit, ckpt(2000 + n), claim.token)])
+            await store.close()
+            base = ("group", "status", group, "--zookeeper", zk_hosts)
+            code, out, err = await changebus(
+                *base, "--store-dir", str(tmp_path / "units"), "--json"
+            )
+            assert code == 0, err
+            doc = json.loads(out)
+            assert [(u["unit"], u["checkpoint_scn"], u["owner"]) for u in doc["units"]] == [
+                ("p1.0", 2000, member.member_id),
+                ("p1.1", 2001, member.member_id),
+                ("p2.0", 2002, member.member_id),
+                ("p2.1", 2003, member.member_id),
+            ]
+            assert doc["heads"] == {} and doc["relays"] is None
+            # the ZooKeeper store of the same group has no checkpoints
+            code, out, err = await changebus(*base, "--json")
+            assert code == 0 and {u["checkpoint_scn"] for u in json.loads(out)["units"]} == {None}
+
+            # --watch prints again until interrupted (one JSON object per line)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "changebus.schemas", *base, "--json", "--watch", "0.2",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV,
+            )  # fmt: skip
+            assert proc.stdout is not None
+            for _ in range(3):
+                line = await asyncio.wait_for(proc.stdout.readline(), 20)
+                assert json.loads(line)["group"] == group
+            proc.send_signal(signal.SIGINT)
+            _, err_b = await asyncio.wait_for(proc.communicate(), 20)
+            assert proc.returncode == 0 and b"Traceback" not in err_b
+
+            # a Postgres store that cannot be reached: one line, no password
+            dsn = f"postgresql://someone:pw-{uuid.uuid4().hex}@127.0.0.1:{closed_port()}/db"
+            code, out, err = await changebus(*base, "--store-dsn", dsn)
+            assert code == 1 and out == ""
+            assert "unit store" in err and "Traceback" not in err
+            assert dsn.split(":")[2].split("@")[0] not in err
+            env_code, _, env_err = await changebus_env(
+                {"CHANGEBUS_STORE_DSN": dsn}, *base, "--store-dsn"
+            )
+            assert env_code == 1 and "pw-" not in env_err
+        finally:
+            await member.stop()

@@ -49,6 +49,7 @@ from changebus.cluster import (
     read_group,
 )
 from changebus.schemas import ChangebusError, ConfigError, UnitStore, check_group_name
+from changebus.schemas.cli import setup_logging
 from changebus.schemas.config import scrub
 
 from ._cli import add_tls_arguments, auth_from_args
@@ -180,11 +181,19 @@ def _zookeeper_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds to wait for ZooKeeper and each relay (10)",
     )
+    p.add_argument("--log-level", default="error", choices=("debug", "info", "warning", "error"))
+
+
+def _secrets(args: argparse.Namespace) -> list[str]:
+    """The DSNs of this command (scrubbed from every message)."""
+    found = [getattr(args, "store_dsn", None), os.environ.get(STORE_DSN_ENV)]
+    return [s for s in found if s]
 
 
 def _run(command: Callable[[argparse.Namespace], Any], args: argparse.Namespace, name: str) -> int:
     """Run ``command`` on a new event loop; errors become one line on stderr and a status."""
-    secrets = [s for s in (getattr(args, "store_dsn", None), os.environ.get(STORE_DSN_ENV)) if s]
+    secrets = _secrets(args)
+    setup_logging(args.log_level, "text", secrets)  # kazoo's reconnect warnings: not by default
     try:
         status: int = asyncio.run(command(args))
         return status
@@ -213,7 +222,7 @@ async def _zookeeper(args: argparse.Namespace) -> Any:
     try:
         await session.start()
     except ChangebusError as exc:
-        raise _Exit(1, f"cannot reach ZooKeeper {args.zookeeper}: {exc.message}") from None
+        raise _Exit(1, f"cannot reach ZooKeeper: {exc.message}") from None
     try:
         yield session
     finally:
@@ -320,7 +329,16 @@ async def _status(args: argparse.Namespace) -> int:
         try:
             tty = sys.stdout.isatty()
             while True:
-                report = await _report(args, session, store, http)
+                try:
+                    report = await _report(args, session, store, http)
+                except ChangebusError as exc:
+                    if not (args.watch and exc.retriable):
+                        raise
+                    # ZooKeeper or the store away for a while: say so, keep watching
+                    text = scrub(exc.message, _secrets(args))
+                    print(f"changebus group status: {text}", file=sys.stderr, flush=True)
+                    await asyncio.sleep(args.watch)
+                    continue
                 if args.json:
                     doc = report.to_json()
                     text = json.dumps(doc) if args.watch else json.dumps(doc, indent=2)
