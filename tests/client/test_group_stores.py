@@ -139,6 +139,23 @@ async def test_claims_fence_older_tokens_and_commits_need_the_newest(make_store:
     assert (third.checkpoint, third.generation) == (cp(30), 3)
 
 
+@pytest.mark.parametrize("make_store", KINDS, indirect=True)
+async def test_concurrent_claims_get_distinct_generations(make_store: MakeStore) -> None:
+    stores = [make_store() for _ in range(3)]
+    claims = await asyncio.gather(
+        *(s.claim(G, U, f"m-{i}") for i, s in enumerate(stores) for _ in range(8))
+    )
+    assert sorted(c.generation for c in claims) == list(range(1, 25))
+    won = []
+    for i, claim in enumerate(claims):
+        result = await stores[i // 8].commit(G, [UnitCommit(U, cp(claim.generation), claim.token)])
+        if not result.fenced:
+            won.append(claim.generation)
+    assert won == [24]  # only the newest claim may write
+    stored = (await stores[0].read(G))[U]
+    assert (stored.generation, stored.checkpoint) == (24, cp(24))
+
+
 # ---- file store ---------------------------------------------------------------
 
 
@@ -243,6 +260,14 @@ async def test_postgres_store_keeps_the_password_out_of_errors() -> None:
     assert info.value.retriable
     assert "s3cretpw" not in str(info.value) and info.value.__cause__ is None
     assert "unit store x.unit_cp" in str(info.value)
+    replica = PostgresReplica("host=127.0.0.1 port=9 user=alice password=s3cretpw dbname=db")
+    try:
+        with pytest.raises(TransportError) as info:
+            await replica.claim(G, U, "m-1")
+    finally:
+        await replica.close()
+    assert info.value.retriable and "s3cretpw" not in str(info.value)
+    assert "s3cretpw" not in repr(replica)
 
 
 @pytest.mark.pg

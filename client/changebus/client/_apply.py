@@ -19,20 +19,9 @@ Target tables are created from the event's table schema when missing
 columns added by later schema versions are added with ``ALTER TABLE``.
 Tables without a key cannot be upserted: the replica stops (FATAL).
 
-Consumer groups: a replica is also a :class:`~changebus.schemas.UnitStore`
-over a unit-checkpoint table in the target database (``unit_table``, the
-shape of :mod:`._unitsql`). :meth:`Replica.claim` remembers the token of
-each unit it claims; a window of a unit (``window.unit`` set) is applied
-together with ``UPDATE <unit row> ... WHERE generation = token`` in one
-transaction. When that updates nothing another member claimed the unit
-since: the transaction is rolled back (no row of the window is written),
-the unit is remembered as fenced and :meth:`Replica.commit` reports it once.
-``commit`` writes the positions of units whose windows had no rows (same
-fence) and never moves a unit back behind rows already applied. Windows at
-or below a unit's checkpoint are skipped (a replay after the unit moved).
-So rows and unit checkpoints agree even across moves and zombie members.
-Without a group (``window.unit`` empty) nothing of this is used: one
-checkpoint row per ``consumer_name`` in ``checkpoint_table``, as above.
+Consumer groups: the dialects are :class:`~._apply_units.UnitReplica`
+subclasses, which add the fenced unit checkpoints of a group (windows with
+``window.unit`` set); windows without a unit take the path described here.
 
 All database work runs in one worker thread per replica (the connection
 lives and dies there), never on the event loop. Dialects
@@ -46,38 +35,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from changebus.schemas import (
-    Checkpoint,
-    Column,
-    CommitResult,
-    ConfigError,
-    PartitionCheckpoint,
-    StoredUnit,
-    TableSchema,
-    Unit,
-    UnitClaim,
-    UnitCommit,
-    check_group_name,
-)
+from changebus.schemas import Checkpoint, Column, ConfigError, PartitionCheckpoint, TableSchema
 
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
 from ._model import ChangeEvent, ChangeOp, Window
-from ._unitsql import (
-    DEFAULT_TABLE,
-    SQLITE_TIME,
-    UnitSql,
-    UnitTime,
-    checkpoint_text,
-    parse_checkpoint,
-    stored_unit,
-)
 
 __all__ = ["Replica"]
 
@@ -90,15 +56,11 @@ class Replica(AsyncCallbacks):
     ``consumer_name`` keys the stored checkpoint (several replicas may share
     a database); ``table_names`` maps a source name to its target table
     (a mapping or a function; default: the dialect's rule);
-    ``checkpoint_table`` names the table holding checkpoints;
-    ``unit_table`` the table of a consumer group's unit checkpoints (group
-    mode, module docstring).
+    ``checkpoint_table`` names the table holding checkpoints.
     """
 
     #: the DB-API parameter placeholder of the dialect
     placeholder: ClassVar[str] = "?"
-    #: how the dialect stores the unit table's ``updated_at``
-    unit_time: ClassVar[UnitTime] = SQLITE_TIME
 
     def __init__(
         self,
@@ -106,18 +68,10 @@ class Replica(AsyncCallbacks):
         consumer_name: str = "default",
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
-        unit_table: str = DEFAULT_TABLE,
     ) -> None:
         self.consumer_name = consumer_name
         self._table_names = table_names
         self.checkpoint_table = checkpoint_table
-        self.unit_table = unit_table
-        self._unit_sql = UnitSql.build(
-            self._qualified(unit_table), self.placeholder, self.unit_time
-        )
-        self._unit_table_ready = False  # worker thread only
-        self._held: dict[str, _Held] = {}  # unit text -> this replica's claim of it
-        self._fenced: set[str] = set()  # units found claimed by another member, not yet reported
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-replica")
         self._conn: Any = None  # worker thread only
         self._columns: dict[str, set[str]] = {}  # worker thread only
@@ -184,14 +138,33 @@ class Replica(AsyncCallbacks):
 
     def _connection(self) -> Any:
         if self._conn is None:
-            self._conn = self._connect()
-            q = self._quote
-            self._execute(
-                self._conn,
-                f"CREATE TABLE IF NOT EXISTS {q(self.checkpoint_table)}"
-                " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
-            )
+            conn = self._connect()
+            try:
+                self._create_missing(
+                    conn,
+                    self.checkpoint_table,
+                    f"CREATE TABLE IF NOT EXISTS {self._quote(self.checkpoint_table)}"
+                    " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
+                )
+            except BaseException:
+                self._close_connection(conn)
+                raise
+            self._conn = conn
         return self._conn
+
+    def _create_missing(self, conn: Any, table: str, create: str) -> None:
+        """Run ``create`` (``CREATE TABLE IF NOT EXISTS``) in a transaction of its own.
+
+        Replicas opening one database at once race on it (PostgreSQL: a
+        duplicate-type error; SQLite: a busy snapshot): when the statement
+        fails and the table exists now, another session made it.
+        """
+        try:
+            with self._transaction(conn):
+                self._execute(conn, create)
+        except Exception:
+            if not self._existing_columns(conn, table):
+                raise
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
         q, p = self._quote, self.placeholder
@@ -254,11 +227,9 @@ class Replica(AsyncCallbacks):
         return None
 
     async def on_end_window(self, window: Window) -> Result:
-        """Apply the window and its checkpoint (of its unit in a group) in one transaction."""
-        if window.unit:
-            return await self._end_unit_window(window)
+        """Apply the window and its checkpoint in one transaction."""
         stored = self._stored.get(window.partition) if self._stored is not None else None
-        if stored is not None and _applied(stored, window):
+        if stored is not None and applied_before(stored, window):
             self.windows_skipped += 1  # applied before a crash or a failed checkpoint
             return None
         base = self._stored if self._stored is not None else Checkpoint({})
@@ -275,139 +246,6 @@ class Replica(AsyncCallbacks):
         self.windows_applied += 1
         return None
 
-    # ---- unit store (consumer groups) -----------------------------------------
-
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
-        """Claim ``unit`` in the unit table; its windows are applied fenced by the new token."""
-        check_group_name(group)
-        claim: UnitClaim = await self._in_thread(self._claim_unit, group, unit, owner)
-        self._held[str(unit)] = _Held(group, claim.token, claim.checkpoint)
-        self._fenced.discard(str(unit))
-        return claim
-
-    async def commit(self, group: str, commits: Sequence[UnitCommit]) -> CommitResult:
-        """Report units found fenced while applying; write the other positions, fenced."""
-        check_group_name(group)
-        lost = {Unit.parse(u) for u in self._fenced}  # reported once
-        self._fenced.clear()
-        writes: list[UnitCommit] = []
-        for c in commits:
-            held = self._held.get(str(c.unit))
-            if c.unit in lost:
-                continue
-            if (
-                held is not None
-                and held.token == c.token
-                and held.checkpoint is not None
-                and held.checkpoint.window_scn > c.checkpoint.window_scn
-            ):
-                c = UnitCommit(c.unit, held.checkpoint, c.token)  # never behind applied rows
-            writes.append(c)
-        result = CommitResult()
-        if writes:
-            result = await self._in_thread(self._commit_units, group, writes)
-        for c in writes:
-            held = self._held.get(str(c.unit))
-            if c.unit in result.tokens and held is not None and held.token == c.token:
-                held.checkpoint = c.checkpoint
-        fenced = lost | result.fenced
-        if fenced:
-            log.info("replica: %d unit(s) of group %s fenced", len(fenced), group)
-        return CommitResult(tokens=result.tokens, fenced=frozenset(fenced))
-
-    async def read(self, group: str) -> dict[Unit, StoredUnit]:
-        """Every unit of ``group`` in the unit table."""
-        check_group_name(group)
-        rows = await self._in_thread(
-            lambda: self._execute(self._unit_connection(), self._unit_sql.read, (group,))
-        )
-        where = f"replica unit table {self.unit_table}"
-        return {s.unit: s for s in (stored_unit(r, where) for r in rows)}
-
-    async def _end_unit_window(self, window: Window) -> Result:
-        events, self._pending = self._pending, []
-        held = self._held.get(window.unit)
-        if held is None:
-            log.error("replica holds no claim of unit %s: use it as the group's store", window.unit)
-            return CallbackResult.FATAL
-        if window.unit in self._fenced:
-            return None  # lost: reported by the next commit
-        if held.checkpoint is not None and _applied(held.checkpoint, window):
-            self.windows_skipped += 1  # applied before the unit moved here
-            return None
-        after = window.position_after(held.checkpoint or PartitionCheckpoint())
-        try:
-            written = await self._in_thread(self._apply_unit, events, held, window.unit, after)
-        except ConfigError as exc:
-            log.error("replica cannot apply window %d: %s", window.scn, exc.message)
-            return CallbackResult.FATAL
-        if not written:
-            self._fenced.add(window.unit)
-            log.warning(
-                "replica: unit %s was claimed by another member; window %d not applied",
-                window.unit,
-                window.scn,
-            )
-            return None
-        if self._held.get(window.unit) is held:
-            held.checkpoint = after
-        self.windows_applied += 1
-        return None
-
-    def _unit_connection(self) -> Any:
-        conn = self._connection()
-        if not self._unit_table_ready:
-            self._prepare_table(conn, self.unit_table)
-            self._execute(conn, self._unit_sql.create)
-            self._unit_table_ready = True
-        return conn
-
-    def _claim_unit(self, group: str, unit: Unit, owner: str) -> UnitClaim:
-        conn = self._unit_connection()
-        with self._transaction(conn):
-            rows = self._execute(
-                conn, self._unit_sql.claim, (group, str(unit), owner, time.time_ns())
-            )
-        checkpoint = parse_checkpoint(rows[0][0], f"replica unit table, unit {unit}")
-        generation = int(rows[0][1])
-        return UnitClaim(unit, checkpoint, token=generation, generation=generation)
-
-    def _write_unit(
-        self, conn: Any, group: str, unit: str, checkpoint: PartitionCheckpoint, token: int
-    ) -> bool:
-        params = (checkpoint_text(checkpoint), time.time_ns(), group, unit, token)
-        return bool(self._execute(conn, self._unit_sql.commit, params))
-
-    def _commit_units(self, group: str, commits: list[UnitCommit]) -> CommitResult:
-        conn = self._unit_connection()
-        tokens: dict[Unit, int] = {}
-        fenced: set[Unit] = set()
-        with self._transaction(conn):
-            for c in commits:
-                if self._write_unit(conn, group, str(c.unit), c.checkpoint, c.token):
-                    tokens[c.unit] = c.token
-                else:
-                    fenced.add(c.unit)
-        return CommitResult(
-            tokens={u: t for u, t in tokens.items() if u not in fenced}, fenced=frozenset(fenced)
-        )
-
-    def _apply_unit(
-        self, events: list[ChangeEvent], held: _Held, unit: str, after: PartitionCheckpoint
-    ) -> bool:
-        conn = self._unit_connection()
-        for event in events:
-            self._ensure_table(conn, event)
-        try:
-            with self._transaction(conn):
-                for sql, rows in _runs(self._statements(events)):
-                    self._executemany(conn, sql, rows)
-                if not self._write_unit(conn, held.group, unit, after, held.token):
-                    raise _Fenced  # roll the rows back
-        except _Fenced:
-            return False
-        return True
-
     # ---- applying (worker thread) -------------------------------------------
 
     def _apply(self, events: list[ChangeEvent], checkpoint: Checkpoint) -> None:
@@ -415,7 +253,7 @@ class Replica(AsyncCallbacks):
         for event in events:
             self._ensure_table(conn, event)
         with self._transaction(conn):
-            for sql, rows in _runs(self._statements(events)):
+            for sql, rows in runs(self._statements(events)):
                 self._executemany(conn, sql, rows)
             self._write_checkpoint(conn, checkpoint)
 
@@ -527,7 +365,6 @@ class Replica(AsyncCallbacks):
     def _close(self) -> None:
         conn, self._conn = self._conn, None
         self._columns.clear()
-        self._unit_table_ready = False
         if conn is not None:
             self._close_connection(conn)
 
@@ -538,25 +375,12 @@ class Replica(AsyncCallbacks):
         ).result()
 
 
-@dataclass(slots=True)
-class _Held:
-    """A unit claimed by this replica: its group, token and checkpoint (event loop only)."""
-
-    group: str
-    token: int
-    checkpoint: PartitionCheckpoint | None
-
-
-class _Fenced(Exception):
-    """The unit row was not updated (another member claimed it): roll the window back."""
-
-
-def _applied(stored: PartitionCheckpoint, window: Window) -> bool:
+def applied_before(stored: PartitionCheckpoint, window: Window) -> bool:
     """Whether ``window`` is at or below ``stored``: applied already, to be skipped."""
     return not window.bootstrapping and stored.window_scn >= window.scn and stored.window_offset < 0
 
 
-def _runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
+def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
     """Consecutive statements with the same SQL, grouped for ``executemany``."""
     sql: str | None = None
     rows: list[list[Any]] = []

@@ -10,7 +10,7 @@ otherwise.
 
 The psycopg connection (sync API) is opened in the replica's worker thread
 and used only there; each window is one ``conn.transaction()``. The DSN is
-never logged.
+never logged (and scrubbed from the unit store's errors).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import Column
+from changebus.schemas import ChangebusError, Column, TransportError
+from changebus.schemas.config import scrub_exception
 
-from ._apply import Replica
+from ._apply_units import UnitReplica
 from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
 __all__ = ["PostgresReplica"]
@@ -47,7 +48,7 @@ _LOGICAL = {
 }
 
 
-class PostgresReplica(Replica):
+class PostgresReplica(UnitReplica):
     """Applies a change stream to a PostgreSQL database (see :mod:`._apply`)."""
 
     placeholder = "%s"
@@ -77,6 +78,14 @@ class PostgresReplica(Replica):
 
     def default_table_name(self, source: str) -> str:
         return source
+
+    def _store_error(self, exc: Exception) -> ChangebusError | None:
+        import psycopg
+
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            text = scrub_exception(exc, (self._dsn,))
+            return TransportError(f"replica unit table {self.unit_table}: {text}")
+        return None
 
     def _connect(self) -> Any:
         import psycopg  # lazily: only PostgreSQL users need the driver loaded

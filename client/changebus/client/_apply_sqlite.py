@@ -19,13 +19,14 @@ import decimal
 import json
 import os
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import Column
+from changebus.schemas import ChangebusError, Column, TransportError
 
-from ._apply import Replica
+from ._apply_units import UnitReplica
 from ._json import jsonable
 from ._unitsql import DEFAULT_TABLE
 
@@ -33,9 +34,11 @@ __all__ = ["SqliteReplica"]
 
 _INTEGER = frozenset({"int", "long", "boolean"})
 _REAL = frozenset({"float", "double"})
+#: how long a new connection retries switching to WAL while other connections hold locks
+_LOCKED_WAIT_S = 5.0
 
 
-class SqliteReplica(Replica):
+class SqliteReplica(UnitReplica):
     """Applies a change stream to a SQLite database file (see :mod:`._apply`)."""
 
     placeholder = "?"
@@ -60,9 +63,23 @@ class SqliteReplica(Replica):
     def __repr__(self) -> str:
         return f"SqliteReplica({self.path!r}, consumer_name={self.consumer_name!r})"
 
+    def _store_error(self, exc: Exception) -> ChangebusError | None:
+        if isinstance(exc, sqlite3.OperationalError):  # e.g. locked by another writer too long
+            return TransportError(f"replica {self.path}: unit table {self.unit_table}: {exc}")
+        return None
+
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
+        deadline = time.monotonic() + _LOCKED_WAIT_S
+        while True:  # the busy handler does not cover a journal mode change racing another one
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    conn.close()
+                    raise
+                time.sleep(0.01)
         conn.execute("PRAGMA synchronous=FULL")
         return conn
 

@@ -35,6 +35,26 @@ becomes empty, the :meth:`GroupMember.on_lost` callbacks get the units it
 held, the target becomes empty (``on_target(frozenset())``), and the member
 registers again with a new member id, to which the leader gives units.
 
+Driving a member (what a group consumer does; callbacks run on the loop and
+must not block, so they start tasks)::
+
+    member = GroupMember(session, "orders-indexer", ["orders"], 64)
+    member.on_target(lambda target: spawn(retarget(target)))
+    member.on_lost(lambda units: drop(units))     # owner nodes gone: stop at once
+    await member.start()
+
+    async def retarget(target):
+        for unit in member.owned - target:        # revoke: commit, then release
+            await commit_last_positions(unit)
+            await member.release([unit])
+        for unit in target - member.owned:        # assign: own, claim, then read
+            await member.acquire(unit)            # waits for the previous owner
+            claim = await store.claim(group, unit, member.member_id)
+            start_reading(unit, claim)
+
+and before handing a window of ``unit`` to the application:
+``member.lease_valid() and unit in member.owned``.
+
 Thread-safety: everything runs on the event loop of the session except
 :meth:`GroupMember.lease_valid`, which any thread may call.
 """
