@@ -19,7 +19,7 @@ With ``--group NAME --zookeeper HOSTS`` (and ``--partitions``,
 :func:`add_group_arguments`) the command is a member of a consumer group: it
 prints the events of the units the group gives it, each line with the
 window's ``"unit"`` (``<partition>.<bucket>``); the units' checkpoints live
-in ZooKeeper.
+in ZooKeeper, or in files under ``--checkpoint-dir DIR``.
 ``changebus group status|list|delete`` (:mod:`._cli_group`) inspect groups.
 
 It is built on :class:`~._sync.SyncConsumer`: the consumer's event loop runs
@@ -235,6 +235,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     add_group_arguments(p)
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --group: keep the units' checkpoints in files under DIR (FileUnitStore)"
+        " instead of ZooKeeper",
+    )
     p.set_defaults(func=_main)
     _cli_replicate.register(sub)
     _cli_group.register(sub)
@@ -265,14 +272,17 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from changebus.schemas import UnitStore
+
     from ._config import ConsumerConfig
     from ._json import event_json
     from ._persist import CheckpointPersister, FileCheckpointPersister
     from ._sync import SyncConsumer
+    from ._unitstore_file import FileUnitStore
 
     setup_logging(args.log_level, "text")
     sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
-    persister: CheckpointPersister | None = None
+    persister: CheckpointPersister | UnitStore | None = None
     try:
         group = group_options(args)
         config = ConsumerConfig(
@@ -290,8 +300,15 @@ def _main(args: argparse.Namespace) -> int:
             **group,
         )
         if group and args.checkpoint:
-            raise ConfigError("--checkpoint: a group member keeps one checkpoint per unit")
-        if args.checkpoint:
+            raise ConfigError(
+                "--checkpoint: a group member keeps one checkpoint per unit;"
+                " give --checkpoint-dir DIR (or none: ZooKeeper keeps them)"
+            )
+        if not group and args.checkpoint_dir is not None:
+            raise ConfigError("--checkpoint-dir: only with --group NAME (else --checkpoint FILE)")
+        if args.checkpoint_dir is not None:
+            persister = FileUnitStore(args.checkpoint_dir)
+        elif args.checkpoint:
             persister = FileCheckpointPersister(args.checkpoint)
     except ChangebusError as exc:
         print(f"changebus tail: {exc.message}", file=sys.stderr)
