@@ -33,7 +33,14 @@ from changebus.client import (
     RelayInfo,
 )
 from changebus.client._cli_group_status import Head, build_report, render_text, unit_lag
-from changebus.cluster import ClusterConfig, GroupMember, ZkSession, ZkUnitStore
+from changebus.cluster import (
+    ClusterConfig,
+    GroupMember,
+    PartitionState,
+    Registry,
+    ZkSession,
+    ZkUnitStore,
+)
 from changebus.relay import Relay
 from changebus.schemas import PartitionCheckpoint, StoredUnit, Unit, UnitCommit
 from waiting import wait_until
@@ -221,8 +228,27 @@ async def relay_head(url: str) -> PartitionStatus:
         return (await RelayInfo(http, url).status())["syn"]
 
 
+@asynccontextmanager
+async def registered(zk_hosts: str, cluster: str, url: str) -> AsyncIterator[None]:
+    """``url`` registered as the leading relay of partition ``syn`` of ``cluster``."""
+    config = ClusterConfig(
+        zookeeper=zk_hosts, name=cluster, member_id="r1", advertised_url=url, session_timeout_s=4
+    )
+    session = ZkSession(config)
+    await session.start()
+    registry = Registry(session, "relay")
+    try:
+        await registry.start()
+        registry.update({"syn": PartitionState("leader", 1, 1000, 1029)})
+        await registry.flush()
+        yield
+    finally:
+        await registry.stop()
+        await session.stop()
+
+
 async def test_status_list_delete_of_a_group_of_two_members(
-    zk_hosts: str, make_relay: MakeRelay
+    zk_hosts: str, zk_cluster: str, make_relay: MakeRelay
 ) -> None:
     group = group_name()
     async with (
@@ -296,6 +322,13 @@ async def test_status_list_delete_of_a_group_of_two_members(
             ]  # fmt: skip
             assert lines["syn.0"][-2:] == ["0", "0.0"]
             assert lines[m1.member_id][:2] == [m1.member_id, "alpha"]
+
+            # the relays of a relay cluster registered in the same ZooKeeper
+            async with registered(zk_hosts, zk_cluster, relay.url):
+                doc = await status_json(group, "--zookeeper", zk_hosts, "--cluster", zk_cluster)
+            assert doc["heads"]["syn"]["scn"] == head.max_scn
+            assert doc["relays"] == f"cluster {zk_cluster}"
+            assert [u["lag_scn"] for u in doc["units"]] == [0, 0, 0, 5]
 
             # without relays: no lag, but everything else
             code, out, err = await changebus("group", "status", group, "--zookeeper", zk_hosts)
