@@ -34,7 +34,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ def _run(command: Callable[[argparse.Namespace], Any], args: argparse.Namespace,
 
 
 @contextlib.asynccontextmanager
-async def _zookeeper(args: argparse.Namespace) -> Any:
+async def _zookeeper(args: argparse.Namespace) -> AsyncIterator[ZkSession]:
     """A started :class:`ZkSession` on ``--zookeeper`` (stopped on exit)."""
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
@@ -243,7 +243,8 @@ async def _require_group(session: ZkSession, group: str, zookeeper: str) -> Grou
     """The group's state, or exit status 2 naming the groups that exist."""
     if await session.op("exists", f"{group_root(group)}/meta") is None:
         known = await _group_names(session)
-        hint = f" (groups: {', '.join(known)})" if known else " (no group exists)"
+        more = f" and {len(known) - 10} more" if len(known) > 10 else ""
+        hint = f" (groups: {', '.join(known[:10])}{more})" if known else " (no group exists)"
         raise _Exit(2, f"no group {group!r} in ZooKeeper {zookeeper}{hint}")
     return await read_group(session, group)
 
