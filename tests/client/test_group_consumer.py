@@ -305,3 +305,178 @@ def test_a_plain_checkpoint_persister_is_refused_in_a_group() -> None:
         Consumer(cfg, persister=MemoryCheckpointPersister())
     with pytest.raises(ConfigError, match="consumer groups"):
         Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",)), listener=Callbacks())
+
+
+class Lost(AsyncCallbacks):
+    """Records windows and the rebalance callbacks, ``on_lost`` included."""
+
+    def __init__(self, name: str, rec: Recorder) -> None:
+        self.name = name
+        self.rec = rec
+        self.calls: list[tuple[str, frozenset[Unit]]] = []
+
+    async def on_assigned(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("assigned", units))
+
+    async def on_revoked(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("revoked", units))
+
+    async def on_lost(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("lost", units))
+
+    async def on_end_window(self, window: Window) -> None:
+        self.rec.take(self.name, window)
+
+
+def _expire(hosts: str, client_id: tuple[int, bytes]) -> None:
+    """Expire a ZooKeeper session: open it a second time and close it."""
+    from kazoo.client import KazooClient
+
+    twin = KazooClient(hosts=hosts, client_id=client_id)
+    twin.start(10)
+    twin.stop()
+    twin.close()
+
+
+async def test_a_lost_session_drops_the_units_and_they_come_back(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    async with make_relay(
+        max_windows=800, windows_per_s=300, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        rec._replay_ok = True  # a lost unit replays what was not committed
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        cb_a, cb_b = Lost("a", rec), Lost("b", rec)
+        runs = [asyncio.create_task(a.run(cb_a)), asyncio.create_task(b.run(cb_b))]
+        try:
+            await wait_until(lambda: len(a.units) == len(b.units) == 8, 15, "two shares")
+            await wait_until(lambda: len(rec.keys) > 200, 15, "some events")
+            held = a.units
+            first_id = a.stats()["member_id"]
+            zk = a._group._zk  # type: ignore[union-attr]
+            assert zk is not None
+            await asyncio.to_thread(_expire, zk_hosts, zk.client.client_id)
+            await wait_until(lambda: ("lost", held) in cb_a.calls, 15, "on_lost")
+            assert a.stats()["units_lost"] == 8
+            # a joins again under a new member id and gets units again
+            await wait_until(
+                lambda: a.stats()["member_id"] not in ("", first_id) and len(a.units) == 8,
+                15,
+                "a back in the group",
+            )
+            while relay.hosts["syn"].state != "finished":
+                await asyncio.sleep(0.05)
+            expected = await everything(relay)
+            await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+        finally:
+            for c, task in zip((a, b), runs, strict=True):
+                c.stop()
+                await task
+                await c.close()
+        assert not rec.errors, rec.errors[:5]
+        assert rec.distinct() == expected
+        assert cb_a.calls[0][0] == "assigned"
+        lost_at = cb_a.calls.index(("lost", held))
+        assert all(kind != "revoked" or not (u & held) for kind, u in cb_a.calls[:lost_at])
+
+
+async def test_a_fenced_commit_drops_the_unit(make_relay: MakeRelay, zk_hosts: str) -> None:
+    from changebus.cluster import ClusterConfig, ZkSession, ZkUnitStore
+
+    async with make_relay(
+        max_windows=600, windows_per_s=300, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        rec._replay_ok = True
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        cb = Lost("a", rec)
+        run = asyncio.create_task(a.run(cb))
+        session = ZkSession(ClusterConfig(zookeeper=zk_hosts, name="groups"))
+        await session.start()
+        try:
+            await wait_until(lambda: len(a.units) == BUCKETS, 15, "all units")
+            await wait_until(lambda: len(rec.keys) > 100, 15, "some events")
+            victim = Unit("syn", 3)
+            claim = await ZkUnitStore(session).claim(group, victim, "intruder")
+            assert claim.generation >= 2
+            await wait_until(lambda: ("lost", frozenset({victim})) in cb.calls, 10, "on_lost")
+            stats = a.stats()
+            assert stats["fenced_commits"] >= 1 and stats["units_lost"] >= 1
+            # still assigned to a: it claims the unit again and goes on
+            await wait_until(
+                lambda: cb.calls[-1] == ("assigned", frozenset({victim})), 10, "the unit back"
+            )
+            assert victim in a.units
+        finally:
+            a.stop()
+            await run
+            await a.close()
+            await session.stop()
+        assert not rec.errors, rec.errors[:5]
+
+
+async def test_replicas_in_a_group_share_one_database(
+    make_relay: MakeRelay, zk_hosts: str, tmp_path: Any
+) -> None:
+    import sqlite3
+
+    from changebus.client import ChangeOp, SqliteReplica
+
+    db = tmp_path / "shared.db"
+    async with make_relay(
+        max_windows=300, events_per_window=3, keys=40, update_ratio=0.4, delete_ratio=0.2
+    ) as relay:
+        tables: dict[str, dict[Any, dict[str, Any]]] = {}
+        cfg = ConsumerConfig(relays=(relay.url,), partition="syn", **FAST)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        async with Consumer(cfg) as c:
+            async for w in c:
+                for e in w.events:
+                    rows = tables.setdefault(e.table, {})
+                    if e.op is ChangeOp.DELETE:
+                        rows.pop(tuple(e.key.values()), None)
+                    elif e.after is not None:
+                        rows[tuple(e.key.values())] = dict(e.after)
+                if w.scn >= last:
+                    break
+        group = new_group()
+        replicas = [SqliteReplica(db), SqliteReplica(db)]
+        runs = [asyncio.create_task(replicas[0].run(group_config(relay, zk_hosts, group)))]
+        await asyncio.sleep(0.5)  # the second member takes units from a running first one
+        runs.append(asyncio.create_task(replicas[1].run(group_config(relay, zk_hosts, group))))
+
+        async def done() -> bool:
+            stored = await replicas[0].read(group)
+            return len(stored) == BUCKETS and all(
+                s.checkpoint is not None and s.checkpoint.window_scn >= last
+                for s in stored.values()
+            )
+
+        try:
+            for _ in range(300):
+                if await done():
+                    break
+                await asyncio.sleep(0.1)
+            assert await done(), "every unit's checkpoint at the last window"
+        finally:
+            for r in replicas:
+                r.stop()
+            for task in runs:
+                await task
+            for r in replicas:
+                await r.close()
+    conn = sqlite3.connect(db)
+    try:
+        for source, rows in tables.items():
+            table = source.replace(".", "_")
+            got = {
+                (r[0],): {"id": r[0], "n": r[1], "payload": r[2]}
+                for r in conn.execute(f'SELECT id, n, payload FROM "{table}"')
+            }
+            assert got == rows
+    finally:
+        conn.close()

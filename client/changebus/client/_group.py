@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import Any, Literal
 
@@ -72,6 +73,8 @@ log = logging.getLogger(__name__)
 
 #: how often a delivery waiting for the lease looks again
 _LEASE_POLL_S = 0.02
+#: how often at most a lane's units without events advance (busy member; idle: at once)
+_ADVANCE_S = 0.05
 
 
 class GroupConsumer:
@@ -311,27 +314,44 @@ class GroupConsumer:
                     continue
                 self.windows += 1
                 return window
+            if not len(queue):
+                for lane in owner.lanes:  # idle: the positions of units without events catch up
+                    if lane.unadvanced is not None:
+                        self._advance_others(lane, lane.unadvanced, positions)
             batch = await queue.get()
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:
                 continue
-            self._advance_others(lane_, batch, positions)
+            now = time.monotonic()
+            if now - lane_.advanced_at >= _ADVANCE_S:
+                lane_.advanced_at = now
+                self._advance_others(lane_, batch, positions)
+            else:
+                lane_.unadvanced = batch
             self._ready.extend((lane_, u, w) for u, w in batch.windows)
 
     def _advance_others(self, lane: Lane, batch: LaneBatch, positions: GroupPositions) -> None:
-        """The lane's units without a window in ``batch`` move past it (position only)."""
+        """The lane's units without a window in ``batch`` move past it (position only).
+
+        Every window of those units before ``batch`` was handed out (the
+        batches of a lane are dequeued in order, and the next one only once
+        the windows of the last are handed out), so this skips nothing.
+        Done at most every ``_ADVANCE_S`` per lane and when the member is
+        idle: a position-only advance saves re-reading windows without
+        events after a move, nothing else, and costs a pass over the lane's units.
+        """
+        lane.unadvanced = None
         units = lane.units
         if len(batch.windows) == len(units):
             return
-        got = {u for u, _ in batch.windows}
+        got = {u.bucket for u, _ in batch.windows}
         online = PartitionCheckpoint(
             window_scn=batch.scn, prev_scn=batch.scn, timestamp_ns=batch.timestamp_ns
         )
         iterator = self._mode == "iterator"
-        for unit in units.values():
-            if unit in got:
+        for bucket, text in lane.texts.items():
+            if bucket in got or bucket not in units:
                 continue
-            text = str(unit)
             if iterator and text in self._uncommitted:
                 # committing the unit's yielded window later covers this position too
                 self._uncommitted[text] = Window(

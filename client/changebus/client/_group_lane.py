@@ -60,6 +60,9 @@ from ._queue import BoundedQueue, QueueClosed
 
 __all__ = ["Lane", "LaneBatch", "lane_config"]
 
+#: windows with at least this many events are split with numpy, smaller ones with lists
+_VECTOR_MIN = 16
+
 log = logging.getLogger(__name__)
 
 
@@ -145,7 +148,10 @@ class Lane:
         self.name = f"{self.partition}#{number}"
         #: bucket -> unit, and bucket -> unit text, of the units still in the lane
         self.units: dict[int, Unit] = {u.bucket: u for u in units}
-        self._texts = {u.bucket: str(u) for u in units}
+        self.texts = {u.bucket: str(u) for u in units}
+        #: the last batch dequeued whose position the units without events did not take yet
+        self.unadvanced: LaneBatch | None = None
+        self.advanced_at = 0.0
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
         latest = False
         resume = None
@@ -241,7 +247,7 @@ class Lane:
                         window.nbytes * len(evs) // total,
                         window.phase,
                         window.checkpoint,
-                        self._texts[bucket],
+                        self.texts[bucket],
                     ),
                 )
             )
@@ -256,17 +262,36 @@ class Lane:
         if raw is None:
             raise ProtocolError(f"lane {self.name}: a window with events came without its raw form")
         headers = raw.headers
-        hashes = headers["key_hash"]
-        if len(hashes) != len(events):
-            hashes = hashes[headers["op"] < FIRST_CONTROL_OP]
-            if len(hashes) != len(events):
+        n = len(events)
+        bks: list[int]
+        if n < _VECTOR_MIN:
+            # a handful of events: plain lists beat numpy's per-call cost (as in _decode)
+            m = self.buckets
+            bks = [
+                h % m
+                for h, op in zip(headers["key_hash"].tolist(), headers["op"].tolist(), strict=True)
+                if op < FIRST_CONTROL_OP
+            ]
+            if len(bks) != n:
                 raise ProtocolError(f"lane {self.name}: window {raw.scn} does not match its events")
-        bks = hashes % np.uint64(self.buckets)
-        first = int(bks[0])
-        if not (bks != first).any():
-            return {first: events}
+            first = bks[0]
+            if bks.count(first) == n:
+                return {first: events}
+        else:
+            hashes = headers["key_hash"]
+            if len(hashes) != n:
+                hashes = hashes[headers["op"] < FIRST_CONTROL_OP]
+                if len(hashes) != n:
+                    raise ProtocolError(
+                        f"lane {self.name}: window {raw.scn} does not match its events"
+                    )
+            vec = hashes % np.uint64(self.buckets)
+            first = int(vec[0])
+            if not (vec != first).any():
+                return {first: events}
+            bks = vec.tolist()
         groups: dict[int, list[ChangeEvent]] = {}
-        for event, bucket in zip(events, bks.tolist(), strict=True):
+        for event, bucket in zip(events, bks, strict=True):
             found = groups.get(bucket)
             if found is None:
                 groups[bucket] = [event]

@@ -93,6 +93,9 @@ class GroupPositions:
         self._interval = commit_interval_s
         self._on_fenced = on_fenced
         self._entries: dict[str, _Entry] = {}
+        # entries whose current is ahead of accepted (persist and rollback touch only these)
+        self._moved: set[_Entry] = set()
+        self._online = _EMPTY  # the newest online position made by advance()
         self._lock = asyncio.Lock()
         self._last_flush = time.monotonic()
         #: store writes done, and units refused by the store
@@ -108,7 +111,9 @@ class GroupPositions:
     def remove(self, units: Iterable[Unit]) -> None:
         """Stop tracking ``units`` (nothing is written)."""
         for unit in units:
-            self._entries.pop(str(unit), None)
+            entry = self._entries.pop(str(unit), None)
+            if entry is not None:
+                self._moved.discard(entry)
 
     def __contains__(self, unit: str) -> bool:
         return unit in self._entries
@@ -132,18 +137,28 @@ class GroupPositions:
     def committed(self) -> Checkpoint:
         return _checkpoint({k: e.accepted for k, e in self._entries.items()})
 
-    @property
-    def dirty(self) -> bool:
-        """Whether a position is ahead of what the store holds."""
-        return any(
-            e.accepted != e.stored or e.current != e.accepted for e in self._entries.values()
-        )
-
     def advance(self, window: Window) -> None:
         """``current`` of ``window.unit`` moves past ``window``."""
         entry = self._entries.get(window.unit)
-        if entry is not None:
-            entry.current = window.position_after(entry.current)
+        if entry is None:
+            return
+        before = entry.current
+        if (
+            window.checkpoint is None
+            and before.mode is Mode.ONLINE
+            and window.scn > before.window_scn
+        ):
+            # the unit windows of one source window come one after another: one
+            # checkpoint object serves them all (equal to before.on_end_of_window)
+            last = self._online
+            if last.window_scn != window.scn or last.timestamp_ns != window.timestamp_ns:
+                last = self._online = PartitionCheckpoint(
+                    window_scn=window.scn, prev_scn=window.scn, timestamp_ns=window.timestamp_ns
+                )
+            entry.current = last
+        else:
+            entry.current = window.position_after(before)
+        self._moved.add(entry)
 
     def advance_to(
         self,
@@ -174,18 +189,22 @@ class GroupPositions:
         entry.current = after
         if entry.accepted is before:
             entry.accepted = after
+        else:
+            self._moved.add(entry)
 
     async def persist(self) -> None:
         """Accept every current position; write to the store when ``commit_interval_s`` passed."""
-        for entry in self._entries.values():
+        for entry in self._moved:
             entry.accepted = entry.current
+        self._moved.clear()
         if time.monotonic() - self._last_flush >= self._interval and not self._lock.locked():
             await self.flush(quiet=True)
 
     def rollback(self) -> None:
         """``current`` back to the accepted positions."""
-        for entry in self._entries.values():
+        for entry in self._moved:
             entry.current = entry.accepted
+        self._moved.clear()
 
     def accept(self, units: Iterable[Unit]) -> None:
         """Accept the current positions of ``units`` (iterator mode: they hold no uncommitted window)."""
@@ -193,6 +212,7 @@ class GroupPositions:
             entry = self._entries.get(str(unit))
             if entry is not None:
                 entry.accepted = entry.current
+                self._moved.discard(entry)
 
     # ---- writing ------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 
 #: how long an acquisition waits for more units to be freed so they start in one lane
 _GATHER_S = 0.05
+#: ... at most, in all
+_GATHER_MAX_S = 1.0
 #: pause before acquiring again after a failure (ZooKeeper or the store away)
 _RETRY_S = 0.5
 
@@ -251,8 +254,12 @@ class UnitOwner:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if pending:  # units freed together start in one lane
+                # units freed together start in one lane: gather while claims keep coming
+                gather_until = time.monotonic() + _GATHER_MAX_S
+                while pending and time.monotonic() < gather_until:
                     more, pending = await asyncio.wait(pending, timeout=_GATHER_S)
+                    if not more:
+                        break
                     done |= more
                 claims: list[UnitClaim] = []
                 for task in done:
