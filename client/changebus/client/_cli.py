@@ -112,9 +112,13 @@ def add_tls_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_group_arguments(p: argparse.ArgumentParser) -> None:
-    """``--group NAME`` and its options (``--partitions``, ``--buckets``, ``--member-name``,
-    ``--commit-interval``): the consumer joins a consumer group coordinated in ``--zookeeper``."""
+def add_group_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add ``--group NAME`` and its options; returns their argument group (for more).
+
+    The options: ``--partitions``, ``--buckets``, ``--member-name`` and
+    ``--commit-interval`` (see :func:`group_options`); the consumer joins a
+    consumer group coordinated in ``--zookeeper``.
+    """
     g = p.add_argument_group("consumer group (with --zookeeper)")
     g.add_argument(
         "--group",
@@ -142,6 +146,7 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="write a unit's checkpoint at most every S seconds (1; always on revoke and exit)",
     )
+    return g
 
 
 #: the group options and their flags, for "only with --group" errors
@@ -234,8 +239,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--filter", help="partition filter on the key hash, e.g. mod:3:0")
     p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-    add_group_arguments(p)
-    p.add_argument(
+    group = add_group_arguments(p)
+    group.add_argument(
         "--checkpoint-dir",
         type=Path,
         metavar="DIR",
