@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kazoo.exceptions import KazooException, NoNodeError, NotEmptyError
 
 from changebus.cluster import (
     ClusterConfig,
@@ -208,6 +209,9 @@ def _run(command: Callable[[argparse.Namespace], Any], args: argparse.Namespace,
     except ChangebusError as exc:
         print(f"changebus group {name}: {scrub(exc.message, secrets)}", file=sys.stderr)
         return 1
+    except KazooException as exc:  # a refusal (no permission, ...): one line as well
+        print(f"changebus group {name}: ZooKeeper refused: {type(exc).__name__}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
 
@@ -230,8 +234,6 @@ async def _zookeeper(args: argparse.Namespace) -> AsyncIterator[ZkSession]:
 
 
 async def _group_names(session: ZkSession) -> list[str]:
-    from kazoo.exceptions import NoNodeError
-
     try:
         names: list[str] = await session.op("get_children", GROUPS_ROOT)
     except NoNodeError:
@@ -399,8 +401,6 @@ async def _list(args: argparse.Namespace) -> int:
 
 
 async def _delete(args: argparse.Namespace) -> int:
-    from kazoo.exceptions import NoNodeError
-
     check_group_name(args.name)
     root = group_root(args.name)
     async with _zookeeper(args) as session:
@@ -427,8 +427,6 @@ def _delete_tree(zk: Any, root: str, timeout: float) -> int:
     Nodes created meanwhile (a member registering again) are deleted too: a
     ``NotEmpty`` answer walks the node again, a few times at most.
     """
-    from kazoo.exceptions import NoNodeError, NotEmptyError
-
     removed = 0
 
     def walk(path: str) -> None:
