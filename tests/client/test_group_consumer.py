@@ -480,3 +480,47 @@ async def test_replicas_in_a_group_share_one_database(
             assert got == rows
     finally:
         conn.close()
+
+
+async def test_members_find_the_relays_in_the_cluster_table(
+    make_relay: MakeRelay, zk_hosts: str, zk_cluster: str
+) -> None:
+    from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
+
+    async with make_relay(max_windows=100, events_per_window=3, keys=200) as relay:
+        expected = await everything(relay)
+        session = ZkSession(
+            ClusterConfig(
+                zookeeper=zk_hosts, name=zk_cluster, member_id="r1", advertised_url=relay.url
+            )
+        )
+        await session.start()
+        registry = Registry(session, "relay")
+        await registry.start()
+        registry.update({"syn": PartitionState("leader", 1, 1000, 1099)})
+        await registry.flush()
+        try:
+            group = new_group()
+            rec = Recorder()
+            members = [
+                Consumer(
+                    ConsumerConfig(
+                        zookeeper=zk_hosts,
+                        cluster=zk_cluster,
+                        partitions=("syn",),
+                        group=group,
+                        buckets=BUCKETS,
+                        member_name=name,
+                        **FAST,
+                    )
+                )
+                for name in "ab"
+            ]
+            async with iterating(members[0], "a", rec), iterating(members[1], "b", rec):
+                await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+                assert members[0].stats()["relays"] == [relay.url]
+        finally:
+            await registry.stop()
+            await session.stop()
+        assert not rec.errors, rec.errors[:5]
+        assert rec.distinct() == expected

@@ -50,15 +50,15 @@ from typing import Any, Literal
 
 import aiohttp
 
-from changebus.cluster import ClusterConfig, CoordinationError, GroupMember, ZkSession, ZkUnitStore
+from changebus.cluster import CoordinationError, GroupMember, ZkSession, ZkUnitStore
 from changebus.schemas import Checkpoint, PartitionCheckpoint, Unit, UnitStore
 
-from ._backoff import Backoff
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._cluster import ClusterRoute
 from ._config import ConsumerConfig
 from ._dispatch import Dispatcher
-from ._errors import DataLossDetectedError, RelayUnavailableError
+from ._errors import DataLossDetectedError
+from ._group_join import connect, follow_relays
 from ._group_lane import WAKE, Lane, LaneBatch
 from ._group_position import GroupPositions
 from ._group_units import UnitOwner
@@ -132,15 +132,7 @@ class GroupConsumer:
             raise
 
     async def _start(self, cfg: ConsumerConfig) -> None:
-        zk = self._zk = ZkSession(
-            ClusterConfig(
-                zookeeper=cfg.zookeeper,
-                name=cfg.cluster or "groups",
-                session_timeout_s=cfg.zookeeper_session_timeout_s,
-                connect_timeout_s=max(cfg.connect_timeout_s, 1.0),
-            )
-        )
-        await self._retry(zk.start, f"ZooKeeper {cfg.zookeeper}")
+        zk = self._zk = await connect(cfg)
         if self._store is None:
             self._store = ZkUnitStore(zk)
             self._own_store = True
@@ -161,7 +153,9 @@ class GroupConsumer:
         )
         owner_box.append(owner)
         for partition in cfg.partitions:
-            await self._route(partition)
+            route = await follow_relays(cfg, partition, owner)
+            if route is not None:
+                self._routes.append(route)
         member.on_lost(self._on_lost)
         member.on_target(owner.on_target)
         await member.start()
@@ -169,53 +163,6 @@ class GroupConsumer:
         if cfg.commit_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._flusher(), name="changebus-group-commits"))
         owner.on_target(member.target)
-
-    async def _retry(self, start: Any, where: str) -> None:
-        cfg = self.config
-        backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
-        attempts = 0
-        while True:  # ZooKeeper away at start-up: wait for it like for a relay
-            try:
-                await start()
-                return
-            except CoordinationError as exc:
-                attempts += 1
-                if cfg.max_attempts and attempts >= cfg.max_attempts:
-                    raise RelayUnavailableError(
-                        f"{where} did not answer in {attempts} attempts: {exc.message}"
-                    ) from exc
-                delay = backoff.next_delay()
-                log.warning("%s; trying again in %.2fs", exc.message, delay)
-                await asyncio.sleep(delay)
-
-    async def _route(self, partition: str) -> None:
-        """The relays (and bootstrap servers) of ``partition``: static, or the cluster's table."""
-        cfg = self.config
-        owner = self._owner
-        assert owner is not None
-        if not cfg.cluster:
-            owner.set_relays(partition, cfg.relays)
-            owner.set_bootstrap(partition, cfg.bootstrap_servers)
-            return
-        route = ClusterRoute(
-            cfg.zookeeper,
-            cfg.cluster,
-            partition,
-            prefer_followers=cfg.prefer_followers,
-            static=cfg.relays,
-            session_timeout_s=cfg.zookeeper_session_timeout_s,
-            connect_timeout_s=max(cfg.connect_timeout_s, 1.0),
-        )
-        await self._retry(route.start, f"cluster {cfg.cluster!r}")
-        self._routes.append(route)
-        backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
-        relays = await route.wait_relays(cfg.max_attempts, backoff)
-        owner.set_relays(partition, relays)
-        route.on_change(lambda r: owner.set_relays(partition, r), relays)
-        boot = cfg.bootstrap_servers or route.bootstrap_servers()
-        owner.set_bootstrap(partition, boot)
-        if not cfg.bootstrap_servers and boot:
-            route.on_bootstrap_change(lambda s: owner.set_bootstrap(partition, s), boot)
 
     async def _flusher(self) -> None:
         """Write accepted positions that wait, every ``commit_interval_s``."""
