@@ -89,6 +89,7 @@ COMMANDS = {
     "tail": "client",
     "replicate": "client",
     "demo": "client",
+    "group": "client",
     "cluster": "cluster",
     "token": "token",
 }

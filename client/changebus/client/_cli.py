@@ -14,6 +14,14 @@ taken from ``$CHANGEBUS_TOKEN``, never from a flag (command lines are
 visible to every user of the machine). A 401/403 answer or a failed TLS
 verification ends the command with a message and status 3.
 
+With ``--group NAME --zookeeper HOSTS`` (and ``--partitions``,
+``--buckets``, ``--member-name``, ``--commit-interval``: see
+:func:`add_group_arguments`) the command is a member of a consumer group: it
+prints the events of the units the group gives it, each line with the
+window's ``"unit"`` (``<partition>.<bucket>``); the units' checkpoints live
+in ZooKeeper, or in files under ``--checkpoint-dir DIR``.
+``changebus group status|list|delete`` (:mod:`._cli_group`) inspect groups.
+
 It is built on :class:`~._sync.SyncConsumer`: the consumer's event loop runs
 in a background thread and this thread does the (blocking) printing.
 """
@@ -27,12 +35,22 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-from changebus.schemas import ChangebusError
+from changebus.schemas import ChangebusError, ConfigError, check_group_name
 from changebus.schemas.cli import setup_logging
 from changebus.schemas.security import ClientAuth
 
-__all__ = ["TOKEN_ENV", "add_route_arguments", "auth_from_args", "register", "route_text"]
+__all__ = [
+    "TOKEN_ENV",
+    "add_group_arguments",
+    "add_route_arguments",
+    "add_tls_arguments",
+    "auth_from_args",
+    "group_options",
+    "register",
+    "route_text",
+]
 
 #: the environment variable holding the bearer token (never a command-line flag)
 TOKEN_ENV = "CHANGEBUS_TOKEN"
@@ -53,7 +71,7 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOSTS",
         help="instead of --relay: ZooKeeper connect string of a relay cluster"
         " (host:port[,host:port]); the relays come from its routing table (needs --cluster"
-        " and --partition)",
+        " and --partition). With --group: the ZooKeeper of the consumer group",
     )
     p.add_argument("--cluster", default="", metavar="NAME", help="the relay cluster's name")
     p.add_argument(
@@ -61,6 +79,11 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --zookeeper: read from followers first, the leader last",
     )
+    add_tls_arguments(p)
+
+
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """``--ca-file``, ``--cert-file``/``--key-file``, ``--insecure-no-hostname-check``, ``--token-file``."""
     tls = p.add_argument_group("TLS and authentication")
     tls.add_argument(
         "--ca-file",
@@ -89,6 +112,75 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_group_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add ``--group NAME`` and its options; returns their argument group (for more).
+
+    The options: ``--partitions``, ``--buckets``, ``--member-name`` and
+    ``--commit-interval`` (see :func:`group_options`); the consumer joins a
+    consumer group coordinated in ``--zookeeper``.
+    """
+    g = p.add_argument_group("consumer group (with --zookeeper)")
+    g.add_argument(
+        "--group",
+        metavar="NAME",
+        help="join this consumer group: the partitions' key buckets are shared among its"
+        " live members, each with its own checkpoint (needs --zookeeper; relays from --relay"
+        " or --cluster)",
+    )
+    g.add_argument(
+        "--partitions",
+        metavar="A,B",
+        help="the partitions the group reads, comma-separated (default: --partition)",
+    )
+    g.add_argument(
+        "--buckets", type=int, metavar="N", help="key buckets per partition (64; fixed per group)"
+    )
+    g.add_argument(
+        "--member-name",
+        metavar="NAME",
+        help="this member's name in 'changebus group status' (default: host:pid)",
+    )
+    g.add_argument(
+        "--commit-interval",
+        type=float,
+        metavar="S",
+        help="write a unit's checkpoint at most every S seconds (1; always on revoke and exit)",
+    )
+    return g
+
+
+#: the group options and their flags, for "only with --group" errors
+_GROUP_FLAGS = {
+    "partitions": "--partitions",
+    "buckets": "--buckets",
+    "member_name": "--member-name",
+    "commit_interval": "--commit-interval",
+}
+
+
+def group_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`ConsumerConfig` keyword arguments of the group flags (ConfigError when bad)."""
+    if args.group is None:
+        given = [flag for attr, flag in _GROUP_FLAGS.items() if getattr(args, attr) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only with --group NAME")
+        return {}
+    check_group_name(args.group)
+    if not args.zookeeper:
+        raise ConfigError(f"--group {args.group}: a consumer group needs --zookeeper HOSTS")
+    partitions = tuple(s.strip() for s in (args.partitions or "").split(",") if s.strip())
+    if args.partitions is not None and not partitions:
+        raise ConfigError("--partitions: give partition names, comma-separated")
+    options: dict[str, Any] = {"group": args.group, "partitions": partitions}
+    if args.buckets is not None:
+        options["buckets"] = args.buckets
+    if args.member_name is not None:
+        options["member_name"] = args.member_name
+    if args.commit_interval is not None:
+        options["commit_interval_s"] = args.commit_interval
+    return options
+
+
 def auth_from_args(args: argparse.Namespace) -> ClientAuth:
     """The :class:`ClientAuth` of the TLS flags and ``$CHANGEBUS_TOKEN`` (raises ConfigError)."""
     token = os.environ.get(TOKEN_ENV, "").strip()
@@ -108,14 +200,16 @@ def route_text(args: argparse.Namespace) -> str:
     """Where the stream comes from, for log lines (no credentials)."""
     from ._http import safe_url
 
-    if args.zookeeper:
-        return f"cluster {args.cluster!r} (ZooKeeper {args.zookeeper})"
-    return ", ".join(safe_url(u) for u in args.relay)
+    relays = ", ".join(safe_url(u) for u in args.relay)
+    if args.zookeeper and args.cluster:
+        relays = f"cluster {args.cluster!r} (ZooKeeper {args.zookeeper})"
+    group = getattr(args, "group", None)
+    return f"{relays} as member of group {group!r}" if group else relays
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``tail``, ``replicate`` and ``demo`` subcommands."""
-    from . import _cli_replicate
+    from . import _cli_group, _cli_replicate
 
     p = sub.add_parser(
         "tail",
@@ -145,8 +239,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--filter", help="partition filter on the key hash, e.g. mod:3:0")
     p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    group = add_group_arguments(p)
+    group.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --group: keep the units' checkpoints in files under DIR (FileUnitStore)"
+        " instead of ZooKeeper",
+    )
     p.set_defaults(func=_main)
     _cli_replicate.register(sub)
+    _cli_group.register(sub)
     d = sub.add_parser(
         "demo",
         help="run the whole pipeline on a private Postgres and print live changes",
@@ -174,14 +277,19 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from changebus.schemas import UnitStore
+
     from ._config import ConsumerConfig
     from ._json import event_json
-    from ._persist import FileCheckpointPersister
+    from ._persist import CheckpointPersister, FileCheckpointPersister
     from ._sync import SyncConsumer
+    from ._unitstore_file import FileUnitStore
 
     setup_logging(args.log_level, "text")
     sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
+    persister: CheckpointPersister | UnitStore | None = None
     try:
+        group = group_options(args)
         config = ConsumerConfig(
             relays=tuple(args.relay),
             zookeeper=args.zookeeper,
@@ -194,19 +302,31 @@ def _main(args: argparse.Namespace) -> int:
             client_id="changebus-tail",
             yield_empty_windows=False,
             auth=auth_from_args(args),
+            **group,
         )
+        if group and args.checkpoint:
+            raise ConfigError(
+                "--checkpoint: a group member keeps one checkpoint per unit;"
+                " give --checkpoint-dir DIR (or none: ZooKeeper keeps them)"
+            )
+        if not group and args.checkpoint_dir is not None:
+            raise ConfigError("--checkpoint-dir: only with --group NAME (else --checkpoint FILE)")
+        if args.checkpoint_dir is not None:
+            persister = FileUnitStore(args.checkpoint_dir)
+        elif args.checkpoint:
+            persister = FileCheckpointPersister(args.checkpoint)
     except ChangebusError as exc:
         print(f"changebus tail: {exc.message}", file=sys.stderr)
         return 2
-    persister = FileCheckpointPersister(args.checkpoint) if args.checkpoint else None
     signal.signal(signal.SIGTERM, _interrupt)
     printed = 0
     out = sys.stdout
     consumer = SyncConsumer(config, persister=persister)
     try:
         for window in consumer:
+            unit = window.unit
             for event in window.events:
-                out.write(event_json(event) + "\n")
+                out.write(event_json(event, unit=unit) + "\n")
                 printed += 1
                 if args.limit and printed >= args.limit:
                     out.flush()

@@ -12,6 +12,13 @@ value, so that a password need not appear on the command line (where ``ps``
 shows it); it is never logged. SIGTERM or Ctrl-C stop after the current
 window with status 0; a gap in the stream or a position the relays no longer
 keep ends the command with a message on stderr and status 3.
+
+With ``--group NAME --zookeeper HOSTS`` the command is a member of a
+consumer group: the group's units (partition x key bucket) are shared among
+its live members, and the replica itself is the units' checkpoint store (each
+unit's position is written, fenced, in the transaction that applies its
+rows), so several ``replicate`` processes writing into one database (or each
+into its own) stay effectively-once across rebalances and crashes.
 """
 
 from __future__ import annotations
@@ -26,7 +33,13 @@ import sys
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
 
-from ._cli import add_route_arguments, auth_from_args, route_text
+from ._cli import (
+    add_group_arguments,
+    add_route_arguments,
+    auth_from_args,
+    group_options,
+    route_text,
+)
 
 __all__ = ["register"]
 
@@ -67,6 +80,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="earliest (default), latest or an SCN, when the target has no checkpoint yet",
     )
     p.add_argument("--consumer-name", default="default", help="key of the stored checkpoint")
+    add_group_arguments(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"))
     p.set_defaults(func=_main)
@@ -88,6 +102,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
     try:
+        group = group_options(args)
         config = ConsumerConfig(
             relays=tuple(args.relay),
             zookeeper=args.zookeeper,
@@ -99,6 +114,7 @@ async def _run(args: argparse.Namespace) -> int:
             start=args.start,
             client_id=f"changebus-replicate-{args.consumer_name}",
             auth=auth_from_args(args),
+            **group,
         )
     except ChangebusError as exc:
         print(f"changebus replicate: {exc.message}", file=sys.stderr)

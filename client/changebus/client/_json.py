@@ -17,19 +17,22 @@ from ._model import ChangeEvent
 __all__ = ["event_json", "jsonable"]
 
 
-def event_json(event: ChangeEvent) -> str:
-    """One compact JSON line: scn, seq, op, table, key, before, after, not_sent."""
-    return json.dumps(
-        {
-            "scn": event.scn,
-            "seq": event.seq,
-            "op": event.op.value,
-            "table": event.table,
-            "key": event.key,
-            "before": event.before,
-            "after": event.after,
-            "not_sent": list(event.not_sent),
-        },
-        default=jsonable,
-        separators=(",", ":"),
-    )
+def event_json(event: ChangeEvent, *, unit: str = "") -> str:
+    """One compact JSON line: scn, seq, op, table, key, before, after, not_sent.
+
+    ``unit`` (a consumer group's window unit, ``<partition>.<bucket>``) is
+    added as ``"unit"`` when not empty.
+    """
+    doc = {
+        "scn": event.scn,
+        "seq": event.seq,
+        "op": event.op.value,
+        "table": event.table,
+        "key": event.key,
+        "before": event.before,
+        "after": event.after,
+        "not_sent": list(event.not_sent),
+    }
+    if unit:
+        doc["unit"] = unit
+    return json.dumps(doc, default=jsonable, separators=(",", ":"))
