@@ -44,7 +44,14 @@ from typing import Any
 import psycopg
 import pytest
 from test_client_cli import ENV
-from test_e2e_pg import TABLES, Target, free_port, pg_relay, source_rows, sync_marker
+from test_e2e_pg import (  # type: ignore[import-not-found]
+    TABLES,
+    Target,
+    free_port,
+    pg_relay,
+    source_rows,
+    sync_marker,
+)
 
 from fix_pg import wait_until
 
