@@ -14,6 +14,12 @@ transactions (:class:`Window` of :class:`ChangeEvent`) in commit order:
 * replicas -- :class:`SqliteReplica` / :class:`PostgresReplica` apply a
   stream to tables of another database with idempotent upserts and the
   checkpoint in the same transaction (effectively-once);
+* consumer groups -- the fenced unit checkpoints of a group
+  (:class:`~changebus.schemas.UnitStore`) in files (:class:`FileUnitStore`,
+  one host, ``flock``), a PostgreSQL table (:class:`PostgresUnitStore`) or,
+  effectively-once, in a replica's own database: :class:`SqliteReplica` and
+  :class:`PostgresReplica` are unit stores too and apply a unit's window and
+  its fenced checkpoint in one transaction;
 * ``changebus tail`` -- prints a stream as JSON lines.
 
 Errors are part of the :mod:`changebus.schemas` tree: a position older than
@@ -90,6 +96,8 @@ from ._stream import (
     StreamSink as StreamSink,
 )
 from ._sync import SyncConsumer as SyncConsumer
+from ._unitstore_file import FileUnitStore as FileUnitStore
+from ._unitstore_pg import PostgresUnitStore as PostgresUnitStore
 
 __all__ = [
     "AsyncCallbacks",
@@ -107,10 +115,12 @@ __all__ = [
     "DataLossDetectedError",
     "FellOffRelayError",
     "FileCheckpointPersister",
+    "FileUnitStore",
     "MemoryCheckpointPersister",
     "PartitionSources",
     "PartitionStatus",
     "PostgresReplica",
+    "PostgresUnitStore",
     "RawWindow",
     "RelayInfo",
     "RelayQueries",

@@ -19,6 +19,10 @@ Target tables are created from the event's table schema when missing
 columns added by later schema versions are added with ``ALTER TABLE``.
 Tables without a key cannot be upserted: the replica stops (FATAL).
 
+Consumer groups: the dialects are :class:`~._apply_units.UnitReplica`
+subclasses, which add the fenced unit checkpoints of a group (windows with
+``window.unit`` set); windows without a unit take the path described here.
+
 All database work runs in one worker thread per replica (the connection
 lives and dies there), never on the event loop. Dialects
 (:class:`~._apply_sqlite.SqliteReplica`,
@@ -35,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from changebus.schemas import Checkpoint, Column, ConfigError, TableSchema
+from changebus.schemas import Checkpoint, Column, ConfigError, PartitionCheckpoint, TableSchema
 
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
@@ -206,12 +210,7 @@ class Replica(AsyncCallbacks):
     async def on_end_window(self, window: Window) -> Result:
         """Apply the window and its checkpoint in one transaction."""
         stored = self._stored.get(window.partition) if self._stored is not None else None
-        if (
-            stored is not None
-            and not window.bootstrapping
-            and stored.window_scn >= window.scn
-            and stored.window_offset < 0
-        ):
+        if stored is not None and applied_before(stored, window):
             self.windows_skipped += 1  # applied before a crash or a failed checkpoint
             return None
         base = self._stored if self._stored is not None else Checkpoint({})
@@ -235,7 +234,7 @@ class Replica(AsyncCallbacks):
         for event in events:
             self._ensure_table(conn, event)
         with self._transaction(conn):
-            for sql, rows in _runs(self._statements(events)):
+            for sql, rows in runs(self._statements(events)):
                 self._executemany(conn, sql, rows)
             self._write_checkpoint(conn, checkpoint)
 
@@ -357,7 +356,12 @@ class Replica(AsyncCallbacks):
         ).result()
 
 
-def _runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
+def applied_before(stored: PartitionCheckpoint, window: Window) -> bool:
+    """Whether ``window`` is at or below ``stored``: applied already, to be skipped."""
+    return not window.bootstrapping and stored.window_scn >= window.scn and stored.window_offset < 0
+
+
+def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
     """Consecutive statements with the same SQL, grouped for ``executemany``."""
     sql: str | None = None
     rows: list[list[Any]] = []

@@ -10,7 +10,7 @@ otherwise.
 
 The psycopg connection (sync API) is opened in the replica's worker thread
 and used only there; each window is one ``conn.transaction()``. The DSN is
-never logged.
+never logged (and scrubbed from the unit store's errors).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import Column
+from changebus.schemas import ChangebusError, Column, TransportError
+from changebus.schemas.config import scrub_exception
 
-from ._apply import Replica
+from ._apply_units import UnitReplica
+from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
 __all__ = ["PostgresReplica"]
 
@@ -46,10 +48,11 @@ _LOGICAL = {
 }
 
 
-class PostgresReplica(Replica):
+class PostgresReplica(UnitReplica):
     """Applies a change stream to a PostgreSQL database (see :mod:`._apply`)."""
 
     placeholder = "%s"
+    unit_time = POSTGRES_TIME
 
     def __init__(
         self,
@@ -58,11 +61,13 @@ class PostgresReplica(Replica):
         consumer_name: str = "default",
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
+        unit_table: str = DEFAULT_TABLE,
     ) -> None:
         super().__init__(
             consumer_name=consumer_name,
             table_names=table_names,
             checkpoint_table=checkpoint_table,
+            unit_table=unit_table,
         )
         self._dsn = dsn
 
@@ -73,6 +78,14 @@ class PostgresReplica(Replica):
 
     def default_table_name(self, source: str) -> str:
         return source
+
+    def _store_error(self, exc: Exception) -> ChangebusError | None:
+        import psycopg
+
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            text = scrub_exception(exc, (self._dsn,))
+            return TransportError(f"replica unit table {self.unit_table}: {text}")
+        return None
 
     def _connect(self) -> Any:
         import psycopg  # lazily: only PostgreSQL users need the driver loaded

@@ -23,10 +23,11 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import Column
+from changebus.schemas import ChangebusError, Column, TransportError
 
-from ._apply import Replica
+from ._apply_units import UnitReplica
 from ._json import jsonable
+from ._unitsql import DEFAULT_TABLE
 
 __all__ = ["SqliteReplica"]
 
@@ -34,7 +35,7 @@ _INTEGER = frozenset({"int", "long", "boolean"})
 _REAL = frozenset({"float", "double"})
 
 
-class SqliteReplica(Replica):
+class SqliteReplica(UnitReplica):
     """Applies a change stream to a SQLite database file (see :mod:`._apply`)."""
 
     placeholder = "?"
@@ -46,16 +47,23 @@ class SqliteReplica(Replica):
         consumer_name: str = "default",
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
+        unit_table: str = DEFAULT_TABLE,
     ) -> None:
         super().__init__(
             consumer_name=consumer_name,
             table_names=table_names,
             checkpoint_table=checkpoint_table,
+            unit_table=unit_table,
         )
         self.path = os.fspath(path)
 
     def __repr__(self) -> str:
         return f"SqliteReplica({self.path!r}, consumer_name={self.consumer_name!r})"
+
+    def _store_error(self, exc: Exception) -> ChangebusError | None:
+        if isinstance(exc, sqlite3.OperationalError):  # e.g. locked by another writer too long
+            return TransportError(f"replica {self.path}: unit table {self.unit_table}: {exc}")
+        return None
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None)

@@ -109,22 +109,33 @@ class FileCheckpointPersister:
             self._write_locked(text)
 
     def _write_locked(self, text: str) -> None:
-        directory = self.path.parent
-        private_dir(directory, narrow=False)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            data = text.encode()
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomically(self.path, text)
         log.debug("checkpoint stored in %s", self.path)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``, atomically and durably (blocking).
+
+    Writes ``<name>.tmp`` (mode 0600), fsyncs it, renames it over ``path`` and
+    fsyncs the directory (created 0700 when missing; an existing one is left
+    as it is). A reader sees the old or the new content, never a torn one.
+    Callers serialise writes of one ``path`` (the temporary name is fixed).
+    """
+    directory = path.parent
+    private_dir(directory, narrow=False)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        data = text.encode()
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -21,6 +21,7 @@ and the lease in ``changebus.cluster._election``.
 
 from __future__ import annotations
 
+from ._assign import assign as assign
 from ._config import ClusterConfig as ClusterConfig
 from ._election import (
     LeaderInfo as LeaderInfo,
@@ -61,6 +62,7 @@ __all__ = [
     "SessionState",
     "StateChange",
     "ZkSession",
+    "assign",
     "cluster_root",
     "current_leader",
     "election_path",
