@@ -13,6 +13,18 @@ The pieces, each on one :class:`ZkSession` (an asyncio wrapper over kazoo):
 * :class:`RoutingTable`: every member and leader, kept current by watches,
   as immutable :class:`RoutingSnapshot` values.
 
+Consumer groups (their tree ``/changebus/groups/<group>/`` does not depend on
+the cluster name; layout in ``changebus.cluster._group_layout``):
+
+* :class:`GroupMember`: one member of a consumer group: registration, the
+  target units the group's leader assigns it, owner nodes of the units it
+  reads (:meth:`GroupMember.acquire` / :meth:`GroupMember.release`) and
+  its lease (:meth:`GroupMember.lease_valid`);
+* :func:`assign`: the sticky assignment (even quotas, fewest moves);
+* :class:`ZkUnitStore`: the fenced unit checkpoints
+  (:class:`changebus.schemas.UnitStore`) in ZooKeeper;
+* :func:`read_group`: a :class:`GroupState` snapshot for status pages.
+
 The ZooKeeper layout (``/changebus/<cluster>/members/<id>``,
 ``partitions/<p>/election/c-<seq>``, ``partitions/<p>/epoch``) and its
 invariants are documented in ``changebus.cluster._layout``; the election
@@ -30,6 +42,9 @@ from ._election import (
     current_leader as current_leader,
 )
 from ._errors import CoordinationError as CoordinationError
+from ._group import GroupMember as GroupMember
+from ._group_state import GroupState as GroupState, read_group as read_group
+from ._group_store import ZkUnitStore as ZkUnitStore
 from ._layout import (
     EpochRecord as EpochRecord,
     MemberInfo as MemberInfo,
@@ -51,6 +66,8 @@ __all__ = [
     "ClusterConfig",
     "CoordinationError",
     "EpochRecord",
+    "GroupMember",
+    "GroupState",
     "LeaderInfo",
     "Leadership",
     "MemberInfo",
@@ -62,10 +79,12 @@ __all__ = [
     "SessionState",
     "StateChange",
     "ZkSession",
+    "ZkUnitStore",
     "assign",
     "cluster_root",
     "current_leader",
     "election_path",
     "epoch_path",
     "member_path",
+    "read_group",
 ]

@@ -1,0 +1,553 @@
+"""``GroupMember``: one member of a consumer group, coordinated through ZooKeeper.
+
+Layout and invariants: :mod:`changebus.cluster._group_layout`. A member
+
+1. checks the group's ``meta`` (creating it when it is the first member): a
+   different bucket count or partition list fails :meth:`GroupMember.start`
+   with a :class:`ConfigError` naming both values;
+2. registers an ephemeral sequential node ``members/m-<seq>``; its name is
+   the :attr:`GroupMember.member_id`;
+3. follows ``assignment`` (a watch) and reports its own units, the *target*,
+   to :meth:`GroupMember.on_target` callbacks whenever they change;
+4. leads when its sequence number is the lowest (``_group_leader``): the
+   leader recomputes the sticky assignment (:func:`~changebus.cluster.assign`)
+   on every change of the member list and writes it when it differs;
+5. takes a unit with :meth:`GroupMember.acquire` (the ephemeral
+   ``owners/<unit>``, waiting while another member still holds it) and gives
+   it back with :meth:`GroupMember.release`. The consumer acquires a unit
+   before it claims its checkpoint and releases it after its last commit, so
+   a unit moving from one member to another is never read by both.
+
+Lease. Every ``lease_s / 3`` a heartbeat checks that the member node still
+exists (one round trip). :meth:`GroupMember.lease_valid` is true only while
+kazoo reports the connection up and the newest heartbeat that found the node
+was *sent* less than ``lease_s`` (``lease_fraction`` x session timeout) ago:
+ZooKeeper cannot expire the session, and so cannot let another member take
+the units, sooner than a session timeout after that. A member frozen past its
+session (SIGSTOP, a long pause) sees ``lease_valid() == False`` the moment it
+runs again. The consumer checks it before it hands a window to the
+application.
+
+Membership loss. When the session is LOST (or a new session replaced it),
+or the member node is gone, every owner node of the member is gone (or is
+deleted at once when the session still lives): :attr:`GroupMember.owned`
+becomes empty, the :meth:`GroupMember.on_lost` callbacks get the units it
+held, the target becomes empty (``on_target(frozenset())``), and the member
+registers again with a new member id, to which the leader gives units.
+
+Thread-safety: everything runs on the event loop of the session except
+:meth:`GroupMember.lease_valid`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from changebus.schemas import MAX_BUCKETS, Unit
+from changebus.schemas.errors import ConfigError
+
+from ._errors import CoordinationError
+from ._group_layout import (
+    MEMBER_PREFIX,
+    Assignment,
+    GroupMeta,
+    assignment_path,
+    decode_assignment,
+    decode_member_record,
+    decode_meta,
+    encode_member_record,
+    encode_meta,
+    group_members_path,
+    group_root,
+    meta_path,
+    owners_path,
+    units_text,
+)
+from ._group_leader import run_leader
+from ._group_owners import CreateOutcome, create_owner, delete_owners
+from ._session import StateChange, ZkSession
+
+__all__ = ["GroupMember"]
+
+log = logging.getLogger("changebus.cluster.group")
+
+_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+UnitsCallback = Callable[[frozenset[Unit]], None]
+
+
+class GroupMember:
+    """One member of consumer group ``group`` (see the module docstring).
+
+    ``partitions`` and ``buckets`` define the group's units and must match
+    what the group stored in ZooKeeper; ``name`` is shown on status pages
+    (default ``host:pid``). The session is the caller's: :meth:`stop` leaves
+    it running.
+    """
+
+    def __init__(
+        self,
+        session: ZkSession,
+        group: str,
+        partitions: Sequence[str],
+        buckets: int,
+        *,
+        name: str = "",
+    ) -> None:
+        self.root = group_root(group)
+        if not partitions:
+            raise ConfigError(f"group {group}: no partitions to read")
+        if not 1 <= buckets <= MAX_BUCKETS:
+            raise ConfigError(f"group {group}: buckets {buckets} is out of 1..{MAX_BUCKETS}")
+        self.session = session
+        self.group = group
+        self.partitions = tuple(sorted(set(partitions)))
+        self.buckets = buckets
+        #: every unit of the group, sorted
+        self.units = Unit.all_of(self.partitions, buckets)
+        self._unit_set = frozenset(self.units)
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+        self.name = name or f"{self._host}:{self._pid}"
+        config = session.config
+        #: how long a confirmed heartbeat keeps the lease (see the module docstring)
+        self.lease_s = config.session_timeout_s * config.lease_fraction
+        #: the current member node name ("" while not registered)
+        self.member_id = ""
+        #: this member's units in the newest assignment
+        self.target: frozenset[Unit] = frozenset()
+        #: the units whose owner node this member holds now
+        self.owned: frozenset[Unit] = frozenset()
+        #: True while this member is the group's leader
+        self.is_leader = False
+        #: how many times the member node was created
+        self.registrations = 0
+        #: monotonic send time of the newest heartbeat that found the member node
+        self.confirmed_at = float("-inf")
+        # the registration: full member node path and the session that created it
+        self._member_path = ""
+        self._member_sid = 0
+        self._started_ns = time.time_ns()
+        self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
+        self._target_cbs: list[UnitsCallback] = []
+        self._lost_cbs: list[UnitsCallback] = []
+        self._registered = asyncio.Event()
+        self._wake_keeper = asyncio.Event()
+        self._wake_assignment = asyncio.Event()
+        self._wake_leader = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._remove_listener: Callable[[], None] | None = None
+        self._stopping = False
+
+    # -- public API ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check the group's meta, register, and start following the group.
+
+        Raises :class:`ConfigError` when the stored meta disagrees, and a
+        retriable :class:`CoordinationError` when ZooKeeper does not answer.
+        """
+        if self._tasks:
+            return
+        self._stopping = False
+        await self.session.wait_connected()
+        await self._check_meta()
+        session = self.session
+        for path in (group_members_path(self.group), owners_path(self.group)):
+            await session.ensure_path(path)
+        with contextlib.suppress(NodeExistsError):
+            await session.op("create", assignment_path(self.group), b"")
+        await self._register()
+        self._remove_listener = session.add_listener(self._on_state)
+        loop_name = f"group-{self.group}"
+        self._tasks = [
+            asyncio.create_task(self._keep(), name=f"{loop_name}-keeper"),
+            asyncio.create_task(self._follow_assignment(), name=f"{loop_name}-assignment"),
+            asyncio.create_task(run_leader(self), name=f"{loop_name}-leader"),
+        ]
+
+    async def stop(self) -> None:
+        """Release the owner nodes, delete the member node and stop (the session stays)."""
+        self._stopping = True
+        if self._remove_listener is not None:
+            self._remove_listener()
+            self._remove_listener = None
+        tasks, self._tasks = self._tasks, []
+        for task in [*tasks, *self._background]:
+            task.cancel()
+        for task in [*tasks, *self._background]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        path, owned = self._member_path, self.owned
+        if path and self.session.connected:
+            with contextlib.suppress(CoordinationError):
+                await delete_owners(self.session, self.group, path, owned)
+            with contextlib.suppress(CoordinationError, NoNodeError):
+                await self.session.op("delete", path)
+        self.owned = frozenset()
+        self._member_path, self.member_id, self._member_sid = "", "", 0
+        self.is_leader = False
+        self.confirmed_at = float("-inf")
+        self._registered.clear()
+        log.info("group %s: member %s stopped", self.group, self.name)
+
+    def on_target(self, callback: UnitsCallback) -> Callable[[], None]:
+        """Call ``callback(target)`` on the event loop when the target changes; returns the remover."""
+        return _add(self._target_cbs, callback)
+
+    def on_lost(self, callback: UnitsCallback) -> Callable[[], None]:
+        """Call ``callback(units)`` when the membership is lost with the owner nodes of ``units``."""
+        return _add(self._lost_cbs, callback)
+
+    def lease_valid(self) -> bool:
+        """True while this member may act on its units (a lease; thread-safe)."""
+        return (
+            bool(self._member_path)
+            and self.session.thread_state == "connected"
+            and time.monotonic() - self.confirmed_at < self.lease_s
+        )
+
+    async def acquire(self, unit: Unit) -> None:
+        """Create ``owners/<unit>`` for this member, waiting while another member holds it.
+
+        Cancellable. Raises a retriable :class:`CoordinationError` when the
+        membership is lost while waiting (the unit then is not acquired), and
+        :class:`ConfigError` for a unit outside the group.
+        """
+        if unit not in self._unit_set:
+            raise ConfigError(f"group {self.group}: {unit} is not one of its units")
+        registration = ""
+        loop = asyncio.get_running_loop()
+        while True:
+            if unit in self.owned:
+                return
+            if self._stopping:
+                raise CoordinationError(f"group {self.group}: the member is stopped")
+            await self._registered.wait()
+            await self.session.wait_connected()
+            path, sid = self._member_path, self._member_sid
+            if not path:
+                continue
+            if registration and path != registration:
+                raise CoordinationError(
+                    f"group {self.group}: membership lost while acquiring {unit}"
+                )
+            registration = path
+            freed = asyncio.Event()
+
+            def watch(_event: Any, freed: asyncio.Event = freed) -> None:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(freed.set)
+
+            attempt = asyncio.ensure_future(
+                create_owner(self.session, self.group, path, sid, unit, watch)
+            )
+            try:
+                outcome = await asyncio.shield(attempt)
+            except asyncio.CancelledError:
+                attempt.add_done_callback(
+                    functools.partial(self._undo_create, unit=unit, path=path)
+                )
+                raise
+            if outcome == "created":
+                if path == self._member_path:
+                    self.owned = self.owned | {unit}
+                    return
+                self._stale.add(unit)
+                continue
+            if outcome == "member gone":
+                self._member_gone(path, "member node gone")
+                continue
+            if outcome == "held":
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.session.op_timeout_s * 2):
+                        await freed.wait()
+
+    async def release(self, units: Iterable[Unit]) -> None:
+        """Delete this member's owner nodes of ``units`` (idempotent; never raises on I/O).
+
+        When ZooKeeper does not answer, the nodes are deleted later (or go
+        with the session).
+        """
+        mine = frozenset(units) & self.owned
+        if not mine:
+            return
+        self.owned = self.owned - mine
+        try:
+            await delete_owners(self.session, self.group, self._member_path, mine)
+        except CoordinationError as exc:
+            log.info("group %s: releasing %s later: %s", self.group, units_text(list(mine)), exc)
+            self._stale |= mine
+            self._wake_keeper.set()
+            return
+        log.debug("group %s: %s released %s", self.group, self.member_id, units_text(list(mine)))
+
+    # -- meta and registration ----------------------------------------------------------
+
+    async def _check_meta(self) -> None:
+        session, node = self.session, meta_path(self.group)
+        want = GroupMeta(self.buckets, self.partitions)
+        await session.ensure_path(self.root)
+        try:
+            await session.op("create", node, encode_meta(want))
+            log.info("group %s: created with %d buckets of %s", self.group, self.buckets, want)
+            return
+        except NodeExistsError:
+            pass
+        data, _stat = await session.op("get", node)
+        have = decode_meta(data, node)
+        if have.buckets != want.buckets:
+            raise ConfigError(
+                f"group {self.group} uses {have.buckets} buckets (stored in ZooKeeper at "
+                f"{node}); this member is configured with {want.buckets}"
+            )
+        if have.partitions != want.partitions:
+            raise ConfigError(
+                f"group {self.group} reads partitions {', '.join(have.partitions)} (stored in "
+                f"ZooKeeper at {node}); this member is configured with "
+                f"{', '.join(want.partitions)}"
+            )
+
+    async def _register(self) -> None:
+        """Create the member node (dropping orphans of this session and member first)."""
+        session, parent = self.session, group_members_path(self.group)
+        data = encode_member_record(self.name, self._host, self._pid, self._started_ns)
+        timeout = session.op_timeout_s
+        started_ns, pid = self._started_ns, self._pid
+
+        def create(zk: Any) -> tuple[str, int]:
+            client = zk.client_id
+            sid = int(client[0]) if client else 0
+            for name in zk.get_children_async(parent).get(timeout=timeout):
+                node = f"{parent}/{name}"
+                with contextlib.suppress(NoNodeError, CoordinationError):
+                    raw, stat = zk.get_async(node).get(timeout=timeout)
+                    record = decode_member_record(raw, node)
+                    if (
+                        stat.ephemeralOwner == sid
+                        and record["started_ns"] == started_ns
+                        and record["pid"] == pid
+                    ):
+                        zk.delete_async(node).get(timeout=timeout)  # a create whose answer was lost
+            path = zk.create_async(
+                f"{parent}/{MEMBER_PREFIX}", data, ephemeral=True, sequence=True
+            ).get(timeout=timeout)
+            stat = zk.exists_async(path).get(timeout=timeout)
+            if stat is None:
+                raise CoordinationError(f"group member node {path} vanished at once")
+            return str(path), int(stat.ephemeralOwner)
+
+        t0 = time.monotonic()
+        path, sid = await session.call(create)
+        self._member_path, self._member_sid = path, sid
+        self.member_id = path.rpartition("/")[2]
+        self.confirmed_at = t0
+        self.registrations += 1
+        self._registered.set()
+        for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
+            event.set()
+        log.info("group %s: %s joined as %s", self.group, self.name, self.member_id)
+
+    def _member_gone(self, path: str, reason: str) -> None:
+        """The registration ``path`` ended (on the loop; idempotent)."""
+        if not path or path != self._member_path:
+            return
+        log.warning(
+            "group %s: member %s lost its membership (%s); it held %s",
+            self.group,
+            self.member_id,
+            reason,
+            units_text(list(self.owned)) or "no units",
+        )
+        lost = self.owned
+        if self.session.session_id == self._member_sid and self.session.thread_state != "lost":
+            self._stale |= lost  # the session lives: its owner nodes too, until deleted
+        self._member_path, self.member_id, self._member_sid = "", "", 0
+        self.confirmed_at = float("-inf")
+        self.is_leader = False
+        self.owned = frozenset()
+        self._registered.clear()
+        _fire(self._lost_cbs, lost, "on_lost")
+        self._set_target(frozenset())
+        for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
+            event.set()
+
+    def _on_state(self, change: StateChange) -> None:
+        if change.state == "lost" or (
+            change.state == "connected"
+            and self._member_sid
+            and change.session_id != self._member_sid
+        ):
+            self._member_gone(self._member_path, f"ZooKeeper session {change.state}")
+        for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
+            event.set()
+
+    def _undo_create(
+        self, attempt: asyncio.Future[CreateOutcome], *, unit: Unit, path: str
+    ) -> None:
+        """A cancelled acquire's create that succeeded after all: delete the node."""
+        if attempt.cancelled() or attempt.exception() is not None or attempt.result() != "created":
+            return
+        task = asyncio.ensure_future(
+            delete_owners(self.session, self.group, path, frozenset({unit}))
+        )
+        self._background.add(task)
+
+        def done(t: asyncio.Future[None]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self._stale.add(unit)
+
+        task.add_done_callback(done)
+
+    # -- the loops -------------------------------------------------------------------------
+
+    async def _keep(self) -> None:
+        """Registration (again after a loss), stale owner nodes, and the heartbeat."""
+        failures = 0
+        while not self._stopping:
+            try:
+                if not self._member_path:
+                    await self.session.wait_connected()
+                    await self._drop_stale()
+                    await self._register()
+                elif self._stale:
+                    await self._drop_stale()
+                self._wake_keeper.clear()
+                await self._beat()
+                failures = 0
+            except CoordinationError as exc:
+                if self.session.state == "closed":
+                    log.info("group %s: the session closed, membership ends", self.group)
+                    return
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                log.info("group %s: membership retry in %.2f s: %s", self.group, delay, exc)
+                await asyncio.sleep(delay)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.lease_s / 3):
+                    await self._wake_keeper.wait()
+
+    async def _beat(self) -> None:
+        path, sid = self._member_path, self._member_sid
+        if not path:
+            return
+        loop = asyncio.get_running_loop()
+
+        def watch(event: Any) -> None:
+            if getattr(event, "type", None) == "DELETED" and self._member_path == path:
+                self.confirmed_at = float("-inf")  # in kazoo's thread: the lease ends now
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._wake_keeper.set)
+
+        t0 = time.monotonic()
+        stat = await self.session.op("exists", path, watch=watch)
+        if path != self._member_path:
+            return
+        if stat is None or stat.ephemeralOwner != sid:
+            self._member_gone(path, "member node gone")
+        elif t0 > self.confirmed_at:
+            self.confirmed_at = t0
+
+    async def _drop_stale(self) -> None:
+        """Delete owner nodes of an ended registration that the live session still holds."""
+        stale = frozenset(self._stale)
+        if not stale:
+            return
+        await delete_owners(self.session, self.group, "", stale)
+        self._stale -= stale
+
+    async def _follow_assignment(self) -> None:
+        """Keep :attr:`target` equal to this member's units in ``assignment`` (a watch)."""
+        node, loop = assignment_path(self.group), asyncio.get_running_loop()
+        failures = 0
+
+        def watch(_event: Any) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._wake_assignment.set)
+
+        while not self._stopping:
+            try:
+                await self._registered.wait()
+                await self.session.wait_connected()
+                self._wake_assignment.clear()
+                member = self.member_id
+                try:
+                    data, _stat = await self.session.op("get", node, watch=watch)
+                except NoNodeError:
+                    await self.session.op("exists", node, watch=watch)
+                    data = b""
+                failures = 0
+                try:
+                    assignment = decode_assignment(data, node)
+                except CoordinationError as exc:
+                    log.error("group %s: %s (the target stays as it is)", self.group, exc)
+                    assignment = None
+                if assignment is not None and member and member == self.member_id:
+                    self._apply(assignment, member)
+            except CoordinationError as exc:
+                if self.session.state == "closed":
+                    return
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                log.info("group %s: assignment read retry in %.2f s: %s", self.group, delay, exc)
+                await asyncio.sleep(delay)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(2.0, self.session.op_timeout_s * 2)):
+                    await self._wake_assignment.wait()
+
+    def _apply(self, assignment: Assignment, member: str) -> None:
+        self._set_target(assignment.units_of(member) & self._unit_set)
+
+    def _set_target(self, target: frozenset[Unit]) -> None:
+        if target == self.target:
+            return
+        added, removed = target - self.target, self.target - target
+        log.info(
+            "group %s: %s target %d units (+%d -%d)",
+            self.group,
+            self.member_id or self.name,
+            len(target),
+            len(added),
+            len(removed),
+        )
+        self.target = target
+        _fire(self._target_cbs, target, "on_target")
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupMember({self.group!r}, {self.member_id or 'unregistered'}, "
+            f"target={len(self.target)}, owned={len(self.owned)}"
+            f"{', leader' if self.is_leader else ''})"
+        )
+
+
+def _add(callbacks: list[UnitsCallback], callback: UnitsCallback) -> Callable[[], None]:
+    callbacks.append(callback)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            callbacks.remove(callback)
+
+    return remove
+
+
+def _fire(callbacks: list[UnitsCallback], units: frozenset[Unit], what: str) -> None:
+    for callback in list(callbacks):
+        try:
+            callback(units)
+        except Exception:
+            log.exception("a group %s callback failed", what)

@@ -1,0 +1,406 @@
+"""Consumer-group coordination against a real ZooKeeper: even targets, sticky
+rebalancing on leaves, expiries and joins, leader failover, fenced assignment
+writes, the meta check, owner nodes, the unit checkpoint store and the lease."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import pytest
+from kazoo.client import KazooClient
+
+from changebus.cluster import (
+    CoordinationError,
+    GroupMember,
+    ZkSession,
+    ZkUnitStore,
+    read_group,
+)
+from changebus.cluster._group_layout import (
+    Assignment,
+    assignment_path,
+    checkpoint_path,
+    decode_assignment,
+    meta_path,
+    owner_path,
+)
+from changebus.cluster._group_leader import write_assignment
+from changebus.schemas import ConfigError, PartitionCheckpoint, Unit, UnitCommit
+from waiting import wait_until
+
+pytestmark = pytest.mark.zk
+
+TIMEOUT_S = 1.5
+
+
+class Follower:
+    """What a consumer does with its member: acquire the target's units, release the others."""
+
+    def __init__(self, member: GroupMember) -> None:
+        self.member = member
+        self.lost: list[frozenset[Unit]] = []
+        self.targets: list[frozenset[Unit]] = []
+        self._acquiring: dict[Unit, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        member.on_target(self._retarget)
+        member.on_lost(self.lost.append)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _retarget(self, target: frozenset[Unit]) -> None:
+        self.targets.append(target)
+        for unit, task in list(self._acquiring.items()):
+            if unit not in target:
+                task.cancel()
+                del self._acquiring[unit]
+        gone = self.member.owned - target
+        if gone:
+            self._spawn(self.member.release(gone))
+        for unit in target - self.member.owned:
+            if unit not in self._acquiring or self._acquiring[unit].done():
+                self._acquiring[unit] = self._spawn(self._acquire(unit))
+
+    async def _acquire(self, unit: Unit) -> None:
+        with contextlib.suppress(CoordinationError):
+            await self.member.acquire(unit)
+
+    @property
+    def settled(self) -> bool:
+        return bool(self.member.member_id) and self.member.owned == self.member.target
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+MemberFactory = Callable[..., Awaitable[tuple[GroupMember, Follower]]]
+
+
+@pytest.fixture
+def group() -> str:
+    return f"g{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def make_member(zk_session, group: str) -> AsyncIterator[MemberFactory]:
+    made: list[tuple[GroupMember, Follower]] = []
+
+    async def make(
+        name: str,
+        partitions: Sequence[str] = ("orders", "users"),
+        buckets: int = 6,
+        *,
+        session: ZkSession | None = None,
+        follow: bool = True,
+    ) -> tuple[GroupMember, Follower]:
+        if session is None:
+            session = await zk_session(name, session_timeout_s=TIMEOUT_S)
+        member = GroupMember(session, group, partitions, buckets, name=name)
+        follower = Follower(member)
+        if not follow:
+            member._target_cbs.remove(follower._retarget)
+        await member.start()
+        made.append((member, follower))
+        return member, follower
+
+    yield make
+    for member, follower in made:
+        await follower.close()
+        with contextlib.suppress(CoordinationError):
+            await member.stop()
+
+
+def check_even(members: Sequence[GroupMember], units: Sequence[Unit]) -> bool:
+    """Targets disjoint, covering ``units``, each floor or ceil of U/M, and owned as targeted."""
+    targets = [m.target for m in members]
+    flat = [u for t in targets for u in t]
+    if sorted(flat) != sorted(units) or len(flat) != len(set(flat)):
+        return False
+    base = len(units) // len(members)
+    return all(len(t) in (base, base + 1) for t in targets)
+
+
+def settled(pairs: Sequence[tuple[GroupMember, Follower]]) -> bool:
+    members = [m for m, _ in pairs]
+    return check_even(members, members[0].units) and all(f.settled for _, f in pairs)
+
+
+async def test_three_members_get_even_disjoint_targets(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets, owned")
+    members = [m for m, _ in pairs]
+    assert [m.member_id for m in members] == sorted(m.member_id for m in members)
+    assert [m.is_leader for m in members] == [True, False, False]
+    assert all(len(m.target) == 4 for m in members)  # 12 units / 3
+    assert all(m.lease_valid() for m in members)
+
+    state = await read_group(await zk_session("status"), group)
+    assert (state.buckets, state.partitions) == (6, ("orders", "users"))
+    assert list(state.members) == [m.member_id for m in members]
+    assert state.members[members[1].member_id]["name"] == "c1"
+    assert state.leader == members[0].member_id
+    assert {m: set(u) for m, u in state.assignment.items()} == {
+        m.member_id: set(m.target) for m in members
+    }
+    assert state.owners == {u: m.member_id for m in members for u in sorted(m.owned)}
+    assert state.generation >= 1
+
+
+async def test_a_leaving_member_moves_only_its_units(make_member) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    before = {m.member_id: m.target for m, _ in pairs}
+    seen = {m.member_id: len(f.targets) for m, f in pairs}
+    leaver, _ = pairs[1]
+    t0 = time.monotonic()
+    await leaver.stop()
+    rest = [pairs[0], pairs[2]]
+    await wait_until(lambda: settled(rest), TIMEOUT_S + 1, "its units taken over")
+    assert time.monotonic() - t0 < TIMEOUT_S + 1
+    for member, follower in rest:
+        assert before[member.member_id] <= member.target  # kept everything it had
+        # nothing was taken away from the members that stayed
+        assert all(
+            before[member.member_id] <= t for t in follower.targets[seen[member.member_id] :]
+        )
+
+
+async def test_a_closed_session_moves_only_its_units(make_member, zk_session) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    before = {m.member_id: m.target for m, _ in pairs}
+    victim = pairs[2][0]
+    t0 = time.monotonic()
+    await victim.session.stop()  # like a crash: ZooKeeper drops its nodes
+    rest = pairs[:2]
+    await wait_until(lambda: settled(rest), TIMEOUT_S + 1, "its units taken over")
+    assert time.monotonic() - t0 < TIMEOUT_S + 1
+    for member, _ in rest:
+        assert before[member.member_id] <= member.target
+
+
+def expire(hosts: str, session: ZkSession) -> None:
+    """Expire ``session`` the way kazoo's test harness does (another connection closes it)."""
+    sid, password = session.client.client_id
+    other = KazooClient(hosts=hosts, client_id=(sid, password), timeout=1.0)
+    other.start(timeout=10)
+    other.stop()
+    other.close()
+
+
+async def test_an_expired_member_loses_its_units_and_comes_back(make_member, zk_hosts) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    victim, follower = pairs[1]
+    old_id, old_owned = victim.member_id, victim.owned
+    assert old_owned
+    others = {m.member_id: m.target for m, _ in pairs if m is not victim}
+    await asyncio.to_thread(expire, zk_hosts, victim.session)
+    await wait_until(lambda: follower.lost, 10, "on_lost")
+    assert follower.lost[0] == old_owned
+    assert not victim.lease_valid() or victim.member_id != old_id
+    # it registers again with a new id, and the group settles with it again
+    await wait_until(
+        lambda: victim.member_id not in ("", old_id) and settled(pairs), 15, "re-registration"
+    )
+    assert victim.registrations == 2 and victim.lease_valid()
+    assert frozenset() in follower.targets  # the target was emptied with the loss
+    members = [m for m, _ in pairs]
+    assert [m.is_leader for m in members] == [True, False, False]
+    for member, _ in pairs:
+        if member is not victim:
+            assert others[member.member_id] & member.target  # the others kept most of theirs
+
+
+async def test_a_fourth_member_takes_a_quarter_and_the_others_keep_the_rest(make_member) -> None:
+    pairs = [await make_member(f"c{i}", ["orders"], 64) for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    before = {m.member_id: m.target for m, _ in pairs}
+    seen = [len(f.targets) for _, f in pairs]
+    newcomer = await make_member("c3", ["orders"], 64)
+    pairs.append(newcomer)
+    await wait_until(lambda: settled(pairs), 10, "rebalanced")
+    assert len(newcomer[0].target) == 16
+    for (member, follower), n in zip(pairs[:3], seen, strict=True):
+        assert member.target <= before[member.member_id]
+        assert len(member.target) == 16
+        # each old member's targets only ever shrank: units moved only to the newcomer
+        assert all(t <= before[member.member_id] for t in follower.targets[n:])
+    moved = sum(len(before[m.member_id] - m.target) for m, _ in pairs[:3])
+    assert moved == 16  # the minimum: the newcomer's quota
+
+
+async def test_leader_failover_still_rebalances(make_member) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    leader = pairs[0][0]
+    assert leader.is_leader
+    await leader.stop()
+    rest = pairs[1:]
+    await wait_until(lambda: settled(rest), TIMEOUT_S + 1, "rebalanced by the new leader")
+    assert rest[0][0].is_leader and not rest[1][0].is_leader
+    # the new leader also handles joins
+    rest.append(await make_member("c3"))
+    await wait_until(lambda: settled(rest), 10, "rebalanced after a join")
+
+
+async def test_a_deposed_leaders_assignment_write_is_refused(
+    make_member, zk_session, group
+) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    old_leader = pairs[0][0]
+    old_path = old_leader._member_path
+    await old_leader.session.stop()  # deposed: its member node is gone
+    survivor = pairs[1][0]
+    await wait_until(lambda: survivor.is_leader and len(survivor.target) == 12, 10, "new leader")
+    session = await zk_session("intruder")
+    node = assignment_path(group)
+    data, stat = await session.op("get", node)
+    current = decode_assignment(data, node)
+    forged = Assignment(current.generation + 1, old_path.rpartition("/")[2], {"m-x": ()})
+    assert not await write_assignment(session, group, old_path, forged, stat.version)
+    # a live member with a stale version is refused too
+    stale = Assignment(current.generation + 1, survivor.member_id, {survivor.member_id: ()})
+    assert not await write_assignment(
+        session, group, survivor._member_path, stale, stat.version - 1
+    )
+    data2, _ = await session.op("get", node)
+    assert data2 == data
+    assert len(survivor.target) == 12
+
+
+async def test_meta_mismatch_is_a_clear_config_error(make_member, zk_session, group) -> None:
+    await make_member("c0", ["orders"], 64)
+    session = await zk_session("c1")
+    with pytest.raises(ConfigError) as err:
+        await GroupMember(session, group, ["orders"], 32).start()
+    message = str(err.value)
+    assert "64 buckets" in message and "configured with 32" in message and group in message
+    with pytest.raises(ConfigError) as err2:
+        await GroupMember(session, group, ["orders", "users"], 64).start()
+    assert "orders, users" in str(err2.value) and "reads partitions orders " in str(err2.value)
+    # garbage in meta: a clear error naming the node, not a crash
+    other = f"{group}x"
+    await session.ensure_path(meta_path(other).rpartition("/")[0])
+    await session.op("create", meta_path(other), b"{not json")
+    with pytest.raises(CoordinationError) as err3:
+        await GroupMember(session, other, ["orders"], 64).start()
+    assert meta_path(other) in str(err3.value)
+
+
+async def test_acquire_waits_while_another_member_holds_the_unit(make_member, group) -> None:
+    a, _ = await make_member("a", follow=False)
+    b, _ = await make_member("b", follow=False)
+    unit = Unit("orders", 3)
+    await a.acquire(unit)
+    assert a.owned == {unit}
+    waiting = asyncio.create_task(b.acquire(unit))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    # a cancelled waiter leaves nothing behind
+    cancelled = asyncio.create_task(b.acquire(unit))
+    await asyncio.sleep(0.1)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await a.release([unit])
+    await a.release([unit])  # idempotent
+    assert a.owned == frozenset()
+    async with asyncio.timeout(2):
+        await waiting
+    assert b.owned == {unit}
+    data, stat = await b.session.op("get", owner_path(group, unit))
+    assert stat.ephemeralOwner == b.session.session_id and b.member_id.encode() in data
+    await b.acquire(unit)  # already owned: returns at once
+    with pytest.raises(ConfigError):
+        await b.acquire(Unit("elsewhere", 0))
+
+
+async def test_zk_unit_store_claims_fence_and_read(zk_session, group) -> None:
+    session = await zk_session("store")
+    store, other = ZkUnitStore(session), ZkUnitStore(session)
+    u0, u1 = Unit("orders", 0), Unit("orders", 1)
+    first = await store.claim(group, u0, "m-0000000001")
+    assert (first.checkpoint, first.generation) == (None, 1)
+    cp1 = PartitionCheckpoint(window_scn=10, prev_scn=10, timestamp_ns=5)
+    result = await store.commit(group, [UnitCommit(u0, cp1, first.token)])
+    assert not result.fenced and result.tokens[u0] > first.token
+    token = result.tokens[u0]
+    # the answer to a commit got lost: the same claim's older token still writes
+    cp2 = PartitionCheckpoint(window_scn=20, prev_scn=20)
+    again = await store.commit(group, [UnitCommit(u0, cp2, first.token)])
+    assert not again.fenced and again.tokens[u0] > token
+
+    # another member claims the unit: generation up, checkpoint handed over
+    second = await other.claim(group, u0, "m-0000000002")
+    assert (second.checkpoint, second.generation) == (cp2, 2)
+    cp3 = PartitionCheckpoint(window_scn=30, prev_scn=30)
+    stale = await store.commit(group, [UnitCommit(u0, cp3, again.tokens[u0])])
+    assert stale.fenced == {u0} and not stale.tokens
+    stored = (await store.read(group))[u0]
+    assert (stored.checkpoint, stored.owner, stored.generation) == (cp2, "m-0000000002", 2)
+
+    # several units in one commit, one of them fenced
+    c1 = await other.claim(group, u1, "m-0000000002")
+    mixed = await other.commit(
+        group,
+        [UnitCommit(u0, cp3, second.token), UnitCommit(u1, cp1, c1.token)],
+    )
+    assert not mixed.fenced
+    newer = await store.claim(group, u1, "m-0000000003")
+    both = await other.commit(
+        group,
+        [UnitCommit(u0, cp3, mixed.tokens[u0]), UnitCommit(u1, cp2, mixed.tokens[u1])],
+    )
+    assert both.fenced == {u1} and set(both.tokens) == {u0}
+    everything = await store.read(group)
+    assert set(everything) == {u0, u1}
+    assert everything[u1].checkpoint == cp1 and everything[u1].owner == "m-0000000003"
+    assert everything[u1].generation == newer.generation == 2
+    assert everything[u0].checkpoint == cp3 and everything[u0].updated_ns > 0
+    # the store's own old claim is fenced after its new claim
+    renewed = await store.claim(group, u0, "m-0000000001")
+    refused = await store.commit(group, [UnitCommit(u0, cp1, first.token)])
+    assert refused.fenced == {u0}
+    ok = await store.commit(group, [UnitCommit(u0, cp1, renewed.token)])
+    assert not ok.fenced
+    assert await store.commit(group, []) == type(ok)()
+
+    # garbage in a checkpoint node: read skips it, claim names the node
+    bad = Unit("orders", 2)
+    await session.op("create", checkpoint_path(group, bad), b"\x00garbage")
+    assert set(await store.read(group)) == {u0, u1}
+    with pytest.raises(CoordinationError) as err:
+        await store.claim(group, bad, "m-0000000001")
+    assert checkpoint_path(group, bad) in str(err.value)
+    await store.close()
+
+
+async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts) -> None:
+    member, follower = await make_member("solo")
+    await wait_until(lambda: follower.settled and len(member.owned) == 12, 10, "all units")
+    await asyncio.sleep(member.lease_s)  # heartbeats keep it
+    assert member.lease_valid()
+    old = member.member_id
+    await asyncio.to_thread(expire, zk_hosts, member.session)
+    await wait_until(lambda: not member.lease_valid(), 5, "the lease to end")
+    await wait_until(lambda: follower.lost, 5, "on_lost")
+    assert follower.lost[0] == frozenset(member.units)
+    await wait_until(
+        lambda: member.member_id not in ("", old) and len(member.owned) == 12, 15, "back"
+    )
+    assert member.lease_valid() and follower.settled
+    await member.session.stop()
+    assert not member.lease_valid()
