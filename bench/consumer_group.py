@@ -4,8 +4,8 @@ Everything is private to the run: a ZooKeeper (``_zk.ZkServer``, the tests'
 launcher) and ``changebus relay`` processes with the synthetic fetcher (one
 partition). Each group member is a process of its own (this script with
 ``--member``): a :class:`Consumer` with ``group=...`` (64 buckets, the
-default :class:`ZkUnitStore`, ZooKeeper session timeout 2 s) iterating over
-its windows. Members log their rebalance callbacks and, per unit, the first
+default :class:`ZkUnitStore`, ZooKeeper session timeout 2 s) whose callbacks
+count each window's decoded events. Members log their rebalance callbacks and, per unit, the first
 delivery after each assignment and every delivery gap over ``PAUSE_S``, all
 with ``time.monotonic()`` (one clock for all processes of the host).
 
@@ -58,7 +58,7 @@ from typing import Any
 
 import _common
 from _zk import ZkServer
-from changebus.client import Consumer, ConsumerConfig, Window
+from changebus.client import AsyncCallbacks, Consumer, ConsumerConfig, Window
 from changebus.schemas import ChangebusError, Unit
 from client import relay_toml
 
@@ -137,6 +137,16 @@ class Tracker:
             await asyncio.sleep(0.2)
 
 
+class Deliveries(AsyncCallbacks):
+    """The member's callbacks: every window goes to the tracker."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    async def on_end_window(self, window: Window) -> None:
+        self.tracker.deliver(window)
+
+
 async def member_main(a: argparse.Namespace) -> int:
     log = Log(a.log)
     log("ready")
@@ -162,8 +172,7 @@ async def member_main(a: argparse.Namespace) -> int:
     progress = asyncio.create_task(tracker.progress())
     try:
         async with consumer:
-            async for window in consumer:
-                tracker.deliver(window)
+            await consumer.run(Deliveries(tracker))
     except ChangebusError as exc:
         log("error", type=type(exc).__name__, message=exc.message)
         return 2

@@ -116,7 +116,7 @@ class LoggingReplica(PostgresReplica):
         return result
 
     async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
-        claim: UnitClaim = await super().claim(group, unit, owner)  # type: ignore[misc]
+        claim = await super().claim(group, unit, owner)
         self.claims[unit] = claim
         self.log(
             "claim",
@@ -129,7 +129,7 @@ class LoggingReplica(PostgresReplica):
         return claim
 
     async def commit(self, group: str, commits: Sequence[UnitCommit]) -> CommitResult:
-        result: CommitResult = await super().commit(group, commits)  # type: ignore[misc]
+        result = await super().commit(group, commits)
         if commits:
             self.log(
                 "commit",
