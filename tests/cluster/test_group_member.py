@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
@@ -35,6 +41,8 @@ from waiting import wait_until
 pytestmark = pytest.mark.zk
 
 TIMEOUT_S = 1.5
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
 
 
 class Follower:
@@ -155,6 +163,10 @@ async def test_three_members_get_even_disjoint_targets(make_member, zk_session, 
     }
     assert state.owners == {u: m.member_id for m in members for u in sorted(m.owned)}
     assert state.generation >= 1
+    assert len(state.units) == 12
+    with pytest.raises(ConfigError, match="no consumer group nosuchgroup"):
+        await read_group(members[0].session, "nosuchgroup")
+    assert await ZkUnitStore(members[0].session).read("nosuchgroup") == {}
 
 
 async def test_a_leaving_member_moves_only_its_units(make_member) -> None:
@@ -404,3 +416,130 @@ async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts)
     assert member.lease_valid() and follower.settled
     await member.session.stop()
     assert not member.lease_valid()
+
+
+async def _lines(proc: asyncio.subprocess.Process, into: list[dict[str, Any]]) -> None:
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        into.append(json.loads(line))
+
+
+async def test_sigstopped_member_is_fenced_when_it_wakes(make_member, zk_hosts, group) -> None:
+    env = {**os.environ, "PYTHONPATH": ":".join(str(ROOT / s) for s in SOURCE_ROOTS)}
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "two members settled")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).with_name("zombie_member.py")),
+        zk_hosts,
+        group,
+        "6",
+        str(TIMEOUT_S),
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    events: list[dict[str, Any]] = []
+    reader = asyncio.create_task(_lines(proc, events))
+    try:
+        await wait_until(
+            lambda: any(e["event"] == "owned" and len(e["units"]) == 4 for e in events),
+            30,
+            "the subprocess to own its units",
+        )
+        zombie_units = {
+            Unit.parse(u) for u in [e for e in events if e["event"] == "owned"][-1]["units"]
+        }
+        await asyncio.sleep(0.5)  # a few of its commits
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        await wait_until(
+            lambda: zombie_units <= (pairs[0][0].owned | pairs[1][0].owned),
+            TIMEOUT_S + 3,
+            "its units taken over",
+        )
+        took = time.monotonic() - stopped
+        assert took < TIMEOUT_S + 1.5, took
+        assert settled(pairs)
+        # the new owners claim its units and commit far ahead of anything it wrote
+        store = ZkUnitStore(pairs[0][0].session)
+        ahead = PartitionCheckpoint(window_scn=5000, prev_scn=5000)
+        owner_of = {u: m.member_id for m, _ in pairs for u in m.owned}
+        for unit in sorted(zombie_units):
+            claim = await store.claim(group, unit, owner_of[unit])
+            result = await store.commit(group, [UnitCommit(unit, ahead, claim.token)])
+            assert not result.fenced
+        await asyncio.sleep(max(0.0, stopped + 2 * TIMEOUT_S - time.monotonic()))
+        os.kill(proc.pid, signal.SIGCONT)
+
+        await wait_until(
+            lambda: any(e["event"] == "probe" and e["gap_s"] > TIMEOUT_S for e in events),
+            10,
+            "the probe after the gap",
+        )
+        probes = [e for e in events if e["event"] == "probe" and e["gap_s"] > TIMEOUT_S]
+        assert all(p["valid"] is False for p in probes), probes
+        await wait_until(lambda: any(e["event"] == "lost" for e in events), 10, "on_lost")
+        (lost,) = [e for e in events if e["event"] == "lost"]
+        assert {Unit.parse(u) for u in lost["units"]} == zombie_units
+        await wait_until(lambda: any(e["event"] == "left" for e in events), 10, "it left")
+        late = [e for e in events if e["event"] == "commit" and "written" in e]
+        assert late, events
+        for e in late:
+            assert not set(e["written"]) & {str(u) for u in zombie_units}, e
+        assert {u for e in late for u in e["fenced"]} == {str(u) for u in zombie_units}
+        # the stored checkpoints are the new owners'
+        stored = await store.read(group)
+        for unit in zombie_units:
+            assert stored[unit].checkpoint == ahead
+            assert stored[unit].owner == owner_of[unit]
+        await wait_until(lambda: settled(pairs), 10, "the two members settled again")
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+
+
+async def test_the_leader_repairs_a_damaged_assignment(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    targets = [m.target for m, _ in pairs]
+    session = await zk_session("vandal")
+    await session.op("set", assignment_path(group), b"\xffnot json")
+
+    async def repaired() -> bool:
+        data, _ = await session.op("get", assignment_path(group))
+        try:
+            decode_assignment(data, "assignment")
+        except CoordinationError:
+            return False
+        return True
+
+    for _ in range(40):
+        if await repaired():
+            break
+        await asyncio.sleep(0.05)
+    assert await repaired()
+    await wait_until(lambda: settled(pairs), 5, "settled")
+    assert [m.target for m, _ in pairs] == targets  # nobody lost a unit over it
+
+
+@pytest.mark.usefixtures("no_blocking")
+async def test_group_coordination_does_not_block_the_loop(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    pairs.append(await make_member("c2"))
+    await wait_until(lambda: settled(pairs), 10, "rebalanced")
+    session = pairs[0][0].session
+    store = ZkUnitStore(session)
+    unit = sorted(pairs[0][0].owned)[0]
+    claim = await store.claim(group, unit, pairs[0][0].member_id)
+    checkpoint = PartitionCheckpoint(window_scn=1, prev_scn=1)
+    assert not (await store.commit(group, [UnitCommit(unit, checkpoint, claim.token)])).fenced
+    assert unit in await store.read(group)
+    state = await read_group(session, group)
+    assert len(state.members) == 3
+    await asyncio.sleep(pairs[0][0].lease_s)  # a few heartbeats
+    await pairs[2][0].stop()
+    await wait_until(lambda: settled(pairs[:2]), 10, "rebalanced after a leave")

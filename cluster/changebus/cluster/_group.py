@@ -57,31 +57,31 @@ from changebus.schemas import MAX_BUCKETS, Unit
 from changebus.schemas.errors import ConfigError
 
 from ._errors import CoordinationError
+from ._group_follow import run_follower
 from ._group_layout import (
-    MEMBER_PREFIX,
-    Assignment,
     GroupMeta,
     assignment_path,
-    decode_assignment,
-    decode_member_record,
-    decode_meta,
     encode_member_record,
-    encode_meta,
     group_members_path,
     group_root,
-    meta_path,
     owners_path,
     units_text,
 )
 from ._group_leader import run_leader
-from ._group_owners import CreateOutcome, create_owner, delete_owners
+from ._group_nodes import (
+    LOOP_ERRORS,
+    CreateOutcome,
+    check_meta,
+    create_member,
+    create_owner,
+    delete_owners,
+    retry_pause,
+)
 from ._session import StateChange, ZkSession
 
 __all__ = ["GroupMember"]
 
 log = logging.getLogger("changebus.cluster.group")
-
-_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 UnitsCallback = Callable[[frozenset[Unit]], None]
 
@@ -137,6 +137,7 @@ class GroupMember:
         # the registration: full member node path and the session that created it
         self._member_path = ""
         self._member_sid = 0
+        self._deleted_path = ""  # set by the member node's watch (kazoo's thread)
         self._started_ns = time.time_ns()
         self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
         self._target_cbs: list[UnitsCallback] = []
@@ -162,7 +163,10 @@ class GroupMember:
             return
         self._stopping = False
         await self.session.wait_connected()
-        await self._check_meta()
+        if await check_meta(self.session, self.group, GroupMeta(self.buckets, self.partitions)):
+            log.info(
+                "group %s: created (%d buckets of %s)", self.group, self.buckets, self.partitions
+            )
         session = self.session
         for path in (group_members_path(self.group), owners_path(self.group)):
             await session.ensure_path(path)
@@ -173,9 +177,11 @@ class GroupMember:
         loop_name = f"group-{self.group}"
         self._tasks = [
             asyncio.create_task(self._keep(), name=f"{loop_name}-keeper"),
-            asyncio.create_task(self._follow_assignment(), name=f"{loop_name}-assignment"),
+            asyncio.create_task(run_follower(self), name=f"{loop_name}-assignment"),
             asyncio.create_task(run_leader(self), name=f"{loop_name}-leader"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(_report_crash)
 
     async def stop(self) -> None:
         """Release the owner nodes, delete the member node and stop (the session stays)."""
@@ -184,15 +190,17 @@ class GroupMember:
             self._remove_listener()
             self._remove_listener = None
         tasks, self._tasks = self._tasks, []
-        for task in [*tasks, *self._background]:
+        for task in tasks:
             task.cancel()
-        for task in [*tasks, *self._background]:
-            with contextlib.suppress(asyncio.CancelledError):
+        for task in [*tasks, *self._background]:  # undoing cancelled acquires: let them end
+            with contextlib.suppress(asyncio.CancelledError, CoordinationError):
                 await task
         path, owned = self._member_path, self.owned
         if path and self.session.connected:
             with contextlib.suppress(CoordinationError):
                 await delete_owners(self.session, self.group, path, owned)
+            with contextlib.suppress(CoordinationError):
+                await self._drop_stale()
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", path)
         self.owned = frozenset()
@@ -263,6 +271,7 @@ class GroupMember:
             if outcome == "created":
                 if path == self._member_path:
                     self.owned = self.owned | {unit}
+                    self._stale.discard(unit)  # a node of this session taken over
                     return
                 self._stale.add(unit)
                 continue
@@ -295,61 +304,11 @@ class GroupMember:
 
     # -- meta and registration ----------------------------------------------------------
 
-    async def _check_meta(self) -> None:
-        session, node = self.session, meta_path(self.group)
-        want = GroupMeta(self.buckets, self.partitions)
-        await session.ensure_path(self.root)
-        try:
-            await session.op("create", node, encode_meta(want))
-            log.info("group %s: created with %d buckets of %s", self.group, self.buckets, want)
-            return
-        except NodeExistsError:
-            pass
-        data, _stat = await session.op("get", node)
-        have = decode_meta(data, node)
-        if have.buckets != want.buckets:
-            raise ConfigError(
-                f"group {self.group} uses {have.buckets} buckets (stored in ZooKeeper at "
-                f"{node}); this member is configured with {want.buckets}"
-            )
-        if have.partitions != want.partitions:
-            raise ConfigError(
-                f"group {self.group} reads partitions {', '.join(have.partitions)} (stored in "
-                f"ZooKeeper at {node}); this member is configured with "
-                f"{', '.join(want.partitions)}"
-            )
-
     async def _register(self) -> None:
-        """Create the member node (dropping orphans of this session and member first)."""
-        session, parent = self.session, group_members_path(self.group)
+        """Create the member node (a new member id)."""
         data = encode_member_record(self.name, self._host, self._pid, self._started_ns)
-        timeout = session.op_timeout_s
-        started_ns, pid = self._started_ns, self._pid
-
-        def create(zk: Any) -> tuple[str, int]:
-            client = zk.client_id
-            sid = int(client[0]) if client else 0
-            for name in zk.get_children_async(parent).get(timeout=timeout):
-                node = f"{parent}/{name}"
-                with contextlib.suppress(NoNodeError, CoordinationError):
-                    raw, stat = zk.get_async(node).get(timeout=timeout)
-                    record = decode_member_record(raw, node)
-                    if (
-                        stat.ephemeralOwner == sid
-                        and record["started_ns"] == started_ns
-                        and record["pid"] == pid
-                    ):
-                        zk.delete_async(node).get(timeout=timeout)  # a create whose answer was lost
-            path = zk.create_async(
-                f"{parent}/{MEMBER_PREFIX}", data, ephemeral=True, sequence=True
-            ).get(timeout=timeout)
-            stat = zk.exists_async(path).get(timeout=timeout)
-            if stat is None:
-                raise CoordinationError(f"group member node {path} vanished at once")
-            return str(path), int(stat.ephemeralOwner)
-
         t0 = time.monotonic()
-        path, sid = await session.call(create)
+        path, sid = await create_member(self.session, self.group, data, self._started_ns, self._pid)
         self._member_path, self._member_sid = path, sid
         self.member_id = path.rpartition("/")[2]
         self.confirmed_at = t0
@@ -421,20 +380,19 @@ class GroupMember:
                 if not self._member_path:
                     await self.session.wait_connected()
                     await self._drop_stale()
+                    if self.registrations:  # the group may have been deleted meanwhile
+                        meta = GroupMeta(self.buckets, self.partitions)
+                        await check_meta(self.session, self.group, meta)
                     await self._register()
                 elif self._stale:
                     await self._drop_stale()
                 self._wake_keeper.clear()
                 await self._beat()
                 failures = 0
-            except CoordinationError as exc:
-                if self.session.state == "closed":
-                    log.info("group %s: the session closed, membership ends", self.group)
+            except LOOP_ERRORS as exc:
+                if not await retry_pause(self.session, failures, f"group {self.group}", exc):
                     return
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
                 failures += 1
-                log.info("group %s: membership retry in %.2f s: %s", self.group, delay, exc)
-                await asyncio.sleep(delay)
                 continue
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.lease_s / 3):
@@ -448,7 +406,8 @@ class GroupMember:
 
         def watch(event: Any) -> None:
             if getattr(event, "type", None) == "DELETED" and self._member_path == path:
-                self.confirmed_at = float("-inf")  # in kazoo's thread: the lease ends now
+                self._deleted_path = path  # in kazoo's thread: the lease ends now
+                self.confirmed_at = float("-inf")
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._wake_keeper.set)
 
@@ -456,63 +415,22 @@ class GroupMember:
         stat = await self.session.op("exists", path, watch=watch)
         if path != self._member_path:
             return
-        if stat is None or stat.ephemeralOwner != sid:
+        if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:
             self._member_gone(path, "member node gone")
         elif t0 > self.confirmed_at:
             self.confirmed_at = t0
 
     async def _drop_stale(self) -> None:
         """Delete owner nodes of an ended registration that the live session still holds."""
-        stale = frozenset(self._stale)
+        stale = frozenset(self._stale) - self.owned
+        self._stale -= self.owned
         if not stale:
             return
         await delete_owners(self.session, self.group, "", stale)
         self._stale -= stale
 
-    async def _follow_assignment(self) -> None:
-        """Keep :attr:`target` equal to this member's units in ``assignment`` (a watch)."""
-        node, loop = assignment_path(self.group), asyncio.get_running_loop()
-        failures = 0
-
-        def watch(_event: Any) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._wake_assignment.set)
-
-        while not self._stopping:
-            try:
-                await self._registered.wait()
-                await self.session.wait_connected()
-                self._wake_assignment.clear()
-                member = self.member_id
-                try:
-                    data, _stat = await self.session.op("get", node, watch=watch)
-                except NoNodeError:
-                    await self.session.op("exists", node, watch=watch)
-                    data = b""
-                failures = 0
-                try:
-                    assignment = decode_assignment(data, node)
-                except CoordinationError as exc:
-                    log.error("group %s: %s (the target stays as it is)", self.group, exc)
-                    assignment = None
-                if assignment is not None and member and member == self.member_id:
-                    self._apply(assignment, member)
-            except CoordinationError as exc:
-                if self.session.state == "closed":
-                    return
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
-                failures += 1
-                log.info("group %s: assignment read retry in %.2f s: %s", self.group, delay, exc)
-                await asyncio.sleep(delay)
-                continue
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(2.0, self.session.op_timeout_s * 2)):
-                    await self._wake_assignment.wait()
-
-    def _apply(self, assignment: Assignment, member: str) -> None:
-        self._set_target(assignment.units_of(member) & self._unit_set)
-
     def _set_target(self, target: frozenset[Unit]) -> None:
+        """Adopt a new target and tell the ``on_target`` callbacks (on the loop)."""
         if target == self.target:
             return
         added, removed = target - self.target, self.target - target
@@ -551,3 +469,9 @@ def _fire(callbacks: list[UnitsCallback], units: frozenset[Unit], what: str) -> 
             callback(units)
         except Exception:
             log.exception("a group %s callback failed", what)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    """Log a member loop that ended with an unexpected exception (a bug)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("group loop %s crashed", task.get_name(), exc_info=task.exception())

@@ -4,15 +4,17 @@ Every member runs :func:`run_leader`: it lists ``members/`` with a child
 watch and finds out whether its own node is the lowest. The leader then
 recomputes the sticky assignment (:func:`~changebus.cluster.assign`) from
 the live members and the stored assignment -- which may still name members
-that are gone: their units are handed out again -- and writes it when it
+that are gone: their units are handed out again; when it is unreadable, the
+owner nodes say who reads what -- and writes it when it
 differs, with :func:`write_assignment`: a transaction that checks the
 leader's own member node and sets ``assignment`` with a compare-and-set on
 its version. A deposed leader (its node gone with its session) cannot
 overwrite the assignment of the new one, and two writers never interleave.
 
 The leader recomputes on each change of the member list (after a short
-settling pause, so members joining together cause one rebalance), on a new
-registration, and every few seconds in case a watch was lost.
+settling pause, so members joining together cause one rebalance), on each
+change of ``assignment`` (its own writes included: that look finds nothing
+to do), on a new registration, and every few seconds in case a watch was lost.
 
 Thread-safety: coroutines of the session's event loop.
 """
@@ -22,9 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from changebus.schemas import Unit
+from changebus.schemas.errors import ChangebusError
 
 from ._assign import assign, moved_units
 from ._errors import CoordinationError
@@ -32,10 +38,13 @@ from ._group_layout import (
     Assignment,
     assignment_path,
     decode_assignment,
+    decode_owner,
     encode_assignment,
     group_members_path,
     member_seq,
+    owners_path,
 )
+from ._group_nodes import LOOP_ERRORS, retry_pause
 from ._session import ZkSession
 
 if TYPE_CHECKING:
@@ -47,7 +56,6 @@ log = logging.getLogger("changebus.cluster.group")
 
 #: pause after a change of the member list before the leader recomputes
 _SETTLE_S = 0.05
-_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 async def write_assignment(
@@ -107,17 +115,14 @@ async def run_leader(member: GroupMember) -> None:
             if leading and not member.is_leader:
                 log.info("group %s: %s leads (%d members)", group, me, len(ordered))
             member.is_leader = leading
-            if leading and not await _rebalance(member, path, me, ordered):
+            if leading and not await _rebalance(member, path, me, ordered, watch):
                 await asyncio.sleep(_SETTLE_S)  # lost a race or was deposed: look again
                 continue
             failures = 0
-        except CoordinationError as exc:
-            if session.state == "closed":
+        except LOOP_ERRORS as exc:
+            if not await retry_pause(session, failures, f"group {group}: leader", exc):
                 return
-            delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
             failures += 1
-            log.info("group %s: leader retry in %.2f s: %s", group, delay, exc)
-            await asyncio.sleep(delay)
             continue
         settle = False
         with contextlib.suppress(TimeoutError):
@@ -126,12 +131,17 @@ async def run_leader(member: GroupMember) -> None:
                 settle = True
 
 
-async def _rebalance(member: GroupMember, path: str, me: str, ordered: list[str]) -> bool:
-    """Write the new assignment when it differs; False if the write was refused."""
+async def _rebalance(
+    member: GroupMember, path: str, me: str, ordered: list[str], watch: Callable[[Any], None]
+) -> bool:
+    """Write the new assignment when it differs; False if the write was refused.
+
+    ``watch`` is set on ``assignment``: a foreign write (or damage) wakes the leader.
+    """
     session, group = member.session, member.group
     node = assignment_path(group)
     try:
-        data, stat = await session.op("get", node)
+        data, stat = await session.op("get", node, watch=watch)
     except NoNodeError:
         with contextlib.suppress(NodeExistsError):
             await session.op("create", node, b"")
@@ -139,8 +149,8 @@ async def _rebalance(member: GroupMember, path: str, me: str, ordered: list[str]
     try:
         previous = decode_assignment(data, node)
     except CoordinationError as exc:
-        log.error("group %s: %s; writing a new assignment", group, exc)
-        previous = Assignment()
+        log.error("group %s: %s; writing a new one from the owner nodes", group, exc)
+        previous = Assignment(stat.version, "", await _owners(session, group))
     members = assign(member.units, ordered, previous.members)
     if members == dict(previous.members) and previous.leader == me:
         return True
@@ -156,3 +166,21 @@ async def _rebalance(member: GroupMember, path: str, me: str, ordered: list[str]
         len(moved_units(previous.members, members)),
     )
     return True
+
+
+async def _owners(session: ZkSession, group: str) -> dict[str, tuple[Unit, ...]]:
+    """Who reads which unit now, from the owner nodes (unreadable ones left out)."""
+    parent, timeout = owners_path(group), session.op_timeout_s
+
+    def run(zk: Any) -> dict[str, list[Unit]]:
+        names = zk.get_children_async(parent).get(timeout=timeout)
+        pending = [(name, zk.get_async(f"{parent}/{name}")) for name in names]
+        found: dict[str, list[Unit]] = {}
+        for name, answer in pending:
+            with contextlib.suppress(NoNodeError, ChangebusError):
+                node = f"{parent}/{name}"
+                member = decode_owner(answer.get(timeout=timeout)[0], node)
+                found.setdefault(member, []).append(Unit.parse(name))
+        return found
+
+    return {m: tuple(sorted(units)) for m, units in (await session.call(run)).items()}

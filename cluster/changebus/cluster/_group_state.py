@@ -26,10 +26,12 @@ from ._group_layout import (
     decode_meta,
     decode_owner,
     group_members_path,
+    group_root,
     member_seq,
     meta_path,
     owners_path,
 )
+from ._group_nodes import mapped
 from ._session import ZkSession
 
 __all__ = ["GroupState", "read_group"]
@@ -87,7 +89,8 @@ async def read_group(session: ZkSession, group: str) -> GroupState:
         members = _children(zk, members_node, members_answer, timeout)
         return meta, members, assignment, _children(zk, owners_node, owners_answer, timeout)
 
-    meta_data, member_nodes, assignment_data, owner_nodes = await session.call(run)
+    answer = await mapped(f"reading {group_root(group)}", session.call(run))
+    meta_data, member_nodes, assignment_data, owner_nodes = answer
     meta = decode_meta(meta_data, meta_node)
     members: dict[str, dict[str, Any]] = {}
     for name, data in sorted(member_nodes, key=lambda item: (member_seq(item[0]), item[0])):

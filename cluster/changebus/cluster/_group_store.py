@@ -47,6 +47,7 @@ from ._group_layout import (
     decode_unit_record,
     encode_unit_record,
 )
+from ._group_nodes import mapped
 from ._session import ZkSession
 
 __all__ = ["ZkUnitStore"]
@@ -74,7 +75,8 @@ class ZkUnitStore:
 
     async def _ensure(self, group: str) -> None:
         if group not in self._ready:
-            await self.session.ensure_path(checkpoints_path(group))
+            path = checkpoints_path(group)
+            await mapped(f"creating {path}", self.session.ensure_path(path))
             self._ready.add(group)
 
     async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
@@ -105,7 +107,7 @@ class ZkUnitStore:
                 return record, int(new.version)
             raise CoordinationError(f"group {group}: claim of {unit} kept losing races")
 
-        record, token = await self.session.call(run)
+        record, token = await mapped(f"claiming {node}", self.session.call(run))
         self._claims[(group, unit)] = (owner, record.generation, token)
         log.debug("group %s: %s claimed %s (generation %d)", group, owner, unit, record.generation)
         return UnitClaim(unit, record.checkpoint, token, record.generation)
@@ -191,7 +193,8 @@ class ZkUnitStore:
                         tokens[unit] = version
             return tokens, fenced
 
-        tokens, fenced = await self.session.call(run)
+        what = f"writing checkpoints in {checkpoints_path(group)}"
+        tokens, fenced = await mapped(what, self.session.call(run))
         for unit in fenced:
             self._claims.pop((group, unit), None)
         if fenced:
@@ -221,7 +224,7 @@ class ZkUnitStore:
             return found
 
         out: dict[Unit, StoredUnit] = {}
-        for name, data in await self.session.call(run):
+        for name, data in await mapped(f"reading {parent}", self.session.call(run)):
             node = f"{parent}/{name}"
             try:
                 unit = Unit.parse(name)
