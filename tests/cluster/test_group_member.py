@@ -543,3 +543,58 @@ async def test_group_coordination_does_not_block_the_loop(make_member, zk_sessio
     await asyncio.sleep(pairs[0][0].lease_s)  # a few heartbeats
     await pairs[2][0].stop()
     await wait_until(lambda: settled(pairs[:2]), 10, "rebalanced after a leave")
+
+
+async def test_members_settle_again_after_zookeeper_restarts(make_member, zk_server) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(3)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    try:
+        await asyncio.to_thread(zk_server.restart)
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    # sessions may survive the restart or expire; either way the group settles again,
+    # every member with a valid lease, and nobody owns a unit twice
+    await wait_until(
+        lambda: settled(pairs) and all(m.lease_valid() for m, _ in pairs), 30, "settled again"
+    )
+    state = await read_group(pairs[0][0].session, pairs[0][0].group)
+    assert set(state.members) == {m.member_id for m, _ in pairs}
+    assert state.owners == {u: m.member_id for m, _ in pairs for u in m.owned}
+
+
+async def test_a_deleted_member_node_ends_the_membership(make_member, zk_session, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets")
+    victim, follower = pairs[1]
+    old_path, old_owned = victim._member_path, victim.owned
+    admin = await zk_session("admin")
+    await admin.op("delete", old_path)  # the session lives on, the membership does not
+    await wait_until(lambda: follower.lost, 5, "on_lost")
+    assert follower.lost[0] == old_owned
+    # its owner nodes were deleted (the session still held them), and it came back
+    await wait_until(
+        lambda: victim.member_id not in ("", old_path.rpartition("/")[2]) and settled(pairs),
+        10,
+        "re-registered and settled",
+    )
+    state = await read_group(admin, group)
+    assert state.owners == {u: m.member_id for m, _ in pairs for u in m.owned}
+    assert victim.lease_valid()
+
+
+async def test_acquire_ends_when_the_member_stops(make_member) -> None:
+    a, _ = await make_member("a", follow=False)
+    b, _ = await make_member("b", follow=False)
+    unit = Unit("users", 1)
+    await a.acquire(unit)
+    waiting = asyncio.create_task(b.acquire(unit))
+    await asyncio.sleep(0.2)
+    await b.stop()
+    with pytest.raises(CoordinationError) as err:
+        async with asyncio.timeout(TIMEOUT_S * 3):
+            await waiting
+    assert not err.value.retriable
+    with pytest.raises(CoordinationError):
+        await b.acquire(unit)
+    assert a.owned == {unit} and not b.lease_valid()

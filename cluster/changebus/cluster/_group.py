@@ -35,6 +35,26 @@ becomes empty, the :meth:`GroupMember.on_lost` callbacks get the units it
 held, the target becomes empty (``on_target(frozenset())``), and the member
 registers again with a new member id, to which the leader gives units.
 
+Driving a member (what a group consumer does; callbacks run on the loop and
+must not block, so they start tasks)::
+
+    member = GroupMember(session, "orders-indexer", ["orders"], 64)
+    member.on_target(lambda target: spawn(retarget(target)))
+    member.on_lost(lambda units: drop(units))     # owner nodes gone: stop at once
+    await member.start()
+
+    async def retarget(target):
+        for unit in member.owned - target:        # revoke: commit, then release
+            await commit_last_positions(unit)
+            await member.release([unit])
+        for unit in target - member.owned:        # assign: own, claim, then read
+            await member.acquire(unit)            # waits for the previous owner
+            claim = await store.claim(group, unit, member.member_id)
+            start_reading(unit, claim)
+
+and before handing a window of ``unit`` to the application:
+``member.lease_valid() and unit in member.owned``.
+
 Thread-safety: everything runs on the event loop of the session except
 :meth:`GroupMember.lease_valid`, which any thread may call.
 """
@@ -75,6 +95,7 @@ from ._group_nodes import (
     create_member,
     create_owner,
     delete_owners,
+    mapped,
     retry_pause,
 )
 from ._session import StateChange, ZkSession
@@ -169,7 +190,7 @@ class GroupMember:
             )
         session = self.session
         for path in (group_members_path(self.group), owners_path(self.group)):
-            await session.ensure_path(path)
+            await mapped(f"creating {path}", session.ensure_path(path))
         with contextlib.suppress(NodeExistsError):
             await session.op("create", assignment_path(self.group), b"")
         await self._register()
@@ -241,8 +262,14 @@ class GroupMember:
             if unit in self.owned:
                 return
             if self._stopping:
-                raise CoordinationError(f"group {self.group}: the member is stopped")
-            await self._registered.wait()
+                raise CoordinationError(
+                    f"group {self.group}: the member is stopped", retriable=False
+                )
+            if not self._member_path:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):  # to notice stop()
+                        await self._registered.wait()
+                continue
             await self.session.wait_connected()
             path, sid = self._member_path, self._member_sid
             if not path:
@@ -379,13 +406,11 @@ class GroupMember:
             try:
                 if not self._member_path:
                     await self.session.wait_connected()
-                    await self._drop_stale()
+                    await self._try_drop_stale()
                     if self.registrations:  # the group may have been deleted meanwhile
                         meta = GroupMeta(self.buckets, self.partitions)
                         await check_meta(self.session, self.group, meta)
                     await self._register()
-                elif self._stale:
-                    await self._drop_stale()
                 self._wake_keeper.clear()
                 await self._beat()
                 failures = 0
@@ -394,6 +419,8 @@ class GroupMember:
                     return
                 failures += 1
                 continue
+            if self._stale:
+                await self._try_drop_stale()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.lease_s / 3):
                     await self._wake_keeper.wait()
@@ -419,6 +446,13 @@ class GroupMember:
             self._member_gone(path, "member node gone")
         elif t0 > self.confirmed_at:
             self.confirmed_at = t0
+
+    async def _try_drop_stale(self) -> None:
+        """:meth:`_drop_stale`, its failure logged (tried again on the next round)."""
+        try:
+            await self._drop_stale()
+        except CoordinationError as exc:
+            log.info("group %s: stale owner nodes stay for now: %s", self.group, exc)
 
     async def _drop_stale(self) -> None:
         """Delete owner nodes of an ended registration that the live session still holds."""
