@@ -139,6 +139,23 @@ async def test_claims_fence_older_tokens_and_commits_need_the_newest(make_store:
     assert (third.checkpoint, third.generation) == (cp(30), 3)
 
 
+@pytest.mark.parametrize("make_store", KINDS, indirect=True)
+async def test_concurrent_claims_get_distinct_generations(make_store: MakeStore) -> None:
+    stores = [make_store() for _ in range(3)]
+    claims = await asyncio.gather(
+        *(s.claim(G, U, f"m-{i}") for i, s in enumerate(stores) for _ in range(8))
+    )
+    assert sorted(c.generation for c in claims) == list(range(1, 25))
+    won = []
+    for i, claim in enumerate(claims):
+        result = await stores[i // 8].commit(G, [UnitCommit(U, cp(claim.generation), claim.token)])
+        if not result.fenced:
+            won.append(claim.generation)
+    assert won == [24]  # only the newest claim may write
+    stored = (await stores[0].read(G))[U]
+    assert (stored.generation, stored.checkpoint) == (24, cp(24))
+
+
 # ---- file store ---------------------------------------------------------------
 
 

@@ -138,14 +138,33 @@ class Replica(AsyncCallbacks):
 
     def _connection(self) -> Any:
         if self._conn is None:
-            self._conn = self._connect()
-            q = self._quote
-            self._execute(
-                self._conn,
-                f"CREATE TABLE IF NOT EXISTS {q(self.checkpoint_table)}"
-                " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
-            )
+            conn = self._connect()
+            try:
+                self._create_missing(
+                    conn,
+                    self.checkpoint_table,
+                    f"CREATE TABLE IF NOT EXISTS {self._quote(self.checkpoint_table)}"
+                    " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
+                )
+            except BaseException:
+                self._close_connection(conn)
+                raise
+            self._conn = conn
         return self._conn
+
+    def _create_missing(self, conn: Any, table: str, create: str) -> None:
+        """Run ``create`` (``CREATE TABLE IF NOT EXISTS``) in a transaction of its own.
+
+        Replicas opening one database at once race on it (PostgreSQL: a
+        duplicate-type error; SQLite: a busy snapshot): when the statement
+        fails and the table exists now, another session made it.
+        """
+        try:
+            with self._transaction(conn):
+                self._execute(conn, create)
+        except Exception:
+            if not self._existing_columns(conn, table):
+                raise
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
         q, p = self._quote, self.placeholder

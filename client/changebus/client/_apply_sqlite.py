@@ -19,6 +19,7 @@ import decimal
 import json
 import os
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,8 @@ __all__ = ["SqliteReplica"]
 
 _INTEGER = frozenset({"int", "long", "boolean"})
 _REAL = frozenset({"float", "double"})
+#: how long a new connection retries switching to WAL while other connections hold locks
+_LOCKED_WAIT_S = 5.0
 
 
 class SqliteReplica(UnitReplica):
@@ -67,7 +70,16 @@ class SqliteReplica(UnitReplica):
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
+        deadline = time.monotonic() + _LOCKED_WAIT_S
+        while True:  # the busy handler does not cover a journal mode change racing another one
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    conn.close()
+                    raise
+                time.sleep(0.01)
         conn.execute("PRAGMA synchronous=FULL")
         return conn
 

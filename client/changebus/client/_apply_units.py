@@ -225,7 +225,7 @@ class UnitReplica(Replica):
         conn = self._connection()
         if not self._unit_table_ready:
             self._prepare_table(conn, self.unit_table)
-            self._execute(conn, self._unit_sql.create)
+            self._create_missing(conn, self.unit_table, self._unit_sql.create)
             self._unit_table_ready = True
         return conn
 

@@ -35,6 +35,7 @@ from typing import Any, Final
 from changebus.schemas import CheckpointError, PartitionCheckpoint, StoredUnit, Unit
 
 __all__ = [
+    "DEFAULT_TABLE",
     "POSTGRES_TIME",
     "SQLITE_TIME",
     "UnitSql",

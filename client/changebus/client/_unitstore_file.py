@@ -166,8 +166,6 @@ def _load(path: Path, unit: Unit) -> StoredUnit | None:
             and generation >= 0
         ):
             raise TypeError("bad field types")
-    except CheckpointError:
-        raise
     except (ValueError, TypeError, KeyError):
         raise CheckpointError(f"{where} is corrupt") from None
     return StoredUnit(

@@ -15,6 +15,7 @@ password: it is never logged, and error messages are scrubbed of it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -133,7 +134,7 @@ class PostgresUnitStore:
 
             conn = psycopg.connect(self._dsn, autocommit=True)
             try:
-                conn.execute(self._sql.create)
+                _create(conn, self._sql.create)
             except BaseException:
                 conn.close()
                 raise
@@ -173,3 +174,12 @@ class PostgresUnitStore:
         rows = conn.execute(self._sql.read, (group,)).fetchall()
         where = f"unit store {self.table}"
         return {s.unit: s for s in (stored_unit(r, where) for r in rows)}
+
+
+def _create(conn: Any, sql: str) -> None:
+    """Create the table when missing (autocommit), tolerating another session creating it too."""
+    from psycopg import errors
+
+    # IF NOT EXISTS races in PostgreSQL: then the other session's table is there
+    with contextlib.suppress(errors.DuplicateTable, errors.DuplicateObject, errors.UniqueViolation):
+        conn.execute(sql)
