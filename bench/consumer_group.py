@@ -157,7 +157,7 @@ async def member_main(a: argparse.Namespace) -> int:
         relays=(a.relay,),
         group=a.group,
         zookeeper=a.zookeeper,
-        partitions=(PART,),
+        partition=PART,
         buckets=a.buckets,
         member_name=a.name,
         zookeeper_session_timeout_s=SESSION_S,

@@ -18,9 +18,10 @@ per line to ``FILE`` (flushed at once, so a kill -9 loses nothing written),
 every line with ``t`` = ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for
 all processes of the host) and ``pid``:
 
-* ``{"ev": "win", "m": member_id, "u": unit, "scn": s, "n": events, "applied": bool}``
-  -- one per window handed to ``on_end_window`` (``applied``: the replica
-  wrote it; false when it skipped a replay or the unit was fenced);
+* ``{"ev": "win", "m": member_id, "u": unit, "scn": s, "n": events, "applied": bool,
+  "t_start": t0}`` -- one per window handed to ``on_end_window`` (``applied``:
+  the replica wrote it; false when it skipped a replay or the unit was
+  fenced; ``t_start``: when its ``on_start_window`` came);
 * ``{"ev": "assigned" | "revoked" | "lost", "m": member_id, "units": [...]}``
   -- the rebalance callbacks;
 * ``{"ev": "claim", "m", "u", "token", "generation"}`` and
@@ -97,9 +98,14 @@ class LoggingReplica(PostgresReplica):
         self.member = member
         self.claims: dict[Unit, UnitClaim] = {}
         self.positions: dict[Unit, PartitionCheckpoint] = {}
+        self.window_started = 0.0  # when the window being delivered began (on_start_window)
+
+    async def on_start_window(self, window: Window) -> Any:
+        self.window_started = time.monotonic()
+        return await super().on_start_window(window)
 
     async def on_end_window(self, window: Window) -> Any:
-        t = time.monotonic()
+        t = self.window_started
         before = self.windows_applied
         result = await super().on_end_window(window)
         self.log(
@@ -231,7 +237,7 @@ async def main() -> int:
         relays=(args.relay,),
         group=args.group,
         zookeeper=args.zookeeper,
-        partitions=(args.partition,),
+        partition=args.partition,
         buckets=args.buckets,
         member_name=args.name,
         zookeeper_session_timeout_s=args.session_timeout,
