@@ -30,7 +30,10 @@ with ``time.monotonic()`` (one clock for all processes of the host).
   ``PAUSE_S`` from the join until 1.5 s after the group is balanced again (a
   moved unit: its last delivery at the old member -> its first at the new
   one). ``paused_stayed_units_on_join`` counts the paused units that did not
-  move (goal 0).
+  move (goal 0). Baseline in the same run: ``paused_units_without_rebalance``,
+  the units with such a gap in 3 s of the same group with nothing happening
+  (at 100 windows/s of 20 events a bucket sees ~30 events/s: a natural gap
+  of 0.5 s is rare; a starved member is not).
 
 Last line: one JSON object.
 Usage: ``python bench/consumer_group.py [--backlog-windows N] [--rounds R] [--rate W]``
@@ -66,7 +69,7 @@ PART = "bench"
 BUCKETS = 64
 SESSION_S = 2.0
 #: a delivery gap longer than this counts as a pause of the unit
-PAUSE_S = 0.25
+PAUSE_S = 0.5
 EVENTS_PER_WINDOW = 10
 LIVE_EVENTS_PER_WINDOW = 20
 
@@ -322,8 +325,8 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
     members = [bench.member(group, url, f"s{n}-{i}") for i in range(n)]
     for m in members:
         wait_for(lambda m=m: m.lines("ready"), 60, f"{m.name} ready")
-    cpu0 = [cpu_s(relay_pid), *(cpu_s(m.proc.pid) for m in members)]
-    wall0 = time.monotonic()
+    pids = [relay_pid, *(m.proc.pid for m in members)]
+    samples = [(time.monotonic(), [cpu_s(p) for p in pids])]  # CPU seconds over time
     for m in members:
         m.go()
 
@@ -332,23 +335,32 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
         events = sum(p[-1]["events"] for p in last if p)
         return events, max((p[-1]["t_last"] for p in last if p), default=0.0)
 
-    wait_for(lambda: totals()[0] >= expected, 600, f"{n} members reading {expected} events")
-    while True:  # replays after early moves may count twice: wait until nothing new comes
-        before = totals()
-        time.sleep(1.5)
-        if totals() == before:
+    # done when every event came and nothing new comes any more (replays after the first
+    # moves may count twice); a group that loses events ends after 15 s without news
+    seen, changed = (0, 0.0), time.monotonic()
+    while True:
+        time.sleep(0.2)
+        now = time.monotonic()
+        samples.append((now, [cpu_s(p) for p in pids]))
+        current = totals()
+        if current != seen:
+            seen, changed = current, now
+        if (seen[0] >= expected and now - changed >= 1.5) or now - changed >= 15:
             break
-    cpu1 = [cpu_s(relay_pid), *(cpu_s(m.proc.pid) for m in members)]
-    wall = time.monotonic() - wall0
-    events, t_end = totals()
+    events, t_end = seen
     t_first = min(x["t"] for m in members for x in m.lines("first"))
     for m in members:
         m.stop()
+    (t0, cpu0), (t1, cpu1) = samples[0], min(samples, key=lambda s: abs(s[0] - t_end))
+    wall = t1 - t0
+    if events < expected:
+        print(f"{n} member(s): {expected - events} of {expected} events never came", flush=True)
     rate = expected / (t_end - t_first)
     return {
         "events_per_s": round(rate),
         "seconds": round(t_end - t_first, 3),
-        "replayed_events": events - expected,
+        "replayed_events": max(events - expected, 0),
+        "missing_events": max(expected - events, 0),
         "relay_cpu_cores": round((cpu1[0] - cpu0[0]) / wall, 2),
         "members_cpu_cores": round((sum(cpu1[1:]) - sum(cpu0[1:])) / wall, 2),
         "busiest_member_cpu_cores": round(
@@ -397,6 +409,7 @@ def scaling(bench: Bench, windows: int) -> dict[str, Any]:
         "group_scaling_ratio": round(ratio, 3),
         "group_backlog_events": expected,
         "group_4_replayed_events": four["replayed_events"],
+        "group_missing_events": one["missing_events"] + four["missing_events"],
         "relay_cpu_cores_1": one["relay_cpu_cores"],
         "relay_cpu_cores_4": four["relay_cpu_cores"],
         "members_cpu_cores_1": one["members_cpu_cores"],
@@ -454,6 +467,11 @@ def rebalancing(bench: Bench, rounds: int, rate: float) -> dict[str, Any]:
         m.go()
     wait_for(lambda: balanced(live), 60, "3 members balanced")
     time.sleep(1.0)
+    # baseline: units whose deliveries pause that long with no rebalance at all (a bucket
+    # without events for a while, a member starved of CPU)
+    quiet_from = time.monotonic()
+    time.sleep(3.0)
+    quiet = {x["u"] for m in live for x in m.lines("gap") if x["t1"] > quiet_from}
     kills: list[float] = []
     joins: list[dict[str, int]] = []
     for i in range(rounds):
@@ -499,6 +517,7 @@ def rebalancing(bench: Bench, rounds: int, rate: float) -> dict[str, Any]:
         "paused_units_on_join": worst["paused"],
         "moved_units_on_join": worst["moved"],
         "paused_stayed_units_on_join": max(j["paused_stayed"] for j in joins),
+        "paused_units_without_rebalance": len(quiet),
         "joins": joins,
     }
 
