@@ -405,6 +405,9 @@ async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts)
     await wait_until(lambda: follower.settled and len(member.owned) == 12, 10, "all units")
     await asyncio.sleep(member.lease_s)  # heartbeats keep it
     assert member.lease_valid()
+    # each heartbeat sets the same watch again: kazoo keeps one, not one per beat
+    watchers = member.session.client._data_watchers[member._member_path]
+    assert len(watchers) == 1, watchers
     old = member.member_id
     await asyncio.to_thread(expire, zk_hosts, member.session)
     await wait_until(lambda: not member.lease_valid(), 5, "the lease to end")

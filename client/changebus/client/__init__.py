@@ -89,6 +89,7 @@ from ._persist import (
     FileCheckpointPersister as FileCheckpointPersister,
     MemoryCheckpointPersister as MemoryCheckpointPersister,
 )
+from ._rebalance import RebalanceListener as RebalanceListener
 from ._stream import (
     RelayStream as RelayStream,
     ResponseCheck as ResponseCheck,
@@ -122,6 +123,7 @@ __all__ = [
     "PostgresReplica",
     "PostgresUnitStore",
     "RawWindow",
+    "RebalanceListener",
     "RelayInfo",
     "RelayQueries",
     "RelaySchemas",

@@ -65,7 +65,7 @@ from ._failover import Failover
 from ._http import RestartBootstrap, response_error, safe_url, transport_errors
 from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
 from ._model import ChangeOp, Window
-from ._queue import WindowQueue
+from ._queue import WindowSink
 from ._stream import StreamConfig
 
 __all__ = ["Bootstrapper"]
@@ -84,7 +84,7 @@ class Bootstrapper:
         self,
         config: ConsumerConfig,
         session: aiohttp.ClientSession,
-        queue: WindowQueue,
+        queue: WindowSink,
         cache: SchemaCache,
     ) -> None:
         self.config = config
@@ -257,7 +257,7 @@ class Bootstrapper:
             for e, scn in zip(window.events, scns, strict=True)
         )
         await self._queue.put(
-            dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc)
+            dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc), raw
         )
         self._last = pc
 
@@ -292,7 +292,9 @@ class Bootstrapper:
                         timestamp_ns=raw.timestamp_ns,
                         bootstrap=prog,
                     )
-                await self._queue.put(dataclasses.replace(window, phase="catchup", checkpoint=pc))
+                await self._queue.put(
+                    dataclasses.replace(window, phase="catchup", checkpoint=pc), raw
+                )
                 self._last = pc
                 after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
             last = int(headers.get("X-Changebus-Last-Scn", after))

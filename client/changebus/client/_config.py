@@ -174,7 +174,7 @@ class ConsumerConfig:
                 " (host:port[,host:port]) and the cluster name, or neither"
             )
         if self.zookeeper.strip():
-            if not self.partition:
+            if not self.partition and not self.group:
                 raise ConfigError("partition: name the partition to read when using zookeeper")
             if not 0.2 <= self.zookeeper_session_timeout_s <= 600:
                 raise ConfigError("zookeeper_session_timeout_s must be within 0.2..600 s")

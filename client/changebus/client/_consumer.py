@@ -21,6 +21,13 @@ replays at most the windows since the last persisted checkpoint. Use
 :attr:`ChangeEvent.dedupe_key` (or an idempotent sink, see
 :mod:`._apply`) to make processing effectively-once.
 
+Consumer groups: with ``config.group`` the consumer is a member of a
+group sharing ``config.partitions`` (:mod:`._group`, which this class hands
+every call to): windows carry their unit (``Window.unit``), the persister
+is a :class:`~changebus.schemas.UnitStore` (default: checkpoints in
+ZooKeeper) and a :class:`~._rebalance.RebalanceListener` hears of units
+given and taken. The single-partition path below is not involved.
+
 Thread-safety: every method is for the consumer's event loop, except
 :meth:`Consumer.stop`, which any thread may call.
 """
@@ -36,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import aiohttp
 
-from changebus.schemas import Checkpoint, CheckpointError, Mode
+from changebus.schemas import Checkpoint, CheckpointError, ConfigError, Mode, Unit, UnitStore
 
 from ._backoff import Backoff
 from ._callbacks import AsyncCallbacks, Callbacks
@@ -53,6 +60,7 @@ from ._queue import QueueClosed, WindowQueue
 
 if TYPE_CHECKING:
     from ._cluster import ClusterRoute
+    from ._group import GroupConsumer
 
 __all__ = ["Consumer"]
 
@@ -63,7 +71,12 @@ class Consumer:
     """Consumes one physical partition from a set of relays (module docstring).
 
     ``persister`` keeps the checkpoint between runs (default: in memory
-    only); a stored checkpoint overrides ``config.start``. ``session`` lets
+    only); a stored checkpoint overrides ``config.start``. In a consumer
+    group (``config.group``) it must be a
+    :class:`~changebus.schemas.UnitStore` (default: ``ZkUnitStore`` on the
+    member's ZooKeeper session; one given is not closed here), and
+    ``listener`` (a :class:`~changebus.client.RebalanceListener`) is told of
+    the units assigned and revoked. ``session`` lets
     the application share an :class:`aiohttp.ClientSession` (it is then not
     closed here, and ``config.auth`` is not applied to it: open it with
     :func:`~changebus.client.open_session`).
@@ -79,11 +92,31 @@ class Consumer:
     def __init__(
         self,
         config: ConsumerConfig,
+        persister: CheckpointPersister | UnitStore | None = None,
         *,
-        persister: CheckpointPersister | None = None,
+        listener: object | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         self.config = config
+        self._group: GroupConsumer | None = None
+        if config.group:
+            if persister is not None and not isinstance(persister, UnitStore):
+                raise ConfigError(
+                    f"group {config.group!r}: the persister must be a UnitStore (ZkUnitStore,"
+                    " FileUnitStore, PostgresUnitStore or a replica), not"
+                    f" {type(persister).__name__}"
+                )
+            from ._group import GroupConsumer  # kazoo only for consumer groups
+
+            self._group = GroupConsumer(config, persister, listener, session)
+            persister = None
+        elif listener is not None:
+            raise ConfigError("listener: rebalance listeners are for consumer groups (group=...)")
+        elif persister is not None and not isinstance(persister, CheckpointPersister):
+            raise ConfigError(
+                f"persister: {type(persister).__name__} is a unit store of consumer groups;"
+                " set group (and zookeeper) or use a CheckpointPersister"
+            )
         self.persister: CheckpointPersister = persister or MemoryCheckpointPersister()
         self._session = session
         self._own_session = session is None
@@ -104,6 +137,8 @@ class Consumer:
 
     async def start(self) -> None:
         """Load the checkpoint and start fetching (implied by iteration and ``run``)."""
+        if self._group is not None:
+            return await self._group.start()
         if self._task is not None:
             return
         if self._closed:
@@ -205,8 +240,11 @@ class Consumer:
 
         In iterator mode the position of windows already committed or skipped
         as empty is persisted; the last window yielded and not committed is
-        not (it comes again next time).
+        not (it comes again next time). A group member revokes its units
+        (``on_revoked``, final commit) and leaves the group.
         """
+        if self._group is not None:
+            return await self._group.close()
         if self._closed:
             return
         self._closed = True
@@ -232,6 +270,8 @@ class Consumer:
 
         Safe to call from any thread (a sync callback, a signal handler).
         """
+        if self._group is not None:
+            return self._group.stop()
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -254,17 +294,26 @@ class Consumer:
 
     @property
     def checkpoint(self) -> Checkpoint:
-        """The position after the last window the application finished."""
+        """The position after the last window the application finished (groups: by unit)."""
+        if self._group is not None:
+            return self._group.checkpoint
         if self._position is None:
             raise RuntimeError("the consumer has not started")
         return self._position.current
 
     @property
     def committed(self) -> Checkpoint:
-        """The last checkpoint handed to the persister."""
+        """The last checkpoint handed to the persister (groups: accepted, by unit)."""
+        if self._group is not None:
+            return self._group.committed
         if self._position is None:
             raise RuntimeError("the consumer has not started")
         return self._position.committed
+
+    @property
+    def units(self) -> frozenset[Unit]:
+        """The units this group member holds now (empty outside groups)."""
+        return self._group.units if self._group is not None else frozenset()
 
     @property
     def partition(self) -> str | None:
@@ -272,7 +321,14 @@ class Consumer:
         return self._fetcher.partition if self._fetcher is not None else self.config.partition
 
     def stats(self) -> dict[str, Any]:
-        """Counters for monitoring (requests, failovers, queue, position)."""
+        """Counters for monitoring (requests, failovers, queue, position).
+
+        In a group: ``member_id``, ``units`` (held), ``lanes``,
+        ``rebalances``, ``fenced_commits`` and ``units_lost`` too (the relay
+        counters summed over the lanes).
+        """
+        if self._group is not None:
+            return self._group.stats()
         f, q, p = self._fetcher, self._queue, self._position
         s = f.stream if f else None
         return {
@@ -298,6 +354,8 @@ class Consumer:
 
     async def __anext__(self) -> Window:
         """The next window; commits the previous one first when ``auto_commit``."""
+        if self._group is not None:
+            return await self._group.anext()
         if self._mode == "callbacks":
             raise RuntimeError("this consumer is running callbacks")
         self._mode = "iterator"
@@ -333,7 +391,13 @@ class Consumer:
             return window
 
     async def commit(self) -> None:
-        """Persist the position after the last window yielded (and the empty ones after it)."""
+        """Persist the position after the last window yielded (and the empty ones after it).
+
+        In a group: the positions of every unit's last window yielded, written
+        to the unit store at once.
+        """
+        if self._group is not None:
+            return await self._group.commit()
         if self._position is None:
             return
         if self._uncommitted is not None:
@@ -350,8 +414,11 @@ class Consumer:
         fails unrecoverably, :class:`~changebus.client.DataLossDetectedError`
         when ``on_data_loss`` does not accept a gap, and the fetcher's terminal
         errors (:class:`~changebus.client.FellOffRelayError`, ...), each after
-        ``on_error``.
+        ``on_error``. In a group, ``callbacks`` may define the rebalance
+        methods too (``on_assigned``, ``on_revoked``, ``on_lost``).
         """
+        if self._group is not None:
+            return await self._group.run(callbacks)
         if self._mode:
             raise RuntimeError(f"this consumer is already used in {self._mode} mode")
         self._mode = "callbacks"

@@ -33,7 +33,7 @@ from ._callbacks import AsyncCallbacks, CallbackResult, Callbacks
 from ._config import ConsumerConfig
 from ._errors import ConsumerAbortedError, DataLossDetectedError
 from ._model import Window
-from ._position import PositionTracker
+from ._position import Positions
 from ._queue import QueueClosed
 
 __all__ = ["Dispatcher", "window_plan"]
@@ -206,7 +206,7 @@ class Dispatcher:
         self,
         callbacks: Callbacks | AsyncCallbacks,
         config: ConsumerConfig,
-        position: PositionTracker,
+        position: Positions,
         next_window: Callable[[], Awaitable[Window]],
     ) -> None:
         budget = config.callback_time_budget_s
@@ -238,6 +238,16 @@ class Dispatcher:
                 await self._process()
         finally:
             await self._runner.close()
+
+    async def call(self, name: str, *args: Any) -> None:
+        """Call callback ``name`` between windows (a consumer group's rebalance callbacks).
+
+        It runs where the window callbacks run (the worker thread of sync
+        callbacks), within the time budget; a failure is logged, not raised.
+        """
+        outcome = await self._runner.run([(name, args)])
+        if not outcome.ok:
+            log.error("%s", _describe(outcome))
 
     async def _process(self) -> None:
         i = len(self.replay) - 1

@@ -39,7 +39,7 @@ from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._errors import FellOffRelayError
 from ._info import RelaySchemas
-from ._queue import QueueClosed, WindowQueue
+from ._queue import QueueClosed, WindowSink
 from ._stream import RelayStream, StreamConfig
 
 __all__ = ["RelayFetcher"]
@@ -48,7 +48,10 @@ log = logging.getLogger(__name__)
 
 
 class RelayFetcher:
-    """Fills a :class:`~._queue.WindowQueue` from the relays (module docstring).
+    """Fills a :class:`~._queue.WindowSink` from the relays (module docstring).
+
+    The sink is the consumer's :class:`~._queue.WindowQueue`, or a group
+    lane's splitting sink (:mod:`._group_lane`).
 
     ``resume`` is the stored checkpoint entry of the partition when it is in
     a bootstrap mode (the bootstrap then continues first).
@@ -58,7 +61,7 @@ class RelayFetcher:
         self,
         config: ConsumerConfig,
         session: aiohttp.ClientSession,
-        queue: WindowQueue,
+        queue: WindowSink,
         cache: SchemaCache,
         *,
         position: int,
@@ -159,4 +162,4 @@ class RelayFetcher:
                 self._session, url, self.stream.partition, self.stream.config.timeout
             )
         window = await decode_window(raw, self.stream.partition or "", self._cache, source)
-        await self._queue.put(window)
+        await self._queue.put(window, raw)

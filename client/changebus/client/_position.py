@@ -13,19 +13,41 @@ windows are advanced in strictly increasing SCN order per partition.
 are to be replayed). Entries of other partitions in a loaded checkpoint are
 kept as they were.
 
+:class:`Positions` is the interface the :class:`~._dispatch.Dispatcher`
+works on; a consumer group's tracker (:mod:`._group_position`, entries
+keyed by unit) implements it too.
+
 Used from the consumer's event loop only.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from changebus.schemas import Checkpoint
 
 from ._model import Window
 from ._persist import CheckpointPersister
 
-__all__ = ["PositionTracker"]
+__all__ = ["PositionTracker", "Positions"]
+
+
+class Positions(Protocol):
+    """Processed (``current``) and persisted (``committed``) positions of a consumer."""
+
+    @property
+    def current(self) -> Checkpoint: ...
+
+    @property
+    def committed(self) -> Checkpoint: ...
+
+    def advance(self, window: Window) -> None: ...
+
+    async def persist(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,12 @@ already held: the consumer first receives everything fetched before the
 failure, then the error. :meth:`~WindowQueue.close` wakes everyone;
 ``get`` then raises :class:`QueueClosed`.
 
+:class:`BoundedQueue` is the mechanism, for any item with an ``nbytes``
+size (a consumer group queues the per-lane batches of :mod:`._group_lane`
+through it). :class:`WindowSink` is what the fetcher and the bootstrapper
+fill: a :class:`WindowQueue`, or a group lane's splitting sink, which also
+gets the raw window a decoded window came from (its key hashes).
+
 Single event loop only (asyncio primitives, no locks).
 """
 
@@ -19,23 +25,45 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Generic, Protocol, TypeVar
 
+from ._assembler import RawWindow
 from ._model import Window
 
-__all__ = ["QueueClosed", "WindowQueue"]
+__all__ = ["BoundedQueue", "QueueClosed", "WindowQueue", "WindowSink"]
 
 
 class QueueClosed(Exception):
     """The queue was closed (the consumer is shutting down)."""
 
 
-class WindowQueue:
-    """Windows in order, at most ``max_windows`` and about ``max_bytes``."""
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Sized)
+
+
+class WindowSink(Protocol):
+    """Where decoded windows go: ``put`` waits while there is no room (flow control).
+
+    ``raw`` is the validated raw window ``window`` was decoded from, when
+    there is one (its data events are ``window.events``, in order).
+    """
+
+    async def put(self, window: Window, raw: RawWindow | None = None) -> None: ...
+
+    async def fail(self, error: BaseException) -> None: ...
+
+
+class BoundedQueue(Generic[T]):
+    """Items in order, at most ``max_windows`` and about ``max_bytes``."""
 
     def __init__(self, max_windows: int, max_bytes: int) -> None:
         self.max_windows = max_windows
         self.max_bytes = max_bytes
-        self._items: deque[Window] = deque()
+        self._items: deque[T] = deque()
         self._bytes = 0
         self._error: BaseException | None = None
         self._closed = False
@@ -50,12 +78,17 @@ class WindowQueue:
     def nbytes(self) -> int:
         return self._bytes
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def _full(self, size: int) -> bool:
         if not self._items:
             return False
         return len(self._items) >= self.max_windows or self._bytes + size > self.max_bytes
 
-    async def put(self, window: Window) -> None:
+    async def put(self, window: T) -> None:
         """Append ``window``, waiting while the queue is full."""
         async with self._changed:
             if self._full(window.nbytes):
@@ -74,7 +107,7 @@ class WindowQueue:
                 self._error = error
             self._changed.notify_all()
 
-    async def get(self) -> Window:
+    async def get(self) -> T:
         """The next window; the terminal error once the windows are drained."""
         async with self._changed:
             await self._changed.wait_for(
@@ -97,3 +130,11 @@ class WindowQueue:
             self._items.clear()
             self._bytes = 0
             self._changed.notify_all()
+
+
+class WindowQueue(BoundedQueue[Window]):
+    """The consumer's queue of decoded windows (a :class:`WindowSink`)."""
+
+    async def put(self, window: Window, raw: RawWindow | None = None) -> None:
+        """Append ``window`` (``raw`` is not needed here), waiting while the queue is full."""
+        await super().put(window)

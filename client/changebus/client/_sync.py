@@ -20,7 +20,7 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from changebus.schemas import Checkpoint
+from changebus.schemas import Checkpoint, UnitStore
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
@@ -40,11 +40,17 @@ class SyncConsumer:
     """Blocking consumer: ``for window in consumer`` or ``consumer.run(callbacks)``.
 
     Same arguments and semantics as :class:`~changebus.client.Consumer`
-    (``persister`` methods run on the background loop).
+    (``persister`` methods run on the background loop; plain methods of a
+    group's ``listener`` run in a worker thread, so they may call
+    :meth:`commit`).
     """
 
     def __init__(
-        self, config: ConsumerConfig, *, persister: CheckpointPersister | None = None
+        self,
+        config: ConsumerConfig,
+        persister: CheckpointPersister | UnitStore | None = None,
+        *,
+        listener: object | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -52,11 +58,19 @@ class SyncConsumer:
         )
         self._thread.start()
         self._closed = False
-        self.consumer = self._call(self._make(config, persister))
+        try:
+            self.consumer = self._call(self._make(config, persister, listener))
+        except BaseException:
+            self._stop_loop()
+            raise
 
     @staticmethod
-    async def _make(config: ConsumerConfig, persister: CheckpointPersister | None) -> Consumer:
-        return Consumer(config, persister=persister)
+    async def _make(
+        config: ConsumerConfig,
+        persister: CheckpointPersister | UnitStore | None,
+        listener: object | None,
+    ) -> Consumer:
+        return Consumer(config, persister, listener=listener)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
@@ -118,10 +132,13 @@ class SyncConsumer:
                 # its socket is left to the garbage collector)
                 self._call(asyncio.sleep(_TLS_SETTLE_S))
         finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def _may_use_tls(self) -> bool:
         cfg = self.consumer.config

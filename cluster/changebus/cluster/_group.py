@@ -170,6 +170,7 @@ class GroupMember:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._remove_listener: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     # -- public API ------------------------------------------------------------------
@@ -183,6 +184,7 @@ class GroupMember:
         if self._tasks:
             return
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
         await self.session.wait_connected()
         if await check_meta(self.session, self.group, GroupMeta(self.buckets, self.partitions)):
             log.info(
@@ -258,6 +260,12 @@ class GroupMember:
             raise ConfigError(f"group {self.group}: {unit} is not one of its units")
         registration = ""
         loop = asyncio.get_running_loop()
+        freed = asyncio.Event()
+
+        def watch(_event: Any) -> None:  # one function per call: kazoo keeps it once
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(freed.set)
+
         while True:
             if unit in self.owned:
                 return
@@ -279,12 +287,7 @@ class GroupMember:
                     f"group {self.group}: membership lost while acquiring {unit}"
                 )
             registration = path
-            freed = asyncio.Event()
-
-            def watch(_event: Any, freed: asyncio.Event = freed) -> None:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(freed.set)
-
+            freed.clear()
             attempt = asyncio.ensure_future(
                 create_owner(self.session, self.group, path, sid, unit, watch)
             )
@@ -425,21 +428,23 @@ class GroupMember:
                 async with asyncio.timeout(self.lease_s / 3):
                     await self._wake_keeper.wait()
 
+    def _node_watch(self, event: Any) -> None:
+        """The member node's watch (kazoo's thread; one function, so kazoo keeps it once)."""
+        path = getattr(event, "path", None)
+        if getattr(event, "type", None) == "DELETED" and path and path == self._member_path:
+            self._deleted_path = path  # the lease ends now
+            self.confirmed_at = float("-inf")
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._wake_keeper.set)
+
     async def _beat(self) -> None:
         path, sid = self._member_path, self._member_sid
         if not path:
             return
-        loop = asyncio.get_running_loop()
-
-        def watch(event: Any) -> None:
-            if getattr(event, "type", None) == "DELETED" and self._member_path == path:
-                self._deleted_path = path  # in kazoo's thread: the lease ends now
-                self.confirmed_at = float("-inf")
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._wake_keeper.set)
-
         t0 = time.monotonic()
-        stat = await self.session.op("exists", path, watch=watch)
+        stat = await self.session.op("exists", path, watch=self._node_watch)
         if path != self._member_path:
             return
         if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:

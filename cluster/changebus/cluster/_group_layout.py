@@ -147,8 +147,8 @@ def _dump(body: Mapping[str, Any]) -> bytes:
 def _load(data: bytes | None, node: str) -> dict[str, Any]:
     try:
         body = json.loads(data or b"")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(node, f"not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise _bad(node, f"not JSON ({str(exc)[:120]})") from None
     if not isinstance(body, dict):
         raise _bad(node, "not a JSON object")
     return body

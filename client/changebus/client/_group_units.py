@@ -1,0 +1,428 @@
+"""A group member's units: acquiring, claiming, lanes, revoking and losing them.
+
+:class:`UnitOwner` follows the member's *target* (the units the group's
+leader assigns it, :class:`changebus.cluster.GroupMember`) with its *held*
+units (``held``: unit -> the :class:`~._group_lane.Lane` reading it):
+
+* **acquire** (a background task, so the lanes already running keep
+  flowing): for each unit of the target not held, create its owner node
+  (:meth:`GroupMember.acquire`, which waits while the previous owner still
+  holds it), then claim it in the store (``UnitStore.claim``: a new fencing
+  token and the checkpoint to start from). Units claimed together with equal
+  checkpoints start one lane; the consumer calls ``on_assigned`` before the
+  first window of a unit (:meth:`take_assigned`).
+* **revoke** (on the application's path, between windows: the consumer
+  calls :meth:`revocable` and :meth:`let_go` after ``on_revoked``): the
+  final commit of the units' positions, the units leave their lanes (a lane
+  without units stops), then their owner nodes are released.
+* **lose** (the ZooKeeper session is lost, or the store refused a commit):
+  :meth:`drop` forgets the units at once without committing; their
+  windows are no longer delivered and ``on_lost`` follows
+  (:meth:`take_lost`).
+
+A unit is never read by two members at once beyond what at-least-once
+allows: it is claimed only after its owner node exists (the previous owner
+released it after its final commit, or its session expired), and a zombie's
+commit is refused by the store's fence.
+
+Thread-safety: the event loop of the consumer only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+import aiohttp
+
+from changebus.cluster import GroupMember
+from changebus.schemas import (
+    ChangebusError,
+    ConfigError,
+    PartitionCheckpoint,
+    Unit,
+    UnitClaim,
+    UnitStore,
+)
+
+from ._config import ConsumerConfig
+from ._group_lane import Lane, LaneBatch, lane_config
+from ._group_position import GroupPositions
+from ._queue import BoundedQueue
+
+__all__ = ["UnitOwner"]
+
+log = logging.getLogger(__name__)
+
+#: how long an acquisition waits for more units to be freed so they start in one lane
+_GATHER_S = 0.05
+#: ... at most, in all
+_GATHER_MAX_S = 1.0
+#: pause before acquiring again after a failure (ZooKeeper or the store away)
+_RETRY_S = 0.5
+
+
+def _text(units: Iterable[Unit]) -> str:
+    return ", ".join(str(u) for u in sorted(units)) or "none"
+
+
+class UnitOwner:
+    """The held units of one group member (module docstring)."""
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        member: GroupMember,
+        store: UnitStore,
+        positions: GroupPositions,
+        http: aiohttp.ClientSession,
+        queue: BoundedQueue[LaneBatch],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.member = member
+        self.store = store
+        self.positions = positions
+        self._http = http
+        self._queue = queue
+        self._wake = wake
+        #: held units and their lanes; lanes running
+        self.held: dict[Unit, Lane] = {}
+        self.lanes: set[Lane] = set()
+        #: relays and bootstrap servers per partition (kept current by the consumer)
+        self.relays: dict[str, tuple[str, ...]] = {}
+        self.bootstrap: dict[str, tuple[str, ...]] = {}
+        self._acquiring: dict[Unit, asyncio.Task[UnitClaim | None]] = {}
+        self._unannounced: set[Unit] = set()
+        self._lost: set[Unit] = set()
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lane_numbers = itertools.count()
+        self._target: frozenset[Unit] = frozenset()
+        #: the application's path has units to revoke
+        self.revoke_due = False
+        #: target changes seen, units lost (session or fence)
+        self.rebalances = 0
+        self.units_lost = 0
+
+    # ---- events from the member and the store -----------------------------------
+
+    def on_target(self, target: frozenset[Unit]) -> None:
+        """The member's target changed (on the loop)."""
+        if target != self._target:
+            self.rebalances += 1
+            self._target = target
+            log.info(
+                "group %s: member %s is assigned %s",
+                self.config.group,
+                self.member.member_id,
+                _text(target),
+            )
+        self._changed.set()
+        if any(u not in target for u in self.held):
+            self.revoke_due = True
+            self._wake()
+
+    def on_lost(self, units: frozenset[Unit]) -> None:
+        """The membership is lost: every held unit goes, uncommitted."""
+        gone = frozenset(self.held) | units
+        for task in self._acquiring.values():
+            task.cancel()
+        self.drop(gone)
+        self._changed.set()
+
+    def on_fenced(self, units: frozenset[Unit]) -> None:
+        """The store refused commits of ``units``: another member claimed them."""
+        self.drop(units)
+        self._spawn(self.member.release(units))
+        self._changed.set()
+
+    def drop(self, units: Iterable[Unit]) -> None:
+        """Forget ``units`` now, without committing (lost); ``on_lost`` follows."""
+        gone = [u for u in units if u in self.held]
+        if not gone:
+            return
+        self.units_lost += len(gone)
+        log.warning(
+            "group %s: member %s lost %s; their windows after the last commit are read again"
+            " by their next owner",
+            self.config.group,
+            self.member.member_id,
+            _text(gone),
+        )
+        self._lost.update(u for u in gone if u not in self._unannounced)
+        self._forget(gone)
+        self._wake()
+
+    # ---- for the application's path ---------------------------------------------
+
+    def take_assigned(self) -> frozenset[Unit]:
+        """Units claimed whose ``on_assigned`` is due (before their first window)."""
+        units = frozenset(u for u in self._unannounced if u in self.held)
+        self._unannounced.clear()
+        return units
+
+    def take_lost(self) -> frozenset[Unit]:
+        """Units lost whose ``on_lost`` is due."""
+        units = frozenset(self._lost)
+        self._lost.clear()
+        return units
+
+    @property
+    def pending(self) -> bool:
+        """Whether the application's path has rebalance work (callbacks, revokes)."""
+        return self.revoke_due or bool(self._unannounced) or bool(self._lost)
+
+    def revocable(self) -> tuple[frozenset[Unit], frozenset[Unit]]:
+        """``(units to revoke, those of them announced)``: held and no longer targeted."""
+        self.revoke_due = False
+        target = self.member.target
+        gone = frozenset(u for u in self.held if u not in target)
+        return gone, frozenset(u for u in gone if u not in self._unannounced)
+
+    async def let_go(self, units: Iterable[Unit], *, narrow: bool = True) -> dict[Lane, Lane]:
+        """Revoke ``units``: final commit of their accepted positions, leave the lanes, release.
+
+        A lane that keeps some units is replaced by one reading just those
+        (``narrow``, see :meth:`_narrow`); returns the replacements (old -> new).
+        """
+        gone = [u for u in units if u in self.held]
+        if not gone:
+            return {}
+        try:
+            await self.positions.flush(gone, quiet=True)
+        finally:
+            self._unannounced.difference_update(gone)
+            kept = self._forget(gone)
+            await self.member.release(gone)
+        log.info(
+            "group %s: member %s gave up %s", self.config.group, self.member.member_id, _text(gone)
+        )
+        self._changed.set()
+        return self._narrow(kept) if narrow else {}
+
+    def _forget(self, units: Sequence[Unit]) -> set[Lane]:
+        """Drop ``units`` from their lanes (a lane left empty stops); the lanes that keep some."""
+        by_lane: dict[Lane, list[Unit]] = {}
+        for unit in units:
+            lane = self.held.pop(unit, None)
+            if lane is not None:
+                by_lane.setdefault(lane, []).append(unit)
+        self.positions.remove(units)
+        kept: set[Lane] = set()
+        for lane, lost in by_lane.items():
+            if lane.drop(lost):
+                self.lanes.discard(lane)
+                lane.retire()
+                self._spawn(lane.stop())
+            else:
+                kept.add(lane)
+        return kept
+
+    def _narrow(self, lanes: Iterable[Lane]) -> dict[Lane, Lane]:
+        """Replace each of ``lanes`` by a lane filtering for its remaining units only.
+
+        The relay then stops sending the events of the units given away (a
+        member keeping a quarter of its units would otherwise still receive
+        and decode all of them). The new lane starts after the old lane's last
+        dequeued batch (:meth:`Lane.restart_point`): the windows of that batch
+        not handed out yet are the new lane's (the caller re-labels them).
+        """
+        replaced: dict[Lane, Lane] = {}
+        for lane in lanes:
+            possible, start = lane.restart_point()
+            if not possible or lane.stopped:
+                continue
+            units = sorted(lane.units.values())
+            new = self._new_lane(lane.partition, units, start)
+            for unit in units:
+                self.held[unit] = new
+            self.lanes.discard(lane)
+            lane.retire()  # its batches still queued must not move the units' positions
+            self._spawn(lane.stop())
+            new.start()
+            replaced[lane] = new
+            log.info(
+                "group %s: lane %s now reads %s only", self.config.group, new.name, new.describe()
+            )
+        return replaced
+
+    def _new_lane(
+        self, partition: str, units: Sequence[Unit], start: PartitionCheckpoint | None
+    ) -> Lane:
+        cfg = lane_config(
+            self.config,
+            partition,
+            frozenset(u.bucket for u in units),
+            self.relays[partition],
+            self.bootstrap.get(partition, ()),
+        )
+        lane = Lane(
+            cfg,
+            self._http,
+            self._queue,
+            units,
+            start,
+            self.config.buckets,
+            next(self._lane_numbers),
+        )
+        self.lanes.add(lane)
+        return lane
+
+    # ---- relays -----------------------------------------------------------------
+
+    def set_relays(self, partition: str, relays: tuple[str, ...]) -> None:
+        self.relays[partition] = relays
+        for lane in self.lanes:
+            if lane.partition == partition:
+                lane.fetcher.set_relays(relays)
+
+    def set_bootstrap(self, partition: str, servers: tuple[str, ...]) -> None:
+        self.bootstrap[partition] = servers
+        for lane in self.lanes:
+            if lane.partition == partition:
+                lane.fetcher.set_bootstrap_servers(servers)
+
+    # ---- acquiring ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow the target until cancelled (acquisitions run as their own tasks)."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            target = self.member.target
+            for unit, task in list(self._acquiring.items()):
+                if unit not in target:
+                    task.cancel()
+            new = [u for u in sorted(target) if u not in self.held and u not in self._acquiring]
+            if new:
+                self._spawn(self._acquire(new))
+            if any(u not in target for u in self.held):
+                self.revoke_due = True
+                self._wake()
+
+    async def _acquire(self, units: list[Unit]) -> None:
+        """Acquire and claim ``units``; start lanes for those claimed, in gathers."""
+        tasks = {asyncio.create_task(self._claim(u), name=f"changebus-claim-{u}"): u for u in units}
+        self._acquiring.update((u, t) for t, u in tasks.items())
+        pending = set(tasks)
+        failed = False
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # units freed together start in one lane: gather while claims keep coming
+                gather_until = time.monotonic() + _GATHER_MAX_S
+                while pending and time.monotonic() < gather_until:
+                    more, pending = await asyncio.wait(pending, timeout=_GATHER_S)
+                    if not more:
+                        break
+                    done |= more
+                claims: list[UnitClaim] = []
+                for task in done:
+                    unit = tasks[task]
+                    if self._acquiring.get(unit) is task:
+                        del self._acquiring[unit]
+                    if task.cancelled():
+                        continue
+                    exc = task.exception()
+                    if exc is not None:
+                        if isinstance(exc, ConfigError):
+                            raise exc
+                        failed = True
+                        log.warning(
+                            "group %s: cannot take %s yet: %s", self.config.group, unit, exc
+                        )
+                        continue
+                    claim = task.result()
+                    if claim is not None:
+                        claims.append(claim)
+                if claims:
+                    self._start(claims)
+        finally:
+            for task in pending:
+                task.cancel()
+                if self._acquiring.get(tasks[task]) is task:
+                    del self._acquiring[tasks[task]]
+        if failed:
+            await asyncio.sleep(_RETRY_S)
+            self._changed.set()
+
+    async def _claim(self, unit: Unit) -> UnitClaim | None:
+        member = self.member
+        await member.acquire(unit)
+        try:
+            if unit not in member.target:
+                await member.release([unit])
+                return None
+            claim = await self.store.claim(self.config.group, unit, member.member_id)
+        except BaseException:
+            self._spawn(member.release([unit]))
+            raise
+        if unit not in member.target or unit not in member.owned:
+            self._spawn(member.release([unit]))
+            return None
+        return claim
+
+    def _start(self, claims: list[UnitClaim]) -> None:
+        """New lanes for ``claims``: one per partition and equal checkpoint."""
+        target, owned = self.member.target, self.member.owned
+        dropped = [c.unit for c in claims if c.unit not in target or c.unit not in owned]
+        if dropped:  # the target changed (or the membership was lost) while they were claimed
+            self._spawn(self.member.release(dropped))
+            claims = [c for c in claims if c.unit in target and c.unit in owned]
+        groups: list[tuple[str, PartitionCheckpoint | None, list[UnitClaim]]] = []
+        for claim in sorted(claims, key=lambda c: c.unit):
+            for partition, checkpoint, members in groups:
+                if partition == claim.unit.partition and checkpoint == claim.checkpoint:
+                    members.append(claim)
+                    break
+            else:
+                groups.append((claim.unit.partition, claim.checkpoint, [claim]))
+        for partition, checkpoint, members in groups:
+            lane = self._new_lane(partition, [c.unit for c in members], checkpoint)
+            for claim in members:
+                self.positions.add(claim)
+                self.held[claim.unit] = lane
+                self._unannounced.add(claim.unit)
+            lane.start()
+            log.info(
+                "group %s: member %s reads %s from %s",
+                self.config.group,
+                self.member.member_id,
+                lane.describe(),
+                f"SCN {checkpoint.window_scn}" if checkpoint is not None else self.config.start,
+            )
+        self._wake()
+
+    # ---- stopping ------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            if isinstance(exc, ChangebusError) and not exc.retriable:
+                self._spawn(self._queue.fail(exc))  # the consumer raises it
+            else:
+                log.warning("group %s: %r", self.config.group, exc)
+
+    async def stop_reading(self) -> None:
+        """Cancel acquisitions and stop every lane (the units stay held)."""
+        for task in self._acquiring.values():
+            task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        for lane in list(self.lanes):
+            await lane.stop()
+        self.lanes.clear()

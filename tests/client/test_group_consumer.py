@@ -1,0 +1,540 @@
+"""Consumer groups in one event loop: members on a real ZooKeeper sharing a real relay's partition.
+
+Each test uses its own group name on the session's ZooKeeper. What a group
+delivers is compared with what a plain consumer reads from the same relay
+(every event once, by ``(scn, seq)``); each unit's windows must come in SCN
+order, and each event must belong to its window's unit (its key's bucket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import pytest
+
+from changebus.client import (
+    AsyncCallbacks,
+    Callbacks,
+    Consumer,
+    ConsumerConfig,
+    MemoryCheckpointPersister,
+    SyncConsumer,
+    Window,
+)
+from changebus.relay import Relay
+from changebus.schemas import ConfigError, RowEncoder, Unit, key_hash
+from waiting import wait_until
+
+pytestmark = pytest.mark.zk
+
+MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
+FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
+BUCKETS = 16
+
+
+def group_config(relay: Relay, zk: str, group: str, **kw: Any) -> ConsumerConfig:
+    return ConsumerConfig(
+        relays=(relay.url,),
+        **{
+            "partition": "syn",
+            "group": group,
+            "zookeeper": zk,
+            "buckets": BUCKETS,
+            "zookeeper_session_timeout_s": 2.0,
+            "commit_interval_s": 0.1,
+            **FAST,
+            **kw,
+        },
+    )
+
+
+def new_group() -> str:
+    return f"g{uuid.uuid4().hex[:10]}"
+
+
+def bucket_of(event: Any) -> int:
+    """The bucket of an event's key, computed the way the fetcher hashed it."""
+    if not event.key:
+        return 0
+    encoder = RowEncoder(event.schema, source_id=event.source_id)
+    return key_hash(encoder._key_bytes(event.key)) % BUCKETS
+
+
+async def everything(relay: Relay) -> set[tuple[int, int]]:
+    """What a plain consumer reads: every event of the relay, by (scn, seq)."""
+    seen: set[tuple[int, int]] = set()
+    cfg = ConsumerConfig(relays=(relay.url,), partition="syn", **FAST)
+    target = relay.hosts["syn"].buffer.meta.last_scn
+    async with Consumer(cfg) as c:
+        async for window in c:
+            seen.update(e.dedupe_key for e in window.events)
+            if window.scn >= target:
+                break
+    return seen
+
+
+class Recorder:
+    """Delivered windows of several members, checked as they come."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int]] = []
+        self.last_scn: dict[str, int] = {}
+        self.by_member: dict[str, list[Window]] = defaultdict(list)
+        self.errors: list[str] = []
+
+    def take(self, member: str, window: Window) -> None:
+        unit = Unit.parse(window.unit)
+        if window.scn <= self.last_scn.get(window.unit, -1) and not self._replay_ok:
+            self.errors.append(
+                f"{window.unit}: SCN {window.scn} after {self.last_scn[window.unit]}"
+            )
+        self.last_scn[window.unit] = max(window.scn, self.last_scn.get(window.unit, -1))
+        for event in window.events:
+            if bucket_of(event) != unit.bucket:
+                self.errors.append(
+                    f"event {event.dedupe_key} of bucket {bucket_of(event)} in {unit}"
+                )
+        self.keys.extend(e.dedupe_key for e in window.events)
+        self.by_member[member].append(window)
+
+    _replay_ok = False
+
+    def distinct(self) -> set[tuple[int, int]]:
+        return set(self.keys)
+
+
+@asynccontextmanager
+async def iterating(
+    consumer: Consumer, name: str, rec: Recorder
+) -> AsyncIterator[asyncio.Task[None]]:
+    async def loop() -> None:
+        async for window in consumer:
+            rec.take(name, window)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield task
+    finally:
+        consumer.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        await consumer.close()
+
+
+async def test_two_members_share_a_partition_exactly_once(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    async with make_relay(
+        max_windows=500, windows_per_s=250, events_per_window=4, keys=500, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        async with iterating(a, "a", rec):
+            await wait_until(lambda: len(a.units) == BUCKETS and rec.keys, 10, "a alone")
+            async with iterating(b, "b", rec):
+                while relay.hosts["syn"].state != "finished":
+                    await asyncio.sleep(0.05)
+                expected = await everything(relay)
+                await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+                await wait_until(
+                    lambda: len(a.units) == len(b.units) == BUCKETS // 2, 10, "an even split"
+                )
+                await asyncio.sleep(0.3)  # a duplicate would show up now
+                stats = a.stats()
+                assert stats["member_id"].startswith("m-")
+                assert stats["lanes"] >= 1 and len(stats["units"]) == BUCKETS // 2
+                assert stats["rebalances"] >= 2
+                assert set(a.units).isdisjoint(b.units)
+                # a's lanes were narrowed to the buckets it kept: the relay filters for them
+                owner = a._group._owner  # type: ignore[union-attr]
+                assert owner is not None
+                for lane in owner.lanes:
+                    key_filter = lane.fetcher.stream.config.key_filter
+                    assert key_filter is not None
+                    assert key_filter.buckets == frozenset(lane.units)
+        assert not rec.errors, rec.errors[:5]
+        assert len(rec.keys) == len(expected), "an event was delivered twice"
+        assert rec.distinct() == expected
+        assert rec.by_member["a"] and rec.by_member["b"]
+
+
+class Listening(AsyncCallbacks):
+    """Callbacks of one member that check the rebalance order and record windows."""
+
+    def __init__(
+        self, name: str, rec: Recorder, log: list[tuple[str, str, frozenset[Unit]]]
+    ) -> None:
+        self.name = name
+        self.rec = rec
+        self.log = log
+        self.mine: set[Unit] = set()
+
+    async def on_assigned(self, units: frozenset[Unit]) -> None:
+        assert not (units & self.mine)
+        self.mine |= units
+        self.log.append((self.name, "assigned", units))
+
+    async def on_revoked(self, units: frozenset[Unit]) -> None:
+        assert units <= self.mine
+        self.mine -= units
+        self.log.append((self.name, "revoked", units))
+
+    async def on_start_window(self, window: Window) -> None:
+        if Unit.parse(window.unit) not in self.mine:
+            self.rec.errors.append(f"{self.name}: window of {window.unit} not assigned")
+
+    async def on_end_window(self, window: Window) -> None:
+        self.rec.take(self.name, window)
+
+
+async def test_a_member_leaving_hands_its_units_over(make_relay: MakeRelay, zk_hosts: str) -> None:
+    async with make_relay(
+        max_windows=600, windows_per_s=300, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        log: list[tuple[str, str, frozenset[Unit]]] = []
+        members = {n: Consumer(group_config(relay, zk_hosts, group, member_name=n)) for n in "abc"}
+        callbacks = {n: Listening(n, rec, log) for n in members}
+        runs = {n: asyncio.create_task(c.run(callbacks[n])) for n, c in members.items()}
+        try:
+            await wait_until(
+                lambda: all(len(c.units) in (5, 6) for c in members.values()), 15, "three shares"
+            )
+            await wait_until(lambda: len(rec.keys) > 300, 15, "some events")
+            c_units = members["c"].units
+            members["c"].stop()
+            await runs.pop("c")
+            await members["c"].close()
+            assert log[-1] == ("c", "revoked", c_units)
+            await wait_until(
+                lambda: len(members["a"].units) + len(members["b"].units) == BUCKETS,
+                10,
+                "c's units taken over",
+            )
+            while relay.hosts["syn"].state != "finished":
+                await asyncio.sleep(0.05)
+            expected = await everything(relay)
+            await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+            await asyncio.sleep(0.3)
+        finally:
+            for name, task in runs.items():
+                members[name].stop()
+                await task
+            for c in members.values():
+                await c.close()
+        assert not rec.errors, rec.errors[:5]
+        # a graceful hand-over commits everything delivered: nothing comes twice
+        assert len(rec.keys) == len(expected)
+        assert rec.distinct() == expected
+        # c's units were assigned to a or b only after c revoked them
+        c_revoked = max(i for i, e in enumerate(log) if e[:2] == ("c", "revoked"))
+        for name, kind, units in log[c_revoked + 1 :]:
+            if kind == "assigned":
+                assert units <= c_units, (name, units)
+        taken = frozenset().union(*(u for n, k, u in log[c_revoked + 1 :] if k == "assigned"))
+        assert taken == c_units
+        # every member was told at close what it gave up
+        for name in "ab":
+            assert log[[i for i, e in enumerate(log) if e[0] == name][-1]][1] == "revoked"
+
+
+async def test_restarted_group_continues_from_the_committed_checkpoints(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    async with make_relay(max_windows=200, events_per_window=3, keys=200) as relay:
+        expected = await everything(relay)
+        group = new_group()
+        first = Recorder()
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        async with iterating(a, "a", first):
+            await wait_until(lambda: len(first.keys) >= 200, 20, "some events")
+        assert a.stats()["units"] == []  # closed: every unit revoked and released
+        second = Recorder()
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        async with iterating(b, "b", second):
+            await wait_until(lambda: first.distinct() | second.distinct() >= expected, 20, "all")
+            await asyncio.sleep(0.3)
+        # the second run starts where the first committed: no event twice
+        assert not (first.distinct() & second.distinct())
+        assert len(first.keys) + len(second.keys) == len(expected)
+
+
+async def test_sync_consumer_in_a_group_with_a_listener(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    calls: list[tuple[str, frozenset[Unit]]] = []
+
+    class Listener:
+        def on_assigned(self, units: frozenset[Unit]) -> None:
+            calls.append(("assigned", units))
+
+        def on_revoked(self, units: frozenset[Unit]) -> None:
+            calls.append(("revoked", units))
+
+    async with make_relay(max_windows=50, events_per_window=2, keys=100) as relay:
+        expected = await everything(relay)
+        cfg = group_config(relay, zk_hosts, new_group(), buckets=4)
+
+        def consume() -> set[tuple[int, int]]:
+            seen: set[tuple[int, int]] = set()
+            with SyncConsumer(cfg, listener=Listener()) as c:
+                for window in c:
+                    assert window.unit.startswith("syn.")
+                    seen.update(e.dedupe_key for e in window.events)
+                    if seen >= expected:
+                        break
+            return seen
+
+        assert await asyncio.to_thread(consume) == expected
+    everything_units = frozenset(Unit("syn", b) for b in range(4))
+    assert calls == [("assigned", everything_units), ("revoked", everything_units)]
+
+
+async def test_a_bucket_count_other_than_the_groups_is_refused(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    async with make_relay(max_windows=5) as relay:
+        group = new_group()
+        async with Consumer(group_config(relay, zk_hosts, group)):
+            other = Consumer(group_config(relay, zk_hosts, group, buckets=32))
+            with pytest.raises(ConfigError, match=r"16 buckets.*32"):
+                await other.start()
+            await other.close()
+
+
+def test_a_plain_checkpoint_persister_is_refused_in_a_group() -> None:
+    cfg = ConsumerConfig(
+        relays=("http://127.0.0.1:1",), partition="syn", group="g", zookeeper="127.0.0.1:1"
+    )
+    with pytest.raises(ConfigError, match="UnitStore"):
+        Consumer(cfg, persister=MemoryCheckpointPersister())
+    with pytest.raises(ConfigError, match="consumer groups"):
+        Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",)), listener=Callbacks())
+
+
+class Lost(AsyncCallbacks):
+    """Records windows and the rebalance callbacks, ``on_lost`` included."""
+
+    def __init__(self, name: str, rec: Recorder) -> None:
+        self.name = name
+        self.rec = rec
+        self.calls: list[tuple[str, frozenset[Unit]]] = []
+
+    async def on_assigned(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("assigned", units))
+
+    async def on_revoked(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("revoked", units))
+
+    async def on_lost(self, units: frozenset[Unit]) -> None:
+        self.calls.append(("lost", units))
+
+    async def on_end_window(self, window: Window) -> None:
+        self.rec.take(self.name, window)
+
+
+def _expire(hosts: str, client_id: tuple[int, bytes]) -> None:
+    """Expire a ZooKeeper session: open it a second time and close it."""
+    from kazoo.client import KazooClient
+
+    twin = KazooClient(hosts=hosts, client_id=client_id)
+    twin.start(10)
+    twin.stop()
+    twin.close()
+
+
+async def test_a_lost_session_drops_the_units_and_they_come_back(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    async with make_relay(
+        max_windows=800, windows_per_s=300, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        rec._replay_ok = True  # a lost unit replays what was not committed
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        cb_a, cb_b = Lost("a", rec), Lost("b", rec)
+        runs = [asyncio.create_task(a.run(cb_a)), asyncio.create_task(b.run(cb_b))]
+        try:
+            await wait_until(lambda: len(a.units) == len(b.units) == 8, 15, "two shares")
+            await wait_until(lambda: len(rec.keys) > 200, 15, "some events")
+            held = a.units
+            first_id = a.stats()["member_id"]
+            zk = a._group._zk  # type: ignore[union-attr]
+            assert zk is not None
+            await asyncio.to_thread(_expire, zk_hosts, zk.client.client_id)
+            await wait_until(lambda: ("lost", held) in cb_a.calls, 15, "on_lost")
+            assert a.stats()["units_lost"] == 8
+            # a joins again under a new member id and gets units again
+            await wait_until(
+                lambda: a.stats()["member_id"] not in ("", first_id) and len(a.units) == 8,
+                15,
+                "a back in the group",
+            )
+            while relay.hosts["syn"].state != "finished":
+                await asyncio.sleep(0.05)
+            expected = await everything(relay)
+            await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+        finally:
+            for c, task in zip((a, b), runs, strict=True):
+                c.stop()
+                await task
+                await c.close()
+        assert not rec.errors, rec.errors[:5]
+        assert rec.distinct() == expected
+        assert cb_a.calls[0][0] == "assigned"
+        lost_at = cb_a.calls.index(("lost", held))
+        assert all(kind != "revoked" or not (u & held) for kind, u in cb_a.calls[:lost_at])
+
+
+async def test_a_fenced_commit_drops_the_unit(make_relay: MakeRelay, zk_hosts: str) -> None:
+    from changebus.cluster import ClusterConfig, ZkSession, ZkUnitStore
+
+    async with make_relay(
+        max_windows=600, windows_per_s=300, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        rec._replay_ok = True
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        cb = Lost("a", rec)
+        run = asyncio.create_task(a.run(cb))
+        session = ZkSession(ClusterConfig(zookeeper=zk_hosts, name="groups"))
+        await session.start()
+        try:
+            await wait_until(lambda: len(a.units) == BUCKETS, 15, "all units")
+            await wait_until(lambda: len(rec.keys) > 100, 15, "some events")
+            victim = Unit("syn", 3)
+            claim = await ZkUnitStore(session).claim(group, victim, "intruder")
+            assert claim.generation >= 2
+            await wait_until(lambda: ("lost", frozenset({victim})) in cb.calls, 10, "on_lost")
+            stats = a.stats()
+            assert stats["fenced_commits"] >= 1 and stats["units_lost"] >= 1
+            # still assigned to a: it claims the unit again and goes on
+            await wait_until(
+                lambda: cb.calls[-1] == ("assigned", frozenset({victim})), 10, "the unit back"
+            )
+            assert victim in a.units
+        finally:
+            a.stop()
+            await run
+            await a.close()
+            await session.stop()
+        assert not rec.errors, rec.errors[:5]
+
+
+async def test_replicas_in_a_group_share_one_database(
+    make_relay: MakeRelay, zk_hosts: str, tmp_path: Any
+) -> None:
+    import sqlite3
+
+    from changebus.client import ChangeOp, SqliteReplica
+
+    db = tmp_path / "shared.db"
+    async with make_relay(
+        max_windows=300, events_per_window=3, keys=40, update_ratio=0.4, delete_ratio=0.2
+    ) as relay:
+        tables: dict[str, dict[Any, dict[str, Any]]] = {}
+        cfg = ConsumerConfig(relays=(relay.url,), partition="syn", **FAST)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        async with Consumer(cfg) as c:
+            async for w in c:
+                for e in w.events:
+                    rows = tables.setdefault(e.table, {})
+                    if e.op is ChangeOp.DELETE:
+                        rows.pop(tuple(e.key.values()), None)
+                    elif e.after is not None:
+                        rows[tuple(e.key.values())] = dict(e.after)
+                if w.scn >= last:
+                    break
+        group = new_group()
+        replicas = [SqliteReplica(db), SqliteReplica(db)]
+        runs = [asyncio.create_task(replicas[0].run(group_config(relay, zk_hosts, group)))]
+        await asyncio.sleep(0.5)  # the second member takes units from a running first one
+        runs.append(asyncio.create_task(replicas[1].run(group_config(relay, zk_hosts, group))))
+
+        async def done() -> bool:
+            stored = await replicas[0].read(group)
+            return len(stored) == BUCKETS and all(
+                s.checkpoint is not None and s.checkpoint.window_scn >= last
+                for s in stored.values()
+            )
+
+        try:
+            for _ in range(300):
+                if await done():
+                    break
+                await asyncio.sleep(0.1)
+            assert await done(), "every unit's checkpoint at the last window"
+        finally:
+            for r in replicas:
+                r.stop()
+            for task in runs:
+                await task
+            for r in replicas:
+                await r.close()
+    conn = sqlite3.connect(db)
+    try:
+        for source, rows in tables.items():
+            table = source.replace(".", "_")
+            got = {
+                (r[0],): {"id": r[0], "n": r[1], "payload": r[2]}
+                for r in conn.execute(f'SELECT id, n, payload FROM "{table}"')
+            }
+            assert got == rows
+    finally:
+        conn.close()
+
+
+async def test_members_find_the_relays_in_the_cluster_table(
+    make_relay: MakeRelay, zk_hosts: str, zk_cluster: str
+) -> None:
+    from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
+
+    async with make_relay(max_windows=100, events_per_window=3, keys=200) as relay:
+        expected = await everything(relay)
+        session = ZkSession(
+            ClusterConfig(
+                zookeeper=zk_hosts, name=zk_cluster, member_id="r1", advertised_url=relay.url
+            )
+        )
+        await session.start()
+        registry = Registry(session, "relay")
+        await registry.start()
+        registry.update({"syn": PartitionState("leader", 1, 1000, 1099)})
+        await registry.flush()
+        try:
+            group = new_group()
+            rec = Recorder()
+            members = [
+                Consumer(
+                    ConsumerConfig(
+                        zookeeper=zk_hosts,
+                        cluster=zk_cluster,
+                        partitions=("syn",),
+                        group=group,
+                        buckets=BUCKETS,
+                        member_name=name,
+                        **FAST,
+                    )
+                )
+                for name in "ab"
+            ]
+            async with iterating(members[0], "a", rec), iterating(members[1], "b", rec):
+                await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+                assert members[0].stats()["relays"] == [relay.url]
+        finally:
+            await registry.stop()
+            await session.stop()
+        assert not rec.errors, rec.errors[:5]
+        assert rec.distinct() == expected
