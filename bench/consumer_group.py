@@ -17,10 +17,12 @@ with ``time.monotonic()`` (one clock for all processes of the host).
   move units a few times first) to the last new delivery; the 1-member run is
   the baseline in the same run. ``group_scaling_ratio_whole_backlog`` divides
   the whole backlog by first -> last delivery instead (group formation
-  included; it needs a backlog that takes many seconds). The CPU time of the relay and of the members
-  (``/proc/<pid>/stat``) over each run says where the limit is: the relay
-  filters the whole buffer once per lane (one lane per member), the members
-  decode, and the machine has 2 cores.
+  included; it needs a backlog that takes many seconds). The CPU time of
+  the relay and of the members (``/proc/<pid>/stat``) and of the whole
+  machine (``/proc/stat``: it is shared) over each run says where the limit
+  is (``scaling_limit``): the relay filters the whole buffer once per lane
+  (one lane per member), each member decodes its share, and the machine has
+  2 cores.
 * **kill -9** (``rebalance_s_max``, goal <= 3 s with a 2 s session): 3 members
   on a live relay (``--rate`` windows/s of 20 events, keys spread over every
   bucket); ``--rounds`` times a member is killed with SIGKILL (the leader in
@@ -224,6 +226,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine were busy so far (every core, ``/proc/stat``)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Member:
     """One member process (held until :meth:`go`) and its log."""
@@ -353,7 +362,7 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
     for m in members:
         wait_for(lambda m=m: m.lines("ready"), 60, f"{m.name} ready")
     pids = [relay_pid, *(m.proc.pid for m in members)]
-    samples = [(time.monotonic(), [cpu_s(p) for p in pids])]  # CPU seconds over time
+    samples = [(time.monotonic(), [machine_busy_s(), *(cpu_s(p) for p in pids)])]  # CPU s
     for m in members:
         m.go()
 
@@ -369,7 +378,7 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
     while True:
         time.sleep(0.2)
         now = time.monotonic()
-        samples.append((now, [cpu_s(p) for p in pids]))
+        samples.append((now, [machine_busy_s(), *(cpu_s(p) for p in pids)]))
         if not t_bal and balanced(members):
             t_bal = now
         current = totals()
@@ -402,10 +411,11 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
         "seconds": round(t_end - t_first, 3),
         "replayed_events": max(events - expected, 0),
         "missing_events": max(expected - events, 0),
-        "relay_cpu_cores": round((cpu1[0] - cpu0[0]) / wall, 2),
-        "members_cpu_cores": round((sum(cpu1[1:]) - sum(cpu0[1:])) / wall, 2),
+        "machine_cpu_cores": round((cpu1[0] - cpu0[0]) / wall, 2),
+        "relay_cpu_cores": round((cpu1[1] - cpu0[1]) / wall, 2),
+        "members_cpu_cores": round((sum(cpu1[2:]) - sum(cpu0[2:])) / wall, 2),
         "busiest_member_cpu_cores": round(
-            max(b - a for a, b in zip(cpu0[1:], cpu1[1:], strict=True)) / wall, 2
+            max(b - a for a, b in zip(cpu0[2:], cpu1[2:], strict=True)) / wall, 2
         ),
     }
 
@@ -430,14 +440,29 @@ def scaling(bench: Bench, windows: int) -> dict[str, Any]:
     _common.stop_relay(proc)
     bench.relays.remove(proc)
     used = four["relay_cpu_cores"] + four["members_cpu_cores"]
-    if used >= 1.7:
-        limit = f"the machine's 2 cores ({used:.2f} cores busy: relay {four['relay_cpu_cores']}, members {four['members_cpu_cores']:.2f})"
+    machine, cores = four["machine_cpu_cores"], os.cpu_count() or 2
+    if machine >= 0.85 * cores:
+        limit = (
+            f"the machine's {cores} cores ({machine} busy: relay {four['relay_cpu_cores']},"
+            f" members {four['members_cpu_cores']}, other processes {max(machine - used, 0):.2f})"
+        )
     elif four["relay_cpu_cores"] >= 0.85:
-        limit = f"the relay's one core ({four['relay_cpu_cores']} cores: it filters the buffer once per lane)"
+        limit = (
+            f"the relay's one core ({four['relay_cpu_cores']} cores busy: it filters the buffer"
+            " once per lane)"
+        )
+    elif four["busiest_member_cpu_cores"] >= 0.85:
+        limit = f"one member's core ({four['busiest_member_cpu_cores']} busy: decoding)"
     else:
         limit = (
-            f"neither CPU is saturated ({used:.2f} cores busy): latency-bound (long polls, queues)"
+            f"no CPU is saturated ({machine} of {cores} cores busy, ours {used:.2f}):"
+            " latency-bound (long polls, queues, lease holds)"
         )
+    one_limit = (
+        f"1 member: {one['busiest_member_cpu_cores']} cores (decoding), relay"
+        f" {one['relay_cpu_cores']}, machine {one['machine_cpu_cores']}"
+    )
+    limit = f"{limit}; {one_limit}"
     whole = four["events_per_s"] / one["events_per_s"]
     ratio = four["steady_events_per_s"] / max(one["steady_events_per_s"], 1)
     print(
@@ -460,6 +485,8 @@ def scaling(bench: Bench, windows: int) -> dict[str, Any]:
         "relay_cpu_cores_4": four["relay_cpu_cores"],
         "members_cpu_cores_1": one["members_cpu_cores"],
         "members_cpu_cores_4": four["members_cpu_cores"],
+        "machine_cpu_cores_1": one["machine_cpu_cores"],
+        "machine_cpu_cores_4": four["machine_cpu_cores"],
         "scaling_limit": limit,
     }
 
