@@ -407,7 +407,7 @@ def scaling_run(bench: Bench, url: str, relay_pid: int, n: int, expected: int) -
     return {
         "events_per_s": round(rate),
         "steady_events_per_s": round(steady),
-        "balanced_after_s": round(t_bal - t_first, 3) if t_bal else -1,
+        "balanced_after_s": round(max(t_bal - t_first, 0.0), 3) if t_bal else -1,
         "seconds": round(t_end - t_first, 3),
         "replayed_events": max(events - expected, 0),
         "missing_events": max(expected - events, 0),
