@@ -58,12 +58,12 @@ def new_group() -> str:
     return f"g{uuid.uuid4().hex[:10]}"
 
 
-def bucket_of(event: Any) -> int:
+def bucket_of(event: Any, buckets: int = BUCKETS) -> int:
     """The bucket of an event's key, computed the way the fetcher hashed it."""
     if not event.key:
         return 0
     encoder = RowEncoder(event.schema, source_id=event.source_id)
-    return key_hash(encoder._key_bytes(event.key)) % BUCKETS
+    return key_hash(encoder._key_bytes(event.key)) % buckets
 
 
 async def everything(relay: Relay) -> set[tuple[int, int]]:
@@ -82,7 +82,8 @@ async def everything(relay: Relay) -> set[tuple[int, int]]:
 class Recorder:
     """Delivered windows of several members, checked as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: int = BUCKETS) -> None:
+        self.buckets = buckets
         self.keys: list[tuple[int, int]] = []
         self.last_scn: dict[str, int] = {}
         self.by_member: dict[str, list[Window]] = defaultdict(list)
@@ -96,10 +97,9 @@ class Recorder:
             )
         self.last_scn[window.unit] = max(window.scn, self.last_scn.get(window.unit, -1))
         for event in window.events:
-            if bucket_of(event) != unit.bucket:
-                self.errors.append(
-                    f"event {event.dedupe_key} of bucket {bucket_of(event)} in {unit}"
-                )
+            bucket = bucket_of(event, self.buckets)
+            if bucket != unit.bucket:
+                self.errors.append(f"event {event.dedupe_key} of bucket {bucket} in {unit}")
         self.keys.extend(e.dedupe_key for e in window.events)
         self.by_member[member].append(window)
 
@@ -319,6 +319,8 @@ def test_a_plain_checkpoint_persister_is_refused_in_a_group() -> None:
         Consumer(cfg, persister=MemoryCheckpointPersister())
     with pytest.raises(ConfigError, match="consumer groups"):
         Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",)), listener=Callbacks())
+    with pytest.raises(ConfigError, match="give the relays"):
+        ConsumerConfig(partition="syn", group="g", zookeeper="127.0.0.1:1")
 
 
 class Lost(AsyncCallbacks):
@@ -538,3 +540,102 @@ async def test_members_find_the_relays_in_the_cluster_table(
             await session.stop()
         assert not rec.errors, rec.errors[:5]
         assert rec.distinct() == expected
+
+
+async def test_lanes_at_one_position_merge(make_relay: MakeRelay, zk_hosts: str) -> None:
+    async with make_relay(
+        max_windows=400, windows_per_s=200, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"))
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"))
+        async with iterating(a, "a", rec):
+            await wait_until(lambda: len(a.units) == BUCKETS and rec.keys, 10, "a alone")
+            async with iterating(b, "b", rec):
+                await wait_until(lambda: len(b.units) == BUCKETS // 2, 10, "b's share")
+                await wait_until(lambda: len(rec.by_member["b"]) > 5, 10, "b reading")
+            # b left: a reads b's units in a lane of their own, then one lane again
+            await wait_until(lambda: len(a.units) == BUCKETS, 10, "a alone again")
+            while relay.hosts["syn"].state != "finished":
+                await asyncio.sleep(0.05)
+            expected = await everything(relay)
+            await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+            await wait_until(lambda: a.stats()["lanes"] == 1, 10, "one lane")
+            await asyncio.sleep(0.3)
+        assert not rec.errors, rec.errors[:5]
+        assert len(rec.keys) == len(expected)
+        assert rec.distinct() == expected
+
+
+async def test_schema_changes_go_with_bucket_0_and_a_gap_to_every_unit(
+    scripted_relay: Any, window_type: Any, zk_hosts: str
+) -> None:
+    from changebus.schemas import Column, DataLoss, Op, TableSchema
+
+    users = TableSchema(
+        "app.users", (Column("id", "long", nullable=False), Column("name", "string")), ("id",), 1
+    )
+    W = window_type
+    rows = [(users, 1, Op.INSERT, {"id": i, "name": f"u{i}"}, None) for i in range(40)]
+    script = [
+        W(10, rows=rows[:20], announce=[(1, users)]),
+        W(20, loss=DataLoss(11, 19, "test gap")),
+        W(30, rows=rows[20:]),
+    ]
+    async with scripted_relay(script) as relay:
+        rec = Recorder(buckets=4)
+        cfg = group_config(relay, zk_hosts, new_group(), buckets=4, on_data_loss="deliver")
+        got: list[Window] = []
+        async with Consumer(cfg) as c:
+            async for window in c:
+                got.append(window)
+                rec.take("a", window)
+                if len(rec.distinct()) == 40 and sum(w.data_loss is not None for w in got) == 4:
+                    break
+    assert not rec.errors, rec.errors[:5]
+    changes = [w for w in got if w.schema_changes]
+    assert [(w.scn, w.unit) for w in changes] == [(10, "syn.0")]
+    assert sorted(w.unit for w in got if w.data_loss is not None) == [f"syn.{b}" for b in range(4)]
+    assert {w.unit for w in got if w.scn == 10 and w.events} == {f"syn.{b}" for b in range(4)}
+
+
+async def test_sync_callbacks_get_the_rebalance_calls_in_their_worker_thread(
+    make_relay: MakeRelay, zk_hosts: str
+) -> None:
+    import threading
+
+    async with make_relay(max_windows=60, events_per_window=2, keys=100) as relay:
+        expected = await everything(relay)
+        cfg = group_config(relay, zk_hosts, new_group(), buckets=4)
+        calls: list[tuple[str, str, frozenset[Unit]]] = []
+        seen: set[tuple[int, int]] = set()
+        threads: set[str] = set()
+
+        def consume() -> None:
+            consumer = SyncConsumer(cfg)
+
+            class Sync(Callbacks):
+                def on_assigned(self, units: frozenset[Unit]) -> None:
+                    calls.append(("assigned", threading.current_thread().name, units))
+
+                def on_revoked(self, units: frozenset[Unit]) -> None:
+                    calls.append(("revoked", threading.current_thread().name, units))
+
+                def on_end_window(self, window: Window) -> None:
+                    threads.add(threading.current_thread().name)
+                    seen.update(e.dedupe_key for e in window.events)
+                    if seen >= expected:
+                        consumer.stop()
+
+            try:
+                consumer.run(Sync())
+            finally:
+                consumer.close()
+
+        await asyncio.to_thread(consume)
+    units = frozenset(Unit("syn", b) for b in range(4))
+    assert seen == expected
+    assert [(kind, u) for kind, _, u in calls] == [("assigned", units), ("revoked", units)]
+    # on_assigned ran where the window callbacks run (on_revoked at close: after run ended)
+    assert calls[0][1] in threads and threads == {calls[0][1]}

@@ -14,7 +14,12 @@ transactions (:class:`Window` of :class:`ChangeEvent`) in commit order:
 * replicas -- :class:`SqliteReplica` / :class:`PostgresReplica` apply a
   stream to tables of another database with idempotent upserts and the
   checkpoint in the same transaction (effectively-once);
-* consumer groups -- the fenced unit checkpoints of a group
+* consumer groups -- ``ConsumerConfig(group=..., zookeeper=...)`` makes a
+  :class:`Consumer` (or :class:`SyncConsumer`) a member of a group on
+  ZooKeeper sharing partitions cut into key buckets (work units,
+  :class:`~changebus.schemas.Unit`): sticky, incremental rebalancing told to
+  a :class:`RebalanceListener`, each unit's windows in SCN order
+  (``Window.unit``), no order across units; the fenced unit checkpoints of a group
   (:class:`~changebus.schemas.UnitStore`) in files (:class:`FileUnitStore`,
   one host, ``flock``), a PostgreSQL table (:class:`PostgresUnitStore`) or,
   effectively-once, in a replica's own database: :class:`SqliteReplica` and

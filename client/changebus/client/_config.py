@@ -107,7 +107,8 @@ class ConsumerConfig:
     one ``partition``) between its members: each partition is cut into
     ``buckets`` key buckets (the relay's mod filter), and each (partition,
     bucket) unit is owned by one member at a time, with its own fenced
-    checkpoint (see :mod:`changebus.client.group`). ``member_name`` labels
+    checkpoint (see :class:`~changebus.client.Consumer` and its engine,
+    ``changebus.client._group``). ``member_name`` labels
     this member in ``changebus group status`` (default ``host:pid``);
     ``commit_interval_s`` is how often at most a unit's checkpoint is written
     to the store (and always when a unit is revoked or the consumer closes).
@@ -191,6 +192,10 @@ class ConsumerConfig:
                 raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
             cleaned.append(url.rstrip("/"))
         object.__setattr__(self, "relays", tuple(cleaned))
+        if self.group and not self.cluster.strip() and not cleaned:
+            raise ConfigError(
+                f"group {self.group!r}: give the relays (or a cluster to find them in)"
+            )
         servers: object = self.bootstrap_servers
         if isinstance(servers, str):
             servers = (servers,)

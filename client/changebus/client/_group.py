@@ -27,8 +27,19 @@ while the lease is in doubt (ZooKeeper disconnected) it waits, and a unit
 whose owner node is gone is dropped. So a member frozen past its session
 delivers nothing when it wakes.
 
-Ordering: the windows of one unit come in SCN order (one lane reads a unit;
-a new lane per claim); nothing is promised across units.
+The rebalance work runs on the application's path on purpose (a unit is
+never taken away in the middle of one of its windows); the price is that a
+member busy with one long window, or an iterator the application stops
+pulling from, hands its revoked units over only when it asks for the next
+window. Acquiring runs in the background: the units a member keeps go on
+flowing while new ones are claimed.
+
+Ordering: the windows of one unit come in SCN order (one lane reads a unit
+at a time; a unit changes lanes only at a point where every window of its
+old lane up to there was handed out); nothing is promised across units.
+Lanes: one per claim batch, narrowed when units leave, merged when the
+member is idle and lanes of a partition stand at the same window
+(:mod:`._group_lanes`).
 
 Commits: iterator ``commit()`` (auto-commit: when the next window is asked
 for) and the callbacks' ``on_checkpoint`` accept positions; the store is
@@ -51,7 +62,7 @@ from typing import Any, Literal
 import aiohttp
 
 from changebus.cluster import CoordinationError, GroupMember, ZkSession, ZkUnitStore
-from changebus.schemas import Checkpoint, PartitionCheckpoint, Unit, UnitStore
+from changebus.schemas import Checkpoint, Unit, UnitStore
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._cluster import ClusterRoute
@@ -89,6 +100,7 @@ class GroupConsumer:
     ) -> None:
         self.config = config
         self._store = store
+        self._own_store = store is None
         self._calls = ListenerCalls(listener)
         self._http = session
         self._own_http = session is None
@@ -135,25 +147,19 @@ class GroupConsumer:
         zk = self._zk = await connect(cfg)
         if self._store is None:
             self._store = ZkUnitStore(zk)
-            self._own_store = True
-        else:
-            self._own_store = False
         member = self.member = GroupMember(
             zk, cfg.group, cfg.partitions, cfg.buckets, name=cfg.member_name
         )
         if self._http is None:
             self._http = await open_session(cfg.auth)
         queue = self._queue = BoundedQueue[LaneBatch](cfg.queue_windows, cfg.queue_bytes)
-        owner_box: list[UnitOwner] = []
-        positions = self._positions = GroupPositions(
-            self._store, cfg.group, cfg.commit_interval_s, lambda u: owner_box[0].on_fenced(u)
-        )
+        positions = self._positions = GroupPositions(self._store, cfg.group, cfg.commit_interval_s)
         owner = self._owner = UnitOwner(
             cfg, member, self._store, positions, self._http, queue, self._wake
         )
-        owner_box.append(owner)
+        positions.on_fenced = owner.on_fenced
         for partition in cfg.partitions:
-            route = await follow_relays(cfg, partition, owner)
+            route = await follow_relays(cfg, partition, owner.lanes)
             if route is not None:
                 self._routes.append(route)
         member.on_lost(self._on_lost)
@@ -219,17 +225,13 @@ class GroupConsumer:
             for route in self._routes:
                 await route.stop()
             self._routes.clear()
-            if self._own_store_close():
-                assert self._store is not None
+            if self._own_store and self._store is not None:
                 await self._store.close()
             if self._zk is not None:
                 await self._zk.stop()
             if self._own_http and self._http is not None:
                 await self._http.close()
                 self._http = None
-
-    def _own_store_close(self) -> bool:
-        return bool(getattr(self, "_own_store", False)) and self._store is not None
 
     def stop(self) -> None:
         """End a running ``run`` or iteration after the current window (any thread)."""
@@ -264,7 +266,8 @@ class GroupConsumer:
             if not len(queue):
                 for lane in owner.lanes:  # idle: the positions of units without events catch up
                     if lane.unadvanced is not None:
-                        self._advance_others(lane, lane.unadvanced, positions)
+                        lane.advance_idle(lane.unadvanced, positions, self._held())
+                owner.lanes.merge(owner.held)  # lanes of a partition at one position become one
             batch = await queue.get()
             lane_ = batch.lane
             if lane_ is None or lane_.stopped:
@@ -273,44 +276,10 @@ class GroupConsumer:
             now = time.monotonic()
             if now - lane_.advanced_at >= _ADVANCE_S:
                 lane_.advanced_at = now
-                self._advance_others(lane_, batch, positions)
+                lane_.advance_idle(batch, positions, self._held())
             else:
                 lane_.unadvanced = batch
             self._ready.extend((lane_, u, w) for u, w in batch.windows)
-
-    def _advance_others(self, lane: Lane, batch: LaneBatch, positions: GroupPositions) -> None:
-        """The lane's units without a window in ``batch`` move past it (position only).
-
-        Every window of those units before ``batch`` was handed out (the
-        batches of a lane are dequeued in order, and the next one only once
-        the windows of the last are handed out), so this skips nothing.
-        Done at most every ``_ADVANCE_S`` per lane and when the member is
-        idle: a position-only advance saves re-reading windows without
-        events after a move, nothing else, and costs a pass over the lane's units.
-        """
-        lane.unadvanced = None
-        units = lane.units
-        if len(batch.windows) == len(units):
-            return
-        got = {u.bucket for u, _ in batch.windows}
-        online = PartitionCheckpoint(
-            window_scn=batch.scn, prev_scn=batch.scn, timestamp_ns=batch.timestamp_ns
-        )
-        iterator = self._mode == "iterator"
-        for bucket, text in lane.texts.items():
-            if bucket in got or bucket not in units:
-                continue
-            if iterator and text in self._uncommitted:
-                # committing the unit's yielded window later covers this position too
-                self._uncommitted[text] = Window(
-                    batch.scn,
-                    batch.timestamp_ns,
-                    lane.partition,
-                    checkpoint=batch.checkpoint,
-                    unit=text,
-                )
-            else:
-                positions.advance_to(text, batch.scn, batch.timestamp_ns, batch.checkpoint, online)
 
     async def _fence(self, owner: UnitOwner, lane: Lane, unit: Unit) -> bool:
         """Whether ``unit``'s window may go to the application now (waits while the lease is in doubt)."""
@@ -352,7 +321,7 @@ class GroupConsumer:
                 self._purge_replay(texts)
                 for lane in {owner.held[u] for u in gone}:
                     if lane.unadvanced is not None:  # their final positions as far as known
-                        self._advance_others(lane, lane.unadvanced, self._positions_())
+                        lane.advance_idle(lane.unadvanced, self._positions_(), self._held())
                 replaced = await owner.let_go(gone)
                 if replaced:  # windows not handed out yet now belong to the narrowed lanes
                     self._ready = deque(
@@ -362,6 +331,10 @@ class GroupConsumer:
         assigned = owner.take_assigned()
         if assigned:
             await self._calls.assigned(assigned)
+
+    def _held(self) -> dict[str, Window] | None:
+        """Iterator mode: the windows yielded and not committed, by unit (else None)."""
+        return self._uncommitted if self._mode == "iterator" else None
 
     def _positions_(self) -> GroupPositions:
         assert self._positions is not None

@@ -5,7 +5,7 @@
   session timeout; the group's znodes do not depend on the cluster name),
   waiting with backoff while ZooKeeper does not answer (``max_attempts``
   bounds the wait as it bounds failed relay requests).
-* :func:`follow_relays` gives the :class:`~._group_units.UnitOwner` the
+* :func:`follow_relays` gives the member's :class:`~._group_lanes.LaneSet` the
   relays and bootstrap servers of one partition: the static ``relays`` and
   ``bootstrap_servers``, or with ``cluster`` the cluster's routing table,
   followed as :class:`~._cluster.ClusterRoute` does for a plain consumer
@@ -26,7 +26,7 @@ from ._backoff import Backoff
 from ._cluster import ClusterRoute
 from ._config import ConsumerConfig
 from ._errors import RelayUnavailableError
-from ._group_units import UnitOwner
+from ._group_lanes import LaneSet
 
 __all__ = ["connect", "follow_relays"]
 
@@ -70,13 +70,11 @@ async def connect(cfg: ConsumerConfig) -> ZkSession:
     return session
 
 
-async def follow_relays(
-    cfg: ConsumerConfig, partition: str, owner: UnitOwner
-) -> ClusterRoute | None:
-    """Give ``owner`` the relays of ``partition`` now and on changes; the route to stop later."""
+async def follow_relays(cfg: ConsumerConfig, partition: str, lanes: LaneSet) -> ClusterRoute | None:
+    """Give ``lanes`` the relays of ``partition`` now and on changes; the route to stop later."""
     if not cfg.cluster:
-        owner.set_relays(partition, cfg.relays)
-        owner.set_bootstrap(partition, cfg.bootstrap_servers)
+        lanes.set_relays(partition, cfg.relays)
+        lanes.set_bootstrap(partition, cfg.bootstrap_servers)
         return None
     route = ClusterRoute(
         cfg.zookeeper,
@@ -93,10 +91,10 @@ async def follow_relays(
     except BaseException:
         await route.stop()
         raise
-    owner.set_relays(partition, relays)
-    route.on_change(lambda r: owner.set_relays(partition, r), relays)
+    lanes.set_relays(partition, relays)
+    route.on_change(lambda r: lanes.set_relays(partition, r), relays)
     boot = cfg.bootstrap_servers or route.bootstrap_servers()
-    owner.set_bootstrap(partition, boot)
+    lanes.set_bootstrap(partition, boot)
     if not cfg.bootstrap_servers and boot:
-        route.on_bootstrap_change(lambda s: owner.set_bootstrap(partition, s), boot)
+        route.on_bootstrap_change(lambda s: lanes.set_bootstrap(partition, s), boot)
     return route

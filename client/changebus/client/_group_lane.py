@@ -36,7 +36,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -57,6 +57,9 @@ from ._decode import SchemaCache
 from ._fetch import RelayFetcher
 from ._model import ChangeEvent, Window
 from ._queue import BoundedQueue, QueueClosed
+
+if TYPE_CHECKING:
+    from ._group_position import GroupPositions
 
 __all__ = ["Lane", "LaneBatch", "lane_config"]
 
@@ -149,6 +152,8 @@ class Lane:
         #: bucket -> unit, and bucket -> unit text, of the units still in the lane
         self.units: dict[int, Unit] = {u.bucket: u for u in units}
         self.texts = {u.bucket: str(u) for u in units}
+        # the lane's filter keeps one bucket: every event is that unit's
+        self._only = units[0].bucket if len(units) == 1 else None
         #: the last batch dequeued whose position the units without events did not take yet
         self.unadvanced: LaneBatch | None = None
         self.advanced_at = 0.0
@@ -231,6 +236,45 @@ class Lane:
         self.units = kept
         return not kept
 
+    # ---- positions of units without events ------------------------------------
+
+    def advance_idle(
+        self, batch: LaneBatch, positions: GroupPositions, held: dict[str, Window] | None
+    ) -> None:
+        """The lane's units without a window in ``batch`` move past it (position only).
+
+        Every window of those units before ``batch`` was handed out (the
+        batches of a lane are dequeued in order, and the next one only once
+        the windows of the last are handed out), so this skips nothing.
+        ``held`` (iterator mode) are the windows yielded and not committed,
+        by unit: such a unit's pending window is replaced by an empty one at
+        ``batch`` (committing it covers both). The consumer calls this at most
+        every 50 ms per lane and when idle: a position-only advance saves
+        re-reading windows without events after a move, nothing else, and
+        costs a pass over the lane's units.
+        """
+        self.unadvanced = None
+        units = self.units
+        if len(batch.windows) == len(units):
+            return
+        got = {u.bucket for u, _ in batch.windows}
+        online = PartitionCheckpoint(
+            window_scn=batch.scn, prev_scn=batch.scn, timestamp_ns=batch.timestamp_ns
+        )
+        for bucket, text in self.texts.items():
+            if bucket in got or bucket not in units:
+                continue
+            if held is not None and text in held:
+                held[text] = Window(
+                    batch.scn,
+                    batch.timestamp_ns,
+                    self.partition,
+                    checkpoint=batch.checkpoint,
+                    unit=text,
+                )
+            else:
+                positions.advance_to(text, batch.scn, batch.timestamp_ns, batch.checkpoint, online)
+
     # ---- splitting ------------------------------------------------------------
 
     def split(self, window: Window, raw: RawWindow | None) -> LaneBatch:
@@ -239,8 +283,8 @@ class Lane:
         events = window.events
         groups: dict[int, Sequence[ChangeEvent]] = {}
         if events:
-            if len(units) == 1 and self.buckets > 1:
-                groups = {next(iter(units)): events}  # the relay filtered for the one bucket
+            if self._only is not None:
+                groups = {self._only: events}  # the relay filters for the one bucket
             else:
                 groups = self._group(events, raw)
         extra = bool(window.schema_changes or window.messages)

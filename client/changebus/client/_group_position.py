@@ -86,12 +86,12 @@ class GroupPositions:
         store: UnitStore,
         group: str,
         commit_interval_s: float,
-        on_fenced: Callable[[frozenset[Unit]], None],
     ) -> None:
         self._store = store
         self._group = group
         self._interval = commit_interval_s
-        self._on_fenced = on_fenced
+        #: told the units whose commit the store refused (the consumer drops them)
+        self.on_fenced: Callable[[frozenset[Unit]], None] = lambda units: None
         self._entries: dict[str, _Entry] = {}
         # entries whose current is ahead of accepted (persist and rollback touch only these)
         self._moved: set[_Entry] = set()
@@ -264,5 +264,5 @@ class GroupPositions:
                     self._group,
                     ", ".join(sorted(map(str, fenced))),
                 )
-                self._on_fenced(fenced)
+                self.on_fenced(fenced)
             return fenced

@@ -20,6 +20,10 @@ units (``held``: unit -> the :class:`~._group_lane.Lane` reading it):
   windows are no longer delivered and ``on_lost`` follows
   (:meth:`take_lost`).
 
+* **lanes** (:mod:`._group_lanes`): a lane that keeps some units after a
+  revoke is narrowed to them; lanes of a partition standing at the same
+  window while the member is idle are merged.
+
 A unit is never read by two members at once beyond what at-least-once
 allows: it is claimed only after its owner node exists (the previous owner
 released it after its final commit, or its session expired), and a zombie's
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -51,7 +54,8 @@ from changebus.schemas import (
 )
 
 from ._config import ConsumerConfig
-from ._group_lane import Lane, LaneBatch, lane_config
+from ._group_lane import Lane, LaneBatch
+from ._group_lanes import LaneSet
 from ._group_position import GroupPositions
 from ._queue import BoundedQueue
 
@@ -91,18 +95,14 @@ class UnitOwner:
         self._http = http
         self._queue = queue
         self._wake = wake
-        #: held units and their lanes; lanes running
+        #: held units and their lanes; the lanes running (and each partition's relays)
         self.held: dict[Unit, Lane] = {}
-        self.lanes: set[Lane] = set()
-        #: relays and bootstrap servers per partition (kept current by the consumer)
-        self.relays: dict[str, tuple[str, ...]] = {}
-        self.bootstrap: dict[str, tuple[str, ...]] = {}
+        self.lanes = LaneSet(config, http, queue, self._spawn)
         self._acquiring: dict[Unit, asyncio.Task[UnitClaim | None]] = {}
         self._unannounced: set[Unit] = set()
         self._lost: set[Unit] = set()
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._lane_numbers = itertools.count()
         self._target: frozenset[Unit] = frozenset()
         #: the application's path has units to revoke
         self.revoke_due = False
@@ -189,7 +189,7 @@ class UnitOwner:
         """Revoke ``units``: final commit of their accepted positions, leave the lanes, release.
 
         A lane that keeps some units is replaced by one reading just those
-        (``narrow``, see :meth:`_narrow`); returns the replacements (old -> new).
+        (``narrow``, :meth:`LaneSet.narrow`); returns the replacements (old -> new).
         """
         gone = [u for u in units if u in self.held]
         if not gone:
@@ -204,7 +204,7 @@ class UnitOwner:
             "group %s: member %s gave up %s", self.config.group, self.member.member_id, _text(gone)
         )
         self._changed.set()
-        return self._narrow(kept) if narrow else {}
+        return self.lanes.narrow(kept, self.held) if narrow else {}
 
     def _forget(self, units: Sequence[Unit]) -> set[Lane]:
         """Drop ``units`` from their lanes (a lane left empty stops); the lanes that keep some."""
@@ -217,76 +217,10 @@ class UnitOwner:
         kept: set[Lane] = set()
         for lane, lost in by_lane.items():
             if lane.drop(lost):
-                self.lanes.discard(lane)
-                lane.retire()
-                self._spawn(lane.stop())
+                self.lanes.retire(lane)
             else:
                 kept.add(lane)
         return kept
-
-    def _narrow(self, lanes: Iterable[Lane]) -> dict[Lane, Lane]:
-        """Replace each of ``lanes`` by a lane filtering for its remaining units only.
-
-        The relay then stops sending the events of the units given away (a
-        member keeping a quarter of its units would otherwise still receive
-        and decode all of them). The new lane starts after the old lane's last
-        dequeued batch (:meth:`Lane.restart_point`): the windows of that batch
-        not handed out yet are the new lane's (the caller re-labels them).
-        """
-        replaced: dict[Lane, Lane] = {}
-        for lane in lanes:
-            possible, start = lane.restart_point()
-            if not possible or lane.stopped:
-                continue
-            units = sorted(lane.units.values())
-            new = self._new_lane(lane.partition, units, start)
-            for unit in units:
-                self.held[unit] = new
-            self.lanes.discard(lane)
-            lane.retire()  # its batches still queued must not move the units' positions
-            self._spawn(lane.stop())
-            new.start()
-            replaced[lane] = new
-            log.info(
-                "group %s: lane %s now reads %s only", self.config.group, new.name, new.describe()
-            )
-        return replaced
-
-    def _new_lane(
-        self, partition: str, units: Sequence[Unit], start: PartitionCheckpoint | None
-    ) -> Lane:
-        cfg = lane_config(
-            self.config,
-            partition,
-            frozenset(u.bucket for u in units),
-            self.relays[partition],
-            self.bootstrap.get(partition, ()),
-        )
-        lane = Lane(
-            cfg,
-            self._http,
-            self._queue,
-            units,
-            start,
-            self.config.buckets,
-            next(self._lane_numbers),
-        )
-        self.lanes.add(lane)
-        return lane
-
-    # ---- relays -----------------------------------------------------------------
-
-    def set_relays(self, partition: str, relays: tuple[str, ...]) -> None:
-        self.relays[partition] = relays
-        for lane in self.lanes:
-            if lane.partition == partition:
-                lane.fetcher.set_relays(relays)
-
-    def set_bootstrap(self, partition: str, servers: tuple[str, ...]) -> None:
-        self.bootstrap[partition] = servers
-        for lane in self.lanes:
-            if lane.partition == partition:
-                lane.fetcher.set_bootstrap_servers(servers)
 
     # ---- acquiring ------------------------------------------------------------------
 
@@ -384,7 +318,7 @@ class UnitOwner:
             else:
                 groups.append((claim.unit.partition, claim.checkpoint, [claim]))
         for partition, checkpoint, members in groups:
-            lane = self._new_lane(partition, [c.unit for c in members], checkpoint)
+            lane = self.lanes.new(partition, [c.unit for c in members], checkpoint)
             for claim in members:
                 self.positions.add(claim)
                 self.held[claim.unit] = lane
@@ -423,6 +357,4 @@ class UnitOwner:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        for lane in list(self.lanes):
-            await lane.stop()
-        self.lanes.clear()
+        await self.lanes.stop()

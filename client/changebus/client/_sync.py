@@ -20,7 +20,7 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from changebus.schemas import Checkpoint, UnitStore
+from changebus.schemas import Checkpoint, Unit, UnitStore
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
@@ -104,6 +104,11 @@ class SyncConsumer:
     def stop(self) -> None:
         """End a running :meth:`run` or iteration after the current window (any thread)."""
         self.consumer.stop()
+
+    @property
+    def units(self) -> frozenset[Unit]:
+        """The units this group member holds now (empty outside groups)."""
+        return self.consumer.units
 
     @property
     def checkpoint(self) -> Checkpoint:
