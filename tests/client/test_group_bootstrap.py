@@ -78,12 +78,17 @@ def rows_of(conn: Any, table: str) -> dict[int, tuple[Any, ...]]:
 
 
 class Phases(SqliteReplica):
-    def __init__(self, path: Path) -> None:
+    """Records the phases of its windows; stops its consumer after ``stop_after`` snapshot pages."""
+
+    def __init__(self, path: Path, stop_after: int = 0) -> None:
         super().__init__(path)
         self.phases: list[str] = []
+        self.stop_after = stop_after
 
     async def on_start_window(self, window: Window) -> Any:
         self.phases.append(window.phase)
+        if self.stop_after and self.phases.count("snapshot") == self.stop_after:
+            self.stop()  # the group stops in the middle of its snapshot
         return await super().on_start_window(window)
 
 
@@ -120,6 +125,19 @@ async def test_a_late_group_bootstraps_per_lane(tmp_path: Path, pg_dsn: str, zk_
                 wait_s=0.5,
                 backoff_initial_s=0.05,
                 backoff_max_s=0.5,
+            )
+            # a first member stops in the middle of the snapshot: its units' checkpoints
+            # hold the bootstrap progress, from which the next members go on
+            first = Phases(db, stop_after=3)
+            try:
+                await asyncio.wait_for(first.run(cfg), 60)
+                stored = await first.read(group)
+            finally:
+                await first.close()
+            assert len(stored) == BUCKETS
+            assert any(
+                s.checkpoint is not None and s.checkpoint.mode is not Mode.ONLINE
+                for s in stored.values()
             )
             members = [Phases(db), Phases(db)]
             runs = [asyncio.create_task(m.run(cfg)) for m in members]

@@ -639,3 +639,39 @@ async def test_sync_callbacks_get_the_rebalance_calls_in_their_worker_thread(
     assert [(kind, u) for kind, _, u in calls] == [("assigned", units), ("revoked", units)]
     # on_assigned ran where the window callbacks run (on_revoked at close: after run ended)
     assert calls[0][1] in threads and threads == {calls[0][1]}
+
+
+async def test_members_with_a_file_unit_store(
+    make_relay: MakeRelay, zk_hosts: str, tmp_path: Any
+) -> None:
+    from changebus.client import FileUnitStore
+
+    async with make_relay(
+        max_windows=300, windows_per_s=200, events_per_window=3, keys=300, wait=False
+    ) as relay:
+        group = new_group()
+        rec = Recorder()
+        stores = [FileUnitStore(tmp_path / "units"), FileUnitStore(tmp_path / "units")]
+        a = Consumer(group_config(relay, zk_hosts, group, member_name="a"), stores[0])
+        b = Consumer(group_config(relay, zk_hosts, group, member_name="b"), stores[1])
+        try:
+            async with iterating(a, "a", rec):
+                await wait_until(lambda: len(a.units) == BUCKETS and rec.keys, 10, "a alone")
+                async with iterating(b, "b", rec):
+                    await wait_until(lambda: len(b.units) == BUCKETS // 2, 10, "b's share")
+                    while relay.hosts["syn"].state != "finished":
+                        await asyncio.sleep(0.05)
+                    expected = await everything(relay)
+                    await wait_until(lambda: rec.distinct() >= expected, 30, "every event")
+            stored = await stores[0].read(group)
+        finally:
+            for store in stores:
+                await store.close()
+        assert not rec.errors, rec.errors[:5]
+        assert len(rec.keys) == len(expected) and rec.distinct() == expected
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        assert len(stored) == BUCKETS
+        assert all(s.checkpoint is not None for s in stored.values())
+        assert max(s.checkpoint.window_scn for s in stored.values() if s.checkpoint) == last
+        # the units b took over were claimed twice (by a, then by b)
+        assert sorted(s.generation for s in stored.values()).count(2) >= BUCKETS // 2

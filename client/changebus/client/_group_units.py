@@ -47,6 +47,7 @@ from changebus.cluster import GroupMember
 from changebus.schemas import (
     ChangebusError,
     ConfigError,
+    Mode,
     PartitionCheckpoint,
     Unit,
     UnitClaim,
@@ -69,6 +70,15 @@ _GATHER_S = 0.05
 _GATHER_MAX_S = 1.0
 #: pause before acquiring again after a failure (ZooKeeper or the store away)
 _RETRY_S = 0.5
+
+
+def _where(checkpoint: PartitionCheckpoint | None, start: str) -> str:
+    """Where a lane starts, for the log."""
+    if checkpoint is None:
+        return start
+    if checkpoint.mode is not Mode.ONLINE:
+        return f"its bootstrap's progress ({checkpoint.mode.value})"
+    return f"SCN {checkpoint.window_scn}"
 
 
 def _text(units: Iterable[Unit]) -> str:
@@ -329,7 +339,7 @@ class UnitOwner:
                 self.config.group,
                 self.member.member_id,
                 lane.describe(),
-                f"SCN {checkpoint.window_scn}" if checkpoint is not None else self.config.start,
+                _where(checkpoint, self.config.start),
             )
         self._wake()
 
