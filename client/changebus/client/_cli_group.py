@@ -42,11 +42,13 @@ import aiohttp
 from kazoo.exceptions import KazooException, NoNodeError, NotEmptyError
 
 from changebus.cluster import (
+    GROUPS_ROOT,
     ClusterConfig,
     CoordinationError,
     GroupState,
     ZkSession,
     ZkUnitStore,
+    group_root,
     read_group,
 )
 from changebus.schemas import ChangebusError, ConfigError, UnitStore, check_group_name
@@ -56,21 +58,13 @@ from changebus.schemas.config import scrub
 from ._cli import add_tls_arguments, auth_from_args
 from ._cli_group_status import GroupReport, build_report, relay_heads, render_text
 
-__all__ = ["GROUPS_ROOT", "STORE_DSN_ENV", "group_root", "register"]
+__all__ = ["STORE_DSN_ENV", "register"]
 
 #: the environment variable holding the Postgres store's DSN (``--store-dsn`` without a value)
 STORE_DSN_ENV = "CHANGEBUS_STORE_DSN"
 
-#: the parent of every group's tree (the layout of ``changebus.cluster``'s group coordination)
-GROUPS_ROOT = "/changebus/groups"
-
 #: ANSI: cursor home and clear the screen (``--watch`` on a terminal)
 _CLEAR = "\x1b[H\x1b[2J"
-
-
-def group_root(group: str) -> str:
-    """``/changebus/groups/<group>`` (ConfigError when ``group`` is not a group name)."""
-    return f"{GROUPS_ROOT}/{check_group_name(group)}"
 
 
 class _Exit(Exception):

@@ -43,6 +43,7 @@ from ._election import (
 )
 from ._errors import CoordinationError as CoordinationError
 from ._group import GroupMember as GroupMember
+from ._group_layout import GROUPS_ROOT as GROUPS_ROOT, group_root as group_root
 from ._group_state import GroupState as GroupState, read_group as read_group
 from ._group_store import ZkUnitStore as ZkUnitStore
 from ._layout import (
@@ -63,6 +64,7 @@ from ._session import (
 )
 
 __all__ = [
+    "GROUPS_ROOT",
     "ClusterConfig",
     "CoordinationError",
     "EpochRecord",
@@ -85,6 +87,7 @@ __all__ = [
     "current_leader",
     "election_path",
     "epoch_path",
+    "group_root",
     "member_path",
     "read_group",
 ]
