@@ -35,15 +35,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from changebus.cluster import ClusterConfig, RoutingSnapshot, RoutingTable, ZkSession
+from changebus.cluster import (
+    ClusterConfig,
+    CoordinationError,
+    RoutingSnapshot,
+    RoutingTable,
+    ZkSession,
+)
 
 from ._backoff import Backoff
 from ._errors import RelayUnavailableError
 from ._http import safe_url
 
-__all__ = ["ClusterRoute", "read_route", "relays_serving"]
+if TYPE_CHECKING:
+    from ._config import ConsumerConfig
+
+__all__ = [
+    "ClusterRoute",
+    "open_route",
+    "read_route",
+    "relays_serving",
+    "retry_coordination",
+]
 
 log = logging.getLogger(__name__)
 
@@ -276,3 +292,70 @@ async def read_route(
             if m.kind == kind and m.url and not m.partitions
         )
     return tuple(dict.fromkeys(found))
+
+
+def config_backoff(cfg: ConsumerConfig) -> Backoff:
+    """The consumer's backoff (``backoff_*`` settings)."""
+    return Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
+
+
+async def retry_coordination(
+    cfg: ConsumerConfig, start: Callable[[], Awaitable[None]], where: str
+) -> None:
+    """``await start()`` until it does not raise a CoordinationError.
+
+    ZooKeeper away at start-up is waited for like a relay: with the
+    consumer's backoff, and ``max_attempts`` (0: no limit) failed attempts
+    raise :class:`~._errors.RelayUnavailableError`.
+    """
+    backoff = config_backoff(cfg)
+    attempts = 0
+    while True:
+        try:
+            await start()
+            return
+        except CoordinationError as exc:
+            attempts += 1
+            if cfg.max_attempts and attempts >= cfg.max_attempts:
+                raise RelayUnavailableError(
+                    f"{where} did not answer in {attempts} attempts: {exc.message}"
+                ) from exc
+            delay = backoff.next_delay()
+            log.warning("%s; trying again in %.2fs", exc.message, delay)
+            await asyncio.sleep(delay)
+
+
+async def open_route(cfg: ConsumerConfig, partition: str) -> tuple[ClusterRoute, tuple[str, ...]]:
+    """The started route of ``partition`` in ``cfg.cluster`` and the relays it lists (waits for one).
+
+    The caller stops the route; it is stopped here when waiting for relays fails.
+    """
+
+    def make() -> ClusterRoute:
+        return ClusterRoute(
+            cfg.zookeeper,
+            cfg.cluster,
+            partition,
+            prefer_followers=cfg.prefer_followers,
+            static=cfg.relays,
+            session_timeout_s=cfg.zookeeper_session_timeout_s,
+            connect_timeout_s=max(cfg.connect_timeout_s, 1.0),
+        )
+
+    route = make()
+
+    async def attempt() -> None:
+        nonlocal route
+        try:
+            await route.start()
+        except CoordinationError:
+            route = make()  # a fresh session for the next attempt
+            raise
+
+    await retry_coordination(cfg, attempt, route.where)
+    try:
+        relays = await route.wait_relays(cfg.max_attempts, config_backoff(cfg))
+    except BaseException:
+        await route.stop()
+        raise
+    return route, relays

@@ -43,15 +43,14 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import aiohttp
 
-from changebus.schemas import Checkpoint, CheckpointError, ConfigError, Mode, Unit, UnitStore
+from changebus.schemas import Checkpoint, ConfigError, Unit, UnitStore
 
-from ._backoff import Backoff
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
 from ._dispatch import Dispatcher
-from ._errors import DataLossDetectedError, RelayUnavailableError
-from ._fetch import RelayFetcher
+from ._errors import DataLossDetectedError
+from ._fetch import RelayFetcher, start_point
 from ._http import open_session
 from ._model import Window
 from ._persist import CheckpointPersister, MemoryCheckpointPersister
@@ -151,24 +150,11 @@ class Consumer:
         if partition is None and len(checkpoint.partitions) == 1:
             partition = next(iter(checkpoint.partitions))
         pc = checkpoint.get(partition) if partition is not None else None
-        latest = False
-        resume = None
-        if pc is not None and pc.mode is not Mode.ONLINE:
-            if not cfg.bootstrap_servers:
-                raise CheckpointError(
-                    f"the checkpoint of partition {partition} is in {pc.mode.value} mode;"
-                    " configure bootstrap_servers to continue it"
-                )
-            resume = pc
-            position = pc.window_scn
-            log.info("resuming the bootstrap of partition %s (%s)", partition, pc.mode.value)
+        position, latest, resume = start_point(pc, cfg, f"partition {partition}")
+        if resume is not None:
+            log.info("resuming the bootstrap of partition %s (%s)", partition, resume.mode.value)
         elif pc is not None and pc.has_position:
-            position = pc.rollback().window_scn  # a partial window is read again whole
             log.info("resuming partition %s after SCN %d", partition, position)
-        else:
-            start_scn = cfg.start_scn
-            position = -1 if start_scn is None else start_scn
-            latest = cfg.start == "latest"
         if cfg.uses_cluster:
             cfg = await self._route_cluster(cfg)
         self._position = PositionTracker(checkpoint, self.persister)
@@ -196,41 +182,10 @@ class Consumer:
     async def _route_cluster(self, cfg: ConsumerConfig) -> ConsumerConfig:
         """Open the cluster's routing table; ``cfg`` with the relays it lists (waits for one)."""
         # kazoo only for consumers of a cluster
-        from changebus.cluster import CoordinationError
-
-        from ._cluster import ClusterRoute
+        from ._cluster import open_route
 
         assert cfg.partition is not None  # the config demands it with zookeeper
-        backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_multiplier)
-        attempts = 0
-        while True:  # ZooKeeper away at start-up: wait for it like for a relay
-            route = ClusterRoute(
-                cfg.zookeeper,
-                cfg.cluster,
-                cfg.partition,
-                prefer_followers=cfg.prefer_followers,
-                static=cfg.relays,
-                session_timeout_s=cfg.zookeeper_session_timeout_s,
-                connect_timeout_s=max(cfg.connect_timeout_s, 1.0),
-            )
-            try:
-                await route.start()
-                break
-            except CoordinationError as exc:
-                attempts += 1
-                if cfg.max_attempts and attempts >= cfg.max_attempts:
-                    raise RelayUnavailableError(
-                        f"{route.where} did not answer in {attempts} attempts: {exc.message}"
-                    ) from exc
-                delay = backoff.next_delay()
-                log.warning("%s; trying again in %.2fs", exc.message, delay)
-                await asyncio.sleep(delay)
-        backoff.reset()
-        try:
-            relays = await route.wait_relays(cfg.max_attempts, backoff)
-        except BaseException:
-            await route.stop()
-            raise
+        route, relays = await open_route(cfg, cfg.partition)
         self._route = route
         boot = cfg.bootstrap_servers or route.bootstrap_servers()
         return replace(cfg, relays=relays, bootstrap_servers=boot)

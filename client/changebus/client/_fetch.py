@@ -31,7 +31,7 @@ import logging
 
 import aiohttp
 
-from changebus.schemas import Mode, PartitionCheckpoint
+from changebus.schemas import CheckpointError, Mode, PartitionCheckpoint
 
 from ._assembler import RawWindow
 from ._bootstrap import Bootstrapper
@@ -42,9 +42,33 @@ from ._info import RelaySchemas
 from ._queue import QueueClosed, WindowSink
 from ._stream import RelayStream, StreamConfig
 
-__all__ = ["RelayFetcher"]
+__all__ = ["RelayFetcher", "start_point"]
 
 log = logging.getLogger(__name__)
+
+
+def start_point(
+    stored: PartitionCheckpoint | None, config: ConsumerConfig, what: str
+) -> tuple[int, bool, PartitionCheckpoint | None]:
+    """Where a fetcher starts: ``(position, latest, resume)`` for its constructor.
+
+    ``stored`` is the stored checkpoint of what it reads (``what`` names it in
+    errors: a partition, a lane's units). A checkpoint in a bootstrap mode is
+    resumed (it needs ``bootstrap_servers``), an online one continues after
+    its last whole window (a partial window is read again whole); without
+    one, ``config.start`` decides.
+    """
+    if stored is not None and stored.mode is not Mode.ONLINE:
+        if not config.bootstrap_servers:
+            raise CheckpointError(
+                f"the checkpoint of {what} is in {stored.mode.value} mode;"
+                " configure bootstrap_servers to continue it"
+            )
+        return stored.window_scn, False, stored
+    if stored is not None and stored.has_position:
+        return stored.rollback().window_scn, False, None
+    start_scn = config.start_scn
+    return (-1 if start_scn is None else start_scn), config.start == "latest", None
 
 
 class RelayFetcher:

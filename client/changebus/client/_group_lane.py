@@ -43,8 +43,6 @@ import numpy as np
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
-    CheckpointError,
-    Mode,
     PartitionCheckpoint,
     PartitionFilter,
     ProtocolError,
@@ -54,7 +52,7 @@ from changebus.schemas import (
 from ._assembler import RawWindow
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
-from ._fetch import RelayFetcher
+from ._fetch import RelayFetcher, start_point
 from ._model import ChangeEvent, Window
 from ._queue import BoundedQueue, QueueClosed
 
@@ -162,22 +160,7 @@ class Lane:
         self.start_checkpoint = start
         self._start_setting = config.start
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
-        latest = False
-        resume = None
-        if start is not None and start.mode is not Mode.ONLINE:
-            if not config.bootstrap_servers:
-                raise CheckpointError(
-                    f"the checkpoint of units {self.describe()} is in {start.mode.value} mode;"
-                    " configure bootstrap_servers to continue it"
-                )
-            resume = start
-            position = start.window_scn
-        elif start is not None and start.has_position:
-            position = start.rollback().window_scn  # a partial window is read again whole
-        else:
-            start_scn = config.start_scn
-            position = -1 if start_scn is None else start_scn
-            latest = config.start == "latest"
+        position, latest, resume = start_point(start, config, f"units {self.describe()}")
         self.fetcher = RelayFetcher(
             config,
             session,
