@@ -128,7 +128,6 @@ class Consumer:
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
         self._closed = False
-        self._stopping: asyncio.Future[None] | None = None
         self._route: ClusterRoute | None = None
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
 
@@ -227,14 +226,8 @@ class Consumer:
         """
         if self._group is not None:
             return self._group.stop()
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        loop.call_soon_threadsafe(self._stop_soon)
-
-    def _stop_soon(self) -> None:
-        if self._queue is not None and self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._queue.close())
+        if self._loop is not None and self._queue is not None:
+            self._queue.close_threadsafe(self._loop)
 
     async def __aenter__(self) -> Self:
         await self.start()

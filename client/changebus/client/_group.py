@@ -119,7 +119,6 @@ class GroupConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
-        self._stopping: asyncio.Future[None] | None = None
         self.windows = 0
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -235,14 +234,8 @@ class GroupConsumer:
 
     def stop(self) -> None:
         """End a running ``run`` or iteration after the current window (any thread)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        loop.call_soon_threadsafe(self._stop_soon)
-
-    def _stop_soon(self) -> None:
-        if self._queue is not None and self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._queue.close())
+        if self._loop is not None and self._queue is not None:
+            self._queue.close_threadsafe(self._loop)
 
     # ---- delivery -----------------------------------------------------------------
 

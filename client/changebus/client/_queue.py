@@ -67,6 +67,7 @@ class BoundedQueue(Generic[T]):
         self._bytes = 0
         self._error: BaseException | None = None
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
         self._changed = asyncio.Condition()
         #: times a put had to wait for room (flow control engaged)
         self.waits = 0
@@ -122,6 +123,15 @@ class BoundedQueue(Generic[T]):
                 return window
             assert self._error is not None
             raise self._error
+
+    def close_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the queue from any thread, through its ``loop`` (idempotent; no-op once closed)."""
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._close_once)
+
+    def _close_once(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.close())
 
     async def close(self) -> None:
         """Drop everything and wake all waiters (they raise :class:`QueueClosed`)."""
