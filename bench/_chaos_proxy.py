@@ -164,6 +164,8 @@ class _Pipe:
             self.pump()
 
     def _flow(self) -> None:
+        if self.link.stuck:
+            return  # a stuck link keeps reading (and discarding)
         want = self.full or self.pending_bytes > _HIGH
         if not want and self.paused and self.pending_bytes > _LOW:
             want = True  # hysteresis
@@ -208,8 +210,10 @@ class _Pipe:
                 burst = max(rate * _BURST_S, 1.0)
                 self.tokens = min(burst, self.tokens + (now - self.tokens_at) * rate)
                 self.tokens_at = now
-                if self.tokens < 1.0:
-                    self.timer = loop.call_at(now + (1.0 - self.tokens) / rate, self.pump)
+                # send in quanta of a quarter burst, not a few bytes per timer
+                quantum = min(float(n), max(1.0, burst / 4))
+                if self.tokens < quantum:
+                    self.timer = loop.call_at(now + (quantum - self.tokens) / rate, self.pump)
                     break
                 n = min(n, int(self.tokens))
                 self.tokens -= n

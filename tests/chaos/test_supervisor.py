@@ -187,3 +187,29 @@ async def test_signals_to_a_process_that_is_down_are_ignored(
     assert sup.exits[0].returncode == 0 and not sup.exits[0].killed_by_harness
     with pytest.raises(ValueError, match="duplicate"):
         sup.add(spec("once", "relay", "pass", tmp_path))
+
+
+async def test_the_process_group_is_frozen_together_and_cleaned_up_after_a_kill(
+    sup: Supervisor, tmp_path: Path
+) -> None:
+    # a daemon with a worker process of its own (like the MySQL fetcher's decoding pool)
+    parent = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print('worker', w.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    sup.add(spec("relay-m", "relay", parent, tmp_path, delay=0.1))
+    await sup.start("relay-m")
+    log = sup.base / "relay-m.1.log"
+    await wait_until(lambda: log.exists() and "worker" in log.read_text(), 10)
+    worker = int(log.read_text().split()[1])
+    assert alive(worker)
+    sup.stop("relay-m")
+    await wait_until(lambda: proc_state(worker) == "T", 5, "the worker frozen too")
+    sup.cont("relay-m")
+    await wait_until(lambda: proc_state(worker) != "T", 5, "the worker thawed")
+    sup.kill9("relay-m")
+    # the worker was left behind by the kill; the watcher kills it before the restart
+    await wait_until(lambda: not alive(worker), 5, "the leftover worker killed")
+    await wait_until(lambda: sup.incarnations["relay-m"] == 2, 10)
