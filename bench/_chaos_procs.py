@@ -203,7 +203,8 @@ class Supervisor:
 
     def _mark_killed(self, name: str) -> None:
         run = self._running.get(name)
-        if run is not None and run.popen.returncode is None:
+        # poll() first: a process that already ended on its own is not counted as killed
+        if run is not None and run.popen.poll() is None:
             run.killed = True
 
     def stop(self, name: str) -> None:
@@ -226,7 +227,10 @@ class Supervisor:
     async def watch(self) -> None:
         """Run until cancelled: record every exit and restart the dead after their delay."""
         while True:
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # the watcher must not die: log and go on
+                log.exception("supervisor watch round failed")
             await asyncio.sleep(_POLL_S)
 
     async def poll(self) -> None:

@@ -213,3 +213,17 @@ async def test_the_process_group_is_frozen_together_and_cleaned_up_after_a_kill(
     # the worker was left behind by the kill; the watcher kills it before the restart
     await wait_until(lambda: not alive(worker), 5, "the leftover worker killed")
     await wait_until(lambda: sup.incarnations["relay-m"] == 2, 10)
+
+
+async def test_a_kill_after_the_process_ended_on_its_own_is_not_blamed(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "p")  # no watcher: poll() by hand, to hold the race open
+    sup.add(spec("crashy", "consumer", "import sys; sys.exit(5)", tmp_path, delay=60))
+    await sup.start("crashy")
+    pid = sup.pid("crashy")
+    assert pid is not None
+    await wait_until(lambda: proc_state(pid) == "Z", 10, "ended, not yet reaped")
+    sup.kill9("crashy")
+    await sup.poll()
+    [ended] = sup.exits
+    assert (ended.returncode, ended.killed_by_harness) == (5, False)
+    await sup.shutdown()
