@@ -27,7 +27,8 @@ no per-byte work; ``data_received`` chunks are up to 256 KiB); otherwise the chu
 deque of ``(due_time, bytes)`` that a loop timer drains in order, honouring delay and
 throttle. Back-pressure: a source side stops reading while its pipe holds more than
 ``_HIGH`` bytes or the destination transport's buffer is full (``pause_writing``), and
-resumes below ``_LOW``.
+resumes below ``_LOW`` (so under ``delay(s)`` a direction carries at most about
+``_HIGH / s`` bytes per second: 4 MiB in flight).
 
 Thread-safety: everything runs on the event loop that called :meth:`FaultProxy.start`;
 the fault switches must be called on that loop.
