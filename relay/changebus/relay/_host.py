@@ -12,13 +12,22 @@ full. The writer registers any new table schemas (from SCHEMA_CHANGE events,
 and the registry entries a window carries in ``Window.schemas``), appends the
 group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
-releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
-which the writer wakes with ``loop.call_soon_threadsafe``.
+releases only what the relay holds).
+
+Durability (``PartitionConfig.durability``): with ``"page_cache"`` a group
+is acknowledged once appended; with ``"fsync"`` the writer only asks the
+:class:`~._syncer.GroupSyncer` for a sync and goes on, and an acknowledger
+task (:meth:`PartitionHost._ack_synced`) acknowledges up to ``synced_scn``
+after each sync: acks trail asynchronously, never pass what is on disk and
+never go backwards (docs/operations.md, "Durability").
 
 Fencing (relay clusters, :mod:`._cluster`). While :attr:`PartitionHost.fence`
 is set (the partition leads), the writer asks ``fence.admit()`` once per
 group, right before appending it, and the ingest asks ``fence.ack_scn(scn)``
 right before acknowledging it (one call each per group, never per event).
+With ``durability = "fsync"`` the acknowledger asks ``fence.ack_scn`` once
+per sync instead (so the source is acknowledged up to ``min(synced_scn,
+fence limit)``), and a refusal there stops the ingest the same way.
 A refusal stops the ingest on the spot: the group is neither appended nor
 acknowledged, the source fetcher is closed, the state becomes ``fenced``
 (``/readyz`` 503 with the reason) and ``fence.refused(reason)`` tells the
@@ -66,6 +75,7 @@ from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
+from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
 
 __all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
@@ -166,12 +176,21 @@ class PartitionHost:
         #: the partition's role in a relay cluster ("leader", "follower" or "": none)
         self.role = ""
         self._switching = asyncio.Lock()
+        #: the grouped syncer (``durability = "fsync"`` only) and what it woke up
+        self.syncer: GroupSyncer | None = None
+        if config.durability == "fsync":
+            self.syncer = GroupSyncer(self.buffer)
+        #: the newest SCN acknowledged to ``_acked_by`` (acks never go backwards)
+        self._acked_by: Fetcher | None = None
+        self._acked_scn = -1
 
     # ---- lifecycle ----------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._new_window = asyncio.Event()
+        if self.syncer is not None:
+            self.syncer.start()
         if self.config.fetcher.kind != "none":
             # build it now: an unknown kind or bad options fail the start-up
             self.fetcher = await self._create_fetcher()
@@ -186,6 +205,8 @@ class PartitionHost:
                 await self._task
         if self.fetcher is not None:
             await self.fetcher.close()
+        if self.syncer is not None:  # before the buffer's mappings go
+            await asyncio.to_thread(self.syncer.stop)
         await asyncio.get_running_loop().run_in_executor(self._writer, self.buffer.close)
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
         await asyncio.to_thread(self._writer.shutdown, wait=True)
@@ -239,8 +260,23 @@ class PartitionHost:
         )
 
     def flush(self) -> None:
-        """msync the buffer (runs on the writer thread to stay ordered with appends)."""
-        self._writer.submit(self.buffer.flush)
+        """msync the buffer (runs on the writer thread to stay ordered with appends).
+
+        Nothing to do with ``durability = "fsync"``: the syncer keeps it synced.
+        """
+        if self.syncer is None:
+            self._writer.submit(self.buffer.flush)
+
+    @property
+    def durable_scn(self) -> int:
+        """The newest SCN the source may be told the relay holds (before the fence).
+
+        ``durability = "fsync"``: the syncer's ``synced_scn``; else the
+        buffer's newest SCN.
+        """
+        if self.syncer is not None:
+            return self.syncer.synced_scn
+        return self.buffer.meta.last_scn
 
     @property
     def ready(self) -> bool:
@@ -392,14 +428,23 @@ class PartitionHost:
                         window.scn,
                     )
                     self.buffer.append_windows([self._loss_marker(window, exc.message)])
+        if self.syncer is not None:
+            self.syncer.request()
         return True
 
     async def _commit(self, fetcher: Fetcher, batch: list[Window]) -> None:
-        """Append ``batch`` (writer thread), then acknowledge it; raises _Fenced if refused."""
+        """Append ``batch`` (writer thread), then acknowledge it; raises _Fenced if refused.
+
+        With ``durability = "fsync"`` the acknowledger does that after the sync.
+        """
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self._writer, self._append, batch):
             raise _Fenced("the leadership lease is not valid: group not appended")
-        scn = batch[-1].scn
+        if self.syncer is None:
+            await self._acknowledge(fetcher, batch[-1].scn)
+
+    async def _acknowledge(self, fetcher: Fetcher, scn: int) -> None:
+        """Acknowledge ``scn`` as far as the fence allows; raises _Fenced if refused."""
         fence = self.fence
         if fence is not None:
             limit = fence.ack_scn(scn)
@@ -408,18 +453,40 @@ class PartitionHost:
             if limit < 0:
                 return
             scn = limit
+        if fetcher is self._acked_by and scn < self._acked_scn:
+            return  # never backwards
+        self._acked_by, self._acked_scn = fetcher, scn
         await fetcher.acknowledge(scn)
+
+    async def _ack_synced(
+        self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
+    ) -> None:
+        """Acknowledge what the syncer made durable, after each sync (``durability = "fsync"``).
+
+        Up to ``synced_scn`` at each wake-up (several syncs meanwhile: one
+        ack). A fence refusal goes to the ingest loop through ``queue``,
+        which stops it like a refused group.
+        """
+        assert self.syncer is not None
+        scn = -1
+        try:
+            while True:
+                scn = await self.syncer.wait_synced(scn)
+                await self._acknowledge(fetcher, scn)
+        except _Fenced as exc:
+            await queue.put(exc)
 
     async def acknowledge_held(self) -> None:
         """Acknowledge what the fence now allows of the buffer (a leader's periodic catch-up).
 
         The fence may have held an acknowledgement back (followers behind);
-        this releases it once they caught up, with the same check.
+        this releases it once they caught up, with the same check (and,
+        with ``durability = "fsync"``, no further than what is synced).
         """
         fetcher, fence = self.fetcher, self.fence
         if fetcher is None or fence is None or self.state != "streaming":
             return
-        last = self.buffer.meta.last_scn
+        last = self.durable_scn
         limit = fence.ack_scn(last) if last >= 0 else -1
         if limit is not None and limit >= 0:
             await fetcher.acknowledge(limit)
@@ -443,6 +510,7 @@ class PartitionHost:
         delay = cfg.retry_initial_s
         while True:
             pump: asyncio.Task[None] | None = None
+            acker: asyncio.Task[None] | None = None
             fenced = False
             try:
                 if self.fence is not None and not self.fence.admit():
@@ -468,6 +536,10 @@ class PartitionHost:
                 pump = asyncio.create_task(
                     self._pump(self.fetcher, queue), name=f"pump-{self.name}"
                 )
+                if self.syncer is not None:
+                    acker = asyncio.create_task(
+                        self._ack_synced(self.fetcher, queue), name=f"ack-{self.name}"
+                    )
                 finished = False
                 while not finished:
                     item = await queue.get()
@@ -522,10 +594,11 @@ class PartitionHost:
                     scrub_exception(exc, self._secrets, trace=True),
                 )
             finally:
-                if pump is not None:
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await pump
+                for task in (pump, acker):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await task
                 if self.fetcher is not None and self.state not in ("streaming", "finished"):
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
@@ -581,4 +654,9 @@ class PartitionHost:
             status["last_error"] = self.last_error
         if self.fetcher is not None:
             status["fetcher"] = self.fetcher.status()
+        status["durability"] = (
+            self.syncer.status()
+            if self.syncer is not None
+            else {"mode": "page_cache", "synced_scn": -1, "syncs": 0, "sync_seconds_total": 0.0}
+        )
         return status
