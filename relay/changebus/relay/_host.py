@@ -52,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +73,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
+from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
 from ._syncer import GroupSyncer
@@ -103,30 +104,6 @@ def _nothing() -> None:
     """Run on the writer thread to wait for the work submitted before it."""
 
 
-class IngestFence(Protocol):
-    """What a leading partition checks before it appends or acknowledges (module docstring)."""
-
-    def admit(self) -> bool:
-        """True while the group may be appended (writer thread: must be thread-safe)."""
-        ...
-
-    def ack_scn(self, scn: int) -> int | None:
-        """How far the source may be acknowledged for a group ending at ``scn``.
-
-        At most ``scn``; below 0: nothing yet; None: not at all (fenced).
-        Event loop.
-        """
-        ...
-
-    def refused(self, reason: str) -> None:
-        """The ingest stopped because a check failed (event loop)."""
-        ...
-
-
-class _Fenced(Exception):
-    """A fence check failed: the ingest stops (never leaves this module)."""
-
-
 @dataclass
 class ConsumerSeen:
     """What the relay last saw of one consumer (for /v1/status only)."""
@@ -137,7 +114,7 @@ class ConsumerSeen:
     peer: str
 
 
-class PartitionHost:
+class PartitionHost(SourceAcks):
     """Owns everything of one physical partition inside the relay."""
 
     def __init__(self, config: PartitionConfig, data_dir: Path) -> None:
@@ -266,17 +243,6 @@ class PartitionHost:
         """
         if self.syncer is None:
             self._writer.submit(self.buffer.flush)
-
-    @property
-    def durable_scn(self) -> int:
-        """The newest SCN the source may be told the relay holds (before the fence).
-
-        ``durability = "fsync"``: the syncer's ``synced_scn``; else the
-        buffer's newest SCN.
-        """
-        if self.syncer is not None:
-            return self.syncer.synced_scn
-        return self.buffer.meta.last_scn
 
     @property
     def ready(self) -> bool:
@@ -442,54 +408,6 @@ class PartitionHost:
             raise _Fenced("the leadership lease is not valid: group not appended")
         if self.syncer is None:
             await self._acknowledge(fetcher, batch[-1].scn)
-
-    async def _acknowledge(self, fetcher: Fetcher, scn: int) -> None:
-        """Acknowledge ``scn`` as far as the fence allows; raises _Fenced if refused."""
-        fence = self.fence
-        if fence is not None:
-            limit = fence.ack_scn(scn)
-            if limit is None:
-                raise _Fenced("the leadership lease is not valid: source not acknowledged")
-            if limit < 0:
-                return
-            scn = limit
-        if fetcher is self._acked_by and scn < self._acked_scn:
-            return  # never backwards
-        self._acked_by, self._acked_scn = fetcher, scn
-        await fetcher.acknowledge(scn)
-
-    async def _ack_synced(
-        self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
-    ) -> None:
-        """Acknowledge what the syncer made durable, after each sync (``durability = "fsync"``).
-
-        Up to ``synced_scn`` at each wake-up (several syncs meanwhile: one
-        ack). A fence refusal goes to the ingest loop through ``queue``,
-        which stops it like a refused group.
-        """
-        assert self.syncer is not None
-        scn = -1
-        try:
-            while True:
-                scn = await self.syncer.wait_synced(scn)
-                await self._acknowledge(fetcher, scn)
-        except _Fenced as exc:
-            await queue.put(exc)
-
-    async def acknowledge_held(self) -> None:
-        """Acknowledge what the fence now allows of the buffer (a leader's periodic catch-up).
-
-        The fence may have held an acknowledgement back (followers behind);
-        this releases it once they caught up, with the same check (and,
-        with ``durability = "fsync"``, no further than what is synced).
-        """
-        fetcher, fence = self.fetcher, self.fence
-        if fetcher is None or fence is None or self.state != "streaming":
-            return
-        last = self.durable_scn
-        limit = fence.ack_scn(last) if last >= 0 else -1
-        if limit is not None and limit >= 0:
-            await fetcher.acknowledge(limit)
 
     async def _pump(
         self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
