@@ -262,6 +262,7 @@ def _synthetic_relay(tmp: Path, durability: str) -> RelayConfig:
     return RelayConfig(data_dir=tmp, http=HttpConfig(port=0), partitions=(part,))
 
 
+@pytest.mark.usefixtures("no_blocking")
 async def test_acks_never_pass_the_synced_scn_and_never_go_backwards(tmp_path: Path) -> None:
     async with Relay(_synthetic_relay(tmp_path, "fsync")) as relay:
         host = relay.hosts["syn"]
@@ -291,6 +292,7 @@ async def test_acks_never_pass_the_synced_scn_and_never_go_backwards(tmp_path: P
     assert st["syncs"] < windows
 
 
+@pytest.mark.usefixtures("no_blocking")
 async def test_status_and_metrics_show_durability(tmp_path: Path) -> None:
     config = _synthetic_relay(tmp_path, "fsync")
     page = PartitionConfig("plain", 2, capacity_bytes=1 << 20)
@@ -316,6 +318,7 @@ async def test_status_and_metrics_show_durability(tmp_path: Path) -> None:
     assert 'changebus_relay_syncs_total{partition="plain"}' not in text
 
 
+@pytest.mark.usefixtures("no_blocking")
 async def test_page_cache_acknowledges_every_group_as_before(tmp_path: Path) -> None:
     async with Relay(_synthetic_relay(tmp_path, "page_cache")) as relay:
         host = relay.hosts["syn"]
@@ -325,6 +328,57 @@ async def test_page_cache_acknowledges_every_group_as_before(tmp_path: Path) -> 
         await wait_until(
             lambda: host.buffer.meta.last_scn - getattr(fetcher, "acknowledged", -1) < 100
         )
+
+
+class Fence:
+    """A leader's fence the test controls: lease, hold, and refusals heard."""
+
+    def __init__(self) -> None:
+        self.valid = True
+        self.acks_valid = True
+        self.hold = (1 << 63) - 1
+        self.refusals: list[str] = []
+
+    def admit(self) -> bool:
+        return self.valid
+
+    def ack_scn(self, scn: int) -> int | None:
+        return min(scn, self.hold) if self.valid and self.acks_valid else None
+
+    def refused(self, reason: str) -> None:
+        self.refusals.append(reason)
+
+
+@pytest.mark.usefixtures("no_blocking")
+async def test_fsync_acks_go_through_the_fence(tmp_path: Path) -> None:
+    """ack = min(synced, fence limit); a refusal by the fence at ack time stops the ingest."""
+    config = RelayConfig(
+        data_dir=tmp_path,
+        http=HttpConfig(port=0),
+        partitions=(PartitionConfig("syn", 1, capacity_bytes=8 << 20, durability="fsync"),),
+    )
+    syn = _synthetic_relay(tmp_path, "fsync").partitions[0].fetcher
+    async with Relay(config) as relay:
+        host = relay.hosts["syn"]
+        syncer = host.syncer
+        assert syncer is not None
+        fence = Fence()
+        await host.switch_fetcher(syn, fence=fence)
+        await wait_until(lambda: syncer.synced_scn > 0 and host.buffer.meta.windows > 50, 20)
+        fetcher = host.fetcher
+        assert fetcher is not None
+        fence.hold = syncer.synced_scn  # followers hold no more than this
+        held = fence.hold
+        await wait_until(lambda: syncer.synced_scn > held + 20, 20)
+        assert fetcher.status()["acknowledged_scn"] <= held
+        fence.hold = (1 << 63) - 1
+        await host.acknowledge_held()
+        assert held < fetcher.status()["acknowledged_scn"] <= syncer.synced_scn
+        fence.acks_valid = False  # the next sync's acknowledgement is refused
+        await wait_until(lambda: host.state == "fenced", 10)
+        assert len(fence.refusals) == 1
+        assert "not acknowledged" in fence.refusals[0]
+        assert host.fetcher is None
 
 
 # ---- a simulated OS crash on a real Postgres -----------------------------------

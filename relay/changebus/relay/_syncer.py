@@ -71,6 +71,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -113,6 +114,7 @@ def circular_spans(start: int, stop: int, size: int) -> list[tuple[int, int]]:
     return [(x - x % _PAGE, min(-(-y // _PAGE) * _PAGE, size)) for x, y in spans]
 
 
+@functools.cache
 def _libc_msync() -> Any:
     flag = _MS_SYNC.get(sys.platform)
     if flag is None:
