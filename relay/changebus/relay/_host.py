@@ -12,7 +12,8 @@ full. The writer registers any new table schemas (from SCHEMA_CHANGE events,
 and the registry entries a window carries in ``Window.schemas``), appends the
 group and returns;
 only then is the group's last SCN acknowledged to the fetcher (so the source
-releases only what the relay holds).
+releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
+which the writer wakes with ``loop.call_soon_threadsafe``.
 
 Durability (``PartitionConfig.durability``): with ``"page_cache"`` a group
 is acknowledged once appended; with ``"fsync"`` the writer only asks the
@@ -153,7 +154,7 @@ class PartitionHost(SourceAcks):
         #: the partition's role in a relay cluster ("leader", "follower" or "": none)
         self.role = ""
         self._switching = asyncio.Lock()
-        #: the grouped syncer (``durability = "fsync"`` only) and what it woke up
+        #: the grouped syncer (``durability = "fsync"`` only: see :mod:`._syncer`)
         self.syncer: GroupSyncer | None = None
         if config.durability == "fsync":
             self.syncer = GroupSyncer(self.buffer)

@@ -38,7 +38,7 @@ beyond the kept windows is what an OS crash left unsynced, and the source
 still holds it: the dropped windows are *not* recorded as data loss. The
 published state goes back to the last kept window (``last_scn`` = its SCN)
 and the fetcher resumes from that window's source position, so the source
-sends them again (same SCNs, same bytes). When nothing is kept, the buffer
+sends them again (same SCNs, same changes). When nothing is kept, the buffer
 starts empty after ``prev_scn`` (the newest evicted window) for the same
 reason. Damage within synced windows (a bit flip on disk) is then caught by
 the source's own check where it has one (Postgres: a slot confirmed beyond
