@@ -41,9 +41,10 @@ Readers see windows before they are synced (waiting for the disk would
 cost every consumer the sync's latency). That is safe: after an OS crash
 recovery keeps the windows up to the first damaged one and the source sends
 the rest again from the last kept window's source position, with the same
-SCNs and the same bytes (the fetchers derive both from the source's
-positions and contents), so a consumer that read such a window already
-is sent nothing twice, and nothing different, once it comes back.
+SCNs and the same changes (the fetchers derive both from the source), so a
+consumer that read such a window already is sent nothing twice, and nothing
+different, once it comes back. (A SCHEMA_CHANGE the relay's registry
+already holds is not announced again: docs/operations.md, "Durability".)
 
 Not on the GIL: ``mmap.flush`` holds the GIL for the whole ``msync``, which
 would stop the event loop and the writer; the syncer calls libc's ``msync``
