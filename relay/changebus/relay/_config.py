@@ -128,11 +128,11 @@ class PartitionConfig:
     block_bytes: int = 0
     max_window_bytes: int = size_field(0)
     pin_timeout_s: float = 2.0
+    fetcher: FetcherConfig = field(default_factory=FetcherConfig)
     #: when the source is acknowledged: once a window is in the page cache
     #: ("page_cache": survives a relay crash) or once it is synced to disk
     #: ("fsync": survives an OS crash too); see :mod:`._syncer`
     durability: Durability = "page_cache"
-    fetcher: FetcherConfig = field(default_factory=FetcherConfig)
 
     def __post_init__(self) -> None:
         if not safe_name(self.name):  # it names the buffer's directory
