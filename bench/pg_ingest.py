@@ -13,6 +13,15 @@ Starts a throwaway Postgres 15 (the test fixture's recipe), then:
   transactional logical message with its number; from ``COMMIT`` returned in
   the client to the window published in the relay's buffer. Goal p50 <= 2 ms,
   p99 <= 8 ms.
+* **durability = "fsync"** (docs/operations.md, "Durability"): each backlog
+  is drained a second time, by a third slot created at the same point, into
+  a relay whose partition syncs before it acknowledges, timed until the sync
+  covering the last window completed (``fsync_rows_per_s``; ratio to the
+  page-cache drain of the large-row backlog: ``fsync_vs_page_cache_ratio``,
+  goal >= 0.7), and the latency run is repeated with it:
+  ``fsync_commit_to_buffer_p99_ms`` (goal <= 10 ms) and
+  ``fsync_commit_to_synced_p99_ms`` (``COMMIT`` -> the sync that covers the
+  window completed, taken when the syncer wakes the event loop; reported).
 
 ``--reader`` sets the fetcher's ``stream_reader`` option (``auto``, ``socket``,
 ``libpq``); the fetcher thread's CPU time per row (from /proc) is printed
@@ -111,7 +120,7 @@ def backlog(
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE t ({COLUMNS})")
         conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-        for slot in (f"cb_{label}", f"recv_{label}"):
+        for slot in (f"cb_{label}", f"recv_{label}", f"cbf_{label}"):
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     print(f"{label}: writing a backlog of {rows:,} rows ...", flush=True)
     end = make_backlog(dsn, rows, text_bytes)
@@ -121,6 +130,9 @@ def backlog(
         server.bin_dir, server.port, db, f"recv_{label}", f"{end >> 32:X}/{end & 0xFFFFFFFF:X}"
     )
     cb_s, fetcher_cpu_s = asyncio.run(relay_drain_until(base, dsn, rows, f"cb_{label}", reader))
+    fsync_s, _ = asyncio.run(
+        relay_drain_until(base, dsn, rows, f"cbf_{label}", reader, durability="fsync")
+    )
     return {
         f"{label}_rows": rows,
         f"{label}_table_mb": round((size[0] if size else 0) / 1e6, 1),
@@ -128,13 +140,18 @@ def backlog(
         f"{label}_changebus_rows_per_s": round(rows / cb_s),
         f"{label}_vs_recvlogical_ratio": round(recv_s / cb_s, 3),
         f"{label}_fetcher_thread_cpu_us_per_row": round(fetcher_cpu_s / rows * 1e6, 2),
+        f"{label}_fsync_rows_per_s": round(rows / fsync_s),
+        f"{label}_fsync_vs_page_cache_ratio": round(cb_s / fsync_s, 3),
     }
 
 
 async def relay_drain_until(
-    tmp: Path, dsn: str, rows: int, slot: str, reader: str
+    tmp: Path, dsn: str, rows: int, slot: str, reader: str, durability: str = "page_cache"
 ) -> tuple[float, float]:
-    """Time until the relay's buffer holds every backlog row, and the fetcher thread's CPU time."""
+    """Time until the relay's buffer holds every backlog row, and the fetcher thread's CPU time.
+
+    With ``durability = "fsync"``: until the sync covering the last window completed.
+    """
     cfg = RelayConfig(
         data_dir=tmp / f"relay-{rows}-{time.monotonic_ns()}",
         http=HttpConfig(port=0),
@@ -143,6 +160,7 @@ async def relay_drain_until(
                 "pg",
                 1,
                 capacity_bytes=256 << 20,
+                durability=durability,  # type: ignore[arg-type]
                 fetcher=FetcherConfig(
                     "postgres",
                     {
@@ -159,9 +177,12 @@ async def relay_drain_until(
     )
     t0 = time.perf_counter()
     async with Relay(cfg) as relay:
-        buf = relay.hosts["pg"].buffer
+        host = relay.hosts["pg"]
+        buf, syncer = host.buffer, host.syncer
         windows = rows // 100
-        while buf.stats["windows_appended"] < windows:
+        while buf.stats["windows_appended"] < windows or (
+            syncer is not None and syncer.synced_scn < buf.meta.last_scn
+        ):
             if time.perf_counter() - t0 > 600:
                 raise TimeoutError("the relay did not drain the backlog")
             await asyncio.sleep(0.005)
@@ -180,22 +201,33 @@ def thread_cpu_s(name: str) -> float:
     return float("nan")
 
 
-async def latency(base: Path, server: Any, seconds: float, reader: str) -> dict[str, float]:
+async def latency(
+    base: Path, server: Any, seconds: float, reader: str, durability: str = "page_cache"
+) -> dict[str, float]:
+    """Commit -> buffer latencies (and, with ``fsync``, commit -> synced: keys ``fsync_...``)."""
+    db = f"lat_{durability}"
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE lat")
-    dsn = server.dsn("lat")
+        conn.execute(f"CREATE DATABASE {db}")
+    dsn = server.dsn(db)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE t ({COLUMNS})")
     cfg = RelayConfig(
-        data_dir=base / "relay-lat",
+        data_dir=base / f"relay-lat-{durability}",
         http=HttpConfig(port=0),
         partitions=(
             PartitionConfig(
                 "pg",
                 1,
                 capacity_bytes=64 << 20,
+                durability=durability,  # type: ignore[arg-type]
                 fetcher=FetcherConfig(
-                    "postgres", {"dsn": dsn, "status_interval_s": 0.5, "stream_reader": reader}
+                    "postgres",
+                    {
+                        "dsn": dsn,
+                        "slot": f"changebus_{durability}",  # slot names are per server
+                        "status_interval_s": 0.5,
+                        "stream_reader": reader,
+                    },
                 ),
             ),
         ),
@@ -203,6 +235,8 @@ async def latency(base: Path, server: Any, seconds: float, reader: str) -> dict[
     )
     published: dict[int, int] = {}
     committed: dict[int, int] = {}
+    scn_of: dict[int, int] = {}
+    synced: list[tuple[int, int]] = []  # (synced_scn, when), in order
     async with Relay(cfg) as relay:
         host = relay.hosts["pg"]
         while host.state != "streaming":  # noqa: ASYNC110 - a benchmark's start-up poll
@@ -219,10 +253,20 @@ async def latency(base: Path, server: Any, seconds: float, reader: str) -> dict[
                 payload = bytes(buf._ring[start + HEADER_SIZE : start + int(rec["length"])])
                 msg = decode_control(Op.MESSAGE, payload)
                 published[int(msg.content)] = now  # type: ignore[union-attr]
+                scn_of[int(msg.content)] = int(rec["scn"])  # type: ignore[union-attr]
             if original is not None:
                 original()
 
         buf.on_publish = on_publish
+        syncer = host.syncer
+        if syncer is not None:  # the syncer thread wakes the loop after each sync
+            wake = syncer._wake
+
+            def on_synced() -> None:
+                synced.append((syncer.synced_scn, time.perf_counter_ns()))
+                wake()
+
+            syncer._wake = on_synced  # type: ignore[method-assign]
 
         def writer() -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
@@ -247,11 +291,29 @@ async def latency(base: Path, server: Any, seconds: float, reader: str) -> dict[
     lat = np.array(
         [(published[n] - committed[n]) / 1e6 for n in committed if n in published and n > 50]
     )
+    if durability == "page_cache":
+        return {
+            "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
+            "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
+            "latency_samples": int(lat.size),
+            "latency_transactions": len(committed),
+        }
+    sync_scns = np.array([scn for scn, _ in synced], dtype=np.int64)
+    sync_at = [when for _, when in synced]
+    to_synced = []
+    for n in committed:
+        if n > 50 and n in scn_of:
+            i = int(np.searchsorted(sync_scns, scn_of[n]))  # the first sync covering it
+            if i < len(sync_at):
+                to_synced.append((sync_at[i] - committed[n]) / 1e6)
+    durable = np.array(to_synced)
     return {
-        "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
-        "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
-        "latency_samples": int(lat.size),
-        "latency_transactions": len(committed),
+        "fsync_commit_to_buffer_p50_ms": round(float(np.percentile(lat, 50)), 3),
+        "fsync_commit_to_buffer_p99_ms": round(float(np.percentile(lat, 99)), 3),
+        "fsync_commit_to_synced_p50_ms": round(float(np.percentile(durable, 50)), 3),
+        "fsync_commit_to_synced_p99_ms": round(float(np.percentile(durable, 99)), 3),
+        "fsync_latency_samples": int(durable.size),
+        "fsync_syncs": syncer.syncs if syncer is not None else 0,
     }
 
 
@@ -282,11 +344,28 @@ def main() -> None:
                 f"{figs[f'{label}_fetcher_thread_cpu_us_per_row']} us of CPU per row",
                 flush=True,
             )
+        result["fsync_rows_per_s"] = result["large_fsync_rows_per_s"]
+        result["fsync_vs_page_cache_ratio"] = result["large_fsync_vs_page_cache_ratio"]
+        print(
+            f"durability fsync: large rows {result['large_fsync_rows_per_s']:,} rows/s "
+            f"(ratio {result['large_fsync_vs_page_cache_ratio']:.2f}), small rows "
+            f"{result['small_fsync_rows_per_s']:,} rows/s "
+            f"(ratio {result['small_fsync_vs_page_cache_ratio']:.2f}) to page_cache",
+            flush=True,
+        )
         lat = asyncio.run(latency(base, server, args.seconds, args.reader))
         result.update(lat)
         print(
             f"latency at 1,000 rows/s in 10-row transactions: p50 {lat['latency_p50_ms']} ms, "
             f"p99 {lat['latency_p99_ms']} ms over {lat['latency_samples']} transactions",
+            flush=True,
+        )
+        fs = asyncio.run(latency(base, server, args.seconds, args.reader, "fsync"))
+        result.update(fs)
+        print(
+            f"with durability fsync: commit -> buffer p99 {fs['fsync_commit_to_buffer_p99_ms']} ms,"
+            f" commit -> synced p50 {fs['fsync_commit_to_synced_p50_ms']} ms, p99 "
+            f"{fs['fsync_commit_to_synced_p99_ms']} ms ({fs['fsync_syncs']} syncs)",
             flush=True,
         )
     finally:

@@ -68,6 +68,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Final, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -91,10 +92,19 @@ from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
+from ._syncer import Span, circular_spans
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 from ._writer import BufferWriter
 
-__all__ = ["BufferConfig", "EventBuffer", "Pin", "Selection"]
+__all__ = [
+    "DURABILITY_MODES",
+    "BufferConfig",
+    "Durability",
+    "EventBuffer",
+    "Pin",
+    "Selection",
+    "check_durability",
+]
 
 log = logging.getLogger("changebus.relay.buffer")
 
@@ -106,6 +116,19 @@ _FILES = ("meta.dat", "ring.dat", "events.dat", "index.dat")
 _PREFAULT_AHEAD = 32 << 20
 #: event table bytes faulted in ahead of the writer (32 bytes per event)
 _PREFAULT_EVENTS_AHEAD = 1 << 20
+
+
+#: when a window counts as held (see :mod:`._syncer`)
+Durability = Literal["page_cache", "fsync"]
+DURABILITY_MODES: Final = get_args(Durability)
+
+
+def check_durability(value: object, where: str) -> None:
+    """Raise a :class:`ConfigError` naming the valid modes unless ``value`` is one."""
+    if value not in DURABILITY_MODES:
+        raise ConfigError(
+            f"{where}: durability {value!r} is not one of {', '.join(DURABILITY_MODES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -121,8 +144,13 @@ class BufferConfig:
     max_window_bytes: int = 0
     #: how long the writer waits for a slow reader before overrunning its pin
     pin_timeout_s: float = 2.0
+    #: "fsync": recovery drops damaged windows without a DATA_LOSS window, because
+    #: the source was acknowledged only for synced ones and replays the rest
+    #: (see :mod:`._recovery`); "page_cache": they are recorded as data loss
+    durability: Durability = "page_cache"
 
     def __post_init__(self) -> None:
+        check_durability(self.durability, "buffer")
         if self.capacity_bytes < 64 * 1024:
             raise ConfigError(f"buffer capacity_bytes must be >= 64 KiB, got {self.capacity_bytes}")
         if self.event_slots < 0 or self.block_bytes < 0 or self.max_window_bytes < 0:
@@ -228,6 +256,7 @@ class EventBuffer(BufferWriter):
                 self._metafile,
                 name,
                 self.stats,
+                replayable=config.durability == "fsync",
             )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)
@@ -391,6 +420,44 @@ class EventBuffer(BufferWriter):
 
     # ------------------------------------------------------------------
     # lifecycle
+
+    def sync_spans(self, since: BufferMeta | None, upto: BufferMeta) -> list[Span]:
+        """What to msync, in order, so that the published state ``upto`` is on disk.
+
+        ``since`` is the state of the previous sync (None: the whole files).
+        Ring bytes, event records and index entries added after ``since`` up
+        to ``upto`` (page-aligned, see :func:`._syncer.circular_spans`), then
+        ``meta.dat``. Called by the syncer thread: reads only the mappings'
+        addresses, which do not change until :meth:`close`.
+        """
+        ring = int(self._ring.ctypes.data)
+        ev_addr, ev_size = self._events.mapping()
+        ix_addr, ix_size = self._index.mapping()
+        meta_addr, meta_size = self._metafile.mapping()
+        if since is None:
+            ranges = [
+                ("ring.dat", ring, [(0, self.capacity)]),
+                ("events.dat", ev_addr, [(0, ev_size)]),
+                ("index.dat", ix_addr, [(0, ix_size)]),
+            ]
+        else:
+            ev_item, ix_item = EVENT_DTYPE.itemsize, INDEX_DTYPE.itemsize
+            ranges = [
+                ("ring.dat", ring, circular_spans(since.tail_pos, upto.tail_pos, self.capacity)),
+                (
+                    "events.dat",
+                    ev_addr,
+                    circular_spans(since.tail_event * ev_item, upto.tail_event * ev_item, ev_size),
+                ),
+                (
+                    "index.dat",
+                    ix_addr,
+                    circular_spans(since.index_tail * ix_item, upto.index_tail * ix_item, ix_size),
+                ),
+            ]
+        spans = [(name, addr + a, b - a) for name, addr, parts in ranges for a, b in parts]
+        spans.append(("meta.dat", meta_addr, meta_size))
+        return spans
 
     def flush(self) -> None:
         """msync everything (clean shutdown, periodic durability)."""

@@ -14,6 +14,7 @@ Example::
     name = "pgmain"
     id = 1
     capacity_bytes = "256MiB"
+    durability = "fsync"           # or "page_cache" (the default): docs/operations.md
 
     [partitions.fetcher]
     kind = "postgres"              # or "synthetic", "mysql", "none"
@@ -60,7 +61,7 @@ from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
-from ._buffer import BufferConfig
+from ._buffer import BufferConfig, Durability, check_durability
 
 __all__ = ["FetcherConfig", "HttpConfig", "PartitionConfig", "RelayConfig"]
 
@@ -128,12 +129,17 @@ class PartitionConfig:
     max_window_bytes: int = size_field(0)
     pin_timeout_s: float = 2.0
     fetcher: FetcherConfig = field(default_factory=FetcherConfig)
+    #: when the source is acknowledged: once a window is in the page cache
+    #: ("page_cache": survives a relay crash) or once it is synced to disk
+    #: ("fsync": survives an OS crash too); see :mod:`._syncer`
+    durability: Durability = "page_cache"
 
     def __post_init__(self) -> None:
         if not safe_name(self.name):  # it names the buffer's directory
             raise ConfigError(f"partition name {self.name[:140]!r} must match {NAME_RULE}")
         if not 0 <= self.id <= 65535:
             raise ConfigError(f"partition {self.name}: id must be 0..65535")
+        check_durability(self.durability, f"partition {self.name}")
 
     @property
     def buffer(self) -> BufferConfig:
@@ -143,6 +149,7 @@ class PartitionConfig:
             block_bytes=self.block_bytes,
             max_window_bytes=self.max_window_bytes,
             pin_timeout_s=self.pin_timeout_s,
+            durability=self.durability,
         )
 
 

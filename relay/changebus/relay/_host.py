@@ -15,10 +15,20 @@ only then is the group's last SCN acknowledged to the fetcher (so the source
 releases only what the relay holds). Readers wait for new windows through :meth:`wait_for_window`,
 which the writer wakes with ``loop.call_soon_threadsafe``.
 
+Durability (``PartitionConfig.durability``): with ``"page_cache"`` a group
+is acknowledged once appended; with ``"fsync"`` the writer only asks the
+:class:`~._syncer.GroupSyncer` for a sync and goes on, and an acknowledger
+task (:meth:`PartitionHost._ack_synced`) acknowledges up to ``synced_scn``
+after each sync: acks trail asynchronously, never pass what is on disk and
+never go backwards (docs/operations.md, "Durability").
+
 Fencing (relay clusters, :mod:`._cluster`). While :attr:`PartitionHost.fence`
 is set (the partition leads), the writer asks ``fence.admit()`` once per
 group, right before appending it, and the ingest asks ``fence.ack_scn(scn)``
 right before acknowledging it (one call each per group, never per event).
+With ``durability = "fsync"`` the acknowledger asks ``fence.ack_scn`` once
+per sync instead (so the source is acknowledged up to ``min(synced_scn,
+fence limit)``), and a refusal there stops the ingest the same way.
 A refusal stops the ingest on the spot: the group is neither appended nor
 acknowledged, the source fetcher is closed, the state becomes ``fenced``
 (``/readyz`` 503 with the reason) and ``fence.refused(reason)`` tells the
@@ -43,7 +53,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -64,8 +74,10 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
+from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
 from ._config import FetcherConfig, PartitionConfig
+from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
 
 __all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
@@ -93,30 +105,6 @@ def _nothing() -> None:
     """Run on the writer thread to wait for the work submitted before it."""
 
 
-class IngestFence(Protocol):
-    """What a leading partition checks before it appends or acknowledges (module docstring)."""
-
-    def admit(self) -> bool:
-        """True while the group may be appended (writer thread: must be thread-safe)."""
-        ...
-
-    def ack_scn(self, scn: int) -> int | None:
-        """How far the source may be acknowledged for a group ending at ``scn``.
-
-        At most ``scn``; below 0: nothing yet; None: not at all (fenced).
-        Event loop.
-        """
-        ...
-
-    def refused(self, reason: str) -> None:
-        """The ingest stopped because a check failed (event loop)."""
-        ...
-
-
-class _Fenced(Exception):
-    """A fence check failed: the ingest stops (never leaves this module)."""
-
-
 @dataclass
 class ConsumerSeen:
     """What the relay last saw of one consumer (for /v1/status only)."""
@@ -127,7 +115,7 @@ class ConsumerSeen:
     peer: str
 
 
-class PartitionHost:
+class PartitionHost(SourceAcks):
     """Owns everything of one physical partition inside the relay."""
 
     def __init__(self, config: PartitionConfig, data_dir: Path) -> None:
@@ -166,12 +154,21 @@ class PartitionHost:
         #: the partition's role in a relay cluster ("leader", "follower" or "": none)
         self.role = ""
         self._switching = asyncio.Lock()
+        #: the grouped syncer (``durability = "fsync"`` only: see :mod:`._syncer`)
+        self.syncer: GroupSyncer | None = None
+        if config.durability == "fsync":
+            self.syncer = GroupSyncer(self.buffer)
+        #: the newest SCN acknowledged to ``_acked_by`` (acks never go backwards)
+        self._acked_by: Fetcher | None = None
+        self._acked_scn = -1
 
     # ---- lifecycle ----------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._new_window = asyncio.Event()
+        if self.syncer is not None:
+            self.syncer.start()
         if self.config.fetcher.kind != "none":
             # build it now: an unknown kind or bad options fail the start-up
             self.fetcher = await self._create_fetcher()
@@ -186,6 +183,8 @@ class PartitionHost:
                 await self._task
         if self.fetcher is not None:
             await self.fetcher.close()
+        if self.syncer is not None:  # before the buffer's mappings go
+            await asyncio.to_thread(self.syncer.stop)
         await asyncio.get_running_loop().run_in_executor(self._writer, self.buffer.close)
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
         await asyncio.to_thread(self._writer.shutdown, wait=True)
@@ -239,8 +238,12 @@ class PartitionHost:
         )
 
     def flush(self) -> None:
-        """msync the buffer (runs on the writer thread to stay ordered with appends)."""
-        self._writer.submit(self.buffer.flush)
+        """msync the buffer (runs on the writer thread to stay ordered with appends).
+
+        Nothing to do with ``durability = "fsync"``: the syncer keeps it synced.
+        """
+        if self.syncer is None:
+            self._writer.submit(self.buffer.flush)
 
     @property
     def ready(self) -> bool:
@@ -392,37 +395,20 @@ class PartitionHost:
                         window.scn,
                     )
                     self.buffer.append_windows([self._loss_marker(window, exc.message)])
+        if self.syncer is not None:
+            self.syncer.request()
         return True
 
     async def _commit(self, fetcher: Fetcher, batch: list[Window]) -> None:
-        """Append ``batch`` (writer thread), then acknowledge it; raises _Fenced if refused."""
+        """Append ``batch`` (writer thread), then acknowledge it; raises _Fenced if refused.
+
+        With ``durability = "fsync"`` the acknowledger does that after the sync.
+        """
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self._writer, self._append, batch):
             raise _Fenced("the leadership lease is not valid: group not appended")
-        scn = batch[-1].scn
-        fence = self.fence
-        if fence is not None:
-            limit = fence.ack_scn(scn)
-            if limit is None:
-                raise _Fenced("the leadership lease is not valid: source not acknowledged")
-            if limit < 0:
-                return
-            scn = limit
-        await fetcher.acknowledge(scn)
-
-    async def acknowledge_held(self) -> None:
-        """Acknowledge what the fence now allows of the buffer (a leader's periodic catch-up).
-
-        The fence may have held an acknowledgement back (followers behind);
-        this releases it once they caught up, with the same check.
-        """
-        fetcher, fence = self.fetcher, self.fence
-        if fetcher is None or fence is None or self.state != "streaming":
-            return
-        last = self.buffer.meta.last_scn
-        limit = fence.ack_scn(last) if last >= 0 else -1
-        if limit is not None and limit >= 0:
-            await fetcher.acknowledge(limit)
+        if self.syncer is None:
+            await self._acknowledge(fetcher, batch[-1].scn)
 
     async def _pump(
         self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
@@ -443,6 +429,7 @@ class PartitionHost:
         delay = cfg.retry_initial_s
         while True:
             pump: asyncio.Task[None] | None = None
+            acker: asyncio.Task[None] | None = None
             fenced = False
             try:
                 if self.fence is not None and not self.fence.admit():
@@ -468,6 +455,10 @@ class PartitionHost:
                 pump = asyncio.create_task(
                     self._pump(self.fetcher, queue), name=f"pump-{self.name}"
                 )
+                if self.syncer is not None:
+                    acker = asyncio.create_task(
+                        self._ack_synced(self.fetcher, queue), name=f"ack-{self.name}"
+                    )
                 finished = False
                 while not finished:
                     item = await queue.get()
@@ -522,10 +513,11 @@ class PartitionHost:
                     scrub_exception(exc, self._secrets, trace=True),
                 )
             finally:
-                if pump is not None:
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await pump
+                for task in (pump, acker):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await task
                 if self.fetcher is not None and self.state not in ("streaming", "finished"):
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
@@ -581,4 +573,9 @@ class PartitionHost:
             status["last_error"] = self.last_error
         if self.fetcher is not None:
             status["fetcher"] = self.fetcher.status()
+        status["durability"] = (
+            self.syncer.status()
+            if self.syncer is not None
+            else {"mode": "page_cache", "synced_scn": -1, "syncs": 0, "sync_seconds_total": 0.0}
+        )
         return status

@@ -6,7 +6,9 @@ and a CRC. A process killed at any instant (even ``kill -9``) leaves at least
 one intact slot in the page cache: the one with the highest sequence number
 whose CRC matches is the last published state. Nothing here calls fsync on
 the hot path; :meth:`MetaFile.flush` (msync) runs on clean shutdown and
-periodically, for the case where the whole machine goes down.
+periodically, for the case where the whole machine goes down, and with
+``durability = "fsync"`` the syncer msyncs the slots after the ring bytes
+they name (:mod:`._syncer`).
 
 Thread-safety: only the writer thread calls :meth:`MetaFile.publish`.
 """
@@ -119,6 +121,10 @@ class MetaFile:
         record = body + struct.pack("<Q", zlib.crc32(body))
         start = (self._seq % 2) * _SLOT
         self._map[start : start + len(record)] = np.frombuffer(record, dtype=np.uint8)
+
+    def mapping(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the slots' mapping (the syncer msyncs it)."""
+        return int(self._map.ctypes.data), int(self._map.nbytes)
 
     def flush(self) -> None:
         """msync the slots to disk."""

@@ -15,7 +15,11 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    SummaryMetricFamily,
+)
 
 if TYPE_CHECKING:
     from ._host import PartitionHost
@@ -100,7 +104,27 @@ class RelayMetrics:
             "The leadership epoch the partition serves under (led or followed)",
             labels=["partition"],
         )
+        syncs = CounterMetricFamily(
+            "changebus_relay_syncs",
+            "Grouped syncs of the buffer to disk (durability = fsync)",
+            labels=["partition"],
+        )
+        sync_seconds = SummaryMetricFamily(
+            "changebus_relay_sync_seconds",
+            "Time the grouped syncs took (durability = fsync)",
+            labels=["partition"],
+        )
+        synced_scn = GaugeMetricFamily(
+            "changebus_relay_synced_scn",
+            "Newest SCN on disk: the source is acknowledged no further (durability = fsync)",
+            labels=["partition"],
+        )
         for host in self._hosts.values():
+            syncer = host.syncer
+            if syncer is not None:
+                syncs.add_metric([host.name], float(syncer.syncs))
+                sync_seconds.add_metric([host.name], syncer.syncs, syncer.sync_seconds_total)
+                synced_scn.add_metric([host.name], float(syncer.synced_scn))
             if host.role:
                 leader.add_metric([host.name, host.role], 1.0 if host.role == "leader" else 0.0)
             if host.epoch is not None:
@@ -133,3 +157,4 @@ class RelayMetrics:
         yield from gauges.values()
         yield from counters.values()
         yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, leader, epoch)
+        yield from (syncs, sync_seconds, synced_scn)

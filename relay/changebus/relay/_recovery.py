@@ -32,6 +32,18 @@ The state published by recovery keeps ``last_scn`` (the source was read
 that far): a buffer whose newest window is older than ``last_scn`` owes the
 marker, and a crash before it is written is found again at the next start.
 
+With ``durability = "fsync"`` (``replayable``) the source was acknowledged
+only up to windows that were synced to disk (:mod:`._syncer`), so damage
+beyond the kept windows is what an OS crash left unsynced, and the source
+still holds it: the dropped windows are *not* recorded as data loss. The
+published state goes back to the last kept window (``last_scn`` = its SCN)
+and the fetcher resumes from that window's source position, so the source
+sends them again (same SCNs, same changes). When nothing is kept, the buffer
+starts empty after ``prev_scn`` (the newest evicted window) for the same
+reason. Damage within synced windows (a bit flip on disk) is then caught by
+the source's own check where it has one (Postgres: a slot confirmed beyond
+the relay's last window is announced as DATA_LOSS).
+
 Runs once, in the buffer's constructor, before any reader or writer exists.
 """
 
@@ -91,11 +103,14 @@ def recover(
     metafile: MetaFile,
     name: str,
     stats: dict[str, int],
+    *,
+    replayable: bool = False,
 ) -> tuple[BufferMeta, Loss | None]:
     """Verify what the last published state says is live; repair side tables; trim damage.
 
     Returns the state to serve (published when it changed) and the
-    DATA_LOSS window the buffer owes, if any. Counts what it did in
+    DATA_LOSS window the buffer owes, if any (never with ``replayable``:
+    the source replays what was dropped, see the module docstring). Counts what it did in
     ``stats`` (the buffer's): ``recovery_records_rewritten``,
     ``recovery_index_rebuilt`` (0 or 1) and ``recovery_events_dropped``.
     """
@@ -140,6 +155,8 @@ def recover(
     lost_events = n - keep
     at = int(records["pos"][min(check.good, n - 1)])
     why = f"{check.problem or 'damaged event'} at ring position {at}"
+    if replayable:
+        return _rewind(meta, check, keep, eows.size, index_head, index_tail, metafile, name, why)
     if keep == 0:
         log.warning(
             "buffer %s: %s in the oldest window: all %d events dropped, recorded as data loss;"
@@ -190,6 +207,66 @@ def recover(
     )
     position = _last_position(ring, meta, records[-1])
     return trimmed, Loss(last_kept + 1, meta.last_scn, meta.last_ts, position, reason)
+
+
+def _rewind(
+    meta: BufferMeta,
+    check: RingCheck,
+    keep: int,
+    windows: int,
+    index_head: int,
+    index_tail: int,
+    metafile: MetaFile,
+    name: str,
+    why: str,
+) -> tuple[BufferMeta, None]:
+    """Trim to the kept windows and go back to the last of them (``durability = "fsync"``).
+
+    Nothing is owed: the source was acknowledged for synced windows only
+    and sends the dropped ones again after the last kept window's position.
+    """
+    n = meta.tail_event - meta.head_event
+    if keep == 0:
+        rewound = BufferMeta(
+            meta.capacity,
+            meta.event_slots,
+            meta.index_slots,
+            head_event=meta.tail_event,
+            tail_event=meta.tail_event,
+            head_pos=meta.tail_pos,
+            tail_pos=meta.tail_pos,
+            prev_scn=meta.prev_scn,
+            last_scn=meta.prev_scn,
+            index_head=meta.index_tail,
+            index_tail=meta.index_tail,
+        )
+        last_kept = meta.prev_scn
+    else:
+        h = check.headers
+        last_kept = int(h["scn"][keep - 1])
+        rewound = replace(
+            meta,
+            tail_event=meta.head_event + keep,
+            tail_pos=int(check.pos[keep - 1]) + int(h["total_length"][keep - 1]),
+            last_scn=last_kept,
+            last_ts=int(h["timestamp_ns"][keep - 1]),
+            index_head=index_head,
+            index_tail=index_tail,
+            windows=windows,
+        )
+    metafile.publish(rewound)
+    log.warning(
+        "buffer %s: %s: kept %d windows up to SCN %d, dropped %d events (SCN %d..%d);"
+        " durability is fsync, so the source was not told they were held: it sends them again",
+        name,
+        why,
+        windows,
+        last_kept,
+        n - keep,
+        last_kept + 1,
+        meta.last_scn,
+    )
+    return rewound, None
 
 
 def _interrupted(last: int) -> str:

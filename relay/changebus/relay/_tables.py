@@ -106,6 +106,10 @@ class CircularTable:
         """The record with virtual number ``n`` (a numpy structured scalar)."""
         return self.data[n % self.slots]
 
+    def mapping(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the whole mapping (the syncer msyncs ranges of it)."""
+        return int(self.data.ctypes.data), int(self.data.nbytes)
+
     def flush(self) -> None:
         self._mm.flush()
 
