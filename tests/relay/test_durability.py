@@ -654,3 +654,27 @@ def test_page_cache_os_crash_is_a_data_loss_event_never_a_silent_gap(
     assert len(set(keys)) == len(keys) == rows - lost["inserts"]
     # the consumer that had read them before the crash missed nothing, or was told
     assert len(set(live.inserted())) == rows or live.losses
+
+
+@pytest.mark.usefixtures("no_blocking")
+async def test_a_failed_sync_makes_the_partition_not_ready(tmp_path: Path) -> None:
+    """msync failing for good stops the acknowledgements: /readyz says so (503, the reason)."""
+    async with Relay(_synthetic_relay(tmp_path, "fsync")) as relay:
+        host = relay.hosts["syn"]
+        syncer = host.syncer
+        assert syncer is not None
+        await wait_until(lambda: syncer.synced_scn > 0)
+        code, _, _ = await asyncio.to_thread(_get, relay.port, "/readyz")
+        assert code == 200
+
+        def failing(name: str, address: int, length: int) -> None:
+            raise OSError(5, f"msync of {name}: Input/output error")
+
+        syncer._sync = failing  # type: ignore[method-assign]
+        await wait_until(lambda: bool(syncer.error))
+        code, _, body = await asyncio.to_thread(_get, relay.port, "/readyz")
+        assert code == 503
+        assert b"sync failed" in body
+        stuck = syncer.synced_scn
+        await asyncio.sleep(0.3)
+        assert syncer.synced_scn == stuck

@@ -247,6 +247,9 @@ class PartitionHost(SourceAcks):
 
     @property
     def ready(self) -> bool:
+        """Serving and ingesting as configured (an fsync partition whose syncs failed is not)."""
+        if self.syncer is not None and self.syncer.error:
+            return False
         return self.state in ("idle", "streaming", "finished")
 
     # ---- readers ------------------------------------------------------

@@ -369,6 +369,9 @@ def _readiness(hosts: dict[str, PartitionHost]) -> tuple[bool, dict[str, str]]:
         h.name: f"{h.state}: {h.last_error}" if h.state == "fenced" else h.state
         for h in hosts.values()
     }
+    for h in hosts.values():
+        if h.syncer is not None and h.syncer.error:
+            states[h.name] = f"sync failed: {h.syncer.error}"
     return all(h.ready for h in hosts.values()), states
 
 
