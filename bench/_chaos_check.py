@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _chaos_workload import COLUMNS, KEYS
+from _chaos_workload import COLUMNS, KEYS, TABLES
 from changebus.schemas import Checkpoint, CheckpointError, Mode
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "ReplicaSample",
     "TailChecker",
     "compare",
+    "compare_tables",
     "ledger_gaps",
     "ledger_high",
     "ledger_reached",
@@ -274,6 +275,18 @@ def compare(
             diff.extra += 1
             example(f"extra {k}")
     return diff
+
+
+def compare_tables(
+    source: Callable[[str], Mapping[tuple[Any, ...], tuple[Any, ...]]],
+    replica: Callable[[str], Mapping[tuple[Any, ...], tuple[Any, ...]]],
+    tables: Sequence[str] = TABLES,
+) -> Diff:
+    """:func:`compare` of every table (``source(table)``/``replica(table)`` read one), summed."""
+    total = Diff()
+    for table in tables:
+        total.add(compare(source(table), replica(table), table=table, columns=COLUMNS[table]))
+    return total
 
 
 def _ledger_keys(rows: Mapping[tuple[Any, ...], Any] | Iterable[Sequence[Any]]) -> list[Any]:
