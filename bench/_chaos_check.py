@@ -19,7 +19,11 @@ transaction as the rows.
 
 * :func:`source_rows`, :func:`sqlite_rows`, :func:`pg_replica_rows` read a
   table; :func:`compare` gives a :class:`Diff` (counts and a few keys: never
-  values); :func:`ledger_gaps` lists holes and duplicates in the ledger.
+  values), :func:`compare_tables` every table; :func:`ledger_gaps` lists
+  holes and duplicates in the ledger; :func:`source_ledger_high`,
+  :func:`sqlite_ledger_high`, :func:`pg_replica_ledger_high` read each
+  writer's highest seq (one cheap query, for convergence polls) and
+  :func:`reached` compares them with a workload's ``high_water()``.
 * :class:`BankSampler` samples a replica's ``count(*)`` and
   ``sum(balance)`` of accounts every ~50 ms in a thread; samples taken while
   the replica is bootstrapping (its stored checkpoint's mode is not
@@ -49,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from _chaos_workload import COLUMNS, KEYS, TABLES
-from changebus.schemas import Checkpoint, CheckpointError, Mode
+from changebus.schemas import Checkpoint, CheckpointError, Mode, PartitionCheckpoint
 
 __all__ = [
     "CHECKPOINT_TABLE",
@@ -64,10 +68,14 @@ __all__ = [
     "ledger_reached",
     "normalise",
     "pg_bank_sample",
+    "pg_replica_ledger_high",
     "pg_replica_rows",
+    "reached",
     "replica_online",
+    "source_ledger_high",
     "source_rows",
     "sqlite_bank_sample",
+    "sqlite_ledger_high",
     "sqlite_rows",
     "sqlite_table",
     "tail_checkpoint_scn",
@@ -345,7 +353,61 @@ def ledger_reached(
     rows: Mapping[tuple[Any, ...], Any] | Iterable[Sequence[Any]], high_water: Mapping[int, int]
 ) -> bool:
     """Whether a replica's ledger holds every writer's seq up to ``high_water``'s."""
-    high = ledger_high(rows)
+    return reached(ledger_high(rows), high_water)
+
+
+_LEDGER_HIGH = "SELECT writer, max(seq) FROM {} GROUP BY writer"
+
+
+def _high(rows: Iterable[Sequence[Any]]) -> dict[int, int]:
+    return {int(w): int(s) for w, s in rows}
+
+
+def source_ledger_high(kind: str, connect: Callable[[], Any]) -> dict[int, int]:
+    """Writer -> highest seq in the source's ledger (one cheap query)."""
+    if kind not in ("pg", "mysql"):
+        raise ValueError(f"source kind must be 'pg' or 'mysql', not {kind!r}")
+    conn = connect()
+    try:
+        cur = conn.cursor()
+        cur.execute(_LEDGER_HIGH.format("ledger"))
+        return _high(cur.fetchall())
+    finally:
+        conn.close()
+
+
+def sqlite_ledger_high(path: Path, *, schema: str = "public") -> dict[int, int]:
+    """Writer -> highest seq in a SQLite replica's ledger ({} before it exists)."""
+    if not Path(path).exists():
+        return {}
+    conn = _sqlite_connect(Path(path))
+    try:
+        name = sqlite_table("ledger", schema)
+        if not conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchall():
+            return {}
+        return _high(conn.execute(_LEDGER_HIGH.format(_quote(name))).fetchall())
+    finally:
+        conn.close()
+
+
+def pg_replica_ledger_high(dsn: str, *, schema: str = "public") -> dict[int, int]:
+    """Writer -> highest seq in a Postgres replica's ledger ({} before it exists)."""
+    import psycopg
+
+    relation = f"{_quote(schema)}.{_quote('ledger')}"
+    with psycopg.connect(dsn, connect_timeout=10) as conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (relation,))
+        row = cur.fetchone()
+        if row is None or not row[0]:
+            return {}
+        cur.execute(_LEDGER_HIGH.format(relation))
+        return _high(cur.fetchall())
+
+
+def reached(high: Mapping[int, int], high_water: Mapping[int, int]) -> bool:
+    """Whether ledger highs ``high`` are at or past every writer's ``high_water``."""
     return all(high.get(w, 0) >= s for w, s in high_water.items())
 
 
@@ -589,9 +651,11 @@ class BankSampler(threading.Thread):
 def tail_checkpoint_scn(path: Path, partition: str | None = None) -> int:
     """The SCN a ``changebus tail --checkpoint FILE`` resumes after (-1: no file yet).
 
-    The partition's ``window_scn`` (bootstrapping: the snapshot's ``since``
-    or the catch-up's last window -- what follows is newer in both cases);
-    ``partition`` None: the only (or highest) partition of the checkpoint.
+    Online: the partition's ``window_scn``. Bootstrapping (snapshot or
+    catch-up): the bootstrap's ``since_scn`` -- a resumed catch-up goes on
+    after its last window, but one whose log was pruned meanwhile restarts the
+    snapshot, which sends the rows changed after ``since`` again.
+    ``partition`` None: the lowest position over the checkpoint's partitions.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -599,8 +663,14 @@ def tail_checkpoint_scn(path: Path, partition: str | None = None) -> int:
         return -1
     cp = Checkpoint.parse(text)
     if partition is not None:
-        return cp.get(partition).window_scn
-    return max((pc.window_scn for pc in cp.partitions.values()), default=-1)
+        return _resume_floor(cp.get(partition))
+    return min((_resume_floor(pc) for pc in cp.partitions.values()), default=-1)
+
+
+def _resume_floor(pc: PartitionCheckpoint) -> int:
+    if pc.mode is not Mode.ONLINE and pc.bootstrap is not None:
+        return pc.bootstrap.since_scn
+    return pc.window_scn
 
 
 @dataclass

@@ -28,9 +28,12 @@ from _chaos_check import (
     ledger_gaps,
     ledger_reached,
     pg_bank_sample,
+    pg_replica_ledger_high,
     pg_replica_rows,
+    reached,
     source_rows,
     sqlite_bank_sample,
+    sqlite_ledger_high,
     sqlite_rows,
     tail_checkpoint_scn,
 )
@@ -192,15 +195,20 @@ async def run_pipeline(
             await asyncio.to_thread(my_work.stop)
             assert pg_work.ddl_done.is_set() and my_work.ddl_done.is_set()
             pg_high, my_high = pg_work.high_water(), my_work.high_water()
+            highs: dict[str, Callable[[], dict[int, int]]] = {
+                "pg-sqlite": lambda: sqlite_ledger_high(tmp / "pg.db"),
+                "pg-pg": lambda: pg_replica_ledger_high(replica_dsn),
+                "my-sqlite": lambda: sqlite_ledger_high(tmp / "my.db", schema=db),
+            }
             readers: dict[str, Callable[[str], Any]] = {
                 "pg-sqlite": lambda t: sqlite_rows(tmp / "pg.db", t),
                 "pg-pg": lambda t: pg_replica_rows(replica_dsn, t),
                 "my-sqlite": lambda t: sqlite_rows(tmp / "my.db", t, schema=db),
             }
-            for name, read in readers.items():
+            for name, read_high in highs.items():
                 high = my_high if name.startswith("my") else pg_high
                 await wait_until(
-                    lambda r=read, h=high: ledger_reached(r("ledger"), h),
+                    lambda r=read_high, h=high: reached(r(), h),
                     60,
                     f"{name} has the whole ledger",
                     0.2,

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from _chaos_check import ledger_gaps, source_rows
+from _chaos_check import ledger_gaps, source_ledger_high, source_rows
 from _chaos_workload import SourceWorkload, WorkloadConfig
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.fetchers.postgres import EmbeddedPostgres
@@ -108,7 +108,7 @@ def check_source(kind: str, connect: Callable[[], Any], workload: SourceWorkload
     ledger = source_rows(kind, connect, "ledger")
     assert ledger_gaps(ledger) == []
     assert len(ledger) == workload.transactions
-    assert {w: max(s for ww, s in ledger if ww == w) for w, _ in ledger} == workload.high_water()
+    assert source_ledger_high(kind, connect) == workload.high_water()
     accounts = source_rows(kind, connect, "accounts")
     assert len(accounts) == CONFIG.accounts
     assert sum(row[1] for row in accounts.values()) == CONFIG.total_balance
