@@ -235,8 +235,13 @@ async def run_pipeline(
         diff = compare_tables(lambda t, k=kind, c=connect: source_rows(k, c, t), read)  # type: ignore[misc]
         assert diff.ok, (name, diff)
         assert ledger_gaps(read("ledger")) == []
-    kv = source_rows("pg", pg_connect, "kv")
-    assert any(r[4] is None for r in kv.values()) and any(r[4] is not None for r in kv.values())
+    for kind, connect in (("pg", pg_connect), ("mysql", my_connect)):
+        kv = source_rows(kind, connect, "kv")  # the DDL ran mid-run: old rows NULL, new not
+        assert any(r[4] is None for r in kv.values()), kind
+        assert any(r[4] is not None for r in kv.values()), kind
+    # docs updated without their big column: unchanged TOAST, not sent by pgoutput
+    lines = [json.loads(x) for p in outputs for x in p.read_text().splitlines() if x.endswith("}")]
+    assert any(d["table"] == "public.docs" and d["not_sent"] == ["big"] for d in lines)
     for s in samplers:
         assert s.violations == [], s.violations
         assert s.samples > 10, (s.replica, s.samples, s.exempt, s.errors)
