@@ -49,6 +49,7 @@ from changebus.client._apply import Replica
 from changebus.client._json import event_json
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import lsn_to_scn
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -184,7 +185,9 @@ async def run_pipeline(
             await asyncio.to_thread(my_work.create_tables)
             pg_work.start()
             my_work.start()
-            await asyncio.sleep(2.0)
+            await wait_until(
+                lambda: checkpoint.exists() and len(tail_ledger(outputs)) > 20, 60, "tail", 0.05
+            )
             tail.send_signal(signal.SIGKILL)  # mid-stream
             await asyncio.to_thread(tail.wait)
             restarts.append(tail_checkpoint_scn(checkpoint))
@@ -317,11 +320,19 @@ async def test_bootstrapping_consumers_are_exempt_not_false_violations(
         )
         async with BootstrapServer(bcfg) as boot:
             await asyncio.to_thread(work.create_tables)
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                marker = conn.execute(
+                    "SELECT pg_logical_emit_message(false, 'created', 'x')::text"
+                ).fetchone()
+            assert marker is not None
+            created = lsn_to_scn(marker[0])
             work.start()
             try:
-                # until the relay evicted the beginning (the late consumers must bootstrap)
+                # until the relay evicted the initial rows (the late consumers must bootstrap)
                 await wait_until(
-                    lambda: relay.hosts["pg"].status()["prev_scn"] > 0 and work.transactions > 150,
+                    lambda: (
+                        relay.hosts["pg"].status()["prev_scn"] > created and work.transactions > 150
+                    ),
                     60,
                     "eviction",
                     0.1,
