@@ -109,6 +109,9 @@ def check_source(kind: str, connect: Callable[[], Any], workload: SourceWorkload
     assert ledger_gaps(ledger) == []
     assert len(ledger) == workload.transactions
     assert source_ledger_high(kind, connect) == workload.high_water()
+    stats = workload.stats()
+    assert stats["transactions"] == len(ledger) and stats["ddl_done"]
+    assert stats["high_water"] == workload.high_water() and stats["errors"] == workload.errors
     accounts = source_rows(kind, connect, "accounts")
     assert len(accounts) == CONFIG.accounts
     assert sum(row[1] for row in accounts.values()) == CONFIG.total_balance
