@@ -115,23 +115,23 @@ def sqlite_rows(path: Path) -> Rows:
     return out
 
 
-def tail_rows(path: Path) -> tuple[Rows, int]:
-    """The tables rebuilt from a tail's JSON lines (applied in order), and the lowest SCN."""
-    out: Rows = {t: {} for t in TABLES}
-    lowest = 2**63
+def tail_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines a tail printed so far."""
     text = path.read_text() if path.exists() else ""
-    for line in text.splitlines():
-        if not line.endswith("}"):
-            break  # a line being written
-        ev = json.loads(line)
-        lowest = min(lowest, ev["scn"])
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+def tail_rows(path: Path) -> Rows:
+    """The tables rebuilt from a tail's JSON lines, applied in order."""
+    out: Rows = {t: {} for t in TABLES}
+    for ev in tail_lines(path):
         table = out[ev["table"].rsplit(".", 1)[-1]]
         if ev["op"] == "delete":
             table.pop(ev["key"]["id"], None)
         else:
             after = ev["after"]
             table[after["id"]] = (after["id"], after["bal"], after["name"])
-    return out, lowest
+    return out
 
 
 def diff(got: Rows, want: Rows) -> list[str]:
@@ -249,16 +249,13 @@ async def test_tail_and_replicate_bootstrap_after_eviction(
                 }
             try:
                 await asyncio.to_thread(writer.join)
-                marker = await asyncio.to_thread(sync_marker, pg_dsn)
-                want = await asyncio.to_thread(source_rows, pg_dsn)
-                assert sum(map(len, want.values())) > 200
 
-                async def equal() -> list[str]:
+                async def equal(want: Rows) -> list[str]:
                     for name, proc in procs.items():
                         assert proc.returncode is None, f"{name} exited: {proc.returncode}"
                     plain = await asyncio.to_thread(sqlite_rows, plain_db)
                     grouped = await asyncio.to_thread(sqlite_rows, group_db)
-                    tailed, _ = await asyncio.to_thread(tail_rows, out)
+                    tailed = await asyncio.to_thread(tail_rows, out)
                     return [
                         f"{name}: {len(bad)} rows differ, e.g. {bad[:3]}"
                         for name, bad in (
@@ -269,13 +266,21 @@ async def test_tail_and_replicate_bootstrap_after_eviction(
                         if bad
                     ]
 
-                for _ in range(900):
-                    if not (problems := await equal()):
-                        break
-                    await asyncio.sleep(0.1)
-                else:
+                async def converge() -> None:
+                    want = await asyncio.to_thread(source_rows, pg_dsn)
+                    assert sum(map(len, want.values())) > 200
+                    for _ in range(900):
+                        if not (problems := await equal(want)):
+                            return
+                        await asyncio.sleep(0.1)
                     raise AssertionError("; ".join(problems))
-                # the plain replica and the tail are back online past the writer's end
+
+                await converge()
+                # more changes once every consumer is back on the relay: read online
+                await asyncio.to_thread(workload, pg_dsn, 3, 30)
+                marker = await asyncio.to_thread(sync_marker, pg_dsn)
+                await converge()
+                # the plain replica and the tail are online past the last change
                 await wait_until(
                     lambda: (s := stored_mode(plain_db))[0] is Mode.ONLINE and s[1] >= marker,
                     60,
@@ -298,9 +303,15 @@ async def test_tail_and_replicate_bootstrap_after_eviction(
                     _, err = await asyncio.wait_for(proc.communicate(), 30)
                     assert proc.returncode == 0, f"{name}: {err.decode()}"
                     assert b"Traceback" not in err, err.decode()
-            # the tail printed rows older than the relay keeps: they came from the bootstrap
-            _, lowest = await asyncio.to_thread(tail_rows, out)
-            assert lowest <= evicted
+            # the tail printed rows older than the relay keeps: they came from the bootstrap,
+            # marked with their phase; the catch-up and online lines are in commit order
+            lines = await asyncio.to_thread(tail_lines, out)
+            phases = [ev.get("phase", "online") for ev in lines]
+            assert phases[0] == "snapshot" and phases[-1] == "online"
+            assert phases == sorted(phases, key=["snapshot", "catchup", "online"].index)
+            assert min(ev["scn"] for ev in lines if ev.get("phase") == "snapshot") <= evicted
+            ordered = [(ev["scn"], ev["seq"]) for ev in lines if ev.get("phase") != "snapshot"]
+            assert ordered == sorted(set(ordered))
             async with aiohttp.ClientSession() as s, s.get(f"{boot.url}/metrics") as r:
                 text = await r.text()
             served = [ln for ln in text.splitlines() if 'what="snapshot_rows"' in ln]

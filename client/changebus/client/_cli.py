@@ -1,7 +1,9 @@
 """``changebus tail``: print a relay stream as JSON lines, following it live.
 
 One line per row change: ``{"scn", "seq", "op", "table", "key", "before",
-"after", "not_sent"}``. With ``--checkpoint FILE`` the position is kept in
+"after", "not_sent"}``, plus ``"phase"`` (``"snapshot"`` or ``"catchup"``)
+on lines read from a bootstrap server: SCNs increase (and are unique per
+``(scn, seq)``) only on the other lines. With ``--checkpoint FILE`` the position is kept in
 ``FILE`` (atomically replaced after each window), so a second run continues
 where the first stopped. Ctrl-C (or SIGTERM) stops cleanly with status 0.
 A gap in the stream or a position the relays no longer keep ends the command
@@ -364,9 +366,9 @@ def _main(args: argparse.Namespace) -> int:
     consumer = SyncConsumer(config, persister=persister)
     try:
         for window in consumer:
-            unit = window.unit
+            unit, phase = window.unit, window.phase
             for event in window.events:
-                out.write(event_json(event, unit=unit) + "\n")
+                out.write(event_json(event, unit=unit, phase=phase) + "\n")
                 printed += 1
                 if args.limit and printed >= args.limit:
                     out.flush()
