@@ -26,6 +26,11 @@ class PostgresConfig(ColumnPolicyOptions):
     #: "stream" (replication protocol) or "sql" (peek + advance, no replication connection)
     mode: str = "stream"
     status_interval_s: float = 1.0
+    #: a server that answers no query, or sends nothing on the replication stream
+    #: (asked for a keepalive every status_interval_s while quiet), for this long is
+    #: presumed frozen or cut off: the connection is cut and the fetcher reconnects
+    #: (also libpq's connect_timeout unless the DSN sets one); 0 = wait for ever
+    io_timeout_s: float = 15.0
     #: emit a heartbeat message after this long without a window (0 = never)
     heartbeat_interval_s: float = 10.0
     #: how often the slot's retained WAL is read for /v1/status and /metrics
@@ -64,7 +69,12 @@ class PostgresConfig(ColumnPolicyOptions):
         for option in ("status_interval_s", "sql_poll_interval_s"):
             if getattr(self, option) <= 0:
                 raise ConfigError(f"fetcher option {option} must be positive")
-        for option in ("heartbeat_interval_s", "slot_stats_interval_s", "max_transaction_bytes"):
+        for option in (
+            "heartbeat_interval_s",
+            "slot_stats_interval_s",
+            "max_transaction_bytes",
+            "io_timeout_s",
+        ):
             if getattr(self, option) < 0:
                 raise ConfigError(f"fetcher option {option} must not be negative")
         if self.sql_batch_changes < 1:

@@ -52,6 +52,7 @@ from ._config import PostgresConfig
 from ._setup import connect, reason, set_up
 from ._stream import HOLD_S, HOLD_WINDOWS, Ticker, poll_sql, stream
 from ._types import TypeResolver
+from ._watchdog import Watchdog
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
 
@@ -142,8 +143,21 @@ class PostgresFetcher:
         import psycopg
 
         cfg = self.config
-        catalog = connect(cfg.dsn, "cannot connect to Postgres")
-        with catalog:
+        watchdog = Watchdog(cfg.io_timeout_s, self.name)
+        try:
+            self._stream_with(watchdog, emit, stopping)
+        except psycopg.OperationalError as exc:  # the server went away mid-stream
+            watchdog.check()  # or the watchdog cut a connection whose server stopped answering
+            raise SourceError(f"lost the Postgres connection: {reason(exc, cfg.dsn)}") from None
+        finally:
+            watchdog.close()
+
+    def _stream_with(
+        self, watchdog: Watchdog, emit: Callable[[Window], None], stopping: threading.Event
+    ) -> None:
+        cfg = self.config
+        conn = connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s)
+        with watchdog.guard(conn) as catalog:
             resolver = TypeResolver(catalog)
             registry = SchemaRegistry()
             known = registry.import_entries(self._resume.schemas)
@@ -163,21 +177,21 @@ class PostgresFetcher:
                 self._emit(assembler.control_window(DataLoss(lo, hi, why), hi), emit)
                 self._data_loss = None
             ticker = Ticker(self, catalog)
+            if cfg.mode == "sql":
+                poll_sql(self, catalog, assembler, emit, stopping, ticker)
+                return
+            repl = connect(
+                cfg.dsn,
+                "cannot open a replication connection",
+                timeout_s=cfg.io_timeout_s,
+                replication="database",
+            )
+            # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
+            # fail before closing, leaving the server's walsender holding the slot
             try:
-                if cfg.mode == "sql":
-                    poll_sql(self, catalog, assembler, emit, stopping, ticker)
-                    return
-                repl = connect(
-                    cfg.dsn, "cannot open a replication connection", replication="database"
-                )
-                # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
-                # fail before closing, leaving the server's walsender holding the slot
-                try:
-                    stream(self, repl, assembler, emit, stopping, ticker)
-                finally:
-                    repl.close()
-            except psycopg.OperationalError as exc:  # the server went away mid-stream
-                raise SourceError(f"lost the Postgres connection: {reason(exc, cfg.dsn)}") from None
+                stream(self, repl, assembler, emit, stopping, ticker, watchdog)
+            finally:
+                repl.close()
 
     def _emit(self, window: Window, emit: Callable[[Window], None]) -> None:
         with self._lock:

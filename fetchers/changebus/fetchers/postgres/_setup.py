@@ -19,6 +19,7 @@ at the new slot's start.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from changebus.schemas.config import scrub
 
 from .._base import ResumePoint
 from ._config import PostgresConfig
+from ._watchdog import Watchdog
 
 __all__ = ["StartPlan", "connect", "reason", "set_up"]
 
@@ -52,15 +54,20 @@ def set_up(config: PostgresConfig, resume: ResumePoint, partition: str) -> Start
     """Check the server, create publication and slot when missing, look for a gap."""
     import psycopg
 
+    watchdog = Watchdog(config.io_timeout_s, partition)
     try:
-        with connect(config.dsn, "cannot connect to Postgres") as catalog:
+        conn = connect(config.dsn, "cannot connect to Postgres", timeout_s=config.io_timeout_s)
+        with watchdog.guard(conn) as catalog:
             resume, data_loss = _prepare(catalog, config, resume, partition)
             row = catalog.execute(
                 "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
                 (config.slot,),
             ).fetchone()
     except psycopg.OperationalError as exc:
+        watchdog.check()
         raise SourceError(f"cannot connect to Postgres: {reason(exc)}") from None
+    finally:
+        watchdog.close()
     return StartPlan(resume, data_loss, lsn_to_scn(row[0]) if row and row[0] else -1)
 
 
@@ -126,8 +133,11 @@ def _prepare(
         if slot is None:
             if not cfg.create_slot:
                 raise SourceConfigError(f"replication slot {cfg.slot!r} does not exist")
+            # no deadline: the slot waits for the transactions running at its start
             catalog.execute(
-                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (cfg.slot,)
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
+                (cfg.slot,),
+                timeout_s=0,
             )
             log.info("created replication slot %s", cfg.slot)
         row = catalog.execute(
@@ -195,8 +205,19 @@ def reason(exc: BaseException, dsn: str = "") -> str:
     return exc.__class__.__name__
 
 
-def connect(dsn: str, what: str, *, option: str = "fetcher option dsn", **kwargs: Any) -> Any:
+def connect(
+    dsn: str,
+    what: str,
+    *,
+    option: str = "fetcher option dsn",
+    timeout_s: float = 0.0,
+    **kwargs: Any,
+) -> Any:
     """``psycopg.connect(dsn, autocommit=True, **kwargs)``; errors never quote the DSN.
+
+    ``timeout_s`` (> 0) becomes libpq's ``connect_timeout`` unless the DSN
+    sets its own: a server that accepts the TCP connection and never answers
+    (frozen, or a half-open path) fails the connect instead of hanging it.
 
     A connection that fails is a retriable :class:`SourceError` headed by
     ``what`` (the reason scrubbed of the DSN and its password); a DSN libpq
@@ -206,6 +227,8 @@ def connect(dsn: str, what: str, *, option: str = "fetcher option dsn", **kwargs
     """
     import psycopg
 
+    if timeout_s > 0 and "connect_timeout" not in dsn:
+        kwargs.setdefault("connect_timeout", max(2, math.ceil(timeout_s)))
     try:
         return psycopg.connect(dsn, autocommit=True, **kwargs)
     except psycopg.OperationalError as exc:

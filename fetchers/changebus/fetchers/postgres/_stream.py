@@ -45,6 +45,7 @@ from changebus.schemas import SourceError, lsn_to_scn, scn_to_lsn
 from .._base import Window
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._readers import reader_kind, start_reader
+from ._watchdog import Watchdog
 from ._wire import ServerError
 
 if TYPE_CHECKING:
@@ -72,12 +73,15 @@ def stream(
     emit: Callable[[Window], None],
     stopping: threading.Event,
     ticker: Ticker,
+    watchdog: Watchdog,
 ) -> None:
     """Stream from the slot on ``repl`` (a replication connection) until ``stopping``.
 
     Resumes after the relay's last window (its END_OF_WINDOW carries the
     commit's end LSN); windows at or below the relay's last SCN that
-    Postgres sends again are dropped.
+    Postgres sends again are dropped. A stream silent for ``io_timeout_s``
+    although asked for keepalives (:class:`_StreamDuties`) is a retriable
+    :class:`SourceError`; ``watchdog`` bounds START_REPLICATION's answer.
     """
     cfg = fetcher.config
     resume = fetcher._resume
@@ -90,7 +94,14 @@ def stream(
     )
     which = reader_kind(cfg, repl.pgconn)
     fetcher.stream_reader = which
-    reader = start_reader(which, repl, cfg, command)
+    watchdog.arm(id(repl), repl.pgconn.socket, "START_REPLICATION")
+    try:
+        reader = start_reader(which, repl, cfg, command)
+    except SourceError:
+        watchdog.check()
+        raise
+    finally:
+        watchdog.disarm(id(repl))
     written = 0
     feed = fetcher._feed
     stats = fetcher.stats
@@ -102,7 +113,9 @@ def stream(
             now = time.monotonic()
             duties.tick(now, written)
             batch = read()
-            if not batch:
+            if batch:
+                duties.last_rx = now
+            else:
                 if feed is not None:
                     feed.flush()
                 ticker.tick(now, idle=not assembler.in_transaction)
@@ -189,8 +202,10 @@ def poll_sql(
             stopping.wait(cfg.sql_poll_interval_s)
 
 
-def _send_status(send: Callable[[bytes], None], written: int, flushed: int) -> None:
-    send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0))
+def _send_status(
+    send: Callable[[bytes], None], written: int, flushed: int, reply: bool = False
+) -> None:
+    send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 1 if reply else 0))
 
 
 def _now_pg_us() -> int:
@@ -205,15 +220,28 @@ class _StreamDuties:
     ``status_interval_s``, and soon (``_ACK_STATUS_S``) after the relay
     acknowledged more, or at once when the server asks for a reply. Owned by
     the stream thread.
+
+    Liveness: ``last_rx`` is when the server last sent anything (the stream
+    loop sets it when a read returned data). A status update sent while the
+    server has been quiet for ``status_interval_s`` asks for a reply, which a
+    live walsender sends at once; a request left unanswered for
+    ``io_timeout_s`` (a frozen server, a half-open path) raises a retriable
+    :class:`SourceError`. Only an unanswered request counts, so time the
+    loop spent blocked elsewhere (handing windows to a busy relay) never
+    looks like a silent server.
     """
 
     def __init__(self, fetcher: PostgresFetcher, send: Callable[[bytes], None]) -> None:
         self._fetcher = fetcher
         self._send = send
         self._interval = fetcher.config.status_interval_s
+        self._timeout = fetcher.config.io_timeout_s
         self._last_status = 0.0
         self._sent_flush = -1
         self._last_wake = 0.0
+        self.last_rx = time.monotonic()
+        #: when the oldest unanswered request for a reply went out (0: none)
+        self._asked = 0.0
 
     def tick(self, now: float, written: int) -> None:
         feed = self._fetcher._feed
@@ -224,7 +252,18 @@ class _StreamDuties:
         if now - self._last_status >= self._interval or (
             flush != self._sent_flush and now - self._last_status >= _ACK_STATUS_S
         ):
-            _send_status(self._send, max(written, flush), flush)
+            if self.last_rx >= self._asked:
+                self._asked = 0.0  # answered (or nothing asked)
+            elif self._timeout and now - self._asked >= self._timeout:
+                raise SourceError(
+                    f"Postgres did not answer on the replication stream for "
+                    f"{now - self._asked:.0f} s although asked for a keepalive (a frozen"
+                    " server or a broken network path): reconnecting"
+                )
+            ask = now - self.last_rx >= self._interval
+            _send_status(self._send, max(written, flush), flush, reply=ask)
+            if ask and not self._asked:
+                self._asked = now
             self._last_status, self._sent_flush = now, flush
 
     def reply(self, written: int) -> None:

@@ -1,0 +1,173 @@
+"""Cutting Postgres connections whose server stopped answering.
+
+A server that is frozen (SIGSTOP, a stalled disk, a hung VM) or a network
+path that went half-open keeps TCP connections open: the kernel (or a
+middlebox) accepts what is sent and nothing ever comes back, so a blocking
+query waits for ever and TCP keepalives see nothing wrong. libpq has no
+client-side query timeout, so the fetcher's connections go through a
+:class:`Guarded` wrapper: every ``execute`` arms a deadline in the
+:class:`Watchdog`, and a call still running when its deadline passes gets
+its socket shut down (``shutdown(SHUT_RDWR)`` on a duplicate of the
+connection's descriptor), which makes the blocked call fail at once with
+an ``OperationalError``. The caller turns that into a retriable
+:class:`~changebus.schemas.SourceError` naming the timeout
+(:meth:`Watchdog.check`), and the relay reconnects.
+
+Data structure: ``Watchdog._armed`` maps a guarded connection's id to
+``(deadline, socket descriptor, what)``; the watchdog's thread scans it
+every quarter of a second (the timeout's resolution). Thread-safety: one
+lock guards ``_armed``; a :class:`Guarded` connection is used by one thread
+at a time (as psycopg's synchronous connections are), the watchdog thread
+only reads the map and shuts sockets down. The silence of the replication
+stream itself is watched by the stream loop (``io_timeout_s`` in
+:mod:`._stream`), which asks the server for a keepalive while idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from changebus.schemas import SourceError
+
+__all__ = ["Guarded", "Watchdog"]
+
+log = logging.getLogger("changebus.fetchers.postgres")
+
+#: how often armed deadlines are checked
+_TICK_S = 0.25
+
+
+class Watchdog:
+    """Shuts down the socket of a guarded call that overran its deadline (module docstring)."""
+
+    def __init__(self, timeout_s: float, name: str) -> None:
+        #: seconds a call may take (0: no deadline at all)
+        self.timeout_s = timeout_s
+        self.name = name
+        #: what overran, once one did ("" before)
+        self.fired = ""
+        self._armed: dict[int, tuple[float, int, str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def guard(self, conn: Any) -> Guarded:
+        """``conn`` (a psycopg connection) with deadlines on its ``execute``."""
+        return Guarded(conn, self)
+
+    def arm(self, key: int, fd: int, what: str, timeout_s: float | None = None) -> None:
+        seconds = self.timeout_s if timeout_s is None else timeout_s
+        if seconds <= 0:
+            return
+        with self._lock:
+            self._armed[key] = (time.monotonic() + seconds, fd, what)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"pg-watchdog-{self.name}", daemon=True
+                )
+                self._thread.start()
+
+    def disarm(self, key: int) -> None:
+        with self._lock:
+            self._armed.pop(key, None)
+
+    def check(self) -> None:
+        """Raise the retriable error of a call the watchdog cut (nothing when none was)."""
+        if self.fired:
+            raise SourceError(self.fired)
+
+    def close(self) -> None:
+        """Stop the thread (it exits within one tick; not joined)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, v) for k, v in self._armed.items() if v[0] <= now]
+                for key, _ in late:
+                    del self._armed[key]
+            for _, (_, fd, what) in late:
+                self.fired = (
+                    f"Postgres did not answer {what} within {self.timeout_s:g} s (a frozen "
+                    "server or a broken network path): the connection was cut"
+                )
+                log.warning("partition %s: %s", self.name, self.fired)
+                _shut_down(fd)
+
+
+def _shut_down(fd: int) -> None:
+    """Shut the socket behind ``fd`` down (both ways), without closing ``fd`` itself."""
+    with contextlib.suppress(OSError):
+        dup = os.dup(fd)
+        sock = socket.socket(fileno=dup)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+class Guarded:
+    """A psycopg connection whose ``execute`` calls have a deadline (module docstring).
+
+    Everything else is the connection's own (attribute access is passed
+    through). Use from one thread at a time.
+    """
+
+    def __init__(self, conn: Any, watchdog: Watchdog) -> None:
+        self.conn = conn
+        self._watchdog = watchdog
+
+    def execute(self, query: Any, params: Any = None, *, timeout_s: float | None = None) -> Any:
+        """``conn.execute`` with a deadline: the watchdog's, or ``timeout_s`` (0: none)."""
+        dog, key = self._watchdog, id(self)
+        dog.arm(key, self.conn.pgconn.socket, "a query", timeout_s)
+        try:
+            cursor = self.conn.execute(query, params)
+            # fetch inside the deadline too: a result can arrive slowly
+            return _Fetched(cursor.fetchall() if cursor.description is not None else [])
+        except Exception:
+            dog.check()
+            raise
+        finally:
+            dog.disarm(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    def __enter__(self) -> Guarded:
+        self.conn.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.conn.__exit__(exc_type, exc, tb)
+
+
+class _Fetched:
+    """The rows of a finished query, read like a cursor (``fetchone``, ``fetchall``, iteration)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows = rows
+
+    def fetchone(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
+
+    def __iter__(self) -> Any:
+        return iter(self._rows)

@@ -1,0 +1,142 @@
+"""A Postgres that stops answering: the fetcher cuts the connection and reconnects.
+
+The relay reads Postgres through the chaos harness's TCP fault proxy
+(``bench/_chaos_proxy.py``). ``half_open`` leaves every connection open and
+forwards nothing, as a frozen server (SIGSTOP, a stalled disk) or a broken
+network path would: TCP keepalives see nothing wrong and libpq has no query
+timeout. Before ``io_timeout_s`` existed the stream thread waited for ever
+(in a heartbeat query or on the silent stream) and the partition never came
+back; now the silence is noticed within ``io_timeout_s``, the fetcher
+reconnects once the path heals, and every transaction arrives once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_pg_fetcher import replay_buffer, source, workload
+
+from _chaos_proxy import FaultProxy
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import lsn_to_scn
+from fix_pg import PgServer
+from waiting import wait_until
+
+pytestmark = pytest.mark.pg
+
+
+def _config(tmp: Path, dsn: str, **options: Any) -> RelayConfig:
+    return RelayConfig(
+        data_dir=tmp / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=8 << 20,
+                fetcher=FetcherConfig(
+                    "postgres",
+                    {"dsn": dsn, "status_interval_s": 0.2, "io_timeout_s": 2.0, **options},
+                    retry_initial_s=0.2,
+                    retry_max_s=1.0,
+                ),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+
+
+def _marker(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
+    assert row is not None
+    return lsn_to_scn(row[0])
+
+
+async def _caught_up(relay: Relay, dsn: str) -> None:
+    target = await asyncio.to_thread(_marker, dsn)
+    await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= target, seconds=30)
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["busy", "idle"])
+async def test_a_server_that_stops_answering_is_cut_off_and_read_again(
+    tmp_path: Path, pg_server: PgServer, pg_dsn: str, idle: bool
+) -> None:
+    """``idle``: no writes during the freeze (only keepalive requests can notice it)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int8 PRIMARY KEY, bal int8, name text)")
+    proxy = FaultProxy("pg", "127.0.0.1", pg_server.port)
+    await proxy.start()
+    dbname = pg_dsn.rsplit("dbname=", 1)[1].split()[0]
+    via_proxy = f"host=127.0.0.1 port={proxy.port} user=postgres dbname={dbname}"
+    try:
+        async with Relay(_config(tmp_path, via_proxy)) as relay:
+            host = relay.hosts["pg"]
+            # the slot exists once the fetcher streams: changes before it are not in the stream
+            await wait_until(lambda: host.state == "streaming")
+            await asyncio.to_thread(workload, pg_dsn, 1, 40)
+            await _caught_up(relay, pg_dsn)
+            restarts = host.stats["fetcher_restarts"]
+
+            proxy.half_open()
+            frozen = time.monotonic()
+            writer = (
+                None if idle else asyncio.create_task(asyncio.to_thread(workload, pg_dsn, 2, 40))
+            )
+            await wait_until(lambda: host.stats["fetcher_restarts"] > restarts, seconds=15)
+            noticed = time.monotonic() - frozen
+            assert "did not answer" in host.last_error
+            assert noticed < 2.0 + 4.0  # io_timeout_s plus a status interval and retries' slack
+
+            proxy.heal()  # new connections pass; the stuck ones stay stuck
+            if writer is not None:
+                await writer
+            await asyncio.to_thread(workload, pg_dsn, 3, 20)
+            await _caught_up(relay, pg_dsn)
+            assert host.state == "streaming"
+            rows, scns = replay_buffer(relay)
+    finally:
+        await proxy.close()
+    assert scns == sorted(set(scns)), "a window was appended twice"
+    assert rows == await asyncio.to_thread(source, pg_dsn)
+
+
+async def test_a_query_the_server_never_answers_is_cut_at_its_deadline(
+    pg_server: PgServer,
+) -> None:
+    """The watchdog behind every catalog query: a query on a frozen path fails, retriably."""
+    from changebus.fetchers.postgres._watchdog import Watchdog
+    from changebus.schemas import SourceError
+
+    proxy = FaultProxy("pg", "127.0.0.1", pg_server.port)
+    await proxy.start()
+    dog = Watchdog(1.0, "test")
+    loop = asyncio.get_running_loop()
+
+    def frozen_query() -> tuple[str, float]:
+        conn = psycopg.connect(
+            f"host=127.0.0.1 port={proxy.port} user=postgres dbname=postgres", autocommit=True
+        )
+        with dog.guard(conn) as guarded:
+            assert guarded.execute("SELECT 1").fetchone() == (1,)
+            loop.call_soon_threadsafe(proxy.half_open)  # the proxy lives on the loop
+            time.sleep(0.2)
+            started = time.monotonic()
+            try:
+                guarded.execute("SELECT 2")
+            except SourceError as exc:
+                return exc.message, time.monotonic() - started
+            return "answered", 0.0
+
+    try:
+        message, took = await asyncio.wait_for(asyncio.to_thread(frozen_query), 20)
+    finally:
+        dog.close()
+        await proxy.close()
+    assert "did not answer a query within 1 s" in message
+    assert 0.9 <= took < 3.0
