@@ -88,6 +88,17 @@ class MySQLConfig(ColumnPolicyOptions):
         if not 0 < self.port < 65536:
             raise ConfigError("fetcher option port must be within 1..65535")
 
+    @property
+    def read_timeout_s(self) -> float:
+        """Reads and writes of the fetcher's connections give up after this long.
+
+        ``max(10 s, 5 heartbeat intervals)``: the server sends a heartbeat
+        every ``heartbeat_interval_s`` on the binlog stream, so this much
+        silence means a frozen server or a broken path (TCP keepalives do not
+        notice a peer whose kernel still answers).
+        """
+        return max(10.0, self.heartbeat_interval_s * 5)
+
     def server_id_for(self, partition_name: str, partition_id: int) -> int:
         """The replication server id: configured, else derived from the partition.
 

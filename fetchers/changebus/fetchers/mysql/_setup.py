@@ -118,9 +118,15 @@ def set_up(
 
 
 def connect(cfg: MySQLConfig, **extra: Any) -> Any:
-    """A PyMySQL connection; a refused login is a :class:`SourceConfigError`."""
+    """A PyMySQL connection; a refused login is a :class:`SourceConfigError`.
+
+    Its reads and writes time out like the binlog stream's
+    (:attr:`MySQLConfig.read_timeout_s`): a frozen server or a half-open path
+    fails the set-up retriably instead of hanging it.
+    """
     import pymysql
 
+    timeout = cfg.read_timeout_s
     try:
         return pymysql.connect(
             host=cfg.host,
@@ -128,6 +134,8 @@ def connect(cfg: MySQLConfig, **extra: Any) -> Any:
             user=cfg.user,
             password=cfg.password,
             connect_timeout=cfg.connect_timeout_s,
+            read_timeout=timeout,
+            write_timeout=timeout,
             autocommit=True,
             charset="utf8mb4",
             **extra,

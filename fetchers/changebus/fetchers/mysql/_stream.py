@@ -163,7 +163,7 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
             "user": cfg.user,
             "password": cfg.password,
             "connect_timeout": cfg.connect_timeout_s,
-            "read_timeout": max(10.0, cfg.heartbeat_interval_s * 5),
+            "read_timeout": cfg.read_timeout_s,
         },
         server_id=fetcher.server_id,
         blocking=True,
