@@ -15,40 +15,19 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from test_pg_fetcher import replay_buffer, source, workload
+from test_pg_fetcher_ops import config
 
 from _chaos_proxy import FaultProxy
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay import Relay
 from changebus.schemas import lsn_to_scn
 from fix_pg import PgServer
 from waiting import wait_until
 
 pytestmark = pytest.mark.pg
-
-
-def _config(tmp: Path, dsn: str, **options: Any) -> RelayConfig:
-    return RelayConfig(
-        data_dir=tmp / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=8 << 20,
-                fetcher=FetcherConfig(
-                    "postgres",
-                    {"dsn": dsn, "status_interval_s": 0.2, "io_timeout_s": 2.0, **options},
-                    retry_initial_s=0.2,
-                    retry_max_s=1.0,
-                ),
-            ),
-        ),
-        flush_interval_s=0,
-    )
 
 
 def _marker(dsn: str) -> int:
@@ -75,7 +54,7 @@ async def test_a_server_that_stops_answering_is_cut_off_and_read_again(
     dbname = pg_dsn.rsplit("dbname=", 1)[1].split()[0]
     via_proxy = f"host=127.0.0.1 port={proxy.port} user=postgres dbname={dbname}"
     try:
-        async with Relay(_config(tmp_path, via_proxy)) as relay:
+        async with Relay(config(tmp_path, via_proxy, io_timeout_s=2.0)) as relay:
             host = relay.hosts["pg"]
             # the slot exists once the fetcher streams: changes before it are not in the stream
             await wait_until(lambda: host.state == "streaming")

@@ -166,19 +166,7 @@ def recover(
             n,
             meta.last_scn,
         )
-        fresh = BufferMeta(
-            meta.capacity,
-            meta.event_slots,
-            meta.index_slots,
-            head_event=meta.tail_event,
-            tail_event=meta.tail_event,
-            head_pos=meta.tail_pos,
-            tail_pos=meta.tail_pos,
-            prev_scn=meta.last_scn,
-            last_scn=meta.last_scn,
-            index_head=meta.index_tail,
-            index_tail=meta.index_tail,
-        )
+        fresh = _emptied(meta, meta.last_scn)
         metafile.publish(fresh)
         return fresh, None
     h = check.headers
@@ -227,19 +215,7 @@ def _rewind(
     """
     n = meta.tail_event - meta.head_event
     if keep == 0:
-        rewound = BufferMeta(
-            meta.capacity,
-            meta.event_slots,
-            meta.index_slots,
-            head_event=meta.tail_event,
-            tail_event=meta.tail_event,
-            head_pos=meta.tail_pos,
-            tail_pos=meta.tail_pos,
-            prev_scn=meta.prev_scn,
-            last_scn=meta.prev_scn,
-            index_head=meta.index_tail,
-            index_tail=meta.index_tail,
-        )
+        rewound = _emptied(meta, meta.prev_scn)
         last_kept = meta.prev_scn
     else:
         h = check.headers
@@ -267,6 +243,23 @@ def _rewind(
         meta.last_scn,
     )
     return rewound, None
+
+
+def _emptied(meta: BufferMeta, after_scn: int) -> BufferMeta:
+    """``meta`` with no live event, complete after ``after_scn`` (its prev and last SCN)."""
+    return BufferMeta(
+        meta.capacity,
+        meta.event_slots,
+        meta.index_slots,
+        head_event=meta.tail_event,
+        tail_event=meta.tail_event,
+        head_pos=meta.tail_pos,
+        tail_pos=meta.tail_pos,
+        prev_scn=after_scn,
+        last_scn=after_scn,
+        index_head=meta.index_tail,
+        index_tail=meta.index_tail,
+    )
 
 
 def _interrupted(last: int) -> str:
