@@ -23,7 +23,9 @@ kind              target               what happens
 
 At most one fault per target in a round (a proxy has one mode at a time; killing a
 stopped process is no second fault). ``must_include`` puts given kinds first in the
-first rounds (the short test makes sure it sees a fall-off and a relay kill).
+first rounds (the short test makes sure it sees a fall-off and a relay kill); an entry
+``kind@prefix`` picks its target among the names starting with ``prefix``
+(``kill9@relay``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class Fault:
         return f"{self.kind}({self.target}{extra}) at +{self.offset_s:.1f} s"
 
 
-def _target(rng: random.Random, kind: str, targets: Targets, used: set[str]) -> str | None:
+def _target(
+    rng: random.Random, kind: str, targets: Targets, used: set[str], prefix: str = ""
+) -> str | None:
     pool: Sequence[str]
     if kind in ("kill9", "sigstop"):
         pool = targets.processes
@@ -86,7 +90,7 @@ def _target(rng: random.Random, kind: str, targets: Targets, used: set[str]) -> 
         pool = targets.databases
     else:
         pool = targets.proxies
-    free = [t for t in pool if t not in used]
+    free = [t for t in pool if t not in used and t.startswith(prefix)]
     return rng.choice(free) if free else None
 
 
@@ -111,13 +115,16 @@ def plan_round(
     kinds: Sequence[str] = KINDS,
     first: Sequence[str] = (),
 ) -> list[Fault]:
-    """The faults of one round (module docstring); ``first``: kinds that must be among them."""
+    """The faults of one round (module docstring); ``first``: kinds that must be among them
+    (``kind`` or ``kind@target-prefix``)."""
     count = rng.randint(1, max(1, max_faults))
-    chosen = list(first)[:count] + [rng.choice(kinds) for _ in range(count - len(first))]
+    count = max(count, len(first))
+    chosen = list(first) + [rng.choice(kinds) for _ in range(count - len(first))]
     used: set[str] = set()
     faults: list[Fault] = []
-    for kind in chosen:
-        target = _target(rng, kind, targets, used)
+    for entry in chosen:
+        kind, _, prefix = entry.partition("@")
+        target = _target(rng, kind, targets, used, prefix)
         if target is None:
             continue
         used.add(target)  # one fault per target: a consumer that falls off is not killed too
