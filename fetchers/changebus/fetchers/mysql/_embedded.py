@@ -14,12 +14,20 @@ As root the server runs as the ``mysql`` system user (Debian's package
 creates it; ``changebus-mysql`` is created when it is missing), which owns
 the directory. ``root`` has no password and is reachable on loopback only:
 never expose this server. Durability is relaxed for speed
-(``innodb_flush_log_at_trx_commit=2``, ``sync_binlog=0``). Blocking
+(``innodb_flush_log_at_trx_commit=2``, ``sync_binlog=0``: a crash of the
+process loses nothing committed, a crash of the OS may). Blocking
 (subprocess) API; call it from a thread in async code.
+
+:meth:`EmbeddedMariaDB.restart` kills the server (``kill -9`` by pid, or a
+clean stop) and starts it again with the same options -- port, data
+directory -- returning once it accepts connections (after InnoDB's crash
+recovery) or raising :class:`~changebus.schemas.SourceError` after
+``timeout_s``; the fault-injection harness uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from changebus.schemas import ConfigError, SourceConfigError
+from changebus.schemas import ConfigError, SourceConfigError, SourceError
 
 __all__ = ["EmbeddedMariaDB", "find_mariadb_bin"]
 
@@ -87,6 +95,8 @@ class EmbeddedMariaDB:
     stop_timeout_s: float = 30.0
     #: the server process when this object started it (reaped on stop)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
+    #: the server's command line (``restart`` runs it again)
+    argv: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def start(cls, directory: Path, *, settings: dict[str, str] | None = None) -> EmbeddedMariaDB:
@@ -147,25 +157,61 @@ class EmbeddedMariaDB:
         }
         args = [str(server), "--no-defaults", *user_args]
         args += [f"--{k}={v}" if v != "" else f"--{k}" for k, v in options.items()]
+        self = cls(directory, port, 0, argv=args)
+        self._launch(args, 60.0, SourceConfigError)
+        return self
+
+    def _launch(self, args: list[str], timeout_s: float, error: type[SourceError]) -> None:
+        """Run ``args`` and wait until the server accepts connections (else ``error``)."""
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        self = cls(directory, port, process.pid, process=process)
-        deadline = time.monotonic() + 60
+        self.process, self.pid = process, process.pid
+        deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
-                raise SourceConfigError(f"mariadbd did not start:\n{self._error_tail()}")
+                raise error(f"mariadbd did not start:\n{self._error_tail()}")
             try:
                 self.connect().close()
-                break
+                return
             except Exception:  # noqa: BLE001 - not accepting connections yet
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise SourceConfigError(
+                    raise error(
                         f"mariadbd did not accept connections:\n{self._error_tail()}"
                     ) from None
                 time.sleep(0.05)
-        return self
+
+    def restart(self, *, kill: bool = True, timeout_s: float = 60.0) -> None:
+        """Kill the server by pid (``kill=True``: SIGKILL, no shutdown at all; else a clean
+        stop) and start it again on the same port and data directory; returns once it
+        accepts connections (``pid`` is the new server's), else raises :class:`SourceError`.
+        """
+        if not self.argv:
+            raise ConfigError("restart needs a server started by EmbeddedMariaDB.start")
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            if not self._wait_gone(timeout_s):
+                raise SourceError(f"mariadbd (pid {self.pid}) did not end after SIGKILL")
+        else:
+            self.stop()
+        # a new server may find the port still held for a moment: let it wait for it
+        self._launch([*self.argv, "--port-open-timeout=10"], timeout_s, SourceError)
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        if self.process is not None and self.process.pid == self.pid:
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not _reaped(self.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _error_tail(self) -> str:
         log = self.directory / "error.log"

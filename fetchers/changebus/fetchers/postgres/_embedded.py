@@ -11,6 +11,12 @@ else the directory of ``pg_ctl`` on ``PATH``.
 system user (``changebus-pg``, created when missing) that owns the data
 directory. Authentication is ``trust`` on loopback only: never expose this
 server. Blocking (subprocess) API; call it from a thread in async code.
+
+:meth:`EmbeddedPostgres.restart` restarts the server on the same port and data
+directory (``mode="immediate"``: no shutdown checkpoint, the start runs crash
+recovery, as after a power loss of the process -- the fault-injection harness
+uses it) and returns once it accepts connections again, or raises
+:class:`~changebus.schemas.SourceError` after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from changebus.schemas import ConfigError, SourceConfigError
+from changebus.schemas import ConfigError, SourceConfigError, SourceError
 
 __all__ = ["EmbeddedPostgres", "find_pg_bin"]
 
@@ -133,6 +140,43 @@ class EmbeddedPostgres:
         """A libpq connection string for the superuser ``postgres``."""
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
 
+    def restart(
+        self, mode: Literal["immediate", "fast", "smart"] = "immediate", *, timeout_s: float = 60.0
+    ) -> None:
+        """``pg_ctl restart -m mode``: same port and data directory; returns once it accepts
+        connections (``pid`` is the new postmaster's), else raises :class:`SourceError`.
+
+        ``immediate`` ends every backend at once without a checkpoint (open connections and
+        replication streams break; what was committed survives through WAL replay).
+        """
+        import psycopg
+
+        data = self.directory / "data"
+        wait = max(1, int(timeout_s))
+        log = self.directory / "server.log"
+        args = [str(self.bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-m", mode]
+        try:
+            done = _run_as(
+                _server_user(), [*args, "-w", "-t", str(wait), "restart"], timeout=2 * wait + 10
+            )
+        except subprocess.TimeoutExpired:
+            raise SourceError(f"pg_ctl restart did not finish in {2 * wait + 10} s") from None
+        if done.returncode != 0:
+            text = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise SourceError(f"postgres did not restart: {done.stderr.strip()}\n{text}")
+        self.pid = int((data / "postmaster.pid").read_text().splitlines()[0])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                psycopg.connect(self.dsn(), connect_timeout=5).close()
+                return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() > deadline:
+                    raise SourceError(
+                        f"postgres did not accept connections after a restart: {exc}"
+                    ) from None
+                time.sleep(0.05)
+
     def stop(self) -> None:
         """Fast shutdown by pid; SIGKILL if it does not end in time. Idempotent."""
         try:
@@ -149,6 +193,13 @@ class EmbeddedPostgres:
         os.kill(self.pid, signal.SIGKILL)
 
 
-def _run_as(user: str | None, args: list[str]) -> subprocess.CompletedProcess[str]:
+def _server_user() -> str | None:
+    """The user the server runs as (:meth:`EmbeddedPostgres.start` created it)."""
+    return _USER if os.geteuid() == 0 else None
+
+
+def _run_as(
+    user: str | None, args: list[str], *, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     cmd = ["runuser", "-u", user, "--", *args] if user else args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
