@@ -1,11 +1,23 @@
 """``changebus tail``: print a relay stream as JSON lines, following it live.
 
 One line per row change: ``{"scn", "seq", "op", "table", "key", "before",
-"after", "not_sent"}``. With ``--checkpoint FILE`` the position is kept in
+"after", "not_sent"}``, plus ``"phase"`` (``"snapshot"`` or ``"catchup"``)
+on lines read from a bootstrap server: SCNs increase (and are unique per
+``(scn, seq)``) only on the other lines. With ``--checkpoint FILE`` the position is kept in
 ``FILE`` (atomically replaced after each window), so a second run continues
 where the first stopped. Ctrl-C (or SIGTERM) stops cleanly with status 0.
 A gap in the stream or a position the relays no longer keep ends the command
 with a message on stderr and status 3.
+
+Where the stream comes from (shared with ``changebus replicate``, one
+mechanism: :func:`add_route_arguments` and :func:`route_options`):
+``--relay URL`` (repeatable) or ``--zookeeper HOSTS --cluster NAME``, and
+``--bootstrap URL`` (repeatable): the bootstrap servers a consumer that fell
+off the relays (or starts ``--from earliest`` with no checkpoint) reads a
+snapshot and the catch-up log from before it returns to the relays. Without
+``--bootstrap`` a ``--cluster`` consumer uses the bootstrap servers
+registered in the cluster, and any other consumer that falls off ends with
+status 3. Works with ``--group`` too (each lane bootstraps on its own).
 
 TLS and authentication (shared with ``changebus replicate``):
 ``--ca-file``, ``--cert-file``/``--key-file`` (mTLS),
@@ -49,6 +61,7 @@ __all__ = [
     "auth_from_args",
     "group_options",
     "register",
+    "route_options",
     "route_text",
 ]
 
@@ -57,7 +70,11 @@ TOKEN_ENV = "CHANGEBUS_TOKEN"
 
 
 def add_route_arguments(p: argparse.ArgumentParser) -> None:
-    """``--relay URL`` (repeatable) or ``--zookeeper HOSTS --cluster NAME [--prefer-followers]``."""
+    """``--relay URL`` (repeatable) or ``--zookeeper HOSTS --cluster NAME [--prefer-followers]``.
+
+    Also ``--bootstrap URL`` (repeatable) and the TLS flags; :func:`route_options`
+    turns them into :class:`ConsumerConfig` keyword arguments.
+    """
     p.add_argument(
         "--relay",
         action="append",
@@ -78,6 +95,16 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         "--prefer-followers",
         action="store_true",
         help="with --zookeeper: read from followers first, the leader last",
+    )
+    p.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="bootstrap server base URL; repeat for failover servers (tried in order). A"
+        " consumer that fell off the relays (or starts --from earliest without a checkpoint)"
+        " reads a snapshot and the catch-up log from it, then returns to the relays. With"
+        " --cluster the default is the bootstrap servers registered in the cluster",
     )
     add_tls_arguments(p)
 
@@ -196,6 +223,23 @@ def auth_from_args(args: argparse.Namespace) -> ClientAuth:
     )
 
 
+def route_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`ConsumerConfig` keyword arguments of :func:`add_route_arguments`' flags.
+
+    ``relays``, ``zookeeper``, ``cluster``, ``prefer_followers``,
+    ``bootstrap_servers`` (``--bootstrap``; empty: none, or the cluster's) and
+    ``auth`` (:func:`auth_from_args`). The config validates the values.
+    """
+    return {
+        "relays": tuple(args.relay),
+        "zookeeper": args.zookeeper,
+        "cluster": args.cluster,
+        "prefer_followers": args.prefer_followers,
+        "bootstrap_servers": tuple(args.bootstrap),
+        "auth": auth_from_args(args),
+    }
+
+
 def route_text(args: argparse.Namespace) -> str:
     """Where the stream comes from, for log lines (no credentials)."""
     from ._http import safe_url
@@ -203,6 +247,8 @@ def route_text(args: argparse.Namespace) -> str:
     relays = ", ".join(safe_url(u) for u in args.relay)
     if args.zookeeper and args.cluster:
         relays = f"cluster {args.cluster!r} (ZooKeeper {args.zookeeper})"
+    if args.bootstrap:
+        relays += f" (bootstrap: {', '.join(safe_url(u) for u in args.bootstrap)})"
     group = getattr(args, "group", None)
     return f"{relays} as member of group {group!r}" if group else relays
 
@@ -291,17 +337,13 @@ def _main(args: argparse.Namespace) -> int:
     try:
         group = group_options(args)
         config = ConsumerConfig(
-            relays=tuple(args.relay),
-            zookeeper=args.zookeeper,
-            cluster=args.cluster,
-            prefer_followers=args.prefer_followers,
             partition=args.partition,
             sources=sources,
             filter=args.filter,
             start=args.start,
             client_id="changebus-tail",
             yield_empty_windows=False,
-            auth=auth_from_args(args),
+            **route_options(args),
             **group,
         )
         if group and args.checkpoint:
@@ -324,9 +366,9 @@ def _main(args: argparse.Namespace) -> int:
     consumer = SyncConsumer(config, persister=persister)
     try:
         for window in consumer:
-            unit = window.unit
+            unit, phase = window.unit, window.phase
             for event in window.events:
-                out.write(event_json(event, unit=unit) + "\n")
+                out.write(event_json(event, unit=unit, phase=phase) + "\n")
                 printed += 1
                 if args.limit and printed >= args.limit:
                     out.flush()

@@ -10,8 +10,12 @@ The Postgres target's connection string is read from the environment
 variable ``CHANGEBUS_REPLICA_DSN`` when ``--postgres`` is given without a
 value, so that a password need not appear on the command line (where ``ps``
 shows it); it is never logged. SIGTERM or Ctrl-C stop after the current
-window with status 0; a gap in the stream or a position the relays no longer
-keep ends the command with a message on stderr and status 3.
+window with status 0; a gap in the stream, or a position the relays no longer
+keep when no bootstrap server is known (``--bootstrap URL``, or the ones
+registered in ``--cluster``), ends the command with a message on stderr and
+status 3. With a bootstrap server the replica goes through a snapshot and a
+catch-up and is not transactionally consistent until the catch-up ends (see
+docs/guarantees.md).
 
 With ``--group NAME --zookeeper HOSTS`` the command is a member of a
 consumer group: the group's units (partition x key bucket) are shared among
@@ -36,8 +40,8 @@ from changebus.schemas.cli import setup_logging
 from ._cli import (
     add_group_arguments,
     add_route_arguments,
-    auth_from_args,
     group_options,
+    route_options,
     route_text,
 )
 
@@ -104,16 +108,12 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         group = group_options(args)
         config = ConsumerConfig(
-            relays=tuple(args.relay),
-            zookeeper=args.zookeeper,
-            cluster=args.cluster,
-            prefer_followers=args.prefer_followers,
             partition=args.partition,
             sources=sources,
             filter=args.filter,
             start=args.start,
             client_id=f"changebus-replicate-{args.consumer_name}",
-            auth=auth_from_args(args),
+            **route_options(args),
             **group,
         )
     except ChangebusError as exc:

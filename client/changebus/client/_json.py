@@ -17,11 +17,15 @@ from ._model import ChangeEvent
 __all__ = ["event_json", "jsonable"]
 
 
-def event_json(event: ChangeEvent, *, unit: str = "") -> str:
+def event_json(event: ChangeEvent, *, unit: str = "", phase: str = "online") -> str:
     """One compact JSON line: scn, seq, op, table, key, before, after, not_sent.
 
     ``unit`` (a consumer group's window unit, ``<partition>.<bucket>``) is
-    added as ``"unit"`` when not empty.
+    added as ``"unit"`` when not empty; ``phase`` (the window's
+    :attr:`~._model.Window.phase`) as ``"phase"`` when it is not
+    ``"online"``: ``"snapshot"`` lines carry each row's own SCN in row order,
+    not in SCN order, and ``"catchup"`` lines start again at the snapshot's
+    start SCN (docs/guarantees.md).
     """
     doc = {
         "scn": event.scn,
@@ -35,4 +39,6 @@ def event_json(event: ChangeEvent, *, unit: str = "") -> str:
     }
     if unit:
         doc["unit"] = unit
+    if phase != "online":
+        doc["phase"] = phase
     return json.dumps(doc, default=jsonable, separators=(",", ":"))
