@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
 import shutil
-import signal
 import sqlite3
 import tempfile
 import time
@@ -54,15 +54,18 @@ import psycopg
 
 from _chaos_check import (
     BankSampler,
+    ReplicaSample,
     TailChecker,
     compare,
     ledger_gaps,
+    pg_bank_sample,
     pg_replica_rows,
     source_rows,
+    sqlite_bank_sample,
     sqlite_rows,
 )
 from _chaos_faults import KINDS, Fault, Targets, plan_round
-from _chaos_topology import PARTITIONS, RELAYS, ReplicaSpec, Topology, TopologyOptions
+from _chaos_topology import CONSUMER, PARTITIONS, ReplicaSpec, Topology, TopologyOptions
 from _chaos_workload import SourceWorkload, WorkloadConfig
 
 __all__ = ["GOAL_CONVERGE_S", "ChaosOptions", "run_chaos"]
@@ -96,7 +99,7 @@ class ChaosOptions:
     rate_tps: float = 20.0
     writers: int = 2
     ddl_after_s: float = 15.0
-    relay_capacity_bytes: int = 256 << 10
+    relay_capacity_bytes: int = 512 << 10
     durability: str | None = None
     #: the run's directory (default: a new temporary one, removed when the run passed)
     base: Path | None = None
@@ -158,7 +161,7 @@ def _write_mark(topo: Topology, kind: str, mark: int, deadline: float) -> None:
                 return
             finally:
                 conn.close()
-        except Exception as exc:  # noqa: BLE001 - the database may be restarting
+        except Exception as exc:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not write marker {mark} to {kind}: {exc}") from exc
             time.sleep(0.3)
@@ -210,15 +213,15 @@ def _tail_marks(run: _Run) -> set[int]:
     return run.tail_seen
 
 
-async def _converge(run: _Run, timeout: float) -> tuple[float, list[str]]:
+async def _converge(run: _Run, limit_s: float) -> tuple[float, list[str]]:
     """Commit a marker in each source now; seconds until every replica and the tail hold it.
 
-    Returns (seconds, the consumers still lacking it at the timeout).
+    Returns (seconds, the consumers still lacking it at the limit_s).
     """
     run.marks += 1
     mark = run.marks
     t0 = time.monotonic()
-    deadline = t0 + timeout
+    deadline = t0 + limit_s
     await asyncio.gather(
         *(
             asyncio.to_thread(_write_mark, run.topo, kind, mark, deadline)
@@ -235,7 +238,7 @@ async def _converge(run: _Run, timeout: float) -> tuple[float, list[str]]:
         if not waiting:
             return time.monotonic() - t0, []
         if time.monotonic() > deadline:
-            return timeout, sorted(waiting)
+            return limit_s, sorted(waiting)
         await asyncio.sleep(0.25)
 
 
@@ -259,9 +262,11 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
         finally:
             sup.cont(target)
     elif kind == "fall_off":
-        partition = next(r.partition for r in topo.replicas if r.name == target) if (
-            target != "tail-pg"
-        ) else "pg"
+        partition = (
+            next(r.partition for r in topo.replicas if r.name == target)
+            if (target != "tail-pg")
+            else "pg"
+        )
         scn = await asyncio.to_thread(topo.newest_scn, partition)
         sup.stop(target)
         try:
@@ -314,8 +319,12 @@ async def _round(run: _Run, number: int) -> None:
         proxies=tuple(sorted(topo.proxies)),
     )
     faults = plan_round(
-        run.rng, targets, round_s=opts.round_s, max_faults=opts.max_faults,
-        kinds=opts.kinds, first=first,
+        run.rng,
+        targets,
+        round_s=opts.round_s,
+        max_faults=opts.max_faults,
+        kinds=opts.kinds,
+        first=first,
     )
     run.say(f"round {number}: " + ", ".join(f.describe() for f in faults))
     loop = asyncio.get_running_loop()
@@ -341,67 +350,22 @@ async def _round(run: _Run, number: int) -> None:
 # -- samplers -------------------------------------------------------------------------------
 
 
-def _online(checkpoint_text: str | None, partition: str) -> bool:
-    """Whether a replica's stored checkpoint is online (not in a snapshot or catch-up)."""
-    from changebus.schemas import Checkpoint, Mode
+def _bank_sample(rep: ReplicaSpec) -> ReplicaSample:
+    """count(*) and sum(balance) of the replica's accounts, with its checkpoint, in one read.
 
-    if not checkpoint_text:
-        return False
-    return Checkpoint.parse(checkpoint_text).get(partition).mode is Mode.ONLINE
-
-
-def _bank_sample(rep: ReplicaSpec) -> Callable[[], tuple[int, int] | None]:
-    """count(*) and sum(balance) of the replica's accounts, in one read transaction.
-
-    None while the replica is bootstrapping (its stored checkpoint is in snapshot or
-    catch-up mode): a replica is transactionally consistent only online (a snapshot
-    is read page by page while the source changes, and the catch-up replays the
-    log over it: docs/guarantees.md), so those samples are exempt -- by design,
-    not leniency; the sampler counts them in ``exempt``.
+    None (exempt) while the replica is bootstrapping (its stored checkpoint is in
+    snapshot or catch-up mode): a replica is transactionally consistent only online
+    (a snapshot is read page by page while the source changes and the catch-up
+    replays the log over it: docs/guarantees.md) -- by design, not leniency; the
+    sampler counts those samples in ``exempt``.
     """
-    accounts = rep.table("accounts")
-
-    def sample_sqlite() -> tuple[int, int] | None:
+    schema = rep.schema
+    if rep.sink == "sqlite":
         assert rep.path is not None
-        if not rep.path.exists():
-            return None
-        try:
-            conn = sqlite3.connect(f"file:{rep.path}?mode=ro", uri=True, timeout=2)
-        except sqlite3.Error:
-            return None
-        try:
-            conn.execute("BEGIN")
-            ck = conn.execute(
-                "SELECT checkpoint FROM changebus_checkpoints WHERE consumer = 'chaos'"
-            ).fetchone()
-            if ck is None or not _online(ck[0], rep.partition):
-                return None
-            row = conn.execute(f'SELECT count(*), sum(balance) FROM "{accounts}"').fetchone()
-            return int(row[0]), int(row[1] or 0)
-        except sqlite3.Error:
-            return None
-        finally:
-            conn.close()
-
-    def sample_pg() -> tuple[int, int] | None:
-        schema, name = accounts.split(".")
-        try:
-            with psycopg.connect(rep.dsn, connect_timeout=3) as conn:
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                ck = conn.execute(
-                    "SELECT checkpoint FROM changebus_checkpoints WHERE consumer = 'chaos'"
-                ).fetchone()
-                if ck is None or not _online(ck[0], rep.partition):
-                    return None
-                row = conn.execute(
-                    f'SELECT count(*), sum(balance) FROM "{schema}"."{name}"'
-                ).fetchone()
-                assert row is not None
-                return int(row[0]), int(row[1] or 0)
-        except psycopg.Error:
-            return None
-
-    return sample_sqlite if rep.sink == "sqlite" else sample_pg
+        return sqlite_bank_sample(
+            rep.path, schema=schema, consumer=CONSUMER, partition=rep.partition
+        )
+    return pg_bank_sample(rep.dsn, schema=schema, consumer=CONSUMER, partition=rep.partition)
 
 
 # -- the end --------------------------------------------------------------------------------
@@ -410,8 +374,8 @@ def _bank_sample(rep: ReplicaSpec) -> Callable[[], tuple[int, int] | None]:
 def _replica_rows(rep: ReplicaSpec, table: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     if rep.sink == "sqlite":
         assert rep.path is not None
-        return sqlite_rows(rep.path, rep.table(table))
-    return pg_replica_rows(rep.dsn, rep.table(table))
+        return sqlite_rows(rep.path, table, schema=rep.schema)
+    return pg_replica_rows(rep.dsn, table, schema=rep.schema)
 
 
 def _final_checks(run: _Run, result: dict[str, Any]) -> None:
@@ -423,7 +387,7 @@ def _final_checks(run: _Run, result: dict[str, Any]) -> None:
     sources: dict[tuple[str, str], dict[tuple[Any, ...], tuple[Any, ...]]] = {}
     for kind in PARTITIONS.values():
         for table in SourceWorkload.TABLES:
-            sources[kind, table] = source_rows(kind, lambda k=kind: topo.connect(k), table)
+            sources[kind, table] = source_rows(kind, functools.partial(topo.connect, kind), table)
         for gap in ledger_gaps(sources[kind, "ledger"]):
             violations.append(f"source {kind} ledger: {gap}")
     for rep in topo.replicas:
@@ -433,20 +397,24 @@ def _final_checks(run: _Run, result: dict[str, Any]) -> None:
             except Exception as exc:  # noqa: BLE001 - a missing table is a failure too
                 replica = {}
                 examples.append(f"{rep.name} {table}: unreadable: {exc!r}"[:300])
-            diff = compare(sources[rep.source_kind, table], replica)
+            diff = compare(sources[rep.source_kind, table], replica, table=table)
             totals["missing"] += diff.missing
             totals["extra"] += diff.extra
             totals["different"] += diff.different
             if diff.missing or diff.extra or diff.different:
                 examples.append(
                     f"{rep.name} {table}: missing {diff.missing} extra {diff.extra} "
-                    f"different {diff.different} e.g. {diff.examples[:3]}"
+                    f"different {diff.different}, e.g. {diff.examples[:3]}"
                 )
             if table == "ledger":
                 for gap in ledger_gaps(replica):
                     violations.append(f"{rep.name} ledger: {gap}")
     for sampler in run.samplers:
-        violations.extend(f"bank {sampler.name}: {v}" for v in sampler.violations)
+        violations.extend(f"bank: {v}" for v in sampler.violations)
+        if sampler.violation_count > len(sampler.violations):
+            violations.append(
+                f"bank {sampler.replica}: {sampler.violation_count} violations in all"
+            )
     tail = TailChecker().check(topo.supervisor.outputs("tail-pg"), topo.tail_checkpoints)
     violations.extend(f"tail: {v}" for v in tail)
     result.update(totals)
@@ -454,7 +422,8 @@ def _final_checks(run: _Run, result: dict[str, Any]) -> None:
     result["details"]["violations"] = violations[:20]
     result["details"]["diff_examples"] = examples[:20]
     result["details"]["bank_samples"] = {
-        s.name: {"samples": s.samples, "exempt": s.exempt} for s in run.samplers
+        s.replica: {"samples": s.samples, "exempt": s.exempt, "errors": s.errors}
+        for s in run.samplers
     }
 
 
@@ -520,7 +489,9 @@ async def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         )
         for i, kind in enumerate(PARTITIONS.values()):
             await asyncio.to_thread(_create_marks, topo, kind)
-            wl = SourceWorkload(kind, lambda k=kind: topo.connect(k), wcfg, opts.seed * 10 + i)
+            wl = SourceWorkload(
+                kind, functools.partial(topo.connect, kind), wcfg, opts.seed * 10 + i
+            )
             await asyncio.to_thread(wl.create_tables)
             run.workloads[kind] = wl
         for rep in topo.replicas:
@@ -599,6 +570,3 @@ async def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
 def _check_watch(watch: asyncio.Task[None]) -> None:
     if watch.done() and not watch.cancelled() and watch.exception() is not None:
         raise RuntimeError("the supervisor's watcher failed") from watch.exception()
-
-
-_ = (signal, RELAYS)

@@ -56,6 +56,7 @@ from typing import Any
 
 import psycopg
 
+from _chaos_check import tail_checkpoint_scn
 from _chaos_procs import ProcSpec, Supervisor
 from _chaos_proxy import FaultProxy
 from _zk import ZkServer
@@ -64,6 +65,7 @@ from changebus.fetchers.postgres import EmbeddedPostgres
 
 __all__ = [
     "CLUSTER",
+    "CONSUMER",
     "PARTITIONS",
     "RELAYS",
     "ReplicaSpec",
@@ -82,6 +84,8 @@ PARTITIONS = {"pg": "pg", "my": "mysql"}
 RELAYS = ("relay-1", "relay-2", "relay-3")
 SOURCE_DB = "chaos"
 REPLICA_DB = "replica"
+#: the replicate processes' --consumer-name (the key of their stored checkpoint)
+CONSUMER = "chaos"
 
 
 def free_port() -> int:
@@ -100,8 +104,9 @@ class TopologyOptions:
     """What the topology is made of (sizes small: the machine is shared)."""
 
     base: Path
-    #: each relay partition's ring: small, so that a stopped consumer falls off
-    relay_capacity_bytes: int = 256 << 10
+    #: each relay partition's ring: small, so that a stopped consumer falls off (it must
+    #: hold the largest transaction: the workload's initial rows, ~440 KB from MariaDB)
+    relay_capacity_bytes: int = 512 << 10
     #: the relays' ZooKeeper session (a dead leader is replaced after about this long)
     session_timeout_s: float = 3.0
     #: the partitions' ``durability`` ("page_cache" | "fsync"); None: not written
@@ -123,10 +128,15 @@ class ReplicaSpec:
     path: Path | None = None  # sqlite
     dsn: str = ""  # pg
 
+    @property
+    def schema(self) -> str:
+        """The source tables' schema: ``public`` (Postgres) or the database (MariaDB)."""
+        return "public" if self.source_kind == "pg" else SOURCE_DB
+
     def table(self, table: str) -> str:
         """The replica's name of a source table (the replicate sink's naming)."""
-        schema = "public" if self.source_kind == "pg" else SOURCE_DB
-        return f"{schema}_{table}" if self.sink == "sqlite" else f"{schema}.{table}"
+        sep = "_" if self.sink == "sqlite" else "."
+        return f"{self.schema}{sep}{table}"
 
 
 @dataclass
@@ -379,7 +389,7 @@ class Topology:
             ReplicaSpec("rep-pg-pg", "pg", "pg", "pg", dsn=self.pg_dsn(REPLICA_DB)),
             ReplicaSpec("rep-my-sqlite", "my", "mysql", "sqlite", path=replicas / "my.sqlite"),
         ]
-        common = ["--consumer-name", "chaos", "--log-level", "info"]
+        common = ["--consumer-name", CONSUMER, "--log-level", "info"]
         for rep in self.replicas:
             if rep.sink == "sqlite":
                 assert rep.path is not None
@@ -398,6 +408,9 @@ class Topology:
             "tail",
             *self._route("pg"),
             *("--checkpoint", str(self.tail_checkpoint), "--log-level", "info"),
+            # not "latest" (the default): that is wherever the relay is when the tail first
+            # reaches it, which may be after the first changes
+            *("--from", "earliest"),
         ]
         sup.add(self._spec("tail-pg", "tail", argv))
 
@@ -405,18 +418,7 @@ class Topology:
         """Supervisor hook: the checkpoint the tail's next incarnation will read."""
         if name != "tail-pg" or self.tail_checkpoint is None:
             return
-        self.tail_checkpoints.append(self.tail_checkpoint_scn())
-
-    def tail_checkpoint_scn(self) -> int:
-        """The SCN of the tail's checkpoint file (-1: none yet)."""
-        from changebus.schemas import Checkpoint
-
-        assert self.tail_checkpoint is not None
-        try:
-            text = self.tail_checkpoint.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return -1
-        return Checkpoint.parse(text).get("pg").window_scn
+        self.tail_checkpoints.append(tail_checkpoint_scn(self.tail_checkpoint, "pg"))
 
     # -- observations --------------------------------------------------------------------
 
