@@ -65,6 +65,7 @@ from _chaos_check import (
     sqlite_rows,
 )
 from _chaos_faults import KINDS, Fault, Targets, plan_round
+from _chaos_procs import Supervisor
 from _chaos_topology import CONSUMER, PARTITIONS, ReplicaSpec, Topology, TopologyOptions
 from _chaos_workload import SourceWorkload, WorkloadConfig
 
@@ -269,14 +270,18 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
         )
         scn = await asyncio.to_thread(topo.newest_scn, partition)
         sup.stop(target)
+        t0 = loop.time()
         try:
-            limit = loop.time() + run.opts.fall_off_max_s
-            while loop.time() < limit:
+            while loop.time() < t0 + run.opts.fall_off_max_s:
                 await asyncio.sleep(0.5)
                 if scn >= 0 and await asyncio.to_thread(topo.evicted_past, partition, scn):
+                    run.fault_log.append(
+                        f"fall_off({target}): every relay evicted SCN {scn} after "
+                        f"{loop.time() - t0:.1f} s"
+                    )
                     break
             else:
-                run.fault_log.append(f"fall_off({target}): not evicted past {scn} in time")
+                run.fault_log.append(f"fall_off({target}): SCN {scn} not evicted in time")
         finally:
             sup.cont(target)
     elif kind == "db_restart":
@@ -445,8 +450,19 @@ def _interventions(run: _Run, result: dict[str, Any]) -> None:
             if sup.incarnations.get(name, 0) <= last.incarnation + 1:
                 loops.append(name)
     result["manual_interventions"] = len(set(down) | set(loops))
+    result["details"]["bootstraps"] = {n: _bootstraps(sup, n) for n in run.topo.consumers}
     result["details"]["not_running"] = down
     result["details"]["restart_loops"] = loops
+
+
+def _bootstraps(sup: Supervisor, name: str) -> int:
+    """How often a consumer read from a bootstrap server (its log lines say so)."""
+    count = 0
+    for n in range(1, sup.incarnations.get(name, 0) + 1):
+        with contextlib.suppress(FileNotFoundError):
+            text = sup.log_path(name, n).read_text(errors="replace")
+            count += text.count(": bootstrap from ")
+    return count
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -479,14 +479,14 @@ class Topology:
         )
 
     def evicted_past(self, partition: str, scn: int) -> bool:
-        """Whether every relay that answers has evicted the windows up to ``scn``."""
+        """Whether every relay that answers has evicted the window ``scn`` (and those before)."""
         answered = 0
         for st in self.cluster_state().values():
             part = None if st is None else st.get(partition)
             if part is None:
                 continue
             answered += 1
-            if int(part.get("prev_scn", -1)) < scn:
+            if int(part.get("prev_scn", -1)) <= scn:  # a consumer at prev_scn missed nothing
                 return False
         return answered > 0
 
