@@ -282,6 +282,14 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
                     break
             else:
                 run.fault_log.append(f"fall_off({target}): SCN {scn} not evicted in time")
+            # What the relays had pushed before the stop waits in the consumer's socket
+            # buffers (megabytes on loopback: far more than a small ring), so the stopped
+            # consumer would read on from there and never ask for an evicted position.
+            # Resetting its relay connections discards that (the kernel drops unread data
+            # on a reset): it must ask again from its checkpoint, which every relay evicted.
+            for name, proxy in topo.proxies.items():
+                if name.startswith("c-relay-"):
+                    proxy.drop()
         finally:
             sup.cont(target)
     elif kind == "db_restart":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -138,3 +139,71 @@ async def test_a_gap_is_seeded_again_by_itself_after_a_retriable_seed_failure(
                 await asyncio.sleep(0)
     finally:
         await proxy.close()
+
+
+@pytest.mark.pg
+async def test_a_gap_seed_waits_for_a_ddl_the_relay_has_not_streamed_yet(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The seed finds a column the relay's schema lacks (DDL, no row changed since): that
+    is transient, so the gap's seed is tried again and succeeds once the relay saw it."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, v text NOT NULL)")
+        conn.execute("CREATE TABLE filler (id int PRIMARY KEY, v text NOT NULL)")
+    source = FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2})
+    async with Relay(_relay(tmp_path / "relay", "pg", source, capacity=64 << 10)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming", 30, "the relay")
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=BootstrapHttp(port=0),
+            seed=SeedConfig(kind="postgres", dsn=pg_dsn, schema_wait_s=30),
+        )
+        async with BootstrapServer(cfg) as boot:
+            w = boot.service.workers["pg"]
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO items VALUES (1, 'a'), (2, 'b')")
+                conn.execute("INSERT INTO filler VALUES (1, 'a')")
+                await wait_until(lambda: w.applier_scn > 0, 30, "the bootstrap server reading")
+                conn.execute("ALTER TABLE items ADD COLUMN extra text")  # no row changes yet
+                with conn.transaction():  # larger than the relay's ring: a DATA_LOSS window
+                    for i in range(2, 200):
+                        conn.execute("INSERT INTO filler VALUES (%s, %s)", (i, "x" * 1000))
+            await wait_until(lambda: w.gap is not None, 30, "the gap")
+            await wait_until(lambda: "changed since" in w.seed.error, 30, "a refused seed")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE items SET extra = 'x' WHERE id = 1")  # the relay sees it
+            await wait_until(lambda: w.gap is None, 60, "the gap repaired by itself")
+            assert w.seed.state == "done"
+
+
+async def test_a_cancelled_seed_stops_its_thread_before_it_ends() -> None:
+    """A seed task cancelled (a new gap restarts the seed) ends only when its thread did."""
+    import threading
+
+    from changebus.bootstrap._seeding import Seeding
+    from changebus.bootstrap._seedtypes import SeedProgress, SeedRequest
+
+    seeding = Seeding.__new__(Seeding)
+    seeding._stop_seed = threading.Event()
+    running = threading.Event()
+    ended = threading.Event()
+
+    def seeder(
+        request: Any, write: Any, progress: Any, *, stop: threading.Event | None = None
+    ) -> int:
+        assert stop is not None
+        running.set()
+        stop.wait(30)  # a table being copied; the seeder looks at ``stop`` between tables
+        ended.set()
+        return -1
+
+    task = asyncio.create_task(
+        seeding._run_seeder(seeder, SeedRequest("dsn", 1, ()), lambda *_: None, SeedProgress())
+    )
+    await asyncio.to_thread(running.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended.is_set()

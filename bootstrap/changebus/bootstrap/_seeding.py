@@ -43,8 +43,8 @@ from changebus.schemas import (
 from changebus.schemas.config import scrub, scrub_exception
 
 from ._lost import Gap, repair_hint
-from ._seeders import seeder_for
-from ._seedtypes import SeedProgress, SeedRequest, table_name_problem
+from ._seeders import Seeder, seeder_for
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter, table_name_problem
 from ._storethreads import StoreThreads
 from ._upstream import Upstream
 from ._worker import PartitionWorker
@@ -225,9 +225,7 @@ class Seeding(Upstream):
                 relay_fetcher=await self._relay_fetcher(w.name),
                 column_policy=cfg.seed.column_rules(),
             )
-            await asyncio.to_thread(
-                seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed
-            )
+            await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed)
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info(
                     "partition %s: the gap in the log is repaired: the snapshot is complete again",
@@ -251,6 +249,28 @@ class Seeding(Upstream):
             if not isinstance(exc, ChangebusError):  # a bug: its traceback, scrubbed
                 log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
             return isinstance(exc, ChangebusError) and exc.retriable
+
+    async def _run_seeder(
+        self, seeder: Seeder, request: SeedRequest, write: SeedWriter, progress: SeedProgress
+    ) -> None:
+        """Run ``seeder`` in a thread; when cancelled, stop it and wait until it ended.
+
+        A thread cannot be cancelled: without the wait, a seed restarted after a new
+        gap would run next to the old one's thread, both writing seed rows.
+        """
+        own = threading.Event()
+        if self._stop_seed.is_set():
+            own.set()
+        thread = asyncio.ensure_future(
+            asyncio.to_thread(seeder, request, write, progress, stop=own)
+        )
+        try:
+            await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            own.set()  # the seeder looks at it between tables
+            with contextlib.suppress(Exception):
+                await thread
+            raise
 
     async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
         """Until the store knows the schemas of ``tables`` (any, when empty) from the relay.
