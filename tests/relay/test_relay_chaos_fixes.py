@@ -39,17 +39,19 @@ def _synthetic(**options: Any) -> FetcherConfig:
 
 
 async def test_a_wait_above_max_wait_is_shortened_not_refused(tmp_path: Path) -> None:
-    async with Relay(_config(tmp_path / "r", FetcherConfig("none"), 0.5)) as relay:
-        async with aiohttp.ClientSession() as http:
-            t0 = time.monotonic()
-            params = {"partition": "p", "from": "latest", "wait": "10"}
-            async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
-                assert resp.status == 204, await resp.text()
-            assert time.monotonic() - t0 < 5  # held max_wait_s (0.5 s), not 10 s
-            # absurd values are still bad requests
-            params["wait"] = "1e9"
-            async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
-                assert resp.status == 400
+    async with (
+        Relay(_config(tmp_path / "r", FetcherConfig("none"), 0.5)) as relay,
+        aiohttp.ClientSession() as http,
+    ):
+        t0 = time.monotonic()
+        params = {"partition": "p", "from": "latest", "wait": "10"}
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 204, await resp.text()
+        assert time.monotonic() - t0 < 5  # held max_wait_s (0.5 s), not 10 s
+        # absurd values are still bad requests
+        params["wait"] = "1e9"
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 400
 
 
 async def test_a_follower_with_a_longer_wait_chains_from_a_short_max_wait_relay(
