@@ -5,6 +5,13 @@
   leader configured with ``max_wait_s = 5`` failed for good ("fetcher failed for
   good: parameter wait must be within 0.0..5.0"), and so did every default consumer.
   Now a longer wait is shortened to ``max_wait_s``.
+* A cluster follower that fell off the leader (restarted after the leader's small
+  ring had moved on) appended a DATA_LOSS window: every consumer reading it stopped
+  (``DataLossDetectedError``: ``changebus replicate`` exited with status 3) and the
+  bootstrap server recorded a gap and seeded everything again -- though nothing was
+  lost at the source. A follower (``on_fell_off = "restart"``, what the cluster
+  configures) now starts its buffer again where the upstream's is complete: a
+  consumer behind it gets 410 and reads another member or bootstraps.
 """
 
 from __future__ import annotations
@@ -17,16 +24,53 @@ import aiohttp
 import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import ConfigError, Op, parse_stream
 from waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
 
-def _config(data: Path, fetcher: FetcherConfig, max_wait_s: float) -> RelayConfig:
+PART = "pg"
+
+
+def chain(upstream: str, **options: Any) -> FetcherConfig:
+    opts = {"upstream": [upstream], "wait_s": 1.0, "backoff_initial_s": 0.02, **options}
+    return FetcherConfig("relay", opts, retry_initial_s=0.05, retry_max_s=0.5)
+
+
+def last_scn(r: Relay) -> int:
+    return r.hosts[PART].buffer.meta.last_scn
+
+
+async def stream_bytes(http: aiohttp.ClientSession, r: Relay, scn: int) -> bytes:
+    params = {"partition": PART, "scn": str(scn), "max_bytes": str(64 << 20)}
+    async with http.get(f"{r.url}/v1/stream", params=params) as resp:
+        assert resp.status in (200, 204), await resp.text()
+        return await resp.read()
+
+
+def window_scns(body: bytes) -> list[int]:
+    _, headers = parse_stream(body)
+    return [int(h["scn"]) for h in headers if int(h["op"]) == int(Op.END_OF_WINDOW)]
+
+
+def count_data_losses(body: bytes) -> int:
+    _, headers = parse_stream(body)
+    return sum(int(h["op"]) == int(Op.DATA_LOSS) for h in headers)
+
+
+def _config(
+    data: Path,
+    fetcher: FetcherConfig,
+    max_wait_s: float,
+    *,
+    capacity: int = 1 << 20,
+    name: str = "p",
+) -> RelayConfig:
     return RelayConfig(
         data_dir=data,
         http=HttpConfig(port=0, max_wait_s=max_wait_s),
-        partitions=(PartitionConfig("p", 1, capacity_bytes=1 << 20, fetcher=fetcher),),
+        partitions=(PartitionConfig(name, 1, capacity_bytes=capacity, fetcher=fetcher),),
         flush_interval_s=0,
     )
 
@@ -73,3 +117,51 @@ async def test_a_follower_with_a_longer_wait_chains_from_a_short_max_wait_relay(
             )
             assert host.state == "streaming"
             assert host.buffer.meta.last_scn == up.hosts["p"].buffer.meta.last_scn
+
+
+async def test_a_follower_that_fell_off_restarts_its_buffer_instead_of_a_data_loss(
+    tmp_path: Path,
+) -> None:
+    syn = FetcherConfig(
+        "synthetic",
+        {"windows_per_s": 1000, "max_windows": 4000, "events_per_window": 3, "row_bytes": 100},
+    )
+    async with (
+        Relay(_config(tmp_path / "leader", syn, 10.0, capacity=256 << 10, name=PART)) as leader,
+        aiohttp.ClientSession() as http,
+    ):
+        follow = chain(leader.url, on_fell_off="restart")
+        async with Relay(
+            _config(tmp_path / "f", follow, 10.0, capacity=4 << 20, name=PART)
+        ) as follower:
+            await wait_until(lambda: last_scn(follower) >= 1100, 30, "the follower")
+            host = follower.hosts[PART]
+        stopped_at = host.buffer.meta.last_scn
+        await wait_until(lambda: last_scn(leader) == 4999, 60, "the leader's windows")
+        upstream = leader.hosts[PART].buffer.meta
+        assert upstream.prev_scn > stopped_at  # what the follower needs is gone upstream
+
+        async with Relay(
+            _config(tmp_path / "f", follow, 10.0, capacity=4 << 20, name=PART)
+        ) as follower:
+            await wait_until(lambda: last_scn(follower) == 4999, 30, "the follower's tail")
+            meta = follower.hosts[PART].buffer.meta
+            assert meta.prev_scn == upstream.prev_scn  # complete exactly where the leader is
+            body = await stream_bytes(http, follower, upstream.prev_scn)
+            assert count_data_losses(body) == 0
+            assert body == await stream_bytes(http, leader, upstream.prev_scn)
+            assert window_scns(body)[-1] == 4999
+            status = follower.hosts[PART].status()["fetcher"]
+            assert status["data_loss_windows"] == 0
+            # a consumer at the old position is told it is older than kept: 410
+            params = {"partition": PART, "scn": str(stopped_at)}
+            async with http.get(f"{follower.url}/v1/stream", params=params) as resp:
+                assert resp.status == 410, await resp.text()
+
+
+def test_on_fell_off_is_checked() -> None:
+    from changebus.relay.chain import ChainConfig
+
+    assert ChainConfig(upstream=("http://x",), on_fell_off="restart").on_fell_off == "restart"
+    with pytest.raises(ConfigError, match="on_fell_off"):
+        ChainConfig(upstream=("http://x",), on_fell_off="ignore")

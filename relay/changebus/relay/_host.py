@@ -65,6 +65,7 @@ from changebus.schemas import (
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._buffer import EventBuffer
+from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
 from ._windowqueue import WindowQueue
 
@@ -494,6 +495,17 @@ class PartitionHost:
                 return
             except asyncio.CancelledError:
                 raise
+            except RestartBufferError as exc:
+                self.last_error = scrub(exc.message, self._secrets)
+                log.warning(
+                    "partition %s: %s; the buffer starts again after SCN %d",
+                    self.name,
+                    self.last_error,
+                    exc.scn,
+                )
+                await loop.run_in_executor(self._writer, self.buffer.restart_after, exc.scn)
+                delay = cfg.retry_initial_s
+                self.state = "retrying"  # not streaming: the fetcher is closed below
             except _Fenced as exc:
                 self.state = "fenced"
                 self.last_error = str(exc)
