@@ -263,35 +263,28 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
         finally:
             sup.cont(target)
     elif kind == "fall_off":
-        partition = (
-            next(r.partition for r in topo.replicas if r.name == target)
-            if (target != "tail-pg")
-            else "pg"
-        )
-        scn = await asyncio.to_thread(topo.newest_scn, partition)
+        partition = topo.partition_of(target)
         sup.stop(target)
         t0 = loop.time()
+        # where its next incarnation resumes: what it stored (read while it is stopped)
+        scn = await asyncio.to_thread(topo.consumer_checkpoint_scn, target)
         try:
             while loop.time() < t0 + run.opts.fall_off_max_s:
                 await asyncio.sleep(0.5)
-                if scn >= 0 and await asyncio.to_thread(topo.evicted_past, partition, scn):
+                if await asyncio.to_thread(topo.evicted_past, partition, scn):
                     run.fault_log.append(
-                        f"fall_off({target}): every relay evicted SCN {scn} after "
+                        f"fall_off({target}): every relay evicted its checkpoint {scn} after "
                         f"{loop.time() - t0:.1f} s"
                     )
                     break
             else:
                 run.fault_log.append(f"fall_off({target}): SCN {scn} not evicted in time")
-            # What the relays had pushed before the stop waits in the consumer's socket
-            # buffers (megabytes on loopback: far more than a small ring), so the stopped
-            # consumer would read on from there and never ask for an evicted position.
-            # Resetting its relay connections discards that (the kernel drops unread data
-            # on a reset): it must ask again from its checkpoint, which every relay evicted.
-            for name, proxy in topo.proxies.items():
-                if name.startswith("c-relay-"):
-                    proxy.drop()
         finally:
-            sup.cont(target)
+            # Continuing it would not do: what the relays pushed before the stop waits in
+            # its socket buffers and queue (more than a small ring holds), so it would read
+            # on from there. A consumer down that long is restarted: from its checkpoint,
+            # which no relay keeps any more -- it must go through the bootstrap server.
+            sup.kill9(target)
     elif kind == "db_restart":
         await asyncio.to_thread(topo.restart_db, target)
     else:

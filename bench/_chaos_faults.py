@@ -18,9 +18,9 @@ kind              target               what happens
 ``proxy_throttle`` a proxy             ``param`` bytes/s both ways, for the hold
 ``proxy_half_open`` a proxy            nothing forwarded, sockets left open
 ``proxy_truncate`` a proxy             responses cut after ``param`` more bytes
-``fall_off``      a consumer           SIGSTOP until every relay evicted its position,
-                                       then the ``c-relay-*`` connections reset (what
-                                       was pushed into its socket is discarded)
+``fall_off``      a consumer           SIGSTOP until every relay evicted its stored
+                                       checkpoint, then kill -9: it restarts from a
+                                       position no relay keeps (bootstrap)
 ================  ===================  ==============================================
 
 At most one fault per target in a round (a proxy has one mode at a time; killing a

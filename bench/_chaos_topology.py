@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 import sys
 import urllib.request
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ from typing import Any
 
 import psycopg
 
-from _chaos_check import tail_checkpoint_scn
+from _chaos_check import CHECKPOINT_TABLE, tail_checkpoint_scn
 from _chaos_procs import ProcSpec, Supervisor
 from _chaos_proxy import FaultProxy
 from _zk import ZkServer
@@ -489,6 +490,40 @@ class Topology:
             if int(part.get("prev_scn", -1)) <= scn:  # a consumer at prev_scn missed nothing
                 return False
         return answered > 0
+
+    def partition_of(self, consumer: str) -> str:
+        """The partition a consumer reads."""
+        for rep in self.replicas:
+            if rep.name == consumer:
+                return rep.partition
+        return "pg"  # the tail
+
+    def consumer_checkpoint_scn(self, consumer: str) -> int:
+        """The window SCN a consumer's stored checkpoint resumes after (-1: none; blocking)."""
+        from changebus.schemas import Checkpoint
+
+        partition = self.partition_of(consumer)
+        if consumer == "tail-pg":
+            assert self.tail_checkpoint is not None
+            return tail_checkpoint_scn(self.tail_checkpoint, partition)
+        rep = next(r for r in self.replicas if r.name == consumer)
+        sql = f"SELECT checkpoint FROM {CHECKPOINT_TABLE} WHERE consumer = '{CONSUMER}'"
+        try:
+            if rep.sink == "sqlite":
+                assert rep.path is not None
+                conn = sqlite3.connect(f"file:{rep.path}?mode=ro", uri=True, timeout=5)
+                try:
+                    row = conn.execute(sql).fetchone()
+                finally:
+                    conn.close()
+            else:
+                with psycopg.connect(rep.dsn, autocommit=True, connect_timeout=5) as pg:
+                    row = pg.execute(sql).fetchone()
+        except (sqlite3.Error, psycopg.Error):
+            return -1
+        if row is None:
+            return -1
+        return Checkpoint.parse(row[0]).get(partition).window_scn
 
     def newest_scn(self, partition: str) -> int:
         """The newest window SCN any relay holds of ``partition`` (-1: none answers)."""
