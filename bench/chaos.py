@@ -13,7 +13,9 @@ Prints the seed first (``--seed S`` replays the fault sequence), a line per roun
 and a final JSON line: ``rounds``, ``faults`` (by kind), ``transactions``,
 ``invariant_violations``, ``missing``, ``extra``, ``different``,
 ``max_converge_s``, ``manual_interventions``, ``seed`` (goals: all 0 except the
-counts, ``max_converge_s`` <= 30), plus ``ok`` and ``details``. Exit status 0
+counts, ``max_converge_s`` <= 30), plus ``ok``; the lines before it hold the
+``details`` (fault log, convergence per round, examples of differences, self
+exits, bootstraps per consumer, the run's directory). Exit status 0
 when every goal is met, 1 otherwise. The run's directory (logs of every process
 incarnation) is kept when a goal is missed, or with ``--keep``.
 """
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=lambda line: print(line, flush=True),
     )
     result = asyncio.run(run_chaos(opts))
+    details = result.pop("details")
+    print("details: " + json.dumps(details, default=str, indent=1), flush=True)
     print(json.dumps(result, default=str), flush=True)
     return 0 if result["ok"] else 1
 
