@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import logging
 import os
+import random
 import socket
 import sqlite3
 import sys
@@ -90,10 +92,22 @@ CONSUMER = "chaos"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free now, below the ephemeral range (32768+ on Linux).
+
+    The daemons bind it a few seconds later (after their start-up): a port from the
+    ephemeral range may meanwhile become the local end of any outgoing connection on
+    the (shared) machine, and the daemon could not listen.
+    """
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port found in 20000..32000")
 
 
 def _toml_str(value: str) -> str:
@@ -430,7 +444,7 @@ class Topology:
         try:
             with urllib.request.urlopen(f"{self.relay_url(relay)}/v1/status", timeout=3) as resp:
                 body = json.loads(resp.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return None
         return {p["name"]: p for p in body.get("partitions", [])}
 
@@ -441,7 +455,7 @@ class Topology:
             with urllib.request.urlopen(f"{self.boot_url(boot)}/v1/status", timeout=3) as resp:
                 body: dict[str, Any] = json.loads(resp.read())
                 return body
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return None
 
     def cluster_state(self) -> dict[str, dict[str, dict[str, Any]] | None]:
