@@ -351,7 +351,8 @@ class Topology:
             f"{durability}"
             f'[partitions.fetcher]\nkind = "postgres"\n{fetcher_retry}'
             f"options = {{ dsn = {_toml_str(pg_dsn)}, slot = {_toml_str(SOURCE_DB)}, "
-            f"publication = {_toml_str(SOURCE_DB)}, status_interval_s = 0.5 }}\n"
+            f"publication = {_toml_str(SOURCE_DB)}, status_interval_s = 0.5, "
+            "receive_timeout_s = 6.0 }\n"
             f'[[partitions]]\nname = "my"\nid = 2\ncapacity_bytes = {o.relay_capacity_bytes}\n'
             f"{durability}"
             f'[partitions.fetcher]\nkind = "mysql"\n{fetcher_retry}'

@@ -26,6 +26,11 @@ class PostgresConfig(ColumnPolicyOptions):
     #: "stream" (replication protocol) or "sql" (peek + advance, no replication connection)
     mode: str = "stream"
     status_interval_s: float = 1.0
+    #: the replication connection counts as lost when the server sent nothing for this
+    #: long -- a keepalive reply is asked for after a third of it -- (a half-open
+    #: connection: a network that drops packets without a reset, a frozen server); its
+    #: connections are cut and the fetcher starts again. 0 = never
+    receive_timeout_s: float = 30.0
     #: emit a heartbeat message after this long without a window (0 = never)
     heartbeat_interval_s: float = 10.0
     #: how often the slot's retained WAL is read for /v1/status and /metrics
@@ -64,7 +69,12 @@ class PostgresConfig(ColumnPolicyOptions):
         for option in ("status_interval_s", "sql_poll_interval_s"):
             if getattr(self, option) <= 0:
                 raise ConfigError(f"fetcher option {option} must be positive")
-        for option in ("heartbeat_interval_s", "slot_stats_interval_s", "max_transaction_bytes"):
+        for option in (
+            "heartbeat_interval_s",
+            "slot_stats_interval_s",
+            "max_transaction_bytes",
+            "receive_timeout_s",
+        ):
             if getattr(self, option) < 0:
                 raise ConfigError(f"fetcher option {option} must not be negative")
         if self.sql_batch_changes < 1:

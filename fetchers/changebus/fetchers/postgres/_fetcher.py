@@ -37,7 +37,12 @@ the reason in ``/v1/status``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import socket
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -52,6 +57,8 @@ from ._config import PostgresConfig
 from ._setup import connect, reason, set_up
 from ._stream import HOLD_S, HOLD_WINDOWS, Ticker, poll_sql, stream
 from ._types import TypeResolver
+
+log = logging.getLogger("changebus.fetchers.postgres")
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
 
@@ -86,6 +93,11 @@ class PostgresFetcher:
         self._slot_state = ""
         #: the reader of the current (or last) stream: "socket" or "libpq"
         self.stream_reader = ""
+        #: when the server last sent anything on the replication connection (monotonic;
+        #: 0: no stream) -- written by the stream thread, read by the watchdog
+        self._received_at = 0.0
+        #: the socket fds of the stream thread's connections (the watchdog cuts them)
+        self._sockets: list[int] = []
 
     # ---- Fetcher protocol -------------------------------------------------
 
@@ -112,8 +124,44 @@ class PostgresFetcher:
             hold_s=HOLD_S,
             weigh=window_bytes,
         )
-        async for window in self._feed.items():
-            yield window
+        timeout = self.config.receive_timeout_s
+        watchdog = (
+            asyncio.create_task(self._watchdog(timeout), name=f"pg-watchdog-{self.name}")
+            if timeout > 0 and self.config.mode == "stream"
+            else None
+        )
+        try:
+            async for window in self._feed.items():
+                yield window
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    async def _watchdog(self, limit_s: float) -> None:
+        """Cut the stream thread's connections when the server went silent (half-open).
+
+        A blocked call on a connection nobody answers (a read, a catalog query)
+        never returns by itself; shutting its socket down makes it fail, and the
+        stream thread ends with a retriable error (the relay starts the fetcher again).
+        """
+        while True:
+            await asyncio.sleep(min(1.0, limit_s / 4))
+            seen = self._received_at
+            if seen and time.monotonic() - seen > limit_s:
+                log.warning(
+                    "partition %s: Postgres sent nothing for %.0f s (a half-open connection?):"
+                    " closing the connections to start again",
+                    self.name,
+                    limit_s,
+                )
+                for fd in list(self._sockets):
+                    with contextlib.suppress(OSError):
+                        sock = socket.socket(fileno=os.dup(fd))
+                        try:
+                            sock.shutdown(socket.SHUT_RDWR)
+                        finally:
+                            sock.close()
+                return
 
     async def acknowledge(self, scn: int) -> None:
         with self._lock:
@@ -143,6 +191,7 @@ class PostgresFetcher:
 
         cfg = self.config
         catalog = connect(cfg.dsn, "cannot connect to Postgres")
+        self._sockets = [catalog.pgconn.socket]
         with catalog:
             resolver = TypeResolver(catalog)
             registry = SchemaRegistry()
@@ -172,9 +221,13 @@ class PostgresFetcher:
                 )
                 # not `with repl`: its exit would try a COMMIT in COPY_BOTH mode and
                 # fail before closing, leaving the server's walsender holding the slot
+                self._sockets.append(repl.pgconn.socket)
+                self._received_at = time.monotonic()
                 try:
                     stream(self, repl, assembler, emit, stopping, ticker)
                 finally:
+                    self._received_at = 0.0
+                    self._sockets = []
                     repl.close()
             except psycopg.OperationalError as exc:  # the server went away mid-stream
                 raise SourceError(f"lost the Postgres connection: {reason(exc, cfg.dsn)}") from None

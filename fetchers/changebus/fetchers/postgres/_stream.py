@@ -102,7 +102,9 @@ def stream(
             now = time.monotonic()
             duties.tick(now, written)
             batch = read()
-            if not batch:
+            if batch:
+                fetcher._received_at = now  # the server is there (the watchdog reads it)
+            else:
                 if feed is not None:
                     feed.flush()
                 ticker.tick(now, idle=not assembler.in_transaction)
@@ -189,8 +191,10 @@ def poll_sql(
             stopping.wait(cfg.sql_poll_interval_s)
 
 
-def _send_status(send: Callable[[bytes], None], written: int, flushed: int) -> None:
-    send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), 0))
+def _send_status(
+    send: Callable[[bytes], None], written: int, flushed: int, *, reply: bool = False
+) -> None:
+    send(_STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), int(reply)))
 
 
 def _now_pg_us() -> int:
@@ -203,14 +207,18 @@ class _StreamDuties:
     Wakes the event loop for windows the :class:`ThreadFeed` holds (they wait
     at most ``HOLD_S``) and sends standby status updates: every
     ``status_interval_s``, and soon (``_ACK_STATUS_S``) after the relay
-    acknowledged more, or at once when the server asks for a reply. Owned by
-    the stream thread.
+    acknowledged more, or at once when the server asks for a reply; after a
+    third of ``receive_timeout_s`` without a word from the server they ask it
+    for a reply (an idle server answers with a keepalive, so only a dead or
+    half-open connection stays silent). Owned by the stream thread.
     """
 
     def __init__(self, fetcher: PostgresFetcher, send: Callable[[bytes], None]) -> None:
         self._fetcher = fetcher
         self._send = send
         self._interval = fetcher.config.status_interval_s
+        #: silent this long: ask the server for a reply (the watchdog cuts at 3x)
+        self._ask_after = fetcher.config.receive_timeout_s / 3
         self._last_status = 0.0
         self._sent_flush = -1
         self._last_wake = 0.0
@@ -224,7 +232,8 @@ class _StreamDuties:
         if now - self._last_status >= self._interval or (
             flush != self._sent_flush and now - self._last_status >= _ACK_STATUS_S
         ):
-            _send_status(self._send, max(written, flush), flush)
+            silent = self._ask_after > 0 and now - self._fetcher._received_at >= self._ask_after
+            _send_status(self._send, max(written, flush), flush, reply=silent)
             self._last_status, self._sent_flush = now, flush
 
     def reply(self, written: int) -> None:
