@@ -6,8 +6,14 @@
 not reach them). :meth:`Supervisor.watch` is the ``Restart=always`` of systemd: a process
 that exits -- killed by the harness or on its own -- is recorded as an :class:`Exit` and
 started again after ``restart_delay_s``, as a new *incarnation* (1, 2, ...), unless the
-supervisor is shutting down. Every signal goes to a pid this supervisor started (never to a
-name or a process group).
+supervisor is shutting down.
+
+Signals go by pid, never by name: ``kill9`` and ``SIGTERM`` to the pid this supervisor
+started. Its own child processes (e.g. the MySQL fetcher's decoding workers) share its
+process group, whose id is that pid: like systemd's ``KillMode=control-group``, once the
+main process has ended whatever is left of its group is SIGKILLed before the restart, and
+``stop``/``cont`` freeze and thaw the whole group (a paused machine). A group id is not
+reused while any member lives, so this never reaches another process.
 
 Files, under ``base``: ``<name>.<incarnation>.log`` receives stdout and stderr; for kind
 ``"tail"`` stdout goes to ``<name>.<incarnation>.out`` (the JSON lines a checker reads,
@@ -176,13 +182,16 @@ class Supervisor:
         for name in self.specs:
             await self.start(name)
 
-    def _signal(self, name: str, sig: signal.Signals) -> _Running | None:
+    def _signal(self, name: str, sig: signal.Signals, *, group: bool = False) -> _Running | None:
         run = self._running.get(name)
         if run is None or run.popen.returncode is not None:
             log.info("%s is not running: %s not sent", name, sig.name)
             return None
         try:
-            os.kill(run.popen.pid, sig)
+            if group:
+                os.killpg(run.popen.pid, sig)
+            else:
+                os.kill(run.popen.pid, sig)
         except ProcessLookupError:
             return None
         return run
@@ -194,18 +203,19 @@ class Supervisor:
 
     def _mark_killed(self, name: str) -> None:
         run = self._running.get(name)
-        if run is not None and run.popen.returncode is None:
+        # poll() first: a process that already ended on its own is not counted as killed
+        if run is not None and run.popen.poll() is None:
             run.killed = True
 
     def stop(self, name: str) -> None:
         """SIGSTOP the running incarnation (it keeps its sockets; nothing runs)."""
-        run = self._signal(name, signal.SIGSTOP)
+        run = self._signal(name, signal.SIGSTOP, group=True)
         if run is not None:
             run.stopped = True
 
     def cont(self, name: str) -> None:
         """SIGCONT a stopped incarnation."""
-        run = self._signal(name, signal.SIGCONT)
+        run = self._signal(name, signal.SIGCONT, group=True)
         if run is not None:
             run.stopped = False
 
@@ -217,7 +227,10 @@ class Supervisor:
     async def watch(self) -> None:
         """Run until cancelled: record every exit and restart the dead after their delay."""
         while True:
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # the watcher must not die: log and go on
+                log.exception("supervisor watch round failed")
             await asyncio.sleep(_POLL_S)
 
     async def poll(self) -> None:
@@ -228,6 +241,7 @@ class Supervisor:
             if code is None:
                 continue
             del self._running[name]
+            _kill_leftovers(run.popen.pid)
             await self._record(name, run, code)
             if not self._closing:
                 self._restart_at[name] = now + self.specs[name].restart_delay_s
@@ -270,7 +284,7 @@ class Supervisor:
             pass  # a start in progress has finished and registered its process
         for name in list(self._running):
             self._mark_killed(name)
-            self._signal(name, signal.SIGCONT)
+            self._signal(name, signal.SIGCONT, group=True)
             self._signal(name, signal.SIGTERM)
         deadline = time.monotonic() + _TERM_WAIT_S
         for _ in range(int(_TERM_WAIT_S / _POLL_S)):
@@ -288,8 +302,15 @@ class Supervisor:
                     os.kill(run.popen.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     await asyncio.to_thread(run.popen.wait, _TERM_WAIT_S)
+            _kill_leftovers(run.popen.pid)
             code = run.popen.returncode
             await self._record(name, run, -signal.SIGKILL if code is None else code)
+
+
+def _kill_leftovers(pgid: int) -> None:
+    """SIGKILL what is left of the process group of an ended main process (see module doc)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _read_tail(path: Path) -> str:

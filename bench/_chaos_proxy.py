@@ -27,7 +27,8 @@ no per-byte work; ``data_received`` chunks are up to 256 KiB); otherwise the chu
 deque of ``(due_time, bytes)`` that a loop timer drains in order, honouring delay and
 throttle. Back-pressure: a source side stops reading while its pipe holds more than
 ``_HIGH`` bytes or the destination transport's buffer is full (``pause_writing``), and
-resumes below ``_LOW``.
+resumes below ``_LOW`` (so under ``delay(s)`` a direction carries at most about
+``_HIGH / s`` bytes per second: 4 MiB in flight).
 
 Thread-safety: everything runs on the event loop that called :meth:`FaultProxy.start`;
 the fault switches must be called on that loop.
@@ -164,6 +165,8 @@ class _Pipe:
             self.pump()
 
     def _flow(self) -> None:
+        if self.link.stuck:
+            return  # a stuck link keeps reading (and discarding)
         want = self.full or self.pending_bytes > _HIGH
         if not want and self.paused and self.pending_bytes > _LOW:
             want = True  # hysteresis
@@ -208,8 +211,10 @@ class _Pipe:
                 burst = max(rate * _BURST_S, 1.0)
                 self.tokens = min(burst, self.tokens + (now - self.tokens_at) * rate)
                 self.tokens_at = now
-                if self.tokens < 1.0:
-                    self.timer = loop.call_at(now + (1.0 - self.tokens) / rate, self.pump)
+                # send in quanta of a quarter burst, not a few bytes per timer
+                quantum = min(float(n), max(1.0, burst / 4))
+                if self.tokens < quantum:
+                    self.timer = loop.call_at(now + (quantum - self.tokens) / rate, self.pump)
                     break
                 n = min(n, int(self.tokens))
                 self.tokens -= n

@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
+import psycopg
 import pytest
 from aiohttp import web
 
 from _chaos_proxy import FaultProxy
+from fix_pg import PgServer
 from waiting import wait_until
 
 BIG = os.urandom(1 << 20)
@@ -346,3 +348,30 @@ async def test_unreachable_target_resets_the_client(proxies: list[FaultProxy]) -
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(10), 5)
     await close(writer)
+
+
+@pytest.mark.pg
+async def test_a_postgres_session_through_the_proxy(
+    pg_server: PgServer, proxies: list[FaultProxy]
+) -> None:
+    p = await proxy_to(pg_server.port)
+    proxies.append(p)
+    dsn = f"host=127.0.0.1 port={p.port} user=postgres dbname=postgres connect_timeout=5"
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT 41 + 1")
+        assert await cur.fetchone() == (42,)
+        p.drop()
+        with pytest.raises(psycopg.OperationalError):
+            await conn.execute("SELECT 1")
+    p.refuse()
+    with pytest.raises(psycopg.OperationalError):
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    p.half_open()
+    with pytest.raises(psycopg.OperationalError):  # connect_timeout=1 gives up
+        await psycopg.AsyncConnection.connect(dsn.replace("=5", "=1"), autocommit=True)
+    p.heal()
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT repeat('x', 100000)")
+        row = await cur.fetchone()
+        assert row is not None and len(row[0]) == 100000
+    assert p.stats["resets"] >= 2 and p.stats["stuck"] >= 1

@@ -187,3 +187,43 @@ async def test_signals_to_a_process_that_is_down_are_ignored(
     assert sup.exits[0].returncode == 0 and not sup.exits[0].killed_by_harness
     with pytest.raises(ValueError, match="duplicate"):
         sup.add(spec("once", "relay", "pass", tmp_path))
+
+
+async def test_the_process_group_is_frozen_together_and_cleaned_up_after_a_kill(
+    sup: Supervisor, tmp_path: Path
+) -> None:
+    # a daemon with a worker process of its own (like the MySQL fetcher's decoding pool)
+    parent = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print('worker', w.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    sup.add(spec("relay-m", "relay", parent, tmp_path, delay=0.1))
+    await sup.start("relay-m")
+    log = sup.base / "relay-m.1.log"
+    await wait_until(lambda: log.exists() and "worker" in log.read_text(), 10)
+    worker = int(log.read_text().split()[1])
+    assert alive(worker)
+    sup.stop("relay-m")
+    await wait_until(lambda: proc_state(worker) == "T", 5, "the worker frozen too")
+    sup.cont("relay-m")
+    await wait_until(lambda: proc_state(worker) != "T", 5, "the worker thawed")
+    sup.kill9("relay-m")
+    # the worker was left behind by the kill; the watcher kills it before the restart
+    await wait_until(lambda: not alive(worker), 5, "the leftover worker killed")
+    await wait_until(lambda: sup.incarnations["relay-m"] == 2, 10)
+
+
+async def test_a_kill_after_the_process_ended_on_its_own_is_not_blamed(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "p")  # no watcher: poll() by hand, to hold the race open
+    sup.add(spec("crashy", "consumer", "import sys; sys.exit(5)", tmp_path, delay=60))
+    await sup.start("crashy")
+    pid = sup.pid("crashy")
+    assert pid is not None
+    await wait_until(lambda: proc_state(pid) == "Z", 10, "ended, not yet reaped")
+    sup.kill9("crashy")
+    await sup.poll()
+    [ended] = sup.exits
+    assert (ended.returncode, ended.killed_by_harness) == (5, False)
+    await sup.shutdown()

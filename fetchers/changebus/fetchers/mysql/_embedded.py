@@ -172,7 +172,7 @@ class EmbeddedMariaDB:
             if process.poll() is not None:
                 raise error(f"mariadbd did not start:\n{self._error_tail()}")
             try:
-                self.connect().close()
+                self.connect(read_timeout=5, write_timeout=5).close()
                 return
             except Exception:  # noqa: BLE001 - not accepting connections yet
                 if time.monotonic() > deadline:
