@@ -19,7 +19,11 @@ transaction as the rows.
 
 * :func:`source_rows`, :func:`sqlite_rows`, :func:`pg_replica_rows` read a
   table; :func:`compare` gives a :class:`Diff` (counts and a few keys: never
-  values); :func:`ledger_gaps` lists holes and duplicates in the ledger.
+  values), :func:`compare_tables` every table; :func:`ledger_gaps` lists
+  holes and duplicates in the ledger; :func:`source_ledger_high`,
+  :func:`sqlite_ledger_high`, :func:`pg_replica_ledger_high` read each
+  writer's highest seq (one cheap query, for convergence polls) and
+  :func:`reached` compares them with a workload's ``high_water()``.
 * :class:`BankSampler` samples a replica's ``count(*)`` and
   ``sum(balance)`` of accounts every ~50 ms in a thread; samples taken while
   the replica is bootstrapping (its stored checkpoint's mode is not
@@ -28,28 +32,33 @@ transaction as the rows.
   :func:`pg_bank_sample` make the sample functions (checkpoint and sums read
   in one read transaction).
 * :class:`TailChecker` checks ``changebus tail`` output files (JSON lines
-  with ``scn`` and ``seq``) per incarnation of the process.
+  with ``scn`` and ``seq``) per incarnation of the process (it lives in
+  :mod:`_chaos_tail`, with :func:`tail_checkpoint_scn`).
 
 The readers block (call them from a thread in async code).
 """
 
 from __future__ import annotations
 
-import contextlib
 import decimal
-import json
-import logging
-import os
-import sqlite3
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _chaos_workload import COLUMNS, KEYS
-from changebus.schemas import Checkpoint, CheckpointError, Mode
+from _chaos_bank import (
+    CHECKPOINT_TABLE as CHECKPOINT_TABLE,
+    BankSampler as BankSampler,
+    ReplicaSample as ReplicaSample,
+    pg_bank_sample as pg_bank_sample,
+    quote,
+    replica_online as replica_online,
+    sqlite_bank_sample as sqlite_bank_sample,
+    sqlite_connect,
+    sqlite_table as sqlite_table,
+)
+from _chaos_tail import TailChecker as TailChecker, tail_checkpoint_scn as tail_checkpoint_scn
+from _chaos_workload import COLUMNS, KEYS, TABLES
 
 __all__ = [
     "CHECKPOINT_TABLE",
@@ -58,27 +67,28 @@ __all__ = [
     "ReplicaSample",
     "TailChecker",
     "compare",
+    "compare_tables",
     "ledger_gaps",
     "ledger_high",
     "ledger_reached",
     "normalise",
     "pg_bank_sample",
+    "pg_replica_ledger_high",
     "pg_replica_rows",
+    "reached",
     "replica_online",
+    "source_ledger_high",
     "source_rows",
     "sqlite_bank_sample",
+    "sqlite_ledger_high",
     "sqlite_rows",
     "sqlite_table",
     "tail_checkpoint_scn",
 ]
 
-log = logging.getLogger("changebus.bench.chaos.check")
 
-#: the table where ``changebus replicate`` keeps its checkpoints (consumer -> JSON)
-CHECKPOINT_TABLE = "changebus_checkpoints"
-#: at most this many examples in a Diff, violations kept by a sampler
+#: at most this many examples in a Diff
 MAX_EXAMPLES = 5
-MAX_VIOLATIONS = 200
 
 Rows = dict[tuple[Any, ...], tuple[Any, ...]]
 
@@ -145,21 +155,6 @@ def source_rows(
         conn.close()
 
 
-def sqlite_table(table: str, schema: str = "public") -> str:
-    """The SQLite replica's table for source ``<schema>.<table>`` (``.`` becomes ``_``)."""
-    source = table if "." in table else f"{schema}.{table}"
-    return source.replace(".", "_")
-
-
-def _sqlite_connect(path: Path) -> sqlite3.Connection:
-    # read-only, never creates the file; a busy writer makes readers wait, not fail
-    conn = sqlite3.connect(
-        f"file:{os.fspath(path)}?mode=ro", uri=True, timeout=10.0, check_same_thread=False
-    )
-    conn.isolation_level = None
-    return conn
-
-
 def sqlite_rows(
     path: Path,
     table: str,
@@ -177,14 +172,14 @@ def sqlite_rows(
     cols, key_at = _layout(table.rpartition(".")[2], columns, key)
     if not Path(path).exists():
         return {}
-    conn = _sqlite_connect(Path(path))
+    conn = sqlite_connect(Path(path))
     try:
         name = sqlite_table(table, schema)
         if not conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
         ).fetchall():
             return {}
-        return _read(conn.cursor(), _quote(name), cols, key_at)
+        return _read(conn.cursor(), quote(name), cols, key_at)
     finally:
         conn.close()
 
@@ -204,15 +199,11 @@ def pg_replica_rows(
         schema, _, table = table.rpartition(".")
     cols, key_at = _layout(table, columns, key)
     with psycopg.connect(dsn, connect_timeout=10) as conn, conn.cursor() as cur:
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{_quote(schema)}.{_quote(table)}",))
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{quote(schema)}.{quote(table)}",))
         row = cur.fetchone()
         if row is None or not row[0]:
             return {}
-        return _read(cur, f"{_quote(schema)}.{_quote(table)}", cols, key_at)
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+        return _read(cur, f"{quote(schema)}.{quote(table)}", cols, key_at)
 
 
 # ---- comparing --------------------------------------------------------------------
@@ -276,6 +267,18 @@ def compare(
     return diff
 
 
+def compare_tables(
+    source: Callable[[str], Mapping[tuple[Any, ...], tuple[Any, ...]]],
+    replica: Callable[[str], Mapping[tuple[Any, ...], tuple[Any, ...]]],
+    tables: Sequence[str] = TABLES,
+) -> Diff:
+    """:func:`compare` of every table (``source(table)``/``replica(table)`` read one), summed."""
+    total = Diff()
+    for table in tables:
+        total.add(compare(source(table), replica(table), table=table, columns=COLUMNS[table]))
+    return total
+
+
 def _ledger_keys(rows: Mapping[tuple[Any, ...], Any] | Iterable[Sequence[Any]]) -> list[Any]:
     if isinstance(rows, Mapping):
         return [(int(k[0]), int(k[1])) for k in rows]
@@ -332,380 +335,59 @@ def ledger_reached(
     rows: Mapping[tuple[Any, ...], Any] | Iterable[Sequence[Any]], high_water: Mapping[int, int]
 ) -> bool:
     """Whether a replica's ledger holds every writer's seq up to ``high_water``'s."""
-    high = ledger_high(rows)
+    return reached(ledger_high(rows), high_water)
+
+
+_LEDGER_HIGH = "SELECT writer, max(seq) FROM {} GROUP BY writer"
+
+
+def _high(rows: Iterable[Sequence[Any]]) -> dict[int, int]:
+    return {int(w): int(s) for w, s in rows}
+
+
+def source_ledger_high(kind: str, connect: Callable[[], Any]) -> dict[int, int]:
+    """Writer -> highest seq in the source's ledger (one cheap query)."""
+    if kind not in ("pg", "mysql"):
+        raise ValueError(f"source kind must be 'pg' or 'mysql', not {kind!r}")
+    conn = connect()
+    try:
+        cur = conn.cursor()
+        cur.execute(_LEDGER_HIGH.format("ledger"))
+        return _high(cur.fetchall())
+    finally:
+        conn.close()
+
+
+def sqlite_ledger_high(path: Path, *, schema: str = "public") -> dict[int, int]:
+    """Writer -> highest seq in a SQLite replica's ledger ({} before it exists)."""
+    if not Path(path).exists():
+        return {}
+    conn = sqlite_connect(Path(path))
+    try:
+        name = sqlite_table("ledger", schema)
+        if not conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchall():
+            return {}
+        return _high(conn.execute(_LEDGER_HIGH.format(quote(name))).fetchall())
+    finally:
+        conn.close()
+
+
+def pg_replica_ledger_high(dsn: str, *, schema: str = "public") -> dict[int, int]:
+    """Writer -> highest seq in a Postgres replica's ledger ({} before it exists)."""
+    import psycopg
+
+    relation = f"{quote(schema)}.{quote('ledger')}"
+    with psycopg.connect(dsn, connect_timeout=10) as conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (relation,))
+        row = cur.fetchone()
+        if row is None or not row[0]:
+            return {}
+        cur.execute(_LEDGER_HIGH.format(relation))
+        return _high(cur.fetchall())
+
+
+def reached(high: Mapping[int, int], high_water: Mapping[int, int]) -> bool:
+    """Whether ledger highs ``high`` are at or past every writer's ``high_water``."""
     return all(high.get(w, 0) >= s for w, s in high_water.items())
-
-
-# ---- the replica's checkpoint and bank samples --------------------------------------
-
-
-def replica_online(text: str | None, partition: str | None = None) -> bool:
-    """Whether a stored checkpoint (JSON) says the replica reads online (not bootstrapping).
-
-    ``partition``: the partition to look at (None: every partition in the
-    checkpoint must be online). No checkpoint: False (nothing applied yet).
-    """
-    if not text:
-        return False
-    try:
-        cp = Checkpoint.parse(text)
-    except CheckpointError:
-        return False
-    if partition is not None:
-        return partition in cp.partitions and cp.get(partition).mode is Mode.ONLINE
-    return bool(cp.partitions) and all(pc.mode is Mode.ONLINE for pc in cp.partitions.values())
-
-
-Sample = Callable[[], "tuple[int, int] | None"]
-
-
-class ReplicaSample:
-    """A bank sample function over one replica, keeping its connection between calls.
-
-    Called from one thread at a time (the sampler's); :meth:`close` closes
-    the connection (the sampler calls it when it ends).
-    """
-
-    def __init__(self, checkpoint_table: str, consumer: str, partition: str | None) -> None:
-        self.checkpoint_table = checkpoint_table
-        self.consumer = consumer
-        self.partition = partition
-        self._conn: Any = None
-
-    def _connect(self) -> Any:
-        raise NotImplementedError
-
-    def _read(self, conn: Any) -> tuple[int, int] | None:
-        raise NotImplementedError
-
-    def __call__(self) -> tuple[int, int] | None:
-        if self._conn is None:
-            self._conn = self._connect()
-            if self._conn is None:
-                return None
-        try:
-            return self._read(self._conn)
-        except Exception:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-
-class _SqliteSample(ReplicaSample):
-    def __init__(self, path: Path, schema: str, *args: Any) -> None:
-        super().__init__(*args)
-        self.path = Path(path)
-        self.table = sqlite_table("accounts", schema)
-
-    def _connect(self) -> Any:
-        if not self.path.exists():
-            return None
-        conn = _sqlite_connect(self.path)
-        return conn
-
-    def _read(self, conn: Any) -> tuple[int, int] | None:
-        conn.execute("BEGIN")  # one read snapshot for the checkpoint and the sums
-        try:
-            names = {
-                r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            }
-            if self.checkpoint_table not in names or self.table not in names:
-                return None
-            row = conn.execute(
-                f"SELECT checkpoint FROM {_quote(self.checkpoint_table)} WHERE consumer = ?",
-                (self.consumer,),
-            ).fetchone()
-            if not replica_online(row[0] if row else None, self.partition):
-                return None
-            count, total = conn.execute(
-                f"SELECT count(*), coalesce(sum(balance), 0) FROM {_quote(self.table)}"
-            ).fetchone()
-            return int(count), int(total)
-        finally:
-            conn.execute("COMMIT")
-
-
-class _PgSample(ReplicaSample):
-    def __init__(self, dsn: str, schema: str, *args: Any) -> None:
-        super().__init__(*args)
-        self._dsn = dsn
-        self.table = f"{_quote(schema)}.{_quote('accounts')}"
-
-    def __repr__(self) -> str:
-        return f"_PgSample({self.table})"  # no DSN: it may hold a password
-
-    def _connect(self) -> Any:
-        import psycopg
-
-        return psycopg.connect(self._dsn, autocommit=True, connect_timeout=5)
-
-    def _read(self, conn: Any) -> tuple[int, int] | None:
-        with conn.transaction(), conn.cursor() as cur:
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            cur.execute(
-                "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-                (_quote(self.checkpoint_table), self.table),
-            )
-            have = cur.fetchone()
-            if have is None or not (have[0] and have[1]):
-                return None
-            cur.execute(
-                f"SELECT checkpoint FROM {_quote(self.checkpoint_table)} WHERE consumer = %s",
-                (self.consumer,),
-            )
-            row = cur.fetchone()
-            if not replica_online(row[0] if row else None, self.partition):
-                return None
-            cur.execute(f"SELECT count(*), coalesce(sum(balance), 0) FROM {self.table}")
-            count, total = cur.fetchone()
-            return int(count), int(total)
-
-
-def sqlite_bank_sample(
-    path: Path,
-    *,
-    schema: str = "public",
-    consumer: str = "default",
-    partition: str | None = None,
-    checkpoint_table: str = CHECKPOINT_TABLE,
-) -> ReplicaSample:
-    """A sample function for :class:`BankSampler` over a SQLite replica.
-
-    Returns ``(count, sum)`` of the accounts table, or None (exempt) while the
-    replica has no accounts table or its checkpoint (``consumer``'s row;
-    ``partition`` as in :func:`replica_online`) is not online -- both read in
-    one read transaction. The connection is opened lazily in the calling
-    (sampler) thread and kept; an error closes it and propagates. ``close()``
-    closes it.
-    """
-    return _SqliteSample(path, schema, checkpoint_table, consumer, partition)
-
-
-def pg_bank_sample(
-    dsn: str,
-    *,
-    schema: str = "public",
-    consumer: str = "default",
-    partition: str | None = None,
-    checkpoint_table: str = CHECKPOINT_TABLE,
-) -> ReplicaSample:
-    """Like :func:`sqlite_bank_sample` for a Postgres replica (one REPEATABLE READ transaction)."""
-    return _PgSample(dsn, schema, checkpoint_table, consumer, partition)
-
-
-class BankSampler(threading.Thread):
-    """Samples a replica's accounts every ``interval_s`` in a thread; checks count and sum.
-
-    ``sample()`` returns ``(count, sum)`` or None for an exempt sample (the
-    replica is bootstrapping or has nothing yet); an exception is an error (the
-    replica's database is restarting, say), counted and not a violation.
-    Counters: ``samples`` (checked), ``exempt``, ``errors``; ``violations``
-    (messages, the first :data:`MAX_VIOLATIONS`; ``violation_count`` counts
-    all). Written by the sampler thread only; read them after :meth:`stop`
-    (or as approximate progress while running).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        sample: Sample,
-        accounts: int,
-        total: int,
-        *,
-        interval_s: float = 0.05,
-    ) -> None:
-        super().__init__(name=f"bank-sampler-{name}", daemon=True)
-        self.replica = name
-        self._sample = sample
-        self.accounts = accounts
-        self.total = total
-        self.interval_s = interval_s
-        self.samples = 0
-        self.exempt = 0
-        self.errors = 0
-        self.violations: list[str] = []
-        self.violation_count = 0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self._stop_event.is_set():
-                self.sample_once()
-                self._stop_event.wait(self.interval_s)
-        finally:
-            close = getattr(self._sample, "close", None)
-            if callable(close):
-                close()
-
-    def sample_once(self) -> None:
-        """Take one sample now (the thread's step; callable directly in tests)."""
-        try:
-            got = self._sample()
-        except Exception:
-            self.errors += 1
-            log.debug("sample of %s failed", self.replica, exc_info=True)
-            return
-        if got is None:
-            self.exempt += 1
-            return
-        self.samples += 1
-        count, total = got
-        if count != self.accounts or total != self.total:
-            self.violation_count += 1
-            if len(self.violations) < MAX_VIOLATIONS:
-                self.violations.append(
-                    f"{self.replica}: {count} accounts with sum {total}"
-                    f" (expected {self.accounts} with sum {self.total}) at {time.time():.3f}"
-                )
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """End the thread (waits for it when it was started)."""
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout_s)
-
-
-# ---- the tail's output ------------------------------------------------------------------
-
-
-def tail_checkpoint_scn(path: Path, partition: str | None = None) -> int:
-    """The SCN a ``changebus tail --checkpoint FILE`` resumes after (-1: no file yet).
-
-    The partition's ``window_scn`` (bootstrapping: the snapshot's ``since``
-    or the catch-up's last window -- what follows is newer in both cases);
-    ``partition`` None: the only (or highest) partition of the checkpoint.
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return -1
-    cp = Checkpoint.parse(text)
-    if partition is not None:
-        return cp.get(partition).window_scn
-    return max((pc.window_scn for pc in cp.partitions.values()), default=-1)
-
-
-@dataclass
-class _Line:
-    scn: int
-    seq: int
-    snapshot_like: bool  # a row state (no before-image) or a delete: may come from a snapshot
-
-
-class TailChecker:
-    """Checks ``changebus tail`` outputs, one file per incarnation of the process, in order.
-
-    Rules, for the events (lines) of each incarnation:
-
-    * ``(scn, seq)`` strictly increases (no window twice, nothing backwards) --
-      except inside a bootstrap snapshot, whose rows come at their own SCNs in
-      key order. A step back is accepted as a snapshot only when it and the
-      lines before it back to where they started look like snapshot rows (no
-      ``before`` image, or a delete), and its SCN is above every SCN printed
-      before those lines (a snapshot holds only rows changed after the
-      consumer's position). Accepted steps are counted in
-      ``snapshot_steps``;
-    * incarnation ``n`` >= 1 prints only SCNs above the checkpoint its process
-      read at start: ``checkpoints_at_restart`` has one entry per restart
-      (``len(outputs) - 1``: entry ``i`` for ``outputs[i + 1]``), or one per
-      output (the first for the first incarnation; -1: none). Replays of what
-      came after the checkpoint are what at-least-once allows.
-
-    A last line without its newline (killed while writing) is ignored.
-    ``lines``, ``incarnations``, ``snapshot_steps`` count what the last
-    :meth:`check` saw. Not thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self.lines = 0
-        self.incarnations = 0
-        self.snapshot_steps = 0
-
-    def check(self, outputs: Sequence[Path], checkpoints_at_restart: Sequence[int]) -> list[str]:
-        """The violations (empty: all rules hold)."""
-        self.lines = self.incarnations = self.snapshot_steps = 0
-        if len(checkpoints_at_restart) == len(outputs):
-            floors = list(checkpoints_at_restart)
-        elif len(checkpoints_at_restart) == max(len(outputs) - 1, 0):
-            floors = [-1, *checkpoints_at_restart]
-        else:
-            return [
-                f"{len(checkpoints_at_restart)} checkpoints for {len(outputs)} outputs:"
-                " give one per restart (or one per output)"
-            ]
-        problems: list[str] = []
-        for n, (path, floor) in enumerate(zip(outputs, floors, strict=True)):
-            self.incarnations += 1
-            lines, bad = _read_tail(Path(path))
-            problems += [f"{Path(path).name}: {b}" for b in bad]
-            self.lines += len(lines)
-            problems += self._incarnation(Path(path).name, n, lines, floor)
-        return problems
-
-    def _incarnation(self, name: str, n: int, lines: list[_Line], floor: int) -> list[str]:
-        problems: list[str] = []
-        below = [i for i, line in enumerate(lines) if line.scn <= floor]
-        if floor >= 0 and below:
-            i = below[0]
-            problems.append(
-                f"{name} (incarnation {n}): line {i + 1} has SCN {lines[i].scn}, not after the"
-                f" checkpoint {floor} it started from ({len(below)} such lines)"
-            )
-        run_start = 0  # where the current run of snapshot-like lines began
-        high_before_run = floor  # the highest SCN printed before that run
-        high = floor
-        for i, line in enumerate(lines):
-            if not line.snapshot_like:
-                run_start = i + 1
-                high_before_run = max(high, line.scn)
-            elif i == run_start:
-                high_before_run = high
-            if i > 0:
-                prev = lines[i - 1]
-                if (line.scn, line.seq) <= (prev.scn, prev.seq):
-                    if line.snapshot_like and run_start < i and line.scn > high_before_run:
-                        self.snapshot_steps += 1
-                    else:
-                        problems.append(
-                            f"{name} (incarnation {n}): line {i + 1} goes back from"
-                            f" (scn {prev.scn}, seq {prev.seq}) to (scn {line.scn}, seq {line.seq})"
-                        )
-                        if len(problems) >= MAX_EXAMPLES * 4:
-                            break
-            high = max(high, line.scn)
-        return problems
-
-
-def _read_tail(path: Path) -> tuple[list[_Line], list[str]]:
-    """The events of one output file, and problems with its lines."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], []
-    text = data.decode("utf-8", errors="replace")
-    parts = text.split("\n")
-    if parts and parts[-1] == "":
-        parts.pop()
-    elif parts:
-        parts.pop()  # torn: killed while writing it
-    lines: list[_Line] = []
-    bad: list[str] = []
-    for number, raw in enumerate(parts, 1):
-        if not raw.strip():
-            continue
-        try:
-            doc = json.loads(raw)
-            scn = int(doc["scn"])
-            seq = int(doc.get("seq", 0))
-        except (ValueError, KeyError, TypeError):
-            if len(bad) < MAX_EXAMPLES:
-                bad.append(f"line {number} is not an event line")
-            continue
-        op = doc.get("op")
-        lines.append(_Line(scn, seq, doc.get("before") is None or op in ("delete", "truncate")))
-    return lines, bad

@@ -175,9 +175,14 @@ class SourceWorkload:
     the database restarting under it (see the module docstring), so the
     SOURCE itself never has a ledger gap.
 
-    Public state (read from any thread): ``transactions`` (committed),
-    ``errors`` (by kind), ``last_seq`` (writer -> last committed seq: the
-    ledger's high-water mark), ``ddl_done``.
+    Public state (read from any thread; :meth:`stats` copies it at once):
+    ``transactions`` (committed), ``errors`` (by kind), ``last_seq`` (writer
+    -> last committed seq: the ledger's high-water mark), ``ddl_done``.
+
+    Give ``connect`` timeouts so that a writer never hangs on a dead server:
+    ``psycopg.connect(dsn, connect_timeout=5)``; PyMySQL has
+    ``connect_timeout`` (set by ``EmbeddedMariaDB.connect``) and takes
+    ``read_timeout``/``write_timeout``.
     """
 
     TABLES: tuple[str, ...] = TABLES
@@ -286,6 +291,16 @@ class SourceWorkload:
         """A copy of :attr:`last_seq` (writer -> last committed seq)."""
         with self._lock:
             return dict(self.last_seq)
+
+    def stats(self) -> dict[str, Any]:
+        """A consistent copy: ``transactions``, ``errors`` (by kind), ``high_water``, ``ddl_done``."""
+        with self._lock:
+            return {
+                "transactions": self.transactions,
+                "errors": dict(self.errors),
+                "high_water": dict(self.last_seq),
+                "ddl_done": self.ddl_done.is_set(),
+            }
 
     def _count(self, kind: str) -> None:
         with self._lock:

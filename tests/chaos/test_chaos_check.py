@@ -24,9 +24,12 @@ from _chaos_check import (
     ledger_reached,
     normalise,
     pg_bank_sample,
+    pg_replica_ledger_high,
     pg_replica_rows,
+    reached,
     replica_online,
     sqlite_bank_sample,
+    sqlite_ledger_high,
     sqlite_rows,
     sqlite_table,
     tail_checkpoint_scn,
@@ -81,6 +84,7 @@ def test_ledger_gaps_finds_holes_and_duplicates() -> None:
     assert ledger_reached(clean, {1: 10, 2: 3})
     assert not ledger_reached(clean, {1: 11})
     assert not ledger_reached(clean, {3: 1})
+    assert reached({1: 5}, {1: 5}) and not reached({1: 5}, {1: 6, 2: 0})
     holed = {k: v for k, v in clean.items() if k not in {(1, 4), (1, 5), (1, 8)}}
     assert ledger_gaps(holed) == ["writer 1: missing seq 4..5, 8 of 1..10"]
     rows = [(1, 1), (1, 2), (1, 2), (1, 3)]
@@ -259,7 +263,7 @@ SOURCE_AFTER: dict[str, dict[tuple[Any, ...], tuple[Any, ...]]] = {
 }
 
 
-async def check_replica(replica: Replica, rows: Any, bank: Any) -> None:
+async def check_replica(replica: Replica, rows: Any, bank: Any, high: Any) -> None:
     ws = windows()
     assert bank() is None  # nothing yet: exempt
     await apply(replica, ws[0])
@@ -273,6 +277,7 @@ async def check_replica(replica: Replica, rows: Any, bank: Any) -> None:
         got = rows(table)
         assert compare(expected, got, table=table).ok, (table, got)
     assert rows("ledger") == {}
+    assert high("ledger") == {}
 
 
 async def test_sqlite_reader_and_sampler_follow_the_sqlite_replica(tmp_path: Path) -> None:
@@ -281,7 +286,9 @@ async def test_sqlite_reader_and_sampler_follow_the_sqlite_replica(tmp_path: Pat
     replica = SqliteReplica(path)
     try:
         bank = sqlite_bank_sample(path, partition="pg")
-        await check_replica(replica, lambda t: sqlite_rows(path, t), bank)
+        await check_replica(
+            replica, lambda t: sqlite_rows(path, t), bank, lambda _: sqlite_ledger_high(path)
+        )
         bank.close()
     finally:
         await replica.close()
@@ -299,7 +306,12 @@ async def test_pg_reader_and_sampler_follow_the_postgres_replica(pg_dsn: str) ->
     replica = PostgresReplica(pg_dsn)
     try:
         bank = pg_bank_sample(pg_dsn, partition="pg")
-        await check_replica(replica, lambda t: pg_replica_rows(pg_dsn, t), bank)
+        await check_replica(
+            replica,
+            lambda t: pg_replica_rows(pg_dsn, t),
+            bank,
+            lambda _: pg_replica_ledger_high(pg_dsn),
+        )
         bank.close()
     finally:
         await replica.close()
@@ -386,3 +398,8 @@ def test_tail_checkpoint_scn_reads_the_tail_checkpoint_file(tmp_path: Path) -> N
     assert tail_checkpoint_scn(path) == 42
     assert tail_checkpoint_scn(path, "pg") == 42
     assert tail_checkpoint_scn(path, "my") == -1
+    # bootstrapping: a restarted snapshot sends the rows changed after its since again
+    prog = BootstrapProgress(since_scn=30, start_scn=50, target_scn=60)
+    catchup = PartitionCheckpoint(mode=Mode.CATCHUP, window_scn=55, prev_scn=55, bootstrap=prog)
+    path.write_text(Checkpoint({"pg": catchup}).to_json())
+    assert tail_checkpoint_scn(path) == 30

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from _chaos_check import ledger_gaps, source_rows
+from _chaos_check import ledger_gaps, source_ledger_high, source_rows
 from _chaos_workload import SourceWorkload, WorkloadConfig
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.fetchers.postgres import EmbeddedPostgres
@@ -108,7 +108,10 @@ def check_source(kind: str, connect: Callable[[], Any], workload: SourceWorkload
     ledger = source_rows(kind, connect, "ledger")
     assert ledger_gaps(ledger) == []
     assert len(ledger) == workload.transactions
-    assert {w: max(s for ww, s in ledger if ww == w) for w, _ in ledger} == workload.high_water()
+    assert source_ledger_high(kind, connect) == workload.high_water()
+    stats = workload.stats()
+    assert stats["transactions"] == len(ledger) and stats["ddl_done"]
+    assert stats["high_water"] == workload.high_water() and stats["errors"] == workload.errors
     accounts = source_rows(kind, connect, "accounts")
     assert len(accounts) == CONFIG.accounts
     assert sum(row[1] for row in accounts.values()) == CONFIG.total_balance
@@ -142,7 +145,6 @@ def run_through_restart(
     finally:
         workload.stop()
     assert not workload.running
-    print(kind, workload.transactions, "transactions; errors:", workload.errors)
     assert "writer_crashed" not in workload.errors, workload.errors
     assert workload.ddl_done.is_set()
     # the writers noticed the restart and reconnected
@@ -198,3 +200,83 @@ def test_mariadb_workload_survives_kill_9(own_mariadb: EmbeddedMariaDB) -> None:
 
     workload = run_through_restart("mysql", connect, lambda: restart_mariadb(own_mariadb))
     check_source("mysql", connect, workload)
+
+
+class FlakyCursor:
+    """A real cursor whose COMMIT fails now and then, after or before reaching the server."""
+
+    def __init__(self, conn: FlakyConnection) -> None:
+        self._conn = conn
+        self._cur = conn.real.cursor()
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        if sql == "COMMIT":
+            faults = self._conn.faults
+            faults["commits"] += 1
+            n = faults["commits"]
+            if n % 7 == 0:  # committed, but the answer is lost
+                self._cur.execute("COMMIT")
+                faults["lost_ack"] += 1
+                raise psycopg.OperationalError("injected: connection lost after COMMIT")
+            if n % 7 == 3:  # the COMMIT never arrived: the server rolls back
+                self._cur.execute("ROLLBACK")
+                faults["lost_commit"] += 1
+                raise psycopg.OperationalError("injected: connection lost before COMMIT")
+        return self._cur.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> None:
+        self._cur.executemany(sql, rows)
+
+    def fetchone(self) -> Any:
+        return self._cur.fetchone()
+
+    def close(self) -> None:
+        self._cur.close()
+
+
+class FlakyConnection:
+    def __init__(self, real: Any, faults: dict[str, int]) -> None:
+        self.real = real
+        self.faults = faults
+
+    @property
+    def autocommit(self) -> bool:
+        return bool(self.real.autocommit)
+
+    @autocommit.setter
+    def autocommit(self, value: bool) -> None:
+        self.real.autocommit = value
+
+    def cursor(self) -> FlakyCursor:
+        return FlakyCursor(self)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.mark.pg
+def test_unknown_commit_outcomes_are_resolved_without_gap_or_duplicate(pg_dsn: str) -> None:
+    faults = {"commits": 0, "lost_ack": 0, "lost_commit": 0}
+    config = WorkloadConfig(accounts=10, kv_keys=20, docs=3, big_bytes=3000, rate_tps=200.0)
+
+    def connect() -> Any:
+        return psycopg.connect(pg_dsn, connect_timeout=5)
+
+    workload = SourceWorkload("pg", lambda: FlakyConnection(connect(), faults), config, seed=3)
+    workload.create_tables()
+    workload.start()
+    deadline = time.monotonic() + 30
+    while faults["lost_ack"] < 5 or faults["lost_commit"] < 5:
+        assert time.monotonic() < deadline, faults
+        time.sleep(0.05)
+    workload.stop()
+    errors = workload.errors
+    assert "writer_crashed" not in errors, errors
+    assert errors["commit_unknown"] == faults["lost_ack"] + faults["lost_commit"]
+    assert errors["unknown_committed"] == faults["lost_ack"]
+    assert errors["unknown_rolled_back"] == faults["lost_commit"]
+    ledger = source_rows("pg", connect, "ledger")
+    assert ledger_gaps(ledger) == []
+    assert len(ledger) == workload.transactions
+    accounts = source_rows("pg", connect, "accounts")
+    assert sum(row[1] for row in accounts.values()) == config.total_balance
