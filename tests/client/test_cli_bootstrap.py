@@ -7,6 +7,12 @@ rows through the bootstrap server (snapshot + catch-up) while a writer keeps
 writing. Routes: ``--relay``, ``--zookeeper/--cluster`` (the relay registered
 in a real ZooKeeper's routing table) and ``--group`` on that cluster. Each
 consumer must end equal to the source row by row.
+
+Also two regressions of consumers given only a cluster (``zookeeper`` and
+``cluster``, no ``bootstrap_servers``): one whose stored checkpoint is in the
+middle of a bootstrap continues it with the routing table's bootstrap
+servers (it used to refuse to start), and one started while the table listed
+no bootstrap server uses one registered later (it used to keep none).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import sqlite3
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import psycopg
@@ -36,9 +42,16 @@ from changebus.bootstrap import (
     HttpConfig as BootstrapHttp,
     StoreConfig,
 )
+from changebus.client import Consumer, ConsumerConfig, MemoryCheckpointPersister
 from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Checkpoint, Mode, lsn_to_scn
+from changebus.schemas import (
+    BootstrapProgress,
+    Checkpoint,
+    Mode,
+    PartitionCheckpoint,
+    lsn_to_scn,
+)
 from waiting import wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.zk]
@@ -54,6 +67,7 @@ ENV = {
 TABLES = ("acct", "item")
 TINY = 256 << 10  # relay buffer: a few hundred windows
 Rows = dict[str, dict[int, tuple[Any, ...]]]
+MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
 
 
 def create_tables(dsn: str) -> None:
@@ -154,23 +168,31 @@ def stored_mode(path: Path) -> tuple[Mode, int]:
 
 
 @asynccontextmanager
-async def registered(zk_hosts: str, cluster: str, url: str) -> AsyncIterator[None]:
-    """The relay in the cluster's routing table: leader of partition pg."""
+async def registered(
+    zk_hosts: str,
+    cluster: str,
+    url: str,
+    member_id: str = "relay-1",
+    kind: Literal["relay", "bootstrap"] = "relay",
+    partition: str = "pg",
+) -> AsyncIterator[None]:
+    """A member in the cluster's routing table: a relay leading ``partition``, or a
+    bootstrap server following it."""
     session = ZkSession(
         ClusterConfig(
             zookeeper=zk_hosts,
             name=cluster,
-            member_id="relay-1",
+            member_id=member_id,
             advertised_url=url,
             session_timeout_s=4.0,
             connect_timeout_s=10.0,
         )
     )
     await session.start()
-    registry = Registry(session, "relay")
+    registry = Registry(session, kind)
     try:
         await registry.start()
-        registry.update({"pg": PartitionState("leader", 1)})
+        registry.update({partition: PartitionState("leader" if kind == "relay" else "follower", 1)})
         await registry.flush()
         yield
     finally:
@@ -324,3 +346,59 @@ async def test_bad_bootstrap_url_is_refused() -> None:
         proc = await cli(*args, stdout=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 2 and b"ftp://nowhere" in err and out == b"", err.decode()
+
+
+async def test_a_cluster_consumer_resumes_a_bootstrap_with_the_tables_servers(
+    make_relay: MakeRelay, zk_hosts: str, zk_cluster: str
+) -> None:
+    """A consumer given only the cluster (no bootstrap_servers) whose stored checkpoint is in
+    the middle of a bootstrap continues it with the bootstrap servers of the routing table."""
+    boot = "http://127.0.0.1:9/boot"
+    stored = Checkpoint({}).with_partition(
+        "syn",
+        PartitionCheckpoint(
+            mode=Mode.SNAPSHOT,
+            window_scn=-1,
+            bootstrap=BootstrapProgress(start_scn=1100, snapshot_position="1:5", server=boot),
+        ),
+    )
+    async with (
+        make_relay() as relay,
+        registered(zk_hosts, zk_cluster, relay.url, "r1", partition="syn"),
+        registered(zk_hosts, zk_cluster, boot, "b1", "bootstrap", partition="syn"),
+    ):
+        config = ConsumerConfig(zookeeper=zk_hosts, cluster=zk_cluster, partition="syn")
+        c = Consumer(config, persister=MemoryCheckpointPersister(stored))
+        async with c:
+            assert c._fetcher is not None and c._fetcher._boot is not None
+            assert c._fetcher._boot.config.bootstrap_servers == (boot,)
+            assert c._fetcher._resume == stored.get("syn")
+
+
+async def test_a_bootstrap_server_registered_later_is_used(
+    make_relay: MakeRelay, zk_hosts: str, zk_cluster: str
+) -> None:
+    """A cluster consumer that started while no bootstrap server was registered uses one
+    that registers later."""
+    boot = "http://127.0.0.1:9/boot"
+    async with (
+        make_relay() as relay,
+        registered(zk_hosts, zk_cluster, relay.url, "r1", partition="syn"),
+    ):
+        config = ConsumerConfig(
+            zookeeper=zk_hosts, cluster=zk_cluster, partition="syn", start="latest"
+        )
+        c = Consumer(config, persister=MemoryCheckpointPersister())
+        async with c:
+            assert c._fetcher is not None
+            fetcher = c._fetcher
+
+            def bootstrapper() -> Any:
+                return fetcher._boot
+
+            assert bootstrapper() is None
+            async with registered(zk_hosts, zk_cluster, boot, "b1", "bootstrap", partition="syn"):
+                async with asyncio.timeout(20):
+                    while bootstrapper() is None:
+                        await asyncio.sleep(0.02)
+                assert bootstrapper()._failover.urls == (boot,)

@@ -149,13 +149,19 @@ class Consumer:
         if partition is None and len(checkpoint.partitions) == 1:
             partition = next(iter(checkpoint.partitions))
         pc = checkpoint.get(partition) if partition is not None else None
-        position, latest, resume = start_point(pc, cfg, f"partition {partition}")
+        if cfg.uses_cluster:  # first: the table may list the bootstrap servers a resume needs
+            cfg = await self._route_cluster(cfg)
+        try:
+            position, latest, resume = start_point(pc, cfg, f"partition {partition}")
+        except BaseException:
+            if self._route is not None:  # a checkpoint that cannot be continued
+                await self._route.stop()
+                self._route = None
+            raise
         if resume is not None:
             log.info("resuming the bootstrap of partition %s (%s)", partition, resume.mode.value)
         elif pc is not None and pc.has_position:
             log.info("resuming partition %s after SCN %d", partition, position)
-        if cfg.uses_cluster:
-            cfg = await self._route_cluster(cfg)
         self._position = PositionTracker(checkpoint, self.persister)
         if self._session is None:
             self._session = await open_session(cfg.auth)
@@ -173,7 +179,7 @@ class Consumer:
         self._task = asyncio.create_task(self._fetcher.run(), name="changebus-fetcher")
         if self._route is not None:
             self._route.on_change(self._fetcher.set_relays, cfg.relays)
-            if not self.config.bootstrap_servers and cfg.bootstrap_servers:
+            if not self.config.bootstrap_servers:  # follow the table's, even when none yet
                 self._route.on_bootstrap_change(
                     self._fetcher.set_bootstrap_servers, cfg.bootstrap_servers
                 )

@@ -27,6 +27,7 @@ Runs on the consumer's event loop; not thread-safe.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import aiohttp
@@ -116,9 +117,17 @@ class RelayFetcher:
         self.stream.set_relays(relays)
 
     def set_bootstrap_servers(self, servers: tuple[str, ...]) -> None:
-        """Use ``servers`` for bootstraps from now on (see :meth:`.Failover.set_urls`)."""
+        """Use ``servers`` for bootstraps from now on (see :meth:`.Failover.set_urls`).
+
+        A fetcher that had none (a cluster listed no bootstrap server when it
+        started) gets its :class:`~._bootstrap.Bootstrapper` now: a later fall
+        off the relays bootstraps instead of raising.
+        """
         if self._boot is not None:
             self._boot.set_servers(servers)
+        elif servers:
+            config = dataclasses.replace(self.config, bootstrap_servers=servers)
+            self._boot = Bootstrapper(config, self._session, self._queue, self._cache)
 
     @property
     def phase(self) -> str:

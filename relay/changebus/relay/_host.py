@@ -50,30 +50,23 @@ import numpy.typing as npt
 
 from changebus.fetchers import Fetcher, ResumePoint, Window, create_fetcher
 from changebus.schemas import (
-    HEADER_SIZE,
     ChangebusError,
-    DataLoss,
-    EndOfWindow,
     EventTooLargeError,
-    Op,
-    SchemaChange,
     SchemaRegistry,
     TableSchema,
-    decode_control,
-    encode_control,
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._buffer import EventBuffer
 from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
+from ._lossmarker import loss_marker, schema_changes
 from ._windowqueue import WindowQueue
 
 __all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
 
 log = logging.getLogger("changebus.relay.ingest")
 
-_SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
 #: windows waiting between the fetcher and the writer (back-pressure beyond), by
 #: count and by bytes (see ._windowqueue)
 _QUEUE_WINDOWS = 4096
@@ -316,34 +309,13 @@ class PartitionHost:
         self, data: bytes | memoryview, offsets: npt.NDArray[np.int64], headers: npt.NDArray[Any]
     ) -> None:
         """Writer thread, before readers see the windows: record new table schemas."""
-        for i in np.flatnonzero(headers["op"] == _SCHEMA_CHANGE).tolist():
-            start = int(offsets[i]) + HEADER_SIZE
-            payload = bytes(data[start : int(offsets[i]) + int(headers["total_length"][i])])
-            change = decode_control(Op.SCHEMA_CHANGE, payload)
-            assert isinstance(change, SchemaChange)
+        for change in schema_changes(data, offsets, headers):
             table = TableSchema.from_json(json.loads(change.schema))
             self.registry.register_as(table, change.source_id)
 
     def _loss_marker(self, window: Window, reason: str) -> bytes:
         """A window that says SCN ``window.scn`` was lost (never a silent gap)."""
-        return b"".join(
-            (
-                encode_control(
-                    DataLoss(window.scn, window.scn, reason),
-                    window.scn,
-                    0,
-                    window.timestamp_ns,
-                    partition=self.config.id,
-                ),
-                encode_control(
-                    EndOfWindow(0, window.source_position),
-                    window.scn,
-                    1,
-                    window.timestamp_ns,
-                    partition=self.config.id,
-                ),
-            )
-        )
+        return loss_marker(window, reason, self.config.id)
 
     def _append(self, batch: list[Window]) -> bool:
         """Writer thread: append a group of windows (one group commit).
