@@ -110,6 +110,8 @@ class ChaosOptions:
 
 @dataclass
 class _Run:
+    """One run's state: the loop's only (the samplers and workloads have their threads)."""
+
     opts: ChaosOptions
     topo: Topology
     rng: random.Random
@@ -120,7 +122,7 @@ class _Run:
     converge: list[float] = field(default_factory=list)
     marks: int = 0
     problems: list[str] = field(default_factory=list)
-    #: tail output read so far: file -> (offset, marks seen)
+    #: marker ids the tail printed, and how far each of its output files was read
     tail_seen: set[int] = field(default_factory=set)
     tail_offsets: dict[Path, int] = field(default_factory=dict)
 
