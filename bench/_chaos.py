@@ -256,6 +256,9 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
     run.faults[fault.kind] += 1
     run.fault_log.append(fault.describe())
     kind, target = fault.kind, fault.target
+    if target.startswith("leader-"):  # whichever relay leads that partition now
+        target = await asyncio.to_thread(topo.leader, target.removeprefix("leader-"))
+        run.fault_log.append(f"{fault.target} is {target}")
     if kind == "kill9":
         sup.kill9(target)
     elif kind == "sigstop":
@@ -322,7 +325,7 @@ async def _round(run: _Run, number: int) -> None:
     first = opts.must_include[number - 1 : number]
     topo = run.topo
     targets = Targets(
-        processes=(*topo.daemons, *topo.consumers),
+        processes=(*topo.daemons, *topo.consumers, *(f"leader-{p}" for p in PARTITIONS)),
         consumers=tuple(topo.consumers),
         proxies=tuple(sorted(topo.proxies)),
     )

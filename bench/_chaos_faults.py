@@ -10,7 +10,9 @@ Catalogue (``Fault.kind``):
 ================  ===================  ==============================================
 kind              target               what happens
 ================  ===================  ==============================================
-``kill9``         a process            SIGKILL; the supervisor restarts it (~1 s)
+``kill9``         a process            SIGKILL; the supervisor restarts it (~1 s);
+                                       ``leader-pg``/``leader-my``: the relay leading
+                                       that partition when the fault starts
 ``sigstop``       a process            SIGSTOP for ``param`` s, then SIGCONT
 ``db_restart``    ``pg`` / ``mysql``   immediate restart of the database
 ``proxy_drop``    a proxy              every open connection reset (RST) once

@@ -540,6 +540,17 @@ class Topology:
             return -1
         return Checkpoint.parse(row[0]).get(partition).window_scn
 
+    def leader(self, partition: str) -> str:
+        """The relay leading ``partition`` now (by the relays' own status; blocking).
+
+        The first relay when none says so (between leaders, or none answers).
+        """
+        for relay, st in self.cluster_state().items():
+            part = None if st is None else st.get(partition)
+            if part is not None and part.get("role") == "leader":
+                return relay
+        return RELAYS[0]
+
     def newest_scn(self, partition: str) -> int:
         """The newest window SCN any relay holds of ``partition`` (-1: none answers)."""
         best = -1

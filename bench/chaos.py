@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(KINDS),
         help=f"fault kinds to draw from, comma-separated (default: all of {', '.join(KINDS)})",
     )
+    p.add_argument(
+        "--must-include",
+        default="",
+        help="fault kinds the first rounds start with, one per round, comma-separated"
+        " (kind or kind@target-prefix, e.g. fall_off,kill9@leader)",
+    )
     p.add_argument("--rate", type=float, default=20.0, help="transactions/s per database")
     p.add_argument("--durability", choices=("page_cache", "fsync"), default=None)
     p.add_argument("--base", type=Path, default=None, help="run directory (default: a temp one)")
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         args.minutes = 5.0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    unknown = set(kinds) - set(KINDS)
+    must = tuple(k.strip() for k in args.must_include.split(",") if k.strip())
+    unknown = (set(kinds) | {k.partition("@")[0] for k in must}) - set(KINDS)
     if unknown:
         p.error(f"unknown fault kinds: {', '.join(sorted(unknown))}")
     logging.basicConfig(
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         round_s=args.round_s,
         max_faults=args.max_faults,
         kinds=kinds,
+        must_include=must,
         rate_tps=args.rate,
         durability=args.durability,
         base=args.base,

@@ -2,10 +2,11 @@
 
 Real Postgres, MariaDB and ZooKeeper, three clustered relays, two bootstrap
 servers, three replicas and a tail, every network path through a fault proxy (see
-``bench/_chaos.py``); a few rounds of seeded faults, always including a relay
-kill -9 and a consumer falling off the small relay buffer (so it goes through the
-bootstrap server). The seed is printed: ``bench/chaos.py --seed S --rounds N``
-replays the same fault sequence. Set ``CHAOS_SEED`` to pin it here.
+``bench/_chaos.py``); a few rounds of seeded faults, always including a consumer
+falling off the small relay buffer (so it goes through the bootstrap server) and a
+kill -9 of a partition's leader relay. The seed is printed with the command that
+replays the same fault sequence (``bench/chaos.py --seed S ...``); set
+``CHAOS_SEED`` to pin it here.
 """
 
 from __future__ import annotations
@@ -54,21 +55,24 @@ def test_the_schedule_is_a_function_of_the_seed() -> None:
 @pytest.mark.timeout(600)
 async def test_chaos_short() -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
-    print(f"chaos seed {seed} (reproduce: bench/chaos.py --seed {seed} --rounds 4 --round-s 8)")
+    print(
+        f"chaos seed {seed} (reproduce: bench/chaos.py --seed {seed} --rounds 5 --round-s 8"
+        " --must-include fall_off,kill9@leader)"
+    )
     result = await run_chaos(
         ChaosOptions(
             seed=seed,
-            rounds=4,
+            rounds=5,
             round_s=8.0,
-            must_include=("fall_off", "kill9@relay"),
+            must_include=("fall_off", "kill9@leader"),
             # base: a new temporary directory the databases' users can enter (pytest's
             # tmp_path is not), removed when the run passed, kept (and named) when not
             progress=print,
         )
     )
     print(json.dumps(result, default=str))
-    assert result["rounds"] == 4
-    assert sum(result["faults"].values()) >= 4
+    assert result["rounds"] == 5
+    assert sum(result["faults"].values()) >= 5
     assert result["faults"].get("fall_off", 0) >= 1
     assert result["transactions"] > 0
     details = result["details"]
