@@ -7,7 +7,9 @@ network path would: TCP keepalives see nothing wrong and libpq has no query
 timeout. Before ``io_timeout_s`` existed the stream thread waited for ever
 (in a heartbeat query or on the silent stream) and the partition never came
 back; now the silence is noticed within ``io_timeout_s``, the fetcher
-reconnects once the path heals, and every transaction arrives once.
+reconnects once the path heals, and every transaction arrives once. Found
+by the chaos harness (``bench/chaos.py``): a half-open path from the leading
+relay to Postgres stalled the ``pg`` partition for good.
 """
 
 from __future__ import annotations
@@ -119,3 +121,13 @@ async def test_a_query_the_server_never_answers_is_cut_at_its_deadline(
         await proxy.close()
     assert "did not answer a query within 1 s" in message
     assert 0.9 <= took < 3.0
+
+
+def test_io_timeout_is_checked() -> None:
+    from changebus.fetchers.postgres import PostgresConfig
+    from changebus.schemas import ConfigError
+    from changebus.schemas.config import load_config_dict
+
+    assert load_config_dict(PostgresConfig, {"dsn": "x"}, "f").io_timeout_s == 15.0
+    with pytest.raises(ConfigError, match="io_timeout_s"):
+        load_config_dict(PostgresConfig, {"dsn": "x", "io_timeout_s": -1}, "f")

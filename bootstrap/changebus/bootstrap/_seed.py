@@ -192,7 +192,9 @@ def seed_postgres(
                 raise SourceConfigError(
                     f"table {name} changed since the relay's newest schema version "
                     f"{known[-1].version}: seed it after the relay has seen the change "
-                    "(or give the seed the fetcher's column_policy)"
+                    "(or give the seed the fetcher's column_policy)",
+                    # mostly a DDL the relay has not streamed yet: it will, so try again
+                    retriable=True,
                 )
             key = known[-1].key
             order = ", ".join(_quote(k) for k in key) if key else "ctid"

@@ -266,7 +266,9 @@ def _copy_table(
             raise SourceConfigError(
                 f"table {name} changed since the relay's newest schema version "
                 f"{schema.version}: seed it after the relay has seen the change "
-                "(or give the seed the fetcher's column_policy)"
+                "(or give the seed the fetcher's column_policy)",
+                # mostly a DDL the relay has not streamed yet: it will, so try again
+                retriable=True,
             )
         ts = time.time_ns()
         events = []

@@ -10,7 +10,8 @@ handing each chunk of rows to the store's writer thread and waiting for it.
 Lost windows (the producer fell off the relay, or the relay sent a DATA_LOSS
 window) record a gap in the store (:mod:`._gaps`): positions before it are
 refused until every table is seeded again, which starts by itself with
-``seed.dsn`` (also at start-up); ``/v1/status`` and the log say how. A gap
+``seed.dsn`` (also at start-up) and is tried again, with backoff, after a
+retriable failure while the gap is open; ``/v1/status`` and the log say how. A gap
 recorded while a seed runs restarts it (the tables it copied before the gap
 must be copied again). When a seed ends, before it reports ``done``, the
 store clears the gap if every known table has been seeded since it.
@@ -42,8 +43,8 @@ from changebus.schemas import (
 from changebus.schemas.config import scrub, scrub_exception
 
 from ._lost import Gap, repair_hint
-from ._seeders import seeder_for
-from ._seedtypes import SeedProgress, SeedRequest, table_name_problem
+from ._seeders import Seeder, seeder_for
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter, table_name_problem
 from ._storethreads import StoreThreads
 from ._upstream import Upstream
 from ._worker import PartitionWorker
@@ -51,6 +52,10 @@ from ._worker import PartitionWorker
 __all__ = ["Seeding"]
 
 log = logging.getLogger("changebus.bootstrap")
+
+#: first pause before a gap's failed (retriable) seed is tried again; doubles up to the max
+_RESEED_RETRY_S = 1.0
+_RESEED_RETRY_MAX_S = 30.0
 
 
 class Seeding(Upstream):
@@ -107,7 +112,23 @@ class Seeding(Upstream):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await old
             w.seed = SeedProgress(state="starting")  # the old one's end set it
-        await self._seed(w, [], True)
+        await self._seed_repairing(w, [], True)
+
+    async def _seed_repairing(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+        """Seed; while a gap is open, a retriable failure is tried again by itself.
+
+        A gap must be repaired without an operator: a seed that fails with a
+        retriable error (the source, or the relay reading it, unavailable for a
+        while) runs again after ``_RESEED_RETRY_S`` (doubling up to
+        ``_RESEED_RETRY_MAX_S``) as long as the gap is there. Without a gap a
+        failed seed stays failed (``/v1/status`` says why).
+        """
+        pause = _RESEED_RETRY_S
+        while await self._seed(w, tables, again) and w.gap is not None:
+            log.warning("partition %s: seeding again in %.0f s to repair the gap", w.name, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _RESEED_RETRY_MAX_S)
+            w.seed = SeedProgress(state="starting")
 
     # ---- seeding -------------------------------------------------------------
 
@@ -171,10 +192,11 @@ class Seeding(Upstream):
         if w.seeding is not None and not w.seeding.done():
             raise BadRequestError(f"partition {part} is being seeded already")
         w.seed = SeedProgress(state="starting")
-        w.seeding = asyncio.create_task(self._seed(w, tables, again), name=f"seed-{part}")
+        w.seeding = asyncio.create_task(self._seed_repairing(w, tables, again), name=f"seed-{part}")
         return w.seed
 
-    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> bool:
+        """One seed run (its result in ``w.seed``); True when it failed and may succeed later."""
         cfg = self.config
         try:
             await self._wait_for_schemas(w, tables)
@@ -203,9 +225,7 @@ class Seeding(Upstream):
                 relay_fetcher=await self._relay_fetcher(w.name),
                 column_policy=cfg.seed.column_rules(),
             )
-            await asyncio.to_thread(
-                seeder_for(cfg.seed.kind), request, write, w.seed, stop=self._stop_seed
-            )
+            await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed)
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info(
                     "partition %s: the gap in the log is repaired: the snapshot is complete again",
@@ -214,6 +234,7 @@ class Seeding(Upstream):
                 w.gap = None
             w.seed.state = "done"  # only now: "done" promises the gap is repaired too
             log.info("partition %s seeded at SCN %d: %d rows", w.name, w.seed.scn, w.seed.rows)
+            return False
         except asyncio.CancelledError:
             w.seed.state = "stopped"
             raise
@@ -227,6 +248,29 @@ class Seeding(Upstream):
             log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
             if not isinstance(exc, ChangebusError):  # a bug: its traceback, scrubbed
                 log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
+            return isinstance(exc, ChangebusError) and exc.retriable
+
+    async def _run_seeder(
+        self, seeder: Seeder, request: SeedRequest, write: SeedWriter, progress: SeedProgress
+    ) -> None:
+        """Run ``seeder`` in a thread; when cancelled, stop it and wait until it ended.
+
+        A thread cannot be cancelled: without the wait, a seed restarted after a new
+        gap would run next to the old one's thread, both writing seed rows.
+        """
+        own = threading.Event()
+        if self._stop_seed.is_set():
+            own.set()
+        thread = asyncio.ensure_future(
+            asyncio.to_thread(seeder, request, write, progress, stop=own)
+        )
+        try:
+            await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            own.set()  # the seeder looks at it between tables
+            with contextlib.suppress(Exception):
+                await thread
+            raise
 
     async def _wait_for_schemas(self, w: PartitionWorker, tables: list[str]) -> None:
         """Until the store knows the schemas of ``tables`` (any, when empty) from the relay.

@@ -80,11 +80,18 @@ class Upstream:
         return part.prev_scn if part is not None else -1
 
     async def _relay_fetcher(self, name: str) -> dict[str, Any] | None:
-        """The fetcher status of partition ``name`` on the first relay that reports one."""
+        """The source fetcher's status of partition ``name``: the first relay reading the source.
+
+        A relay that chains (kind ``relay``: a cluster's follower) is skipped: its
+        status says nothing of the source (a MySQL seed needs the reading relay's
+        server id and SCN base), so the search goes on to the leader.
+        """
 
         async def fetcher(info: RelayInfo) -> dict[str, Any] | None:
             part = (await info.status()).get(name)
-            return dict(part.fetcher) if part is not None and part.fetcher is not None else None
+            if part is None or part.fetcher is None or part.fetcher.get("kind") == "relay":
+                return None
+            return dict(part.fetcher)
 
         return await self._relays().search(fetcher)
 

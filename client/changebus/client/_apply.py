@@ -24,7 +24,9 @@ subclasses, which add the fenced unit checkpoints of a group (windows with
 ``window.unit`` set); windows without a unit take the path described here.
 
 All database work runs in one worker thread per replica (the connection
-lives and dies there), never on the event loop. Dialects
+lives and dies there), never on the event loop. A connection the server
+dropped (a database restart) is replaced by a new one before the next use: the
+window that failed on it was rolled back and is applied again. Dialects
 (:class:`~._apply_sqlite.SqliteReplica`,
 :class:`~._apply_pg.PostgresReplica`) supply the connection, quoting,
 types and value adaptation.
@@ -89,6 +91,10 @@ class Replica(AsyncCallbacks):
     def _close_connection(self, conn: Any) -> None:
         conn.close()
 
+    def _connection_lost(self, conn: Any) -> bool:
+        """Whether ``conn`` can no longer be used (the server restarted, the network cut it)."""
+        return False
+
     def _transaction(self, conn: Any) -> contextlib.AbstractContextManager[Any]:
         raise NotImplementedError
 
@@ -137,6 +143,9 @@ class Replica(AsyncCallbacks):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _connection(self) -> Any:
+        if self._conn is not None and self._connection_lost(self._conn):
+            log.warning("replica connection lost: connecting again")
+            self._close()  # a window rolled back on it is applied again on a new one
         if self._conn is None:
             conn = self._connect()
             try:

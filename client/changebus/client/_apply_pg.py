@@ -92,6 +92,9 @@ class PostgresReplica(UnitReplica):
 
         return psycopg.connect(self._dsn, autocommit=True)
 
+    def _connection_lost(self, conn: Any) -> bool:
+        return bool(conn.closed or conn.broken)
+
     def _transaction(self, conn: Any) -> contextlib.AbstractContextManager[Any]:
         result: contextlib.AbstractContextManager[Any] = conn.transaction()
         return result

@@ -320,6 +320,20 @@ class EventBuffer(BufferWriter):
             self._meta = replace(m, prev_scn=scn, last_scn=max(m.last_scn, scn))
             self._metafile.publish(self._meta)
 
+    def restart_after(self, scn: int) -> None:
+        """Evict every window and declare the buffer complete after ``scn`` (writer thread).
+
+        For a follower whose upstream evicted what follows its newest window: its
+        buffer starts again where the upstream's is complete. Readers of the evicted
+        windows are waited for as by any eviction; a consumer positioned before
+        ``scn`` is then older than the buffer keeps (410).
+        """
+        m = self._meta
+        if scn < m.last_scn:
+            raise ValueError(f"restart_after({scn}) is before the newest window {m.last_scn}")
+        self._make_room(m.tail_pos, m.tail_event)
+        self.set_start(scn)
+
     @property
     def last_source_position(self) -> str:
         """The source position in the newest window's END_OF_WINDOW ("" if none).

@@ -39,6 +39,12 @@ silently: it queues one DATA_LOSS window ``(position + 1 .. upstream
 prev_scn)`` at the upstream's ``prev_scn``, logs it, counts it in
 :meth:`ChainFetcher.status` and continues with the upstream's oldest
 window. The follower's stream then differs from its upstream by that window.
+With ``on_fell_off = "restart"`` (a relay cluster's followers) it raises
+:class:`RestartBufferError` instead: the relay empties its buffer and starts
+it again at the upstream's ``prev_scn``, like a fresh follower. Nothing was
+lost at the source (the leader and other members may hold those windows, the
+bootstrap server has them), so its consumers get "older than kept" (410: the
+next relay, or a bootstrap) instead of a DATA_LOSS that would stop them.
 
 Fencing. A relay whose partition has an epoch answers ``X-Changebus-Epoch``
 on ``/v1/stream``. With ``min_epoch`` (an in-process callable, e.g. the
@@ -74,6 +80,7 @@ from changebus.client import (
 )
 from changebus.fetchers import Fetcher, FetcherFactory, ResumePoint, Window
 from changebus.schemas import (
+    ChangebusError,
     ConfigError,
     DataLoss,
     EndOfWindow,
@@ -115,6 +122,21 @@ class StaleUpstreamError(ProtocolError):
     """
 
     retriable = True
+
+
+class RestartBufferError(ChangebusError):
+    """The upstream evicted what follows our position and ``on_fell_off = "restart"``.
+
+    Raised to the relay's ingest (retriable), which empties the partition's buffer,
+    declares it complete after ``scn`` (the upstream's ``prev_scn``) and starts the
+    fetcher again from there: the buffer then holds exactly what the upstream holds.
+    """
+
+    retriable = True
+
+    def __init__(self, message: str, *, scn: int) -> None:
+        super().__init__(message, scn=scn)
+        self.scn = scn
 
 
 class ChainFetcher:
@@ -397,6 +419,8 @@ class ChainFetcher:
             f"this relay fell off its upstream relay {exc.relay}: SCNs after {self.position}"
             f" were evicted there (it is complete after {lost_to})"
         )
+        if self.config.on_fell_off == "restart":
+            raise RestartBufferError(reason, scn=lost_to)
         log.error(
             "partition %s: %s; recorded as data loss %d..%d", self.name, reason, lost_from, lost_to
         )

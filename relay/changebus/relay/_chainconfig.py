@@ -61,6 +61,11 @@ class ChainConfig:
     check_hostname: bool | None = None
     token_file: Path | None = None
     token: str = secret("")
+    #: when the upstream evicted what follows our position: "data_loss" (one DATA_LOSS
+    #: window for the gap, then on) or "restart" (this relay's buffer starts again
+    #: where the upstream's is complete: a cluster's follower, whose gap is no loss
+    #: of the source -- its consumers find the windows on other members or bootstrap)
+    on_fell_off: str = "data_loss"
 
     def __post_init__(self) -> None:
         upstream: object = self.upstream
@@ -75,6 +80,10 @@ class ChainConfig:
         object.__setattr__(self, "upstream", tuple(u.rstrip("/") for u in upstream))
         if self.queue_windows < 1 or self.queue_bytes < 1:
             raise ConfigError("queue_windows and queue_bytes must be positive")
+        if self.on_fell_off not in ("data_loss", "restart"):
+            raise ConfigError(
+                f"options.on_fell_off must be data_loss or restart, not {self.on_fell_off!r}"
+            )
 
     def client_auth(self, default: ClientAuth) -> ClientAuth:
         """``default`` (the relay's ``[upstream]``) with the settings given here instead.

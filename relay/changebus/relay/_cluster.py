@@ -304,6 +304,10 @@ class PartitionRole:
             "client_id": FOLLOWER_CLIENT.format(member=self.member_id),
             "min_epoch": self._follower_min_epoch,
             "backoff_max_s": 1.0,
+            # a follower that fell off the leader lost nothing of the source: it starts
+            # its buffer again (its consumers go to other members or bootstrap) rather
+            # than hand them a DATA_LOSS window that stops them
+            "on_fell_off": "restart",
         }
         if self.member.upstream.enabled:
             options["auth"] = self.member.upstream

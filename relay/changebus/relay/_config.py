@@ -77,7 +77,7 @@ class HttpConfig(ConnectionLimits):
 
     host: str = "127.0.0.1"
     port: int = 8470
-    #: longest long-poll a client may ask for
+    #: longest long-poll: a request asking for a longer ``wait`` is held this long
     max_wait_s: float = 60.0
     #: response size when the client does not say
     default_max_bytes: int = size_field(1 << 20)

@@ -69,6 +69,7 @@ from changebus.schemas.config import scrub, scrub_exception, secret_values
 
 from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
+from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
 from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
@@ -406,6 +407,9 @@ class PartitionHost(SourceAcks):
             pump: asyncio.Task[None] | None = None
             acker: asyncio.Task[None] | None = None
             fenced = False
+            #: the attempt ended in an error: its fetcher is closed below (a cancelled
+            #: ingest leaves that to stop(), a finished one has nothing left open)
+            failed = True
             try:
                 if self.fence is not None and not self.fence.admit():
                     # a deposed leader never (re)opens the source: it might report
@@ -456,10 +460,23 @@ class PartitionHost(SourceAcks):
                         await self._commit(self.fetcher, batch)
                         delay = cfg.retry_initial_s
                 self.state = "finished"
+                failed = False
                 log.info("partition %s: fetcher finished", self.name)
                 return
             except asyncio.CancelledError:
+                failed = False
                 raise
+            except RestartBufferError as exc:
+                self.last_error = scrub(exc.message, self._secrets)
+                log.warning(
+                    "partition %s: %s; the buffer starts again after SCN %d",
+                    self.name,
+                    self.last_error,
+                    exc.scn,
+                )
+                await loop.run_in_executor(self._writer, self.buffer.restart_after, exc.scn)
+                delay = cfg.retry_initial_s
+                self.state = "retrying"  # not streaming: the fetcher is closed below
             except _Fenced as exc:
                 self.state = "fenced"
                 self.last_error = str(exc)
@@ -493,7 +510,7 @@ class PartitionHost(SourceAcks):
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await task
-                if self.fetcher is not None and self.state not in ("streaming", "finished"):
+                if self.fetcher is not None and failed:
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
             if fenced:

@@ -78,6 +78,11 @@ NDJSON: web.AppKey[NdjsonEncoder] = web.AppKey("ndjson", NdjsonEncoder)
 
 #: results up to this size are copied once (and shared), larger ones streamed zero-copy
 _COPY_BYTES = 256 * 1024
+#: the longest ``wait`` a request may name at all; a wait above ``http.max_wait_s``
+#: (but within this) is shortened to ``max_wait_s``: a client cannot know the relay's
+#: limit, and refusing it (400, not retriable) would stop a follower or consumer whose
+#: own wait is longer for good
+_WAIT_LIMIT_S = 24 * 3600.0
 
 
 def _host(request: web.Request, name: str | None) -> PartitionHost:
@@ -150,7 +155,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     max_bytes = query_int(
         query, "max_bytes", default=cfg.default_max_bytes, lo=1, hi=cfg.max_response_bytes
     )
-    wait = query_float(query, "wait", default=0.0, lo=0.0, hi=cfg.max_wait_s)
+    wait = min(query_float(query, "wait", default=0.0, lo=0.0, hi=_WAIT_LIMIT_S), cfg.max_wait_s)
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     if fmt == "ndjson":
         max_bytes = min(max_bytes, cfg.max_ndjson_bytes)  # decoding is slow: less per request

@@ -5,7 +5,8 @@ A partition configured with ``fetcher = {kind = "relay", options = {upstream
 the windows as they are (same SCNs, timestamps and bytes, every CRC checked
 again), mirrors the upstream's schema registry (same source ids and
 versions), resumes after its own newest SCN, records a gap it cannot fill
-as one DATA_LOSS window, and can refuse a deposed upstream by its
+as one DATA_LOSS window (or, as a cluster's follower, starts its buffer again
+where the upstream's is complete), and can refuse a deposed upstream by its
 ``X-Changebus-Epoch`` (``min_epoch``). Details: :mod:`changebus.relay._chain`.
 
 * :data:`fetcher_factory` -- the kind's factory (declared under the
@@ -13,12 +14,15 @@ as one DATA_LOSS window, and can refuse a deposed upstream by its
 * :func:`make_fetcher_factory` -- the same with an in-process ``min_epoch``;
 * :class:`ChainFetcher`, :class:`ChainConfig` -- the fetcher and its options;
 * :class:`StaleUpstreamError` -- an answer refused for its epoch;
+* :class:`RestartBufferError` -- fell off with ``on_fell_off = "restart"``: the
+  relay restarts its buffer at the upstream's ``prev_scn``;
 * :data:`EPOCH_HEADER` -- the header a relay names its partition's epoch in.
 """
 
 from ._chain import (
     EPOCH_HEADER as EPOCH_HEADER,
     ChainFetcher as ChainFetcher,
+    RestartBufferError as RestartBufferError,
     StaleUpstreamError as StaleUpstreamError,
     fetcher_factory as fetcher_factory,
     make_fetcher_factory as make_fetcher_factory,
@@ -29,6 +33,7 @@ __all__ = [
     "EPOCH_HEADER",
     "ChainConfig",
     "ChainFetcher",
+    "RestartBufferError",
     "StaleUpstreamError",
     "fetcher_factory",
     "make_fetcher_factory",
