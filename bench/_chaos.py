@@ -292,6 +292,8 @@ async def _apply(run: _Run, fault: Fault, hold_until: float) -> None:
             sup.kill9(target)
     elif kind == "db_restart":
         await asyncio.to_thread(topo.restart_db, target)
+    elif kind == "zk_restart":
+        await asyncio.to_thread(topo.restart_zk, fault.param)
     else:
         proxy = topo.proxies[target]
         if kind == "proxy_drop":

@@ -15,6 +15,7 @@ kind              target               what happens
                                        that partition when the fault starts
 ``sigstop``       a process            SIGSTOP for ``param`` s, then SIGCONT
 ``db_restart``    ``pg`` / ``mysql``   immediate restart of the database
+``zk_restart``    ``zk``               ZooKeeper stopped for ``param`` s, then started
 ``proxy_drop``    a proxy              every open connection reset (RST) once
 ``proxy_delay``   a proxy              every chunk held ``param`` s, for the hold
 ``proxy_throttle`` a proxy             ``param`` bytes/s both ways, for the hold
@@ -44,6 +45,7 @@ KINDS = (
     "kill9",
     "sigstop",
     "db_restart",
+    "zk_restart",
     "proxy_drop",
     "proxy_delay",
     "proxy_throttle",
@@ -61,6 +63,7 @@ class Targets:
     consumers: tuple[str, ...]  # fall_off candidates
     proxies: tuple[str, ...]
     databases: tuple[str, ...] = ("pg", "mysql")
+    coordination: tuple[str, ...] = ("zk",)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Fault:
     def describe(self) -> str:
         extra = {
             "sigstop": f" for {self.param:.1f} s",
+            "zk_restart": f" down {self.param:.1f} s",
             "proxy_delay": f" {self.param:.2f} s",
             "proxy_throttle": f" {int(self.param)} B/s",
             "proxy_truncate": f" after {int(self.param)} B",
@@ -92,6 +96,8 @@ def _target(
         pool = targets.consumers
     elif kind == "db_restart":
         pool = targets.databases
+    elif kind == "zk_restart":
+        pool = targets.coordination
     else:
         pool = targets.proxies
     free = [t for t in pool if t not in used and t.startswith(prefix)]
@@ -101,6 +107,8 @@ def _target(
 def _param(rng: random.Random, kind: str, round_s: float) -> float:
     if kind == "sigstop":
         return round(rng.uniform(1.0, max(1.5, round_s * 0.8)), 1)
+    if kind == "zk_restart":  # seconds down: below and above the relays' session timeout
+        return round(rng.uniform(0.5, min(8.0, round_s * 0.5)), 1)
     if kind == "proxy_delay":
         return round(rng.choice((0.05, 0.2, 0.5, 1.5)), 2)
     if kind == "proxy_throttle":

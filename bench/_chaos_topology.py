@@ -52,6 +52,7 @@ import random
 import socket
 import sqlite3
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -570,6 +571,14 @@ class Topology:
         else:
             assert self.my is not None
             self.my.restart(kill=True)
+
+    def restart_zk(self, down_s: float) -> None:
+        """Stop ZooKeeper (by pid), leave it down ``down_s``, start it again on the same
+        port and data (blocking: run it in a thread)."""
+        assert self.zk is not None
+        self.zk.stop()
+        time.sleep(down_s)
+        self.zk.start()
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -57,14 +57,14 @@ async def test_chaos_short() -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
     print(
         f"chaos seed {seed} (reproduce: bench/chaos.py --seed {seed} --rounds 5 --round-s 8"
-        " --must-include fall_off,kill9@leader)"
+        " --must-include fall_off,kill9@leader,zk_restart)"
     )
     result = await run_chaos(
         ChaosOptions(
             seed=seed,
             rounds=5,
             round_s=8.0,
-            must_include=("fall_off", "kill9@leader"),
+            must_include=("fall_off", "kill9@leader", "zk_restart"),
             # base: a new temporary directory the databases' users can enter (pytest's
             # tmp_path is not), removed when the run passed, kept (and named) when not
             progress=print,
@@ -74,6 +74,7 @@ async def test_chaos_short() -> None:
     assert result["rounds"] == 5
     assert sum(result["faults"].values()) >= 5
     assert result["faults"].get("fall_off", 0) >= 1
+    assert result["faults"].get("zk_restart", 0) >= 1
     assert result["transactions"] > 0
     details = result["details"]
     assert result["invariant_violations"] == 0, details["violations"]
