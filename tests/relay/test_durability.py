@@ -19,20 +19,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from test_recovery_damage import ENV, _free_port, _get
 
 from changebus.relay import (
     BufferConfig,
@@ -382,28 +379,6 @@ async def test_fsync_acks_go_through_the_fence(tmp_path: Path) -> None:
 
 
 # ---- a simulated OS crash on a real Postgres -----------------------------------
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(
-        str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
-    ),
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
 
 
 def _get_json(port: int, path: str) -> Any:
