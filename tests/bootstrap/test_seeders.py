@@ -42,8 +42,9 @@ def test_progress_begins_with_the_tables_left_to_copy() -> None:
 def test_every_seeder_has_the_one_signature(kind: str, seeder: Seeder) -> None:
     assert seeder_for(kind) is seeder
     params = inspect.signature(seeder).parameters
-    assert list(params) == ["request", "write", "progress", "stop"]
+    assert list(params) == ["request", "write", "progress", "stop", "sink"]
     assert params["stop"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["sink"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_an_unknown_seed_kind_is_a_config_error() -> None:

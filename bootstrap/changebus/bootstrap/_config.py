@@ -170,6 +170,16 @@ class SeedConfig(ColumnPolicyOptions):
     ``schema_wait_s`` -- a seed waits this long for the relay's
     schemas of its tables (the relay must have seen a change of each), then
     fails with a clear error.
+
+    Chunked snapshots (docs/bootstrap.md): ``chunk_rows`` -- rows per chunk
+    (one short source transaction and one store transaction each);
+    ``max_rows_per_s`` -- rows a second at most (0: no limit);
+    ``source_time_budget`` -- the share of wall time the seed may keep the
+    source busy reading (1: no limit; 0.25: it rests three times as long as
+    each chunk took); ``watermark_wait_s`` -- how long a Postgres chunk waits
+    for the transactions that hold back its watermark (a long-running
+    transaction on the source) before the seed fails, retriably;
+    ``log_every_chunks`` -- a progress line in the log every so many chunks.
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -180,11 +190,23 @@ class SeedConfig(ColumnPolicyOptions):
     chunk_rows: int = 5000
     #: how long a seed waits for the relay's schemas of its tables before it fails
     schema_wait_s: float = 60.0
+    max_rows_per_s: float = 0.0
+    source_time_budget: float = 1.0
+    watermark_wait_s: float = 300.0
+    log_every_chunks: int = 100
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
+        if self.max_rows_per_s < 0:
+            raise ConfigError("seed.max_rows_per_s must not be negative (0: no limit)")
+        if not 0 < self.source_time_budget <= 1:
+            raise ConfigError("seed.source_time_budget must be in (0, 1] (1: no limit)")
+        if self.watermark_wait_s <= 0 or self.log_every_chunks < 0:
+            raise ConfigError(
+                "seed.watermark_wait_s must be positive and seed.log_every_chunks >= 0"
+            )
         if self.schema_wait_s <= 0:
             raise ConfigError("seed.schema_wait_s must be positive")
         if self.partition and not safe_name(self.partition):

@@ -23,6 +23,7 @@ is forgotten once every known table has been seeded since.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from changebus.schemas import HEADER_SIZE, BadRequestError, Op, decode_header
 
@@ -64,6 +65,8 @@ class SeedLedger(StoreDb):
             )
             self._put_state(part, new)
             self._conn.execute(self._sql("DELETE FROM cb_seed WHERE part = {p}"), (part,))
+            # snapshots in progress read rows before the gap: they start again
+            self._conn.execute(self._sql("DELETE FROM cb_snapjob WHERE part = {p}"), (part,))
             self._conn.execute(
                 self._sql("INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, {p})"),
                 (part, self._GAP, gap_end),
@@ -102,6 +105,10 @@ class SeedLedger(StoreDb):
             "AND deleted = 0 AND scn <= {p} AND scn < {p}",
             (part, sids[0], gap_end, seed_scn),
         )
+        self._many(UPSERT_SNAP, self._tombstones(part, rows, seed_scn))
+
+    def _tombstones(self, part: str, rows: Sequence[Any], scn: int) -> list[tuple[Any, ...]]:
+        """``cb_snap`` rows (tombstones at ``scn``) for ``(key, event)`` rows of live keys."""
         tombs = []
         for key, event in rows:
             ev = bytes(event)
@@ -111,9 +118,9 @@ class SeedLedger(StoreDb):
                 continue
             change = codec[0].decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
             image = change.after if change.after is not None else change.before
-            tomb = codec[1].encode(Op.DELETE, seed_scn, 0, h.timestamp_ns, None, image)
-            tombs.append((part, h.source_id, bytes(key), seed_scn, 1, tomb))
-        self._many(UPSERT_SNAP, tombs)
+            tomb = codec[1].encode(Op.DELETE, scn, 0, h.timestamp_ns, None, image)
+            tombs.append((part, h.source_id, bytes(key), scn, 1, tomb))
+        return tombs
 
     def seed_rows(self, part: str, table: str, events: Sequence[bytes], scn: int) -> None:
         """Merge seed rows (INSERT events at ``scn``), or record ``table`` as seeded when empty.
@@ -154,7 +161,11 @@ class SeedLedger(StoreDb):
         }
 
     def forget_seed(self, part: str, tables: Sequence[str]) -> None:
-        """Mark ``tables`` as not seeded (a re-seed copies them again)."""
+        """Mark ``tables`` as not seeded (a re-seed copies them again).
+
+        A chunked snapshot of one of them in progress (``cb_snapjob``) is
+        kept: the re-seed resumes it (its chunks are newer than the seed
+        being forgotten)."""
         _check_tables(tables)
         with self._txn():
             self._many(

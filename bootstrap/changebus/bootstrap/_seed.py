@@ -55,6 +55,7 @@ from changebus.schemas import (
     parse_stream,
 )
 
+from ._chunks import SnapshotSink
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["seed_postgres"]
@@ -99,6 +100,7 @@ def seed_postgres(
     progress: SeedProgress,
     *,
     stop: threading.Event | None = None,
+    sink: SnapshotSink | None = None,
 ) -> int:
     """Copy ``request.tables`` (``schema.table`` names) at one exported snapshot; returns its SCN.
 

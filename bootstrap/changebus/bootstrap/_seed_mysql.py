@@ -63,6 +63,7 @@ from changebus.schemas import (
     mysql_uuid,
 )
 
+from ._chunks import SnapshotSink
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["mysql_config_from_dsn", "seed_mysql"]
@@ -181,6 +182,7 @@ def seed_mysql(
     progress: SeedProgress,
     *,
     stop: threading.Event | None = None,
+    sink: SnapshotSink | None = None,
 ) -> int:
     """Copy ``request.tables`` (``database.table`` names) at one consistent snapshot; returns its SCN.
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from changebus.schemas import ConfigError
 
+from ._chunks import SnapshotSink
 from ._seed import seed_postgres
 from ._seed_mysql import seed_mysql
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
@@ -28,10 +29,13 @@ class Seeder(Protocol):
     """Copies ``request.tables`` not in ``request.done``; returns the snapshot's SCN.
 
     ``write(table, events, scn)`` merges one chunk of INSERT events, or
-    records ``table`` as seeded when ``events`` is empty (the seed resumes
-    per table); ``progress`` is updated as the copy goes (``state`` ends as
-    ``copied``); a set ``stop`` ends the run between tables with a retriable
-    error. Blocking: called in a worker thread.
+    records ``table`` as seeded when ``events`` is empty; ``sink`` (when
+    given, instead of ``write``) takes chunks with their resume state
+    (:class:`~._chunks.SnapshotSink`: the bootstrap service's store, so a
+    table resumes after its last stored chunk); ``progress`` is updated as
+    the copy goes (``state`` ends as ``copied``); a set ``stop`` ends the
+    run between chunks with a retriable error. Blocking: called in a
+    worker thread.
     """
 
     def __call__(
@@ -41,6 +45,7 @@ class Seeder(Protocol):
         progress: SeedProgress,
         *,
         stop: threading.Event | None = ...,
+        sink: SnapshotSink | None = ...,
     ) -> int: ...
 
 

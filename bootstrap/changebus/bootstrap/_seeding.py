@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from changebus.client import RelayInfo
 from changebus.schemas import (
@@ -42,9 +44,11 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import scrub, scrub_exception
 
+from ._chunks import SnapshotScope, SnapshotSink
 from ._lost import Gap, repair_hint
 from ._seeders import Seeder, seeder_for
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter, table_name_problem
+from ._sink import StoreSink
 from ._storethreads import StoreThreads
 from ._upstream import Upstream
 from ._worker import PartitionWorker
@@ -114,7 +118,13 @@ class Seeding(Upstream):
             w.seed = SeedProgress(state="starting")  # the old one's end set it
         await self._seed_repairing(w, [], True)
 
-    async def _seed_repairing(self, w: PartitionWorker, tables: list[str], again: bool) -> None:
+    async def _seed_repairing(
+        self,
+        w: PartitionWorker,
+        tables: list[str],
+        again: bool,
+        scope: SnapshotScope | None = None,
+    ) -> None:
         """Seed; while a gap is open, a retriable failure is tried again by itself.
 
         A gap must be repaired without an operator: a seed that fails with a
@@ -124,7 +134,7 @@ class Seeding(Upstream):
         failed seed stays failed (``/v1/status`` says why).
         """
         pause = _RESEED_RETRY_S
-        while await self._seed(w, tables, again) and w.gap is not None:
+        while await self._seed(w, tables, again, scope) and w.gap is not None:
             log.warning("partition %s: seeding again in %.0f s to repair the gap", w.name, pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, _RESEED_RETRY_MAX_S)
@@ -181,10 +191,18 @@ class Seeding(Upstream):
                 "the relay has seen a change of)"
             )
 
-    def start_seed(self, part: str, tables: list[str], *, again: bool) -> SeedProgress:
+    def start_seed(
+        self,
+        part: str,
+        tables: list[str],
+        *,
+        again: bool,
+        scope: SnapshotScope | None = None,
+    ) -> SeedProgress:
         """Start seeding ``tables`` of ``part`` (all known sources when empty) in the background.
 
         ``again``: copy them even when seeded before (re-seed on demand).
+        ``scope``: one table's rows narrowed by ``where`` or ``keys``.
         """
         if not self.config.seed.dsn:
             raise BadRequestError("no source to seed from: set seed.dsn")
@@ -192,11 +210,20 @@ class Seeding(Upstream):
         if w.seeding is not None and not w.seeding.done():
             raise BadRequestError(f"partition {part} is being seeded already")
         w.seed = SeedProgress(state="starting")
-        w.seeding = asyncio.create_task(self._seed_repairing(w, tables, again), name=f"seed-{part}")
+        w.seeding = asyncio.create_task(
+            self._seed_repairing(w, tables, again, scope), name=f"seed-{part}"
+        )
         return w.seed
 
-    async def _seed(self, w: PartitionWorker, tables: list[str], again: bool) -> bool:
-        """One seed run (its result in ``w.seed``); True when it failed and may succeed later."""
+    async def _seed(
+        self, w: PartitionWorker, tables: list[str], again: bool, scope: SnapshotScope | None = None
+    ) -> bool:
+        """One seed run (its result in ``w.seed``); True when it failed and may succeed later.
+
+        ``scope``: a one-table snapshot narrowed by ``where`` or ``keys``
+        (its table is ``tables[0]``); None: whole tables.
+        """
+        scope = scope or SnapshotScope("*")
         cfg = self.config
         try:
             await self._wait_for_schemas(w, tables)
@@ -215,6 +242,7 @@ class Seeding(Upstream):
                     self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
                 ).result()
 
+            gap = await self.stores.write(lambda s: s.gap(w.name))
             request = SeedRequest(
                 cfg.seed.dsn,
                 part_id,
@@ -224,8 +252,16 @@ class Seeding(Upstream):
                 chunk_rows=cfg.seed.chunk_rows,
                 relay_fetcher=await self._relay_fetcher(w.name),
                 column_policy=cfg.seed.column_rules(),
+                where=scope.where,
+                keys=scope.keys,
+                min_tag=-1 if gap is None else gap,
+                max_rows_per_s=cfg.seed.max_rows_per_s,
+                source_time_budget=cfg.seed.source_time_budget,
+                watermark_wait_s=cfg.seed.watermark_wait_s,
+                log_every_chunks=cfg.seed.log_every_chunks,
             )
-            await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed)
+            sink = StoreSink(self.stores, w.name, loop)
+            await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed, sink)
             if await self.stores.write(lambda s: s.clear_gap(w.name)):
                 log.info(
                     "partition %s: the gap in the log is repaired: the snapshot is complete again",
@@ -251,7 +287,12 @@ class Seeding(Upstream):
             return isinstance(exc, ChangebusError) and exc.retriable
 
     async def _run_seeder(
-        self, seeder: Seeder, request: SeedRequest, write: SeedWriter, progress: SeedProgress
+        self,
+        seeder: Seeder | Callable[..., int],
+        request: SeedRequest,
+        write: SeedWriter,
+        progress: SeedProgress,
+        sink: SnapshotSink | None = None,
     ) -> None:
         """Run ``seeder`` in a thread; when cancelled, stop it and wait until it ended.
 
@@ -262,7 +303,11 @@ class Seeding(Upstream):
         if self._stop_seed.is_set():
             own.set()
         thread = asyncio.ensure_future(
-            asyncio.to_thread(seeder, request, write, progress, stop=own)
+            asyncio.to_thread(
+                functools.partial(seeder, request, write, progress, stop=own)
+                if sink is None
+                else functools.partial(seeder, request, write, progress, stop=own, sink=sink)
+            )
         )
         try:
             await asyncio.shield(thread)

@@ -52,7 +52,9 @@ class SeedRequest:
     ``dsn`` -- the source (a libpq DSN, or a ``mysql://`` URL for MySQL;
     secret: left out of the repr and never logged). ``partition_id`` -- the
     relay partition the events belong to. ``tables`` -- ``schema.table``
-    (``database.table``) names to copy. ``schemas`` -- the relay's schema
+    (``database.table``) names to copy; ``where`` (an SQL condition) or
+    ``keys`` (key value tuples) narrow a one-table request
+    (:class:`~._chunks.SnapshotScope`). ``schemas`` -- the relay's schema
     registry as ``(source id, schema)`` pairs, so seeded events carry the
     relay's source ids and versions. ``done`` -- tables already seeded,
     skipped (a seed resumes per table). ``chunk_rows`` -- rows per chunk, one
@@ -60,7 +62,13 @@ class SeedRequest:
     fetcher entry of the partition (the MySQL seeder needs its server id and
     SCN base; Postgres ignores it). ``column_policy`` -- the fetcher's
     column policy, applied to the copied rows (None: none; a relay schema
-    that shows another policy is refused).
+    that shows another policy is refused). ``min_tag`` -- every chunk's tag
+    must be at least this SCN (a gap's end: the rows must be newer than what
+    was lost); a reader that cannot give such a tag yet waits, at most
+    ``watermark_wait_s``. ``max_rows_per_s`` (0: no limit) and
+    ``source_time_budget`` (share of wall time spent in source reads, 1: no
+    limit) pace the chunks (:class:`~._chunks.Throttle`);
+    ``log_every_chunks`` -- a progress line every so many chunks (0: none).
     """
 
     dsn: str = field(repr=False)
@@ -71,10 +79,21 @@ class SeedRequest:
     chunk_rows: int = 5000
     relay_fetcher: Mapping[str, Any] | None = None
     column_policy: ColumnPolicy | None = None
+    where: str = ""
+    keys: tuple[tuple[Any, ...], ...] = ()
+    min_tag: int = -1
+    max_rows_per_s: float = 0.0
+    source_time_budget: float = 1.0
+    watermark_wait_s: float = 300.0
+    log_every_chunks: int = 100
 
     def __post_init__(self) -> None:
         if self.chunk_rows <= 0:
             raise ConfigError("seed chunk_rows must be positive")
+        if (self.where or self.keys) and len(self.tables) != 1:
+            raise ConfigError("a snapshot with a where condition or keys names exactly one table")
+        if self.watermark_wait_s <= 0 or self.log_every_chunks < 0:
+            raise ConfigError("seed watermark_wait_s must be positive, log_every_chunks >= 0")
 
     @property
     def todo(self) -> list[str]:
@@ -103,8 +122,19 @@ class SeedProgress:
     rows: int = 0
     error: str = ""
     started_at: float = 0.0
+    #: chunks stored by this run, and chunks of the current table a resume skipped
+    chunks: int = 0
+    chunks_resumed: int = 0
+    #: the current table: how it is read, rows done (resumed ones included), rows it holds (about)
+    mode: str = ""
+    table_rows: int = 0
+    table_estimate: int = -1
+    #: rows read by this run (for the rate, from ``started_at``)
+    run_rows: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        rate = self.rate_rows_s
+        eta = self.eta_s
         return {
             "state": self.state,
             "scn": self.scn,
@@ -113,7 +143,49 @@ class SeedProgress:
             "tables_total": self.tables_total,
             "rows": self.rows,
             "error": self.error,
+            "chunks": self.chunks,
+            "chunks_resumed": self.chunks_resumed,
+            "mode": self.mode,
+            "table_rows": self.table_rows,
+            "table_estimate": self.table_estimate,
+            "rows_per_s": round(rate, 1),
+            "eta_s": None if eta is None else round(eta, 1),
         }
+
+    @property
+    def rate_rows_s(self) -> float:
+        """Rows a second read by this run so far (0: nothing yet)."""
+        if self.run_rows <= 0 or self.started_at <= 0:
+            return 0.0
+        return self.run_rows / max(time.monotonic() - self.started_at, 1e-6)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until the current table is done, about (None: unknown)."""
+        rate = self.rate_rows_s
+        if self.table_estimate < 0 or rate <= 0:
+            return None
+        return max(self.table_estimate - self.table_rows, 0) / rate
+
+    def rate_text(self) -> str:
+        eta = self.eta_s
+        return f"{self.rate_rows_s:,.0f} rows/s" + ("" if eta is None else f", ETA {eta:,.0f}s")
+
+    def start_table(self, table: str, mode: str, estimate: int, rows: int, chunks: int) -> None:
+        """A table starts (``rows``/``chunks``: what a resumed job had done already)."""
+        self.table, self.mode, self.table_estimate = table, mode, estimate
+        self.table_rows, self.chunks_resumed = rows, chunks
+
+    def chunk_done(self, rows: int, tag: int) -> None:
+        """A chunk of ``rows`` rows at SCN ``tag`` is stored."""
+        self.chunks += 1
+        self.rows += rows
+        self.run_rows += rows
+        self.table_rows += rows
+        self.scn = max(self.scn, tag)
+
+    def table_done(self) -> None:
+        self.tables_done += 1
 
     def begin(self, request: SeedRequest) -> list[str]:
         """Mark the run started; returns the tables left to copy (``request.todo``)."""

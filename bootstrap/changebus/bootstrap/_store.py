@@ -39,14 +39,14 @@ from changebus.schemas.files import FILE_MODE, private_dir, private_file
 
 from ._db import PartitionState, StoreDb
 from ._fold import SnapshotFold
-from ._gaps import SeedLedger
 from ._logstore import LogStore
 from ._pages import CatchupPage, Pages, SnapshotPage
+from ._snapjobs import SnapshotJobs
 
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
 
-class Store(LogStore, SnapshotFold, SeedLedger, Pages, StoreDb):
+class Store(LogStore, SnapshotFold, SnapshotJobs, Pages, StoreDb):
     """One bootstrap database (see the module docstring). Not thread-safe."""
 
     @classmethod

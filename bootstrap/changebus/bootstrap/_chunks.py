@@ -1,0 +1,351 @@
+"""Online chunked snapshots: the loop every source shares (chunks, tags, resume, throttle).
+
+A table is read in **chunks** in key order (keyset pagination: rows after
+the last key read, ``ORDER BY`` the key, ``LIMIT chunk_rows``), each in its
+own short source transaction, by the source's :class:`ChunkReader`. Writers
+go on; nothing is locked; no transaction outlives a chunk.
+
+**Tags (the watermark).** Every chunk comes with a *tag*: an SCN such that
+every change with an SCN <= tag is visible in what the chunk read (the
+source's read was at least as new as the tag). The chunk's rows are merged
+into the snapshot at the tag, and a snapshot row never replaces a newer
+state of its key (:data:`~._db.UPSERT_SNAP`). So a row the live stream
+changed after the tag is superseded by the stream's version, whether the
+applier writes it before or after the chunk lands; a row the stream changed
+at or before the tag is in the chunk at its newest state. This is the
+DBLog low/high watermark window shrunk to one SCN: the bootstrap store
+keeps the newest state per key *by SCN*, so the rows that changed in the
+window need not be dropped from the chunk, they lose to the newer log
+event by themselves, and the chunk need not be held back until the high
+watermark arrives in the stream. How a source finds its tag:
+
+* MariaDB: ``START TRANSACTION WITH CONSISTENT SNAPSHOT`` and the binlog
+  position of that snapshot (exact: ``binlog_snapshot_position``).
+* Postgres: a read-only low watermark taken before the chunk (the WAL insert
+  LSN, then a new transaction id), validated against the chunk's own
+  snapshot (its ``xmin``): when every transaction id below the watermark's
+  had ended before the chunk's snapshot, every commit before that LSN is
+  visible to it. Nothing is written to the source tables (see
+  :mod:`._seed`).
+
+**Resume.** The sink stores, in the same store transaction as the chunk's
+rows, the table's :class:`JobState` (the reader's cursor after the chunk,
+chunk and row counts, the first tag). A seed restarted after a crash (kill
+-9 of the bootstrap server) continues after the last chunk stored: at most
+the chunk in flight is read again.
+
+**End of a table.** A whole-table snapshot then *sweeps*: a snapshot row of
+the table older than the first tag that no chunk rewrote is a row the
+source no longer has (a delete the store missed, e.g. in a gap): it becomes
+a tombstone at the first tag. A ``keys`` snapshot tombstones the keys asked
+for that the source lacks (:attr:`Chunk.absent`); a ``where`` snapshot
+sweeps nothing (the store cannot evaluate SQL).
+
+**Throttle.** :class:`Throttle` keeps a rows/s budget and a share of wall
+time spent in source reads (``source_time_budget``: 0.25 = the source is
+busy with the snapshot at most a quarter of the time), sleeping between
+chunks.
+
+Thread-safety: :func:`run_chunked` runs in the seeder's worker thread; it
+touches the reader (its own), the sink (which hops to the store's writer
+thread) and the :class:`~._seedtypes.SeedProgress` it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from changebus.schemas import ChangebusError, ConfigError
+
+from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
+
+__all__ = [
+    "Chunk",
+    "ChunkReader",
+    "ChunkSource",
+    "ChunkSourceFactory",
+    "JobState",
+    "SnapshotScope",
+    "SnapshotSink",
+    "Throttle",
+    "WriterSink",
+    "run_chunked",
+]
+
+log = logging.getLogger("changebus.bootstrap.seed")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotScope:
+    """What of one table a snapshot reads: all of it, the rows ``where`` selects, or ``keys``.
+
+    ``where`` is an SQL condition in the source's dialect, run inside the
+    chunk's read-only transaction (an admin's input: the HTTP request that
+    carries it needs scope ``admin``). ``keys`` lists key values, one tuple
+    per row (one value per key column, JSON values: numbers, strings, null).
+    At most one of them is set.
+    """
+
+    table: str
+    where: str = ""
+    keys: tuple[tuple[Any, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.where and self.keys:
+            raise ConfigError("a snapshot takes either a where condition or a list of keys")
+
+    @property
+    def whole(self) -> bool:
+        """The whole table (no ``where``, no ``keys``): the end of it sweeps."""
+        return not self.where and not self.keys
+
+    def as_json(self) -> str:
+        return json.dumps(
+            {"table": self.table, "where": self.where, "keys": [list(k) for k in self.keys]},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotScope:
+        raw = json.loads(text)
+        return cls(
+            str(raw["table"]),
+            str(raw.get("where", "")),
+            tuple(tuple(k) for k in raw.get("keys", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk a reader read in one short source transaction.
+
+    ``events`` -- INSERT events of its rows, encoded with the relay's source
+    id and newest schema version, their SCN = ``tag``. ``tag`` -- every
+    change with an SCN <= tag is visible in what was read (module
+    docstring). ``cursor`` -- the reader's opaque resume point after this
+    chunk (JSON text), None when the scope is done. ``absent`` -- (``keys``
+    scopes) the store keys (encoded key bytes) asked for that the source
+    does not have. ``rows`` -- rows read (``len(events)``, kept apart so a
+    reader may count rows it could not encode).
+    """
+
+    events: list[bytes]
+    tag: int
+    cursor: str | None
+    absent: tuple[bytes, ...] = ()
+    rows: int = -1
+
+    @property
+    def row_count(self) -> int:
+        return len(self.events) if self.rows < 0 else self.rows
+
+
+class ChunkReader(Protocol):
+    """Reads one table (one :class:`SnapshotScope`) chunk by chunk. Blocking; one thread.
+
+    ``mode`` -- ``keyset`` (key-ordered chunks), ``keys`` (a key list, in
+    slices) or ``single_transaction`` (the documented fallback for a table
+    without a usable unique key: one transaction, not resumable).
+    ``estimate_rows`` -- rows the scope holds, about (-1: unknown), for
+    progress and ETA. :meth:`read` reads up to ``limit`` rows after
+    ``cursor`` (None: from the start) in one source transaction.
+    """
+
+    mode: str
+    estimate_rows: int
+
+    def read(self, cursor: str | None, limit: int) -> Chunk: ...
+
+
+class ChunkSource(Protocol):
+    """The source connections of one seed run; a context manager; gives a reader per table.
+
+    :meth:`reader` checks the table against the relay's schemas (present,
+    same columns, same column policy) and raises
+    :class:`~changebus.schemas.SourceConfigError` naming what is wrong (a
+    table without a key: a refusal naming the fix).
+    """
+
+    def __enter__(self) -> ChunkSource: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def reader(self, scope: SnapshotScope) -> ChunkReader: ...
+
+
+#: opens the source of a seed run (``PostgresChunkSource``, ``MySQLChunkSource``)
+ChunkSourceFactory = Callable[[SeedRequest], ChunkSource]
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    """A table's snapshot in progress, as stored with each chunk (``cb_snapjob``).
+
+    ``scope`` -- :meth:`SnapshotScope.as_json` of what is read (a stored job
+    for another scope is not resumed: it starts again). ``cursor`` -- where
+    the next chunk starts (None: the start). ``chunks`` / ``rows`` -- done
+    so far; ``first_tag`` / ``last_tag`` -- SCN tags of the first and the
+    newest chunk (-1: none yet).
+    """
+
+    table: str
+    scope: str
+    cursor: str | None = None
+    chunks: int = 0
+    rows: int = 0
+    first_tag: int = -1
+    last_tag: int = -1
+
+    def after(self, chunk: Chunk) -> JobState:
+        """The state once ``chunk`` is stored."""
+        return replace(
+            self,
+            cursor=chunk.cursor,
+            chunks=self.chunks + 1,
+            rows=self.rows + chunk.row_count,
+            first_tag=chunk.tag if self.first_tag < 0 else min(self.first_tag, chunk.tag),
+            last_tag=max(self.last_tag, chunk.tag),
+        )
+
+
+class SnapshotSink(Protocol):
+    """Where chunks go (the store, through its writer thread). Blocking; called from the seeder.
+
+    :meth:`resume` -- the stored job of ``table`` (None: none, or one for
+    another scope). :meth:`chunk` -- merge ``chunk`` and store ``job`` (the
+    state after it) in one store transaction. :meth:`finish` -- the table is
+    done: sweep (whole-table scopes), record it seeded, drop the job.
+    """
+
+    def resume(self, scope: SnapshotScope) -> JobState | None: ...
+
+    def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None: ...
+
+    def finish(self, scope: SnapshotScope, job: JobState) -> None: ...
+
+
+@dataclass
+class WriterSink:
+    """A sink over a plain :data:`~._seedtypes.SeedWriter` callback (no resume, no sweep).
+
+    Each chunk's events go to ``write(table, events, tag)``; the end of a
+    table is ``write(table, [], first_tag)``. Used by the public
+    ``seed_postgres`` / ``seed_mysql`` functions.
+    """
+
+    write: SeedWriter
+
+    def resume(self, scope: SnapshotScope) -> JobState | None:
+        return None
+
+    def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        if chunk.events:
+            self.write(scope.table, chunk.events, chunk.tag)
+
+    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+        self.write(scope.table, [], max(job.first_tag, 0))
+
+
+@dataclass
+class Throttle:
+    """Paces chunks: at most ``rows_per_s`` rows a second (0: no limit) and the source
+    busy with reads at most ``time_budget`` of the wall time (1: no limit).
+
+    :meth:`pause` says how long to wait before the next chunk, given the rows
+    and the source time of the chunk just read. Not thread-safe (the seeder's).
+    """
+
+    rows_per_s: float = 0.0
+    time_budget: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    _start: float = field(default=-1.0, init=False)
+    _rows: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.rows_per_s < 0:
+            raise ConfigError("max_rows_per_s must not be negative")
+        if not 0 < self.time_budget <= 1:
+            raise ConfigError("source_time_budget must be in (0, 1]")
+
+    def pause(self, rows: int, busy_s: float) -> float:
+        now = self.clock()
+        if self._start < 0:
+            self._start = now - busy_s
+        self._rows += rows
+        wait = 0.0
+        if self.rows_per_s > 0:
+            wait = max(wait, self._start + self._rows / self.rows_per_s - now)
+        if self.time_budget < 1:
+            wait = max(wait, busy_s * (1 / self.time_budget - 1))
+        return wait
+
+
+def run_chunked(
+    request: SeedRequest,
+    open_source: ChunkSourceFactory,
+    sink: SnapshotSink,
+    progress: SeedProgress,
+    *,
+    stop: threading.Event | None = None,
+) -> int:
+    """Snapshot ``request.todo`` table by table, chunk by chunk; returns the newest tag.
+
+    Resumes each table from the job ``sink`` stored (same scope), paces
+    chunks with ``request``'s throttle, updates ``progress`` after every
+    chunk and logs every ``request.log_every_chunks`` chunks. A set
+    ``stop`` ends the run between chunks with a retriable error.
+    """
+    todo = progress.begin(request)
+    if not todo:
+        progress.state = "copied"
+        return progress.scn
+    throttle = Throttle(request.max_rows_per_s, request.source_time_budget)
+    stop = stop or threading.Event()
+    with open_source(request) as source:
+        for name in todo:
+            scope = SnapshotScope(name, request.where, request.keys)
+            if stop.is_set():
+                raise ChangebusError("seeding stopped", retriable=True)
+            reader = source.reader(scope)
+            stored = sink.resume(scope)
+            job = stored or JobState(name, scope.as_json())
+            progress.start_table(name, reader.mode, reader.estimate_rows, job.rows, job.chunks)
+            if stored is not None and stored.chunks:
+                log.info(
+                    "%s: resuming the snapshot after chunk %d (%d rows done)",
+                    name,
+                    stored.chunks,
+                    stored.rows,
+                )
+            while job.cursor is not None or job.chunks == 0:
+                if stop.is_set():
+                    raise ChangebusError("seeding stopped", retriable=True)
+                started = time.monotonic()
+                chunk = reader.read(job.cursor, request.chunk_rows)
+                busy = time.monotonic() - started
+                job = job.after(chunk)
+                sink.chunk(scope, job, chunk)
+                progress.chunk_done(chunk.row_count, chunk.tag)
+                if request.log_every_chunks and job.chunks % request.log_every_chunks == 0:
+                    log.info(
+                        "%s: %d chunks, %d rows (%s)",
+                        name,
+                        job.chunks,
+                        job.rows,
+                        progress.rate_text(),
+                    )
+                wait = throttle.pause(chunk.row_count, busy)
+                if wait > 0 and stop.wait(wait):
+                    raise ChangebusError("seeding stopped", retriable=True)
+            sink.finish(scope, job)
+            progress.table_done()
+            log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)
+    progress.state = "copied"
+    progress.table = ""
+    return progress.scn

@@ -1,0 +1,163 @@
+"""Chunked snapshots in the store: chunks, the job row that makes them resumable, the sweep.
+
+One job: the ``cb_snapjob`` table and the writes of a chunked snapshot
+(:mod:`._chunks`). A row per table being snapshotted: the scope (what is
+read, :meth:`~._chunks.SnapshotScope.as_json`), the reader's cursor after
+the last stored chunk (``resume_at``), chunk and row counts, and the first
+and newest chunk tags. :meth:`SnapshotJobs.snapshot_chunk` writes a chunk's
+rows and the job row in **one transaction**, so after a crash the job row
+names exactly the chunks whose rows are stored: the snapshot resumes after
+them. A gap (:meth:`~._gaps.SeedLedger.mark_gap`) or a re-seed
+(:meth:`~._gaps.SeedLedger.forget_seed`) deletes the job rows: those
+snapshots start again.
+
+Merging: chunk rows are INSERT events at the chunk's tag, written unless the
+snapshot holds a newer state of the key (:data:`~._db.UPSERT_SNAP`); keys a
+``keys`` snapshot asked for and the source lacks become tombstones at the
+tag when the snapshot holds them live and older. The end of a whole-table
+snapshot sweeps in steps (:meth:`SnapshotJobs.sweep_step`, one short
+transaction each, so the applier goes on in between): rows of the table
+older than the first tag that no chunk rewrote are gone from the source,
+they become tombstones at the first tag.
+
+Not thread-safe (a part of :class:`~._store.Store`: the writer thread's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from changebus.schemas import HEADER_SIZE, decode_header
+
+from ._chunks import JobState, SnapshotScope
+from ._db import UPSERT_SNAP
+from ._gaps import SeedLedger, _check_tables
+
+__all__ = ["SnapshotJobs"]
+
+
+class SnapshotJobs(SeedLedger):
+    """Chunked snapshot writes and their job rows (a part of :class:`~._store.Store`)."""
+
+    def snapshot_job(self, part: str, scope: SnapshotScope) -> JobState | None:
+        """The stored job of ``scope.table`` when it was for the same scope (else None)."""
+        row = self._one(
+            "SELECT scope, resume_at, chunks, nrows, first_tag, last_tag FROM cb_snapjob "
+            "WHERE part = {p} AND name = {p}",
+            (part, scope.table),
+        )
+        if row is None or str(row[0]) != scope.as_json():
+            return None
+        return JobState(
+            scope.table,
+            str(row[0]),
+            None if row[1] is None else str(row[1]),
+            int(row[2]),
+            int(row[3]),
+            int(row[4]),
+            int(row[5]),
+        )
+
+    def snapshot_jobs(self, part: str) -> list[JobState]:
+        """Every stored job of the partition (for status)."""
+        return [
+            JobState(str(n), str(s), None if c is None else str(c), int(k), int(r), int(f), int(t))
+            for n, s, c, k, r, f, t in self._all(
+                "SELECT name, scope, resume_at, chunks, nrows, first_tag, last_tag FROM cb_snapjob "
+                "WHERE part = {p} ORDER BY name",
+                (part,),
+            )
+        ]
+
+    def snapshot_chunk(
+        self,
+        part: str,
+        job: JobState,
+        events: Sequence[bytes],
+        tag: int,
+        absent: Sequence[bytes] = (),
+    ) -> None:
+        """Merge a chunk's rows (INSERTs at ``tag``), tombstone ``absent`` keys, store ``job``.
+
+        One transaction. ``job`` is the state after this chunk.
+        """
+        _check_tables([job.table])
+        with self._txn():
+            rows = []
+            for ev in events:
+                h = decode_header(ev)
+                key = ev[HEADER_SIZE : HEADER_SIZE + h.key_length]
+                rows.append((part, h.source_id, key, h.scn, 0, ev))
+            self._many(UPSERT_SNAP, rows)
+            if absent:
+                sid = self._source_id(part, job.table)
+                if sid is not None:
+                    live = []
+                    for key in absent:
+                        row = self._one(
+                            "SELECT key, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                            "AND key = {p} AND deleted = 0 AND scn < {p}",
+                            (part, sid, key, tag),
+                        )
+                        if row is not None:
+                            live.append(row)
+                    self._many(UPSERT_SNAP, self._tombstones(part, live, tag))
+            self._conn.execute(
+                self._sql(
+                    "INSERT INTO cb_snapjob (part, name, scope, resume_at, chunks, nrows, "
+                    "first_tag, last_tag) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}) "
+                    "ON CONFLICT (part, name) DO UPDATE SET scope = excluded.scope, "
+                    "resume_at = excluded.resume_at, chunks = excluded.chunks, "
+                    "nrows = excluded.nrows, first_tag = excluded.first_tag, "
+                    "last_tag = excluded.last_tag"
+                ),
+                (
+                    part,
+                    job.table,
+                    job.scope,
+                    job.cursor,
+                    job.chunks,
+                    job.rows,
+                    job.first_tag,
+                    job.last_tag,
+                ),
+            )
+
+    def sweep_step(
+        self, part: str, table: str, below: int, after_id: int, batch: int = 20_000
+    ) -> int | None:
+        """Tombstone (at ``below``) live rows of ``table`` older than ``below``, ``batch`` rows
+        at a time in row id order after ``after_id``; returns the id to go on after (None: done)."""
+        sid = self._source_id(part, table)
+        if sid is None or below < 0:
+            return None
+        with self._txn():
+            ids = self._all(
+                "SELECT id, scn, deleted, key, event FROM cb_snap WHERE part = {p} "
+                "AND source_id = {p} AND id > {p} ORDER BY id LIMIT {p}",
+                (part, sid, after_id, batch),
+            )
+            old = [(k, e) for _i, scn, d, k, e in ids if not d and int(scn) < below]
+            self._many(UPSERT_SNAP, self._tombstones(part, old, below))
+        return int(ids[-1][0]) if len(ids) == batch else None
+
+    def finish_snapshot(self, part: str, job: JobState, *, seeded: bool) -> None:
+        """Drop ``job``'s row; ``seeded`` (a whole table): record the table seeded at its first tag."""
+        _check_tables([job.table])
+        with self._txn():
+            if seeded:
+                self._conn.execute(
+                    self._sql(
+                        "INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, {p}) "
+                        "ON CONFLICT (part, name) DO UPDATE SET scn = excluded.scn"
+                    ),
+                    (part, job.table, max(job.first_tag, 0)),
+                )
+            self._conn.execute(
+                self._sql("DELETE FROM cb_snapjob WHERE part = {p} AND name = {p}"),
+                (part, job.table),
+            )
+
+    def _source_id(self, part: str, table: str) -> int | None:
+        sids = [s for s, _v, n, _j in self.schemas(part) if n == table]
+        return sids[0] if sids else None
