@@ -89,10 +89,15 @@ class PgTable:
     def select(self) -> str:
         return ", ".join(quote(c) for c in self.columns)
 
-    def keyset(self, after: list[str] | None, where: str, limit: int) -> tuple[str, list[Any]]:
+    def keyset(
+        self, after: list[str] | None, where: str, limit: int
+    ) -> tuple[str, list[Any] | None]:
         """Up to ``limit`` rows after key ``after`` (texts; None: from the start), key order.
 
         Each row: the table's columns, then ``key::text`` of each key column.
+        No parameters (the first chunk): None, and ``where`` goes as it is
+        (psycopg merges parameters only when there are some: then a ``%``
+        of ``where`` is doubled).
         """
         keys = [quote(k) for k in self.key]
         conds: list[str] = []
@@ -104,14 +109,14 @@ class PgTable:
             conds.append(f"({', '.join(keys)}) > ({casts})")
             params.extend(after)
         if where:
-            conds.append(f"({where.replace('%', '%%')})")
+            conds.append(f"({where.replace('%', '%%') if params else where})")
         cond = f" WHERE {' AND '.join(conds)}" if conds else ""
         texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
         sql = (
             f"SELECT {self.select}, {texts} FROM {self.name}{cond} "
             f"ORDER BY {', '.join(keys)} LIMIT {int(limit)}"
         )
-        return _binary(sql), params
+        return _binary(sql), params or None
 
     def by_keys(self, keys: list[tuple[Any, ...]], first: int) -> tuple[str, list[Any]]:
         """The rows of ``keys`` (numbered from ``first``), found or not.
