@@ -267,7 +267,7 @@ async def test_a_chunked_seed_under_full_speed_writers_is_exact_with_short_trans
             "CREATE TABLE big (id int8 PRIMARY KEY, grp int4 NOT NULL, name text, note text)"
         )
         conn.execute(
-            "INSERT INTO big SELECT g, g % 10, 'row-' || g, CASE WHEN g % 3 = 0 THEN NULL "
+            "INSERT INTO big SELECT g, g %% 10, 'row-' || g, CASE WHEN g %% 3 = 0 THEN NULL "
             "ELSE repeat('x', 20) END FROM generate_series(1, %s) g",
             (BIG,),
         )  # before the relay: these rows reach the store through the seed only

@@ -75,7 +75,7 @@ from changebus.schemas import (
 )
 
 from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
-from ._seed_pg_keys import PgTable, copy_tuples, quote
+from ._seed_pg_keys import PgTable, copy_rows, insert_message, quote
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
@@ -345,25 +345,29 @@ class PostgresChunkSource:
             retriable=True,
         )
 
-    def copy(self, sql: str, params: list[Any] | None = None) -> list[tuple[bytes | None, ...]]:
+    def copy(
+        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
+    ) -> list[tuple[bytes, list[bytes | None]]]:
+        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`)."""
         buf = bytearray()
         with self.conn.cursor().copy(sql, params) as copy:
             for block in copy:
                 buf += block
-        return copy_tuples(bytes(buf))
+        return copy_rows(bytes(buf), oid, ncols)
 
-    def events(self, oid: int, tag: int, rows: list[tuple[bytes | None, ...]]) -> list[bytes]:
-        """INSERT events of ``rows`` (the table's cells) at SCN ``tag``, as the fetcher encodes."""
-        from changebus.fetchers.postgres import Begin, Commit, Insert
+    def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
+        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher encodes."""
+        from changebus.fetchers.postgres import Begin, Commit
 
-        if not rows:
+        if not messages:
             return []
-        feed = self.assembler.feed
+        assembler = self.assembler
         now = time.time_ns()
-        feed(Begin(tag, now, 0))
-        for cells in rows:
-            feed(Insert(oid, cells))
-        window = feed(Commit(0, tag, tag, now))
+        assembler.feed(Begin(tag, now, 0))
+        feed = assembler.feed_raw
+        for msg in messages:
+            feed(msg)
+        window = assembler.feed(Commit(0, tag, tag, now))
         assert window is not None
         return _data_events(window.data)
 
@@ -417,13 +421,12 @@ class _KeysetReader(_Reader):
         sql, params = self.table.keyset(after, self.where, limit)
         src = self.source
         tag = src.begin_chunk(self.name)
-        rows = src.copy(sql, params)
+        rows = src.copy(sql, self.oid, len(self.table.columns), params)
         src.conn.execute("COMMIT")
-        ncols = len(self.table.columns)
-        events = src.events(self.oid, tag, [r[:ncols] for r in rows])
+        events = src.events(tag, [m for m, _x in rows])
         if len(rows) < limit:
             return Chunk(events, tag, None, rows=len(rows))
-        last = [None if v is None else v.decode() for v in rows[-1][ncols:]]
+        last = [None if v is None else v.decode() for v in rows[-1][1]]
         return Chunk(events, tag, json.dumps(last), rows=len(rows))
 
 
@@ -452,21 +455,20 @@ class _KeysReader(_Reader):
         rows = []
         if part:
             sql, params = table.by_keys(part, first)
-            rows = src.copy(sql, params)
+            rows = src.copy(sql, self.oid, len(table.columns), params)
         src.conn.execute("COMMIT")
-        ncols, nkey = len(table.columns), len(table.key)
-        first_key = table.columns.index(table.key[0])
         at = {c: i for i, c in enumerate(table.columns)}
-        found = [r[:ncols] for r in rows if r[first_key] is not None]
-        lacking: list[tuple[bytes | None, ...]] = []
-        for r in rows:
-            if r[first_key] is None and all(v is not None for v in r[ncols + 1 :]):
-                cells: list[bytes | None] = [None] * ncols
-                for k, v in zip(table.key, r[ncols + 1 : ncols + 1 + nkey], strict=True):
+        found = [m for m, x in rows if x[0] == b"\x01"]
+        lacking = []
+        for _m, x in rows:
+            values = x[2:]
+            if x[0] != b"\x01" and all(v is not None for v in values):
+                cells: list[bytes | None] = [None] * len(table.columns)
+                for k, v in zip(table.key, values, strict=True):
                     cells[at[k]] = v
-                lacking.append(tuple(cells))
-        events = src.events(self.oid, tag, found)
-        absent = tuple(_key_of(ev) for ev in src.events(self.oid, tag, lacking))
+                lacking.append(insert_message(self.oid, cells))
+        events = src.events(tag, found)
+        absent = tuple(_key_of(ev) for ev in src.events(tag, lacking))
         done = first + len(part) >= len(self.keys)
         return Chunk(
             events, tag, None if done else json.dumps(first + len(part)), absent, len(found)
@@ -520,12 +522,12 @@ class _SingleReader(_Reader):
         end: int | None = first + step
         if end is not None and end >= self.pages:
             end = None  # the last range has no end: nothing visible lies beyond
-        rows = src.copy(self.table.pages(first, end))
+        rows = src.copy(self.table.pages(first, end), self.oid, len(self.table.columns))
         tag = self.tag
         if end is None:
             src.conn.execute("COMMIT")
             self.tag = -1
-        events = src.events(self.oid, tag, rows)
+        events = src.events(tag, [m for m, _x in rows])
         return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(rows))
 
 
