@@ -158,6 +158,8 @@ class PostgresChunkSource:
             option="seed.dsn",
             application_name=APPLICATION_NAME,
         )
+        # the only writes are the watermark samples' empty commits: no need to wait for a flush
+        self.conn.execute("SET synchronous_commit = off")
         self.resolver = TypeResolver(self.conn)
         self.assembler = Assembler(
             self.request.partition_id,
