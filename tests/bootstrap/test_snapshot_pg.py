@@ -550,3 +550,72 @@ async def test_keys_and_where_scopes_rewrite_only_their_rows(
             )
             assert seed.rows == 2
             assert store_rows(store_db, "public.kv", ["id", "v"]) == seeded | {(7, "v7"), (8, "v8")}
+
+
+# ---- resume from a stored cursor; a DDL during the snapshot --------------------------------
+
+
+@dataclasses.dataclass
+class ResumingSink(RecordingSink):
+    """A RecordingSink that resumes from ``stored`` and may act after each chunk."""
+
+    stored: JobState | None = None
+    after_chunk: Callable[[int], None] | None = None
+
+    def resume(self, scope: SnapshotScope) -> JobState | None:
+        return self.stored
+
+    def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        super().chunk(scope, job, chunk)
+        self.jobs.append(job)
+        if self.after_chunk is not None:
+            self.after_chunk(len(self.chunks))
+
+    jobs: list[JobState] = dataclasses.field(default_factory=list)
+
+
+async def test_a_composite_text_key_snapshot_resumes_after_its_last_chunk_and_refuses_a_ddl(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE comp (a int4, b text, v text, PRIMARY KEY (a, b))")
+        conn.execute(
+            "INSERT INTO comp SELECT a, 'b' || b, NULL FROM generate_series(0, 20) a, "
+            "generate_series(0, 30) b"
+        )
+    cols = ["a", "b", "v"]
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE comp SET v = 'x' WHERE a = 0 AND b = 'b0'")
+        await caught_up(relay, pg_dsn)
+        req = relay_request(relay, pg_dsn, "public.comp", chunk_rows=40)
+        first = ResumingSink()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress(), sink=first)
+        assert len(first.chunks) == 17  # 651 rows
+        assert first.rows(relay, "public.comp", cols) == source_rows(pg_dsn, "comp", cols)
+        # a crash after chunk 5: the run resumes from its stored job, reading 12 chunks
+        again = ResumingSink(stored=first.jobs[4])
+        progress = SeedProgress()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, progress, sink=again)
+        assert len(again.chunks) == 12 and progress.chunks_resumed == 5
+        later = ResumingSink()
+        later.chunks = first.chunks[5:]
+        assert again.rows(relay, "public.comp", cols) == later.rows(relay, "public.comp", cols)
+        assert again.finished[0].chunks == 17 and again.finished[0].rows == 651
+
+        # a column added between chunks: the snapshot stops, retriably
+        def add_column(n: int) -> None:
+            if n == 2:
+                with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                    conn.execute("ALTER TABLE comp ADD COLUMN extra int4 DEFAULT 7")
+
+        with pytest.raises(SourceConfigError, match=r"public\.comp changed \(DDL\)") as caught:
+            await asyncio.to_thread(
+                seed_postgres,
+                req,
+                lambda *_: None,
+                SeedProgress(),
+                sink=ResumingSink(after_chunk=add_column),
+            )
+        assert caught.value.retriable

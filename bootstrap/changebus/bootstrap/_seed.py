@@ -84,6 +84,11 @@ log = logging.getLogger("changebus.bootstrap.seed")
 
 #: application_name of every seeder connection (operators and tests find its transactions by it)
 APPLICATION_NAME = "changebus-seed"
+#: a table's columns, to notice a DDL during its snapshot
+_SHAPE = (
+    "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
+    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+)
 #: low-watermark samples kept (the newest valid one gives the tag)
 _SAMPLES = 16
 
@@ -148,6 +153,9 @@ class PostgresChunkSource:
         self.policy = request.column_policy or ColumnPolicy()
         self.conn: Any = None
         self.samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=_SAMPLES)
+        #: the columns (name, type oid, typmod) each table had when its reader was made
+        self.shapes: dict[int, list[tuple[str, int, int]]] = {}
+        self.names: dict[int, str] = {}
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
@@ -214,6 +222,8 @@ class PostgresChunkSource:
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
             (oid,),
         ).fetchall()
+        self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f in cols]
+        self.names[oid] = name
         ident = _identity_columns(conn, oid, identity, self.resolver)
         relation = Relation(
             oid,
@@ -350,11 +360,23 @@ class PostgresChunkSource:
     def copy(
         self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
     ) -> list[tuple[bytes, list[bytes | None]]]:
-        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`)."""
+        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`).
+
+        Then, still holding the COPY's table lock (no DDL of the table can
+        commit before the transaction ends), checks that the table has the
+        columns its reader was made for: a DDL since is a retriable refusal.
+        """
         buf = bytearray()
         with self.conn.cursor().copy(sql, params) as copy:
             for block in copy:
                 buf += block
+        shape = self.conn.execute(_SHAPE, (oid,)).fetchall()
+        if [(str(c), int(t), int(m)) for c, t, m in shape] != self.shapes[oid]:
+            raise SourceConfigError(
+                f"table {self.names[oid]} changed (DDL) during its snapshot: snapshot it "
+                "again once the relay has seen the change",
+                retriable=True,
+            )
         return copy_rows(bytes(buf), oid, ncols)
 
     def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
