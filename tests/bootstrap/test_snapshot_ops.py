@@ -303,6 +303,7 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
         ({"table": "public.big", "colour": 1}, "unknown field"),
         ({"table": "public.big", "where": "id < 5", "keys": [1]}, "either where or keys"),
         ({"table": "public.big", "where": "id < 5; DROP TABLE big"}, "no ';'"),
+        ({"table": "public.big", "where": "  "}, "where is empty"),
         ({"table": "public.big", "keys": 5}, "keys must be a non-empty JSON list"),
         ({"table": "public.big", "keys": []}, "keys must be a non-empty JSON list"),
         ({"table": "public.big", "keys": [{"id": 1}]}, "keys[0]"),

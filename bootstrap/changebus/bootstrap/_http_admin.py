@@ -154,14 +154,17 @@ def parse_snapshot_body(doc: dict[str, Any]) -> SnapshotScope:
     table = _optional_str(doc, "table")
     if not table:
         raise BadRequestError('name the table to snapshot: {"table": "schema.table"}')
-    where = _optional_str(doc, "where") or ""
+    where = _optional_str(doc, "where")
+    if where is not None and not where.strip():
+        raise BadRequestError("where is empty: give an SQL condition, or leave where out")
+    where = (where or "").strip()
     raw_keys = doc.get("keys")
     if where and raw_keys is not None:
         raise BadRequestError("give either where or keys, not both")
     if ";" in where or "\x00" in where:
         raise BadRequestError("where must be one SQL condition (no ';', no NUL characters)")
     keys = () if raw_keys is None else _parse_keys(raw_keys)
-    return SnapshotScope(table, where.strip(), keys)
+    return SnapshotScope(table, where, keys)
 
 
 def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:
