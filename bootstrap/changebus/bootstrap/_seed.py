@@ -75,7 +75,7 @@ from changebus.schemas import (
 )
 
 from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
-from ._seed_pg_keys import PgTable, copy_tuples, quote
+from ._seed_pg_keys import PgTable, copy_rows, insert_message, quote
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
@@ -84,6 +84,11 @@ log = logging.getLogger("changebus.bootstrap.seed")
 
 #: application_name of every seeder connection (operators and tests find its transactions by it)
 APPLICATION_NAME = "changebus-seed"
+#: a table's columns, to notice a DDL during its snapshot
+_SHAPE = (
+    "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
+    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+)
 #: low-watermark samples kept (the newest valid one gives the tag)
 _SAMPLES = 16
 
@@ -148,6 +153,9 @@ class PostgresChunkSource:
         self.policy = request.column_policy or ColumnPolicy()
         self.conn: Any = None
         self.samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=_SAMPLES)
+        #: the columns (name, type oid, typmod) each table had when its reader was made
+        self.shapes: dict[int, list[tuple[str, int, int]]] = {}
+        self.names: dict[int, str] = {}
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
@@ -158,6 +166,8 @@ class PostgresChunkSource:
             option="seed.dsn",
             application_name=APPLICATION_NAME,
         )
+        # the only writes are the watermark samples' empty commits: no need to wait for a flush
+        self.conn.execute("SET synchronous_commit = off")
         self.resolver = TypeResolver(self.conn)
         self.assembler = Assembler(
             self.request.partition_id,
@@ -212,6 +222,8 @@ class PostgresChunkSource:
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
             (oid,),
         ).fetchall()
+        self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f in cols]
+        self.names[oid] = name
         ident = _identity_columns(conn, oid, identity, self.resolver)
         relation = Relation(
             oid,
@@ -345,25 +357,41 @@ class PostgresChunkSource:
             retriable=True,
         )
 
-    def copy(self, sql: str, params: list[Any] | None = None) -> list[tuple[bytes | None, ...]]:
+    def copy(
+        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
+    ) -> list[tuple[bytes, list[bytes | None]]]:
+        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`).
+
+        Then, still holding the COPY's table lock (no DDL of the table can
+        commit before the transaction ends), checks that the table has the
+        columns its reader was made for: a DDL since is a retriable refusal.
+        """
         buf = bytearray()
         with self.conn.cursor().copy(sql, params) as copy:
             for block in copy:
                 buf += block
-        return copy_tuples(bytes(buf))
+        shape = self.conn.execute(_SHAPE, (oid,)).fetchall()
+        if [(str(c), int(t), int(m)) for c, t, m in shape] != self.shapes[oid]:
+            raise SourceConfigError(
+                f"table {self.names[oid]} changed (DDL) during its snapshot: snapshot it "
+                "again once the relay has seen the change",
+                retriable=True,
+            )
+        return copy_rows(bytes(buf), oid, ncols)
 
-    def events(self, oid: int, tag: int, rows: list[tuple[bytes | None, ...]]) -> list[bytes]:
-        """INSERT events of ``rows`` (the table's cells) at SCN ``tag``, as the fetcher encodes."""
-        from changebus.fetchers.postgres import Begin, Commit, Insert
+    def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
+        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher encodes."""
+        from changebus.fetchers.postgres import Begin, Commit
 
-        if not rows:
+        if not messages:
             return []
-        feed = self.assembler.feed
+        assembler = self.assembler
         now = time.time_ns()
-        feed(Begin(tag, now, 0))
-        for cells in rows:
-            feed(Insert(oid, cells))
-        window = feed(Commit(0, tag, tag, now))
+        assembler.feed(Begin(tag, now, 0))
+        feed = assembler.feed_raw
+        for msg in messages:
+            feed(msg)
+        window = assembler.feed(Commit(0, tag, tag, now))
         assert window is not None
         return _data_events(window.data)
 
@@ -417,13 +445,12 @@ class _KeysetReader(_Reader):
         sql, params = self.table.keyset(after, self.where, limit)
         src = self.source
         tag = src.begin_chunk(self.name)
-        rows = src.copy(sql, params)
+        rows = src.copy(sql, self.oid, len(self.table.columns), params)
         src.conn.execute("COMMIT")
-        ncols = len(self.table.columns)
-        events = src.events(self.oid, tag, [r[:ncols] for r in rows])
+        events = src.events(tag, [m for m, _x in rows])
         if len(rows) < limit:
             return Chunk(events, tag, None, rows=len(rows))
-        last = [None if v is None else v.decode() for v in rows[-1][ncols:]]
+        last = [None if v is None else v.decode() for v in rows[-1][1]]
         return Chunk(events, tag, json.dumps(last), rows=len(rows))
 
 
@@ -452,21 +479,20 @@ class _KeysReader(_Reader):
         rows = []
         if part:
             sql, params = table.by_keys(part, first)
-            rows = src.copy(sql, params)
+            rows = src.copy(sql, self.oid, len(table.columns), params)
         src.conn.execute("COMMIT")
-        ncols, nkey = len(table.columns), len(table.key)
-        first_key = table.columns.index(table.key[0])
         at = {c: i for i, c in enumerate(table.columns)}
-        found = [r[:ncols] for r in rows if r[first_key] is not None]
-        lacking: list[tuple[bytes | None, ...]] = []
-        for r in rows:
-            if r[first_key] is None and all(v is not None for v in r[ncols + 1 :]):
-                cells: list[bytes | None] = [None] * ncols
-                for k, v in zip(table.key, r[ncols + 1 : ncols + 1 + nkey], strict=True):
+        found = [m for m, x in rows if x[0] == b"\x01"]
+        lacking = []
+        for _m, x in rows:
+            values = x[2:]
+            if x[0] != b"\x01" and all(v is not None for v in values):
+                cells: list[bytes | None] = [None] * len(table.columns)
+                for k, v in zip(table.key, values, strict=True):
                     cells[at[k]] = v
-                lacking.append(tuple(cells))
-        events = src.events(self.oid, tag, found)
-        absent = tuple(_key_of(ev) for ev in src.events(self.oid, tag, lacking))
+                lacking.append(insert_message(self.oid, cells))
+        events = src.events(tag, found)
+        absent = tuple(_key_of(ev) for ev in src.events(tag, lacking))
         done = first + len(part) >= len(self.keys)
         return Chunk(
             events, tag, None if done else json.dumps(first + len(part)), absent, len(found)
@@ -520,12 +546,12 @@ class _SingleReader(_Reader):
         end: int | None = first + step
         if end is not None and end >= self.pages:
             end = None  # the last range has no end: nothing visible lies beyond
-        rows = src.copy(self.table.pages(first, end))
+        rows = src.copy(self.table.pages(first, end), self.oid, len(self.table.columns))
         tag = self.tag
         if end is None:
             src.conn.execute("COMMIT")
             self.tag = -1
-        events = src.events(self.oid, tag, rows)
+        events = src.events(tag, [m for m, _x in rows])
         return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(rows))
 
 

@@ -22,37 +22,61 @@ from typing import Any
 
 from changebus.schemas import ChangebusError, SourceConfigError
 
-__all__ = ["PgTable", "copy_tuples", "key_param", "quote"]
+__all__ = ["PgTable", "copy_rows", "insert_message", "key_param", "quote"]
 
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 
-Cells = tuple[bytes | None, ...]
 
+def copy_rows(data: bytes, oid: int, ncols: int) -> list[tuple[bytes, list[bytes | None]]]:
+    """Rows of a ``COPY ... (FORMAT binary)`` output as pgoutput messages.
 
-def copy_tuples(data: bytes) -> list[Cells]:
-    """Rows of a ``COPY ... (FORMAT binary)`` output (fields as raw bytes, None = NULL)."""
+    Each row: an ``Insert`` message of relation ``oid`` holding its first
+    ``ncols`` fields in pgoutput's binary tuple format (``b`` + length +
+    bytes, ``n`` for NULL: the very bytes a binary pgoutput stream carries,
+    so the fetcher's transcoder encodes them), and the fields after those
+    (raw bytes, None = NULL).
+    """
     if not data.startswith(_COPY_SIGNATURE):
         raise ChangebusError("COPY output lacks the binary signature")
     pos = len(_COPY_SIGNATURE) + 4
     (ext,) = struct.unpack_from("!i", data, pos)
     pos += 4 + ext
-    rows: list[Cells] = []
+    head = b"I" + oid.to_bytes(4, "big") + b"N" + ncols.to_bytes(2, "big")
+    rows: list[tuple[bytes, list[bytes | None]]] = []
     unpack = struct.unpack_from
     while True:
         (n,) = unpack("!h", data, pos)
         pos += 2
         if n == -1:
             return rows
-        fields: list[bytes | None] = []
-        for _ in range(n):
+        parts = [head]
+        for _ in range(ncols):
+            (size,) = unpack("!i", data, pos)
+            if size < 0:
+                parts.append(b"n")
+                pos += 4
+            else:
+                parts.append(b"b")
+                parts.append(data[pos : pos + 4 + size])
+                pos += 4 + size
+        extra: list[bytes | None] = []
+        for _ in range(n - ncols):
             (size,) = unpack("!i", data, pos)
             pos += 4
             if size < 0:
-                fields.append(None)
+                extra.append(None)
             else:
-                fields.append(data[pos : pos + size])
+                extra.append(data[pos : pos + size])
                 pos += size
-        rows.append(tuple(fields))
+        rows.append((b"".join(parts), extra))
+
+
+def insert_message(oid: int, cells: list[bytes | None]) -> bytes:
+    """A pgoutput binary ``Insert`` message of ``cells`` (None = NULL)."""
+    head = b"I" + oid.to_bytes(4, "big") + b"N" + len(cells).to_bytes(2, "big")
+    return head + b"".join(
+        b"n" if v is None else b"b" + len(v).to_bytes(4, "big") + v for v in cells
+    )
 
 
 def quote(name: str) -> str:
@@ -89,10 +113,15 @@ class PgTable:
     def select(self) -> str:
         return ", ".join(quote(c) for c in self.columns)
 
-    def keyset(self, after: list[str] | None, where: str, limit: int) -> tuple[str, list[Any]]:
+    def keyset(
+        self, after: list[str] | None, where: str, limit: int
+    ) -> tuple[str, list[Any] | None]:
         """Up to ``limit`` rows after key ``after`` (texts; None: from the start), key order.
 
         Each row: the table's columns, then ``key::text`` of each key column.
+        No parameters (the first chunk): None, and ``where`` goes as it is
+        (psycopg merges parameters only when there are some: then a ``%``
+        of ``where`` is doubled).
         """
         keys = [quote(k) for k in self.key]
         conds: list[str] = []
@@ -104,20 +133,21 @@ class PgTable:
             conds.append(f"({', '.join(keys)}) > ({casts})")
             params.extend(after)
         if where:
-            conds.append(f"({where.replace('%', '%%')})")
+            conds.append(f"({where.replace('%', '%%') if params else where})")
         cond = f" WHERE {' AND '.join(conds)}" if conds else ""
         texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
         sql = (
             f"SELECT {self.select}, {texts} FROM {self.name}{cond} "
             f"ORDER BY {', '.join(keys)} LIMIT {int(limit)}"
         )
-        return _binary(sql), params
+        return _binary(sql), params or None
 
     def by_keys(self, keys: list[tuple[Any, ...]], first: int) -> tuple[str, list[Any]]:
         """The rows of ``keys`` (numbered from ``first``), found or not.
 
-        Each row: the table's columns (NULL when the key is absent), the
-        key's number, then the requested key values cast to the key types.
+        Each row: the table's columns (NULL when the key is absent), whether
+        the key was found, the key's number, then the requested key values
+        cast to the key types.
         """
         n = len(self.key)
         alias = [f"_cb_k{i}" for i in range(n)]
@@ -135,7 +165,8 @@ class PgTable:
         join = " AND ".join(f"t.{quote(k)} = v.{a}" for k, a in zip(self.key, alias, strict=True))
         cols = ", ".join(f"t.{quote(c)}" for c in self.columns)
         sql = (
-            f"SELECT {cols}, v._cb_i, {', '.join('v.' + a for a in alias)} "
+            f"SELECT {cols}, t.{quote(self.key[0])} IS NOT NULL, v._cb_i, "
+            f"{', '.join('v.' + a for a in alias)} "
             f"FROM (VALUES {', '.join(values)}) AS v(_cb_i, {', '.join(alias)}) "
             f"LEFT JOIN {self.name} AS t ON {join}"
         )
