@@ -57,6 +57,7 @@ ENV = {
 }
 ADMIN = "A" * 43
 READER = "R" * 43
+PAIR = "P" * 43  # granted the source public.pair only
 #: the tls_files fixture's type (tests/fix_tls.py)
 TlsFiles = Any
 Row = tuple[Any, ...]
@@ -249,6 +250,7 @@ async def bootstrap(
         principals=(
             PrincipalConfig("ops", (hash_token(ADMIN),), scopes=("admin",)),
             PrincipalConfig("reader", (hash_token(READER),)),
+            PrincipalConfig("pair", (hash_token(PAIR),), sources=("public.pair",)),
         ),
     )
     cfg = BootstrapConfig(
@@ -452,10 +454,13 @@ async def test_status_and_metrics_follow_a_snapshot(stack: Stack) -> None:
     assert status == 202
     seen_jobs: list[dict[str, Any]] = []
     seen_running: list[dict[str, float]] = []
+    hidden: list[dict[str, Any]] = []
     w = stack.boot.service.workers["pg"]
     while w.seed.state not in ("done", "failed"):
         seed = await stack.seed()
         seen_jobs.extend(seed["jobs"])
+        _, doc = await stack.call("GET", "/v1/status", PAIR)
+        hidden.extend(doc["partitions"][0]["seed"]["jobs"])  # public.big is not granted
         m = await stack.metrics()
         if (
             m["changebus_bootstrap_snapshot_running"] == 1
@@ -467,7 +472,7 @@ async def test_status_and_metrics_follow_a_snapshot(stack: Stack) -> None:
     assert seed["state"] == "done", seed
     assert seed["jobs"] == []  # finished: no job stored
     # while it ran, the job was in /v1/status and the metrics moved
-    assert seen_jobs and {j["table"] for j in seen_jobs} == {"public.big"}
+    assert seen_jobs and {j["table"] for j in seen_jobs} == {"public.big"} and not hidden
     assert seen_jobs[-1]["chunks"] > seen_jobs[0]["chunks"] > 0 and seen_jobs[0]["scope"] == "table"
     assert seen_jobs[0]["first_tag"] > 0
     assert len(seen_running) >= 3

@@ -450,8 +450,9 @@ async def status_all(request: web.Request) -> web.Response:
 
     ``seed.jobs``: the chunked snapshots stored in progress (``cb_snapjob``):
     ``table``, ``scope`` (``table``, ``where`` or ``keys``), ``chunks`` and
-    ``rows`` stored, ``first_tag`` (-1: none yet);
-    a restarted server resumes them after their last chunk.
+    ``rows`` stored, ``first_tag`` (-1: none yet); a principal granted some
+    sources sees only their jobs. A restarted server resumes them after
+    their last chunk.
     """
     service = request.app[SERVICE]
     principal = principal_of(request)
@@ -470,6 +471,7 @@ async def status_all(request: web.Request) -> web.Response:
                 "first_tag": j.first_tag,
             }
             for j in jobs
+            if principal.allows_source(j.table)
         ]
         out.append(st)
     return json_response({"partitions": out})
