@@ -40,6 +40,7 @@ from changebus.bootstrap import (
     SeedConfig,
     StoreConfig,
 )
+from changebus.bootstrap._chunks import JobState, SnapshotScope
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import HEADER_SIZE, ChangeDecoder, TableSchema, decode_header, lsn_to_scn
 from changebus.schemas.security import PrincipalConfig, SecurityConfig, TlsConfig, hash_token
@@ -242,7 +243,12 @@ async def source_relay(tmp: Path, dsn: str) -> AsyncIterator[Relay]:
 
 @asynccontextmanager
 async def bootstrap(
-    relay: Relay, tmp: Path, dsn: str, tls_files: TlsFiles, rate: float = RATE
+    relay: Relay,
+    tmp: Path,
+    dsn: str,
+    tls_files: TlsFiles,
+    rate: float = RATE,
+    on_start: bool = False,
 ) -> AsyncIterator[Stack]:
     """A bootstrap server (TLS, an admin and a reader) seeding from ``dsn``; its store in ``tmp``."""
     security = SecurityConfig(
@@ -259,7 +265,7 @@ async def bootstrap(
         store=StoreConfig(kind="sqlite", path=tmp / "boot" / "b.db"),
         http=BootstrapHttp(port=0),
         security=security,
-        seed=SeedConfig(dsn=dsn, chunk_rows=CHUNK, max_rows_per_s=rate),
+        seed=SeedConfig(dsn=dsn, chunk_rows=CHUNK, max_rows_per_s=rate, on_start=on_start),
     )
     async with BootstrapServer(cfg) as boot:
 
@@ -361,6 +367,15 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
     assert status == 202 and body["scope"] == "table"
     seed = await wait_seed_end(stack)
     assert seed["state"] == "done" and seed["rows"] == 20, seed
+    # a where / keys snapshot would replace a whole-table job stored in progress: refused
+    job = JobState("public.pair", SnapshotScope("public.pair").as_json(), "[5]", 1, 5, 9, 9)
+    stores = stack.boot.service.stores
+    await stores.write(lambda s: s.snapshot_chunk("pg", job, [], 9))
+    status, body = await stack.call(
+        "POST", path, ADMIN, {"table": "public.pair", "keys": [[1, "k1"]]}
+    )
+    assert status == 400 and "tables=public.pair" in body["message"], body
+    await stores.write(lambda s: s.finish_snapshot("pg", job, seeded=False))
     # a where condition the source refuses: the run fails with the server's message
     status, body = await stack.call(
         "POST", path, ADMIN, {"table": "public.big", "where": "no_such_column > 1"}
@@ -508,11 +523,14 @@ async def test_status_and_metrics_follow_a_snapshot(stack: Stack) -> None:
     )
 
 
+@pytest.mark.parametrize("on_start", [False, True], ids=["alone", "after-on-start-seed"])
 async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
-    tmp_path: Path, pg_dsn: str, tls_files: TlsFiles
+    tmp_path: Path, pg_dsn: str, tls_files: TlsFiles, on_start: bool
 ) -> None:
     """A where snapshot stored in progress when the server stops runs on at its next start,
-    after its last chunk, and writes exactly the rows its condition selects."""
+    after its last chunk, and writes exactly the rows its condition selects. With
+    seed.on_start the start-up seed runs first (one seed at a time); its whole-table read
+    of the same table replaces the where job, and covers its rows."""
     async with source_relay(tmp_path, pg_dsn) as relay:
         async with bootstrap(relay, tmp_path, pg_dsn, tls_files, rate=600) as stack:
             status, _ = await stack.call(
@@ -530,12 +548,12 @@ async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
                     break
                 await asyncio.sleep(0.05)
             assert jobs and jobs[0]["chunks"] >= 3 and jobs[0]["scope"] == "where", jobs
-        # stopped: the job stays; a new server (no seed.on_start) goes on with it by itself
-        async with bootstrap(relay, tmp_path, pg_dsn, tls_files) as stack:
-            seed = await wait_seed_end(stack)
-            assert seed["state"] == "done", seed
-            assert seed["chunks_resumed"] >= 3 and seed["mode"] == "keyset" and not seed["jobs"]
-            assert seed["tables_total"] == 1
+        # stopped: the job stays; a new server goes on with it by itself
+        async with bootstrap(relay, tmp_path, pg_dsn, tls_files, on_start=on_start) as stack:
+            w = stack.boot.service.workers["pg"]
+            await wait_until(lambda: w.seeding is not None and w.seeding.done(), 90, "the seeds")
+            seed = await stack.seed()
+            assert seed["state"] == "done" and not seed["jobs"], seed
             marker = await asyncio.to_thread(sync_marker, pg_dsn)
             await relay_has(relay, marker)
             w = stack.boot.service.workers["pg"]
@@ -543,11 +561,16 @@ async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
             db = tmp_path / "boot" / "b.db"
             got = await asyncio.to_thread(store_rows, db, "pg", "public.big")
             want = await asyncio.to_thread(source_rows, pg_dsn)
+            seeded = await stack.boot.service.stores.read(lambda s: s.seeded("pg"))
+            if on_start:  # the whole tables are read again: that covers the where rows too
+                assert set(seeded) == {"public.big", "public.pair"}
+                assert_same(got, want)
+                return
+            assert seed["chunks_resumed"] >= 3 and seed["mode"] == "keyset", seed
+            assert seed["tables_total"] == 1 and seed["chunks"] < math.ceil(ROWS / CHUNK)
             # the rows the condition selects, and the one the relay streamed (id 1)
             assert_same(got, {k: r for k, r in want.items() if r[1] < 4 or k == 1})
-            # a where snapshot does not count as a seed of the table
-            seeded = await stack.boot.service.stores.read(lambda s: s.seeded("pg"))
-            assert "public.big" not in seeded
+            assert "public.big" not in seeded  # a where snapshot is not a seed of the table
 
 
 # ---- kill -9 of a bootstrap daemon in the middle of a table -------------------------------

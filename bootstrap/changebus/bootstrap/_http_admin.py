@@ -21,8 +21,10 @@ of it or a part, in chunks (:mod:`._chunks`); its JSON body::
 ``where`` and ``keys`` exclude each other. The body is at most
 :data:`MAX_BODY` bytes (413 beyond); malformed JSON, unknown or mistyped
 fields, a ``where`` holding ``;``, keys that are not lists of JSON scalars
-(or whose length is not the table's key length) and tables the partition
-lacks are 400 with a message naming what is wrong. Consumers get the rows
+(or whose length is not the table's key length), tables the partition
+lacks and a ``where`` / ``keys`` snapshot of a table whose whole-table
+snapshot is stored in progress (it would replace that job) are 400 with a
+message naming what is wrong. Consumers get the rows
 as ordinary snapshot pages (they are newer rows of the snapshot store).
 
 Event loop only (the store is read through its reader threads).
@@ -82,6 +84,8 @@ def add_admin_routes(
         await service.check_seed_tables(part, [scope.table])
         if scope.keys:
             await _check_key_length(service, part, scope)
+        if not scope.whole:
+            await _check_no_whole_job(service, part, scope.table)
         progress = service.start_seed(part, [scope.table], again=True, scope=scope)
         return json_response(
             {
@@ -186,6 +190,23 @@ def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:
             raise BadRequestError(f"keys[{i}] has {len(key)} values, keys[0] {len(keys[0])}")
         keys.append(key)
     return tuple(keys)
+
+
+async def _check_no_whole_job(service: BootstrapService, part: str, table: str) -> None:
+    """400 when a whole-table snapshot of ``table`` is stored in progress.
+
+    A table has one stored job (``cb_snapjob``): a ``where`` / ``keys``
+    snapshot would replace it, and the table's seed would then start again
+    from nothing instead of resuming.
+    """
+    jobs = await service.stores.read(lambda s: s.snapshot_jobs(part))
+    for job in jobs:
+        if job.table == table and SnapshotScope.from_json(job.scope).whole:
+            raise BadRequestError(
+                f"a snapshot of the whole table {table} is stored in progress ({job.chunks} "
+                f"chunks); finish it first: POST /v1/seed?partition={part}&tables={table} "
+                "resumes it"
+            )
 
 
 async def _check_key_length(service: BootstrapService, part: str, scope: SnapshotScope) -> None:
