@@ -33,7 +33,8 @@ partition-taking request is 403 for a partition not granted; ``sources=``
 naming a source not granted is 403, and a principal granted only some
 sources gets only those (snapshot pages and catch-up windows) when it names
 none; ``/v1/sources``, ``/v1/schemas`` and ``/v1/status`` show only what is
-granted; ``POST /v1/seed`` needs scope ``admin``.
+granted; ``POST /v1/seed`` and ``POST /v1/snapshot`` (:mod:`._http_admin`)
+need scope ``admin``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from changebus.schemas.server import (
     server_app,
 )
 
+from ._chunks import SnapshotScope
+from ._http_admin import add_admin_routes, scope_kind
 from ._metrics import BootstrapMetrics
 from ._service import BootstrapService
 from ._store import Store
@@ -84,7 +87,6 @@ _PARAMS = {
     "status": {"partition"},
     "snapshot": {"partition", "since", "start", "position", "max_bytes", "sources", "filter"},
     "catchup": {"partition", "after", "target", "max_bytes", "sources", "filter"},
-    "seed": {"partition", "tables"},
 }
 
 
@@ -94,8 +96,12 @@ def _check_params(request: web.Request, kind: str) -> None:
 
 def _partition(request: web.Request) -> str:
     """The ``partition`` parameter (may be left out when there is one); 403 when not granted."""
+    return partition_named(request, request.query.get("partition"))
+
+
+def partition_named(request: web.Request, name: str | None) -> str:
+    """Partition ``name`` (None: the only one); 400 malformed, 403 not granted, 404 unknown."""
     workers = request.app[SERVICE].workers
-    name = request.query.get("partition")
     principal = principal_of(request)
     if name is None:
         if len(workers) == 1:
@@ -377,16 +383,6 @@ def _select(data: bytes, key_filter: PartitionFilter | None, wanted: list[int] |
     )
 
 
-async def seed(request: web.Request) -> web.Response:
-    """``POST /v1/seed?partition=P&tables=a,b``: (re-)seed tables from the source (202)."""
-    _check_params(request, "seed")
-    principal_of(request).check_scope("admin")
-    part = _partition(request)
-    tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
-    progress = await request.app[SERVICE].seed_on_demand(part, tables)
-    return json_response({"partition": part, "seed": progress.as_dict()}, status=202)
-
-
 async def sources(request: web.Request) -> web.Response:
     """``GET /v1/sources``: as the relay's, from the schemas copied from it (those granted)."""
     service = request.app[SERVICE]
@@ -450,16 +446,35 @@ async def schemas(request: web.Request) -> web.Response:
 
 
 async def status_all(request: web.Request) -> web.Response:
-    """``GET /v1/status``: every partition's producer and applier."""
+    """``GET /v1/status``: every partition's producer, applier and seed.
+
+    ``seed.jobs``: the chunked snapshots stored in progress (``cb_snapjob``):
+    ``table``, ``scope`` (``table``, ``where`` or ``keys``), ``chunks`` and
+    ``rows`` stored, ``first_tag`` (-1: none yet); a principal granted some
+    sources sees only their jobs. A restarted server resumes them after
+    their last chunk.
+    """
     service = request.app[SERVICE]
     principal = principal_of(request)
-    return json_response(
-        {
-            "partitions": [
-                w.status() for w in service.workers.values() if principal.allows_partition(w.name)
-            ]
-        }
-    )
+    out = []
+    for w in list(service.workers.values()):
+        if not principal.allows_partition(w.name):
+            continue
+        st = w.status()
+        jobs = await service.stores.read(lambda s, p=w.name: s.snapshot_jobs(p))  # type: ignore[misc]
+        st["seed"]["jobs"] = [
+            {
+                "table": j.table,
+                "scope": scope_kind(SnapshotScope.from_json(j.scope)),
+                "chunks": j.chunks,
+                "rows": j.rows,
+                "first_tag": j.first_tag,
+            }
+            for j in jobs
+            if principal.allows_source(j.table)
+        ]
+        out.append(st)
+    return json_response({"partitions": out})
 
 
 def build_app(service: BootstrapService) -> web.Application:
@@ -482,7 +497,7 @@ def build_app(service: BootstrapService) -> web.Application:
     app.router.add_get("/v1/bootstrap/status", status)
     app.router.add_get("/v1/bootstrap/snapshot", snapshot)
     app.router.add_get("/v1/bootstrap/catchup", catchup)
-    app.router.add_post("/v1/seed", seed)
+    add_admin_routes(app, service, partition_named)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status_all)

@@ -2,7 +2,10 @@
 
 Producer and applier figures are read from the live partition workers when
 scraped (a custom collector); the handlers only bump plain counters of what
-they served. The collector joins the app's own ``CollectorRegistry`` (made by
+they served. The seed and chunked snapshot figures
+(``changebus_bootstrap_snapshot_*``, labelled by partition only) come from each
+partition's seed progress: the row and chunk counters add up every seed run
+of this process. The collector joins the app's own ``CollectorRegistry`` (made by
 the server frame, :func:`changebus.schemas.server.server_app`, which also
 counts the HTTP requests as ``changebus_bootstrap_http_requests_total``):
 nothing global. Event loop only: the handlers bump the counters and a
@@ -19,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from ._service import BootstrapService
+    from ._worker import PartitionWorker
 
 __all__ = ["BootstrapMetrics"]
 
@@ -38,6 +42,44 @@ _COUNTERS = {
     "producer_fell_off": "Times the producer fell off the relay",
     "data_loss": "DATA_LOSS windows (SCNs the relay reported lost) received from the relay",
 }
+
+#: seed / chunked snapshot figures (``changebus_bootstrap_snapshot_<name>``), per partition:
+#: the current (or last) seed run's :class:`~._seedtypes.SeedProgress`
+_SNAPSHOT_GAUGES = {
+    "chunks_resumed": "Chunks of the current table a resumed snapshot did not read again",
+    "tables_done": "Tables the current (or last) seed run has finished",
+    "tables_total": "Tables the current (or last) seed run copies",
+    "table_rows": "Rows of the current table done (resumed ones included)",
+    "table_rows_estimate": "Rows the current table holds, about (-1: unknown)",
+    "rows_per_second": "Rows a second the running seed reads (0: none running)",
+    "eta_seconds": "Seconds until the current table is done, about (-1: unknown)",
+    "running": "1 while a seed or snapshot runs",
+}
+_SNAPSHOT_COUNTERS = {
+    "rows": "Rows seeds and snapshots read from the source",
+    "chunks": "Chunks seeds and snapshots stored",
+}
+#: states of a seed run that is under way
+_RUNNING = frozenset({"starting", "running", "copied"})
+
+
+def _snapshot_figures(w: PartitionWorker) -> dict[str, float]:
+    """The ``changebus_bootstrap_snapshot_*`` values of ``w`` (its seed progress)."""
+    p = w.seed
+    running = p.state in _RUNNING
+    eta = p.eta_s if running else None
+    return {
+        "rows": float(w.seed_rows_before + p.rows),
+        "chunks": w.seed_chunks_before + p.chunks,
+        "chunks_resumed": p.chunks_resumed,
+        "tables_done": p.tables_done,
+        "tables_total": p.tables_total,
+        "table_rows": p.table_rows,
+        "table_rows_estimate": p.table_estimate,
+        "rows_per_second": p.rate_rows_s if running else 0.0,
+        "eta_seconds": -1.0 if eta is None else eta,
+        "running": 1.0 if running else 0.0,
+    }
 
 
 class BootstrapMetrics:
@@ -89,3 +131,22 @@ class BootstrapMetrics:
         yield from fams.values()
         yield from cfams.values()
         yield from (ready, served)
+        yield from self._snapshot()
+
+    def _snapshot(self) -> Iterator[Any]:
+        gauges = {
+            n: GaugeMetricFamily(f"changebus_bootstrap_snapshot_{n}", h, labels=["partition"])
+            for n, h in _SNAPSHOT_GAUGES.items()
+        }
+        counters = {
+            n: CounterMetricFamily(f"changebus_bootstrap_snapshot_{n}", h, labels=["partition"])
+            for n, h in _SNAPSHOT_COUNTERS.items()
+        }
+        for w in self._service.workers.values():
+            figures = _snapshot_figures(w)
+            for n, gauge in gauges.items():
+                gauge.add_metric([w.name], figures[n])
+            for n, counter in counters.items():
+                counter.add_metric([w.name], figures[n])
+        yield from gauges.values()
+        yield from counters.values()

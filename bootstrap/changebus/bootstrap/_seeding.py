@@ -3,7 +3,11 @@
 :class:`Seeding` (a base of :class:`~._service.BootstrapService`) starts at
 most one seed task per partition (:attr:`~._worker.PartitionWorker.seeding`):
 ``POST /v1/seed`` (:meth:`Seeding.seed_on_demand`, after
-:meth:`Seeding.check_seed_tables`), ``seed.on_start``, and a gap. The seed
+:meth:`Seeding.check_seed_tables`), ``POST /v1/snapshot`` (one table, or its
+rows a ``where`` condition or a key list selects: a
+:class:`~._chunks.SnapshotScope`), ``seed.on_start``, a gap, and at start-up
+the chunked snapshots a stopped (or killed) server left in progress
+(:meth:`Seeding.resume_snapshots`). The seed
 itself runs in a thread (the source kind's :func:`~._seeders.seeder_for`),
 handing each chunk of rows to the store's writer thread and waiting for it.
 
@@ -107,7 +111,7 @@ class Seeding(Upstream):
         old = w.seeding
         if old is not None and not old.done():
             old.cancel()
-        w.seed = SeedProgress(state="starting")
+        w.new_seed()
         w.seeding = asyncio.create_task(self._reseed(w, old), name=f"seed-{w.name}")
 
     async def _reseed(self, w: PartitionWorker, old: asyncio.Task[None] | None) -> None:
@@ -115,7 +119,7 @@ class Seeding(Upstream):
         if old is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await old
-            w.seed = SeedProgress(state="starting")  # the old one's end set it
+            w.new_seed()  # the old one's end set it
         await self._seed_repairing(w, [], True)
 
     async def _seed_repairing(
@@ -138,7 +142,7 @@ class Seeding(Upstream):
             log.warning("partition %s: seeding again in %.0f s to repair the gap", w.name, pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, _RESEED_RETRY_MAX_S)
-            w.seed = SeedProgress(state="starting")
+            w.new_seed()
 
     # ---- seeding -------------------------------------------------------------
 
@@ -209,11 +213,59 @@ class Seeding(Upstream):
         w = self.workers[part]
         if w.seeding is not None and not w.seeding.done():
             raise BadRequestError(f"partition {part} is being seeded already")
-        w.seed = SeedProgress(state="starting")
+        w.new_seed()
         w.seeding = asyncio.create_task(
             self._seed_repairing(w, tables, again, scope), name=f"seed-{part}"
         )
         return w.seed
+
+    async def resume_snapshots(self) -> None:
+        """At start-up: resume the chunked snapshots stored in progress (``cb_snapjob``).
+
+        With ``seed.dsn`` set, per partition with stored jobs, one background
+        task (the partition's seed task) runs, after the seed already started
+        for the partition if any (``seed.on_start``, a gap's re-seed; it may
+        finish some of the jobs itself): the whole-table jobs in one run,
+        then each ``where`` / ``keys`` job in a run of its own. Each table
+        continues after its last stored chunk (:func:`~._chunks.run_chunked`).
+        """
+        if not self.config.seed.dsn:
+            return
+        for w in self.workers.values():
+            jobs = await self.stores.write(lambda s, n=w.name: s.snapshot_jobs(n))  # type: ignore[misc]
+            if not jobs:
+                continue
+            for job in jobs:
+                scope = SnapshotScope.from_json(job.scope)
+                log.info(
+                    "partition %s: the snapshot of %s%s resumes after chunk %d (%d rows stored)",
+                    w.name,
+                    job.table,
+                    "" if scope.whole else " (a where/keys snapshot)",
+                    job.chunks,
+                    job.rows,
+                )
+            prior = w.seeding if w.seeding is not None and not w.seeding.done() else None
+            if prior is None:
+                w.new_seed()
+            w.seeding = asyncio.create_task(self._resume(w, prior), name=f"seed-{w.name}")
+
+    async def _resume(self, w: PartitionWorker, prior: asyncio.Task[None] | None) -> None:
+        """After ``prior`` (a seed running already), the runs of :meth:`resume_snapshots`."""
+        if prior is not None:
+            with contextlib.suppress(Exception):
+                await prior  # (cancelling this task cancels it too)
+        jobs = await self.stores.write(lambda s: s.snapshot_jobs(w.name))
+        scopes = [SnapshotScope.from_json(j.scope) for j in jobs]
+        whole = [s.table for s in scopes if s.whole]
+        runs: list[tuple[list[str], bool, SnapshotScope | None]] = []
+        if whole:
+            runs.append((whole, False, None))
+        runs.extend(([s.table], True, s) for s in scopes if not s.whole)
+        for i, (tables, again, scope) in enumerate(runs):
+            if i or prior is not None:
+                w.new_seed()
+            await self._seed_repairing(w, tables, again, scope)
 
     async def _seed(
         self, w: PartitionWorker, tables: list[str], again: bool, scope: SnapshotScope | None = None
@@ -230,9 +282,11 @@ class Seeding(Upstream):
             rows = await self.stores.write(lambda s: s.schemas(w.name))
             schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
             names = tables or sorted({n for _s, _v, n, _j in rows})
-            if again:
+            if again and scope.whole:
                 await self.stores.write(lambda s: s.forget_seed(w.name, names))
             done = set(await self.stores.write(lambda s: s.seeded(w.name)))
+            if not scope.whole:  # a part of a table: read also when the table was seeded
+                done.discard(scope.table)
             part_id = await self._relay_partition_id(w.name)
             loop = asyncio.get_running_loop()
 

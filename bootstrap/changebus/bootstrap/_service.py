@@ -20,7 +20,9 @@ commit together, and the applier moves the snapshot and its position in one
 transaction. On restart the producer resumes after the log's newest window
 (the relay skips what came before) and the applier after its last one, so a
 ``kill -9`` anywhere loses or doubles nothing. A gap recorded before a
-restart is reported again at start-up and repaired when ``seed.dsn`` is set.
+restart is reported again at start-up and repaired when ``seed.dsn`` is set;
+chunked snapshots stored in progress resume after their last chunk
+(:meth:`~._seeding.Seeding.resume_snapshots`).
 
 In a relay cluster (``[cluster]``) the service holds a
 :class:`~._member.ClusterMember`: without configured ``relays`` the
@@ -111,6 +113,7 @@ class BootstrapService(Pipelines):
                 )
                 if cfg.seed.dsn and (w.seeding is None or w.seeding.done()):
                     self.start_seed(w.name, [], again=False)
+        await self.resume_snapshots()  # after those: one seed task per partition
         log.info(
             "bootstrap serving partitions %s from %s",
             ", ".join(self.workers) or "(none)",

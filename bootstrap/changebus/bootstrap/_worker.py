@@ -48,8 +48,19 @@ class PartitionWorker:
     applied_at: float = field(default_factory=time.monotonic)
     seed: SeedProgress = field(default_factory=SeedProgress)
     seeding: asyncio.Task[None] | None = None
+    #: rows and chunks the seed runs before :attr:`seed` read (``/metrics`` counters)
+    seed_rows_before: int = 0
+    seed_chunks_before: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def new_seed(self) -> SeedProgress:
+        """A new seed run's progress (state ``starting``) replaces :attr:`seed`, whose
+        rows and chunks are added to the totals before it."""
+        self.seed_rows_before += self.seed.rows
+        self.seed_chunks_before += self.seed.chunks
+        self.seed = SeedProgress(state="starting")
+        return self.seed
 
     def status(self) -> dict[str, Any]:
         return {

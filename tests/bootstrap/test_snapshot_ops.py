@@ -1,0 +1,719 @@
+"""Operating chunked snapshots: POST /v1/snapshot, the CLI, /v1/status, /metrics, kill -9 resume.
+
+Real servers: a Postgres source (tests/fix_pg.py), a relay with the postgres
+fetcher and a bootstrap server in the test's event loop (TLS, an admin and a
+reader principal) for the request, CLI and metrics tests; for the resume
+test a bootstrap daemon subprocess that is killed with SIGKILL in the middle
+of a table and restarted on the same store: it must continue after the last
+stored chunk by itself, and its snapshot must equal the source row by row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sqlite3
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+import pytest
+
+from changebus.bootstrap import (
+    BootstrapConfig,
+    BootstrapServer,
+    HttpConfig as BootstrapHttp,
+    SeedConfig,
+    StoreConfig,
+)
+from changebus.bootstrap._chunks import JobState, SnapshotScope
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import HEADER_SIZE, ChangeDecoder, TableSchema, decode_header, lsn_to_scn
+from changebus.schemas.security import PrincipalConfig, SecurityConfig, TlsConfig, hash_token
+from waiting import wait_until
+
+pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        str(ROOT / s)
+        for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
+    ),
+}
+ADMIN = "A" * 43
+READER = "R" * 43
+PAIR = "P" * 43  # granted the source public.pair only
+#: the tls_files fixture's type (tests/fix_tls.py)
+TlsFiles = Any
+Row = tuple[Any, ...]
+
+
+def create_source(dsn: str, rows: int) -> None:
+    """``big`` (``rows`` rows, one-column key) and ``pair`` (a composite key), analyzed."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE big (id int8 PRIMARY KEY, grp int4 NOT NULL, note text)")
+        conn.execute(
+            "INSERT INTO big SELECT i, i %% 7, 'row ' || i || repeat('x', i %% 50) "
+            "FROM generate_series(1, %s) i",
+            (rows,),
+        )
+        conn.execute("CREATE TABLE pair (a int8, b text, v text, PRIMARY KEY (a, b))")
+        conn.execute("INSERT INTO pair SELECT i, 'k' || i, 'v' FROM generate_series(1, 20) i")
+        conn.execute("ANALYZE big")
+        conn.execute("ANALYZE pair")
+
+
+def touch(dsn: str) -> None:
+    """A change of each table: the relay learns their schemas."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE big SET note = note WHERE id = 1")
+        conn.execute("UPDATE pair SET v = 'w' WHERE a = 1")
+
+
+def sync_marker(dsn: str) -> int:
+    """An SCN at or after every change committed so far."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
+    assert row is not None
+    return lsn_to_scn(row[0])
+
+
+def writer(dsn: str, stop: threading.Event, rows: int, seed: int) -> int:
+    """Updates, inserts and deletes of ``big`` until ``stop``; returns transactions done."""
+    rnd = random.Random(seed)
+    done = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            with conn.transaction():
+                for _ in range(rnd.randint(1, 4)):
+                    k = rnd.randint(1, rows + 500)
+                    r = rnd.random()
+                    if r < 0.6:
+                        conn.execute(
+                            "INSERT INTO big VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE "
+                            "SET grp = EXCLUDED.grp, note = EXCLUDED.note",
+                            (k, rnd.randint(0, 99), f"w{done}"),
+                        )
+                    elif r < 0.8:
+                        conn.execute("UPDATE big SET grp = grp + 1 WHERE id = %s", (k,))
+                    else:
+                        conn.execute("DELETE FROM big WHERE id = %s", (k,))
+            done += 1
+            stop.wait(0.005)
+    return done
+
+
+def source_rows(dsn: str) -> dict[int, Row]:
+    with psycopg.connect(dsn) as conn:
+        return {r[0]: tuple(r) for r in conn.execute("SELECT id, grp, note FROM big")}
+
+
+def store_rows(path: Path, part: str, table: str) -> dict[int, Row]:
+    """The live snapshot rows of ``table`` in a SQLite store, decoded with cb_schema."""
+    conn = sqlite3.connect(path, timeout=10)
+    try:
+        schemas = {
+            (sid, version): TableSchema.from_json(json.loads(text))
+            for sid, version, text in conn.execute(
+                "SELECT source_id, version, schema FROM cb_schema WHERE part = ? AND name = ?",
+                (part, table),
+            )
+        }
+        (sid,) = {s for s, _v in schemas}
+        events = conn.execute(
+            "SELECT event FROM cb_snap WHERE part = ? AND source_id = ? AND deleted = 0",
+            (part, sid),
+        ).fetchall()
+    finally:
+        conn.close()
+    decoders = {k: ChangeDecoder(s) for k, s in schemas.items()}
+    out: dict[int, Row] = {}
+    for (event,) in events:
+        ev = bytes(event)
+        h = decode_header(ev)
+        after = (
+            decoders[(sid, h.schema_version)]
+            .decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
+            .after
+        )
+        assert after is not None
+        out[after["id"]] = (after["id"], after["grp"], after["note"])
+    return out
+
+
+def assert_same(got: dict[int, Row], want: dict[int, Row]) -> None:
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    wrong = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+    assert not (missing or extra or wrong), (
+        f"missing {missing[:10]} ({len(missing)}), extra {extra[:10]} ({len(extra)}), "
+        f"different {[(got[k], want[k]) for k in wrong[:5]]} ({len(wrong)})"
+    )
+
+
+def relay_config(tmp: Path, dsn: str) -> RelayConfig:
+    return RelayConfig(
+        data_dir=tmp / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=16 << 20,
+                fetcher=FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.2}),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+
+
+async def relay_has(relay: Relay, marker: int) -> None:
+    await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= marker, 60, "the relay")
+
+
+# ---- a bootstrap server in the test's loop ---------------------------------------------
+
+
+@dataclass
+class Stack:
+    relay: Relay
+    boot: BootstrapServer
+    dsn: str
+    tls: TlsFiles
+    tmp: Path
+    http: aiohttp.ClientSession
+
+    async def call(
+        self, method: str, path: str, token: str | None = ADMIN, body: Any = None, **kw: Any
+    ) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self.http.request(
+            method, self.boot.url + path, headers=headers, json=body, **kw
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def seed(self) -> dict[str, Any]:
+        _, doc = await self.call("GET", "/v1/status")
+        seed: dict[str, Any] = doc["partitions"][0]["seed"]
+        return seed
+
+    async def metrics(self) -> dict[str, float]:
+        async with self.http.get(self.boot.url + "/metrics") as r:
+            text = await r.text()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("changebus_bootstrap_snapshot_"):
+                name, value = line.rsplit(" ", 1)
+                assert name.endswith('{partition="pg"}'), name  # labelled by partition only
+                out[name.split("{")[0]] = float(value)
+        return out
+
+
+ROWS = 3100  # 16 chunks of 200 (the last one short: the reader knows it is the end)
+CHUNK = 200
+RATE = 2000.0  # rows/s: the table takes about 1.5 s
+
+
+@asynccontextmanager
+async def source_relay(tmp: Path, dsn: str) -> AsyncIterator[Relay]:
+    """The source tables and a relay streaming them (it has seen a change of each)."""
+    await asyncio.to_thread(create_source, dsn, ROWS)
+    async with Relay(relay_config(tmp, dsn)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming", 60)
+        await asyncio.to_thread(touch, dsn)
+        await relay_has(relay, await asyncio.to_thread(sync_marker, dsn))
+        yield relay
+
+
+@asynccontextmanager
+async def bootstrap(
+    relay: Relay,
+    tmp: Path,
+    dsn: str,
+    tls_files: TlsFiles,
+    rate: float = RATE,
+    on_start: bool = False,
+) -> AsyncIterator[Stack]:
+    """A bootstrap server (TLS, an admin and a reader) seeding from ``dsn``; its store in ``tmp``."""
+    security = SecurityConfig(
+        tls=TlsConfig(tls_files.server_cert, tls_files.server_key),
+        principals=(
+            PrincipalConfig("ops", (hash_token(ADMIN),), scopes=("admin",)),
+            PrincipalConfig("reader", (hash_token(READER),)),
+            PrincipalConfig("pair", (hash_token(PAIR),), sources=("public.pair",)),
+        ),
+    )
+    cfg = BootstrapConfig(
+        relays=(relay.url,),
+        data_dir=tmp / "boot",
+        store=StoreConfig(kind="sqlite", path=tmp / "boot" / "b.db"),
+        http=BootstrapHttp(port=0),
+        security=security,
+        seed=SeedConfig(dsn=dsn, chunk_rows=CHUNK, max_rows_per_s=rate, on_start=on_start),
+    )
+    async with BootstrapServer(cfg) as boot:
+
+        async def schemas() -> bool:
+            rows = await boot.service.stores.read(lambda s: s.schemas("pg"))
+            return {n for _s, _v, n, _j in rows} >= {"public.big", "public.pair"}
+
+        for _ in range(600):
+            if await schemas():
+                break
+            await asyncio.sleep(0.05)
+        ctx = ssl.create_default_context(cafile=str(tls_files.ca))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+            yield Stack(relay, boot, dsn, tls_files, tmp, http)
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, pg_dsn: str, tls_files: TlsFiles) -> AsyncIterator[Stack]:
+    async with (
+        source_relay(tmp_path, pg_dsn) as relay,
+        bootstrap(relay, tmp_path, pg_dsn, tls_files) as stack,
+    ):
+        yield stack
+
+
+async def wait_seed_end(stack: Stack, seconds: float = 60) -> dict[str, Any]:
+    w = stack.boot.service.workers["pg"]
+    await wait_until(lambda: w.seed.state in ("done", "failed", "stopped"), seconds, "the seed")
+    return await stack.seed()
+
+
+async def test_snapshot_requests_are_checked(stack: Stack) -> None:
+    """403 without admin, 400 naming each fault, 413 beyond 1 MiB, 202, 400 while one runs."""
+    path = "/v1/snapshot"
+    good = {"table": "public.big"}
+    assert (await stack.call("POST", path, None, good))[0] == 401
+    status, body = await stack.call("POST", path, READER, good)
+    assert status == 403 and "admin" in body["message"]
+    bad: list[tuple[Any, str]] = [
+        ({}, "table"),
+        ([1, 2], "JSON object"),
+        ({"table": 5}, "table must be a string"),
+        ({"table": "public.big", "colour": 1}, "unknown field"),
+        ({"table": "public.big", "where": "id < 5", "keys": [1]}, "either where or keys"),
+        ({"table": "public.big", "where": "id < 5; DROP TABLE big"}, "no ';'"),
+        ({"table": "public.big", "where": "  "}, "where is empty"),
+        ({"table": "public.big", "keys": 5}, "keys must be a non-empty JSON list"),
+        ({"table": "public.big", "keys": []}, "keys must be a non-empty JSON list"),
+        ({"table": "public.big", "keys": [{"id": 1}]}, "keys[0]"),
+        ({"table": "public.big", "keys": [[1, [2]]]}, "keys[0]"),
+        ({"table": "public.big", "keys": [[1], [1, 2]]}, "keys[1] has 2 values"),
+        ({"table": "public.pair", "keys": [[1]]}, "key is (a, b)"),
+        ({"table": "public.big", "keys": [[1, 2]]}, "key is (id)"),
+        ({"table": "public.nope"}, "no table(s) 'public.nope'"),
+        ({"table": "nodot"}, "not schema.table"),
+        ({"table": "*gap*"}, "reserved"),
+        ({"table": "public.big", "partition": 3}, "partition must be a string"),
+    ]
+    for doc, words in bad:
+        status, body = await stack.call("POST", path, ADMIN, doc)
+        assert status == 400 and words in body["message"], (doc, status, body)
+    for raw in (b"{not json", b"\xff\xfe", b""):
+        async with stack.http.post(
+            stack.boot.url + path, data=raw, headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as r:
+            body = await r.json()
+            assert r.status == 400 and "not a JSON document" in body["message"], (raw, body)
+    status, body = await stack.call("POST", path + "?table=public.big", ADMIN, good)
+    assert status == 400
+    status, body = await stack.call("POST", path, ADMIN, {**good, "partition": "other"})
+    assert status == 404
+    huge = json.dumps({"table": "public.big", "keys": list(range(200_000))}).encode()
+    assert len(huge) > 1 << 20
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the size shows late
+        for i in range(0, len(huge), 1 << 16):
+            yield huge[i : i + (1 << 16)]
+
+    for data in (io.BytesIO(huge), chunked()):
+        async with stack.http.post(
+            stack.boot.url + path, data=data, headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as r:
+            body = await r.json()
+            assert r.status == 413 and "larger than" in body["message"], body
+    # accepted: a key list (one of them absent from the source), then refused while it runs
+    status, body = await stack.call(
+        "POST", path, ADMIN, {"table": "public.big", "keys": [1, 2, 3, 999_999]}
+    )
+    assert status == 202, body
+    assert (body["partition"], body["table"], body["scope"]) == ("pg", "public.big", "keys")
+    assert body["seed"]["state"] == "starting"
+    status, again = await stack.call("POST", path, ADMIN, good)
+    assert status == 400 and "being seeded already" in again["message"]
+    seed = await wait_seed_end(stack)
+    assert seed["state"] == "done", seed
+    assert seed["rows"] == 3 and seed["tables_total"] == 1
+    # a whole table
+    status, body = await stack.call("POST", path, ADMIN, {"table": "public.pair"})
+    assert status == 202 and body["scope"] == "table"
+    seed = await wait_seed_end(stack)
+    assert seed["state"] == "done" and seed["rows"] == 20, seed
+    # a where / keys snapshot would replace a whole-table job stored in progress: refused
+    job = JobState("public.pair", SnapshotScope("public.pair").as_json(), "[5]", 1, 5, 9, 9)
+    stores = stack.boot.service.stores
+    await stores.write(lambda s: s.snapshot_chunk("pg", job, [], 9))
+    status, body = await stack.call(
+        "POST", path, ADMIN, {"table": "public.pair", "keys": [[1, "k1"]]}
+    )
+    assert status == 400 and "tables=public.pair" in body["message"], body
+    await stores.write(lambda s: s.finish_snapshot("pg", job, seeded=False))
+    # a where condition the source refuses: the run fails with the server's message
+    status, body = await stack.call(
+        "POST", path, ADMIN, {"table": "public.big", "where": "no_such_column > 1"}
+    )
+    assert status == 202 and body["scope"] == "where"
+    seed = await wait_seed_end(stack)
+    assert seed["state"] == "failed" and "no_such_column" in seed["error"], seed
+    assert stack.dsn not in json.dumps(seed)
+
+
+async def run_cli(stack: Stack, *args: str, token: str = ADMIN) -> tuple[int, str, str]:
+    token_file = stack.tmp / f"token-{token[0]}"
+    token_file.write_text(token + "\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "changebus.schemas",
+        "bootstrap",
+        "snapshot",
+        *args,
+        "--ca-file",
+        str(stack.tls.ca),
+        "--token-file",
+        str(token_file),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    text = out.decode(), err.decode()
+    assert ADMIN not in text[0] + text[1] and READER not in text[0] + text[1]  # never printed
+    return proc.returncode, text[0], text[1]
+
+
+async def test_cli_snapshot_shows_progress_and_exits_by_the_result(stack: Stack) -> None:
+    url = stack.boot.url
+    code, out, err = await run_cli(stack, url, "--table", "public.big", "--interval", "0.2")
+    assert code == 0, err
+    assert "snapshot done: 3,100 rows read in 16 chunks" in out, out
+    # no terminal: a progress line per poll, with rows of the estimate, rows/s and chunks
+    lines = [ln for ln in err.splitlines() if ln.startswith("public.big")]
+    assert len(lines) >= 3, err
+    assert "/3.10k" in lines[-1] and "rows/s=" in lines[-1] and "chunks=" in lines[-1], lines
+    # keys from a file, without waiting
+    keys = stack.tmp / "keys.json"
+    keys.write_text(json.dumps([[1, "k1"], [2, "k2"]]))
+    code, out, err = await run_cli(
+        stack, url, "--table", "public.pair", "--keys", f"@{keys}", "--no-wait"
+    )
+    assert code == 0, err
+    assert json.loads(out)["scope"] == "keys"
+    assert (await wait_seed_end(stack))["state"] == "done"
+    # a failed run: exit 1 with the error
+    code, out, err = await run_cli(stack, url, "--table", "public.big", "--where", "nope > 1")
+    assert code == 1 and "failed" in err and "nope" in err, err
+    # usage errors: 2 (flags, or the server refusing the request as given)
+    for args in (
+        ("--table", "public.nope"),
+        ("--table", "nodot"),
+        ("--table", "public.big", "--keys", "[1,"),
+        ("--table", "public.big", "--keys", "@/nonexistent/keys.json"),
+        ("--table", "public.big", "--where", "a", "--keys", "[1]"),
+    ):
+        code, out, err = await run_cli(stack, url, *args)
+        assert code == 2, (args, out, err)
+    code, out, err = await run_cli(stack, "ftp://x", "--table", "public.big")
+    assert code == 2 and "http://" in err
+    # not an admin: 1, with the server's reason
+    code, out, err = await run_cli(stack, url, "--table", "public.big", token=READER)
+    assert code == 1 and "admin" in err, err
+
+
+async def test_status_and_metrics_follow_a_snapshot(stack: Stack) -> None:
+    before = await stack.metrics()
+    names = {
+        "rows_total",
+        "chunks_total",
+        "chunks_resumed",
+        "tables_done",
+        "tables_total",
+        "table_rows",
+        "table_rows_estimate",
+        "rows_per_second",
+        "eta_seconds",
+        "running",
+    }
+    assert {f"changebus_bootstrap_snapshot_{n}" for n in names} <= set(before), sorted(before)
+    assert before["changebus_bootstrap_snapshot_running"] == 0
+    status, _ = await stack.call("POST", "/v1/snapshot", ADMIN, {"table": "public.big"})
+    assert status == 202
+    seen_jobs: list[dict[str, Any]] = []
+    seen_running: list[dict[str, float]] = []
+    hidden: list[dict[str, Any]] = []
+    w = stack.boot.service.workers["pg"]
+    while w.seed.state not in ("done", "failed"):
+        seed = await stack.seed()
+        seen_jobs.extend(seed["jobs"])
+        _, doc = await stack.call("GET", "/v1/status", PAIR)
+        hidden.extend(doc["partitions"][0]["seed"]["jobs"])  # public.big is not granted
+        m = await stack.metrics()
+        if (
+            m["changebus_bootstrap_snapshot_running"] == 1
+            and m["changebus_bootstrap_snapshot_table_rows"] > 0
+        ):
+            seen_running.append(m)
+        await asyncio.sleep(0.1)
+    seed = await stack.seed()
+    assert seed["state"] == "done", seed
+    assert seed["jobs"] == []  # finished: no job stored
+    # while it ran, the job was in /v1/status and the metrics moved
+    assert seen_jobs and {j["table"] for j in seen_jobs} == {"public.big"} and not hidden
+    assert seen_jobs[-1]["chunks"] > seen_jobs[0]["chunks"] > 0 and seen_jobs[0]["scope"] == "table"
+    assert seen_jobs[0]["first_tag"] > 0
+    assert len(seen_running) >= 3
+    assert (
+        seen_running[-1]["changebus_bootstrap_snapshot_table_rows"]
+        > (seen_running[0]["changebus_bootstrap_snapshot_table_rows"])
+    )
+    mid = seen_running[len(seen_running) // 2]
+    assert mid["changebus_bootstrap_snapshot_rows_per_second"] > 0
+    assert mid["changebus_bootstrap_snapshot_table_rows_estimate"] == ROWS
+    assert mid["changebus_bootstrap_snapshot_eta_seconds"] >= 0
+    after = await stack.metrics()
+    assert after["changebus_bootstrap_snapshot_running"] == 0
+    assert (
+        after["changebus_bootstrap_snapshot_rows_total"]
+        - before["changebus_bootstrap_snapshot_rows_total"]
+        == ROWS
+    )
+    assert after["changebus_bootstrap_snapshot_chunks_total"] - before[
+        "changebus_bootstrap_snapshot_chunks_total"
+    ] == math.ceil(ROWS / CHUNK)
+    assert after["changebus_bootstrap_snapshot_tables_done"] == 1
+    assert after["changebus_bootstrap_snapshot_tables_total"] == 1
+    # the counters add up runs: a second one adds to them
+    status, _ = await stack.call(
+        "POST", "/v1/snapshot", ADMIN, {"table": "public.big", "keys": [1]}
+    )
+    assert status == 202 and (await wait_seed_end(stack))["state"] == "done"
+    last = await stack.metrics()
+    assert (
+        last["changebus_bootstrap_snapshot_rows_total"]
+        == after["changebus_bootstrap_snapshot_rows_total"] + 1
+    )
+
+
+@pytest.mark.parametrize("on_start", [False, True], ids=["alone", "after-on-start-seed"])
+async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
+    tmp_path: Path, pg_dsn: str, tls_files: TlsFiles, on_start: bool
+) -> None:
+    """A where snapshot stored in progress when the server stops runs on at its next start,
+    after its last chunk, and writes exactly the rows its condition selects. With
+    seed.on_start the start-up seed runs first (one seed at a time); its whole-table read
+    of the same table replaces the where job, and covers its rows."""
+    async with source_relay(tmp_path, pg_dsn) as relay:
+        async with bootstrap(relay, tmp_path, pg_dsn, tls_files, rate=600) as stack:
+            status, _ = await stack.call(
+                "POST", "/v1/snapshot", ADMIN, {"table": "public.big", "where": "grp < 4"}
+            )
+            assert status == 202
+            jobs: list[dict[str, Any]] = []
+
+            async def three_chunks() -> bool:
+                jobs[:] = (await stack.seed())["jobs"]
+                return bool(jobs) and jobs[0]["chunks"] >= 3
+
+            for _ in range(600):
+                if await three_chunks():
+                    break
+                await asyncio.sleep(0.05)
+            assert jobs and jobs[0]["chunks"] >= 3 and jobs[0]["scope"] == "where", jobs
+        # stopped: the job stays; a new server goes on with it by itself
+        async with bootstrap(relay, tmp_path, pg_dsn, tls_files, on_start=on_start) as stack:
+            w = stack.boot.service.workers["pg"]
+            await wait_until(lambda: w.seeding is not None and w.seeding.done(), 90, "the seeds")
+            seed = await stack.seed()
+            assert seed["state"] == "done" and not seed["jobs"], seed
+            marker = await asyncio.to_thread(sync_marker, pg_dsn)
+            await relay_has(relay, marker)
+            w = stack.boot.service.workers["pg"]
+            await wait_until(lambda: w.applier_scn >= marker, 60, "the applier")
+            db = tmp_path / "boot" / "b.db"
+            got = await asyncio.to_thread(store_rows, db, "pg", "public.big")
+            want = await asyncio.to_thread(source_rows, pg_dsn)
+            seeded = await stack.boot.service.stores.read(lambda s: s.seeded("pg"))
+            if on_start:  # the whole tables are read again: that covers the where rows too
+                assert set(seeded) == {"public.big", "public.pair"}
+                assert_same(got, want)
+                return
+            assert seed["chunks_resumed"] >= 3 and seed["mode"] == "keyset", seed
+            assert seed["tables_total"] == 1 and seed["chunks"] < math.ceil(ROWS / CHUNK)
+            # the rows the condition selects, and the one the relay streamed (id 1)
+            assert_same(got, {k: r for k, r in want.items() if r[1] < 4 or k == 1})
+            assert "public.big" not in seeded  # a where snapshot is not a seed of the table
+
+
+# ---- kill -9 of a bootstrap daemon in the middle of a table -------------------------------
+
+BIG = 30_250  # 61 chunks of 500 (the last one short: the reader knows it is the end)
+BIG_CHUNK = 500
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "changebus.schemas", "bootstrap", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+
+
+async def http_json(url: str) -> Any:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return await r.json() if r.status == 200 else None
+    except aiohttp.ClientError:
+        return None
+
+
+def stored_job(store: Path) -> tuple[int, int] | None:
+    """(chunks, rows) of the stored job of public.big (None: none)."""
+    conn = sqlite3.connect(store, timeout=10)
+    try:
+        row = conn.execute(
+            "SELECT chunks, nrows FROM cb_snapjob WHERE part = 'pg' AND name = 'public.big'"
+        ).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+async def test_kill_9_mid_table_resumes_after_the_last_chunk(tmp_path: Path, pg_dsn: str) -> None:
+    await asyncio.to_thread(create_source, pg_dsn, BIG)
+    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming", 60)
+        await asyncio.to_thread(touch, pg_dsn)
+        await relay_has(relay, await asyncio.to_thread(sync_marker, pg_dsn))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        store = tmp_path / "boot" / "b.db"
+        common = (
+            f'relays = ["{relay.url}"]\ndata_dir = "{tmp_path / "boot"}"\n'
+            f'[store]\npath = "{store}"\n[http]\nport = {port}\n'
+            f'[seed]\ndsn = "{pg_dsn}"\ntables = ["public.big"]\nchunk_rows = {BIG_CHUNK}\n'
+            "max_rows_per_s = 3000\nlog_every_chunks = 10\n"
+        )
+        first, second = tmp_path / "first.toml", tmp_path / "second.toml"
+        first.write_text(common + "on_start = true\n")
+        second.write_text(common)  # no seed.on_start: only the stored job makes it go on
+        log = tmp_path / "bootstrap.log"
+        stop = threading.Event()
+        writes = asyncio.ensure_future(asyncio.to_thread(writer, pg_dsn, stop, BIG, 5))
+        proc = start_daemon(first, log)
+        try:
+            seen: dict[str, Any] = {}
+
+            async def five_chunks() -> bool:
+                st = await http_json(f"{url}/v1/status")
+                seed = st["partitions"][0]["seed"] if st else {}
+                seen.update(seed)
+                return any(j["chunks"] >= 5 for j in seed.get("jobs", ()))
+
+            for _ in range(2400):
+                if await five_chunks() or seen.get("state") in ("done", "failed"):
+                    break
+                await asyncio.sleep(0.05)
+            assert any(j["chunks"] >= 5 for j in seen.get("jobs", ())), (
+                seen,
+                log.read_text()[-3000:],
+            )
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            job = await asyncio.to_thread(stored_job, store)
+            assert job is not None, "the job row must survive the kill"
+            stored_chunks, stored_rows = job
+            table_chunks = math.ceil(BIG / BIG_CHUNK)
+            assert 5 <= stored_chunks < table_chunks  # killed in the middle of the table
+            assert stored_rows == stored_chunks * BIG_CHUNK
+            proc = start_daemon(second, log)
+            done: dict[str, Any] = {}
+
+            async def resumed_and_done() -> bool:
+                st = await http_json(f"{url}/v1/status")
+                if not st:
+                    return False
+                done.clear()
+                done.update(st["partitions"][0]["seed"])
+                return done.get("state") in ("done", "failed", "stopped")
+
+            for _ in range(2400):
+                if await resumed_and_done():
+                    break
+                await asyncio.sleep(0.05)
+            assert done.get("state") == "done", (done, log.read_text()[-3000:])
+            # it went on after the last stored chunk: at most the chunk in flight was read again
+            why = (stored_chunks, done)
+            assert done["chunks_resumed"] == stored_chunks, why
+            assert stored_chunks + done["chunks"] <= table_chunks + 1, why
+            assert done["chunks"] >= table_chunks - stored_chunks - 2, why  # (writers delete)
+            assert done["table_rows"] >= BIG - 500, why
+            assert "resumes after chunk" in log.read_text()
+            async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+                text = await r.text()
+            resumed = [
+                ln
+                for ln in text.splitlines()
+                if ln.startswith("changebus_bootstrap_snapshot_chunks_resumed{")
+            ]
+            assert resumed and float(resumed[0].split()[-1]) == stored_chunks
+            # the snapshot equals the source row by row once the applier caught up
+            stop.set()
+            await writes
+            marker = await asyncio.to_thread(sync_marker, pg_dsn)
+
+            async def applied() -> bool:
+                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
+                return bool(st and st["applier_scn"] >= marker)
+
+            for _ in range(2400):
+                if await applied():
+                    break
+                await asyncio.sleep(0.05)
+            assert await applied(), log.read_text()[-3000:]
+            got = await asyncio.to_thread(store_rows, store, "pg", "public.big")
+            assert_same(got, await asyncio.to_thread(source_rows, pg_dsn))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+        finally:
+            stop.set()
+            await writes
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
