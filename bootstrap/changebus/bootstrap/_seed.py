@@ -130,7 +130,7 @@ def _psycopg_error(what: str, exc: Exception) -> Exception:
     any other exception as it is."""
     import psycopg
 
-    from changebus.fetchers.postgres._setup import reason
+    from changebus.fetchers.postgres import pg_error_reason as reason
 
     if not isinstance(exc, psycopg.Error):
         return exc
@@ -287,7 +287,7 @@ class PostgresChunkSource:
         """``EXPLAIN`` the condition once, read-only: a bad one is refused with the server's words."""
         import psycopg
 
-        from changebus.fetchers.postgres._setup import reason
+        from changebus.fetchers.postgres import pg_error_reason as reason
 
         if ";" in where:
             raise SourceConfigError(f"the snapshot condition of {name} may not hold ';'")

@@ -5,7 +5,8 @@ The fetcher itself is kind ``postgres`` (docs/postgres.md), built by
 package exposes its building blocks: the pgoutput message parser, the binary
 value decoders, the catalog type resolver, the assembler that turns a message
 stream into encoded windows, :func:`pg_connect` (a connection whose errors
-never quote the DSN), and :class:`EmbeddedPostgres`, a private throwaway
+never quote the DSN), :func:`pg_error_reason` (an error's first line without
+connection details), and :class:`EmbeddedPostgres`, a private throwaway
 server for demos and tests.
 """
 
@@ -31,7 +32,7 @@ from ._pgoutput import (
     Update as Update,
     parse_message as parse_message,
 )
-from ._setup import connect as pg_connect
+from ._setup import connect as pg_connect, reason as pg_error_reason
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
 
@@ -71,4 +72,5 @@ __all__ = [
     "find_pg_bin",
     "parse_message",
     "pg_connect",
+    "pg_error_reason",
 ]
