@@ -8,9 +8,11 @@ log, and return to the relay (Databus's startSCN/targetSCN protocol, see
 docs/protocol.md section 8). Storage is SQLite (default) or Postgres, same
 code (:class:`Store`). Run it with ``changebus bootstrap --config
 bootstrap.toml`` or embedded with :class:`BootstrapServer`. Seeding the
-snapshot from the source goes through one :class:`Seeder` per source kind
-(:func:`seeder_for`: :func:`seed_postgres`, :func:`seed_mysql`), given a
-:class:`SeedRequest` and reporting in a :class:`SeedProgress`.
+snapshot from the source -- online, in short keyset chunks merged at
+watermark SCNs, resumable after a crash -- goes through one :class:`Seeder`
+per source kind (:func:`seeder_for`: :func:`seed_postgres`,
+:func:`seed_mysql`), given a :class:`SeedRequest` and reporting in a
+:class:`SeedProgress`.
 """
 
 from ._config import (

@@ -1,97 +1,96 @@
-"""Seeding the snapshot store from a Postgres source, aligned with an SCN, without stopping writes.
+"""Seeding the snapshot store from a Postgres source: online chunks, no long transaction.
 
-The change stream only holds what changed after capture began; rows nobody
-touched since are not in it. The seeder copies them from the source:
+:func:`seed_postgres` runs the shared chunk loop (:func:`~._chunks.run_chunked`)
+over a :class:`PostgresChunkSource`: one connection (``application_name =
+changebus-seed``) that reads each table in short ``REPEATABLE READ, READ
+ONLY`` transactions, one per chunk, with ``COPY (SELECT ...) TO STDOUT
+(FORMAT binary)`` -- the same binary values pgoutput sends -- turned into
+INSERT events by the postgres fetcher's own
+:class:`~changebus.fetchers.postgres.Assembler` (same types, same Avro
+encoding, the relay's source ids and schema versions, under the fetcher's
+column policy: a relay schema showing another policy is refused, so masked
+data never leaks through a snapshot). Nothing is written to the source's
+tables and no slot is created.
 
-1. On a replication connection, ``CREATE_REPLICATION_SLOT <tmp> TEMPORARY
-   LOGICAL pgoutput (SNAPSHOT 'export')`` gives ``consistent_point`` ``C``
-   and an exported snapshot that is exactly the database at ``C`` (see
-   /work/shared/reference/sources-feasibility.md 1.7: verified under
-   concurrent writers). The temporary slot vanishes with the connection.
-2. A second connection runs ``BEGIN ISOLATION LEVEL REPEATABLE READ, READ
-   ONLY; SET TRANSACTION SNAPSHOT`` and reads each table with ``COPY ...
-   (FORMAT binary)`` -- the same binary values pgoutput sends -- in chunks of
-   ``chunk_rows`` rows, turned into events by the postgres fetcher's own
-   :class:`~changebus.fetchers.postgres.Assembler` (same types, same Avro
-   encoding, the relay's source ids and schema versions, mirrored from the
-   store), under the fetcher's column policy (``request.column_policy``:
-   excluded columns are not copied out, hashed and truncated ones are
-   written as the fetcher writes them; a relay schema showing another
-   policy is refused, so masked data never leaks through a snapshot).
-3. Each chunk is merged into the snapshot at SCN ``C`` in one store
-   transaction (:meth:`~._store.Store.seed_rows`): a row is written unless
-   the snapshot already holds a *newer* state of its key (the applier's
-   upserts likewise never replace a newer row with an older one), so the
-   merge is right whether the applier is before or after ``C``.
+**Readers** (:attr:`~._chunks.ChunkReader.mode`):
 
-Why it is consistent: the seed is the source at ``C``; the relay's stream,
-hence the log, holds every change after ``C`` (the relay's slot is older);
-snapshot rows always end at the newest state of their key. A table whose
-copy is interrupted is copied again (a new snapshot, idempotent merges);
-tables finished are recorded (``cb_seed``) and skipped: the seed resumes per
-table. A table the relay has not seen yet (no schema in the store) cannot be
-seeded: its source id is the relay's to give; the seeder says so.
+* ``keyset`` -- ``WHERE (k1, k2) > (last) [AND (where)] ORDER BY k1, k2
+  LIMIT n`` on the relay schema's key (primary key or replica identity
+  index); the cursor is the last key as text (:mod:`._seed_pg_keys`).
+* ``keys`` -- slices of a key list joined to the table; keys the table
+  lacks come back as :attr:`~._chunks.Chunk.absent` (their store key: the
+  very key bytes the fetcher would write).
+* ``single_transaction`` -- the documented fallback for ``REPLICA IDENTITY
+  FULL`` tables without a primary key (the key is every column: no usable
+  keyset): ONE repeatable-read transaction reads the table in heap-page
+  ranges (TID range scans), not resumable, logged as a long transaction.
 
-Blocking (psycopg): runs in a worker thread; store writes go through the
-callback it is given (the daemon's writer thread).
+A table whose relay key is empty (no primary key, replica identity default
+or nothing) is refused, naming the fix.
+
+**The tag (watermark).** Every chunk's rows are written at an SCN ``tag``
+such that every change with an SCN <= tag is visible to the chunk's read
+(:mod:`._chunks`). WAL order is not visibility order, so the tag is
+proven, not assumed. Before a chunk, in autocommit: ``P =
+pg_current_wal_insert_lsn()``, then ``N = pg_current_xact_id()`` (a fresh
+xid: every xid >= N was assigned after P was read). The chunk's
+transaction first reads ``X = pg_snapshot_xmin(pg_current_snapshot())``.
+If ``N <= X``, every xid below N had ended when the snapshot was taken. A
+commit record before P was inserted before P was read, so its xid was
+assigned before N, so it had ended -- it is visible. Hence ``tag =
+lsn_to_scn(P) - 1`` (window SCNs are commit LSNs) of the newest sample
+with ``N <= X``; older samples stay valid (X only grows), so a few are
+kept. No valid sample (a transaction older than every sample still runs)
+or a tag below ``request.min_tag``: the chunk transaction is rolled back
+at once, and the reader sleeps (0.05 s doubling to 1 s) and samples again;
+after ``request.watermark_wait_s`` it fails, retriably, naming the blocking
+backend (pid, state, age; never its query text).
+
+Blocking (psycopg): runs in the seeder's worker thread; chunks go to the
+sink it is given (the service's store, or a plain ``write`` callback).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
+import json
 import logging
-import struct
 import threading
 import time
-import uuid
 from typing import Any
 
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import (
+    HEADER_SIZE,
     ChangebusError,
     Op,
     SchemaRegistry,
     SourceConfigError,
+    SourceError,
+    decode_header,
     lsn_to_scn,
     parse_stream,
 )
 
-from ._chunks import SnapshotSink
+from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
+from ._seed_pg_keys import PgTable, copy_rows, insert_message, quote
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
-__all__ = ["seed_postgres"]
+__all__ = ["PostgresChunkSource", "seed_postgres"]
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
-_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
-
-
-def _copy_tuples(data: bytes) -> list[tuple[bytes | None, ...]]:
-    """Rows of a ``COPY ... (FORMAT binary)`` output (fields as raw bytes, None = NULL)."""
-    if not data.startswith(_COPY_SIGNATURE):
-        raise ChangebusError("COPY output lacks the binary signature")
-    pos = len(_COPY_SIGNATURE) + 4
-    (ext,) = struct.unpack_from("!i", data, pos)
-    pos += 4 + ext
-    rows: list[tuple[bytes | None, ...]] = []
-    while True:
-        (n,) = struct.unpack_from("!h", data, pos)
-        pos += 2
-        if n == -1:
-            return rows
-        fields: list[bytes | None] = []
-        for _ in range(n):
-            (size,) = struct.unpack_from("!i", data, pos)
-            pos += 4
-            if size < 0:
-                fields.append(None)
-            else:
-                fields.append(data[pos : pos + size])
-                pos += size
-        rows.append(tuple(fields))
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+#: application_name of every seeder connection (operators and tests find its transactions by it)
+APPLICATION_NAME = "changebus-seed"
+#: a table's columns, to notice a DDL during its snapshot
+_SHAPE = (
+    "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
+    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+)
+#: low-watermark samples kept (the newest valid one gives the tag)
+_SAMPLES = 16
 
 
 def seed_postgres(
@@ -102,135 +101,17 @@ def seed_postgres(
     stop: threading.Event | None = None,
     sink: SnapshotSink | None = None,
 ) -> int:
-    """Copy ``request.tables`` (``schema.table`` names) at one exported snapshot; returns its SCN.
+    """Snapshot ``request.todo`` in chunks (module docstring); returns the newest chunk tag.
 
-    ``write`` merges each chunk and records a finished table; ``progress``
-    is updated as tables are copied; ``stop`` (when set) ends the run between
-    tables. ``request.relay_fetcher`` is not needed (commit LSNs are the
-    server's own SCNs) and ignored.
+    Chunks go to ``sink`` (resumable: the service's store) or, without
+    one, to ``write(table, events, tag)`` (``write(table, [], first_tag)``
+    ends a table); ``progress`` is updated after every chunk; a set
+    ``stop`` ends the run between chunks (and while waiting for a
+    watermark) with a retriable error. ``request.relay_fetcher`` is not
+    needed (commit LSNs are the server's own SCNs) and ignored.
     """
-
-    from changebus.fetchers.postgres import (
-        Assembler,
-        Begin,
-        Commit,
-        Insert,
-        Relation,
-        RelationColumn,
-        TypeResolver,
-        pg_connect,
-    )
-
-    registry = SchemaRegistry()
-    registry.import_entries(list(request.schemas))
-    policy = request.column_policy or ColumnPolicy()
-    todo = progress.begin(request)
-    if not todo:
-        progress.state = "copied"
-        return progress.scn
-    slot = f"changebus_seed_{uuid.uuid4().hex[:12]}"
-    where = "cannot connect to the seed source"
-    with (
-        pg_connect(request.dsn, where, option="seed.dsn", replication="database") as repl,
-        pg_connect(request.dsn, where, option="seed.dsn") as conn,
-    ):
-        row = repl.execute(
-            f"CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
-        ).fetchone()
-        assert row is not None
-        _slot, consistent_point, snapshot_name, _plugin = row
-        scn = lsn_to_scn(str(consistent_point))
-        progress.scn = scn
-        log.info("seeding %d table(s) at SCN %s (exported snapshot)", len(todo), consistent_point)
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot_name}'")
-        resolver = TypeResolver(conn)
-        assembler = Assembler(
-            request.partition_id,
-            resolver.resolve,
-            registry,
-            primary_key=resolver.primary_key,
-            array_dims=resolver.array_dims,
-            policy=policy,
-        )
-        chunk_rows = request.chunk_rows
-        for name in todo:
-            if stop is not None and stop.is_set():
-                raise ChangebusError("seeding stopped", retriable=True)
-            progress.table = name
-            try:
-                known = registry.versions(name)
-            except ChangebusError:
-                raise SourceConfigError(
-                    f"table {name} is not in the relay's stream yet (no schema): it cannot be "
-                    "seeded before the relay has seen a change of it"
-                ) from None
-            policy.check_schema(known[-1])  # the rows follow the fetcher's column policy
-            nsp, _, rel = name.partition(".")
-            info = conn.execute(
-                "SELECT c.oid, c.relreplident::text FROM pg_class c "
-                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
-                (nsp, rel),
-            ).fetchone()
-            if info is None:
-                raise SourceConfigError(f"table {name} does not exist in the source")
-            oid, identity = int(info[0]), str(info[1])
-            cols = conn.execute(
-                "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
-                "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                (oid,),
-            ).fetchall()
-            ident = _identity_columns(conn, oid, identity, resolver)
-            relation = Relation(
-                oid,
-                nsp,
-                rel,
-                identity,
-                tuple(RelationColumn(c, t, m, c in ident) for c, t, m in cols),
-            )
-            assembler.feed(Begin(scn, time.time_ns(), 0))
-            assembler.feed(relation)
-            if len(registry.versions(name)) != len(known):
-                raise SourceConfigError(
-                    f"table {name} changed since the relay's newest schema version "
-                    f"{known[-1].version}: seed it after the relay has seen the change "
-                    "(or give the seed the fetcher's column_policy)",
-                    # mostly a DDL the relay has not streamed yet: it will, so try again
-                    retriable=True,
-                )
-            key = known[-1].key
-            order = ", ".join(_quote(k) for k in key) if key else "ctid"
-            select = ", ".join(_quote(c) for c, _t, _m in cols)
-            offset = 0
-            while True:
-                sql = (
-                    f"COPY (SELECT {select} FROM {_quote(nsp)}.{_quote(rel)} ORDER BY {order} "
-                    f"LIMIT {int(chunk_rows)} OFFSET {int(offset)}) TO STDOUT (FORMAT binary)"
-                )
-                buf = bytearray()
-                with conn.cursor().copy(sql) as copy:
-                    for block in copy:
-                        buf += block
-                rows = _copy_tuples(bytes(buf))
-                if not rows:
-                    break
-                assembler.feed(Begin(scn, time.time_ns(), 0))
-                for cells in rows:
-                    assembler.feed(Insert(oid, cells))
-                window = assembler.feed(Commit(0, scn, scn, time.time_ns()))
-                assert window is not None
-                write(name, _data_events(window.data), scn)
-                offset += len(rows)
-                progress.rows += len(rows)
-                if len(rows) < chunk_rows:
-                    break
-            write(name, [], scn)  # the table is done
-            progress.tables_done += 1
-            log.info("seeded %s: %d rows so far", name, progress.rows)
-        conn.execute("COMMIT")
-    progress.state = "copied"
-    progress.table = ""
-    return scn
+    opener = functools.partial(PostgresChunkSource, stop=stop)
+    return run_chunked(request, opener, sink or WriterSink(write), progress, stop=stop)
 
 
 def _data_events(data: bytes) -> list[bytes]:
@@ -242,6 +123,436 @@ def _data_events(data: bytes) -> list[bytes]:
         )
         if op == int(Op.INSERT)
     ]
+
+
+def _psycopg_error(what: str, exc: Exception) -> Exception:
+    """A psycopg error as a changebus one (connection trouble retriable, the rest not);
+    any other exception as it is."""
+    import psycopg
+
+    from changebus.fetchers.postgres._setup import reason
+
+    if not isinstance(exc, psycopg.Error):
+        return exc
+    retriable = isinstance(exc, psycopg.OperationalError)
+    return SourceError(f"{what}: {reason(exc)}", retriable=retriable)
+
+
+class PostgresChunkSource:
+    """The source side of one seed run: a connection, the watermark samples, an Assembler.
+
+    A context manager (the connection closes on exit); :meth:`reader` checks a
+    table and gives its reader. Thread-safety: one seeder thread.
+    """
+
+    def __init__(self, request: SeedRequest, *, stop: threading.Event | None = None) -> None:
+        self.request = request
+        self.stop = stop or threading.Event()
+        self.registry = SchemaRegistry()
+        self.registry.import_entries(list(request.schemas))
+        self.policy = request.column_policy or ColumnPolicy()
+        self.conn: Any = None
+        self.samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=_SAMPLES)
+        #: the columns (name, type oid, typmod) each table had when its reader was made
+        self.shapes: dict[int, list[tuple[str, int, int]]] = {}
+        self.names: dict[int, str] = {}
+
+    def __enter__(self) -> PostgresChunkSource:
+        from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
+
+        self.conn = pg_connect(
+            self.request.dsn,
+            "cannot connect to the seed source",
+            option="seed.dsn",
+            application_name=APPLICATION_NAME,
+        )
+        # the only writes are the watermark samples' empty commits: no need to wait for a flush
+        self.conn.execute("SET synchronous_commit = off")
+        self.resolver = TypeResolver(self.conn)
+        self.assembler = Assembler(
+            self.request.partition_id,
+            self.resolver.resolve,
+            self.registry,
+            primary_key=self.resolver.primary_key,
+            array_dims=self.resolver.array_dims,
+            policy=self.policy,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    # ---- tables ------------------------------------------------------------
+
+    def reader(self, scope: SnapshotScope) -> _Reader:
+        try:
+            return self._reader(scope)
+        except Exception as exc:
+            err = _psycopg_error(f"cannot read table {scope.table}", exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    def _reader(self, scope: SnapshotScope) -> _Reader:
+        from changebus.fetchers.postgres import Begin, Relation, RelationColumn
+
+        name, conn, registry = scope.table, self.conn, self.registry
+        try:
+            known = registry.versions(name)
+        except ChangebusError:
+            raise SourceConfigError(
+                f"table {name} is not in the relay's stream yet (no schema): it cannot be "
+                "seeded before the relay has seen a change of it"
+            ) from None
+        self.policy.check_schema(known[-1])  # the rows follow the fetcher's column policy
+        nsp, _, rel = name.partition(".")
+        info = conn.execute(
+            "SELECT c.oid, c.relreplident::text, c.reltuples::bigint FROM pg_class c JOIN "
+            "pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+            (nsp, rel),
+        ).fetchone()
+        if info is None:
+            raise SourceConfigError(f"table {name} does not exist in the source")
+        oid, identity, reltuples = int(info[0]), str(info[1]), int(info[2])
+        cols = conn.execute(
+            "SELECT attname::text, atttypid::int, atttypmod::int, "
+            "format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            (oid,),
+        ).fetchall()
+        self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f in cols]
+        self.names[oid] = name
+        ident = _identity_columns(conn, oid, identity, self.resolver)
+        relation = Relation(
+            oid,
+            nsp,
+            rel,
+            identity,
+            tuple(RelationColumn(c, t, m, c in ident) for c, t, m, _f in cols),
+        )
+        self.assembler.feed(Begin(0, time.time_ns(), 0))
+        self.assembler.feed(relation)
+        if len(registry.versions(name)) != len(known):
+            raise SourceConfigError(
+                f"table {name} changed since the relay's newest schema version "
+                f"{known[-1].version}: seed it after the relay has seen the change "
+                "(or give the seed the fetcher's column_policy)",
+                # mostly a DDL the relay has not streamed yet: it will, so try again
+                retriable=True,
+            )
+        key = known[-1].key
+        if not key:
+            raise SourceConfigError(
+                f"table {name} has no key in the relay's schema, so it cannot be snapshotted "
+                "in chunks: add a primary key (ALTER TABLE ... ADD PRIMARY KEY), or set "
+                "REPLICA IDENTITY FULL (then it is read in one long transaction)"
+            )
+        types = {str(c): str(f) for c, _t, _m, f in cols}
+        missing = [k for k in key if k not in types]
+        if missing:
+            raise SourceConfigError(
+                f"table {name} lacks key column(s) {', '.join(missing)} of the relay's schema",
+                retriable=True,
+            )
+        table = PgTable(
+            f"{quote(nsp)}.{quote(rel)}",
+            tuple(str(c) for c, *_ in cols),
+            tuple(key),
+            tuple(types[k] for k in key),
+        )
+        estimate = max(reltuples, -1)
+        if identity == "f" and self.resolver.primary_key(oid) is None:
+            if scope.keys or scope.where:
+                raise SourceConfigError(
+                    f"table {name} has no primary key (REPLICA IDENTITY FULL): only the whole "
+                    "table can be snapshotted (in one transaction), not keys or a condition"
+                )
+            log.warning(
+                "%s has no primary key (REPLICA IDENTITY FULL): it is read in ONE long "
+                "transaction (mode single_transaction, not resumable); add a primary key "
+                "to snapshot it in short chunks",
+                name,
+            )
+            return _SingleReader(self, name, oid, table, estimate)
+        if scope.keys:
+            return _KeysReader(self, name, oid, table, scope.keys)
+        if scope.where:
+            self._check_where(name, table, scope.where)
+            estimate = -1
+        return _KeysetReader(self, name, oid, table, estimate, scope.where)
+
+    def _check_where(self, name: str, table: PgTable, where: str) -> None:
+        """``EXPLAIN`` the condition once, read-only: a bad one is refused with the server's words."""
+        import psycopg
+
+        from changebus.fetchers.postgres._setup import reason
+
+        if ";" in where:
+            raise SourceConfigError(f"the snapshot condition of {name} may not hold ';'")
+        self.conn.execute("BEGIN READ ONLY")
+        try:
+            self.conn.execute(f"EXPLAIN SELECT 1 FROM {table.name} WHERE ({where})")
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as exc:
+            raise SourceConfigError(
+                f"the snapshot condition of {name} is not valid: {reason(exc)}"
+            ) from None
+        finally:
+            self.conn.execute("ROLLBACK")
+
+    # ---- the watermark -------------------------------------------------------
+
+    def begin_chunk(self, table: str) -> int:
+        """Open a chunk's transaction at a proven tag (module docstring); returns the tag.
+
+        Waits (the transaction closed) while no sample is valid, at most
+        ``request.watermark_wait_s``; then a retriable :class:`SourceError`.
+        """
+        conn, request = self.conn, self.request
+        deadline = time.monotonic() + request.watermark_wait_s
+        delay = 0.05
+        while True:
+            lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+            xid = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+            self.samples.append((lsn_to_scn(str(lsn)) - 1, int(xid)))
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
+            xmin = int(row.fetchone()[0])
+            tag = next((t for t, n in reversed(self.samples) if n <= xmin), None)
+            if tag is not None and tag >= request.min_tag:
+                return tag
+            conn.execute("ROLLBACK")
+            if time.monotonic() >= deadline:
+                raise self._blocked(table, xmin, tag)
+            if self.stop.wait(delay):
+                raise ChangebusError("seeding stopped", retriable=True)
+            delay = min(delay * 2, 1.0)
+
+    def _blocked(self, table: str, xmin: int, tag: int | None) -> SourceError:
+        waited = f"{self.request.watermark_wait_s:g}s (seed.watermark_wait_s)"
+        if tag is not None:
+            return SourceError(
+                f"snapshot of {table}: the source did not pass SCN {self.request.min_tag} "
+                f"within {waited}; it is tried again later",
+                retriable=True,
+            )
+        row = self.conn.execute(
+            "SELECT pid, state, EXTRACT(epoch FROM now() - xact_start)::float8 "
+            "FROM pg_stat_activity WHERE backend_xid::text::bigint = %s",
+            (xmin % (1 << 32),),
+        ).fetchone()
+        if row is not None:
+            who = (
+                f"backend pid {row[0]} (state {row[1]}, transaction open for "
+                f"{float(row[2] or 0):.0f}s)"
+            )
+        else:
+            who = "a transaction without a backend (a prepared transaction? see pg_prepared_xacts)"
+        return SourceError(
+            f"snapshot of {table}: transaction {xmin} of {who} has been running since before "
+            f"the chunk; no consistent watermark after {waited}: it is tried again later",
+            retriable=True,
+        )
+
+    def copy(
+        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
+    ) -> list[tuple[bytes, list[bytes | None]]]:
+        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`).
+
+        Then, still holding the COPY's table lock (no DDL of the table can
+        commit before the transaction ends), checks that the table has the
+        columns its reader was made for: a DDL since is a retriable refusal.
+        """
+        buf = bytearray()
+        with self.conn.cursor().copy(sql, params) as copy:
+            for block in copy:
+                buf += block
+        shape = self.conn.execute(_SHAPE, (oid,)).fetchall()
+        if [(str(c), int(t), int(m)) for c, t, m in shape] != self.shapes[oid]:
+            raise SourceConfigError(
+                f"table {self.names[oid]} changed (DDL) during its snapshot: snapshot it "
+                "again once the relay has seen the change",
+                retriable=True,
+            )
+        return copy_rows(bytes(buf), oid, ncols)
+
+    def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
+        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher encodes."""
+        from changebus.fetchers.postgres import Begin, Commit
+
+        if not messages:
+            return []
+        assembler = self.assembler
+        now = time.time_ns()
+        assembler.feed(Begin(tag, now, 0))
+        feed = assembler.feed_raw
+        for msg in messages:
+            feed(msg)
+        window = assembler.feed(Commit(0, tag, tag, now))
+        assert window is not None
+        return _data_events(window.data)
+
+
+class _Reader:
+    """What every Postgres reader shares: its source, table and the psycopg error mapping."""
+
+    mode = ""
+
+    def __init__(self, source: PostgresChunkSource, name: str, oid: int, table: PgTable) -> None:
+        self.source, self.name, self.oid, self.table = source, name, oid, table
+        self.estimate_rows = -1
+
+    def read(self, cursor: str | None, limit: int) -> Chunk:
+        conn = self.source.conn
+        try:
+            return self._read(cursor, limit)
+        except Exception as exc:
+            if conn is not None and not conn.closed:
+                with contextlib.suppress(Exception):  # the original error is the one to report
+                    conn.execute("ROLLBACK")
+            err = _psycopg_error(f"snapshot of {self.name}: reading a chunk failed", exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        raise NotImplementedError
+
+
+class _KeysetReader(_Reader):
+    """Key-ordered chunks, each in its own short transaction (``keyset``)."""
+
+    mode = "keyset"
+
+    def __init__(
+        self,
+        source: PostgresChunkSource,
+        name: str,
+        oid: int,
+        table: PgTable,
+        estimate: int,
+        where: str,
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.estimate_rows = estimate
+        self.where = where
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        after = None if cursor is None else [str(v) for v in json.loads(cursor)]
+        sql, params = self.table.keyset(after, self.where, limit)
+        src = self.source
+        tag = src.begin_chunk(self.name)
+        rows = src.copy(sql, self.oid, len(self.table.columns), params)
+        src.conn.execute("COMMIT")
+        events = src.events(tag, [m for m, _x in rows])
+        if len(rows) < limit:
+            return Chunk(events, tag, None, rows=len(rows))
+        last = [None if v is None else v.decode() for v in rows[-1][1]]
+        return Chunk(events, tag, json.dumps(last), rows=len(rows))
+
+
+class _KeysReader(_Reader):
+    """A key list in slices of ``limit`` keys (``keys``); the cursor is the next key's index."""
+
+    mode = "keys"
+
+    def __init__(
+        self,
+        source: PostgresChunkSource,
+        name: str,
+        oid: int,
+        table: PgTable,
+        keys: tuple[tuple[Any, ...], ...],
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.keys = list(dict.fromkeys(tuple(k) for k in keys))
+        self.estimate_rows = len(self.keys)
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        first = 0 if cursor is None else int(json.loads(cursor))
+        part = self.keys[first : first + limit]
+        src, table = self.source, self.table
+        tag = src.begin_chunk(self.name)
+        rows = []
+        if part:
+            sql, params = table.by_keys(part, first)
+            rows = src.copy(sql, self.oid, len(table.columns), params)
+        src.conn.execute("COMMIT")
+        at = {c: i for i, c in enumerate(table.columns)}
+        found = [m for m, x in rows if x[0] == b"\x01"]
+        lacking = []
+        for _m, x in rows:
+            values = x[2:]
+            if x[0] != b"\x01" and all(v is not None for v in values):
+                cells: list[bytes | None] = [None] * len(table.columns)
+                for k, v in zip(table.key, values, strict=True):
+                    cells[at[k]] = v
+                lacking.append(insert_message(self.oid, cells))
+        events = src.events(tag, found)
+        absent = tuple(_key_of(ev) for ev in src.events(tag, lacking))
+        done = first + len(part) >= len(self.keys)
+        return Chunk(
+            events, tag, None if done else json.dumps(first + len(part)), absent, len(found)
+        )
+
+
+def _key_of(event: bytes) -> bytes:
+    """The store key (encoded key bytes) of an event."""
+    h = decode_header(event)
+    return event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+
+
+class _SingleReader(_Reader):
+    """The whole table in ONE repeatable-read transaction, in heap-page ranges (fallback).
+
+    Not resumable: a stored cursor of another run (the transaction is gone)
+    starts the table again (rows already written are merged again, harmlessly).
+    """
+
+    mode = "single_transaction"
+
+    def __init__(
+        self, source: PostgresChunkSource, name: str, oid: int, table: PgTable, estimate: int
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.estimate_rows = estimate
+        self.tag = -1
+        self.pages = 0
+        self.rows_per_page = 100.0
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        src = self.source
+        if self.tag < 0 or cursor is None:
+            if cursor is not None:
+                log.warning(
+                    "%s: single_transaction snapshots do not resume: starting again", self.name
+                )
+            self.tag = src.begin_chunk(self.name)
+            row = src.conn.execute(
+                "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
+                "c.reltuples, c.relpages FROM pg_class c WHERE c.oid = %s",
+                (self.oid, self.oid),
+            ).fetchone()
+            self.pages = int(row[0])
+            if float(row[1]) > 0 and int(row[2]) > 0:
+                self.rows_per_page = max(float(row[1]) / int(row[2]), 1.0)
+            first = 0
+        else:
+            first = int(json.loads(cursor))
+        step = max(1, int(limit / self.rows_per_page))
+        end: int | None = first + step
+        if end is not None and end >= self.pages:
+            end = None  # the last range has no end: nothing visible lies beyond
+        rows = src.copy(self.table.pages(first, end), self.oid, len(self.table.columns))
+        tag = self.tag
+        if end is None:
+            src.conn.execute("COMMIT")
+            self.tag = -1
+        events = src.events(tag, [m for m, _x in rows])
+        return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(rows))
 
 
 def _identity_columns(conn: Any, oid: int, identity: str, resolver: Any) -> set[str]:

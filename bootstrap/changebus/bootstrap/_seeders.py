@@ -1,13 +1,15 @@
 """The seeding interface: one seeder per source kind (``seed.kind``).
 
-A :class:`Seeder` copies tables of the source at one consistent snapshot
-into the snapshot store and returns the snapshot's SCN: every window with a
-larger SCN is after the snapshot, every other one is in it. The Postgres
-seeder (:func:`._seed.seed_postgres`: an exported snapshot of a temporary
-replication slot) and the MySQL/MariaDB one (:func:`._seed_mysql.seed_mysql`:
-``START TRANSACTION WITH CONSISTENT SNAPSHOT`` and its binlog position) share
-it; the service picks one with :func:`seeder_for`. Seeders are blocking and
-run in a worker thread; they write through the callback they are given.
+A :class:`Seeder` copies tables of the source into the snapshot store in
+short chunks while writers go on (:mod:`._chunks`: keyset chunks, each in
+its own short source transaction and merged at a *tag*, an SCN every change
+at or before which the chunk saw) and returns the newest tag. The Postgres
+seeder (:func:`._seed.seed_postgres`: a read-only low watermark validated
+by each chunk's snapshot) and the MySQL/MariaDB one
+(:func:`._seed_mysql.seed_mysql`: each chunk's ``START TRANSACTION WITH
+CONSISTENT SNAPSHOT`` and its binlog position) share it; the service picks
+one with :func:`seeder_for`. Seeders are blocking and run in a worker
+thread; they hand chunks to the sink (or the callback) they are given.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ __all__ = ["Seeder", "seeder_for"]
 
 
 class Seeder(Protocol):
-    """Copies ``request.tables`` not in ``request.done``; returns the snapshot's SCN.
+    """Copies ``request.tables`` not in ``request.done`` in chunks; returns the newest chunk tag.
 
-    ``write(table, events, scn)`` merges one chunk of INSERT events, or
-    records ``table`` as seeded when ``events`` is empty; ``sink`` (when
+    ``write(table, events, scn)`` merges one chunk of INSERT events at its
+    tag, or records ``table`` as seeded when ``events`` is empty; ``sink`` (when
     given, instead of ``write``) takes chunks with their resume state
     (:class:`~._chunks.SnapshotSink`: the bootstrap service's store, so a
     table resumes after its last stored chunk); ``progress`` is updated as

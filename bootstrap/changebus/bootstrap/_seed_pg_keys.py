@@ -1,0 +1,180 @@
+"""SQL of the Postgres chunk readers: keyset, key-list and ctid-range COPY statements.
+
+One job: build the ``COPY (SELECT ...) TO STDOUT (FORMAT binary)``
+statements of :mod:`._seed` and parse their output. Values travel as query
+parameters (client-side merged by psycopg), never spliced into the text;
+identifiers are quoted; type names come from the server's ``format_type``.
+
+Keyset cursor: the JSON list of the last row's key values as Postgres text
+(``key::text``, appended to the select list after the table's columns),
+cast back with ``%s::<format_type>`` in the next chunk's ``WHERE (k1, k2)
+> (...)``. Text round-trips every ordered key type exactly (integers,
+numeric, text, uuid, timestamps in the session's own TimeZone and
+DateStyle, floats with ``extra_float_digits``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from changebus.schemas import ChangebusError, SourceConfigError
+
+__all__ = ["PgTable", "copy_rows", "insert_message", "key_param", "quote"]
+
+_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+
+
+def copy_rows(data: bytes, oid: int, ncols: int) -> list[tuple[bytes, list[bytes | None]]]:
+    """Rows of a ``COPY ... (FORMAT binary)`` output as pgoutput messages.
+
+    Each row: an ``Insert`` message of relation ``oid`` holding its first
+    ``ncols`` fields in pgoutput's binary tuple format (``b`` + length +
+    bytes, ``n`` for NULL: the very bytes a binary pgoutput stream carries,
+    so the fetcher's transcoder encodes them), and the fields after those
+    (raw bytes, None = NULL).
+    """
+    if not data.startswith(_COPY_SIGNATURE):
+        raise ChangebusError("COPY output lacks the binary signature")
+    pos = len(_COPY_SIGNATURE) + 4
+    (ext,) = struct.unpack_from("!i", data, pos)
+    pos += 4 + ext
+    head = b"I" + oid.to_bytes(4, "big") + b"N" + ncols.to_bytes(2, "big")
+    rows: list[tuple[bytes, list[bytes | None]]] = []
+    unpack = struct.unpack_from
+    while True:
+        (n,) = unpack("!h", data, pos)
+        pos += 2
+        if n == -1:
+            return rows
+        parts = [head]
+        for _ in range(ncols):
+            (size,) = unpack("!i", data, pos)
+            if size < 0:
+                parts.append(b"n")
+                pos += 4
+            else:
+                parts.append(b"b")
+                parts.append(data[pos : pos + 4 + size])
+                pos += 4 + size
+        extra: list[bytes | None] = []
+        for _ in range(n - ncols):
+            (size,) = unpack("!i", data, pos)
+            pos += 4
+            if size < 0:
+                extra.append(None)
+            else:
+                extra.append(data[pos : pos + size])
+                pos += size
+        rows.append((b"".join(parts), extra))
+
+
+def insert_message(oid: int, cells: list[bytes | None]) -> bytes:
+    """A pgoutput binary ``Insert`` message of ``cells`` (None = NULL)."""
+    head = b"I" + oid.to_bytes(4, "big") + b"N" + len(cells).to_bytes(2, "big")
+    return head + b"".join(
+        b"n" if v is None else b"b" + len(v).to_bytes(4, "big") + v for v in cells
+    )
+
+
+def quote(name: str) -> str:
+    """An SQL identifier, double-quoted."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def key_param(value: Any) -> str | None:
+    """A JSON key value as the text Postgres casts to the key column's type (None: NULL)."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)  # numbers, true/false (lists/objects: the server says no)
+
+
+def _binary(sql: str) -> str:
+    return f"COPY ({sql}) TO STDOUT (FORMAT binary)"
+
+
+@dataclass(frozen=True, slots=True)
+class PgTable:
+    """One source table as the readers select it.
+
+    ``name`` -- ``"nsp"."rel"`` (quoted). ``columns`` -- every column in
+    table order (what the fetcher's Relation lists). ``key`` -- the relay
+    schema's key columns; ``key_types`` -- their ``format_type`` text.
+    """
+
+    name: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]
+    key_types: tuple[str, ...]
+
+    @property
+    def select(self) -> str:
+        return ", ".join(quote(c) for c in self.columns)
+
+    def keyset(
+        self, after: list[str] | None, where: str, limit: int
+    ) -> tuple[str, list[Any] | None]:
+        """Up to ``limit`` rows after key ``after`` (texts; None: from the start), key order.
+
+        Each row: the table's columns, then ``key::text`` of each key column.
+        No parameters (the first chunk): None, and ``where`` goes as it is
+        (psycopg merges parameters only when there are some: then a ``%``
+        of ``where`` is doubled).
+        """
+        keys = [quote(k) for k in self.key]
+        conds: list[str] = []
+        params: list[Any] = []
+        if after is not None:
+            if len(after) != len(keys):
+                raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
+            casts = ", ".join(f"%s::{t}" for t in self.key_types)
+            conds.append(f"({', '.join(keys)}) > ({casts})")
+            params.extend(after)
+        if where:
+            conds.append(f"({where.replace('%', '%%') if params else where})")
+        cond = f" WHERE {' AND '.join(conds)}" if conds else ""
+        texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
+        sql = (
+            f"SELECT {self.select}, {texts} FROM {self.name}{cond} "
+            f"ORDER BY {', '.join(keys)} LIMIT {int(limit)}"
+        )
+        return _binary(sql), params or None
+
+    def by_keys(self, keys: list[tuple[Any, ...]], first: int) -> tuple[str, list[Any]]:
+        """The rows of ``keys`` (numbered from ``first``), found or not.
+
+        Each row: the table's columns (NULL when the key is absent), whether
+        the key was found, the key's number, then the requested key values
+        cast to the key types.
+        """
+        n = len(self.key)
+        alias = [f"_cb_k{i}" for i in range(n)]
+        casts = ", ".join(f"%s::{t}" for t in self.key_types)
+        values: list[str] = []
+        params: list[Any] = []
+        for i, key in enumerate(keys):
+            if len(key) != n:
+                raise SourceConfigError(
+                    f"key {list(key)!r} has {len(key)} value(s); the key of the table has {n} "
+                    f"({', '.join(self.key)})"
+                )
+            values.append(f"({first + i}, {casts})")
+            params.extend(key_param(v) for v in key)
+        join = " AND ".join(f"t.{quote(k)} = v.{a}" for k, a in zip(self.key, alias, strict=True))
+        cols = ", ".join(f"t.{quote(c)}" for c in self.columns)
+        sql = (
+            f"SELECT {cols}, t.{quote(self.key[0])} IS NOT NULL, v._cb_i, "
+            f"{', '.join('v.' + a for a in alias)} "
+            f"FROM (VALUES {', '.join(values)}) AS v(_cb_i, {', '.join(alias)}) "
+            f"LEFT JOIN {self.name} AS t ON {join}"
+        )
+        return _binary(sql), params
+
+    def pages(self, first: int, end: int | None) -> str:
+        """Rows in heap pages ``[first, end)`` (None: to the end), a TID range scan."""
+        cond = f"ctid >= '({int(first)},0)'::tid"
+        if end is not None:
+            cond += f" AND ctid < '({int(end)},0)'::tid"
+        return _binary(f"SELECT {self.select} FROM {self.name} WHERE {cond}")

@@ -1,0 +1,621 @@
+"""Online chunked snapshots of Postgres tables (issue 20): exact under writers, short transactions.
+
+Real Postgres -> relay (postgres fetcher) -> bootstrap server seeding in small
+chunks while writer threads insert, update and delete rows of the very table
+being read. Afterwards (the applier at the source's final position) the
+bootstrap store's live snapshot rows of the table equal the source's, row by
+row, and the seeder's longest source transaction (sampled from
+pg_stat_activity every ~20 ms by its application_name) stayed under a
+second. Also: composite, text, uuid, numeric/timestamp keys and nullable
+columns; a table without a key (refused) and a REPLICA IDENTITY FULL one
+(the single_transaction fallback); the watermark waiting for an old open
+transaction, and failing retriably when it never ends; ``keys`` and
+``where`` scopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_bootstrap_e2e import bootstrap_caught_up, bootstrap_config, relay_config, sync_marker
+
+from changebus.bootstrap import (
+    BootstrapServer,
+    SeedConfig,
+    SeedProgress,
+    SeedRequest,
+    seed_postgres,
+)
+from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
+from changebus.relay import Relay
+from changebus.schemas import (
+    HEADER_SIZE,
+    ChangeDecoder,
+    Op,
+    SourceConfigError,
+    SourceError,
+    TableSchema,
+    decode_header,
+    event_at,
+    parse_stream,
+    verify_event,
+)
+from fix_pg import caught_up
+from waiting import wait_until
+
+pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
+
+BIG = 20_000
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def norm(v: Any) -> Any:
+    return str(v) if isinstance(v, uuid.UUID) else v
+
+
+def source_rows(dsn: str, table: str, cols: list[str]) -> set[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall()
+    return {tuple(norm(v) for v in r) for r in rows}
+
+
+def store_rows(db: Path, table: str, cols: list[str]) -> set[tuple[Any, ...]]:
+    """The live snapshot rows of ``table`` in the bootstrap's SQLite store, decoded."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        schemas = conn.execute(
+            "SELECT source_id, version, schema FROM cb_schema WHERE part = 'pg' AND name = ?",
+            (table,),
+        ).fetchall()
+        assert schemas, f"no schema of {table} in the store"
+        sid = int(schemas[0][0])
+        decoders = {
+            int(v): ChangeDecoder(TableSchema.from_json(json.loads(j))) for _s, v, j in schemas
+        }
+        events = conn.execute(
+            "SELECT event FROM cb_snap WHERE part = 'pg' AND source_id = ? AND deleted = 0", (sid,)
+        ).fetchall()
+    finally:
+        conn.close()
+    out = set()
+    for (event,) in events:
+        ev = bytes(event)
+        h = verify_event(ev, 0)
+        change = decoders[h.schema_version].decode(bytes(event_at(ev, 0, h)[1]))
+        assert change.after is not None
+        out.add(tuple(norm(change.after[c]) for c in cols))
+    return out
+
+
+def assert_same(got: set[tuple[Any, ...]], want: set[tuple[Any, ...]], what: str) -> None:
+    extra, missing = sorted(got - want, key=repr), sorted(want - got, key=repr)
+    assert not extra and not missing, (
+        f"{what}: {len(extra)} rows only in the store {extra[:3]}, "
+        f"{len(missing)} only in the source {missing[:3]} (of {len(want)})"
+    )
+
+
+class LongestTxn:
+    """Samples the seeder's open transactions every ~20 ms (pg_stat_activity)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.longest = 0.0
+        self.samples = 0
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self._stop.is_set():
+                row = conn.execute(
+                    "SELECT count(*), max(EXTRACT(epoch FROM clock_timestamp() - xact_start)) "
+                    "FROM pg_stat_activity WHERE application_name = 'changebus-seed' "
+                    "AND xact_start IS NOT NULL"
+                ).fetchone()
+                assert row is not None
+                self.samples += 1
+                self.seen += int(row[0])
+                if row[1] is not None:
+                    self.longest = max(self.longest, float(row[1]))
+                time.sleep(0.02)
+
+    def __enter__(self) -> LongestTxn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Writers:
+    """``n`` threads of short transactions (insert, update, delete) on ``table`` until stopped."""
+
+    def __init__(
+        self, dsn: str, n: int, step: Callable[[psycopg.Connection[Any], random.Random], None]
+    ):
+        self.dsn, self.step = dsn, step
+        self.txns = 0
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)
+        ]
+        self.errors: list[BaseException] = []
+
+    def _run(self, i: int) -> None:
+        rnd = random.Random(i)
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self._stop.is_set():
+                    with conn.transaction():
+                        self.step(conn, rnd)
+                    self.txns += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> Writers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        assert not self.errors, self.errors
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def big_step(conn: psycopg.Connection[Any], rnd: random.Random) -> None:
+    for _ in range(rnd.randint(1, 3)):
+        k = rnd.randint(1, BIG + 5000)
+        r = rnd.random()
+        if r < 0.45:
+            conn.execute(
+                "INSERT INTO big VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO UPDATE "
+                "SET grp = EXCLUDED.grp, name = EXCLUDED.name, note = EXCLUDED.note",
+                (k, rnd.randint(0, 9), f"w{rnd.randint(0, 10**6)}", None if r < 0.2 else "n"),
+            )
+        elif r < 0.8:
+            conn.execute("UPDATE big SET grp = grp + 1, note = NULL WHERE id = %s", (k,))
+        else:
+            conn.execute("DELETE FROM big WHERE id = %s", (k,))
+
+
+async def seed_and_wait(
+    boot: BootstrapServer, tables: list[str], scope: SnapshotScope | None = None
+) -> Any:
+    w = boot.service.workers["pg"]
+    boot.service.start_seed("pg", tables, again=True, scope=scope)
+    await wait_until(lambda: w.seed.state in ("done", "failed"), 180, "the seed")
+    assert w.seed.state == "done", w.seed.error
+    return w.seed
+
+
+def relay_request(relay: Relay, dsn: str, table: str, **kw: Any) -> SeedRequest:
+    host = relay.hosts["pg"]
+    reg = host.registry
+    schemas = tuple((sid, s) for sid, name in reg.sources() for s in reg.versions(name))
+    return SeedRequest(dsn, 1, (table,), schemas=schemas, **kw)
+
+
+@dataclasses.dataclass
+class RecordingSink:
+    """A SnapshotSink keeping every chunk (and the finish) in memory."""
+
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)
+    finished: list[JobState] = dataclasses.field(default_factory=list)
+
+    def resume(self, scope: SnapshotScope) -> JobState | None:
+        return None
+
+    def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+
+    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+        self.finished.append(job)
+
+    def rows(self, relay: Relay, table: str, cols: list[str]) -> set[tuple[Any, ...]]:
+        decoder = ChangeDecoder(relay.hosts["pg"].registry.latest(table))
+        out = set()
+        for c in self.chunks:
+            for ev in c.events:
+                change = decoder.decode(bytes(event_at(ev, 0, verify_event(ev, 0))[1]))
+                assert change.after is not None
+                out.add(tuple(norm(change.after[k]) for k in cols))
+        return out
+
+
+@pytest.fixture
+def store_db(tmp_path: Path) -> Path:
+    return tmp_path / "boot" / "b.db"
+
+
+def boot_config(tmp: Path, relay_url: str, dsn: str, chunk_rows: int) -> Any:
+    return dataclasses.replace(
+        bootstrap_config(tmp, relay_url, "sqlite"),
+        seed=SeedConfig(dsn=dsn, chunk_rows=chunk_rows, log_every_chunks=20),
+    )
+
+
+# ---- (a) + (b): full-speed writers on the table being snapshotted -------------------------
+
+
+async def test_a_chunked_seed_under_full_speed_writers_is_exact_with_short_transactions(
+    tmp_path: Path, pg_dsn: str, store_db: Path
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE big (id int8 PRIMARY KEY, grp int4 NOT NULL, name text, note text)"
+        )
+        conn.execute(
+            "INSERT INTO big SELECT g, g %% 10, 'row-' || g, CASE WHEN g %% 3 = 0 THEN NULL "
+            "ELSE repeat('x', 20) END FROM generate_series(1, %s) g",
+            (BIG,),
+        )  # before the relay: these rows reach the store through the seed only
+    cols = ["id", "grp", "name", "note"]
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE big SET grp = grp WHERE id = 1")  # the relay learns the schema
+        async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 200)) as boot:
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            with LongestTxn(pg_dsn) as probe, Writers(pg_dsn, 3, big_step) as writers:
+                await asyncio.sleep(0.3)
+                started = time.monotonic()
+                seed = await seed_and_wait(boot, ["public.big"])
+                took = time.monotonic() - started
+                txns = writers.txns
+                writers.stop()
+            assert seed.chunks >= BIG // 200 and seed.mode == "keyset"
+            assert txns > 100, "the writers did not write during the seed"
+            print(
+                f"\nchunked seed: {seed.rows} rows in {seed.chunks} chunks, {took:.1f}s "
+                f"({seed.rows / took:,.0f} rows/s) with {txns} writer txns; longest seed "
+                f"txn {probe.longest * 1000:.0f} ms over {probe.samples} samples"
+            )
+            assert probe.seen > 0, "the probe never saw the seeder's transactions"
+            assert probe.longest <= 1.0, probe.longest
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            assert_same(
+                store_rows(store_db, "public.big", cols), source_rows(pg_dsn, "big", cols), "big"
+            )
+
+
+# ---- (c) + (d): key kinds, nullable columns, no key, REPLICA IDENTITY FULL ----------------
+
+
+def kinds_step(conn: psycopg.Connection[Any], rnd: random.Random) -> None:
+    a = rnd.randint(0, 30)
+    r = rnd.random()
+    if r < 0.3:
+        conn.execute(
+            "INSERT INTO comp VALUES (%s, %s, %s) ON CONFLICT (a, b) DO UPDATE SET v = EXCLUDED.v",
+            (a, f"b{rnd.randint(0, 40)}", None if r < 0.1 else "v"),
+        )
+    elif r < 0.5:
+        conn.execute("DELETE FROM comp WHERE a = %s AND b = %s", (a, f"b{rnd.randint(0, 40)}"))
+    elif r < 0.7:
+        conn.execute(
+            "INSERT INTO tkey VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
+            (f"k{rnd.randint(0, 2000)}", rnd.choice([None, rnd.randint(0, 9)])),
+        )
+    elif r < 0.8:
+        conn.execute("DELETE FROM tkey WHERE k = %s", (f"k{rnd.randint(0, 2000)}",))
+    elif r < 0.9:
+        conn.execute("INSERT INTO ukey VALUES (gen_random_uuid(), %s)", (rnd.choice([None, "x"]),))
+    else:
+        conn.execute("UPDATE fullt SET y = y || '.' WHERE x = %s", (rnd.randint(0, 500),))
+
+
+TABLES: dict[str, list[str]] = {
+    "comp": ["a", "b", "v"],
+    "tkey": ["k", "v"],
+    "ukey": ["u", "v"],
+    "nt": ["n", "ts", "v"],
+    "fullt": ["x", "y"],
+}
+
+
+async def test_key_kinds_nullable_columns_and_tables_without_a_key(
+    tmp_path: Path, pg_dsn: str, store_db: Path
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE comp (a int4, b text, v text, PRIMARY KEY (a, b))")
+        conn.execute("CREATE TABLE tkey (k text PRIMARY KEY, v int8)")
+        conn.execute("CREATE TABLE ukey (u uuid PRIMARY KEY, v text)")
+        conn.execute(
+            "CREATE TABLE nt (n numeric, ts timestamptz, v int4 UNIQUE, PRIMARY KEY (n, ts))"
+        )
+        conn.execute("CREATE TABLE fullt (x int4, y text)")
+        conn.execute("ALTER TABLE fullt REPLICA IDENTITY FULL")
+        conn.execute("CREATE TABLE nokey (x int4, y text)")
+        conn.execute(
+            "INSERT INTO comp SELECT a, 'b' || b, CASE WHEN b % 4 = 0 THEN NULL ELSE 'v' END "
+            "FROM generate_series(0, 30) a, generate_series(0, 40) b"
+        )
+        words = ["a", "B", "é", "a b", "o'q", "z", "Zz", "", "ß", "a\\b", "日本"]
+        conn.execute(
+            "INSERT INTO tkey SELECT 'k' || g, CASE WHEN g % 5 = 0 THEN NULL ELSE g END "
+            "FROM generate_series(0, 2000) g"
+        )
+        for i, w in enumerate(words):
+            conn.execute("INSERT INTO tkey VALUES (%s, %s) ON CONFLICT DO NOTHING", (w, i))
+        conn.execute(
+            "INSERT INTO ukey SELECT gen_random_uuid(), CASE WHEN g % 2 = 0 THEN NULL ELSE 'u' END "
+            "FROM generate_series(1, 1500) g"
+        )
+        conn.execute(
+            "INSERT INTO nt SELECT (g % 7) / 3.0, timestamptz '2020-01-01 00:00:00.123456+00' "
+            "+ (g || ' minutes')::interval, g FROM generate_series(1, 700) g"
+        )
+        conn.execute("INSERT INTO fullt SELECT g % 501, 'y' || g FROM generate_series(1, 1200) g")
+        conn.execute("INSERT INTO nokey VALUES (1, 'a')")
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE comp SET v = v WHERE a = 0 AND b = 'b1'")
+            conn.execute("UPDATE tkey SET v = v WHERE k = 'k1'")
+            conn.execute("INSERT INTO ukey VALUES (gen_random_uuid(), 'first')")
+            conn.execute("UPDATE nt SET v = v WHERE v = 1")
+            conn.execute("INSERT INTO fullt VALUES (9999, 'learn')")
+            conn.execute("INSERT INTO nokey VALUES (2, 'b')")
+        await caught_up(relay, pg_dsn)
+        # a table without a key: refused, naming the fix
+        with pytest.raises(
+            SourceConfigError, match=r"public\.nokey.*primary key.*REPLICA IDENTITY FULL"
+        ):
+            await asyncio.to_thread(
+                seed_postgres,
+                relay_request(relay, pg_dsn, "public.nokey"),
+                lambda *_: None,
+                SeedProgress(),
+            )
+        # REPLICA IDENTITY FULL without a key: the single_transaction fallback
+        progress = SeedProgress()
+        got: list[bytes] = []
+        await asyncio.to_thread(
+            seed_postgres,
+            relay_request(relay, pg_dsn, "public.fullt", chunk_rows=100),
+            lambda _t, ev, _s: got.extend(ev),
+            progress,
+        )
+        assert progress.mode == "single_transaction" and progress.chunks > 3
+        assert len(got) == 1201
+        tables = [f"public.{t}" for t in TABLES]
+        async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 50)) as boot:
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            with LongestTxn(pg_dsn), Writers(pg_dsn, 2, kinds_step) as writers:
+                await asyncio.sleep(0.2)
+                seed = await seed_and_wait(boot, tables)
+                writers.stop()
+            assert seed.tables_done == len(TABLES)
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            for t, cols in TABLES.items():
+                got_rows = store_rows(store_db, f"public.{t}", cols)
+                if t == "nt":  # numeric and timestamp keys: compare the unique v column
+                    want_v = {r[0] for r in source_rows(pg_dsn, t, ["v"])}
+                    assert {r[2] for r in got_rows} == want_v
+                    assert len(got_rows) == len(want_v)
+                else:
+                    assert_same(got_rows, source_rows(pg_dsn, t, cols), t)
+
+
+# ---- (e): the watermark waits for an old open transaction ------------------------------------
+
+
+async def test_the_watermark_waits_for_an_old_transaction_and_fails_retriably_when_it_stays(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kv (id int8 PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 3000) g")
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE kv SET v = v WHERE id = 1")
+        await caught_up(relay, pg_dsn)
+        blocker = psycopg.connect(pg_dsn)
+        try:
+            # an open transaction holding an xid (and a row the seed must then see)
+            blocker.execute("INSERT INTO kv VALUES (100000, 'late') -- secret-query-text")
+            pid = blocker.info.backend_pid
+            sink = RecordingSink()
+            progress = SeedProgress()
+            req = relay_request(relay, pg_dsn, "public.kv", chunk_rows=500, watermark_wait_s=60)
+            with LongestTxn(pg_dsn) as probe:
+                task = asyncio.ensure_future(
+                    asyncio.to_thread(seed_postgres, req, lambda *_: None, progress, sink=sink)
+                )
+                await asyncio.sleep(2.0)
+                assert not task.done() and not sink.chunks  # waiting: no chunk without a watermark
+                await asyncio.to_thread(blocker.commit)
+                await asyncio.wait_for(task, 60)
+            assert probe.longest <= 1.0, probe.longest  # it waited outside any transaction
+            assert sink.finished and len(sink.chunks) == 7
+            want = source_rows(pg_dsn, "kv", ["id", "v"])
+            assert (100000, "late") in want
+            assert_same(sink.rows(relay, "public.kv", ["id", "v"]), want, "kv")
+            # a transaction that never ends: a retriable failure naming its backend
+            blocker.execute("INSERT INTO kv VALUES (100001, 'never') -- secret-query-text")
+            req = dataclasses.replace(req, watermark_wait_s=1.0)
+            started = time.monotonic()
+            with pytest.raises(SourceError) as caught:
+                await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress())
+            assert time.monotonic() - started < 10
+            err = caught.value
+            assert err.retriable and f"pid {pid}" in err.message, err.message
+            assert "secret-query-text" not in err.message and "INSERT" not in err.message
+        finally:
+            blocker.close()
+
+
+# ---- (f): keys and where scopes ------------------------------------------------------------
+
+
+def streamed_key(relay: Relay, table: str, key: int) -> bytes:
+    """The key bytes of the relay's INSERT event of ``key``."""
+    host = relay.hosts["pg"]
+    sel = host.buffer.select(-1, -1, 1 << 30)
+    assert sel is not None
+    data = b"".join(bytes(v) for v in sel.views)
+    assert host.buffer.release(sel)
+    decoder = ChangeDecoder(host.registry.latest(table))
+    for off in parse_stream(data)[0].tolist():
+        h = verify_event(data, off)
+        if h.op == Op.INSERT and host.registry.name_for_id(h.source_id) == table:
+            ev = data[off : off + h.total_length]
+            change = decoder.decode(bytes(event_at(data, off, h)[1]))
+            if change.after is not None and change.after["id"] == key:
+                return ev[HEADER_SIZE : HEADER_SIZE + decode_header(ev).key_length]
+    raise AssertionError(f"no INSERT of {key} in the relay")
+
+
+async def test_keys_and_where_scopes_rewrite_only_their_rows(
+    tmp_path: Path, pg_dsn: str, store_db: Path
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kv (id int8 PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 1000) g")
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO kv VALUES (5000, 'gone')")
+            conn.execute("DELETE FROM kv WHERE id = 5000")
+        await caught_up(relay, pg_dsn)
+        # keys, through seed_postgres: the found rows, and the absent keys' store keys
+        sink = RecordingSink()
+        keys = ((5,), (17,), (5000,), (42,), (5,), (999,))
+        req = relay_request(relay, pg_dsn, "public.kv", chunk_rows=2, keys=keys)
+        progress = SeedProgress()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, progress, sink=sink)
+        assert progress.mode == "keys" and len(sink.chunks) == 3
+        assert sink.rows(relay, "public.kv", ["id", "v"]) == {
+            (5, "v5"),
+            (17, "v17"),
+            (42, "v42"),
+            (999, "v999"),
+        }
+        absent = [a for c in sink.chunks for a in c.absent]
+        assert absent == [streamed_key(relay, "public.kv", 5000)]
+        # where, through seed_postgres: '%' in the condition is the operator, not a placeholder
+        sink = RecordingSink()
+        req = relay_request(
+            relay, pg_dsn, "public.kv", chunk_rows=30, where="id % 10 = 0 AND v <> ''"
+        )
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress(), sink=sink)
+        assert {r[0] for r in sink.rows(relay, "public.kv", ["id", "v"])} == set(
+            range(10, 1001, 10)
+        )
+        assert len(sink.chunks) == 4
+        for bad, match in (
+            ("id = ", "not valid"),
+            ("true; DROP TABLE kv", "';'"),
+            ("nope > 1", "nope"),
+        ):
+            req = relay_request(relay, pg_dsn, "public.kv", where=bad)
+            with pytest.raises(SourceConfigError, match=match) as caught:
+                await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress())
+            assert not caught.value.retriable
+        # through the service: a where scope and a keys scope rewrite only their rows
+        async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 20)) as boot:
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            assert store_rows(store_db, "public.kv", ["id", "v"]) == set()  # nothing seeded yet
+            seed = await seed_and_wait(
+                boot, ["public.kv"], SnapshotScope("public.kv", where="id % 100 = 0")
+            )
+            assert seed.rows == 10
+            seeded = store_rows(store_db, "public.kv", ["id", "v"])
+            assert seeded == {(i, f"v{i}") for i in range(100, 1001, 100)}
+            seed = await seed_and_wait(
+                boot, ["public.kv"], SnapshotScope("public.kv", keys=((7,), (8,), (123456,)))
+            )
+            assert seed.rows == 2
+            assert store_rows(store_db, "public.kv", ["id", "v"]) == seeded | {(7, "v7"), (8, "v8")}
+
+
+# ---- resume from a stored cursor; a DDL during the snapshot --------------------------------
+
+
+@dataclasses.dataclass
+class ResumingSink(RecordingSink):
+    """A RecordingSink that resumes from ``stored`` and may act after each chunk."""
+
+    stored: JobState | None = None
+    after_chunk: Callable[[int], None] | None = None
+
+    def resume(self, scope: SnapshotScope) -> JobState | None:
+        return self.stored
+
+    def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        super().chunk(scope, job, chunk)
+        self.jobs.append(job)
+        if self.after_chunk is not None:
+            self.after_chunk(len(self.chunks))
+
+    jobs: list[JobState] = dataclasses.field(default_factory=list)
+
+
+async def test_a_composite_text_key_snapshot_resumes_after_its_last_chunk_and_refuses_a_ddl(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE comp (a int4, b text, v text, PRIMARY KEY (a, b))")
+        conn.execute(
+            "INSERT INTO comp SELECT a, 'b' || b, NULL FROM generate_series(0, 20) a, "
+            "generate_series(0, 30) b"
+        )
+    cols = ["a", "b", "v"]
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE comp SET v = 'x' WHERE a = 0 AND b = 'b0'")
+        await caught_up(relay, pg_dsn)
+        req = relay_request(relay, pg_dsn, "public.comp", chunk_rows=40)
+        first = ResumingSink()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress(), sink=first)
+        assert len(first.chunks) == 17  # 651 rows
+        assert first.rows(relay, "public.comp", cols) == source_rows(pg_dsn, "comp", cols)
+        # a crash after chunk 5: the run resumes from its stored job, reading 12 chunks
+        again = ResumingSink(stored=first.jobs[4])
+        progress = SeedProgress()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, progress, sink=again)
+        assert len(again.chunks) == 12 and progress.chunks_resumed == 5
+        later = ResumingSink()
+        later.chunks = first.chunks[5:]
+        assert again.rows(relay, "public.comp", cols) == later.rows(relay, "public.comp", cols)
+        assert again.finished[0].chunks == 17 and again.finished[0].rows == 651
+
+        # a column added between chunks: the snapshot stops, retriably
+        def add_column(n: int) -> None:
+            if n == 2:
+                with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                    conn.execute("ALTER TABLE comp ADD COLUMN extra int4 DEFAULT 7")
+
+        with pytest.raises(SourceConfigError, match=r"public\.comp changed \(DDL\)") as caught:
+            await asyncio.to_thread(
+                seed_postgres,
+                req,
+                lambda *_: None,
+                SeedProgress(),
+                sink=ResumingSink(after_chunk=add_column),
+            )
+        assert caught.value.retriable
