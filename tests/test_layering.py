@@ -123,7 +123,7 @@ def test_the_import_scan_sees_every_kind_of_import() -> None:
     assert ("changebus.client._demo", "changebus.relay.Relay") in seen
     assert (
         "changebus.bootstrap._seed_mysql",
-        "changebus.fetchers.mysql.consistent_snapshot",
+        "changebus.fetchers.mysql.MySQLConfig",
     ) in seen
 
 

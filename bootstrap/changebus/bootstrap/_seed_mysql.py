@@ -1,78 +1,93 @@
-"""Seeding the snapshot store from MySQL/MariaDB, aligned with an SCN, without stopping writes.
+"""Seeding the snapshot store from MySQL/MariaDB: online, in short chunks, aligned with SCNs.
 
-The MySQL counterpart of :func:`._seed.seed_postgres`, with the same
-arguments (a :class:`~._seedtypes.SeedRequest`) and the same guarantees:
+The MariaDB :class:`~._chunks.ChunkSource` of :func:`._chunks.run_chunked`
+(which owns the chunk loop, resume, throttle and progress), and
+:func:`seed_mysql`, the public seeder over it:
 
-1. :func:`changebus.fetchers.mysql.consistent_snapshot` opens ``START
-   TRANSACTION WITH CONSISTENT SNAPSHOT`` and reads the binlog position of
-   that snapshot (``binlog_snapshot_file`` / ``binlog_snapshot_position``):
-   every transaction that ends at or before it is in the snapshot, every
-   later one is not. No lock is taken; writers go on.
-2. The seed's SCN is that position in the fetcher's SCN scheme: ``file
-   number << 32 | position``, plus the SCN base of the relay's fetcher (0
-   unless the relay failed over to this server; docs/protocol.md 5). The
-   relay's fetcher status gives the base and the ``@@server_id`` it reads; a
-   seed from another server is refused (its positions mean nothing to the
-   relay's SCNs).
-3. Each table is read through a server-side cursor in batches of
-   ``chunk_rows`` rows; every row becomes an INSERT event encoded with the
-   relay's newest schema version of the table and its source id (the same
-   Avro values the fetcher writes for the same row: :func:`_converter`), and
-   each batch is merged into the snapshot in one store transaction. Zero
-   dates (no Avro value) are sent as null and listed as not sent, as the
-   fetcher does. The fetcher's column policy (``request.column_policy``)
-   applies to the rows as in the fetcher.
+1. One PyMySQL connection per seed run (``program_name`` ``changebus-seed``,
+   session time zone UTC, ``REPEATABLE READ``, autocommit between chunks).
+   Its ``@@server_id`` must be the server the relay's fetcher reads (binlog
+   positions, hence SCNs, are a server's own), and the relay's fetcher
+   status gives the SCN base (0 unless the relay failed over to this
+   server; docs/protocol.md 5).
+2. Every chunk is one short transaction: ``START TRANSACTION WITH
+   CONSISTENT SNAPSHOT, READ ONLY``; ``SHOW STATUS LIKE
+   'binlog_snapshot_%'`` gives the binlog position of exactly that snapshot
+   (every transaction before it is visible to the chunk's reads, no later
+   one is); the chunk's tag is that position as an SCN (SCN base +
+   ``binlog_to_scn``), so every change with an SCN <= tag is in what the
+   chunk reads (the tag rule of :mod:`._chunks`); then one keyset
+   ``SELECT``; ``COMMIT``. No lock is taken; writers go on; no transaction
+   outlives its chunk. Rows are turned into INSERT events (the fetcher's
+   Avro values, :mod:`._seed_mysql_values`) after the commit.
+3. Keyset pagination on the relay schema's key (the primary key): ``WHERE
+   key > last ORDER BY key LIMIT n``. A composite key uses the row
+   constructor ``(k1, k2) > (a, b)`` when ``EXPLAIN`` shows a range scan for
+   it, else the expanded ``k1 > a OR (k1 = a AND k2 > b)`` (MariaDB 10.x
+   does not range-scan row constructors). The cursor is the last row's key
+   values as JSON (:func:`~._seed_mysql_values.key_json`: binary, decimal
+   and temporal keys round-trip exactly).
+4. A ``keys`` scope reads its keys in slices of ``chunk_rows`` (``key IN
+   (...)``, with ``in_predicate_conversion_threshold = 0`` so a long list
+   stays index lookups); keys not found are reported in
+   :attr:`~._chunks.Chunk.absent` as store keys (the Avro key encoding) when
+   every key column is an int, long, string or uuid column; other keys are
+   not tombstoned. A ``where`` scope is validated once (``EXPLAIN`` in a
+   read-only transaction; ``;`` is refused; a bad condition is a
+   non-retriable :class:`~changebus.schemas.SourceConfigError` quoting the
+   server); each chunk first finds the key ``chunk_rows`` rows on (an index
+   walk), then reads the rows up to it that match: a chunk reads at most
+   ``2 * chunk_rows`` rows however selective the condition, so its
+   transaction stays short.
 
-Resumable per table: finished tables are recorded by the store and skipped;
-an interrupted table is copied again from a new snapshot (merges are
-idempotent). A table the relay has not seen (no schema), or whose columns
-changed since the relay's newest version, is refused with a clear message.
+A table the relay has not seen (no schema), whose columns changed since the
+relay's newest version (retriable: the relay will stream the DDL), or that
+has no primary key (refused, naming the fix) is not read. The fetcher's
+column policy (``request.column_policy``) applies to the rows as in the
+fetcher.
 
-Blocking (PyMySQL): runs in a worker thread. The DSN's password never reaches
-a log or an error message.
+Blocking (PyMySQL): runs in the seeder's worker thread; a source and its
+readers are that thread's. The DSN's password never reaches a log or an
+error message.
 """
 
 from __future__ import annotations
 
-import datetime
-import decimal
+import contextlib
 import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
-from changebus.fetchers import ColumnPolicy, ColumnRule
+from changebus.fetchers import ColumnPolicy
 from changebus.schemas import (
     ChangebusError,
-    Column,
     ConfigError,
-    Op,
     RowEncoder,
     SchemaRegistry,
     SourceConfigError,
     SourceError,
-    mysql_avro_type,
-    mysql_bit,
-    mysql_boolean,
-    mysql_json,
-    mysql_set,
-    mysql_time_micros,
-    mysql_unsigned_bigint,
-    mysql_uuid,
+    binlog_file_number,
+    binlog_to_scn,
 )
 
-from ._chunks import SnapshotSink
+from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
+from ._seed_mysql_values import RowConverter, key_json, key_values, policy_converter, untag
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
-__all__ = ["mysql_config_from_dsn", "seed_mysql"]
+__all__ = ["MySQLChunkReader", "MySQLChunkSource", "mysql_config_from_dsn", "seed_mysql"]
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
-_EPOCH_DAY: Final = datetime.date(1970, 1, 1)
-_EPOCH: Final = datetime.datetime(1970, 1, 1)
-_NOT_SENT: Final = object()
+T = TypeVar("T")
+
+#: the connection's program name (``program_name`` connection attribute)
+PROGRAM_NAME: Final = "changebus-seed"
+_START: Final = "START TRANSACTION WITH CONSISTENT SNAPSHOT"
+#: key column types whose JSON value is the Avro value (absent keys can be reported)
+_PLAIN_KEY_TYPES: Final = ("int", "long", "string")
 
 
 def mysql_config_from_dsn(dsn: str) -> Any:
@@ -98,73 +113,12 @@ def mysql_config_from_dsn(dsn: str) -> Any:
     )
 
 
-def _policy_converter(column: Column, rule: ColumnRule | None) -> Callable[[Any], Any]:
-    """:func:`_converter`, then the column's policy rule (hash, truncate) if any.
-
-    A hashed column's schema type is ``string``: its value is converted as its
-    source type (``source_type``) is first, as the fetcher's decoder does.
-    """
-    if rule is None:
-        return _converter(column)
-    if rule.action == "hash":
-        column = Column(column.name, mysql_avro_type(column.source_type), True, column.source_type)
-    convert, apply = _converter(column), rule.apply
-
-    def policed(value: Any) -> Any:
-        value = convert(value)
-        return value if value is _NOT_SENT else apply(value)
-
-    return policed
-
-
-def _converter(column: Column) -> Callable[[Any], Any]:
-    """From a PyMySQL value of ``column`` to the value the fetcher encodes (not None)."""
-    t = column.type
-    spec: Mapping[str, Any] = t if isinstance(t, dict) else {"type": t}
-    base, logical, kind = spec.get("type"), spec.get("logicalType"), spec.get("changebus.type")
-    if base == "boolean":
-        return mysql_boolean
-    if logical == "decimal":
-        return lambda v: v if isinstance(v, decimal.Decimal) else mysql_unsigned_bigint(int(v))
-    if logical == "uuid":
-        return mysql_uuid
-    if logical == "date":
-        return lambda v: (v - _EPOCH_DAY).days if isinstance(v, datetime.date) else _NOT_SENT
-    if logical in ("timestamp-micros", "local-timestamp-micros"):
-        return _micros
-    if kind == "time-micros-signed":
-        return mysql_time_micros
-    if kind == "bit":
-        return mysql_bit
-    if kind == "set":
-        return mysql_set
-    if kind == "json":
-        return mysql_json
-    if base == "string":
-        return lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v)
-    if base == "bytes":
-        return lambda v: v.encode("utf-8") if isinstance(v, str) else bytes(v)
-    if base in ("int", "long"):
-        return int
-    if base in ("float", "double"):
-        return float
-    return lambda v: v
-
-
-def _micros(value: Any) -> Any:
-    """A naive datetime (UTC for timestamps: the snapshot's session is UTC) in microseconds."""
-    if not isinstance(value, datetime.datetime):
-        return _NOT_SENT  # a zero date comes back as text
-    d = value.replace(tzinfo=None) - _EPOCH
-    return (d.days * 86400 + d.seconds) * 1_000_000 + d.microseconds
-
-
 def _relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:
     """``(server id, SCN base)`` of the relay's started mysql fetcher.
 
-    Without them the seed's SCN could not be placed among the relay's (after
-    a failover the base is not 0), so their absence is an error (retriable:
-    a relay that is starting has no fetcher status yet).
+    Without them a chunk's tag could not be placed among the relay's SCNs
+    (after a failover the base is not 0), so their absence is an error
+    (retriable: a relay that is starting has no fetcher status yet).
     """
     server = int((relay_fetcher or {}).get("mysql_server_id", 0) or 0)
     if relay_fetcher is None or relay_fetcher.get("kind") != "mysql" or not server:
@@ -176,6 +130,432 @@ def _relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:
     return server, int(relay_fetcher.get("scn_base", 0) or 0)
 
 
+def _q(name: str) -> str:
+    """A quoted identifier, for a query formatted with parameters (``%`` doubled)."""
+    return "`" + name.replace("`", "``").replace("%", "%%") + "`"
+
+
+def _server_message(exc: BaseException) -> tuple[int, str]:
+    """``(error code, message)`` of a PyMySQL error (code 0: unknown)."""
+    args = getattr(exc, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else 0
+    return code, str(args[-1]) if args else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _source_errors(what: str) -> Iterator[None]:
+    """PyMySQL errors as retriable :class:`SourceError` (``what`` failed)."""
+    import pymysql
+
+    try:
+        yield
+    except pymysql.err.MySQLError as exc:
+        code, message = _server_message(exc)
+        raise SourceError(f"MariaDB error {code} {what}: {message}", retriable=True) from None
+
+
+def compare_sql(columns: Sequence[str], op: str, row_form: bool) -> tuple[str, tuple[int, ...]]:
+    """SQL comparing the (quoted) ``columns`` with key values in key order, lexicographically.
+
+    ``op`` is ``>`` or ``<=``. Returns the condition and, per ``%s`` in it,
+    the index of the key value it takes. ``row_form``: a row constructor,
+    else the expanded ``k1 > a OR (k1 = a AND k2 > b)`` form.
+    """
+    n = len(columns)
+    if n == 1:
+        return f"{columns[0]} {op} %s", (0,)
+    if row_form:
+        return f"({', '.join(columns)}) {op} ({', '.join(['%s'] * n)})", tuple(range(n))
+    terms: list[str] = []
+    at: list[int] = []
+    for i in range(n):
+        last_op = op if i == n - 1 else op[0]  # strict on every column but the last
+        parts = [f"{columns[j]} = %s" for j in range(i)] + [f"{columns[i]} {last_op} %s"]
+        terms.append("(" + " AND ".join(parts) + ")")
+        at.extend(range(i + 1))
+    return "(" + " OR ".join(terms) + ")", tuple(at)
+
+
+def _plain_key_type(avro: Any) -> bool:
+    """Whether a key column's JSON value is its Avro value (int, long, string, uuid)."""
+    if isinstance(avro, str):
+        return avro in _PLAIN_KEY_TYPES
+    return isinstance(avro, dict) and avro.get("logicalType") == "uuid"
+
+
+def _where(conditions: Sequence[str]) -> str:
+    return " WHERE " + " AND ".join(conditions) if conditions else ""
+
+
+def _names(cur: Any) -> list[str]:
+    return [str(d[0]) for d in cur.description]
+
+
+class MySQLChunkSource:
+    """The MariaDB source of one seed run: one connection, a reader per table (module docstring).
+
+    Built from the :class:`~._seedtypes.SeedRequest` (refused at once when
+    the relay's fetcher gives no server id); ``with`` connects and checks
+    the server. Thread-safety: one seeder thread.
+    """
+
+    def __init__(self, request: SeedRequest) -> None:
+        self.request = request
+        self.server_id, self.scn_base = _relay_origin(request.relay_fetcher)
+        self.registry = SchemaRegistry()
+        self.registry.import_entries(list(request.schemas))
+        self.policy = request.column_policy or ColumnPolicy()
+        self.conn: Any = None
+        #: the connection id (``CONNECTION_ID()``: information_schema's thread id)
+        self.connection_id = -1
+        self._start = _START + ", READ ONLY"
+
+    def __enter__(self) -> MySQLChunkSource:
+        import pymysql
+
+        cfg = mysql_config_from_dsn(self.request.dsn)
+        try:
+            self.conn = pymysql.connect(
+                host=cfg.host,
+                port=cfg.port,
+                user=cfg.user,
+                password=cfg.password,
+                connect_timeout=cfg.connect_timeout_s,
+                autocommit=True,
+                charset="utf8mb4",
+                program_name=PROGRAM_NAME,
+            )
+        except pymysql.err.MySQLError as exc:
+            code, message = _server_message(exc)
+            raise SourceConfigError(
+                f"cannot connect to MySQL for a snapshot: {message}",
+                retriable=code not in (1044, 1045),  # access denied: not by waiting
+            ) from None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _setup(self) -> None:
+        import pymysql
+
+        with _source_errors("setting up the seed connection"), self.conn.cursor() as cur:
+            cur.execute("SET SESSION time_zone = '+00:00'")
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            with contextlib.suppress(pymysql.err.MySQLError):  # MySQL, MariaDB < 10.3.18
+                cur.execute("SET SESSION in_predicate_conversion_threshold = 0")
+            cur.execute("SELECT @@server_id, CONNECTION_ID()")
+            row = cur.fetchone()
+            server, self.connection_id = (int(row[0]), int(row[1])) if row else (0, -1)
+            if server != self.server_id:
+                raise SourceConfigError(
+                    f"the seed source is server id {server}, the relay reads server id "
+                    f"{self.server_id}: seed from the server the relay reads (binlog positions, "
+                    "hence SCNs, are the server's own)"
+                )
+            try:
+                cur.execute(self._start)
+            except pymysql.err.ProgrammingError:  # no READ ONLY snapshot transactions
+                self._start = _START
+                cur.execute(self._start)
+            try:
+                self._tag(cur)  # binlog on, and the status variables there
+            finally:
+                self.conn.rollback()
+        log.info(
+            "seeding %d table(s) from MariaDB server id %d (SCN base %d) in chunks of %d rows",
+            len(self.request.todo),
+            server,
+            self.scn_base,
+            self.request.chunk_rows,
+        )
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _tag(self, cur: Any) -> int:
+        """The SCN of the open snapshot transaction's binlog position."""
+        cur.execute("SHOW STATUS LIKE 'binlog_snapshot_%'")
+        status = {str(k).lower(): str(v) for k, v in cur.fetchall()}
+        file = status.get("binlog_snapshot_file", "")
+        if not file:
+            raise SourceConfigError(
+                "the server reports no binlog snapshot position (binlog_snapshot_file): "
+                "consistent seeding needs MariaDB with log_bin on"
+            )
+        pos = int(status["binlog_snapshot_position"])
+        return self.scn_base + binlog_to_scn(binlog_file_number(file), pos)
+
+    def snapshot(self, read: Callable[[Any], T], what: str) -> tuple[int, T]:
+        """``read(cursor)`` in one consistent-snapshot transaction; returns ``(tag, result)``.
+
+        A tag below ``request.min_tag`` (the end of a gap to repair: the read
+        must be newer) is not used: the transaction ends unread and a new
+        one is tried (0.05 s doubling to 1 s), for at most
+        ``request.watermark_wait_s`` (then a retriable error).
+        """
+        deadline = time.monotonic() + self.request.watermark_wait_s
+        pause = 0.05
+        while True:
+            with _source_errors(what), self.conn.cursor() as cur:
+                cur.execute(self._start)
+                try:
+                    tag = self._tag(cur)
+                    if tag >= self.request.min_tag:
+                        result = read(cur)
+                        self.conn.commit()
+                        return tag, result
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        self.conn.rollback()
+                    raise
+                self.conn.rollback()
+            if time.monotonic() >= deadline:
+                raise SourceError(
+                    f"the source's binlog position (SCN {tag}) stayed behind SCN "
+                    f"{self.request.min_tag} (the end of the gap to repair) for "
+                    f"{self.request.watermark_wait_s:g}s: is the seed reading the relay's server?",
+                    retriable=True,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    def reader(self, scope: SnapshotScope) -> MySQLChunkReader:
+        """A reader of ``scope`` after checking the table (see :class:`~._chunks.ChunkSource`)."""
+        name = scope.table
+        try:
+            schema = self.registry.latest(name)
+        except ChangebusError:
+            raise SourceConfigError(
+                f"table {name} is not in the relay's stream yet (no schema): it cannot be "
+                "seeded before the relay has seen a change of it"
+            ) from None
+        self.policy.check_schema(schema)  # the rows follow the fetcher's column policy
+        if not schema.key:
+            raise SourceConfigError(
+                f"table {name} has no primary key: a snapshot reads a table in key order, in "
+                "short transactions, and cannot read one without a key; add a primary key "
+                f"(ALTER TABLE {name} ADD PRIMARY KEY (...)), then snapshot it"
+            )
+        encoder = RowEncoder(
+            schema, source_id=self.registry.source_id(name), partition=self.request.partition_id
+        )
+        return MySQLChunkReader(self, scope, RowConverter(encoder, self.policy))
+
+
+class MySQLChunkReader:
+    """Reads one :class:`~._chunks.SnapshotScope` of a table in chunks (module docstring).
+
+    ``mode``: ``keyset`` (whole table or ``where``) or ``keys``. Cursors:
+    keyset -- :func:`~._seed_mysql_values.key_json` of the last key read
+    (``where``: of the chunk's upper bound); keys -- the index of the next
+    key in the list, as text. Thread-safety: the seeder's thread.
+    """
+
+    def __init__(self, source: MySQLChunkSource, scope: SnapshotScope, rows: RowConverter) -> None:
+        self._source = source
+        self._rows = rows
+        self.name = scope.table
+        schema = rows.encoder.table
+        db, _, table = self.name.partition(".")
+        self._table = f"{_q(db)}.{_q(table)}"
+        self._cols = [_q(k) for k in schema.key]
+        self._key_list = ", ".join(self._cols)
+        self._row_form: bool | None = None if len(self._cols) > 1 else False
+        self._where = ""
+        self._keys: list[tuple[Any, ...]] = []
+        self._absent_keys: list[bytes | None] = []
+        with _source_errors(f"reading {self.name}"), source.conn.cursor() as cur:
+            cur.execute(f"SELECT * FROM {self._table} LIMIT 0", ())
+            rows.bind(_names(cur))  # the columns are the relay's (else: retriable)
+        self.mode = "keys" if scope.keys else "keyset"
+        if scope.keys:
+            self._init_keys(scope.keys)
+            self.estimate_rows = len(self._keys)
+        elif scope.where:
+            if ";" in scope.where:
+                raise SourceConfigError(
+                    "a snapshot's where condition is one SQL condition (no ';')"
+                )
+            self._where = "(" + scope.where.replace("%", "%%") + ")"
+            self.estimate_rows = self._check_where()
+        else:
+            self.estimate_rows = self._table_rows()
+
+    # ---- set-up --------------------------------------------------------------
+
+    def _table_rows(self) -> int:
+        db, _, table = self.name.partition(".")
+        with _source_errors(f"estimating {self.name}"), self._source.conn.cursor() as cur:
+            cur.execute(
+                "SELECT TABLE_ROWS FROM information_schema.TABLES "
+                "WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s",
+                (db, table),
+            )
+            row = cur.fetchone()
+        return -1 if row is None or row[0] is None else int(row[0])
+
+    def _check_where(self) -> int:
+        """Refuse a bad ``where`` (server's message); returns the rows it selects, about."""
+        import pymysql
+
+        conn = self._source.conn
+        with conn.cursor() as cur:
+            try:
+                cur.execute("START TRANSACTION READ ONLY")
+                try:
+                    cur.execute(f"EXPLAIN SELECT 1 FROM {self._table} WHERE {self._where}", ())
+                    plan = cur.fetchall()
+                    names = _names(cur)
+                finally:
+                    conn.rollback()
+            except pymysql.err.MySQLError as exc:
+                code, message = _server_message(exc)
+                if code >= 2000 or code == 0:  # the client's (connection lost...): not the text
+                    raise SourceError(f"MariaDB error {code}: {message}", retriable=True) from None
+                raise SourceConfigError(
+                    f"the where condition cannot be used on {self.name}: {message}"
+                ) from None
+        rows = names.index("rows") if "rows" in names else -1
+        if rows < 0 or not plan or plan[0][rows] is None:
+            return -1
+        return int(plan[0][rows])
+
+    def _init_keys(self, keys: Sequence[Sequence[Any]]) -> None:
+        """Check the key list; keep its store keys when they can be encoded (for ``absent``)."""
+        schema = self._rows.encoder.table
+        columns = {c.name: c for c in schema.columns}
+        rules = self._source.policy.rules_for(self.name)
+        plain = all(_plain_key_type(columns[k].type) for k in schema.key)
+        convert = [policy_converter(columns[k], rules.get(k)) for k in schema.key]
+        for raw in keys:
+            if len(raw) != len(schema.key):
+                raise SourceConfigError(
+                    f"key {list(raw)!r} of {self.name} has {len(raw)} value(s); its key is "
+                    f"({', '.join(schema.key)})"
+                )
+            try:
+                values = tuple(untag(v) for v in raw)
+            except (ValueError, TypeError, ArithmeticError) as exc:
+                raise SourceConfigError(f"bad key value {list(raw)!r}: {exc}") from None
+            self._keys.append(values)
+            self._absent_keys.append(self._store_key(values, convert) if plain else None)
+
+    def _store_key(
+        self, values: tuple[Any, ...], convert: list[Callable[[Any], Any]]
+    ) -> bytes | None:
+        """The store key of a requested key (None: cannot say, not tombstoned)."""
+        if any(v is None for v in values):
+            return None
+        try:
+            key = self._rows.encoder.table.key
+            row = {k: fn(v) for k, fn, v in zip(key, convert, values, strict=True)}
+            return self._rows.encoder.key_bytes(row)
+        except Exception:  # noqa: BLE001 - a value the column cannot hold: never a row
+            return None
+
+    # ---- chunks --------------------------------------------------------------
+
+    def read(self, cursor: str | None, limit: int) -> Chunk:
+        if self.mode == "keys":
+            return self._read_keys(int(cursor or 0), limit)
+        after = None if cursor is None else key_values(cursor)
+        tag, (rows, nxt) = self._source.snapshot(
+            lambda cur: self._read_range(cur, after, limit), f"reading {self.name}"
+        )
+        return Chunk(self._rows.events(rows, tag), tag, nxt)
+
+    def _read_range(
+        self, cur: Any, after: tuple[Any, ...] | None, limit: int
+    ) -> tuple[list[Any], str | None]:
+        """Rows after ``after`` in key order (in the snapshot transaction) and the next cursor."""
+        conds: list[str] = []
+        args: list[Any] = []
+        if after is not None:
+            if self._row_form is None:
+                self._row_form = self._row_form_ranges(cur, after, limit)
+            sql, at = compare_sql(self._cols, ">", self._row_form)
+            conds.append(sql)
+            args.extend(after[i] for i in at)
+        head = f"FROM {self._table}"
+        if self._where:
+            cur.execute(
+                f"SELECT {self._key_list} {head}{_where(conds)} ORDER BY {self._key_list} "
+                f"LIMIT 1 OFFSET {limit - 1}",
+                tuple(args),
+            )
+            bound = cur.fetchone()
+            if bound is not None:
+                sql, at = compare_sql(self._cols, "<=", bool(self._row_form))
+                conds.append(sql)
+                args.extend(bound[i] for i in at)
+            cur.execute(
+                f"SELECT * {head}{_where([*conds, self._where])} ORDER BY {self._key_list}",
+                tuple(args),
+            )
+            rows = list(cur.fetchall())
+            self._rows.bind(_names(cur))
+            return rows, None if bound is None else key_json(bound)
+        cur.execute(
+            f"SELECT * {head}{_where(conds)} ORDER BY {self._key_list} LIMIT {limit}", tuple(args)
+        )
+        rows = list(cur.fetchall())
+        self._rows.bind(_names(cur))
+        if len(rows) < limit:
+            return rows, None
+        return rows, key_json([rows[-1][i] for i in self._rows.key_at])
+
+    def _row_form_ranges(self, cur: Any, after: tuple[Any, ...], limit: int) -> bool:
+        """Whether the server range-scans ``(k1, k2) > (a, b)`` (``EXPLAIN`` says ``range``)."""
+        sql, at = compare_sql(self._cols, ">", True)
+        cur.execute(
+            f"EXPLAIN SELECT {self._key_list} FROM {self._table} WHERE {sql} "
+            f"ORDER BY {self._key_list} LIMIT {limit}",
+            tuple(after[i] for i in at),
+        )
+        plan = cur.fetchall()
+        names = _names(cur)
+        ranges = bool(plan) and "type" in names and plan[0][names.index("type")] == "range"
+        log.debug(
+            "%s: composite key pages with %s",
+            self.name,
+            "a row constructor" if ranges else "the expanded OR form",
+        )
+        return ranges
+
+    def _read_keys(self, start: int, limit: int) -> Chunk:
+        keys = self._keys[start : start + limit]
+        n = len(self._cols)
+        if n == 1:
+            cond = f"{self._cols[0]} IN ({', '.join(['%s'] * len(keys))})"
+        else:
+            one = "(" + ", ".join(["%s"] * n) + ")"
+            cond = f"({self._key_list}) IN ({', '.join([one] * len(keys))})"
+        args = tuple(v for k in keys for v in k)
+
+        def read(cur: Any) -> list[Any]:
+            cur.execute(f"SELECT * FROM {self._table} WHERE {cond} ORDER BY {self._key_list}", args)
+            rows = list(cur.fetchall())
+            self._rows.bind(_names(cur))
+            return rows
+
+        tag, rows = self._source.snapshot(read, f"reading keys of {self.name}")
+        found: set[bytes] = set()
+        events = self._rows.events(rows, tag, found)
+        wanted = self._absent_keys[start : start + limit]
+        absent = tuple(dict.fromkeys(k for k in wanted if k is not None and k not in found))
+        nxt = start + len(keys)
+        return Chunk(events, tag, str(nxt) if nxt < len(self._keys) else None, absent)
+
+
 def seed_mysql(
     request: SeedRequest,
     write: SeedWriter,
@@ -184,107 +564,11 @@ def seed_mysql(
     stop: threading.Event | None = None,
     sink: SnapshotSink | None = None,
 ) -> int:
-    """Copy ``request.tables`` (``database.table`` names) at one consistent snapshot; returns its SCN.
+    """Snapshot ``request.tables`` (``database.table`` names) chunk by chunk; returns the newest tag.
 
     Arguments as for :func:`._seed.seed_postgres`; ``request.relay_fetcher``
     is the relay's fetcher status of the partition (its ``mysql_server_id``
-    and ``scn_base``).
+    and ``scn_base``). Chunks go to ``sink`` (the bootstrap store: resumable)
+    or, without one, to ``write``.
     """
-    from changebus.fetchers.mysql import consistent_snapshot
-
-    registry = SchemaRegistry()
-    registry.import_entries(list(request.schemas))
-    policy = request.column_policy or ColumnPolicy()
-    todo = progress.begin(request)
-    if not todo:
-        progress.state = "copied"
-        return progress.scn
-    relay_server, base = _relay_origin(request.relay_fetcher)
-    with consistent_snapshot(mysql_config_from_dsn(request.dsn)) as snap:
-        with snap.connection.cursor() as cur:
-            cur.execute("SELECT @@server_id")
-            row = cur.fetchone()
-        server = int(row[0]) if row else 0
-        if server != relay_server:
-            raise SourceConfigError(
-                f"the seed source is server id {server}, the relay reads server id "
-                f"{relay_server}: seed from the server the relay reads (binlog positions, "
-                "hence SCNs, are the server's own)"
-            )
-        scn = base + snap.scn
-        progress.scn = scn
-        log.info(
-            "seeding %d table(s) at SCN %d (%s:%d, consistent snapshot)",
-            len(todo),
-            scn,
-            snap.file,
-            snap.pos,
-        )
-        for name in todo:
-            if stop is not None and stop.is_set():
-                raise ChangebusError("seeding stopped", retriable=True)
-            progress.table = name
-            try:
-                schema = registry.latest(name)
-            except ChangebusError:
-                raise SourceConfigError(
-                    f"table {name} is not in the relay's stream yet (no schema): it cannot be "
-                    "seeded before the relay has seen a change of it"
-                ) from None
-            policy.check_schema(schema)  # the rows follow the fetcher's column policy
-            encoder = RowEncoder(
-                schema, source_id=registry.source_id(name), partition=request.partition_id
-            )
-            _copy_table(snap, name, encoder, scn, write, progress, request.chunk_rows, policy)
-            write(name, [], scn)  # the table is done
-            progress.tables_done += 1
-            log.info("seeded %s: %d rows so far", name, progress.rows)
-    progress.state = "copied"
-    progress.table = ""
-    return scn
-
-
-def _copy_table(
-    snap: Any,
-    name: str,
-    encoder: RowEncoder,
-    scn: int,
-    write: SeedWriter,
-    progress: SeedProgress,
-    chunk_rows: int,
-    policy: ColumnPolicy,
-) -> None:
-    """Copy table ``name`` in batches of ``chunk_rows``, as INSERTs encoded by ``encoder``
-    (under ``policy``: the columns it excludes are dropped, hashed and truncated ones go
-    through its rules after the conversion the fetcher's decoder makes)."""
-    schema = encoder.table
-    rules = policy.rules_for(name)
-    convert = [(c.name, _policy_converter(c, rules.get(c.name))) for c in schema.columns]
-    wanted = {c.name for c in schema.columns}
-    excluded = {c for c, r in rules.items() if r.action == "exclude"}
-    db, _, table = name.partition(".")
-    for batch in snap.rows(db, table, chunk_rows):
-        if set(batch[0]) - excluded != wanted:
-            raise SourceConfigError(
-                f"table {name} changed since the relay's newest schema version "
-                f"{schema.version}: seed it after the relay has seen the change "
-                "(or give the seed the fetcher's column_policy)",
-                # mostly a DDL the relay has not streamed yet: it will, so try again
-                retriable=True,
-            )
-        ts = time.time_ns()
-        events = []
-        for seq, source in enumerate(batch):
-            row: dict[str, Any] = {}
-            not_sent: list[str] = []
-            for col, fn in convert:
-                value = source[col]
-                if value is not None:
-                    value = fn(value)
-                    if value is _NOT_SENT:
-                        value = None
-                        not_sent.append(col)
-                row[col] = value
-            events.append(encoder.encode(Op.INSERT, scn, seq, ts, row, after_not_sent=not_sent))
-        write(name, events, scn)
-        progress.rows += len(batch)
+    return run_chunked(request, MySQLChunkSource, sink or WriterSink(write), progress, stop=stop)

@@ -147,6 +147,11 @@ class RowEncoder:
             return row
         return {self._rename.get(k, k): v for k, v in row.items()}
 
+    def key_bytes(self, row: Mapping[str, Any]) -> bytes:
+        """The event key of ``row`` (column name -> Avro value; the key columns suffice):
+        the Avro binary of the key record, as :meth:`encode` writes it (empty: no key)."""
+        return self._key_bytes(self._fields(row))
+
     def encode(
         self,
         op: Op,
