@@ -49,12 +49,20 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60) ->
             time.sleep(0.05)
 
 
+#: set by ``--profile DIR``: bootstrap servers run under bench/_snap_profile.py into DIR/<name>
+PROFILE_DIR: Path | None = None
+
+
 @contextlib.contextmanager
 def daemon(kind: str, config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``changebus <kind> --config config`` (output to ``log``), stopped by pid at the end."""
+    run = [sys.executable, "-m", "changebus.schemas"]
+    if PROFILE_DIR is not None and kind == "bootstrap":
+        where = PROFILE_DIR / config.parent.name
+        run = [sys.executable, str(Path(__file__).with_name("_snap_profile.py")), str(where)]
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "changebus.schemas", kind, "--config", str(config)],
+            [*run, kind, "--config", str(config)],
             env=_env(),
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -534,9 +534,15 @@ def main() -> None:
     ap.add_argument("--pg", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--mysql", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="cProfile every thread of the bootstrap servers into this directory (slower)",
+    )
     args = ap.parse_args()
     if args.mysql is None:
         args.mysql = mariadb_available()
+    sp.PROFILE_DIR = args.profile
     result: dict[str, Any] = {"chunk_rows": args.chunk_rows or None}
     t0 = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-snap-"))
