@@ -336,7 +336,7 @@ class PostgresChunkSource:
         if tag is not None:
             return SourceError(
                 f"snapshot of {table}: the source did not pass SCN {self.request.min_tag} "
-                f"within {waited}; it is tried again later",
+                f"within {waited}; try again later",
                 retriable=True,
             )
         row = self.conn.execute(
@@ -353,7 +353,7 @@ class PostgresChunkSource:
             who = "a transaction without a backend (a prepared transaction? see pg_prepared_xacts)"
         return SourceError(
             f"snapshot of {table}: transaction {xmin} of {who} has been running since before "
-            f"the chunk; no consistent watermark after {waited}: it is tried again later",
+            f"the chunk; no consistent watermark after {waited}: try again once it has ended",
             retriable=True,
         )
 
