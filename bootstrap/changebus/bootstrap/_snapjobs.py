@@ -142,12 +142,22 @@ class SnapshotJobs(SeedLedger):
         if sid is None or below < 0:
             return None
         with self._txn():
+            # positions first (no event bytes: most rows were just rewritten, few are old)
             ids = self._all(
-                "SELECT id, scn, deleted, key, event FROM cb_snap WHERE part = {p} "
+                "SELECT id, scn, deleted FROM cb_snap WHERE part = {p} "
                 "AND source_id = {p} AND id > {p} ORDER BY id LIMIT {p}",
                 (part, sid, after_id, batch),
             )
-            old = [(k, e) for _i, scn, d, k, e in ids if not d and int(scn) < below]
+            stale = [int(i) for i, scn, d in ids if not d and int(scn) < below]
+            old: list[tuple[bytes, bytes]] = []
+            for start in range(0, len(stale), 500):
+                some = stale[start : start + 500]
+                old += self._all(
+                    "SELECT key, event FROM cb_snap WHERE id IN ("
+                    + ", ".join(["{p}"] * len(some))
+                    + ") ORDER BY id",
+                    some,
+                )
             self._many(UPSERT_SNAP, self._tombstones(part, old, below))
         return int(ids[-1][0]) if len(ids) == batch else None
 
