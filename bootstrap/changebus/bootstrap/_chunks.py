@@ -46,15 +46,9 @@ time spent in source reads (``source_time_budget``: 0.25 = the source is
 busy with the snapshot at most a quarter of the time), sleeping between
 chunks.
 
-**Overlap.** While chunk i is being stored, chunk i+1 is read (a bounded
-one-chunk-ahead prefetch, :class:`_Storing`): the seed goes at the pace of
-the slower of the source read and the store write, not of their sum.
-
 Thread-safety: :func:`run_chunked` runs in the seeder's worker thread; it
-touches the reader (its own) and the :class:`~._seedtypes.SeedProgress` it
-is given; the sink (which hops to the store's writer thread) is called from
-one helper thread, one call at a time, in chunk order (``resume`` and
-``finish`` from the seeder's thread, never while a chunk is being stored).
+touches the reader (its own), the sink (which hops to the store's writer
+thread) and the :class:`~._seedtypes.SeedProgress` it is given.
 """
 
 from __future__ import annotations
@@ -64,7 +58,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -222,8 +215,7 @@ class JobState:
 
 
 class SnapshotSink(Protocol):
-    """Where chunks go (the store, through its writer thread). Blocking; called from the
-    seeder's threads, one call at a time (:meth:`chunk` from a helper thread, in order).
+    """Where chunks go (the store, through its writer thread). Blocking; called from the seeder.
 
     :meth:`resume` -- the stored job of ``table`` (None: none, or one for
     another scope). :meth:`chunk` -- merge ``chunk`` and store ``job`` (the
@@ -294,55 +286,6 @@ class Throttle:
         return wait
 
 
-class _Storing:
-    """Stores a table's chunks in a helper thread, one at a time, in order, while the
-    seeder reads the next one (a bounded one-chunk-ahead prefetch).
-
-    The source read of chunk i+1 overlaps the store write of chunk i: the
-    seed runs at the pace of the slower of the two instead of their sum.
-    :meth:`put` waits until the previous chunk is stored (re-raising its
-    error) before it hands over the next, so at most one chunk is being
-    stored while one is read (memory: two chunks), and the chunks (with the
-    job row that makes them resumable) reach the sink in read order. A
-    resume after a crash starts after the last chunk *stored*; the chunk read
-    ahead is simply read again. ``progress`` counts a chunk once it is
-    stored. Leaving the block waits for the chunk in flight (raising its error
-    unless another one is already on its way): nothing touches the sink after
-    :func:`run_chunked` returns or raises.
-
-    Thread-safety: :meth:`put` and the block are the seeder thread's; the
-    sink is called from the helper thread only, one call at a time.
-    """
-
-    def __init__(self, sink: SnapshotSink, scope: SnapshotScope, progress: SeedProgress) -> None:
-        self._sink, self._scope, self._progress = sink, scope, progress
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="seed-store")
-        self._pending: tuple[Future[None], Chunk] | None = None
-
-    def __enter__(self) -> _Storing:
-        return self
-
-    def put(self, job: JobState, chunk: Chunk) -> None:
-        self._settle()
-        self._pending = (self._pool.submit(self._sink.chunk, self._scope, job, chunk), chunk)
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            future, chunk = self._pending
-            self._pending = None
-            future.result()
-            self._progress.chunk_done(chunk.row_count, chunk.tag)
-
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        try:
-            if kind is None:
-                self._settle()
-            elif self._pending is not None:
-                self._pending[0].exception()  # wait; the error on its way wins
-        finally:
-            self._pool.shutdown(wait=True)
-
-
 def run_chunked(
     request: SeedRequest,
     open_source: ChunkSourceFactory,
@@ -380,26 +323,26 @@ def run_chunked(
                     stored.chunks,
                     stored.rows,
                 )
-            with _Storing(sink, scope, progress) as storing:
-                while job.cursor is not None or job.chunks == 0:
-                    if stop.is_set():
-                        raise ChangebusError("seeding stopped", retriable=True)
-                    started = time.monotonic()
-                    chunk = reader.read(job.cursor, request.chunk_rows)
-                    busy = time.monotonic() - started
-                    job = job.after(chunk)
-                    storing.put(job, chunk)  # after the previous chunk is stored
-                    if request.log_every_chunks and job.chunks % request.log_every_chunks == 0:
-                        log.info(
-                            "%s: %d chunks, %d rows (%s)",
-                            name,
-                            job.chunks,
-                            job.rows,
-                            progress.rate_text(),
-                        )
-                    wait = throttle.pause(chunk.row_count, busy)
-                    if wait > 0 and stop.wait(wait):
-                        raise ChangebusError("seeding stopped", retriable=True)
+            while job.cursor is not None or job.chunks == 0:
+                if stop.is_set():
+                    raise ChangebusError("seeding stopped", retriable=True)
+                started = time.monotonic()
+                chunk = reader.read(job.cursor, request.chunk_rows)
+                busy = time.monotonic() - started
+                job = job.after(chunk)
+                sink.chunk(scope, job, chunk)
+                progress.chunk_done(chunk.row_count, chunk.tag)
+                if request.log_every_chunks and job.chunks % request.log_every_chunks == 0:
+                    log.info(
+                        "%s: %d chunks, %d rows (%s)",
+                        name,
+                        job.chunks,
+                        job.rows,
+                        progress.rate_text(),
+                    )
+                wait = throttle.pause(chunk.row_count, busy)
+                if wait > 0 and stop.wait(wait):
+                    raise ChangebusError("seeding stopped", retriable=True)
             sink.finish(scope, job)
             progress.table_done()
             log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)

@@ -4,8 +4,7 @@
 hands one store operation to the store's writer thread
 (:mod:`._storethreads`) through the event loop and waits for it, so the
 seeder never touches a store connection and a slow store slows the seed
-(one chunk being stored while the next is read: memory stays bounded by
-two chunks of ``chunk_rows``).
+(one chunk in flight: memory stays bounded by ``chunk_rows``).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ T = TypeVar("T")
 class StoreSink:
     """Chunks of partition ``part`` into the store (see the module docstring).
 
-    Thread-safety: its methods are called from the seeder's threads, one call
-    at a time, never from the event loop (they block until the writer thread
-    is done).
+    Thread-safety: its methods are called from one seeder thread, never from
+    the event loop (they block until the writer thread is done).
     """
 
     def __init__(self, stores: StoreThreads, part: str, loop: asyncio.AbstractEventLoop) -> None:
