@@ -153,9 +153,9 @@ class StoreDb:
         are inserted in order, an upsert's conflict sees the rows before it),
         but one statement step per batch instead of one per row: far less
         Python work, and the GIL is released and taken again once per batch,
-        not per row (per row, another busy Python thread of the process --
-        a seeder reading the next chunk -- makes each re-take wait for the
-        interpreter's switch interval).
+        not per row (per row, another busy Python thread of the process -- a
+        seeder encoding its next chunk while the applier writes -- makes
+        each re-take wait for the interpreter's switch interval).
         """
         rows = list(rows)
         if not rows:
