@@ -343,3 +343,70 @@ def test_rows_changed_after_the_snapshot_scn_come_whole(store: Store) -> None:
     h = verify_event(page.data, int(offsets[0]))
     change = ChangeDecoder(t).decode(event_at(page.data, int(offsets[0]), h)[1])
     assert change.after == {"id": 1, "v": "big"} and change.after_not_sent == ()
+
+
+def test_snapshot_chunks_merge_by_scn_and_the_sweep_tombstones_what_no_chunk_rewrote(
+    store: Store,
+) -> None:
+    """Chunks of more rows than one multi-row INSERT holds (SQLite batches them) merge
+    unless the snapshot holds a newer state; the sweep (in steps) tombstones the table's
+    rows older than the first tag that no chunk rewrote, and only those."""
+    from changebus.bootstrap._chunks import JobState, SnapshotScope
+
+    t = TABLES[0]
+    sid = REG.source_id(t.name)
+    store.put_schemas("p", [(sid, t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    # the log's state: keys 1..1500 at SCN 10, key 7 changed again at SCN 900 (after the tags)
+    old = [
+        enc.encode(Op.INSERT, 10, i, 100, {"id": k, "v": "old"})
+        for i, k in enumerate(range(1, 1501))
+    ]
+    eow = encode_control(EndOfWindow(len(old), ""), 10, len(old), 100)
+    store.append("p", b"".join(old) + eow, start_scn=0)
+    newer = enc.encode(Op.UPDATE, 900, 0, 900, {"id": 7, "v": "newest"})
+    store.append("p", newer + encode_control(EndOfWindow(1, ""), 900, 1, 900))
+    store.apply("p")
+    scope = SnapshotScope(t.name)
+    job = JobState(t.name, scope.as_json())
+    # the source holds keys 1..1200 (1201..1500 were deleted unseen) and 2001..2600 (new)
+    keys = [*range(1, 1201), *range(2001, 2601)]
+    for n, start in enumerate(range(0, len(keys), 700)):
+        part = keys[start : start + 700]
+        tag = 500 + n
+        events = [
+            enc.encode(Op.INSERT, tag, i, 0, {"id": k, "v": f"src{k}"}) for i, k in enumerate(part)
+        ]
+        job = JobState(
+            t.name, scope.as_json(), json.dumps(part[-1]), n + 1, job.rows + len(part), 500, tag
+        )
+        store.snapshot_chunk("p", job, events, tag)
+        assert store.snapshot_job("p", scope) == job
+    after: int | None = 0
+    steps = 0
+    while after is not None:
+        after = store.sweep_step("p", t.name, job.first_tag, after, batch=400)
+        steps += 1
+    assert steps > 3
+    store.finish_snapshot("p", job, seeded=True)
+    assert store.snapshot_job("p", scope) is None
+    assert store.seeded("p") == {t.name: 500}
+    page = store.snapshot_page(
+        "p",
+        [sid],
+        since_scn=-1,
+        start_scn=store.state("p").applier_scn,
+        position=(0, 0),
+        max_bytes=16 << 20,
+    )
+    offsets, _ = parse_stream(page.data)
+    live: dict[int, str] = {}
+    for off in offsets.tolist():
+        h = verify_event(page.data, off)
+        change = ChangeDecoder(t).decode(event_at(page.data, off, h)[1])
+        assert change.after is not None
+        live[change.after["id"]] = change.after["v"]
+    want = {k: f"src{k}" for k in keys}
+    want[7] = "newest"  # the newer log state wins over the chunk
+    assert live == want
+    assert store.counts("p") == {"log_events": 1503, "rows": len(keys), "tombstones": 300}
