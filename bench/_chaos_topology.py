@@ -406,7 +406,9 @@ class Topology:
             ReplicaSpec("rep-pg-pg", "pg", "pg", "pg", dsn=self.pg_dsn(REPLICA_DB)),
             ReplicaSpec("rep-my-sqlite", "my", "mysql", "sqlite", path=replicas / "my.sqlite"),
         ]
+        # a pull through a half-open proxy is given up after 2 + 4 s, not the default 20
         common = ["--consumer-name", CONSUMER, "--log-level", "info"]
+        common += ["--wait-s", "2", "--read-margin-s", "4"]
         for rep in self.replicas:
             if rep.sink == "sqlite":
                 assert rep.path is not None

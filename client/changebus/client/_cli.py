@@ -106,6 +106,21 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         " reads a snapshot and the catch-up log from it, then returns to the relays. With"
         " --cluster the default is the bootstrap servers registered in the cluster",
     )
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how long one pull may wait at the relay for new events (default 10)",
+    )
+    p.add_argument(
+        "--read-margin-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a connection silent for wait + this long is dead: fail over (default 10;"
+        " lower finds a half-open connection sooner)",
+    )
     add_tls_arguments(p)
 
 
@@ -227,10 +242,11 @@ def route_options(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`ConsumerConfig` keyword arguments of :func:`add_route_arguments`' flags.
 
     ``relays``, ``zookeeper``, ``cluster``, ``prefer_followers``,
-    ``bootstrap_servers`` (``--bootstrap``; empty: none, or the cluster's) and
-    ``auth`` (:func:`auth_from_args`). The config validates the values.
+    ``bootstrap_servers`` (``--bootstrap``; empty: none, or the cluster's),
+    ``auth`` (:func:`auth_from_args`) and, when given, ``wait_s`` and
+    ``read_margin_s``. The config validates the values.
     """
-    return {
+    options: dict[str, Any] = {
         "relays": tuple(args.relay),
         "zookeeper": args.zookeeper,
         "cluster": args.cluster,
@@ -238,6 +254,10 @@ def route_options(args: argparse.Namespace) -> dict[str, Any]:
         "bootstrap_servers": tuple(args.bootstrap),
         "auth": auth_from_args(args),
     }
+    for name in ("wait_s", "read_margin_s"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    return options
 
 
 def route_text(args: argparse.Namespace) -> str:
