@@ -92,6 +92,7 @@ COMMANDS = {
     "group": "client",
     "cluster": "cluster",
     "token": "token",
+    "check-source": "fetchers",
 }
 
 

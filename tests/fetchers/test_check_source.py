@@ -26,7 +26,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from changebus.fetchers._check import CheckReport, Level, check_source
+from changebus.fetchers import CheckReport, Level, check_source
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.fetchers.postgres import EmbeddedPostgres
 from changebus.schemas._cli import main
@@ -137,17 +137,20 @@ async def test_bad_postgres_slot_checks(bad_pg: EmbeddedPostgres) -> None:
     assert level(missing, "tables") is Level.FAIL
 
 
-def test_good_postgres_passes(pg_server: PgServer, pg_dsn: str) -> None:
+def test_good_postgres_passes(
+    pg_server: PgServer, pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id bigint PRIMARY KEY, total numeric)")
         conn.execute("CREATE TABLE audit (at timestamptz, what text)")
         conn.execute("ALTER TABLE audit REPLICA IDENTITY FULL")
     slot = f"cb_check_{uuid.uuid4().hex[:8]}"
-    done = run_cli("--slot", slot, "--publication", slot, env={"CHANGEBUS_SOURCE_DSN": pg_dsn})
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "FAIL" not in done.stdout
-    assert done.stdout.rstrip().splitlines()[-1].startswith("READY")
-    assert "2 table(s) in scope, each with a key" in done.stdout
+    status = main(["check-source", "--dsn", pg_dsn, "--slot", slot, "--publication", slot])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "FAIL" not in out
+    assert out.rstrip().splitlines()[-1].startswith("READY")
+    assert "2 table(s) in scope, each with a key" in out
 
 
 def test_bad_mariadb_names_each_problem_and_exits_1(bad_mysql: EmbeddedMariaDB) -> None:
@@ -189,17 +192,22 @@ async def test_bad_mariadb_mixed_format(bad_mysql: EmbeddedMariaDB) -> None:
     assert report.exit_status == 1
 
 
-def test_good_mariadb_passes(mysql_server: EmbeddedMariaDB, mysql_db: str) -> None:
+def test_good_mariadb_passes(
+    mysql_server: EmbeddedMariaDB, mysql_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     conn = mysql_server.connect()
     try:
         with conn.cursor() as cur:
             cur.execute(f"CREATE TABLE `{mysql_db}`.orders (id BIGINT PRIMARY KEY, total INT)")
     finally:
         conn.close()
-    done = run_cli("--dsn", f"mysql://root@127.0.0.1:{mysql_server.port}/{mysql_db}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "FAIL" not in done.stdout
-    assert "1 table(s) in scope, each with a primary key" in done.stdout
+    status = main(
+        ["check-source", "--dsn", f"mysql://root@127.0.0.1:{mysql_server.port}/{mysql_db}"]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "FAIL" not in out
+    assert "1 table(s) in scope, each with a primary key" in out
 
 
 def test_config_partitions_json_and_errors(

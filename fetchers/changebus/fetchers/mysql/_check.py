@@ -87,13 +87,13 @@ def _checks(cur: Any, cfg: MySQLConfig, tables: tuple[str, ...]) -> tuple[str, l
 def _conf(name: str, value: str, dynamic: bool = True) -> str:
     """The fix for a server variable: the SQL, and the config file line that keeps it."""
     line = f"my.cnf [mysqld]: {name} = {value}"
-    if dynamic:
-        quoted = value if value.isdigit() else f"'{value}'"
-        return (
-            f"SET GLOBAL {name} = {quoted}; and {line} (no restart; sessions already open, "
-            "replication ones included, keep the old value until they reconnect)"
-        )
-    return f"{line}, then restart the server"
+    if not dynamic:
+        return f"{line}, then restart the server"
+    quoted = value if value.isdigit() or value in ("ON", "OFF") else f"'{value}'"
+    fix = f"SET GLOBAL {name} = {quoted}; and {line} (no restart"
+    if name.startswith("binlog_"):
+        fix += "; sessions already open keep the old value until they reconnect"
+    return fix + ")"
 
 
 def _binlog_settings(values: dict[str, str], mariadb: bool) -> list[Finding]:
