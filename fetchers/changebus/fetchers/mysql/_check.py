@@ -61,6 +61,8 @@ def check_mysql(cfg: MySQLConfig, tables: tuple[str, ...] = ()) -> tuple[str, st
             return target, *_checks(cur, cfg, tables)
     except pymysql.err.OperationalError as exc:
         raise SourceError(f"lost the MySQL connection: {reason(exc)}") from None
+    except pymysql.err.MySQLError as exc:
+        raise SourceError(f"a query of the check failed: {reason(exc)}") from None
     finally:
         conn.close()
 
@@ -91,7 +93,7 @@ def _conf(name: str, value: str, dynamic: bool = True) -> str:
         return f"{line}, then restart the server"
     quoted = value if value.isdigit() or value in ("ON", "OFF") else f"'{value}'"
     fix = f"SET GLOBAL {name} = {quoted}; and {line} (no restart"
-    if name.startswith("binlog_"):
+    if name in ("binlog_format", "binlog_row_image", "binlog_row_metadata"):
         fix += "; sessions already open keep the old value until they reconnect"
     return fix + ")"
 
@@ -260,9 +262,11 @@ def _retention(values: dict[str, str], mariadb: bool) -> Finding:
 
 def _keys(cur: Any, cfg: MySQLConfig, tables: tuple[str, ...]) -> Finding:
     cur.execute(
+        # STATISTICS, not TABLE_CONSTRAINTS: MariaDB shows a user with only SELECT no
+        # constraints, but it does show the indexes
         "SELECT t.TABLE_SCHEMA, t.TABLE_NAME, EXISTS (SELECT 1 FROM "
-        "information_schema.TABLE_CONSTRAINTS c WHERE c.TABLE_SCHEMA = t.TABLE_SCHEMA AND "
-        "c.TABLE_NAME = t.TABLE_NAME AND c.CONSTRAINT_TYPE = 'PRIMARY KEY') "
+        "information_schema.STATISTICS s WHERE s.TABLE_SCHEMA = t.TABLE_SCHEMA AND "
+        "s.TABLE_NAME = t.TABLE_NAME AND s.INDEX_NAME = 'PRIMARY') "
         "FROM information_schema.TABLES t WHERE t.TABLE_TYPE = 'BASE TABLE' "
         "ORDER BY 1, 2"
     )

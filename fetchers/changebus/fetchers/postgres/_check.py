@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from changebus.schemas import SourceError
+
 from .._check import Finding
 from ._config import PostgresConfig
 from ._setup import connect, reason
@@ -84,9 +86,11 @@ def check_postgres(cfg: PostgresConfig) -> tuple[str, str, list[Finding]]:
         try:
             return target, *_checks(conn, cfg)
         except psycopg.OperationalError as exc:
-            from changebus.schemas import SourceError
-
             raise SourceError(f"lost the Postgres connection: {reason(exc, cfg.dsn)}") from None
+        except psycopg.Error as exc:
+            raise SourceError(
+                f"a catalog query of the check failed: {reason(exc, cfg.dsn)}"
+            ) from None
     finally:
         conn.close()
 
@@ -113,10 +117,11 @@ def _checks(conn: Any, cfg: PostgresConfig) -> tuple[str, list[Finding]]:
         out.append(
             Finding.fail(
                 "primary",
-                "this server is a standby (in recovery): logical decoding reads a primary",
+                "this server is a standby (in recovery): the fetcher reads a primary",
                 "point the DSN at the primary server",
             )
         )
+        return f"PostgreSQL {version}", out  # the slot's WAL position needs a primary
     settings = {
         str(name): (str(setting), str(unit or ""))
         for name, setting, unit in conn.execute(
