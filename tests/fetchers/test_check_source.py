@@ -260,5 +260,8 @@ kind = "synthetic"
     assert main(["check-source", "--dsn", closed]) == 2
     out = capsys.readouterr().out
     assert "cannot connect" in out and PASSWORD not in out
+    assert main(["check-source", "--dsn", closed, "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)
+    assert error["exit_status"] == 2 and "cannot connect" in error["error"]
     assert main(["check-source"]) == 2
     assert "--dsn" in capsys.readouterr().out

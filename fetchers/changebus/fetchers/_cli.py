@@ -13,7 +13,8 @@ Two ways to name the source:
   partition's missing ``dsn`` (Postgres).
 
 Prints the checklist (:func:`~._check.render_text`) or, with ``--json``,
-one JSON object (a list of them with ``--config``). Exit status: 0 when
+one JSON object (a list of them with ``--config``; ``{"ok": false,
+"exit_status": 2, "error": ...}`` when the check could not run). Exit status: 0 when
 nothing blocks (warnings allowed), 1 when something does, 2 when the check
 could not run (bad arguments, a source that cannot be reached). Nothing
 printed holds a password (messages are scrubbed of the DSNs).
@@ -50,7 +51,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a checklist with the exact fix for each problem. Exit status 0: ready (warnings "
         "allowed); 1: something blocks; 2: the check could not run.",
     )
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--dsn",
         help=f"libpq DSN / postgresql:// URL, or mysql://user:password@host:port[/db,...] "
         f"(default: ${DSN_ENV})",
@@ -63,7 +65,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="comma-separated schema.table (MySQL: database.table) names to check; "
         "default: what the publication covers, or every table",
     )
-    p.add_argument("--config", type=Path, help="relay TOML: check its postgres/mysql partitions")
+    where.add_argument(
+        "--config", type=Path, help="relay TOML: check its postgres/mysql partitions"
+    )
     p.add_argument("--partition", help="with --config: only this partition")
     p.add_argument("--json", action="store_true", help="print JSON instead of the checklist")
     p.set_defaults(func=_run)
@@ -96,7 +100,11 @@ def _run(args: argparse.Namespace) -> int:
             )
             reports.append((name, report))
     except ChangebusError as exc:
-        print(f"changebus check-source: {scrub(exc.message, secrets)}")
+        message = scrub(exc.message, secrets)
+        if args.json:
+            print(json.dumps({"ok": False, "exit_status": 2, "error": message}))
+        else:
+            print(f"changebus check-source: {message}")
         return 2
     if args.json:
         body: Any = (
