@@ -154,7 +154,7 @@ def _checks(conn: Any, cfg: PostgresConfig) -> tuple[str, list[Finding]]:
         )
     out += _capacity(conn, cfg, settings, slot)
     out.append(_role(user, superuser, replication))
-    out.append(_slot(cfg, slot, database, user))
+    out.append(_slot(cfg, slot, database))
     tables = _tables(conn)
     publication = one(
         "SELECT p.puballtables, r.rolname FROM pg_publication p "
@@ -233,7 +233,7 @@ def _role(user: str, superuser: bool, replication: bool) -> Finding:
     )
 
 
-def _slot(cfg: PostgresConfig, slot: Any, database: str, user: str) -> Finding:
+def _slot(cfg: PostgresConfig, slot: Any, database: str) -> Finding:
     name = cfg.slot
     if slot is None:
         if not cfg.create_slot:
