@@ -265,3 +265,20 @@ kind = "synthetic"
     assert error["exit_status"] == 2 and "cannot connect" in error["error"]
     assert main(["check-source"]) == 2
     assert "--dsn" in capsys.readouterr().out
+
+
+async def test_mariadb_grants_through_a_default_role(bad_mysql: EmbeddedMariaDB) -> None:
+    conn = bad_mysql.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("CREATE ROLE cdc")
+            cur.execute("GRANT REPLICATION SLAVE, BINLOG MONITOR, SELECT ON *.* TO cdc")
+            cur.execute(f"CREATE USER 'viarole'@'%' IDENTIFIED BY '{PASSWORD}'")
+            cur.execute("GRANT cdc TO 'viarole'@'%'")
+            cur.execute("SET DEFAULT ROLE cdc FOR 'viarole'@'%'")
+    finally:
+        conn.close()
+    report = await check_source(f"mysql://viarole:{PASSWORD}@127.0.0.1:{bad_mysql.port}/shop")
+    assert level(report, "grants") is Level.OK
+    assert level(report, "select") is Level.OK
+    assert PASSWORD not in json.dumps(report.to_json())

@@ -10,8 +10,10 @@ fetcher decodes rows by it; :mod:`._setup` refuses to start otherwise),
 (REPLICATION SLAVE for the binlog dump, BINLOG MONITOR / REPLICATION CLIENT
 for ``SHOW BINARY LOGS`` and ``SHOW MASTER STATUS``, SELECT for column
 types and seeding), binlog retention, and tables in scope with a primary
-key. Blocking; runs in a worker thread. Grants are parsed, never printed
-(``SHOW GRANTS`` may quote a password hash).
+key. Blocking; runs in a worker thread. Grants are parsed from ``SHOW GRANTS``
+(on MariaDB it lists the default role's grants too; a monitor privilege it
+does not show is probed with ``SHOW MASTER STATUS``), never printed: it may
+quote a password hash.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ def _grants(cur: Any, cfg: MySQLConfig, grantee: str, mariadb: bool) -> list[Fin
         if p not in global_privs
         and not (p == monitor and {"REPLICATION CLIENT", "BINLOG MONITOR"} & global_privs)
     ]
+    if monitor in lacking and _can_list_binlogs(cur):
+        lacking.remove(monitor)  # granted through a role: SHOW GRANTS lists only its name
     out: list[Finding] = []
     if lacking:
         out.append(
@@ -232,6 +236,20 @@ def _grants(cur: Any, cfg: MySQLConfig, grantee: str, mariadb: bool) -> list[Fin
         )
     )
     return out
+
+
+def _can_list_binlogs(cur: Any) -> bool:
+    """Whether ``SHOW MASTER STATUS`` is allowed (what BINLOG MONITOR grants)."""
+    import pymysql
+
+    try:
+        cur.execute("SHOW MASTER STATUS")
+        cur.fetchall()
+    except pymysql.err.OperationalError as exc:
+        if exc.args and exc.args[0] in (1227, 1044, 1045):  # access denied
+            return False
+        raise
+    return True
 
 
 def _retention(values: dict[str, str], mariadb: bool) -> Finding:
