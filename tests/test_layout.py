@@ -78,7 +78,7 @@ def test_cli_version_and_help() -> None:
     help_text = _run_cli("--help")
     assert "usage: changebus" in help_text
     assert "COMMAND" in help_text
-    listed = re.findall(r"^    (\w+)", help_text, flags=re.MULTILINE)
+    listed = re.findall(r"^    ([\w-]+)", help_text, flags=re.MULTILINE)
     assert sorted(listed) == sorted(COMMANDS)
 
 
@@ -92,6 +92,7 @@ COMMANDS = {
     "group": "client",
     "cluster": "cluster",
     "token": "token",
+    "check-source": "fetchers",
 }
 
 
