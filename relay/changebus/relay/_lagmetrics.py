@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ._host import CONSUMER_TTL_S, STATES
+from ._host import STATES
+from ._hoststatus import CONSUMER_TTL_S
 
 if TYPE_CHECKING:
     from ._config import MetricsConfig
