@@ -34,6 +34,12 @@ acknowledged, the source fetcher is closed, the state becomes ``fenced``
 (``/readyz`` 503 with the reason) and ``fence.refused(reason)`` tells the
 cluster member to step down.
 
+Figures for ``/metrics`` (:mod:`._lagmetrics`) cost the ingest one
+wall-clock read per group commit (:attr:`PartitionHost.appended_at`);
+data-loss windows are counted by cause in :attr:`PartitionHost.losses`
+(the host's own, and a dropped fetcher's ``data_loss_events``, kept so that
+the counter never goes back when a fetcher is replaced).
+
 A fetcher failure marked retriable restarts the fetcher from the buffer's
 last SCN with exponential backoff; a non-retriable one stops ingestion for
 this partition (``/readyz`` then reports it) while reading goes on. Its text
@@ -50,6 +56,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +78,17 @@ from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
 from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
+from ._hoststatus import data_loss_events, fetcher_losses, partition_status
 from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
 
-__all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
+__all__ = [
+    "STATES",
+    "ConsumerSeen",
+    "IngestFence",
+    "PartitionHost",
+]
 
 log = logging.getLogger("changebus.relay.ingest")
 
@@ -86,6 +99,11 @@ _QUEUE_BYTES = 8 << 20
 #: a group commit takes at most this much of what queued up
 _GROUP_WINDOWS = 512
 _GROUP_BYTES = 8 << 20
+#: every state of a partition's ingest (:attr:`PartitionHost.state`): ``idle`` (no
+#: fetcher configured), ``starting``, ``streaming``, ``retrying`` (after a retriable
+#: error, with backoff), ``fenced`` (a deposed cluster leader), ``failed`` (a
+#: non-retriable error: ingest stopped), ``finished`` (the fetcher ended its stream)
+STATES = ("idle", "starting", "streaming", "retrying", "fenced", "failed", "finished")
 #: consumers remembered per partition for /v1/status (least recently seen forgotten first)
 MAX_CONSUMERS = 1000
 #: characters of a ``client=`` id kept
@@ -138,6 +156,13 @@ class PartitionHost(SourceAcks):
         self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
+        #: data-loss windows by cause (``/metrics``): what this host recorded itself plus
+        #: what its retired fetchers reported (see :func:`fetcher_losses`)
+        self.losses: Counter[str] = Counter()
+        #: wall-clock time of the newest group appended (0: none since start), and of
+        #: the start (so a fetcher that never delivers shows as idle)
+        self.appended_at = 0.0
+        self.started_at = time.time()
         #: the leadership epoch this partition serves under (None: not in a cluster);
         #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
         #: a deposed leader (changebus.relay.chain's ``min_epoch``)
@@ -207,6 +232,7 @@ class PartitionHost(SourceAcks):
             if self.fetcher is not None:
                 with contextlib.suppress(Exception):
                     await self.fetcher.close()
+                self._retire(self.fetcher)
                 self.fetcher = None
             # a group the cancelled task handed to the writer is appended before we resume
             await asyncio.get_running_loop().run_in_executor(self._writer, _nothing)
@@ -339,6 +365,7 @@ class PartitionHost(SourceAcks):
                 self.registry.import_entries(window.schemas)
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
+                self.losses["window_too_large"] += 1
                 reason = (
                     f"window of {len(window.data)} bytes exceeds the buffer limit of {limit} bytes"
                 )
@@ -364,6 +391,7 @@ class PartitionHost(SourceAcks):
                     )
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
+                    self.losses["window_too_many_events"] += 1
                     log.error(
                         "partition %s: %s; recorded as data loss at SCN %d",
                         self.name,
@@ -383,6 +411,7 @@ class PartitionHost(SourceAcks):
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self._writer, self._append, batch):
             raise _Fenced("the leadership lease is not valid: group not appended")
+        self.appended_at = time.time()  # once per group (source lag and idle time)
         if self.syncer is None:
             await self._acknowledge(fetcher, batch[-1].scn)
 
@@ -513,6 +542,8 @@ class PartitionHost(SourceAcks):
                 if self.fetcher is not None and failed:
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
+            if self.fetcher is not None:
+                self._retire(self.fetcher)
             if fenced:
                 self.fetcher = None
                 if self.fence is not None:
@@ -526,48 +557,14 @@ class PartitionHost(SourceAcks):
 
     # ---- status -------------------------------------------------------
 
+    def _retire(self, fetcher: Fetcher) -> None:
+        """Keep a fetcher's data-loss counts once it is dropped (counters never go back)."""
+        self.losses.update(fetcher_losses(fetcher))
+
+    def data_loss_events(self) -> Counter[str]:
+        """Data-loss windows by cause since start (scrape time; see :mod:`._hoststatus`)."""
+        return data_loss_events(self)
+
     def status(self) -> dict[str, Any]:
-        m = self.buffer.meta
-        now = time.monotonic()
-        consumers = [
-            {
-                "client": client,
-                "peer": seen.peer,
-                "scn": seen.scn,
-                "lag_scn": max(m.last_scn - seen.scn, 0) if seen.scn >= 0 else None,
-                "behind_bytes": seen.behind_bytes,
-                "seconds_since_request": round(now - seen.last_seen, 3),
-            }
-            for client, seen in sorted(self.consumers.items())
-            if now - seen.last_seen <= 300
-        ]
-        status: dict[str, Any] = {
-            "name": self.name,
-            "id": self.config.id,
-            "state": self.state,
-            "min_scn": m.min_scn,
-            "max_scn": m.last_scn,
-            "prev_scn": m.prev_scn,
-            "bytes_used": m.tail_pos - m.head_pos,
-            "capacity_bytes": m.capacity,
-            "events": m.tail_event - m.head_event,
-            "windows": m.windows,
-            "oldest_timestamp_ns": m.first_ts,
-            "newest_timestamp_ns": m.last_ts,
-            "consumers": consumers,
-            "stats": {**self.buffer.stats, **self.stats},
-        }
-        if self.role:
-            status["role"] = self.role
-        if self.epoch is not None:
-            status["epoch"] = self.epoch
-        if self.last_error:
-            status["last_error"] = self.last_error
-        if self.fetcher is not None:
-            status["fetcher"] = self.fetcher.status()
-        status["durability"] = (
-            self.syncer.status()
-            if self.syncer is not None
-            else {"mode": "page_cache", "synced_scn": -1, "syncs": 0, "sync_seconds_total": 0.0}
-        )
-        return status
+        """The partition's ``/v1/status`` entry (see :mod:`._hoststatus`)."""
+        return partition_status(self)
