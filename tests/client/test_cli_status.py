@@ -30,6 +30,7 @@ from changebus.bootstrap import (
 )
 from changebus.client import Consumer, ConsumerConfig, MemoryCheckpointPersister
 from changebus.client._status_render import ServerReport, render_text, report_json
+from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
 from changebus.relay import Relay
 from changebus.schemas._cli import main
 from waiting import wait_until
@@ -179,3 +180,36 @@ def test_the_screen_tolerates_missing_and_unknown_fields() -> None:
     doc: dict[str, Any] = report_json(reports, 1_010.0)
     assert doc["servers"][0]["partitions"][1]["something_new"] == {"x": 1}
     assert doc["ok"] is False
+
+
+@pytest.mark.zk
+async def test_status_of_a_clusters_members(
+    make_relay: MakeRelay, zk_hosts: str, zk_cluster: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--zookeeper/--cluster``: every member of the routing table, with its member id."""
+    async with make_relay(max_windows=5) as relay:
+        session = ZkSession(
+            ClusterConfig(
+                zookeeper=zk_hosts,
+                name=zk_cluster,
+                member_id="relay-7",
+                advertised_url=relay.url,
+                connect_timeout_s=10.0,
+            )
+        )
+        await session.start()
+        registry = Registry(session, "relay")
+        try:
+            await registry.start()
+            registry.update({"syn": PartitionState("leader", 1)})
+            await registry.flush()
+            args = ["status", "--zookeeper", zk_hosts, "--cluster", zk_cluster, "--json"]
+            code = await asyncio.to_thread(main, args)
+        finally:
+            await registry.stop()
+            await session.stop()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    [server] = json.loads(out)["servers"]
+    assert server["url"] == relay.url and server["member"] == "relay-7"
+    assert server["role"] == "relay" and server["partitions"][0]["name"] == "syn"
