@@ -17,7 +17,14 @@ if TYPE_CHECKING:
 
     from ._host import PartitionHost
 
-__all__ = ["CONSUMER_TTL_S", "data_loss_events", "fetcher_losses", "partition_status"]
+__all__ = [
+    "CONSUMER_TTL_S",
+    "consumer_lag_seconds",
+    "data_loss_events",
+    "fetcher_losses",
+    "partition_status",
+    "source_lag_seconds",
+]
 
 #: consumers seen this recently (seconds) count in /v1/status and /metrics
 CONSUMER_TTL_S = 300
@@ -43,6 +50,25 @@ def data_loss_events(host: PartitionHost) -> Counter[str]:
     return total
 
 
+def source_lag_seconds(host: PartitionHost) -> float | None:
+    """When the newest window was appended minus its source commit time (None: no window yet)."""
+    last_ts = host.buffer.meta.last_ts
+    if host.appended_at <= 0 or last_ts <= 0:
+        return None
+    return max(host.appended_at - last_ts / 1e9, 0.0)
+
+
+def consumer_lag_seconds(host: PartitionHost, scn: int) -> float:
+    """Source commit time of the newest window minus that of the first one after ``scn``.
+
+    0 when nothing follows ``scn`` (caught up). One binary search in the
+    buffer's SCN index (:meth:`~._buffer.EventBuffer.timestamp_after`).
+    """
+    m = host.buffer.meta
+    ts = host.buffer.timestamp_after(scn) if scn < m.last_scn else None
+    return 0.0 if ts is None else max((m.last_ts - ts) / 1e9, 0.0)
+
+
 def partition_status(host: PartitionHost) -> dict[str, Any]:
     """The partition's ``/v1/status`` entry: buffer bounds, state, consumers, fetcher."""
     m = host.buffer.meta
@@ -53,6 +79,9 @@ def partition_status(host: PartitionHost) -> dict[str, Any]:
             "peer": seen.peer,
             "scn": seen.scn,
             "lag_scn": max(m.last_scn - seen.scn, 0) if seen.scn >= 0 else None,
+            "lag_seconds": round(consumer_lag_seconds(host, seen.scn), 3)
+            if seen.scn >= 0
+            else None,
             "behind_bytes": seen.behind_bytes,
             "seconds_since_request": round(now - seen.last_seen, 3),
         }
@@ -73,6 +102,10 @@ def partition_status(host: PartitionHost) -> dict[str, Any]:
         "oldest_timestamp_ns": m.first_ts,
         "newest_timestamp_ns": m.last_ts,
         "consumers": consumers,
+        "source_lag_seconds": _rounded(source_lag_seconds(host)),
+        "source_idle_seconds": round(
+            max(time.time() - (host.appended_at or host.started_at), 0.0), 3
+        ),
         "stats": {**host.buffer.stats, **host.stats},
     }
     if host.role:
@@ -89,3 +122,7 @@ def partition_status(host: PartitionHost) -> dict[str, Any]:
         else {"mode": "page_cache", "synced_scn": -1, "syncs": 0, "sync_seconds_total": 0.0}
     )
     return status
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ._host import STATES
-from ._hoststatus import CONSUMER_TTL_S
+from ._hoststatus import CONSUMER_TTL_S, consumer_lag_seconds, source_lag_seconds
 
 if TYPE_CHECKING:
     from ._config import MetricsConfig
@@ -122,10 +122,10 @@ def lag_families(
         name = host.name
         for s in STATES:
             state.add_metric([name, s], 1.0 if host.state == s else 0.0)
-        m = host.buffer.meta
         if host.config.fetcher.kind != "none":
-            if host.appended_at > 0 and m.last_ts > 0:
-                lag.add_metric([name], max(host.appended_at - m.last_ts / 1e9, 0.0))
+            source_lag = source_lag_seconds(host)
+            if source_lag is not None:
+                lag.add_metric([name], source_lag)
             idle.add_metric([name], max(now - (host.appended_at or host.started_at), 0.0))
         if host.fetcher is not None:
             figures = host.fetcher.status()
@@ -169,6 +169,4 @@ def _consumers(
         shown.append((seen[cap][0], OTHER_CONSUMERS))  # the most lagging of the rest
     for scn, client in shown:
         lag_scn.add_metric([host.name, client], float(max(m.last_scn - scn, 0)))
-        ts = host.buffer.timestamp_after(scn) if scn < m.last_scn else None
-        seconds = 0.0 if ts is None else max((m.last_ts - ts) / 1e9, 0.0)
-        lag_s.add_metric([host.name, client], seconds)
+        lag_s.add_metric([host.name, client], consumer_lag_seconds(host, scn))
