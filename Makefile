@@ -9,6 +9,9 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 EXTRAS := dev,mysql,zk,spark
 PYTEST_ARGS ?=
+# test files run on this many workers (pytest-xdist; a file's tests stay on one worker, so
+# module-scoped servers start once); 1 runs them in this process
+TEST_WORKERS ?= 2
 
 .PHONY: all install system-deps test lint fmt bench demo wheel clean
 
@@ -26,7 +29,7 @@ $(STAMP): pyproject.toml
 install: system-deps $(STAMP)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
