@@ -59,6 +59,13 @@ _SNAPSHOT_COUNTERS = {
     "rows": "Rows seeds and snapshots read from the source",
     "chunks": "Chunks seeds and snapshots stored",
 }
+#: ``changebus_bootstrap_data_loss_events_total`` causes, from the worker's counters
+_LOSS_CAUSES = {
+    # DATA_LOSS windows the relay sent (SCNs the relay lost: its cause is on the relay)
+    "relay_data_loss": "data_loss",
+    # the producer fell off the relay: a gap in the log until a seed repairs it
+    "producer_fell_off": "fell_off",
+}
 #: states of a seed run that is under way
 _RUNNING = frozenset({"starting", "running", "copied"})
 
@@ -124,6 +131,7 @@ class BootstrapMetrics:
             "Snapshot rows, catch-up events and bytes sent",
             labels=["partition", "what"],
         )
+        yield from self._operator()
         for name in self._service.workers:
             served.add_metric([name, "snapshot_rows"], float(self.rows_served[name]))
             served.add_metric([name, "catchup_events"], float(self.catchup_events[name]))
@@ -132,6 +140,22 @@ class BootstrapMetrics:
         yield from cfams.values()
         yield from (ready, served)
         yield from self._snapshot()
+
+    def _operator(self) -> Iterator[Any]:
+        """Readiness and data loss by cause (the names operators alert on: docs/metrics.md)."""
+        ready = GaugeMetricFamily(
+            "changebus_bootstrap_ready", "1 when /readyz answers 200 (every partition streams)"
+        )
+        ready.add_metric([], 1.0 if self._service.ready else 0.0)
+        loss = CounterMetricFamily(
+            "changebus_bootstrap_data_loss_events",
+            "Data lost to the log, by cause: DATA_LOSS windows from the relay, falls off it",
+            labels=["partition", "cause"],
+        )
+        for w in self._service.workers.values():
+            for cause, attr in _LOSS_CAUSES.items():
+                loss.add_metric([w.name, cause], float(getattr(w, attr)))
+        yield from (ready, loss)
 
     def _snapshot(self) -> Iterator[Any]:
         gauges = {

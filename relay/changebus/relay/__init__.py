@@ -16,6 +16,7 @@ from ._buffer import (
 from ._config import (
     FetcherConfig as FetcherConfig,
     HttpConfig as HttpConfig,
+    MetricsConfig as MetricsConfig,
     PartitionConfig as PartitionConfig,
     RelayConfig as RelayConfig,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "EventBuffer",
     "FetcherConfig",
     "HttpConfig",
+    "MetricsConfig",
     "PartitionConfig",
     "Relay",
     "RelayConfig",

@@ -74,12 +74,14 @@ import numpy as np
 import numpy.typing as npt
 
 from changebus.schemas import (
+    HEADER_DTYPE,
     HEADER_SIZE,
     CorruptEventError,
     DataLoss,
     EndOfWindow,
     Op,
     PartitionFilter,
+    ScnNotFoundError,
     decode_control,
     encode_control,
     source_table,
@@ -107,6 +109,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("changebus.relay.buffer")
+
+#: where an event header holds its source commit time (ns)
+_TS_OFFSET: Final = 16
+assert HEADER_DTYPE.fields is not None
+assert HEADER_DTYPE.fields["timestamp_ns"][1] == _TS_OFFSET
 
 #: the buffer's files, created mode 0600 before they are mapped (a side file added
 #: later must be created through :func:`changebus.schemas.files.private_file` too)
@@ -244,6 +251,8 @@ class EventBuffer(BufferWriter):
             "recovery_records_rewritten": 0,
             "recovery_index_rebuilt": 0,
             "recovery_events_dropped": 0,
+            # DATA_LOSS windows recovery appended (windows a crash lost)
+            "recovery_data_loss": 0,
         }
         loss: Loss | None = None
         if compatible and previous is not None:
@@ -298,6 +307,7 @@ class EventBuffer(BufferWriter):
             self.append_window(data)
         finally:
             self.on_publish = on_publish
+        self.stats["recovery_data_loss"] += 1
 
     # ------------------------------------------------------------------
     # state
@@ -364,6 +374,25 @@ class EventBuffer(BufferWriter):
         checkpoint may have been evicted (see :func:`._reader.locate`).
         """
         return locate(self._events, self._index, self._meta, self.name, window_scn, window_offset)
+
+    def timestamp_after(self, scn: int) -> int | None:
+        """Source commit time (ns) of the first window after SCN ``scn`` (scrape time only).
+
+        None when no window follows ``scn``; the oldest window's time when
+        windows after ``scn`` were evicted (the consumer lags at least that
+        much). A binary search in the SCN index and one header read, under
+        the buffer's lock: for ``/metrics``, never per event.
+        """
+        with self._lock:
+            m = self._meta
+            try:
+                start, _ = locate(self._events, self._index, m, self.name, scn, -1)
+            except ScnNotFoundError:
+                start = m.head_event
+            if start >= m.tail_event:
+                return None
+            at = int(self._events.at(start)["pos"]) % self.capacity + _TS_OFFSET
+            return int(self._ring[at : at + 8].view("<i8")[0])
 
     def select(
         self,

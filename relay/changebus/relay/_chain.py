@@ -254,6 +254,11 @@ class ChainFetcher:
             await self._session.close()
             self._session = None
 
+    @property
+    def data_loss_events(self) -> dict[str, int]:
+        """DATA_LOSS windows this fetcher made, by cause (the relay's ``/metrics``)."""
+        return {"fell_off_upstream": self.data_loss_windows} if self.data_loss_windows else {}
+
     def status(self) -> dict[str, Any]:
         """Upstream in use, position, lag, refused answers and data loss."""
         stream = self._stream

@@ -63,7 +63,7 @@ from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig, Durability, check_durability
 
-__all__ = ["FetcherConfig", "HttpConfig", "PartitionConfig", "RelayConfig"]
+__all__ = ["FetcherConfig", "HttpConfig", "MetricsConfig", "PartitionConfig", "RelayConfig"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,19 @@ class PartitionConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """The ``[metrics]`` table: bounds of ``/metrics`` (docs/metrics.md)."""
+
+    #: consumer label values per partition in ``changebus_relay_consumer_lag_*``: the
+    #: most lagging consumers; the others are folded into ``consumer="_other"``
+    max_consumer_series: int = 50
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_consumer_series <= 10000:
+            raise ConfigError("metrics.max_consumer_series must be within 1..10000")
+
+
+@dataclass(frozen=True)
 class RelayConfig:
     """The whole relay daemon."""
 
@@ -172,6 +185,8 @@ class RelayConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     #: TLS and token of this relay's connections to other relays (chaining)
     upstream: ClientAuth = field(default_factory=ClientAuth)
+    #: bounds of /metrics (label cardinality)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not self.cluster.member_id:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from changebus.schemas import ChangebusError, OverwrittenError, PartitionFilter
+from changebus.schemas import ChangebusError, OverwrittenError, PartitionFilter, ScnNotFoundError
 
 from ._host import PartitionHost
 from ._metrics import RelayMetrics
@@ -71,7 +71,11 @@ async def follow(
     """Serve one follow request (module docstring)."""
     scn, offset = ask.scn, ask.offset
     # fail before the 200 when the checkpoint is already too old
-    host.buffer.locate(scn, offset)
+    try:
+        host.buffer.locate(scn, offset)
+    except ScnNotFoundError:
+        metrics.fell_off(host.name)  # answered 410
+        raise
     resp = web.StreamResponse(status=200, headers=next_headers(host, scn, offset, None))
     resp.headers["X-Changebus-Follow"] = "1"
     resp.content_type = "application/vnd.changebus.events"

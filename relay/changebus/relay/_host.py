@@ -50,6 +50,8 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +77,14 @@ from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
 
-__all__ = ["ConsumerSeen", "IngestFence", "PartitionHost"]
+__all__ = [
+    "CONSUMER_TTL_S",
+    "STATES",
+    "ConsumerSeen",
+    "IngestFence",
+    "PartitionHost",
+    "fetcher_losses",
+]
 
 log = logging.getLogger("changebus.relay.ingest")
 
@@ -86,6 +95,13 @@ _QUEUE_BYTES = 8 << 20
 #: a group commit takes at most this much of what queued up
 _GROUP_WINDOWS = 512
 _GROUP_BYTES = 8 << 20
+#: every state of a partition's ingest (:attr:`PartitionHost.state`): ``idle`` (no
+#: fetcher configured), ``starting``, ``streaming``, ``retrying`` (after a retriable
+#: error, with backoff), ``fenced`` (a deposed cluster leader), ``failed`` (a
+#: non-retriable error: ingest stopped), ``finished`` (the fetcher ended its stream)
+STATES = ("idle", "starting", "streaming", "retrying", "fenced", "failed", "finished")
+#: consumers seen this recently (seconds) count in /v1/status and /metrics
+CONSUMER_TTL_S = 300
 #: consumers remembered per partition for /v1/status (least recently seen forgotten first)
 MAX_CONSUMERS = 1000
 #: characters of a ``client=`` id kept
@@ -93,6 +109,13 @@ MAX_CLIENT_ID = 128
 #: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
 _TICK_PER_WAITER_S = 0.0001
 _MAX_TICK_S = 0.005
+
+
+def fetcher_losses(fetcher: Fetcher) -> Mapping[str, int]:
+    """A fetcher's data-loss windows by cause (its optional ``data_loss_events`` mapping)."""
+    counts = getattr(fetcher, "data_loss_events", None)
+    # a copy (one C call, atomic under the GIL): a fetcher's thread may add a cause meanwhile
+    return dict(counts) if isinstance(counts, Mapping) else {}
 
 
 def _nothing() -> None:
@@ -138,6 +161,13 @@ class PartitionHost(SourceAcks):
         self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
+        #: data-loss windows by cause (``/metrics``): what this host recorded itself plus
+        #: what its retired fetchers reported (see :func:`fetcher_losses`)
+        self.losses: Counter[str] = Counter()
+        #: wall-clock time of the newest group appended (0: none since start), and of
+        #: the start (so a fetcher that never delivers shows as idle)
+        self.appended_at = 0.0
+        self.started_at = time.time()
         #: the leadership epoch this partition serves under (None: not in a cluster);
         #: answered as ``X-Changebus-Epoch`` on /v1/stream so that followers can fence
         #: a deposed leader (changebus.relay.chain's ``min_epoch``)
@@ -207,6 +237,7 @@ class PartitionHost(SourceAcks):
             if self.fetcher is not None:
                 with contextlib.suppress(Exception):
                     await self.fetcher.close()
+                self._retire(self.fetcher)
                 self.fetcher = None
             # a group the cancelled task handed to the writer is appended before we resume
             await asyncio.get_running_loop().run_in_executor(self._writer, _nothing)
@@ -339,6 +370,7 @@ class PartitionHost(SourceAcks):
                 self.registry.import_entries(window.schemas)
             if len(window.data) > limit:
                 self.stats["windows_data_loss"] += 1
+                self.losses["window_too_large"] += 1
                 reason = (
                     f"window of {len(window.data)} bytes exceeds the buffer limit of {limit} bytes"
                 )
@@ -364,6 +396,7 @@ class PartitionHost(SourceAcks):
                     )
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
+                    self.losses["window_too_many_events"] += 1
                     log.error(
                         "partition %s: %s; recorded as data loss at SCN %d",
                         self.name,
@@ -383,6 +416,7 @@ class PartitionHost(SourceAcks):
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self._writer, self._append, batch):
             raise _Fenced("the leadership lease is not valid: group not appended")
+        self.appended_at = time.time()  # once per group (source lag and idle time)
         if self.syncer is None:
             await self._acknowledge(fetcher, batch[-1].scn)
 
@@ -513,6 +547,8 @@ class PartitionHost(SourceAcks):
                 if self.fetcher is not None and failed:
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()
+            if self.fetcher is not None:
+                self._retire(self.fetcher)
             if fenced:
                 self.fetcher = None
                 if self.fence is not None:
@@ -525,6 +561,21 @@ class PartitionHost(SourceAcks):
             delay = min(delay * 2, cfg.retry_max_s)
 
     # ---- status -------------------------------------------------------
+
+    def _retire(self, fetcher: Fetcher) -> None:
+        """Keep a fetcher's data-loss counts once it is dropped (counters never go back)."""
+        self.losses.update(fetcher_losses(fetcher))
+
+    def data_loss_events(self) -> Counter[str]:
+        """Data-loss windows by cause since start: this host's, the buffer's recovery,
+        the retired fetchers' and the current fetcher's (scrape time)."""
+        total = Counter(self.losses)
+        if self.fetcher is not None:
+            total.update(fetcher_losses(self.fetcher))
+        recovered = self.buffer.stats.get("recovery_data_loss", 0)
+        if recovered:
+            total["recovery"] += recovered
+        return total
 
     def status(self) -> dict[str, Any]:
         m = self.buffer.meta
@@ -539,7 +590,7 @@ class PartitionHost(SourceAcks):
                 "seconds_since_request": round(now - seen.last_seen, 3),
             }
             for client, seen in sorted(self.consumers.items())
-            if now - seen.last_seen <= 300
+            if now - seen.last_seen <= CONSUMER_TTL_S
         ]
         status: dict[str, Any] = {
             "name": self.name,

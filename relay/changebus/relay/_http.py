@@ -40,6 +40,7 @@ from changebus.schemas import (
     Checkpoint,
     CheckpointError,
     PartitionFilter,
+    ScnNotFoundError,
     UnknownSchemaError,
     UnknownSourceError,
 )
@@ -181,9 +182,13 @@ async def stream(request: web.Request) -> web.StreamResponse:
         tail = host.buffer.meta.tail_event
         selection = cache.get(tail, key)
         if selection is None:
-            selection = host.buffer.select(
-                scn, offset, max_bytes, key_filter=key_filter, sources=sources
-            )
+            try:
+                selection = host.buffer.select(
+                    scn, offset, max_bytes, key_filter=key_filter, sources=sources
+                )
+            except ScnNotFoundError:
+                metrics.fell_off(host.name)  # answered 410
+                raise
         if selection is not None:
             break
         left = deadline - time.monotonic()
@@ -387,7 +392,7 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     starts and stops the partitions, e.g. as a ``cleanup_ctx`` step
     (:class:`~._daemon.Relay`).
     """
-    metrics = RelayMetrics(hosts)
+    metrics = RelayMetrics(hosts, config.metrics, lambda: _readiness(hosts)[0])
     app = server_app(
         "relay",
         readiness=lambda: _readiness(hosts),

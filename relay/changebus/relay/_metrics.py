@@ -12,7 +12,7 @@ them on the loop.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
@@ -21,7 +21,10 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from ._lagmetrics import lag_families
+
 if TYPE_CHECKING:
+    from ._config import MetricsConfig
     from ._host import PartitionHost
 
 __all__ = ["RelayMetrics"]
@@ -51,11 +54,18 @@ class RelayMetrics:
     """Counters updated by handlers plus a collector over the partitions.
 
     ``hosts`` is the relay's live partition map (filled at start-up): a
-    scrape reports the partitions open at that moment.
+    scrape reports the partitions open at that moment. ``ready`` answers
+    what ``/readyz`` would (``changebus_relay_ready``); ``config`` bounds the
+    consumer series (:mod:`._lagmetrics`).
     """
 
-    def __init__(self, hosts: dict[str, PartitionHost]) -> None:
+    def __init__(
+        self, hosts: dict[str, PartitionHost], config: MetricsConfig, ready: Callable[[], bool]
+    ) -> None:
         self._hosts = hosts
+        self._config = config
+        self._ready = ready
+        self._fell_off: Counter[str] = Counter()
         self._streamed_bytes: Counter[str] = Counter()
         self._streamed_events: Counter[str] = Counter()
         self._overruns: Counter[str] = Counter()
@@ -71,6 +81,10 @@ class RelayMetrics:
     def aborted(self, partition: str) -> None:
         """A response cut off because its client read nothing for the send timeout."""
         self._aborted[partition] += 1
+
+    def fell_off(self, partition: str) -> None:
+        """A pull answered 410: its checkpoint is older than the buffer keeps."""
+        self._fell_off[partition] += 1
 
     def collect(self) -> Iterator[Any]:
         gauges = {
@@ -158,3 +172,4 @@ class RelayMetrics:
         yield from counters.values()
         yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, leader, epoch)
         yield from (syncs, sync_seconds, synced_scn)
+        yield from lag_families(self._hosts, self._config, self._ready, self._fell_off)

@@ -42,6 +42,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -175,6 +176,8 @@ class BinlogAssembler:
         self._boolean = tinyint1_as_boolean
         self.max_window_bytes = max_window_bytes
         self.on_oversized = on_oversized
+        #: data-loss windows made here, by cause (the fetcher shares its own counter)
+        self.losses: Counter[str] = Counter()
         #: decode workers (processes) that transcode rows events; None: this thread
         self._pool = pool
         self.file = ""
@@ -464,6 +467,7 @@ class BinlogAssembler:
                     "on_oversized_transaction = 'skip' to replace it by a data-loss event"
                 )
             log.error("%s: replaced by a data-loss event", what)
+            self.losses["transaction_too_large"] += 1
             return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
         ts = txn.ts_ns
         parts: list[bytes] = []

@@ -54,6 +54,9 @@ class MySQLConfig(ColumnPolicyOptions):
     #: processes that transcode row events next to the stream thread (order kept);
     #: 0 = the stream thread does it. A second core makes the drain of a backlog faster
     decode_workers: int = 0
+    #: how often the binlog list is read for the relay's binlog distance metric
+    #: (``changebus_relay_source_binlog_distance_bytes``); 0 = never
+    binlog_stats_interval_s: float = 10.0
     #: map tinyint(1) to Avro boolean instead of int
     tinyint1_as_boolean: bool = False
 
@@ -80,6 +83,7 @@ class MySQLConfig(ColumnPolicyOptions):
             "max_transaction_bytes",
             "idle_window_interval_s",
             "decode_workers",
+            "binlog_stats_interval_s",
         ):
             if getattr(self, option) < 0:
                 raise ConfigError(f"fetcher option {option} must not be negative")

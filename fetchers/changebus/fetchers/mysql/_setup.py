@@ -67,7 +67,8 @@ class StartPlan:
     server's ``@@server_id``. ``base``: the SCN base (SCN = base +
     ``(file_number << 32 | offset)``, see :mod:`._fetcher`). ``checksum``:
     bytes of the events' checksum (0 or 4). ``data_loss``: ``(from_scn,
-    to_scn, reason, position)`` of a DATA_LOSS window to emit first, None
+    to_scn, reason, position, cause)`` of a DATA_LOSS window to emit first (cause:
+    ``binlog_purged`` or ``divergent_server``, the relay's metric label), None
     without a gap. ``scn``: the SCN after which the stream is complete.
     """
 
@@ -75,7 +76,7 @@ class StartPlan:
     server: int
     base: int
     checksum: int
-    data_loss: tuple[int, int, str, str] | None
+    data_loss: tuple[int, int, str, str, str] | None
     scn: int
 
 
@@ -184,7 +185,7 @@ class _Planner:
         self.server = server
         self.start: tuple[str, int] = ("", 0)
         self.base = 0
-        self.data_loss: tuple[int, int, str, str] | None = None
+        self.data_loss: tuple[int, int, str, str, str] | None = None
 
     def plan_start(self, cur: Any, logs: list[str], current: tuple[str, int]) -> int:
         """Where the stream starts; plans a DATA_LOSS window for a purged resume file."""
@@ -225,7 +226,7 @@ class _Planner:
                 )
             log.error("partition %s: %s", self.name, why)
             where = format_position("", oldest, 4, self.server, self.base).partition(";")[2]
-            self.data_loss = (resume.scn + 1, new_scn, why, where)
+            self.data_loss = (resume.scn + 1, new_scn, why, where, "binlog_purged")
             self.start = (oldest, 4)
             return resume.scn
         if self.config.start_at == "earliest":
@@ -328,6 +329,7 @@ class _Planner:
             hi,
             f"{why}: changes from here on up to the switch to this server may be missing",
             where.partition(";")[2],
+            "divergent_server",
         )
         return resume.scn
 

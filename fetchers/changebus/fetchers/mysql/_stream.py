@@ -83,8 +83,10 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
         policy=cfg.column_rules(),
     )
     assembler.server, assembler.scn_base = fetcher._server, fetcher._base
+    assembler.losses = fetcher.data_loss_events
     if fetcher._data_loss is not None:
-        lo, hi, why, position = fetcher._data_loss
+        lo, hi, why, position, cause = fetcher._data_loss
+        fetcher.data_loss_events[cause] += 1
         fetcher._emit(assembler.control_window(DataLoss(lo, hi, why), hi, position), emit)
         fetcher._data_loss = None
     failures = 0

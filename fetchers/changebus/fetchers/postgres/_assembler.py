@@ -61,6 +61,7 @@ import json
 import logging
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,6 +207,8 @@ class Assembler:
         self.partition_id = partition_id
         self.max_window_bytes = max_window_bytes
         self.on_oversized = on_oversized
+        #: data-loss windows made here, by cause (the fetcher shares its own counter)
+        self.losses: Counter[str] = Counter()
         self._resolve = resolve
         self._primary_key = primary_key
         self._array_dims = array_dims
@@ -516,6 +519,7 @@ class Assembler:
                 "on_oversized_transaction = 'skip' to replace it by a data-loss event"
             )
         log.error("%s: replaced by a data-loss event", what)
+        self.losses["transaction_too_large"] += 1
         return self.control_window(DataLoss(txn.scn, txn.scn, what), txn.scn, position, txn.ts_ns)
 
     def _close(self, txn: _Txn, position: str) -> Window:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -77,6 +77,8 @@ class PostgresFetcher:
         self._lock = threading.Lock()
         #: (from_scn, to_scn, reason) to announce before the stream: the slot was lost
         self._data_loss: tuple[int, int, str] | None = None
+        #: DATA_LOSS windows this fetcher made, by cause (the relay's /metrics)
+        self.data_loss_events: Counter[str] = Counter()
         self.stats: dict[str, Any] = {
             "windows": 0,
             "keepalives": 0,
@@ -172,8 +174,10 @@ class PostgresFetcher:
                 known=known,
                 policy=cfg.column_rules(),
             )
+            assembler.losses = self.data_loss_events
             if self._data_loss is not None:
                 lo, hi, why = self._data_loss
+                self.data_loss_events["slot_lost"] += 1
                 self._emit(assembler.control_window(DataLoss(lo, hi, why), hi), emit)
                 self._data_loss = None
             ticker = Ticker(self, catalog)
