@@ -274,8 +274,8 @@ def route_text(args: argparse.Namespace) -> str:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``tail``, ``replicate`` and ``demo`` subcommands."""
-    from . import _cli_group, _cli_replicate
+    """Add the ``tail``, ``replicate``, ``group``, ``status`` and ``demo`` subcommands."""
+    from . import _cli_group, _cli_replicate, _cli_status
 
     p = sub.add_parser(
         "tail",
@@ -316,6 +316,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_main)
     _cli_replicate.register(sub)
     _cli_group.register(sub)
+    _cli_status.register(sub)
     d = sub.add_parser(
         "demo",
         help="run the whole pipeline on a private Postgres and print live changes",

@@ -28,12 +28,13 @@ that can reach a log, a status page or an HTTP body goes through it. Size fields
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -57,6 +58,7 @@ __all__ = [
     "secret_key",
     "secret_values",
     "size_field",
+    "unknown_key",
 ]
 
 T = TypeVar("T")
@@ -178,16 +180,27 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
     raise ConfigError(f"{where}: unsupported config type {tp!r}")  # pragma: no cover
 
 
+def unknown_key(key: str, known: Iterable[str], where: str = "") -> str:
+    """The error text for an unknown ``key`` in section ``where``: the nearest known key, if any.
+
+    ``unknown config key http.prot; did you mean http.port?``; with nothing
+    close enough (:func:`difflib.get_close_matches`), the known keys are listed.
+    """
+    prefix = f"{where}." if where else ""
+    names = sorted(known)
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown config key {prefix}{key}; did you mean {prefix}{close[0]}?"
+    section = f" in {where}" if where else ""
+    return f"unknown config key {prefix}{key}; known keys{section}: {', '.join(names)}"
+
+
 def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
-            f"known: {', '.join(sorted(fields))}"
-        )
+        raise ConfigError("; ".join(unknown_key(u, fields, where) for u in unknown))
     kwargs = {}
     for name, value in data.items():
         at = f"{where}.{name}" if where else name
