@@ -222,8 +222,6 @@ def _has_real_check_source() -> bool:
 def test_command_line_parses(line: CommandLine) -> None:
     if line.argv[0] == "check-source" and not _has_real_check_source():
         pytest.skip("changebus check-source lands with the checksrc branch")
-    if "--check" in line.argv and build_parser().parse_known_args(line.argv)[1]:
-        pytest.skip("--check lands with the cli21 branch")  # TEMPORARY: until merged
     args = build_parser().parse_args(line.argv)
     assert getattr(args, "func", None) is not None, line
     for path in vars(args).values():
@@ -246,32 +244,11 @@ def run_check(
         monkeypatch.setenv(name, value)
     cfg = tmp / f"{kind}.toml"
     cfg.write_text(text)
-    _, extra = build_parser().parse_known_args([kind, "--config", str(cfg), "--check"])
-    if extra:  # before cli21's --check: the same loading, by hand
-        return _load_by_hand(kind, cfg)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         status = main([kind, "--config", str(cfg), "--check"])
     assert status == 0, f"{kind} --check failed ({status}):\n{out.getvalue()}"
     return out.getvalue()
-
-
-def _load_by_hand(kind: str, cfg: Path) -> str:
-    from changebus.bootstrap import BootstrapConfig
-    from changebus.fetchers.mysql import MySQLConfig
-    from changebus.fetchers.postgres import PostgresConfig
-    from changebus.relay import RelayConfig
-    from changebus.schemas.config import load_config, load_config_dict
-
-    if kind == "bootstrap":
-        load_config(BootstrapConfig, cfg, env_prefix="CHANGEBUS_BOOTSTRAP_")
-        return "config OK"
-    relay = load_config(RelayConfig, cfg, env_prefix="CHANGEBUS_RELAY_")
-    options: dict[str, type[Any]] = {"postgres": PostgresConfig, "mysql": MySQLConfig}
-    for p in relay.partitions:
-        if p.fetcher.kind in options:
-            load_config_dict(options[p.fetcher.kind], p.fetcher.options, p.name)
-    return "config OK"
 
 
 DAEMON_LINES = [c for c in LINES if c.argv[0] in ("relay", "bootstrap")]
