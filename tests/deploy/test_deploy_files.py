@@ -267,6 +267,13 @@ def test_daemon_config_passes_check(
         assert secret not in out, f"{line}: --check printed a secret"
 
 
+def test_every_config_file_is_checked() -> None:
+    """Each TOML file in deploy/ is a config some command line above runs with."""
+    used = {text for line in DAEMON_LINES for text in line.files.values()}
+    for path in sorted(DEPLOY.rglob("*.toml")):
+        assert path.read_text() in used, f"{path.relative_to(ROOT)}: no command line uses it"
+
+
 @pytest.mark.parametrize("name", ["relay", "bootstrap"])
 def test_example_config_passes_check(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
