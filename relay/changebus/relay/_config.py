@@ -24,6 +24,10 @@ Environment overrides use the prefix ``CHANGEBUS_RELAY_`` (for example
 ``CHANGEBUS_RELAY_HTTP__PORT=9000``); ``--set http.port=9000`` on the command
 line wins over both. Sizes are bytes (``"64MiB"`` accepted), durations seconds.
 
+A ``[metrics]`` table (:class:`MetricsConfig`) bounds ``/metrics``:
+``max_consumer_series`` (default 50) consumer label values per partition
+in the consumer lag metrics (docs/metrics.md).
+
 A ``[cluster]`` table (:class:`changebus.cluster.ClusterConfig`) makes the
 relay a member of a relay cluster (``docs/cluster.md``): per partition it
 stands for election, leads with the configured fetcher (the *source*) or

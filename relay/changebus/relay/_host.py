@@ -34,6 +34,12 @@ acknowledged, the source fetcher is closed, the state becomes ``fenced``
 (``/readyz`` 503 with the reason) and ``fence.refused(reason)`` tells the
 cluster member to step down.
 
+Figures for ``/metrics`` (:mod:`._lagmetrics`) cost the ingest one
+wall-clock read per group commit (:attr:`PartitionHost.appended_at`);
+data-loss windows are counted by cause in :attr:`PartitionHost.losses`
+(the host's own, and a dropped fetcher's ``data_loss_events``, kept so that
+the counter never goes back when a fetcher is replaced).
+
 A fetcher failure marked retriable restarts the fetcher from the buffer's
 last SCN with exponential backoff; a non-retriable one stops ingestion for
 this partition (``/readyz`` then reports it) while reading goes on. Its text
@@ -51,7 +57,6 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,17 +78,16 @@ from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
 from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
+from ._hoststatus import data_loss_events, fetcher_losses, partition_status
 from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
 
 __all__ = [
-    "CONSUMER_TTL_S",
     "STATES",
     "ConsumerSeen",
     "IngestFence",
     "PartitionHost",
-    "fetcher_losses",
 ]
 
 log = logging.getLogger("changebus.relay.ingest")
@@ -100,8 +104,6 @@ _GROUP_BYTES = 8 << 20
 #: error, with backoff), ``fenced`` (a deposed cluster leader), ``failed`` (a
 #: non-retriable error: ingest stopped), ``finished`` (the fetcher ended its stream)
 STATES = ("idle", "starting", "streaming", "retrying", "fenced", "failed", "finished")
-#: consumers seen this recently (seconds) count in /v1/status and /metrics
-CONSUMER_TTL_S = 300
 #: consumers remembered per partition for /v1/status (least recently seen forgotten first)
 MAX_CONSUMERS = 1000
 #: characters of a ``client=`` id kept
@@ -109,13 +111,6 @@ MAX_CLIENT_ID = 128
 #: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
 _TICK_PER_WAITER_S = 0.0001
 _MAX_TICK_S = 0.005
-
-
-def fetcher_losses(fetcher: Fetcher) -> Mapping[str, int]:
-    """A fetcher's data-loss windows by cause (its optional ``data_loss_events`` mapping)."""
-    counts = getattr(fetcher, "data_loss_events", None)
-    # a copy (one C call, atomic under the GIL): a fetcher's thread may add a cause meanwhile
-    return dict(counts) if isinstance(counts, Mapping) else {}
 
 
 def _nothing() -> None:
@@ -567,58 +562,9 @@ class PartitionHost(SourceAcks):
         self.losses.update(fetcher_losses(fetcher))
 
     def data_loss_events(self) -> Counter[str]:
-        """Data-loss windows by cause since start: this host's, the buffer's recovery,
-        the retired fetchers' and the current fetcher's (scrape time)."""
-        total = Counter(self.losses)
-        if self.fetcher is not None:
-            total.update(fetcher_losses(self.fetcher))
-        recovered = self.buffer.stats.get("recovery_data_loss", 0)
-        if recovered:
-            total["recovery"] += recovered
-        return total
+        """Data-loss windows by cause since start (scrape time; see :mod:`._hoststatus`)."""
+        return data_loss_events(self)
 
     def status(self) -> dict[str, Any]:
-        m = self.buffer.meta
-        now = time.monotonic()
-        consumers = [
-            {
-                "client": client,
-                "peer": seen.peer,
-                "scn": seen.scn,
-                "lag_scn": max(m.last_scn - seen.scn, 0) if seen.scn >= 0 else None,
-                "behind_bytes": seen.behind_bytes,
-                "seconds_since_request": round(now - seen.last_seen, 3),
-            }
-            for client, seen in sorted(self.consumers.items())
-            if now - seen.last_seen <= CONSUMER_TTL_S
-        ]
-        status: dict[str, Any] = {
-            "name": self.name,
-            "id": self.config.id,
-            "state": self.state,
-            "min_scn": m.min_scn,
-            "max_scn": m.last_scn,
-            "prev_scn": m.prev_scn,
-            "bytes_used": m.tail_pos - m.head_pos,
-            "capacity_bytes": m.capacity,
-            "events": m.tail_event - m.head_event,
-            "windows": m.windows,
-            "oldest_timestamp_ns": m.first_ts,
-            "newest_timestamp_ns": m.last_ts,
-            "consumers": consumers,
-            "stats": {**self.buffer.stats, **self.stats},
-        }
-        if self.role:
-            status["role"] = self.role
-        if self.epoch is not None:
-            status["epoch"] = self.epoch
-        if self.last_error:
-            status["last_error"] = self.last_error
-        if self.fetcher is not None:
-            status["fetcher"] = self.fetcher.status()
-        status["durability"] = (
-            self.syncer.status()
-            if self.syncer is not None
-            else {"mode": "page_cache", "synced_scn": -1, "syncs": 0, "sync_seconds_total": 0.0}
-        )
-        return status
+        """The partition's ``/v1/status`` entry (see :mod:`._hoststatus`)."""
+        return partition_status(self)

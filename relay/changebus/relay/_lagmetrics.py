@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ._host import CONSUMER_TTL_S, STATES
+from ._host import STATES
+from ._hoststatus import CONSUMER_TTL_S
 
 if TYPE_CHECKING:
     from ._config import MetricsConfig
@@ -156,8 +157,10 @@ def _consumers(
     if m.last_scn < 0:
         return
     floor = time.monotonic() - CONSUMER_TTL_S
+    # a consumer reading "from the oldest" (-1) lags by everything held
+    oldest = m.min_scn - 1 if m.min_scn >= 0 else m.last_scn
     seen = sorted(
-        (c.scn if c.scn >= 0 else m.min_scn - 1, client)
+        (c.scn if c.scn >= 0 else oldest, client)
         for client, c in list(host.consumers.items())
         if c.last_seen >= floor
     )
