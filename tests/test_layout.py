@@ -90,6 +90,7 @@ COMMANDS = {
     "replicate": "client",
     "demo": "client",
     "group": "client",
+    "status": "client",
     "cluster": "cluster",
     "token": "token",
 }

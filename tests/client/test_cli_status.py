@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -129,6 +130,19 @@ async def test_status_of_a_relay_a_bootstrap_server_and_a_dead_url(
             code, out, err = await status(relay.url, boot.url)
             assert code == 0, out + err
             assert "all ready" in out.splitlines()[0]
+
+            # --watch: a JSON line per screen until Ctrl-C, which ends it with the last status
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "changebus.schemas", "status", "--json", "--watch", "0.2",
+                relay.url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=ENV,
+            )  # fmt: skip
+            assert proc.stdout is not None
+            screens = [json.loads(await proc.stdout.readline()) for _ in range(2)]
+            assert all(s["ok"] for s in screens) and screens[0]["time"] < screens[1]["time"]
+            proc.send_signal(signal.SIGINT)
+            _, err_bytes = await asyncio.wait_for(proc.communicate(), 30)
+            assert proc.returncode == 0 and b"Traceback" not in err_bytes, err_bytes
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -359,6 +359,11 @@ class Replica(AsyncCallbacks):
         finally:
             self._consumer = None
 
+    def stats(self) -> dict[str, Any]:
+        """The running consumer's :meth:`~._consumer.Consumer.stats` (empty when not running)."""
+        consumer = self._consumer
+        return consumer.stats() if consumer is not None else {}
+
     def stop(self) -> None:
         """End :meth:`run` after the current window (any thread)."""
         consumer = self._consumer

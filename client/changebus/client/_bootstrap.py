@@ -92,6 +92,11 @@ class Bootstrapper:
         #: how many bootstraps ran, and the current phase
         self.bootstraps = 0
         self.phase = "online"
+        #: the current (or last) bootstrap's progress, for progress displays: snapshot
+        #: rows queued, the catch-up's last SCN queued and its target (-1: not yet)
+        self.rows = 0
+        self.catchup_scn = -1
+        self.target_scn = -1
         self._session = session
         self._queue = queue
         self._cache = cache
@@ -120,6 +125,7 @@ class Bootstrapper:
         """
         self.bootstraps += 1
         self._last = None
+        self.rows, self.catchup_scn, self.target_scn = 0, -1, -1
         # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
         dirty = resume is not None
         while True:
@@ -260,10 +266,11 @@ class Bootstrapper:
             dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc), raw
         )
         self._last = pc
+        self.rows += len(events)
 
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
-        target = prog.target_scn
+        target = self.target_scn = prog.target_scn
         source = self._schemas(url)
         assembler = WindowAssembler(after)
         last_ts = 0
@@ -297,6 +304,7 @@ class Bootstrapper:
                 )
                 self._last = pc
                 after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
+                self.catchup_scn = after
             last = int(headers.get("X-Changebus-Last-Scn", after))
             if headers.get("X-Changebus-Complete") == "1" or last >= target:
                 break

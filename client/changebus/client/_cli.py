@@ -9,6 +9,10 @@ where the first stopped. Ctrl-C (or SIGTERM) stops cleanly with status 0.
 A gap in the stream or a position the relays no longer keep ends the command
 with a message on stderr and status 3.
 
+``--progress`` (also on ``changebus replicate``; :mod:`._progress`) shows a
+catch-up bar on stderr -- SCN distance to the relay's newest SCN, windows/s,
+ETA; a bootstrap's snapshot rows -- which closes once caught up.
+
 Where the stream comes from (shared with ``changebus replicate``, one
 mechanism: :func:`add_route_arguments` and :func:`route_options`):
 ``--relay URL`` (repeatable) or ``--zookeeper HOSTS --cluster NAME``, and
@@ -56,9 +60,11 @@ from changebus.schemas.security import ClientAuth
 __all__ = [
     "TOKEN_ENV",
     "add_group_arguments",
+    "add_progress_argument",
     "add_route_arguments",
     "add_tls_arguments",
     "auth_from_args",
+    "check_progress",
     "group_options",
     "register",
     "route_options",
@@ -122,6 +128,24 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         " lower finds a half-open connection sooner)",
     )
     add_tls_arguments(p)
+
+
+def add_progress_argument(p: argparse.ArgumentParser) -> None:
+    """``--progress``: a catch-up bar on stderr (:mod:`._progress`)."""
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show catching up on stderr (tqdm: SCN distance to the relay's newest SCN,"
+        " windows/s, ETA; a bootstrap's snapshot rows); the bar closes when caught up",
+    )
+
+
+def check_progress(args: argparse.Namespace) -> None:
+    """ConfigError when ``--progress`` is combined with ``--group`` (lanes have no one head)."""
+    if args.progress and getattr(args, "group", None):
+        raise ConfigError(
+            "--progress: not with --group (a group's lag is in 'changebus group status')"
+        )
 
 
 def add_tls_arguments(p: argparse.ArgumentParser) -> None:
@@ -305,6 +329,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--filter", help="partition filter on the key hash, e.g. mod:3:0")
     p.add_argument("--limit", type=int, default=0, help="stop after this many events (0: never)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    add_progress_argument(p)
     group = add_group_arguments(p)
     group.add_argument(
         "--checkpoint-dir",
@@ -349,6 +374,7 @@ def _main(args: argparse.Namespace) -> int:
     from ._config import ConsumerConfig
     from ._json import event_json
     from ._persist import CheckpointPersister, FileCheckpointPersister
+    from ._progress import ProgressThread
     from ._sync import SyncConsumer
     from ._unitstore_file import FileUnitStore
 
@@ -374,6 +400,7 @@ def _main(args: argparse.Namespace) -> int:
             )
         if not group and args.checkpoint_dir is not None:
             raise ConfigError("--checkpoint-dir: only with --group NAME (else --checkpoint FILE)")
+        check_progress(args)
         if args.checkpoint_dir is not None:
             persister = FileUnitStore(args.checkpoint_dir)
         elif args.checkpoint:
@@ -385,6 +412,7 @@ def _main(args: argparse.Namespace) -> int:
     printed = 0
     out = sys.stdout
     consumer = SyncConsumer(config, persister=persister)
+    progress = ProgressThread(consumer.stats) if args.progress else None
     try:
         for window in consumer:
             unit, phase = window.unit, window.phase
@@ -404,5 +432,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     finally:
         with contextlib.suppress(KeyboardInterrupt):
+            if progress is not None:
+                progress.stop()
             consumer.close()
     return 0

@@ -13,7 +13,8 @@ shows it); it is never logged. SIGTERM or Ctrl-C stop after the current
 window with status 0; a gap in the stream, or a position the relays no longer
 keep when no bootstrap server is known (``--bootstrap URL``, or the ones
 registered in ``--cluster``), ends the command with a message on stderr and
-status 3. With a bootstrap server the replica goes through a snapshot and a
+status 3. ``--progress`` shows catching up on stderr (:mod:`._progress`).
+With a bootstrap server the replica goes through a snapshot and a
 catch-up and is not transactionally consistent until the catch-up ends (see
 docs/guarantees.md).
 
@@ -33,17 +34,23 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
 
 from ._cli import (
     add_group_arguments,
+    add_progress_argument,
     add_route_arguments,
+    check_progress,
     group_options,
     route_options,
     route_text,
 )
+
+if TYPE_CHECKING:
+    from ._apply import Replica
 
 __all__ = ["register"]
 
@@ -87,6 +94,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_group_arguments(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"))
+    add_progress_argument(p)
     p.set_defaults(func=_main)
 
 
@@ -99,7 +107,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from ._apply import Replica
     from ._apply_pg import PostgresReplica
     from ._apply_sqlite import SqliteReplica
     from ._config import ConsumerConfig
@@ -107,6 +114,7 @@ async def _run(args: argparse.Namespace) -> int:
     sources = tuple(s.strip() for item in args.source for s in item.split(",") if s.strip())
     try:
         group = group_options(args)
+        check_progress(args)
         config = ConsumerConfig(
             partition=args.partition,
             sources=sources,
@@ -132,14 +140,36 @@ async def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, replica.stop)
     log.info("replicating %s into %r", route_text(args), replica)
+    progress = asyncio.create_task(_progress(replica)) if args.progress else None
     try:
         await replica.run(config)
     except ChangebusError as exc:
         print(f"changebus replicate: {exc.message}", file=sys.stderr)
         return 3
     finally:
+        if progress is not None:
+            progress.cancel()
+            await asyncio.gather(progress, return_exceptions=True)
         await replica.close()
     log.info(
         "stopped: %d windows applied, %d skipped", replica.windows_applied, replica.windows_skipped
     )
     return 0
+
+
+async def _progress(replica: Replica) -> None:
+    """``--progress``: sample the replica's consumer until caught up (terminal writes in a thread)."""
+    from ._progress import SAMPLE_EVERY_S, CatchUpProgress
+
+    bar = CatchUpProgress()
+    try:
+        while True:
+            await asyncio.sleep(SAMPLE_EVERY_S)
+            stats = replica.stats()
+            if not stats:
+                continue  # not started yet
+            done: bool = await asyncio.to_thread(bar.update, stats)
+            if done:
+                return
+    finally:
+        bar.close()

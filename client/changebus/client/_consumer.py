@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import aiohttp
 
-from changebus.schemas import Checkpoint, ConfigError, Unit, UnitStore
+from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
@@ -277,6 +277,12 @@ class Consumer:
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring (requests, failovers, queue, position).
 
+        ``processed_scn`` is the SCN of the last window the application
+        finished (-1: none, or bootstrapping); ``relay_head_scn`` is the relay's newest SCN as its last answer
+        said; ``bootstrap_rows``, ``bootstrap_scn`` and
+        ``bootstrap_target_scn`` the current (or last) bootstrap's snapshot
+        rows, catch-up SCN and target (what ``--progress`` shows).
+
         In a group: ``member_id``, ``units`` (held), ``lanes``,
         ``rebalances``, ``fenced_commits`` and ``units_lost`` too (the relay
         counters summed over the lanes).
@@ -285,6 +291,9 @@ class Consumer:
             return self._group.stats()
         f, q, p = self._fetcher, self._queue, self._position
         s = f.stream if f else None
+        rows, boot_scn, target = f.bootstrap_progress() if f else (0, -1, -1)
+        name = self.partition
+        done = p.current.get(name) if p is not None and name is not None else None
         return {
             "relay": s.relay if s else None,
             "relays": list(s.relays) if s else list(self.config.relays),
@@ -299,6 +308,13 @@ class Consumer:
             "schema_fetches": self.cache.fetches,
             "phase": f.phase if f else "online",
             "bootstraps": f.bootstraps if f else 0,
+            "processed_scn": done.window_scn
+            if done is not None and done.mode is Mode.ONLINE
+            else -1,
+            "relay_head_scn": s.head_scn if s else -1,
+            "bootstrap_rows": rows,
+            "bootstrap_scn": boot_scn,
+            "bootstrap_target_scn": target,
         }
 
     # ---- iterator API ---------------------------------------------------

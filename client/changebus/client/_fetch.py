@@ -139,6 +139,11 @@ class RelayFetcher:
         """How many bootstraps this fetcher ran."""
         return self._boot.bootstraps if self._boot is not None else 0
 
+    def bootstrap_progress(self) -> tuple[int, int, int]:
+        """The current (or last) bootstrap's ``(snapshot rows, catch-up SCN, target SCN)``."""
+        boot = self._boot
+        return (boot.rows, boot.catchup_scn, boot.target_scn) if boot is not None else (0, -1, -1)
+
     async def run(self) -> None:
         """Fetch until cancelled; a terminal error goes into the queue."""
         try:

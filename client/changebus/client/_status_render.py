@@ -13,9 +13,10 @@ I/O; :func:`render_text` takes the clock as an argument (ages of windows).
 The text, per server: a head line (role, URL, ready or not, cluster member
 id), then for a relay one line per partition (state, role in a cluster,
 fetcher kind and its source position figures, SCN range, newest SCN, age of
-the newest window, time behind the source when the relay reports it,
-buffer use) and one line per consumer it saw in the last five minutes (SCN,
-lag in SCNs and seconds, when it last asked); for a bootstrap server one
+the newest window, time behind the source when the relay reports it
+(``source_lag_seconds``), buffer use) and one line per consumer it saw in
+the last five minutes (SCN asked for, lag in SCNs and, when the relay
+reports it, in seconds: ``lag_seconds``; when it last asked); for a bootstrap server one
 line per partition (state, producer and applier SCNs, applier lag, log
 start, seed progress) and its chunked snapshot jobs. Errors a server
 reports (``last_error``) follow their partition.
@@ -209,7 +210,7 @@ def _relay_lines(report: ServerReport, now: float) -> list[str]:
     if consumers:
         lines.append("  consumers (seen in the last 5 minutes):")
         lines += _table(
-            ("PARTITION", "CONSUMER", "SCN", "LAG SCN", "LAG S", "BEHIND", "LAST ASKED"),
+            ("PARTITION", "CONSUMER", "SCN", "LAG SCN", "LAG S", "LAST ASKED"),
             (
                 [
                     str(p.get("name", "?")),
@@ -217,7 +218,6 @@ def _relay_lines(report: ServerReport, now: float) -> list[str]:
                     _scn(c.get("scn")),
                     _count(c.get("lag_scn")),
                     seconds(c.get("lag_seconds")),
-                    size(c.get("behind_bytes")),
                     f"{seconds(c.get('seconds_since_request'))} ago",
                 ]
                 for p, c in consumers

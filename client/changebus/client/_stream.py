@@ -200,6 +200,9 @@ class RelayStream:
         #: requests sent, windows handed to the sink (and returned from it)
         self.requests = 0
         self.windows = 0
+        #: the relay's newest SCN as its last answer said (``X-Changebus-Last-Scn``; -1:
+        #: none yet); a follow response says it once, when it starts (progress displays)
+        self.head_scn = -1
         self._session = session
         self._position = position
         self._latest = latest
@@ -353,6 +356,9 @@ class RelayStream:
                     )
                 self._response = resp
                 self._moved = False
+                head = resp.headers.get("X-Changebus-Last-Scn", "")
+                if head.isdigit():
+                    self.head_scn = int(head)
                 if self._check is not None:
                     self._check(url, resp.headers)
                 self.learn_partition(resp.headers.get("X-Changebus-Partition"))
