@@ -161,7 +161,7 @@ def _k8s_lines() -> list[CommandLine]:
     for obj in _workloads():
         spec = obj["spec"]["template"]["spec"]
         pod = f"{obj['metadata']['name']}-0"
-        for c in spec["containers"]:
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
             if c["image"].split(":")[0] != IMAGE:
                 continue
             assert "command" not in c, "the image's ENTRYPOINT is changebus: give args only"
@@ -208,6 +208,7 @@ def test_command_lines_were_found_everywhere() -> None:
         "compose service replicate: changebus replicate",
         "k8s StatefulSet changebus-relay/relay: changebus relay",
         "k8s StatefulSet changebus-bootstrap/bootstrap: changebus bootstrap",
+        "k8s StatefulSet changebus-relay/check-config: changebus relay --config /etc/changebus/relay.toml --check",
     ):
         assert expected in origins, origins
 
