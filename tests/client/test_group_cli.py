@@ -559,3 +559,35 @@ async def test_replicate_in_a_group_keeps_unit_checkpoints_in_the_replica(
                 proc.send_signal(signal.SIGTERM)
             _, err_b = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err_b.decode()
+
+
+async def test_list_marks_a_damaged_group_and_lists_the_others(zk_hosts: str) -> None:
+    """One group whose meta node is not JSON must not hide the other groups from ``list``."""
+    from kazoo.client import KazooClient
+
+    from changebus.cluster import group_root
+
+    bad, good = group_name(), group_name()
+    zk = KazooClient(hosts=zk_hosts)
+    await asyncio.to_thread(zk.start, 10)
+    try:
+        await asyncio.to_thread(zk.create, f"{group_root(bad)}/meta", b"{not json", makepath=True)
+        await asyncio.to_thread(
+            zk.create,
+            f"{group_root(good)}/meta",
+            json.dumps({"v": 1, "partitions": ["syn"], "buckets": 4}).encode(),
+            makepath=True,
+        )
+        code, out, err = await changebus("group", "list", "--zookeeper", zk_hosts, "--json")
+        assert code == 0, err
+        listed = {g["group"]: g for g in json.loads(out)["groups"]}
+        assert "not JSON" in listed[bad]["error"] and listed[bad]["partitions"] is None
+        assert "error" not in listed[good]
+        code, out, err = await changebus("group", "list", "--zookeeper", zk_hosts)
+        assert code == 0, err
+        assert any(line.startswith(bad) and "unreadable" in line for line in out.splitlines())
+    finally:
+        for g in (bad, good):
+            await asyncio.to_thread(zk.delete, group_root(g), recursive=True)
+        await asyncio.to_thread(zk.stop)
+        await asyncio.to_thread(zk.close)

@@ -361,7 +361,16 @@ async def _list(args: argparse.Namespace) -> int:
             if await session.op("exists", f"{group_root(name)}/meta") is None:
                 groups.append({"group": name, "partitions": None, "buckets": None})
                 continue
-            state = await read_group(session, name)
+            try:
+                state = await read_group(session, name)
+            except CoordinationError as exc:
+                if exc.retriable:
+                    raise
+                # one damaged group must not hide the others: listed, marked unreadable
+                groups.append(
+                    {"group": name, "partitions": None, "buckets": None, "error": exc.message}
+                )
+                continue
             groups.append(
                 {
                     "group": name,
@@ -383,7 +392,7 @@ async def _list(args: argparse.Namespace) -> int:
             ",".join(g["partitions"]) if g["partitions"] else "-",
             str(g["buckets"] or "-"),
             str(g.get("members", "-")),
-            g.get("leader") or "-",
+            g.get("leader") or ("unreadable: " + g["error"] if g.get("error") else "-"),
         )
         for g in groups
     ]
