@@ -366,7 +366,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         Not when ``maxTriggerDelay`` has passed since the last trigger that
         was not skipped (the first trigger of a reader never is), nor when
         ``min_rows`` change events are available over all partitions; the
-        count reads event headers only up to ``min_rows``.
+        count reads event headers only until it reaches ``min_rows``.
         """
         now = time.monotonic()
         if now - self._last_trigger >= self.opts.max_trigger_delay_s:
@@ -381,7 +381,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             except FellOffRelayError:
                 break  # the range is gone: planning the batch reports or skips it
             available += extent.events
-            if available >= min_rows:
+            # a batch that ends before the head stopped at the count: at least that many
+            if available >= min_rows or extent.end < head:
                 break
         else:
             log.debug("changebus: %d change event(s) < minRowsPerTrigger; waiting", available)
