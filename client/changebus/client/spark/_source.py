@@ -139,8 +139,9 @@ def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schem
     for f in wanted:
         d = have.get(f.name)
         if d is None:
+            hint = " (it needs includeNotSent=true)" if f.name == NOT_SENT_COLUMN.name else ""
             raise ConfigError(
-                f"schema column {f.name!r} is not a column of the changebus source"
+                f"schema column {f.name!r} is not a column of the changebus source{hint}"
                 f" (columns: {[x.name for x in derived]})"
             )
         if d.type != f.type:
