@@ -26,7 +26,15 @@ range starting before the relays' oldest window (-1 included) is one batch
 read by one task through the client's bootstrap switching (snapshot,
 catch-up, relays up to the end; :func:`_needs_bootstrap`, module
 :mod:`._read`). Such a batch ends at the relay's newest window, or under a
-read limit at the bootstrap server's newest SCN (it is never cut by rows).
+rows or bytes limit at the bootstrap server's newest SCN (it is never cut by
+rows or bytes, and ``minRowsPerTrigger`` never holds it back).
+
+Read limits (:meth:`ChangebusStreamReader.latestOffset`): ``maxRowsPerTrigger``
+and ``maxBytesPerTrigger`` end a batch on a window boundary within both
+(:func:`~._relay.end_within`); ``minRowsPerTrigger`` skips a trigger (returns
+the start as the end, so Spark plans no batch) while fewer change events are
+available, until ``maxTriggerDelay`` has passed since the last trigger that
+was not skipped. That clock lives in the driver's reader only.
 """
 
 from __future__ import annotations
