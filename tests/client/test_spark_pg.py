@@ -209,3 +209,103 @@ def test_parquet_mirror_equals_the_table_across_restart(
         expected = source_rows(pg_dsn)
         assert mirror_rows(spark, mirror) == expected
         assert second is not None and second["batch_id"] > first["batch_id"]
+
+
+def test_not_sent_column_byte_limit_and_min_rows(spark: Any, pg_dsn: str, tmp_path: Path) -> None:
+    """includeNotSent names unchanged TOAST values; maxBytesPerTrigger and minRowsPerTrigger."""
+    big = {k: uuid.UUID(int=random.Random(k).getrandbits(128)).hex * 400 for k in range(1, 6)}
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE doc (id int8 PRIMARY KEY, n int4, body text)")
+        conn.execute("ALTER TABLE doc ALTER body SET STORAGE EXTERNAL")  # TOASTed, uncompressed
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=16 << 20,
+                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    with RelayThread(cfg) as relay:
+        deadline = time.monotonic() + 60
+        while relay.state("pg") != "streaming":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for k, body in big.items():  # one transaction each, ~12.8 kB of body
+                conn.execute("INSERT INTO doc VALUES (%s, 0, %s)", (k, body))
+            for k in big:
+                conn.execute("UPDATE doc SET n = n + 1 WHERE id = %s", (k,))  # body not sent
+        caught_up(relay, pg_dsn)
+
+        def reader() -> Any:
+            return (
+                spark.readStream.format("changebus")
+                .option("relays", relay.url)
+                .option("sources", "public.doc")
+                .option("includeNotSent", "true")
+            )
+
+        df = reader().option("startingScn", "earliest").option("maxBytesPerTrigger", "30000").load()
+        assert df.schema.fields[-1].name == "_not_sent"
+        assert df.schema.fields[-1].dataType.simpleString() == "array<string>"
+        batches: list[list[Any]] = []
+        q = (
+            df.writeStream.foreachBatch(lambda b, _: batches.append(b.collect()))
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        assert q.awaitTermination(300) and q.exception() is None
+        rows = [r.asDict() for b in batches for r in b]
+        inserts = {r["id"]: r for r in rows if r["_change_type"] == "insert"}
+        updates = {r["id"]: r for r in rows if r["_change_type"] == "update_postimage"}
+        assert len(rows) == 2 * len(big) and set(inserts) == set(updates) == set(big)
+        for k, body in big.items():
+            assert inserts[k]["body"] == body and inserts[k]["_not_sent"] == []
+            assert updates[k]["n"] == 1 and updates[k]["body"] is None
+            assert updates[k]["_not_sent"] == ["body"]
+        # ~12.8 kB per insert transaction, 30 kB a batch: two inserts a batch at most;
+        # every batch holds whole transactions only
+        inserted = [sum(r["_change_type"] == "insert" for r in b) for b in batches if b]
+        assert len(inserted) >= 3 and max(inserted) == 2
+        assert all(len({r["_commit_scn"] for r in b}) == len(b) for b in batches)
+
+        # minRowsPerTrigger: fewer rows than the minimum wait (the delay is long)
+        seen: list[list[Any]] = []
+        q = (
+            reader()
+            .option("minRowsPerTrigger", "5")
+            .option("maxTriggerDelay", "1h")
+            .load()
+            .writeStream.foreachBatch(lambda b, _: seen.append(b.collect()))
+            .option("checkpointLocation", str(tmp_path / "ck2"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while q.lastProgress is None:  # the first trigger (never skipped) has run
+                assert time.monotonic() < deadline and q.exception() is None
+                time.sleep(0.1)
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                for k in range(1, 5):
+                    conn.execute("UPDATE doc SET n = n + 1 WHERE id = %s", (k,))
+            caught_up(relay, pg_dsn)
+            time.sleep(2)  # ten triggers: each finds 4 < 5 rows
+            assert [r for b in seen for r in b] == []
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE doc SET n = n + 1 WHERE id = 5")
+            deadline = time.monotonic() + 60
+            while not any(seen):
+                assert time.monotonic() < deadline and q.exception() is None
+                time.sleep(0.1)
+            got = [r for b in seen for r in b]
+            assert sorted(r["id"] for r in got) == [1, 2, 3, 4, 5]  # one batch of all five
+            assert all(r["_not_sent"] == ["body"] for r in got)
+        finally:
+            q.stop()

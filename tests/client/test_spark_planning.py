@@ -53,3 +53,167 @@ async def test_latest_offset_and_partitions_share_one_bounds_request(
         end, one_trigger, replayed, parts = await asyncio.to_thread(plan)
     assert end == {"syn": 1299} and parts >= 1
     assert one_trigger == 1 and replayed == 1
+
+
+def _window_sizes(url: str, sources: str) -> dict[int, tuple[int, int]]:
+    """``{window scn: (data events, their bytes)}`` of the relay's partition ``syn``."""
+    import urllib.parse
+    import urllib.request
+
+    import numpy as np
+
+    from changebus.schemas import FIRST_CONTROL_OP, Op, parse_stream
+
+    out: dict[int, tuple[int, int]] = {}
+    scn, offset = -1, -1
+    while True:
+        query = urllib.parse.urlencode(
+            {"partition": "syn", "scn": scn, "offset": offset, "wait": 0, "sources": sources}
+        )
+        with urllib.request.urlopen(f"{url}/v1/stream?{query}", timeout=10) as resp:
+            body = resp.read()
+            if resp.status == 204 or not body:
+                return out
+            scn = int(resp.headers["X-Changebus-Next-Scn"])
+            offset = int(resp.headers["X-Changebus-Next-Offset"])
+        _, headers = parse_stream(body)
+        for s in np.unique(headers["scn"]).tolist():
+            mine = (headers["scn"] == s) & (headers["op"] < FIRST_CONTROL_OP)
+            events, size = out.get(s, (0, 0))
+            assert (headers["op"][headers["scn"] == s] == int(Op.END_OF_WINDOW)).any()
+            out[s] = (
+                events + int(mine.sum()),
+                size + int(headers["total_length"][mine].sum()),
+            )
+
+
+async def test_max_bytes_and_rows_per_trigger_cut_whole_windows(make_relay: MakeRelay) -> None:
+    """Every batch stays within maxBytesPerTrigger and maxRowsPerTrigger, or is one window."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxBytes
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+
+    async with make_relay(max_windows=120) as relay:
+        sizes = await asyncio.to_thread(_window_sizes, relay.url, "synthetic.t0")
+        scns = sorted(sizes)
+        assert len(scns) == 120 and len({b for _, b in sizes.values()}) > 3  # uneven windows
+        biggest = max(b for _, b in sizes.values())
+
+        def plan(options: dict[str, str], limit: Any = None) -> list[tuple[int, int]]:
+            """(start, end] of the batches from the first window to the last."""
+            opts = SourceOptions.parse(
+                {"relays": relay.url, "sources": "synthetic.t0", **options}, mode="stream"
+            )
+            reader = _source.ChangebusStreamReader(opts, _spark_schema(opts))
+            start, batches = scns[0] - 1, []
+            while start < scns[-1]:
+                end = reader.latestOffset({"syn": start}, limit or reader.getDefaultReadLimit())[
+                    "syn"
+                ]
+                assert end > start
+                batches.append((start, end))
+                start = end
+            return batches
+
+        def check(batches: list[tuple[int, int]], max_rows: int, max_bytes: int) -> None:
+            for since, until in batches:
+                inside = [s for s in scns if since < s <= until]
+                assert inside, "an empty batch"
+                events = sum(sizes[s][0] for s in inside)
+                size = sum(sizes[s][1] for s in inside)
+                if len(inside) > 1:  # more than one window: within the limits
+                    assert events <= max_rows and size <= max_bytes
+                after = [s for s in scns if s > until][:1]
+                if after:  # and the next window would not have fitted (or a limit is reached)
+                    more = (events + sizes[after[0]][0], size + sizes[after[0]][1])
+                    assert (
+                        more[0] > max_rows
+                        or more[1] > max_bytes
+                        or events >= max_rows
+                        or size >= max_bytes
+                    )
+
+        limit = 3 * biggest
+        by_bytes = await asyncio.to_thread(plan, {"maxBytesPerTrigger": str(limit)})
+        check(by_bytes, 1 << 30, limit)
+        assert len(by_bytes) >= sum(b for _, b in sizes.values()) // limit
+        # a limit below one window: one window with changes per batch (a transaction is
+        # never split; windows without changes of the table count for nothing)
+        tiny = await asyncio.to_thread(plan, {"maxBytesPerTrigger": "1"})
+        check(tiny, 1 << 30, 1)
+        full = [[s for s in scns if a < s <= b and sizes[s][0]] for a, b in tiny]
+        assert all(len(f) <= 1 for f in full)
+        assert sum(len(f) for f in full) == len([s for s in scns if sizes[s][0]])
+        # both limits: the rows limit is Spark's default one, the bytes limit applies too
+        both = await asyncio.to_thread(
+            plan, {"maxBytesPerTrigger": str(limit), "maxRowsPerTrigger": "4"}
+        )
+        check(both, 4, limit)
+        assert len(both) > len(by_bytes)
+        # a limit Spark passes wins over the option of its kind; ReadAllAvailable lifts them
+        wider = await asyncio.to_thread(plan, {"maxBytesPerTrigger": "1"}, ReadMaxBytes(limit))
+        assert wider == by_bytes
+        everything = await asyncio.to_thread(plan, {"maxBytesPerTrigger": "1"}, ReadAllAvailable())
+        assert everything == [(scns[0] - 1, scns[-1])]
+
+
+def _spark_schema(opts: Any) -> Any:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from changebus.client.spark import _source
+
+    return from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+
+
+async def test_min_rows_per_trigger_waits_for_rows_or_the_delay(make_relay: MakeRelay) -> None:
+    """Kafka's minOffsetsPerTrigger + maxTriggerDelay, on the driver's reader."""
+    import time
+
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMinRows
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+
+    async with make_relay(max_windows=100, events_per_window=3) as relay:
+        scns = sorted(
+            await asyncio.to_thread(_window_sizes, relay.url, "synthetic.t0,synthetic.t1")
+        )
+
+        def reader(options: dict[str, str]) -> Any:
+            opts = SourceOptions.parse({"relays": relay.url, **options}, mode="stream")
+            return _source.ChangebusStreamReader(opts, _spark_schema(opts))
+
+        def run() -> None:
+            r = reader({"minRowsPerTrigger": "10", "maxTriggerDelay": "1h"})
+            limit = r.getDefaultReadLimit()
+            assert limit == ReadMinRows(10)
+            last = scns[-1]
+            # the first trigger is never skipped (Kafka's too)
+            assert r.latestOffset({"syn": scns[0] - 1}, limit) == {"syn": last}
+            # 3 windows of 3 events: 9 < 10, skipped; 4 windows: 12 >= 10, taken whole
+            assert r.latestOffset({"syn": scns[-4]}, limit) == {"syn": scns[-4]}
+            assert r.latestOffset({"syn": scns[-5]}, limit) == {"syn": last}
+            assert r.latestOffset({"syn": last}, limit) == {"syn": last}  # nothing new
+            # Trigger.Once (ReadAllAvailable) reads what there is
+            assert r.latestOffset({"syn": scns[-2]}, ReadAllAvailable()) == {"syn": last}
+            # Trigger.AvailableNow never waits: it must reach its target and stop
+            r.prepareForTriggerAvailableNow()
+            assert r.latestOffset({"syn": scns[-2]}, limit) == {"syn": last}
+
+            # maxTriggerDelay: a trigger after the delay takes what there is
+            r = reader({"minRowsPerTrigger": "10", "maxTriggerDelay": "600ms"})
+            assert r.latestOffset({"syn": scns[0] - 1}, limit) == {"syn": last}
+            began = time.monotonic()
+            skipped = r.latestOffset({"syn": scns[-2]}, limit)
+            if time.monotonic() - began < 0.6:  # (a very slow machine may have waited enough)
+                assert skipped == {"syn": scns[-2]}
+            time.sleep(0.7)
+            assert r.latestOffset({"syn": scns[-2]}, limit) == {"syn": last}
+
+            # with maxRowsPerTrigger too: at least 10 rows, batches of at most 12
+            r = reader({"minRowsPerTrigger": "10", "maxRowsPerTrigger": "12"})
+            assert r.latestOffset({"syn": scns[0] - 1}, limit) == {"syn": scns[3]}
+            assert r.latestOffset({"syn": scns[-3]}, limit) == {"syn": scns[-3]}
+
+        await asyncio.to_thread(run)

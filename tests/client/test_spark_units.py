@@ -14,6 +14,7 @@ import pytest
 from changebus.client import ChangeEvent, ChangeOp, Window
 from changebus.client.spark._arrow import (
     META_COLUMNS,
+    NOT_SENT_COLUMN,
     BatchBuilder,
     arrow_type,
     union_schema,
@@ -285,6 +286,126 @@ def test_batch_builder_rows_and_types() -> None:
 
 
 META_COLUMNS_NAMES = [f.name for f in META_COLUMNS]
+
+
+def test_trigger_limit_options() -> None:
+    o = SourceOptions.parse({"relays": "http://x"})
+    assert (o.max_bytes_per_trigger, o.min_rows_per_trigger, o.max_trigger_delay_s) == (0, 0, 900)
+    assert o.include_not_sent is False
+    o = SourceOptions.parse(
+        {
+            "relays": "http://x",
+            "MaxBytesPerTrigger": "65536",
+            "minRowsPerTrigger": "50",
+            "maxRowsPerTrigger": "50",
+            "maxTriggerDelay": "30s",
+            "includeNotSent": "true",
+        }
+    )
+    assert (o.max_bytes_per_trigger, o.min_rows_per_trigger, o.max_trigger_delay_s) == (
+        65536,
+        50,
+        30.0,
+    )
+    assert o.include_not_sent is True
+    delays = {"1.5m": 90.0, "2 h": 7200.0, "250ms": 0.25, "1500": 1.5, "0": 0.0, "1d": 86400.0}
+    for text, seconds in delays.items():
+        parsed = SourceOptions.parse(
+            {"relays": "http://x", "minRowsPerTrigger": "1", "maxTriggerDelay": text}
+        )
+        assert parsed.max_trigger_delay_s == seconds, text
+    bad: list[tuple[dict[str, str], str]] = [
+        ({"maxBytesPerTrigger": "0"}, ">= 1"),
+        ({"maxBytesPerTrigger": "1k"}, "integer"),
+        ({"minRowsPerTrigger": "0"}, ">= 1"),
+        ({"maxTriggerDelay": "5s"}, "goes with minRowsPerTrigger"),
+        ({"minRowsPerTrigger": "5", "maxTriggerDelay": "soon"}, "duration"),
+        ({"minRowsPerTrigger": "5", "maxTriggerDelay": "-1s"}, ">= 0"),
+        ({"minRowsPerTrigger": "5", "maxTriggerDelay": "5 weeks"}, "duration"),
+        ({"minRowsPerTrigger": "11", "maxRowsPerTrigger": "10"}, "larger than"),
+        ({"includeNotSent": "perhaps"}, "true or false"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            SourceOptions.parse({"relays": "http://x", **extra})
+
+
+def test_not_sent_column() -> None:
+    """``_not_sent``: what the row lacks after the before-image filled in what it could."""
+    a = {"id": 1, "qty": 1, "note": "big"}
+    window = Window(
+        9,
+        0,
+        "p",
+        (
+            _event(ChangeOp.INSERT, 0, a, None, {"id": 1}, "app.b"),
+            # unchanged TOAST, recovered from a full before-image
+            ChangeEvent(
+                9, 1, ChangeOp.UPDATE, "app.b", {"id": 1}, {**a, "note": None}, a, ("note",)
+            ),
+            # unchanged TOAST, no before-image: null and named
+            ChangeEvent(
+                9,
+                2,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 1},
+                {**a, "qty": 2, "note": None},
+                None,
+                ("note",),
+            ),
+            # a key-only before-image (a changed key): its other columns were not sent
+            ChangeEvent(
+                9,
+                3,
+                ChangeOp.UPDATE,
+                "app.b",
+                {"id": 2},
+                {"id": 2, "qty": 3, "note": None},
+                {"id": 1, "qty": None, "note": None},
+                ("note",),
+                ("qty", "note"),
+            ),
+            ChangeEvent(
+                9,
+                4,
+                ChangeOp.DELETE,
+                "app.b",
+                {"id": 2},
+                None,
+                {"id": 2, "qty": None, "note": None},
+                (),
+                ("qty", "note"),
+            ),
+            _event(ChangeOp.DELETE, 5, None, None, {"id": 3}, "app.b"),
+            _event(ChangeOp.TRUNCATE, 6, None, None, {}, "app.b"),
+        ),
+    )
+    schema = union_schema([B]).append(NOT_SENT_COLUMN)
+    b = BatchBuilder(schema, include_not_sent=True)
+    b.add_window(window)
+    rows = b.flush().to_pylist()
+    assert [(r["_change_type"], r["note"], r["_not_sent"]) for r in rows] == [
+        ("insert", "big", []),
+        ("update_preimage", "big", []),
+        ("update_postimage", "big", []),
+        ("update_postimage", None, ["note"]),
+        ("update_preimage", None, ["qty", "note"]),
+        ("update_postimage", None, ["note"]),
+        ("delete", None, ["qty", "note"]),
+        ("delete", None, []),
+        ("truncate", None, []),
+    ]
+    b.add_window(window)  # the column keeps filling after a flush
+    assert b.flush().column("_not_sent").to_pylist() == [r["_not_sent"] for r in rows]
+    # a user's projection without the column, and the option off: no _not_sent anywhere
+    narrow = pa.schema([schema.field("id"), schema.field("_change_type")])
+    b2 = BatchBuilder(narrow, include_not_sent=True)
+    b2.add_window(window)
+    assert b2.flush().num_rows == len(rows)
+    b3 = BatchBuilder(union_schema([B]))
+    b3.add_window(window)
+    assert "_not_sent" not in b3.flush().schema.names
 
 
 def test_discovery_shim_is_found_the_way_spark_looks() -> None:

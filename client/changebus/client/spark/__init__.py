@@ -11,7 +11,8 @@ Usage (PySpark >= 4.2, ``pip install changebus[spark]``)::
           .load())
 
 One row per change with the table's columns plus ``_change_type``,
-``_commit_scn``, ``_commit_timestamp``, ``_txn_seq``, ``_source`` and ``_partition``; offsets
+``_commit_scn``, ``_commit_timestamp``, ``_txn_seq``, ``_source`` and ``_partition``
+(and ``_not_sent`` with the option ``includeNotSent``); offsets
 are SCNs per physical partition, so Spark's checkpoint replays a batch with
 identical rows. ``spark.read.format("changebus")`` reads an SCN range as a
 batch. Options, semantics and an example job: docs/spark.md.

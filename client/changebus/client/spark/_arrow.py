@@ -12,7 +12,11 @@ Column layout of the Spark source (one row per change; see docs/spark.md):
 * ``_commit_scn`` (long), ``_commit_timestamp`` (timestamp, UTC),
   ``_txn_seq`` (long: the event's ``seq`` in its transaction), ``_source``
   (the table name) and ``_partition`` (the relay's physical partition; with
-  ``_commit_scn`` and ``_txn_seq`` a key unique in the stream).
+  ``_commit_scn`` and ``_txn_seq`` a key unique in the stream);
+* opt-in (:data:`NOT_SENT_COLUMN`, option ``includeNotSent``): ``_not_sent``,
+  the names of the columns whose value in this row the source did not send
+  (Postgres' unchanged TOAST not recovered from a before-image, the non-key
+  columns of a key-only before-image); empty for complete rows.
 
 With several tables the data columns are the union by name
 (:func:`union_schema`); a column two tables type differently is an error
@@ -39,6 +43,7 @@ from .._model import ChangeEvent, ChangeOp, Window
 
 __all__ = [
     "META_COLUMNS",
+    "NOT_SENT_COLUMN",
     "BatchBuilder",
     "arrow_type",
     "union_schema",
@@ -56,6 +61,8 @@ META_COLUMNS: tuple[pa.Field, ...] = (
     pa.field("_partition", pa.string(), nullable=False),
 )
 _META_NAMES = frozenset(f.name for f in META_COLUMNS)
+#: the opt-in column naming the values the source did not send (after the metadata)
+NOT_SENT_COLUMN: pa.Field = pa.field("_not_sent", pa.list_(pa.string()), nullable=False)
 
 _PRIMITIVE: dict[str, pa.DataType] = {
     "int": pa.int32(),
@@ -234,15 +241,22 @@ class BatchBuilder:
     ``schema`` may hold any subset of the data columns and metadata columns
     (a user-given schema narrower than the source's); every row fills exactly
     those. ``include_preimage`` adds an ``update_preimage`` row before each
-    update that carries a before-image. Not thread-safe.
+    update that carries a before-image. With ``include_not_sent`` a
+    ``_not_sent`` column of ``schema`` is :data:`NOT_SENT_COLUMN`, not a data
+    column. Not thread-safe.
     """
 
-    def __init__(self, schema: pa.Schema, *, include_preimage: bool = True) -> None:
+    def __init__(
+        self, schema: pa.Schema, *, include_preimage: bool = True, include_not_sent: bool = False
+    ) -> None:
         self.schema = schema
         self.include_preimage = include_preimage
-        self._data = [f.name for f in schema if f.name not in _META_NAMES]
+        meta = _META_NAMES | {NOT_SENT_COLUMN.name} if include_not_sent else _META_NAMES
+        self._data = [f.name for f in schema if f.name not in meta]
         self._cols: dict[str, list[Any]] = {f.name: [] for f in schema}
-        self._convs = {f.name: _converter(f.type) for f in schema if f.name not in _META_NAMES}
+        #: the _not_sent column's values when it is read, else None
+        self._not_sent = self._cols.get(NOT_SENT_COLUMN.name) if include_not_sent else None
+        self._convs = {f.name: _converter(f.type) for f in schema if f.name not in meta}
         self.rows = 0
 
     def add_window(self, window: Window) -> None:
@@ -254,24 +268,37 @@ class BatchBuilder:
             self._cols["_partition"].extend([window.partition] * (self.rows - before))
 
     def _add_event(self, e: ChangeEvent) -> None:
+        ns = self._not_sent
         if e.op is ChangeOp.UPDATE:
             if self.include_preimage and e.before is not None:
                 self._row(e, e.before, "update_preimage")
+                if ns is not None:
+                    ns.append(e.before_not_sent)
             after = e.after
-            if e.not_sent and after is not None and e.before is not None:
+            missing = e.not_sent
+            if missing and after is not None and e.before is not None:
                 # values the source did not send (unchanged TOAST) are the old ones
                 # when the before-image has them
                 after = dict(after)
-                for name in e.not_sent:
+                for name in missing:
                     if name not in e.before_not_sent and name in e.before:
                         after[name] = e.before[name]
+                missing = tuple(n for n in missing if n in e.before_not_sent or n not in e.before)
             self._row(e, after, "update_postimage")
+            if ns is not None:
+                ns.append(missing)
         elif e.op is ChangeOp.DELETE:
             self._row(e, e.before if e.before is not None else e.key, "delete")
+            if ns is not None:
+                ns.append(e.before_not_sent if e.before is not None else ())
         elif e.op is ChangeOp.INSERT:
             self._row(e, e.after, "insert")
+            if ns is not None:
+                ns.append(e.not_sent)
         else:
             self._row(e, None, _CHANGE_TYPES[e.op])
+            if ns is not None:
+                ns.append(())
 
     def _row(self, e: ChangeEvent, image: dict[str, Any] | None, change: str) -> None:
         cols = self._cols
@@ -310,5 +337,7 @@ class BatchBuilder:
                 arr = pa.array([None if v is None else conv(v) for v in values], type=f.type)
             arrays.append(arr)
             self._cols[f.name] = []
+        if self._not_sent is not None:
+            self._not_sent = self._cols[NOT_SENT_COLUMN.name]
         self.rows = 0
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)

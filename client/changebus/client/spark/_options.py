@@ -51,6 +51,11 @@ OPTION_NAMES: dict[str, str] = {
     "startingtimestamp": "start at the first window committed at/after this time (ms since epoch)",
     "endingtimestamp": "batch reads: end at the last window committed at/before this time (ms)",
     "maxrowspertrigger": "admission control: about this many change events per micro-batch",
+    "maxbytespertrigger": "admission control: about this many event bytes per micro-batch",
+    "minrowspertrigger": "skip a trigger while fewer change events are available (with"
+    " maxTriggerDelay)",
+    "maxtriggerdelay": "with minRowsPerTrigger: the longest wait between two batches (15m; ms, s,"
+    " m, h units)",
     "numpartitions": "Spark partitions per physical partition and batch",
     "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
     "failondataloss": "true: a range the relay no longer keeps fails the query",
@@ -61,6 +66,7 @@ OPTION_NAMES: dict[str, str] = {
     "arrowbatchrows": "rows per Arrow record batch handed to Spark",
     "requesttimeouts": "seconds a relay request may take before failing over",
     "includepreimage": "true: updates with a before-image also give an update_preimage row",
+    "includenotsent": "true: a _not_sent column names the values the source did not send",
     "tls.cafile": "CA certificates (PEM file) that verify https:// relays and bootstrap servers",
     "tls.certfile": "client certificate (PEM) for mTLS, with tls.keyFile",
     "tls.keyfile": "the client certificate's private key (PEM file)",
@@ -131,6 +137,28 @@ def _int(options: Mapping[str, str], key: str, default: int, minimum: int) -> in
     return value
 
 
+_DELAY_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration_s(options: Mapping[str, str], key: str, default_s: float) -> float:
+    """A time such as ``15m``, ``30s``, ``500ms`` (a bare number: milliseconds, as Spark's)."""
+    raw = options.get(key)
+    if raw is None:
+        return default_s
+    text = str(raw).strip().lower()
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+    unit = text[len(number) :].strip() or "ms"
+    try:
+        value = float(number) * _DELAY_UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"option {key}: expected a duration such as 30s, 15m or 500ms, got {raw!r}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"option {key}: must be >= 0, got {raw!r}")
+    return value
+
+
 def _split_by(raw: str) -> Literal["key", "scn"]:
     low = raw.strip().lower()
     if low == "key":
@@ -189,9 +217,14 @@ class SourceOptions:
     * ``sources`` -- tables to read (empty: all); ``key_filter`` a key-hash
       subset of them;
     * ``starting`` / ``ending`` -- positions (``ending`` for batch reads);
-    * ``max_rows_per_trigger`` -- the default read limit (0: everything
-      available); a micro-batch always ends on a transaction boundary, so it
-      may exceed the limit by the rest of one transaction;
+    * ``max_rows_per_trigger`` / ``max_bytes_per_trigger`` -- read limits of a
+      micro-batch in change events / event bytes (0: no limit); a micro-batch
+      always ends on a transaction boundary and takes at least one whole
+      transaction, so it may exceed a limit by the rest of one transaction;
+    * ``min_rows_per_trigger`` / ``max_trigger_delay_s`` -- Kafka's
+      ``minOffsetsPerTrigger`` / ``maxTriggerDelay``: a trigger is skipped
+      while fewer change events are available, unless this long has passed
+      since the last trigger that was not skipped (0: never skipped);
     * ``num_partitions`` -- Spark partitions per physical partition and batch;
       ``split_by`` ``key``: the key-hash space (or ``key_filter``) is cut into
       this many slices that the relay filters server-side (every slice still
@@ -206,6 +239,8 @@ class SourceOptions:
       source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
       transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows;
+    * ``include_not_sent`` -- add the ``_not_sent`` column (the values the
+      source did not send, Postgres' unchanged TOAST);
     * ``auth`` -- TLS settings and bearer token of every connection, on the
       driver and in the executors (``tls.*``, ``tokenFile``, ``token``; the
       files must be readable at the same paths on every executor). Its
@@ -220,6 +255,9 @@ class SourceOptions:
     starting: Position = "latest"
     ending: Position = "latest"
     max_rows_per_trigger: int = 0
+    max_bytes_per_trigger: int = 0
+    min_rows_per_trigger: int = 0
+    max_trigger_delay_s: float = 900.0
     num_partitions: int = 1
     split_by: Literal["key", "scn"] = "key"
     fail_on_data_loss: bool = True
@@ -227,6 +265,7 @@ class SourceOptions:
     arrow_batch_rows: int = 65536
     request_timeout_s: float = 30.0
     include_preimage: bool = True
+    include_not_sent: bool = False
     mode: Literal["stream", "batch"] = field(default="stream", compare=False)
     zookeeper: str = ""
     cluster: str = ""
@@ -254,6 +293,15 @@ class SourceOptions:
             raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
         if self.request_timeout_s <= 0:
             raise ConfigError("requestTimeoutS must be > 0")
+        if min(self.max_rows_per_trigger, self.max_bytes_per_trigger) < 0:
+            raise ConfigError("maxRowsPerTrigger and maxBytesPerTrigger must be >= 1")
+        if self.min_rows_per_trigger < 0 or self.max_trigger_delay_s < 0:
+            raise ConfigError("minRowsPerTrigger and maxTriggerDelay must be >= 0")
+        if 0 < self.max_rows_per_trigger < self.min_rows_per_trigger:
+            raise ConfigError(
+                f"minRowsPerTrigger ({self.min_rows_per_trigger}) is larger than"
+                f" maxRowsPerTrigger ({self.max_rows_per_trigger})"
+            )
 
     @classmethod
     def parse(
@@ -298,6 +346,8 @@ class SourceOptions:
                 ending = parse_position(opts["endingscn"], "endingScn", allow_earliest=False)
             else:
                 ending = AtTime(_int(opts, "endingtimestamp", 0, 0))
+        if "maxtriggerdelay" in opts and "minrowspertrigger" not in opts:
+            raise ConfigError("option maxTriggerDelay goes with minRowsPerTrigger")
         timeout_raw = opts.get("requesttimeouts", "30")
         try:
             timeout_s = float(timeout_raw)
@@ -312,6 +362,9 @@ class SourceOptions:
             starting=starting,
             ending=ending,
             max_rows_per_trigger=_int(opts, "maxrowspertrigger", 0, 1),
+            max_bytes_per_trigger=_int(opts, "maxbytespertrigger", 0, 1),
+            min_rows_per_trigger=_int(opts, "minrowspertrigger", 0, 1),
+            max_trigger_delay_s=_duration_s(opts, "maxtriggerdelay", 900.0),
             num_partitions=_int(opts, "numpartitions", 1, 1),
             split_by=_split_by(opts.get("splitby", "key")),
             fail_on_data_loss=_bool(opts, "failondataloss", True),
@@ -319,6 +372,7 @@ class SourceOptions:
             arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),
             request_timeout_s=timeout_s,
             include_preimage=_bool(opts, "includepreimage", True),
+            include_not_sent=_bool(opts, "includenotsent", False),
             mode=mode,
             zookeeper=opts.get("zookeeper", "").strip(),
             cluster=opts.get("cluster", "").strip(),

@@ -131,7 +131,9 @@ async def _read(
     schema: pa.Schema,
     tables: Mapping[str, TableSchema],
 ) -> AsyncGenerator[pa.RecordBatch, None]:
-    builder = BatchBuilder(schema, include_preimage=opts.include_preimage)
+    builder = BatchBuilder(
+        schema, include_preimage=opts.include_preimage, include_not_sent=opts.include_not_sent
+    )
     position = spec.since
     # a relay that stops answering usefully fails the task after this long
     idle_s = max(4 * opts.request_timeout_s, 60.0)

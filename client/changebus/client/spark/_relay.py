@@ -10,10 +10,12 @@ answers from the relays, each a short HTTP exchange:
   range that replays identically or fails loudly once evicted);
 * :func:`table_schemas` -- the newest schema version of each subscribed
   source (the Spark schema is derived from these);
-* :func:`end_after_rows` -- the SCN at which a batch starting after ``since``
-  holds at most ``max_events`` change events, ending on a window boundary
-  (admission control). It reads the range's binary events once and counts
-  the data events per window from the headers alone (no row decoding).
+* :func:`end_within` -- the SCN at which a batch starting after ``since``
+  holds at most ``max_events`` change events and ``max_bytes`` event bytes,
+  ending on a window boundary (admission control; also how many events are
+  available, for ``minRowsPerTrigger``). It reads the range's binary events
+  once and counts the data events per window from the headers alone (no row
+  decoding).
 
 Each call tries the relays in the configured order, once each, through
 :class:`~changebus.client.RelayQueries` (the client's one failover
@@ -53,9 +55,10 @@ from .._info import RelayInfo, RelayQueries
 from ._options import SourceOptions
 
 __all__ = [
+    "Extent",
     "PartitionBounds",
     "bootstrap_target",
-    "end_after_rows",
+    "end_within",
     "partition_bounds",
     "position_at_time",
     "run_sync",
@@ -199,25 +202,53 @@ async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str,
     return await _with_relays(opts, call)
 
 
-async def end_after_rows(
-    opts: SourceOptions, partition: str, since: int, until: int, max_events: int
-) -> int:
-    """The last window SCN in ``(since, until]`` keeping the batch at ``max_events``.
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """How far a batch from some ``since`` goes: its last window ``end``, and what it holds.
 
-    Counts the data events of ``opts.sources`` and ``opts.key_filter`` window by
-    window from ``since`` on. The first window is always taken whole, even when
-    it alone is larger (a transaction is never split); the batch then ends
-    before the first window that would exceed the limit. Returns ``until`` when
-    the whole range fits, and ``since`` only when the range holds no window.
+    ``events`` counts the data events (change events) of the windows in
+    ``(since, end]``, ``size`` their bytes (envelope: header, key and payload,
+    as the relay sends them); control events count for neither.
+    """
+
+    end: int
+    events: int
+    size: int
+
+
+async def end_within(
+    opts: SourceOptions,
+    partition: str,
+    since: int,
+    until: int,
+    *,
+    max_events: int = 0,
+    max_bytes: int = 0,
+) -> Extent:
+    """The last window SCN in ``(since, until]`` keeping a batch within both limits.
+
+    A limit of 0 is no limit. Counts the data events of ``opts.sources`` and
+    ``opts.key_filter`` and their bytes window by window from ``since`` on,
+    from the event headers alone (no row decoding). The first window is
+    always taken whole, even when it alone is larger (a transaction is never
+    split); the batch then ends before the first window that would exceed a
+    limit, or at the window that reaches one. The end is ``until`` when the
+    whole range fits, and ``since`` only when the range holds no window.
     """
     if until <= since:
-        return since
+        return Extent(since, 0, 0)
 
-    async def call(info: RelayInfo) -> int:
+    def over(events: int, size: int) -> bool:
+        return (0 < max_events < events) or (0 < max_bytes < size)
+
+    def full(events: int, size: int) -> bool:
+        return (0 < max_events <= events) or (0 < max_bytes <= size)
+
+    async def call(info: RelayInfo) -> Extent:
         scn, offset = since, -1
-        count = 0
+        count = size = 0
         end = since
-        window_events = 0
+        window_events = window_size = 0
         while True:
             params = {
                 "partition": partition,
@@ -233,7 +264,7 @@ async def end_after_rows(
                 params["filter"] = str(opts.key_filter)
             async with info.session.get(f"{info.url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
-                    return end
+                    return Extent(end, count, size)
                 if resp.status != 200:
                     raise await response_error(
                         resp, info.where, kind="stream", partition=partition, requested_scn=scn
@@ -242,27 +273,36 @@ async def end_after_rows(
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
                 next_offset = int(resp.headers["X-Changebus-Next-Offset"])
             if not body_bytes:
-                return end
+                return Extent(end, count, size)
             _, headers = parse_stream(body_bytes, verify_payload=False)
             ops = headers["op"]
             scns = headers["scn"]
             data = ops < FIRST_CONTROL_OP
-            ends = np.flatnonzero(ops == _EOW)
+            # running totals of data events and their bytes: a window's share is a difference
+            events_upto = np.cumsum(data)
+            bytes_upto = np.cumsum(np.where(data, headers["total_length"].astype(np.int64), 0))
             start = 0
-            for e in ends.tolist():
-                window_events += int(np.count_nonzero(data[start : e + 1]))
+            before_events = before_bytes = 0
+            for e in np.flatnonzero(ops == _EOW).tolist():
+                upto_events, upto_bytes = int(events_upto[e]), int(bytes_upto[e])
+                window_events += upto_events - before_events
+                window_size += upto_bytes - before_bytes
+                before_events, before_bytes = upto_events, upto_bytes
                 wscn = int(scns[e])
                 if wscn > until:
-                    return end
-                if end != since and count + window_events > max_events:
-                    return end
+                    return Extent(end, count, size)
+                if end != since and over(count + window_events, size + window_size):
+                    return Extent(end, count, size)
                 count += window_events
-                window_events = 0
+                size += window_size
+                window_events = window_size = 0
                 end = wscn
                 start = e + 1
-                if count >= max_events or end >= until:
-                    return end
-            window_events += int(np.count_nonzero(data[start:]))  # a window cut by max_bytes
+                if full(count, size) or end >= until:
+                    return Extent(end, count, size)
+            if start < len(ops):  # a window cut by max_bytes: it continues in the next response
+                window_events += int(events_upto[-1]) - before_events
+                window_size += int(bytes_upto[-1]) - before_bytes
             scn, offset = next_scn, next_offset
 
     return await _with_relays(opts, call)

@@ -26,12 +26,22 @@ range starting before the relays' oldest window (-1 included) is one batch
 read by one task through the client's bootstrap switching (snapshot,
 catch-up, relays up to the end; :func:`_needs_bootstrap`, module
 :mod:`._read`). Such a batch ends at the relay's newest window, or under a
-read limit at the bootstrap server's newest SCN (it is never cut by rows).
+rows or bytes limit at the bootstrap server's newest SCN (it is never cut by
+rows or bytes, and ``minRowsPerTrigger`` never holds it back).
+
+Read limits (:meth:`ChangebusStreamReader.latestOffset`): ``maxRowsPerTrigger``
+and ``maxBytesPerTrigger`` end a batch on a window boundary within both
+(:func:`~._relay.end_within`); ``minRowsPerTrigger`` skips a trigger (returns
+the start as the end, so Spark plans no batch) while fewer change events are
+available, until ``maxTriggerDelay`` has passed since the last trigger that
+was not skipped. That clock lives in the driver's reader only.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -46,7 +56,9 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
+    ReadMaxBytes,
     ReadMaxRows,
+    ReadMinRows,
     SupportsTriggerAvailableNow,
 )
 from pyspark.sql.types import StructType
@@ -54,13 +66,13 @@ from pyspark.sql.types import StructType
 from changebus.schemas import ConfigError, TableSchema
 
 from .._errors import FellOffRelayError
-from ._arrow import union_schema
+from ._arrow import NOT_SENT_COLUMN, union_schema
 from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
 from ._relay import (
     PartitionBounds,
     bootstrap_target,
-    end_after_rows,
+    end_within,
     partition_bounds,
     position_at_time,
     resolve_cluster,
@@ -97,6 +109,19 @@ def _tables(opts: SourceOptions) -> tuple[dict[str, TableSchema], list[str]]:
     return run_sync(table_schemas(opts, names)), names
 
 
+def _schema(opts: SourceOptions, tables: dict[str, TableSchema]) -> pa.Schema:
+    """The columns of ``tables`` + metadata, + ``_not_sent`` with ``includeNotSent``."""
+    schema = union_schema(tables.values())
+    if not opts.include_not_sent:
+        return schema
+    if NOT_SENT_COLUMN.name in schema.names:
+        raise ConfigError(
+            f"a table read has a column {NOT_SENT_COLUMN.name!r}, the name of the column that"
+            " includeNotSent=true adds: leave the option out for this table"
+        )
+    return schema.append(NOT_SENT_COLUMN)
+
+
 def source_schema(opts: SourceOptions) -> pa.Schema:
     """The Arrow schema of what ``opts`` reads (asks a relay for the table schemas)."""
     tables, names = _tables(opts)
@@ -106,7 +131,7 @@ def source_schema(opts: SourceOptions) -> pa.Schema:
             + (f" for sources {list(opts.sources)}" if opts.sources else "")
             + "; give the schema with .schema(...) or start when the source has written"
         )
-    return union_schema(tables.values())
+    return _schema(opts, tables)
 
 
 def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schema:
@@ -122,8 +147,9 @@ def _check_user_schema(given: StructType, derived: pa.Schema | None) -> pa.Schem
     for f in wanted:
         d = have.get(f.name)
         if d is None:
+            hint = " (it needs includeNotSent=true)" if f.name == NOT_SENT_COLUMN.name else ""
             raise ConfigError(
-                f"schema column {f.name!r} is not a column of the changebus source"
+                f"schema column {f.name!r} is not a column of the changebus source{hint}"
                 f" (columns: {[x.name for x in derived]})"
             )
         if d.type != f.type:
@@ -222,7 +248,7 @@ class _ReaderBase:
         self.opts = opts
         tables, _ = _tables(opts)
         self.tables = tables
-        derived = union_schema(tables.values()) if tables else None
+        derived = _schema(opts, tables) if tables else None
         self.arrow_schema = _check_user_schema(schema, derived)
 
     def read(self, partition: ScnRangePartition) -> Iterator[pa.RecordBatch]:
@@ -237,6 +263,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         super().__init__(opts, schema)
         self._initial: dict[str, int] | None = None
         self._target: dict[str, int] | None = None
+        #: time.monotonic() of the last trigger minRowsPerTrigger did not skip
+        self._last_trigger = -math.inf
         #: the bounds latestOffset used, for partitions() of the same batch (its start)
         self._planned: tuple[tuple[tuple[str, int], ...], dict[str, PartitionBounds]] | None = None
 
@@ -251,10 +279,35 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         return dict(self._initial)
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        """``maxRowsPerTrigger`` as :class:`ReadMaxRows`, else everything available."""
-        if self.opts.max_rows_per_trigger:
-            return ReadMaxRows(self.opts.max_rows_per_trigger)
+        """One of the options' read limits in Spark's terms (:meth:`_limits` applies them all).
+
+        Spark has no composite limit for Python sources: it hands this value
+        back to :meth:`latestOffset`, or :class:`ReadAllAvailable` where a
+        trigger reads everything (``Trigger.Once``).
+        """
+        o = self.opts
+        if o.min_rows_per_trigger:
+            return ReadMinRows(o.min_rows_per_trigger)
+        if o.max_rows_per_trigger:
+            return ReadMaxRows(o.max_rows_per_trigger)
+        if o.max_bytes_per_trigger:
+            return ReadMaxBytes(o.max_bytes_per_trigger)
         return ReadAllAvailable()
+
+    def _limits(self, limit: ReadLimit) -> tuple[int, int, int]:
+        """``(max rows, max bytes, min rows)`` of one trigger (0: none).
+
+        :class:`ReadAllAvailable` lifts them all; a limit Spark passes wins
+        over the option of its kind; under ``Trigger.AvailableNow`` no trigger
+        is skipped (the query must reach its target and stop).
+        """
+        if isinstance(limit, ReadAllAvailable):
+            return 0, 0, 0
+        o = self.opts
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else o.max_rows_per_trigger
+        max_bytes = limit.max_bytes if isinstance(limit, ReadMaxBytes) else o.max_bytes_per_trigger
+        min_rows = limit.min_rows if isinstance(limit, ReadMinRows) else o.min_rows_per_trigger
+        return max_rows, max_bytes, 0 if self._target is not None else min_rows
 
     def prepareForTriggerAvailableNow(self) -> None:
         """Pin the newest SCN of every partition: the query drains up to there and stops."""
@@ -270,6 +323,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         return run_sync(self._latest(start, limit))
 
     async def _latest(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        max_rows, max_bytes, min_rows = self._limits(limit)
         bounds = await partition_bounds(self.opts)
         self._planned = (_offsets_key(start), bounds)
         end: dict[str, int] = {}
@@ -288,7 +342,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             if name in boot:
                 # one batch through the bootstrap server; with a read limit it ends at
                 # the server's newest SCN (snapshot + catch-up), else at the head
-                if isinstance(limit, ReadMaxRows):
+                if max_rows or max_bytes:
                     target = await bootstrap_target(self.opts, name)
                     head = min(head, max(target, b.prev_scn))
                 end[name] = max(head, since)
@@ -303,22 +357,65 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         for name, value in start.items():
             if name not in bounds:
                 end[name] = int(value)  # a partition the relay no longer lists: stays put
-        if isinstance(limit, ReadMaxRows) and heads:
-            budget = max(1, limit.max_rows // len(heads))
+        booting = any(end[n] > int(start[n]) for n in boot)
+        if min_rows and not booting and await self._delay(start, heads, min_rows):
+            return {str(k): int(v) for k, v in start.items()}
+        if (max_rows or max_bytes) and heads:
+            rows = max(1, max_rows // len(heads)) if max_rows else 0
+            size = max(1, max_bytes // len(heads)) if max_bytes else 0
             for name, head in heads.items():
-                end[name] = await self._limited_end(name, int(start[name]), head, budget)
+                end[name] = await self._limited_end(name, int(start[name]), head, rows, size)
         else:
             end.update(heads)
         return end
 
-    async def _limited_end(self, name: str, since: int, head: int, budget: int) -> int:
+    async def _delay(self, start: dict[str, Any], heads: dict[str, int], min_rows: int) -> bool:
+        """Whether to skip this trigger (``minRowsPerTrigger``, Kafka source semantics).
+
+        Not when ``maxTriggerDelay`` has passed since the last trigger that
+        was not skipped (the first trigger of a reader never is), nor when
+        ``min_rows`` change events are available over all partitions; the
+        count reads event headers only until it reaches ``min_rows``.
+        """
+        now = time.monotonic()
+        if now - self._last_trigger >= self.opts.max_trigger_delay_s:
+            self._last_trigger = now
+            return False
+        available = 0
+        for name, head in heads.items():
+            try:
+                extent = await end_within(
+                    self.opts, name, int(start[name]), head, max_events=min_rows - available
+                )
+            except FellOffRelayError:
+                break  # the range is gone: planning the batch reports or skips it
+            available += extent.events
+            # a batch that ends before the head stopped at the count: at least that many
+            if available >= min_rows or extent.end < head:
+                break
+        else:
+            log.debug("changebus: %d change event(s) < minRowsPerTrigger; waiting", available)
+            return True
+        self._last_trigger = now
+        return False
+
+    async def _limited_end(
+        self, name: str, since: int, head: int, max_events: int, max_bytes: int
+    ) -> int:
         try:
-            return await end_after_rows(self.opts, name, since, head, budget)
+            return (
+                await end_within(
+                    self.opts, name, since, head, max_events=max_events, max_bytes=max_bytes
+                )
+            ).end
         except FellOffRelayError as exc:
             if self.opts.fail_on_data_loss or exc.prev_scn <= since:
                 raise
             # the windows up to prev_scn are gone: read() skips them too (with a warning)
-            return await end_after_rows(self.opts, name, exc.prev_scn, head, budget)
+            extent = await end_within(
+                self.opts, name, exc.prev_scn, head, max_events=max_events, max_bytes=max_bytes
+            )
+            return extent.end
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         """The newest SCN per partition (Spark shows it as the source's latestOffset: lag)."""
