@@ -3,7 +3,7 @@
     PYSPARK_PYTHON=$(which python) python deploy/spark/parquet_mirror.py \\
         --relays http://127.0.0.1:8080 --source public.accounts --key id \\
         --mirror /data/mirror/accounts --checkpoint /data/ckpt/accounts [--available-now] \\
-        [--bootstrap http://127.0.0.1:8090]
+        [--bootstrap http://127.0.0.1:8090] [--num-partitions 4] [--master spark://host:7077]
 
 The query reads ``format("changebus")`` from the earliest SCN the relay keeps
 (with ``--bootstrap``: from a snapshot of the bootstrap server, which also
@@ -13,7 +13,11 @@ any time (Ctrl-C, kill -9 of the driver): started again with the same
 ``--checkpoint`` and ``--mirror`` it continues after the last committed batch
 and replays an unfinished one with identical rows, so the mirror ends equal to
 the table. ``--available-now`` catches up and exits (for a scheduler);
-otherwise it runs every ``--trigger-s`` seconds. See docs/spark.md.
+otherwise it runs every ``--trigger-s`` seconds. It runs the same on a cluster
+(``--master spark://host:7077`` or ``local-cluster[2,1,1024]``, or through
+``spark-submit``): executors read the relays themselves, the mirror directory
+must be a file system every executor and the driver share. See docs/spark.md,
+"Running on a cluster".
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def start_mirror(
     trigger_s: float = 5.0,
     max_rows_per_trigger: int = 0,
     bootstrap: str = "",
+    num_partitions: int = 1,
 ) -> Any:
     """Start the mirroring query on ``spark``; returns the StreamingQuery."""
     reader = (
@@ -48,6 +53,8 @@ def start_mirror(
         reader = reader.option("bootstrapUrl", bootstrap)
     if max_rows_per_trigger:
         reader = reader.option("maxRowsPerTrigger", str(max_rows_per_trigger))
+    if num_partitions > 1:
+        reader = reader.option("numPartitions", str(num_partitions))
     writer = (
         reader.load()
         .writeStream.foreachBatch(ParquetMirror(mirror, key))
@@ -74,8 +81,17 @@ def main() -> None:
     p.add_argument("--trigger-s", type=float, default=5.0, help="seconds between batches")
     p.add_argument("--max-rows-per-trigger", type=int, default=0)
     p.add_argument("--bootstrap", default="", help="comma-separated bootstrap server URLs")
+    p.add_argument("--num-partitions", type=int, default=1, help="Spark tasks per batch")
+    p.add_argument(
+        "--master",
+        default="",
+        help="Spark master URL, e.g. spark://host:7077 (default: spark-submit's or local[*])",
+    )
     args = p.parse_args()
-    spark = SparkSession.builder.appName("changebus parquet mirror").getOrCreate()
+    builder = SparkSession.builder.appName("changebus parquet mirror")
+    if args.master:
+        builder = builder.master(args.master)
+    spark = builder.getOrCreate()
     query = start_mirror(
         spark,
         relays=args.relays,
@@ -87,6 +103,7 @@ def main() -> None:
         trigger_s=args.trigger_s,
         max_rows_per_trigger=args.max_rows_per_trigger,
         bootstrap=args.bootstrap,
+        num_partitions=args.num_partitions,
     )
     query.awaitTermination()
 
