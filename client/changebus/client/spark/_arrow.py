@@ -39,8 +39,11 @@ from .._model import ChangeEvent, ChangeOp, Window
 
 __all__ = [
     "META_COLUMNS",
+    "META_NAMES",
     "BatchBuilder",
+    "arrow_converter",
     "arrow_type",
+    "column_array",
     "union_schema",
 ]
 
@@ -55,7 +58,7 @@ META_COLUMNS: tuple[pa.Field, ...] = (
     pa.field("_source", pa.string(), nullable=False),
     pa.field("_partition", pa.string(), nullable=False),
 )
-_META_NAMES = frozenset(f.name for f in META_COLUMNS)
+META_NAMES = frozenset(f.name for f in META_COLUMNS)
 
 _PRIMITIVE: dict[str, pa.DataType] = {
     "int": pa.int32(),
@@ -67,7 +70,7 @@ _PRIMITIVE: dict[str, pa.DataType] = {
     "bytes": pa.binary(),
 }
 
-#: values of these Arrow types need converting before pa.array (see _converter)
+#: values of these Arrow types need converting before pa.array (see arrow_converter)
 _MICROS = pa.int64()
 
 
@@ -144,7 +147,7 @@ def table_fields(schema: TableSchema) -> list[pa.Field]:
     named: dict[str, pa.DataType] = {}
     out = []
     for col in schema.columns:
-        if col.name in _META_NAMES:
+        if col.name in META_NAMES:
             raise ConfigError(
                 f"table {schema.name!r} has a column {col.name!r}, a name the Spark source"
                 " uses for its metadata columns"
@@ -193,19 +196,19 @@ def _to_text(v: Any) -> Any:
     return json.dumps(v, default=str, separators=(",", ":"))
 
 
-def _converter(t: pa.DataType) -> Callable[[Any], Any] | None:
+def arrow_converter(t: pa.DataType) -> Callable[[Any], Any] | None:
     """A per-value conversion making decoded Avro values acceptable to ``pa.array``."""
     if t == _MICROS:
         return _time_micros
     if t == pa.string():
         return _to_text
     if pa.types.is_list(t):
-        inner = _converter(t.value_type)
+        inner = arrow_converter(t.value_type)
         if inner is None:
             return None
         return lambda v: None if v is None else [None if x is None else inner(x) for x in v]
     if pa.types.is_struct(t):
-        convs = {t.field(i).name: _converter(t.field(i).type) for i in range(t.num_fields)}
+        convs = {t.field(i).name: arrow_converter(t.field(i).type) for i in range(t.num_fields)}
         if all(c is None for c in convs.values()):
             return None
 
@@ -219,6 +222,18 @@ def _converter(t: pa.DataType) -> Callable[[Any], Any] | None:
 
         return struct
     return None
+
+
+def column_array(values: list[Any], t: pa.DataType, conv: Callable[[Any], Any] | None) -> pa.Array:
+    """``values`` as an Arrow array of type ``t``, through ``conv`` (:func:`arrow_converter`)
+    only when Arrow does not take them as they are (UUIDs, times, unions): the
+    conversion costs only the batches that hold such values."""
+    try:
+        return pa.array(values, type=t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        if conv is None:
+            raise
+        return pa.array([None if v is None else conv(v) for v in values], type=t)
 
 
 _CHANGE_TYPES = {
@@ -240,9 +255,9 @@ class BatchBuilder:
     def __init__(self, schema: pa.Schema, *, include_preimage: bool = True) -> None:
         self.schema = schema
         self.include_preimage = include_preimage
-        self._data = [f.name for f in schema if f.name not in _META_NAMES]
+        self._data = [f.name for f in schema if f.name not in META_NAMES]
         self._cols: dict[str, list[Any]] = {f.name: [] for f in schema}
-        self._convs = {f.name: _converter(f.type) for f in schema if f.name not in _META_NAMES}
+        self._convs = {f.name: arrow_converter(f.type) for f in schema if f.name not in META_NAMES}
         self.rows = 0
 
     def add_window(self, window: Window) -> None:
@@ -298,17 +313,7 @@ class BatchBuilder:
         """The rows gathered so far as one batch (and start a new one)."""
         arrays = []
         for f in self.schema:
-            values = self._cols[f.name]
-            try:
-                arr = pa.array(values, type=f.type)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-                # values that Arrow does not take as they are (UUIDs, times, unions):
-                # converted only for the batches that hold some
-                conv = self._convs.get(f.name)
-                if conv is None:
-                    raise
-                arr = pa.array([None if v is None else conv(v) for v in values], type=f.type)
-            arrays.append(arr)
+            arrays.append(column_array(self._cols[f.name], f.type, self._convs.get(f.name)))
             self._cols[f.name] = []
         self.rows = 0
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
