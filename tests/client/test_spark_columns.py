@@ -18,17 +18,19 @@ import asyncio
 import datetime as dt
 import importlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from hypothesis import given, settings, strategies as st
 
+from changebus.client import Consumer, ConsumerConfig, Window
 from changebus.client._assembler import RawWindow
 from changebus.client._decode import SchemaCache, decode_window
 from changebus.client.spark._arrow import BatchBuilder, union_schema
-from changebus.client.spark._columns import ArrowDecoder
+from changebus.client.spark._columns import ArrowDecoder, arrow_batches
 from changebus.schemas import (
     HEADER_SIZE,
     Column,
@@ -45,6 +47,7 @@ _types: Any = importlib.import_module("test_avroread")
 TABLE: TableSchema = _types.TABLE
 ROWS: st.SearchStrategy[dict[str, Any]] = _types.ROWS
 
+MakeRelay = Callable[..., AbstractAsyncContextManager[Any]]
 PARTITION = "pg"
 TS = 1_700_000_000_123_456_789
 
@@ -262,3 +265,41 @@ def test_a_narrower_schema_and_an_empty_flush() -> None:
     _equal(rows, cols)
     empty = ArrowDecoder(schema).flush()
     assert empty.num_rows == 0 and empty.schema == schema
+
+
+async def test_a_columnar_consumer_against_a_row_consumer_on_a_real_relay(
+    make_relay: MakeRelay,
+) -> None:
+    """``arrow_batches`` of a columnar consumer equals the row path of a row consumer."""
+    async with make_relay(max_windows=120, tables=2) as relay:
+        common: dict[str, Any] = {
+            "relays": (relay.url,),
+            "partition": "syn",
+            "wait_s": 0.3,
+            "auto_commit": False,
+        }
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        windows: list[Window] = []
+        async with Consumer(ConsumerConfig(**common)) as rows:
+            async for w in rows:
+                windows.append(w)
+                if w.scn == last:
+                    break
+        tables = {e.table: e.schema for w in windows for e in w.events if e.schema is not None}
+        assert len(tables) == 2
+        schema = union_schema(tables.values())
+        builder = BatchBuilder(schema)
+        for w in windows:
+            builder.add_window(w)
+        expected = builder.flush()
+        consumer = Consumer(ConsumerConfig(**common, columnar=True))
+        async with consumer:
+            got: list[pa.RecordBatch] = []
+            async for batch in arrow_batches(consumer, schema, max_rows=100, linger_s=0.2):
+                got.append(batch)
+                await consumer.commit()
+                if batch.column("_commit_scn").to_pylist()[-1] == last:
+                    break
+            assert consumer.committed.partitions["syn"].window_scn == windows[-1].scn
+        assert len(got) > 1
+        _equal(expected, pa.concat_batches(got))

@@ -17,7 +17,8 @@ Avro type of a column             value appended
 ``local-timestamp-micros``/``-millis``  int, microseconds since the epoch
 ``date``                          int, days since 1970-01-01
 ``time-micros`` / ``time-millis``   int, microseconds since midnight
-``uuid``                          the canonical text (``str(UUID(...))``)
+``uuid``                          the canonical text (``str(UUID(...))``;
+                                  lower-case 36-character text taken as is)
 anything else                     what the row reader gives (nested types too)
 ================================  ==========================================
 
@@ -66,7 +67,7 @@ _RAW: Final = {
     "int-date": "{}",
     "long-time-micros": "{}",
     "int-time-millis": "{} * 1000",
-    "string-uuid": "_uuid_text({})",
+    "string-uuid": "{0} if len({0}) == 36 and {0}.islower() else _uuid_text({0})",
 }
 
 
