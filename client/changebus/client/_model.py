@@ -197,7 +197,8 @@ class Window:
 
     Columnar consumers (``ConsumerConfig.columnar``): ``events`` is empty and
     ``raw_events`` holds the data events undecoded (:class:`RawEvents`);
-    snapshot pages of a bootstrap server still come as ``events``.
+    windows of a bootstrap server (snapshot pages, catch-up) still come as
+    ``events``.
 
     Consumer groups: ``unit`` names the work unit (``<partition>.<bucket>``)
     whose events the window holds; a group member delivers each unit's

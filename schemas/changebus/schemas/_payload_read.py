@@ -7,7 +7,8 @@ for the other resolutions, and a second try that keeps dates and timestamps
 outside Python's range as their Avro ints instead of failing.
 
 Thread-safety: decoders hold only immutable state (parsed schemas and
-compiled readers) and may be shared between threads.
+compiled readers; the columnar reader is compiled on first use, which two
+threads may both do, with the same result) and may be shared between threads.
 """
 
 from __future__ import annotations
@@ -237,9 +238,10 @@ class ChangeDecoder:
         error the lists may hold part of the batch.
         """
         if not self._columnar_tried:
-            self._columnar_tried = True
+            # compiled on first use; threads racing here compile it twice, harmlessly
             if isinstance(self._w, dict) and (self._r is None or isinstance(self._r, dict)):
                 self._columnar = compile_column_reader(self._w, self._r)
+            self._columnar_tried = True
         n0 = [len(c) for c in after], [len(c) for c in before]
         if self._columnar is not None:
             data = buf if isinstance(buf, bytes) else bytes(buf)

@@ -152,7 +152,7 @@ class ArrowDecoder:
                     idx.append(n + i)
                 else:
                     idx.append(2 * n + len(extra))
-                    extra.append(self._key_row(decoder, buf, starts, stops, key_starts, i))
+                    extra.append(_key_row(decoder, buf, starts, key_starts, i))
                 change.append("delete")
                 src.append(i)
             else:
@@ -179,19 +179,6 @@ class ArrowDecoder:
         )  # fmt: skip
         self.rows += len(idx)
 
-    def _key_row(
-        self,
-        decoder: ChangeDecoder,
-        buf: bytes,
-        starts: Sequence[int],
-        stops: Sequence[int],
-        key_starts: Sequence[int] | None,
-        i: int,
-    ) -> dict[str, Any] | None:
-        if key_starts is None or key_starts[i] >= starts[i]:
-            return {}
-        return decoder.decode_key(memoryview(buf)[key_starts[i] : starts[i]])
-
     def _batch(
         self,
         decoder: ChangeDecoder,
@@ -209,7 +196,7 @@ class ArrowDecoder:
     ) -> pa.RecordBatch:
         n = len(after[0]) if after else 0
         rows = len(idx)
-        identity = len(idx) <= n and idx == list(range(rows))
+        identity = rows == n and idx == list(range(n))  # every event one row, in order
         take: npt.NDArray[np.int64] | None = None if identity else np.asarray(idx, np.int64)
         position = {name: j for j, name in enumerate(decoder.columns)}
         table = decoder.reader.name
@@ -225,7 +212,7 @@ class ArrowDecoder:
                 arrays.append(pa.nulls(rows, f.type))
                 continue
             if identity:
-                arrays.append(column_array(after[j][:rows], f.type, self._convs[name]))
+                arrays.append(column_array(after[j], f.type, self._convs[name]))
                 continue
             values = after[j] + before[j]
             if extra:
@@ -302,6 +289,19 @@ class ArrowDecoder:
         if len(parts) == 1:
             return parts[0]
         return pa.concat_batches(parts)
+
+
+def _key_row(
+    decoder: ChangeDecoder,
+    buf: bytes,
+    starts: Sequence[int],
+    key_starts: Sequence[int] | None,
+    i: int,
+) -> dict[str, Any]:
+    """The key of event ``i`` (its bytes run from ``key_starts[i]`` to its payload)."""
+    if key_starts is None or key_starts[i] >= starts[i]:
+        return {}
+    return decoder.decode_key(memoryview(buf)[key_starts[i] : starts[i]])
 
 
 def _meta(
