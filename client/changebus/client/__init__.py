@@ -88,7 +88,12 @@ from ._info import (
     SourceInfo as SourceInfo,
     SourceSchemas as SourceSchemas,
 )
-from ._model import ChangeEvent as ChangeEvent, ChangeOp as ChangeOp, Window as Window
+from ._model import (
+    ChangeEvent as ChangeEvent,
+    ChangeOp as ChangeOp,
+    RawEvents as RawEvents,
+    Window as Window,
+)
 from ._persist import (
     CheckpointPersister as CheckpointPersister,
     FileCheckpointPersister as FileCheckpointPersister,
@@ -127,6 +132,7 @@ __all__ = [
     "PartitionStatus",
     "PostgresReplica",
     "PostgresUnitStore",
+    "RawEvents",
     "RawWindow",
     "RebalanceListener",
     "RelayInfo",

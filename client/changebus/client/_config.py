@@ -80,7 +80,10 @@ class ConsumerConfig:
     past a window when the next one is asked for (otherwise call
     :meth:`~changebus.client.Consumer.commit`). Schemas: ``reader_schemas`` maps a source name to the
     schema the application reads its rows as; ``resolve_latest`` reads every
-    other source as its newest known version.
+    other source as its newest known version. ``columnar`` leaves the data
+    events of relay windows undecoded (``Window.raw_events``, for a columnar
+    decoder such as :func:`changebus.client.spark.arrow_batches`; ``events``
+    is then empty).
 
     Bootstrap: ``bootstrap_servers`` -- base URLs of bootstrap servers (tried
     in order, failover with the same backoff). When every relay answers that
@@ -144,6 +147,7 @@ class ConsumerConfig:
     auto_commit: bool = True
     reader_schemas: Mapping[str, TableSchema] = field(default_factory=dict, hash=False)
     resolve_latest: bool = False
+    columnar: bool = False
     callback_time_budget_s: float = 300.0
     max_rollbacks: int = 10
     rollback_backoff_s: float = 0.05

@@ -47,7 +47,7 @@ from changebus.schemas import (
 )
 
 from ._assembler import RawWindow
-from ._model import _FROM_OP, ChangeEvent, Window, _EventTwin
+from ._model import _FROM_OP, ChangeEvent, RawEvents, Window, _EventTwin
 
 __all__ = ["SchemaCache", "SchemaSource", "decode_window"]
 
@@ -158,9 +158,18 @@ class SchemaCache:
 
 
 async def decode_window(
-    raw: RawWindow, partition: str, cache: SchemaCache, source: SchemaSource
+    raw: RawWindow,
+    partition: str,
+    cache: SchemaCache,
+    source: SchemaSource,
+    *,
+    columnar: bool = False,
 ) -> Window:
     """Decode a validated raw window (see the module docstring).
+
+    With ``columnar`` the data events are not decoded: the window carries
+    them as :class:`~._model.RawEvents`, with the decoder of each writer
+    schema they name (fetched like the row path fetches them).
 
     The header columns are taken out of numpy once as Python lists: a window
     holds a handful of events, and per-window numpy calls (each ~1 us) would
@@ -195,7 +204,10 @@ async def decode_window(
         elif isinstance(control, CheckpointMarker):
             pass  # bootstrap progress markers mean nothing online
     events: list[ChangeEvent] = []
-    if data_idx:
+    raw_events: RawEvents | None = None
+    if data_idx and columnar:
+        raw_events = await _raw_events(raw, data_idx, cache, source)
+    elif data_idx:
         events = await _decode_data(raw, data_idx, ops, offs, totals, cache, source)
     return Window(
         scn=raw.scn,
@@ -207,7 +219,24 @@ async def decode_window(
         messages=tuple(messages),
         data_loss=data_loss,
         nbytes=raw.nbytes,
+        raw_events=raw_events,
     )
+
+
+async def _raw_events(
+    raw: RawWindow, idx: list[int], cache: SchemaCache, source: SchemaSource
+) -> RawEvents:
+    """The data events ``idx`` of ``raw`` undecoded, with their writers' decoders."""
+    headers = raw.headers[idx] if len(idx) != len(raw.offsets) else raw.headers
+    offsets = raw.offsets[idx] if len(idx) != len(raw.offsets) else raw.offsets
+    decoders: dict[tuple[int, int], ChangeDecoder] = {}
+    for sid, version in zip(
+        headers["source_id"].tolist(), headers["schema_version"].tolist(), strict=True
+    ):
+        if (sid, version) not in decoders:
+            writer = await cache.writer(sid, version, source)
+            decoders[(sid, version)] = cache.decoder(sid, writer)
+    return RawEvents(raw.body, offsets, headers, decoders)
 
 
 def _key_bytes(dec: ChangeDecoder, mv: memoryview, off: int, klen: int) -> dict[str, Any]:

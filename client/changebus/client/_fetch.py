@@ -199,5 +199,7 @@ class RelayFetcher:
             source = self._schemas = RelaySchemas(
                 self._session, url, self.stream.partition, self.stream.config.timeout
             )
-        window = await decode_window(raw, self.stream.partition or "", self._cache, source)
+        window = await decode_window(
+            raw, self.stream.partition or "", self._cache, source, columnar=self.config.columnar
+        )
         await self._queue.put(window, raw)

@@ -18,10 +18,15 @@ mutations to be seen by anyone else.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from changebus.schemas import (
+    ChangeDecoder,
     DataLoss,
     LogicalMessage,
     Op,
@@ -30,7 +35,7 @@ from changebus.schemas import (
     TableSchema,
 )
 
-__all__ = ["ChangeEvent", "ChangeOp", "Window"]
+__all__ = ["ChangeEvent", "ChangeOp", "RawEvents", "Window"]
 
 
 class ChangeOp(enum.Enum):
@@ -147,6 +152,30 @@ def _new_event(
 
 
 @dataclass(frozen=True, slots=True)
+class RawEvents:
+    """The data events of a window left undecoded, for a columnar decoder.
+
+    A consumer configured with ``columnar=True`` delivers windows whose data
+    events are not :class:`ChangeEvent` objects but these bytes:
+    ``offsets`` (into ``body``) and ``headers``
+    (:data:`~changebus.schemas.HEADER_DTYPE` records) of the data events
+    only, in ``seq`` order, and ``decoders`` the decoder of each writer
+    schema they name, by ``(source_id, schema_version)`` (resolving to the
+    consumer's reader schemas like its row decoding does).
+    :class:`changebus.client.spark.ArrowDecoder` turns them into Arrow
+    record batches. Immutable; the arrays must not be written to.
+    """
+
+    body: bytes
+    offsets: npt.NDArray[np.int64]
+    headers: npt.NDArray[Any]
+    decoders: Mapping[tuple[int, int], ChangeDecoder]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
 class Window:
     """One source transaction as delivered (see the module docstring).
 
@@ -166,6 +195,11 @@ class Window:
     entry that holds after them (bootstrap progress); see
     :meth:`position_after`.
 
+    Columnar consumers (``ConsumerConfig.columnar``): ``events`` is empty and
+    ``raw_events`` holds the data events undecoded (:class:`RawEvents`);
+    windows of a bootstrap server (snapshot pages, catch-up) still come as
+    ``events``.
+
     Consumer groups: ``unit`` names the work unit (``<partition>.<bucket>``)
     whose events the window holds; a group member delivers each unit's
     windows in SCN order and makes no order promise across units. Empty
@@ -184,6 +218,7 @@ class Window:
     phase: str = "online"
     checkpoint: PartitionCheckpoint | None = field(default=None, compare=False)
     unit: str = ""
+    raw_events: RawEvents | None = field(default=None, compare=False, repr=False)
 
     @property
     def bootstrapping(self) -> bool:
@@ -199,7 +234,9 @@ class Window:
     @property
     def is_empty(self) -> bool:
         """No data events and no control signal (an empty or fully filtered transaction)."""
-        return not (self.events or self.schema_changes or self.messages or self.data_loss)
+        return not (
+            self.events or self.raw_events or self.schema_changes or self.messages or self.data_loss
+        )
 
     def tables(self) -> list[str]:
         """The tables with events in this window, in order of first appearance."""

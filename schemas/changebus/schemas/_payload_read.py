@@ -7,7 +7,8 @@ for the other resolutions, and a second try that keeps dates and timestamps
 outside Python's range as their Avro ints instead of failing.
 
 Thread-safety: decoders hold only immutable state (parsed schemas and
-compiled readers) and may be shared between threads.
+compiled readers; the columnar reader is compiled on first use, which two
+threads may both do, with the same result) and may be shared between threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Final, NamedTuple, cast
 
 import fastavro
 
+from ._avrocols import ColumnReader, compile_column_reader
 from ._avroread import ChangeReader, compile_change_reader
 from ._table import TableSchema
 from .errors import CorruptEventError
@@ -207,6 +209,69 @@ class ChangeDecoder:
         )
         self._plain_row: _PlainReader | None = None
         self._plain_key: _PlainReader | None = None
+        self._columnar: ColumnReader | None = None
+        self._columnar_tried = False
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The column names of decoded rows, in order (the columns of :meth:`decode_columns`)."""
+        return tuple(c.name for c in self.reader.columns)
+
+    def decode_columns(
+        self,
+        buf: bytes | bytearray | memoryview,
+        starts: Sequence[int],
+        stops: Sequence[int],
+        after: list[list[Any]],
+        before: list[list[Any]],
+    ) -> tuple[list[int], list[tuple[int, tuple[str, ...], tuple[str, ...]]]]:
+        """Decode change records column by column: the bulk form of :meth:`decode_many`.
+
+        ``after`` and ``before`` hold one list per column of :attr:`columns`;
+        each record appends one value to every list of both (None where the
+        image or the value is absent). Returns ``(present, not_sent)`` as
+        described in :mod:`._avrocols`, whose generated reader is used when
+        it handles the schemas: top-level timestamps, dates and times then
+        come as Arrow's storage ints, UUIDs as text. Otherwise (and for
+        values Python cannot hold) the rows of :meth:`decode_many` are split
+        into the lists, values as :meth:`decode_many` gives them. On an
+        error the lists may hold part of the batch.
+        """
+        if not self._columnar_tried:
+            # compiled on first use; threads racing here compile it twice, harmlessly
+            if isinstance(self._w, dict) and (self._r is None or isinstance(self._r, dict)):
+                self._columnar = compile_column_reader(self._w, self._r)
+            self._columnar_tried = True
+        n0 = [len(c) for c in after], [len(c) for c in before]
+        if self._columnar is not None:
+            data = buf if isinstance(buf, bytes) else bytes(buf)
+            try:
+                return self._columnar(data, starts, stops, after, before)
+            except CorruptEventError:
+                raise
+            except (ValueError, OverflowError):
+                # maybe a value Python cannot hold: the row path decides
+                for cols, lens in zip((after, before), n0, strict=True):
+                    for c, n in zip(cols, lens, strict=True):
+                        del c[n:]
+            except Exception as exc:
+                raise self._undecodable(exc) from exc
+        names = self.columns
+        present: list[int] = []
+        not_sent: list[tuple[int, tuple[str, ...], tuple[str, ...]]] = []
+        for i, (a, b, a_ns, b_ns) in enumerate(self.decode_many(buf, starts, stops)):
+            for cols, image in ((after, a), (before, b)):
+                if image is None:
+                    for c in cols:
+                        c.append(None)
+                else:
+                    get = image.get
+                    for c, name in zip(cols, names, strict=True):
+                        c.append(get(name))
+            present.append((a is not None) | (b is not None) << 1)
+            if a_ns or b_ns:
+                not_sent.append((i, a_ns, b_ns))
+        return present, not_sent
 
     def decode(self, payload: bytes | memoryview) -> DecodedChange:
         """Decode one change record (see :meth:`decode_many` for batches)."""

@@ -17,6 +17,11 @@ are SCNs per physical partition, so Spark's checkpoint replays a batch with
 identical rows. ``spark.read.format("changebus")`` reads an SCN range as a
 batch. Options, semantics and an example job: docs/spark.md.
 
+The same layout without Spark (data frames from a consumer):
+:func:`arrow_batches` turns a :class:`~changebus.client.Consumer`'s windows
+into :class:`pyarrow.RecordBatch` objects, decoded column-wise
+(:class:`ArrowDecoder`; ``ConsumerConfig(columnar=True)``).
+
 This module imports pyspark and pyarrow; :mod:`changebus.client` itself
 never does.
 """
@@ -33,6 +38,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "changebus.client.spark needs pyspark >= 4.2 and pyarrow: pip install 'changebus[spark]'"
     ) from exc
 
+from ._arrow import union_schema as union_schema
+from ._columns import ArrowDecoder as ArrowDecoder, arrow_batches as arrow_batches
 from ._mirror import ParquetMirror as ParquetMirror
 from ._options import OPTION_NAMES as OPTION_NAMES, SourceOptions as SourceOptions
 from ._source import (
@@ -45,14 +52,17 @@ from ._source import (
 
 __all__ = [
     "OPTION_NAMES",
+    "ArrowDecoder",
     "ChangebusBatchReader",
     "ChangebusDataSource",
     "ChangebusStreamReader",
     "ParquetMirror",
     "ScnRangePartition",
     "SourceOptions",
+    "arrow_batches",
     "register",
     "source_schema",
+    "union_schema",
 ]
 
 

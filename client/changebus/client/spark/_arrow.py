@@ -43,9 +43,12 @@ from .._model import ChangeEvent, ChangeOp, Window
 
 __all__ = [
     "META_COLUMNS",
+    "META_NAMES",
     "NOT_SENT_COLUMN",
     "BatchBuilder",
+    "arrow_converter",
     "arrow_type",
+    "column_array",
     "union_schema",
 ]
 
@@ -60,7 +63,7 @@ META_COLUMNS: tuple[pa.Field, ...] = (
     pa.field("_source", pa.string(), nullable=False),
     pa.field("_partition", pa.string(), nullable=False),
 )
-_META_NAMES = frozenset(f.name for f in META_COLUMNS)
+META_NAMES = frozenset(f.name for f in META_COLUMNS)
 #: the opt-in column naming the values the source did not send (after the metadata)
 NOT_SENT_COLUMN: pa.Field = pa.field("_not_sent", pa.list_(pa.string()), nullable=False)
 
@@ -74,7 +77,7 @@ _PRIMITIVE: dict[str, pa.DataType] = {
     "bytes": pa.binary(),
 }
 
-#: values of these Arrow types need converting before pa.array (see _converter)
+#: values of these Arrow types need converting before pa.array (see arrow_converter)
 _MICROS = pa.int64()
 
 
@@ -151,7 +154,7 @@ def table_fields(schema: TableSchema) -> list[pa.Field]:
     named: dict[str, pa.DataType] = {}
     out = []
     for col in schema.columns:
-        if col.name in _META_NAMES:
+        if col.name in META_NAMES:
             raise ConfigError(
                 f"table {schema.name!r} has a column {col.name!r}, a name the Spark source"
                 " uses for its metadata columns"
@@ -200,19 +203,19 @@ def _to_text(v: Any) -> Any:
     return json.dumps(v, default=str, separators=(",", ":"))
 
 
-def _converter(t: pa.DataType) -> Callable[[Any], Any] | None:
+def arrow_converter(t: pa.DataType) -> Callable[[Any], Any] | None:
     """A per-value conversion making decoded Avro values acceptable to ``pa.array``."""
     if t == _MICROS:
         return _time_micros
     if t == pa.string():
         return _to_text
     if pa.types.is_list(t):
-        inner = _converter(t.value_type)
+        inner = arrow_converter(t.value_type)
         if inner is None:
             return None
         return lambda v: None if v is None else [None if x is None else inner(x) for x in v]
     if pa.types.is_struct(t):
-        convs = {t.field(i).name: _converter(t.field(i).type) for i in range(t.num_fields)}
+        convs = {t.field(i).name: arrow_converter(t.field(i).type) for i in range(t.num_fields)}
         if all(c is None for c in convs.values()):
             return None
 
@@ -226,6 +229,18 @@ def _converter(t: pa.DataType) -> Callable[[Any], Any] | None:
 
         return struct
     return None
+
+
+def column_array(values: list[Any], t: pa.DataType, conv: Callable[[Any], Any] | None) -> pa.Array:
+    """``values`` as an Arrow array of type ``t``, through ``conv`` (:func:`arrow_converter`)
+    only when Arrow does not take them as they are (UUIDs, times, unions): the
+    conversion costs only the batches that hold such values."""
+    try:
+        return pa.array(values, type=t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        if conv is None:
+            raise
+        return pa.array([None if v is None else conv(v) for v in values], type=t)
 
 
 _CHANGE_TYPES = {
@@ -251,12 +266,12 @@ class BatchBuilder:
     ) -> None:
         self.schema = schema
         self.include_preimage = include_preimage
-        meta = _META_NAMES | {NOT_SENT_COLUMN.name} if include_not_sent else _META_NAMES
+        meta = META_NAMES | {NOT_SENT_COLUMN.name} if include_not_sent else META_NAMES
         self._data = [f.name for f in schema if f.name not in meta]
         self._cols: dict[str, list[Any]] = {f.name: [] for f in schema}
         #: the _not_sent column's values when it is read, else None
         self._not_sent = self._cols.get(NOT_SENT_COLUMN.name) if include_not_sent else None
-        self._convs = {f.name: _converter(f.type) for f in schema if f.name not in meta}
+        self._convs = {f.name: arrow_converter(f.type) for f in schema if f.name not in meta}
         self.rows = 0
 
     def add_window(self, window: Window) -> None:
@@ -325,17 +340,7 @@ class BatchBuilder:
         """The rows gathered so far as one batch (and start a new one)."""
         arrays = []
         for f in self.schema:
-            values = self._cols[f.name]
-            try:
-                arr = pa.array(values, type=f.type)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-                # values that Arrow does not take as they are (UUIDs, times, unions):
-                # converted only for the batches that hold some
-                conv = self._convs.get(f.name)
-                if conv is None:
-                    raise
-                arr = pa.array([None if v is None else conv(v) for v in values], type=f.type)
-            arrays.append(arr)
+            arrays.append(column_array(self._cols[f.name], f.type, self._convs.get(f.name)))
             self._cols[f.name] = []
         if self._not_sent is not None:
             self._not_sent = self._cols[NOT_SENT_COLUMN.name]

@@ -5,7 +5,9 @@ creates its client lazily (a :class:`~changebus.client.Consumer` started at
 ``since``, on a private event loop driven from this generator, no extra
 thread), reads the windows ``(since, until]`` of one physical partition
 restricted to one key-hash slice, and yields :class:`pyarrow.RecordBatch`
-objects of the declared schema. It stops at the first window past ``until``
+objects of the declared schema, decoded column-wise (the consumer is
+columnar; see :mod:`._columns`; with ``includeNotSent`` row-wise, through
+:class:`~._arrow.BatchBuilder`, which builds the ``_not_sent`` column). It stops at the first window past ``until``
 and never reads further, so a replayed batch (same offsets after a crash or
 a restart from the checkpoint) gives the same rows: the relay's windows are
 immutable, and a range the relay no longer keeps fails loudly
@@ -42,6 +44,7 @@ from .._consumer import Consumer
 from .._errors import DataLossDetectedError, FellOffRelayError
 from .._model import Window
 from ._arrow import BatchBuilder
+from ._columns import ArrowDecoder
 from ._options import SourceOptions
 
 __all__ = ["RangeSpec", "read_range"]
@@ -109,6 +112,7 @@ def _config(
         yield_empty_windows=True,
         auto_commit=False,
         reader_schemas=dict(tables),
+        columnar=not opts.include_not_sent,
         bootstrap_servers=opts.bootstrap,
         zookeeper=opts.zookeeper,
         cluster=opts.cluster,
@@ -131,9 +135,14 @@ async def _read(
     schema: pa.Schema,
     tables: Mapping[str, TableSchema],
 ) -> AsyncGenerator[pa.RecordBatch, None]:
-    builder = BatchBuilder(
-        schema, include_preimage=opts.include_preimage, include_not_sent=opts.include_not_sent
-    )
+    builder: ArrowDecoder | BatchBuilder
+    if opts.include_not_sent:
+        # the _not_sent column is built by the row path only (its consumer decodes rows)
+        builder = BatchBuilder(
+            schema, include_preimage=opts.include_preimage, include_not_sent=True
+        )
+    else:
+        builder = ArrowDecoder(schema, include_preimage=opts.include_preimage)
     position = spec.since
     # a relay that stops answering usefully fails the task after this long
     idle_s = max(4 * opts.request_timeout_s, 60.0)
