@@ -15,6 +15,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,17 @@ def master_scn(server: EmbeddedMariaDB) -> int:
     finally:
         conn.close()
     return binlog_to_scn(binlog_file_number(file), int(pos))
+
+
+def mysql_execute(server: EmbeddedMariaDB, db: str, *statements: str | tuple[str, Any]) -> None:
+    """Run ``statements`` (SQL, or (SQL, parameters)) in ``db`` on one autocommit connection."""
+    conn = server.connect(db)
+    try:
+        with conn.cursor() as cur:
+            for s in statements:
+                if isinstance(s, tuple):
+                    cur.execute(s[0], s[1])
+                else:
+                    cur.execute(s)
+    finally:
+        conn.close()

@@ -30,6 +30,7 @@ from changebus.bootstrap import (
 )
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from fix_mysql import mysql_execute
 from waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
@@ -44,26 +45,16 @@ def _relay(data: Path, name: str, fetcher: FetcherConfig, capacity: int = 1 << 2
     )
 
 
-def _my_execute(server: EmbeddedMariaDB, db: str, *statements: str) -> None:
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            for s in statements:
-                cur.execute(s)
-    finally:
-        conn.close()
-
-
 @pytest.mark.mysql
 async def test_a_mysql_seed_skips_a_chaining_relay_listed_first(
     tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
 ) -> None:
     server, db = mysql_server, mysql_db
-    _my_execute(server, db, "CREATE TABLE acct (id int PRIMARY KEY, bal bigint)")
+    mysql_execute(server, db, "CREATE TABLE acct (id int PRIMARY KEY, bal bigint)")
     source = FetcherConfig("mysql", server.options(databases=[db]))
     async with Relay(_relay(tmp_path / "leader", "my", source)) as leader:
         await wait_until(lambda: leader.hosts["my"].state == "streaming", 30, "the mysql relay")
-        _my_execute(server, db, *(f"INSERT INTO acct VALUES ({i}, {i * 10})" for i in range(20)))
+        mysql_execute(server, db, *(f"INSERT INTO acct VALUES ({i}, {i * 10})" for i in range(20)))
         chain = FetcherConfig(
             "relay",
             {"upstream": [leader.url], "wait_s": 1.0, "backoff_initial_s": 0.02},

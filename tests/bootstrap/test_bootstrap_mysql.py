@@ -46,7 +46,7 @@ from changebus.schemas import (
     parse_stream,
     verify_event,
 )
-from fix_mysql import master_scn
+from fix_mysql import master_scn, mysql_execute
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
@@ -72,19 +72,9 @@ def relay_config(tmp: Path, server: EmbeddedMariaDB, db: str, capacity: int) -> 
     )
 
 
-def execute(server: EmbeddedMariaDB, db: str, *statements: str) -> None:
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            for s in statements:
-                cur.execute(s)
-    finally:
-        conn.close()
-
-
 def create_tables(server: EmbeddedMariaDB, db: str) -> None:
     for t in TABLES:
-        execute(
+        mysql_execute(
             server,
             db,
             f"CREATE TABLE {t} (id int PRIMARY KEY, bal bigint, name varchar(40), "
@@ -180,7 +170,7 @@ def assert_same(got: dict[str, dict[int, Row]], want: dict[str, dict[int, Row]])
 
 def marker(server: EmbeddedMariaDB, db: str) -> int:
     """An SCN at or after every change committed so far (a captured marker change)."""
-    execute(
+    mysql_execute(
         server,
         db,
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
@@ -223,7 +213,7 @@ async def replicate_until(replica: PhaseReplica, cfg: ConsumerConfig, scn: int) 
 
 def seed_user(server: EmbeddedMariaDB) -> str:
     """A user with a password for the seed (the password must never be logged)."""
-    execute(
+    mysql_execute(
         server,
         "mysql",
         f"CREATE USER IF NOT EXISTS 'seeder'@'127.0.0.1' IDENTIFIED BY '{PASSWORD}'",
@@ -250,7 +240,7 @@ async def test_late_consumer_gets_a_mysql_seed_then_catchup_then_live(
     async with Relay(relay_config(tmp_path, server, db, TINY)) as relay:
         await wait_until(lambda: relay.hosts["my"].state == "streaming")
         for t in TABLES:  # the relay learns the tables' schemas
-            execute(server, db, f"INSERT INTO {t} (id, bal) VALUES (100000, 1)")
+            mysql_execute(server, db, f"INSERT INTO {t} (id, bal) VALUES (100000, 1)")
         bcfg = BootstrapConfig(
             relays=(relay.url,),
             data_dir=tmp_path / "boot",
@@ -352,14 +342,14 @@ async def test_a_seeded_row_is_encoded_as_the_fetcher_encodes_it(
 ) -> None:
     server, db = mysql_server, mysql_db
     cols = ", ".join(f"`{n}` {t}" for n, (t, _) in TYPES.items())
-    execute(
+    mysql_execute(
         server, db, "SET SESSION sql_mode = ''", f"CREATE TABLE ty (id int PRIMARY KEY, {cols})"
     )
     async with Relay(relay_config(tmp_path, server, db, 16 << 20)) as relay:
         await wait_until(lambda: relay.hosts["my"].state == "streaming")
         names = ", ".join(f"`{n}`" for n in TYPES)
         values = ", ".join(v for _, v in TYPES.values())
-        execute(
+        mysql_execute(
             server,
             db,
             "SET SESSION sql_mode = ''",

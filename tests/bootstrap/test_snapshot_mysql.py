@@ -55,7 +55,7 @@ from changebus.schemas import (
     event_at,
     verify_event,
 )
-from fix_mysql import master_scn
+from fix_mysql import master_scn, mysql_execute
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
@@ -65,19 +65,9 @@ PASSWORD = "snap-Seed-pw-42"
 ROWS = 8_000  # 40 chunks of 200: enough interleaving with the writers, ~25 s
 
 
-def execute(server: EmbeddedMariaDB, db: str, *statements: str) -> None:
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            for s in statements:
-                cur.execute(s)
-    finally:
-        conn.close()
-
-
 def seed_dsn(server: EmbeddedMariaDB) -> str:
     """A user of the seed alone (its transactions are found by user in innodb_trx)."""
-    execute(
+    mysql_execute(
         server,
         "mysql",
         f"CREATE USER IF NOT EXISTS '{SEED_USER}'@'127.0.0.1' IDENTIFIED BY '{PASSWORD}'",
@@ -122,7 +112,7 @@ def boot_config(
 
 def marker(server: EmbeddedMariaDB, db: str) -> int:
     """An SCN at or after every change committed so far (a captured marker change)."""
-    execute(
+    mysql_execute(
         server,
         db,
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
@@ -342,7 +332,7 @@ def probe_transaction(server: EmbeddedMariaDB, seconds: float) -> None:
 
 
 def fill_big(server: EmbeddedMariaDB, db: str) -> None:
-    execute(
+    mysql_execute(
         server,
         db,
         "CREATE TABLE big (id int PRIMARY KEY, grp int NOT NULL, val bigint NOT NULL, "
@@ -382,7 +372,7 @@ async def test_a_chunked_seed_under_writers_is_exact_with_short_transactions(
     await asyncio.to_thread(fill_big, server, db)
     async with Relay(relay_config(tmp_path, server, db)) as relay:
         await wait_until(lambda: relay.hosts["my"].state == "streaming")
-        execute(
+        mysql_execute(
             server,
             db,
             "UPDATE big SET val = val WHERE id = 1",
@@ -561,11 +551,11 @@ async def test_composite_varchar_and_binary_keys_and_a_table_without_a_key(
 ) -> None:
     server, db = mysql_server, mysql_db
     await asyncio.to_thread(fill_keyed, server, db, 1200)
-    execute(server, db, "CREATE TABLE nokey (a int, b varchar(10))")
+    mysql_execute(server, db, "CREATE TABLE nokey (a int, b varchar(10))")
     async with Relay(relay_config(tmp_path, server, db)) as relay:
         host = relay.hosts["my"]
         await wait_until(lambda: host.state == "streaming")
-        execute(
+        mysql_execute(
             server,
             db,
             "UPDATE comp SET v = 1 WHERE a = 0 AND b = 'b0-é'",
@@ -675,7 +665,7 @@ async def test_composite_varchar_and_binary_keys_and_a_table_without_a_key(
 
 def hidden(server: EmbeddedMariaDB, db: str, *statements: str) -> None:
     """Changes the relay never sees (``sql_log_bin = 0``): the store misses them."""
-    execute(server, db, "SET SESSION sql_log_bin = 0", *statements)
+    mysql_execute(server, db, "SET SESSION sql_log_bin = 0", *statements)
 
 
 async def run_scoped(boot: BootstrapServer, scope: SnapshotScope) -> SeedProgress:
@@ -692,8 +682,10 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
 ) -> None:
     server, db = mysql_server, mysql_db
     table = f"{db}.kv"
-    execute(server, db, "CREATE TABLE kv (id int PRIMARY KEY, v varchar(20) NOT NULL, grp int)")
-    execute(
+    mysql_execute(
+        server, db, "CREATE TABLE kv (id int PRIMARY KEY, v varchar(20) NOT NULL, grp int)"
+    )
+    mysql_execute(
         server,
         db,
         "INSERT INTO kv SELECT seq, CONCAT('v', seq), seq % 10 FROM seq_1_to_300",
@@ -702,7 +694,7 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
     async with Relay(relay_config(tmp_path, server, db)) as relay:
         host = relay.hosts["my"]
         await wait_until(lambda: host.state == "streaming")
-        execute(server, db, "UPDATE kv SET v = 'first' WHERE id = 1")
+        mysql_execute(server, db, "UPDATE kv SET v = 'first' WHERE id = 1")
         await wait_until(lambda: table in {n for _s, n in host.registry.sources()}, 30)
         async with BootstrapServer(boot_config(tmp_path, relay, server, 40)) as boot:
             w = boot.service.workers["my"]

@@ -29,6 +29,7 @@ from changebus.bootstrap import (
 )
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from fix_mysql import mysql_execute
 from waiting import wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.mysql]
@@ -116,16 +117,6 @@ def probed_paths() -> dict[str, set[str]]:
     return paths
 
 
-def sql(server: EmbeddedMariaDB, db: str, *statements: str) -> None:
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            for s in statements:
-                cur.execute(s)
-    finally:
-        conn.close()
-
-
 async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
     async with session.get(url) as resp:
         return resp.status, (await resp.read()).decode(errors="replace")
@@ -136,7 +127,9 @@ async def test_metrics_and_paths_named_in_deploy_exist(
 ) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, note text)")
-    sql(mysql_server, mysql_db, "CREATE TABLE items (id INT PRIMARY KEY, title VARCHAR(40))")
+    mysql_execute(
+        mysql_server, mysql_db, "CREATE TABLE items (id INT PRIMARY KEY, title VARCHAR(40))"
+    )
     cfg = RelayConfig(
         data_dir=tmp_path / "relay",
         http=HttpConfig(port=0),
@@ -165,7 +158,7 @@ async def test_metrics_and_paths_named_in_deploy_exist(
         )
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO orders VALUES (1, 'a'), (2, 'b')")
-        sql(mysql_server, mysql_db, "INSERT INTO items VALUES (1, 'x')", "COMMIT")
+        mysql_execute(mysql_server, mysql_db, "INSERT INTO items VALUES (1, 'x')", "COMMIT")
         await wait_until(
             lambda: all(h.status()["windows"] > 0 for h in relay.hosts.values()), 30, "windows"
         )

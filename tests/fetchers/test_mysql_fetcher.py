@@ -25,7 +25,7 @@ from changebus.schemas import (
     parse_stream,
     verify_event,
 )
-from fix_mysql import master_scn
+from fix_mysql import master_scn, mysql_execute as execute
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
@@ -45,19 +45,6 @@ def relay_config(tmp: Path, server: EmbeddedMariaDB, db: str, **options: Any) ->
         ),
         flush_interval_s=0,
     )
-
-
-def execute(server: EmbeddedMariaDB, db: str, *statements: str | tuple[str, Any]) -> None:
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            for s in statements:
-                if isinstance(s, tuple):
-                    cur.execute(s[0], s[1])
-                else:
-                    cur.execute(s)
-    finally:
-        conn.close()
 
 
 async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:
