@@ -17,7 +17,6 @@ import math
 import os
 import random
 import signal
-import socket
 import sqlite3
 import ssl
 import subprocess
@@ -33,6 +32,7 @@ import aiohttp
 import psycopg
 import pytest
 
+from _common import free_port
 from changebus.bootstrap import (
     BootstrapConfig,
     BootstrapServer,
@@ -577,12 +577,6 @@ async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
 
 BIG = 30_250  # 61 chunks of 500 (the last one short: the reader knows it is the end)
 BIG_CHUNK = 500
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
