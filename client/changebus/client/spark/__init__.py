@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ._arrow import union_schema as union_schema
 from ._columns import ArrowDecoder as ArrowDecoder, arrow_batches as arrow_batches
+from ._evolution import schema_change_of as schema_change_of
 from ._mirror import ParquetMirror as ParquetMirror
 from ._options import OPTION_NAMES as OPTION_NAMES, SourceOptions as SourceOptions
 from ._source import (
@@ -61,6 +62,7 @@ __all__ = [
     "SourceOptions",
     "arrow_batches",
     "register",
+    "schema_change_of",
     "source_schema",
     "union_schema",
 ]

@@ -67,6 +67,7 @@ from changebus.schemas import ConfigError, TableSchema
 
 from .._errors import FellOffRelayError
 from ._arrow import NOT_SENT_COLUMN, union_schema
+from ._evolution import SchemaGuard, check_options, query_tables
 from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
 from ._relay import (
@@ -77,7 +78,6 @@ from ._relay import (
     position_at_time,
     resolve_cluster,
     run_sync,
-    table_schemas,
 )
 
 __all__ = [
@@ -106,7 +106,7 @@ class ScnRangePartition(InputPartition):
 def _tables(opts: SourceOptions) -> tuple[dict[str, TableSchema], list[str]]:
     bounds = run_sync(partition_bounds(opts))
     names = list(bounds)
-    return run_sync(table_schemas(opts, names)), names
+    return query_tables(opts, names), names
 
 
 def _schema(opts: SourceOptions, tables: dict[str, TableSchema]) -> pa.Schema:
@@ -267,6 +267,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         self._last_trigger = -math.inf
         #: the bounds latestOffset used, for partitions() of the same batch (its start)
         self._planned: tuple[tuple[tuple[str, int], ...], dict[str, PartitionBounds]] | None = None
+        #: stops the query at a newer table schema version (module _evolution)
+        self._guard = SchemaGuard(opts, self.tables)
 
     def _bounds(self) -> dict[str, PartitionBounds]:
         return run_sync(partition_bounds(self.opts))
@@ -367,7 +369,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 end[name] = await self._limited_end(name, int(start[name]), head, rows, size)
         else:
             end.update(heads)
-        return end
+        return await self._guard.check(start, end, boot)
 
     async def _delay(self, start: dict[str, Any], heads: dict[str, int], min_rows: int) -> bool:
         """Whether to skip this trigger (``minRowsPerTrigger``, Kafka source semantics).
@@ -478,7 +480,9 @@ class ChangebusDataSource(DataSource):
         return run_sync(resolve_cluster(opts)) if opts.zookeeper else opts
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return ChangebusBatchReader(self._options("batch"), schema)
+        opts = self._options("batch")
+        check_options(opts)
+        return ChangebusBatchReader(opts, schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return ChangebusStreamReader(self._options("stream"), schema)
