@@ -297,3 +297,96 @@ def test_options_diff_and_schema_log(tmp_path: Path) -> None:
     )
     assert schema_change_of(RuntimeError("other")) is None
     assert SchemaChangedError("x").retriable and not SchemaChangeRefusedError("x").retriable
+
+
+def _schemas() -> tuple[TableSchema, TableSchema, TableSchema]:
+    key = (Column("id", "long", False),)
+    t1 = TableSchema("s.t", (*key, Column("a", "string"), Column("n", "int")), ("id",), 1)
+    t2 = TableSchema("s.t", (*t1.columns, Column("c", "string")), ("id",), 2)
+    t3 = TableSchema("s.t", (*key, Column("a", "string"), Column("c", "string")), ("id",), 3)
+    return t1, t2, t3
+
+
+async def test_driver_cuts_batches_at_the_change_and_logs_it(
+    scripted_relay: Any, window_type: Any, tmp_path: Path
+) -> None:
+    """The driver side alone against a scripted relay: v1 at 10, 20; v2 at 30, 40; v3 at 50."""
+    import asyncio
+
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._evolution import SchemaGuard
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._relay import run_sync
+    from changebus.client.spark._schemalog import SchemaLog
+    from changebus.schemas import Op
+
+    t1, t2, t3 = _schemas()
+    w = window_type
+    windows = [
+        w(10, rows=[(t1, 1, Op.INSERT, {"id": 1, "a": "x", "n": 1}, None)], announce=[(1, t1)]),
+        w(20, rows=[(t1, 1, Op.INSERT, {"id": 2, "a": "y", "n": 2}, None)]),
+        w(
+            30,
+            rows=[(t2, 1, Op.INSERT, {"id": 3, "a": "z", "n": 3, "c": "c3"}, None)],
+            announce=[(1, t2)],
+        ),
+        w(40, rows=[(t2, 1, Op.UPDATE, {"id": 1, "a": "x", "n": 1, "c": "c1"}, None)]),
+        w(50, rows=[(t3, 1, Op.INSERT, {"id": 4, "a": "w", "c": "c4"}, None)], announce=[(1, t3)]),
+    ]
+    where = tmp_path / "schemas"
+    SchemaLog(where, ("s.t",), ()).append({"s.t": t1})  # the query was defined at v1
+    async with scripted_relay(windows) as relay:
+
+        def reader(**extra: str) -> Any:
+            opts = SourceOptions.parse(
+                {"relays": relay.url, "sources": "s.t", "schemaTrackingLocation": str(where)}
+                | extra
+            )
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            return _source.ChangebusStreamReader(opts, schema)
+
+        def plan() -> None:
+            r = reader()
+            assert "c" not in r.arrow_schema.names
+            assert r.latestOffset({"syn": 9}, ReadAllAvailable()) == {"syn": 20}  # cut before v2
+            with pytest.raises(SchemaChangedError, match=r"s.t v1 -> v2: added \['c'\]") as info:
+                r.latestOffset({"syn": 20}, ReadAllAvailable())
+            assert info.value.retriable and info.value.details["at"] == {"syn": 20}
+
+            r = reader()  # the restart: the new column; rows of v1 read null in it
+            assert "c" in r.arrow_schema.names
+            assert r.latestOffset({"syn": 20}, ReadAllAvailable()) == {"syn": 40}  # cut before v3
+            rows = pa.Table.from_batches(
+                [b for p in r.partitions({"syn": 9}, {"syn": 40}) for b in r.read(p)]
+            ).to_pylist()
+            assert [(x["id"], x["n"], x["c"]) for x in rows] == [
+                (1, 1, None),
+                (2, 2, None),
+                (3, 3, "c3"),
+                (1, 1, "c1"),
+            ]
+            with pytest.raises(SchemaChangeRefusedError, match=r"dropped \['n'\]") as refused:
+                r.latestOffset({"syn": 40}, ReadAllAvailable())
+            assert not refused.value.retriable
+            assert "allowSchemaChanges=drop" in str(refused.value)
+            with pytest.raises(SchemaChangeRefusedError):  # the log remembers the refusal
+                reader().latestOffset({"syn": 40}, ReadAllAvailable())
+            r = reader(allowSchemaChanges="drop")
+            assert "n" not in r.arrow_schema.names
+            assert r.latestOffset({"syn": 40}, ReadAllAvailable()) == {"syn": 50}
+            assert len(list(where.glob("*.json"))) == 3
+
+            # without a log: the same stop, and the message says what a restart takes
+            plain = SourceOptions.parse({"relays": relay.url, "sources": "s.t"})
+            guard = SchemaGuard(plain, {"s.t": t1})
+            with pytest.raises(SchemaChangedError, match="set the option schemaTrackingLocation"):
+                run_sync(guard.check({"syn": 20}, {"syn": 50}, set()))
+            assert run_sync(guard.check({"syn": 10}, {"syn": 50}, set())) == {"syn": 20}
+            guard = SchemaGuard(plain, {"s.t": t3})  # the newest: nothing to do
+            assert run_sync(guard.check({"syn": 9}, {"syn": 50}, set())) == {"syn": 50}
+
+        await asyncio.to_thread(plan)

@@ -35,6 +35,11 @@ and ``maxBytesPerTrigger`` end a batch on a window boundary within both
 the start as the end, so Spark plans no batch) while fewer change events are
 available, until ``maxTriggerDelay`` has passed since the last trigger that
 was not skipped. That clock lives in the driver's reader only.
+
+Schema changes (:mod:`._evolution`): the query reads with the table schemas
+of its schema log (``schemaTrackingLocation``, :mod:`._schemalog`) or the
+relays' newest at start; ``latestOffset`` ends a batch before the first
+transaction holding rows of a newer version and stops the query at it.
 """
 
 from __future__ import annotations
