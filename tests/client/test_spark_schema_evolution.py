@@ -8,10 +8,13 @@ schema kept under its checkpoint) on the session's local Spark:
   the mirror; the documented restart continues with the new column, and the
   mirror equals the table row by row (old rows null in the new column);
 * a ``DROP COLUMN`` is refused (``SchemaChangeRefusedError``) with the rows
-  before it in the same range written, refused again by a restart without the
-  option, and mirrored after a restart with ``allowSchemaChanges=drop``.
+  before it in the same range written, and mirrored by the example job's
+  ``run_mirror`` with ``allowSchemaChanges=drop``, which restarts the query by
+  itself over one more ``ADD COLUMN``.
 
-The option parsing, the column diff and the schema log's checks run without
+The driver side alone (cuts, log entries, a refusal a restart without the
+option meets again, the stop without a log) runs against a scripted relay;
+the option parsing, the column diff and the schema log's checks run without
 Spark.
 """
 
@@ -222,19 +225,30 @@ def test_add_column_restart_and_drop_refused_unless_allowed(
             assert "allowSchemaChanges=drop" in text, text
             assert mirror_rows(spark, mirror, v2) == before_drop
 
-            # a restart without the option is refused again, before it reads anything
-            q = start()
-            exc = failure(q)
-            assert schema_change_of(exc) == "schema_change_refused", str(exc)
-            assert mirror_rows(spark, mirror, v2) == before_drop
-
-            # 4. allowed: the mirror follows the table (the dropped column goes)
-            q = start(allow_schema_changes="drop")
-            wait_for("the copy without column n", mirrored(v3), q, seen)
+            # 4. allowed, through the example job's run_mirror (AvailableNow): the mirror
+            #    follows the table (the dropped column goes), and over one more ADD COLUMN
+            #    on the way, which run_mirror restarts the query for by itself
+            sql(pg_dsn, "ALTER TABLE t ADD COLUMN d int4", "UPDATE t SET d = 8 WHERE id = 8")
+            caught_up(relay, pg_dsn)
+            example.run_mirror(
+                spark,
+                relays=relay.url,
+                source="public.t",
+                key=["id"],
+                mirror=str(mirror_dir),
+                checkpoint=str(ck),
+                available_now=True,
+                allow_schema_changes="drop",
+            )
+            v4 = [*v3, "d"]
+            got = mirror_rows(spark, mirror, v4)
+            assert got == source_rows(pg_dsn, v4)
+            assert got[7][1] == "dropped" and got[11] == (11, "a11", "c11", None)
+            assert got[8][3] == 8 and got[5][2] == "c5"
             current = mirror.read(spark)
             assert current is not None and "n" not in current.columns
-            got = mirror_rows(spark, mirror, v3)
-            assert got is not None and got[7][1] == "dropped" and got[11] == (11, "a11", "c11")
+            # v1, v2, v3 (the refused drop), v4 (the stop run_mirror restarted over)
+            assert len(list(schema_log.glob("*.json"))) == 4
         finally:
             for active in spark.streams.active:
                 active.stop()
