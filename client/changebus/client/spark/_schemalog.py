@@ -98,7 +98,7 @@ class TableChange:
             if cols:
                 parts.append(f"{what} [" + ", ".join(f"{c} {a} -> {b}" for c, a, b in cols) + "]")
         return f"{self.table} v{self.old_version} -> v{self.new_version}: " + (
-            ", ".join(parts) or "no column change"
+            ", ".join(parts) or "the same Spark columns (nullability or Avro types changed)"
         )
 
     def to_json(self) -> dict[str, Any]:
