@@ -37,7 +37,7 @@ import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
@@ -147,7 +147,7 @@ class SchemaGuard:
                 hits.append(hit)
         first = [h for h in hits if h.before <= int(start[h.partition])]
         if first:
-            await self._stop(start, first, newer)
+            self._stop(start, first, newer)
         for h in hits:
             log.info(
                 "changebus partition %s: the batch ends at SCN %d, before the first rows of a"
@@ -235,12 +235,12 @@ class SchemaGuard:
                 "; ".join(c.describe() for c in entry.changes),
             )
 
-    async def _stop(
+    def _stop(
         self,
         start: Mapping[str, Any],
         hits: list[_Hit],
         newer: Mapping[str, Mapping[_Version, TableSchema]],
-    ) -> None:
+    ) -> NoReturn:
         """Log the new schema (with a log) and raise the change's error."""
         versions: dict[str, TableSchema] = {}
         for h in hits:
