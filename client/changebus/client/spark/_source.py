@@ -4,7 +4,8 @@ Where each piece runs (PySpark's Python data source API, 4.2+):
 
 * :class:`ChangebusDataSource` is created in a short-lived Python worker and
   pickled to the JVM; ``schema()`` asks a relay for the tables' newest
-  schemas and maps them to Spark types (:mod:`._arrow`).
+  schemas (with ``schemaTrackingLocation``: reads the query's schema log)
+  and maps them to Spark types (:mod:`._arrow`).
 * :class:`ChangebusStreamReader` lives in the driver's long-lived Python
   runner, which calls ``initialOffset``, ``latestOffset``, ``partitions``,
   ``commit``; a second copy is pickled into the tasks, where ``read()`` runs
