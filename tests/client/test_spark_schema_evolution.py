@@ -91,7 +91,7 @@ def wait_for(
     while not check():
         assert query.exception() is None, f"{what}: the query failed: {query.exception()}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}: last {seen}"
-        time.sleep(0.3)
+        time.sleep(0.5)
 
 
 def failure(query: Any, timeout: float = 90) -> BaseException:
@@ -145,11 +145,17 @@ def test_add_column_restart_and_drop_refused_unless_allowed(
         )
 
     def mirrored(cols: list[str]) -> Callable[[], bool]:
+        compared: list[Any] = [None]  # the mirror's pointer at the last comparison
+
         def check() -> bool:
+            pointer = mirror.current()
+            if pointer == compared[0]:
+                return False  # no new batch: spare Spark a read of the same copy
             try:
                 got = mirror_rows(spark, mirror, cols)
             except Exception:  # noqa: BLE001 - a batch replaced the copy while it was read
                 return False
+            compared[0] = pointer
             want = source_rows(pg_dsn, cols)
             seen[:] = [got, want]
             return got == want
