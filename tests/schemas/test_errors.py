@@ -14,6 +14,8 @@ from changebus.schemas import (
     CorruptEventError,
     NotYetError,
     OverwrittenError,
+    SchemaChangedError,
+    SchemaChangeRefusedError,
     ScnNotFoundError,
     TransportError,
     UnknownSourceError,
@@ -31,6 +33,8 @@ from changebus.schemas import (
         BootstrapFailedError("history too short"),
         UnknownSourceError("no partition 'x'"),
         CorruptEventError("crc mismatch", retriable=True),
+        SchemaChangedError("t v1 -> v2: added ['c']", changes=[{"table": "t"}], at={"p": 7}),
+        SchemaChangeRefusedError("t v2 -> v3: dropped ['n']", needs=["drop"]),
         ChangebusError("boom"),
     ],
 )

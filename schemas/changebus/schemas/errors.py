@@ -28,6 +28,10 @@ Tree::
     +-- SchemaError                  Avro schema problems
     |   +-- UnknownSchemaError       no schema with that id / version
     |   +-- IncompatibleSchemaError  reader cannot read writer's data
+    |   +-- SchemaChangedError       a stream stopped at a table's new schema
+    |       |                        version (retriable: restart to continue)
+    |       +-- SchemaChangeRefusedError  a dropped / retyped column that no
+    |                                option allows (also an IncompatibleSchemaError)
     +-- UnknownSourceError           a source / partition nobody serves
     +-- AuthError                    the request is not allowed (not retriable)
     |   +-- UnauthorizedError        no or unknown credentials (401)
@@ -68,6 +72,8 @@ __all__ = [
     "NotYetError",
     "OverwrittenError",
     "ProtocolError",
+    "SchemaChangeRefusedError",
+    "SchemaChangedError",
     "SchemaError",
     "ScnNotFoundError",
     "SourceConfigError",
@@ -207,6 +213,30 @@ class IncompatibleSchemaError(SchemaError):
     """A reader schema cannot read data written with a writer schema."""
 
     code = "incompatible_schema"
+
+
+class SchemaChangedError(SchemaError):
+    """A stream reached a table's new schema version and stopped before its first row.
+
+    Retriable: the reader keeps the new schema (the Spark source in its schema
+    tracking location), so starting the same query again continues with it.
+    ``details`` name the table, the old and new versions and the columns
+    added, dropped and retyped.
+    """
+
+    retriable = True
+    code = "schema_changed"
+
+
+class SchemaChangeRefusedError(SchemaChangedError, IncompatibleSchemaError):
+    """A schema change that drops or retypes columns, which no option allows.
+
+    Not retriable as it is: the query must allow the change explicitly
+    (the Spark source's ``allowSchemaChanges``) or start afresh.
+    """
+
+    retriable = False
+    code = "schema_change_refused"
 
 
 class UnknownSourceError(ChangebusError):

@@ -15,7 +15,10 @@ One row per change with the table's columns plus ``_change_type``,
 (and ``_not_sent`` with the option ``includeNotSent``); offsets
 are SCNs per physical partition, so Spark's checkpoint replays a batch with
 identical rows. ``spark.read.format("changebus")`` reads an SCN range as a
-batch. Options, semantics and an example job: docs/spark.md.
+batch. A table's new schema version stops a stream before its first row
+(``SchemaChangedError``; :func:`schema_change_of` tells a restartable stop);
+``schemaTrackingLocation`` keeps the query's schema across restarts.
+Options, semantics and an example job: docs/spark.md.
 
 The same layout without Spark (data frames from a consumer):
 :func:`arrow_batches` turns a :class:`~changebus.client.Consumer`'s windows
@@ -40,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ._arrow import union_schema as union_schema
 from ._columns import ArrowDecoder as ArrowDecoder, arrow_batches as arrow_batches
+from ._evolution import schema_change_of as schema_change_of
 from ._mirror import ParquetMirror as ParquetMirror
 from ._options import OPTION_NAMES as OPTION_NAMES, SourceOptions as SourceOptions
 from ._source import (
@@ -61,6 +65,7 @@ __all__ = [
     "SourceOptions",
     "arrow_batches",
     "register",
+    "schema_change_of",
     "source_schema",
     "union_schema",
 ]

@@ -9,7 +9,9 @@ naming the newest complete one. Applying micro-batch ``batch_id``:
 2. otherwise take the last change per key in the batch (ordered by
    ``_commit_scn``, ``_txn_seq``), drop the keys it touches from the current
    copy, add the rows whose last change is not a delete (a truncate in the
-   batch empties the copy first), and write the result to ``v=<batch_id>``;
+   batch empties the copy first), and write the result to ``v=<batch_id>``
+   in the batch's columns (after a schema change: a new column is null in the
+   rows kept, a dropped one goes, a retyped one is cast);
 3. replace the pointer atomically (write + rename), then remove older copies.
 
 A crash between 2 and 3 leaves an unreferenced directory that the replay
@@ -36,6 +38,7 @@ from pyspark.sql import (
     Window,
     functions as F,
 )
+from pyspark.sql.types import StructType
 
 from ._arrow import META_COLUMNS
 
@@ -149,8 +152,28 @@ class ParquetMirror:
         upserts = last.where(F.col("_change_type") != "delete").select(*data_cols)
         if base is not None:
             kept = base.join(last.select(*self.key), on=self.key, how="left_anti")
-            result = kept.unionByName(upserts, allowMissingColumns=True)
+            result = _conform(kept, upserts.schema).unionByName(upserts)
         else:
             result = upserts
         result.write.mode("overwrite").parquet(str(self._dir(batch_id)))
         return batch_id
+
+
+def _conform(df: DataFrame, schema: StructType) -> DataFrame:
+    """``df`` (the copy so far) in the stream's columns: the copy follows schema changes.
+
+    A column the stream added is null in the rows the copy already holds, a
+    column it no longer has (an allowed drop) goes, and a retyped one is cast
+    to the new type (null where a value does not convert).
+    """
+    have = set(df.columns)
+    return df.select(
+        *(
+            (
+                F.col(f.name).try_cast(f.dataType)
+                if f.name in have
+                else F.lit(None).cast(f.dataType)
+            ).alias(f.name)
+            for f in schema.fields
+        )
+    )

@@ -24,7 +24,14 @@ from typing import Literal
 from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
 from changebus.schemas.security import ClientAuth
 
-__all__ = ["OPTION_NAMES", "AtTime", "Position", "SourceOptions", "parse_position"]
+__all__ = [
+    "OPTION_NAMES",
+    "SCHEMA_CHANGE_KINDS",
+    "AtTime",
+    "Position",
+    "SourceOptions",
+    "parse_position",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +80,14 @@ OPTION_NAMES: dict[str, str] = {
     "tls.checkhostname": "false: do not compare the server certificate's name with the URL host",
     "tokenfile": "file holding the bearer token (preferred over token: options show in plans)",
     "token": "the bearer token itself (prefer tokenFile: options may show in plans and the UI)",
+    "schematrackinglocation": "streaming: a directory (inside the checkpoint location) keeping the"
+    " query's table schemas across schema changes and restarts",
+    "allowschemachanges": "streaming: comma-separated non-additive schema changes to read past"
+    " (drop, retype); refused otherwise",
 }
+
+#: the non-additive schema changes ``allowSchemaChanges`` can allow
+SCHEMA_CHANGE_KINDS = ("drop", "retype")
 
 
 def parse_position(text: str, what: str, *, allow_earliest: bool = True) -> Position:
@@ -178,6 +192,18 @@ def _list(options: Mapping[str, str], key: str) -> tuple[str, ...]:
     return items
 
 
+def _schema_changes(options: Mapping[str, str]) -> frozenset[str]:
+    kinds = frozenset(k.lower() for k in _list(options, "allowschemachanges"))
+    unknown = sorted(kinds - set(SCHEMA_CHANGE_KINDS))
+    if unknown:
+        raise ConfigError(
+            f"option allowSchemaChanges: unknown kind(s) {unknown}; give a comma-separated"
+            f" list of {', '.join(SCHEMA_CHANGE_KINDS)} (added columns and widened types"
+            " need no option)"
+        )
+    return kinds
+
+
 def _auth(options: Mapping[str, str]) -> ClientAuth:
     """The ``tls.*``, ``tokenFile`` and ``token`` options as a :class:`ClientAuth`."""
 
@@ -241,6 +267,13 @@ class SourceOptions:
       transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows;
     * ``include_not_sent`` -- add the ``_not_sent`` column (the values the
       source did not send, Postgres' unchanged TOAST);
+    * ``schema_tracking_location`` -- streaming: the directory of the query's
+      schema log (``._schemalog``), which keeps the table schemas the query
+      reads with across schema changes and restarts (empty: none, each start
+      takes the relays' newest versions);
+    * ``allow_schema_changes`` -- streaming: the non-additive schema changes
+      (``drop``, ``retype``) the query reads past; any other stops it with
+      :class:`~changebus.schemas.SchemaChangeRefusedError`;
     * ``auth`` -- TLS settings and bearer token of every connection, on the
       driver and in the executors (``tls.*``, ``tokenFile``, ``token``; the
       files must be readable at the same paths on every executor). Its
@@ -270,6 +303,8 @@ class SourceOptions:
     zookeeper: str = ""
     cluster: str = ""
     prefer_followers: bool = False
+    schema_tracking_location: str = ""
+    allow_schema_changes: frozenset[str] = frozenset()
     auth: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self) -> None:
@@ -377,6 +412,8 @@ class SourceOptions:
             zookeeper=opts.get("zookeeper", "").strip(),
             cluster=opts.get("cluster", "").strip(),
             prefer_followers=_bool(opts, "preferfollowers", False),
+            schema_tracking_location=opts.get("schematrackinglocation", "").strip(),
+            allow_schema_changes=_schema_changes(opts),
             auth=_auth(opts),
         )
 

@@ -4,7 +4,8 @@ Where each piece runs (PySpark's Python data source API, 4.2+):
 
 * :class:`ChangebusDataSource` is created in a short-lived Python worker and
   pickled to the JVM; ``schema()`` asks a relay for the tables' newest
-  schemas and maps them to Spark types (:mod:`._arrow`).
+  schemas (with ``schemaTrackingLocation``: reads the query's schema log)
+  and maps them to Spark types (:mod:`._arrow`).
 * :class:`ChangebusStreamReader` lives in the driver's long-lived Python
   runner, which calls ``initialOffset``, ``latestOffset``, ``partitions``,
   ``commit``; a second copy is pickled into the tasks, where ``read()`` runs
@@ -35,6 +36,11 @@ and ``maxBytesPerTrigger`` end a batch on a window boundary within both
 the start as the end, so Spark plans no batch) while fewer change events are
 available, until ``maxTriggerDelay`` has passed since the last trigger that
 was not skipped. That clock lives in the driver's reader only.
+
+Schema changes (:mod:`._evolution`): the query reads with the table schemas
+of its schema log (``schemaTrackingLocation``, :mod:`._schemalog`) or the
+relays' newest at start; ``latestOffset`` ends a batch before the first
+transaction holding rows of a newer version and stops the query at it.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from changebus.schemas import ConfigError, TableSchema
 
 from .._errors import FellOffRelayError
 from ._arrow import NOT_SENT_COLUMN, union_schema
+from ._evolution import SchemaGuard, check_options, query_tables
 from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
 from ._relay import (
@@ -77,7 +84,6 @@ from ._relay import (
     position_at_time,
     resolve_cluster,
     run_sync,
-    table_schemas,
 )
 
 __all__ = [
@@ -106,7 +112,7 @@ class ScnRangePartition(InputPartition):
 def _tables(opts: SourceOptions) -> tuple[dict[str, TableSchema], list[str]]:
     bounds = run_sync(partition_bounds(opts))
     names = list(bounds)
-    return run_sync(table_schemas(opts, names)), names
+    return query_tables(opts, names), names
 
 
 def _schema(opts: SourceOptions, tables: dict[str, TableSchema]) -> pa.Schema:
@@ -267,6 +273,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         self._last_trigger = -math.inf
         #: the bounds latestOffset used, for partitions() of the same batch (its start)
         self._planned: tuple[tuple[tuple[str, int], ...], dict[str, PartitionBounds]] | None = None
+        #: stops the query at a newer table schema version (module _evolution)
+        self._guard = SchemaGuard(opts, self.tables)
 
     def _bounds(self) -> dict[str, PartitionBounds]:
         return run_sync(partition_bounds(self.opts))
@@ -367,7 +375,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 end[name] = await self._limited_end(name, int(start[name]), head, rows, size)
         else:
             end.update(heads)
-        return end
+        return await self._guard.check(start, end, boot)
 
     async def _delay(self, start: dict[str, Any], heads: dict[str, int], min_rows: int) -> bool:
         """Whether to skip this trigger (``minRowsPerTrigger``, Kafka source semantics).
@@ -478,7 +486,9 @@ class ChangebusDataSource(DataSource):
         return run_sync(resolve_cluster(opts)) if opts.zookeeper else opts
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return ChangebusBatchReader(self._options("batch"), schema)
+        opts = self._options("batch")
+        check_options(opts)
+        return ChangebusBatchReader(opts, schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return ChangebusStreamReader(self._options("stream"), schema)
