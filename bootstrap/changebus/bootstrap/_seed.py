@@ -9,7 +9,11 @@ INSERT events by the postgres fetcher's own
 :class:`~changebus.fetchers.postgres.Assembler` (same types, same Avro
 encoding, the relay's source ids and schema versions, under the fetcher's
 column policy: a relay schema showing another policy is refused, so masked
-data never leaks through a snapshot). Nothing is written to the source's
+data never leaks through a snapshot). Keyset and single-transaction chunks
+go through the table's generated COPY encoder
+(:meth:`~changebus.fetchers.postgres.Assembler.copy_encoder`: COPY fields
+straight to events, the same bytes); a chunk it hands back, and ``keys``
+chunks, go through the Assembler as pgoutput Insert messages. Nothing is written to the source's
 tables and no slot is created.
 
 **Readers** (:attr:`~._chunks.ChunkReader.mode`):
@@ -57,6 +61,7 @@ import contextlib
 import functools
 import json
 import logging
+import struct
 import threading
 import time
 from typing import Any
@@ -75,7 +80,14 @@ from changebus.schemas import (
 )
 
 from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
-from ._seed_pg_keys import PgTable, copy_rows, insert_message, quote
+from ._seed_pg_keys import (
+    PgTable,
+    copy_data_start,
+    copy_rows,
+    insert_message,
+    quote,
+    row_fields,
+)
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
@@ -156,6 +168,10 @@ class PostgresChunkSource:
         #: the columns (name, type oid, typmod) each table had when its reader was made
         self.shapes: dict[int, list[tuple[str, int, int]]] = {}
         self.names: dict[int, str] = {}
+        #: COPY encoders by (table oid, extra fields); rows they encoded, rows the general way
+        self.encoders: dict[tuple[int, int], Any] = {}
+        self.rows_fast = 0
+        self.rows_general = 0
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
@@ -357,10 +373,8 @@ class PostgresChunkSource:
             retriable=True,
         )
 
-    def copy(
-        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
-    ) -> list[tuple[bytes, list[bytes | None]]]:
-        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`).
+    def copy_data(self, sql: str, oid: int, params: list[Any] | None = None) -> bytes:
+        """Run a COPY; its output (``FORMAT binary``).
 
         Then, still holding the COPY's table lock (no DDL of the table can
         commit before the transaction ends), checks that the table has the
@@ -377,16 +391,60 @@ class PostgresChunkSource:
                 "again once the relay has seen the change",
                 retriable=True,
             )
-        return copy_rows(bytes(buf), oid, ncols)
+        return bytes(buf)
 
-    def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
-        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher encodes."""
+    def copy(
+        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
+    ) -> list[tuple[bytes, list[bytes | None]]]:
+        """Run a COPY (:meth:`copy_data`); its rows as pgoutput Insert messages and extra
+        fields (:func:`copy_rows`)."""
+        return copy_rows(self.copy_data(sql, oid, params), oid, ncols)
+
+    def encode_copy(
+        self, tag: int, data: bytes, oid: int, ncols: int, extra: int, now: int = 0
+    ) -> tuple[list[bytes], list[bytes | None] | None]:
+        """INSERT events at SCN ``tag`` of the binary COPY rows in ``data`` (each: the
+        table's ``ncols`` columns, then ``extra`` fields), and the last row's extra fields
+        (None: no rows). ``now``: the events' timestamp (0: the clock's).
+
+        The table's :class:`~changebus.fetchers.postgres.Assembler` COPY encoder writes
+        them straight from the COPY fields; a chunk it cannot encode exactly (it says so)
+        goes the general way (:meth:`copy` rows through :meth:`events`): the same bytes.
+        """
+        from changebus.fetchers.postgres import Fallback
+
+        now = now or time.time_ns()
+        pos = copy_data_start(data)
+        if data[pos : pos + 2] == b"\xff\xff":
+            return [], None
+        assembler = self.assembler
+        encoder = self.encoders.get((oid, extra))
+        if encoder is None:
+            encoder = self.encoders[(oid, extra)] = assembler.copy_encoder(oid, extra)
+        # the general way's first window of a table holds its SCHEMA_CHANGE first
+        announced = assembler.announced(oid)
+        try:
+            events, end, last, _seq = encoder.rows(data, pos, tag, now, 0 if announced else 1)
+            if end != len(data):
+                raise ValueError("data after the COPY trailer")
+        except (Fallback, IndexError, ValueError, TypeError, KeyError, struct.error):
+            rows = copy_rows(data, oid, ncols)
+            self.rows_general += len(rows)
+            return self.events(tag, [m for m, _x in rows], now), rows[-1][1]
+        if not announced:
+            assembler.announce_quietly(oid)
+        self.rows_fast += len(events)
+        return events, row_fields(data, last)[ncols:]
+
+    def events(self, tag: int, messages: list[bytes], now: int = 0) -> list[bytes]:
+        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher
+        encodes (``now``: their timestamp, 0: the clock's)."""
         from changebus.fetchers.postgres import Begin, Commit
 
         if not messages:
             return []
         assembler = self.assembler
-        now = time.time_ns()
+        now = now or time.time_ns()
         assembler.feed(Begin(tag, now, 0))
         feed = assembler.feed_raw
         for msg in messages:
@@ -445,13 +503,14 @@ class _KeysetReader(_Reader):
         sql, params = self.table.keyset(after, self.where, limit)
         src = self.source
         tag = src.begin_chunk(self.name)
-        rows = src.copy(sql, self.oid, len(self.table.columns), params)
+        data = src.copy_data(sql, self.oid, params)
         src.conn.execute("COMMIT")
-        events = src.events(tag, [m for m, _x in rows])
-        if len(rows) < limit:
-            return Chunk(events, tag, None, rows=len(rows))
-        last = [None if v is None else v.decode() for v in rows[-1][1]]
-        return Chunk(events, tag, json.dumps(last), rows=len(rows))
+        ncols = len(self.table.columns)
+        events, extra = src.encode_copy(tag, data, self.oid, ncols, len(self.table.key))
+        if len(events) < limit or extra is None:
+            return Chunk(events, tag, None, rows=len(events))
+        last = [None if v is None else v.decode() for v in extra]
+        return Chunk(events, tag, json.dumps(last), rows=len(events))
 
 
 class _KeysReader(_Reader):
@@ -546,13 +605,13 @@ class _SingleReader(_Reader):
         end: int | None = first + step
         if end is not None and end >= self.pages:
             end = None  # the last range has no end: nothing visible lies beyond
-        rows = src.copy(self.table.pages(first, end), self.oid, len(self.table.columns))
+        data = src.copy_data(self.table.pages(first, end), self.oid)
         tag = self.tag
         if end is None:
             src.conn.execute("COMMIT")
             self.tag = -1
-        events = src.events(tag, [m for m, _x in rows])
-        return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(rows))
+        events, _x = src.encode_copy(tag, data, self.oid, len(self.table.columns), 0)
+        return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(events))
 
 
 def _identity_columns(conn: Any, oid: int, identity: str, resolver: Any) -> set[str]:
