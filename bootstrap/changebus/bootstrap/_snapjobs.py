@@ -92,13 +92,15 @@ class SnapshotJobs(SeedLedger):
         unpack = _ROW_FIELDS.unpack_from
         for ev in events:
             magic, version, scn, sid, klen = unpack(ev)
-            if magic != MAGIC or version != VERSION:
-                raise CorruptEventError(f"a snapshot chunk of {job.table} holds a non-event")
-            rows.append((part, sid, ev[HEADER_SIZE : HEADER_SIZE + klen], scn, 0, ev))
+            if magic != MAGIC or version != VERSION or scn != tag:
+                raise CorruptEventError(
+                    f"a snapshot chunk of {job.table} holds a non-event or one off its tag"
+                )
+            rows.append((sid, ev[HEADER_SIZE : HEADER_SIZE + klen], ev))
         # in key order: the writes to the key index (the largest) stay close together
-        rows.sort(key=lambda r: r[2])
+        rows.sort(key=lambda r: r[1])
         with self._txn():
-            self._many(UPSERT_SNAP, rows)
+            self._upsert_seeded(part, tag, rows)
             if absent:
                 sid = self._source_id(part, job.table)
                 if sid is not None:
