@@ -54,6 +54,60 @@ assert _HEAD.size + 4 == HEADER_SIZE
 _NULL_FIELD: Final = b"\xff\xff\xff\xff"
 _INSERT: Final = 1
 
+
+def _varint(z: int) -> bytes:
+    out = bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+#: varint bytes of a zig-zag value ``z < 2**14`` by ``z``, and the same after the union's
+#: value branch; the low 14 bits of a larger one as two continuation bytes
+_ZS: Final = tuple(_varint(z) for z in range(0x4000))
+_PZ: Final = tuple(b"\x02" + v for v in _ZS)
+_LOW14: Final = tuple(bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000))
+
+
+def _z_big(z: int) -> bytes:
+    """The varint of a zig-zag value ``z >= 2**14`` (Avro's ``long`` bytes)."""
+    t = _LOW14
+    if z < 0x10000000:
+        return t[z & 0x3FFF] + _ZS[z >> 14]
+    if z < 0x40000000000:
+        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + _ZS[z >> 28]
+    if z < 0x100000000000000:
+        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + t[(z >> 28) & 0x3FFF] + _ZS[z >> 42]
+    return _varint(z)
+
+
+def _pz_big(z: int) -> bytes:
+    return b"\x02" + _z_big(z)
+
+
+#: the transcoder's snippets with their zig-zag calls inlined as table lookups (most values
+#: are small) and without its timestamp memo (COPY rows rarely share one): the same bytes
+_INLINE: Final = (
+    ("p = pzz(n) + v", "p = (PZ[n + n] if n < 8192 else pzz(n)) + v"),
+    ("e = zz(n) + v", "e = (ZS[n + n] if n < 8192 else zz(n)) + v"),
+    ("p = pzz(x)", "z = (x << 1) ^ (x >> 63)\np = PZ[z] if z < 16384 else pz_big(z)"),
+    ("e = zz(x)", "z = (x << 1) ^ (x >> 63)\ne = ZS[z] if z < 16384 else z_big(z)"),
+    (
+        "p = TS.get(x)\nif p is None: p = present_ts(x)",
+        "if x < US_MIN or x > US_MAX: raise Fallback\nz = x + PG_EPOCH_US\n"
+        "z = (z << 1) ^ (z >> 63)\np = PZ[z] if z < 16384 else pz_big(z)",
+    ),
+)
+
+
+def _inline(code: str) -> str:
+    for old, new in _INLINE:
+        code = code.replace(old, new)
+    return code
+
+
 #: ``rows(buf, pos, scn, ts, seq) -> (events, end, last_row_start, next_seq)``
 RowsFn = Callable[[bytes, int, int, int, int], tuple[list[bytes], int, int, int]]
 
@@ -74,6 +128,8 @@ def _field_lines(
         code_p = f"p = pdecimal_bytes({args})"
     else:
         width, code, code_p = _SNIPPETS[rule]
+    code = _inline(code)
+    code_p = None if code_p is None else _inline(code_p)
     if is_key or code_p is None:
         body = [*code.split("\n"), f"p{i} = b'\\x02' + e"]
         if is_key:
@@ -165,6 +221,10 @@ class CopyEncoder:
             crc=crc32,
             hash_=key_hash,
             join=b"".join,
+            ZS=_ZS,
+            PZ=_PZ,
+            z_big=_z_big,
+            pz_big=_pz_big,
         )
         nfields = len(self.names) + self.extra
         table = encoder.table
@@ -249,7 +309,7 @@ class CopyEncoder:
 
 def _value_lines(rule: str, i: int, is_key: bool, indent: str) -> list[str]:
     """Lines from a run's integer ``x`` to ``p<i>`` (and ``k<i>``)."""
-    code_e, code_p = _FROM_X[rule]
+    code_e, code_p = (_inline(c) for c in _FROM_X[rule])
     if is_key:
         return [indent + line for line in code_e.split("\n")] + [
             f"{indent}p{i} = b'\\x02' + e",
