@@ -244,3 +244,16 @@ def test_random_values_and_a_column_policy_encode_as_the_general_path(
     assert all(
         "gone" not in r and len(r["note"]) <= 5 and r["secret"] != f"s{r['id']}" for r in rows
     )
+
+
+def test_inlined_varints_equal_avro_longs_at_every_boundary() -> None:
+    from changebus.fetchers.postgres import _copyenc as ce
+    from changebus.schemas import avro_long
+
+    env = {"ZS": ce._ZS, "PZ": ce._PZ, "L14": ce._LOW14, "PL14": ce._PLOW14, "z_big": ce._z_big}
+    edges = [0, 1, 2, 63, 64, 127, 128, 16383, 16384, 2**63 - 1, 2**64 - 2, 2**64 - 1]
+    edges += [v + d for k in (28, 42, 56) for v in (2**k,) for d in (-2, -1, 0, 1)]
+    for z in edges:
+        n = (z >> 1) ^ -(z & 1)  # the long whose zig-zag value is z
+        assert eval(ce._Z_EXPR, env, {"z": z}) == avro_long(n), z
+        assert eval(ce._PZ_EXPR, env, {"z": z}) == b"\x02" + avro_long(n), z

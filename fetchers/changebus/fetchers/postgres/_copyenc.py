@@ -69,22 +69,24 @@ def _varint(z: int) -> bytes:
 _ZS: Final = tuple(_varint(z) for z in range(0x4000))
 _PZ: Final = tuple(b"\x02" + v for v in _ZS)
 _LOW14: Final = tuple(bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000))
+_PLOW14: Final = tuple(b"\x02" + v for v in _LOW14)
+#: a zig-zag value ``z`` as varint bytes: up to 2**56 in 14-bit table lookups, no call
+_Z_EXPR: Final = (
+    "(ZS[z] if z < 16384 else L14[z & 16383] + (ZS[z >> 14] if z < 268435456 else "
+    "L14[(z >> 14) & 16383] + (ZS[z >> 28] if z < 4398046511104 else "
+    "L14[(z >> 28) & 16383] + (ZS[z >> 42] if z < 72057594037927936 else z_big(z >> 42)))))"
+)
+_PZ_EXPR: Final = (
+    "(PZ[z] if z < 16384 else PL14[z & 16383] + (ZS[z >> 14] if z < 268435456 else "
+    "L14[(z >> 14) & 16383] + (ZS[z >> 28] if z < 4398046511104 else "
+    "L14[(z >> 28) & 16383] + (ZS[z >> 42] if z < 72057594037927936 else z_big(z >> 42)))))"
+)
 
 
 def _z_big(z: int) -> bytes:
-    """The varint of a zig-zag value ``z >= 2**14`` (Avro's ``long`` bytes)."""
-    t = _LOW14
-    if z < 0x10000000:
-        return t[z & 0x3FFF] + _ZS[z >> 14]
-    if z < 0x40000000000:
-        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + _ZS[z >> 28]
-    if z < 0x100000000000000:
-        return t[z & 0x3FFF] + t[(z >> 14) & 0x3FFF] + t[(z >> 28) & 0x3FFF] + _ZS[z >> 42]
-    return _varint(z)
-
-
-def _pz_big(z: int) -> bytes:
-    return b"\x02" + _z_big(z)
+    """The varint of a zig-zag value (any size; :data:`_Z_EXPR` calls it for ``z >> 42``
+    of a value of 2**56 or more)."""
+    return _ZS[z] if z < 0x4000 else _varint(z)
 
 
 #: the transcoder's snippets with their zig-zag calls inlined as table lookups (most values
@@ -92,12 +94,12 @@ def _pz_big(z: int) -> bytes:
 _INLINE: Final = (
     ("p = pzz(n) + v", "p = (PZ[n + n] if n < 8192 else pzz(n)) + v"),
     ("e = zz(n) + v", "e = (ZS[n + n] if n < 8192 else zz(n)) + v"),
-    ("p = pzz(x)", "z = (x << 1) ^ (x >> 63)\np = PZ[z] if z < 16384 else pz_big(z)"),
-    ("e = zz(x)", "z = (x << 1) ^ (x >> 63)\ne = ZS[z] if z < 16384 else z_big(z)"),
+    ("p = pzz(x)", "z = (x << 1) ^ (x >> 63)\np = " + _PZ_EXPR),
+    ("e = zz(x)", "z = (x << 1) ^ (x >> 63)\ne = " + _Z_EXPR),
     (
         "p = TS.get(x)\nif p is None: p = present_ts(x)",
         "if x < US_MIN or x > US_MAX: raise Fallback\nz = x + PG_EPOCH_US\n"
-        "z = (z << 1) ^ (z >> 63)\np = PZ[z] if z < 16384 else pz_big(z)",
+        "z = (z << 1) ^ (z >> 63)\np = " + _PZ_EXPR,
     ),
 )
 
@@ -224,7 +226,8 @@ class CopyEncoder:
             ZS=_ZS,
             PZ=_PZ,
             z_big=_z_big,
-            pz_big=_pz_big,
+            L14=_LOW14,
+            PL14=_PLOW14,
         )
         nfields = len(self.names) + self.extra
         table = encoder.table
