@@ -50,6 +50,8 @@ __all__ = ["CopyEncoder"]
 #: the event header before its CRC (changebus.schemas' envelope layout, checked by the tests)
 _HEAD: Final = struct.Struct("<HBBIQqQQIIIHHHH")
 _U32: Final = struct.Struct("<I")
+#: a COPY field's length (-1: NULL)
+_I32: Final = struct.Struct(">i")
 assert _HEAD.size + 4 == HEADER_SIZE
 _NULL_FIELD: Final = b"\xff\xff\xff\xff"
 _INSERT: Final = 1
@@ -155,7 +157,7 @@ def _field_lines(
         out += ["else:", "    raise Fallback"]
     else:
         out = [
-            "n = from_bytes(buf[pos:pos + 4], 'big', signed=True)",
+            "n = I32(buf, pos)[0]",
             "pos += 4",
             "if n >= 0:",
             "    v = buf[pos:pos + n]",
@@ -172,7 +174,7 @@ def _field_lines(
 def _skip_lines(indent: str) -> list[str]:
     """Lines stepping over a field at ``pos`` (an excluded column, or an extra field)."""
     out = [
-        "n = from_bytes(buf[pos:pos + 4], 'big', signed=True)",
+        "n = I32(buf, pos)[0]",
         "pos += 4 if n < 0 else 4 + n",
     ]
     return [indent + line for line in out]
@@ -219,6 +221,7 @@ class CopyEncoder:
         env = walker_env(self.names)
         env.update(
             HEAD=_HEAD.pack,
+            I32=_I32.unpack_from,
             U32=_U32.pack,
             crc=crc32,
             hash_=key_hash,
