@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -200,7 +201,15 @@ def pg_pipeline(
     conn, sample = pg_sampler(dsn)
     with conn:
         secs, seed, longest = seed_once(
-            base / "boot-pg-1", relay_port, "pg", "postgres", dsn, PG_TABLE, args.chunk_rows, sample
+            base / "boot-pg-1",
+            relay_port,
+            "pg",
+            "postgres",
+            dsn,
+            PG_TABLE,
+            args.chunk_rows,
+            sample,
+            out=out,
         )
         out.update(
             snapshot_s=round(secs, 2),
@@ -258,14 +267,24 @@ def seed_once(
     cfg = sp.bootstrap_toml(home, port, relay_port, part, kind, dsn, chunk_rows)
     url = f"http://127.0.0.1:{port}"
     prefix = "" if part == "pg" else "mysql_"
-    with sp.daemon("bootstrap", cfg, port, home / "bootstrap.log"):
+    with sp.daemon("bootstrap", cfg, port, home / "bootstrap.log") as proc:
         sp.wait_for_source(url, part, table)
+        cpu0, load0 = sp.cpu_seconds(proc.pid), os.getloadavg()[0]
         with sp.LongestTxn(sample, every_s, span) as lt, writer or contextlib.nullcontext():
             secs, seed = sp.run_seed(url, part, table)
+        cpu_us = (sp.cpu_seconds(proc.pid) - cpu0) / max(seed["rows"], 1) * 1e6
+        print(
+            f"  bootstrap server CPU: {cpu_us:.1f} us/row; load average {load0:.1f} -> "
+            f"{os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
         if writer is None:
+            if out is not None:
+                out[f"{prefix}bootstrap_cpu_us_per_row"] = round(cpu_us, 1)
             return secs, seed, lt.longest_s
         assert out is not None
         assert check is not None
+        out[f"{prefix}bootstrap_cpu_us_per_row_with_writers"] = round(cpu_us, 1)
         rows = seed["rows"]
         out[f"{prefix}snapshot_with_writers_s"] = round(secs, 2)
         out[f"{prefix}snapshot_with_writers_rows_per_s"] = round(rows / secs)

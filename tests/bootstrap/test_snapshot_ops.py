@@ -672,10 +672,11 @@ async def test_kill_9_mid_table_resumes_after_the_last_chunk(tmp_path: Path, pg_
                     break
                 await asyncio.sleep(0.05)
             assert done.get("state") == "done", (done, log.read_text()[-3000:])
-            # it went on after the last stored chunk: at most the chunk in flight was read again
+            # it went on after the last stored chunk: at most the two chunks in flight (one
+            # being stored, the next being read: the sink is pipelined) were read again
             why = (stored_chunks, done)
             assert done["chunks_resumed"] == stored_chunks, why
-            assert stored_chunks + done["chunks"] <= table_chunks + 1, why
+            assert stored_chunks + done["chunks"] <= table_chunks + 2, why
             assert done["chunks"] >= table_chunks - stored_chunks - 2, why  # (writers delete)
             # the writers delete while it runs (more rows the slower the machine): most of the
             # table, not just its tail; the row-by-row comparison below is the exact check

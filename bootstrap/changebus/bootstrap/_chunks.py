@@ -53,6 +53,7 @@ thread) and the :class:`~._seedtypes.SeedProgress` it is given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -307,6 +308,26 @@ def run_chunked(
         return progress.scn
     throttle = Throttle(request.max_rows_per_s, request.source_time_budget)
     stop = stop or threading.Event()
+    try:
+        return _run_tables(request, open_source, sink, progress, todo, throttle, stop)
+    finally:
+        # a sink that stores chunks behind the reader (StoreSink): none left in flight
+        flush: Callable[[], None] | None = getattr(sink, "flush", None)
+        if flush is not None:
+            with contextlib.suppress(Exception):  # a write's error was raised by its sink call
+                flush()
+
+
+def _run_tables(
+    request: SeedRequest,
+    open_source: ChunkSourceFactory,
+    sink: SnapshotSink,
+    progress: SeedProgress,
+    todo: list[str],
+    throttle: Throttle,
+    stop: threading.Event,
+) -> int:
+    """:func:`run_chunked`'s loop over the tables."""
     with open_source(request) as source:
         for name in todo:
             scope = SnapshotScope(name, request.where, request.keys)

@@ -9,10 +9,14 @@ INSERT events by the postgres fetcher's own
 :class:`~changebus.fetchers.postgres.Assembler` (same types, same Avro
 encoding, the relay's source ids and schema versions, under the fetcher's
 column policy: a relay schema showing another policy is refused, so masked
-data never leaks through a snapshot). Nothing is written to the source's
+data never leaks through a snapshot). Keyset and single-transaction chunks
+go through the table's generated COPY encoder
+(:meth:`~changebus.fetchers.postgres.Assembler.copy_encoder`: COPY fields
+straight to events, the same bytes); a chunk it hands back, and ``keys``
+chunks, go through the Assembler as pgoutput Insert messages. Nothing is written to the source's
 tables and no slot is created.
 
-**Readers** (:attr:`~._chunks.ChunkReader.mode`):
+**Readers** (:attr:`~._chunks.ChunkReader.mode`, in :mod:`._seed_pg_readers`):
 
 * ``keyset`` -- ``WHERE (k1, k2) > (last) [AND (where)] ORDER BY k1, k2
   LIMIT n`` on the relay schema's key (primary key or replica identity
@@ -53,29 +57,33 @@ sink it is given (the service's store, or a plain ``write`` callback).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import json
 import logging
+import struct
 import threading
 import time
 from typing import Any
 
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import (
-    HEADER_SIZE,
     ChangebusError,
     Op,
     SchemaRegistry,
     SourceConfigError,
     SourceError,
-    decode_header,
     lsn_to_scn,
     parse_stream,
 )
 
-from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
-from ._seed_pg_keys import PgTable, copy_rows, insert_message, quote
+from ._chunks import SnapshotScope, SnapshotSink, WriterSink, run_chunked
+from ._seed_pg_keys import (
+    PgTable,
+    copy_data_start,
+    copy_rows,
+    quote,
+    row_fields,
+)
+from ._seed_pg_readers import KeysetReader, KeysReader, Reader, SingleReader
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
@@ -156,6 +164,10 @@ class PostgresChunkSource:
         #: the columns (name, type oid, typmod) each table had when its reader was made
         self.shapes: dict[int, list[tuple[str, int, int]]] = {}
         self.names: dict[int, str] = {}
+        #: COPY encoders by (table oid, extra fields); rows they encoded, rows the general way
+        self.encoders: dict[tuple[int, int], Any] = {}
+        self.rows_fast = 0
+        self.rows_general = 0
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
@@ -186,7 +198,7 @@ class PostgresChunkSource:
 
     # ---- tables ------------------------------------------------------------
 
-    def reader(self, scope: SnapshotScope) -> _Reader:
+    def reader(self, scope: SnapshotScope) -> Reader:
         try:
             return self._reader(scope)
         except Exception as exc:
@@ -195,7 +207,7 @@ class PostgresChunkSource:
                 raise
             raise err from None
 
-    def _reader(self, scope: SnapshotScope) -> _Reader:
+    def _reader(self, scope: SnapshotScope) -> Reader:
         from changebus.fetchers.postgres import Begin, Relation, RelationColumn
 
         name, conn, registry = scope.table, self.conn, self.registry
@@ -275,13 +287,13 @@ class PostgresChunkSource:
                 "to snapshot it in short chunks",
                 name,
             )
-            return _SingleReader(self, name, oid, table, estimate)
+            return SingleReader(self, name, oid, table, estimate)
         if scope.keys:
-            return _KeysReader(self, name, oid, table, scope.keys)
+            return KeysReader(self, name, oid, table, scope.keys)
         if scope.where:
             self._check_where(name, table, scope.where)
             estimate = -1
-        return _KeysetReader(self, name, oid, table, estimate, scope.where)
+        return KeysetReader(self, name, oid, table, estimate, scope.where)
 
     def _check_where(self, name: str, table: PgTable, where: str) -> None:
         """``EXPLAIN`` the condition once, read-only: a bad one is refused with the server's words."""
@@ -357,10 +369,8 @@ class PostgresChunkSource:
             retriable=True,
         )
 
-    def copy(
-        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
-    ) -> list[tuple[bytes, list[bytes | None]]]:
-        """Run a COPY; its rows as pgoutput Insert messages and extra fields (:func:`copy_rows`).
+    def copy_data(self, sql: str, oid: int, params: list[Any] | None = None) -> bytes:
+        """Run a COPY; its output (``FORMAT binary``).
 
         Then, still holding the COPY's table lock (no DDL of the table can
         commit before the transaction ends), checks that the table has the
@@ -377,16 +387,60 @@ class PostgresChunkSource:
                 "again once the relay has seen the change",
                 retriable=True,
             )
-        return copy_rows(bytes(buf), oid, ncols)
+        return bytes(buf)
 
-    def events(self, tag: int, messages: list[bytes]) -> list[bytes]:
-        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher encodes."""
+    def copy(
+        self, sql: str, oid: int, ncols: int, params: list[Any] | None = None
+    ) -> list[tuple[bytes, list[bytes | None]]]:
+        """Run a COPY (:meth:`copy_data`); its rows as pgoutput Insert messages and extra
+        fields (:func:`copy_rows`)."""
+        return copy_rows(self.copy_data(sql, oid, params), oid, ncols)
+
+    def encode_copy(
+        self, tag: int, data: bytes, oid: int, ncols: int, extra: int, now: int = 0
+    ) -> tuple[list[bytes], list[bytes | None] | None]:
+        """INSERT events at SCN ``tag`` of the binary COPY rows in ``data`` (each: the
+        table's ``ncols`` columns, then ``extra`` fields), and the last row's extra fields
+        (None: no rows). ``now``: the events' timestamp (0: the clock's).
+
+        The table's :class:`~changebus.fetchers.postgres.Assembler` COPY encoder writes
+        them straight from the COPY fields; a chunk it cannot encode exactly (it says so)
+        goes the general way (:meth:`copy` rows through :meth:`events`): the same bytes.
+        """
+        from changebus.fetchers.postgres import Fallback
+
+        now = now or time.time_ns()
+        pos = copy_data_start(data)
+        if data[pos : pos + 2] == b"\xff\xff":
+            return [], None
+        assembler = self.assembler
+        encoder = self.encoders.get((oid, extra))
+        if encoder is None:
+            encoder = self.encoders[(oid, extra)] = assembler.copy_encoder(oid, extra)
+        # the general way's first window of a table holds its SCHEMA_CHANGE first
+        announced = assembler.announced(oid)
+        try:
+            events, end, last, _seq = encoder.rows(data, pos, tag, now, 0 if announced else 1)
+            if end != len(data):
+                raise ValueError("data after the COPY trailer")
+        except (Fallback, IndexError, ValueError, TypeError, KeyError, struct.error):
+            rows = copy_rows(data, oid, ncols)
+            self.rows_general += len(rows)
+            return self.events(tag, [m for m, _x in rows], now), rows[-1][1]
+        if not announced:
+            assembler.announce_quietly(oid)
+        self.rows_fast += len(events)
+        return events, row_fields(data, last)[ncols:]
+
+    def events(self, tag: int, messages: list[bytes], now: int = 0) -> list[bytes]:
+        """INSERT events of pgoutput Insert ``messages`` at SCN ``tag``, as the fetcher
+        encodes (``now``: their timestamp, 0: the clock's)."""
         from changebus.fetchers.postgres import Begin, Commit
 
         if not messages:
             return []
         assembler = self.assembler
-        now = time.time_ns()
+        now = now or time.time_ns()
         assembler.feed(Begin(tag, now, 0))
         feed = assembler.feed_raw
         for msg in messages:
@@ -394,165 +448,6 @@ class PostgresChunkSource:
         window = assembler.feed(Commit(0, tag, tag, now))
         assert window is not None
         return _data_events(window.data)
-
-
-class _Reader:
-    """What every Postgres reader shares: its source, table and the psycopg error mapping."""
-
-    mode = ""
-
-    def __init__(self, source: PostgresChunkSource, name: str, oid: int, table: PgTable) -> None:
-        self.source, self.name, self.oid, self.table = source, name, oid, table
-        self.estimate_rows = -1
-
-    def read(self, cursor: str | None, limit: int) -> Chunk:
-        conn = self.source.conn
-        try:
-            return self._read(cursor, limit)
-        except Exception as exc:
-            if conn is not None and not conn.closed:
-                with contextlib.suppress(Exception):  # the original error is the one to report
-                    conn.execute("ROLLBACK")
-            err = _psycopg_error(f"snapshot of {self.name}: reading a chunk failed", exc)
-            if err is exc:
-                raise
-            raise err from None
-
-    def _read(self, cursor: str | None, limit: int) -> Chunk:
-        raise NotImplementedError
-
-
-class _KeysetReader(_Reader):
-    """Key-ordered chunks, each in its own short transaction (``keyset``)."""
-
-    mode = "keyset"
-
-    def __init__(
-        self,
-        source: PostgresChunkSource,
-        name: str,
-        oid: int,
-        table: PgTable,
-        estimate: int,
-        where: str,
-    ) -> None:
-        super().__init__(source, name, oid, table)
-        self.estimate_rows = estimate
-        self.where = where
-
-    def _read(self, cursor: str | None, limit: int) -> Chunk:
-        after = None if cursor is None else [str(v) for v in json.loads(cursor)]
-        sql, params = self.table.keyset(after, self.where, limit)
-        src = self.source
-        tag = src.begin_chunk(self.name)
-        rows = src.copy(sql, self.oid, len(self.table.columns), params)
-        src.conn.execute("COMMIT")
-        events = src.events(tag, [m for m, _x in rows])
-        if len(rows) < limit:
-            return Chunk(events, tag, None, rows=len(rows))
-        last = [None if v is None else v.decode() for v in rows[-1][1]]
-        return Chunk(events, tag, json.dumps(last), rows=len(rows))
-
-
-class _KeysReader(_Reader):
-    """A key list in slices of ``limit`` keys (``keys``); the cursor is the next key's index."""
-
-    mode = "keys"
-
-    def __init__(
-        self,
-        source: PostgresChunkSource,
-        name: str,
-        oid: int,
-        table: PgTable,
-        keys: tuple[tuple[Any, ...], ...],
-    ) -> None:
-        super().__init__(source, name, oid, table)
-        self.keys = list(dict.fromkeys(tuple(k) for k in keys))
-        self.estimate_rows = len(self.keys)
-
-    def _read(self, cursor: str | None, limit: int) -> Chunk:
-        first = 0 if cursor is None else int(json.loads(cursor))
-        part = self.keys[first : first + limit]
-        src, table = self.source, self.table
-        tag = src.begin_chunk(self.name)
-        rows = []
-        if part:
-            sql, params = table.by_keys(part, first)
-            rows = src.copy(sql, self.oid, len(table.columns), params)
-        src.conn.execute("COMMIT")
-        at = {c: i for i, c in enumerate(table.columns)}
-        found = [m for m, x in rows if x[0] == b"\x01"]
-        lacking = []
-        for _m, x in rows:
-            values = x[2:]
-            if x[0] != b"\x01" and all(v is not None for v in values):
-                cells: list[bytes | None] = [None] * len(table.columns)
-                for k, v in zip(table.key, values, strict=True):
-                    cells[at[k]] = v
-                lacking.append(insert_message(self.oid, cells))
-        events = src.events(tag, found)
-        absent = tuple(_key_of(ev) for ev in src.events(tag, lacking))
-        done = first + len(part) >= len(self.keys)
-        return Chunk(
-            events, tag, None if done else json.dumps(first + len(part)), absent, len(found)
-        )
-
-
-def _key_of(event: bytes) -> bytes:
-    """The store key (encoded key bytes) of an event."""
-    h = decode_header(event)
-    return event[HEADER_SIZE : HEADER_SIZE + h.key_length]
-
-
-class _SingleReader(_Reader):
-    """The whole table in ONE repeatable-read transaction, in heap-page ranges (fallback).
-
-    Not resumable: a stored cursor of another run (the transaction is gone)
-    starts the table again (rows already written are merged again, harmlessly).
-    """
-
-    mode = "single_transaction"
-
-    def __init__(
-        self, source: PostgresChunkSource, name: str, oid: int, table: PgTable, estimate: int
-    ) -> None:
-        super().__init__(source, name, oid, table)
-        self.estimate_rows = estimate
-        self.tag = -1
-        self.pages = 0
-        self.rows_per_page = 100.0
-
-    def _read(self, cursor: str | None, limit: int) -> Chunk:
-        src = self.source
-        if self.tag < 0 or cursor is None:
-            if cursor is not None:
-                log.warning(
-                    "%s: single_transaction snapshots do not resume: starting again", self.name
-                )
-            self.tag = src.begin_chunk(self.name)
-            row = src.conn.execute(
-                "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
-                "c.reltuples, c.relpages FROM pg_class c WHERE c.oid = %s",
-                (self.oid, self.oid),
-            ).fetchone()
-            self.pages = int(row[0])
-            if float(row[1]) > 0 and int(row[2]) > 0:
-                self.rows_per_page = max(float(row[1]) / int(row[2]), 1.0)
-            first = 0
-        else:
-            first = int(json.loads(cursor))
-        step = max(1, int(limit / self.rows_per_page))
-        end: int | None = first + step
-        if end is not None and end >= self.pages:
-            end = None  # the last range has no end: nothing visible lies beyond
-        rows = src.copy(self.table.pages(first, end), self.oid, len(self.table.columns))
-        tag = self.tag
-        if end is None:
-            src.conn.execute("COMMIT")
-            self.tag = -1
-        events = src.events(tag, [m for m, _x in rows])
-        return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(rows))
 
 
 def _identity_columns(conn: Any, oid: int, identity: str, resolver: Any) -> set[str]:

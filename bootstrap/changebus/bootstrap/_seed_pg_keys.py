@@ -22,7 +22,15 @@ from typing import Any
 
 from changebus.schemas import ChangebusError, SourceConfigError
 
-__all__ = ["PgTable", "copy_rows", "insert_message", "key_param", "quote"]
+__all__ = [
+    "PgTable",
+    "copy_data_start",
+    "copy_rows",
+    "insert_message",
+    "key_param",
+    "quote",
+    "row_fields",
+]
 
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _INT4 = struct.Struct("!i").unpack_from
@@ -38,11 +46,7 @@ def copy_rows(data: bytes, oid: int, ncols: int) -> list[tuple[bytes, list[bytes
     so the fetcher's transcoder encodes them), and the fields after those
     (raw bytes, None = NULL).
     """
-    if not data.startswith(_COPY_SIGNATURE):
-        raise ChangebusError("COPY output lacks the binary signature")
-    pos = len(_COPY_SIGNATURE) + 4
-    (ext,) = _INT4(data, pos)
-    pos += 4 + ext
+    pos = copy_data_start(data)
     head = b"I" + oid.to_bytes(4, "big") + b"N" + ncols.to_bytes(2, "big")
     rows: list[tuple[bytes, list[bytes | None]]] = []
     add = rows.append
@@ -73,6 +77,31 @@ def copy_rows(data: bytes, oid: int, ncols: int) -> list[tuple[bytes, list[bytes
                 extra.append(data[pos : pos + size])
                 pos += size
         add((b"".join(parts), extra))
+
+
+def copy_data_start(data: bytes) -> int:
+    """Where the first row of a ``COPY ... (FORMAT binary)`` output starts (after its header)."""
+    if not data.startswith(_COPY_SIGNATURE):
+        raise ChangebusError("COPY output lacks the binary signature")
+    pos = len(_COPY_SIGNATURE) + 4
+    (ext,) = _INT4(data, pos)
+    return pos + 4 + int(ext)
+
+
+def row_fields(data: bytes, pos: int) -> list[bytes | None]:
+    """The fields of the binary COPY row starting at ``pos`` (None = NULL)."""
+    (n,) = _INT2(data, pos)
+    pos += 2
+    out: list[bytes | None] = []
+    for _ in range(n):
+        (size,) = _INT4(data, pos)
+        pos += 4
+        if size < 0:
+            out.append(None)
+        else:
+            out.append(data[pos : pos + size])
+            pos += size
+    return out
 
 
 def insert_message(oid: int, cells: list[bytes | None]) -> bytes:

@@ -2,14 +2,25 @@
 
 :class:`StoreSink` is called from the seeder's worker thread; each call
 hands one store operation to the store's writer thread
-(:mod:`._storethreads`) through the event loop and waits for it, so the
-seeder never touches a store connection and a slow store slows the seed
-(one chunk in flight: memory stays bounded by ``chunk_rows``).
+(:mod:`._storethreads`) through the event loop, so the seeder never touches
+a store connection and a slow store slows the seed.
+
+A chunk's write is **pipelined**: :meth:`StoreSink.chunk` returns once the
+write is handed over, after waiting for the previous chunk's write, so the
+seeder reads and encodes chunk *i+1* while the writer thread stores chunk
+*i* (SQLite runs its statements without the GIL: the two overlap on two
+cores). At most two chunks are in flight (memory stays bounded by
+``2 * chunk_rows``), the writes keep their order (one writer thread), and
+every other call (resume, finish, :meth:`StoreSink.flush`) first waits for
+the pending write, raising its error. After a crash, the stored job names
+the chunks whose rows are stored: the resume reads at most the two chunks
+that were in flight again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,15 +44,28 @@ class StoreSink:
         self._stores = stores
         self._part = part
         self._loop = loop
+        #: the chunk write handed over and not waited for yet
+        self._pending: concurrent.futures.Future[None] | None = None
+
+    def _submit(self, fn: Callable[[Store], T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(self._stores.write(fn), self._loop)
 
     def _call(self, fn: Callable[[Store], T]) -> T:
-        return asyncio.run_coroutine_threadsafe(self._stores.write(fn), self._loop).result()
+        self.flush()
+        return self._submit(fn).result()
+
+    def flush(self) -> None:
+        """Wait for the pending chunk write (its error raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def resume(self, scope: SnapshotScope) -> JobState | None:
         return self._call(lambda s: s.snapshot_job(self._part, scope))
 
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
-        self._call(
+        self.flush()
+        self._pending = self._submit(
             lambda s: s.snapshot_chunk(self._part, job, chunk.events, chunk.tag, chunk.absent)
         )
 

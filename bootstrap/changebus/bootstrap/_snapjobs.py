@@ -92,13 +92,15 @@ class SnapshotJobs(SeedLedger):
         unpack = _ROW_FIELDS.unpack_from
         for ev in events:
             magic, version, scn, sid, klen = unpack(ev)
-            if magic != MAGIC or version != VERSION:
-                raise CorruptEventError(f"a snapshot chunk of {job.table} holds a non-event")
-            rows.append((part, sid, ev[HEADER_SIZE : HEADER_SIZE + klen], scn, 0, ev))
+            if magic != MAGIC or version != VERSION or scn != tag:
+                raise CorruptEventError(
+                    f"a snapshot chunk of {job.table} holds a non-event or one off its tag"
+                )
+            rows.append((sid, ev[HEADER_SIZE : HEADER_SIZE + klen], ev))
         # in key order: the writes to the key index (the largest) stay close together
-        rows.sort(key=lambda r: r[2])
+        rows.sort(key=lambda r: r[1])
         with self._txn():
-            self._many(UPSERT_SNAP, rows)
+            self._upsert_seeded(part, tag, rows)
             if absent:
                 sid = self._source_id(part, job.table)
                 if sid is not None:
@@ -141,6 +143,8 @@ class SnapshotJobs(SeedLedger):
         sid = self._source_id(part, table)
         if sid is None or below < 0:
             return None
+        if after_id == 0 and self._sweep_by_scn(part, sid, below, batch):
+            return None
         with self._txn():
             # positions first (no event bytes: most rows were just rewritten, few are old)
             ids = self._all(
@@ -160,6 +164,32 @@ class SnapshotJobs(SeedLedger):
                 )
             self._many(UPSERT_SNAP, self._tombstones(part, old, below))
         return int(ids[-1][0]) if len(ids) == batch else None
+
+    def _sweep_by_scn(self, part: str, sid: int, below: int, batch: int) -> bool:
+        """The whole sweep in one step when few rows of the partition are older than ``below``
+        (at most ``batch``; False: more, sweep in id order).
+
+        A chunk writes its rows at its tag, and every tag is at least the
+        first one (``below``): the rows to tombstone are exactly the live rows
+        of the table with an SCN below it. After a first seed of a table (or
+        of a fresh store) few rows are that old, and the ``(part, scn)``
+        index finds them without reading every row of the table.
+        """
+        old = self._one(
+            "SELECT count(*) FROM (SELECT 1 FROM cb_snap WHERE part = {p} AND scn < {p} "
+            "LIMIT {p}) AS o",
+            (part, below, batch + 1),
+        )
+        if int(old[0]) > batch:
+            return False
+        with self._txn():
+            rows = self._all(
+                "SELECT key, event FROM cb_snap WHERE part = {p} AND scn < {p} "
+                "AND source_id = {p} AND deleted = 0 ORDER BY id",
+                (part, below, sid),
+            )
+            self._many(UPSERT_SNAP, self._tombstones(part, rows, below))
+        return True
 
     def finish_snapshot(self, part: str, job: JobState, *, seeded: bool) -> None:
         """Drop ``job``'s row; ``seeded`` (a whole table): record the table seeded at its first tag."""

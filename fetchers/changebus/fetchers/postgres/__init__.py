@@ -16,6 +16,7 @@ from typing import Any
 from .._base import Fetcher
 from ._assembler import Assembler as Assembler
 from ._config import PostgresConfig as PostgresConfig
+from ._copyenc import CopyEncoder as CopyEncoder
 from ._embedded import EmbeddedPostgres as EmbeddedPostgres, find_pg_bin as find_pg_bin
 from ._pgoutput import (
     UNCHANGED as UNCHANGED,
@@ -33,6 +34,7 @@ from ._pgoutput import (
     parse_message as parse_message,
 )
 from ._setup import connect as pg_connect, reason as pg_error_reason
+from ._transcode import Fallback as Fallback
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
 
@@ -55,8 +57,10 @@ __all__ = [
     "Begin",
     "ColumnType",
     "Commit",
+    "CopyEncoder",
     "Delete",
     "EmbeddedPostgres",
+    "Fallback",
     "Insert",
     "LogicalMessage",
     "Origin",

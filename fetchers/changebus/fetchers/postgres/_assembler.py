@@ -86,6 +86,7 @@ from changebus.schemas import (
 
 from .._base import Window
 from .._policy import ColumnPolicy, ColumnRule
+from ._copyenc import CopyEncoder
 from ._pgoutput import (
     UNCHANGED,
     Begin,
@@ -391,6 +392,25 @@ class Assembler:
             ),
         )
         txn.data_events += 1
+
+    # ---- COPY rows (the bootstrap seeder) -------------------------------
+
+    def copy_encoder(self, rel_oid: int, extra: int = 0) -> CopyEncoder:
+        """A :class:`~._copyenc.CopyEncoder` of the table's binary COPY rows (its Relation
+        fed already), each row followed by ``extra`` fields; the same events as :meth:`feed_raw`
+        of the rows as Insert messages."""
+        t = self._tables[rel_oid]
+        key = [t.names.index(k) for k in t.schema.key]
+        return CopyEncoder(t.names, t.types, t.adapters, key, t.rules, t.encoder, extra)
+
+    def announced(self, rel_oid: int) -> bool:
+        """Whether the table's SCHEMA_CHANGE was written (or marked so) by this assembler."""
+        return self._tables[rel_oid].announced
+
+    def announce_quietly(self, rel_oid: int) -> None:
+        """Mark the table announced without writing its SCHEMA_CHANGE: the caller wrote its
+        rows outside a window and numbered them as if it had been (:mod:`._copyenc`)."""
+        self._tables[rel_oid].announced = True
 
     # ---- the message loop ----------------------------------------------
 

@@ -48,7 +48,7 @@ from .._policy import ColumnRule
 from ._types import ColumnType
 from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
-__all__ = ["Fallback", "Transcoder", "zigzag"]
+__all__ = ["Fallback", "Transcoder", "walker_env", "zigzag"]
 
 
 class Fallback(Exception):
@@ -388,6 +388,36 @@ def _skip_lines(indent: str) -> list[str]:
     return [indent + line for line in out]
 
 
+def walker_env(names: tuple[str, ...]) -> dict[str, Any]:
+    """The names generated walkers use (this module's and :mod:`._copyenc`'s)."""
+    ts_memo: dict[int, bytes] = {}
+    return {
+        "Fallback": Fallback,
+        "zz": zigzag,
+        "pzz": present_zigzag,
+        "PBOOL": _PBOOL,
+        "from_bytes": int.from_bytes,
+        "BOOL": _BOOL,
+        "BOOL_BY_INT": (b"\x00", b"\x01"),
+        "PBOOL_BY_INT": (b"\x02\x00", b"\x02\x01"),
+        "float4": _float4,
+        "interval": _interval,
+        "uuid_": _uuid,
+        "decimal_bytes": _decimal_bytes,
+        "pdecimal_bytes": _present_decimal_bytes,
+        "TS": ts_memo,
+        "present_ts": _present_timestamp(ts_memo),
+        "names": names,
+        "DAY_MIN": _DAY_MIN,
+        "DAY_MAX": _DAY_MAX,
+        "DAY_US": _DAY_US,
+        "US_MIN": _US_MIN,
+        "US_MAX": _US_MAX,
+        "PG_EPOCH_DAYS": _PG_EPOCH_DAYS,
+        "PG_EPOCH_US": _PG_EPOCH_US,
+    }
+
+
 class Transcoder:
     """Turns pgoutput row messages of one table into event bodies (module docstring).
 
@@ -434,32 +464,7 @@ class Transcoder:
         columns are read with one ``struct`` call when all of them are
         present (the usual case); otherwise column by column.
         """
-        ts_memo: dict[int, bytes] = {}
-        env: dict[str, Any] = {
-            "Fallback": Fallback,
-            "zz": zigzag,
-            "pzz": present_zigzag,
-            "PBOOL": _PBOOL,
-            "from_bytes": int.from_bytes,
-            "BOOL": _BOOL,
-            "BOOL_BY_INT": (b"\x00", b"\x01"),
-            "PBOOL_BY_INT": (b"\x02\x00", b"\x02\x01"),
-            "float4": _float4,
-            "interval": _interval,
-            "uuid_": _uuid,
-            "decimal_bytes": _decimal_bytes,
-            "pdecimal_bytes": _present_decimal_bytes,
-            "TS": ts_memo,
-            "present_ts": _present_timestamp(ts_memo),
-            "names": self.names,
-            "DAY_MIN": _DAY_MIN,
-            "DAY_MAX": _DAY_MAX,
-            "DAY_US": _DAY_US,
-            "US_MIN": _US_MIN,
-            "US_MAX": _US_MAX,
-            "PG_EPOCH_DAYS": _PG_EPOCH_DAYS,
-            "PG_EPOCH_US": _PG_EPOCH_US,
-        }
+        env = walker_env(self.names)
         lines = [
             "def tuple_(buf, pos):",
             f"    if buf[pos:pos + 2] != {self.ncols.to_bytes(2, 'big')!r}: raise Fallback",

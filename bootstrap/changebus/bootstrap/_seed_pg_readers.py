@@ -1,0 +1,187 @@
+"""The Postgres chunk readers: ``keyset``, ``keys`` and ``single_transaction`` (see :mod:`._seed`).
+
+Each reads one table's chunks through its :class:`~._seed.PostgresChunkSource`
+(the connection, the watermark, the encoders); the SQL is
+:mod:`._seed_pg_keys`'s. Blocking; one seeder thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from changebus.schemas import HEADER_SIZE, decode_header
+
+from ._chunks import Chunk
+from ._seed_pg_keys import PgTable, insert_message
+
+if TYPE_CHECKING:
+    from ._seed import PostgresChunkSource
+
+__all__ = ["KeysReader", "KeysetReader", "Reader", "SingleReader"]
+
+log = logging.getLogger("changebus.bootstrap.seed")
+
+
+class Reader:
+    """What every Postgres reader shares: its source, table and the psycopg error mapping."""
+
+    mode = ""
+
+    def __init__(self, source: PostgresChunkSource, name: str, oid: int, table: PgTable) -> None:
+        self.source, self.name, self.oid, self.table = source, name, oid, table
+        self.estimate_rows = -1
+
+    def read(self, cursor: str | None, limit: int) -> Chunk:
+        conn = self.source.conn
+        try:
+            return self._read(cursor, limit)
+        except Exception as exc:
+            if conn is not None and not conn.closed:
+                with contextlib.suppress(Exception):  # the original error is the one to report
+                    conn.execute("ROLLBACK")
+            from ._seed import _psycopg_error
+
+            err = _psycopg_error(f"snapshot of {self.name}: reading a chunk failed", exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        raise NotImplementedError
+
+
+class KeysetReader(Reader):
+    """Key-ordered chunks, each in its own short transaction (``keyset``)."""
+
+    mode = "keyset"
+
+    def __init__(
+        self,
+        source: PostgresChunkSource,
+        name: str,
+        oid: int,
+        table: PgTable,
+        estimate: int,
+        where: str,
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.estimate_rows = estimate
+        self.where = where
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        after = None if cursor is None else [str(v) for v in json.loads(cursor)]
+        sql, params = self.table.keyset(after, self.where, limit)
+        src = self.source
+        tag = src.begin_chunk(self.name)
+        data = src.copy_data(sql, self.oid, params)
+        src.conn.execute("COMMIT")
+        ncols = len(self.table.columns)
+        events, extra = src.encode_copy(tag, data, self.oid, ncols, len(self.table.key))
+        if len(events) < limit or extra is None:
+            return Chunk(events, tag, None, rows=len(events))
+        last = [None if v is None else v.decode() for v in extra]
+        return Chunk(events, tag, json.dumps(last), rows=len(events))
+
+
+class KeysReader(Reader):
+    """A key list in slices of ``limit`` keys (``keys``); the cursor is the next key's index."""
+
+    mode = "keys"
+
+    def __init__(
+        self,
+        source: PostgresChunkSource,
+        name: str,
+        oid: int,
+        table: PgTable,
+        keys: tuple[tuple[Any, ...], ...],
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.keys = list(dict.fromkeys(tuple(k) for k in keys))
+        self.estimate_rows = len(self.keys)
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        first = 0 if cursor is None else int(json.loads(cursor))
+        part = self.keys[first : first + limit]
+        src, table = self.source, self.table
+        tag = src.begin_chunk(self.name)
+        rows = []
+        if part:
+            sql, params = table.by_keys(part, first)
+            rows = src.copy(sql, self.oid, len(table.columns), params)
+        src.conn.execute("COMMIT")
+        at = {c: i for i, c in enumerate(table.columns)}
+        found = [m for m, x in rows if x[0] == b"\x01"]
+        lacking = []
+        for _m, x in rows:
+            values = x[2:]
+            if x[0] != b"\x01" and all(v is not None for v in values):
+                cells: list[bytes | None] = [None] * len(table.columns)
+                for k, v in zip(table.key, values, strict=True):
+                    cells[at[k]] = v
+                lacking.append(insert_message(self.oid, cells))
+        events = src.events(tag, found)
+        absent = tuple(_key_of(ev) for ev in src.events(tag, lacking))
+        done = first + len(part) >= len(self.keys)
+        return Chunk(
+            events, tag, None if done else json.dumps(first + len(part)), absent, len(found)
+        )
+
+
+def _key_of(event: bytes) -> bytes:
+    """The store key (encoded key bytes) of an event."""
+    h = decode_header(event)
+    return event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+
+
+class SingleReader(Reader):
+    """The whole table in ONE repeatable-read transaction, in heap-page ranges (fallback).
+
+    Not resumable: a stored cursor of another run (the transaction is gone)
+    starts the table again (rows already written are merged again, harmlessly).
+    """
+
+    mode = "single_transaction"
+
+    def __init__(
+        self, source: PostgresChunkSource, name: str, oid: int, table: PgTable, estimate: int
+    ) -> None:
+        super().__init__(source, name, oid, table)
+        self.estimate_rows = estimate
+        self.tag = -1
+        self.pages = 0
+        self.rows_per_page = 100.0
+
+    def _read(self, cursor: str | None, limit: int) -> Chunk:
+        src = self.source
+        if self.tag < 0 or cursor is None:
+            if cursor is not None:
+                log.warning(
+                    "%s: single_transaction snapshots do not resume: starting again", self.name
+                )
+            self.tag = src.begin_chunk(self.name)
+            row = src.conn.execute(
+                "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
+                "c.reltuples, c.relpages FROM pg_class c WHERE c.oid = %s",
+                (self.oid, self.oid),
+            ).fetchone()
+            self.pages = int(row[0])
+            if float(row[1]) > 0 and int(row[2]) > 0:
+                self.rows_per_page = max(float(row[1]) / int(row[2]), 1.0)
+            first = 0
+        else:
+            first = int(json.loads(cursor))
+        step = max(1, int(limit / self.rows_per_page))
+        end: int | None = first + step
+        if end is not None and end >= self.pages:
+            end = None  # the last range has no end: nothing visible lies beyond
+        data = src.copy_data(self.table.pages(first, end), self.oid)
+        tag = self.tag
+        if end is None:
+            src.conn.execute("COMMIT")
+            self.tag = -1
+        events, _x = src.encode_copy(tag, data, self.oid, len(self.table.columns), 0)
+        return Chunk(events, tag, None if end is None else json.dumps(end), rows=len(events))
