@@ -102,6 +102,7 @@ def _config(
         start="earliest" if position < 0 else str(position),
         client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
         follow=False,
+        until_scn=spec.until,  # fetch nothing past the range
         wait_s=1.0,
         max_bytes=opts.max_bytes_per_request,
         connect_timeout_s=min(opts.request_timeout_s, 10.0),

@@ -478,6 +478,10 @@ class ChangebusDataSource(DataSource):
         return run_sync(resolve_cluster(opts)) if opts.zookeeper else opts
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        from ._pushdown import PushdownBatchReader, pushdown_planning
+
+        if pushdown_planning():  # Spark asks for filters only there (see ._pushdown)
+            return PushdownBatchReader(self._options("batch"), schema)
         return ChangebusBatchReader(self._options("batch"), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
