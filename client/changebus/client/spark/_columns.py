@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,7 @@ from changebus.schemas import FIRST_CONTROL_OP, HEADER_SIZE, ChangeDecoder, Op
 from .._consumer import Consumer
 from .._model import RawEvents, Window
 from ._arrow import META_NAMES, BatchBuilder, arrow_converter, column_array
+from ._vecread import Fallback, vector_reader
 
 __all__ = ["ArrowDecoder", "DecoderFor", "arrow_batches"]
 
@@ -250,11 +251,10 @@ class ArrowDecoder:
     ) -> tuple[pa.RecordBatch, npt.NDArray[np.int64]]:
         """One writer schema's events as a batch, and the event of each of its rows."""
         n = len(starts)
-        ncols = len(decoder.columns)
-        after: list[list[Any]] = [[] for _ in range(ncols)]
-        before: list[list[Any]] = [[] for _ in range(ncols)]
         start_list = starts.tolist()
-        present, not_sent = decoder.decode_columns(buf, start_list, stops.tolist(), after, before)
+        images = _images(decoder, buf, starts, stops)
+        present = images[2]
+        not_sent = images[3]
         lay = _layout(ops, np.asarray(present, np.int64), self.include_preimage)
         extra: list[dict[str, Any] | None] = []  # rows no image holds, at 2n + j
         for i in np.flatnonzero(lay.extra).tolist():
@@ -275,7 +275,6 @@ class ArrowDecoder:
                     patches.setdefault(name, []).append((row, n + i))
         src = lay.src
         rows = len(src)
-        take = None if lay.identity else pa.array(lay.idx)
         position = {name: j for j, name in enumerate(decoder.columns)}
         arrays: list[pa.Array] = []
         for f in self.schema:
@@ -288,20 +287,21 @@ class ArrowDecoder:
             if j is None:
                 arrays.append(pa.nulls(rows, f.type))
                 continue
-            if take is None:
-                arrays.append(column_array(after[j], f.type, self._convs[name]))
+            conv = self._convs[name]
+            after, before = images[0][j], images[1][j]
+            if lay.identity:
+                arrays.append(_as_array(after, n, f.type, conv))
                 continue
-            values = after[j] + before[j]
+            pieces = [_as_array(after, n, f.type, conv), _as_array(before, n, f.type, conv)]
             if extra:
-                values.extend(None if row is None else row.get(name) for row in extra)
-            arr = column_array(values, f.type, self._convs[name])
-            where = take
+                values = [None if row is None else row.get(name) for row in extra]
+                pieces.append(column_array(values, f.type, conv))
+            where = lay.idx
             if name in patches:
-                moved = lay.idx.copy()
+                where = lay.idx.copy()
                 for row, source in patches[name]:
-                    moved[row] = source
-                where = pa.array(moved)
-            arrays.append(arr.take(where))
+                    where[row] = source
+            arrays.append(pa.concat_arrays(pieces).take(pa.array(where)))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema), src
 
     def add_events(
@@ -350,6 +350,48 @@ class ArrowDecoder:
         if len(parts) == 1:
             return parts[0]
         return pa.concat_batches(parts)
+
+
+_Column: TypeAlias = "list[Any] | pa.Array | None"
+
+
+def _images(
+    decoder: ChangeDecoder,
+    buf: bytes,
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+) -> tuple[list[_Column], list[_Column], Sequence[int] | npt.NDArray[np.int64], list[Any]]:
+    """Both images of every record, column by column: ``(after, before, present, not_sent)``.
+
+    Vectorised (:mod:`._vecread`, Arrow arrays, None for a column no record
+    holds) when the schema and the batch allow, else the generated column
+    reader (one list of values per column).
+    """
+    vec = vector_reader(decoder)
+    if vec is not None:
+        try:
+            a, b, present, not_sent = vec.read(buf, starts, stops)
+            return list(a), list(b), present, not_sent
+        except Fallback:
+            pass
+    ncols = len(decoder.columns)
+    after: list[list[Any]] = [[] for _ in range(ncols)]
+    before: list[list[Any]] = [[] for _ in range(ncols)]
+    present_list, not_sent = decoder.decode_columns(
+        buf, starts.tolist(), stops.tolist(), after, before
+    )
+    return list(after), list(before), present_list, not_sent
+
+
+def _as_array(
+    values: _Column, n: int, t: pa.DataType, conv: Callable[[Any], Any] | None
+) -> pa.Array:
+    """One image's column as an Arrow array of type ``t`` (``n`` nulls for None)."""
+    if values is None:
+        return pa.nulls(n, t)
+    if isinstance(values, list):
+        return column_array(values, t, conv)
+    return values if values.type == t else values.cast(t)
 
 
 class _Layout(NamedTuple):
