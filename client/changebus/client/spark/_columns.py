@@ -113,36 +113,45 @@ class ArrowDecoder:
         self._pending_events = 0
         if not pending:
             return
-        counts = np.fromiter((len(r) for r, _, _ in pending), np.int64, len(pending))
-        if len(pending) == 1:
-            raw = pending[0][0]
-            body, offsets, headers = raw.body, np.asarray(raw.offsets, np.int64), raw.headers
-        else:
-            sizes = np.fromiter((len(r.body) for r, _, _ in pending), np.int64, len(pending))
-            bases = np.cumsum(sizes) - sizes
-            body = b"".join(r.body for r, _, _ in pending)
-            offsets = np.concatenate([r.offsets for r, _, _ in pending]).astype(np.int64)
-            offsets += np.repeat(bases, counts)
-            headers = np.concatenate([r.headers for r, _, _ in pending])
-        times = np.repeat(np.fromiter((t for _, _, t in pending), np.int64, len(pending)), counts)
-        names = {p for _, p, _ in pending}
-        partition: str | npt.NDArray[Any] = (
-            next(iter(names))
-            if len(names) == 1
-            else np.repeat(np.array([p for _, p, _ in pending], object), counts)
-        )
+        k = len(pending)
+        counts: list[int] = []
+        sizes: list[int] = []
+        bodies: list[bytes] = []
+        offs: list[npt.NDArray[np.int64]] = []
+        heads: list[bytes] = []
+        names: set[str] = set()
         # the writer-schema decoder of every event (decoders are per window: by identity)
         decoders: list[ChangeDecoder] = []
         slot: dict[int, int] = {}
-        groups: list[npt.NDArray[np.int32]] = []
-        for raw, _, _ in pending:
-            if len(raw.decoders) == 1:
-                dec = next(iter(raw.decoders.values()))
-                g = slot.setdefault(id(dec), len(slot))
-                if g == len(decoders):
-                    decoders.append(dec)
-                groups.append(np.full(len(raw), g, np.int32))
+        gids: list[int] = []
+        multi: list[tuple[int, RawEvents]] = []  # windows of several writer schemas
+        for w, (raw, part, _) in enumerate(pending):
+            counts.append(len(raw))
+            sizes.append(len(raw.body))
+            bodies.append(raw.body)
+            offs.append(raw.offsets)
+            heads.append(raw.headers.tobytes())  # (a structured concatenation is slow)
+            names.add(part)
+            if len(raw.decoders) != 1:
+                multi.append((w, raw))
+                gids.append(0)
                 continue
+            dec = next(iter(raw.decoders.values()))
+            g = slot.setdefault(id(dec), len(slot))
+            if g == len(decoders):
+                decoders.append(dec)
+            gids.append(g)
+        n_of = np.array(counts, np.int64)
+        body = bodies[0] if k == 1 else b"".join(bodies)
+        offsets = np.concatenate(offs).astype(np.int64)
+        if k > 1:
+            size = np.array(sizes, np.int64)
+            offsets += np.repeat(np.cumsum(size) - size, n_of)
+        headers = np.frombuffer(b"".join(heads), pending[0][0].headers.dtype)
+        times = np.repeat(np.array([t for _, _, t in pending], np.int64), n_of)
+        group = np.repeat(np.array(gids, np.int32), n_of)
+        firsts = np.cumsum(n_of) - n_of
+        for w, raw in multi:
             h = raw.headers
             key = h["source_id"].astype(np.int64) << 16 | h["schema_version"]
             ids = np.zeros(len(raw), np.int32)
@@ -151,8 +160,12 @@ class ArrowDecoder:
                 if g == len(decoders):
                     decoders.append(dec)
                 ids[key == (sid << 16 | version)] = g
-            groups.append(ids)
-        group = groups[0] if len(groups) == 1 else np.concatenate(groups)
+            group[firsts[w] : firsts[w] + len(raw)] = ids
+        partition: str | npt.NDArray[Any] = (
+            next(iter(names))
+            if len(names) == 1
+            else np.repeat(np.array([p for _, p, _ in pending], object), n_of)
+        )
         self._decode_grouped(body, offsets, headers, decoders, group, times, partition)
 
     def _decode_grouped(

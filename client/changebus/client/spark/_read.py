@@ -157,9 +157,13 @@ async def _read(
                     # the timeout covers the reading between two yields only: a generator
                     # step runs in a task of its own, and a timeout belongs to one task
                     async with asyncio.timeout(idle_s) as deadline:
+                        moved = loop.time()
                         while position < spec.until and builder.rows < opts.arrow_batch_rows:
                             window = await anext(it)
-                            deadline.reschedule(loop.time() + idle_s)
+                            now = loop.time()
+                            if now - moved > 1.0:  # not per window: a window may take 10 us
+                                deadline.reschedule(now + idle_s)
+                                moved = now
                             if window.phase == "snapshot":
                                 # a snapshot page: rows at their latest version, whatever
                                 # the range's end; the position moves with the catch-up
