@@ -13,6 +13,7 @@ setting off (Spark's default), when nothing is pushed.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import urllib.request
@@ -162,3 +163,30 @@ def test_pushed_filters_read_less_and_give_the_same_rows(spark: Any, scripted: A
     # the setting off (Spark's default): no push-down, no error, the same rows
     got, read = run((scn > lo) & (scn <= hi))
     assert got == want(lambda c: lo < c[0] <= hi) and read == full
+
+
+async def test_a_bounded_consumer_read_stops_at_its_end(make_relay: Any) -> None:
+    """``until_scn``: the iterator ends after the window reaching it, nothing more is fetched."""
+    from changebus.client import Consumer, ConsumerConfig
+
+    async with make_relay(max_windows=400, events_per_window=3) as relay:
+        first = relay.hosts["syn"].buffer.meta.min_scn
+        common: dict[str, Any] = {
+            "relays": (relay.url,),
+            "partition": "syn",
+            "follow": False,
+            "wait_s": 0.2,
+            "max_bytes": 2048,
+        }
+        async with Consumer(
+            ConsumerConfig(**common, start=str(first + 19), until_scn=first + 29)
+        ) as c:
+            got = [w.scn async for w in c]
+            await asyncio.sleep(0.3)  # a fetcher still running would fetch on meanwhile
+            stats = c.stats()
+        assert got == list(range(first + 20, first + 30))
+        assert stats["windows_fetched"] < 40  # one small response past the end at most
+        # an end between window SCNs: the first window past it ends the read
+        config = ConsumerConfig(**common, start=str(first - 1), until_scn=first + 4)
+        async with Consumer(config) as c:
+            assert [w.scn async for w in c] == list(range(first, first + 5))
