@@ -224,6 +224,10 @@ def main() -> None:
                 }
                 spark_rows = sum(int(p["numInputRows"]) for p in q.recentProgress)
                 batches = len([p for p in q.recentProgress if int(p["numInputRows"])])
+                phases: dict[str, float] = {}
+                for p in q.recentProgress:
+                    for k, v in p["durationMs"].items():
+                        phases[k] = round(phases.get(k, 0.0) + v / 1000, 2)
             finally:
                 spark.stop()
             assert spark_rows == expected, (spark_rows, expected)
@@ -236,6 +240,7 @@ def main() -> None:
                 " (JVM, Python workers, relay)"
             )
             print(f"spark run CPU-s by process: {kinds}")
+            print(f"spark trigger phases (s): {phases}; from start() to the end {spark_s:.1f} s")
         finally:
             stop_relay(relay)
     ratio = spark_rate / raw_rate
@@ -253,6 +258,8 @@ def main() -> None:
                 "spark_cpu_s_per_mrow": round(spark_cpu / expected * 1e6, 1),
                 "cpu_efficiency_ratio": round(raw_cpu / spark_cpu, 3),
                 "spark_cpu_s_by_process": kinds,
+                "spark_trigger_phases_s": phases,
+                "spark_s": round(spark_s, 2),
                 "load_average_1min": round(os.getloadavg()[0], 2),
             }
         )
