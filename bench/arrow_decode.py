@@ -251,6 +251,7 @@ def main() -> None:
     result |= bench("mixed", args.rows, args.batch, args.repeat, mixed=True)
     result["arrow_decode_vs_fastavro_ratio"] = result["inserts_arrow_vs_fastavro_ratio"]
     result["goal_arrow_decode_vs_fastavro_ratio"] = 2.0
+    result["load_average_1min"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 
 

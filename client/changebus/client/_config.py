@@ -66,7 +66,9 @@ class ConsumerConfig:
     long the relay holds a request (or an idle follow response) with nothing
     new; ``max_bytes`` bounds one response or push and ``follow_bytes`` one
     follow response. A connection silent for ``wait_s + read_margin_s``
-    counts as broken.
+    counts as broken. ``until_scn`` makes a bounded read: once a relay window
+    at or past that SCN is queued the consumer fetches nothing more, and the
+    iterator ends after yielding it (a Spark task reading an SCN range).
 
     Flow control: at most ``queue_windows`` windows and about ``queue_bytes``
     bytes wait between fetching and processing; beyond that the consumer
@@ -134,6 +136,7 @@ class ConsumerConfig:
     wait_s: float = 10.0
     max_bytes: int = 1 << 20
     follow_bytes: int = 64 << 20
+    until_scn: int | None = None
     queue_windows: int = 256
     queue_bytes: int = 16 << 20
     connect_timeout_s: float = 5.0
@@ -246,6 +249,8 @@ class ConsumerConfig:
             raise ConfigError("max_attempts must be >= 0 and max_rollbacks >= -1")
         if self.callback_time_budget_s <= 0 or self.checkpoint_every_windows < 1:
             raise ConfigError("callback_time_budget_s must be > 0, checkpoint_every_windows >= 1")
+        if self.until_scn is not None and self.until_scn < -1:
+            raise ConfigError("until_scn must be >= -1")
         if self.on_data_loss not in ("raise", "deliver"):
             raise ConfigError("on_data_loss must be 'raise' or 'deliver'")
         readers: dict[str, object] = dict(self.reader_schemas)

@@ -128,6 +128,8 @@ class Consumer:
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        #: a bounded read (``until_scn``) yielded its last window
+        self._range_ended = False
         self._route: ClusterRoute | None = None
         self.cache = SchemaCache(config.reader_schemas, resolve_latest=config.resolve_latest)
 
@@ -338,6 +340,9 @@ class Consumer:
         assert self._position is not None
         if self.config.auto_commit and self._uncommitted is not None:
             await self.commit()
+        if self._range_ended:
+            raise StopAsyncIteration
+        until = self.config.until_scn
         while True:
             if not len(self._queue) and self._uncommitted is None and self._position.dirty:
                 await self._position.persist()  # idle: store what empty windows advanced
@@ -351,13 +356,19 @@ class Consumer:
             if window.data_loss is not None and self.config.on_data_loss == "raise":
                 self._failed = DataLossDetectedError.reported_in(window)
                 raise self._failed
+            # the end of a bounded read: the fetcher stopped after this window
+            ended = until is not None and window.phase == "online" and window.scn >= until
             if window.is_empty and not self.config.yield_empty_windows:
                 if self._uncommitted is None:
                     self._position.advance(window)
                 else:
                     self._uncommitted = window  # committing the later one covers both
+                if ended:
+                    self._range_ended = True
+                    raise StopAsyncIteration
                 continue
             self._uncommitted = window
+            self._range_ended = ended
             return window
 
     async def commit(self) -> None:

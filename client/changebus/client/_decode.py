@@ -227,15 +227,18 @@ async def _raw_events(
     raw: RawWindow, idx: list[int], cache: SchemaCache, source: SchemaSource
 ) -> RawEvents:
     """The data events ``idx`` of ``raw`` undecoded, with their writers' decoders."""
-    headers = raw.headers[idx] if len(idx) != len(raw.offsets) else raw.headers
-    offsets = raw.offsets[idx] if len(idx) != len(raw.offsets) else raw.offsets
+    if len(idx) == len(raw.offsets):
+        headers, offsets = raw.headers, raw.offsets
+    elif idx[-1] - idx[0] + 1 == len(idx):  # one run (the usual case): views, no copies
+        headers, offsets = raw.headers[idx[0] : idx[-1] + 1], raw.offsets[idx[0] : idx[-1] + 1]
+    else:
+        headers, offsets = raw.headers[idx], raw.offsets[idx]
     decoders: dict[tuple[int, int], ChangeDecoder] = {}
-    for sid, version in zip(
-        headers["source_id"].tolist(), headers["schema_version"].tolist(), strict=True
+    for sid, version in set(
+        zip(headers["source_id"].tolist(), headers["schema_version"].tolist(), strict=True)
     ):
-        if (sid, version) not in decoders:
-            writer = await cache.writer(sid, version, source)
-            decoders[(sid, version)] = cache.decoder(sid, writer)
+        writer = await cache.writer(sid, version, source)
+        decoders[(sid, version)] = cache.decoder(sid, writer)
     return RawEvents(raw.body, offsets, headers, decoders)
 
 

@@ -203,3 +203,7 @@ class RelayFetcher:
             raw, self.stream.partition or "", self._cache, source, columnar=self.config.columnar
         )
         await self._queue.put(window, raw)
+        until = self.config.until_scn
+        if until is not None and raw.scn >= until:
+            # a bounded read (until_scn) is complete: fetch nothing more; close() cancels
+            await asyncio.Event().wait()

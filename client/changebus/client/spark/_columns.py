@@ -29,9 +29,8 @@ Not thread-safe: a decoder belongs to one thread (one Spark task).
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -40,8 +39,9 @@ import pyarrow as pa
 from changebus.schemas import FIRST_CONTROL_OP, HEADER_SIZE, ChangeDecoder, Op
 
 from .._consumer import Consumer
-from .._model import Window
+from .._model import RawEvents, Window
 from ._arrow import META_NAMES, BatchBuilder, arrow_converter, column_array
+from ._vecread import Fallback, vector_reader
 
 __all__ = ["ArrowDecoder", "DecoderFor", "arrow_batches"]
 
@@ -57,18 +57,32 @@ class ArrowDecoder:
     ``schema`` may hold any subset of the data and metadata columns (as for
     :class:`~._arrow.BatchBuilder`); data columns a table lacks are null.
     ``include_preimage`` adds an ``update_preimage`` row before each update
-    that carries a before-image. Events are gathered by :meth:`add` (or
-    :meth:`add_events`) and come out, in the order added, from
-    :meth:`flush`. Not thread-safe.
+    that carries a before-image. Events are gathered by :meth:`add_window`,
+    :meth:`add` or :meth:`add_events` and come out, in the order added, from
+    :meth:`flush`. Relay windows are decoded in bulk: their events wait until
+    ``drain_events`` of them are gathered (or :meth:`flush`), then each writer
+    schema's events are decoded in one pass, whatever windows they came in.
+    Not thread-safe.
     """
 
-    def __init__(self, schema: pa.Schema, *, include_preimage: bool = True) -> None:
+    def __init__(
+        self, schema: pa.Schema, *, include_preimage: bool = True, drain_events: int = 16_384
+    ) -> None:
         self.schema = schema
         self.include_preimage = include_preimage
         self._convs = {f.name: arrow_converter(f.type) for f in schema if f.name not in META_NAMES}
         self._parts: list[pa.RecordBatch] = []
         self._rows: BatchBuilder | None = None
-        self.rows = 0
+        self._decoded = 0
+        #: relay windows not decoded yet: (events, partition, commit time)
+        self._pending: list[tuple[RawEvents, str, int]] = []
+        self._pending_events = 0
+        self._drain_at = drain_events
+
+    @property
+    def rows(self) -> int:
+        """Rows gathered so far; events not decoded yet count one row each."""
+        return self._decoded + self._pending_events
 
     def add_window(self, window: Window) -> None:
         """Append the rows of ``window``: its ``raw_events`` decoded column-wise,
@@ -76,16 +90,13 @@ class ArrowDecoder:
         :class:`~._arrow.BatchBuilder` lays them out."""
         raw = window.raw_events
         if raw is not None:
-            decoders = raw.decoders
-            self.add_events(
-                raw.body,
-                raw.offsets,
-                raw.headers,
-                lambda sid, version: decoders[(sid, version)],
-                window.partition,
-                timestamps_ns=[window.timestamp_ns] * len(raw),
-            )
+            if len(raw):
+                self._pending.append((raw, window.partition, window.timestamp_ns))
+                self._pending_events += len(raw)
+                if self._pending_events >= self._drain_at:
+                    self._drain()
         elif window.events:
+            self._drain()
             rows = self._rows
             if rows is None:
                 rows = self._rows = BatchBuilder(
@@ -94,7 +105,112 @@ class ArrowDecoder:
             rows.add_window(window)
             n = rows.rows
             self._parts.append(rows.flush())
-            self.rows += n
+            self._decoded += n
+
+    def _drain(self) -> None:
+        """Decode the pending relay windows' events, one pass per writer schema."""
+        pending, self._pending = self._pending, []
+        self._pending_events = 0
+        if not pending:
+            return
+        k = len(pending)
+        counts: list[int] = []
+        sizes: list[int] = []
+        bodies: list[bytes] = []
+        offs: list[npt.NDArray[np.int64]] = []
+        heads: list[bytes] = []
+        names: set[str] = set()
+        # the writer-schema decoder of every event (decoders are per window: by identity)
+        decoders: list[ChangeDecoder] = []
+        slot: dict[int, int] = {}
+        gids: list[int] = []
+        multi: list[tuple[int, RawEvents]] = []  # windows of several writer schemas
+        for w, (raw, part, _) in enumerate(pending):
+            counts.append(len(raw))
+            sizes.append(len(raw.body))
+            bodies.append(raw.body)
+            offs.append(raw.offsets)
+            heads.append(raw.headers.tobytes())  # (a structured concatenation is slow)
+            names.add(part)
+            if len(raw.decoders) != 1:
+                multi.append((w, raw))
+                gids.append(0)
+                continue
+            dec = next(iter(raw.decoders.values()))
+            g = slot.setdefault(id(dec), len(slot))
+            if g == len(decoders):
+                decoders.append(dec)
+            gids.append(g)
+        n_of = np.array(counts, np.int64)
+        body = bodies[0] if k == 1 else b"".join(bodies)
+        offsets = np.concatenate(offs).astype(np.int64)
+        if k > 1:
+            size = np.array(sizes, np.int64)
+            offsets += np.repeat(np.cumsum(size) - size, n_of)
+        headers = np.frombuffer(b"".join(heads), pending[0][0].headers.dtype)
+        times = np.repeat(np.array([t for _, _, t in pending], np.int64), n_of)
+        group = np.repeat(np.array(gids, np.int32), n_of)
+        firsts = np.cumsum(n_of) - n_of
+        for w, raw in multi:
+            h = raw.headers
+            key = h["source_id"].astype(np.int64) << 16 | h["schema_version"]
+            ids = np.zeros(len(raw), np.int32)
+            for (sid, version), dec in raw.decoders.items():
+                g = slot.setdefault(id(dec), len(slot))
+                if g == len(decoders):
+                    decoders.append(dec)
+                ids[key == (sid << 16 | version)] = g
+            group[firsts[w] : firsts[w] + len(raw)] = ids
+        partition: str | npt.NDArray[Any] = (
+            next(iter(names))
+            if len(names) == 1
+            else np.repeat(np.array([p for _, p, _ in pending], object), n_of)
+        )
+        self._decode_grouped(body, offsets, headers, decoders, group, times, partition)
+
+    def _decode_grouped(
+        self,
+        buf: bytes,
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any],
+        decoders: Sequence[ChangeDecoder],
+        group: npt.NDArray[np.int32],
+        times: npt.NDArray[np.int64],
+        partition: str | npt.NDArray[Any],
+    ) -> None:
+        """Data events of several writer schemas: one pass each, rows in the events' order."""
+        ks = offsets + HEADER_SIZE
+        starts = ks + headers["key_length"]
+        stops = offsets + headers["total_length"]
+        ops = headers["op"].astype(np.int64)
+        seqs = headers["seq"].astype(np.int64)
+        scns = headers["scn"].astype(np.int64)
+        batches: list[pa.RecordBatch] = []
+        order: list[npt.NDArray[np.int64]] = []
+        for g, decoder in enumerate(decoders):
+            sel = None if len(decoders) == 1 else np.flatnonzero(group == g)
+
+            def pick(a: npt.NDArray[Any], sel: npt.NDArray[np.int64] | None = sel) -> Any:
+                return a if sel is None else a[sel]
+
+            part = partition if isinstance(partition, str) else pick(partition)
+            batch, src = self._decode(
+                decoder, buf, pick(starts), pick(stops), pick(ops), pick(seqs), pick(scns),
+                pick(times), part, pick(ks),
+            )  # fmt: skip
+            batches.append(batch)
+            order.append(src if sel is None else sel[src])
+        if len(batches) == 1:
+            self._append(batches[0])
+            return
+        events = np.concatenate(order)
+        rows = pa.concat_batches(batches)
+        self._append(rows.take(pa.array(np.argsort(events, kind="stable"))))
+
+    def _append(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self._parts.append(batch)
+            self._decoded += batch.num_rows
 
     def add(
         self,
@@ -118,113 +234,88 @@ class ArrowDecoder:
         where its payload starts): needed only for a delete without a
         before-image, whose row is its key.
         """
-        n = len(starts)
-        if not n:
+        if not len(starts):
             return
-        ncols = len(decoder.columns)
-        after: list[list[Any]] = [[] for _ in range(ncols)]
-        before: list[list[Any]] = [[] for _ in range(ncols)]
-        present, not_sent = decoder.decode_columns(buf, starts, stops, after, before)
+        self._drain()
+        names = set(partitions)
+        part: str | npt.NDArray[Any] = (
+            next(iter(names)) if len(names) == 1 else np.array(list(partitions), object)
+        )
+        batch, _ = self._decode(
+            decoder, buf, np.asarray(starts, np.int64), np.asarray(stops, np.int64),
+            np.asarray(ops, np.int64), np.asarray(seqs, np.int64), np.asarray(scns, np.int64),
+            np.asarray(timestamps_ns, np.int64), part,
+            None if key_starts is None else np.asarray(key_starts, np.int64),
+        )  # fmt: skip
+        self._append(batch)
+
+    def _decode(
+        self,
+        decoder: ChangeDecoder,
+        buf: bytes,
+        starts: npt.NDArray[np.int64],
+        stops: npt.NDArray[np.int64],
+        ops: npt.NDArray[np.int64],
+        seqs: npt.NDArray[np.int64],
+        scns: npt.NDArray[np.int64],
+        times: npt.NDArray[np.int64],
+        partition: str | npt.NDArray[Any],
+        key_starts: npt.NDArray[np.int64] | None,
+    ) -> tuple[pa.RecordBatch, npt.NDArray[np.int64]]:
+        """One writer schema's events as a batch, and the event of each of its rows."""
+        n = len(starts)
+        start_list = starts.tolist()
+        images = _images(decoder, buf, starts, stops)
+        present = images[2]
+        not_sent = images[3]
+        lay = _layout(ops, np.asarray(present, np.int64), self.include_preimage)
         extra: list[dict[str, Any] | None] = []  # rows no image holds, at 2n + j
-        idx: list[int] = []
-        change: list[str] = []
-        src: list[int] = []  # the event of each output row
-        pre = self.include_preimage
-        patch_at: dict[int, int] = {}  # event -> its post-image row, for not-sent events
-        ns_events = {i for i, _, _ in not_sent}
-        for i, (op, p) in enumerate(zip(ops, present, strict=True)):
-            if op == _INSERT:
-                idx.append(i)
-                change.append("insert")
-                src.append(i)
-            elif op == _UPDATE:
-                if pre and p & 2:
-                    idx.append(n + i)
-                    change.append("update_preimage")
-                    src.append(i)
-                if i in ns_events:
-                    patch_at[i] = len(idx)
-                idx.append(i)
-                change.append("update_postimage")
-                src.append(i)
-            elif op == _DELETE:
-                if p & 2:
-                    idx.append(n + i)
-                else:
-                    idx.append(2 * n + len(extra))
-                    extra.append(_key_row(decoder, buf, starts, key_starts, i))
-                change.append("delete")
-                src.append(i)
+        for i in np.flatnonzero(lay.extra).tolist():
+            if ops[i] == _DELETE:
+                ks = None if key_starts is None else int(key_starts[i])
+                extra.append(_key_row(decoder, buf, start_list[i], ks))
             else:
-                idx.append(2 * n + len(extra))
-                extra.append(None)
-                change.append("truncate")
-                src.append(i)
+                extra.append(None)  # a truncate: no row at all
         # not-sent values of a post-image: the before-image's, where it has them
         patches: dict[str, list[tuple[int, int]]] = {}
-        names = decoder.columns
-        known = set(names)
+        known = set(decoder.columns)
         for i, after_ns, before_ns in not_sent:
-            row = patch_at.get(i)
-            if row is None or present[i] != 3:
+            if ops[i] != _UPDATE or present[i] != 3:
                 continue
+            row = int(lay.post_row[i])
             for name in after_ns:
                 if name in known and name not in before_ns:
                     patches.setdefault(name, []).append((row, n + i))
-        self._parts.append(
-            self._batch(
-                decoder, after, before, extra, idx, patches, change, src,
-                seqs, scns, timestamps_ns, partitions,
-            )
-        )  # fmt: skip
-        self.rows += len(idx)
-
-    def _batch(
-        self,
-        decoder: ChangeDecoder,
-        after: list[list[Any]],
-        before: list[list[Any]],
-        extra: list[dict[str, Any] | None],
-        idx: list[int],
-        patches: dict[str, list[tuple[int, int]]],
-        change: list[str],
-        src: list[int],
-        seqs: Sequence[int],
-        scns: Sequence[int],
-        timestamps_ns: Sequence[int],
-        partitions: Sequence[str],
-    ) -> pa.RecordBatch:
-        n = len(after[0]) if after else 0
-        rows = len(idx)
-        identity = rows == n and idx == list(range(n))  # every event one row, in order
-        take: npt.NDArray[np.int64] | None = None if identity else np.asarray(idx, np.int64)
+        src = lay.src
+        rows = len(src)
         position = {name: j for j, name in enumerate(decoder.columns)}
-        table = decoder.reader.name
         arrays: list[pa.Array] = []
         for f in self.schema:
             name = f.name
             if name in META_NAMES:
-                arrays.append(_meta(name, f.type, change, src, seqs, scns, timestamps_ns,
-                                    partitions, table))  # fmt: skip
+                arrays.append(_meta(name, f.type, lay, seqs, scns, times, partition,
+                                    decoder.reader.name))  # fmt: skip
                 continue
             j = position.get(name)
             if j is None:
                 arrays.append(pa.nulls(rows, f.type))
                 continue
-            if identity:
-                arrays.append(column_array(after[j], f.type, self._convs[name]))
+            conv = self._convs[name]
+            after, before = images[0][j], images[1][j]
+            if lay.identity:
+                arrays.append(_as_array(after, n, f.type, conv))
                 continue
-            values = after[j] + before[j]
+            pieces = [_as_array(after, n, f.type, conv), _as_array(before, n, f.type, conv)]
             if extra:
-                values.extend(None if row is None else row.get(name) for row in extra)
-            arr = column_array(values, f.type, self._convs[name])
-            where = take
+                values = [None if row is None else row.get(name) for row in extra]
+                pieces.append(column_array(values, f.type, conv))
+            where = lay.idx
             if name in patches:
-                where = np.array(idx, np.int64)
+                where = lay.idx.copy()
                 for row, source in patches[name]:
                     where[row] = source
-            arrays.append(arr.take(pa.array(where)))
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+            arrays.append(pa.concat_arrays(pieces).take(pa.array(where)))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema), src
 
     def add_events(
         self,
@@ -239,49 +330,32 @@ class ArrowDecoder:
         """Decode the data events of a buffer of whole events (what a relay serves).
 
         ``offsets`` and ``headers`` are what :func:`~changebus.schemas.parse_stream`
-        returns for ``buf``; control events are skipped; runs of events of one
-        writer schema are decoded in one pass each, the rows kept in the
-        events' order. ``timestamps_ns`` (per event) replaces the headers'
-        commit timestamps (a consumer stamps a window's events with the
-        window's).
+        returns for ``buf``; control events are skipped; the events of one
+        writer schema are decoded in one pass, the rows kept in the events'
+        order. ``timestamps_ns`` (per event) replaces the headers' commit
+        timestamps (a consumer stamps a window's events with the window's).
         """
+        self._drain()
         offs = np.asarray(offsets, np.int64)
         sel = np.flatnonzero(headers["op"] < FIRST_CONTROL_OP)
         if not sel.size:
             return
         h = headers[sel]
-        o = offs[sel]
-        ks = o + HEADER_SIZE
-        starts = (ks + h["key_length"]).tolist()
-        stops = (o + h["total_length"]).tolist()
-        ts = (
-            h["timestamp_ns"].tolist()
+        times = (
+            h["timestamp_ns"].astype(np.int64)
             if timestamps_ns is None
-            else [timestamps_ns[i] for i in sel.tolist()]
+            else np.asarray(timestamps_ns, np.int64)[sel]
         )
-        ops, seqs, scns = h["op"].tolist(), h["seq"].tolist(), h["scn"].tolist()
-        kstarts = ks.tolist()
-        schema_of = h["source_id"].astype(np.int64) << 16 | h["schema_version"]
-        cuts = [0, *(np.flatnonzero(np.diff(schema_of)) + 1).tolist(), len(sel)]
-        sids, versions = h["source_id"].tolist(), h["schema_version"].tolist()
-        for a, b in itertools.pairwise(cuts):
-            self.add(
-                decoder_for(sids[a], versions[a]),
-                buf,
-                starts[a:b],
-                stops[a:b],
-                ops=ops[a:b],
-                seqs=seqs[a:b],
-                scns=scns[a:b],
-                timestamps_ns=ts[a:b],
-                partitions=[partition] * (b - a),
-                key_starts=kstarts[a:b],
-            )
+        key = h["source_id"].astype(np.int64) << 16 | h["schema_version"]
+        kinds, group = np.unique(key, return_inverse=True)
+        decoders = [decoder_for(int(k) >> 16, int(k) & 0xFFFF) for k in kinds.tolist()]
+        self._decode_grouped(buf, offs[sel], h, decoders, group.astype(np.int32), times, partition)
 
     def flush(self) -> pa.RecordBatch:
         """The rows gathered so far as one batch of :attr:`schema` (and start a new one)."""
+        self._drain()
         parts, self._parts = self._parts, []
-        self.rows = 0
+        self._decoded = 0
         if not parts:
             return pa.RecordBatch.from_arrays(
                 [pa.array([], type=f.type) for f in self.schema], schema=self.schema
@@ -291,47 +365,124 @@ class ArrowDecoder:
         return pa.concat_batches(parts)
 
 
-def _key_row(
+_Column: TypeAlias = "list[Any] | pa.Array | None"
+
+
+def _images(
     decoder: ChangeDecoder,
     buf: bytes,
-    starts: Sequence[int],
-    key_starts: Sequence[int] | None,
-    i: int,
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+) -> tuple[list[_Column], list[_Column], Sequence[int] | npt.NDArray[np.int64], list[Any]]:
+    """Both images of every record, column by column: ``(after, before, present, not_sent)``.
+
+    Vectorised (:mod:`._vecread`, Arrow arrays, None for a column no record
+    holds) when the schema and the batch allow, else the generated column
+    reader (one list of values per column).
+    """
+    vec = vector_reader(decoder)
+    if vec is not None:
+        try:
+            a, b, present, not_sent = vec.read(buf, starts, stops)
+            return list(a), list(b), present, not_sent
+        except Fallback:
+            pass
+    ncols = len(decoder.columns)
+    after: list[list[Any]] = [[] for _ in range(ncols)]
+    before: list[list[Any]] = [[] for _ in range(ncols)]
+    present_list, not_sent = decoder.decode_columns(
+        buf, starts.tolist(), stops.tolist(), after, before
+    )
+    return list(after), list(before), present_list, not_sent
+
+
+def _as_array(
+    values: _Column, n: int, t: pa.DataType, conv: Callable[[Any], Any] | None
+) -> pa.Array:
+    """One image's column as an Arrow array of type ``t`` (``n`` nulls for None)."""
+    if values is None:
+        return pa.nulls(n, t)
+    if isinstance(values, list):
+        return column_array(values, t, conv)
+    return values if values.type == t else values.cast(t)
+
+
+class _Layout(NamedTuple):
+    """Where each output row of a batch of events comes from (:func:`_layout`)."""
+
+    src: npt.NDArray[np.int64]  # the event of each row
+    idx: npt.NDArray[np.int64]  # its values: after-image i, before-image n + i, extra 2n + j
+    code: npt.NDArray[np.int8]  # its _change_type (an index into _CHANGE_NAMES)
+    post_row: npt.NDArray[np.int64]  # per event: its last row (an update's post-image)
+    extra: npt.NDArray[np.bool_]  # per event: its row is an extra one (key row, truncate)
+    identity: bool  # one row per event, each its after-image
+
+
+_CHANGE_NAMES = pa.array(["insert", "update_preimage", "update_postimage", "delete", "truncate"])
+
+
+def _layout(
+    ops: npt.NDArray[np.int64], present: npt.NDArray[np.int64], include_preimage: bool
+) -> _Layout:
+    """The output rows of ``n`` events (module docstring), computed with numpy."""
+    n = len(ops)
+    events = np.arange(n, dtype=np.int64)
+    has_before = (present & 2) != 0
+    insert, update, delete = ops == _INSERT, ops == _UPDATE, ops == _DELETE
+    other = ~(insert | update | delete)
+    extra = (delete & ~has_before) | other
+    pre = update & has_before if include_preimage else np.zeros(n, np.bool_)
+    main = np.where(insert | update, events, n + events)
+    if extra.any():
+        main[extra] = 2 * n + np.arange(int(extra.sum()), dtype=np.int64)
+    code = np.select([insert, update, delete], [0, 2, 3], 4).astype(np.int8)
+    if not pre.any():
+        identity = not (extra.any() or (delete & has_before).any())
+        return _Layout(events, main, code, events, extra, identity)
+    counts = 1 + pre.astype(np.int64)
+    src = np.repeat(events, counts)
+    post_row = np.cumsum(counts) - 1
+    first = post_row[pre] - 1  # the pre-image rows
+    idx = main[src]
+    idx[first] = n + events[pre]
+    row_code = code[src]
+    row_code[first] = 1
+    return _Layout(src, idx, row_code, post_row, extra, False)
+
+
+def _key_row(
+    decoder: ChangeDecoder, buf: bytes, payload_start: int, key_start: int | None
 ) -> dict[str, Any]:
-    """The key of event ``i`` (its bytes run from ``key_starts[i]`` to its payload)."""
-    if key_starts is None or key_starts[i] >= starts[i]:
+    """The key of an event whose key bytes run from ``key_start`` to its payload."""
+    if key_start is None or key_start >= payload_start:
         return {}
-    return decoder.decode_key(memoryview(buf)[key_starts[i] : starts[i]])
+    return decoder.decode_key(memoryview(buf)[key_start:payload_start])
 
 
 def _meta(
     name: str,
     t: pa.DataType,
-    change: list[str],
-    src: list[int],
-    seqs: Sequence[int],
-    scns: Sequence[int],
-    timestamps_ns: Sequence[int],
-    partitions: Sequence[str],
+    lay: _Layout,
+    seqs: npt.NDArray[np.int64],
+    scns: npt.NDArray[np.int64],
+    times: npt.NDArray[np.int64],
+    partition: str | npt.NDArray[Any],
     table: str,
 ) -> pa.Array:
-    """One metadata column: per output row, a value of its event (``src``)."""
+    """One metadata column: per output row, a value of its event (``lay.src``)."""
+    src = None if len(lay.src) == len(seqs) else lay.src
     if name == "_change_type":
-        return pa.array(change, type=t)
+        return _CHANGE_NAMES.take(pa.array(lay.code)).cast(t)
     if name == "_source":
-        return pa.array([table] * len(src), type=t)
-    values: Sequence[Any]
-    if name == "_commit_scn":
-        values = scns
-    elif name == "_commit_timestamp":
-        values = [v // 1000 for v in timestamps_ns]
-    elif name == "_txn_seq":
-        values = seqs
-    else:
-        values = partitions
-    if len(src) == len(values) and src == list(range(len(src))):
-        return pa.array(values, type=t)
-    return pa.array([values[i] for i in src], type=t)
+        return pa.repeat(pa.scalar(table, t), len(lay.src))
+    if name == "_partition":
+        if isinstance(partition, str):
+            return pa.repeat(pa.scalar(partition, t), len(lay.src))
+        return pa.array((partition if src is None else partition[src]).tolist(), type=t)
+    values = {"_commit_scn": scns, "_txn_seq": seqs}.get(name)
+    if values is None:  # _commit_timestamp
+        values = times // 1000
+    return pa.array(values if src is None else values[src], type=t)
 
 
 async def arrow_batches(

@@ -102,6 +102,7 @@ def _config(
         start="earliest" if position < 0 else str(position),
         client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
         follow=False,
+        until_scn=spec.until,  # fetch nothing past the range
         wait_s=1.0,
         max_bytes=opts.max_bytes_per_request,
         connect_timeout_s=min(opts.request_timeout_s, 10.0),
@@ -156,9 +157,13 @@ async def _read(
                     # the timeout covers the reading between two yields only: a generator
                     # step runs in a task of its own, and a timeout belongs to one task
                     async with asyncio.timeout(idle_s) as deadline:
+                        moved = loop.time()
                         while position < spec.until and builder.rows < opts.arrow_batch_rows:
                             window = await anext(it)
-                            deadline.reschedule(loop.time() + idle_s)
+                            now = loop.time()
+                            if now - moved > 1.0:  # not per window: a window may take 10 us
+                                deadline.reschedule(now + idle_s)
+                                moved = now
                             if window.phase == "snapshot":
                                 # a snapshot page: rows at their latest version, whatever
                                 # the range's end; the position moves with the catch-up

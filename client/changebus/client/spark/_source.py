@@ -486,8 +486,12 @@ class ChangebusDataSource(DataSource):
         return run_sync(resolve_cluster(opts)) if opts.zookeeper else opts
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        from ._pushdown import PushdownBatchReader, pushdown_planning
+
         opts = self._options("batch")
         check_options(opts)
+        if pushdown_planning():  # Spark asks for filters only there (see ._pushdown)
+            return PushdownBatchReader(opts, schema)
         return ChangebusBatchReader(opts, schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
