@@ -41,7 +41,12 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from changebus.schemas import ChangeDecoder, CorruptEventError
-from changebus.schemas._avroread import _expanded, _plan, _string_array, _Unsupported
+from changebus.schemas.avroplan import (
+    UnsupportedSchema,
+    expanded_type,
+    read_string_array,
+    resolution_plan,
+)
 
 __all__ = ["Fallback", "VectorReader", "vector_reader"]
 
@@ -67,7 +72,7 @@ class _Field:
         self.width = 0
         if isinstance(avro, list):
             if len(avro) != 2 or "null" not in avro:
-                raise _Unsupported("a union other than [null, T]")
+                raise UnsupportedSchema("a union other than [null, T]")
             self.nullable = True
             self.branch = 2 * (1 - avro.index("null"))
             avro = avro[1 - avro.index("null")]
@@ -76,17 +81,17 @@ class _Field:
         elif isinstance(avro, dict) and isinstance(avro.get("type"), str):
             base, logical = avro["type"], avro.get("logicalType")
         else:
-            raise _Unsupported("nested type")
+            raise UnsupportedSchema("nested type")
         key = f"{base}-{logical}" if logical else str(base)
         spec = _KINDS.get(key)
         if spec is None:
-            raise _Unsupported(f"type {key}")
+            raise UnsupportedSchema(f"type {key}")
         self.kind, self.type, self.scale = spec
         if key == "bytes-decimal":
             assert isinstance(avro, dict)
             precision, scale = int(avro.get("precision", 0)), int(avro.get("scale", 0))
             if not 0 < precision <= 18:
-                raise _Unsupported("decimal wider than 18 digits")
+                raise UnsupportedSchema("decimal wider than 18 digits")
             self.type = pa.decimal128(precision, scale)
             self.width = precision
 
@@ -117,12 +122,14 @@ class VectorReader:
 
     def __init__(self, parsed_row: dict[str, Any], reader: dict[str, Any] | None) -> None:
         named = parsed_row.get("__named_schemas", {})
-        resolve = None if reader is None else _plan(parsed_row, reader)
+        resolve = None if reader is None else resolution_plan(parsed_row, reader)
         out = [f["name"] for f in (reader or parsed_row)["fields"]]
         index = {name: i for i, name in enumerate(out)}
         dropped = resolve.dropped if resolve is not None else frozenset()
         self.fields = [
-            _Field(_expanded(f["type"], named), None if f["name"] in dropped else index[f["name"]])
+            _Field(
+                expanded_type(f["type"], named), None if f["name"] in dropped else index[f["name"]]
+            )
             for f in parsed_row["fields"]
         ]
         self.ncols = len(out)
@@ -168,8 +175,8 @@ class VectorReader:
         plain = (u8[pos] == 0) & (u8[pos + 1] == 0) & (pos + 2 == stop)
         not_sent: list[Any] = []
         for i in np.flatnonzero(~plain).tolist():
-            after_ns, at = _string_array(buf, int(pos[i]))
-            before_ns, at = _string_array(buf, at)
+            after_ns, at = read_string_array(buf, int(pos[i]))
+            before_ns, at = read_string_array(buf, at)
             if at != int(stop[i]):
                 raise CorruptEventError("change record does not end where its event ends")
             if after_ns or before_ns:
@@ -362,7 +369,7 @@ def vector_reader(decoder: ChangeDecoder) -> VectorReader | None:
     if isinstance(w, dict) and (r is None or isinstance(r, dict)):
         try:
             vec = VectorReader(w, r)
-        except _Unsupported:
+        except UnsupportedSchema:
             vec = None
     _READERS[decoder] = vec
     return vec
