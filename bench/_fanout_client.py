@@ -51,6 +51,8 @@ class ConsumerFigures:
     last_scn: int = -1
     errors: int = 0
     error: str = ""
+    #: when the consumer's first answer (from=latest, or the raw stream's head) arrived
+    ready_at: float = 0.0
     receipts: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -90,6 +92,7 @@ async def _follow(
     head = await http.reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"follow request answered {head[:40]!r}")
+    fig.ready_at = fig.ready_at or time.time()
     while True:
         size = int((await http.reader.readuntil(b"\r\n"))[:-2], 16)
         if size == 0:
@@ -123,6 +126,7 @@ async def _consume(
             return
         base = f"/v1/stream?partition={partition}&client={client}"
         _, headers, _ = await http.get(f"{base}&from=latest")
+        fig.ready_at = time.time()
         scn, offset = int(headers["x-changebus-next-scn"]), int(headers["x-changebus-next-offset"])
         for _ in range(MAX_REQUESTS):
             if time.time() >= record_to:
@@ -185,7 +189,7 @@ def consumer_proc(
             fig.max_ms = float(lat_ms.max()) if lat_ms.size else 0.0
             bins = np.clip((lat_ms / BIN_MS).astype(np.int64), 0, BINS - 1)
             hist += np.bincount(bins, minlength=BINS)
-        rows.append((fig.windows, fig.max_ms, fig.last_scn, fig.errors, fig.error))
+        rows.append((fig.windows, fig.max_ms, fig.last_scn, fig.errors, fig.error, fig.ready_at))
     out.put((hist, rows, len(chunks)))
 
 

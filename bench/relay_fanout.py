@@ -19,7 +19,9 @@ synthetic fetcher in its process, pushing every new window to every
 connection as a chunk, to the same consumers (read like follow mode).
 
 Idle consumers: the relay's memory (``VmRSS`` and ``RssAnon``) and CPU with
-1,000 long-polls held on a partition with no traffic.
+1,000 long-polls held on a partition with no traffic, measured first (the
+relay has served nobody yet; its CPU net of the ingest alone). Each case
+also gives the relay's anonymous memory at its end.
 
 Goals (issue 23): p99 <= 20 ms with 50 consumers (both modes), p99 <= 50 ms
 with 1,000, relay CPU per delivered window within 2x from 50 to 1,000
@@ -87,12 +89,21 @@ def measure(
     time.sleep(max(0.0, window[1] - time.time()))
     cpu1 = cpu_seconds(pid)
     clients1 = sum(cpu_seconds(w.pid) for w in workers if w.pid is not None)
+    anon_mib = memory_kib(pid)["RssAnon"] / 1024
     results = [out.get(timeout=seconds + 120) for _ in workers]
     for w in workers:
         w.join(30)
     hist = sum((r[0] for r in results), np.zeros_like(results[0][0]))
     rows = [row for r in results for row in r[1]]
     windows = np.asarray([row[0] for row in rows], dtype=np.float64)
+    ready = np.asarray([row[5] for row in rows], dtype=np.float64)
+    late = int(((ready == 0) | (ready > record_from)).sum())
+    if late:
+        print(
+            f"  {mode}: {late} of {len(rows)} consumers were not ready when measuring began "
+            f"(last ready {ready.max() - record_from:+.1f} s after)",
+            flush=True,
+        )
     errors = sorted({row[4] for row in rows if row[4]})
     if errors:
         print(f"  {mode} consumer errors: {'; '.join(errors[:3])}", flush=True)
@@ -104,7 +115,9 @@ def measure(
         "min_consumer_share": float(windows.min()) / seconds / rate,
         "relay_cpu_s_per_s": (cpu1 - cpu0) / seconds,
         "clients_cpu_s_per_s": (clients1 - clients0) / seconds,
+        "relay_anon_mib": anon_mib,
         "errors": float(sum(row[3] for row in rows)),
+        "late": float(late),
         "distinct_chunks": float(sum(r[2] for r in results)),
     }
 
@@ -216,11 +229,13 @@ def _report(result: dict[str, float], key: str, figs: dict[str, float], ingest: 
         "max_consumer_lag_ms",
         "relay_cpu_s_per_s",
         "clients_cpu_s_per_s",
+        "relay_anon_mib",
     ):
         result[f"{key}_{name}"] = round(figs[name], 3)
     result[f"{key}_windows_per_s"] = round(figs["windows_per_s"])
     result[f"{key}_min_consumer_share"] = round(figs["min_consumer_share"], 3)
     result[f"{key}_errors"] = int(figs["errors"])
+    result[f"{key}_late_consumers"] = int(figs["late"])
     serving = max(figs["relay_cpu_s_per_s"] - ingest, 0.0)
     if figs["windows_per_s"]:
         result[f"{key}_cpu_us_per_window"] = round(serving / figs["windows_per_s"] * 1e6, 2)
@@ -228,7 +243,7 @@ def _report(result: dict[str, float], key: str, figs: dict[str, float], ingest: 
         f"{key:16s} p50 {figs['p50_ms']:7.2f} ms  p99 {figs['p99_ms']:7.2f} ms  "
         f"worst {figs['max_consumer_lag_ms']:7.1f} ms  {figs['windows_per_s']:9,.0f} windows/s  "
         f"slowest {figs['min_consumer_share']:.3f}  cpu {figs['relay_cpu_s_per_s']:.2f} s/s "
-        f"(clients {figs['clients_cpu_s_per_s']:.2f})  errors {int(figs['errors'])}  chunks {int(figs['distinct_chunks']):,}",
+        f"(clients {figs['clients_cpu_s_per_s']:.2f})  anon {figs['relay_anon_mib']:.0f} MiB  errors {int(figs['errors'])}  chunks {int(figs['distinct_chunks']):,}",
         flush=True,
     )
 
@@ -257,10 +272,6 @@ def main() -> None:
             ingest = (cpu_seconds(relay.pid) - cpu0) / args.seconds
             result["relay_ingest_only_cpu_s_per_s"] = round(ingest, 3)
             print(f"relay with no consumer: {ingest:.3f} CPU s/s", flush=True)
-            for n in counts:
-                for mode in modes:
-                    figs = measure(port, mode, n, args.procs, args.seconds, relay.pid, args.rate)
-                    _report(result, f"{mode}_c{n}", figs, ingest)
             if args.idle:
                 idle = idle_longpolls(port, relay.pid, args.idle, args.procs, args.seconds)
                 key = f"idle_{args.idle}"
@@ -274,6 +285,10 @@ def main() -> None:
                     f"(ingest alone {ingest:.3f})",
                     flush=True,
                 )
+            for n in counts:
+                for mode in modes:
+                    figs = measure(port, mode, n, args.procs, args.seconds, relay.pid, args.rate)
+                    _report(result, f"{mode}_c{n}", figs, ingest)
         finally:
             stop_relay(relay)
     for n in counts:
