@@ -32,15 +32,15 @@ def start_relay(
 ) -> subprocess.Popen[bytes]:
     """Start ``changebus relay --config config`` and wait until ``port`` accepts.
 
-    ``profile``: run the relay under cProfile, its statistics written to that
-    file when the relay stops (:func:`stop_relay`).
+    ``profile``: run the relay under cProfile (its event loop thread's CPU
+    time, ``bench/_profile_relay.py``), the statistics written to that file
+    when the relay stops (:func:`stop_relay`).
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(PATHS)}
-    prof = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
-    relay = subprocess.Popen(
-        [sys.executable, *prof, "-m", "changebus.schemas", "relay", "--config", str(config)],
-        env=env,
-    )
+    command = ["-m", "changebus.schemas"]
+    if profile is not None:
+        command = [str(ROOT / "bench" / "_profile_relay.py"), str(profile)]
+    relay = subprocess.Popen([sys.executable, *command, "relay", "--config", str(config)], env=env)
     deadline = time.time() + seconds
     while True:
         try:

@@ -189,7 +189,17 @@ def consumer_proc(
             fig.max_ms = float(lat_ms.max()) if lat_ms.size else 0.0
             bins = np.clip((lat_ms / BIN_MS).astype(np.int64), 0, BINS - 1)
             hist += np.bincount(bins, minlength=BINS)
-        rows.append((fig.windows, fig.max_ms, fig.last_scn, fig.errors, fig.error, fig.ready_at))
+        rows.append(
+            (
+                fig.windows,
+                fig.max_ms,
+                fig.last_scn,
+                fig.errors,
+                fig.error,
+                fig.ready_at,
+                len(fig.receipts),
+            )
+        )
     out.put((hist, rows, len(chunks)))
 
 

@@ -112,6 +112,7 @@ def measure(
         "p99_ms": percentile(hist, 99),
         "max_consumer_lag_ms": max(row[1] for row in rows),
         "windows_per_s": float(windows.sum()) / seconds,
+        "receipts_per_s": sum(row[6] for row in rows) / seconds,
         "min_consumer_share": float(windows.min()) / seconds / rate,
         "relay_cpu_s_per_s": (cpu1 - cpu0) / seconds,
         "clients_cpu_s_per_s": (clients1 - clients0) / seconds,
@@ -233,6 +234,11 @@ def _report(result: dict[str, float], key: str, figs: dict[str, float], ingest: 
     ):
         result[f"{key}_{name}"] = round(figs[name], 3)
     result[f"{key}_windows_per_s"] = round(figs["windows_per_s"])
+    # responses (long-poll) or pushes (follow, raw) received per second, all consumers
+    result[f"{key}_receipts_per_s"] = round(figs["receipts_per_s"])
+    if figs["receipts_per_s"]:
+        per = figs["relay_cpu_s_per_s"] / figs["receipts_per_s"] * 1e6
+        result[f"{key}_relay_cpu_us_per_receipt"] = round(per, 1)
     result[f"{key}_min_consumer_share"] = round(figs["min_consumer_share"], 3)
     result[f"{key}_errors"] = int(figs["errors"])
     result[f"{key}_late_consumers"] = int(figs["late"])
