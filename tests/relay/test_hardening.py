@@ -214,49 +214,6 @@ def test_settled_responses_outlive_the_tail_until_their_windows_are_evicted() ->
     assert cache.nbytes == 500 and len(cache) == 2
 
 
-def test_large_settled_answers_are_kept_once_asked_for_twice() -> None:
-    """Settled answers may be larger than small ones; repeated() says when to copy them."""
-
-    def resp(n: int, *, to_tail: bool = True) -> CachedResponse:
-        return CachedResponse(b"x" * n, 1, -1, 1, 1, False, to_tail, 0)
-
-    cache = ResponseCache(max_bytes=4000, max_entry_bytes=400, max_settled_bytes=2000)
-    assert cache.max_settled_bytes == 1000  # at most a quarter of the budget
-    cache.put(1, ("tail",), resp(900))  # an answer at the tail: the small limit
-    cache.put(1, ("settled",), resp(900, to_tail=False))
-    assert cache.get(1, ("tail",)) is None and cache.get(2, ("settled",)) is not None
-    cache.put(1, ("huge",), resp(1001, to_tail=False))
-    assert cache.get(1, ("huge",)) is None
-    assert not cache.repeated(("a",)) and cache.repeated(("a",)) and not cache.repeated(("b",))
-    for i in range(5000):  # remembers a bounded number of keys
-        cache.repeated(("k", i))
-    assert not cache.repeated(("a",))
-
-
-async def test_a_herd_catching_up_shares_large_settled_answers(tmp_path: Path) -> None:
-    """The second identical request for an answer cut by max_bytes copies it; the rest share it."""
-    cfg = ring_config(tmp_path, 16 << 20)
-    async with Relay(cfg) as relay, aiohttp.ClientSession() as http:
-        await fill(relay, 1, 4 << 20)
-        cache = relay.server.app[RESPONSES]
-        url = f"{relay.url}/v1/stream"
-        params: dict[str, Any] = {"partition": "ring", "scn": -1, "max_bytes": 700_000}
-        bodies = []
-        for _ in range(3):
-            async with http.get(url, params=params) as resp:
-                assert resp.status == 200 and resp.headers["X-Changebus-Partial"] == "0"
-                bodies.append(await resp.read())
-            if len(bodies) == 1:  # the first went out zero-copy: nothing kept
-                assert "ring" not in cache or len(cache["ring"]) == 0
-        assert 500_000 < len(bodies[0]) <= 700_000
-        assert bodies[0] == bodies[1] == bodies[2]
-        assert len(cache["ring"]) == 1 and cache["ring"].nbytes == len(bodies[0])
-        # the answer that reaches the tail is not settled: above 256 KiB it is never kept
-        async with http.get(url, params={**params, "max_bytes": 8 << 20}) as resp:
-            assert len(await resp.read()) > 4 << 20
-        assert len(cache["ring"]) == 1
-
-
 async def test_follow_and_long_polls_keep_the_cache_under_its_budget(tmp_path: Path) -> None:
     budget = 1 << 20
     cfg = ring_config(tmp_path, 16 << 20, response_cache_bytes=budget)

@@ -79,9 +79,6 @@ NDJSON: web.AppKey[NdjsonEncoder] = web.AppKey("ndjson", NdjsonEncoder)
 
 #: results up to this size are copied once (and shared), larger ones streamed zero-copy
 _COPY_BYTES = 256 * 1024
-#: settled results (cut by max_bytes before the tail) up to this size are copied and
-#: shared too once a second request asked for them (a herd catching up; _respcache)
-_SHARED_BYTES = 1 << 20
 #: the longest ``wait`` a request may name at all; a wait above ``http.max_wait_s``
 #: (but within this) is shortened to ``max_wait_s``: a client cannot know the relay's
 #: limit, and refusing it (400, not retriable) would stop a follower or consumer whose
@@ -111,7 +108,7 @@ def _responses(request: web.Request, host: PartitionHost) -> ResponseCache:
     cache = caches.get(host.name)
     if cache is None:
         budget = request.app[CONFIG].http.response_cache_bytes
-        cache = caches[host.name] = ResponseCache(budget, _COPY_BYTES, _SHARED_BYTES)
+        cache = caches[host.name] = ResponseCache(budget, _COPY_BYTES)
     return cache
 
 
@@ -203,13 +200,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
     m = host.buffer.meta
     host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
-    if isinstance(selection, Selection) and (
-        fmt == "ndjson"
-        or selection.nbytes <= _COPY_BYTES
-        or (not selection.to_tail and selection.nbytes <= _SHARED_BYTES and cache.repeated(key))
-    ):
-        # small, for people, or asked for again: one copy, checked against the pin
-        # (OverwrittenError when the writer overran it), shared with identical requests
+    if isinstance(selection, Selection) and (fmt == "ndjson" or selection.nbytes <= _COPY_BYTES):
+        # small, or for people: one copy, checked against the pin (OverwrittenError
+        # when the writer overran it), shared with identical requests when small
         selection = copy_out(host, selection, metrics)
         cache.put(tail, key, selection)
     if isinstance(selection, CachedResponse):

@@ -25,12 +25,7 @@ sum of the bodies' sizes. Invariants:
   ``max_bytes``: a new entry evicts settled entries first, least recently used
   first, then tail entries;
 * a body larger than ``max_entry_bytes`` is never cached (large responses
-  are rarely identical, and one would push out many small shared ones),
-  except a settled one of up to ``max_settled_bytes``: a herd catching up
-  asks for answers of ``max_bytes`` each. The HTTP layer copies such an
-  answer out of the ring (instead of sending it zero-copy) only for a
-  request that :meth:`ResponseCache.repeated` says was asked before, so a
-  consumer catching up alone pays no copy.
+  are rarely identical, and one would push out many small shared ones).
 
 So the cache holds at most ``max_bytes`` of bodies whatever clients ask
 (follow-mode pushes included).
@@ -45,9 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CachedResponse", "ResponseCache"]
-
-#: request keys remembered by :meth:`ResponseCache.repeated`
-_ASKED_KEYS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +61,9 @@ class CachedResponse:
 class ResponseCache:
     """Copies of responses for one partition at its current tail (module docstring)."""
 
-    def __init__(
-        self, max_bytes: int, max_entry_bytes: int, max_settled_bytes: int | None = None
-    ) -> None:
+    def __init__(self, max_bytes: int, max_entry_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.max_entry_bytes = min(max_entry_bytes, max_bytes)
-        #: settled answers may be larger, up to a quarter of the budget
-        self.max_settled_bytes = (
-            self.max_entry_bytes
-            if max_settled_bytes is None
-            else max(min(max_settled_bytes, max_bytes // 4), self.max_entry_bytes)
-        )
-        #: keys of settled answers asked for recently (see :meth:`repeated`)
-        self._asked: OrderedDict[tuple[Any, ...], None] = OrderedDict()
         #: the buffer tail (event number) the tail entries were computed at
         self.tail = -1
         self.nbytes = 0
@@ -112,25 +94,12 @@ class ResponseCache:
         self._settled.move_to_end(key)
         return found
 
-    def repeated(self, key: tuple[Any, ...]) -> bool:
-        """Whether ``key`` was asked for before (among the last :data:`_ASKED_KEYS`); notes it."""
-        asked = self._asked
-        if key in asked:
-            asked.move_to_end(key)
-            return True
-        asked[key] = None
-        if len(asked) > _ASKED_KEYS:
-            asked.popitem(last=False)
-        return False
-
     def put(self, tail: int, key: tuple[Any, ...], response: CachedResponse) -> None:
         """Keep ``response`` for ``key`` at ``tail`` if it is small enough (LRU eviction)."""
         size = len(response.body)
+        if size > self.max_entry_bytes or self.max_bytes <= 0:
+            return
         settled = not response.to_tail and response.start_pos >= 0
-        if size > (self.max_settled_bytes if settled else self.max_entry_bytes):
-            return
-        if self.max_bytes <= 0:
-            return
         if not settled:
             if tail < self.tail:
                 return
