@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import free_port, start_relay, stop_relay
+from _common import PushHandler, free_port, push_server, start_relay, stop_relay
 from changebus.relay import BufferConfig, EventBuffer
 from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
 
@@ -144,13 +144,10 @@ def raw_server(data_path: str, port: int, ready: Any, clients: int) -> None:
         writer.close()
         await writer.wait_closed()
 
-    async def main() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", port)
-        ready.set()
-        async with server:
-            await asyncio.sleep(3600)
+    async def setup() -> PushHandler:
+        return handle
 
-    asyncio.run(main())
+    push_server(port, ready, setup)
 
 
 def raw_client(port: int, expect: int, out: mp.Queue) -> None:  # type: ignore[type-arg]

@@ -278,3 +278,26 @@ def test_concurrent_writer_and_readers_never_see_torn_data(tmp_path: Path) -> No
     b.close()
     assert not errors, errors
     assert counts["reads"] > 0
+
+
+def test_selection_says_whether_it_reached_the_tail(buf: EventBuffer) -> None:
+    """A selection cut by the byte limit is settled; one that reached the tail is not."""
+    for scn in range(1, 6):
+        buf.append_window(make_window(scn, [500]))
+    whole = buf.select(0, -1, 1 << 20)
+    assert whole is not None and whole.to_tail and whole.windows == 5
+    first = whole.start_pos
+    buf.release(whole)
+    cut = buf.select(0, -1, 1300)  # two windows (638 bytes each) fit, the third does not
+    assert cut is not None and not cut.to_tail and cut.windows == 2
+    assert cut.start_pos == first == buf.meta.head_pos
+    data = b"".join(bytes(v) for v in cut.views)
+    buf.release(cut)
+    buf.append_window(make_window(6, [500]))  # a new tail: the same question, the same answer
+    again = buf.select(0, -1, 1300)
+    assert again is not None and not again.to_tail and again.start_pos == first
+    assert b"".join(bytes(v) for v in again.views) == data
+    buf.release(again)
+    later = buf.select(2, -1, 1300)
+    assert later is not None and later.start_pos > first
+    buf.release(later)

@@ -189,6 +189,31 @@ def test_response_cache_is_lru_bounded_by_bytes_and_forgets_old_tails() -> None:
     assert len(off) == 0
 
 
+def test_settled_responses_outlive_the_tail_until_their_windows_are_evicted() -> None:
+    """Answers cut by max_bytes (not reaching the tail) serve identical requests at any tail."""
+
+    def resp(n: int, *, to_tail: bool = True, start: int = 100) -> CachedResponse:
+        return CachedResponse(b"x" * n, 1, -1, 1, 1, False, to_tail, start)
+
+    cache = ResponseCache(max_bytes=1000, max_entry_bytes=400)
+    cache.put(5, ("behind",), resp(300, to_tail=False))
+    cache.put(5, ("newest",), resp(100))
+    cache.put(6, ("other",), resp(100))  # a newer tail drops the tail answers only
+    assert cache.get(6, ("newest",)) is None
+    assert cache.get(9, ("behind",), head_pos=100) is not None  # any tail, first byte kept
+    assert cache.nbytes == 400 and len(cache) == 2
+    cache.put(3, ("older",), resp(300, to_tail=False))  # settled: the tail does not matter
+    assert cache.get(6, ("older",)) is not None
+    # the budget evicts settled answers first (least recently used), then tail answers
+    cache.put(6, ("big",), resp(400))
+    assert cache.get(6, ("behind",)) is None and cache.get(6, ("older",)) is not None
+    assert cache.nbytes == 800 and len(cache) == 3
+    # once the buffer's head passed its first byte, a settled answer is forgotten:
+    # the request then gets its 410 from the buffer
+    assert cache.get(7, ("older",), head_pos=101) is None
+    assert cache.nbytes == 500 and len(cache) == 2
+
+
 async def test_follow_and_long_polls_keep_the_cache_under_its_budget(tmp_path: Path) -> None:
     budget = 1 << 20
     cfg = ring_config(tmp_path, 16 << 20, response_cache_bytes=budget)

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from changebus.schemas import ConfigError
-from changebus.schemas._server_limits import CONNECTION_STATS
+from changebus.schemas._server_limits import CONNECTION_STATS, MAX_BACKLOG, listen_backlog
 from changebus.schemas.server import HTTP_METRICS, ConnectionLimits, Server, server_app
 from waiting import wait_until
 
@@ -370,3 +370,33 @@ async def test_the_limits_hold_over_tls(tls_files: Any) -> None:  # a fix_tls.Tl
             polling.cancel()  # the client goes away mid long-poll: its handler stops
             await wait_until(lambda: stats.in_flight == 0, 2, "the long-poll stopped")
         assert stats.requests[("/slow", 499)] == 1
+
+
+async def test_the_accept_backlog_follows_max_connections() -> None:
+    """Hundreds of clients connecting at once (a relay's restart) are queued, not dropped."""
+    assert listen_backlog(ConnectionLimits(max_connections=1000)) == 1000
+    assert listen_backlog(ConnectionLimits(max_connections=10)) == 128
+    assert listen_backlog(ConnectionLimits(max_connections=100_000)) == MAX_BACKLOG
+    async with serving(ConnectionLimits(max_connections=1000)) as (server, _):
+        assert server._runner is not None
+        (site,) = server._runner.sites
+        listening = site._server.sockets[0]  # type: ignore[union-attr]
+        # the server accepts nothing for now: connections can only wait in the backlog
+        asyncio.get_running_loop().remove_reader(listening.fileno())
+
+        async def one() -> Conn | None:
+            try:
+                return await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", server.port), 0.5
+                )
+            except TimeoutError:  # the kernel dropped the SYN: the next try is 1 s later
+                return None
+
+        conns = await asyncio.gather(*(one() for _ in range(400)))
+        try:
+            # with aiohttp's default backlog of 128, about 129 would get through
+            assert sum(c is not None for c in conns) == 400
+        finally:
+            for c in conns:
+                if c is not None:
+                    c[1].close()

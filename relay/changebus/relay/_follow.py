@@ -93,7 +93,7 @@ async def follow(
     while sent < ask.budget:
         m = host.buffer.meta
         key = (scn, offset, ask.max_bytes, ask.filter_text, ask.sources)
-        cached = cache.get(m.tail_event, key)
+        cached = cache.get(m.tail_event, key, m.head_pos)
         if cached is None:
             try:
                 selection = host.buffer.select(

@@ -180,7 +180,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     selection: Selection | CachedResponse | None
     while True:
         tail = host.buffer.meta.tail_event
-        selection = cache.get(tail, key)
+        selection = cache.get(tail, key, host.buffer.meta.head_pos)
         if selection is None:
             try:
                 selection = host.buffer.select(

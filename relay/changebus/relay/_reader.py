@@ -49,6 +49,12 @@ class Selection:
     was sent whole, else the number of that window's events already passed
     (sent or filtered out). ``partial`` says a window was cut by the byte
     limit. ``pin`` must be released with :meth:`EventBuffer.release`.
+
+    ``to_tail``: the scan reached the buffer's tail (a later request with the
+    same checkpoint may get more). Otherwise the selection stopped at the
+    byte limit and its bytes are settled: the same request gives the same
+    answer for as long as the buffer holds ``start_pos`` (the virtual byte
+    position of the first event after the checkpoint).
     """
 
     spans: list[tuple[int, int]]
@@ -58,6 +64,8 @@ class Selection:
     next_offset: int
     partial: bool
     windows: int
+    to_tail: bool = True
+    start_pos: int = -1
     pin: Pin | None = None
     views: list[memoryview] = field(default_factory=list)
 
@@ -139,10 +147,13 @@ def select_events(
     used = windows = 0
     next_scn, next_offset, partial = -1, -1, False
     e = start
+    start_pos = -1
     chunk = SCAN_CHUNK
     while e < m.tail_event and used < max_bytes:
         stop = min(e + chunk, m.tail_event)
         rec: npt.NDArray[Any] = events.get(e, stop)
+        if start_pos < 0:
+            start_pos = int(rec["pos"][0])
         ops = rec["op"]
         eows = np.flatnonzero(ops == _EOW)
         if eows.size == 0 and stop < m.tail_event:
@@ -188,6 +199,8 @@ def select_events(
         next_offset=next_offset,
         partial=partial,
         windows=windows,
+        to_tail=e >= m.tail_event,
+        start_pos=start_pos,
     )
     return selection, int(pos[0]) if pos.size else m.tail_pos
 

@@ -3,21 +3,32 @@
 Many consumers long-polling at a partition's newest SCN ask the same
 question whenever a window commits; the first one's answer (an immutable
 copy taken out of the ring, :class:`CachedResponse`) serves the others.
+Consumers that fell behind together (a burst, a slow wake-up, many of them
+on a busy machine) ask the same questions too, at whatever tail the buffer
+has then: an answer that stopped at the byte limit before the tail is
+*settled* (:attr:`CachedResponse.to_tail` false) and serves them across
+tails, so a herd catching up selects and copies each step once.
 
-Data structure: one :class:`ResponseCache` per partition, an ordered dict
-from request key to response in least-recently-used order, plus the sum of
-the bodies' sizes. Invariants:
+Data structure: one :class:`ResponseCache` per partition, two ordered dicts
+from request key to response in least-recently-used order (the answers that
+reached the tail :attr:`ResponseCache.tail`, and the settled ones), plus the
+sum of the bodies' sizes. Invariants:
 
-* every entry was computed at the buffer tail :attr:`ResponseCache.tail`
-  (the tail is part of a request's key: an entry for an older tail can never
-  be asked for again, so moving on to a newer tail empties the cache);
+* every tail entry was computed at the buffer tail :attr:`ResponseCache.tail`
+  (the tail is part of such a request's key: an entry for an older tail can
+  never be asked for again, so moving on to a newer tail drops them);
+* a settled entry is returned only while the buffer still holds its first
+  byte (``start_pos >= head_pos`` of the caller's buffer bounds): the same
+  request would select exactly those bytes again, and a request for evicted
+  windows still gets its 410 from the buffer;
 * ``nbytes`` (the sum of the entries' body sizes) never exceeds
-  ``max_bytes``: a new entry evicts the least recently used ones first;
+  ``max_bytes``: a new entry evicts settled entries first, least recently used
+  first, then tail entries;
 * a body larger than ``max_entry_bytes`` is never cached (large responses
   are rarely identical, and one would push out many small shared ones).
 
 So the cache holds at most ``max_bytes`` of bodies whatever clients ask
-(follow-mode pushes included), and nothing at all once its tail is stale.
+(follow-mode pushes included).
 
 Thread-safety: event loop only (the HTTP handlers); no locking.
 """
@@ -41,6 +52,10 @@ class CachedResponse:
     events: int
     windows: int
     partial: bool
+    #: the selection reached the buffer tail (false: settled, see the module docstring)
+    to_tail: bool = True
+    #: virtual byte position of the first event after the request's checkpoint
+    start_pos: int = -1
 
 
 class ResponseCache:
@@ -49,40 +64,64 @@ class ResponseCache:
     def __init__(self, max_bytes: int, max_entry_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.max_entry_bytes = min(max_entry_bytes, max_bytes)
-        #: the buffer tail (event number) the entries were computed at
+        #: the buffer tail (event number) the tail entries were computed at
         self.tail = -1
         self.nbytes = 0
         self._entries: OrderedDict[tuple[Any, ...], CachedResponse] = OrderedDict()
+        self._settled: OrderedDict[tuple[Any, ...], CachedResponse] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._settled)
 
-    def get(self, tail: int, key: tuple[Any, ...]) -> CachedResponse | None:
-        """The response cached for ``key`` at buffer tail ``tail`` (None: none)."""
-        if tail != self.tail:
+    def get(self, tail: int, key: tuple[Any, ...], head_pos: int = 0) -> CachedResponse | None:
+        """The response for ``key`` at buffer tail ``tail`` (None: none).
+
+        ``head_pos``: the buffer's oldest byte; settled entries starting
+        before it are dropped (their windows were evicted).
+        """
+        if tail == self.tail:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                return found
+        found = self._settled.get(key)
+        if found is None:
             return None
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
+        if found.start_pos < head_pos:
+            del self._settled[key]
+            self.nbytes -= len(found.body)
+            return None
+        self._settled.move_to_end(key)
         return found
 
     def put(self, tail: int, key: tuple[Any, ...], response: CachedResponse) -> None:
         """Keep ``response`` for ``key`` at ``tail`` if it is small enough (LRU eviction)."""
         size = len(response.body)
-        if size > self.max_entry_bytes or tail < self.tail or self.max_bytes <= 0:
+        if size > self.max_entry_bytes or self.max_bytes <= 0:
             return
-        if tail > self.tail:
-            self.clear()
-            self.tail = tail
-        old = self._entries.pop(key, None)
+        settled = not response.to_tail and response.start_pos >= 0
+        if not settled:
+            if tail < self.tail:
+                return
+            if tail > self.tail:
+                self._drop(self._entries)
+                self.tail = tail
+        table = self._settled if settled else self._entries
+        old = table.pop(key, None)
         if old is not None:
             self.nbytes -= len(old.body)
-        while self._entries and self.nbytes + size > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= len(evicted.body)
-        self._entries[key] = response
+        for victims in (self._settled, self._entries):
+            while victims and self.nbytes + size > self.max_bytes:
+                _, evicted = victims.popitem(last=False)
+                self.nbytes -= len(evicted.body)
+        table[key] = response
         self.nbytes += size
+
+    def _drop(self, table: OrderedDict[tuple[Any, ...], CachedResponse]) -> None:
+        self.nbytes -= sum(len(r.body) for r in table.values())
+        table.clear()
 
     def clear(self) -> None:
         self._entries.clear()
+        self._settled.clear()
         self.nbytes = 0

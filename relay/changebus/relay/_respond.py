@@ -42,6 +42,8 @@ def copy_out(host: PartitionHost, selection: Selection, metrics: RelayMetrics) -
         selection.events,
         selection.windows,
         selection.partial,
+        selection.to_tail,
+        selection.start_pos,
     )
 
 

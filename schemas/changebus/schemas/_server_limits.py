@@ -14,7 +14,12 @@ bounds all of that, and the pieces below apply it:
   disconnects cancels its handler: a long-poll or a follow stream stops at
   once instead of running to its end).
 * :class:`LimitedSite` -- the listening socket (a ``web.BaseSite`` like
-  ``TCPSite``) whose protocol factory is a :class:`_Gate`. Each accepted
+  ``TCPSite``) whose protocol factory is a :class:`_Gate`. Its accept
+  backlog follows ``max_connections`` (at least aiohttp's 128, at most
+  :data:`MAX_BACKLOG`; the kernel caps it at ``net.core.somaxconn``): with
+  aiohttp's 128, a thousand consumers connecting at once (a relay's restart,
+  a failover) overflow the queue, and the dropped ones wait for TCP's SYN
+  retransmissions, 1, 3, 7 s and more, before they are even seen. Each accepted
   connection gets a :class:`_Connection`, a thin protocol in front of
   aiohttp's ``RequestHandler`` that
 
@@ -65,10 +70,12 @@ from .errors import ConfigError
 
 __all__ = [
     "CONNECTION_STATS",
+    "MAX_BACKLOG",
     "ConnectionLimits",
     "ConnectionStats",
     "LimitedSite",
     "client_gone",
+    "listen_backlog",
     "runner_options",
 ]
 
@@ -397,6 +404,15 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
 
+#: the largest accept backlog a :class:`LimitedSite` asks for
+MAX_BACKLOG = 4096
+
+
+def listen_backlog(limits: ConnectionLimits) -> int:
+    """The accept backlog for ``limits``: ``max_connections`` within [128, MAX_BACKLOG]."""
+    return max(128, min(limits.max_connections, MAX_BACKLOG))
+
+
 class LimitedSite(web.BaseSite):
     """A TCP listening socket whose connections obey :class:`ConnectionLimits`.
 
@@ -415,7 +431,7 @@ class LimitedSite(web.BaseSite):
         log: logging.Logger,
         ssl_context: Any = None,
     ) -> None:
-        super().__init__(runner, ssl_context=ssl_context)
+        super().__init__(runner, ssl_context=ssl_context, backlog=listen_backlog(limits))
         self._host = host
         self._port = port
         self._limits = limits
