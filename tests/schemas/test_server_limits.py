@@ -281,16 +281,21 @@ async def test_the_per_ip_cap_leaves_other_clients_alone() -> None:
 
 async def test_many_idle_connections_do_not_pile_up() -> None:
     """The finding: 250 idle half-open connections stayed open (no cap, 3,630 s keep-alive)."""
-    limits = ConnectionLimits(max_connections=50, header_timeout_s=0.5)
+    # the idle timeout must outlast opening the 250 connections, or the first ones are closed
+    # before the cap is seen (a loaded CI machine took longer than 0.5 s)
+    limits = ConnectionLimits(max_connections=50, header_timeout_s=3)
     async with serving(limits) as (s, _):
         conns = [await connect(s) for _ in range(250)]
-        await wait_until(lambda: _open(s) == 50, 5, "the cap reached")
-        await wait_until(lambda: _open(s) == 0, 5, "idle connections closed")
-        r, w = await connect(s)
-        w.write(get("/healthz", keep_alive=False))
-        assert (await read_answer(r))[0] == 200
-        for _, conn in [*conns, (r, w)]:
-            conn.close()
+        try:  # closed even when the test fails (a leak would fail a later test at its GC)
+            await wait_until(lambda: _open(s) == 50, 5, "the cap reached")
+            await wait_until(lambda: _open(s) == 0, 10, "idle connections closed")
+            r, w = await connect(s)
+            conns.append((r, w))
+            w.write(get("/healthz", keep_alive=False))
+            assert (await read_answer(r))[0] == 200
+        finally:
+            for _, conn in conns:
+                conn.close()
 
 
 def _open(server: Server) -> int:
