@@ -24,7 +24,11 @@ MariaDB (``--mysql``, default on when the binaries exist): the same shape
 a plain full scan through PyMySQL's unbuffered ``SSCursor``
 (``mysql_scan_rows_per_s``) and ``SELECT ... INTO OUTFILE``; the same
 figures with a ``mysql_`` prefix; the seeder's transactions are found in
-``information_schema.innodb_trx`` by its user.
+``information_schema.innodb_trx`` by its user, keyed by connection and
+``trx_started`` (1 s resolution), so chunk transactions starting in the same
+second merge: an upper bound. ``*seeder_txn_max*_s`` is the seeder's own
+figure (``source_txn_max_s`` of ``/v1/status``: each chunk transaction timed
+from before BEGIN to after COMMIT; -1 for Postgres, which does not time them).
 
 Every server listens on 127.0.0.1 and is stopped by its pid. Prints the
 figures while running; the last line is one JSON object.
@@ -278,9 +282,14 @@ def seed_once(
             f"{os.getloadavg()[0]:.1f}",
             flush=True,
         )
+        # the seeder's own figure (BEGIN to COMMIT of each chunk; -1: not measured, Postgres);
+        # the sampled one above is an upper bound (it may merge back-to-back chunks)
+        exact = float(seed.get("source_txn_max_s", -1.0))
+        print(f"  seeder-measured longest chunk txn: {exact:.3f} s", flush=True)
         if writer is None:
             if out is not None:
                 out[f"{prefix}bootstrap_cpu_us_per_row"] = round(cpu_us, 1)
+                out[f"{prefix}seeder_txn_max_s"] = round(exact, 3)
             return secs, seed, lt.longest_s
         assert out is not None
         assert check is not None
@@ -289,6 +298,7 @@ def seed_once(
         out[f"{prefix}snapshot_with_writers_s"] = round(secs, 2)
         out[f"{prefix}snapshot_with_writers_rows_per_s"] = round(rows / secs)
         out[f"{prefix}source_longest_txn_with_writers_s"] = round(lt.longest_s, 3)
+        out[f"{prefix}seeder_txn_max_with_writers_s"] = round(exact, 3)
         out[f"{prefix}writers_rows_per_s"] = round(writer.rate)
         print(
             f"  snapshot with writers at {writer.rate:,.0f} rows/s: "
@@ -507,6 +517,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     mysql_snapshot_rows_per_s=round(rows / secs),
                     mysql_snapshot_chunks=seed.get("chunks", 0),
                     mysql_source_longest_txn_s=round(longest, 3),
+                    mysql_seeder_txn_max_s=round(float(seed.get("source_txn_max_s", -1.0)), 3),
                 )
                 print(
                     f"  snapshot: {rows / secs:,.0f} rows/s ({secs:.1f} s), longest seeder txn "
