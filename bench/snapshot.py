@@ -213,6 +213,7 @@ def pg_pipeline(
             PG_TABLE,
             args.chunk_rows,
             sample,
+            max_chunk_txn_s=args.max_chunk_txn_s,
             out=out,
         )
         out.update(
@@ -241,6 +242,7 @@ def pg_pipeline(
                 PG_TABLE,
                 args.chunk_rows,
                 sample,
+                max_chunk_txn_s=args.max_chunk_txn_s,
                 writer=sp.PacedWriter(tick, args.writer_rows_per_s),
                 check=(pg_source_rows(dsn), args.rows, args.sample),
                 out=out,
@@ -263,12 +265,13 @@ def seed_once(
     out: dict[str, Any] | None = None,
     span: bool = False,
     every_s: float = 0.02,
+    max_chunk_txn_s: float = 0.0,
 ) -> Any:
     """One whole-table seed into a fresh bootstrap store; (seconds, seed status, longest txn
     [, writer]). With ``writer``: it runs during the seed; ``check``: then a sample is
     compared and the figures go to ``out`` with a ``_with_writers`` name."""
     port = _common.free_port()
-    cfg = sp.bootstrap_toml(home, port, relay_port, part, kind, dsn, chunk_rows)
+    cfg = sp.bootstrap_toml(home, port, relay_port, part, kind, dsn, chunk_rows, max_chunk_txn_s)
     url = f"http://127.0.0.1:{port}"
     prefix = "" if part == "pg" else "mysql_"
     with sp.daemon("bootstrap", cfg, port, home / "bootstrap.log") as proc:
@@ -509,6 +512,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     MY_TABLE,
                     args.chunk_rows,
                     sample,
+                    max_chunk_txn_s=args.max_chunk_txn_s,
                     span=True,
                     every_s=0.11,
                 )
@@ -538,6 +542,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                             sample,
                             span=True,
                             every_s=0.11,
+                            max_chunk_txn_s=args.max_chunk_txn_s,
                             writer=sp.PacedWriter(tick, args.writer_rows_per_s),
                             check=(my_source_rows(server), rows, args.sample),
                             out=out,
@@ -559,6 +564,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2_000_000, help="Postgres table rows")
     ap.add_argument("--mysql-rows", type=int, default=1_000_000, help="MariaDB table rows")
     ap.add_argument("--chunk-rows", type=int, default=0, help="seed.chunk_rows (0: the default)")
+    ap.add_argument(
+        "--max-chunk-txn-s",
+        type=float,
+        default=0.0,
+        help="seed.max_chunk_txn_s (0: off, every chunk reads chunk_rows)",
+    )
     ap.add_argument("--writer-rows-per-s", type=float, default=2000.0, help="0: no writers run")
     ap.add_argument("--sample", type=int, default=2000, help="keys compared row by row")
     ap.add_argument("--pg", action=argparse.BooleanOptionalAction, default=True)
@@ -573,7 +584,10 @@ def main() -> None:
     if args.mysql is None:
         args.mysql = mariadb_available()
     sp.PROFILE_DIR = args.profile
-    result: dict[str, Any] = {"chunk_rows": args.chunk_rows or None}
+    result: dict[str, Any] = {
+        "chunk_rows": args.chunk_rows or None,
+        "max_chunk_txn_s": args.max_chunk_txn_s or None,
+    }
     t0 = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-snap-"))
     base.chmod(0o755)
