@@ -43,7 +43,7 @@ from changebus.bootstrap import (
     StoreConfig,
     seed_mysql,
 )
-from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
+from changebus.bootstrap._chunks import Chunk, ChunkSizer, JobState, SnapshotScope
 from changebus.bootstrap._seed_mysql import MySQLChunkSource
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
@@ -811,3 +811,19 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
         assert progress.as_dict()["chunk_limit"] == 100
         with pytest.raises(ConfigError, match="max_chunk_txn_s"):
             dataclasses.replace(request, max_chunk_txn_s=-1)
+
+
+def test_the_chunk_sizer_shrinks_over_budget_and_grows_back_after_full_chunks() -> None:
+    sizer = ChunkSizer(5000, 0.5)
+    assert sizer.limit == 5000
+    assert sizer.after(5000, 1.75) == 1000  # aims at 0.35 s: 5000 * 0.35 / 1.75
+    assert sizer.after(1000, 0.1) == 2000  # at most 2x a chunk
+    assert sizer.after(700, 0.01) == 2000  # a short chunk (the end) does not grow it
+    assert sizer.after(2000, 0.35) == 2000  # on target
+    assert sizer.after(2000, 0.05) == 4000 and sizer.after(4000, 0.05) == 5000  # chunk_rows
+    assert sizer.after(5000, 100.0) == 100  # the floor
+    assert sizer.after(100, -1.0) == 100  # not timed: unchanged
+    assert ChunkSizer(5000).after(5000, 9.0) == 5000  # off
+    assert ChunkSizer(40, 0.5).after(40, 9.0) == 40  # the floor is at most chunk_rows
+    with pytest.raises(ConfigError, match="max_chunk_txn_s"):
+        ChunkSizer(5000, -0.1)
