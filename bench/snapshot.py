@@ -24,7 +24,11 @@ MariaDB (``--mysql``, default on when the binaries exist): the same shape
 a plain full scan through PyMySQL's unbuffered ``SSCursor``
 (``mysql_scan_rows_per_s``) and ``SELECT ... INTO OUTFILE``; the same
 figures with a ``mysql_`` prefix; the seeder's transactions are found in
-``information_schema.innodb_trx`` by its user.
+``information_schema.innodb_trx`` by its user, keyed by connection and
+``trx_started`` (1 s resolution), so chunk transactions starting in the same
+second merge: an upper bound. ``*seeder_txn_max*_s`` is the seeder's own
+figure (``source_txn_max_s`` of ``/v1/status``: each chunk transaction timed
+from before BEGIN to after COMMIT; -1 for Postgres, which does not time them).
 
 Every server listens on 127.0.0.1 and is stopped by its pid. Prints the
 figures while running; the last line is one JSON object.
@@ -209,6 +213,7 @@ def pg_pipeline(
             PG_TABLE,
             args.chunk_rows,
             sample,
+            max_chunk_txn_s=args.max_chunk_txn_s,
             out=out,
         )
         out.update(
@@ -237,6 +242,7 @@ def pg_pipeline(
                 PG_TABLE,
                 args.chunk_rows,
                 sample,
+                max_chunk_txn_s=args.max_chunk_txn_s,
                 writer=sp.PacedWriter(tick, args.writer_rows_per_s),
                 check=(pg_source_rows(dsn), args.rows, args.sample),
                 out=out,
@@ -259,12 +265,13 @@ def seed_once(
     out: dict[str, Any] | None = None,
     span: bool = False,
     every_s: float = 0.02,
+    max_chunk_txn_s: float = 0.0,
 ) -> Any:
     """One whole-table seed into a fresh bootstrap store; (seconds, seed status, longest txn
     [, writer]). With ``writer``: it runs during the seed; ``check``: then a sample is
     compared and the figures go to ``out`` with a ``_with_writers`` name."""
     port = _common.free_port()
-    cfg = sp.bootstrap_toml(home, port, relay_port, part, kind, dsn, chunk_rows)
+    cfg = sp.bootstrap_toml(home, port, relay_port, part, kind, dsn, chunk_rows, max_chunk_txn_s)
     url = f"http://127.0.0.1:{port}"
     prefix = "" if part == "pg" else "mysql_"
     with sp.daemon("bootstrap", cfg, port, home / "bootstrap.log") as proc:
@@ -278,9 +285,14 @@ def seed_once(
             f"{os.getloadavg()[0]:.1f}",
             flush=True,
         )
+        # the seeder's own figure (BEGIN to COMMIT of each chunk; -1: not measured, Postgres);
+        # the sampled one above is an upper bound (it may merge back-to-back chunks)
+        exact = float(seed.get("source_txn_max_s", -1.0))
+        print(f"  seeder-measured longest chunk txn: {exact:.3f} s", flush=True)
         if writer is None:
             if out is not None:
                 out[f"{prefix}bootstrap_cpu_us_per_row"] = round(cpu_us, 1)
+                out[f"{prefix}seeder_txn_max_s"] = round(exact, 3)
             return secs, seed, lt.longest_s
         assert out is not None
         assert check is not None
@@ -289,6 +301,7 @@ def seed_once(
         out[f"{prefix}snapshot_with_writers_s"] = round(secs, 2)
         out[f"{prefix}snapshot_with_writers_rows_per_s"] = round(rows / secs)
         out[f"{prefix}source_longest_txn_with_writers_s"] = round(lt.longest_s, 3)
+        out[f"{prefix}seeder_txn_max_with_writers_s"] = round(exact, 3)
         out[f"{prefix}writers_rows_per_s"] = round(writer.rate)
         print(
             f"  snapshot with writers at {writer.rate:,.0f} rows/s: "
@@ -499,6 +512,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     MY_TABLE,
                     args.chunk_rows,
                     sample,
+                    max_chunk_txn_s=args.max_chunk_txn_s,
                     span=True,
                     every_s=0.11,
                 )
@@ -507,6 +521,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     mysql_snapshot_rows_per_s=round(rows / secs),
                     mysql_snapshot_chunks=seed.get("chunks", 0),
                     mysql_source_longest_txn_s=round(longest, 3),
+                    mysql_seeder_txn_max_s=round(float(seed.get("source_txn_max_s", -1.0)), 3),
                 )
                 print(
                     f"  snapshot: {rows / secs:,.0f} rows/s ({secs:.1f} s), longest seeder txn "
@@ -527,6 +542,7 @@ def mariadb(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                             sample,
                             span=True,
                             every_s=0.11,
+                            max_chunk_txn_s=args.max_chunk_txn_s,
                             writer=sp.PacedWriter(tick, args.writer_rows_per_s),
                             check=(my_source_rows(server), rows, args.sample),
                             out=out,
@@ -548,6 +564,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2_000_000, help="Postgres table rows")
     ap.add_argument("--mysql-rows", type=int, default=1_000_000, help="MariaDB table rows")
     ap.add_argument("--chunk-rows", type=int, default=0, help="seed.chunk_rows (0: the default)")
+    ap.add_argument(
+        "--max-chunk-txn-s",
+        type=float,
+        default=0.0,
+        help="seed.max_chunk_txn_s (0: off, every chunk reads chunk_rows)",
+    )
     ap.add_argument("--writer-rows-per-s", type=float, default=2000.0, help="0: no writers run")
     ap.add_argument("--sample", type=int, default=2000, help="keys compared row by row")
     ap.add_argument("--pg", action=argparse.BooleanOptionalAction, default=True)
@@ -562,7 +584,10 @@ def main() -> None:
     if args.mysql is None:
         args.mysql = mariadb_available()
     sp.PROFILE_DIR = args.profile
-    result: dict[str, Any] = {"chunk_rows": args.chunk_rows or None}
+    result: dict[str, Any] = {
+        "chunk_rows": args.chunk_rows or None,
+        "max_chunk_txn_s": args.max_chunk_txn_s or None,
+    }
     t0 = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="changebus-bench-snap-"))
     base.chmod(0o755)

@@ -43,11 +43,13 @@ from changebus.bootstrap import (
     StoreConfig,
     seed_mysql,
 )
-from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
+from changebus.bootstrap._chunks import Chunk, ChunkSizer, JobState, SnapshotScope
+from changebus.bootstrap._seed_mysql import MySQLChunkSource
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import (
     ChangeDecoder,
+    ConfigError,
     Op,
     RowEncoder,
     SourceConfigError,
@@ -424,9 +426,13 @@ async def test_a_chunked_seed_under_writers_is_exact_with_short_transactions(
     assert w.seed.chunks >= ROWS // 200 * 9 // 10 and w.seed.mode == "keyset"
     assert writes_during > 1000  # the writers wrote all along the seed
     # (b) a seed of several seconds; none of its transactions was a second old (one
-    # transaction for the whole table would have been seen as old as the seed)
-    assert took > 3 and sampler.samples > 15
+    # transaction for the whole table would have been seen as old as the seed, by the
+    # sampler in whole seconds and by the seeder's own timing; 2.9 s on a quiet machine)
+    assert took > 2 and sampler.samples > 10
     assert sampler.longest_s <= 1, sampler.oldest
+    # the seeder's own figure (BEGIN to COMMIT of each chunk), in /v1/status and the metrics
+    assert 0 < w.seed.txn_last_s <= w.seed.txn_max_s <= 1, w.seed
+    assert w.seed.as_dict()["source_txn_max_s"] == round(w.seed.txn_max_s, 4)
     assert "seeded" in caplog.text and PASSWORD not in caplog.text
 
 
@@ -676,6 +682,23 @@ async def run_scoped(boot: BootstrapServer, scope: SnapshotScope) -> SeedProgres
     return w.seed
 
 
+def timed_reads(request: SeedRequest, table: str) -> tuple[float, int, float, float, int]:
+    """A 0.4 s read and a chunk of 50 rows through a MySQLChunkSource: (last_txn_s before,
+    whether the server had a transaction open during the read, its time, the chunk's, rows)."""
+
+    def held(cur: Any) -> int:
+        time.sleep(0.4)
+        cur.execute("SELECT @@in_transaction")
+        return int(cur.fetchone()[0])
+
+    with MySQLChunkSource(request) as source:
+        before = source.last_txn_s
+        _tag, open_trx = source.snapshot(held, "a test read")
+        held_s = source.last_txn_s
+        chunk = source.reader(SnapshotScope(table)).read(None, 50)
+    return before, open_trx, held_s, chunk.txn_s, len(chunk.events)
+
+
 @pytest.mark.usefixtures("no_blocking")
 async def test_keys_and_where_snapshots_rewrite_only_their_rows(
     tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
@@ -715,6 +738,7 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
             # keys: 10 rewritten, 12 (gone from the source) tombstoned, 999 never was
             progress = await run_scoped(boot, SnapshotScope(table, keys=((10,), (12,), (999,))))
             assert (progress.mode, progress.rows) == ("keys", 1)
+            assert 0 < progress.txn_max_s < 5  # the keys chunk's transaction, timed
             after = {r.after["id"]: r for r in store_rows(store, table).values()}
             changed = {k for k in after if after[k].scn != before[k].scn}
             assert changed == {10, 12}
@@ -765,3 +789,42 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
                 lambda *_: pytest.fail("written"),
                 SeedProgress(),
             )
+
+        # a chunk transaction is timed from before BEGIN to after COMMIT: a read held
+        # 0.4 s inside it shows (the transaction was open meanwhile)
+        timed = await asyncio.to_thread(timed_reads, request, table)
+        assert timed[0] == -1.0 and timed[1] == 1, timed  # nothing timed yet; trx open
+        assert 0.4 <= timed[2] < 5 and 0 < timed[3] < 2 and timed[4] == 50, timed
+
+        # max_chunk_txn_s: chunks whose transaction runs over it make the next ones smaller
+        # (a budget no chunk can meet: down to the floor of 100 rows), and every row is read
+        sizes: list[int] = []
+        progress = SeedProgress()
+        await asyncio.to_thread(
+            seed_mysql,
+            dataclasses.replace(request, chunk_rows=120, max_chunk_txn_s=1e-6),
+            lambda _t, events, _scn: sizes.append(len(events)),
+            progress,
+        )
+        # 299 rows (12 was deleted), then the end-of-table write; without the knob 120, 120, 59
+        assert sizes == [120, 100, 79, 0], sizes
+        assert progress.rows == 299 and progress.chunk_limit == 100
+        assert progress.as_dict()["chunk_limit"] == 100
+        with pytest.raises(ConfigError, match="max_chunk_txn_s"):
+            dataclasses.replace(request, max_chunk_txn_s=-1)
+
+
+def test_the_chunk_sizer_shrinks_over_budget_and_grows_back_after_full_chunks() -> None:
+    sizer = ChunkSizer(5000, 0.5)
+    assert sizer.limit == 5000
+    assert sizer.after(5000, 1.75) == 1000  # aims at 0.35 s: 5000 * 0.35 / 1.75
+    assert sizer.after(1000, 0.1) == 2000  # at most 2x a chunk
+    assert sizer.after(700, 0.01) == 2000  # a short chunk (the end) does not grow it
+    assert sizer.after(2000, 0.35) == 2000  # on target
+    assert sizer.after(2000, 0.05) == 4000 and sizer.after(4000, 0.05) == 5000  # chunk_rows
+    assert sizer.after(5000, 100.0) == 100  # the floor
+    assert sizer.after(100, -1.0) == 100  # not timed: unchanged
+    assert ChunkSizer(5000).after(5000, 9.0) == 5000  # off
+    assert ChunkSizer(40, 0.5).after(40, 9.0) == 40  # the floor is at most chunk_rows
+    with pytest.raises(ConfigError, match="max_chunk_txn_s"):
+        ChunkSizer(5000, -0.1)

@@ -133,7 +133,9 @@ class Chunk:
     chunk (JSON text), None when the scope is done. ``absent`` -- (``keys``
     scopes) the store keys (encoded key bytes) asked for that the source
     does not have. ``rows`` -- rows read (``len(events)``, kept apart so a
-    reader may count rows it could not encode).
+    reader may count rows it could not encode). ``txn_s`` -- how long the
+    chunk's source transaction stayed open, measured by the reader from
+    before its BEGIN to after its COMMIT (-1: the reader does not measure).
     """
 
     events: list[bytes]
@@ -141,6 +143,7 @@ class Chunk:
     cursor: str | None
     absent: tuple[bytes, ...] = ()
     rows: int = -1
+    txn_s: float = -1.0
 
     @property
     def row_count(self) -> int:
@@ -254,6 +257,39 @@ class WriterSink:
 
 
 @dataclass
+class ChunkSizer:
+    """Rows for the next chunk: ``rows``, fewer while chunk transactions run over ``max_txn_s``.
+
+    After each chunk, :meth:`after` aims the next chunk's transaction at 70 %
+    of ``max_txn_s`` (seconds; 0: off, always ``rows``), assuming time grows
+    with rows: the limit shrinks at once, and grows back at most 2x a chunk,
+    only after a full chunk, never above ``rows`` nor below ``min(rows, 100)``.
+    A reader that does not time its transactions (``txn_s`` < 0) leaves it
+    as it is. Not thread-safe (the seeder's).
+    """
+
+    rows: int
+    max_txn_s: float = 0.0
+    limit: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_txn_s < 0:
+            raise ConfigError("max_chunk_txn_s must not be negative (0: off)")
+        self.limit = self.rows
+
+    def after(self, rows_read: int, txn_s: float) -> int:
+        """Note a chunk of ``rows_read`` rows whose transaction took ``txn_s``; the next limit."""
+        if self.max_txn_s <= 0 or txn_s < 0:
+            return self.limit
+        want = int(self.limit * 0.7 * self.max_txn_s / max(txn_s, 1e-6))
+        if want > self.limit and rows_read < self.limit:
+            return self.limit  # a short chunk (the scope's end) says nothing of a full one
+        want = min(want, 2 * self.limit, self.rows)
+        self.limit = max(want, min(self.rows, 100))
+        return self.limit
+
+
+@dataclass
 class Throttle:
     """Paces chunks: at most ``rows_per_s`` rows a second (0: no limit) and the source
     busy with reads at most ``time_budget`` of the wall time (1: no limit).
@@ -298,7 +334,8 @@ def run_chunked(
     """Snapshot ``request.todo`` table by table, chunk by chunk; returns the newest tag.
 
     Resumes each table from the job ``sink`` stored (same scope), paces
-    chunks with ``request``'s throttle, updates ``progress`` after every
+    chunks with ``request``'s throttle, sizes them by ``request.max_chunk_txn_s``
+    (:class:`ChunkSizer`), updates ``progress`` after every
     chunk and logs every ``request.log_every_chunks`` chunks. A set
     ``stop`` ends the run between chunks with a retriable error.
     """
@@ -307,9 +344,11 @@ def run_chunked(
         progress.state = "copied"
         return progress.scn
     throttle = Throttle(request.max_rows_per_s, request.source_time_budget)
+    sizer = ChunkSizer(request.chunk_rows, request.max_chunk_txn_s)
+    progress.chunk_limit = sizer.limit
     stop = stop or threading.Event()
     try:
-        return _run_tables(request, open_source, sink, progress, todo, throttle, stop)
+        return _run_tables(request, open_source, sink, progress, todo, (throttle, sizer), stop)
     finally:
         # a sink that stores chunks behind the reader (StoreSink): none left in flight
         flush: Callable[[], None] | None = getattr(sink, "flush", None)
@@ -324,10 +363,11 @@ def _run_tables(
     sink: SnapshotSink,
     progress: SeedProgress,
     todo: list[str],
-    throttle: Throttle,
+    pacing: tuple[Throttle, ChunkSizer],
     stop: threading.Event,
 ) -> int:
     """:func:`run_chunked`'s loop over the tables."""
+    throttle, sizer = pacing
     with open_source(request) as source:
         for name in todo:
             scope = SnapshotScope(name, request.where, request.keys)
@@ -348,11 +388,12 @@ def _run_tables(
                 if stop.is_set():
                     raise ChangebusError("seeding stopped", retriable=True)
                 started = time.monotonic()
-                chunk = reader.read(job.cursor, request.chunk_rows)
+                chunk = reader.read(job.cursor, sizer.limit)
                 busy = time.monotonic() - started
                 job = job.after(chunk)
                 sink.chunk(scope, job, chunk)
-                progress.chunk_done(chunk.row_count, chunk.tag)
+                progress.chunk_done(chunk.row_count, chunk.tag, chunk.txn_s)
+                progress.chunk_limit = sizer.after(chunk.row_count, chunk.txn_s)
                 if request.log_every_chunks and job.chunks % request.log_every_chunks == 0:
                     log.info(
                         "%s: %d chunks, %d rows (%s)",

@@ -179,7 +179,10 @@ class SeedConfig(ColumnPolicyOptions):
     each chunk took); ``watermark_wait_s`` -- how long a Postgres chunk waits
     for the transactions that hold back its watermark (a long-running
     transaction on the source) before the seed fails, retriably;
-    ``log_every_chunks`` -- a progress line in the log every so many chunks.
+    ``log_every_chunks`` -- a progress line in the log every so many chunks;
+    ``max_chunk_txn_s`` -- seconds a chunk's source transaction should stay
+    under: chunks that take longer make the next ones smaller (0: off, every
+    chunk reads ``chunk_rows``; MariaDB only, Postgres does not time them).
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -194,11 +197,14 @@ class SeedConfig(ColumnPolicyOptions):
     source_time_budget: float = 1.0
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
+    max_chunk_txn_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
+        if self.max_chunk_txn_s < 0:
+            raise ConfigError("seed.max_chunk_txn_s must not be negative (0: off)")
         if self.max_rows_per_s < 0:
             raise ConfigError("seed.max_rows_per_s must not be negative (0: no limit)")
         if not 0 < self.source_time_budget <= 1:

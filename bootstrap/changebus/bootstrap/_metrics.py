@@ -54,6 +54,8 @@ _SNAPSHOT_GAUGES = {
     "rows_per_second": "Rows a second the running seed reads (0: none running)",
     "eta_seconds": "Seconds until the current table is done, about (-1: unknown)",
     "running": "1 while a seed or snapshot runs",
+    "source_txn_max_seconds": "The current (or last) seed run's longest chunk source "
+    "transaction, measured around BEGIN/COMMIT (-1: not measured)",
 }
 _SNAPSHOT_COUNTERS = {
     "rows": "Rows seeds and snapshots read from the source",
@@ -86,6 +88,7 @@ def _snapshot_figures(w: PartitionWorker) -> dict[str, float]:
         "rows_per_second": p.rate_rows_s if running else 0.0,
         "eta_seconds": -1.0 if eta is None else eta,
         "running": 1.0 if running else 0.0,
+        "source_txn_max_seconds": p.txn_max_s,
     }
 
 

@@ -208,6 +208,8 @@ class MySQLChunkSource:
         self.conn: Any = None
         #: the connection id (``CONNECTION_ID()``: information_schema's thread id)
         self.connection_id = -1
+        #: seconds the last :meth:`snapshot` transaction was open (BEGIN to COMMIT)
+        self.last_txn_s = -1.0
         self._start = _START + ", READ ONLY"
 
     def __enter__(self) -> MySQLChunkSource:
@@ -297,6 +299,11 @@ class MySQLChunkSource:
     def snapshot(self, read: Callable[[Any], T], what: str) -> tuple[int, T]:
         """``read(cursor)`` in one consistent-snapshot transaction; returns ``(tag, result)``.
 
+        :attr:`last_txn_s` is then how long that transaction was open, from
+        before ``START TRANSACTION`` to after ``COMMIT`` returned (what the
+        server's ``information_schema.innodb_trx`` would show, plus one round
+        trip at most).
+
         A tag below ``request.min_tag`` (the end of a gap to repair: the read
         must be newer) is not used: the transaction ends unread and a new
         one is tried (0.05 s doubling to 1 s), for at most
@@ -306,12 +313,14 @@ class MySQLChunkSource:
         pause = 0.05
         while True:
             with _source_errors(what), self.conn.cursor() as cur:
+                began = time.monotonic()
                 cur.execute(self._start)
                 try:
                     tag = self._tag(cur)
                     if tag >= self.request.min_tag:
                         result = read(cur)
                         self.conn.commit()
+                        self.last_txn_s = time.monotonic() - began
                         return tag, result
                 except BaseException:
                     with contextlib.suppress(Exception):
@@ -471,7 +480,8 @@ class MySQLChunkReader:
         tag, (rows, nxt) = self._source.snapshot(
             lambda cur: self._read_range(cur, after, limit), f"reading {self.name}"
         )
-        return Chunk(self._rows.events(rows, tag), tag, nxt)
+        txn_s = self._source.last_txn_s
+        return Chunk(self._rows.events(rows, tag), tag, nxt, txn_s=txn_s)
 
     def _read_range(
         self, cur: Any, after: tuple[Any, ...] | None, limit: int
@@ -548,12 +558,13 @@ class MySQLChunkReader:
             return rows
 
         tag, rows = self._source.snapshot(read, f"reading keys of {self.name}")
+        txn_s = self._source.last_txn_s
         found: set[bytes] = set()
         events = self._rows.events(rows, tag, found)
         wanted = self._absent_keys[start : start + limit]
         absent = tuple(dict.fromkeys(k for k in wanted if k is not None and k not in found))
         nxt = start + len(keys)
-        return Chunk(events, tag, str(nxt) if nxt < len(self._keys) else None, absent)
+        return Chunk(events, tag, str(nxt) if nxt < len(self._keys) else None, absent, txn_s=txn_s)
 
 
 def seed_mysql(

@@ -313,6 +313,7 @@ class Seeding(Upstream):
                 source_time_budget=cfg.seed.source_time_budget,
                 watermark_wait_s=cfg.seed.watermark_wait_s,
                 log_every_chunks=cfg.seed.log_every_chunks,
+                max_chunk_txn_s=cfg.seed.max_chunk_txn_s,
             )
             sink = StoreSink(self.stores, w.name, loop)
             await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed, sink)

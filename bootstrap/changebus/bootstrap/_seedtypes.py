@@ -67,7 +67,9 @@ class SeedRequest:
     was lost); a reader that cannot give such a tag yet waits, at most
     ``watermark_wait_s``. ``max_rows_per_s`` (0: no limit) and
     ``source_time_budget`` (share of wall time spent in source reads, 1: no
-    limit) pace the chunks (:class:`~._chunks.Throttle`);
+    limit) pace the chunks (:class:`~._chunks.Throttle`); ``max_chunk_txn_s``
+    (seconds, 0: off) shrinks chunks whose source transaction runs longer
+    (:class:`~._chunks.ChunkSizer`);
     ``log_every_chunks`` -- a progress line every so many chunks (0: none).
     """
 
@@ -86,10 +88,13 @@ class SeedRequest:
     source_time_budget: float = 1.0
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
+    max_chunk_txn_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunk_rows <= 0:
             raise ConfigError("seed chunk_rows must be positive")
+        if self.max_chunk_txn_s < 0:
+            raise ConfigError("seed max_chunk_txn_s must not be negative (0: off)")
         if (self.where or self.keys) and len(self.tables) != 1:
             raise ConfigError("a snapshot with a where condition or keys names exactly one table")
         if self.watermark_wait_s <= 0 or self.log_every_chunks < 0:
@@ -131,6 +136,12 @@ class SeedProgress:
     table_estimate: int = -1
     #: rows read by this run (for the rate, from ``started_at``)
     run_rows: int = 0
+    #: the longest and the last chunk source transaction of this run, in seconds, as the
+    #: reader measured them around BEGIN/COMMIT (-1: none measured; Postgres does not)
+    txn_max_s: float = -1.0
+    txn_last_s: float = -1.0
+    #: rows the next chunk reads at most (``chunk_rows``, or fewer under ``max_chunk_txn_s``)
+    chunk_limit: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         rate = self.rate_rows_s
@@ -150,6 +161,9 @@ class SeedProgress:
             "table_estimate": self.table_estimate,
             "rows_per_s": round(rate, 1),
             "eta_s": None if eta is None else round(eta, 1),
+            "source_txn_max_s": round(self.txn_max_s, 4),
+            "source_txn_last_s": round(self.txn_last_s, 4),
+            "chunk_limit": self.chunk_limit,
         }
 
     @property
@@ -176,8 +190,12 @@ class SeedProgress:
         self.table, self.mode, self.table_estimate = table, mode, estimate
         self.table_rows, self.chunks_resumed = rows, chunks
 
-    def chunk_done(self, rows: int, tag: int) -> None:
-        """A chunk of ``rows`` rows at SCN ``tag`` is stored."""
+    def chunk_done(self, rows: int, tag: int, txn_s: float = -1.0) -> None:
+        """A chunk of ``rows`` rows at SCN ``tag`` is stored (its source transaction took
+        ``txn_s`` seconds; -1: not measured)."""
+        if txn_s >= 0:
+            self.txn_last_s = txn_s
+            self.txn_max_s = max(self.txn_max_s, txn_s)
         self.chunks += 1
         self.rows += rows
         self.run_rows += rows
