@@ -106,13 +106,12 @@ def bootstrap_toml(
     kind: str,
     dsn: str,
     chunk_rows: int,
-    max_chunk_txn_s: float = 0.0,
+    max_chunk_txn_s: float = 0.5,
 ) -> Path:
     """A bootstrap server config: SQLite store in ``home``, seed source ``dsn``."""
     home.mkdir(parents=True, exist_ok=True)
     chunk = f"chunk_rows = {chunk_rows}\n" if chunk_rows > 0 else ""
-    if max_chunk_txn_s > 0:
-        chunk += f"max_chunk_txn_s = {max_chunk_txn_s}\n"
+    chunk += f"max_chunk_txn_s = {max_chunk_txn_s}\n"
     path = home / "bootstrap.toml"
     path.write_text(
         f'relays = ["http://127.0.0.1:{relay_port}"]\npartitions = ["{part}"]\n'

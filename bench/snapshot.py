@@ -265,7 +265,7 @@ def seed_once(
     out: dict[str, Any] | None = None,
     span: bool = False,
     every_s: float = 0.02,
-    max_chunk_txn_s: float = 0.0,
+    max_chunk_txn_s: float = 0.5,
 ) -> Any:
     """One whole-table seed into a fresh bootstrap store; (seconds, seed status, longest txn
     [, writer]). With ``writer``: it runs during the seed; ``check``: then a sample is
@@ -567,8 +567,8 @@ def main() -> None:
     ap.add_argument(
         "--max-chunk-txn-s",
         type=float,
-        default=0.0,
-        help="seed.max_chunk_txn_s (0: off, every chunk reads chunk_rows)",
+        default=0.5,
+        help="seed.max_chunk_txn_s (the default 0.5; 0: off, every chunk reads chunk_rows)",
     )
     ap.add_argument("--writer-rows-per-s", type=float, default=2000.0, help="0: no writers run")
     ap.add_argument("--sample", type=int, default=2000, help="keys compared row by row")

@@ -181,8 +181,8 @@ class SeedConfig(ColumnPolicyOptions):
     transaction on the source) before the seed fails, retriably;
     ``log_every_chunks`` -- a progress line in the log every so many chunks;
     ``max_chunk_txn_s`` -- seconds a chunk's source transaction should stay
-    under: chunks that take longer make the next ones smaller (0: off, every
-    chunk reads ``chunk_rows``; MariaDB only, Postgres does not time them).
+    under: chunks that take longer make the next ones smaller (default 0.5;
+    0: off, every chunk reads ``chunk_rows``; MariaDB only, Postgres does not time them).
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -197,7 +197,7 @@ class SeedConfig(ColumnPolicyOptions):
     source_time_budget: float = 1.0
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
-    max_chunk_txn_s: float = 0.0
+    max_chunk_txn_s: float = 0.5
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
