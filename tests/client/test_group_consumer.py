@@ -678,3 +678,29 @@ async def test_members_with_a_file_unit_store(
         assert max(s.checkpoint.window_scn for s in stored.values() if s.checkpoint) == last
         # the units b took over were claimed twice (by a, then by b)
         assert sorted(s.generation for s in stored.values()).count(2) >= BUCKETS // 2
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["group", "plain"])
+async def test_a_stop_during_start_is_kept(
+    make_relay: MakeRelay, zk_hosts: str, grouped: bool
+) -> None:
+    """stop() while start() is under way (no queue yet) ends the run instead of being lost.
+
+    The shared-database replica test hung on a quiet machine this way: its second
+    member was stopped while it was still joining the group, and ran on for ever.
+    """
+    async with make_relay(max_windows=50, events_per_window=3, keys=40) as relay:
+        config = (
+            group_config(relay, zk_hosts, new_group())
+            if grouped
+            else ConsumerConfig(relays=(relay.url,), partition="syn", **FAST)
+        )
+        consumer = Consumer(config)
+        run = asyncio.create_task(consumer.run(Callbacks()))
+        await asyncio.sleep(0)  # the run is inside start(), before its queue exists
+        consumer.stop()
+        try:
+            await asyncio.wait_for(run, 20)
+        finally:
+            await consumer.close()
+        assert run.done() and run.exception() is None

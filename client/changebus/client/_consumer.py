@@ -128,6 +128,8 @@ class Consumer:
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        #: stop() came before the queue existed (during start): start closes it at once
+        self._stop_requested = False
         #: a bounded read (``until_scn``) yielded its last window
         self._range_ended = False
         self._route: ClusterRoute | None = None
@@ -168,6 +170,8 @@ class Consumer:
         if self._session is None:
             self._session = await open_session(cfg.auth)
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
+        if self._stop_requested:  # stop() ran while this start was under way
+            self._queue.close_threadsafe(asyncio.get_running_loop())
         self._fetcher = RelayFetcher(
             cfg,
             self._session,
@@ -234,6 +238,7 @@ class Consumer:
         """
         if self._group is not None:
             return self._group.stop()
+        self._stop_requested = True
         if self._loop is not None and self._queue is not None:
             self._queue.close_threadsafe(self._loop)
 

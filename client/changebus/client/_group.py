@@ -119,6 +119,8 @@ class GroupConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
+        #: stop() came before the queue existed (during start): start closes it at once
+        self._stop_requested = False
         self.windows = 0
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -152,6 +154,8 @@ class GroupConsumer:
         if self._http is None:
             self._http = await open_session(cfg.auth)
         queue = self._queue = BoundedQueue[LaneBatch](cfg.queue_windows, cfg.queue_bytes)
+        if self._stop_requested:  # stop() ran while this start was under way
+            queue.close_threadsafe(asyncio.get_running_loop())
         positions = self._positions = GroupPositions(self._store, cfg.group, cfg.commit_interval_s)
         owner = self._owner = UnitOwner(
             cfg, member, self._store, positions, self._http, queue, self._wake
@@ -233,7 +237,11 @@ class GroupConsumer:
                 self._http = None
 
     def stop(self) -> None:
-        """End a running ``run`` or iteration after the current window (any thread)."""
+        """End a running ``run`` or iteration after the current window (any thread).
+
+        A stop during :meth:`start` is kept: the queue is closed as soon as it exists.
+        """
+        self._stop_requested = True
         if self._loop is not None and self._queue is not None:
             self._queue.close_threadsafe(self._loop)
 
