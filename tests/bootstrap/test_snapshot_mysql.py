@@ -286,6 +286,8 @@ class TrxSampler:
     oldest: tuple[Any, ...] = ()
     started: set[datetime.datetime] = field(default_factory=set)
     errors: list[BaseException] = field(default_factory=list)
+    #: samples lost to a transient server error (more than three fail the sampler)
+    transient: list[BaseException] = field(default_factory=list)
 
     def run(self) -> None:
         conn = self.server.connect()
@@ -294,13 +296,21 @@ class TrxSampler:
                 while not self.stop.wait(0.15):
                     # trx_started has a resolution of one second: TIMESTAMPDIFF in whole
                     # seconds is <= 1 for every transaction shorter than a second
-                    cur.execute(
-                        "SELECT t.trx_started, TIMESTAMPDIFF(SECOND, t.trx_started, NOW()), "
-                        "t.trx_mysql_thread_id, t.trx_state, p.COMMAND, p.INFO "
-                        "FROM information_schema.innodb_trx t JOIN information_schema.PROCESSLIST p "
-                        "ON p.ID = t.trx_mysql_thread_id WHERE p.USER = %s",
-                        (SEED_USER,),
-                    )
+                    try:
+                        cur.execute(
+                            "SELECT t.trx_started, TIMESTAMPDIFF(SECOND, t.trx_started, NOW()), "
+                            "t.trx_mysql_thread_id, t.trx_state, p.COMMAND, p.INFO FROM "
+                            "information_schema.innodb_trx t JOIN information_schema.PROCESSLIST p "
+                            "ON p.ID = t.trx_mysql_thread_id WHERE p.USER = %s",
+                            (SEED_USER,),
+                        )
+                    except pymysql.err.InternalError as exc:
+                        # the join's internal temporary table can fail on a busy server
+                        # ("Error on delete of '/tmp/#sql-temptable-...'"): one lost sample
+                        self.transient.append(exc)
+                        if len(self.transient) > 3:
+                            raise
+                        continue
                     rows = cur.fetchall()
                     self.samples += 1
                     if rows:
