@@ -53,7 +53,7 @@ from .._errors import FellOffRelayError
 from .._http import response_error
 from .._info import RelayInfo
 from ._options import SourceOptions
-from ._relay import _with_relays, run_sync, table_schemas
+from ._relay import _with_relays, planner_params, run_sync, table_schemas
 from ._schemalog import SchemaLog, TableChange, diff_tables
 
 __all__ = ["SchemaGuard", "check_options", "query_tables", "schema_change_of", "schema_log"]
@@ -337,18 +337,7 @@ async def _first_window(
         hit_scn = -1
         seen: set[_Version] = set()
         while True:
-            params = {
-                "partition": partition,
-                "scn": str(scn),
-                "offset": str(offset),
-                "max_bytes": str(opts.max_bytes_per_request),
-                "wait": "0",
-                "client": "spark-planner",
-            }
-            if opts.sources:
-                params["sources"] = ",".join(opts.sources)
-            if opts.key_filter is not None:
-                params["filter"] = str(opts.key_filter)
+            params = planner_params(opts, partition, scn, offset)
             async with info.session.get(f"{info.url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
                     break

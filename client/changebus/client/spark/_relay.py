@@ -60,6 +60,7 @@ __all__ = [
     "bootstrap_target",
     "end_within",
     "partition_bounds",
+    "planner_params",
     "position_at_time",
     "run_sync",
     "table_schemas",
@@ -216,6 +217,23 @@ class Extent:
     size: int
 
 
+def planner_params(opts: SourceOptions, partition: str, scn: int, offset: int) -> dict[str, str]:
+    """The query of one driver-side ``/v1/stream`` scan step (no wait, the query's filters)."""
+    params = {
+        "partition": partition,
+        "scn": str(scn),
+        "offset": str(offset),
+        "max_bytes": str(opts.max_bytes_per_request),
+        "wait": "0",
+        "client": "spark-planner",
+    }
+    if opts.sources:
+        params["sources"] = ",".join(opts.sources)
+    if opts.key_filter is not None:
+        params["filter"] = str(opts.key_filter)
+    return params
+
+
 async def end_within(
     opts: SourceOptions,
     partition: str,
@@ -250,18 +268,7 @@ async def end_within(
         end = since
         window_events = window_size = 0
         while True:
-            params = {
-                "partition": partition,
-                "scn": str(scn),
-                "offset": str(offset),
-                "max_bytes": str(opts.max_bytes_per_request),
-                "wait": "0",
-                "client": "spark-planner",
-            }
-            if opts.sources:
-                params["sources"] = ",".join(opts.sources)
-            if opts.key_filter is not None:
-                params["filter"] = str(opts.key_filter)
+            params = planner_params(opts, partition, scn, offset)
             async with info.session.get(f"{info.url}/v1/stream", params=params) as resp:
                 if resp.status == 204:
                     return Extent(end, count, size)

@@ -31,7 +31,15 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from changebus.schemas import HEADER_SIZE, MAGIC, VERSION, RowEncoder, crc32, key_hash
+from changebus.schemas import (
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    RowEncoder,
+    avro_long,
+    crc32,
+    key_hash,
+)
 
 from .._policy import ColumnRule
 from ._transcode import (
@@ -58,12 +66,8 @@ _INSERT: Final = 1
 
 
 def _varint(z: int) -> bytes:
-    out = bytearray()
-    while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
+    """The varint bytes of the zig-zag value ``z`` (that of the long ``(z >> 1) ^ -(z & 1)``)."""
+    return avro_long((z >> 1) ^ -(z & 1))
 
 
 #: varint bytes of a zig-zag value ``z < 2**14`` by ``z``, and the same after the union's
