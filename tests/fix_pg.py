@@ -13,9 +13,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -28,6 +28,22 @@ if TYPE_CHECKING:
     from changebus.relay import Relay
 
 PgServer = EmbeddedPostgres
+
+
+def writer_txn(conn: psycopg.Connection[Any], body: Callable[[], None]) -> bool:
+    """Run ``body`` in one transaction of concurrent test writers; False if it lost a deadlock.
+
+    Writers touching random keys in random order can deadlock each other; the
+    server then rolls the victim's transaction back whole, so it wrote nothing
+    and the tests' row-by-row comparisons with the table still hold: the writer
+    just goes on with its next transaction.
+    """
+    try:
+        with conn.transaction():
+            body()
+    except psycopg.errors.DeadlockDetected:
+        return False
+    return True
 
 
 def start_pg(base: Path) -> PgServer:

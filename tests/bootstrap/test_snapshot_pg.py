@@ -52,7 +52,7 @@ from changebus.schemas import (
     parse_stream,
     verify_event,
 )
-from fix_pg import caught_up
+from fix_pg import caught_up, writer_txn
 from waiting import wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
@@ -163,9 +163,8 @@ class Writers:
         try:
             with psycopg.connect(self.dsn, autocommit=True) as conn:
                 while not self._stop.is_set():
-                    with conn.transaction():
-                        self.step(conn, rnd)
-                    self.txns += 1
+                    if writer_txn(conn, lambda: self.step(conn, rnd)):
+                        self.txns += 1
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.errors.append(exc)
 

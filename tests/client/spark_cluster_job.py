@@ -9,9 +9,10 @@ through files in CTRL:
 1. the streaming query runs (processing-time trigger, two tasks per batch);
    a watcher thread waits until a micro-batch from KILL_BATCH on is planned
    (``offsets/<id>`` in the checkpoint, no commit yet) while both executors
-   run one of its tasks, then kill -9s one executor JVM and writes
-   ``CTRL/killed`` ("<pid> <batch> <active tasks>"); Spark must retry the
-   lost task on another executor;
+   run one of its tasks, then kill -9s one executor JVM and, once Spark
+   counts a failed task of those stages, writes ``CTRL/killed`` ("<pid>
+   <batch> <active tasks>"); Spark must retry the lost task on another
+   executor (a kill that came after its task ended is tried again);
 2. on ``CTRL/stop`` it stops the query and writes ``CTRL/stopped``;
 3. on ``CTRL/restart`` it starts the query again on the same checkpoint with
    Trigger.AvailableNow, waits for it, writes the restarted query's progress
@@ -77,27 +78,63 @@ def wait_for(path: Path) -> None:
         time.sleep(0.1)
 
 
+def failed_tasks(tracker: Any, stages: list[int]) -> int:
+    infos = [tracker.getStageInfo(sid) for sid in stages]
+    return sum(info.numFailedTasks for info in infos if info is not None)
+
+
+def task_lost(tracker: Any, stages: list[int], failed_before: int) -> bool:
+    """Whether a task of ``stages`` failed after the kill (False once they all ended without)."""
+    deadline = time.monotonic() + 120
+    ended_at: float | None = None
+    while time.monotonic() < deadline:
+        if failed_tasks(tracker, stages) > failed_before:
+            return True
+        if set(stages) & set(tracker.getActiveStageIds()):
+            ended_at = None
+        elif ended_at is None:
+            ended_at = time.monotonic()
+        elif time.monotonic() - ended_at > 2:  # the status listener lags the scheduler a little
+            return False
+        time.sleep(0.05)
+    return False
+
+
 def kill_in_batch(spark: Any, checkpoint: Path, ctrl: Path, first: int) -> None:
     """Kill one executor JVM while both executors run tasks of micro-batch ``first`` or later.
 
     Two tasks running at once on two one-core executors means each executor
-    has one: whichever JVM dies, a task of the batch is lost with it.
+    has one: whichever JVM dies, a task of the batch is lost with it. Tasks are
+    short and the status tracker lags, so the kill can land just after the
+    task ended: then the stage's failed-task count stays put, and the watcher
+    tries again in a later batch once the worker has started a new executor.
+    ``CTRL/killed`` is written only for a kill that cost a task.
     """
     tracker = spark.sparkContext.statusTracker()
+    jvms, scanned = executor_jvms(), time.monotonic()
     while True:
         batches = [int(p.name) for p in (checkpoint / "offsets").glob("[0-9]*")]
         batch = max(batches, default=-1)
+        stages = list(tracker.getActiveStageIds())
+        running = 0
         if batch >= first and not (checkpoint / "commits" / str(batch)).exists():
-            running = 0
-            for sid in tracker.getActiveStageIds():
+            for sid in stages:
                 info = tracker.getStageInfo(sid)
                 if info is not None:
                     running += info.numActiveTasks
-            jvms = executor_jvms()
-            if running >= 2 and len(jvms) == 2:
-                os.kill(jvms[0], signal.SIGKILL)
+        if running >= 2 and len(jvms) == 2 and all(Path(f"/proc/{p}").exists() for p in jvms):
+            failed_before = failed_tasks(tracker, stages)
+            os.kill(jvms[0], signal.SIGKILL)
+            if task_lost(tracker, stages, failed_before):
                 (ctrl / "killed").write_text(f"{jvms[0]} {batch} {running}")
                 return
+            print(f"the kill of {jvms[0]} came after its task ended: again", file=sys.stderr)
+            jvms = []
+        elif running == 0 and time.monotonic() - scanned > 0.5:
+            jvms, scanned = (
+                executor_jvms(),
+                time.monotonic(),
+            )  # scanned between tasks, not on the hot path
         time.sleep(0.01)
 
 

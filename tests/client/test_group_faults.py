@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from test_e2e_pg import (  # type: ignore[import-not-found]
     sync_marker,
 )
 
-from fix_pg import wait_until
+from fix_pg import wait_until, writer_txn
 
 pytestmark = [pytest.mark.pg, pytest.mark.zk]
 
@@ -104,12 +105,15 @@ class Writers:
                 i = 0
                 while not self._stop.is_set():
                     i += 1
-                    with conn.transaction():
-                        for _ in range(rnd.randint(1, 4)):
-                            self._op(conn, rnd, i)
+                    writer_txn(conn, partial(self._ops, conn, rnd, i))
                     self._stop.wait(self.pause_s)
         except psycopg.Error as exc:  # reported by stop()
             self.errors.append(exc)
+
+    @classmethod
+    def _ops(cls, conn: psycopg.Connection[Any], rnd: random.Random, i: int) -> None:
+        for _ in range(rnd.randint(1, 4)):
+            cls._op(conn, rnd, i)
 
     @staticmethod
     def _op(conn: psycopg.Connection[Any], rnd: random.Random, i: int) -> None:

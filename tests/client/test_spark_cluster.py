@@ -34,6 +34,7 @@ import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
 from changebus.schemas import lsn_to_scn
+from fix_pg import writer_txn
 from fix_spark import RelayThread, spark_env
 
 pytestmark = [pytest.mark.spark, pytest.mark.pg, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -46,21 +47,24 @@ Row = tuple[int, Decimal | None, str | None, int | None]
 def write(dsn: str, seed: int, stop: threading.Event) -> None:
     """Transactions of 1-4 inserts, updates and deletes on 300 keys until ``stop`` is set."""
     rnd = random.Random(seed)
+
+    def txn(conn: psycopg.Connection[Any]) -> None:
+        for _ in range(rnd.randint(1, 4)):
+            k, r = rnd.randint(1, 300), rnd.random()
+            if r < 0.6:
+                conn.execute(
+                    "INSERT INTO acct VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO UPDATE"
+                    " SET bal = EXCLUDED.bal, name = EXCLUDED.name, n = acct.n + 1",
+                    (k, Decimal(rnd.randint(-99999, 99999)) / 100, f"n{k}", 0),
+                )
+            elif r < 0.85:
+                conn.execute("UPDATE acct SET n = n + 1, name = NULL WHERE id = %s", (k,))
+            else:
+                conn.execute("DELETE FROM acct WHERE id = %s", (k,))
+
     with psycopg.connect(dsn, autocommit=True) as conn:
         while not stop.is_set():
-            with conn.transaction():
-                for _ in range(rnd.randint(1, 4)):
-                    k, r = rnd.randint(1, 300), rnd.random()
-                    if r < 0.6:
-                        conn.execute(
-                            "INSERT INTO acct VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO UPDATE"
-                            " SET bal = EXCLUDED.bal, name = EXCLUDED.name, n = acct.n + 1",
-                            (k, Decimal(rnd.randint(-99999, 99999)) / 100, f"n{k}", 0),
-                        )
-                    elif r < 0.85:
-                        conn.execute("UPDATE acct SET n = n + 1, name = NULL WHERE id = %s", (k,))
-                    else:
-                        conn.execute("DELETE FROM acct WHERE id = %s", (k,))
+            writer_txn(conn, lambda: txn(conn))
             time.sleep(0.05)  # ~20 transactions/s per writer: Spark must keep up on 2 cores
 
 
@@ -198,7 +202,10 @@ def test_mirror_on_local_cluster_survives_executor_kill_and_restart(
             try:
                 pid, batch, running = job.wait_for("killed", 240).split()
                 # the JVM is gone and Spark saw its task fail
-                assert gone(int(pid))
+                deadline = time.monotonic() + 15  # a SIGKILLed JVM takes a moment to exit
+                while not gone(int(pid)):
+                    assert time.monotonic() < deadline, f"executor {pid} outlived SIGKILL"
+                    time.sleep(0.05)
                 assert int(batch) >= 1 and int(running) >= 2
                 deadline = time.monotonic() + 60
                 while int(batch) not in batch_ids(job.checkpoint, "commits"):

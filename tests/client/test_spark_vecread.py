@@ -159,3 +159,13 @@ def test_not_sent_nulls_and_a_batch_left_to_the_generated_reader() -> None:
     broken[int(data[0])] = 7  # not a union branch
     with pytest.raises(CorruptEventError):
         reader.read(bytes(broken), data, ends)
+    # the lowest long takes ten bytes, the last 0x01; 0x03 there makes 65 bits
+    low = _cols._stream([(1, FLAT, [(Op.INSERT, empty | {"id": -(2**63)}, None, (), ())])])
+    offsets, headers = parse_stream(low)
+    starts = offsets + HEADER_SIZE + headers["key_length"]
+    stops = offsets + headers["total_length"]
+    after = reader.read(low, starts, stops)[0]
+    assert [-(2**63)] in [a.to_pylist() for a in after if a is not None]
+    wide = low.replace(b"\xff" * 9 + b"\x01", b"\xff" * 9 + b"\x03")
+    with pytest.raises(CorruptEventError, match="long range"):
+        reader.read(wide, starts, stops)

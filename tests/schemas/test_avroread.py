@@ -318,6 +318,7 @@ def test_malformed_payloads_raise_corrupt_event_error(row: dict[str, Any], data:
         b"\x02",  # a row that is not there
         b"\x00\x00\x00\x00\x00",  # bytes after the record
         b"\x00\x00\x01",  # a negative array count without its block size
+        b"\x02" + b"\xff" * 9 + b"\x02",  # an id of 65 bits (fastavro would drop the top bit)
     ],
 )
 def test_structure_errors(payload: bytes) -> None:

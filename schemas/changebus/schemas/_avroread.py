@@ -99,6 +99,8 @@ def _long(buf: bytes, pos: int) -> tuple[int, int]:
         pos += 1
         z |= (b & 0x7F) << shift
         if b < 0x80:
+            if z >> 64:  # a tenth byte above 1: more than the 64 bits an Avro long has
+                raise CorruptEventError("varint out of the long range in payload")
             return (z >> 1) ^ -(z & 1), pos
         shift += 7
         if shift > 63:

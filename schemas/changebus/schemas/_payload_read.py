@@ -43,6 +43,8 @@ def _read_long(bio: io.BytesIO) -> int:
         byte = b[0]
         z |= (byte & 0x7F) << shift
         if byte < 0x80:
+            if z >> 64:  # a tenth byte above 1: more than the 64 bits an Avro long has
+                raise CorruptEventError("varint out of the long range in payload")
             return (z >> 1) ^ -(z & 1)
         shift += 7
         if shift > 63:

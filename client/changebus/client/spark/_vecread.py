@@ -206,6 +206,8 @@ def _varint(u8: npt.NDArray[np.uint8], p: _I64, limit: int = 10) -> tuple[_I64, 
     length = np.argmin(more, axis=1) + 1
     if more.all(axis=1).any():
         raise CorruptEventError("varint too long in payload")
+    if limit == 10 and (grid[length == 10, 9] > 1).any():  # past the 64 bits of a long
+        raise CorruptEventError("varint out of the long range in payload")
     used = np.arange(limit) < length[:, None]
     parts = (grid & 0x7F).astype(np.uint64) << _SHIFTS[:limit]
     z = np.bitwise_or.reduce(np.where(used, parts, np.uint64(0)), axis=1)
