@@ -35,6 +35,7 @@ from changebus.client import (
     SqliteReplica,
     Window,
 )
+from changebus.client._pgsession import session_lost
 from changebus.schemas import (
     CheckpointError,
     Column,
@@ -285,6 +286,32 @@ async def test_postgres_store_own_table_name(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT unit, owner, generation FROM grp.units").fetchone()
     assert row == (str(U), "m-1", 1)
+
+
+@pytest.mark.pg
+async def test_a_frozen_members_transaction_does_not_hold_the_units_for_ever(pg_dsn: str) -> None:
+    """A member stopped inside a window's transaction: the server ends its session, locks go."""
+    import psycopg
+
+    store = PostgresUnitStore(pg_dsn)
+    frozen = PostgresReplica(pg_dsn, idle_in_transaction_s=1.0)._connect()
+    try:
+        first = await store.claim(G, U, "m-1")
+        frozen.execute("BEGIN")  # what a member stopped mid-window leaves behind
+        frozen.execute(
+            "SELECT * FROM changebus_unit_checkpoints WHERE unit = %s FOR UPDATE", (str(U),)
+        )
+        t0 = time.monotonic()
+        second = await asyncio.wait_for(store.claim(G, U, "m-2"), 20)
+        took = time.monotonic() - t0
+        assert second.token > first.token
+        assert 0.5 < took < 10, took  # it waited for the lock, then the server cut the session
+        with pytest.raises(psycopg.Error) as gone:
+            frozen.execute("SELECT 1")  # the frozen process finds its session gone ...
+        assert session_lost(gone.value)  # ... a retriable transport error: it connects again
+    finally:
+        frozen.close()
+        await store.close()
 
 
 # ---- replicas in group mode ---------------------------------------------------------

@@ -536,6 +536,9 @@ def _crash(tmp: Path, dsn: str, durability: str) -> tuple[Follower, Follower, di
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (writer.rows < 1500 or len(live.inserted()) < 1000):
             time.sleep(0.05)
+        rows = writer.rows
+        while writer.rows == rows and time.monotonic() < deadline + 30:
+            time.sleep(0.005)  # the writer committed just now (not stalled by a loaded machine)
         relay.send_signal(signal.SIGKILL)  # under load
         relay.wait(10)
         writer.stop()

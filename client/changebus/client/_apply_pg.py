@@ -23,6 +23,7 @@ from changebus.schemas import ChangebusError, Column, TransportError
 from changebus.schemas.config import scrub_exception
 
 from ._apply_units import UnitReplica
+from ._pgsession import IDLE_IN_TRANSACTION_S, connect, session_lost
 from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
 __all__ = ["PostgresReplica"]
@@ -62,7 +63,11 @@ class PostgresReplica(UnitReplica):
         table_names: Mapping[str, str] | Callable[[str], str] | None = None,
         checkpoint_table: str = "changebus_checkpoints",
         unit_table: str = DEFAULT_TABLE,
+        idle_in_transaction_s: float = IDLE_IN_TRANSACTION_S,
     ) -> None:
+        """``idle_in_transaction_s``: the server ends this replica's session when it idles
+        inside a transaction that long (the process froze): see :mod:`._pgsession`; 0: never.
+        """
         super().__init__(
             consumer_name=consumer_name,
             table_names=table_names,
@@ -70,6 +75,7 @@ class PostgresReplica(UnitReplica):
             unit_table=unit_table,
         )
         self._dsn = dsn
+        self._idle_in_transaction_s = idle_in_transaction_s
 
     def __repr__(self) -> str:
         return (
@@ -80,17 +86,13 @@ class PostgresReplica(UnitReplica):
         return source
 
     def _store_error(self, exc: Exception) -> ChangebusError | None:
-        import psycopg
-
-        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        if session_lost(exc):
             text = scrub_exception(exc, (self._dsn,))
             return TransportError(f"replica unit table {self.unit_table}: {text}")
         return None
 
     def _connect(self) -> Any:
-        import psycopg  # lazily: only PostgreSQL users need the driver loaded
-
-        return psycopg.connect(self._dsn, autocommit=True)
+        return connect(self._dsn, self._idle_in_transaction_s)
 
     def _connection_lost(self, conn: Any) -> bool:
         return bool(conn.closed or conn.broken)

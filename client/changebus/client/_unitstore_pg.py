@@ -36,6 +36,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.config import scrub_exception
 
+from ._pgsession import IDLE_IN_TRANSACTION_S, connect, session_lost
 from ._unitsql import (
     DEFAULT_TABLE,
     POSTGRES_TIME,
@@ -64,12 +65,20 @@ class PostgresUnitStore:
     serialised on the store's worker thread.
     """
 
-    def __init__(self, dsn: str, *, table: str = DEFAULT_TABLE) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        table: str = DEFAULT_TABLE,
+        idle_in_transaction_s: float = IDLE_IN_TRANSACTION_S,
+    ) -> None:
+        """``idle_in_transaction_s``: see :mod:`._pgsession` (a frozen member's locks go)."""
         m = _TABLE_RE.fullmatch(table)
         if m is None:
             raise ConfigError(f"unit store table: {table[:160]!r} is not [schema.]name")
         self.table = table
         self._dsn = dsn
+        self._idle_in_transaction_s = idle_in_transaction_s
         quoted = ".".join(f'"{part}"' for part in m.groups() if part)
         self._sql = UnitSql.build(quoted, "%s", POSTGRES_TIME)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-unitstore")
@@ -121,7 +130,7 @@ class PostgresUnitStore:
         except psycopg.Error as exc:
             text = scrub_exception(exc, (self._dsn,))
             message = f"unit store {self.table}: {text}"
-            if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            if session_lost(exc):
                 self._close()
                 raise TransportError(message) from None
             raise ChangebusError(message, retriable=False) from None
@@ -130,9 +139,7 @@ class PostgresUnitStore:
         if self._conn is not None and self._conn.closed:
             self._conn = None
         if self._conn is None:
-            import psycopg
-
-            conn = psycopg.connect(self._dsn, autocommit=True)
+            conn = connect(self._dsn, self._idle_in_transaction_s)
             try:
                 _create(conn, self._sql.create)
             except BaseException:

@@ -66,6 +66,7 @@ from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig, Durability, check_durability
+from ._copybudget import MIN_FLOOR
 
 __all__ = ["FetcherConfig", "HttpConfig", "MetricsConfig", "PartitionConfig", "RelayConfig"]
 
@@ -93,6 +94,8 @@ class HttpConfig(ConnectionLimits):
     send_timeout_s: float = 30.0
     #: bytes of small responses kept per partition to share with identical requests
     response_cache_bytes: int = size_field(16 << 20)
+    #: bytes of response copies (follow pushes, ndjson answers) held for clients at once
+    max_copy_bytes: int = size_field(256 << 20)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,6 +111,12 @@ class HttpConfig(ConnectionLimits):
             raise ConfigError("http limits must be positive")
         if self.response_cache_bytes < 0:
             raise ConfigError("http.response_cache_bytes must not be negative")
+        if self.max_copy_bytes // self.max_connections < MIN_FLOOR:
+            raise ConfigError(
+                f"http.max_copy_bytes ({self.max_copy_bytes}) must give each of"
+                f" http.max_connections ({self.max_connections}) at least {MIN_FLOOR} bytes:"
+                f" raise it to {MIN_FLOOR * self.max_connections} or lower max_connections"
+            )
 
 
 @dataclass(frozen=True)

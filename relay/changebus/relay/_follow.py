@@ -14,7 +14,10 @@ one larger push instead of queueing in socket buffers. A push the client
 does not accept within the send timeout aborts the connection
 (:func:`~._send.send_body`). Small pushes are shared with identical
 followers through the partition's response cache, which is bounded by bytes
-(:mod:`._respcache`): pushes never accumulate there.
+(:mod:`._respcache`): pushes never accumulate there. Every push is charged
+to the relay-wide :class:`~._copybudget.CopyBudget` while it is being sent
+(no grant is held while waiting for new windows): with many slow followers
+the pushes get smaller, never more numerous in memory than the budget allows.
 
 Event loop only.
 """
@@ -30,11 +33,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from changebus.schemas import ChangebusError, OverwrittenError, PartitionFilter, ScnNotFoundError
+from changebus.schemas import ChangebusError, PartitionFilter, ScnNotFoundError
 
+from ._copybudget import CopyBudget
 from ._host import PartitionHost
 from ._metrics import RelayMetrics
-from ._respcache import ResponseCache
+from ._respcache import CachedResponse, ResponseCache
 from ._respond import copy_out, next_headers
 from ._send import send_body, unbuffered
 
@@ -65,6 +69,7 @@ async def follow(
     host: PartitionHost,
     ask: FollowRequest,
     cache: ResponseCache,
+    copies: CopyBudget,
     metrics: RelayMetrics,
     send_timeout_s: float,
 ) -> web.StreamResponse:
@@ -94,34 +99,37 @@ async def follow(
         m = host.buffer.meta
         key = (scn, offset, ask.max_bytes, ask.filter_text, ask.sources)
         cached = cache.get(m.tail_event, key, m.head_pos)
-        if cached is None:
-            try:
-                selection = host.buffer.select(
-                    scn, offset, ask.max_bytes, key_filter=ask.key_filter, sources=ask.sources
-                )
-            except ChangebusError as exc:  # e.g. evicted meanwhile: end the stream, client re-asks
-                log.info("follow stream for %s ends: %s", ask.client, exc.message)
-                break
-            if selection is None:
-                left = idle_until - time.monotonic()
-                if left <= 0:
-                    break
-                await host.wait_for_window(left)
-                continue
-            try:
-                cached = copy_out(host, selection, metrics)
-            except OverwrittenError as exc:  # nothing torn was sent: end, the client re-asks
-                log.info("follow stream for %s ends: %s", ask.client, exc.message)
-                break
-            cache.put(m.tail_event, key, cached)
+        charged = copies.grant(ask.max_bytes if cached is None else len(cached.body))
         try:
-            # limits are 0: returns once the push left the process
-            if not await send_body(request, resp, cached.body, send_timeout_s):
-                metrics.aborted(host.name)
-                return resp
-        except ConnectionResetError:  # the consumer went away: nothing to report
-            log.debug("follow stream for %s: the consumer disconnected", ask.client)
-            return resp
+            if cached is None or charged < len(cached.body):
+                # (a shared push larger than the grant: a fresh, smaller copy instead)
+                full = charged == ask.max_bytes
+                try:
+                    cached = _copy(host, scn, offset, charged, ask, metrics)
+                except ChangebusError as exc:  # evicted or overrun meanwhile: the client re-asks
+                    log.info("follow stream for %s ends: %s", ask.client, exc.message)
+                    break
+                if cached is not None:
+                    charged = copies.resize(charged, len(cached.body))
+                    if full:
+                        cache.put(m.tail_event, key, cached)
+            if cached is not None:
+                try:
+                    # limits are 0: returns once the push left the process
+                    if not await send_body(request, resp, cached.body, send_timeout_s):
+                        metrics.aborted(host.name)
+                        return resp
+                except ConnectionResetError:  # the consumer went away: nothing to report
+                    log.debug("follow stream for %s: the consumer disconnected", ask.client)
+                    return resp
+        finally:
+            copies.release(charged)
+        if cached is None:
+            left = idle_until - time.monotonic()
+            if left <= 0:
+                break
+            await host.wait_for_window(left)  # (no grant held while waiting)
+            continue
         # write and drain often complete without suspending; yield so that a
         # stream that always finds new windows cannot starve the others
         await asyncio.sleep(0)
@@ -133,3 +141,13 @@ async def follow(
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
+
+
+def _copy(
+    host: PartitionHost, scn: int, offset: int, max_bytes: int, ask: FollowRequest, m: RelayMetrics
+) -> CachedResponse | None:
+    """The next push of at most ``max_bytes`` (None: nothing new yet); a checked copy."""
+    selection = host.buffer.select(
+        scn, offset, max_bytes, key_filter=ask.key_filter, sources=ask.sources
+    )
+    return None if selection is None else copy_out(host, selection, m)

@@ -58,6 +58,7 @@ from changebus.schemas.server import (
 
 from ._buffer import Selection
 from ._config import RelayConfig
+from ._copybudget import MIN_FLOOR, CopyBudget
 from ._follow import FollowRequest, follow
 from ._host import MAX_CLIENT_ID, PartitionHost
 from ._metrics import RelayMetrics
@@ -76,6 +77,10 @@ METRICS: web.AppKey[RelayMetrics] = web.AppKey("metrics", RelayMetrics)
 #: the response cache of each partition, by partition name (see _responses)
 RESPONSES: web.AppKey[dict[str, ResponseCache]] = web.AppKey("responses", dict)
 NDJSON: web.AppKey[NdjsonEncoder] = web.AppKey("ndjson", NdjsonEncoder)
+#: the relay-wide budget of response copies (follow pushes, ndjson answers)
+COPIES: web.AppKey[CopyBudget] = web.AppKey("copies", CopyBudget)
+#: an ndjson answer is charged this many times the event bytes it decodes (JSON is larger)
+_NDJSON_GROWTH = 4
 
 #: results up to this size are copied once (and shared), larger ones streamed zero-copy
 _COPY_BYTES = 256 * 1024
@@ -159,7 +164,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
     wait = min(query_float(query, "wait", default=0.0, lo=0.0, hi=_WAIT_LIMIT_S), cfg.max_wait_s)
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     if fmt == "ndjson":
-        max_bytes = min(max_bytes, cfg.max_ndjson_bytes)  # decoding is slow: less per request
+        # decoding is slow: less per request; and the answer must fit the copy budget
+        spare = request.app[COPIES].spare() // (1 + _NDJSON_GROWTH)
+        max_bytes = min(max_bytes, cfg.max_ndjson_bytes, max(spare, MIN_FLOOR))
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(request, host, query.get("sources"))
     client = query.get("client", "")[:MAX_CLIENT_ID] or (request.remote or "unknown")
@@ -174,7 +181,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
         ask = FollowRequest(
             scn, offset, max_bytes, key_filter, filter_text, sources, wait, budget, client
         )
-        return await follow(request, host, ask, cache, metrics, cfg.send_timeout_s)
+        copies = request.app[COPIES]
+        return await follow(request, host, ask, cache, copies, metrics, cfg.send_timeout_s)
     deadline = time.monotonic() + wait
     key = (scn, offset, max_bytes, filter_text, sources)
     selection: Selection | CachedResponse | None
@@ -248,16 +256,22 @@ async def stream(request: web.Request) -> web.StreamResponse:
 async def _ndjson_response(
     request: web.Request, host: PartitionHost, cached: CachedResponse, checkpoint: Checkpoint | None
 ) -> web.StreamResponse:
-    body = await request.app[NDJSON].encode(host.registry, cached.body)
-    resp = web.StreamResponse(status=200, headers=copy_headers(host, cached, checkpoint))
-    resp.content_type = "application/x-ndjson"
-    resp.content_length = len(body)
-    await resp.prepare(request)
-    if not await send_body(request, resp, body, request.app[CONFIG].http.send_timeout_s):
-        request.app[METRICS].aborted(host.name)
+    copies = request.app[COPIES]
+    charged = copies.grant(len(cached.body) * (1 + _NDJSON_GROWTH))
+    try:
+        body = await request.app[NDJSON].encode(host.registry, cached.body)
+        charged = copies.resize(charged, len(cached.body) + len(body))
+        resp = web.StreamResponse(status=200, headers=copy_headers(host, cached, checkpoint))
+        resp.content_type = "application/x-ndjson"
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        if not await send_body(request, resp, body, request.app[CONFIG].http.send_timeout_s):
+            request.app[METRICS].aborted(host.name)
+            return resp
+        await resp.write_eof()
         return resp
-    await resp.write_eof()
-    return resp
+    finally:
+        copies.release(charged)
 
 
 def _granted_host(request: web.Request, name: str | None) -> PartitionHost:
@@ -392,7 +406,8 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     starts and stops the partitions, e.g. as a ``cleanup_ctx`` step
     (:class:`~._daemon.Relay`).
     """
-    metrics = RelayMetrics(hosts, config.metrics, lambda: _readiness(hosts)[0])
+    copies = CopyBudget(config.http.max_copy_bytes, config.http.max_connections)
+    metrics = RelayMetrics(hosts, config.metrics, lambda: _readiness(hosts)[0], copies)
     app = server_app(
         "relay",
         readiness=lambda: _readiness(hosts),
@@ -405,6 +420,7 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     app[METRICS] = metrics
     app[RESPONSES] = {}
     app[NDJSON] = NdjsonEncoder()
+    app[COPIES] = copies
     app.router.add_get("/v1/stream", stream)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)

@@ -25,6 +25,7 @@ from ._lagmetrics import lag_families
 
 if TYPE_CHECKING:
     from ._config import MetricsConfig
+    from ._copybudget import CopyBudget
     from ._host import PartitionHost
 
 __all__ = ["RelayMetrics"]
@@ -60,9 +61,14 @@ class RelayMetrics:
     """
 
     def __init__(
-        self, hosts: dict[str, PartitionHost], config: MetricsConfig, ready: Callable[[], bool]
+        self,
+        hosts: dict[str, PartitionHost],
+        config: MetricsConfig,
+        ready: Callable[[], bool],
+        copies: CopyBudget,
     ) -> None:
         self._hosts = hosts
+        self._copies = copies
         self._config = config
         self._ready = ready
         self._fell_off: Counter[str] = Counter()
@@ -172,4 +178,22 @@ class RelayMetrics:
         yield from counters.values()
         yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, leader, epoch)
         yield from (syncs, sync_seconds, synced_scn)
+        yield from self._copy_families()
         yield from lag_families(self._hosts, self._config, self._ready, self._fell_off)
+
+    def _copy_families(self) -> Iterator[Any]:
+        c = self._copies
+        for name, value, text in (
+            ("copy_bytes", c.held, "Bytes of response copies held for clients now"),
+            ("copy_peak_bytes", c.peak, "Most bytes of response copies held at once"),
+            ("copy_limit_bytes", c.limit, "http.max_copy_bytes"),
+        ):
+            gauge = GaugeMetricFamily(f"changebus_relay_{name}", text)
+            gauge.add_metric([], float(value))
+            yield gauge
+        cut = CounterMetricFamily(
+            "changebus_relay_copy_grants_cut",
+            "Follow pushes and ndjson answers made smaller because the copy budget was busy",
+        )
+        cut.add_metric([], float(c.cut))
+        yield cut

@@ -1,0 +1,112 @@
+"""The relay-wide copy budget (``http.max_copy_bytes``): slow followers cannot grow the relay.
+
+A follow push is a copy the relay holds until its client takes it; a
+thousand lagging followers once held 1.5-1.8 GiB (bench/relay_fanout.py).
+Here many followers that read nothing ask for large pushes: the bytes held
+stay within the budget, their pushes are cut to what it allows, and a
+healthy follower still reads everything meanwhile (nobody waits for budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given, settings, strategies as st
+from test_hardening import _raw_request, fill, ring_config  # type: ignore[import-not-found]
+
+from changebus.relay import HttpConfig, Relay
+from changebus.relay._copybudget import MIN_FLOOR, CopyBudget
+from changebus.schemas import ConfigError
+
+pytestmark = pytest.mark.usefixtures("no_blocking")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.integers(0, 1 << 22),
+    st.lists(st.tuples(st.booleans(), st.integers(1, 1 << 21), st.integers(0, 1 << 21))),
+)
+def test_every_request_finds_its_floor_and_the_sum_stays_in_the_limit(
+    slots: int, extra: int, steps: list[tuple[bool, int, int]]
+) -> None:
+    budget = CopyBudget(slots * MIN_FLOOR + extra, slots)
+    held: list[int] = []
+    for take, want, used in steps:
+        if take and len(held) < slots:
+            got = budget.grant(want)
+            assert min(want, budget.floor) <= got <= want
+            held.append(budget.resize(got, min(got, used)))  # a copy is at most its grant
+        elif held:
+            budget.release(held.pop(0))
+        assert budget.held == sum(held) <= budget.reserved <= budget.limit
+        assert budget.limit - budget.reserved >= budget.floor * (slots - len(held))
+    for charged in held:
+        budget.release(charged)
+    assert budget.held == budget.reserved == budget.holders == 0
+
+
+def test_a_budget_too_small_for_the_connections_is_refused() -> None:
+    with pytest.raises(ConfigError, match="max_copy_bytes"):
+        HttpConfig(max_copy_bytes=1 << 20, max_connections=1024)
+    assert HttpConfig(max_copy_bytes=4 << 20, max_connections=1024).max_copy_bytes == 4 << 20
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+async def test_stalled_followers_stay_within_the_budget_and_others_go_on(tmp_path: Path) -> None:
+    limit = 2 << 20
+    cfg = ring_config(
+        tmp_path, 48 << 20, max_copy_bytes=limit, max_connections=32, send_timeout_s=4
+    )
+    stalled: list[socket.socket] = []
+    async with Relay(cfg) as relay, aiohttp.ClientSession() as http:
+        await fill(relay, 1, 24 << 20)
+        total = relay.hosts["ring"].buffer.meta.tail_pos
+        path = "/v1/stream?partition=ring&scn=-1&follow=1&max_bytes=4194304&wait=30"
+        try:
+            for _ in range(20):  # 20 x 4 MiB pushes asked for; none of them read
+                stalled.append(await asyncio.to_thread(_raw_request, relay.port, path))
+            await asyncio.sleep(1.0)
+            async with http.get(f"{relay.url}/metrics") as resp:
+                text = await resp.text()
+            held = _metric(text, "changebus_relay_copy_bytes")
+            assert 0 < held <= limit
+            assert _metric(text, "changebus_relay_copy_grants_cut_total") > 0
+            # a follower that reads gets every byte while the others stall
+            got = 0
+            t0 = time.monotonic()
+            params: dict[str, Any] = {"partition": "ring", "scn": -1, "follow": 1, "wait": 0.3}
+            params["max_bytes"] = 4 << 20
+            async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+                assert resp.status == 200
+                async for chunk in resp.content.iter_any():
+                    got += len(chunk)
+            assert got >= total - (1 << 20), (got, total)  # (chunk framing is not counted)
+            assert time.monotonic() - t0 < 20
+            async with http.get(f"{relay.url}/metrics") as resp:
+                text = await resp.text()
+            assert _metric(text, "changebus_relay_copy_peak_bytes") <= limit
+        finally:
+            for sock in stalled:
+                sock.close()
+        # the stalled followers are cut off (or gone): their grants come back
+        deadline = time.monotonic() + 15
+        while True:
+            async with http.get(f"{relay.url}/metrics") as resp:
+                held = _metric(await resp.text(), "changebus_relay_copy_bytes")
+            if held == 0:
+                break
+            assert time.monotonic() < deadline, f"{held} bytes of copies still held"
+            await asyncio.sleep(0.2)
