@@ -359,6 +359,12 @@ async def test_status_list_delete_of_a_group_of_two_members(
         assert code == 2 and "no group" in err
 
 
+def signal_masks(pid: int) -> str:
+    """A process's ignored and caught signal masks (for a failure message)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return ", ".join(x for x in lines if x.startswith(("SigIgn", "SigCgt", "SigBlk")))
+
+
 async def test_status_reads_other_stores_watches_and_hides_dsn_passwords(
     zk_hosts: str, tmp_path: Path
 ) -> None:
@@ -394,14 +400,23 @@ async def test_status_reads_other_stores_watches_and_hides_dsn_passwords(
             # --watch prints again until interrupted (one JSON object per line)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "changebus.schemas", *base, "--json", "--watch", "0.2",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={**ENV, "PYTHONFAULTHANDLER": "1"},
             )  # fmt: skip
             assert proc.stdout is not None
             for _ in range(3):
                 line = await asyncio.wait_for(proc.stdout.readline(), 20)
                 assert json.loads(line)["group"] == group
+            dispositions = signal_masks(proc.pid)
             proc.send_signal(signal.SIGINT)
-            _, err_b = await asyncio.wait_for(proc.communicate(), 20)
+            try:
+                _, err_b = await asyncio.wait_for(proc.communicate(), 60)
+            except TimeoutError:
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+                _, err_b = await asyncio.wait_for(proc.communicate(), 20)
+                pytest.fail(
+                    f"SIGINT did not end --watch ({dispositions}):\n{err_b.decode()[-6000:]}"
+                )
             assert proc.returncode == 0 and b"Traceback" not in err_b
 
             # a Postgres store that cannot be reached: one line, no password

@@ -46,6 +46,8 @@ __all__ = ["FollowRequest", "follow"]
 
 log = logging.getLogger("changebus.relay.http")
 
+#: a follower's socket send buffer, and its pushes' write size (the transport's copy
+#: of an unsent write is at most this per follower)
 _FOLLOW_SNDBUF = 64 * 1024
 
 
@@ -116,7 +118,8 @@ async def follow(
             if cached is not None:
                 try:
                     # limits are 0: returns once the push left the process
-                    if not await send_body(request, resp, cached.body, send_timeout_s):
+                    body = cached.body
+                    if not await send_body(request, resp, body, send_timeout_s, _FOLLOW_SNDBUF):
                         metrics.aborted(host.name)
                         return resp
                 except ConnectionResetError:  # the consumer went away: nothing to report
