@@ -46,8 +46,6 @@ __all__ = ["FollowRequest", "follow"]
 
 log = logging.getLogger("changebus.relay.http")
 
-#: a follower's socket send buffer, and its pushes' write size (the transport's copy
-#: of an unsent write is at most this per follower)
 _FOLLOW_SNDBUF = 64 * 1024
 
 
@@ -105,7 +103,6 @@ async def follow(
         try:
             if cached is None or charged < len(cached.body):
                 # (a shared push larger than the grant: a fresh, smaller copy instead)
-                full = charged == ask.max_bytes
                 try:
                     cached = _copy(host, scn, offset, charged, ask, metrics)
                 except ChangebusError as exc:  # evicted or overrun meanwhile: the client re-asks
@@ -113,13 +110,14 @@ async def follow(
                     break
                 if cached is not None:
                     charged = copies.resize(charged, len(cached.body))
-                    if full:
-                        cache.put(m.tail_event, key, cached)
+                    # shared even when the grant was cut: a push smaller than max_bytes is a
+                    # valid answer to the same request, and a herd catching up must share
+                    # its pushes to catch up at all
+                    cache.put(m.tail_event, key, cached)
             if cached is not None:
                 try:
                     # limits are 0: returns once the push left the process
-                    body = cached.body
-                    if not await send_body(request, resp, body, send_timeout_s, _FOLLOW_SNDBUF):
+                    if not await send_body(request, resp, cached.body, send_timeout_s):
                         metrics.aborted(host.name)
                         return resp
                 except ConnectionResetError:  # the consumer went away: nothing to report

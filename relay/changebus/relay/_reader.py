@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import Op, PartitionFilter, ScnNotFoundError, event_mask
+from changebus.schemas import HEADER_SIZE, Op, PartitionFilter, ScnNotFoundError, event_mask
 
 from ._evict import Pin
 from ._index import scn_range
@@ -37,6 +37,8 @@ __all__ = ["SCAN_CHUNK", "Selection", "locate", "select_events"]
 _EOW = int(Op.END_OF_WINDOW)
 #: events examined per step of a selection (doubled for a longer window)
 SCAN_CHUNK = 16384
+#: the smallest first scan step (a small ``max_bytes`` starts with fewer events)
+_FIRST_CHUNK = 256
 
 
 @dataclass
@@ -148,7 +150,8 @@ def select_events(
     next_scn, next_offset, partial = -1, -1, False
     e = start
     start_pos = -1
-    chunk = SCAN_CHUNK
+    # no more events fit in max_bytes than it holds headers: a small request scans little
+    chunk = min(SCAN_CHUNK, max(_FIRST_CHUNK, max_bytes // HEADER_SIZE + 1))
     while e < m.tail_event and used < max_bytes:
         stop = min(e + chunk, m.tail_event)
         rec: npt.NDArray[Any] = events.get(e, stop)
@@ -173,6 +176,7 @@ def select_events(
             e += last + 1
             if fits.size < eows.size:
                 break  # the next complete window does not fit
+            chunk = max(chunk, min(2 * chunk, SCAN_CHUNK))  # (a filter skipping most events)
             continue
         if windows:
             break

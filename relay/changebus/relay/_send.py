@@ -130,25 +130,22 @@ async def send_selection(
 
 
 async def send_body(
-    request: web.Request,
-    resp: web.StreamResponse,
-    body: bytes,
-    send_timeout_s: float,
-    piece_bytes: int = PIECE_BYTES,
+    request: web.Request, resp: web.StreamResponse, body: bytes, send_timeout_s: float
 ) -> bool:
     """Write a copied ``body`` to ``resp`` and wait until it left the process.
 
-    Written in pieces of ``piece_bytes``: a transport keeps a copy of the
-    unsent part of a write, so that is what a slow client costs besides
-    the body itself. False: the client accepted nothing for
-    ``send_timeout_s`` and the connection has been aborted.
+    One chunk per :data:`PIECE_BYTES` (a follow push up to that size is one
+    chunk, as docs/protocol.md says). The transport keeps a copy of the
+    unsent part of a write: a slow client costs up to twice its body.
+    False: the client accepted nothing for ``send_timeout_s`` and the
+    connection has been aborted.
     """
     loop = asyncio.get_running_loop()
     view = memoryview(body)
     try:
         async with asyncio.timeout(send_timeout_s) as deadline:
-            for start in range(0, len(view), piece_bytes):
-                await resp.write(view[start : start + piece_bytes])
+            for start in range(0, len(view), PIECE_BYTES):
+                await resp.write(view[start : start + PIECE_BYTES])
                 deadline.reschedule(loop.time() + send_timeout_s)
             await request.writer.drain()
     except TimeoutError:
