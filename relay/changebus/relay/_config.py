@@ -66,7 +66,7 @@ from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits
 
 from ._buffer import BufferConfig, Durability, check_durability
-from ._copybudget import MIN_FLOOR
+from ._copybudget import MIN_FLOOR, copy_floor
 
 __all__ = ["FetcherConfig", "HttpConfig", "MetricsConfig", "PartitionConfig", "RelayConfig"]
 
@@ -111,7 +111,7 @@ class HttpConfig(ConnectionLimits):
             raise ConfigError("http limits must be positive")
         if self.response_cache_bytes < 0:
             raise ConfigError("http.response_cache_bytes must not be negative")
-        if self.max_copy_bytes // self.max_connections < MIN_FLOOR:
+        if copy_floor(self.max_copy_bytes, self.max_connections) < MIN_FLOOR:
             raise ConfigError(
                 f"http.max_copy_bytes ({self.max_copy_bytes}) must give each of"
                 f" http.max_connections ({self.max_connections}) at least {MIN_FLOOR} bytes:"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from changebus.schemas import ConfigError
 
-__all__ = ["MIN_FLOOR", "CopyBudget"]
+__all__ = ["MIN_FLOOR", "CopyBudget", "copy_floor"]
 
 #: a grant never needs more than this to make progress (a push of 64 KiB fills a socket buffer)
 _MAX_FLOOR = 64 * 1024
@@ -38,11 +38,16 @@ _MAX_FLOOR = 64 * 1024
 MIN_FLOOR = 4 * 1024
 
 
+def copy_floor(limit: int, slots: int) -> int:
+    """The bytes every one of ``slots`` requests may always have out of ``limit``."""
+    return min(_MAX_FLOOR, limit // max(1, slots))
+
+
 class CopyBudget:
     """Bytes of response copies held at once (module docstring)."""
 
     def __init__(self, limit: int, slots: int) -> None:
-        floor = min(_MAX_FLOOR, limit // max(1, slots))
+        floor = copy_floor(limit, slots)
         if floor < MIN_FLOOR:  # HttpConfig refuses such a configuration already
             raise ConfigError(f"a copy budget of {limit} bytes is too small for {slots} slots")
         self.limit = limit
