@@ -246,3 +246,29 @@ async def test_data_loss_is_never_silent(scripted_relay: Any, window_type: Any) 
         with pytest.raises(DataLossDetectedError):
             await run(relay, rec)
         assert rec.applied == [10] and isinstance(rec.errors[0], DataLossDetectedError)
+
+
+async def test_each_async_call_gets_its_own_budget() -> None:
+    """Two calls of 0.1 s within a 0.15 s budget pass; a call of 0.3 s is cut and named."""
+    from changebus.client._dispatch import _LoopRunner
+
+    class Paced(AsyncCallbacks):
+        async def on_start_window(self, window: Window) -> None:
+            await asyncio.sleep(0.1)
+
+        async def on_end_window(self, window: Window) -> None:
+            await asyncio.sleep(0.1)
+
+        async def on_checkpoint(self, checkpoint: Checkpoint) -> None:
+            await asyncio.sleep(0.3)
+
+    runner = _LoopRunner(Paced(), 0.15)
+    ok = await runner.run([("on_start_window", (None,)), ("on_end_window", (None,))] * 2)
+    assert ok.ok and not ok.timed_out
+    t0 = time.monotonic()
+    cut = await runner.run([("on_end_window", (None,)), ("on_checkpoint", (None,))])
+    assert cut.timed_out and cut.callback == "on_checkpoint"
+    assert 0.2 < time.monotonic() - t0 < 0.3  # 0.1 s, then cut 0.15 s into the second call
+    # the task is usable afterwards: the scope's cancellation did not leak
+    again = await runner.run([("on_end_window", (None,))])
+    assert again.ok

@@ -301,3 +301,82 @@ def test_selection_says_whether_it_reached_the_tail(buf: EventBuffer) -> None:
     later = buf.select(2, -1, 1300)
     assert later is not None and later.start_pos > first
     buf.release(later)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(windows_st, st.integers(200, 40000))
+def test_the_whole_tail_shortcut_answers_as_the_scan_does(
+    tmp_path_factory, monkeypatch, spec, max_bytes
+) -> None:
+    """An unfiltered read from a window boundary takes a shortcut; it must equal the scan."""
+    from changebus.relay import _reader
+
+    path = tmp_path_factory.mktemp("buf")
+    buf = EventBuffer(path, BufferConfig(capacity_bytes=CAP, event_slots=2048))
+    buf.set_start(0)
+    shortcut = _reader._whole_tail
+    taken = 0
+
+    def counted(*args):
+        nonlocal taken
+        got = shortcut(*args)
+        taken += got is not None
+        return got
+
+    def fields(sel):
+        data = b"".join(bytes(v) for v in sel.views)
+        return (
+            sel.spans,
+            sel.events,
+            sel.nbytes,
+            sel.next_scn,
+            sel.next_offset,
+            sel.partial,
+            sel.windows,
+            sel.to_tail,
+            sel.start_pos,
+            data,
+        )
+
+    try:
+        for i, sizes in enumerate(spec, start=1):
+            buf.append_window(make_window(i * 3, sizes))
+            m = buf.meta
+            # every checkpoint at a live window boundary, and "from the oldest"
+            for scn in [-1, m.prev_scn] + [j * 3 for j in range(max(1, i - 6), i)]:
+                if scn >= 0 and scn < m.prev_scn:
+                    continue
+                monkeypatch.setattr(_reader, "_whole_tail", counted)
+                fast = buf.select(scn, -1, max_bytes)
+                monkeypatch.setattr(_reader, "_whole_tail", lambda *a: None)
+                slow = buf.select(scn, -1, max_bytes)
+                assert (fast is None) == (slow is None)
+                if fast is not None and slow is not None:
+                    assert fields(fast) == fields(slow)
+                    buf.release(fast)
+                    buf.release(slow)
+    finally:
+        buf.close()
+
+
+def test_a_read_at_the_tail_takes_the_whole_tail_shortcut(buf: EventBuffer, monkeypatch) -> None:
+    from changebus.relay import _reader
+
+    taken = []
+    shortcut = _reader._whole_tail
+    monkeypatch.setattr(_reader, "_whole_tail", lambda *a: taken.append(shortcut(*a)) or taken[-1])
+    buf.append_window(make_window(3, [100, 200]))
+    buf.append_window(make_window(4, [50]))
+    sel = buf.select(3, -1, 1 << 20)
+    assert sel is not None and taken and taken[-1] is not None
+    assert (sel.events, sel.windows, sel.next_scn, sel.next_offset) == (2, 1, 4, -1)
+    _, headers = parse_stream(b"".join(bytes(v) for v in sel.views))
+    assert [(int(h["scn"]), int(h["seq"])) for h in headers] == [(4, 0), (4, 1)]
+    buf.release(sel)
+    # a filtered read, or one that does not fit, scans
+    taken.clear()
+    sel = buf.select(0, -1, 300)
+    assert sel is not None and taken == [None] and sel.partial
+    buf.release(sel)

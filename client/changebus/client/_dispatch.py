@@ -163,32 +163,84 @@ class _ThreadRunner:
 
 
 class _LoopRunner:
-    """Awaits plans of async callbacks on the loop, each call within its budget."""
+    """Awaits plans of async callbacks on the loop, each call within its budget.
+
+    One :func:`asyncio.timeout` scope per plan and one timer, armed lazily
+    (:class:`_Budget`): an ``asyncio.timeout`` per call cost a timer handle
+    made and cancelled for every event, most of a small window's dispatch.
+    """
 
     def __init__(self, callbacks: AsyncCallbacks, budget_s: float) -> None:
         self._cb = callbacks
         self._budget = budget_s
 
     async def run(self, plan: Plan) -> _Outcome:
+        loop = asyncio.get_running_loop()
         last = CallbackResult.SUCCESS
-        for name, args in plan:
-            try:
-                async with asyncio.timeout(self._budget) as scope:
-                    value = await getattr(self._cb, name)(*args)
-            except TimeoutError as exc:
-                if scope.expired():
-                    return _Outcome(CallbackResult.ERROR, name, timed_out=True)
-                return _Outcome(CallbackResult.ERROR, name, exc)
-            except Exception as exc:  # noqa: BLE001 - a failed callback is a recoverable error
-                return _Outcome(CallbackResult.ERROR, name, exc)
-            outcome = _result(value, name)
-            if not outcome.ok:
-                return outcome
-            last = outcome.result
+        budget = _Budget(loop, self._budget)
+        try:
+            async with asyncio.timeout(None) as scope:
+                budget.scope = scope
+                for name, args in plan:
+                    budget.start(name)
+                    try:
+                        value = await getattr(self._cb, name)(*args)
+                    except Exception as exc:  # noqa: BLE001 - a failed callback is recoverable
+                        return _Outcome(CallbackResult.ERROR, name, exc)
+                    outcome = _result(value, name)
+                    if not outcome.ok:
+                        return outcome
+                    last = outcome.result
+        except TimeoutError:  # only the scope's expiry gets here (a callback's own is caught)
+            return _Outcome(CallbackResult.ERROR, budget.name, timed_out=True)
+        finally:
+            budget.stop()
         return _Outcome(last) if last is not CallbackResult.SUCCESS else _OK
 
     async def close(self) -> None:
         return None
+
+
+class _Budget:
+    """The time budget of the call in progress of one plan, with one lazy timer.
+
+    :meth:`start` notes the call's name and start; the timer, armed at the
+    first call's deadline, checks when it fires whether the call then in
+    progress has used its budget: if so it expires ``scope`` (the task is
+    cancelled and the scope raises :class:`TimeoutError`), else it re-arms
+    for that call's deadline. So a plan of many quick calls costs one timer,
+    not one per call. Event loop only.
+    """
+
+    __slots__ = ("_budget", "_handle", "_loop", "_started", "name", "scope")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, budget_s: float) -> None:
+        self._loop = loop
+        self._budget = budget_s
+        self._handle: asyncio.TimerHandle | None = None
+        self._started = 0.0
+        self.name = ""
+        self.scope: asyncio.Timeout | None = None
+
+    def start(self, name: str) -> None:
+        self.name = name
+        self._started = self._loop.time()
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._started + self._budget, self._check)
+
+    def _check(self) -> None:
+        due = self._started + self._budget
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        if self.scope is not None:
+            self.scope.reschedule(self._loop.time())
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _describe(outcome: _Outcome) -> str:

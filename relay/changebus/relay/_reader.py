@@ -144,6 +144,10 @@ def select_events(
     Returns the selection (without pin or views) and the lowest virtual byte
     position it covers (``tail_pos`` when it is empty): what to pin.
     """
+    if key_filter is None and src_table is None and start == window_first:
+        tail = _whole_tail(events, capacity, m, start, max_bytes)
+        if tail is not None:
+            return tail
     pos_parts: list[npt.NDArray[np.uint64]] = []
     len_parts: list[npt.NDArray[np.uint32]] = []
     used = windows = 0
@@ -207,6 +211,40 @@ def select_events(
         start_pos=start_pos,
     )
     return selection, int(pos[0]) if pos.size else m.tail_pos
+
+
+def _whole_tail(
+    events: CircularTable, capacity: int, m: BufferMeta, start: int, max_bytes: int
+) -> tuple[Selection, int] | None:
+    """The unfiltered selection of everything from window start ``start`` to the tail.
+
+    The common case of a consumer keeping up (a follow push, a long-poll
+    woken by a commit): no filter, a checkpoint at a window boundary, and
+    all the newer bytes fit in ``max_bytes``. The published state holds
+    whole windows, and events are written back to back except where one
+    would straddle the ring's end, so without a wrap the answer is one byte
+    run from the start event to ``tail_pos``: a handful of numpy calls
+    instead of the scan's few dozen (which cost ~0.3 ms of a commit's
+    latency). None: not that case (the caller scans).
+    """
+    start_pos = int(events.at(start)["pos"])
+    end = m.tail_pos
+    if end - start_pos > max_bytes or start_pos // capacity != (end - 1) // capacity:
+        return None
+    ops = events.get(start, m.tail_event, "op")
+    a = start_pos % capacity
+    selection = Selection(
+        spans=[(a, a + end - start_pos)],
+        events=m.tail_event - start,
+        nbytes=end - start_pos,
+        next_scn=m.last_scn,
+        next_offset=-1,
+        partial=False,
+        windows=int(np.count_nonzero(ops == _EOW)),
+        to_tail=True,
+        start_pos=start_pos,
+    )
+    return selection, start_pos
 
 
 def _runs(
