@@ -201,7 +201,7 @@ async def test_host_hands_event_sizes_to_the_buffer(tmp_path: Path, monkeypatch)
     real = EventBuffer.append_windows
 
     def spy(self, windows, *, before_publish=None, sizes=None):
-        seen.append(sizes)
+        seen.append((sizes, [len(w) for w in windows]))
         return real(self, windows, before_publish=before_publish, sizes=sizes)
 
     monkeypatch.setattr(EventBuffer, "append_windows", spy)
@@ -224,10 +224,12 @@ async def test_host_hands_event_sizes_to_the_buffer(tmp_path: Path, monkeypatch)
                 break
             await asyncio.sleep(0.02)
         assert relay.hosts["syn"].buffer.stats["windows_appended"] >= 20
-    # the synthetic fetcher does not give sizes: every window went the verified way
+    # the synthetic fetcher frames its events with changebus's encoders and says so:
+    # every window carries its event sizes (the trusted path), adding up to its length
     assert seen
-    for sizes in seen:
-        assert isinstance(sizes, list) and not any(sizes)
+    for sizes, lengths in seen:
+        assert isinstance(sizes, list) and all(sizes)
+        assert list(map(sum, sizes)) == lengths
     assert Window(1, 0, b"", 0).event_sizes == ()
 
 

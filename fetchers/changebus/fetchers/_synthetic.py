@@ -156,7 +156,17 @@ class SyntheticFetcher:
                     partition=self.partition_id,
                 )
             )
-            emit(Window(scn, ts, b"".join(events), len(events), f"synthetic:{scn}"))
+            emit(
+                Window(
+                    scn,
+                    ts,
+                    b"".join(events),
+                    len(events),
+                    f"synthetic:{scn}",
+                    # framed here by changebus's encoders: the relay's trusted path
+                    event_sizes=tuple(map(len, events)),
+                )
+            )
             self._next_scn = scn + 1
             self.generated += 1
             if interval:

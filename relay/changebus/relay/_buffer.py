@@ -438,6 +438,11 @@ class EventBuffer(BufferWriter):
         result.views = [rv[a:b] for a, b in result.spans]
         return result
 
+    @property
+    def pinned(self) -> bool:
+        """Whether a reader holds a pin now (an eviction might have to wait for it)."""
+        return bool(self._pins)
+
     def stall(self, pin: Pin, stalled: bool = True) -> None:
         """Say whether the reader holding ``pin`` waits for a client that does not read.
 
