@@ -380,3 +380,36 @@ def test_a_read_at_the_tail_takes_the_whole_tail_shortcut(buf: EventBuffer, monk
     sel = buf.select(0, -1, 300)
     assert sel is not None and taken == [None] and sel.partial
     buf.release(sel)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.lists(st.integers(0, 3000), max_size=8), min_size=1, max_size=80), st.data())
+def test_small_commits_write_what_the_bulk_commit_writes(
+    tmp_path_factory, monkeypatch, spec, data
+) -> None:
+    """A small group's commit (Python lists) leaves the same files as the numpy commit."""
+    from changebus.relay import _writer
+
+    dirs = [tmp_path_factory.mktemp("small"), tmp_path_factory.mktemp("bulk")]
+    bufs = [EventBuffer(d, BufferConfig(capacity_bytes=CAP, event_slots=256)) for d in dirs]
+    for b in bufs:
+        b.set_start(0)
+    try:
+        i = 0
+        while i < len(spec):
+            k = data.draw(st.integers(1, 3))  # groups of one to three windows
+            group = [make_window((i + j + 1) * 2, sizes) for j, sizes in enumerate(spec[i : i + k])]
+            i += k
+            for b, small in zip(bufs, (64, 0), strict=True):
+                monkeypatch.setattr(_writer, "_SMALL_EVENTS", small)
+                b.append_windows(group)
+            assert bufs[0].meta == bufs[1].meta
+        for b in bufs:
+            b.flush()
+        for name in ("ring.dat", "events.dat", "index.dat", "meta.dat"):
+            assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
+    finally:
+        for b in bufs:
+            b.close()
