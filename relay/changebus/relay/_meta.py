@@ -72,6 +72,8 @@ class MetaFile:
         self._map = np.memmap(
             path, dtype=np.uint8, mode="w+" if created else "r+", shape=(2 * _SLOT,)
         )
+        # a plain ndarray view: slicing an np.memmap runs Python code (__array_finalize__)
+        self._slots = self._map.view(np.ndarray)
         self._seq = 0
         self.created = created
 
@@ -120,7 +122,7 @@ class MetaFile:
         )[: _STRUCT.size - 8]
         record = body + struct.pack("<Q", zlib.crc32(body))
         start = (self._seq % 2) * _SLOT
-        self._map[start : start + len(record)] = np.frombuffer(record, dtype=np.uint8)
+        self._slots[start : start + len(record)] = np.frombuffer(record, dtype=np.uint8)
 
     def mapping(self) -> tuple[int, int]:
         """``(address, bytes)`` of the slots' mapping (the syncer msyncs it)."""
