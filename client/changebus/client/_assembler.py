@@ -28,16 +28,26 @@ Not thread-safe: one reader task owns each instance.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import CorruptEventError, Op, headers_at, parse_stream, scan_offsets
+from changebus.schemas import (
+    CorruptEventError,
+    Op,
+    headers_at,
+    parse_small,
+    parse_stream,
+    scan_offsets,
+)
 
 __all__ = ["EventSplitter", "RawWindow", "WindowAssembler"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
+#: responses of at most this many events are checked event by event (see _feed_small)
+SMALL_EVENTS: Final = 64
 
 
 def _damaged(exc: CorruptEventError) -> CorruptEventError:
@@ -142,6 +152,13 @@ class WindowAssembler:
         """
         if not data:
             return []
+        if offsets is None:
+            try:
+                offsets = scan_offsets(data)
+            except CorruptEventError as exc:
+                raise _damaged(exc) from exc
+        if len(offsets) <= SMALL_EVENTS:
+            return self._feed_small(data, offsets.tolist())
         try:
             offsets, headers = parse_stream(data, offsets=offsets)
         except CorruptEventError as exc:
@@ -195,6 +212,61 @@ class WindowAssembler:
                 self._pending_seq = int(seqs[end])
                 if is_end[end]:
                     out.append(self._close(scn, int(headers["timestamp_ns"][end])))
+            start = end + 1
+        return out
+
+    def _feed_small(self, data: bytes, offs: list[int]) -> list[RawWindow]:
+        """:meth:`feed` for a response of a few events (a window as it commits).
+
+        The same checks and errors, and the same windows, over the headers
+        unpacked as tuples (:func:`~changebus.schemas.parse_small`): the
+        vectorised path's few dozen numpy calls cost more than such a window's
+        events (``tests/client/test_assembler_small.py`` compares the two).
+        """
+        try:
+            offsets, headers, rows = parse_small(data, offs)
+        except CorruptEventError as exc:
+            raise _damaged(exc) from exc
+        # fields of a header tuple: 2 op, 3 total_length, 4 scn, 5 timestamp_ns, 10 seq
+        for a, b in pairwise(rows):
+            if a[2] != _EOW and b[4] != a[4]:
+                raise CorruptEventError(
+                    f"window {a[4]} is not closed before events of another SCN", retriable=True
+                )
+        for a, b in pairwise(rows):
+            if a[2] != _EOW and b[10] <= a[10]:
+                raise CorruptEventError(
+                    f"event seq numbers do not increase in window {a[4]}", retriable=True
+                )
+        out: list[RawWindow] = []
+        start = 0
+        last = len(rows) - 1
+        ends = [i for i, row in enumerate(rows) if row[2] == _EOW]
+        bounds = ends if ends and ends[-1] == last else [*ends, last]
+        for end in bounds:
+            first, closing = rows[start], rows[end]
+            scn = first[4]
+            self._accept(scn, first[10])
+            lo = offs[start]
+            hi = offs[end] + closing[3]
+            if closing[2] == _EOW and not self._pending:
+                out.append(
+                    RawWindow(
+                        scn,
+                        closing[5],
+                        data[lo:hi],
+                        offsets[start : end + 1] - lo,
+                        headers[start : end + 1],
+                    )
+                )
+                self.last_scn = scn
+                self._pending_scn = -1
+                self._pending_seq = -1
+            else:
+                self._pending.append(data[lo:hi])
+                self._pending_seq = closing[10]
+                if closing[2] == _EOW:
+                    out.append(self._close(scn, closing[5]))
             start = end + 1
         return out
 

@@ -73,6 +73,7 @@ __all__ = [
     "event_at",
     "headers_at",
     "pack_header",
+    "parse_small",
     "parse_stream",
     "scan_offsets",
     "verify_event",
@@ -139,6 +140,10 @@ _START = struct.Struct("<HBBI")  # magic, version, op, total_length: 8 bytes
 _CRC_AT: Final = 60
 _VALID_OPS: Final = np.zeros(256, dtype=bool)
 _VALID_OPS[[int(op) for op in Op]] = True
+_OP_SET: Final = frozenset(int(op) for op in Op)
+#: the whole header, field for field in HEADER_DTYPE's order
+_FULL = struct.Struct("<HBBIQqQQIIIHHHHI")
+assert _FULL.size == HEADER_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,3 +458,48 @@ def parse_stream(
             if crc32(mv[off : off + _CRC_AT]) != hcrc:
                 raise CorruptEventError(f"header checksum mismatch at offset {off}")
     return offsets, headers
+
+
+def parse_small(
+    buf: Buffer, offsets: list[int], *, verify_payload: bool = True
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], list[tuple[int, ...]]]:
+    """:func:`parse_stream` for a few events, with each header unpacked as a tuple too.
+
+    ``offsets`` are what :func:`scan_offsets` found (as a list). The same
+    checks in the same order as :func:`parse_stream` (offsets, then every
+    header's structure, stray bytes, then the CRCs event by event), so the
+    same first error; the tuples hold the fields in :data:`HEADER_DTYPE`'s
+    order. For a handful of events this is several times cheaper than the
+    vectorised checks, whose numpy calls cost microseconds each.
+    """
+    mv = memoryview(buf)
+    size = len(mv)
+    unpack = _FULL.unpack_from
+    rows: list[tuple[int, ...]] = []
+    bad = -1
+    if offsets and (min(offsets) < 0 or max(offsets) + HEADER_SIZE > size):
+        raise CorruptEventError("event offset outside the buffer")
+    for off in offsets:
+        row = unpack(mv, off)
+        if bad < 0 and (
+            row[0] != MAGIC
+            or row[1] != VERSION
+            or row[2] not in _OP_SET
+            or row[3] != HEADER_SIZE + row[14] + row[8]
+            or off + row[3] > size
+        ):
+            bad = off
+        rows.append(row)
+    if bad >= 0:
+        raise CorruptEventError(f"malformed event header at offset {bad}")
+    end = offsets[-1] + rows[-1][3] if offsets else 0
+    if end != size:
+        raise CorruptEventError(f"{size - end} stray bytes after the last event")
+    for off, row in zip(offsets, rows, strict=True):
+        if crc32(mv[off : off + _CRC_AT]) != row[15]:
+            raise CorruptEventError(f"header checksum mismatch at offset {off}")
+        if verify_payload and crc32(mv[off + HEADER_SIZE : off + row[3]]) != row[9]:
+            raise CorruptEventError(f"payload checksum mismatch at offset {off}")
+    gathered = bytearray(b"".join([mv[off : off + HEADER_SIZE] for off in offsets]))
+    headers: npt.NDArray[Any] = np.frombuffer(gathered, dtype=HEADER_DTYPE)
+    return np.array(offsets, dtype=np.int64), headers, rows
