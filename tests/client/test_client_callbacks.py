@@ -272,3 +272,42 @@ async def test_each_async_call_gets_its_own_budget() -> None:
     # the task is usable afterwards: the scope's cancellation did not leak
     again = await runner.run([("on_end_window", (None,))])
     assert again.ok
+
+
+async def test_inherited_no_op_callbacks_are_not_called_and_the_rest_are() -> None:
+    """Callbacks left as AsyncCallbacks has them are skipped; overrides and instance ones run."""
+    from changebus.client._dispatch import _inherited_noops, _LoopRunner
+
+    calls: list[str] = []
+
+    class Base(AsyncCallbacks):
+        async def on_event(self, event: Any) -> None:
+            calls.append("on_event")
+
+    class Child(Base):
+        async def on_end_window(self, window: Window) -> CallbackResult:
+            calls.append("on_end_window")
+            return CallbackResult.SKIP_CHECKPOINT
+
+    cb = Child()
+
+    async def on_checkpoint(checkpoint: Checkpoint) -> None:
+        calls.append("on_checkpoint")
+
+    cb.on_checkpoint = on_checkpoint  # type: ignore[method-assign]
+    skipped = _inherited_noops(cb)
+    assert "on_event" not in skipped and "on_end_window" not in skipped
+    assert "on_checkpoint" not in skipped and "on_start_window" in skipped
+    assert "on_data_loss" not in skipped
+    plan = [
+        ("on_start_window", (None,)),
+        ("on_event", (None,)),
+        ("on_end_window", (None,)),
+        ("on_checkpoint", (None,)),
+    ]
+    outcome = await _LoopRunner(cb, 1.0).run(plan)
+    assert calls == ["on_event", "on_end_window", "on_checkpoint"]
+    assert outcome.ok
+    # the default on_data_loss still stops the consumer
+    lost = await _LoopRunner(AsyncCallbacks(), 1.0).run([("on_data_loss", (None, None))])
+    assert lost.result is CallbackResult.FATAL

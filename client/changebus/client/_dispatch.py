@@ -168,20 +168,26 @@ class _LoopRunner:
     One :func:`asyncio.timeout` scope per plan and one timer, armed lazily
     (:class:`_Budget`): an ``asyncio.timeout`` per call cost a timer handle
     made and cancelled for every event, most of a small window's dispatch.
+    Callbacks the application left as :class:`AsyncCallbacks` has them (which
+    do nothing and return None, i.e. success) are not called at all.
     """
 
     def __init__(self, callbacks: AsyncCallbacks, budget_s: float) -> None:
         self._cb = callbacks
         self._budget = budget_s
+        self._skip = _inherited_noops(callbacks)
 
     async def run(self, plan: Plan) -> _Outcome:
         loop = asyncio.get_running_loop()
         last = CallbackResult.SUCCESS
         budget = _Budget(loop, self._budget)
+        skip = self._skip
         try:
             async with asyncio.timeout(None) as scope:
                 budget.scope = scope
                 for name, args in plan:
+                    if name in skip:
+                        continue
                     budget.start(name)
                     try:
                         value = await getattr(self._cb, name)(*args)
@@ -199,6 +205,31 @@ class _LoopRunner:
 
     async def close(self) -> None:
         return None
+
+
+def _inherited_noops(callbacks: AsyncCallbacks) -> frozenset[str]:
+    """The callbacks of ``callbacks`` that are :class:`AsyncCallbacks`'s own no-ops.
+
+    A method set on the instance, or overridden anywhere in its class's MRO,
+    counts as the application's; ``on_data_loss`` (FATAL by default) is
+    always called.
+    """
+    own = vars(callbacks) if hasattr(callbacks, "__dict__") else {}
+    names = (
+        "on_start_window",
+        "on_start_source",
+        "on_event",
+        "on_end_source",
+        "on_end_window",
+        "on_control",
+        "on_checkpoint",
+        "on_rollback",
+    )
+    return frozenset(
+        name
+        for name in names
+        if name not in own and getattr(type(callbacks), name) is getattr(AsyncCallbacks, name)
+    )
 
 
 class _Budget:
