@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -325,7 +326,7 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
         taken += got is not None
         return got
 
-    def fields(sel):
+    def fields(sel: Any) -> tuple[Any, ...]:
         data = b"".join(bytes(v) for v in sel.views)
         return (
             sel.spans,
@@ -364,9 +365,14 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
 def test_a_read_at_the_tail_takes_the_whole_tail_shortcut(buf: EventBuffer, monkeypatch) -> None:
     from changebus.relay import _reader
 
-    taken = []
+    taken: list[Any] = []
     shortcut = _reader._whole_tail
-    monkeypatch.setattr(_reader, "_whole_tail", lambda *a: taken.append(shortcut(*a)) or taken[-1])
+
+    def counted(*args: Any) -> Any:
+        taken.append(shortcut(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(_reader, "_whole_tail", counted)
     buf.append_window(make_window(3, [100, 200]))
     buf.append_window(make_window(4, [50]))
     sel = buf.select(3, -1, 1 << 20)

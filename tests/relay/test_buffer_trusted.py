@@ -13,6 +13,7 @@ import asyncio
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,7 +198,7 @@ def test_prefaulting_covers_the_ring_and_the_event_table(tmp_path: Path) -> None
 
 async def test_host_hands_event_sizes_to_the_buffer(tmp_path: Path, monkeypatch) -> None:
     """The relay uses the trusted path only for windows that carry sizes."""
-    seen: list[object] = []
+    seen: list[tuple[Any, list[int]]] = []
     real = EventBuffer.append_windows
 
     def spy(self, windows, *, before_publish=None, sizes=None):

@@ -42,7 +42,7 @@ async def test_small_groups_are_appended_on_the_loop_unless_a_reader_holds_a_pin
         where: list[tuple[bool, bool, int]] = []  # (on the loop, pinned, last SCN)
         append = host._append
 
-        def recording(batch):  # type: ignore[no-untyped-def]
+        def recording(batch):
             on_loop = threading.current_thread() is threading.main_thread()
             where.append((on_loop, host.buffer.pinned, batch[-1].scn))
             return append(batch)
