@@ -27,6 +27,7 @@ Not thread-safe: one reader task owns each instance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Final
@@ -46,8 +47,20 @@ from changebus.schemas import (
 __all__ = ["EventSplitter", "RawWindow", "WindowAssembler"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
+#: one header field of a response's events: a list, or a numpy column
+_Column = Sequence[int] | npt.NDArray[Any]
 #: responses of at most this many events are checked event by event (see _feed_small)
 SMALL_EVENTS: Final = 64
+
+
+def _not_closed(scn: int) -> CorruptEventError:
+    return CorruptEventError(
+        f"window {scn} is not closed before events of another SCN", retriable=True
+    )
+
+
+def _seq_back(scn: int) -> CorruptEventError:
+    return CorruptEventError(f"event seq numbers do not increase in window {scn}", retriable=True)
 
 
 def _damaged(exc: CorruptEventError) -> CorruptEventError:
@@ -172,48 +185,21 @@ class WindowAssembler:
         inside = ~is_end[:-1]
         bad_scn = np.flatnonzero(inside & (scns[1:] != scns[:-1]))
         if bad_scn.size:
-            raise CorruptEventError(
-                f"window {int(scns[bad_scn[0]])} is not closed before events of another SCN",
-                retriable=True,
-            )
+            raise _not_closed(int(scns[bad_scn[0]]))
         bad_seq = np.flatnonzero(inside & (seqs[1:] <= seqs[:-1]))
         if bad_seq.size:
-            raise CorruptEventError(
-                f"event seq numbers do not increase in window {int(scns[bad_seq[0]])}",
-                retriable=True,
-            )
-        out: list[RawWindow] = []
-        start = 0
-        last = len(offsets) - 1
-        bounds = ends if ends and ends[-1] == last else [*ends, last]
-        starts_l = offsets.tolist()
-        totals_l = headers["total_length"].tolist()
-        for end in bounds:
-            scn = int(scns[start])
-            self._accept(scn, int(seqs[start]))
-            lo = starts_l[start]
-            hi = starts_l[end] + totals_l[end]
-            if is_end[end] and not self._pending:
-                # the whole window is in this response: reuse what was parsed
-                out.append(
-                    RawWindow(
-                        scn,
-                        int(headers["timestamp_ns"][end]),
-                        data[lo:hi],
-                        offsets[start : end + 1] - lo,
-                        headers[start : end + 1],
-                    )
-                )
-                self.last_scn = scn
-                self._pending_scn = -1
-                self._pending_seq = -1
-            else:
-                self._pending.append(data[lo:hi])
-                self._pending_seq = int(seqs[end])
-                if is_end[end]:
-                    out.append(self._close(scn, int(headers["timestamp_ns"][end])))
-            start = end + 1
-        return out
+            raise _seq_back(int(scns[bad_seq[0]]))
+        return self._assemble(
+            data,
+            offsets,
+            headers,
+            ends,
+            offsets.tolist(),
+            headers["total_length"].tolist(),
+            scns,
+            seqs,
+            headers["timestamp_ns"],
+        )
 
     def _feed_small(self, data: bytes, offs: list[int]) -> list[RawWindow]:
         """:meth:`feed` for a response of a few events (a window as it commits).
@@ -230,30 +216,55 @@ class WindowAssembler:
         # fields of a header tuple: 2 op, 3 total_length, 4 scn, 5 timestamp_ns, 10 seq
         for a, b in pairwise(rows):
             if a[2] != _EOW and b[4] != a[4]:
-                raise CorruptEventError(
-                    f"window {a[4]} is not closed before events of another SCN", retriable=True
-                )
+                raise _not_closed(a[4])
         for a, b in pairwise(rows):
             if a[2] != _EOW and b[10] <= a[10]:
-                raise CorruptEventError(
-                    f"event seq numbers do not increase in window {a[4]}", retriable=True
-                )
+                raise _seq_back(a[4])
+        return self._assemble(
+            data,
+            offsets,
+            headers,
+            [i for i, row in enumerate(rows) if row[2] == _EOW],
+            offs,
+            [row[3] for row in rows],
+            [row[4] for row in rows],
+            [row[10] for row in rows],
+            [row[5] for row in rows],
+        )
+
+    def _assemble(
+        self,
+        data: bytes,
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any],
+        ends: list[int],
+        starts: list[int],
+        totals: list[int],
+        scns: _Column,
+        seqs: _Column,
+        timestamps: _Column,
+    ) -> list[RawWindow]:
+        """Group checked events into windows (``ends``: the END_OF_WINDOW indexes).
+
+        A window wholly in this response reuses what was parsed; the pieces
+        of one that spans responses wait in ``_pending`` until it closes. The
+        per-event columns are lists or numpy arrays, read once per window.
+        """
         out: list[RawWindow] = []
         start = 0
-        last = len(rows) - 1
-        ends = [i for i, row in enumerate(rows) if row[2] == _EOW]
+        last = len(starts) - 1
         bounds = ends if ends and ends[-1] == last else [*ends, last]
-        for end in bounds:
-            first, closing = rows[start], rows[end]
-            scn = first[4]
-            self._accept(scn, first[10])
-            lo = offs[start]
-            hi = offs[end] + closing[3]
-            if closing[2] == _EOW and not self._pending:
+        for i, end in enumerate(bounds):
+            closed = i < len(ends)  # only an extra last bound leaves a window open
+            scn = int(scns[start])
+            self._accept(scn, int(seqs[start]))
+            lo = starts[start]
+            hi = starts[end] + totals[end]
+            if closed and not self._pending:
                 out.append(
                     RawWindow(
                         scn,
-                        closing[5],
+                        int(timestamps[end]),
                         data[lo:hi],
                         offsets[start : end + 1] - lo,
                         headers[start : end + 1],
@@ -264,9 +275,9 @@ class WindowAssembler:
                 self._pending_seq = -1
             else:
                 self._pending.append(data[lo:hi])
-                self._pending_seq = closing[10]
-                if closing[2] == _EOW:
-                    out.append(self._close(scn, closing[5]))
+                self._pending_seq = int(seqs[end])
+                if closed:
+                    out.append(self._close(scn, int(timestamps[end])))
             start = end + 1
         return out
 

@@ -58,11 +58,9 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +69,6 @@ from changebus.fetchers import Fetcher, ResumePoint, Window, create_fetcher
 from changebus.schemas import (
     ChangebusError,
     EventTooLargeError,
-    Op,
     SchemaRegistry,
     TableSchema,
 )
@@ -85,6 +82,7 @@ from ._hoststatus import data_loss_events, fetcher_losses, partition_status
 from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
 from ._windowqueue import WindowQueue
+from ._writerthread import WriterThread, fits_inline
 
 __all__ = [
     "STATES",
@@ -95,7 +93,6 @@ __all__ = [
 
 log = logging.getLogger("changebus.relay.ingest")
 
-T = TypeVar("T")
 
 #: windows waiting between the fetcher and the writer (back-pressure beyond), by
 #: count and by bytes (see ._windowqueue)
@@ -113,11 +110,6 @@ STATES = ("idle", "starting", "streaming", "retrying", "fenced", "failed", "fini
 MAX_CONSUMERS = 1000
 #: characters of a ``client=`` id kept
 MAX_CLIENT_ID = 128
-#: a group at most this large may be appended on the event loop itself (see
-#: PartitionHost._commit), by bytes and by events
-_INLINE_BYTES = 256 * 1024
-_INLINE_EVENTS = 256
-_SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
 #: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
 _TICK_PER_WAITER_S = 0.0001
 _MAX_TICK_S = 0.005
@@ -154,9 +146,7 @@ class PartitionHost(SourceAcks):
             on_publish=self._published,
         )
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"relay-writer-{config.name}")
-        #: jobs submitted to the writer thread and not yet seen done by the loop
-        self._writer_jobs = 0
+        self._writer = WriterThread(config.name)
         self._new_window: asyncio.Event | None = None
         self._waiters = 0
         self._tick: asyncio.TimerHandle | None = None
@@ -218,9 +208,9 @@ class PartitionHost(SourceAcks):
             await self.fetcher.close()
         if self.syncer is not None:  # before the buffer's mappings go
             await asyncio.to_thread(self.syncer.stop)
-        await self._on_writer(self.buffer.close)
+        await self._writer.run(self.buffer.close)
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
-        await asyncio.to_thread(self._writer.shutdown, wait=True)
+        await self._writer.shutdown()
 
     async def switch_fetcher(
         self, fetcher: FetcherConfig, *, fence: IngestFence | None = None
@@ -249,7 +239,7 @@ class PartitionHost(SourceAcks):
                 self._retire(self.fetcher)
                 self.fetcher = None
             # a group the cancelled task handed to the writer is appended before we resume
-            await self._on_writer(_nothing)
+            await self._writer.run(_nothing)
             self.fence = fence
             self.config = dataclasses.replace(self.config, fetcher=fetcher)
             self._secrets = secret_values(fetcher)
@@ -277,7 +267,7 @@ class PartitionHost(SourceAcks):
         Nothing to do with ``durability = "fsync"``: the syncer keeps it synced.
         """
         if self.syncer is None:
-            self._on_writer(self.buffer.flush)
+            self._writer.run(self.buffer.flush)
 
     @property
     def ready(self) -> bool:
@@ -426,64 +416,21 @@ class PartitionHost(SourceAcks):
         """Append ``batch``, then acknowledge it; raises _Fenced if refused.
 
         A small group is appended right here on the event loop when the
-        writer thread is idle (:meth:`_inline`): two thread hand-overs less
+        writer thread is idle (:func:`~._writerthread.fits_inline`): two thread hand-overs less
         per commit, each a wake-up that costs a quarter of a millisecond of a
         window's latency on an idle machine. Anything else goes to the writer
         thread. With ``durability = "fsync"`` the acknowledger acknowledges
         after the sync.
         """
-        if self._inline(batch):
+        if fits_inline(self._writer, self.buffer, batch):
             appended = self._append(batch)
         else:
-            appended = await self._on_writer(self._append, batch)
+            appended = await self._writer.run(self._append, batch)
         if not appended:
             raise _Fenced("the leadership lease is not valid: group not appended")
         self.appended_at = time.time()  # once per group (source lag and idle time)
         if self.syncer is None:
             await self._acknowledge(fetcher, batch[-1].scn)
-
-    def _inline(self, batch: list[Window]) -> bool:
-        """Whether ``batch`` may be appended on the event loop without blocking it.
-
-        The buffer has one writer at a time: the loop appends only when no
-        writer-thread job is in flight (and it submits none while it appends).
-        The group must be small, framed by changebus's encoders (event sizes
-        known: no scan, no CRCs), one ``append_windows`` call (no mirrored
-        registry entries, no SCHEMA_CHANGE event: registering one writes the
-        registry file) and need no wait for readers: no reader holds a pin
-        (readers pin only on the loop, so none can appear meanwhile).
-        """
-        if self._writer_jobs or self.buffer.pinned:
-            return False
-        buffer = self.buffer
-        limit = min(_INLINE_BYTES, buffer.capacity // 4, buffer.config.window_limit)
-        max_events = min(_INLINE_EVENTS, buffer.config.slots // 4)
-        size = events = 0
-        for window in batch:
-            sizes = window.event_sizes
-            if window.schemas or not sizes:
-                return False
-            size += len(window.data)
-            events += len(sizes)
-            if size > limit or events > max_events:
-                return False
-            data = window.data
-            at = 3  # the op byte of each event header
-            for n in sizes:
-                if data[at] == _SCHEMA_CHANGE:
-                    return False
-                at += n
-        return True
-
-    def _on_writer(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        """Run ``fn(*args)`` on the writer thread (counted while in flight: see _inline)."""
-        self._writer_jobs += 1
-        future = asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
-        future.add_done_callback(self._writer_done)
-        return future
-
-    def _writer_done(self, _future: asyncio.Future[Any]) -> None:
-        self._writer_jobs -= 1
 
     async def _pump(
         self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
@@ -523,7 +470,7 @@ class PartitionHost(SourceAcks):
                 )
                 start_scn = await self.fetcher.start(resume)
                 if meta.tail_event == meta.head_event and meta.prev_scn < 0 and start_scn >= 0:
-                    await self._on_writer(self.buffer.set_start, start_scn)
+                    await self._writer.run(self.buffer.set_start, start_scn)
                 self.state = "streaming"
                 self.last_error = ""
                 queue: WindowQueue[Window | BaseException | None] = WindowQueue(
@@ -572,7 +519,7 @@ class PartitionHost(SourceAcks):
                     self.last_error,
                     exc.scn,
                 )
-                await self._on_writer(self.buffer.restart_after, exc.scn)
+                await self._writer.run(self.buffer.restart_after, exc.scn)
                 delay = cfg.retry_initial_s
                 self.state = "retrying"  # not streaming: the fetcher is closed below
             except _Fenced as exc:

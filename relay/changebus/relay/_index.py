@@ -36,7 +36,7 @@ from changebus.schemas import Op
 from ._meta import BufferMeta
 from ._tables import INDEX_DTYPE, CircularTable
 
-__all__ = ["add_windows", "rebuild", "scn_range"]
+__all__ = ["add_windows", "add_windows_small", "rebuild", "scn_range"]
 
 _EOW = int(Op.END_OF_WINDOW)
 
@@ -59,11 +59,7 @@ def add_windows(
     index_head, index_tail = m.index_head, m.index_tail
     firsts = np.flatnonzero(ev["first"])
     blocks = positions[firsts] // block
-    if index_tail > index_head:
-        last_event = int(index.at(index_tail - 1)["event"])
-        last_block = int(events.at(last_event)["pos"]) // block
-    else:
-        last_block = -1
+    last_block = _last_block(index, events, block, m)
     fresh = firsts[np.flatnonzero(blocks != np.concatenate(([last_block], blocks[:-1])))]
     if fresh.size:
         entries = np.empty(fresh.size, dtype=INDEX_DTYPE)
@@ -73,6 +69,44 @@ def add_windows(
         index.put(index_tail, entries[-index.slots :])
         index_tail += fresh.size
     return index_head, index_tail
+
+
+def add_windows_small(
+    index: CircularTable,
+    events: CircularTable,
+    block: int,
+    m: BufferMeta,
+    rows: list[tuple[Any, ...]],
+    tail_pos: int,
+    first_event: int,
+) -> tuple[int, int]:
+    """:func:`add_windows` for a small group laid out from ``tail_pos`` without a lap.
+
+    ``rows`` are the group's parsed records as tuples (``off`` first, ``scn``
+    second, ``first`` last); the same entries, found with a Python loop.
+    """
+    index_head, index_tail = m.index_head, m.index_tail
+    last_block = _last_block(index, events, block, m)
+    entries: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        if row[-1]:
+            b = (tail_pos + row[0]) // block
+            if b != last_block:
+                entries.append((row[1], first_event + i))
+            last_block = b
+    if entries:
+        index_head = max(index_head, index_tail + len(entries) - index.slots)
+        index.put(index_tail, np.array(entries[-index.slots :], dtype=INDEX_DTYPE))
+        index_tail += len(entries)
+    return index_head, index_tail
+
+
+def _last_block(index: CircularTable, events: CircularTable, block: int, m: BufferMeta) -> int:
+    """The block of the newest indexed window (-1: the index is empty)."""
+    if m.index_tail <= m.index_head:
+        return -1
+    last_event = int(index.at(m.index_tail - 1)["event"])
+    return int(events.at(last_event)["pos"]) // block
 
 
 def scn_range(index: CircularTable, m: BufferMeta, scn: int) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,10 +37,10 @@ from changebus.schemas import EventTooLargeError, headers_at
 from changebus.schemas.errors import BadRequestError
 
 from ._evict import Pin, plan_eviction, wait_for_readers
-from ._index import add_windows
+from ._index import add_windows, add_windows_small
 from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
-from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
+from ._tables import EVENT_DTYPE, CircularTable
 from ._validate import validate
 
 if TYPE_CHECKING:
@@ -55,6 +55,22 @@ Hook = Callable[[bytes | memoryview, npt.NDArray[np.int64], npt.NDArray[Any]], N
 _SCRATCH_MAX = 32 << 20
 #: groups of at most this many events commit with Python lists (see _commit_small)
 _SMALL_EVENTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A placed group, as the commit publishes it (virtual positions, event numbers)."""
+
+    windows: int
+    events: int
+    size: int
+    first_pos: int
+    tail_pos: int
+    first_scn: int
+    last_scn: int
+    first_ts: int
+    last_ts: int
+    first_event: int
 
 
 class BufferWriter:
@@ -233,38 +249,19 @@ class BufferWriter:
             self._index, self._events, self.block, m, ev, positions, first_event
         )
 
-        if before_publish is not None:
-            if headers is None:
-                headers = headers_at(data, offsets)
-            before_publish(data, offsets, headers)
-        with self._lock:
-            m = self._meta
-            empty_before = m.tail_event == m.head_event
-            self._meta = BufferMeta(
-                m.capacity,
-                m.event_slots,
-                m.index_slots,
-                head_event=m.head_event,
-                tail_event=m.tail_event + n,
-                head_pos=int(positions[0]) if empty_before else m.head_pos,
-                tail_pos=new_tail_pos,
-                prev_scn=m.prev_scn,
-                last_scn=last_scn,
-                min_scn=first_scn if empty_before else m.min_scn,
-                index_head=index_head,
-                index_tail=index_tail,
-                first_ts=int(ev["ts"][0]) if empty_before else m.first_ts,
-                last_ts=int(ev["ts"][-1]),
-                windows=m.windows + len(windows),
-            )
-            self._metafile.publish(self._meta)
-        self._prefault.advance(new_tail_pos)
-        self._prefault_events.advance((first_event + n) * EVENT_DTYPE.itemsize)
-        self.stats["windows_appended"] += len(windows)
-        self.stats["events_appended"] += n
-        self.stats["bytes_appended"] += size
-        if self.on_publish is not None:
-            self.on_publish()
+        group = _Group(
+            len(windows),
+            n,
+            size,
+            int(positions[0]),
+            new_tail_pos,
+            first_scn,
+            last_scn,
+            int(ev["ts"][0]),
+            int(ev["ts"][-1]),
+            first_event,
+        )
+        self._publish(group, index_head, index_tail, data, offsets, headers, before_publish)
         return last_scn
 
     def _commit_small(
@@ -285,11 +282,11 @@ class BufferWriter:
         relay's share of its latency. ``tests/relay/test_buffer.py`` checks
         both paths write the same files.
         """
-        rows = ev.tolist()  # (off, scn, key_hash, length, op, source_id, ts, first)
+        rows: list[tuple[int, ...]] = ev.tolist()  # (off, scn, key_hash, length, op, ...)
         n = len(rows)
         size = len(data)
-        first_scn = rows[0][1]
-        last_scn = rows[-1][1]
+        first_scn: int = rows[0][1]
+        last_scn: int = rows[-1][1]
         self._check_order(first_scn)
         tail_pos = self._meta.tail_pos
         new_tail_pos = tail_pos + size  # back to back, and no lap: nothing skipped
@@ -304,25 +301,35 @@ class BufferWriter:
         first_event = m.tail_event
         self._events.put(first_event, records)
 
-        index = self._index
-        index_head, index_tail = m.index_head, m.index_tail
-        block = self.block
-        last_block = -1
-        if index_tail > index_head:
-            last_event = int(index.at(index_tail - 1)["event"])
-            last_block = int(self._events.at(last_event)["pos"]) // block
-        entries = []
-        for i, r in enumerate(rows):
-            if r[7]:
-                b = (tail_pos + r[0]) // block
-                if b != last_block:
-                    entries.append((r[1], first_event + i))
-                last_block = b
-        if entries:
-            index_head = max(index_head, index_tail + len(entries) - index.slots)
-            index.put(index_tail, np.array(entries[-index.slots :], dtype=INDEX_DTYPE))
-            index_tail += len(entries)
+        index_head, index_tail = add_windows_small(
+            self._index, self._events, self.block, m, rows, tail_pos, first_event
+        )
+        group = _Group(
+            len(windows),
+            n,
+            size,
+            tail_pos,
+            new_tail_pos,
+            first_scn,
+            last_scn,
+            rows[0][6],
+            rows[-1][6],
+            first_event,
+        )
+        self._publish(group, index_head, index_tail, data, offsets, headers, before_publish)
+        return last_scn
 
+    def _publish(
+        self,
+        group: _Group,
+        index_head: int,
+        index_tail: int,
+        data: bytes | memoryview,
+        offsets: npt.NDArray[np.int64],
+        headers: npt.NDArray[Any] | None,
+        before_publish: Hook | None,
+    ) -> None:
+        """The last step of both commits: run the hook, publish the new tail, tell readers."""
         if before_publish is not None:
             if headers is None:
                 headers = headers_at(data, offsets)
@@ -335,27 +342,26 @@ class BufferWriter:
                 m.event_slots,
                 m.index_slots,
                 head_event=m.head_event,
-                tail_event=m.tail_event + n,
-                head_pos=tail_pos if empty_before else m.head_pos,
-                tail_pos=new_tail_pos,
+                tail_event=m.tail_event + group.events,
+                head_pos=group.first_pos if empty_before else m.head_pos,
+                tail_pos=group.tail_pos,
                 prev_scn=m.prev_scn,
-                last_scn=last_scn,
-                min_scn=first_scn if empty_before else m.min_scn,
+                last_scn=group.last_scn,
+                min_scn=group.first_scn if empty_before else m.min_scn,
                 index_head=index_head,
                 index_tail=index_tail,
-                first_ts=rows[0][6] if empty_before else m.first_ts,
-                last_ts=rows[-1][6],
-                windows=m.windows + len(windows),
+                first_ts=group.first_ts if empty_before else m.first_ts,
+                last_ts=group.last_ts,
+                windows=m.windows + group.windows,
             )
             self._metafile.publish(self._meta)
-        self._prefault.advance(new_tail_pos)
-        self._prefault_events.advance((first_event + n) * EVENT_DTYPE.itemsize)
-        self.stats["windows_appended"] += len(windows)
-        self.stats["events_appended"] += n
-        self.stats["bytes_appended"] += size
+        self._prefault.advance(group.tail_pos)
+        self._prefault_events.advance((group.first_event + group.events) * EVENT_DTYPE.itemsize)
+        self.stats["windows_appended"] += group.windows
+        self.stats["events_appended"] += group.events
+        self.stats["bytes_appended"] += group.size
         if self.on_publish is not None:
             self.on_publish()
-        return int(last_scn)
 
     def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
         """Evict whole oldest windows until the head is past both bounds."""
