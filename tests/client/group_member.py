@@ -5,7 +5,7 @@ variable ``CHANGEBUS_REPLICA_DSN``, never on the command line)::
 
     python group_member.py --zookeeper HOSTS --group G --relay URL --partition P
         --buckets N --log FILE [--name X] [--session-timeout 2] [--commit-interval 0.2]
-        [--hold]
+        [--hold] [--fail-on-wake]
 
 With ``--hold`` the process imports everything, logs ``ready`` and joins
 only when a line arrives on stdin (so a test can time a join without the
@@ -25,8 +25,16 @@ all processes of the host) and ``pid``:
 * ``{"ev": "assigned" | "revoked" | "lost", "m": member_id, "units": [...]}``
   -- the rebalance callbacks;
 * ``{"ev": "claim", "m", "u", "token", "generation"}`` and
-  ``{"ev": "commit", "m", "written": [...], "fenced": [...]}`` -- the unit
-  store calls the engine makes (the replica is the store);
+  ``{"ev": "commit", "m", "written": [...], "fenced": [...], "t_start": t0}``
+  -- the unit store calls the engine makes (the replica is the store;
+  ``t_start``: when the commit was sent, which may be before a stop that
+  came while it waited for the answer);
+* ``{"ev": "self_stop", "u", "scn"}`` -- after a SIGUSR1, the member stops
+  itself (SIGSTOP) in the middle of its next unit window's ``on_end_window``
+  (a stop at the worst moment; the test sends SIGCONT);
+* ``{"ev": "fail", "u", "scn"}`` -- with ``--fail-on-wake``, the window in
+  progress when the process was stopped fails once (ERROR, before it is
+  applied) when it ends, so the dispatcher rolls back and replays at once;
 * ``{"ev": "wake", "gap_s": g}`` -- a probe thread saw its own clock jump
   (the process was stopped): right after it the member tries to commit, with
   its old tokens, a checkpoint of every unit it held before, and logs
@@ -49,7 +57,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from changebus.client import Consumer, ConsumerConfig, PostgresReplica, Window
+from changebus.client import CallbackResult, Consumer, ConsumerConfig, PostgresReplica, Window
 from changebus.schemas import (
     ChangebusError,
     CommitResult,
@@ -92,10 +100,12 @@ class Member:
 class LoggingReplica(PostgresReplica):
     """A PostgresReplica (sink and unit store) that logs deliveries, claims and commits."""
 
-    def __init__(self, dsn: str, log: Log, member: Member) -> None:
+    def __init__(self, dsn: str, log: Log, member: Member, *, fail_on_wake: bool = False) -> None:
         super().__init__(dsn)
         self.log = log
         self.member = member
+        self.fail_on_wake = fail_on_wake
+        self.stop_next = False  # SIGUSR1: stop this process in the next window
         self.claims: dict[Unit, UnitClaim] = {}
         self.positions: dict[Unit, PartitionCheckpoint] = {}
         self.window_started = 0.0  # when the window being delivered began (on_start_window)
@@ -106,6 +116,14 @@ class LoggingReplica(PostgresReplica):
 
     async def on_end_window(self, window: Window) -> Any:
         t = self.window_started
+        if self.stop_next and window.unit:
+            self.stop_next = False
+            self.log("self_stop", u=window.unit, scn=window.scn)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.fail_on_wake and time.monotonic() - t > 1.0:  # it spanned a stop
+            self.fail_on_wake = False
+            self.log("fail", u=window.unit, scn=window.scn)
+            return CallbackResult.ERROR
         before = self.windows_applied
         result = await super().on_end_window(window)
         self.log(
@@ -135,6 +153,7 @@ class LoggingReplica(PostgresReplica):
         return claim
 
     async def commit(self, group: str, commits: Sequence[UnitCommit]) -> CommitResult:
+        t = time.monotonic()
         result = await super().commit(group, commits)
         if commits:
             self.log(
@@ -142,6 +161,7 @@ class LoggingReplica(PostgresReplica):
                 m=self.member.id,
                 written=sorted(str(u) for u in result.tokens),
                 fenced=sorted(str(u) for u in result.fenced),
+                t_start=t,
             )
         return result
 
@@ -224,6 +244,7 @@ async def main() -> int:
     ap.add_argument("--session-timeout", type=float, default=2.0)
     ap.add_argument("--commit-interval", type=float, default=0.2)
     ap.add_argument("--hold", action="store_true", help="join only after a line on stdin")
+    ap.add_argument("--fail-on-wake", action="store_true", help="fail the window a stop cut")
     args = ap.parse_args()
     log = Log(args.log)
     log("start", name=args.name)
@@ -232,7 +253,9 @@ async def main() -> int:
         await asyncio.to_thread(sys.stdin.readline)
         log("go")
     member = Member()
-    replica = LoggingReplica(os.environ["CHANGEBUS_REPLICA_DSN"], log, member)
+    replica = LoggingReplica(
+        os.environ["CHANGEBUS_REPLICA_DSN"], log, member, fail_on_wake=args.fail_on_wake
+    )
     config = ConsumerConfig(
         relays=(args.relay,),
         group=args.group,
@@ -244,6 +267,7 @@ async def main() -> int:
         commit_interval_s=args.commit_interval,
         wait_s=1.0,
         backoff_max_s=0.5,
+        rollback_backoff_s=0.0 if args.fail_on_wake else 0.05,
     )
     loop = asyncio.get_running_loop()
     woke = asyncio.Event()
@@ -253,6 +277,7 @@ async def main() -> int:
     consumer = Consumer(config, persister=replica, listener=Listener(log, member))
     member.consumer = consumer
     loop.add_signal_handler(signal.SIGTERM, consumer.stop)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(replica, "stop_next", True))
     status = 0
     try:
         async with consumer:

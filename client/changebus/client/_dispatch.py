@@ -6,6 +6,9 @@ State kept by :class:`Dispatcher`:
   They stay in memory until a checkpoint succeeds, so a rollback replays
   them without asking the relay again (as Databus keeps them in its client
   buffer). With ``checkpoint_every_windows = 1`` that is one window.
+  A replayed window is first offered to ``readmit`` when one is given (a
+  consumer group: the member must still hold its unit and its lease; a
+  process frozen past its session must not deliver it again on waking).
 * the :class:`~._position.PositionTracker` -- ``current`` advances after
   each window's ``on_end_window``; a rollback resets it to ``committed``.
 * ``rollbacks`` -- consecutive rollbacks since the last successful
@@ -24,6 +27,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -291,6 +295,7 @@ class Dispatcher:
         config: ConsumerConfig,
         position: Positions,
         next_window: Callable[[], Awaitable[Window]],
+        readmit: Callable[[Window], Awaitable[bool]] | None = None,
     ) -> None:
         budget = config.callback_time_budget_s
         self._runner: _Runner = (
@@ -301,6 +306,7 @@ class Dispatcher:
         self._config = config
         self._position = position
         self._next_window = next_window
+        self._readmit = readmit
         self.replay: list[Window] = []
         self.rollbacks = 0
         self.total_rollbacks = 0
@@ -333,15 +339,27 @@ class Dispatcher:
             log.error("%s", _describe(outcome))
 
     async def _process(self) -> None:
-        i = len(self.replay) - 1
-        while i < len(self.replay):
-            window = self.replay[i]
+        """Run the newest window of ``replay``; after a rollback, every window kept, again.
+
+        A replayed window may leave ``replay`` meanwhile (a consumer group
+        purges the windows of units it lost, also while ``readmit`` waits):
+        the pass goes over a copy and skips what is no longer kept.
+        """
+        pending = deque(self.replay[-1:])
+        replaying = False
+        while pending:
+            window = pending.popleft()
+            if replaying:
+                if not any(w is window for w in self.replay):
+                    continue
+                if self._readmit is not None and not await self._readmit(window):
+                    self.replay[:] = [w for w in self.replay if w is not window]
+                    continue
             outcome = _OK if window.is_empty else await self._runner.run(window_plan(window))
             if outcome.ok:
                 self._position.advance(window)
                 self.windows += 1
-                i += 1
-                if i < len(self.replay) or i < self._config.checkpoint_every_windows:
+                if pending or len(self.replay) < self._config.checkpoint_every_windows:
                     continue
                 outcome = await self._checkpoint()
                 if outcome.ok:
@@ -349,7 +367,8 @@ class Dispatcher:
             if outcome.result is CallbackResult.FATAL:
                 await self._abort(outcome, window)
             await self._rollback(outcome, window)
-            i = 0
+            pending = deque(self.replay)
+            replaying = True
 
     async def _checkpoint(self) -> _Outcome:
         checkpoint = self._position.current

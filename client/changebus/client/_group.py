@@ -260,7 +260,7 @@ class GroupConsumer:
                 lane, unit, window = self._ready.popleft()
                 if owner.held.get(unit) is not lane:
                     continue  # revoked or lost meanwhile
-                if not await self._fence(owner, lane, unit):
+                if not await self._fence(owner, unit, lane):
                     continue
                 self.windows += 1
                 return window
@@ -282,14 +282,19 @@ class GroupConsumer:
                 lane_.unadvanced = batch
             self._ready.extend((lane_, u, w) for u, w in batch.windows)
 
-    async def _fence(self, owner: UnitOwner, lane: Lane, unit: Unit) -> bool:
-        """Whether ``unit``'s window may go to the application now (waits while the lease is in doubt)."""
+    async def _fence(self, owner: UnitOwner, unit: Unit, lane: Lane | None = None) -> bool:
+        """Whether ``unit``'s window may go to the application now (waits while the lease is in doubt).
+
+        ``lane``: the lane the window came from, which must still read the
+        unit; None for a window replayed after a rollback (the unit held at all).
+        """
         member = self.member
         assert member is not None
         assert self._queue is not None
         waited = False
         while True:
-            if owner.held.get(unit) is not lane or self._queue.closed:
+            held = owner.held.get(unit)
+            if held is None or (lane is not None and held is not lane) or self._queue.closed:
                 return False
             if member.lease_valid():
                 if unit in member.owned:
@@ -305,6 +310,13 @@ class GroupConsumer:
                 )
                 waited = True
             await asyncio.sleep(_LEASE_POLL_S)
+
+    async def _readmit(self, window: Window) -> bool:
+        """The fence again for a window the dispatcher replays after a rollback."""
+        owner = self._owner
+        if owner is None or not window.unit:
+            return False
+        return await self._fence(owner, Unit.parse(window.unit))
 
     async def _rebalance(self, owner: UnitOwner) -> None:
         """Run the rebalance work due, on the application's path (module docstring)."""
@@ -411,7 +423,9 @@ class GroupConsumer:
         self._mode = "callbacks"
         await self.start()
         assert self._positions is not None
-        dispatcher = Dispatcher(callbacks, self.config, self._positions, self.next_window)
+        dispatcher = Dispatcher(
+            callbacks, self.config, self._positions, self.next_window, self._readmit
+        )
         self._dispatcher = dispatcher
         self._calls.use_callbacks(callbacks, dispatcher)
         try:
