@@ -42,15 +42,8 @@ from changebus.schemas import (
 )
 
 from .._policy import ColumnRule
-from ._transcode import (
-    _FROM_X,
-    _RUN_FORMATS,
-    _SNIPPETS,
-    _general_column,
-    _name_p,
-    _rule,
-    walker_env,
-)
+from ._cellwalk import RUN_FORMATS, CellFormat, name_p, walk_lines
+from ._transcode import _SNIPPETS, _general_column, _rule, walker_env
 from ._types import ColumnType
 
 __all__ = ["CopyEncoder"]
@@ -143,7 +136,7 @@ def _field_lines(
         if is_key:
             body.append(f"k{i} = e")
     else:
-        body = _name_p(code_p, i).split("\n")
+        body = name_p(code_p, i).split("\n")
     out: list[str]
     if width:  # the length and the value in one comparison and one slice
         out = [
@@ -255,41 +248,16 @@ class CopyEncoder:
         policy = self._rules
         rules = [_rule(t) if r is None else None for t, r in zip(types, policy, strict=True)]
         ind = "        "
-        i = 0
-        while i < len(types):
-            j = i
-            while j < len(types) and rules[j] in _RUN_FORMATS:
-                j += 1
-            if j - i > 1:  # columns i..j-1 form a run of fixed-width columns
-                run = range(i, j)
-                fmt = ">" + "".join("i" + _RUN_FORMATS[str(rules[c])][0] for c in run)
-                width = struct.calcsize(fmt)
-                env[f"RUN{i}"] = struct.Struct(fmt).unpack_from
-                heads = " and ".join(
-                    f"r[{2 * n}] == {_RUN_FORMATS[str(rules[c])][1]}" for n, c in enumerate(run)
-                )
-                lines += [
-                    f"{ind}r = RUN{i}(buf, pos) if pos + {width} <= size else None",
-                    f"{ind}if r is not None and {heads}:",
-                    f"{ind}    pos += {width}",
-                ]
-                for n, c in enumerate(run):
-                    lines.append(f"{ind}    x = r[{2 * n + 1}]")
-                    lines += _value_lines(str(rules[c]), c, c in key, ind + "    ")
-                lines.append(f"{ind}else:")
-                for c in run:
-                    lines += _field_lines(rules[c], c, c in key, ind + "    ", types[c])
-                i = j
-                continue
-            column_rule = policy[i]
-            if column_rule is not None and column_rule.action == "exclude":
-                lines += _skip_lines(ind)
-                i += 1
-                continue
-            if rules[i] is None:
-                env[f"general{i}"] = _general_column(types[i], adapters[i], column_rule)
-            lines += _field_lines(rules[i], i, i in key, ind, types[i])
-            i += 1
+        lines += walk_lines(
+            _COPY,
+            types,
+            policy,
+            rules,
+            key,
+            env,
+            ind,
+            lambda i: _general_column(types[i], adapters[i], policy[i]),
+        )
         for _ in range(self.extra):
             lines += _skip_lines(ind)
         key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
@@ -317,12 +285,12 @@ class CopyEncoder:
         return fn
 
 
-def _value_lines(rule: str, i: int, is_key: bool, indent: str) -> list[str]:
-    """Lines from a run's integer ``x`` to ``p<i>`` (and ``k<i>``)."""
-    code_e, code_p = (_inline(c) for c in _FROM_X[rule])
-    if is_key:
-        return [indent + line for line in code_e.split("\n")] + [
-            f"{indent}p{i} = b'\\x02' + e",
-            f"{indent}k{i} = e",
-        ]
-    return [indent + line for line in _name_p(code_p, i).split("\n")]
+#: COPY's cells: a 4-byte length before a value ("i" in a run; -1: NULL)
+_COPY: Final = CellFormat(
+    head_code="i",
+    head=lambda rule: str(RUN_FORMATS[rule][1]),
+    min_run=2,
+    inline=_inline,
+    cell=_field_lines,
+    skip=_skip_lines,
+)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import decimal
 import io
-import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -45,6 +44,7 @@ import fastavro
 from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
 from .._policy import ColumnRule
+from ._cellwalk import RUN_FORMATS, CellFormat, name_p, walk_lines
 from ._types import ColumnType
 from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
@@ -268,57 +268,6 @@ def _rule(ctype: ColumnType) -> str | None:
     return rule
 
 
-#: fixed-width rules read in struct runs: (struct code, width)
-_RUN_FORMATS: Final = {
-    "int2": ("h", 2), "int4": ("i", 4), "int8": ("q", 8), "oid": ("I", 4), "bool": ("B", 1),
-    "date": ("i", 4), "time": ("q", 8), "timestamp": ("q", 8),
-}  # fmt: skip
-#: code from the integer `x` (a run's value) to `p` (and `e`, for key columns)
-_FROM_X: Final = {
-    "int2": ("e = zz(x)", "p = pzz(x)"),
-    "int4": ("e = zz(x)", "p = pzz(x)"),
-    "int8": ("e = zz(x)", "p = pzz(x)"),
-    "oid": ("e = zz(x)", "p = pzz(x)"),
-    "bool": (
-        "if x > 1: raise Fallback\ne = BOOL_BY_INT[x]",
-        "if x > 1: raise Fallback\np = PBOOL_BY_INT[x]",
-    ),
-    "date": (
-        "if x < DAY_MIN or x > DAY_MAX: raise Fallback\ne = zz(x + PG_EPOCH_DAYS)",
-        "if x < DAY_MIN or x > DAY_MAX: raise Fallback\np = pzz(x + PG_EPOCH_DAYS)",
-    ),
-    "time": (
-        "if x < 0 or x >= DAY_US: raise Fallback\ne = zz(x)",
-        "if x < 0 or x >= DAY_US: raise Fallback\np = pzz(x)",
-    ),
-    "timestamp": (
-        "if x < US_MIN or x > US_MAX: raise Fallback\ne = zz(x + PG_EPOCH_US)",
-        "p = TS.get(x)\nif p is None: p = present_ts(x)",
-    ),
-}
-
-
-def _name_p(code: str, i: int) -> str:
-    """A snippet's variable ``p`` renamed to column i's ``p<i>``."""
-    return re.sub(r"\bp\b", f"p{i}", code)
-
-
-def _head(rule: str | None) -> bytes:
-    """Kind ``b`` and the value length of a fixed-width rule, as pgoutput writes them."""
-    return b"b" + _RUN_FORMATS[str(rule)][1].to_bytes(4, "big")
-
-
-def _value_lines(rule: str, i: int, is_key: bool, indent: str) -> list[str]:
-    """Lines from a run's integer ``x`` to ``p<i>`` (and ``k<i>``)."""
-    code_e, code_p = _FROM_X[rule]
-    if is_key:
-        return [indent + line for line in code_e.split("\n")] + [
-            f"{indent}p{i} = b'\\x02' + e",
-            f"{indent}k{i} = e",
-        ]
-    return [indent + line for line in _name_p(code_p, i).split("\n")]
-
-
 def _column_lines(
     rule: str | None, i: int, is_key: bool, indent: str, ctype: ColumnType | None = None
 ) -> list[str]:
@@ -341,7 +290,7 @@ def _column_lines(
         if is_key:
             body.append(f"k{i} = e")
     else:
-        body = _name_p(code_p, i).split("\n")
+        body = name_p(code_p, i).split("\n")
     out: list[str] = []
     if width:  # kind 'b' and the length in one comparison
         head = b"b" + width.to_bytes(4, "big")
@@ -386,6 +335,17 @@ def _skip_lines(indent: str) -> list[str]:
         "    raise Fallback",
     ]
     return [indent + line for line in out]
+
+
+#: pgoutput's cells: kind ``b`` and a 4-byte length before a value ("5s" in a run)
+_PGOUTPUT: Final = CellFormat(
+    head_code="5s",
+    head=lambda rule: repr(b"b" + RUN_FORMATS[rule][1].to_bytes(4, "big")),
+    min_run=1,
+    inline=lambda code: code,
+    cell=_column_lines,
+    skip=_skip_lines,
+)
 
 
 def walker_env(names: tuple[str, ...]) -> dict[str, Any]:
@@ -474,42 +434,16 @@ class Transcoder:
         ]
         policy = self._rules
         rules = [_rule(t) if r is None else None for t, r in zip(types, policy, strict=True)]
-        i = 0
-        while i < len(types):
-            j = i
-            while j < len(types) and rules[j] in _RUN_FORMATS:
-                j += 1
-            if j > i:  # columns i..j-1 form a run of fixed-width columns
-                run = range(i, j)
-                fmt = ">" + "".join("5s" + _RUN_FORMATS[str(rules[c])][0] for c in run)
-                width = struct.calcsize(fmt)
-                env[f"RUN{i}"] = struct.Struct(fmt).unpack_from
-                heads = " and ".join(
-                    f"r[{2 * n}] == {_head(rules[c])!r}" for n, c in enumerate(run)
-                )
-                lines += [
-                    f"    r = RUN{i}(buf, pos) if pos + {width} <= size else None",
-                    f"    if r is not None and {heads}:",
-                    f"        pos += {width}",
-                ]
-                for n, c in enumerate(run):
-                    lines.append(f"        x = r[{2 * n + 1}]")
-                    lines += _value_lines(str(rules[c]), c, c in key, "        ")
-                lines.append("    else:")
-                for c in run:
-                    lines += _column_lines(str(rules[c]), c, c in key, "        ")
-                i = j
-                continue
-            rule = rules[i]
-            column_rule = policy[i]
-            if column_rule is not None and column_rule.action == "exclude":
-                lines += _skip_lines("    ")
-                i += 1
-                continue
-            if rule is None:
-                env[f"general{i}"] = _general_column(types[i], adapters[i], column_rule)
-            lines += _column_lines(rule, i, i in key, "    ", types[i])
-            i += 1
+        lines += walk_lines(
+            _PGOUTPUT,
+            types,
+            policy,
+            rules,
+            key,
+            env,
+            "    ",
+            lambda i: _general_column(types[i], adapters[i], policy[i]),
+        )
         key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
         excluded = {c for c, r in enumerate(policy) if r is not None and r.action == "exclude"}
         kept = [c for c in range(len(types)) if c not in excluded]
