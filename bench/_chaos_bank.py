@@ -39,6 +39,7 @@ __all__ = [
     "sqlite_bank_sample",
     "sqlite_connect",
     "sqlite_table",
+    "stored_checkpoint_scn",
 ]
 
 log = logging.getLogger("changebus.bench.chaos.bank")
@@ -63,6 +64,34 @@ def sqlite_connect(path: Path) -> sqlite3.Connection:
     )
     conn.isolation_level = None
     return conn
+
+
+def stored_checkpoint_scn(
+    sink: str, path: Path | None, dsn: str, consumer: str, partition: str
+) -> int:
+    """The window SCN a replica's stored checkpoint resumes after (-1: none; blocking).
+
+    ``sink``: "sqlite" (the file ``path``) or "pg" (the database ``dsn``).
+    """
+    import psycopg
+
+    sql = f"SELECT checkpoint FROM {CHECKPOINT_TABLE} WHERE consumer = '{consumer}'"
+    try:
+        if sink == "sqlite":
+            assert path is not None
+            conn = sqlite_connect(path)
+            try:
+                row = conn.execute(sql).fetchone()
+            finally:
+                conn.close()
+        else:
+            with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as pg:
+                row = pg.execute(sql).fetchone()
+    except (sqlite3.Error, psycopg.Error):
+        return -1
+    if row is None:
+        return -1
+    return Checkpoint.parse(row[0]).get(partition).window_scn
 
 
 def quote(name: str) -> str:

@@ -50,7 +50,6 @@ import logging
 import os
 import random
 import socket
-import sqlite3
 import sys
 import time
 import urllib.request
@@ -60,7 +59,8 @@ from typing import Any
 
 import psycopg
 
-from _chaos_check import CHECKPOINT_TABLE, tail_checkpoint_scn
+from _chaos_bank import stored_checkpoint_scn
+from _chaos_check import tail_checkpoint_scn
 from _chaos_procs import ProcSpec, Supervisor
 from _chaos_proxy import FaultProxy
 from _zk import ZkServer
@@ -445,22 +445,13 @@ class Topology:
         """The relay's partitions by name (its /v1/status, asked directly), or None."""
         if self.sup is not None and self.sup.is_stopped(relay):
             return None
-        try:
-            with urllib.request.urlopen(f"{self.relay_url(relay)}/v1/status", timeout=3) as resp:
-                body = json.loads(resp.read())
-        except (OSError, ValueError, http.client.HTTPException):
-            return None
-        return {p["name"]: p for p in body.get("partitions", [])}
+        body = _get_json(f"{self.relay_url(relay)}/v1/status")
+        return None if body is None else {p["name"]: p for p in body.get("partitions", [])}
 
     def boot_status(self, boot: str) -> dict[str, Any] | None:
         if self.sup is not None and self.sup.is_stopped(boot):
             return None
-        try:
-            with urllib.request.urlopen(f"{self.boot_url(boot)}/v1/status", timeout=3) as resp:
-                body: dict[str, Any] = json.loads(resp.read())
-                return body
-        except (OSError, ValueError, http.client.HTTPException):
-            return None
+        return _get_json(f"{self.boot_url(boot)}/v1/status")
 
     def cluster_state(self) -> dict[str, dict[str, dict[str, Any]] | None]:
         return {r: self.relay_status(r) for r in RELAYS}
@@ -518,30 +509,12 @@ class Topology:
 
     def consumer_checkpoint_scn(self, consumer: str) -> int:
         """The window SCN a consumer's stored checkpoint resumes after (-1: none; blocking)."""
-        from changebus.schemas import Checkpoint
-
         partition = self.partition_of(consumer)
         if consumer == "tail-pg":
             assert self.tail_checkpoint is not None
             return tail_checkpoint_scn(self.tail_checkpoint, partition)
         rep = next(r for r in self.replicas if r.name == consumer)
-        sql = f"SELECT checkpoint FROM {CHECKPOINT_TABLE} WHERE consumer = '{CONSUMER}'"
-        try:
-            if rep.sink == "sqlite":
-                assert rep.path is not None
-                conn = sqlite3.connect(f"file:{rep.path}?mode=ro", uri=True, timeout=5)
-                try:
-                    row = conn.execute(sql).fetchone()
-                finally:
-                    conn.close()
-            else:
-                with psycopg.connect(rep.dsn, autocommit=True, connect_timeout=5) as pg:
-                    row = pg.execute(sql).fetchone()
-        except (sqlite3.Error, psycopg.Error):
-            return -1
-        if row is None:
-            return -1
-        return Checkpoint.parse(row[0]).get(partition).window_scn
+        return stored_checkpoint_scn(rep.sink, rep.path, rep.dsn, CONSUMER, partition)
 
     def leader(self, partition: str) -> str:
         """The relay leading ``partition`` now (by the relays' own status; blocking).
@@ -605,3 +578,13 @@ async def _wait(check: Any, seconds: float, what: str) -> None:
         if loop.time() > deadline:
             raise TimeoutError(f"timed out after {seconds:.0f} s waiting for {what}")
         await asyncio.sleep(0.25)
+
+
+def _get_json(url: str) -> dict[str, Any] | None:
+    """A status page's JSON object, or None when the server does not answer well (blocking)."""
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+    return body

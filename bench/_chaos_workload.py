@@ -51,6 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from _chaos_schema import COLUMNS, DDL, EXCLUDED, KEYS, NEW_DOC_BASE, TABLES, UPSERT_KV
+
 __all__ = [
     "COLUMNS",
     "KEYS",
@@ -60,56 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("changebus.bench.chaos.workload")
-
-#: the workload's tables, in creation order
-TABLES: tuple[str, ...] = ("accounts", "ledger", "kv", "docs")
-#: every column of each table, in a fixed order (``kv.extra`` exists after the DDL only)
-COLUMNS: dict[str, tuple[str, ...]] = {
-    "accounts": ("id", "balance"),
-    "ledger": ("writer", "seq", "amount", "kind"),
-    "kv": ("k", "v", "n", "b", "extra"),
-    "docs": ("id", "small", "note", "big"),
-}
-#: the primary key columns of each table
-KEYS: dict[str, tuple[str, ...]] = {
-    "accounts": ("id",),
-    "ledger": ("writer", "seq"),
-    "kv": ("k",),
-    "docs": ("id",),
-}
-#: ids of inserted documents: ``NEW_DOC_BASE * writer + seq`` (never collide with 1..docs)
-NEW_DOC_BASE = 100_000_000
-
-_DDL = {
-    "pg": (
-        "CREATE TABLE IF NOT EXISTS accounts (id integer PRIMARY KEY, balance bigint NOT NULL)",
-        "CREATE TABLE IF NOT EXISTS ledger (writer integer NOT NULL, seq bigint NOT NULL,"
-        " amount bigint NOT NULL, kind text NOT NULL, PRIMARY KEY (writer, seq))",
-        "CREATE TABLE IF NOT EXISTS kv (k integer PRIMARY KEY, v text, n bigint, b bytea)",
-        "CREATE TABLE IF NOT EXISTS docs (id bigint PRIMARY KEY, small bigint NOT NULL,"
-        " note text, big text)",
-        "ALTER TABLE docs ALTER COLUMN big SET STORAGE EXTERNAL",
-        # before-images on transfers: the tail's lines then tell online windows from snapshots
-        "ALTER TABLE accounts REPLICA IDENTITY FULL",
-    ),
-    "mysql": (
-        "CREATE TABLE IF NOT EXISTS accounts (id INT PRIMARY KEY, balance BIGINT NOT NULL)"
-        " ENGINE=InnoDB",
-        "CREATE TABLE IF NOT EXISTS ledger (writer INT NOT NULL, seq BIGINT NOT NULL,"
-        " amount BIGINT NOT NULL, kind VARCHAR(16) NOT NULL, PRIMARY KEY (writer, seq))"
-        " ENGINE=InnoDB",
-        "CREATE TABLE IF NOT EXISTS kv (k INT PRIMARY KEY, v TEXT, n BIGINT, b VARBINARY(255))"
-        " ENGINE=InnoDB",
-        "CREATE TABLE IF NOT EXISTS docs (id BIGINT PRIMARY KEY, small BIGINT NOT NULL,"
-        " note TEXT, big MEDIUMTEXT) ENGINE=InnoDB",
-    ),
-}
-
-_UPSERT_KV = {
-    "pg": "INSERT INTO kv ({cols}) VALUES ({marks}) ON CONFLICT (k) DO UPDATE SET {sets}",
-    "mysql": "INSERT INTO kv ({cols}) VALUES ({marks}) ON DUPLICATE KEY UPDATE {sets}",
-}
-_EXCLUDED = {"pg": "{c} = excluded.{c}", "mysql": "{c} = VALUES({c})"}
 
 
 @dataclass(frozen=True)
@@ -190,7 +142,7 @@ class SourceWorkload:
     def __init__(
         self, kind: str, connect: Callable[[], Any], config: WorkloadConfig, seed: int
     ) -> None:
-        if kind not in _DDL:
+        if kind not in DDL:
             raise ValueError(f"workload kind must be 'pg' or 'mysql', not {kind!r}")
         self.kind = kind
         self.connect = connect
@@ -214,7 +166,7 @@ class SourceWorkload:
         conn = self._open()
         try:
             cur = conn.cursor()
-            for sql in _DDL[self.kind]:
+            for sql in DDL[self.kind]:
                 cur.execute(sql)
             cur.execute("SELECT count(*) FROM accounts")
             row = cur.fetchone()
@@ -383,10 +335,10 @@ class SourceWorkload:
             if self.ddl_done.is_set():
                 values["extra"] = f"x{rng.randrange(1 << 20)}"
             cols = list(values)
-            sql = _UPSERT_KV[self.kind].format(
+            sql = UPSERT_KV[self.kind].format(
                 cols=", ".join(cols),
                 marks=", ".join("%s" for _ in cols),
-                sets=", ".join(_EXCLUDED[self.kind].format(c=c) for c in cols if c != "k"),
+                sets=", ".join(EXCLUDED[self.kind].format(c=c) for c in cols if c != "k"),
             )
             return _Txn("kv_upsert", 0, [(sql, tuple(values.values()))])
         doc = rng.randint(1, cfg.docs)
