@@ -618,6 +618,8 @@ async def test_mariadb_one_binlog_reader_unique_server_ids(
         leader.proc.wait(10)
         new = await new_leader(c, epoch)
         await asyncio.to_thread(my_rows, mysql_server, mysql_db, 100, 100)
+        # a new leader shows its fetcher once it has made one (just after the election: not yet)
+        await wait_until(lambda: "fetcher" in (new.status() or {}), 15, "the new leader's fetcher")
         st = new.status()
         assert st is not None
         assert st["fetcher"]["server_id"] != first_id
