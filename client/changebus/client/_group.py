@@ -24,8 +24,10 @@ while the units are still held and ``on_assigned`` before a unit's first
 window. Then the fence: the window is handed over only while the member's
 lease is valid (:meth:`GroupMember.lease_valid`) and its unit still owned;
 while the lease is in doubt (ZooKeeper disconnected) it waits, and a unit
-whose owner node is gone is dropped. So a member frozen past its session
-delivers nothing when it wakes.
+whose owner node is gone is dropped. A window the dispatcher replays after
+a rollback passes the same fence again (:meth:`GroupConsumer._readmit`). So
+a member frozen past its session delivers nothing when it wakes, not even
+the windows it kept for a replay.
 
 The rebalance work runs on the application's path on purpose (a unit is
 never taken away in the middle of one of its windows); the price is that a
