@@ -205,3 +205,22 @@ def test_importing_the_registry_loads_no_fetcher(module: str) -> None:
         timeout=60,
     ).stdout
     assert out.strip() == str(["changebus.fetchers._base"])
+
+
+def test_importing_the_spark_source_does_not_import_pandas() -> None:
+    """Spark's planning process imports the source: pandas (half a second) must not come along.
+
+    pyarrow imports pandas on the first ``pa.array`` call, so nothing in the
+    source may build an array when it is imported.
+    """
+    code = "import sys, changebus.client.spark; print('pandas' in sys.modules)"
+    env_path = ":".join(str(ROOT / s) for s in SLICES)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        check=True,
+        timeout=60,
+    ).stdout
+    assert out.strip() == "False"

@@ -418,7 +418,17 @@ class _Layout(NamedTuple):
     identity: bool  # one row per event, each its after-image
 
 
-_CHANGE_NAMES = pa.array(["insert", "update_preimage", "update_postimage", "delete", "truncate"])
+#: ``_change_type`` values by change code (made on first use: any ``pa.array`` call makes
+#: pyarrow import pandas, half a second that Spark's planning process need not pay)
+_CHANGE_NAMES: list[pa.Array] = []
+
+
+def _change_names() -> pa.Array:
+    if not _CHANGE_NAMES:
+        _CHANGE_NAMES.append(
+            pa.array(["insert", "update_preimage", "update_postimage", "delete", "truncate"])
+        )
+    return _CHANGE_NAMES[0]
 
 
 def _layout(
@@ -472,7 +482,7 @@ def _meta(
     """One metadata column: per output row, a value of its event (``lay.src``)."""
     src = None if len(lay.src) == len(seqs) else lay.src
     if name == "_change_type":
-        return _CHANGE_NAMES.take(pa.array(lay.code)).cast(t)
+        return _change_names().take(pa.array(lay.code)).cast(t)
     if name == "_source":
         return pa.repeat(pa.scalar(table, t), len(lay.src))
     if name == "_partition":
