@@ -108,3 +108,63 @@ async def test_stalled_followers_stay_within_the_budget_and_others_go_on(tmp_pat
                 break
             assert time.monotonic() < deadline, f"{held} bytes of copies still held"
             await asyncio.sleep(0.2)
+
+
+# ---- ndjson: JSON many times the binary events --------------------------------------
+
+#: 60 smallint columns with 60-character names: ~200 B of binary events per row, ~5 KB of JSON
+_WIDE = [f"c{i:02d}_" + "x" * 56 for i in range(60)]
+
+
+@pytest.mark.pg
+async def test_an_ndjson_answer_many_times_its_events_stays_within_the_budget(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A wide table's JSON is ~25x its binary events: the answer goes out in pieces."""
+    import json
+
+    import psycopg
+
+    from changebus.relay import FetcherConfig, PartitionConfig, RelayConfig
+    from fix_pg import caught_up, wait_until
+
+    rows = 3000
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        cols = ", ".join(f"{c} int2 NOT NULL" for c in _WIDE)
+        conn.execute(f"CREATE TABLE wide (id int4 PRIMARY KEY, {cols})")
+    limit = 1 << 20
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0, max_copy_bytes=limit, max_connections=8),
+        partitions=(PartitionConfig("pg", 1, fetcher=FetcherConfig("postgres", {"dsn": pg_dsn})),),
+    )
+    async with Relay(cfg) as relay, aiohttp.ClientSession() as http:
+        host = relay.hosts["pg"]
+        await wait_until(lambda: host.state == "streaming")
+
+        def write() -> None:
+            with psycopg.connect(pg_dsn) as conn, conn.cursor() as cur:
+                marks = ", ".join(["%s"] * (len(_WIDE) + 1))
+                cur.executemany(
+                    f"INSERT INTO wide VALUES ({marks})",
+                    [(i, *((i + c) % 30000 for c in range(len(_WIDE)))) for i in range(rows)],
+                )
+
+        await asyncio.to_thread(write)
+        await caught_up(relay, pg_dsn)
+        params: dict[str, Any] = {"partition": "pg", "scn": -1, "format": "ndjson"}
+        params["max_bytes"] = 4 << 20
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+            events = int(resp.headers["X-Changebus-Events"])
+        text = await scrape(relay.url)
+    # held at once: the binary selection and one piece, never the whole JSON
+    assert _metric(text, "changebus_relay_copy_peak_bytes") <= limit
+    lines = [json.loads(x) for x in body.decode().splitlines()]
+    inserts = [x for x in lines if x["op"] == "insert"]
+    assert len(lines) == events and len(inserts) > 500  # a large selection, every event sent
+    assert len(body) > 3 * limit  # the JSON is far larger than the whole budget
+    for x in inserts:  # the values of every row, as written
+        i = x["after"]["id"]
+        assert [x["after"][c] for c in _WIDE] == [(i + c) % 30000 for c in range(len(_WIDE))]

@@ -62,7 +62,7 @@ from ._copybudget import MIN_FLOOR, CopyBudget
 from ._follow import FollowRequest, follow
 from ._host import MAX_CLIENT_ID, PartitionHost
 from ._metrics import RelayMetrics
-from ._ndjson import NdjsonEncoder
+from ._ndjson import PIECE_BYTES as NDJSON_PIECE_BYTES, NdjsonEncoder
 from ._respcache import CachedResponse, ResponseCache
 from ._respond import copy_headers, copy_out, next_headers
 from ._send import send_body, send_selection
@@ -79,8 +79,6 @@ RESPONSES: web.AppKey[dict[str, ResponseCache]] = web.AppKey("responses", dict)
 NDJSON: web.AppKey[NdjsonEncoder] = web.AppKey("ndjson", NdjsonEncoder)
 #: the relay-wide budget of response copies (follow pushes, ndjson answers)
 COPIES: web.AppKey[CopyBudget] = web.AppKey("copies", CopyBudget)
-#: an ndjson answer is charged this many times the event bytes it decodes (JSON is larger)
-_NDJSON_GROWTH = 4
 
 #: results up to this size are copied once (and shared), larger ones streamed zero-copy
 _COPY_BYTES = 256 * 1024
@@ -165,7 +163,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     if fmt == "ndjson":
         # decoding is slow: less per request; and the answer must fit the copy budget
-        spare = request.app[COPIES].spare() // (1 + _NDJSON_GROWTH)
+        spare = request.app[COPIES].spare() - NDJSON_PIECE_BYTES
         max_bytes = min(max_bytes, cfg.max_ndjson_bytes, max(spare, MIN_FLOOR))
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(request, host, query.get("sources"))
@@ -256,18 +254,25 @@ async def stream(request: web.Request) -> web.StreamResponse:
 async def _ndjson_response(
     request: web.Request, host: PartitionHost, cached: CachedResponse, checkpoint: Checkpoint | None
 ) -> web.StreamResponse:
+    """The selection as JSON lines, made and sent piece by piece (:mod:`._ndjson`).
+
+    The copy budget is charged the binary selection plus the piece in hand;
+    JSON may be many times the binary, so the answer is never held whole.
+    """
     copies = request.app[COPIES]
-    charged = copies.grant(len(cached.body) * (1 + _NDJSON_GROWTH))
+    base = len(cached.body)
+    charged = copies.grant(base + NDJSON_PIECE_BYTES)
     try:
-        body = await request.app[NDJSON].encode(host.registry, cached.body)
-        charged = copies.resize(charged, len(cached.body) + len(body))
         resp = web.StreamResponse(status=200, headers=copy_headers(host, cached, checkpoint))
         resp.content_type = "application/x-ndjson"
-        resp.content_length = len(body)
+        resp.enable_chunked_encoding()
         await resp.prepare(request)
-        if not await send_body(request, resp, body, request.app[CONFIG].http.send_timeout_s):
-            request.app[METRICS].aborted(host.name)
-            return resp
+        timeout = request.app[CONFIG].http.send_timeout_s
+        async for piece in request.app[NDJSON].pieces(host.registry, cached.body):
+            charged = copies.resize(charged, base + len(piece))
+            if not await send_body(request, resp, piece, timeout):
+                request.app[METRICS].aborted(host.name)
+                return resp
         await resp.write_eof()
         return resp
     finally:

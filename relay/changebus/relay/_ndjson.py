@@ -5,11 +5,18 @@ it must not hold the event loop: bodies above :data:`_INLINE_BYTES` are
 encoded in a worker thread, at most :data:`_CONCURRENCY` at a time per relay
 (:class:`NdjsonEncoder`), and the handler caps how much one request selects
 (``http.max_ndjson_bytes``). The schema registry it reads is thread-safe.
+
+Memory: JSON may be many times the binary events (a table of many small
+columns with long names: every name on every line), so an answer is never
+made whole. :meth:`NdjsonEncoder.pieces` hands it out in pieces of about
+:data:`PIECE_BYTES` (more only for one event's line), each sent before the
+next is made: a request holds its binary selection plus one piece.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from changebus.schemas import (
@@ -23,31 +30,60 @@ from changebus.schemas import (
 )
 from changebus.schemas.server import json_text
 
-__all__ = ["NdjsonEncoder", "encode_ndjson"]
+__all__ = ["PIECE_BYTES", "NdjsonEncoder", "encode_ndjson", "ndjson_pieces"]
 
 #: bodies up to this size are encoded on the loop (a few milliseconds at most)
 _INLINE_BYTES = 32 * 1024
 #: encodings running in threads at once (each holds the GIL while it works)
 _CONCURRENCY = 2
+#: JSON bytes of one piece of an answer (a piece ends after the line that reaches it)
+PIECE_BYTES = 64 * 1024
 
 
 class NdjsonEncoder:
-    """Encodes bodies inline when small, else in a thread with bounded concurrency."""
+    """Encodes bodies inline when small, else in a thread with bounded concurrency.
+
+    A thread slot is held while one piece is made, not while it is sent: a
+    slow client does not keep others' answers waiting.
+    """
 
     def __init__(self) -> None:
         self._slots = asyncio.Semaphore(_CONCURRENCY)
 
     async def encode(self, registry: SchemaRegistry, body: bytes) -> bytes:
+        """The whole answer at once (tests and small bodies)."""
+        return b"".join([piece async for piece in self.pieces(registry, body)])
+
+    async def pieces(self, registry: SchemaRegistry, body: bytes) -> AsyncIterator[bytes]:
+        """The JSON lines of ``body`` in pieces of about :data:`PIECE_BYTES`, in order."""
+        made = ndjson_pieces(registry, body, PIECE_BYTES)
         if len(body) <= _INLINE_BYTES:
-            return encode_ndjson(registry, body)
-        async with self._slots:
-            return await asyncio.to_thread(encode_ndjson, registry, body)
+            for small in made:
+                yield small
+            return
+        while True:
+            async with self._slots:
+                # one thread at a time advances the generator (the next piece waits for this one)
+                piece = await asyncio.to_thread(_next_piece, made)
+            if piece is None:
+                return
+            yield piece
+
+
+def _next_piece(pieces: Iterator[bytes]) -> bytes | None:
+    return next(pieces, None)
 
 
 def encode_ndjson(registry: SchemaRegistry, body: bytes) -> bytes:
     """Decode the events of ``body`` to JSON lines (any thread)."""
+    return b"".join(ndjson_pieces(registry, body, len(body) * 64 + PIECE_BYTES))
+
+
+def ndjson_pieces(registry: SchemaRegistry, body: bytes, piece_bytes: int) -> Iterator[bytes]:
+    """The events of ``body`` as JSON lines, in pieces of about ``piece_bytes`` (any thread)."""
     offsets, headers = parse_stream(body)
-    lines = []
+    lines: list[str] = []
+    size = 0
     decoders: dict[tuple[int, int], ChangeDecoder] = {}
     for off, h in zip(offsets.tolist(), headers, strict=True):
         op = Op(int(h["op"]))
@@ -78,8 +114,14 @@ def encode_ndjson(registry: SchemaRegistry, body: bytes) -> bytes:
                 record["after_not_sent"] = list(change.after_not_sent)
             if change.before_not_sent:
                 record["before_not_sent"] = list(change.before_not_sent)
-        lines.append(json_text(record))
-    return ("\n".join(lines) + "\n").encode() if lines else b""
+        line = json_text(record)
+        lines.append(line)
+        size += len(line) + 1
+        if size >= piece_bytes:
+            yield ("\n".join(lines) + "\n").encode()
+            lines, size = [], 0
+    if lines:
+        yield ("\n".join(lines) + "\n").encode()
 
 
 def _control_json(op: Op, payload: bytes) -> dict[str, Any]:
