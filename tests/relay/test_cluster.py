@@ -506,6 +506,8 @@ async def test_sigstop_leader_is_fenced_and_steps_down(cluster: Cluster) -> None
     assert old.proc is not None
     with Writer(cluster.dsn, rate=200) as w:
         await wait_until(lambda: w.committed >= 100, 30, "100 transactions")
+        old_sender = slot_state(cluster.dsn, cluster.slot)[0]
+        assert old_sender is not None
         stopped_at = time.monotonic()
         os.kill(old.proc.pid, signal.SIGSTOP)
         old.stopped = True
@@ -513,10 +515,16 @@ async def test_sigstop_leader_is_fenced_and_steps_down(cluster: Cluster) -> None
         takeover = time.monotonic() - stopped_at
         assert new is not old
         new_epoch = cluster.epoch(new)
-        # the new leader holds the slot; the paused one's walsender was ended
-        await wait_until(lambda: len(walsenders(cluster.dsn)) == 1, 10, "one walsender")
+
+        # the new leader holds the slot; the paused one's walsender was ended (the new
+        # walsender connects first and takes the slot a moment later: wait for both)
+        def one_holder() -> bool:
+            senders = walsenders(cluster.dsn)
+            return len(senders) == 1 and slot_state(cluster.dsn, cluster.slot)[0] == senders[0]
+
+        await wait_until(one_holder, 10, "one walsender, holding the slot")
         holder, confirmed_before = slot_state(cluster.dsn, cluster.slot)
-        assert holder == walsenders(cluster.dsn)[0]
+        assert holder is not None and holder != old_sender
         before = w.committed
         await wait_until(lambda: w.committed >= before + 100, 30, "100 more transactions")
 
