@@ -221,12 +221,18 @@ def test_mirror_on_local_cluster_survives_executor_kill_and_restart(
             assert len(first) > 50
             log = job.log.read_text(errors="replace")
             # the watcher wrote "killed" only once Spark's stage counters showed a failed
-            # task; the driver's log says which: the killed executor's own task
-            # (ExecutorLostFailure) or, when it had none running, a survivor's task that
-            # needed its shuffle blocks (FetchFailed)
-            lost = [line for line in log.splitlines() if "Lost task" in line]
-            assert any("ExecutorLostFailure" in line or "FetchFailed" in line for line in lost), (
-                "no task was lost with the executor:\n" + "\n".join(lost[-20:])
+            # task: the killed executor's running task (ExecutorLostFailure), a survivor's
+            # task that needed its shuffle blocks (FetchFailed), or a finished map task
+            # whose output was on it, resubmitted (logged at INFO only, not shown here);
+            # the driver's log names the executor Spark lost, with its exit status
+            lost = [line for line in log.splitlines() if "Lost executor" in line]
+            assert any("exited with code 137" in line for line in lost), (
+                "the driver did not see the executor die:\n" + "\n".join(lost[-20:])
+            )
+            tasks = [line for line in log.splitlines() if "Lost task" in line]
+            reasons = ("ExecutorLostFailure", "FetchFailed", "TaskKilled")
+            assert all(any(r in line for r in reasons) for line in tasks), (
+                "a task failed for another reason:\n" + "\n".join(tasks[-20:])
             )
             last = batch_ids(job.checkpoint, "commits")[-1]
 
