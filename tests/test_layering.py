@@ -195,15 +195,7 @@ def test_importing_the_registry_loads_no_fetcher(module: str) -> None:
         print(sorted(m for m in sys.modules if m.startswith("changebus.fetchers.")))
         """
     )
-    env_path = ":".join(str(ROOT / s) for s in SLICES)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
-        check=True,
-        timeout=60,
-    ).stdout
+    out = _python(code)
     assert out.strip() == str(["changebus.fetchers._base"])
 
 
@@ -214,8 +206,14 @@ def test_importing_the_spark_source_does_not_import_pandas() -> None:
     source may build an array when it is imported.
     """
     code = "import sys, changebus.client.spark; print('pandas' in sys.modules)"
+    out = _python(code)
+    assert out.strip() == "False"
+
+
+def _python(code: str) -> str:
+    """The stdout of ``code`` run by a fresh interpreter with only the slices on its path."""
     env_path = ":".join(str(ROOT / s) for s in SLICES)
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
@@ -223,4 +221,3 @@ def test_importing_the_spark_source_does_not_import_pandas() -> None:
         check=True,
         timeout=60,
     ).stdout
-    assert out.strip() == "False"

@@ -46,7 +46,8 @@ from changebus.schemas import (
     parse_stream,
     verify_event,
 )
-from fix_mysql import master_scn, mysql_execute
+from fix_mysql import mysql_execute
+from snap_mysql import marker
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql
@@ -166,17 +167,6 @@ def assert_same(got: dict[str, dict[int, Row]], want: dict[str, dict[int, Row]])
         bad = sorted(k for k in set(g) | set(w) if g.get(k) != w.get(k))
         detail = [(k, g.get(k), w.get(k)) for k in bad[:3]]
         assert not bad, f"{t}: {len(bad)} rows differ of {len(w)}: {detail}"
-
-
-def marker(server: EmbeddedMariaDB, db: str) -> int:
-    """An SCN at or after every change committed so far (a captured marker change)."""
-    mysql_execute(
-        server,
-        db,
-        "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
-        "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
-    )
-    return int(master_scn(server))  # fix_mysql is untyped to mypy here
 
 
 class PhaseReplica(SqliteReplica):

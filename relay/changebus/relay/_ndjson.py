@@ -30,7 +30,7 @@ from changebus.schemas import (
 )
 from changebus.schemas.server import json_text
 
-__all__ = ["PIECE_BYTES", "NdjsonEncoder", "encode_ndjson", "ndjson_pieces"]
+__all__ = ["PIECE_BYTES", "NdjsonEncoder", "ndjson_pieces"]
 
 #: bodies up to this size are encoded on the loop (a few milliseconds at most)
 _INLINE_BYTES = 32 * 1024
@@ -50,10 +50,6 @@ class NdjsonEncoder:
     def __init__(self) -> None:
         self._slots = asyncio.Semaphore(_CONCURRENCY)
 
-    async def encode(self, registry: SchemaRegistry, body: bytes) -> bytes:
-        """The whole answer at once (tests and small bodies)."""
-        return b"".join([piece async for piece in self.pieces(registry, body)])
-
     async def pieces(self, registry: SchemaRegistry, body: bytes) -> AsyncIterator[bytes]:
         """The JSON lines of ``body`` in pieces of about :data:`PIECE_BYTES`, in order."""
         made = ndjson_pieces(registry, body, PIECE_BYTES)
@@ -72,11 +68,6 @@ class NdjsonEncoder:
 
 def _next_piece(pieces: Iterator[bytes]) -> bytes | None:
     return next(pieces, None)
-
-
-def encode_ndjson(registry: SchemaRegistry, body: bytes) -> bytes:
-    """Decode the events of ``body`` to JSON lines (any thread)."""
-    return b"".join(ndjson_pieces(registry, body, len(body) * 64 + PIECE_BYTES))
 
 
 def ndjson_pieces(registry: SchemaRegistry, body: bytes, piece_bytes: int) -> Iterator[bytes]:

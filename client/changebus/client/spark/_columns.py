@@ -29,6 +29,7 @@ Not thread-safe: a decoder belongs to one thread (one Spark task).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -412,23 +413,17 @@ class _Layout(NamedTuple):
 
     src: npt.NDArray[np.int64]  # the event of each row
     idx: npt.NDArray[np.int64]  # its values: after-image i, before-image n + i, extra 2n + j
-    code: npt.NDArray[np.int8]  # its _change_type (an index into _CHANGE_NAMES)
+    code: npt.NDArray[np.int8]  # its _change_type (an index into _change_names())
     post_row: npt.NDArray[np.int64]  # per event: its last row (an update's post-image)
     extra: npt.NDArray[np.bool_]  # per event: its row is an extra one (key row, truncate)
     identity: bool  # one row per event, each its after-image
 
 
-#: ``_change_type`` values by change code (made on first use: any ``pa.array`` call makes
-#: pyarrow import pandas, half a second that Spark's planning process need not pay)
-_CHANGE_NAMES: list[pa.Array] = []
-
-
+@functools.cache
 def _change_names() -> pa.Array:
-    if not _CHANGE_NAMES:
-        _CHANGE_NAMES.append(
-            pa.array(["insert", "update_preimage", "update_postimage", "delete", "truncate"])
-        )
-    return _CHANGE_NAMES[0]
+    """``_change_type`` values by change code, made on first use: any ``pa.array`` call makes
+    pyarrow import pandas, half a second that Spark's planning process need not pay."""
+    return pa.array(["insert", "update_preimage", "update_postimage", "delete", "truncate"])
 
 
 def _layout(
