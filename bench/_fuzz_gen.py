@@ -13,7 +13,7 @@ one is owed at all). :class:`Generator` builds them in two families:
 
 * **structured** -- a request to one endpoint of a daemon (relay:
   ``/v1/stream``, ``/v1/sources``, ``/v1/schemas/{source}``, ``/v1/status``,
-  ``/healthz``, ``/readyz``, ``/metrics``; bootstrap server:
+  ``/v1/splits``, ``/healthz``, ``/readyz``, ``/metrics``; bootstrap server:
   ``/v1/bootstrap/start|status|snapshot|catchup``, ``POST /v1/seed``,
   ``/v1/sources``, ``/v1/schemas/{source}``, ``/v1/status``), every query
   parameter drawn from valid, boundary, huge (5,000-digit numbers, 100 KB
@@ -276,6 +276,19 @@ class Generator(Values):
                 )
         return params, wait, follow
 
+    def relay_splits(self) -> list[tuple[str, str | None]]:
+        """``/v1/splits`` parameters: a partition, a range and a number of parts."""
+        r = self.rnd
+        part = self.partition()
+        params: list[tuple[str, str | None]] = [("partition", part)]
+        if r.random() < 0.95 or self.clean:
+            params.append(("since", self.scn(part)))
+        if r.random() < 0.95 or self.clean:
+            params.append(("until", self.scn(part)))
+        if r.random() < 0.95 or self.clean:
+            params.append(("parts", self.int_text(0, 1 << 40, [0, 1, 2, 4, 4096, 4097, 1 << 40])))
+        return params
+
     def relay(self) -> Request:
         r = self.rnd
         p = r.random()
@@ -291,8 +304,10 @@ class Generator(Values):
             name = r.choice((*self.t.sources, *self.t.sources, "synthetic.nope", self.junk()))
             path = "/v1/schemas/" + self.encode(name).decode("latin-1")
             params = [("partition", self.partition())] if r.random() < 0.4 else []
-        elif p < 0.88:
+        elif p < 0.84:
             path, params = "/v1/status", []
+        elif p < 0.88:
+            path, params = "/v1/splits", self.relay_splits()
         else:
             path, params = r.choice(("/healthz", "/readyz", "/metrics")), []
         if not params and r.random() < 0.15 and not self.clean:

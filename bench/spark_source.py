@@ -9,7 +9,8 @@ A relay process (synthetic fetcher, pre-filled with ``--windows`` windows of
   :class:`~changebus.client.Consumer` with validation and windows, feeding
   :class:`~changebus.client.spark.ArrowDecoder`);
 * Spark -- ``spark.readStream.format("changebus")`` with Trigger.AvailableNow
-  into ``format("noop")``, ``local[2]``, ``--partitions`` key-hash slices;
+  into ``format("noop")``, ``local[2]``, ``--partitions`` tasks (SCN
+  sub-ranges, the source's default; ``--split-by key``: key-hash slices);
   timed from ``start()`` to the query's end (planning, checkpoint writes and
   task scheduling included; session start-up and a warm-up query excluded).
 
@@ -135,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=60_000)
     ap.add_argument("--partitions", type=int, default=2)
-    ap.add_argument("--split-by", choices=["key", "scn"], default="key")
+    ap.add_argument("--split-by", choices=["key", "scn"], default="scn")
     args = ap.parse_args()
 
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

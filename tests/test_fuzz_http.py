@@ -37,7 +37,8 @@ def test_the_generator_is_seeded_and_reaches_every_endpoint() -> None:
     assert [c.data for c in cases] == [again.next().data for _ in range(1500)]
     assert [c.data for c in cases[:20]] != [other.next().data for _ in range(20)]
     seen = {f"{c.daemon} {c.endpoint}" for c in cases}
-    for route in ("/v1/stream", "/v1/sources", "/v1/status", "/healthz", "/readyz", "/metrics"):
+    routes = ("/v1/stream", "/v1/sources", "/v1/status", "/v1/splits", "/healthz", "/readyz")
+    for route in (*routes, "/metrics"):
         assert f"relay GET {route}" in seen, route
     for route in ("start", "status", "snapshot", "catchup"):
         assert f"bootstrap GET /v1/bootstrap/{route}" in seen, route

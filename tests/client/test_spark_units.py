@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -450,6 +451,7 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
             "numPartitions": "3",
             "bootstrapUrl": "http://b",
             "filter": "mod:4:1",
+            "splitBy": "key",
         }
     )
     start = {"a": -1, "b": 10, "c": 40}
@@ -460,6 +462,12 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
     specs = sorted((p.spec.partition, p.spec.since, p.spec.key_filter) for p in parts)
     assert [s for s in specs if s[0] in "ab"] == [("a", -1, "mod:4:1"), ("b", 10, "mod:4:1")]
     assert len([s for s in specs if s[0] == "c"]) == 1  # mod:4:1 has one bucket: one slice
+    # by SCN (the default) "c" is cut in three, the bootstrap ranges still are one task each
+    by_scn = _range_partitions(
+        replace(boot, split_by="scn"), start, {"a": 90, "b": 90, "c": 90}, whole
+    )
+    got = sorted((p.spec.partition, p.spec.since, p.spec.until) for p in by_scn)
+    assert got == [("a", -1, 90), ("b", 10, 90), ("c", 40, 56), ("c", 56, 73), ("c", 73, 90)]
     assert SourceOptions.parse({"relays": "http://x"}).bootstrap == ()
     assert _resolve(boot, "earliest", bounds, "startingScn") == {"a": -1, "b": -1, "c": -1}
     assert _resolve(plain, "earliest", bounds, "startingScn") == {"a": 40, "b": 40, "c": 40}

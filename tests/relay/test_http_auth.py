@@ -124,6 +124,14 @@ async def test_partition_not_granted_is_403(relay: Relay, http: aiohttp.ClientSe
         assert status == 403 and "t0-reader" in body["message"], body
     assert (await call(http, url, ADMIN, partition="no-such"))[0] == 404
     assert (await call(http, url, WIDE, partition="idle", **{"from": "earliest"}))[0] == 204
+    # the split points of a partition are refused the same way, and need a token
+    splits = f"{relay.url}/v1/splits"
+    cut = {"since": "-1", "until": "100", "parts": "2"}
+    for part in ("idle", "no-such"):
+        status, body = await call(http, splits, READER, partition=part, **cut)
+        assert status == 403 and "t0-reader" in body["message"], body
+    assert (await call(http, splits, None, partition="syn", **cut))[0] == 401
+    assert (await call(http, splits, READER, partition="syn", **cut))[0] == 200
 
 
 async def test_restricted_principal_reads_only_its_sources(

@@ -286,6 +286,23 @@ class RelayInfo:
                 )
         return out
 
+    async def splits(self, partition: str, since: int, until: int, parts: int) -> list[int]:
+        """``/v1/splits``: SCNs cutting the windows ``(since, until]`` into ``parts`` similar spans.
+
+        The cuts lie strictly inside the range, in increasing order; there may
+        be fewer than ``parts - 1`` (a relay keeps fewer indexed windows there).
+        """
+        params = {"partition": partition, "since": str(since), "until": str(until)}
+        doc = await self.get_json("/v1/splits", {**params, "parts": str(parts)})
+        with malformed_answer(self.where, "/v1/splits"):
+            cuts = [int(c) for c in doc["cuts"]]
+        if any(not since < c < until for c in cuts) or cuts != sorted(set(cuts)):
+            raise ProtocolError(
+                f"{self.where}: /v1/splits answered cuts outside ({since}, {until}) or unordered",
+                retriable=True,
+            )
+        return cuts
+
     async def bootstrap_status(self, partition: str | None = None) -> BootstrapStatus:
         """A bootstrap server's ``/v1/bootstrap/status`` of ``partition``.
 

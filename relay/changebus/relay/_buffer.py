@@ -90,6 +90,7 @@ from changebus.schemas.errors import BadRequestError, ConfigError
 from changebus.schemas.files import narrow_files, private_dir, private_file
 
 from ._evict import Pin
+from ._index import cut_points
 from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
@@ -385,14 +386,32 @@ class EventBuffer(BufferWriter):
         """
         with self._lock:
             m = self._meta
-            try:
-                start, _ = locate(self._events, self._index, m, self.name, scn, -1)
-            except ScnNotFoundError:
-                start = m.head_event
+            start = self._after(m, scn)
             if start >= m.tail_event:
                 return None
             at = int(self._events.at(start)["pos"]) % self.capacity + _TS_OFFSET
             return int(self._ring[at : at + 8].view("<i8")[0])
+
+    def split_points(self, since: int, until: int, parts: int) -> list[int]:
+        """SCNs cutting the kept windows ``(since, until]`` into ``parts`` similar spans.
+
+        For readers that split a range between workers (the Spark source):
+        see :func:`._index.cut_points`. The part of the range the buffer no
+        longer keeps (or does not hold yet) is not counted. A binary search
+        and a slice of the index under the lock, never a scan of events.
+        """
+        with self._lock:
+            m = self._meta
+            first = self._after(m, since)
+            end = self._after(m, until)
+            return cut_points(self._index, self._events, m, first, end, since, until, parts)
+
+    def _after(self, m: BufferMeta, scn: int) -> int:
+        """The first kept event after window ``scn`` (the oldest when ``scn`` was evicted)."""
+        try:
+            return locate(self._events, self._index, m, self.name, scn, -1)[0]
+        except ScnNotFoundError:
+            return m.head_event
 
     def select(
         self,

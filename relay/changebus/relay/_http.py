@@ -379,6 +379,25 @@ def _check_source(request: web.Request, source: str, partition: str | None) -> P
     return principal
 
 
+_SPLITS_PARAMS = frozenset({"partition", "since", "until", "parts"})
+#: the most sub-ranges one ``/v1/splits`` request may ask for
+MAX_SPLIT_PARTS = 4096
+
+
+async def splits(request: web.Request) -> web.Response:
+    """``GET /v1/splits``: SCNs cutting ``(since, until]`` into ``parts`` similar sub-ranges."""
+    query = request.query
+    check_params(query, _SPLITS_PARAMS)
+    host = _granted_host(request, query.get("partition"))
+    since = query_int(query, "since", lo=-1, hi=MAX_SCN)
+    until = query_int(query, "until", lo=-1, hi=MAX_SCN)
+    parts = query_int(query, "parts", lo=1, hi=MAX_SPLIT_PARTS)
+    if until < since:
+        raise BadRequestError(f"until ({until}) is before since ({since})")
+    cuts = host.buffer.split_points(since, until, parts)
+    return json_response({"partition": host.name, "since": since, "until": until, "cuts": cuts})
+
+
 async def status(request: web.Request) -> web.Response:
     """``GET /v1/status``: per-partition buffer bounds, fetcher and consumers."""
     principal = principal_of(request)
@@ -430,4 +449,5 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/splits", splits)
     return app

@@ -36,7 +36,7 @@ from changebus.schemas import Op
 from ._meta import BufferMeta
 from ._tables import INDEX_DTYPE, CircularTable
 
-__all__ = ["add_windows", "add_windows_small", "rebuild", "scn_range"]
+__all__ = ["add_windows", "add_windows_small", "cut_points", "rebuild", "scn_range"]
 
 _EOW = int(Op.END_OF_WINDOW)
 
@@ -116,6 +116,63 @@ def scn_range(index: CircularTable, m: BufferMeta, scn: int) -> tuple[int, int]:
     lo = max(lo, m.head_event)
     hi = int(index.at(i)["event"]) if i < m.index_tail else m.tail_event
     return lo, hi
+
+
+#: ranges of at most this many events are cut at exact event counts (a read of their
+#: SCN column, 8 bytes an event); longer ones at the index's block granularity
+EXACT_CUT_EVENTS = 1 << 18
+
+
+def cut_points(
+    index: CircularTable,
+    events: CircularTable,
+    m: BufferMeta,
+    first: int,
+    end: int,
+    since: int,
+    until: int,
+    parts: int,
+) -> list[int]:
+    """SCNs that cut the live windows ``(since, until]`` into ``parts`` spans of similar size.
+
+    ``[first, end)`` are the events of that range (the caller locates them).
+    Size is counted in events: the targets are evenly spaced event numbers,
+    and each becomes the SCN just before the window holding it (a range of
+    up to :data:`EXACT_CUT_EVENTS` events, read from the event table) or
+    before the indexed window nearest to it (longer ranges: even to about a
+    ring block's events, from the index alone). A cut ``c`` splits the
+    range into ``(since, c]`` and ``(c, until]`` on a window boundary, and
+    a window is never cut. Returns the strictly increasing cuts inside
+    ``(since, until)``, each part holding at least one window (fewer than
+    ``parts - 1`` cuts when the range holds too few windows).
+    """
+    if parts < 2 or end - first < 2:
+        return []
+    targets = first + (end - first) * np.arange(1, parts, dtype=np.int64) // parts
+    if end - first <= EXACT_CUT_EVENTS:
+        scns = np.asarray(events.get(first, end, "scn"), dtype=np.int64)
+        # a target in the first window would leave the first part empty
+        cuts = np.unique(scns[targets - first] - 1)
+        return [int(c) for c in cuts if since < c < until and c >= scns[0]]
+    if m.index_tail <= m.index_head:
+        return []
+    lo = index.searchsorted(m.index_head, m.index_tail, "scn", since, "right")
+    hi = index.searchsorted(lo, m.index_tail, "scn", until, "right")
+    entries = index.get(lo, hi)
+    # an indexed window that starts the range would make an empty first part
+    keep = np.asarray(entries["event"], dtype=np.int64) > first
+    scns = np.asarray(entries["scn"], dtype=np.int64)[keep]
+    numbers = np.asarray(entries["event"], dtype=np.int64)[keep]
+    if not len(numbers):
+        return []
+    if len(numbers) == 1:
+        nearer = np.zeros(parts - 1, dtype=np.intp)
+    else:  # the nearer of the two indexed windows around each target
+        at = np.clip(np.searchsorted(numbers, targets), 1, len(numbers) - 1)
+        before = np.abs(targets - numbers[at - 1]) <= np.abs(numbers[at] - targets)
+        nearer = np.where(before, at - 1, at)
+    cuts = np.unique(scns[nearer] - 1)
+    return [int(c) for c in cuts if since < c < until]
 
 
 def rebuild(

@@ -64,7 +64,8 @@ OPTION_NAMES: dict[str, str] = {
     "maxtriggerdelay": "with minRowsPerTrigger: the longest wait between two batches (15m; ms, s,"
     " m, h units)",
     "numpartitions": "Spark partitions per physical partition and batch",
-    "splitby": "key: numPartitions key-hash slices (default); scn: consecutive SCN sub-ranges",
+    "splitby": "scn: numPartitions consecutive SCN sub-ranges of similar volume (default);"
+    " key: numPartitions key-hash slices",
     "failondataloss": "true: a range the relay no longer keeps fails the query",
     "bootstrapurl": "bootstrap server base URL(s), comma-separated: earliest = snapshot + live,"
     " and a range the relays no longer keep is recovered through it",
@@ -252,11 +253,14 @@ class SourceOptions:
       while fewer change events are available, unless this long has passed
       since the last trigger that was not skipped (0: never skipped);
     * ``num_partitions`` -- Spark partitions per physical partition and batch;
-      ``split_by`` ``key``: the key-hash space (or ``key_filter``) is cut into
-      this many slices that the relay filters server-side (every slice still
-      receives each window's end marker); ``scn``: the batch's SCN range is cut
-      into this many consecutive sub-ranges (cheaper per window; balanced as
-      far as SCN distance follows volume, as Postgres LSNs do);
+      ``split_by`` ``scn`` (the default): the batch's SCN range is cut into
+      this many consecutive sub-ranges holding similar numbers of events (the
+      relay's ``/v1/splits``; evenly by SCN distance from a relay without it),
+      each window read by one task; ``key``: the key-hash space (or
+      ``key_filter``) is cut into this many slices that the relay filters
+      server-side, so every task reads every window's header and end marker
+      (the per-window work is done ``num_partitions`` times; only a single
+      huge transaction is spread over the tasks this way);
     * ``bootstrap`` -- bootstrap server URLs (failover order); with them
       ``earliest`` is a snapshot followed by the live stream, and a range the
       relays no longer keep is read through a bootstrap server instead;
@@ -292,7 +296,7 @@ class SourceOptions:
     min_rows_per_trigger: int = 0
     max_trigger_delay_s: float = 900.0
     num_partitions: int = 1
-    split_by: Literal["key", "scn"] = "key"
+    split_by: Literal["key", "scn"] = "scn"
     fail_on_data_loss: bool = True
     max_bytes_per_request: int = 4 << 20
     arrow_batch_rows: int = 65536
@@ -401,7 +405,7 @@ class SourceOptions:
             min_rows_per_trigger=_int(opts, "minrowspertrigger", 0, 1),
             max_trigger_delay_s=_duration_s(opts, "maxtriggerdelay", 900.0),
             num_partitions=_int(opts, "numpartitions", 1, 1),
-            split_by=_split_by(opts.get("splitby", "key")),
+            split_by=_split_by(opts.get("splitby", "scn")),
             fail_on_data_loss=_bool(opts, "failondataloss", True),
             max_bytes_per_request=_int(opts, "maxbytesperrequest", 4 << 20, 1024),
             arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),

@@ -59,6 +59,7 @@ from ._source import (
     _needs_bootstrap,
     _range_partitions,
     _resolve,
+    _split_points,
 )
 
 __all__ = ["MAX_SCN_RANGES", "PushdownBatchReader", "Pushed", "pushdown_planning", "split_filters"]
@@ -234,8 +235,11 @@ class PushdownBatchReader(ChangebusBatchReader):
             if name in whole:  # SCN filters are not pushed with a bootstrap server
                 out.extend(_range_partitions(self.opts, {name: since}, {name: end[name]}, whole))
                 continue
-            for a, b in p.bounds(since, int(end[name])):
-                out.extend(_range_partitions(self.opts, {name: a}, {name: b}))
+            ranges = p.bounds(since, int(end[name]))
+            for a, b in ranges:
+                # one range (the common "_commit_scn > x"): cut where the relay says
+                cuts = _split_points(self.opts, {name: a}, {name: b}) if len(ranges) == 1 else {}
+                out.extend(_range_partitions(self.opts, {name: a}, {name: b}, cuts=cuts))
         return out or empty
 
     def read(self, partition: ScnRangePartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]

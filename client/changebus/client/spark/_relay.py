@@ -1,6 +1,6 @@
 """Driver-side relay queries of the Spark source: bounds, schemas, row-limited ends.
 
-The Spark driver plans micro-batches; it never reads rows. It needs three
+The Spark driver plans micro-batches; it never reads rows. It needs four
 answers from the relays, each a short HTTP exchange:
 
 * :func:`partition_bounds` -- per physical partition the newest window SCN
@@ -10,6 +10,9 @@ answers from the relays, each a short HTTP exchange:
   range that replays identically or fails loudly once evicted);
 * :func:`table_schemas` -- the newest schema version of each subscribed
   source (the Spark schema is derived from these);
+* :func:`split_points` -- SCNs that cut a batch's range into sub-ranges
+  of similar volume for ``splitBy=scn`` (from the relay's SCN index, one
+  short request per partition);
 * :func:`end_within` -- the SCN at which a batch starting after ``since``
   holds at most ``max_events`` change events and ``max_bytes`` event bytes,
   ending on a window boundary (admission control; also how many events are
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -43,6 +46,7 @@ import numpy as np
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
+    ChangebusError,
     Op,
     TableSchema,
     UnknownSourceError,
@@ -63,6 +67,7 @@ __all__ = [
     "planner_params",
     "position_at_time",
     "run_sync",
+    "split_points",
     "table_schemas",
 ]
 
@@ -201,6 +206,30 @@ async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str,
         return out
 
     return await _with_relays(opts, call)
+
+
+async def split_points(
+    opts: SourceOptions, ranges: Mapping[str, tuple[int, int]], parts: int
+) -> dict[str, list[int]]:
+    """SCNs cutting each partition's range ``(since, until]`` into ``parts`` similar sub-ranges.
+
+    The relay counts the events between its indexed windows, so the cuts
+    follow the volume even where SCNs do not (a source whose clock also
+    moves for tables not captured). Empty when the relays cannot answer
+    (an older relay without ``/v1/splits``, none reachable): the caller then
+    cuts the SCN range evenly. A relay may return fewer cuts than asked.
+    """
+    if parts < 2 or not ranges:
+        return {}
+
+    async def call(info: RelayInfo) -> dict[str, list[int]]:
+        return {n: await info.splits(n, a, b, parts) for n, (a, b) in ranges.items()}
+
+    try:
+        return await _with_relays(opts, call)
+    except ChangebusError as exc:
+        log.info("changebus: no split points from the relays (%s); cutting SCN ranges evenly", exc)
+        return {}
 
 
 @dataclass(frozen=True, slots=True)

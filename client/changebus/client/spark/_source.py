@@ -20,7 +20,9 @@ Offsets are ``{partition: scn}`` (JSON of primitives, written by Spark to
 physical partition. A micro-batch reads windows ``(start, end]``; since all
 events of a transaction share one window SCN, a batch never splits a
 transaction. ``partitions(start, end)`` cuts every partition's range into
-``numPartitions`` key-hash slices that the relay filters server-side.
+``numPartitions`` SCN sub-ranges of similar volume (``splitBy=scn``, the
+default: the relay answers the cut points from its SCN index) or key-hash
+slices that the relay filters server-side (``splitBy=key``).
 
 With bootstrap servers (``bootstrapUrl``) ``earliest`` is SCN -1, and a
 range starting before the relays' oldest window (-1 included) is one batch
@@ -45,10 +47,11 @@ transaction holding rows of a newer version and stops the query at it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -84,6 +87,7 @@ from ._relay import (
     position_at_time,
     resolve_cluster,
     run_sync,
+    split_points,
 )
 
 __all__ = [
@@ -211,11 +215,15 @@ def _range_partitions(
     start: dict[str, Any],
     end: dict[str, Any],
     whole: set[str] | frozenset[str] = frozenset(),
+    cuts: Mapping[str, list[int]] | None = None,
 ) -> list[ScnRangePartition]:
     """Input partitions of ``(start, end]``; a partition in ``whole`` is read by one task.
 
     ``whole`` names the ranges that go through a bootstrap server: one
     consumer reads the snapshot, the catch-up and the relays up to the end.
+    ``cuts`` (``splitBy=scn``) are the relays' split points of a partition's
+    range (:func:`_split_points`); a partition without them is cut evenly by
+    SCN distance (from an ``earliest`` start, not at all).
     """
     out: list[ScnRangePartition] = []
     slices = opts.slices() if opts.split_by == "key" else [opts.key_filter]
@@ -230,16 +238,37 @@ def _range_partitions(
             out.append(ScnRangePartition(RangeSpec(name, since, until, f)))
             continue
         if opts.split_by == "scn":
-            n = min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1
-            cuts = [since + (until - since) * i // max(n, 1) for i in range(max(n, 1) + 1)]
+            given = (cuts or {}).get(name)
+            if given is not None:
+                points = [since, *(c for c in given if since < c < until), until]
+            else:
+                n = max(min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1, 1)
+                points = [since + (until - since) * i // n for i in range(n + 1)]
             out.extend(
-                ScnRangePartition(RangeSpec(name, cuts[i], cuts[i + 1], filters[0]))
-                for i in range(max(n, 1))
-                if cuts[i + 1] > cuts[i]
+                ScnRangePartition(RangeSpec(name, a, b, filters[0]))
+                for a, b in itertools.pairwise(points)
+                if b > a
             )
         else:
             out.extend(ScnRangePartition(RangeSpec(name, since, until, f)) for f in filters)
     return out
+
+
+def _split_points(
+    opts: SourceOptions,
+    start: dict[str, Any],
+    end: dict[str, Any],
+    whole: set[str] | frozenset[str] = frozenset(),
+) -> dict[str, list[int]]:
+    """The relays' split points of the ranges :func:`_range_partitions` cuts by SCN."""
+    if opts.split_by != "scn" or opts.num_partitions < 2:
+        return {}
+    ranges = {
+        name: (int(start.get(name, until)), int(until))
+        for name, until in end.items()
+        if name not in whole and int(start.get(name, until)) < int(until)
+    }
+    return run_sync(split_points(opts, ranges, opts.num_partitions)) if ranges else {}
 
 
 def _offsets_key(offsets: dict[str, Any]) -> tuple[tuple[str, int], ...]:
@@ -434,7 +463,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             return None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        """``numPartitions`` key-hash slices of every partition's ``(start, end]``.
+        """``numPartitions`` sub-ranges (or key-hash slices) of every partition's ``(start, end]``.
 
         A range that starts before what the relays keep is one task when a
         bootstrap server is configured (:func:`_needs_bootstrap`).
@@ -447,7 +476,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             else:
                 bounds = self._bounds()  # a batch replayed after a restart
             whole = _needs_bootstrap(self.opts, start, bounds)
-        return _range_partitions(self.opts, start, end, whole)
+        cuts = _split_points(self.opts, start, end, whole)
+        return _range_partitions(self.opts, start, end, whole, cuts)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Spark finished everything up to ``end`` (its checkpoint is the record; nothing to do)."""
@@ -465,7 +495,9 @@ class ChangebusBatchReader(_ReaderBase, DataSourceReader):  # type: ignore[misc]
         bounds = run_sync(partition_bounds(self.opts))
         start = _resolve(self.opts, self.opts.starting, bounds, "startingScn")
         end = _resolve(self.opts, self.opts.ending, bounds, "endingScn")
-        parts = _range_partitions(self.opts, start, end, _needs_bootstrap(self.opts, start, bounds))
+        whole = _needs_bootstrap(self.opts, start, bounds)
+        cuts = _split_points(self.opts, start, end, whole)
+        parts = _range_partitions(self.opts, start, end, whole, cuts)
         return parts or [ScnRangePartition(RangeSpec(next(iter(bounds)), 0, 0))]
 
 
