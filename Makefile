@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m changebus.schemas spark precompile
 	@touch $(STAMP)
 
 install: system-deps $(STAMP)

@@ -298,8 +298,8 @@ def route_text(args: argparse.Namespace) -> str:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``tail``, ``replicate``, ``group``, ``status`` and ``demo`` subcommands."""
-    from . import _cli_group, _cli_replicate, _cli_status
+    """Add the ``tail``, ``replicate``, ``group``, ``status``, ``spark`` and ``demo`` subcommands."""
+    from . import _cli_group, _cli_replicate, _cli_status, _sparkzip
 
     p = sub.add_parser(
         "tail",
@@ -342,6 +342,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _cli_replicate.register(sub)
     _cli_group.register(sub)
     _cli_status.register(sub)
+    _sparkzip.register(sub)
     d = sub.add_parser(
         "demo",
         help="run the whole pipeline on a private Postgres and print live changes",
