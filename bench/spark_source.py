@@ -26,7 +26,7 @@ reading and decoding), the relay and this process.
 The relay, the Spark JVM, its Python workers and the baseline share 2 cores.
 Last line: one JSON object.
 
-Usage: ``python bench/spark_source.py [--windows 60000] [--partitions 2] [--split-by key|scn]``
+Usage: ``python bench/spark_source.py [--windows 300000] [--partitions 2] [--split-by scn|key]``
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def raw_client(url: str, since: int, until: int) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--windows", type=int, default=60_000)
+    ap.add_argument("--windows", type=int, default=300_000)
     ap.add_argument("--partitions", type=int, default=2)
     ap.add_argument("--split-by", choices=["key", "scn"], default="scn")
     args = ap.parse_args()

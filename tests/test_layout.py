@@ -91,6 +91,7 @@ COMMANDS = {
     "demo": "client",
     "group": "client",
     "status": "client",
+    "spark": "client",
     "cluster": "cluster",
     "token": "token",
     "check-source": "fetchers",
