@@ -397,8 +397,10 @@ class EventBuffer(BufferWriter):
 
         For readers that split a range between workers (the Spark source):
         see :func:`._index.cut_points`. The part of the range the buffer no
-        longer keeps (or does not hold yet) is not counted. A binary search
-        and a slice of the index under the lock, never a scan of events.
+        longer keeps (or does not hold yet) is not counted. Under the lock:
+        two binary searches, then a read of the range's SCN column (up to
+        :data:`._index.EXACT_CUT_EVENTS` events, 2 MiB) or a slice of the
+        index (longer ranges); never a scan of the ring.
         """
         with self._lock:
             m = self._meta

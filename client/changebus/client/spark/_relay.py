@@ -11,8 +11,8 @@ answers from the relays, each a short HTTP exchange:
 * :func:`table_schemas` -- the newest schema version of each subscribed
   source (the Spark schema is derived from these);
 * :func:`split_points` -- SCNs that cut a batch's range into sub-ranges
-  of similar volume for ``splitBy=scn`` (from the relay's SCN index, one
-  short request per partition);
+  of similar volume for ``splitBy=scn`` (counted by the relay, one short
+  request per partition);
 * :func:`end_within` -- the SCN at which a batch starting after ``since``
   holds at most ``max_events`` change events and ``max_bytes`` event bytes,
   ending on a window boundary (admission control; also how many events are
@@ -213,8 +213,9 @@ async def split_points(
 ) -> dict[str, list[int]]:
     """SCNs cutting each partition's range ``(since, until]`` into ``parts`` similar sub-ranges.
 
-    The relay counts the events between its indexed windows, so the cuts
-    follow the volume even where SCNs do not (a source whose clock also
+    The relay counts the range's events (exactly, or between its indexed
+    windows for long ranges), so the cuts follow the volume even where SCNs
+    do not (a source whose clock also
     moves for tables not captured). Empty when the relays cannot answer
     (an older relay without ``/v1/splits``, none reachable): the caller then
     cuts the SCN range evenly. A relay may return fewer cuts than asked.
