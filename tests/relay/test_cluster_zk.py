@@ -1,0 +1,208 @@
+"""Relay clusters when ZooKeeper restarts or is down at start, and the ``[cluster]`` table."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from relay_cluster import PART, Writer, aiohttp_session, marker, slot_state, walsenders
+
+from changebus.client import ChangeOp, Consumer, ConsumerConfig
+from changebus.cluster import ClusterConfig
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from fix_pg import wait_until
+from fix_zk import ZkServer
+
+pytestmark = pytest.mark.zk
+
+
+@pytest.mark.pg
+@pytest.mark.usefixtures("no_blocking")
+async def test_zookeeper_restart_under_load(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+
+    def config(name: str) -> RelayConfig:
+        source = FetcherConfig(
+            "postgres",
+            {"dsn": pg_dsn, "slot": slot, "status_interval_s": 0.2},
+            retry_initial_s=0.1,
+            retry_max_s=1.0,
+        )
+        return RelayConfig(
+            data_dir=tmp_path / name,
+            http=HttpConfig(port=0, max_wait_s=10),
+            partitions=(PartitionConfig(PART, 1, capacity_bytes=16 << 20, fetcher=source),),
+            flush_interval_s=0,
+            cluster=ClusterConfig(
+                zookeeper=zk_server.hosts, name=zk_cluster, member_id=name, session_timeout_s=2.0
+            ),
+        )
+
+    async with Relay(config("a")) as a, Relay(config("b")) as b:
+        hosts = [a.hosts[PART], b.hosts[PART]]
+        await wait_until(
+            lambda: (
+                sorted(h.role for h in hosts) == ["follower", "leader"]
+                and all(h.state == "streaming" for h in hosts)
+            ),
+            30,
+            "a leader and a follower",
+        )
+        leader = a if a.hosts[PART].role == "leader" else b
+        epoch = leader.hosts[PART].epoch or 0
+        with Writer(pg_dsn, rate=200) as w:
+            await wait_until(lambda: w.committed >= 100, 30, "100 transactions")
+            await asyncio.to_thread(zk_server.stop)
+            host = leader.hosts[PART]
+            await wait_until(lambda: host.state == "fenced", 10, "the leader fenced")
+            async with aiohttp_session() as http:
+                async with http.get(f"{leader.url}/readyz") as resp:
+                    assert resp.status == 503
+                    body = await resp.json()
+                # whichever notices the lost session first fences it: the step-down, or the
+                # source acknowledgement that finds the leadership lease invalid
+                assert body["partitions"][PART].startswith(
+                    ("fenced: stepped down", "fenced: the leadership lease is not valid")
+                ), body
+                async with http.get(f"{leader.url}/metrics") as resp:
+                    text = await resp.text()
+                assert (
+                    f'changebus_relay_partition_leader{{partition="{PART}",role="follower"}} 0.0'
+                    in text
+                )
+                for r in (a, b):  # both keep serving what they hold
+                    async with http.get(f"{r.url}/v1/stream?partition={PART}&scn=-1") as resp:
+                        assert resp.status == 200
+            # nobody acknowledges the slot while nobody can prove it leads
+            await wait_until(lambda: not walsenders(pg_dsn), 10, "the source closed")
+            confirmed = slot_state(pg_dsn, slot)[1]
+            await asyncio.sleep(1.0)
+            assert slot_state(pg_dsn, slot)[1] == confirmed
+            await asyncio.to_thread(zk_server.start)
+            await wait_until(
+                lambda: (
+                    any(h.role == "leader" and h.state == "streaming" for h in hosts)
+                    and all(h.state == "streaming" for h in hosts)
+                    and all((h.epoch or 0) > epoch for h in hosts)
+                ),
+                60,
+                "a new leader after ZooKeeper came back",
+            )
+            # both are registered (again, or still: ZooKeeper restores unexpired sessions)
+            # with the new epoch, as every member sees them
+            new_epoch = max(h.epoch or 0 for h in hosts)
+
+            def registered() -> bool:
+                for r in (a, b):
+                    assert r.cluster is not None
+                    members = r.cluster.table.snapshot().members
+                    if sorted(members) != ["a", "b"]:
+                        return False
+                    if any(m.partitions[PART].epoch != new_epoch for m in members.values()):
+                        return False
+                return True
+
+            await wait_until(registered, 20, "both registered with the new epoch")
+            before = w.committed
+            await wait_until(lambda: w.committed >= before + 100, 30, "100 more transactions")
+        end = marker(pg_dsn)
+        await wait_until(lambda: all(h.buffer.meta.last_scn >= end for h in hosts), 30, "caught up")
+        leader = a if a.hosts[PART].role == "leader" else b
+        windows: list[Any] = []
+        cfg = ConsumerConfig(relays=(a.url, b.url), partition=PART, start="earliest", wait_s=0.5)
+        async with asyncio.timeout(60), Consumer(cfg) as consumer:
+            async for window in consumer:
+                windows.append(window)
+                if window.scn >= end:
+                    break
+    scns = [win.scn for win in windows]
+    assert scns == sorted(set(scns))
+    ids = sorted(int(e.key["id"]) for win in windows for e in win.events if e.op == ChangeOp.INSERT)
+    assert ids == list(range(w.committed))
+
+
+async def test_a_relay_started_while_zookeeper_is_down_serves_and_joins_later(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    source = FetcherConfig(
+        "postgres", {"dsn": pg_dsn, "slot": slot}, retry_initial_s=0.1, retry_max_s=1.0
+    )
+    config = RelayConfig(
+        data_dir=tmp_path / "late",
+        http=HttpConfig(port=0, max_wait_s=10),
+        partitions=(PartitionConfig(PART, 1, capacity_bytes=16 << 20, fetcher=source),),
+        flush_interval_s=0,
+        cluster=ClusterConfig(
+            zookeeper=zk_server.hosts,
+            name=zk_cluster,
+            member_id="late",
+            session_timeout_s=2.0,
+            connect_timeout_s=1.0,
+        ),
+    )
+    await asyncio.to_thread(zk_server.stop)
+    try:
+        async with Relay(config) as relay, aiohttp_session() as http:
+            host = relay.hosts[PART]
+
+            def member() -> object:
+                return relay.cluster
+
+            assert member() is None  # not joined, yet serving
+            async with http.get(f"{relay.url}/v1/status") as resp:
+                assert resp.status == 200
+            async with http.get(f"{relay.url}/readyz") as resp:
+                assert resp.status == 503
+                body = await resp.json()
+            assert body["partitions"][PART].startswith("fenced: not in the cluster")
+            assert not walsenders(pg_dsn)  # nobody reads the source without a leader
+            await asyncio.to_thread(zk_server.start)
+            await wait_until(
+                lambda: host.role == "leader" and host.state == "streaming",
+                60,
+                "the relay joined and leads",
+            )
+            assert member() is not None
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO t VALUES (1, 1)")
+            end = marker(pg_dsn)
+            await wait_until(lambda: host.buffer.meta.last_scn >= end, 30, "the insert relayed")
+            async with http.get(f"{relay.url}/readyz") as resp:
+                assert resp.status == 200
+    finally:
+        if zk_server.proc is None:  # the test failed while ZooKeeper was down
+            await asyncio.to_thread(zk_server.start)
+
+
+# ---- configuration -------------------------------------------------------------------
+
+
+def test_cluster_table_in_the_relay_config(tmp_path: Path) -> None:
+    from changebus.relay._cluster import member_server_id
+    from changebus.schemas import ConfigError
+    from changebus.schemas.config import load_config
+
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        '[cluster]\nzookeeper = "127.0.0.1:2181"\nname = "prod"\nmember_id = "r1"\n'
+        "session_timeout_s = 3.0\n"
+    )
+    config = load_config(RelayConfig, cfg, env={})
+    assert config.cluster == ClusterConfig("127.0.0.1:2181", "prod", "r1", session_timeout_s=3.0)
+    assert load_config(RelayConfig, None, env={}).cluster is None  # stand-alone as before
+    cfg.write_text('[cluster]\nzookeeper = "127.0.0.1:2181"\nname = "prod"\n')
+    with pytest.raises(ConfigError, match="member_id"):
+        load_config(RelayConfig, cfg, env={})
+    ids = {member_server_id(m, "main") for m in ("r0", "r1", "r2", "relay-a", "relay-b")}
+    assert len(ids) == 5 and all(0x4352_0000 <= i <= 0x4352_FFFF for i in ids)
