@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
-	$(PY) -m changebus.schemas spark precompile
+	@# the venv's own pyspark (not a $$SPARK_HOME elsewhere), when the spark extra is installed
+	@if $(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('pyspark') is None)"; then \
+	  $(PY) -m changebus.schemas spark precompile --pyspark-package; fi
 	@touch $(STAMP)
 
 install: system-deps $(STAMP)

@@ -43,6 +43,7 @@ def test_precompile_adds_bytecode_that_imports_use_and_keeps_every_member(tmp_pa
     make_zip(z, {**MODULES, "pkg/stale.py": b"X = 1\n", "pkg/stale.pyc": b"\0\0\0\0junk"})
     report = precompile(z)
     assert (report.compiled, report.failed, report.current) == (3, 1, 0)
+    assert report.rewritten  # the stale bytecode is replaced: the zip is written whole
     with zipfile.ZipFile(z) as zf:
         names = set(zf.namelist())
         for name, data in MODULES.items():
@@ -61,6 +62,37 @@ def test_precompile_adds_bytecode_that_imports_use_and_keeps_every_member(tmp_pa
     again = precompile(z)
     assert (again.compiled, again.current) == (0, 3)
     assert z.stat().st_mtime_ns == mtime
+
+
+def test_a_process_that_imported_from_the_zip_keeps_importing_after_it_changes(
+    tmp_path: Path,
+) -> None:
+    """Python remembers a zip's table of contents: the old members must keep their offsets."""
+    target = tmp_path / "real.zip"
+    make_zip(target, {**MODULES, "pkg/other.py": b"Y = 7\n"})
+    link = tmp_path / "pyspark.zip"
+    link.symlink_to(target)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from changebus.client._sparkzip import precompile\n"
+        "import pkg.mod\n"  # the table of contents is read now
+        f"r = precompile(Path({str(link)!r}))\n"
+        "import pkg.other\n"  # read through the remembered offsets, from the new file
+        "print(r.compiled, r.rewritten, pkg.mod.answer(), pkg.other.Y)\n"
+    )
+    paths = [str(link), *sys.path]
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "False", "42", "7"]
+    assert link.is_symlink() and zipfile.is_zipfile(target)  # the link's target was changed
+    with zipfile.ZipFile(target) as zf:
+        assert "pkg/other.pyc" in zf.namelist()
 
 
 def test_cli_reports_and_refuses_what_is_not_a_zip(tmp_path: Path) -> None:

@@ -15,10 +15,19 @@ every ``.py`` member, stored uncompressed. ``zipimport`` takes a ``.pyc``
 member without reading its source; one of another Python version (its
 magic number differs) is ignored and the source compiled as before, so the
 zip keeps working everywhere. The sources stay (tracebacks show their
-lines). The new zip is written beside the old one and renamed over it, so a
-process starting meanwhile sees one or the other whole. Run it again after
-pyspark is upgraded (the upgrade brings a fresh zip); a zip already done is
-left alone.
+lines).
+
+How the zip is changed, and why it is safe while Spark runs: a Python
+process remembers the table of contents of each zip it imported from and
+reads members again by their offsets, through the path. So the new members
+are appended to a copy of the zip (every old member keeps its bytes and its
+offset; only the central directory at the end is written anew) and the copy
+is renamed over the original: a running process still finds what it
+remembers, and a process starting meanwhile sees one whole zip or the
+other. Only a zip holding bytecode of another Python version is rewritten
+whole (its stale members replaced), which processes already running from
+it do not survive; the report says so. Run it again after pyspark is
+upgraded (the upgrade brings a fresh zip); a zip already done is left alone.
 
 Nothing here imports pyspark: the zips are found through the package's
 location (``importlib.util.find_spec``) or ``SPARK_HOME``.
@@ -27,9 +36,11 @@ location (``importlib.util.find_spec``) or ``SPARK_HOME``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import py_compile
+import shutil
 import sys
 import tempfile
 import warnings
@@ -52,16 +63,20 @@ class ZipReport:
     failed: int
     size_before: int
     size_after: int
+    #: the zip was rewritten whole (stale bytecode replaced): Spark processes that
+    #: imported from it before must be restarted
+    rewritten: bool = False
 
 
-def spark_zips(spark_home: Path | None = None) -> list[Path]:
+def spark_zips(spark_home: Path | None = None, *, package: bool = False) -> list[Path]:
     """The zips Spark puts on its Python processes' path: ``<SPARK_HOME>/python/lib/*.zip``.
 
     ``spark_home`` defaults to ``$SPARK_HOME``, else the installed pyspark
-    package's directory (what pyspark's launcher uses).
+    package's directory (what pyspark's launcher uses); ``package``: the
+    installed package's, whatever ``$SPARK_HOME`` says.
     """
     if spark_home is None:
-        env = os.environ.get("SPARK_HOME")
+        env = None if package else os.environ.get("SPARK_HOME")
         if env:
             spark_home = Path(env)
         else:
@@ -85,11 +100,14 @@ def precompile(path: Path) -> ZipReport:
 
     Only sources without a ``.pyc`` of this Python are compiled; when none
     of them compiles (a zip done before, whose remaining sources are not
-    valid for this Python) the zip is not rewritten.
+    valid for this Python) the zip is not changed. A symbolic link is
+    followed (its target is changed).
     """
+    path = path.resolve()
     size_before = path.stat().st_size
     with zipfile.ZipFile(path) as zin:
         infos = zin.infolist()
+        names = {i.filename for i in infos}
         have = {
             i.filename
             for i in infos
@@ -101,28 +119,55 @@ def precompile(path: Path) -> ZipReport:
                 i.filename + "c": _compile(zin.read(i), f"{path}/{i.filename}", Path(work))
                 for i in todo
             }
-        made = {name: pyc for name, pyc in fresh.items() if pyc is not None}
-        failed = len(fresh) - len(made)
-        if not made:
-            return ZipReport(path, 0, len(have), failed, size_before, size_before)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with zipfile.ZipFile(tmp, "w") as zout:
+    made = {name: pyc for name, pyc in fresh.items() if pyc is not None}
+    failed = len(fresh) - len(made)
+    if not made:
+        return ZipReport(path, 0, len(have), failed, size_before, size_before)
+    stale = names & made.keys()  # another Python's bytecode, to be replaced
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if not stale:
+                with path.open("rb") as original:
+                    shutil.copyfileobj(original, out)
+        if stale:
+            _rewrite(path, tmp, infos, made)
+        else:
+            with zipfile.ZipFile(tmp, "a") as zout:  # old members keep their offsets
                 for info in infos:
-                    if info.filename.endswith(".pyc") and info.filename not in have:
-                        continue  # another Python's: replaced below when this one compiles
-                    zout.writestr(info, zin.read(info))
                     pyc = made.get(info.filename + "c")
                     if pyc is not None:
-                        member = zipfile.ZipInfo(info.filename + "c", info.date_time)
-                        member.compress_type = zipfile.ZIP_STORED  # read at every import
-                        member.external_attr = info.external_attr
-                        zout.writestr(member, pyc)
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return ZipReport(path, len(made), len(have), failed, size_before, path.stat().st_size)
+                        zout.writestr(_pyc_member(info), pyc)
+        st = path.stat()
+        os.chmod(tmp, st.st_mode & 0o7777)
+        with contextlib.suppress(PermissionError):  # only root may give a file away
+            os.chown(tmp, st.st_uid, st.st_gid)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ZipReport(
+        path, len(made), len(have), failed, size_before, path.stat().st_size, bool(stale)
+    )
+
+
+def _pyc_member(source: zipfile.ZipInfo) -> zipfile.ZipInfo:
+    member = zipfile.ZipInfo(source.filename + "c", source.date_time)
+    member.compress_type = zipfile.ZIP_STORED  # read at every import: no inflating
+    member.external_attr = source.external_attr
+    return member
+
+
+def _rewrite(path: Path, tmp: Path, infos: list[zipfile.ZipInfo], made: dict[str, bytes]) -> None:
+    """Write the zip anew into ``tmp``: its members, stale bytecode replaced by ``made``."""
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for info in infos:
+            if info.filename in made:
+                continue  # another Python's bytecode: this one's follows its source
+            zout.writestr(info, zin.read(info))
+            pyc = made.get(info.filename + "c")
+            if pyc is not None:
+                zout.writestr(_pyc_member(info), pyc)
 
 
 def _compile(source: bytes, filename: str, work: Path) -> bytes | None:
@@ -146,18 +191,26 @@ def _compile(source: bytes, filename: str, work: Path) -> bytes | None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        zips = [Path(p) for p in args.zip] or spark_zips(args.spark_home)
+        zips = [Path(p) for p in args.zip] or spark_zips(
+            args.spark_home, package=args.pyspark_package
+        )
         for path in zips:
             r = precompile(path)
             left = f", {r.failed} left as source (not valid for this Python)" if r.failed else ""
             if r.compiled:
                 print(
-                    f"{path}: {r.compiled} modules compiled for Python"
+                    f"{r.path}: {r.compiled} modules compiled for Python"
                     f" {sys.version_info.major}.{sys.version_info.minor}{left};"
                     f" {r.size_before / 1e6:.1f} -> {r.size_after / 1e6:.1f} MB"
                 )
             else:
-                print(f"{path}: already compiled ({r.current} modules{left})")
+                print(f"{r.path}: already compiled ({r.current} modules{left})")
+            if r.rewritten:
+                print(
+                    f"{r.path}: rewritten whole to replace another Python's bytecode:"
+                    " restart the Spark processes that were running from it",
+                    file=sys.stderr,
+                )
     except (ConfigError, OSError, zipfile.BadZipFile) as exc:
         print(f"changebus spark precompile: {exc}", file=sys.stderr)
         return 2
@@ -184,14 +237,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Spark starts its Python processes (workers, and a runner per streaming "
         "query) with pyspark imported from $SPARK_HOME/python/lib/pyspark.zip, which holds "
         "sources only, so each process compiles pyspark again (~1 CPU-s). This adds this "
-        "Python's bytecode to the zips, in place. Run it on every machine that runs Spark "
-        "(driver and workers), as the user that owns the installation, again after an "
-        "upgrade of pyspark.",
+        "Python's bytecode to the zips: appended to a copy renamed over the original, so "
+        "Spark processes already running keep working. Run it on every machine that runs "
+        "Spark (driver and workers), as the user that owns the installation, again after "
+        "an upgrade of pyspark.",
     )
     p.add_argument(
         "--spark-home",
         type=Path,
         help="the Spark home (default: $SPARK_HOME, else the installed pyspark package)",
+    )
+    p.add_argument(
+        "--pyspark-package",
+        action="store_true",
+        help="the installed pyspark package's zips, whatever $SPARK_HOME says",
     )
     p.add_argument(
         "--zip",

@@ -140,9 +140,9 @@ def cut_points(
     and each becomes the SCN just before the window holding it (a range of
     up to :data:`EXACT_CUT_EVENTS` events, read from the event table) or
     before the indexed window nearest to it (longer ranges: even to about a
-    ring block's events, from the index alone). A cut ``c`` splits the
-    range into ``(since, c]`` and ``(c, until]`` on a window boundary, and
-    a window is never cut. Returns the strictly increasing cuts inside
+    ring block's events, from the index alone: a binary search per target).
+    A cut ``c`` splits the range into ``(since, c]`` and ``(c, until]`` on a
+    window boundary, and a window is never cut. Returns the strictly increasing cuts inside
     ``(since, until)``, each part holding at least one window (fewer than
     ``parts - 1`` cuts when the range holds too few windows).
     """
@@ -152,27 +152,30 @@ def cut_points(
     if end - first <= EXACT_CUT_EVENTS:
         scns = np.asarray(events.get(first, end, "scn"), dtype=np.int64)
         # a target in the first window would leave the first part empty
-        cuts = np.unique(scns[targets - first] - 1)
-        return [int(c) for c in cuts if since < c < until and c >= scns[0]]
+        exact = np.unique(scns[targets - first] - 1)
+        return [int(c) for c in exact if since < c < until and c >= scns[0]]
     if m.index_tail <= m.index_head:
         return []
     lo = index.searchsorted(m.index_head, m.index_tail, "scn", since, "right")
     hi = index.searchsorted(lo, m.index_tail, "scn", until, "right")
-    entries = index.get(lo, hi)
-    # an indexed window that starts the range would make an empty first part
-    keep = np.asarray(entries["event"], dtype=np.int64) > first
-    scns = np.asarray(entries["scn"], dtype=np.int64)[keep]
-    numbers = np.asarray(entries["event"], dtype=np.int64)[keep]
-    if not len(numbers):
-        return []
-    if len(numbers) == 1:
-        nearer = np.zeros(parts - 1, dtype=np.intp)
-    else:  # the nearer of the two indexed windows around each target
-        at = np.clip(np.searchsorted(numbers, targets), 1, len(numbers) - 1)
-        before = np.abs(targets - numbers[at - 1]) <= np.abs(numbers[at] - targets)
-        nearer = np.where(before, at - 1, at)
-    cuts = np.unique(scns[nearer] - 1)
-    return [int(c) for c in cuts if since < c < until]
+    # entries ``[lo, hi)`` name the indexed windows of the range; one binary search per
+    # target (never a copy of the slice: an index may hold millions of entries)
+    picked: set[int] = set()
+    for target in targets.tolist():
+        at = index.searchsorted(lo, hi, "event", target, "left")
+        best: tuple[int, int] | None = None  # (distance, scn) of the nearer usable entry
+        for k in (at - 1, at):
+            if not lo <= k < hi:
+                continue
+            entry = index.at(k)
+            number = int(entry["event"])
+            if number <= first:  # an indexed window that starts the range: empty first part
+                continue
+            if best is None or abs(number - target) < best[0]:
+                best = (abs(number - target), int(entry["scn"]))
+        if best is not None:
+            picked.add(best[1] - 1)
+    return sorted(c for c in picked if since < c < until)
 
 
 def rebuild(
