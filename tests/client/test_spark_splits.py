@@ -43,6 +43,14 @@ def test_scn_split_is_the_default_and_takes_the_relays_cut_points(tmp_path: Path
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
         assert all(abs((b - a) - 100) <= 1 for a, b in ranges), ranges
         assert {p.spec.key_filter for p in parts} == {None}
+        # with sources, only their events count (the relay's registry names the ids)
+        t0 = SourceOptions.parse(
+            {"relays": relay.url, "numPartitions": "4", "sources": "synthetic.t0"}, mode="batch"
+        )
+        t0_id = relay.relay.hosts["syn"].registry.source_id("synthetic.t0")
+        assert _split_points(t0, start, end) == {
+            "syn": buffer.split_points(m.prev_scn, m.last_scn, 4, frozenset({t0_id}))
+        }
         # from earliest (-1) the relay cuts too (the even SCN cut could not: one task)
         early = _split_points(opts, {"syn": -1}, end)
         assert len(early["syn"]) == 3

@@ -73,6 +73,23 @@ def test_cuts_follow_events_not_scn_distance(tmp_path: Path, way: str) -> None:
         buf.close()
 
 
+def test_cuts_count_only_the_sources_asked_for(tmp_path: Path) -> None:
+    """Source 1 writes the first 100 windows, source 2 the next 300: cut for source 1 alone."""
+    buf = EventBuffer(tmp_path / "b", BufferConfig(capacity_bytes=4 << 20, block_bytes=256))
+    buf.set_start(0)
+    try:
+        for scn in range(1, 401):
+            buf.append_window(make_window(scn, [100, 100], source_id=1 if scn <= 100 else 2))
+        everything = buf.split_points(0, 400, 4)
+        assert everything == [100, 200, 300]  # 400 windows of one size: 100 each
+        mine = buf.split_points(0, 400, 4, frozenset({1}))
+        assert mine == [25, 50, 75]  # the last part also holds every window of source 2
+        assert buf.split_points(0, 400, 4, frozenset({2})) == [175, 250, 325]
+        assert buf.split_points(0, 400, 4, frozenset({9})) == []  # nothing of it: no cut
+    finally:
+        buf.close()
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -158,6 +175,13 @@ async def test_http_splits_and_bad_requests(relay: Relay) -> None:
         async with http.get(
             f"{relay.url}/v1/splits", params={**params, "parts": "2", "partition": "nope"}
         ) as resp:
+            assert resp.status == 404
+        # only the sources named count; a source the partition lacks is 404
+        one = {**params, "parts": "2", "sources": "synthetic.t0"}
+        async with http.get(f"{relay.url}/v1/splits", params=one) as resp:
+            assert resp.status == 200 and len((await resp.json())["cuts"]) == 1
+        nope = {**params, "parts": "2", "sources": "synthetic.nope"}
+        async with http.get(f"{relay.url}/v1/splits", params=nope) as resp:
             assert resp.status == 404
         # an empty partition has nothing to cut
         idle = {"partition": "idle", "since": "-1", "until": "1000", "parts": "4"}

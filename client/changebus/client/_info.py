@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -286,13 +286,18 @@ class RelayInfo:
                 )
         return out
 
-    async def splits(self, partition: str, since: int, until: int, parts: int) -> list[int]:
+    async def splits(
+        self, partition: str, since: int, until: int, parts: int, sources: Sequence[str] = ()
+    ) -> list[int]:
         """``/v1/splits``: SCNs cutting the windows ``(since, until]`` into ``parts`` similar spans.
 
         The cuts lie strictly inside the range, in increasing order; there may
         be fewer than ``parts - 1`` (a relay keeps fewer indexed windows there).
+        ``sources``: count only these sources' events (empty: every source).
         """
         params = {"partition": partition, "since": str(since), "until": str(until)}
+        if sources:
+            params["sources"] = ",".join(sources)
         doc = await self.get_json("/v1/splits", {**params, "parts": str(parts)})
         with malformed_answer(self.where, "/v1/splits"):
             cuts = [int(c) for c in doc["cuts"]]

@@ -392,11 +392,14 @@ class EventBuffer(BufferWriter):
             at = int(self._events.at(start)["pos"]) % self.capacity + _TS_OFFSET
             return int(self._ring[at : at + 8].view("<i8")[0])
 
-    def split_points(self, since: int, until: int, parts: int) -> list[int]:
+    def split_points(
+        self, since: int, until: int, parts: int, sources: frozenset[int] | None = None
+    ) -> list[int]:
         """SCNs cutting the kept windows ``(since, until]`` into ``parts`` similar spans.
 
         For readers that split a range between workers (the Spark source):
-        see :func:`._index.cut_points`. The part of the range the buffer no
+        see :func:`._index.cut_points` (``sources``: count only those
+        sources' data events). The part of the range the buffer no
         longer keeps (or does not hold yet) is not counted. Under the lock:
         two binary searches, then a read of the range's SCN column (up to
         :data:`._index.EXACT_CUT_EVENTS` events, 2 MiB) or a slice of the
@@ -406,7 +409,9 @@ class EventBuffer(BufferWriter):
             m = self._meta
             first = self._after(m, since)
             end = self._after(m, until)
-            return cut_points(self._index, self._events, m, first, end, since, until, parts)
+            return cut_points(
+                self._index, self._events, m, first, end, since, until, parts, sources
+            )
 
     def _after(self, m: BufferMeta, scn: int) -> int:
         """The first kept event after window ``scn`` (the oldest when ``scn`` was evicted)."""

@@ -379,7 +379,7 @@ def _check_source(request: web.Request, source: str, partition: str | None) -> P
     return principal
 
 
-_SPLITS_PARAMS = frozenset({"partition", "since", "until", "parts"})
+_SPLITS_PARAMS = frozenset({"partition", "since", "until", "parts", "sources"})
 #: the most sub-ranges one ``/v1/splits`` request may ask for
 MAX_SPLIT_PARTS = 4096
 
@@ -394,7 +394,9 @@ async def splits(request: web.Request) -> web.Response:
     parts = query_int(query, "parts", lo=1, hi=MAX_SPLIT_PARTS)
     if until < since:
         raise BadRequestError(f"until ({until}) is before since ({since})")
-    cuts = host.buffer.split_points(since, until, parts)
+    # only what the principal may read counts: its grant narrows ``sources=``
+    sources = _source_ids(request, host, query.get("sources"))
+    cuts = host.buffer.split_points(since, until, parts, sources)
     return json_response({"partition": host.name, "since": since, "until": until, "cuts": cuts})
 
 

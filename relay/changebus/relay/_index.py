@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import Op
+from changebus.schemas import FIRST_CONTROL_OP, Op
 
 from ._meta import BufferMeta
 from ._tables import INDEX_DTYPE, CircularTable
@@ -39,6 +39,7 @@ from ._tables import INDEX_DTYPE, CircularTable
 __all__ = ["add_windows", "add_windows_small", "cut_points", "rebuild", "scn_range"]
 
 _EOW = int(Op.END_OF_WINDOW)
+_FIRST_CONTROL = int(FIRST_CONTROL_OP)
 
 
 def add_windows(
@@ -132,6 +133,7 @@ def cut_points(
     since: int,
     until: int,
     parts: int,
+    sources: frozenset[int] | None = None,
 ) -> list[int]:
     """SCNs that cut the live windows ``(since, until]`` into ``parts`` spans of similar size.
 
@@ -145,14 +147,29 @@ def cut_points(
     window boundary, and a window is never cut. Returns the strictly increasing cuts inside
     ``(since, until)``, each part holding at least one window (fewer than
     ``parts - 1`` cuts when the range holds too few windows).
+
+    With ``sources`` (source ids) only the data events of those sources
+    count, where the range is counted exactly; the index path counts every
+    event.
     """
     if parts < 2 or end - first < 2:
         return []
     targets = first + (end - first) * np.arange(1, parts, dtype=np.int64) // parts
     if end - first <= EXACT_CUT_EVENTS:
         scns = np.asarray(events.get(first, end, "scn"), dtype=np.int64)
+        where = targets - first
+        if sources is not None:  # the event holding each target's share of the counted ones
+            counted = np.isin(events.get(first, end, "source_id"), list(sources)) & (
+                events.get(first, end, "op") < _FIRST_CONTROL
+            )
+            running = np.cumsum(counted)
+            total = int(running[-1]) if len(running) else 0
+            if total < 2:
+                return []
+            shares = np.arange(1, parts, dtype=np.int64) * total // parts
+            where = np.searchsorted(running, shares + 1, side="left")
         # a target in the first window would leave the first part empty
-        exact = np.unique(scns[targets - first] - 1)
+        exact = np.unique(scns[where] - 1)
         return [int(c) for c in exact if since < c < until and c >= scns[0]]
     if m.index_tail <= m.index_head:
         return []

@@ -224,7 +224,7 @@ async def split_points(
         return {}
 
     async def call(info: RelayInfo) -> dict[str, list[int]]:
-        return {n: await info.splits(n, a, b, parts) for n, (a, b) in ranges.items()}
+        return {n: await info.splits(n, a, b, parts, opts.sources) for n, (a, b) in ranges.items()}
 
     try:
         return await _with_relays(opts, call)
