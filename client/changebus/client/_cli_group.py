@@ -52,7 +52,7 @@ from changebus.cluster import (
     read_group,
 )
 from changebus.schemas import ChangebusError, ConfigError, UnitStore, check_group_name
-from changebus.schemas.cli import setup_logging
+from changebus.schemas.cli import command_group, setup_logging
 from changebus.schemas.config import scrub
 
 from ._cli import add_tls_arguments, auth_from_args
@@ -78,19 +78,13 @@ class _Exit(Exception):
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``group`` command and its subcommands."""
-    p = sub.add_parser(
+    cmds = command_group(
+        sub,
         "group",
         help="inspect and manage consumer groups in ZooKeeper",
         description="Inspect and manage changebus consumer groups (members, units, "
         "checkpoints, lag) coordinated through ZooKeeper.",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        p.print_help()
-        return 2
-
-    p.set_defaults(func=usage)
-    cmds = p.add_subparsers(dest="group_command", metavar="SUBCOMMAND")
 
     status = cmds.add_parser(
         "status",

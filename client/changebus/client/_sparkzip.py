@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from changebus.schemas import ConfigError
+from changebus.schemas.cli import command_group
 
 __all__ = ["ZipReport", "precompile", "register", "spark_zips"]
 
@@ -219,18 +220,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``spark precompile``."""
-    spark = sub.add_parser(
+    spark_sub = command_group(
+        sub,
         "spark",
         help="helpers for running the Spark source",
         description="Helpers for the machines that run the Spark source (docs/spark.md).",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        spark.print_help()
-        return 2
-
-    spark.set_defaults(func=usage)
-    spark_sub = spark.add_subparsers(dest="spark_command", metavar="SUBCOMMAND")
     p = spark_sub.add_parser(
         "precompile",
         help="add compiled bytecode to Spark's pyspark.zip (faster Python worker starts)",

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from changebus.schemas.cli import command_group
+
 from ._config import ClusterConfig
 from ._errors import CoordinationError
 from ._routing import RoutingSnapshot, RoutingTable
@@ -17,18 +19,12 @@ __all__ = ["register", "render_table"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    cmds = command_group(
+        sub,
         "cluster",
         help="inspect a relay cluster in ZooKeeper",
         description="Inspect a changebus cluster coordinated through ZooKeeper.",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        p.print_help()
-        return 2
-
-    p.set_defaults(func=usage)
-    cmds = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
     status = cmds.add_parser(
         "status",
         help="print the routing table: members, roles, epochs, SCN ranges, lag",
