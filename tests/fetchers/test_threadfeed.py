@@ -116,3 +116,61 @@ async def test_close_stops_a_producer_waiting_for_bytes() -> None:
     await asyncio.sleep(0.1)
     await feed.close()
     assert not feed._thread.is_alive()
+
+
+async def test_the_queue_protocol_returns_the_error_after_the_items_and_gives_slots_back() -> None:
+    """get / get_nowait / empty (the relay's ingest reads a feed so, batching what is queued)."""
+    release = threading.Event()
+
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        for i in range(6):
+            emit(i)
+        release.wait(5)
+        raise ValueError("source broke")
+
+    feed = ThreadFeed(produce, maxsize=6)
+    assert await feed.get() == 0
+    await asyncio.sleep(0.05)  # the other five were handed over meanwhile
+    assert not feed.empty()
+    batch = [await feed.get()]
+    while not feed.empty():
+        batch.append(feed.get_nowait())
+    assert batch == [1, 2, 3, 4, 5]
+    assert feed.empty()
+    with pytest.raises(IndexError):
+        feed.get_nowait()
+    release.set()
+    error = await feed.get()  # returned, not raised: a batch before it is kept
+    assert isinstance(error, ValueError) and str(error) == "source broke"
+    await feed.close()
+
+
+async def test_an_injected_error_comes_after_what_is_queued_and_stops_the_items() -> None:
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        for i in range(3):
+            emit(i)
+        stopping.wait(5)
+
+    feed = ThreadFeed(produce, maxsize=8)
+    await asyncio.sleep(0.05)
+    feed.inject(RuntimeError("fenced"))
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for item in feed.items():
+            got.append(item)
+
+    with pytest.raises(RuntimeError, match="fenced"):
+        await consume()
+    assert got == [0, 1, 2]
+    await feed.close()
+
+
+async def test_the_end_of_the_stream_is_none() -> None:
+    def produce(emit: Callable[[int], None], stopping: threading.Event) -> None:
+        emit(7)
+
+    feed = ThreadFeed(produce, maxsize=2)
+    assert await feed.get() == 7
+    assert await feed.get() is None
+    await feed.close()

@@ -17,6 +17,7 @@ from ._base import (
     FetcherFactory as FetcherFactory,
     ResumePoint as ResumePoint,
     Window as Window,
+    WindowFeed as WindowFeed,
     create_fetcher as create_fetcher,
     fetcher_kinds as fetcher_kinds,
     register_fetcher as register_fetcher,

@@ -11,6 +11,11 @@ closed by an END_OF_WINDOW event (see docs/protocol.md). The relay drives it:
    consumer at that SCN or later has missed nothing.
 2. ``async for window in fetcher.windows()`` -- windows with strictly
    increasing SCNs, none at or below ``resume.scn``.
+   Optionally, ``fetcher.window_feed()`` instead: the same windows as a
+   :class:`WindowFeed` queue, which the relay's ingest then reads directly
+   (no task copying them from the iterator into a queue of its own: one
+   task switch and one hand-over less per window). A run calls one of the
+   two, once.
 3. ``await fetcher.acknowledge(scn)`` -- everything up to ``scn`` is durable
    in the relay; the source may release it (Postgres flush LSN).
 4. ``await fetcher.close()``.
@@ -50,6 +55,7 @@ __all__ = [
     "FetcherFactory",
     "ResumePoint",
     "Window",
+    "WindowFeed",
     "create_fetcher",
     "fetcher_kinds",
     "register_fetcher",
@@ -108,6 +114,32 @@ class Window:
 def window_bytes(window: Window) -> int:
     """The size of a window's data: the weight that bounds queues of windows."""
     return len(window.data)
+
+
+class WindowFeed(Protocol):
+    """A fetcher's windows as a queue (``window_feed()``; see the module docstring).
+
+    Items in order: windows, then ``None`` at the end of the stream or the
+    fetcher's error (returned, not raised, so a consumer batching what is
+    queued keeps the windows that came before it). Used from the event loop
+    only. :class:`~changebus.fetchers._threadfeed.ThreadFeed` is one.
+    """
+
+    async def get(self) -> Window | BaseException | None:
+        """The next item, waiting for one."""
+        ...
+
+    def get_nowait(self) -> Window | BaseException | None:
+        """The next item; ``IndexError`` when none is queued."""
+        ...
+
+    def empty(self) -> bool:
+        """Nothing queued now."""
+        ...
+
+    def inject(self, error: BaseException) -> None:
+        """Deliver ``error`` after the items queued now (the consumer's own stop reason)."""
+        ...
 
 
 @runtime_checkable

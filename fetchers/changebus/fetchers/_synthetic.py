@@ -177,9 +177,13 @@ class SyntheticFetcher:
                 elif delay < -1.0:
                     next_at = time.monotonic()  # fell behind: do not burst
 
-    async def windows(self) -> AsyncIterator[Window]:
+    def window_feed(self) -> ThreadFeed[Window]:
+        """Start generating; the windows as a queue (see :class:`WindowFeed`)."""
         self._feed = ThreadFeed(self._produce, maxsize=256, name=f"synthetic-{self.name}")
-        async for window in self._feed.items():
+        return self._feed
+
+    async def windows(self) -> AsyncIterator[Window]:
+        async for window in self.window_feed().items():
             yield window
 
     async def acknowledge(self, scn: int) -> None:

@@ -171,15 +171,46 @@ class ThreadFeed(Generic[T]):
     async def items(self) -> AsyncIterator[T]:
         """Items in production order; ends when the producer returns."""
         while True:
-            item = await self._queue.get()
-            if item is _DONE:
-                if self._error is not None:
-                    raise self._error
+            item = await self.get()
+            if item is None:
                 return
-            self._slots.release()
-            if self._weigh is not None:
-                self._give_room(self._weigh(item))  # type: ignore[arg-type]
-            yield item  # type: ignore[misc]
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def get(self) -> T | BaseException | None:
+        """The next item, waiting for one (the :class:`WindowFeed` protocol).
+
+        The producer's error is returned (not raised) as the last item,
+        ``None`` marks its end; so a consumer that batches what is queued
+        keeps the items that came before a failure.
+        """
+        return self._took(await self._queue.get())
+
+    def get_nowait(self) -> T | BaseException | None:
+        """As :meth:`get` without waiting; ``IndexError`` when nothing is queued."""
+        try:
+            return self._took(self._queue.get_nowait())
+        except asyncio.QueueEmpty:
+            raise IndexError("no item queued") from None
+
+    def empty(self) -> bool:
+        """Nothing queued on the loop's side (the producer may be handing over more)."""
+        return self._queue.empty()
+
+    def inject(self, error: BaseException) -> None:
+        """Loop thread: deliver ``error`` after the items queued now (then nothing more)."""
+        self._queue.put_nowait(_Injected(error))
+
+    def _took(self, item: object) -> T | BaseException | None:
+        if item is _DONE:
+            return self._error
+        if isinstance(item, _Injected):
+            return item.error
+        self._slots.release()
+        if self._weigh is not None:
+            self._give_room(self._weigh(item))  # type: ignore[arg-type]
+        return item  # type: ignore[return-value]
 
     async def close(self) -> None:
         """Ask the producer to stop and wait for its thread."""
@@ -189,3 +220,12 @@ class ThreadFeed(Generic[T]):
 
 class _Stopped(Exception):
     pass
+
+
+class _Injected:
+    """An error put on the queue by the loop (:meth:`ThreadFeed.inject`)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error

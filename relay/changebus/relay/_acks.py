@@ -26,12 +26,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from changebus.fetchers import Fetcher, Window
+from changebus.fetchers import Fetcher, WindowFeed
 
 if TYPE_CHECKING:
     from ._buffer import EventBuffer
     from ._syncer import GroupSyncer
-    from ._windowqueue import WindowQueue
 
 __all__ = ["Fenced", "IngestFence", "SourceAcks"]
 
@@ -99,9 +98,7 @@ class SourceAcks:
         self._acked_by, self._acked_scn = fetcher, scn
         await fetcher.acknowledge(scn)
 
-    async def _ack_synced(
-        self, fetcher: Fetcher, queue: WindowQueue[Window | BaseException | None]
-    ) -> None:
+    async def _ack_synced(self, fetcher: Fetcher, queue: WindowFeed) -> None:
         """Acknowledge what the syncer made durable, after each sync (``durability = "fsync"``).
 
         Up to ``synced_scn`` at each wake-up (several syncs meanwhile: one
@@ -115,7 +112,7 @@ class SourceAcks:
                 scn = await self.syncer.wait_synced(scn)
                 await self._acknowledge(fetcher, scn)
         except Fenced as exc:
-            await queue.put(exc)
+            queue.inject(exc)
 
     async def acknowledge_held(self) -> None:
         """Acknowledge what the fence now allows of the buffer (a leader's periodic catch-up).

@@ -12,7 +12,7 @@ Pushes are self-clocked: a small socket send buffer, and the next push only
 once the previous one has left the process, so new windows gather here into
 one larger push instead of queueing in socket buffers. A push the client
 does not accept within the send timeout aborts the connection
-(:func:`~._send.send_body`). Small pushes are shared with identical
+(:class:`~._send.SendWatch`, one timer per stream). Small pushes are shared with identical
 followers through the partition's response cache, which is bounded by bytes
 (:mod:`._respcache`): pushes never accumulate there. Every push is charged
 to the relay-wide :class:`~._copybudget.CopyBudget` while it is being sent
@@ -40,7 +40,7 @@ from ._host import PartitionHost
 from ._metrics import RelayMetrics
 from ._respcache import CachedResponse, ResponseCache
 from ._respond import copy_out, next_headers
-from ._send import send_body, unbuffered
+from ._send import SendWatch, unbuffered
 
 __all__ = ["FollowRequest", "follow"]
 
@@ -93,6 +93,25 @@ async def follow(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
         unbuffered(transport)
     await resp.prepare(request)
+    watch = SendWatch(request, send_timeout_s, lambda: metrics.aborted(host.name))
+    try:
+        return await _pushes(request, resp, host, ask, cache, copies, metrics, watch)
+    finally:
+        watch.close()
+
+
+async def _pushes(
+    request: web.Request,
+    resp: web.StreamResponse,
+    host: PartitionHost,
+    ask: FollowRequest,
+    cache: ResponseCache,
+    copies: CopyBudget,
+    metrics: RelayMetrics,
+    watch: SendWatch,
+) -> web.StreamResponse:
+    """The pushes of one follow response, until its budget, its idle time or the client ends it."""
+    scn, offset = ask.scn, ask.offset
     sent = 0
     idle_until = time.monotonic() + ask.wait
     while sent < ask.budget:
@@ -117,8 +136,7 @@ async def follow(
             if cached is not None:
                 try:
                     # limits are 0: returns once the push left the process
-                    if not await send_body(request, resp, cached.body, send_timeout_s):
-                        metrics.aborted(host.name)
+                    if not await watch.send(resp, cached.body):  # (counted by the watch)
                         return resp
                 except ConnectionResetError:  # the consumer went away: nothing to report
                     log.debug("follow stream for %s: the consumer disconnected", ask.client)

@@ -268,10 +268,12 @@ async def _ndjson_response(
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         timeout = request.app[CONFIG].http.send_timeout_s
+        metrics = request.app[METRICS]
         async for piece in request.app[NDJSON].pieces(host.registry, cached.body):
             charged = copies.resize(charged, base + len(piece))
-            if not await send_body(request, resp, piece, timeout):
-                request.app[METRICS].aborted(host.name)
+            if not await send_body(
+                request, resp, piece, timeout, lambda: metrics.aborted(host.name)
+            ):
                 return resp
         await resp.write_eof()
         return resp

@@ -36,6 +36,7 @@ from changebus.schemas import (
 __all__ = ["loss_marker", "schema_changes"]
 
 _SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
+_SCHEMA_CHANGE_BYTE = bytes([_SCHEMA_CHANGE])
 
 
 def loss_marker(window: Window, reason: str, partition_id: int) -> bytes:
@@ -57,12 +58,22 @@ def loss_marker(window: Window, reason: str, partition_id: int) -> bytes:
 
 
 def schema_changes(
-    data: bytes | memoryview, offsets: npt.NDArray[np.int64], headers: npt.NDArray[Any]
+    data: bytes | memoryview,
+    offsets: npt.NDArray[np.int64],
+    ops: npt.NDArray[np.uint8],
+    lengths: npt.NDArray[Any],
 ) -> Iterator[SchemaChange]:
-    """The SCHEMA_CHANGE events of parsed events (``parse_stream``'s result), in order."""
-    for i in np.flatnonzero(headers["op"] == _SCHEMA_CHANGE).tolist():
+    """The SCHEMA_CHANGE events of located events, in order.
+
+    ``offsets``, ``ops`` and ``lengths`` (whole event sizes) are columns of
+    the same events: ``parse_stream``'s headers or the writer's validated
+    event table.
+    """
+    if _SCHEMA_CHANGE_BYTE not in ops.tobytes():  # the common case, without numpy's per-call cost
+        return
+    for i in np.flatnonzero(ops == _SCHEMA_CHANGE).tolist():
         start = int(offsets[i])
-        payload = bytes(data[start + HEADER_SIZE : start + int(headers["total_length"][i])])
+        payload = bytes(data[start + HEADER_SIZE : start + int(lengths[i])])
         change = decode_control(Op.SCHEMA_CHANGE, payload)
         assert isinstance(change, SchemaChange)
         yield change
@@ -72,6 +83,6 @@ def _schema_changes(data: bytes | memoryview) -> list[SchemaChange]:
     """The SCHEMA_CHANGE events of an encoded window, in order (none when it does not parse)."""
     try:
         offsets, headers = parse_stream(data)
-        return list(schema_changes(data, offsets, headers))
+        return list(schema_changes(data, offsets, headers["op"], headers["total_length"]))
     except ChangebusError:
         return []  # a damaged window: the loss is recorded all the same

@@ -4,11 +4,12 @@ Two ways out, both as chunks of a prepared chunked :class:`aiohttp.web.StreamRes
 
 * :func:`send_selection` writes a pinned selection's ring slices (zero
   copy where the transport allows it) and releases the pin;
-* :func:`send_body` writes a copy (follow-mode pushes, ``format=ndjson``).
+* :class:`SendWatch` (:func:`send_body` for one) writes copies
+  (follow-mode pushes, ``format=ndjson``).
 
 Both write in pieces of at most :data:`PIECE_BYTES` and give every piece
-``send_timeout_s`` to leave the process: a client that accepts nothing for
-that long has its connection aborted (the body then ends without its
+``send_timeout_s`` to leave the process (a watch: up to a quarter more): a
+client that accepts nothing for that long has its connection aborted (the body then ends without its
 terminating chunk, which tells the client to discard it). So a client that
 stops reading holds at most about one piece of unsent bytes in the
 transport, and only for ``send_timeout_s``.
@@ -27,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Iterable, Iterator
-from typing import Literal
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
 
 from aiohttp import web
 
 from ._buffer import EventBuffer, Selection
 
-__all__ = ["PIECE_BYTES", "STALL_S", "pieces", "send_body", "send_selection"]
+__all__ = ["PIECE_BYTES", "STALL_S", "SendWatch", "pieces", "send_body", "send_selection"]
 
 log = logging.getLogger("changebus.relay.http")
 
@@ -129,29 +130,116 @@ async def send_selection(
     return outcome
 
 
-async def send_body(
-    request: web.Request, resp: web.StreamResponse, body: bytes, send_timeout_s: float
-) -> bool:
-    """Write a copied ``body`` to ``resp`` and wait until it left the process.
+class SendWatch:
+    """One response's guard against a client that stops reading, for many :meth:`send` calls.
 
-    One chunk per :data:`PIECE_BYTES` (a follow push up to that size is one
-    chunk, as docs/protocol.md says). The transport keeps a copy of the
-    unsent part of a write: a slow client costs up to twice its body.
-    False: the client accepted nothing for ``send_timeout_s`` and the
-    connection has been aborted.
+    A follow stream sends a push every few milliseconds. An
+    ``asyncio.timeout`` around each send would schedule and cancel two
+    timers per push, a fair share of a small push's cost with a thousand
+    followers. Instead one timer per response checks every quarter of
+    ``send_timeout_s`` whether the piece being sent has waited longer than
+    ``send_timeout_s`` (``_since``: when it was handed to the transport;
+    None between sends), and aborts the connection if so. A client that
+    accepts nothing is thus cut off after ``send_timeout_s`` to 1.25 times
+    that, and ``on_abort`` is called (the caller counts it there: the
+    lost connection may also cancel the handler's task, which then never
+    sees :meth:`send` return). Call :meth:`close` when the response ends.
+
+    Event loop only.
     """
-    loop = asyncio.get_running_loop()
-    view = memoryview(body)
-    try:
-        async with asyncio.timeout(send_timeout_s) as deadline:
+
+    def __init__(
+        self,
+        request: web.Request,
+        send_timeout_s: float,
+        on_abort: Callable[[], None] | None = None,
+    ) -> None:
+        self._request = request
+        self._on_abort = on_abort
+        self._timeout = send_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None
+        #: the task in :meth:`send` (cancelled when the watch fires)
+        self._sender: asyncio.Task[Any] | None = None
+        #: the watch aborted the connection: every later send fails
+        self.fired = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(
+            send_timeout_s / 4, self._check
+        )
+
+    def _check(self) -> None:
+        since = self._since
+        if since is not None and self._loop.time() - since >= self._timeout:
+            self.fired = True
+            self._handle = None
+            if self._on_abort is not None:  # counted here: the sender may be cancelled twice
+                self._on_abort()
+            _abort(self._request, "timeout", self._timeout)
+            # the send may wait for a drain that the lost connection never ends
+            if self._sender is not None:
+                self._sender.cancel()
+            return
+        self._handle = self._loop.call_later(self._timeout / 4, self._check)
+
+    def close(self) -> None:
+        """Stop watching (the response ended)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    async def send(self, resp: web.StreamResponse, body: bytes | memoryview) -> bool:
+        """Write ``body`` to ``resp`` and wait until it left the process.
+
+        One chunk per :data:`PIECE_BYTES` (a follow push up to that size is
+        one chunk, as docs/protocol.md says). The transport keeps a copy of
+        the unsent part of a write: a slow client costs up to twice its body.
+        False: the client accepted nothing for ``send_timeout_s`` and the
+        connection has been aborted. ``ConnectionResetError``: the client
+        went away.
+        """
+        if self.fired:
+            return False
+        loop = self._loop
+        view = memoryview(body)
+        self._sender = sender = asyncio.current_task()
+        try:
             for start in range(0, len(view), PIECE_BYTES):
+                self._since = loop.time()
                 await resp.write(view[start : start + PIECE_BYTES])
-                deadline.reschedule(loop.time() + send_timeout_s)
-            await request.writer.drain()
-    except TimeoutError:
-        _abort(request, "timeout", send_timeout_s)
-        return False
-    return True
+            self._since = loop.time()
+            await self._request.writer.drain()
+        except asyncio.CancelledError:
+            # ours (the watch fired) unless somebody else cancelled the task too
+            if self._aborted() and sender is not None and sender.uncancel() == 0:
+                return False
+            raise
+        except ConnectionResetError:
+            if self._aborted():
+                return False
+            raise
+        finally:
+            self._since = None
+            self._sender = None
+        return not self._aborted()
+
+    def _aborted(self) -> bool:
+        # (a method: the timer sets ``fired`` while a send is suspended)
+        return self.fired
+
+
+async def send_body(
+    request: web.Request,
+    resp: web.StreamResponse,
+    body: bytes,
+    send_timeout_s: float,
+    on_abort: Callable[[], None] | None = None,
+) -> bool:
+    """:meth:`SendWatch.send` for one body (a watch just for it)."""
+    watch = SendWatch(request, send_timeout_s, on_abort)
+    try:
+        return await watch.send(resp, body)
+    finally:
+        watch.close()
 
 
 def _abort(request: web.Request, outcome: Outcome, send_timeout_s: float) -> None:

@@ -11,6 +11,10 @@ that wrote it and the writer that copies it into the ring.
 At least one item is always accepted, so a window larger than the byte
 bound still passes (alone).
 
+It is the ingest's queue for a fetcher without ``window_feed()``
+(:class:`changebus.fetchers.WindowFeed`, the same queue protocol, which the
+ingest reads directly): a pump task copies ``windows()`` into it.
+
 Thread-safety: none; one event loop, one producer (the pump) and one
 consumer (the ingest loop).
 """
@@ -79,6 +83,11 @@ class WindowQueue(Generic[T]):
 
     def empty(self) -> bool:
         return not self._items
+
+    def inject(self, item: T) -> None:
+        """Append ``item`` (an error stopping the ingest) without waiting for room."""
+        self._items.append(item)
+        self._ready.set()
 
     @property
     def bytes(self) -> int:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import EventTooLargeError, headers_at
+from changebus.schemas import EventTooLargeError
 from changebus.schemas.errors import BadRequestError
 
 from ._evict import Pin, plan_eviction, wait_for_readers
@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = ["BufferWriter", "Hook"]
 
-#: ``before_publish(data, offsets, headers)``
-Hook = Callable[[bytes | memoryview, npt.NDArray[np.int64], npt.NDArray[Any]], None]
+#: ``before_publish(data, ev)``: the group's bytes and its validated event table
+#: (``PARSED_DTYPE``: offsets into ``data``, SCNs, ops, lengths, source ids)
+Hook = Callable[[bytes | memoryview, npt.NDArray[Any]], None]
 
 #: the largest group gathered in the writer's reused scratch buffer (see _gather)
 _SCRATCH_MAX = 32 << 20
@@ -116,7 +117,7 @@ class BufferWriter:
         last SCN. Raises :class:`EventTooLargeError` when a window exceeds the
         configured limit, :class:`CorruptEventError` / :class:`BadRequestError`
         when one is malformed or out of order; then nothing is appended.
-        ``before_publish(data, offsets, headers)`` runs after the bytes are in
+        ``before_publish(data, ev)`` runs after the bytes are in
         place and before readers can see them (the relay registers new table
         schemas there).
 
@@ -165,11 +166,11 @@ class BufferWriter:
     ) -> int:
         data = windows[0] if len(windows) == 1 else self._gather(windows)
         try:
-            ev, offsets, headers = validate(windows, data, sizes, self.config.slots)
+            ev, _offsets, _headers = validate(windows, data, sizes, self.config.slots)
         except EventTooLargeError:
             self.stats["windows_refused"] += 1
             raise
-        return self._commit(windows, data, ev, offsets, headers, before_publish)
+        return self._commit(windows, data, ev, before_publish)
 
     def _gather(self, windows: Sequence[bytes | memoryview]) -> bytes | memoryview:
         """The windows back to back, in the writer's reused scratch buffer.
@@ -204,15 +205,13 @@ class BufferWriter:
         windows: Sequence[bytes | memoryview],
         data: bytes | memoryview,
         ev: npt.NDArray[Any],
-        offsets: npt.NDArray[np.int64],
-        headers: npt.NDArray[Any] | None,
         before_publish: Hook | None,
     ) -> int:
         """Place, copy, index and publish validated windows (writer thread)."""
         n = len(ev)
         size = len(data)
         if n <= _SMALL_EVENTS and self._meta.tail_pos % self.capacity + size <= self.capacity:
-            return self._commit_small(windows, data, ev, offsets, headers, before_publish)
+            return self._commit_small(windows, data, ev, before_publish)
         first_scn = int(ev["scn"][0])
         last_scn = int(ev["scn"][-1])
         self._check_order(first_scn)
@@ -261,7 +260,7 @@ class BufferWriter:
             int(ev["ts"][-1]),
             first_event,
         )
-        self._publish(group, index_head, index_tail, data, offsets, headers, before_publish)
+        self._publish(group, index_head, index_tail, data, ev, before_publish)
         return last_scn
 
     def _commit_small(
@@ -269,8 +268,6 @@ class BufferWriter:
         windows: Sequence[bytes | memoryview],
         data: bytes | memoryview,
         ev: npt.NDArray[Any],
-        offsets: npt.NDArray[np.int64],
-        headers: npt.NDArray[Any] | None,
         before_publish: Hook | None,
     ) -> int:
         """:meth:`_commit` for a small group that ends before the ring does.
@@ -316,7 +313,7 @@ class BufferWriter:
             rows[-1][6],
             first_event,
         )
-        self._publish(group, index_head, index_tail, data, offsets, headers, before_publish)
+        self._publish(group, index_head, index_tail, data, ev, before_publish)
         return last_scn
 
     def _publish(
@@ -325,15 +322,12 @@ class BufferWriter:
         index_head: int,
         index_tail: int,
         data: bytes | memoryview,
-        offsets: npt.NDArray[np.int64],
-        headers: npt.NDArray[Any] | None,
+        ev: npt.NDArray[Any],
         before_publish: Hook | None,
     ) -> None:
         """The last step of both commits: run the hook, publish the new tail, tell readers."""
         if before_publish is not None:
-            if headers is None:
-                headers = headers_at(data, offsets)
-            before_publish(data, offsets, headers)
+            before_publish(data, ev)
         with self._lock:
             m = self._meta
             empty_before = m.tail_event == m.head_event

@@ -106,7 +106,8 @@ class MySQLFetcher:
         self._last_scn = resume.scn
         return await asyncio.to_thread(self._setup)
 
-    async def windows(self) -> AsyncIterator[Window]:
+    def window_feed(self) -> ThreadFeed[Window]:
+        """Start reading the binlog; its windows as a queue (see :class:`WindowFeed`)."""
         self._feed = ThreadFeed(
             self._run, maxsize=1024, name=f"mysql-{self.name}", weigh=window_bytes
         )
@@ -114,7 +115,10 @@ class MySQLFetcher:
             self._distance = asyncio.create_task(
                 self._measure_distance(), name=f"binlog-distance-{self.name}"
             )
-        async for window in self._feed.items():
+        return self._feed
+
+    async def windows(self) -> AsyncIterator[Window]:
+        async for window in self.window_feed().items():
             yield window
 
     async def _measure_distance(self) -> None:

@@ -105,7 +105,8 @@ class PostgresFetcher:
         self._resume, self._data_loss = plan.resume, plan.data_loss
         return resume.scn if resume.scn >= 0 else plan.confirmed
 
-    async def windows(self) -> AsyncIterator[Window]:
+    def window_feed(self) -> ThreadFeed[Window]:
+        """Start streaming; the windows as a queue (see :class:`WindowFeed`)."""
         # windows held back while the stream is busy: it flushes before it waits for data
         self._feed = ThreadFeed(
             self._run,
@@ -115,7 +116,10 @@ class PostgresFetcher:
             hold_s=HOLD_S,
             weigh=window_bytes,
         )
-        async for window in self._feed.items():
+        return self._feed
+
+    async def windows(self) -> AsyncIterator[Window]:
+        async for window in self.window_feed().items():
             yield window
 
     async def acknowledge(self, scn: int) -> None:
