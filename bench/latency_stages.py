@@ -140,7 +140,7 @@ class Stamps:
 
 def instrument(host: Any, stamps: Stamps) -> None:
     """Wrap the relay's stages of ``host`` (one partition) with timestamps."""
-    from changebus.relay import _follow
+    from changebus.relay import _follow, _send
 
     buf = host.buffer
     on_publish = buf.on_publish
@@ -181,7 +181,7 @@ def instrument(host: Any, stamps: Stamps) -> None:
 
     host._append = timed_append
     copy = _follow._copy
-    send = _follow.send_body  # type: ignore[attr-defined]
+    send = _send.SendWatch.send
     pushed = [0]
 
     def timed_copy(*args: Any) -> Any:
@@ -192,13 +192,13 @@ def instrument(host: Any, stamps: Stamps) -> None:
             pushed[0] = cached.next_scn
         return cached
 
-    async def timed_send(*args: Any) -> bool:
-        ok = await send(*args)
+    async def timed_send(self: Any, *args: Any) -> bool:
+        ok = await send(self, *args)
         stamps.stamp("sent", pushed[0])
         return bool(ok)
 
     _follow._copy = timed_copy  # type: ignore[assignment]
-    _follow.send_body = timed_send  # type: ignore[attr-defined,assignment]
+    _send.SendWatch.send = timed_send  # type: ignore[method-assign,assignment]
 
 
 async def run(seconds: float) -> dict[str, Any]:
