@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from changebus.relay import HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay._http import BROADCASTS
 from changebus.schemas._server_limits import CONNECTION_STATS
 from changebus.schemas.server import HTTP_METRICS
 from waiting import wait_until
@@ -55,13 +56,20 @@ async def test_disconnected_long_polls_and_follow_streams_stop(
         )
         writers.append(writer)
     await wait_until(lambda: stats.in_flight == 50, 10, "50 long-polls waiting")
-    await wait_until(lambda: host._waiters == 50, 10, "all waiting for a window")
+    broadcasts = relay.server.app[BROADCASTS]
+
+    def parked() -> int:
+        broadcast = broadcasts.get("idle")
+        return 0 if broadcast is None else len(broadcast)
+
+    # the long-polls wait for a window, the follow streams are parked at the tail
+    await wait_until(lambda: (host._waiters, parked()) == (40, 10), 10, "all waiting for a window")
     for writer in writers:
         writer.close()
     start = time.monotonic()
     await wait_until(lambda: stats.in_flight == 0, 2, "the long-polls stopped")
     assert time.monotonic() - start < 2
-    assert host._waiters == 0
+    assert host._waiters == 0 and parked() == 0
     assert stats.requests[("/v1/stream", 499)] == 50  # follow streams too: cancelled waiting
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

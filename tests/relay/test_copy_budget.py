@@ -22,6 +22,7 @@ from test_hardening import _raw_request, fill, ring_config  # type: ignore[impor
 from test_metrics import scrape, value  # type: ignore[import-not-found]
 
 from changebus.relay import HttpConfig, Relay
+from changebus.relay._broadcast import PUSH_BYTES
 from changebus.relay._copybudget import MIN_FLOOR, CopyBudget
 from changebus.schemas import ConfigError
 
@@ -82,8 +83,9 @@ async def test_stalled_followers_stay_within_the_budget_and_others_go_on(tmp_pat
             await asyncio.sleep(1.0)
             text = await scrape(relay.url)
             held = _metric(text, "changebus_relay_copy_bytes")
-            assert 0 < held <= limit
-            assert _metric(text, "changebus_relay_copy_grants_cut_total") > 0
+            # they share the broadcast's pushes (at most PUSH_BYTES): each holds what its
+            # transport could not send, charged while its task waits for the drain
+            assert 0 < held <= min(limit, 20 * PUSH_BYTES)
             # a follower that reads gets every byte while the others stall
             got = 0
             t0 = time.monotonic()

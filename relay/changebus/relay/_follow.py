@@ -8,16 +8,26 @@ so every byte on the wire is valid, and no pin is held while a push waits
 for the client; the client tracks its position from the END_OF_WINDOW events
 it reads (see docs/protocol.md 6.1).
 
-Pushes are self-clocked: a small socket send buffer, and the next push only
-once the previous one has left the process, so new windows gather here into
-one larger push instead of queueing in socket buffers. A push the client
-does not accept within the send timeout aborts the connection
-(:class:`~._send.SendWatch`, one timer per stream). Small pushes are shared with identical
-followers through the partition's response cache, which is bounded by bytes
-(:mod:`._respcache`): pushes never accumulate there. Every push is charged
-to the relay-wide :class:`~._copybudget.CopyBudget` while it is being sent
-(no grant is held while waiting for new windows): with many slow followers
-the pushes get smaller, never more numerous in memory than the budget allows.
+Who writes the pushes: the partition's :class:`~._broadcast.TailBroadcast`.
+A stream parks there and the broadcast writes one shared copy to every parked
+stream at the same position with the same request, at a cadence that keeps
+the writes per second bounded with many followers. The stream's own task
+takes over only for what the broadcast hands back: waiting for a slow client
+to drain a push (under its :class:`~._send.SendWatch`, one timer per stream:
+a push the client does not accept within the send timeout aborts the
+connection), ending the response (budget, idle), and pushes the broadcast
+cannot make (larger than one chunk, or an error to report). Without a
+broadcast (a server whose writer cannot send headers ahead) the task pushes
+everything itself, self-clocked: a small socket send buffer, and the next push
+only once the previous one has left the process.
+
+Pushes are shared with identical followers through the partition's
+response cache, which is bounded by bytes (:mod:`._respcache`): pushes
+never accumulate there. Every push is charged to the relay-wide
+:class:`~._copybudget.CopyBudget` while it is being made or drained (no
+grant is held while a stream waits for new windows): with many slow
+followers the pushes get smaller, never more numerous in memory than the
+budget allows.
 
 Event loop only.
 """
@@ -35,6 +45,7 @@ from aiohttp import web
 
 from changebus.schemas import ChangebusError, PartitionFilter, ScnNotFoundError
 
+from ._broadcast import Parked, TailBroadcast
 from ._copybudget import CopyBudget
 from ._host import PartitionHost
 from ._metrics import RelayMetrics
@@ -72,8 +83,14 @@ async def follow(
     copies: CopyBudget,
     metrics: RelayMetrics,
     send_timeout_s: float,
+    broadcast: TailBroadcast | None = None,
 ) -> web.StreamResponse:
-    """Serve one follow request (module docstring)."""
+    """Serve one follow request (module docstring).
+
+    ``broadcast``: the partition's :class:`~._broadcast.TailBroadcast`, which
+    writes the pushes while the stream is at the tail (None: the stream's
+    task waits and pushes itself).
+    """
     scn, offset = ask.scn, ask.offset
     # fail before the 200 when the checkpoint is already too old
     try:
@@ -93,9 +110,16 @@ async def follow(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _FOLLOW_SNDBUF)
         unbuffered(transport)
     await resp.prepare(request)
+    if broadcast is not None:
+        # the broadcast writes whole chunks to the transport: headers must be out first
+        send_headers = getattr(request.writer, "send_headers", None)
+        if send_headers is None:
+            broadcast = None
+        else:
+            send_headers()
     watch = SendWatch(request, send_timeout_s, lambda: metrics.aborted(host.name))
     try:
-        return await _pushes(request, resp, host, ask, cache, copies, metrics, watch)
+        return await _pushes(request, resp, host, ask, cache, copies, metrics, watch, broadcast)
     finally:
         watch.close()
 
@@ -109,12 +133,48 @@ async def _pushes(
     copies: CopyBudget,
     metrics: RelayMetrics,
     watch: SendWatch,
+    broadcast: TailBroadcast | None,
 ) -> web.StreamResponse:
     """The pushes of one follow response, until its budget, its idle time or the client ends it."""
     scn, offset = ask.scn, ask.offset
     sent = 0
     idle_until = time.monotonic() + ask.wait
+    #: the broadcast handed the next push to this task ("task")
+    own_push = broadcast is None
     while sent < ask.budget:
+        transport = request.transport
+        if not own_push and broadcast is not None and transport is not None:
+            # parked: the broadcast writes the pushes (no grant held here meanwhile)
+            parked = Parked(
+                request,
+                transport,
+                (ask.max_bytes, ask.filter_text, ask.sources),
+                ask.key_filter,
+                ask.sources,
+                ask.max_bytes,
+                ask.client,
+                scn,
+                offset,
+                sent,
+                ask.budget,
+                ask.wait,
+                idle_until,
+            )
+            why = await broadcast.park(parked)
+            scn, offset, sent, idle_until = (
+                parked.scn,
+                parked.offset,
+                parked.sent,
+                parked.idle_until,
+            )
+            if why == "closed":
+                return resp
+            if why == "idle":
+                break
+            if why == "drain" and not await _drain(request, watch, copies, ask.client):
+                return resp
+            own_push = why == "task"  # ("budget" ends the loop)
+            continue
         m = host.buffer.meta
         key = (scn, offset, ask.max_bytes, ask.filter_text, ask.sources)
         cached = cache.get(m.tail_event, key, m.head_pos)
@@ -147,7 +207,10 @@ async def _pushes(
             left = idle_until - time.monotonic()
             if left <= 0:
                 break
-            await host.wait_for_window(left)  # (no grant held while waiting)
+            if broadcast is None or request.transport is None:
+                await host.wait_for_window(left)  # (no grant held while waiting)
+                continue
+            own_push = False  # back to the broadcast
             continue
         # write and drain often complete without suspending; yield so that a
         # stream that always finds new windows cannot starve the others
@@ -157,9 +220,24 @@ async def _pushes(
         scn, offset = cached.next_scn, cached.next_offset
         host.saw_consumer(ask.client, scn, m.tail_pos - m.head_pos, request.remote or "")
         idle_until = time.monotonic() + ask.wait
+        own_push = broadcast is None  # the next push: the broadcast's again
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
+
+
+async def _drain(request: web.Request, watch: SendWatch, copies: CopyBudget, client: str) -> bool:
+    """Wait until a broadcast push left the transport (charged to the budget meanwhile)."""
+    transport = request.transport
+    held = 0 if transport is None else transport.get_write_buffer_size()
+    charged = copies.grant(held)
+    try:
+        return await watch.drain()
+    except ConnectionResetError:
+        log.debug("follow stream for %s: the consumer disconnected", client)
+        return False
+    finally:
+        copies.release(charged)
 
 
 def _copy(

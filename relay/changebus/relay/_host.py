@@ -58,6 +58,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,8 @@ class PartitionHost(SourceAcks):
         self._waiters = 0
         self._tick: asyncio.TimerHandle | None = None
         self._last_wake = 0.0
+        #: called at every wake-up of waiting readers (:meth:`add_wake_listener`)
+        self._wake_listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task[None] | None = None
         self.fetcher: Fetcher | None = None
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
@@ -314,6 +317,16 @@ class PartitionHost(SourceAcks):
         self._last_wake = self._loop.time()
         self._new_window.set()
         self._new_window = asyncio.Event()
+        for listener in self._wake_listeners:
+            listener()
+
+    def add_wake_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the loop) whenever waiting readers are woken.
+
+        The HTTP layer's tail broadcast (:mod:`._broadcast`) is one: it does
+        its own coalescing on top of these wake-ups.
+        """
+        self._wake_listeners.append(listener)
 
     async def wait_for_window(self, seconds: float) -> bool:
         """Wait until a window is published (True) or ``seconds`` pass."""

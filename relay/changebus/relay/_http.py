@@ -56,6 +56,7 @@ from changebus.schemas.server import (
     server_app,
 )
 
+from ._broadcast import TailBroadcast
 from ._buffer import Selection
 from ._config import RelayConfig
 from ._copybudget import MIN_FLOOR, CopyBudget
@@ -76,6 +77,7 @@ CONFIG: web.AppKey[RelayConfig] = web.AppKey("config", RelayConfig)
 METRICS: web.AppKey[RelayMetrics] = web.AppKey("metrics", RelayMetrics)
 #: the response cache of each partition, by partition name (see _responses)
 RESPONSES: web.AppKey[dict[str, ResponseCache]] = web.AppKey("responses", dict)
+BROADCASTS: web.AppKey[dict[str, TailBroadcast]] = web.AppKey("broadcasts", dict)
 NDJSON: web.AppKey[NdjsonEncoder] = web.AppKey("ndjson", NdjsonEncoder)
 #: the relay-wide budget of response copies (follow pushes, ndjson answers)
 COPIES: web.AppKey[CopyBudget] = web.AppKey("copies", CopyBudget)
@@ -113,6 +115,17 @@ def _responses(request: web.Request, host: PartitionHost) -> ResponseCache:
         budget = request.app[CONFIG].http.response_cache_bytes
         cache = caches[host.name] = ResponseCache(budget, _COPY_BYTES)
     return cache
+
+
+def _broadcast(request: web.Request, host: PartitionHost, cache: ResponseCache) -> TailBroadcast:
+    """The partition's tail broadcast for follow streams (made on first use)."""
+    broadcasts = request.app[BROADCASTS]
+    broadcast = broadcasts.get(host.name)
+    if broadcast is None:
+        broadcast = broadcasts[host.name] = TailBroadcast(
+            host, cache, request.app[COPIES], request.app[METRICS]
+        )
+    return broadcast
 
 
 _STREAM_PARAMS = frozenset(
@@ -180,7 +193,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
             scn, offset, max_bytes, key_filter, filter_text, sources, wait, budget, client
         )
         copies = request.app[COPIES]
-        return await follow(request, host, ask, cache, copies, metrics, cfg.send_timeout_s)
+        broadcast = _broadcast(request, host, cache)
+        return await follow(
+            request, host, ask, cache, copies, metrics, cfg.send_timeout_s, broadcast
+        )
     deadline = time.monotonic() + wait
     key = (scn, offset, max_bytes, filter_text, sources)
     selection: Selection | CachedResponse | None
@@ -447,6 +463,7 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     app[HOSTS] = hosts
     app[METRICS] = metrics
     app[RESPONSES] = {}
+    app[BROADCASTS] = {}
     app[NDJSON] = NdjsonEncoder()
     app[COPIES] = copies
     app.router.add_get("/v1/stream", stream)

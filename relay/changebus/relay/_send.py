@@ -222,6 +222,27 @@ class SendWatch:
             self._sender = None
         return not self._aborted()
 
+    async def drain(self) -> bool:
+        """Wait until what the transport holds left the process (bytes written elsewhere).
+
+        False: the client accepted nothing for ``send_timeout_s`` and the
+        connection has been aborted. ``ConnectionResetError``: it went away.
+        """
+        if self.fired:
+            return False
+        self._sender = sender = asyncio.current_task()
+        self._since = self._loop.time()
+        try:
+            await self._request.writer.drain()
+        except asyncio.CancelledError:
+            if self._aborted() and sender is not None and sender.uncancel() == 0:
+                return False
+            raise
+        finally:
+            self._since = None
+            self._sender = None
+        return not self._aborted()
+
     def _aborted(self) -> bool:
         # (a method: the timer sets ``fired`` while a send is suspended)
         return self.fired

@@ -1,0 +1,299 @@
+"""Follow streams at the tail: one push, copied once, written to every caught-up follower.
+
+A follow stream that has sent everything there is (its position is the
+partition's tail) parks here instead of waiting in its own task
+(:meth:`TailBroadcast.park`). When new windows are published, the
+broadcast takes, for each group of parked streams that asked for the same
+thing (``max_bytes``, filter, sources) at the same position, one selection
+and one checked copy (shared through the response cache like any push), frames
+it as one HTTP chunk, and writes that chunk to each stream's transport
+itself: no task wakes, no timer, no drain per follower and push. With a
+thousand followers that is the difference between a few microseconds and
+some fifty per push (docs/benchmarks.md, issue 23).
+
+A stream goes back to its task (the future :meth:`park` returns) when the
+task has work only it can do:
+
+* ``"drain"``: a write left bytes in the transport (a slow reader); the task
+  waits for them under its send watch, then carries on;
+* ``"budget"``: it sent ``follow_bytes``; the task ends the response;
+* ``"idle"``: nothing new for ``wait`` seconds (checked every
+  :data:`SWEEP_S`); the task ends the response;
+* ``"closed"``: the connection is closing (seen at a push or a sweep);
+* ``"task"``: the push could not be made here (too large for one chunk, an
+  error while selecting, the buffer restarted); the task retries it on the
+  ordinary path, which reports any error.
+
+Cadence: wake-ups of the partition (:meth:`PartitionHost.add_wake_listener`)
+are coalesced into broadcasts at least ``min(n * TICK_PER_STREAM_S,
+MAX_TICK_S)`` apart for ``n`` parked streams: each broadcast writes to every
+stream, so the system calls per second stay bounded (a thousand followers
+get a push every 20 ms, each carrying some 20 windows) while few followers
+get every window at once.
+
+Invariants: a parked stream's ``scn``/``offset`` is the position after the
+last byte written to its transport, and it is in exactly one group, the one of
+that position. Every push written here is a whole chunk, so the response
+stays well-formed whatever the task writes next.
+
+Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+from changebus.schemas import ChangebusError, PartitionFilter
+
+from ._copybudget import CopyBudget
+from ._host import PartitionHost
+from ._metrics import RelayMetrics
+from ._respcache import CachedResponse, ResponseCache
+from ._respond import copy_out
+from ._send import PIECE_BYTES
+
+__all__ = ["MAX_TICK_S", "PUSH_BYTES", "SWEEP_S", "TICK_PER_STREAM_S", "Parked", "TailBroadcast"]
+
+log = logging.getLogger("changebus.relay.http")
+
+#: broadcasts are at least this much apart per parked stream ...
+TICK_PER_STREAM_S = 0.00002
+#: ... and at most this much (the latency a parked follower may gain)
+MAX_TICK_S = 0.02
+#: how often parked streams are checked for their idle time
+SWEEP_S = 0.1
+#: the largest broadcast push: about what a follow socket's send buffer takes at once
+#: (``_follow._FOLLOW_SNDBUF``), so that a write normally leaves nothing in the transport,
+#: where each stream would hold its own copy of the rest
+PUSH_BYTES = 64 * 1024
+#: a parked consumer is reported to the host's consumer list at most this often
+SEEN_S = 1.0
+
+Why = Literal["drain", "budget", "idle", "closed", "task"]
+
+
+@dataclass(eq=False)
+class Parked:
+    """One follow stream's state while it is parked (the task's, handed over and back)."""
+
+    request: web.Request
+    transport: asyncio.Transport
+    #: (max_bytes, filter text, source ids): streams with the same key get the same pushes
+    key: tuple[Any, ...]
+    key_filter: PartitionFilter | None
+    sources: frozenset[int] | None
+    max_bytes: int
+    client: str
+    scn: int
+    offset: int
+    #: bytes sent on this response, and the most it may send
+    sent: int
+    budget: int
+    wait: float
+    idle_until: float
+    future: asyncio.Future[Why] = field(init=False)
+    #: when the host last heard of this consumer from here (``saw_consumer``)
+    seen_at: float = 0.0
+    #: handed back to its task (out of every group)
+    released: bool = False
+
+
+class TailBroadcast:
+    """The parked follow streams of one partition (module docstring)."""
+
+    def __init__(
+        self,
+        host: PartitionHost,
+        cache: ResponseCache,
+        copies: CopyBudget,
+        metrics: RelayMetrics,
+    ) -> None:
+        self._host = host
+        self._cache = cache
+        self._copies = copies
+        self._metrics = metrics
+        #: key -> (scn, offset) -> parked streams
+        self._groups: dict[tuple[Any, ...], dict[tuple[int, int], list[Parked]]] = {}
+        self._count = 0
+        self._tick: asyncio.Handle | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._last = 0.0
+        self._loop = asyncio.get_running_loop()
+        host.add_wake_listener(self._woken)
+
+    def __len__(self) -> int:
+        return self._count
+
+    async def park(self, stream: Parked) -> Why:
+        """Park ``stream`` until its task must take over again; why it must."""
+        stream.future = self._loop.create_future()
+        stream.released = False
+        self._add(stream)
+        if self._sweep is None:
+            self._sweep = self._loop.call_later(SWEEP_S, self._idle_sweep)
+        self._woken()  # it may be behind the tail: look at the next tick
+        try:
+            return await stream.future
+        finally:
+            if not stream.released:  # the task was cancelled: forget the stream
+                self._remove(stream)
+
+    # ---- groups ---------------------------------------------------------
+
+    def _add(self, stream: Parked) -> None:
+        by_pos = self._groups.setdefault(stream.key, {})
+        by_pos.setdefault((stream.scn, stream.offset), []).append(stream)
+        self._count += 1
+
+    def _remove(self, stream: Parked) -> None:
+        by_pos = self._groups.get(stream.key)
+        if by_pos is None:
+            return
+        group = by_pos.get((stream.scn, stream.offset))
+        if group is None or stream not in group:
+            return
+        group.remove(stream)
+        self._count -= 1
+        if not group:
+            del by_pos[(stream.scn, stream.offset)]
+            if not by_pos:
+                del self._groups[stream.key]
+
+    def _release(self, stream: Parked, why: Why) -> None:
+        """Hand ``stream`` back to its task (already out of its group)."""
+        stream.released = True
+        if not stream.future.done():
+            stream.future.set_result(why)
+
+    # ---- timing ---------------------------------------------------------
+
+    def _woken(self) -> None:
+        """The partition published windows: broadcast now, or at the next tick."""
+        if not self._count or self._tick is not None:
+            return
+        at = self._last + min(self._count * TICK_PER_STREAM_S, MAX_TICK_S)
+        if at <= self._loop.time():
+            self._broadcast()
+        else:
+            self._tick = self._loop.call_at(at, self._broadcast)
+
+    def _idle_sweep(self) -> None:
+        """Release streams idle for their ``wait``, or whose connection closes (while any is parked)."""
+        self._sweep = None
+        now = time.monotonic()
+        for by_pos in list(self._groups.values()):
+            for group in list(by_pos.values()):
+                for stream in [s for s in group if s.idle_until <= now]:
+                    self._remove(stream)
+                    self._release(stream, "idle")
+                for stream in [s for s in group if s.transport.is_closing()]:
+                    self._remove(stream)
+                    self._release(stream, "closed")
+        if self._count:
+            self._sweep = self._loop.call_later(SWEEP_S, self._idle_sweep)
+
+    # ---- the broadcast --------------------------------------------------
+
+    def _broadcast(self) -> None:
+        self._tick = None
+        self._last = self._loop.time()
+        groups = [
+            (by_pos, pos, group)
+            for by_pos in self._groups.values()
+            for pos, group in by_pos.items()
+        ]
+        for by_pos, pos, group in groups:
+            if by_pos.get(pos) is not group:
+                continue  # (emptied meanwhile)
+            self._push(by_pos, pos, group)
+
+    def _push(
+        self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], group: list[Parked]
+    ) -> None:
+        """One push to every stream of ``group`` (all at ``pos``), or back to their tasks."""
+        first = group[0]
+        m = self._host.buffer.meta
+        cache_key = (*pos, min(first.max_bytes, PUSH_BYTES), first.key[1], first.sources)
+        cached = self._cache.get(m.tail_event, cache_key, m.head_pos)
+        want = min(first.max_bytes, PUSH_BYTES)
+        charged = self._copies.grant(want if cached is None else len(cached.body))
+        try:
+            if cached is None or charged < len(cached.body):
+                try:
+                    selection = self._host.buffer.select(
+                        pos[0], pos[1], charged, key_filter=first.key_filter, sources=first.sources
+                    )
+                    if selection is None:
+                        return  # nothing for this group's filter yet: stays parked
+                    cached = copy_out(self._host, selection, self._metrics)
+                except ChangebusError:
+                    self._hand_back(by_pos, pos, "task")  # the task's own try reports it
+                    return
+                charged = self._copies.resize(charged, len(cached.body))
+                self._cache.put(m.tail_event, cache_key, cached)
+            if len(cached.body) > PIECE_BYTES:  # (one event larger than PUSH_BYTES)
+                self._hand_back(by_pos, pos, "task")
+                return
+            self._write(by_pos, pos, group, cached)
+        finally:
+            self._copies.release(charged)
+
+    def _write(
+        self,
+        by_pos: dict[tuple[int, int], list[Parked]],
+        pos: tuple[int, int],
+        group: list[Parked],
+        push: CachedResponse,
+    ) -> None:
+        body = push.body
+        frame = b"%x\r\n%b\r\n" % (len(body), body)
+        size = len(body)
+        del by_pos[pos]
+        self._count -= len(group)
+        now = time.monotonic()
+        moved: list[Parked] = []
+        host = self._host
+        m = host.buffer.meta
+        behind = m.tail_pos - m.head_pos  # (as the task reports it)
+        written = 0
+        for stream in group:
+            transport = stream.transport
+            if transport.is_closing():
+                self._release(stream, "closed")
+                continue
+            transport.write(frame)
+            written += 1
+            stream.scn, stream.offset = push.next_scn, push.next_offset
+            stream.sent += size
+            stream.idle_until = now + stream.wait
+            if now - stream.seen_at >= SEEN_S:  # (/v1/status's consumer list: a second is fresh)
+                stream.seen_at = now
+                host.saw_consumer(stream.client, stream.scn, behind, stream.request.remote or "")
+            if transport.get_write_buffer_size():
+                self._release(stream, "drain")
+            elif stream.sent >= stream.budget:
+                self._release(stream, "budget")
+            else:
+                moved.append(stream)
+        if written:
+            self._metrics.streamed(host.name, size * written, push.events * written)
+        if moved:
+            by_pos.setdefault((push.next_scn, push.next_offset), []).extend(moved)
+            self._count += len(moved)
+            if not push.to_tail and self._tick is None:
+                # more than one push behind the tail: go on at once, not at the next window
+                self._tick = self._loop.call_soon(self._broadcast)
+
+    def _hand_back(
+        self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], why: Why
+    ) -> None:
+        group = by_pos.pop(pos)
+        self._count -= len(group)
+        for stream in group:
+            self._release(stream, why)
