@@ -62,7 +62,12 @@ async def test_zookeeper_restart_under_load(
             await wait_until(lambda: w.committed >= 100, 30, "100 transactions")
             await asyncio.to_thread(zk_server.stop)
             host = leader.hosts[PART]
-            await wait_until(lambda: host.state == "fenced", 10, "the leader fenced")
+            # fenced by whichever notices first; the member's step-down (role) may come after
+            await wait_until(
+                lambda: host.state == "fenced" and host.role == "follower",
+                10,
+                "the leader fenced and stepped down",
+            )
             async with aiohttp_session() as http:
                 async with http.get(f"{leader.url}/readyz") as resp:
                     assert resp.status == 503
