@@ -63,7 +63,7 @@ __all__ = ["MAX_TICK_S", "PUSH_BYTES", "SWEEP_S", "TICK_PER_STREAM_S", "Parked",
 log = logging.getLogger("changebus.relay.http")
 
 #: broadcasts are at least this much apart per parked stream ...
-TICK_PER_STREAM_S = 0.00002
+TICK_PER_STREAM_S = 0.0001
 #: ... and at most this much (the latency a parked follower may gain)
 MAX_TICK_S = 0.02
 #: how often parked streams are checked for their idle time
