@@ -140,7 +140,7 @@ class Stamps:
 
 def instrument(host: Any, stamps: Stamps) -> None:
     """Wrap the relay's stages of ``host`` (one partition) with timestamps."""
-    from changebus.relay import _follow, _send
+    from changebus.relay import _broadcast, _follow, _send
 
     buf = host.buffer
     on_publish = buf.on_publish
@@ -180,8 +180,11 @@ def instrument(host: Any, stamps: Stamps) -> None:
         return bool(append(batch))
 
     host._append = timed_append
+    # the follow stream's pushes: its own (at start-up, catching up) or the broadcast's
     copy = _follow._copy
+    broadcast_copy = _broadcast.copy_out  # type: ignore[attr-defined]
     send = _send.SendWatch.send
+    write = _broadcast.TailBroadcast._write
     pushed = [0]
 
     def timed_copy(*args: Any) -> Any:
@@ -192,13 +195,25 @@ def instrument(host: Any, stamps: Stamps) -> None:
             pushed[0] = cached.next_scn
         return cached
 
+    def timed_broadcast_copy(*args: Any) -> Any:
+        t = time.perf_counter_ns()
+        cached = broadcast_copy(*args)
+        stamps.by_stage["select"][cached.next_scn] = t
+        return cached
+
     async def timed_send(self: Any, *args: Any) -> bool:
         ok = await send(self, *args)
         stamps.stamp("sent", pushed[0])
         return bool(ok)
 
+    def timed_write(self: Any, by_pos: Any, pos: Any, group: Any, push: Any) -> None:
+        write(self, by_pos, pos, group, push)
+        stamps.stamp("sent", push.next_scn)
+
     _follow._copy = timed_copy  # type: ignore[assignment]
+    _broadcast.copy_out = timed_broadcast_copy  # type: ignore[attr-defined]
     _send.SendWatch.send = timed_send  # type: ignore[method-assign,assignment]
+    _broadcast.TailBroadcast._write = timed_write  # type: ignore[method-assign]
 
 
 async def run(seconds: float) -> dict[str, Any]:
