@@ -211,7 +211,7 @@ def instrument(host: Any, stamps: Stamps) -> None:
         stamps.stamp("sent", push.next_scn)
 
     _follow._copy = timed_copy  # type: ignore[assignment]
-    _broadcast.copy_out = timed_broadcast_copy  # type: ignore[attr-defined]
+    _broadcast.copy_out = timed_broadcast_copy  # type: ignore[attr-defined,assignment]
     _send.SendWatch.send = timed_send  # type: ignore[method-assign,assignment]
     _broadcast.TailBroadcast._write = timed_write  # type: ignore[method-assign]
 
