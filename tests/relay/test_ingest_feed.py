@@ -83,3 +83,34 @@ async def test_every_window_arrives_in_order_with_or_without_a_feed(
     window_scns = [int(headers["scn"][i]) for i in ends]
     assert len(window_scns) == 3000
     assert window_scns == list(range(window_scns[0], window_scns[0] + 3000))
+
+
+async def test_a_failing_wake_listener_does_not_stop_the_ingest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = {"windows_per_s": 500, "tables": 1, "events_per_window": 2}
+    config = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "p", 1, capacity_bytes=16 << 20, fetcher=FetcherConfig("synthetic", options)
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    calls = 0
+
+    def broken() -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("listener bug")
+
+    async with Relay(config) as relay:
+        host = relay.hosts["p"]
+        host.add_wake_listener(broken)
+        start = host.buffer.meta.windows
+        await wait_until(lambda: host.buffer.meta.windows >= start + 200, 30, "200 more windows")
+        assert host.state == "streaming"
+    assert calls >= 10
+    assert any("a wake-up listener failed" in r.getMessage() for r in caplog.records)

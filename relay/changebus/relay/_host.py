@@ -318,7 +318,10 @@ class PartitionHost(SourceAcks):
         self._new_window.set()
         self._new_window = asyncio.Event()
         for listener in self._wake_listeners:
-            listener()
+            try:
+                listener()
+            except Exception:  # serving must never break the ingest that woke it
+                log.exception("partition %s: a wake-up listener failed", self.name)
 
     def add_wake_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (on the loop) whenever waiting readers are woken.
