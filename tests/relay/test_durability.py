@@ -494,6 +494,30 @@ def _confirmed(dsn: str) -> int:
     return lsn_to_scn(row[0])
 
 
+def _freeze_with_unconfirmed_windows(
+    relay: subprocess.Popen[bytes], directory: Path, dsn: str
+) -> None:
+    """SIGSTOP the relay at a moment its buffer holds windows the source has not confirmed.
+
+    A fast relay may have synced and confirmed everything a moment after the
+    writer's last commit; then an OS crash would destroy nothing and the test
+    would test nothing. So: stop it, let Postgres take any status update
+    already on the wire, and compare the buffer's published last SCN
+    (``meta.dat``, a shared mapping) with the slot's confirmed position; if
+    nothing is pending, let it run a few milliseconds and look again.
+    """
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        relay.send_signal(signal.SIGSTOP)
+        time.sleep(0.02)
+        meta = MetaFile(directory / "meta.dat").load()
+        if meta is not None and meta.last_scn > _confirmed(dsn):
+            return  # stays stopped: the caller's SIGKILL ends it
+        relay.send_signal(signal.SIGCONT)
+        time.sleep(0.003)
+    raise AssertionError("the relay never held a window the source had not confirmed")
+
+
 def _slot_released(dsn: str) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -539,6 +563,8 @@ def _crash(tmp: Path, dsn: str, durability: str) -> tuple[Follower, Follower, di
         rows = writer.rows
         while writer.rows == rows and time.monotonic() < deadline + 30:
             time.sleep(0.005)  # the writer committed just now (not stalled by a loaded machine)
+        if durability == "fsync":
+            _freeze_with_unconfirmed_windows(relay, tmp / "data" / "pg", dsn)
         relay.send_signal(signal.SIGKILL)  # under load
         relay.wait(10)
         writer.stop()
