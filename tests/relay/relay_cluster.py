@@ -279,15 +279,20 @@ async def settled(c: Cluster, seconds: float = 30) -> RelayProc:
     return leader
 
 
-def identical(relays: list[RelayProc]) -> int:
-    """All relays serve the same bytes (from their common oldest window); the window count."""
+def _common_start(relays: list[RelayProc]) -> int:
+    """Where all relays' streams hold the same windows: -1 (everything) when their oldest
+    windows agree, else after the newest of their first windows."""
     mins = []
     for r in relays:
         st = r.status()
         assert st is not None
         mins.append(st["min_scn"])
-    # all the same: everything from the earliest; else after the newest first window
-    after = -1 if len(set(mins)) == 1 else max(mins)
+    return -1 if len(set(mins)) == 1 else max(mins)
+
+
+def identical(relays: list[RelayProc]) -> int:
+    """All relays serve the same bytes (from their common oldest window); the window count."""
+    after = _common_start(relays)
     streams = [stream_bytes(r, after) for r in relays]
     for i, other in enumerate(streams[1:], 1):
         assert other[1] == streams[0][1]
@@ -308,12 +313,7 @@ def same_content(relays: list[RelayProc]) -> int:
     follower already had the deposed leader's copy differs by that announcement and
     the events' seq numbers (see docs/cluster.md).
     """
-    mins = []
-    for r in relays:
-        st = r.status()
-        assert st is not None
-        mins.append(st["min_scn"])
-    after = -1 if len(set(mins)) == 1 else max(mins)
+    after = _common_start(relays)
     contents = []
     for r in relays:
         body, scns = stream_bytes(r, after)

@@ -61,6 +61,14 @@ async def _follow(
     return body, chunks
 
 
+async def _live_tail(relay: Relay) -> int:
+    """The partition's newest SCN once the source is running (a few windows in)."""
+    buffer = relay.hosts["syn"].buffer
+    while buffer.meta.windows < 5:
+        await asyncio.sleep(0.01)
+    return buffer.meta.last_scn
+
+
 def _buffer_bytes(relay: Relay, after_scn: int, until_scn: int) -> bytes:
     """The buffer's own bytes of the windows after ``after_scn`` up to ``until_scn``."""
     buffer = relay.hosts["syn"].buffer
@@ -75,10 +83,7 @@ def _buffer_bytes(relay: Relay, after_scn: int, until_scn: int) -> bytes:
 
 async def test_many_followers_get_every_window_once_in_order_byte_for_byte(tmp_path: Path) -> None:
     async with Relay(_config(tmp_path, 300)) as relay, aiohttp.ClientSession() as http:
-        host = relay.hosts["syn"]
-        while host.buffer.meta.windows < 5:
-            await asyncio.sleep(0.01)
-        start = host.buffer.meta.last_scn
+        start = await _live_tail(relay)
         until = start + 300  # about a second of windows
         parked: list[int] = []
 
@@ -102,10 +107,7 @@ async def test_many_followers_get_every_window_once_in_order_byte_for_byte(tmp_p
 
 async def test_followers_with_different_filters_get_their_own_events(tmp_path: Path) -> None:
     async with Relay(_config(tmp_path, 300)) as relay, aiohttp.ClientSession() as http:
-        host = relay.hosts["syn"]
-        while host.buffer.meta.windows < 5:
-            await asyncio.sleep(0.01)
-        start = host.buffer.meta.last_scn
+        start = await _live_tail(relay)
         until = start + 200
         filters = ["mod:2:0", "mod:2:1", None]
         results = await asyncio.gather(
@@ -145,10 +147,7 @@ def _stalled_follower(port: int, scn: int) -> socket.socket:
 async def test_a_stalled_follower_is_cut_off_and_the_others_go_on(tmp_path: Path) -> None:
     cfg = _config(tmp_path, 2000, send_timeout_s=1)
     async with Relay(cfg) as relay, aiohttp.ClientSession() as http:
-        host = relay.hosts["syn"]
-        while host.buffer.meta.windows < 5:
-            await asyncio.sleep(0.01)
-        start = host.buffer.meta.last_scn
+        start = await _live_tail(relay)
         stalled = await asyncio.to_thread(_stalled_follower, relay.port, start)
         try:
             until = start + 8000  # about four seconds of windows: past the send timeout
@@ -167,10 +166,7 @@ async def test_a_stalled_follower_is_cut_off_and_the_others_go_on(tmp_path: Path
 
 async def test_budget_and_idle_end_parked_responses_whole(tmp_path: Path) -> None:
     async with Relay(_config(tmp_path, 300)) as relay, aiohttp.ClientSession() as http:
-        host = relay.hosts["syn"]
-        while host.buffer.meta.windows < 5:
-            await asyncio.sleep(0.01)
-        start = host.buffer.meta.last_scn
+        start = await _live_tail(relay)
         params: dict[str, Any] = {
             "partition": "syn",
             "scn": start,

@@ -63,13 +63,15 @@ async def test_disconnected_long_polls_and_follow_streams_stop(
         return 0 if broadcast is None else len(broadcast)
 
     # the long-polls wait for a window, the follow streams are parked at the tail
-    await wait_until(lambda: (host._waiters, parked()) == (40, 10), 10, "all waiting for a window")
+    await wait_until(
+        lambda: (host.wakeups.waiters, parked()) == (40, 10), 10, "all waiting for a window"
+    )
     for writer in writers:
         writer.close()
     start = time.monotonic()
     await wait_until(lambda: stats.in_flight == 0, 2, "the long-polls stopped")
     assert time.monotonic() - start < 2
-    assert host._waiters == 0 and parked() == 0
+    assert host.wakeups.waiters == 0 and parked() == 0
     assert stats.requests[("/v1/stream", 499)] == 50  # follow streams too: cancelled waiting
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

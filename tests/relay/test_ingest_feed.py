@@ -44,8 +44,14 @@ class _IteratorOnly:
         return self._inner.status()
 
 
-def _config(tmp: Path, kind: str) -> RelayConfig:
-    options = {"windows_per_s": 0, "tables": 2, "events_per_window": 3, "max_windows": 3000}
+def _config(tmp: Path, kind: str, **options: Any) -> RelayConfig:
+    options = {
+        "windows_per_s": 0,
+        "tables": 2,
+        "events_per_window": 3,
+        "max_windows": 3000,
+        **options,
+    }
     return RelayConfig(
         data_dir=tmp / "relay",
         http=HttpConfig(port=0),
@@ -88,17 +94,7 @@ async def test_every_window_arrives_in_order_with_or_without_a_feed(
 async def test_a_failing_wake_listener_does_not_stop_the_ingest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    options = {"windows_per_s": 500, "tables": 1, "events_per_window": 2}
-    config = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "p", 1, capacity_bytes=16 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    config = _config(tmp_path, "synthetic", windows_per_s=500, max_windows=0)
     calls = 0
 
     def broken() -> None:

@@ -84,11 +84,10 @@ class Parked:
 
     request: web.Request
     transport: asyncio.Transport
-    #: (max_bytes, filter text, source ids): streams with the same key get the same pushes
-    key: tuple[Any, ...]
+    max_bytes: int
+    filter_text: str | None
     key_filter: PartitionFilter | None
     sources: frozenset[int] | None
-    max_bytes: int
     client: str
     scn: int
     offset: int
@@ -102,6 +101,11 @@ class Parked:
     seen_at: float = 0.0
     #: handed back to its task (out of every group)
     released: bool = False
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What the stream asked for: streams with the same key get the same pushes."""
+        return (self.max_bytes, self.filter_text, self.sources)
 
 
 class TailBroadcast:
@@ -219,7 +223,7 @@ class TailBroadcast:
         """One push to every stream of ``group`` (all at ``pos``), or back to their tasks."""
         first = group[0]
         m = self._host.buffer.meta
-        cache_key = (*pos, min(first.max_bytes, PUSH_BYTES), first.key[1], first.sources)
+        cache_key = (*pos, min(first.max_bytes, PUSH_BYTES), first.filter_text, first.sources)
         cached = self._cache.get(m.tail_event, cache_key, m.head_pos)
         want = min(first.max_bytes, PUSH_BYTES)
         charged = self._copies.grant(want if cached is None else len(cached.body))

@@ -148,10 +148,10 @@ async def _pushes(
             parked = Parked(
                 request,
                 transport,
-                (ask.max_bytes, ask.filter_text, ask.sources),
+                ask.max_bytes,
+                ask.filter_text,
                 ask.key_filter,
                 ask.sources,
-                ask.max_bytes,
                 ask.client,
                 scn,
                 offset,

@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -81,6 +80,7 @@ from ._config import FetcherConfig, PartitionConfig
 from ._hoststatus import data_loss_events, fetcher_losses, partition_status
 from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
+from ._wakeups import Wakeups
 from ._windowqueue import WindowQueue
 from ._writerthread import WriterThread, fits_inline
 
@@ -110,9 +110,6 @@ STATES = ("idle", "starting", "streaming", "retrying", "fenced", "failed", "fini
 MAX_CONSUMERS = 1000
 #: characters of a ``client=`` id kept
 MAX_CLIENT_ID = 128
-#: wake-up coalescing for many waiting readers (see PartitionHost._on_publish)
-_TICK_PER_WAITER_S = 0.0001
-_MAX_TICK_S = 0.005
 
 
 def _nothing() -> None:
@@ -136,23 +133,17 @@ class PartitionHost(SourceAcks):
         self.config = config
         self.name = config.name
         self.directory = data_dir / config.name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
+        #: waking readers when windows are published (:mod:`._wakeups`)
+        self.wakeups = Wakeups(config.name)
         self.buffer = EventBuffer(
             self.directory,
             config.buffer,
             name=config.name,
             partition_id=config.id,
-            on_publish=self._published,
+            on_publish=self.wakeups.published,
         )
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
         self._writer = WriterThread(config.name)
-        self._new_window: asyncio.Event | None = None
-        self._waiters = 0
-        self._tick: asyncio.TimerHandle | None = None
-        self._last_wake = 0.0
-        #: called at every wake-up of waiting readers (:meth:`add_wake_listener`)
-        self._wake_listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task[None] | None = None
         self.fetcher: Fetcher | None = None
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
@@ -189,9 +180,7 @@ class PartitionHost(SourceAcks):
     # ---- lifecycle ----------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._new_window = asyncio.Event()
+        self.wakeups.start()
         if self.syncer is not None:
             self.syncer.start()
         if self.config.fetcher.kind != "none":
@@ -200,8 +189,7 @@ class PartitionHost(SourceAcks):
             self._task = asyncio.create_task(self._ingest(), name=f"ingest-{self.name}")
 
     async def stop(self) -> None:
-        if self._tick is not None:
-            self._tick.cancel()
+        self.wakeups.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -280,69 +268,17 @@ class PartitionHost(SourceAcks):
 
     # ---- readers ------------------------------------------------------
 
-    def _published(self) -> None:
-        """The buffer published windows (writer thread, or the loop for an inline append)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        if threading.get_ident() == self._loop_thread:
-            self._on_publish()  # an inline append: no wake-up of the loop needed
-        else:
-            loop.call_soon_threadsafe(self._on_publish)
-
-    def _on_publish(self) -> None:
-        """Loop thread: wake waiting readers, coalescing when there are many.
-
-        One waiter is woken at once. With ``n`` waiters, wake-ups are at
-        least ``min(n - 1, 50) * 100 us`` apart: waiters wake together, share
-        one selection (the HTTP layer's response cache, :mod:`._respcache`)
-        and each gets a larger batch,
-        instead of every commit costing one response per waiter.
-        """
-        if self._tick is not None:
-            return  # a wake-up is already scheduled; it will see this window
-        assert self._loop is not None
-        now = self._loop.time()
-        interval = min(max(self._waiters - 1, 0) * _TICK_PER_WAITER_S, _MAX_TICK_S)
-        at = self._last_wake + interval
-        if at <= now:
-            self._wake()
-        else:
-            self._tick = self._loop.call_at(at, self._wake)
-
-    def _wake(self) -> None:
-        assert self._new_window is not None
-        assert self._loop is not None
-        self._tick = None
-        self._last_wake = self._loop.time()
-        self._new_window.set()
-        self._new_window = asyncio.Event()
-        for listener in self._wake_listeners:
-            try:
-                listener()
-            except Exception:  # serving must never break the ingest that woke it
-                log.exception("partition %s: a wake-up listener failed", self.name)
-
     def add_wake_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (on the loop) whenever waiting readers are woken.
 
         The HTTP layer's tail broadcast (:mod:`._broadcast`) is one: it does
-        its own coalescing on top of these wake-ups.
+        its own coalescing on top of these wake-ups (:mod:`._wakeups`).
         """
-        self._wake_listeners.append(listener)
+        self.wakeups.add_listener(listener)
 
     async def wait_for_window(self, seconds: float) -> bool:
         """Wait until a window is published (True) or ``seconds`` pass."""
-        assert self._new_window is not None
-        self._waiters += 1
-        try:
-            async with asyncio.timeout(seconds):
-                await self._new_window.wait()
-        except TimeoutError:
-            return False
-        finally:
-            self._waiters -= 1
-        return True
+        return await self.wakeups.wait(seconds)
 
     def saw_consumer(self, client: str, scn: int, behind_bytes: int, peer: str) -> None:
         """Note a consumer's request for ``/v1/status``.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal
 
 from aiohttp import web
@@ -197,17 +197,36 @@ class SendWatch:
         connection has been aborted. ``ConnectionResetError``: the client
         went away.
         """
+        view = memoryview(body)
+
+        async def write() -> None:
+            for start in range(0, len(view), PIECE_BYTES):
+                self._since = self._loop.time()
+                await resp.write(view[start : start + PIECE_BYTES])
+            self._since = self._loop.time()
+            await self._request.writer.drain()
+
+        return await self._watched(write)
+
+    async def drain(self) -> bool:
+        """Wait until what the transport holds left the process (bytes written elsewhere).
+
+        False and ``ConnectionResetError`` as for :meth:`send`.
+        """
+
+        async def drain() -> None:
+            self._since = self._loop.time()
+            await self._request.writer.drain()
+
+        return await self._watched(drain)
+
+    async def _watched(self, step: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``step`` (which sets ``_since`` per piece) under the watch; False if it fired."""
         if self.fired:
             return False
-        loop = self._loop
-        view = memoryview(body)
         self._sender = sender = asyncio.current_task()
         try:
-            for start in range(0, len(view), PIECE_BYTES):
-                self._since = loop.time()
-                await resp.write(view[start : start + PIECE_BYTES])
-            self._since = loop.time()
-            await self._request.writer.drain()
+            await step()
         except asyncio.CancelledError:
             # ours (the watch fired) unless somebody else cancelled the task too
             if self._aborted() and sender is not None and sender.uncancel() == 0:
@@ -215,27 +234,6 @@ class SendWatch:
             raise
         except ConnectionResetError:
             if self._aborted():
-                return False
-            raise
-        finally:
-            self._since = None
-            self._sender = None
-        return not self._aborted()
-
-    async def drain(self) -> bool:
-        """Wait until what the transport holds left the process (bytes written elsewhere).
-
-        False: the client accepted nothing for ``send_timeout_s`` and the
-        connection has been aborted. ``ConnectionResetError``: it went away.
-        """
-        if self.fired:
-            return False
-        self._sender = sender = asyncio.current_task()
-        self._since = self._loop.time()
-        try:
-            await self._request.writer.drain()
-        except asyncio.CancelledError:
-            if self._aborted() and sender is not None and sender.uncancel() == 0:
                 return False
             raise
         finally:
