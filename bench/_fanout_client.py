@@ -1,7 +1,8 @@
 """The consumer processes of ``bench/relay_fanout.py`` (and its raw push baseline).
 
 Each process runs ``tasks`` consumers as asyncio tasks, each on its own
-keep-alive HTTP/1.1 connection (:class:`relay_latency.LeanHttp`), in one of
+keep-alive HTTP/1.1 connection (:class:`_leanconn.LeanConn`, parsed in its
+protocol's callback), in one of
 three modes: ``longpoll`` (a request per response), ``follow`` (one held
 request, a chunk per push) and ``raw`` (the raw push server, which answers
 any request with a chunked stream, so it is read like ``follow``).
@@ -21,7 +22,6 @@ after at most :data:`MAX_REQUESTS` requests per consumer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from _leanconn import LeanConn
 from changebus.schemas import Op, parse_stream
-from relay_latency import LeanHttp
 
 __all__ = ["BINS", "BIN_MS", "ConsumerFigures", "consumer_proc", "idle_proc", "percentile"]
 
@@ -64,11 +64,11 @@ class Chunks:
         self.timestamps: list[npt.NDArray[np.int64]] = []
         self.last_scn: list[int] = []
 
-    def id_of(self, body: bytes) -> int:
-        key = (len(body), body[:64], body[-64:])
+    def id_of(self, body: bytes | memoryview) -> int:
+        key = (len(body), bytes(body[:64]), bytes(body[-64:]))
         found = self._ids.get(key)
         if found is None:
-            _, hdr = parse_stream(body, verify_payload=False)
+            _, hdr = parse_stream(bytes(body), verify_payload=False)
             eow = hdr["op"] == _EOW
             found = self._ids[key] = len(self.timestamps)
             self.timestamps.append(hdr["timestamp_ns"][eow].astype(np.int64))
@@ -80,7 +80,7 @@ class Chunks:
 
 
 async def _follow(
-    http: LeanHttp,
+    http: LeanConn,
     target: str,
     fig: ConsumerFigures,
     chunks: Chunks,
@@ -88,25 +88,19 @@ async def _follow(
 ) -> None:
     """Read one chunked follow response (or the raw push stream) until ``window`` ends."""
     record_from, record_to = window
-    http.writer.write(f"GET {target} HTTP/1.1\r\nHost: {http.host}\r\n\r\n".encode())
-    head = await http.reader.readuntil(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"follow request answered {head[:40]!r}")
-    fig.ready_at = fig.ready_at or time.time()
-    while True:
-        size = int((await http.reader.readuntil(b"\r\n"))[:-2], 16)
-        if size == 0:
-            await http.reader.readuntil(b"\r\n")
-            return
-        body = await http.reader.readexactly(size)
-        await http.reader.readexactly(2)
+
+    def on_chunk(body: bytes | memoryview) -> bool:
         now = time.time()
         cid = chunks.id_of(body)
         fig.last_scn = chunks.last_scn[cid]
         if record_from <= now < record_to:
             fig.receipts.append((time.time_ns(), cid))
-        if now >= record_to:
-            return
+        fig.ready_at = fig.ready_at or now
+        return now < record_to
+
+    status, _, _ = await http.get(target, on_chunk)
+    if status != 200:
+        raise RuntimeError(f"follow request answered {status}")
 
 
 async def _consume(
@@ -119,7 +113,7 @@ async def _consume(
     window: tuple[float, float],
 ) -> None:
     record_to = window[1]
-    http = await LeanHttp.connect("127.0.0.1", port, 64 * 1024 if mode == "follow" else 0)
+    http = await LeanConn.connect("127.0.0.1", port, 64 * 1024 if mode == "follow" else 0)
     try:
         if mode == "raw":
             await _follow(http, "/raw", fig, chunks, window)
@@ -147,9 +141,7 @@ async def _consume(
             if window[0] <= now < record_to:
                 fig.receipts.append((time.time_ns(), cid))
     finally:
-        http.writer.close()
-        with contextlib.suppress(OSError):
-            await http.writer.wait_closed()
+        http.close()
 
 
 def consumer_proc(

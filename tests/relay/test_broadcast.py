@@ -18,14 +18,16 @@ import aiohttp
 import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay._broadcast import PUSH_BYTES
 from changebus.relay._http import BROADCASTS
 from changebus.schemas import Op, PartitionFilter, parse_stream
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
 
-def _config(tmp_path: Path, rate: float, **http: Any) -> RelayConfig:
+def _config(tmp_path: Path, rate: float, *, source: Any = (), **http: Any) -> RelayConfig:
     options = {"windows_per_s": rate, "events_per_window": 3, "row_bytes": 100, "tables": 2}
+    options.update(source)
     return RelayConfig(
         data_dir=tmp_path / "relay",
         http=HttpConfig(port=0, max_wait_s=30, **http),
@@ -103,6 +105,23 @@ async def test_many_followers_get_every_window_once_in_order_byte_for_byte(tmp_p
     for body, chunks in results:
         assert body[: len(expected)] == expected  # every window once, in order, whole
         assert chunks >= 2  # pushed as windows came, not in one piece
+
+
+async def test_a_lone_follower_catching_up_gets_pushes_larger_than_a_herd_does(
+    tmp_path: Path,
+) -> None:
+    """Behind the tail, pushes grow with the copy budget's share: fewer, cheaper pushes."""
+    backlog = {"windows_per_s": 0, "row_bytes": 2000, "max_windows": 3000}
+    async with Relay(_config(tmp_path, 0, source=backlog)) as relay, aiohttp.ClientSession() as http:
+        host = relay.hosts["syn"]
+        while host.state != "finished":
+            await asyncio.sleep(0.05)
+        last = host.buffer.meta.last_scn
+        body, chunks = await _follow(http, relay, -1, last, max_bytes=1 << 20)
+        expected = _buffer_bytes(relay, -1, last)
+    assert body == expected
+    assert len(expected) > 8 << 20
+    assert len(body) / chunks > 4 * PUSH_BYTES, (len(body), chunks)
 
 
 async def test_followers_with_different_filters_get_their_own_events(tmp_path: Path) -> None:

@@ -66,6 +66,23 @@ def drain(
         scn, offset = sel.next_scn, sel.next_offset
 
 
+def selection_fields(sel: Any) -> tuple[Any, ...]:
+    """Everything a selection says, and the bytes it covers (to compare two ways to select)."""
+    data = b"".join(bytes(v) for v in sel.views)
+    return (
+        sel.spans,
+        sel.events,
+        sel.nbytes,
+        sel.next_scn,
+        sel.next_offset,
+        sel.partial,
+        sel.windows,
+        sel.to_tail,
+        sel.start_pos,
+        data,
+    )
+
+
 @pytest.fixture
 def buf(tmp_path: Path):
     b = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=CAP, event_slots=2048))
@@ -326,21 +343,6 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
         taken += got is not None
         return got
 
-    def fields(sel: Any) -> tuple[Any, ...]:
-        data = b"".join(bytes(v) for v in sel.views)
-        return (
-            sel.spans,
-            sel.events,
-            sel.nbytes,
-            sel.next_scn,
-            sel.next_offset,
-            sel.partial,
-            sel.windows,
-            sel.to_tail,
-            sel.start_pos,
-            data,
-        )
-
     try:
         for i, sizes in enumerate(spec, start=1):
             buf.append_window(make_window(i * 3, sizes))
@@ -355,7 +357,7 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
                 slow = buf.select(scn, -1, max_bytes)
                 assert (fast is None) == (slow is None)
                 if fast is not None and slow is not None:
-                    assert fields(fast) == fields(slow)
+                    assert selection_fields(fast) == selection_fields(slow)
                     buf.release(fast)
                     buf.release(slow)
     finally:
@@ -419,3 +421,99 @@ def test_small_commits_write_what_the_bulk_commit_writes(
     finally:
         for b in bufs:
             b.close()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(windows_st, st.integers(200, 40000), st.data())
+def test_the_byte_bound_on_a_scan_changes_no_selection(
+    tmp_path_factory, monkeypatch, spec, max_bytes, data
+) -> None:
+    """An unfiltered scan looks only at the events within ``max_bytes`` of positions.
+
+    Positions bound the bytes before an event from above (a wrap leaves a
+    gap), so the bound may cut too early; the scan must then notice and look
+    further. Every selection, from window boundaries and from inside
+    windows, equals the scan without the bound, field for field and byte
+    for byte.
+    """
+    from changebus.relay import _reader
+
+    path = tmp_path_factory.mktemp("buf")
+    buf = EventBuffer(path, BufferConfig(capacity_bytes=CAP, event_slots=2048))
+    buf.set_start(0)
+    bound = _reader._byte_bound
+    monkeypatch.setattr(_reader, "_whole_tail", lambda *a: None)  # (always the scan)
+
+    try:
+        for i, sizes in enumerate(spec, start=1):
+            buf.append_window(make_window(i * 3, sizes))
+            m = buf.meta
+            for scn in [-1, m.prev_scn] + [j * 3 for j in range(max(1, i - 6), i + 1)]:
+                if scn >= 0 and scn < m.prev_scn:
+                    continue
+                offset = -1
+                if scn > 0 and data.draw(st.booleans()):  # inside the window, when it is kept
+                    offset = data.draw(st.integers(0, len(spec[scn // 3 - 1])))
+                answers: list[Any] = []
+                for use in (bound, lambda events, e, stop, budget: stop):
+                    monkeypatch.setattr(_reader, "_byte_bound", use)
+                    try:
+                        answers.append(buf.select(scn, offset, max_bytes))
+                    except ScnNotFoundError:
+                        answers.append("too old")
+                fast, slow = answers
+                assert (fast is None) == (slow is None)
+                if isinstance(fast, str) or isinstance(slow, str):
+                    assert fast == slow
+                elif fast is not None and slow is not None:
+                    assert selection_fields(fast) == selection_fields(slow)
+                    buf.release(fast)
+                    buf.release(slow)
+    finally:
+        buf.close()
+
+
+def test_a_byte_bound_cut_short_by_a_wrap_gap_is_looked_past(buf: EventBuffer, monkeypatch) -> None:
+    """A wrap's gap inside a window can make the bound cut events that fit: they are sent."""
+    from changebus.relay import _reader
+
+    def end_of(i: int) -> int:
+        rec = buf._events.at(i)
+        return int(rec["pos"]) + int(rec["length"])
+
+    scn = 1
+    while CAP - buf.meta.tail_pos > 5000:
+        buf.append_window(make_window(scn, [400]))
+        scn += 1
+    buf.append_window(make_window(scn, [max(0, CAP - buf.meta.tail_pos - 2500)]))
+    scn += 1
+    # two small events fit before the ring's end, the big third one goes to its start
+    first = buf.meta.tail_event
+    buf.append_window(make_window(scn, [300, 300, 3000, 0, 0, 0, 0]))
+    last = buf.meta.tail_event - 1  # its END_OF_WINDOW
+    big = int(buf._events.at(first + 2)["pos"])
+    assert big % CAP == 0  # it went to the ring's start: a gap before it
+    gap = big - end_of(first + 1)
+    assert 500 < gap < 3000
+    # a budget of exactly the window's bytes: by positions (with the gap) the bound
+    # ends inside the window, by lengths the window fits
+    start = int(buf._events.at(first)["pos"])
+    total = end_of(last) - start - gap
+    cuts: list[int] = []
+    bound = _reader._byte_bound
+
+    def recorded(events: Any, e: int, stop: int, left: int) -> int:
+        cuts.append(bound(events, e, stop, left))
+        return cuts[-1]
+
+    monkeypatch.setattr(_reader, "_byte_bound", recorded)
+    monkeypatch.setattr(_reader, "_whole_tail", lambda *a: None)
+    sel = buf.select(scn - 1, -1, total)
+    assert sel is not None
+    assert cuts and cuts[0] <= last  # the bound stopped short of the window's end ...
+    assert (sel.next_scn, sel.next_offset, sel.nbytes) == (scn, -1, total)  # ... it was sent
+    _, headers = parse_stream(b"".join(bytes(v) for v in sel.views))
+    assert [int(h["scn"]) for h in headers] == [scn] * 8
+    buf.release(sel)

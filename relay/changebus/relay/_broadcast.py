@@ -29,7 +29,10 @@ are coalesced into broadcasts at least ``min(n * TICK_PER_STREAM_S,
 MAX_TICK_S)`` apart for ``n`` parked streams: each broadcast writes to every
 stream, so the system calls per second stay bounded (a thousand followers
 get a push every 20 ms, each carrying some 20 windows) while few followers
-get every window at once.
+get every window at once. A push is at most :data:`PUSH_BYTES`, or more when
+few streams share the copy budget (:meth:`TailBroadcast._push_cap`): that
+only matters behind the tail, where a lone follower catching up then takes
+1 MiB pushes instead of sixteen times as many small ones.
 
 Invariants: a parked stream's ``scn``/``offset`` is the position after the
 last byte written to its transport, and it is in exactly one group, the one of
@@ -223,9 +226,9 @@ class TailBroadcast:
         """One push to every stream of ``group`` (all at ``pos``), or back to their tasks."""
         first = group[0]
         m = self._host.buffer.meta
-        cache_key = (*pos, min(first.max_bytes, PUSH_BYTES), first.filter_text, first.sources)
+        want = min(first.max_bytes, self._push_cap())
+        cache_key = (*pos, want, first.filter_text, first.sources)
         cached = self._cache.get(m.tail_event, cache_key, m.head_pos)
-        want = min(first.max_bytes, PUSH_BYTES)
         charged = self._copies.grant(want if cached is None else len(cached.body))
         try:
             if cached is None or charged < len(cached.body):
@@ -241,12 +244,25 @@ class TailBroadcast:
                     return
                 charged = self._copies.resize(charged, len(cached.body))
                 self._cache.put(m.tail_event, cache_key, cached)
-            if len(cached.body) > PIECE_BYTES:  # (one event larger than PUSH_BYTES)
+            if len(cached.body) > PIECE_BYTES:  # (one event larger than the cap)
                 self._hand_back(by_pos, pos, "task")
                 return
             self._write(by_pos, pos, group, cached)
         finally:
             self._copies.release(charged)
+
+    def _push_cap(self) -> int:
+        """The largest push now: :data:`PUSH_BYTES`, more when few streams share the budget.
+
+        A push only exceeds what is new at the tail for a group behind it (a
+        follower catching up), and there a larger push costs less per byte at
+        both ends. What a transport cannot send at once stays in it, uncharged
+        until the stream's task takes it over, so one broadcast can leave up
+        to ``parked streams x cap`` bytes there: the cap keeps that within the
+        copy budget's spare bytes, and many parked streams get ``PUSH_BYTES``.
+        """
+        share = self._copies.spare() // max(1, self._count)
+        return max(PUSH_BYTES, min(PIECE_BYTES, share))
 
     def _write(
         self,

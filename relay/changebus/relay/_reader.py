@@ -156,19 +156,28 @@ def select_events(
     start_pos = -1
     # no more events fit in max_bytes than it holds headers: a small request scans little
     chunk = min(SCAN_CHUNK, max(_FIRST_CHUNK, max_bytes // HEADER_SIZE + 1))
+    unfiltered = key_filter is None and src_table is None
     while e < m.tail_event and used < max_bytes:
         stop = min(e + chunk, m.tail_event)
+        bounded = False
+        if unfiltered:
+            cut = _byte_bound(events, e, stop, max_bytes - used)
+            bounded, stop = cut < stop, cut
         rec: npt.NDArray[Any] = events.get(e, stop)
         if start_pos < 0:
             start_pos = int(rec["pos"][0])
         ops = rec["op"]
         eows = np.flatnonzero(ops == _EOW)
-        if eows.size == 0 and stop < m.tail_event:
-            chunk *= 2  # a window longer than the chunk: look further
-            continue
         keep = event_mask(rec, key_filter, src_table)
         cum = np.cumsum(np.where(keep, rec["length"], 0).astype(np.int64))
         budget = max_bytes - used
+        full = int(cum[-1]) > budget  # nothing after this chunk fits
+        if bounded and not full:
+            unfiltered = False  # (a wrap's gap made the byte bound too tight: scan without it)
+            continue
+        if eows.size == 0 and stop < m.tail_event and not full:
+            chunk *= 2  # a window longer than the chunk that may still fit: look further
+            continue
         fits = eows[cum[eows] <= budget]
         if fits.size:
             last = int(fits[-1])
@@ -178,7 +187,7 @@ def select_events(
             windows += int(fits.size)
             next_scn, next_offset = int(rec["scn"][last]), -1
             e += last + 1
-            if fits.size < eows.size:
+            if fits.size < eows.size or full:
                 break  # the next complete window does not fit
             chunk = max(chunk, min(2 * chunk, SCAN_CHUNK))  # (a filter skipping most events)
             continue
@@ -211,6 +220,24 @@ def select_events(
         start_pos=start_pos,
     )
     return selection, int(pos[0]) if pos.size else m.tail_pos
+
+
+def _byte_bound(events: CircularTable, e: int, stop: int, budget: int) -> int:
+    """``stop``, or less: one past the first event of ``[e, stop)`` starting ``budget`` bytes on.
+
+    Event positions only grow, by at least each event's length (a wrap adds
+    a gap), so the events after that one cannot be among ``budget`` bytes
+    of unfiltered events: a scan of large events (a backlog of 2.5 KB rows
+    read 64 KiB at a time) then looks at some 26 events, not a thousand.
+    The event that crosses the bound is kept, so a window cut by it shows
+    that it does not fit. Positions are only an upper bound on the bytes
+    before an event: where a wrap's gap makes the bound cut events that
+    would fit, the caller sees it (the lengths do not exceed the budget) and
+    scans without the bound.
+    """
+    first = int(events.at(e)["pos"])
+    crossing = events.searchsorted(e, stop, "pos", first + budget, side="left")
+    return min(crossing + 1, stop)
 
 
 def _whole_tail(
