@@ -51,7 +51,7 @@ from ._decode import SchemaCache
 from ._dispatch import Dispatcher
 from ._errors import DataLossDetectedError
 from ._fetch import RelayFetcher, start_point
-from ._http import open_session, read_bufsize
+from ._http import open_session
 from ._model import Window
 from ._persist import CheckpointPersister, MemoryCheckpointPersister
 from ._position import PositionTracker
@@ -168,7 +168,7 @@ class Consumer:
             log.info("resuming partition %s after SCN %d", partition, position)
         self._position = PositionTracker(checkpoint, self.persister)
         if self._session is None:
-            self._session = await open_session(cfg.auth, read_bufsize=read_bufsize(cfg.max_bytes))
+            self._session = await open_session(cfg.auth)
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
         if self._stop_requested:  # stop() ran while this start was under way
             self._queue.close_threadsafe(asyncio.get_running_loop())

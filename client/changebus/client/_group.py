@@ -75,7 +75,7 @@ from ._group_join import connect, follow_relays
 from ._group_lane import WAKE, Lane, LaneBatch
 from ._group_position import GroupPositions
 from ._group_units import UnitOwner
-from ._http import open_session, read_bufsize
+from ._http import open_session
 from ._model import Window
 from ._queue import BoundedQueue, QueueClosed
 from ._rebalance import ListenerCalls
@@ -154,7 +154,7 @@ class GroupConsumer:
             zk, cfg.group, cfg.partitions, cfg.buckets, name=cfg.member_name
         )
         if self._http is None:
-            self._http = await open_session(cfg.auth, read_bufsize=read_bufsize(cfg.max_bytes))
+            self._http = await open_session(cfg.auth)
         queue = self._queue = BoundedQueue[LaneBatch](cfg.queue_windows, cfg.queue_bytes)
         if self._stop_requested:  # stop() ran while this start was under way
             queue.close_threadsafe(asyncio.get_running_loop())

@@ -145,23 +145,6 @@ def tls_failure(exc: BaseException) -> str | None:
     return None
 
 
-#: the most a stream's reader buffers ahead of the consumer (see :func:`read_bufsize`)
-_MAX_READ_BUFSIZE = 4 << 20
-
-
-def read_bufsize(max_bytes: int) -> int:
-    """The read buffer of a consumer's session: its ``max_bytes``, at most 4 MiB.
-
-    A follow response is read as it arrives (``iter_any``); aiohttp's
-    default buffer (64 KiB) hands a consumer that is catching up its pushes
-    in 64 KiB pieces, each split, checked and assembled on its own, which
-    cost a third more CPU per row than long-polls of 1 MiB
-    (``bench/relay_catchup.py``). At the tail a piece is whatever arrived, as
-    before: the buffer only lets a consumer that is behind take more at once.
-    """
-    return min(max_bytes, _MAX_READ_BUFSIZE)
-
-
 async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp.ClientSession:
     """A new :class:`aiohttp.ClientSession` for changebus servers, using ``auth``.
 
