@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from aiohttp import web
 
@@ -312,9 +313,12 @@ def _source_ids(
 ) -> frozenset[int] | None:
     """Source ids of ``sources=`` (None: all), limited to the principal's grant."""
     requested = None if text is None else [n for n in (s.strip() for s in text.split(",")) if n]
-    granted = principal_of(request).restrict_sources(
-        requested, (name for _sid, name in host.registry.sources())
-    )
+
+    def available() -> Iterator[str]:  # (only read when the grant needs it: not per request)
+        for _sid, name in host.registry.sources():
+            yield name
+
+    granted = principal_of(request).restrict_sources(requested, available())
     if granted is not None:
         requested = list(granted)
     if requested is None:
