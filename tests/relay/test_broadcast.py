@@ -112,7 +112,10 @@ async def test_a_lone_follower_catching_up_gets_pushes_larger_than_a_herd_does(
 ) -> None:
     """Behind the tail, pushes grow with the copy budget's share: fewer, cheaper pushes."""
     backlog = {"windows_per_s": 0, "row_bytes": 2000, "max_windows": 3000}
-    async with Relay(_config(tmp_path, 0, source=backlog)) as relay, aiohttp.ClientSession() as http:
+    async with (
+        Relay(_config(tmp_path, 0, source=backlog)) as relay,
+        aiohttp.ClientSession() as http,
+    ):
         host = relay.hosts["syn"]
         while host.state != "finished":
             await asyncio.sleep(0.05)
