@@ -90,6 +90,8 @@ async def _follow(
     record_from, record_to = window
 
     def on_chunk(body: bytes | memoryview) -> bool:
+        if http.status != 200:
+            return False  # (an error's body: the status is reported below)
         now = time.time()
         cid = chunks.id_of(body)
         fig.last_scn = chunks.last_scn[cid]

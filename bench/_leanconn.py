@@ -41,6 +41,13 @@ class LeanConn(asyncio.Protocol):
         self._parts: list[bytes] = []
         self._on_chunk: Callable[[bytes | memoryview], bool] | None = None
         self._done: asyncio.Future[Response] | None = None
+        #: why the connection ended (a later request raises it)
+        self._lost: BaseException | None = None
+
+    @property
+    def status(self) -> int:
+        """The status of the response being read (or the last one)."""
+        return self._status
 
     @classmethod
     async def connect(cls, host: str, port: int, rcvbuf: int = 0) -> LeanConn:
@@ -60,11 +67,13 @@ class LeanConn(asyncio.Protocol):
         """GET ``target``; with ``on_chunk``, chunks go to it (False: stop, close) unkept."""
         assert self.transport is not None
         assert self._done is None
+        if self._lost is not None:
+            raise self._lost
         self._done = asyncio.get_running_loop().create_future()
         self._on_chunk, self._parts, self._state = on_chunk, [], "head"
-        self.transport.write(f"GET {target} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
-        self._parse()  # bytes that came early
         try:
+            self.transport.write(f"GET {target} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+            self._parse()  # bytes that came early
             return await self._done
         finally:
             self._done = None
@@ -80,18 +89,20 @@ class LeanConn(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if not self._buf and self._state == "size" and self._on_chunk is not None:
-            data = self._whole_chunks(data)  # the common case of a follow stream: no copies
-            if not data:
-                return
-        self._buf += data
         try:
+            if not self._buf and self._state == "size" and self._on_chunk is not None:
+                data = self._whole_chunks(data)  # the common case of a follow stream: no copies
+                if not data:
+                    return
+            self._buf += data
             self._parse()
         except Exception as exc:  # noqa: BLE001 - handed to the waiting request
             self._fail(exc)
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionResetError("the server closed the connection"))
+        self._lost = exc or ConnectionResetError("the server closed the connection")
+        self._fail(self._lost)
 
     # ---- parsing ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ microseconds per row of the relay process (all threads) and of this process
 fast as the bulk path) and ``follow_vs_longpoll_relay_cpu_ratio`` (relay CPU
 per row, follow over long-poll). Last line: one JSON object.
 
-Usage: ``python bench/relay_catchup.py [--windows 8000] [--row-bytes 2400] [--repeat 1]``
+Usage: ``python bench/relay_catchup.py [--windows 8000] [--row-bytes 2400]``
 """
 
 from __future__ import annotations

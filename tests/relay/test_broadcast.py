@@ -19,7 +19,7 @@ import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.relay._broadcast import PUSH_BYTES
-from changebus.relay._http import BROADCASTS
+from changebus.relay._http import BROADCASTS, COPIES
 from changebus.schemas import Op, PartitionFilter, parse_stream
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
@@ -122,6 +122,11 @@ async def test_a_lone_follower_catching_up_gets_pushes_larger_than_a_herd_does(
         last = host.buffer.meta.last_scn
         body, chunks = await _follow(http, relay, -1, last, max_bytes=1 << 20)
         expected = _buffer_bytes(relay, -1, last)
+        copies = relay.server.app[COPIES]
+        deadline = time.monotonic() + 5
+        while copies.parked and time.monotonic() < deadline:  # (the response ends after us)
+            await asyncio.sleep(0.01)
+        assert copies.parked == 0  # the relay-wide count the push cap divides by
     assert body == expected
     assert len(expected) > 8 << 20
     assert len(body) / chunks > 4 * PUSH_BYTES, (len(body), chunks)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from changebus.relay import _reader
 from changebus.relay._buffer import BufferConfig, EventBuffer
 from changebus.schemas import (
     BadRequestError,
@@ -26,6 +27,10 @@ from changebus.schemas import (
 )
 
 CAP = 64 * 1024
+#: the reader's shortcuts as shipped (tests swap them per example: Hypothesis runs many
+#: examples inside one function-scoped monkeypatch, so the module attribute may be a stand-in)
+_WHOLE_TAIL = _reader._whole_tail
+_BYTE_BOUND = _reader._byte_bound
 
 
 def make_window(scn: int, sizes: list[int], *, source_id: int = 1) -> bytes:
@@ -329,12 +334,10 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
     tmp_path_factory, monkeypatch, spec, max_bytes
 ) -> None:
     """An unfiltered read from a window boundary takes a shortcut; it must equal the scan."""
-    from changebus.relay import _reader
-
     path = tmp_path_factory.mktemp("buf")
     buf = EventBuffer(path, BufferConfig(capacity_bytes=CAP, event_slots=2048))
     buf.set_start(0)
-    shortcut = _reader._whole_tail
+    shortcut = _WHOLE_TAIL
     taken = 0
 
     def counted(*args):
@@ -365,10 +368,8 @@ def test_the_whole_tail_shortcut_answers_as_the_scan_does(
 
 
 def test_a_read_at_the_tail_takes_the_whole_tail_shortcut(buf: EventBuffer, monkeypatch) -> None:
-    from changebus.relay import _reader
-
     taken: list[Any] = []
-    shortcut = _reader._whole_tail
+    shortcut = _WHOLE_TAIL
 
     def counted(*args: Any) -> Any:
         taken.append(shortcut(*args))
@@ -438,12 +439,10 @@ def test_the_byte_bound_on_a_scan_changes_no_selection(
     windows, equals the scan without the bound, field for field and byte
     for byte.
     """
-    from changebus.relay import _reader
-
     path = tmp_path_factory.mktemp("buf")
     buf = EventBuffer(path, BufferConfig(capacity_bytes=CAP, event_slots=2048))
     buf.set_start(0)
-    bound = _reader._byte_bound
+    bound = _BYTE_BOUND
     monkeypatch.setattr(_reader, "_whole_tail", lambda *a: None)  # (always the scan)
 
     try:
@@ -477,7 +476,6 @@ def test_the_byte_bound_on_a_scan_changes_no_selection(
 
 def test_a_byte_bound_cut_short_by_a_wrap_gap_is_looked_past(buf: EventBuffer, monkeypatch) -> None:
     """A wrap's gap inside a window can make the bound cut events that fit: they are sent."""
-    from changebus.relay import _reader
 
     def end_of(i: int) -> int:
         rec = buf._events.at(i)
@@ -502,7 +500,7 @@ def test_a_byte_bound_cut_short_by_a_wrap_gap_is_looked_past(buf: EventBuffer, m
     start = int(buf._events.at(first)["pos"])
     total = end_of(last) - start - gap
     cuts: list[int] = []
-    bound = _reader._byte_bound
+    bound = _BYTE_BOUND
 
     def recorded(events: Any, e: int, stop: int, left: int) -> int:
         cuts.append(bound(events, e, stop, left))

@@ -156,7 +156,7 @@ class TailBroadcast:
     def _add(self, stream: Parked) -> None:
         by_pos = self._groups.setdefault(stream.key, {})
         by_pos.setdefault((stream.scn, stream.offset), []).append(stream)
-        self._count += 1
+        self._counted(1)
 
     def _remove(self, stream: Parked) -> None:
         by_pos = self._groups.get(stream.key)
@@ -166,11 +166,16 @@ class TailBroadcast:
         if group is None or stream not in group:
             return
         group.remove(stream)
-        self._count -= 1
+        self._counted(-1)
         if not group:
             del by_pos[(stream.scn, stream.offset)]
             if not by_pos:
                 del self._groups[stream.key]
+
+    def _counted(self, delta: int) -> None:
+        """``delta`` streams parked (or, negative, no longer): here and relay-wide."""
+        self._count += delta
+        self._copies.parked += delta
 
     def _release(self, stream: Parked, why: Why) -> None:
         """Hand ``stream`` back to its task (already out of its group)."""
@@ -210,6 +215,7 @@ class TailBroadcast:
     def _broadcast(self) -> None:
         self._tick = None
         self._last = self._loop.time()
+        cap = self._push_cap()  # (once per pass: see _push_cap)
         groups = [
             (by_pos, pos, group)
             for by_pos in self._groups.values()
@@ -218,15 +224,19 @@ class TailBroadcast:
         for by_pos, pos, group in groups:
             if by_pos.get(pos) is not group:
                 continue  # (emptied meanwhile)
-            self._push(by_pos, pos, group)
+            self._push(by_pos, pos, group, cap)
 
     def _push(
-        self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], group: list[Parked]
+        self,
+        by_pos: dict[tuple[int, int], list[Parked]],
+        pos: tuple[int, int],
+        group: list[Parked],
+        cap: int,
     ) -> None:
-        """One push to every stream of ``group`` (all at ``pos``), or back to their tasks."""
+        """One push (at most ``cap``) to every stream of ``group`` (all at ``pos``), or back."""
         first = group[0]
         m = self._host.buffer.meta
-        want = min(first.max_bytes, self._push_cap())
+        want = min(first.max_bytes, cap)
         cache_key = (*pos, want, first.filter_text, first.sources)
         cached = self._cache.get(m.tail_event, cache_key, m.head_pos)
         charged = self._copies.grant(want if cached is None else len(cached.body))
@@ -252,16 +262,21 @@ class TailBroadcast:
             self._copies.release(charged)
 
     def _push_cap(self) -> int:
-        """The largest push now: :data:`PUSH_BYTES`, more when few streams share the budget.
+        """The largest push of a pass: :data:`PUSH_BYTES`, more when few streams share the budget.
 
         A push only exceeds what is new at the tail for a group behind it (a
         follower catching up), and there a larger push costs less per byte at
         both ends. What a transport cannot send at once stays in it, uncharged
-        until the stream's task takes it over, so one broadcast can leave up
-        to ``parked streams x cap`` bytes there: the cap keeps that within the
-        copy budget's spare bytes, and many parked streams get ``PUSH_BYTES``.
+        until the stream's task takes it over (``_follow._drain``, which runs
+        before this broadcast's next pass). In one pass a stream gets at most
+        one push that leaves bytes behind (such a stream goes back to its
+        task), so a pass leaves at most ``parked x cap`` bytes in transports.
+        The cap is taken once per pass, over the streams parked in every
+        partition (:attr:`CopyBudget.parked`), so that sum stays within the
+        copy budget's spare bytes, whatever the partitions' passes do in turn;
+        many parked streams get ``PUSH_BYTES``.
         """
-        share = self._copies.spare() // max(1, self._count)
+        share = self._copies.spare() // max(1, self._copies.parked)
         return max(PUSH_BYTES, min(PIECE_BYTES, share))
 
     def _write(
@@ -275,7 +290,7 @@ class TailBroadcast:
         frame = b"%x\r\n%b\r\n" % (len(body), body)
         size = len(body)
         del by_pos[pos]
-        self._count -= len(group)
+        self._counted(-len(group))
         now = time.monotonic()
         moved: list[Parked] = []
         host = self._host
@@ -305,7 +320,7 @@ class TailBroadcast:
             self._metrics.streamed(host.name, size * written, push.events * written)
         if moved:
             by_pos.setdefault((push.next_scn, push.next_offset), []).extend(moved)
-            self._count += len(moved)
+            self._counted(len(moved))
             if not push.to_tail and self._tick is None:
                 # more than one push behind the tail: go on at once, not at the next window
                 self._tick = self._loop.call_soon(self._broadcast)
@@ -314,6 +329,6 @@ class TailBroadcast:
         self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], why: Why
     ) -> None:
         group = by_pos.pop(pos)
-        self._count -= len(group)
+        self._counted(-len(group))
         for stream in group:
             self._release(stream, why)

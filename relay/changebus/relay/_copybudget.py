@@ -60,6 +60,9 @@ class CopyBudget:
         self.cut = 0
         #: the most bytes held at once since start
         self.peak = 0
+        #: follow streams parked in any partition's tail broadcast (kept by
+        #: :class:`~._broadcast.TailBroadcast`, which sizes its pushes by it)
+        self.parked = 0
 
     def spare(self) -> int:
         """What a new grant could get now: the free bytes no other request's floor needs."""
