@@ -75,6 +75,11 @@ SWEEP_S = 0.1
 #: (``_follow._FOLLOW_SNDBUF``), so that a write normally leaves nothing in the transport,
 #: where each stream would hold its own copy of the rest
 PUSH_BYTES = 64 * 1024
+#: pushes beyond PUSH_BYTES may leave at most 1/_SPARE_SHARE of the copy budget's spare
+#: bytes unsent in transports (see TailBroadcast._push_cap)
+_SPARE_SHARE = 8
+#: ... and only while the relay has at most this many follow streams (parked or draining)
+_FEW_STREAMS = 16
 #: a parked consumer is reported to the host's consumer list at most this often
 SEEN_S = 1.0
 
@@ -272,11 +277,21 @@ class TailBroadcast:
         one push that leaves bytes behind (such a stream goes back to its
         task), so a pass leaves at most ``parked x cap`` bytes in transports.
         The cap is taken once per pass, over the streams parked in every
-        partition (:attr:`CopyBudget.parked`), so that sum stays within the
-        copy budget's spare bytes, whatever the partitions' passes do in turn;
-        many parked streams get ``PUSH_BYTES``.
+        partition (:attr:`CopyBudget.parked`), so that sum stays within an
+        eighth of the copy budget's spare bytes, whatever the partitions'
+        passes do in turn. Only a few streams (at most :data:`_FEW_STREAMS`,
+        parked or draining a push) get more than ``PUSH_BYTES``: with larger
+        pushes, a thousand followers that fell behind on a busy machine
+        spread over many positions and took seconds to catch up
+        (docs/benchmarks.md).
         """
-        share = self._copies.spare() // max(1, self._copies.parked)
+        copies = self._copies
+        # (streams draining a push hold a grant: they count, or a herd of slow readers,
+        # most of them draining, would leave the few parked ones large pushes)
+        streams = copies.parked + copies.holders
+        if streams > _FEW_STREAMS:
+            return PUSH_BYTES
+        share = copies.spare() // (_SPARE_SHARE * max(1, streams))
         return max(PUSH_BYTES, min(PIECE_BYTES, share))
 
     def _write(
