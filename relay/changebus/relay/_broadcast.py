@@ -29,10 +29,10 @@ are coalesced into broadcasts at least ``min(n * TICK_PER_STREAM_S,
 MAX_TICK_S)`` apart for ``n`` parked streams: each broadcast writes to every
 stream, so the system calls per second stay bounded (a thousand followers
 get a push every 20 ms, each carrying some 20 windows) while few followers
-get every window at once. A push is at most :data:`PUSH_BYTES`, or more when
-few streams share the copy budget (:meth:`TailBroadcast._push_cap`): that
-only matters behind the tail, where a lone follower catching up then takes
-1 MiB pushes instead of sixteen times as many small ones.
+get every window at once. A push is at most :data:`PUSH_BYTES`, or more
+while the relay has only a few follow streams (:meth:`TailBroadcast._push_cap`):
+that only matters behind the tail, where a lone follower catching up then
+takes 1 MiB pushes instead of sixteen times as many small ones.
 
 Invariants: a parked stream's ``scn``/``offset`` is the position after the
 last byte written to its transport, and it is in exactly one group, the one of
