@@ -134,6 +134,74 @@ async def test_zookeeper_restart_under_load(
     assert ids == list(range(w.committed))
 
 
+async def test_a_leader_whose_lease_lapsed_within_its_session_does_not_leave_the_partition_leaderless(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    """A pause past the lease but within the ZooKeeper session (a short SIGSTOP).
+
+    The fence refuses the term and the member steps down, but it still holds
+    the election: unless it gives the term up, nobody can lead again until its
+    session dies (the chaos test found a partition leaderless for minutes).
+    """
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+
+    def config(name: str) -> RelayConfig:
+        source = FetcherConfig(
+            "postgres",
+            {"dsn": pg_dsn, "slot": slot, "status_interval_s": 0.2},
+            retry_initial_s=0.1,
+            retry_max_s=1.0,
+        )
+        return RelayConfig(
+            data_dir=tmp_path / name,
+            http=HttpConfig(port=0, max_wait_s=10),
+            partitions=(PartitionConfig(PART, 1, capacity_bytes=16 << 20, fetcher=source),),
+            flush_interval_s=0,
+            cluster=ClusterConfig(
+                zookeeper=zk_server.hosts, name=zk_cluster, member_id=name, session_timeout_s=4.0
+            ),
+        )
+
+    async with Relay(config("a")) as a, Relay(config("b")) as b:
+        hosts = [a.hosts[PART], b.hosts[PART]]
+        await wait_until(
+            lambda: (
+                sorted(h.role for h in hosts) == ["follower", "leader"]
+                and all(h.state == "streaming" for h in hosts)
+            ),
+            30,
+            "a leader and a follower",
+        )
+        leader = a if a.hosts[PART].role == "leader" else b
+        epoch = leader.hosts[PART].epoch or 0
+        assert leader.cluster is not None
+        term = leader.cluster.roles[PART].election.leadership
+        assert term is not None and term.epoch == epoch
+        with Writer(pg_dsn, rate=200) as w:
+            await wait_until(lambda: w.committed >= 50, 30, "50 transactions")
+            # the lease lapses (a paused process) until the ingest notices; then the
+            # heartbeats renew it: the session never ended
+            deadline = asyncio.get_running_loop().time() + 10
+            while leader.hosts[PART].state != "fenced":
+                assert asyncio.get_running_loop().time() < deadline, "the leader was not fenced"
+                term.confirmed_at = float("-inf")
+                await asyncio.sleep(0.005)
+            await wait_until(
+                lambda: (
+                    any(h.role == "leader" and h.state == "streaming" for h in hosts)
+                    and all((h.epoch or 0) > epoch for h in hosts)
+                ),
+                20,
+                "a leader with a newer epoch",
+            )
+            before = w.committed
+            await wait_until(lambda: w.committed >= before + 50, 30, "50 more transactions")
+        end = marker(pg_dsn)
+        await wait_until(lambda: all(h.buffer.meta.last_scn >= end for h in hosts), 30, "caught up")
+
+
 async def test_a_relay_started_while_zookeeper_is_down_serves_and_joins_later(
     tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
 ) -> None:

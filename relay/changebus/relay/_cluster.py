@@ -189,8 +189,18 @@ class PartitionRole:
         self._kick.set()
 
     def fence_refused(self, term: Leadership, reason: str) -> None:
+        """The ingest stopped under ``term``: never lead that epoch again, and give it up.
+
+        Giving it up matters when the lease lapsed but the ZooKeeper session
+        lived (a pause shorter than the session): the election would
+        otherwise keep this member's term, so no member, this one included,
+        could lead the partition until the session ended. Ended, the term
+        makes the election take a new epoch (this member's again when it is
+        still first in line).
+        """
         self._refused_epoch = max(self._refused_epoch, term.epoch)
         self.step_down_reason = f"epoch {term.epoch}: {reason}"
+        term.lose(f"the ingest's fence refused it: {reason}")
         self._kick.set()
 
     # -- the plan ---------------------------------------------------------------
