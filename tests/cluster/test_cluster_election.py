@@ -12,12 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from changebus.cluster import (
     ClusterConfig,
     Leadership,
     PartitionElection,
     current_leader,
+    election_path,
     epoch_path,
 )
 from waiting import wait_until
@@ -254,3 +257,32 @@ async def test_leader_whose_candidate_node_is_deleted_steps_down(zk_session) -> 
     assert other.epoch == term.epoch + 1
     await first.stop()
     await second.stop()
+
+
+async def test_an_error_from_zookeeper_does_not_end_the_candidacy(
+    zk_session, zk_hosts: str, zk_cluster: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ZooKeeper refusing a request (here NoAuth: an ACL locks the election node) is not
+    "ZooKeeper did not answer": the candidacy must not end on it. A task that ended left
+    its candidate node in place and nobody could take its turn until the process died."""
+    admin = KazooClient(hosts=zk_hosts, timeout=5.0)
+    admin.start(10)
+    try:
+        admin.add_auth("digest", "admin:pw")
+        election = election_path(zk_cluster, "plock")
+        admin.ensure_path(election.rpartition("/")[0])  # (the parents stay open)
+        admin.create(election, acl=[make_digest_acl("admin", "pw", all=True)])
+        session = await zk_session("r1")
+        e = PartitionElection(session, "plock")
+        await e.start()
+        await asyncio.sleep(1.5)  # refused meanwhile, again and again
+        assert e.leadership is None
+        admin.set_acls(election, OPEN_ACL_UNSAFE)
+        async with asyncio.timeout(15):
+            term = await e.wait_elected()
+        assert term.valid() and term.epoch == 1
+        assert any("left the election after an error" in r.getMessage() for r in caplog.records)
+        await e.stop()
+    finally:
+        admin.stop()
+        admin.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
+from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from changebus.cluster import (
     CoordinationError,
@@ -22,6 +23,7 @@ from changebus.cluster import (
     RoutingTable,
     member_path,
 )
+from changebus.cluster._layout import members_path
 from waiting import wait_until
 
 pytestmark = pytest.mark.zk
@@ -305,3 +307,34 @@ async def test_cluster_status_of_an_empty_cluster_writes_nothing(
     assert out == {"cluster": zk_cluster, "members": [], "partitions": {}}
     session = await zk_session("")
     assert await session.op("exists", f"/changebus/{zk_cluster}") is None
+
+
+async def test_the_routing_table_keeps_refreshing_after_zookeeper_refuses_a_read(
+    zk_session, zk_hosts: str, zk_cluster: str
+) -> None:
+    """A refusal (NoAuth: an ACL locks the members node for a while) must not end the
+    table's refresh task: readers would keep a frozen table for good."""
+    admin = KazooClient(hosts=zk_hosts, timeout=5.0)
+    admin.start(10)
+    try:
+        members = members_path(zk_cluster)
+        admin.ensure_path(members)
+        table = RoutingTable(await zk_session(""))
+        await table.start()
+        admin.add_auth("digest", "admin:pw")
+        admin.set_acls(members, [make_digest_acl("admin", "pw", all=True)])
+        s1 = await zk_session("r1")
+        election = PartitionElection(s1, "p0")
+        await election.start()  # a change under partitions/: the table refreshes, is refused
+        await asyncio.sleep(1.5)
+        admin.set_acls(members, OPEN_ACL_UNSAFE)
+        reg = Registry(s1, "relay", min_interval_s=0.05)
+        await reg.start()
+        await wait_until(lambda: set(table.snapshot().members) == {"r1"}, 10, "the member seen")
+        await wait_until(lambda: table.leader("p0") is not None, 10, "the leader seen")
+        await reg.stop()
+        await election.stop()
+        await table.stop()
+    finally:
+        admin.stop()
+        admin.close()

@@ -71,6 +71,8 @@ __all__ = ["LeaderInfo", "Leadership", "PartitionElection", "current_leader"]
 log = logging.getLogger("changebus.cluster.election")
 
 _RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+#: waits before joining again after an error that is not "ZooKeeper did not answer"
+_WITHDRAW_S = (0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +260,9 @@ class PartitionElection:
         self._kick.set()
 
     async def _run(self) -> None:
+        """The candidacy's loop. It never ends on an error, only on :meth:`stop` or a
+        closed session: a task that died would leave its candidate node in place
+        (the session lives), so no other member could ever take its turn."""
         failures = 0
         while not self._stopping:
             try:
@@ -274,13 +279,39 @@ class PartitionElection:
                 if self.session.state == "closed":
                     log.info("partition %s: the session closed, candidacy ends", self.partition)
                     return
-                if not exc.retriable:
-                    log.error("partition %s: election stopped: %s", self.partition, exc)
-                    raise
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
-                failures += 1
-                log.info("partition %s: election retry in %.2f s: %s", self.partition, delay, exc)
-                await asyncio.sleep(delay)
+                if exc.retriable:
+                    delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                    failures += 1
+                    log.info(
+                        "partition %s: election retry in %.2f s: %s", self.partition, delay, exc
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                failures = await self._withdraw(exc, failures)
+            except Exception as exc:  # noqa: BLE001 - ZooKeeper said no (NoAuth, a node gone ...)
+                failures = await self._withdraw(exc, failures)
+
+    async def _withdraw(self, exc: BaseException, failures: int) -> int:
+        """After an error the loop cannot retry in place: log it, give up any term and
+        the candidate node (the next member goes first), wait, and start over."""
+        delay = _WITHDRAW_S[min(failures, len(_WITHDRAW_S) - 1)]
+        log.error(
+            "partition %s: %s left the election after an error, joins again in %.1f s: %s: %s",
+            self.partition,
+            self.member_id,
+            delay,
+            type(exc).__name__,
+            exc,
+        )
+        term = self.leadership
+        if term is not None:
+            term.lose(f"election error: {type(exc).__name__}")
+        candidate, self._candidate = self._candidate, None
+        if candidate is not None:
+            with contextlib.suppress(Exception):  # best effort: it dies with the session anyway
+                await self.session.op("delete", candidate)
+        await asyncio.sleep(delay)
+        return failures + 1
 
     async def _ensure_candidate(self) -> None:
         session = self.session

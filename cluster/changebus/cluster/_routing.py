@@ -207,6 +207,11 @@ class RoutingTable:
                 log.info("routing table refresh failed: %s", exc)
                 await asyncio.sleep(0.2)
                 self._kick.set()
+            except Exception as exc:  # noqa: BLE001 - ZooKeeper said no, bad data: keep going
+                # (a task that ended here would leave every reader a frozen table)
+                log.error("routing table refresh failed: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+                self._kick.set()
 
     async def _refresh(self) -> None:
         cluster, timeout, watch = self.session.config.name, self.session.op_timeout_s, self._watch
