@@ -302,8 +302,11 @@ class TailBroadcast:
         push: CachedResponse,
     ) -> None:
         body = push.body
-        frame = b"%x\r\n%b\r\n" % (len(body), body)
         size = len(body)
+        # a push without events only moves the position (the filter kept none of what it
+        # passed over): nothing is written, since an empty chunk would end the response
+        frame = b"%x\r\n%b\r\n" % (size, body) if size else b""
+        key = group[0].key
         del by_pos[pos]
         self._counted(-len(group))
         now = time.monotonic()
@@ -317,8 +320,9 @@ class TailBroadcast:
             if transport.is_closing():
                 self._release(stream, "closed")
                 continue
-            transport.write(frame)
-            written += 1
+            if frame:
+                transport.write(frame)
+                written += 1
             stream.scn, stream.offset = push.next_scn, push.next_offset
             stream.sent += size
             stream.idle_until = now + stream.wait
@@ -333,17 +337,22 @@ class TailBroadcast:
                 moved.append(stream)
         if written:
             self._metrics.streamed(host.name, size * written, push.events * written)
+        new = (push.next_scn, push.next_offset)
         if moved:
-            by_pos.setdefault((push.next_scn, push.next_offset), []).extend(moved)
+            by_pos.setdefault(new, []).extend(moved)
             self._counted(len(moved))
-            if not push.to_tail and self._tick is None:
+            if not push.to_tail and self._tick is None and new != pos:
                 # more than one push behind the tail: go on at once, not at the next window
                 self._tick = self._loop.call_soon(self._broadcast)
+        if not by_pos and self._groups.get(key) is by_pos:
+            del self._groups[key]  # (no stream asks for this any more)
 
     def _hand_back(
         self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], why: Why
     ) -> None:
         group = by_pos.pop(pos)
         self._counted(-len(group))
+        if not by_pos and group and self._groups.get(group[0].key) is by_pos:
+            del self._groups[group[0].key]
         for stream in group:
             self._release(stream, why)

@@ -1,0 +1,141 @@
+"""The tail broadcast's groups, driven directly: a real event buffer, response cache and
+copy budget; the transports are in-memory recorders (what the broadcast writes is the
+subject here, not the network)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from changebus.relay._broadcast import Parked, TailBroadcast
+from changebus.relay._buffer import BufferConfig, EventBuffer
+from changebus.relay._copybudget import CopyBudget
+from changebus.relay._respcache import ResponseCache
+from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
+
+
+def _event(scn: int, seq: int, size: int, source: int) -> bytes:
+    key = f"k{scn}-{seq}".encode()
+    return encode_event(
+        Op.INSERT, scn, seq, scn * 1000, key, b"x" * size, key_hash=key_hash(key), source_id=source
+    )
+
+
+class _Transport:
+    """Records what is written; never has bytes left over."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Host:
+    name = "p"
+
+    def __init__(self, buffer: EventBuffer) -> None:
+        self.buffer = buffer
+        self.listeners: list[Any] = []
+
+    def add_wake_listener(self, listener: Any) -> None:
+        self.listeners.append(listener)
+
+    def saw_consumer(self, *_args: Any) -> None:
+        pass
+
+
+class _Metrics:
+    def streamed(self, *_args: Any) -> None:
+        pass
+
+
+def _setup(tmp_path: Path) -> tuple[EventBuffer, CopyBudget, TailBroadcast]:
+    buffer = EventBuffer(tmp_path / "b", BufferConfig(capacity_bytes=1 << 20, event_slots=4096))
+    buffer.set_start(0)
+    copies = CopyBudget(64 << 20, 100)
+    cache = ResponseCache(8 << 20, 1 << 20)
+    broadcast = TailBroadcast(_Host(buffer), cache, copies, _Metrics())  # type: ignore[arg-type]
+    return buffer, copies, broadcast
+
+
+def _parked(transport: _Transport, **kw: Any) -> Parked:
+    args: dict[str, Any] = {
+        "max_bytes": 1 << 20,
+        "filter_text": None,
+        "sources": None,
+        "budget": 1 << 40,
+        "wait": 30.0,
+    }
+    args.update(kw)
+    return Parked(
+        SimpleNamespace(remote="127.0.0.1"),  # type: ignore[arg-type]
+        transport,  # type: ignore[arg-type]
+        args["max_bytes"],
+        args["filter_text"],
+        None,
+        args["sources"],
+        "c",
+        0,
+        -1,
+        0,
+        args["budget"],
+        args["wait"],
+        time.monotonic() + args["wait"],
+    )
+
+
+def _chunks(writes: list[bytes]) -> list[int]:
+    """The chunk sizes of what a stream got (each write is one whole chunk)."""
+    return [int(w.split(b"\r\n", 1)[0], 16) for w in writes]
+
+
+async def test_a_push_whose_filter_kept_nothing_writes_no_empty_chunk(tmp_path: Path) -> None:
+    """A filtered selection cut before any event it keeps moves the position only. Written
+    as a chunk it would be ``0\\r\\n\\r\\n``: the end of the response, with more after it."""
+    buffer, copies, broadcast = _setup(tmp_path)
+    transport = _Transport()
+    stream = _parked(transport, max_bytes=1000, sources=frozenset({2}))
+    parked = asyncio.ensure_future(broadcast.park(stream))
+    await asyncio.sleep(0)
+    # a small source-1 event (filtered out), then a source-2 event larger than max_bytes
+    buffer.append_window(
+        _event(3, 0, 10, 1)
+        + _event(3, 1, 5000, 2)
+        + encode_control(EndOfWindow(2, "p"), 3, 2, 3000)
+    )
+    broadcast._woken()
+    await asyncio.sleep(0.05)
+    sizes = _chunks(transport.out)
+    assert sizes and 0 not in sizes, sizes
+    # every byte of the kept event and the window's end arrived, once
+    assert sum(sizes) == len(_event(3, 1, 5000, 2)) + len(
+        encode_control(EndOfWindow(2, "p"), 3, 2, 3000)
+    )
+    assert (stream.scn, stream.offset) == (3, -1)
+    parked.cancel()
+    await asyncio.sleep(0)
+    assert copies.parked == 0
+
+
+async def test_groups_of_streams_that_are_gone_are_forgotten(tmp_path: Path) -> None:
+    """Each distinct request (max_bytes, filter, sources) has a group; once its streams are
+    gone the group goes too, or any client could grow the table without bound."""
+    buffer, copies, broadcast = _setup(tmp_path)
+    buffer.append_window(_event(3, 0, 100, 1) + encode_control(EndOfWindow(1, "p"), 3, 1, 3000))
+    whys = []
+    for i in range(200):  # each ends after one push (its byte budget is 1)
+        stream = _parked(_Transport(), max_bytes=100_000 + i, budget=1, filter_text=f"f{i}")
+        whys.append(await broadcast.park(stream))
+    assert set(whys) == {"budget"}
+    assert len(broadcast) == 0 and copies.parked == 0
+    assert broadcast._groups == {}
