@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,10 @@ def _pg_relay_config(
     slot: str,
     name: str,
     session_timeout_s: float,
+    **cluster: Any,
 ) -> RelayConfig:
-    """Member ``name`` of a two-relay cluster over one Postgres slot."""
+    """Member ``name`` of a two-relay cluster over one Postgres slot (``cluster``: more
+    ``[cluster]`` settings)."""
     source = FetcherConfig(
         "postgres",
         {"dsn": pg_dsn, "slot": slot, "status_interval_s": 0.2},
@@ -46,6 +49,7 @@ def _pg_relay_config(
             name=zk_cluster,
             member_id=name,
             session_timeout_s=session_timeout_s,
+            **cluster,
         ),
     )
 
@@ -292,3 +296,44 @@ def test_cluster_table_in_the_relay_config(tmp_path: Path) -> None:
         load_config(RelayConfig, cfg, env={})
     ids = {member_server_id(m, "main") for m in ("r0", "r1", "r2", "relay-a", "relay-b")}
     assert len(ids) == 5 and all(0x4352_0000 <= i <= 0x4352_FFFF for i in ids)
+
+
+async def test_a_leader_that_cannot_read_its_source_gives_the_partition_to_one_that_can(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    """Member a leads first but its own DSN points nowhere (a wrong port): it must not
+    hold the term for good. After source_give_up_s it queues behind b, which leads."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = pg_dsn.replace(
+            f"port={pg_dsn.split('port=')[1].split()[0]}", f"port={s.getsockname()[1]}"
+        )
+    give_up = {"source_give_up_s": 2.0}
+    a_cfg = _pg_relay_config(tmp_path, dead, zk_server, zk_cluster, slot, "a", 4.0, **give_up)
+    b_cfg = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, "b", 4.0, **give_up)
+    async with Relay(a_cfg) as a:
+        ha = a.hosts[PART]
+        await wait_until(lambda: ha.role == "leader", 30, "a leads first")
+        assert ha.state != "streaming"
+        async with Relay(b_cfg) as b:
+            hb = b.hosts[PART]
+            await wait_until(
+                lambda: hb.role == "leader" and hb.state == "streaming",
+                30,
+                "b leads and streams",
+            )
+            assert (hb.epoch or 0) > 1
+            await wait_until(lambda: ha.role == "follower", 10, "a follows b")
+            assert a.cluster is not None
+            assert "source was not read" in a.cluster.roles[PART].step_down_reason
+            with Writer(pg_dsn, rate=200) as w:
+                await wait_until(lambda: w.committed >= 50, 30, "50 transactions")
+            end = marker(pg_dsn)
+            await wait_until(
+                lambda: ha.buffer.meta.last_scn >= end and hb.buffer.meta.last_scn >= end,
+                30,
+                "both hold every window",
+            )

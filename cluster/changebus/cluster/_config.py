@@ -37,6 +37,10 @@ class ClusterConfig:
       "anyone may read" -- so consumers find relays without credentials but
       nobody without them can register a member, stand for election or move
       an epoch. The password is a secret: not in the repr, never logged.
+    * ``source_give_up_s``: a relay leading a partition whose source it has not
+      been able to read for this long (a member's wrong DSN or password, no
+      route to the database) gives its term up and queues again behind the
+      other members, so that one of them can try (0: never).
     """
 
     zookeeper: str
@@ -50,6 +54,7 @@ class ClusterConfig:
     zk_password: str = secret("")
     zk_password_file: str = ""
     zk_world_readable: bool = True
+    source_give_up_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.zookeeper.strip():
@@ -66,6 +71,8 @@ class ClusterConfig:
             raise ConfigError("cluster.connect_timeout_s must be positive")
         if not 0.05 <= self.lease_fraction <= 0.9:
             raise ConfigError(f"cluster.lease_fraction: {self.lease_fraction} is out of 0.05..0.9")
+        if self.source_give_up_s < 0:
+            raise ConfigError("cluster.source_give_up_s must not be negative (0: never)")
         if ":" in self.zk_user:
             raise ConfigError("cluster.zk_user must not contain ':'")
         has_password = bool(self.zk_password) or bool(self.zk_password_file)

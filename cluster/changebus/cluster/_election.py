@@ -33,8 +33,10 @@ again, before kazoo has noticed anything. Check ``valid()`` right before
 every source acknowledgement and every publication of a window; it is cheap
 (three attribute reads and a clock read) and thread-safe.
 
-Heartbeat: while leading, every ``lease / 3`` one thread hop reads the
-epoch node and checks the candidate node (two pipelined requests).
+Heartbeat: while leading, every ``lease / 3`` one thread hop syncs the
+server with the ensemble's leader, then reads the epoch node and checks the
+candidate node (three pipelined requests): a server cut off from the
+quorum cannot confirm the lease from its own stale copy.
 
 Thread-safety: everything but :meth:`Leadership.valid` (any thread) runs on
 the event loop of the session.
@@ -236,6 +238,16 @@ class PartitionElection:
         if candidate is not None and self.session.connected:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", candidate)
+
+    def requeue(self, reason: str) -> None:
+        """Give up any term and go to the back of the line: the candidacy starts over
+        with a new candidate node (the old one is dropped as an orphan of this session),
+        so every other member waiting now goes first."""
+        term = self.leadership
+        if term is not None:
+            term.lose(reason)
+        self._candidate = None
+        self._kick.set()
 
     async def wait_elected(self) -> Leadership:
         """Wait until this member leads (returns the current term)."""
@@ -443,8 +455,15 @@ class PartitionElection:
         expected = term.epoch
 
         def beat(zk: Any) -> tuple[int, bool]:
+            # sync first: the server answering must have caught up with the ensemble's
+            # leader, so the reads after it (a session's requests are answered in order) are
+            # the quorum's state. A server cut off from the ensemble may go on answering
+            # reads from its own copy for a while after our session expired elsewhere;
+            # its sync does not complete, so the lease runs out instead
+            pending_sync = zk.sync_async(node)
             pending_epoch = zk.get_async(node, watch=watch)
             pending_candidate = zk.exists_async(candidate, watch=candidate_watch)
+            pending_sync.get(timeout=timeout)
             data, _stat = pending_epoch.get(timeout=timeout)
             return decode_epoch(data).epoch, pending_candidate.get(timeout=timeout) is not None
 

@@ -18,8 +18,10 @@ Layout and invariants: :mod:`changebus.cluster._group_layout`. A member
    before it claims its checkpoint and releases it after its last commit, so
    a unit moving from one member to another is never read by both.
 
-Lease. Every ``lease_s / 3`` a heartbeat checks that the member node still
-exists (one round trip). :meth:`GroupMember.lease_valid` is true only while
+Lease. Every ``lease_s / 3`` a heartbeat syncs the server with the
+ensemble's leader and checks that the member node still exists (one round
+trip, two pipelined requests; the sync keeps a server cut off from the
+quorum from confirming the lease out of its own stale copy). :meth:`GroupMember.lease_valid` is true only while
 kazoo reports the connection up and the newest heartbeat that found the node
 was *sent* less than ``lease_s`` (``lease_fraction`` x session timeout) ago:
 ZooKeeper cannot expire the session, and so cannot let another member take
@@ -444,7 +446,16 @@ class GroupMember:
         if not path:
             return
         t0 = time.monotonic()
-        stat = await self.session.op("exists", path, watch=self._node_watch)
+        watch, timeout = self._node_watch, self.session.op_timeout_s
+
+        def beat(zk: Any) -> Any:
+            # a sync first, as the election's heartbeat does: the answer is the quorum's
+            pending_sync = zk.sync_async(path)
+            pending = zk.exists_async(path, watch=watch)
+            pending_sync.get(timeout=timeout)
+            return pending.get(timeout=timeout)
+
+        stat = await self.session.call(beat)
         if path != self._member_path:
             return
         if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:

@@ -154,6 +154,8 @@ class PartitionRole:
         self.step_down_reason = ""
         self.terms = 0
         self._refused_epoch = 0
+        #: leading: since when the source has not streamed (monotonic)
+        self._unread_since = 0.0
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -186,6 +188,33 @@ class PartitionRole:
 
     def _elected(self, term: Leadership) -> None:
         term.on_lost(lambda _t: self._kick.set())
+        self._kick.set()
+
+    def _give_up_if_unread(self) -> None:
+        """Leading, but the source has not streamed for ``source_give_up_s``: requeue.
+
+        The term is kept only while it is of use: a member that cannot read the
+        source (its own DSN or password is wrong, it has no route to the
+        database) would otherwise hold the partition for good while the others,
+        who might read it, wait behind it.
+        """
+        limit = self.member.config.source_give_up_s
+        now = time.monotonic()
+        if self.host.state == "streaming" or not limit:
+            self._unread_since = now
+            return
+        if now - self._unread_since < limit:
+            return
+        reason = f"its source was not read for {limit:g} s (state {self.host.state})"
+        log.error(
+            "partition %s: %s gives up its term: %s; it queues again behind the others",
+            self.name,
+            self.member_id,
+            reason,
+        )
+        self.step_down_reason = reason
+        self._unread_since = now
+        self.election.requeue(reason)
         self._kick.set()
 
     def fence_refused(self, term: Leadership, reason: str) -> None:
@@ -237,6 +266,7 @@ class PartitionRole:
                 if self.plan[0] == "lead":
                     self.hold = self.follower_hold()
                     await self.host.acknowledge_held()
+                    self._give_up_if_unread()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -266,6 +296,7 @@ class PartitionRole:
                 epoch,
             )
             self.plan = plan
+            self._unread_since = time.monotonic()
             await host.switch_fetcher(self._source_config(), fence=fence)
         elif what == "follow":
             if was_leader and not self.step_down_reason:
