@@ -84,7 +84,17 @@ class SourceAcks:
         return self.buffer.meta.last_scn
 
     async def _acknowledge(self, fetcher: Fetcher, scn: int) -> None:
-        """Acknowledge ``scn`` as far as the fence allows; raises :class:`Fenced` if refused."""
+        """Acknowledge ``scn`` as far as the fence allows; raises :class:`Fenced` if refused.
+
+        The lease is checked here, when the position is handed to the fetcher,
+        not when the fetcher's own thread later sends it to the source (the
+        Postgres fetcher sends its standby status on its own schedule). That is
+        safe only because the position is at most the followers' hold at the
+        time of the check (``fence.ack_scn``), and a follower's held SCN never
+        goes backwards: whoever leads next still holds everything after it. A
+        change that lets the acknowledged position pass the hold must move the
+        lease check next to the send.
+        """
         fence = self.fence
         if fence is not None:
             limit = fence.ack_scn(scn)
