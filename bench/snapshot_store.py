@@ -30,7 +30,6 @@ import datetime as dt
 import json
 import os
 import sqlite3
-import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,6 +44,8 @@ from changebus.schemas import (
     RowEncoder,
     SchemaRegistry,
     TableSchema,
+    headers_at,
+    scan_offsets,
 )
 
 TABLE = TableSchema(
@@ -143,30 +144,28 @@ def blob_keys_way(
         "seg INTEGER NOT NULL, PRIMARY KEY (part, source_id, key)) WITHOUT ROWID"
     )
     per = 500
-    full = (
-        "INSERT INTO segkey VALUES "
-        + ", ".join(f"(?1, 1, ?{j + 3}, ?2)" for j in range(per))
-        + " ON CONFLICT DO UPDATE SET seg = excluded.seg"
-    )
+
+    def upsert_keys(n: int) -> str:
+        values = ", ".join(f"(?1, 1, ?{j + 3}, ?2)" for j in range(n))
+        return f"INSERT INTO segkey VALUES {values} ON CONFLICT DO UPDATE SET seg = excluded.seg"
+
+    full = upsert_keys(per)
 
     def write(tag: int, events: list[bytes]) -> None:
+        blob = b"".join(events)
         conn.execute("BEGIN")
-        seg = conn.execute(
-            "INSERT INTO seg (tag, data) VALUES (?, ?)", (tag, b"".join(events))
-        ).lastrowid
+        seg = conn.execute("INSERT INTO seg (tag, data) VALUES (?, ?)", (tag, blob)).lastrowid
         if not index_keys:
             conn.execute("COMMIT")
             return
-        keys = sorted(ev[HEADER_SIZE : HEADER_SIZE + _klen(ev)] for ev in events)
+        # the keys, found in the blob as the store finds events (one vectorised header scan)
+        offsets = scan_offsets(blob)
+        lengths = headers_at(blob, offsets)["key_length"].tolist()
+        starts = (offsets + HEADER_SIZE).tolist()
+        keys = sorted(blob[at : at + n] for at, n in zip(starts, lengths, strict=True))
         for i in range(0, len(keys), per):
             batch = keys[i : i + per]
-            sql = (
-                full
-                if len(batch) == per
-                else "INSERT INTO segkey VALUES "
-                + ", ".join(f"(?1, 1, ?{j + 3}, ?2)" for j in range(len(batch)))
-                + " ON CONFLICT DO UPDATE SET seg = excluded.seg"
-            )
+            sql = full if len(batch) == per else upsert_keys(len(batch))
             conn.execute(sql, ["pg", seg, *batch])
         conn.execute("COMMIT")
 
@@ -174,16 +173,6 @@ def blob_keys_way(
         return timed(write, data)
     finally:
         conn.close()
-
-
-#: the header's key_length field (u16 at byte 58: changebus.schemas' envelope layout)
-_KEY_LENGTH = struct.Struct("<H")
-_KEY_LENGTH_AT = 58
-
-
-def _klen(event: bytes) -> int:
-    """The key length of an event (its header's field, as the store reads it)."""
-    return int(_KEY_LENGTH.unpack_from(event, _KEY_LENGTH_AT)[0])
 
 
 def file_way(base: Path, data: list[tuple[int, list[bytes]]]) -> tuple[float, float]:

@@ -54,29 +54,40 @@ def _pg_relay_config(
     )
 
 
+def _table_and_slot(pg_dsn: str) -> str:
+    """The source table the tests write, and a fresh slot name for the pair of relays."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+    return f"cb_{uuid.uuid4().hex[:10]}"
+
+
+async def _leader_and_follower(a: Relay, b: Relay) -> Relay:
+    """Wait until one of ``a`` and ``b`` leads and the other follows, both streaming; the leader."""
+    hosts = [a.hosts[PART], b.hosts[PART]]
+    await wait_until(
+        lambda: (
+            sorted(h.role for h in hosts) == ["follower", "leader"]
+            and all(h.state == "streaming" for h in hosts)
+        ),
+        30,
+        "a leader and a follower",
+    )
+    return a if a.hosts[PART].role == "leader" else b
+
+
 @pytest.mark.pg
 @pytest.mark.usefixtures("no_blocking")
 async def test_zookeeper_restart_under_load(
     tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
 ) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
-    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    slot = _table_and_slot(pg_dsn)
 
     def config(name: str) -> RelayConfig:
         return _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, name, 2.0)
 
     async with Relay(config("a")) as a, Relay(config("b")) as b:
         hosts = [a.hosts[PART], b.hosts[PART]]
-        await wait_until(
-            lambda: (
-                sorted(h.role for h in hosts) == ["follower", "leader"]
-                and all(h.state == "streaming" for h in hosts)
-            ),
-            30,
-            "a leader and a follower",
-        )
-        leader = a if a.hosts[PART].role == "leader" else b
+        leader = await _leader_and_follower(a, b)
         epoch = leader.hosts[PART].epoch or 0
         with Writer(pg_dsn, rate=200) as w:
             await wait_until(lambda: w.committed >= 100, 30, "100 transactions")
@@ -163,24 +174,14 @@ async def test_a_leader_whose_lease_lapsed_within_its_session_does_not_leave_the
     the election: unless it gives the term up, nobody can lead again until its
     session dies (the chaos test found a partition leaderless for minutes).
     """
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
-    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    slot = _table_and_slot(pg_dsn)
 
     def config(name: str) -> RelayConfig:
         return _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, name, 4.0)
 
     async with Relay(config("a")) as a, Relay(config("b")) as b:
         hosts = [a.hosts[PART], b.hosts[PART]]
-        await wait_until(
-            lambda: (
-                sorted(h.role for h in hosts) == ["follower", "leader"]
-                and all(h.state == "streaming" for h in hosts)
-            ),
-            30,
-            "a leader and a follower",
-        )
-        leader = a if a.hosts[PART].role == "leader" else b
+        leader = await _leader_and_follower(a, b)
         epoch = leader.hosts[PART].epoch or 0
         assert leader.cluster is not None
         term = leader.cluster.roles[PART].election.leadership
@@ -222,9 +223,7 @@ async def test_a_leader_whose_lease_lapsed_within_its_session_does_not_leave_the
 async def test_a_relay_started_while_zookeeper_is_down_serves_and_joins_later(
     tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
 ) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
-    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    slot = _table_and_slot(pg_dsn)
     source = FetcherConfig(
         "postgres", {"dsn": pg_dsn, "slot": slot}, retry_initial_s=0.1, retry_max_s=1.0
     )
@@ -303,9 +302,7 @@ async def test_a_leader_that_cannot_read_its_source_gives_the_partition_to_one_t
 ) -> None:
     """Member a leads first but its own DSN points nowhere (a wrong port): it must not
     hold the term for good. After source_give_up_s it queues behind b, which leads."""
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
-    slot = f"cb_{uuid.uuid4().hex[:10]}"
+    slot = _table_and_slot(pg_dsn)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = pg_dsn.replace(

@@ -315,11 +315,9 @@ class PartitionElection:
             type(exc).__name__,
             exc,
         )
-        term = self.leadership
-        if term is not None:
-            term.lose(f"election error: {type(exc).__name__}")
-        candidate, self._candidate = self._candidate, None
-        if candidate is not None:
+        candidate = self._candidate
+        self.requeue(f"election error: {type(exc).__name__}")
+        if candidate is not None:  # (now, not as an orphan later: others go first meanwhile)
             with contextlib.suppress(Exception):  # best effort: it dies with the session anyway
                 await self.session.op("delete", candidate)
         await asyncio.sleep(delay)

@@ -21,9 +21,10 @@ Layout and invariants: :mod:`changebus.cluster._group_layout`. A member
 Lease. Every ``lease_s / 3`` a heartbeat syncs the server with the
 ensemble's leader and checks that the member node still exists (one round
 trip, two pipelined requests; the sync keeps a server cut off from the
-quorum from confirming the lease out of its own stale copy). :meth:`GroupMember.lease_valid` is true only while
-kazoo reports the connection up and the newest heartbeat that found the node
-was *sent* less than ``lease_s`` (``lease_fraction`` x session timeout) ago:
+quorum from confirming the lease out of its own stale copy).
+:meth:`GroupMember.lease_valid` is true only while kazoo reports the
+connection up and the newest heartbeat that found the node was *sent* less
+than ``lease_s`` (``lease_fraction`` x session timeout) ago:
 ZooKeeper cannot expire the session, and so cannot let another member take
 the units, sooner than a session timeout after that. A member frozen past its
 session (SIGSTOP, a long pause) sees ``lease_valid() == False`` the moment it

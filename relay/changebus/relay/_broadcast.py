@@ -174,8 +174,12 @@ class TailBroadcast:
         self._counted(-1)
         if not group:
             del by_pos[(stream.scn, stream.offset)]
-            if not by_pos:
-                del self._groups[stream.key]
+            self._forget_if_empty(stream.key, by_pos)
+
+    def _forget_if_empty(self, key: tuple[Any, ...], by_pos: dict[Any, list[Parked]]) -> None:
+        """Drop ``key`` once no stream asks for it (a client could grow the table otherwise)."""
+        if not by_pos and self._groups.get(key) is by_pos:
+            del self._groups[key]
 
     def _counted(self, delta: int) -> None:
         """``delta`` streams parked (or, negative, no longer): here and relay-wide."""
@@ -344,15 +348,13 @@ class TailBroadcast:
             if not push.to_tail and self._tick is None and new != pos:
                 # more than one push behind the tail: go on at once, not at the next window
                 self._tick = self._loop.call_soon(self._broadcast)
-        if not by_pos and self._groups.get(key) is by_pos:
-            del self._groups[key]  # (no stream asks for this any more)
+        self._forget_if_empty(key, by_pos)
 
     def _hand_back(
         self, by_pos: dict[tuple[int, int], list[Parked]], pos: tuple[int, int], why: Why
     ) -> None:
         group = by_pos.pop(pos)
         self._counted(-len(group))
-        if not by_pos and group and self._groups.get(group[0].key) is by_pos:
-            del self._groups[group[0].key]
+        self._forget_if_empty(group[0].key, by_pos)
         for stream in group:
             self._release(stream, why)
