@@ -14,6 +14,7 @@ from changebus.relay import _reader
 from changebus.relay._buffer import BufferConfig, EventBuffer
 from changebus.schemas import (
     BadRequestError,
+    CheckpointError,
     CorruptEventError,
     EndOfWindow,
     EventTooLargeError,
@@ -154,6 +155,13 @@ def test_partial_window_when_larger_than_limit(buf: EventBuffer) -> None:
     # resume inside window 5 from offset 7
     seen, _ = drain(buf, 5, 7, 1 << 20)
     assert seen[:4] == [(5, 7), (5, 8), (5, 9), (5, 10)]
+    seen, _ = drain(buf, 5, 10, 1 << 20)  # only the end-of-window event left
+    assert seen[0] == (5, 10)
+    # an offset at or past the window's end (11 events) is refused, not clamped:
+    # clamping would skip whatever the client had not really read
+    for offset in (11, 12, 2**31 - 1):
+        with pytest.raises(CheckpointError, match="past the end of window 5"):
+            buf.select(5, offset, 1 << 20)
 
 
 def test_filters_keep_control_events(buf: EventBuffer) -> None:

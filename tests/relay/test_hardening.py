@@ -609,3 +609,33 @@ async def test_long_integers_are_short_400s_without_tracebacks(
     assert body["retriable"] is False
     assert len(body["message"]) < 300  # the number is not echoed back
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("follow", ["0", "1"])
+async def test_an_offset_past_its_windows_end_is_a_400_not_a_skip(
+    tmp_path: Path, follow: str
+) -> None:
+    options = {"windows_per_s": 0, "max_windows": 3, "events_per_window": 4}
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(PartitionConfig("syn", 1, fetcher=FetcherConfig("synthetic", options)),),
+        flush_interval_s=0,
+    )
+    async with Relay(cfg) as relay, aiohttp.ClientSession() as http:
+        await wait_finished(relay.hosts["syn"])
+        url = f"{relay.url}/v1/stream"
+        everything = {"partition": "syn", "scn": "-1", "format": "ndjson"}
+        async with http.get(url, params=everything) as resp:
+            scns = [json.loads(line)["scn"] for line in (await resp.text()).splitlines()]
+        first = scns[0]
+        size = scns.count(first)  # its rows and the end-of-window event
+        base = {"partition": "syn", "scn": str(first), "follow": follow, "wait": "0.2"}
+        async with http.get(url, params={**base, "offset": str(size - 1)}) as resp:
+            assert resp.status == 200  # only the end-of-window event left: fine
+        for offset in (size, size + 1, 2**31):
+            async with http.get(url, params={**base, "offset": str(offset)}) as resp:
+                body = await resp.json()
+                assert resp.status == 400, body
+            assert body["error"] == "bad_checkpoint" and body["retriable"] is False
+            assert f"past the end of window {first}" in body["message"]

@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import HEADER_SIZE, Op, PartitionFilter, ScnNotFoundError, event_mask
+from changebus.schemas import (
+    HEADER_SIZE,
+    CheckpointError,
+    Op,
+    PartitionFilter,
+    ScnNotFoundError,
+    event_mask,
+)
 
 from ._evict import Pin
 from ._index import scn_range
@@ -88,7 +95,8 @@ def locate(
     the oldest event kept". ``start_event == tail_event`` means nothing
     newer exists yet. Raises :class:`ScnNotFoundError` when events after
     the checkpoint may have been evicted: the consumer must catch up
-    from the bootstrap server.
+    from the bootstrap server; :class:`CheckpointError` for an offset at
+    or past the end of its window, which no relay hands out.
     """
     if window_scn < 0:
         return m.head_event, m.head_event
@@ -117,7 +125,14 @@ def locate(
             oldest_scn=m.min_scn,
             prev_scn=m.prev_scn,
         )
-    return min(first_at + window_offset, after), first_at
+    if window_offset >= after - first_at:
+        # a relay never hands out such an offset (a window read to its end
+        # checkpoints as complete): refuse it rather than skip what follows
+        raise CheckpointError(
+            f"checkpoint offset {window_offset} is past the end of window {window_scn}, "
+            f"which has {after - first_at} events"
+        )
+    return first_at + window_offset, first_at
 
 
 def _too_old(name: str, scn: int, m: BufferMeta) -> ScnNotFoundError:
