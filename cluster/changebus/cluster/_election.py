@@ -347,6 +347,9 @@ class PartitionElection:
         election, timeout = self.election, self.session.op_timeout_s
 
         def scan(zk: Any) -> list[str]:
+            # a server we reconnected to may lag behind the one that took the
+            # lost create: make it catch up first, or the orphan goes unseen
+            zk.sync_async(election).get(timeout=timeout)
             names = zk.get_children_async(election).get(timeout=timeout)
             found = [(n, zk.get_async(f"{election}/{n}")) for n in names]
             mine = []
@@ -386,7 +389,15 @@ class PartitionElection:
                     loop.call_soon_threadsafe(kick.set)
 
             predecessor = f"{self.election}/{ordered[at - 1]}"
-            if await self.session.op("exists", predecessor, watch=fired) is None:
+            stat = await self.session.op("exists", predecessor, watch=fired)
+            if stat is None:
+                continue
+            if stat.ephemeralOwner == self._candidate_session:
+                # our own orphan (a lost create the scan missed): waiting for it
+                # to go would wait for our own session to end
+                log.warning("partition %s: deleting own orphan %s", self.partition, predecessor)
+                with contextlib.suppress(NoNodeError):
+                    await self.session.op("delete", predecessor)
                 continue
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.session.op_timeout_s * 2):
