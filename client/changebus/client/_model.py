@@ -27,8 +27,10 @@ import numpy.typing as npt
 
 from changebus.schemas import (
     ChangeDecoder,
+    CheckpointError,
     DataLoss,
     LogicalMessage,
+    Mode,
     Op,
     PartitionCheckpoint,
     SchemaChange,
@@ -226,9 +228,23 @@ class Window:
         return self.phase != "online"
 
     def position_after(self, before: PartitionCheckpoint) -> PartitionCheckpoint:
-        """The partition's checkpoint once this window is processed (``before`` it)."""
+        """The partition's checkpoint once this window is processed (``before`` it).
+
+        A relay window after a bootstrap is online whatever ``before`` says:
+        ``before`` may still be a snapshot or catch-up position when the
+        application commits only now and then (the catch-up's last window,
+        which carries the online checkpoint, was passed over uncommitted).
+        """
         if self.checkpoint is not None:
             return self.checkpoint
+        if self.phase == "online" and before.mode is not Mode.ONLINE:
+            if self.scn < before.window_scn:
+                raise CheckpointError(
+                    f"window SCN {self.scn} goes back before checkpoint {before.window_scn}"
+                )
+            return PartitionCheckpoint(
+                window_scn=self.scn, prev_scn=self.scn, timestamp_ns=self.timestamp_ns
+            )
         return before.on_end_of_window(self.scn, self.timestamp_ns)
 
     @property
