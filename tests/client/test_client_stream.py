@@ -21,12 +21,16 @@ from changebus.client import (
     FellOffRelayError,
     FileCheckpointPersister,
     MemoryCheckpointPersister,
+    RelayStream,
     RelayUnavailableError,
+    StreamConfig,
     SyncConsumer,
     Window,
 )
+from changebus.client._assembler import RawWindow
 from changebus.relay import Relay
-from changebus.schemas import Checkpoint, ScnNotFoundError
+from changebus.schemas import Checkpoint, ScnNotFoundError, TransportError
+from waiting import wait_until
 
 MakeRelay = Callable[..., AbstractAsyncContextManager[Relay]]
 FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
@@ -225,3 +229,94 @@ async def test_flow_control_bounds_the_queue(make_relay: MakeRelay) -> None:
         assert stats["fetch_position"] < 1299
         rest = await take(c, 299)
     assert rest[-1].scn == 1299
+
+
+async def _stream_into(
+    stream: RelayStream, sink: Callable[[Any, str], Any], until: Callable[[], bool]
+) -> None:
+    """Run ``stream`` into ``sink`` until ``until()``: a stream that ends first fails."""
+    task = asyncio.create_task(stream.run(sink))
+    try:
+        async with asyncio.timeout(20):
+            while not until():
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_follow_takes_windows_larger_than_follow_bytes(make_relay: MakeRelay) -> None:
+    """A follow response ends after ``follow_bytes``, in a window's middle when the
+    window is larger: asking again for the window whole in follow mode ended there
+    again, forever (thousands of requests a second, no window, no error)."""
+    async with make_relay(max_windows=5, events_per_window=50) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 5, 20, "windows")
+        cfg = StreamConfig(
+            relays=(relay.url,), partition="syn", follow=True, follow_bytes=2000,
+            max_bytes=1000, max_attempts=3, **FAST,
+        )  # fmt: skip
+        got: list[RawWindow] = []
+
+        async def sink(raw: RawWindow, _url: str) -> None:
+            got.append(raw)
+
+        async with aiohttp.ClientSession() as http:
+            stream = RelayStream(cfg, http)
+            await _stream_into(stream, sink, lambda: len(got) == 5)
+    assert [w.scn for w in got] == list(range(got[0].scn, got[0].scn + 5))
+    assert all(len(w.offsets) >= 50 for w in got)  # whole: every row and the end marker
+    assert stream.requests < 200
+
+
+@pytest.mark.parametrize("follow", [True, False])
+async def test_windows_handed_over_count_as_progress_between_failures(
+    make_relay: MakeRelay, follow: bool
+) -> None:
+    """``max_attempts`` bounds failures in a row. A follow response can last for days
+    and hand over millions of windows: a blip now and then must not add up to the
+    limit (it did in follow mode: the count was reset only when a response ended)."""
+    async with make_relay(max_windows=300) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 300, 20, "windows")
+        cfg = StreamConfig(
+            relays=(relay.url,), partition="syn", follow=follow, max_bytes=3000,
+            max_attempts=3, **FAST,
+        )  # fmt: skip
+        got: list[int] = []
+        calls = 0
+
+        async def sink(raw: RawWindow, _url: str) -> None:
+            nonlocal calls
+            calls += 1
+            if calls % 20 == 0:  # a blip after every 19 windows
+                raise TransportError("a simulated blip")
+            got.append(raw.scn)
+
+        async with aiohttp.ClientSession() as http:
+            stream = RelayStream(cfg, http)
+            await _stream_into(stream, sink, lambda: len(got) == 300)
+    assert got == list(range(got[0], got[0] + 300))  # each once, in order
+
+
+async def test_latest_survives_a_failure_before_the_first_window(make_relay: MakeRelay) -> None:
+    """``start="latest"`` by long-poll: a failure before any window was handed over
+    asked again from the relay's oldest window."""
+    async with make_relay(max_windows=0, windows_per_s=100) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 20, 20, "windows")
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = StreamConfig(relays=(relay.url,), partition="syn", max_attempts=3, **FAST)
+        got: list[int] = []
+        failed = False
+
+        async def sink(raw: RawWindow, _url: str) -> None:
+            nonlocal failed
+            if not failed:
+                failed = True
+                raise TransportError("a simulated schema fetch timing out")
+            got.append(raw.scn)
+
+        async with aiohttp.ClientSession() as http:
+            stream = RelayStream(cfg, http, latest=True)
+            await _stream_into(stream, sink, lambda: len(got) >= 3)
+    assert failed and got[0] > last

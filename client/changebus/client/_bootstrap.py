@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Literal
 
 import aiohttp
@@ -128,8 +129,13 @@ class Bootstrapper:
         self.rows, self.catchup_scn, self.target_scn = 0, -1, -1
         # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
         dirty = resume is not None
+        decoded_for = ""  # the server whose source ids the schema cache holds
         while True:
             url = self._failover.url
+            if url != decoded_for:
+                # source ids are a server's own (the relay's, or another bootstrap server's)
+                self._cache.clear()
+                decoded_for = url
             queued = self._queued()
             current = queued or resume  # after a failure: from the last window queued
             try:
@@ -221,6 +227,12 @@ class Bootstrapper:
             body, headers = await self._get_body(url, "snapshot", params)
             position = headers.get("X-Changebus-Snapshot-Position", "")
             complete = headers.get("X-Changebus-Snapshot-Complete") == "1"
+            if not complete and not position:
+                # asking again without a position would start over: never loop on page 1
+                raise ProtocolError(
+                    "a snapshot page came without a position and is not the last",
+                    retriable=True,
+                )
             if complete:
                 target = max((await self._status(url)).producer_scn, prog.start_scn)
                 prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
@@ -267,6 +279,7 @@ class Bootstrapper:
         )
         self._last = pc
         self.rows += len(events)
+        self._failover.succeeded()  # progress: failures are counted afresh
 
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
@@ -304,6 +317,7 @@ class Bootstrapper:
                 )
                 self._last = pc
                 after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
+                self._failover.succeeded()
                 self.catchup_scn = after
             last = int(headers.get("X-Changebus-Last-Scn", after))
             if headers.get("X-Changebus-Complete") == "1" or last >= target:
@@ -360,7 +374,7 @@ class Bootstrapper:
 
     async def _get_body(
         self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]
-    ) -> tuple[bytes, dict[str, str]]:
+    ) -> tuple[bytes, Mapping[str, str]]:
         where = f"bootstrap server {safe_url(url)}"
         with transport_errors(where):
             async with self._session.get(
@@ -374,4 +388,4 @@ class Bootstrapper:
                     )
                     raise await response_error(resp, where, kind=kind)
                 body = await resp.read()
-                return body, dict(resp.headers)
+                return body, resp.headers  # (case-insensitive: proxies lower-case names)

@@ -209,6 +209,10 @@ class RelayStream:
         self._check = check_response
         self._assembler = WindowAssembler(position)
         self._continue: tuple[int, int] | None = None
+        #: follow mode asks by long-poll until the window in hand is whole: a follow
+        #: response that ended inside a window (``follow_bytes``) without handing one
+        #: over would end there again; long-poll answers say where to continue
+        self._whole_window = False
         #: the response being read (closed by :meth:`set_relays` when its relay left)
         self._response: aiohttp.ClientResponse | None = None
         self._moved = False
@@ -321,17 +325,17 @@ class RelayStream:
         params: dict[str, str] = {"max_bytes": str(cfg.max_bytes), "wait": f"{cfg.wait_s:g}"}
         if self.partition is not None:
             params["partition"] = self.partition
-        if self._latest:
-            params["from"] = "latest"
-        elif self._continue is not None and self._assembler.in_window:
+        if self._continue is not None and self._assembler.in_window:
             params["scn"], params["offset"] = str(self._continue[0]), str(self._continue[1])
+        elif self._latest:
+            params["from"] = "latest"
         else:
             params["scn"], params["offset"] = str(self._position), "-1"
         if cfg.sources:
             params["sources"] = ",".join(cfg.sources)
         if cfg.key_filter is not None:
             params["filter"] = str(cfg.key_filter)
-        if cfg.follow:
+        if cfg.follow and not self._whole_window:
             params["follow"] = "1"
             params["follow_bytes"] = str(cfg.follow_bytes)
         if cfg.client_id:
@@ -367,14 +371,16 @@ class RelayStream:
                     self.seek(int(resp.headers.get("X-Changebus-Next-Scn", "-1")))
                 if resp.status == 204:
                     return
-                if self.config.follow:
+                if self.config.follow and not self._whole_window:
                     await self._read_follow(resp, url, sink)
                 else:
-                    self._latest = False
                     await self._read_whole(resp, url, sink)
+                    # (follow again once the window is whole)
+                    self._whole_window = self.config.follow and self._assembler.in_window
 
     async def _read_follow(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
         splitter = EventSplitter()
+        handed = self.windows
         async for chunk in resp.content.iter_any():
             complete, offsets = splitter.split(chunk)
             if complete:
@@ -382,7 +388,9 @@ class RelayStream:
                     await self._hand(raw, url, sink)
         if splitter.leftover:
             raise TransportError("the relay's follow response ended inside an event")
-        # a push cut inside a window (follow_bytes reached): ask again for it whole
+        # a push cut inside a window (follow_bytes reached): ask again for it whole,
+        # by long-poll if this response could not hand over a single window
+        self._whole_window = self._assembler.in_window and self.windows == handed
         self._restart_window()
 
     async def _read_whole(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
@@ -403,4 +411,6 @@ class RelayStream:
         except Exception as exc:
             raise _FromSink(exc) from exc
         self._position = raw.scn
+        self._latest = False
         self.windows += 1
+        self._failover.succeeded()  # progress: failures are counted afresh
