@@ -164,6 +164,10 @@ class GroupMember:
         self._deleted_path = ""  # set by the member node's watch (kazoo's thread)
         self._started_ns = time.time_ns()
         self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
+        # one lock per unit: this member's creates and deletes of a unit's owner node
+        # run one at a time, so a delete sent earlier cannot land after a create that
+        # took the node over (the unit would be owned without its node)
+        self._node_locks: dict[Unit, asyncio.Lock] = {}
         self._target_cbs: list[UnitsCallback] = []
         self._lost_cbs: list[UnitsCallback] = []
         self._registered = asyncio.Event()
@@ -224,7 +228,7 @@ class GroupMember:
         path, owned = self._member_path, self.owned
         if path and self.session.connected:
             with contextlib.suppress(CoordinationError):
-                await delete_owners(self.session, self.group, path, owned)
+                await self._delete(path, owned)
             with contextlib.suppress(CoordinationError):
                 await self._drop_stale()
             with contextlib.suppress(CoordinationError, NoNodeError):
@@ -291,15 +295,16 @@ class GroupMember:
                 )
             registration = path
             freed.clear()
-            attempt = asyncio.ensure_future(
-                create_owner(self.session, self.group, path, sid, unit, watch)
-            )
+            attempt = asyncio.ensure_future(self._create(path, sid, unit, watch))
             try:
                 outcome = await asyncio.shield(attempt)
             except asyncio.CancelledError:
                 attempt.add_done_callback(
                     functools.partial(self._undo_create, unit=unit, path=path)
                 )
+                raise
+            except Exception:
+                self._unknown_create(unit)
                 raise
             if outcome == "created":
                 if path == self._member_path:
@@ -327,7 +332,7 @@ class GroupMember:
             return
         self.owned = self.owned - mine
         try:
-            await delete_owners(self.session, self.group, self._member_path, mine)
+            await self._delete(self._member_path, mine)
         except CoordinationError as exc:
             log.info("group %s: releasing %s later: %s", self.group, units_text(list(mine)), exc)
             self._stale |= mine
@@ -385,15 +390,43 @@ class GroupMember:
         for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
             event.set()
 
+    async def _create(self, path: str, sid: int, unit: Unit, watch: Any) -> CreateOutcome:
+        async with self._node_lock(unit):
+            return await create_owner(self.session, self.group, path, sid, unit, watch)
+
+    async def _delete(self, path: str, units: frozenset[Unit]) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            for unit in sorted(units):  # (one order everywhere: no deadlock)
+                await stack.enter_async_context(self._node_lock(unit))
+            await delete_owners(self.session, self.group, path, units)
+
+    def _node_lock(self, unit: Unit) -> asyncio.Lock:
+        lock = self._node_locks.get(unit)
+        if lock is None:  # (bounded: units are the group's)
+            lock = self._node_locks[unit] = asyncio.Lock()
+        return lock
+
+    def _unknown_create(self, unit: Unit) -> None:
+        """A create whose answer never came may have made the node: delete it later
+        unless the unit is acquired by then (else it blocks the unit's next owner
+        for as long as this session lives)."""
+        if unit not in self.owned:
+            self._stale.add(unit)
+            self._wake_keeper.set()
+
     def _undo_create(
         self, attempt: asyncio.Future[CreateOutcome], *, unit: Unit, path: str
     ) -> None:
-        """A cancelled acquire's create that succeeded after all: delete the node."""
-        if attempt.cancelled() or attempt.exception() is not None or attempt.result() != "created":
+        """A cancelled acquire's create that succeeded after all (or whose outcome is
+        unknown): delete the node."""
+        if attempt.cancelled():
             return
-        task = asyncio.ensure_future(
-            delete_owners(self.session, self.group, path, frozenset({unit}))
-        )
+        if attempt.exception() is not None:
+            self._unknown_create(unit)
+            return
+        if attempt.result() != "created":
+            return
+        task = asyncio.ensure_future(self._delete(path, frozenset({unit})))
         self._background.add(task)
 
         def done(t: asyncio.Future[None]) -> None:
@@ -477,7 +510,7 @@ class GroupMember:
         self._stale -= self.owned
         if not stale:
             return
-        await delete_owners(self.session, self.group, "", stale)
+        await self._delete("", stale)
         self._stale -= stale
 
     def _set_target(self, target: frozenset[Unit]) -> None:

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
 
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from changebus.schemas import Unit
 from changebus.schemas.errors import ChangebusError, ConfigError
@@ -189,8 +189,10 @@ async def create_owner(
             return "retry"
         if stat.ephemeralOwner != member_sid:
             return "held"
-        with contextlib.suppress(NoNodeError):  # ours from before: name the current member
+        try:  # ours from before: name the current member
             zk.set_async(node, data, version=stat.version).get(timeout=timeout)
+        except (NoNodeError, BadVersionError):
+            return "retry"  # it went (or changed) meanwhile: look again
         return "created"
 
     outcome: CreateOutcome = await mapped(f"creating {node}", session.call(run))

@@ -81,7 +81,7 @@ class ZkUnitStore:
 
     async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
         """Raise ``unit``'s generation for ``owner``; the token is the new znode version."""
-        node = checkpoint_path(group, unit)
+        node, parent = checkpoint_path(group, unit), checkpoints_path(group)
         await self._ensure(group)
         timeout = self.session.op_timeout_s
 
@@ -94,6 +94,9 @@ class ZkUnitStore:
                     try:
                         zk.create_async(node, encode_unit_record(record)).get(timeout=timeout)
                     except NodeExistsError:
+                        continue
+                    except NoNodeError:  # the group's tree was deleted (group delete --force)
+                        zk.ensure_path_async(parent).get(timeout=timeout)
                         continue
                     return record, 0
                 old = decode_unit_record(data, node)
