@@ -86,3 +86,12 @@ def test_every_code_names_one_class() -> None:
         stack.extend(cls.__subclasses__())
         if "code" in cls.__dict__:
             assert seen.setdefault(cls.code, cls) is cls, f"code {cls.code!r} used twice"
+
+
+def test_from_json_never_raises_on_odd_keys() -> None:
+    """The body's other keys become details; one named like a parameter of the
+    constructor ("self", "message") made it raise TypeError instead."""
+    body = {"error": "overwritten", "message": "m", "self": 1, "cls": 2, "details": 3}
+    back = ChangebusError.from_json(body, status=409)
+    assert isinstance(back, OverwrittenError) and back.message == "m"
+    assert back.details == {"self": 1, "cls": 2, "details": 3}

@@ -332,3 +332,23 @@ async def test_without_principals_the_server_is_open(tls_files: TlsFiles) -> Non
         assert server.url.startswith("http://")
         status, body, _ = await get(f"{server.url}/v1/whoami")
         assert (status, body) == (200, {"principal": "anonymous"})
+
+
+async def test_a_token_that_is_not_utf8_is_a_401_not_a_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """aiohttp hands header bytes that are not UTF-8 over as surrogates: hashing the
+    token raised, a 500 (retriable) with a traceback logged for each such request."""
+    with caplog.at_level(logging.INFO, logger="changebus"):
+        async with running(security(None)) as server:
+            for token in (b"\xff" * 43, "\u00e9".encode() * 43):
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(
+                    b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    + token
+                    + b"\r\nConnection: close\r\n\r\n"
+                )
+                answer = await reader.read()
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]

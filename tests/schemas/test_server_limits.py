@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -147,6 +148,7 @@ def test_limits_are_sane_by_default_and_checked() -> None:
         {"header_timeout_s": -1},
         {"max_connections": 0},
         {"max_connections_per_ip": -1},
+        {"write_timeout_s": 0},
     ):
         with pytest.raises(ConfigError):
             ConnectionLimits(**bad)
@@ -212,6 +214,58 @@ async def test_silent_and_slow_clients_are_closed_after_the_header_timeout() -> 
             w.close()
         text = await scrape(s)
     assert "changebus_limitstest_http_header_timeouts_total 2.0" in text
+
+
+async def test_blank_lines_before_the_request_line_do_not_stop_the_header_timer() -> None:
+    async with serving(ConnectionLimits(header_timeout_s=0.5, keepalive_timeout_s=30)) as (s, _):
+        reader, writer = await connect(s)
+        writer.write(b"\r\n\r\n")  # (an empty line, but no head before it)
+        await asyncio.sleep(0.1)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")
+        start = time.monotonic()
+
+        async def trickle() -> None:
+            while not writer.is_closing():
+                writer.write(b"X-Pad: a\r\n")
+                await asyncio.sleep(0.1)
+
+        trickling = asyncio.create_task(trickle())
+        answer = await closed_within(reader, 5)
+        assert time.monotonic() - start < 2
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        trickling.cancel()
+        writer.close()
+        # a request after blank lines is still served
+        reader, writer = await connect(s)
+        writer.write(b"\r\n" + get("/healthz", keep_alive=False))
+        status, _, _ = await read_answer(reader)
+        assert status == 200
+        writer.close()
+
+
+async def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout() -> None:
+    """A client that pipelines requests (here unauthenticated-style 404s) and never
+    reads: aiohttp waits for the full socket buffer to drain with no limit, so the
+    connection stayed open for good (and uncounted by the request metrics)."""
+    limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=30, header_timeout_s=5)
+    async with serving(limits) as (s, _):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+            requests = get("/nothing-here") * 20000  # ~1 MB; the answers ~4 MB
+            sent, deadline = 0, time.monotonic() + 3
+            while sent < len(requests) and time.monotonic() < deadline:
+                try:  # until the server stops reading (its answers are stuck)
+                    sent += sock.send(requests[sent : sent + 65536])
+                except BlockingIOError:
+                    await asyncio.sleep(0.01)
+            stats = s.app[CONNECTION_STATS]
+            await wait_until(lambda: stats.write_timeouts == 1, 10, "the stalled client dropped")
+            await wait_until(lambda: stats.open == 0, 5, "its connection closed")
+        text = await scrape(s)
+    assert "changebus_limitstest_http_write_timeouts_total 1.0" in text
 
 
 # ---- connection caps ----------------------------------------------------------------

@@ -223,7 +223,9 @@ class _Authenticator:
             if scheme.lower() != "bearer" or not token:
                 raise UnauthorizedError("the Authorization header must be 'Bearer <token>'")
             if MIN_TOKEN_CHARS <= len(token) <= _MAX_TOKEN_CHARS:
-                digest = "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+                # (bytes that are not UTF-8 arrive as surrogates: they match no token)
+                raw = token.encode("utf-8", "surrogateescape")
+                digest = "sha256:" + hashlib.sha256(raw).hexdigest()
                 found = self.by_token.get(digest)
                 if found is not None:
                     return found

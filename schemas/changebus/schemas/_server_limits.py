@@ -38,12 +38,18 @@ bounds all of that, and the pieces below apply it:
     empty line, once per connection); after that every byte goes straight
     through. Later requests on a kept-alive connection are bounded by the
     keep-alive timeout (see above). With TLS the handshake is bounded by the
-    same ``header_timeout_s`` (``ssl_handshake_timeout``).
+    same ``header_timeout_s`` (``ssl_handshake_timeout``). Blank lines
+    before the request line do not count as its end.
+  - runs a *write watchdog*: a connection whose socket buffer stays full
+    (the client reads nothing) for ``write_timeout_s`` is dropped. aiohttp
+    itself waits for a full buffer to drain without a limit, so a client
+    pipelining requests (even unauthenticated ones, each a 401) and never
+    reading held its connection, and what was written for it, forever.
 
 * :class:`ConnectionStats` -- the Prometheus collector of the above
   (``changebus_<daemon>_http_connections`` open now,
   ``..._http_connections_refused_total{reason}``,
-  ``..._http_header_timeouts_total``), registered by
+  ``..._http_header_timeouts_total``, ``..._http_write_timeouts_total``), registered by
   :func:`~._server_app.server_app` under :data:`CONNECTION_STATS`.
 * :func:`client_gone` -- whether a request's client has disconnected: the
   error middleware then counts the request as ``499`` (client closed) and
@@ -107,6 +113,9 @@ class ConnectionLimits:
     max_connections: int = 1024
     #: open connections from one client IP at most (0: no per-IP cap)
     max_connections_per_ip: int = 0
+    #: a connection whose client reads nothing of what it is sent for this long is
+    #: dropped (the socket's buffers full: any answer, authenticated or not)
+    write_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.keepalive_timeout_s <= 86400:
@@ -117,6 +126,8 @@ class ConnectionLimits:
             raise ConfigError("http.max_connections must be at least 1")
         if self.max_connections_per_ip < 0:
             raise ConfigError("http.max_connections_per_ip must not be negative (0: no cap)")
+        if not 0 < self.write_timeout_s <= 86400:
+            raise ConfigError("http.write_timeout_s must be within (0, 86400]")
 
 
 class ConnectionStats:
@@ -124,7 +135,9 @@ class ConnectionStats:
 
     ``open`` is the number of admitted connections now; ``refused`` counts
     refusals by reason (``max_connections``, ``max_connections_per_ip``);
-    ``header_timeouts`` the connections closed by the header watchdog.
+    ``header_timeouts`` the connections closed by the header watchdog;
+    ``write_timeouts`` those dropped because their client read nothing for
+    ``write_timeout_s``.
     """
 
     def __init__(self, daemon: str) -> None:
@@ -132,6 +145,7 @@ class ConnectionStats:
         self.open = 0
         self.refused: Counter[str] = Counter()
         self.header_timeouts = 0
+        self.write_timeouts = 0
 
     def collect(self) -> Iterator[Any]:
         prefix = f"changebus_{self.daemon}_http"
@@ -148,6 +162,11 @@ class ConnectionStats:
             f"{prefix}_header_timeouts",
             "HTTP connections closed because no request head arrived in time",
             value=self.header_timeouts,
+        )
+        yield CounterMetricFamily(
+            f"{prefix}_write_timeouts",
+            "HTTP connections dropped because the client read nothing of its answers in time",
+            value=self.write_timeouts,
         )
 
 
@@ -274,19 +293,33 @@ class _Connection(asyncio.Protocol):
     """One accepted connection: admitted (aiohttp's handler behind it) or refused.
 
     Admitted: every protocol call is passed to ``inner`` (the
-    ``RequestHandler``), and the header watchdog (``timer``) runs until the
-    first request head has arrived. Refused: ``inner`` stays None; the
+    ``RequestHandler``), the header watchdog (``timer``) runs until the
+    first request head has arrived, and the write watchdog (``stall``) while
+    the transport's buffer is full (between ``pause_writing`` and
+    ``resume_writing``): aiohttp waits for the buffer to drain with no
+    limit, so a client that sends requests and never reads would otherwise
+    hold the connection, and the answers buffered for it, forever. Refused: ``inner`` stays None; the
     connection reads the request head (``timer`` bounds the wait), answers
     503 and closes.
     """
 
-    __slots__ = ("_gate", "_inner", "_ip", "_received", "_tail", "_timer", "_transport")
+    __slots__ = (
+        "_gate",
+        "_inner",
+        "_ip",
+        "_received",
+        "_stall",
+        "_tail",
+        "_timer",
+        "_transport",
+    )
 
     def __init__(self, gate: _Gate) -> None:
         self._gate = gate
         self._inner: asyncio.Protocol | None = None
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
         self._ip = ""
         self._tail = b""  # the last bytes of an unfinished head (the empty line may straddle)
         self._received = 0
@@ -325,17 +358,24 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._inner is not None:
+            if self._stall is None:
+                gate = self._gate
+                self._stall = gate.loop.call_later(gate.limits.write_timeout_s, self._stalled)
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._inner is not None:
             self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._stall):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._stall = None
         inner, self._inner = self._inner, None
         if inner is None:
             self._gate.refusing.discard(self)
@@ -346,6 +386,10 @@ class _Connection(asyncio.Protocol):
     # ---- admitted: the header watchdog ------------------------------------------
 
     def _watch_head(self, data: bytes) -> None:
+        if not self._received:
+            data = data.lstrip(b"\r\n")  # blank lines before the request line end no head
+            if not data:
+                return
         seen = self._tail + data if self._tail else data
         if _head_ends(seen):
             assert self._timer is not None
@@ -366,6 +410,15 @@ class _Connection(asyncio.Protocol):
         if self._received:
             transport.write(_HEADER_TIMEOUT)
         transport.close()
+
+    def _stalled(self) -> None:
+        self._stall = None
+        transport = self._transport
+        if transport is None:
+            return
+        self._gate.stats.write_timeouts += 1
+        self._gate.log.debug("dropping a connection from %s: it read nothing in time", self._ip)
+        transport.abort()  # (its buffer cannot drain: close() would wait on it)
 
     # ---- refused -------------------------------------------------------------
 

@@ -136,10 +136,12 @@ class ChangebusError(Exception):
         if where:
             message = f"{where}: {message}"
         retriable = body.get("retriable")
-        details = {str(k): v for k, v in body.items() if k not in ("error", "message", "retriable")}
-        return found(
-            message, retriable=retriable if isinstance(retriable, bool) else None, **details
+        exc = found(message, retriable=retriable if isinstance(retriable, bool) else None)
+        # (not as keyword arguments: a body's key such as "self" would clash)
+        exc.details.update(
+            (str(k), v) for k, v in body.items() if k not in ("error", "message", "retriable")
         )
+        return exc
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body a daemon sends for this error (never holds secrets)."""
