@@ -413,3 +413,71 @@ def test_snapshot_chunks_merge_by_scn_and_the_sweep_tombstones_what_no_chunk_rew
     want[7] = "newest"  # the newer log state wins over the chunk
     assert live == want
     assert store.counts("p") == {"log_events": 1503, "rows": len(keys), "tombstones": 300}
+
+
+def _live_rows(store: Store, t: TableSchema) -> dict[int, tuple[Any, tuple[str, ...]]]:
+    """The snapshot's live rows of ``t``: id -> (v, columns not sent)."""
+    page = store.snapshot_page(
+        "p",
+        [REG.source_id(t.name)],
+        since_scn=-1,
+        start_scn=store.state("p").applier_scn,
+        position=(0, 0),
+        max_bytes=16 << 20,
+    )
+    offsets, _ = parse_stream(page.data)
+    out = {}
+    for off in offsets.tolist():
+        h = verify_event(page.data, off)
+        change = ChangeDecoder(t).decode(event_at(page.data, off, h)[1])
+        if change.after is not None and h.op != int(Op.DELETE):
+            out[change.after["id"]] = (change.after["v"], change.after_not_sent)
+    return out
+
+
+def test_a_chunk_read_before_a_truncate_the_applier_folded_brings_no_row_back(
+    store: Store,
+) -> None:
+    """The chunk (tag 50) was read before the TRUNCATE at 60 but stored after the applier
+    folded it: its rows were written as if live, and lived on though the source has none."""
+    from changebus.bootstrap._chunks import JobState, SnapshotScope
+
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    eow = encode_control(EndOfWindow(1, ""), 10, 1, 100)
+    store.append("p", enc.encode(Op.INSERT, 10, 0, 100, {"id": 1, "v": "a"}) + eow, start_scn=0)
+    truncate = enc.encode(Op.TRUNCATE, 60, 0, 600, None)
+    store.append("p", truncate + encode_control(EndOfWindow(1, ""), 60, 1, 600))
+    store.apply("p")
+    scope = SnapshotScope(t.name)
+    job = JobState(t.name, scope.as_json(), None, 1, 2, 50, 50)
+    rows = [enc.encode(Op.INSERT, 50, i, 0, {"id": k, "v": "src"}) for i, k in enumerate((1, 2))]
+    store.snapshot_chunk("p", job, rows, 50)
+    assert _live_rows(store, t) == {}
+    # a chunk read after the truncate is written as usual
+    later = [enc.encode(Op.INSERT, 70, 0, 0, {"id": 3, "v": "new"})]
+    store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 2, 3, 50, 70), later, 70)
+    assert _live_rows(store, t) == {3: ("new", ())}
+
+
+def test_an_update_without_unsent_columns_is_completed_by_an_older_chunk(store: Store) -> None:
+    """A row the applier has no image of is updated (Postgres sends its TOAST column as
+    unchanged, so not at all) after the chunk holding it was read (tag 70) but before that
+    chunk is stored: the newer UPDATE wins, and it lacked the column for good."""
+    from changebus.bootstrap._chunks import JobState, SnapshotScope
+
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    partial = enc.encode(Op.UPDATE, 80, 0, 800, {"id": 1, "v": None}, after_not_sent=("v",))
+    store.append("p", partial + encode_control(EndOfWindow(1, ""), 80, 1, 800), start_scn=0)
+    store.apply("p")
+    assert _live_rows(store, t) == {1: (None, ("v",))}  # (nothing to take "v" from yet)
+    scope = SnapshotScope(t.name)
+    job = JobState(t.name, scope.as_json(), None, 1, 2, 70, 70)
+    rows = [
+        enc.encode(Op.INSERT, 70, i, 0, {"id": k, "v": f"big{k}"}) for i, k in enumerate((1, 2))
+    ]
+    store.snapshot_chunk("p", job, rows, 70)
+    assert _live_rows(store, t) == {1: ("big1", ()), 2: ("big2", ())}

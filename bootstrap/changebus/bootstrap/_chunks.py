@@ -375,6 +375,10 @@ def _run_tables(
                 raise ChangebusError("seeding stopped", retriable=True)
             reader = source.reader(scope)
             stored = sink.resume(scope)
+            if stored is not None and 0 <= stored.first_tag < request.min_tag:
+                # chunks read before the gap to repair: they may miss its changes
+                log.info("%s: a stored snapshot older than the gap is started again", name)
+                stored = None
             job = stored or JobState(name, scope.as_json())
             progress.start_table(name, reader.mode, reader.estimate_rows, job.rows, job.chunks)
             if stored is not None and stored.chunks:
@@ -390,6 +394,8 @@ def _run_tables(
                 started = time.monotonic()
                 chunk = reader.read(job.cursor, sizer.limit)
                 busy = time.monotonic() - started
+                if stop.is_set():  # (a gap recorded meanwhile: this chunk must not be stored)
+                    raise ChangebusError("seeding stopped", retriable=True)
                 job = job.after(chunk)
                 sink.chunk(scope, job, chunk)
                 progress.chunk_done(chunk.row_count, chunk.tag, chunk.txn_s)
@@ -405,6 +411,8 @@ def _run_tables(
                 wait = throttle.pause(chunk.row_count, busy)
                 if wait > 0 and stop.wait(wait):
                     raise ChangebusError("seeding stopped", retriable=True)
+            if stop.is_set():  # (not recorded as seeded: a gap may have come meanwhile)
+                raise ChangebusError("seeding stopped", retriable=True)
             sink.finish(scope, job)
             progress.table_done()
             log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)

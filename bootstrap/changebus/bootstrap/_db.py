@@ -191,8 +191,9 @@ class StoreDb:
             with self._conn.cursor() as cur:
                 cur.executemany(self._sql(sql), rows)
 
-    def _upsert_seeded(self, part: str, scn: int, rows: Sequence[tuple[int, bytes, bytes]]) -> None:
-        """:data:`UPSERT_SNAP` of live rows ``(source_id, key, event)`` all at ``scn``.
+    def _upsert_seeded(self, part: str, scn: int, rows: Sequence[tuple[int, bytes, bytes]]) -> int:
+        """:data:`UPSERT_SNAP` of live rows ``(source_id, key, event)`` all at ``scn``;
+        returns how many were written (the others' keys hold a newer state).
 
         SQLite: multi-row statements that bind the partition and the SCN once
         (numbered parameters) and each row's source id, key and event: the
@@ -201,10 +202,14 @@ class StoreDb:
         (the statement's steps run without it). Postgres: :meth:`_many`.
         """
         if not rows:
-            return
+            return 0
         if self.dialect != "sqlite":
-            self._many(UPSERT_SNAP, [(part, sid, key, scn, 0, ev) for sid, key, ev in rows])
-            return
+            with self._conn.cursor() as cur:  # (rowcount: the sum over the rows)
+                cur.executemany(
+                    self._sql(UPSERT_SNAP), [(part, sid, key, scn, 0, ev) for sid, key, ev in rows]
+                )
+                return int(cur.rowcount)
+        written = 0
         per = max(1, min(_VALUES_ROWS, (self._max_params - 2) // 3))
         texts = self._seeded_sql
         for start in range(0, len(rows), per):
@@ -222,7 +227,8 @@ class StoreDb:
             params: list[Any] = [part, scn]
             for row in batch:
                 params += row
-            self._conn.execute(text, params)
+            written += self._conn.execute(text, params).rowcount
+        return written
 
     # ---- state ------------------------------------------------------------
 

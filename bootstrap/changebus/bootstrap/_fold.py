@@ -38,7 +38,7 @@ from changebus.schemas import (
 
 from ._db import UPSERT_SNAP, PartitionState, StoreDb
 
-__all__ = ["SnapshotFold"]
+__all__ = ["SnapshotFold", "merge_unsent"]
 
 _DELETE = int(Op.DELETE)
 _UPDATE = int(Op.UPDATE)
@@ -170,26 +170,7 @@ class SnapshotFold(StoreDb):
         if pcodec is None:
             return None
         old_change = pcodec[0].decode(memoryview(prev)[HEADER_SIZE + ph.key_length :])
-        image = old_change.after
-        if image is None:
-            return None
-        merged = dict(change.after)
-        still: list[str] = []
-        for col in change.after_not_sent:
-            if col in image and col not in old_change.after_not_sent:
-                merged[col] = image[col]
-            else:
-                still.append(col)
-        return enc.encode(
-            Op.UPDATE,
-            h.scn,
-            h.seq,
-            h.timestamp_ns,
-            merged,
-            change.before,
-            after_not_sent=still,
-            before_not_sent=change.before_not_sent,
-        )
+        return merge_unsent(h, change, enc, old_change)
 
     def _flush_upserts(self, upserts: dict[tuple[int, bytes], tuple[Any, ...]]) -> None:
         self._many(UPSERT_SNAP, upserts.values())
@@ -207,3 +188,32 @@ class SnapshotFold(StoreDb):
             ),
             (part, source_id, scn, event),
         )
+
+
+def merge_unsent(
+    h: EventHeader, change: DecodedChange, enc: RowEncoder, image: DecodedChange
+) -> bytes | None:
+    """The UPDATE ``change`` (header ``h``) re-encoded at its own SCN with the columns
+    the source did not send taken from ``image``'s after-image (an earlier state of
+    the row: its previous snapshot row, or a snapshot chunk's copy of it); None when
+    ``image`` has no after-image. Columns ``image`` lacks stay unsent."""
+    assert change.after is not None
+    if image.after is None:
+        return None
+    merged = dict(change.after)
+    still: list[str] = []
+    for col in change.after_not_sent:
+        if col in image.after and col not in image.after_not_sent:
+            merged[col] = image.after[col]
+        else:
+            still.append(col)
+    return enc.encode(
+        Op.UPDATE,
+        h.scn,
+        h.seq,
+        h.timestamp_ns,
+        merged,
+        change.before,
+        after_not_sent=still,
+        before_not_sent=change.before_not_sent,
+    )

@@ -120,7 +120,9 @@ class Seeding(Upstream):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await old
             w.new_seed()  # the old one's end set it
-        await self._seed_repairing(w, [], True)
+        # (not "again": the gap forgot every seed; tables seeded since it are done,
+        # also when a retry runs after a failure)
+        await self._seed_repairing(w, [], False)
 
     async def _seed_repairing(
         self,
@@ -284,7 +286,10 @@ class Seeding(Upstream):
             names = tables or sorted({n for _s, _v, n, _j in rows})
             if again and scope.whole:
                 await self.stores.write(lambda s: s.forget_seed(w.name, names))
-            done = set(await self.stores.write(lambda s: s.seeded(w.name)))
+            gap = await self.stores.write(lambda s: s.gap(w.name))
+            seeded = await self.stores.write(lambda s: s.seeded(w.name))
+            # (a seed that ended as the gap came may have stored an older one)
+            done = {n for n, scn in seeded.items() if gap is None or scn >= gap}
             if not scope.whole:  # a part of a table: read also when the table was seeded
                 done.discard(scope.table)
             part_id = await self._relay_partition_id(w.name)
@@ -296,7 +301,6 @@ class Seeding(Upstream):
                     self.stores.write(lambda s: s.seed_rows(w.name, table, events, scn)), loop
                 ).result()
 
-            gap = await self.stores.write(lambda s: s.gap(w.name))
             request = SeedRequest(
                 cfg.seed.dsn,
                 part_id,

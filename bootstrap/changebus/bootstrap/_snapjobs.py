@@ -14,7 +14,11 @@ snapshots start again.
 Merging: chunk rows are INSERT events at the chunk's tag, written unless the
 snapshot holds a newer state of the key (:data:`~._db.UPSERT_SNAP`); keys a
 ``keys`` snapshot asked for and the source lacks become tombstones at the
-tag when the snapshot holds them live and older. The end of a whole-table
+tag when the snapshot holds them live and older. A chunk's rows of a table
+the applier saw truncated at or after the tag are not written (they were
+read before the TRUNCATE). When the newer state is an UPDATE without some
+columns (Postgres' unchanged TOAST values, for a row the applier had no
+image of), the chunk's older, whole copy fills them in. The end of a whole-table
 snapshot sweeps in steps (:meth:`SnapshotJobs.sweep_step`, one short
 transaction each, so the applier goes on in between): rows of the table
 older than the first tag that no chunk rewrote are gone from the source,
@@ -28,10 +32,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from changebus.schemas import HEADER_SIZE, MAGIC, VERSION, CorruptEventError
+from changebus.schemas import HEADER_SIZE, MAGIC, VERSION, CorruptEventError, Op, decode_header
 
 from ._chunks import JobState, SnapshotScope
 from ._db import UPSERT_SNAP
+from ._fold import merge_unsent
 from ._gaps import SeedLedger, _check_tables
 
 __all__ = ["SnapshotJobs"]
@@ -40,6 +45,9 @@ __all__ = ["SnapshotJobs"]
 #: layout: offsets 0, 2, 8, 52, 58): a chunk's events were encoded by this process a moment
 #: ago, so they are not verified again (the CRCs) -- only recognised
 _ROW_FIELDS = struct.Struct("<HB5xQ36xH4xH")
+
+#: keys per ``IN (...)`` lookup of chunk rows the snapshot holds newer
+_IN_BATCH = 500
 
 
 class SnapshotJobs(SeedLedger):
@@ -100,7 +108,9 @@ class SnapshotJobs(SeedLedger):
         # in key order: the writes to the key index (the largest) stay close together
         rows.sort(key=lambda r: r[1])
         with self._txn():
-            self._upsert_seeded(part, tag, rows)
+            rows = self._not_truncated(part, tag, rows)
+            if self._upsert_seeded(part, tag, rows) < len(rows):
+                self._complete_newer(part, tag, rows)
             if absent:
                 sid = self._source_id(part, job.table)
                 if sid is not None:
@@ -134,6 +144,60 @@ class SnapshotJobs(SeedLedger):
                     job.last_tag,
                 ),
             )
+
+    def _not_truncated(
+        self, part: str, tag: int, rows: list[tuple[int, bytes, bytes]]
+    ) -> list[tuple[int, bytes, bytes]]:
+        """``rows`` without those of a table truncated at or after ``tag``: the applier
+        folded the TRUNCATE (deleting the rows it had) before this chunk, read earlier,
+        arrived; written now, they would live on though the source has none of them."""
+        cut = set()
+        for sid in {r[0] for r in rows}:
+            row = self._one(
+                "SELECT scn FROM cb_trunc WHERE part = {p} AND source_id = {p}", (part, sid)
+            )
+            if row is not None and int(row[0]) >= tag:
+                cut.add(sid)
+        return [r for r in rows if r[0] not in cut] if cut else rows
+
+    def _complete_newer(self, part: str, tag: int, rows: list[tuple[int, bytes, bytes]]) -> None:
+        """Chunk rows the snapshot holds newer: an UPDATE stored there that lacks columns
+        (Postgres' unchanged TOAST values; the applier had no earlier image of the row)
+        gets them from the chunk's copy, which is older and whole. Else the row would
+        stay without them for good: no later change need send them."""
+        by_key = {(sid, key): ev for sid, key, ev in rows}
+        for sid in {r[0] for r in rows}:
+            keys = [key for s, key, _ev in rows if s == sid]
+            for start in range(0, len(keys), _IN_BATCH):
+                batch = keys[start : start + _IN_BATCH]
+                marks = ", ".join(["{p}"] * len(batch))
+                newer = self._all(
+                    "SELECT key, scn, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                    f"AND deleted = 0 AND scn > {{p}} AND key IN ({marks})",
+                    (part, sid, tag, *batch),
+                )
+                fixed = []
+                for key, scn, event in newer:
+                    merged = self._merge_from(part, bytes(event), by_key[(sid, bytes(key))])
+                    if merged is not None:
+                        fixed.append((part, sid, bytes(key), int(scn), 0, merged))
+                self._many(UPSERT_SNAP, fixed)
+
+    def _merge_from(self, part: str, event: bytes, image: bytes) -> bytes | None:
+        """``event`` with its unsent columns from ``image`` (None: nothing to fill)."""
+        h = decode_header(event)
+        if h.op != int(Op.UPDATE):
+            return None
+        codec, icodec = self._codec(part, h), self._codec(part, decode_header(image))
+        if codec is None or icodec is None:
+            return None
+        change = codec[0].decode(memoryview(event)[HEADER_SIZE + h.key_length :])
+        if not change.after_not_sent or change.after is None:
+            return None
+        ih = decode_header(image)
+        return merge_unsent(
+            h, change, codec[1], icodec[0].decode(memoryview(image)[HEADER_SIZE + ih.key_length :])
+        )
 
     def sweep_step(
         self, part: str, table: str, below: int, after_id: int, batch: int = 20_000
