@@ -74,6 +74,7 @@ from changebus.schemas import (
 )
 
 from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
+from ._seed_mysql_keys import compare_sql, enum_keys, plain_key_type
 from ._seed_mysql_values import RowConverter, key_json, key_values, policy_converter, untag
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
@@ -86,8 +87,6 @@ T = TypeVar("T")
 #: the connection's program name (``program_name`` connection attribute)
 PROGRAM_NAME: Final = "changebus-seed"
 _START: Final = "START TRANSACTION WITH CONSISTENT SNAPSHOT"
-#: key column types whose JSON value is the Avro value (absent keys can be reported)
-_PLAIN_KEY_TYPES: Final = ("int", "long", "string")
 
 
 def mysql_config_from_dsn(dsn: str) -> Any:
@@ -152,35 +151,6 @@ def _source_errors(what: str) -> Iterator[None]:
     except pymysql.err.MySQLError as exc:
         code, message = _server_message(exc)
         raise SourceError(f"MariaDB error {code} {what}: {message}", retriable=True) from None
-
-
-def compare_sql(columns: Sequence[str], op: str, row_form: bool) -> tuple[str, tuple[int, ...]]:
-    """SQL comparing the (quoted) ``columns`` with key values in key order, lexicographically.
-
-    ``op`` is ``>`` or ``<=``. Returns the condition and, per ``%s`` in it,
-    the index of the key value it takes. ``row_form``: a row constructor,
-    else the expanded ``k1 > a OR (k1 = a AND k2 > b)`` form.
-    """
-    n = len(columns)
-    if n == 1:
-        return f"{columns[0]} {op} %s", (0,)
-    if row_form:
-        return f"({', '.join(columns)}) {op} ({', '.join(['%s'] * n)})", tuple(range(n))
-    terms: list[str] = []
-    at: list[int] = []
-    for i in range(n):
-        last_op = op if i == n - 1 else op[0]  # strict on every column but the last
-        parts = [f"{columns[j]} = %s" for j in range(i)] + [f"{columns[i]} {last_op} %s"]
-        terms.append("(" + " AND ".join(parts) + ")")
-        at.extend(range(i + 1))
-    return "(" + " OR ".join(terms) + ")", tuple(at)
-
-
-def _plain_key_type(avro: Any) -> bool:
-    """Whether a key column's JSON value is its Avro value (int, long, string, uuid)."""
-    if isinstance(avro, str):
-        return avro in _PLAIN_KEY_TYPES
-    return isinstance(avro, dict) and avro.get("logicalType") == "uuid"
 
 
 def _where(conditions: Sequence[str]) -> str:
@@ -378,6 +348,7 @@ class MySQLChunkReader:
         self._table = f"{_q(db)}.{_q(table)}"
         self._cols = [_q(k) for k in schema.key]
         self._key_list = ", ".join(self._cols)
+        self._enums = enum_keys(schema)
         self._row_form: bool | None = None if len(self._cols) > 1 else False
         self._where = ""
         self._keys: list[tuple[Any, ...]] = []
@@ -398,6 +369,26 @@ class MySQLChunkReader:
             self.estimate_rows = self._check_where()
         else:
             self.estimate_rows = self._table_rows()
+
+    def _ordinal(self, i: int, value: Any) -> Any:
+        """Key value ``i`` as an ordering comparison needs it. An ENUM sorts by its
+        label's position (``ORDER BY`` and the key index), but compares with a string
+        by text: ``k > 'b'`` would skip labels after 'b' in the list but before it in
+        the alphabet. Compared with its number instead, it sorts and compares alike."""
+        labels = self._enums.get(i)
+        if labels is None:
+            return value
+        try:
+            return labels.index(value) + 1
+        except ValueError:
+            if value == "":  # (MariaDB's "invalid value" label: number 0)
+                return 0
+            raise SourceConfigError(
+                f"snapshot of {self.name}: key value {value!r} is not one of its ENUM's "
+                "labels in the relay's schema; snapshot it again once the relay has seen "
+                "the table's new definition",
+                retriable=True,
+            ) from None
 
     # ---- set-up --------------------------------------------------------------
 
@@ -443,7 +434,7 @@ class MySQLChunkReader:
         schema = self._rows.encoder.table
         columns = {c.name: c for c in schema.columns}
         rules = self._source.policy.rules_for(self.name)
-        plain = all(_plain_key_type(columns[k].type) for k in schema.key)
+        plain = all(plain_key_type(columns[k].type) for k in schema.key)
         convert = [policy_converter(columns[k], rules.get(k)) for k in schema.key]
         for raw in keys:
             if len(raw) != len(schema.key):
@@ -494,7 +485,7 @@ class MySQLChunkReader:
                 self._row_form = self._row_form_ranges(cur, after, limit)
             sql, at = compare_sql(self._cols, ">", self._row_form)
             conds.append(sql)
-            args.extend(after[i] for i in at)
+            args.extend(self._ordinal(i, after[i]) for i in at)
         head = f"FROM {self._table}"
         if self._where:
             cur.execute(
@@ -506,7 +497,7 @@ class MySQLChunkReader:
             if bound is not None:
                 sql, at = compare_sql(self._cols, "<=", bool(self._row_form))
                 conds.append(sql)
-                args.extend(bound[i] for i in at)
+                args.extend(self._ordinal(i, bound[i]) for i in at)
             cur.execute(
                 f"SELECT * {head}{_where([*conds, self._where])} ORDER BY {self._key_list}",
                 tuple(args),
