@@ -21,15 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snap_mysql import (
-    assert_same,
-    boot_config,
-    marker,
-    relay_config,
-    seed_dsn,
-    source_rows,
-    store_rows,
-)
 
 from changebus.bootstrap import (
     BootstrapConfig,
@@ -54,6 +45,15 @@ from changebus.schemas import (
     verify_event,
 )
 from fix_mysql import mysql_execute
+from snap_mysql import (
+    assert_same,
+    boot_config,
+    marker,
+    relay_config,
+    seed_dsn,
+    source_rows,
+    store_rows,
+)
 from waiting import wait_until
 
 pytestmark = pytest.mark.mysql

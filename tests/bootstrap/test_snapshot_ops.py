@@ -312,6 +312,13 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
         ({"table": "public.big", "where": "id < 5", "keys": [1]}, "either where or keys"),
         ({"table": "public.big", "where": "id < 5; DROP TABLE big"}, "no ';'"),
         ({"table": "public.big", "where": "  "}, "where is empty"),
+        # one condition: it sits in "AND (...)"; closing that would re-read the table forever
+        ({"table": "public.big", "where": "true) OR (true"}, "parentheses and quotes"),
+        ({"table": "public.big", "where": "(id < 5"}, "parentheses and quotes"),
+        ({"table": "public.big", "where": "v = 'a"}, "parentheses and quotes"),
+        ({"table": "public.big", "where": "id < 5 -- and"}, "comments"),
+        ({"table": "public.big", "where": "id < 5 /* x */"}, "comments"),
+        ({"table": "public.big", "where": "v = 'a\\' OR (true"}, "backslashes"),
         ({"table": "public.big", "keys": 5}, "keys must be a non-empty JSON list"),
         ({"table": "public.big", "keys": []}, "keys must be a non-empty JSON list"),
         ({"table": "public.big", "keys": [{"id": 1}]}, "keys[0]"),

@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from changebus.schemas import ChangebusError, ConfigError
+from changebus.schemas import ChangebusError, ConfigError, SourceConfigError
 
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
@@ -396,6 +396,12 @@ def _run_tables(
                 busy = time.monotonic() - started
                 if stop.is_set():  # (a gap recorded meanwhile: this chunk must not be stored)
                     raise ChangebusError("seeding stopped", retriable=True)
+                if chunk.cursor is not None and chunk.cursor == job.cursor:
+                    raise SourceConfigError(
+                        f"snapshot of {name}: a chunk ended where it started, so the read "
+                        "would never end (does the where condition hold an OR outside its "
+                        "parentheses?)"
+                    )
                 job = job.after(chunk)
                 sink.chunk(scope, job, chunk)
                 progress.chunk_done(chunk.row_count, chunk.tag, chunk.txn_s)

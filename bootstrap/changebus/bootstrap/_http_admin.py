@@ -167,8 +167,45 @@ def parse_snapshot_body(doc: dict[str, Any]) -> SnapshotScope:
         raise BadRequestError("give either where or keys, not both")
     if ";" in where or "\x00" in where:
         raise BadRequestError("where must be one SQL condition (no ';', no NUL characters)")
+    _one_condition(where)
     keys = () if raw_keys is None else _parse_keys(raw_keys)
     return SnapshotScope(table, where, keys)
+
+
+def _one_condition(where: str) -> None:
+    """Refuse a ``where`` that is not one parenthesised condition.
+
+    The condition is put inside ``AND (...)`` of each chunk's query: one that
+    closes that parenthesis (``true) OR (true``) would make every chunk read
+    the whole table again. So parentheses outside quotes must balance and
+    never close more than they opened; comments (which could hide the rest of
+    the query) and backslashes (an escape in MariaDB's strings, a plain
+    character in Postgres', so the two would read the quotes differently)
+    are refused.
+    """
+    depth, quote, i = 0, "", 0
+    while i < len(where):
+        c = where[i]
+        if quote:
+            if c == quote:
+                quote = ""
+        elif c in "'\"`":
+            quote = c
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                break
+        elif where.startswith(("--", "/*", "#"), i):
+            raise BadRequestError("where may not hold SQL comments")
+        if c == "\\":
+            raise BadRequestError("where may not hold backslashes")
+        i += 1
+    if depth or quote:
+        raise BadRequestError(
+            "where must be one SQL condition: its parentheses and quotes must pair up"
+        )
 
 
 def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:

@@ -1,6 +1,7 @@
-"""A gap in the log recorded while a chunked snapshot reads a table, against a real
-store (SQLite) and the real chunk loop, driven by a scripted chunk source: the source
-is not what is tested, the order of the loop's and the store's steps is.
+"""The chunk loop's safety against a real store (SQLite), driven by a scripted chunk
+source: a gap in the log recorded while a chunked snapshot reads a table, and a
+chunk that does not move. The source is not what is tested, the order of the
+loop's and the store's steps is.
 
 Before: the chunk being read when the gap came was stored after it, which wrote the
 job (cursor mid-table, tagged before the gap) back; the repair resumed that job, so
@@ -20,7 +21,15 @@ import pytest
 from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope, run_chunked
 from changebus.bootstrap._seedtypes import SeedProgress, SeedRequest
 from changebus.bootstrap._store import Store
-from changebus.schemas import Column, Op, RowEncoder, SchemaRegistry, TableSchema
+from changebus.schemas import (
+    BadRequestError,
+    Column,
+    Op,
+    RowEncoder,
+    SchemaRegistry,
+    SourceConfigError,
+    TableSchema,
+)
 
 REG = SchemaRegistry()
 TABLE = REG.register(
@@ -135,3 +144,30 @@ def test_a_seed_older_than_the_gap_does_not_clear_it(store: Store) -> None:
     assert not store.clear_gap("p") and store.gap("p") == 500
     store.seed_rows("p", TABLE.name, [], 600)
     assert store.clear_gap("p") and store.gap("p") is None
+
+
+def test_a_chunk_that_ends_where_it_started_stops_the_read(store: Store) -> None:
+    """A source whose chunks do not move (a condition with an OR outside its parentheses
+    reads the first rows again and again): a clear error, not a read without end."""
+    reads: list[int] = []
+
+    class Stuck(ScriptedSource):
+        def read(self, cursor: str | None, limit: int) -> Chunk:
+            chunk = super().read(None, limit)  # always the first rows
+            return Chunk(chunk.events, chunk.tag, str(CHUNK))
+
+    request = SeedRequest("dsn", 1, (TABLE.name,), chunk_rows=CHUNK)
+    with pytest.raises(SourceConfigError, match="ended where it started"):
+        run_chunked(request, lambda r: Stuck(100, reads), StoreSink(store), SeedProgress(),
+                    stop=threading.Event())  # fmt: skip
+    assert reads == [0, 0]
+
+
+def test_a_where_condition_is_one_parenthesised_condition() -> None:
+    from changebus.bootstrap._http_admin import _one_condition
+
+    for fine in ("id < 5", "(a = 1 OR b = 2) AND v <> 'x)('", "name = 'it''s'", 'x."y(" > 1'):
+        _one_condition(fine)
+    for bad in ("true) OR (true", "a = 1)", "((a = 1)", "v = 'open", "a -- b", "a /* b */"):
+        with pytest.raises(BadRequestError):
+            _one_condition(bad)
