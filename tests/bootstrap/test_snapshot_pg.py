@@ -36,6 +36,7 @@ from changebus.bootstrap import (
     SeedConfig,
     SeedProgress,
     SeedRequest,
+    _seed as seed_module,
     seed_postgres,
 )
 from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
@@ -422,7 +423,7 @@ async def test_key_kinds_nullable_columns_and_tables_without_a_key(
 
 
 async def test_the_watermark_waits_for_an_old_transaction_and_fails_retriably_when_it_stays(
-    tmp_path: Path, pg_dsn: str
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE kv (id int8 PRIMARY KEY, v text)")
@@ -463,6 +464,24 @@ async def test_the_watermark_waits_for_an_old_transaction_and_fails_retriably_wh
             err = caught.value
             assert err.retriable and f"pid {pid}" in err.message, err.message
             assert "secret-query-text" not in err.message and "INSERT" not in err.message
+            blocker.rollback()
+            # a lock taken while the seed runs (an ALTER TABLE): the next chunk's read,
+            # its watermark from before, queued behind it with its snapshot open for as
+            # long as the lock was held (and a stop could not end the wait)
+            monkeypatch.setattr(seed_module, "LOCK_TIMEOUT_S", 1.0)
+            req = dataclasses.replace(req, watermark_wait_s=60, max_rows_per_s=1000)
+            progress = SeedProgress()
+            task = asyncio.ensure_future(
+                asyncio.to_thread(seed_postgres, req, lambda *_: None, progress)
+            )
+            await wait_until(lambda: progress.chunks >= 1, 30, "a first chunk")
+            await asyncio.to_thread(blocker.execute, "LOCK TABLE kv IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(SourceError) as caught:
+                await asyncio.wait_for(task, 30)
+            assert time.monotonic() - started < 10, caught.value
+            assert caught.value.retriable and "lock" in caught.value.message, caught.value
+            assert progress.chunks < 6
         finally:
             blocker.close()
 

@@ -146,6 +146,10 @@ def _psycopg_error(what: str, exc: Exception) -> Exception:
     return SourceError(f"{what}: {reason(exc)}", retriable=retriable)
 
 
+#: how long a seed statement waits for a lock on the source (then a retriable error)
+LOCK_TIMEOUT_S = 10.0
+
+
 class PostgresChunkSource:
     """The source side of one seed run: a connection, the watermark samples, an Assembler.
 
@@ -180,6 +184,9 @@ class PostgresChunkSource:
         )
         # the only writes are the watermark samples' empty commits: no need to wait for a flush
         self.conn.execute("SET synchronous_commit = off")
+        # a chunk queued behind a lock (an ALTER TABLE waiting or running) would wait with
+        # its snapshot open, holding back vacuum, and a stop could not end the wait
+        self.conn.execute(f"SET lock_timeout = {int(LOCK_TIMEOUT_S * 1000)}")
         self.resolver = TypeResolver(self.conn)
         self.assembler = Assembler(
             self.request.partition_id,
