@@ -146,6 +146,11 @@ async def test_restricted_principal_reads_only_its_sources(
     # every window still ends (control events pass)
     eow = int(Op.END_OF_WINDOW)
     assert [e for e in mine if e[1] == eow] == [e for e in whole if e[1] == eow]
+    # schema changes follow the grant: the other table's definition is not shown
+    sc = int(Op.SCHEMA_CHANGE)
+    t1 = relay.hosts["syn"].registry.source_id("synthetic.t1")
+    assert {e[2] for e in whole if e[1] == sc} == {t0, t1}
+    assert [e for e in mine if e[1] == sc] == [e for e in whole if e[1] == sc and e[2] == t0]
     # naming the granted source explicitly gives the same
     assert await read_all(http, relay, READER, sources="synthetic.t0") == mine
     # a key filter narrows, never widens

@@ -11,9 +11,14 @@ from hypothesis import given, strategies as st
 from changebus.schemas import (
     HASH_SPACE,
     HEADER_DTYPE,
+    UNATTACHED,
     BadRequestError,
+    LogicalMessage,
     Op,
     PartitionFilter,
+    SchemaChange,
+    decode_header,
+    encode_control,
     event_mask,
     key_hash,
     source_table,
@@ -177,3 +182,44 @@ def test_event_mask_keeps_control_events_and_subscribed_data() -> None:
     assert event_mask(h, None, []).tolist() == [False, False, False, True, False, True]
     with pytest.raises(BadRequestError):
         source_table([70000])
+
+
+def test_schema_changes_and_messages_follow_the_source_subscription() -> None:
+    """A schema change carries its table's source id and a message source id 0
+    (UNATTACHED): a subscription to other sources, or a principal granted only some
+    (the servers leave 0 out for them), receives neither; window ends always pass."""
+    eow, sc, msg, hb = (
+        int(o) for o in (Op.END_OF_WINDOW, Op.SCHEMA_CHANGE, Op.MESSAGE, Op.HEARTBEAT)
+    )
+    h = _headers([sc, sc, msg, 1, 1, hb, eow], [0, 0, 0, 4, 5, 0, 0], [1, 2, 0, 1, 2, 0, 0])
+    assert event_mask(h).tolist() == [True] * 7
+    # a key filter alone never drops a control event
+    assert event_mask(h, PartitionFilter.mod(2, 1)).tolist() == [
+        True,
+        True,
+        True,
+        False,
+        True,
+        True,
+        True,
+    ]
+    # the consumer's own choice of source 1 (the servers add UNATTACHED): its schema change, messages
+    assert event_mask(h, None, [UNATTACHED, 1]).tolist() == [
+        True,
+        False,
+        True,
+        True,
+        False,
+        True,
+        True,
+    ]
+    # a principal granted only source 2: neither table 1's definition nor any message
+    assert event_mask(h, None, [2]).tolist() == [False, True, False, False, True, True, True]
+    assert event_mask(h, None, []).tolist() == [False, False, False, False, False, True, True]
+
+
+def test_a_schema_change_event_carries_its_tables_source_id() -> None:
+    change = SchemaChange(7, "public.t", 1, 123, "{}")
+    ev = encode_control(change, 10, 0, 0)
+    assert decode_header(ev).source_id == 7
+    assert decode_header(encode_control(LogicalMessage("p", b"x", True), 10, 1, 0)).source_id == 0

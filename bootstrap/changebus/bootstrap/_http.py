@@ -48,6 +48,7 @@ from aiohttp import web
 
 from changebus.schemas import (
     MAX_SCN,
+    UNATTACHED,
     BadRequestError,
     NotYetError,
     PartitionFilter,
@@ -354,6 +355,8 @@ async def catchup(request: web.Request) -> web.Response:
     result = await service.stores.read(page)
     data = result.data
     if data and (key_filter is not None or wanted is not None):
+        if wanted is not None and principal_of(request).sources is None:
+            wanted = [UNATTACHED, *wanted]  # (a consumer's own choice: messages too)
         data = _select(data, key_filter, wanted)
     metrics = request.app[METRICS]
     metrics.catchup_events[part] += result.events

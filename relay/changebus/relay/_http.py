@@ -37,6 +37,7 @@ from aiohttp import web
 
 from changebus.schemas import (
     MAX_SCN,
+    UNATTACHED,
     BadRequestError,
     Checkpoint,
     CheckpointError,
@@ -311,14 +312,19 @@ def _granted_host(request: web.Request, name: str | None) -> PartitionHost:
 def _source_ids(
     request: web.Request, host: PartitionHost, text: str | None
 ) -> frozenset[int] | None:
-    """Source ids of ``sources=`` (None: all), limited to the principal's grant."""
+    """Source ids of ``sources=`` (None: all), limited to the principal's grant.
+
+    With :data:`~changebus.schemas.UNATTACHED` (messages pass) unless the
+    principal is granted only some sources.
+    """
     requested = None if text is None else [n for n in (s.strip() for s in text.split(",")) if n]
 
     def available() -> Iterator[str]:  # (only read when the grant needs it: not per request)
         for _sid, name in host.registry.sources():
             yield name
 
-    granted = principal_of(request).restrict_sources(requested, available())
+    principal = principal_of(request)
+    granted = principal.restrict_sources(requested, available())
     if granted is not None:
         requested = list(granted)
     if requested is None:
@@ -331,6 +337,8 @@ def _source_ids(
             raise UnknownSourceError(
                 f"partition {host.name} has no source {name[:128]!r}"
             ) from None
+    if principal.sources is None:
+        ids.add(UNATTACHED)
     return frozenset(ids)
 
 

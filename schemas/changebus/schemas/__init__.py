@@ -56,6 +56,7 @@ from ._envelope import (
 from ._jsonable import jsonable as jsonable
 from ._partition import (
     HASH_SPACE as HASH_SPACE,
+    UNATTACHED as UNATTACHED,
     PartitionFilter as PartitionFilter,
     event_mask as event_mask,
     key_hash as key_hash,
@@ -160,6 +161,7 @@ __all__ = [
     "MAX_EVENT_SIZE",
     "MAX_SCN",
     "NO_SCN",
+    "UNATTACHED",
     "VERSION",
     "AuthError",
     "AvroType",

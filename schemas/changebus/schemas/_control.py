@@ -184,7 +184,12 @@ def _to_record(payload: ControlPayload) -> dict[str, Any]:
 def encode_control(
     payload: ControlPayload, scn: int, seq: int, timestamp_ns: int, *, partition: int = 0
 ) -> bytes:
-    """Encode a control event carrying ``payload``."""
+    """Encode a control event carrying ``payload``.
+
+    A schema change carries its table's source id in the header (so a
+    subscription to other sources, or a principal not granted that table,
+    does not receive it); every other control event source id 0.
+    """
     op = _BY_TYPE[type(payload)]
     buf = io.BytesIO()
     fastavro.schemaless_writer(buf, _PARSED[op], _to_record(payload))
@@ -197,6 +202,7 @@ def encode_control(
         buf.getvalue(),
         partition=partition,
         schema_id=_SCHEMA_IDS[op],
+        source_id=payload.source_id if isinstance(payload, SchemaChange) else 0,
     )
 
 

@@ -32,10 +32,17 @@ relay filters thousands of headers without a Python loop.
 Subscriptions
 =============
 :func:`event_mask` is the one definition of what a subscriber receives from a
-block of event headers: every control event (op >= ``FIRST_CONTROL_OP``:
-window ends, schema changes, heartbeats, ...) and the data events of the
-subscribed sources whose key hash passes the filter. The relay, the bootstrap
-server and the Spark source all select with it.
+block of event headers: the control events (op >= ``FIRST_CONTROL_OP``:
+window ends, heartbeats, data-loss markers, ...) and the data events of the
+subscribed sources whose key hash passes the filter. Two kinds of control
+event belong to sources and follow the source subscription (never the key
+filter): a schema change (its header's source id is its table's) and a
+logical message (source id :data:`UNATTACHED`, 0: no table). A source
+table that includes 0 passes messages (and schema changes written before
+they carried their table's id); the servers include it for a consumer's own
+``sources=`` choice but not for a principal granted only some sources, who
+must not read application messages or other tables' definitions. The relay,
+the bootstrap server and the Spark source all select with it.
 """
 
 from __future__ import annotations
@@ -50,11 +57,25 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from ._envelope import FIRST_CONTROL_OP
+from ._envelope import FIRST_CONTROL_OP, Op
 from ._server_query import MAX_DIGITS
 from .errors import BadRequestError
 
-__all__ = ["HASH_SPACE", "PartitionFilter", "event_mask", "key_hash", "source_table"]
+__all__ = [
+    "HASH_SPACE",
+    "UNATTACHED",
+    "PartitionFilter",
+    "event_mask",
+    "key_hash",
+    "source_table",
+]
+
+#: the source id of control events that belong to no table (logical messages); in a
+#: source subscription, it stands for "messages too" (see "Subscriptions" above)
+UNATTACHED: Final = 0
+
+_SCHEMA_CHANGE: Final = int(Op.SCHEMA_CHANGE)
+_MESSAGE: Final = int(Op.MESSAGE)
 
 HASH_SPACE: Final = 1 << 64
 #: The 64-bit partition hash of encoded key bytes (XXH3-64, seed 0).
@@ -269,8 +290,8 @@ def event_mask(
     ``source_id`` fields (the event header dtype or the relay's event table).
     ``sources`` is a :func:`source_table` or a collection of source ids;
     ``None`` subscribes to every source, and ``key_filter=None`` to every key.
-    Control events are always kept: a consumer needs the window boundaries
-    and schema changes whatever it filters.
+    Control events pass the key filter (a consumer needs the window boundaries
+    whatever it filters); schema changes and messages follow ``sources``.
     """
     ops = headers["op"]
     control: npt.NDArray[np.bool_] = ops >= FIRST_CONTROL_OP
@@ -281,5 +302,8 @@ def event_mask(
         data &= key_filter.mask(headers["key_hash"])
     if sources is not None:
         table = sources if isinstance(sources, np.ndarray) else source_table(sources)
-        data &= table[headers["source_id"]]
+        subscribed = table[headers["source_id"]]
+        data &= subscribed
+        attached = (ops == _SCHEMA_CHANGE) | (ops == _MESSAGE)
+        control &= subscribed | ~attached
     return control | data
