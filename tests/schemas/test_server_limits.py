@@ -431,6 +431,32 @@ async def test_the_limits_hold_over_tls(tls_files: Any) -> None:  # a fix_tls.Tl
         assert stats.requests[("/slow", 499)] == 1
 
 
+async def test_tls_connections_count_before_their_handshake(tls_files: Any) -> None:
+    """Connections that never start their TLS handshake were admitted only after it:
+    uncounted, any number of them held a descriptor each for ``header_timeout_s``."""
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tls_files.server_cert, tls_files.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(tls_files.ca))
+    limits = ConnectionLimits(header_timeout_s=5, max_connections=10)
+    async with serving(limits, server_ctx) as (s, _):
+        stats = s.app[CONNECTION_STATS]
+        silent = [await connect(s) for _ in range(100)]
+        await wait_until(
+            lambda: stats.refused["max_connections"] >= 90, 5, "the excess refused at once"
+        )
+        assert stats.open == 10
+        for _reader, writer in silent:
+            writer.close()
+        await wait_until(lambda: stats.open == 0, 5, "the silent ones counted out")
+        # and a real client is served once there is room
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx)) as http,
+            http.get(f"{s.url}/healthz") as r,
+        ):
+            assert r.status == 200
+        assert _open(s) <= 1
+
+
 async def test_the_accept_backlog_follows_max_connections() -> None:
     """Hundreds of clients connecting at once (a relay's restart) are queued, not dropped."""
     assert listen_backlog(ConnectionLimits(max_connections=1000)) == 1000

@@ -38,7 +38,10 @@ bounds all of that, and the pieces below apply it:
     empty line, once per connection); after that every byte goes straight
     through. Later requests on a kept-alive connection are bounded by the
     keep-alive timeout (see above). With TLS the handshake is bounded by the
-    same ``header_timeout_s`` (``ssl_handshake_timeout``). Blank lines
+    same ``header_timeout_s`` (``ssl_handshake_timeout``); a TLS connection is
+    counted (and refused, by closing it: no answer can be sent before a
+    handshake) when it is accepted, before its handshake, so connections
+    that never finish one cannot pile up uncounted. Blank lines
     before the request line do not count as its end.
   - runs a *write watchdog*: a connection whose socket buffer stays full
     (the client reads nothing) for ``write_timeout_s`` is dropped. aiohttp
@@ -230,14 +233,19 @@ class _Gate:
         limits: ConnectionLimits,
         stats: ConnectionStats,
         log: logging.Logger,
+        ssl_context: Any = None,
     ) -> None:
         self.server = server
+        #: TLS: each admitted connection is upgraded after it is counted
+        self.ssl_context = ssl_context
         self.limits = limits
         self.stats = stats
         self.log = log
         self.loop = asyncio.get_running_loop()
         self.per_ip: Counter[str] = Counter()
         self.refusing: set[_Connection] = set()
+        #: TLS: connections admitted whose handshake has not ended
+        self.handshaking: set[_Connection] = set()
         self._warned_at = -float("inf")
         self._unreported = 0
 
@@ -284,8 +292,8 @@ class _Gate:
             self._unreported = 0
 
     def close_refusals(self) -> None:
-        """Abort the refusals still pending (the server stops)."""
-        for conn in list(self.refusing):
+        """Abort the refusals and TLS handshakes still pending (the server stops)."""
+        for conn in [*self.refusing, *self.handshaking]:
             conn.abort()
 
 
@@ -304,7 +312,9 @@ class _Connection(asyncio.Protocol):
     """
 
     __slots__ = (
+        "_early",
         "_gate",
+        "_handshake",
         "_inner",
         "_ip",
         "_received",
@@ -323,6 +333,10 @@ class _Connection(asyncio.Protocol):
         self._ip = ""
         self._tail = b""  # the last bytes of an unfinished head (the empty line may straddle)
         self._received = 0
+        #: TLS: the handshake in progress (None: none, or done)
+        self._handshake: asyncio.Future[None] | None = None
+        #: TLS: what arrived between the handshake's end and ``_admitted`` (None: nothing)
+        self._early: list[bytes | None] | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------
 
@@ -334,15 +348,64 @@ class _Connection(asyncio.Protocol):
         self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         reason = gate.admit(self._ip)
         if reason is not None:
+            if gate.ssl_context is not None:
+                gate.refused(reason)  # (no answer before a handshake: just closed)
+                transport.abort()
+                return
             self._refuse(reason)
             return
+        if gate.ssl_context is not None:
+            self._early = []
+            transport.pause_reading()  # (the ClientHello is for start_tls, which resumes)
+            self._handshake = asyncio.ensure_future(self._upgrade(transport))
+            gate.handshaking.add(self)
+            return
+        self._admitted(transport)
+
+    async def _upgrade(self, raw: asyncio.Transport) -> None:
+        """TLS on the counted connection; closed (and counted out) when it fails."""
+        gate = self._gate
+        try:
+            tls = await gate.loop.start_tls(
+                raw,
+                self,
+                gate.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=gate.limits.header_timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - any failed handshake: the client's
+            gate.log.debug("TLS handshake from %s failed: %s", self._ip, exc)
+            # start_tls closed it; asyncio tells no connection_lost of a handshake
+            if self._early is not None:
+                self._early, self._transport = None, None
+                gate.release(self._ip)
+            return
+        finally:
+            self._handshake = None
+            gate.handshaking.discard(self)
+        if tls is None or self._transport is None:  # (lost meanwhile)
+            return
+        self._transport = tls
+        self._admitted(tls)
+
+    def _admitted(self, transport: asyncio.Transport) -> None:
+        gate = self._gate
         self._timer = gate.loop.call_later(gate.limits.header_timeout_s, self._header_timeout)
         self._inner = inner = gate.server()
         inner.connection_made(transport)
+        early, self._early = self._early, None
+        for data in early or ():
+            if data is None:
+                if not self.eof_received():
+                    transport.close()
+            else:
+                self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
         inner = self._inner
-        if inner is None:
+        if self._early is not None:
+            self._early.append(data)  # (TLS: handed on once admitted, a moment later)
+        elif inner is None:
             self._refusal_data(data)
         else:
             if self._timer is not None:
@@ -351,6 +414,9 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         inner = self._inner
+        if self._early is not None:
+            self._early.append(None)
+            return True
         if inner is None:
             self._answer_refusal()
             return None
@@ -377,6 +443,10 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
         self._timer = self._stall = None
         inner, self._inner = self._inner, None
+        if self._early is not None:  # (TLS: lost before it was handed to aiohttp)
+            self._early = None
+            self._gate.release(self._ip)
+            return
         if inner is None:
             self._gate.refusing.discard(self)
             return
@@ -502,13 +572,13 @@ class LimitedSite(web.BaseSite):
         assert isinstance(runner, web.AppRunner)
         assert runner.server is not None
         stats = runner.app.get(CONNECTION_STATS) or ConnectionStats("http")
-        self._gate = gate = _Gate(runner.server, self._limits, stats, self._log)
+        self._gate = gate = _Gate(
+            runner.server, self._limits, stats, self._log, ssl_context=self._ssl_context
+        )
         self._server = await gate.loop.create_server(
-            gate,
+            gate,  # (TLS too: counted when accepted, then upgraded by the connection)
             self._host,
             self._port,
-            ssl=self._ssl_context,
-            ssl_handshake_timeout=self._limits.header_timeout_s if self._ssl_context else None,
             backlog=self._backlog,
             reuse_address=True,
         )
