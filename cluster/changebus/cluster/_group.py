@@ -394,10 +394,16 @@ class GroupMember:
         async with self._node_lock(unit):
             return await create_owner(self.session, self.group, path, sid, unit, watch)
 
-    async def _delete(self, path: str, units: frozenset[Unit]) -> None:
+    async def _delete(
+        self, path: str, units: frozenset[Unit], *, unless_owned: bool = False
+    ) -> None:
+        """Delete the owner nodes of ``units``; ``unless_owned``: not those owned by the
+        time the locks are held (taken again meanwhile: the node is the owner's now)."""
         async with contextlib.AsyncExitStack() as stack:
             for unit in sorted(units):  # (one order everywhere: no deadlock)
                 await stack.enter_async_context(self._node_lock(unit))
+            if unless_owned:
+                units = units - self.owned
             await delete_owners(self.session, self.group, path, units)
 
     def _node_lock(self, unit: Unit) -> asyncio.Lock:
@@ -426,7 +432,7 @@ class GroupMember:
             return
         if attempt.result() != "created":
             return
-        task = asyncio.ensure_future(self._delete(path, frozenset({unit})))
+        task = asyncio.ensure_future(self._delete(path, frozenset({unit}), unless_owned=True))
         self._background.add(task)
 
         def done(t: asyncio.Future[None]) -> None:
@@ -510,7 +516,7 @@ class GroupMember:
         self._stale -= self.owned
         if not stale:
             return
-        await self._delete("", stale)
+        await self._delete("", stale, unless_owned=True)
         self._stale -= stale
 
     def _set_target(self, target: frozenset[Unit]) -> None:
