@@ -113,3 +113,24 @@ async def test_claims_work_again_after_the_group_tree_was_deleted(zk_session, gr
     again = await store.claim(group, unit, "m-0000000002")
     assert again.generation == 1 and first.generation == 1
     assert await session.op("exists", checkpoint_path(group, unit)) is not None
+
+
+async def test_a_stale_node_taken_over_meanwhile_is_not_deleted(
+    member: MemberFactory, group: str
+) -> None:
+    """A node of this session left stale (a lost create, an ended registration) is taken
+    over by a new acquire while its drop waits for the unit: the drop must not delete
+    what is the unit's owner node again."""
+    a = await member("a")
+    unit = Unit("orders", 1)
+    await a.acquire(unit)
+    a.owned = a.owned - {unit}  # as after a create whose answer was lost
+    a._stale.add(unit)
+    async with a._node_lock(unit):  # a take-over holds the unit while the drop starts
+        dropping = asyncio.create_task(a._drop_stale())
+        await asyncio.sleep(0.1)
+        assert not dropping.done()
+        a.owned = a.owned | {unit}  # (the take-over done: the node is the owner's)
+    await dropping
+    stat = await a.session.op("exists", owner_path(group, unit))
+    assert stat is not None and stat.ephemeralOwner == a.session.session_id
