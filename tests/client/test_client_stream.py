@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -320,3 +321,45 @@ async def test_latest_survives_a_failure_before_the_first_window(make_relay: Mak
             stream = RelayStream(cfg, http, latest=True)
             await _stream_into(stream, sink, lambda: len(got) >= 3)
     assert failed and got[0] > last
+
+
+async def test_a_follow_request_into_a_black_hole_fails_over_quickly(
+    make_relay: MakeRelay,
+) -> None:
+    """A relay (or a proxy before it) that accepts the connection and never answers:
+    a follow request waited the body's read timeout (wait_s + read_margin_s) for its
+    head, though a relay answers a follow head at once. It now gives up after
+    ``connect_timeout_s + read_margin_s / 2`` and moves to the next relay."""
+    held: list[asyncio.StreamWriter] = []
+
+    def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # (read nothing, answer nothing)
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        async with make_relay(max_windows=5) as relay:
+            await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 5, 20, "windows")
+            cfg = StreamConfig(
+                relays=(f"http://127.0.0.1:{port}", relay.url), partition="syn", follow=True,
+                wait_s=10.0, connect_timeout_s=1.0, read_margin_s=2.0, max_attempts=3,
+            )  # fmt: skip
+            assert cfg.head_timeout_s == 2.0
+            got: list[int] = []
+
+            async def sink(raw: RawWindow, _url: str) -> None:
+                got.append(raw.scn)
+
+            async with aiohttp.ClientSession() as http:
+                stream = RelayStream(cfg, http)
+                started = time.monotonic()
+                await _stream_into(stream, sink, lambda: len(got) == 5)
+                took = time.monotonic() - started
+        assert took < 8, took  # the body's read timeout alone is 12 s
+        assert stream.relay == relay.url
+        assert held  # the black hole was asked first
+    finally:
+        for writer in held:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()

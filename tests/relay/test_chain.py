@@ -304,6 +304,34 @@ async def test_follower_restart_resumes_after_its_newest_window(tmp_path: Path) 
             assert fetcher["data_loss_windows"] == 0
 
 
+async def test_a_follower_gives_up_on_a_black_holed_upstream_soon(tmp_path: Path) -> None:
+    """An upstream that accepts connections and answers nothing (a half-open proxy):
+    the follower's first request (the upstream's status) waited 30 s for it, the
+    stream's head the whole read timeout, though a relay answers both at once."""
+    held: list[asyncio.StreamWriter] = []
+
+    def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    hole = f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 50})
+    try:
+        async with relay(tmp_path / "leader", syn) as leader:
+            await wait_until(lambda: last_scn(leader) >= 1049, 30)
+            started = asyncio.get_running_loop().time()
+            options = {"connect_timeout_s": 1.0, "read_margin_s": 2.0, "wait_s": 5.0}
+            async with relay(tmp_path / "f", chain(hole, leader.url, **options)) as follower:
+                await same_tail(leader, follower, seconds=30)
+                took = asyncio.get_running_loop().time() - started
+        assert held and took < 10, took  # each answer waited for 1 + 2 / 2 = 2 s at most
+    finally:
+        for writer in held:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
+
+
 # ---- falling off ---------------------------------------------------------------
 
 

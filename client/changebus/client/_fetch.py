@@ -197,7 +197,7 @@ class RelayFetcher:
             if source is not None:
                 self._cache.clear()
             source = self._schemas = RelaySchemas(
-                self._session, url, self.stream.partition, self.stream.config.timeout
+                self._session, url, self.stream.partition, self.stream.config.info_timeout
             )
         window = await decode_window(
             raw, self.stream.partition or "", self._cache, source, columnar=self.config.columnar

@@ -59,6 +59,7 @@ from the same event loop at any time (monitoring).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -158,6 +159,24 @@ class StreamConfig:
             backoff_max_s=config.backoff_max_s,
             backoff_multiplier=config.backoff_multiplier,
             max_attempts=config.max_attempts,
+        )
+
+    @property
+    def head_timeout_s(self) -> float:
+        """How long a follow request may wait for its answer's head.
+
+        A relay answers a follow request's head at once (only a long-poll
+        holds it up to the wait), so a longer silence means a connection into a
+        black hole (a half-open peer or proxy): give up long before the body's
+        read timeout (``wait_s + read_margin_s``).
+        """
+        return self.connect_timeout_s + self.read_margin_s / 2
+
+    @property
+    def info_timeout(self) -> aiohttp.ClientTimeout:
+        """For the requests a relay answers at once (``/v1/status``, sources, schemas)."""
+        return aiohttp.ClientTimeout(
+            total=None, sock_connect=self.connect_timeout_s, sock_read=self.head_timeout_s
         )
 
     @property
@@ -346,10 +365,13 @@ class RelayStream:
         params = self._params()
         self.requests += 1
         where = self._where[url]
+        follow = "follow" in params
         with transport_errors(where):
-            async with self._session.get(
-                f"{url}/v1/stream", params=params, timeout=self._timeout
-            ) as resp:
+            async with (
+                asyncio.timeout(self.config.head_timeout_s if follow else None) as head_wait,
+                self._session.get(f"{url}/v1/stream", params=params, timeout=self._timeout) as resp,
+            ):
+                head_wait.reschedule(None)  # (the body: the read timeout alone)
                 if resp.status not in (200, 204):
                     raise await response_error(
                         resp,

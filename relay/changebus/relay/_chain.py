@@ -211,7 +211,10 @@ class ChainFetcher:
             sock_read=self.config.wait_s + self.config.read_margin_s,
         )
         self._session = await open_session(self.auth, timeout=timeout)
-        self._queries = RelayQueries(self._session, self.config.upstream)
+        # (answered at once by a relay: a black-holed upstream is given up on soon)
+        self._queries = RelayQueries(
+            self._session, self.config.upstream, timeout=self._stream_config.info_timeout
+        )
         self._known = {
             (str(e["schema"]["name"]), int(e["schema"]["version"])) for e in resume.schemas
         }
