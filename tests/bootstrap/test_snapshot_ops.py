@@ -59,6 +59,7 @@ ENV = {
 ADMIN = "A" * 43
 READER = "R" * 43
 PAIR = "P" * 43  # granted the source public.pair only
+PAIR_ADMIN = "Q" * 43  # admin, granted the source public.pair only
 #: the tls_files fixture's type (tests/fix_tls.py)
 TlsFiles = Any
 Row = tuple[Any, ...]
@@ -257,6 +258,9 @@ async def bootstrap(
             PrincipalConfig("ops", (hash_token(ADMIN),), scopes=("admin",)),
             PrincipalConfig("reader", (hash_token(READER),)),
             PrincipalConfig("pair", (hash_token(PAIR),), sources=("public.pair",)),
+            PrincipalConfig(
+                "pair-ops", (hash_token(PAIR_ADMIN),), scopes=("admin",), sources=("public.pair",)
+            ),
         ),
     )
     cfg = BootstrapConfig(
@@ -304,6 +308,13 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
     assert (await stack.call("POST", path, None, good))[0] == 401
     status, body = await stack.call("POST", path, READER, good)
     assert status == 403 and "admin" in body["message"]
+    # an admin granted only some sources snapshots or seeds only those (its where
+    # condition runs on the source with the seed's credentials)
+    status, body = await stack.call("POST", path, PAIR_ADMIN, good)
+    assert status == 403 and "public.big" in body["message"], body
+    for query in ("?tables=public.big", "?tables=public.pair,public.big", ""):
+        status, body = await stack.call("POST", f"/v1/seed{query}", PAIR_ADMIN, None)
+        assert status == 403, (query, body)
     bad: list[tuple[Any, str]] = [
         ({}, "table"),
         ([1, 2], "JSON object"),

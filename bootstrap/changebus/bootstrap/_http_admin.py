@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
-from changebus.schemas import BadRequestError, TableSchema
+from changebus.schemas import BadRequestError, ForbiddenError, TableSchema
 from changebus.schemas.security import principal_of
 from changebus.schemas.server import check_params, json_response
 
@@ -66,19 +66,28 @@ def add_admin_routes(
     async def seed(request: web.Request) -> web.Response:
         """``POST /v1/seed?partition=P&tables=a,b``: (re-)seed tables from the source (202)."""
         check_params(request.query, _SEED_PARAMS)
-        principal_of(request).check_scope("admin")
+        principal = principal_of(request)
+        principal.check_scope("admin")
         part = partition_of(request, request.query.get("partition"))
         tables = [t.strip() for t in request.query.get("tables", "").split(",") if t.strip()]
+        if principal.sources is not None and not tables:
+            raise ForbiddenError(
+                f"principal {principal.name!r} is granted only some sources: name the tables "
+                "to seed (tables=...)"
+            )
+        principal.restrict_sources(tables, ())  # (403 for a table not granted)
         progress = await service.seed_on_demand(part, tables)
         return json_response({"partition": part, "seed": progress.as_dict()}, status=202)
 
     async def snapshot(request: web.Request) -> web.Response:
         """``POST /v1/snapshot``: snapshot one table (or its ``where`` rows, or ``keys``) (202)."""
         check_params(request.query, ())
-        principal_of(request).check_scope("admin")
+        principal = principal_of(request)
+        principal.check_scope("admin")
         doc = await _json_body(request)
         part = partition_of(request, _optional_str(doc, "partition"))
         scope = parse_snapshot_body(doc)
+        principal.restrict_sources((scope.table,), ())  # (403 for a table not granted)
         if not service.config.seed.dsn:
             raise BadRequestError("no source to snapshot from: set seed.dsn")
         await service.check_seed_tables(part, [scope.table])
