@@ -247,6 +247,18 @@ async def test_relay_operator_metrics(tmp_path: Path) -> None:
         assert lag_s["a"] > lag_s["b"] >= lag_s["d"] > 0
         assert lag_s["a"] == pytest.approx((m.last_ts - first_ts(syn, m.min_scn)) / 1e9)
 
+        # a consumer without a client id: one "_unnamed" series, never its address
+        assert await pull(relay.url, m.min_scn, "") in (200, 204)
+        text = await scrape(relay.url)
+        lag_scn = by_consumer(text, "changebus_relay_consumer_lag_scn")
+        assert "127.0.0.1" not in text
+        assert lag_scn == {
+            "a": m.last_scn - m.min_scn,
+            "_unnamed": m.last_scn - m.min_scn,
+            "b": m.last_scn - mid,
+            "_other": m.last_scn - mid - 1,
+        }
+
         # a checkpoint older than the buffer keeps: 410, counted
         assert value(text, "changebus_relay_consumers_fell_off_total", partition="syn") == 0
         assert await pull(relay.url, m.prev_scn - 1, "late") == 410

@@ -58,6 +58,9 @@ __all__ = ["OTHER_CONSUMERS", "lag_families"]
 
 #: the consumer label of the consumers beyond ``metrics.max_consumer_series``
 OTHER_CONSUMERS = "_other"
+#: the consumer label of those that sent no ``client=`` id (the relay names them by
+#: their address in its admin-only status; ``/metrics`` is often open: no addresses)
+UNNAMED_CONSUMERS = "_unnamed"
 
 
 def lag_families(
@@ -159,11 +162,14 @@ def _consumers(
     floor = time.monotonic() - CONSUMER_TTL_S
     # a consumer reading "from the oldest" (-1) lags by everything held
     oldest = m.min_scn - 1 if m.min_scn >= 0 else m.last_scn
-    seen = sorted(
-        (c.scn if c.scn >= 0 else oldest, client)
+    ordered = sorted(
+        (c.scn if c.scn >= 0 else oldest, UNNAMED_CONSUMERS if client == c.peer else client)
         for client, c in list(host.consumers.items())
         if c.last_seen >= floor
     )
+    # the unnamed ones: one series, the most lagging of them (the first in order)
+    unnamed = [x for x in ordered if x[1] == UNNAMED_CONSUMERS][:1]
+    seen = sorted([x for x in ordered if x[1] != UNNAMED_CONSUMERS] + unnamed)
     shown = seen[:cap]
     if len(seen) > cap:
         shown.append((seen[cap][0], OTHER_CONSUMERS))  # the most lagging of the rest
