@@ -62,6 +62,8 @@ def test_the_servers_retriable_verdict_wins_over_the_class_default() -> None:
         (404, UnknownSourceError, False),
         (409, OverwrittenError, True),
         (410, ScnNotFoundError, True),
+        (408, TransportError, True),
+        (429, TransportError, True),
         (502, TransportError, True),
         (503, TransportError, True),
         (418, ChangebusError, False),

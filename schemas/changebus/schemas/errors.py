@@ -119,7 +119,7 @@ class ChangebusError(Exception):
         The class is chosen by ``body["error"]`` (the ``code``); an unknown or
         missing code falls back on the HTTP ``status`` (400 bad request, 404
         unknown source, 409 overwritten, 410 SCN not found, 413 too large,
-        5xx transport), else :class:`ChangebusError`. The server's
+        408, 429 and 5xx transport), else :class:`ChangebusError`. The server's
         ``retriable`` verdict is kept when it is a boolean; the other keys
         become ``details``. ``where`` (e.g. ``"relay http://h:8470"``) is put
         in front of the message. Never raises.
@@ -366,4 +366,7 @@ _BY_STATUS: dict[int, type[ChangebusError]] = {
     409: OverwrittenError,
     410: ScnNotFoundError,
     413: EventTooLargeError,
+    # a proxy's or load balancer's "slow down" / "too slow": try again (or elsewhere)
+    408: TransportError,
+    429: TransportError,
 }
