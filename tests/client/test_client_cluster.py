@@ -24,6 +24,7 @@ from changebus.client import Consumer, ConsumerConfig, RelayUnavailableError
 from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
 from changebus.relay import Relay
 from changebus.schemas import ConfigError
+from changebus.schemas.security import ClientAuth
 
 pytestmark = pytest.mark.zk
 
@@ -362,3 +363,17 @@ async def test_zookeeper_away_gives_up_after_max_attempts(
         await c.close()
     finally:
         await asyncio.to_thread(zk_server.start)
+
+
+async def test_a_failed_start_closes_the_routing_tables_zookeeper_session(
+    make_relay: MakeRelay, register: Any, zk_hosts: str, zk_cluster: str, tmp_path: Path
+) -> None:
+    """The routing table is opened first (its ZooKeeper session and threads); a start
+    that then fails (here: a token file that cannot be read) left it running."""
+    missing = tmp_path / "no-such-token"
+    async with make_relay() as relay, register("r1", relay.url):
+        consumer = Consumer(config(zk_hosts, zk_cluster, auth=ClientAuth(token_file=missing)))
+        with pytest.raises(ConfigError):
+            await consumer.start()
+        assert consumer._route is None  # stopped: its session closed
+        await consumer.close()

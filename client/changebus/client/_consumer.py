@@ -157,8 +157,10 @@ class Consumer:
             cfg = await self._route_cluster(cfg)
         try:
             position, latest, resume = start_point(pc, cfg, f"partition {partition}")
+            if self._session is None:  # (a token file that cannot be read fails here)
+                self._session = await open_session(cfg.auth)
         except BaseException:
-            if self._route is not None:  # a checkpoint that cannot be continued
+            if self._route is not None:  # the routing table's ZooKeeper session: not left open
                 await self._route.stop()
                 self._route = None
             raise
@@ -167,8 +169,6 @@ class Consumer:
         elif pc is not None and pc.has_position:
             log.info("resuming partition %s after SCN %d", partition, position)
         self._position = PositionTracker(checkpoint, self.persister)
-        if self._session is None:
-            self._session = await open_session(cfg.auth)
         self._queue = WindowQueue(cfg.queue_windows, cfg.queue_bytes)
         if self._stop_requested:  # stop() ran while this start was under way
             self._queue.close_threadsafe(asyncio.get_running_loop())
