@@ -363,3 +363,20 @@ async def test_a_follow_request_into_a_black_hole_fails_over_quickly(
             writer.close()
         silent.close()
         await silent.wait_closed()
+
+
+async def test_a_seek_forgets_the_relays_fell_off_answers() -> None:
+    """After a bootstrap the stream continues at a new position: the relays' earlier
+    410s were about the old one. Kept, one 410 afterwards made it look as if every
+    relay had refused, and the consumer bootstrapped again without asking the others."""
+    cfg = StreamConfig(relays=("http://a.test:1", "http://b.test:1"), partition="p", **FAST)
+    async with aiohttp.ClientSession() as http:
+        stream = RelayStream(cfg, http)
+        fell = FellOffRelayError(
+            "fell off", partition="p", requested_scn=5, oldest_scn=9, prev_scn=8, relay="a"
+        )
+        await stream._failover.failed(fell)  # relay a: 410 for position 5
+        stream.seek(100)  # a bootstrap brought it to 100
+        await stream._failover.failed(fell)  # relay b: 410 for 100; a was not asked again
+        with pytest.raises(FellOffRelayError):
+            await stream._failover.failed(fell)  # now a too: every relay refused

@@ -287,10 +287,16 @@ class RelayStream:
         return self._failover.switches
 
     def seek(self, position: int) -> None:
-        """Continue after ``position`` (e.g. a bootstrap's target); not during :meth:`run`."""
+        """Continue after ``position`` (e.g. a bootstrap's target); not during :meth:`run`.
+
+        The relays' "fell off" answers were about the old position: forgotten
+        (else one 410 after a bootstrap would count the others' old ones, and
+        bootstrap again without asking them).
+        """
         self._position = position
         self._latest = False
         self._restart_window()
+        self._failover.succeeded()
 
     def seek_latest(self) -> None:
         """Continue with the windows committed from now on (skipping the rest)."""
