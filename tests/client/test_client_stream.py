@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from changebus.client import (
+    AsyncCallbacks,
     ChangeOp,
     Consumer,
     ConsumerConfig,
@@ -380,3 +381,27 @@ async def test_a_seek_forgets_the_relays_fell_off_answers() -> None:
         await stream._failover.failed(fell)  # relay b: 410 for 100; a was not asked again
         with pytest.raises(FellOffRelayError):
             await stream._failover.failed(fell)  # now a too: every relay refused
+
+
+async def test_sync_consumer_stats_from_its_own_loop_and_after_close(
+    make_relay: MakeRelay,
+) -> None:
+    """``stats()`` handed the work to the consumer's loop and waited for it: called from
+    an async callback (on that loop) it waited for itself for ever."""
+    async with make_relay() as relay:
+
+        def consume() -> tuple[dict[str, Any], dict[str, Any]]:
+            seen: list[dict[str, Any]] = []
+            with SyncConsumer(config(relay.url)) as c:
+
+                class Inside(AsyncCallbacks):
+                    async def on_end_window(self, window: Window) -> None:
+                        seen.append(c.stats())  # on the consumer's own loop
+                        c.stop()
+
+                c.run(Inside())
+            return seen[0], c.stats()  # and after close
+
+        inside, after = await asyncio.wait_for(asyncio.to_thread(consume), 30)
+    assert inside["windows_fetched"] >= 1
+    assert after["windows_fetched"] >= inside["windows_fetched"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from types import TracebackType
@@ -116,14 +117,26 @@ class SyncConsumer:
         return self.consumer.checkpoint
 
     def stats(self) -> dict[str, Any]:
-        """See :meth:`Consumer.stats`."""
+        """See :meth:`Consumer.stats` (any thread, also the consumer's own loop's:
+        an async callback's; after :meth:`close`, the last figures)."""
+        if self._closed or self._loop.is_closed() or not self._loop.is_running():
+            return self.consumer.stats()
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is self._loop:
+                return self.consumer.stats()  # (waiting for the loop on it: a deadlock)
         future = concurrent.futures.Future[dict[str, Any]]()
 
         def collect() -> None:
-            future.set_result(self.consumer.stats())
+            try:
+                future.set_result(self.consumer.stats())
+            except BaseException as exc:  # (else the caller would wait for ever)
+                future.set_exception(exc)
 
         self._loop.call_soon_threadsafe(collect)
-        return future.result()
+        try:
+            return future.result(timeout=5.0)
+        except concurrent.futures.TimeoutError:  # (the loop stopped just now)
+            return self.consumer.stats()
 
     def close(self) -> None:
         """Close the consumer and stop the background loop; idempotent."""
