@@ -157,7 +157,7 @@ PG_CASES: list[Case] = [
     ("text", None, text, ident, ident),
     ("character varying(64)", None, text, ident, ident),
     ("character(3)", None, st.text(min_size=3, max_size=3), ident, ident),
-    ('"char"', None, st.characters(), ident, ident),
+    ('"char"', None, st.characters(codec="utf-8"), ident, ident),
     ("name", None, text, ident, ident),
     ("citext", None, text, ident, ident),
     ("bytea", None, st.binary(max_size=40), ident, ident),
