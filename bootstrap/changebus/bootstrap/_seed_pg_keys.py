@@ -147,9 +147,14 @@ class PgTable:
         return ", ".join(quote(c) for c in self.columns)
 
     def keyset(
-        self, after: list[str] | None, where: str, limit: int
+        self,
+        after: list[str] | None,
+        where: str,
+        limit: int,
+        upto: list[str] | None = None,
     ) -> tuple[str, list[Any] | None]:
-        """Up to ``limit`` rows after key ``after`` (texts; None: from the start), key order.
+        """Up to ``limit`` rows after key ``after`` (texts; None: from the start), key order;
+        ``upto``: only keys up to it (a ``where`` chunk's bound, :meth:`bound`).
 
         Each row: the table's columns, then ``key::text`` of each key column.
         No parameters (the first chunk): None, and ``where`` goes as it is
@@ -159,12 +164,14 @@ class PgTable:
         keys = [quote(k) for k in self.key]
         conds: list[str] = []
         params: list[Any] = []
-        if after is not None:
-            if len(after) != len(keys):
+        casts = ", ".join(f"%s::{t}" for t in self.key_types)
+        for op, at in ((">", after), ("<=", upto)):
+            if at is None:
+                continue
+            if len(at) != len(keys):
                 raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
-            casts = ", ".join(f"%s::{t}" for t in self.key_types)
-            conds.append(f"({', '.join(keys)}) > ({casts})")
-            params.extend(after)
+            conds.append(f"({', '.join(keys)}) {op} ({casts})")
+            params.extend(at)
         if where:
             conds.append(f"({where.replace('%', '%%') if params else where})")
         cond = f" WHERE {' AND '.join(conds)}" if conds else ""
@@ -174,6 +181,26 @@ class PgTable:
             f"ORDER BY {', '.join(keys)} LIMIT {int(limit)}"
         )
         return _binary(sql), params or None
+
+    def bound(self, after: list[str] | None, limit: int) -> tuple[str, list[Any]]:
+        """The ``limit``-th key after ``after`` (``key::text`` each): a ``where`` chunk reads
+        up to it, so it walks at most ``limit`` index entries however few rows match."""
+        keys = [quote(k) for k in self.key]
+        # (aliased: ORDER BY "id" would sort an output column named "id", the text)
+        texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
+        params: list[Any] = []
+        cond = ""
+        if after is not None:
+            if len(after) != len(keys):
+                raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
+            casts = ", ".join(f"%s::{t}" for t in self.key_types)
+            cond = f" WHERE ({', '.join(keys)}) > ({casts})"
+            params.extend(after)
+        sql = (
+            f"SELECT {texts} FROM {self.name}{cond} ORDER BY {', '.join(keys)} "
+            f"OFFSET {int(limit) - 1} LIMIT 1"
+        )
+        return sql, params
 
     def by_keys(self, keys: list[tuple[Any, ...]], first: int) -> tuple[str, list[Any]]:
         """The rows of ``keys`` (numbered from ``first``), found or not.
