@@ -129,7 +129,7 @@ class SyncConsumer:
         def collect() -> None:
             try:
                 future.set_result(self.consumer.stats())
-            except BaseException as exc:  # (else the caller would wait for ever)
+            except BaseException as exc:  # noqa: BLE001 - the caller would wait for ever
                 future.set_exception(exc)
 
         self._loop.call_soon_threadsafe(collect)
