@@ -303,6 +303,11 @@ class UnitOwner:
             if unit not in member.target:
                 await member.release([unit])
                 return None
+            if unit not in member.owned or not member.member_id:
+                # the membership (or the owner node) went meanwhile: a claim now would raise
+                # the unit's generation under no owner, fencing its rightful next owner
+                await member.release([unit])
+                return None
             claim = await self.store.claim(self.config.group, unit, member.member_id)
         except BaseException:
             self._spawn(member.release([unit]))
