@@ -1,11 +1,9 @@
-"""Operating chunked snapshots: POST /v1/snapshot, the CLI, /v1/status, /metrics, kill -9 resume.
+"""Operating chunked snapshots: POST /v1/snapshot, the CLI, /v1/status, /metrics, resume.
 
 Real servers: a Postgres source (tests/fix_pg.py), a relay with the postgres
 fetcher and a bootstrap server in the test's event loop (TLS, an admin and a
-reader principal) for the request, CLI and metrics tests; for the resume
-test a bootstrap daemon subprocess that is killed with SIGKILL in the middle
-of a table and restarted on the same store: it must continue after the last
-stored chunk by itself, and its snapshot must equal the source row by row.
+reader principal) for the request, CLI and metrics tests. The kill -9 resume
+of a daemon is in test_snapshot_kill.py; the shared helpers in tests/snap_pg.py.
 """
 
 from __future__ import annotations
@@ -14,14 +12,9 @@ import asyncio
 import io
 import json
 import math
-import os
-import random
-import signal
-import sqlite3
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,10 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psycopg
 import pytest
 
-from _common import free_port
 from changebus.bootstrap import (
     BootstrapConfig,
     BootstrapServer,
@@ -41,151 +32,29 @@ from changebus.bootstrap import (
     StoreConfig,
 )
 from changebus.bootstrap._chunks import JobState, SnapshotScope
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import HEADER_SIZE, ChangeDecoder, TableSchema, decode_header, lsn_to_scn
+from changebus.relay import Relay
 from changebus.schemas.security import PrincipalConfig, SecurityConfig, TlsConfig, hash_token
+from snap_pg import (
+    ENV,
+    assert_same,
+    create_source,
+    relay_config,
+    relay_has,
+    source_rows,
+    store_rows,
+    sync_marker,
+    touch,
+)
 from waiting import wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(
-        str(ROOT / s)
-        for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
-    ),
-}
 ADMIN = "A" * 43
 READER = "R" * 43
 PAIR = "P" * 43  # granted the source public.pair only
 PAIR_ADMIN = "Q" * 43  # admin, granted the source public.pair only
 #: the tls_files fixture's type (tests/fix_tls.py)
 TlsFiles = Any
-Row = tuple[Any, ...]
-
-
-def create_source(dsn: str, rows: int) -> None:
-    """``big`` (``rows`` rows, one-column key) and ``pair`` (a composite key), analyzed."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE big (id int8 PRIMARY KEY, grp int4 NOT NULL, note text)")
-        conn.execute(
-            "INSERT INTO big SELECT i, i %% 7, 'row ' || i || repeat('x', i %% 50) "
-            "FROM generate_series(1, %s) i",
-            (rows,),
-        )
-        conn.execute("CREATE TABLE pair (a int8, b text, v text, PRIMARY KEY (a, b))")
-        conn.execute("INSERT INTO pair SELECT i, 'k' || i, 'v' FROM generate_series(1, 20) i")
-        conn.execute("ANALYZE big")
-        conn.execute("ANALYZE pair")
-
-
-def touch(dsn: str) -> None:
-    """A change of each table: the relay learns their schemas."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("UPDATE big SET note = note WHERE id = 1")
-        conn.execute("UPDATE pair SET v = 'w' WHERE a = 1")
-
-
-def sync_marker(dsn: str) -> int:
-    """An SCN at or after every change committed so far."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
-    assert row is not None
-    return lsn_to_scn(row[0])
-
-
-def writer(dsn: str, stop: threading.Event, rows: int, seed: int) -> int:
-    """Updates, inserts and deletes of ``big`` until ``stop``; returns transactions done."""
-    rnd = random.Random(seed)
-    done = 0
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while not stop.is_set():
-            with conn.transaction():
-                for _ in range(rnd.randint(1, 4)):
-                    k = rnd.randint(1, rows + 500)
-                    r = rnd.random()
-                    if r < 0.6:
-                        conn.execute(
-                            "INSERT INTO big VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE "
-                            "SET grp = EXCLUDED.grp, note = EXCLUDED.note",
-                            (k, rnd.randint(0, 99), f"w{done}"),
-                        )
-                    elif r < 0.8:
-                        conn.execute("UPDATE big SET grp = grp + 1 WHERE id = %s", (k,))
-                    else:
-                        conn.execute("DELETE FROM big WHERE id = %s", (k,))
-            done += 1
-            stop.wait(0.005)
-    return done
-
-
-def source_rows(dsn: str) -> dict[int, Row]:
-    with psycopg.connect(dsn) as conn:
-        return {r[0]: tuple(r) for r in conn.execute("SELECT id, grp, note FROM big")}
-
-
-def store_rows(path: Path, part: str, table: str) -> dict[int, Row]:
-    """The live snapshot rows of ``table`` in a SQLite store, decoded with cb_schema."""
-    conn = sqlite3.connect(path, timeout=10)
-    try:
-        schemas = {
-            (sid, version): TableSchema.from_json(json.loads(text))
-            for sid, version, text in conn.execute(
-                "SELECT source_id, version, schema FROM cb_schema WHERE part = ? AND name = ?",
-                (part, table),
-            )
-        }
-        (sid,) = {s for s, _v in schemas}
-        events = conn.execute(
-            "SELECT event FROM cb_snap WHERE part = ? AND source_id = ? AND deleted = 0",
-            (part, sid),
-        ).fetchall()
-    finally:
-        conn.close()
-    decoders = {k: ChangeDecoder(s) for k, s in schemas.items()}
-    out: dict[int, Row] = {}
-    for (event,) in events:
-        ev = bytes(event)
-        h = decode_header(ev)
-        after = (
-            decoders[(sid, h.schema_version)]
-            .decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
-            .after
-        )
-        assert after is not None
-        out[after["id"]] = (after["id"], after["grp"], after["note"])
-    return out
-
-
-def assert_same(got: dict[int, Row], want: dict[int, Row]) -> None:
-    missing = sorted(set(want) - set(got))
-    extra = sorted(set(got) - set(want))
-    wrong = sorted(k for k in set(got) & set(want) if got[k] != want[k])
-    assert not (missing or extra or wrong), (
-        f"missing {missing[:10]} ({len(missing)}), extra {extra[:10]} ({len(extra)}), "
-        f"different {[(got[k], want[k]) for k in wrong[:5]]} ({len(wrong)})"
-    )
-
-
-def relay_config(tmp: Path, dsn: str) -> RelayConfig:
-    return RelayConfig(
-        data_dir=tmp / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=16 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
-
-
-async def relay_has(relay: Relay, marker: int) -> None:
-    await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= marker, 60, "the relay")
 
 
 # ---- a bootstrap server in the test's loop ---------------------------------------------
@@ -589,146 +458,3 @@ async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
             # the rows the condition selects, and the one the relay streamed (id 1)
             assert_same(got, {k: r for k, r in want.items() if r[1] < 4 or k == 1})
             assert "public.big" not in seeded  # a where snapshot is not a seed of the table
-
-
-# ---- kill -9 of a bootstrap daemon in the middle of a table -------------------------------
-
-BIG = 30_250  # 61 chunks of 500 (the last one short: the reader knows it is the end)
-BIG_CHUNK = 500
-
-
-def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "changebus.schemas", "bootstrap", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-        )
-
-
-async def http_json(url: str) -> Any:
-    try:
-        async with aiohttp.ClientSession() as s, s.get(url) as r:
-            return await r.json() if r.status == 200 else None
-    except aiohttp.ClientError:
-        return None
-
-
-def stored_job(store: Path) -> tuple[int, int] | None:
-    """(chunks, rows) of the stored job of public.big (None: none)."""
-    conn = sqlite3.connect(store, timeout=10)
-    try:
-        row = conn.execute(
-            "SELECT chunks, nrows FROM cb_snapjob WHERE part = 'pg' AND name = 'public.big'"
-        ).fetchone()
-    finally:
-        conn.close()
-    return None if row is None else (int(row[0]), int(row[1]))
-
-
-async def test_kill_9_mid_table_resumes_after_the_last_chunk(tmp_path: Path, pg_dsn: str) -> None:
-    await asyncio.to_thread(create_source, pg_dsn, BIG)
-    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming", 60)
-        await asyncio.to_thread(touch, pg_dsn)
-        await relay_has(relay, await asyncio.to_thread(sync_marker, pg_dsn))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        store = tmp_path / "boot" / "b.db"
-        common = (
-            f'relays = ["{relay.url}"]\ndata_dir = "{tmp_path / "boot"}"\n'
-            f'[store]\npath = "{store}"\n[http]\nport = {port}\n'
-            f'[seed]\ndsn = "{pg_dsn}"\ntables = ["public.big"]\nchunk_rows = {BIG_CHUNK}\n'
-            "max_rows_per_s = 3000\nlog_every_chunks = 10\n"
-        )
-        first, second = tmp_path / "first.toml", tmp_path / "second.toml"
-        first.write_text(common + "on_start = true\n")
-        second.write_text(common)  # no seed.on_start: only the stored job makes it go on
-        log = tmp_path / "bootstrap.log"
-        stop = threading.Event()
-        writes = asyncio.ensure_future(asyncio.to_thread(writer, pg_dsn, stop, BIG, 5))
-        proc = start_daemon(first, log)
-        try:
-            seen: dict[str, Any] = {}
-
-            async def five_chunks() -> bool:
-                st = await http_json(f"{url}/v1/status")
-                seed = st["partitions"][0]["seed"] if st else {}
-                seen.update(seed)
-                return any(j["chunks"] >= 5 for j in seed.get("jobs", ()))
-
-            for _ in range(2400):
-                if await five_chunks() or seen.get("state") in ("done", "failed"):
-                    break
-                await asyncio.sleep(0.05)
-            assert any(j["chunks"] >= 5 for j in seen.get("jobs", ())), (
-                seen,
-                log.read_text()[-3000:],
-            )
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            job = await asyncio.to_thread(stored_job, store)
-            assert job is not None, "the job row must survive the kill"
-            stored_chunks, stored_rows = job
-            table_chunks = math.ceil(BIG / BIG_CHUNK)
-            assert 5 <= stored_chunks < table_chunks  # killed in the middle of the table
-            assert stored_rows == stored_chunks * BIG_CHUNK
-            proc = start_daemon(second, log)
-            done: dict[str, Any] = {}
-
-            async def resumed_and_done() -> bool:
-                st = await http_json(f"{url}/v1/status")
-                if not st:
-                    return False
-                done.clear()
-                done.update(st["partitions"][0]["seed"])
-                return done.get("state") in ("done", "failed", "stopped")
-
-            for _ in range(2400):
-                if await resumed_and_done():
-                    break
-                await asyncio.sleep(0.05)
-            assert done.get("state") == "done", (done, log.read_text()[-3000:])
-            # it went on after the last stored chunk: at most the two chunks in flight (one
-            # being stored, the next being read: the sink is pipelined) were read again
-            why = (stored_chunks, done)
-            assert done["chunks_resumed"] == stored_chunks, why
-            assert stored_chunks + done["chunks"] <= table_chunks + 2, why
-            assert done["chunks"] >= table_chunks - stored_chunks - 2, why  # (writers delete)
-            # the writers delete while it runs (more rows the slower the machine): most of the
-            # table, not just its tail; the row-by-row comparison below is the exact check
-            assert done["table_rows"] >= BIG * 9 // 10, why
-            assert "resumes after chunk" in log.read_text()
-            async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-                text = await r.text()
-            resumed = [
-                ln
-                for ln in text.splitlines()
-                if ln.startswith("changebus_bootstrap_snapshot_chunks_resumed{")
-            ]
-            assert resumed and float(resumed[0].split()[-1]) == stored_chunks
-            # the snapshot equals the source row by row once the applier caught up
-            stop.set()
-            await writes
-            marker = await asyncio.to_thread(sync_marker, pg_dsn)
-
-            async def applied() -> bool:
-                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
-                return bool(st and st["applier_scn"] >= marker)
-
-            for _ in range(2400):
-                if await applied():
-                    break
-                await asyncio.sleep(0.05)
-            assert await applied(), log.read_text()[-3000:]
-            got = await asyncio.to_thread(store_rows, store, "pg", "public.big")
-            assert_same(got, await asyncio.to_thread(source_rows, pg_dsn))
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
-        finally:
-            stop.set()
-            await writes
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
