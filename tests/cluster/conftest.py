@@ -1,12 +1,16 @@
-"""Fixtures of the cluster tests: ZkSessions on the test's own cluster name."""
+"""Fixtures of the cluster tests: ZkSessions on the test's own cluster name, and group
+members (with a :class:`~group_members.Follower`) in a group of the test's own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
+from group_members import TIMEOUT_S, Follower, MemberFactory
 
-from changebus.cluster import ClusterConfig, ZkSession
+from changebus.cluster import ClusterConfig, CoordinationError, GroupMember, ZkSession
 
 SessionFactory = Callable[..., Awaitable[ZkSession]]
 
@@ -34,3 +38,37 @@ async def zk_session(zk_hosts: str, zk_cluster: str) -> AsyncIterator[SessionFac
     yield make
     for session in made:
         await session.stop()
+
+
+@pytest.fixture
+def group() -> str:
+    return f"g{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def make_member(zk_session, group: str) -> AsyncIterator[MemberFactory]:
+    made: list[tuple[GroupMember, Follower]] = []
+
+    async def make(
+        name: str,
+        partitions: Sequence[str] = ("orders", "users"),
+        buckets: int = 6,
+        *,
+        session: ZkSession | None = None,
+        follow: bool = True,
+    ) -> tuple[GroupMember, Follower]:
+        if session is None:
+            session = await zk_session(name, session_timeout_s=TIMEOUT_S)
+        member = GroupMember(session, group, partitions, buckets, name=name)
+        follower = Follower(member)
+        if not follow:
+            member._target_cbs.remove(follower._retarget)
+        await member.start()
+        made.append((member, follower))
+        return member, follower
+
+    yield make
+    for member, follower in made:
+        await follower.close()
+        with contextlib.suppress(CoordinationError):
+            await member.stop()
