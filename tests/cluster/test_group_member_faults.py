@@ -37,10 +37,12 @@ async def _lines(proc: asyncio.subprocess.Process, into: list[dict[str, Any]]) -
         into.append(json.loads(line))
 
 
-async def test_sigstopped_member_is_fenced_when_it_wakes(make_member, zk_hosts, group) -> None:
+async def _zombie(
+    zk_hosts: str, group: str
+) -> tuple[asyncio.subprocess.Process, list[dict[str, Any]], asyncio.Task[None]]:
+    """A member in a subprocess (zombie_member.py), once it owns its 4 of 12 units: the
+    process, the events it prints (JSON lines) and the task that reads them."""
     env = {**os.environ, "PYTHONPATH": ":".join(str(ROOT / s) for s in SOURCE_ROOTS)}
-    pairs = [await make_member(f"c{i}") for i in range(2)]
-    await wait_until(lambda: settled(pairs), 10, "two members settled")
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(Path(__file__).with_name("zombie_member.py")),
@@ -59,6 +61,19 @@ async def test_sigstopped_member_is_fenced_when_it_wakes(make_member, zk_hosts, 
             30,
             "the subprocess to own its units",
         )
+    except BaseException:
+        proc.kill()  # (stopped by pid: the test's finally is not reached)
+        await proc.wait()
+        reader.cancel()
+        raise
+    return proc, events, reader
+
+
+async def test_sigstopped_member_is_fenced_when_it_wakes(make_member, zk_hosts, group) -> None:
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "two members settled")
+    proc, events, reader = await _zombie(zk_hosts, group)
+    try:
         zombie_units = {
             Unit.parse(u) for u in [e for e in events if e["event"] == "owned"][-1]["units"]
         }
@@ -216,28 +231,11 @@ async def test_acquire_ends_when_the_member_stops(make_member) -> None:
 async def test_a_killed_member_process_moves_its_units_within_the_session_timeout(
     make_member, zk_hosts, group
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": ":".join(str(ROOT / s) for s in SOURCE_ROOTS)}
     pairs = [await make_member(f"c{i}") for i in range(2)]
     await wait_until(lambda: settled(pairs), 10, "two members settled")
     before = {m.member_id: m.target for m, _ in pairs}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(Path(__file__).with_name("zombie_member.py")),
-        zk_hosts,
-        group,
-        "6",
-        str(TIMEOUT_S),
-        stdout=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    events: list[dict[str, Any]] = []
-    reader = asyncio.create_task(_lines(proc, events))
+    proc, events, reader = await _zombie(zk_hosts, group)
     try:
-        await wait_until(
-            lambda: any(e["event"] == "owned" and len(e["units"]) == 4 for e in events),
-            30,
-            "the subprocess to own its units",
-        )
         owned = [e for e in events if e["event"] == "owned"][-1]["units"]
         taken = {Unit.parse(u) for u in owned}
         await wait_until(lambda: all(len(m.target) == 4 for m, _ in pairs), 10, "three members")
