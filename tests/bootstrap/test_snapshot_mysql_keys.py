@@ -35,6 +35,7 @@ from changebus.bootstrap._seed_mysql import MySQLChunkSource
 from changebus.fetchers.mysql import EmbeddedMariaDB
 from changebus.relay import Relay
 from changebus.schemas import (
+    ChangebusError,
     ChangeDecoder,
     ConfigError,
     Op,
@@ -444,3 +445,15 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
         assert progress.as_dict()["chunk_limit"] == 100
         with pytest.raises(ConfigError, match="max_chunk_txn_s"):
             dataclasses.replace(request, max_chunk_txn_s=-1)
+
+        # a gap repair waiting for a newer binlog position (min_tag) ends when the run
+        # is stopped, not after watermark_wait_s (it slept through the stop)
+        stop = threading.Event()
+        waiting = dataclasses.replace(request, min_tag=1 << 62, watermark_wait_s=60)
+        started = time.monotonic()
+        threading.Timer(0.5, stop.set).start()
+        with pytest.raises(ChangebusError, match="seeding stopped"):
+            await asyncio.to_thread(
+                seed_mysql, waiting, lambda *_: pytest.fail("written"), SeedProgress(), stop=stop
+            )
+        assert time.monotonic() - started < 5

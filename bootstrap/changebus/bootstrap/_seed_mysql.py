@@ -54,6 +54,7 @@ error message.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -169,8 +170,10 @@ class MySQLChunkSource:
     the server. Thread-safety: one seeder thread.
     """
 
-    def __init__(self, request: SeedRequest) -> None:
+    def __init__(self, request: SeedRequest, *, stop: threading.Event | None = None) -> None:
         self.request = request
+        #: set: a wait for the minimum tag ends at once (the run is stopping)
+        self.stop = stop or threading.Event()
         self.server_id, self.scn_base = _relay_origin(request.relay_fetcher)
         self.registry = SchemaRegistry()
         self.registry.import_entries(list(request.schemas))
@@ -304,7 +307,8 @@ class MySQLChunkSource:
                     f"{self.request.watermark_wait_s:g}s: is the seed reading the relay's server?",
                     retriable=True,
                 )
-            time.sleep(pause)
+            if self.stop.wait(pause):
+                raise ChangebusError("seeding stopped", retriable=True)
             pause = min(pause * 2, 1.0)
 
     def reader(self, scope: SnapshotScope) -> MySQLChunkReader:
@@ -573,4 +577,5 @@ def seed_mysql(
     and ``scn_base``). Chunks go to ``sink`` (the bootstrap store: resumable)
     or, without one, to ``write``.
     """
-    return run_chunked(request, MySQLChunkSource, sink or WriterSink(write), progress, stop=stop)
+    opener = functools.partial(MySQLChunkSource, stop=stop)
+    return run_chunked(request, opener, sink or WriterSink(write), progress, stop=stop)
