@@ -464,16 +464,21 @@ async def status_all(request: web.Request) -> web.Response:
         if not principal.allows_partition(w.name):
             continue
         st = w.status()
-        jobs = await service.stores.read(lambda s, p=w.name: s.snapshot_jobs(p))  # type: ignore[misc]
+        # (a keys scope may be 1 MB of JSON: parsed in the store's thread, not on the loop)
+        jobs = await service.stores.read(
+            lambda s, p=w.name: [  # type: ignore[misc]
+                (j, scope_kind(SnapshotScope.from_json(j.scope))) for j in s.snapshot_jobs(p)
+            ]
+        )
         st["seed"]["jobs"] = [
             {
                 "table": j.table,
-                "scope": scope_kind(SnapshotScope.from_json(j.scope)),
+                "scope": kind,
                 "chunks": j.chunks,
                 "rows": j.rows,
                 "first_tag": j.first_tag,
             }
-            for j in jobs
+            for j, kind in jobs
             if principal.allows_source(j.table)
         ]
         out.append(st)
