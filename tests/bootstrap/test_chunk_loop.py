@@ -171,3 +171,17 @@ def test_a_where_condition_is_one_parenthesised_condition() -> None:
     for bad in ("true) OR (true", "a = 1)", "((a = 1)", "v = 'open", "a -- b", "a /* b */"):
         with pytest.raises(BadRequestError):
             _one_condition(bad)
+
+
+def test_snapshot_bodies_take_tagged_key_values() -> None:
+    """A MariaDB binary (or decimal, date, time) key is given as the seed's cursors write
+    it, ``{"b64": "..."}``; the HTTP parser refused every object."""
+    from changebus.bootstrap._http_admin import parse_snapshot_body
+
+    scope = parse_snapshot_body(
+        {"table": "db.t", "keys": [[{"b64": "AAE="}, 5], [{"b64": "Ag=="}, 6]]}
+    )
+    assert scope.keys == (({"b64": "AAE="}, 5), ({"b64": "Ag=="}, 6))
+    for bad in ([[{"id": 1}]], [[{"b64": "AAE=", "dec": "1"}]], [[{"b64": ["AAE="]}]]):
+        with pytest.raises(BadRequestError, match="tagged value"):
+            parse_snapshot_body({"table": "db.t", "keys": bad})

@@ -534,6 +534,9 @@ async def test_keys_and_where_scopes_rewrite_only_their_rows(
         }
         absent = [a for c in sink.chunks for a in c.absent]
         assert absent == [streamed_key(relay, "public.kv", 5000)]
+        tagged = relay_request(relay, pg_dsn, "public.kv", keys=(({"b64": "AA=="},),))
+        with pytest.raises(SourceConfigError, match="tagged values"):
+            await asyncio.to_thread(seed_postgres, tagged, lambda *_: None, SeedProgress())
         # where, through seed_postgres: '%' in the condition is the operator, not a placeholder
         sink = RecordingSink()
         req = relay_request(

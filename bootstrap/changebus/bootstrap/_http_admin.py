@@ -43,6 +43,7 @@ from changebus.schemas.security import principal_of
 from changebus.schemas.server import check_params, json_response
 
 from ._chunks import SnapshotScope
+from ._seed_mysql_values import KEY_TAGS
 from ._service import BootstrapService
 
 __all__ = ["MAX_BODY", "add_admin_routes", "parse_snapshot_body", "scope_kind"]
@@ -227,15 +228,27 @@ def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:
     keys: list[tuple[Any, ...]] = []
     for i, item in enumerate(raw):
         key = tuple(item) if isinstance(item, list) else (item,)
-        if not key or not all(isinstance(v, _SCALARS) for v in key):
+        if not key or not all(isinstance(v, _SCALARS) or _tagged(v) for v in key):
             raise BadRequestError(
                 f"keys[{i}] must be a JSON scalar or a non-empty list of scalars "
-                "(numbers, strings, null)"
+                f"(numbers, strings, null, or a tagged value such as {{\"b64\": \"...\"}}: "
+                f"{', '.join(sorted(KEY_TAGS))})"
             )
         if len(key) != len(keys[0] if keys else key):
             raise BadRequestError(f"keys[{i}] has {len(key)} values, keys[0] {len(keys[0])}")
         keys.append(key)
     return tuple(keys)
+
+
+def _tagged(value: Any) -> bool:
+    """A tagged key value: ``{"b64": "..."}`` and the like (a MariaDB binary, decimal,
+    date or time key column, as the seed's cursors write them)."""
+    return (
+        isinstance(value, dict)
+        and len(value) == 1
+        and next(iter(value)) in KEY_TAGS
+        and isinstance(next(iter(value.values())), str | int)
+    )
 
 
 async def _check_no_whole_job(service: BootstrapService, part: str, table: str) -> None:

@@ -222,6 +222,8 @@ _UNTAG: Final[dict[str, Callable[[Any], Any]]] = {
     "date": lambda v: datetime.date.fromisoformat(str(v)),
     "td": lambda v: datetime.timedelta(microseconds=int(v)),
 }
+#: the tags of a tagged key value (``{"b64": "..."}``, ...), as a request may give them
+KEY_TAGS: Final = frozenset(_UNTAG)
 
 
 def untag(value: Any) -> Any:
