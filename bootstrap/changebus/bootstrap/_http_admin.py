@@ -231,7 +231,7 @@ def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:
         if not key or not all(isinstance(v, _SCALARS) or _tagged(v) for v in key):
             raise BadRequestError(
                 f"keys[{i}] must be a JSON scalar or a non-empty list of scalars "
-                f"(numbers, strings, null, or a tagged value such as {{\"b64\": \"...\"}}: "
+                f'(numbers, strings, null, or a tagged value such as {{"b64": "..."}}: '
                 f"{', '.join(sorted(KEY_TAGS))})"
             )
         if len(key) != len(keys[0] if keys else key):

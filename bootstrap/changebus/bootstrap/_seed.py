@@ -298,7 +298,7 @@ class PostgresChunkSource:
         if scope.keys:
             if any(isinstance(v, dict) for k in scope.keys for v in k):
                 raise SourceConfigError(
-                    f"keys of {name}: tagged values ({{\"b64\": ...}}) are for MariaDB key "
+                    f'keys of {name}: tagged values ({{"b64": ...}}) are for MariaDB key '
                     "columns; give Postgres key values as their text (bytea as '\\x...')"
                 )
             return KeysReader(self, name, oid, table, scope.keys)
