@@ -400,6 +400,23 @@ async def test_key_kinds_nullable_columns_and_tables_without_a_key(
         )
         assert progress.mode == "single_transaction" and progress.chunks > 3
         assert len(got) == 1201
+        # a stored job of an earlier run: read again from the start, its counts not added;
+        # and no throttle pause inside the one transaction (1201 rows at 300/s: 4 s)
+        stored = JobState(
+            "public.fullt", SnapshotScope("public.fullt").as_json(), "5", 3, 300, 1, 1
+        )
+        sink = ResumingSink(stored=stored)
+        progress = SeedProgress()
+        started = time.monotonic()
+        await asyncio.to_thread(
+            seed_postgres,
+            relay_request(relay, pg_dsn, "public.fullt", chunk_rows=100, max_rows_per_s=300),
+            lambda *_: None,
+            progress,
+            sink=sink,
+        )
+        assert progress.rows == 1201 and sink.finished[0].rows == 1201
+        assert time.monotonic() - started < 3
         tables = [f"public.{t}" for t in TABLES]
         async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 50)) as boot:
             await bootstrap_caught_up(boot, sync_marker(pg_dsn))

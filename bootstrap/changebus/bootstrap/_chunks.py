@@ -379,6 +379,10 @@ def _run_tables(
                 # chunks read before the gap to repair: they may miss its changes
                 log.info("%s: a stored snapshot older than the gap is started again", name)
                 stored = None
+            # one transaction for the whole table: nothing to resume (its counts restart)
+            single = reader.mode == "single_transaction"
+            if single:
+                stored = None
             job = stored or JobState(name, scope.as_json())
             progress.start_table(name, reader.mode, reader.estimate_rows, job.rows, job.chunks)
             if stored is not None and stored.chunks:
@@ -414,7 +418,8 @@ def _run_tables(
                         job.rows,
                         progress.rate_text(),
                     )
-                wait = throttle.pause(chunk.row_count, busy)
+                # (a pause inside the single transaction would only hold it open longer)
+                wait = 0.0 if single else throttle.pause(chunk.row_count, busy)
                 if wait > 0 and stop.wait(wait):
                     raise ChangebusError("seeding stopped", retriable=True)
             if stop.is_set():  # (not recorded as seeded: a gap may have come meanwhile)
