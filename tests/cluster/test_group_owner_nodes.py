@@ -134,3 +134,24 @@ async def test_a_stale_node_taken_over_meanwhile_is_not_deleted(
     await dropping
     stat = await a.session.op("exists", owner_path(group, unit))
     assert stat is not None and stat.ephemeralOwner == a.session.session_id
+
+
+async def test_a_stale_drop_waiting_for_a_take_over_does_not_delete_its_node(
+    member: MemberFactory, group: str
+) -> None:
+    """The same race with the real take-over: the drop waited for the unit's lock while
+    an acquire's create took the node over; the create let the lock go before the
+    acquire marked the unit owned, so the drop found it unowned and deleted it."""
+    a = await member("a")
+    unit = Unit("orders", 0)
+    await a.acquire(unit)
+    a.owned = a.owned - {unit}  # as after a create whose answer was lost
+    a._stale.add(unit)
+    taking = asyncio.create_task(a.acquire(unit))
+    for _ in range(5):  # until its create holds the unit's lock
+        await asyncio.sleep(0)
+    assert a._node_lock(unit).locked()
+    await asyncio.gather(taking, a._drop_stale())
+    assert a.owned == {unit}
+    stat = await a.session.op("exists", owner_path(group, unit))
+    assert stat is not None and stat.ephemeralOwner == a.session.session_id

@@ -168,6 +168,9 @@ class GroupMember:
         # run one at a time, so a delete sent earlier cannot land after a create that
         # took the node over (the unit would be owned without its node)
         self._node_locks: dict[Unit, asyncio.Lock] = {}
+        # per unit, the number of the newest create asked for (an undo of an older,
+        # cancelled one must not delete what a newer one made)
+        self._creates: dict[Unit, int] = {}
         self._target_cbs: list[UnitsCallback] = []
         self._lost_cbs: list[UnitsCallback] = []
         self._registered = asyncio.Event()
@@ -295,23 +298,22 @@ class GroupMember:
                 )
             registration = path
             freed.clear()
+            number = self._creates[unit] = self._creates.get(unit, 0) + 1
             attempt = asyncio.ensure_future(self._create(path, sid, unit, watch))
             try:
                 outcome = await asyncio.shield(attempt)
             except asyncio.CancelledError:
                 attempt.add_done_callback(
-                    functools.partial(self._undo_create, unit=unit, path=path)
+                    functools.partial(self._undo_create, unit=unit, path=path, number=number)
                 )
                 raise
             except Exception:
                 self._unknown_create(unit)
                 raise
             if outcome == "created":
-                if path == self._member_path:
-                    self.owned = self.owned | {unit}
-                    self._stale.discard(unit)  # a node of this session taken over
+                if unit in self.owned:  # (marked by _create, under the unit's lock)
                     return
-                self._stale.add(unit)
+                self._stale.add(unit)  # made for a registration that ended meanwhile
                 continue
             if outcome == "member gone":
                 self._member_gone(path, "member node gone")
@@ -391,8 +393,15 @@ class GroupMember:
             event.set()
 
     async def _create(self, path: str, sid: int, unit: Unit, watch: Any) -> CreateOutcome:
+        """Create (or take over) the unit's owner node; "created" for the current
+        registration marks the unit owned before the lock is let go, so a delete
+        waiting for the lock sees it owned."""
         async with self._node_lock(unit):
-            return await create_owner(self.session, self.group, path, sid, unit, watch)
+            outcome = await create_owner(self.session, self.group, path, sid, unit, watch)
+            if outcome == "created" and path == self._member_path:
+                self.owned = self.owned | {unit}
+                self._stale.discard(unit)  # (a node of this session taken over)
+            return outcome
 
     async def _delete(
         self, path: str, units: frozenset[Unit], *, unless_owned: bool = False
@@ -405,6 +414,13 @@ class GroupMember:
             if unless_owned:
                 units = units - self.owned
             await delete_owners(self.session, self.group, path, units)
+
+    async def _undo(self, path: str, unit: Unit, number: int) -> None:
+        async with self._node_lock(unit):
+            if self._creates.get(unit) != number:
+                return  # a newer acquire: the node is its
+            self.owned = self.owned - {unit}  # (nobody holds it: its acquire was cancelled)
+            await delete_owners(self.session, self.group, path, frozenset({unit}))
 
     def _node_lock(self, unit: Unit) -> asyncio.Lock:
         lock = self._node_locks.get(unit)
@@ -421,10 +437,10 @@ class GroupMember:
             self._wake_keeper.set()
 
     def _undo_create(
-        self, attempt: asyncio.Future[CreateOutcome], *, unit: Unit, path: str
+        self, attempt: asyncio.Future[CreateOutcome], *, unit: Unit, path: str, number: int
     ) -> None:
         """A cancelled acquire's create that succeeded after all (or whose outcome is
-        unknown): delete the node."""
+        unknown): delete the node, unless a newer acquire of the unit came since."""
         if attempt.cancelled():
             return
         if attempt.exception() is not None:
@@ -432,7 +448,7 @@ class GroupMember:
             return
         if attempt.result() != "created":
             return
-        task = asyncio.ensure_future(self._delete(path, frozenset({unit}), unless_owned=True))
+        task = asyncio.ensure_future(self._undo(path, unit, number))
         self._background.add(task)
 
         def done(t: asyncio.Future[None]) -> None:
