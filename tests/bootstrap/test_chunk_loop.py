@@ -168,7 +168,16 @@ def test_a_where_condition_is_one_parenthesised_condition() -> None:
 
     for fine in ("id < 5", "(a = 1 OR b = 2) AND v <> 'x)('", "name = 'it''s'", 'x."y(" > 1'):
         _one_condition(fine)
-    for bad in ("true) OR (true", "a = 1)", "((a = 1)", "v = 'open", "a -- b", "a /* b */"):
+    _one_condition("v = '$1 (or $$'")  # (inside quotes: text)
+    for bad in (
+        "true) OR (true",
+        "a = 1)",
+        "((a = 1)",
+        "v = 'open",
+        "a -- b",
+        "a /* b */",
+        "$$($$ = 'x' ) OR ( $$)$$ <> 'z'",
+    ):
         with pytest.raises(BadRequestError):
             _one_condition(bad)
 

@@ -405,3 +405,17 @@ async def test_sync_consumer_stats_from_its_own_loop_and_after_close(
         inside, after = await asyncio.wait_for(asyncio.to_thread(consume), 30)
     assert inside["windows_fetched"] >= 1
     assert after["windows_fetched"] >= inside["windows_fetched"]
+
+
+async def test_a_jump_ends_the_long_poll_for_a_large_window() -> None:
+    """A follow stream long-polls one window larger than follow_bytes; a jump (to the
+    newest SCN after a fall-off, or to a bootstrap's target) is past that window: it
+    follows again, and a from=latest answer is read as a follow answer's start."""
+    cfg = StreamConfig(relays=("http://a.test:1",), partition="p", follow=True, **FAST)
+    async with aiohttp.ClientSession() as http:
+        stream = RelayStream(cfg, http)
+        for jump in (stream.seek_latest, lambda: stream.seek(100)):
+            stream._whole_window = True
+            assert "follow" not in stream._params()
+            jump()
+            assert stream._params().get("follow") == "1"

@@ -431,6 +431,29 @@ async def test_the_limits_hold_over_tls(tls_files: Any) -> None:  # a fix_tls.Tl
         assert stats.requests[("/slow", 499)] == 1
 
 
+async def test_a_slow_reader_is_not_taken_for_a_stalled_one() -> None:
+    """The write watchdog measures progress: a client that reads, however slowly, keeps
+    its connection (a 16 MiB bootstrap page at 200 KB/s takes 80 s); one that stops
+    reading is dropped."""
+    limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=30, header_timeout_s=5)
+    async with serving(limits) as (s, _):
+        stats = s.app[CONNECTION_STATS]
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+            await loop.sock_sendall(sock, get("/flood"))
+            got = 0
+            deadline = time.monotonic() + 2.0  # four write timeouts, reading all along
+            while time.monotonic() < deadline:
+                got += len(await asyncio.wait_for(loop.sock_recv(sock, 8192), 5))
+                await asyncio.sleep(0.02)
+            assert stats.write_timeouts == 0 and got > 100_000
+            # it stops reading: dropped
+            await wait_until(lambda: stats.write_timeouts == 1, 10, "the stalled reader dropped")
+
+
 async def test_tls_connections_count_before_their_handshake(tls_files: Any) -> None:
     """Connections that never start their TLS handshake were admitted only after it:
     uncounted, any number of them held a descriptor each for ``header_timeout_s``."""

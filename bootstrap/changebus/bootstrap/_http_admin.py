@@ -189,9 +189,9 @@ def _one_condition(where: str) -> None:
     closes that parenthesis (``true) OR (true``) would make every chunk read
     the whole table again. So parentheses outside quotes must balance and
     never close more than they opened; comments (which could hide the rest of
-    the query) and backslashes (an escape in MariaDB's strings, a plain
+    the query), backslashes (an escape in MariaDB's strings, a plain
     character in Postgres', so the two would read the quotes differently)
-    are refused.
+    and ``$`` outside quotes (Postgres' dollar quoting) are refused.
     """
     depth, quote, i = 0, "", 0
     while i < len(where):
@@ -209,6 +209,8 @@ def _one_condition(where: str) -> None:
                 break
         elif where.startswith(("--", "/*", "#"), i):
             raise BadRequestError("where may not hold SQL comments")
+        elif c == "$":  # Postgres' $$...$$ quoting would hide parentheses from this count
+            raise BadRequestError("where may not hold '$' outside quotes (dollar quoting)")
         if c == "\\":
             raise BadRequestError("where may not hold backslashes")
         i += 1

@@ -295,12 +295,14 @@ class RelayStream:
         """
         self._position = position
         self._latest = False
+        self._whole_window = False  # (about a window before the new position)
         self._restart_window()
         self._failover.succeeded()
 
     def seek_latest(self) -> None:
         """Continue with the windows committed from now on (skipping the rest)."""
         self._latest = True
+        self._whole_window = False
         self._restart_window()
 
     def learn_partition(self, name: str | None) -> None:
@@ -394,7 +396,7 @@ class RelayStream:
                 if self._check is not None:
                     self._check(url, resp.headers)
                 self.learn_partition(resp.headers.get("X-Changebus-Partition"))
-                if self._latest and (resp.status == 204 or self.config.follow):
+                if self._latest and (resp.status == 204 or follow):
                     # the relay's start position: windows after it are "from now on"
                     self.seek(int(resp.headers.get("X-Changebus-Next-Scn", "-1")))
                 if resp.status == 204:

@@ -64,8 +64,12 @@ Thread-safety: everything here runs on the server's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
+import sys
+import termios
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -295,6 +299,7 @@ class _Gate:
         """Abort the refusals and TLS handshakes still pending (the server stops)."""
         for conn in [*self.refusing, *self.handshaking]:
             conn.abort()
+            conn.cancel_handshake()
 
 
 class _Connection(asyncio.Protocol):
@@ -319,6 +324,7 @@ class _Connection(asyncio.Protocol):
         "_ip",
         "_received",
         "_stall",
+        "_stall_size",
         "_tail",
         "_timer",
         "_transport",
@@ -330,6 +336,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
+        self._stall_size = 0  # the unsent bytes when the write watchdog was armed
         self._ip = ""
         self._tail = b""  # the last bytes of an unfinished head (the empty line may straddle)
         self._received = 0
@@ -383,7 +390,10 @@ class _Connection(asyncio.Protocol):
         finally:
             self._handshake = None
             gate.handshaking.discard(self)
-        if tls is None or self._transport is None:  # (lost meanwhile)
+        if tls is None or self._transport is None:  # (lost meanwhile, or aborted at stop)
+            if self._early is not None:
+                self._early, self._transport = None, None
+                gate.release(self._ip)
             return
         self._transport = tls
         self._admitted(tls)
@@ -416,7 +426,7 @@ class _Connection(asyncio.Protocol):
         inner = self._inner
         if self._early is not None:
             self._early.append(None)
-            return True
+            return None  # (TLS: a half-close cannot be kept open)
         if inner is None:
             self._answer_refusal()
             return None
@@ -425,8 +435,7 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._inner is not None:
             if self._stall is None:
-                gate = self._gate
-                self._stall = gate.loop.call_later(gate.limits.write_timeout_s, self._stalled)
+                self._arm_stall()
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
@@ -481,10 +490,32 @@ class _Connection(asyncio.Protocol):
             transport.write(_HEADER_TIMEOUT)
         transport.close()
 
+    def _arm_stall(self) -> None:
+        gate = self._gate
+        self._stall_size = self._unsent()
+        self._stall = gate.loop.call_later(gate.limits.write_timeout_s, self._stalled)
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client: the transport's buffer and the
+        kernel's send queue (which moves in big steps: a slow reader shows there first)."""
+        transport = self._transport
+        if transport is None:
+            return 0
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                size += int.from_bytes(out, sys.byteorder, signed=True)
+        return size
+
     def _stalled(self) -> None:
         self._stall = None
         transport = self._transport
         if transport is None:
+            return
+        if self._unsent() < self._stall_size:
+            self._arm_stall()  # slow, but it reads: watched again
             return
         self._gate.stats.write_timeouts += 1
         self._gate.log.debug("dropping a connection from %s: it read nothing in time", self._ip)
@@ -525,6 +556,15 @@ class _Connection(asyncio.Protocol):
         """Drop the connection at once (no answer)."""
         if self._transport is not None:
             self._transport.abort()
+
+    def cancel_handshake(self) -> None:
+        """Stop a TLS handshake in progress (the server stops); counted out."""
+        handshake = self._handshake
+        if handshake is not None and not handshake.done():
+            handshake.cancel()
+            if self._early is not None:
+                self._early, self._transport = None, None
+                self._gate.release(self._ip)
 
 
 #: the largest accept backlog a :class:`LimitedSite` asks for
