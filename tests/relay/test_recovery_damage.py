@@ -439,6 +439,23 @@ def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
         return exc.code, dict(exc.headers), exc.read()
 
 
+def get_json(port: int, path: str) -> Any:
+    """A daemon's JSON answer to ``GET path`` (it must be a 200)."""
+    status, _, body = _get(port, path)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def zero_ring(ring: Path, capacity: int, start: int, stop: int) -> None:
+    """Zero the ring file's bytes of virtual positions ``[start, stop)`` (a lost page cache)."""
+    raw = bytearray(ring.read_bytes())
+    for pos in range(start, stop, 4096):
+        a = pos % capacity
+        n = min(4096, stop - pos, capacity - a)
+        raw[a : a + n] = bytes(n)
+    ring.write_bytes(bytes(raw))
+
+
 def _start(cfg: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(cfg)],
