@@ -34,6 +34,8 @@ _VARIABLES = (
     "binlog_format",
     "binlog_row_image",
     "binlog_row_metadata",
+    "log_bin_compress",
+    "binlog_row_value_options",
     "server_id",
     "gtid_strict_mode",
     "gtid_mode",
@@ -135,6 +137,23 @@ def _binlog_settings(values: dict[str, str], mariadb: bool) -> list[Finding]:
                     _conf(name, wanted),
                 )
             )
+    if values.get("log_bin_compress", "").upper() in ("ON", "1"):
+        out.append(
+            Finding.fail(
+                "log_bin_compress",
+                "log_bin_compress = ON: compressed binlog events cannot be read (their rows "
+                "would be lost)",
+                _conf("log_bin_compress", "OFF"),
+            )
+        )
+    if values.get("binlog_row_value_options", "").upper() not in ("", "NONE"):
+        out.append(
+            Finding.fail(
+                "binlog_row_value_options",
+                "binlog_row_value_options = PARTIAL_JSON: partial JSON updates cannot be decoded",
+                "SET GLOBAL binlog_row_value_options = '' (and in the server's config file)",
+            )
+        )
     server_id = values.get("server_id", "0")
     if server_id in ("", "0"):
         out.append(

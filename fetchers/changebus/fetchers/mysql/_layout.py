@@ -16,6 +16,7 @@ module is where the package and the assembler take them from.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -72,19 +73,54 @@ _CODECS: Final = {
     "utf8": "utf-8",
     "utf8mb4": "utf-8",
     "utf8mb3": "utf-8",
-    "latin1": "cp1252",
+    "latin1": "changebus-latin1",
+    "cp1252": "changebus-latin1",  # (the replication library's name for latin1)
     "ascii": "ascii",
     "ucs2": "utf-16-be",
     "utf16": "utf-16-be",
+    "utf16le": "utf-16-le",
     "utf32": "utf-32-be",
+    "koi8r": "koi8_r",
+    "koi8u": "koi8_u",
 }
+
+#: MySQL's latin1 is Windows-1252 with its five unassigned bytes (0x81, 0x8D, 0x8F,
+#: 0x90, 0x9D) as the C1 controls of the same number; Python's cp1252 refuses those
+_LATIN1_TABLE: Final = "".join(
+    bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in range(256)
+)
+
+
+def _latin1_search(name: str) -> codecs.CodecInfo | None:
+    if name != "changebus_latin1":
+        return None
+
+    def decode(data: Any, errors: str = "strict", /) -> tuple[str, int]:
+        return codecs.charmap_decode(data, errors, _LATIN1_TABLE)
+
+    def encode(text: str, errors: str = "strict", /) -> tuple[bytes, int]:
+        return codecs.charmap_encode(text, errors, codecs.charmap_build(_LATIN1_TABLE))
+
+    return codecs.CodecInfo(encode, decode, name="changebus-latin1")
+
+
+codecs.register(_latin1_search)
 
 
 def _codec(column: Any) -> str:
     charset = (getattr(column, "character_set_name", None) or "").lower()
     if charset == "binary":
         return ""
-    return _CODECS.get(charset, charset or "utf-8")
+    codec = _CODECS.get(charset, charset or "utf-8")
+    try:
+        codecs.lookup(codec)
+    except LookupError:
+        # (refused once, here, not as an error on every row that the relay retries)
+        raise SourceConfigError(
+            f"column {getattr(column, 'name', '?')}: character set {charset} has no Python "
+            "codec; convert the column to utf8mb4 (or binary) to capture it"
+        ) from None
+    return codec
 
 
 def _agrees(declared: str, binlog_type: int, codec: str, meta: dict[str, int]) -> bool:
