@@ -139,6 +139,15 @@ async def test_ops_ddl_rotation_truncate_and_restart(
     assert all(u.before is not None and u.after is not None for u in updates)
     assert status["fetcher"]["kind"] == "mysql" and status["fetcher"]["windows"] > 0
     assert status["fetcher"]["decode_workers"] == decode_workers
+    # a TRUNCATE that comes first after a restart, before any row change of its table
+    # in the new run (no TABLE_MAP for it yet): it was dropped, the old rows lived on
+    assert source_rows(mysql_server, mysql_db, "log")  # (the row inserted above)
+    execute(mysql_server, mysql_db, "TRUNCATE TABLE log")
+    async with Relay(cfg) as relay:
+        await caught_up(relay, mysql_server, mysql_db)
+        log_rows, _, log_events = replay(relay, "log")
+    assert log_rows == source_rows(mysql_server, mysql_db, "log") == {}
+    assert [op for op, _ in log_events].count(Op.TRUNCATE) == 2
 
 
 @pytest.mark.parametrize(

@@ -381,12 +381,23 @@ class BinlogAssembler:
         if effect.kind == "truncate":
             db, name = effect.tables[0]
             table = self._find(db, name)
-            if table is not None and not txn.oversized:
-                self._announce(txn, table)
-                encoder, ts = table.encoder, txn.ts_ns
+            encoder = None
+            if table is not None:
+                if not txn.oversized:
+                    self._announce(txn, table)
+                encoder = table.encoder
+            elif self.captured(db):
+                # not mapped in this run yet (a TRUNCATE before any row change since the
+                # start): the relay's registry knows the table if it ever sent its rows
+                encoder = self._registered_encoder(f"{db}.{name}")
+            if encoder is not None and not txn.oversized:
+                ts = txn.ts_ns
                 self._add(
                     txn,
-                    (lambda scn, seq: encoder.encode(Op.TRUNCATE, scn, seq, ts, None), True),
+                    (
+                        lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None),
+                        True,
+                    ),
                     100,
                 )
         elif effect.kind in ("alter", "drop", "rename", "create"):
@@ -410,6 +421,16 @@ class BinlogAssembler:
             return True
         lowered = text.lower()
         return any(db in lowered for db in self._databases)
+
+    def _registered_encoder(self, name: str) -> RowEncoder | None:
+        """An encoder of the registry's newest schema of ``name`` (None: never sent)."""
+        for _sid, known in self.registry.sources():
+            if known.lower() == name.lower():
+                schema = self.registry.latest(known)
+                return RowEncoder(
+                    schema, source_id=self.registry.source_id(known), partition=self.partition_id
+                )
+        return None
 
     def _find(self, db: str, name: str) -> _Table | None:
         for key, table in self._latest.items():
