@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
-from changebus.schemas._server_limits import CONNECTION_STATS
+from changebus.schemas._server_stats import CONNECTION_STATS
 from waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("no_blocking")

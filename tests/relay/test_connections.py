@@ -19,7 +19,7 @@ import pytest
 
 from changebus.relay import HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.relay._http import BROADCASTS
-from changebus.schemas._server_limits import CONNECTION_STATS
+from changebus.schemas._server_stats import CONNECTION_STATS
 from changebus.schemas.server import HTTP_METRICS
 from waiting import wait_until
 

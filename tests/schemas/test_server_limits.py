@@ -23,7 +23,8 @@ import pytest
 from aiohttp import web
 
 from changebus.schemas import ConfigError
-from changebus.schemas._server_limits import CONNECTION_STATS, MAX_BACKLOG, listen_backlog
+from changebus.schemas._server_limits import MAX_BACKLOG, listen_backlog
+from changebus.schemas._server_stats import CONNECTION_STATS
 from changebus.schemas.server import HTTP_METRICS, ConnectionLimits, Server, server_app
 from waiting import wait_until
 

@@ -54,7 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ._auth import auth_middleware
 from ._jsonable import jsonable
 from ._security_config import SecurityConfig
-from ._server_limits import CLIENT_CLOSED, CONNECTION_STATS, ConnectionStats, client_gone
+from ._server_limits import CLIENT_CLOSED, client_gone
+from ._server_stats import CONNECTION_STATS, ConnectionStats
 from .errors import ChangebusError
 
 __all__ = [

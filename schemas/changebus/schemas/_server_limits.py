@@ -49,11 +49,8 @@ bounds all of that, and the pieces below apply it:
     pipelining requests (even unauthenticated ones, each a 401) and never
     reading held its connection, and what was written for it, forever.
 
-* :class:`ConnectionStats` -- the Prometheus collector of the above
-  (``changebus_<daemon>_http_connections`` open now,
-  ``..._http_connections_refused_total{reason}``,
-  ``..._http_header_timeouts_total``, ``..._http_write_timeouts_total``), registered by
-  :func:`~._server_app.server_app` under :data:`CONNECTION_STATS`.
+* :class:`~._server_stats.ConnectionStats` -- the Prometheus collector of the above
+  (its own module).
 * :func:`client_gone` -- whether a request's client has disconnected: the
   error middleware then counts the request as ``499`` (client closed) and
   logs nothing, instead of a ``500`` with a traceback.
@@ -72,13 +69,12 @@ import sys
 import termios
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ._server_stats import CONNECTION_STATS, ConnectionStats
 from .errors import ConfigError
 
 __all__ = [
@@ -135,51 +131,6 @@ class ConnectionLimits:
             raise ConfigError("http.max_connections_per_ip must not be negative (0: no cap)")
         if not 0 < self.write_timeout_s <= 86400:
             raise ConfigError("http.write_timeout_s must be within (0, 86400]")
-
-
-class ConnectionStats:
-    """Connections of one daemon's server: a Prometheus collector (module docstring).
-
-    ``open`` is the number of admitted connections now; ``refused`` counts
-    refusals by reason (``max_connections``, ``max_connections_per_ip``);
-    ``header_timeouts`` the connections closed by the header watchdog;
-    ``write_timeouts`` those dropped because their client read nothing for
-    ``write_timeout_s``.
-    """
-
-    def __init__(self, daemon: str) -> None:
-        self.daemon = daemon
-        self.open = 0
-        self.refused: Counter[str] = Counter()
-        self.header_timeouts = 0
-        self.write_timeouts = 0
-
-    def collect(self) -> Iterator[Any]:
-        prefix = f"changebus_{self.daemon}_http"
-        yield GaugeMetricFamily(f"{prefix}_connections", "Open HTTP connections", value=self.open)
-        refused = CounterMetricFamily(
-            f"{prefix}_connections_refused",
-            "HTTP connections refused (answered 503) by the connection caps",
-            labels=["reason"],
-        )
-        for reason in ("max_connections", "max_connections_per_ip"):
-            refused.add_metric([reason], float(self.refused[reason]))
-        yield refused
-        yield CounterMetricFamily(
-            f"{prefix}_header_timeouts",
-            "HTTP connections closed because no request head arrived in time",
-            value=self.header_timeouts,
-        )
-        yield CounterMetricFamily(
-            f"{prefix}_write_timeouts",
-            "HTTP connections dropped because the client read nothing of its answers in time",
-            value=self.write_timeouts,
-        )
-
-
-CONNECTION_STATS: web.AppKey[ConnectionStats] = web.AppKey(
-    "changebus_connection_stats", ConnectionStats
-)
 
 
 def runner_options(limits: ConnectionLimits) -> dict[str, Any]:
@@ -382,18 +333,13 @@ class _Connection(asyncio.Protocol):
             )
         except Exception as exc:  # noqa: BLE001 - any failed handshake: the client's
             gate.log.debug("TLS handshake from %s failed: %s", self._ip, exc)
-            # start_tls closed it; asyncio tells no connection_lost of a handshake
-            if self._early is not None:
-                self._early, self._transport = None, None
-                gate.release(self._ip)
+            self._count_out_early()  # (no connection_lost comes for a handshake)
             return
         finally:
             self._handshake = None
             gate.handshaking.discard(self)
         if tls is None or self._transport is None:  # (lost meanwhile, or aborted at stop)
-            if self._early is not None:
-                self._early, self._transport = None, None
-                gate.release(self._ip)
+            self._count_out_early()
             return
         self._transport = tls
         self._admitted(tls)
@@ -452,9 +398,7 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
         self._timer = self._stall = None
         inner, self._inner = self._inner, None
-        if self._early is not None:  # (TLS: lost before it was handed to aiohttp)
-            self._early = None
-            self._gate.release(self._ip)
+        if self._count_out_early():  # (TLS: lost before it was handed to aiohttp)
             return
         if inner is None:
             self._gate.refusing.discard(self)
@@ -562,9 +506,16 @@ class _Connection(asyncio.Protocol):
         handshake = self._handshake
         if handshake is not None and not handshake.done():
             handshake.cancel()
-            if self._early is not None:
-                self._early, self._transport = None, None
-                self._gate.release(self._ip)
+            self._count_out_early()
+
+    def _count_out_early(self) -> bool:
+        """A TLS connection counted in and not handed to aiohttp yet: count it out, once
+        (whichever of a failed handshake, a stop or connection_lost comes first)."""
+        if self._early is None:
+            return False
+        self._early, self._transport = None, None
+        self._gate.release(self._ip)
+        return True
 
 
 #: the largest accept backlog a :class:`LimitedSite` asks for
