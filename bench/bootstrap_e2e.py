@@ -44,9 +44,9 @@ from changebus.bootstrap import (
     StoreConfig,
 )
 from changebus.client import ConsumerConfig, SqliteReplica
-from changebus.fetchers.postgres import EmbeddedPostgres
+from changebus.fetchers.postgres import EmbeddedPostgres, message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Mode, lsn_to_scn
+from changebus.schemas import Mode
 
 TABLES = ("acct", "item")
 
@@ -193,7 +193,7 @@ async def main() -> None:
                                 "SELECT pg_logical_emit_message(false, 'sync', 'x')::text"
                             ).fetchone()
                         assert row is not None
-                        marker = lsn_to_scn(row[0])
+                        marker = message_scn(row[0])
                         worker = boot.service.workers["pg"]
                         await wait_for(lambda: worker.applier_scn >= marker, 1800, "bootstrap")
                         await wait_for(

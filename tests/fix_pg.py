@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from changebus.fetchers.postgres import EmbeddedPostgres
-from changebus.schemas import lsn_to_scn
+from changebus.fetchers.postgres import EmbeddedPostgres, message_scn
 from waiting import wait_until as wait_until  # re-exported: tests import it from here
 
 if TYPE_CHECKING:
@@ -84,5 +83,5 @@ async def caught_up(relay: Relay, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         marker = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert marker is not None
-    target = lsn_to_scn(marker[0])
+    target = message_scn(marker[0])
     await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= target)

@@ -18,8 +18,9 @@ from typing import Any
 
 import psycopg
 
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import HEADER_SIZE, ChangeDecoder, TableSchema, decode_header, lsn_to_scn
+from changebus.schemas import HEADER_SIZE, ChangeDecoder, TableSchema, decode_header
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def sync_marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 def writer(dsn: str, stop: threading.Event, rows: int, seed: int) -> int:

@@ -41,8 +41,9 @@ from changebus.client import (
     SqliteReplica,
     Window,
 )
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Mode, Op, lsn_to_scn
+from changebus.schemas import Mode, Op
 from waiting import wait_until
 
 # relays and bootstrap servers run in the test's event loop: none may block that loop
@@ -140,7 +141,7 @@ def sync_marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 TINY = 256 << 10  # relay buffer: a few hundred windows

@@ -44,13 +44,13 @@ from changebus.bootstrap import (
 )
 from changebus.client import Consumer, ConsumerConfig, MemoryCheckpointPersister
 from changebus.cluster import ClusterConfig, PartitionState, Registry, ZkSession
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import (
     BootstrapProgress,
     Checkpoint,
     Mode,
     PartitionCheckpoint,
-    lsn_to_scn,
 )
 from waiting import wait_until
 
@@ -103,7 +103,7 @@ def sync_marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 def source_rows(dsn: str) -> Rows:

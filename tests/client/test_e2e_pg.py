@@ -27,8 +27,9 @@ import psycopg
 import pytest
 from test_client_cli import ENV
 
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Checkpoint, lsn_to_scn
+from changebus.schemas import Checkpoint
 from fix_pg import caught_up, wait_until
 
 pytestmark = pytest.mark.pg
@@ -178,7 +179,7 @@ async def sync_marker(dsn: str) -> int:
                 "SELECT pg_logical_emit_message(false, 'sync', 'x')::text"
             ).fetchone()
         assert row is not None
-        return lsn_to_scn(row[0])
+        return message_scn(row[0])
 
     return await asyncio.to_thread(emit)
 

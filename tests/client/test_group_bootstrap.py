@@ -21,8 +21,9 @@ from changebus.bootstrap import (
     StoreConfig,
 )
 from changebus.client import ConsumerConfig, SqliteReplica, Window
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.schemas import Mode, lsn_to_scn
+from changebus.schemas import Mode
 from waiting import wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.zk]
@@ -70,7 +71,7 @@ def sync_marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 def rows_of(conn: Any, table: str) -> dict[int, tuple[Any, ...]]:

@@ -29,8 +29,8 @@ from changebus.bootstrap import (
     HttpConfig as BootHttp,
     StoreConfig,
 )
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
-from changebus.schemas import lsn_to_scn
 from fix_spark import RelayThread
 
 pytestmark = [pytest.mark.spark, pytest.mark.pg, pytest.mark.timeout(600)]
@@ -42,7 +42,7 @@ def marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 def served(url: str, route: str) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
 from changebus.schemas import (
     Column,
@@ -36,7 +37,6 @@ from changebus.schemas import (
     SchemaChangedError,
     SchemaChangeRefusedError,
     TableSchema,
-    lsn_to_scn,
 )
 from fix_spark import ROOT, RelayThread
 
@@ -63,7 +63,7 @@ def caught_up(relay: RelayThread, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         marker = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert marker is not None
-    target = lsn_to_scn(marker[0])
+    target = message_scn(marker[0])
     deadline = time.monotonic() + 60
     while relay.meta("pg").last_scn < target:
         assert time.monotonic() < deadline, "the relay did not catch up"

@@ -12,12 +12,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from changebus.fetchers.postgres import Assembler, TypeResolver, parse_message
+from changebus.fetchers.postgres import Assembler, TypeResolver, message_scn, parse_message
 from changebus.schemas import (
     ChangeDecoder,
     Op,
     decode_control,
     event_at,
+    lsn_to_scn,
     parse_stream,
     verify_event,
 )
@@ -228,3 +229,36 @@ def test_schema_change_mid_stream(pg_dsn: str) -> None:
     rows = state["public.pairs"]
     assert rows[(1, "x")]["v"] == "changed" and rows[(1, "x")]["extra"] == decimal.Decimal(7)
     assert rows[(2, "y")]["extra"] == decimal.Decimal(9)
+
+
+def test_message_right_before_a_commit_sorts_before_its_transaction(pg_dsn: str) -> None:
+    """A non-transactional message ends where the next commit record starts.
+
+    The transaction's SCN is that commit's LSN, the message's end LSN: the
+    message window must sort strictly before it (once they shared an SCN and
+    the relay refused the transaction), and its position must let a restart
+    there re-read the transaction.
+    """
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in SETUP:
+            conn.execute(stmt)
+        resolver = TypeResolver(conn)
+        asm = Assembler(1, resolver.resolve, primary_key=resolver.primary_key)
+        conn.execute("INSERT INTO pairs VALUES (0, 'before', 'v')")
+        with conn.transaction():
+            conn.execute("INSERT INTO pairs VALUES (1, 'x', 'v')")
+            row = conn.execute("SELECT pg_logical_emit_message(false, 'app', 'm')::text").fetchone()
+        assert row is not None
+        windows = windows_from(conn, asm)
+    assert [w.events for w in windows] == [
+        3,
+        2,
+        2,
+    ]  # schema change + row + end; message + end; row + end
+    first, message, txn = windows
+    assert first.scn < message.scn < txn.scn
+    assert message.scn == message_scn(row[0]) == lsn_to_scn(row[0]) - 1
+    assert txn.scn == lsn_to_scn(row[0])  # the commit starts where the message ends
+    assert lsn_to_scn(message.source_position) == lsn_to_scn(row[0])
+    state = replay(windows, asm)
+    assert set(state["public.pairs"]) == {(0, "before"), (1, "x")}

@@ -24,8 +24,8 @@ from test_pg_fetcher import replay_buffer, source, workload
 from test_pg_fetcher_ops import config
 
 from _chaos_proxy import FaultProxy
+from changebus.fetchers.postgres import message_scn
 from changebus.relay import Relay
-from changebus.schemas import lsn_to_scn
 from fix_pg import PgServer
 from waiting import wait_until
 
@@ -36,7 +36,7 @@ def _marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 async def _caught_up(relay: Relay, dsn: str) -> None:

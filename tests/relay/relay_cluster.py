@@ -26,6 +26,7 @@ import aiohttp
 import psycopg
 
 from changebus.fetchers.mysql import EmbeddedMariaDB
+from changebus.fetchers.postgres import message_scn
 from changebus.schemas import HEADER_SIZE, Op, lsn_to_scn, parse_stream
 from fix_mysql import master_scn
 from fix_pg import wait_until
@@ -189,7 +190,7 @@ def marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 class Writer:

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from test_recovery_damage import ENV, _free_port, _get, get_json, zero_ring
 
+from changebus.fetchers.postgres import message_scn
 from changebus.relay._meta import MetaFile
 from changebus.relay._tables import EVENT_DTYPE, CircularTable
 from changebus.schemas import (
@@ -185,7 +186,7 @@ def _marker(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_logical_emit_message(false, 'sync', 'x')::text").fetchone()
     assert row is not None
-    return lsn_to_scn(row[0])
+    return message_scn(row[0])
 
 
 def _crash(tmp: Path, dsn: str, durability: str) -> tuple[Follower, Follower, dict[str, Any]]:

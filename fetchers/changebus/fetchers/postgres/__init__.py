@@ -4,7 +4,8 @@ The fetcher itself is kind ``postgres`` (docs/postgres.md), built by
 :func:`fetcher_factory` (its entry in the ``changebus.fetchers`` group); this
 package exposes its building blocks: the pgoutput message parser, the binary
 value decoders, the catalog type resolver, the assembler that turns a message
-stream into encoded windows, :func:`pg_connect` (a connection whose errors
+stream into encoded windows, :func:`message_scn` (the SCN a non-transactional
+marker message becomes), :func:`pg_connect` (a connection whose errors
 never quote the DSN), :func:`pg_error_reason` (an error's first line without
 connection details), and :class:`EmbeddedPostgres`, a private throwaway
 server for demos and tests.
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base import Fetcher
-from ._assembler import Assembler as Assembler
+from ._assembler import Assembler as Assembler, message_scn as message_scn
 from ._config import PostgresConfig as PostgresConfig
 from ._copyenc import CopyEncoder as CopyEncoder
 from ._embedded import EmbeddedPostgres as EmbeddedPostgres, find_pg_bin as find_pg_bin
@@ -74,6 +75,7 @@ __all__ = [
     "decode_value",
     "fetcher_factory",
     "find_pg_bin",
+    "message_scn",
     "parse_message",
     "pg_connect",
     "pg_error_reason",

@@ -16,9 +16,17 @@ returns a :class:`~changebus.fetchers.Window` at every Commit:
   TOASTed values are listed in ``after_not_sent``, never silently null;
 * Truncate becomes one TRUNCATE event per table; transactional logical
   messages become MESSAGE events inside their window; a non-transactional
-  one becomes a window of its own at its LSN; the fetcher's own idle
+  one becomes a window of its own at SCN ``L - 1`` (:func:`message_scn`)
+  where ``L`` is the LSN pgoutput gives it, the end of its WAL record, which
+  is also what ``pg_logical_emit_message`` returns; the fetcher's own idle
   heartbeat message (prefix :data:`HEARTBEAT_PREFIX`) becomes a window
-  holding a HEARTBEAT event.
+  holding a HEARTBEAT event. Why ``L - 1``: the record that follows the
+  message starts at ``L``, and when it is a commit, its transaction's SCN is
+  ``L`` too; the message's window must sort strictly before it (the relay
+  refuses a second window at one SCN). ``L - 1`` is still past the start of
+  the message's record, so strictly after every transaction committed before
+  it. The window's position is ``L``: a restart there re-reads that commit
+  and skips the message.
 
 Large transactions: with ``max_window_bytes`` set, a transaction whose
 encoded events pass the limit stops being kept (its rows are only counted, so
@@ -80,6 +88,7 @@ from changebus.schemas import (
     SourceConfigError,
     TableSchema,
     encode_control,
+    lsn_to_scn,
     pg_numeric_text,
     scn_to_lsn,
 )
@@ -105,10 +114,22 @@ from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
 from ._values import OUT_OF_RANGE, contains_out_of_range, decode_value
 
-__all__ = ["HEARTBEAT_PREFIX", "Assembler"]
+__all__ = ["HEARTBEAT_PREFIX", "Assembler", "message_scn"]
 
 #: prefix of the non-transactional logical message the fetcher emits when idle
 HEARTBEAT_PREFIX = "changebus.heartbeat"
+
+
+def message_scn(lsn: str) -> int:
+    """The SCN of the window a non-transactional logical message becomes.
+
+    ``lsn`` is what ``pg_logical_emit_message(false, ...)`` returned (the end
+    of the message's WAL record); the window's SCN is one less (see the module
+    docstring). A consumer that emits such a message as a marker has read
+    everything committed before it once its checkpoint reaches this SCN.
+    """
+    return lsn_to_scn(lsn) - 1
+
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -495,12 +516,14 @@ class Assembler:
                             partition=self.partition_id,
                         ),
                     )
-            elif msg.prefix == HEARTBEAT_PREFIX:
-                return self.control_window(Heartbeat(scn_to_lsn(msg.lsn)), msg.lsn)
             else:
-                return self.control_window(
-                    MessagePayload(msg.prefix, msg.content, msg.transactional), msg.lsn
+                payload_: ControlPayload = (
+                    Heartbeat(scn_to_lsn(msg.lsn))
+                    if msg.prefix == HEARTBEAT_PREFIX
+                    else MessagePayload(msg.prefix, msg.content, msg.transactional)
                 )
+                # a commit may start where the message ends: see the module docstring
+                return self.control_window(payload_, msg.lsn - 1, scn_to_lsn(msg.lsn))
         elif isinstance(msg, Commit):
             txn = self._txn
             self._txn = None
