@@ -262,3 +262,56 @@ def test_message_right_before_a_commit_sorts_before_its_transaction(pg_dsn: str)
     assert lsn_to_scn(message.source_position) == lsn_to_scn(row[0])
     state = replay(windows, asm)
     assert set(state["public.pairs"]) == {(0, "before"), (1, "x")}
+
+
+@pytest.mark.parametrize(
+    ("identity", "dropped", "first_key"),
+    [
+        ("DEFAULT", False, ("id",)),
+        ("FULL", False, ("id",)),  # the key's place among the columns
+        ("FULL", True, ("gone", "id", "v")),  # a dropped column: only the identity is known
+    ],
+)
+def test_older_relation_after_the_key_was_renamed(
+    pg_dsn: str, identity: str, dropped: bool, first_key: tuple[str, ...]
+) -> None:
+    """The catalog's key is today's; a Relation read from older WAL may predate it.
+
+    A key column renamed after the change being decoded is not in that
+    change's Relation message: the key comes from what the message itself
+    says (its replica identity, or the table's previous version) instead of
+    stopping the partition on a key that names no column.
+    """
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in SETUP:
+            conn.execute(stmt)
+        conn.execute("CREATE TABLE renamed (gone int4, id int8 PRIMARY KEY, v text)")
+        conn.execute(f"ALTER TABLE renamed REPLICA IDENTITY {identity}")
+        conn.execute("INSERT INTO renamed (id, v) VALUES (1, 'a'), (2, 'b')")
+        conn.execute("UPDATE renamed SET v = 'c' WHERE id = 2")
+        conn.execute("ALTER TABLE renamed RENAME COLUMN id TO ident")
+        if dropped:
+            conn.execute("ALTER TABLE renamed DROP COLUMN gone")
+        conn.execute("INSERT INTO renamed (ident, v) VALUES (3, 'd')")
+        if not dropped:  # (with all columns as the first key, the key changes with the version)
+            conn.execute("DELETE FROM renamed WHERE ident = 1")
+        resolver = TypeResolver(conn)
+        asm = Assembler(
+            1,
+            resolver.resolve,
+            primary_key=resolver.primary_key,
+            key_positions=resolver.key_positions,
+        )
+        windows = windows_from(conn, asm)
+    versions = asm.registry.versions("public.renamed")
+    assert [t.key for t in versions] == [first_key, ("ident",)]
+    state = replay(windows, asm)
+    rows = state["public.renamed"]
+    if dropped:
+        assert {k: r["v"] for k, r in rows.items()} == {
+            (None, 1, "a"): "a",
+            (None, 2, "c"): "c",
+            (3,): "d",
+        }
+    else:
+        assert {k: r["v"] for k, r in rows.items()} == {(2,): "c", (3,): "d"}

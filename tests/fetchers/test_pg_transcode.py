@@ -9,6 +9,7 @@ the ordinary rows must have taken the fast path.
 
 from __future__ import annotations
 
+import datetime
 import decimal
 import io
 import random
@@ -22,7 +23,13 @@ from test_pgoutput import COLUMNS, VALUES
 
 from changebus.fetchers.postgres import Assembler, TypeResolver, parse_message
 from changebus.fetchers.postgres._transcode import zigzag
-from changebus.schemas import AVRO_PRESENT_SMALL
+from changebus.schemas import (
+    AVRO_PRESENT_SMALL,
+    ChangeDecoder,
+    decode_header,
+    event_at,
+    parse_stream,
+)
 
 pytestmark = pytest.mark.pg
 
@@ -179,3 +186,42 @@ def test_present_small_table_is_the_union_branch_and_fastavro_long() -> None:
         bio = io.BytesIO()
         fastavro.schemaless_writer(bio, schema, n)
         assert AVRO_PRESENT_SMALL[n] == b"\x02" + bio.getvalue(), n
+
+
+def test_full_identity_without_a_key_has_nullable_key_columns(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """A FULL-identity table without a primary key is keyed by all its columns.
+
+    Any of them may be NULL: the key record's fields are ``["null", T]``
+    (the row field's bytes), on the fast path as on the general one; a NULL
+    once stopped the partition (the key could not be encoded).
+    """
+    conn.execute("CREATE TABLE nokey (a int4, b int8, t text, d date)")
+    conn.execute("ALTER TABLE nokey REPLICA IDENTITY FULL")
+    conn.execute("INSERT INTO nokey VALUES (1, 2, 'x', '2020-01-01'), (3, 4, 'y', NULL)")
+    conn.execute("INSERT INTO nokey VALUES (NULL, NULL, NULL, NULL)")
+    conn.execute("UPDATE nokey SET t = 'z' WHERE a = 1")
+    conn.execute("UPDATE nokey SET t = 'w' WHERE a = 3")  # a NULL in the before-image's key
+    conn.execute("DELETE FROM nokey WHERE a IS NULL")
+    datas, fast = both_paths(conn)
+    table = fast.registry.latest("public.nokey")
+    assert table.key == ("a", "b", "t", "d")
+    assert table.nullable_key and all(c.nullable for c in table.columns)
+    assert fast.rows_transcoded == 2  # the rows without a NULL key column
+    dec = ChangeDecoder(table)
+    keys = []
+    for data in datas:
+        offsets, headers = parse_stream(data)
+        for off, h in zip(offsets.tolist(), headers, strict=True):
+            if int(h["op"]) < 16:
+                key, _ = event_at(data, off, decode_header(data, off))
+                keys.append(dec.decode_key(bytes(key)))
+    assert keys == [
+        {"a": 1, "b": 2, "t": "x", "d": datetime.date(2020, 1, 1)},
+        {"a": 3, "b": 4, "t": "y", "d": None},
+        {"a": None, "b": None, "t": None, "d": None},
+        {"a": 1, "b": 2, "t": "z", "d": datetime.date(2020, 1, 1)},
+        {"a": 3, "b": 4, "t": "w", "d": None},
+        {"a": None, "b": None, "t": None, "d": None},
+    ]

@@ -16,7 +16,9 @@ import fastavro
 import pytest
 
 from changebus.schemas import (
+    ChangeDecoder,
     Column,
+    RowEncoder,
     SchemaError,
     SchemaRegistry,
     TableSchema,
@@ -132,6 +134,26 @@ def test_row_key_and_change_schemas() -> None:
     assert change["before_not_sent"]["default"] == []
     # a record name that does not depend on the version
     assert t.with_version(7).row_schema["name"] == users().row_schema["name"]
+
+
+def test_a_nullable_key_is_a_union_of_the_row_fields_bytes() -> None:
+    """``nullable_key``: a table keyed by all its columns, any of them NULL."""
+    cols = (Column("a", "int"), Column("t", "string"))
+    plain = TableSchema("public.nokey", cols, ("a", "t"))
+    t = TableSchema("public.nokey", cols, ("a", "t"), nullable_key=True)
+    assert [f["type"] for f in plain.key_schema["fields"]] == ["int", "string"]
+    assert [f["type"] for f in t.key_schema["fields"]] == [["null", "int"], ["null", "string"]]
+    assert t.fingerprint != plain.fingerprint  # a flag the schema's identity includes
+    assert "nullable_key" not in plain.to_json()  # older schemas keep their JSON and fingerprint
+    again = TableSchema.from_json(json.loads(json.dumps(t.to_json())))
+    assert again == t and again.fingerprint == t.fingerprint
+    enc = RowEncoder(t.with_version(1), source_id=1)
+    assert enc.key_bytes({"a": None, "t": "x"}) == b"\x00\x02\x02x"
+    assert enc.key_bytes({"a": 1, "t": None}) == b"\x02\x02\x00"
+    dec = ChangeDecoder(t.with_version(1))
+    assert dec.decode_key(b"\x00\x02\x02x") == {"a": None, "t": "x"}
+    with pytest.raises(SchemaError):
+        TableSchema.from_json({**t.to_json(), "nullable_key": "yes"})
 
 
 def test_odd_column_names_are_sanitised() -> None:

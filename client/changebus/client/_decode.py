@@ -106,7 +106,7 @@ class SchemaCache:
         """Record the schema a SCHEMA_CHANGE event carries."""
         schema = TableSchema.from_json(json.loads(change.schema))
         if schema.version != change.version or schema.name != change.source:
-            schema = TableSchema(schema.name, schema.columns, schema.key, change.version)
+            schema = schema.with_version(change.version)
         self.add(change.source_id, schema)
 
     async def writer(self, source_id: int, version: int, source: SchemaSource) -> TableSchema:

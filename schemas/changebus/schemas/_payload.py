@@ -116,7 +116,8 @@ class RowEncoder:
         self._key_fields = tuple(field_for[k] for k in table.key)
         types = {c.name: c.type for c in table.columns}
         fast = [
-            _FAST_KEY.get(t) if isinstance(t, str) else None for t in (types[k] for k in table.key)
+            None if table.nullable_key or not isinstance(t, str) else _FAST_KEY.get(t)
+            for t in (types[k] for k in table.key)
         ]
         self._key_bytes = self._key_encoder(fast)
 

@@ -7,8 +7,9 @@ one point in time, plus its key columns. From it derive:
   ``["null", T]`` with default ``null`` (key columns too: a non-nullable
   column carries ``"changebus.nullable": false``), so that columns can be
   added and dropped while readers with older or newer schemas keep reading.
-* ``key_schema`` -- the record of the key columns with non-null types; its
-  Avro encoding is an event's key bytes (and the input of the partition hash).
+* ``key_schema`` -- the record of the key columns with non-null types (with
+  ``nullable_key``: ``["null", T]``); its Avro encoding is an event's key
+  bytes (and the input of the partition hash).
 * ``change_schema`` -- the payload record of a data event (see
   :mod:`._payload`): ``after`` and ``before`` images (``["null", Row]``) and
   the ``after_not_sent`` / ``before_not_sent`` column lists.
@@ -178,6 +179,10 @@ class TableSchema:
     columns: tuple[Column, ...]
     key: tuple[str, ...] = ()
     version: int = 0
+    #: the key columns may be NULL (a table keyed by all its columns, such as a
+    #: Postgres ``REPLICA IDENTITY FULL`` table without a primary key): their
+    #: key record fields are ``["null", T]``, the row field's bytes
+    nullable_key: bool = False
 
     def __post_init__(self) -> None:
         name: object = self.name
@@ -272,23 +277,31 @@ class TableSchema:
             "namespace": "changebus.row",
             "changebus.source": self.name,
             "changebus.key": list(self.key),
+            **({"changebus.nullable_key": True} if self.nullable_key else {}),
             "fields": fields_,
         }
 
     @cached_property
     def key_schema(self) -> dict[str, Any]:
-        """The record of the key columns (non-null types), in key order."""
+        """The record of the key columns, in key order.
+
+        A key field has its column's type, or with :attr:`nullable_key` the
+        row field's ``["null", T]`` (so its bytes are the row field's).
+        """
         field_of = dict(zip((c.name for c in self.columns), self.field_names, strict=True))
         cols = {c.name: c for c in self.columns}
         seen: set[str] = set()
+        fields_ = []
+        for k in self.key:
+            t = _share_named(cols[k].type, seen, "changebus.key")
+            if self.nullable_key:
+                t = ["null", *(t if isinstance(t, list) else [t])]
+            fields_.append({"name": field_of[k], "type": t})
         return {
             "type": "record",
             "name": self.record_name + "Key",
             "namespace": "changebus.key",
-            "fields": [
-                {"name": field_of[k], "type": _share_named(cols[k].type, seen, "changebus.key")}
-                for k in self.key
-            ],
+            "fields": fields_,
         }
 
     @cached_property
@@ -337,6 +350,7 @@ class TableSchema:
             "name": self.name,
             "version": self.version,
             "key": list(self.key),
+            **({"nullable_key": True} if self.nullable_key else {}),
             "columns": [
                 {
                     "name": c.name,
@@ -373,6 +387,9 @@ class TableSchema:
             version = data.get("version", 0)
             if not isinstance(version, int) or isinstance(version, bool):
                 raise TypeError(f"bad version {version!r}")
-            return cls(str(data["name"]), tuple(cols), tuple(key), version)
+            nullable_key = data.get("nullable_key", False)
+            if not isinstance(nullable_key, bool):
+                raise TypeError(f"bad nullable_key {nullable_key!r}")
+            return cls(str(data["name"]), tuple(cols), tuple(key), version, nullable_key)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SchemaError(f"bad table schema JSON: {exc!r}") from None

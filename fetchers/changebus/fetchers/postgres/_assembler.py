@@ -87,6 +87,7 @@ from changebus.schemas import (
     SchemaRegistry,
     SourceConfigError,
     TableSchema,
+    UnknownSchemaError,
     encode_control,
     lsn_to_scn,
     pg_numeric_text,
@@ -95,6 +96,7 @@ from changebus.schemas import (
 
 from .._base import Window
 from .._policy import ColumnPolicy, ColumnRule
+from ._cellwalk import nullable_key
 from ._copyenc import CopyEncoder
 from ._pgoutput import (
     UNCHANGED,
@@ -218,6 +220,7 @@ class Assembler:
         registry: SchemaRegistry | None = None,
         *,
         primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
+        key_positions: Callable[[int], tuple[int, ...] | None] | None = None,
         array_dims: Callable[[int], dict[str, int]] | None = None,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
@@ -233,6 +236,7 @@ class Assembler:
         self.losses: Counter[str] = Counter()
         self._resolve = resolve
         self._primary_key = primary_key
+        self._key_positions = key_positions
         self._array_dims = array_dims
         self._policy = policy if policy else None
         self.registry = registry or SchemaRegistry()
@@ -255,18 +259,18 @@ class Assembler:
             types = tuple(
                 t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
             )
+        name = f"{rel.namespace}.{rel.name}"
+        key, not_null = self._key(rel, name)
         columns = tuple(
-            Column(c.name, t.avro, nullable=not c.key, source_type=t.formatted)
+            Column(
+                c.name, t.avro, nullable=not not_null or c.name not in key, source_type=t.formatted
+            )
             for c, t in zip(rel.columns, types, strict=True)
         )
-        identity = tuple(c.name for c in rel.columns if c.key)
-        pk = self._primary_key(rel.oid) if self._primary_key is not None else None
-        key = pk if pk else identity
-        name = f"{rel.namespace}.{rel.name}"
         plan = self._policy.plan(name, columns, key) if self._policy is not None else None
         if plan is not None:
             columns = plan.columns
-        table = self.registry.register(TableSchema(name, columns, key))
+        table = self.registry.register(TableSchema(name, columns, key, nullable_key=not not_null))
         old = self._tables.get(rel.oid)
         if (
             old is not None
@@ -278,6 +282,7 @@ class Assembler:
         names = tuple(c.name for c in rel.columns)
         adapters = tuple(_adapter(t.avro) for t in types)
         key_flags = tuple(c.key for c in rel.columns)
+        key_places = [names.index(k) for k in key]
         rules = plan.rules if plan is not None else None
         excluded = plan.excluded if plan is not None else frozenset()
         self._tables[rel.oid] = _Table(
@@ -287,13 +292,64 @@ class Assembler:
             adapters,
             names,
             key_flags,
-            Transcoder(names, types, adapters, [names.index(k) for k in key], key_flags, rules),
+            Transcoder(
+                names,
+                types,
+                adapters,
+                key_places,
+                key_flags,
+                rules,
+                nullable_key(key_places, table),
+            ),
             announced=(source_id, table.name, table.version, table.fingerprint) in self._known,
             rules=rules,
             key_only_not_sent=tuple(
                 n for n, k in zip(names, key_flags, strict=True) if not k and n not in excluded
             ),
         )
+
+    def _key(self, rel: Relation, name: str) -> tuple[tuple[str, ...], bool]:
+        """The event key of a Relation message's table, and whether its columns are NOT NULL.
+
+        The key is the catalog's primary key, else the replica identity the
+        message flags. Their columns are NOT NULL, except under ``REPLICA
+        IDENTITY FULL`` without a primary key: the table is keyed by all its
+        columns, any of which may be NULL.
+
+        The catalog's primary key is today's, while the message may come from
+        older WAL (a restart, a lagging slot): a key column renamed or added
+        since is not among its columns. Then the key is, in this order: the
+        previous version's (when its columns are all still there); the
+        columns at the key's places (``key_positions``, when the catalog can
+        tell them); the replica identity the message flags, which under
+        ``REPLICA IDENTITY DEFAULT`` is the primary key of that time.
+        """
+        names = {c.name for c in rel.columns}
+        identity = tuple(c.name for c in rel.columns if c.key)
+        full = len(identity) == len(rel.columns)
+        pk = self._primary_key(rel.oid) if self._primary_key is not None else None
+        if not pk:
+            return identity, not full
+        if set(pk) <= names:
+            return pk, True
+        try:
+            key = self.registry.latest(name).key
+        except UnknownSchemaError:
+            key = ()
+        if not key or not set(key) <= names:
+            places = self._key_positions(rel.oid) if self._key_positions is not None else None
+            if places and max(places) < len(rel.columns):
+                key = tuple(rel.columns[p].name for p in places)
+            else:
+                key = identity
+        log.warning(
+            "table %s: the primary key %s is not among the columns of a Relation message "
+            "from older WAL (renamed since?); key %s used for that version",
+            name,
+            ",".join(pk),
+            ",".join(key) or "(none)",
+        )
+        return key, key != identity or not full
 
     def _announce(self, txn: _Txn, table: _Table) -> None:
         if table.announced:

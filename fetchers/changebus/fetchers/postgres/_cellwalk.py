@@ -33,10 +33,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from changebus.schemas import TableSchema
+
 from .._policy import ColumnRule
 from ._types import ColumnType
 
-__all__ = ["FROM_X", "RUN_FORMATS", "CellFormat", "name_p", "walk_lines"]
+__all__ = [
+    "FROM_X",
+    "RUN_FORMATS",
+    "CellFormat",
+    "key_expr",
+    "name_p",
+    "nullable_key",
+    "walk_lines",
+]
 
 #: fixed-width rules read in struct runs: (struct code, width)
 RUN_FORMATS: Final = {
@@ -94,6 +104,22 @@ class CellFormat:
 def name_p(code: str, i: int) -> str:
     """A snippet's variable ``p`` renamed to column i's ``p<i>``."""
     return re.sub(r"\bp\b", f"p{i}", code)
+
+
+def nullable_key(key: Sequence[int], table: TableSchema) -> frozenset[int]:
+    """The column indexes in ``key`` whose key bytes are ``["null", T]`` (all or none)."""
+    return frozenset(key) if table.nullable_key else frozenset()
+
+
+def key_expr(key: tuple[int, ...], nullable: frozenset[int]) -> str:
+    """The expression of a row's key bytes: its key columns' ``k<i>`` in key order.
+
+    A key column of a table with ``nullable_key`` (``nullable``: column
+    indexes) is a ``["null", T]`` field of the key record, whose bytes are its
+    ``p<i>`` (a NULL key column
+    never gets there: the walk hands it to the general path).
+    """
+    return " + ".join(f"p{c}" if c in nullable else f"k{c}" for c in key) if key else "b''"
 
 
 def walk_lines(

@@ -42,7 +42,7 @@ from changebus.schemas import (
 )
 
 from .._policy import ColumnRule
-from ._cellwalk import RUN_FORMATS, CellFormat, name_p, walk_lines
+from ._cellwalk import RUN_FORMATS, CellFormat, key_expr, name_p, nullable_key, walk_lines
 from ._transcode import _SNIPPETS, _general_column, _rule, walker_env
 from ._types import ColumnType
 
@@ -260,7 +260,7 @@ class CopyEncoder:
         )
         for _ in range(self.extra):
             lines += _skip_lines(ind)
-        key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
+        keys = key_expr(key, nullable_key(key, table))
         excluded = {c for c, r in enumerate(policy) if r is not None and r.action == "exclude"}
         pieces = "".join(f"p{c}, " for c in range(len(types)) if c not in excluded)
         fixed = (
@@ -269,7 +269,7 @@ class CopyEncoder:
             f"{table.version}, kl"
         )
         lines += [
-            f"{ind}k = {key_expr}",
+            f"{ind}k = {keys}",
             f"{ind}body = join((k, b'\\x02', {pieces}b'\\x00\\x00\\x00'))",
             f"{ind}n = len(body)",
             f"{ind}kl = len(k)",

@@ -172,6 +172,7 @@ class PostgresFetcher:
                 resolver.resolve,
                 registry,
                 primary_key=resolver.primary_key,
+                key_positions=resolver.key_positions,
                 array_dims=resolver.array_dims,
                 max_window_bytes=cfg.max_transaction_bytes,
                 on_oversized=cfg.on_oversized_transaction,

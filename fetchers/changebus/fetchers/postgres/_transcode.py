@@ -44,7 +44,7 @@ import fastavro
 from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 
 from .._policy import ColumnRule
-from ._cellwalk import RUN_FORMATS, CellFormat, name_p, walk_lines
+from ._cellwalk import RUN_FORMATS, CellFormat, key_expr, name_p, walk_lines
 from ._types import ColumnType
 from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
 
@@ -388,6 +388,8 @@ class Transcoder:
     ``rules`` the column policy's rule per column (None: no policy): an
     excluded column is stepped over, a hashed or truncated one goes through
     its rule (:mod:`changebus.fetchers._policy`); the others are untouched.
+    ``nullable_key``: the key columns the table schema has as nullable (their
+    key bytes are ``["null", T]``, see :func:`~._cellwalk.key_expr`).
     """
 
     def __init__(
@@ -398,10 +400,12 @@ class Transcoder:
         key: Sequence[int],
         key_flags: Sequence[bool],
         rules: Sequence[ColumnRule | None] | None = None,
+        nullable_key: frozenset[int] = frozenset(),
     ) -> None:
         self.names = tuple(names)
         self.ncols = len(self.names)
         self._rules = tuple(rules) if rules is not None else (None,) * self.ncols
+        self._nullable_key = nullable_key
         self._tuple = self._generate(types, adapters, tuple(key))
         self._key_only_not_sent = _string_array(
             [
@@ -444,11 +448,11 @@ class Transcoder:
             "    ",
             lambda i: _general_column(types[i], adapters[i], policy[i]),
         )
-        key_expr = " + ".join(f"k{c}" for c in key) if key else "b''"
         excluded = {c for c, r in enumerate(policy) if r is not None and r.action == "exclude"}
         kept = [c for c in range(len(types)) if c not in excluded]
         pieces = ", ".join(f"p{c}" for c in kept)
-        lines.append(f"    return ({pieces}{',' if len(kept) == 1 else ''}), {key_expr}, ns, pos")
+        keys = key_expr(key, self._nullable_key)
+        lines.append(f"    return ({pieces}{',' if len(kept) == 1 else ''}), {keys}, ns, pos")
         exec("\n".join(lines), env)  # the code is built from the fixed snippets here
         fn: Callable[[bytes, int], tuple[tuple[bytes, ...], bytes, list[str] | None, int]]
         fn = env["tuple_"]
