@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 import time
 from pathlib import Path
@@ -126,3 +127,23 @@ async def test_libpq_reader_loses_nothing_when_the_walsender_is_terminated(
     assert status["stream_reader"] == "libpq"
     errors = [r.getMessage() for r in caplog.records if "fetcher error, retrying" in r.getMessage()]
     assert errors, "the terminated stream was not reported"
+
+
+@pytest.mark.parametrize("kind", ["libpq", "socket"])
+def test_readers_wait_on_descriptors_past_1023(pg_dsn: str, kind: str) -> None:
+    """A relay serving many consumers has descriptors past ``select``'s 1023."""
+    make_table(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE PUBLICATION changebus FOR ALL TABLES")
+        conn.execute("SELECT pg_create_logical_replication_slot('high_fd', 'pgoutput')")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1023
+        workload(pg_dsn, 24, 5)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_logical_emit_message(true, %s, '')", (_END,))
+        messages, _ = read_until_marker(pg_dsn, "high_fd", kind, confirm=True)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert len(messages) > 5

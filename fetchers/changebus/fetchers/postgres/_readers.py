@@ -28,7 +28,6 @@ Thread-safety: none; a reader belongs to the fetcher's stream thread.
 
 from __future__ import annotations
 
-import select
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -36,7 +35,7 @@ from changebus.schemas import SourceConfigError, SourceError
 
 from ._config import PostgresConfig
 from ._setup import reason
-from ._wire import CopyBothSocket, ServerError
+from ._wire import CopyBothSocket, ServerError, wait_fd
 
 __all__ = ["Batch", "CopyDataReader", "LibpqReader", "reader_kind", "start_reader"]
 
@@ -106,10 +105,10 @@ class LibpqReader:
         return batch
 
     def wait(self, timeout_s: float) -> bool:
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
+        ready = wait_fd(self._sock, timeout_s)
         if ready:
             self._pgconn.consume_input()
-        return bool(ready)
+        return ready
 
     def send_copy_data(self, payload: bytes) -> None:
         self._pgconn.put_copy_data(payload)

@@ -48,9 +48,21 @@ import os
 import select
 import struct
 
-__all__ = ["CopyBothSocket", "ServerError"]
+__all__ = ["CopyBothSocket", "ServerError", "wait_fd"]
 
 log = logging.getLogger("changebus.fetchers.postgres")
+
+
+def wait_fd(fd: int, timeout_s: float, *, write: bool = False) -> bool:
+    """Wait until ``fd`` is readable (or writable); False after ``timeout_s``.
+
+    ``poll``, not ``select``: a relay serving a thousand consumers has
+    descriptors past 1023, which ``select`` refuses (``ValueError``).
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
 
 _HEAD = struct.Struct(">BI").unpack_from
 _LEN = struct.Struct(">I")
@@ -249,8 +261,7 @@ class CopyBothSocket:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until the socket is readable; False after ``timeout_s``."""
-        ready, _, _ = select.select([self.fd], [], [], timeout_s)
-        return bool(ready)
+        return wait_fd(self.fd, timeout_s)
 
     def send_copy_data(self, payload: bytes) -> None:
         """Send one CopyData message (a standby status update)."""
@@ -263,7 +274,7 @@ class CopyBothSocket:
             if n < 0:
                 err = ctypes.get_errno()
                 if err in _AGAIN:
-                    select.select([], [self.fd], [], 1.0)
+                    wait_fd(self.fd, 1.0, write=True)
                     continue
                 if err in (errno.EPIPE, errno.ECONNRESET):
                     raise ConnectionError("the server closed the connection")
