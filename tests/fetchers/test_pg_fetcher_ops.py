@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,20 @@ import psycopg
 import pytest
 from test_pg_fetcher import caught_up, replay_buffer, source, wait_until, workload
 
+from changebus.fetchers import ResumePoint
+from changebus.fetchers.postgres import PostgresConfig
+from changebus.fetchers.postgres._setup import set_up
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import (
     ChangeDecoder,
     DataLoss,
     Op,
+    SourceConfigError,
     decode_control,
     event_at,
     lsn_to_scn,
     parse_stream,
+    scn_to_lsn,
     verify_event,
 )
 from fix_pg import PgServer
@@ -167,6 +173,63 @@ async def test_lost_slot_becomes_a_data_loss_event(
     assert how in loss.reason or "vanished" in loss.reason
     # the stream goes on after the gap, in order
     assert scns == sorted(set(scns)) and scns[-1] > scn
+
+
+async def test_a_restart_right_after_a_data_loss_announces_it_once(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The DATA_LOSS window is positioned where the new slot starts.
+
+    It was one LSN before: a restart before the next window found the slot
+    "confirmed beyond the relay's last window" and announced a second loss.
+    """
+    make_table(pg_dsn)
+    cfg = config(tmp_path, pg_dsn, heartbeat_interval_s=0)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 1, 5)
+        await caught_up(relay, pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('changebus')")
+    await asyncio.to_thread(workload, pg_dsn, 2, 5)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await wait_until(lambda: len(control_events(relay, Op.DATA_LOSS)) == 1)
+    async with Relay(cfg) as relay:  # nothing written in between
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 3, 5)
+        await caught_up(relay, pg_dsn)
+        assert len(control_events(relay, Op.DATA_LOSS)) == 1
+
+
+def test_a_new_slot_behind_the_relay_is_a_data_loss(pg_dsn: str) -> None:
+    """A slot gone and a server whose WAL is behind the relay's end.
+
+    A server restored from a backup, or a standby promoted before it had
+    replayed the relay's last changes: its new commits have SCNs the relay
+    already passed, which the fetcher cannot deliver in order. That is a
+    data loss, said as such (it was no event at all: a new slot at or behind
+    the relay's end looked like no gap).
+    """
+    make_table(pg_dsn)
+    now = wal_lsn(pg_dsn)
+    ahead = now + (1 << 30)
+    cfg = PostgresConfig(dsn=pg_dsn, on_slot_lost="recreate")
+    plan = set_up(cfg, ResumePoint(ahead, scn_to_lsn(ahead)), "pg")
+    assert plan.data_loss is not None
+    lo, hi, why = plan.data_loss
+    assert (lo, hi) == (ahead + 1, ahead + 1)
+    assert "vanished" in why and "WAL went back" in why and str(hi) in why
+    new_start = lsn_to_scn(plan.resume.source_position)
+    assert now <= new_start < ahead and plan.resume.scn == hi
+    # the slot as it stands now is no gap (the relay's end and the slot agree)
+    plan = set_up(cfg, ResumePoint(hi, plan.resume.source_position), "pg")
+    assert plan.data_loss is None
+    # with "fail", it stops instead
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('changebus')")
+    with pytest.raises(SourceConfigError, match="vanished"):
+        set_up(replace(cfg, on_slot_lost="fail"), ResumePoint(ahead, scn_to_lsn(ahead)), "pg")
 
 
 async def test_lost_slot_can_fail_instead(tmp_path: Path, pg_dsn: str) -> None:

@@ -183,7 +183,11 @@ class PostgresFetcher:
             if self._data_loss is not None:
                 lo, hi, why = self._data_loss
                 self.data_loss_events["slot_lost"] += 1
-                self._emit(assembler.control_window(DataLoss(lo, hi, why), hi), emit)
+                # positioned where the new slot starts: a restart before the next
+                # window finds no gap again (at ``hi``, one before, it did)
+                loss = DataLoss(lo, hi, why)
+                position = self._resume.source_position
+                self._emit(assembler.control_window(loss, hi, position), emit)
                 self._data_loss = None
             ticker = Ticker(self, catalog)
             if cfg.mode == "sql":

@@ -164,8 +164,10 @@ def _check_gap(
     """
     if resume.scn < 0 or resume.source_position.count("/") != 1:
         return resume, None  # the relay holds nothing from this slot yet
-    if confirmed <= lsn_to_scn(resume.source_position):
+    end = lsn_to_scn(resume.source_position)
+    if confirmed == end or (confirmed < end and not lost):
         return resume, None
+    # (a new slot behind the relay's end: the server's WAL went back, see _announce_loss)
     what = lost or (
         f"slot {cfg.slot!r} was confirmed beyond the relay's last window "
         "(recreated, or used by another consumer)"
@@ -179,10 +181,17 @@ def _announce_loss(
     """Plan the DATA_LOSS window for changes between the relay's end and a new slot."""
     last = resume.scn
     hi = max(new_start - 1, last + 1)
-    why = (
-        f"{what}; a new slot streams from {scn_to_lsn(new_start)}: changes committed "
-        f"after SCN {last} and before it are missing"
-    )
+    if new_start > last:
+        why = (
+            f"{what}; a new slot streams from {scn_to_lsn(new_start)}: changes committed "
+            f"after SCN {last} and before it are missing"
+        )
+    else:  # a server restored from a backup, or a standby promoted before it caught up
+        why = (
+            f"{what}; the new slot starts at {scn_to_lsn(new_start)}, behind the relay's "
+            f"last SCN {last}: the server's WAL went back (restored, or a lagging standby "
+            f"promoted); its changes committed up to SCN {hi} are not delivered"
+        )
     log.error("partition %s: %s", partition, why)
     # the stream continues after the new slot's start, not the relay's old end
     return ResumePoint(hi, scn_to_lsn(new_start), resume.schemas), (last + 1, hi, why)
