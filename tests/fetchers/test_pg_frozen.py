@@ -123,6 +123,58 @@ async def test_a_query_the_server_never_answers_is_cut_at_its_deadline(
     assert 0.9 <= took < 3.0
 
 
+async def test_a_long_query_the_server_works_on_is_not_cut_unless_it_freezes(
+    pg_server: PgServer,
+) -> None:
+    """A query with a probe (the SQL mode's peek) lasts as long as the server works on it.
+
+    Cut at the deadline, a peek decoding a big transaction was run again and
+    cut again, for ever. With the probe, the watchdog asks the server (on a
+    connection of its own) whether the backend is still active, and cuts only
+    when the answer does not come: a path frozen mid-query is still cut.
+    """
+    from changebus.fetchers.postgres._watchdog import Watchdog
+    from changebus.schemas import SourceError
+
+    proxy = FaultProxy("pg", "127.0.0.1", pg_server.port)
+    await proxy.start()
+    dog = Watchdog(0.5, "test")
+    loop = asyncio.get_running_loop()
+    dsn = f"host=127.0.0.1 port={proxy.port} user=postgres dbname=postgres"
+
+    def long_queries() -> tuple[float, str, float]:
+        conn = psycopg.connect(dsn, autocommit=True)
+        pid = conn.info.backend_pid
+
+        def active() -> bool:
+            with psycopg.connect(dsn, autocommit=True, connect_timeout=2) as probe:
+                row = probe.execute(
+                    "SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+            return row is not None and row[0] == "active"
+
+        with dog.guard(conn) as guarded:
+            started = time.monotonic()
+            assert guarded.execute("SELECT pg_sleep(2), 1", probe=active).fetchone() == ("", 1)
+            slow = time.monotonic() - started
+            loop.call_soon_threadsafe(lambda: loop.call_later(1.0, proxy.half_open))
+            started = time.monotonic()
+            try:
+                guarded.execute("SELECT pg_sleep(30)", probe=active)
+            except SourceError as exc:
+                return slow, exc.message, time.monotonic() - started
+            return slow, "answered", 0.0
+
+    try:
+        slow, message, took = await asyncio.wait_for(asyncio.to_thread(long_queries), 40)
+    finally:
+        dog.close()
+        await proxy.close()
+    assert slow >= 2.0 and dog.extended >= 3  # four deadlines passed, the server was at work
+    assert "did not answer a query" in message
+    assert 1.0 < took < 6.0  # frozen after 1 s; the probe's answer waited one timeout
+
+
 def test_io_timeout_is_checked() -> None:
     from changebus.fetchers.postgres import PostgresConfig
     from changebus.schemas import ConfigError

@@ -45,6 +45,7 @@ from changebus.schemas import SourceError, lsn_to_scn, scn_to_lsn
 from .._base import Window
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._readers import reader_kind, start_reader
+from ._setup import connect
 from ._watchdog import Watchdog
 from ._wire import ServerError
 
@@ -166,6 +167,17 @@ def poll_sql(
         "'proto_version', '1', 'publication_names', %s, 'binary', 'true', "
         "'messages', 'true')"
     )
+    pid = catalog.info.backend_pid
+
+    def still_active() -> bool:
+        # the peek decodes a whole transaction before it answers: a big one takes
+        # long, which the watchdog asks the server about instead of cutting it
+        with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as probe:
+            row = probe.execute(
+                "SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+        return row is not None and row[0] == "active"
+
     while not stopping.is_set():
         # wait (briefly) for the relay to take what was emitted: peeking
         # again before the slot advances would decode the same changes twice
@@ -183,7 +195,9 @@ def poll_sql(
                 (cfg.slot, scn_to_lsn(acked)),
             )
             advanced = acked
-        rows = catalog.execute(peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication))
+        rows = catalog.execute(
+            peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication), probe=still_active
+        )
         fresh = 0
         for (data,) in rows:
             window = assembler.feed_raw(data)

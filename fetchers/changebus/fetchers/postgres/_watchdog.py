@@ -13,8 +13,18 @@ an ``OperationalError``. The caller turns that into a retriable
 :class:`~changebus.schemas.SourceError` naming the timeout
 (:meth:`Watchdog.check`), and the relay reconnects.
 
+A call that may rightly take long (the SQL mode's peek decodes a whole
+transaction before it answers) comes with a ``probe``: when its deadline
+passes, the watchdog runs the probe (which asks the server, on a connection
+of its own, whether that backend is still at work) and waits for it at most
+one more timeout. A server that answers "still active" gets another
+timeout; one that does not answer in time, or says the call is no longer
+running, gets its socket cut. So a frozen server is still found within a
+few timeouts, and a long decode is never cut (cutting it made the fetcher
+peek the same transaction again, for ever).
+
 Data structure: ``Watchdog._armed`` maps a guarded connection's id to
-``(deadline, socket descriptor, what)``; the watchdog's thread scans it
+``(deadline, socket descriptor, what, probe)``; the watchdog's thread scans it
 every quarter of a second (the timeout's resolution). Thread-safety: one
 lock guards ``_armed``; a :class:`Guarded` connection is used by one thread
 at a time (as psycopg's synchronous connections are), the watchdog thread
@@ -31,6 +41,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -53,7 +64,9 @@ class Watchdog:
         self.name = name
         #: what overran, once one did ("" before)
         self.fired = ""
-        self._armed: dict[int, tuple[float, int, str]] = {}
+        self._armed: dict[int, tuple[float, int, str, Callable[[], bool] | None]] = {}
+        #: calls a probe found still at work (their deadline was extended)
+        self.extended = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,12 +75,19 @@ class Watchdog:
         """``conn`` (a psycopg connection) with deadlines on its ``execute``."""
         return Guarded(conn, self)
 
-    def arm(self, key: int, fd: int, what: str, timeout_s: float | None = None) -> None:
+    def arm(
+        self,
+        key: int,
+        fd: int,
+        what: str,
+        timeout_s: float | None = None,
+        probe: Callable[[], bool] | None = None,
+    ) -> None:
         seconds = self.timeout_s if timeout_s is None else timeout_s
         if seconds <= 0:
             return
         with self._lock:
-            self._armed[key] = (time.monotonic() + seconds, fd, what)
+            self._armed[key] = (time.monotonic() + seconds, fd, what, probe)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"pg-watchdog-{self.name}", daemon=True
@@ -94,13 +114,37 @@ class Watchdog:
                 late = [(k, v) for k, v in self._armed.items() if v[0] <= now]
                 for key, _ in late:
                     del self._armed[key]
-            for _, (_, fd, what) in late:
+            for key, (_, fd, what, probe) in late:
+                if probe is not None and _ask(probe, self.timeout_s):
+                    self.extended += 1
+                    log.info("partition %s: %s still runs on the server", self.name, what)
+                    with self._lock:
+                        # (disarmed meanwhile: the call ended, nothing to extend)
+                        if key not in self._armed:
+                            self._armed[key] = (time.monotonic() + self.timeout_s, fd, what, probe)
+                    continue
                 self.fired = (
                     f"Postgres did not answer {what} within {self.timeout_s:g} s (a frozen "
                     "server or a broken network path): the connection was cut"
                 )
                 log.warning("partition %s: %s", self.name, self.fired)
                 _shut_down(fd)
+
+
+def _ask(probe: Callable[[], bool], timeout_s: float) -> bool:
+    """The probe's answer, False when it raised or took more than ``timeout_s``."""
+    answer: list[bool] = []
+
+    def run() -> None:
+        try:
+            answer.append(bool(probe()))
+        except Exception:  # noqa: BLE001 - a probe that fails is a "no"
+            answer.append(False)
+
+    thread = threading.Thread(target=run, name="pg-watchdog-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answer and answer[0])
 
 
 def _shut_down(fd: int) -> None:
@@ -125,10 +169,18 @@ class Guarded:
         self.conn = conn
         self._watchdog = watchdog
 
-    def execute(self, query: Any, params: Any = None, *, timeout_s: float | None = None) -> Any:
-        """``conn.execute`` with a deadline: the watchdog's, or ``timeout_s`` (0: none)."""
+    def execute(
+        self,
+        query: Any,
+        params: Any = None,
+        *,
+        timeout_s: float | None = None,
+        probe: Callable[[], bool] | None = None,
+    ) -> Any:
+        """``conn.execute`` with a deadline: the watchdog's, or ``timeout_s`` (0: none);
+        ``probe`` may extend it (see the module docstring)."""
         dog, key = self._watchdog, id(self)
-        dog.arm(key, self.conn.pgconn.socket, "a query", timeout_s)
+        dog.arm(key, self.conn.pgconn.socket, "a query", timeout_s, probe)
         try:
             cursor = self.conn.execute(query, params)
             # fetch inside the deadline too: a result can arrive slowly
