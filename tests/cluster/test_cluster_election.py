@@ -319,3 +319,27 @@ async def test_an_error_from_zookeeper_does_not_end_the_candidacy(
     finally:
         admin.stop()
         admin.close()
+
+
+async def test_the_lease_follows_the_session_timeout_the_server_grants(
+    zk_session, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for 30 s, the test server (tickTime 500: at most 10 s) grants 10 s.
+
+    The session expires after those 10 s and a rival leads after that: a lease
+    of 0.9 x 30 s (what it was) would let this leader act for 17 s more.
+    """
+    session = await zk_session("r0", session_timeout_s=30.0, lease_fraction=0.9)
+    assert session.negotiated_timeout_s == pytest.approx(10.0, abs=0.01)
+    assert session.session_timeout_s == pytest.approx(10.0, abs=0.01)
+    assert "granted a session timeout of 10 s, not the 30 s" in caplog.text
+    election = PartitionElection(session, "p0")
+    await election.start()
+    await wait_until(lambda: election.leadership is not None, 10, "the leadership")
+    assert election.leadership is not None
+    assert election.leadership.lease_s == pytest.approx(9.0, abs=0.01)
+    await election.stop()
+    # asked for less than the server's maximum: the lease is a fraction of what was asked
+    short = await zk_session("r1", session_timeout_s=2.0)
+    assert short.session_timeout_s == pytest.approx(2.0, abs=0.01)
+    assert short.lease_s == pytest.approx(2.0 * short.config.lease_fraction)

@@ -24,7 +24,8 @@ watched, and read by every heartbeat), or when the election stops.
 Fencing: :meth:`Leadership.valid` is a *lease*. It is true only while the
 leadership is not lost, kazoo reports the connection up, and the newest
 heartbeat that confirmed "the epoch is still ours and our candidate exists"
-was *sent* less than ``lease_fraction x session timeout`` ago (monotonic
+was *sent* less than ``lease_fraction x session timeout`` ago (the timeout the
+server granted, :attr:`ZkSession.session_timeout_s`) (monotonic
 clock). ZooKeeper cannot expire the session sooner than a session timeout
 after it last heard from us, and a new leader needs that expiry first, so no
 other leader exists while the lease holds. A leader frozen (SIGSTOP, a GC or
@@ -109,7 +110,6 @@ class Leadership:
         #: the epoch record this term replaced: when it is this member's own previous
         #: epoch (``previous.epoch == epoch - 1``), nobody else led in between
         self.previous = previous if previous is not None else EpochRecord(epoch - 1)
-        self.lease_s = session.config.session_timeout_s * session.config.lease_fraction
         #: monotonic send time of the newest heartbeat that confirmed the epoch
         self.confirmed_at = time.monotonic()
         #: why the leadership ended; None while it lasts
@@ -117,6 +117,11 @@ class Leadership:
         self._session = session
         self._lost = asyncio.Event()
         self._callbacks: list[Callable[[Leadership], None]] = []
+
+    @property
+    def lease_s(self) -> float:
+        """How long a confirmed heartbeat keeps the lease (the session's granted timeout)."""
+        return self._session.lease_s
 
     def valid(self) -> bool:
         """True while this process may act as the leader (a lease; thread-safe)."""

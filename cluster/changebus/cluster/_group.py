@@ -24,7 +24,8 @@ trip, two pipelined requests; the sync keeps a server cut off from the
 quorum from confirming the lease out of its own stale copy).
 :meth:`GroupMember.lease_valid` is true only while kazoo reports the
 connection up and the newest heartbeat that found the node was *sent* less
-than ``lease_s`` (``lease_fraction`` x session timeout) ago:
+than ``lease_s`` (``lease_fraction`` x the session timeout the server
+granted) ago:
 ZooKeeper cannot expire the session, and so cannot let another member take
 the units, sooner than a session timeout after that. A member frozen past its
 session (SIGSTOP, a long pause) sees ``lease_valid() == False`` the moment it
@@ -143,9 +144,6 @@ class GroupMember:
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self.name = name or f"{self._host}:{self._pid}"
-        config = session.config
-        #: how long a confirmed heartbeat keeps the lease (see the module docstring)
-        self.lease_s = config.session_timeout_s * config.lease_fraction
         #: the current member node name ("" while not registered)
         self.member_id = ""
         #: this member's units in the newest assignment
@@ -250,6 +248,11 @@ class GroupMember:
     def on_lost(self, callback: UnitsCallback) -> Callable[[], None]:
         """Call ``callback(units)`` when the membership is lost with the owner nodes of ``units``."""
         return _add(self._lost_cbs, callback)
+
+    @property
+    def lease_s(self) -> float:
+        """How long a confirmed heartbeat keeps the lease (see the module docstring)."""
+        return self.session.lease_s
 
     def lease_valid(self) -> bool:
         """True while this member may act on its units (a lease; thread-safe)."""

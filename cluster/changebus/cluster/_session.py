@@ -156,6 +156,30 @@ class ZkSession:
         self._listeners: list[Callable[[StateChange], None]] = []
         self._changed = asyncio.Event()
         self._pool: ThreadPoolExecutor | None = None
+        #: the session timeout the server granted (s; 0: no session yet), written by
+        #: kazoo's connection thread at every connect
+        self.negotiated_timeout_s = 0.0
+
+    @property
+    def session_timeout_s(self) -> float:
+        """The session's timeout: the one asked for, or less when the server granted less.
+
+        ZooKeeper bounds a session's timeout to its ``minSessionTimeout`` ..
+        ``maxSessionTimeout`` (by default 2 to 20 ticks): asked for 30 s, a
+        server with ``tickTime=500`` grants 10 s, and expires the session
+        then. Leases (a leader's, a group member's) are a fraction of this
+        figure, never of the one asked for: a lease longer than the real
+        session would let a deposed process act after its successor took over.
+        Readable from any thread.
+        """
+        granted = self.negotiated_timeout_s
+        asked = self.config.session_timeout_s
+        return min(asked, granted) if granted > 0 else asked
+
+    @property
+    def lease_s(self) -> float:
+        """How long a confirmed heartbeat keeps a lease: ``lease_fraction`` of the session."""
+        return self.session_timeout_s * self.config.lease_fraction
 
     @property
     def client(self) -> Any:
@@ -200,6 +224,7 @@ class ZkSession:
             logger=_KAZOO_LOG,
         )
         zk.add_listener(self._on_kazoo_state)
+        self._watch_negotiation(zk)
         self.state = self.thread_state = "connecting"
         self._zk = zk
         t0 = time.monotonic()
@@ -344,6 +369,44 @@ class ZkSession:
         if self._pool is None:
             raise CoordinationError("the ZooKeeper session is closed", retriable=False)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def _watch_negotiation(self, zk: Any) -> None:
+        """Record the session timeout the server grants at each connect.
+
+        kazoo does not keep it: it reads it from the server's answer to the
+        connect request (``time_out``, ms), which its connection handler's
+        ``_invoke`` returns. This wrapper records it there, before kazoo
+        reports the session connected. Without that method (another kazoo),
+        the timeout asked for is used and a warning says so.
+        """
+        handler: Any = getattr(zk, "_connection", None)
+        invoke = getattr(handler, "_invoke", None)
+        if invoke is None:
+            log.warning(
+                "cannot read the session timeout ZooKeeper grants (kazoo changed): leases "
+                "assume the %g s asked for; keep it within the servers' maxSessionTimeout",
+                self.config.session_timeout_s,
+            )
+            return
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            result = invoke(*args, **kwargs)
+            answer = result[0] if isinstance(result, tuple) and result else None
+            time_out = getattr(answer, "time_out", None)
+            if isinstance(time_out, int) and time_out > 0:
+                granted = time_out / 1000.0
+                if granted < self.config.session_timeout_s and granted != self.negotiated_timeout_s:
+                    log.warning(
+                        "ZooKeeper granted a session timeout of %g s, not the %g s asked "
+                        "for (its maxSessionTimeout): leases use %g s",
+                        granted,
+                        self.config.session_timeout_s,
+                        granted,
+                    )
+                self.negotiated_timeout_s = granted
+            return result
+
+        handler._invoke = recording
 
     def _shutdown_pool(self) -> None:
         pool, self._pool = self._pool, None
