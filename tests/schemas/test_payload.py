@@ -204,3 +204,40 @@ def test_dates_outside_pythons_range_decode_to_their_avro_ints() -> None:
     resolved = ChangeDecoder(writer, reader).decode_many(payload, [0], [len(payload)])[0]
     assert resolved.after == {**change.after, "extra": None}
     assert resolved.before == {**want_before, "extra": None}
+
+
+def test_time_of_24_00_decodes_to_its_avro_int() -> None:
+    """Postgres' ``time '24:00'`` is 86400000000 µs since midnight: that int, not an error
+    (``datetime.time`` stops at 23:59:59.999999); other times as ``datetime.time``."""
+    tm = {"type": "long", "logicalType": "time-micros"}
+    writer = SchemaRegistry().register(
+        TableSchema(
+            "s.t",
+            (
+                Column("k", tm, nullable=False),
+                Column("t", tm),
+                Column("arr", {"type": "array", "items": ["null", tm]}),
+            ),
+            ("k",),
+        )
+    )
+    day = 86_400_000_000
+    after = {"k": day, "t": day - 1, "arr": [day, None, 0]}
+    before: dict[str, Any] = {"k": 0, "t": None, "arr": [45_296_000_007]}
+    event = RowEncoder(writer, source_id=1).encode(Op.UPDATE, 9, 0, 0, after, before)
+    h = decode_header(event)
+    key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+    payload = event[HEADER_SIZE + h.key_length :]
+    decoder = ChangeDecoder(writer)
+    change = decoder.decode(payload)
+    assert change.after == {
+        "k": day,
+        "t": datetime.time(23, 59, 59, 999_999),
+        "arr": [day, None, datetime.time(0, 0)],
+    }
+    assert change.before == {
+        "k": datetime.time(0, 0),
+        "t": None,
+        "arr": [datetime.time(12, 34, 56, 7)],
+    }
+    assert decoder.decode_key(key) == {"k": day}

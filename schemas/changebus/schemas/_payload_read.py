@@ -68,8 +68,11 @@ def _read_string_array(bio: io.BytesIO) -> tuple[str, ...]:
             out.append(data.decode())
 
 
-#: logical types whose values can lie outside Python's date and datetime (years 1-9999)
-_WIDE_LOGICAL: Final = frozenset({"date", "timestamp-micros", "local-timestamp-micros"})
+#: logical types whose values can lie outside Python's date, datetime and time (years
+#: 1-9999; a time of 24:00:00, which Postgres has)
+_WIDE_LOGICAL: Final = frozenset(
+    {"date", "timestamp-micros", "local-timestamp-micros", "time-micros"}
+)
 _DAYS_TO_ORDINAL: Final = 719_163  # date(1970, 1, 1).toordinal()
 _EPOCH_UTC: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 _EPOCH_NAIVE: Final = datetime.datetime(1970, 1, 1)
@@ -100,6 +103,15 @@ def _widen(logical: str) -> Callable[[int], Any]:
                 return n
 
         return date
+    if logical == "time-micros":
+
+        def time(n: int) -> Any:
+            if not 0 <= n < 86_400_000_000:
+                return n  # 24:00:00 (86400000000), the end of the day
+            secs, micros = divmod(n, 1_000_000)
+            return datetime.time(secs // 3600, secs // 60 % 60, secs % 60, micros)
+
+        return time
     epoch = _EPOCH_UTC if logical == "timestamp-micros" else _EPOCH_NAIVE
 
     def timestamp(n: int) -> Any:
@@ -186,7 +198,9 @@ class ChangeDecoder:
     except those outside Python's years 1-9999 (a Postgres BC date, a year
     10000 timestamp), which Python cannot represent: they come back as the
     Avro int itself (days since 1970-01-01, microseconds since
-    1970-01-01T00:00 UTC), never as an error.
+    1970-01-01T00:00 UTC), never as an error. Likewise a ``time-micros``
+    value of 24:00:00 (a Postgres ``time``), which ``datetime.time`` cannot
+    hold, comes back as the int 86400000000 (µs since midnight).
     """
 
     def __init__(self, writer: TableSchema, reader: TableSchema | None = None) -> None:
