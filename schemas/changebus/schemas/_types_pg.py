@@ -17,7 +17,8 @@ text, varchar, char, name,      string
 citext
 bytea                           bytes
 date                            int, logicalType date
-time                            long, logicalType time-micros
+time                            long, logicalType time-micros (``24:00:00``
+                                is 86400000000, the end of the day)
 time with time zone             string, ``changebus.type: timetz``
 timestamp                       long, logicalType local-timestamp-micros
 timestamp with time zone        long, logicalType timestamp-micros (UTC)
@@ -31,7 +32,9 @@ enum (labels given)             string, ``changebus.type: enum`` with
                                 no new Relation, still encodes)
 T[]                             array of ["null", T]
 anything else (inet, cidr,      string, ``changebus.type: <type name>`` (the
-macaddr, money, xml, ...)       value's text form)
+macaddr, money, xml, pg_lsn,    value's text form, as Postgres prints it)
+bit, ranges, geometric and
+composite types, ...)
 ==============================  ================================================
 
 Notes on the mapping:

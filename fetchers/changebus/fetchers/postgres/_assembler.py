@@ -114,7 +114,7 @@ from ._pgoutput import (
 )
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
-from ._values import OUT_OF_RANGE, contains_out_of_range, decode_value
+from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
 
 __all__ = ["HEARTBEAT_PREFIX", "Assembler", "message_scn"]
 
@@ -150,6 +150,8 @@ class _Table:
     rules: tuple[ColumnRule | None, ...] | None = None
     #: the not-sent list of a key-only before-image (non-key, non-excluded columns)
     key_only_not_sent: tuple[str, ...] = ()
+    #: the columns the column policy excludes (never decoded)
+    excluded: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -199,6 +201,22 @@ def _apply_rules(
                 not_sent.remove(name)
         elif name not in not_sent:
             row[name] = rule.apply(row.get(name))
+
+
+def _refuse_unsupported(
+    table: str, rel: Relation, types: tuple[ColumnType, ...], excluded: frozenset[str]
+) -> None:
+    """A :class:`SourceConfigError` for the first column of a type changebus cannot
+    decode (:attr:`ColumnType.unsupported`) that the column policy does not exclude."""
+    for column, ctype in zip(rel.columns, types, strict=True):
+        if ctype.unsupported is None or column.name in excluded:
+            continue
+        raise SourceConfigError(
+            f"column {table}.{column.name} has type {ctype.formatted}, which changebus cannot "
+            f'capture ({ctype.unsupported}): exclude the column (column_policy."{table}".'
+            f'{column.name} = "exclude"), leave it out of the publication (a column list), '
+            "or change its type"
+        )
 
 
 def _depth(value: Any) -> int:
@@ -270,6 +288,8 @@ class Assembler:
         plan = self._policy.plan(name, columns, key) if self._policy is not None else None
         if plan is not None:
             columns = plan.columns
+        excluded = plan.excluded if plan is not None else frozenset()
+        _refuse_unsupported(name, rel, types, excluded)
         table = self.registry.register(TableSchema(name, columns, key, nullable_key=not not_null))
         old = self._tables.get(rel.oid)
         if (
@@ -284,7 +304,6 @@ class Assembler:
         key_flags = tuple(c.key for c in rel.columns)
         key_places = [names.index(k) for k in key]
         rules = plan.rules if plan is not None else None
-        excluded = plan.excluded if plan is not None else frozenset()
         self._tables[rel.oid] = _Table(
             table,
             RowEncoder(table, source_id=source_id, partition=self.partition_id),
@@ -306,6 +325,7 @@ class Assembler:
             key_only_not_sent=tuple(
                 n for n, k in zip(names, key_flags, strict=True) if not k and n not in excluded
             ),
+            excluded=excluded,
         )
 
     def _key(self, rel: Relation, name: str) -> tuple[tuple[str, ...], bool]:
@@ -392,7 +412,9 @@ class Assembler:
                 row[name] = None
                 not_sent.append(name)
                 continue
-            value = decode_value(ctype.decode_oid, cell, is_array=ctype.is_array)
+            if name in table.excluded:
+                continue
+            value = ctype.decode(cell)
             if ctype.is_array and value and _depth(value) != ctype.dims:
                 # Postgres does not enforce declared dimensions; Avro types do
                 log.warning(
@@ -416,8 +438,9 @@ class Assembler:
                 row[name] = None
                 not_sent.append(name)
                 continue
-            if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
-                # NaN/Infinity in a numeric(p,s) column: Avro's decimal cannot hold it
+            if adapt is None and non_finite(value):
+                # NaN/Infinity in a numeric(p,s) column (or numeric(p,s)[] element): Avro's
+                # decimal cannot hold it
                 log.warning(
                     "%s.%s holds %s, which numeric(p,s) maps cannot carry; sent as not-sent",
                     table.schema.name,

@@ -68,8 +68,8 @@ FROM_X: Final = {
         "if x < DAY_MIN or x > DAY_MAX: raise Fallback\np = pzz(x + PG_EPOCH_DAYS)",
     ),
     "time": (
-        "if x < 0 or x >= DAY_US: raise Fallback\ne = zz(x)",
-        "if x < 0 or x >= DAY_US: raise Fallback\np = pzz(x)",
+        "if x < 0 or x > DAY_US: raise Fallback\ne = zz(x)",
+        "if x < 0 or x > DAY_US: raise Fallback\np = pzz(x)",
     ),
     "timestamp": (
         "if x < US_MIN or x > US_MAX: raise Fallback\ne = zz(x + PG_EPOCH_US)",

@@ -22,8 +22,9 @@ and the caller runs the general path on that message: text-format cells,
 NULL or unchanged key columns, infinities and values outside Python's date
 and time ranges, numeric NaN / Infinity or a scale other than the column's,
 malformed data (the general path then raises its own clear error). Types
-without a fast rule (arrays, inet, money, timetz, unconstrained numeric, ...)
-are decoded by :func:`._values.decode_value` and written by fastavro, one
+without a fast rule (arrays, inet, money, timetz, unconstrained numeric,
+the types mapped to their text form, ...) are decoded by their column type's
+decoder (:meth:`._types.ColumnType.decode`) and written by fastavro, one
 column at a time, with the general path's checks (an array deeper than
 declared falls back). ``tests/fetchers/test_pg_transcode.py`` compares both
 paths over every type, NULLs and unchanged-TOAST markers.
@@ -33,7 +34,6 @@ Thread-safety: immutable after construction; one per table schema version.
 
 from __future__ import annotations
 
-import decimal
 import io
 import struct
 from collections.abc import Callable, Sequence
@@ -46,7 +46,7 @@ from changebus.schemas import AVRO_PRESENT_SMALL, avro_long, avro_present_long
 from .._policy import ColumnRule
 from ._cellwalk import RUN_FORMATS, CellFormat, key_expr, name_p, walk_lines
 from ._types import ColumnType
-from ._values import DECODERS, OUT_OF_RANGE, contains_out_of_range, decode_value
+from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
 
 __all__ = ["Fallback", "Transcoder", "walker_env", "zigzag"]
 
@@ -82,7 +82,8 @@ _POW10: Final = tuple(10**k for k in range(200))
 #: timestamps remembered per transcoder (see _present_timestamp)
 _TS_MEMO: Final = 4096
 
-_STRING_OIDS: Final = frozenset({18, 19, 25, 114, 142, 1042, 1043})
+#: types whose binary form is the UTF-8 text (for a ColumnType not made by the resolver)
+_STRING_OIDS: Final = frozenset({19, 25, 114, 142, 1042, 1043})
 
 
 def _decimal_bytes(v: bytes, scale: int, limit: int) -> bytes:
@@ -174,15 +175,15 @@ def _general_column(
     schema = fastavro.parse_schema("string" if rule and rule.action == "hash" else ctype.avro)
     policy = None if rule is None else rule.apply
     write = fastavro.schemaless_writer
-    oid, is_array, dims = ctype.decode_oid, ctype.is_array, ctype.dims
+    decode, is_array, dims = ctype.decode, ctype.is_array, ctype.dims
 
     def encode(v: bytes) -> bytes:
-        value = decode_value(oid, v, is_array=is_array)
+        value = decode(v)
         if is_array and value and _depth(value) != dims:
             raise Fallback
         if value is OUT_OF_RANGE or (is_array and contains_out_of_range(value)):
             raise Fallback
-        if isinstance(value, decimal.Decimal) and not value.is_finite() and adapt is None:
+        if adapt is None and non_finite(value):
             raise Fallback
         if adapt is not None:
             value = adapt(value)
@@ -218,7 +219,7 @@ _SNIPPETS: Final[dict[str, tuple[int, str, str | None]]] = {
         _INT + "if x < DAY_MIN or x > DAY_MAX: raise Fallback\ne = zz(x + PG_EPOCH_DAYS)",
         _INT + "if x < DAY_MIN or x > DAY_MAX: raise Fallback\np = pzz(x + PG_EPOCH_DAYS)",
     ),
-    "time": (8, _INT + "if x < 0 or x >= DAY_US: raise Fallback\ne = zz(x)", None),
+    "time": (8, _INT + "if x < 0 or x > DAY_US: raise Fallback\ne = zz(x)", None),
     "timestamp": (
         8,
         _INT + "if x < US_MIN or x > US_MAX: raise Fallback\ne = zz(x + PG_EPOCH_US)",
@@ -255,7 +256,7 @@ def _rule(ctype: ColumnType) -> str | None:
     oid = ctype.decode_oid
     avro = ctype.avro
     rule: str | None
-    if oid in _STRING_OIDS or oid not in DECODERS:  # unknown OIDs (enums...) are UTF-8 text
+    if ctype.utf8 or (ctype.decoder is None and oid in _STRING_OIDS):  # UTF-8 text (enums...)
         rule = "string"
     elif oid == 1700:
         decimal_ = isinstance(avro, dict) and avro.get("logicalType") == "decimal"

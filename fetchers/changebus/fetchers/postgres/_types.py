@@ -3,19 +3,45 @@
 pgoutput's Relation message gives each column's type OID and typmod only.
 :class:`TypeResolver` asks ``pg_type`` once per (OID, typmod) and answers
 with a :class:`ColumnType`: the ``format_type`` text the Avro mapping reads
-(for a domain: its base type), the OID whose binary format the value has,
-whether it is an array, and enum labels. An array column's declared number of
+(for a domain: its base type), the decoder of the type's binary form, whether
+it is an array, and enum labels. An array column's declared number of
 dimensions (``int4[][]``: 2; from ``pg_attribute.attndims``, which the type
 does not carry) nests its Avro array type. Results are cached; the resolver is
 used from the fetcher's own thread only (it holds a blocking connection).
+
+Binary forms. pgoutput ``binary 'true'`` sends every value whose type has a
+binary send function in that binary form, so each type needs a decoder of
+its own; the resolver picks it once per type, never per row:
+
+* built-in types with a value decoder (:data:`._values.DECODERS`: integers,
+  dates, ``pg_lsn``, ``bit``, geometric types, the built-in ranges, ...);
+* types whose send function sends UTF-8 text (``textsend`` and the like:
+  ``citext``, enums, ``refcursor``): the text;
+* ranges and multiranges of any bound type, and composite types, whose
+  bounds or fields have a text form (:mod:`._pgtext`, :mod:`._textcompose`): Postgres' text form;
+* arrays of any of these: lists of the element's values;
+* types without a send function: Postgres sends their text, used as is.
+
+Any other type (``money`` inside a range or composite, the ``reg*`` types,
+extension types with a binary format of their own such as ``hstore`` or
+PostGIS ``geometry``) gets :attr:`ColumnType.unsupported`: the assembler
+refuses a table with such a column when it first sees it (a non-retriable
+:class:`~changebus.schemas.SourceConfigError`), unless the column policy
+excludes the column. Nothing is ever decoded by guesswork.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from struct import error as struct_error
+from typing import Any, Final
 
-from changebus.schemas import AvroType, pg_avro_type
+from changebus.schemas import AvroType, CorruptEventError, pg_avro_type
+
+from . import _textcompose as compose
+from ._pgoutput import UNCHANGED, Cell
+from ._values import DECODERS, TEXT_FORMS, array_decoder, decode_value
 
 __all__ = ["ColumnType", "TypeResolver"]
 
@@ -25,18 +51,45 @@ SELECT t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory,
        CASE WHEN t.typtype = 'e' THEN ARRAY(
            SELECT enumlabel::text FROM pg_enum WHERE enumtypid = t.oid ORDER BY enumsortorder)
        END,
-       e.typtype,
-       CASE WHEN e.typtype = 'e' THEN ARRAY(
-           SELECT enumlabel::text FROM pg_enum WHERE enumtypid = e.oid ORDER BY enumsortorder)
-       END
+       e.typtype, s.prosrc, t.typrelid, t.typdelim::text,
+       (SELECT rngsubtype FROM pg_range WHERE rngtypid = t.oid),
+       (SELECT rngtypid FROM pg_range WHERE rngmultitypid = t.oid)
 FROM pg_type t LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A'
+LEFT JOIN pg_proc s ON s.oid = t.typsend
 WHERE t.oid = %(oid)s
 """
+
+_FIELDS = """
+SELECT attname::text, atttypid, atttypmod FROM pg_attribute
+WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum
+"""
+
+#: send functions (their C symbol, ``pg_proc.prosrc``) whose binary form is the UTF-8 text
+_TEXT_SENDS: Final = frozenset(
+    {"textsend", "varcharsend", "bpcharsend", "namesend", "enum_send", "json_send", "xml_send",
+     "unknownsend", "cstring_send"}
+)  # fmt: skip
+
+
+def _utf8(b: bytes) -> str:
+    return b.decode()
+
+
+def _no_binary(b: bytes) -> Any:
+    raise ValueError("a binary value of a type without a binary send function")
 
 
 @dataclass(frozen=True, slots=True)
 class ColumnType:
-    """How to map and decode one column type."""
+    """How to map and decode one column type.
+
+    ``decoder`` turns a binary value into the value the Avro mapping of
+    ``formatted`` takes (None: :func:`~._values.decode_value` by
+    ``decode_oid``); ``render`` into Postgres' text form (None: no text form
+    known, so the type cannot be a range bound or a composite field);
+    ``utf8``: the binary form is the UTF-8 text itself; ``unsupported``: why
+    values of this type cannot be captured (None: they can).
+    """
 
     formatted: str
     decode_oid: int
@@ -44,6 +97,10 @@ class ColumnType:
     enum_labels: tuple[str, ...] | None
     #: array dimensions (sub-arrays are never NULL, elements may be)
     dims: int = 1
+    decoder: Callable[[bytes], Any] | None = field(default=None, compare=False, repr=False)
+    render: Callable[[bytes], str] | None = field(default=None, compare=False, repr=False)
+    utf8: bool = False
+    unsupported: str | None = None
 
     @property
     def avro(self) -> AvroType:
@@ -56,6 +113,21 @@ class ColumnType:
         """This type declared with ``dims`` dimensions (arrays only; 0 means 1)."""
         dims = max(1, dims)
         return self if not self.is_array or dims == self.dims else replace(self, dims=dims)
+
+    def decode(self, cell: Cell) -> Any:
+        """The value of one cell: NULL, unchanged and text-format cells as they are."""
+        decoder = self.decoder
+        if decoder is None:
+            return decode_value(self.decode_oid, cell, is_array=self.is_array)
+        if cell is None or cell is UNCHANGED or isinstance(cell, str):
+            return cell
+        assert isinstance(cell, bytes)
+        try:
+            return decoder(cell)
+        except (struct_error, ValueError, IndexError, UnicodeDecodeError, ArithmeticError) as exc:
+            raise CorruptEventError(
+                f"cannot decode a value of type {self.formatted} (oid {self.decode_oid}): {exc}"
+            ) from exc
 
 
 class TypeResolver:
@@ -125,17 +197,82 @@ class TypeResolver:
     def _lookup(self, oid: int, typmod: int) -> ColumnType:
         row = self._conn.execute(_QUERY, {"oid": oid, "typmod": typmod}).fetchone()
         if row is None:
-            return ColumnType("text", oid, False, None)
-        typtype, base, base_typmod, elem, category, formatted, labels, elem_type, elem_labels = row
+            return ColumnType(
+                f"oid {oid}", oid, False, None, unsupported=f"type oid {oid} is not in pg_type"
+            )
+        (typtype, base, base_typmod, elem, category, formatted, labels, elem_type, send,
+         relid, delim, subtype, multi_of) = row  # fmt: skip
         if typtype == "d":  # a domain travels as its base type
             return self.resolve(int(base), int(base_typmod))
         if typtype == "e":
-            return ColumnType(formatted, oid, False, tuple(labels))
-        if category == "A":
-            if elem_type == "e":
-                return ColumnType(formatted, oid, True, tuple(elem_labels))
+            return ColumnType(
+                formatted, oid, False, tuple(labels), decoder=_utf8, render=_utf8, utf8=True
+            )
+        if category == "A" and send == "array_send":
+            inner = self.resolve(int(elem), -1)
+            if inner.decoder is _no_binary:
+                inner = replace(inner, unsupported="they have no binary send function")
             if elem_type == "d":
-                inner = self.resolve(int(elem), -1)
-                return ColumnType(inner.formatted + "[]", oid, True, inner.enum_labels)
-            return ColumnType(formatted, oid, True, None)
-        return ColumnType(formatted, oid, False, None)
+                formatted = inner.formatted + "[]"
+            render = None if inner.render is None else compose.array_text(inner.render, delim)
+            return ColumnType(
+                formatted,
+                oid,
+                True,
+                inner.enum_labels,
+                decoder=array_decoder(_element(inner)),
+                render=render,
+                unsupported=inner.unsupported and f"its elements: {inner.unsupported}",
+            )
+        if send is None:  # no binary form: Postgres sends the text
+            return ColumnType(formatted, oid, False, None, decoder=_no_binary)
+        if send in _TEXT_SENDS:
+            return ColumnType(formatted, oid, False, None, decoder=_utf8, render=_utf8, utf8=True)
+        if oid in DECODERS:
+            return ColumnType(
+                formatted, oid, False, None, decoder=DECODERS[oid], render=TEXT_FORMS.get(oid)
+            )
+        if typtype == "r":
+            bound = self.resolve(int(subtype), -1)
+            if bound.render is None:
+                return self._refused(formatted, oid, f"its bounds' type {bound.formatted}", bound)
+            return self._text_form(formatted, oid, compose.range_text(bound.render))
+        if typtype == "m":
+            one = self.resolve(int(multi_of), -1)
+            if one.render is None:
+                return self._refused(formatted, oid, f"its ranges' type {one.formatted}", one)
+            return self._text_form(formatted, oid, compose.multirange_text(one.render))
+        if typtype == "c":
+            fields = []
+            for name, field_oid, field_typmod in self._conn.execute(_FIELDS, (relid,)).fetchall():
+                ftype = self.resolve(int(field_oid), int(field_typmod))
+                if ftype.render is None:
+                    return self._refused(
+                        formatted, oid, f"its field {name} of type {ftype.formatted}", ftype
+                    )
+                fields.append((int(field_oid), ftype.render))
+            return self._text_form(formatted, oid, compose.record_text(fields))
+        return ColumnType(
+            formatted,
+            oid,
+            False,
+            None,
+            unsupported=f"its binary format (send function {send}) is not one changebus decodes",
+        )
+
+    @staticmethod
+    def _text_form(formatted: str, oid: int, render: Callable[[bytes], str]) -> ColumnType:
+        return ColumnType(formatted, oid, False, None, decoder=render, render=render)
+
+    @staticmethod
+    def _refused(formatted: str, oid: int, part: str, inner: ColumnType) -> ColumnType:
+        why = inner.unsupported or "has no text form changebus writes"
+        return ColumnType(formatted, oid, False, None, unsupported=f"{part}: {why}")
+
+
+def _element(inner: ColumnType) -> Callable[[bytes], Any]:
+    """The decoder of one array element of type ``inner``."""
+    if inner.decoder is not None:
+        return inner.decoder
+    oid = inner.decode_oid
+    return lambda b: decode_value(oid, b)

@@ -11,13 +11,16 @@ float4, float8                    float
 numeric                           Decimal (NaN, +/-Infinity included)
 bool                              bool
 text, varchar, bpchar, name,      str
-"char", xml, enum labels
+xml, enum labels
 bytea                             bytes
 date                              datetime.date (+/-infinity: date.max/min);
                                   int days since 1970-01-01 outside
                                   Python's years 1-9999 (BC, 10000+)
-time                              datetime.time
+time                              datetime.time; 24:00:00 as the int
+                                  86400000000 (µs since midnight: the
+                                  Avro time-micros value itself)
 timetz                            str, ``HH:MM:SS[.ffffff]+HH[:MM]``
+                                  (``24:00:00+HH`` for the end of the day)
 timestamp                         naive datetime (+/-infinity: max/min);
                                   int µs since 1970-01-01 outside years
                                   1-9999, :data:`OUT_OF_RANGE` beyond an
@@ -29,16 +32,29 @@ json, jsonb                       str (the JSON text)
 inet, cidr                        str, as Postgres prints it
 macaddr                           str ``08:00:2b:01:02:03``
 money                             str with two decimals (the minor unit count / 100)
+"char", pg_lsn, xid, xid8, cid,   str, Postgres' own text form (:mod:`._pgtext`):
+tid, macaddr8, bit, varbit,       ``\\351`` ("char" above 0x7F, Postgres 15),
+int2vector, oidvector,            ``16/B374D848``, ``1010``, ``1 2 3``,
+pg_snapshot, txid_snapshot,       ``(1.5,2)``, ``'a':1A 'b'``, ``[1,5)``,
+point, line, lseg, box, path,     ``{[1,3),[5,7)}``; timestamps in ranges
+polygon, circle, tsvector,        as ``2020-01-01 10:00:00+00`` (UTC)
+jsonpath, the built-in ranges
+and multiranges
 arrays of any of these            list (nested lists for more dimensions)
 ================================  ==========================================
 
-The ints are the Avro values themselves (fastavro writes ints of a ``date``
-or ``timestamp-micros`` type unchanged), computed from Postgres' binary
-value (days or µs since 2000-01-01) without Python date objects.
+The ints are the Avro values themselves (fastavro writes ints of a ``date``,
+``time-micros`` or ``timestamp-micros`` type unchanged), computed from
+Postgres' binary value (days or µs since 2000-01-01) without Python date
+objects.
 
-Cells in text format (a ``str``) are returned as the text itself; unknown
-type OIDs in binary format are decoded as UTF-8 text (enums send their label
-that way). Domains must be resolved to their base type by the caller.
+Other range types, multiranges and composite types get their text form from
+decoders the type resolver composes (:mod:`._types`, :mod:`._textcompose`);
+it gives every column its own decoder and refuses, once per table, a type
+none fits. Cells in text format (a ``str``) are returned as the text itself.
+:func:`decode_value` decodes OIDs without a decoder here as UTF-8 text: only
+right for types that send their text (enums); the resolver never relies on it.
+Domains must be resolved to their base type by the caller.
 """
 
 from __future__ import annotations
@@ -53,9 +69,21 @@ from typing import Any, Final
 
 from changebus.schemas import CorruptEventError
 
+from . import _pgtext as pgtext, _textcompose as textcompose
 from ._pgoutput import UNCHANGED, Cell
+from ._pgtext import numeric_value, time_text
 
-__all__ = ["DECODERS", "OUT_OF_RANGE", "TYPE_OIDS", "contains_out_of_range", "decode_value"]
+__all__ = [
+    "DECODERS",
+    "OUT_OF_RANGE",
+    "TEXT_FORMS",
+    "TEXT_FORM_OIDS",
+    "TYPE_OIDS",
+    "array_decoder",
+    "contains_out_of_range",
+    "decode_value",
+    "non_finite",
+]
 
 _EPOCH_DATE: Final = datetime.date(2000, 1, 1)
 _EPOCH_TS: Final = datetime.datetime(2000, 1, 1)
@@ -69,6 +97,7 @@ _DAY_MIN: Final = -730_119  # 0001-01-01
 _DAY_MAX: Final = 2_921_939  # 9999-12-31
 _US_MIN: Final = _DAY_MIN * 86_400_000_000
 _US_MAX: Final = (_DAY_MAX + 1) * 86_400_000_000 - 1
+_DAY_US: Final = 86_400_000_000
 
 
 class _OutOfRange:
@@ -89,13 +118,20 @@ def contains_out_of_range(value: Any) -> bool:
     return value is OUT_OF_RANGE
 
 
+def non_finite(value: Any) -> bool:
+    """True when ``value`` is a NaN or infinite ``Decimal``, or a (nested) list holding one
+    (what a ``numeric(p,s)`` column's Avro decimal cannot carry)."""
+    if isinstance(value, list):
+        return any(non_finite(v) for v in value)
+    return isinstance(value, decimal.Decimal) and not value.is_finite()
+
+
 _S_I16 = struct.Struct(">h")
 _S_I32 = struct.Struct(">i")
 _S_U32 = struct.Struct(">I")
 _S_I64 = struct.Struct(">q")
 _S_F32 = struct.Struct(">f")
 _S_F64 = struct.Struct(">d")
-_S_NUMERIC = struct.Struct(">hhHh")
 _S_INTERVAL = struct.Struct(">qii")
 _S_TIMETZ = struct.Struct(">qi")
 _S_ARRAY = struct.Struct(">iiI")
@@ -117,17 +153,25 @@ def _date(b: bytes) -> datetime.date | int:
     return int(days) + _PG_EPOCH_DAYS
 
 
-def _time(b: bytes) -> datetime.time:
-    (us,) = _S_I64.unpack(b)
+def _time_of_day(us: int) -> datetime.time:
+    if not 0 <= us < _DAY_US:
+        raise ValueError(f"a time of {us} µs")
     secs, us = divmod(us, 1_000_000)
     mins, secs = divmod(secs, 60)
     hours, mins = divmod(mins, 60)
-    return datetime.time(hours % 24, mins, secs, us)
+    return datetime.time(hours, mins, secs, us)
+
+
+def _time(b: bytes) -> datetime.time | int:
+    us: int = _S_I64.unpack(b)[0]
+    if us == _DAY_US:  # 24:00:00, the end of the day: the Avro value itself
+        return us
+    return _time_of_day(us)
 
 
 def _timetz(b: bytes) -> str:
-    _us, zone_west = _S_TIMETZ.unpack(b)
-    t = _time(b[:8]).isoformat()
+    us, zone_west = _S_TIMETZ.unpack(b)
+    t = time_text(us) if us == _DAY_US else _time_of_day(us).isoformat()
     east = -zone_west
     sign = "+" if east >= 0 else "-"
     hh, rem = divmod(abs(east), 3600)
@@ -169,29 +213,6 @@ def _interval(b: bytes) -> dict[str, int]:
     return {"months": months, "days": days, "micros": micros}
 
 
-def _numeric(b: bytes) -> decimal.Decimal:
-    ndigits, weight, sign, dscale = _S_NUMERIC.unpack_from(b)
-    if sign == 0xC000:
-        return decimal.Decimal("NaN")
-    if sign == 0xD000:
-        return decimal.Decimal("Infinity")
-    if sign == 0xF000:
-        return decimal.Decimal("-Infinity")
-    digits = struct.unpack_from(f">{ndigits}H", b, 8)
-    text = "".join(f"{d:04d}" for d in digits)
-    int_len = (weight + 1) * 4
-    if int_len <= 0:
-        whole, frac = "0", "0" * -int_len + text
-    elif int_len >= len(text):
-        whole, frac = text + "0" * (int_len - len(text)), ""
-    else:
-        whole, frac = text[:int_len], text[int_len:]
-    whole = whole.lstrip("0") or "0"
-    frac = frac[:dscale].ljust(dscale, "0")
-    value = f"{'-' if sign == 0x4000 else ''}{whole}{'.' + frac if dscale else ''}"
-    return decimal.Decimal(value)
-
-
 def _inet(b: bytes, *, cidr: bool = False) -> str:
     family, bits, is_cidr, nb = b[0], b[1], b[2], b[3]
     addr_bytes = b[4 : 4 + nb]
@@ -219,7 +240,14 @@ def _jsonb(b: bytes) -> str:
     return b[1:].decode()
 
 
-def _array(b: bytes) -> list[Any]:
+def array_decoder(element: Callable[[bytes], Any]) -> Callable[[bytes], list[Any]]:
+    """The decoder of an array whose elements ``element`` decodes."""
+    return lambda b: _array(b, element)
+
+
+def _array(b: bytes, element: Callable[[bytes], Any] | None = None) -> list[Any]:
+    """An array's elements as (nested) lists; ``element`` decodes one (None: by the
+    element OID in the array's header)."""
     ndim, _flags, elem_oid = _S_ARRAY.unpack_from(b)
     if ndim == 0:
         return []
@@ -229,7 +257,7 @@ def _array(b: bytes) -> list[Any]:
         length, _lbound = struct.unpack_from(">ii", b, pos)
         dims.append(length)
         pos += 8
-    decode = DECODERS.get(elem_oid, _text)
+    decode = element or DECODERS.get(elem_oid, _text)
     flat: list[Any] = []
     total = 1
     for d in dims:
@@ -240,8 +268,13 @@ def _array(b: bytes) -> list[Any]:
         if size < 0:
             flat.append(None)
         else:
-            flat.append(decode(b[pos : pos + size]))
+            value = b[pos : pos + size]
+            if len(value) != size:
+                raise ValueError("an array element past the value's end")
+            flat.append(decode(value))
             pos += size
+    if pos != len(b):
+        raise ValueError("trailing bytes after an array")
     return _nest(flat, dims)
 
 
@@ -265,7 +298,7 @@ TYPE_OIDS: Final = {
 DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
     16: lambda b: b == b"\x01",
     17: bytes,
-    18: _text,
+    18: pgtext.char,
     19: _text,
     20: lambda b: _S_I64.unpack(b)[0],
     21: lambda b: _S_I16.unpack(b)[0],
@@ -288,10 +321,20 @@ DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
     1184: _timestamptz,
     1186: _interval,
     1266: _timetz,
-    1700: _numeric,
+    1700: numeric_value,
     2950: lambda b: uuid.UUID(bytes=b),
     3802: _jsonb,
 }
+#: types mapped to their text form (:mod:`._pgtext`): ``int2vector`` and ``oidvector``,
+#: ``tid``, ``xid``, ``cid``, ``xid8``, geometric types, ``macaddr8``, ``bit``,
+#: ``varbit``, snapshots, ``pg_lsn``, ``tsvector``, ``jsonpath``, built-in (multi)ranges
+TEXT_FORM_OIDS: Final = frozenset(
+    {22, 27, 28, 29, 30, 600, 601, 602, 603, 604, 628, 718, 774, 1560, 1562, 2970, 3220, 3614,
+     4072, 5038, 5069, *textcompose.BUILTIN}
+)  # fmt: skip
+#: Postgres' text form of the built-in types that have one, by type OID
+TEXT_FORMS: Final[dict[int, Callable[[bytes], str]]] = {**pgtext.TEXT, **textcompose.BUILTIN}
+DECODERS.update((oid, TEXT_FORMS[oid]) for oid in TEXT_FORM_OIDS)
 # arrays: the array's element OID is in its binary header
 _ARRAY_OIDS: Final = frozenset(
     {1000, 1001, 1002, 1003, 1005, 1007, 1009, 1014, 1015, 1016, 1021, 1022, 1028, 1040, 1041,
@@ -313,5 +356,11 @@ def decode_value(type_oid: int, cell: Cell, *, is_array: bool = False) -> Any:
         if is_array or type_oid in _ARRAY_OIDS:
             return _array(cell)
         return DECODERS.get(type_oid, _text)(cell)
-    except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
+    except (
+        struct.error,
+        ValueError,
+        IndexError,
+        UnicodeDecodeError,
+        decimal.InvalidOperation,
+    ) as exc:
         raise CorruptEventError(f"cannot decode a value of type oid {type_oid}: {exc}") from exc
