@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import random
 from typing import Any
 
 import psycopg
@@ -237,3 +238,50 @@ def test_time_24_00_and_nan_in_numeric_arrays(conn: psycopg.Connection[Any]) -> 
     not_sent = [c.after_not_sent for c in decoded(datas, fast.registry)]
     assert not_sent == [(), ("np",), ("n",)]
     assert fast.rows_transcoded == 1 and fast.rows_general == 2
+
+
+def test_floats_inside_text_forms_are_printed_as_postgres_does(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Random doubles and reals in points and composites: Postgres' shortest-digit text
+    (``1e+15``, ``1e-05``, ``123456789012345``, ``1.234567e+06`` for a real)."""
+    conn.execute("CREATE TYPE floats AS (d float8, r float4)")
+    conn.execute("CREATE TABLE fl (id int PRIMARY KEY, p point, f floats)")
+    rnd = random.Random(5)
+
+    def one() -> float:
+        return float(
+            rnd.choice(
+                [
+                    rnd.uniform(-1, 1) * 10 ** rnd.randint(-320, 308),
+                    float(rnd.randint(-(10**17), 10**17)),
+                    rnd.randint(-99999, 99999) / 10 ** rnd.randint(0, 8),
+                    10.0 ** rnd.randint(-6, 17),
+                ]
+            )
+        )
+
+    def real() -> float:
+        return float(
+            rnd.choice(
+                [
+                    rnd.uniform(-1, 1) * 10 ** rnd.randint(-37, 37),
+                    float(rnd.randint(-(10**8), 10**8)),
+                    10.0 ** rnd.randint(-6, 8),
+                ]
+            )
+        )
+
+    with conn.transaction():
+        for i in range(300):
+            x, y, d, r = one(), one(), one(), real()
+            conn.execute(
+                "INSERT INTO fl VALUES (%s, point(%s, %s), row(%s, %s::float4))", (i, x, y, d, r)
+            )
+    truth = {r[0]: r[1:] for r in conn.execute("SELECT id, p::text, f::text FROM fl")}
+    datas, fast = both_paths(conn)
+    changes = decoded(datas, fast.registry)
+    assert len(changes) == 300
+    for c in changes:
+        assert c.after is not None
+        assert (c.after["p"], c.after["f"]) == truth[c.after["id"]]

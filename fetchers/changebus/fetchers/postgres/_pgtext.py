@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import fractions
 import ipaddress
 import math
 import struct
@@ -70,23 +71,16 @@ def _int(s: struct.Struct) -> Render:
 
 
 def float_text(value: float, single: bool = False) -> str:
-    """A float as Postgres prints it: the shortest exact digits, in exponent form when
-    the decimal exponent is below -4 or at least 15 (``real``: 6)."""
+    """A float (``single``: a 32-bit ``real``) as Postgres prints it: the shortest exact
+    digits, in exponent form when the decimal exponent is below -4 or at least 15
+    (``real``: 6)."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
         return "Infinity" if value > 0 else "-Infinity"
     if value == 0:
         return "-0" if math.copysign(1.0, value) < 0 else "0"
-    if single:  # the fewest digits that read back as the same 32-bit float
-        for places in range(9):
-            text = f"{value:.{places}e}"
-            if _F32.unpack(_F32.pack(float(text)))[0] == value:
-                break
-        exact = decimal.Decimal(text)
-    else:
-        exact = decimal.Decimal(repr(value))
-    sign, digit_tuple, exp = exact.normalize().as_tuple()
+    sign, digit_tuple, exp = _shortest(value, single).normalize().as_tuple()
     assert isinstance(exp, int)
     digit_text = "".join(map(str, digit_tuple))
     point = len(digit_text) + exp  # the decimal point's place after the first digit
@@ -102,6 +96,31 @@ def float_text(value: float, single: bool = False) -> str:
         return out
     mantissa = digit_text[0] + ("." + digit_text[1:] if len(digit_text) > 1 else "")
     return f"{out}{mantissa}e{'-' if sci < 0 else '+'}{abs(sci):02d}"
+
+
+def _shortest(value: float, single: bool) -> decimal.Decimal:
+    """The fewest decimal digits that read back as ``value`` (a double, or with
+    ``single`` a 32-bit float), the closest to it of those: Ryu's answer, as Postgres
+    prints floats. A decimal lying exactly halfway to a neighbouring float reads back
+    to ``value`` too but is never taken (``1.9186245869097768e+16``, not
+    ``1.918624586909777e+16``)."""
+    exact = fractions.Fraction(value)
+    if single:
+        bits = _U32.unpack(_F32.pack(value))[0]
+        neighbours = [
+            _F32.unpack(_U32.pack(bits + d))[0] for d in (1, -1) if bits + d <= 0xFFFFFFFF
+        ]
+        places = 0
+    else:
+        neighbours = [math.nextafter(value, math.inf), math.nextafter(value, -math.inf)]
+        places = len(repr(abs(value)).split("e")[0].replace(".", "").strip("0")) - 1
+    ties = {(exact + fractions.Fraction(n)) / 2 for n in neighbours if math.isfinite(n)}
+    while True:
+        text = f"{value:.{max(places, 0)}e}"
+        back = _F32.unpack(_F32.pack(float(text)))[0] if single else float(text)
+        if back == value and fractions.Fraction(decimal.Decimal(text)) not in ties:
+            return decimal.Decimal(text)
+        places += 1
 
 
 def _float4(b: bytes) -> str:
