@@ -64,7 +64,6 @@ Not thread-safe: one assembler per fetcher thread.
 
 from __future__ import annotations
 
-import decimal
 import json
 import logging
 import struct
@@ -87,15 +86,13 @@ from changebus.schemas import (
     SchemaRegistry,
     SourceConfigError,
     TableSchema,
-    UnknownSchemaError,
     encode_control,
     lsn_to_scn,
-    pg_numeric_text,
     scn_to_lsn,
 )
 
 from .._base import Window
-from .._policy import ColumnPolicy, ColumnRule
+from .._policy import ColumnPolicy
 from ._cellwalk import nullable_key
 from ._copyenc import CopyEncoder
 from ._pgoutput import (
@@ -112,6 +109,7 @@ from ._pgoutput import (
     Update,
     parse_message,
 )
+from ._tables import Table, adapter, apply_rules, choose_key, depth, refuse_unsupported
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
 from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
@@ -137,24 +135,6 @@ log = logging.getLogger("changebus.fetchers.postgres")
 
 
 @dataclass
-class _Table:
-    schema: TableSchema
-    encoder: RowEncoder
-    types: tuple[ColumnType, ...]
-    adapters: tuple[Callable[[Any], Any] | None, ...]
-    names: tuple[str, ...]
-    key_flags: tuple[bool, ...]
-    transcoder: Transcoder
-    announced: bool = False
-    #: the column policy's rule per column (None: the table has no policy)
-    rules: tuple[ColumnRule | None, ...] | None = None
-    #: the not-sent list of a key-only before-image (non-key, non-excluded columns)
-    key_only_not_sent: tuple[str, ...] = ()
-    #: the columns the column policy excludes (never decoded)
-    excluded: frozenset[str] = frozenset()
-
-
-@dataclass
 class _Txn:
     scn: int
     ts_ns: int
@@ -162,70 +142,7 @@ class _Txn:
     data_events: int = 0
     size: int = 0
     oversized: bool = False
-    announced: list[_Table] = field(default_factory=list)
-
-
-def _adapter(avro: Any) -> Callable[[Any], Any] | None:
-    """A converter from decoded values to what fastavro takes, where needed."""
-    if isinstance(avro, dict):
-        if avro.get("changebus.type") == "numeric":
-            return lambda v: pg_numeric_text(v) if isinstance(v, decimal.Decimal) else v
-        if avro.get("type") == "array":
-            items = avro["items"][1] if isinstance(avro["items"], list) else avro["items"]
-            inner = _adapter(items)
-            if inner is not None:
-                return lambda v: _deep(v, inner)
-    return None
-
-
-def _deep(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(value, list):
-        return [_deep(v, fn) for v in value]
-    return None if value is None else fn(value)
-
-
-def _apply_rules(
-    names: tuple[str, ...],
-    rules: tuple[ColumnRule | None, ...],
-    row: dict[str, Any],
-    not_sent: list[str],
-) -> None:
-    """The column policy on a decoded row: excluded columns go, the others are
-    hashed or truncated; a value not sent (unchanged TOAST) stays not sent."""
-    for name, rule in zip(names, rules, strict=True):
-        if rule is None:
-            continue
-        if rule.action == "exclude":
-            row.pop(name, None)
-            if name in not_sent:
-                not_sent.remove(name)
-        elif name not in not_sent:
-            row[name] = rule.apply(row.get(name))
-
-
-def _refuse_unsupported(
-    table: str, rel: Relation, types: tuple[ColumnType, ...], excluded: frozenset[str]
-) -> None:
-    """A :class:`SourceConfigError` for the first column of a type changebus cannot
-    decode (:attr:`ColumnType.unsupported`) that the column policy does not exclude."""
-    for column, ctype in zip(rel.columns, types, strict=True):
-        if ctype.unsupported is None or column.name in excluded:
-            continue
-        raise SourceConfigError(
-            f"column {table}.{column.name} has type {ctype.formatted}, which changebus cannot "
-            f'capture ({ctype.unsupported}): exclude the column (column_policy."{table}".'
-            f'{column.name} = "exclude"), leave it out of the publication (a column list), '
-            "or change its type"
-        )
-
-
-def _depth(value: Any) -> int:
-    """Dimensions of a decoded (non-empty) array: nested lists."""
-    depth = 0
-    while isinstance(value, list) and value:
-        depth += 1
-        value = value[0]
-    return depth
+    announced: list[Table] = field(default_factory=list)
 
 
 class Assembler:
@@ -262,7 +179,7 @@ class Assembler:
         self._known = frozenset(
             (self.registry.source_id(t.name), t.name, t.version, t.fingerprint) for t in known
         )
-        self._tables: dict[int, _Table] = {}
+        self._tables: dict[int, Table] = {}
         self._txn: _Txn | None = None
         #: row messages taken by :meth:`feed_raw` through the transcoder / the general path
         self.rows_transcoded = 0
@@ -278,7 +195,7 @@ class Assembler:
                 t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
             )
         name = f"{rel.namespace}.{rel.name}"
-        key, not_null = self._key(rel, name)
+        key, not_null = choose_key(rel, name, self.registry, self._primary_key, self._key_positions)
         columns = tuple(
             Column(
                 c.name, t.avro, nullable=not not_null or c.name not in key, source_type=t.formatted
@@ -289,7 +206,7 @@ class Assembler:
         if plan is not None:
             columns = plan.columns
         excluded = plan.excluded if plan is not None else frozenset()
-        _refuse_unsupported(name, rel, types, excluded)
+        refuse_unsupported(name, rel, types, excluded)
         table = self.registry.register(TableSchema(name, columns, key, nullable_key=not not_null))
         old = self._tables.get(rel.oid)
         if (
@@ -300,11 +217,11 @@ class Assembler:
             return  # Postgres re-sends unchanged Relation messages after reconnects
         source_id = self.registry.source_id(table.name)
         names = tuple(c.name for c in rel.columns)
-        adapters = tuple(_adapter(t.avro) for t in types)
+        adapters = tuple(adapter(t.avro) for t in types)
         key_flags = tuple(c.key for c in rel.columns)
         key_places = [names.index(k) for k in key]
         rules = plan.rules if plan is not None else None
-        self._tables[rel.oid] = _Table(
+        self._tables[rel.oid] = Table(
             table,
             RowEncoder(table, source_id=source_id, partition=self.partition_id),
             types,
@@ -328,50 +245,7 @@ class Assembler:
             excluded=excluded,
         )
 
-    def _key(self, rel: Relation, name: str) -> tuple[tuple[str, ...], bool]:
-        """The event key of a Relation message's table, and whether its columns are NOT NULL.
-
-        The key is the catalog's primary key, else the replica identity the
-        message flags. Their columns are NOT NULL, except under ``REPLICA
-        IDENTITY FULL`` without a primary key: the table is keyed by all its
-        columns, any of which may be NULL.
-
-        The catalog's primary key is today's, while the message may come from
-        older WAL (a restart, a lagging slot): a key column renamed or added
-        since is not among its columns. Then the key is, in this order: the
-        previous version's (when its columns are all still there); the
-        columns at the key's places (``key_positions``, when the catalog can
-        tell them); the replica identity the message flags, which under
-        ``REPLICA IDENTITY DEFAULT`` is the primary key of that time.
-        """
-        names = {c.name for c in rel.columns}
-        identity = tuple(c.name for c in rel.columns if c.key)
-        full = len(identity) == len(rel.columns)
-        pk = self._primary_key(rel.oid) if self._primary_key is not None else None
-        if not pk:
-            return identity, not full
-        if set(pk) <= names:
-            return pk, True
-        try:
-            key = self.registry.latest(name).key
-        except UnknownSchemaError:
-            key = ()
-        if not key or not set(key) <= names:
-            places = self._key_positions(rel.oid) if self._key_positions is not None else None
-            if places and max(places) < len(rel.columns):
-                key = tuple(rel.columns[p].name for p in places)
-            else:
-                key = identity
-        log.warning(
-            "table %s: the primary key %s is not among the columns of a Relation message "
-            "from older WAL (renamed since?); key %s used for that version",
-            name,
-            ",".join(pk),
-            ",".join(key) or "(none)",
-        )
-        return key, key != identity or not full
-
-    def _announce(self, txn: _Txn, table: _Table) -> None:
+    def _announce(self, txn: _Txn, table: Table) -> None:
         if table.announced:
             return
         schema = table.schema
@@ -402,7 +276,7 @@ class Assembler:
 
     # ---- rows ---------------------------------------------------------
 
-    def _row(self, table: _Table, cells: tuple[Cell, ...]) -> tuple[dict[str, Any], list[str]]:
+    def _row(self, table: Table, cells: tuple[Cell, ...]) -> tuple[dict[str, Any], list[str]]:
         row: dict[str, Any] = {}
         not_sent: list[str] = []
         for name, ctype, adapt, cell in zip(
@@ -415,14 +289,14 @@ class Assembler:
             if name in table.excluded:
                 continue
             value = ctype.decode(cell)
-            if ctype.is_array and value and _depth(value) != ctype.dims:
+            if ctype.is_array and value and depth(value) != ctype.dims:
                 # Postgres does not enforce declared dimensions; Avro types do
                 log.warning(
                     "%s.%s holds a %d-dimensional array in a column declared with %d; "
                     "sent as not-sent",
                     table.schema.name,
                     name,
-                    _depth(value),
+                    depth(value),
                     ctype.dims,
                 )
                 row[name] = None
@@ -452,7 +326,7 @@ class Assembler:
                 continue
             row[name] = value if adapt is None or value is None else adapt(value)
         if table.rules is not None:
-            _apply_rules(table.names, table.rules, row, not_sent)
+            apply_rules(table.names, table.rules, row, not_sent)
         return row, not_sent
 
     def _data(

@@ -1,0 +1,175 @@
+"""From a Relation message to what the assembler keeps per table.
+
+:func:`choose_key` picks a table's event key (and whether its columns are
+NOT NULL); :class:`Table` is the assembler's per-table state;
+:func:`adapter` converts decoded values to what fastavro takes;
+:func:`apply_rules` applies the column policy to a decoded row;
+:func:`refuse_unsupported` stops at a column of a type changebus cannot
+decode. Pure functions and a plain data class: no thread-safety of their own.
+"""
+
+from __future__ import annotations
+
+import decimal
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from changebus.schemas import (
+    RowEncoder,
+    SchemaRegistry,
+    SourceConfigError,
+    TableSchema,
+    UnknownSchemaError,
+    pg_numeric_text,
+)
+
+from .._policy import ColumnRule
+from ._pgoutput import Relation
+from ._transcode import Transcoder
+from ._types import ColumnType
+
+__all__ = ["Table", "adapter", "apply_rules", "choose_key", "depth", "refuse_unsupported"]
+
+log = logging.getLogger("changebus.fetchers.postgres")
+
+
+@dataclass
+@dataclass
+class Table:
+    """What the assembler holds per table (relation OID) at its current version.
+
+    ``types``, ``adapters``, ``names`` and ``key_flags`` follow the Relation
+    message's column order; ``announced`` is whether this assembler's windows
+    carried the schema already (see the assembler's module docstring).
+    Owned by one assembler (not thread-safe).
+    """
+
+    schema: TableSchema
+    encoder: RowEncoder
+    types: tuple[ColumnType, ...]
+    adapters: tuple[Callable[[Any], Any] | None, ...]
+    names: tuple[str, ...]
+    key_flags: tuple[bool, ...]
+    transcoder: Transcoder
+    announced: bool = False
+    #: the column policy's rule per column (None: the table has no policy)
+    rules: tuple[ColumnRule | None, ...] | None = None
+    #: the not-sent list of a key-only before-image (non-key, non-excluded columns)
+    key_only_not_sent: tuple[str, ...] = ()
+    #: the columns the column policy excludes (never decoded)
+    excluded: frozenset[str] = frozenset()
+
+
+def choose_key(
+    rel: Relation,
+    name: str,
+    registry: SchemaRegistry,
+    primary_key: Callable[[int], tuple[str, ...] | None] | None,
+    key_positions: Callable[[int], tuple[int, ...] | None] | None,
+) -> tuple[tuple[str, ...], bool]:
+    """The event key of a Relation message's table, and whether its columns are NOT NULL.
+
+    The key is the catalog's primary key, else the replica identity the
+    message flags. Their columns are NOT NULL, except under ``REPLICA
+    IDENTITY FULL`` without a primary key: the table is keyed by all its
+    columns, any of which may be NULL.
+
+    The catalog's primary key is today's, while the message may come from
+    older WAL (a restart, a lagging slot): a key column renamed or added
+    since is not among its columns. Then the key is, in this order: the
+    previous version's (when its columns are all still there); the
+    columns at the key's places (``key_positions``, when the catalog can
+    tell them); the replica identity the message flags, which under
+    ``REPLICA IDENTITY DEFAULT`` is the primary key of that time.
+    """
+    names = {c.name for c in rel.columns}
+    identity = tuple(c.name for c in rel.columns if c.key)
+    full = len(identity) == len(rel.columns)
+    pk = primary_key(rel.oid) if primary_key is not None else None
+    if not pk:
+        return identity, not full
+    if set(pk) <= names:
+        return pk, True
+    try:
+        key = registry.latest(name).key
+    except UnknownSchemaError:
+        key = ()
+    if not key or not set(key) <= names:
+        places = key_positions(rel.oid) if key_positions is not None else None
+        if places and max(places) < len(rel.columns):
+            key = tuple(rel.columns[p].name for p in places)
+        else:
+            key = identity
+    log.warning(
+        "table %s: the primary key %s is not among the columns of a Relation message "
+        "from older WAL (renamed since?); key %s used for that version",
+        name,
+        ",".join(pk),
+        ",".join(key) or "(none)",
+    )
+    return key, key != identity or not full
+
+
+def adapter(avro: Any) -> Callable[[Any], Any] | None:
+    """A converter from decoded values to what fastavro takes, where needed."""
+    if isinstance(avro, dict):
+        if avro.get("changebus.type") == "numeric":
+            return lambda v: pg_numeric_text(v) if isinstance(v, decimal.Decimal) else v
+        if avro.get("type") == "array":
+            items = avro["items"][1] if isinstance(avro["items"], list) else avro["items"]
+            inner = adapter(items)
+            if inner is not None:
+                return lambda v: _deep(v, inner)
+    return None
+
+
+def _deep(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, list):
+        return [_deep(v, fn) for v in value]
+    return None if value is None else fn(value)
+
+
+def apply_rules(
+    names: tuple[str, ...],
+    rules: tuple[ColumnRule | None, ...],
+    row: dict[str, Any],
+    not_sent: list[str],
+) -> None:
+    """The column policy on a decoded row: excluded columns go, the others are
+    hashed or truncated; a value not sent (unchanged TOAST) stays not sent."""
+    for name, rule in zip(names, rules, strict=True):
+        if rule is None:
+            continue
+        if rule.action == "exclude":
+            row.pop(name, None)
+            if name in not_sent:
+                not_sent.remove(name)
+        elif name not in not_sent:
+            row[name] = rule.apply(row.get(name))
+
+
+def refuse_unsupported(
+    table: str, rel: Relation, types: tuple[ColumnType, ...], excluded: frozenset[str]
+) -> None:
+    """A :class:`SourceConfigError` for the first column of a type changebus cannot
+    decode (:attr:`ColumnType.unsupported`) that the column policy does not exclude."""
+    for column, ctype in zip(rel.columns, types, strict=True):
+        if ctype.unsupported is None or column.name in excluded:
+            continue
+        raise SourceConfigError(
+            f"column {table}.{column.name} has type {ctype.formatted}, which changebus cannot "
+            f'capture ({ctype.unsupported}): exclude the column (column_policy."{table}".'
+            f'{column.name} = "exclude"), leave it out of the publication (a column list), '
+            "or change its type"
+        )
+
+
+def depth(value: Any) -> int:
+    """Dimensions of a decoded (non-empty) array: nested lists."""
+    depth = 0
+    while isinstance(value, list) and value:
+        depth += 1
+        value = value[0]
+    return depth
