@@ -28,6 +28,8 @@ DATA_LOSS window the relay appended instead of data:
   and its binlog does not continue the relay's;
 * ``transaction_too_large``: a source transaction over ``max_transaction_bytes``
   (``on_oversized_transaction = "skip"``);
+* ``xa_prepared_before_start``: (MariaDB/MySQL) the XA COMMIT of a transaction
+  prepared before the fetcher's first start (its rows were never read);
 * ``fell_off_upstream``: (a relay following a relay) the upstream evicted
   what this relay had not read yet.
 

@@ -14,11 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base import Fetcher
-from ._assembler import (
-    BinlogAssembler as BinlogAssembler,
-    format_position as format_position,
-    parse_position as parse_position,
-)
+from ._assembler import BinlogAssembler as BinlogAssembler
 from ._config import MySQLConfig as MySQLConfig
 from ._ddl import DdlEffect as DdlEffect, DeclaredTypes as DeclaredTypes
 from ._embedded import EmbeddedMariaDB as EmbeddedMariaDB, find_mariadb_bin as find_mariadb_bin
@@ -32,6 +28,7 @@ from ._layout import (
     compile_transcoder as compile_transcoder,
     layout_from_table_map as layout_from_table_map,
 )
+from ._position import format_position as format_position, parse_position as parse_position
 from ._snapshot import MySQLSnapshot as MySQLSnapshot, consistent_snapshot as consistent_snapshot
 
 

@@ -7,6 +7,14 @@
 * a transaction opens at its GTID event (MariaDB; MySQL also sends
   ``BEGIN``) and ends at its ``XID`` event, at ``COMMIT`` (non-transactional
   engines), or right after its one statement (DDL: standalone GTID);
+* an XA transaction's rows are logged at its ``XA PREPARE`` (a group ending
+  with an XA_PREPARE event): they are kept (:mod:`._xa`) and become a window
+  at its ``XA COMMIT`` (that event group's SCN, GTID and position: commit
+  order), or are dropped at its ``XA ROLLBACK``. While one is pending, every
+  position names the start of the oldest pending prepared group (``xa=``),
+  where a restart must read from; an ``XA COMMIT`` whose prepared half this
+  assembler never read (prepared before the fetcher's first start) becomes a
+  DATA_LOSS window;
 * the SCN is ``binlog file number << 32 | end position of the commit event``
   plus :attr:`BinlogAssembler.scn_base` (0 on the first server a relay
   reads; set after a failover so that SCNs go on increasing: docs/protocol.md
@@ -43,9 +51,8 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from changebus.schemas import (
@@ -68,15 +75,13 @@ from .._base import Window
 from .._policy import ColumnPolicy
 from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
-from ._layout import RowsTranscoder, TableLayout, compile_transcoder, layout_from_table_map
+from ._layout import compile_transcoder, layout_from_table_map
+from ._position import format_position
+from ._txn import MappedTable as _Table, OpenTxn as _Txn, Part as _Part
+from ._workers import transcode_changes
+from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
 
-__all__ = [
-    "BinlogAssembler",
-    "PendingWindow",
-    "format_position",
-    "parse_position",
-    "transcode_changes",
-]
+__all__ = ["BinlogAssembler", "PendingWindow"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
@@ -88,60 +93,6 @@ _EVENT_OVERHEAD = 72
 
 #: MariaDB GTID event flag: a standalone event group (DDL, no XID follows)
 _FL_STANDALONE = 1
-
-
-def format_position(gtid: str, file: str, pos: int, server: int = 0, base: int = 0) -> str:
-    """The ``source_position`` text of a window: ``gtid=D-S-N;file=NAME;pos=P``.
-
-    ``server`` (the ``@@server_id`` whose binlog ``file``/``pos`` are in) adds
-    ``;server=ID`` when non-zero; a non-zero SCN ``base`` adds ``;base=B``
-    (SCN = base + ``file_number << 32 | pos``; docs/protocol.md 5).
-    """
-    text = f"gtid={gtid};file={file};pos={pos}"
-    if server:
-        text += f";server={server}"
-    return f"{text};base={base}" if base else text
-
-
-def parse_position(text: str) -> dict[str, str]:
-    """The fields of a ``source_position`` (empty when it is not a MySQL one)."""
-    out: dict[str, str] = {}
-    for part in text.split(";"):
-        key, sep, value = part.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out if "file" in out and "pos" in out else {}
-
-
-@dataclass
-class _Table:
-    layout: TableLayout
-    encoder: RowEncoder
-    transcode: RowsTranscoder
-    ncols: int
-    announced: bool = False
-
-
-_Part = (
-    tuple[RowEncoder, "list[Any] | Future[list[Any]]"] | tuple[Callable[[int, int], bytes], bool]
-)
-
-
-@dataclass
-class _Txn:
-    gtid: str
-    ts_ns: int
-    standalone: bool
-    #: the window's events, encoded at the commit (SCN and seq known then): row
-    #: changes ``(encoder, changes or a future of them)`` or a control/TRUNCATE event
-    #: ``(fn(scn, seq) -> bytes, is a data event)``
-    events: list[_Part] = field(default_factory=list)
-    #: futures of row changes of an oversized transaction (counted only)
-    dropped: list[Future[list[Any]]] = field(default_factory=list)
-    data_events: int = 0
-    size: int = 0
-    oversized: bool = False
-    announced: list[_Table] = field(default_factory=list)
 
 
 class BinlogAssembler:
@@ -191,6 +142,8 @@ class BinlogAssembler:
         self._cache: dict[tuple[Any, ...], _Table] = {}  # layout bytes + declared -> table
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
         self._txn: _Txn | None = None
+        #: prepared XA transactions waiting for their XA COMMIT / XA ROLLBACK
+        self.prepared = PreparedSet()
         self.row_count = 0
         #: the last window :meth:`commit` returned holds no change (see there)
         self.last_empty = False
@@ -207,8 +160,17 @@ class BinlogAssembler:
         return binlog_to_scn(self._file_number, end_pos) + self.scn_base
 
     def position_at(self, gtid: str, end_pos: int) -> str:
-        """The ``source_position`` of a transaction ending at ``end_pos`` of :attr:`file`."""
-        return format_position(gtid, self.file, end_pos, self.server, self.scn_base)
+        """The ``source_position`` of a transaction ending at ``end_pos`` of :attr:`file`
+        (with the restart point of the oldest pending prepared XA transaction)."""
+        return format_position(
+            gtid, self.file, end_pos, self.server, self.scn_base, self.prepared.restart()
+        )
+
+    def reset(self) -> None:
+        """The stream (re)starts at a transaction boundary where nothing is prepared yet
+        (a restart point: prepared XA halves after it are read again)."""
+        self._txn = None
+        self.prepared.clear()
 
     def captured(self, database: str) -> bool:
         db = database.lower()
@@ -222,9 +184,11 @@ class BinlogAssembler:
 
     # ---- events -----------------------------------------------------------
 
-    def begin(self, gtid: str, timestamp_s: int, flags: int) -> None:
-        """A GTID event: a transaction (or a standalone statement) starts."""
+    def begin(self, gtid: str, timestamp_s: int, flags: int, start_pos: int = 0) -> None:
+        """A GTID event starting at ``start_pos``: a transaction (or a standalone
+        statement) starts."""
         self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
+        self._txn.start = (self.file, start_pos)
 
     def table_map(self, event: Any) -> None:
         if not self.captured(event.schema):
@@ -325,11 +289,22 @@ class BinlogAssembler:
                 elif kept[1]:
                     txn.data_events += 1
             txn.events.clear()
-            for table in txn.announced:
-                table.announced = False
-            txn.announced.clear()
+            self._unannounce(txn)
+
+    def _unannounce(self, txn: _Txn) -> None:
+        """``txn``'s SCHEMA_CHANGE events will not be sent (yet): the next window
+        touching those tables announces them."""
+        for table in txn.announced:
+            fingerprint = table.encoder.table.fingerprint
+            table.announced = False
+            for other in self._cache.values():  # as _announce marked them
+                if other.encoder.table.fingerprint == fingerprint:
+                    other.announced = False
+        txn.announced.clear()
 
     def _announce(self, txn: _Txn, table: _Table) -> None:
+        if not any(t is table for t in txn.touched):
+            txn.touched.append(table)
         if table.announced:
             return
         schema = table.encoder.table
@@ -362,7 +337,9 @@ class BinlogAssembler:
             return None
         if head.startswith("COMMIT"):
             return self.commit(end_pos)
-        if head.startswith(("ROLLBACK", "XA ", "SAVEPOIN")):
+        if head.startswith("XA "):
+            return self._xa_end(text, end_pos)
+        if head.startswith(("ROLLBACK", "SAVEPOIN")):
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
         if _DML.match(text) and self._may_touch_captured(schema or "", text):
@@ -414,6 +391,74 @@ class BinlogAssembler:
         if txn.standalone:
             return self.commit(end_pos)
         return None
+
+    # ---- XA transactions (._xa) ------------------------------------------------
+
+    def xa_prepare(
+        self, key: XaKey, one_phase: bool, end_pos: int
+    ) -> Window | PendingWindow | None:
+        """An XA_PREPARE event ending at ``end_pos``: the open transaction is prepared
+        (kept until its XA COMMIT), or, ``one_phase`` (MySQL's ``XA COMMIT ..
+        ONE PHASE``), committed."""
+        if one_phase:
+            return self.commit(end_pos)
+        txn = self._txn
+        self._txn = None
+        if txn is None:
+            raise SourceConfigError(
+                f"an XA PREPARE of {xid_text(key)} without its transaction (at "
+                f"{self.file}:{end_pos})"
+            )
+        # its SCHEMA_CHANGE events go: windows committed before it must announce
+        # those tables themselves; the commit announces what is still needed then
+        txn.events = [p for p in txn.events if isinstance(p[0], RowEncoder) or p[1]]
+        self._unannounce(txn)
+        self.prepared.add(key, Prepared(txn, txn.gtid, *txn.start))
+        return None
+
+    def _xa_end(self, text: str, end_pos: int) -> Window | PendingWindow | None:
+        """An ``XA`` query ending at ``end_pos``: ``XA COMMIT`` / ``XA ROLLBACK`` end
+        their event group (and deliver or drop the prepared half); others
+        (``XA START``, ``XA END``) are inside a transaction."""
+        parsed = parse_xa_end(text)
+        if parsed is None:
+            if text[:9].upper().startswith(("XA COMMIT", "XA ROLLBA")):
+                raise SourceConfigError(
+                    f"an XA statement at {self.file}:{end_pos} names its transaction in a "
+                    "form the fetcher cannot read; its rows would be lost"
+                )
+            return None
+        kind, key = parsed
+        group = self._txn or _Txn("", 0, True)
+        prepared = self.prepared.pop(key)
+        if kind == "ROLLBACK":
+            self._txn = group  # nothing of it is sent: the group is an empty window
+            return self.commit(end_pos)
+        if prepared is None:
+            # prepared before the stream's start (the fetcher's first start, a seed
+            # position): its rows were never read
+            self._txn = None
+            self.last_empty = False
+            scn = self.scn_at(end_pos)
+            position = self.position_at(group.gtid, end_pos)
+            what = (
+                f"XA transaction {xid_text(key)} was committed at {self.file}:{end_pos} "
+                f"(GTID {group.gtid or 'none'}), but it was prepared before the fetcher's "
+                "start position: its changes, if it made any to captured tables, are missing"
+            )
+            log.error("%s", what)
+            self.losses["xa_prepared_before_start"] += 1
+            return self.control_window(DataLoss(scn, scn, what), scn, position, group.ts_ns)
+        txn = prepared.txn
+        txn.gtid, txn.ts_ns = group.gtid, group.ts_ns or txn.ts_ns
+        if not txn.oversized:  # announce what windows since the prepare did not
+            head = _Txn(txn.gtid, txn.ts_ns, False)
+            for table in txn.touched:
+                self._announce(head, table)
+            txn.events[:0] = head.events
+            txn.announced = head.announced
+        self._txn = txn
+        return self.commit(end_pos)
 
     def _may_touch_captured(self, schema: str, text: str) -> bool:
         """Whether a statement run in ``schema`` may have changed a captured table."""
@@ -538,38 +583,3 @@ class PendingWindow:
 
     def resolve(self) -> Window:
         return self._assembler._close(self._txn, self.scn, self.source_position)
-
-
-#: transcoders in a decode worker process, by the layout's repr (bounded)
-_WORKER_TRANSCODERS: dict[str, RowsTranscoder] = {}
-
-
-def transcode_changes(
-    layout: TableLayout,
-    raw: bytes,
-    op: int,
-    start: int = 0,
-    end: int = -1,
-    transcode: RowsTranscoder | None = None,
-) -> list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]]:
-    """Row changes of one rows event, ready for :meth:`RowEncoder.encode_many_encoded`.
-
-    In the fetcher's thread ``transcode`` is the table's; in a decode worker
-    process it is compiled from ``layout`` on first use and cached.
-    """
-    if transcode is None:
-        key = repr(layout)
-        transcode = _WORKER_TRANSCODERS.get(key)
-        if transcode is None:
-            if len(_WORKER_TRANSCODERS) > 1024:
-                _WORKER_TRANSCODERS.clear()
-            transcode = _WORKER_TRANSCODERS[key] = compile_transcoder(layout)
-    images = transcode(raw, start, len(raw) if end < 0 else end)
-    if op == 1:
-        return [(1, k, r, None, ns or (), ()) for k, r, ns in images]
-    if op == 3:
-        return [(3, k, None, r, (), ns or ()) for k, r, ns in images]
-    return [
-        (2, ak, a, b, ans or (), bns or ())
-        for (_, b, bns), (ak, a, ans) in zip(images[0::2], images[1::2], strict=True)
-    ]

@@ -59,7 +59,8 @@ from ._config import MySQLConfig
 from ._ddl import DeclaredTypes
 from ._distance import read_distance
 from ._setup import set_up
-from ._stream import run, start_workers
+from ._stream import run
+from ._workers import start_workers
 
 __all__ = ["MySQLFetcher"]
 

@@ -41,10 +41,10 @@ from changebus.schemas import (
 )
 
 from .._base import ResumePoint
-from ._assembler import format_position, parse_position
 from ._config import SYSTEM_DATABASES, MySQLConfig
 from ._ddl import DeclaredTypes
 from ._failover import gtid_parts, locate_gtid
+from ._position import format_position, parse_position, parse_restart
 
 __all__ = ["StartPlan", "reason", "set_up"]
 
@@ -110,6 +110,7 @@ def set_up(
             planner = _Planner(config, resume, partition, server)
             start_scn = planner.plan_start(cur, logs, current)
             planner.verify_start(cur)
+            planner.rewind_to_prepared(logs)
             _seed_declared(cur, config, resume, declared)
     except pymysql.err.OperationalError as exc:
         raise SourceError(f"lost the MySQL connection: {reason(exc)}") from None
@@ -271,6 +272,15 @@ class _Planner:
         gtid = pos.get("gtid", "")
         origin = pos.get("server") or "unknown"
         where = f"{pos['file']}:{pos['pos']} of server id {origin}"
+        prepared = parse_restart(pos.get("xa", ""))
+        if prepared is not None:
+            return self._diverged(
+                current,
+                f"an XA transaction prepared before the relay's last window (prepared event "
+                f"group GTID {prepared[0] or 'unknown'} at {prepared[1]}:{prepared[2]} of "
+                f"server id {origin}) was not committed yet; its rows cannot be found by "
+                "GTID on another server",
+            )
         if not gtid:
             return self._diverged(
                 current,
@@ -345,6 +355,33 @@ class _Planner:
             "divergent_server",
         )
         return resume.scn
+
+    def rewind_to_prepared(self, logs: list[str]) -> None:
+        """Start at the oldest XA transaction prepared before the relay's last window and
+        not committed then (its ``xa`` field, :mod:`._xa`): its rows are only there. The
+        windows read again up to the last one are dropped by SCN."""
+        pos = parse_position(self.resume.source_position) if self.resume.scn >= 0 else {}
+        prepared = parse_restart(pos.get("xa", ""))
+        if prepared is None or self.data_loss is not None or self._other_server(pos):
+            return
+        gtid, file, offset = prepared
+        if file not in logs:
+            raise SourceConfigError(
+                f"binlog file {file} was purged, and it holds the rows of an XA transaction "
+                f"(GTID {gtid or 'unknown'}, prepared at {file}:{offset}) not committed "
+                "before the relay's last window: its changes cannot be delivered. Keep "
+                "binlogs until prepared XA transactions end (XA RECOVER lists them); reseed "
+                "the tables it changed and restart the relay from an empty buffer"
+            )
+        log.info(
+            "partition %s: an XA transaction prepared at %s:%d (GTID %s) is not committed "
+            "yet: reading from there",
+            self.name,
+            file,
+            offset,
+            gtid,
+        )
+        self.start = (file, offset)
 
     def verify_start(self, cur: Any) -> None:
         """Refuse a resume position that this server's binlog does not hold.

@@ -18,7 +18,7 @@ disabled: the connection factory handed to it refuses a second stream
 connection.
 
 Decode workers (``decode_workers`` > 0): row events are transcoded in
-spawned processes (:func:`start_workers`) while the stream reads on;
+spawned processes (:func:`._workers.start_workers`) while the stream reads on;
 committed windows wait in commit order for their rows, and one resolver
 thread hands them on (it is then the only thread that emits).
 
@@ -30,24 +30,23 @@ what it shares with the event loop is described on
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from changebus.schemas import DataLoss, Op, SchemaRegistry, SourceConfigError, SourceError
 
 from .._base import Window
-from ._assembler import BinlogAssembler, PendingWindow, parse_position
+from ._assembler import BinlogAssembler, PendingWindow
+from ._position import parse_position, resume_point
 from ._setup import reason
 
 if TYPE_CHECKING:
     from ._fetcher import MySQLFetcher
 
-__all__ = ["run", "start_workers"]
+__all__ = ["run"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
@@ -133,6 +132,7 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
         MariadbGtidEvent,
         QueryEvent,
         RotateEvent,
+        XAPrepareEvent,
         XidEvent,
     )
     from pymysqlreplication.row_event import (
@@ -184,6 +184,7 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
             UpdateRowsEvent,
             DeleteRowsEvent,
             XidEvent,
+            XAPrepareEvent,
             HeartbeatLogEvent,
         ],
         pymysql_wrapper=connect,
@@ -204,6 +205,7 @@ def _stream(
         MariadbGtidEvent,
         QueryEvent,
         RotateEvent,
+        XAPrepareEvent,
         XidEvent,
     )
     from pymysqlreplication.row_event import (
@@ -220,9 +222,9 @@ def _stream(
 
     def hand_on(window: Window, empty: bool) -> None:
         nonlocal last_emit
-        # where a reconnect resumes: after the last window handed on (or skipped)
-        pos = parse_position(window.source_position)
-        fetcher._start = (pos["file"], int(pos["pos"]))
+        # where a reconnect resumes: after the last window handed on (or skipped), or
+        # at the oldest XA transaction prepared before it and not committed yet
+        fetcher._start = resume_point(parse_position(window.source_position))
         if window.scn <= fetcher._last_scn:
             return  # the relay holds it already
         if empty and time.monotonic() - last_emit < cfg.idle_window_interval_s:
@@ -275,7 +277,7 @@ def _stream(
                     return
 
     reader = _open_reader(fetcher)
-    assembler._txn = None  # a reconnect starts at a transaction boundary
+    assembler.reset()  # a reconnect starts at a transaction boundary
     try:
         while not stopping.is_set():
             if failed:
@@ -291,13 +293,18 @@ def _stream(
             elif cls is TableMapEvent:
                 assembler.table_map(event)
             elif cls is MariadbGtidEvent:
-                assembler.begin(event.gtid, event.timestamp, event.flags)
+                start = event.packet.log_pos - event.packet.event_size
+                assembler.begin(event.gtid, event.timestamp, event.flags, start)
             elif cls is XidEvent:
                 window = assembler.commit(event.packet.log_pos)
             elif cls is QueryEvent:
                 window = assembler.query(event, event.packet.log_pos)
             elif cls is GtidEvent:  # MySQL: a BEGIN query follows
-                assembler.begin(event.gtid, event.timestamp, 0)
+                start = event.packet.log_pos - event.packet.event_size
+                assembler.begin(event.gtid, event.timestamp, 0, start)
+            elif cls is XAPrepareEvent:
+                key = (event.xid_format_id, event.xid_gtrid, event.xid_bqual)
+                window = assembler.xa_prepare(key, event.one_phase, event.packet.log_pos)
             elif cls is RotateEvent:
                 assembler.rotate(event.next_binlog)
             elif cls is HeartbeatLogEvent:
@@ -322,23 +329,3 @@ def _stream(
             resolver.join()
     if failed:
         raise failed[0]
-
-
-def start_workers(workers: int, name: str) -> ProcessPoolExecutor:
-    """Decode worker processes (spawned: the relay has threads), started and warmed up
-    here so that their start-up (imports) is not in the stream's way."""
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        for future in [pool.submit(_warm_up) for _ in range(workers)]:
-            future.result(timeout=120)
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    log.info("partition %s: %d decode worker processes", name, workers)
-    return pool
-
-
-def _warm_up() -> int:
-    from . import _assembler
-
-    return len(_assembler.__all__)

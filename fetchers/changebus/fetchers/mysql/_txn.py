@@ -1,0 +1,57 @@
+"""The state of the assembler (:mod:`._assembler`): mapped tables, open transactions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from changebus.schemas import RowEncoder
+
+from ._layout import RowsTranscoder, TableLayout
+
+__all__ = ["MappedTable", "OpenTxn", "Part"]
+
+
+@dataclass
+class MappedTable:
+    """A captured table as mapped by a TABLE_MAP event: its layout, encoder, compiled
+    transcoder, column count, and whether its schema version was announced (a
+    SCHEMA_CHANGE event in a window sent, or known by the relay)."""
+
+    layout: TableLayout
+    encoder: RowEncoder
+    transcode: RowsTranscoder
+    ncols: int
+    announced: bool = False
+
+
+#: one event of an open transaction (see :attr:`OpenTxn.events`)
+Part = tuple[RowEncoder, "list[Any] | Future[list[Any]]"] | tuple[Callable[[int, int], bytes], bool]
+
+
+@dataclass
+class OpenTxn:
+    """A transaction being assembled, from its GTID event to its commit (or, for
+    an XA transaction, kept prepared until its XA COMMIT: :mod:`._xa`)."""
+
+    gtid: str
+    ts_ns: int
+    standalone: bool
+    #: the window's events, encoded at the commit (SCN and seq known then): row
+    #: changes ``(encoder, changes or a future of them)`` or a control/TRUNCATE event
+    #: ``(fn(scn, seq) -> bytes, is a data event)``
+    events: list[Part] = field(default_factory=list)
+    #: futures of row changes of an oversized transaction (counted only)
+    dropped: list[Future[list[Any]]] = field(default_factory=list)
+    data_events: int = 0
+    size: int = 0
+    oversized: bool = False
+    #: tables whose SCHEMA_CHANGE is in :attr:`events`
+    announced: list[MappedTable] = field(default_factory=list)
+    #: every table with events in this transaction, in first-touch order (an XA
+    #: transaction's announcements are made again at its commit)
+    touched: list[MappedTable] = field(default_factory=list)
+    #: binlog file and position where the transaction's event group starts
+    start: tuple[str, int] = ("", 0)

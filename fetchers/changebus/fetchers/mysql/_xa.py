@@ -1,0 +1,131 @@
+"""XA transactions in the binlog: prepared halves kept until their XA COMMIT.
+
+How the server logs ``XA START x; ...; XA END x; XA PREPARE x; ... XA COMMIT x``
+(MariaDB 10.5+, MySQL 5.7+), checked against MariaDB by the tests:
+
+* at ``XA PREPARE``: an event group of its own (a GTID event, MySQL also an
+  ``XA START`` query, the rows, an ``XA END`` query) that ends with an
+  XA_PREPARE event (``one_phase`` false), not with an XID event;
+* at ``XA COMMIT`` / ``XA ROLLBACK``, possibly much later and after other
+  transactions: one more event group, a GTID event and the query
+  ``XA COMMIT X'67747269',X'6271',1`` (gtrid, bqual, format id);
+* ``XA COMMIT x ONE PHASE``: MariaDB logs a plain transaction (XID event);
+  MySQL ends the group with an XA_PREPARE event whose ``one_phase`` is true.
+
+The assembler keeps each prepared half in a :class:`PreparedSet`, keyed by
+its :data:`XaKey`, and delivers its rows as one window at the ``XA COMMIT``
+(the SCN and position of the commit's event group: commit order) or drops
+them at the ``XA ROLLBACK``.
+
+Restarts: rows of a prepared transaction are only in its prepared group, so
+a restart must read it again. While any prepared transaction is pending,
+every window's ``source_position`` carries ``xa=GTID@FILE:POS``, the start of
+the oldest pending prepared group (:func:`._position.format_restart`); the
+fetcher (re)starts reading there instead of at the window's end
+(:func:`._position.resume_point`). The transactions in between are read again and their
+windows dropped (their SCNs are at or below the relay's last one); their
+prepared halves are kept again. Another server after a failover holds that
+group at other positions: that case is refused (``docs/mysql.md``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ._position import format_restart
+
+__all__ = ["Prepared", "PreparedSet", "XaKey", "parse_xa_end", "xid_text"]
+
+#: an XA transaction's id: ``(format id, gtrid, bqual)``
+XaKey = tuple[int, bytes, bytes]
+
+#: ``XA COMMIT|ROLLBACK X'hex'[,X'hex'[,format]]`` as the server logs it (also quoted text)
+_XA_END: Final = re.compile(
+    r"\s*XA\s+(COMMIT|ROLLBACK)\s+"
+    r"(?:X'(?P<g>[0-9A-F]*)'|'(?P<gs>(?:[^']|'')*)')"
+    r"(?:\s*,\s*(?:X'(?P<b>[0-9A-F]*)'|'(?P<bs>(?:[^']|'')*)')"
+    r"(?:\s*,\s*(?P<f>\d+))?)?\s*;?\s*$",
+    re.I,
+)
+
+
+def parse_xa_end(text: str) -> tuple[str, XaKey] | None:
+    """``("COMMIT" | "ROLLBACK", key)`` of an ``XA COMMIT`` / ``XA ROLLBACK`` query; None
+    for any other text (``ONE PHASE`` is not logged as such a query)."""
+    m = _XA_END.match(text)
+    if m is None:
+        return None
+
+    def part(hex_name: str, text_name: str) -> bytes:
+        if m.group(hex_name) is not None:
+            return bytes.fromhex(m.group(hex_name))
+        quoted = m.group(text_name)
+        return b"" if quoted is None else quoted.replace("''", "'").encode()
+
+    fmt = int(m.group("f")) if m.group("f") is not None else 1
+    return m.group(1).upper(), (fmt, part("g", "gs"), part("b", "bs"))
+
+
+def xid_text(key: XaKey) -> str:
+    """An XA id for messages, as it would be written in SQL (``'x1'`` or hex)."""
+    fmt, gtrid, bqual = key
+
+    def lit(raw: bytes) -> str:
+        try:
+            text = raw.decode("ascii")
+        except UnicodeDecodeError:
+            return f"X'{raw.hex()}'"
+        if text.isprintable() and "'" not in text:
+            return f"'{text}'"
+        return f"X'{raw.hex()}'"
+
+    out = lit(gtrid)
+    if bqual or fmt != 1:
+        out += f",{lit(bqual)}"
+    if fmt != 1:
+        out += f",{fmt}"
+    return out
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A prepared XA transaction's half: the assembler's open transaction (its rows,
+    no schema announcement: those are made again at the commit), the GTID of its
+    prepared group and where that group starts (file, position)."""
+
+    txn: Any
+    gtid: str
+    file: str
+    pos: int
+
+
+class PreparedSet:
+    """The prepared XA transactions not committed or rolled back yet, in prepare order.
+
+    Invariant: :meth:`restart` names the oldest of them (dicts keep insertion
+    order; a key prepared again, after a re-read, moves to the end only if it
+    was removed first -- a re-read starts with :meth:`clear`).
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[XaKey, Prepared] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, key: XaKey, prepared: Prepared) -> None:
+        self._by_key[key] = prepared
+
+    def pop(self, key: XaKey) -> Prepared | None:
+        return self._by_key.pop(key, None)
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+    def restart(self) -> str:
+        """The ``xa`` field of positions now ('' when nothing is pending)."""
+        for p in self._by_key.values():
+            return format_restart(p.gtid, p.file, p.pos)
+        return ""
