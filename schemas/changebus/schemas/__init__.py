@@ -88,6 +88,8 @@ from ._table import (
     field_name as field_name,
 )
 from ._types_mysql import (
+    MYSQL_ZERO_DATE_KEY as MYSQL_ZERO_DATE_KEY,
+    MYSQL_ZERO_DATETIME_KEY as MYSQL_ZERO_DATETIME_KEY,
     mysql_avro_type as mysql_avro_type,
     mysql_bit as mysql_bit,
     mysql_boolean as mysql_boolean,
@@ -97,6 +99,7 @@ from ._types_mysql import (
     mysql_timestamp as mysql_timestamp,
     mysql_unsigned_bigint as mysql_unsigned_bigint,
     mysql_uuid as mysql_uuid,
+    mysql_zero_date_key as mysql_zero_date_key,
 )
 from ._types_pg import (
     INTERVAL_SCHEMA as INTERVAL_SCHEMA,
@@ -160,6 +163,8 @@ __all__ = [
     "MAX_BUCKETS",
     "MAX_EVENT_SIZE",
     "MAX_SCN",
+    "MYSQL_ZERO_DATETIME_KEY",
+    "MYSQL_ZERO_DATE_KEY",
     "NO_SCN",
     "UNATTACHED",
     "VERSION",
@@ -248,6 +253,7 @@ __all__ = [
     "mysql_timestamp",
     "mysql_unsigned_bigint",
     "mysql_uuid",
+    "mysql_zero_date_key",
     "parse_scn",
     "parse_small",
     "parse_stream",

@@ -231,6 +231,36 @@ def mysql_uuid(value: bytes | str | uuid.UUID) -> str:
     return str(uuid.UUID(value))
 
 
+#: a zero DATE (``0000-00-00``, ``2024-05-00``) in a key column has the key value
+#: ``MYSQL_ZERO_DATE_KEY + (year << 9 | month << 5 | day)``: below every real date
+#: (the earliest, ``0000-01-01``, is day -719528), one value per zero date
+MYSQL_ZERO_DATE_KEY: Final = -(1 << 31)
+#: a zero DATETIME / TIMESTAMP in a key column: ``MYSQL_ZERO_DATETIME_KEY + (packed
+#: << 20 | microseconds)``, ``packed = ((year * 13 + month) << 5 | day) << 17 | hour <<
+#: 12 | minute << 6 | second`` (the binlog's DATETIME2 form): below every real one
+MYSQL_ZERO_DATETIME_KEY: Final = -(1 << 62)
+
+_ZERO_DATE: Final = re.compile(
+    r"(\d{1,4})-(\d{1,2})-(\d{1,2})(?:[ T](\d{1,2}):(\d{1,2}):(\d{1,2})(?:\.(\d{1,6}))?)?"
+)
+
+
+def mysql_zero_date_key(text: str, *, with_time: bool) -> int:
+    """The key value of a zero date given as text (``2024-05-00``, ``0000-00-00
+    00:00:00.5``): see :data:`MYSQL_ZERO_DATE_KEY` (``with_time`` false: a DATE) and
+    :data:`MYSQL_ZERO_DATETIME_KEY`."""
+    m = _ZERO_DATE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a MySQL date: {text!r}")
+    year, month, day = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    if not with_time:
+        return MYSQL_ZERO_DATE_KEY + (year << 9 | month << 5 | day)
+    hour, minute, second = (int(m.group(g) or 0) for g in (4, 5, 6))
+    micros = int((m.group(7) or "").ljust(6, "0"))
+    packed = ((year * 13 + month) << 5 | day) << 17 | hour << 12 | minute << 6 | second
+    return MYSQL_ZERO_DATETIME_KEY + (packed << 20 | micros)
+
+
 def mysql_time_micros(value: datetime.timedelta) -> int:
     """A TIME value (a possibly negative timedelta) in microseconds."""
     return (value.days * 86400 + value.seconds) * 1_000_000 + value.microseconds

@@ -19,7 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from changebus.schemas import AvroType, SourceConfigError
+from changebus.schemas import (
+    MYSQL_ZERO_DATE_KEY,
+    MYSQL_ZERO_DATETIME_KEY,
+    AvroType,
+    SourceConfigError,
+)
 
 from .._policy import ColumnRule
 from ._codecs import ENCODERS, HELPERS, decimal_expr, decimal_size, row_loop_head
@@ -149,6 +154,25 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
     return [*code, f"@e = None if @v is None else {enc}"]
 
 
+def _zero_key_code(c: ColumnLayout) -> str:
+    """An expression for the key bytes of a zero date in key column ``c``, just read
+    (``pos`` is past it): :data:`MYSQL_ZERO_DATE_KEY` / :data:`MYSQL_ZERO_DATETIME_KEY`
+    plus the packed value, distinct per zero date and from every real date."""
+    t = c.binlog_type
+    if t == T_DATE:
+        return f"_long({MYSQL_ZERO_DATE_KEY} + _from(buf[pos - 3:pos], 'little'))"
+    fsp = c.m("fsp")
+    if t == T_DATETIME2:
+        at = f"pos - {5 + (fsp + 1) // 2}"
+        frac = f" | {_frac_expr(fsp, f'{at} + 5')}" if fsp else ""
+        packed = f"(_from(buf[{at}:{at} + 5], 'big') - 0x8000000000) << 20{frac}"
+        return f"_long({MYSQL_ZERO_DATETIME_KEY} + ({packed}))"
+    # TIMESTAMP2: zero seconds since the epoch (the zero date), the fraction as read
+    at = f"pos - {4 + (fsp + 1) // 2}"
+    frac = f" + {_frac_expr(fsp, f'{at} + 4')}" if fsp else ""
+    return f"_long({MYSQL_ZERO_DATETIME_KEY}{frac})"
+
+
 #: value encoders and their forms with the union's value branch in front
 _WITH_BRANCH: Final = (
     ("@e = None if @v is None else _long(@v)", "@e = None if @v is None else _plong(@v)"),
@@ -246,6 +270,8 @@ def compile_transcoder(layout: TableLayout) -> RowsTranscoder:
             lines.append(f"{pad}if e{i} is None:")
             lines.append(f"{pad}    e{i} = b'\\x00'")
             lines.append(f"{pad}    ns = (ns or []) + [_name{i}]")
+            if i in key:  # the key needs a value: one no real date has
+                lines.append(f"{pad}    k{i} = {_zero_key_code(c)}")
             if present:
                 continue
             lines.append(f"{pad}else:")
