@@ -37,7 +37,10 @@
   statement (it can hold passwords).
 
 Large transactions: with ``max_window_bytes`` set, a transaction whose events
-pass it stops being kept; at its end ``on_oversized="fail"`` raises a
+pass it stops being kept (its rows are only counted from then on, in this
+thread: no decode worker future of it is kept but those already submitted,
+until they finish), so it holds about ``max_window_bytes`` at most; at its
+end ``on_oversized="fail"`` raises a
 :class:`~changebus.schemas.SourceConfigError` and ``"skip"`` returns a window
 with one DATA_LOSS event instead.
 
@@ -77,7 +80,7 @@ from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
-from ._txn import MappedTable as _Table, OpenTxn as _Txn, Part as _Part
+from ._txn import MappedTable as _Table, OpenTxn as _Txn, Part as _Part, PendingWindow
 from ._workers import transcode_changes
 from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
 
@@ -249,6 +252,19 @@ class BinlogAssembler:
                 f"a rows event of {table.layout.name} lacks columns: set binlog_row_image = FULL "
                 "on the server"
             )
+        if int(op) == 2 and int.from_bytes(event.columns_present_bitmap2, "little") != full:
+            raise SourceConfigError(
+                f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
+                "FULL on the server"
+            )
+        if txn.oversized:
+            # only counted from now on, here: nothing of it is kept (a worker's future
+            # would hold its rows until the commit)
+            n = len(transcode_changes(table.layout, raw, int(op), start, end, table.transcode))
+            txn.data_events += n
+            self.row_count += n
+            self._count_done(txn)
+            return
         changes: list[Any] | Future[list[Any]]
         if self._pool is not None:
             changes = self._pool.submit(transcode_changes, table.layout, raw[start:end], int(op))
@@ -258,18 +274,6 @@ class BinlogAssembler:
             size = len(changes) * _EVENT_OVERHEAD + sum(
                 len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
             )
-        if int(op) == 2 and int.from_bytes(event.columns_present_bitmap2, "little") != full:
-            raise SourceConfigError(
-                f"an update of {table.layout.name} lacks columns: set binlog_row_image = "
-                "FULL on the server"
-            )
-        if txn.oversized:
-            if isinstance(changes, Future):
-                txn.dropped.append(changes)
-            else:
-                txn.data_events += len(changes)
-                self.row_count += len(changes)
-            return
         self._announce(txn, table)
         self._add(txn, (table.encoder, changes), size)
 
@@ -290,6 +294,27 @@ class BinlogAssembler:
                     txn.data_events += 1
             txn.events.clear()
             self._unannounce(txn)
+            self._count_done(txn)
+
+    def _count_done(self, txn: _Txn) -> None:
+        """Count the rows of an oversized transaction's finished worker futures and let
+        them go: only those submitted before it passed the limit (a bounded number) are
+        kept, until they finish."""
+        pending: list[Future[list[Any]]] = []
+        for future in txn.dropped:
+            if future.done():
+                n = len(future.result())
+                txn.data_events += n
+                self.row_count += n
+            else:
+                pending.append(future)
+        txn.dropped = pending
+
+    @property
+    def held_parts(self) -> int:
+        """Events and worker futures the open transaction holds (a memory bound's gauge)."""
+        txn = self._txn
+        return 0 if txn is None else len(txn.events) + len(txn.dropped)
 
     def _unannounce(self, txn: _Txn) -> None:
         """``txn``'s SCHEMA_CHANGE events will not be sent (yet): the next window
@@ -562,24 +587,3 @@ class BinlogAssembler:
         parts.append(end)
         sizes.append(len(end))
         return Window(scn, ts, b"".join(parts), seq + 1, position, tuple(sizes))
-
-
-class PendingWindow:
-    """A committed transaction whose rows decode workers are still transcoding.
-
-    :meth:`ready` does not block; :meth:`resolve` waits for the workers and
-    encodes the window (call it in commit order, from the assembler's thread).
-    """
-
-    def __init__(self, assembler: BinlogAssembler, txn: _Txn, scn: int, position: str) -> None:
-        self._assembler = assembler
-        self._txn = txn
-        self.scn = scn
-        self.source_position = position
-
-    def ready(self) -> bool:
-        futures = [p[1] for p in self._txn.events if isinstance(p[1], Future)]
-        return all(f.done() for f in (*futures, *self._txn.dropped))
-
-    def resolve(self) -> Window:
-        return self._assembler._close(self._txn, self.scn, self.source_position)

@@ -1,17 +1,22 @@
-"""The state of the assembler (:mod:`._assembler`): mapped tables, open transactions."""
+"""The state of the assembler (:mod:`._assembler`): mapped tables, open transactions,
+committed ones waiting for their decode workers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from changebus.schemas import RowEncoder
 
+from .._base import Window
 from ._layout import RowsTranscoder, TableLayout
 
-__all__ = ["MappedTable", "OpenTxn", "Part"]
+if TYPE_CHECKING:
+    from ._assembler import BinlogAssembler
+
+__all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow"]
 
 
 @dataclass
@@ -43,7 +48,9 @@ class OpenTxn:
     #: changes ``(encoder, changes or a future of them)`` or a control/TRUNCATE event
     #: ``(fn(scn, seq) -> bytes, is a data event)``
     events: list[Part] = field(default_factory=list)
-    #: futures of row changes of an oversized transaction (counted only)
+    #: worker futures of row changes of an oversized transaction, counted (and let go)
+    #: as they finish; none is added once it is oversized (the assembler counts in its
+    #: own thread then): at most those submitted before it passed the limit
     dropped: list[Future[list[Any]]] = field(default_factory=list)
     data_events: int = 0
     size: int = 0
@@ -55,3 +62,24 @@ class OpenTxn:
     touched: list[MappedTable] = field(default_factory=list)
     #: binlog file and position where the transaction's event group starts
     start: tuple[str, int] = ("", 0)
+
+
+class PendingWindow:
+    """A committed transaction whose rows decode workers are still transcoding.
+
+    :meth:`ready` does not block; :meth:`resolve` waits for the workers and
+    encodes the window (call it in commit order, from the assembler's thread).
+    """
+
+    def __init__(self, assembler: BinlogAssembler, txn: OpenTxn, scn: int, position: str) -> None:
+        self._assembler = assembler
+        self._txn = txn
+        self.scn = scn
+        self.source_position = position
+
+    def ready(self) -> bool:
+        futures = [p[1] for p in self._txn.events if isinstance(p[1], Future)]
+        return all(f.done() for f in (*futures, *self._txn.dropped))
+
+    def resolve(self) -> Window:
+        return self._assembler._close(self._txn, self.scn, self.source_position)
