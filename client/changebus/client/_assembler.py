@@ -38,13 +38,14 @@ import numpy.typing as npt
 from changebus.schemas import (
     CorruptEventError,
     Op,
+    ProtocolError,
     headers_at,
     parse_small,
     parse_stream,
     scan_offsets,
 )
 
-__all__ = ["EventSplitter", "RawWindow", "WindowAssembler"]
+__all__ = ["DEFAULT_MAX_WINDOW_BYTES", "EventSplitter", "RawWindow", "WindowAssembler", "too_large"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
 #: one header field of a response's events: a list, or a numpy column
@@ -87,11 +88,30 @@ class RawWindow:
         return len(self.body)
 
 
-class EventSplitter:
-    """Splits a byte stream into whole events (see the module docstring)."""
+#: the default bound on an answer, window or event a client holds (``max_window_bytes``)
+DEFAULT_MAX_WINDOW_BYTES: Final = 512 << 20
 
-    def __init__(self) -> None:
+
+def too_large(what: str, limit: int) -> ProtocolError:
+    """The error of an answer, window or event past ``max_window_bytes``."""
+    return ProtocolError(
+        f"{what} is larger than max_window_bytes ({limit} bytes): a server sending "
+        "that much is refused rather than held in memory; raise max_window_bytes "
+        "for larger transactions"
+    )
+
+
+class EventSplitter:
+    """Splits a byte stream into whole events (see the module docstring).
+
+    ``max_event_bytes`` (0: no bound) bounds the partial event it holds: an
+    event declaring more raises a non-retriable :class:`ProtocolError`
+    before its bytes are gathered.
+    """
+
+    def __init__(self, max_event_bytes: int = 0) -> None:
         self._buf = bytearray()
+        self._limit = max_event_bytes
 
     @property
     def leftover(self) -> int:
@@ -118,6 +138,7 @@ class EventSplitter:
         except CorruptEventError as exc:
             raise _damaged(exc) from exc
         if offsets.size == 0:
+            self._check_partial(data, 0)
             if data is chunk:
                 self._buf = bytearray(chunk)
             return b"", offsets
@@ -125,9 +146,17 @@ class EventSplitter:
         end = last + int.from_bytes(data[last + 4 : last + 8], "little")
         if end == len(data) and data is chunk:
             return chunk, offsets  # the common case: the chunk ends at an event's end
+        self._check_partial(data, end)
         out = bytes(memoryview(data)[:end])
         self._buf = bytearray(memoryview(data)[end:])
         return out, offsets
+
+    def _check_partial(self, data: bytes | bytearray, start: int) -> None:
+        """Refuse a partial event at ``start`` declaring more than the bound."""
+        if self._limit and len(data) >= start + 8:
+            total = int.from_bytes(data[start + 4 : start + 8], "little")
+            if total > self._limit:
+                raise too_large(f"an event of {total} bytes", self._limit)
 
     def reset(self) -> None:
         self._buf.clear()
@@ -136,8 +165,11 @@ class EventSplitter:
 class WindowAssembler:
     """Validates events and groups them into windows (see the module docstring)."""
 
-    def __init__(self, last_scn: int = -1) -> None:
+    def __init__(self, last_scn: int = -1, max_window_bytes: int = 0) -> None:
         self.last_scn = last_scn
+        #: the bound on an unfinished window's bytes (0: none; see :func:`too_large`)
+        self.max_window_bytes = max_window_bytes
+        self._pending_bytes = 0
         self._pending: list[bytes] = []
         self._pending_scn = -1
         self._pending_seq = -1
@@ -150,6 +182,7 @@ class WindowAssembler:
     def reset(self, last_scn: int | None = None) -> None:
         """Drop the unfinished window (and optionally move ``last_scn``)."""
         self._pending.clear()
+        self._pending_bytes = 0
         self._pending_scn = -1
         self._pending_seq = -1
         if last_scn is not None:
@@ -274,6 +307,9 @@ class WindowAssembler:
                 self._pending_scn = -1
                 self._pending_seq = -1
             else:
+                self._pending_bytes += hi - lo
+                if self.max_window_bytes and self._pending_bytes > self.max_window_bytes:
+                    raise too_large(f"window {scn}", self.max_window_bytes)
                 self._pending.append(data[lo:hi])
                 self._pending_seq = int(seqs[end])
                 if closed:

@@ -63,7 +63,7 @@ from ._backoff import Backoff
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._failover import Failover
-from ._http import RestartBootstrap, response_error, safe_url, transport_errors
+from ._http import RestartBootstrap, read_body, response_error, safe_url, transport_errors
 from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
 from ._model import ChangeOp, Window
 from ._queue import WindowSink
@@ -285,7 +285,7 @@ class Bootstrapper:
         self.phase = "catchup"
         target = self.target_scn = prog.target_scn
         source = self._schemas(url)
-        assembler = WindowAssembler(after)
+        assembler = WindowAssembler(after, self.config.max_window_bytes)
         last_ts = 0
         online = False
         while after < target:
@@ -387,5 +387,5 @@ class Bootstrapper:
                         "catchup" if what == "catchup" else "bootstrap"
                     )
                     raise await response_error(resp, where, kind=kind)
-                body = await resp.read()
+                body = await read_body(resp, self.config.max_window_bytes, where)
                 return body, resp.headers  # (case-insensitive: proxies lower-case names)

@@ -24,6 +24,8 @@ from changebus.schemas import (
 )
 from changebus.schemas.security import ClientAuth
 
+from ._assembler import DEFAULT_MAX_WINDOW_BYTES
+
 __all__ = ["ConsumerConfig"]
 
 
@@ -65,7 +67,11 @@ class ConsumerConfig:
     windows as they commit (otherwise long-poll requests); ``wait_s`` is how
     long the relay holds a request (or an idle follow response) with nothing
     new; ``max_bytes`` bounds one response or push and ``follow_bytes`` one
-    follow response. A connection silent for ``wait_s + read_margin_s``
+    follow response. ``max_window_bytes`` bounds what the consumer holds of
+    one answer, window, event or bootstrap page: a server sending more (a
+    broken or hostile one) stops the consumer with a non-retriable
+    :class:`~changebus.schemas.ProtocolError` instead of growing its memory;
+    raise it for transactions larger than 512 MiB. A connection silent for ``wait_s + read_margin_s``
     counts as broken. ``until_scn`` makes a bounded read: once a relay window
     at or past that SCN is queued the consumer fetches nothing more, and the
     iterator ends after yielding it (a Spark task reading an SCN range).
@@ -136,6 +142,7 @@ class ConsumerConfig:
     wait_s: float = 10.0
     max_bytes: int = 1 << 20
     follow_bytes: int = 64 << 20
+    max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES
     until_scn: int | None = None
     queue_windows: int = 256
     queue_bytes: int = 16 << 20
@@ -242,6 +249,7 @@ class ConsumerConfig:
             "queue_windows",
             "queue_bytes",
             "bootstrap_page_bytes",
+            "max_window_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

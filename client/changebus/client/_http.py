@@ -59,6 +59,7 @@ from changebus.schemas import (
 from changebus.schemas.config import scrub_exception
 from changebus.schemas.security import ClientAuth
 
+from ._assembler import too_large
 from ._errors import FellOffRelayError
 
 __all__ = [
@@ -165,6 +166,32 @@ async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp
     return aiohttp.ClientSession(connector=connector, headers=headers, **kwargs)
 
 
+#: the most a JSON answer (status, sources, schemas) may hold
+MAX_JSON_BYTES = 64 << 20
+
+
+async def read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> bytes:
+    """The whole body of ``resp``, refused once it passes ``limit`` bytes.
+
+    A server (broken, or hostile) cannot make the client hold more than
+    ``limit``: a declared length past it is refused before a byte is read,
+    an undeclared one as soon as it is passed (a non-retriable
+    :class:`~changebus.schemas.ProtocolError` naming ``where``). A body that
+    ends early raises as :meth:`aiohttp.ClientResponse.read` does.
+    """
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise too_large(f"{where}: an answer of {declared} bytes", limit)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"{where}: an answer", limit)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 async def json_body(resp: aiohttp.ClientResponse, where: str) -> Any:
     """The JSON document ``resp`` carries (read whole; call inside :func:`transport_errors`).
 
@@ -172,7 +199,7 @@ async def json_body(resp: aiohttp.ClientResponse, where: str) -> Any:
     damaged body) raises a retriable :class:`ProtocolError` naming
     ``where``, the status, content type and size, not the body itself.
     """
-    body = await resp.read()
+    body = await read_body(resp, MAX_JSON_BYTES, where)
     try:
         return json.loads(body)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike

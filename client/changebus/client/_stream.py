@@ -73,11 +73,11 @@ from changebus.schemas import (
     TransportError,
 )
 
-from ._assembler import EventSplitter, RawWindow, WindowAssembler
+from ._assembler import DEFAULT_MAX_WINDOW_BYTES, EventSplitter, RawWindow, WindowAssembler
 from ._backoff import Backoff
 from ._config import ConsumerConfig
 from ._failover import Failover
-from ._http import response_error, safe_url, transport_errors
+from ._http import read_body, response_error, safe_url, transport_errors
 
 __all__ = ["RelayStream", "ResponseCheck", "StreamConfig", "StreamSink"]
 
@@ -114,6 +114,7 @@ class StreamConfig:
     wait_s: float = 10.0
     max_bytes: int = 1 << 20
     follow_bytes: int = 64 << 20
+    max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES
     connect_timeout_s: float = 5.0
     read_margin_s: float = 10.0
     backoff_initial_s: float = 0.1
@@ -131,8 +132,10 @@ class StreamConfig:
             raise ConfigError("relays: every relay must be an http:// or https:// URL")
         object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in relays))
         object.__setattr__(self, "sources", tuple(self.sources))
-        if self.max_bytes <= 0 or self.follow_bytes <= 0 or self.max_attempts < 0:
-            raise ConfigError("max_bytes and follow_bytes must be positive, max_attempts >= 0")
+        if min(self.max_bytes, self.follow_bytes, self.max_window_bytes) <= 0:
+            raise ConfigError("max_bytes, follow_bytes and max_window_bytes must be positive")
+        if self.max_attempts < 0:
+            raise ConfigError("max_attempts must be >= 0")
         if min(self.wait_s, self.connect_timeout_s, self.read_margin_s) < 0:
             raise ConfigError("wait_s, connect_timeout_s and read_margin_s must not be negative")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s or self.backoff_multiplier < 1:
@@ -153,6 +156,7 @@ class StreamConfig:
             wait_s=config.wait_s,
             max_bytes=config.max_bytes,
             follow_bytes=config.follow_bytes,
+            max_window_bytes=config.max_window_bytes,
             connect_timeout_s=config.connect_timeout_s,
             read_margin_s=config.read_margin_s,
             backoff_initial_s=config.backoff_initial_s,
@@ -226,7 +230,7 @@ class RelayStream:
         self._position = position
         self._latest = latest
         self._check = check_response
-        self._assembler = WindowAssembler(position)
+        self._assembler = WindowAssembler(position, config.max_window_bytes)
         self._continue: tuple[int, int] | None = None
         #: follow mode asks by long-poll until the window in hand is whole: a follow
         #: response that ended inside a window (``follow_bytes``) without handing one
@@ -409,7 +413,7 @@ class RelayStream:
                     self._whole_window = self.config.follow and self._assembler.in_window
 
     async def _read_follow(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
-        splitter = EventSplitter()
+        splitter = EventSplitter(self.config.max_window_bytes)
         handed = self.windows
         async for chunk in resp.content.iter_any():
             complete, offsets = splitter.split(chunk)
@@ -424,7 +428,8 @@ class RelayStream:
         self._restart_window()
 
     async def _read_whole(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
-        body = await resp.read()  # raises when the body ends early: nothing is used
+        # raises when the body ends early (nothing is used) or passes the bound
+        body = await read_body(resp, self.config.max_window_bytes, url)
         for raw in self._assembler.feed(body):
             await self._hand(raw, url, sink)
         if self._assembler.in_window:

@@ -49,8 +49,9 @@ from changebus.schemas import (
     parse_stream,
 )
 
+from .._assembler import DEFAULT_MAX_WINDOW_BYTES
 from .._errors import FellOffRelayError
-from .._http import response_error
+from .._http import read_body, response_error
 from .._info import RelayInfo
 from ._options import SourceOptions
 from ._relay import _with_relays, planner_params, run_sync, table_schemas
@@ -345,7 +346,7 @@ async def _first_window(
                     raise await response_error(
                         resp, info.where, kind="stream", partition=partition, requested_scn=scn
                     )
-                body = await resp.read()
+                body = await read_body(resp, DEFAULT_MAX_WINDOW_BYTES, info.where)
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
                 next_offset = int(resp.headers["X-Changebus-Next-Offset"])
             if not body:
