@@ -24,7 +24,7 @@ from aiohttp import web
 
 from changebus.schemas import ConfigError
 from changebus.schemas._server_limits import MAX_BACKLOG, listen_backlog
-from changebus.schemas._server_stats import CONNECTION_STATS
+from changebus.schemas._server_stats import CONNECTION_STATS, ConnectionStats
 from changebus.schemas.server import HTTP_METRICS, ConnectionLimits, Server, server_app
 from waiting import wait_until
 
@@ -148,11 +148,49 @@ def test_limits_are_sane_by_default_and_checked() -> None:
         {"keepalive_timeout_s": 0},
         {"header_timeout_s": -1},
         {"max_connections": 0},
-        {"max_connections_per_ip": -1},
+        {"max_connections_per_ip": -2},
         {"write_timeout_s": 0},
     ):
         with pytest.raises(ConfigError):
             ConnectionLimits(**bad)
+
+
+def test_by_default_no_client_address_may_hold_more_than_half_the_slots() -> None:
+    """With no cap configured, one client held every connection slot (review finding).
+
+    The default caps any address at half of ``max_connections``, except
+    loopback: a sidecar proxy or the local tools (and these tests) connect
+    from there, and a cap would cut a whole fleet behind a local proxy.
+    """
+    limits = ConnectionLimits(max_connections=100)
+    assert limits.max_connections_per_ip == -1
+    for ip in ("10.0.0.7", "192.0.2.1", "2001:db8::1", "fe80::1%eth0", "not an address"):
+        assert limits.cap_for(ip) == 50, ip
+    for ip in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1"):
+        assert limits.cap_for(ip) == 0, ip
+    assert ConnectionLimits(max_connections=1).cap_for("10.0.0.7") == 1
+    explicit = ConnectionLimits(max_connections=100, max_connections_per_ip=3)
+    assert explicit.cap_for("127.0.0.1") == explicit.cap_for("10.0.0.7") == 3
+    assert ConnectionLimits(max_connections_per_ip=0).cap_for("10.0.0.7") == 0
+
+
+async def test_the_default_cap_counts_remote_addresses_and_lets_loopback_in() -> None:
+    """The gate itself, fed addresses as the kernel would hand them over."""
+    from changebus.schemas._server_limits import _Gate
+
+    limits = ConnectionLimits(max_connections=8)
+    stats = ConnectionStats("test")
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response()
+
+    gate = _Gate(web.Server(handler), limits, stats, logging.getLogger("t"))
+    assert [gate.admit("10.0.0.7") for _ in range(5)] == [None] * 4 + ["max_connections_per_ip"]
+    assert gate.admit("10.0.0.8") is None and gate.admit("127.0.0.1") is None
+    assert gate.per_ip == {"10.0.0.7": 4, "10.0.0.8": 1}  # loopback is not counted per IP
+    gate.release("10.0.0.7")
+    gate.release("127.0.0.1")
+    assert gate.admit("10.0.0.7") is None and gate.stats.open == 5
 
 
 def test_daemon_http_tables_carry_the_limits() -> None:

@@ -14,7 +14,7 @@ Example::
     host = "127.0.0.1"
     port = 8471
     # keepalive_timeout_s = 75, header_timeout_s = 10, max_connections = 1024,
-    # max_connections_per_ip = 0 (no cap): changebus.schemas.server.ConnectionLimits
+    # max_connections_per_ip = -1 (half of max_connections, loopback exempt): changebus.schemas.server.ConnectionLimits
 
 In a relay cluster (``docs/cluster.md``) a ``[cluster]`` table
 (:class:`changebus.cluster.ClusterConfig`: ``zookeeper``, ``name``,

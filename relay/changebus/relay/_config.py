@@ -8,7 +8,7 @@ Example::
     host = "127.0.0.1"
     port = 8470
     # keepalive_timeout_s = 75, header_timeout_s = 10, max_connections = 1024,
-    # max_connections_per_ip = 0 (no cap): changebus.schemas.server.ConnectionLimits
+    # max_connections_per_ip = -1 (half of max_connections, loopback exempt): changebus.schemas.server.ConnectionLimits
 
     [[partitions]]
     name = "pgmain"

@@ -23,8 +23,9 @@ bounds all of that, and the pieces below apply it:
   connection gets a :class:`_Connection`, a thin protocol in front of
   aiohttp's ``RequestHandler`` that
 
-  - counts the open connections (all, and per client IP when
-    ``max_connections_per_ip`` is set). Beyond a cap the connection is
+  - counts the open connections (all, and per client IP under a per-IP
+    cap: by default half of ``max_connections`` for any address but
+    loopback, so no one client can hold every slot). Beyond a cap the connection is
     *refused*: no ``RequestHandler`` is made; once the request head has
     arrived (or after at most a second) it is answered ``503`` with a JSON
     body (``{"error": "overloaded", ...}``), ``Retry-After`` and
@@ -69,13 +70,12 @@ import sys
 import termios
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web
 
+from ._conn_limits import ConnectionLimits
 from ._server_stats import CONNECTION_STATS, ConnectionStats
-from .errors import ConfigError
 
 __all__ = [
     "CONNECTION_STATS",
@@ -98,39 +98,6 @@ _REFUSE_READ_BYTES: Final = 16 * 1024
 _MAX_PENDING_REFUSALS: Final = 256
 #: at most one warning about refused connections per this many seconds
 _WARN_EVERY_S: Final = 60.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConnectionLimits:
-    """How long and how many connections a daemon's HTTP server keeps (module docstring).
-
-    The daemons' ``[http]`` config tables inherit these fields (same names in
-    the relay and the bootstrap server).
-    """
-
-    #: an idle kept-alive connection is closed after this many seconds
-    keepalive_timeout_s: float = 75.0
-    #: a new connection must send its first request head within this (and TLS handshake)
-    header_timeout_s: float = 10.0
-    #: open connections at most; more are answered 503 and closed
-    max_connections: int = 1024
-    #: open connections from one client IP at most (0: no per-IP cap)
-    max_connections_per_ip: int = 0
-    #: a connection whose client reads nothing of what it is sent for this long is
-    #: dropped (the socket's buffers full: any answer, authenticated or not)
-    write_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.keepalive_timeout_s <= 86400:
-            raise ConfigError("http.keepalive_timeout_s must be within (0, 86400]")
-        if not 0 < self.header_timeout_s <= 3600:
-            raise ConfigError("http.header_timeout_s must be within (0, 3600]")
-        if self.max_connections < 1:
-            raise ConfigError("http.max_connections must be at least 1")
-        if self.max_connections_per_ip < 0:
-            raise ConfigError("http.max_connections_per_ip must not be negative (0: no cap)")
-        if not 0 < self.write_timeout_s <= 86400:
-            raise ConfigError("http.write_timeout_s must be within (0, 86400]")
 
 
 def runner_options(limits: ConnectionLimits) -> dict[str, Any]:
@@ -179,7 +146,7 @@ class _Gate:
     """The protocol factory of a :class:`LimitedSite`: one :class:`_Connection` per accept.
 
     Keeps the counts the caps need: ``open`` (mirrored into the stats),
-    ``per_ip`` (only with a per-IP cap) and the refusals pending.
+    ``per_ip`` (only addresses under a per-IP cap) and the refusals pending.
     """
 
     def __init__(
@@ -212,8 +179,9 @@ class _Gate:
         limits = self.limits
         if self.stats.open >= limits.max_connections:
             return "max_connections"
-        if limits.max_connections_per_ip:
-            if self.per_ip[ip] >= limits.max_connections_per_ip:
+        cap = limits.cap_for(ip)
+        if cap:
+            if self.per_ip[ip] >= cap:
                 return "max_connections_per_ip"
             self.per_ip[ip] += 1
         self.stats.open += 1
@@ -222,7 +190,7 @@ class _Gate:
     def release(self, ip: str) -> None:
         """Count an admitted connection out."""
         self.stats.open -= 1
-        if self.limits.max_connections_per_ip:
+        if self.limits.cap_for(ip):  # (the same answer as at admission)
             left = self.per_ip[ip] - 1
             if left > 0:
                 self.per_ip[ip] = left
