@@ -161,46 +161,52 @@ class PgTable:
         (psycopg merges parameters only when there are some: then a ``%``
         of ``where`` is doubled).
         """
-        keys = [quote(k) for k in self.key]
-        conds: list[str] = []
-        params: list[Any] = []
-        casts = ", ".join(f"%s::{t}" for t in self.key_types)
-        for op, at in ((">", after), ("<=", upto)):
-            if at is None:
-                continue
-            if len(at) != len(keys):
-                raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
-            conds.append(f"({', '.join(keys)}) {op} ({casts})")
-            params.extend(at)
+        conds, params = self._cursor(after, upto)
         if where:
             conds.append(f"({where.replace('%', '%%') if params else where})")
         cond = f" WHERE {' AND '.join(conds)}" if conds else ""
-        texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
         sql = (
-            f"SELECT {self.select}, {texts} FROM {self.name}{cond} "
-            f"ORDER BY {', '.join(keys)} LIMIT {int(limit)}"
+            f"SELECT {self.select}, {self._key_texts()} FROM {self.name}{cond} "
+            f"ORDER BY {self._order} LIMIT {int(limit)}"
         )
         return _binary(sql), params or None
 
     def bound(self, after: list[str] | None, limit: int) -> tuple[str, list[Any]]:
         """The ``limit``-th key after ``after`` (``key::text`` each): a ``where`` chunk reads
         up to it, so it walks at most ``limit`` index entries however few rows match."""
-        keys = [quote(k) for k in self.key]
-        # (aliased: ORDER BY "id" would sort an output column named "id", the text)
-        texts = ", ".join(f"{k}::text AS _cb_k{i}" for i, k in enumerate(keys))
-        params: list[Any] = []
-        cond = ""
-        if after is not None:
-            if len(after) != len(keys):
-                raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
-            casts = ", ".join(f"%s::{t}" for t in self.key_types)
-            cond = f" WHERE ({', '.join(keys)}) > ({casts})"
-            params.extend(after)
+        conds, params = self._cursor(after, None)
+        cond = f" WHERE {conds[0]}" if conds else ""
         sql = (
-            f"SELECT {texts} FROM {self.name}{cond} ORDER BY {', '.join(keys)} "
+            f"SELECT {self._key_texts()} FROM {self.name}{cond} ORDER BY {self._order} "
             f"OFFSET {int(limit) - 1} LIMIT 1"
         )
         return sql, params
+
+    @property
+    def _order(self) -> str:
+        return ", ".join(quote(k) for k in self.key)
+
+    def _key_texts(self) -> str:
+        """``key::text`` of each key column, aliased ``_cb_k<i>`` (ORDER BY "id" would
+        otherwise sort an output column named "id": the text)."""
+        return ", ".join(f"{quote(k)}::text AS _cb_k{i}" for i, k in enumerate(self.key))
+
+    def _cursor(
+        self, after: list[str] | None, upto: list[str] | None
+    ) -> tuple[list[str], list[Any]]:
+        """The row-comparison conditions of keys after ``after`` and up to ``upto``
+        (texts cast to the key types; None: no such bound), and their parameters."""
+        conds: list[str] = []
+        params: list[Any] = []
+        casts = ", ".join(f"%s::{t}" for t in self.key_types)
+        for op, at in ((">", after), ("<=", upto)):
+            if at is None:
+                continue
+            if len(at) != len(self.key):
+                raise SourceConfigError("a stored snapshot cursor does not fit the table's key")
+            conds.append(f"({self._order}) {op} ({casts})")
+            params.extend(at)
+        return conds, params
 
     def by_keys(self, keys: list[tuple[Any, ...]], first: int) -> tuple[str, list[Any]]:
         """The rows of ``keys`` (numbered from ``first``), found or not.
