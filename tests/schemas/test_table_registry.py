@@ -484,3 +484,18 @@ def test_concurrent_registration(tmp_path: Path) -> None:
         assert all(a.fingerprint != b.fingerprint for a, b in itertools.pairwise(versions))
         assert set(results[name]) <= {t.version for t in versions}
     assert SchemaRegistry(path).to_json() == reg.to_json()
+
+
+def test_find_returns_the_newest_version_with_that_content(tmp_path: Path) -> None:
+    """A fetcher reading again what the relay holds finds its versions by content."""
+    reg = SchemaRegistry(tmp_path / "r.jsonl")
+    a = users()
+    b = users(Column("age", "int"))
+    assert reg.find(a) is None
+    assert [reg.register(t).version for t in (a, b, a)] == [1, 2, 3]  # back to a: new
+    found = reg.find(a)
+    assert found is not None and found.version == 3
+    found = reg.find(b)
+    assert found is not None and found.version == 2
+    assert reg.find(users(Column("other", "int"))) is None
+    assert [t.version for t in reg.versions(a.name)] == [1, 2, 3]  # find registers nothing

@@ -182,6 +182,21 @@ class SchemaRegistry:
             self._commit(registered, source_id)
             return registered
 
+    def find(self, table: TableSchema) -> TableSchema | None:
+        """The newest registered version with ``table``'s content (None: none has it).
+
+        For a fetcher reading again changes the relay already holds (a restart
+        that rewinds): the layout it meets there is one of the versions the
+        relay knows, perhaps an older one, which :meth:`register` would make a
+        new version (it compares with the latest only).
+        """
+        fingerprint = table.fingerprint
+        with self._lock:
+            for version in reversed(self._versions.get(table.name, [])):
+                if version.fingerprint == fingerprint:
+                    return version
+        return None
+
     def register_as(self, table: TableSchema, source_id: int) -> TableSchema:
         """Record a schema with the version and source id another registry gave it.
 

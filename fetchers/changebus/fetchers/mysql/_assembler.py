@@ -150,6 +150,10 @@ class BinlogAssembler:
         self.row_count = 0
         #: the last window :meth:`commit` returned holds no change (see there)
         self.last_empty = False
+        #: the relay's last SCN (-1: none): events up to it are read again (a restart
+        #: rewound to a pending XA prepare), their table layouts are versions the
+        #: relay knows, found by content rather than registered anew
+        self.replay_until = -1
 
     # ---- positions ----------------------------------------------------------
 
@@ -209,7 +213,11 @@ class BinlogAssembler:
         if table is None:
             layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
             layout = layout.with_policy(self._policy)
-            schema = self.registry.register(layout.table_schema())
+            wanted = layout.table_schema()
+            found = None
+            if self.scn_at(int(event.packet.log_pos)) <= self.replay_until:
+                found = self.registry.find(wanted)
+            schema = found if found is not None else self.registry.register(wanted)
             table = _Table(
                 layout,
                 RowEncoder(
@@ -471,8 +479,9 @@ class BinlogAssembler:
                 f"(GTID {group.gtid or 'none'}), but it was prepared before the fetcher's "
                 "start position: its changes, if it made any to captured tables, are missing"
             )
-            log.error("%s", what)
-            self.losses["xa_prepared_before_start"] += 1
+            if scn > self.replay_until:  # (read again after a rewind: the relay has it)
+                log.error("%s", what)
+                self.losses["xa_prepared_before_start"] += 1
             return self.control_window(DataLoss(scn, scn, what), scn, position, group.ts_ns)
         txn = prepared.txn
         txn.gtid, txn.ts_ns = group.gtid, group.ts_ns or txn.ts_ns
@@ -557,8 +566,9 @@ class BinlogAssembler:
                     f"{what}; raise max_transaction_bytes (and the relay's buffer) or set "
                     "on_oversized_transaction = 'skip' to replace it by a data-loss event"
                 )
-            log.error("%s: replaced by a data-loss event", what)
-            self.losses["transaction_too_large"] += 1
+            if scn > self.replay_until:  # (read again after a rewind: the relay has it)
+                log.error("%s: replaced by a data-loss event", what)
+                self.losses["transaction_too_large"] += 1
             return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
         ts = txn.ts_ns
         parts: list[bytes] = []

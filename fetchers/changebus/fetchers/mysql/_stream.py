@@ -91,6 +91,7 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
     failures = 0
     while not stopping.is_set():
         before = fetcher.stats["windows"]
+        assembler.replay_until = fetcher._last_scn  # what a rewind reads again
         try:
             _stream(fetcher, assembler, emit, stopping)
             return

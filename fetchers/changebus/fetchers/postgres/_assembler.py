@@ -181,6 +181,10 @@ class Assembler:
         )
         self._tables: dict[int, Table] = {}
         self._txn: _Txn | None = None
+        #: the relay's last SCN (-1: none): a transaction at or before it is read again
+        #: (the SQL mode peeks from the slot's confirmed position); its Relation
+        #: messages are versions the relay holds, found by content, not registered anew
+        self.replay_until = -1
         #: row messages taken by :meth:`feed_raw` through the transcoder / the general path
         self.rows_transcoded = 0
         self.rows_general = 0
@@ -207,7 +211,11 @@ class Assembler:
             columns = plan.columns
         excluded = plan.excluded if plan is not None else frozenset()
         refuse_unsupported(name, rel, types, excluded)
-        table = self.registry.register(TableSchema(name, columns, key, nullable_key=not not_null))
+        wanted = TableSchema(name, columns, key, nullable_key=not not_null)
+        found = None
+        if self._txn is not None and self._txn.scn <= self.replay_until:
+            found = self.registry.find(wanted)  # read again: a version the relay holds
+        table = found if found is not None else self.registry.register(wanted)
         old = self._tables.get(rel.oid)
         if (
             old is not None

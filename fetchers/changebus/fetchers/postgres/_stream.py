@@ -160,6 +160,7 @@ def poll_sql(
     """
     cfg = fetcher.config
     emitted = fetcher._resume.scn
+    assembler.replay_until = emitted  # the peek starts at the slot's confirmed position
     emitted_end = 0
     advanced = 0
     peek = (
