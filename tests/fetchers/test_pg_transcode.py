@@ -225,3 +225,36 @@ def test_full_identity_without_a_key_has_nullable_key_columns(
         {"a": 3, "b": 4, "t": "w", "d": None},
         {"a": None, "b": None, "t": None, "d": None},
     ]
+
+
+def test_an_unchanged_toasted_value_of_an_all_column_key_comes_from_the_old_row(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """pgoutput sends an unchanged TOASTed value as 'u' in the new row.
+
+    In a table keyed by all its columns that value is part of the key: taken
+    as NULL, the update's key differed from the insert's and the delete's
+    (another lane, another snapshot row). It is the old row's value.
+    """
+    conn.execute("CREATE TABLE nokey (a int4, big text)")
+    conn.execute("ALTER TABLE nokey ALTER COLUMN big SET STORAGE EXTERNAL")
+    conn.execute("ALTER TABLE nokey REPLICA IDENTITY FULL")
+    big = "y" * 5000  # TOASTed (external storage), within a key's 64 KiB
+    conn.execute("INSERT INTO nokey VALUES (1, %s)", (big,))
+    conn.execute("UPDATE nokey SET a = 2")  # big: unchanged, TOASTed
+    conn.execute("DELETE FROM nokey")
+    datas, fast = both_paths(conn)
+    table = fast.registry.latest("public.nokey")
+    dec = ChangeDecoder(table)
+    keys, afters = [], []
+    for data in datas:
+        offsets, headers = parse_stream(data)
+        for off, h in zip(offsets.tolist(), headers, strict=True):
+            if int(h["op"]) < 16:
+                head = decode_header(data, off)
+                key, payload = event_at(data, off, head)
+                keys.append(dec.decode_key(bytes(key)))
+                change = dec.decode(bytes(payload))
+                afters.append(change.after_not_sent)
+    assert keys == [{"a": 1, "big": big}, {"a": 2, "big": big}, {"a": 2, "big": big}]
+    assert afters[1] == ()  # the value is sent, not listed as unchanged

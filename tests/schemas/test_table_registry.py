@@ -499,3 +499,16 @@ def test_find_returns_the_newest_version_with_that_content(tmp_path: Path) -> No
     assert found is not None and found.version == 2
     assert reg.find(users(Column("other", "int"))) is None
     assert [t.version for t in reg.versions(a.name)] == [1, 2, 3]  # find registers nothing
+
+
+def test_a_key_past_what_an_event_holds_is_a_clear_error() -> None:
+    """An event's key has at most 65,535 bytes (a u16 in its header)."""
+    cols = (Column("a", "int"), Column("t", "string"))
+    wide = "x" * 70_000
+    whole = RowEncoder(TableSchema("public.w", cols, ("a", "t"), 1, True), source_id=1)
+    with pytest.raises(SchemaError, match="keyed by all its columns"):
+        whole.encode(1, 5, 0, 0, {"a": 1, "t": wide})
+    one = RowEncoder(TableSchema("public.w", cols, ("t",), 1), source_id=1)
+    with pytest.raises(SchemaError, match="a key of 70003 bytes"):
+        one.encode(1, 5, 0, 0, {"a": 1, "t": wide})
+    assert len(one.encode(1, 5, 0, 0, {"a": 1, "t": "y" * 60_000})) > 120_000

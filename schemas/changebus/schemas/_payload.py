@@ -45,6 +45,9 @@ from .errors import EventTooLargeError, SchemaError
 
 __all__ = ["ChangeDecoder", "DecodedChange", "RowChange", "RowEncoder"]
 
+#: the most key bytes an event holds (its header's u16 ``key_length``)
+MAX_KEY_BYTES = 0xFFFF
+
 _HEAD: Final = HEADER_BODY
 _U32: Final = struct.Struct("<I")
 _crc32 = crc32
@@ -180,6 +183,16 @@ class RowEncoder:
             raise SchemaError(
                 f"cannot encode the key of a {self.table.name!r} row: {exc!r}"
             ) from exc
+        if len(key) > MAX_KEY_BYTES:
+            raise SchemaError(
+                f"a {self.table.name!r} row has a key of {len(key)} bytes, more than an "
+                f"event holds ({MAX_KEY_BYTES}); "
+                + (
+                    "the table is keyed by all its columns (no primary key): give it one"
+                    if self.table.nullable_key or len(self.table.key) == len(self.table.columns)
+                    else "use a shorter key"
+                )
+            )
         bio = io.BytesIO()
         write = bio.write
         try:

@@ -360,6 +360,14 @@ class Assembler:
             before, before_ns = self._row(table, old)
             if old_kind == "K":  # only the key columns were sent
                 before_ns = list(table.key_only_not_sent)
+        if after_ns and before is not None and table.schema.nullable_key:
+            # keyed by all its columns (FULL identity, no primary key): an unchanged
+            # TOASTed value is a key column, which the whole old row holds
+            for name in table.schema.key:
+                if name in after_ns and name not in before_ns:
+                    after_ns.remove(name)
+                    assert after is not None
+                    after[name] = before.get(name)
         self._add(
             txn,
             table.encoder.encode(
