@@ -15,6 +15,8 @@ relay to Postgres stalled the ``pg`` partition for good.
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -183,3 +185,37 @@ def test_io_timeout_is_checked() -> None:
     assert load_config_dict(PostgresConfig, {"dsn": "x"}, "f").io_timeout_s == 15.0
     with pytest.raises(ConfigError, match="io_timeout_s"):
         load_config_dict(PostgresConfig, {"dsn": "x", "io_timeout_s": -1}, "f")
+
+
+def test_a_probe_answer_extends_only_the_call_it_was_asked_about() -> None:
+    """The call ended while its probe ran: "still active" must not arm it again.
+
+    Re-armed, the deadline of a call no longer running passed while the
+    connection sat idle (or ran its next call), and the watchdog cut a
+    healthy connection.
+    """
+    from changebus.fetchers.postgres._watchdog import Watchdog
+
+    ours, theirs = socket.socketpair()
+    dog = Watchdog(0.3, "test")
+    asked = threading.Event()
+    ended = threading.Event()
+
+    def probe() -> bool:
+        asked.set()
+        ended.wait(5)  # the call ends while the probe runs
+        return True
+
+    try:
+        dog.arm(1, ours.fileno(), "a query", probe=probe)
+        assert asked.wait(5)
+        dog.disarm(1)  # the call returned
+        ended.set()
+        time.sleep(1.5)  # several deadlines: nothing of that call may fire now
+        assert dog.fired == "" and dog.extended == 1
+        theirs.sendall(b"x")
+        assert ours.recv(1) == b"x"  # the socket was not shut down
+    finally:
+        dog.close()
+        ours.close()
+        theirs.close()

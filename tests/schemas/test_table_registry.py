@@ -18,6 +18,7 @@ import pytest
 from changebus.schemas import (
     ChangeDecoder,
     Column,
+    Op,
     RowEncoder,
     SchemaError,
     SchemaRegistry,
@@ -507,8 +508,8 @@ def test_a_key_past_what_an_event_holds_is_a_clear_error() -> None:
     wide = "x" * 70_000
     whole = RowEncoder(TableSchema("public.w", cols, ("a", "t"), 1, True), source_id=1)
     with pytest.raises(SchemaError, match="keyed by all its columns"):
-        whole.encode(1, 5, 0, 0, {"a": 1, "t": wide})
+        whole.encode(Op.INSERT, 5, 0, 0, {"a": 1, "t": wide})
     one = RowEncoder(TableSchema("public.w", cols, ("t",), 1), source_id=1)
     with pytest.raises(SchemaError, match="a key of 70003 bytes"):
-        one.encode(1, 5, 0, 0, {"a": 1, "t": wide})
-    assert len(one.encode(1, 5, 0, 0, {"a": 1, "t": "y" * 60_000})) > 120_000
+        one.encode(Op.INSERT, 5, 0, 0, {"a": 1, "t": wide})
+    assert len(one.encode(Op.INSERT, 5, 0, 0, {"a": 1, "t": "y" * 60_000})) > 120_000

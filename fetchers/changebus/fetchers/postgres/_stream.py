@@ -174,10 +174,12 @@ def poll_sql(
         # the peek decodes a whole transaction before it answers: a big one takes
         # long, which the watchdog asks the server about instead of cutting it
         with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as probe:
+            # (a backend writing its answer to a dead path is "active" too, waiting
+            # on ClientWrite until TCP gives up: that is no progress)
             row = probe.execute(
-                "SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)
+                "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
             ).fetchone()
-        return row is not None and row[0] == "active"
+        return row is not None and row[0] == "active" and row[1] != "ClientWrite"
 
     while not stopping.is_set():
         # wait (briefly) for the relay to take what was emitted: peeking

@@ -24,7 +24,9 @@ few timeouts, and a long decode is never cut (cutting it made the fetcher
 peek the same transaction again, for ever).
 
 Data structure: ``Watchdog._armed`` maps a guarded connection's id to
-``(deadline, socket descriptor, what, probe)``; the watchdog's thread scans it
+``(deadline, socket descriptor, what, probe)``, ``Watchdog._running`` the
+same id to the number of its call in progress (a probe's answer extends only
+the call it was asked about); the watchdog's thread scans it
 every quarter of a second (the timeout's resolution). Thread-safety: one
 lock guards ``_armed``; a :class:`Guarded` connection is used by one thread
 at a time (as psycopg's synchronous connections are), the watchdog thread
@@ -65,6 +67,10 @@ class Watchdog:
         #: what overran, once one did ("" before)
         self.fired = ""
         self._armed: dict[int, tuple[float, int, str, Callable[[], bool] | None]] = {}
+        #: guarded connection id -> number of its call running now (armed or being
+        #: probed); a probe's "still active" extends only that same call
+        self._running: dict[int, int] = {}
+        self._calls = 0
         #: calls a probe found still at work (their deadline was extended)
         self.extended = 0
         self._lock = threading.Lock()
@@ -87,6 +93,8 @@ class Watchdog:
         if seconds <= 0:
             return
         with self._lock:
+            self._calls += 1
+            self._running[key] = self._calls
             self._armed[key] = (time.monotonic() + seconds, fd, what, probe)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -97,6 +105,7 @@ class Watchdog:
     def disarm(self, key: int) -> None:
         with self._lock:
             self._armed.pop(key, None)
+            self._running.pop(key, None)
 
     def check(self) -> None:
         """Raise the retriable error of a call the watchdog cut (nothing when none was)."""
@@ -111,16 +120,17 @@ class Watchdog:
         while not self._stop.wait(_TICK_S):
             now = time.monotonic()
             with self._lock:
-                late = [(k, v) for k, v in self._armed.items() if v[0] <= now]
-                for key, _ in late:
+                late = [(k, v, self._running.get(k)) for k, v in self._armed.items() if v[0] <= now]
+                for key, _, _ in late:
                     del self._armed[key]
-            for key, (_, fd, what, probe) in late:
+            for key, (_, fd, what, probe), call in late:
                 if probe is not None and _ask(probe, self.timeout_s):
                     self.extended += 1
                     log.info("partition %s: %s still runs on the server", self.name, what)
                     with self._lock:
-                        # (disarmed meanwhile: the call ended, nothing to extend)
-                        if key not in self._armed:
+                        # only that same call, still running (it may have ended, and
+                        # the connection be idle or at its next call, meanwhile)
+                        if self._running.get(key) == call and key not in self._armed:
                             self._armed[key] = (time.monotonic() + self.timeout_s, fd, what, probe)
                     continue
                 self.fired = (
