@@ -481,7 +481,6 @@ class PartitionElection:
             data, _stat = pending_epoch.get(timeout=timeout)
             return decode_epoch(data).epoch, pending_candidate.get(timeout=timeout) is not None
 
-        interval = term.lease_s / 3
         try:
             while not term.lost:
                 t0 = time.monotonic()
@@ -497,7 +496,8 @@ class PartitionElection:
                     elif t0 > term.confirmed_at:
                         term.confirmed_at = t0
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval):
+                    # (read each time: a reconnect may be granted a shorter session)
+                    async with asyncio.timeout(term.lease_s / 3):
                         await term.wait_lost()
         finally:
             if self.leadership is term:
