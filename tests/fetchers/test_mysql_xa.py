@@ -213,3 +213,48 @@ async def test_a_rewind_to_a_prepare_finds_the_table_versions_the_relay_holds(
     )
     assert sorted(acct) == [30]
     assert scns == sorted(set(scns))
+
+
+async def test_prepared_transactions_together_are_bounded_like_one(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """Each prepared half is kept until its commit; together they may not pass
+    ``max_transaction_bytes`` (each one alone could, times as many as are pending).
+    Past it, the newest is only counted: its commit is a DATA_LOSS (skip)."""
+    execute(mysql_server, mysql_db, "CREATE TABLE acct (id int PRIMARY KEY, v varchar(9000))")
+    cfg = relay_config(
+        tmp_path,
+        mysql_server,
+        mysql_db,
+        max_transaction_bytes=30_000,
+        on_oversized_transaction="skip",
+    )
+    conn, conn2 = mysql_server.connect(mysql_db), mysql_server.connect(mysql_db)
+    try:
+        async with Relay(cfg) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            for c, xid, first in ((conn, "'p1'", 40), (conn2, "'p2'", 50)):
+                xa(
+                    c,
+                    f"XA START {xid}",
+                    *(
+                        f"INSERT INTO acct VALUES ({first + i}, REPEAT('v', 8000))"
+                        for i in range(2)
+                    ),
+                    f"XA END {xid}",
+                    f"XA PREPARE {xid}",
+                )  # about 16 KB each: under the bound alone, past it together
+            execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (60, 'plain')")
+            xa(conn2, "XA COMMIT 'p2'")
+            xa(conn, "XA COMMIT 'p1'")
+            await caught_up(relay, mysql_server, mysql_db)
+            rows, scns, events = replay(relay, "acct")
+    finally:
+        conn.close()
+        conn2.close()
+        roll_back_prepared(mysql_server)
+    lost = [p for op, p in events if op == Op.DATA_LOSS]
+    assert len(lost) == 1 and isinstance(lost[0], DataLoss)
+    assert "max_transaction_bytes" in lost[0].reason
+    assert sorted(rows) == [40, 41, 60]  # p1 whole; p2 a data loss, not half of it
+    assert scns == sorted(set(scns))

@@ -80,7 +80,13 @@ from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
-from ._txn import MappedTable as _Table, OpenTxn as _Txn, Part as _Part, PendingWindow
+from ._txn import (
+    MappedTable as _Table,
+    OpenTxn as _Txn,
+    Part as _Part,
+    PendingWindow,
+    encode_window,
+)
 from ._workers import transcode_changes
 from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
 
@@ -289,20 +295,24 @@ class BinlogAssembler:
         txn.events.append(part)
         txn.size += size
         if self.max_window_bytes and txn.size > self.max_window_bytes:
-            txn.oversized = True
-            for kept in txn.events:  # only counted from now on
-                if isinstance(kept[0], RowEncoder):
-                    changes = kept[1]
-                    if isinstance(changes, Future):
-                        txn.dropped.append(changes)
-                    else:
-                        txn.data_events += len(changes)
-                        self.row_count += len(changes)
-                elif kept[1]:
-                    txn.data_events += 1
-            txn.events.clear()
-            self._unannounce(txn)
-            self._count_done(txn)
+            self._let_go(txn)
+
+    def _let_go(self, txn: _Txn) -> None:
+        """Make ``txn`` oversized: its rows are only counted from now on."""
+        txn.oversized = True
+        for kept in txn.events:  # only counted from now on
+            if isinstance(kept[0], RowEncoder):
+                changes = kept[1]
+                if isinstance(changes, Future):
+                    txn.dropped.append(changes)
+                else:
+                    txn.data_events += len(changes)
+                    self.row_count += len(changes)
+            elif kept[1]:
+                txn.data_events += 1
+        txn.events.clear()
+        self._unannounce(txn)
+        self._count_done(txn)
 
     def _count_done(self, txn: _Txn) -> None:
         """Count the rows of an oversized transaction's finished worker futures and let
@@ -447,6 +457,18 @@ class BinlogAssembler:
         txn.events = [p for p in txn.events if isinstance(p[0], RowEncoder) or p[1]]
         self._unannounce(txn)
         self.prepared.add(key, Prepared(txn, txn.gtid, *txn.start))
+        held = self.prepared.held_bytes()
+        if self.max_window_bytes and held > self.max_window_bytes and not txn.oversized:
+            # all the prepared halves together are bounded like one transaction: past
+            # it, this one is only counted (its commit is a data loss, or an error)
+            log.warning(
+                "XA transaction %s: prepared transactions hold %d bytes together, more "
+                "than max_transaction_bytes (%d); its rows are let go",
+                xid_text(key),
+                held,
+                self.max_window_bytes,
+            )
+            self._let_go(txn)
         return None
 
     def _xa_end(self, text: str, end_pos: int) -> Window | PendingWindow | None:
@@ -559,7 +581,8 @@ class BinlogAssembler:
         if txn.oversized:
             what = (
                 f"transaction {txn.gtid or position} has {txn.data_events} changes and more "
-                f"than {self.max_window_bytes} bytes of events (max_transaction_bytes)"
+                f"than {self.max_window_bytes} bytes of events (max_transaction_bytes; for "
+                "a prepared XA transaction, with the others prepared at the time)"
             )
             if self.on_oversized == "fail":
                 raise SourceConfigError(
@@ -570,30 +593,6 @@ class BinlogAssembler:
                 log.error("%s: replaced by a data-loss event", what)
                 self.losses["transaction_too_large"] += 1
             return self.control_window(DataLoss(scn, scn, what), scn, position, txn.ts_ns)
-        ts = txn.ts_ns
-        parts: list[bytes] = []
-        sizes: list[int] = []  # framed here: the relay may trust them (Window.event_sizes)
-        seq = data = 0
-        for part in txn.events:
-            if isinstance(part[0], RowEncoder):
-                changes = part[1]
-                if isinstance(changes, Future):
-                    changes = changes.result()
-                assert isinstance(changes, list)
-                parts.append(
-                    part[0].encode_many_encoded(changes, scn, ts, first_seq=seq, sizes=sizes)
-                )
-                seq += len(changes)
-                data += len(changes)
-                self.row_count += len(changes)
-            else:
-                encode, is_data = part
-                event = encode(scn, seq)
-                parts.append(event)
-                sizes.append(len(event))
-                seq += 1
-                data += is_data
-        end = encode_control(EndOfWindow(data, position), scn, seq, ts, partition=self.partition_id)
-        parts.append(end)
-        sizes.append(len(end))
-        return Window(scn, ts, b"".join(parts), seq + 1, position, tuple(sizes))
+        window, rows = encode_window(txn, scn, position, self.partition_id)
+        self.row_count += rows
+        return window

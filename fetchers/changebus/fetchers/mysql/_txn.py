@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from changebus.schemas import RowEncoder
+from changebus.schemas import EndOfWindow, RowEncoder, encode_control
 
 from .._base import Window
 from ._layout import RowsTranscoder, TableLayout
@@ -16,7 +16,7 @@ from ._layout import RowsTranscoder, TableLayout
 if TYPE_CHECKING:
     from ._assembler import BinlogAssembler
 
-__all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow"]
+__all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow", "encode_window"]
 
 
 @dataclass
@@ -83,3 +83,34 @@ class PendingWindow:
 
     def resolve(self) -> Window:
         return self._assembler._close(self._txn, self.scn, self.source_position)
+
+
+def encode_window(txn: OpenTxn, scn: int, position: str, partition: int) -> tuple[Window, int]:
+    """The window of a committed transaction ``txn`` (worker futures are waited for),
+    and the number of row changes in it. Its events are framed here, so the relay may
+    trust ``Window.event_sizes``."""
+    ts = txn.ts_ns
+    parts: list[bytes] = []
+    sizes: list[int] = []  # framed here: the relay may trust them (Window.event_sizes)
+    seq = data = rows = 0
+    for part in txn.events:
+        if isinstance(part[0], RowEncoder):
+            changes = part[1]
+            if isinstance(changes, Future):
+                changes = changes.result()
+            assert isinstance(changes, list)
+            parts.append(part[0].encode_many_encoded(changes, scn, ts, first_seq=seq, sizes=sizes))
+            seq += len(changes)
+            data += len(changes)
+            rows += len(changes)
+        else:
+            encode, is_data = part
+            event = encode(scn, seq)
+            parts.append(event)
+            sizes.append(len(event))
+            seq += 1
+            data += is_data
+    end = encode_control(EndOfWindow(data, position), scn, seq, ts, partition=partition)
+    parts.append(end)
+    sizes.append(len(end))
+    return Window(scn, ts, b"".join(parts), seq + 1, position, tuple(sizes)), rows

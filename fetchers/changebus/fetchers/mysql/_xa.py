@@ -124,6 +124,10 @@ class PreparedSet:
     def clear(self) -> None:
         self._by_key.clear()
 
+    def held_bytes(self) -> int:
+        """Event bytes the prepared transactions hold (oversized ones hold none)."""
+        return sum(0 if p.txn.oversized else p.txn.size for p in self._by_key.values())
+
     def restart(self) -> str:
         """The ``xa`` field of positions now ('' when nothing is pending)."""
         for p in self._by_key.values():
