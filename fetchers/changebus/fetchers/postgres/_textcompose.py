@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from ._pgtext import TEXT, Render
@@ -114,19 +114,33 @@ def multirange_text(one_range: Render) -> Render:
     return render
 
 
-def record_text(fields: Sequence[tuple[int, Render]]) -> Render:
+def record_text(
+    fields: Sequence[tuple[int, Render]], fallback: Callable[[int], Render | None] | None = None
+) -> Render:
     """The renderer of a composite value whose fields are ``(type OID, renderer)``, in order:
-    ``(1,"a b",,"")`` (a NULL field is empty, an empty string ``""``)."""
+    ``(1,"a b",,"")`` (a NULL field is empty, an empty string ``""``).
+
+    A composite value names its own fields' type OIDs. One that does not
+    match ``fields`` (the type was altered since it was looked up, or the
+    value is older WAL from before an ``ALTER TYPE``) is rendered field by
+    field with ``fallback(oid)``'s renderer instead of stopping the stream; a
+    field type without one is an error.
+    """
 
     def render(b: bytes) -> str:
         (count,) = _I32.unpack_from(b)
-        if count != len(fields):
-            raise ValueError(f"a composite value of {count} fields, its type has {len(fields)}")
+        exact = count == len(fields)
         pos, out = 4, []
-        for oid, field in fields:
+        for i in range(count):
             got, size = struct.unpack_from(">Ii", b, pos)
-            if got != oid:
-                raise ValueError(f"a composite field of type oid {got}, its type says {oid}")
+            field = fields[i][1] if exact and fields[i][0] == got else None
+            if field is None:
+                field = fallback(got) if fallback is not None else None
+                if field is None:
+                    raise ValueError(
+                        f"a composite field of type oid {got}, which its type does not have "
+                        "(altered since?) and changebus cannot render"
+                    )
             pos += 8
             if size < 0:
                 out.append("")

@@ -251,7 +251,9 @@ class TypeResolver:
                         formatted, oid, f"its field {name} of type {ftype.formatted}", ftype
                     )
                 fields.append((int(field_oid), ftype.render))
-            return self._text_form(formatted, oid, compose.record_text(fields))
+            return self._text_form(
+                formatted, oid, compose.record_text(fields, lambda o: self.resolve(o, -1).render)
+            )
         return ColumnType(
             formatted,
             oid,
