@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_bootstrap_e2e import (
+from boot_e2e import (
     TINY,
     WatchedReplica,
     bootstrap_caught_up,

@@ -298,7 +298,7 @@ async def test_a_data_loss_window_is_a_gap_positions_before_it_are_refused(
 async def test_a_relay_restarted_on_a_damaged_ring_makes_the_bootstrap_seed_again(
     tmp_path: Path, pg_dsn: str
 ) -> None:
-    from test_bootstrap_e2e import (
+    from boot_e2e import (
         WatchedReplica,
         assert_same,
         bootstrap_caught_up,

@@ -29,7 +29,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_bootstrap_e2e import bootstrap_caught_up, bootstrap_config, relay_config, sync_marker
+from boot_e2e import bootstrap_caught_up, bootstrap_config, relay_config, sync_marker
 
 from changebus.bootstrap import (
     BootstrapServer,

@@ -1,0 +1,316 @@
+"""Faults in the Postgres -> relay -> bootstrap server -> consumer replica pipeline.
+
+A consumer killed in its snapshot and in its catch-up (and whose catch-up was
+pruned meanwhile); the bootstrap daemon killed with SIGKILL while producing,
+applying and serving; its producer falling off the relay and repairing itself
+with a seed. As in test_bootstrap_e2e.py, every test ends by comparing the
+consumer's tables with the source tables row by row (helpers in boot_e2e.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from boot_e2e import (
+    TINY,
+    Crash,
+    WatchedReplica,
+    assert_same,
+    bootstrap_caught_up,
+    bootstrap_config,
+    consumer_config,
+    create_tables,
+    relay_config,
+    replica_rows,
+    replicate_until,
+    source_rows,
+    sync_marker,
+    workload,
+)
+
+from changebus.bootstrap import BootstrapServer, SeedConfig
+from changebus.relay import Relay
+from changebus.schemas import Mode, Op
+from waiting import wait_until
+
+# relays and bootstrap servers run in the test's event loop: none may block that loop
+pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
+
+
+async def restart_applier(boot: BootstrapServer, marker: int) -> None:
+    worker = boot.service.workers["pg"]
+    worker.tasks.append(asyncio.create_task(boot.service._apply(worker)))
+    await wait_until(lambda: worker.applier_scn >= marker)
+
+
+async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        async with BootstrapServer(bootstrap_config(tmp_path, relay.url, "sqlite")) as boot:
+            await asyncio.to_thread(workload, pg_dsn, 7, 1200)
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            # the applier lags (stopped): the snapshot stays here, the log grows
+            applier = boot.service.workers["pg"].tasks[1]
+            applier.cancel()
+            await asyncio.to_thread(workload, pg_dsn, 8, 600)
+            marker = sync_marker(pg_dsn)
+            await wait_until(lambda: boot.service.workers["pg"].producer_scn >= marker)
+            db = tmp_path / "replica.db"
+            cfg = consumer_config(relay.url, boot.url, bootstrap_page_bytes=4 << 10)
+
+            def crash_at(phase: str, n: int) -> Callable[[str, int], None]:
+                def hook(p: str, i: int) -> None:
+                    if p == phase and i == n:
+                        raise Crash
+
+                return hook
+
+            loaded = []
+            stages = (crash_at("snapshot", 3), crash_at("catchup", 50), crash_at("catchup", 50))
+            for i, hook in enumerate((*stages, None)):
+                if i == 3:
+                    # meanwhile the applier catches up and the log is pruned past the
+                    # consumer's catch-up position: it must run the snapshot again
+                    await restart_applier(boot, marker)
+                    pruned = await boot.service.stores.write(lambda s: s.prune_to("pg", 100))
+                    assert pruned > 0
+                replica = WatchedReplica(db, hook)
+                try:
+                    loaded.append(await replica.load())
+                    if hook is None:
+                        await replicate_until(replica, cfg, marker)
+                    else:
+                        with pytest.raises(Crash):
+                            await asyncio.wait_for(replica.run(cfg), 60)
+                finally:
+                    await replica.close()
+            assert loaded[0] is None
+            assert loaded[1] is not None and loaded[2] is not None
+            snap = loaded[1].get("pg")
+            assert snap.mode is Mode.SNAPSHOT
+            assert snap.bootstrap is not None and snap.bootstrap.snapshot_position
+            catch = loaded[2].get("pg")
+            assert catch.mode is Mode.CATCHUP and catch.bootstrap is not None
+            assert catch.window_scn > catch.bootstrap.start_scn
+            assert loaded[3] is not None
+            late = loaded[3].get("pg")
+            assert late.mode is Mode.CATCHUP and late.bootstrap is not None
+            state = await boot.service.stores.read(lambda s: s.state("pg"))
+            assert late.window_scn < state.log_min_scn
+            # the last run found its catch-up pruned (410) and ran the snapshot again
+            assert replica.phases[0] == "snapshot"
+            assert_same(replica_rows(db), source_rows(pg_dsn))
+            # bad requests get clear JSON errors; the server goes on
+            bad = {
+                "/v1/bootstrap/snapshot": 400,  # no start
+                "/v1/bootstrap/snapshot?start=1&position=abc": 400,
+                "/v1/bootstrap/start?since=x": 400,
+                "/v1/bootstrap/start?bogus=1": 400,
+                "/v1/bootstrap/status?partition=nope": 404,
+                "/v1/bootstrap/catchup?after=5&target=1": 400,
+                f"/v1/bootstrap/catchup?after=1&target={2**62}": 410,  # pruned
+                f"/v1/bootstrap/start?since={2**62}": 503,  # ahead of the log
+                "/v1/schemas/public.nope": 404,
+            }
+            async with aiohttp.ClientSession() as http:
+                for path, status in bad.items():
+                    async with http.get(boot.url + path) as r:
+                        body = await r.json()
+                        assert (r.status, set(body) >= {"error", "message"}) == (status, True), path
+                async with http.get(boot.url + "/readyz") as r:
+                    assert r.status == 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "changebus.schemas",
+                "bootstrap",
+                "--config",
+                str(config),
+                "--set",
+                "applier.batch_events=100",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def http_json(url: str) -> Any:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return await r.json() if r.status == 200 else None
+    except aiohttp.ClientError:
+        return None
+
+
+async def test_bootstrap_daemon_kill_9_while_producing_applying_and_serving(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = tmp_path / "bootstrap.toml"
+        store = tmp_path / "boot" / "b.db"
+        config.write_text(
+            f'relays = ["{relay.url}"]\ndata_dir = "{tmp_path / "boot"}"\n'
+            f'[store]\npath = "{store}"\n[http]\nport = {port}\n'
+        )
+        log = tmp_path / "bootstrap.log"
+        proc = start_daemon(config, log)
+        try:
+            writer = threading.Thread(target=workload, args=(pg_dsn, 9, 2500))
+            writer.start()
+            # killed while the producer appends and the applier applies
+            seen: dict[str, Any] = {}
+
+            async def producing() -> bool:
+                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
+                seen.update(st or {})
+                return bool(st and st["producer_scn"] > 0 and writer.is_alive())
+
+            for _ in range(400):
+                if await producing():
+                    break
+                await asyncio.sleep(0.05)
+            assert seen.get("producer_scn", -1) > 0, log.read_text()[-2000:]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc = start_daemon(config, log)
+            await asyncio.to_thread(writer.join)
+            marker = sync_marker(pg_dsn)
+
+            async def applied() -> bool:
+                st = await http_json(f"{url}/v1/bootstrap/status?partition=pg")
+                return bool(st and st["applier_scn"] >= marker)
+
+            for _ in range(1200):
+                if await applied():
+                    break
+                await asyncio.sleep(0.05)
+            assert await applied(), log.read_text()[-2000:]
+            # killed while serving a consumer's snapshot; the consumer retries and goes on
+            killed: list[int] = []
+
+            def kill_in_snapshot(phase: str, n: int) -> None:
+                if phase == "snapshot" and n == 2 and not killed:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(n)
+
+            db = tmp_path / "replica.db"
+            replica = WatchedReplica(db, kill_in_snapshot)
+            # a one-window queue: the fetcher is at most a page or two ahead of the kill
+            cfg = consumer_config(relay.url, url, bootstrap_page_bytes=4 << 10, queue_windows=1)
+            task = asyncio.create_task(replicate_until(replica, cfg, marker, 120))
+            await wait_until(lambda: bool(killed), 60, "the snapshot")
+            proc.wait()
+            proc = start_daemon(config, log)
+            try:
+                await task
+            finally:
+                await replica.close()
+            assert_same(replica_rows(db), source_rows(pg_dsn))
+            assert replica.phases.count("snapshot") > 2
+            # the log holds each window once, whatever the kills interrupted
+            conn = sqlite3.connect(store)
+            try:
+                n, distinct = conn.execute(
+                    "SELECT count(*), count(DISTINCT scn) FROM cb_log WHERE op = ?",
+                    (int(Op.END_OF_WINDOW),),
+                ).fetchone()
+            finally:
+                conn.close()
+            assert n == distinct > 1000
+            # the restarted daemon served the rest of the snapshot
+            metrics = None
+            async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+                metrics = await r.text()
+            rows = [ln for ln in metrics.splitlines() if 'what="snapshot_rows"' in ln]
+            assert rows and float(rows[0].split()[-1]) > 0
+            # SIGTERM: a graceful stop
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The bootstrap producer stalls, the tiny relay evicts windows it never got: it
+    jumps over the gap, seeds its snapshot again (rows deleted in the gap become
+    tombstones), and both an old consumer and a new one end exact."""
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        bcfg = dataclasses.replace(
+            bootstrap_config(tmp_path, relay.url, "sqlite"),
+            seed=SeedConfig(dsn=pg_dsn, chunk_rows=200),
+        )
+        async with BootstrapServer(bcfg) as boot:
+            w = boot.service.workers["pg"]
+            await asyncio.to_thread(workload, pg_dsn, 21, 800)
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            old_db = tmp_path / "old.db"
+            old = WatchedReplica(old_db)
+            cfg = consumer_config(relay.url, boot.url)
+            try:
+                await replicate_until(old, cfg, marker)
+            finally:
+                await old.close()
+            # the producer stalls while the relay evicts what it did not read
+            producer = w.tasks[0]
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            await asyncio.to_thread(workload, pg_dsn, 22, 1500)
+            gap_marker = sync_marker(pg_dsn)
+            await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= gap_marker)
+            assert relay.hosts["pg"].status()["prev_scn"] > w.producer_scn  # a real gap
+            w.tasks[0] = asyncio.create_task(boot.service._produce(w))
+            await wait_until(lambda: w.fell_off > 0, 30, "the producer to fall off")
+            await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
+            assert w.seed.state == "done", w.seed.error
+            assert await boot.service.stores.read(lambda s: s.gap("pg")) is None
+            await asyncio.to_thread(workload, pg_dsn, 23, 200)
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            for db in (old_db, tmp_path / "new.db"):  # behind the gap, and from nothing
+                replica = WatchedReplica(db)
+                try:
+                    await replicate_until(replica, cfg, marker)
+                finally:
+                    await replica.close()
+                assert replica.phases[0] in ("snapshot", "catchup")
+                assert_same(replica_rows(db), source_rows(pg_dsn))
