@@ -30,7 +30,7 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
     StringStartsWith,
 )
-from test_spark_source import COLS, as_changes, project, scripted, truth  # noqa: F401
+from spark_source_support import COLS, as_changes, project, scripted, truth  # noqa: F401
 
 from changebus.client.spark._pushdown import MAX_SCN_RANGES, Pushed, split_filters
 

@@ -9,7 +9,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from test_spark_source import relay_config, wait_finished
+from spark_source_support import relay_config, wait_finished
 
 from changebus.client.spark._options import SourceOptions
 from changebus.client.spark._source import _range_partitions, _split_points
