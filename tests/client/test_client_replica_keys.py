@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from changebus.client import ChangeEvent, ChangeOp, SqliteReplica, Window
+import pytest
+
+from changebus.client import ChangeEvent, ChangeOp, PostgresReplica, SqliteReplica, Window
 from changebus.schemas import Column, TableSchema
 
 T = TableSchema(
@@ -68,3 +71,80 @@ async def test_key_change_with_unsent_columns_moves_the_row(tmp_path: Path) -> N
     finally:
         conn.close()
     assert rows == [(7, 3, big), (8, 4, "x")]
+
+
+W = TableSchema(
+    "app.log",
+    (Column("a", "long"), Column("t", "string")),
+    ("a", "t"),
+    1,
+    nullable_key=True,
+)
+
+
+def whole(scn: int, op: ChangeOp, after: Any, before: Any = None) -> Window:
+    image = after if after is not None else before
+    e = ChangeEvent(
+        scn=scn,
+        seq=0,
+        op=op,
+        table=W.name,
+        key=dict(image),
+        after=after,
+        before=before,
+        schema=W,
+    )
+    return Window(scn=scn, timestamp_ns=scn, partition="p", events=(e,))
+
+
+async def test_a_table_keyed_by_all_its_columns_keeps_its_nulls(tmp_path: Path) -> None:
+    """A Postgres REPLICA IDENTITY FULL table without a primary key: its key is every
+    column, any of them NULL. A replica table with that primary key refused the NULLs,
+    and ``= NULL`` matched no row to delete or update."""
+    windows = [
+        whole(10, ChangeOp.INSERT, {"a": 1, "t": None}),
+        whole(20, ChangeOp.INSERT, {"a": None, "t": "x"}),
+        whole(30, ChangeOp.INSERT, {"a": 3, "t": "y"}),
+        whole(40, ChangeOp.UPDATE, {"a": 1, "t": "now"}, {"a": 1, "t": None}),
+        whole(50, ChangeOp.DELETE, None, {"a": None, "t": "x"}),
+        whole(60, ChangeOp.UPDATE, {"a": None, "t": None}, {"a": 3, "t": "y"}),
+    ]
+    db = tmp_path / "w.db"
+    replica = SqliteReplica(db)
+    try:
+        await replica.load()
+        for w in windows:
+            assert await replica.on_start_window(w) is None
+            for e in w.events:
+                assert await replica.on_event(e) is None
+            assert await replica.on_end_window(w) is None
+    finally:
+        await replica.close()
+    conn = sqlite3.connect(db)
+    try:
+        rows = conn.execute('SELECT a, t FROM "app_log"').fetchall()
+    finally:
+        conn.close()
+    assert sorted(rows, key=repr) == sorted([(1, "now"), (None, None)], key=repr)
+
+
+@pytest.mark.pg
+async def test_a_postgres_replica_of_a_table_keyed_by_all_its_columns(pg_dsn: str) -> None:
+    windows = [
+        whole(10, ChangeOp.INSERT, {"a": 1, "t": None}),
+        whole(20, ChangeOp.INSERT, {"a": None, "t": "x"}),
+        whole(40, ChangeOp.UPDATE, {"a": 1, "t": "now"}, {"a": 1, "t": None}),
+        whole(50, ChangeOp.DELETE, None, {"a": None, "t": "x"}),
+    ]
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await replica.load()
+        for w in windows:
+            assert await replica.on_start_window(w) is None
+            for e in w.events:
+                assert await replica.on_event(e) is None
+            assert await replica.on_end_window(w) is None
+        rows = await asyncio.to_thread(replica.query, 'SELECT a, t FROM "app"."log"')
+    finally:
+        await replica.close()
+    assert [tuple(r) for r in rows] == [(1, "now")]

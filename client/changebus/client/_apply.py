@@ -63,6 +63,8 @@ class Replica(AsyncCallbacks):
 
     #: the DB-API parameter placeholder of the dialect
     placeholder: ClassVar[str] = "?"
+    #: the NULL-safe equality of the dialect (for keys whose columns may be NULL)
+    null_safe_equal: ClassVar[str] = "IS NOT DISTINCT FROM"
 
     def __init__(
         self,
@@ -298,6 +300,9 @@ class Replica(AsyncCallbacks):
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote
         cols = [f"{q(c.name)} {self._column_type(c)}" for c in schema.columns]
+        if schema.nullable_key or not schema.key:
+            # keyed by all its columns, any of them NULL: no primary key can hold it
+            return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)})"
         key = ", ".join(q(k) for k in schema.key)
         return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)}, PRIMARY KEY ({key}))"
 
@@ -311,6 +316,9 @@ class Replica(AsyncCallbacks):
             where = " AND ".join(f"{q(k)} = {p}" for k in key)
             if e.op is ChangeOp.TRUNCATE:
                 yield f"DELETE FROM {table}", []
+                continue
+            if schema.nullable_key:
+                yield from self._whole_row_statements(e, table)
                 continue
             if e.op is ChangeOp.DELETE or e.after is None:
                 image = e.key or (e.before or {})
@@ -344,6 +352,28 @@ class Replica(AsyncCallbacks):
                 f" ON CONFLICT ({', '.join(q(k) for k in key)}) {conflict}",
                 values,
             )
+
+    def _whole_row_statements(self, e: ChangeEvent, table: str) -> Iterator[tuple[str, list[Any]]]:
+        """A change of a table keyed by all its columns (``nullable_key``: no primary
+        key, NULLs in the key): the old row goes (matched NULL-safely, by the key the
+        event names), the new one comes. Identical rows are one key: a delete or an
+        update removes all of them."""
+        q, p = self._quote, self.placeholder
+        key = e.schema.key if e.schema is not None else ()
+        where = " AND ".join(f"{q(k)} {self.null_safe_equal} {p}" for k in key)
+        old = e.before if e.after is not None else (e.key or e.before)
+        if old is not None and e.op is not ChangeOp.INSERT:
+            yield f"DELETE FROM {table} WHERE {where}", [self._adapt(old.get(k)) for k in key]
+        if e.op is ChangeOp.DELETE or e.after is None:
+            return
+        image = {k: (e.key[k] if k in e.key else e.after.get(k)) for k in key}
+        yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
+        cols = list(image)
+        yield (
+            f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
+            f" VALUES ({', '.join(p for _ in cols)})",
+            [self._adapt(image[c]) for c in cols],
+        )
 
     # ---- running ----------------------------------------------------------
 
