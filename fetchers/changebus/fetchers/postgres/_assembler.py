@@ -155,7 +155,7 @@ class Assembler:
         registry: SchemaRegistry | None = None,
         *,
         primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
-        key_positions: Callable[[int], tuple[int, ...] | None] | None = None,
+        key_positions: Callable[[int], tuple[tuple[int, int], ...] | None] | None = None,
         array_dims: Callable[[int], dict[str, int]] | None = None,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",

@@ -67,7 +67,7 @@ def choose_key(
     name: str,
     registry: SchemaRegistry,
     primary_key: Callable[[int], tuple[str, ...] | None] | None,
-    key_positions: Callable[[int], tuple[int, ...] | None] | None,
+    key_positions: Callable[[int], tuple[tuple[int, int], ...] | None] | None,
 ) -> tuple[tuple[str, ...], bool]:
     """The event key of a Relation message's table, and whether its columns are NOT NULL.
 
@@ -98,8 +98,10 @@ def choose_key(
         key = ()
     if not key or not set(key) <= names:
         places = key_positions(rel.oid) if key_positions is not None else None
-        if places and max(places) < len(rel.columns):
-            key = tuple(rel.columns[p].name for p in places)
+        if places and all(
+            p < len(rel.columns) and rel.columns[p].type_oid == oid for p, oid in places
+        ):
+            key = tuple(rel.columns[p].name for p, _ in places)
         else:
             key = identity
     log.warning(

@@ -153,30 +153,36 @@ class TypeResolver:
         ).fetchone()
         return tuple(row[0]) if row and row[0] else None
 
-    def key_positions(self, relation_oid: int) -> tuple[int, ...] | None:
-        """The primary key's places among the columns a Relation message lists.
+    def key_positions(self, relation_oid: int) -> tuple[tuple[int, int], ...] | None:
+        """The primary key's places among the columns a Relation message lists, with
+        each key column's type OID: ``((place, type oid), ...)`` in key order.
 
         A Relation message lists the table's columns that are neither dropped
         nor generated, in ``attnum`` order, as they were when the change was
         written. Columns added since come after them, so while the table has
         no dropped column, the key's places among today's columns are its
         places in any older message too, whatever the columns were called
-        then. None without a primary key or with a dropped column (whose
-        place in older messages the catalog cannot tell).
+        then (the caller checks the types: a publication's column list, which
+        leaves columns out, moves the places). None without a primary key or
+        with a dropped column (whose place in older messages the catalog
+        cannot tell).
         """
         row = self._conn.execute(
-            "SELECT bool_or(a.attisdropped), array_agg(a.attnum ORDER BY a.attnum) "
+            "SELECT bool_or(a.attisdropped), "
+            "array_agg(a.attnum ORDER BY a.attnum) "
+            "FILTER (WHERE NOT a.attisdropped AND a.attgenerated = ''), "
+            "array_agg(a.atttypid::int8 ORDER BY a.attnum) "
             "FILTER (WHERE NOT a.attisdropped AND a.attgenerated = ''), "
             "(SELECT i.indkey::int2[] FROM pg_index i WHERE i.indrelid = %s AND i.indisprimary) "
             "FROM pg_attribute a WHERE a.attrelid = %s AND a.attnum > 0",
             (relation_oid, relation_oid),
         ).fetchone()
-        if row is None or row[0] or not row[1] or not row[2]:
+        if row is None or row[0] or not row[1] or not row[3]:
             return None
         order = {attnum: place for place, attnum in enumerate(row[1])}
-        if not all(attnum in order for attnum in row[2]):
+        if not all(attnum in order for attnum in row[3]):
             return None
-        return tuple(order[attnum] for attnum in row[2])
+        return tuple((order[a], int(row[2][order[a]])) for a in row[3])
 
     def array_dims(self, relation_oid: int) -> dict[str, int]:
         """Declared dimensions of the table's array columns (by column name)."""
