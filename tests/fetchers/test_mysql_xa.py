@@ -258,3 +258,45 @@ async def test_prepared_transactions_together_are_bounded_like_one(
     assert "max_transaction_bytes" in lost[0].reason
     assert sorted(rows) == [40, 41, 60]  # p1 whole; p2 a data loss, not half of it
     assert scns == sorted(set(scns))
+
+
+@pytest.mark.parametrize("on_purged", ["fail", "data_loss"])
+async def test_a_purged_prepare_stops_or_becomes_a_data_loss_at_its_commit(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str, on_purged: str
+) -> None:
+    execute(mysql_server, mysql_db, _TABLE)
+    cfg = relay_config(tmp_path, mysql_server, mysql_db, on_binlog_purged=on_purged)
+    conn = mysql_server.connect(mysql_db)
+    try:
+        async with Relay(cfg) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            prepare(conn, "'gone'", 70)
+            execute(mysql_server, mysql_db, "FLUSH BINARY LOGS")
+            execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (71, 'after')")
+            await caught_up(relay, mysql_server, mysql_db)
+        with mysql_server.connect() as admin, admin.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            current = cur.fetchone()[0]
+            cur.execute(f"PURGE BINARY LOGS TO '{current}'")
+            cur.execute("SHOW BINARY LOGS")
+            kept = [r[0] for r in cur.fetchall()]
+        async with Relay(cfg) as relay:
+            host = relay.hosts["my"]
+            if on_purged == "fail":
+                await wait_until(lambda: host.state == "failed")
+                assert "was purged" in host.last_error and "XA RECOVER" in host.last_error
+                rows = None
+            else:
+                await wait_until(lambda: host.state == "streaming")
+                xa(conn, "XA COMMIT 'gone'")
+                execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (72, 'later')")
+                await caught_up(relay, mysql_server, mysql_db)
+                rows, _, events = replay(relay, "acct")
+    finally:
+        conn.close()
+        roll_back_prepared(mysql_server)
+    assert kept == [current]
+    if rows is not None:
+        lost = [p for op, p in events if op == Op.DATA_LOSS]
+        assert len(lost) == 1 and "gone" in lost[0].reason
+        assert sorted(rows) == [71, 72]

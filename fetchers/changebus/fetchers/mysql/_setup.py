@@ -366,13 +366,20 @@ class _Planner:
             return
         gtid, file, offset = prepared
         if file not in logs:
-            raise SourceConfigError(
+            why = (
                 f"binlog file {file} was purged, and it holds the rows of an XA transaction "
                 f"(GTID {gtid or 'unknown'}, prepared at {file}:{offset}) not committed "
-                "before the relay's last window: its changes cannot be delivered. Keep "
-                "binlogs until prepared XA transactions end (XA RECOVER lists them); reseed "
-                "the tables it changed and restart the relay from an empty buffer"
+                "before the relay's last window: its changes cannot be delivered"
             )
+            if self.config.on_binlog_purged == "fail":
+                raise SourceConfigError(
+                    f"{why}. Keep binlogs until prepared XA transactions end (XA RECOVER "
+                    "lists them); set on_binlog_purged = 'data_loss' to go on (its XA COMMIT "
+                    "becomes a data-loss event), or reseed the tables it changed"
+                )
+            # its XA COMMIT finds no prepared half: a DATA_LOSS window names it then
+            log.error("partition %s: %s; its XA COMMIT will be a data-loss event", self.name, why)
+            return
         log.info(
             "partition %s: an XA transaction prepared at %s:%d (GTID %s) is not committed "
             "yet: reading from there",
