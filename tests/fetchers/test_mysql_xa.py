@@ -108,7 +108,9 @@ async def test_a_prepared_xa_transaction_survives_restarts_and_reconnects(
     tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
 ) -> None:
     execute(mysql_server, mysql_db, _TABLE)
-    cfg = relay_config(tmp_path, mysql_server, mysql_db, reconnect_backoff_s=0.05)
+    cfg = relay_config(
+        tmp_path, mysql_server, mysql_db, reconnect_backoff_s=0.05, binlog_stats_interval_s=0.1
+    )
     conn, conn2 = mysql_server.connect(mysql_db), mysql_server.connect(mysql_db)
     try:
         async with Relay(cfg) as relay:
@@ -119,6 +121,10 @@ async def test_a_prepared_xa_transaction_survives_restarts_and_reconnects(
             await caught_up(relay, mysql_server, mysql_db)
             position = relay.hosts["my"].status()["fetcher"]["source_position"]
             assert "xa=" in position  # the restart point stays before the prepared rows
+            # ... while the distance still counts from where the stream has read
+            await wait_until(
+                lambda: relay.hosts["my"].status()["fetcher"]["binlog_distance_bytes"] == 0
+            )
         # down between PREPARE and COMMIT: r2 commits while the relay is down
         xa(conn2, "XA COMMIT 'r2'")
         execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (13, 'while down')")

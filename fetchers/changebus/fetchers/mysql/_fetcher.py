@@ -78,6 +78,9 @@ class MySQLFetcher:
         self._resume = ResumePoint()
         self._feed: ThreadFeed[Window] | None = None
         self._start: tuple[str, int] = ("", 0)  # (file, pos) the stream starts at
+        #: (file, pos) the stream has read to ("": nothing yet); ahead of ``_start``
+        #: while an XA prepare is pending (a restart goes back to it)
+        self._read_to: tuple[str, int] = ("", 0)
         self._server = 0  # the server's @@server_id
         self._base = 0  # SCN = base + (file_number << 32 | pos): see the module docstring
         self._last_scn = -1
@@ -125,7 +128,7 @@ class MySQLFetcher:
     async def _measure_distance(self) -> None:
         """Read the binlog distance now and then (a worker thread; see ._distance)."""
         while True:
-            file, pos = self._start
+            file, pos = self._read_to if self._read_to[0] else self._start
             try:
                 self.stats["binlog_distance_bytes"] = await asyncio.to_thread(
                     read_distance, self.config, file, pos

@@ -225,7 +225,10 @@ def _stream(
         nonlocal last_emit
         # where a reconnect resumes: after the last window handed on (or skipped), or
         # at the oldest XA transaction prepared before it and not committed yet
-        fetcher._start = resume_point(parse_position(window.source_position))
+        fields = parse_position(window.source_position)
+        fetcher._start = resume_point(fields)
+        if fields:  # how far the stream has read (not where a restart goes back to)
+            fetcher._read_to = (fields["file"], int(fields["pos"]))
         if window.scn <= fetcher._last_scn:
             return  # the relay holds it already
         if empty and time.monotonic() - last_emit < cfg.idle_window_interval_s:
