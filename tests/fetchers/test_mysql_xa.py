@@ -306,3 +306,47 @@ async def test_a_purged_prepare_stops_or_becomes_a_data_loss_at_its_commit(
         lost = [p for op, p in events if op == Op.DATA_LOSS]
         assert len(lost) == 1 and "gone" in lost[0].reason
         assert sorted(rows) == [71, 72]
+
+
+async def test_a_rewind_does_not_apply_a_ddl_statement_twice(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """The declared types (uuid is binary(16) in the binlog) are seeded as at the
+    relay's last window; a rewind reads the DDL before it again. Applied a second
+    time, swapping renames (u -> w, n -> u) gave w the type of n: the next rows of
+    the table came with w as an int-declared binary(16), a new schema version."""
+    execute(
+        mysql_server,
+        mysql_db,
+        _TABLE,
+        "CREATE TABLE b (id int PRIMARY KEY, u uuid, n int)",
+    )
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    conn = mysql_server.connect(mysql_db)
+    uid = "6ccd780c-baba-1026-9564-5b8c656024db"
+    try:
+        async with Relay(cfg) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            prepare(conn, "'ddl'", 80)
+            execute(mysql_server, mysql_db, f"INSERT INTO b VALUES (1, '{uid}', 1)")
+            execute(
+                mysql_server, mysql_db, "ALTER TABLE b RENAME COLUMN u TO w, RENAME COLUMN n TO u"
+            )
+            execute(mysql_server, mysql_db, f"INSERT INTO b (id, w, u) VALUES (2, '{uid}', 2)")
+            await caught_up(relay, mysql_server, mysql_db)
+        async with Relay(cfg) as relay:  # rewinds to the prepare, past the ALTER
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            execute(mysql_server, mysql_db, f"INSERT INTO b (id, w, u) VALUES (3, '{uid}', 3)")
+            xa(conn, "XA COMMIT 'ddl'")
+            await caught_up(relay, mysql_server, mysql_db)
+            types = [
+                {c.name: c.source_type for c in t.columns}
+                for t in relay.hosts["my"].registry.versions(f"{mysql_db}.b")
+            ]
+            rows, _, _ = replay(relay, "b")
+    finally:
+        conn.close()
+        roll_back_prepared(mysql_server)
+    assert len(types) == 2, types
+    assert "uuid" in types[0]["u"] and "uuid" in types[1]["w"], types
+    assert str(rows[3]["w"]) == str(rows[2]["w"]) == uid and rows[3]["u"] == 3

@@ -188,6 +188,12 @@ class DeclaredTypes:
             k.lower(): v.lower() for k, v in columns.items()
         }
 
+    def copy(self) -> DeclaredTypes:
+        """An independent copy (a statement applied to it leaves this one as it is)."""
+        other = DeclaredTypes()
+        other._tables = {name: dict(columns) for name, columns in self._tables.items()}
+        return other
+
     def known(self, database: str, table: str) -> bool:
         return (database.lower(), table.lower()) in self._tables
 
