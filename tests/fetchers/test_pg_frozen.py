@@ -219,3 +219,55 @@ def test_a_probe_answer_extends_only_the_call_it_was_asked_about() -> None:
         dog.close()
         ours.close()
         theirs.close()
+
+
+def test_a_probe_saying_no_after_its_call_ended_cuts_nothing() -> None:
+    """The call returned while its probe ran; the probe then found the backend idle
+    (the call is over): the watchdog must not cut the connection for it."""
+    from changebus.fetchers.postgres._watchdog import Watchdog
+
+    ours, theirs = socket.socketpair()
+    dog = Watchdog(0.3, "test")
+    asked = threading.Event()
+    ended = threading.Event()
+
+    def probe() -> bool:
+        asked.set()
+        ended.wait(5)
+        return False  # "idle": the call is over
+
+    try:
+        dog.arm(1, ours.fileno(), "a query", probe=probe)
+        assert asked.wait(5)
+        dog.disarm(1)
+        ended.set()
+        time.sleep(1.0)
+        assert dog.fired == ""
+        theirs.sendall(b"x")
+        assert ours.recv(1) == b"x"
+    finally:
+        dog.close()
+        ours.close()
+        theirs.close()
+
+
+def test_received_within_reads_the_sockets_last_data() -> None:
+    """A backend writing its answer (ClientWrite) makes progress while bytes arrive."""
+    from changebus.fetchers.postgres._watchdog import received_within
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        peer.sendall(b"x")
+        assert client.recv(1) == b"x"
+        assert received_within(client.fileno(), 1.0)
+        time.sleep(1.2)
+        assert not received_within(client.fileno(), 1.0)  # silent for longer than that
+        unix, other = socket.socketpair()
+        assert received_within(unix.fileno(), 1.0)  # not TCP: no path to die
+        unix.close()
+        other.close()
+    finally:
+        for s in (peer, client, server):
+            s.close()

@@ -513,3 +513,9 @@ def test_a_key_past_what_an_event_holds_is_a_clear_error() -> None:
     with pytest.raises(SchemaError, match="a key of 70003 bytes"):
         one.encode(Op.INSERT, 5, 0, 0, {"a": 1, "t": wide})
     assert len(one.encode(Op.INSERT, 5, 0, 0, {"a": 1, "t": "y" * 60_000})) > 120_000
+    # every framing path: a run of changes, and an event framed from its encoded parts
+    with pytest.raises(SchemaError, match="a key of 70003 bytes"):
+        one.encode_many([(Op.INSERT, {"a": 1, "t": wide}, None, (), ())], 5, 0)
+    key = one.key_bytes({"t": wide})
+    with pytest.raises(SchemaError, match="a key of 70003 bytes"):
+        one.frame(Op.INSERT, 5, 0, 0, key, key + b"\x00")

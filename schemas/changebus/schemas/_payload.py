@@ -183,16 +183,6 @@ class RowEncoder:
             raise SchemaError(
                 f"cannot encode the key of a {self.table.name!r} row: {exc!r}"
             ) from exc
-        if len(key) > MAX_KEY_BYTES:
-            raise SchemaError(
-                f"a {self.table.name!r} row has a key of {len(key)} bytes, more than an "
-                f"event holds ({MAX_KEY_BYTES}); "
-                + (
-                    "the table is keyed by all its columns (no primary key): give it one"
-                    if self.table.nullable_key or len(self.table.key) == len(self.table.columns)
-                    else "use a shorter key"
-                )
-            )
         bio = io.BytesIO()
         write = bio.write
         try:
@@ -215,6 +205,20 @@ class RowEncoder:
             raise SchemaError(f"cannot encode a {self.table.name!r} row: {exc!r}") from exc
         return self.frame(op, scn, seq, timestamp_ns, key, bio.getvalue())
 
+    def _key_too_long(self, klen: int) -> SchemaError:
+        """The error of a key past what an event's header holds (every framing path)."""
+        table = self.table
+        whole = table.nullable_key or len(table.key) == len(table.columns)
+        return SchemaError(
+            f"a {table.name!r} row has a key of {klen} bytes, more than an event holds "
+            f"({MAX_KEY_BYTES}); "
+            + (
+                "the table is keyed by all its columns (no primary key): give it one"
+                if whole
+                else "use a shorter key"
+            )
+        )
+
     def frame(
         self, op: Op | int, scn: int, seq: int, timestamp_ns: int, key: bytes, body: bytes
     ) -> bytes:
@@ -226,6 +230,8 @@ class RowEncoder:
         that key again (for its length and hash). :meth:`encode` ends here.
         """
         klen = len(key)
+        if klen > MAX_KEY_BYTES:
+            raise self._key_too_long(klen)
         size = len(body)
         if size + HEADER_SIZE > MAX_EVENT_SIZE:
             raise EventTooLargeError(
@@ -391,6 +397,8 @@ class RowEncoder:
         seq = first_seq
         try:
             for start, total, op_i, klen, key in spans:
+                if klen > MAX_KEY_BYTES:
+                    raise self._key_too_long(klen)
                 if total > MAX_EVENT_SIZE:
                     raise EventTooLargeError(
                         f"a {self.table.name!r} event of {total} bytes is over the format limit"

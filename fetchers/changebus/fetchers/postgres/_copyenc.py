@@ -273,6 +273,7 @@ class CopyEncoder:
             f"{ind}body = join((k, b'\\x02', {pieces}b'\\x00\\x00\\x00'))",
             f"{ind}n = len(body)",
             f"{ind}kl = len(k)",
+            f"{ind}if kl > 65535: raise Fallback  # the general path says why",
             f"{ind}if n > MAX_BODY: raise Fallback",
             f"{ind}head = HEAD({fixed})",
             f"{ind}add(join((head, U32(crc(head)), body)))",

@@ -46,7 +46,7 @@ from .._base import Window
 from ._assembler import HEARTBEAT_PREFIX, Assembler
 from ._readers import reader_kind, start_reader
 from ._setup import connect
-from ._watchdog import Watchdog
+from ._watchdog import Watchdog, received_within
 from ._wire import ServerError
 
 if TYPE_CHECKING:
@@ -160,7 +160,6 @@ def poll_sql(
     """
     cfg = fetcher.config
     emitted = fetcher._resume.scn
-    assembler.replay_until = emitted  # the peek starts at the slot's confirmed position
     emitted_end = 0
     advanced = 0
     peek = (
@@ -169,17 +168,20 @@ def poll_sql(
         "'messages', 'true')"
     )
     pid = catalog.info.backend_pid
+    sock = catalog.pgconn.socket
 
     def still_active() -> bool:
         # the peek decodes a whole transaction before it answers: a big one takes
         # long, which the watchdog asks the server about instead of cutting it
         with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as probe:
-            # (a backend writing its answer to a dead path is "active" too, waiting
-            # on ClientWrite until TCP gives up: that is no progress)
             row = probe.execute(
                 "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
             ).fetchone()
-        return row is not None and row[0] == "active" and row[1] != "ClientWrite"
+        if row is None or row[0] != "active":
+            return False
+        # a backend writing its answer waits on ClientWrite: progress while its bytes
+        # arrive here, none when the path died (TCP would retry for many minutes)
+        return row[1] != "ClientWrite" or received_within(sock, cfg.io_timeout_s)
 
     while not stopping.is_set():
         # wait (briefly) for the relay to take what was emitted: peeking
@@ -198,6 +200,9 @@ def poll_sql(
                 (cfg.slot, scn_to_lsn(acked)),
             )
             advanced = acked
+        # every peek starts at the slot's confirmed position: what it reads up to the
+        # last window emitted is read again (the relay holds it)
+        assembler.replay_until = emitted
         rows = catalog.execute(
             peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication), probe=still_active
         )

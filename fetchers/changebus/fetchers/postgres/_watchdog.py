@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from typing import Any
 
 from changebus.schemas import SourceError
 
-__all__ = ["Guarded", "Watchdog"]
+__all__ = ["Guarded", "Watchdog", "received_within"]
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -133,6 +134,9 @@ class Watchdog:
                         if self._running.get(key) == call and key not in self._armed:
                             self._armed[key] = (time.monotonic() + self.timeout_s, fd, what, probe)
                     continue
+                with self._lock:
+                    if self._running.get(key) != call:
+                        continue  # that call ended while its probe ran: nothing to cut
                 self.fired = (
                     f"Postgres did not answer {what} within {self.timeout_s:g} s (a frozen "
                     "server or a broken network path): the connection was cut"
@@ -155,6 +159,30 @@ def _ask(probe: Callable[[], bool], timeout_s: float) -> bool:
     thread.start()
     thread.join(timeout_s)
     return bool(answer and answer[0])
+
+
+def received_within(fd: int, seconds: float) -> bool:
+    """Whether the TCP socket ``fd`` received data less than ``seconds`` ago.
+
+    Linux's ``TCP_INFO`` (``tcpi_last_data_recv``, ms since the last data
+    segment, at byte 52). True when it cannot tell (not TCP: a Unix socket
+    has no network path to die; another OS).
+    """
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return True
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return True
+        info = sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 104)
+    except OSError:
+        return True
+    finally:
+        sock.close()
+    if len(info) < 56:
+        return True
+    return int.from_bytes(info[52:56], sys.byteorder) < seconds * 1000
 
 
 def _shut_down(fd: int) -> None:
