@@ -223,3 +223,18 @@ def test_a_schema_change_event_carries_its_tables_source_id() -> None:
     ev = encode_control(change, 10, 0, 0)
     assert decode_header(ev).source_id == 7
     assert decode_header(encode_control(LogicalMessage("p", b"x", True), 10, 1, 0)).source_id == 0
+
+
+def test_every_share_of_the_keys_gets_the_truncates() -> None:
+    """A TRUNCATE has no key: its hash is the empty key's, which a key filter kept
+    for one share only; every other consumer (every lane of a group but one) kept
+    the table's rows for ever."""
+    eow, trunc = int(Op.END_OF_WINDOW), int(Op.TRUNCATE)
+    empty = key_hash(b"")
+    h = _headers([1, trunc, 1, eow], [4, empty, 5, 0], [1, 1, 2, 0])
+    for n in (2, 3, 7):
+        for i in range(n):
+            keep = event_mask(h, PartitionFilter.slice(i, n)).tolist()
+            assert keep[1] and keep[3], (i, n)
+    # a source subscription still applies to it
+    assert event_mask(h, PartitionFilter.mod(2, 0), [2]).tolist()[1] is False

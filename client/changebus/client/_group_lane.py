@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ from ._assembler import RawWindow
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
 from ._fetch import RelayFetcher, start_point
-from ._model import ChangeEvent, Window
+from ._model import ChangeEvent, ChangeOp, Window
 from ._queue import BoundedQueue, QueueClosed
 
 if TYPE_CHECKING:
@@ -270,6 +270,8 @@ class Lane:
                 groups = {self._only: events}  # the relay filters for the one bucket
             else:
                 groups = self._group(events, raw)
+        if groups and self._only is None and any(e.op is ChangeOp.TRUNCATE for e in events):
+            groups = _truncates_everywhere(events, groups, units)
         extra = bool(window.schema_changes or window.messages)
         loss = window.data_loss
         if loss is not None:
@@ -352,3 +354,21 @@ class Lane:
             else:
                 found.append(event)
         return dict(groups)
+
+
+def _truncates_everywhere(
+    events: Sequence[ChangeEvent],
+    groups: dict[int, Sequence[ChangeEvent]],
+    units: Mapping[int, Unit],
+) -> dict[int, Sequence[ChangeEvent]]:
+    """Every owned bucket gets the window's TRUNCATE events, in their place.
+
+    A TRUNCATE has no key: its hash (the empty key's) names one bucket, but it
+    empties the table for all of them. Each unit's window keeps the window's
+    order: its own events, and the truncates between them.
+    """
+    bucket_of = {id(e): b for b, evs in groups.items() for e in evs}
+    return {
+        b: [e for e in events if e.op is ChangeOp.TRUNCATE or bucket_of.get(id(e)) == b]
+        for b in units
+    }

@@ -76,6 +76,7 @@ UNATTACHED: Final = 0
 
 _SCHEMA_CHANGE: Final = int(Op.SCHEMA_CHANGE)
 _MESSAGE: Final = int(Op.MESSAGE)
+_TRUNCATE: Final = int(Op.TRUNCATE)
 
 HASH_SPACE: Final = 1 << 64
 #: The 64-bit partition hash of encoded key bytes (XXH3-64, seed 0).
@@ -291,7 +292,9 @@ def event_mask(
     ``sources`` is a :func:`source_table` or a collection of source ids;
     ``None`` subscribes to every source, and ``key_filter=None`` to every key.
     Control events pass the key filter (a consumer needs the window boundaries
-    whatever it filters); schema changes and messages follow ``sources``.
+    whatever it filters), and so do TRUNCATE events (they have no key, and
+    empty the table for every share of its keys); schema changes and messages
+    follow ``sources``.
     """
     ops = headers["op"]
     control: npt.NDArray[np.bool_] = ops >= FIRST_CONTROL_OP
@@ -299,7 +302,9 @@ def event_mask(
         return np.ones(ops.shape, dtype=bool)
     data = ~control
     if key_filter is not None:
-        data &= key_filter.mask(headers["key_hash"])
+        # a TRUNCATE has no key (its hash is the empty key's): it empties the table
+        # for every share of the keys, so every subscriber gets it
+        data &= key_filter.mask(headers["key_hash"]) | (ops == _TRUNCATE)
     if sources is not None:
         table = sources if isinstance(sources, np.ndarray) else source_table(sources)
         subscribed = table[headers["source_id"]]
