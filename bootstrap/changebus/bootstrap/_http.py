@@ -338,19 +338,27 @@ async def catchup(request: web.Request) -> web.Response:
     key_filter = _filter(request)
     wanted = await _source_ids(request, part)
 
-    def page(store: Store) -> Any:
-        st = store.state(part)
-        if after < st.log_min_scn:
+    def pruned(store: Store) -> None:
+        log_min = store.state(part).log_min_scn
+        if after < log_min:
             raise ScnNotFoundError(
                 f"catch-up from {after} needs log windows this server pruned (it keeps those "
-                f"after {st.log_min_scn}); run the snapshot again",
-                log_min_scn=st.log_min_scn,
+                f"after {log_min}); run the snapshot again",
+                log_min_scn=log_min,
             )
+
+    def page(store: Store) -> Any:
+        pruned(store)
+        st = store.state(part)
         if target > st.producer_scn:
             raise BadRequestError(
                 f"target {target} is past this server's log (it ends at {st.producer_scn})"
             )
-        return store.catchup_page(part, after_scn=after, target_scn=target, max_bytes=max_bytes)
+        found = store.catchup_page(part, after_scn=after, target_scn=target, max_bytes=max_bytes)
+        # the applier may prune while the page is read (statements of their own): a
+        # page missing pruned windows must not go out as if it were whole
+        pruned(store)
+        return found
 
     result = await service.stores.read(page)
     data = result.data
