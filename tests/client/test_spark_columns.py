@@ -175,6 +175,24 @@ def test_not_sent_deletes_by_key_truncates_and_the_fallback() -> None:
     assert [r["pg_1"] for r in post] == [6, 6, 6]
 
 
+def test_a_lone_update_takes_its_unsent_value_from_the_before_image() -> None:
+    """Without deletes or truncates the columnar path takes the post-images as they
+    are; the values Postgres did not send (unchanged TOAST) were left null there
+    while the row path took them from the before-image (``includePreimage=false``
+    too: a MERGE sink then overwrote the stored value with null)."""
+    row = {c.name: None for c in TABLE.columns} | {"id": 7, "pg_6": "old", "pg_1": 5}
+    new = row | {"pg_6": None, "pg_1": 6}
+    data = _stream([(1, TABLE, [(Op.UPDATE, new, row, ("pg_6",), ())])])
+    for preimage in (True, False):
+        for fallback in (False, True):
+            rows, cols = _both(
+                data, {1: TABLE}, _SCHEMA, include_preimage=preimage, no_columnar=fallback
+            )
+            _equal(rows, cols)
+            post = [r for r in cols.to_pylist() if r["_change_type"] == "update_postimage"]
+            assert [r["pg_6"] for r in post] == ["old"], (preimage, fallback)
+
+
 def test_delete_without_before_image_is_its_key() -> None:
     t = TableSchema(
         "public.k",

@@ -303,7 +303,8 @@ class ArrowDecoder:
                 continue
             conv = self._convs[name]
             after, before = images[0][j], images[1][j]
-            if lay.identity:
+            if lay.identity and name not in patches:
+                # (a patched column takes values from the before-images below)
                 arrays.append(_as_array(after, n, f.type, conv))
                 continue
             pieces = [_as_array(after, n, f.type, conv), _as_array(before, n, f.type, conv)]
