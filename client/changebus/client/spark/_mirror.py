@@ -7,7 +7,9 @@ naming the newest complete one. Applying micro-batch ``batch_id``:
 1. if the pointer already names ``batch_id`` or a later batch, do nothing
    (Spark replays the last batch after a crash: idempotence by batch id);
 2. otherwise take the last change per key in the batch (ordered by
-   ``_commit_scn``, ``_txn_seq``), drop the keys it touches from the current
+   ``_commit_scn``, ``_txn_seq``; an update that changed its row's key also
+   deletes the old key, from its pre-image), drop the keys it touches (NULL
+   keys included: a table keyed by all its columns) from the current
    copy, add the rows whose last change is not a delete (a truncate in the
    batch empties the copy first), and write the result to ``v=<batch_id>``
    in the batch's columns (after a schema change: a new column is null in the
@@ -112,7 +114,7 @@ class ParquetMirror:
 
     def _apply(self, df: DataFrame, batch_id: int, version: int | None) -> int | None:
         spark = df.sparkSession
-        changes = df.where(F.col("_change_type") != "update_preimage")
+        changes = df.where(F.col("_change_type") != "update_preimage").unionByName(self._moved(df))
         stats = changes.agg(
             F.count(F.lit(1)).alias("n"),
             F.max(
@@ -151,12 +153,40 @@ class ParquetMirror:
         )
         upserts = last.where(F.col("_change_type") != "delete").select(*data_cols)
         if base is not None:
-            kept = base.join(last.select(*self.key), on=self.key, how="left_anti")
+            # NULL-safe: a table keyed by all its columns may have NULLs in its key
+            touched = last.select(*self.key)
+            same = [base[k].eqNullSafe(touched[k]) for k in self.key]
+            kept = base.join(touched, on=same, how="left_anti")
             result = _conform(kept, upserts.schema).unionByName(upserts)
         else:
             result = upserts
         result.write.mode("overwrite").parquet(str(self._dir(batch_id)))
         return batch_id
+
+    def _moved(self, df: DataFrame) -> DataFrame:
+        """The old key of every update that changed its row's key, as a delete.
+
+        An update's pre- and post-image share ``_commit_scn`` and ``_txn_seq``;
+        where their keys differ (NULL-safely), the pre-image's key is gone from
+        the table (it must not stay in the copy). Needs the pre-images
+        (``includePreimage``, the default).
+        """
+        pre = df.where(F.col("_change_type") == "update_preimage")
+        post = df.where(F.col("_change_type") == "update_postimage").select(
+            "_commit_scn",
+            "_txn_seq",
+            *(F.col(k).alias(f"_cb_post_{i}") for i, k in enumerate(self.key)),
+        )
+        same = F.lit(True)
+        for i, k in enumerate(self.key):
+            same = same & F.col(k).eqNullSafe(F.col(f"_cb_post_{i}"))
+        return (
+            pre.join(post, on=["_commit_scn", "_txn_seq"])
+            .where(~same)
+            .drop(*(f"_cb_post_{i}" for i in range(len(self.key))))
+            .withColumn("_change_type", F.lit("delete"))
+            .select(*df.columns)
+        )
 
 
 def _conform(df: DataFrame, schema: StructType) -> DataFrame:
