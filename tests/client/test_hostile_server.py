@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from changebus.client._stream import RelayStream, StreamConfig
-from changebus.schemas import Heartbeat, ProtocolError, encode_control
+from changebus.schemas import ChangebusError, Heartbeat, ProtocolError, encode_control
 
 LIMIT = 1 << 20
 FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
@@ -113,6 +113,29 @@ async def test_the_stream_stops_at_max_window_bytes(
     assert seen == [] and held <= LIMIT
 
 
+async def endless_error(request: web.Request) -> web.StreamResponse:
+    """A 500 whose body never ends (its JSON would say what went wrong)."""
+    resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    while True:
+        await resp.write(b" " * 65536)
+
+
+async def test_an_endless_error_answer_is_read_only_so_far() -> None:
+    """An error answer's JSON was read whole: a hostile one grew memory without end."""
+    async with serve(endless_error) as url:
+        cfg = StreamConfig(relays=(url,), partition="p", follow=False, max_attempts=1, **FAST)
+        async with aiohttp.ClientSession() as http:
+            stream = RelayStream(cfg, http)
+
+            async def sink(window: Any, relay: str) -> None:
+                raise AssertionError("no window")
+
+            # (unbounded, the read of the answer never ended: a timeout, not this error)
+            with pytest.raises(ChangebusError):
+                await asyncio.wait_for(stream.run(sink), 20)
+
+
 def test_max_window_bytes_must_be_positive() -> None:
     from changebus.client import ConsumerConfig
     from changebus.schemas import ConfigError
@@ -120,3 +143,5 @@ def test_max_window_bytes_must_be_positive() -> None:
     assert ConsumerConfig(relays=("http://a:1",)).max_window_bytes == 512 << 20
     with pytest.raises(ConfigError, match="max_window_bytes"):
         ConsumerConfig(relays=("http://a:1",), max_window_bytes=0)
+    with pytest.raises(ConfigError, match="must not pass max_window_bytes"):
+        ConsumerConfig(relays=("http://a:1",), max_bytes=4 << 20, max_window_bytes=2 << 20)

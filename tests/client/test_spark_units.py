@@ -471,3 +471,18 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
     assert SourceOptions.parse({"relays": "http://x"}).bootstrap == ()
     assert _resolve(boot, "earliest", bounds, "startingScn") == {"a": -1, "b": -1, "c": -1}
     assert _resolve(plain, "earliest", bounds, "startingScn") == {"a": 40, "b": 40, "c": 40}
+
+
+def test_max_window_bytes_reaches_the_tasks_consumer() -> None:
+    """A transaction past 512 MiB stopped the query for good, with no way to raise it."""
+    from changebus.client.spark._read import RangeSpec, _config
+
+    o = SourceOptions.parse({"relays": "http://x", "maxWindowBytes": str(2 << 30)})
+    assert o.max_window_bytes == 2 << 30
+    assert SourceOptions.parse({"relays": "http://x"}).max_window_bytes == 512 << 20
+    spec = RangeSpec("p", 10, 20)
+    assert _config(o, spec, 10, {}).max_window_bytes == 2 << 30
+    with pytest.raises(ConfigError, match="maxBytesPerRequest must not pass maxWindowBytes"):
+        SourceOptions.parse(
+            {"relays": "http://x", "maxWindowBytes": str(2 << 20), "maxBytesPerRequest": "4194304"}
+        )

@@ -387,5 +387,7 @@ class Bootstrapper:
                         "catchup" if what == "catchup" else "bootstrap"
                     )
                     raise await response_error(resp, where, kind=kind)
-                body = await read_body(resp, self.config.max_window_bytes, where)
+                # a page is up to its max_bytes and then one whole window more
+                limit = self.config.bootstrap_page_bytes + self.config.max_window_bytes
+                body = await read_body(resp, limit, where)
                 return body, resp.headers  # (case-insensitive: proxies lower-case names)

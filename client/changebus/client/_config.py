@@ -253,6 +253,11 @@ class ConsumerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.max_bytes > self.max_window_bytes:
+            raise ConfigError(
+                f"max_bytes ({self.max_bytes}) must not pass max_window_bytes "
+                f"({self.max_window_bytes}): an answer of max_bytes would be refused"
+            )
         if self.max_attempts < 0 or self.max_rollbacks < -1:
             raise ConfigError("max_attempts must be >= 0 and max_rollbacks >= -1")
         if self.callback_time_budget_s <= 0 or self.checkpoint_every_windows < 1:

@@ -168,6 +168,8 @@ async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp
 
 #: the most a JSON answer (status, sources, schemas) may hold
 MAX_JSON_BYTES = 64 << 20
+#: the most of an error answer read (its JSON body is a few hundred bytes)
+MAX_ERROR_BYTES = 1 << 20
 
 
 async def read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> bytes:
@@ -223,9 +225,9 @@ async def response_error(
     ``kind="stream"`` (a relay's ``/v1/stream``) with ``partition`` and
     ``requested_scn`` turns a 410 into :class:`FellOffRelayError`.
     """
-    try:
-        body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+    try:  # (bounded: an error answer is a small JSON document)
+        body = json.loads(await read_body(resp, MAX_ERROR_BYTES, where))
+    except (aiohttp.ClientError, TimeoutError, ValueError, ChangebusError):
         body = None
     if not isinstance(body, dict):
         body = {"message": resp.reason or ""}

@@ -49,7 +49,6 @@ from changebus.schemas import (
     parse_stream,
 )
 
-from .._assembler import DEFAULT_MAX_WINDOW_BYTES
 from .._errors import FellOffRelayError
 from .._http import read_body, response_error
 from .._info import RelayInfo
@@ -346,7 +345,7 @@ async def _first_window(
                     raise await response_error(
                         resp, info.where, kind="stream", partition=partition, requested_scn=scn
                     )
-                body = await read_body(resp, DEFAULT_MAX_WINDOW_BYTES, info.where)
+                body = await read_body(resp, opts.max_window_bytes, info.where)
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
                 next_offset = int(resp.headers["X-Changebus-Next-Offset"])
             if not body:

@@ -24,6 +24,8 @@ from typing import Literal
 from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
 from changebus.schemas.security import ClientAuth
 
+from .._assembler import DEFAULT_MAX_WINDOW_BYTES
+
 __all__ = [
     "OPTION_NAMES",
     "SCHEMA_CHANGE_KINDS",
@@ -71,6 +73,8 @@ OPTION_NAMES: dict[str, str] = {
     " and a range the relays no longer keep is recovered through it",
     "bootstrapurls": "the same as bootstrapUrl",
     "maxbytesperrequest": "bytes per relay response while reading",
+    "maxwindowbytes": "the largest transaction (window) a task holds (512 MiB): a larger one"
+    " stops the query; raise it for larger transactions (a task holds several times it)",
     "arrowbatchrows": "rows per Arrow record batch handed to Spark",
     "requesttimeouts": "seconds a relay request may take before failing over",
     "includepreimage": "true: updates with a before-image also give an update_preimage row",
@@ -268,7 +272,8 @@ class SourceOptions:
       fails the query (else it is skipped with a warning, as Spark's Kafka
       source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
-      transfer tuning; ``include_preimage`` -- emit ``update_preimage`` rows;
+      transfer tuning; ``max_window_bytes`` -- the largest window (transaction)
+      a task or the driver holds (the client's ``max_window_bytes``); ``include_preimage`` -- emit ``update_preimage`` rows;
     * ``include_not_sent`` -- add the ``_not_sent`` column (the values the
       source did not send, Postgres' unchanged TOAST);
     * ``schema_tracking_location`` -- streaming: the directory of the query's
@@ -299,6 +304,7 @@ class SourceOptions:
     split_by: Literal["key", "scn"] = "scn"
     fail_on_data_loss: bool = True
     max_bytes_per_request: int = 4 << 20
+    max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES
     arrow_batch_rows: int = 65536
     request_timeout_s: float = 30.0
     include_preimage: bool = True
@@ -330,6 +336,8 @@ class SourceOptions:
                 raise ConfigError(f"option bootstrapUrl: {url!r} is not an http:// or https:// URL")
         if self.num_partitions < 1 or self.arrow_batch_rows < 1 or self.max_bytes_per_request < 1:
             raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
+        if self.max_bytes_per_request > self.max_window_bytes:
+            raise ConfigError("maxBytesPerRequest must not pass maxWindowBytes")
         if self.request_timeout_s <= 0:
             raise ConfigError("requestTimeoutS must be > 0")
         if min(self.max_rows_per_trigger, self.max_bytes_per_trigger) < 0:
@@ -408,6 +416,7 @@ class SourceOptions:
             split_by=_split_by(opts.get("splitby", "scn")),
             fail_on_data_loss=_bool(opts, "failondataloss", True),
             max_bytes_per_request=_int(opts, "maxbytesperrequest", 4 << 20, 1024),
+            max_window_bytes=_int(opts, "maxwindowbytes", DEFAULT_MAX_WINDOW_BYTES, 1 << 20),
             arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),
             request_timeout_s=timeout_s,
             include_preimage=_bool(opts, "includepreimage", True),

@@ -105,6 +105,7 @@ def _config(
         until_scn=spec.until,  # fetch nothing past the range
         wait_s=1.0,
         max_bytes=opts.max_bytes_per_request,
+        max_window_bytes=opts.max_window_bytes,
         connect_timeout_s=min(opts.request_timeout_s, 10.0),
         read_margin_s=opts.request_timeout_s,
         max_attempts=10,

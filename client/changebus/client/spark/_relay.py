@@ -53,7 +53,6 @@ from changebus.schemas import (
     parse_stream,
 )
 
-from .._assembler import DEFAULT_MAX_WINDOW_BYTES
 from .._errors import RelayUnavailableError
 from .._http import open_session, read_body, response_error
 from .._info import RelayInfo, RelayQueries
@@ -307,7 +306,7 @@ async def end_within(
                     raise await response_error(
                         resp, info.where, kind="stream", partition=partition, requested_scn=scn
                     )
-                body_bytes = await read_body(resp, DEFAULT_MAX_WINDOW_BYTES, info.where)
+                body_bytes = await read_body(resp, opts.max_window_bytes, info.where)
                 next_scn = int(resp.headers["X-Changebus-Next-Scn"])
                 next_offset = int(resp.headers["X-Changebus-Next-Offset"])
             if not body_bytes:
@@ -383,7 +382,7 @@ async def position_at_time(
                     raise await response_error(
                         resp, info.where, kind="stream", partition=bounds.name, requested_scn=mid
                     )
-                body = await read_body(resp, DEFAULT_MAX_WINDOW_BYTES, info.where)
+                body = await read_body(resp, opts.max_window_bytes, info.where)
             _, headers = parse_stream(body, verify_payload=False)
             first_scn = int(headers["scn"][0])
             if passes(int(headers["timestamp_ns"][0])):
