@@ -148,3 +148,36 @@ async def test_a_postgres_replica_of_a_table_keyed_by_all_its_columns(pg_dsn: st
     finally:
         await replica.close()
     assert [tuple(r) for r in rows] == [(1, "now")]
+
+
+async def test_an_older_event_with_an_unsent_key_value_keeps_it(tmp_path: Path) -> None:
+    """Events written before fetchers filled an unchanged TOASTed key value from the
+    old row name it as not sent (NULL in the key): the replica takes the old row's."""
+    e = ChangeEvent(
+        scn=20,
+        seq=0,
+        op=ChangeOp.UPDATE,
+        table=W.name,
+        key={"a": 2, "t": None},
+        after={"a": 2, "t": None},
+        before={"a": 1, "t": "big"},
+        schema=W,
+        not_sent=("t",),
+    )
+    windows = [whole(10, ChangeOp.INSERT, {"a": 1, "t": "big"}), Window(20, 20, "p", (e,))]
+    db = tmp_path / "old.db"
+    replica = SqliteReplica(db)
+    try:
+        await replica.load()
+        for w in windows:
+            assert await replica.on_start_window(w) is None
+            for ev in w.events:
+                assert await replica.on_event(ev) is None
+            assert await replica.on_end_window(w) is None
+    finally:
+        await replica.close()
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute('SELECT a, t FROM "app_log"').fetchall() == [(2, "big")]
+    finally:
+        conn.close()

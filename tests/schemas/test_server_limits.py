@@ -191,6 +191,14 @@ async def test_the_default_cap_counts_remote_addresses_and_lets_loopback_in() ->
     gate.release("10.0.0.7")
     gate.release("127.0.0.1")
     assert gate.admit("10.0.0.7") is None and gate.stats.open == 5
+    # an IPv6 host counts by its /64: fresh addresses of one host are one client
+    gate = _Gate(web.Server(handler), limits, ConnectionStats("test"), logging.getLogger("t"))
+    assert [gate.admit(f"2001:db8::{i:x}") for i in range(5)] == [None] * 4 + [
+        "max_connections_per_ip"
+    ]
+    assert gate.admit("2001:db8:0:1::1") is None  # another /64
+    gate.release("2001:db8::2")
+    assert gate.per_ip["2001:db8::/64"] == 3
 
 
 def test_daemon_http_tables_carry_the_limits() -> None:

@@ -367,6 +367,9 @@ class Replica(AsyncCallbacks):
         if e.op is ChangeOp.DELETE or e.after is None:
             return
         image = {k: (e.key[k] if k in e.key else e.after.get(k)) for k in key}
+        for k in e.not_sent:  # (events of older fetchers: an unchanged TOASTed key value)
+            if k in image and e.before is not None and k not in e.before_not_sent:
+                image[k] = e.before.get(k)
         yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
         cols = list(image)
         yield (

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["ConnectionLimits"]
+__all__ = ["ConnectionLimits", "client_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +57,18 @@ class ConnectionLimits:
         if cap >= 0:
             return cap
         return 0 if _loopback(ip) else max(1, self.max_connections // 2)
+
+
+def client_of(ip: str) -> str:
+    """What a per-IP cap counts ``ip`` as: an IPv6 host by its /64 (one host may hold a
+    whole /64 and pick a fresh address per connection), anything else by itself."""
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return ip
 
 
 def _loopback(ip: str) -> bool:

@@ -74,7 +74,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from ._conn_limits import ConnectionLimits
+from ._conn_limits import ConnectionLimits, client_of
 from ._server_stats import CONNECTION_STATS, ConnectionStats
 
 __all__ = [
@@ -181,9 +181,10 @@ class _Gate:
             return "max_connections"
         cap = limits.cap_for(ip)
         if cap:
-            if self.per_ip[ip] >= cap:
+            client = client_of(ip)
+            if self.per_ip[client] >= cap:
                 return "max_connections_per_ip"
-            self.per_ip[ip] += 1
+            self.per_ip[client] += 1
         self.stats.open += 1
         return None
 
@@ -191,11 +192,12 @@ class _Gate:
         """Count an admitted connection out."""
         self.stats.open -= 1
         if self.limits.cap_for(ip):  # (the same answer as at admission)
-            left = self.per_ip[ip] - 1
+            client = client_of(ip)
+            left = self.per_ip[client] - 1
             if left > 0:
-                self.per_ip[ip] = left
+                self.per_ip[client] = left
             else:
-                del self.per_ip[ip]
+                del self.per_ip[client]
 
     def refused(self, reason: str) -> None:
         """Count a refusal; warn at most once a minute (a flood must not flood the log)."""
