@@ -115,6 +115,12 @@ class EmbeddedMariaDB:
             shutil.chown(directory, user)
             directory.chmod(0o755)
         data = directory / "data"
+        # temporary files of its own: servers installed at once in /tmp collided on
+        # names ("Error on delete of '/tmp/#sql-temptable-...'")
+        tmp = directory / "tmp"
+        tmp.mkdir(exist_ok=True)
+        if user is not None:
+            shutil.chown(tmp, user)
         user_args = [f"--user={user}"] if user else []
         done = subprocess.run(
             [
@@ -124,6 +130,7 @@ class EmbeddedMariaDB:
                 f"--datadir={data}",
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
+                f"--tmpdir={tmp}",
             ],
             capture_output=True,
             text=True,
@@ -137,6 +144,7 @@ class EmbeddedMariaDB:
         port = _free_port()
         options = {
             "datadir": str(data),
+            "tmpdir": str(tmp),
             "port": str(port),
             "bind-address": "127.0.0.1",
             "socket": str(directory / "mysqld.sock"),
