@@ -272,12 +272,13 @@ async def test_a_purged_prepare_stops_or_becomes_a_data_loss_at_its_commit(
 ) -> None:
     execute(mysql_server, mysql_db, _TABLE)
     cfg = relay_config(tmp_path, mysql_server, mysql_db, on_binlog_purged=on_purged)
-    conn = mysql_server.connect(mysql_db)
+    conn, conn2 = mysql_server.connect(mysql_db), mysql_server.connect(mysql_db)
     try:
         async with Relay(cfg) as relay:
             await wait_until(lambda: relay.hosts["my"].state == "streaming")
             prepare(conn, "'gone'", 70)
             execute(mysql_server, mysql_db, "FLUSH BINARY LOGS")
+            prepare(conn2, "'kept'", 73)  # in a file that stays
             execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (71, 'after')")
             await caught_up(relay, mysql_server, mysql_db)
         with mysql_server.connect() as admin, admin.cursor() as cur:
@@ -295,17 +296,19 @@ async def test_a_purged_prepare_stops_or_becomes_a_data_loss_at_its_commit(
             else:
                 await wait_until(lambda: host.state == "streaming")
                 xa(conn, "XA COMMIT 'gone'")
+                xa(conn2, "XA COMMIT 'kept'")  # its rows are in a kept file: delivered
                 execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (72, 'later')")
                 await caught_up(relay, mysql_server, mysql_db)
                 rows, _, events = replay(relay, "acct")
     finally:
         conn.close()
+        conn2.close()
         roll_back_prepared(mysql_server)
     assert kept == [current]
     if rows is not None:
         lost = [p for op, p in events if op == Op.DATA_LOSS]
         assert len(lost) == 1 and "gone" in lost[0].reason
-        assert sorted(rows) == [71, 72]
+        assert sorted(rows) == [71, 72, 73]
 
 
 async def test_a_rewind_does_not_apply_a_ddl_statement_twice(

@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
@@ -61,7 +60,6 @@ from typing import Any
 from changebus.schemas import (
     ControlPayload,
     DataLoss,
-    EndOfWindow,
     Heartbeat,
     Op,
     RowEncoder,
@@ -85,6 +83,7 @@ from ._txn import (
     OpenTxn as _Txn,
     Part as _Part,
     PendingWindow,
+    control_window,
     encode_window,
 )
 from ._workers import transcode_changes
@@ -202,6 +201,9 @@ class BinlogAssembler:
         statement) starts."""
         self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
         self._txn.start = (self.file, start_pos)
+        for prepared in self.prepared:  # let go of what their finished workers hold
+            if prepared.txn.dropped:
+                self._count_done(prepared.txn)
 
     def table_map(self, event: Any) -> None:
         if not self.captured(event.schema):
@@ -568,10 +570,7 @@ class BinlogAssembler:
         self, payload: ControlPayload, scn: int, position: str, timestamp_ns: int = 0
     ) -> Window:
         """A window of one control event at ``scn`` (data loss)."""
-        ts = timestamp_ns or time.time_ns()
-        event = encode_control(payload, scn, 0, ts, partition=self.partition_id)
-        end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=self.partition_id)
-        return Window(scn, ts, event + end, 2, position, (len(event), len(end)))
+        return control_window(payload, scn, position, self.partition_id, timestamp_ns)
 
     def _close(self, txn: _Txn, scn: int, position: str) -> Window:
         """Encode a committed transaction's events (futures are waited for)."""

@@ -377,8 +377,11 @@ class _Planner:
                     "lists them); set on_binlog_purged = 'data_loss' to go on (its XA COMMIT "
                     "becomes a data-loss event), or reseed the tables it changed"
                 )
-            # its XA COMMIT finds no prepared half: a DATA_LOSS window names it then
+            # its XA COMMIT finds no prepared half: a DATA_LOSS window names it then;
+            # other prepares still pending may sit in the files kept: read from the
+            # oldest (what the relay holds already is dropped by SCN)
             log.error("partition %s: %s; its XA COMMIT will be a data-loss event", self.name, why)
+            self.start = (logs[0], 4)
             return
         log.info(
             "partition %s: an XA transaction prepared at %s:%d (GTID %s) is not committed "

@@ -3,12 +3,13 @@ committed ones waiting for their decode workers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from changebus.schemas import EndOfWindow, RowEncoder, encode_control
+from changebus.schemas import ControlPayload, EndOfWindow, RowEncoder, encode_control
 
 from .._base import Window
 from ._layout import RowsTranscoder, TableLayout
@@ -16,7 +17,7 @@ from ._layout import RowsTranscoder, TableLayout
 if TYPE_CHECKING:
     from ._assembler import BinlogAssembler
 
-__all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow", "encode_window"]
+__all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow", "control_window", "encode_window"]
 
 
 @dataclass
@@ -114,3 +115,13 @@ def encode_window(txn: OpenTxn, scn: int, position: str, partition: int) -> tupl
     parts.append(end)
     sizes.append(len(end))
     return Window(scn, ts, b"".join(parts), seq + 1, position, tuple(sizes)), rows
+
+
+def control_window(
+    payload: ControlPayload, scn: int, position: str, partition: int, timestamp_ns: int = 0
+) -> Window:
+    """A window of one control event at ``scn`` (a heartbeat, a data loss)."""
+    ts = timestamp_ns or time.time_ns()
+    event = encode_control(payload, scn, 0, ts, partition=partition)
+    end = encode_control(EndOfWindow(0, position), scn, 1, ts, partition=partition)
+    return Window(scn, ts, event + end, 2, position, (len(event), len(end)))

@@ -31,6 +31,7 @@ group at other positions: that case is refused (``docs/mysql.md``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -123,6 +124,9 @@ class PreparedSet:
 
     def clear(self) -> None:
         self._by_key.clear()
+
+    def __iter__(self) -> Iterator[Prepared]:
+        return iter(self._by_key.values())
 
     def held_bytes(self) -> int:
         """Event bytes the prepared transactions hold (oversized ones hold none)."""
