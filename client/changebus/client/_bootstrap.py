@@ -48,6 +48,7 @@ from typing import Literal
 import aiohttp
 
 from changebus.schemas import (
+    BootstrapFailedError,
     BootstrapProgress,
     CorruptEventError,
     Mode,
@@ -159,6 +160,25 @@ class Bootstrapper:
         """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
         return self._last
 
+    async def _check_history(self, url: str, held: int) -> None:
+        """Refuse a server whose history starts after ``held``, the start of the
+        snapshot whose rows the consumer holds (part of them, from another server
+        or from this URL before its store was rebuilt).
+
+        Its tombstones cover the deletes after its ``base_scn`` only: a row the
+        consumer holds that was deleted between ``held`` and that base (before
+        the server was seeded) would stay for good.
+        """
+        base = (await self._status(url)).base_scn
+        if base > held:
+            raise BootstrapFailedError(
+                f"{safe_url(url)}: its history starts at SCN {base}, after SCN {held}, where "
+                "the snapshot this consumer holds rows of started: it cannot tell which of "
+                "those rows were deleted since. Use a bootstrap server whose history starts "
+                f"at or before SCN {held}, or reset the consumer's state (its rows and "
+                "checkpoint) and bootstrap from nothing"
+            )
+
     def _learn_partition(self, name: str) -> None:
         if self.partition is None:
             self.partition = name
@@ -186,6 +206,9 @@ class Bootstrapper:
         else:
             if resume is not None and resume.bootstrap is not None:
                 since = resume.bootstrap.since_scn
+                held = resume.bootstrap.start_scn if dirty else -1
+                if held >= 0:
+                    await self._check_history(url, held)
             if dirty and since < 0:
                 since = max((await self._status(url)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)
