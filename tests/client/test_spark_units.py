@@ -486,3 +486,17 @@ def test_max_window_bytes_reaches_the_tasks_consumer() -> None:
         SourceOptions.parse(
             {"relays": "http://x", "maxWindowBytes": str(2 << 20), "maxBytesPerRequest": "4194304"}
         )
+
+
+def test_a_range_from_the_start_is_read_from_scn_0_without_a_bootstrap_server() -> None:
+    """SCN -1 read "from the relay's oldest window": evicted meanwhile (before the task
+    ran, or before its replay) its windows were skipped without a word, and a replay
+    gave other rows. From SCN 0 a relay that evicted them answers 410."""
+    from changebus.client.spark._read import RangeSpec, _config
+
+    spec = RangeSpec("p", -1, 20)
+    plain = SourceOptions.parse({"relays": "http://x"})
+    assert _config(plain, spec, -1, {}).start == "0"
+    booted = SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b"})
+    assert _config(booted, spec, -1, {}).start == "earliest"  # a snapshot comes first
+    assert _config(plain, spec, 17, {}).start == "17"

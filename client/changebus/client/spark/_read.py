@@ -99,7 +99,10 @@ def _config(
         partition=spec.partition,
         sources=opts.sources,
         filter=spec.key_filter,
-        start="earliest" if position < 0 else str(position),
+        # -1 without a bootstrap server: the very start, SCN 0 (every SCN is past it),
+        # so that a relay that evicted windows meanwhile answers 410 instead of
+        # serving from its oldest ("earliest") and skipping them
+        start="earliest" if position < 0 and opts.bootstrap else str(max(position, 0)),
         client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
         follow=False,
         until_scn=spec.until,  # fetch nothing past the range
