@@ -337,6 +337,8 @@ async def catchup(request: web.Request) -> web.Response:
     max_bytes = _max_bytes(request)
     key_filter = _filter(request)
     wanted = await _source_ids(request, part)
+    if wanted is not None and principal_of(request).sources is None:
+        wanted = [UNATTACHED, *wanted]  # (a consumer's own choice: messages too)
 
     def pruned(store: Store) -> None:
         log_min = store.state(part).log_min_scn
@@ -358,14 +360,12 @@ async def catchup(request: web.Request) -> web.Response:
         # the applier may prune while the page is read (statements of their own): a
         # page missing pruned windows must not go out as if it were whole
         pruned(store)
-        return found
+        data = found.data
+        if data and (key_filter is not None or wanted is not None):
+            data = _select(data, key_filter, wanted)  # (here: a page's checks take long)
+        return found, data
 
-    result = await service.stores.read(page)
-    data = result.data
-    if data and (key_filter is not None or wanted is not None):
-        if wanted is not None and principal_of(request).sources is None:
-            wanted = [UNATTACHED, *wanted]  # (a consumer's own choice: messages too)
-        data = _select(data, key_filter, wanted)
+    result, data = await service.stores.read(page)
     metrics = request.app[METRICS]
     metrics.catchup_events[part] += result.events
     metrics.bytes_served[part] += len(data)

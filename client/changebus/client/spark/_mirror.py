@@ -114,7 +114,9 @@ class ParquetMirror:
 
     def _apply(self, df: DataFrame, batch_id: int, version: int | None) -> int | None:
         spark = df.sparkSession
-        changes = df.where(F.col("_change_type") != "update_preimage").unionByName(self._moved(df))
+        # (the first action reads the batch once, into the cache: the moved keys'
+        # self-join below would otherwise read the source twice, counted twice too)
+        changes = df.where(F.col("_change_type") != "update_preimage")
         stats = changes.agg(
             F.count(F.lit(1)).alias("n"),
             F.max(
@@ -131,6 +133,7 @@ class ParquetMirror:
             raise ValueError(
                 "ParquetMirror mirrors one table: read the stream with option sources=<table>"
             )
+        changes = changes.unionByName(self._moved(df))  # (no row count, truncate or table)
         data_cols = [c for c in df.columns if c not in _META]
         base = None
         if version is not None:
