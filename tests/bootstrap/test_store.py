@@ -481,3 +481,35 @@ def test_an_update_without_unsent_columns_is_completed_by_an_older_chunk(store: 
     ]
     store.snapshot_chunk("p", job, rows, 70)
     assert _live_rows(store, t) == {1: ("big1", ()), 2: ("big2", ())}
+
+
+def test_a_page_of_big_rows_reads_about_max_bytes(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page read 2,000 rows at a time whatever their size: 2,000 rows of several MB
+    held GBs for one request. Reads now follow the rows' average size."""
+    big = "x" * 100_000
+    windows = [window(100 + i * 10, [("public.t1", Op.INSERT, i, big)]) for i in range(60)]
+    for data in windows:
+        store.append("p", data)
+    store.apply("p")
+    read: list[int] = []
+    real = store._all
+
+    def counting(sql: str, params: Any = ()) -> Any:
+        rows = real(sql, params)
+        if "event" in sql:
+            read.append(sum(len(r[-1]) for r in rows))
+        return rows
+
+    monkeypatch.setattr(store, "_all", counting)
+    sid = REG.source_id("public.t1")
+    st = store.state("p")
+    page = store.snapshot_page(
+        "p", [sid], since_scn=-1, start_scn=st.applier_scn, position=(0, 0), max_bytes=1 << 20
+    )
+    assert not page.complete and 1 << 20 <= len(page.data) < 3 << 20
+    assert sum(read) < 3 << 20, read  # not the 60 rows (6 MB) at once
+    read.clear()
+    cpage = store.catchup_page("p", after_scn=99, target_scn=st.producer_scn, max_bytes=1 << 20)
+    assert not cpage.complete and sum(read) < 3 << 20, read

@@ -113,6 +113,7 @@ class Pages(StoreDb):
         src, after = position
         chunks: list[bytes] = []
         size = events = 0
+        seen = (0, 0)  # rows read and their bytes (kept or not: the reads' sizes)
         for sid in sources:
             if sid < src:
                 continue
@@ -128,13 +129,15 @@ class Pages(StoreDb):
                     size += len(trunc[1])
                     events += 1
             while True:
+                want = _rows_to_fetch(batch_rows, max_bytes, size, seen)
                 rows = self._all(
                     "SELECT id, scn, deleted, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
                     "AND id > {p} AND scn > {p}"
                     + (" AND deleted = 0" if since_scn < 0 else "")
                     + " ORDER BY id LIMIT {p}",
-                    (part, sid, after, since_scn, batch_rows),
+                    (part, sid, after, since_scn, want),
                 )
+                seen = (seen[0] + len(rows), seen[1] + sum(len(r[3]) for r in rows))
                 for rid, scn, deleted, event in rows:
                     after = int(rid)
                     if int(scn) <= since_scn:
@@ -151,7 +154,7 @@ class Pages(StoreDb):
                     events += 1
                     if size >= max_bytes:
                         return SnapshotPage(b"".join(chunks), events, (sid, after), False)
-                if len(rows) < batch_rows:
+                if len(rows) < want:
                     break
             src = sid
         last = sources[-1] if sources else 0
@@ -179,10 +182,11 @@ class Pages(StoreDb):
         # ``after_scn``'s window was sent already: start past all of it
         cursor_scn, cursor_id = after_scn, _MAX_ID
         while True:
+            want = _rows_to_fetch(batch_rows, max_bytes, size, (events, size))
             rows = self._all(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
                 "(scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} ORDER BY scn, id LIMIT {p}",
-                (part, cursor_scn, cursor_scn, cursor_id, target_scn, batch_rows),
+                (part, cursor_scn, cursor_scn, cursor_id, target_scn, want),
             )
             for rid, scn, op, event in rows:
                 cursor_scn, cursor_id = int(scn), int(rid)
@@ -194,7 +198,19 @@ class Pages(StoreDb):
                     if size >= max_bytes:
                         data = b"".join(chunks)
                         return CatchupPage(data, events, last_scn, last_id, last_scn >= target_scn)
-            if len(rows) < batch_rows:
+            if len(rows) < want:
                 break
         # drop a trailing partial window (cannot happen with whole-window appends)
         return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
+
+
+def _rows_to_fetch(batch_rows: int, max_bytes: int, size: int, seen: tuple[int, int]) -> int:
+    """How many rows a page's next read fetches: about what is left of ``max_bytes``
+    (``size`` is kept so far) at the average size of the rows read so far (``seen``:
+    rows, bytes; 16 first), at most ``batch_rows``. A page of big rows then holds
+    about ``max_bytes`` and one read more, not ``batch_rows`` of them."""
+    rows, nbytes = seen
+    if rows == 0:
+        return min(batch_rows, 16)
+    average = max(1, nbytes // rows)
+    return max(1, min(batch_rows, max(0, max_bytes - size) // average + 1))
