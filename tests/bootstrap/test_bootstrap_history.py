@@ -86,3 +86,56 @@ async def test_a_server_whose_history_starts_later_is_refused(tmp_path: Path) ->
             # one that started within it: this server goes on with a snapshot of its own
             target = await asyncio.wait_for(runner._run_once(boot.url, -1, held(base), True), 30)
     assert base > 0 and target >= last
+
+
+async def test_a_snapshot_position_of_another_store_restarts_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    """Row ids are a store's own. Behind one load-balanced URL (or after a store was
+    rebuilt under it) a position from store A resumed on store B and skipped rows:
+    positions now name their store, and another store's is a 410 that restarts
+    the snapshot (the client's RestartBootstrap), not a terminal failure."""
+    from changebus.client._http import RestartBootstrap, response_error
+
+    options = {"windows_per_s": 0, "max_windows": 30, "events_per_window": 4, "tables": 1}
+    relay_cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=RelayHttp(port=0),
+        partitions=(
+            PartitionConfig(
+                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    async with Relay(relay_cfg) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 30)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=HttpConfig(port=0),
+        )
+        async with BootstrapServer(cfg) as boot, aiohttp.ClientSession() as http:
+            w = boot.service.workers
+            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last)
+            url = f"{boot.url}/v1/bootstrap/snapshot"
+            async with http.get(f"{boot.url}/v1/bootstrap/start", params={"partition": "syn"}) as r:
+                start = str((await r.json())["start_scn"])
+            base = {"partition": "syn", "start": start, "max_bytes": "200"}
+            async with http.get(url, params=base) as resp:
+                assert resp.status == 200
+                position = resp.headers["X-Changebus-Snapshot-Position"]
+            source, row, store = position.split(":")
+            assert len(store) == 16
+            for pos, status in (
+                (position, 200),  # its own store
+                (f"{source}:{row}", 200),  # (a position of an older server: no store named)
+                (f"{source}:{row}:{'0' * 16}", 410),  # another store's
+            ):
+                async with http.get(url, params={**base, "position": pos}) as resp:
+                    assert resp.status == status, (pos, await resp.text())
+                    if status == 410:
+                        error = await response_error(resp, "b", kind="bootstrap")
+    assert isinstance(error, RestartBootstrap)

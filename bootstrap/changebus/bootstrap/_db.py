@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ _DDL = [
         part TEXT NOT NULL, name TEXT NOT NULL, scope TEXT NOT NULL, resume_at TEXT,
         chunks BIGINT NOT NULL, nrows BIGINT NOT NULL, first_tag BIGINT NOT NULL,
         last_tag BIGINT NOT NULL, PRIMARY KEY (part, name))""",
+    # the store's identity: a random id made once, named in snapshot positions
+    "CREATE TABLE IF NOT EXISTS cb_ident (id TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS cb_schema (
         part TEXT NOT NULL, source_id INTEGER NOT NULL, version INTEGER NOT NULL,
         name TEXT NOT NULL, schema TEXT NOT NULL, PRIMARY KEY (part, source_id, version))""",
@@ -120,6 +123,13 @@ class StoreDb:
         with self._txn():
             for ddl in _DDL:
                 self._conn.execute(ddl.format(serial=serial, blob=blob))
+            if self._one("SELECT min(id) FROM cb_ident")[0] is None:
+                self._conn.execute(
+                    self._sql("INSERT INTO cb_ident (id) VALUES ({p})"), (secrets.token_hex(8),)
+                )
+            #: this store's identity (a snapshot position of another store is refused);
+            #: the smallest id, should two connections have made one at once
+            self.store_id: str = str(self._one("SELECT min(id) FROM cb_ident")[0])
 
     def close(self) -> None:
         self._conn.close()

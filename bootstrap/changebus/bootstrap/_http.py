@@ -254,20 +254,23 @@ async def status(request: web.Request) -> web.Response:
     )
 
 
-_POSITION = re.compile(rf"([0-9]{{1,{MAX_DIGITS}}}):([0-9]{{1,{MAX_DIGITS}}})")
+_POSITION = re.compile(
+    rf"([0-9]{{1,{MAX_DIGITS}}}):([0-9]{{1,{MAX_DIGITS}}})(?::([0-9a-f]{{16}}))?"
+)
 
 
-def _parse_position(text: str | None) -> tuple[int, int]:
-    """``SOURCE:ROW`` of a snapshot page (two numbers in ``0..MAX_SCN``); absent: the start."""
+def _parse_position(text: str | None) -> tuple[tuple[int, int], str]:
+    """``SOURCE:ROW[:STORE]`` of a snapshot page (two numbers in ``0..MAX_SCN``, the
+    store's id); absent: the start. Returns the position and the store id ("": none)."""
     if not text:
-        return (0, 0)
+        return (0, 0), ""
     m = _POSITION.fullmatch(text)
     if m is None:
-        raise BadRequestError(f"position must be SOURCE:ROW, got {text[:40]!r}")
+        raise BadRequestError(f"position must be SOURCE:ROW[:STORE], got {text[:40]!r}")
     pos = (int(m[1]), int(m[2]))
     if max(pos) > MAX_SCN:
         raise BadRequestError(f"position numbers must be within 0..{MAX_SCN}")
-    return pos
+    return pos, m[3] or ""
 
 
 def _binary(data: bytes, headers: dict[str, str]) -> web.Response:
@@ -281,12 +284,20 @@ async def snapshot(request: web.Request) -> web.Response:
     part = _partition(request)
     since = _scn(request, "since")
     start_scn = _scn(request, "start", None)
-    position = _parse_position(request.query.get("position"))
+    position, of_store = _parse_position(request.query.get("position"))
     max_bytes = _max_bytes(request)
     key_filter = _filter(request)
     wanted = await _source_ids(request, part)
 
     def page(store: Store) -> Any:
+        if of_store and of_store != store.store_id:
+            # row ids are a store's own: another store (a server behind the same URL,
+            # a rebuilt one) would skip rows it never sent
+            raise ScnNotFoundError(
+                "the snapshot position is another store's (another server behind this "
+                "URL, or a rebuilt store): run the snapshot again",
+                restart_snapshot=True,
+            )
         st = store.state(part)
         if 0 <= since < st.base_scn:
             raise ScnNotFoundError(
@@ -310,7 +321,7 @@ async def snapshot(request: web.Request) -> web.Response:
             key_filter=key_filter,
         )
 
-    result = await service.stores.read(page)
+    result, store_id = await service.stores.read(lambda store: (page(store), store.store_id))
     metrics = request.app[METRICS]
     metrics.rows_served[part] += result.events
     metrics.bytes_served[part] += len(result.data)
@@ -319,7 +330,9 @@ async def snapshot(request: web.Request) -> web.Response:
         {
             "X-Changebus-Partition": part,
             "X-Changebus-Events": str(result.events),
-            "X-Changebus-Snapshot-Position": f"{result.position[0]}:{result.position[1]}",
+            "X-Changebus-Snapshot-Position": (
+                f"{result.position[0]}:{result.position[1]}:{store_id}"
+            ),
             "X-Changebus-Snapshot-Complete": "1" if result.complete else "0",
         },
     )

@@ -239,6 +239,8 @@ async def response_error(
     if kind == "catchup":
         return RestartBootstrap(f"{exc.message}; running the snapshot again")
     if kind == "bootstrap":
+        if body.get("restart_snapshot") is True:  # a position of another store
+            return RestartBootstrap(f"{exc.message}; running the snapshot again")
         return BootstrapFailedError(exc.message)
     return exc
 
