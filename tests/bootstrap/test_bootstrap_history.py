@@ -10,81 +10,42 @@ clear error instead.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
+from synthetic_boot import synthetic_boot
 
-from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
 from changebus.client import ConsumerConfig
 from changebus.client._bootstrap import Bootstrapper
 from changebus.client._decode import SchemaCache
 from changebus.client._queue import WindowQueue
-from changebus.relay import (
-    FetcherConfig,
-    HttpConfig as RelayHttp,
-    PartitionConfig,
-    Relay,
-    RelayConfig,
-)
 from changebus.schemas import BootstrapFailedError, BootstrapProgress, Mode, PartitionCheckpoint
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
 
-async def wait_until(cond: Callable[[], bool], seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_server_whose_history_starts_later_is_refused(tmp_path: Path) -> None:
-    options = {"windows_per_s": 0, "max_windows": 40, "events_per_window": 4, "tables": 1}
-    relay_cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=RelayHttp(port=0),
-        partitions=(
-            PartitionConfig(
-                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
-    async with Relay(relay_cfg) as relay:
-        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 40)
+    async with synthetic_boot(tmp_path, 40) as (relay, boot), aiohttp.ClientSession() as http:
         last = relay.hosts["syn"].buffer.meta.last_scn
-        cfg = BootstrapConfig(
-            relays=(relay.url,),
-            data_dir=tmp_path / "boot",
-            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
-            http=HttpConfig(port=0),
-        )
-        async with BootstrapServer(cfg) as boot, aiohttp.ClientSession() as http:
-            w = boot.service.workers
-            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last)
-            base = w["syn"].base_scn
-            config = ConsumerConfig(
-                relays=(relay.url,), partition="syn", bootstrap_servers=(boot.url,)
+        base = boot.service.workers["syn"].base_scn
+        config = ConsumerConfig(relays=(relay.url,), partition="syn", bootstrap_servers=(boot.url,))
+        queue = WindowQueue(1 << 16, 1 << 30)  # (large: the snapshot is queued, not read)
+        runner = Bootstrapper(config, http, queue, SchemaCache())
+
+        def held(start: int) -> PartitionCheckpoint:
+            progress = BootstrapProgress(
+                since_scn=-1, start_scn=start, snapshot_position="0:7", server="http://a.gone:1"
             )
-            queue = WindowQueue(1 << 16, 1 << 30)  # (large: the snapshot is queued, not read)
-            runner = Bootstrapper(config, http, queue, SchemaCache())
+            return PartitionCheckpoint(
+                window_scn=start, prev_scn=start, mode=Mode.SNAPSHOT, bootstrap=progress
+            )
 
-            def held(start: int) -> PartitionCheckpoint:
-                progress = BootstrapProgress(
-                    since_scn=-1, start_scn=start, snapshot_position="0:7", server="http://a.gone:1"
-                )
-                return PartitionCheckpoint(
-                    window_scn=start, prev_scn=start, mode=Mode.SNAPSHOT, bootstrap=progress
-                )
-
-            # rows of a snapshot that started before this server's history: refused
-            with pytest.raises(BootstrapFailedError, match=f"starts at SCN {base}"):
-                await runner._run_once(boot.url, -1, held(base - 5), True)
-            # one that started within it: this server goes on with a snapshot of its own
-            target = await asyncio.wait_for(runner._run_once(boot.url, -1, held(base), True), 30)
+        # rows of a snapshot that started before this server's history: refused
+        with pytest.raises(BootstrapFailedError, match=f"starts at SCN {base}"):
+            await runner._run_once(boot.url, -1, held(base - 5), True)
+        # one that started within it: this server goes on with a snapshot of its own
+        target = await asyncio.wait_for(runner._run_once(boot.url, -1, held(base), True), 30)
     assert base > 0 and target >= last
 
 
@@ -97,45 +58,23 @@ async def test_a_snapshot_position_of_another_store_restarts_the_snapshot(
     the snapshot (the client's RestartBootstrap), not a terminal failure."""
     from changebus.client._http import RestartBootstrap, response_error
 
-    options = {"windows_per_s": 0, "max_windows": 30, "events_per_window": 4, "tables": 1}
-    relay_cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=RelayHttp(port=0),
-        partitions=(
-            PartitionConfig(
-                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
-    async with Relay(relay_cfg) as relay:
-        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 30)
-        last = relay.hosts["syn"].buffer.meta.last_scn
-        cfg = BootstrapConfig(
-            relays=(relay.url,),
-            data_dir=tmp_path / "boot",
-            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
-            http=HttpConfig(port=0),
-        )
-        async with BootstrapServer(cfg) as boot, aiohttp.ClientSession() as http:
-            w = boot.service.workers
-            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last)
-            url = f"{boot.url}/v1/bootstrap/snapshot"
-            async with http.get(f"{boot.url}/v1/bootstrap/start", params={"partition": "syn"}) as r:
-                start = str((await r.json())["start_scn"])
-            base = {"partition": "syn", "start": start, "max_bytes": "200"}
-            async with http.get(url, params=base) as resp:
-                assert resp.status == 200
-                position = resp.headers["X-Changebus-Snapshot-Position"]
-            source, row, store = position.split(":")
-            assert len(store) == 16
-            for pos, status in (
-                (position, 200),  # its own store
-                (f"{source}:{row}", 200),  # (a position of an older server: no store named)
-                (f"{source}:{row}:{'0' * 16}", 410),  # another store's
-            ):
-                async with http.get(url, params={**base, "position": pos}) as resp:
-                    assert resp.status == status, (pos, await resp.text())
-                    if status == 410:
-                        error = await response_error(resp, "b", kind="bootstrap")
+    async with synthetic_boot(tmp_path, 30) as (_relay, boot), aiohttp.ClientSession() as http:
+        url = f"{boot.url}/v1/bootstrap/snapshot"
+        async with http.get(f"{boot.url}/v1/bootstrap/start", params={"partition": "syn"}) as r:
+            start = str((await r.json())["start_scn"])
+        base = {"partition": "syn", "start": start, "max_bytes": "200"}
+        async with http.get(url, params=base) as resp:
+            assert resp.status == 200
+            position = resp.headers["X-Changebus-Snapshot-Position"]
+        source, row, store = position.split(":")
+        assert len(store) == 16
+        for pos, status in (
+            (position, 200),  # its own store
+            (f"{source}:{row}", 200),  # (a position of an older server: no store named)
+            (f"{source}:{row}:{'0' * 16}", 410),  # another store's
+        ):
+            async with http.get(url, params={**base, "position": pos}) as resp:
+                assert resp.status == status, (pos, await resp.text())
+                if status == 410:
+                    error = await response_error(resp, "b", kind="bootstrap")
     assert isinstance(error, RestartBootstrap)

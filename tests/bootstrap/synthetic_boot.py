@@ -1,0 +1,53 @@
+"""A relay with a synthetic source and a bootstrap server that has applied all of it.
+
+For tests of the bootstrap server's HTTP answers that need some windows in its
+log and snapshot but no source database: ``async with synthetic_boot(tmp) as
+(relay, boot)`` yields both once the server's applier reached the relay's last
+window (partition ``syn``, one table, 4 events per window).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
+from changebus.relay import (
+    FetcherConfig,
+    HttpConfig as RelayHttp,
+    PartitionConfig,
+    Relay,
+    RelayConfig,
+)
+from waiting import wait_until
+
+
+@contextlib.asynccontextmanager
+async def synthetic_boot(
+    tmp: Path, windows: int = 40
+) -> AsyncIterator[tuple[Relay, BootstrapServer]]:
+    options = {"windows_per_s": 0, "max_windows": windows, "events_per_window": 4, "tables": 1}
+    relay_cfg = RelayConfig(
+        data_dir=tmp / "relay",
+        http=RelayHttp(port=0),
+        partitions=(
+            PartitionConfig(
+                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    async with Relay(relay_cfg) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= windows)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp / "boot" / "b.db"),
+            http=HttpConfig(port=0),
+        )
+        async with BootstrapServer(cfg) as boot:
+            w = boot.service.workers
+            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last, what="applier")
+            yield relay, boot
