@@ -35,6 +35,16 @@ def event(scn: int, op: ChangeOp, after: dict[str, Any], before: Any = None, **k
     return Window(scn=scn, timestamp_ns=scn, partition="p", events=(e,))
 
 
+async def apply(replica: Any, windows: list[Window]) -> None:
+    """Hand ``windows`` to ``replica`` as a consumer would (its callbacks, in order)."""
+    await replica.load()
+    for w in windows:
+        assert await replica.on_start_window(w) is None
+        for e in w.events:
+            assert await replica.on_event(e) is None
+        assert await replica.on_end_window(w) is None
+
+
 async def test_key_change_with_unsent_columns_moves_the_row(tmp_path: Path) -> None:
     big = "b" * 5000
     windows = [
@@ -57,12 +67,7 @@ async def test_key_change_with_unsent_columns_moves_the_row(tmp_path: Path) -> N
     db = tmp_path / "r.db"
     replica = SqliteReplica(db)
     try:
-        await replica.load()
-        for w in windows:
-            assert await replica.on_start_window(w) is None
-            for e in w.events:
-                assert await replica.on_event(e) is None
-            assert await replica.on_end_window(w) is None
+        await apply(replica, windows)
     finally:
         await replica.close()
     conn = sqlite3.connect(db)
@@ -112,12 +117,7 @@ async def test_a_table_keyed_by_all_its_columns_keeps_its_nulls(tmp_path: Path) 
     db = tmp_path / "w.db"
     replica = SqliteReplica(db)
     try:
-        await replica.load()
-        for w in windows:
-            assert await replica.on_start_window(w) is None
-            for e in w.events:
-                assert await replica.on_event(e) is None
-            assert await replica.on_end_window(w) is None
+        await apply(replica, windows)
     finally:
         await replica.close()
     conn = sqlite3.connect(db)
@@ -138,12 +138,7 @@ async def test_a_postgres_replica_of_a_table_keyed_by_all_its_columns(pg_dsn: st
     ]
     replica = PostgresReplica(pg_dsn)
     try:
-        await replica.load()
-        for w in windows:
-            assert await replica.on_start_window(w) is None
-            for e in w.events:
-                assert await replica.on_event(e) is None
-            assert await replica.on_end_window(w) is None
+        await apply(replica, windows)
         rows = await asyncio.to_thread(replica.query, 'SELECT a, t FROM "app"."log"')
     finally:
         await replica.close()
@@ -168,12 +163,7 @@ async def test_an_older_event_with_an_unsent_key_value_keeps_it(tmp_path: Path) 
     db = tmp_path / "old.db"
     replica = SqliteReplica(db)
     try:
-        await replica.load()
-        for w in windows:
-            assert await replica.on_start_window(w) is None
-            for ev in w.events:
-                assert await replica.on_event(ev) is None
-            assert await replica.on_end_window(w) is None
+        await apply(replica, windows)
     finally:
         await replica.close()
     conn = sqlite3.connect(db)
