@@ -43,6 +43,7 @@ import numpy as np
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
+    Op,
     PartitionCheckpoint,
     PartitionFilter,
     ProtocolError,
@@ -63,6 +64,9 @@ __all__ = ["Lane", "LaneBatch", "lane_config"]
 
 #: windows with at least this many events are split with numpy, smaller ones with lists
 _VECTOR_MIN = 16
+
+#: the op code of a TRUNCATE event in a raw window's headers
+_TRUNCATE = int(Op.TRUNCATE)
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +274,12 @@ class Lane:
                 groups = {self._only: events}  # the relay filters for the one bucket
             else:
                 groups = self._group(events, raw)
-        if groups and self._only is None and any(e.op is ChangeOp.TRUNCATE for e in events):
+        if (
+            groups
+            and self._only is None
+            and raw is not None
+            and (raw.headers["op"] == _TRUNCATE).any()
+        ):
             groups = _truncates_everywhere(events, groups, units)
         extra = bool(window.schema_changes or window.messages)
         loss = window.data_loss

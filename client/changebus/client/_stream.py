@@ -429,7 +429,7 @@ class RelayStream:
 
     async def _read_whole(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
         # raises when the body ends early (nothing is used) or passes the bound
-        body = await read_body(resp, self.config.max_window_bytes, url)
+        body = await read_body(resp, self.config.max_window_bytes, self._where[url])
         for raw in self._assembler.feed(body):
             await self._hand(raw, url, sink)
         if self._assembler.in_window:
