@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import replace
@@ -42,14 +41,15 @@ import aiohttp
 from changebus.client import (
     FellOffRelayError,
     RawWindow,
-    RelaySchemas,
     RelayStream,
     StreamConfig,
+    safe_url,
 )
-from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss
+from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss, SchemaError
 from changebus.schemas.config import scrub
 
 from ._lost import DATA_LOSS_OP, loss_in, loss_reason
+from ._registrycheck import describe, registry_conflicts, relay_registry
 from ._seeding import Seeding
 from ._store import PartitionState, Store
 from ._worker import PartitionWorker
@@ -88,7 +88,14 @@ class Pipelines(Seeding):
             client_id=f"bootstrap-producer-{w.name}",
         )
 
+        checked: list[str] = []  # the relay whose registry was held against the log's
+
         async def put(raw: RawWindow, relay: str) -> None:
+            if checked != [relay]:
+                # the windows (and schemas) of the relay before are stored first
+                await sink.join()
+                await self._sync_schemas(w, relay)
+                checked[:] = [relay]
             await sink.put((raw, relay))
 
         writer = asyncio.create_task(self._write_log(w, sink), name=f"log-writer-{w.name}")
@@ -149,8 +156,18 @@ class Pipelines(Seeding):
                 )
                 if (ops == DATA_LOSS_OP).any():
                     losses.append((raw.scn, loss_in(raw)))
-            if not wanted <= known:
-                known |= await self._sync_schemas(w, batch[-1][1])
+            while not wanted <= known:
+                try:
+                    known |= await self._sync_schemas(w, batch[-1][1])
+                    break
+                except ChangebusError as exc:
+                    # the batch stays; so does the producer, blocked on the full queue
+                    w.state = "error"
+                    w.last_error = scrub(exc.message, self.secrets)
+                    log.error(
+                        "partition %s: cannot store the relay's schemas: %s", w.name, w.last_error
+                    )
+                    await asyncio.sleep(self.config.producer.fell_off_retry_s)
             if start_scn is None and w.producer_scn < 0:
                 start_scn = await self._relay_prev_scn(w, batch[0][1])
             data = b"".join(raw.body for raw, _ in batch)
@@ -180,17 +197,28 @@ class Pipelines(Seeding):
                 sink.task_done()
 
     async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
-        """Copy the relay's table schemas of the partition into the store."""
+        """Copy the relay's table schemas of the partition into the store.
+
+        Raises a non-retriable :class:`SchemaError` when the relay's registry
+        disagrees with the stored one (:mod:`._registrycheck`); nothing is
+        copied then.
+        """
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=30)
-        source = RelaySchemas(self._session, url, w.name, timeout)
-        names = await source.source_names()
-        entries: list[tuple[int, int, str, str]] = []
-        for name in sorted(set(names.values())):
-            for sid, schema in await source.source_schemas(name):
-                entries.append((sid, schema.version, schema.name, json.dumps(schema.to_json())))
-        await self.stores.write(lambda s: s.put_schemas(w.name, entries))
-        log.info("partition %s: %d schema versions copied from the relay", w.name, len(entries))
+        entries = await relay_registry(self._session, url, w.name, timeout)
+        stored = await self.stores.write(lambda s: s.schemas(w.name))
+        conflicts = registry_conflicts(stored, entries)
+        if conflicts:
+            raise SchemaError(
+                f"partition {w.name}: the schema registry of relay {safe_url(url)} is not the "
+                f"one this log was written with ({describe(conflicts)}); its windows are not "
+                "stored. Point the bootstrap server at relays that share one registry (a relay "
+                "cluster), or rebuild the bootstrap store from this relay"
+            )
+        new = [e for e in entries if (e[0], e[1]) not in {(s[0], s[1]) for s in stored}]
+        if new:
+            await self.stores.write(lambda s: s.put_schemas(w.name, new))
+            log.info("partition %s: %d schema versions copied from the relay", w.name, len(new))
         return {(sid, v) for sid, v, _n, _j in entries}
 
     # ---- applier ---------------------------------------------------------

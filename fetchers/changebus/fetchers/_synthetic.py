@@ -47,6 +47,8 @@ class SyntheticConfig:
     events_per_window: int = 5
     row_bytes: int = 200
     tables: int = 2
+    #: the first table is ``synthetic.t<first_table>`` (two relays with other tables)
+    first_table: int = 0
     keys: int = 100_000
     key_distribution: Literal["uniform", "sequential"] = "uniform"
     #: share of changes to existing keys that are updates / deletes
@@ -62,6 +64,8 @@ class SyntheticConfig:
             raise ValueError("rates and sizes must not be negative")
         if not 1 <= self.tables <= 1000 or self.keys < 1:
             raise ValueError("tables must be 1..1000 and keys >= 1")
+        if self.first_table < 0:
+            raise ValueError("first_table must not be negative")
         if not 0 <= self.update_ratio + self.delete_ratio <= 1:
             raise ValueError("update_ratio + delete_ratio must be within 0..1")
 
@@ -87,7 +91,10 @@ class SyntheticFetcher:
         self.partition_id = partition_id
         self.config = config
         self._registry = SchemaRegistry()
-        self._tables = [self._registry.register(synthetic_table(i)) for i in range(config.tables)]
+        self._tables = [
+            self._registry.register(synthetic_table(config.first_table + i))
+            for i in range(config.tables)
+        ]
         self._encoders = [
             RowEncoder(t, source_id=self._registry.source_id(t.name), partition=partition_id)
             for t in self._tables
