@@ -398,3 +398,76 @@ def test_relays_from_a_zookeeper_cluster(
     assert sorted((r["_commit_scn"], r["_txn_seq"], r["_change_type"]) for r in rows) == sorted(
         (c[0], c[1], c[2]) for c in truth(relay.url)
     )
+
+
+@pytest.mark.zk
+def test_a_cluster_whose_relays_serve_different_partitions(
+    spark: Any, tmp_path: Path, zk_hosts: str, zk_cluster: str
+) -> None:
+    """Relay A serves east, relay B west. Without option partitions the driver planned
+    from the first relay that answered, so the query read only its partitions; every
+    partition is now asked of the relays serving it, as the routing table says."""
+    from kazoo.client import KazooClient
+
+    from changebus.cluster import MemberInfo, PartitionState, member_path
+    from changebus.cluster._layout import encode_member
+
+    def config(name: str, pid: int, start: int) -> RelayConfig:
+        options = {
+            "windows_per_s": 0,
+            "max_windows": 60,
+            "events_per_window": 3,
+            "row_bytes": 30,
+            "tables": 2,
+            "keys": 100,
+            "start_scn": start,
+        }
+        part = PartitionConfig(
+            name, pid, capacity_bytes=4 << 20, fetcher=FetcherConfig("synthetic", options)
+        )
+        return RelayConfig(
+            data_dir=tmp_path / name,
+            http=HttpConfig(port=0, max_wait_s=10),
+            partitions=(part,),
+            flush_interval_s=0,
+        )
+
+    with (
+        RelayThread(config("east", 1, 1000)) as east,
+        RelayThread(config("west", 2, 5000)) as west,
+    ):
+        deadline = time.monotonic() + 60
+        while east.state("east") != "finished" or west.state("west") != "finished":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        expected = set()
+        for relay, name in ((east, "east"), (west, "west")):
+            cfgc = ConsumerConfig(relays=(relay.url,), partition=name, follow=False, wait_s=0.2)
+            with SyncConsumer(cfgc) as consumer:
+                for i, window in enumerate(consumer):
+                    expected |= {(name, e.scn, e.seq) for e in window.events}
+                    if i + 1 == 60:
+                        break
+        zk = KazooClient(hosts=zk_hosts)
+        zk.start(timeout=15)
+        try:
+            for member, relay, name in (("ra", east, "east"), ("rb", west, "west")):
+                info = MemberInfo(
+                    member, "relay", relay.url, {name: PartitionState("leader", 1, 0, 0)}
+                )
+                path = member_path(zk_cluster, member)
+                zk.create(path, encode_member(info), ephemeral=True, makepath=True)
+            reader = (
+                spark.read.format("changebus")
+                .option("zookeeper", zk_hosts)
+                .option("cluster", zk_cluster)
+            )
+            rows = reader.load().select("_partition", "_commit_scn", "_txn_seq").collect()
+            named = reader.option("partitions", "west,east").load().select("_partition").collect()
+        finally:
+            zk.stop()
+            zk.close()
+    assert len(expected) == 2 * 60 * 3
+    got = [(r[0], r[1], r[2]) for r in rows]
+    assert len(got) == len(set(got)) and set(got) == expected
+    assert sorted({r[0] for r in named}) == ["east", "west"] and len(named) == len(expected)

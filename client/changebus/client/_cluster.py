@@ -57,6 +57,7 @@ __all__ = [
     "ClusterRoute",
     "open_route",
     "read_route",
+    "read_routes",
     "relays_serving",
     "retry_coordination",
 ]
@@ -258,40 +259,79 @@ async def read_route(
     For planners that ask once per decision (the Spark driver): the members
     serving every partition named (all the table knows when none is), each
     partition's in :func:`relays_serving` order, without duplicates. For
-    ``bootstrap`` also the bootstrap servers that name no partition.
+    ``bootstrap`` also the bootstrap servers that name no partition, last.
     """
+    snap = await _table_snapshot(zookeeper, cluster, partitions, session_timeout_s)
+    found: list[str] = []
+    for p in _route_names(snap, partitions, kind):
+        found.extend(_serving(snap, p, kind, prefer_followers))
+    found.extend(_serving_all(snap, kind))
+    return tuple(dict.fromkeys(found))
+
+
+async def read_routes(
+    zookeeper: str,
+    cluster: str,
+    partitions: tuple[str, ...],
+    *,
+    kind: str = "relay",
+    prefer_followers: bool = False,
+    session_timeout_s: float = 10.0,
+) -> dict[str, tuple[str, ...]]:
+    """One look at the routing table: per partition, the URLs of ``kind`` serving it.
+
+    The partitions named, or every one the table knows when none is (a
+    partition nobody serves now maps to an empty tuple). Relays come in
+    :func:`relays_serving` order; for ``bootstrap`` each partition's URLs end
+    with the bootstrap servers that name no partition (they serve all).
+    """
+    snap = await _table_snapshot(zookeeper, cluster, partitions, session_timeout_s)
+    everywhere = _serving_all(snap, kind)
+    return {
+        p: tuple(dict.fromkeys([*_serving(snap, p, kind, prefer_followers), *everywhere]))
+        for p in _route_names(snap, partitions, kind)
+    }
+
+
+async def _table_snapshot(
+    zookeeper: str, cluster: str, partitions: tuple[str, ...], session_timeout_s: float
+) -> RoutingSnapshot:
     route = ClusterRoute(
         zookeeper,
         cluster,
         partitions[0] if partitions else "",
-        prefer_followers=prefer_followers,
         session_timeout_s=session_timeout_s,
     )
     await route.start()
     try:
-        snap = route.table.snapshot()
+        return route.table.snapshot()
     finally:
         await route.stop()
-    names = partitions or tuple(
-        sorted(
-            set(snap.partitions).union(
-                *(m.partitions for m in snap.members.values() if m.kind == kind)
-            )
-        )
-    )
-    found: list[str] = []
-    for p in names:
-        if kind == "relay":
-            found.extend(relays_serving(snap, p, prefer_followers=prefer_followers))
-        else:
-            found.extend(m.url.rstrip("/") for m in snap.serving(p, kind) if m.url)
-    if kind != "relay":
-        found.extend(
-            m.url.rstrip("/")
-            for _, m in sorted(snap.members.items())
-            if m.kind == kind and m.url and not m.partitions
-        )
-    return tuple(dict.fromkeys(found))
+
+
+def _route_names(snap: RoutingSnapshot, partitions: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    """``partitions``, or every partition the table knows of ``kind``."""
+    if partitions:
+        return partitions
+    served = (m.partitions for m in snap.members.values() if m.kind == kind)
+    return tuple(sorted(set(snap.partitions).union(*served)))
+
+
+def _serving(snap: RoutingSnapshot, partition: str, kind: str, prefer_followers: bool) -> list[str]:
+    if kind == "relay":
+        return list(relays_serving(snap, partition, prefer_followers=prefer_followers))
+    return [m.url.rstrip("/") for m in snap.serving(partition, kind) if m.url]
+
+
+def _serving_all(snap: RoutingSnapshot, kind: str) -> list[str]:
+    """Members of ``kind`` naming no partition (bootstrap servers serving all); none for relays."""
+    if kind == "relay":
+        return []
+    return [
+        m.url.rstrip("/")
+        for _, m in sorted(snap.members.items())
+        if m.kind == kind and m.url and not m.partitions
+    ]
 
 
 def config_backoff(cfg: ConsumerConfig) -> Backoff:

@@ -51,7 +51,7 @@ from changebus.schemas import (
 
 from .._errors import FellOffRelayError
 from .._http import read_body, response_error
-from .._info import RelayInfo
+from .._info import PartitionSources, RelayInfo
 from ._options import SourceOptions
 from ._relay import _with_relays, planner_params, run_sync, table_schemas
 from ._schemalog import SchemaLog, TableChange, diff_tables
@@ -165,7 +165,11 @@ class SchemaGuard:
         self, partitions: list[str]
     ) -> dict[str, dict[_Version, TableSchema]]:
         """Per partition, the newer versions of read tables whose columns differ."""
-        found = await _with_relays(self.opts, RelayInfo.sources)
+        found: dict[str, PartitionSources] = {}
+        for part in partitions:  # each of the relays serving it (a cluster's may differ)
+            listed = await _with_relays(self.opts, RelayInfo.sources, partition=part)
+            if part in listed:
+                found[part] = listed[part]
         wanted: dict[str, list[tuple[int, str, int]]] = {}
         for part in partitions:
             ps = found.get(part)
@@ -187,7 +191,7 @@ class SchemaGuard:
         for part, items in wanted.items():
             names = sorted({name for _, name, _ in items})
             schemas = await _with_relays(
-                self.opts, functools.partial(_versions, names=names, partition=part)
+                self.opts, functools.partial(_versions, names=names, partition=part), partition=part
             )
             for sid, name, v in items:
                 new = schemas.get((name, v))
@@ -372,7 +376,7 @@ async def _first_window(
             return _Hit(partition, before, hit_scn, frozenset(seen))
         return None
 
-    return await _with_relays(opts, call)
+    return await _with_relays(opts, call, partition=partition)
 
 
 def schema_change_of(error: BaseException) -> str | None:

@@ -36,6 +36,7 @@ between calls, so there is nothing to share between threads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
@@ -101,29 +102,83 @@ async def _with_relays(
     opts: SourceOptions,
     call: Callable[[RelayInfo], Awaitable[T]],
     urls: tuple[str, ...] = (),
+    *,
+    partition: str | None = None,
 ) -> T:
     """``call(info)`` on the first of ``urls`` (default: the relays) that answers, each once.
 
-    With ``opts.zookeeper`` the relays are read from the routing table first
-    (then the ones ``opts`` holds, in case the table lists nobody now).
+    With ``opts.zookeeper`` the relays are read from the routing table first:
+    those serving ``partition`` (every partition's when None), then the ones
+    ``opts`` holds, in case the table lists nobody now.
     """
-    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     what = "bootstrap server" if urls else "relay"
     if not urls:
-        urls = opts.relays
-        if opts.zookeeper:
-            urls = tuple(dict.fromkeys(await cluster_urls(opts, "relay") + opts.relays))
-        if not urls:
-            raise _no_relay(opts)
+        urls = await relay_urls(opts, partition)
+    return await _ask(opts, urls, call, what)
+
+
+async def _ask(
+    opts: SourceOptions,
+    urls: tuple[str, ...],
+    call: Callable[[RelayInfo], Awaitable[T]],
+    what: str = "relay",
+) -> T:
+    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     async with await open_session(opts.auth, timeout=timeout) as session:
         return await RelayQueries(session, urls, what=what, timeout=timeout).first(call)
 
 
-def _no_relay(opts: SourceOptions) -> RelayUnavailableError:
+async def relay_urls(opts: SourceOptions, partition: str | None = None) -> tuple[str, ...]:
+    """The relays to ask about ``partition`` (any partition: None), in order."""
+    if not opts.zookeeper:
+        return opts.relays
+    return _with_configured(opts, await cluster_routes(opts), partition)
+
+
+def _with_configured(
+    opts: SourceOptions, routes: Mapping[str, tuple[str, ...]], partition: str | None
+) -> tuple[str, ...]:
+    if partition is None:
+        table = [url for urls in routes.values() for url in urls]
+    else:
+        table = list(routes.get(partition, ()))
+    urls = tuple(dict.fromkeys([*table, *opts.relays]))
+    if not urls:
+        raise _no_relay(opts, partition)
+    return urls
+
+
+async def _by_relays(
+    opts: SourceOptions, partitions: list[str]
+) -> list[tuple[tuple[str, ...], list[str]]]:
+    """``partitions`` grouped by the relays to ask about them (one group without a cluster)."""
+    if not opts.zookeeper:
+        return [(opts.relays, partitions)] if partitions else []
+    routes = await cluster_routes(opts)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for part in partitions:
+        groups.setdefault(_with_configured(opts, routes, part), []).append(part)
+    return list(groups.items())
+
+
+def _no_relay(opts: SourceOptions, partition: str | None = None) -> RelayUnavailableError:
+    which = partition if partition is not None else ", ".join(opts.partitions) or "any partition"
     return RelayUnavailableError(
         f"no relay of cluster {opts.cluster!r} (ZooKeeper {opts.zookeeper}) serves"
-        f" {', '.join(opts.partitions) or 'any partition'}; start one or check the"
-        " options cluster and partitions"
+        f" {which}; start one or check the options cluster and partitions"
+    )
+
+
+async def cluster_routes(opts: SourceOptions) -> dict[str, tuple[str, ...]]:
+    """Per partition read (every one the table knows without ``opts.partitions``), its relays."""
+    from .._cluster import read_routes  # kazoo only for queries of a cluster
+
+    return await read_routes(
+        opts.zookeeper,
+        opts.cluster,
+        opts.partitions,
+        kind="relay",
+        prefer_followers=opts.prefer_followers,
     )
 
 
@@ -157,55 +212,78 @@ async def resolve_cluster(opts: SourceOptions) -> SourceOptions:
 
 
 async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
-    """Bounds of the partitions ``opts`` reads (all of the relay's when none are named)."""
+    """Bounds of the partitions ``opts`` reads (all of the relays' when none are named).
 
-    status = await _with_relays(opts, RelayInfo.status)
-    found = {
-        name: PartitionBounds(name, p.min_scn, p.max_scn, p.prev_scn, p.newest_timestamp_ns)
-        for name, p in status.items()
-    }
-    if not opts.partitions:
+    In a cluster every partition is asked of the relays serving it (the
+    routing table's partitions when none are named): members may serve
+    different partitions.
+    """
+    if opts.zookeeper:
+        routes = await cluster_routes(opts)
+        names = list(opts.partitions) or sorted(routes)
+        groups = [(_with_configured(opts, routes, p), [p]) for p in names]
+    else:
+        names = list(opts.partitions)
+        groups = [(opts.relays, names)]
+    found: dict[str, PartitionBounds] = {}
+    for urls, parts in groups:
+        status = await _ask(opts, urls, RelayInfo.status)
+        for name, p in status.items():
+            if not parts or name in parts:
+                found[name] = PartitionBounds(
+                    name, p.min_scn, p.max_scn, p.prev_scn, p.newest_timestamp_ns
+                )
+    if not names:
         if not found:
             raise UnknownSourceError("the relay serves no partitions")
         return dict(sorted(found.items()))
-    missing = [p for p in opts.partitions if p not in found]
+    missing = [p for p in names if p not in found]
     if missing:
         raise UnknownSourceError(
             f"option partitions: the relay has no partition(s) {missing}; it has {sorted(found)}"
         )
-    return {p: found[p] for p in opts.partitions}
+    return {p: found[p] for p in names}
 
 
 async def table_schemas(opts: SourceOptions, partitions: list[str]) -> dict[str, TableSchema]:
-    """The newest schema of every source read, by source name, in the relay's order."""
+    """The newest schema of every source read, by source name, in the relays' order."""
 
-    async def call(info: RelayInfo) -> dict[str, TableSchema]:
+    async def call(info: RelayInfo, parts: list[str]) -> list[tuple[str, TableSchema | None]]:
         names: list[str] = []
         for part in (await info.sources()).values():
-            if part.name in partitions:
+            if part.name in parts:
                 names.extend(s.name for s in part.sources)
         names = list(dict.fromkeys(names))
         if opts.sources:
-            missing = [s for s in opts.sources if s not in names]
-            if missing:
-                raise UnknownSourceError(
-                    f"option sources: the relay has no source(s) {missing} in partitions"
-                    f" {partitions}; it has {names}"
-                )
-            names = list(opts.sources)
-        out: dict[str, TableSchema] = {}
+            names = [n for n in opts.sources if n in names]
+        out: list[tuple[str, TableSchema | None]] = []
         for name in names:
             newest: TableSchema | None = None
             for found in (await info.schemas(name)).values():
-                if found.partition not in partitions or not found.schemas:
+                if found.partition not in parts or not found.schemas:
                     continue
                 if newest is None or found.newest.version > newest.version:
                     newest = found.newest
-            if newest is not None:
-                out[name] = newest
+            out.append((name, newest))
         return out
 
-    return await _with_relays(opts, call)
+    seen: list[str] = []
+    out: dict[str, TableSchema] = {}
+    for urls, parts in await _by_relays(opts, partitions):
+        for name, newest in await _ask(opts, urls, functools.partial(call, parts=parts)):
+            seen.append(name)
+            have = out.get(name)
+            if newest is not None and (have is None or newest.version > have.version):
+                out[name] = newest
+    if opts.sources:
+        missing = [s for s in opts.sources if s not in seen]
+        if missing:
+            raise UnknownSourceError(
+                f"option sources: the relay has no source(s) {missing} in partitions"
+                f" {partitions}; it has {list(dict.fromkeys(seen))}"
+            )
+        return {n: out[n] for n in opts.sources if n in out}
+    return {n: out[n] for n in dict.fromkeys(seen) if n in out}
 
 
 async def split_points(
@@ -223,11 +301,14 @@ async def split_points(
     if parts < 2 or not ranges:
         return {}
 
-    async def call(info: RelayInfo) -> dict[str, list[int]]:
-        return {n: await info.splits(n, a, b, parts, opts.sources) for n, (a, b) in ranges.items()}
+    async def call(info: RelayInfo, names: list[str]) -> dict[str, list[int]]:
+        return {n: await info.splits(n, *ranges[n], parts, opts.sources) for n in names}
 
     try:
-        return await _with_relays(opts, call)
+        out: dict[str, list[int]] = {}
+        for urls, names in await _by_relays(opts, list(ranges)):
+            out.update(await _ask(opts, urls, functools.partial(call, names=names)))
+        return out
     except ChangebusError as exc:
         log.info("changebus: no split points from the relays (%s); cutting SCN ranges evenly", exc)
         return {}
@@ -342,7 +423,7 @@ async def end_within(
                 window_size += int(bytes_upto[-1]) - before_bytes
             scn, offset = next_scn, next_offset
 
-    return await _with_relays(opts, call)
+    return await _with_relays(opts, call, partition=partition)
 
 
 async def position_at_time(
@@ -391,7 +472,7 @@ async def position_at_time(
                 lo = max(first_scn, mid + 1)
         return lo
 
-    return await _with_relays(opts, call)
+    return await _with_relays(opts, call, partition=bounds.name)
 
 
 async def bootstrap_target(opts: SourceOptions, partition: str) -> int:
