@@ -134,6 +134,10 @@ class StoreDb:
     def close(self) -> None:
         self._conn.close()
 
+    def connection_lost(self) -> bool:
+        """Whether the connection is gone (Postgres closed it, or the network did)."""
+        return self.dialect == "postgres" and bool(self._conn.closed or self._conn.broken)
+
     # ---- plumbing -------------------------------------------------------
 
     def _sql(self, text: str) -> str:

@@ -58,6 +58,9 @@ __all__ = ["Pipelines"]
 
 log = logging.getLogger("changebus.bootstrap")
 
+#: the applier's pause after a failed store transaction (a lost store connection)
+_APPLIER_RETRY_S = 1.0
+
 
 class Pipelines(Seeding):
     """Producer, log writer and applier tasks (module docstring); a base of the service."""
@@ -138,63 +141,88 @@ class Pipelines(Seeding):
     async def _write_log(
         self, w: PartitionWorker, sink: asyncio.Queue[tuple[RawWindow, str]]
     ) -> None:
-        known: set[tuple[int, int]] = {
-            (sid, v) for sid, v, _n, _j in await self.stores.write(lambda s: s.schemas(w.name))
-        }
+        known: set[tuple[int, int]] | None = None  # the (source id, version) pairs stored
         start_scn: int | None = None
         while True:
             batch = [await sink.get()]
             while len(batch) < self.config.producer.batch_windows and not sink.empty():
                 batch.append(sink.get_nowait())
-            wanted: set[tuple[int, int]] = set()
-            losses: list[tuple[int, DataLoss]] = []
-            for raw, _url in batch:
-                ops = raw.headers["op"]
-                h = raw.headers[ops < FIRST_CONTROL_OP]
-                wanted.update(
-                    zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True)
-                )
-                if (ops == DATA_LOSS_OP).any():
-                    losses.append((raw.scn, loss_in(raw)))
-            while not wanted <= known:
+            failed = False
+            while True:  # the batch stays until it is stored; the producer waits on the queue
                 try:
-                    known |= await self._sync_schemas(w, batch[-1][1])
+                    if known is None:
+                        rows = await self.stores.write(lambda s: s.schemas(w.name))
+                        known = {(sid, v) for sid, v, _n, _j in rows}
+                    start_scn = await self._store_batch(w, batch, known, start_scn)
                     break
-                except ChangebusError as exc:
-                    # the batch stays; so does the producer, blocked on the full queue
+                except Exception as exc:  # (a writer that died would stall for ever)
+                    failed = True
                     w.state = "error"
-                    w.last_error = scrub(exc.message, self.secrets)
-                    log.error(
-                        "partition %s: cannot store the relay's schemas: %s", w.name, w.last_error
-                    )
+                    if isinstance(exc, ChangebusError):
+                        w.last_error = scrub(exc.message, self.secrets)
+                        log.error("partition %s: cannot store windows: %s", w.name, w.last_error)
+                    else:
+                        w.last_error = scrub(f"{type(exc).__name__}: {exc}", self.secrets)
+                        log.exception(
+                            "partition %s: cannot store windows (%s); retrying",
+                            w.name,
+                            type(exc).__name__,
+                        )
                     await asyncio.sleep(self.config.producer.fell_off_retry_s)
-            if start_scn is None and w.producer_scn < 0:
-                start_scn = await self._relay_prev_scn(w, batch[0][1])
-            data = b"".join(raw.body for raw, _ in batch)
-            events = sum(len(raw.offsets) for raw, _ in batch)
-            first = start_scn if start_scn is not None else -1
-            # the gap a DATA_LOSS window opens ends at that window (the last one's)
-            lost_upto = max(scn for scn, _l in losses) if losses else None
-
-            def append(
-                s: Store, d: bytes = data, f: int = first, lost: int | None = lost_upto
-            ) -> int:
-                return s.append(w.name, d, start_scn=f, lost_upto=lost)
-
-            before = w.producer_scn
-            await self.stores.write(append)
-            if lost_upto is not None and lost_upto > before:
-                w.data_loss += len(losses)
-                self._gap_recorded(w, lost_upto, loss_reason(losses))
-            st = await self.stores.write(lambda s: s.state(w.name))
-            w.producer_scn, w.log_min_scn, w.base_scn = st.producer_scn, st.log_min_scn, st.base_scn
-            w.windows_appended += len(batch)
-            w.events_appended += events
-            w.lag_events += events
-            w.last_window_ts_ns = batch[-1][0].timestamp_ns
-            w.wake.set()
+            if failed and w.state == "error":
+                w.state = "streaming"
             for _ in batch:
                 sink.task_done()
+
+    async def _store_batch(
+        self,
+        w: PartitionWorker,
+        batch: list[tuple[RawWindow, str]],
+        known: set[tuple[int, int]],
+        start_scn: int | None,
+    ) -> int | None:
+        """Append ``batch`` to the log (and the schemas it needs); returns the stream's start.
+
+        ``known`` grows by the schemas copied. Idempotent: windows at or
+        below the producer SCN are skipped, so a batch may be stored again
+        after a failure whose commit went through.
+        """
+        wanted: set[tuple[int, int]] = set()
+        losses: list[tuple[int, DataLoss]] = []
+        for raw, _url in batch:
+            ops = raw.headers["op"]
+            h = raw.headers[ops < FIRST_CONTROL_OP]
+            wanted.update(zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True))
+            if (ops == DATA_LOSS_OP).any():
+                losses.append((raw.scn, loss_in(raw)))
+        if not wanted <= known:
+            known |= await self._sync_schemas(w, batch[-1][1])
+        if start_scn is None and w.producer_scn < 0:
+            start_scn = await self._relay_prev_scn(w, batch[0][1])
+        data = b"".join(raw.body for raw, _ in batch)
+        events = sum(len(raw.offsets) for raw, _ in batch)
+        first = start_scn if start_scn is not None else -1
+        # the gap a DATA_LOSS window opens ends at that window (the last one's)
+        lost_upto = max(scn for scn, _l in losses) if losses else None
+
+        def append(s: Store) -> tuple[int, PartitionState]:
+            # (the store's own SCN before: a retried batch whose commit went through
+            # must not count its DATA_LOSS windows again)
+            had = s.state(w.name).producer_scn
+            s.append(w.name, data, start_scn=first, lost_upto=lost_upto)
+            return had, s.state(w.name)
+
+        before, st = await self.stores.write(append)
+        if lost_upto is not None and lost_upto > before:
+            w.data_loss += len(losses)
+            self._gap_recorded(w, lost_upto, loss_reason(losses))
+        w.producer_scn, w.log_min_scn, w.base_scn = st.producer_scn, st.log_min_scn, st.base_scn
+        w.windows_appended += len(batch)
+        w.events_appended += events
+        w.lag_events += events
+        w.last_window_ts_ns = batch[-1][0].timestamp_ns
+        w.wake.set()
+        return start_scn
 
     async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
         """Copy the relay's table schemas of the partition into the store.
@@ -238,7 +266,19 @@ class Pipelines(Seeding):
                     st = s.state(w.name)
                 return st, s.applied_events - done, s.unapplied_events(w.name)
 
-            st, applied, left = await self.stores.write(step)
+            try:
+                st, applied, left = await self.stores.write(step)
+            except Exception as exc:  # (an applier that died would stall for ever)
+                error = exc.message if isinstance(exc, ChangebusError) else type(exc).__name__
+                w.last_error = scrub(f"applier: {error}", self.secrets)
+                log.error(
+                    "partition %s: the applier failed (%s); retrying",
+                    w.name,
+                    w.last_error,
+                    exc_info=not isinstance(exc, ChangebusError),
+                )
+                await asyncio.sleep(_APPLIER_RETRY_S)
+                continue
             if st.applier_scn != before:
                 w.events_applied += applied
                 w.lag_events = left

@@ -79,7 +79,7 @@ class Store(LogStore, SnapshotFold, SnapshotJobs, Pages, StoreDb):
         """Open a Postgres store (the tables are created when missing)."""
         from changebus.fetchers.postgres import pg_connect
 
-        conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn")
+        conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn", timeout_s=10)
         return cls(conn, "postgres")
 
     def append(

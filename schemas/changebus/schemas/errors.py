@@ -78,6 +78,7 @@ __all__ = [
     "ScnNotFoundError",
     "SourceConfigError",
     "SourceError",
+    "StoreUnavailableError",
     "TransportError",
     "UnauthorizedError",
     "UnknownSchemaError",
@@ -348,6 +349,14 @@ class SourceConfigError(SourceError):
 
     retriable = False
     code = "source_config"
+
+
+class StoreUnavailableError(ChangebusError):
+    """A daemon's own database (the bootstrap store) lost its connection; it reconnects."""
+
+    retriable = True
+    http_status = 503
+    code = "store_unavailable"
 
 
 class TransportError(ChangebusError, OSError):
