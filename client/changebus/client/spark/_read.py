@@ -184,7 +184,9 @@ async def _read(
         except TimeoutError:
             raise TimeoutError(
                 f"partition {spec.partition}: no window after SCN {position} within"
-                f" {idle_s:g} s while reading up to {spec.until}"
+                f" {idle_s:g} s while reading up to {spec.until} (a range's end the source has"
+                " not reached yet, such as an endingScn past the relay's newest window, is"
+                " waited for: give an end the relay holds, or endingScn=latest)"
             ) from None
         except FellOffRelayError as exc:
             if opts.fail_on_data_loss:

@@ -495,6 +495,16 @@ class ChangebusBatchReader(_ReaderBase, DataSourceReader):  # type: ignore[misc]
         bounds = run_sync(partition_bounds(self.opts))
         start = _resolve(self.opts, self.opts.starting, bounds, "startingScn")
         end = _resolve(self.opts, self.opts.ending, bounds, "endingScn")
+        for name, b in bounds.items():
+            newest = max(b.max_scn, b.prev_scn)
+            if end[name] > newest:
+                log.warning(
+                    "changebus: the batch's end %d of partition %s is past the relay's newest"
+                    " window %d: the read waits for the source to reach it",
+                    end[name],
+                    name,
+                    newest,
+                )
         whole = _needs_bootstrap(self.opts, start, bounds)
         cuts = _split_points(self.opts, start, end, whole)
         parts = _range_partitions(self.opts, start, end, whole, cuts)
