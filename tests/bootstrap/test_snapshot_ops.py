@@ -458,3 +458,30 @@ async def test_a_stopped_where_snapshot_resumes_at_the_next_start(
             # the rows the condition selects, and the one the relay streamed (id 1)
             assert_same(got, {k: r for k, r in want.items() if r[1] < 4 or k == 1})
             assert "public.big" not in seeded  # a where snapshot is not a seed of the table
+
+
+async def test_a_consumer_from_nothing_is_told_of_tables_never_seeded(stack: Stack) -> None:
+    """The snapshot holds the rows changed since the log began plus the seeded tables'.
+    A consumer from nothing got a snapshot without the other rows and no word of it:
+    the plan now names the tables never seeded, and while a seed of them runs such a
+    consumer waits (503, retriable). A table seeded again is not waited for: its
+    earlier copy is in the snapshot."""
+    start = "/v1/bootstrap/start?partition=pg&since=-1"
+    status, plan = await stack.call("GET", start, READER)
+    assert status == 200, plan
+    assert {"public.big", "public.pair"} <= set(plan["unseeded"])
+    assert plan["unseeded_count"] == len(plan["unseeded"])
+    # a consumer with a position needs no seed: nothing is named
+    status, later = await stack.call("GET", start.replace("-1", str(plan["start_scn"])), READER)
+    assert status == 200 and later["unseeded"] == [], later
+    assert (await stack.call("POST", "/v1/seed", ADMIN))[0] == 202
+    status, body = await stack.call("GET", start, READER)
+    assert status == 503 and body["retriable"] is True, body
+    assert "not seeded yet" in body["message"] and "public.big" in body["unseeded"]
+    assert (await wait_seed_end(stack))["state"] == "done"
+    status, plan = await stack.call("GET", start, READER)
+    assert status == 200 and plan["unseeded"] == [] and plan["unseeded_count"] == 0, plan
+    assert (await stack.call("POST", "/v1/seed?tables=public.big", ADMIN))[0] == 202
+    status, plan = await stack.call("GET", start, READER)
+    assert status == 200 and plan["unseeded"] == [], plan
+    assert (await wait_seed_end(stack))["state"] == "done"

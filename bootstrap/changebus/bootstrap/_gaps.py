@@ -154,23 +154,33 @@ class SeedLedger(StoreDb):
             self._many(UPSERT_SNAP, rows)
 
     def seeded(self, part: str) -> dict[str, int]:
-        """Tables seeded in full, with the SCN of their seed."""
+        """Tables seeded in full, with the SCN of their seed (not those being seeded again)."""
         return {
             str(n): int(s)
             for n, s in self._all(
-                "SELECT name, scn FROM cb_seed WHERE part = {p} AND name <> {p}",
+                "SELECT name, scn FROM cb_seed WHERE part = {p} AND name <> {p} AND scn >= 0",
                 (part, self._GAP),
             )
         }
 
+    def never_seeded(self, part: str) -> list[str]:
+        """Known tables never seeded in full since the last gap (their snapshot may lack
+        rows nobody changed since the log began); a table being seeded again counts as
+        seeded: its earlier copy is still in the snapshot."""
+        seeds = {str(n) for (n,) in self._all("SELECT name FROM cb_seed WHERE part = {p}", (part,))}
+        return sorted({n for _s, _v, n, _j in self.schemas(part)} - seeds)
+
     def forget_seed(self, part: str, tables: Sequence[str]) -> None:
         """Mark ``tables`` as not seeded (a re-seed copies them again).
 
-        A chunked snapshot of one of them in progress (``cb_snapjob``) is
-        kept: the re-seed resumes it (its chunks are newer than the seed
-        being forgotten)."""
+        Their rows stay, at SCN -1 ("seeded once, being seeded again"):
+        :meth:`seeded` leaves them out, :meth:`never_seeded` too. A chunked
+        snapshot of one of them in progress (``cb_snapjob``) is kept: the
+        re-seed resumes it (its chunks are newer than the seed being
+        forgotten)."""
         _check_tables(tables)
         with self._txn():
             self._many(
-                "DELETE FROM cb_seed WHERE part = {p} AND name = {p}", [(part, t) for t in tables]
+                "UPDATE cb_seed SET scn = -1 WHERE part = {p} AND name = {p}",
+                [(part, t) for t in tables],
             )

@@ -185,8 +185,17 @@ def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
     )
 
 
+#: table names an answer lists at most (``unseeded``)
+_NAMES_SHOWN = 50
+
+
 def _plan(
-    store: Store, part: str, since: int, ratio: float, seeding: bool = True
+    store: Store,
+    part: str,
+    since: int,
+    ratio: float,
+    seeding: bool = True,
+    seed_running: bool = False,
 ) -> dict[str, Any]:
     st = store.state(part)
     if 0 <= since < st.base_scn:
@@ -213,6 +222,16 @@ def _plan(
                 start = max(store.first_log_scn(part) - 1, 0)
     if snapshot and start < since:
         raise NotYetError(f"the snapshot is at {start}, before position {since}; retry soon")
+    # from nothing, with a history that starts after the source's: tables never seeded
+    # lack the rows nobody changed since (docs/bootstrap.md "Seeding: why it is needed")
+    unseeded = store.never_seeded(part) if since < 0 and st.base_scn >= 0 else []
+    if unseeded and seed_running:
+        raise NotYetError(
+            f"the snapshot lacks rows of {len(unseeded)} table(s) not seeded yet "
+            f"({', '.join(unseeded[:5])}{', ...' if len(unseeded) > 5 else ''}); a seed is "
+            "running (progress: /v1/status); retry soon",
+            unseeded=unseeded[:_NAMES_SHOWN],
+        )
     return {
         "partition": part,
         "since_scn": since,
@@ -222,6 +241,8 @@ def _plan(
         "applier_scn": st.applier_scn,
         "log_min_scn": st.log_min_scn,
         "base_scn": st.base_scn,
+        "unseeded": unseeded[:_NAMES_SHOWN],
+        "unseeded_count": len(unseeded),
     }
 
 
@@ -232,7 +253,11 @@ async def start(request: web.Request) -> web.Response:
     since = _scn(request, "since")
     config = request.app[SERVICE].config
     ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
-    plan = await request.app[SERVICE].stores.read(lambda s: _plan(s, part, since, ratio, seeding))
+    w = request.app[SERVICE].workers.get(part)
+    running = w is not None and w.seeding is not None and not w.seeding.done()
+    plan = await request.app[SERVICE].stores.read(
+        lambda s: _plan(s, part, since, ratio, seeding, running)
+    )
     return json_response(plan)
 
 

@@ -393,7 +393,22 @@ class Bootstrapper:
         info = self._info(url)
         plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
         with malformed_answer(info.where, "/v1/bootstrap/start"):
-            return int(plan["start_scn"]), bool(plan["snapshot"])
+            start, snapshot = int(plan["start_scn"]), bool(plan["snapshot"])
+            unseeded = int(plan.get("unseeded_count", 0))
+            names = [str(n) for n in plan.get("unseeded", [])][:5]
+        if unseeded:
+            # the server says its snapshot lacks rows: not an error (an operator may
+            # capture without seeding on purpose), but never silent
+            log.warning(
+                "%s: the snapshot lacks the rows nobody changed since its history began of"
+                " %d table(s) never seeded (%s%s); seed them (POST /v1/seed) for a complete"
+                " snapshot",
+                info.where,
+                unseeded,
+                ", ".join(names),
+                ", ..." if unseeded > len(names) else "",
+            )
+        return start, snapshot
 
     async def _get_body(
         self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]
