@@ -397,8 +397,11 @@ class BinlogAssembler:
                 "SUPER / BINLOG ADMIN from applications), then reseed the tables it changed"
             )
         # (read again after a rewind: declared types are at the relay's last window)
-        replaying = self.scn_at(end_pos) <= self.replay_until
-        effect = (self.declared.copy() if replaying else self.declared).apply(text, schema or "")
+        at = self.scn_at(end_pos)
+        replaying = at <= self.replay_until
+        effect = (self.declared.copy() if replaying else self.declared).apply(
+            text, schema or "", at
+        )
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)

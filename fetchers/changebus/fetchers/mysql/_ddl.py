@@ -10,10 +10,13 @@ in the binlog as the stream passes it, so the declared type used for an
 event is the one valid at that event's position, never the present one.
 
 Seeds: the relay's schema registry (the source types of the newest version
-of each table, valid at the relay's last window) and, for tables the registry
-does not know, ``information_schema.COLUMNS`` read right after the start
-position was taken (valid from that position on, since the DDL that follows
-it is applied again as the stream passes it).
+of each table, valid at the relay's last window, where the stream resumes)
+and, for tables the registry does not know, ``information_schema.COLUMNS``
+read at the start: valid at the binlog's end as it was then, which may be
+well after the resume point (DDL written while the relay was down). Such a
+table's types are marked ``valid_at`` that SCN: the statements the stream
+reads up to it are in them already and leave them as they are; later ones
+apply.
 
 The parser understands ``CREATE TABLE`` (column list, ``LIKE``), ``ALTER
 TABLE`` (``ADD``/``MODIFY``/``CHANGE``/``DROP``/``RENAME COLUMN``, ``RENAME
@@ -179,31 +182,55 @@ class DeclaredTypes:
 
     def __init__(self) -> None:
         self._tables: dict[TableName, dict[str, str]] = {}
+        #: tables whose types are those at a later SCN (information_schema read at the
+        #: start, while the stream resumes before it): statements up to it are in them
+        self._valid_at: dict[TableName, int] = {}
 
     def get(self, database: str, table: str) -> dict[str, str] | None:
         return self._tables.get((database.lower(), table.lower()))
 
-    def set(self, database: str, table: str, columns: dict[str, str]) -> None:
-        self._tables[(database.lower(), table.lower())] = {
-            k.lower(): v.lower() for k, v in columns.items()
-        }
+    def set(
+        self, database: str, table: str, columns: dict[str, str], *, valid_at: int = -1
+    ) -> None:
+        """The table's declared types; ``valid_at``: as they are at that SCN, so the
+        statements :meth:`apply` is given up to it (read again) leave them as they are."""
+        name = (database.lower(), table.lower())
+        self._tables[name] = {k.lower(): v.lower() for k, v in columns.items()}
+        if valid_at >= 0:
+            self._valid_at[name] = valid_at
+        else:
+            self._valid_at.pop(name, None)
 
     def copy(self) -> DeclaredTypes:
         """An independent copy (a statement applied to it leaves this one as it is)."""
         other = DeclaredTypes()
         other._tables = {name: dict(columns) for name, columns in self._tables.items()}
+        other._valid_at = dict(self._valid_at)
         return other
 
     def known(self, database: str, table: str) -> bool:
         return (database.lower(), table.lower()) in self._tables
 
-    def apply(self, sql: str, default_db: str) -> DdlEffect:
-        """Follow one statement; never raises (an unparsable statement is 'other')."""
+    def apply(self, sql: str, default_db: str, at: int = -1) -> DdlEffect:
+        """Follow one statement (at SCN ``at``); never raises (an unparsable one is 'other').
+
+        Tables whose types are valid at ``at`` or later (``set(valid_at=...)``)
+        keep them: the statement is already in them.
+        """
+        kept = {n: self._tables.get(n) for n, v in self._valid_at.items() if at <= v}
         tokens = _Tokens(sql)
         try:
             return self._apply(tokens, default_db)
         except (ValueError, IndexError):
             return DdlEffect("other")
+        finally:
+            for name, columns in kept.items():
+                if columns is None:
+                    self._tables.pop(name, None)
+                else:
+                    self._tables[name] = columns
+            for name in [n for n, v in self._valid_at.items() if v < at]:
+                del self._valid_at[name]  # the stream is past it: statements apply again
 
     def _apply(self, t: _Tokens, db: str) -> DdlEffect:
         head = t.peek()

@@ -111,7 +111,9 @@ def set_up(
             start_scn = planner.plan_start(cur, logs, current)
             planner.verify_start(cur)
             planner.rewind_to_prepared(logs)
-            _seed_declared(cur, config, resume, declared)
+            # information_schema is read now: valid at the binlog's current end
+            now_scn = planner.base + binlog_to_scn(binlog_file_number(current[0]), current[1])
+            _seed_declared(cur, config, resume, declared, now_scn)
     except pymysql.err.OperationalError as exc:
         raise SourceError(f"lost the MySQL connection: {reason(exc)}") from None
     finally:
@@ -430,9 +432,15 @@ class _Planner:
 
 
 def _seed_declared(
-    cur: Any, config: MySQLConfig, resume: ResumePoint, declared: DeclaredTypes
+    cur: Any, config: MySQLConfig, resume: ResumePoint, declared: DeclaredTypes, now_scn: int
 ) -> None:
-    """Declared types: the relay's registry first, information_schema for the rest."""
+    """Declared types: the relay's registry first, information_schema for the rest.
+
+    The registry's types are those at the relay's last window, where the
+    stream resumes; information_schema's are those at ``now_scn`` (the
+    binlog's end as it was read), so the DDL the stream reads again up to
+    there must not be applied to them a second time (``valid_at``).
+    """
     import pymysql
 
     registry = SchemaRegistry()
@@ -466,7 +474,7 @@ def _seed_declared(
         pass  # MySQL < 8.0.16 has no CHECK_CONSTRAINTS (and a real JSON type)
     for (db, table), cols in tables.items():
         if not declared.known(db, table):
-            declared.set(db, table, cols)
+            declared.set(db, table, cols, valid_at=now_scn)
 
 
 def reason(exc: BaseException) -> str:

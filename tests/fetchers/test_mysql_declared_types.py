@@ -1,0 +1,69 @@
+"""Declared types of tables the relay's registry does not know, after a restart.
+
+A restarted MariaDB fetcher resumes at the relay's last window. The declared
+types (uuid, inet6 and json share binary representations with other types) of
+tables the relay has sent no row of come from information_schema, read at the
+restart: they already hold the DDL written while the relay was down. The
+stream then read that DDL and applied it a second time: swapping renames gave a
+uuid column the type of an int one, and its values came as raw bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_mysql_fetcher import caught_up, execute, relay_config, replay, wait_until
+
+from changebus.fetchers.mysql import DeclaredTypes, EmbeddedMariaDB
+from changebus.relay import Relay
+
+UID = "6ccd780c-baba-1026-9564-5b8c656024db"
+
+
+async def test_ddl_before_the_restart_is_not_applied_twice_to_a_table_seen_first_after_it(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    execute(
+        mysql_server,
+        mysql_db,
+        "CREATE TABLE known (id int PRIMARY KEY)",
+        "CREATE TABLE b (id int PRIMARY KEY, u uuid, n int)",
+    )
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, "INSERT INTO known VALUES (1)")
+        await caught_up(relay, mysql_server, mysql_db)
+    # while the relay is down: b's columns swap names (b has no row in the relay)
+    execute(mysql_server, mysql_db, "ALTER TABLE b RENAME COLUMN u TO w, RENAME COLUMN n TO u")
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, f"INSERT INTO b (id, w, u) VALUES (1, '{UID}', 7)")
+        await caught_up(relay, mysql_server, mysql_db)
+        types = [
+            {c.name: c.source_type for c in t.columns}
+            for t in relay.hosts["my"].registry.versions(f"{mysql_db}.b")
+        ]
+        rows, _, _ = replay(relay, "b")
+    assert len(types) == 1 and "uuid" in types[0]["w"] and "int" in types[0]["u"], types
+    assert str(rows[1]["w"]) == UID and rows[1]["u"] == 7
+
+
+def test_statements_up_to_a_table_s_valid_at_leave_it_as_it_is() -> None:
+    declared = DeclaredTypes()
+    declared.set("d", "t", {"w": "uuid", "u": "int"}, valid_at=100)
+    declared.set("d", "k", {"a": "int"})
+    swap = "ALTER TABLE t RENAME COLUMN u TO w, RENAME COLUMN n TO u"
+    declared.apply(swap, "d", 90)  # in t's types already
+    declared.apply("ALTER TABLE k ADD COLUMN j json", "d", 95)  # k's types are older: applied
+    assert declared.get("d", "t") == {"w": "uuid", "u": "int"}
+    assert declared.get("d", "k") == {"a": "int", "j": "json"}
+    # a statement past valid_at applies, and from then on every one does
+    declared.apply("ALTER TABLE t ADD COLUMN x inet6", "d", 101)
+    declared.apply("ALTER TABLE t DROP COLUMN x", "d", 50)  # (an older SCN no longer freezes)
+    assert declared.get("d", "t") == {"w": "uuid", "u": "int"}
+    # a table dropped and created again before valid_at keeps the later types
+    declared.set("d", "r", {"v": "inet6"}, valid_at=200)
+    declared.apply("DROP TABLE r", "d", 150)
+    declared.apply("CREATE TABLE r (v int)", "d", 160)
+    assert declared.get("d", "r") == {"v": "inet6"}
