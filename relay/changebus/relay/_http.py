@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from changebus.schemas import (
     MAX_SCN,
@@ -153,6 +153,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
     """``GET /v1/stream``: events after a checkpoint, long-polling when none."""
     query = request.query
     check_params(query, _STREAM_PARAMS)
+    if request.version < HttpVersion11:
+        # its answers may be chunked: in a close-delimited HTTP/1.0 body a cut would
+        # look like a whole answer (aiohttp refuses chunks to HTTP/1.0, a 500 before)
+        raise BadRequestError("GET /v1/stream needs HTTP/1.1")
     cfg = request.app[CONFIG].http
     host = _granted_host(request, query.get("partition"))
     if sum(query.get(x) is not None for x in ("from", "checkpoint", "scn")) > 1:
@@ -238,18 +242,18 @@ async def stream(request: web.Request) -> web.StreamResponse:
             headers=copy_headers(host, selection, checkpoint),
             content_type="application/vnd.changebus.events",
         )
-    headers = next_headers(host, selection.next_scn, selection.next_offset, checkpoint)
-    headers.update(
-        {
-            "X-Changebus-Events": str(selection.events),
-            "X-Changebus-Windows": str(selection.windows),
-            "X-Changebus-Partial": "1" if selection.partial else "0",
-        }
-    )
-    resp = web.StreamResponse(status=200, headers=headers)
-    resp.content_type = "application/vnd.changebus.events"
-    resp.enable_chunked_encoding()
-    try:
+    try:  # the selection is pinned: whatever fails before the send lets it go
+        headers = next_headers(host, selection.next_scn, selection.next_offset, checkpoint)
+        headers.update(
+            {
+                "X-Changebus-Events": str(selection.events),
+                "X-Changebus-Windows": str(selection.windows),
+                "X-Changebus-Partial": "1" if selection.partial else "0",
+            }
+        )
+        resp = web.StreamResponse(status=200, headers=headers)
+        resp.content_type = "application/vnd.changebus.events"
+        resp.enable_chunked_encoding()
         await resp.prepare(request)
     except BaseException:
         host.buffer.release(selection)
