@@ -46,6 +46,10 @@ _EOW = int(Op.END_OF_WINDOW)
 SCAN_CHUNK = 16384
 #: the smallest first scan step (a small ``max_bytes`` starts with fewer events)
 _FIRST_CHUNK = 256
+#: events one selection scans at most (a filter that keeps little would otherwise walk
+#: the whole buffer on the event loop, under the lock): it then ends at the last whole
+#: window scanned, the client asks again from there
+MAX_SCAN_EVENTS = 1 << 18
 
 
 @dataclass
@@ -172,7 +176,7 @@ def select_events(
     # no more events fit in max_bytes than it holds headers: a small request scans little
     chunk = min(SCAN_CHUNK, max(_FIRST_CHUNK, max_bytes // HEADER_SIZE + 1))
     unfiltered = key_filter is None and src_table is None
-    while e < m.tail_event and used < max_bytes:
+    while e < m.tail_event and used < max_bytes and e - start < MAX_SCAN_EVENTS:
         stop = min(e + chunk, m.tail_event)
         bounded = False
         if unfiltered:
