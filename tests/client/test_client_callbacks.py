@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -20,6 +22,7 @@ from changebus.client import (
     ConsumerConfig,
     DataLossDetectedError,
     MemoryCheckpointPersister,
+    SyncConsumer,
     Window,
 )
 from changebus.relay import Relay
@@ -311,3 +314,67 @@ async def test_inherited_no_op_callbacks_are_not_called_and_the_rest_are() -> No
     # the default on_data_loss still stops the consumer
     lost = await _LoopRunner(AsyncCallbacks(), 1.0).run([("on_data_loss", (None, None))])
     assert lost.result is CallbackResult.FATAL
+
+
+class Stuck(Callbacks):
+    """on_event of window 1001 blocks until ``release`` is set (a call that never returns)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def on_event(self, event: ChangeEvent) -> CallbackResult | None:
+        if event.scn == 1001:
+            self.release.wait(60)
+        return None
+
+    def on_error(self, error: BaseException) -> CallbackResult | None:
+        self.errors.append(error)
+        return None
+
+
+async def test_a_sync_callback_that_never_returns_ends_the_consumer(make_relay: MakeRelay) -> None:
+    """Plans queued behind a stuck call reset their budget on every pass and waited for
+    ever: run() never returned, whatever max_rollbacks said. Now each plan after it times
+    out within one budget and the rollback limit ends the consumer."""
+    async with make_relay(max_windows=5) as relay:
+        cb = Stuck()
+        t0 = time.monotonic()
+        try:
+            async with Consumer(
+                config(relay.url, callback_time_budget_s=0.3, max_rollbacks=2)
+            ) as c:
+                with pytest.raises(ConsumerAbortedError, match="gave up after 2 rollbacks"):
+                    await asyncio.wait_for(c.run(cb), 20)
+            elapsed = time.monotonic() - t0
+        finally:
+            cb.release.set()
+    assert elapsed < 10, elapsed
+
+
+class Exits(Callbacks):
+    def on_event(self, event: ChangeEvent) -> CallbackResult | None:
+        if event.scn == 1001:
+            sys.exit(3)
+        return None
+
+
+async def test_sys_exit_in_a_sync_callback_ends_run_and_close(make_relay: MakeRelay) -> None:
+    """SystemExit left the worker thread and then the sync wrapper's loop thread: run()
+    and close() waited for ever. It ends the consumer like a FATAL result now."""
+    async with make_relay(max_windows=5) as relay:
+        cfg = config(relay.url)
+
+        def blocking() -> BaseException | None:
+            consumer = SyncConsumer(cfg)
+            try:
+                consumer.run(Exits())
+            except ConsumerAbortedError as exc:
+                return exc
+            finally:
+                consumer.close()
+            return None
+
+        error = await asyncio.wait_for(asyncio.to_thread(blocking), 30)
+    assert isinstance(error, ConsumerAbortedError) and isinstance(error.__cause__, SystemExit)
+    assert error.scn == 1001

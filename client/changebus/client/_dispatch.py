@@ -102,7 +102,8 @@ def _result(value: object, name: str) -> _Outcome:
 
 
 class _CallState:
-    """The call in progress of one plan: ``(name, monotonic start)``, or ``("", 0.0)``.
+    """The call in progress of one plan: ``(name, monotonic start)``, or, between
+    calls, ``("", when the last one ended)`` (the plan's submission at first).
 
     Written by the worker thread, read by the loop; a tuple swap is atomic.
     """
@@ -110,16 +111,26 @@ class _CallState:
     __slots__ = ("current",)
 
     def __init__(self) -> None:
-        self.current: tuple[str, float] = ("", 0.0)
+        self.current: tuple[str, float] = ("", time.monotonic())
 
 
 class _ThreadRunner:
-    """Runs plans of sync callbacks in one worker thread (module docstring)."""
+    """Runs plans of sync callbacks in one worker thread (module docstring).
+
+    A call past its budget is abandoned, not interrupted (threads cannot be):
+    the worker finishes it before it takes another plan. The next plan first
+    waits up to one budget for that (``_stuck``); a call that never returns
+    thus times out every plan after it, each within one budget, and the
+    dispatcher's rollback limit ends the consumer instead of queueing plans
+    behind it for ever.
+    """
 
     def __init__(self, callbacks: Callbacks, budget_s: float) -> None:
         self._cb = callbacks
         self._budget = budget_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-callbacks")
+        #: the plan of an abandoned call the worker is still in, and that call's name
+        self._stuck: tuple[asyncio.Future[_Outcome], str] | None = None
 
     def _run_plan(self, plan: Plan, abandon: threading.Event, state: _CallState) -> _Outcome:
         last = CallbackResult.SUCCESS
@@ -132,8 +143,10 @@ class _ThreadRunner:
                 value = getattr(self._cb, name)(*args)
             except Exception as exc:  # noqa: BLE001 - a failed callback is a recoverable error
                 return _Outcome(CallbackResult.ERROR, name, exc)
+            except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: stop
+                return _Outcome(CallbackResult.FATAL, name, exc)
             finally:
-                state.current = ("", 0.0)
+                state.current = ("", time.monotonic())
             if time.monotonic() - started > self._budget:
                 return _Outcome(CallbackResult.ERROR, name, timed_out=True)
             outcome = _result(value, name)
@@ -143,26 +156,41 @@ class _ThreadRunner:
         return _Outcome(last) if last is not CallbackResult.SUCCESS else _OK
 
     async def run(self, plan: Plan) -> _Outcome:
+        if self._stuck is not None:
+            future, name = self._stuck
+            done, _ = await asyncio.wait({future}, timeout=self._budget)
+            if not done:
+                return _Outcome(CallbackResult.ERROR, name, timed_out=True)
+            self._stuck = None
         loop = asyncio.get_running_loop()
         abandon = threading.Event()
         state = _CallState()
         future = loop.run_in_executor(self._executor, self._run_plan, plan, abandon, state)
         try:
             while True:
-                name, started = state.current
-                left = self._budget if not started else started + self._budget - time.monotonic()
+                name, since = state.current
+                left = since + self._budget - time.monotonic()
                 if left <= 0:
                     abandon.set()  # the worker stops after the call it is stuck in
+                    self._stuck = (future, name)
                     return _Outcome(CallbackResult.ERROR, name, timed_out=True)
                 done, _ = await asyncio.wait({future}, timeout=left)
                 if done:
                     return future.result()
         except asyncio.CancelledError:
             abandon.set()
+            self._stuck = (future, state.current[0])
             raise
 
     async def close(self) -> None:
-        # waits for a callback still running (threads cannot be interrupted)
+        if self._stuck is not None and not self._stuck[0].done():
+            # a callback that overran its budget is still running: do not wait for it
+            log.warning(
+                "callback %s is still running past its time budget; not waiting for it",
+                self._stuck[1],
+            )
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            return
         await asyncio.to_thread(self._executor.shutdown, True)
 
 
@@ -197,6 +225,9 @@ class _LoopRunner:
                         value = await getattr(self._cb, name)(*args)
                     except Exception as exc:  # noqa: BLE001 - a failed callback is recoverable
                         return _Outcome(CallbackResult.ERROR, name, exc)
+                    except (SystemExit, KeyboardInterrupt) as exc:
+                        # (not out of the loop's thread: the sync wrapper would wait for ever)
+                        return _Outcome(CallbackResult.FATAL, name, exc)
                     outcome = _result(value, name)
                     if not outcome.ok:
                         return outcome
