@@ -35,6 +35,7 @@ import aiohttp
 from changebus.schemas import CheckpointError, Mode, PartitionCheckpoint
 
 from ._assembler import RawWindow
+from ._backoff import Backoff
 from ._bootstrap import Bootstrapper
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
@@ -107,6 +108,13 @@ class RelayFetcher:
         self._boot: Bootstrapper | None = None
         if config.bootstrap_servers:
             self._boot = Bootstrapper(config, session, queue, cache)
+        #: relay windows delivered since the last bootstrap (-1: none ran)
+        self._since_bootstrap = -1
+        #: the pause before bootstrapping again when the relays evicted the last
+        #: bootstrap's target before a window came (a bootstrap server behind them)
+        self._fell_off_backoff = Backoff(
+            config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier
+        )
 
     @property
     def partition(self) -> str | None:
@@ -168,7 +176,20 @@ class RelayFetcher:
                 return
             except FellOffRelayError as exc:
                 if self._boot is not None:
-                    log.warning("%s; bootstrapping", exc.message)
+                    if self._since_bootstrap == 0:
+                        # the relays evicted the bootstrap's target before a window came:
+                        # the bootstrap server lags them; asking again at once would loop
+                        delay = self._fell_off_backoff.next_delay()
+                        log.warning(
+                            "%s, right after a bootstrap that ended there: the bootstrap"
+                            " server's log ends before the relays' oldest window; bootstrapping"
+                            " again in %.1f s",
+                            exc.message,
+                            delay,
+                        )
+                        await asyncio.sleep(delay)
+                    else:
+                        log.warning("%s; bootstrapping", exc.message)
                     await self._bootstrap(self.stream.position, None)
                 elif cfg.on_fell_off == "latest":
                     log.warning(
@@ -184,6 +205,7 @@ class RelayFetcher:
         assert self._boot is not None
         self._boot.partition = self.stream.partition
         target = await self._boot.run(since, resume)
+        self._since_bootstrap = 0
         self.stream.learn_partition(self._boot.partition)
         self.stream.seek(target)
         self._schemas = None
@@ -203,6 +225,9 @@ class RelayFetcher:
             raw, self.stream.partition or "", self._cache, source, columnar=self.config.columnar
         )
         await self._queue.put(window, raw)
+        if self._since_bootstrap == 0:
+            self._fell_off_backoff.reset()
+        self._since_bootstrap += 1
         until = self.config.until_scn
         if until is not None and raw.scn >= until:
             # a bounded read (until_scn) is complete: fetch nothing more; close() cancels
