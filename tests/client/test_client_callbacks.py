@@ -378,3 +378,14 @@ async def test_sys_exit_in_a_sync_callback_ends_run_and_close(make_relay: MakeRe
         error = await asyncio.wait_for(asyncio.to_thread(blocking), 30)
     assert isinstance(error, ConsumerAbortedError) and isinstance(error.__cause__, SystemExit)
     assert error.scn == 1001
+
+
+async def test_run_with_until_scn_returns_after_the_last_window(make_relay: MakeRelay) -> None:
+    """The iterator stopped at until_scn; run(callbacks) waited for ever after it."""
+    async with make_relay(max_windows=20) as relay:
+        rec = Recorder(100, [])
+        async with Consumer(config(relay.url, until_scn=1009)) as c:
+            await asyncio.wait_for(c.run(rec), 20)
+            checkpoint = c.checkpoint
+    assert rec.applied == list(range(1000, 1010))
+    assert checkpoint.get("syn").window_scn == 1009

@@ -74,7 +74,8 @@ class ConsumerConfig:
     raise it for transactions larger than 512 MiB. A connection silent for ``wait_s + read_margin_s``
     counts as broken. ``until_scn`` makes a bounded read: once a relay window
     at or past that SCN is queued the consumer fetches nothing more, and the
-    iterator ends after yielding it (a Spark task reading an SCN range).
+    iterator ends after yielding it, ``run(callbacks)`` returns after
+    dispatching it (a Spark task reading an SCN range).
 
     Flow control: at most ``queue_windows`` windows and about ``queue_bytes``
     bytes wait between fetching and processing; beyond that the consumer

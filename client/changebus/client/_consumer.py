@@ -411,7 +411,19 @@ class Consumer:
         await self.start()
         assert self._queue is not None
         assert self._position is not None
-        dispatcher = Dispatcher(callbacks, self.config, self._position, self._queue.get)
+        queue, until = self._queue, self.config.until_scn
+        ended = False
+
+        async def next_window() -> Window:
+            # a bounded read (until_scn) ends once its last window was dispatched
+            nonlocal ended
+            if ended:
+                raise QueueClosed
+            window = await queue.get()
+            ended = until is not None and window.phase == "online" and window.scn >= until
+            return window
+
+        dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
         try:
             await dispatcher.run()
         except QueueClosed:
