@@ -25,9 +25,15 @@ from waiting import wait_until
 
 @contextlib.asynccontextmanager
 async def synthetic_boot(
-    tmp: Path, windows: int = 40
+    tmp: Path, windows: int = 40, start_scn: int = 1000
 ) -> AsyncIterator[tuple[Relay, BootstrapServer]]:
-    options = {"windows_per_s": 0, "max_windows": windows, "events_per_window": 4, "tables": 1}
+    options = {
+        "windows_per_s": 0,
+        "max_windows": windows,
+        "events_per_window": 4,
+        "tables": 1,
+        "start_scn": start_scn,
+    }
     relay_cfg = RelayConfig(
         data_dir=tmp / "relay",
         http=RelayHttp(port=0),

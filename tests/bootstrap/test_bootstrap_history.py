@@ -78,3 +78,24 @@ async def test_a_snapshot_position_of_another_store_restarts_the_snapshot(
                 if status == 410:
                     error = await response_error(resp, "b", kind="bootstrap")
     assert isinstance(error, RestartBootstrap)
+
+
+async def test_a_server_whose_history_starts_too_late_passes_to_the_next(tmp_path: Path) -> None:
+    """Its refusal (410: the position is older than its history) is the server's own;
+    it stopped the consumer although the next configured server could serve it."""
+    async with (
+        synthetic_boot(tmp_path / "late", 20, start_scn=5000) as (_late_relay, late),
+        synthetic_boot(tmp_path / "full", 40) as (relay, full),
+        aiohttp.ClientSession() as http,
+    ):
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        config = ConsumerConfig(
+            relays=(relay.url,), partition="syn", bootstrap_servers=(late.url, full.url)
+        )
+        runner = Bootstrapper(config, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        assert await asyncio.wait_for(runner.run(1010, None), 30) >= last
+        # with the late server alone, its refusal ends the bootstrap
+        alone = ConsumerConfig(relays=(relay.url,), partition="syn", bootstrap_servers=(late.url,))
+        runner = Bootstrapper(alone, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        with pytest.raises(BootstrapFailedError, match="older than this bootstrap server"):
+            await asyncio.wait_for(runner.run(1010, None), 30)

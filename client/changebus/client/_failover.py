@@ -15,9 +15,11 @@ with the caller::
 Rules, decided by data (the exception's ``retriable`` attribute, which
 :mod:`._http` sets from the server's answer and for transport failures):
 
-* a :class:`~._errors.FellOffRelayError` moves to the next server without
-  counting an attempt; when every server said so, the first one's error is
-  raised (the position is gone everywhere);
+* a :class:`~._errors.FellOffRelayError` (or a bootstrap server's
+  :class:`~changebus.schemas.BootstrapFailedError`: its history starts after
+  the position) moves to the next server without counting an attempt; when
+  every server said so, the first one's error is raised (the position is
+  gone everywhere);
 * a retriable error counts one attempt and moves to the next server at once;
   after a whole round of failures it sleeps (:class:`~._backoff.Backoff`,
   exponential with jitter); ``max_attempts`` consecutive failures (0: no
@@ -44,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 
-from changebus.schemas import ChangebusError
+from changebus.schemas import BootstrapFailedError, ChangebusError
 
 from ._backoff import Backoff
 from ._errors import FellOffRelayError, RelayUnavailableError
@@ -83,7 +85,7 @@ class Failover:
         self._max_attempts = max_attempts
         self._what = what
         self._failed_in_round = 0
-        self._fell_off: dict[str, FellOffRelayError] = {}
+        self._fell_off: dict[str, FellOffRelayError | BootstrapFailedError] = {}
         #: set by :meth:`set_urls`: ends a backoff sleep early
         self._changed = asyncio.Event()
 
@@ -120,7 +122,9 @@ class Failover:
 
     async def failed(self, exc: BaseException) -> None:
         """Account for ``exc``: return to retry (on :attr:`url`), or raise."""
-        if isinstance(exc, FellOffRelayError):
+        if isinstance(exc, FellOffRelayError | BootstrapFailedError):
+            # this server cannot serve the position (a relay evicted it, a bootstrap
+            # server's history starts after it): another may; raise when none can
             self._fell_off[self.url] = exc
             if len(self._fell_off) >= len(set(self.urls)):
                 first = self._fell_off.get(self.urls[0], exc)
