@@ -232,6 +232,8 @@ class RelayStream:
         self._check = check_response
         self._assembler = WindowAssembler(position, config.max_window_bytes)
         self._continue: tuple[int, int] | None = None
+        #: the relay the continuation point came from (its event offsets are its own)
+        self._continue_url = ""
         #: follow mode asks by long-poll until the window in hand is whole: a follow
         #: response that ended inside a window (``follow_bytes``) without handing one
         #: over would end there again; long-poll answers say where to continue
@@ -374,6 +376,10 @@ class RelayStream:
         return params
 
     async def _request(self, url: str, sink: StreamSink) -> None:
+        if self._continue is not None and self._continue_url != url:
+            # offsets count events of the relay that gave them: the window is read
+            # again whole from this one (set_relays moved between two requests)
+            self._restart_window()
         params = self._params()
         self.requests += 1
         where = self._where[url]
@@ -433,10 +439,19 @@ class RelayStream:
         for raw in self._assembler.feed(body):
             await self._hand(raw, url, sink)
         if self._assembler.in_window:
-            self._continue = (
-                int(resp.headers["X-Changebus-Next-Scn"]),
-                int(resp.headers["X-Changebus-Next-Offset"]),
-            )
+            try:
+                self._continue = (
+                    int(resp.headers["X-Changebus-Next-Scn"]),
+                    int(resp.headers["X-Changebus-Next-Offset"]),
+                )
+            except (KeyError, ValueError):
+                # (a proxy that drops headers): read the window again whole, elsewhere
+                raise ProtocolError(
+                    f"{self._where[url]}: a window cut by max_bytes came without its"
+                    " X-Changebus-Next-Scn / X-Changebus-Next-Offset headers",
+                    retriable=True,
+                ) from None
+            self._continue_url = url
         else:
             self._continue = None
 
