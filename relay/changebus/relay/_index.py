@@ -175,23 +175,24 @@ def cut_points(
         return []
     lo = index.searchsorted(m.index_head, m.index_tail, "scn", since, "right")
     hi = index.searchsorted(lo, m.index_tail, "scn", until, "right")
-    # entries ``[lo, hi)`` name the indexed windows of the range; one binary search per
-    # target (never a copy of the slice: an index may hold millions of entries)
-    picked: set[int] = set()
-    for target in targets.tolist():
-        at = index.searchsorted(lo, hi, "event", target, "left")
-        best: tuple[int, int] | None = None  # (distance, scn) of the nearer usable entry
-        for k in (at - 1, at):
-            if not lo <= k < hi:
-                continue
-            entry = index.at(k)
-            number = int(entry["event"])
-            if number <= first:  # an indexed window that starts the range: empty first part
-                continue
-            if best is None or abs(number - target) < best[0]:
-                best = (abs(number - target), int(entry["scn"]))
-        if best is not None:
-            picked.add(best[1] - 1)
+    # entries ``[lo, hi)`` name the indexed windows of the range: the nearer of the two
+    # entries around each target (binary searches in place, never a copy of the slice:
+    # an index may hold millions of entries); ties go to the earlier one
+    at = index.searchsorted_many(lo, hi, "event", targets, "left")
+    numbers, scns = index.data["event"], index.data["scn"]
+    best_dist = np.full(len(targets), np.iinfo(np.int64).max, dtype=np.int64)
+    best_scn = np.full(len(targets), -1, dtype=np.int64)
+    for k in (at - 1, at):
+        usable = (k >= lo) & (k < hi)
+        slot = k[usable] % index.slots
+        number = numbers[slot].astype(np.int64)
+        # (an indexed window that starts the range would leave the first part empty)
+        dist = np.where(number > first, np.abs(number - targets[usable]), best_dist[usable])
+        better = dist < best_dist[usable]
+        rows = np.flatnonzero(usable)[better]
+        best_dist[rows] = dist[better]
+        best_scn[rows] = scns[slot][better].astype(np.int64)
+    picked = {int(c) - 1 for c in best_scn[best_scn >= 0].tolist()}
     return sorted(c for c in picked if since < c < until)
 
 

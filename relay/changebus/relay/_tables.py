@@ -95,6 +95,24 @@ class CircularTable:
         c, d = spans[1]
         return start + (b - a) + int(np.searchsorted(col[c:d], value, side=side))  # type: ignore[call-overload]
 
+    def searchsorted_many(
+        self, start: int, stop: int, field: str, values: npt.NDArray[np.int64], side: str = "left"
+    ) -> npt.NDArray[np.int64]:
+        """:meth:`searchsorted` of every one of ``values`` at once (virtual numbers)."""
+        spans = self._spans(start, stop)
+        if not spans:
+            return np.full(len(values), start, dtype=np.int64)
+        col = self.data[field]
+        a, b = spans[0]
+        found: npt.NDArray[np.int64] = np.searchsorted(col[a:b], values, side=side).astype(  # type: ignore[call-overload]
+            np.int64
+        )
+        if len(spans) == 2:
+            past = found == b - a
+            c, d = spans[1]
+            found[past] = (b - a) + np.searchsorted(col[c:d], values[past], side=side)  # type: ignore[call-overload]
+        return np.asarray(found + start, dtype=np.int64)
+
     def put(self, start: int, records: npt.NDArray[Any]) -> None:
         """Store ``records`` at virtual numbers ``start, start + 1, ...``."""
         done = 0
