@@ -111,3 +111,36 @@ async def test_a_filter_that_keeps_little_scans_a_bounded_share_of_the_buffer(
         assert sum(ends) == windows and answers >= 2
         # (the scan goes by chunks: the last may pass the bound by one)
         assert max(ends) * per_window <= MAX_SCAN_EVENTS + SCAN_CHUNK
+
+
+async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients fill the consumer table (1,000 made-up ids at their own positions); the
+    open /metrics computed every one's lag (an index search each) on every scrape.
+    /metrics now counts them; /v1/status searches once per distinct position."""
+    from changebus.relay import _hoststatus
+
+    calls: list[int] = []
+    real = _hoststatus.consumer_lag_seconds
+
+    def counted(host: object, scn: int) -> float:
+        calls.append(scn)
+        return real(host, scn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_hoststatus, "consumer_lag_seconds", counted)
+    async with Relay(ring_config(tmp_path, 8 << 20)) as relay, aiohttp.ClientSession() as http:
+        host = relay.hosts["ring"]
+        await asyncio.to_thread(
+            lambda: [host.buffer.append_window(big_window(s)) for s in range(10, 30)]
+        )
+        for i in range(1000):
+            host.saw_consumer(f"made-up-{i}", 10 + i % 10, 0, "127.0.0.1")
+        async with http.get(f"{relay.url}/metrics") as resp:
+            assert resp.status == 200
+            assert 'changebus_relay_consumers{partition="ring"} 1000.0' in await resp.text()
+        assert calls == []
+        async with http.get(f"{relay.url}/v1/status") as resp:
+            consumers = (await resp.json())["partitions"][0]["consumers"]
+        assert len(consumers) == 1000 and all(c["lag_seconds"] is not None for c in consumers)
+        assert sorted(calls) == list(range(10, 20))

@@ -548,6 +548,6 @@ class PartitionHost(SourceAcks):
         """Data-loss windows by cause since start (scrape time; see :mod:`._hoststatus`)."""
         return data_loss_events(self)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, consumers: bool = True) -> dict[str, Any]:
         """The partition's ``/v1/status`` entry (see :mod:`._hoststatus`)."""
-        return partition_status(self)
+        return partition_status(self, consumers=consumers)

@@ -69,24 +69,39 @@ def consumer_lag_seconds(host: PartitionHost, scn: int) -> float:
     return 0.0 if ts is None else max((m.last_ts - ts) / 1e9, 0.0)
 
 
-def partition_status(host: PartitionHost) -> dict[str, Any]:
-    """The partition's ``/v1/status`` entry: buffer bounds, state, consumers, fetcher."""
+def partition_status(host: PartitionHost, *, consumers: bool = True) -> dict[str, Any]:
+    """The partition's ``/v1/status`` entry: buffer bounds, state, consumers, fetcher.
+
+    ``consumers`` False (``/metrics``): their number only, not the list
+    with each one's lag (an index search per distinct position: clients
+    choose how many there are).
+    """
     m = host.buffer.meta
     now = time.monotonic()
-    consumers = [
+    active = [
+        (client, seen)
+        for client, seen in sorted(host.consumers.items())
+        if now - seen.last_seen <= CONSUMER_TTL_S
+    ]
+    lags: dict[int, float] = {}  # by position: followers share few
+
+    def lag(scn: int) -> float:
+        found = lags.get(scn)
+        if found is None:
+            found = lags[scn] = round(consumer_lag_seconds(host, scn), 3)
+        return found
+
+    listed = [
         {
             "client": client,
             "peer": seen.peer,
             "scn": seen.scn,
             "lag_scn": max(m.last_scn - seen.scn, 0) if seen.scn >= 0 else None,
-            "lag_seconds": round(consumer_lag_seconds(host, seen.scn), 3)
-            if seen.scn >= 0
-            else None,
+            "lag_seconds": lag(seen.scn) if seen.scn >= 0 else None,
             "behind_bytes": seen.behind_bytes,
             "seconds_since_request": round(now - seen.last_seen, 3),
         }
-        for client, seen in sorted(host.consumers.items())
-        if now - seen.last_seen <= CONSUMER_TTL_S
+        for client, seen in (active if consumers else ())
     ]
     status: dict[str, Any] = {
         "name": host.name,
@@ -101,7 +116,8 @@ def partition_status(host: PartitionHost) -> dict[str, Any]:
         "windows": m.windows,
         "oldest_timestamp_ns": m.first_ts,
         "newest_timestamp_ns": m.last_ts,
-        "consumers": consumers,
+        "consumers": listed,
+        "consumer_count": len(active),
         "source_lag_seconds": _rounded(source_lag_seconds(host)),
         "source_idle_seconds": round(
             max(time.time() - (host.appended_at or host.started_at), 0.0), 3

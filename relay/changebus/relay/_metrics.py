@@ -149,13 +149,13 @@ class RelayMetrics:
                 leader.add_metric([host.name, host.role], 1.0 if host.role == "leader" else 0.0)
             if host.epoch is not None:
                 epoch.add_metric([host.name], float(host.epoch))
-            st = host.status()
+            st = host.status(consumers=False)
             for n in gauges:
                 gauges[n].add_metric([host.name], float(st[n]))
             for n in counters:
                 counters[n].add_metric([host.name], float(st["stats"].get(n, 0)))
             ready.add_metric([host.name, host.state], 1.0 if host.ready else 0.0)
-            consumers.add_metric([host.name], float(len(st["consumers"])))
+            consumers.add_metric([host.name], float(st["consumer_count"]))
             for key, value in st.get("fetcher", {}).items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     fetcher.add_metric([host.name, key], float(value))
