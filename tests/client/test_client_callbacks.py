@@ -389,3 +389,30 @@ async def test_run_with_until_scn_returns_after_the_last_window(make_relay: Make
             checkpoint = c.checkpoint
     assert rec.applied == list(range(1000, 1010))
     assert checkpoint.get("syn").window_scn == 1009
+
+
+class SkipsCheckpoints(Callbacks):
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def on_end_window(self, window: Window) -> CallbackResult | None:
+        self.windows += 1
+        return None
+
+    def on_checkpoint(self, checkpoint: Checkpoint) -> CallbackResult | None:
+        return CallbackResult.SKIP_CHECKPOINT
+
+
+async def test_windows_kept_for_replay_are_bounded(make_relay: MakeRelay) -> None:
+    """Every window since the last stored checkpoint is kept (a rollback replays them):
+    an on_checkpoint that always skips grew that list without bound."""
+    async with make_relay(max_windows=100, events_per_window=4, row_bytes=2000) as relay:
+        cb = SkipsCheckpoints()
+        cfg = config(
+            relay.url, max_bytes=64 << 10, max_window_bytes=64 << 10, max_replay_bytes=64 << 10
+        )
+        async with Consumer(cfg) as c:
+            with pytest.raises(ConsumerAbortedError, match="past max_replay_bytes"):
+                await asyncio.wait_for(c.run(cb), 20)
+    # about 8 KB a window: the eighth or so passes 64 KiB
+    assert 5 <= cb.windows <= 9, cb.windows

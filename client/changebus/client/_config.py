@@ -130,7 +130,11 @@ class ConsumerConfig:
     rolls back and replays the windows since the last checkpoint, at most
     ``max_rollbacks`` times in a row (-1: no limit), ``rollback_backoff_s``
     apart (doubling); the checkpoint is taken every
-    ``checkpoint_every_windows`` windows.
+    ``checkpoint_every_windows`` windows. The windows kept for such a replay
+    (those since the last checkpoint stored) hold at most
+    ``max_replay_bytes``: past it (``on_checkpoint`` returning
+    ``SKIP_CHECKPOINT`` for too long) the consumer stops with
+    :class:`~changebus.client.ConsumerAbortedError` rather than grow.
     """
 
     relays: tuple[str, ...] = ()
@@ -163,6 +167,7 @@ class ConsumerConfig:
     max_rollbacks: int = 10
     rollback_backoff_s: float = 0.05
     checkpoint_every_windows: int = 1
+    max_replay_bytes: int = 1 << 30
     bootstrap_servers: tuple[str, ...] = ()
     bootstrap_page_bytes: int = 1 << 20
     on_fell_off: Literal["raise", "latest"] = "raise"
@@ -254,6 +259,11 @@ class ConsumerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.max_replay_bytes < self.max_window_bytes:
+            raise ConfigError(
+                f"max_replay_bytes ({self.max_replay_bytes}) must be at least max_window_bytes "
+                f"({self.max_window_bytes}): one window is always kept until its checkpoint"
+            )
         if self.max_bytes > self.max_window_bytes:
             raise ConfigError(
                 f"max_bytes ({self.max_bytes}) must not pass max_window_bytes "

@@ -339,6 +339,7 @@ class Dispatcher:
         self._next_window = next_window
         self._readmit = readmit
         self.replay: list[Window] = []
+        self._replay_count = self._replay_bytes = 0  # (see _replay_size)
         self.rollbacks = 0
         self.total_rollbacks = 0
         self.windows = 0
@@ -355,6 +356,16 @@ class Dispatcher:
                     await self._report(exc)
                     raise
                 self.replay.append(window)
+                replay_bytes = self._replay_size()
+                if replay_bytes > self._config.max_replay_bytes:
+                    await self._abort(
+                        _Outcome(CallbackResult.ERROR, "on_checkpoint"),
+                        window,
+                        f"the {len(self.replay)} windows since the last stored checkpoint hold"
+                        f" {replay_bytes} bytes, past max_replay_bytes"
+                        f" ({self._config.max_replay_bytes}): on_checkpoint skipped the"
+                        " checkpoint for too long (they are kept for a replay)",
+                    )
                 await self._process()
         finally:
             await self._runner.close()
@@ -368,6 +379,20 @@ class Dispatcher:
         outcome = await self._runner.run([(name, args)])
         if not outcome.ok:
             log.error("%s", _describe(outcome))
+
+    def _replay_size(self) -> int:
+        """Bytes of the windows in ``replay``, after one was appended.
+
+        Kept as a running sum; recounted whenever ``replay`` changed in
+        another way since (a checkpoint cleared it, a group purged windows).
+        """
+        n = len(self.replay)
+        if n == self._replay_count + 1:
+            self._replay_bytes += self.replay[-1].nbytes
+        else:
+            self._replay_bytes = sum(w.nbytes for w in self.replay)
+        self._replay_count = n
+        return self._replay_bytes
 
     async def _process(self) -> None:
         """Run the newest window of ``replay``; after a rollback, every window kept, again.
