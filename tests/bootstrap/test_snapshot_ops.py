@@ -485,3 +485,16 @@ async def test_a_consumer_from_nothing_is_told_of_tables_never_seeded(stack: Sta
     status, plan = await stack.call("GET", start, READER)
     assert status == 200 and plan["unseeded"] == [], plan
     assert (await wait_seed_end(stack))["state"] == "done"
+
+
+async def test_a_principal_granted_some_sources_sees_and_runs_only_theirs(stack: Stack) -> None:
+    """Found by review: a where condition is SQL run with the seed's credentials (a
+    subquery reads any table they may read), and the plan named tables outside the grant."""
+    where = {"table": "public.pair", "where": "id < 5"}
+    status, body = await stack.call("POST", "/v1/snapshot", PAIR_ADMIN, where)
+    assert status == 403 and "not by a where condition" in body["message"], body
+    keys = {"table": "public.pair", "keys": [[1, "k1"]]}
+    assert (await stack.call("POST", "/v1/snapshot", PAIR_ADMIN, keys))[0] == 202
+    await wait_seed_end(stack)
+    status, plan = await stack.call("GET", "/v1/bootstrap/start?partition=pg&since=-1", PAIR)
+    assert status == 200 and plan["unseeded"] == ["public.pair"], plan

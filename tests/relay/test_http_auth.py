@@ -211,3 +211,19 @@ async def test_sources_schemas_status_show_only_what_is_granted(
     _, body = await call(http, f"{relay.url}/v1/status", ADMIN)
     clients = {c["client"] for p in body["partitions"] for c in p["consumers"]}
     assert "orders-app" in clients
+
+
+async def test_errors_name_only_the_partitions_granted(
+    relay: Relay, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A partition not granted could be learnt from "name the partition: one of ...";
+    and a path's decoded line break forged a second log line (found by review)."""
+    status, body = await call(http, f"{relay.url}/v1/stream", READER)
+    assert status == 400 and body["message"].endswith("one of syn"), body
+    status, body = await call(http, f"{relay.url}/v1/stream", WIDE)
+    assert status == 400 and body["message"].endswith("one of idle, syn"), body
+    with caplog.at_level("WARNING"):
+        async with http.get(f"{relay.url}/v1/x%0AWARNING%20forged") as resp:
+            assert resp.status == 401
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert refused and all("\n" not in m for m in refused), refused

@@ -144,3 +144,39 @@ async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
             consumers = (await resp.json())["partitions"][0]["consumers"]
         assert len(consumers) == 1000 and all(c["lag_seconds"] is not None for c in consumers)
         assert sorted(calls) == list(range(10, 20))
+
+
+async def test_clients_that_read_nothing_hold_the_copy_budget_not_a_mib_each(
+    tmp_path: Path,
+) -> None:
+    """Answers sent from the ring went out in 1 MiB pieces; what the socket did not take
+    the transport copied and kept for send_timeout_s, outside the copy budget (sixteen
+    clients reading nothing: some 16 MiB). The pieces are now the request's grant and the
+    grant is held until the last piece left the process."""
+    from test_hardening import _raw_request, _unsent_bytes, fill
+
+    from changebus.relay._http import COPIES
+
+    budget = 2 << 20
+    cfg = ring_config(
+        tmp_path, 8 << 20, max_copy_bytes=budget, max_connections=32, send_timeout_s=5
+    )
+    async with Relay(cfg) as relay:
+        await fill(relay, 1, 7 << 20)
+        path = "/v1/stream?partition=ring&scn=-1&max_bytes=4194304"
+        socks = [await asyncio.to_thread(_raw_request, relay.port, path) for _ in range(16)]
+        try:
+            await asyncio.sleep(1.0)  # the answers are stuck: nobody reads
+            runner = relay.server._runner
+            assert runner is not None and runner.server is not None
+            unsent = sum(
+                h.transport.get_write_buffer_size()
+                for h in runner.server.connections
+                if h.transport is not None
+            )
+            copies = relay.server.app[COPIES]
+            assert copies.holders == 16 and copies.held <= budget
+            assert unsent <= budget + 16 * 64, (unsent, _unsent_bytes(relay))
+        finally:
+            for sock in socks:
+                sock.close()

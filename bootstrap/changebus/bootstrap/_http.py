@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -104,19 +105,19 @@ def partition_named(request: web.Request, name: str | None) -> str:
     """Partition ``name`` (None: the only one); 400 malformed, 403 not granted, 404 unknown."""
     workers = request.app[SERVICE].workers
     principal = principal_of(request)
+    # (errors name only the partitions the principal may read: the others cannot be probed)
+    granted = ", ".join(sorted(w for w in workers if principal.allows_partition(w))) or "none"
     if name is None:
         if len(workers) == 1:
             name = next(iter(workers))
             principal.check_partition(name)
             return name
-        raise BadRequestError(f"name the partition: one of {', '.join(sorted(workers))}")
+        raise BadRequestError(f"name the partition: one of {granted}")
     if not safe_name(name):
         raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     principal.check_partition(name)  # before the lookup: 403 whether it exists or not
     if name not in workers:
-        raise UnknownSourceError(
-            f"no partition {name[:128]!r} here; known: {', '.join(sorted(workers))}"
-        )
+        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted}")
     return name
 
 
@@ -196,7 +197,10 @@ def _plan(
     ratio: float,
     seeding: bool = True,
     seed_running: bool = False,
+    visible: Callable[[str], bool] = lambda _table: True,
 ) -> dict[str, Any]:
+    """The plan of ``/v1/bootstrap/start``; ``visible``: the tables the principal may read
+    (the others are neither named nor waited for: its pages leave them out)."""
     st = store.state(part)
     if 0 <= since < st.base_scn:
         raise ScnNotFoundError(
@@ -224,7 +228,11 @@ def _plan(
         raise NotYetError(f"the snapshot is at {start}, before position {since}; retry soon")
     # from nothing, with a history that starts after the source's: tables never seeded
     # lack the rows nobody changed since (docs/bootstrap.md "Seeding: why it is needed")
-    unseeded = store.never_seeded(part) if since < 0 and st.base_scn >= 0 else []
+    unseeded = (
+        [t for t in store.never_seeded(part) if visible(t)]
+        if since < 0 and st.base_scn >= 0
+        else []
+    )
     if unseeded and seed_running:
         raise NotYetError(
             f"the snapshot lacks rows of {len(unseeded)} table(s) not seeded yet "
@@ -255,8 +263,9 @@ async def start(request: web.Request) -> web.Response:
     ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
     w = request.app[SERVICE].workers.get(part)
     running = w is not None and w.seeding is not None and not w.seeding.done()
+    visible = principal_of(request).allows_source
     plan = await request.app[SERVICE].stores.read(
-        lambda s: _plan(s, part, since, ratio, seeding, running)
+        lambda s: _plan(s, part, since, ratio, seeding, running, visible)
     )
     return json_response(plan)
 
@@ -398,38 +407,44 @@ async def catchup(request: web.Request) -> web.Response:
         # the applier may prune while the page is read (statements of their own): a
         # page missing pruned windows must not go out as if it were whole
         pruned(store)
-        data = found.data
+        data, events = found.data, found.events
         if data and (key_filter is not None or wanted is not None):
-            data = _select(data, key_filter, wanted)  # (here: a page's checks take long)
-        return found, data
+            # (here: a page's checks take long); the count is of what is sent: a count
+            # of the whole page would tell a restricted principal of other sources
+            data, events = _select(data, key_filter, wanted)
+        return found, data, events
 
-    result, data = await service.stores.read(page)
+    result, data, events = await service.stores.read(page)
     metrics = request.app[METRICS]
-    metrics.catchup_events[part] += result.events
+    metrics.catchup_events[part] += events
     metrics.bytes_served[part] += len(data)
     return _binary(
         data,
         {
             "X-Changebus-Partition": part,
-            "X-Changebus-Events": str(result.events),
+            "X-Changebus-Events": str(events),
             "X-Changebus-Last-Scn": str(result.last_scn),
             "X-Changebus-Complete": "1" if result.complete else "0",
         },
     )
 
 
-def _select(data: bytes, key_filter: PartitionFilter | None, wanted: list[int] | None) -> bytes:
-    """Keep control events and the data events the consumer subscribed to (as the relay)."""
+def _select(
+    data: bytes, key_filter: PartitionFilter | None, wanted: list[int] | None
+) -> tuple[bytes, int]:
+    """Keep control events and the data events the consumer subscribed to (as the relay);
+    with how many were kept."""
     offsets, headers = parse_stream(data)
     keep = event_mask(headers, key_filter, wanted)
     mv = memoryview(data)
-    return b"".join(
+    kept = b"".join(
         mv[o : o + n]
         for o, n, k in zip(
             offsets.tolist(), headers["total_length"].tolist(), keep.tolist(), strict=True
         )
         if k
     )
+    return kept, int(keep.sum())
 
 
 async def sources(request: web.Request) -> web.Response:
@@ -510,6 +525,20 @@ async def status_all(request: web.Request) -> web.Response:
         if not principal.allows_partition(w.name):
             continue
         st = w.status()
+        seed = st["seed"]
+        if seed.get("table") and not principal.allows_source(seed["table"]):
+            # a table not granted: its name, figures and error (a source's words) are hidden
+            seed.update(
+                table="",
+                error="",
+                rows=0,
+                chunks=0,
+                chunks_resumed=0,
+                table_rows=0,
+                table_estimate=-1,
+                rows_per_s=0.0,
+                eta_s=None,
+            )
         # (a keys scope may be 1 MB of JSON: parsed in the store's thread, not on the loop)
         jobs = await service.stores.read(
             lambda s, p=w.name: [  # type: ignore[misc]

@@ -95,18 +95,19 @@ _WAIT_LIMIT_S = 24 * 3600.0
 
 def _host(request: web.Request, name: str | None) -> PartitionHost:
     hosts = request.app[HOSTS]
+    # (errors name only the partitions the principal may read: the others cannot be probed)
+    principal = principal_of(request)
+    granted = ", ".join(sorted(h for h in hosts if principal.allows_partition(h))) or "none"
     if name is None:
         if len(hosts) == 1:
             return next(iter(hosts.values()))
-        raise BadRequestError(f"name the partition: one of {', '.join(sorted(hosts))}")
+        raise BadRequestError(f"name the partition: one of {granted}")
     if not safe_name(name):
         raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     try:
         return hosts[name]
     except KeyError:
-        raise UnknownSourceError(
-            f"no partition {name[:128]!r} here; known: {', '.join(sorted(hosts))}"
-        ) from None
+        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted}") from None
 
 
 def _responses(request: web.Request, host: PartitionHost) -> ResponseCache:
@@ -258,7 +259,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
     except BaseException:
         host.buffer.release(selection)
         raise
-    outcome = await send_selection(request, resp, host.buffer, selection, cfg.send_timeout_s)
+    outcome = await send_selection(
+        request, resp, host.buffer, selection, cfg.send_timeout_s, request.app[COPIES]
+    )
     if outcome != "sent":
         # the bytes may have been overwritten while being sent, or the client
         # stopped reading (the status is gone already): the connection was cut

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from ._buffer import EventBuffer, Selection
+from ._copybudget import CopyBudget
 
 __all__ = ["PIECE_BYTES", "STALL_S", "SendWatch", "pieces", "send_body", "send_selection"]
 
@@ -46,20 +47,24 @@ STALL_S = 0.5
 #: runs shorter than this are gathered into writes of about _COALESCE_BYTES
 _SMALL_RUN = 64 * 1024
 _COALESCE_BYTES = 256 * 1024
+#: the smallest piece (a budget cut to its floor still sends in useful writes)
+_MIN_PIECE = 16 * 1024
 #: 3.11 transports copy unsent bytes; newer ones keep references to the memoryviews
 _ZERO_COPY_SAFE = sys.version_info < (3, 12)
 
 Outcome = Literal["sent", "overrun", "timeout"]
 
 
-def pieces(views: Iterable[memoryview]) -> Iterator[memoryview | bytes]:
+def pieces(views: Iterable[memoryview], size: int = PIECE_BYTES) -> Iterator[memoryview | bytes]:
     """The writes for a list of ring runs: large runs in slices, small ones joined.
 
     A run of at least 64 KiB is written as it is (zero copy), in slices of
-    at most :data:`PIECE_BYTES`. A filtered selection is many short runs;
+    at most ``size`` bytes. A filtered selection is many short runs;
     one write per run would cost a system call and an HTTP chunk each, so
-    shorter runs are gathered (one copy) into writes of about 256 KiB.
+    shorter runs are gathered (one copy) into writes of about 256 KiB (at
+    most ``size`` and one run).
     """
+    gather = min(_COALESCE_BYTES, size)
     pending: list[memoryview] = []
     pending_bytes = 0
     for view in views:
@@ -67,12 +72,12 @@ def pieces(views: Iterable[memoryview]) -> Iterator[memoryview | bytes]:
             if pending:
                 yield b"".join(pending)
                 pending, pending_bytes = [], 0
-            for start in range(0, len(view), PIECE_BYTES):
-                yield view[start : start + PIECE_BYTES]
+            for start in range(0, len(view), size):
+                yield view[start : start + size]
             continue
         pending.append(view)
         pending_bytes += len(view)
-        if pending_bytes >= _COALESCE_BYTES:
+        if pending_bytes >= gather:
             yield b"".join(pending)
             pending, pending_bytes = [], 0
     if pending:
@@ -85,6 +90,7 @@ async def send_selection(
     buffer: EventBuffer,
     selection: Selection,
     send_timeout_s: float,
+    copies: CopyBudget | None = None,
 ) -> Outcome:
     """Write ``selection``'s ring slices to ``resp`` and release its pin.
 
@@ -92,14 +98,21 @@ async def send_selection(
     the caller ends the body. ``"overrun"`` or ``"timeout"``: the connection
     has been aborted (the body has no terminating chunk); nothing more may
     be written.
+
+    ``copies``: the bytes a transport holds of this answer (3.11 copies what
+    the socket does not take) are charged to the relay's copy budget: the
+    pieces are at most the grant, and the grant is held until the last piece
+    left the process. A thousand clients that read nothing thus hold the
+    budget, not a MiB each.
     """
     loop = asyncio.get_running_loop()
     pin = selection.pin
     stall: asyncio.TimerHandle | None = None
     outcome: Outcome = "overrun"
+    charged = copies.grant(PIECE_BYTES) if copies is not None else PIECE_BYTES
     try:
         async with asyncio.timeout(send_timeout_s) as deadline:
-            for piece in pieces(selection.views):
+            for piece in pieces(selection.views, max(charged, _MIN_PIECE)):
                 if pin is not None:
                     if pin.overrun:
                         break
@@ -112,15 +125,18 @@ async def send_selection(
                         buffer.stall(pin, False)
                 deadline.reschedule(loop.time() + send_timeout_s)
             else:
-                if not _ZERO_COPY_SAFE and request.transport is not None:
-                    # newer asyncio transports keep references to unsent memoryviews:
-                    # wait until everything left the process before the pin goes
+                if (copies is not None or not _ZERO_COPY_SAFE) and request.transport is not None:
+                    # until everything left the process: the grant covers the transport's
+                    # copy (3.11); newer transports keep references to unsent memoryviews,
+                    # which must not outlive the pin
                     unbuffered(request.transport)
                     await request.writer.drain()
                 outcome = "sent"
     except TimeoutError:
         outcome = "timeout"
     finally:
+        if copies is not None:
+            copies.release(charged)
         if stall is not None:
             stall.cancel()
         if not buffer.release(selection) and outcome == "sent":

@@ -268,7 +268,7 @@ def auth_middleware(security: SecurityConfig) -> Any:
             else:
                 warnings.warning(
                     "401",
-                    "refused %s %s from %s: %s",
+                    "refused %s %r from %s: %s",
                     request.method,
                     request.path[:200],
                     request.remote,
@@ -286,14 +286,14 @@ def auth_middleware(security: SecurityConfig) -> Any:
         except ForbiddenError as exc:
             warnings.warning(
                 f"403 {principal.name}",
-                "refused %s %s to principal %s: %s",
+                "refused %s %r to principal %s: %s",
                 request.method,
                 request.path[:200],
                 principal.name,
                 exc.message,
             )
             raise
-        log.debug("%s %s by principal %s", request.method, request.path[:200], principal.name)
+        log.debug("%s %r by principal %s", request.method, request.path[:200], principal.name)
         return response
 
     return authenticate

@@ -183,10 +183,10 @@ def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
                 metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
                 raise
             # the server's own connection (e.g. to an upstream) failed: an internal error
-            log.exception("unexpected error serving %s %s", request.method, request.path)
+            log.exception("unexpected error serving %s %r", request.method, request.path[:200])
             response = _error_answer(request, _INTERNAL, 500, None)
         except Exception:
-            log.exception("unexpected error serving %s %s", request.method, request.path)
+            log.exception("unexpected error serving %s %r", request.method, request.path[:200])
             response = _error_answer(request, _INTERNAL, 500, None)
         finally:
             metrics.in_flight -= 1
