@@ -125,12 +125,18 @@ async def send_selection(
                         buffer.stall(pin, False)
                 deadline.reschedule(loop.time() + send_timeout_s)
             else:
-                if (copies is not None or not _ZERO_COPY_SAFE) and request.transport is not None:
+                transport = request.transport
+                if (copies is not None or not _ZERO_COPY_SAFE) and transport is not None:
                     # until everything left the process: the grant covers the transport's
                     # copy (3.11); newer transports keep references to unsent memoryviews,
-                    # which must not outlive the pin
-                    unbuffered(request.transport)
+                    # which must not outlive the pin. Then the limits as they were: the
+                    # connection's next answers keep their pipelining
+                    limits = _write_limits(transport)
+                    unbuffered(transport)
                     await request.writer.drain()
+                    if limits is not None:
+                        assert isinstance(transport, asyncio.WriteTransport)
+                        transport.set_write_buffer_limits(high=limits[1], low=limits[0])
                 outcome = "sent"
     except TimeoutError:
         outcome = "timeout"
@@ -286,6 +292,14 @@ def _abort(request: web.Request, outcome: Outcome, send_timeout_s: float) -> Non
         )
     if request.transport is not None:
         request.transport.abort()
+
+
+def _write_limits(transport: asyncio.BaseTransport) -> tuple[int, int] | None:
+    """The transport's ``(low, high)`` write-buffer limits (None: not a write transport)."""
+    if isinstance(transport, asyncio.WriteTransport):
+        low, high = transport.get_write_buffer_limits()
+        return int(low), int(high)
+    return None
 
 
 def unbuffered(transport: asyncio.BaseTransport) -> None:
