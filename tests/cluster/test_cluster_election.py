@@ -343,3 +343,54 @@ async def test_the_lease_follows_the_session_timeout_the_server_grants(
     short = await zk_session("r1", session_timeout_s=2.0)
     assert short.session_timeout_s == pytest.approx(2.0, abs=0.01)
     assert short.lease_s == pytest.approx(2.0 * short.config.lease_fraction)
+
+
+async def test_an_epoch_node_behind_the_epochs_seen_does_not_take_an_old_epoch(
+    zk_session, zk_cluster
+) -> None:
+    """ZooKeeper that lost its data (no persistent volume, a re-created ensemble) has the
+    epoch node back at 0. The next term took epoch 1, which every relay that had seen a
+    newer epoch refused: the partition had no leader until the relays restarted. An
+    election now takes one past the newest epoch it or its caller saw (found by review)."""
+    from changebus.cluster._layout import EpochRecord, encode_epoch
+
+    session = await zk_session("r1")
+    election = PartitionElection(session, "p7")
+    await election.start()
+    async with asyncio.timeout(10):
+        first = await election.wait_elected()
+    assert first.epoch == 1
+    await session.op("set", epoch_path(zk_cluster, "p7"), encode_epoch(EpochRecord(0)))
+    election.requeue("test: ZooKeeper lost its data")
+    await wait_until(lambda: election.leadership is not None and election.leadership is not first)
+    assert election.leadership is not None and election.leadership.epoch == 2
+    await election.stop()
+    # a fresh election with the relay's floor (its followers saw epoch 5)
+    other = PartitionElection(await zk_session("r2"), "p8", epoch_floor=lambda: 5)
+    await other.start()
+    async with asyncio.timeout(10):
+        assert (await other.wait_elected()).epoch == 6
+    await other.stop()
+
+
+async def test_a_waiting_candidate_keeps_one_watch_on_its_predecessor(zk_session) -> None:
+    """Each pass of the wait (every 2 op timeouts) added a new closure as a watcher of
+    the predecessor; kazoo keeps a set of them, so they piled up for as long as the
+    leader lived (thousands a day per waiting partition; found by review)."""
+    first_session = await zk_session("r1", session_timeout_s=1.0)
+    waiting_session = await zk_session("r2", session_timeout_s=1.0)
+    first, waiting = (
+        PartitionElection(first_session, "p9"),
+        PartitionElection(waiting_session, "p9"),
+    )
+    await first.start()
+    async with asyncio.timeout(10):
+        term = await first.wait_elected()
+    await waiting.start()
+    await asyncio.sleep(5.0)  # a pass every 2 s
+    watchers = waiting_session.client._data_watchers.get(term.candidate, set())
+    assert len(watchers) == 1, watchers
+    await first.stop()
+    async with asyncio.timeout(10):
+        await waiting.wait_elected()
+    await waiting.stop()

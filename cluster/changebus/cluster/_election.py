@@ -198,6 +198,7 @@ class PartitionElection:
         member_id: str | None = None,
         url: str | None = None,
         on_elected: Callable[[Leadership], None] | None = None,
+        epoch_floor: Callable[[], int] | None = None,
     ) -> None:
         self.session = session
         self.partition = partition
@@ -206,6 +207,10 @@ class PartitionElection:
         if not self.member_id:
             raise CoordinationError("an election needs a member id", retriable=False)
         self.on_elected = on_elected
+        #: the newest epoch the caller saw (e.g. a relay's followers' ``min_epoch``);
+        #: with the epochs this election saw itself, a floor for the next one
+        self.epoch_floor = epoch_floor
+        self._highest_epoch = 0
         self.election = election_path(session.config.name, partition)
         self.epoch_node = epoch_path(session.config.name, partition)
         #: the current term, while leading (None between terms)
@@ -372,6 +377,13 @@ class PartitionElection:
     async def _wait_turn(self) -> bool:
         """Wait until our candidate is the lowest; False if it is gone or the session changed."""
         loop = asyncio.get_running_loop()
+
+        def fired(_event: Any) -> None:
+            # one function for every pass: kazoo keeps a set of watchers per node, and
+            # a new closure each pass piled up until the predecessor went
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._kick.set)
+
         while not self._stopping:
             candidate = self._candidate
             if candidate is None:
@@ -388,11 +400,6 @@ class PartitionElection:
             if at == 0:
                 return True
             kick = self._kick
-
-            def fired(_event: Any, kick: asyncio.Event = kick) -> None:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(kick.set)
-
             predecessor = f"{self.election}/{ordered[at - 1]}"
             stat = await self.session.op("exists", predecessor, watch=fired)
             if stat is None:
@@ -418,7 +425,21 @@ class PartitionElection:
         t0 = time.monotonic()
         data, stat = await self.session.op("get", self.epoch_node)
         record = decode_epoch(data)
-        new = EpochRecord(record.epoch + 1, self.member_id, self.url)
+        # an epoch node behind epochs already seen: ZooKeeper lost its data (no
+        # persistent volume, a re-created ensemble). Taking its epoch + 1 would give
+        # a term that everyone who saw the newer epochs refuses, for good
+        floor = max(self._highest_epoch, self.epoch_floor() if self.epoch_floor else 0)
+        if floor > record.epoch:
+            log.warning(
+                "partition %s: the epoch node holds epoch %d, but epoch %d was seen before "
+                "(did ZooKeeper lose its data?); taking epoch %d",
+                self.partition,
+                record.epoch,
+                floor,
+                floor + 1,
+            )
+        new = EpochRecord(max(record.epoch, floor) + 1, self.member_id, self.url)
+        self._highest_epoch = max(self._highest_epoch, record.epoch)
         node = self.epoch_node
 
         def build(tx: Any) -> None:
@@ -432,6 +453,7 @@ class PartitionElection:
         if isinstance(results[1], Exception):
             log.info("partition %s: epoch race lost (%s)", self.partition, results[1])
             return None
+        self._highest_epoch = max(self._highest_epoch, new.epoch)
         term = Leadership(
             self.session, self.partition, new.epoch, self.member_id, candidate, previous=record
         )

@@ -143,7 +143,12 @@ class PartitionRole:
         self.name = host.name
         self.source = source
         self.member_id = member.config.member_id
-        self.election = PartitionElection(member.session, host.name, on_elected=self._elected)
+        self.election = PartitionElection(
+            member.session,
+            host.name,
+            on_elected=self._elected,
+            epoch_floor=lambda: self.min_epoch,
+        )
         #: the SCN the leader may acknowledge up to (see follower_hold)
         self.hold = 0
         #: the newest leader epoch seen (a follower's min_epoch)
