@@ -112,6 +112,9 @@ class Leadership:
         self.previous = previous if previous is not None else EpochRecord(epoch - 1)
         #: monotonic send time of the newest heartbeat that confirmed the epoch
         self.confirmed_at = time.monotonic()
+        #: set (for good) by a watch on kazoo's thread when the epoch moved on or the
+        #: candidate went: a heartbeat answer already under way cannot renew the lease
+        self.revoked = False
         #: why the leadership ended; None while it lasts
         self.lost_reason: str | None = None
         self._session = session
@@ -127,6 +130,7 @@ class Leadership:
         """True while this process may act as the leader (a lease; thread-safe)."""
         return (
             self.lost_reason is None
+            and not self.revoked
             and self._session.thread_state == "connected"
             and time.monotonic() - self.confirmed_at < self.lease_s
         )
@@ -472,12 +476,14 @@ class PartitionElection:
         def watch(event: Any) -> None:
             if getattr(event, "type", None) in ("CHANGED", "DELETED"):
                 # another leader took a newer epoch: end the lease at once, in this thread
+                term.revoked = True
                 term.confirmed_at = float("-inf")
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(term.lose, "the epoch moved on")
 
         def candidate_watch(event: Any) -> None:
             if getattr(event, "type", None) == "DELETED":
+                term.revoked = True
                 term.confirmed_at = float("-inf")
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(term.lose, "candidate node gone")

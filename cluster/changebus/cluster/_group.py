@@ -256,8 +256,11 @@ class GroupMember:
 
     def lease_valid(self) -> bool:
         """True while this member may act on its units (a lease; thread-safe)."""
+        path = self._member_path
         return (
-            bool(self._member_path)
+            bool(path)
+            # (the watch's mark, for good: a heartbeat answer under way cannot renew it)
+            and self._deleted_path != path
             and self.session.thread_state == "connected"
             and time.monotonic() - self.confirmed_at < self.lease_s
         )
