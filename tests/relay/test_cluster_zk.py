@@ -334,3 +334,30 @@ async def test_a_leader_that_cannot_read_its_source_gives_the_partition_to_one_t
                 30,
                 "both hold every window",
             )
+
+
+@pytest.mark.pg
+@pytest.mark.usefixtures("no_blocking")
+async def test_a_new_leader_holds_the_source_until_followers_registered_again(
+    tmp_path: Path,
+    pg_dsn: str,
+    zk_server: ZkServer,
+    zk_cluster: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after a term began the routing table may list no follower yet (their sessions
+    ended with the leader's, ZooKeeper restarting): the leader acknowledged the source up
+    to its own end, past what a follower lacked (found by review). For a grace period it
+    holds at where its buffer ended when the term began."""
+    from changebus.relay import _cluster
+
+    monkeypatch.setattr(_cluster, "_HOLD_GRACE_S", 2.0)
+    slot = _table_and_slot(pg_dsn)
+    cfg = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, "a", 2.0)
+    async with Relay(cfg) as relay:
+        host = relay.hosts[PART]
+        await wait_until(lambda: host.role == "leader", 30, "the leader")
+        assert relay.cluster is not None
+        role = relay.cluster.roles[PART]
+        assert role.follower_hold() == role._lead_from < (1 << 63) - 1
+        await wait_until(lambda: role.follower_hold() == (1 << 63) - 1, 10, "the grace's end")

@@ -132,7 +132,8 @@ class ConsumerConfig:
     apart (doubling); the checkpoint is taken every
     ``checkpoint_every_windows`` windows. The windows kept for such a replay
     (those since the last checkpoint stored) hold at most
-    ``max_replay_bytes``: past it (``on_checkpoint`` returning
+    ``max_replay_bytes`` (0: twice ``max_window_bytes``, 1 GiB by default):
+    past it (``on_checkpoint`` returning
     ``SKIP_CHECKPOINT`` for too long) the consumer stops with
     :class:`~changebus.client.ConsumerAbortedError` rather than grow.
     """
@@ -167,7 +168,7 @@ class ConsumerConfig:
     max_rollbacks: int = 10
     rollback_backoff_s: float = 0.05
     checkpoint_every_windows: int = 1
-    max_replay_bytes: int = 1 << 30
+    max_replay_bytes: int = 0
     bootstrap_servers: tuple[str, ...] = ()
     bootstrap_page_bytes: int = 1 << 20
     on_fell_off: Literal["raise", "latest"] = "raise"
@@ -259,10 +260,11 @@ class ConsumerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.max_replay_bytes < self.max_window_bytes:
+        if 0 < self.max_replay_bytes < self.max_window_bytes or self.max_replay_bytes < 0:
             raise ConfigError(
-                f"max_replay_bytes ({self.max_replay_bytes}) must be at least max_window_bytes "
-                f"({self.max_window_bytes}): one window is always kept until its checkpoint"
+                f"max_replay_bytes ({self.max_replay_bytes}) must be 0 (twice max_window_bytes)"
+                f" or at least max_window_bytes ({self.max_window_bytes}): one window is always"
+                " kept until its checkpoint"
             )
         if self.max_bytes > self.max_window_bytes:
             raise ConfigError(

@@ -340,6 +340,7 @@ class Dispatcher:
         self._readmit = readmit
         self.replay: list[Window] = []
         self._replay_count = self._replay_bytes = 0  # (see _replay_size)
+        self._max_replay = config.max_replay_bytes or 2 * config.max_window_bytes
         self.rollbacks = 0
         self.total_rollbacks = 0
         self.windows = 0
@@ -357,13 +358,13 @@ class Dispatcher:
                     raise
                 self.replay.append(window)
                 replay_bytes = self._replay_size()
-                if replay_bytes > self._config.max_replay_bytes:
+                if replay_bytes > self._max_replay:
                     await self._abort(
                         _Outcome(CallbackResult.ERROR, "on_checkpoint"),
                         window,
                         f"the {len(self.replay)} windows since the last stored checkpoint hold"
                         f" {replay_bytes} bytes, past max_replay_bytes"
-                        f" ({self._config.max_replay_bytes}): on_checkpoint skipped the"
+                        f" ({self._max_replay}): on_checkpoint skipped the"
                         " checkpoint for too long (they are kept for a replay)",
                     )
                 await self._process()

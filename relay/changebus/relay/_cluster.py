@@ -90,6 +90,9 @@ log = logging.getLogger("changebus.relay.cluster")
 #: how often a role re-checks its state, a leader recomputes the follower hold and
 #: releases held acknowledgements, and the registry payload is refreshed
 _TICK_S = 0.25
+#: how long after a term began the leader holds the source at its buffer's end
+#: then (followers register again within a few routing-table refreshes)
+_HOLD_GRACE_S = 10.0
 #: the registry's write throttle
 _REGISTRY_INTERVAL_S = 0.5
 #: what a follower's stream requests are called (the leader finds them in host.consumers)
@@ -151,6 +154,9 @@ class PartitionRole:
         )
         #: the SCN the leader may acknowledge up to (see follower_hold)
         self.hold = 0
+        #: when this member's current term began (monotonic) and its buffer's end then
+        self._lead_since = float("-inf")
+        self._lead_from = -1
         #: the newest leader epoch seen (a follower's min_epoch)
         self.min_epoch = 0
         #: the current plan
@@ -288,6 +294,7 @@ class PartitionRole:
         if what == "lead":
             term = self.election.leadership
             assert term is not None
+            self._lead_since, self._lead_from = time.monotonic(), host.buffer.meta.last_scn
             self.hold = self.follower_hold()
             fence = LeaderFence(self, term)
             await self._take_over_source(term)
@@ -385,7 +392,14 @@ class PartitionRole:
     # -- the follower hold ----------------------------------------------------------
 
     def follower_hold(self) -> int:
-        """The lowest SCN held by a live follower of this partition (no follower: no limit)."""
+        """The lowest SCN held by a live follower of this partition (no follower: no limit).
+
+        For :data:`_HOLD_GRACE_S` after a term began, also no further than this
+        member's buffer reached then: followers whose sessions ended with the
+        leader's (ZooKeeper restarting, a network cut) are not in the routing
+        table again yet, and acknowledging past them would lose what they lack
+        should one of them lead next.
+        """
         snapshot = self.member.table.snapshot()
         hold: int | None = None
         for member_id, info in snapshot.members.items():
@@ -395,6 +409,8 @@ class PartitionRole:
             if state is None or state.role != "follower":
                 continue
             hold = state.max_scn if hold is None else min(hold, state.max_scn)
+        if time.monotonic() - self._lead_since < _HOLD_GRACE_S:
+            hold = self._lead_from if hold is None else min(hold, self._lead_from)
         return (1 << 63) - 1 if hold is None else hold
 
     def state(self) -> PartitionState:

@@ -46,6 +46,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from ._redact import printable
 from ._security_config import SCOPES, SecurityConfig, Subject
 from .errors import ConfigError, ForbiddenError, UnauthorizedError
 
@@ -268,9 +269,9 @@ def auth_middleware(security: SecurityConfig) -> Any:
             else:
                 warnings.warning(
                     "401",
-                    "refused %s %r from %s: %s",
+                    "refused %s %s from %s: %s",
                     request.method,
-                    request.path[:200],
+                    printable(request.path),
                     request.remote,
                     exc.message,
                 )
@@ -286,14 +287,14 @@ def auth_middleware(security: SecurityConfig) -> Any:
         except ForbiddenError as exc:
             warnings.warning(
                 f"403 {principal.name}",
-                "refused %s %r to principal %s: %s",
+                "refused %s %s to principal %s: %s",
                 request.method,
-                request.path[:200],
+                printable(request.path),
                 principal.name,
                 exc.message,
             )
             raise
-        log.debug("%s %r by principal %s", request.method, request.path[:200], principal.name)
+        log.debug("%s %s by principal %s", request.method, printable(request.path), principal.name)
         return response
 
     return authenticate

@@ -1,6 +1,7 @@
 """Keeping secrets out of logs, status pages, metrics and error messages.
 
-Three tools, all pure functions (thread-safe, no state):
+Three tools, all pure functions (thread-safe, no state), and :func:`printable`
+(a client's text for a log line: cut, and escaped so it stays one line):
 
 * :func:`secret_key` -- whether an option *name* holds a secret (``dsn``,
   ``password``, ``column_hash_key``, ``token``...); names of where a secret
@@ -34,6 +35,7 @@ from typing import Any, Final
 __all__ = [
     "MASK",
     "dsn_passwords",
+    "printable",
     "redact_value",
     "scrub",
     "scrub_exception",
@@ -181,3 +183,12 @@ def redact_value(value: Any, secret: bool = False) -> Any:
     if isinstance(value, str):
         return scrub(value)
     return value
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters with control characters escaped.
+
+    For a client's words in a log line (a request path is percent-decoded:
+    ``%0A`` is a line break that would forge a second line).
+    """
+    return repr(text[:limit])[1:-1]

@@ -53,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ._auth import auth_middleware
 from ._jsonable import jsonable
+from ._redact import printable
 from ._security_config import SecurityConfig
 from ._server_limits import CLIENT_CLOSED, client_gone
 from ._server_stats import CONNECTION_STATS, ConnectionStats
@@ -183,10 +184,10 @@ def _error_middleware(metrics: HttpMetrics, log: logging.Logger) -> Any:
                 metrics.requests[(_route(request), CLIENT_CLOSED)] += 1
                 raise
             # the server's own connection (e.g. to an upstream) failed: an internal error
-            log.exception("unexpected error serving %s %r", request.method, request.path[:200])
+            log.exception("unexpected error serving %s %s", request.method, printable(request.path))
             response = _error_answer(request, _INTERNAL, 500, None)
         except Exception:
-            log.exception("unexpected error serving %s %r", request.method, request.path[:200])
+            log.exception("unexpected error serving %s %s", request.method, printable(request.path))
             response = _error_answer(request, _INTERNAL, 500, None)
         finally:
             metrics.in_flight -= 1
