@@ -20,8 +20,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import trustme
+import yarl
 from aiohttp import web
 
 from changebus.client import (
@@ -508,3 +510,57 @@ def test_spark_batch_read_over_https_with_a_token_file(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+async def test_the_token_never_goes_in_clear_to_another_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member URL read from ZooKeeper (anyone who may write there chooses it) or a
+    misconfigured relays list with plain http:// got the bearer token in clear (found by
+    review). The token goes over https or to a loopback address only."""
+    import functools
+    import socket
+
+    from aiohttp.abc import AbstractResolver
+
+    from changebus.client._http import _may_carry_token
+
+    seen: list[str | None] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({})
+
+    class ToLoopback(AbstractResolver):  # "relay.test" and any name: this host
+        async def resolve(
+            self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+        ) -> list[dict[str, Any]]:
+            return [
+                {"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET}
+                | {"proto": 0, "flags": 0}
+            ]
+
+        async def close(self) -> None:
+            return None
+
+    app = web.Application()
+    app.router.add_get("/v1/status", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    monkeypatch.setattr(
+        aiohttp, "TCPConnector", functools.partial(aiohttp.TCPConnector, resolver=ToLoopback())
+    )
+    try:
+        async with await open_session(ClientAuth(token=TOKEN)) as session:
+            for url in (f"http://127.0.0.1:{port}", f"http://relay.test:{port}"):
+                async with session.get(f"{url}/v1/status") as resp:
+                    assert resp.status == 200
+    finally:
+        await runner.cleanup()
+    assert seen == [f"Bearer {TOKEN}", None]
+    assert _may_carry_token(yarl.URL("https://relay.example:8470"))
+    assert _may_carry_token(yarl.URL("http://[::1]:8470"))
+    assert not _may_carry_token(yarl.URL("http://10.0.0.5:8470"))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import ssl
 from collections.abc import Iterator
@@ -163,7 +164,33 @@ async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp
     ctx = auth.ssl_context()
     headers = {**auth.headers(), **dict(kwargs.pop("headers", None) or {})}
     connector = aiohttp.TCPConnector(ssl=ctx if ctx is not None else True)
-    return aiohttp.ClientSession(connector=connector, headers=headers, **kwargs)
+
+    async def token_in_clear(
+        request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        # the token goes over TLS, or to this host: never in clear over a network (a
+        # member URL read from ZooKeeper), where anyone on the path reads it. (aiohttp
+        # itself drops it on a redirect to another origin.)
+        if not _may_carry_token(request.url):
+            request.headers.popall("Authorization", None)
+        return await handler(request)
+
+    return aiohttp.ClientSession(
+        connector=connector, headers=headers, middlewares=(token_in_clear,), **kwargs
+    )
+
+
+def _may_carry_token(url: yarl.URL) -> bool:
+    """https, or plain http to a loopback address (a daemon's default)."""
+    if url.scheme == "https":
+        return True
+    host = (url.host or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 #: the most a JSON answer (status, sources, schemas) may hold
