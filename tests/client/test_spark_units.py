@@ -468,6 +468,17 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
     )
     got = sorted((p.spec.partition, p.spec.since, p.spec.until) for p in by_scn)
     assert got == [("a", -1, 90), ("b", 10, 90), ("c", 40, 56), ("c", 56, 73), ("c", 73, 90)]
+    # a sub-range whose start the relays evict while it is read may not bootstrap: its
+    # snapshot (every row changed since, up to now) would repeat the other tasks' rows
+    from changebus.client.spark._read import _config
+
+    may = {(p.spec.partition, p.spec.since): p.spec.may_bootstrap for p in by_scn}
+    assert may == {("a", -1): True, ("b", 10): True, ("c", 40): False, ("c", 56): False} | {
+        ("c", 73): False
+    }
+    sub = next(p.spec for p in by_scn if p.spec.partition == "c")
+    assert _config(boot, sub, 40, {}).bootstrap_servers == ()
+    assert all(p.spec.may_bootstrap for p in parts)  # key slices each bootstrap their keys
     assert SourceOptions.parse({"relays": "http://x"}).bootstrap == ()
     assert _resolve(boot, "earliest", bounds, "startingScn") == {"a": -1, "b": -1, "c": -1}
     assert _resolve(plain, "earliest", bounds, "startingScn") == {"a": 40, "b": 40, "c": 40}

@@ -64,6 +64,10 @@ class RangeSpec:
     since: int
     until: int
     key_filter: str | None = None
+    #: False for one of several SCN sub-ranges of a range (``splitBy=scn``): it may not
+    #: bootstrap when the relays evicted its start (a snapshot is of every row changed
+    #: since, up to now: each sub-range's would repeat the others' rows)
+    may_bootstrap: bool = True
 
 
 def read_range(
@@ -94,6 +98,7 @@ def read_range(
 def _config(
     opts: SourceOptions, spec: RangeSpec, position: int, tables: Mapping[str, TableSchema]
 ) -> ConsumerConfig:
+    boot = opts.bootstrap if spec.may_bootstrap else ()
     return ConsumerConfig(
         relays=opts.relays,
         partition=spec.partition,
@@ -102,7 +107,7 @@ def _config(
         # -1 without a bootstrap server: the very start, SCN 0 (every SCN is past it),
         # so that a relay that evicted windows meanwhile answers 410 instead of
         # serving from its oldest ("earliest") and skipping them
-        start="earliest" if position < 0 and opts.bootstrap else str(max(position, 0)),
+        start="earliest" if position < 0 and boot else str(max(position, 0)),
         client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
         follow=False,
         until_scn=spec.until,  # fetch nothing past the range
@@ -118,7 +123,7 @@ def _config(
         auto_commit=False,
         reader_schemas=dict(tables),
         columnar=not opts.include_not_sent,
-        bootstrap_servers=opts.bootstrap,
+        bootstrap_servers=boot,
         zookeeper=opts.zookeeper,
         cluster=opts.cluster,
         prefer_followers=opts.prefer_followers,
@@ -189,6 +194,19 @@ async def _read(
                 " waited for: give an end the relay holds, or endingScn=latest)"
             ) from None
         except FellOffRelayError as exc:
+            if opts.bootstrap and not spec.may_bootstrap:
+                raise FellOffRelayError(
+                    f"partition {spec.partition}: the relays evicted SCN {exc.requested_scn}"
+                    f" while this batch's range ({spec.since}, {spec.until}] was read in SCN"
+                    " sub-ranges (splitBy=scn); a sub-range cannot be served by the bootstrap"
+                    " server. Run the batch again: with its start evicted it is planned as"
+                    " one task through the bootstrap server",
+                    partition=exc.partition,
+                    requested_scn=exc.requested_scn,
+                    oldest_scn=exc.oldest_scn,
+                    prev_scn=exc.prev_scn,
+                    relay=exc.relay,
+                ) from exc
             if opts.fail_on_data_loss:
                 raise FellOffRelayError(
                     f"partition {spec.partition}: the batch's range ({spec.since}, {spec.until}]"

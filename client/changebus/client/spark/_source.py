@@ -244,10 +244,12 @@ def _range_partitions(
             else:
                 n = max(min(opts.num_partitions, until - max(since, 0)) if since >= 0 else 1, 1)
                 points = [since + (until - since) * i // n for i in range(n + 1)]
+            ranges = [(a, b) for a, b in itertools.pairwise(points) if b > a]
+            # (several sub-ranges: none may bootstrap, see RangeSpec.may_bootstrap)
+            alone = len(ranges) == 1
             out.extend(
-                ScnRangePartition(RangeSpec(name, a, b, filters[0]))
-                for a, b in itertools.pairwise(points)
-                if b > a
+                ScnRangePartition(RangeSpec(name, a, b, filters[0], may_bootstrap=alone))
+                for a, b in ranges
             )
         else:
             out.extend(ScnRangePartition(RangeSpec(name, since, until, f)) for f in filters)
