@@ -105,19 +105,22 @@ def partition_named(request: web.Request, name: str | None) -> str:
     """Partition ``name`` (None: the only one); 400 malformed, 403 not granted, 404 unknown."""
     workers = request.app[SERVICE].workers
     principal = principal_of(request)
-    # (errors name only the partitions the principal may read: the others cannot be probed)
-    granted = ", ".join(sorted(w for w in workers if principal.allows_partition(w))) or "none"
+
+    def granted() -> str:
+        # (errors name only the partitions the principal may read: the others cannot be probed)
+        return ", ".join(sorted(w for w in workers if principal.allows_partition(w))) or "none"
+
     if name is None:
         if len(workers) == 1:
             name = next(iter(workers))
             principal.check_partition(name)
             return name
-        raise BadRequestError(f"name the partition: one of {granted}")
+        raise BadRequestError(f"name the partition: one of {granted()}")
     if not safe_name(name):
         raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     principal.check_partition(name)  # before the lookup: 403 whether it exists or not
     if name not in workers:
-        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted}")
+        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted()}")
     return name
 
 
@@ -196,7 +199,7 @@ def _plan(
     since: int,
     ratio: float,
     seeding: bool = True,
-    seed_running: bool = False,
+    seed_running: frozenset[str] | None = None,
     visible: Callable[[str], bool] = lambda _table: True,
 ) -> dict[str, Any]:
     """The plan of ``/v1/bootstrap/start``; ``visible``: the tables the principal may read
@@ -233,7 +236,11 @@ def _plan(
         if since < 0 and st.base_scn >= 0
         else []
     )
-    if unseeded and seed_running:
+    # a seed running copies ``seed_running`` (empty: it does not know yet, say all)
+    seeding_them = seed_running is not None and (
+        not seed_running or bool(seed_running.intersection(unseeded))
+    )
+    if unseeded and seeding_them:
         raise NotYetError(
             f"the snapshot lacks rows of {len(unseeded)} table(s) not seeded yet "
             f"({', '.join(unseeded[:5])}{', ...' if len(unseeded) > 5 else ''}); a seed is "
@@ -262,7 +269,9 @@ async def start(request: web.Request) -> web.Response:
     config = request.app[SERVICE].config
     ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
     w = request.app[SERVICE].workers.get(part)
-    running = w is not None and w.seeding is not None and not w.seeding.done()
+    running = (
+        w.seed_tables if w is not None and w.seeding is not None and not w.seeding.done() else None
+    )
     visible = principal_of(request).allows_source
     plan = await request.app[SERVICE].stores.read(
         lambda s: _plan(s, part, since, ratio, seeding, running, visible)

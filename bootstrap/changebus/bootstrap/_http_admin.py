@@ -89,11 +89,12 @@ def add_admin_routes(
         part = partition_of(request, _optional_str(doc, "partition"))
         scope = parse_snapshot_body(doc)
         principal.restrict_sources((scope.table,), ())  # (403 for a table not granted)
-        if scope.where and principal.sources is not None:
+        if scope.where and (principal.sources is not None or principal.partitions is not None):
             # a condition is SQL run with the seed's credentials: a subquery in it reads
             # any table they may read, not only the ones this principal was granted
             raise ForbiddenError(
-                f"principal {principal.name!r} is granted some sources only: it may snapshot "
+                f"principal {principal.name!r} is granted some sources or partitions only: it "
+                "may snapshot "
                 "a table whole or by keys, not by a where condition"
             )
         if not service.config.seed.dsn:

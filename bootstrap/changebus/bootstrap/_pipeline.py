@@ -205,14 +205,14 @@ class Pipelines(Seeding):
         # the gap a DATA_LOSS window opens ends at that window (the last one's)
         lost_upto = max(scn for scn, _l in losses) if losses else None
 
-        def append(s: Store) -> tuple[int, PartitionState]:
-            # (the store's own SCN before: a retried batch whose commit went through
-            # must not count its DATA_LOSS windows again)
-            had = s.state(w.name).producer_scn
+        def append(s: Store) -> PartitionState:
             s.append(w.name, data, start_scn=first, lost_upto=lost_upto)
-            return had, s.state(w.name)
+            return s.state(w.name)
 
-        before, st = await self.stores.write(append)
+        # (w.producer_scn moves only once a batch is stored: a retried batch whose
+        # commit went through still has its gap handled, which the failure skipped)
+        before = w.producer_scn
+        st = await self.stores.write(append)
         if lost_upto is not None and lost_upto > before:
             w.data_loss += len(losses)
             self._gap_recorded(w, lost_upto, loss_reason(losses))
@@ -235,7 +235,8 @@ class Pipelines(Seeding):
         timeout = aiohttp.ClientTimeout(total=30)
         entries = await relay_registry(self._session, url, w.name, timeout)
         stored = await self.stores.write(lambda s: s.schemas(w.name))
-        conflicts = registry_conflicts(stored, entries)
+        # (parses every schema: thousands of versions are seconds, not for the loop)
+        conflicts = await asyncio.to_thread(registry_conflicts, stored, entries)
         if conflicts:
             raise SchemaError(
                 f"partition {w.name}: the schema registry of relay {safe_url(url)} is not the "
@@ -243,7 +244,8 @@ class Pipelines(Seeding):
                 "stored. Point the bootstrap server at relays that share one registry (a relay "
                 "cluster), or rebuild the bootstrap store from this relay"
             )
-        new = [e for e in entries if (e[0], e[1]) not in {(s[0], s[1]) for s in stored}]
+        have = {(sid, v) for sid, v, _n, _j in stored}
+        new = [e for e in entries if (e[0], e[1]) not in have]
         if new:
             await self.stores.write(lambda s: s.put_schemas(w.name, new))
             log.info("partition %s: %d schema versions copied from the relay", w.name, len(new))

@@ -12,8 +12,10 @@ with the wrong schema or fold one table's rows under two ids.
 stored one: one name under two ids, one id naming two tables, or one
 ``(source_id, version)`` with two fingerprints. The producer asks before it
 stores the first window of a relay (at start and on every switch) and the
-log writer whenever it copies schemas; a conflict stops the producer with a
-:class:`~changebus.schemas.SchemaError` instead of storing the windows.
+log writer whenever it copies schemas; a conflict is a
+:class:`~changebus.schemas.SchemaError`: the relay's windows are not stored,
+the partition's state is ``error`` and the producer tries again (another
+relay, or this one once it agrees) every ``producer.fell_off_retry_s``.
 
 Pure functions; no I/O except :func:`relay_registry`.
 """

@@ -284,6 +284,7 @@ class Seeding(Upstream):
             rows = await self.stores.write(lambda s: s.schemas(w.name))
             schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
             names = tables or sorted({n for _s, _v, n, _j in rows})
+            w.seed_tables = frozenset(names)  # (a consumer from nothing waits for these)
             if again and scope.whole:
                 await self.stores.write(lambda s: s.forget_seed(w.name, names))
             gap = await self.stores.write(lambda s: s.gap(w.name))

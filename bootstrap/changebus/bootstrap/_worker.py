@@ -51,6 +51,8 @@ class PartitionWorker:
     #: rows and chunks the seed runs before :attr:`seed` read (``/metrics`` counters)
     seed_rows_before: int = 0
     seed_chunks_before: int = 0
+    #: the tables the current seed run copies (empty until it knows: all of them)
+    seed_tables: frozenset[str] = frozenset()
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -60,6 +62,7 @@ class PartitionWorker:
         self.seed_rows_before += self.seed.rows
         self.seed_chunks_before += self.seed.chunks
         self.seed = SeedProgress(state="starting")
+        self.seed_tables = frozenset()
         return self.seed
 
     def status(self) -> dict[str, Any]:

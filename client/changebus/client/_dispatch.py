@@ -179,7 +179,9 @@ class _ThreadRunner:
                     return future.result()
         except asyncio.CancelledError:
             abandon.set()
-            self._stuck = (future, state.current[0])
+            name, since = state.current
+            if since + self._budget <= time.monotonic():  # (a call within its budget: not stuck)
+                self._stuck = (future, name)
             raise
 
     async def close(self) -> None:
@@ -363,9 +365,10 @@ class Dispatcher:
                         _Outcome(CallbackResult.ERROR, "on_checkpoint"),
                         window,
                         f"the {len(self.replay)} windows since the last stored checkpoint hold"
-                        f" {replay_bytes} bytes, past max_replay_bytes"
-                        f" ({self._max_replay}): on_checkpoint skipped the"
-                        " checkpoint for too long (they are kept for a replay)",
+                        f" {replay_bytes} bytes, past max_replay_bytes ({self._max_replay}):"
+                        " they are kept for a replay until a checkpoint is stored"
+                        " (on_checkpoint returned SKIP_CHECKPOINT for too long, or"
+                        " checkpoint_every_windows is too high for these windows)",
                     )
                 await self._process()
         finally:

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import ssl
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -72,6 +73,8 @@ __all__ = [
     "tls_failure",
     "transport_errors",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def safe_url(url: str) -> str:
@@ -165,14 +168,24 @@ async def open_session(auth: ClientAuth | None = None, **kwargs: Any) -> aiohttp
     headers = {**auth.headers(), **dict(kwargs.pop("headers", None) or {})}
     connector = aiohttp.TCPConnector(ssl=ctx if ctx is not None else True)
 
+    warned: set[str] = set()
+
     async def token_in_clear(
         request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
     ) -> aiohttp.ClientResponse:
         # the token goes over TLS, or to this host: never in clear over a network (a
         # member URL read from ZooKeeper), where anyone on the path reads it. (aiohttp
         # itself drops it on a redirect to another origin.)
-        if not _may_carry_token(request.url):
-            request.headers.popall("Authorization", None)
+        if "Authorization" in request.headers and not _may_carry_token(request.url):
+            del request.headers["Authorization"]
+            host = str(request.url.host)
+            if host not in warned and len(warned) < 64:
+                warned.add(host)
+                log.warning(
+                    "not sending the bearer token to %s over plain http (anyone on the path "
+                    "would read it): use https://, or expect 401 from a server that wants it",
+                    safe_url(str(request.url.origin())),
+                )
         return await handler(request)
 
     return aiohttp.ClientSession(

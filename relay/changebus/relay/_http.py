@@ -95,19 +95,22 @@ _WAIT_LIMIT_S = 24 * 3600.0
 
 def _host(request: web.Request, name: str | None) -> PartitionHost:
     hosts = request.app[HOSTS]
-    # (errors name only the partitions the principal may read: the others cannot be probed)
-    principal = principal_of(request)
-    granted = ", ".join(sorted(h for h in hosts if principal.allows_partition(h))) or "none"
+
+    def granted() -> str:
+        # (errors name only the partitions the principal may read: the others cannot be probed)
+        principal = principal_of(request)
+        return ", ".join(sorted(h for h in hosts if principal.allows_partition(h))) or "none"
+
     if name is None:
         if len(hosts) == 1:
             return next(iter(hosts.values()))
-        raise BadRequestError(f"name the partition: one of {granted}")
+        raise BadRequestError(f"name the partition: one of {granted()}")
     if not safe_name(name):
         raise BadRequestError(f"partition name {name[:128]!r} must match {NAME_RULE}")
     try:
         return hosts[name]
     except KeyError:
-        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted}") from None
+        raise UnknownSourceError(f"no partition {name[:128]!r} here; known: {granted()}") from None
 
 
 def _responses(request: web.Request, host: PartitionHost) -> ResponseCache:

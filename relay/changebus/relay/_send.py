@@ -109,6 +109,7 @@ async def send_selection(
     pin = selection.pin
     stall: asyncio.TimerHandle | None = None
     outcome: Outcome = "overrun"
+    released = False
     charged = copies.grant(PIECE_BYTES) if copies is not None else PIECE_BYTES
     try:
         async with asyncio.timeout(send_timeout_s) as deadline:
@@ -125,14 +126,23 @@ async def send_selection(
                         buffer.stall(pin, False)
                 deadline.reschedule(loop.time() + send_timeout_s)
             else:
+                if _ZERO_COPY_SAFE:
+                    # 3.11: what the socket did not take the transport copied: the ring
+                    # may move on now (the grant below still covers those copies)
+                    released = True
+                    if not buffer.release(selection):
+                        raise _Overrun  # bytes may have been overwritten while written
                 transport = request.transport
                 if (copies is not None or not _ZERO_COPY_SAFE) and transport is not None:
                     # until everything left the process: the grant covers the transport's
                     # copy (3.11); newer transports keep references to unsent memoryviews,
-                    # which must not outlive the pin. Then the limits as they were: the
-                    # connection's next answers keep their pipelining
+                    # which must not outlive the pin (a slow reader is stalled meanwhile
+                    # as for a piece). Then the limits as they were: the connection's next
+                    # answers keep their pipelining
                     limits = _write_limits(transport)
                     unbuffered(transport)
+                    if pin is not None and not released:
+                        stall = loop.call_later(STALL_S, buffer.stall, pin)
                     await request.writer.drain()
                     if limits is not None:
                         assert isinstance(transport, asyncio.WriteTransport)
@@ -140,16 +150,22 @@ async def send_selection(
                 outcome = "sent"
     except TimeoutError:
         outcome = "timeout"
+    except _Overrun:
+        outcome = "overrun"
     finally:
         if copies is not None:
             copies.release(charged)
         if stall is not None:
             stall.cancel()
-        if not buffer.release(selection) and outcome == "sent":
+        if not released and not buffer.release(selection) and outcome == "sent":
             outcome = "overrun"  # the bytes may have been overwritten while being sent
     if outcome != "sent":
         _abort(request, outcome, send_timeout_s)
     return outcome
+
+
+class _Overrun(Exception):
+    """The writer overran the pin while its bytes were written (send_selection)."""
 
 
 class SendWatch:

@@ -111,8 +111,11 @@ def set_up(
             start_scn = planner.plan_start(cur, logs, current)
             planner.verify_start(cur)
             planner.rewind_to_prepared(logs)
-            # information_schema is read now: valid at the binlog's current end
-            now_scn = planner.base + binlog_to_scn(binlog_file_number(current[0]), current[1])
+            # information_schema is read now: valid at the binlog's end as it is now (read
+            # again: DDL since the first look would be in it and applied a second time)
+            cur.execute("SHOW MASTER STATUS")
+            now = cur.fetchone() or status
+            now_scn = planner.base + binlog_to_scn(binlog_file_number(str(now[0])), int(now[1]))
             _seed_declared(cur, config, resume, declared, now_scn)
     except pymysql.err.OperationalError as exc:
         raise SourceError(f"lost the MySQL connection: {reason(exc)}") from None
