@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import json
+import re
 import struct
 import uuid
 from pathlib import Path
@@ -20,6 +21,8 @@ from changebus.schemas import (
     SchemaChange,
     SchemaRegistry,
     TableSchema,
+    binlog_file_number,
+    binlog_to_scn,
     decode_control,
     event_at,
     parse_stream,
@@ -57,8 +60,28 @@ async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
         "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
     )
-    target = master_scn(server)
-    await wait_until(lambda: relay.hosts["my"].buffer.meta.last_scn >= target)
+    # the marker's GTID, not the binlog's end: MariaDB may write a binlog checkpoint event
+    # after the last transaction (a FLUSH BINARY LOGS under load), a position no window has
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@gtid_binlog_pos")
+            gtids = str(cur.fetchone()[0])
+    finally:
+        conn.close()
+    domain = gtids.split(",")[0].rsplit("-", 2)
+    target_seq = int(domain[2])
+    host = relay.hosts["my"]
+
+    def reached() -> bool:
+        position = str((host.status().get("fetcher") or {}).get("source_position", ""))
+        found = re.search(r"gtid=(\d+)-\d+-(\d+);file=([^;]+);pos=(\d+)", position)
+        if found is None or found.group(1) != domain[0] or int(found.group(2)) < target_seq:
+            return False
+        scn = binlog_to_scn(binlog_file_number(found.group(3)), int(found.group(4)))
+        return host.buffer.meta.last_scn >= scn + host.status()["fetcher"].get("scn_base", 0)
+
+    await wait_until(reached)
 
 
 def buffer_bytes(relay: Relay) -> bytes:
