@@ -328,9 +328,8 @@ class Stuck(Callbacks):
             self.release.wait(60)
         return None
 
-    def on_error(self, error: BaseException) -> CallbackResult | None:
+    def on_error(self, error: BaseException) -> None:
         self.errors.append(error)
-        return None
 
 
 async def test_a_sync_callback_that_never_returns_ends_the_consumer(make_relay: MakeRelay) -> None:

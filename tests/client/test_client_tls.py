@@ -521,7 +521,7 @@ async def test_the_token_never_goes_in_clear_to_another_host(
     import functools
     import socket
 
-    from aiohttp.abc import AbstractResolver
+    from aiohttp.abc import AbstractResolver, ResolveResult
 
     from changebus.client._http import _may_carry_token
 
@@ -534,10 +534,16 @@ async def test_the_token_never_goes_in_clear_to_another_host(
     class ToLoopback(AbstractResolver):  # "relay.test" and any name: this host
         async def resolve(
             self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-        ) -> list[dict[str, Any]]:
+        ) -> list[ResolveResult]:
             return [
-                {"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET}
-                | {"proto": 0, "flags": 0}
+                ResolveResult(
+                    hostname=host,
+                    host="127.0.0.1",
+                    port=port,
+                    family=socket.AF_INET,
+                    proto=0,
+                    flags=0,
+                )
             ]
 
         async def close(self) -> None:

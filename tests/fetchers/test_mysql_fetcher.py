@@ -79,7 +79,8 @@ async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:
         if found is None or found.group(1) != domain[0] or int(found.group(2)) < target_seq:
             return False
         scn = binlog_to_scn(binlog_file_number(found.group(3)), int(found.group(4)))
-        return host.buffer.meta.last_scn >= scn + host.status()["fetcher"].get("scn_base", 0)
+        base = int(host.status()["fetcher"].get("scn_base", 0))
+        return bool(host.buffer.meta.last_scn >= scn + base)
 
     await wait_until(reached)
 

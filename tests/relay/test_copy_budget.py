@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from hypothesis import given, settings, strategies as st
-from test_hardening import _raw_request, fill, ring_config  # type: ignore[import-not-found]
+from test_hardening import _raw_request, fill, ring_config
 from test_metrics import scrape, value  # type: ignore[import-not-found]
 
 from changebus.relay import HttpConfig, Relay
