@@ -310,3 +310,31 @@ async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts)
     assert member.lease_valid() and follower.settled
     await member.session.stop()
     assert not member.lease_valid()
+
+
+async def test_a_claim_lands_only_while_the_claimants_member_node_exists(zk_session, group) -> None:
+    """Ownership was checked on the loop, then the claim went to ZooKeeper: a member paused
+    in between past its session raised the generation after its successor had claimed,
+    fencing the rightful owner (found by review). The claim now checks the member node
+    in its own transaction."""
+    from changebus.cluster import CoordinationError
+
+    session = await zk_session("fenced-store")
+    path = f"/changebus/groups/{group}/fence-test"
+    await session.op("create", path, b"", ephemeral=True, makepath=True)
+    member = [path]
+    store = ZkUnitStore(session, fence=lambda: member[0])
+    unit = Unit("orders", 0)
+    first = await store.claim(group, unit, "m-1")  # creates the node, under the fence
+    again = await store.claim(group, unit, "m-1")  # sets it, under the fence
+    assert (first.generation, again.generation) == (1, 2)
+    successor = await ZkUnitStore(session).claim(group, unit, "m-2")
+    assert successor.generation == 3
+    await session.op("delete", path)  # the membership is gone (its session expired)
+    with pytest.raises(CoordinationError, match="no member now"):
+        await store.claim(group, unit, "m-1")
+    member[0] = ""  # no registration at all
+    with pytest.raises(CoordinationError, match="no member now"):
+        await store.claim(group, unit, "m-1")
+    stored = (await store.read(group))[unit]
+    assert (stored.owner, stored.generation) == ("m-2", 3)  # the successor's claim stands

@@ -148,11 +148,12 @@ class GroupConsumer:
 
     async def _start(self, cfg: ConsumerConfig) -> None:
         zk = self._zk = await connect(cfg)
-        if self._store is None:
-            self._store = ZkUnitStore(zk)
         member = self.member = GroupMember(
             zk, cfg.group, cfg.partitions, cfg.buckets, name=cfg.member_name
         )
+        if self._store is None:
+            # a claim lands only while this member's node exists (one transaction)
+            self._store = ZkUnitStore(zk, fence=lambda: member.member_path)
         if self._http is None:
             self._http = await open_session(cfg.auth)
         queue = self._queue = BoundedQueue[LaneBatch](cfg.queue_windows, cfg.queue_bytes)

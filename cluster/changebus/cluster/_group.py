@@ -250,6 +250,11 @@ class GroupMember:
         return _add(self._lost_cbs, callback)
 
     @property
+    def member_path(self) -> str:
+        """This member's node now ("" while it has none; a claim's fence)."""
+        return self._member_path
+
+    @property
     def lease_s(self) -> float:
         """How long a confirmed heartbeat keeps the lease (see the module docstring)."""
         return self.session.lease_s

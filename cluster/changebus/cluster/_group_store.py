@@ -8,7 +8,10 @@ time). The *token* handed to the consumer is the znode version.
 * ``claim``: read the node (create it when missing), then set it with the
   claimer as owner and ``generation + 1``, compare-and-set on the version
   read (retried when someone else wrote in between). The new version is the
-  token; every earlier token now fails.
+  token; every earlier token now fails. With a ``fence`` (the claimant's
+  member node path) the write is one transaction with a check of that node:
+  a member whose membership ended (a pause past its session) cannot raise
+  the generation after its successor claimed.
 * ``commit``: per unit ``set(data, version=token)``, several units in one
   transaction (a failed transaction is retried unit by unit to find the
   refused ones). A version mismatch is not always a foreign write: when the
@@ -31,10 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
 from changebus.schemas import CommitResult, StoredUnit, Unit, UnitClaim, UnitCommit
 from changebus.schemas.errors import ChangebusError
@@ -52,6 +55,11 @@ from ._session import ZkSession
 
 __all__ = ["ZkUnitStore"]
 
+
+class _NotAMember(Exception):
+    """The claimant's member node is gone: the claim must not land."""
+
+
 log = logging.getLogger("changebus.cluster.group.store")
 
 #: units per commit transaction
@@ -67,8 +75,11 @@ class ZkUnitStore:
     not stop the session.
     """
 
-    def __init__(self, session: ZkSession) -> None:
+    def __init__(self, session: ZkSession, *, fence: Callable[[], str] | None = None) -> None:
         self.session = session
+        #: the claimant's member node path now ("" when it is no member): a claim lands
+        #: only while that node exists (checked in the claim's own transaction)
+        self.fence = fence
         # (group, unit) -> (owner, generation, token of the claim) of this store's claims
         self._claims: dict[tuple[str, Unit], tuple[str, int, int]] = {}
         self._ready: set[str] = set()
@@ -85,15 +96,47 @@ class ZkUnitStore:
         await self._ensure(group)
         timeout = self.session.op_timeout_s
 
+        fence = self.fence
+
+        def member_version(zk: Any) -> tuple[str, int] | None:
+            """(path, version) of the claimant's member node; None without a fence."""
+            if fence is None:
+                return None
+            path = fence()
+            stat = zk.exists_async(path).get(timeout=timeout) if path else None
+            if stat is None:
+                raise _NotAMember
+            return path, int(stat.version)
+
+        def write(zk: Any, member: tuple[str, int] | None, op: Any) -> Any:
+            """``op(tx)`` in one transaction with the member node's check; its result."""
+            tx = zk.transaction()
+            if member is not None:
+                tx.check(member[0], member[1])
+            op(tx)
+            results = tx.commit_async().get(timeout=timeout)
+            first = results[0]
+            if member is not None and isinstance(first, Exception):
+                if isinstance(first, NoNodeError):
+                    raise _NotAMember
+                if not isinstance(first, RolledBackError):  # (the check failed, not the op)
+                    raise BadVersionError()  # the member node changed: read it again
+            last = results[-1]
+            if isinstance(last, Exception):
+                raise last
+            return last
+
         def run(zk: Any) -> tuple[UnitRecord, int]:
             for _ in range(_ATTEMPTS):
+                member = member_version(zk)
                 try:
                     data, stat = zk.get_async(node).get(timeout=timeout)
                 except NoNodeError:
                     record = UnitRecord(None, owner, 1, time.time_ns())
+                    body = encode_unit_record(record)
                     try:
-                        zk.create_async(node, encode_unit_record(record)).get(timeout=timeout)
-                    except NodeExistsError:
+                        write(zk, member, lambda tx, b=body: tx.create(node, b))
+                    except (NodeExistsError, BadVersionError):
                         continue
                     except NoNodeError:  # the group's tree was deleted (group delete --force)
                         zk.ensure_path_async(parent).get(timeout=timeout)
@@ -101,16 +144,24 @@ class ZkUnitStore:
                     return record, 0
                 old = decode_unit_record(data, node)
                 record = UnitRecord(old.checkpoint, owner, old.generation + 1, time.time_ns())
+                body, version = encode_unit_record(record), stat.version
                 try:
-                    new = zk.set_async(node, encode_unit_record(record), version=stat.version).get(
-                        timeout=timeout
+                    new = write(
+                        zk, member, lambda tx, b=body, v=version: tx.set_data(node, b, version=v)
                     )
                 except (BadVersionError, NoNodeError):
                     continue
                 return record, int(new.version)
             raise CoordinationError(f"group {group}: claim of {unit} kept losing races")
 
-        record, token = await mapped(f"claiming {node}", self.session.call(run))
+        try:
+            record, token = await mapped(f"claiming {node}", self.session.call(run))
+        except _NotAMember:
+            # a member that lost its membership (a pause past its session) may not raise
+            # the generation: that would fence the unit's rightful next owner
+            raise CoordinationError(
+                f"group {group}: {owner} is no member now; {unit} not claimed", retriable=True
+            ) from None
         self._claims[(group, unit)] = (owner, record.generation, token)
         log.debug("group %s: %s claimed %s (generation %d)", group, owner, unit, record.generation)
         return UnitClaim(unit, record.checkpoint, token, record.generation)
