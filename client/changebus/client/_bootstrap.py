@@ -400,9 +400,10 @@ class Bootstrapper:
             # the server says its snapshot lacks rows: not an error (an operator may
             # capture without seeding on purpose), but never silent
             log.warning(
-                "%s: the snapshot lacks the rows nobody changed since its history began of"
-                " %d table(s) never seeded (%s%s); seed them (POST /v1/seed) for a complete"
-                " snapshot",
+                "%s: %d table(s) were never seeded (%s%s): the snapshot lacks any of their"
+                " rows that existed before the server's history began and never changed"
+                " since (none when a table was empty then); seed them (POST /v1/seed) for a"
+                " complete snapshot",
                 info.where,
                 unseeded,
                 ", ".join(names),

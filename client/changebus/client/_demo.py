@@ -6,7 +6,8 @@ What runs (everything private, on 127.0.0.1, removed at the end)::
      (shop tables,                  mmapped ring buffer     \\------> SqliteReplica
       workload thread)                                                (checked at the end)
 
-A bootstrap server (SQLite store) follows the relay from the start; halfway
+A bootstrap server (SQLite store) follows the relay from the start and seeds
+the tables from Postgres (they existed before capture began); halfway
 through, a second consumer with a replica of its own joins late: it reads a
 snapshot and the log from the bootstrap server, then goes on from the relay.
 
@@ -306,6 +307,7 @@ async def _stream(
         BootstrapConfig,
         BootstrapServer,
         HttpConfig as BootstrapHttp,
+        SeedConfig,
         StoreConfig,
     )
 
@@ -319,6 +321,8 @@ async def _stream(
         data_dir=tmp / "bootstrap",
         store=StoreConfig(kind="sqlite", path=tmp / "bootstrap" / "store.db"),
         http=BootstrapHttp(port=0),
+        # the tables existed before capture began: their snapshot is whole once seeded
+        seed=SeedConfig(dsn=dsn, on_start=True),
     )
     replica = SqliteReplica(tmp / "replica.db", consumer_name="demo")
     late = _LateReplica(tmp / "late.db")
