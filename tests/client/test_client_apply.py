@@ -253,3 +253,23 @@ def test_backoff_grows_with_jitter_and_caps() -> None:
     assert 0.05 <= delays[0] <= 0.1 and all(0.5 <= d <= 1.0 for d in delays[4:])
     b.reset()
     assert b.next_delay() <= 0.1
+
+
+def test_postgres_replica_stores_json_of_uuid_numeric_date_and_bytes_arrays(pg_dsn: str) -> None:
+    """Arrays of uuid, numeric, dates or bytes decode to lists of such values, which the
+    replica stores as jsonb: plain json.dumps refused them and the window failed on every
+    retry, for good (found by review)."""
+    import datetime
+    import decimal
+    import uuid
+
+    import psycopg
+
+    replica = PostgresReplica(pg_dsn)
+    u = uuid.UUID("6ccd780c-baba-1026-9564-5b8c656024db")
+    value = [u, decimal.Decimal("1.50"), datetime.date(2026, 11, 29), b"\x00\xff"]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE j (v jsonb)")
+        conn.execute("INSERT INTO j VALUES (%s)", (replica._adapt(value),))
+        (stored,) = conn.execute("SELECT v FROM j").fetchone() or (None,)
+    assert stored[0] == str(u) and stored[2] == "2026-11-29" and len(stored) == 4

@@ -16,6 +16,7 @@ never logged (and scrubbed from the unit store's errors).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from changebus.schemas import ChangebusError, Column, TransportError
 from changebus.schemas.config import scrub_exception
 
 from ._apply_units import UnitReplica
+from ._json import jsonable
 from ._pgsession import IDLE_IN_TRANSACTION_S, connect, session_lost
 from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
@@ -158,5 +160,12 @@ class PostgresReplica(UnitReplica):
         if isinstance(value, dict | list):
             from psycopg.types.json import Jsonb
 
-            return Jsonb(value)
+            # (arrays of uuid, numeric, dates, bytes: plain json.dumps refused them, and
+            # the window failed on every retry)
+            return Jsonb(value, dumps=_dumps)
         return value
+
+
+def _dumps(value: Any) -> str:
+    """JSON text of a decoded value: what :func:`~._json.jsonable` gives for the rest."""
+    return json.dumps(value, default=jsonable, separators=(",", ":"))
