@@ -273,3 +273,39 @@ def test_postgres_replica_stores_json_of_uuid_numeric_date_and_bytes_arrays(pg_d
         conn.execute("INSERT INTO j VALUES (%s)", (replica._adapt(value),))
         (stored,) = conn.execute("SELECT v FROM j").fetchone() or (None,)
     assert stored[0] == str(u) and stored[2] == "2026-11-29" and len(stored) == 4
+
+
+def test_a_column_another_replica_added_is_not_added_again(tmp_path: Path) -> None:
+    """Two replicas of one database (group members): the second one's column cache was
+    stale, so it ran ALTER TABLE ADD COLUMN again and failed on every replay with
+    "duplicate column name" (found by review). It reads the database's columns first."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from changebus.client import ChangeEvent
+    from changebus.schemas import Column, TableSchema
+
+    def of(schema: TableSchema) -> ChangeEvent:  # (what _ensure_table reads of an event)
+        return cast(ChangeEvent, SimpleNamespace(schema=schema, table="app.items"))
+
+    v1 = TableSchema(
+        "app.items", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1
+    )
+    v2 = TableSchema(
+        "app.items",
+        (Column("id", "long", nullable=False), Column("v", "string"), Column("w", "string")),
+        ("id",),
+        2,
+    )
+    db = tmp_path / "shared.db"
+    first, second = SqliteReplica(db), SqliteReplica(db)
+    try:
+        c1, c2 = first._connection(), second._connection()
+        second._ensure_table(c2, of(v1))  # its cache: id, v
+        first._ensure_table(c1, of(v2))  # adds w
+        second._ensure_table(c2, of(v2))
+        columns = [r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(app_items)")]
+        assert columns == ["id", "v", "w"]
+    finally:
+        first._close()
+        second._close()

@@ -279,23 +279,32 @@ class Replica(AsyncCallbacks):
             return
         if not schema.key:
             raise ConfigError(f"table {schema.name!r} has no key: rows cannot be upserted")
-        if known is None:
-            known = self._existing_columns(conn, table)
-        with self._transaction(conn):
-            if known is None:
-                self._prepare_table(conn, table)
-                self._execute(conn, self._create_sql(table, schema))
-                known = wanted
-                log.info("replica created table %s for source %s", table, schema.name)
-            for column in schema.columns:
-                if column.name not in known:
-                    self._execute(
-                        conn,
-                        f"ALTER TABLE {self._qualified(table)} ADD COLUMN"
-                        f" {self._quote(column.name)} {self._column_type(column)}",
-                    )
-                    known.add(column.name)
-        self._columns[table] = known
+        # the database's columns, not the cache's: another replica of the same database
+        # (a group member) may have added them meanwhile
+        found = self._existing_columns(conn, table)
+        have = set(found) if found is not None else None
+        try:
+            with self._transaction(conn):
+                if have is None:
+                    self._prepare_table(conn, table)
+                    self._execute(conn, self._create_sql(table, schema))
+                    have = set(wanted)
+                    log.info("replica created table %s for source %s", table, schema.name)
+                for column in schema.columns:
+                    if column.name not in have:
+                        self._execute(
+                            conn,
+                            f"ALTER TABLE {self._qualified(table)} ADD COLUMN"
+                            f" {self._quote(column.name)} {self._column_type(column)}",
+                        )
+                        have.add(column.name)
+        except Exception:
+            # another replica made the same change at the same time: fine when it is there
+            now = self._existing_columns(conn, table)
+            if now is None or not wanted <= set(now):
+                raise
+            have = set(now)
+        self._columns[table] = have
 
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote
