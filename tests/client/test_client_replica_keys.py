@@ -171,3 +171,58 @@ async def test_an_older_event_with_an_unsent_key_value_keeps_it(tmp_path: Path) 
         assert conn.execute('SELECT a, t FROM "app_log"').fetchall() == [(2, "big")]
     finally:
         conn.close()
+
+
+async def test_a_replayed_key_move_over_newer_state_does_not_stop_the_replica(
+    tmp_path: Path,
+) -> None:
+    await _replayed_key_move(tmp_path, None)
+
+
+async def _replayed_key_move(tmp_path: Path, pg_dsn: str | None) -> None:
+    """A bootstrap's catch-up replays a key move (1 -> 7, body not sent) over a snapshot that
+    already holds row 7 (moved) and row 1 (inserted again later): UPDATE ... SET id = 7
+    failed on the unique key on every retry and after a restart (found by review). The
+    move now yields to the newer row 7, the old key's row goes, and the rest of the log
+    brings row 1 back."""
+    # the snapshot (position 5): rows at their newest version
+    snapshot = [
+        event(4, ChangeOp.INSERT, {"id": 7, "n": 3, "body": "seven"}),
+        event(5, ChangeOp.INSERT, {"id": 1, "n": 9, "body": "again"}),
+    ]
+    catchup = [
+        event(
+            30,
+            ChangeOp.UPDATE,
+            {"id": 7, "n": 3, "body": None},
+            {"id": 1, "n": None, "body": None},
+            not_sent=("body",),
+            before_not_sent=("n", "body"),
+        ),
+        event(40, ChangeOp.INSERT, {"id": 1, "n": 9, "body": "again"}),
+    ]
+    db = tmp_path / "r.db"
+    replica = SqliteReplica(db)
+    try:
+        await apply(replica, snapshot + catchup)
+    finally:
+        await replica.close()
+    conn = sqlite3.connect(db)
+    try:
+        rows = sorted(conn.execute('SELECT id, n, body FROM "app_docs"').fetchall())
+    finally:
+        conn.close()
+    assert rows == [(1, 9, "again"), (7, 3, "seven")]
+    if pg_dsn is not None:  # the same statements on Postgres
+        pg = PostgresReplica(pg_dsn)
+        try:
+            await apply(pg, snapshot + catchup)
+            got = await asyncio.to_thread(pg.query, 'SELECT id, n, body FROM "app"."docs"')
+        finally:
+            await pg.close()
+        assert sorted(tuple(r) for r in got) == rows
+
+
+@pytest.mark.pg
+async def test_a_replayed_key_move_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
+    await _replayed_key_move(tmp_path, pg_dsn)

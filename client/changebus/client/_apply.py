@@ -339,12 +339,20 @@ class Replica(AsyncCallbacks):
                 if all(v is not None for v in old.values()) and old != {k: e.key[k] for k in key}:
                     old_values = [self._adapt(old[k]) for k in key]
                     if skip:
-                        # columns not sent keep their value: move the row to its new key
+                        # columns not sent keep their value: move the row to its new key,
+                        # unless a row holds that key already (a replay over newer state: a
+                        # bootstrap's catch-up), whose values are at least as new; the old
+                        # key's row goes either way (what follows in the log brings back
+                        # whatever came to it later)
+                        new_values = [self._adapt(e.key[k]) for k in key]
                         sets = ", ".join(f"{q(k)} = {p}" for k in key)
+                        taken = " AND ".join(f"x.{q(k)} = {p}" for k in key)
                         yield (
-                            f"UPDATE {table} SET {sets} WHERE {where}",
-                            [self._adapt(e.key[k]) for k in key] + old_values,
+                            f"UPDATE {table} SET {sets} WHERE {where} AND NOT EXISTS"
+                            f" (SELECT 1 FROM {table} AS x WHERE {taken})",
+                            new_values + old_values + new_values,
                         )
+                        yield f"DELETE FROM {table} WHERE {where}", old_values
                     else:
                         yield f"DELETE FROM {table} WHERE {where}", old_values
             cols = [c for c in e.after if c not in skip]
