@@ -60,8 +60,10 @@ async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:
         "CREATE TABLE IF NOT EXISTS marker (id int PRIMARY KEY, n bigint NOT NULL)",
         "INSERT INTO marker VALUES (1, 1) ON DUPLICATE KEY UPDATE n = n + 1",
     )
-    # the marker's GTID, not the binlog's end: MariaDB may write a binlog checkpoint event
-    # after the last transaction (a FLUSH BINARY LOGS under load), a position no window has
+    # the binlog's end, or the marker's GTID: MariaDB may write a binlog checkpoint event
+    # after the last transaction (a FLUSH BINARY LOGS under load), a position no window
+    # has; and a fetcher that started after the marker holds the end as its start
+    target = master_scn(server)
     conn = server.connect()
     try:
         with conn.cursor() as cur:
@@ -74,6 +76,8 @@ async def caught_up(relay: Relay, server: EmbeddedMariaDB, db: str) -> None:
     host = relay.hosts["my"]
 
     def reached() -> bool:
+        if host.buffer.meta.last_scn >= target:
+            return True
         position = str((host.status().get("fetcher") or {}).get("source_position", ""))
         found = re.search(r"gtid=(\d+)-\d+-(\d+);file=([^;]+);pos=(\d+)", position)
         if found is None or found.group(1) != domain[0] or int(found.group(2)) < target_seq:
