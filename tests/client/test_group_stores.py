@@ -405,3 +405,26 @@ async def test_replica_applies_unit_windows_fenced(make_store: MakeStore) -> Non
     # the single-consumer checkpoint row is not touched by group mode
     assert b.checkpoint is None
     assert b.query(f"SELECT count(*) FROM {b._quote(b.checkpoint_table)}") == [(0,)]
+
+
+@pytest.mark.parametrize("make_store", REPLICAS, indirect=True)
+async def test_a_commit_prepared_while_a_window_applied_does_not_write_behind_it(
+    make_store: MakeStore,
+) -> None:
+    """The commit timer prepared position 10 on the loop while window 20 was being applied
+    in the worker thread; the loop's "never behind" check saw 10 still, and the commit,
+    run after window 20's transaction, wrote 10 back over it (found by review). The
+    worker thread checks again where the commit runs."""
+    from changebus.client._apply_units import UnitReplica
+
+    replica = make_store()
+    assert isinstance(replica, UnitReplica)
+    claim = await replica.claim(G, U, "m-a")
+    assert await deliver(replica, window(20, {2: "bob"})) is None
+    # what the commit timer prepared before window 20 ended, as it reaches the thread
+    result = await replica._in_thread(
+        replica._commit_units, G, [UnitCommit(U, cp(10), claim.token)]
+    )
+    assert U in result.tokens
+    stored = (await replica.read(G))[U].checkpoint
+    assert stored is not None and stored.window_scn == 20

@@ -114,6 +114,10 @@ class UnitReplica(Replica):
         self._unit_table_ready = False  # worker thread only
         self._held: dict[str, _Held] = {}  # unit text -> this replica's claim of it
         self._fenced: set[str] = set()  # units found claimed by another member, not yet reported
+        #: unit text -> (claim token, the position after its last window applied under it);
+        #: worker thread only: the commits run there too, after the applies before them,
+        #: and never write behind it
+        self._applied: dict[str, tuple[int, PartitionCheckpoint]] = {}
 
     # ---- dialect hook (worker thread) ---------------------------------------
 
@@ -154,7 +158,14 @@ class UnitReplica(Replica):
             result = await self._store_call(self._commit_units, group, writes)
         for c in writes:
             held = self._held.get(str(c.unit))
-            if c.unit in result.tokens and held is not None and held.token == c.token:
+            if (
+                c.unit in result.tokens
+                and held is not None
+                and held.token == c.token
+                and (
+                    held.checkpoint is None or held.checkpoint.window_scn <= c.checkpoint.window_scn
+                )
+            ):
                 held.checkpoint = c.checkpoint
         fenced = lost | result.fenced
         if fenced:
@@ -254,7 +265,17 @@ class UnitReplica(Replica):
         fenced: set[Unit] = set()
         with self._transaction(conn):
             for c in commits:
-                if self._write_unit(conn, group, str(c.unit), c.checkpoint, c.token):
+                token, applied = self._applied.get(str(c.unit), (None, None))
+                checkpoint = c.checkpoint
+                if (
+                    applied is not None
+                    and token == c.token
+                    and applied.window_scn > checkpoint.window_scn
+                ):
+                    # (prepared on the loop while a window of the unit was being applied
+                    # here: never write a position behind rows already committed)
+                    checkpoint = applied
+                if self._write_unit(conn, group, str(c.unit), checkpoint, c.token):
                     tokens[c.unit] = c.token
                 else:
                     fenced.add(c.unit)
@@ -280,4 +301,5 @@ class UnitReplica(Replica):
                     raise _Fenced  # roll the window's rows back
         except _Fenced:
             return False
+        self._applied[unit] = (held.token, after)
         return True
