@@ -11,42 +11,18 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from synthetic_boot import synthetic_relay
+
 from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
 from changebus.client import Consumer, ConsumerConfig
-from changebus.relay import (
-    FetcherConfig,
-    HttpConfig as RelayHttp,
-    PartitionConfig,
-    Relay,
-    RelayConfig,
-)
+from changebus.relay import Relay
 from waiting import wait_until
-
-
-def _relay(tmp: Path, name: str, start_scn: int) -> RelayConfig:
-    options = {
-        "windows_per_s": 0,
-        "max_windows": 20,
-        "events_per_window": 2,
-        "tables": 1,
-        "start_scn": start_scn,
-    }
-    return RelayConfig(
-        data_dir=tmp / name,
-        http=RelayHttp(port=0),
-        partitions=(
-            PartitionConfig(
-                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
 
 
 async def test_a_bootstrap_server_behind_the_relays_is_not_asked_in_a_tight_loop(
     tmp_path: Path,
 ) -> None:
-    async with Relay(_relay(tmp_path, "old", 1000)) as old:
+    async with Relay(synthetic_relay(tmp_path / "old", 20, events_per_window=2)) as old:
         await wait_until(lambda: old.hosts["syn"].buffer.meta.windows >= 20)
         last = old.hosts["syn"].buffer.meta.last_scn
         boot_cfg = BootstrapConfig(
@@ -61,7 +37,9 @@ async def test_a_bootstrap_server_behind_the_relays_is_not_asked_in_a_tight_loop
         await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last)
     try:
         # the bootstrap server's log ends at `last`; the relay now keeps SCNs from 5000 on
-        async with Relay(_relay(tmp_path, "new", 5000)) as new:
+        async with Relay(
+            synthetic_relay(tmp_path / "new", 20, events_per_window=2, start_scn=5000)
+        ) as new:
             await wait_until(lambda: new.hosts["syn"].buffer.meta.windows >= 20)
             cfg = ConsumerConfig(
                 relays=(new.url,),

@@ -13,40 +13,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from synthetic_boot import synthetic_relay
+
 from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
-from changebus.relay import (
-    FetcherConfig,
-    HttpConfig as RelayHttp,
-    PartitionConfig,
-    Relay,
-    RelayConfig,
-)
+from changebus.relay import Relay
 from waiting import wait_until
-
-
-def _relay_config(data_dir: Path, windows: int, first_table: int) -> RelayConfig:
-    options = {
-        "windows_per_s": 0,
-        "max_windows": windows,
-        "events_per_window": 4,
-        "tables": 1,
-        "first_table": first_table,
-    }
-    return RelayConfig(
-        data_dir=data_dir,
-        http=RelayHttp(port=0),
-        partitions=(
-            PartitionConfig(
-                "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
 
 
 @contextlib.asynccontextmanager
 async def _relay(data_dir: Path, windows: int, first_table: int = 0) -> AsyncIterator[Relay]:
-    async with Relay(_relay_config(data_dir, windows, first_table)) as relay:
+    async with Relay(synthetic_relay(data_dir, windows, first_table=first_table)) as relay:
         await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= windows)
         yield relay
 

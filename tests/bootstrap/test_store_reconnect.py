@@ -12,15 +12,10 @@ from pathlib import Path
 
 import aiohttp
 import psycopg
+from synthetic_boot import synthetic_relay
 
 from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
-from changebus.relay import (
-    FetcherConfig,
-    HttpConfig as RelayHttp,
-    PartitionConfig,
-    Relay,
-    RelayConfig,
-)
+from changebus.relay import Relay
 from waiting import wait_until
 
 
@@ -35,17 +30,7 @@ def _cut(dsn: str) -> int:
 
 
 async def test_store_connections_cut_the_server_reconnects(tmp_path: Path, pg_dsn: str) -> None:
-    options = {"windows_per_s": 100, "max_windows": 400, "events_per_window": 4, "tables": 1}
-    relay_cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=RelayHttp(port=0),
-        partitions=(
-            PartitionConfig(
-                "syn", 1, capacity_bytes=4 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    relay_cfg = synthetic_relay(tmp_path / "relay", 400, capacity_bytes=4 << 20, windows_per_s=100)
     async with Relay(relay_cfg) as relay:
         host = relay.hosts["syn"]
         cfg = BootstrapConfig(

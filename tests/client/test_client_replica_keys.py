@@ -35,6 +35,15 @@ def event(scn: int, op: ChangeOp, after: dict[str, Any], before: Any = None, **k
     return Window(scn=scn, timestamp_ns=scn, partition="p", events=(e,))
 
 
+def sqlite_rows(db: Path, sql: str) -> list[Any]:
+    """The rows ``sql`` reads from the SQLite file ``db``."""
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
 async def apply(replica: Any, windows: list[Window]) -> None:
     """Hand ``windows`` to ``replica`` as a consumer would (its callbacks, in order)."""
     await replica.load()
@@ -70,12 +79,10 @@ async def test_key_change_with_unsent_columns_moves_the_row(tmp_path: Path) -> N
         await apply(replica, windows)
     finally:
         await replica.close()
-    conn = sqlite3.connect(db)
-    try:
-        rows = sorted(conn.execute('SELECT id, n, body FROM "app_docs"').fetchall())
-    finally:
-        conn.close()
-    assert rows == [(7, 3, big), (8, 4, "x")]
+    assert sorted(sqlite_rows(db, 'SELECT id, n, body FROM "app_docs"')) == [
+        (7, 3, big),
+        (8, 4, "x"),
+    ]
 
 
 W = TableSchema(
@@ -120,11 +127,7 @@ async def test_a_table_keyed_by_all_its_columns_keeps_its_nulls(tmp_path: Path) 
         await apply(replica, windows)
     finally:
         await replica.close()
-    conn = sqlite3.connect(db)
-    try:
-        rows = conn.execute('SELECT a, t FROM "app_log"').fetchall()
-    finally:
-        conn.close()
+    rows = sqlite_rows(db, 'SELECT a, t FROM "app_log"')
     assert sorted(rows, key=repr) == sorted([(1, "now"), (None, None)], key=repr)
 
 
@@ -166,11 +169,7 @@ async def test_an_older_event_with_an_unsent_key_value_keeps_it(tmp_path: Path) 
         await apply(replica, windows)
     finally:
         await replica.close()
-    conn = sqlite3.connect(db)
-    try:
-        assert conn.execute('SELECT a, t FROM "app_log"').fetchall() == [(2, "big")]
-    finally:
-        conn.close()
+    assert sqlite_rows(db, 'SELECT a, t FROM "app_log"') == [(2, "big")]
 
 
 async def test_a_replayed_key_move_over_newer_state_does_not_stop_the_replica(
@@ -207,11 +206,7 @@ async def _replayed_key_move(tmp_path: Path, pg_dsn: str | None) -> None:
         await apply(replica, snapshot + catchup)
     finally:
         await replica.close()
-    conn = sqlite3.connect(db)
-    try:
-        rows = sorted(conn.execute('SELECT id, n, body FROM "app_docs"').fetchall())
-    finally:
-        conn.close()
+    rows = sorted(sqlite_rows(db, 'SELECT id, n, body FROM "app_docs"'))
     assert rows == [(1, 9, "again"), (7, 3, "seven")]
     if pg_dsn is not None:  # the same statements on Postgres
         pg = PostgresReplica(pg_dsn)

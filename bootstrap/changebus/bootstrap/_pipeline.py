@@ -155,19 +155,13 @@ class Pipelines(Seeding):
                         known = {(sid, v) for sid, v, _n, _j in rows}
                     start_scn = await self._store_batch(w, batch, known, start_scn)
                     break
-                except Exception as exc:  # (a writer that died would stall for ever)
+                except Exception as exc:  # noqa: BLE001 - a writer that died would stall for ever
                     failed = True
                     w.state = "error"
-                    if isinstance(exc, ChangebusError):
-                        w.last_error = scrub(exc.message, self.secrets)
-                        log.error("partition %s: cannot store windows: %s", w.name, w.last_error)
-                    else:
-                        w.last_error = scrub(f"{type(exc).__name__}: {exc}", self.secrets)
-                        log.exception(
-                            "partition %s: cannot store windows (%s); retrying",
-                            w.name,
-                            type(exc).__name__,
-                        )
+                    w.last_error = self._failure(exc)
+                    log.error(
+                        "partition %s: cannot store windows (retrying): %s", w.name, w.last_error
+                    )
                     await asyncio.sleep(self.config.producer.fell_off_retry_s)
             if failed and w.state == "error":
                 w.state = "streaming"
@@ -270,15 +264,9 @@ class Pipelines(Seeding):
 
             try:
                 st, applied, left = await self.stores.write(step)
-            except Exception as exc:  # (an applier that died would stall for ever)
-                error = exc.message if isinstance(exc, ChangebusError) else type(exc).__name__
-                w.last_error = scrub(f"applier: {error}", self.secrets)
-                log.error(
-                    "partition %s: the applier failed (%s); retrying",
-                    w.name,
-                    w.last_error,
-                    exc_info=not isinstance(exc, ChangebusError),
-                )
+            except Exception as exc:  # noqa: BLE001 - an applier that died would stall for ever
+                w.last_error = f"applier: {self._failure(exc)}"
+                log.error("partition %s: %s (retrying)", w.name, w.last_error)
                 await asyncio.sleep(_APPLIER_RETRY_S)
                 continue
             if st.applier_scn != before:

@@ -75,6 +75,14 @@ class Seeding(Upstream):
     workers: dict[str, PartitionWorker]
     _stop_seed: threading.Event
 
+    def _failure(self, exc: BaseException) -> str:
+        """``exc`` for ``last_error`` and the log, scrubbed of secrets; a bug (not a
+        :class:`ChangebusError`) also leaves its scrubbed traceback at debug level."""
+        if isinstance(exc, ChangebusError):
+            return scrub(exc.message, self.secrets)
+        log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
+        return scrub_exception(exc, self.secrets)
+
     # ---- gaps ------------------------------------------------------------------
 
     async def _repair_gap(self, w: PartitionWorker, relay: str) -> None:
@@ -336,14 +344,8 @@ class Seeding(Upstream):
             raise
         except Exception as exc:  # noqa: BLE001 - reported in /v1/status, the daemon goes on
             w.seed.state = "failed"
-            w.seed.error = (
-                scrub(exc.message, self.secrets)
-                if isinstance(exc, ChangebusError)
-                else scrub_exception(exc, self.secrets)
-            )
+            w.seed.error = self._failure(exc)
             log.error("partition %s: seeding failed: %s", w.name, w.seed.error)
-            if not isinstance(exc, ChangebusError):  # a bug: its traceback, scrubbed
-                log.debug("%s", scrub_exception(exc, self.secrets, trace=True))
             return isinstance(exc, ChangebusError) and exc.retriable
 
     async def _run_seeder(

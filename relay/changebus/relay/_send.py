@@ -95,7 +95,7 @@ async def send_selection(
     """Write ``selection``'s ring slices to ``resp`` and release its pin.
 
     ``"sent"``: every byte left from ring bytes the writer did not overrun;
-    the caller ends the body. ``"overrun"`` or ``"timeout"``: the connection
+    the caller ends the body (3.11: ended here already, before the final drain). ``"overrun"`` or ``"timeout"``: the connection
     has been aborted (the body has no terminating chunk); nothing more may
     be written.
 
@@ -128,10 +128,13 @@ async def send_selection(
             else:
                 if _ZERO_COPY_SAFE:
                     # 3.11: what the socket did not take the transport copied: the ring
-                    # may move on now (the grant below still covers those copies)
+                    # may move on now (the grant below still covers those copies), and
+                    # the body is whole: its end goes out now, or the client would wait
+                    # for the drain below before it could ask again
                     released = True
                     if not buffer.release(selection):
                         raise _Overrun  # bytes may have been overwritten while written
+                    await resp.write_eof()
                 transport = request.transport
                 if (copies is not None or not _ZERO_COPY_SAFE) and transport is not None:
                     # until everything left the process: the grant covers the transport's

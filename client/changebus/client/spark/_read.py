@@ -195,30 +195,22 @@ async def _read(
             ) from None
         except FellOffRelayError as exc:
             if opts.bootstrap and not spec.may_bootstrap:
-                raise FellOffRelayError(
+                raise _fell_off(
+                    exc,
                     f"partition {spec.partition}: the relays evicted SCN {exc.requested_scn}"
                     f" while this batch's range ({spec.since}, {spec.until}] was read in SCN"
                     " sub-ranges (splitBy=scn); a sub-range cannot be served by the bootstrap"
                     " server. Run the batch again: with its start evicted it is planned as"
                     " one task through the bootstrap server",
-                    partition=exc.partition,
-                    requested_scn=exc.requested_scn,
-                    oldest_scn=exc.oldest_scn,
-                    prev_scn=exc.prev_scn,
-                    relay=exc.relay,
                 ) from exc
             if opts.fail_on_data_loss:
-                raise FellOffRelayError(
+                raise _fell_off(
+                    exc,
                     f"partition {spec.partition}: the batch's range ({spec.since}, {spec.until}]"
                     f" starts at SCN {exc.requested_scn}, older than the relays keep (oldest"
                     f" window {exc.oldest_scn}); the rows in between are gone from the relays."
                     " Restart the query from a newer startingScn with a new checkpoint, or set"
                     " failOnDataLoss=false to skip them",
-                    partition=exc.partition,
-                    requested_scn=exc.requested_scn,
-                    oldest_scn=exc.oldest_scn,
-                    prev_scn=exc.prev_scn,
-                    relay=exc.relay,
                 ) from exc
             log.warning(
                 "partition %s: SCNs after %d up to %d are gone from the relays; skipped"
@@ -232,3 +224,15 @@ async def _read(
             position = exc.prev_scn
     if builder.rows:
         yield builder.flush()
+
+
+def _fell_off(exc: FellOffRelayError, message: str) -> FellOffRelayError:
+    """``exc`` with the reader's own ``message`` (the positions it names kept)."""
+    return FellOffRelayError(
+        message,
+        partition=exc.partition,
+        requested_scn=exc.requested_scn,
+        oldest_scn=exc.oldest_scn,
+        prev_scn=exc.prev_scn,
+        relay=exc.relay,
+    )

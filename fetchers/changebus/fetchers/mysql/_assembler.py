@@ -398,10 +398,8 @@ class BinlogAssembler:
             )
         # (read again after a rewind: declared types are at the relay's last window)
         at = self.scn_at(end_pos)
-        replaying = at <= self.replay_until
-        effect = (self.declared.copy() if replaying else self.declared).apply(
-            text, schema or "", at
-        )
+        declared = self.declared.copy() if at <= self.replay_until else self.declared
+        effect = declared.apply(text, schema or "", at)
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
