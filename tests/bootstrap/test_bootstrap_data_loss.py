@@ -146,10 +146,18 @@ def store(request: Any, tmp_path: Path) -> Iterator[Store]:
 
 def test_a_data_loss_window_opens_a_gap_with_it(store: Store) -> None:
     data = b"".join(d for _s, d in SCRIPT[:6])  # 10..14 and the loss at 20
-    assert store.append("p", data, start_scn=9, lost_upto=20) == 20
+    assert store.append("p", data, start_scn=9, lost=(14, 20)) == 20
     assert store.gap("p") == 20
     st = store.state("p")
     assert (st.producer_scn, st.log_min_scn, st.base_scn) == (20, 20, 9)
+    # positions strictly inside the lost SCNs are lost for good; those around them are not
+    assert [store.lost_range("p", p) for p in (-1, 14, 15, 19, 20)] == [
+        None,
+        None,
+        (14, 20),
+        (14, 20),
+        None,
+    ]
     # the applier folds the windows before it (the rows it has are right)
     store.apply("p")
     assert store.state("p").applier_scn == 20
@@ -158,11 +166,13 @@ def test_a_data_loss_window_opens_a_gap_with_it(store: Store) -> None:
     store.put_schemas("p", [(SID, 1, TABLE.name, _schema_json())])
     store.seed_rows("p", TABLE.name, [], 500)
     assert store.clear_gap("p") and store.gap("p") is None
-    store.append("p", data, start_scn=9, lost_upto=20)
+    store.append("p", data, start_scn=9, lost=(14, 20))
     assert store.gap("p") is None
     # a later window with a loss opens a new one
-    store.append("p", SCRIPT[6][1] + window(30, loss=True), lost_upto=30)
+    store.append("p", SCRIPT[6][1] + window(30, loss=True), lost=(21, 30))
     assert store.gap("p") == 30 and store.seeded("p") == {}
+    assert store.lost_ranges("p") == [(14, 20), (21, 30)]
+    assert store.lost_range("p", 20) is None and store.lost_range("p", 29) == (21, 30)
 
 
 def test_windows_and_their_gap_commit_together(
@@ -171,16 +181,16 @@ def test_windows_and_their_gap_commit_together(
     """A failure (or a crash) recording the gap keeps none of the windows either."""
     data = b"".join(d for _s, d in SCRIPT[:6])
 
-    def fail(part: str, gap_end: int) -> None:
+    def fail(part: str, gap_end: int, *, after: int | None = None) -> None:
         raise RuntimeError("crash while recording the gap")
 
     monkeypatch.setattr(store, "mark_gap", fail)
     with pytest.raises(RuntimeError):
-        store.append("p", data, start_scn=9, lost_upto=20)
+        store.append("p", data, start_scn=9, lost=(14, 20))
     assert store.state("p").producer_scn == -1
     assert store.counts("p")["log_events"] == 0
     monkeypatch.undo()
-    store.append("p", data, start_scn=9, lost_upto=20)  # the replay after the restart
+    store.append("p", data, start_scn=9, lost=(14, 20))  # the replay after the restart
     assert store.gap("p") == 20 and store.state("p").producer_scn == 20
 
 
@@ -245,7 +255,7 @@ async def test_a_data_loss_window_is_a_gap_positions_before_it_are_refused(
             assert any("15..19" in m and "POST /v1/seed" in m for m in said), said
             base = f"{boot.url}/v1/bootstrap"
             # positions before the gap (and from nothing): no snapshot lacking the range
-            for since in (-1, 9, 12, 14, 19):
+            for since in (-1, 9, 12, 14):
                 status, body = await get(f"{base}/start?partition=syn&since={since}")
                 assert status == 503, (since, body)
                 assert body["error"] == "not_yet" and body["gap_scn"] == 20
@@ -253,6 +263,12 @@ async def test_a_data_loss_window_is_a_gap_positions_before_it_are_refused(
                 assert "POST /v1/seed?partition=syn" in body["message"]
                 status, body = await get(f"{base}/snapshot?partition=syn&since={since}&start=22")
                 assert status == 503 and body["gap_scn"] == 20
+            # positions inside the lost SCNs: refused for good (no seed repairs them)
+            for since in (15, 19):
+                for what in ("start?", "snapshot?start=22&"):
+                    status, body = await get(f"{base}/{what}partition=syn&since={since}")
+                    assert status == 410 and body["lost_upto_scn"] == 20, (since, what, body)
+                    assert body["lost_after_scn"] == 14
             # ... and no catch-up across it
             status, body = await get(f"{base}/catchup?partition=syn&after=12&target=22")
             assert status == 410, body

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psycopg
 import pytest
 from boot_e2e import (
     TINY,
@@ -43,6 +44,7 @@ from boot_e2e import (
 )
 
 from changebus.bootstrap import BootstrapServer, SeedConfig
+from changebus.client import BootstrapFailedError
 from changebus.relay import Relay
 from changebus.schemas import Mode, Op
 from waiting import wait_until
@@ -269,7 +271,11 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
 ) -> None:
     """The bootstrap producer stalls, the tiny relay evicts windows it never got: it
     jumps over the gap, seeds its snapshot again (rows deleted in the gap become
-    tombstones), and both an old consumer and a new one end exact."""
+    tombstones), and both an old consumer and a new one end exact.
+
+    A consumer that read the relay into the gap (a row inserted there, deleted
+    later in the gap: the server never saw it) cannot be served: the server
+    refuses its position for good instead of leaving that row with it."""
     create_tables(pg_dsn)
     async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
         await wait_until(lambda: relay.hosts["pg"].state == "streaming")
@@ -294,10 +300,24 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
             producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await producer
+            stalled_at = w.producer_scn
+            # a consumer reads the relay into the gap: it gets a row the server never sees
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO acct VALUES (1000000, 1, 'in the gap')")
+            mid_marker = sync_marker(pg_dsn)
+            mid_db = tmp_path / "mid.db"
+            mid = WatchedReplica(mid_db)
+            try:
+                await replicate_until(mid, cfg, mid_marker)
+            finally:
+                await mid.close()
+            assert 1000000 in replica_rows(mid_db)["acct"]
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("DELETE FROM acct WHERE id = 1000000")
             await asyncio.to_thread(workload, pg_dsn, 22, 1500)
             gap_marker = sync_marker(pg_dsn)
             await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= gap_marker)
-            assert relay.hosts["pg"].status()["prev_scn"] > w.producer_scn  # a real gap
+            assert relay.hosts["pg"].status()["prev_scn"] > mid_marker > stalled_at  # a real gap
             w.tasks[0] = asyncio.create_task(boot.service._produce(w))
             await wait_until(lambda: w.fell_off > 0, 30, "the producer to fall off")
             await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
@@ -314,3 +334,19 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
                     await replica.close()
                 assert replica.phases[0] in ("snapshot", "catchup")
                 assert_same(replica_rows(db), source_rows(pg_dsn))
+            # the consumer in the gap: refused (it must be reset), never served a snapshot
+            # that leaves it the deleted row
+            url = f"{boot.url}/v1/bootstrap/status?partition=pg"
+            async with aiohttp.ClientSession() as http, http.get(url) as r:
+                lost_ranges = (await r.json())["lost_ranges"]
+            assert len(lost_ranges) == 1
+            lost_after, lost_upto = lost_ranges[0]
+            assert lost_after == stalled_at and lost_upto > mid_marker
+            mid = WatchedReplica(mid_db)
+            try:
+                with pytest.raises(BootstrapFailedError, match="never received") as info:
+                    await replicate_until(mid, cfg, marker)
+            finally:
+                await mid.close()
+            assert "reset the consumer's state" in str(info.value)
+            assert mid.phases == [] and 1000000 in replica_rows(mid_db)["acct"]

@@ -99,3 +99,50 @@ async def test_a_server_whose_history_starts_too_late_passes_to_the_next(tmp_pat
         runner = Bootstrapper(alone, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
         with pytest.raises(BootstrapFailedError, match="older than this bootstrap server"):
             await asyncio.wait_for(runner.run(1010, None), 30)
+
+
+async def test_a_position_in_a_servers_lost_range_is_refused_and_passes_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """A server that never received SCNs (its producer fell off the relay, or the relay
+    reported them lost) cannot serve a consumer whose position, or the start of
+    the snapshot it holds rows of, lies inside them: the consumer may hold a row
+    inserted and deleted there, which the server can send no delete for. Its
+    410 passes the consumer to the next server; alone, it ends the bootstrap
+    with the reason and the way out."""
+    async with (
+        synthetic_boot(tmp_path / "gap", 40) as (_gap_relay, gappy),
+        synthetic_boot(tmp_path / "full", 40) as (relay, full),
+        aiohttp.ClientSession() as http,
+    ):
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        await gappy.service.stores.write(lambda s: s.mark_gap("syn", 1030, after=1020))
+        async with http.get(f"{gappy.url}/v1/bootstrap/status?partition=syn") as r:
+            assert (await r.json())["lost_ranges"] == [[1020, 1030]]
+        for since, status in ((1020, 503), (1021, 410), (1029, 410), (1030, 200)):
+            params = {"partition": "syn", "since": str(since)}
+            async with http.get(f"{gappy.url}/v1/bootstrap/start", params=params) as r:
+                assert r.status == status, (since, await r.text())
+                if status == 410:
+                    body = await r.json()
+                    assert (body["lost_after_scn"], body["lost_upto_scn"]) == (1020, 1030)
+                    assert "never received" in body["message"]
+        config = ConsumerConfig(
+            relays=(relay.url,), partition="syn", bootstrap_servers=(gappy.url, full.url)
+        )
+        runner = Bootstrapper(config, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        assert await asyncio.wait_for(runner.run(1025, None), 30) >= last
+        alone = ConsumerConfig(relays=(relay.url,), partition="syn", bootstrap_servers=(gappy.url,))
+        runner = Bootstrapper(alone, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        with pytest.raises(BootstrapFailedError, match="never received") as info:
+            await asyncio.wait_for(runner.run(1025, None), 30)
+        assert "reset the consumer's state" in str(info.value)
+        # rows of another server's snapshot that started inside the range: refused too
+        progress = BootstrapProgress(
+            since_scn=-1, start_scn=1025, snapshot_position="0:7", server="http://a.gone:1"
+        )
+        held = PartitionCheckpoint(
+            window_scn=1025, prev_scn=1025, mode=Mode.SNAPSHOT, bootstrap=progress
+        )
+        with pytest.raises(BootstrapFailedError, match="never received SCNs 1020 < SCN < 1030"):
+            await runner._run_once(gappy.url, -1, held, True)

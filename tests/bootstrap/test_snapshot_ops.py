@@ -142,14 +142,18 @@ async def bootstrap(
     )
     async with BootstrapServer(cfg) as boot:
 
-        async def schemas() -> bool:
+        async def ready() -> bool:
+            # both tables known, and their first windows stored (the schemas come first)
             rows = await boot.service.stores.read(lambda s: s.schemas("pg"))
-            return {n for _s, _v, n, _j in rows} >= {"public.big", "public.pair"}
+            known = {n for _s, _v, n, _j in rows} >= {"public.big", "public.pair"}
+            return known and boot.service.workers["pg"].producer_scn >= 0
 
         for _ in range(600):
-            if await schemas():
+            if await ready():
                 break
             await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the bootstrap server did not store the tables' first windows")
         ctx = ssl.create_default_context(cafile=str(tls_files.ca))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
             yield Stack(relay, boot, dsn, tls_files, tmp, http)

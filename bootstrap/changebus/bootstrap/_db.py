@@ -13,7 +13,7 @@ database itself.
   writes can be made one transaction (:meth:`~._store.Store.append`).
 * **Tables**: all of them are created here (:data:`_DDL`); each is described
   with the part that writes it: ``cb_log`` in :mod:`._logstore`, ``cb_snap``
-  and ``cb_trunc`` in :mod:`._fold`, ``cb_seed`` in :mod:`._gaps`,
+  and ``cb_trunc`` in :mod:`._fold`, ``cb_seed`` and ``cb_lost`` in :mod:`._gaps`,
   ``cb_snapjob`` in :mod:`._snapjobs`.
 * ``cb_state`` -- per partition: ``producer_scn`` (newest window in the log),
   ``applier_scn`` / ``applier_id`` (the snapshot reflects every window up to
@@ -60,6 +60,9 @@ _DDL = [
         applier_id BIGINT NOT NULL, log_min_scn BIGINT NOT NULL, base_scn BIGINT NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS cb_seed (
         part TEXT NOT NULL, name TEXT NOT NULL, scn BIGINT NOT NULL, PRIMARY KEY (part, name))""",
+    """CREATE TABLE IF NOT EXISTS cb_lost (
+        part TEXT NOT NULL, after_scn BIGINT NOT NULL, upto_scn BIGINT NOT NULL,
+        PRIMARY KEY (part, upto_scn))""",
     """CREATE TABLE IF NOT EXISTS cb_snapjob (
         part TEXT NOT NULL, name TEXT NOT NULL, scope TEXT NOT NULL, resume_at TEXT,
         chunks BIGINT NOT NULL, nrows BIGINT NOT NULL, first_tag BIGINT NOT NULL,

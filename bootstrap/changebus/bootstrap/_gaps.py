@@ -18,6 +18,18 @@ checked before it gets here). When a table's
 seed ends after a gap, its snapshot rows the seed did not rewrite that are
 older than the gap were deleted during it: they become tombstones. The gap
 is forgotten once every known table has been seeded since.
+
+A gap also leaves a *lost range* for good (``cb_lost``): ``(after, upto)``,
+``after`` being the newest window the server had when the windows up to
+``upto`` went missing. The re-seed and the sweep repair the snapshot for a
+consumer whose position is at most ``after`` (the server saw every row it
+holds) or at least ``upto``. A consumer whose position lies strictly inside
+the range got changes from there elsewhere (a relay, another server): it
+may hold a row inserted and deleted within the range, which this server
+never saw and can send no delete for. Such positions are refused for good
+(:meth:`SeedLedger.lost_range`): another server, or a reset of the
+consumer's state, serves it. Ranges that end at or before ``base_scn`` are
+dropped (those positions are refused anyway).
 """
 
 from __future__ import annotations
@@ -47,15 +59,35 @@ class SeedLedger(StoreDb):
     #: the ``cb_seed`` name of a gap: reserved, never a table (no dot)
     _GAP = "*gap*"
 
-    def mark_gap(self, part: str, gap_end: int) -> PartitionState:
+    #: lost ranges :meth:`lost_ranges` lists at most (the newest)
+    LOST_RANGES_SHOWN = 100
+
+    def mark_gap(self, part: str, gap_end: int, *, after: int | None = None) -> PartitionState:
         """Windows up to ``gap_end`` may be missing (fall-off or DATA_LOSS, module docstring).
 
         The log continues after ``gap_end`` (catch-ups from before it are
         refused), every table must be seeded again, and until that is done
         positions before ``gap_end`` cannot be served (:meth:`gap`).
+        Positions strictly between ``after`` (default: the newest window in
+        the log) and ``gap_end`` are refused for good (:meth:`lost_range`).
         """
         with self._txn():
             st = self.state(part)
+            lost_after = st.producer_scn if after is None else after
+            if lost_after < gap_end:
+                least = "min" if self.dialect == "sqlite" else "least"
+                self._conn.execute(
+                    self._sql(
+                        "INSERT INTO cb_lost (part, after_scn, upto_scn) VALUES ({p}, {p}, {p}) "
+                        f"ON CONFLICT (part, upto_scn) DO UPDATE SET after_scn = "
+                        f"{least}(cb_lost.after_scn, excluded.after_scn)"
+                    ),
+                    (part, lost_after, gap_end),
+                )
+            self._conn.execute(
+                self._sql("DELETE FROM cb_lost WHERE part = {p} AND upto_scn <= {p}"),
+                (part, st.base_scn),
+            )
             new = PartitionState(
                 max(st.producer_scn, gap_end),
                 st.applier_scn,
@@ -79,6 +111,30 @@ class SeedLedger(StoreDb):
             "SELECT scn FROM cb_seed WHERE part = {p} AND name = {p}", (part, self._GAP)
         )
         return int(row[0]) if row is not None else None
+
+    def lost_range(self, part: str, position: int) -> tuple[int, int] | None:
+        """A lost range ``(after, upto)`` with ``after < position < upto`` (module
+        docstring): such a position cannot be served here; None: it can."""
+        if position < 0:
+            return None
+        row = self._one(
+            "SELECT after_scn, upto_scn FROM cb_lost WHERE part = {p} AND after_scn < {p} "
+            "AND upto_scn > {p} AND upto_scn > (SELECT coalesce(max(base_scn), -1) FROM "
+            "cb_state WHERE part = {p}) ORDER BY upto_scn LIMIT 1",
+            (part, position, position, part),
+        )
+        return (int(row[0]), int(row[1])) if row is not None else None
+
+    def lost_ranges(self, part: str) -> list[tuple[int, int]]:
+        """The newest lost ranges ``(after, upto)`` (at most :attr:`LOST_RANGES_SHOWN`),
+        oldest first, of those ending after ``base_scn``."""
+        rows = self._all(
+            "SELECT after_scn, upto_scn FROM cb_lost WHERE part = {p} AND upto_scn > (SELECT "
+            "coalesce(max(base_scn), -1) FROM cb_state WHERE part = {p}) "
+            f"ORDER BY upto_scn DESC LIMIT {self.LOST_RANGES_SHOWN}",
+            (part, part),
+        )
+        return [(int(a), int(u)) for a, u in reversed(rows)]
 
     def clear_gap(self, part: str) -> bool:
         """Forget the gap when every known table has been seeded since; True when it was."""

@@ -161,7 +161,8 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
 
 
 def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
-    """Refuse a position before a gap in the log (:mod:`._gaps`) until it is repaired.
+    """Refuse a position in a lost range for good, and one before a gap in the log
+    until it is repaired (:mod:`._gaps`).
 
     Such a consumer would get a snapshot that lacks the lost changes, or a
     catch-up across them, with no error: it waits (503, retriable) for the
@@ -169,6 +170,17 @@ def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
     repairs the gap by itself); without one the answer says an operator
     must seed.
     """
+    lost = store.lost_range(part, since)
+    if lost is not None:
+        raise ScnNotFoundError(
+            f"position {since} lies in SCNs this server never received ({lost[0]} < SCN < "
+            f"{lost[1]}: its producer fell off the relay, or the relay reported them lost): a "
+            "consumer there may hold rows inserted and deleted in that range, which this "
+            "server cannot send deletes for. Use another bootstrap server, or reset the "
+            "consumer's state (its rows and checkpoint) and bootstrap from nothing",
+            lost_after_scn=lost[0],
+            lost_upto_scn=lost[1],
+        )
     gap = store.gap(part)
     if gap is None or since >= gap:
         return
@@ -283,7 +295,9 @@ async def status(request: web.Request) -> web.Response:
     """``GET /v1/bootstrap/status``: the partition's positions (``producer_scn`` = target)."""
     _check_params(request, "status")
     part = _partition(request)
-    st = await request.app[SERVICE].stores.read(lambda s: s.state(part))
+    st, lost = await request.app[SERVICE].stores.read(
+        lambda s: (s.state(part), s.lost_ranges(part))
+    )
     w = request.app[SERVICE].workers[part]
     return json_response(
         {
@@ -292,6 +306,7 @@ async def status(request: web.Request) -> web.Response:
             "applier_scn": st.applier_scn,
             "log_min_scn": st.log_min_scn,
             "base_scn": st.base_scn,
+            "lost_ranges": [list(r) for r in lost],
             "state": w.state,
         }
     )

@@ -183,12 +183,17 @@ class Pipelines(Seeding):
         """
         wanted: set[tuple[int, int]] = set()
         losses: list[tuple[int, DataLoss]] = []
+        # the newest window this server has before the first loss: a lost range starts there
+        seen, lost_after = max(w.producer_scn, start_scn if start_scn is not None else -1), -1
         for raw, _url in batch:
             ops = raw.headers["op"]
             h = raw.headers[ops < FIRST_CONTROL_OP]
             wanted.update(zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True))
             if (ops == DATA_LOSS_OP).any():
+                if not losses:
+                    lost_after = seen
                 losses.append((raw.scn, loss_in(raw)))
+            seen = max(seen, raw.scn)
         if not wanted <= known:
             known |= await self._sync_schemas(w, batch[-1][1])
         if start_scn is None and w.producer_scn < 0:
@@ -200,7 +205,7 @@ class Pipelines(Seeding):
         lost_upto = max(scn for scn, _l in losses) if losses else None
 
         def append(s: Store) -> PartitionState:
-            s.append(w.name, data, start_scn=first, lost_upto=lost_upto)
+            s.append(w.name, data, start_scn=first, lost=(lost_after, lost_upto))
             return s.state(w.name)
 
         # (w.producer_scn moves only once a batch is stored: a retried batch whose

@@ -83,22 +83,30 @@ class Store(LogStore, SnapshotFold, SnapshotJobs, Pages, StoreDb):
         return cls(conn, "postgres")
 
     def append(
-        self, part: str, data: bytes, *, start_scn: int = -1, lost_upto: int | None = None
+        self,
+        part: str,
+        data: bytes,
+        *,
+        start_scn: int = -1,
+        lost: tuple[int, int | None] = (-1, None),
     ) -> int:
-        """:meth:`LogStore.append`; ``lost_upto``: the windows carry a DATA_LOSS signal.
+        """:meth:`LogStore.append`; ``lost``: ``(after, upto)`` when the windows carry a
+        DATA_LOSS signal (``upto`` None: they do not).
 
-        ``lost_upto`` is the SCN of the (last) window that says SCNs were
-        lost: a gap ending there is recorded (:meth:`SeedLedger.mark_gap`) in
-        the same transaction as the windows, unless the log already held that
-        window (a replay: its gap was recorded then, and maybe repaired).
+        ``upto`` is the SCN of the (last) window that says SCNs were lost, and
+        ``after`` the newest window before the first such one: a gap ending at
+        ``upto`` is recorded (:meth:`SeedLedger.mark_gap`, with its lost range)
+        in the same transaction as the windows, unless the log already held
+        that window (a replay: its gap was recorded then, and maybe repaired).
         """
-        if lost_upto is None:
+        after, upto = lost
+        if upto is None:
             return super().append(part, data, start_scn=start_scn)
         with self._txn():
             before = self.state(part).producer_scn
             scn = super().append(part, data, start_scn=start_scn)
-            if lost_upto > before:
-                self.mark_gap(part, lost_upto)
+            if upto > before:
+                self.mark_gap(part, upto, after=max(after, before))
         return scn
 
     def counts(self, part: str) -> dict[str, int]:

@@ -167,9 +167,19 @@ class Bootstrapper:
 
         Its tombstones cover the deletes after its ``base_scn`` only: a row the
         consumer holds that was deleted between ``held`` and that base (before
-        the server was seeded) would stay for good.
+        the server was seeded) would stay for good. The same holds for a
+        ``held`` inside one of its lost ranges (SCNs it never received).
         """
-        base = (await self._status(url)).base_scn
+        status = await self._status(url)
+        base, lost = status.base_scn, status.lost_range(held)
+        if lost is not None:
+            raise BootstrapFailedError(
+                f"{safe_url(url)}: it never received SCNs {lost[0]} < SCN < {lost[1]}, and the "
+                f"snapshot this consumer holds rows of started at SCN {held}, inside them: it "
+                "cannot tell which of those rows were deleted since. Use another bootstrap "
+                "server, or reset the consumer's state (its rows and checkpoint) and bootstrap "
+                "from nothing"
+            )
         if base > held:
             raise BootstrapFailedError(
                 f"{safe_url(url)}: its history starts at SCN {base}, after SCN {held}, where "

@@ -142,6 +142,9 @@ class BootstrapStatus:
     ``producer_scn`` is the newest window in its log (a catch-up's target),
     ``applier_scn`` the snapshot's position, ``log_min_scn`` the oldest
     window kept and ``base_scn`` where its history starts; -1 when unknown.
+    ``lost_ranges``: ``(after, upto)`` SCN ranges it never received (a
+    position strictly inside one cannot be served there); empty from a
+    server that does not say.
     """
 
     partition: str
@@ -150,6 +153,14 @@ class BootstrapStatus:
     log_min_scn: int
     base_scn: int
     state: str
+    lost_ranges: tuple[tuple[int, int], ...] = ()
+
+    def lost_range(self, position: int) -> tuple[int, int] | None:
+        """The lost range strictly around ``position`` (None: none)."""
+        for after, upto in self.lost_ranges:
+            if after < position < upto:
+                return after, upto
+        return None
 
 
 @contextlib.contextmanager
@@ -325,6 +336,9 @@ class RelayInfo:
                 log_min_scn=int(doc.get("log_min_scn", -1)),
                 base_scn=int(doc["base_scn"]),
                 state=str(doc.get("state", "")),
+                lost_ranges=tuple(
+                    (int(after), int(upto)) for after, upto in doc.get("lost_ranges", ())
+                ),
             )
 
 
