@@ -14,6 +14,11 @@ are idempotent anyway:
   key deletes the old key first;
 * DELETE -- ``DELETE ... WHERE key``; TRUNCATE -- ``DELETE FROM`` the table.
 
+Tables several writers share (the units of a consumer group, consumers
+with key filters writing to one database: :attr:`Replica.shared_tables`)
+apply a TRUNCATE once for all of them, and drop changes it made dead
+(:mod:`._apply_shared`).
+
 Target tables are created from the event's table schema when missing
 (column types from the Avro types, primary key = the source key), and
 columns added by later schema versions are added with ``ALTER TABLE``.
@@ -43,6 +48,7 @@ from typing import Any, ClassVar
 
 from changebus.schemas import Checkpoint, Column, ConfigError, PartitionCheckpoint, TableSchema
 
+from ._apply_shared import SharedTables
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
 from ._model import ChangeEvent, ChangeOp, Window
@@ -78,6 +84,17 @@ class Replica(AsyncCallbacks):
         self.checkpoint_table = checkpoint_table
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-replica")
         self._conn: Any = None  # worker thread only
+        #: other writers apply other keys of the same tables (a key filter; the units
+        #: of a group always do): TRUNCATEs go through :mod:`._apply_shared`
+        self.shared_tables = False
+        self._shared = SharedTables(
+            f"{checkpoint_table}_truncations",
+            execute=lambda conn, sql, params: self._execute(conn, sql, params),
+            quote=self._quote,
+            placeholder=self.placeholder,
+            lock=self._row_lock,
+        )
+        self._shared_ready = False  # worker thread only
         self._columns: dict[str, set[str]] = {}  # worker thread only
         self._pending: list[ChangeEvent] = []
         self._stored: Checkpoint | None = None
@@ -105,6 +122,11 @@ class Replica(AsyncCallbacks):
 
     def _executemany(self, conn: Any, sql: str, rows: list[list[Any]]) -> None:
         raise NotImplementedError
+
+    def _row_lock(self, exclusive: bool) -> str:
+        """The clause locking the rows a SELECT reads until the transaction ends
+        (empty: the dialect's write transactions are serial already)."""
+        return ""
 
     def _quote(self, name: str) -> str:
         return '"' + name.replace('"', '""') + '"'
@@ -249,7 +271,7 @@ class Replica(AsyncCallbacks):
         )
         events, self._pending = self._pending, []
         try:
-            await self._in_thread(self._apply, events, after)
+            await self._in_thread(self._apply, events, after, window.partition)
         except ConfigError as exc:
             log.error("replica cannot apply window %d: %s", window.scn, exc.message)
             return CallbackResult.FATAL
@@ -259,14 +281,39 @@ class Replica(AsyncCallbacks):
 
     # ---- applying (worker thread) -------------------------------------------
 
-    def _apply(self, events: list[ChangeEvent], checkpoint: Checkpoint) -> None:
+    def _apply(self, events: list[ChangeEvent], checkpoint: Checkpoint, partition: str) -> None:
         conn = self._connection()
         for event in events:
             self._ensure_table(conn, event)
+        shared = self.shared_tables and self._shared_setup(conn, partition, events)
         with self._transaction(conn):
-            for sql, rows in runs(self._statements(events)):
-                self._executemany(conn, sql, rows)
+            self._write_rows(conn, events, partition if shared else None)
             self._write_checkpoint(conn, checkpoint)
+
+    def _shared_setup(self, conn: Any, partition: str, events: list[ChangeEvent]) -> bool:
+        """Make sure the truncation records of ``events``' tables exist (their own
+        transactions; before the window's); True."""
+        if not self._shared_ready:
+            self._create_missing(conn, self._shared.table, self._shared.create)
+            self._shared_ready = True
+        tables = sorted({self.table_for(e.table) for e in events})
+        missing = self._shared.missing(partition, tables)
+        if missing:
+            with self._transaction(conn):
+                self._shared.add(conn, partition, missing)
+        return True
+
+    def _write_rows(self, conn: Any, events: list[ChangeEvent], shared: str | None) -> None:
+        """Write a window's rows (in its transaction); ``shared``: the partition of
+        tables other writers share (:mod:`._apply_shared`), None when they do not."""
+        truncated: dict[str, tuple[int, int]] = {}
+        if shared is not None:
+            events, truncated = self._shared.filter(conn, shared, events, self.table_for)
+        for sql, rows in runs(self._statements(events)):
+            self._executemany(conn, sql, rows)
+        if truncated:
+            assert shared is not None
+            self._shared.record(conn, shared, truncated)
 
     def _ensure_table(self, conn: Any, event: ChangeEvent) -> None:
         schema = event.schema
@@ -402,6 +449,8 @@ class Replica(AsyncCallbacks):
         from ._consumer import Consumer
 
         consumer = Consumer(config, persister=self)
+        if config.filter is not None:
+            self.shared_tables = True  # other filters' writers may share the tables
         self._consumer = consumer
         try:
             async with consumer:
@@ -429,6 +478,8 @@ class Replica(AsyncCallbacks):
     def _close(self) -> None:
         conn, self._conn = self._conn, None
         self._columns.clear()
+        self._shared.known.clear()
+        self._shared_ready = False
         if conn is not None:
             self._close_connection(conn)
 

@@ -99,6 +99,9 @@ class PostgresReplica(UnitReplica):
     def _connection_lost(self, conn: Any) -> bool:
         return bool(conn.closed or conn.broken)
 
+    def _row_lock(self, exclusive: bool) -> str:
+        return " FOR UPDATE" if exclusive else " FOR SHARE"
+
     def _transaction(self, conn: Any) -> contextlib.AbstractContextManager[Any]:
         result: contextlib.AbstractContextManager[Any] = conn.transaction()
         return result

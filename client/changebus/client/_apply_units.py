@@ -51,7 +51,7 @@ from changebus.schemas import (
     check_group_name,
 )
 
-from ._apply import Replica, applied_before, runs
+from ._apply import Replica, applied_before
 from ._callbacks import CallbackResult, Result
 from ._model import ChangeEvent, Window
 from ._unitsql import (
@@ -197,7 +197,9 @@ class UnitReplica(Replica):
             return None
         after = window.position_after(held.checkpoint or PartitionCheckpoint())
         try:
-            written = await self._in_thread(self._apply_unit, events, held, window.unit, after)
+            written = await self._in_thread(
+                self._apply_unit, events, held, window.unit, after, window.partition
+            )
         except ConfigError as exc:
             log.error("replica cannot apply window %d: %s", window.scn, exc.message)
             return CallbackResult.FATAL
@@ -288,15 +290,20 @@ class UnitReplica(Replica):
         return {s.unit: s for s in (stored_unit(r, where) for r in rows)}
 
     def _apply_unit(
-        self, events: list[ChangeEvent], held: _Held, unit: str, after: PartitionCheckpoint
+        self,
+        events: list[ChangeEvent],
+        held: _Held,
+        unit: str,
+        after: PartitionCheckpoint,
+        partition: str,
     ) -> bool:
         conn = self._unit_connection()
         for event in events:
             self._ensure_table(conn, event)
+        self._shared_setup(conn, partition, events)  # the group's units share the tables
         try:
             with self._transaction(conn):
-                for sql, rows in runs(self._statements(events)):
-                    self._executemany(conn, sql, rows)
+                self._write_rows(conn, events, partition)
                 if not self._write_unit(conn, held.group, unit, after, held.token):
                     raise _Fenced  # roll the window's rows back
         except _Fenced:
