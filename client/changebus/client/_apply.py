@@ -21,7 +21,9 @@ apply a TRUNCATE once for all of them, and drop changes it made dead
 
 Target tables are created from the event's table schema when missing
 (column types from the Avro types, primary key = the source key), and
-columns added by later schema versions are added with ``ALTER TABLE``.
+columns added by later schema versions are added with ``ALTER TABLE``;
+a column whose type changed at the source is widened where the dialect
+types its columns (:mod:`._apply_pgtypes`).
 Tables without a key cannot be upserted: the replica stops (FATAL).
 
 Consumer groups: the dialects are :class:`~._apply_units.UnitReplica`
@@ -96,6 +98,8 @@ class Replica(AsyncCallbacks):
         )
         self._shared_ready = False  # worker thread only
         self._columns: dict[str, set[str]] = {}  # worker thread only
+        #: target table -> fingerprint of the schema its columns were last made to hold
+        self._shapes: dict[str, int] = {}  # worker thread only
         self._pending: list[ChangeEvent] = []
         self._stored: Checkpoint | None = None
         self._consumer: Any = None
@@ -138,6 +142,11 @@ class Replica(AsyncCallbacks):
         raise NotImplementedError
 
     def _prepare_table(self, conn: Any, table: str) -> None:
+        return None
+
+    def _widen_columns(self, conn: Any, table: str, schema: TableSchema) -> None:
+        """Widen the columns whose type cannot hold ``schema``'s values (its own
+        transactions); the dialects whose columns take any value do nothing."""
         return None
 
     def _column_type(self, column: Column) -> str:
@@ -322,7 +331,7 @@ class Replica(AsyncCallbacks):
         table = self.table_for(event.table)
         known = self._columns.get(table)
         wanted = {c.name for c in schema.columns}
-        if known is not None and wanted <= known:
+        if known is not None and wanted <= known and self._shapes.get(table) == schema.fingerprint:
             return
         if not schema.key:
             raise ConfigError(f"table {schema.name!r} has no key: rows cannot be upserted")
@@ -352,6 +361,8 @@ class Replica(AsyncCallbacks):
                 raise
             have = set(now)
         self._columns[table] = have
+        self._widen_columns(conn, table, schema)
+        self._shapes[table] = schema.fingerprint
 
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote
@@ -478,6 +489,7 @@ class Replica(AsyncCallbacks):
     def _close(self) -> None:
         conn, self._conn = self._conn, None
         self._columns.clear()
+        self._shapes.clear()
         self._shared.known.clear()
         self._shared_ready = False
         if conn is not None:

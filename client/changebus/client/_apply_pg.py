@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from changebus.schemas import ChangebusError, Column, TransportError
+from changebus.schemas import ChangebusError, Column, ConfigError, TableSchema, TransportError
 from changebus.schemas.config import scrub_exception
 
+from ._apply_pgtypes import canonical, join
 from ._apply_units import UnitReplica
 from ._json import jsonable
 from ._pgsession import IDLE_IN_TRANSACTION_S, connect, session_lost
 from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
 __all__ = ["PostgresReplica"]
+
+log = logging.getLogger(__name__)
 
 _SIMPLE = {
     "int": "integer",
@@ -137,6 +141,57 @@ class PostgresReplica(UnitReplica):
             (schema, name),
         )
         return {str(r[0]) for r in rows} if rows else None
+
+    def _widen_columns(self, conn: Any, table: str, schema: TableSchema) -> None:
+        """ALTER the columns whose type does not hold ``schema``'s to the join of both
+        (:mod:`._apply_pgtypes`); another writer doing the same at once is fine."""
+        import psycopg
+
+        for column in schema.columns:
+            for attempt in (1, 2):
+                have = self._column_types(conn, table).get(column.name)
+                want = canonical(self._column_type(column))
+                target = join(have, want) if have is not None else None
+                if target is None or target == have:
+                    break
+                name = self._quote(column.name)
+                try:
+                    with self._transaction(conn):
+                        self._execute(
+                            conn,
+                            f"ALTER TABLE {self._qualified(table)} ALTER COLUMN {name}"
+                            f" TYPE {target} USING {name}::{target}",
+                        )
+                except psycopg.Error as exc:
+                    if session_lost(exc):
+                        raise  # the window is tried again on a new connection
+                    if attempt == 2:
+                        raise ConfigError(
+                            f"replica table {table}: column {column.name!r} cannot change from "
+                            f"{have} to {target} (source {schema.name} version "
+                            f"{schema.version}): {scrub_exception(exc, (self._dsn,))}"
+                        ) from None
+                    continue  # another writer changed it meanwhile: look again
+                log.warning(
+                    "replica table %s: column %s widened from %s to %s (source %s version %d)",
+                    table,
+                    column.name,
+                    have,
+                    target,
+                    schema.name,
+                    schema.version,
+                )
+                break
+
+    def _column_types(self, conn: Any, table: str) -> dict[str, str]:
+        """The table's columns and their types, as ``format_type`` spells them."""
+        rows = self._execute(
+            conn,
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+            (self._qualified(table),),
+        )
+        return {str(n): str(t) for n, t in rows}
 
     def _column_type(self, column: Column) -> str:
         t = column.type

@@ -1,0 +1,102 @@
+"""The Postgres replica widens a column whose type the source widened, and never narrows it.
+
+Before, only new columns were added: a source column widened from
+``numeric(10,2)`` to ``numeric(12,4)`` had its new values rounded to two
+decimals in the replica without a word, and an ``integer`` widened to
+``bigint`` failed every retry on the first large value.
+"""
+
+from __future__ import annotations
+
+import decimal
+from typing import Any
+
+import pytest
+
+from changebus.client import ChangeEvent, ChangeOp, PostgresReplica, Window
+from changebus.client._apply_pgtypes import join
+from changebus.schemas import Column, TableSchema
+
+
+def dec(precision: int, scale: int) -> dict[str, Any]:
+    return {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": scale}
+
+
+def schema(version: int, amount: Any, count: Any, note: Any) -> TableSchema:
+    return TableSchema(
+        "app.ledger",
+        (
+            Column("id", "long", nullable=False),
+            Column("amount", amount),
+            Column("count", count),
+            Column("note", note),
+        ),
+        ("id",),
+        version,
+    )
+
+
+V1 = schema(1, dec(10, 2), "int", "long")
+V2 = schema(2, dec(12, 4), "long", "string")
+
+
+def window(scn: int, table: TableSchema, row: dict[str, Any]) -> Window:
+    key = {"id": row["id"]}
+    event = ChangeEvent(scn, 0, ChangeOp.INSERT, table.name, key, row, None, schema=table)
+    return Window(scn=scn, timestamp_ns=scn, partition="p", events=(event,))
+
+
+async def deliver(replica: PostgresReplica, w: Window) -> None:
+    assert await replica.on_start_window(w) is None
+    for e in w.events:
+        assert await replica.on_event(e) is None
+    assert await replica.on_end_window(w) is None
+
+
+def test_the_join_holds_both_types_and_never_narrows() -> None:
+    assert join("numeric(10,2)", "numeric(12,4)") == "numeric(12,4)"
+    assert join("numeric(12,4)", "numeric(10,2)") == "numeric(12,4)"
+    assert join("numeric(10,2)", "numeric(8,4)") == "numeric(12,4)"  # 8 digits, 4 decimals
+    assert join("integer", "bigint") == "bigint" and join("bigint", "integer") == "bigint"
+    assert join("bigint", "numeric(5,2)") == "numeric(21,2)"
+    assert join("real", "double precision") == "double precision"
+    assert join("timestamp without time zone", "timestamp with time zone") == (
+        "timestamp with time zone"
+    )
+    assert join("bigint", "text") == "text" and join("text", "bigint") == "text"
+    assert join("uuid", "bigint") == "text"  # nothing narrower holds both
+    assert join("numeric", "numeric(5,2)") == "numeric"
+    assert join("jsonb", "jsonb") == "jsonb"
+
+
+@pytest.mark.pg
+async def test_columns_follow_the_sources_widening(pg_dsn: str) -> None:
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await deliver(
+            replica,
+            window(10, V1, {"id": 1, "amount": decimal.Decimal("12.34"), "count": 7, "note": 5}),
+        )
+        precise = decimal.Decimal("12345678.1234")
+        await deliver(
+            replica,
+            window(20, V2, {"id": 2, "amount": precise, "count": 2**40, "note": "text now"}),
+        )
+        # a snapshot row still of version 1 (bootstraps send rows as they were written)
+        await deliver(
+            replica,
+            window(30, V1, {"id": 3, "amount": decimal.Decimal("1.50"), "count": 3, "note": 9}),
+        )
+        rows = replica.query('SELECT id, amount, count, note FROM "app"."ledger" ORDER BY id')
+        assert rows == [
+            (1, decimal.Decimal("12.3400"), 7, "5"),
+            (2, precise, 2**40, "text now"),
+            (3, decimal.Decimal("1.5000"), 3, "9"),
+        ]
+        types = replica.query(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid"
+            " = 'app.ledger'::regclass AND attnum > 1 ORDER BY attnum"
+        )
+        assert types == [("amount", "numeric(12,4)"), ("count", "bigint"), ("note", "text")]
+    finally:
+        await replica.close()
