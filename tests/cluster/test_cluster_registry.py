@@ -338,3 +338,42 @@ async def test_the_routing_table_keeps_refreshing_after_zookeeper_refuses_a_read
     finally:
         admin.stop()
         admin.close()
+
+
+async def test_one_look_readers_share_a_snapshot_for_a_moment(
+    zk_session, zk_hosts, zk_cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Spark driver and executors ask the routing table once per partition and per
+    decision; each look opened a ZooKeeper session of its own (a plan over a thousand
+    partitions opened a thousand). Looks within SNAPSHOT_TTL_S share one snapshot; a
+    later look sees the members that came meanwhile."""
+    from changebus.client import _cluster
+
+    monkeypatch.setattr(_cluster, "SNAPSHOT_TTL_S", 1.0)
+    reads = 0
+    read_table = _cluster._read_table
+
+    async def counted(*args: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await read_table(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_cluster, "_read_table", counted)
+    s1 = await zk_session("r1")
+    reg1 = Registry(s1, "relay", min_interval_s=0.05)
+    reg1.update({f"p{i}": PartitionState("follower", 1, 1, 10) for i in range(10)})
+    await reg1.start()
+    for i in range(10):
+        routes = await _cluster.read_routes(zk_hosts, zk_cluster, (f"p{i}",))
+        assert routes == {f"p{i}": ("http://r1.test:1",)}
+    urls = await _cluster.read_route(zk_hosts, zk_cluster, ("p3",), kind="relay")
+    assert urls == ("http://r1.test:1",) and reads == 1
+    s2 = await zk_session("r2")
+    reg2 = Registry(s2, "relay", min_interval_s=0.05)
+    reg2.update({"p0": PartitionState("follower", 1, 1, 10)})
+    await reg2.start()
+    await asyncio.sleep(1.1)
+    routes = await _cluster.read_routes(zk_hosts, zk_cluster, ("p0",))
+    assert set(routes["p0"]) == {"http://r1.test:1", "http://r2.test:1"} and reads == 2
+    await reg1.stop()
+    await reg2.stop()

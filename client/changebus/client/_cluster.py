@@ -27,7 +27,15 @@ watch a cluster that does not exist yet. The connect string holds no secret
 (changebus uses no ZooKeeper authentication); relay URLs are logged through
 :func:`~._http.safe_url` only.
 
-Thread-safety: on the event loop that called :meth:`ClusterRoute.start`.
+One-look readers (:func:`read_route`, :func:`read_routes`: the Spark
+driver and executors, which ask once per decision and per partition) share
+the snapshots they read for :data:`SNAPSHOT_TTL_S` per (ZooKeeper,
+cluster) in the process: a plan over a thousand partitions opens one
+ZooKeeper session, not a thousand. A snapshot that old is a routing hint
+like any other: a relay that no longer serves sends the reader to the next.
+
+Thread-safety: on the event loop that called :meth:`ClusterRoute.start`;
+the shared snapshots are guarded by a lock (any thread, any loop).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -293,7 +303,32 @@ async def read_routes(
     }
 
 
+#: how long one-look readers reuse a routing snapshot (seconds; module docstring)
+SNAPSHOT_TTL_S = 2.0
+#: (zookeeper, cluster) -> (monotonic time read, snapshot), under ``_SNAPSHOTS_LOCK``
+_SNAPSHOTS: dict[tuple[str, str], tuple[float, RoutingSnapshot]] = {}
+_SNAPSHOTS_LOCK = threading.Lock()
+
+
 async def _table_snapshot(
+    zookeeper: str, cluster: str, partitions: tuple[str, ...], session_timeout_s: float
+) -> RoutingSnapshot:
+    """The routing table now, or as read less than :data:`SNAPSHOT_TTL_S` ago."""
+    key = (zookeeper, cluster)
+    with _SNAPSHOTS_LOCK:
+        hit = _SNAPSHOTS.get(key)
+    if hit is not None and time.monotonic() - hit[0] < SNAPSHOT_TTL_S:
+        return hit[1]
+    snap = await _read_table(zookeeper, cluster, partitions, session_timeout_s)
+    now = time.monotonic()
+    with _SNAPSHOTS_LOCK:
+        for old in [k for k, (at, _s) in _SNAPSHOTS.items() if now - at >= SNAPSHOT_TTL_S]:
+            del _SNAPSHOTS[old]
+        _SNAPSHOTS[key] = (now, snap)
+    return snap
+
+
+async def _read_table(
     zookeeper: str, cluster: str, partitions: tuple[str, ...], session_timeout_s: float
 ) -> RoutingSnapshot:
     route = ClusterRoute(
