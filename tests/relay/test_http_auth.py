@@ -201,13 +201,20 @@ async def test_sources_schemas_status_show_only_what_is_granted(
     status, _ = await call(http, f"{relay.url}/v1/schemas/synthetic.t0", READER, partition="idle")
     assert status == 403
 
+    # granted one source of the partition: its bounds, nothing that tells of the others
+    # (the fetcher's state names every table, counts and consumers show their traffic)
     _, body = await call(http, f"{relay.url}/v1/status", READER)
     assert [p["name"] for p in body["partitions"]] == ["syn"]
-    consumers = body["partitions"][0]["consumers"]
-    assert consumers and all("client" not in c and "peer" not in c for c in consumers)
+    (part,) = body["partitions"]
+    assert part["consumers"] == [] and part["consumer_count"] >= 1
+    assert not {"fetcher", "stats", "last_error"} & set(part)
+    assert part["max_scn"] > 0 and "synthetic.t1" not in str(body)
     _, body = await call(http, f"{relay.url}/v1/status", WIDE)
     assert {p["name"] for p in body["partitions"]} == {"syn", "idle"}
     assert "orders-app" not in str(body)
+    consumers = [c for p in body["partitions"] for c in p["consumers"]]
+    assert consumers and all("client" not in c and "peer" not in c for c in consumers)
+    assert "fetcher" in next(p for p in body["partitions"] if p["name"] == "syn")
     _, body = await call(http, f"{relay.url}/v1/status", ADMIN)
     clients = {c["client"] for p in body["partitions"] for c in p["consumers"]}
     assert "orders-app" in clients

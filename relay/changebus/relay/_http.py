@@ -445,7 +445,15 @@ async def status(request: web.Request) -> web.Response:
     principal = principal_of(request)
     hosts = request.app[HOSTS].values()
     out = [h.status() for h in hosts if principal.allows_partition(h.name)]
-    if not principal.has_scope("admin"):  # who reads is for admins only
+    if principal.sources is not None:
+        # granted some sources of the partitions only: the buffer's bounds (what a
+        # consumer needs), not what tells of the other sources (the fetcher's state
+        # and errors name their tables; counts and other consumers show their traffic)
+        for part in out:
+            for key in ("fetcher", "last_error", "stats"):
+                part.pop(key, None)
+            part["consumers"] = []
+    elif not principal.has_scope("admin"):  # who reads is for admins only
         for part in out:
             part["consumers"] = [
                 {k: v for k, v in c.items() if k not in ("client", "peer")}
