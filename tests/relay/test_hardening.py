@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -337,10 +338,10 @@ async def test_relay_rss_stays_flat_after_large_follow_requests(
 # ---- 2. slow readers ----------------------------------------------------------------
 
 
-def _raw_request(port: int, path: str) -> socket.socket:
+def _raw_request(port: int, path: str, rcvbuf: int = 4096) -> socket.socket:
     """A client socket that asks for ``path`` and reads nothing (tiny receive buffer)."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n".encode())
     return sock
@@ -433,6 +434,94 @@ def test_the_writer_overruns_a_stalled_pin_at_once_and_waits_for_others(tmp_path
         assert not buffer.release(slow)
     finally:
         buffer.close()
+
+
+def test_the_writer_waits_only_for_readers_about_to_finish(tmp_path: Path) -> None:
+    """A reader judged by its pace: one that needs seconds more is overrun at once
+    (before, it held every append reaching its pin for pin_timeout_s), one about
+    to finish is waited for."""
+    buffer = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=1 << 20, pin_timeout_s=2))
+    try:
+        scn = 1
+        while buffer.meta.tail_pos < 900_000:
+            buffer.append_window(big_window(scn))
+            scn += 1
+        slow = buffer.select(-1, -1, 1 << 20)
+        assert slow is not None and slow.pin is not None
+        # a tenth of its bytes in one second: nine seconds to go
+        pin = slow.pin
+        pin.total, pin.sent, pin.since = slow.nbytes, slow.nbytes // 10, time.monotonic() - 1
+        t0 = time.monotonic()
+        for _ in range(20):  # past the whole ring
+            buffer.append_window(big_window(scn))
+            scn += 1
+        assert time.monotonic() - t0 < 1  # not the 2 s pin timeout
+        assert not buffer.release(slow) and buffer.stats["pins_overrun"] == 1
+        # nine tenths in a fifth of a second: about to finish, so the writer waits for it
+        fast = buffer.select(-1, -1, 1 << 20)
+        assert fast is not None and fast.pin is not None
+        pin = fast.pin
+        pin.total, pin.sent, pin.since = fast.nbytes, fast.nbytes * 9 // 10, time.monotonic() - 0.2
+        done: list[bool] = []
+        finish = threading.Timer(0.4, lambda: done.append(buffer.release(fast)))
+        finish.start()
+        t0 = time.monotonic()
+        for _ in range(20):
+            buffer.append_window(big_window(scn))
+            scn += 1
+        finish.join()
+        assert time.monotonic() - t0 >= 0.35 and done == [True]  # waited; not overrun
+        assert buffer.stats["pins_overrun"] == 1
+    finally:
+        buffer.close()
+
+
+async def test_a_client_that_reads_slowly_does_not_hold_up_the_writer(tmp_path: Path) -> None:
+    """A client reading a 32 MiB answer at about 5 MB/s (each piece leaves well within
+    STALL_S: never stalled): the writer lapping the ring overruns it instead of waiting
+    the seconds it still needs (pin_timeout_s is 10 s here); it gets no complete body."""
+    cfg = ring_config(tmp_path, 40 << 20, pin_timeout_s=10, send_timeout_s=5)
+    async with Relay(cfg) as relay:
+        buffer = relay.hosts["ring"].buffer
+        next_scn = await fill(relay, 1, 32 << 20)
+        sock = await asyncio.to_thread(
+            _raw_request,
+            relay.port,
+            "/v1/stream?partition=ring&scn=-1&max_bytes=33554432",
+            rcvbuf=64 << 10,
+        )
+        stop = threading.Event()
+        got = bytearray()
+
+        def read_slowly() -> None:
+            sock.settimeout(20)
+            try:
+                while not stop.is_set() and (chunk := sock.recv(64 << 10)):
+                    got.extend(chunk)
+                    time.sleep(0.012)
+            except OSError:
+                pass
+
+        reader = threading.Thread(target=read_slowly)
+        reader.start()
+        try:
+            await asyncio.sleep(1.0)  # its pace is known
+            early = len(got)
+            assert 0 < early < 16 << 20
+            overruns = buffer.stats["pins_overrun"]
+            t0 = time.monotonic()
+            await fill(relay, next_scn, 40 << 20)  # laps the ring, past the slow reader's pin
+            took = time.monotonic() - t0
+            print(f"writer took {took:.2f} s; the client read {early} bytes in 1 s")
+            assert took < 2, f"the writer waited {took:.1f} s for a slow reader"
+            assert buffer.stats["pins_overrun"] == overruns + 1
+            await asyncio.to_thread(reader.join, 30)
+        finally:
+            stop.set()
+            sock.close()
+            await asyncio.to_thread(reader.join, 30)
+    assert bytes(got).startswith(b"HTTP/1.1 200")
+    assert not bytes(got).endswith(b"0\r\n\r\n")  # no terminating chunk: discarded
 
 
 @pytest.mark.parametrize("mode", ["stream", "follow", "ndjson"])

@@ -31,6 +31,17 @@ stops reading never holds up appends; its response is aborted (the relay
 cuts the connection after its send timeout, or as soon as the client reads
 again).
 
+A client that reads, but slowly, is judged by its pace: the reader notes
+on its pin the bytes it has to send and those sent so far (``total``,
+``sent``, since ``since``), and the writer does not wait for a pin whose
+pace says it needs more than :data:`SLOW_ETA_S` to finish: it overruns it
+at once too. Before, a client reading just fast enough never to look
+stalled (a piece per half second) held every append that reached its pin
+for the whole ``pin_timeout_s``, once per lap of the ring. The writer waits
+only for readers about to finish (``pin_timeout_s`` at most), and for those
+whose pace is not known yet (no piece sent, or sending for less than
+:data:`_PACE_MIN_S`).
+
 Thread-safety: :func:`plan_eviction` runs in the writer thread and reads
 only events the writer owns the fate of (readers never move the head);
 :func:`wait_for_readers` runs with the buffer's lock held, through the pin
@@ -61,6 +72,12 @@ log = logging.getLogger("changebus.relay.buffer")
 _EOW = int(Op.END_OF_WINDOW)
 #: the longest run of events :func:`_find` examines at once
 _FIND_CHUNK = 16384
+#: the writer does not wait for a reader that needs longer than this to finish
+SLOW_ETA_S = 0.25
+#: a reader's pace is judged once it has been sending this long
+_PACE_MIN_S = 0.1
+#: while the writer waits, it looks at the readers' pace this often
+_RECHECK_S = 0.05
 
 
 @dataclass(eq=False)
@@ -71,6 +88,18 @@ class Pin:
     overrun: bool = False
     #: the reader is waiting for a client that does not read: do not wait for it
     stalled: bool = False
+    #: bytes the reader sends, and has sent since ``since`` (monotonic seconds; 0: not yet)
+    #: -- written by the reader without the lock (single ints), read by the writer
+    total: int = 0
+    sent: int = 0
+    since: float = 0.0
+
+    def eta(self, now: float) -> float:
+        """Seconds the reader needs for the rest at its pace so far; 0 when unknown yet."""
+        elapsed = now - self.since
+        if self.since <= 0 or elapsed < _PACE_MIN_S or self.sent <= 0:
+            return 0.0
+        return max(self.total - self.sent, 0) * elapsed / self.sent
 
 
 class Eviction(NamedTuple):
@@ -142,25 +171,38 @@ def wait_for_readers(
     """Wait until no pin lies below ``head_pos``, at most ``timeout`` seconds.
 
     The caller holds ``changed`` (the buffer's lock). Stalled pins below
-    ``head_pos`` are overrun at once, without waiting; the others are
-    waited for, and those still below ``head_pos`` after ``timeout`` are
-    marked overrun. Returns how many pins were overrun.
+    ``head_pos``, and those whose pace says they need more than
+    :data:`SLOW_ETA_S` to finish, are overrun at once, without waiting; the
+    others are waited for, and those still below ``head_pos`` after
+    ``timeout`` are marked overrun. Returns how many pins were overrun.
     """
     deadline = time.monotonic() + timeout
     overrun = 0
     while True:
         waiting = 0
+        now = time.monotonic()
         for p in pins:
             if p.pos < head_pos and not p.overrun:
-                if p.stalled:
+                eta = p.eta(now)
+                if p.stalled or eta > SLOW_ETA_S:
                     p.overrun = True
                     overrun += 1
-                    log.info("buffer %s: overran a reader whose client stopped reading", name)
+                    if p.stalled:
+                        log.info("buffer %s: overran a reader whose client stopped reading", name)
+                    else:
+                        log.info(
+                            "buffer %s: overran a reader that needed %.1f s more (%d of %d "
+                            "bytes sent)",
+                            name,
+                            eta,
+                            p.sent,
+                            p.total,
+                        )
                 else:
                     waiting += 1
         if not waiting:
             break
-        left = deadline - time.monotonic()
+        left = deadline - now
         if left <= 0:
             for p in pins:
                 if p.pos < head_pos and not p.overrun:
@@ -168,5 +210,5 @@ def wait_for_readers(
                     overrun += 1
             log.warning("buffer %s: overran a reader slower than %.1f s", name, timeout)
             break
-        changed.wait(left)
+        changed.wait(min(left, _RECHECK_S))  # (paces change while the writer waits)
     return overrun

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -111,6 +112,8 @@ async def send_selection(
     outcome: Outcome = "overrun"
     released = False
     charged = copies.grant(PIECE_BYTES) if copies is not None else PIECE_BYTES
+    if pin is not None:  # the pace the writer judges the pin by (._evict)
+        pin.total, pin.since = selection.nbytes, time.monotonic()
     try:
         async with asyncio.timeout(send_timeout_s) as deadline:
             for piece in pieces(selection.views, max(charged, _MIN_PIECE)):
@@ -122,7 +125,9 @@ async def send_selection(
                 if stall is not None:
                     stall.cancel()
                     stall = None
-                    if pin is not None and pin.stalled:
+                    assert pin is not None
+                    pin.sent += len(piece)
+                    if pin.stalled:
                         buffer.stall(pin, False)
                 deadline.reschedule(loop.time() + send_timeout_s)
             else:
