@@ -275,7 +275,8 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
 
     A consumer that read the relay into the gap (a row inserted there, deleted
     later in the gap: the server never saw it) cannot be served: the server
-    refuses its position for good instead of leaving that row with it."""
+    refuses its position for good instead of leaving that row with it. A
+    replica allowed to reset itself then starts again from nothing."""
     create_tables(pg_dsn)
     async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
         await wait_until(lambda: relay.hosts["pg"].state == "streaming")
@@ -350,3 +351,12 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
                 await mid.close()
             assert "reset the consumer's state" in str(info.value)
             assert mid.phases == [] and 1000000 in replica_rows(mid_db)["acct"]
+            # ... unless it may reset itself: its rows go, it bootstraps from nothing
+            mid = WatchedReplica(mid_db)
+            mid.reset_unservable = True
+            try:
+                await replicate_until(mid, cfg, marker)
+            finally:
+                await mid.close()
+            assert mid.resets == 1 and mid.phases[0] == "snapshot"
+            assert_same(replica_rows(mid_db), source_rows(pg_dsn))

@@ -48,8 +48,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from changebus.schemas import Checkpoint, Column, ConfigError, PartitionCheckpoint, TableSchema
+from changebus.schemas import (
+    BootstrapFailedError,
+    Checkpoint,
+    Column,
+    ConfigError,
+    PartitionCheckpoint,
+    TableSchema,
+)
 
+from ._apply_reset import TableLedger
 from ._apply_shared import SharedTables
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
@@ -97,6 +105,16 @@ class Replica(AsyncCallbacks):
             lock=self._row_lock,
         )
         self._shared_ready = False  # worker thread only
+        #: start again from nothing when no bootstrap server can serve the position
+        #: (:meth:`run`; :mod:`._apply_reset`)
+        self.reset_unservable = False
+        self.resets = 0
+        self._ledger = TableLedger(
+            f"{checkpoint_table}_tables",
+            execute=lambda conn, sql, params: self._execute(conn, sql, params),
+            quote=self._quote,
+            placeholder=self.placeholder,
+        )
         self._columns: dict[str, set[str]] = {}  # worker thread only
         #: target table -> fingerprint of the schema its columns were last made to hold
         self._shapes: dict[str, int] = {}  # worker thread only
@@ -188,6 +206,7 @@ class Replica(AsyncCallbacks):
                     f"CREATE TABLE IF NOT EXISTS {self._quote(self.checkpoint_table)}"
                     " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
                 )
+                self._create_missing(conn, self._ledger.table, self._ledger.create)
             except BaseException:
                 self._close_connection(conn)
                 raise
@@ -363,6 +382,8 @@ class Replica(AsyncCallbacks):
         self._columns[table] = have
         self._widen_columns(conn, table, schema)
         self._shapes[table] = schema.fingerprint
+        with self._transaction(conn):
+            self._ledger.record(conn, self.consumer_name, table)
 
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote
@@ -456,18 +477,71 @@ class Replica(AsyncCallbacks):
     # ---- running ----------------------------------------------------------
 
     async def run(self, config: ConsumerConfig) -> None:
-        """Consume ``config``'s stream into this replica until :meth:`stop` or an error."""
+        """Consume ``config``'s stream into this replica until :meth:`stop` or an error.
+
+        With :attr:`reset_unservable`, a position no bootstrap server can serve
+        (:class:`~changebus.schemas.BootstrapFailedError`) resets the replica
+        (:meth:`reset`) and it starts again from nothing, once per run; not for
+        tables other writers share (a key filter, a group), whose rows are
+        not all this replica's.
+        """
         from ._consumer import Consumer
 
-        consumer = Consumer(config, persister=self)
         if config.filter is not None:
             self.shared_tables = True  # other filters' writers may share the tables
-        self._consumer = consumer
-        try:
-            async with consumer:
-                await consumer.run(self)
-        finally:
-            self._consumer = None
+        while True:
+            consumer = Consumer(config, persister=self)
+            self._consumer = consumer
+            try:
+                async with consumer:
+                    await consumer.run(self)
+                return
+            except BootstrapFailedError as exc:
+                if not self._may_reset(config):
+                    raise
+                log.error(
+                    "replica %s: %s; resetting it: its rows are deleted and it bootstraps "
+                    "from nothing",
+                    self.consumer_name,
+                    exc.message,
+                )
+                await self.reset()
+            finally:
+                self._consumer = None
+
+    def _may_reset(self, config: ConsumerConfig) -> bool:
+        """Whether :meth:`run` may reset the replica now (see there)."""
+        return (
+            self.reset_unservable
+            and not self.shared_tables
+            and not config.group
+            and self.resets == 0
+            and self._stored is not None
+        )
+
+    async def reset(self) -> list[str]:
+        """Delete the rows of every table this consumer wrote and its checkpoint, in
+        one transaction (the next run starts from nothing); the tables emptied."""
+        tables: list[str] = await self._in_thread(self._reset)
+        self._stored = None
+        self.resets += 1
+        log.warning(
+            "replica %s: reset: %d table(s) emptied, checkpoint forgotten",
+            self.consumer_name,
+            len(tables),
+        )
+        return tables
+
+    def _reset(self) -> list[str]:
+        conn = self._connection()
+        with self._transaction(conn):
+            return self._ledger.reset(
+                conn,
+                self.consumer_name,
+                exists=lambda t: self._existing_columns(conn, t) is not None,
+                qualified=self._qualified,
+                checkpoints=self._quote(self.checkpoint_table),
+            )
 
     def stats(self) -> dict[str, Any]:
         """The running consumer's :meth:`~._consumer.Consumer.stats` (empty when not running)."""

@@ -91,6 +91,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="earliest (default), latest or an SCN, when the target has no checkpoint yet",
     )
     p.add_argument("--consumer-name", default="default", help="key of the stored checkpoint")
+    p.add_argument(
+        "--on-unservable",
+        choices=("stop", "reset"),
+        default="stop",
+        help="when no bootstrap server can serve the replica's position: stop with the error "
+        "(default), or reset the replica (delete its rows and checkpoint) and bootstrap from "
+        "nothing; not with --filter or --group",
+    )
     add_group_arguments(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"))
@@ -136,6 +144,7 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"changebus replicate: give --postgres DSN or set ${_DSN_ENV}", file=sys.stderr)
             return 2
         replica = PostgresReplica(dsn, consumer_name=args.consumer_name)
+    replica.reset_unservable = args.on_unservable == "reset"
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, replica.stop)
