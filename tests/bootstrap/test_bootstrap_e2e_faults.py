@@ -351,11 +351,12 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
                 await mid.close()
             assert "reset the consumer's state" in str(info.value)
             assert mid.phases == [] and 1000000 in replica_rows(mid_db)["acct"]
-            # ... unless it may reset itself: its rows go, it bootstraps from nothing
+            # ... unless it may reset itself: its rows go, it bootstraps from nothing (a
+            # snapshot of everything, also when it was configured to start at the latest)
             mid = WatchedReplica(mid_db)
             mid.reset_unservable = True
             try:
-                await replicate_until(mid, cfg, marker)
+                await replicate_until(mid, dataclasses.replace(cfg, start="latest"), marker)
             finally:
                 await mid.close()
             assert mid.resets == 1 and mid.phases[0] == "snapshot"

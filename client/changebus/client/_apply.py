@@ -57,7 +57,7 @@ from changebus.schemas import (
     TableSchema,
 )
 
-from ._apply_reset import TableLedger
+from ._apply_reset import TableLedger, reset_config
 from ._apply_shared import SharedTables
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
@@ -256,6 +256,9 @@ class Replica(AsyncCallbacks):
             f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}",
             (self.consumer_name,),
         )
+        if not rows:  # from nothing: the ledger will list every table it writes
+            with self._transaction(conn):
+                self._ledger.mark_complete(conn, self.consumer_name)
         return Checkpoint.parse(rows[0][0]) if rows else None
 
     async def store(self, checkpoint: Checkpoint) -> None:
@@ -489,6 +492,7 @@ class Replica(AsyncCallbacks):
 
         if config.filter is not None:
             self.shared_tables = True  # other filters' writers may share the tables
+        self.resets = 0
         while True:
             consumer = Consumer(config, persister=self)
             self._consumer = consumer
@@ -497,26 +501,26 @@ class Replica(AsyncCallbacks):
                     await consumer.run(self)
                 return
             except BootstrapFailedError as exc:
-                if not self._may_reset(config):
+                again = reset_config(config) if self._resettable() else None
+                if again is None:
                     raise
-                log.error(
-                    "replica %s: %s; resetting it: its rows are deleted and it bootstraps "
-                    "from nothing",
-                    self.consumer_name,
-                    exc.message,
-                )
-                await self.reset()
+                log.error("replica %s: %s; resetting it", self.consumer_name, exc.message)
+                try:
+                    await self.reset()
+                except ConfigError as refused:
+                    raise BootstrapFailedError(
+                        f"{exc.message}; the replica cannot reset itself: {refused.message}"
+                    ) from None
+                config = again
             finally:
                 self._consumer = None
 
-    def _may_reset(self, config: ConsumerConfig) -> bool:
-        """Whether :meth:`run` may reset the replica now (see there)."""
+    def _resettable(self) -> bool:
         return (
             self.reset_unservable
             and not self.shared_tables
-            and not config.group
             and self.resets == 0
-            and self._stored is not None
+            and (self._stored is not None)
         )
 
     async def reset(self) -> list[str]:

@@ -440,6 +440,22 @@ async def splits(request: web.Request) -> web.Response:
     return json_response({"partition": host.name, "since": since, "until": until, "cuts": cuts})
 
 
+#: ``/v1/status`` figures of a whole partition, left out for a principal granted some of
+#: its sources only (they show the other sources' traffic and name their tables)
+_WHOLE_PARTITION = (
+    "last_error",
+    "stats",
+    "events",
+    "windows",
+    "bytes_used",
+    "source_lag_seconds",
+    "source_idle_seconds",
+)
+#: the fetcher's figures such a principal still gets: which source server and SCN space
+#: the partition reads (a bootstrap server seeding the granted tables needs them)
+_FETCHER_IDENTITY = frozenset({"kind", "server_id", "mysql_server_id", "scn_base"})
+
+
 async def status(request: web.Request) -> web.Response:
     """``GET /v1/status``: per-partition buffer bounds, fetcher and consumers."""
     principal = principal_of(request)
@@ -450,8 +466,11 @@ async def status(request: web.Request) -> web.Response:
         # consumer needs), not what tells of the other sources (the fetcher's state
         # and errors name their tables; counts and other consumers show their traffic)
         for part in out:
-            for key in ("fetcher", "last_error", "stats"):
+            for key in _WHOLE_PARTITION:
                 part.pop(key, None)
+            fetcher = part.get("fetcher")
+            if isinstance(fetcher, dict):  # (a seed of the granted tables needs its base)
+                part["fetcher"] = {k: v for k, v in fetcher.items() if k in _FETCHER_IDENTITY}
             part["consumers"] = []
     elif not principal.has_scope("admin"):  # who reads is for admins only
         for part in out:
