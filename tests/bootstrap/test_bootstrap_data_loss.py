@@ -172,6 +172,9 @@ def test_a_data_loss_window_opens_a_gap_with_it(store: Store) -> None:
     store.append("p", SCRIPT[6][1] + window(30, loss=True), lost=(21, 30))
     assert store.gap("p") == 30 and store.seeded("p") == {}
     assert store.lost_ranges("p") == [(14, 20), (21, 30)]
+    # a loss in the very first window: the range starts where the history does
+    store.append("q", window(20, loss=True), start_scn=9, lost=(-1, 20))
+    assert store.lost_ranges("q") == [(9, 20)] and store.lost_range("q", 9) is None
     assert store.lost_range("p", 20) is None and store.lost_range("p", 29) == (21, 30)
 
 

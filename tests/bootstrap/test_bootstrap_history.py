@@ -20,7 +20,13 @@ from changebus.client import ConsumerConfig
 from changebus.client._bootstrap import Bootstrapper
 from changebus.client._decode import SchemaCache
 from changebus.client._queue import WindowQueue
-from changebus.schemas import BootstrapFailedError, BootstrapProgress, Mode, PartitionCheckpoint
+from changebus.schemas import (
+    BootstrapFailedError,
+    BootstrapProgress,
+    Mode,
+    NotYetError,
+    PartitionCheckpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
@@ -137,12 +143,30 @@ async def test_a_position_in_a_servers_lost_range_is_refused_and_passes_to_the_n
         with pytest.raises(BootstrapFailedError, match="never received") as info:
             await asyncio.wait_for(runner.run(1025, None), 30)
         assert "reset the consumer's state" in str(info.value)
-        # rows of another server's snapshot that started inside the range: refused too
-        progress = BootstrapProgress(
-            since_scn=-1, start_scn=1025, snapshot_position="0:7", server="http://a.gone:1"
-        )
-        held = PartitionCheckpoint(
-            window_scn=1025, prev_scn=1025, mode=Mode.SNAPSHOT, bootstrap=progress
-        )
-        with pytest.raises(BootstrapFailedError, match="never received SCNs 1020 < SCN < 1030"):
-            await runner._run_once(gappy.url, -1, held, True)
+
+        # rows of another server's bootstrap that may come from the range: refused too --
+        # a snapshot that started inside it, or before it (its pages carry rows at their
+        # latest version), or a catch-up that went past its start
+        def held(mode: Mode, start: int, window: int) -> PartitionCheckpoint:
+            progress = BootstrapProgress(
+                since_scn=1000,
+                start_scn=start,
+                target_scn=1040 if mode is Mode.CATCHUP else -1,
+                snapshot_position="0:7" if mode is Mode.SNAPSHOT else "",
+                server="http://a.gone:1",
+            )
+            return PartitionCheckpoint(
+                window_scn=window, prev_scn=window, mode=mode, bootstrap=progress
+            )
+
+        for mode, start, window in (
+            (Mode.SNAPSHOT, 1025, 1025),
+            (Mode.SNAPSHOT, 1010, 1010),
+            (Mode.CATCHUP, 1010, 1022),
+        ):
+            with pytest.raises(BootstrapFailedError, match="never received SCNs 1020 < SCN < 1030"):
+                await runner._run_once(gappy.url, -1, held(mode, start, window), True)
+        # a catch-up that stopped before the range holds nothing from it: that check passes
+        # (the gap not repaired yet, without a seed source, is what refuses it then)
+        with pytest.raises(NotYetError, match="misses changes up to SCN 1030"):
+            await runner._run_once(gappy.url, -1, held(Mode.CATCHUP, 1010, 1020), True)

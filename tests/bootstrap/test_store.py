@@ -461,6 +461,37 @@ def test_a_chunk_read_before_a_truncate_the_applier_folded_brings_no_row_back(
     assert _live_rows(store, t) == {3: ("new", ())}
 
 
+def test_a_filtered_consumer_from_nothing_gets_the_truncate_first(store: Store) -> None:
+    """Writers of other keys may share its tables (a group's units, filtered replicas):
+    one still before the TRUNCATE must learn from this one that it was applied, or it
+    empties the table again later, rows of this snapshot with it. An unfiltered
+    consumer from nothing needs no TRUNCATE (its tables are its own)."""
+    from changebus.schemas import PartitionFilter
+
+    t = TABLES[0]
+    store.append("p", window(10, [(t.name, Op.INSERT, 1, "a")]), start_scn=0)
+    store.append("p", window(60, [(t.name, Op.TRUNCATE, 0, None), (t.name, Op.INSERT, 2, "b")]))
+    store.apply("p")
+    ids = sorted(SID)
+    start = store.state("p").applier_scn
+
+    def ops(key_filter: PartitionFilter | None) -> list[Op]:
+        page = store.snapshot_page(
+            "p",
+            ids,
+            since_scn=-1,
+            start_scn=start,
+            position=(0, 0),
+            max_bytes=1 << 20,
+            key_filter=key_filter,
+        )
+        _offsets, headers = parse_stream(page.data)
+        return [Op(int(o)) for o in headers["op"].tolist()]
+
+    assert ops(None) == [Op.INSERT]
+    assert ops(PartitionFilter.mod(1, 0)) == [Op.TRUNCATE, Op.INSERT]
+
+
 def test_an_update_without_unsent_columns_is_completed_by_an_older_chunk(store: Store) -> None:
     """A row the applier has no image of is updated (Postgres sends its TOAST column as
     unchanged, so not at all) after the chunk holding it was read (tag 70) but before that

@@ -152,3 +152,30 @@ async def test_a_truncate_waits_for_a_writer_applying_an_older_window(pg_dsn: st
     finally:
         with contextlib.suppress(Exception):
             await a.close()
+
+
+async def test_a_writer_bootstrapping_from_nothing_records_the_truncate(make: MakeReplica) -> None:
+    """A writer from nothing gets the snapshot's rows (all after the TRUNCATE) and, being
+    filtered, the TRUNCATE first (the bootstrap server sends it): it records it, so that
+    a writer still before it does not empty the table again when it gets there."""
+    a, b = make("a"), make("b")
+    await a.claim(G, UA, "m-a")  # type: ignore[attr-defined]
+    await b.claim(G, UB, "m-b")  # type: ignore[attr-defined]
+    assert await deliver(b, window(10, [("put", 2)], UB)) is None
+    # a bootstraps: the TRUNCATE (at 50, seq 1), then a row last changed at 55
+    truncate = ChangeEvent(50, 1, ChangeOp.TRUNCATE, T.name, {}, None, None, schema=T)
+    row = {"id": 20, "v": "snap"}
+    snap_row = ChangeEvent(55, 0, ChangeOp.INSERT, T.name, {"id": 20}, row, None, schema=T)
+    snapshot = Window(
+        scn=60,
+        timestamp_ns=60,
+        partition="orders",
+        events=(truncate, snap_row),
+        unit=str(UA),
+        phase="snapshot",
+    )
+    assert await deliver(a, snapshot) is None
+    assert keys_of(a) == [20]  # b's row 2 was older than the TRUNCATE
+    # b reaches the TRUNCATE: applied already; its row after it stays, and a's too
+    assert await deliver(b, window(50, [("put", 8), ("truncate", None), ("put", 4)], UB)) is None
+    assert keys_of(b) == [4, 20]

@@ -60,13 +60,22 @@ def test_the_join_holds_both_types_and_never_narrows() -> None:
     assert join("integer", "bigint") == "bigint" and join("bigint", "integer") == "bigint"
     assert join("bigint", "numeric(5,2)") == "numeric(21,2)"
     assert join("real", "double precision") == "double precision"
-    assert join("timestamp without time zone", "timestamp with time zone") == (
-        "timestamp with time zone"
-    )
     assert join("bigint", "text") == "text" and join("text", "bigint") == "text"
     assert join("uuid", "bigint") == "text"  # nothing narrower holds both
     assert join("numeric", "numeric(5,2)") == "numeric"
     assert join("jsonb", "jsonb") == "jsonb"
+    assert join("double precision", "numeric(10,2)") == "numeric"
+    assert join("date", "timestamp without time zone") == "timestamp without time zone"
+    # types the replica does not create are an operator's choice: left as they are
+    assert join("character varying(255)", "text") == "character varying(255)"
+    assert join("timestamp(3) with time zone", "timestamp with time zone") == (
+        "timestamp(3) with time zone"
+    )
+    assert join("json", "jsonb") == "json"
+    # a timestamp with or without time zone against the other: no conversion in the zone
+    assert join("timestamp without time zone", "timestamp with time zone") == (
+        "timestamp without time zone"
+    )
 
 
 @pytest.mark.pg

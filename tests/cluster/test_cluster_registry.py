@@ -375,5 +375,23 @@ async def test_one_look_readers_share_a_snapshot_for_a_moment(
     await asyncio.sleep(1.1)
     routes = await _cluster.read_routes(zk_hosts, zk_cluster, ("p0",))
     assert set(routes["p0"]) == {"http://r1.test:1", "http://r2.test:1"} and reads == 2
+    # a look that finds nobody serving in the shared snapshot looks again at once (a
+    # member that registered meanwhile is not kept waiting)
+    reg2.update(
+        {"p0": PartitionState("follower", 1, 1, 10), "late": PartitionState("follower", 1, 1, 10)}
+    )
+
+    async def late_registered() -> bool:
+        data, _ = await s2.op("get", member_path(zk_cluster, "r2"))
+        return "late" in json.loads(data)["partitions"]
+
+    for _ in range(100):
+        if await late_registered():
+            break
+        await asyncio.sleep(0.02)
+    routes = await _cluster.read_routes(zk_hosts, zk_cluster, ("p0", "late"))
+    assert routes["late"] == ("http://r2.test:1",) and reads == 3  # (cached look, then fresh)
+    urls = await _cluster.read_route(zk_hosts, zk_cluster, ("nobody",), kind="relay")
+    assert urls == () and reads == 4  # (looked again: still nobody)
     await reg1.stop()
     await reg2.stop()

@@ -73,7 +73,8 @@ class SeedLedger(StoreDb):
         """
         with self._txn():
             st = self.state(part)
-            lost_after = st.producer_scn if after is None else after
+            # (positions up to base_scn are refused anyway: the range starts there at the least)
+            lost_after = max(st.producer_scn if after is None else after, st.base_scn)
             if lost_after < gap_end:
                 least = "min" if self.dialect == "sqlite" else "least"
                 self._conn.execute(

@@ -105,7 +105,9 @@ class Pages(StoreDb):
         (a catch-up UPDATE may carry only some columns: Postgres' unchanged
         TOAST values). Pages resume after ``position`` (source id, row id).
         Tombstones are sent only to a consumer that has a position
-        (``since_scn >= 0``); a source's TRUNCATE after it comes first.
+        (``since_scn >= 0``); a source's TRUNCATE after it comes first, for a
+        consumer with a key filter also from nothing (writers of other keys
+        share its tables: :mod:`changebus.client._apply_shared`).
         At least one event is returned when any is left (even over
         ``max_bytes``).
         """
@@ -124,7 +126,10 @@ class Pages(StoreDb):
                     "SELECT scn, event FROM cb_trunc WHERE part = {p} AND source_id = {p}",
                     (part, sid),
                 )
-                if trunc is not None and 0 <= since_scn < int(trunc[0]):
+                # (a filtered consumer from nothing gets it too: it shares its tables with
+                # other filters' writers, and must not apply the TRUNCATE again later)
+                shared = since_scn >= 0 or key_filter is not None
+                if trunc is not None and shared and since_scn < int(trunc[0]):
                     chunks.append(bytes(trunc[1]))
                     size += len(trunc[1])
                     events += 1

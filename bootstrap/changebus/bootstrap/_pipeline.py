@@ -183,17 +183,15 @@ class Pipelines(Seeding):
         """
         wanted: set[tuple[int, int]] = set()
         losses: list[tuple[int, DataLoss]] = []
-        # the newest window this server has before the first loss: a lost range starts there
-        seen, lost_after = max(w.producer_scn, start_scn if start_scn is not None else -1), -1
+        received: list[int] = []  # SCNs of the windows before the first loss
         for raw, _url in batch:
             ops = raw.headers["op"]
             h = raw.headers[ops < FIRST_CONTROL_OP]
             wanted.update(zip(h["source_id"].tolist(), h["schema_version"].tolist(), strict=True))
             if (ops == DATA_LOSS_OP).any():
-                if not losses:
-                    lost_after = seen
                 losses.append((raw.scn, loss_in(raw)))
-            seen = max(seen, raw.scn)
+            elif not losses:
+                received.append(raw.scn)
         if not wanted <= known:
             known |= await self._sync_schemas(w, batch[-1][1])
         if start_scn is None and w.producer_scn < 0:
@@ -201,8 +199,10 @@ class Pipelines(Seeding):
         data = b"".join(raw.body for raw, _ in batch)
         events = sum(len(raw.offsets) for raw, _ in batch)
         first = start_scn if start_scn is not None else -1
-        # the gap a DATA_LOSS window opens ends at that window (the last one's)
+        # the gap a DATA_LOSS window opens ends at that window (the last one's), and its
+        # lost range starts at the newest window this server has before the first one
         lost_upto = max(scn for scn, _l in losses) if losses else None
+        lost_after = max([w.producer_scn, first, *received])
 
         def append(s: Store) -> PartitionState:
             s.append(w.name, data, start_scn=first, lost=(lost_after, lost_upto))

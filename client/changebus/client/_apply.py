@@ -116,8 +116,8 @@ class Replica(AsyncCallbacks):
             placeholder=self.placeholder,
         )
         self._columns: dict[str, set[str]] = {}  # worker thread only
-        #: target table -> fingerprint of the schema its columns were last made to hold
-        self._shapes: dict[str, int] = {}  # worker thread only
+        #: target table -> fingerprints of the schemas its columns were made to hold
+        self._shapes: dict[str, set[int]] = {}  # worker thread only
         self._pending: list[ChangeEvent] = []
         self._stored: Checkpoint | None = None
         self._consumer: Any = None
@@ -351,9 +351,9 @@ class Replica(AsyncCallbacks):
         if schema is None:
             raise ConfigError(f"event of {event.table!r} carries no table schema")
         table = self.table_for(event.table)
-        known = self._columns.get(table)
-        wanted = {c.name for c in schema.columns}
-        if known is not None and wanted <= known and self._shapes.get(table) == schema.fingerprint:
+        known, wanted = self._columns.get(table), {c.name for c in schema.columns}
+        shaped = schema.fingerprint in self._shapes.get(table, ())
+        if known is not None and wanted <= known and shaped:
             return
         if not schema.key:
             raise ConfigError(f"table {schema.name!r} has no key: rows cannot be upserted")
@@ -384,7 +384,7 @@ class Replica(AsyncCallbacks):
             have = set(now)
         self._columns[table] = have
         self._widen_columns(conn, table, schema)
-        self._shapes[table] = schema.fingerprint
+        self._shapes.setdefault(table, set()).add(schema.fingerprint)
         with self._transaction(conn):
             self._ledger.record(conn, self.consumer_name, table)
 

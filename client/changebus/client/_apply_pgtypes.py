@@ -11,7 +11,11 @@ version (a bootstrap's snapshot rows keep the version they were written
 with) therefore never narrow a column back, whatever order they come in.
 
 Types are compared in ``format_type`` spelling (what the catalog says):
-:func:`canonical` turns the replica's own type names into it.
+:func:`canonical` turns the replica's own type names into it. Only the
+types the replica itself creates are changed: a column an operator gave
+another type (``varchar(255)``, ``timestamp(3) with time zone``, ``json``)
+is left as it is, and so is a timestamp with or without time zone against
+the other (the conversion would read the values in the session's zone).
 
 Pure functions; thread-safe.
 """
@@ -36,8 +40,28 @@ _INT_DIGITS: Final = {"smallint": 5, "integer": 10, "bigint": 19}
 _CHAINS: Final = (
     ("smallint", "integer", "bigint"),
     ("real", "double precision"),
-    ("date", "timestamp without time zone", "timestamp with time zone"),
+    ("date", "timestamp without time zone"),
 )
+#: the types the replica creates (``format_type`` spelling), besides numeric(p,s)
+_OWN: Final = frozenset(
+    {
+        "integer",
+        "bigint",
+        "real",
+        "double precision",
+        "boolean",
+        "bytea",
+        "text",
+        "date",
+        "time without time zone",
+        "timestamp with time zone",
+        "timestamp without time zone",
+        "uuid",
+        "jsonb",
+    }
+)
+_FLOATS: Final = frozenset({"real", "double precision"})
+_TIMESTAMPS: Final = frozenset({"timestamp with time zone", "timestamp without time zone"})
 #: the largest precision of a numeric type modifier
 _MAX_PRECISION: Final = 1000
 
@@ -45,6 +69,11 @@ _MAX_PRECISION: Final = 1000
 def canonical(type_name: str) -> str:
     """``type_name`` (the replica's spelling) as ``format_type`` spells it."""
     return _SPELLING.get(type_name, type_name)
+
+
+def _own(type_name: str) -> bool:
+    """Whether the replica creates columns of this type."""
+    return type_name in _OWN or _NUMERIC.fullmatch(type_name) is not None
 
 
 def _numeric(type_name: str) -> tuple[int, int] | None:
@@ -60,10 +89,12 @@ def _numeric(type_name: str) -> tuple[int, int] | None:
 def join(have: str, new: str) -> str:
     """The narrowest type holding the values of both (``format_type`` spellings).
 
-    ``have`` when it holds ``new``'s values already (then nothing changes);
-    ``text`` when no other type holds both (every value has a text form).
+    ``have`` when it holds ``new``'s values already (then nothing changes),
+    and when it is not a type the replica creates or both are timestamps
+    (module docstring); ``text`` when no other type holds both (every value
+    has a text form).
     """
-    if have == new or have == "text":
+    if have == new or have == "text" or not _own(have) or {have, new} == _TIMESTAMPS:
         return have
     if new == "text":
         return new
@@ -71,6 +102,8 @@ def join(have: str, new: str) -> str:
         if have in chain and new in chain:
             return max(have, new, key=chain.index)
     a, b = _numeric(have), _numeric(new)
+    if (have in _FLOATS and b is not None) or (new in _FLOATS and a is not None):
+        return "numeric"  # (holds floats and integers or decimals exactly)
     if a is not None and b is not None:
         if have == "numeric" or new == "numeric":
             return "numeric"

@@ -160,25 +160,34 @@ class Bootstrapper:
         """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
         return self._last
 
-    async def _check_history(self, url: str, held: int) -> None:
+    async def _check_history(self, url: str, held: int, since: int, upto: int | None) -> None:
         """Refuse a server whose history starts after ``held``, the start of the
         snapshot whose rows the consumer holds (part of them, from another server
         or from this URL before its store was rebuilt).
 
         Its tombstones cover the deletes after its ``base_scn`` only: a row the
         consumer holds that was deleted between ``held`` and that base (before
-        the server was seeded) would stay for good. The same holds for a
-        ``held`` inside one of its lost ranges (SCNs it never received).
+        the server was seeded) would stay for good. The same holds for rows of
+        SCNs it never received (its lost ranges) that the consumer may hold: any
+        range after ``since`` and before ``upto``, the newest change the consumer
+        holds (its catch-up's window; None in a snapshot, whose pages carry rows
+        at their latest version: any newer range then).
         """
         status = await self._status(url)
-        base, lost = status.base_scn, status.lost_range(held)
-        if lost is not None:
+        base = status.base_scn
+        lost = [
+            (after, end)
+            for after, end in status.lost_ranges
+            if end > since and (upto is None or after < upto)
+        ]
+        if lost:
+            after, end = lost[0]
             raise BootstrapFailedError(
-                f"{safe_url(url)}: it never received SCNs {lost[0]} < SCN < {lost[1]}, and the "
-                f"snapshot this consumer holds rows of started at SCN {held}, inside them: it "
-                "cannot tell which of those rows were deleted since. Use another bootstrap "
-                "server, or reset the consumer's state (its rows and checkpoint) and bootstrap "
-                "from nothing"
+                f"{safe_url(url)}: it never received SCNs {after} < SCN < {end}, and this "
+                f"consumer holds rows of another server's bootstrap from SCN {held} that may "
+                "come from there: it cannot tell which of them were deleted since. Use another "
+                "bootstrap server, or reset the consumer's state (its rows and checkpoint) and "
+                "bootstrap from nothing"
             )
         if base > held:
             raise BootstrapFailedError(
@@ -218,7 +227,8 @@ class Bootstrapper:
                 since = resume.bootstrap.since_scn
                 held = resume.bootstrap.start_scn if dirty else -1
                 if held >= 0:
-                    await self._check_history(url, held)
+                    upto = resume.window_scn if resume.mode is Mode.CATCHUP else None
+                    await self._check_history(url, held, since, upto)
             if dirty and since < 0:
                 since = max((await self._status(url)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)

@@ -271,12 +271,22 @@ async def read_route(
     partition's in :func:`relays_serving` order, without duplicates. For
     ``bootstrap`` also the bootstrap servers that name no partition, last.
     """
-    snap = await _table_snapshot(zookeeper, cluster, partitions, session_timeout_s)
-    found: list[str] = []
-    for p in _route_names(snap, partitions, kind):
-        found.extend(_serving(snap, p, kind, prefer_followers))
-    found.extend(_serving_all(snap, kind))
-    return tuple(dict.fromkeys(found))
+
+    def route(snap: RoutingSnapshot) -> tuple[str, ...]:
+        found: list[str] = []
+        for p in _route_names(snap, partitions, kind):
+            found.extend(_serving(snap, p, kind, prefer_followers))
+        found.extend(_serving_all(snap, kind))
+        return tuple(dict.fromkeys(found))
+
+    for fresh in (False, True):
+        snap, cached = await _table_snapshot(
+            zookeeper, cluster, partitions, session_timeout_s, fresh
+        )
+        urls = route(snap)
+        if urls or not cached:
+            break
+    return urls
 
 
 async def read_routes(
@@ -295,12 +305,22 @@ async def read_routes(
     :func:`relays_serving` order; for ``bootstrap`` each partition's URLs end
     with the bootstrap servers that name no partition (they serve all).
     """
-    snap = await _table_snapshot(zookeeper, cluster, partitions, session_timeout_s)
-    everywhere = _serving_all(snap, kind)
-    return {
-        p: tuple(dict.fromkeys([*_serving(snap, p, kind, prefer_followers), *everywhere]))
-        for p in _route_names(snap, partitions, kind)
-    }
+
+    def routes(snap: RoutingSnapshot) -> dict[str, tuple[str, ...]]:
+        everywhere = _serving_all(snap, kind)
+        return {
+            p: tuple(dict.fromkeys([*_serving(snap, p, kind, prefer_followers), *everywhere]))
+            for p in _route_names(snap, partitions, kind)
+        }
+
+    for fresh in (False, True):
+        snap, cached = await _table_snapshot(
+            zookeeper, cluster, partitions, session_timeout_s, fresh
+        )
+        found = routes(snap)
+        if (found and all(found.values())) or not cached:
+            break
+    return found
 
 
 #: how long one-look readers reuse a routing snapshot (seconds; module docstring)
@@ -311,21 +331,27 @@ _SNAPSHOTS_LOCK = threading.Lock()
 
 
 async def _table_snapshot(
-    zookeeper: str, cluster: str, partitions: tuple[str, ...], session_timeout_s: float
-) -> RoutingSnapshot:
-    """The routing table now, or as read less than :data:`SNAPSHOT_TTL_S` ago."""
+    zookeeper: str,
+    cluster: str,
+    partitions: tuple[str, ...],
+    session_timeout_s: float,
+    fresh: bool,
+) -> tuple[RoutingSnapshot, bool]:
+    """The routing table now (``fresh``), or as read less than :data:`SNAPSHOT_TTL_S` ago;
+    and whether it is that older one (a reader that finds nobody serving in it looks
+    again, fresh: members that came meanwhile are not kept waiting)."""
     key = (zookeeper, cluster)
     with _SNAPSHOTS_LOCK:
         hit = _SNAPSHOTS.get(key)
-    if hit is not None and time.monotonic() - hit[0] < SNAPSHOT_TTL_S:
-        return hit[1]
+    if not fresh and hit is not None and time.monotonic() - hit[0] < SNAPSHOT_TTL_S:
+        return hit[1], True
     snap = await _read_table(zookeeper, cluster, partitions, session_timeout_s)
     now = time.monotonic()
     with _SNAPSHOTS_LOCK:
         for old in [k for k, (at, _s) in _SNAPSHOTS.items() if now - at >= SNAPSHOT_TTL_S]:
             del _SNAPSHOTS[old]
         _SNAPSHOTS[key] = (now, snap)
-    return snap
+    return snap, False
 
 
 async def _read_table(

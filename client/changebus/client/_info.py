@@ -155,13 +155,6 @@ class BootstrapStatus:
     state: str
     lost_ranges: tuple[tuple[int, int], ...] = ()
 
-    def lost_range(self, position: int) -> tuple[int, int] | None:
-        """The lost range strictly around ``position`` (None: none)."""
-        for after, upto in self.lost_ranges:
-            if after < position < upto:
-                return after, upto
-        return None
-
 
 @contextlib.contextmanager
 def malformed_answer(where: str, path: str) -> Iterator[None]:
