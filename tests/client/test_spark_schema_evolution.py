@@ -409,4 +409,16 @@ async def test_driver_cuts_batches_at_the_change_and_logs_it(
             guard = SchemaGuard(plain, {"s.t": t3})  # the newest: nothing to do
             assert run_sync(guard.check({"syn": 9}, {"syn": 50}, set())) == {"syn": 50}
 
+            # the range was evicted while the driver scanned it: with a bootstrap server the
+            # batch would read it there, newer rows and all (it cannot be cut): it stops
+            booted = SourceOptions.parse(
+                {"relays": relay.url, "sources": "s.t", "bootstrapUrl": "http://127.0.0.1:9"}
+            )
+            guard = SchemaGuard(booted, {"s.t": t1})
+            with pytest.raises(SchemaChangedError, match=r"s.t v1 -> v3"):  # (the newest)
+                run_sync(guard.check({"syn": 5}, {"syn": 50}, set()))
+            # (without one the batch's read fails on the evicted range: failOnDataLoss)
+            guard = SchemaGuard(plain, {"s.t": t1})
+            assert run_sync(guard.check({"syn": 5}, {"syn": 50}, set())) == {"syn": 50}
+
         await asyncio.to_thread(plan)

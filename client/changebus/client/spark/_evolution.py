@@ -211,6 +211,10 @@ class SchemaGuard:
         try:
             return await _first_window(self.opts, partition, since, until, candidates)
         except FellOffRelayError as exc:
+            if self.opts.bootstrap:
+                # evicted meanwhile: the batch reads the range through a bootstrap server,
+                # which cannot be cut (module docstring), newer rows and all
+                return _Hit(partition, since, since, frozenset(candidates))
             if self.opts.fail_on_data_loss or exc.prev_scn <= since:
                 return None  # reading the batch fails (or skips) the same range
             return await _first_window(self.opts, partition, exc.prev_scn, until, candidates)
