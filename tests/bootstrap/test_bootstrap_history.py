@@ -170,3 +170,20 @@ async def test_a_position_in_a_servers_lost_range_is_refused_and_passes_to_the_n
         # (the gap not repaired yet, without a seed source, is what refuses it then)
         with pytest.raises(NotYetError, match="misses changes up to SCN 1030"):
             await runner._run_once(gappy.url, -1, held(Mode.CATCHUP, 1010, 1020), True)
+
+
+async def test_snapshot_rows_keep_their_commit_time(tmp_path: Path) -> None:
+    """A snapshot row is the row's state: its own SCN and its own commit time. The time
+    was the page's (0): every row read from a snapshot said 1970-01-01 (the Spark
+    source's ``_commit_timestamp`` too), found by review."""
+    import time
+
+    from changebus.client import Consumer
+
+    async with synthetic_boot(tmp_path, 40) as (relay, boot):
+        config = ConsumerConfig(relays=(relay.url,), partition="syn", bootstrap_servers=(boot.url,))
+        async with Consumer(config) as consumer:
+            window = await asyncio.wait_for(consumer.__anext__(), 30)
+    assert window.phase == "snapshot" and window.events
+    now = time.time_ns()
+    assert all(0 < now - e.timestamp_ns < 600 * 10**9 for e in window.events)

@@ -280,6 +280,11 @@ async def test_spark_options_resolve_the_relays_from_the_table(
             resolved, RangeSpec("syn", -1, 1299), -1, {}
         )  # an executor's consumer follows the table
         assert cfg.uses_cluster and cfg.prefer_followers and cfg.relays == resolved.relays
+        # one of several SCN sub-ranges must not bootstrap: it reads the relays resolved at
+        # planning, not the table (whose registered bootstrap servers its consumer took)
+        sub = _config(resolved, RangeSpec("syn", -1, 600, may_bootstrap=False), -1, {})
+        assert not sub.uses_cluster and sub.bootstrap_servers == ()
+        assert sub.relays == resolved.relays
 
 
 async def test_replicate_with_zookeeper_applies_the_stream(

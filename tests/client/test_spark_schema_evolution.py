@@ -422,3 +422,78 @@ async def test_driver_cuts_batches_at_the_change_and_logs_it(
             assert run_sync(guard.check({"syn": 5}, {"syn": 50}, set())) == {"syn": 50}
 
         await asyncio.to_thread(plan)
+
+
+async def test_a_range_evicted_while_a_limited_batch_is_planned_goes_to_the_bootstrap_server(
+    scripted_relay: Any, window_type: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a read limit the driver scans the batch's range after reading the bounds; the
+    relay evicting its start in between raised FellOffRelayError and the query died,
+    although a bootstrap server was configured (found by review). The batch now goes
+    through the bootstrap server, planned as one task."""
+    import asyncio
+    import dataclasses
+
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from changebus.client import FellOffRelayError
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.schemas import Op
+
+    t1, _t2, _t3 = _schemas()
+    windows = [
+        window_type(
+            scn,
+            rows=[(t1, 1, Op.INSERT, {"id": scn, "a": "x", "n": 1}, None)],
+            announce=[(1, t1)] if scn == 10 else [],
+        )
+        for scn in (10, 20, 30, 40, 50)
+    ]
+    async with scripted_relay(windows) as relay:
+        from changebus.client.spark._relay import partition_bounds as real_bounds
+
+        scans: list[int] = []
+
+        async def evicted_scan(opts: Any, name: str, since: int, *a: Any, **k: Any) -> Any:
+            scans.append(since)
+            raise FellOffRelayError(
+                "evicted",
+                partition=name,
+                requested_scn=since,
+                oldest_scn=40,
+                prev_scn=30,
+                relay="r",
+            )
+
+        async def bounds_after(opts: Any) -> Any:  # the second look sees the eviction
+            found = await real_bounds(opts)
+            if scans:
+                found = {n: dataclasses.replace(b, prev_scn=30) for n, b in found.items()}
+            return found
+
+        async def target(opts: Any, name: str) -> int:
+            return 50
+
+        monkeypatch.setattr(_source, "end_within", evicted_scan)
+        monkeypatch.setattr(_source, "partition_bounds", bounds_after)
+        monkeypatch.setattr(_source, "bootstrap_target", target)
+
+        def plan() -> None:
+            opts = SourceOptions.parse(
+                {"relays": relay.url, "sources": "s.t", "bootstrapUrl": "http://127.0.0.1:9"}
+                | {"numPartitions": "4"}
+            )
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            reader = _source.ChangebusStreamReader(opts, schema)
+            end = reader.latestOffset({"syn": 20}, ReadMaxRows(1))
+            assert end == {"syn": 50} and scans == [20]
+            (part,) = reader.partitions({"syn": 20}, end)  # one task: it may bootstrap
+            assert (
+                isinstance(part, _source.ScnRangePartition)
+                and part.spec.may_bootstrap
+                and (part.spec.since, part.spec.until) == (20, 50)
+            )
+
+        await asyncio.to_thread(plan)

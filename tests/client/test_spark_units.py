@@ -43,6 +43,14 @@ def test_options_parse_and_reject() -> None:
     assert SourceOptions.parse({"relays": "http://x"}, mode="batch").starting == "earliest"
     with pytest.raises(ConfigError, match="maxrowpertrigger"):
         SourceOptions.parse({"relays": "http://x", "maxRowPerTrigger": "5"})
+    # (float() takes these: a NaN timeout put a NaN deadline in the event loop's timers)
+    for bad in ("nan", "inf", "1e400", "-1", "0"):
+        with pytest.raises(ConfigError, match="requestTimeoutS must be a finite"):
+            SourceOptions.parse({"relays": "http://x", "requestTimeoutS": bad})
+    with pytest.raises(ConfigError, match="finite duration"):
+        SourceOptions.parse(
+            {"relays": "http://x", "minRowsPerTrigger": "5", "maxTriggerDelay": "1e400s"}
+        )
     o = SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b/, http://c"})
     assert o.bootstrap == ("http://b", "http://c")
     assert SourceOptions.parse({"relays": "http://x", "BOOTSTRAPURLS": "http://b"}).bootstrap == (

@@ -308,14 +308,14 @@ class Bootstrapper:
             raise CorruptEventError("a snapshot page holds control events", retriable=True)
         raw = RawWindow(start_scn, 0, body, offsets, headers)
         window = await decode_window(raw, self.partition or "", self._cache, source)
-        scns = headers["scn"].tolist()
+        scns, stamps = headers["scn"].tolist(), headers["timestamp_ns"].tolist()
         events = tuple(
-            # a snapshot row is the row's state: its own SCN, and no before-image (a key
-            # change long ago must not delete a key that exists again now)
-            dataclasses.replace(e, scn=scn)
+            # a snapshot row is the row's state: its own SCN and commit time, and no
+            # before-image (a key change long ago must not delete a key that exists again)
+            dataclasses.replace(e, scn=scn, timestamp_ns=ts)
             if e.op in (ChangeOp.DELETE, ChangeOp.TRUNCATE)
-            else dataclasses.replace(e, scn=scn, before=None, before_not_sent=())
-            for e, scn in zip(window.events, scns, strict=True)
+            else dataclasses.replace(e, scn=scn, timestamp_ns=ts, before=None, before_not_sent=())
+            for e, scn, ts in zip(window.events, scns, stamps, strict=True)
         )
         await self._queue.put(
             dataclasses.replace(window, events=events, phase="snapshot", checkpoint=pc), raw

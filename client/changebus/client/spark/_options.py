@@ -16,6 +16,7 @@ the source's offsets in Spark's checkpoint).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,8 +174,8 @@ def _duration_s(options: Mapping[str, str], key: str, default_s: float) -> float
         raise ConfigError(
             f"option {key}: expected a duration such as 30s, 15m or 500ms, got {raw!r}"
         ) from None
-    if value < 0:
-        raise ConfigError(f"option {key}: must be >= 0, got {raw!r}")
+    if not (0 <= value < math.inf):  # (nan fails both)
+        raise ConfigError(f"option {key}: must be a finite duration >= 0, got {raw!r}")
     return value
 
 
@@ -338,8 +339,8 @@ class SourceOptions:
             raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
         if self.max_bytes_per_request > self.max_window_bytes:
             raise ConfigError("maxBytesPerRequest must not pass maxWindowBytes")
-        if self.request_timeout_s <= 0:
-            raise ConfigError("requestTimeoutS must be > 0")
+        if not (0 < self.request_timeout_s < math.inf):  # (nan fails both)
+            raise ConfigError("requestTimeoutS must be a finite number of seconds > 0")
         if min(self.max_rows_per_trigger, self.max_bytes_per_trigger) < 0:
             raise ConfigError("maxRowsPerTrigger and maxBytesPerTrigger must be >= 1")
         if self.min_rows_per_trigger < 0 or self.max_trigger_delay_s < 0:

@@ -99,6 +99,9 @@ def _config(
     opts: SourceOptions, spec: RangeSpec, position: int, tables: Mapping[str, TableSchema]
 ) -> ConsumerConfig:
     boot = opts.bootstrap if spec.may_bootstrap else ()
+    # a sub-range that may not bootstrap reads the relays resolved when it was planned: a
+    # consumer following the cluster's table takes its bootstrap servers from there
+    routed = spec.may_bootstrap or not opts.relays
     return ConsumerConfig(
         relays=opts.relays,
         partition=spec.partition,
@@ -124,8 +127,8 @@ def _config(
         reader_schemas=dict(tables),
         columnar=not opts.include_not_sent,
         bootstrap_servers=boot,
-        zookeeper=opts.zookeeper,
-        cluster=opts.cluster,
+        zookeeper=opts.zookeeper if routed else "",
+        cluster=opts.cluster if routed else "",
         prefer_followers=opts.prefer_followers,
         auth=opts.auth,
     )

@@ -379,18 +379,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             if self._target is not None:
                 head = min(head, self._target.get(name, since))
             if name in boot:
-                # one batch through the bootstrap server; with a read limit it ends at
-                # the server's newest SCN (snapshot + catch-up), else at the head
-                if max_rows or max_bytes:
-                    target = await bootstrap_target(self.opts, name)
-                    head = min(head, max(target, b.prev_scn))
-                end[name] = max(head, since)
-                log.info(
-                    "changebus partition %s: (%d, %d] is read through the bootstrap server",
-                    name,
-                    since,
-                    end[name],
-                )
+                end[name] = await self._boot_end(name, since, head, b, bool(max_rows or max_bytes))
                 continue
             heads[name] = max(head, since)
         for name, value in start.items():
@@ -403,10 +392,39 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
             rows = max(1, max_rows // len(heads)) if max_rows else 0
             size = max(1, max_bytes // len(heads)) if max_bytes else 0
             for name, head in heads.items():
-                end[name] = await self._limited_end(name, int(start[name]), head, rows, size)
+                since = int(start[name])
+                try:
+                    end[name] = await self._limited_end(name, since, head, rows, size)
+                except FellOffRelayError:
+                    if not self.opts.bootstrap:
+                        raise
+                    # evicted since the bounds were read: this batch goes through the
+                    # bootstrap server, planned as one task (partitions() reads the bounds)
+                    bounds = await partition_bounds(self.opts)
+                    self._planned = (_offsets_key(start), bounds)
+                    boot = _needs_bootstrap(self.opts, start, bounds)
+                    b = bounds[name]
+                    end[name] = await self._boot_end(name, since, b.max_scn, b, True)
         else:
             end.update(heads)
         return await self._guard.check(start, end, boot)
+
+    async def _boot_end(
+        self, name: str, since: int, head: int, b: PartitionBounds, limited: bool
+    ) -> int:
+        """The end of a batch read through the bootstrap server: with a read limit the
+        server's newest SCN (snapshot + catch-up), else the head."""
+        if limited:
+            target = await bootstrap_target(self.opts, name)
+            head = min(head, max(target, b.prev_scn))
+        end = max(head, since)
+        log.info(
+            "changebus partition %s: (%d, %d] is read through the bootstrap server",
+            name,
+            since,
+            end,
+        )
+        return end
 
     async def _delay(self, start: dict[str, Any], heads: dict[str, int], min_rows: int) -> bool:
         """Whether to skip this trigger (``minRowsPerTrigger``, Kafka source semantics).
@@ -448,8 +466,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 )
             ).end
         except FellOffRelayError as exc:
-            if self.opts.fail_on_data_loss or exc.prev_scn <= since:
-                raise
+            if self.opts.bootstrap or self.opts.fail_on_data_loss or exc.prev_scn <= since:
+                raise  # (with a bootstrap server the caller reads the range there)
             # the windows up to prev_scn are gone: read() skips them too (with a warning)
             extent = await end_within(
                 self.opts, name, exc.prev_scn, head, max_events=max_events, max_bytes=max_bytes
