@@ -36,13 +36,14 @@
   (:class:`._ddl.DeclaredTypes`) and its window holds no text of the
   statement (it can hold passwords).
 
-Large transactions: with ``max_window_bytes`` set, a transaction whose events
-pass it stops being kept (its rows are only counted from then on, in this
-thread: no decode worker future of it is kept but those already submitted,
-until they finish), so it holds about ``max_window_bytes`` at most; at its
-end ``on_oversized="fail"`` raises a
-:class:`~changebus.schemas.SourceConfigError` and ``"skip"`` returns a window
-with one DATA_LOSS event instead.
+Large transactions: with ``max_window_bytes`` set, a transaction past it is
+no longer kept (its rows are only counted; of its decode worker futures only
+those submitted before are kept, until they finish), so it holds about
+``max_window_bytes``; at its end ``on_oversized="fail"`` raises a
+:class:`~changebus.schemas.SourceConfigError`, ``"skip"`` makes it a DATA_LOSS
+window. A transaction thrown away (read again after a reconnect, replaced by
+the next GTID, or read again while the relay holds it) takes back the
+SCHEMA_CHANGE events it held: the next window sent announces them.
 
 Not thread-safe: one assembler per fetcher thread.
 """
@@ -181,6 +182,8 @@ class BinlogAssembler:
     def reset(self) -> None:
         """The stream (re)starts at a transaction boundary where nothing is prepared yet
         (a restart point: prepared XA halves after it are read again)."""
+        if self._txn is not None:  # read again (module docstring)
+            self._unannounce(self._txn)
         self._txn = None
         self.prepared.clear()
 
@@ -199,6 +202,8 @@ class BinlogAssembler:
     def begin(self, gtid: str, timestamp_s: int, flags: int, start_pos: int = 0) -> None:
         """A GTID event starting at ``start_pos``: a transaction (or a standalone
         statement) starts."""
+        if self._txn is not None:  # (an open group the binlog never ended: not sent)
+            self._unannounce(self._txn)
         self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
         self._txn.start = (self.file, start_pos)
         for prepared in self.prepared:  # let go of what their finished workers hold
@@ -417,25 +422,14 @@ class BinlogAssembler:
                 encoder = self._registered_encoder(f"{db}.{name}")
             if encoder is not None and not txn.oversized:
                 ts = txn.ts_ns
-                self._add(
-                    txn,
-                    (
-                        lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None),
-                        True,
-                    ),
-                    100,
-                )
+                make = lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None)  # noqa: E731
+                self._add(txn, (make, True), 100)
         elif effect.kind in ("alter", "drop", "rename", "create"):
             for db, name in effect.tables:
                 table = self._find(db, name)
                 if table is not None:
-                    log.info(
-                        "DDL (%s) on %s at %s:%d",
-                        effect.kind,
-                        table.layout.name,
-                        self.file,
-                        end_pos,
-                    )
+                    where = f"{self.file}:{end_pos}"
+                    log.info("DDL (%s) on %s at %s", effect.kind, table.layout.name, where)
         if txn.standalone:
             return self.commit(end_pos)
         return None
@@ -559,6 +553,8 @@ class BinlogAssembler:
             return None
         scn = self.scn_at(end_pos)
         position = self.position_at(txn.gtid, end_pos)
+        if scn <= self.replay_until:  # the relay has it: what it announces is not sent
+            self._unannounce(txn)
         if not txn.events and not txn.dropped and not txn.oversized:
             # nothing captured (other databases, DDL): a HEARTBEAT window, which the
             # fetcher writes only now and then, to keep the resume position current

@@ -1,0 +1,96 @@
+"""A table's SCHEMA_CHANGE goes out with the first window that is sent, whatever was read before.
+
+The assembler marks a table version announced when it puts its SCHEMA_CHANGE
+into the open transaction. A transaction thrown away after that -- the
+stream reconnecting in its middle (read again from its start), a GTID event
+replacing a group the binlog never ended, a window read again that the relay
+holds already -- kept the mark: the window sent later lacked the
+SCHEMA_CHANGE, and consumers failed on an unknown schema version (found by
+review). Fed the events of a real MariaDB binlog.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_mysql_fetcher import execute
+from test_mysql_oversized import binlog_events
+
+from changebus.fetchers.mysql import BinlogAssembler, DeclaredTypes, EmbeddedMariaDB
+from changebus.schemas import Op, SchemaRegistry, parse_stream
+
+pytestmark = pytest.mark.mysql
+
+
+def _events(server: EmbeddedMariaDB, db: str) -> list[Any]:
+    """The binlog events of one transaction inserting a row into a new table."""
+    execute(server, db, "CREATE TABLE t (id int PRIMARY KEY, v varchar(20))")
+    conn = server.connect(db)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            file, pos = cur.fetchone()[:2]
+            cur.execute("INSERT INTO t VALUES (1, 'a')")
+        conn.commit()
+    finally:
+        conn.close()
+    return list(binlog_events(server, file, int(pos)))
+
+
+def _feed(assembler: BinlogAssembler, events: list[Any], upto: str = "") -> list[Any]:
+    """Feed ``events`` (until the first of class ``upto``); the windows made."""
+    from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
+    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
+
+    windows = []
+    for event in events:
+        if type(event).__name__ == upto:
+            break
+        window = None
+        if isinstance(event, RotateEvent):
+            assembler.rotate(event.next_binlog)
+        elif isinstance(event, MariadbGtidEvent):
+            start = event.packet.log_pos - event.packet.event_size
+            assembler.begin(event.gtid, event.timestamp, event.flags, start)
+        elif isinstance(event, TableMapEvent):
+            assembler.table_map(event)
+        elif isinstance(event, WriteRowsEvent):
+            assembler.rows(event, Op.INSERT)
+        elif isinstance(event, XidEvent):
+            window = assembler.commit(event.packet.log_pos)
+        elif isinstance(event, QueryEvent):
+            window = assembler.query(event, event.packet.log_pos)
+        if window is not None:
+            windows.append(window)
+    return windows
+
+
+def _ops(window: Any) -> list[Op]:
+    _offsets, headers = parse_stream(window.data)
+    return [Op(int(o)) for o in headers["op"].tolist()]
+
+
+@pytest.mark.parametrize("how", ["reconnect", "gtid", "replayed"])
+def test_a_transaction_thrown_away_does_not_keep_its_announcement(
+    mysql_server: EmbeddedMariaDB, mysql_db: str, how: str
+) -> None:
+    events = _events(mysql_server, mysql_db)
+    registry = SchemaRegistry()
+    assembler = BinlogAssembler(1, registry, DeclaredTypes(), databases=(mysql_db,))
+    if how == "replayed":
+        (first,) = _feed(assembler, events)  # sent by the fetcher's first run
+        assert Op.SCHEMA_CHANGE in _ops(first)
+        # restarted: the relay holds that window already, it is read again and dropped
+        assembler = BinlogAssembler(1, registry, DeclaredTypes(), databases=(mysql_db,))
+        assembler.replay_until = first.scn
+        assert len(_feed(assembler, events)) == 1  # (the caller drops it)
+        assembler.replay_until = -1
+        (window,) = _feed(assembler, events)  # a later window of the table
+    else:
+        # read up to the rows, then the connection drops (or a GTID event comes)
+        assert _feed(assembler, events, upto="XidEvent") == []
+        if how == "reconnect":
+            assembler.reset()
+        (window,) = _feed(assembler, events)
+    assert _ops(window)[:2] == [Op.SCHEMA_CHANGE, Op.INSERT]
