@@ -49,6 +49,32 @@ async def test_ddl_before_the_restart_is_not_applied_twice_to_a_table_seen_first
     assert str(rows[1]["w"]) == UID and rows[1]["u"] == 7
 
 
+async def test_ddl_after_a_tables_last_row_survives_a_restart_past_it(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """The registry's newest version of a table is that of its last row change. Seeded
+    from it, a restarted fetcher lost the DDL after that row which it does not read
+    again (the relay's position had passed it): a uuid column added then came as
+    binary(16), for good (found by review). information_schema is read first now."""
+    execute(mysql_server, mysql_db, "CREATE TABLE k (id int PRIMARY KEY)")
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, "INSERT INTO k VALUES (1)")
+        await caught_up(relay, mysql_server, mysql_db)
+        execute(mysql_server, mysql_db, "ALTER TABLE k ADD COLUMN u uuid")
+        # the relay's position passes the ALTER (a quiet source's windows move it)
+        await caught_up(relay, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, f"INSERT INTO k VALUES (2, '{UID}')")
+        await caught_up(relay, mysql_server, mysql_db)
+        newest = relay.hosts["my"].registry.latest(f"{mysql_db}.k")
+        rows, _, _ = replay(relay, "k")
+    assert "uuid" in {c.name: c.source_type for c in newest.columns}["u"], newest.columns
+    assert str(rows[2]["u"]) == UID
+
+
 def test_statements_up_to_a_table_s_valid_at_leave_it_as_it_is() -> None:
     declared = DeclaredTypes()
     declared.set("d", "t", {"w": "uuid", "u": "int"}, valid_at=100)

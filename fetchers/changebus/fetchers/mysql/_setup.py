@@ -437,21 +437,20 @@ class _Planner:
 def _seed_declared(
     cur: Any, config: MySQLConfig, resume: ResumePoint, declared: DeclaredTypes, now_scn: int
 ) -> None:
-    """Declared types: the relay's registry first, information_schema for the rest.
+    """Declared types: information_schema's, the relay's registry for tables gone since.
 
-    The registry's types are those at the relay's last window, where the
-    stream resumes; information_schema's are those at ``now_scn`` (the
-    binlog's end as it was read), so the DDL the stream reads again up to
-    there must not be applied to them a second time (``valid_at``).
+    information_schema's types are those at ``now_scn`` (the binlog's end as
+    it was read), so the DDL the stream reads again up to there must not be
+    applied to them a second time (``valid_at``). The registry's newest
+    version of a table is that of its last row change, not of the relay's
+    last window: DDL after it that the stream does not read again (it
+    resumes past it) would be lost, and a column decoded with the binlog's
+    raw type (a JSON column as longtext, a UUID as binary(16)) for good.
     """
     import pymysql
 
     registry = SchemaRegistry()
     registry.import_entries(resume.schemas)
-    for _sid, name in registry.sources():
-        latest = registry.latest(name)
-        db, _, table = name.partition(".")
-        declared.set(db, table, {c.name: c.source_type for c in latest.columns})
     cur.execute(
         "SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME, COLUMN_TYPE "
         "FROM information_schema.COLUMNS ORDER BY TABLE_SCHEMA, TABLE_NAME, ORDINAL_POSITION"
@@ -476,8 +475,11 @@ def _seed_declared(
     except pymysql.err.MySQLError:
         pass  # MySQL < 8.0.16 has no CHECK_CONSTRAINTS (and a real JSON type)
     for (db, table), cols in tables.items():
-        if not declared.known(db, table):
-            declared.set(db, table, cols, valid_at=now_scn)
+        declared.set(db, table, cols, valid_at=now_scn)
+    for _sid, name in registry.sources():
+        db, _, table = name.partition(".")
+        if (db, table) not in tables:  # (dropped or renamed since: rows read again need it)
+            declared.set(db, table, {c.name: c.source_type for c in registry.latest(name).columns})
 
 
 def reason(exc: BaseException) -> str:
