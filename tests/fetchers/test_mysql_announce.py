@@ -1,4 +1,7 @@
-"""A table's SCHEMA_CHANGE goes out with the first window that is sent, whatever was read before.
+"""What the assembler makes of transactions that end otherwise than by a commit.
+
+A table's SCHEMA_CHANGE goes out with the first window that is sent, whatever
+was read before.
 
 The assembler marks a table version announced when it puts its SCHEMA_CHANGE
 into the open transaction. A transaction thrown away after that -- the
@@ -94,3 +97,45 @@ def test_a_transaction_thrown_away_does_not_keep_its_announcement(
             assembler.reset()
         (window,) = _feed(assembler, events)
     assert _ops(window)[:2] == [Op.SCHEMA_CHANGE, Op.INSERT]
+
+
+def test_rows_rolled_back_to_a_savepoint_are_not_sent(
+    mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """A part of a transaction rolled back to a savepoint stays in the binlog, followed
+    by ``ROLLBACK TO``, when it also changed a non-transactional table (whose changes
+    persisted; ROW format logs those as groups of their own). The assembler ignored
+    the ROLLBACK TO and sent the rolled-back rows as committed (found while testing
+    a review's finding)."""
+    execute(
+        mysql_server,
+        mysql_db,
+        "CREATE TABLE m (id int PRIMARY KEY) ENGINE=MyISAM",
+        "CREATE TABLE i (id int PRIMARY KEY) ENGINE=InnoDB",
+        "CREATE TRIGGER i_to_m AFTER INSERT ON i FOR EACH ROW INSERT INTO m VALUES (NEW.id)",
+    )
+    conn = mysql_server.connect(mysql_db)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            file, pos = cur.fetchone()[:2]
+            cur.execute("BEGIN")
+            cur.execute("INSERT INTO i VALUES (1)")
+            cur.execute("ROLLBACK")
+            cur.execute("BEGIN")
+            cur.execute("INSERT INTO i VALUES (2)")
+            cur.execute("SAVEPOINT `s``1`")
+            cur.execute("INSERT INTO i VALUES (3)")
+            cur.execute("ROLLBACK TO SAVEPOINT `s``1`")
+            cur.execute("COMMIT")
+            cur.execute("SELECT id FROM i")
+            assert [r[0] for r in cur.fetchall()] == [2]
+    finally:
+        conn.close()
+    events = list(binlog_events(mysql_server, file, int(pos)))
+    assert any("ROLLBACK TO" in str(getattr(e, "query", "")) for e in events)
+    assembler = BinlogAssembler(1, SchemaRegistry(), DeclaredTypes(), databases=(mysql_db,))
+    windows = _feed(assembler, events)
+    # the trigger's MyISAM rows 1, 2, 3 (they persisted), then the transaction: row 2 only
+    assert [_ops(w).count(Op.INSERT) for w in windows] == [1, 1, 1, 1]
+    assert assembler.row_count == 4

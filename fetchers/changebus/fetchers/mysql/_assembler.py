@@ -96,6 +96,16 @@ log = logging.getLogger("changebus.fetchers.mysql")
 
 #: a statement that changes rows (statement-based logging of DML)
 _DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
+#: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
+_SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
+_ROLLBACK_TO = re.compile(
+    r"rollback\s+(?:work\s+)?to\s+(?:savepoint\s+)?(`(?:[^`]|``)+`|\w+)", re.I
+)
+
+
+def _name(quoted: str) -> str:
+    return quoted[1:-1].replace("``", "`") if quoted.startswith("`") else quoted
+
 
 #: header, CRC, union branches and empty not-sent arrays of one row event (a bound)
 _EVENT_OVERHEAD = 72
@@ -208,7 +218,7 @@ class BinlogAssembler:
         self._txn.start = (self.file, start_pos)
         for prepared in self.prepared:  # let go of what their finished workers hold
             if prepared.txn.dropped:
-                self._count_done(prepared.txn)
+                self.row_count += prepared.txn.count_done()
 
     def table_map(self, event: Any) -> None:
         if not self.captured(event.schema):
@@ -284,7 +294,7 @@ class BinlogAssembler:
             n = len(transcode_changes(table.layout, raw, int(op), start, end, table.transcode))
             txn.data_events += n
             self.row_count += n
-            self._count_done(txn)
+            self.row_count += txn.count_done()
             return
         changes: list[Any] | Future[list[Any]]
         if self._pool is not None:
@@ -306,34 +316,8 @@ class BinlogAssembler:
 
     def _let_go(self, txn: _Txn) -> None:
         """Make ``txn`` oversized: its rows are only counted from now on."""
-        txn.oversized = True
-        for kept in txn.events:  # only counted from now on
-            if isinstance(kept[0], RowEncoder):
-                changes = kept[1]
-                if isinstance(changes, Future):
-                    txn.dropped.append(changes)
-                else:
-                    txn.data_events += len(changes)
-                    self.row_count += len(changes)
-            elif kept[1]:
-                txn.data_events += 1
-        txn.events.clear()
+        self.row_count += txn.let_go()
         self._unannounce(txn)
-        self._count_done(txn)
-
-    def _count_done(self, txn: _Txn) -> None:
-        """Count the rows of an oversized transaction's finished worker futures and let
-        them go: only those submitted before it passed the limit (a bounded number) are
-        kept, until they finish."""
-        pending: list[Future[list[Any]]] = []
-        for future in txn.dropped:
-            if future.done():
-                n = len(future.result())
-                txn.data_events += n
-                self.row_count += n
-            else:
-                pending.append(future)
-        txn.dropped = pending
 
     @property
     def held_parts(self) -> int:
@@ -389,7 +373,21 @@ class BinlogAssembler:
             return self.commit(end_pos)
         if head.startswith("XA "):
             return self._xa_end(text, end_pos)
-        if head.startswith(("ROLLBACK", "SAVEPOIN")):
+        if (m := _SAVEPOINT.match(text)) and self._txn is not None:
+            self._txn.savepoints[_name(m[1])] = len(self._txn.events)
+            return None
+        if (m := _ROLLBACK_TO.match(text)) and self._txn is not None:
+            if not self._txn.rollback_to(_name(m[1])):
+                raise SourceConfigError(
+                    f"ROLLBACK TO an unknown savepoint at {self.file}:{end_pos}"
+                )
+            return None
+        if head.startswith("ROLLBACK"):
+            # (ROW format logs changes of non-transactional tables as groups of their own:
+            # what a group ending here holds was undone)
+            txn, self._txn = self._txn, None
+            if txn is not None:
+                self._unannounce(txn)
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
         if _DML.match(text) and self._may_touch_captured(schema or "", text):

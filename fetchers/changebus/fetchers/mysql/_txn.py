@@ -63,6 +63,55 @@ class OpenTxn:
     touched: list[MappedTable] = field(default_factory=list)
     #: binlog file and position where the transaction's event group starts
     start: tuple[str, int] = ("", 0)
+    #: savepoint name -> how many of :attr:`events` were there when it was set
+    savepoints: dict[str, int] = field(default_factory=dict)
+
+    def rollback_to(self, name: str) -> bool:
+        """``ROLLBACK TO name``: the row changes after the savepoint were undone. (The
+        binlog keeps them when that part changed a non-transactional table too, whose
+        changes persisted: those are logged apart.) False: no such savepoint here."""
+        mark = self.savepoints.get(name)
+        if mark is None or self.oversized:
+            return mark is not None
+        kept = self.events[:mark]
+        # (schema announcements stay: harmless, and the tables count as announced)
+        kept += [p for p in self.events[mark:] if not isinstance(p[0], RowEncoder) and not p[1]]
+        self.events = kept
+        self.savepoints = {n: m for n, m in self.savepoints.items() if m <= mark}
+        return True
+
+    def let_go(self) -> int:
+        """Make it oversized: its rows are only counted from now on (its events go;
+        their finished worker futures are counted). The rows counted now."""
+        self.oversized = True
+        counted = 0
+        for kept in self.events:
+            if isinstance(kept[0], RowEncoder):
+                changes = kept[1]
+                if isinstance(changes, Future):
+                    self.dropped.append(changes)
+                else:
+                    self.data_events += len(changes)
+                    counted += len(changes)
+            elif kept[1]:
+                self.data_events += 1
+        self.events.clear()
+        return counted + self.count_done()
+
+    def count_done(self) -> int:
+        """Count the rows of an oversized transaction's finished worker futures and let
+        them go: only those submitted before it passed the limit (a bounded number) are
+        kept, until they finish. The rows counted."""
+        pending: list[Future[list[Any]]] = []
+        counted = 0
+        for future in self.dropped:
+            if future.done():
+                counted += len(future.result())
+            else:
+                pending.append(future)
+        self.data_events += counted
+        self.dropped = pending
+        return counted
 
 
 class PendingWindow:
