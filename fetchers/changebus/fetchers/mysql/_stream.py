@@ -255,7 +255,15 @@ def _stream(
 
     def resolve() -> None:
         try:
-            while (item := waiting.get()) is not None:
+            while True:
+                try:
+                    item = waiting.get(timeout=0.2)
+                except queue.Empty:
+                    if stopping.is_set():  # (the end mark may not have fit: put() gave up)
+                        return
+                    continue
+                if item is None:
+                    return
                 if isinstance(item, str):
                     idle()
                     continue
