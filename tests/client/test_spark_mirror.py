@@ -93,3 +93,26 @@ def test_a_key_change_and_null_keys(spark: Any, tmp_path: Path) -> None:
         1,
     )
     assert rows(spark, whole) == sorted([(5, "now"), (6, "y")], key=repr)
+
+
+def test_replays_and_a_new_query_are_told_apart_by_position(spark: Any, tmp_path: Path) -> None:
+    """A replayed batch changes nothing; a new query at the same path (a new checkpoint:
+    batch ids from 0 again) has its changes applied when they are newer than the
+    mirror's, and dropped when they are not. By batch id alone, the new query's first
+    batches were skipped, changes and all (found by review)."""
+    from changebus.client.spark import ParquetMirror
+
+    mirror = ParquetMirror(tmp_path / "m", ["id"])
+    first = [(1, "a", "insert", 10, 0), (2, "b", "insert", 10, 1)]
+    mirror(batch(spark, first), 0)
+    mirror(batch(spark, [(1, "a2", "update_postimage", 20, 0)]), 1)
+    mirror(batch(spark, [(1, "a2", "update_postimage", 20, 0)]), 1)  # the replay
+    assert rows(spark, mirror) == [(1, "a2"), (2, "b")]
+    # a new query from the start: its first batch holds changes the mirror has
+    mirror(batch(spark, first), 0)
+    assert rows(spark, mirror) == [(1, "a2"), (2, "b")]
+    # ... and then newer ones, under batch ids the old query used already
+    mirror(batch(spark, [(3, "c", "insert", 30, 0), (2, "b", "delete", 31, 0)]), 1)
+    assert rows(spark, mirror) == [(1, "a2"), (3, "c")]
+    current = mirror.current()
+    assert current is not None and current["applied"] == {"pg": [31, 0]}

@@ -4,16 +4,21 @@
 Parquet directories ``v=<batch_id>`` and a small pointer file ``_current.json``
 naming the newest complete one. Applying micro-batch ``batch_id``:
 
-1. if the pointer already names ``batch_id`` or a later batch, do nothing
-   (Spark replays the last batch after a crash: idempotence by batch id);
-2. otherwise take the last change per key in the batch (ordered by
+1. drop the batch's changes at or before the newest one the mirror holds of
+   their partition (``_partition``: ``(_commit_scn, _txn_seq)``, recorded in
+   the pointer): Spark replays the last batch after a crash, and a new query
+   (a new checkpoint, whose batch ids start at 0 again) may start before
+   that point. Idempotence by position, not by batch id: a new query that
+   starts later was skipped up to the old batch id;
+2. take the last change per key in what is left (ordered by
    ``_commit_scn``, ``_txn_seq``; an update that changed its row's key also
    deletes the old key, from its pre-image), drop the keys it touches (NULL
    keys included: a table keyed by all its columns) from the current
    copy, add the rows whose last change is not a delete (a truncate in the
    batch empties the copy first), and write the result to ``v=<batch_id>``
    in the batch's columns (after a schema change: a new column is null in the
-   rows kept, a dropped one goes, a retyped one is cast);
+   rows kept, a dropped one goes, a retyped one is cast); copies are numbered
+   in order (``v=<n>``), whatever the batch ids;
 3. replace the pointer atomically (write + rename), then remove older copies.
 
 A crash between 2 and 3 leaves an unreferenced directory that the replay
@@ -67,16 +72,20 @@ class ParquetMirror:
         return self.path / "_current.json"
 
     def current(self) -> dict[str, Any] | None:
-        """``{"batch_id": applied, "version": directory batch id}``, or None when empty."""
+        """``{"batch_id": applied, "version": directory number, "applied": {partition:
+        [scn, seq]}}``, or None when empty."""
         try:
             data: dict[str, Any] = json.loads(self._pointer.read_text())
         except FileNotFoundError:
             return None
         return data
 
-    def _set_current(self, batch_id: int, version: int | None) -> None:
+    def _set_current(
+        self, batch_id: int, version: int | None, applied: dict[str, list[int]]
+    ) -> None:
         tmp = self.path / "_current.json.tmp"
-        tmp.write_text(json.dumps({"batch_id": batch_id, "version": version}))
+        doc = {"batch_id": batch_id, "version": version, "applied": applied}
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, self._pointer)
 
     def _dir(self, version: int) -> Path:
@@ -96,18 +105,29 @@ class ParquetMirror:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         cur = self.current()
-        if cur is not None and int(cur["batch_id"]) >= batch_id:
-            log.info(
-                "batch %d is already in the mirror (at %d): skipped", batch_id, cur["batch_id"]
-            )
+        applied: dict[str, list[int]] = dict(cur.get("applied") or {}) if cur else {}
+        if cur is not None and not applied and int(cur["batch_id"]) >= batch_id:
+            # (a pointer of an older version: no positions, only the batch id)
+            log.info("batch %d is in the mirror (at %d): skipped", batch_id, cur["batch_id"])
             return
         version = None if cur is None else cur.get("version")
         df = df.persist()
         try:
-            new_version = self._apply(df, batch_id, version)
+            fresh = _after(df, applied)
+            newest = fresh.groupBy("_partition").agg(
+                F.max(F.struct(F.col("_commit_scn"), F.col("_txn_seq"))).alias("at")
+            )
+            seen = {
+                str(r["_partition"]): [int(r["at"][0]), int(r["at"][1])] for r in newest.collect()
+            }
+            if not seen:
+                log.info("batch %d holds no change after the mirror's: skipped", batch_id)
+                return
+            number = 0 if version is None else int(version) + 1
+            new_version = self._apply(fresh, number, version)
         finally:
             df.unpersist()
-        self._set_current(batch_id, new_version)
+        self._set_current(batch_id, new_version, {**applied, **seen})
         for child in self.path.glob("v=*"):
             if new_version is None or child.name != f"v={new_version}":
                 shutil.rmtree(child, ignore_errors=True)
@@ -190,6 +210,19 @@ class ParquetMirror:
             .withColumn("_change_type", F.lit("delete"))
             .select(*df.columns)
         )
+
+
+def _after(df: DataFrame, applied: dict[str, list[int]]) -> DataFrame:
+    """The rows of ``df`` after the newest change the mirror holds of their partition."""
+    if not applied:
+        return df
+    keep = F.lit(True)
+    for partition, (scn, seq) in applied.items():
+        later = (F.col("_commit_scn") > scn) | (
+            (F.col("_commit_scn") == scn) & (F.col("_txn_seq") > seq)
+        )
+        keep = F.when(F.col("_partition") == partition, later).otherwise(keep)
+    return df.where(keep)
 
 
 def _conform(df: DataFrame, schema: StructType) -> DataFrame:
