@@ -116,3 +116,9 @@ def test_replays_and_a_new_query_are_told_apart_by_position(spark: Any, tmp_path
     assert rows(spark, mirror) == [(1, "a2"), (3, "c")]
     current = mirror.current()
     assert current is not None and current["applied"] == {"pg": [31, 0]}
+    # a stream read without the _partition column: one partition
+    bare = ParquetMirror(tmp_path / "bare", ["id"])
+    bare(batch(spark, first).drop("_partition"), 0)
+    bare(batch(spark, first).drop("_partition"), 0)
+    assert rows(spark, bare) == [(1, "a"), (2, "b")]
+    assert (bare.current() or {})["applied"] == {"": [10, 1]}

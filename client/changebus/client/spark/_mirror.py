@@ -111,6 +111,8 @@ class ParquetMirror:
             log.info("batch %d is in the mirror (at %d): skipped", batch_id, cur["batch_id"])
             return
         version = None if cur is None else cur.get("version")
+        if "_partition" not in df.columns:  # (a stream read without it: one partition)
+            df = df.withColumn("_partition", F.lit(""))
         df = df.persist()
         try:
             fresh = _after(df, applied)
