@@ -486,16 +486,23 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         """``numPartitions`` sub-ranges (or key-hash slices) of every partition's ``(start, end]``.
 
         A range that starts before what the relays keep is one task when a
-        bootstrap server is configured (:func:`_needs_bootstrap`).
+        bootstrap server is configured (:func:`_needs_bootstrap`). A batch
+        replayed after a restart, which ``latestOffset`` did not plan, is held
+        against the schema guard when it goes through the bootstrap server: its
+        snapshot rows come at their newest version, which the guard stops at.
         """
         whole: set[str] = set()
         if self.opts.bootstrap:
             planned, self._planned = self._planned, None
             if planned is not None and planned[0] == _offsets_key(start):
                 bounds = planned[1]  # latestOffset of this batch asked already
+                whole = _needs_bootstrap(self.opts, start, bounds)
             else:
                 bounds = self._bounds()  # a batch replayed after a restart
-            whole = _needs_bootstrap(self.opts, start, bounds)
+                whole = _needs_bootstrap(self.opts, start, bounds)
+                if whole:  # evicted while the query was down: its versions, checked now
+                    ends = {str(n): int(e) for n, e in end.items()}
+                    run_sync(self._guard.check(start, ends, whole))
         cuts = _split_points(self.opts, start, end, whole)
         return _range_partitions(self.opts, start, end, whole, cuts)
 
