@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from test_mysql_fetcher import execute
-from test_mysql_oversized import binlog_events
+from test_mysql_oversized import binlog_events, feed
 
 from changebus.fetchers.mysql import BinlogAssembler, DeclaredTypes, EmbeddedMariaDB
 from changebus.schemas import Op, SchemaRegistry, parse_stream
@@ -26,44 +26,34 @@ from changebus.schemas import Op, SchemaRegistry, parse_stream
 pytestmark = pytest.mark.mysql
 
 
-def _events(server: EmbeddedMariaDB, db: str) -> list[Any]:
-    """The binlog events of one transaction inserting a row into a new table."""
-    execute(server, db, "CREATE TABLE t (id int PRIMARY KEY, v varchar(20))")
+def _binlog_of(server: EmbeddedMariaDB, db: str, *statements: str) -> list[Any]:
+    """The binlog events ``statements`` write, run in one session (then committed)."""
     conn = server.connect(db)
     try:
         with conn.cursor() as cur:
             cur.execute("SHOW MASTER STATUS")
             file, pos = cur.fetchone()[:2]
-            cur.execute("INSERT INTO t VALUES (1, 'a')")
+            for statement in statements:
+                cur.execute(statement)
         conn.commit()
     finally:
         conn.close()
     return list(binlog_events(server, file, int(pos)))
 
 
+def _events(server: EmbeddedMariaDB, db: str) -> list[Any]:
+    """The binlog events of one transaction inserting a row into a new table."""
+    execute(server, db, "CREATE TABLE t (id int PRIMARY KEY, v varchar(20))")
+    return _binlog_of(server, db, "INSERT INTO t VALUES (1, 'a')")
+
+
 def _feed(assembler: BinlogAssembler, events: list[Any], upto: str = "") -> list[Any]:
     """Feed ``events`` (until the first of class ``upto``); the windows made."""
-    from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
-    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
-
     windows = []
     for event in events:
         if type(event).__name__ == upto:
             break
-        window = None
-        if isinstance(event, RotateEvent):
-            assembler.rotate(event.next_binlog)
-        elif isinstance(event, MariadbGtidEvent):
-            start = event.packet.log_pos - event.packet.event_size
-            assembler.begin(event.gtid, event.timestamp, event.flags, start)
-        elif isinstance(event, TableMapEvent):
-            assembler.table_map(event)
-        elif isinstance(event, WriteRowsEvent):
-            assembler.rows(event, Op.INSERT)
-        elif isinstance(event, XidEvent):
-            window = assembler.commit(event.packet.log_pos)
-        elif isinstance(event, QueryEvent):
-            window = assembler.query(event, event.packet.log_pos)
+        window = feed(assembler, event)
         if window is not None:
             windows.append(window)
     return windows
@@ -114,25 +104,26 @@ def test_rows_rolled_back_to_a_savepoint_are_not_sent(
         "CREATE TABLE i (id int PRIMARY KEY) ENGINE=InnoDB",
         "CREATE TRIGGER i_to_m AFTER INSERT ON i FOR EACH ROW INSERT INTO m VALUES (NEW.id)",
     )
+    events = _binlog_of(
+        mysql_server,
+        mysql_db,
+        "BEGIN",
+        "INSERT INTO i VALUES (1)",
+        "ROLLBACK",
+        "BEGIN",
+        "INSERT INTO i VALUES (2)",
+        "SAVEPOINT `s``1`",
+        "INSERT INTO i VALUES (3)",
+        "ROLLBACK TO SAVEPOINT `s``1`",
+        "COMMIT",
+    )
     conn = mysql_server.connect(mysql_db)
     try:
         with conn.cursor() as cur:
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-            cur.execute("BEGIN")
-            cur.execute("INSERT INTO i VALUES (1)")
-            cur.execute("ROLLBACK")
-            cur.execute("BEGIN")
-            cur.execute("INSERT INTO i VALUES (2)")
-            cur.execute("SAVEPOINT `s``1`")
-            cur.execute("INSERT INTO i VALUES (3)")
-            cur.execute("ROLLBACK TO SAVEPOINT `s``1`")
-            cur.execute("COMMIT")
             cur.execute("SELECT id FROM i")
-            assert [r[0] for r in cur.fetchall()] == [2]
+            assert [r[0] for r in cur.fetchall()] == [2]  # (3 was rolled back)
     finally:
         conn.close()
-    events = list(binlog_events(mysql_server, file, int(pos)))
     assert any("ROLLBACK TO" in str(getattr(e, "query", "")) for e in events)
     assembler = BinlogAssembler(1, SchemaRegistry(), DeclaredTypes(), databases=(mysql_db,))
     windows = _feed(assembler, events)

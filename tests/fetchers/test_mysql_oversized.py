@@ -67,13 +67,32 @@ def binlog_events(server: EmbeddedMariaDB, file: str, pos: int) -> Iterator[Any]
         reader.close()
 
 
+def feed(assembler: BinlogAssembler, event: Any) -> Any:
+    """Hand one binlog event to ``assembler`` as the fetcher's stream does; the window
+    (or pending window) it ends, else None."""
+    from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
+    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
+
+    if isinstance(event, RotateEvent):
+        assembler.rotate(event.next_binlog)
+    elif isinstance(event, MariadbGtidEvent):
+        start = event.packet.log_pos - event.packet.event_size
+        assembler.begin(event.gtid, event.timestamp, event.flags, start)
+    elif isinstance(event, TableMapEvent):
+        assembler.table_map(event)
+    elif isinstance(event, WriteRowsEvent):
+        assembler.rows(event, Op.INSERT)
+    elif isinstance(event, XidEvent):
+        return assembler.commit(event.packet.log_pos)
+    elif isinstance(event, QueryEvent):
+        return assembler.query(event, event.packet.log_pos)
+    return None
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_oversized_transaction_keeps_no_events_or_futures(
     mysql_server: EmbeddedMariaDB, mysql_db: str, workers: int
 ) -> None:
-    from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
-    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
-
     execute(mysql_server, mysql_db, "CREATE TABLE big (id int PRIMARY KEY, v varchar(500))")
     conn = mysql_server.connect(mysql_db)
     try:
@@ -99,19 +118,7 @@ def test_an_oversized_transaction_keeps_no_events_or_futures(
         )
         peak, windows = 0, []
         for event in binlog_events(mysql_server, file, int(pos)):
-            window = None
-            if isinstance(event, RotateEvent):
-                assembler.rotate(event.next_binlog)
-            elif isinstance(event, MariadbGtidEvent):
-                assembler.begin(event.gtid, event.timestamp, event.flags)
-            elif isinstance(event, TableMapEvent):
-                assembler.table_map(event)
-            elif isinstance(event, WriteRowsEvent):
-                assembler.rows(event, Op.INSERT)
-            elif isinstance(event, XidEvent):
-                window = assembler.commit(event.packet.log_pos)
-            elif isinstance(event, QueryEvent):
-                window = assembler.query(event, event.packet.log_pos)
+            window = feed(assembler, event)
             peak = max(peak, assembler.held_parts)
             if window is not None:
                 windows.append(window if not hasattr(window, "resolve") else window.resolve())

@@ -407,29 +407,31 @@ def _first_byte(sock: socket.socket, seconds: float) -> None:
     assert sock.recv(1, socket.MSG_PEEK)
 
 
+def append_windows(buffer: EventBuffer, scn: int, *, windows: int = 0, upto_pos: int = 0) -> int:
+    """Append ``windows`` big windows from ``scn`` (or until the tail reaches ``upto_pos``);
+    the next SCN."""
+    while windows > 0 or buffer.meta.tail_pos < upto_pos:
+        buffer.append_window(big_window(scn))
+        scn, windows = scn + 1, windows - 1
+    return scn
+
+
 def test_the_writer_overruns_a_stalled_pin_at_once_and_waits_for_others(tmp_path: Path) -> None:
     buffer = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=1 << 20, pin_timeout_s=0.5))
     try:
-        scn = 1
-        while buffer.meta.tail_pos < 900_000:
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, 1, upto_pos=900_000)
         stuck = buffer.select(-1, -1, 1 << 20)
         assert stuck is not None and stuck.pin is not None
         buffer.stall(stuck.pin)
         t0 = time.monotonic()
-        for _ in range(20):  # past the whole ring
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, scn, windows=20)  # past the whole ring
         assert time.monotonic() - t0 < 0.4  # not the 0.5 s pin timeout
         assert not buffer.release(stuck)  # overrun: its reader aborts
         assert buffer.stats["pins_overrun"] == 1
         slow = buffer.select(-1, -1, 1 << 20)  # a reader still making progress
         assert slow is not None
         t0 = time.monotonic()
-        for _ in range(20):
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, scn, windows=20)
         assert time.monotonic() - t0 >= 0.5  # waited its pin_timeout_s for it, as before
         assert not buffer.release(slow)
     finally:
@@ -442,19 +444,14 @@ def test_the_writer_waits_only_for_readers_about_to_finish(tmp_path: Path) -> No
     to finish is waited for."""
     buffer = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=1 << 20, pin_timeout_s=2))
     try:
-        scn = 1
-        while buffer.meta.tail_pos < 900_000:
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, 1, upto_pos=900_000)
         slow = buffer.select(-1, -1, 1 << 20)
         assert slow is not None and slow.pin is not None
         # a tenth of its bytes in one second: nine seconds to go
         pin = slow.pin
         pin.total, pin.sent, pin.since = slow.nbytes, slow.nbytes // 10, time.monotonic() - 1
         t0 = time.monotonic()
-        for _ in range(20):  # past the whole ring
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, scn, windows=20)  # past the whole ring
         assert time.monotonic() - t0 < 1  # not the 2 s pin timeout
         assert not buffer.release(slow) and buffer.stats["pins_overrun"] == 1
         # nine tenths in a fifth of a second: about to finish, so the writer waits for it
@@ -466,9 +463,7 @@ def test_the_writer_waits_only_for_readers_about_to_finish(tmp_path: Path) -> No
         finish = threading.Timer(0.4, lambda: done.append(buffer.release(fast)))
         finish.start()
         t0 = time.monotonic()
-        for _ in range(20):
-            buffer.append_window(big_window(scn))
-            scn += 1
+        scn = append_windows(buffer, scn, windows=20)
         finish.join()
         assert time.monotonic() - t0 >= 0.35 and done == [True]  # waited; not overrun
         assert buffer.stats["pins_overrun"] == 1

@@ -316,14 +316,15 @@ class Replica(AsyncCallbacks):
         conn = self._connection()
         for event in events:
             self._ensure_table(conn, event)
-        shared = self.shared_tables and self._shared_setup(conn, partition, events)
+        if self.shared_tables:
+            self._shared_setup(conn, partition, events)
         with self._transaction(conn):
-            self._write_rows(conn, events, partition if shared else None)
+            self._write_rows(conn, events, partition if self.shared_tables else None)
             self._write_checkpoint(conn, checkpoint)
 
-    def _shared_setup(self, conn: Any, partition: str, events: list[ChangeEvent]) -> bool:
+    def _shared_setup(self, conn: Any, partition: str, events: list[ChangeEvent]) -> None:
         """Make sure the truncation records of ``events``' tables exist (their own
-        transactions; before the window's); True."""
+        transactions; before the window's)."""
         if not self._shared_ready:
             self._create_missing(conn, self._shared.table, self._shared.create)
             self._shared_ready = True
@@ -332,7 +333,6 @@ class Replica(AsyncCallbacks):
         if missing:
             with self._transaction(conn):
                 self._shared.add(conn, partition, missing)
-        return True
 
     def _write_rows(self, conn: Any, events: list[ChangeEvent], shared: str | None) -> None:
         """Write a window's rows (in its transaction); ``shared``: the partition of

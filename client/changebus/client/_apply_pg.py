@@ -147,41 +147,40 @@ class PostgresReplica(UnitReplica):
         (:mod:`._apply_pgtypes`); another writer doing the same at once is fine."""
         import psycopg
 
+        types = self._column_types(conn, table)
         for column in schema.columns:
-            for attempt in (1, 2):
-                have = self._column_types(conn, table).get(column.name)
-                want = canonical(self._column_type(column))
-                target = join(have, want) if have is not None else None
-                if target is None or target == have:
-                    break
-                name = self._quote(column.name)
-                try:
-                    with self._transaction(conn):
-                        self._execute(
-                            conn,
-                            f"ALTER TABLE {self._qualified(table)} ALTER COLUMN {name}"
-                            f" TYPE {target} USING {name}::{target}",
-                        )
-                except psycopg.Error as exc:
-                    if session_lost(exc):
-                        raise  # the window is tried again on a new connection
-                    if attempt == 2:
-                        raise ConfigError(
-                            f"replica table {table}: column {column.name!r} cannot change from "
-                            f"{have} to {target} (source {schema.name} version "
-                            f"{schema.version}): {scrub_exception(exc, (self._dsn,))}"
-                        ) from None
-                    continue  # another writer changed it meanwhile: look again
-                log.warning(
-                    "replica table %s: column %s widened from %s to %s (source %s version %d)",
-                    table,
-                    column.name,
-                    have,
-                    target,
-                    schema.name,
-                    schema.version,
-                )
-                break
+            have, want = types.get(column.name), canonical(self._column_type(column))
+            target = join(have, want) if have else None
+            if target is None or target == have:
+                continue
+            name = self._quote(column.name)
+            try:
+                with self._transaction(conn):
+                    self._execute(
+                        conn,
+                        f"ALTER TABLE {self._qualified(table)} ALTER COLUMN {name}"
+                        f" TYPE {target} USING {name}::{target}",
+                    )
+            except psycopg.Error as exc:
+                if session_lost(exc):
+                    raise  # the window is tried again on a new connection
+                now = self._column_types(conn, table).get(column.name)
+                if now is not None and join(now, want) == now:
+                    continue  # another writer widened it meanwhile
+                raise ConfigError(
+                    f"replica table {table}: column {column.name!r} cannot change from "
+                    f"{have} to {target} (source {schema.name} version {schema.version}): "
+                    f"{scrub_exception(exc, (self._dsn,))}"
+                ) from None
+            log.warning(
+                "replica table %s: column %s widened from %s to %s (source %s version %d)",
+                table,
+                column.name,
+                have,
+                target,
+                schema.name,
+                schema.version,
+            )
 
     def _column_types(self, conn: Any, table: str) -> dict[str, str]:
         """The table's columns and their types, as ``format_type`` spells them."""

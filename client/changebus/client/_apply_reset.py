@@ -69,11 +69,6 @@ class TableLedger:
         """``consumer`` starts from nothing: its ledger lists every table it writes."""
         self._execute(conn, self._insert, (consumer, _COMPLETE))
 
-    def tables(self, conn: Any, consumer: str) -> list[str]:
-        """The tables ``consumer`` wrote."""
-        rows = self._execute(conn, self._select, (consumer,))
-        return [str(t) for (t,) in rows if t != _COMPLETE]
-
     def check_resettable(self, conn: Any, consumer: str) -> list[str]:
         """``consumer``'s tables, or :class:`ConfigError` when a reset cannot be trusted
         (module docstring)."""

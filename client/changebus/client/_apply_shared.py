@@ -50,8 +50,8 @@ class SharedTables:
 
     ``execute(conn, sql, params)`` runs one statement and returns its rows;
     ``quote`` quotes an identifier; ``placeholder`` is the DB-API
-    parameter mark; ``lock`` maps "share"/"update" to the dialect's row
-    lock clause (empty when transactions are serial already).
+    parameter mark; ``lock(exclusive)`` is the dialect's row lock clause
+    for a read (empty when transactions are serial already).
     """
 
     def __init__(

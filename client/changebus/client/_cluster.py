@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from changebus.cluster import (
     ClusterConfig,
@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: a member's URL must be one of these to be used (others are skipped)
 _SCHEMES = ("http://", "https://")
@@ -279,14 +281,7 @@ async def read_route(
         found.extend(_serving_all(snap, kind))
         return tuple(dict.fromkeys(found))
 
-    for fresh in (False, True):
-        snap, cached = await _table_snapshot(
-            zookeeper, cluster, partitions, session_timeout_s, fresh
-        )
-        urls = route(snap)
-        if urls or not cached:
-            break
-    return urls
+    return await _look(zookeeper, cluster, partitions, session_timeout_s, route, bool)
 
 
 async def read_routes(
@@ -313,14 +308,14 @@ async def read_routes(
             for p in _route_names(snap, partitions, kind)
         }
 
-    for fresh in (False, True):
-        snap, cached = await _table_snapshot(
-            zookeeper, cluster, partitions, session_timeout_s, fresh
-        )
-        found = routes(snap)
-        if (found and all(found.values())) or not cached:
-            break
-    return found
+    return await _look(
+        zookeeper,
+        cluster,
+        partitions,
+        session_timeout_s,
+        routes,
+        lambda found: bool(found) and all(found.values()),
+    )
 
 
 #: how long one-look readers reuse a routing snapshot (seconds; module docstring)
@@ -330,12 +325,32 @@ _SNAPSHOTS: dict[tuple[str, str], tuple[float, RoutingSnapshot]] = {}
 _SNAPSHOTS_LOCK = threading.Lock()
 
 
+async def _look(
+    zookeeper: str,
+    cluster: str,
+    partitions: tuple[str, ...],
+    session_timeout_s: float,
+    answer: Callable[[RoutingSnapshot], T],
+    whole: Callable[[T], bool],
+) -> T:
+    """``answer`` of the shared snapshot; of a fresh one when it is not ``whole`` (a
+    member that registered meanwhile is not kept waiting)."""
+    snap, cached = await _table_snapshot(zookeeper, cluster, partitions, session_timeout_s)
+    found = answer(snap)
+    if cached and not whole(found):
+        snap, _ = await _table_snapshot(
+            zookeeper, cluster, partitions, session_timeout_s, fresh=True
+        )
+        found = answer(snap)
+    return found
+
+
 async def _table_snapshot(
     zookeeper: str,
     cluster: str,
     partitions: tuple[str, ...],
     session_timeout_s: float,
-    fresh: bool,
+    fresh: bool = False,
 ) -> tuple[RoutingSnapshot, bool]:
     """The routing table now (``fresh``), or as read less than :data:`SNAPSHOT_TTL_S` ago;
     and whether it is that older one (a reader that finds nobody serving in it looks

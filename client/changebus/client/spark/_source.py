@@ -494,15 +494,13 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         whole: set[str] = set()
         if self.opts.bootstrap:
             planned, self._planned = self._planned, None
-            if planned is not None and planned[0] == _offsets_key(start):
-                bounds = planned[1]  # latestOffset of this batch asked already
-                whole = _needs_bootstrap(self.opts, start, bounds)
-            else:
-                bounds = self._bounds()  # a batch replayed after a restart
-                whole = _needs_bootstrap(self.opts, start, bounds)
-                if whole:  # evicted while the query was down: its versions, checked now
-                    ends = {str(n): int(e) for n, e in end.items()}
-                    run_sync(self._guard.check(start, ends, whole))
+            replayed = planned is None or planned[0] != _offsets_key(start)
+            # (latestOffset of this batch asked already, unless replayed after a restart)
+            bounds = self._bounds() if planned is None or replayed else planned[1]
+            whole = _needs_bootstrap(self.opts, start, bounds)
+            if replayed and whole:  # evicted while the query was down: versions checked now
+                ends = {str(n): int(e) for n, e in end.items()}
+                run_sync(self._guard.check(start, ends, whole))
         cuts = _split_points(self.opts, start, end, whole)
         return _range_partitions(self.opts, start, end, whole, cuts)
 
