@@ -21,7 +21,16 @@ from test_mysql_fetcher import execute
 from test_mysql_oversized import binlog_events, feed
 
 from changebus.fetchers.mysql import BinlogAssembler, DeclaredTypes, EmbeddedMariaDB
-from changebus.schemas import Op, SchemaRegistry, parse_stream
+from changebus.fetchers.mysql._workers import start_workers
+from changebus.schemas import (
+    ChangeDecoder,
+    Op,
+    SchemaRegistry,
+    decode_header,
+    event_at,
+    key_hash,
+    parse_stream,
+)
 
 pytestmark = pytest.mark.mysql
 
@@ -130,3 +139,53 @@ def test_rows_rolled_back_to_a_savepoint_are_not_sent(
     # the trigger's MyISAM rows 1, 2, 3 (they persisted), then the transaction: row 2 only
     assert [_ops(w).count(Op.INSERT) for w in windows] == [1, 1, 1, 1]
     assert assembler.row_count == 4
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_update_changing_the_key_is_followed_by_the_old_keys_delete(
+    mysql_server: EmbeddedMariaDB, mysql_db: str, workers: int
+) -> None:
+    """Key filters (the relay's, a consumer group's) route an event by its key's hash:
+    an update moving a row to another key reached only the new key's reader, and the
+    old key's row stayed with its reader, or was deleted there out of order (found by
+    review). The old key's DELETE now follows the update, routed by the old key."""
+    execute(mysql_server, mysql_db, "CREATE TABLE k (id int PRIMARY KEY, v varchar(20))")
+    events = _binlog_of(
+        mysql_server,
+        mysql_db,
+        "BEGIN",
+        "INSERT INTO k VALUES (1, 'a'), (2, 'b')",
+        "UPDATE k SET id = 7 WHERE id = 1",
+        "UPDATE k SET v = 'c' WHERE id = 2",
+        "COMMIT",
+    )
+    pool = start_workers(workers, "keys") if workers else None
+    try:
+        assembler = BinlogAssembler(
+            1, SchemaRegistry(), DeclaredTypes(), databases=(mysql_db,), pool=pool
+        )
+        (made,) = _feed(assembler, events)
+        window = made.resolve() if hasattr(made, "resolve") else made
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    offsets, headers = parse_stream(window.data)
+    table = assembler.registry.latest(f"{mysql_db}.k")
+    dec = ChangeDecoder(table)
+    seen = []
+    for off, h in zip(offsets.tolist(), headers, strict=True):
+        op = Op(int(h["op"]))
+        if op.is_control:
+            continue
+        key, payload = event_at(window.data, off, decode_header(window.data, off))
+        assert int(h["key_hash"]) == key_hash(bytes(key))
+        change = dec.decode(bytes(payload))
+        seen.append((op, dec.decode_key(bytes(key))["id"], change.after, change.before))
+    assert seen == [
+        (Op.INSERT, 1, {"id": 1, "v": "a"}, None),
+        (Op.INSERT, 2, {"id": 2, "v": "b"}, None),
+        (Op.UPDATE, 7, {"id": 7, "v": "a"}, {"id": 1, "v": "a"}),
+        (Op.DELETE, 1, None, {"id": 1, "v": "a"}),  # routed by the old key
+        (Op.UPDATE, 2, {"id": 2, "v": "c"}, {"id": 2, "v": "b"}),  # same key: nothing more
+    ]
+    assert assembler.row_count == 5

@@ -42,7 +42,12 @@ def _connect(**settings: Any) -> Any:
 def binlog_events(server: EmbeddedMariaDB, file: str, pos: int) -> Iterator[Any]:
     from pymysqlreplication import BinLogStreamReader
     from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
-    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
+    from pymysqlreplication.row_event import (
+        DeleteRowsEvent,
+        TableMapEvent,
+        UpdateRowsEvent,
+        WriteRowsEvent,
+    )
 
     reader = BinLogStreamReader(
         connection_settings={"host": "127.0.0.1", "port": server.port, "user": "root"},
@@ -58,6 +63,8 @@ def binlog_events(server: EmbeddedMariaDB, file: str, pos: int) -> Iterator[Any]
             QueryEvent,
             TableMapEvent,
             WriteRowsEvent,
+            UpdateRowsEvent,
+            DeleteRowsEvent,
             XidEvent,
         ],
     )
@@ -71,7 +78,12 @@ def feed(assembler: BinlogAssembler, event: Any) -> Any:
     """Hand one binlog event to ``assembler`` as the fetcher's stream does; the window
     (or pending window) it ends, else None."""
     from pymysqlreplication.event import MariadbGtidEvent, QueryEvent, RotateEvent, XidEvent
-    from pymysqlreplication.row_event import TableMapEvent, WriteRowsEvent
+    from pymysqlreplication.row_event import (
+        DeleteRowsEvent,
+        TableMapEvent,
+        UpdateRowsEvent,
+        WriteRowsEvent,
+    )
 
     if isinstance(event, RotateEvent):
         assembler.rotate(event.next_binlog)
@@ -82,6 +94,10 @@ def feed(assembler: BinlogAssembler, event: Any) -> Any:
         assembler.table_map(event)
     elif isinstance(event, WriteRowsEvent):
         assembler.rows(event, Op.INSERT)
+    elif isinstance(event, UpdateRowsEvent):
+        assembler.rows(event, Op.UPDATE)
+    elif isinstance(event, DeleteRowsEvent):
+        assembler.rows(event, Op.DELETE)
     elif isinstance(event, XidEvent):
         return assembler.commit(event.packet.log_pos)
     elif isinstance(event, QueryEvent):

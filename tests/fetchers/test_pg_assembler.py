@@ -56,6 +56,7 @@ def replay(windows: list[Any], asm: Assembler) -> dict[str, dict[tuple[Any, ...]
     state: dict[str, dict[tuple[Any, ...], dict[str, Any]]] = {}
     last_scn = -1
     decoders: dict[tuple[int, int], ChangeDecoder] = {}
+    companion: tuple[str, tuple[Any, ...]] | None = None
     for w in windows:
         assert w.scn > last_scn
         last_scn = w.scn
@@ -79,18 +80,27 @@ def replay(windows: list[Any], asm: Assembler) -> dict[str, dict[tuple[Any, ...]
             change = dec.decode(payload)
             if h.op == Op.DELETE:
                 assert change.before is not None
-                del rows[tuple(change.before[k] for k in table.key)]
+                gone = tuple(change.before[k] for k in table.key)
+                if companion is not None:  # the old key's DELETE after its key change
+                    assert companion == (name, gone) and gone not in rows
+                    companion = None
+                    continue
+                del rows[gone]
                 continue
+            assert companion is None, "a key change without the old key's DELETE after it"
             assert change.after is not None
             if change.before is not None:  # a key change moves the row
                 old_key = tuple(change.before[k] for k in table.key)
                 prev = rows.pop(old_key, {})
+                if old_key != tuple(change.after[k] for k in table.key):
+                    companion = (name, old_key)
             else:
                 prev = rows.get(tuple(change.after[k] for k in table.key), {})
             row = dict(change.after)
             for col in change.after_not_sent:
                 row[col] = prev[col]  # unchanged TOAST: keep what the replica has
             rows[tuple(row[k] for k in table.key)] = row
+    assert companion is None, "a key change without the old key's DELETE after it"
     return state
 
 

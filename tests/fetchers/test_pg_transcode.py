@@ -217,14 +217,11 @@ def test_full_identity_without_a_key_has_nullable_key_columns(
             if int(h["op"]) < 16:
                 key, _ = event_at(data, off, decode_header(data, off))
                 keys.append(dec.decode_key(bytes(key)))
-    assert keys == [
-        {"a": 1, "b": 2, "t": "x", "d": datetime.date(2020, 1, 1)},
-        {"a": 3, "b": 4, "t": "y", "d": None},
-        {"a": None, "b": None, "t": None, "d": None},
-        {"a": 1, "b": 2, "t": "z", "d": datetime.date(2020, 1, 1)},
-        {"a": 3, "b": 4, "t": "w", "d": None},
-        {"a": None, "b": None, "t": None, "d": None},
-    ]
+    x = {"a": 1, "b": 2, "t": "x", "d": datetime.date(2020, 1, 1)}
+    y = {"a": 3, "b": 4, "t": "y", "d": None}
+    nulls = {"a": None, "b": None, "t": None, "d": None}
+    # an update changes the whole-row key: the old key's DELETE follows it
+    assert keys == [x, y, nulls, {**x, "t": "z"}, x, {**y, "t": "w"}, y, nulls]
 
 
 def test_an_unchanged_toasted_value_of_an_all_column_key_comes_from_the_old_row(
@@ -256,5 +253,39 @@ def test_an_unchanged_toasted_value_of_an_all_column_key_comes_from_the_old_row(
                 keys.append(dec.decode_key(bytes(key)))
                 change = dec.decode(bytes(payload))
                 afters.append(change.after_not_sent)
-    assert keys == [{"a": 1, "big": big}, {"a": 2, "big": big}, {"a": 2, "big": big}]
+    one, two = {"a": 1, "big": big}, {"a": 2, "big": big}
+    assert keys == [one, two, one, two]  # the update, then the old key's DELETE
     assert afters[1] == ()  # the value is sent, not listed as unchanged
+
+
+def test_full_identity_fills_unchanged_toasted_values_and_a_key_change_deletes_the_old_key(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """With REPLICA IDENTITY FULL the old row is whole (pgoutput flattens its TOASTed
+    values): an unchanged TOASTed value of the new row is taken from it, so the update
+    is whole, and writers that cannot move rows between keys (a consumer group's units)
+    need nothing they lack. An update changing the key is followed by the old key's
+    DELETE, on both paths, byte for byte."""
+    conn.execute("CREATE TABLE docs (id int PRIMARY KEY, n int, big text)")
+    conn.execute("ALTER TABLE docs ALTER COLUMN big SET STORAGE EXTERNAL")
+    conn.execute("ALTER TABLE docs REPLICA IDENTITY FULL")
+    big = "z" * 5000
+    conn.execute("INSERT INTO docs VALUES (1, 1, %s)", (big,))
+    conn.execute("UPDATE docs SET n = 2")  # big: unchanged, TOASTed
+    conn.execute("UPDATE docs SET id = 5, n = 3")  # a key change, big unchanged
+    datas, fast = both_paths(conn)
+    assert fast.rows_transcoded == 3
+    table = fast.registry.latest("public.docs")
+    dec = ChangeDecoder(table)
+    seen = []
+    for data in datas:
+        offsets, headers = parse_stream(data)
+        for off, h in zip(offsets.tolist(), headers, strict=True):
+            if int(h["op"]) < 16:
+                key, payload = event_at(data, off, decode_header(data, off))
+                change = dec.decode(bytes(payload))
+                after = None if change.after is None else change.after["n"], change.after_not_sent
+                seen.append((int(h["op"]), dec.decode_key(bytes(key))["id"], after))
+                if change.after is not None:
+                    assert change.after["big"] == big
+    assert seen == [(1, 1, (1, ())), (2, 1, (2, ())), (2, 5, (3, ())), (3, 1, (None, ()))]

@@ -14,6 +14,8 @@ are idempotent anyway:
   key deletes the old key first;
 * DELETE -- ``DELETE ... WHERE key``; TRUNCATE -- ``DELETE FROM`` the table.
 
+(The statements: :mod:`._apply_rows`.)
+
 Tables several writers share (the units of a consumer group, consumers
 with key filters writing to one database: :attr:`Replica.shared_tables`)
 apply a TRUNCATE once for all of them, and drop changes it made dead
@@ -44,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -58,17 +60,18 @@ from changebus.schemas import (
 )
 
 from ._apply_reset import TableLedger, reset_config
+from ._apply_rows import RowStatements, runs
 from ._apply_shared import SharedTables
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
-from ._model import ChangeEvent, ChangeOp, Window
+from ._model import ChangeEvent, Window
 
 __all__ = ["Replica"]
 
 log = logging.getLogger(__name__)
 
 
-class Replica(AsyncCallbacks):
+class Replica(RowStatements, AsyncCallbacks):
     """Base of the database replicas (module docstring); use a dialect subclass.
 
     ``consumer_name`` keys the stored checkpoint (several replicas may share
@@ -340,7 +343,7 @@ class Replica(AsyncCallbacks):
         truncated: dict[str, tuple[int, int]] = {}
         if shared is not None:
             events, truncated = self._shared.filter(conn, shared, events, self.table_for)
-        for sql, rows in runs(self._statements(events)):
+        for sql, rows in runs(self._statements(events, shared is not None)):
             self._executemany(conn, sql, rows)
         if truncated:
             assert shared is not None
@@ -396,88 +399,6 @@ class Replica(AsyncCallbacks):
             return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)})"
         key = ", ".join(q(k) for k in schema.key)
         return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)}, PRIMARY KEY ({key}))"
-
-    def _statements(self, events: list[ChangeEvent]) -> Iterator[tuple[str, list[Any]]]:
-        q, p = self._quote, self.placeholder
-        for e in events:
-            schema = e.schema
-            assert schema is not None
-            table = self._qualified(self.table_for(e.table))
-            key = schema.key
-            where = " AND ".join(f"{q(k)} = {p}" for k in key)
-            if e.op is ChangeOp.TRUNCATE:
-                yield f"DELETE FROM {table}", []
-                continue
-            if schema.nullable_key:
-                yield from self._whole_row_statements(e, table)
-                continue
-            if e.op is ChangeOp.DELETE or e.after is None:
-                image = e.key or (e.before or {})
-                yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
-                continue
-            skip = set(e.not_sent)
-            if e.before is not None:
-                old = {k: e.before.get(k) for k in key}
-                if all(v is not None for v in old.values()) and old != {k: e.key[k] for k in key}:
-                    old_values = [self._adapt(old[k]) for k in key]
-                    if skip:
-                        # columns not sent keep their value: move the row to its new key,
-                        # unless a row holds that key already (a replay over newer state: a
-                        # bootstrap's catch-up), whose values are at least as new; the old
-                        # key's row goes either way (what follows in the log brings back
-                        # whatever came to it later)
-                        new_values = [self._adapt(e.key[k]) for k in key]
-                        sets = ", ".join(f"{q(k)} = {p}" for k in key)
-                        taken = " AND ".join(f"x.{q(k)} = {p}" for k in key)
-                        yield (
-                            f"UPDATE {table} SET {sets} WHERE {where} AND NOT EXISTS"
-                            f" (SELECT 1 FROM {table} AS x WHERE {taken})",
-                            new_values + old_values + new_values,
-                        )
-                        yield f"DELETE FROM {table} WHERE {where}", old_values
-                    else:
-                        yield f"DELETE FROM {table} WHERE {where}", old_values
-            cols = [c for c in e.after if c not in skip]
-            values = [self._adapt(e.key[c] if c in e.key else e.after[c]) for c in cols]
-            updates = [c for c in cols if c not in key]
-            conflict = (
-                "DO UPDATE SET " + ", ".join(f"{q(c)} = excluded.{q(c)}" for c in updates)
-                if updates
-                else "DO NOTHING"
-            )
-            yield (
-                f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
-                f" VALUES ({', '.join(p for _ in cols)})"
-                f" ON CONFLICT ({', '.join(q(k) for k in key)}) {conflict}",
-                values,
-            )
-
-    def _whole_row_statements(self, e: ChangeEvent, table: str) -> Iterator[tuple[str, list[Any]]]:
-        """A change of a table keyed by all its columns (``nullable_key``: no primary
-        key, NULLs in the key): the old row goes (matched NULL-safely, by the key the
-        event names), the new one comes. Identical rows are one key: a delete or an
-        update removes all of them."""
-        q, p = self._quote, self.placeholder
-        key = e.schema.key if e.schema is not None else ()
-        where = " AND ".join(f"{q(k)} {self.null_safe_equal} {p}" for k in key)
-        old = e.before if e.after is not None else (e.key or e.before)
-        if old is not None and e.op is not ChangeOp.INSERT:
-            yield f"DELETE FROM {table} WHERE {where}", [self._adapt(old.get(k)) for k in key]
-        if e.op is ChangeOp.DELETE or e.after is None:
-            return
-        image = {k: (e.key[k] if k in e.key else e.after.get(k)) for k in key}
-        for k in e.not_sent:  # (events of older fetchers: an unchanged TOASTed key value)
-            if k in image and e.before is not None and k not in e.before_not_sent:
-                image[k] = e.before.get(k)
-        yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
-        cols = list(image)
-        yield (
-            f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
-            f" VALUES ({', '.join(p for _ in cols)})",
-            [self._adapt(image[c]) for c in cols],
-        )
-
-    # ---- running ----------------------------------------------------------
 
     async def run(self, config: ConsumerConfig) -> None:
         """Consume ``config``'s stream into this replica until :meth:`stop` or an error.
@@ -583,17 +504,3 @@ class Replica(AsyncCallbacks):
 def applied_before(stored: PartitionCheckpoint, window: Window) -> bool:
     """Whether ``window`` is at or below ``stored``: applied already, to be skipped."""
     return not window.bootstrapping and stored.window_scn >= window.scn and stored.window_offset < 0
-
-
-def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
-    """Consecutive statements with the same SQL, grouped for ``executemany``."""
-    sql: str | None = None
-    rows: list[list[Any]] = []
-    for text, params in statements:
-        if text != sql and sql is not None:
-            yield sql, rows
-            rows = []
-        sql = text
-        rows.append(params)
-    if sql is not None:
-        yield sql, rows

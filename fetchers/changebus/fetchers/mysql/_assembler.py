@@ -31,7 +31,8 @@
   version and fingerprint), so a restarted fetcher or a new leader in a
   relay cluster re-reads a window exactly as the previous reader wrote it;
 * WRITE / UPDATE / DELETE rows become INSERT / UPDATE (before and after
-  images) / DELETE (full before image) events; ``TRUNCATE`` becomes a
+  images; one changing the key is followed by the old key's DELETE, as in the
+  Postgres fetcher) / DELETE (full before image) events; ``TRUNCATE`` becomes a
   TRUNCATE event; other DDL updates the declared-type history
   (:class:`._ddl.DeclaredTypes`) and its window holds no text of the
   statement (it can hold passwords).

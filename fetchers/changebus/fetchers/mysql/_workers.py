@@ -69,7 +69,10 @@ def transcode_changes(
         return [(1, k, r, None, ns or (), ()) for k, r, ns in images]
     if op == 3:
         return [(3, k, None, r, (), ns or ()) for k, r, ns in images]
-    return [
-        (2, ak, a, b, ans or (), bns or ())
-        for (_, b, bns), (ak, a, ans) in zip(images[0::2], images[1::2], strict=True)
-    ]
+    out: list[tuple[int, bytes, bytes | None, bytes | None, Any, Any]] = []
+    append = out.append
+    for (bk, b, bns), (ak, a, ans) in zip(images[0::2], images[1::2], strict=True):
+        append((2, ak, a, b, ans or (), bns or ()))
+        if bk != ak:  # a key-changing update: the old key's delete follows (routed by it)
+            append((3, bk, None, b, (), bns or ()))
+    return out

@@ -14,6 +14,12 @@ returns a :class:`~changebus.fetchers.Window` at every Commit:
   ``REPLICA IDENTITY DEFAULT`` gives a key-only before-image (the other
   columns are listed as not sent), ``FULL`` the whole old row; unchanged
   TOASTed values are listed in ``after_not_sent``, never silently null;
+* an update that changes its row's key is followed by a DELETE of the old key
+  (its before-image), so that whoever reads by key routes both halves: the
+  relay's and a consumer group's key filters send each event by its own key's
+  hash, and the old key's reader must see its row go in its own order
+  (``docs/protocol.md``, "Key changes"); with ``FULL`` identity the new row's
+  unchanged TOASTed values are taken from the old row;
 * Truncate becomes one TRUNCATE event per table; transactional logical
   messages become MESSAGE events inside their window; a non-transactional
   one becomes a window of its own at SCN ``L - 1`` (:func:`message_scn`)
@@ -360,17 +366,17 @@ class Assembler:
             before, before_ns = self._row(table, old)
             if old_kind == "K":  # only the key columns were sent
                 before_ns = list(table.key_only_not_sent)
-        if after_ns and before is not None and table.schema.nullable_key:
-            # keyed by all its columns (FULL identity, no primary key): an unchanged
-            # TOASTed value is a key column, which the whole old row holds
-            for name in table.schema.key:
-                if name in after_ns and name not in before_ns:
-                    after_ns.remove(name)
-                    assert after is not None
-                    after[name] = before.get(name)
+        if after_ns and before is not None and old_kind == "O":
+            # the whole old row (FULL identity; pgoutput flattens its TOASTed values):
+            # an unchanged TOASTed value of the new row is the old row's
+            for name in [n for n in after_ns if n not in before_ns]:
+                after_ns.remove(name)
+                assert after is not None
+                after[name] = before.get(name)
+        encoder = table.encoder
         self._add(
             txn,
-            table.encoder.encode(
+            encoder.encode(
                 op,
                 txn.scn,
                 len(txn.events),
@@ -382,6 +388,24 @@ class Assembler:
             ),
         )
         txn.data_events += 1
+        if (
+            after is not None
+            and before is not None
+            and encoder.key_bytes(before) != encoder.key_bytes(after)
+        ):  # the old key's delete of a key-changing update (module docstring)
+            self._add(
+                txn,
+                encoder.encode(
+                    Op.DELETE,
+                    txn.scn,
+                    len(txn.events),
+                    txn.ts_ns,
+                    None,
+                    before,
+                    before_not_sent=before_ns,
+                ),
+            )
+            txn.data_events += 1
 
     # ---- COPY rows (the bootstrap seeder) -------------------------------
 
@@ -426,7 +450,7 @@ class Assembler:
             table = self._tables.get(int.from_bytes(buf[offset + 1 : offset + 5], "big"))
             if table is not None and not txn.oversized:
                 try:
-                    op, key, body = table.transcoder.change(buf, offset, end)
+                    op, key, body, old = table.transcoder.change(buf, offset, end)
                 except Fallback:
                     pass
                 except (IndexError, ValueError, TypeError, KeyError, struct.error):
@@ -434,10 +458,12 @@ class Assembler:
                 else:
                     if not table.announced:
                         self._announce(txn, table)
-                    self._add(
-                        txn, table.encoder.frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body)
-                    )
+                    frame = table.encoder.frame
+                    self._add(txn, frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body))
                     txn.data_events += 1
+                    if old is not None:  # the old key's delete of a key-changing update
+                        self._add(txn, frame(3, txn.scn, len(txn.events), txn.ts_ns, *old))
+                        txn.data_events += 1
                     self.rows_transcoded += 1
                     return None
             self.rows_general += 1

@@ -408,6 +408,15 @@ class Transcoder:
         self._rules = tuple(rules) if rules is not None else (None,) * self.ncols
         self._nullable_key = nullable_key
         self._tuple = self._generate(types, adapters, tuple(key))
+        #: a kept column's index among the tuple walker's pieces (excluded columns have none)
+        self._piece = {
+            n: i
+            for i, n in enumerate(
+                n
+                for n, r in zip(self.names, self._rules, strict=True)
+                if not (r is not None and r.action == "exclude")
+            )
+        }
         self._key_only_not_sent = _string_array(
             [
                 n
@@ -459,8 +468,12 @@ class Transcoder:
         fn = env["tuple_"]
         return fn
 
-    def change(self, buf: bytes, pos: int, end: int = -1) -> tuple[int, bytes, bytes]:
-        """``(op, key, body)`` of the I/U/D message ``buf[pos:end]`` (body = key + record).
+    def change(
+        self, buf: bytes, pos: int, end: int = -1
+    ) -> tuple[int, bytes, bytes, tuple[bytes, bytes] | None]:
+        """``(op, key, body, old)`` of the I/U/D message ``buf[pos:end]`` (body = key +
+        record); ``old`` is ``(old key, body)`` of the DELETE that follows an update
+        changing its row's key (the general path's, see the assembler), else None.
 
         ``end`` < 0: the message runs to the end of ``buf``. A message whose
         tuples would run past ``end`` is malformed (or truncated): raises
@@ -478,27 +491,33 @@ class Transcoder:
             if pos > end:
                 raise Fallback
             tail = b"\x00\x00\x00" if ns is None else b"\x00" + _string_array(ns) + b"\x00"
-            return 1, key, b"".join([key, b"\x02", *after, tail])
+            return 1, key, b"".join([key, b"\x02", *after, tail]), None
         if kind == 0x55:  # 'U'
             if marker == 0x4E:
                 after, key, ns, pos = self._tuple(buf, pos + 1)
                 if pos > end:
                     raise Fallback
                 tail = b"\x00\x00\x00" if ns is None else b"\x00" + _string_array(ns) + b"\x00"
-                return 2, key, b"".join([key, b"\x02", *after, tail])
+                return 2, key, b"".join([key, b"\x02", *after, tail]), None
             if marker != 0x4B and marker != 0x4F:
                 raise Fallback
-            before, _, bns, pos = self._tuple(buf, pos + 1)
+            before, old_key, bns, pos = self._tuple(buf, pos + 1)
             if pos >= end or buf[pos] != 0x4E:
                 raise Fallback
             after, key, ns, pos = self._tuple(buf, pos + 1)
             if pos > end:
                 raise Fallback
+            if ns is not None and marker == 0x4F:
+                after, ns = self._fill_unsent(after, ns, before, bns)
             before_ns = self._key_only_not_sent if marker == 0x4B else _string_array(bns)
+            body = b"".join([key, b"\x02", *after, b"\x02", *before, _string_array(ns), before_ns])
+            if old_key == key:
+                return 2, key, body, None
             return (
                 2,
                 key,
-                b"".join([key, b"\x02", *after, b"\x02", *before, _string_array(ns), before_ns]),
+                body,
+                (old_key, b"".join([old_key, b"\x00\x02", *before, b"\x00", before_ns])),
             )
         if kind == 0x44:  # 'D'
             if marker != 0x4B and marker != 0x4F:
@@ -507,8 +526,27 @@ class Transcoder:
             if pos > end:
                 raise Fallback
             before_ns = self._key_only_not_sent if marker == 0x4B else _string_array(bns)
-            return 3, key, b"".join([key, b"\x00\x02", *before, b"\x00", before_ns])
+            return 3, key, b"".join([key, b"\x00\x02", *before, b"\x00", before_ns]), None
         raise Fallback
+
+    def _fill_unsent(
+        self,
+        after: tuple[bytes, ...],
+        ns: list[str],
+        before: tuple[bytes, ...],
+        bns: list[str] | None,
+    ) -> tuple[tuple[bytes, ...], list[str] | None]:
+        """The new row's unchanged TOASTed values taken from the whole old row (FULL
+        identity), as the general path does: ``(after, the columns still not sent)``."""
+        filled = list(after)
+        left: list[str] = []
+        for name in ns:
+            if bns is not None and name in bns:
+                left.append(name)
+            else:
+                i = self._piece[name]
+                filled[i] = before[i]
+        return tuple(filled), left or None
 
 
 def _string_array(items: Sequence[str] | None) -> bytes:

@@ -1,0 +1,163 @@
+"""The SQL a replica writes a window's row changes with (one mixin, every dialect).
+
+:class:`RowStatements` turns decoded change events into ``(sql, params)``
+pairs, in event order; :func:`runs` groups consecutive pairs with the same
+text for ``executemany``. What each change becomes is described in
+:mod:`._apply` (upserts on the key, columns not sent kept, key moves, tables
+keyed by all their columns). Writers of tables other writers share
+(``shared``: a consumer group's units, key filters) leave an update's old key
+alone: the fetchers follow a key-changing update with the old key's DELETE,
+which reaches the old key's writer in its own order.
+
+The dialect supplies quoting, placeholders, the NULL-safe equality and value
+adaptation (the :class:`~._apply.Replica` subclasses). Pure functions of
+their input: no connection, no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from changebus.schemas import ConfigError
+
+from ._model import ChangeEvent, ChangeOp
+
+__all__ = ["RowStatements", "runs"]
+
+
+class RowStatements:
+    """The statement builder mixed into :class:`~._apply.Replica` (module docstring)."""
+
+    placeholder: ClassVar[str]
+    null_safe_equal: ClassVar[str]
+
+    def _quote(self, name: str) -> str:
+        raise NotImplementedError
+
+    def _qualified(self, table: str) -> str:
+        raise NotImplementedError
+
+    def _adapt(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def table_for(self, source: str) -> str:
+        raise NotImplementedError
+
+    def _statements(
+        self, events: list[ChangeEvent], shared: bool = False
+    ) -> Iterator[tuple[str, list[Any]]]:
+        """The statements writing ``events``; ``shared``: the tables are shared by
+        writers of other keys (a group's units, key filters), and an update that
+        changes its row's key leaves the old key to the writer of that key (the
+        fetchers follow it with the old key's DELETE, which goes there)."""
+        q, p = self._quote, self.placeholder
+        for e in events:
+            schema = e.schema
+            assert schema is not None
+            table = self._qualified(self.table_for(e.table))
+            key = schema.key
+            where = " AND ".join(f"{q(k)} = {p}" for k in key)
+            if e.op is ChangeOp.TRUNCATE:
+                yield f"DELETE FROM {table}", []
+                continue
+            if schema.nullable_key:
+                yield from self._whole_row_statements(e, table, shared)
+                continue
+            if e.op is ChangeOp.DELETE or e.after is None:
+                image = e.key or (e.before or {})
+                yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
+                continue
+            skip = set(e.not_sent)
+            if e.before is not None:
+                old = {k: e.before.get(k) for k in key}
+                moved = all(v is not None for v in old.values()) and old != {
+                    k: e.key[k] for k in key
+                }
+                if moved and shared:
+                    if skip - set(key):
+                        raise ConfigError(_unsent_move(schema.name, sorted(skip - set(key))))
+                elif moved:
+                    old_values = [self._adapt(old[k]) for k in key]
+                    if skip:
+                        # columns not sent keep their value: move the row to its new key,
+                        # unless a row holds that key already (a replay over newer state: a
+                        # bootstrap's catch-up), whose values are at least as new; the old
+                        # key's row goes either way (what follows in the log brings back
+                        # whatever came to it later)
+                        new_values = [self._adapt(e.key[k]) for k in key]
+                        sets = ", ".join(f"{q(k)} = {p}" for k in key)
+                        taken = " AND ".join(f"x.{q(k)} = {p}" for k in key)
+                        yield (
+                            f"UPDATE {table} SET {sets} WHERE {where} AND NOT EXISTS"
+                            f" (SELECT 1 FROM {table} AS x WHERE {taken})",
+                            new_values + old_values + new_values,
+                        )
+                        yield f"DELETE FROM {table} WHERE {where}", old_values
+                    else:
+                        yield f"DELETE FROM {table} WHERE {where}", old_values
+            cols = [c for c in e.after if c not in skip]
+            values = [self._adapt(e.key[c] if c in e.key else e.after[c]) for c in cols]
+            updates = [c for c in cols if c not in key]
+            conflict = (
+                "DO UPDATE SET " + ", ".join(f"{q(c)} = excluded.{q(c)}" for c in updates)
+                if updates
+                else "DO NOTHING"
+            )
+            yield (
+                f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
+                f" VALUES ({', '.join(p for _ in cols)})"
+                f" ON CONFLICT ({', '.join(q(k) for k in key)}) {conflict}",
+                values,
+            )
+
+    def _whole_row_statements(
+        self, e: ChangeEvent, table: str, shared: bool
+    ) -> Iterator[tuple[str, list[Any]]]:
+        """A change of a table keyed by all its columns (``nullable_key``: no primary
+        key, NULLs in the key): the old row goes (matched NULL-safely, by the key the
+        event names), the new one comes. Identical rows are one key: a delete or an
+        update removes all of them. ``shared``: an update's old row is left to the
+        writer of its key (:meth:`_statements`)."""
+        q, p = self._quote, self.placeholder
+        key = e.schema.key if e.schema is not None else ()
+        where = " AND ".join(f"{q(k)} {self.null_safe_equal} {p}" for k in key)
+        old = e.before if e.after is not None else (e.key or e.before)
+        if old is not None and e.op is not ChangeOp.INSERT and not (shared and e.after is not None):
+            yield f"DELETE FROM {table} WHERE {where}", [self._adapt(old.get(k)) for k in key]
+        if e.op is ChangeOp.DELETE or e.after is None:
+            return
+        image = {k: (e.key[k] if k in e.key else e.after.get(k)) for k in key}
+        for k in e.not_sent:  # (events of older fetchers: an unchanged TOASTed key value)
+            if k in image and e.before is not None and k not in e.before_not_sent:
+                image[k] = e.before.get(k)
+        yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
+        cols = list(image)
+        yield (
+            f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"
+            f" VALUES ({', '.join(p for _ in cols)})",
+            [self._adapt(image[c]) for c in cols],
+        )
+
+
+def _unsent_move(table: str, columns: list[str]) -> str:
+    return (
+        f"an update of {table!r} changed its row's key without sending columns {columns} "
+        "(Postgres leaves unchanged TOASTed values out of the log); writers sharing the "
+        "tables (a consumer group, a key filter) cannot take them from the old key's row: "
+        "set REPLICA IDENTITY FULL on the source table"
+    )
+
+
+def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
+    """Consecutive statements with the same SQL, grouped for ``executemany``."""
+    sql: str | None = None
+    rows: list[list[Any]] = []
+    for text, params in statements:
+        if text != sql and sql is not None:
+            yield sql, rows
+            rows = []
+        sql = text
+        rows.append(params)
+    if sql is not None:
+        yield sql, rows
