@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 from test_client_cli import ENV
-from test_e2e_pg import (  # type: ignore[import-not-found]
+from test_e2e_pg import (
     TABLES,
     Target,
     free_port,
