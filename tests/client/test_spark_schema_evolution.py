@@ -433,6 +433,86 @@ async def test_driver_cuts_batches_at_the_change_and_logs_it(
         await asyncio.to_thread(plan)
 
 
+@pytest.mark.spark
+@pytest.mark.pg
+def test_a_version_between_load_and_start_stops_the_query(
+    spark: Any, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Spark asks for the schema at load() and hands it back at start(), where the reader
+    read the tables again: a new column in between was the guard's baseline but not the
+    query's, and its values were dropped silently (found by review). The schema of load()
+    is marked, and the reader stops with the retriable SchemaChangedError; a schema the
+    user gives is theirs (not marked, not checked)."""
+    from changebus.client.spark import schema_change_of
+    from changebus.client.spark._evolution import MARK
+
+    sql(pg_dsn, "CREATE TABLE t (id int8 PRIMARY KEY, a text)", "INSERT INTO t VALUES (1, 'x')")
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "pg",
+                1,
+                capacity_bytes=4 << 20,
+                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    with RelayThread(cfg) as relay:
+        deadline = time.monotonic() + 60
+        while relay.state("pg") != "streaming":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sql(pg_dsn, "INSERT INTO t VALUES (2, 'y')")
+        caught_up(relay, pg_dsn)
+
+        def load(**schema: Any) -> Any:
+            reader = spark.readStream.format("changebus")
+            if schema:
+                reader = reader.schema(schema["schema"])
+            return (
+                reader.option("relays", relay.url)
+                .option("sources", "public.t")
+                .option("startingScn", "earliest")
+                .load()
+            )
+
+        df = load()
+        assert MARK in df.schema.fields[0].metadata
+        assert "c" not in df.columns
+        user = load(schema="id long, a string")  # the user's own subset: theirs
+        sql(pg_dsn, "ALTER TABLE t ADD COLUMN c text", "INSERT INTO t VALUES (3, 'z', 'c3')")
+        caught_up(relay, pg_dsn)
+        q = df.writeStream.format("memory").queryName("stale").start()
+        try:
+            exc = failure(q)
+        finally:
+            q.stop()
+        text = str(exc)
+        assert schema_change_of(exc) == "schema_changed", text
+        assert "between the DataFrame's load() and the query's start" in text, text
+        q = user.writeStream.format("memory").queryName("subset").start()
+        try:
+            q.processAllAvailable()
+            assert q.exception() is None
+        finally:
+            q.stop()
+        assert sorted(tuple(r) for r in spark.sql("SELECT id, a FROM subset").collect()) == [
+            (2, "y"),
+            (3, "z"),
+        ]
+        q = load().writeStream.format("memory").queryName("fresh").start()  # loaded again
+        try:
+            q.processAllAvailable()
+            assert q.exception() is None
+        finally:
+            q.stop()
+        rows = spark.sql("SELECT id, a, c FROM fresh").collect()
+        assert sorted(tuple(r) for r in rows) == [(2, "y", None), (3, "z", "c3")]
+
+
 async def test_a_range_evicted_while_a_limited_batch_is_planned_goes_to_the_bootstrap_server(
     scripted_relay: Any, window_type: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

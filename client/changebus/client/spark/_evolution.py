@@ -27,6 +27,17 @@ be lost, silently. So the driver checks each micro-batch it plans
 
 A range read through a bootstrap server cannot be cut: when a newer version
 exists, such a batch is not planned and the query stops the same way.
+
+Between ``load()`` and ``start()``. Spark asks the source for its schema when
+the DataFrame is made (``schema()``) and hands it back when the query starts
+(``streamReader(schema)``), which reads the tables again. A version with new
+columns in between would be the guard's baseline while the query's columns
+lack them: its rows would lose them, silently. So ``schema()`` marks its
+first field with a digest of the columns it derived (:func:`mark_schema`),
+and a reader whose marked schema's digest differs from the columns it
+derives now stops with the retriable ``SchemaChangedError`` (load the
+DataFrame again; :func:`check_marked_schema`). A schema the user gives
+(``.schema(...)``, a subset on purpose) carries no mark and is not checked.
 Everything here runs on the driver; the executors' copy of the guard is
 never used.
 """
@@ -34,10 +45,15 @@ never used.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
+
+import pyarrow as pa
+from pyspark.sql.types import StructField, StructType
 
 from changebus.schemas import (
     FIRST_CONTROL_OP,
@@ -56,7 +72,15 @@ from ._options import SourceOptions
 from ._relay import _with_relays, planner_params, run_sync, table_schemas
 from ._schemalog import SchemaLog, TableChange, diff_tables
 
-__all__ = ["SchemaGuard", "check_options", "query_tables", "schema_change_of", "schema_log"]
+__all__ = [
+    "SchemaGuard",
+    "check_marked_schema",
+    "check_options",
+    "mark_schema",
+    "query_tables",
+    "schema_change_of",
+    "schema_log",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +110,40 @@ def query_tables(opts: SourceOptions, partitions: list[str]) -> dict[str, TableS
     if slog is not None and tables:
         slog.append(tables)
     return tables
+
+
+#: the field metadata key of :func:`mark_schema`
+MARK: Final = "changebus.columns"
+
+
+def _columns_digest(derived: pa.Schema) -> str:
+    shape = [(f.name, str(f.type), f.nullable) for f in derived]
+    return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
+
+
+def mark_schema(struct: StructType, derived: pa.Schema) -> StructType:
+    """``struct`` (the Spark form of ``derived``) with the digest of ``derived``'s
+    columns in its first field's metadata (module docstring, "Between load() and
+    start()")."""
+    if not struct.fields:
+        return struct
+    first, *rest = struct.fields
+    meta = {**(first.metadata or {}), MARK: _columns_digest(derived)}
+    return StructType([StructField(first.name, first.dataType, first.nullable, meta), *rest])
+
+
+def check_marked_schema(given: StructType, derived: pa.Schema | None) -> None:
+    """Raise :class:`SchemaChangedError` when ``given`` is a schema :func:`mark_schema`
+    marked from other columns than ``derived`` (what the reader reads now)."""
+    mark = (given.fields[0].metadata or {}).get(MARK) if given.fields else None
+    if mark is None or derived is None or mark == _columns_digest(derived):
+        return
+    raise SchemaChangedError(
+        "the source's tables changed between the DataFrame's load() and the query's start"
+        " (their columns differ from the DataFrame's): load the DataFrame again, or keep the"
+        " query's schema in a log (option schemaTrackingLocation)",
+        columns=[f.name for f in derived],
+    )
 
 
 def _same_avro(a: TableSchema, b: TableSchema) -> bool:

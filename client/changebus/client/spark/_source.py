@@ -76,7 +76,13 @@ from changebus.schemas import ConfigError, TableSchema
 
 from .._errors import FellOffRelayError
 from ._arrow import NOT_SENT_COLUMN, union_schema
-from ._evolution import SchemaGuard, check_options, query_tables
+from ._evolution import (
+    SchemaGuard,
+    check_marked_schema,
+    check_options,
+    mark_schema,
+    query_tables,
+)
 from ._options import AtTime, Position, SourceOptions
 from ._read import RangeSpec, read_range
 from ._relay import (
@@ -286,6 +292,7 @@ class _ReaderBase:
         tables, _ = _tables(opts)
         self.tables = tables
         derived = _schema(opts, tables) if tables else None
+        check_marked_schema(schema, derived)
         self.arrow_schema = _check_user_schema(schema, derived)
 
     def read(self, partition: ScnRangePartition) -> Iterator[pa.RecordBatch]:
@@ -545,7 +552,8 @@ class ChangebusDataSource(DataSource):
 
     def schema(self) -> StructType:
         opts = SourceOptions.parse(self.options, mode="batch")  # the most permissive
-        return from_arrow_schema(source_schema(opts), prefer_timestamp_ntz=True)
+        derived = source_schema(opts)
+        return mark_schema(from_arrow_schema(derived, prefer_timestamp_ntz=True), derived)
 
     def _options(self, mode: Literal["stream", "batch"]) -> SourceOptions:
         """The parsed options; with ``zookeeper`` the cluster's relays filled in (planning)."""
