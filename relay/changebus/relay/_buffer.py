@@ -152,6 +152,8 @@ class BufferConfig:
     max_window_bytes: int = 0
     #: how long the writer waits for a slow reader before overrunning its pin
     pin_timeout_s: float = 2.0
+    #: a reader whose pace says it needs longer than this to finish is not waited for
+    slow_reader_s: float = 0.25
     #: "fsync": recovery drops damaged windows without a DATA_LOSS window, because
     #: the source was acknowledged only for synced ones and replays the rest
     #: (see :mod:`._recovery`); "page_cache": they are recorded as data loss
@@ -165,8 +167,10 @@ class BufferConfig:
             raise ConfigError("buffer sizes must not be negative")
         if self.max_window_bytes > self.capacity_bytes:
             raise ConfigError("max_window_bytes cannot exceed capacity_bytes")
-        if self.pin_timeout_s <= 0:
-            raise ConfigError("pin_timeout_s must be positive")
+        if not 0 < self.pin_timeout_s < math.inf:
+            raise ConfigError("pin_timeout_s must be a positive number of seconds")
+        if not 0 <= self.slow_reader_s < math.inf:
+            raise ConfigError("slow_reader_s must be a number of seconds, 0 or more")
 
     @property
     def slots(self) -> int:

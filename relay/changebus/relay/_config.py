@@ -141,6 +141,9 @@ class PartitionConfig:
     block_bytes: int = 0
     max_window_bytes: int = size_field(0)
     pin_timeout_s: float = 2.0
+    #: a reader whose pace says it needs longer than this to finish is overrun
+    #: at once (the writer does not wait for it; see :mod:`._evict`)
+    slow_reader_s: float = 0.25
     fetcher: FetcherConfig = field(default_factory=FetcherConfig)
     #: when the source is acknowledged: once a window is in the page cache
     #: ("page_cache": survives a relay crash) or once it is synced to disk
@@ -162,6 +165,7 @@ class PartitionConfig:
             block_bytes=self.block_bytes,
             max_window_bytes=self.max_window_bytes,
             pin_timeout_s=self.pin_timeout_s,
+            slow_reader_s=self.slow_reader_s,
             durability=self.durability,
         )
 

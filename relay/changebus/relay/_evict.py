@@ -34,7 +34,8 @@ again).
 A client that reads, but slowly, is judged by its pace: the reader notes
 on its pin the bytes it has to send and those sent so far (``total``,
 ``sent``, since ``since``), and the writer does not wait for a pin whose
-pace says it needs more than :data:`SLOW_ETA_S` to finish: it overruns it
+pace says it needs more than ``slow_reader_s`` (the partition's option,
+default :data:`SLOW_ETA_S`) to finish: it overruns it
 at once too. Before, a client reading just fast enough never to look
 stalled (a piece per half second) held every append that reached its pin
 for the whole ``pin_timeout_s``, once per lap of the ring. The writer waits
@@ -72,7 +73,8 @@ log = logging.getLogger("changebus.relay.buffer")
 _EOW = int(Op.END_OF_WINDOW)
 #: the longest run of events :func:`_find` examines at once
 _FIND_CHUNK = 16384
-#: the writer does not wait for a reader that needs longer than this to finish
+#: the writer does not wait for a reader that needs longer than this to finish (the
+#: default of ``slow_reader_s``)
 SLOW_ETA_S = 0.25
 #: a reader's pace is judged once it has been sending this long
 _PACE_MIN_S = 0.1
@@ -166,13 +168,18 @@ def _find(
 
 
 def wait_for_readers(
-    pins: set[Pin], changed: threading.Condition, head_pos: int, timeout: float, name: str
+    pins: set[Pin],
+    changed: threading.Condition,
+    head_pos: int,
+    timeout: float,
+    name: str,
+    slow_s: float = SLOW_ETA_S,
 ) -> int:
     """Wait until no pin lies below ``head_pos``, at most ``timeout`` seconds.
 
     The caller holds ``changed`` (the buffer's lock). Stalled pins below
     ``head_pos``, and those whose pace says they need more than
-    :data:`SLOW_ETA_S` to finish, are overrun at once, without waiting; the
+    ``slow_s`` to finish, are overrun at once, without waiting; the
     others are waited for, and those still below ``head_pos`` after
     ``timeout`` are marked overrun. Returns how many pins were overrun.
     """
@@ -184,7 +191,7 @@ def wait_for_readers(
         for p in pins:
             if p.pos < head_pos and not p.overrun:
                 eta = p.eta(now)
-                if p.stalled or eta > SLOW_ETA_S:
+                if p.stalled or eta > slow_s:
                     p.overrun = True
                     overrun += 1
                     if p.stalled:

@@ -364,7 +364,12 @@ class BufferWriter:
             return
         with self._pins_changed:
             self.stats["pins_overrun"] += wait_for_readers(
-                self._pins, self._pins_changed, plan.head_pos, self.config.pin_timeout_s, self.name
+                self._pins,
+                self._pins_changed,
+                plan.head_pos,
+                self.config.pin_timeout_s,
+                self.name,
+                self.config.slow_reader_s,
             )
             m = self._meta
             self._meta = replace(
