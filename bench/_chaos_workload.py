@@ -19,7 +19,8 @@
   incompressible text (Postgres: ``STORAGE EXTERNAL``, so it is TOASTed and
   pgoutput does not resend it when an UPDATE leaves it unchanged). Most updates
   touch ``small``/``note`` only; some replace ``big``; new documents are
-  inserted and some of them deleted again.
+  inserted, and some of them moved to another key (``big`` unchanged: the
+  replica must keep the value it never got again) or deleted again.
 
 Surviving the database restarting under it: any error closes the writer's
 connection; the writer reconnects with capped exponential backoff and retries
@@ -373,10 +374,17 @@ class SourceWorkload:
                 ],
                 new_doc=new,
             )
-        gone = state.docs[rng.randrange(len(state.docs))]
-        return _Txn(
-            "doc_delete", 0, [("DELETE FROM docs WHERE id = %s", (gone,))], deleted_doc=gone
-        )
+        old = state.docs[rng.randrange(len(state.docs))]
+        if rng.random() < 0.5:  # a key change: big stays (TOASTed, not resent by pgoutput)
+            new = NEW_DOC_BASE * state.writer + (state.seq or 0) + 1
+            return _Txn(
+                "doc_move",
+                0,
+                [("UPDATE docs SET id = %s, small = small + 1 WHERE id = %s", (new, old))],
+                new_doc=new,
+                deleted_doc=old,
+            )
+        return _Txn("doc_delete", 0, [("DELETE FROM docs WHERE id = %s", (old,))], deleted_doc=old)
 
     def _commit(self, state: _Writer, txn: _Txn) -> bool:
         """Run ``txn`` with the next ledger row until it is known committed (False: stopped)."""

@@ -46,7 +46,7 @@ from boot_e2e import (
 from changebus.bootstrap import BootstrapServer, SeedConfig
 from changebus.client import BootstrapFailedError
 from changebus.relay import Relay
-from changebus.schemas import Mode, Op
+from changebus.schemas import Mode, Op, TransportError
 from waiting import wait_until
 
 # relays and bootstrap servers run in the test's event loop: none may block that loop
@@ -129,6 +129,10 @@ async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
                 "/v1/bootstrap/catchup?after=5&target=1": 400,
                 f"/v1/bootstrap/catchup?after=1&target={2**62}": 410,  # pruned
                 f"/v1/bootstrap/start?since={2**62}": 503,  # ahead of the log
+                # planned by another server behind this URL (ahead of this one): retriable,
+                # not a bad request the consumer stops at
+                f"/v1/bootstrap/snapshot?start={2**60}": 503,
+                f"/v1/bootstrap/catchup?after={state.producer_scn}&target={2**61}": 503,
                 "/v1/schemas/public.nope": 404,
             }
             async with aiohttp.ClientSession() as http:
@@ -136,6 +140,8 @@ async def test_consumer_killed_in_snapshot_and_in_catchup_resumes(
                     async with http.get(boot.url + path) as r:
                         body = await r.json()
                         assert (r.status, set(body) >= {"error", "message"}) == (status, True), path
+                        if status == 503:
+                            assert body["retriable"] is True, path
                 async with http.get(boot.url + "/readyz") as r:
                     assert r.status == 200
 
@@ -319,10 +325,23 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
             gap_marker = sync_marker(pg_dsn)
             await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= gap_marker)
             assert relay.hosts["pg"].status()["prev_scn"] > mid_marker > stalled_at  # a real gap
+            # the relay's status fails the first time the producer asks for the gap's
+            # end: it tries again (the producer task once died there, for good)
+            asked: list[int] = []
+            prev_scn = boot.service._relay_prev_scn
+
+            async def flaky_prev_scn(worker: Any, url: str) -> int:
+                asked.append(1)
+                if len(asked) == 1:
+                    raise TransportError("the relay's status did not answer")
+                return await prev_scn(worker, url)
+
+            boot.service._relay_prev_scn = flaky_prev_scn  # type: ignore[method-assign]
             w.tasks[0] = asyncio.create_task(boot.service._produce(w))
-            await wait_until(lambda: w.fell_off > 0, 30, "the producer to fall off")
+            await wait_until(lambda: w.fell_off > 1, 30, "the producer to fall off twice")
             await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
             assert w.seed.state == "done", w.seed.error
+            assert len(asked) == 2 and not w.tasks[0].done()
             assert await boot.service.stores.read(lambda s: s.gap("pg")) is None
             await asyncio.to_thread(workload, pg_dsn, 23, 200)
             marker = sync_marker(pg_dsn)

@@ -365,8 +365,11 @@ async def snapshot(request: web.Request) -> web.Response:
             )
         _check_gap(store, part, since, bool(service.config.seed.dsn))
         if start_scn > st.applier_scn:
-            raise BadRequestError(
-                f"snapshot SCN {start_scn} is not one this server gave (applier at {st.applier_scn})"
+            # another server behind this URL planned it, or this store is older (restored
+            # from a backup): this one gets there, or the client's next try goes elsewhere
+            raise NotYetError(
+                f"snapshot SCN {start_scn} is past this server's snapshot (at "
+                f"{st.applier_scn}): another server planned it; retry soon"
             )
         ids = wanted if wanted is not None else store.source_ids(part)
         return store.snapshot_page(
@@ -424,8 +427,9 @@ async def catchup(request: web.Request) -> web.Response:
         pruned(store)
         st = store.state(part)
         if target > st.producer_scn:
-            raise BadRequestError(
-                f"target {target} is past this server's log (it ends at {st.producer_scn})"
+            raise NotYetError(  # (as above: another server planned it)
+                f"target {target} is past this server's log (it ends at {st.producer_scn}): "
+                "another server planned it; retry soon"
             )
         found = store.catchup_page(part, after_scn=after, target_scn=target, max_bytes=max_bytes)
         # the applier may prune while the page is read (statements of their own): a

@@ -124,8 +124,19 @@ class Pipelines(Seeding):
                     )
                     if cfg.seed.dsn:
                         await sink.join()
-                        await self._repair_gap(w, stream.relay)
-                        continue
+                        try:
+                            await self._repair_gap(w, stream.relay)
+                        except ChangebusError as failed:  # (the relay's status, the store)
+                            w.state = "error"
+                            w.last_error = scrub(failed.message, self.secrets)
+                            log.error(
+                                "partition %s: the gap could not be recorded yet (%s); "
+                                "trying again",
+                                w.name,
+                                w.last_error,
+                            )
+                        else:
+                            continue
                 except ChangebusError as exc:
                     w.state = "error"
                     w.last_error = scrub(exc.message, self.secrets)
