@@ -336,7 +336,7 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
                     raise TransportError("the relay's status did not answer")
                 return await prev_scn(worker, url)
 
-            boot.service._relay_prev_scn = flaky_prev_scn  # type: ignore[method-assign]
+            boot.service._relay_prev_scn = flaky_prev_scn  # type: ignore[method-assign,assignment]
             w.tasks[0] = asyncio.create_task(boot.service._produce(w))
             await wait_until(lambda: w.fell_off > 1, 30, "the producer to fall off twice")
             await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
