@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
@@ -394,3 +395,33 @@ async def test_a_waiting_candidate_keeps_one_watch_on_its_predecessor(zk_session
     async with asyncio.timeout(10):
         await waiting.wait_elected()
     await waiting.stop()
+
+
+async def test_an_epoch_race_lost_keeps_the_candidacy(zk_session, zk_cluster) -> None:
+    """Another writer bumps the epoch node between the candidate's read and its
+    transaction. kazoo reports the transaction's first operation (the candidate check,
+    which held) as RolledBackError: it was read as "candidate gone", the candidate
+    forgot its node and deleted it as an orphan (to the back of the line; found by
+    review). It is a lost race: the same candidate tries again and leads."""
+    session = await zk_session("r7")
+    election = PartitionElection(session, "p7")
+    commit = session.commit
+    bumped: list[str] = []
+
+    async def racing_commit(build: Any) -> list[Any]:
+        if not bumped:
+            bumped.append(election._candidate or "")
+            node = epoch_path(zk_cluster, "p7")
+            data, stat = await session.op("get", node)
+            record = json.loads(data) if data else {"epoch": 0}
+            other = {"epoch": record["epoch"] + 5, "member_id": "elsewhere", "url": "http://x:1"}
+            await session.op("set", node, json.dumps(other).encode(), stat.version)
+        return await commit(build)
+
+    session.commit = racing_commit  # type: ignore[method-assign]
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    assert bumped and bumped[0] and term.candidate == bumped[0]  # the same node throughout
+    assert term.epoch == 6  # past the epoch written in the race
+    await election.stop()

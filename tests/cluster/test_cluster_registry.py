@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
@@ -96,9 +97,14 @@ async def test_registry_comes_back_after_a_zookeeper_restart(
     await registry.stop()
 
 
+@pytest.mark.parametrize("wiped", [False, True], ids=["expired", "expired_and_tree_gone"])
 async def test_registry_registers_again_after_the_session_expires(
-    zk_session, zk_hosts, zk_cluster
+    zk_session, zk_hosts, zk_cluster, wiped
 ) -> None:
+    """``expired_and_tree_gone``: ZooKeeper lost the cluster's nodes as well (restored
+    without its data, an operator's ``deleteall``): the registry's task once died on
+    the missing parent (NoNodeError) and the relay never registered again (found by
+    review)."""
     session = await zk_session("r3", session_timeout_s=1.0)
     registry = Registry(session, "relay", min_interval_s=0.05)
     registry.update({"p0": PartitionState("follower", 2, 0, 7)})
@@ -112,6 +118,12 @@ async def test_registry_registers_again_after_the_session_expires(
     sid, password = session.client.client_id
 
     def expire() -> None:
+        if wiped:
+            admin = KazooClient(hosts=zk_hosts, timeout=5.0)
+            admin.start(timeout=10)
+            admin.delete(members_path(zk_cluster), recursive=True)
+            admin.stop()
+            admin.close()
         other = KazooClient(hosts=zk_hosts, client_id=(sid, password), timeout=1.0)
         other.start(timeout=10)
         other.stop()
@@ -395,3 +407,33 @@ async def test_one_look_readers_share_a_snapshot_for_a_moment(
     assert urls == () and reads == 4  # (looked again: still nobody)
     await reg1.stop()
     await reg2.stop()
+
+
+async def test_a_connection_lost_right_after_connecting_is_not_a_new_session(
+    zk_session,
+) -> None:
+    """kazoo's thread reports CONNECTED; the connection drops before the event loop
+    handles the report. The loop read the session id then: none, so it announced a
+    new session (id 0) with the old one alive, and members registered again while
+    their owner nodes stayed with the live session (found by review). The id is now
+    taken on kazoo's thread, with the report."""
+    from kazoo.client import KazooState
+
+    session = await zk_session("r8")
+    sid = session.session_id
+    changes: list[Any] = []
+    remove = session.add_listener(changes.append)
+    zk = session.client
+
+    def report_then_drop() -> None:
+        session._on_kazoo_state(KazooState.CONNECTED)  # kazoo's thread, as it reconnects
+        zk._live.clear()  # ...and the connection is gone again before the loop runs
+
+    try:
+        await asyncio.to_thread(report_then_drop)
+        await asyncio.sleep(0.1)  # the loop handles the report
+    finally:
+        zk._live.set()
+        remove()
+    assert session.session_id == sid
+    assert not any(c.new_session for c in changes)

@@ -67,7 +67,7 @@ from ._layout import (
     encode_epoch,
     epoch_path,
 )
-from ._session import StateChange, ZkSession
+from ._session import StateChange, ZkSession, failed_op
 
 __all__ = ["LeaderInfo", "Leadership", "PartitionElection", "current_leader"]
 
@@ -451,11 +451,12 @@ class PartitionElection:
             tx.set_data(node, encode_epoch(new), stat.version)
 
         results = await self.session.commit(build)
-        if isinstance(results[0], Exception):
+        failed = failed_op(results)
+        if failed == 0:  # the candidate node is gone
             self._candidate = None
             return None
-        if isinstance(results[1], Exception):
-            log.info("partition %s: epoch race lost (%s)", self.partition, results[1])
+        if failed is not None:
+            log.info("partition %s: epoch race lost (%r)", self.partition, results[failed])
             return None
         self._highest_epoch = max(self._highest_epoch, new.epoch)
         term = Leadership(

@@ -45,7 +45,7 @@ from ._group_layout import (
     owners_path,
 )
 from ._group_nodes import LOOP_ERRORS, retry_pause
-from ._session import ZkSession
+from ._session import ZkSession, failed_op
 
 if TYPE_CHECKING:
     from ._group import GroupMember
@@ -73,10 +73,11 @@ async def write_assignment(
         tx.set_data(node, data, version)
 
     results = await session.commit(build)
-    if isinstance(results[0], Exception):
+    failed = failed_op(results)
+    if failed == 0:
         log.warning("group %s: assignment write refused: %s is gone", group, member_path)
         return False
-    if isinstance(results[1], Exception):
+    if failed is not None:
         log.info("group %s: assignment write lost a race (%s)", group, type(results[1]).__name__)
         return False
     return True

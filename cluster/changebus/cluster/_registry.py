@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ._errors import CoordinationError
 from ._layout import Kind, MemberInfo, PartitionState, encode_member, member_path, members_path
@@ -108,7 +108,11 @@ class Registry:
     async def _register(self) -> None:
         session, data = self.session, encode_member(self.info)
         try:
-            await session.op("create", self.path, data, ephemeral=True)
+            try:
+                await session.op("create", self.path, data, ephemeral=True)
+            except NoNodeError:  # the tree is gone (ZooKeeper lost its data): make it again
+                await session.ensure_path(members_path(session.config.name))
+                await session.op("create", self.path, data, ephemeral=True)
         except NodeExistsError:
             try:
                 _data, stat = await session.op("get", self.path)
@@ -158,7 +162,9 @@ class Registry:
             try:
                 await self._write()
                 failures = 0
-            except CoordinationError as exc:
+            except (CoordinationError, KazooException) as exc:
+                # (KazooException: a node removed under us again, an ACL refusing us: the
+                # registry keeps trying, it never ends quietly)
                 failures += 1
-                log.info("member %s: registry write failed: %s", self.info.member_id, exc)
+                log.info("member %s: registry write failed: %r", self.info.member_id, exc)
                 await asyncio.sleep(min(1.0, 0.05 * 2**failures))

@@ -56,6 +56,8 @@ from kazoo.exceptions import (
     ConnectionLoss,
     NodeExistsError,
     OperationTimeoutError,
+    RolledBackError,
+    RuntimeInconsistency,
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
@@ -69,9 +71,20 @@ from ._config import ClusterConfig
 from ._errors import CoordinationError
 from ._layout import cluster_root
 
-__all__ = ["SessionState", "StateChange", "ZkSession", "cluster_acl"]
+__all__ = ["SessionState", "StateChange", "ZkSession", "cluster_acl", "failed_op"]
 
 log = logging.getLogger("changebus.cluster.session")
+
+
+def failed_op(results: list[Any]) -> int | None:
+    """The index of the operation that failed a transaction (:meth:`ZkSession.commit`'s
+    result), None when it was committed. kazoo reports the operations before the
+    failed one as ``RolledBackError`` and those after it as ``RuntimeInconsistency``:
+    neither is what failed."""
+    for i, r in enumerate(results):
+        if isinstance(r, Exception) and not isinstance(r, RolledBackError | RuntimeInconsistency):
+            return i
+    return None
 
 
 class _HideAuth(logging.Filter):
@@ -228,8 +241,13 @@ class ZkSession:
         self.state = self.thread_state = "connecting"
         self._zk = zk
         t0 = time.monotonic()
+        def start() -> int:
+            zk.start(self.config.connect_timeout_s)
+            client_id = zk.client_id
+            return int(client_id[0]) if client_id else 0
+
         try:
-            await self._in_thread(lambda: zk.start(self.config.connect_timeout_s))
+            sid = await self._in_thread(start)
         except KazooTimeoutError:
             self._zk = None
             await self._in_thread(lambda: _close_quietly(zk))
@@ -240,8 +258,9 @@ class ZkSession:
                 f"{self.config.connect_timeout_s:g} s"
             ) from None
         self.last_ok = max(self.last_ok, t0)
-        self.thread_state = "connected"
-        self._set_state("connected")
+        if self.thread_state == "connecting":  # (never over a later report of kazoo's thread)
+            self.thread_state = "connected"
+        self._set_state("connected", sid)
         if credentials is not None:
             await self._secure_tree(security["default_acl"])
 
@@ -421,19 +440,26 @@ class ZkSession:
         if state is None:
             return
         self.thread_state = state
+        sid = 0
+        if state == "connected":
+            # the session id now, on this thread: read later on the loop, a connection
+            # lost meanwhile shows none, which looked like a new session
+            zk = self._zk
+            client_id = zk.client_id if zk is not None else None
+            sid = int(client_id[0]) if client_id else 0
         loop = self._loop
         if loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-            loop.call_soon_threadsafe(self._set_state, state)
+            loop.call_soon_threadsafe(self._set_state, state, sid)
 
-    def _set_state(self, state: SessionState) -> None:
+    def _set_state(self, state: SessionState, sid: int = 0) -> None:
+        """On the loop: ``state`` as kazoo's thread saw it, with the session id it saw
+        then for ``"connected"`` (0: unknown, taken as the same session)."""
         if self._zk is None:
             return  # stopped: late reports from kazoo's thread are dropped
         new_session = False
-        if state == "connected":
-            client_id = self._zk.client_id if self._zk is not None else None
-            sid = int(client_id[0]) if client_id else 0
+        if state == "connected" and sid:
             new_session = sid != self.session_id
             self.session_id = sid
         if state == self.state and not new_session:
