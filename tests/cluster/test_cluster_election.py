@@ -416,9 +416,10 @@ async def test_an_epoch_race_lost_keeps_the_candidacy(zk_session, zk_cluster) ->
             record = json.loads(data) if data else {"epoch": 0}
             other = {"epoch": record["epoch"] + 5, "member_id": "elsewhere", "url": "http://x:1"}
             await session.op("set", node, json.dumps(other).encode(), stat.version)
-        return await commit(build)
+        results: list[Any] = await commit(build)
+        return results
 
-    session.commit = racing_commit  # type: ignore[method-assign]
+    session.commit = racing_commit
     await election.start()
     async with asyncio.timeout(10):
         term = await election.wait_elected()

@@ -241,6 +241,7 @@ class ZkSession:
         self.state = self.thread_state = "connecting"
         self._zk = zk
         t0 = time.monotonic()
+
         def start() -> int:
             zk.start(self.config.connect_timeout_s)
             client_id = zk.client_id
