@@ -380,3 +380,73 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
                 await mid.close()
             assert mid.resets == 1 and mid.phases[0] == "snapshot"
             assert_same(replica_rows(mid_db), source_rows(pg_dsn))
+
+
+async def test_a_gap_is_repaired_after_the_windows_before_it_are_applied(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The applier lags: the log holds a row's INSERT it has not folded yet when the
+    producer falls off, and the row's DELETE is lost in the gap. The re-seed does not
+    see the row (the source deleted it), and its sweep found nothing to delete: the
+    fold of the INSERT after it brought the row back for good (found by review). The
+    re-seed now waits for the applier to pass the gap's start."""
+    create_tables(pg_dsn)
+    async with Relay(relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        bcfg = dataclasses.replace(
+            bootstrap_config(tmp_path, relay.url, "sqlite"),
+            seed=SeedConfig(dsn=pg_dsn, chunk_rows=20, max_rows_per_s=100),  # a few seconds
+        )
+        async with BootstrapServer(bcfg) as boot:
+            w = boot.service.workers["pg"]
+            await asyncio.to_thread(workload, pg_dsn, 31, 300)
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            applier = w.tasks[1]
+            applier.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await applier
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO acct VALUES (2000000, 1, 'inserted, then lost')")
+            logged = sync_marker(pg_dsn)
+            await wait_until(lambda: w.producer_scn >= logged, 30, "the log to hold the row")
+            assert w.applier_scn < logged  # in the log, not in the snapshot
+            producer = w.tasks[0]
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("DELETE FROM acct WHERE id = 2000000")  # lost in the gap
+            await asyncio.to_thread(workload, pg_dsn, 32, 1500)
+            gap_marker = sync_marker(pg_dsn)
+            await wait_until(lambda: relay.hosts["pg"].buffer.meta.last_scn >= gap_marker)
+            assert relay.hosts["pg"].status()["prev_scn"] > logged  # a real gap
+            w.tasks[0] = asyncio.create_task(boot.service._produce(w))
+            await wait_until(lambda: w.fell_off > 0, 30, "the producer to fall off")
+            # the applier stays away a while: the re-seed must not finish without it
+            with contextlib.suppress(AssertionError):
+                await wait_until(lambda: w.seed.state in ("done", "failed"), 5, "a re-seed")
+            done_early = w.seed.state == "done"
+            w.tasks[1] = asyncio.create_task(boot.service._apply(w))
+            # a table the stream brings while the re-seed copies: the gap needs it seeded
+            # too; a seed that ended without it left the gap open for good (found by review)
+            await wait_until(lambda: w.seed.rows > 0, 60, "the re-seed to copy")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("CREATE TABLE late (id int PRIMARY KEY, v text)")
+                conn.execute("INSERT INTO late VALUES (1, 'came during the repair')")
+            await wait_until(lambda: w.seed.state in ("done", "failed"), 90, "the re-seed")
+            await wait_until(lambda: w.gap is None, 90, "the gap to be repaired")
+            assert "public.late" in await boot.service.stores.read(lambda s: s.seeded("pg"))
+            assert w.seed.state == "done", w.seed.error
+            assert not done_early
+            assert await boot.service.stores.read(lambda s: s.gap("pg")) is None
+            marker = sync_marker(pg_dsn)
+            await bootstrap_caught_up(boot, marker)
+            db = tmp_path / "new.db"
+            replica = WatchedReplica(db)
+            try:
+                await replicate_until(replica, consumer_config(relay.url, boot.url), marker)
+            finally:
+                await replica.close()
+            assert replica.phases[0] == "snapshot"
+            assert 2000000 not in replica_rows(db)["acct"]
+            assert_same(replica_rows(db), source_rows(pg_dsn))

@@ -137,10 +137,26 @@ class SeedLedger(StoreDb):
         )
         return [(int(a), int(u)) for a, u in reversed(rows)]
 
-    def clear_gap(self, part: str) -> bool:
-        """Forget the gap when every known table has been seeded since; True when it was."""
+    def gap_applied(self, part: str) -> bool:
+        """Whether the applier has folded every window the log holds from before the open
+        gap (True without one). A table's sweep before that misses a row a window from
+        before the gap inserts later: the fold brings it back after the sweep, though the
+        source deleted it in the gap. So a re-seed waits for this, and :meth:`clear_gap`
+        refuses until it holds."""
         gap_end = self.gap(part)
         if gap_end is None:
+            return True
+        row = self._one(
+            "SELECT after_scn FROM cb_lost WHERE part = {p} AND upto_scn = {p}", (part, gap_end)
+        )
+        start = min(int(row[0]), gap_end) if row is not None else gap_end
+        return self.state(part).applier_scn >= start
+
+    def clear_gap(self, part: str) -> bool:
+        """Forget the gap when every known table has been seeded since (and after the
+        applier passed the gap's start: :meth:`gap_applied`); True when it was."""
+        gap_end = self.gap(part)
+        if gap_end is None or not self.gap_applied(part):
             return False
         with self._txn():
             names = {n for _s, _v, n, _j in self.schemas(part)}

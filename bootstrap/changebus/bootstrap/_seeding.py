@@ -64,6 +64,8 @@ log = logging.getLogger("changebus.bootstrap")
 #: first pause before a gap's failed (retriable) seed is tried again; doubles up to the max
 _RESEED_RETRY_S = 1.0
 _RESEED_RETRY_MAX_S = 30.0
+#: how often a gap's re-seed looks whether the applier has passed the gap's start
+_APPLIER_POLL_S = 0.2
 
 
 class Seeding(Upstream):
@@ -148,11 +150,31 @@ class Seeding(Upstream):
         failed seed stays failed (``/v1/status`` says why).
         """
         pause = _RESEED_RETRY_S
-        while await self._seed(w, tables, again, scope) and w.gap is not None:
-            log.warning("partition %s: seeding again in %.0f s to repair the gap", w.name, pause)
+        while True:
+            retry = await self._seed(w, tables, again, scope)
+            if w.gap is None or not (retry or w.seed.state == "done"):
+                return  # repaired; or failed for good (/v1/status says why)
+            if retry:
+                log.warning(
+                    "partition %s: seeding again in %.0f s to repair the gap", w.name, pause
+                )
+            else:
+                # seeded, and the gap is still open: a table appeared meanwhile (its
+                # schema came with the stream), or the applier had not passed the gap's
+                # start yet; the tables not seeded since the gap are seeded next
+                log.info("partition %s: seeding what the gap still needs", w.name)
+                tables, again, scope = [], False, None
             await asyncio.sleep(pause)
             pause = min(pause * 2, _RESEED_RETRY_MAX_S)
             w.new_seed()
+
+    async def _gap_applied(self, w: PartitionWorker) -> None:
+        """Wait until the applier has folded the log's windows from before the gap: a
+        sweep before then misses rows they insert (:meth:`SeedLedger.gap_applied`)."""
+        while True:  # (the applier is another task of this loop; it moves on by itself)
+            if await self.stores.read(lambda s: s.gap_applied(w.name)):
+                return
+            await asyncio.sleep(_APPLIER_POLL_S)
 
     # ---- seeding -------------------------------------------------------------
 
@@ -296,6 +318,8 @@ class Seeding(Upstream):
             if again and scope.whole:
                 await self.stores.write(lambda s: s.forget_seed(w.name, names))
             gap = await self.stores.write(lambda s: s.gap(w.name))
+            if gap is not None:
+                await self._gap_applied(w)
             seeded = await self.stores.write(lambda s: s.seeded(w.name))
             # (a seed that ended as the gap came may have stored an older one)
             done = {n for n, scn in seeded.items() if gap is None or scn >= gap}
