@@ -544,3 +544,48 @@ def test_a_page_of_big_rows_reads_about_max_bytes(
     read.clear()
     cpage = store.catchup_page("p", after_scn=99, target_scn=st.producer_scn, max_bytes=1 << 20)
     assert not cpage.complete and sum(read) < 3 << 20, read
+
+
+def test_a_page_whose_filter_matches_little_reads_a_bounded_part_of_the_store(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key filter that matches almost nothing (``range:0:1``) made one page read the
+    whole partition: with two store reader threads, two such requests held every
+    store-backed endpoint for as long (found by review). A page now stops after
+    reading SCAN_PAGES times its size (at least MIN_SCAN_BYTES), not complete, at its
+    position; the pages after it go on from there and cover every row once."""
+    from changebus.bootstrap import _pages
+    from changebus.schemas import PartitionFilter
+
+    monkeypatch.setattr(_pages, "MIN_SCAN_BYTES", 64 << 10)
+    body = "y" * 1000
+    windows = [
+        window(
+            100 + i * 10, [("public.t1", Op.INSERT, k, body) for k in range(i * 20, i * 20 + 20)]
+        )
+        for i in range(30)
+    ]  # 600 rows of about 1 KB
+    for data in windows:
+        store.append("p", data)
+    store.apply("p")
+    sid = REG.source_id("public.t1")
+    st = store.state("p")
+    nothing = PartitionFilter.parse("range:0:1")
+    kwargs: dict[str, Any] = {"since_scn": -1, "start_scn": st.applier_scn, "max_bytes": 4096}
+    page = store.snapshot_page("p", [sid], position=(0, 0), key_filter=nothing, **kwargs)
+    assert not page.complete and page.events == 0  # stopped: 64 KiB read, not 600 KB
+    assert page.position[0] == sid and 50 <= page.position[1] < 200
+    keys: set[int] = set()
+    everything = PartitionFilter.parse("mod:1:0")
+    pos = (0, 0)
+    while True:  # pages from the start cover every row once
+        part = store.snapshot_page("p", [sid], position=pos, key_filter=everything, **kwargs)
+        have: dict[tuple[str, int], str | None] = {}
+        if part.data:
+            replay(part.data, have)
+        assert not {k for _t, k in have} & keys  # once
+        keys |= {k for _t, k in have}
+        pos = part.position
+        if part.complete:
+            break
+    assert keys == set(range(600))

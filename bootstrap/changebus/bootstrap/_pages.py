@@ -109,8 +109,13 @@ class Pages(StoreDb):
         consumer with a key filter also from nothing (writers of other keys
         share its tables: :mod:`changebus.client._apply_shared`).
         At least one event is returned when any is left (even over
-        ``max_bytes``).
+        ``max_bytes``), unless the page stopped after reading
+        :data:`SCAN_PAGES` times ``max_bytes`` (at least :data:`MIN_SCAN_BYTES`)
+        of rows it did not send (a key filter matching few, rows older than
+        ``since_scn``): a request never reads the whole store at once, and the
+        page ends at its position, not complete, possibly empty.
         """
+        scan_limit = max(SCAN_PAGES * max_bytes, MIN_SCAN_BYTES)
         sources = sorted(source_ids)
         src, after = position
         chunks: list[bytes] = []
@@ -161,6 +166,8 @@ class Pages(StoreDb):
                         return SnapshotPage(b"".join(chunks), events, (sid, after), False)
                 if len(rows) < want:
                     break
+                if seen[1] >= scan_limit:  # (rows were left: the next page goes on here)
+                    return SnapshotPage(b"".join(chunks), events, (sid, after), False)
             src = sid
         last = sources[-1] if sources else 0
         return SnapshotPage(b"".join(chunks), events, (last, after), True)
@@ -207,6 +214,12 @@ class Pages(StoreDb):
                 break
         # drop a trailing partial window (cannot happen with whole-window appends)
         return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
+
+
+#: a snapshot page reads at most this many times its ``max_bytes`` of rows...
+SCAN_PAGES = 16
+#: ...and at least this many bytes (then it ends, not complete: see ``snapshot_page``)
+MIN_SCAN_BYTES = 32 << 20
 
 
 def _rows_to_fetch(batch_rows: int, max_bytes: int, size: int, seen: tuple[int, int]) -> int:
