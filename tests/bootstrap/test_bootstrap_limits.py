@@ -44,3 +44,83 @@ async def test_the_bootstrap_server_applies_its_http_limits(tmp_path: Path) -> N
         assert stats.header_timeouts == 2
         for _, w in [*held, (reader, writer)]:
             w.close()
+
+
+def _windows(first_scn: int, count: int, row_bytes: int) -> bytes:
+    """``count`` windows of one INSERT of about ``row_bytes`` each."""
+    from changebus.schemas import (
+        Column,
+        EndOfWindow,
+        Op,
+        RowEncoder,
+        SchemaRegistry,
+        TableSchema,
+        encode_control,
+    )
+
+    reg = SchemaRegistry()
+    table = reg.register(
+        TableSchema(
+            "public.big", (Column("id", "long", nullable=False), Column("v", "string")), ("id",)
+        )
+    )
+    enc = RowEncoder(table, source_id=reg.source_id(table.name), partition=1)
+    out = []
+    for i in range(count):
+        scn = first_scn + i
+        out.append(enc.encode(Op.INSERT, scn, 0, scn, {"id": i, "v": "x" * row_bytes}))
+        out.append(encode_control(EndOfWindow(1, ""), scn, 1, scn))
+    return b"".join(out)
+
+
+async def test_pages_for_clients_that_do_not_read_stay_within_the_copy_budget(
+    tmp_path: Path,
+) -> None:
+    """Pages are built whole and live until their client has taken them. Clients asking
+    for 16 MiB pages and reading nothing each held one (1,024 connections: 16 GiB; found
+    by review). Pages now come out of the server's copy budget (http.max_copy_bytes):
+    with the budget busy they get smaller, nobody waits, and the bytes held stay within
+    the budget (plus one window per request)."""
+    from changebus.bootstrap._pagesend import BUDGET
+
+    cfg = BootstrapConfig(
+        relays=(f"http://127.0.0.1:{closed_port()}",),
+        partitions=("p",),
+        data_dir=tmp_path / "boot",
+        store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+        http=HttpConfig(port=0, max_connections=16, max_copy_bytes=1 << 20),
+    )
+    async with BootstrapServer(cfg) as boot:
+        data = _windows(100, 160, 50_000)  # 8 MB of log
+        await boot.service.stores.write(lambda s: s.append("p", data, start_scn=99))
+        budget = boot.server.app[BUDGET]
+        path = "/v1/bootstrap/catchup?partition=p&after=99&target=259&max_bytes=16777216"
+        socks = []
+        for _ in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", boot.port))
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: boot\r\n\r\n".encode())
+            socks.append(sock)
+        try:
+            sizes = []
+            for sock in socks:
+                sock.settimeout(10)
+                head = await asyncio.to_thread(sock.recv, 4096)
+                assert head.startswith(b"HTTP/1.1 200 "), head[:200]
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                sizes.append(length)
+            # each page within the budget (plus its one window over it), never the 8 MB
+            # asked for; at no time more than the budget held (plus a window a request)
+            assert all(50_000 <= n <= (1 << 20) + 51_000 for n in sizes), sizes
+            assert budget.peak <= (1 << 20) + 8 * 51_000, budget.peak
+            assert budget.cut >= 1
+        finally:
+            for sock in socks:
+                sock.close()
+        await wait_until(lambda: budget.holders == 0, 30, "the grants given back")
+        assert budget.held == 0

@@ -12,9 +12,9 @@ from typing import Any
 
 from changebus.relay._broadcast import Parked, TailBroadcast
 from changebus.relay._buffer import BufferConfig, EventBuffer
-from changebus.relay._copybudget import CopyBudget
 from changebus.relay._respcache import ResponseCache
 from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
+from changebus.schemas.server import CopyBudget
 
 
 def _event(scn: int, seq: int, size: int, source: int) -> bytes:

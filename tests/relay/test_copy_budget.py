@@ -23,8 +23,8 @@ from test_metrics import scrape, value  # type: ignore[import-not-found]
 
 from changebus.relay import HttpConfig, Relay
 from changebus.relay._broadcast import PUSH_BYTES
-from changebus.relay._copybudget import MIN_FLOOR, CopyBudget
 from changebus.schemas import ConfigError
+from changebus.schemas.server import MIN_FLOOR, CopyBudget
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 

@@ -59,7 +59,7 @@ from changebus.schemas import ConfigError
 from changebus.schemas.config import secret, size_field
 from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
-from changebus.schemas.server import ConnectionLimits
+from changebus.schemas.server import ConnectionLimits, check_copy_budget
 
 from ._seedtypes import table_name_problem
 
@@ -103,6 +103,9 @@ class HttpConfig(ConnectionLimits):
     default_page_bytes: int = size_field(1 << 20)
     #: largest page a client may ask for
     max_page_bytes: int = size_field(16 << 20)
+    #: the most bytes of pages held at once for clients still taking them (every
+    #: request may always have a floor of it; pages get smaller when it is busy)
+    max_copy_bytes: int = size_field(256 << 20)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +113,7 @@ class HttpConfig(ConnectionLimits):
             raise ConfigError(f"http.port must be 0..65535, got {self.port}")
         if not 0 < self.default_page_bytes <= self.max_page_bytes:
             raise ConfigError("http: need 0 < default_page_bytes <= max_page_bytes")
+        check_copy_budget(self.max_copy_bytes, self.max_connections)
 
 
 @dataclass(frozen=True)

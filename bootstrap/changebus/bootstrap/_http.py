@@ -63,6 +63,7 @@ from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import principal_of
 from changebus.schemas.server import (
     MAX_DIGITS,
+    CopyBudget,
     check_params,
     json_response,
     query_int,
@@ -73,6 +74,7 @@ from changebus.schemas.server import (
 from ._chunks import SnapshotScope
 from ._http_admin import add_admin_routes, scope_kind
 from ._metrics import BootstrapMetrics
+from ._pagesend import BUDGET, send_page
 from ._service import BootstrapService
 from ._store import Store
 
@@ -331,11 +333,7 @@ def _parse_position(text: str | None) -> tuple[tuple[int, int], str]:
     return pos, m[3] or ""
 
 
-def _binary(data: bytes, headers: dict[str, str]) -> web.Response:
-    return web.Response(body=data, headers=headers, content_type="application/vnd.changebus.events")
-
-
-async def snapshot(request: web.Request) -> web.Response:
+async def snapshot(request: web.Request) -> web.StreamResponse:
     """``GET /v1/bootstrap/snapshot``: one page of rows changed after ``since``."""
     _check_params(request, "snapshot")
     service = request.app[SERVICE]
@@ -347,7 +345,7 @@ async def snapshot(request: web.Request) -> web.Response:
     key_filter = _filter(request)
     wanted = await _source_ids(request, part)
 
-    def page(store: Store) -> Any:
+    def page(store: Store, limit: int) -> Any:
         if of_store and of_store != store.store_id:
             # row ids are a store's own: another store (a server behind the same URL,
             # a rebuilt one) would skip rows it never sent
@@ -378,28 +376,30 @@ async def snapshot(request: web.Request) -> web.Response:
             since_scn=since,
             start_scn=start_scn,
             position=position,
-            max_bytes=max_bytes,
+            max_bytes=limit,
             key_filter=key_filter,
         )
 
-    result, store_id = await service.stores.read(lambda store: (page(store), store.store_id))
-    metrics = request.app[METRICS]
-    metrics.rows_served[part] += result.events
-    metrics.bytes_served[part] += len(result.data)
-    return _binary(
-        result.data,
-        {
+    async def build(limit: int) -> tuple[bytes, dict[str, str]]:
+        result, store_id = await service.stores.read(
+            lambda store: (page(store, limit), store.store_id)
+        )
+        metrics = request.app[METRICS]
+        metrics.rows_served[part] += result.events
+        metrics.bytes_served[part] += len(result.data)
+        return result.data, {
             "X-Changebus-Partition": part,
             "X-Changebus-Events": str(result.events),
             "X-Changebus-Snapshot-Position": (
                 f"{result.position[0]}:{result.position[1]}:{store_id}"
             ),
             "X-Changebus-Snapshot-Complete": "1" if result.complete else "0",
-        },
-    )
+        }
+
+    return await send_page(request, max_bytes, build)
 
 
-async def catchup(request: web.Request) -> web.Response:
+async def catchup(request: web.Request) -> web.StreamResponse:
     """``GET /v1/bootstrap/catchup``: whole log windows in ``(after, target]``."""
     _check_params(request, "catchup")
     service = request.app[SERVICE]
@@ -423,7 +423,7 @@ async def catchup(request: web.Request) -> web.Response:
                 log_min_scn=log_min,
             )
 
-    def page(store: Store) -> Any:
+    def page(store: Store, limit: int) -> Any:
         pruned(store)
         st = store.state(part)
         if target > st.producer_scn:
@@ -431,7 +431,7 @@ async def catchup(request: web.Request) -> web.Response:
                 f"target {target} is past this server's log (it ends at {st.producer_scn}): "
                 "another server planned it; retry soon"
             )
-        found = store.catchup_page(part, after_scn=after, target_scn=target, max_bytes=max_bytes)
+        found = store.catchup_page(part, after_scn=after, target_scn=target, max_bytes=limit)
         # the applier may prune while the page is read (statements of their own): a
         # page missing pruned windows must not go out as if it were whole
         pruned(store)
@@ -442,19 +442,19 @@ async def catchup(request: web.Request) -> web.Response:
             data, events = _select(data, key_filter, wanted)
         return found, data, events
 
-    result, data, events = await service.stores.read(page)
-    metrics = request.app[METRICS]
-    metrics.catchup_events[part] += events
-    metrics.bytes_served[part] += len(data)
-    return _binary(
-        data,
-        {
+    async def build(limit: int) -> tuple[bytes, dict[str, str]]:
+        result, data, events = await service.stores.read(lambda store: page(store, limit))
+        metrics = request.app[METRICS]
+        metrics.catchup_events[part] += events
+        metrics.bytes_served[part] += len(data)
+        return data, {
             "X-Changebus-Partition": part,
             "X-Changebus-Events": str(events),
             "X-Changebus-Last-Scn": str(result.last_scn),
             "X-Changebus-Complete": "1" if result.complete else "0",
-        },
-    )
+        }
+
+    return await send_page(request, max_bytes, build)
 
 
 def _select(
@@ -604,6 +604,8 @@ def build_app(service: BootstrapService) -> web.Application:
     )
     app[SERVICE] = service
     app[METRICS] = metrics
+    http = service.config.http
+    app[BUDGET] = CopyBudget(http.max_copy_bytes, http.max_connections)
     app.router.add_get("/v1/bootstrap/start", start)
     app.router.add_get("/v1/bootstrap/status", status)
     app.router.add_get("/v1/bootstrap/snapshot", snapshot)

@@ -53,8 +53,8 @@ from typing import Any, Literal
 from aiohttp import web
 
 from changebus.schemas import ChangebusError, PartitionFilter
+from changebus.schemas.server import CopyBudget
 
-from ._copybudget import CopyBudget
 from ._host import PartitionHost
 from ._metrics import RelayMetrics
 from ._respcache import CachedResponse, ResponseCache

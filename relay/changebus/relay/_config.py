@@ -63,10 +63,9 @@ from changebus.schemas import ConfigError
 from changebus.schemas.config import size_field
 from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
-from changebus.schemas.server import ConnectionLimits
+from changebus.schemas.server import ConnectionLimits, check_copy_budget
 
 from ._buffer import BufferConfig, Durability, check_durability
-from ._copybudget import MIN_FLOOR, copy_floor
 
 __all__ = ["FetcherConfig", "HttpConfig", "MetricsConfig", "PartitionConfig", "RelayConfig"]
 
@@ -111,12 +110,7 @@ class HttpConfig(ConnectionLimits):
             raise ConfigError("http limits must be positive")
         if self.response_cache_bytes < 0:
             raise ConfigError("http.response_cache_bytes must not be negative")
-        if copy_floor(self.max_copy_bytes, self.max_connections) < MIN_FLOOR:
-            raise ConfigError(
-                f"http.max_copy_bytes ({self.max_copy_bytes}) must give each of"
-                f" http.max_connections ({self.max_connections}) at least {MIN_FLOOR} bytes:"
-                f" raise it to {MIN_FLOOR * self.max_connections} or lower max_connections"
-            )
+        check_copy_budget(self.max_copy_bytes, self.max_connections)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ only once the previous one has left the process.
 Pushes are shared with identical followers through the partition's
 response cache, which is bounded by bytes (:mod:`._respcache`): pushes
 never accumulate there. Every push is charged to the relay-wide
-:class:`~._copybudget.CopyBudget` while it is being made or drained (no
+:class:`~changebus.schemas.server.CopyBudget` while it is being made or drained (no
 grant is held while a stream waits for new windows): with many slow
 followers the pushes get smaller, never more numerous in memory than the
 budget allows.
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from changebus.schemas import ChangebusError, PartitionFilter, ScnNotFoundError
+from changebus.schemas.server import CopyBudget
 
 from ._broadcast import Parked, TailBroadcast
-from ._copybudget import CopyBudget
 from ._host import PartitionHost
 from ._metrics import RelayMetrics
 from ._respcache import CachedResponse, ResponseCache

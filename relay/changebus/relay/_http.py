@@ -49,6 +49,8 @@ from changebus.schemas import (
 from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import Principal, principal_of
 from changebus.schemas.server import (
+    MIN_FLOOR,
+    CopyBudget,
     check_params,
     json_response,
     query_choice,
@@ -61,7 +63,6 @@ from changebus.schemas.server import (
 from ._broadcast import TailBroadcast
 from ._buffer import Selection
 from ._config import RelayConfig
-from ._copybudget import MIN_FLOOR, CopyBudget
 from ._follow import FollowRequest, follow
 from ._host import MAX_CLIENT_ID, PartitionHost
 from ._metrics import RelayMetrics

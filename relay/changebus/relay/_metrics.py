@@ -24,8 +24,9 @@ from prometheus_client.core import (
 from ._lagmetrics import lag_families
 
 if TYPE_CHECKING:
+    from changebus.schemas.server import CopyBudget
+
     from ._config import MetricsConfig
-    from ._copybudget import CopyBudget
     from ._host import PartitionHost
 
 __all__ = ["RelayMetrics"]

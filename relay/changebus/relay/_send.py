@@ -34,8 +34,9 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from changebus.schemas.server import CopyBudget
+
 from ._buffer import EventBuffer, Selection
-from ._copybudget import CopyBudget
 
 __all__ = ["PIECE_BYTES", "STALL_S", "SendWatch", "pieces", "send_body", "send_selection"]
 

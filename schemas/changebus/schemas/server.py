@@ -11,6 +11,9 @@ daemons (and TLS, authentication and limits, once) plug into it:
 * :class:`Server` -- runner, listening site (port 0: any free port), start-up
   and shutdown through the app's ``cleanup_ctx`` steps; :func:`serve` -- the
   daemon's main loop (SIGTERM/SIGINT, also during start-up);
+* :class:`CopyBudget` -- the bytes of response copies held at once for
+  clients that read slowly (relay pushes, bootstrap pages), bounded without
+  making a request wait;
 * :class:`ConnectionLimits` -- keep-alive and request-head timeouts, caps on
   open connections (all, per client IP), handlers cancelled when their client
   disconnects (the daemons' ``[http]`` tables inherit its fields);
@@ -26,6 +29,12 @@ itself does not import it, so the wire contract stays light for the
 fetchers and clients.
 """
 
+from ._copybudget import (
+    MIN_FLOOR as MIN_FLOOR,
+    CopyBudget as CopyBudget,
+    check_copy_budget as check_copy_budget,
+    copy_floor as copy_floor,
+)
 from ._daemon_cli import add_daemon_parser as add_daemon_parser, run_daemon as run_daemon
 from ._server import Server as Server, Service as Service, serve as serve
 from ._server_app import (
@@ -53,17 +62,21 @@ from ._server_query import (
 __all__ = [
     "HTTP_METRICS",
     "MAX_DIGITS",
+    "MIN_FLOOR",
     "PROMETHEUS_CONTENT_TYPE",
     "REGISTRY",
     "Collector",
     "ConnectionLimits",
+    "CopyBudget",
     "Handler",
     "HttpMetrics",
     "Readiness",
     "Server",
     "Service",
     "add_daemon_parser",
+    "check_copy_budget",
     "check_params",
+    "copy_floor",
     "json_response",
     "json_text",
     "query_choice",

@@ -1,13 +1,15 @@
-"""The relay-wide budget of response copies: bytes held for clients that read slowly.
+"""A daemon-wide budget of response copies: bytes held for clients that read slowly.
 
-Follow-mode pushes and ``format=ndjson`` answers are copies taken out of
-the ring (the ring may be overwritten under a slow reader, a copy cannot).
-Each such copy lives until its client has taken it; a client that stalls
-keeps it for up to ``http.send_timeout_s``. Without a bound, a thousand
-lagging followers asking for 1 MiB pushes held over a GiB. This budget
+The relay's follow-mode pushes and ``format=ndjson`` answers are copies
+taken out of the ring (the ring may be overwritten under a slow reader, a
+copy cannot); the bootstrap server's snapshot and catch-up pages are built
+whole from its store. Each such copy lives until its client has taken it; a
+client that stalls keeps it for up to the send timeout. Without a bound, a
+thousand lagging followers asking for 1 MiB pushes held over a GiB (a
+thousand bootstrap clients asking for 16 MiB pages, 16 GiB). This budget
 bounds the sum, and it does so without ever making a request wait:
 
-* the relay serves at most ``slots`` (``http.max_connections``) requests at
+* the daemon serves at most ``slots`` (``http.max_connections``) requests at
   once, each holding at most one grant;
 * every request may always have ``floor`` bytes (at most 64 KiB, less when
   ``limit / slots`` is smaller): a grant beyond the floor comes only out of
@@ -30,17 +32,28 @@ from __future__ import annotations
 
 from changebus.schemas import ConfigError
 
-__all__ = ["MIN_FLOOR", "CopyBudget", "copy_floor"]
+__all__ = ["MIN_FLOOR", "CopyBudget", "check_copy_budget", "copy_floor"]
 
 #: a grant never needs more than this to make progress (a push of 64 KiB fills a socket buffer)
 _MAX_FLOOR = 64 * 1024
-#: below this a relay would push in crumbs: the configuration is refused
+#: below this a daemon would answer in crumbs: the configuration is refused
 MIN_FLOOR = 4 * 1024
 
 
 def copy_floor(limit: int, slots: int) -> int:
     """The bytes every one of ``slots`` requests may always have out of ``limit``."""
     return min(_MAX_FLOOR, limit // max(1, slots))
+
+
+def check_copy_budget(limit: int, slots: int) -> None:
+    """Refuse ``http.max_copy_bytes`` = ``limit`` that leaves one of ``slots``
+    (``http.max_connections``) requests less than :data:`MIN_FLOOR`."""
+    if copy_floor(limit, slots) < MIN_FLOOR:
+        raise ConfigError(
+            f"http.max_copy_bytes ({limit}) must give each of http.max_connections ({slots})"
+            f" at least {MIN_FLOOR} bytes: raise it to {MIN_FLOOR * slots} or lower"
+            " max_connections"
+        )
 
 
 class CopyBudget:
