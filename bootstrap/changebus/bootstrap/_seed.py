@@ -233,7 +233,7 @@ class PostgresChunkSource:
             (nsp, rel),
         ).fetchone()
         if info is None:
-            raise SourceConfigError(f"table {name} does not exist in the source")
+            raise SourceConfigError(f"table {name} does not exist in the source", gone=True)
         oid, identity, reltuples = int(info[0]), str(info[1]), int(info[2])
         cols = conn.execute(
             "SELECT attname::text, atttypid::int, atttypmod::int, "

@@ -322,6 +322,17 @@ class MySQLChunkSource:
                 "seeded before the relay has seen a change of it"
             ) from None
         self.policy.check_schema(schema)  # the rows follow the fetcher's column policy
+        db, _, table = name.partition(".")
+        with _source_errors(f"looking up {name}"), self.conn.cursor() as cur:
+            cur.execute(
+                "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
+                "AND TABLE_NAME = %s",
+                (db, table),
+            )
+            found = cur.fetchone() is not None
+            self.conn.rollback()
+        if not found:
+            raise SourceConfigError(f"table {name} does not exist in the source", gone=True)
         if not schema.key:
             raise SourceConfigError(
                 f"table {name} has no primary key: a snapshot reads a table in key order, in "

@@ -70,7 +70,7 @@ class StoreSink:
         )
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:
-        if scope.whole:
+        if scope.whole and job.chunks:  # (no chunk: a table gone from the source, nothing read)
             after: int | None = 0
             while after is not None:
                 start = after
