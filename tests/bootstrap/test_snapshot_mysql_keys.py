@@ -268,6 +268,22 @@ async def test_composite_varchar_and_binary_keys_and_a_table_without_a_key(
         await asyncio.to_thread(seed_mysql, gone, lambda *_: None, SeedProgress(), sink=sink)
         assert sink.chunks == []
         assert [(j.table, j.chunks) for j in sink.finished] == [(f"{db}.vkey", 0)]
+        # ...but a table the seed's user may not read is no dropped table (information_schema
+        # hides it all the same): refused, naming the grant
+        mysql_execute(
+            server,
+            "mysql",
+            "CREATE USER IF NOT EXISTS 'narrow'@'127.0.0.1' IDENTIFIED BY 'narrow-pw'",
+            f"GRANT SELECT ON `{db}`.`bkey` TO 'narrow'@'127.0.0.1'",
+            "GRANT BINLOG MONITOR ON *.* TO 'narrow'@'127.0.0.1'",
+        )
+        narrow = dataclasses.replace(
+            request,
+            dsn=f"mysql://narrow:narrow-pw@127.0.0.1:{server.port}",
+            tables=(f"{db}.comp",),
+        )
+        with pytest.raises(SourceConfigError, match=r"may not read table.*grant it SELECT"):
+            await asyncio.to_thread(seed_mysql, narrow, lambda *_: None, SeedProgress())
 
         # composite keys: a keys scope reports the keys the source lacks (store keys)
         comp = host.registry.latest(f"{db}.comp")

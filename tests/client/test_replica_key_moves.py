@@ -163,3 +163,71 @@ async def test_a_shared_writer_leaves_the_old_key_to_its_writer(tmp_path: Path) 
     with sqlite3.connect(db) as conn:
         rows = sorted(conn.execute('SELECT id, body FROM "app_docs"').fetchall())
     assert rows == [(1, "back"), (7, "x")]
+
+
+async def test_a_shared_writer_moves_rows_between_keys_of_its_own(tmp_path: Path) -> None:
+    """A writer whose filter owns the old key too (a lone ``mod:1:0``, or two keys of
+    its own buckets) gets the old key's DELETE as well, in its order: it moves the row
+    as a lone replica does, unsent TOASTed values kept, instead of stopping (review)."""
+    from changebus.schemas import PartitionFilter
+
+    big = "b" * 5000
+    windows = [
+        Window(
+            scn=10,
+            timestamp_ns=10,
+            partition="p",
+            events=(
+                ChangeEvent(
+                    10,
+                    0,
+                    ChangeOp.INSERT,
+                    T.name,
+                    {"id": 1},
+                    {"id": 1, "n": 1, "body": big},
+                    None,
+                    schema=T,
+                ),
+            ),
+        ),
+        Window(
+            scn=20,
+            timestamp_ns=20,
+            partition="p",
+            events=(
+                ChangeEvent(
+                    20,
+                    0,
+                    ChangeOp.UPDATE,
+                    T.name,
+                    {"id": 7},
+                    {"id": 7, "n": 3, "body": None},
+                    {"id": 1, "n": None, "body": None},
+                    schema=T,
+                    not_sent=("body",),
+                    before_not_sent=("n", "body"),
+                ),
+                ChangeEvent(
+                    20,
+                    1,
+                    ChangeOp.DELETE,
+                    T.name,
+                    {"id": 1},
+                    None,
+                    {"id": 1, "n": None, "body": None},
+                    schema=T,
+                    before_not_sent=("n", "body"),
+                ),
+            ),
+        ),
+    ]
+    db = tmp_path / "r.db"
+    replica = SqliteReplica(db)
+    replica.shared_tables = True
+    replica.key_filter = PartitionFilter.parse("mod:1:0")
+    try:
+        await apply(replica, windows)
+    finally:
+        await replica.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute('SELECT id, n, body FROM "app_docs"').fetchall() == [(7, 3, big)]

@@ -289,3 +289,21 @@ def test_full_identity_fills_unchanged_toasted_values_and_a_key_change_deletes_t
                 if change.after is not None:
                     assert change.after["big"] == big
     assert seen == [(1, 1, (1, ())), (2, 1, (2, ())), (2, 5, (3, ())), (3, 1, (None, ()))]
+
+
+def test_an_identity_index_other_than_the_key_gives_no_old_key(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """REPLICA IDENTITY USING INDEX on other columns than the primary key: the key-only
+    before-image holds those columns, not the key. Working out the old key's DELETE of
+    an update raised a TypeError there and stopped the fetcher (found by review): no
+    old key is known, and the update goes alone."""
+    conn.execute("CREATE TABLE ident (id int PRIMARY KEY, u int NOT NULL, v text)")
+    conn.execute("CREATE UNIQUE INDEX ident_u ON ident (u)")
+    conn.execute("ALTER TABLE ident REPLICA IDENTITY USING INDEX ident_u")
+    conn.execute("INSERT INTO ident VALUES (1, 10, 'a')")
+    conn.execute("UPDATE ident SET u = 11, v = 'b' WHERE id = 1")  # the identity changes
+    datas, fast = both_paths(conn)
+    table = fast.registry.latest("public.ident")
+    ops = [int(h["op"]) for data in datas for h in parse_stream(data)[1] if int(h["op"]) < 16]
+    assert table.key == ("id",) and ops == [1, 2]

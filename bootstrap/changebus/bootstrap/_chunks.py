@@ -383,7 +383,9 @@ def _run_tables(
                 # rows stay as the stream left them: a DROP TABLE is no change event, and
                 # consumers that follow the stream keep them too
                 log.warning("%s: %s; recorded as seeded, its rows left as they are", name, exc)
+                progress.start_table(name, "gone", 0, 0, 0)
                 sink.finish(scope, JobState(name, scope.as_json(), first_tag=request.min_tag))
+                progress.table_done()
                 continue
             stored = sink.resume(scope)
             if stored is not None and 0 <= stored.first_tag < request.min_tag:

@@ -126,9 +126,9 @@ class Pipelines(Seeding):
                         await sink.join()
                         try:
                             await self._repair_gap(w, stream.relay)
-                        except ChangebusError as failed:  # (the relay's status, the store)
+                        except Exception as failed:  # noqa: BLE001 - the relay, the store: again
                             w.state = "error"
-                            w.last_error = scrub(failed.message, self.secrets)
+                            w.last_error = self._failure(failed)
                             log.error(
                                 "partition %s: the gap could not be recorded yet (%s); "
                                 "trying again",

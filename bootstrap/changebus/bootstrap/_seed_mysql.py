@@ -154,6 +154,11 @@ def _source_errors(what: str) -> Iterator[None]:
         raise SourceError(f"MariaDB error {code} {what}: {message}", retriable=True) from None
 
 
+#: ER_NO_SUCH_TABLE; ER_TABLEACCESS_DENIED_ERROR, ER_DBACCESS_DENIED_ERROR
+_NO_SUCH_TABLE = 1146
+_DENIED = frozenset((1142, 1044))
+
+
 def _where(conditions: Sequence[str]) -> str:
     return " WHERE " + " AND ".join(conditions) if conditions else ""
 
@@ -311,6 +316,35 @@ class MySQLChunkSource:
                 raise ChangebusError("seeding stopped", retriable=True)
             pause = min(pause * 2, 1.0)
 
+    def _check_exists(self, name: str) -> None:
+        """Raise for a table the server does not have (``gone``: dropped since the
+        stream brought it) or does not let the seed's user read. The server's own
+        answer tells them apart: ``information_schema`` hides tables the user may not
+        read, which would look dropped."""
+        import pymysql
+
+        db, _, table = name.partition(".")
+        try:
+            with self.conn.cursor() as cur:
+                cur.execute(f"SELECT 1 FROM {_q(db)}.{_q(table)} LIMIT 0")
+            self.conn.rollback()
+        except pymysql.err.MySQLError as exc:
+            with contextlib.suppress(Exception):
+                self.conn.rollback()
+            code, message = _server_message(exc)
+            if code == _NO_SUCH_TABLE:
+                raise SourceConfigError(
+                    f"table {name} does not exist in the source", gone=True
+                ) from None
+            if code in _DENIED:
+                raise SourceConfigError(
+                    f"the seed's user may not read table {name} (MariaDB error {code}: "
+                    f"{message}): grant it SELECT"
+                ) from None
+            raise SourceError(
+                f"MariaDB error {code} looking up {name}: {message}", retriable=True
+            ) from None
+
     def reader(self, scope: SnapshotScope) -> MySQLChunkReader:
         """A reader of ``scope`` after checking the table (see :class:`~._chunks.ChunkSource`)."""
         name = scope.table
@@ -322,17 +356,7 @@ class MySQLChunkSource:
                 "seeded before the relay has seen a change of it"
             ) from None
         self.policy.check_schema(schema)  # the rows follow the fetcher's column policy
-        db, _, table = name.partition(".")
-        with _source_errors(f"looking up {name}"), self.conn.cursor() as cur:
-            cur.execute(
-                "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
-                "AND TABLE_NAME = %s",
-                (db, table),
-            )
-            found = cur.fetchone() is not None
-            self.conn.rollback()
-        if not found:
-            raise SourceConfigError(f"table {name} does not exist in the source", gone=True)
+        self._check_exists(name)
         if not schema.key:
             raise SourceConfigError(
                 f"table {name} has no primary key: a snapshot reads a table in key order, in "

@@ -56,7 +56,10 @@ from changebus.schemas import (
     Column,
     ConfigError,
     PartitionCheckpoint,
+    PartitionFilter,
+    RowEncoder,
     TableSchema,
+    key_hash,
 )
 
 from ._apply_reset import TableLedger, reset_config
@@ -100,6 +103,11 @@ class Replica(RowStatements, AsyncCallbacks):
         #: other writers apply other keys of the same tables (a key filter; the units
         #: of a group always do): TRUNCATEs go through :mod:`._apply_shared`
         self.shared_tables = False
+        #: the keys this writer of shared tables owns (its consumer's filter; None: not
+        #: known, as for a group's units): an update moving a row from a key it owns
+        #: moves the row here (:meth:`_foreign_old_key`)
+        self.key_filter: PartitionFilter | None = None
+        self._key_encoders: dict[int, RowEncoder] = {}  # worker thread only
         self._shared = SharedTables(
             f"{checkpoint_table}_truncations",
             execute=lambda conn, sql, params: self._execute(conn, sql, params),
@@ -343,11 +351,27 @@ class Replica(RowStatements, AsyncCallbacks):
         truncated: dict[str, tuple[int, int]] = {}
         if shared is not None:
             events, truncated = self._shared.filter(conn, shared, events, self.table_for)
-        for sql, rows in runs(self._statements(events, shared is not None)):
+        foreign = self._foreign_old_key if shared is not None else None
+        for sql, rows in runs(self._statements(events, foreign)):
             self._executemany(conn, sql, rows)
         if truncated:
             assert shared is not None
             self._shared.record(conn, shared, truncated)
+
+    def _foreign_old_key(self, event: ChangeEvent) -> bool:
+        """Whether the old key of ``event`` (an update moving its row) is another
+        writer's: outside :attr:`key_filter`, or not known to be this writer's."""
+        keys, schema = self.key_filter, event.schema
+        if keys is None or event.before is None or schema is None:
+            return True
+        encoder = self._key_encoders.get(schema.fingerprint)
+        if encoder is None:
+            encoder = self._key_encoders[schema.fingerprint] = RowEncoder(schema, source_id=0)
+        try:
+            old = encoder.key_bytes(event.before)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return True
+        return not keys.matches(key_hash(old))
 
     def _ensure_table(self, conn: Any, event: ChangeEvent) -> None:
         schema = event.schema
@@ -413,6 +437,12 @@ class Replica(RowStatements, AsyncCallbacks):
 
         if config.filter is not None:
             self.shared_tables = True  # other filters' writers may share the tables
+            # (ConsumerConfig parses a filter given as text)
+            self.key_filter = (
+                PartitionFilter.parse(config.filter)
+                if isinstance(config.filter, str)
+                else config.filter
+            )
         self.resets = 0
         while True:
             consumer = Consumer(config, persister=self)

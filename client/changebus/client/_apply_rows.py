@@ -16,7 +16,7 @@ their input: no connection, no state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from changebus.schemas import ConfigError
@@ -45,12 +45,13 @@ class RowStatements:
         raise NotImplementedError
 
     def _statements(
-        self, events: list[ChangeEvent], shared: bool = False
+        self, events: list[ChangeEvent], foreign: Callable[[ChangeEvent], bool] | None = None
     ) -> Iterator[tuple[str, list[Any]]]:
-        """The statements writing ``events``; ``shared``: the tables are shared by
-        writers of other keys (a group's units, key filters), and an update that
-        changes its row's key leaves the old key to the writer of that key (the
-        fetchers follow it with the old key's DELETE, which goes there)."""
+        """The statements writing ``events``. ``foreign`` (tables shared by writers of
+        other keys: a group's units, key filters): whether an update's old key is
+        another writer's; such an update leaves the old key to that writer (the
+        fetchers follow it with the old key's DELETE, which goes there). An old key
+        of this writer's own is moved as by a lone writer (its DELETE comes here too)."""
         q, p = self._quote, self.placeholder
         for e in events:
             schema = e.schema
@@ -62,7 +63,7 @@ class RowStatements:
                 yield f"DELETE FROM {table}", []
                 continue
             if schema.nullable_key:
-                yield from self._whole_row_statements(e, table, shared)
+                yield from self._whole_row_statements(e, table, foreign)
                 continue
             if e.op is ChangeOp.DELETE or e.after is None:
                 image = e.key or (e.before or {})
@@ -74,7 +75,7 @@ class RowStatements:
                 moved = all(v is not None for v in old.values()) and old != {
                     k: e.key[k] for k in key
                 }
-                if moved and shared:
+                if moved and foreign is not None and foreign(e):
                     if skip - set(key):
                         raise ConfigError(_unsent_move(schema.name, sorted(skip - set(key))))
                 elif moved:
@@ -112,18 +113,19 @@ class RowStatements:
             )
 
     def _whole_row_statements(
-        self, e: ChangeEvent, table: str, shared: bool
+        self, e: ChangeEvent, table: str, foreign: Callable[[ChangeEvent], bool] | None
     ) -> Iterator[tuple[str, list[Any]]]:
         """A change of a table keyed by all its columns (``nullable_key``: no primary
         key, NULLs in the key): the old row goes (matched NULL-safely, by the key the
         event names), the new one comes. Identical rows are one key: a delete or an
-        update removes all of them. ``shared``: an update's old row is left to the
-        writer of its key (:meth:`_statements`)."""
+        update removes all of them. An update's old row of another writer's key
+        (``foreign``) is left to that writer (:meth:`_statements`)."""
         q, p = self._quote, self.placeholder
         key = e.schema.key if e.schema is not None else ()
         where = " AND ".join(f"{q(k)} {self.null_safe_equal} {p}" for k in key)
         old = e.before if e.after is not None else (e.key or e.before)
-        if old is not None and e.op is not ChangeOp.INSERT and not (shared and e.after is not None):
+        theirs = foreign is not None and e.after is not None and foreign(e)
+        if old is not None and e.op is not ChangeOp.INSERT and not theirs:
             yield f"DELETE FROM {table} WHERE {where}", [self._adapt(old.get(k)) for k in key]
         if e.op is ChangeOp.DELETE or e.after is None:
             return

@@ -142,8 +142,8 @@ class Registry:
         except NoNodeError:
             self._registered = False
             await self._register()
-        except CoordinationError:
-            self._dirty = True
+        except (CoordinationError, KazooException):
+            self._dirty = True  # (written again by _keep)
             raise
         self._written = time.monotonic()
 

@@ -261,7 +261,10 @@ class ZkSession:
         self.last_ok = max(self.last_ok, t0)
         if self.thread_state == "connecting":  # (never over a later report of kazoo's thread)
             self.thread_state = "connected"
-        self._set_state("connected", sid)
+        if self.connected:  # (kazoo's thread may have reported a loss since)
+            self._set_state("connected", sid)
+        else:  # lost again already: kazoo's queued reports say so, then its next CONNECTED
+            self.session_id = sid
         if credentials is not None:
             await self._secure_tree(security["default_acl"])
 

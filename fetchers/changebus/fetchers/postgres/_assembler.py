@@ -391,7 +391,7 @@ class Assembler:
         if (
             after is not None
             and before is not None
-            and encoder.key_bytes(before) != encoder.key_bytes(after)
+            and self._old_key(table, before) not in (None, encoder.key_bytes(after))
         ):  # the old key's delete of a key-changing update (module docstring)
             self._add(
                 txn,
@@ -406,6 +406,17 @@ class Assembler:
                 ),
             )
             txn.data_events += 1
+
+    @staticmethod
+    def _old_key(table: Table, before: dict[str, Any]) -> bytes | None:
+        """The event key of an update's before-image; None when it does not hold the key
+        (REPLICA IDENTITY USING INDEX on other columns than the key: no old key is known,
+        and the update goes without the old key's DELETE)."""
+        schema = table.schema
+        if not schema.nullable_key and any(before.get(k) is None for k in schema.key):
+            return None
+        key: bytes = table.encoder.key_bytes(before)
+        return key
 
     # ---- COPY rows (the bootstrap seeder) -------------------------------
 
