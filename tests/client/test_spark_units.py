@@ -64,6 +64,10 @@ def test_options_parse_and_reject() -> None:
         )
     with pytest.raises(ConfigError, match="relay URL"):
         SourceOptions.parse({})
+    for key in ("sources", "partitions", "relays", "allowSchemaChanges"):  # an unset variable
+        for empty in ("", " ", " , "):
+            with pytest.raises(ConfigError, match=f"option {key.lower()} is set but names"):
+                SourceOptions.parse({"relays": "http://x", key: empty})
     with pytest.raises(ConfigError, match="batch reads"):
         SourceOptions.parse({"relays": "http://x", "endingScn": "5"})
     with pytest.raises(ConfigError, match=">= 1"):

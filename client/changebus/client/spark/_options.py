@@ -193,6 +193,10 @@ def _list(options: Mapping[str, str], key: str) -> tuple[str, ...]:
     if raw is None:
         return ()
     items = tuple(s.strip() for s in str(raw).split(",") if s.strip())
+    if not items:
+        # (an unset variable passed along: "" read as "no restriction" widened the query
+        # to every source or partition without a word)
+        raise ConfigError(f"option {key} is set but names nothing ({raw!r}): leave it out")
     if len(set(items)) != len(items):
         raise ConfigError(f"option {key}: duplicate names in {raw!r}")
     return items
