@@ -203,7 +203,7 @@ async def main() -> None:
                         )
                         captured_s = time.perf_counter() - t0
                         changes = await boot.service.stores.read(
-                            lambda s: s.changed_since("pg", -1, marker)
+                            lambda s: s.changed_since("pg", -1, marker, 1 << 62)
                         )
                         a_status = relay_a.hosts["pg"].status()
                         b_status = relay_b.hosts["pg"].status()

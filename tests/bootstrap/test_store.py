@@ -589,3 +589,18 @@ def test_a_page_whose_filter_matches_little_reads_a_bounded_part_of_the_store(
         if part.complete:
             break
     assert keys == set(range(600))
+
+
+def test_a_plan_counts_a_bounded_part_of_the_store(store: Store) -> None:
+    """``/v1/bootstrap/start`` chose between a catch-up and a snapshot by counting every
+    log event and snapshot row after ``since``: with the log never pruned, each request
+    read the whole history (found by review). The counts stop at what the choice needs."""
+    for data in random_windows(5, 60):
+        store.append("p", data)
+    store.apply("p")
+    st = store.state("p")
+    everything = store.changed_since("p", -1, st.producer_scn, 1 << 40)
+    assert everything > 20
+    assert store.changed_since("p", -1, st.producer_scn, 7) == 7
+    rows = store.snapshot_changed("p", -1, st.applier_scn, 1 << 40)
+    assert rows > 5 and store.snapshot_changed("p", -1, st.applier_scn, 3) == 3

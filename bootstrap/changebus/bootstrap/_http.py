@@ -205,6 +205,8 @@ def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
 
 #: table names an answer lists at most (``unseeded``)
 _NAMES_SHOWN = 50
+#: snapshot rows a plan counts at most (so a plan reads a bounded part of the store)
+PLAN_COUNT_LIMIT = 1_000_000
 
 
 def _plan(
@@ -235,8 +237,11 @@ def _plan(
     snapshot = True
     start = st.applier_scn
     if since >= st.log_min_scn:
-        log_events = store.changed_since(part, since, st.producer_scn)
-        rows = store.snapshot_changed(part, since, st.applier_scn)
+        # counted up to what the choice needs: past PLAN_COUNT_LIMIT snapshot rows the
+        # snapshot may be dearer still, and past ratio x rows log events the catch-up is
+        rows = store.snapshot_changed(part, since, st.applier_scn, PLAN_COUNT_LIMIT)
+        enough = int(min(ratio * rows, 2.0**62)) + 1  # (a huge ratio: every log event)
+        log_events = store.changed_since(part, since, st.producer_scn, enough)
         if log_events <= ratio * rows or st.applier_scn <= since:
             snapshot, start = False, since
             if start < 0:  # from nothing: just before the log's first window (an SCN >= 0)

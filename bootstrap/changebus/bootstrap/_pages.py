@@ -54,11 +54,14 @@ class CatchupPage:
 class Pages(StoreDb):
     """Snapshot and catch-up pages (a part of :class:`~._store.Store`)."""
 
-    def changed_since(self, part: str, since_scn: int, upto_scn: int) -> int:
-        """Log data events in ``(since_scn, upto_scn]`` (what a catch-up-only bootstrap costs)."""
+    def changed_since(self, part: str, since_scn: int, upto_scn: int, limit: int) -> int:
+        """Log data events in ``(since_scn, upto_scn]`` (what a catch-up-only bootstrap
+        costs), counted up to ``limit`` (a plan needs no more: a count of the whole log
+        read every row of it, per request)."""
         row = self._one(
-            "SELECT count(*) FROM cb_log WHERE part = {p} AND scn > {p} AND scn <= {p} AND op < {p}",
-            (part, since_scn, upto_scn, FIRST_CONTROL_OP),
+            "SELECT count(*) FROM (SELECT 1 FROM cb_log WHERE part = {p} AND scn > {p} AND "
+            "scn <= {p} AND op < {p} LIMIT {p}) AS x",
+            (part, since_scn, upto_scn, FIRST_CONTROL_OP, limit),
         )
         return int(row[0])
 
@@ -67,11 +70,13 @@ class Pages(StoreDb):
         row = self._one("SELECT min(scn) FROM cb_log WHERE part = {p}", (part,))
         return int(row[0]) if row is not None and row[0] is not None else -1
 
-    def snapshot_changed(self, part: str, since_scn: int, upto_scn: int) -> int:
-        """Snapshot rows (tombstones too) last changed in ``(since_scn, upto_scn]``."""
+    def snapshot_changed(self, part: str, since_scn: int, upto_scn: int, limit: int) -> int:
+        """Snapshot rows (tombstones too) last changed in ``(since_scn, upto_scn]``, counted
+        up to ``limit``."""
         row = self._one(
-            "SELECT count(*) FROM cb_snap WHERE part = {p} AND scn > {p} AND scn <= {p}",
-            (part, since_scn, upto_scn),
+            "SELECT count(*) FROM (SELECT 1 FROM cb_snap WHERE part = {p} AND scn > {p} AND "
+            "scn <= {p} LIMIT {p}) AS x",
+            (part, since_scn, upto_scn, limit),
         )
         return int(row[0])
 
