@@ -361,3 +361,43 @@ async def test_a_new_leader_holds_the_source_until_followers_registered_again(
         role = relay.cluster.roles[PART]
         assert role.follower_hold() == role._lead_from < (1 << 63) - 1
         await wait_until(lambda: role.follower_hold() == (1 << 63) - 1, 10, "the grace's end")
+
+
+async def test_a_leader_behind_an_epoch_a_member_registered_takes_a_newer_one(
+    tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
+) -> None:
+    """ZooKeeper lost its data: a relay that knew only the epochs it saw itself took a
+    small epoch, while members that had seen newer ones refused to follow it for good
+    (they keep their min_epoch; found by review). A member registering a newer epoch
+    than the leader's term makes the leader step down and take one past it."""
+    from changebus.cluster import PartitionState, Registry, ZkSession
+
+    slot = _table_and_slot(pg_dsn)
+    config = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, "lone", 2.0)
+    ghost = ZkSession(
+        ClusterConfig(
+            zookeeper=zk_server.hosts,
+            name=zk_cluster,
+            member_id="seen-more",
+            advertised_url="http://seen-more.test:1",
+            session_timeout_s=2.0,
+        )
+    )
+    async with Relay(config) as relay:
+        host = relay.hosts[PART]
+        await wait_until(lambda: host.role == "leader", 60, "the relay leads")
+        role = relay.cluster.roles[PART]  # type: ignore[union-attr]
+        first = role.plan[1]
+        assert role.plan[0] == "lead" and first < 10
+        await ghost.start()
+        registry = Registry(ghost, "relay")
+        registry.update({PART: PartitionState("follower", 10, 0, 0)})  # it followed epoch 10
+        await registry.start()
+        try:
+            await wait_until(
+                lambda: role.plan[0] == "lead" and role.plan[1] > 10, 30, "a newer epoch"
+            )
+            assert host.role == "leader"
+        finally:
+            await registry.stop()
+            await ghost.stop()

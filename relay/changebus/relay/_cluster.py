@@ -150,7 +150,7 @@ class PartitionRole:
             member.session,
             host.name,
             on_elected=self._elected,
-            epoch_floor=lambda: self.min_epoch,
+            epoch_floor=lambda: max(self.min_epoch, self._registered_epoch()),
         )
         #: the SCN the leader may acknowledge up to (see follower_hold)
         self.hold = 0
@@ -245,11 +245,35 @@ class PartitionRole:
 
     # -- the plan ---------------------------------------------------------------
 
+    def _registered_epoch(self) -> int:
+        """The newest epoch a member registered for this partition (a follower registers
+        the epoch it follows, a leader its own)."""
+        members = self.member.table.snapshot().members.values()
+        return max(
+            (m.partitions[self.name].epoch for m in members if self.name in m.partitions),
+            default=0,
+        )
+
     def _wanted(self) -> _Plan:
         term = self.election.leadership
         leader = self.member.table.leader(self.name)
         if leader is not None:
             self.min_epoch = max(self.min_epoch, leader.epoch)
+        registered = self._registered_epoch()
+        if term is not None and not term.lost and term.epoch < registered:
+            # a member has seen a newer epoch than this term's: ZooKeeper lost its data
+            # and this member, knowing less, took a smaller one, which the members that
+            # saw newer ones refuse for good. Stepping down, it takes one past theirs
+            # (the election's floor counts the registered epochs)
+            log.warning(
+                "partition %s: epoch %d is behind epoch %d a member registered (did "
+                "ZooKeeper lose its data?); taking a newer one",
+                self.name,
+                term.epoch,
+                registered,
+            )
+            term.lose(f"a member registered the newer epoch {registered}")
+            return ("none", 0, "")
         if (
             term is not None
             and not term.lost
