@@ -8,6 +8,8 @@
 * :class:`RelayThread` -- a real relay running on its own event loop in a
   background thread, so that blocking Spark calls in the test can read from
   it (Spark's Python workers are other processes that connect over HTTP).
+* :func:`pg_relay_config` -- a relay's configuration over one Postgres database
+  (partition ``pg``); :meth:`RelayThread.wait_streaming` waits for its fetcher.
 * :func:`spark_env` -- the environment a separate Spark driver process needs.
 """
 
@@ -17,13 +19,14 @@ import asyncio
 import os
 import sys
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from changebus.relay import Relay, RelayConfig
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_ROOTS = ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client", "discovery")
@@ -40,6 +43,17 @@ def spark_env() -> dict[str, str]:
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = os.pathsep.join([*roots, *([old] if old else [])])
     return env
+
+
+def pg_relay_config(tmp_path: Path, dsn: str, capacity_bytes: int) -> RelayConfig:
+    """A relay with one partition ``pg`` (id 1) fed by the Postgres fetcher from ``dsn``."""
+    fetcher = FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.2})
+    return RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(PartitionConfig("pg", 1, capacity_bytes=capacity_bytes, fetcher=fetcher),),
+        flush_interval_s=0,
+    )
 
 
 class RelayThread:
@@ -67,6 +81,14 @@ class RelayThread:
 
     def state(self, partition: str) -> str:
         return self.relay.hosts[partition].state
+
+    def wait_streaming(self, partition: str = "pg", timeout: float = 60) -> None:
+        """Wait until ``partition``'s fetcher streams (the source's changes from now on
+        reach the relay)."""
+        deadline = time.monotonic() + timeout
+        while self.state(partition) != "streaming":
+            assert time.monotonic() < deadline, f"{partition} did not start streaming"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         try:

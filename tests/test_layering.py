@@ -122,7 +122,7 @@ def test_the_import_scan_sees_every_kind_of_import() -> None:
     # imports inside functions
     assert ("changebus.client._demo", "changebus.relay.Relay") in seen
     assert (
-        "changebus.bootstrap._seed_mysql",
+        "changebus.bootstrap._seed_mysql_conn",
         "changebus.fetchers.mysql.MySQLConfig",
     ) in seen
 

@@ -216,6 +216,16 @@ async def replicate_until(
         watcher.cancel()
 
 
+async def replica_to(db: Path, cfg: ConsumerConfig, marker: int) -> WatchedReplica:
+    """A :class:`WatchedReplica` of ``db`` run until online at ``marker``, then closed."""
+    replica = WatchedReplica(db)
+    try:
+        await replicate_until(replica, cfg, marker)
+    finally:
+        await replica.close()
+    return replica
+
+
 async def bootstrap_caught_up(boot: BootstrapServer, marker: int) -> None:
     w = boot.service.workers["pg"]
     await wait_until(lambda: w.applier_scn >= marker, 60, "the bootstrap applier")

@@ -318,13 +318,12 @@ async def test_a_relay_restarted_on_a_damaged_ring_makes_the_bootstrap_seed_agai
     tmp_path: Path, pg_dsn: str
 ) -> None:
     from boot_e2e import (
-        WatchedReplica,
         assert_same,
         bootstrap_caught_up,
         consumer_config,
         create_tables,
         replica_rows,
-        replicate_until,
+        replica_to,
         source_rows,
         sync_marker,
         workload,
@@ -415,11 +414,7 @@ async def test_a_relay_restarted_on_a_damaged_ring_makes_the_bootstrap_seed_agai
             await bootstrap_caught_up(boot, marker)
             # a new consumer gets the changes the relay lost, through the seed
             db = tmp_path / "new.db"
-            replica = WatchedReplica(db)
-            try:
-                await replicate_until(replica, consumer_config(relay.url, boot.url), marker)
-            finally:
-                await replica.close()
+            replica = await replica_to(db, consumer_config(relay.url, boot.url), marker)
             assert replica.phases[0] == "snapshot"
             assert_same(replica_rows(db), source_rows(pg_dsn))
     finally:

@@ -30,6 +30,7 @@ from boot_e2e import (
     create_tables,
     relay_config,
     replica_rows,
+    replica_to,
     replicate_until,
     source_rows,
     stored_checkpoint,
@@ -200,11 +201,7 @@ async def test_seed_from_the_source_while_writers_write(
             marker = sync_marker(pg_dsn)
             await bootstrap_caught_up(boot, marker)
             db = tmp_path / "replica.db"
-            replica = WatchedReplica(db)
-            try:
-                await replicate_until(replica, consumer_config(relay.url, boot.url), marker)
-            finally:
-                await replica.close()
+            await replica_to(db, consumer_config(relay.url, boot.url), marker)
             now = source_rows(pg_dsn)
             assert_same(replica_rows(db), now)
             # some rows were never changed after capture began: only the seed had them

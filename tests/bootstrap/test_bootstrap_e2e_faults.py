@@ -37,6 +37,7 @@ from boot_e2e import (
     create_tables,
     relay_config,
     replica_rows,
+    replica_to,
     replicate_until,
     source_rows,
     sync_marker,
@@ -347,11 +348,7 @@ async def test_producer_fell_off_the_relay_repairs_itself_with_a_seed(
             marker = sync_marker(pg_dsn)
             await bootstrap_caught_up(boot, marker)
             for db in (old_db, tmp_path / "new.db"):  # behind the gap, and from nothing
-                replica = WatchedReplica(db)
-                try:
-                    await replicate_until(replica, cfg, marker)
-                finally:
-                    await replica.close()
+                replica = await replica_to(db, cfg, marker)
                 assert replica.phases[0] in ("snapshot", "catchup")
                 assert_same(replica_rows(db), source_rows(pg_dsn))
             # the consumer in the gap: refused (it must be reset), never served a snapshot
@@ -449,11 +446,7 @@ async def test_a_gap_is_repaired_after_the_windows_before_it_are_applied(
             marker = sync_marker(pg_dsn)
             await bootstrap_caught_up(boot, marker)
             db = tmp_path / "new.db"
-            replica = WatchedReplica(db)
-            try:
-                await replicate_until(replica, consumer_config(relay.url, boot.url), marker)
-            finally:
-                await replica.close()
+            replica = await replica_to(db, consumer_config(relay.url, boot.url), marker)
             assert replica.phases[0] == "snapshot"
             assert 2000000 not in replica_rows(db)["acct"]
             assert_same(replica_rows(db), source_rows(pg_dsn))

@@ -7,8 +7,10 @@ import socket
 from pathlib import Path
 
 import pytest
+from test_store import window
 
 from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
+from changebus.schemas import Op
 from changebus.schemas._server_stats import CONNECTION_STATS
 from waiting import wait_until
 
@@ -46,33 +48,6 @@ async def test_the_bootstrap_server_applies_its_http_limits(tmp_path: Path) -> N
             w.close()
 
 
-def _windows(first_scn: int, count: int, row_bytes: int) -> bytes:
-    """``count`` windows of one INSERT of about ``row_bytes`` each."""
-    from changebus.schemas import (
-        Column,
-        EndOfWindow,
-        Op,
-        RowEncoder,
-        SchemaRegistry,
-        TableSchema,
-        encode_control,
-    )
-
-    reg = SchemaRegistry()
-    table = reg.register(
-        TableSchema(
-            "public.big", (Column("id", "long", nullable=False), Column("v", "string")), ("id",)
-        )
-    )
-    enc = RowEncoder(table, source_id=reg.source_id(table.name), partition=1)
-    out = []
-    for i in range(count):
-        scn = first_scn + i
-        out.append(enc.encode(Op.INSERT, scn, 0, scn, {"id": i, "v": "x" * row_bytes}))
-        out.append(encode_control(EndOfWindow(1, ""), scn, 1, scn))
-    return b"".join(out)
-
-
 async def test_pages_for_clients_that_do_not_read_stay_within_the_copy_budget(
     tmp_path: Path,
 ) -> None:
@@ -91,7 +66,10 @@ async def test_pages_for_clients_that_do_not_read_stay_within_the_copy_budget(
         http=HttpConfig(port=0, max_connections=16, max_copy_bytes=1 << 20),
     )
     async with BootstrapServer(cfg) as boot:
-        data = _windows(100, 160, 50_000)  # 8 MB of log
+        # 8 MB of log: windows of one 50 KB row each
+        data = b"".join(
+            window(100 + i, [("public.t1", Op.INSERT, i, "x" * 50_000)]) for i in range(160)
+        )
         await boot.service.stores.write(lambda s: s.append("p", data, start_scn=99))
         budget = boot.server.app[BUDGET]
         path = "/v1/bootstrap/catchup?partition=p&after=99&target=259&max_bytes=16777216"

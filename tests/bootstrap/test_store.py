@@ -283,7 +283,7 @@ def test_key_change_leaves_a_tombstone_and_unsent_columns_are_kept(store: Store)
 
 
 def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
-    from changebus.bootstrap._http import _plan
+    from changebus.bootstrap._plan import plan_bootstrap as _plan
     from changebus.schemas import NotYetError
 
     with pytest.raises(NotYetError):

@@ -30,8 +30,7 @@ from changebus.bootstrap import (
     StoreConfig,
 )
 from changebus.fetchers.postgres import message_scn
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
-from fix_spark import RelayThread
+from fix_spark import RelayThread, pg_relay_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.pg, pytest.mark.timeout(600)]
 
@@ -75,19 +74,7 @@ def test_earliest_snapshots_and_an_evicted_checkpoint_recovers(
     example = base.load_example()
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(base.TABLE)
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=TINY,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, TINY)
     mirror_dir, ck = tmp_path / "mirror", tmp_path / "ck"
     with RelayThread(cfg) as relay:
         wait_for(lambda: relay.state("pg") == "streaming", "the relay")

@@ -33,9 +33,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from changebus.fetchers.postgres import message_scn
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
 from fix_pg import writer_txn
-from fix_spark import RelayThread, spark_env
+from fix_spark import RelayThread, pg_relay_config, spark_env
 
 pytestmark = [pytest.mark.spark, pytest.mark.pg, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -175,26 +174,11 @@ def test_mirror_on_local_cluster_survives_executor_kill_and_restart(
 ) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(TABLE)
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=32 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, 32 << 20)
     stop = threading.Event()
     writers = [threading.Thread(target=write, args=(pg_dsn, s, stop)) for s in (1, 2)]
     with RelayThread(cfg) as relay:
-        deadline = time.monotonic() + 60
-        while relay.state("pg") != "streaming":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        relay.wait_streaming()
         for w in writers:
             w.start()
         job = Job(relay.url, tmp_path)

@@ -22,8 +22,7 @@ import psycopg
 import pytest
 
 from changebus.fetchers.postgres import message_scn
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
-from fix_spark import ROOT, RelayThread
+from fix_spark import ROOT, RelayThread, pg_relay_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.pg, pytest.mark.timeout(600)]
 
@@ -133,25 +132,10 @@ def test_parquet_mirror_equals_the_table_across_restart(
     example = load_example()
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(TABLE)
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=16 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, 16 << 20)
     mirror_dir, ck = tmp_path / "mirror", tmp_path / "ck"
     with RelayThread(cfg) as relay:
-        deadline = time.monotonic() + 60
-        while relay.state("pg") != "streaming":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        relay.wait_streaming()
         workload(pg_dsn, 1, 120)
         caught_up(relay, pg_dsn)
         df = (
@@ -217,24 +201,9 @@ def test_not_sent_column_byte_limit_and_min_rows(spark: Any, pg_dsn: str, tmp_pa
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE doc (id int8 PRIMARY KEY, n int4, body text)")
         conn.execute("ALTER TABLE doc ALTER body SET STORAGE EXTERNAL")  # TOASTed, uncompressed
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=16 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, 16 << 20)
     with RelayThread(cfg) as relay:
-        deadline = time.monotonic() + 60
-        while relay.state("pg") != "streaming":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        relay.wait_streaming()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for k, body in big.items():  # one transaction each, ~12.8 kB of body
                 conn.execute("INSERT INTO doc VALUES (%s, 0, %s)", (k, body))

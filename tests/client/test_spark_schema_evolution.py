@@ -30,7 +30,6 @@ import psycopg
 import pytest
 
 from changebus.fetchers.postgres import message_scn
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, RelayConfig
 from changebus.schemas import (
     Column,
     ConfigError,
@@ -38,7 +37,7 @@ from changebus.schemas import (
     SchemaChangeRefusedError,
     TableSchema,
 )
-from fix_spark import ROOT, RelayThread
+from fix_spark import ROOT, RelayThread, pg_relay_config
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -113,19 +112,7 @@ def test_add_column_restart_and_drop_refused_unless_allowed(
 
     example = load_example()
     sql(pg_dsn, "CREATE TABLE t (id int8 PRIMARY KEY, a text, n int4)")
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=4 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, 4 << 20)
     mirror_dir, ck = tmp_path / "mirror", tmp_path / "ck"
     mirror = ParquetMirror(mirror_dir, ["id"])
     schema_log = ck / "_changebus_schemas"
@@ -164,10 +151,7 @@ def test_add_column_restart_and_drop_refused_unless_allowed(
 
     with RelayThread(cfg) as relay:
         try:
-            deadline = time.monotonic() + 60
-            while relay.state("pg") != "streaming":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            relay.wait_streaming()
             sql(
                 pg_dsn,
                 "INSERT INTO t SELECT i, 'a' || i, i * 10 FROM generate_series(1, 8) i",
@@ -447,24 +431,9 @@ def test_a_version_between_load_and_start_stops_the_query(
     from changebus.client.spark._evolution import MARK
 
     sql(pg_dsn, "CREATE TABLE t (id int8 PRIMARY KEY, a text)", "INSERT INTO t VALUES (1, 'x')")
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=4 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
+    cfg = pg_relay_config(tmp_path, pg_dsn, 4 << 20)
     with RelayThread(cfg) as relay:
-        deadline = time.monotonic() + 60
-        while relay.state("pg") != "streaming":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        relay.wait_streaming()
         sql(pg_dsn, "INSERT INTO t VALUES (2, 'y')")
         caught_up(relay, pg_dsn)
 

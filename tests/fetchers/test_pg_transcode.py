@@ -72,6 +72,19 @@ def both_paths(conn: psycopg.Connection[Any], slot: str = "s") -> tuple[list[byt
     return [w.data for w in got], fast
 
 
+def data_events(datas: list[bytes], table: Any) -> list[tuple[int, dict[str, Any], Any]]:
+    """``(op, key, change)`` of every data event of ``datas``, decoded as ``table``."""
+    dec = ChangeDecoder(table)
+    out = []
+    for data in datas:
+        offsets, headers = parse_stream(data)
+        for off, h in zip(offsets.tolist(), headers, strict=True):
+            if int(h["op"]) < 16:
+                key, payload = event_at(data, off, decode_header(data, off))
+                out.append((int(h["op"]), dec.decode_key(bytes(key)), dec.decode(bytes(payload))))
+    return out
+
+
 @pytest.fixture
 def conn(pg_dsn: str):
     with psycopg.connect(pg_dsn, autocommit=True) as c:
@@ -209,14 +222,7 @@ def test_full_identity_without_a_key_has_nullable_key_columns(
     assert table.key == ("a", "b", "t", "d")
     assert table.nullable_key and all(c.nullable for c in table.columns)
     assert fast.rows_transcoded == 2  # the rows without a NULL key column
-    dec = ChangeDecoder(table)
-    keys = []
-    for data in datas:
-        offsets, headers = parse_stream(data)
-        for off, h in zip(offsets.tolist(), headers, strict=True):
-            if int(h["op"]) < 16:
-                key, _ = event_at(data, off, decode_header(data, off))
-                keys.append(dec.decode_key(bytes(key)))
+    keys = [key for _op, key, _change in data_events(datas, table)]
     x = {"a": 1, "b": 2, "t": "x", "d": datetime.date(2020, 1, 1)}
     y = {"a": 3, "b": 4, "t": "y", "d": None}
     nulls = {"a": None, "b": None, "t": None, "d": None}
@@ -241,18 +247,9 @@ def test_an_unchanged_toasted_value_of_an_all_column_key_comes_from_the_old_row(
     conn.execute("UPDATE nokey SET a = 2")  # big: unchanged, TOASTed
     conn.execute("DELETE FROM nokey")
     datas, fast = both_paths(conn)
-    table = fast.registry.latest("public.nokey")
-    dec = ChangeDecoder(table)
-    keys, afters = [], []
-    for data in datas:
-        offsets, headers = parse_stream(data)
-        for off, h in zip(offsets.tolist(), headers, strict=True):
-            if int(h["op"]) < 16:
-                head = decode_header(data, off)
-                key, payload = event_at(data, off, head)
-                keys.append(dec.decode_key(bytes(key)))
-                change = dec.decode(bytes(payload))
-                afters.append(change.after_not_sent)
+    events = data_events(datas, fast.registry.latest("public.nokey"))
+    keys = [key for _op, key, _change in events]
+    afters = [change.after_not_sent for _op, _key, change in events]
     one, two = {"a": 1, "big": big}, {"a": 2, "big": big}
     assert keys == [one, two, one, two]  # the update, then the old key's DELETE
     assert afters[1] == ()  # the value is sent, not listed as unchanged
@@ -275,19 +272,12 @@ def test_full_identity_fills_unchanged_toasted_values_and_a_key_change_deletes_t
     conn.execute("UPDATE docs SET id = 5, n = 3")  # a key change, big unchanged
     datas, fast = both_paths(conn)
     assert fast.rows_transcoded == 3
-    table = fast.registry.latest("public.docs")
-    dec = ChangeDecoder(table)
     seen = []
-    for data in datas:
-        offsets, headers = parse_stream(data)
-        for off, h in zip(offsets.tolist(), headers, strict=True):
-            if int(h["op"]) < 16:
-                key, payload = event_at(data, off, decode_header(data, off))
-                change = dec.decode(bytes(payload))
-                after = None if change.after is None else change.after["n"], change.after_not_sent
-                seen.append((int(h["op"]), dec.decode_key(bytes(key))["id"], after))
-                if change.after is not None:
-                    assert change.after["big"] == big
+    for op, key, change in data_events(datas, fast.registry.latest("public.docs")):
+        after = None if change.after is None else change.after["n"], change.after_not_sent
+        seen.append((op, key["id"], after))
+        if change.after is not None:
+            assert change.after["big"] == big
     assert seen == [(1, 1, (1, ())), (2, 1, (2, ())), (2, 5, (3, ())), (3, 1, (None, ()))]
 
 
@@ -305,5 +295,5 @@ def test_an_identity_index_other_than_the_key_gives_no_old_key(
     conn.execute("UPDATE ident SET u = 11, v = 'b' WHERE id = 1")  # the identity changes
     datas, fast = both_paths(conn)
     table = fast.registry.latest("public.ident")
-    ops = [int(h["op"]) for data in datas for h in parse_stream(data)[1] if int(h["op"]) < 16]
+    ops = [op for op, _key, _change in data_events(datas, table)]
     assert table.key == ("id",) and ops == [1, 2]

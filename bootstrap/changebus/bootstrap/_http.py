@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -75,6 +74,7 @@ from ._chunks import SnapshotScope
 from ._http_admin import add_admin_routes, scope_kind
 from ._metrics import BootstrapMetrics
 from ._pagesend import BUDGET, send_page
+from ._plan import check_position, plan_bootstrap
 from ._service import BootstrapService
 from ._store import Store
 
@@ -162,124 +162,6 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
     return sorted(ids[n] for n in wanted)
 
 
-def _check_gap(store: Store, part: str, since: int, seeding: bool) -> None:
-    """Refuse a position in a lost range for good, and one before a gap in the log
-    until it is repaired (:mod:`._gaps`).
-
-    Such a consumer would get a snapshot that lacks the lost changes, or a
-    catch-up across them, with no error: it waits (503, retriable) for the
-    re-seed instead. ``seeding``: a seed source is configured (the seed
-    repairs the gap by itself); without one the answer says an operator
-    must seed.
-    """
-    lost = store.lost_range(part, since)
-    if lost is not None:
-        raise ScnNotFoundError(
-            f"position {since} lies in SCNs this server never received ({lost[0]} < SCN < "
-            f"{lost[1]}: its producer fell off the relay, or the relay reported them lost): a "
-            "consumer there may hold rows inserted and deleted in that range, which this "
-            "server cannot send deletes for. Use another bootstrap server, or reset the "
-            "consumer's state (its rows and checkpoint) and bootstrap from nothing",
-            lost_after_scn=lost[0],
-            lost_upto_scn=lost[1],
-        )
-    gap = store.gap(part)
-    if gap is None or since >= gap:
-        return
-    what = (
-        f"this server misses changes up to SCN {gap} (its producer fell off the relay, or the "
-        "relay reported them lost), so its snapshot is incomplete before it"
-    )
-    if seeding:
-        raise NotYetError(
-            f"{what}; its snapshot is being seeded again from the source (progress: "
-            "/v1/status); retry soon",
-            gap_scn=gap,
-        )
-    raise NotYetError(
-        f"{what}; no seed source is configured: an operator must set seed.dsn and seed every "
-        f"table again (POST /v1/seed?partition={part}); retry later",
-        gap_scn=gap,
-    )
-
-
-#: table names an answer lists at most (``unseeded``)
-_NAMES_SHOWN = 50
-#: snapshot rows a plan counts at most (so a plan reads a bounded part of the store)
-PLAN_COUNT_LIMIT = 1_000_000
-
-
-def _plan(
-    store: Store,
-    part: str,
-    since: int,
-    ratio: float,
-    seeding: bool = True,
-    seed_running: frozenset[str] | None = None,
-    visible: Callable[[str], bool] = lambda _table: True,
-) -> dict[str, Any]:
-    """The plan of ``/v1/bootstrap/start``; ``visible``: the tables the principal may read
-    (the others are neither named nor waited for: its pages leave them out)."""
-    st = store.state(part)
-    if 0 <= since < st.base_scn:
-        raise ScnNotFoundError(
-            f"position {since} is older than this bootstrap server's history (it holds every "
-            f"change after {st.base_scn}); the consumer must start again from nothing",
-            base_scn=st.base_scn,
-        )
-    if st.producer_scn < 0:
-        raise NotYetError("the bootstrap server has no windows yet; retry soon")
-    _check_gap(store, part, since, seeding)
-    if since > st.producer_scn:
-        raise NotYetError(
-            f"the bootstrap server's log ends at {st.producer_scn}, before position {since}"
-        )
-    snapshot = True
-    start = st.applier_scn
-    if since >= st.log_min_scn:
-        # counted up to what the choice needs: past PLAN_COUNT_LIMIT snapshot rows the
-        # snapshot may be dearer still, and past ratio x rows log events the catch-up is
-        rows = store.snapshot_changed(part, since, st.applier_scn, PLAN_COUNT_LIMIT)
-        enough = int(min(ratio * rows, 2.0**62)) + 1  # (a huge ratio: every log event)
-        log_events = store.changed_since(part, since, st.producer_scn, enough)
-        if log_events <= ratio * rows or st.applier_scn <= since:
-            snapshot, start = False, since
-            if start < 0:  # from nothing: just before the log's first window (an SCN >= 0)
-                start = max(store.first_log_scn(part) - 1, 0)
-    if snapshot and start < since:
-        raise NotYetError(f"the snapshot is at {start}, before position {since}; retry soon")
-    # from nothing, with a history that starts after the source's: tables never seeded
-    # lack the rows nobody changed since (docs/bootstrap.md "Seeding: why it is needed")
-    unseeded = (
-        [t for t in store.never_seeded(part) if visible(t)]
-        if since < 0 and st.base_scn >= 0
-        else []
-    )
-    # a seed running copies ``seed_running`` (empty: it does not know yet, say all)
-    seeding_them = seed_running is not None and (
-        not seed_running or bool(seed_running.intersection(unseeded))
-    )
-    if unseeded and seeding_them:
-        raise NotYetError(
-            f"the snapshot lacks rows of {len(unseeded)} table(s) not seeded yet "
-            f"({', '.join(unseeded[:5])}{', ...' if len(unseeded) > 5 else ''}); a seed is "
-            "running (progress: /v1/status); retry soon",
-            unseeded=unseeded[:_NAMES_SHOWN],
-        )
-    return {
-        "partition": part,
-        "since_scn": since,
-        "start_scn": start,
-        "snapshot": snapshot,
-        "producer_scn": st.producer_scn,
-        "applier_scn": st.applier_scn,
-        "log_min_scn": st.log_min_scn,
-        "base_scn": st.base_scn,
-        "unseeded": unseeded[:_NAMES_SHOWN],
-        "unseeded_count": len(unseeded),
-    }
-
-
 async def start(request: web.Request) -> web.Response:
     """``GET /v1/bootstrap/start``: the snapshot SCN and whether a snapshot is needed."""
     _check_params(request, "start")
@@ -293,7 +175,7 @@ async def start(request: web.Request) -> web.Response:
     )
     visible = principal_of(request).allows_source
     plan = await request.app[SERVICE].stores.read(
-        lambda s: _plan(s, part, since, ratio, seeding, running, visible)
+        lambda s: plan_bootstrap(s, part, since, ratio, seeding, running, visible)
     )
     return json_response(plan)
 
@@ -359,14 +241,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
                 "URL, or a rebuilt store): run the snapshot again",
                 restart_snapshot=True,
             )
-        st = store.state(part)
-        if 0 <= since < st.base_scn:
-            raise ScnNotFoundError(
-                f"position {since} is older than this bootstrap server's history "
-                f"(after {st.base_scn})",
-                base_scn=st.base_scn,
-            )
-        _check_gap(store, part, since, bool(service.config.seed.dsn))
+        st = check_position(store, part, since, bool(service.config.seed.dsn))
         if start_scn > st.applier_scn:
             # another server behind this URL planned it, or this store is older (restored
             # from a backup): this one gets there, or the client's next try goes elsewhere

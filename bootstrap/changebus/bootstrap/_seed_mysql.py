@@ -58,14 +58,12 @@ import functools
 import logging
 import threading
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 from changebus.fetchers import ColumnPolicy
 from changebus.schemas import (
     ChangebusError,
-    ConfigError,
     RowEncoder,
     SchemaRegistry,
     SourceConfigError,
@@ -75,11 +73,21 @@ from changebus.schemas import (
 )
 
 from ._chunks import Chunk, SnapshotScope, SnapshotSink, WriterSink, run_chunked
+from ._seed_mysql_conn import (
+    check_readable,
+    column_names,
+    mysql_config_from_dsn,
+    q,
+    relay_origin,
+    server_message,
+    source_errors,
+    where_sql,
+)
 from ._seed_mysql_keys import compare_sql, enum_keys, plain_key_type
 from ._seed_mysql_values import RowConverter, key_json, key_values, policy_converter, untag
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
-__all__ = ["MySQLChunkReader", "MySQLChunkSource", "mysql_config_from_dsn", "seed_mysql"]
+__all__ = ["MySQLChunkReader", "MySQLChunkSource", "seed_mysql"]
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
@@ -88,83 +96,6 @@ T = TypeVar("T")
 #: the connection's program name (``program_name`` connection attribute)
 PROGRAM_NAME: Final = "changebus-seed"
 _START: Final = "START TRANSACTION WITH CONSISTENT SNAPSHOT"
-
-
-def mysql_config_from_dsn(dsn: str) -> Any:
-    """A :class:`~changebus.fetchers.mysql.MySQLConfig` from ``mysql://user:password@host:port``.
-
-    ``mariadb://`` is accepted too; user and password are percent-decoded.
-    Errors never quote the DSN (it holds the password).
-    """
-    from changebus.fetchers.mysql import MySQLConfig
-
-    parts = urllib.parse.urlsplit(dsn)
-    if parts.scheme not in ("mysql", "mariadb") or not parts.hostname:
-        raise ConfigError("seed.dsn must be a mysql://user:password@host:port URL for kind mysql")
-    try:
-        port = parts.port or 3306
-    except ValueError:
-        raise ConfigError("seed.dsn has a bad port") from None
-    return MySQLConfig(
-        host=parts.hostname,
-        port=port,
-        user=urllib.parse.unquote(parts.username or "changebus"),
-        password=urllib.parse.unquote(parts.password or ""),
-    )
-
-
-def _relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:
-    """``(server id, SCN base)`` of the relay's started mysql fetcher.
-
-    Without them a chunk's tag could not be placed among the relay's SCNs
-    (after a failover the base is not 0), so their absence is an error
-    (retriable: a relay that is starting has no fetcher status yet).
-    """
-    server = int((relay_fetcher or {}).get("mysql_server_id", 0) or 0)
-    if relay_fetcher is None or relay_fetcher.get("kind") != "mysql" or not server:
-        raise SourceError(
-            "the relay's fetcher of this partition is not a running mysql fetcher (no server "
-            "id and SCN base in its /v1/status): cannot align a MySQL seed with its SCNs",
-            retriable=True,
-        )
-    return server, int(relay_fetcher.get("scn_base", 0) or 0)
-
-
-def _q(name: str) -> str:
-    """A quoted identifier, for a query formatted with parameters (``%`` doubled)."""
-    return "`" + name.replace("`", "``").replace("%", "%%") + "`"
-
-
-def _server_message(exc: BaseException) -> tuple[int, str]:
-    """``(error code, message)`` of a PyMySQL error (code 0: unknown)."""
-    args = getattr(exc, "args", ())
-    code = args[0] if args and isinstance(args[0], int) else 0
-    return code, str(args[-1]) if args else type(exc).__name__
-
-
-@contextlib.contextmanager
-def _source_errors(what: str) -> Iterator[None]:
-    """PyMySQL errors as retriable :class:`SourceError` (``what`` failed)."""
-    import pymysql
-
-    try:
-        yield
-    except pymysql.err.MySQLError as exc:
-        code, message = _server_message(exc)
-        raise SourceError(f"MariaDB error {code} {what}: {message}", retriable=True) from None
-
-
-#: ER_NO_SUCH_TABLE; ER_TABLEACCESS_DENIED_ERROR, ER_DBACCESS_DENIED_ERROR
-_NO_SUCH_TABLE = 1146
-_DENIED = frozenset((1142, 1044))
-
-
-def _where(conditions: Sequence[str]) -> str:
-    return " WHERE " + " AND ".join(conditions) if conditions else ""
-
-
-def _names(cur: Any) -> list[str]:
-    return [str(d[0]) for d in cur.description]
 
 
 class MySQLChunkSource:
@@ -179,7 +110,7 @@ class MySQLChunkSource:
         self.request = request
         #: set: a wait for the minimum tag ends at once (the run is stopping)
         self.stop = stop or threading.Event()
-        self.server_id, self.scn_base = _relay_origin(request.relay_fetcher)
+        self.server_id, self.scn_base = relay_origin(request.relay_fetcher)
         self.registry = SchemaRegistry()
         self.registry.import_entries(list(request.schemas))
         self.policy = request.column_policy or ColumnPolicy()
@@ -206,7 +137,7 @@ class MySQLChunkSource:
                 program_name=PROGRAM_NAME,
             )
         except pymysql.err.MySQLError as exc:
-            code, message = _server_message(exc)
+            code, message = server_message(exc)
             raise SourceConfigError(
                 f"cannot connect to MySQL for a snapshot: {message}",
                 retriable=code not in (1044, 1045),  # access denied: not by waiting
@@ -221,7 +152,7 @@ class MySQLChunkSource:
     def _setup(self) -> None:
         import pymysql
 
-        with _source_errors("setting up the seed connection"), self.conn.cursor() as cur:
+        with source_errors("setting up the seed connection"), self.conn.cursor() as cur:
             cur.execute("SET SESSION time_zone = '+00:00'")
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             with contextlib.suppress(pymysql.err.MySQLError):  # MySQL, MariaDB < 10.3.18
@@ -290,7 +221,7 @@ class MySQLChunkSource:
         deadline = time.monotonic() + self.request.watermark_wait_s
         pause = 0.05
         while True:
-            with _source_errors(what), self.conn.cursor() as cur:
+            with source_errors(what), self.conn.cursor() as cur:
                 began = time.monotonic()
                 cur.execute(self._start)
                 try:
@@ -316,35 +247,6 @@ class MySQLChunkSource:
                 raise ChangebusError("seeding stopped", retriable=True)
             pause = min(pause * 2, 1.0)
 
-    def _check_exists(self, name: str) -> None:
-        """Raise for a table the server does not have (``gone``: dropped since the
-        stream brought it) or does not let the seed's user read. The server's own
-        answer tells them apart: ``information_schema`` hides tables the user may not
-        read, which would look dropped."""
-        import pymysql
-
-        db, _, table = name.partition(".")
-        try:
-            with self.conn.cursor() as cur:
-                cur.execute(f"SELECT 1 FROM {_q(db)}.{_q(table)} LIMIT 0")
-            self.conn.rollback()
-        except pymysql.err.MySQLError as exc:
-            with contextlib.suppress(Exception):
-                self.conn.rollback()
-            code, message = _server_message(exc)
-            if code == _NO_SUCH_TABLE:
-                raise SourceConfigError(
-                    f"table {name} does not exist in the source", gone=True
-                ) from None
-            if code in _DENIED:
-                raise SourceConfigError(
-                    f"the seed's user may not read table {name} (MariaDB error {code}: "
-                    f"{message}): grant it SELECT"
-                ) from None
-            raise SourceError(
-                f"MariaDB error {code} looking up {name}: {message}", retriable=True
-            ) from None
-
     def reader(self, scope: SnapshotScope) -> MySQLChunkReader:
         """A reader of ``scope`` after checking the table (see :class:`~._chunks.ChunkSource`)."""
         name = scope.table
@@ -356,7 +258,7 @@ class MySQLChunkSource:
                 "seeded before the relay has seen a change of it"
             ) from None
         self.policy.check_schema(schema)  # the rows follow the fetcher's column policy
-        self._check_exists(name)
+        check_readable(self.conn, name)
         if not schema.key:
             raise SourceConfigError(
                 f"table {name} has no primary key: a snapshot reads a table in key order, in "
@@ -384,17 +286,17 @@ class MySQLChunkReader:
         self.name = scope.table
         schema = rows.encoder.table
         db, _, table = self.name.partition(".")
-        self._table = f"{_q(db)}.{_q(table)}"
-        self._cols = [_q(k) for k in schema.key]
+        self._table = f"{q(db)}.{q(table)}"
+        self._cols = [q(k) for k in schema.key]
         self._key_list = ", ".join(self._cols)
         self._enums = enum_keys(schema)
         self._row_form: bool | None = None if len(self._cols) > 1 else False
         self._where = ""
         self._keys: list[tuple[Any, ...]] = []
         self._absent_keys: list[bytes | None] = []
-        with _source_errors(f"reading {self.name}"), source.conn.cursor() as cur:
+        with source_errors(f"reading {self.name}"), source.conn.cursor() as cur:
             cur.execute(f"SELECT * FROM {self._table} LIMIT 0", ())
-            rows.bind(_names(cur))  # the columns are the relay's (else: retriable)
+            rows.bind(column_names(cur))  # the columns are the relay's (else: retriable)
         self.mode = "keys" if scope.keys else "keyset"
         if scope.keys:
             self._init_keys(scope.keys)
@@ -433,7 +335,7 @@ class MySQLChunkReader:
 
     def _table_rows(self) -> int:
         db, _, table = self.name.partition(".")
-        with _source_errors(f"estimating {self.name}"), self._source.conn.cursor() as cur:
+        with source_errors(f"estimating {self.name}"), self._source.conn.cursor() as cur:
             cur.execute(
                 "SELECT TABLE_ROWS FROM information_schema.TABLES "
                 "WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s",
@@ -453,11 +355,11 @@ class MySQLChunkReader:
                 try:
                     cur.execute(f"EXPLAIN SELECT 1 FROM {self._table} WHERE {self._where}", ())
                     plan = cur.fetchall()
-                    names = _names(cur)
+                    names = column_names(cur)
                 finally:
                     conn.rollback()
             except pymysql.err.MySQLError as exc:
-                code, message = _server_message(exc)
+                code, message = server_message(exc)
                 if code >= 2000 or code == 0:  # the client's (connection lost...): not the text
                     raise SourceError(f"MariaDB error {code}: {message}", retriable=True) from None
                 raise SourceConfigError(
@@ -528,7 +430,7 @@ class MySQLChunkReader:
         head = f"FROM {self._table}"
         if self._where:
             cur.execute(
-                f"SELECT {self._key_list} {head}{_where(conds)} ORDER BY {self._key_list} "
+                f"SELECT {self._key_list} {head}{where_sql(conds)} ORDER BY {self._key_list} "
                 f"LIMIT 1 OFFSET {limit - 1}",
                 tuple(args),
             )
@@ -538,17 +440,18 @@ class MySQLChunkReader:
                 conds.append(sql)
                 args.extend(self._ordinal(i, bound[i]) for i in at)
             cur.execute(
-                f"SELECT * {head}{_where([*conds, self._where])} ORDER BY {self._key_list}",
+                f"SELECT * {head}{where_sql([*conds, self._where])} ORDER BY {self._key_list}",
                 tuple(args),
             )
             rows = list(cur.fetchall())
-            self._rows.bind(_names(cur))
+            self._rows.bind(column_names(cur))
             return rows, None if bound is None else key_json(bound)
         cur.execute(
-            f"SELECT * {head}{_where(conds)} ORDER BY {self._key_list} LIMIT {limit}", tuple(args)
+            f"SELECT * {head}{where_sql(conds)} ORDER BY {self._key_list} LIMIT {limit}",
+            tuple(args),
         )
         rows = list(cur.fetchall())
-        self._rows.bind(_names(cur))
+        self._rows.bind(column_names(cur))
         if len(rows) < limit:
             return rows, None
         return rows, key_json([rows[-1][i] for i in self._rows.key_at])
@@ -562,7 +465,7 @@ class MySQLChunkReader:
             tuple(after[i] for i in at),
         )
         plan = cur.fetchall()
-        names = _names(cur)
+        names = column_names(cur)
         ranges = bool(plan) and "type" in names and plan[0][names.index("type")] == "range"
         log.debug(
             "%s: composite key pages with %s",
@@ -584,7 +487,7 @@ class MySQLChunkReader:
         def read(cur: Any) -> list[Any]:
             cur.execute(f"SELECT * FROM {self._table} WHERE {cond} ORDER BY {self._key_list}", args)
             rows = list(cur.fetchall())
-            self._rows.bind(_names(cur))
+            self._rows.bind(column_names(cur))
             return rows
 
         tag, rows = self._source.snapshot(read, f"reading keys of {self.name}")
