@@ -192,6 +192,14 @@ class RecordingSink:
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
         self.chunks.append(chunk)
 
+    def unfilled(
+        self, scope: SnapshotScope, upto: int, stop: threading.Event
+    ) -> list[tuple[Any, ...]]:
+        return []
+
+    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+
     def finish(self, scope: SnapshotScope, job: JobState) -> None:
         self.finished.append(job)
 

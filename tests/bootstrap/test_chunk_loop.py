@@ -45,12 +45,22 @@ class StoreSink:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.waited: list[int] = []
 
     def resume(self, scope: SnapshotScope) -> JobState | None:
         return self.store.snapshot_job("p", scope)
 
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
         self.store.snapshot_chunk("p", job, chunk.events, chunk.tag, chunk.absent)
+
+    def unfilled(
+        self, scope: SnapshotScope, upto: int, stop: threading.Event
+    ) -> list[tuple[Any, ...]]:
+        self.waited.append(upto)  # (the tests fold the log themselves)
+        return self.store.unfilled_keys("p", scope.table)
+
+    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+        self.store.refill_chunk("p", scope.table, chunk.events, chunk.tag, chunk.absent)
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:
         after: int | None = 0
@@ -63,9 +73,14 @@ class ScriptedSource:
     """Chunks of ``CHUNK`` keys tagged ``base + first key``; ``during(start)`` runs
     inside the read of the chunk starting at ``start`` (a gap arriving then)."""
 
+    omits_columns = False
+
     def __init__(self, base: int, reads: list[int], during: Any = None) -> None:
         self.base, self.reads, self.during = base, reads, during
         self.mode, self.estimate_rows = "keyset", ROWS
+
+    def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        return values
 
     def __enter__(self) -> ScriptedSource:
         return self
@@ -194,3 +209,117 @@ def test_snapshot_bodies_take_tagged_key_values() -> None:
     for bad in ([[{"id": 1}]], [[{"b64": "AAE=", "dec": "1"}]], [[{"b64": ["AAE="]}]]):
         with pytest.raises(BadRequestError, match="tagged value"):
             parse_snapshot_body({"table": "db.t", "keys": bad})
+
+
+class TableSource(ScriptedSource):
+    """A source table in memory (``rows``: key -> v), read in chunks of ``CHUNK`` keys
+    tagged ``base + first key``, or by key (a ``keys`` scope, tagged ``key_tag``)."""
+
+    omits_columns = True
+
+    def __init__(self, base: int, reads: list[int], rows: dict[int, str], during: Any) -> None:
+        super().__init__(base, reads, during)
+        self.rows = rows
+        self.keys: tuple[tuple[Any, ...], ...] = ()
+        self.key_reads: list[tuple[tuple[Any, ...], ...]] = []
+        self.key_tag = 0
+
+    def reader(self, scope: SnapshotScope) -> TableSource:
+        self.keys = scope.keys
+        return self
+
+    def read(self, cursor: str | None, limit: int) -> Chunk:
+        if self.keys:
+            self.key_reads.append(self.keys)
+            found = [k[0] for k in self.keys if k[0] in self.rows]
+            events = [
+                ENC.encode(Op.INSERT, self.key_tag, i, 0, {"id": k, "v": self.rows[k]})
+                for i, k in enumerate(found)
+            ]
+            absent = tuple(
+                ENC.key_bytes({"id": k[0], "v": None}) for k in self.keys if k[0] not in self.rows
+            )
+            return Chunk(events, self.key_tag, None, absent)
+        start = 0 if cursor is None else int(cursor)
+        self.reads.append(start)
+        self.during(start)
+        tag = self.base + start
+        keys = [k for k in sorted(self.rows) if start <= k < start + CHUNK]
+        events = [
+            ENC.encode(Op.INSERT, tag, i, 0, {"id": k, "v": self.rows[k]})
+            for i, k in enumerate(keys)
+        ]
+        return Chunk(events, tag, None if start + CHUNK >= ROWS else str(start + CHUNK))
+
+
+def _live(store: Store) -> dict[int, tuple[Any, tuple[str, ...]]]:
+    """The live snapshot rows: id -> (v, columns not sent)."""
+    from changebus.schemas import ChangeDecoder, event_at, verify_event
+
+    out = {}
+    for (event,) in store._all("SELECT event FROM cb_snap WHERE deleted = 0"):
+        ev = bytes(event)
+        change = ChangeDecoder(TABLE).decode(bytes(event_at(ev, 0, verify_event(ev, 0))[1]))
+        assert change.after is not None
+        out[change.after["id"]] = (change.after["v"], change.after_not_sent)
+    return out
+
+
+def _moves(store: Store, moves: list[tuple[int, int, int]]) -> None:
+    """The log gets (and the applier folds, in one step) UPDATEs moving row ``old`` to key
+    ``new`` at ``scn`` (``(scn, old, new)`` each) that leave ``v`` out (Postgres: an
+    unchanged TOAST value, REPLICA IDENTITY DEFAULT)."""
+    from changebus.schemas import EndOfWindow, encode_control
+
+    for scn, old, new in moves:
+        event = ENC.encode(
+            Op.UPDATE,
+            scn,
+            0,
+            scn,
+            {"id": new, "v": None},
+            {"id": old, "v": None},
+            after_not_sent=("v",),
+            before_not_sent=("v",),
+        )
+        store.append("p", event + encode_control(EndOfWindow(1, ""), scn, 1, scn), start_scn=0)
+    store.apply("p")
+
+
+@pytest.mark.parametrize("chain", ["", "one_fold", "two_folds"])
+def test_a_row_moved_behind_the_seed_without_its_toast_value_is_read_again(
+    store: Store, chain: str
+) -> None:
+    """During a first seed, row 44 (not read yet) moves to key 5 (read already) and the
+    UPDATE leaves ``v`` out: the fold has no image of 44 to take it from, the chunk of
+    key 5 was read before the move and that of 44 after it. Before the fix, the snapshot
+    kept row 5 without ``v`` for good. ``chain``: it moves on to key 7 before the end,
+    folded in the same applier step or the next."""
+    rows = {k: f"big{k}" for k in range(0, ROWS, 2)}
+    reads: list[int] = []
+
+    def writer(start: int) -> None:
+        if start == 30:  # (chunks 0..20 are stored; the log's changes come before tag 130)
+            rows[5] = rows.pop(44)
+            moves = [(125, 44, 5)]
+            if chain:
+                rows[7] = rows.pop(5)
+                moves.append((126, 5, 7))
+            if chain == "two_folds":
+                _moves(store, moves[:1])
+                moves = moves[1:]
+            _moves(store, moves)
+
+    source = TableSource(100, reads, rows, writer)
+    source.key_tag = 200
+    sink = StoreSink(store)
+    request = SeedRequest("dsn", 1, (TABLE.name,), chunk_rows=CHUNK)
+    run_chunked(request, lambda r: source, sink, SeedProgress(), stop=threading.Event())
+    assert reads == [0, 10, 20, 30, 40]
+    new = 7 if chain else 5
+    assert source.key_reads == [((new,),)]  # only the row that lacked v
+    assert sink.waited == [140, 200]  # the newest chunk's tag, then the re-read's
+    live = _live(store)
+    assert live[new] == ("big44", ())
+    assert live == {k: (v, ()) for k, v in rows.items()}
+    assert store._all("SELECT key FROM cb_unfilled") == []

@@ -41,6 +41,12 @@ a tombstone at the first tag. A ``keys`` snapshot tombstones the keys asked
 for that the source lacks (:attr:`Chunk.absent`); a ``where`` snapshot
 sweeps nothing (the store cannot evaluate SQL).
 
+**Refill.** Then, once the applier has folded the stream up to the newest
+tag, rows the snapshot holds without some columns (an UPDATE without
+Postgres' unchanged TOAST values whose earlier image no chunk brought: a row
+moved to a key the snapshot had passed) are read again by key and merged
+(:mod:`._refill`), before the table counts as seeded.
+
 **Throttle.** :class:`Throttle` keeps a rows/s budget and a share of wall
 time spent in source reads (``source_time_budget``: 0.25 = the source is
 busy with the snapshot at most a quarter of the time), sleeping between
@@ -182,6 +188,15 @@ class ChunkSource(Protocol):
 
     def reader(self, scope: SnapshotScope) -> ChunkReader: ...
 
+    #: whether the source's UPDATEs may leave columns out that a read by key brings
+    #: (Postgres' unchanged TOAST values): the end of a table refills rows lacking them
+    omits_columns: bool
+
+    def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """A key as the store decodes it (its Avro values) as the values of a ``keys``
+        scope (None: a key type without such a form)."""
+        ...
+
 
 #: opens the source of a seed run (``PostgresChunkSource``, ``MySQLChunkSource``)
 ChunkSourceFactory = Callable[[SeedRequest], ChunkSource]
@@ -223,13 +238,22 @@ class SnapshotSink(Protocol):
 
     :meth:`resume` -- the stored job of ``table`` (None: none, or one for
     another scope). :meth:`chunk` -- merge ``chunk`` and store ``job`` (the
-    state after it) in one store transaction. :meth:`finish` -- the table is
+    state after it) in one store transaction. :meth:`unfilled` -- once the
+    applier has folded the stream up to ``upto`` (or the stream is quiet),
+    the keys of the table's rows that lack columns; :meth:`refill` merges
+    their re-read (:mod:`._refill`). :meth:`finish` -- the table is
     done: sweep (whole-table scopes), record it seeded, drop the job.
     """
 
     def resume(self, scope: SnapshotScope) -> JobState | None: ...
 
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None: ...
+
+    def unfilled(
+        self, scope: SnapshotScope, upto: int, stop: threading.Event
+    ) -> list[tuple[Any, ...]]: ...
+
+    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None: ...
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None: ...
 
@@ -249,6 +273,15 @@ class WriterSink:
         return None
 
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        if chunk.events:
+            self.write(scope.table, chunk.events, chunk.tag)
+
+    def unfilled(
+        self, scope: SnapshotScope, upto: int, stop: threading.Event
+    ) -> list[tuple[Any, ...]]:
+        return []  # (no store: nothing to refill)
+
+    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
         if chunk.events:
             self.write(scope.table, chunk.events, chunk.tag)
 
@@ -437,9 +470,75 @@ def _run_tables(
                     raise ChangebusError("seeding stopped", retriable=True)
             if stop.is_set():  # (not recorded as seeded: a gap may have come meanwhile)
                 raise ChangebusError("seeding stopped", retriable=True)
+            if scope.whole and not single and source.omits_columns:
+                _refill(source, sink, scope, (job.last_tag, sizer.rows), stop)
             sink.finish(scope, job)
             progress.table_done()
             log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)
     progress.state = "copied"
     progress.table = ""
     return progress.scn
+
+
+#: listings of rows lacking columns one refill reads at most (each up to 10,000 keys)
+_REFILL_ROUNDS = 20
+
+
+def _refill(
+    source: ChunkSource,
+    sink: SnapshotSink,
+    scope: SnapshotScope,
+    at: tuple[int, int],
+    stop: threading.Event,
+) -> None:
+    """Read again, by key, the rows of ``scope.table`` the snapshot holds without some
+    columns (:mod:`._refill`); ``at``: the snapshot's newest tag and the chunk size.
+
+    A key type without a ``keys`` form, or a key the source refuses, is
+    logged and left; a retriable error ends the seed run (it is tried again).
+    """
+    upto, limit = at
+    previous: tuple[tuple[Any, ...], ...] = ()
+    for _ in range(_REFILL_ROUNDS):
+        values = sink.unfilled(scope, upto, stop)
+        if not values:
+            return
+        keys = tuple(k for k in (source.key_values(scope.table, v) for v in values) if k)
+        if keys == previous:  # (read already, nothing changed: a key the source lacks)
+            log.warning(
+                "%s: %d row(s) still lack columns after reading them again", scope.table, len(keys)
+            )
+            return
+        previous = keys
+        if len(keys) < len(values):
+            log.warning(
+                "%s: %d row(s) lack columns the source left out, and their key type cannot "
+                "be read again by key: they stay without them",
+                scope.table,
+                len(values) - len(keys),
+            )
+        if not keys:
+            return
+        log.info("%s: reading %d row(s) again that lack columns", scope.table, len(keys))
+        try:
+            reader = source.reader(SnapshotScope(scope.table, keys=keys))
+            cursor: str | None = None
+            while True:
+                if stop.is_set():
+                    raise ChangebusError("seeding stopped", retriable=True)
+                chunk = reader.read(cursor, limit)
+                sink.refill(scope, chunk)
+                upto = max(upto, chunk.tag)
+                if chunk.cursor is None:
+                    break
+                cursor = chunk.cursor
+        except SourceConfigError as exc:
+            if exc.retriable:
+                raise
+            log.warning("%s: rows lacking columns could not be read again: %s", scope.table, exc)
+            return
+    log.warning(
+        "%s: rows still lack columns after %d re-reads (they keep changing)",
+        scope.table,
+        _REFILL_ROUNDS,
+    )

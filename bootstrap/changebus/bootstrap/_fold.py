@@ -20,6 +20,11 @@ together, so a crash never applies a window twice or half. An UPDATE is
 stored whole: a key change leaves a tombstone under the old key, and columns
 the source did not send (Postgres' unchanged TOAST values) are filled in
 from the row's previous image.
+
+``cb_unfilled`` -- keys whose stored UPDATE still lacks columns (the fold
+had no whole earlier image of the row: a seed had not copied it yet, or the
+row came under a new key the seed had passed), with the UPDATE's SCN. A
+seed re-reads them from the source before it ends (:mod:`._refill`).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class SnapshotFold(StoreDb):
         if not rows:
             return st
         upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
+        lacking: dict[tuple[int, bytes], int] = {}  # (source id, key) -> SCN
         with self._txn():
             for _id, source_id, op, scn, event in rows:
                 if op == _TRUNCATE:
@@ -84,7 +90,7 @@ class SnapshotFold(StoreDb):
                     h = decode_header(event)
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
                     if op == _UPDATE:
-                        event = self._fold_update(part, h, key, event, upserts)
+                        event = self._fold_update(part, h, key, event, (upserts, lacking))
                     upserts[(int(source_id), key)] = (
                         part,
                         int(source_id),
@@ -94,6 +100,11 @@ class SnapshotFold(StoreDb):
                         event,
                     )
             self._flush_upserts(upserts)
+            self._many(
+                "INSERT INTO cb_unfilled (part, source_id, key, scn) VALUES ({p}, {p}, {p}, {p}) "
+                "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn",
+                [(part, sid, key, scn) for (sid, key), scn in lacking.items()],
+            )
             cur = self.state(part)
             new = PartitionState(
                 cur.producer_scn, upto, int(rows[-1][0]), cur.log_min_scn, cur.base_scn
@@ -108,15 +119,19 @@ class SnapshotFold(StoreDb):
         h: EventHeader,
         key: bytes,
         event: bytes,
-        upserts: dict[tuple[int, bytes], tuple[Any, ...]],
+        batch: tuple[dict[tuple[int, bytes], tuple[Any, ...]], dict[tuple[int, bytes], int]],
     ) -> bytes:
         """What an UPDATE leaves in the snapshot; returns the event to store for its key.
+
+        ``batch``: the snapshot rows of the fold step so far, and the keys whose
+        rows still lack columns (``cb_unfilled``), both written at its end.
 
         * A key change (the before-image has another key) leaves a tombstone
           for the old key, so no stale row survives under it.
         * Columns the source did not send (Postgres' unchanged TOAST values)
           are taken from the row's previous image, so a snapshot row is whole.
         """
+        upserts, lacking = batch
         codec = self._codec(part, h)
         if codec is None:
             return event
@@ -137,10 +152,36 @@ class SnapshotFold(StoreDb):
             if old != key:
                 source_key = old
         if change.after_not_sent and change.after is not None:
-            event = self._fill_unsent(part, h, source_key, change, enc, upserts) or event
+            filled = self._fill_unsent(part, h, source_key, change, enc, upserts)
+            whole = filled is not None and filled[1]
+            if filled is not None:
+                event = filled[0]
+            if (
+                not whole
+                and h.key_length
+                and (filled is None or self._lacked(part, h, source_key, lacking))
+            ):
+                lacking[(h.source_id, key)] = h.scn
         if source_key != key:
             upserts[(h.source_id, source_key)] = (part, h.source_id, source_key, h.scn, 1, tomb)
         return event
+
+    def _lacked(
+        self, part: str, h: EventHeader, key: bytes, lacking: dict[tuple[int, bytes], int]
+    ) -> bool:
+        """Whether the row's previous image (under ``key``) was listed as lacking columns:
+        then the UPDATE, filled from it, lacks them for the same reason (a chain of key
+        changes). An image that lacks a column for good (a MariaDB zero date has no Avro
+        value; the seed's copy leaves it out too) is not listed, nor are its updates."""
+        if (h.source_id, key) in lacking:
+            return True
+        return (
+            self._one(
+                "SELECT 1 FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
+                (part, h.source_id, key),
+            )
+            is not None
+        )
 
     def _fill_unsent(
         self,
@@ -150,8 +191,9 @@ class SnapshotFold(StoreDb):
         change: DecodedChange,
         enc: RowEncoder,
         upserts: dict[tuple[int, bytes], tuple[Any, ...]],
-    ) -> bytes | None:
-        """The UPDATE re-encoded with its unsent columns from the row's previous image."""
+    ) -> tuple[bytes, bool] | None:
+        """The UPDATE re-encoded with its unsent columns from the row's previous image,
+        and whether it is whole now (None: no such image)."""
         assert change.after is not None
         pending = upserts.get((h.source_id, source_key))
         if pending is not None:
@@ -192,11 +234,12 @@ class SnapshotFold(StoreDb):
 
 def merge_unsent(
     h: EventHeader, change: DecodedChange, enc: RowEncoder, image: DecodedChange
-) -> bytes | None:
+) -> tuple[bytes, bool] | None:
     """The UPDATE ``change`` (header ``h``) re-encoded at its own SCN with the columns
     the source did not send taken from ``image``'s after-image (an earlier state of
-    the row: its previous snapshot row, or a snapshot chunk's copy of it); None when
-    ``image`` has no after-image. Columns ``image`` lacks stay unsent."""
+    the row: its previous snapshot row, or a snapshot chunk's copy of it), and whether
+    every column is sent now; None when ``image`` has no after-image. Columns
+    ``image`` lacks stay unsent."""
     assert change.after is not None
     if image.after is None:
         return None
@@ -207,7 +250,7 @@ def merge_unsent(
             merged[col] = image.after[col]
         else:
             still.append(col)
-    return enc.encode(
+    event = enc.encode(
         Op.UPDATE,
         h.scn,
         h.seq,
@@ -217,3 +260,4 @@ def merge_unsent(
         after_not_sent=still,
         before_not_sent=change.before_not_sent,
     )
+    return event, not still

@@ -80,6 +80,7 @@ from ._seed_pg_keys import (
     PgTable,
     copy_data_start,
     copy_rows,
+    key_text,
     quote,
     row_fields,
 )
@@ -172,6 +173,14 @@ class PostgresChunkSource:
         self.encoders: dict[tuple[int, int], Any] = {}
         self.rows_fast = 0
         self.rows_general = 0
+
+    #: updates may leave columns out (unchanged TOAST values): a seed refills what lacks them
+    omits_columns = True
+
+    def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """A store key's values as a ``keys`` scope's (their Postgres text, :func:`key_text`)."""
+        texts = tuple(key_text(v) for v in values)
+        return None if any(t is None for t in texts) else texts
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect

@@ -106,6 +106,13 @@ class MySQLChunkSource:
     the server. Thread-safety: one seeder thread.
     """
 
+    #: a full row image sends every column (one without an Avro value, a zero date, is
+    #: left out of a seed's copy too): nothing to refill
+    omits_columns = False
+
+    def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        return None  # (never asked: omits_columns)
+
     def __init__(self, request: SeedRequest, *, stop: threading.Event | None = None) -> None:
         self.request = request
         #: set: a wait for the minimum tag ends at once (the run is stopping)

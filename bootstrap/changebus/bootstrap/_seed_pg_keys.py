@@ -15,8 +15,11 @@ DateStyle, floats with ``extra_float_digits``).
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import struct
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ __all__ = [
     "copy_rows",
     "insert_message",
     "key_param",
+    "key_text",
     "quote",
     "row_fields",
 ]
@@ -122,6 +126,31 @@ def key_param(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
     return json.dumps(value)  # numbers, true/false (lists/objects: the server says no)
+
+
+def key_text(value: Any) -> Any:
+    """A key value as the store decodes it (its Avro value) as a ``keys`` value Postgres
+    casts back to the column's type (:func:`key_param`); None: no such form.
+
+    Integers and floats stay numbers; text, uuid, numeric, dates and times
+    become their text (ISO 8601: a ``timestamptz`` keeps its offset, a
+    ``timestamp`` has none), bytea its ``\\x`` hex form, an interval (the
+    ``changebus.Interval`` record) its months, days and microseconds. Lists
+    (arrays) have none.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | str):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    if isinstance(value, datetime.date | datetime.time):  # (datetime is a date)
+        return value.isoformat()
+    if isinstance(value, dict) and set(value) == {"months", "days", "micros"}:  # an interval
+        return f"{value['months']} mons {value['days']} days {value['micros']} microseconds"
+    return None  # (also a NULL: a key column never holds one)
 
 
 def _binary(sql: str) -> str:

@@ -21,16 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from changebus.schemas import ChangebusError
 
 from ._chunks import Chunk, JobState, SnapshotScope
 from ._store import Store
 from ._storethreads import StoreThreads
 
-__all__ = ["StoreSink"]
+__all__ = ["QUIET_S", "StoreSink"]
 
 T = TypeVar("T")
+
+#: seconds the producer and the applier must stand still, all folded, before a refill
+#: stops waiting for the applier to reach the snapshot's newest tag (an idle source)
+QUIET_S = 0.5
+#: how often the wait looks at the store's positions
+_POLL_S = 0.05
 
 
 class StoreSink:
@@ -67,6 +77,38 @@ class StoreSink:
         self.flush()
         self._pending = self._submit(
             lambda s: s.snapshot_chunk(self._part, job, chunk.events, chunk.tag, chunk.absent)
+        )
+
+    def unfilled(
+        self, scope: SnapshotScope, upto: int, stop: threading.Event
+    ) -> list[tuple[Any, ...]]:
+        """Once the applier has folded the stream up to ``upto``, the keys of rows of
+        ``scope.table`` that lack columns (:mod:`._refill`).
+
+        A source with no commit after ``upto`` never brings the applier there:
+        the wait also ends when the applier has folded all the producer
+        stored and neither has moved for :data:`QUIET_S`. ``stop`` ends it
+        with a retriable error.
+        """
+        quiet: tuple[float, int, int] | None = None  # since when, and the positions then
+        while True:
+            st = self._call(lambda s: s.state(self._part))
+            if st.applier_scn >= upto:
+                break
+            now = time.monotonic()
+            if st.applier_scn < st.producer_scn:
+                quiet = None
+            elif quiet is None or quiet[1:] != (st.producer_scn, st.applier_scn):
+                quiet = (now, st.producer_scn, st.applier_scn)
+            elif now - quiet[0] >= QUIET_S:
+                break
+            if stop.wait(_POLL_S):
+                raise ChangebusError("seeding stopped", retriable=True)
+        return self._call(lambda s: s.unfilled_keys(self._part, scope.table))
+
+    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+        self._call(
+            lambda s: s.refill_chunk(self._part, scope.table, chunk.events, chunk.tag, chunk.absent)
         )
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:

@@ -96,34 +96,8 @@ class SnapshotJobs(SeedLedger):
         One transaction. ``job`` is the state after this chunk.
         """
         _check_tables([job.table])
-        rows = []
-        unpack = _ROW_FIELDS.unpack_from
-        for ev in events:
-            magic, version, scn, sid, klen = unpack(ev)
-            if magic != MAGIC or version != VERSION or scn != tag:
-                raise CorruptEventError(
-                    f"a snapshot chunk of {job.table} holds a non-event or one off its tag"
-                )
-            rows.append((sid, ev[HEADER_SIZE : HEADER_SIZE + klen], ev))
-        # in key order: the writes to the key index (the largest) stay close together
-        rows.sort(key=lambda r: r[1])
         with self._txn():
-            rows = self._not_truncated(part, tag, rows)
-            if self._upsert_seeded(part, tag, rows) < len(rows):
-                self._complete_newer(part, tag, rows)
-            if absent:
-                sid = self._source_id(part, job.table)
-                if sid is not None:
-                    live = []
-                    for key in absent:
-                        row = self._one(
-                            "SELECT key, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
-                            "AND key = {p} AND deleted = 0 AND scn < {p}",
-                            (part, sid, key, tag),
-                        )
-                        if row is not None:
-                            live.append(row)
-                    self._many(UPSERT_SNAP, self._tombstones(part, live, tag))
+            self._merge_chunk(part, job.table, events, tag, absent)
             self._conn.execute(
                 self._sql(
                     "INSERT INTO cb_snapjob (part, name, scope, resume_at, chunks, nrows, "
@@ -144,6 +118,40 @@ class SnapshotJobs(SeedLedger):
                     job.last_tag,
                 ),
             )
+
+    def _merge_chunk(
+        self, part: str, table: str, events: Sequence[bytes], tag: int, absent: Sequence[bytes]
+    ) -> list[tuple[int, bytes, bytes]]:
+        """Merge a chunk's rows of ``table`` (INSERTs at ``tag``) and tombstone its ``absent``
+        keys (inside the caller's transaction); returns its rows (source id, key, event)."""
+        rows = []
+        unpack = _ROW_FIELDS.unpack_from
+        for ev in events:
+            magic, version, scn, sid, klen = unpack(ev)
+            if magic != MAGIC or version != VERSION or scn != tag:
+                raise CorruptEventError(
+                    f"a snapshot chunk of {table} holds a non-event or one off its tag"
+                )
+            rows.append((sid, ev[HEADER_SIZE : HEADER_SIZE + klen], ev))
+        # in key order: the writes to the key index (the largest) stay close together
+        rows.sort(key=lambda r: r[1])
+        rows = self._not_truncated(part, tag, rows)
+        if self._upsert_seeded(part, tag, rows) < len(rows):
+            self._complete_newer(part, tag, rows)
+        if absent:
+            sid = self._source_id(part, table)
+            if sid is not None:
+                live = []
+                for key in absent:
+                    row = self._one(
+                        "SELECT key, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                        "AND key = {p} AND deleted = 0 AND scn < {p}",
+                        (part, sid, key, tag),
+                    )
+                    if row is not None:
+                        live.append(row)
+                self._many(UPSERT_SNAP, self._tombstones(part, live, tag))
+        return rows
 
     def _not_truncated(
         self, part: str, tag: int, rows: list[tuple[int, bytes, bytes]]
@@ -195,9 +203,10 @@ class SnapshotJobs(SeedLedger):
         if not change.after_not_sent or change.after is None:
             return None
         ih = decode_header(image)
-        return merge_unsent(
+        merged = merge_unsent(
             h, change, codec[1], icodec[0].decode(memoryview(image)[HEADER_SIZE + ih.key_length :])
         )
+        return None if merged is None else merged[0]
 
     def sweep_step(
         self, part: str, table: str, below: int, after_id: int, batch: int = 20_000

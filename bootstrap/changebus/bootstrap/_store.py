@@ -8,7 +8,9 @@ each described with the part of :class:`Store` that writes it:
 ``cb_snap`` / ``cb_trunc`` -- the **snapshot store** (:mod:`._fold`): per key
   the latest data event (or a tombstone), and the newest TRUNCATE per source.
 ``cb_seed`` -- tables copied from the source in full, and gaps in the log
-  (:mod:`._gaps`).
+  (:mod:`._gaps`); ``cb_snapjob`` -- chunked snapshots in progress
+  (:mod:`._snapjobs`); ``cb_unfilled`` -- rows lacking columns a seed re-reads
+  (:mod:`._refill`).
 ``cb_state`` / ``cb_schema`` -- positions per partition and table schemas
   (:mod:`._db`, which also holds the dialects and the DDL).
 
@@ -41,12 +43,12 @@ from ._db import PartitionState, StoreDb
 from ._fold import SnapshotFold
 from ._logstore import LogStore
 from ._pages import CatchupPage, Pages, SnapshotPage
-from ._snapjobs import SnapshotJobs
+from ._refill import Refills
 
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
 
-class Store(LogStore, SnapshotFold, SnapshotJobs, Pages, StoreDb):
+class Store(LogStore, SnapshotFold, Refills, Pages, StoreDb):
     """One bootstrap database (see the module docstring). Not thread-safe."""
 
     @classmethod

@@ -1,0 +1,142 @@
+"""A first Postgres seed and a row that moves, without its TOASTed value, to a key the
+seed has passed (real Postgres -> relay -> bootstrap server).
+
+Postgres leaves an unchanged TOASTed value out of an UPDATE (REPLICA IDENTITY
+DEFAULT). Row 480 (not copied yet) moves to key -5 (before every key the seed
+has read): the applier has no earlier image of row 480 to take the value from,
+the seed's chunk of -5's range was read before the move and that of 480's
+after it. Before the refill, the store kept row -5 without ``doc`` for good
+(a consumer from nothing got NULL there); the seed now reads such rows again
+by key before it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from boot_e2e import bootstrap_caught_up, relay_config, sync_marker
+from snap_pg_support import (
+    RecordingSink,
+    assert_same,
+    boot_config,
+    relay_request,
+    seed_and_wait,
+    source_rows,
+    store_rows,
+)
+
+from changebus.bootstrap import BootstrapServer, SeedProgress, seed_postgres
+from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
+from changebus.bootstrap._seed import PostgresChunkSource
+from changebus.bootstrap._sink import StoreSink
+from changebus.relay import Relay
+from changebus.schemas import ChangeDecoder, event_at, verify_event
+from fix_pg import caught_up
+from waiting import wait_until
+
+pytestmark = [pytest.mark.pg, pytest.mark.usefixtures("no_blocking")]
+
+
+def _applier_scn(db: Path) -> int:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT applier_scn FROM cb_state WHERE part = 'pg'").fetchone()
+        return -1 if row is None else int(row[0])
+    finally:
+        conn.close()
+
+
+async def test_a_row_moved_behind_the_seed_keeps_its_toasted_value(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE mv (id int8 PRIMARY KEY, bal int8, doc text)")
+        conn.execute("ALTER TABLE mv ALTER COLUMN doc SET STORAGE EXTERNAL")  # (out of line)
+        conn.execute(
+            "INSERT INTO mv SELECT g, g, repeat('doc' || g || ' ', 1000) "
+            "FROM generate_series(1, 500) g"
+        )  # before the relay: these rows reach the store through the seed only
+    cols = ["id", "bal", "doc"]
+    db = tmp_path / "boot" / "b.db"
+    moved: list[int] = []
+    real_chunk = StoreSink.chunk
+
+    def chunk_then_move(self: StoreSink, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        real_chunk(self, scope, job, chunk)
+        if job.chunks == 3 and not moved:  # (seeder thread) keys 1..150 are read
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE mv SET id = -5, bal = bal + 1 WHERE id = 480")
+            marker = sync_marker(pg_dsn)
+            deadline = time.monotonic() + 30
+            while _applier_scn(db) < marker and time.monotonic() < deadline:
+                time.sleep(0.05)  # (the applier folds the move)
+            moved.append(marker)
+
+    monkeypatch.setattr(StoreSink, "chunk", chunk_then_move)
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE mv SET bal = bal WHERE id = 1")  # the relay learns the schema
+        async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 50)) as boot:
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            seed = await seed_and_wait(boot, ["public.mv"])
+            assert moved and _applier_scn(db) >= moved[0], "the move was not folded in time"
+            assert seed.chunks >= 10
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            want = source_rows(pg_dsn, "mv", cols)
+            assert (-5, 481, "doc480 " * 1000) in want
+            assert_same(store_rows(db, "public.mv", cols), want, "mv")
+
+
+async def test_keys_as_the_store_decodes_them_are_found_again_by_a_keys_read(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The refill reads rows by the key values the store decoded: every key type a
+    primary key commonly has must come back as text Postgres casts to the same key."""
+    key = "u uuid, ts timestamptz, lt timestamp, d date, n numeric, b bytea, t text, " + (
+        "i int8, f float8, bo bool, tm time, iv interval"
+    )
+    names = [c.split()[0] for c in key.split(", ")]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SET TimeZone = 'Asia/Kolkata'")  # (not the seed session's zone)
+        conn.execute(f"CREATE TABLE kk ({key}, v text, PRIMARY KEY ({', '.join(names)}))")
+        for i in range(5):
+            conn.execute(
+                "INSERT INTO kk VALUES (gen_random_uuid(), now() - %s * interval '1 day 7 us', "
+                "'2001-02-03 04:05:06.789'::timestamp + %s * interval '1 h', "
+                "'1999-12-31'::date + %s, 1.5 / (%s + 3), decode(%s, 'hex'), %s, -%s, "
+                "0.1 * %s, %s, '23:59:59.999999'::time - %s * interval '1 s', %s * interval "
+                "'1 mon 2 days 3 s', 'x')",
+                (i, i, i, i, "00ff" * i, f"t'\\{i}", i, i, i % 2 == 0, i, i),
+            )
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE kk SET v = 'y' WHERE i = 0")  # the relay learns the schema
+        await caught_up(relay, pg_dsn)
+        req = relay_request(relay, pg_dsn, "public.kk", chunk_rows=100)
+        whole = RecordingSink()
+        await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress(), sink=whole)
+        decoder = ChangeDecoder(relay.hosts["pg"].registry.latest("public.kk"))
+        source = PostgresChunkSource(req)
+        keys = []
+        for ev in whole.chunks[0].events:
+            after = decoder.decode(bytes(event_at(ev, 0, verify_event(ev, 0))[1])).after
+            assert after is not None
+            values = source.key_values("public.kk", tuple(after[c] for c in names))
+            assert values is not None, after
+            keys.append(values)
+        assert len(keys) == 5
+        again = RecordingSink()
+        req_keys = dataclasses.replace(req, keys=tuple(keys))
+        await asyncio.to_thread(
+            seed_postgres, req_keys, lambda *_: None, SeedProgress(), sink=again
+        )
+        assert [c.absent for c in again.chunks] == [()]
+        assert len(again.chunks[0].events) == 5
