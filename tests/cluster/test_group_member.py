@@ -312,24 +312,38 @@ async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts)
     assert not member.lease_valid()
 
 
-async def test_a_claim_lands_only_while_the_claimants_member_node_exists(zk_session, group) -> None:
+async def test_a_claim_lands_only_while_the_claimant_is_a_member_holding_the_unit(
+    zk_session, group
+) -> None:
     """Ownership was checked on the loop, then the claim went to ZooKeeper: a member paused
     in between past its session raised the generation after its successor had claimed,
     fencing the rightful owner (found by review). The claim now checks the member node
-    in its own transaction."""
+    and the unit's owner node in its own transaction."""
     from changebus.cluster import CoordinationError
+    from changebus.cluster._group_layout import encode_owner, owner_path
 
     session = await zk_session("fenced-store")
-    path = f"/changebus/groups/{group}/fence-test"
+    path = f"/changebus/groups/{group}/members/m-1"
     await session.op("create", path, b"", ephemeral=True, makepath=True)
     member = [path]
     store = ZkUnitStore(session, fence=lambda: member[0])
     unit = Unit("orders", 0)
+    owner = owner_path(group, unit)
+    await session.op("create", owner, encode_owner("m-1"), ephemeral=True, makepath=True)
     first = await store.claim(group, unit, "m-1")  # creates the node, under the fence
     again = await store.claim(group, unit, "m-1")  # sets it, under the fence
     assert (first.generation, again.generation) == (1, 2)
+    # the unit moved on: its owner node went (released), then names another member. A live
+    # member's late claim raised the generation over the new owner's (found by review)
+    await session.op("delete", owner)
+    with pytest.raises(CoordinationError, match="does not hold"):
+        await store.claim(group, unit, "m-1")
+    await session.op("create", owner, encode_owner("m-2"), ephemeral=True)
     successor = await ZkUnitStore(session).claim(group, unit, "m-2")
     assert successor.generation == 3
+    with pytest.raises(CoordinationError, match="does not hold"):
+        await store.claim(group, unit, "m-1")
+    assert (await store.read(group))[unit].generation == 3
     await session.op("delete", path)  # the membership is gone (its session expired)
     with pytest.raises(CoordinationError, match="no member now"):
         await store.claim(group, unit, "m-1")

@@ -9,9 +9,12 @@ time). The *token* handed to the consumer is the znode version.
   claimer as owner and ``generation + 1``, compare-and-set on the version
   read (retried when someone else wrote in between). The new version is the
   token; every earlier token now fails. With a ``fence`` (the claimant's
-  member node path) the write is one transaction with a check of that node:
-  a member whose membership ended (a pause past its session) cannot raise
-  the generation after its successor claimed.
+  member node path) the write is one transaction with checks of that node
+  and of the unit's owner node (``owners/<unit>``, which must name the
+  claimant's member): a member whose membership ended (a pause past its
+  session) cannot raise the generation after its successor claimed, nor can
+  a live member that no longer holds the unit (it released it, and a late
+  claim would fence the member reading it now).
 * ``commit``: per unit ``set(data, version=token)``, several units in one
   transaction (a failed transaction is retried unit by unit to find the
   refused ones). A version mismatch is not always a foreign write: when the
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from changebus.schemas import CommitResult, StoredUnit, Unit, UnitClaim, UnitCommit
 from changebus.schemas.errors import ChangebusError
@@ -47,17 +50,23 @@ from ._group_layout import (
     UnitRecord,
     checkpoint_path,
     checkpoints_path,
+    decode_owner,
     decode_unit_record,
     encode_unit_record,
+    owner_path,
 )
 from ._group_nodes import mapped
-from ._session import ZkSession
+from ._session import ZkSession, failed_op
 
 __all__ = ["ZkUnitStore"]
 
 
 class _NotAMember(Exception):
     """The claimant's member node is gone: the claim must not land."""
+
+
+class _NotTheOwner(Exception):
+    """The unit's owner node is gone or names another member: the claim must not land."""
 
 
 log = logging.getLogger("changebus.cluster.group.store")
@@ -97,30 +106,41 @@ class ZkUnitStore:
         timeout = self.session.op_timeout_s
 
         fence = self.fence
+        owner_node = owner_path(group, unit)
 
-        def member_version(zk: Any) -> tuple[str, int] | None:
-            """(path, version) of the claimant's member node; None without a fence."""
+        def guards(zk: Any) -> list[tuple[str, int]]:
+            """(path, version) of the claimant's member node and of the unit's owner node,
+            which must name the claimant's member; none without a fence."""
             if fence is None:
-                return None
+                return []
             path = fence()
             stat = zk.exists_async(path).get(timeout=timeout) if path else None
             if stat is None:
                 raise _NotAMember
-            return path, int(stat.version)
+            try:
+                data, ostat = zk.get_async(owner_node).get(timeout=timeout)
+            except NoNodeError:
+                raise _NotTheOwner from None
+            try:
+                holder = decode_owner(data, owner_node)
+            except CoordinationError:
+                raise _NotTheOwner from None
+            if holder != path.rpartition("/")[2]:
+                raise _NotTheOwner
+            return [(path, int(stat.version)), (owner_node, int(ostat.version))]
 
-        def write(zk: Any, member: tuple[str, int] | None, op: Any) -> Any:
-            """``op(tx)`` in one transaction with the member node's check; its result."""
+        def write(zk: Any, checks: list[tuple[str, int]], op: Any) -> Any:
+            """``op(tx)`` in one transaction with the ``checks``; its result."""
             tx = zk.transaction()
-            if member is not None:
-                tx.check(member[0], member[1])
+            for path, version in checks:
+                tx.check(path, version)
             op(tx)
             results = tx.commit_async().get(timeout=timeout)
-            first = results[0]
-            if member is not None and isinstance(first, Exception):
-                if isinstance(first, NoNodeError):
-                    raise _NotAMember
-                if not isinstance(first, RolledBackError):  # (the check failed, not the op)
-                    raise BadVersionError()  # the member node changed: read it again
+            failed = failed_op(results)
+            if failed is not None and failed < len(checks):
+                if isinstance(results[failed], NoNodeError):
+                    raise _NotTheOwner if failed else _NotAMember
+                raise BadVersionError()  # a guard node changed: read them again
             last = results[-1]
             if isinstance(last, Exception):
                 raise last
@@ -128,7 +148,7 @@ class ZkUnitStore:
 
         def run(zk: Any) -> tuple[UnitRecord, int]:
             for _ in range(_ATTEMPTS):
-                member = member_version(zk)
+                member = guards(zk)
                 try:
                     data, stat = zk.get_async(node).get(timeout=timeout)
                 except NoNodeError:
@@ -161,6 +181,13 @@ class ZkUnitStore:
             # the generation: that would fence the unit's rightful next owner
             raise CoordinationError(
                 f"group {group}: {owner} is no member now; {unit} not claimed", retriable=True
+            ) from None
+        except _NotTheOwner:
+            # a member still in the group but without the unit's owner node (released, or
+            # another member's now) may not either: it would take the unit from its reader
+            raise CoordinationError(
+                f"group {group}: {owner} does not hold {unit}'s owner node; not claimed",
+                retriable=True,
             ) from None
         self._claims[(group, unit)] = (owner, record.generation, token)
         log.debug("group %s: %s claimed %s (generation %d)", group, owner, unit, record.generation)
