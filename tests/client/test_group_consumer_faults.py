@@ -189,6 +189,8 @@ async def test_replicas_in_a_group_share_one_database(
                     break
                 await asyncio.sleep(0.1)
             assert await done(), "every unit's checkpoint at the last window"
+            # (a unit moves rows between keys of its own bucket: run() told it the count)
+            assert [r.unit_buckets for r in replicas] == [BUCKETS, BUCKETS]
         finally:
             for r in replicas:
                 r.stop()

@@ -17,6 +17,7 @@ database must equal the source row by row.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,9 @@ async def test_a_shared_writer_leaves_the_old_key_to_its_writer(tmp_path: Path) 
     assert rows == [(1, "back"), (7, "x")]
 
 
-async def test_a_shared_writer_moves_rows_between_keys_of_its_own(tmp_path: Path) -> None:
-    """A writer whose filter owns the old key too (a lone ``mod:1:0``, or two keys of
-    its own buckets) gets the old key's DELETE as well, in its order: it moves the row
-    as a lone replica does, unsent TOASTed values kept, instead of stopping (review)."""
-    from changebus.schemas import PartitionFilter
-
+def move_windows(unit: str = "") -> list[Window]:
+    """Row 1 (a big TOASTed body) inserted, then moved to key 7 without its body (an
+    unchanged TOAST value), followed by the old key's DELETE; ``unit``: a group's."""
     big = "b" * 5000
     windows = [
         Window(
@@ -221,13 +219,60 @@ async def test_a_shared_writer_moves_rows_between_keys_of_its_own(tmp_path: Path
             ),
         ),
     ]
+    return [dataclasses.replace(w, unit=unit) for w in windows]
+
+
+async def test_a_shared_writer_moves_rows_between_keys_of_its_own(tmp_path: Path) -> None:
+    """A writer whose filter owns the old key too (a lone ``mod:1:0``, or two keys of
+    its own buckets) gets the old key's DELETE as well, in its order: it moves the row
+    as a lone replica does, unsent TOASTed values kept, instead of stopping (review)."""
+    from changebus.schemas import PartitionFilter
+
     db = tmp_path / "r.db"
     replica = SqliteReplica(db)
     replica.shared_tables = True
     replica.key_filter = PartitionFilter.parse("mod:1:0")
     try:
-        await apply(replica, windows)
+        await apply(replica, move_windows())
     finally:
         await replica.close()
     with sqlite3.connect(db) as conn:
-        assert conn.execute('SELECT id, n, body FROM "app_docs"').fetchall() == [(7, 3, big)]
+        assert conn.execute('SELECT id, n, body FROM "app_docs"').fetchall() == [(7, 3, "b" * 5000)]
+
+
+@pytest.mark.parametrize("buckets", [1, 2])
+async def test_a_group_unit_moves_rows_between_keys_of_its_own_bucket(
+    tmp_path: Path, buckets: int
+) -> None:
+    """A group's unit window whose moved row's old key is of the same bucket holds the
+    old key's DELETE too (one transaction): it moves the row, unsent TOASTed values
+    kept. The replica did not know the group's bucket count, so every old key counted
+    as another unit's: a one-bucket group stopped on such a move (review). Keys 1 and 7
+    are in different buckets of two: there the move is refused as before."""
+    from changebus.schemas import Unit
+
+    assert bucket(1) != bucket(7)
+    unit = Unit("p", bucket(7) % buckets)
+    replica = SqliteReplica(tmp_path / "r.db")
+    replica.unit_buckets = buckets  # (what run() of a group config sets)
+    try:
+        await replica.load()
+        await replica.claim("g", unit, "m-1")
+        windows = move_windows(str(unit))
+        outcomes = []
+        for w in windows:
+            if buckets == 2 and w.scn == 10:
+                w = dataclasses.replace(w, unit=str(Unit("p", bucket(1))))
+                await replica.claim("g", Unit("p", bucket(1)), "m-1")
+            assert await replica.on_start_window(w) is None
+            for e in w.events:
+                assert await replica.on_event(e) is None
+            outcomes.append(await replica.on_end_window(w))
+        rows = replica.query('SELECT id, n, body FROM "app_docs"')
+    finally:
+        await replica.close()
+    if buckets == 1:
+        assert outcomes == [None, None] and rows == [(7, 3, "b" * 5000)]
+    else:
+        assert outcomes[1] is not None and outcomes[1].name == "FATAL"
+        assert rows == [(1, 1, "b" * 5000)]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ from changebus.schemas import (
     PartitionFilter,
     RowEncoder,
     TableSchema,
+    Unit,
     key_hash,
 )
 
@@ -104,9 +106,12 @@ class Replica(RowStatements, AsyncCallbacks):
         #: of a group always do): TRUNCATEs go through :mod:`._apply_shared`
         self.shared_tables = False
         #: the keys this writer of shared tables owns (its consumer's filter; None: not
-        #: known, as for a group's units): an update moving a row from a key it owns
-        #: moves the row here (:meth:`_foreign_old_key`)
+        #: known): an update moving a row from a key it owns moves the row here
+        #: (:meth:`_foreign_old_key`)
         self.key_filter: PartitionFilter | None = None
+        #: a group's bucket count (0: not known; :meth:`run` of a group config sets it):
+        #: a unit's window moves a row from a key of its own bucket (:meth:`_foreign_to_unit`)
+        self.unit_buckets = 0
         self._key_encoders: dict[int, RowEncoder] = {}  # worker thread only
         self._shared = SharedTables(
             f"{checkpoint_table}_truncations",
@@ -345,13 +350,22 @@ class Replica(RowStatements, AsyncCallbacks):
             with self._transaction(conn):
                 self._shared.add(conn, partition, missing)
 
-    def _write_rows(self, conn: Any, events: list[ChangeEvent], shared: str | None) -> None:
+    def _write_rows(
+        self, conn: Any, events: list[ChangeEvent], shared: str | None, unit: str = ""
+    ) -> None:
         """Write a window's rows (in its transaction); ``shared``: the partition of
-        tables other writers share (:mod:`._apply_shared`), None when they do not."""
+        tables other writers share (:mod:`._apply_shared`), None when they do not;
+        ``unit``: the group unit whose window it is."""
         truncated: dict[str, tuple[int, int]] = {}
         if shared is not None:
             events, truncated = self._shared.filter(conn, shared, events, self.table_for)
-        foreign = self._foreign_old_key if shared is not None else None
+        foreign: Callable[[ChangeEvent], bool] | None = None
+        if shared is not None:
+            foreign = (
+                functools.partial(self._foreign_to_unit, Unit.parse(unit).bucket)
+                if unit
+                else self._foreign_old_key
+            )
         for sql, rows in runs(self._statements(events, foreign)):
             self._executemany(conn, sql, rows)
         if truncated:
@@ -361,17 +375,31 @@ class Replica(RowStatements, AsyncCallbacks):
     def _foreign_old_key(self, event: ChangeEvent) -> bool:
         """Whether the old key of ``event`` (an update moving its row) is another
         writer's: outside :attr:`key_filter`, or not known to be this writer's."""
-        keys, schema = self.key_filter, event.schema
-        if keys is None or event.before is None or schema is None:
-            return True
+        keys = self.key_filter
+        old = None if keys is None else self._old_key_hash(event)
+        return keys is None or old is None or not keys.matches(old)
+
+    def _foreign_to_unit(self, bucket: int, event: ChangeEvent) -> bool:
+        """Whether the old key of ``event`` (an update moving its row, in a window of
+        the group unit of ``bucket``) is another unit's: its bucket is another, or
+        the group's bucket count is not known. A key of the same bucket is moved in
+        the same window's transaction (the fetcher's DELETE of the old key comes in
+        the same unit window, after the UPDATE)."""
+        old = self._old_key_hash(event) if self.unit_buckets else None
+        return old is None or old % self.unit_buckets != bucket
+
+    def _old_key_hash(self, event: ChangeEvent) -> int | None:
+        """The routing hash of ``event``'s before-image key (None: it has none)."""
+        schema = event.schema
+        if event.before is None or schema is None:
+            return None
         encoder = self._key_encoders.get(schema.fingerprint)
         if encoder is None:
             encoder = self._key_encoders[schema.fingerprint] = RowEncoder(schema, source_id=0)
         try:
-            old = encoder.key_bytes(event.before)
+            return key_hash(encoder.key_bytes(event.before))
         except (KeyError, TypeError, ValueError, AttributeError):
-            return True
-        return not keys.matches(key_hash(old))
+            return None
 
     def _ensure_table(self, conn: Any, event: ChangeEvent) -> None:
         schema = event.schema
@@ -435,6 +463,8 @@ class Replica(RowStatements, AsyncCallbacks):
         """
         from ._consumer import Consumer
 
+        if config.group:
+            self.unit_buckets = config.buckets
         if config.filter is not None:
             self.shared_tables = True  # other filters' writers may share the tables
             # (ConsumerConfig parses a filter given as text)

@@ -303,7 +303,7 @@ class UnitReplica(Replica):
         self._shared_setup(conn, partition, events)  # the group's units share the tables
         try:
             with self._transaction(conn):
-                self._write_rows(conn, events, partition)
+                self._write_rows(conn, events, partition, unit)
                 if not self._write_unit(conn, held.group, unit, after, held.token):
                     raise _Fenced  # roll the window's rows back
         except _Fenced:
