@@ -217,6 +217,14 @@ def test_evicted_range_fails_loudly_or_is_skipped(spark: Any, tmp_path: Path) ->
         assert q3.awaitTermination(300)
         got = {(r["_commit_scn"], r["_txn_seq"]) for _, rows in batches for r in rows}
         assert got == expected and len([b for b in batches if b[1]]) > 1
+        # a start time older than every window kept: it began at the oldest kept one,
+        # silently, though windows after that time had been evicted (review)
+        by_time = spark.read.format("changebus").option("relays", relay.url)
+        with pytest.raises(Exception, match="startingTimestamp 0: partition syn: every window"):
+            by_time.option("startingTimestamp", "0").load().collect()
+        rows = by_time.option("startingTimestamp", "0").option("failOnDataLoss", "false")
+        got = {(r["_commit_scn"], r["_txn_seq"]) for r in rows.load().collect()}
+        assert got == expected
 
 
 def test_register_helper(spark: Any, scripted: Any) -> None:  # noqa: F811

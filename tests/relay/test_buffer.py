@@ -235,6 +235,44 @@ def test_restart_keeps_windows(tmp_path: Path) -> None:
     b2.close()
 
 
+def test_the_buffer_says_whether_windows_before_prev_scn_were_evicted(tmp_path: Path) -> None:
+    """``prev_scn`` is either where the buffer started or the newest evicted window: a
+    reader of start times (Spark's startingTimestamp) must know which (review). The
+    mark survives a restart; a buffer of the older meta format counts as evicted."""
+    import struct
+    import zlib
+
+    from changebus.relay._meta import _STRUCT_1, MetaFile
+
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path / "a", cfg)
+    b.set_start(0)
+    for scn in range(1, 20):
+        b.append_window(make_window(scn, [300]))
+    assert (b.meta.prev_scn, b.meta.evicted) == (0, 0)
+    for scn in range(20, 200):
+        b.append_window(make_window(scn, [900]))
+    assert b.meta.prev_scn > 1 and b.meta.evicted == 1
+    b.close()
+    b = EventBuffer(tmp_path / "a", cfg)
+    assert b.meta.evicted == 1
+    b.close()
+    fresh = EventBuffer(tmp_path / "b", cfg)
+    fresh.set_start(5)
+    fresh.append_window(make_window(6, [10]))
+    assert fresh.meta.evicted == 0
+    fresh.restart_after(50)  # (a follower whose upstream evicted what follows it)
+    assert (fresh.meta.prev_scn, fresh.meta.evicted) == (50, 1)
+    fresh.close()
+    # a format-1 meta file (no such mark): prev_scn >= 0 counts as evicted
+    path = tmp_path / "old.dat"
+    body = _STRUCT_1.pack(0x4D425243, 1, 7, CAP, 10, 10, 0, 0, 0, 0, 41, 41, -1, 0, 0, 0, 0, 0, 0)
+    body = body[:-8] + struct.pack("<Q", zlib.crc32(body[:-8]))
+    path.write_bytes(body.ljust(512, b"\0"))
+    old = MetaFile(path).load()
+    assert old is not None and (old.prev_scn, old.evicted, old.capacity) == (41, 1, CAP)
+
+
 def test_recovery_discards_damaged_events(tmp_path: Path) -> None:
     cfg = BufferConfig(capacity_bytes=CAP)
     b = EventBuffer(tmp_path, cfg)

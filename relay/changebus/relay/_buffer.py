@@ -322,17 +322,24 @@ class EventBuffer(BufferWriter):
         """The last published state (a consistent, immutable snapshot)."""
         return self._meta
 
-    def set_start(self, scn: int) -> None:
+    def set_start(self, scn: int, *, evicted: bool = False) -> None:
         """Declare an empty buffer complete after ``scn`` (sets ``prev_scn``).
 
         Used when a fetcher starts at a known source position with nothing
         buffered yet: consumers at ``scn`` or later have missed nothing.
+        ``evicted``: windows before ``scn`` existed and are gone (else the
+        buffer's ``evicted`` mark stays as it was).
         """
         with self._lock:
             m = self._meta
             if m.tail_event != m.head_event:
                 raise ValueError("set_start needs an empty buffer")
-            self._meta = replace(m, prev_scn=scn, last_scn=max(m.last_scn, scn))
+            self._meta = replace(
+                m,
+                prev_scn=scn,
+                last_scn=max(m.last_scn, scn),
+                evicted=1 if evicted else m.evicted,
+            )
             self._metafile.publish(self._meta)
 
     def restart_after(self, scn: int) -> None:
@@ -347,7 +354,7 @@ class EventBuffer(BufferWriter):
         if scn < m.last_scn:
             raise ValueError(f"restart_after({scn}) is before the newest window {m.last_scn}")
         self._make_room(m.tail_pos, m.tail_event)
-        self.set_start(scn)
+        self.set_start(scn, evicted=True)
 
     @property
     def last_source_position(self) -> str:

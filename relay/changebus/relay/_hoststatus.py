@@ -110,6 +110,8 @@ def partition_status(host: PartitionHost, *, consumers: bool = True) -> dict[str
         "min_scn": m.min_scn,
         "max_scn": m.last_scn,
         "prev_scn": m.prev_scn,
+        # windows before prev_scn were evicted or lost (false: prev_scn is where it started)
+        "evicted": bool(m.evicted),
         "bytes_used": m.tail_pos - m.head_pos,
         "capacity_bytes": m.capacity,
         "events": m.tail_event - m.head_event,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -27,11 +27,13 @@ __all__ = ["BufferMeta", "MetaFile"]
 
 _SLOT: Final = 256
 _MAGIC: Final = 0x4D425243  # "CRBM"
-_FORMAT: Final = 1
+_FORMAT: Final = 2
 # magic, format, seq, capacity, event_slots, index_slots,
 # head_event, tail_event, head_pos, tail_pos, prev_scn, last_scn, min_scn,
-# index_head, index_tail, first_ts, last_ts, windows, crc
-_STRUCT: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQ")
+# index_head, index_tail, first_ts, last_ts, windows, evicted, crc
+_STRUCT: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQQ")
+#: format 1 (before ``evicted``): read, never written
+_STRUCT_1: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,10 @@ class BufferMeta:
     ``[head_pos, tail_pos)`` the live bytes; both hold whole windows only.
     ``prev_scn`` is the SCN of the newest window ever evicted (-1: none), so a
     consumer whose checkpoint is ``>= prev_scn`` has missed nothing.
+    ``evicted`` is 1 when windows before ``prev_scn`` were evicted or lost (a
+    crash, a follower restarted after its upstream's eviction), 0 when
+    ``prev_scn`` is only where the buffer started (nothing older was ever in
+    it); a buffer of format 1 did not say, and counts as 1.
     """
 
     capacity: int
@@ -61,6 +67,7 @@ class BufferMeta:
     first_ts: int = 0
     last_ts: int = 0
     windows: int = 0
+    evicted: int = 0
 
 
 class MetaFile:
@@ -81,14 +88,19 @@ class MetaFile:
         """The newest intact slot, or None when neither slot is valid."""
         best: tuple[int, BufferMeta] | None = None
         for slot in range(2):
-            raw = bytes(self._map[slot * _SLOT : slot * _SLOT + _STRUCT.size])
-            fields = _STRUCT.unpack(raw)
-            if fields[0] != _MAGIC or fields[1] != _FORMAT:
+            at = slot * _SLOT
+            fmt = int.from_bytes(bytes(self._map[at + 4 : at + 8]), "little")
+            layout = {1: _STRUCT_1, _FORMAT: _STRUCT}.get(fmt)
+            if layout is None:
                 continue
-            if zlib.crc32(raw[: _STRUCT.size - 8]) != fields[-1]:
+            raw = bytes(self._map[at : at + layout.size])
+            fields = layout.unpack(raw)
+            if fields[0] != _MAGIC or zlib.crc32(raw[: layout.size - 8]) != fields[-1]:
                 continue
             seq = fields[2]
             meta = BufferMeta(*fields[3:-1])
+            if fmt == 1 and meta.prev_scn >= 0:
+                meta = replace(meta, evicted=1)  # (format 1 did not say: maybe)
             if best is None or seq > best[0]:
                 best = (seq, meta)
         if best is None:
@@ -118,6 +130,7 @@ class MetaFile:
             meta.first_ts,
             meta.last_ts,
             meta.windows,
+            meta.evicted,
             0,
         )[: _STRUCT.size - 8]
         record = body + struct.pack("<Q", zlib.crc32(body))

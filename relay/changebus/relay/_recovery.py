@@ -166,7 +166,7 @@ def recover(
             n,
             meta.last_scn,
         )
-        fresh = _emptied(meta, meta.last_scn)
+        fresh = _emptied(meta, meta.last_scn, lost=True)
         metafile.publish(fresh)
         return fresh, None
     h = check.headers
@@ -245,8 +245,9 @@ def _rewind(
     return rewound, None
 
 
-def _emptied(meta: BufferMeta, after_scn: int) -> BufferMeta:
-    """``meta`` with no live event, complete after ``after_scn`` (its prev and last SCN)."""
+def _emptied(meta: BufferMeta, after_scn: int, *, lost: bool = False) -> BufferMeta:
+    """``meta`` with no live event, complete after ``after_scn`` (its prev and last SCN);
+    ``lost``: the windows dropped are gone for good (not sent again by the source)."""
     return BufferMeta(
         meta.capacity,
         meta.event_slots,
@@ -259,6 +260,7 @@ def _emptied(meta: BufferMeta, after_scn: int) -> BufferMeta:
         last_scn=after_scn,
         index_head=meta.index_tail,
         index_tail=meta.index_tail,
+        evicted=1 if lost else meta.evicted,
     )
 
 

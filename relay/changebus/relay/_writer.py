@@ -347,6 +347,7 @@ class BufferWriter:
                 first_ts=group.first_ts if empty_before else m.first_ts,
                 last_ts=group.last_ts,
                 windows=m.windows + group.windows,
+                evicted=m.evicted,
             )
             self._metafile.publish(self._meta)
         self._prefault.advance(group.tail_pos)
@@ -380,6 +381,7 @@ class BufferWriter:
                 min_scn=plan.min_scn,
                 index_head=plan.index_head,
                 windows=m.windows - plan.windows,
+                evicted=1,
             )
             self._metafile.publish(self._meta)
         self.stats["windows_evicted"] += plan.windows

@@ -83,7 +83,9 @@ class PartitionBounds:
     """What one relay partition holds now: ``(prev_scn, max_scn]`` in windows.
 
     ``max_scn`` is -1 when the buffer is empty; ``newest_timestamp_ns`` the
-    commit time of ``max_scn``.
+    commit time of ``max_scn``; ``evicted``: windows before ``prev_scn`` were
+    evicted or lost (false: ``prev_scn`` is where the relay began; a relay
+    that does not say counts as evicted once it has a ``prev_scn``).
     """
 
     name: str
@@ -91,6 +93,7 @@ class PartitionBounds:
     max_scn: int
     prev_scn: int
     newest_timestamp_ns: int
+    evicted: bool = True
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -231,7 +234,12 @@ async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
         for name, p in status.items():
             if not parts or name in parts:
                 found[name] = PartitionBounds(
-                    name, p.min_scn, p.max_scn, p.prev_scn, p.newest_timestamp_ns
+                    name,
+                    p.min_scn,
+                    p.max_scn,
+                    p.prev_scn,
+                    p.newest_timestamp_ns,
+                    bool(p.raw.get("evicted", p.prev_scn >= 0)),
                 )
     if not names:
         if not found:

@@ -180,11 +180,12 @@ def _resolve(
     out: dict[str, int] = {}
     for name, b in bounds.items():
         if isinstance(position, AtTime):
+            ending = what.startswith("ending")
             out[name] = run_sync(
-                position_at_time(
-                    opts, b, position.time_ms * 1_000_000, inclusive=what.startswith("ending")
-                )
+                position_at_time(opts, b, position.time_ms * 1_000_000, inclusive=ending)
             )
+            if not ending and b.evicted and out[name] == b.prev_scn >= 0:
+                _start_time_evicted(opts, position, b)
         elif position == "earliest":
             # with a bootstrap server: before everything (a snapshot comes first)
             out[name] = -1 if opts.bootstrap else b.prev_scn
@@ -201,6 +202,32 @@ def _resolve(
         else:  # pragma: no cover - parse_position returns nothing else
             raise ConfigError(f"{what}: bad position {position!r}")
     return out
+
+
+def _start_time_evicted(opts: SourceOptions, position: AtTime, b: PartitionBounds) -> None:
+    """``startingTimestamp`` is at or before the oldest window the relays keep, and they
+    evicted older ones: changes committed at or after that time may be among those.
+    An error with ``failOnDataLoss`` (the default), else a warning (start at the oldest
+    window kept, like Spark's Kafka source). It started there silently (review)."""
+    text = (
+        f"startingTimestamp {position.time_ms}: partition {b.name}: every window the relays "
+        f"keep was committed at or after it, and they evicted older ones (the newest "
+        f"evicted is SCN {b.prev_scn}), so changes committed since that time may be gone"
+    )
+    if not opts.fail_on_data_loss:
+        log.warning("%s; starting at the oldest window kept (failOnDataLoss=false)", text)
+        return
+    raise FellOffRelayError(
+        f"{text}: start from an SCN instead (startingScn; 'earliest' with a bootstrap "
+        "server reads a snapshot first), or set failOnDataLoss=false to start at the "
+        "oldest window kept",
+        partition=b.name,
+        requested_scn=b.prev_scn,
+        oldest_scn=b.min_scn,
+        prev_scn=b.prev_scn,
+        relay="",
+        retriable=False,
+    )
 
 
 def _needs_bootstrap(
