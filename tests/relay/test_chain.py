@@ -239,6 +239,7 @@ async def test_leader_and_two_chained_followers_serve_identical_bytes(
         for r in (leader, f1, f2):  # the same bounds, so the same 410s
             m, top = r.hosts[PART].buffer.meta, leader.hosts[PART].buffer.meta
             assert (m.prev_scn, m.min_scn, m.last_scn) == (top.prev_scn, top.min_scn, top.last_scn)
+            assert m.evicted == 0  # (prev_scn is where the leader began)
 
         names = await same_registry(http, leader, f1, f2)
         assert set(names) == {"public.acct", "public.item"}
@@ -272,6 +273,12 @@ async def test_follower_started_after_the_schema_changes_were_evicted(tmp_path: 
         async with relay(tmp_path / "f", chain(leader.url)) as follower:
             await same_tail(leader, follower)
             assert await stream_bytes(http, follower) == held
+            # it starts where the leader evicted windows: it says so too (a reader of
+            # start times must not take its prev_scn for where the stream began)
+            assert (
+                leader.hosts[PART].buffer.meta.evicted,
+                follower.hosts[PART].buffer.meta.evicted,
+            ) == (1, 1)
             assert len(await same_registry(http, leader, follower)) == 2
             windows = await read_windows(follower.url, lambda w: w.scn >= 3999)
     assert windows[0].scn == window_scns(held)[0] and windows[-1].scn == 3999

@@ -8,7 +8,10 @@ closed by an END_OF_WINDOW event (see docs/protocol.md). The relay drives it:
    ``resume.scn`` (the newest window the relay already holds; ``-1`` = none),
    using ``resume.source_position`` when the SCN alone is not enough
    (a MySQL GTID). Returns the SCN from which the buffer is complete: a
-   consumer at that SCN or later has missed nothing.
+   consumer at that SCN or later has missed nothing. An optional attribute
+   ``start_evicted`` (true) says that changes before that SCN existed in
+   changebus and are gone (a follower relay starting where its upstream
+   evicted windows), not merely that capture began there.
 2. ``async for window in fetcher.windows()`` -- windows with strictly
    increasing SCNs, none at or below ``resume.scn``.
    Optionally, ``fetcher.window_feed()`` instead: the same windows as a

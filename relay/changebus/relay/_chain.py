@@ -191,6 +191,8 @@ class ChainFetcher:
         self.lost_scns = 0
         self.refused = 0
         self.upstream_last_scn = -1
+        #: the upstream's buffer had evicted windows before where this one starts
+        self.start_evicted = False
         self.upstream_epoch: int | None = None
         self._response_epoch: int | None = None
         self._newest_ts = 0
@@ -313,6 +315,8 @@ class ChainFetcher:
             # its fetcher has not said yet where its buffer starts: ask again soon
             raise SourceError(f"{info.where}: partition {self.upstream_partition!r} is starting")
         self.upstream_last_scn = found.max_scn
+        # (an upstream that does not say: evicted once it has a prev_scn)
+        self.start_evicted = bool(found.raw.get("evicted", found.prev_scn >= 0))
         return found.prev_scn
 
     async def _learn_schemas(self) -> tuple[Entry, ...]:

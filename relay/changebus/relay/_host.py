@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -438,7 +439,10 @@ class PartitionHost(SourceAcks):
                 )
                 start_scn = await self.fetcher.start(resume)
                 if meta.tail_event == meta.head_event and meta.prev_scn < 0 and start_scn >= 0:
-                    await self._writer.run(self.buffer.set_start, start_scn)
+                    lost = bool(getattr(self.fetcher, "start_evicted", False))
+                    await self._writer.run(
+                        functools.partial(self.buffer.set_start, start_scn, evicted=lost)
+                    )
                 self.state = "streaming"
                 self.last_error = ""
                 queue = self._feed(self.fetcher)
