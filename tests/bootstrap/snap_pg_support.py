@@ -193,11 +193,11 @@ class RecordingSink:
         self.chunks.append(chunk)
 
     def unfilled(
-        self, scope: SnapshotScope, upto: int, stop: threading.Event
-    ) -> list[tuple[Any, ...]]:
+        self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
+    ) -> list[tuple[bytes, tuple[Any, ...]]]:
         return []
 
-    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+    def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         self.chunks.append(chunk)
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:

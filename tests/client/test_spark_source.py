@@ -225,6 +225,15 @@ def test_evicted_range_fails_loudly_or_is_skipped(spark: Any, tmp_path: Path) ->
         rows = by_time.option("startingTimestamp", "0").option("failOnDataLoss", "false")
         got = {(r["_commit_scn"], r["_txn_seq"]) for r in rows.load().collect()}
         assert got == expected
+        # after the newest evicted window's time nothing is lost: no error
+        import urllib.request
+
+        with urllib.request.urlopen(f"{relay.url}/v1/status", timeout=10) as answer:
+            status = json.load(answer)["partitions"][0]
+        assert status["evicted"] and status["evicted_timestamp_ns"] == relay.meta("syn").prev_ts > 0
+        after = status["evicted_timestamp_ns"] // 1_000_000 + 1
+        rows = by_time.option("startingTimestamp", str(after)).load()
+        assert {(r["_commit_scn"], r["_txn_seq"]) for r in rows.collect()} <= expected
 
 
 def test_register_helper(spark: Any, scripted: Any) -> None:  # noqa: F811

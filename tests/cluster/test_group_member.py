@@ -312,6 +312,37 @@ async def test_lease_is_invalid_after_the_session_is_lost(make_member, zk_hosts)
     assert not member.lease_valid()
 
 
+async def test_a_cancelled_claim_has_ended_when_its_cancel_returns(
+    zk_session, group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim runs in a ZooKeeper worker thread. Cancelled, it returned at once while
+    the thread went on, and the consumer's cleanup released the unit's owner node at
+    once: the next owner could recreate it (version 0 again, as the claim had read it)
+    and claim, and the late claim then fenced it (review). The cancel now waits for it."""
+    from changebus.cluster import _group_store
+
+    session = await zk_session("slow-claim")
+    store = ZkUnitStore(session)
+    unit = Unit("orders", 1)
+    assert (await store.claim(group, unit, "m-1")).generation == 1
+    real = _group_store.decode_unit_record  # type: ignore[attr-defined]
+
+    def slow(data: bytes, node: str) -> object:
+        time.sleep(0.6)  # (in the claim's thread, between its reads and its write)
+        return real(data, node)
+
+    monkeypatch.setattr(_group_store, "decode_unit_record", slow)
+    task = asyncio.create_task(store.claim(group, unit, "m-1"))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.undo()
+    at_cancel = (await store.read(group))[unit].generation
+    await asyncio.sleep(1.0)
+    assert (await store.read(group))[unit].generation == at_cancel == 2
+
+
 async def test_a_claim_lands_only_while_the_claimant_is_a_member_holding_the_unit(
     zk_session, group
 ) -> None:

@@ -250,9 +250,14 @@ def test_the_buffer_says_whether_windows_before_prev_scn_were_evicted(tmp_path: 
     for scn in range(1, 20):
         b.append_window(make_window(scn, [300]))
     assert (b.meta.prev_scn, b.meta.evicted) == (0, 0)
+    assert (b.meta.prev_ts, b.meta.first_ts) == (0, 1000)
     for scn in range(20, 200):
         b.append_window(make_window(scn, [900]))
-    assert b.meta.prev_scn > 1 and b.meta.evicted == 1
+    m = b.meta
+    assert m.prev_scn > 1 and m.evicted == 1
+    # the evicted window's commit time, and the oldest kept one's (it stayed at the
+    # first window's before: /v1/status showed it as oldest_timestamp_ns)
+    assert (m.prev_ts, m.first_ts) == (m.prev_scn * 1000, m.min_scn * 1000)
     b.close()
     b = EventBuffer(tmp_path / "a", cfg)
     assert b.meta.evicted == 1

@@ -41,8 +41,9 @@ a tombstone at the first tag. A ``keys`` snapshot tombstones the keys asked
 for that the source lacks (:attr:`Chunk.absent`); a ``where`` snapshot
 sweeps nothing (the store cannot evaluate SQL).
 
-**Refill.** Then, once the applier has folded the stream up to the newest
-tag, rows the snapshot holds without some columns (an UPDATE without
+**Refill.** Then, once the applier has folded the stream up to a marker
+the source wrote into its log after the last chunk (Postgres: a logical
+message), rows the snapshot holds without some columns (an UPDATE without
 Postgres' unchanged TOAST values whose earlier image no chunk brought: a row
 moved to a key the snapshot had passed) are read again by key and merged
 (:mod:`._refill`), before the table counts as seeded.
@@ -197,6 +198,11 @@ class ChunkSource(Protocol):
         scope (None: a key type without such a form)."""
         ...
 
+    def marker(self, table: str) -> int | None:
+        """An SCN the stream reaches after every change committed so far (a marker the
+        source writes into its log); None: the source cannot write one."""
+        ...
+
 
 #: opens the source of a seed run (``PostgresChunkSource``, ``MySQLChunkSource``)
 ChunkSourceFactory = Callable[[SeedRequest], ChunkSource]
@@ -239,9 +245,10 @@ class SnapshotSink(Protocol):
     :meth:`resume` -- the stored job of ``table`` (None: none, or one for
     another scope). :meth:`chunk` -- merge ``chunk`` and store ``job`` (the
     state after it) in one store transaction. :meth:`unfilled` -- once the
-    applier has folded the stream up to ``upto`` (or the stream is quiet),
-    the keys of the table's rows that lack columns; :meth:`refill` merges
-    their re-read (:mod:`._refill`). :meth:`finish` -- the table is
+    applier has folded the stream up to ``upto`` (not ``exact``: or the
+    stream is quiet), the keys (store key, values) of the table's rows that
+    lack columns; :meth:`refill` merges their re-read and forgets the
+    ``skipped`` keys (:mod:`._refill`). :meth:`finish` -- the table is
     done: sweep (whole-table scopes), record it seeded, drop the job.
     """
 
@@ -250,10 +257,10 @@ class SnapshotSink(Protocol):
     def chunk(self, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None: ...
 
     def unfilled(
-        self, scope: SnapshotScope, upto: int, stop: threading.Event
-    ) -> list[tuple[Any, ...]]: ...
+        self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
+    ) -> list[tuple[bytes, tuple[Any, ...]]]: ...
 
-    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None: ...
+    def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None: ...
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None: ...
 
@@ -277,11 +284,11 @@ class WriterSink:
             self.write(scope.table, chunk.events, chunk.tag)
 
     def unfilled(
-        self, scope: SnapshotScope, upto: int, stop: threading.Event
-    ) -> list[tuple[Any, ...]]:
+        self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
+    ) -> list[tuple[bytes, tuple[Any, ...]]]:
         return []  # (no store: nothing to refill)
 
-    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+    def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         if chunk.events:
             self.write(scope.table, chunk.events, chunk.tag)
 
@@ -471,7 +478,11 @@ def _run_tables(
             if stop.is_set():  # (not recorded as seeded: a gap may have come meanwhile)
                 raise ChangebusError("seeding stopped", retriable=True)
             if scope.whole and not single and source.omits_columns:
-                _refill(source, sink, scope, (job.last_tag, sizer.rows), stop)
+                mode, progress.mode = progress.mode, "refill"  # (for /v1/status meanwhile)
+                try:
+                    _refill(source, sink, scope, (job.last_tag, sizer.rows), stop)
+                finally:
+                    progress.mode = mode
             sink.finish(scope, job)
             progress.table_done()
             log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)
@@ -481,7 +492,7 @@ def _run_tables(
 
 
 #: listings of rows lacking columns one refill reads at most (each up to 10,000 keys)
-_REFILL_ROUNDS = 20
+_REFILL_ROUNDS = 50
 
 
 def _refill(
@@ -494,45 +505,60 @@ def _refill(
     """Read again, by key, the rows of ``scope.table`` the snapshot holds without some
     columns (:mod:`._refill`); ``at``: the snapshot's newest tag and the chunk size.
 
-    A key type without a ``keys`` form, or a key the source refuses, is
-    logged and left; a retriable error ends the seed run (it is tried again).
+    Before each listing, the source writes a marker into its log and the
+    store's applier must pass it (without one: the newest tag, or a quiet
+    stream). A key without a ``keys`` form is logged and forgotten; a read
+    the source refuses for good is logged and ends the refill (the table
+    is seeded, those rows lacking columns); a retriable error ends the seed
+    run (it resumes here).
     """
-    upto, limit = at
-    previous: tuple[tuple[Any, ...], ...] = ()
+    tag, limit = at
+    previous: set[bytes] = set()
     for _ in range(_REFILL_ROUNDS):
-        values = sink.unfilled(scope, upto, stop)
-        if not values:
+        marker = source.marker(scope.table)
+        found = sink.unfilled(
+            scope, tag if marker is None else marker, stop, exact=marker is not None
+        )
+        if not found:
             return
-        keys = tuple(k for k in (source.key_values(scope.table, v) for v in values) if k)
-        if keys == previous:  # (read already, nothing changed: a key the source lacks)
+        wanted = {key: source.key_values(scope.table, values) for key, values in found}
+        skipped = [key for key, k in wanted.items() if k is None]
+        if skipped:
             log.warning(
-                "%s: %d row(s) still lack columns after reading them again", scope.table, len(keys)
-            )
-            return
-        previous = keys
-        if len(keys) < len(values):
-            log.warning(
-                "%s: %d row(s) lack columns the source left out, and their key type cannot "
-                "be read again by key: they stay without them",
+                "%s: %d row(s) lack columns the source left out, and their key has no form "
+                "to read them again by (a column policy, a special value): they stay so",
                 scope.table,
-                len(values) - len(keys),
+                len(skipped),
             )
-        if not keys:
+        if set(wanted) == previous:  # (read already, nothing changed)
+            log.warning(
+                "%s: %d row(s) still lack columns after reading them again",
+                scope.table,
+                len(wanted),
+            )
             return
+        previous = set(wanted)
+        keys = tuple(k for k in wanted.values() if k is not None)
         log.info("%s: reading %d row(s) again that lack columns", scope.table, len(keys))
         try:
-            reader = source.reader(SnapshotScope(scope.table, keys=keys))
+            reader = source.reader(SnapshotScope(scope.table, keys=keys)) if keys else None
             cursor: str | None = None
-            while True:
+            while reader is not None:
                 if stop.is_set():
                     raise ChangebusError("seeding stopped", retriable=True)
                 chunk = reader.read(cursor, limit)
-                sink.refill(scope, chunk)
-                upto = max(upto, chunk.tag)
+                # only keys asked for become tombstones (a key whose text cast back to
+                # another value must not delete that one)
+                absent = tuple(k for k in chunk.absent if k in wanted)
+                sink.refill(scope, replace(chunk, absent=absent), skipped)
+                skipped = []
+                tag = max(tag, chunk.tag)
                 if chunk.cursor is None:
                     break
                 cursor = chunk.cursor
-        except SourceConfigError as exc:
+            if skipped:
+                sink.refill(scope, Chunk([], tag, None), skipped)
+        except ChangebusError as exc:
             if exc.retriable:
                 raise
             log.warning("%s: rows lacking columns could not be read again: %s", scope.table, exc)

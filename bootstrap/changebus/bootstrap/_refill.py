@@ -11,8 +11,9 @@ range the seed had already read. Neither a chunk nor a later change would
 ever bring the missing values: the row would stay without them for good.
 The fold records such keys in ``cb_unfilled`` (with the UPDATE's SCN).
 
-The refill: once the applier has folded the stream up to the snapshot's
-newest tag, :meth:`Refills.unfilled_keys` lists the keys of the table whose
+The refill: once the applier has folded the stream up to a marker the
+seed wrote into the source's log after its last chunk (so every change
+committed before it), :meth:`Refills.unfilled_keys` lists the keys of the table whose
 stored row still lacks columns (dropping entries whose rows are whole or
 gone by now), the seeder reads those keys from the source as a ``keys``
 chunk, and :meth:`Refills.refill_chunk` merges it like any chunk (a newer
@@ -42,35 +43,44 @@ class Refills(SnapshotJobs):
 
     def unfilled_keys(
         self, part: str, table: str, limit: int = UNFILLED_BATCH
-    ) -> list[tuple[Any, ...]]:
-        """Key values (as the store decodes them, in the key's column order) of up to
-        ``limit`` rows of ``table`` whose snapshot row is an UPDATE still lacking columns.
+    ) -> list[tuple[bytes, tuple[Any, ...]]]:
+        """Up to ``limit`` rows of ``table`` whose snapshot row is an UPDATE still lacking
+        columns: (store key, key values as the store decodes them, in key column order).
 
-        Entries whose rows are whole, deleted or gone are dropped on the way.
+        Entries whose rows are whole, deleted or gone are dropped on the way,
+        ``limit`` at a time in key order (one store transaction each), until
+        some rows lack columns or none are left: a batch of such entries is
+        no sign that none follow.
         """
         _check_tables([table])
         sid = self._source_id(part, table)
         if sid is None:
             return []
-        out: list[tuple[Any, ...]] = []
-        settled: list[tuple[str, int, bytes]] = []
-        with self._txn():
-            rows = self._all(
-                "SELECT u.key, s.deleted, s.event FROM cb_unfilled u LEFT JOIN cb_snap s "
-                "ON s.part = u.part AND s.source_id = u.source_id AND s.key = u.key "
-                "WHERE u.part = {p} AND u.source_id = {p} ORDER BY u.key LIMIT {p}",
-                (part, sid, limit),
-            )
-            for key, deleted, event in rows:
-                values = None if event is None or deleted else self._lacking_key(part, event)
-                if values is None:
-                    settled.append((part, sid, bytes(key)))
-                else:
-                    out.append(values)
-            self._many(
-                "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
-                settled,
-            )
+        out: list[tuple[bytes, tuple[Any, ...]]] = []
+        after = b""
+        while not out:
+            settled: list[tuple[str, int, bytes]] = []
+            with self._txn():
+                rows = self._all(
+                    "SELECT u.key, s.deleted, s.event FROM cb_unfilled u LEFT JOIN cb_snap s "
+                    "ON s.part = u.part AND s.source_id = u.source_id AND s.key = u.key "
+                    "WHERE u.part = {p} AND u.source_id = {p} AND u.key > {p} "
+                    "ORDER BY u.key LIMIT {p}",
+                    (part, sid, after, limit),
+                )
+                for key, deleted, event in rows:
+                    values = None if event is None or deleted else self._lacking_key(part, event)
+                    if values is None:
+                        settled.append((part, sid, bytes(key)))
+                    else:
+                        out.append((bytes(key), values))
+                self._many(
+                    "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
+                    settled,
+                )
+            if len(rows) < limit:
+                break
+            after = bytes(rows[-1][0])
         return out
 
     def _lacking_key(self, part: str, event: Any) -> tuple[Any, ...] | None:
@@ -90,10 +100,17 @@ class Refills(SnapshotJobs):
         return tuple(after[k] for k in key)
 
     def refill_chunk(
-        self, part: str, table: str, events: Sequence[bytes], tag: int, absent: Sequence[bytes]
+        self,
+        part: str,
+        table: str,
+        events: Sequence[bytes],
+        tag: int,
+        absent: Sequence[bytes],
+        skipped: Sequence[bytes] = (),
     ) -> None:
         """Merge a re-read of unfilled keys (INSERTs at ``tag``, ``absent`` keys the source
-        lacks) and drop the entries of the keys it read that are not newer than ``tag``.
+        lacks), drop the entries of the keys it read that are not newer than ``tag``,
+        and those of the ``skipped`` keys (which cannot be read again by key).
 
         One transaction. An entry newer than ``tag`` stays: its UPDATE came after
         the read, and the next listing checks whether the merge completed it.
@@ -102,9 +119,15 @@ class Refills(SnapshotJobs):
         with self._txn():
             rows = self._merge_chunk(part, table, events, tag, absent)
             sid = self._source_id(part, table)
-            keys = [(s, k) for s, k, _ev in rows] + [(sid, k) for k in absent if sid is not None]
+            if sid is None:
+                return
+            keys = [k for _s, k, _ev in rows] + list(absent)
             self._many(
                 "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p} "
                 "AND scn <= {p}",
-                [(part, s, k, tag) for s, k in keys],
+                [(part, sid, k, tag) for k in keys],
+            )
+            self._many(
+                "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
+                [(part, sid, k) for k in skipped],
             )

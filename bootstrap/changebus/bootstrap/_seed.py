@@ -57,6 +57,7 @@ sink it is given (the service's store, or a plain ``write`` callback).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import struct
@@ -88,6 +89,9 @@ from ._seed_pg_readers import KeysetReader, KeysReader, Reader, SingleReader
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
+
+#: Avro logical types (their first word) of date, time and timestamp columns
+_TEMPORAL = frozenset({"date", "time", "timestamp", "local"})
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
@@ -178,9 +182,45 @@ class PostgresChunkSource:
     omits_columns = True
 
     def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """A store key's values as a ``keys`` scope's (their Postgres text, :func:`key_text`)."""
-        texts = tuple(key_text(v) for v in values)
-        return None if any(t is None for t in texts) else texts
+        """A store key's values as a ``keys`` scope's (their Postgres text, :func:`key_text`);
+        None when a key column's stored value is not the source's (a column policy) or
+        has no exact text form."""
+        schema = self.registry.latest(table)
+        columns = {c.name: c for c in schema.columns}
+        texts = []
+        for name, value in zip(schema.key, values, strict=True):
+            column = columns.get(name)
+            if column is None or column.policy:
+                return None
+            logical = column.type.get("logicalType") if isinstance(column.type, dict) else None
+            text = key_text(value, temporal=str(logical or "").partition("-")[0] in _TEMPORAL)
+            if text is None:
+                return None
+            texts.append(text)
+        return tuple(texts)
+
+    def marker(self, table: str) -> int | None:
+        """An SCN the stream reaches after every change committed so far: a logical
+        message (``pg_logical_emit_message``, not transactional, prefix
+        ``changebus.seed``, the table's name) written to the WAL, which the relay
+        turns into a window of its own; None (and a warning) when the source refuses."""
+        from changebus.fetchers.postgres import message_scn
+
+        try:
+            row = self.conn.execute(
+                "SELECT pg_logical_emit_message(false, 'changebus.seed', %s)::text", (table,)
+            ).fetchone()
+        except Exception as exc:  # noqa: BLE001 - a standby, a revoked privilege: fall back
+            with contextlib.suppress(Exception):
+                self.conn.execute("ROLLBACK")
+            log.warning(
+                "%s: cannot write a marker into the source's WAL (%s): the refill waits for "
+                "a quiet stream instead",
+                table,
+                type(exc).__name__,
+            )
+            return None
+        return message_scn(str(row[0]))
 
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect

@@ -113,6 +113,9 @@ class MySQLChunkSource:
     def key_values(self, table: str, values: tuple[Any, ...]) -> tuple[Any, ...] | None:
         return None  # (never asked: omits_columns)
 
+    def marker(self, table: str) -> int | None:
+        return None  # (never asked: omits_columns)
+
     def __init__(self, request: SeedRequest, *, stop: threading.Event | None = None) -> None:
         self.request = request
         #: set: a wait for the minimum tag ends at once (the run is stopping)

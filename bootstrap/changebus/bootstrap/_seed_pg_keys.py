@@ -128,16 +128,31 @@ def key_param(value: Any) -> str | None:
     return json.dumps(value)  # numbers, true/false (lists/objects: the server says no)
 
 
-def key_text(value: Any) -> Any:
+def key_text(value: Any, *, temporal: bool = False) -> Any:
     """A key value as the store decodes it (its Avro value) as a ``keys`` value Postgres
     casts back to the column's type (:func:`key_param`); None: no such form.
 
     Integers and floats stay numbers; text, uuid, numeric, dates and times
     become their text (ISO 8601: a ``timestamptz`` keeps its offset, a
     ``timestamp`` has none), bytea its ``\\x`` hex form, an interval (the
-    ``changebus.Interval`` record) its months, days and microseconds. Lists
-    (arrays) have none.
+    ``changebus.Interval`` record) its months, days and microseconds. None
+    for lists (arrays), and for the values a date or time column's Avro
+    form cannot give back exactly: ``temporal`` (the column is a date, time
+    or timestamp) with a plain number (``24:00:00``, a BC date), and the
+    first and last representable day (``-infinity`` / ``infinity`` decode
+    to them).
     """
+    if isinstance(value, datetime.datetime):
+        naive = value.replace(tzinfo=None)
+        if naive.date() in (datetime.date.min, datetime.date.max):
+            return None
+        return value.isoformat()
+    if isinstance(value, datetime.date):
+        return None if value in (datetime.date.min, datetime.date.max) else value.isoformat()
+    if isinstance(value, datetime.time):
+        return value.isoformat()
+    if temporal:
+        return None
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float | str):
@@ -146,8 +161,6 @@ def key_text(value: Any) -> Any:
         return "\\x" + bytes(value).hex()
     if isinstance(value, decimal.Decimal | uuid.UUID):
         return str(value)
-    if isinstance(value, datetime.date | datetime.time):  # (datetime is a date)
-        return value.isoformat()
     if isinstance(value, dict) and set(value) == {"months", "days", "micros"}:  # an interval
         return f"{value['months']} mons {value['days']} days {value['micros']} microseconds"
     return None  # (also a NULL: a key column never holds one)

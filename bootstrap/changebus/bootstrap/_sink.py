@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from ._storethreads import StoreThreads
 __all__ = ["QUIET_S", "StoreSink"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("changebus.bootstrap.seed")
 
 #: seconds the producer and the applier must stand still, all folded, before a refill
 #: stops waiting for the applier to reach the snapshot's newest tag (an idle source)
@@ -80,35 +83,51 @@ class StoreSink:
         )
 
     def unfilled(
-        self, scope: SnapshotScope, upto: int, stop: threading.Event
-    ) -> list[tuple[Any, ...]]:
+        self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
+    ) -> list[tuple[bytes, tuple[Any, ...]]]:
         """Once the applier has folded the stream up to ``upto``, the keys of rows of
-        ``scope.table`` that lack columns (:mod:`._refill`).
+        ``scope.table`` that lack columns: (store key, values) (:mod:`._refill`).
 
-        A source with no commit after ``upto`` never brings the applier there:
-        the wait also ends when the applier has folded all the producer
-        stored and neither has moved for :data:`QUIET_S`. ``stop`` ends it
-        with a retriable error.
+        ``exact``: ``upto`` is a marker the source wrote, which the stream
+        brings. Else it is a tag, which a source with no commit after it never
+        brings the applier to: the wait also ends when the applier has folded
+        all the producer stored and neither has moved for :data:`QUIET_S`. A
+        long wait is logged every minute; ``stop`` ends it with a retriable
+        error.
         """
         quiet: tuple[float, int, int] | None = None  # since when, and the positions then
+        began = told = time.monotonic()
         while True:
             st = self._call(lambda s: s.state(self._part))
             if st.applier_scn >= upto:
                 break
             now = time.monotonic()
-            if st.applier_scn < st.producer_scn:
+            if exact or st.applier_scn < st.producer_scn:
                 quiet = None
             elif quiet is None or quiet[1:] != (st.producer_scn, st.applier_scn):
                 quiet = (now, st.producer_scn, st.applier_scn)
             elif now - quiet[0] >= QUIET_S:
                 break
+            if now - told >= 60:
+                told = now
+                log.warning(
+                    "%s: the refill has waited %.0fs for the applier to reach SCN %d "
+                    "(it is at %d, the log at %d)",
+                    scope.table,
+                    now - began,
+                    upto,
+                    st.applier_scn,
+                    st.producer_scn,
+                )
             if stop.wait(_POLL_S):
                 raise ChangebusError("seeding stopped", retriable=True)
         return self._call(lambda s: s.unfilled_keys(self._part, scope.table))
 
-    def refill(self, scope: SnapshotScope, chunk: Chunk) -> None:
+    def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         self._call(
-            lambda s: s.refill_chunk(self._part, scope.table, chunk.events, chunk.tag, chunk.absent)
+            lambda s: s.refill_chunk(
+                self._part, scope.table, chunk.events, chunk.tag, chunk.absent, skipped
+            )
         )
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:

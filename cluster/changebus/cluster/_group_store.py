@@ -35,6 +35,8 @@ thread hop on the session's workers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -174,8 +176,17 @@ class ZkUnitStore:
                 return record, int(new.version)
             raise CoordinationError(f"group {group}: claim of {unit} kept losing races")
 
+        call = asyncio.ensure_future(mapped(f"claiming {node}", self.session.call(run)))
         try:
-            record, token = await mapped(f"claiming {node}", self.session.call(run))
+            record, token = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # the claim goes on in its thread: wait for it, so that the caller's cleanup
+            # (releasing the owner node) comes after it. A release first would let the
+            # next owner recreate the node (version 0 again, which the claim's version
+            # check cannot tell apart) and claim, and this claim would then fence it
+            with contextlib.suppress(BaseException):
+                await call
+            raise
         except _NotAMember:
             # a member that lost its membership (a pause past its session) may not raise
             # the generation: that would fence the unit's rightful next owner

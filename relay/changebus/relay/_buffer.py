@@ -74,7 +74,6 @@ import numpy as np
 import numpy.typing as npt
 
 from changebus.schemas import (
-    HEADER_DTYPE,
     HEADER_SIZE,
     CorruptEventError,
     DataLoss,
@@ -97,7 +96,7 @@ from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
 from ._syncer import Span, circular_spans
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
-from ._writer import BufferWriter
+from ._writer import TS_OFFSET as _TS_OFFSET, BufferWriter
 
 __all__ = [
     "DURABILITY_MODES",
@@ -111,10 +110,6 @@ __all__ = [
 
 log = logging.getLogger("changebus.relay.buffer")
 
-#: where an event header holds its source commit time (ns)
-_TS_OFFSET: Final = 16
-assert HEADER_DTYPE.fields is not None
-assert HEADER_DTYPE.fields["timestamp_ns"][1] == _TS_OFFSET
 
 #: the buffer's files, created mode 0600 before they are mapped (a side file added
 #: later must be created through :func:`changebus.schemas.files.private_file` too)

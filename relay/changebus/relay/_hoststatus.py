@@ -112,6 +112,8 @@ def partition_status(host: PartitionHost, *, consumers: bool = True) -> dict[str
         "prev_scn": m.prev_scn,
         # windows before prev_scn were evicted or lost (false: prev_scn is where it started)
         "evicted": bool(m.evicted),
+        # the commit time of the window at prev_scn, when an eviction set it (0: not known)
+        "evicted_timestamp_ns": m.prev_ts,
         "bytes_used": m.tail_pos - m.head_pos,
         "capacity_bytes": m.capacity,
         "events": m.tail_event - m.head_event,

@@ -30,8 +30,8 @@ _MAGIC: Final = 0x4D425243  # "CRBM"
 _FORMAT: Final = 2
 # magic, format, seq, capacity, event_slots, index_slots,
 # head_event, tail_event, head_pos, tail_pos, prev_scn, last_scn, min_scn,
-# index_head, index_tail, first_ts, last_ts, windows, evicted, crc
-_STRUCT: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQQ")
+# index_head, index_tail, first_ts, last_ts, windows, evicted, prev_ts, crc
+_STRUCT: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQqQ")
 #: format 1 (before ``evicted``): read, never written
 _STRUCT_1: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQ")
 
@@ -49,7 +49,10 @@ class BufferMeta:
     ``evicted`` is 1 when windows before ``prev_scn`` were evicted or lost (a
     crash, a follower restarted after its upstream's eviction), 0 when
     ``prev_scn`` is only where the buffer started (nothing older was ever in
-    it); a buffer of format 1 did not say, and counts as 1.
+    it); a buffer of format 1 did not say, and counts as 1. ``prev_ts`` is
+    the commit time of the window at ``prev_scn`` when an eviction set it (0:
+    not known). ``first_ts`` / ``last_ts`` are those of the oldest and the
+    newest kept window.
     """
 
     capacity: int
@@ -68,6 +71,7 @@ class BufferMeta:
     last_ts: int = 0
     windows: int = 0
     evicted: int = 0
+    prev_ts: int = 0
 
 
 class MetaFile:
@@ -131,6 +135,7 @@ class MetaFile:
             meta.last_ts,
             meta.windows,
             meta.evicted,
+            meta.prev_ts,
             0,
         )[: _STRUCT.size - 8]
         record = body + struct.pack("<Q", zlib.crc32(body))

@@ -28,12 +28,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import EventTooLargeError
+from changebus.schemas import HEADER_DTYPE, EventTooLargeError
 from changebus.schemas.errors import BadRequestError
 
 from ._evict import Pin, plan_eviction, wait_for_readers
@@ -54,6 +54,11 @@ Hook = Callable[[bytes | memoryview, npt.NDArray[Any]], None]
 
 #: the largest group gathered in the writer's reused scratch buffer (see _gather)
 _SCRATCH_MAX = 32 << 20
+
+#: where an event header holds its source commit time (ns)
+TS_OFFSET: Final = 16
+assert HEADER_DTYPE.fields is not None
+assert HEADER_DTYPE.fields["timestamp_ns"][1] == TS_OFFSET
 #: groups of at most this many events commit with Python lists (see _commit_small)
 _SMALL_EVENTS = 64
 
@@ -348,6 +353,7 @@ class BufferWriter:
                 last_ts=group.last_ts,
                 windows=m.windows + group.windows,
                 evicted=m.evicted,
+                prev_ts=m.prev_ts,
             )
             self._metafile.publish(self._meta)
         self._prefault.advance(group.tail_pos)
@@ -357,6 +363,11 @@ class BufferWriter:
         self.stats["bytes_appended"] += group.size
         if self.on_publish is not None:
             self.on_publish()
+
+    def _timestamp_at(self, pos: int) -> int:
+        """The commit time in the header of the event at virtual position ``pos``."""
+        at = pos % self.capacity + TS_OFFSET
+        return int(self._ring[at : at + 8].view("<i8")[0])
 
     def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
         """Evict whole oldest windows until the head is past both bounds."""
@@ -382,6 +393,11 @@ class BufferWriter:
                 index_head=plan.index_head,
                 windows=m.windows - plan.windows,
                 evicted=1,
+                # (the evicted bytes are still in the ring: nothing overwrote them yet)
+                prev_ts=self._timestamp_at(int(self._events.at(plan.head_event - 1)["pos"])),
+                first_ts=(
+                    self._timestamp_at(plan.head_pos) if plan.head_event < m.tail_event else 0
+                ),
             )
             self._metafile.publish(self._meta)
         self.stats["windows_evicted"] += plan.windows

@@ -85,7 +85,9 @@ class PartitionBounds:
     ``max_scn`` is -1 when the buffer is empty; ``newest_timestamp_ns`` the
     commit time of ``max_scn``; ``evicted``: windows before ``prev_scn`` were
     evicted or lost (false: ``prev_scn`` is where the relay began; a relay
-    that does not say counts as evicted once it has a ``prev_scn``).
+    that does not say counts as evicted once it has a ``prev_scn``), and
+    ``evicted_timestamp_ns`` the commit time of the window at ``prev_scn``
+    (0: not known).
     """
 
     name: str
@@ -94,6 +96,7 @@ class PartitionBounds:
     prev_scn: int
     newest_timestamp_ns: int
     evicted: bool = True
+    evicted_timestamp_ns: int = 0
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -240,6 +243,7 @@ async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
                     p.prev_scn,
                     p.newest_timestamp_ns,
                     bool(p.raw.get("evicted", p.prev_scn >= 0)),
+                    int(p.raw.get("evicted_timestamp_ns") or 0),
                 )
     if not names:
         if not found:

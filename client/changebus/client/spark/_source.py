@@ -184,7 +184,7 @@ def _resolve(
             out[name] = run_sync(
                 position_at_time(opts, b, position.time_ms * 1_000_000, inclusive=ending)
             )
-            if not ending and b.evicted and out[name] == b.prev_scn >= 0:
+            if not ending and out[name] == b.prev_scn >= 0 and _lost_since(position, b):
                 _start_time_evicted(opts, position, b)
         elif position == "earliest":
             # with a bootstrap server: before everything (a snapshot comes first)
@@ -204,15 +204,29 @@ def _resolve(
     return out
 
 
+def _lost_since(position: AtTime, b: PartitionBounds) -> bool:
+    """Whether windows committed at or after ``position`` may have been evicted: the
+    relay evicted some, and the newest of them was committed then or later (or its
+    time is not known)."""
+    if not b.evicted:
+        return False
+    return b.evicted_timestamp_ns <= 0 or b.evicted_timestamp_ns >= position.time_ms * 1_000_000
+
+
 def _start_time_evicted(opts: SourceOptions, position: AtTime, b: PartitionBounds) -> None:
     """``startingTimestamp`` is at or before the oldest window the relays keep, and they
     evicted older ones: changes committed at or after that time may be among those.
     An error with ``failOnDataLoss`` (the default), else a warning (start at the oldest
     window kept, like Spark's Kafka source). It started there silently (review)."""
+    when = (
+        f", committed at {b.evicted_timestamp_ns // 1_000_000} ms"
+        if b.evicted_timestamp_ns > 0
+        else ""
+    )
     text = (
         f"startingTimestamp {position.time_ms}: partition {b.name}: every window the relays "
         f"keep was committed at or after it, and they evicted older ones (the newest "
-        f"evicted is SCN {b.prev_scn}), so changes committed since that time may be gone"
+        f"evicted is SCN {b.prev_scn}{when}), so changes committed since that time are gone"
     )
     if not opts.fail_on_data_loss:
         log.warning("%s; starting at the oldest window kept (failOnDataLoss=false)", text)
