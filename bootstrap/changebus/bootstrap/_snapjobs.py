@@ -265,7 +265,10 @@ class SnapshotJobs(SeedLedger):
         return True
 
     def finish_snapshot(self, part: str, job: JobState, *, seeded: bool) -> None:
-        """Drop ``job``'s row; ``seeded`` (a whole table): record the table seeded at its first tag."""
+        """Drop ``job``'s row; ``seeded`` (a whole table): record the table seeded at its
+        first tag, and forget the table's rows listed as lacking columns up to its newest
+        tag (the refill read them, or no read can complete them: a MariaDB zero date;
+        listed, every later update of such a row would be listed again)."""
         _check_tables([job.table])
         with self._txn():
             if seeded:
@@ -276,6 +279,15 @@ class SnapshotJobs(SeedLedger):
                     ),
                     (part, job.table, max(job.first_tag, 0)),
                 )
+                sid = self._source_id(part, job.table)
+                if sid is not None:
+                    self._conn.execute(
+                        self._sql(
+                            "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} "
+                            "AND scn <= {p}"
+                        ),
+                        (part, sid, job.last_tag),
+                    )
             self._conn.execute(
                 self._sql("DELETE FROM cb_snapjob WHERE part = {p} AND name = {p}"),
                 (part, job.table),
