@@ -41,7 +41,7 @@ from changebus.relay import (
 )
 from changebus.relay._host import PartitionHost
 from changebus.relay._http import RESPONSES
-from changebus.relay._respcache import CachedResponse, ResponseCache
+from changebus.relay._respcache import ENTRY_OVERHEAD, CachedResponse, ResponseCache
 from changebus.relay._send import STALL_S
 from changebus.schemas import EndOfWindow, Op, encode_control, encode_event, key_hash
 
@@ -173,29 +173,46 @@ async def healthz_probe(http: aiohttp.ClientSession, url: str) -> AsyncIterator[
 # ---- 1. the response cache is bounded by bytes ----------------------------------------
 
 
+def _cost(key: str, n: int) -> int:
+    """What the cache charges an entry of key ``(key,)`` and an ``n``-byte body."""
+    return n + len(key) + ENTRY_OVERHEAD
+
+
 def test_response_cache_is_lru_bounded_by_bytes_and_forgets_old_tails() -> None:
     def resp(n: int) -> CachedResponse:
         return CachedResponse(b"x" * n, 1, -1, 1, 1, False)
 
-    cache = ResponseCache(max_bytes=1000, max_entry_bytes=400)
+    cache = ResponseCache(max_bytes=3 * _cost("a", 300) + 100, max_entry_bytes=400)
     cache.put(5, ("a",), resp(300))
     cache.put(5, ("b",), resp(300))
     cache.put(5, ("big",), resp(401))  # over the entry cap: never cached
     assert cache.get(5, ("big",)) is None
     assert cache.get(5, ("a",)) is not None  # "a" is now the most recently used
     cache.put(5, ("c",), resp(300))
-    cache.put(5, ("d",), resp(300))  # 1,200 > 1,000: the least recently used ("b") goes
+    cache.put(5, ("d",), resp(300))  # four do not fit: the least recently used ("b") goes
     assert cache.get(5, ("b",)) is None
     assert cache.get(5, ("a",)) is not None and cache.get(5, ("d",)) is not None
-    assert cache.nbytes == 900 and len(cache) == 3
+    assert cache.nbytes == 3 * _cost("a", 300) and len(cache) == 3
     assert cache.get(6, ("a",)) is None  # another tail: another question
     cache.put(4, ("old",), resp(10))  # computed at an older tail: dropped
     assert cache.get(4, ("old",)) is None and len(cache) == 3
     cache.put(6, ("e",), resp(10))  # a newer tail empties the cache first
-    assert len(cache) == 1 and cache.nbytes == 10 and cache.tail == 6
+    assert len(cache) == 1 and cache.nbytes == _cost("e", 10) and cache.tail == 6
     off = ResponseCache(max_bytes=0, max_entry_bytes=400)
     off.put(1, ("a",), resp(0))
     assert len(off) == 0
+
+
+def test_empty_answers_for_ever_new_keys_stay_within_the_budget() -> None:
+    """Only bodies were charged: empty answers (the position moved past other sources'
+    events) under ever new keys (a padded filter text, another max_bytes) cost nothing,
+    and one client grew the relay by about 8 KB a request (found by review). Keys and
+    entries are charged now."""
+    cache = ResponseCache(max_bytes=1 << 20, max_entry_bytes=1 << 18)
+    for i in range(20_000):
+        key = (-1, -1, 1000 + i, " " * 4000 + "range:0:max", frozenset({1}))
+        cache.put(5, key, CachedResponse(b"", 9, -1, 0, 0, True, False, 100))
+    assert cache.nbytes <= 1 << 20 and len(cache) <= (1 << 20) // (4000 + ENTRY_OVERHEAD)
 
 
 def test_settled_responses_outlive_the_tail_until_their_windows_are_evicted() -> None:
@@ -204,23 +221,45 @@ def test_settled_responses_outlive_the_tail_until_their_windows_are_evicted() ->
     def resp(n: int, *, to_tail: bool = True, start: int = 100) -> CachedResponse:
         return CachedResponse(b"x" * n, 1, -1, 1, 1, False, to_tail, start)
 
-    cache = ResponseCache(max_bytes=1000, max_entry_bytes=400)
+    cache = ResponseCache(max_bytes=1000 + 3 * (ENTRY_OVERHEAD + 6), max_entry_bytes=400)
     cache.put(5, ("behind",), resp(300, to_tail=False))
     cache.put(5, ("newest",), resp(100))
     cache.put(6, ("other",), resp(100))  # a newer tail drops the tail answers only
     assert cache.get(6, ("newest",)) is None
     assert cache.get(9, ("behind",), head_pos=100) is not None  # any tail, first byte kept
-    assert cache.nbytes == 400 and len(cache) == 2
+    assert cache.nbytes == _cost("behind", 300) + _cost("other", 100) and len(cache) == 2
     cache.put(3, ("older",), resp(300, to_tail=False))  # settled: the tail does not matter
     assert cache.get(6, ("older",)) is not None
     # the budget evicts settled answers first (least recently used), then tail answers
     cache.put(6, ("big",), resp(400))
     assert cache.get(6, ("behind",)) is None and cache.get(6, ("older",)) is not None
-    assert cache.nbytes == 800 and len(cache) == 3
+    kept = _cost("older", 300) + _cost("other", 100) + _cost("big", 400)
+    assert cache.nbytes == kept and len(cache) == 3
     # once the buffer's head passed its first byte, a settled answer is forgotten:
     # the request then gets its 410 from the buffer
     assert cache.get(7, ("older",), head_pos=101) is None
-    assert cache.nbytes == 500 and len(cache) == 2
+    assert cache.nbytes == kept - _cost("older", 300) and len(cache) == 2
+
+
+async def test_head_of_a_stream_is_refused_and_client_ids_are_escaped(tmp_path: Path) -> None:
+    """HEAD /v1/stream was answered like GET: a large (streamed) answer wrote its body
+    although a HEAD response has none, so the next answer on the connection started
+    inside the event bytes (found by review). And a client id went into log lines,
+    /v1/status and /metrics as sent, line breaks and all."""
+    async with Relay(ring_config(tmp_path, 16 << 20)) as relay, aiohttp.ClientSession() as http:
+        await fill(relay, 1, 2 << 20)
+        params: dict[str, Any] = {"partition": "ring", "scn": -1, "max_bytes": 1 << 20}
+        async with http.head(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 405
+        async with http.get(f"{relay.url}/healthz") as resp:  # (the same connection)
+            assert resp.status == 200
+        params["client"] = "x\nforged line"
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.status == 200
+            await resp.read()
+        async with http.get(f"{relay.url}/v1/status") as resp:
+            consumers = (await resp.json())["partitions"][0]["consumers"]
+        assert [c["client"] for c in consumers] == ["x\\nforged line"]
 
 
 async def test_follow_and_long_polls_keep_the_cache_under_its_budget(tmp_path: Path) -> None:

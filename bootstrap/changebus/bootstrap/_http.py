@@ -488,8 +488,10 @@ def build_app(service: BootstrapService) -> web.Application:
     app[BUDGET] = CopyBudget(http.max_copy_bytes, http.max_connections)
     app.router.add_get("/v1/bootstrap/start", start)
     app.router.add_get("/v1/bootstrap/status", status)
-    app.router.add_get("/v1/bootstrap/snapshot", snapshot)
-    app.router.add_get("/v1/bootstrap/catchup", catchup)
+    # (no HEAD: a streamed page would write its body anyway, and the next answer on the
+    # connection would start inside it)
+    app.router.add_get("/v1/bootstrap/snapshot", snapshot, allow_head=False)
+    app.router.add_get("/v1/bootstrap/catchup", catchup, allow_head=False)
     add_admin_routes(app, service, partition_named)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)

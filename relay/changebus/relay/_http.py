@@ -53,6 +53,7 @@ from changebus.schemas.server import (
     CopyBudget,
     check_params,
     json_response,
+    printable,
     query_choice,
     query_float,
     query_int,
@@ -191,8 +192,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
         max_bytes = min(max_bytes, cfg.max_ndjson_bytes, max(spare, MIN_FLOOR))
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(request, host, query.get("sources"))
-    client = query.get("client", "")[:MAX_CLIENT_ID] or (request.remote or "unknown")
-    filter_text = query.get("filter")
+    # (escaped: it reaches log lines, /v1/status and /metrics)
+    client = printable(query.get("client", "")[:MAX_CLIENT_ID]) or (request.remote or "unknown")
+    # (the filter as parsed, not as sent: a key of the response cache and of the
+    # follow broadcast, where padded variants of one filter would each make an entry)
+    filter_text = None if key_filter is None else str(key_filter)
     cache = _responses(request, host)
     metrics = request.app[METRICS]
 
@@ -516,7 +520,9 @@ def build_app(config: RelayConfig, hosts: dict[str, PartitionHost]) -> web.Appli
     app[BROADCASTS] = {}
     app[NDJSON] = NdjsonEncoder()
     app[COPIES] = copies
-    app.router.add_get("/v1/stream", stream)
+    # (no HEAD: a streamed answer would write its body anyway, and the next answer on
+    # the connection would start inside it)
+    app.router.add_get("/v1/stream", stream, allow_head=False)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/schemas/{source}", schemas)
     app.router.add_get("/v1/status", status)

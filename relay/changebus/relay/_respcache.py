@@ -21,13 +21,16 @@ sum of the bodies' sizes. Invariants:
   byte (``start_pos >= head_pos`` of the caller's buffer bounds): the same
   request would select exactly those bytes again, and a request for evicted
   windows still gets its 410 from the buffer;
-* ``nbytes`` (the sum of the entries' body sizes) never exceeds
+* ``nbytes`` (the sum of the entries' costs: body, key texts and a fixed
+  :data:`ENTRY_OVERHEAD` for the objects around them) never exceeds
   ``max_bytes``: a new entry evicts settled entries first, least recently used
-  first, then tail entries;
+  first, then tail entries. (Bodies alone were counted once: empty answers
+  for ever new keys -- a padded filter text, another ``max_bytes`` -- cost
+  nothing, and a client grew the cache without bound; found by review);
 * a body larger than ``max_entry_bytes`` is never cached (large responses
   are rarely identical, and one would push out many small shared ones).
 
-So the cache holds at most ``max_bytes`` of bodies whatever clients ask
+So the cache holds at most about ``max_bytes`` whatever clients ask
 (follow-mode pushes included).
 
 Thread-safety: event loop only (the HTTP handlers); no locking.
@@ -39,7 +42,18 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CachedResponse", "ResponseCache"]
+__all__ = ["ENTRY_OVERHEAD", "CachedResponse", "ResponseCache"]
+
+#: bytes charged per entry besides its body and key texts: the dict slot, the key tuple,
+#: the response object and the bytes object's header, rounded up
+ENTRY_OVERHEAD = 512
+
+
+def _cost(key: tuple[Any, ...], response: CachedResponse) -> int:
+    """What an entry is charged: its body, the texts of its key, :data:`ENTRY_OVERHEAD`."""
+    texts = sum(len(part) for part in key if isinstance(part, str | bytes))
+    sets = sum(8 * len(part) for part in key if isinstance(part, frozenset))
+    return len(response.body) + texts + sets + ENTRY_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +103,17 @@ class ResponseCache:
             return None
         if found.start_pos < head_pos:
             del self._settled[key]
-            self.nbytes -= len(found.body)
+            self.nbytes -= _cost(key, found)
             return None
         self._settled.move_to_end(key)
         return found
 
     def put(self, tail: int, key: tuple[Any, ...], response: CachedResponse) -> None:
         """Keep ``response`` for ``key`` at ``tail`` if it is small enough (LRU eviction)."""
-        size = len(response.body)
-        if size > self.max_entry_bytes or self.max_bytes <= 0:
+        if len(response.body) > self.max_entry_bytes or self.max_bytes <= 0:
+            return
+        size = _cost(key, response)
+        if size > self.max_bytes:
             return
         settled = not response.to_tail and response.start_pos >= 0
         if not settled:
@@ -109,16 +125,16 @@ class ResponseCache:
         table = self._settled if settled else self._entries
         old = table.pop(key, None)
         if old is not None:
-            self.nbytes -= len(old.body)
+            self.nbytes -= _cost(key, old)
         for victims in (self._settled, self._entries):
             while victims and self.nbytes + size > self.max_bytes:
-                _, evicted = victims.popitem(last=False)
-                self.nbytes -= len(evicted.body)
+                gone, evicted = victims.popitem(last=False)
+                self.nbytes -= _cost(gone, evicted)
         table[key] = response
         self.nbytes += size
 
     def _drop(self, table: OrderedDict[tuple[Any, ...], CachedResponse]) -> None:
-        self.nbytes -= sum(len(r.body) for r in table.values())
+        self.nbytes -= sum(_cost(k, r) for k, r in table.items())
         table.clear()
 
     def clear(self) -> None:

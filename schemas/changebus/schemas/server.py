@@ -18,7 +18,8 @@ daemons (and TLS, authentication and limits, once) plug into it:
   open connections (all, per client IP), handlers cancelled when their client
   disconnects (the daemons' ``[http]`` tables inherit its fields);
 * ``query_*`` / :func:`check_params` -- query-parameter parsing where every
-  failure is a ``BadRequestError`` (400, not retriable);
+  failure is a ``BadRequestError`` (400, not retriable); :func:`printable`
+  -- a client's words with control characters escaped (for logs);
 * :func:`add_daemon_parser` / :func:`run_daemon` -- a daemon's subcommand:
   the common options, the config from file, environment and ``--set``, the
   logging set-up and the exit statuses (0 after a signal, 2 for a bad config
@@ -36,6 +37,7 @@ from ._copybudget import (
     copy_floor as copy_floor,
 )
 from ._daemon_cli import add_daemon_parser as add_daemon_parser, run_daemon as run_daemon
+from ._redact import printable as printable
 from ._server import Server as Server, Service as Service, serve as serve
 from ._server_app import (
     HTTP_METRICS as HTTP_METRICS,
@@ -79,6 +81,7 @@ __all__ = [
     "copy_floor",
     "json_response",
     "json_text",
+    "printable",
     "query_choice",
     "query_float",
     "query_int",
