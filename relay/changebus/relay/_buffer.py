@@ -378,9 +378,14 @@ class EventBuffer(BufferWriter):
 
         Returns ``(start_event, window_first_event)``; raises
         :class:`~changebus.schemas.ScnNotFoundError` when events after the
-        checkpoint may have been evicted (see :func:`._reader.locate`).
+        checkpoint may have been evicted (see :func:`._reader.locate`). Under the
+        buffer's lock, as :meth:`select`: the writer cannot evict (and then reuse the
+        event slots of) the windows it reads meanwhile.
         """
-        return locate(self._events, self._index, self._meta, self.name, window_scn, window_offset)
+        with self._lock:
+            return locate(
+                self._events, self._index, self._meta, self.name, window_scn, window_offset
+            )
 
     def timestamp_after(self, scn: int) -> int | None:
         """Source commit time (ns) of the first window after SCN ``scn`` (scrape time only).
