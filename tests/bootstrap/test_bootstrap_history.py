@@ -86,6 +86,33 @@ async def test_a_snapshot_position_of_another_store_restarts_the_snapshot(
     assert isinstance(error, RestartBootstrap)
 
 
+async def test_a_restarted_snapshot_checks_the_history_of_the_store_behind_the_url(
+    tmp_path: Path,
+) -> None:
+    """A consumer part way through a snapshot that started at T is told by its own
+    server's URL that the position is another store's (the store was rebuilt, or
+    another server answers there): the snapshot restarts. The restart forgot T and
+    skipped the history check, so a store whose history starts after T was taken,
+    and rows deleted in between stayed for good (found by review)."""
+    async with synthetic_boot(tmp_path, 40) as (relay, boot), aiohttp.ClientSession() as http:
+        base = boot.service.workers["syn"].base_scn
+        config = ConsumerConfig(relays=(relay.url,), partition="syn", bootstrap_servers=(boot.url,))
+
+        def held(start: int) -> PartitionCheckpoint:
+            progress = BootstrapProgress(  # (a position of another store behind this URL)
+                since_scn=-1, start_scn=start, snapshot_position="0:7:" + "0" * 16, server=boot.url
+            )
+            return PartitionCheckpoint(
+                window_scn=-1, prev_scn=-1, mode=Mode.SNAPSHOT, bootstrap=progress
+            )
+
+        runner = Bootstrapper(config, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        with pytest.raises(BootstrapFailedError, match=f"starts at SCN {base}, after SCN"):
+            await asyncio.wait_for(runner.run(-1, held(base - 5)), 30)
+        runner = Bootstrapper(config, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+        assert await asyncio.wait_for(runner.run(-1, held(base)), 30) >= base  # within it
+
+
 async def test_a_server_whose_history_starts_too_late_passes_to_the_next(tmp_path: Path) -> None:
     """Its refusal (410: the position is older than its history) is the server's own;
     it stopped the consumer although the next configured server could serve it."""

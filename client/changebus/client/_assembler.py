@@ -173,11 +173,18 @@ class WindowAssembler:
         self._pending: list[bytes] = []
         self._pending_scn = -1
         self._pending_seq = -1
+        #: events in the data of the last :meth:`feed`
+        self.fed_events = 0
 
     @property
     def in_window(self) -> bool:
         """Whether events of an unfinished window are held."""
         return bool(self._pending)
+
+    @property
+    def pending_scn(self) -> int:
+        """The SCN of the unfinished window held (-1: none)."""
+        return self._pending_scn if self._pending else -1
 
     def reset(self, last_scn: int | None = None) -> None:
         """Drop the unfinished window (and optionally move ``last_scn``)."""
@@ -197,12 +204,14 @@ class WindowAssembler:
         ``offsets``: the event offsets :meth:`EventSplitter.split` found.
         """
         if not data:
+            self.fed_events = 0
             return []
         if offsets is None:
             try:
                 offsets = scan_offsets(data)
             except CorruptEventError as exc:
                 raise _damaged(exc) from exc
+        self.fed_events = len(offsets)
         if len(offsets) <= SMALL_EVENTS:
             return self._feed_small(data, offsets.tolist())
         try:

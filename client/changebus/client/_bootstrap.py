@@ -130,6 +130,9 @@ class Bootstrapper:
         self.rows, self.catchup_scn, self.target_scn = 0, -1, -1
         # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
         dirty = resume is not None
+        # (start, since) of the oldest snapshot the consumer holds rows of, once a restart
+        # forgot its checkpoint: a new snapshot must come from a history reaching back to it
+        held: tuple[int, int] | None = None
         decoded_for = ""  # the server whose source ids the schema cache holds
         while True:
             url = self._failover.url
@@ -140,11 +143,20 @@ class Bootstrapper:
             queued = self._queued()
             current = queued or resume  # after a failure: from the last window queued
             try:
-                target = await self._run_once(url, since, current, dirty or queued is not None)
+                target = await self._run_once(
+                    url, since, current, dirty or queued is not None, held
+                )
                 break
             except RestartBootstrap as exc:
                 # the log moved on: snapshot again (with deletes: the consumer has rows)
                 log.warning("%s", exc.message)
+                prior = current.bootstrap if current is not None else None
+                if (
+                    prior is not None
+                    and prior.start_scn >= 0
+                    and (held is None or prior.start_scn < held[0])
+                ):
+                    held = (prior.start_scn, prior.since_scn)
                 resume, self._last, dirty = None, None, True
                 continue
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
@@ -205,14 +217,22 @@ class Bootstrapper:
             raise ProtocolError(f"asked for partition {self.partition!r}, got {name!r}")
 
     async def _run_once(
-        self, url: str, since: int, resume: PartitionCheckpoint | None, dirty: bool
+        self,
+        url: str,
+        since: int,
+        resume: PartitionCheckpoint | None,
+        dirty: bool,
+        held: tuple[int, int] | None = None,
     ) -> int:
         """One attempt on ``url``: continue ``resume`` there, or start (again).
 
         ``dirty``: the consumer already holds rows of an earlier (partial)
         bootstrap. A new snapshot for it must include deletes even when it
         started from nothing, so it asks for everything after the server's
-        ``base_scn`` (all the server holds, tombstones included).
+        ``base_scn`` (all the server holds, tombstones included). ``held``:
+        (start, since) of such a snapshot whose checkpoint a restart forgot
+        (the server's store was rebuilt meanwhile): its history is checked as
+        for another server's (it skipped that check; found by review).
         """
         prog: BootstrapProgress
         mode = Mode.SNAPSHOT
@@ -225,10 +245,12 @@ class Bootstrapper:
         else:
             if resume is not None and resume.bootstrap is not None:
                 since = resume.bootstrap.since_scn
-                held = resume.bootstrap.start_scn if dirty else -1
-                if held >= 0:
+                start = resume.bootstrap.start_scn if dirty else -1
+                if start >= 0:
                     upto = resume.window_scn if resume.mode is Mode.CATCHUP else None
-                    await self._check_history(url, held, since, upto)
+                    await self._check_history(url, start, since, upto)
+            elif resume is None and held is not None:
+                await self._check_history(url, held[0], held[1], None)
             if dirty and since < 0:
                 since = max((await self._status(url)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)
@@ -362,7 +384,13 @@ class Bootstrapper:
                 after, last_ts, online = raw.scn, raw.timestamp_ns, raw.scn >= target
                 self._failover.succeeded()
                 self.catchup_scn = after
-            last = int(headers.get("X-Changebus-Last-Scn", after))
+            text = headers.get("X-Changebus-Last-Scn", str(after))
+            if not text.lstrip("-").isdigit():
+                raise ProtocolError(
+                    f"a catch-up page with a bad X-Changebus-Last-Scn header {text[:40]!r}",
+                    retriable=True,
+                )
+            last = int(text)
             if headers.get("X-Changebus-Complete") == "1" or last >= target:
                 break
             if not raws:

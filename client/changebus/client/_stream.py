@@ -408,7 +408,14 @@ class RelayStream:
                 self.learn_partition(resp.headers.get("X-Changebus-Partition"))
                 if self._latest and (resp.status == 204 or follow):
                     # the relay's start position: windows after it are "from now on"
-                    self.seek(int(resp.headers.get("X-Changebus-Next-Scn", "-1")))
+                    start = resp.headers.get("X-Changebus-Next-Scn", "")
+                    if not start.lstrip("-").isdigit():  # (else -1: the whole buffer)
+                        raise ProtocolError(
+                            f"{where}: an answer from latest without a valid"
+                            " X-Changebus-Next-Scn header",
+                            retriable=True,
+                        )
+                    self.seek(int(start))
                 if resp.status == 204:
                     return
                 if self.config.follow and not self._whole_window:
@@ -436,9 +443,15 @@ class RelayStream:
     async def _read_whole(self, resp: aiohttp.ClientResponse, url: str, sink: StreamSink) -> None:
         # raises when the body ends early (nothing is used) or passes the bound
         body = await read_body(resp, self.config.max_window_bytes, self._where[url])
-        for raw in self._assembler.feed(body):
+        windows = self._assembler.feed(body)
+        self._check_count(resp, url)
+        for raw in windows:
             await self._hand(raw, url, sink)
         if self._assembler.in_window:
+            if self._latest:
+                # "from now on" starts with this window: after a failure, ask for it
+                # again by position (from=latest would then start after it; review)
+                self._position, self._latest = self._assembler.pending_scn - 1, False
             try:
                 self._continue = (
                     int(resp.headers["X-Changebus-Next-Scn"]),
@@ -454,6 +467,25 @@ class RelayStream:
             self._continue_url = url
         else:
             self._continue = None
+
+    def _check_count(self, resp: aiohttp.ClientResponse, url: str) -> None:
+        """Refuse (retriably, before any of it is used) a body that holds other than the
+        events its ``X-Changebus-Events`` header counts -- a proxy that cut it at an
+        event boundary: the rest of a window would be skipped at ``Next-Offset`` -- or
+        a part of a window without any event (asking for the same part would never
+        end). Found by review."""
+        said = resp.headers.get("X-Changebus-Events", "")
+        got = self._assembler.fed_events
+        if said.isdigit() and int(said) != got:
+            raise ProtocolError(
+                f"{self._where[url]}: the answer holds {got} events, its header says {said}"
+                " (cut on the way?)",
+                retriable=True,
+            )
+        if got == 0 and resp.headers.get("X-Changebus-Partial") == "1":
+            raise ProtocolError(
+                f"{self._where[url]}: a part of a window without events", retriable=True
+            )
 
     async def _hand(self, raw: RawWindow, url: str, sink: StreamSink) -> None:
         try:

@@ -212,9 +212,13 @@ def select_events(
             continue
         if windows:
             break
-        # the first window alone exceeds the limit: send a part of it
+        # the first window alone exceeds the limit: send a part of it, with at least one
+        # event the request keeps (the events before it may all be filtered out: an
+        # answer with none made a consumer ask for the same part again, for ever)
         over = np.flatnonzero(cum > budget)
         cut = max(int(over[0]) if over.size else len(ops), 1)
+        if over.size and not keep[:cut].any():
+            cut = int(over[0]) + 1
         pos_parts.append(rec["pos"][:cut][keep[:cut]])
         len_parts.append(rec["length"][:cut][keep[:cut]])
         used += int(cum[cut - 1])

@@ -1,0 +1,159 @@
+"""The consumer's long-poll reads against answers that once made it loop, skip or lose.
+
+Found by review, each with a relay (scripted or synthetic) and, where an
+answer must be bent, an aiohttp proxy in front of it:
+
+* a window holding an event of another source, then one of ours larger than
+  ``max_bytes``: the relay answered a part with no event, and the consumer
+  asked for the same part again, for ever (no error, no backoff);
+* a part of a window cut by a proxy at an event boundary: the consumer kept
+  the events it got and went on at the relay's next offset, the rest lost;
+* ``start="latest"``: the first window's continuation failed once, and the
+  consumer asked "from latest" again, which starts after that window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from changebus.client import Consumer, ConsumerConfig
+from changebus.schemas import Column, Op, TableSchema, scan_offsets
+
+A = TableSchema("app.a", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1)
+B = TableSchema("app.b", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1)
+FAST: dict[str, Any] = {
+    "wait_s": 0.3,
+    "backoff_initial_s": 0.01,
+    "backoff_max_s": 0.05,
+    "follow": False,
+}
+
+
+async def _read(
+    cfg: ConsumerConfig, until: int, seconds: float = 10
+) -> list[tuple[int, list[Any]]]:
+    got: list[tuple[int, list[Any]]] = []
+    async with Consumer(cfg) as c:
+        async with asyncio.timeout(seconds):
+            async for w in c:
+                got.append((w.scn, [e.key["id"] for e in w.events]))
+                if w.scn >= until:
+                    break
+    return got
+
+
+async def test_a_big_event_after_filtered_ones_is_read(
+    scripted_relay: Any, window_type: Any
+) -> None:
+    big = "x" * 3000
+    script = [
+        window_type(
+            10, rows=[(A, 1, Op.INSERT, {"id": 1, "v": "a"}, None)], announce=[(1, A), (2, B)]
+        ),
+        window_type(
+            20,
+            rows=[
+                (A, 1, Op.INSERT, {"id": 2, "v": "a"}, None),
+                (B, 2, Op.INSERT, {"id": 3, "v": big}, None),
+            ],
+        ),
+        window_type(30, rows=[(B, 2, Op.INSERT, {"id": 4, "v": "b"}, None)]),
+    ]
+    async with scripted_relay(script) as relay:
+        cfg = ConsumerConfig(
+            relays=(relay.url,), partition="syn", sources=("app.b",), max_bytes=1000, **FAST
+        )
+        got = await _read(cfg, 30)
+    assert got == [(10, []), (20, [3]), (30, [4])]
+
+
+@asynccontextmanager
+async def _proxy(upstream: str, bend: Any) -> AsyncIterator[str]:
+    """An HTTP proxy to ``upstream``; ``bend(request, status, headers, body)`` may return
+    a response of its own (None: pass the relay's on, changebus headers and body)."""
+    async with aiohttp.ClientSession() as http:
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            async with http.get(upstream + request.path_qs) as r:
+                body = await r.read()
+                headers = {k: v for k, v in r.headers.items() if k.startswith("X-Changebus")}
+                status = r.status
+            bent = bend(request, status, headers, body)
+            if bent is not None:
+                return bent  # type: ignore[no-any-return]
+            return web.Response(
+                status=status, body=body if status != 204 else None, headers=headers
+            )
+
+        app = web.Application()
+        app.router.add_get("/{path:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_part_of_a_window_cut_on_the_way_is_refused_and_read_again(
+    scripted_relay: Any, window_type: Any
+) -> None:
+    rows = [(A, 1, Op.INSERT, {"id": i, "v": "x" * 200}, None) for i in range(40)]
+    script = [
+        window_type(10, rows=rows, announce=[(1, A)]),
+        window_type(20, rows=[(A, 1, Op.INSERT, {"id": 999, "v": "z"}, None)]),
+    ]
+    cut: list[int] = []
+
+    def halve(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+        if headers.get("X-Changebus-Partial") != "1" or cut:
+            return None
+        offsets = scan_offsets(body).tolist()
+        cut.append(len(offsets))
+        return web.Response(status=status, body=body[: offsets[len(offsets) // 2]], headers=headers)
+
+    async with scripted_relay(script) as relay, _proxy(relay.url, halve) as url:
+        cfg = ConsumerConfig(relays=(url,), partition="syn", max_bytes=3000, **FAST)
+        got = await _read(cfg, 20)
+    assert cut, "the proxy cut no answer"
+    assert got == [(10, list(range(40))), (20, [999])]
+
+
+async def test_latest_keeps_its_first_window_when_its_continuation_fails(make_relay: Any) -> None:
+    failed: list[int] = []
+
+    def fail_once(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+        if request.query.get("offset", "-1") != "-1" and not failed:
+            failed.append(int(request.query["scn"]))
+            return web.json_response(
+                {"error": "overloaded", "message": "busy", "retriable": True}, status=503
+            )
+        return None
+
+    async with make_relay(
+        wait=False, windows_per_s=4, max_windows=400, events_per_window=4, row_bytes=1500
+    ) as relay:
+        host = relay.hosts["syn"]
+        while host.buffer.meta.windows < 2:
+            await asyncio.sleep(0.05)
+        async with _proxy(relay.url, fail_once) as url:
+            cfg = ConsumerConfig(
+                relays=(url,), partition="syn", max_bytes=3000, start="latest", **FAST
+            )
+            got: list[int] = []
+            async with Consumer(cfg) as c, asyncio.timeout(15):
+                async for w in c:
+                    got.append(w.scn)
+                    if len(got) == 3:
+                        break
+    assert failed and got[0] == failed[0]  # the window whose continuation failed
+    assert got == sorted(got) and len(set(got)) == 3
