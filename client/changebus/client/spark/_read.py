@@ -33,19 +33,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
-from changebus.schemas import TableSchema
+from changebus.schemas import Op, TableSchema
 
 from .._config import ConsumerConfig
 from .._consumer import Consumer
 from .._errors import DataLossDetectedError, FellOffRelayError
-from .._model import Window
+from .._model import ChangeOp, RawEvents, Window
 from ._arrow import BatchBuilder
 from ._columns import ArrowDecoder
 from ._options import SourceOptions
+
+#: the op of a TRUNCATE event header
+_TRUNCATE = int(Op.TRUNCATE)
 
 __all__ = ["RangeSpec", "read_range"]
 
@@ -68,6 +71,9 @@ class RangeSpec:
     #: bootstrap when the relays evicted its start (a snapshot is of every row changed
     #: since, up to now: each sub-range's would repeat the others' rows)
     may_bootstrap: bool = True
+    #: False for all but the first of the key slices of a range (``splitBy=key``): a
+    #: TRUNCATE passes every key filter, and each slice's task made it a row (review)
+    truncates: bool = True
 
 
 def read_range(
@@ -134,6 +140,20 @@ def _config(
     )
 
 
+def _no_truncate(window: Window) -> Window:
+    """``window`` without its TRUNCATE events (a key slice other than the first)."""
+    raw = window.raw_events
+    if raw is not None:
+        keep = raw.headers["op"] != _TRUNCATE
+        if bool(keep.all()):
+            return window
+        events = RawEvents(raw.body, raw.offsets[keep], raw.headers[keep], raw.decoders)
+        return replace(window, raw_events=events)
+    if not any(e.op is ChangeOp.TRUNCATE for e in window.events):
+        return window
+    return replace(window, events=tuple(e for e in window.events if e.op is not ChangeOp.TRUNCATE))
+
+
 def _check_loss(opts: SourceOptions, spec: RangeSpec, window: Window) -> None:
     if window.data_loss is None:
         return
@@ -186,7 +206,7 @@ async def _read(
                                 break
                             position = window.scn
                             _check_loss(opts, spec, window)
-                            builder.add_window(window)
+                            builder.add_window(window if spec.truncates else _no_truncate(window))
                     if builder.rows >= opts.arrow_batch_rows:
                         yield builder.flush()
         except TimeoutError:

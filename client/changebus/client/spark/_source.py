@@ -299,7 +299,11 @@ def _range_partitions(
                 for a, b in ranges
             )
         else:
-            out.extend(ScnRangePartition(RangeSpec(name, since, until, f)) for f in filters)
+            # (a TRUNCATE passes every key filter: the first slice alone keeps it)
+            out.extend(
+                ScnRangePartition(RangeSpec(name, since, until, f, truncates=i == 0))
+                for i, f in enumerate(filters)
+            )
     return out
 
 
@@ -347,6 +351,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
     def __init__(self, opts: SourceOptions, schema: StructType) -> None:
         super().__init__(opts, schema)
         self._initial: dict[str, int] | None = None
+        #: the first batch of a new query ends where it starts (see :meth:`initialOffset`)
+        self._hold_first = False
         self._target: dict[str, int] | None = None
         #: time.monotonic() of the last trigger minRowsPerTrigger did not skip
         self._last_trigger = -math.inf
@@ -359,9 +365,22 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         return run_sync(partition_bounds(self.opts))
 
     def initialOffset(self) -> dict[str, int]:
-        """Where a new query starts (``startingScn``), resolved once to concrete SCNs."""
+        """Where a new query starts (``startingScn``), resolved once to concrete SCNs.
+
+        Spark logs only the ends of batches: a replay of the first batch (it
+        failed before its commit) asks for this again, in a new reader, and
+        ``latest``, ``earliest`` (without a bootstrap server) or a start time
+        resolve elsewhere then: rows were lost (found by review). So when the
+        start may move, the first batch ends where it starts (it is empty, and
+        its end is logged): every batch with rows starts at a logged end.
+        """
         if self._initial is None:
             self._initial = _resolve(self.opts, self.opts.starting, self._bounds(), "startingScn")
+            starting = self.opts.starting
+            self._hold_first = isinstance(starting, AtTime) or (
+                starting in ("latest", "earliest")
+                and not (starting == "earliest" and self.opts.bootstrap)
+            )
             log.info("changebus stream starts after %s", self._initial)
         return dict(self._initial)
 
@@ -410,6 +429,10 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         return run_sync(self._latest(start, limit))
 
     async def _latest(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        if self._hold_first:
+            self._hold_first = False
+            if self._initial is not None and _offsets_key(start) == _offsets_key(self._initial):
+                return {str(k): int(v) for k, v in start.items()}  # (initialOffset)
         max_rows, max_bytes, min_rows = self._limits(limit)
         bounds = await partition_bounds(self.opts)
         self._planned = (_offsets_key(start), bounds)
@@ -421,6 +444,14 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 # a partition that appeared after the query started: it enters the
                 # offsets at its oldest position and is read from the next batch on
                 end[name] = b.prev_scn
+                if b.evicted:  # (not silently: what came before is not read)
+                    log.warning(
+                        "changebus partition %s appeared after the query started; it is "
+                        "read from SCN %d on, its relay's oldest position: the windows it "
+                        "evicted before are not read",
+                        name,
+                        b.prev_scn,
+                    )
                 continue
             since = int(start[name])
             head = b.max_scn
