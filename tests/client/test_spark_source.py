@@ -418,6 +418,50 @@ def test_relays_from_a_zookeeper_cluster(
 
 
 @pytest.mark.zk
+def test_stream_sub_ranges_take_the_clusters_relays_of_each_plan(
+    scripted: Any,  # noqa: F811
+    zk_hosts: str,
+    zk_cluster: str,
+) -> None:
+    """SCN sub-ranges do not follow the cluster's table themselves: they read the relays
+    resolved when the query started, so once those were all replaced every task failed
+    while the driver planned on (found by review). Each plan now gives them the table's
+    relays as they are then. (No Spark needed: the reader plans as the driver would.)"""
+    from kazoo.client import KazooClient
+
+    from changebus.client.spark._relay import partition_bounds, resolve_cluster, run_sync
+    from changebus.client.spark._source import ChangebusDataSource
+    from changebus.cluster import MemberInfo, PartitionState, member_path
+    from changebus.cluster._layout import encode_member
+
+    relay, _ = scripted(8, seed=13)
+    zk = KazooClient(hosts=zk_hosts)
+    zk.start(timeout=15)
+    try:
+        path = member_path(zk_cluster, "r1")
+        info = MemberInfo("r1", "relay", relay.url, {"syn": PartitionState("leader", 1, 0, 0)})
+        zk.create(path, encode_member(info), ephemeral=True, makepath=True)
+        source = ChangebusDataSource(
+            {"zookeeper": zk_hosts, "cluster": zk_cluster, "numPartitions": "2"}
+        )
+        reader: Any = source.streamReader(source.schema())
+        assert reader.opts.relays == (relay.url,)
+        moved = MemberInfo("r1", "relay", "http://127.0.0.1:9", info.partitions)
+        zk.set(path, encode_member(moved))  # (the relay's new address)
+        deadline = time.monotonic() + 15  # (until the routing table says so)
+        while run_sync(resolve_cluster(reader.opts)).relays[0] != "http://127.0.0.1:9":
+            assert time.monotonic() < deadline, "the routing table kept the old address"
+            time.sleep(0.2)
+        b = run_sync(partition_bounds(reader.opts))["syn"]
+        parts = reader.partitions({"syn": b.prev_scn}, {"syn": b.max_scn})
+    finally:
+        zk.stop()
+        zk.close()
+    assert len(parts) == 2 and all(not p.spec.may_bootstrap for p in parts)
+    assert {p.spec.relays for p in parts} == {("http://127.0.0.1:9", relay.url)}
+
+
+@pytest.mark.zk
 def test_a_cluster_whose_relays_serve_different_partitions(
     spark: Any, tmp_path: Path, zk_hosts: str, zk_cluster: str
 ) -> None:

@@ -74,6 +74,9 @@ class RangeSpec:
     #: False for all but the first of the key slices of a range (``splitBy=key``): a
     #: TRUNCATE passes every key filter, and each slice's task made it a row (review)
     truncates: bool = True
+    #: the relays to read from (empty: the options'); a streaming query sets them at each
+    #: plan for the SCN sub-ranges that do not follow a cluster's table themselves
+    relays: tuple[str, ...] = ()
 
 
 def read_range(
@@ -109,7 +112,7 @@ def _config(
     # consumer following the cluster's table takes its bootstrap servers from there
     routed = spec.may_bootstrap or not opts.relays
     return ConsumerConfig(
-        relays=opts.relays,
+        relays=spec.relays or opts.relays,
         partition=spec.partition,
         sources=opts.sources,
         filter=spec.key_filter,

@@ -52,6 +52,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -581,7 +582,13 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 ends = {str(n): int(e) for n, e in end.items()}
                 run_sync(self._guard.check(start, ends, whole))
         cuts = _split_points(self.opts, start, end, whole)
-        return _range_partitions(self.opts, start, end, whole, cuts)
+        parts = _range_partitions(self.opts, start, end, whole, cuts)
+        if self.opts.zookeeper and any(not p.spec.may_bootstrap for p in parts):
+            # SCN sub-ranges do not follow the cluster's table (see RangeSpec.relays): they
+            # get its relays as they are now, not as they were when the query started
+            relays = run_sync(resolve_cluster(self.opts)).relays
+            parts = [ScnRangePartition(replace(p.spec, relays=relays)) for p in parts]
+        return parts
 
     def commit(self, end: dict[str, Any]) -> None:
         """Spark finished everything up to ``end`` (its checkpoint is the record; nothing to do)."""
