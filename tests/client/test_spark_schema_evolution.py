@@ -538,6 +538,8 @@ async def test_a_range_evicted_while_a_limited_batch_is_planned_goes_to_the_boot
         monkeypatch.setattr(_source, "partition_bounds", bounds_after)
         monkeypatch.setattr(_source, "bootstrap_target", target)
 
+        from changebus.client.spark import ScnRangePartition
+
         def plan() -> None:
             opts = SourceOptions.parse(
                 {"relays": relay.url, "sources": "s.t", "bootstrapUrl": "http://127.0.0.1:9"}
@@ -549,7 +551,7 @@ async def test_a_range_evicted_while_a_limited_batch_is_planned_goes_to_the_boot
             assert end == {"syn": 50} and scans == [20]
             (part,) = reader.partitions({"syn": 20}, end)  # one task: it may bootstrap
             assert (
-                isinstance(part, _source.ScnRangePartition)
+                isinstance(part, ScnRangePartition)
                 and part.spec.may_bootstrap
                 and (part.spec.since, part.spec.until) == (20, 50)
             )

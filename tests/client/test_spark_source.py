@@ -595,8 +595,9 @@ def test_key_slices_give_a_truncate_once(tmp_path: Path, window_type: Any) -> No
 
     from changebus.client.spark._evolution import query_tables
     from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._plan import _range_partitions
     from changebus.client.spark._read import read_range
-    from changebus.client.spark._source import _range_partitions, source_schema
+    from changebus.client.spark._source import source_schema
     from changebus.schemas import Op
 
     row = {"qty": 1, "note": None, "price": None}

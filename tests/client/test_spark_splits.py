@@ -12,7 +12,7 @@ import pytest
 from spark_source_support import relay_config, wait_finished
 
 from changebus.client.spark._options import SourceOptions
-from changebus.client.spark._source import _range_partitions, _split_points
+from changebus.client.spark._plan import _range_partitions, _split_points
 from fix_spark import RelayThread
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]

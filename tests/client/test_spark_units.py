@@ -448,8 +448,8 @@ def test_discovery_shim_is_found_the_way_spark_looks() -> None:
 
 
 def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
+    from changebus.client.spark._plan import _needs_bootstrap, _range_partitions, _resolve
     from changebus.client.spark._relay import PartitionBounds
-    from changebus.client.spark._source import _needs_bootstrap, _range_partitions, _resolve
 
     bounds = {
         "a": PartitionBounds("a", 50, 90, 40, 0),

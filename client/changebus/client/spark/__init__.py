@@ -46,11 +46,11 @@ from ._columns import ArrowDecoder as ArrowDecoder, arrow_batches as arrow_batch
 from ._evolution import schema_change_of as schema_change_of
 from ._mirror import ParquetMirror as ParquetMirror
 from ._options import OPTION_NAMES as OPTION_NAMES, SourceOptions as SourceOptions
+from ._plan import ScnRangePartition as ScnRangePartition
 from ._source import (
     ChangebusBatchReader as ChangebusBatchReader,
     ChangebusDataSource as ChangebusDataSource,
     ChangebusStreamReader as ChangebusStreamReader,
-    ScnRangePartition as ScnRangePartition,
     source_schema as source_schema,
 )
 

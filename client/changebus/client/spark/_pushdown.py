@@ -51,16 +51,10 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
 )
 
+from ._plan import ScnRangePartition, _needs_bootstrap, _range_partitions, _resolve, _split_points
 from ._read import RangeSpec
 from ._relay import partition_bounds, run_sync
-from ._source import (
-    ChangebusBatchReader,
-    ScnRangePartition,
-    _needs_bootstrap,
-    _range_partitions,
-    _resolve,
-    _split_points,
-)
+from ._source import ChangebusBatchReader
 
 __all__ = ["MAX_SCN_RANGES", "PushdownBatchReader", "Pushed", "pushdown_planning", "split_filters"]
 
