@@ -66,15 +66,19 @@ class SnapshotFold(StoreDb):
         if st.applier_scn >= st.producer_scn:
             return st
         # the SCN up to which to apply: the window holding the max_events-th row
+        # (windows are appended in SCN order, so the rows past ``applier_id`` are those
+        # past ``applier_scn``: bounding by SCN lets the (part, scn, id) index find
+        # them, where ``id > ?`` alone read the partition's whole log on every step)
         row = self._one(
-            "SELECT scn FROM cb_log WHERE part = {p} AND id > {p} ORDER BY id LIMIT 1 OFFSET {p}",
-            (part, st.applier_id, max_events - 1),
+            "SELECT scn FROM cb_log WHERE part = {p} AND scn > {p} AND id > {p} "
+            "ORDER BY scn, id LIMIT 1 OFFSET {p}",
+            (part, st.applier_scn, st.applier_id, max_events - 1),
         )
         upto = st.producer_scn if row is None else min(int(row[0]), st.producer_scn)
         rows = self._all(
-            "SELECT id, source_id, op, scn, event FROM cb_log WHERE part = {p} AND id > {p} "
-            "AND scn <= {p} ORDER BY id",
-            (part, st.applier_id, upto),
+            "SELECT id, source_id, op, scn, event FROM cb_log WHERE part = {p} AND scn > {p} "
+            "AND id > {p} AND scn <= {p} ORDER BY scn, id",
+            (part, st.applier_scn, st.applier_id, upto),
         )
         if not rows:
             return st
@@ -220,7 +224,9 @@ class SnapshotFold(StoreDb):
 
     def _truncate(self, part: str, source_id: int, scn: int, event: bytes) -> None:
         self._conn.execute(
-            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p} AND scn <= {p}"),
+            # (``+scn``: not by the (part, scn) index, which made SQLite visit every
+            # row of the partition older than the TRUNCATE, but by (part, source_id, id))
+            self._sql("DELETE FROM cb_snap WHERE part = {p} AND source_id = {p} AND +scn <= {p}"),
             (part, source_id, scn),
         )
         self._conn.execute(

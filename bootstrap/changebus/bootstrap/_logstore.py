@@ -21,9 +21,11 @@ from changebus.schemas import Op, ProtocolError, parse_stream
 
 from ._db import PartitionState, StoreDb
 
-__all__ = ["LogStore"]
+__all__ = ["LAG_COUNT_MAX", "LogStore"]
 
 _EOW = int(Op.END_OF_WINDOW)
+#: :meth:`LogStore.unapplied_events` counts at most this many events, and one more
+LAG_COUNT_MAX = 1_000_000
 
 
 class LogStore(StoreDb):
@@ -72,17 +74,24 @@ class LogStore(StoreDb):
         return new_scn
 
     def unapplied_events(self, part: str) -> int:
-        """Log events the applier has not folded in yet (the applier's lag)."""
+        """Log events the applier has not folded in yet (the applier's lag).
+
+        Counted up to :data:`LAG_COUNT_MAX` + 1 (a larger lag reads as that):
+        the applier counts after every step, and counting costs as much as
+        the lag is long.
+        """
         st = self.state(part)
         row = self._one(
-            "SELECT count(*) FROM cb_log WHERE part = {p} AND id > {p}", (part, st.applier_id)
+            "SELECT count(*) FROM (SELECT 1 FROM cb_log WHERE part = {p} AND scn > {p} "
+            "LIMIT {p}) AS lag",
+            (part, st.applier_scn, LAG_COUNT_MAX + 1),
         )
         return int(row[0])
 
     def prune_to(self, part: str, keep_events: int) -> int:
         """Prune applied windows so that about ``keep_events`` log events remain."""
         row = self._one(
-            "SELECT scn FROM cb_log WHERE part = {p} ORDER BY id DESC LIMIT 1 OFFSET {p}",
+            "SELECT scn FROM cb_log WHERE part = {p} ORDER BY scn DESC, id DESC LIMIT 1 OFFSET {p}",
             (part, keep_events),
         )
         if row is None:

@@ -202,8 +202,11 @@ class Pages(StoreDb):
             want = _rows_to_fetch(batch_rows, max_bytes, size, (events, size))
             rows = self._all(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
-                "(scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} ORDER BY scn, id LIMIT {p}",
-                (part, cursor_scn, cursor_scn, cursor_id, target_scn, want),
+                # (``scn >= cursor``, implied by the OR, is what lets the index start at
+                # the cursor: without it every page read the log from its beginning)
+                "scn >= {p} AND (scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} "
+                "ORDER BY scn, id LIMIT {p}",
+                (part, cursor_scn, cursor_scn, cursor_scn, cursor_id, target_scn, want),
             )
             for rid, scn, op, event in rows:
                 cursor_scn, cursor_id = int(scn), int(rid)

@@ -1,0 +1,126 @@
+"""The store's per-step work does not grow with the log or the snapshot behind it.
+
+Each hot query of the SQLite store (an applier step, the lag count, a
+catch-up page near the end of the log, folding a TRUNCATE of a small table)
+is run twice: on a store with a short history and on one with a hundred
+times more rows already applied. The work is counted in SQLite virtual
+machine instructions (a progress handler), not timed: a query that reads
+the whole log or partition (an index used for the partition only, then a
+sort; a range that starts at the log's beginning) does a hundred times more
+in the big store, while a bounded one does about the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from changebus.bootstrap._store import Store
+from changebus.schemas import (
+    Column,
+    EndOfWindow,
+    Op,
+    RowEncoder,
+    SchemaRegistry,
+    TableSchema,
+    encode_control,
+)
+
+_REG = SchemaRegistry()
+_BIG, _SMALL = (
+    _REG.register(
+        TableSchema(name, (Column("id", "long", nullable=False), Column("v", "string")), ("id",))
+    )
+    for name in ("public.big", "public.small")
+)
+_ENC = {
+    t.name: RowEncoder(t, source_id=_REG.source_id(t.name), partition=1) for t in (_BIG, _SMALL)
+}
+
+
+def _window(scn: int, table: str, op: Op, key: int) -> bytes:
+    enc = _ENC[table]
+    row = None if op == Op.TRUNCATE else {"id": key, "v": f"value {key}"}
+    return enc.encode(op, scn, 0, scn * 10, row) + encode_control(EndOfWindow(1, ""), scn, 1, scn)
+
+
+def _store(path: Path, history: int) -> tuple[Store, int]:
+    """A store whose applier has folded ``history`` windows (one row each) of ``big``,
+    plus five rows of ``small``; returns it and its last SCN."""
+    s = Store.sqlite(path)
+    scn = 100
+    for first in range(0, history, 2000):
+        batch = []
+        for key in range(first, min(first + 2000, history)):
+            scn += 1
+            batch.append(_window(scn, _BIG.name, Op.INSERT, key))
+        s.append("p", b"".join(batch), start_scn=100)
+    for key in range(5):
+        scn += 1
+        s.append("p", _window(scn, _SMALL.name, Op.INSERT, key))
+    while s.state("p").applier_scn < scn:
+        s.apply("p", 50_000)
+    return s, scn
+
+
+def _work(s: Store, fn: Callable[[], Any]) -> int:
+    """SQLite VM instructions ``fn`` runs (counted in steps of 100)."""
+    steps = [0]
+
+    def tick() -> int:
+        steps[0] += 1
+        return 0
+
+    s._conn.set_progress_handler(tick, 100)
+    try:
+        fn()
+    finally:
+        s._conn.set_progress_handler(None, 0)
+    return steps[0] * 100
+
+
+def _hot_work(s: Store, scn: int) -> dict[str, int]:
+    """The work of each hot operation on ``s`` (whose last SCN is ``scn``)."""
+    new = b"".join(_window(scn + 1 + i, _BIG.name, Op.UPDATE, i) for i in range(20))
+    s.append("p", new)
+    work = {"lag": _work(s, lambda: s.unapplied_events("p"))}
+    work["catch-up page"] = _work(
+        s, lambda: s.catchup_page("p", after_scn=scn + 5, target_scn=scn + 20, max_bytes=1 << 20)
+    )
+    work["applier step"] = _work(s, lambda: s.apply("p", 50))
+    s.append("p", _window(scn + 21, _SMALL.name, Op.TRUNCATE, 0))
+    work["truncate"] = _work(s, lambda: s.apply("p", 50))
+    assert s.state("p").applier_scn == scn + 21
+    return work
+
+
+def test_hot_queries_do_not_read_the_history(tmp_path: Path) -> None:
+    small, small_scn = _store(tmp_path / "small.db", 200)
+    big, big_scn = _store(tmp_path / "big.db", 20_000)
+    try:
+        assert big.unapplied_events("p") == 0
+        few, many = _hot_work(small, small_scn), _hot_work(big, big_scn)
+        # the same results: the big store's TRUNCATE kept every row of the other table
+        assert big._one("SELECT count(*) FROM cb_snap WHERE part = 'p'")[0] == 20_000
+        for what, n in few.items():
+            assert many[what] < 3 * n + 2000, f"{what}: {many[what]} VM steps against {n}"
+    finally:
+        small.close()
+        big.close()
+
+
+def test_the_lag_count_stops_at_its_bound(tmp_path: Path, monkeypatch: Any) -> None:
+    from changebus.bootstrap import _logstore
+
+    monkeypatch.setattr(_logstore, "LAG_COUNT_MAX", 7)
+    s = Store.sqlite(tmp_path / "b.db")
+    try:
+        s.append("p", b"".join(_window(101 + i, _BIG.name, Op.INSERT, i) for i in range(3)))
+        assert s.unapplied_events("p") == 6  # (each window: a row and its END_OF_WINDOW)
+        s.append("p", b"".join(_window(104 + i, _BIG.name, Op.INSERT, i) for i in range(3)))
+        assert s.unapplied_events("p") == 8
+        s.apply("p", 8)  # (four windows of the six)
+        assert s.unapplied_events("p") == 4
+    finally:
+        s.close()
