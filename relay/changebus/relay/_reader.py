@@ -116,10 +116,11 @@ def locate(
     if window_scn > m.last_scn or (window_scn == m.last_scn and complete):
         return m.tail_event, m.tail_event
     # binary search in the SCN index, then a short scan of the event table
+    # (bisected in place: the range is a whole transaction when the window is big, and
+    # numpy.searchsorted copies the strided SCN field first)
     lo, hi = scn_range(index, m, window_scn)
-    scns = events.get(lo, hi, "scn")
-    first_at = lo + int(np.searchsorted(scns, window_scn, side="left"))
-    after = lo + int(np.searchsorted(scns, window_scn, side="right"))
+    first_at = events.searchsorted(lo, hi, "scn", window_scn, "left")
+    after = events.searchsorted(first_at, hi, "scn", window_scn, "right")
     if complete:
         return after, after
     if first_at == after:
