@@ -89,7 +89,9 @@ def test_resuming_inside_a_big_window_reads_in_place(tmp_path: Path) -> None:
         n = 200_000
         body = [encode_event(Op.INSERT, 7, i, 7000, b"k", b"") for i in range(n)]
         buf.append_window(b"".join([*body, encode_control(EndOfWindow(n, ""), 7, n, 7000)]))
-        buf.release(buf.select(7, 150_000, 4096))  # (warm: numpy's first calls allocate)
+        warm = buf.select(7, 150_000, 4096)  # (numpy's first calls allocate)
+        assert warm is not None
+        buf.release(warm)
         tracemalloc.start()
         try:
             sel = buf.select(7, 150_000, 4096)
