@@ -94,7 +94,7 @@ from ._meta import BufferMeta, MetaFile
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
-from ._syncer import Span, circular_spans
+from ._syncer import Span, circular_spans, msync_spans
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
 from ._writer import TS_OFFSET as _TS_OFFSET, BufferWriter
 
@@ -545,7 +545,14 @@ class EventBuffer(BufferWriter):
         return spans
 
     def flush(self) -> None:
-        """msync everything (clean shutdown, periodic durability)."""
+        """msync everything (clean shutdown, periodic durability).
+
+        Through libc's ``msync``, which lets go of the GIL while the kernel
+        writes (:func:`._syncer.msync_spans`); ``mmap.flush`` is the fallback
+        on other platforms.
+        """
+        if msync_spans(self.sync_spans(None, self._meta)):
+            return
         self._ring_map.flush()
         self._events.flush()
         self._index.flush()

@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from ._buffer import EventBuffer
     from ._meta import BufferMeta
 
-__all__ = ["GroupSyncer", "Span", "circular_spans"]
+__all__ = ["GroupSyncer", "Span", "circular_spans", "msync_spans"]
 
 log = logging.getLogger("changebus.relay.durability")
 
@@ -125,6 +125,24 @@ def _libc_msync() -> Any:
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     fn.restype = ctypes.c_int
     return fn
+
+
+def msync_spans(spans: list[Span]) -> bool:
+    """``msync(MS_SYNC)`` each span through libc, without the GIL; False: not on this platform.
+
+    ``mmap.flush`` holds the GIL for the whole sync: a flush of many dirty
+    MiB stops every other thread of the process meanwhile (the relay's
+    event loop included). Raises :class:`OSError` when a sync fails.
+    """
+    flag = _MS_SYNC.get(sys.platform)
+    if flag is None:
+        return False
+    fn = _libc_msync()
+    for name, address, length in spans:
+        if length and fn(address, length, flag) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"msync of {name}: {os.strerror(errno)}")
+    return True
 
 
 class GroupSyncer:
