@@ -287,6 +287,16 @@ class StoreDb:
         with self._txn():
             self._many(sql, [(part, *e) for e in entries])
 
+    def source_names(self, part: str) -> dict[str, int]:
+        """The partition's source names and ids (not their schemas' JSON, which a page
+        request or a sweep step would otherwise read whole)."""
+        return {
+            str(n): int(s)
+            for s, n in self._all(
+                "SELECT DISTINCT source_id, name FROM cb_schema WHERE part = {p}", (part,)
+            )
+        }
+
     def schemas(self, part: str) -> list[tuple[int, int, str, str]]:
         return [
             (int(s), int(v), str(n), str(j))

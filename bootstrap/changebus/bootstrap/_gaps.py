@@ -159,7 +159,7 @@ class SeedLedger(StoreDb):
         if gap_end is None or not self.gap_applied(part):
             return False
         with self._txn():
-            names = {n for _s, _v, n, _j in self.schemas(part)}
+            names = set(self.source_names(part))
             seeded = self.seeded(part)
             # (a seed stored as the gap came, from chunks read before it, does not count)
             if not all(seeded.get(n, -1) >= gap_end for n in names):
@@ -173,13 +173,13 @@ class SeedLedger(StoreDb):
     def _sweep(self, part: str, table: str, gap_end: int, seed_scn: int) -> None:
         """After a table's seed at ``seed_scn``: rows it did not rewrite that are older
         than the gap were deleted during the gap; they become tombstones at ``seed_scn``."""
-        sids = [s for s, _v, n, _j in self.schemas(part) if n == table]
-        if not sids:
+        sid = self.source_names(part).get(table)
+        if sid is None:
             return
         rows = self._all(
             "SELECT key, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
             "AND deleted = 0 AND scn <= {p} AND scn < {p}",
-            (part, sids[0], gap_end, seed_scn),
+            (part, sid, gap_end, seed_scn),
         )
         self._many(UPSERT_SNAP, self._tombstones(part, rows, seed_scn))
 
@@ -241,7 +241,7 @@ class SeedLedger(StoreDb):
         rows nobody changed since the log began); a table being seeded again counts as
         seeded: its earlier copy is still in the snapshot."""
         seeds = {str(n) for (n,) in self._all("SELECT name FROM cb_seed WHERE part = {p}", (part,))}
-        return sorted({n for _s, _v, n, _j in self.schemas(part)} - seeds)
+        return sorted(set(self.source_names(part)) - seeds)
 
     def forget_seed(self, part: str, tables: Sequence[str]) -> None:
         """Mark ``tables`` as not seeded (a re-seed copies them again).

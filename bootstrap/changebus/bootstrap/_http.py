@@ -151,8 +151,7 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
     if not text and principal.sources is None:
         return None
     wanted: set[str] | frozenset[str] = {s.strip() for s in (text or "").split(",") if s.strip()}
-    rows = await request.app[SERVICE].stores.read(lambda s: s.schemas(part))
-    ids = {name: sid for sid, _v, name, _j in rows}
+    ids = await request.app[SERVICE].stores.read(lambda s: s.source_names(part))
     granted = principal.restrict_sources(wanted if text else None, ids)
     if granted is not None:
         wanted = granted

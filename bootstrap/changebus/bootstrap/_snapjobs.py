@@ -294,5 +294,4 @@ class SnapshotJobs(SeedLedger):
             )
 
     def _source_id(self, part: str, table: str) -> int | None:
-        sids = [s for s, _v, n, _j in self.schemas(part) if n == table]
-        return sids[0] if sids else None
+        return self.source_names(part).get(table)
