@@ -266,6 +266,17 @@ async def test_relay_operator_metrics(tmp_path: Path) -> None:
         assert value(text, "changebus_relay_consumers_fell_off_total", partition="syn") == 1
         assert value(text, "changebus_relay_consumers_fell_off_total", partition="big") == 0
 
+        # the status table remembers as many consumers as may be connected at once;
+        # beyond, the least recently seen go, counted
+        assert syn.max_consumers == max(1000, cfg.http.max_connections)
+        assert value(text, "changebus_relay_consumers_forgotten_total", partition="syn") == 0
+        syn.max_consumers = len(syn.consumers) + 1
+        for client in ("e", "f", "g"):
+            assert await pull(relay.url, m.last_scn, client) in (200, 204)
+        text = await scrape(relay.url)
+        assert value(text, "changebus_relay_consumers_forgotten_total", partition="syn") == 2
+        assert {"e", "f", "g"} <= set(syn.consumers) and "a" not in syn.consumers
+
 
 def test_max_consumer_series_is_bounded() -> None:
     with pytest.raises(ConfigError, match="max_consumer_series"):

@@ -124,6 +124,9 @@ class Relay:
                     part = dataclasses.replace(part, fetcher=FetcherConfig())
                 part = with_upstream(part, cfg.upstream)
                 host = await _open_host(part, cfg.data_dir)
+                # (a consumer that polls holds at most one connection at a time: room for
+                # as many as may be connected, so /v1/status and the lag series see them all)
+                host.max_consumers = max(host.max_consumers, cfg.http.max_connections)
                 self.hosts[part.name] = host
                 await host.start()
             log.info("relay partitions: %s", ", ".join(self.hosts) or "(none)")

@@ -152,6 +152,10 @@ class PartitionHost(SourceAcks):
         #: what error texts must never show: the fetcher's secret option values
         self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
+        #: how many consumers :attr:`consumers` remembers (the daemon raises it to
+        #: ``http.max_connections``), and how many it forgot for want of room
+        self.max_consumers = MAX_CONSUMERS
+        self.consumers_forgotten = 0
         self.stats = {"windows_data_loss": 0, "fetcher_restarts": 0}
         #: data-loss windows by cause (``/metrics``): what this host recorded itself plus
         #: what its retired fetchers reported (see :func:`fetcher_losses`)
@@ -285,16 +289,17 @@ class PartitionHost(SourceAcks):
         """Note a consumer's request for ``/v1/status``.
 
         ``consumers`` is kept in least-recently-seen order (a consumer seen
-        again moves to the end) and holds at most :data:`MAX_CONSUMERS`
-        entries: beyond, the least recently seen is forgotten, so made-up
-        client ids cannot grow it (the HTTP layer cuts ids to
-        :data:`MAX_CLIENT_ID` characters).
+        again moves to the end) and holds at most :attr:`max_consumers`
+        entries: beyond, the least recently seen is forgotten (and counted in
+        :attr:`consumers_forgotten`), so made-up client ids cannot grow it
+        (the HTTP layer cuts ids to :data:`MAX_CLIENT_ID` characters).
         """
         consumers = self.consumers
         consumers.pop(client, None)
         consumers[client] = ConsumerSeen(scn, behind_bytes, time.monotonic(), peer)
-        if len(consumers) > MAX_CONSUMERS:
+        if len(consumers) > self.max_consumers:
             del consumers[next(iter(consumers))]
+            self.consumers_forgotten += 1
 
     # ---- ingest -------------------------------------------------------
 

@@ -166,6 +166,12 @@ class RelayMetrics:
         streamed_e = CounterMetricFamily(
             "changebus_relay_streamed_events", "Events sent to consumers", labels=["partition"]
         )
+        forgotten = CounterMetricFamily(
+            "changebus_relay_consumers_forgotten",
+            "Consumers dropped from the status table for want of room (more distinct "
+            "client ids than http.max_connections, at least 1,000)",
+            labels=["partition"],
+        )
         aborted = CounterMetricFamily(
             "changebus_relay_responses_aborted",
             "Responses cut off because the client read nothing for http.send_timeout_s",
@@ -175,9 +181,11 @@ class RelayMetrics:
             streamed_b.add_metric([name], float(self._streamed_bytes[name]))
             streamed_e.add_metric([name], float(self._streamed_events[name]))
             aborted.add_metric([name], float(self._aborted[name]))
+            forgotten.add_metric([name], float(self._hosts[name].consumers_forgotten))
         yield from gauges.values()
         yield from counters.values()
-        yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, leader, epoch)
+        yield from (ready, consumers, fetcher, streamed_b, streamed_e, aborted, forgotten)
+        yield from (leader, epoch)
         yield from (syncs, sync_seconds, synced_scn)
         yield from self._copy_families()
         yield from lag_families(self._hosts, self._config, self._ready, self._fell_off)
