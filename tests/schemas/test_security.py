@@ -133,6 +133,15 @@ def test_principal_grants() -> None:
     # nothing asked: the granted ones among those available
     assert p.restrict_sources(None, ["s.x", "s.z"]) == frozenset({"s.x"})
     assert p.restrict_sources(None, ["s.z"]) == frozenset()
+    # or a test of a name: asked of the granted names only (not of every source there is)
+    asked: list[str] = []
+
+    def known(name: str) -> bool:
+        asked.append(name)
+        return name in {"s.x", "s.z"}
+
+    assert p.restrict_sources(None, known) == frozenset({"s.x"})
+    assert sorted(asked) == sorted(p.sources or ())
     # asked within the grant: the request stands
     assert p.restrict_sources(["s.y"], ["s.x", "s.y"]) is None
     assert p.restrict_sources([], ["s.x"]) is None

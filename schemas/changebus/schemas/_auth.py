@@ -40,7 +40,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -119,7 +119,9 @@ class Principal:
         return self.sources is None or name in self.sources
 
     def restrict_sources(
-        self, requested: Collection[str] | None, available: Iterable[str]
+        self,
+        requested: Collection[str] | None,
+        available: Iterable[str] | Callable[[str], bool],
     ) -> frozenset[str] | None:
         """The source names a request must be limited to, or None when no limit is needed.
 
@@ -128,6 +130,8 @@ class Principal:
           granted, else None (the request is within the grant);
         * nothing requested, some sources granted: the granted ones among
           ``available`` (possibly empty: then only control events pass).
+          ``available`` may be the names, or a test of one name: then only
+          the grant is walked, not every source the partition has.
 
         So a ``sources=`` parameter, or a key filter applied on top of this,
         can narrow what a principal reads, never widen it.
@@ -141,6 +145,8 @@ class Principal:
                 shown = ", ".join(repr(s[:128]) for s in refused[:5])
                 raise ForbiddenError(f"principal {self.name!r} may not read source(s) {shown}")
             return None
+        if callable(available):
+            return frozenset(s for s in granted if available(s))
         return frozenset(s for s in available if s in granted)
 
 

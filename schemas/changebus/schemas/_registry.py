@@ -296,6 +296,11 @@ class SchemaRegistry:
             except KeyError:
                 raise UnknownSchemaError(f"no schema with fingerprint {fingerprint:016x}") from None
 
+    def has(self, name: str) -> bool:
+        """Whether a table named ``name`` is registered."""
+        with self._lock:
+            return name in self._ids
+
     def sources(self) -> list[tuple[int, str]]:
         """``(source_id, name)`` of every table, by source id."""
         with self._lock:
