@@ -96,9 +96,12 @@ async def test_status_remembers_a_bounded_number_of_clients(relay: Relay) -> Non
         async with http.get(f"{relay.url}/v1/status") as r:
             body = await r.read()
     consumers = json.loads(body)["partitions"][0]["consumers"]
-    assert len(host.consumers) == len(consumers) == 1000
+    # (as many as may be connected at once, at least 1,000; the oldest forgotten, counted)
+    assert host.max_consumers == max(1000, relay.config.http.max_connections)
+    assert len(host.consumers) == len(consumers) == host.max_consumers
+    assert host.consumers_forgotten == 5002 - host.max_consumers
     names = {c["client"] for c in consumers}
-    assert "client-0" in names and "client-4999" in names and "client-3999" not in names
+    assert "client-0" in names and "client-4999" in names and "client-3900" not in names
     assert all(len(name) <= 128 for name in host.consumers)
     assert len(body) < 400_000  # about 200 bytes per consumer, whatever the clients send
 
