@@ -132,3 +132,45 @@ async def test_windows_purged_while_readmit_waits_are_skipped() -> None:
     dispatcher, _positions = await _run(windows, cb, readmit, every=8, holder=holder)
     assert cb.started == [1, 2, 3, 4, 1, 3]
     assert [w.scn for w in dispatcher.replay] == [1, 3]
+
+
+class _CountingPositions(_Positions):
+    """Counts the checkpoints built (a consumer group's is every unit's position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built = 0
+        self.persisted = 0
+
+    @property
+    def current(self) -> Checkpoint:
+        self.built += 1
+        return Checkpoint()
+
+    @current.setter
+    def current(self, value: Checkpoint) -> None:
+        pass
+
+    async def persist(self) -> None:
+        self.persisted += 1
+
+
+class _Watching(AsyncCallbacks):
+    def __init__(self) -> None:
+        self.seen = 0
+
+    async def on_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.seen += 1
+
+
+async def test_a_checkpoint_is_built_only_for_an_on_checkpoint_that_looks_at_it() -> None:
+    config = ConsumerConfig(relays=("http://127.0.0.1:1",), checkpoint_every_windows=1)
+    for callbacks, built in ((AsyncCallbacks(), 0), (_Watching(), 5)):
+        positions = _CountingPositions()
+        windows = [_window(s, "p.0") for s in range(1, 6)]
+        with contextlib.suppress(QueueClosed):
+            await Dispatcher(callbacks, config, positions, _feeder(windows)).run()
+        assert positions.persisted == 5  # stored either way, once a window
+        assert positions.built == built
+        if isinstance(callbacks, _Watching):
+            assert callbacks.seen == 5

@@ -244,8 +244,9 @@ class _LoopRunner:
         return None
 
 
-def _inherited_noops(callbacks: AsyncCallbacks) -> frozenset[str]:
-    """The callbacks of ``callbacks`` that are :class:`AsyncCallbacks`'s own no-ops.
+def _inherited_noops(callbacks: Callbacks | AsyncCallbacks) -> frozenset[str]:
+    """The callbacks of ``callbacks`` that are its base class's own no-ops
+    (:class:`AsyncCallbacks` or :class:`Callbacks`).
 
     A method set on the instance, or overridden anywhere in its class's MRO,
     counts as the application's; ``on_data_loss`` (FATAL by default) is
@@ -262,10 +263,13 @@ def _inherited_noops(callbacks: AsyncCallbacks) -> frozenset[str]:
         "on_checkpoint",
         "on_rollback",
     )
+    base: type[Callbacks | AsyncCallbacks] = (
+        AsyncCallbacks if isinstance(callbacks, AsyncCallbacks) else Callbacks
+    )
     return frozenset(
         name
         for name in names
-        if name not in own and getattr(type(callbacks), name) is getattr(AsyncCallbacks, name)
+        if name not in own and getattr(type(callbacks), name) is getattr(base, name)
     )
 
 
@@ -338,6 +342,9 @@ class Dispatcher:
         )
         self._config = config
         self._position = position
+        #: ``on_checkpoint`` left as the base class has it: no checkpoint is built for it
+        #: (a consumer group's is every unit's position, rebuilt at each checkpoint)
+        self._checkpoint_unwatched = "on_checkpoint" in _inherited_noops(callbacks)
         self._next_window = next_window
         self._readmit = readmit
         self.replay: list[Window] = []
@@ -431,10 +438,12 @@ class Dispatcher:
             replaying = True
 
     async def _checkpoint(self) -> _Outcome:
-        checkpoint = self._position.current
-        outcome = await self._runner.run([("on_checkpoint", (checkpoint,))])
-        if not outcome.ok or outcome.result is CallbackResult.SKIP_CHECKPOINT:
-            return outcome
+        outcome = _OK
+        if not self._checkpoint_unwatched:
+            checkpoint = self._position.current
+            outcome = await self._runner.run([("on_checkpoint", (checkpoint,))])
+            if not outcome.ok or outcome.result is CallbackResult.SKIP_CHECKPOINT:
+                return outcome
         try:
             await self._position.persist()
         except Exception as exc:  # noqa: BLE001 - a failed store is recoverable: replay, store again
