@@ -129,6 +129,26 @@ async def test_a_table_keyed_by_all_its_columns_keeps_its_nulls(tmp_path: Path) 
         await replica.close()
     rows = sqlite_rows(db, 'SELECT a, t FROM "app_log"')
     assert sorted(rows, key=repr) == sorted([(1, "now"), (None, None)], key=repr)
+    # each change deletes its old row by key: through an index on the key columns, both
+    # for a value and for a NULL (a scan of the table per event before)
+    for where in ('"a" = 1 AND "t" IS NULL', '"a" IS NULL AND "t" = \'x\''):
+        plan = sqlite_rows(db, f'EXPLAIN QUERY PLAN DELETE FROM "app_log" WHERE {where}')
+        assert "USING COVERING INDEX cb_key_" in plan[0][3] or "USING INDEX cb_key_" in plan[0][3]
+
+
+async def test_a_replica_table_of_an_older_version_gets_its_key_index(tmp_path: Path) -> None:
+    db = tmp_path / "w.db"
+    conn = sqlite3.connect(db)
+    conn.execute('CREATE TABLE "app_log" ("a" INTEGER, "t" TEXT)')  # (as older versions made it)
+    conn.commit()
+    conn.close()
+    replica = SqliteReplica(db)
+    try:
+        await apply(replica, [whole(10, ChangeOp.INSERT, {"a": 1, "t": None})])
+    finally:
+        await replica.close()
+    indexes = sqlite_rows(db, "SELECT name FROM sqlite_master WHERE type = 'index'")
+    assert [n for (n,) in indexes if n.startswith("cb_key_")]
 
 
 @pytest.mark.pg
@@ -143,9 +163,14 @@ async def test_a_postgres_replica_of_a_table_keyed_by_all_its_columns(pg_dsn: st
     try:
         await apply(replica, windows)
         rows = await asyncio.to_thread(replica.query, 'SELECT a, t FROM "app"."log"')
+        indexes = await asyncio.to_thread(
+            replica.query,
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'app' AND tablename = 'log'",
+        )
     finally:
         await replica.close()
     assert [tuple(r) for r in rows] == [(1, "now")]
+    assert [d for (d,) in indexes if "cb_key_" in d and "(a, t)" in d]
 
 
 async def test_an_older_event_with_an_unsent_key_value_keeps_it(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,8 +88,6 @@ class Replica(RowStatements, AsyncCallbacks):
 
     #: the DB-API parameter placeholder of the dialect
     placeholder: ClassVar[str] = "?"
-    #: the NULL-safe equality of the dialect (for keys whose columns may be NULL)
-    null_safe_equal: ClassVar[str] = "IS NOT DISTINCT FROM"
 
     def __init__(
         self,
@@ -438,10 +437,26 @@ class Replica(RowStatements, AsyncCallbacks):
                 raise
             have = set(now)
         self._columns[table] = have
+        if schema.nullable_key:
+            self._key_index(conn, table, schema)
         self._widen_columns(conn, table, schema)
         self._shapes.setdefault(table, set()).add(schema.fingerprint)
         with self._transaction(conn):
             self._ledger.record(conn, self.consumer_name, table)
+
+    def _key_index(self, conn: Any, table: str, schema: TableSchema) -> None:
+        """A (non-unique) index on the key columns of a table without a primary key
+        (``nullable_key``): each change deletes its old row by key. Made by the
+        first replica that needs it, so tables of older versions get it too."""
+        digest = hashlib.sha256("\0".join((table, *schema.key)).encode()).hexdigest()[:16]
+        key = ", ".join(self._quote(k) for k in schema.key)
+        with contextlib.suppress(Exception), self._transaction(conn):
+            # (another replica making it at the same moment: it is there either way)
+            self._execute(
+                conn,
+                f"CREATE INDEX IF NOT EXISTS {self._quote('cb_key_' + digest)}"
+                f" ON {self._qualified(table)} ({key})",
+            )
 
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote

@@ -30,7 +30,6 @@ class RowStatements:
     """The statement builder mixed into :class:`~._apply.Replica` (module docstring)."""
 
     placeholder: ClassVar[str]
-    null_safe_equal: ClassVar[str]
 
     def _quote(self, name: str) -> str:
         raise NotImplementedError
@@ -122,18 +121,28 @@ class RowStatements:
         (``foreign``) is left to that writer (:meth:`_statements`)."""
         q, p = self._quote, self.placeholder
         key = e.schema.key if e.schema is not None else ()
-        where = " AND ".join(f"{q(k)} {self.null_safe_equal} {p}" for k in key)
+
+        def delete(values: list[Any]) -> tuple[str, list[Any]]:
+            # NULL-safe, one statement per pattern of NULLs: ``k IS NULL`` / ``k = ?``
+            # use the key columns' index (:meth:`_ensure_table`), where Postgres's
+            # ``IS NOT DISTINCT FROM`` scanned the table for every event
+            where = " AND ".join(
+                f"{q(k)} IS NULL" if v is None else f"{q(k)} = {p}"
+                for k, v in zip(key, values, strict=True)
+            )
+            return f"DELETE FROM {table} WHERE {where}", [v for v in values if v is not None]
+
         old = e.before if e.after is not None else (e.key or e.before)
         theirs = foreign is not None and e.after is not None and foreign(e)
         if old is not None and e.op is not ChangeOp.INSERT and not theirs:
-            yield f"DELETE FROM {table} WHERE {where}", [self._adapt(old.get(k)) for k in key]
+            yield delete([self._adapt(old.get(k)) for k in key])
         if e.op is ChangeOp.DELETE or e.after is None:
             return
         image = {k: (e.key[k] if k in e.key else e.after.get(k)) for k in key}
         for k in e.not_sent:  # (events of older fetchers: an unchanged TOASTed key value)
             if k in image and e.before is not None and k not in e.before_not_sent:
                 image[k] = e.before.get(k)
-        yield f"DELETE FROM {table} WHERE {where}", [self._adapt(image[k]) for k in key]
+        yield delete([self._adapt(image[k]) for k in key])
         cols = list(image)
         yield (
             f"INSERT INTO {table} ({', '.join(q(c) for c in cols)})"

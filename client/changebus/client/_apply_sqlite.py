@@ -42,7 +42,6 @@ class SqliteReplica(UnitReplica):
     """Applies a change stream to a SQLite database file (see :mod:`._apply`)."""
 
     placeholder = "?"
-    null_safe_equal = "IS"  # (SQLite before 3.39 has no IS NOT DISTINCT FROM)
 
     def __init__(
         self,
