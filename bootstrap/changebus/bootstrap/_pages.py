@@ -117,8 +117,10 @@ class Pages(StoreDb):
         ``max_bytes``), unless the page stopped after reading
         :data:`SCAN_PAGES` times ``max_bytes`` (at least :data:`MIN_SCAN_BYTES`)
         of rows it did not send (a key filter matching few, rows older than
-        ``since_scn``): a request never reads the whole store at once, and the
-        page ends at its position, not complete, possibly empty.
+        ``since_scn``, tombstones for a consumer from nothing; the last two
+        count :data:`SKIPPED_ROW_BYTES` each): a request never reads the whole
+        store at once, and the page ends at its position, not complete,
+        possibly empty.
         """
         scan_limit = max(SCAN_PAGES * max_bytes, MIN_SCAN_BYTES)
         sources = sorted(source_ids)
@@ -145,19 +147,24 @@ class Pages(StoreDb):
                     events += 1
             while True:
                 want = _rows_to_fetch(batch_rows, max_bytes, size, seen)
+                # rows the page does not send (older than ``since_scn``; tombstones for a
+                # consumer from nothing) are read, not filtered in SQL, so that they count
+                # in the scan budget: filtered there (neither column is in the index), one
+                # LIMIT query read the whole source to find a few changed rows. Their
+                # events are not read (CASE), and each counts :data:`SKIPPED_ROW_BYTES`.
                 rows = self._all(
-                    "SELECT id, scn, deleted, event FROM cb_snap WHERE part = {p} AND source_id = {p} "
-                    "AND id > {p} AND scn > {p}"
-                    + (" AND deleted = 0" if since_scn < 0 else "")
-                    + " ORDER BY id LIMIT {p}",
-                    (part, sid, after, since_scn, want),
+                    "SELECT id, CASE WHEN scn > {p} AND (deleted = 0 OR {p}) THEN event END "
+                    "FROM cb_snap WHERE part = {p} AND source_id = {p} AND id > {p} "
+                    "ORDER BY id LIMIT {p}",
+                    (since_scn, since_scn >= 0, part, sid, after, want),
                 )
-                seen = (seen[0] + len(rows), seen[1] + sum(len(r[3]) for r in rows))
-                for rid, scn, deleted, event in rows:
+                seen = (
+                    seen[0] + len(rows),
+                    seen[1] + sum(SKIPPED_ROW_BYTES if r[1] is None else len(r[1]) for r in rows),
+                )
+                for rid, event in rows:
                     after = int(rid)
-                    if int(scn) <= since_scn:
-                        continue
-                    if deleted and since_scn < 0:
+                    if event is None:
                         continue
                     ev = bytes(event)
                     if key_filter is not None and not key_filter.matches(
@@ -228,6 +235,8 @@ class Pages(StoreDb):
 SCAN_PAGES = 16
 #: ...and at least this many bytes (then it ends, not complete: see ``snapshot_page``)
 MIN_SCAN_BYTES = 32 << 20
+#: what a row a page reads and does not send counts in that budget (its event unread)
+SKIPPED_ROW_BYTES = 256
 
 
 def _rows_to_fetch(batch_rows: int, max_bytes: int, size: int, seen: tuple[int, int]) -> int:
