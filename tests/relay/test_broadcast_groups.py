@@ -139,3 +139,45 @@ async def test_groups_of_streams_that_are_gone_are_forgotten(tmp_path: Path) -> 
     assert set(whys) == {"budget"}
     assert len(broadcast) == 0 and copies.parked == 0
     assert broadcast._groups == {}
+
+
+async def test_a_pass_for_a_group_behind_skips_the_groups_at_the_tail(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """While a follower catches up, the broadcast runs pass after pass: each selected for
+    every group, those at the newest window too (about 2 us each, per pass). A pass now
+    selects only for groups behind the tail."""
+    buffer, copies, broadcast = _setup(tmp_path)
+    for scn in range(1, 41):
+        buffer.append_window(
+            _event(scn, 0, 2000, 1) + encode_control(EndOfWindow(1, "p"), scn, 1, scn * 1000)
+        )
+    tail = buffer.meta.last_scn
+    waiting = []
+    for i in range(50):  # distinct filters: a group each, all at the newest window
+        stream = _parked(_Transport(), filter_text=f"f{i}")
+        stream.scn = tail
+        waiting.append(asyncio.ensure_future(broadcast.park(stream)))
+    behind = _parked(_Transport(), max_bytes=4096)  # from the start, 4 KiB a push
+    waiting.append(asyncio.ensure_future(broadcast.park(behind)))
+    selects = 0
+    select = buffer.select
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        nonlocal selects
+        selects += 1
+        return select(*args, **kw)
+
+    monkeypatch.setattr(buffer, "select", counting)
+    await asyncio.sleep(0)
+    for _ in range(100):
+        broadcast._woken()
+        await asyncio.sleep(0)
+        if behind.scn == tail:
+            break
+    assert behind.scn == tail  # caught up, a push or so a pass
+    assert selects <= 2 * 41  # (before: 51 selects a pass)
+    for task in waiting:
+        task.cancel()
+    await asyncio.sleep(0)
+    assert copies.parked == 0

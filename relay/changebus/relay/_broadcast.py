@@ -225,10 +225,14 @@ class TailBroadcast:
         self._tick = None
         self._last = self._loop.time()
         cap = self._push_cap()  # (once per pass: see _push_cap)
+        # groups at the newest window have nothing to get: skipped before a grant and a
+        # select each (a pass made for a group behind the tail visited them all)
+        tail = (self._host.buffer.meta.last_scn, -1)
         groups = [
             (by_pos, pos, group)
             for by_pos in self._groups.values()
             for pos, group in by_pos.items()
+            if pos != tail
         ]
         for by_pos, pos, group in groups:
             if by_pos.get(pos) is not group:
