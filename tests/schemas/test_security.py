@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from changebus.schemas import ConfigError, ForbiddenError
+from changebus.schemas import ConfigError, ForbiddenError, UnauthorizedError
 from changebus.schemas._cli import main
 from changebus.schemas.config import load_config
 from changebus.schemas.security import (
@@ -195,3 +195,40 @@ def test_token_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
     monkeypatch.setattr("sys.stdin", io.StringIO("guessable\n"))
     assert main(["token", "hash"]) == 2
     assert "at least 32" in capsys.readouterr().err
+
+
+def test_a_certificate_subject_is_matched_once_and_remembered() -> None:
+    """The subject walk is linear in the principals; a client sends the same certificate
+    with every request: its principal (or its having none) is remembered."""
+    from types import SimpleNamespace
+
+    from changebus.schemas._auth import _Authenticator
+
+    principals = [Principal.from_grant(f"p{i}", ["*"], ["*"], ["read"]) for i in range(300)]
+    walked = 0
+
+    class Subject(frozenset):  # type: ignore[type-arg]
+        def __le__(self, other: object) -> bool:
+            nonlocal walked
+            walked += 1
+            return frozenset.__le__(self, other)  # type: ignore[operator]
+
+    auth = _Authenticator.__new__(_Authenticator)
+    auth.by_token = {}
+    auth.subjects = tuple((Subject({("commonName", f"c{i}")}), p) for i, p in enumerate(principals))
+    auth._matched = {}
+
+    def request(cn: str) -> object:
+        cert = {"subject": ((("commonName", cn),), (("organizationName", "o"),))}
+        return SimpleNamespace(
+            headers={}, transport=SimpleNamespace(get_extra_info=lambda _name: cert)
+        )
+
+    assert auth.authenticate(request("c299")) is principals[299]  # type: ignore[arg-type]
+    first = walked
+    assert first == 300
+    for _ in range(5):
+        assert auth.authenticate(request("c299")) is principals[299]  # type: ignore[arg-type]
+        with pytest.raises(UnauthorizedError):
+            auth.authenticate(request("nobody"))  # type: ignore[arg-type]
+    assert walked == first + 300  # (the unknown one walked once, then remembered)

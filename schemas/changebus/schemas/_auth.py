@@ -206,6 +206,10 @@ class _RateLimitedWarnings:
             self._log.warning(msg, *args)
 
 
+#: certificate subjects whose principal :class:`_Authenticator` remembers
+_SUBJECTS_KEPT: Final = 4096
+
+
 class _Authenticator:
     """Credentials -> principal, from the configured principals (module docstring)."""
 
@@ -219,6 +223,10 @@ class _Authenticator:
         # the most specific subject first, so it wins over a shorter one it contains
         subjects.sort(key=lambda item: -len(item[0]))
         self.subjects = tuple(subjects)
+        #: certificate subjects already matched (the walk of :attr:`subjects` is linear
+        #: in the principals; a client sends the same certificate with every request),
+        #: at most :data:`_SUBJECTS_KEPT`, cleared when full (None: no principal)
+        self._matched: dict[frozenset[tuple[str, str]], Principal | None] = {}
         self.open = frozenset(security.open_endpoints)
 
     def authenticate(self, request: web.Request) -> Principal:
@@ -241,9 +249,15 @@ class _Authenticator:
             cert = request.transport.get_extra_info("peercert")
             if cert:
                 have = _subject_attributes(cert)
-                for subject, principal in self.subjects:
-                    if subject <= have:
-                        return principal
+                try:
+                    found = self._matched[have]
+                except KeyError:
+                    found = next((p for subject, p in self.subjects if subject <= have), None)
+                    if len(self._matched) >= _SUBJECTS_KEPT:
+                        self._matched.clear()
+                    self._matched[have] = found
+                if found is not None:
+                    return found
                 raise UnauthorizedError("no principal has this client certificate's subject")
         raise UnauthorizedError("credentials required: a bearer token or a client certificate")
 
