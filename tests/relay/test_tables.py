@@ -52,7 +52,7 @@ def test_searches_match_a_sorted_reference(
         )
         assert many.tolist() == [start + int(np.searchsorted(ref, v, side=side)) for v in probes]
     # many probes take the vectorised path: the same answers
-    lots = np.array((probes * 100)[:200], dtype=np.int64)
+    lots = np.array((probes * 1100)[:1100], dtype=np.int64)
     got = table.searchsorted_many(start, start + n, "pos", lots, "left")
     assert got.tolist() == [start + int(np.searchsorted(ref, v)) for v in lots.tolist()]
 
@@ -73,11 +73,14 @@ def test_a_search_of_a_big_table_reads_in_place(tmp_path: Path) -> None:
     try:
         found = table.searchsorted(start, start + slots, "pos", 100 * (slots - 10))
         at = index.searchsorted_many(3, 3 + slots, "event", np.array([70, 7 * 9000]), "left")
+        # (a Spark plan's cut points: up to 1,024 targets are bisected too)
+        many = index.searchsorted_many(3, 3 + slots, "event", np.arange(1000) * 7000, "left")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert found == start + slots - 10
     assert at.tolist() == [3 + 10, 3 + 9000]
+    assert many.tolist() == [3 + 1000 * i for i in range(1000)]
     assert peak < 64 * 1024, f"the search allocated {peak} bytes"
 
 

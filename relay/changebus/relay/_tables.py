@@ -45,7 +45,7 @@ assert EVENT_DTYPE.itemsize == 32
 INDEX_DTYPE: Final = np.dtype([("scn", "<u8"), ("event", "<u8")])
 
 #: :meth:`CircularTable.searchsorted_many` bisects up to this many values one by one
-_BISECT_MAX: Final = 64
+_BISECT_MAX: Final = 1024
 
 
 class CircularTable:
