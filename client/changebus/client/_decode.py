@@ -78,6 +78,8 @@ class SchemaCache:
         self._names: dict[int, str] = {}
         self._latest: dict[str, TableSchema] = {}
         self._decoders: dict[tuple[int, int], ChangeDecoder] = {}
+        #: the keys of ``_decoders`` by writer table name (to drop a table's at once)
+        self._decoder_keys: dict[str, list[tuple[int, int]]] = {}
         self._complete: set[str] = set()  # sources whose versions were all fetched
         self.fetches = 0
 
@@ -87,6 +89,7 @@ class SchemaCache:
         self._names.clear()
         self._latest.clear()
         self._decoders.clear()
+        self._decoder_keys.clear()
         self._complete.clear()
 
     def add(self, source_id: int, schema: TableSchema) -> None:
@@ -97,10 +100,10 @@ class SchemaCache:
         if newest is None or schema.version > newest.version:
             self._latest[schema.name] = schema
             if self._resolve_latest:
-                # decoders resolving to the previous newest must be rebuilt
-                stale = [k for k, d in self._decoders.items() if d.writer.name == schema.name]
-                for k in stale:
-                    del self._decoders[k]
+                # decoders resolving to the previous newest must be rebuilt (found by
+                # name: a scan of every decoder made each add cost what the tables are many)
+                for k in self._decoder_keys.pop(schema.name, ()):
+                    self._decoders.pop(k, None)
 
     def learn(self, change: SchemaChange) -> None:
         """Record the schema a SCHEMA_CHANGE event carries."""
@@ -154,6 +157,7 @@ class SchemaCache:
             if reader is not None and reader.version == writer.version:
                 reader = None
         dec = self._decoders[key] = ChangeDecoder(writer, reader)
+        self._decoder_keys.setdefault(writer.name, []).append(key)
         return dec
 
 
