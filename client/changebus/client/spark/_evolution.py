@@ -69,7 +69,7 @@ from .._errors import FellOffRelayError
 from .._http import read_body, response_error
 from .._info import PartitionSources, RelayInfo
 from ._options import SourceOptions
-from ._relay import _with_relays, planner_params, run_sync, table_schemas
+from ._relay import _ask, _by_relays, _with_relays, planner_params, run_sync, table_schemas
 from ._schemalog import SchemaLog, TableChange, diff_tables
 
 __all__ = [
@@ -224,10 +224,12 @@ class SchemaGuard:
     ) -> dict[str, dict[_Version, TableSchema]]:
         """Per partition, the newer versions of read tables whose columns differ."""
         found: dict[str, PartitionSources] = {}
-        for part in partitions:  # each of the relays serving it (a cluster's may differ)
-            listed = await _with_relays(self.opts, RelayInfo.sources, partition=part)
-            if part in listed:
-                found[part] = listed[part]
+        # each partition from the relays serving it (a cluster's may differ), one listing
+        # per set of relays: a listing per partition, each naming every partition's
+        # sources, made a trigger cost what the partitions are many, squared
+        for urls, parts in await _by_relays(self.opts, partitions):
+            listed = await _ask(self.opts, urls, RelayInfo.sources)
+            found.update((part, listed[part]) for part in parts if part in listed)
         wanted: dict[str, list[tuple[int, str, int]]] = {}
         for part in partitions:
             ps = found.get(part)
