@@ -227,7 +227,12 @@ async def partition_bounds(opts: SourceOptions) -> dict[str, PartitionBounds]:
     if opts.zookeeper:
         routes = await cluster_routes(opts)
         names = list(opts.partitions) or sorted(routes)
-        groups = [(_with_configured(opts, routes, p), [p]) for p in names]
+        # one status request per set of relays (each answers for all its partitions):
+        # one per partition cost a trigger what the partitions are many, squared
+        by: dict[tuple[str, ...], list[str]] = {}
+        for name in names:
+            by.setdefault(_with_configured(opts, routes, name), []).append(name)
+        groups = list(by.items())
     else:
         names = list(opts.partitions)
         groups = [(opts.relays, names)]

@@ -1,0 +1,75 @@
+"""The Spark source's planning asks the relays about many partitions in one request per
+set of relays: the schema guard listed every partition's sources once per partition, per
+trigger (300 requests of 52 MB in all at 300 partitions of 10 tables), and the bounds of
+a cluster's partitions were one ``/v1/status`` per partition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas.server import HTTP_METRICS
+
+SMALL = {"windows_per_s": 0, "max_windows": 5, "events_per_window": 2, "row_bytes": 50}
+
+
+async def test_the_guard_lists_sources_once_for_partitions_that_share_relays(
+    tmp_path: Path,
+) -> None:
+    from changebus.client.spark._evolution import SchemaGuard
+    from changebus.client.spark._options import SourceOptions
+
+    parts = [f"p{i}" for i in range(6)]
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=tuple(
+            PartitionConfig(
+                name, i + 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", SMALL)
+            )
+            for i, name in enumerate(parts)
+        ),
+        flush_interval_s=0,
+    )
+    async with Relay(cfg) as relay:
+        stats = relay.server.app[HTTP_METRICS]
+        guard = SchemaGuard(SourceOptions.parse({"relays": relay.url}), {})
+        newer = await guard._newer_versions(parts)
+        assert newer == {}  # (no schema known to the query: nothing newer to compare)
+        assert stats.requests[("/v1/sources", 200)] == 1
+
+
+async def test_a_clusters_bounds_are_one_status_request_per_set_of_relays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from changebus.client._info import PartitionStatus
+    from changebus.client.spark import _relay
+    from changebus.client.spark._options import SourceOptions
+
+    parts = [f"p{i}" for i in range(50)]
+    routes: dict[str, tuple[str, ...]] = {
+        p: (("http://127.0.0.1:1",) if i % 2 else ("http://127.0.0.1:2",))
+        for i, p in enumerate(parts)
+    }
+    asked: list[tuple[str, ...]] = []
+
+    async def cluster_routes(_opts: Any) -> dict[str, tuple[str, ...]]:
+        return routes
+
+    async def ask(_opts: Any, urls: tuple[str, ...], _call: Any, what: str = "") -> Any:
+        asked.append(urls)
+        return {
+            p: PartitionStatus(p, 1, "streaming", 5, 9, 4, 0, None, {})
+            for p, served in routes.items()
+            if served == urls
+        }
+
+    monkeypatch.setattr(_relay, "cluster_routes", cluster_routes)
+    monkeypatch.setattr(_relay, "_ask", ask)
+    opts = SourceOptions.parse({"zookeeper": "127.0.0.1:1", "cluster": "c"})
+    bounds = await _relay.partition_bounds(opts)
+    assert sorted(bounds) == sorted(parts) and all(b.max_scn == 9 for b in bounds.values())
+    assert sorted(asked) == [("http://127.0.0.1:1",), ("http://127.0.0.1:2",)]  # (not 50)
