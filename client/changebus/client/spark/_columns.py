@@ -42,7 +42,7 @@ from changebus.schemas import FIRST_CONTROL_OP, HEADER_SIZE, ChangeDecoder, Op
 from .._consumer import Consumer
 from .._model import RawEvents, Window
 from ._arrow import META_NAMES, BatchBuilder, arrow_converter, column_array
-from ._vecread import Fallback, vector_reader
+from ._vecread import Fallback, padded_bytes, vector_reader
 
 __all__ = ["ArrowDecoder", "DecoderFor", "arrow_batches"]
 
@@ -188,8 +188,19 @@ class ArrowDecoder:
         scns = headers["scn"].astype(np.int64)
         batches: list[pa.RecordBatch] = []
         order: list[npt.NDArray[np.int64]] = []
+        # several schemas: the buffer padded once (the vectorised reader pads it per call
+        # otherwise: a copy of the whole body per schema), the events of each found by one
+        # stable sort (a comparison of every event per schema before)
+        padded: npt.NDArray[np.uint8] | None = None
+        by_group = bounds = np.zeros(0, np.int64)
+        if len(decoders) > 1:
+            padded = padded_bytes(buf)
+            by_group = np.argsort(group, kind="stable")
+            bounds = np.searchsorted(group[by_group], np.arange(len(decoders) + 1))
         for g, decoder in enumerate(decoders):
-            sel = None if len(decoders) == 1 else np.flatnonzero(group == g)
+            sel = (
+                None if len(decoders) == 1 else by_group[bounds[g] : bounds[g + 1]].astype(np.int64)
+            )
 
             def pick(a: npt.NDArray[Any], sel: npt.NDArray[np.int64] | None = sel) -> Any:
                 return a if sel is None else a[sel]
@@ -197,7 +208,7 @@ class ArrowDecoder:
             part = partition if isinstance(partition, str) else pick(partition)
             batch, src = self._decode(
                 decoder, buf, pick(starts), pick(stops), pick(ops), pick(seqs), pick(scns),
-                pick(times), part, pick(ks),
+                pick(times), part, pick(ks), padded,
             )  # fmt: skip
             batches.append(batch)
             order.append(src if sel is None else sel[src])
@@ -262,11 +273,14 @@ class ArrowDecoder:
         times: npt.NDArray[np.int64],
         partition: str | npt.NDArray[Any],
         key_starts: npt.NDArray[np.int64] | None,
+        padded: npt.NDArray[np.uint8] | None = None,
     ) -> tuple[pa.RecordBatch, npt.NDArray[np.int64]]:
-        """One writer schema's events as a batch, and the event of each of its rows."""
+        """One writer schema's events as a batch, and the event of each of its rows
+        (``padded``: ``buf`` as :func:`._vecread.padded_bytes` gives it, when the caller
+        has it)."""
         n = len(starts)
         start_list = starts.tolist()
-        images = _images(decoder, buf, starts, stops)
+        images = _images(decoder, buf, starts, stops, padded)
         present = images[2]
         not_sent = images[3]
         lay = _layout(ops, np.asarray(present, np.int64), self.include_preimage)
@@ -375,6 +389,7 @@ def _images(
     buf: bytes,
     starts: npt.NDArray[np.int64],
     stops: npt.NDArray[np.int64],
+    padded: npt.NDArray[np.uint8] | None = None,
 ) -> tuple[list[_Column], list[_Column], Sequence[int] | npt.NDArray[np.int64], list[Any]]:
     """Both images of every record, column by column: ``(after, before, present, not_sent)``.
 
@@ -385,7 +400,7 @@ def _images(
     vec = vector_reader(decoder)
     if vec is not None:
         try:
-            a, b, present, not_sent = vec.read(buf, starts, stops)
+            a, b, present, not_sent = vec.read(buf, starts, stops, padded)
             return list(a), list(b), present, not_sent
         except Fallback:
             pass

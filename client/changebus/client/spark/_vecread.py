@@ -117,6 +117,11 @@ _KINDS: dict[str, tuple[str, pa.DataType, int]] = {
 }
 
 
+def padded_bytes(buf: bytes) -> npt.NDArray[np.uint8]:
+    """``buf`` and :data:`_PAD` zero bytes as uint8 (the gathers never index past them)."""
+    return np.frombuffer(buf + bytes(_PAD), np.uint8)
+
+
 class VectorReader:
     """Reads batches of one writer schema's change records (module docstring)."""
 
@@ -135,16 +140,23 @@ class VectorReader:
         self.ncols = len(out)
 
     def read(
-        self, buf: bytes, starts: Sequence[int] | _I64, stops: Sequence[int] | _I64
+        self,
+        buf: bytes,
+        starts: Sequence[int] | _I64,
+        stops: Sequence[int] | _I64,
+        padded: npt.NDArray[np.uint8] | None = None,
     ) -> tuple[list[pa.Array | None], list[pa.Array | None], _I64, list[Any]]:
         """``(after, before, present, not_sent)`` of the records ``buf[starts[i]:stops[i]]``.
+
+        ``padded``: :func:`padded_bytes` of ``buf``, when the caller reads the
+        same buffer for several schemas (it is made here otherwise).
 
         ``after`` / ``before``: per output column an array of one value per
         record (null where the image is absent), or None for a column the
         writer lacks (all null). ``present`` and ``not_sent`` as the
         generated reader returns them (``changebus.schemas._avrocols``).
         """
-        u8 = np.frombuffer(buf + bytes(_PAD), np.uint8)
+        u8 = padded_bytes(buf) if padded is None else padded
         size = len(buf)
         pos = np.asarray(starts, np.int64).copy()
         stop = np.asarray(stops, np.int64)
