@@ -218,3 +218,46 @@ def test_stream_reader_option_is_checked() -> None:
         create_fetcher("postgres", "pg", 1, {"dsn": "x", "socket_read_bytes": 0})
     fetcher = create_fetcher("postgres", "pg", 1, {"dsn": "x"})
     assert fetcher.config.stream_reader == "auto"  # type: ignore[attr-defined]
+
+
+def test_a_message_longer_than_many_reads_is_joined_once() -> None:
+    """A CopyData message of 6 MiB arriving in 64 KiB pieces (with a small one after it):
+    its pieces are collected and joined once it is whole (each read used to append to
+    everything read so far: 21 s for a 256 MiB value), and both come out intact."""
+    import socket
+    import struct
+    import threading
+
+    big = bytes(range(256)) * (6 * 4096)
+    small = b"after"
+    wire = b"".join(b"d" + struct.pack(">i", len(p) + 4) + p for p in (big, small))
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader = CopyBothSocket(ours.fileno(), recv_bytes=64 << 10)
+
+    def send() -> None:
+        theirs.settimeout(10)
+        try:
+            for at in range(0, len(wire), 64 << 10):
+                theirs.sendall(wire[at : at + (64 << 10)])
+        except OSError:
+            pass  # (the test failed and closed its end)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    got: list[bytes] = []
+    collected = 0
+    try:
+        while len(got) < 2:
+            spans = reader.read()
+            if not spans:
+                collected = max(collected, len(reader._pieces))
+                assert reader._buf == b"" or not reader._pieces  # (never both: no re-copy)
+                reader.wait(5.0)
+            got += [bytes(chunk[a:b]) for chunk, a, b in spans]
+    finally:
+        ours.close()
+        sender.join()
+        theirs.close()
+    assert got == [big, small]
+    assert collected > 10  # (it did arrive in pieces)

@@ -140,6 +140,11 @@ class CopyBothSocket:
         self._rptr = ctypes.addressof((ctypes.c_char * recv_bytes).from_buffer(self._rbuf))
         self._buf = b""
         self._pos = 0
+        #: the pieces of a message longer than one read, joined once it is whole
+        #: (appended to ``_buf`` each time, a big value cost what it had read so far
+        #: per read: minutes and the GIL for a value of a GB); ``_need``: its size
+        self._pieces: list[bytes] = []
+        self._have = self._need = 0
         self._error: ServerError | None = None
         self.bytes_read = 0
         self.reads = 0
@@ -230,10 +235,14 @@ class CopyBothSocket:
 
     def fill(self) -> bool:
         """One non-blocking read; False when the socket had nothing."""
+        if self._pieces:
+            return self._fill_pieces()
         rest = len(self._buf) - self._pos
         want = self.recv_bytes
+        need = 0
         if rest >= 5:  # a message larger than one read: ask for all of it at once
-            want = min(max(want, _HEAD(self._buf, self._pos)[1] + 1 - rest), _MAX_READ)
+            need = _HEAD(self._buf, self._pos)[1] + 1
+            want = min(max(want, need - rest), _MAX_READ)
         data: bytes | memoryview
         if want > self.recv_bytes:
             try:
@@ -255,8 +264,30 @@ class CopyBothSocket:
             raise ConnectionError("the server closed the connection")
         self.reads += 1
         self.bytes_read += n
+        if rest and rest + n < need:  # still not whole: collect its pieces
+            self._pieces = [self._buf[self._pos :], bytes(data)]
+            self._have, self._need = rest + n, need
+            self._buf, self._pos = b"", 0
+            return True
         self._buf = self._buf[self._pos :] + data if rest else bytes(data)
         self._pos = 0
+        return True
+
+    def _fill_pieces(self) -> bool:
+        """A read of the rest of a message being collected; joined when it is whole."""
+        try:
+            data = os.read(self.fd, min(self._need - self._have, _MAX_READ))
+        except (BlockingIOError, InterruptedError):
+            return False
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.reads += 1
+        self.bytes_read += len(data)
+        self._pieces.append(data)
+        self._have += len(data)
+        if self._have >= self._need:
+            self._buf, self._pos = b"".join(self._pieces), 0
+            self._pieces, self._have, self._need = [], 0, 0
         return True
 
     def wait(self, timeout_s: float) -> bool:
