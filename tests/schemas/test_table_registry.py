@@ -519,3 +519,22 @@ def test_a_key_past_what_an_event_holds_is_a_clear_error() -> None:
     key = one.key_bytes({"t": wide})
     with pytest.raises(SchemaError, match="a key of 70003 bytes"):
         one.frame(Op.INSERT, 5, 0, 0, key, key + b"\x00")
+
+
+def test_a_new_tables_id_needs_no_walk_of_the_others() -> None:
+    """Each new table's id was the highest id plus one, found by walking every id: a first
+    start with ten thousand tables was quadratic. The highest id is kept instead."""
+
+    class Walked(dict):  # type: ignore[type-arg]
+        walks = 0
+
+        def __iter__(self) -> Any:
+            Walked.walks += 1
+            return super().__iter__()
+
+    reg = SchemaRegistry()
+    reg._names = Walked()
+    for i in range(200):
+        t = reg.register(TableSchema(f"s.t{i}", (Column("id", "long", nullable=False),), ("id",)))
+        assert reg.source_id(t.name) == i + 1
+    assert Walked.walks == 0

@@ -63,6 +63,9 @@ class SchemaRegistry:
         self._versions: dict[str, list[TableSchema]] = {}
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        #: the highest source id in ``_names`` (ids are never removed): a new table's id
+        #: without a scan of them all (which made a first start with 10k tables quadratic)
+        self._top = 0
         self._by_fp: dict[int, TableSchema] = {}
         self._end = 0  # file offset just past the last good entry
         if path is not None and path.exists():
@@ -149,6 +152,7 @@ class SchemaRegistry:
         self._versions.setdefault(table.name, []).append(table)
         self._ids[table.name] = source_id
         self._names[source_id] = table.name
+        self._top = max(self._top, source_id)
         self._by_fp.setdefault(table.fingerprint, table)
 
     def _commit(self, table: TableSchema, source_id: int) -> None:
@@ -157,9 +161,8 @@ class SchemaRegistry:
         self._add(table, source_id)
 
     def _next_source_id(self) -> int:
-        top = max(self._names, default=0)
-        if top < _MAX_SOURCE_ID:
-            return top + 1
+        if self._top < _MAX_SOURCE_ID:
+            return self._top + 1
         free = next((i for i in range(1, _MAX_SOURCE_ID + 1) if i not in self._names), None)
         if free is None:
             raise SchemaError(f"the registry is full ({_MAX_SOURCE_ID} sources)")
