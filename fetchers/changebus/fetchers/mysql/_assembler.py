@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -94,6 +94,8 @@ from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
 __all__ = ["BinlogAssembler", "PendingWindow"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
+#: table layouts the assembler keeps compiled besides each table's last one
+_CACHED_LAYOUTS = 4096
 
 #: a statement that changes rows (statement-based logging of DML)
 _DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
@@ -159,8 +161,15 @@ class BinlogAssembler:
         #: the server's ``@@server_id`` (0: unknown), recorded in every position
         self.server = 0
         self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
-        self._cache: dict[tuple[Any, ...], _Table] = {}  # layout bytes + declared -> table
+        #: layout bytes + declared -> table, the least recently used first (at most
+        #: :data:`_CACHED_LAYOUTS`); a table's last layout is also in ``_last``, so a
+        #: server with more tables than that does not recompile on every TABLE_MAP
+        self._cache: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
+        self._last: dict[tuple[str, str], tuple[tuple[Any, ...], _Table]] = {}
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
+        #: fingerprints of the schema versions announced (SCHEMA_CHANGE sent, or known
+        #: by the relay): shared by every layout of a version
+        self._announced: set[int] = set()
         self._txn: _Txn | None = None
         #: prepared XA transactions waiting for their XA COMMIT / XA ROLLBACK
         self.prepared = PreparedSet()
@@ -234,6 +243,12 @@ class BinlogAssembler:
             tuple(sorted(declared.items())),
         )
         table = self._cache.get(key)
+        if table is not None:
+            self._cache.move_to_end(key)
+        else:
+            last = self._last.get((event.schema, event.table))
+            if last is not None and last[0] == key:
+                table = last[1]
         if table is None:
             layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
             layout = layout.with_policy(self._policy)
@@ -252,16 +267,14 @@ class BinlogAssembler:
                 compile_transcoder(layout),
                 len(layout.columns),
             )
-            old = self._latest.get(layout.name)
-            if old is not None and old.encoder.table.version == schema.version:
-                table.announced = old.announced
-            elif (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
+            if (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
                 self._known
             ):
-                table.announced = True
-            if len(self._cache) > 4096:
-                self._cache.clear()
+                self._announced.add(schema.fingerprint)
+            if len(self._cache) >= _CACHED_LAYOUTS:
+                self._cache.popitem(last=False)
             self._cache[key] = table
+        self._last[(event.schema, event.table)] = (key, table)
         self._by_id[event.table_id] = table
         self._latest[table.layout.name] = table
 
@@ -330,17 +343,14 @@ class BinlogAssembler:
         """``txn``'s SCHEMA_CHANGE events will not be sent (yet): the next window
         touching those tables announces them."""
         for table in txn.announced:
-            fingerprint = table.encoder.table.fingerprint
-            table.announced = False
-            for other in self._cache.values():  # as _announce marked them
-                if other.encoder.table.fingerprint == fingerprint:
-                    other.announced = False
+            self._announced.discard(table.encoder.table.fingerprint)
         txn.announced.clear()
 
     def _announce(self, txn: _Txn, table: _Table) -> None:
-        if not any(t is table for t in txn.touched):
+        if id(table) not in txn.touched_ids:
+            txn.touched_ids.add(id(table))
             txn.touched.append(table)
-        if table.announced:
+        if table.encoder.table.fingerprint in self._announced:
             return
         schema = table.encoder.table
         change = SchemaChange(
@@ -356,10 +366,7 @@ class BinlogAssembler:
             (lambda scn, seq: encode_control(change, scn, seq, ts, partition=partition), False),
             len(change.schema) + 200,
         )
-        table.announced = True
-        for other in self._cache.values():  # every cached layout of this version
-            if other.encoder.table.fingerprint == schema.fingerprint:
-                other.announced = True
+        self._announced.add(schema.fingerprint)
         txn.announced.append(table)
 
     def query(self, event: Any, end_pos: int) -> Window | PendingWindow | None:

@@ -23,14 +23,13 @@ __all__ = ["MappedTable", "OpenTxn", "Part", "PendingWindow", "control_window", 
 @dataclass
 class MappedTable:
     """A captured table as mapped by a TABLE_MAP event: its layout, encoder, compiled
-    transcoder, column count, and whether its schema version was announced (a
-    SCHEMA_CHANGE event in a window sent, or known by the relay)."""
+    transcoder and column count (whether its schema version was announced, the
+    assembler keeps by fingerprint)."""
 
     layout: TableLayout
     encoder: RowEncoder
     transcode: RowsTranscoder
     ncols: int
-    announced: bool = False
 
 
 #: one event of an open transaction (see :attr:`OpenTxn.events`)
@@ -61,6 +60,8 @@ class OpenTxn:
     #: every table with events in this transaction, in first-touch order (an XA
     #: transaction's announcements are made again at its commit)
     touched: list[MappedTable] = field(default_factory=list)
+    #: ``id()`` of each table in :attr:`touched` (a rows event checks it)
+    touched_ids: set[int] = field(default_factory=set)
     #: binlog file and position where the transaction's event group starts
     start: tuple[str, int] = ("", 0)
     #: savepoint name -> how many of :attr:`events` were there when it was set
