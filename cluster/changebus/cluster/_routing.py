@@ -5,7 +5,10 @@ A refresh reads, in one thread hop with pipelined requests, the children of
 each partition's ``epoch`` and ``election/`` children (layout in
 :mod:`changebus.cluster._layout`). Every read leaves a one-shot watch; any
 watch firing, a new session, or ``refresh_s`` passing schedules the next
-refresh (coalesced: a burst of changes costs one or two refreshes).
+refresh (coalesced: a burst of changes costs one or two refreshes). When
+only member nodes' data changed (members rewrite theirs twice a second while
+their SCNs move), only those nodes are read again; anything else, a new
+session, a failed read or ``refresh_s`` passing reads the whole table.
 
 Each refresh that sees something different publishes a new immutable
 :class:`RoutingSnapshot` with a higher ``version``: read it with
@@ -120,6 +123,11 @@ class RoutingTable:
         self._task: asyncio.Task[None] | None = None
         self._remove_listener: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: member nodes whose data changed since the last read, and whether anything
+        #: else fired (then the whole table is read again): members rewrite their nodes
+        #: twice a second while their SCNs move, and a whole read is 2 + M + 3P requests
+        self._dirty: set[str] = set()
+        self._full = False
 
     async def start(self) -> None:
         """Read the table once (raises :class:`CoordinationError`), then keep it current."""
@@ -182,34 +190,81 @@ class RoutingTable:
 
     # -- refreshing ------------------------------------------------------------------
 
-    def _watch(self, _event: Any) -> None:  # kazoo's thread
+    def _watch(self, event: Any) -> None:  # kazoo's thread
         loop = self._loop
         if loop is not None:
+            kind, path = getattr(event, "type", None), getattr(event, "path", "") or ""
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._kick.set)
+                loop.call_soon_threadsafe(self._watched, str(kind), path)
+
+    def _watched(self, kind: str, path: str) -> None:
+        """A watch fired (event loop): a member node's data alone, or anything else."""
+        root = members_path(self.session.config.name) + "/"
+        member = path[len(root) :] if path.startswith(root) else ""
+        if kind == "CHANGED" and member and "/" not in member:
+            self._dirty.add(member)
+        else:  # (a member coming or going fires its parent's children watch too)
+            self._full = True
+        self._kick.set()
+
+    async def _refresh_members(self, ids: set[str]) -> None:
+        """Read again only the member nodes in ``ids`` (re-arming their watches)."""
+        timeout, watch = self.session.op_timeout_s, self._watch
+        mroot = members_path(self.session.config.name)
+
+        def read(zk: Any) -> dict[str, MemberInfo | None]:
+            pending = [(i, zk.get_async(f"{mroot}/{i}", watch=watch)) for i in sorted(ids)]
+            out: dict[str, MemberInfo | None] = {}
+            for member_id, result in pending:
+                try:
+                    data, _stat = result.get(timeout=timeout)
+                    out[member_id] = decode_member(member_id, data)
+                except NoNodeError:
+                    out[member_id] = None
+            return out
+
+        changed = await self.session.call(read)
+        old = self._snapshot
+        members = dict(old.members)
+        for member_id, info in changed.items():
+            if info is None:
+                members.pop(member_id, None)
+            else:
+                members[member_id] = info
+        self._publish(members, dict(old.leaders), list(old.partitions))
 
     def _on_state(self, change: StateChange) -> None:
         if change.state == "connected":
+            self._full = True
             self._kick.set()
 
     async def _keep(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(self.refresh_s):
                     await self._kick.wait()
+            except TimeoutError:
+                self._full = True  # (the periodic whole read, whatever fired)
             await asyncio.sleep(0.02)  # coalesce a burst of watch events
             self._kick.clear()
             if self.session.state != "connected":
                 continue
+            full, dirty = self._full or not self._dirty, self._dirty
+            self._full, self._dirty = False, set()
             try:
-                await self._refresh()
+                if full:
+                    await self._refresh()
+                else:
+                    await self._refresh_members(dirty)
             except CoordinationError as exc:
                 log.info("routing table refresh failed: %s", exc)
+                self._full = True
                 await asyncio.sleep(0.2)
                 self._kick.set()
             except Exception as exc:  # noqa: BLE001 - ZooKeeper said no, bad data: keep going
                 # (a task that ended here would leave every reader a frozen table)
                 log.error("routing table refresh failed: %s: %s", type(exc).__name__, exc)
+                self._full = True
                 await asyncio.sleep(1.0)
                 self._kick.set()
 
@@ -267,6 +322,12 @@ class RoutingTable:
             return members, leaders, parts
 
         members, leaders, parts = await self.session.call(read)
+        self._publish(members, leaders, parts)
+
+    def _publish(
+        self, members: dict[str, MemberInfo], leaders: dict[str, LeaderInfo], parts: list[str]
+    ) -> None:
+        """A new snapshot when anything differs from the current one; listeners told."""
         old = self._snapshot
         if old.members == members and old.leaders == leaders and old.partitions == tuple(parts):
             return
