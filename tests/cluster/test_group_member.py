@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from group_members import TIMEOUT_S, settled
@@ -383,3 +384,35 @@ async def test_a_claim_lands_only_while_the_claimant_is_a_member_holding_the_uni
         await store.claim(group, unit, "m-1")
     stored = (await store.read(group))[unit]
     assert (stored.owner, stored.generation) == ("m-2", 3)  # the successor's claim stands
+
+
+async def test_a_wake_without_a_new_assignment_decodes_nothing(
+    make_member, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every member decoded the whole assignment at every wake (at least every 2 s, on
+    the event loop: 20 ms for 16k units over 100 members). An assignment node that did
+    not change since the member's target was set from it is not decoded again."""
+    from changebus.cluster import _group_follow
+
+    decoded = 0
+    real = _group_follow.decode_assignment  # type: ignore[attr-defined]
+
+    def counting(data: bytes, node: str) -> Any:
+        nonlocal decoded
+        decoded += 1
+        return real(data, node)
+
+    monkeypatch.setattr(_group_follow, "decode_assignment", counting)
+    pairs = [await make_member(f"c{i}") for i in range(2)]
+    await wait_until(lambda: settled(pairs), 10, "even targets, owned")
+    await asyncio.sleep(0.3)
+    before = decoded
+    for member, _ in pairs:
+        for _ in range(5):
+            member._wake_assignment.set()
+            await asyncio.sleep(0.05)
+    assert decoded == before
+    assert all(len(m.target) == 6 for m, _ in pairs)
+    third = await make_member("c2")  # a new assignment: decoded, and followed
+    await wait_until(lambda: settled([*pairs, third]), 10, "three members settled")
+    assert decoded > before
