@@ -392,7 +392,7 @@ async def test_a_wake_without_a_new_assignment_decodes_nothing(
     """Every member decoded the whole assignment at every wake (at least every 2 s, on
     the event loop: 20 ms for 16k units over 100 members). An assignment node that did
     not change since the member's target was set from it is not decoded again."""
-    from changebus.cluster import _group_follow
+    from changebus.cluster import _group_follow, _group_leader
 
     decoded = 0
     real = _group_follow.decode_assignment  # type: ignore[attr-defined]
@@ -403,6 +403,8 @@ async def test_a_wake_without_a_new_assignment_decodes_nothing(
         return real(data, node)
 
     monkeypatch.setattr(_group_follow, "decode_assignment", counting)
+    # (the leader decoded it too, and balanced the units again, at every wake of its own)
+    monkeypatch.setattr(_group_leader, "decode_assignment", counting)
     pairs = [await make_member(f"c{i}") for i in range(2)]
     await wait_until(lambda: settled(pairs), 10, "even targets, owned")
     await asyncio.sleep(0.3)
@@ -410,7 +412,8 @@ async def test_a_wake_without_a_new_assignment_decodes_nothing(
     for member, _ in pairs:
         for _ in range(5):
             member._wake_assignment.set()
-            await asyncio.sleep(0.05)
+            member._wake_leader.set()
+            await asyncio.sleep(0.2)  # (the leader settles a moment after a wake)
     assert decoded == before
     assert all(len(m.target) == 6 for m, _ in pairs)
     third = await make_member("c2")  # a new assignment: decoded, and followed

@@ -175,6 +175,10 @@ class GroupMember:
         self._wake_keeper = asyncio.Event()
         self._wake_assignment = asyncio.Event()
         self._wake_leader = asyncio.Event()
+        #: (the assignment node's last change, the members in order, this member) when
+        #: the leader last found the assignment balanced: the same again is not decoded
+        #: and balanced again (:mod:`._group_leader`)
+        self._balanced: tuple[int, tuple[str, ...], str] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._remove_listener: Callable[[], None] | None = None
