@@ -217,3 +217,35 @@ async def test_min_rows_per_trigger_waits_for_rows_or_the_delay(make_relay: Make
             assert r.latestOffset({"syn": scns[-3]}, limit) == {"syn": scns[-3]}
 
         await asyncio.to_thread(run)
+
+
+async def test_the_held_first_batch_counts_as_the_first_trigger_for_min_rows(
+    make_relay: MakeRelay,
+) -> None:
+    """A new query starting at ``latest`` holds its first batch empty (its start may
+    move). That batch did not count as a trigger: the next one was the reader's first,
+    never skipped, and took fewer rows than ``minRowsPerTrigger`` (seen as a flaky
+    Spark test). It counts now: the next trigger waits for the rows."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadMinRows
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+
+    async with make_relay() as relay:
+        opts = SourceOptions.parse(
+            {"relays": relay.url, "minRowsPerTrigger": "1000000", "maxTriggerDelay": "1h"},
+            mode="stream",
+        )
+
+        def plan() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            reader = _source.ChangebusStreamReader(opts, schema)
+            first = reader.initialOffset()
+            held = reader.latestOffset(first, ReadMinRows(1_000_000))
+            older = dict.fromkeys(first, 1000)  # (rows after it, fewer than the minimum)
+            return first, held, reader.latestOffset(older, ReadMinRows(1_000_000))
+
+        first, held, waited = await asyncio.to_thread(plan)
+    assert held == first  # the held first batch
+    assert waited == dict.fromkeys(first, 1000)  # skipped: fewer rows than the minimum

@@ -269,6 +269,9 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         if self._hold_first:
             self._hold_first = False
             if self._initial is not None and _offsets_key(start) == _offsets_key(self._initial):
+                # the held first batch is the reader's first trigger: minRowsPerTrigger
+                # counts from it (else the next trigger, never skipped, took what came)
+                self._last_trigger = time.monotonic()
                 return {str(k): int(v) for k, v in start.items()}  # (initialOffset)
         max_rows, max_bytes, min_rows = self._limits(limit)
         bounds = await partition_bounds(self.opts)
