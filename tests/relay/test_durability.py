@@ -375,8 +375,12 @@ async def test_fsync_acks_go_through_the_fence(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("no_blocking")
-async def test_a_failed_sync_makes_the_partition_not_ready(tmp_path: Path) -> None:
+async def test_a_failed_sync_makes_the_partition_not_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """msync failing for good stops the acknowledgements: /readyz says so (503, the reason)."""
+    from changebus.relay import _syncer
+
     async with Relay(_synthetic_relay(tmp_path, "fsync")) as relay:
         host = relay.hosts["syn"]
         syncer = host.syncer
@@ -385,10 +389,10 @@ async def test_a_failed_sync_makes_the_partition_not_ready(tmp_path: Path) -> No
         code, _, _ = await asyncio.to_thread(_get, relay.port, "/readyz")
         assert code == 200
 
-        def failing(name: str, address: int, length: int) -> None:
-            raise OSError(5, f"msync of {name}: Input/output error")
+        def failing(spans: list[Any]) -> bool:
+            raise OSError(5, f"msync of {spans[0][0]}: Input/output error")
 
-        syncer._sync = failing  # type: ignore[method-assign]
+        monkeypatch.setattr(_syncer, "msync_spans", failing)
         await wait_until(lambda: bool(syncer.error))
         code, _, body = await asyncio.to_thread(_get, relay.port, "/readyz")
         assert code == 503

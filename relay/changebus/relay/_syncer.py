@@ -152,8 +152,7 @@ class GroupSyncer:
         self._buffer = buffer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced = asyncio.Event()
-        self._msync = _libc_msync()
-        self._flag = _MS_SYNC[sys.platform]
+        _libc_msync()  # (refuses a platform without msync now, not at the first sync)
         self._cond = threading.Condition()
         self._wanted = True  # the first round syncs the whole files
         self._stopping = False
@@ -229,8 +228,7 @@ class GroupSyncer:
             upto = self._buffer.meta
             started = time.perf_counter()
             try:
-                for name, address, length in self._buffer.sync_spans(since, upto):
-                    self._sync(name, address, length)
+                msync_spans(self._buffer.sync_spans(since, upto))
             except OSError as exc:
                 self.error = f"msync failed, the source is acknowledged no further: {exc}"
                 log.error("buffer %s: %s; restart the relay", self._buffer.name, self.error)
@@ -241,8 +239,3 @@ class GroupSyncer:
             if upto.last_scn > self.synced_scn:
                 self.synced_scn = upto.last_scn
                 self._wake()
-
-    def _sync(self, name: str, address: int, length: int) -> None:
-        if self._msync(address, length, self._flag) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"msync of {name}: {os.strerror(errno)}")
