@@ -16,37 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from changebus.bootstrap._store import Store
-from changebus.schemas import (
-    ChangeDecoder,
-    Column,
-    EndOfWindow,
-    Op,
-    RowEncoder,
-    SchemaRegistry,
-    TableSchema,
-    encode_control,
-    event_at,
-    parse_stream,
-    verify_event,
-)
+from test_store import REG, TABLES, window
 
-_REG = SchemaRegistry()
-_BIG, _SMALL = (
-    _REG.register(
-        TableSchema(name, (Column("id", "long", nullable=False), Column("v", "string")), ("id",))
-    )
-    for name in ("public.big", "public.small")
-)
-_ENC = {
-    t.name: RowEncoder(t, source_id=_REG.source_id(t.name), partition=1) for t in (_BIG, _SMALL)
-}
+from changebus.bootstrap._store import Store
+from changebus.schemas import ChangeDecoder, Op, event_at, parse_stream, verify_event
+
+# (the store tests' tables: a big one and a small one beside it)
+_BIG, _SMALL = TABLES
 
 
 def _window(scn: int, table: str, op: Op, key: int) -> bytes:
-    enc = _ENC[table]
-    row = None if op == Op.TRUNCATE else {"id": key, "v": f"value {key}"}
-    return enc.encode(op, scn, 0, scn * 10, row) + encode_control(EndOfWindow(1, ""), scn, 1, scn)
+    return bytes(window(scn, [(table, op, key, f"value {key}")]))
 
 
 def _store(path: Path, history: int) -> tuple[Store, int]:
@@ -149,7 +129,7 @@ def test_a_snapshot_page_reads_a_bounded_part_of_a_source_it_mostly_skips(
             s.append("p", b"".join(_window(scn + 1 + k, _BIG.name, Op.DELETE, k) for k in keys))
         s.apply("p", 1 << 20)
         st = s.state("p")
-        sid = _REG.source_id(_BIG.name)
+        sid = REG.source_id(_BIG.name)
         cases: tuple[tuple[int, set[int]], ...] = (
             (scn, set(range(3, 19_000)) | {0, 1, 2}),  # a position: changed rows, tombstones
             (scn + 19_000, set()),  # after every change: nothing, and 20,000 rows skipped
