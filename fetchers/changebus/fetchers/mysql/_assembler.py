@@ -161,11 +161,9 @@ class BinlogAssembler:
         #: the server's ``@@server_id`` (0: unknown), recorded in every position
         self.server = 0
         self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
-        #: layout bytes + declared -> table, the least recently used first (at most
-        #: :data:`_CACHED_LAYOUTS`); a table's last layout is also in ``_last``, so a
-        #: server with more tables than that does not recompile on every TABLE_MAP
+        #: layout bytes + declared -> table, least recently used first (at most
+        #: :data:`_CACHED_LAYOUTS`; each table's last one stays in ``_latest`` too)
         self._cache: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
-        self._last: dict[tuple[str, str], tuple[tuple[Any, ...], _Table]] = {}
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
         #: fingerprints of the schema versions announced (SCHEMA_CHANGE sent, or known
         #: by the relay): shared by every layout of a version
@@ -245,10 +243,9 @@ class BinlogAssembler:
         table = self._cache.get(key)
         if table is not None:
             self._cache.move_to_end(key)
-        else:
-            last = self._last.get((event.schema, event.table))
-            if last is not None and last[0] == key:
-                table = last[1]
+        else:  # (more tables than the cache holds: not compiled again at every TABLE_MAP)
+            last = self._latest.get(f"{event.schema}.{event.table}")
+            table = last if last is not None and last.key == key else None
         if table is None:
             layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
             layout = layout.with_policy(self._policy)
@@ -266,6 +263,7 @@ class BinlogAssembler:
                 ),
                 compile_transcoder(layout),
                 len(layout.columns),
+                key,
             )
             if (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
                 self._known
@@ -274,7 +272,6 @@ class BinlogAssembler:
             if len(self._cache) >= _CACHED_LAYOUTS:
                 self._cache.popitem(last=False)
             self._cache[key] = table
-        self._last[(event.schema, event.table)] = (key, table)
         self._by_id[event.table_id] = table
         self._latest[table.layout.name] = table
 

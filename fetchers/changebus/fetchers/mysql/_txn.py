@@ -30,6 +30,8 @@ class MappedTable:
     encoder: RowEncoder
     transcode: RowsTranscoder
     ncols: int
+    #: what the assembler's layout cache knows it by (TABLE_MAP bytes and declared types)
+    key: tuple[Any, ...] = ()
 
 
 #: one event of an open transaction (see :attr:`OpenTxn.events`)
