@@ -450,13 +450,16 @@ class Replica(RowStatements, AsyncCallbacks):
         first replica that needs it, so tables of older versions get it too."""
         digest = hashlib.sha256("\0".join((table, *schema.key)).encode()).hexdigest()[:16]
         key = ", ".join(self._quote(k) for k in schema.key)
-        with contextlib.suppress(Exception), self._transaction(conn):
+        try:
+            with self._transaction(conn):
+                self._execute(
+                    conn,
+                    f"CREATE INDEX IF NOT EXISTS {self._quote('cb_key_' + digest)}"
+                    f" ON {self._qualified(table)} ({key})",
+                )
+        except Exception as exc:  # noqa: BLE001 - the replica works without it, only slower
             # (another replica making it at the same moment: it is there either way)
-            self._execute(
-                conn,
-                f"CREATE INDEX IF NOT EXISTS {self._quote('cb_key_' + digest)}"
-                f" ON {self._qualified(table)} ({key})",
-            )
+            log.warning("replica table %s: no index on its key columns (%s)", table, exc)
 
     def _create_sql(self, table: str, schema: TableSchema) -> str:
         q = self._quote
