@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -303,6 +304,47 @@ async def test_sql_interface_mode_exactly_once_across_restart(tmp_path: Path, pg
     assert scns == sorted(set(scns))
     assert len(scns) >= len(first_scns) + 40
     assert rows == source(pg_dsn)
+
+
+async def test_sql_mode_streams_a_big_peek_instead_of_holding_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A peek answers with whole transactions: one of 24 MiB must pass through the
+    assembler (which drops it past max_transaction_bytes) a chunk at a time, never
+    held whole in the fetcher (it was: the peek's rows were fetched all at once)."""
+    make_table(pg_dsn)
+    cfg = config(
+        tmp_path,
+        pg_dsn,
+        mode="sql",
+        sql_poll_interval_s=0.02,
+        max_transaction_bytes=1 << 20,
+        on_oversized_transaction="skip",
+    )
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            await asyncio.to_thread(huge_transaction, pg_dsn, 24_000, 1000)
+            await caught_up(relay, pg_dsn)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        losses = control_events(relay, Op.DATA_LOSS)
+        rows, _ = replay_buffer(relay)
+    assert len(losses) == 1 and "24000 changes" in losses[0][1].reason
+    assert list(rows) == [99999999]  # the small transaction after it, whole
+    assert peak < 8 << 20, f"the fetcher held {peak >> 20} MiB of a 24 MiB transaction"
+
+
+def huge_transaction(dsn: str, rows: int, width: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO acct SELECT g, g, repeat(md5(g::text), %s) FROM generate_series(1, %s) g",
+            (width // 32, rows),
+        )
+        conn.execute("INSERT INTO acct VALUES (99999999, 1, 'small')")
 
 
 def test_relay_killed_with_9_mid_stream_loses_and_repeats_nothing(

@@ -177,6 +177,51 @@ async def test_a_long_query_the_server_works_on_is_not_cut_unless_it_freezes(
     assert 1.0 < took < 6.0  # frozen after 1 s; the probe's answer waited one timeout
 
 
+async def test_a_streamed_query_is_cut_only_while_it_waits_for_the_server(
+    pg_server: PgServer,
+) -> None:
+    """``Guarded.stream`` (the SQL mode's peek): time the caller spends holding a
+    row is not the server's (a relay applying back-pressure must not get the
+    peek cut), but a path that freezes mid-stream is still cut at the deadline."""
+    from changebus.fetchers.postgres._watchdog import Watchdog
+    from changebus.schemas import SourceError
+
+    proxy = FaultProxy("pg", "127.0.0.1", pg_server.port)
+    await proxy.start()
+    dog = Watchdog(0.5, "test")
+    loop = asyncio.get_running_loop()
+    dsn = f"host=127.0.0.1 port={proxy.port} user=postgres dbname=postgres"
+    query = "SELECT g, repeat('x', 1000) FROM generate_series(1, %s) g"
+
+    def slow_reader() -> tuple[int, str, int, float]:
+        conn = psycopg.connect(dsn, autocommit=True)
+        with dog.guard(conn) as guarded:
+            seen = 0
+            for row in guarded.stream(query, (300,), size=100):
+                seen += 1
+                if row[0] in (1, 150):
+                    time.sleep(1.2)  # more than two deadlines, holding a row
+            loop.call_soon_threadsafe(lambda: loop.call_later(0.5, proxy.half_open))
+            got, started = 0, 0.0
+            try:
+                for _ in guarded.stream(query, (500_000,), size=100):
+                    got += 1
+                    started = time.monotonic()
+            except SourceError as exc:
+                return seen, exc.message, got, time.monotonic() - started
+            return seen, "answered", got, 0.0
+
+    try:
+        seen, message, got, took = await asyncio.wait_for(asyncio.to_thread(slow_reader), 40)
+    finally:
+        dog.close()
+        await proxy.close()
+    assert seen == 300 and dog.fired.startswith("Postgres did not answer a query")
+    assert "did not answer a query within 0.5 s" in message
+    assert 0 < got < 500_000
+    assert 0.4 < took < 2.0  # from the last row received to the cut
+
+
 def test_io_timeout_is_checked() -> None:
     from changebus.fetchers.postgres import PostgresConfig
     from changebus.schemas import ConfigError

@@ -191,7 +191,7 @@ class PostgresFetcher:
                 self._data_loss = None
             ticker = Ticker(self, catalog)
             if cfg.mode == "sql":
-                poll_sql(self, catalog, assembler, emit, stopping, ticker)
+                poll_sql(self, catalog, assembler, emit, stopping, ticker, watchdog)
                 return
             repl = connect(
                 cfg.dsn,

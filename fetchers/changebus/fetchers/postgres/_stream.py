@@ -33,6 +33,7 @@ the event loop is described on :class:`~._fetcher.PostgresFetcher`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
@@ -65,6 +66,8 @@ HOLD_WINDOWS = 256
 HOLD_S = 0.02
 #: a new acknowledgement is reported at most this often (besides status_interval_s)
 _ACK_STATUS_S = 0.05
+#: SQL mode: peek rows (pgoutput messages) fetched from the server at a time
+PEEK_CHUNK_ROWS = 256
 
 
 def stream(
@@ -151,12 +154,19 @@ def poll_sql(
     emit: Callable[[Window], None],
     stopping: threading.Event,
     ticker: Ticker,
+    watchdog: Watchdog,
 ) -> None:
     """The SQL-interface mode: peek a batch, emit new windows, advance to what is acked.
 
     Peeking does not consume: the slot moves only by
     ``pg_replication_slot_advance`` to the end of acknowledged windows, so
     a crash re-reads (and drops, by SCN) what the relay already holds.
+
+    The peek runs on a connection of its own and its rows are streamed
+    (``PEEK_CHUNK_ROWS`` at a time): a peek answers with whole transactions,
+    and one of a million rows must not be held at once before the assembler
+    can see it (and drop it, past ``max_transaction_bytes``). The catalog
+    connection stays free for the type lookups the assembler makes mid-peek.
     """
     cfg = fetcher.config
     emitted = fetcher._resume.scn
@@ -167,61 +177,71 @@ def poll_sql(
         "'proto_version', '1', 'publication_names', %s, 'binary', 'true', "
         "'messages', 'true')"
     )
-    pid = catalog.info.backend_pid
-    sock = catalog.pgconn.socket
+    with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as conn:
+        peeker = watchdog.guard(conn)
+        pid = conn.info.backend_pid
+        sock = conn.pgconn.socket
 
-    def still_active() -> bool:
-        # the peek decodes a whole transaction before it answers: a big one takes
-        # long, which the watchdog asks the server about instead of cutting it
-        with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as probe:
-            row = probe.execute(
-                "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
-            ).fetchone()
-        if row is None or row[0] != "active":
-            return False
-        # a backend writing its answer waits on ClientWrite: progress while its bytes
-        # arrive here, none when the path died (TCP would retry for many minutes)
-        return row[1] != "ClientWrite" or received_within(sock, cfg.io_timeout_s)
+        def still_active() -> bool:
+            # the peek decodes a whole transaction before it answers: a big one takes
+            # long, which the watchdog asks the server about instead of cutting it
+            with connect(
+                cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s
+            ) as probe:
+                row = probe.execute(
+                    "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+            if row is None or row[0] != "active":
+                return False
+            # a backend writing its answer waits on ClientWrite: progress while its bytes
+            # arrive here, none when the path died (TCP would retry for many minutes)
+            return row[1] != "ClientWrite" or received_within(sock, cfg.io_timeout_s)
 
-    while not stopping.is_set():
-        # wait (briefly) for the relay to take what was emitted: peeking
-        # again before the slot advances would decode the same changes twice
-        deadline = time.monotonic() + 1.0
-        while (
-            fetcher._acked_end_lsn < emitted_end
-            and time.monotonic() < deadline
-            and not stopping.is_set()
-        ):
-            stopping.wait(0.001)
-        acked = fetcher._acked_end_lsn
-        if acked > advanced:
-            catalog.execute(
-                "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
-                (cfg.slot, scn_to_lsn(acked)),
+        while not stopping.is_set():
+            # wait (briefly) for the relay to take what was emitted: peeking
+            # again before the slot advances would decode the same changes twice
+            deadline = time.monotonic() + 1.0
+            while (
+                fetcher._acked_end_lsn < emitted_end
+                and time.monotonic() < deadline
+                and not stopping.is_set()
+            ):
+                stopping.wait(0.001)
+            acked = fetcher._acked_end_lsn
+            if acked > advanced:
+                catalog.execute(
+                    "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
+                    (cfg.slot, scn_to_lsn(acked)),
+                )
+                advanced = acked
+            # every peek starts at the slot's confirmed position: what it reads up to
+            # the last window emitted is read again (the relay holds it)
+            assembler.replay_until = emitted
+            fresh = 0
+            rows = peeker.stream(
+                peek,
+                (cfg.slot, cfg.sql_batch_changes, cfg.publication),
+                size=PEEK_CHUNK_ROWS,
+                probe=still_active,
             )
-            advanced = acked
-        # every peek starts at the slot's confirmed position: what it reads up to the
-        # last window emitted is read again (the relay holds it)
-        assembler.replay_until = emitted
-        rows = catalog.execute(
-            peek, (cfg.slot, cfg.sql_batch_changes, cfg.publication), probe=still_active
-        )
-        fresh = 0
-        for (data,) in rows:
-            window = assembler.feed_raw(data)
-            if window is not None and window.scn > emitted:
-                fetcher._emit(window, emit)
-                emitted = window.scn
-                emitted_end = lsn_to_scn(window.source_position)
-                fresh += 1
-        if fetcher._feed is not None:
-            fetcher._feed.flush()  # the acks waited for above need the loop to see them
-        now = time.monotonic()
-        if fresh:
-            ticker.activity(now)
-        else:
-            ticker.tick(now, idle=True)
-            stopping.wait(cfg.sql_poll_interval_s)
+            with contextlib.closing(rows):
+                for (data,) in rows:
+                    window = assembler.feed_raw(data)
+                    if window is not None and window.scn > emitted:
+                        fetcher._emit(window, emit)
+                        emitted = window.scn
+                        emitted_end = lsn_to_scn(window.source_position)
+                        fresh += 1
+                    if stopping.is_set():
+                        break
+            if fetcher._feed is not None:
+                fetcher._feed.flush()  # the acks waited for above need the loop to see them
+            now = time.monotonic()
+            if fresh:
+                ticker.activity(now)
+            else:
+                ticker.tick(now, idle=True)
+                stopping.wait(cfg.sql_poll_interval_s)
 
 
 def _send_status(

@@ -44,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any
 
@@ -228,6 +228,44 @@ class Guarded:
             raise
         finally:
             dog.disarm(key)
+
+    def stream(
+        self,
+        query: Any,
+        params: Any = None,
+        *,
+        size: int,
+        probe: Callable[[], bool] | None = None,
+    ) -> Generator[Any, None, None]:
+        """The rows of ``query`` as they arrive, ``size`` at a time (libpq's chunked mode).
+
+        Memory holds one chunk, not the whole answer. The deadline (and
+        ``probe``) covers each wait for the server only: while the caller
+        holds a row (handing a window to a busy relay, say) the call is
+        disarmed, because that time is not the server's. Closing the
+        iterator early cancels the query, under a deadline too.
+        """
+        dog, key, fd = self._watchdog, id(self), self.conn.pgconn.socket
+        rows = self.conn.cursor().stream(query, params, size=size)
+        try:
+            while True:
+                dog.arm(key, fd, "a query", None, probe)
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    return
+                except Exception:
+                    dog.check()
+                    raise
+                finally:
+                    dog.disarm(key)
+                yield row
+        finally:
+            dog.arm(key, fd, "cancelling a query")
+            try:
+                rows.close()
+            finally:
+                dog.disarm(key)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.conn, name)
