@@ -147,12 +147,22 @@ class ApplierConfig:
     #: log events kept (about: whole windows); older applied windows are pruned
     #: (0: keep the whole log). Consumers behind the kept log get a snapshot.
     log_keep_events: int = 0
+    #: tombstones (deleted rows) are kept this long after their delete, then purged
+    #: once the log no longer holds them either (0: kept for ever). A consumer whose
+    #: position is older than the purged deletes must start again from nothing.
+    tombstone_keep_s: float = 7 * 86_400.0
+    #: how often the applier purges old tombstones
+    purge_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.batch_events <= 0 or self.idle_s <= 0:
             raise ConfigError("applier.batch_events and applier.idle_s must be positive")
         if self.log_keep_events < 0:
             raise ConfigError("applier.log_keep_events must not be negative")
+        if self.tombstone_keep_s < 0 or self.purge_interval_s <= 0:
+            raise ConfigError(
+                "applier.tombstone_keep_s must be >= 0 and applier.purge_interval_s > 0"
+            )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ database itself.
   with the part that writes it: ``cb_log`` in :mod:`._logstore`, ``cb_snap``
   and ``cb_trunc`` in :mod:`._fold`, ``cb_seed`` and ``cb_lost`` in :mod:`._gaps`,
   ``cb_snapjob`` in :mod:`._snapjobs`, ``cb_unfilled`` in :mod:`._fold` and
-  :mod:`._refill`.
+  :mod:`._refill`, ``cb_purge`` in :mod:`._purge`.
 * ``cb_state`` -- per partition: ``producer_scn`` (newest window in the log),
   ``applier_scn`` / ``applier_id`` (the snapshot reflects every window up to
   it), ``log_min_scn`` (windows after it are all in the log), ``base_scn``
@@ -71,6 +71,8 @@ _DDL = [
     """CREATE TABLE IF NOT EXISTS cb_unfilled (
         part TEXT NOT NULL, source_id INTEGER NOT NULL, key {blob} NOT NULL,
         scn BIGINT NOT NULL, PRIMARY KEY (part, source_id, key))""",
+    """CREATE TABLE IF NOT EXISTS cb_purge (
+        part TEXT PRIMARY KEY, tomb_scn BIGINT NOT NULL)""",
     # the store's identity: a random id made once, named in snapshot positions
     "CREATE TABLE IF NOT EXISTS cb_ident (id TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS cb_schema (

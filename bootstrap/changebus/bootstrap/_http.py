@@ -183,8 +183,8 @@ async def status(request: web.Request) -> web.Response:
     """``GET /v1/bootstrap/status``: the partition's positions (``producer_scn`` = target)."""
     _check_params(request, "status")
     part = _partition(request)
-    st, lost = await request.app[SERVICE].stores.read(
-        lambda s: (s.state(part), s.lost_ranges(part))
+    st, lost, purged = await request.app[SERVICE].stores.read(
+        lambda s: (s.state(part), s.lost_ranges(part), s.tomb_scn(part))
     )
     w = request.app[SERVICE].workers[part]
     return json_response(
@@ -193,7 +193,9 @@ async def status(request: web.Request) -> web.Response:
             "producer_scn": st.producer_scn,
             "applier_scn": st.applier_scn,
             "log_min_scn": st.log_min_scn,
-            "base_scn": st.base_scn,
+            # every change after it is here, deletes included (old tombstones are purged)
+            "base_scn": max(st.base_scn, purged),
+            "tomb_scn": purged,
             "lost_ranges": [list(r) for r in lost],
             "state": w.state,
         }

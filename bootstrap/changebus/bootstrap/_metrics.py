@@ -32,6 +32,8 @@ _GAUGES = {
     "applier_lag_events": "Log events not yet folded into the snapshot",
     "applier_lag_scn": "producer_scn - applier_scn",
     "log_min_scn": "Windows after this SCN are all in the log",
+    "tomb_scn": "Tombstones at or below this SCN may have been purged: positions before it "
+    "are refused (-1: none purged)",
     "gap_before_scn": "A gap in the log not repaired yet: positions before this SCN are "
     "refused, the snapshot misses what was lost (-1: none)",
 }
@@ -39,6 +41,7 @@ _COUNTERS = {
     "windows_appended": "Windows appended to the log",
     "events_appended": "Events appended to the log",
     "events_applied": "Log events folded into the snapshot",
+    "tombstones_purged": "Tombstones (deleted rows) older than applier.tombstone_keep_s purged",
     "producer_fell_off": "Times the producer fell off the relay",
     "data_loss": "DATA_LOSS windows (SCNs the relay reported lost) received from the relay",
 }

@@ -265,8 +265,12 @@ class Pipelines(Seeding):
 
     async def _apply(self, w: PartitionWorker) -> None:
         batch = self.config.applier.batch_events
+        purge_at = time.monotonic()
         while True:
             before = w.applier_scn
+            if self.config.applier.tombstone_keep_s and time.monotonic() >= purge_at:
+                await self._purge(w)
+                purge_at = time.monotonic() + self.config.applier.purge_interval_s
 
             def step(
                 s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
@@ -298,3 +302,20 @@ class Pipelines(Seeding):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.applier.idle_s):
                     await w.wake.wait()
+
+    async def _purge(self, w: PartitionWorker) -> None:
+        """Purge tombstones older than ``tombstone_keep_s`` (:mod:`._purge`), a bounded
+        step per store write so that other writes go between; a failure waits for the
+        next round."""
+        cutoff_ns = time.time_ns() - int(self.config.applier.tombstone_keep_s * 1e9)
+        more = True
+        while more:
+            try:
+                purged, more = await self.stores.write(
+                    lambda s: s.purge_tombstones(w.name, cutoff_ns)
+                )
+                w.tomb_scn = await self.stores.write(lambda s: s.tomb_scn(w.name))
+            except Exception as exc:  # noqa: BLE001 - the applier must go on
+                log.error("partition %s: purging tombstones: %s", w.name, self._failure(exc))
+                return
+            w.tombstones_purged += purged

@@ -3,7 +3,8 @@
 :func:`plan_bootstrap` chooses between a snapshot and a catch-up-only
 bootstrap for a consumer at ``since`` (by counting, up to what the choice
 needs, the log events and snapshot rows it would get), or refuses it:
-positions older than the history (410), in a lost range (410 for good),
+positions older than the history or the deletes kept (410), in a lost range
+(410 for good),
 before an unrepaired gap or past the log (503, retriable), and consumers
 from nothing while tables they read are being seeded (503).
 :func:`check_position` is the history, lost-range and gap part, also
@@ -40,6 +41,15 @@ def check_position(store: Store, part: str, since: int, seeding: bool) -> Partit
             f"position {since} is older than this bootstrap server's history (it holds every "
             f"change after {st.base_scn}); the consumer must start again from nothing",
             base_scn=st.base_scn,
+        )
+    purged = store.tomb_scn(part)
+    if 0 <= since < purged:
+        raise ScnNotFoundError(
+            f"position {since} is older than the deletes this bootstrap server keeps (the "
+            f"tombstones of deletes up to SCN {purged} were purged: applier.tombstone_keep_s), "
+            "so a snapshot can no longer name the rows deleted since; the consumer must start "
+            "again from nothing",
+            base_scn=purged,
         )
     lost = store.lost_range(part, since)
     if lost is not None:

@@ -90,6 +90,9 @@ class BootstrapService(Pipelines):
             st = await self.stores.write(lambda s, n=name: s.state(n))  # type: ignore[misc]
             w.producer_scn, w.applier_scn = st.producer_scn, st.applier_scn
             w.log_min_scn, w.base_scn = st.log_min_scn, st.base_scn
+            w.tomb_scn = await self.stores.write(
+                lambda s, n=name: s.tomb_scn(n)  # type: ignore[misc]
+            )
             w.lag_events = await self.stores.write(
                 lambda s, n=name: s.unapplied_events(n)  # type: ignore[misc]
             )

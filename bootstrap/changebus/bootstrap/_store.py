@@ -10,7 +10,8 @@ each described with the part of :class:`Store` that writes it:
 ``cb_seed`` -- tables copied from the source in full, and gaps in the log
   (:mod:`._gaps`); ``cb_snapjob`` -- chunked snapshots in progress
   (:mod:`._snapjobs`); ``cb_unfilled`` -- rows lacking columns a seed re-reads
-  (:mod:`._refill`).
+  (:mod:`._refill`); ``cb_purge`` -- how far old tombstones were deleted
+  (:mod:`._purge`).
 ``cb_state`` / ``cb_schema`` -- positions per partition and table schemas
   (:mod:`._db`, which also holds the dialects and the DDL).
 
@@ -43,12 +44,13 @@ from ._db import PartitionState, StoreDb
 from ._fold import SnapshotFold
 from ._logstore import LogStore
 from ._pages import CatchupPage, Pages, SnapshotPage
+from ._purge import TombstonePurge
 from ._refill import Refills
 
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
 
-class Store(LogStore, SnapshotFold, Refills, Pages, StoreDb):
+class Store(LogStore, SnapshotFold, Refills, Pages, TombstonePurge, StoreDb):
     """One bootstrap database (see the module docstring). Not thread-safe."""
 
     @classmethod

@@ -38,6 +38,9 @@ class PartitionWorker:
     windows_appended: int = 0
     events_appended: int = 0
     events_applied: int = 0
+    #: tombstones purged (:mod:`._purge`) and the SCN up to which they may be gone
+    tombstones_purged: int = 0
+    tomb_scn: int = -1
     fell_off: int = 0
     #: DATA_LOSS windows received from the relay
     data_loss: int = 0
@@ -72,7 +75,9 @@ class PartitionWorker:
             "producer_scn": self.producer_scn,
             "applier_scn": self.applier_scn,
             "log_min_scn": self.log_min_scn,
-            "base_scn": self.base_scn,
+            "base_scn": max(self.base_scn, self.tomb_scn),
+            "tomb_scn": self.tomb_scn,
+            "tombstones_purged": self.tombstones_purged,
             "applier_lag_events": self.lag_events,
             "windows_appended": self.windows_appended,
             "events_appended": self.events_appended,

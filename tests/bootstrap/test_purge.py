@@ -1,0 +1,195 @@
+"""Old tombstones are purged: a store with churn stops growing, and no consumer is misled.
+
+A tombstone tells a consumer at an older position that a row was deleted.
+Kept for ever, a table whose rows are inserted and deleted again made the
+store grow for ever. Now tombstones older than ``applier.tombstone_keep_s``
+and below the log's start are deleted, and positions before the purged
+deletes are refused (410: start from nothing), since a snapshot could no
+longer name the rows deleted after them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from synthetic_boot import synthetic_relay
+from test_store import (
+    SID,
+    full_bootstrap,
+    replay,
+    store as store,  # the fixture: both dialects
+    window,
+)
+
+from changebus.bootstrap import (
+    ApplierConfig,
+    BootstrapConfig,
+    BootstrapServer,
+    HttpConfig,
+    StoreConfig,
+)
+from changebus.bootstrap._plan import check_position
+from changebus.bootstrap._store import Store
+from changebus.relay import Relay
+from changebus.schemas import Op, ScnNotFoundError
+from waiting import wait_until
+
+_LOG_FROM = 2000  # the log is pruned up to here
+_CUTOFF_NS = 15_000  # deletes before SCN 1500 are old (events are stamped 10 x SCN ns)
+
+
+def _churn() -> list[bytes]:
+    """300 windows (SCN 100 + 10 i): key i inserted, key i - 5 deleted, and every
+    seventh window key i - 20 inserted again (its tombstone becomes a row again)."""
+    t1 = SID[min(SID)].name
+    out = []
+    for i in range(300):
+        changes: list[tuple[str, Op, int, str | None]] = [(t1, Op.INSERT, i, f"v{i}")]
+        if i >= 5:
+            changes.append((t1, Op.DELETE, i - 5, None))
+        if i >= 20 and i % 7 == 0:
+            changes.append((t1, Op.INSERT, i - 20, f"again {i}"))
+        out.append(window(100 + 10 * i, changes))
+    return out
+
+
+def _tombstones(s: Store) -> set[tuple[int, bytes, int]]:
+    rows = s._all("SELECT source_id, key, scn FROM cb_snap WHERE part = 'p' AND deleted = 1")
+    return {(int(a), bytes(b), int(c)) for a, b, c in rows}
+
+
+def _live(s: Store) -> set[tuple[int, bytes, int, bytes]]:
+    rows = s._all("SELECT source_id, key, scn, event FROM cb_snap WHERE part = 'p' AND deleted = 0")
+    return {(int(a), bytes(b), int(c), bytes(d)) for a, b, c, d in rows}
+
+
+def _purge_all(s: Store, cutoff_ns: int, limit: int) -> tuple[int, int]:
+    """Purge steps until one says nothing more is to do; returns (purged, steps)."""
+    purged = steps = 0
+    while True:
+        n, more = s.purge_tombstones("p", cutoff_ns, limit=limit)
+        purged, steps = purged + n, steps + 1
+        if not more:
+            return purged, steps
+
+
+@pytest.mark.parametrize("limit", [7, 10_000])
+def test_old_tombstones_below_the_log_go_and_older_positions_are_refused(
+    store: Store, limit: int
+) -> None:
+    wins = _churn()
+    store.append("p", b"".join(wins), start_scn=0)
+    store.apply("p")
+    assert store.prune_log("p", _LOG_FROM) > 0
+    before, live = _tombstones(store), _live(store)
+    young = min(scn for _s, _k, scn in before if scn >= 1500)
+    assert young < _LOG_FROM
+    assert store.tomb_scn("p") == -1
+
+    purged, steps = _purge_all(store, _CUTOFF_NS, limit)
+
+    after = _tombstones(store)
+    assert store.tomb_scn("p") == young - 1
+    assert after == {t for t in before if t[2] >= young}  # every one above it is kept
+    assert purged == len(before - after) > 0
+    assert _live(store) == live  # no live row touched
+    assert steps >= (purged // limit if limit < 100 else 1)
+    # positions: before the purged deletes refused; at it, or from nothing, served
+    with pytest.raises(ScnNotFoundError, match="deletes this bootstrap server keeps"):
+        check_position(store, "p", young - 2, seeding=False)
+    check_position(store, "p", young - 1, seeding=False)
+    check_position(store, "p", -1, seeding=False)
+    # a consumer at the horizon still ends with the source's rows
+    truth: dict[tuple[str, int], str | None] = {}
+    have: dict[tuple[str, int], str | None] = {}
+    for i, w in enumerate(wins):
+        replay(w, truth)
+        if 100 + 10 * i <= young - 1:
+            replay(w, have)
+    full_bootstrap(store, young - 1, have)
+    assert have == truth
+
+    # every delete old: the purge stops at the log's start, never past it
+    _purge_all(store, 10**18, limit)
+    assert store.tomb_scn("p") == store.state("p").log_min_scn == _LOG_FROM
+    assert _tombstones(store) == {t for t in before if t[2] > _LOG_FROM}
+    assert store.purge_tombstones("p", 10**18) == (0, False)
+
+
+def test_a_purge_step_finishes_a_big_transaction_and_moves_on(store: Store) -> None:
+    """An SCN with more rows than a step's limit: the step reads it whole (it must end
+    between two SCNs), so purging never stalls on it."""
+    t1 = SID[min(SID)].name
+    store.append(
+        "p",
+        window(10, [(t1, Op.INSERT, k, "x") for k in range(60)])
+        + window(20, [(t1, Op.DELETE, k, None) for k in range(50)])
+        + window(30, [(t1, Op.DELETE, k, None) for k in range(50, 55)])
+        + window(40, [(t1, Op.INSERT, 99, "y")]),
+        start_scn=0,
+    )
+    store.apply("p")
+    store.prune_log("p", 40)
+    n, more = store.purge_tombstones("p", 10**18, limit=10)
+    assert (n, more) == (50, True) and store.tomb_scn("p") == 20
+    n, more = store.purge_tombstones("p", 10**18, limit=10)
+    assert n == 5 and store.tomb_scn("p") == 40
+    assert _tombstones(store) == set()
+    page = store.snapshot_page(
+        "p", sorted(SID), since_scn=40, start_scn=40, position=(0, 0), max_bytes=1 << 20
+    )
+    assert page.complete and page.events == 0
+
+
+async def test_a_running_server_purges_and_refuses_positions_before_it(tmp_path: Path) -> None:
+    """The applier purges every ``purge_interval_s``; the status, the metrics and the
+    plan say so."""
+    relay_cfg = synthetic_relay(
+        tmp_path / "relay", 400, keys=40, update_ratio=0.2, delete_ratio=0.4, start_scn=1000
+    )
+    async with Relay(relay_cfg) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 400)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=HttpConfig(port=0),
+            applier=ApplierConfig(
+                log_keep_events=200, tombstone_keep_s=0.001, purge_interval_s=0.05
+            ),
+        )
+        async with BootstrapServer(cfg) as boot, aiohttp.ClientSession() as http:
+            w = boot.service.workers
+            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last, what="applier")
+            await wait_until(lambda: w["syn"].tomb_scn == w["syn"].log_min_scn > 1000, what="purge")
+            tomb = w["syn"].tomb_scn
+            left = await boot.service.stores.read(
+                lambda s: s._all(
+                    "SELECT count(*), min(scn) FROM cb_snap WHERE part = 'syn' AND deleted = 1"
+                )
+            )
+            base = f"{boot.url}/v1/bootstrap"
+            async with http.get(f"{base}/status", params={"partition": "syn"}) as resp:
+                status = await resp.json()
+            async with http.get(
+                f"{base}/start", params={"partition": "syn", "since": str(tomb - 1)}
+            ) as resp:
+                refused, why = resp.status, (await resp.json())["message"]
+            async with http.get(
+                f"{base}/start", params={"partition": "syn", "since": str(tomb)}
+            ) as resp:
+                served = resp.status
+            async with http.get(f"{boot.url}/metrics") as resp:
+                metrics = await resp.text()
+    assert w["syn"].tombstones_purged > 0
+    count, oldest = left[0]
+    assert count == 0 or int(oldest) > tomb
+    assert status["tomb_scn"] == tomb and status["base_scn"] >= tomb
+    assert refused == 410 and "purged" in why
+    assert served == 200
+    purged = [ln for ln in metrics.splitlines() if ln.startswith("changebus_bootstrap_tombstones")]
+    assert any(json.loads(ln.rsplit(" ", 1)[1]) > 0 for ln in purged), purged
