@@ -43,7 +43,7 @@ class TombstonePurge(StoreDb):
         return int(row[0]) if row is not None else -1
 
     def purge_tombstones(
-        self, part: str, older_than_ns: int, limit: int = 10_000
+        self, part: str, older_than_ns: int, limit: int = 2_000
     ) -> tuple[int, bool]:
         """Delete tombstones whose delete happened before ``older_than_ns`` (the epoch's
         nanoseconds) and whose SCN is at most the log's start.
