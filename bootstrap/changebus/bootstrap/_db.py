@@ -72,7 +72,7 @@ _DDL = [
         part TEXT NOT NULL, source_id INTEGER NOT NULL, key {blob} NOT NULL,
         scn BIGINT NOT NULL, PRIMARY KEY (part, source_id, key))""",
     """CREATE TABLE IF NOT EXISTS cb_purge (
-        part TEXT PRIMARY KEY, tomb_scn BIGINT NOT NULL)""",
+        part TEXT PRIMARY KEY, tomb_scn BIGINT NOT NULL, scanned_scn BIGINT NOT NULL)""",
     # the store's identity: a random id made once, named in snapshot positions
     "CREATE TABLE IF NOT EXISTS cb_ident (id TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS cb_schema (

@@ -32,8 +32,7 @@ _GAUGES = {
     "applier_lag_events": "Log events not yet folded into the snapshot",
     "applier_lag_scn": "producer_scn - applier_scn",
     "log_min_scn": "Windows after this SCN are all in the log",
-    "tomb_scn": "Tombstones at or below this SCN may have been purged: positions before it "
-    "are refused (-1: none purged)",
+    "tomb_scn": "The newest purged tombstone: positions before it are refused (-1: none purged)",
     "gap_before_scn": "A gap in the log not repaired yet: positions before this SCN are "
     "refused, the snapshot misses what was lost (-1: none)",
 }

@@ -7,20 +7,21 @@ for ever, a store with churn (rows inserted and deleted again) grows for
 ever. :meth:`TombstonePurge.purge_tombstones` deletes the tombstones whose
 delete is older than a cutoff, in SCN order, and records how far it went.
 
-Invariant: ``tomb_scn`` (-1: nothing purged) is an SCN at or below which
-tombstones may be gone, and above which every tombstone is kept. So the
-server holds every delete after ``max(base_scn, tomb_scn)``; a consumer at
-an older position cannot be served a snapshot with the deletes it needs,
-and :func:`~._plan.check_position` refuses it (410: start from nothing).
-``tomb_scn <= log_min_scn`` always: a purge never goes past the log's
-start, so a consumer the log can serve (a catch-up) is never refused for
-it. The age of a tombstone is its DELETE event's timestamp; a purge stops
+Per partition, ``tomb_scn`` is the newest SCN of a purged tombstone (-1:
+none was purged) and ``scanned_scn`` how far the purge has read (every row
+at or below it was looked at). Invariant: every tombstone above
+``tomb_scn`` is kept, so the server holds every delete after
+``max(base_scn, tomb_scn)``, and exactly the consumers at older positions
+lack one: :func:`~._plan.check_position` refuses them (410: start from
+nothing). ``tomb_scn <= scanned_scn <= log_min_scn`` always: a purge never
+goes past the log's start, so a consumer the log can serve (a catch-up) is
+never refused for it. The age of a tombstone is its DELETE event's timestamp; a purge stops
 at the first tombstone younger than the cutoff (SCNs and source commit
 times grow together), and deletes only tombstones at SCNs it passed whole.
 
 Work: each purge reads at most about ``limit`` ``cb_snap`` rows (more only
 to finish the rows of the last SCN it reached: one transaction's), in the
-``(part, scn)`` index from ``tomb_scn`` on, and reads the event header of
+``(part, scn)`` index from ``scanned_scn`` on, and reads the event header of
 tombstones only. Every row version is passed once; a purge that stops at a
 young tombstone reads again only the rows of that one SCN next time.
 """
@@ -38,9 +39,14 @@ class TombstonePurge(StoreDb):
     """Old tombstones deleted (a part of :class:`~._store.Store`)."""
 
     def tomb_scn(self, part: str) -> int:
-        """Tombstones at or below this SCN may have been purged (-1: none was)."""
-        row = self._one("SELECT tomb_scn FROM cb_purge WHERE part = {p}", (part,))
-        return int(row[0]) if row is not None else -1
+        """The newest SCN of a purged tombstone (-1: none was): a position before it
+        lacks that delete."""
+        return self._purge_state(part)[0]
+
+    def _purge_state(self, part: str) -> tuple[int, int]:
+        """``(tomb_scn, scanned_scn)`` of the partition (module docstring)."""
+        row = self._one("SELECT tomb_scn, scanned_scn FROM cb_purge WHERE part = {p}", (part,))
+        return (int(row[0]), int(row[1])) if row is not None else (-1, -1)
 
     def purge_tombstones(
         self, part: str, older_than_ns: int, limit: int = 2_000
@@ -52,7 +58,7 @@ class TombstonePurge(StoreDb):
         whether another step now would find more to do.
         """
         cap = self.state(part).log_min_scn
-        start = self.tomb_scn(part)
+        purged, start = self._purge_state(part)
         if cap <= start:
             return 0, False
         rows = self._scan(part, start, cap, limit)
@@ -79,6 +85,7 @@ class TombstonePurge(StoreDb):
         ids = [row_id for scn, row_id in doomed if scn <= upto]
         if upto <= start:
             return 0, False
+        purged = max([purged, *(scn for scn, _id in doomed if scn <= upto)])
         with self._txn():
             for i in range(0, len(ids), 500):
                 some = ids[i : i + 500]
@@ -86,10 +93,11 @@ class TombstonePurge(StoreDb):
                 self._conn.execute(f"DELETE FROM cb_snap WHERE id IN ({marks})", some)
             self._conn.execute(
                 self._sql(
-                    "INSERT INTO cb_purge (part, tomb_scn) VALUES ({p}, {p}) ON CONFLICT (part) "
-                    "DO UPDATE SET tomb_scn = excluded.tomb_scn"
+                    "INSERT INTO cb_purge (part, tomb_scn, scanned_scn) VALUES ({p}, {p}, {p}) "
+                    "ON CONFLICT (part) DO UPDATE SET tomb_scn = excluded.tomb_scn, "
+                    "scanned_scn = excluded.scanned_scn"
                 ),
-                (part, upto),
+                (part, purged, upto),
             )
         return len(ids), more
 
