@@ -187,9 +187,9 @@ def instrument(host: Any, stamps: Stamps) -> None:
     write = _broadcast.TailBroadcast._write
     pushed = [0]
 
-    def timed_copy(*args: Any) -> Any:
+    async def timed_copy(*args: Any) -> Any:
         t = time.perf_counter_ns()
-        cached = copy(*args)
+        cached = await copy(*args)
         if cached is not None:
             stamps.by_stage["select"][cached.next_scn] = t
             pushed[0] = cached.next_scn

@@ -261,6 +261,14 @@ class TailBroadcast:
                     )
                     if selection is None:
                         return  # nothing for this group's filter yet: stays parked
+                    if selection.resume_at >= 0:
+                        # a window longer than a scan, nothing for this group so far: it
+                        # stays parked and the next pass, soon, goes on where this one
+                        # stopped (one scan for the group, not one per stream)
+                        self._host.buffer.release(selection)
+                        if self._tick is None:
+                            self._tick = self._loop.call_soon(self._broadcast)
+                        return
                     cached = copy_out(self._host, selection, self._metrics)
                 except ChangebusError:
                     self._hand_back(by_pos, pos, "task")  # the task's own try reports it

@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,6 +115,8 @@ log = logging.getLogger("changebus.relay.buffer")
 #: the buffer's files, created mode 0600 before they are mapped (a side file added
 #: later must be created through :func:`changebus.schemas.files.private_file` too)
 _FILES = ("meta.dat", "ring.dat", "events.dat", "index.dat")
+#: requests inside an over-long window whose scan position is remembered (``_scanned``)
+_SCANNED_MAX = 1024
 
 #: ring bytes faulted in ahead of the writer (see :mod:`._prefault`)
 _PREFAULT_AHEAD = 32 << 20
@@ -240,6 +243,12 @@ class EventBuffer(BufferWriter):
         self._lock = threading.Lock()
         self._pins_changed = threading.Condition(self._lock)
         self._pins: set[Pin] = set()
+        #: (start event, key filter, sources) of a request inside a window longer than
+        #: a scan may read -> the event its last scan stopped at (nothing kept before it);
+        #: so the next selection of any such request goes on from there (LRU, bounded)
+        self._scanned: OrderedDict[
+            tuple[int, PartitionFilter | None, frozenset[int] | None], int
+        ] = OrderedDict()
         self.stats = {
             "windows_appended": 0,
             "events_appended": 0,
@@ -446,7 +455,10 @@ class EventBuffer(BufferWriter):
         caller long-polls). Whole windows only, unless the first window alone
         exceeds ``max_bytes``: then as many of its events as fit (at least
         one), and ``partial`` is set. Control events are always selected.
-        The caller must :meth:`release` the selection after sending it.
+        A selection with ``resume_at`` set has nothing to send yet: the
+        caller lets the event loop run and selects again, and the scan goes
+        on where it stopped (:attr:`Selection.resume_at`). The caller must
+        :meth:`release` the selection after sending it.
         """
         if max_bytes <= 0:
             raise BadRequestError("max_bytes must be positive")
@@ -458,6 +470,12 @@ class EventBuffer(BufferWriter):
             )
             if start >= m.tail_event:
                 return None
+            scanned = self._scanned
+            where = (start, key_filter, sources)
+            skip = scanned.get(where, -1) if scanned else -1
+            if skip >= 0:
+                scanned.move_to_end(where)  # (kept after the scan ends: the same requests
+                # of other consumers go on from there too, and a window never changes)
             result, low = select_events(
                 self._events,
                 self.capacity,
@@ -467,7 +485,12 @@ class EventBuffer(BufferWriter):
                 max_bytes,
                 key_filter,
                 src_table,
+                skip,
             )
+            if result.resume_at >= 0:
+                scanned[where] = result.resume_at
+                if len(scanned) > _SCANNED_MAX:
+                    scanned.popitem(last=False)
             pin = Pin(low)
             self._pins.add(pin)
         result.pin = pin

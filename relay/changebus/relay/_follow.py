@@ -183,7 +183,7 @@ async def _pushes(
             if cached is None or charged < len(cached.body):
                 # (a shared push larger than the grant: a fresh, smaller copy instead)
                 try:
-                    cached = _copy(host, scn, offset, charged, ask, metrics)
+                    cached = await _copy(host, scn, offset, charged, ask, metrics)
                 except ChangebusError as exc:  # evicted or overrun meanwhile: the client re-asks
                     log.info("follow stream for %s ends: %s", ask.client, exc.message)
                     break
@@ -240,11 +240,21 @@ async def _drain(request: web.Request, watch: SendWatch, copies: CopyBudget, cli
         copies.release(charged)
 
 
-def _copy(
+async def _copy(
     host: PartitionHost, scn: int, offset: int, max_bytes: int, ask: FollowRequest, m: RelayMetrics
 ) -> CachedResponse | None:
-    """The next push of at most ``max_bytes`` (None: nothing new yet); a checked copy."""
-    selection = host.buffer.select(
-        scn, offset, max_bytes, key_filter=ask.key_filter, sources=ask.sources
-    )
-    return None if selection is None else copy_out(host, selection, m)
+    """The next push of at most ``max_bytes`` (None: nothing new yet); a checked copy.
+
+    A window longer than a scan may read is scanned over several turns of
+    the event loop (:attr:`~._reader.Selection.resume_at`).
+    """
+    while True:
+        selection = host.buffer.select(
+            scn, offset, max_bytes, key_filter=ask.key_filter, sources=ask.sources
+        )
+        if selection is None:
+            return None
+        if selection.resume_at < 0:
+            return copy_out(host, selection, m)
+        host.buffer.release(selection)
+        await asyncio.sleep(0)

@@ -29,6 +29,7 @@ by bytes (:mod:`._respcache`); follow mode lives in :mod:`._follow`,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -225,6 +226,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
             except ScnNotFoundError:
                 metrics.fell_off(host.name)  # answered 410
                 raise
+        if isinstance(selection, Selection) and selection.resume_at >= 0:
+            host.buffer.release(selection)  # a window longer than a scan: go on from there
+            await asyncio.sleep(0)
+            continue
         if selection is not None:
             break
         left = deadline - time.monotonic()

@@ -63,6 +63,12 @@ class Selection:
     (sent or filtered out). ``partial`` says a window was cut by the byte
     limit. ``pin`` must be released with :meth:`EventBuffer.release`.
 
+    ``resume_at`` (>= 0): nothing to send yet, but the scan stopped inside
+    the checkpoint's window, which is longer than a scan may read
+    (:data:`MAX_SCAN_EVENTS`) and holds nothing the request keeps up to this
+    event index: select again soon, and the scan goes on from there (the
+    :class:`~._buffer.EventBuffer` remembers it for the same request).
+
     ``to_tail``: the scan reached the buffer's tail (a later request with the
     same checkpoint may get more). Otherwise the selection stopped at the
     byte limit and its bytes are settled: the same request gives the same
@@ -79,6 +85,7 @@ class Selection:
     windows: int
     to_tail: bool = True
     start_pos: int = -1
+    resume_at: int = -1
     pin: Pin | None = None
     views: list[memoryview] = field(default_factory=list)
 
@@ -158,8 +165,13 @@ def select_events(
     max_bytes: int,
     key_filter: PartitionFilter | None,
     src_table: npt.NDArray[np.bool_] | None,
+    skip_to: int = -1,
 ) -> tuple[Selection, int]:
     """The events to send from event ``start`` (of the window starting at ``window_first``).
+
+    ``skip_to`` (> ``start``): an earlier selection of the same request
+    scanned up to this event of the same window and found nothing to keep
+    (:attr:`Selection.more`); the scan goes on from there.
 
     Returns the selection (without pin or views) and the lowest virtual byte
     position it covers (``tail_pos`` when it is empty): what to pin.
@@ -174,10 +186,15 @@ def select_events(
     next_scn, next_offset, partial = -1, -1, False
     e = start
     start_pos = -1
+    if skip_to > start:
+        start_pos = int(events.get(start, start + 1)["pos"][0])
+        e = skip_to
+    origin = e  # (where this scan began: it reads at most MAX_SCAN_EVENTS from here)
+    resume_at = -1
     # no more events fit in max_bytes than it holds headers: a small request scans little
     chunk = min(SCAN_CHUNK, max(_FIRST_CHUNK, max_bytes // HEADER_SIZE + 1))
     unfiltered = key_filter is None and src_table is None
-    while e < m.tail_event and used < max_bytes and e - start < MAX_SCAN_EVENTS:
+    while e < m.tail_event and used < max_bytes and e - origin < MAX_SCAN_EVENTS:
         stop = min(e + chunk, m.tail_event)
         bounded = False
         if unfiltered:
@@ -196,8 +213,23 @@ def select_events(
             unfiltered = False  # (a wrap's gap made the byte bound too tight: scan without it)
             continue
         if eows.size == 0 and stop < m.tail_event and not full:
-            chunk *= 2  # a window longer than the chunk that may still fit: look further
-            continue
+            if stop - origin < MAX_SCAN_EVENTS:
+                chunk *= 2  # a window longer than the chunk that may still fit: look further
+                continue
+            if windows:
+                break  # (the whole windows before it go now)
+            # one window longer than a scan may read (a big transaction a filter keeps
+            # little of): what it keeps so far goes as a part, or the next scan goes on
+            # from here; the event loop and the writer do not wait for the whole window
+            e, next_scn = stop, int(rec["scn"][0])
+            if keep.any():
+                pos_parts.append(rec["pos"][keep])
+                len_parts.append(rec["length"][keep])
+                used += int(cum[-1])
+                next_offset, partial = e - window_first, True
+            else:
+                resume_at, next_scn = e, -1
+            break
         fits = eows[cum[eows] <= budget]
         if fits.size:
             last = int(fits[-1])
@@ -242,6 +274,7 @@ def select_events(
         windows=windows,
         to_tail=e >= m.tail_event,
         start_pos=start_pos,
+        resume_at=resume_at,
     )
     return selection, int(pos[0]) if pos.size else m.tail_pos
 
