@@ -122,6 +122,26 @@ async def test_what_a_filter_keeps_of_a_huge_window_comes_in_parts(
     assert answers >= 2 and max(scans) <= _SCAN_BOUND < _EVENTS, scans
 
 
+async def test_a_consumer_gets_the_kept_rows_of_a_huge_window_as_one_window(
+    tmp_path: Path,
+) -> None:
+    """The client library puts the parts together: one window, the kept rows, in order."""
+    from changebus.client import Consumer, ConsumerConfig
+
+    async with await _relay(tmp_path) as relay:
+        await _one_window(relay)
+        hashes = _hashes(relay)
+        lo, hi = int(hashes[5000]), int(hashes[5060])
+        want = int(((hashes >= lo) & (hashes < hi)).sum())
+        cfg = ConsumerConfig(
+            relays=(relay.url,), partition="syn", start="earliest", filter=f"range:{lo}:{hi}"
+        )
+        async with Consumer(cfg) as consumer:
+            window = await asyncio.wait_for(consumer.__anext__(), 60)
+        assert window.scn == relay.hosts["syn"].buffer.meta.last_scn
+    assert len(window.events) == want > 0  # (the relay's filter chose them: see above)
+
+
 async def test_followers_waiting_at_the_tail_get_a_huge_window_scanned_once_for_all(
     tmp_path: Path, scans: list[int]
 ) -> None:
