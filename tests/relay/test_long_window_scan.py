@@ -24,7 +24,7 @@ from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, R
 from changebus.relay._reader import MAX_SCAN_EVENTS, SCAN_CHUNK
 from changebus.schemas import FIRST_CONTROL_OP, Op, parse_stream
 
-_EVENTS = 700_000  # one window, more than two scans' worth
+_EVENTS = 600_000  # one window, more than two scans' worth
 #: rows one selection reads at most: a scan's events, read again as its chunk doubles
 _SCAN_BOUND = 2 * MAX_SCAN_EVENTS + SCAN_CHUNK
 
