@@ -51,7 +51,7 @@ import json
 import re
 import zlib
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any, Final, Union
 
@@ -220,6 +220,12 @@ class TableSchema:
 
     def __hash__(self) -> int:
         return hash((self.fingerprint, self.version))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle holds: the fields only. The derived Avro schemas cached on
+        the instance (most of its bytes, and most of the time to unpickle it) are made
+        again when used: a Spark task unpickles every table of its query and reads few."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     # ---- Avro names ---------------------------------------------------
 
