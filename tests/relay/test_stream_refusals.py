@@ -119,7 +119,7 @@ async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
     """Clients fill the consumer table (1,000 made-up ids at their own positions); the
     open /metrics computed every one's lag (an index search each) on every scrape.
     /metrics now counts them; /v1/status searches once per distinct position."""
-    from changebus.relay import _hoststatus
+    from changebus.relay import _hoststatus, _lagmetrics
 
     calls: list[int] = []
     real = _hoststatus.consumer_lag_seconds
@@ -129,6 +129,13 @@ async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
         return real(host, scn)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_hoststatus, "consumer_lag_seconds", counted)
+    series: list[int] = []  # the lag series' lookups (the 50 most lagging consumers)
+
+    def counted_series(host: object, scn: int) -> float:
+        series.append(scn)
+        return real(host, scn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_lagmetrics, "consumer_lag_seconds", counted_series)
     async with Relay(ring_config(tmp_path, 8 << 20)) as relay, aiohttp.ClientSession() as http:
         host = relay.hosts["ring"]
         await asyncio.to_thread(
@@ -138,8 +145,12 @@ async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
             host.saw_consumer(f"made-up-{i}", 10 + i % 10, 0, "127.0.0.1")
         async with http.get(f"{relay.url}/metrics") as resp:
             assert resp.status == 200
-            assert 'changebus_relay_consumers{partition="ring"} 1000.0' in await resp.text()
+            text = await resp.text()
+        assert 'changebus_relay_consumers{partition="ring"} 1000.0' in text
         assert calls == []
+        # 51 series (50 named, then _other) at 10 positions: one lookup per position
+        assert text.count("changebus_relay_consumer_lag_seconds{") == 51
+        assert sorted(series) == [10]  # (the most lagging: all at SCN 10)
         async with http.get(f"{relay.url}/v1/status") as resp:
             consumers = (await resp.json())["partitions"][0]["consumers"]
         assert len(consumers) == 1000 and all(c["lag_seconds"] is not None for c in consumers)

@@ -175,6 +175,10 @@ def _consumers(
     shown = seen[:cap]
     if len(seen) > cap:
         shown.append((seen[cap][0], OTHER_CONSUMERS))  # the most lagging of the rest
+    lags: dict[int, float] = {}  # by position: followers at the tail share one lookup
     for scn, client in shown:
         lag_scn.add_metric([host.name, client], float(max(m.last_scn - scn, 0)))
-        lag_s.add_metric([host.name, client], consumer_lag_seconds(host, scn))
+        found = lags.get(scn)
+        if found is None:
+            found = lags[scn] = consumer_lag_seconds(host, scn)
+        lag_s.add_metric([host.name, client], found)
