@@ -73,3 +73,54 @@ async def test_a_clusters_bounds_are_one_status_request_per_set_of_relays(
     bounds = await _relay.partition_bounds(opts)
     assert sorted(bounds) == sorted(parts) and all(b.max_scn == 9 for b in bounds.values())
     assert sorted(asked) == [("http://127.0.0.1:1",), ("http://127.0.0.1:2",)]  # (not 50)
+
+
+async def test_a_readers_start_asks_for_table_schemas_several_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ``/v1/schemas/{source}`` per table, asked one after the other: a query of
+    3,000 tables waited 3,000 round trips before it started. Now SCHEMA_REQUESTS go at
+    once, and the answer is the same (every table, in the relay's order)."""
+    from changebus.client._info import RelayInfo
+    from changebus.client.spark import _relay
+    from changebus.client.spark._options import SourceOptions
+
+    tables = 40
+    options = {**SMALL, "tables": tables, "events_per_window": tables}
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "p", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    running, most = [0], [0]
+    real = RelayInfo.schemas
+
+    async def counted(self: RelayInfo, name: str, partition: str | None = None) -> Any:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            return await real(self, name, partition)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(RelayInfo, "schemas", counted)
+    async with Relay(cfg) as relay:
+        stats = relay.server.app[HTTP_METRICS]
+        opts = SourceOptions.parse({"relays": relay.url})
+        for _ in range(100):
+            known = await _relay.table_schemas(opts, ["p"])
+            if len(known) == tables:
+                break
+        registry = relay.hosts["p"].registry
+        names = [name for _id, name in sorted(registry.sources())]
+        newest = {name: registry.latest(name) for name in names}
+        asked = sum(n for (path, _code), n in stats.requests.items() if "schemas" in path)
+    assert sorted(known) == sorted(names) and len(names) == tables
+    assert known == newest
+    assert 1 < most[0] <= _relay.SCHEMA_REQUESTS
+    assert asked >= tables
