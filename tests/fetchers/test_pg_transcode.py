@@ -297,3 +297,26 @@ def test_an_identity_index_other_than_the_key_gives_no_old_key(
     table = fast.registry.latest("public.ident")
     ops = [op for op, _key, _change in data_events(datas, table)]
     assert table.key == ("id",) and ops == [1, 2]
+
+
+def test_transcoders_of_many_tables_are_kept_for_the_recent_ones_only(
+    conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source with thousands of relations (each partition of a partitioned table is
+    one) kept a compiled transcoder (~12 KB) per relation for ever. Now the assembler
+    keeps those of the tables that had rows last (MAX_TRANSCODERS), compiles a dropped
+    one again when its rows come back, and the windows are the same bytes."""
+    from changebus.fetchers.postgres import _tables
+
+    monkeypatch.setattr(_tables, "MAX_TRANSCODERS", 3)
+    for t in range(8):
+        conn.execute(f"CREATE TABLE many{t} (id int8 PRIMARY KEY, v text)")
+    for i in range(64):
+        with conn.transaction():
+            conn.execute(f"INSERT INTO many{i % 8} VALUES (%s, %s)", (i, f"v{i}"))
+            conn.execute(f"UPDATE many{(i + 3) % 8} SET v = v || 'x'")
+    _datas, fast = both_paths(conn)  # (asserts both paths give the same windows)
+    assert len(fast.transcoders) == 3
+    assert fast.transcoders.compiled > 8  # dropped ones were compiled again
+    assert fast.rows_general == 0 and fast.rows_transcoded > 64
+    assert sum(1 for t in fast._tables.values() if t.transcoder is not None) == 3

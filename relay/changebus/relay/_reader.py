@@ -171,7 +171,7 @@ def select_events(
 
     ``skip_to`` (> ``start``): an earlier selection of the same request
     scanned up to this event of the same window and found nothing to keep
-    (:attr:`Selection.more`); the scan goes on from there.
+    (:attr:`Selection.resume_at`); the scan goes on from there.
 
     Returns the selection (without pin or views) and the lowest virtual byte
     position it covers (``tail_pos`` when it is empty): what to pin.

@@ -70,6 +70,7 @@ Not thread-safe: one assembler per fetcher thread.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import struct
@@ -115,7 +116,7 @@ from ._pgoutput import (
     Update,
     parse_message,
 )
-from ._tables import Table, adapter, apply_rules, choose_key, depth, refuse_unsupported
+from ._tables import Table, Transcoders, adapter, apply_rules, choose_key, depth, refuse_unsupported
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
 from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
@@ -186,6 +187,7 @@ class Assembler:
             (self.registry.source_id(t.name), t.name, t.version, t.fingerprint) for t in known
         )
         self._tables: dict[int, Table] = {}
+        self.transcoders = Transcoders()
         self._txn: _Txn | None = None
         #: the relay's last SCN (-1: none): a transaction at or before it is read again
         #: (the SQL mode peeks from the slot's confirmed position); its Relation
@@ -235,6 +237,7 @@ class Assembler:
         key_flags = tuple(c.key for c in rel.columns)
         key_places = [names.index(k) for k in key]
         rules = plan.rules if plan is not None else None
+        self.transcoders.forget(rel.oid)
         self._tables[rel.oid] = Table(
             table,
             RowEncoder(table, source_id=source_id, partition=self.partition_id),
@@ -242,7 +245,8 @@ class Assembler:
             adapters,
             names,
             key_flags,
-            Transcoder(
+            functools.partial(
+                Transcoder,
                 names,
                 types,
                 adapters,
@@ -458,10 +462,12 @@ class Assembler:
         kind = buf[offset]
         txn = self._txn
         if (kind == 0x49 or kind == 0x55 or kind == 0x44) and txn is not None:
-            table = self._tables.get(int.from_bytes(buf[offset + 1 : offset + 5], "big"))
+            oid = int.from_bytes(buf[offset + 1 : offset + 5], "big")
+            table = self._tables.get(oid)
             if table is not None and not txn.oversized:
                 try:
-                    op, key, body, old = table.transcoder.change(buf, offset, end)
+                    transcoder = self.transcoders.of(oid, table)
+                    op, key, body, old = transcoder.change(buf, offset, end)
                 except Fallback:
                     pass
                 except (IndexError, ValueError, TypeError, KeyError, struct.error):

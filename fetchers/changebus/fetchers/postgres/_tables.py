@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import decimal
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,14 @@ log = logging.getLogger("changebus.fetchers.postgres")
 
 
 @dataclass
-@dataclass
 class Table:
     """What the assembler holds per table (relation OID) at its current version.
 
     ``types``, ``adapters``, ``names`` and ``key_flags`` follow the Relation
     message's column order; ``announced`` is whether this assembler's windows
     carried the schema already (see the assembler's module docstring).
+    ``transcoder`` is compiled when rows come (``make_transcoder``), and
+    dropped again when many other tables had rows since (:class:`Transcoders`).
     Owned by one assembler (not thread-safe).
     """
 
@@ -52,7 +54,8 @@ class Table:
     adapters: tuple[Callable[[Any], Any] | None, ...]
     names: tuple[str, ...]
     key_flags: tuple[bool, ...]
-    transcoder: Transcoder
+    make_transcoder: Callable[[], Transcoder]
+    transcoder: Transcoder | None = None
     announced: bool = False
     #: the column policy's rule per column (None: the table has no policy)
     rules: tuple[ColumnRule | None, ...] | None = None
@@ -60,6 +63,56 @@ class Table:
     key_only_not_sent: tuple[str, ...] = ()
     #: the columns the column policy excludes (never decoded)
     excluded: frozenset[str] = frozenset()
+
+
+#: compiled transcoders an assembler keeps (about 12 KB each for 10 columns)
+MAX_TRANSCODERS = 1024
+
+
+class Transcoders:
+    """The compiled transcoders of the tables that had rows last, at most
+    :data:`MAX_TRANSCODERS` (least recently used dropped first).
+
+    A source with thousands of relations (a partitioned table's partitions
+    each are one) kept one per relation for ever. Data structure: relation
+    OID -> its :class:`Table`, least recently used first; a table's
+    ``transcoder`` is set exactly while it is in here. Rows of the same table
+    in a row skip the reordering (``_last``). Owned by one assembler.
+    """
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, Table] = OrderedDict()
+        self._last = -1
+        #: transcoders compiled (again, after being dropped, too)
+        self.compiled = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def of(self, oid: int, table: Table) -> Transcoder:
+        """``table``'s transcoder (the table of relation ``oid``), compiled when it has none."""
+        found = table.transcoder
+        if found is not None:
+            if oid != self._last:
+                self._lru.move_to_end(oid)
+                self._last = oid
+            return found
+        found = table.transcoder = table.make_transcoder()
+        self.compiled += 1
+        self._lru[oid] = table
+        self._last = oid
+        while len(self._lru) > MAX_TRANSCODERS:
+            _oid, dropped = self._lru.popitem(last=False)
+            dropped.transcoder = None
+        return found
+
+    def forget(self, oid: int) -> None:
+        """Relation ``oid`` has a new :class:`Table`: its old one leaves."""
+        old = self._lru.pop(oid, None)
+        if old is not None:
+            old.transcoder = None
+        if self._last == oid:
+            self._last = -1
 
 
 def choose_key(
