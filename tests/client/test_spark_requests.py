@@ -5,6 +5,7 @@ a cluster's partitions were one ``/v1/status`` per partition."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ async def test_a_readers_start_asks_for_table_schemas_several_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One ``/v1/schemas/{source}`` per table, asked one after the other: a query of
-    3,000 tables waited 3,000 round trips before it started. Now SCHEMA_REQUESTS go at
+    3,000 tables waited 3,000 round trips before it started. Now PARALLEL_REQUESTS go at
     once, and the answer is the same (every table, in the relay's order)."""
     from changebus.client._info import RelayInfo
     from changebus.client.spark import _relay
@@ -122,5 +123,59 @@ async def test_a_readers_start_asks_for_table_schemas_several_at_a_time(
         asked = sum(n for (path, _code), n in stats.requests.items() if "schemas" in path)
     assert sorted(known) == sorted(names) and len(names) == tables
     assert known == newest
-    assert 1 < most[0] <= _relay.SCHEMA_REQUESTS
+    assert 1 < most[0] <= _relay.PARALLEL_REQUESTS
     assert asked >= tables
+
+
+async def test_planning_asks_for_the_partitions_split_points_several_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every trigger's plan asks each partition's relay for split points: one after the
+    other, 300 partitions were 300 round trips per trigger. They go PARALLEL_REQUESTS at
+    a time now, with the same answer as one at a time."""
+    from changebus.client._info import RelayInfo
+    from changebus.client.spark import _relay
+    from changebus.client.spark._options import SourceOptions
+
+    parts = [f"p{i}" for i in range(24)]
+    options = {**SMALL, "max_windows": 40}
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=tuple(
+            PartitionConfig(
+                name, i + 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
+            )
+            for i, name in enumerate(parts)
+        ),
+        flush_interval_s=0,
+    )
+    running, most = [0], [0]
+    real = RelayInfo.splits
+
+    async def counted(self: RelayInfo, *args: Any) -> Any:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            return await real(self, *args)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(RelayInfo, "splits", counted)
+    async with Relay(cfg) as relay:
+        for name in parts:
+            buffer = relay.hosts[name].buffer
+            for _ in range(500):
+                if buffer.meta.windows >= 40:
+                    break
+                await asyncio.sleep(0.01)
+        ranges = {n: (-1, relay.hosts[n].buffer.meta.last_scn) for n in parts}
+        opts = SourceOptions.parse({"relays": relay.url})
+        together = await _relay.split_points(opts, ranges, 4)
+        concurrent = most[0]
+        monkeypatch.setattr(_relay, "PARALLEL_REQUESTS", 1)
+        most[0] = 0
+        alone = await _relay.split_points(opts, ranges, 4)
+    assert together == alone and sorted(together) == sorted(parts)
+    assert all(len(cuts) == 3 for cuts in together.values())
+    assert 1 < concurrent <= 16 and most[0] == 1
