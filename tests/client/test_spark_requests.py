@@ -17,6 +17,40 @@ from changebus.schemas.server import HTTP_METRICS
 SMALL = {"windows_per_s": 0, "max_windows": 5, "events_per_window": 2, "row_bytes": 50}
 
 
+def _relay_config(tmp: Path, parts: list[str], options: dict[str, Any] = SMALL) -> RelayConfig:
+    """A relay of synthetic partitions ``parts`` (``options``: the synthetic fetcher's)."""
+    return RelayConfig(
+        data_dir=tmp / "relay",
+        http=HttpConfig(port=0),
+        partitions=tuple(
+            PartitionConfig(
+                name, i + 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
+            )
+            for i, name in enumerate(parts)
+        ),
+        flush_interval_s=0,
+    )
+
+
+def _in_flight(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """Count the calls of ``RelayInfo.<method>`` running at once: ``[now, most]``."""
+    from changebus.client._info import RelayInfo
+
+    counts = [0, 0]
+    real = getattr(RelayInfo, method)
+
+    async def counted(self: RelayInfo, *args: Any) -> Any:
+        counts[0] += 1
+        counts[1] = max(counts[1], counts[0])
+        try:
+            return await real(self, *args)
+        finally:
+            counts[0] -= 1
+
+    monkeypatch.setattr(RelayInfo, method, counted)
+    return counts
+
+
 async def test_the_guard_lists_sources_once_for_partitions_that_share_relays(
     tmp_path: Path,
 ) -> None:
@@ -24,17 +58,7 @@ async def test_the_guard_lists_sources_once_for_partitions_that_share_relays(
     from changebus.client.spark._options import SourceOptions
 
     parts = [f"p{i}" for i in range(6)]
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=tuple(
-            PartitionConfig(
-                name, i + 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", SMALL)
-            )
-            for i, name in enumerate(parts)
-        ),
-        flush_interval_s=0,
-    )
+    cfg = _relay_config(tmp_path, parts)
     async with Relay(cfg) as relay:
         stats = relay.server.app[HTTP_METRICS]
         guard = SchemaGuard(SourceOptions.parse({"relays": relay.url}), {})
@@ -82,34 +106,13 @@ async def test_a_readers_start_asks_for_table_schemas_several_at_a_time(
     """One ``/v1/schemas/{source}`` per table, asked one after the other: a query of
     3,000 tables waited 3,000 round trips before it started. Now PARALLEL_REQUESTS go at
     once, and the answer is the same (every table, in the relay's order)."""
-    from changebus.client._info import RelayInfo
     from changebus.client.spark import _relay
     from changebus.client.spark._options import SourceOptions
 
     tables = 40
     options = {**SMALL, "tables": tables, "events_per_window": tables}
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "p", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            ),
-        ),
-        flush_interval_s=0,
-    )
-    running, most = [0], [0]
-    real = RelayInfo.schemas
-
-    async def counted(self: RelayInfo, name: str, partition: str | None = None) -> Any:
-        running[0] += 1
-        most[0] = max(most[0], running[0])
-        try:
-            return await real(self, name, partition)
-        finally:
-            running[0] -= 1
-
-    monkeypatch.setattr(RelayInfo, "schemas", counted)
+    cfg = _relay_config(tmp_path, ["p"], options)
+    counts = _in_flight(monkeypatch, "schemas")
     async with Relay(cfg) as relay:
         stats = relay.server.app[HTTP_METRICS]
         opts = SourceOptions.parse({"relays": relay.url})
@@ -123,7 +126,7 @@ async def test_a_readers_start_asks_for_table_schemas_several_at_a_time(
         asked = sum(n for (path, _code), n in stats.requests.items() if "schemas" in path)
     assert sorted(known) == sorted(names) and len(names) == tables
     assert known == newest
-    assert 1 < most[0] <= _relay.PARALLEL_REQUESTS
+    assert 1 < counts[1] <= _relay.PARALLEL_REQUESTS
     assert asked >= tables
 
 
@@ -133,35 +136,13 @@ async def test_planning_asks_for_the_partitions_split_points_several_at_a_time(
     """Every trigger's plan asks each partition's relay for split points: one after the
     other, 300 partitions were 300 round trips per trigger. They go PARALLEL_REQUESTS at
     a time now, with the same answer as one at a time."""
-    from changebus.client._info import RelayInfo
     from changebus.client.spark import _relay
     from changebus.client.spark._options import SourceOptions
 
     parts = [f"p{i}" for i in range(24)]
     options = {**SMALL, "max_windows": 40}
-    cfg = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=tuple(
-            PartitionConfig(
-                name, i + 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", options)
-            )
-            for i, name in enumerate(parts)
-        ),
-        flush_interval_s=0,
-    )
-    running, most = [0], [0]
-    real = RelayInfo.splits
-
-    async def counted(self: RelayInfo, *args: Any) -> Any:
-        running[0] += 1
-        most[0] = max(most[0], running[0])
-        try:
-            return await real(self, *args)
-        finally:
-            running[0] -= 1
-
-    monkeypatch.setattr(RelayInfo, "splits", counted)
+    cfg = _relay_config(tmp_path, parts, options)
+    counts = _in_flight(monkeypatch, "splits")
     async with Relay(cfg) as relay:
         for name in parts:
             buffer = relay.hosts[name].buffer
@@ -172,10 +153,10 @@ async def test_planning_asks_for_the_partitions_split_points_several_at_a_time(
         ranges = {n: (-1, relay.hosts[n].buffer.meta.last_scn) for n in parts}
         opts = SourceOptions.parse({"relays": relay.url})
         together = await _relay.split_points(opts, ranges, 4)
-        concurrent = most[0]
+        concurrent = counts[1]
         monkeypatch.setattr(_relay, "PARALLEL_REQUESTS", 1)
-        most[0] = 0
+        counts[1] = 0
         alone = await _relay.split_points(opts, ranges, 4)
     assert together == alone and sorted(together) == sorted(parts)
     assert all(len(cuts) == 3 for cuts in together.values())
-    assert 1 < concurrent <= 16 and most[0] == 1
+    assert 1 < concurrent <= 16 and counts[1] == 1

@@ -154,10 +154,7 @@ async def test_followers_waiting_at_the_tail_get_a_huge_window_scanned_once_for_
         aiohttp.ClientSession() as http,
     ):
         buffer = relay.hosts["syn"].buffer
-        for _ in range(600):
-            if buffer.meta.windows >= 1:
-                break
-            await asyncio.sleep(0.01)
+        await _one_window(relay)
         assert buffer.meta.windows == 1
         first = buffer.meta.last_scn
         # (the huge window's keys are not known yet: a range no 64-bit hash is likely in)

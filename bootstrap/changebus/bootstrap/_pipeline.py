@@ -311,10 +311,9 @@ class Pipelines(Seeding):
         more = True
         while more:
             try:
-                purged, more = await self.stores.write(
-                    lambda s: s.purge_tombstones(w.name, cutoff_ns)
+                purged, more, w.tomb_scn = await self.stores.write(
+                    lambda s: (*s.purge_tombstones(w.name, cutoff_ns), s.tomb_scn(w.name))
                 )
-                w.tomb_scn = await self.stores.write(lambda s: s.tomb_scn(w.name))
             except Exception as exc:  # noqa: BLE001 - the applier must go on
                 log.error("partition %s: purging tombstones: %s", w.name, self._failure(exc))
                 return

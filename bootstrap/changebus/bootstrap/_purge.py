@@ -28,6 +28,8 @@ young tombstone reads again only the rows of that one SCN next time.
 
 from __future__ import annotations
 
+from typing import Any
+
 from changebus.schemas import HEADER_SIZE, decode_header
 
 from ._db import StoreDb
@@ -61,18 +63,14 @@ class TombstonePurge(StoreDb):
         purged, start = self._purge_state(part)
         if cap <= start:
             return 0, False
-        rows = self._scan(part, start, cap, limit)
+        rows = self._rows(
+            part, "scn > {p} AND scn <= {p} ORDER BY scn, id LIMIT {p}", start, cap, limit
+        )
         more = len(rows) >= limit
-        if len(rows) >= limit:  # finish the last SCN: a purge ends between two SCNs
-            last_scn, last_id = int(rows[-1][1]), int(rows[-1][0])
-            rows += self._all(
-                "SELECT id, scn, deleted, CASE WHEN deleted = 1 THEN substr(event, 1, {p}) END "
-                "FROM cb_snap WHERE part = {p} AND scn = {p} AND id > {p}",
-                (HEADER_SIZE, part, last_scn, last_id),
-            )
-            upto = last_scn
-        else:
-            upto = cap
+        upto = cap
+        if more:  # finish the last SCN: a purge ends between two SCNs
+            upto, last_id = int(rows[-1][1]), int(rows[-1][0])
+            rows += self._rows(part, "scn = {p} AND id > {p}", upto, last_id)
         doomed: list[tuple[int, int]] = []
         for row_id, scn, deleted, head in rows:
             if not deleted:
@@ -82,10 +80,11 @@ class TombstonePurge(StoreDb):
                 more = False
                 break
             doomed.append((int(scn), int(row_id)))
-        ids = [row_id for scn, row_id in doomed if scn <= upto]
         if upto <= start:
             return 0, False
-        purged = max([purged, *(scn for scn, _id in doomed if scn <= upto)])
+        doomed = [(scn, row_id) for scn, row_id in doomed if scn <= upto]
+        ids = [row_id for _scn, row_id in doomed]
+        purged = max([purged, *(scn for scn, _id in doomed)])
         with self._txn():
             for i in range(0, len(ids), 500):
                 some = ids[i : i + 500]
@@ -101,16 +100,11 @@ class TombstonePurge(StoreDb):
             )
         return len(ids), more
 
-    def _scan(
-        self, part: str, after: int, upto: int, limit: int
-    ) -> list[tuple[int, int, int, bytes]]:
-        """``(id, scn, deleted, header or None)`` of ``cb_snap`` rows in ``(after, upto]``,
-        by SCN, at most ``limit``."""
-        return list(
-            self._all(
-                "SELECT id, scn, deleted, CASE WHEN deleted = 1 THEN substr(event, 1, {p}) END "
-                "FROM cb_snap WHERE part = {p} AND scn > {p} AND scn <= {p} ORDER BY scn, id "
-                "LIMIT {p}",
-                (HEADER_SIZE, part, after, upto, limit),
-            )
+    def _rows(self, part: str, where: str, *params: int) -> list[Any]:
+        """``(id, scn, deleted, header or None)`` of the partition's ``cb_snap`` rows
+        ``where`` (the event header of tombstones only)."""
+        return self._all(
+            "SELECT id, scn, deleted, CASE WHEN deleted = 1 THEN substr(event, 1, {p}) END "
+            "FROM cb_snap WHERE part = {p} AND " + where,
+            (HEADER_SIZE, part, *params),
         )
