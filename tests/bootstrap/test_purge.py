@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -34,9 +35,41 @@ from changebus.bootstrap import (
 )
 from changebus.bootstrap._plan import check_position
 from changebus.bootstrap._store import Store
+from changebus.client import ConsumerConfig
+from changebus.client._bootstrap import Bootstrapper
+from changebus.client._decode import SchemaCache
+from changebus.client._queue import WindowQueue
 from changebus.relay import Relay
-from changebus.schemas import Op, ScnNotFoundError
+from changebus.schemas import (
+    BootstrapFailedError,
+    BootstrapProgress,
+    Mode,
+    Op,
+    PartitionCheckpoint,
+    ScnNotFoundError,
+)
 from waiting import wait_until
+
+
+def _switch(
+    relay_url: str, boot_url: str, http: aiohttp.ClientSession
+) -> Callable[[int], Awaitable[int]]:
+    """A consumer that holds rows of a snapshot another (gone) server started at an SCN
+    resuming its bootstrap on ``boot_url``: the bootstrap's target SCN."""
+    config = ConsumerConfig(relays=(relay_url,), partition="syn", bootstrap_servers=(boot_url,))
+    runner = Bootstrapper(config, http, WindowQueue(1 << 16, 1 << 30), SchemaCache())
+
+    async def run(start: int) -> int:
+        progress = BootstrapProgress(
+            since_scn=-1, start_scn=start, snapshot_position="0:7", server="http://a.gone:1"
+        )
+        held = PartitionCheckpoint(
+            window_scn=start, prev_scn=start, mode=Mode.SNAPSHOT, bootstrap=progress
+        )
+        return await runner._run_once(boot_url, -1, held, True)
+
+    return run
+
 
 _LOG_FROM = 2000  # the log is pruned up to here
 _CUTOFF_NS = 15_000  # deletes before SCN 1500 are old (events are stamped 10 x SCN ns)
@@ -163,7 +196,9 @@ def test_a_purge_step_finishes_a_big_transaction_and_moves_on(store: Store) -> N
 
 async def test_a_running_server_purges_and_refuses_positions_before_it(tmp_path: Path) -> None:
     """The applier purges every ``purge_interval_s``; the status, the metrics and the
-    plan say so."""
+    plan say so. A consumer holding rows of another server's snapshot that started
+    before the purged deletes is refused when it switches here (it could keep a row
+    deleted meanwhile); one whose snapshot started at the reported base goes on."""
     relay_cfg = synthetic_relay(
         tmp_path / "relay", 400, keys=40, update_ratio=0.2, delete_ratio=0.4, start_scn=1000
     )
@@ -210,6 +245,11 @@ async def test_a_running_server_purges_and_refuses_positions_before_it(tmp_path:
                 served = resp.status
             async with http.get(f"{boot.url}/metrics") as resp:
                 metrics = await resp.text()
+            switch = _switch(relay.url, boot.url, http)
+            with pytest.raises(BootstrapFailedError, match=f"starts at SCN {status['base_scn']}"):
+                await switch(tomb - 1)
+            target = await asyncio.wait_for(switch(status["base_scn"]), 30)
+    assert target >= last
     assert w["syn"].tombstones_purged > 0
     count, oldest = left[0]
     assert count == 0 or int(oldest) > tomb
