@@ -88,7 +88,7 @@ from ._txn import (
     control_window,
     encode_window,
 )
-from ._workers import transcode_changes
+from ._workers import WorkerDispatch, layout_id, transcode_changes
 from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
 
 __all__ = ["BinlogAssembler", "PendingWindow"]
@@ -153,6 +153,7 @@ class BinlogAssembler:
         self.losses: Counter[str] = Counter()
         #: decode workers (processes) that transcode rows events; None: this thread
         self._pool = pool
+        self._dispatch = WorkerDispatch.of(pool) if pool is not None else None
         self.file = ""
         self._file_number = 0
         #: added to ``file_number << 32 | pos``: 0 unless the relay failed over to
@@ -264,6 +265,7 @@ class BinlogAssembler:
                 compile_transcoder(layout),
                 len(layout.columns),
                 key,
+                layout_id(layout) if self._pool is not None else b"",
             )
             if (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
                 self._known
@@ -302,17 +304,19 @@ class BinlogAssembler:
         if txn.oversized:
             # only counted from now on, here: nothing of it is kept (a worker's future
             # would hold its rows until the commit)
-            n = len(transcode_changes(table.layout, raw, int(op), start, end, table.transcode))
+            n = len(transcode_changes(table.transcode, raw, int(op), start, end))
             txn.data_events += n
             self.row_count += n
             self.row_count += txn.count_done()
             return
         changes: list[Any] | Future[list[Any]]
-        if self._pool is not None:
-            changes = self._pool.submit(transcode_changes, table.layout, raw[start:end], int(op))
+        if self._dispatch is not None:  # (the layout goes along only when needed)
+            changes = self._dispatch.submit(
+                table.layout_id, table.layout, table.transcode, raw[start:end], int(op)
+            )
             size = (end - start) * 2  # an estimate until the worker is done
         else:
-            changes = transcode_changes(table.layout, raw, int(op), start, end, table.transcode)
+            changes = transcode_changes(table.transcode, raw, int(op), start, end)
             size = len(changes) * _EVENT_OVERHEAD + sum(
                 len(c[1]) + len(c[2] or b"") + len(c[3] or b"") for c in changes
             )

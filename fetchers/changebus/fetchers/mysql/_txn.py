@@ -32,6 +32,8 @@ class MappedTable:
     ncols: int
     #: what the assembler's layout cache knows it by (TABLE_MAP bytes and declared types)
     key: tuple[Any, ...] = ()
+    #: what decode workers know the layout by (:func:`._workers.layout_id`; b"": none)
+    layout_id: bytes = b""
 
 
 #: one event of an open transaction (see :attr:`OpenTxn.events`)
