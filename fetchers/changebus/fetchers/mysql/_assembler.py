@@ -166,6 +166,7 @@ class BinlogAssembler:
         #: :data:`_CACHED_LAYOUTS`; each table's last one stays in ``_latest`` too)
         self._cache: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
         self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
+        self._lower: dict[str, _Table] = {}  # the same by lower-case name (DDL finds)
         #: fingerprints of the schema versions announced (SCHEMA_CHANGE sent, or known
         #: by the relay): shared by every layout of a version
         self._announced: set[int] = set()
@@ -275,7 +276,7 @@ class BinlogAssembler:
                 self._cache.popitem(last=False)
             self._cache[key] = table
         self._by_id[event.table_id] = table
-        self._latest[table.layout.name] = table
+        self._latest[table.layout.name] = self._lower[table.layout.name.lower()] = table
 
     def rows(self, event: Any, op: Op) -> None:
         txn = self._txn
@@ -410,8 +411,7 @@ class BinlogAssembler:
             )
         # (read again after a rewind: declared types are at the relay's last window)
         at = self.scn_at(end_pos)
-        declared = self.declared.copy() if at <= self.replay_until else self.declared
-        effect = declared.apply(text, schema or "", at)
+        effect = self.declared.apply(text, schema or "", at, keep=at <= self.replay_until)
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
@@ -530,20 +530,20 @@ class BinlogAssembler:
         return any(db in lowered for db in self._databases)
 
     def _registered_encoder(self, name: str) -> RowEncoder | None:
-        """An encoder of the registry's newest schema of ``name`` (None: never sent)."""
-        for _sid, known in self.registry.sources():
-            if known.lower() == name.lower():
-                schema = self.registry.latest(known)
-                return RowEncoder(
-                    schema, source_id=self.registry.source_id(known), partition=self.partition_id
-                )
-        return None
+        """An encoder of the registry's newest schema of ``name`` (None: never sent; a
+        name registered as given is found at once, other cases are searched for)."""
+        reg = self.registry
+        found = name if reg.has(name) else None
+        found = found or next((n for _, n in reg.sources() if n.lower() == name.lower()), None)
+        if found is None:
+            return None
+        return RowEncoder(
+            reg.latest(found), source_id=reg.source_id(found), partition=self.partition_id
+        )
 
     def _find(self, db: str, name: str) -> _Table | None:
-        for key, table in self._latest.items():
-            if key.lower() == f"{db}.{name}":
-                return table
-        return None
+        """The newest table mapped as ``db.name`` (lower case, as DDL effects name them)."""
+        return self._lower.get(f"{db}.{name}")
 
     def commit(self, end_pos: int) -> Window | PendingWindow | None:
         """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT).

@@ -26,11 +26,18 @@ the table then decodes with the types the binlog gives (``binary(16)``
 instead of ``uuid``), which is safe, and a warning says so. Statement text
 is never logged or forwarded (it can hold passwords).
 
+A statement costs what it touches, not the number of tables known: its
+changes to tables it must leave as they are (``valid_at``, or a statement
+read again: ``apply(..., keep=True)``) are undone from a log of the tables
+it wrote, and the ``valid_at`` marks the stream passed leave a heap in SCN
+order.
+
 Not thread-safe: one instance per fetcher thread.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import re
 from dataclasses import dataclass
@@ -185,6 +192,14 @@ class DeclaredTypes:
         #: tables whose types are those at a later SCN (information_schema read at the
         #: start, while the stream resumes before it): statements up to it are in them
         self._valid_at: dict[TableName, int] = {}
+        #: ``(valid_at, table)`` of :attr:`_valid_at`, smallest first (entries whose
+        #: table has another mark since, or none, are stale: skipped when popped)
+        self._expiry: list[tuple[int, TableName]] = []
+        #: during :meth:`apply`: what the tables it wrote held before, for those it
+        #: must leave as they are (restored at its end); None otherwise
+        self._undo: dict[TableName, dict[str, str] | None] | None = None
+        self._at = -1
+        self._keep = False
 
     def get(self, database: str, table: str) -> dict[str, str] | None:
         return self._tables.get((database.lower(), table.lower()))
@@ -198,6 +213,7 @@ class DeclaredTypes:
         self._tables[name] = {k.lower(): v.lower() for k, v in columns.items()}
         if valid_at >= 0:
             self._valid_at[name] = valid_at
+            heapq.heappush(self._expiry, (valid_at, name))
         else:
             self._valid_at.pop(name, None)
 
@@ -206,31 +222,52 @@ class DeclaredTypes:
         other = DeclaredTypes()
         other._tables = {name: dict(columns) for name, columns in self._tables.items()}
         other._valid_at = dict(self._valid_at)
+        other._expiry = list(self._expiry)
         return other
 
     def known(self, database: str, table: str) -> bool:
         return (database.lower(), table.lower()) in self._tables
 
-    def apply(self, sql: str, default_db: str, at: int = -1) -> DdlEffect:
+    def apply(self, sql: str, default_db: str, at: int = -1, *, keep: bool = False) -> DdlEffect:
         """Follow one statement (at SCN ``at``); never raises (an unparsable one is 'other').
 
         Tables whose types are valid at ``at`` or later (``set(valid_at=...)``)
-        keep them: the statement is already in them.
+        keep them: the statement is already in them. With ``keep`` every table
+        does (a statement read again: only its effect is wanted).
         """
-        kept = {n: self._tables.get(n) for n, v in self._valid_at.items() if at <= v}
+        self._undo, self._at, self._keep = {}, at, keep
         tokens = _Tokens(sql)
         try:
             return self._apply(tokens, default_db)
         except (ValueError, IndexError):
             return DdlEffect("other")
         finally:
-            for name, columns in kept.items():
+            undo, self._undo = self._undo, None
+            for name, columns in undo.items():
                 if columns is None:
                     self._tables.pop(name, None)
                 else:
                     self._tables[name] = columns
-            for name in [n for n, v in self._valid_at.items() if v < at]:
-                del self._valid_at[name]  # the stream is past it: statements apply again
+            expiry = self._expiry
+            while expiry and expiry[0][0] < at:  # the stream is past it: statements apply
+                valid_at, name = heapq.heappop(expiry)
+                if self._valid_at.get(name) == valid_at:
+                    del self._valid_at[name]
+
+    def _put(self, name: TableName, columns: dict[str, str] | None) -> None:
+        """Set (None: forget) a table's types during :meth:`apply` (logged in
+        :attr:`_undo` first when the statement must leave the table as it is)."""
+        undo = self._undo
+        if (
+            undo is not None
+            and name not in undo
+            and (self._keep or self._valid_at.get(name, -1) >= self._at)
+        ):
+            undo[name] = self._tables.get(name)
+        if columns is None:
+            self._tables.pop(name, None)
+        else:
+            self._tables[name] = columns
 
     def _apply(self, t: _Tokens, db: str) -> DdlEffect:
         head = t.peek()
@@ -248,7 +285,7 @@ class DeclaredTypes:
             while t.accept(","):
                 names.append(t.table(db))
             for n in names:
-                self._tables.pop(n, None)
+                self._put(n, None)
             return DdlEffect("drop", tuple(names))
         if head == "rename":
             t.i += 1
@@ -278,17 +315,14 @@ class DeclaredTypes:
             name = t.table(db)
             if t.accept("like"):
                 src = t.table(db)
-                if src in self._tables:
-                    self._tables[name] = dict(self._tables[src])
-                else:
-                    self._tables.pop(name, None)
+                src_columns = self._tables.get(src)
+                self._put(name, None if src_columns is None else dict(src_columns))
                 return DdlEffect("create", (name,))
             if t.peek() == "(" and t.peek(1) != "select":
                 t.i += 1
-                cols = self._definitions(t)
-                self._tables[name] = cols
+                self._put(name, self._definitions(t))
             else:
-                self._tables.pop(name, None)  # CREATE ... SELECT: types unknown
+                self._put(name, None)  # CREATE ... SELECT: types unknown
             return DdlEffect("create", (name,))
         if head == "alter":
             t.i += 1
@@ -307,16 +341,14 @@ class DeclaredTypes:
                     "binlog types from here on (uuid as binary(16), json as text)",
                     *name,
                 )
-            self._tables.pop(name, None)
+            self._put(name, None)
             return DdlEffect("alter", (name,))
         return DdlEffect("other")
 
     def _move(self, old: TableName, new: TableName) -> None:
-        cols = self._tables.pop(old, None)
-        if cols is not None:
-            self._tables[new] = cols
-        else:
-            self._tables.pop(new, None)
+        cols = self._tables.get(old)
+        self._put(old, None)
+        self._put(new, cols)
 
     @staticmethod
     def _definitions(t: _Tokens) -> dict[str, str]:
@@ -372,7 +404,7 @@ class DeclaredTypes:
                         cols[new_col] = cols.pop(old)
             t.until_comma()
         known = name in self._tables
-        self._tables.pop(name, None)
+        self._put(name, None)
         if known:
-            self._tables[target] = cols
+            self._put(target, cols)
         return target
