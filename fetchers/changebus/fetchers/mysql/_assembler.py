@@ -226,9 +226,7 @@ class BinlogAssembler:
             self._unannounce(self._txn)
         self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
         self._txn.start = (self.file, start_pos)
-        for prepared in self.prepared:  # let go of what their finished workers hold
-            if prepared.txn.dropped:
-                self.row_count += prepared.txn.count_done()
+        self.row_count += self.prepared.count_done()  # (what their finished workers hold)
 
     def table_map(self, event: Any) -> None:
         if not self.captured(event.schema):
@@ -462,8 +460,7 @@ class BinlogAssembler:
         # those tables themselves; the commit announces what is still needed then
         txn.events = [p for p in txn.events if isinstance(p[0], RowEncoder) or p[1]]
         self._unannounce(txn)
-        self.prepared.add(key, Prepared(txn, txn.gtid, *txn.start))
-        held = self.prepared.held_bytes()
+        held = self.prepared.held_bytes() + (0 if txn.oversized else txn.size)
         if self.max_window_bytes and held > self.max_window_bytes and not txn.oversized:
             # all the prepared halves together are bounded like one transaction: past
             # it, this one is only counted (its commit is a data loss, or an error)
@@ -475,6 +472,7 @@ class BinlogAssembler:
                 self.max_window_bytes,
             )
             self._let_go(txn)
+        self.prepared.add(key, Prepared(txn, txn.gtid, *txn.start))  # (after: it counts it)
         return None
 
     def _xa_end(self, text: str, end_pos: int) -> Window | PendingWindow | None:

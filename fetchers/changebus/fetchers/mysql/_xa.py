@@ -31,6 +31,7 @@ group at other positions: that case is refused (``docs/mysql.md``).
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -94,43 +95,78 @@ def xid_text(key: XaKey) -> str:
 class Prepared:
     """A prepared XA transaction's half: the assembler's open transaction (its rows,
     no schema announcement: those are made again at the commit), the GTID of its
-    prepared group and where that group starts (file, position)."""
+    prepared group and where that group starts (file, position). ``held``: its
+    event bytes as :meth:`PreparedSet.add` counted them."""
 
     txn: Any
     gtid: str
     file: str
     pos: int
+    held: int = 0
 
 
 class PreparedSet:
     """The prepared XA transactions not committed or rolled back yet, in prepare order.
 
-    Invariant: :meth:`restart` names the oldest of them (dicts keep insertion
-    order; a key prepared again, after a re-read, moves to the end only if it
-    was removed first -- a re-read starts with :meth:`clear`).
+    Invariants: :meth:`restart` names the oldest of them (insertion order; a
+    key prepared again, after a re-read, moves to the end only if it was
+    removed first -- a re-read starts with :meth:`clear`); :attr:`_held` is the
+    sum of their ``held``; :attr:`_draining` holds those whose transaction
+    still keeps decode worker futures (oversized ones), the only ones
+    :meth:`count_done` visits. So what every transaction and every position
+    asks of it costs the same however many are pending: an ``OrderedDict``
+    (its first entry is found at once, however many were removed before it),
+    a running sum, and a set of the few with futures.
+
+    A transaction added here no longer changes its size or its futures but by
+    :meth:`count_done`. Not thread-safe: the assembler's thread only.
     """
 
     def __init__(self) -> None:
-        self._by_key: dict[XaKey, Prepared] = {}
+        self._by_key: OrderedDict[XaKey, Prepared] = OrderedDict()
+        self._held = 0
+        self._draining: dict[XaKey, Prepared] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def add(self, key: XaKey, prepared: Prepared) -> None:
+        self.pop(key)
+        txn = prepared.txn
+        prepared.held = 0 if txn.oversized else txn.size
         self._by_key[key] = prepared
+        self._held += prepared.held
+        if txn.dropped:
+            self._draining[key] = prepared
 
     def pop(self, key: XaKey) -> Prepared | None:
-        return self._by_key.pop(key, None)
+        prepared = self._by_key.pop(key, None)
+        if prepared is not None:
+            self._held -= prepared.held
+            self._draining.pop(key, None)
+        return prepared
 
     def clear(self) -> None:
         self._by_key.clear()
+        self._draining.clear()
+        self._held = 0
 
     def __iter__(self) -> Iterator[Prepared]:
         return iter(self._by_key.values())
 
     def held_bytes(self) -> int:
         """Event bytes the prepared transactions hold (oversized ones hold none)."""
-        return sum(0 if p.txn.oversized else p.txn.size for p in self._by_key.values())
+        return self._held
+
+    def count_done(self) -> int:
+        """Count the rows of the finished worker futures the (oversized) prepared
+        transactions keep, and let them go (:meth:`OpenTxn.count_done`). The rows counted."""
+        counted = 0
+        for key, prepared in list(self._draining.items()):
+            counted += prepared.txn.count_done()
+            if not prepared.txn.dropped:
+                del self._draining[key]
+        return counted
 
     def restart(self) -> str:
         """The ``xa`` field of positions now ('' when nothing is pending)."""
