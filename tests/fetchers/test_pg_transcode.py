@@ -303,9 +303,10 @@ def test_transcoders_of_many_tables_are_kept_for_the_recent_ones_only(
     conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A source with thousands of relations (each partition of a partitioned table is
-    one) kept a compiled transcoder (~12 KB) per relation for ever. Now the assembler
-    keeps those of the tables that had rows last (MAX_TRANSCODERS), compiles a dropped
-    one again when its rows come back, and the windows are the same bytes."""
+    one) kept a compiled transcoder (~12 KB), a row encoder (~5 KB) and the schema's
+    derived Avro schemas per relation for ever. Now the assembler keeps those of the
+    tables that had rows last (MAX_TRANSCODERS), makes a dropped one's again when its
+    rows come back, and the windows are the same bytes."""
     from changebus.fetchers.postgres import _tables
 
     monkeypatch.setattr(_tables, "MAX_TRANSCODERS", 3)
@@ -318,5 +319,12 @@ def test_transcoders_of_many_tables_are_kept_for_the_recent_ones_only(
     _datas, fast = both_paths(conn)  # (asserts both paths give the same windows)
     assert len(fast.transcoders) == 3
     assert fast.transcoders.compiled > 8  # dropped ones were compiled again
+    assert fast.transcoders.encoders_made > 8  # and their row encoders made again
     assert fast.rows_general == 0 and fast.rows_transcoded > 64
     assert sum(1 for t in fast._tables.values() if t.transcoder is not None) == 3
+    kept = [t for t in fast._tables.values() if t.encoder is not None]
+    assert len(kept) == 3 and all(t.transcoder is not None for t in kept)
+    # a dropped table keeps its shape, not its derived Avro schemas (made again when used)
+    dropped = [t for t in fast._tables.values() if t.encoder is None]
+    assert len(dropped) == 5
+    assert all("row_schema" not in t.schema.__dict__ for t in dropped)

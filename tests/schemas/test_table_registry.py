@@ -74,6 +74,22 @@ def test_a_pickled_table_schema_leaves_its_derived_schemas_out() -> None:
     assert len(data) < len(bare) + 200
 
 
+def test_a_table_schema_keeps_its_derived_schemas_only_while_used() -> None:
+    """A relay of a source with thousands of tables held every schema version's
+    derived Avro schemas (most of an instance's memory) for ever: the constructor
+    drops them after validating them, and release_derived drops them after use."""
+    t = users(Column("email", "string", nullable=True))
+    assert not {"row_schema", "key_schema", "change_schema"} & set(t.__dict__)
+    assert t.fingerprint and "fingerprint" in t.__dict__  # (an int, kept)
+    assert "row_schema" not in t.__dict__  # (made for the fingerprint only)
+    change, key = t.change_schema, t.key_schema
+    assert {"row_schema", "key_schema", "change_schema"} <= set(t.__dict__)
+    t.release_derived()
+    assert not {"row_schema", "key_schema", "change_schema"} & set(t.__dict__)
+    assert t.change_schema == change and t.key_schema == key  # made again, equal
+    assert t.change_schema is not change
+
+
 def test_fingerprint_is_stable_and_sensitive() -> None:
     a, b = users(), users()
     assert a.fingerprint == b.fingerprint

@@ -240,7 +240,8 @@ class Assembler:
         self.transcoders.forget(rel.oid)
         self._tables[rel.oid] = Table(
             table,
-            RowEncoder(table, source_id=source_id, partition=self.partition_id),
+            source_id,
+            functools.partial(RowEncoder, table, source_id=source_id, partition=self.partition_id),
             types,
             adapters,
             names,
@@ -268,7 +269,7 @@ class Assembler:
             return
         schema = table.schema
         change = SchemaChange(
-            table.encoder.source_id,
+            table.source_id,
             schema.name,
             schema.version,
             schema.fingerprint,
@@ -377,7 +378,7 @@ class Assembler:
                 after_ns.remove(name)
                 assert after is not None
                 after[name] = before.get(name)
-        encoder = table.encoder
+        encoder = self.transcoders.encoder(rel_oid, table)
         self._add(
             txn,
             encoder.encode(
@@ -395,7 +396,7 @@ class Assembler:
         if (
             after is not None
             and before is not None
-            and self._old_key(table, before) not in (None, encoder.key_bytes(after))
+            and self._old_key(table, encoder, before) not in (None, encoder.key_bytes(after))
         ):  # the old key's delete of a key-changing update (module docstring)
             self._add(
                 txn,
@@ -412,14 +413,14 @@ class Assembler:
             txn.data_events += 1
 
     @staticmethod
-    def _old_key(table: Table, before: dict[str, Any]) -> bytes | None:
+    def _old_key(table: Table, encoder: RowEncoder, before: dict[str, Any]) -> bytes | None:
         """The event key of an update's before-image; None when it does not hold the key
         (REPLICA IDENTITY USING INDEX on other columns than the key: no old key is known,
         and the update goes without the old key's DELETE)."""
         schema = table.schema
         if not schema.nullable_key and any(before.get(k) is None for k in schema.key):
             return None
-        key: bytes = table.encoder.key_bytes(before)
+        key: bytes = encoder.key_bytes(before)
         return key
 
     # ---- COPY rows (the bootstrap seeder) -------------------------------
@@ -430,7 +431,8 @@ class Assembler:
         of the rows as Insert messages."""
         t = self._tables[rel_oid]
         key = [t.names.index(k) for k in t.schema.key]
-        return CopyEncoder(t.names, t.types, t.adapters, key, t.rules, t.encoder, extra)
+        encoder = self.transcoders.encoder(rel_oid, t)
+        return CopyEncoder(t.names, t.types, t.adapters, key, t.rules, encoder, extra)
 
     def announced(self, rel_oid: int) -> bool:
         """Whether the table's SCHEMA_CHANGE was written (or marked so) by this assembler."""
@@ -475,7 +477,7 @@ class Assembler:
                 else:
                     if not table.announced:
                         self._announce(txn, table)
-                    frame = table.encoder.frame
+                    frame = (table.encoder or self.transcoders.encoder(oid, table)).frame
                     self._add(txn, frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body))
                     txn.data_events += 1
                     if old is not None:  # the old key's delete of a key-changing update
@@ -509,9 +511,9 @@ class Assembler:
                     continue
                 table = self._tables[oid]
                 self._announce(txn, table)
+                encoder = self.transcoders.encoder(oid, table)
                 self._add(
-                    txn,
-                    table.encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None),
+                    txn, encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None)
                 )
         elif isinstance(msg, LogicalMessage):
             if msg.transactional and self._txn is not None:

@@ -43,19 +43,23 @@ class Table:
     ``types``, ``adapters``, ``names`` and ``key_flags`` follow the Relation
     message's column order; ``announced`` is whether this assembler's windows
     carried the schema already (see the assembler's module docstring).
-    ``transcoder`` is compiled when rows come (``make_transcoder``), and
-    dropped again when many other tables had rows since (:class:`Transcoders`).
-    Owned by one assembler (not thread-safe).
+    ``transcoder`` and ``encoder`` are made when rows come (``make_transcoder``,
+    ``make_encoder``; get them through :class:`Transcoders`), and dropped again
+    when many other tables had rows since. Owned by one assembler (not
+    thread-safe).
     """
 
     schema: TableSchema
-    encoder: RowEncoder
+    #: the table's source id (what its encoder writes in event headers)
+    source_id: int
+    make_encoder: Callable[[], RowEncoder]
     types: tuple[ColumnType, ...]
     adapters: tuple[Callable[[Any], Any] | None, ...]
     names: tuple[str, ...]
     key_flags: tuple[bool, ...]
     make_transcoder: Callable[[], Transcoder]
     transcoder: Transcoder | None = None
+    encoder: RowEncoder | None = None
     announced: bool = False
     #: the column policy's rule per column (None: the table has no policy)
     rules: tuple[ColumnRule | None, ...] | None = None
@@ -65,26 +69,34 @@ class Table:
     excluded: frozenset[str] = frozenset()
 
 
-#: compiled transcoders an assembler keeps (about 12 KB each for 10 columns)
+#: tables whose transcoder and row encoder an assembler keeps (a 10-column table's
+#: are about 12 KB and 5 KB)
 MAX_TRANSCODERS = 1024
 
 
 class Transcoders:
-    """The compiled transcoders of the tables that had rows last, at most
-    :data:`MAX_TRANSCODERS` (least recently used dropped first).
+    """The compiled transcoders and row encoders of the tables that had rows last, of
+    at most :data:`MAX_TRANSCODERS` tables (least recently used dropped first).
 
     A source with thousands of relations (a partitioned table's partitions
-    each are one) kept one per relation for ever. Data structure: relation
-    OID -> its :class:`Table`, least recently used first; a table's
-    ``transcoder`` is set exactly while it is in here. Rows of the same table
-    in a row skip the reordering (``_last``). Owned by one assembler.
+    each are one) kept both, and each schema's derived Avro schemas, per
+    relation for ever: about 15 KB a 10-column table. What every table keeps
+    is its Relation's shape (about 3 KB); a dropped table's schema releases
+    its derived schemas (:meth:`TableSchema.release_derived`), and its
+    transcoder and encoder are made again when its rows come back.
+
+    Data structure: relation OID -> its :class:`Table`, least recently used
+    first. Invariant: a table is in here exactly while its ``transcoder`` or
+    its ``encoder`` is set. Rows of the same table in a row skip the
+    reordering (``_last``). Owned by one assembler (not thread-safe).
     """
 
     def __init__(self) -> None:
         self._lru: OrderedDict[int, Table] = OrderedDict()
         self._last = -1
-        #: transcoders compiled (again, after being dropped, too)
+        #: transcoders compiled, and row encoders made (again, after being dropped, too)
         self.compiled = 0
+        self.encoders_made = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -92,25 +104,44 @@ class Transcoders:
     def of(self, oid: int, table: Table) -> Transcoder:
         """``table``'s transcoder (the table of relation ``oid``), compiled when it has none."""
         found = table.transcoder
-        if found is not None:
-            if oid != self._last:
-                self._lru.move_to_end(oid)
-                self._last = oid
-            return found
-        found = table.transcoder = table.make_transcoder()
-        self.compiled += 1
-        self._lru[oid] = table
+        if found is None:
+            found = table.transcoder = table.make_transcoder()
+            self.compiled += 1
+            self._keep(oid, table)
+        elif oid != self._last:
+            self._lru.move_to_end(oid)
+            self._last = oid
+        return found
+
+    def encoder(self, oid: int, table: Table) -> RowEncoder:
+        """``table``'s row encoder (the table of relation ``oid``), made when it has none."""
+        found = table.encoder
+        if found is None:
+            found = table.encoder = table.make_encoder()
+            self.encoders_made += 1
+            self._keep(oid, table)
+        elif oid != self._last:
+            self._lru.move_to_end(oid)
+            self._last = oid
+        return found
+
+    def _keep(self, oid: int, table: Table) -> None:
+        """``table`` just got its transcoder or encoder: the most recently used."""
         self._last = oid
+        if oid in self._lru:  # (it had the other one)
+            self._lru.move_to_end(oid)
+            return
+        self._lru[oid] = table
         while len(self._lru) > MAX_TRANSCODERS:
             _oid, dropped = self._lru.popitem(last=False)
-            dropped.transcoder = None
-        return found
+            dropped.transcoder = dropped.encoder = None
+            dropped.schema.release_derived()
 
     def forget(self, oid: int) -> None:
         """Relation ``oid`` has a new :class:`Table`: its old one leaves."""
         old = self._lru.pop(oid, None)
         if old is not None:
-            old.transcoder = None
+            old.transcoder = old.encoder = None
         if self._last == oid:
             self._last = -1
 
