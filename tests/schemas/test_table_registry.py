@@ -15,6 +15,7 @@ from typing import Any
 
 import fastavro
 import pytest
+from hypothesis import given, strategies as st
 
 from changebus.schemas import (
     ChangeDecoder,
@@ -28,6 +29,7 @@ from changebus.schemas import (
     crc32,
     pg_avro_type,
 )
+from changebus.schemas._crc import avro_fingerprint
 from changebus.schemas._table import field_name
 
 
@@ -138,6 +140,13 @@ def test_fingerprint_is_the_documented_formula() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert int(out.stdout) == t.fingerprint
+
+
+@given(st.text(max_size=300))
+def test_the_fingerprint_function_is_fastavros(text: str) -> None:
+    """changebus computes CRC-64-AVRO itself (fastavro rebuilds its table at every
+    call, 0.35-0.75 ms a 10-column schema): the same numbers for any text."""
+    assert avro_fingerprint(text) == int(fastavro.schema.fingerprint(text, "CRC-64-AVRO"), 16)
 
 
 def test_row_key_and_change_schemas() -> None:

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import fastavro
 
+from ._crc import avro_fingerprint
 from ._envelope import Op, encode_event
 from .errors import CorruptEventError
 
@@ -161,7 +162,7 @@ _SIGN: Final = 1 << 63
 
 def _fingerprint(schema: dict[str, Any]) -> int:
     canonical = fastavro.schema.to_parsing_canonical_form(schema)
-    return int(fastavro.schema.fingerprint(canonical, "CRC-64-AVRO"), 16)
+    return avro_fingerprint(canonical)
 
 
 _SCHEMA_IDS: Final = {op: _fingerprint(schema) for op, schema in CONTROL_SCHEMAS.items()}

@@ -58,6 +58,7 @@ from typing import Any, Final, Union
 import fastavro
 from fastavro.schema import SchemaParseException, UnknownType
 
+from ._crc import avro_fingerprint
 from .errors import SchemaError
 
 __all__ = ["AvroType", "Column", "TableSchema", "avro_name", "field_name"]
@@ -362,7 +363,7 @@ class TableSchema:
         )
         if not cached:  # (made for this only: not kept, see release_derived)
             self.__dict__.pop("row_schema", None)
-        return int(fastavro.schema.fingerprint(text, "CRC-64-AVRO"), 16)
+        return avro_fingerprint(text)
 
     def with_version(self, version: int) -> TableSchema:
         """This schema with another version number (the content is unchanged, and so is
