@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -47,6 +49,7 @@ from changebus.schemas import (
     Op,
     PartitionCheckpoint,
     ScnNotFoundError,
+    decode_header,
 )
 from waiting import wait_until
 
@@ -258,3 +261,115 @@ async def test_a_running_server_purges_and_refuses_positions_before_it(tmp_path:
     assert served == 200
     purged = [ln for ln in metrics.splitlines() if ln.startswith("changebus_bootstrap_tombstones")]
     assert any(json.loads(ln.rsplit(" ", 1)[1]) > 0 for ln in purged), purged
+
+
+def test_the_purge_stops_at_what_is_applied(store: Store) -> None:
+    """A gap's repair moves the log's start past windows the applier has yet to apply:
+    the purge went up to the log's start, and the tombstones those windows brought
+    later were never purged (found by review)."""
+    wins = _churn()
+    store.append("p", b"".join(wins), start_scn=0)
+    st = store.apply("p", 400)  # part of the log only
+    assert 0 <= st.applier_scn < 2000
+    store.mark_gap("p", 3000)  # (the log's start moves to the gap's end)
+    assert store.state("p").log_min_scn >= 3000 > store.state("p").applier_scn
+    _purge_all(store, 10**18, 10_000)
+    scanned = store._purge_state("p")[1]
+    assert scanned <= st.applier_scn
+    assert store.tomb_scn("p") <= st.applier_scn
+
+
+def test_swept_tombstones_are_stamped_when_made(store: Store) -> None:
+    """A sweep (a gap's re-seed, a re-snapshot) turns rows no longer in the source into
+    tombstones. Stamped with the row's last write (here SCN x 10 ns after the epoch),
+    the purge took them for old at once and refused consumers behind the log
+    (found by review): they carry the time they were made."""
+    t = SID[min(SID)]
+    store.put_schemas("p", [(min(SID), t.version, t.name, json.dumps(t.to_json()))])
+    store.append("p", window(100, [(t.name, Op.INSERT, 1, "a")]), start_scn=0)
+    store.apply("p")
+    rows = store._all("SELECT key, event FROM cb_snap WHERE part = 'p' AND deleted = 0")
+    t0 = time.time_ns()
+    tombs = store._tombstones("p", rows, 200)
+    assert len(tombs) == 1
+    assert decode_header(tombs[0][-1]).timestamp_ns >= t0
+
+
+async def test_a_page_read_while_the_purge_deletes_its_tombstones_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's position was checked before its rows were read, and the purge (the
+    writer's own statements) could delete the tombstones after ``since`` in between:
+    the last page went out as whole without those deletes, and the catch-up after it
+    never sends them (found by review). The position is checked again after the read."""
+    relay_cfg = synthetic_relay(
+        tmp_path / "relay", 400, keys=40, update_ratio=0.2, delete_ratio=0.4, start_scn=1000
+    )
+    async with Relay(relay_cfg) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 400)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        path = tmp_path / "boot" / "b.db"
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=path),
+            http=HttpConfig(port=0),
+            applier=ApplierConfig(log_keep_events=200, tombstone_keep_s=0),  # (no purge)
+        )
+        async with BootstrapServer(cfg) as boot, aiohttp.ClientSession() as http:
+            w = boot.service.workers
+            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last, what="applier")
+            await wait_until(lambda: w["syn"].log_min_scn > 1000, what="log pruned")
+            read_page = Store.snapshot_page
+
+            def purged_meanwhile(self: Store, *args: Any, **kwargs: Any) -> Any:
+                other = Store.sqlite(path)  # the writer's purge, committed during the read
+                try:
+                    other.purge_tombstones("syn", 10**19, limit=1_000_000)
+                    assert other.tomb_scn("syn") > 1000
+                finally:
+                    other.close()
+                return read_page(self, *args, **kwargs)
+
+            monkeypatch.setattr(Store, "snapshot_page", purged_meanwhile)
+            params = {
+                "partition": "syn",
+                "since": "1000",
+                "start": str(w["syn"].applier_scn),
+                "max_bytes": str(1 << 22),
+            }
+            async with http.get(f"{boot.url}/v1/bootstrap/snapshot", params=params) as resp:
+                status, body = resp.status, await resp.text()
+    assert status == 410, body
+    assert "purged" in body
+
+
+async def test_a_long_purge_lets_the_applier_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first purge of a big store takes thousands of steps: they all ran inside the
+    applier's turn, which applied nothing for minutes (found by review). Now the
+    applier takes its steps between the purge's."""
+    steps = 0
+
+    def endless(self: Store, part: str, older_than_ns: int, limit: int = 2_000) -> Any:
+        nonlocal steps
+        steps += 1
+        return 0, True  # (always more to do)
+
+    monkeypatch.setattr(Store, "purge_tombstones", endless)
+    relay_cfg = synthetic_relay(tmp_path / "relay", 300, keys=40, start_scn=1000)
+    async with Relay(relay_cfg) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 300)
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=HttpConfig(port=0),
+            applier=ApplierConfig(tombstone_keep_s=0.001, purge_interval_s=0.05),
+        )
+        async with BootstrapServer(cfg) as boot:
+            w = boot.service.workers
+            await wait_until(lambda: "syn" in w and w["syn"].applier_scn >= last, what="applier")
+    assert steps > 1

@@ -34,6 +34,7 @@ dropped (those positions are refused anyway).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,7 +185,14 @@ class SeedLedger(StoreDb):
         self._many(UPSERT_SNAP, self._tombstones(part, rows, seed_scn))
 
     def _tombstones(self, part: str, rows: Sequence[Any], scn: int) -> list[tuple[Any, ...]]:
-        """``cb_snap`` rows (tombstones at ``scn``) for ``(key, event)`` rows of live keys."""
+        """``cb_snap`` rows (tombstones at ``scn``) for ``(key, event)`` rows of live keys.
+
+        A tombstone is stamped with the time it is made (or the row's own time, if
+        later): when the delete happened is unknown, and the row's last write,
+        perhaps months old, made the purge (:mod:`._purge`) take a sweep's fresh
+        tombstones for old ones and refuse consumers at once (found by review).
+        """
+        now = time.time_ns()
         tombs = []
         for key, event in rows:
             ev = bytes(event)
@@ -194,7 +202,7 @@ class SeedLedger(StoreDb):
                 continue
             change = codec[0].decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
             image = change.after if change.after is not None else change.before
-            tomb = codec[1].encode(Op.DELETE, scn, 0, h.timestamp_ns, None, image)
+            tomb = codec[1].encode(Op.DELETE, scn, 0, max(h.timestamp_ns, now), None, image)
             tombs.append((part, h.source_id, bytes(key), scn, 1, tomb))
         return tombs
 

@@ -251,7 +251,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
                 f"{st.applier_scn}): another server planned it; retry soon"
             )
         ids = wanted if wanted is not None else store.source_ids(part)
-        return store.snapshot_page(
+        found = store.snapshot_page(
             part,
             ids,
             since_scn=since,
@@ -260,6 +260,11 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
             max_bytes=limit,
             key_filter=key_filter,
         )
+        # the purge may delete tombstones while the page is read (statements of their own):
+        # a page that may lack some of the deletes after ``since`` must not go out (the last
+        # page would be taken as whole, and the catch-up after it never sends them)
+        check_position(store, part, since, bool(service.config.seed.dsn))
+        return found
 
     async def build(limit: int) -> tuple[bytes, dict[str, str]]:
         result, store_id = await service.stores.read(

@@ -268,9 +268,12 @@ class Pipelines(Seeding):
         purge_at = time.monotonic()
         while True:
             before = w.applier_scn
+            purging = False  # (a purge step found more to do: its next one comes at once)
             if self.config.applier.tombstone_keep_s and time.monotonic() >= purge_at:
-                await self._purge(w)
-                purge_at = time.monotonic() + self.config.applier.purge_interval_s
+                purging = await self._purge(w)
+                purge_at = time.monotonic()
+                if not purging:
+                    purge_at += self.config.applier.purge_interval_s
 
             def step(
                 s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
@@ -295,6 +298,8 @@ class Pipelines(Seeding):
                 w.applier_scn, w.log_min_scn = st.applier_scn, st.log_min_scn
                 w.applied_at = time.monotonic()
                 continue
+            if purging:
+                continue
             w.wake.clear()
             # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a
             # cancellation that arrives as the wake-up completes, and the
@@ -303,18 +308,18 @@ class Pipelines(Seeding):
                 async with asyncio.timeout(self.config.applier.idle_s):
                     await w.wake.wait()
 
-    async def _purge(self, w: PartitionWorker) -> None:
-        """Purge tombstones older than ``tombstone_keep_s`` (:mod:`._purge`), a bounded
-        step per store write so that other writes go between; a failure waits for the
-        next round."""
+    async def _purge(self, w: PartitionWorker) -> bool:
+        """One bounded step purging tombstones older than ``tombstone_keep_s``
+        (:mod:`._purge`); whether another would find more. The applier takes its own
+        steps in between: a first purge of a big store (thousands of steps) held it
+        back for minutes. A failure waits for the next round."""
         cutoff_ns = time.time_ns() - int(self.config.applier.tombstone_keep_s * 1e9)
-        more = True
-        while more:
-            try:
-                purged, more, w.tomb_scn = await self.stores.write(
-                    lambda s: (*s.purge_tombstones(w.name, cutoff_ns), s.tomb_scn(w.name))
-                )
-            except Exception as exc:  # noqa: BLE001 - the applier must go on
-                log.error("partition %s: purging tombstones: %s", w.name, self._failure(exc))
-                return
-            w.tombstones_purged += purged
+        try:
+            purged, more, w.tomb_scn = await self.stores.write(
+                lambda s: (*s.purge_tombstones(w.name, cutoff_ns), s.tomb_scn(w.name))
+            )
+        except Exception as exc:  # noqa: BLE001 - the applier must go on
+            log.error("partition %s: purging tombstones: %s", w.name, self._failure(exc))
+            return False
+        w.tombstones_purged += purged
+        return bool(more)

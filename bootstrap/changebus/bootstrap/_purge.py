@@ -59,7 +59,10 @@ class TombstonePurge(StoreDb):
         One bounded step (module docstring). Returns how many went, and
         whether another step now would find more to do.
         """
-        cap = self.state(part).log_min_scn
+        st = self.state(part)
+        # not past what is applied: a gap's repair moves the log's start past windows the
+        # applier has yet to apply, whose tombstones a scan could not see yet
+        cap = min(st.log_min_scn, st.applier_scn)
         purged, start = self._purge_state(part)
         if cap <= start:
             return 0, False
