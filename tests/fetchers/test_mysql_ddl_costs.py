@@ -91,6 +91,21 @@ def test_a_statement_read_again_changes_nothing_and_walks_nothing() -> None:
     assert dict(declared._tables) == before
 
 
+def test_a_statement_without_an_scn_applies_to_tables_without_a_mark() -> None:
+    """``apply`` without ``at`` (-1) took every table for one marked valid at -1 and
+    undid the statement on all of them (found by review): a table without a mark
+    follows every statement, one with a mark keeps its types up to that SCN."""
+    declared = DeclaredTypes()
+    declared.set("d", "t", {"id": "int"})
+    declared.set("d", "m", {"id": "int"}, valid_at=10)
+    declared.apply("ALTER TABLE t ADD COLUMN u uuid", "d")
+    declared.apply("CREATE TABLE n (id bigint)", "d")
+    declared.apply("ALTER TABLE m ADD COLUMN u uuid", "d")
+    assert declared.get("d", "t") == {"id": "int", "u": "uuid"}
+    assert declared.get("d", "n") == {"id": "bigint"}
+    assert declared.get("d", "m") == {"id": "int"}  # (valid at SCN 10: already in it)
+
+
 @pytest.mark.mysql
 def test_the_assembler_finds_a_ddl_s_table_without_walking_every_table(
     mysql_server: EmbeddedMariaDB, mysql_db: str

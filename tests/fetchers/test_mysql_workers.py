@@ -12,6 +12,7 @@ the parent transcodes that event itself. Counted, not timed.
 from __future__ import annotations
 
 import pickle
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -124,8 +125,16 @@ def test_a_worker_lacking_the_layout_gives_the_same_changes(
         first = dispatch.submit(key, layout, transcode, raw, 2).result()
         assert (dispatch.layouts_sent, dispatch.misses) == (1, 0)
         _workers._WORKER_TRANSCODERS.clear()
-        lacked = dispatch.submit(key, layout, transcode, raw, 2).result()
+        threads: list[str] = []
+
+        def watched(buf: bytes, start: int, end: int) -> Any:
+            threads.append(threading.current_thread().name)
+            return transcode(buf, start, end)
+
+        lacked = dispatch.submit(key, layout, watched, raw, 2).result()
         assert (dispatch.layouts_sent, dispatch.misses) == (1, 1)
+        # (transcoded on a thread of its own, not the pool's, which collects results)
+        assert len(threads) == 1 and threads[0].startswith("mysql-decode-fallback")
         again = dispatch.submit(key, layout, transcode, raw, 2).result()
         assert (dispatch.layouts_sent, dispatch.misses) == (2, 1)
         dispatch.submit(key, layout, transcode, raw, 2).result()

@@ -258,10 +258,11 @@ class DeclaredTypes:
         """Set (None: forget) a table's types during :meth:`apply` (logged in
         :attr:`_undo` first when the statement must leave the table as it is)."""
         undo = self._undo
+        valid_at = self._valid_at.get(name)  # (None: no mark; a table without one follows)
         if (
             undo is not None
             and name not in undo
-            and (self._keep or self._valid_at.get(name, -1) >= self._at)
+            and (self._keep or (valid_at is not None and valid_at >= self._at))
         ):
             undo[name] = self._tables.get(name)
         if columns is None:

@@ -28,7 +28,7 @@ import os
 import pickle
 import threading
 from collections import OrderedDict
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Final
 
@@ -142,10 +142,13 @@ class WorkerDispatch:
     submits carrying it still unanswered are fewer than the workers: at most
     one layout in flight per worker that may lack it (each idle worker takes
     one event at a time from the pool's queue), none once every worker holds
-    it. ``_holders`` only ever under-reports: a worker is added when it
+    it. ``_holders`` is a belief, not the truth: a worker is added when it
     answered an event of the layout, and removed when it answered that it lacks
-    it (it never had it, or evicted it). Under-reporting costs a layout sent
-    again; a worker lacking a layout costs one event transcoded in the parent.
+    it (it never had it, or evicted it since: until that answer, the belief
+    over-reports). A worker believed to lack a layout costs the layout sent
+    again; one that lacks it against the belief costs one event transcoded in
+    the parent, on the :func:`_fallback` thread (not the pool's own thread,
+    which hands out work and collects results meanwhile).
 
     :meth:`submit` is called from the assembler's thread; the futures' callbacks
     run in the pool's own thread (or in the submitting one when the worker was
@@ -223,10 +226,32 @@ class WorkerDispatch:
         if exc is not None:
             outer.set_exception(exc)
             return
-        if changes is None:  # the worker lacks the layout: transcoded here
-            try:
-                changes = transcode_changes(transcode, raw, op)
-            except BaseException as e:  # noqa: BLE001 - the future's consumer raises it
-                outer.set_exception(e)
-                return
+        if changes is None:  # the worker lacks the layout: transcoded here, off this thread
+            _fallback().submit(_transcode_into, outer, transcode, raw, op)
+            return
         outer.set_result(changes)
+
+
+_FALLBACK: list[ThreadPoolExecutor] = []
+_FALLBACK_LOCK = threading.Lock()
+
+
+def _fallback() -> ThreadPoolExecutor:
+    """The thread (one per process, made on first use) transcoding the events a worker
+    lacked the layout of: the process pool's own thread calls the futures' callbacks
+    between handing out work and collecting results, and must not transcode."""
+    with _FALLBACK_LOCK:
+        if not _FALLBACK:
+            _FALLBACK.append(ThreadPoolExecutor(1, thread_name_prefix="mysql-decode-fallback"))
+        return _FALLBACK[0]
+
+
+def _transcode_into(
+    outer: Future[list[Change]], transcode: RowsTranscoder, raw: bytes, op: int
+) -> None:
+    try:
+        changes = transcode_changes(transcode, raw, op)
+    except BaseException as e:  # noqa: BLE001 - the future's consumer raises it
+        outer.set_exception(e)
+        return
+    outer.set_result(changes)
