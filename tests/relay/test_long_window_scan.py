@@ -220,3 +220,46 @@ async def _read(http: aiohttp.ClientSession, url: str, filter_text: str) -> tupl
         answers += 1
         if offset < 0:
             return answers, ops
+
+
+def test_more_long_scans_at_once_than_the_buffer_remembers_all_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffer remembers where the scans of long windows got to in a bounded table.
+    With more such requests at once than it holds, taking turns, each one evicted the
+    others' entries and none got past its first scan: the handlers spun for ever
+    (found by review). Each request now carries its own position (``skip_to``).
+    Scaled down: scans of 1,024 events, a table of 4, 5 requests."""
+    from test_buffer import make_window
+
+    from changebus.relay import _reader
+    from changebus.relay._buffer import BufferConfig, EventBuffer
+    from changebus.schemas import PartitionFilter
+
+    monkeypatch.setattr(_reader, "MAX_SCAN_EVENTS", 1024)
+    monkeypatch.setattr(_reader, "SCAN_CHUNK", 256)
+    monkeypatch.setattr(_buffer, "_SCANNED_MAX", 4)
+    buf = EventBuffer(tmp_path / "b", BufferConfig(capacity_bytes=8 << 20, event_slots=16384))
+    try:
+        buf.set_start(0)
+        buf.append_window(make_window(1, [10] * 5000))  # one window of 5,000 events
+        # hash ranges keeping none of its keys: every request scans it all
+        filters = [PartitionFilter(lo=i, hi=i + 1) for i in range(5)]
+        resume = [-1] * len(filters)
+        done = [False] * len(filters)
+        turns = 0
+        while not all(done) and turns < 50:  # round robin, as handlers after sleep(0)
+            turns += 1
+            for i, f in enumerate(filters):
+                if done[i]:
+                    continue
+                sel = buf.select(0, -1, 1 << 20, key_filter=f, skip_to=resume[i])
+                assert sel is not None
+                resume[i] = sel.resume_at
+                buf.release(sel)
+                if sel.resume_at < 0:
+                    done[i] = True
+                    assert sel.next_scn == 1 and sel.events <= 1  # past it (its end marker)
+    finally:
+        buf.close()
+    assert all(done) and turns <= 6  # 5,000 events in scans of 1,024

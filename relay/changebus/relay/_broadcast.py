@@ -109,6 +109,9 @@ class Parked:
     seen_at: float = 0.0
     #: handed back to its task (out of every group)
     released: bool = False
+    #: where the scan of a window longer than a scan got to, for the group this stream
+    #: leads (-1: none; see ``EventBuffer.select``'s ``skip_to``)
+    resume_at: int = -1
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -146,6 +149,7 @@ class TailBroadcast:
         """Park ``stream`` until its task must take over again; why it must."""
         stream.future = self._loop.create_future()
         stream.released = False
+        stream.resume_at = -1  # (parked at a position of its own, maybe a new one)
         self._add(stream)
         if self._sweep is None:
             self._sweep = self._loop.call_later(SWEEP_S, self._idle_sweep)
@@ -257,11 +261,17 @@ class TailBroadcast:
             if cached is None or charged < len(cached.body):
                 try:
                     selection = self._host.buffer.select(
-                        pos[0], pos[1], charged, key_filter=first.key_filter, sources=first.sources
+                        pos[0],
+                        pos[1],
+                        charged,
+                        key_filter=first.key_filter,
+                        sources=first.sources,
+                        skip_to=first.resume_at,
                     )
                     if selection is None:
                         return  # nothing for this group's filter yet: stays parked
                     if selection.resume_at >= 0:
+                        first.resume_at = selection.resume_at
                         # a window longer than a scan, nothing for this group so far: it
                         # stays parked and the next pass, soon, goes on where this one
                         # stopped (one scan for the group, not one per stream)
@@ -340,6 +350,7 @@ class TailBroadcast:
                 transport.write(frame)
                 written += 1
             stream.scn, stream.offset = push.next_scn, push.next_offset
+            stream.resume_at = -1  # (a new position: no scan of it yet)
             stream.sent += size
             stream.idle_until = now + stream.wait
             if now - stream.seen_at >= SEEN_S:  # (/v1/status's consumer list: a second is fresh)

@@ -448,6 +448,7 @@ class EventBuffer(BufferWriter):
         *,
         key_filter: PartitionFilter | None = None,
         sources: frozenset[int] | None = None,
+        skip_to: int = -1,
     ) -> Selection | None:
         """Choose the events to send after a checkpoint, and pin them.
 
@@ -457,8 +458,13 @@ class EventBuffer(BufferWriter):
         one), and ``partial`` is set. Control events are always selected.
         A selection with ``resume_at`` set has nothing to send yet: the
         caller lets the event loop run and selects again, and the scan goes
-        on where it stopped (:attr:`Selection.resume_at`). The caller must
-        :meth:`release` the selection after sending it.
+        on where it stopped (:attr:`Selection.resume_at`): ``skip_to`` is the
+        ``resume_at`` of the caller's previous selection with the same
+        arguments. (The buffer also remembers it for every such request, but in
+        a bounded table: with more long scans at once than it holds, each one
+        evicted the others' entries and none got past the first scan, a
+        livelock found by review.) The caller must :meth:`release` the
+        selection after sending it.
         """
         if max_bytes <= 0:
             raise BadRequestError("max_bytes must be positive")
@@ -476,6 +482,7 @@ class EventBuffer(BufferWriter):
             if skip >= 0:
                 scanned.move_to_end(where)  # (kept after the scan ends: the same requests
                 # of other consumers go on from there too, and a window never changes)
+            skip = max(skip, skip_to)
             result, low = select_events(
                 self._events,
                 self.capacity,

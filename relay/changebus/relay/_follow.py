@@ -248,13 +248,15 @@ async def _copy(
     A window longer than a scan may read is scanned over several turns of
     the event loop (:attr:`~._reader.Selection.resume_at`).
     """
+    resume = -1
     while True:
         selection = host.buffer.select(
-            scn, offset, max_bytes, key_filter=ask.key_filter, sources=ask.sources
+            scn, offset, max_bytes, key_filter=ask.key_filter, sources=ask.sources, skip_to=resume
         )
         if selection is None:
             return None
         if selection.resume_at < 0:
             return copy_out(host, selection, m)
+        resume = selection.resume_at
         host.buffer.release(selection)
         await asyncio.sleep(0)

@@ -215,18 +215,20 @@ async def stream(request: web.Request) -> web.StreamResponse:
     deadline = time.monotonic() + wait
     key = (scn, offset, max_bytes, filter_text, sources)
     selection: Selection | CachedResponse | None
+    resume = -1  # (where this request's scan of a window longer than a scan got to)
     while True:
         tail = host.buffer.meta.tail_event
         selection = cache.get(tail, key, host.buffer.meta.head_pos)
         if selection is None:
             try:
                 selection = host.buffer.select(
-                    scn, offset, max_bytes, key_filter=key_filter, sources=sources
+                    scn, offset, max_bytes, key_filter=key_filter, sources=sources, skip_to=resume
                 )
             except ScnNotFoundError:
                 metrics.fell_off(host.name)  # answered 410
                 raise
         if isinstance(selection, Selection) and selection.resume_at >= 0:
+            resume = selection.resume_at
             host.buffer.release(selection)  # a window longer than a scan: go on from there
             await asyncio.sleep(0)
             continue
