@@ -360,3 +360,66 @@ async def test_a_columnar_consumer_against_a_row_consumer_on_a_real_relay(
             assert consumer.committed.partitions["syn"].window_scn == windows[-1].scn
         assert len(got) > 1
         _equal(expected, pa.concat_batches(got))
+
+
+class _CountingDecoder:
+    """Stands for ArrowDecoder: a window is one row, a batch the list of its SCNs."""
+
+    def __init__(self, schema: Any, include_preimage: bool = True) -> None:
+        self.scns: list[int] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self.scns)
+
+    def add_window(self, window: Window) -> None:
+        self.scns.append(window.scn)
+
+    def flush(self) -> list[int]:
+        out, self.scns = self.scns, []
+        return out
+
+
+async def test_a_commit_after_a_batch_never_covers_a_window_read_ahead(
+    monkeypatch: Any,
+) -> None:
+    """``arrow_batches`` reads the next window while the application works on a batch:
+    ``Consumer.commit`` after the batch persisted the position past that window,
+    whose rows were only in the next batch, not handed out yet; a crash lost them
+    (found by review). A commit now covers the batches handed out, no more."""
+    from changebus.client import MemoryCheckpointPersister
+    from changebus.client._position import PositionTracker
+    from changebus.client._queue import WindowQueue
+    from changebus.client.spark import _columns
+    from changebus.schemas import Checkpoint
+
+    monkeypatch.setattr(_columns, "ArrowDecoder", _CountingDecoder)
+    persister = MemoryCheckpointPersister()
+    consumer = Consumer(
+        ConsumerConfig(relays=("http://relay:1",), partition="p", auto_commit=False),
+        persister=persister,
+    )
+    consumer._queue = WindowQueue(100, 1 << 20)
+    consumer._position = PositionTracker(Checkpoint({}), persister)
+    consumer._task = asyncio.get_running_loop().create_future()  # ("started")
+
+    def window(scn: int) -> Window:
+        return Window(scn=scn, timestamp_ns=0, partition="p", messages=("m",))
+
+    await consumer._queue.put(window(10))
+    batches = arrow_batches(consumer, pa.schema([]), linger_s=0.05)
+    try:
+        first = await anext(batches)  # the linger ran out: [10]
+        await consumer._queue.put(window(20))  # a window comes while the batch is written
+        await asyncio.sleep(0.01)
+        await consumer.commit()
+        saved = persister.checkpoint
+        assert saved is not None
+        assert first == [10] and saved.get("p").window_scn == 10
+        second = await anext(batches)
+        await consumer.commit()
+        saved = persister.checkpoint
+        assert saved is not None
+        assert second == [20] and saved.get("p").window_scn == 20
+    finally:
+        await batches.aclose()

@@ -347,22 +347,10 @@ class Consumer:
             await self.commit()
         if self._range_ended:
             raise StopAsyncIteration
-        until = self.config.until_scn
         while True:
             if not len(self._queue) and self._uncommitted is None and self._position.dirty:
                 await self._position.persist()  # idle: store what empty windows advanced
-            try:
-                window = await self._queue.get()
-            except QueueClosed:
-                raise StopAsyncIteration from None
-            except Exception as exc:
-                self._failed = exc
-                raise
-            if window.data_loss is not None and self.config.on_data_loss == "raise":
-                self._failed = DataLossDetectedError.reported_in(window)
-                raise self._failed
-            # the end of a bounded read: the fetcher stopped after this window
-            ended = until is not None and window.phase == "online" and window.scn >= until
+            window, ended = await self._take()
             if window.is_empty and not self.config.yield_empty_windows:
                 if self._uncommitted is None:
                     self._position.advance(window)
@@ -375,6 +363,47 @@ class Consumer:
             self._uncommitted = window
             self._range_ended = ended
             return window
+
+    async def _take(self) -> tuple[Window, bool]:
+        """The next window of the queue, and whether it ends a bounded read
+        (``until_scn``: the fetcher stopped after it); raises at the end and at a
+        reported data loss the consumer must not deliver."""
+        assert self._queue is not None
+        try:
+            window = await self._queue.get()
+        except QueueClosed:
+            raise StopAsyncIteration from None
+        except Exception as exc:
+            self._failed = exc
+            raise
+        if window.data_loss is not None and self.config.on_data_loss == "raise":
+            self._failed = DataLossDetectedError.reported_in(window)
+            raise self._failed
+        until = self.config.until_scn
+        return window, until is not None and window.phase == "online" and window.scn >= until
+
+    async def _next_unmarked(self) -> Window:
+        """For batch iterators (:func:`changebus.client.spark.arrow_batches`): the next
+        window, empty ones too, marked as yielded by nothing. Such an iterator reads
+        ahead of what it hands out, so it marks the last window of each batch it
+        hands out itself (:meth:`_handed_out`): :meth:`commit` must never cover a
+        window whose rows sit in a batch not yet handed out (it did: found by
+        review, a crash then lost them)."""
+        if self._mode == "callbacks" or self._group is not None:
+            raise RuntimeError("batches need a consumer of one partition, not running callbacks")
+        self._mode = "iterator"
+        if self._failed is not None:
+            raise self._failed
+        if self._closed or self._range_ended:
+            raise StopAsyncIteration
+        await self.start()
+        window, self._range_ended = await self._take()
+        return window
+
+    def _handed_out(self, last: Window) -> None:
+        """A batch iterator handed out the windows up to ``last``: :meth:`commit` covers
+        them (and those of earlier batches)."""
+        self._uncommitted = last
 
     async def commit(self) -> None:
         """Persist the position after the last window yielded (and the empty ones after it).

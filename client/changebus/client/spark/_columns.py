@@ -522,28 +522,39 @@ async def arrow_batches(
     ``linger_s`` after its first row arrived, or when the stream ends (a
     consumer with ``follow=False`` at the relay's end): whole windows only.
     Configure the consumer with ``columnar=True`` (data events decoded
-    straight into columns; a row consumer works too, slower) and
-    ``auto_commit=False``, and call :meth:`Consumer.commit` after a batch is
-    processed: that commits every window in it (with ``auto_commit`` the
-    iterator would commit windows whose rows are still in an unyielded
-    batch). Not thread-safe, like the consumer.
+    straight into columns; a row consumer works too, slower) and call
+    :meth:`Consumer.commit` after a batch is processed: that commits every
+    window of the batches handed out so far, and never one still in a batch
+    not handed out (windows are read ahead while the application works). With
+    ``auto_commit`` a batch is committed when the next one is asked for. Empty
+    windows go with the batch they came in. Not thread-safe, like the consumer.
     """
     dec = ArrowDecoder(schema, include_preimage=include_preimage)
-    it = aiter(consumer)
     loop = asyncio.get_running_loop()
     deadline: float | None = None
     # the next window is awaited in a task that a linger timeout leaves running
     # (never cancelled half-way through the consumer's step)
     pending: asyncio.Future[Window] | None = None
+    last: Window | None = None  # the last window in the batch being filled
+
+    async def hand_out() -> pa.RecordBatch:
+        nonlocal last
+        if last is not None:
+            consumer._handed_out(last)
+            last = None
+        return dec.flush()
+
     try:
         while True:
             if pending is None:
-                pending = asyncio.ensure_future(anext(it))
+                pending = asyncio.ensure_future(consumer._next_unmarked())
             timeout = None if deadline is None else max(0.0, deadline - loop.time())
             done, _ = await asyncio.wait({pending}, timeout=timeout)
             if not done:
                 deadline = None
-                yield dec.flush()
+                yield await hand_out()
+                if consumer.config.auto_commit:
+                    await consumer.commit()
                 continue
             step, pending = pending, None
             try:
@@ -551,13 +562,18 @@ async def arrow_batches(
             except StopAsyncIteration:
                 break
             dec.add_window(window)
+            last = window
             if dec.rows >= max_rows:
                 deadline = None
-                yield dec.flush()
+                yield await hand_out()
+                if consumer.config.auto_commit:
+                    await consumer.commit()
             elif dec.rows and deadline is None:
                 deadline = loop.time() + linger_s
-        if dec.rows:
-            yield dec.flush()
+        if dec.rows or last is not None:
+            yield await hand_out()
+            if consumer.config.auto_commit:
+                await consumer.commit()
     finally:
         if pending is not None:
             pending.cancel()
