@@ -157,3 +157,39 @@ async def test_latest_keeps_its_first_window_when_its_continuation_fails(make_re
                         break
     assert failed and got[0] == failed[0]  # the window whose continuation failed
     assert got == sorted(got) and len(set(got)) == 3
+
+
+async def test_a_410_inside_a_window_reads_it_again_whole(
+    scripted_relay: Any, window_type: Any
+) -> None:
+    """A relay that restarted (``durability = "fsync"`` after an OS crash) and lost the
+    window being read answers its continuation with 410: the consumer took that for
+    falling off the relay, and with one relay and no bootstrap server stopped (found by
+    review). It now reads the window again from the last whole one."""
+    rows = [(A, 1, Op.INSERT, {"id": i, "v": "x" * 200}, None) for i in range(40)]
+    script = [
+        window_type(10, rows=rows, announce=[(1, A)]),
+        window_type(20, rows=[(A, 1, Op.INSERT, {"id": 999, "v": "z"}, None)]),
+    ]
+    refused: list[str] = []
+
+    def gone_once(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+        if request.query.get("offset", "-1") != "-1" and not refused:
+            refused.append(request.query["scn"])
+            return web.json_response(
+                {
+                    "error": "scn_not_found",
+                    "message": "not in this relay's buffer",
+                    "retriable": False,
+                    "oldest_scn": 20,
+                    "prev_scn": 10,
+                },
+                status=410,
+            )
+        return None
+
+    async with scripted_relay(script) as relay, _proxy(relay.url, gone_once) as url:
+        cfg = ConsumerConfig(relays=(url,), partition="syn", max_bytes=3000, **FAST)
+        got = await _read(cfg, 20)
+    assert refused, "no continuation was refused"
+    assert got == [(10, list(range(40))), (20, [999])]

@@ -390,6 +390,20 @@ class RelayStream:
                 self._session.get(f"{url}/v1/stream", params=params, timeout=self._timeout) as resp,
             ):
                 head_wait.reschedule(None)  # (the body: the read timeout alone)
+                if resp.status == 410 and params.get("offset", "-1") != "-1":
+                    # a place inside a window this relay does not hold (it restarted and
+                    # lost the window's unsynced tail, or evicted it): the window is read
+                    # again whole, from the last whole one, where only a 410 means the
+                    # consumer fell off (it was taken for one: found by review)
+                    log.info(
+                        "partition %s: %s has no longer the window being read (SCN %s); "
+                        "reading it again whole",
+                        self.partition,
+                        where,
+                        params["scn"],
+                    )
+                    self._restart_window()
+                    return
                 if resp.status not in (200, 204):
                     raise await response_error(
                         resp,
