@@ -19,7 +19,10 @@ Rules, decided by data (the exception's ``retriable`` attribute, which
   :class:`~changebus.schemas.BootstrapFailedError`: its history starts after
   the position) moves to the next server without counting an attempt; when
   every server said so, the first one's error is raised (the position is
-  gone everywhere);
+  gone everywhere), and so it is when the others failed in
+  :data:`UNREACHABLE_ROUNDS` attempts each in a row (a relay left down, or
+  decommissioned but still listed, kept a consumer that had fallen off the
+  others waiting for ever instead of bootstrapping: found by review);
 * a retriable error counts one attempt and moves to the next server at once;
   after a whole round of failures it sleeps (:class:`~._backoff.Backoff`,
   exponential with jitter); ``max_attempts`` consecutive failures (0: no
@@ -52,9 +55,13 @@ from ._backoff import Backoff
 from ._errors import FellOffRelayError, RelayUnavailableError
 from ._http import safe_url
 
-__all__ = ["Failover", "is_retriable"]
+__all__ = ["UNREACHABLE_ROUNDS", "Failover", "is_retriable"]
 
 log = logging.getLogger(__name__)
+
+#: consecutive failed attempts after which a server counts as unable to serve a
+#: position every server that answered said is gone
+UNREACHABLE_ROUNDS = 5
 
 
 def is_retriable(exc: BaseException) -> bool:
@@ -86,6 +93,8 @@ class Failover:
         self._what = what
         self._failed_in_round = 0
         self._fell_off: dict[str, FellOffRelayError | BootstrapFailedError] = {}
+        #: consecutive failed attempts per server since the last success
+        self._unreachable: dict[str, int] = {}
         #: set by :meth:`set_urls`: ends a backoff sleep early
         self._changed = asyncio.Event()
 
@@ -110,6 +119,7 @@ class Failover:
             self.switches += 1
         self._failed_in_round = 0
         self._fell_off = {u: e for u, e in self._fell_off.items() if u in urls}
+        self._unreachable = {u: n for u, n in self._unreachable.items() if u in urls}
         self._changed.set()
         return moved
 
@@ -118,6 +128,7 @@ class Failover:
         self.attempts = 0
         self._failed_in_round = 0
         self._fell_off.clear()
+        self._unreachable.clear()
         self._backoff.reset()
 
     async def failed(self, exc: BaseException) -> None:
@@ -126,9 +137,8 @@ class Failover:
             # this server cannot serve the position (a relay evicted it, a bootstrap
             # server's history starts after it): another may; raise when none can
             self._fell_off[self.url] = exc
-            if len(self._fell_off) >= len(set(self.urls)):
-                first = self._fell_off.get(self.urls[0], exc)
-                raise first from None
+            self._unreachable.pop(self.url, None)
+            self._raise_if_gone_everywhere(exc)
             log.warning("%s; trying the next %s", exc.message, self._what)
             self._switch()
             return
@@ -136,6 +146,9 @@ class Failover:
             raise exc
         assert isinstance(exc, ChangebusError)
         self.attempts += 1
+        self._unreachable[self.url] = self._unreachable.get(self.url, 0) + 1
+        if self._fell_off:
+            self._raise_if_gone_everywhere(None)
         if self._max_attempts and self.attempts >= self._max_attempts:
             raise RelayUnavailableError(
                 f"no {self._what} of {len(self.urls)} answered in {self.attempts} attempts;"
@@ -152,6 +165,27 @@ class Failover:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._changed.wait()  # a new list of servers: try it now
+
+    def _raise_if_gone_everywhere(self, exc: BaseException | None) -> None:
+        """Raise the first server's fell-off error when every server either said the
+        position is gone or failed :data:`UNREACHABLE_ROUNDS` times in a row."""
+        down = [
+            u
+            for u in set(self.urls)
+            if u not in self._fell_off and self._unreachable.get(u, 0) >= UNREACHABLE_ROUNDS
+        ]
+        if len(self._fell_off) + len(down) < len(set(self.urls)):
+            return
+        if down:
+            log.warning(
+                "the position is gone from every %s that answered; %s did not answer in "
+                "%d attempts each",
+                self._what,
+                ", ".join(safe_url(u) for u in sorted(down)),
+                UNREACHABLE_ROUNDS,
+            )
+        first = self._fell_off.get(self.urls[0]) or exc or next(iter(self._fell_off.values()))
+        raise first from None
 
     def _switch(self) -> None:
         if len(self.urls) > 1:
