@@ -458,13 +458,10 @@ class EventBuffer(BufferWriter):
         one), and ``partial`` is set. Control events are always selected.
         A selection with ``resume_at`` set has nothing to send yet: the
         caller lets the event loop run and selects again, and the scan goes
-        on where it stopped (:attr:`Selection.resume_at`): ``skip_to`` is the
-        ``resume_at`` of the caller's previous selection with the same
-        arguments. (The buffer also remembers it for every such request, but in
-        a bounded table: with more long scans at once than it holds, each one
-        evicted the others' entries and none got past the first scan, a
-        livelock found by review.) The caller must :meth:`release` the
-        selection after sending it.
+        on where it stopped (:attr:`Selection.resume_at`, passed back as
+        ``skip_to``: the buffer's own record of scans is bounded, and more long
+        scans at once than it holds evicted each other's, found by review).
+        The caller must :meth:`release` the selection after sending it.
         """
         if max_bytes <= 0:
             raise BadRequestError("max_bytes must be positive")
