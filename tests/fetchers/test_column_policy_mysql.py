@@ -139,6 +139,10 @@ async def test_policies_end_to_end(
     plain = [e for e in events if e.table == f"{db}.plain"]
     assert plain and plain[0].after == {"id": 1, "ssn": "kept"}
     assert KEY not in caplog.text and KEY not in status
+    if decode_workers:  # (how often rows events carried their layout: once per table)
+        fetcher = json.loads(status)["fetcher"]
+        assert 2 <= fetcher["worker_layouts_sent"] <= 3  # (users, plain, the marker table)
+        assert fetcher["worker_layout_misses"] == 0
     assert caplog.text.count(f"{db}.users.gone") == 1
 
 

@@ -238,6 +238,10 @@ def _stream(
         last_emit = time.monotonic()
         fetcher._emit(window, emit)
         fetcher.stats["rows"] = assembler.row_count
+        dispatch = assembler._dispatch  # (decode workers: how often layouts went along)
+        if dispatch is not None:
+            fetcher.stats["worker_layouts_sent"] = dispatch.layouts_sent
+            fetcher.stats["worker_layout_misses"] = dispatch.misses
 
     # with decode workers, committed windows wait here in commit order while the
     # stream reads on; one resolver thread waits for their rows and hands them on
