@@ -214,3 +214,22 @@ async def test_snapshot_rows_keep_their_commit_time(tmp_path: Path) -> None:
     assert window.phase == "snapshot" and window.events
     now = time.time_ns()
     assert all(0 < now - e.timestamp_ns < 600 * 10**9 for e in window.events)
+
+
+async def test_a_bounded_read_s_catch_up_stops_at_until_scn(tmp_path: Path) -> None:
+    """``until_scn`` ended a read at the first relay window at or past it, but a
+    bootstrap's catch-up went on to the server's newest window and delivered windows
+    past it (found by review). The catch-up now stops there."""
+    async with synthetic_boot(tmp_path, 40) as (relay, boot), aiohttp.ClientSession() as http:
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        since, until = 1005, 1015  # (the synthetic source's windows: SCNs from 1001)
+        assert until < last
+        config = ConsumerConfig(
+            relays=(relay.url,), partition="syn", bootstrap_servers=(boot.url,), until_scn=until
+        )
+        queue = WindowQueue(1 << 16, 1 << 30)
+        runner = Bootstrapper(config, http, queue, SchemaCache())
+        target = await asyncio.wait_for(runner._run_once(boot.url, since, None, False), 30)
+        scns = [w.scn for w in queue._items if w.events]
+    assert target == until
+    assert scns and max(scns) <= until

@@ -272,7 +272,14 @@ class Bootstrapper:
             prog = await self._snapshot(url, prog)
         if prog.target_scn < 0:
             status = await self._status(url)
-            prog = dataclasses.replace(prog, target_scn=max(status.producer_scn, prog.start_scn))
+            target = max(status.producer_scn, prog.start_scn)
+            until = self.config.until_scn
+            if until is not None and until >= 0:
+                # a bounded read: the catch-up stops there, and the relays' next window ends
+                # the read as it does without a bootstrap (the catch-up went on to the
+                # server's newest window, past until_scn: found by review)
+                target = max(min(target, until), prog.start_scn)
+            prog = dataclasses.replace(prog, target_scn=target)
         after = prog.start_scn
         if resume is not None and resume.mode is Mode.CATCHUP and resume.bootstrap == prog:
             after = max(after, resume.window_scn)

@@ -75,7 +75,9 @@ class ConsumerConfig:
     counts as broken. ``until_scn`` makes a bounded read: once a relay window
     at or past that SCN is queued the consumer fetches nothing more, and the
     iterator ends after yielding it, ``run(callbacks)`` returns after
-    dispatching it (a Spark task reading an SCN range).
+    dispatching it (a Spark task reading an SCN range). A bootstrap's catch-up
+    stops at ``until_scn`` too; its snapshot holds rows as of the snapshot's
+    own SCN, which may be later.
 
     Flow control: at most ``queue_windows`` windows and about ``queue_bytes``
     bytes wait between fetching and processing; beyond that the consumer
