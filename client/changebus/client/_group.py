@@ -163,7 +163,7 @@ class GroupConsumer:
         owner = self._owner = UnitOwner(
             cfg, member, self._store, positions, self._http, queue, self._wake
         )
-        positions.on_fenced = owner.on_fenced
+        positions.on_fenced = self._on_fenced
         for partition in cfg.partitions:
             route = await follow_relays(cfg, partition, owner.lanes)
             if route is not None:
@@ -188,6 +188,18 @@ class GroupConsumer:
             self._owner.on_lost(units)
         self._uncommitted.clear()  # not committed any more: nothing of the lost units is
         self._purge_replay()
+
+    def _on_fenced(self, units: frozenset[Unit]) -> None:
+        """Another member claimed ``units``: their windows yielded or kept for a replay
+        are of the claim that ended, and must not advance the next one (the unit is
+        claimed again at once: the next commit moved its new position to the old
+        claim's window, and the window after it then failed for good; found by review)."""
+        if self._owner is not None:
+            self._owner.on_fenced(units)
+        texts = {str(u) for u in units}
+        for text in texts:
+            self._uncommitted.pop(text, None)
+        self._purge_replay(texts)
 
     def _wake(self) -> None:
         """A consumer waiting for windows has rebalance work: queue a wake-up when it is idle."""

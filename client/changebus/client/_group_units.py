@@ -167,6 +167,7 @@ class UnitOwner:
         )
         self._lost.update(u for u in gone if u not in self._unannounced)
         self._forget(gone)
+        self._changed.set()  # (a unit still targeted is acquired again: found by review)
         self._wake()
 
     # ---- for the application's path ---------------------------------------------
@@ -272,6 +273,10 @@ class UnitOwner:
                     if self._acquiring.get(unit) is task:
                         del self._acquiring[unit]
                     if task.cancelled():
+                        # the target may have got the unit back while the task ended: the
+                        # pass that skipped it as "being acquired" must come again, or the
+                        # unit stays with no owner (found by review)
+                        self._changed.set()
                         continue
                     exc = task.exception()
                     if exc is not None:
@@ -292,6 +297,7 @@ class UnitOwner:
                 task.cancel()
                 if self._acquiring.get(tasks[task]) is task:
                     del self._acquiring[tasks[task]]
+                    self._changed.set()
         if failed:
             await asyncio.sleep(_RETRY_S)
             self._changed.set()

@@ -11,6 +11,13 @@ sent in one go from a worker thread), so only a frozen or hung process is
 cut off; when it wakes, its session is gone, its commit fails as a
 retriable transport error, and a new session finds its units fenced.
 
+The other way round, a path that goes dead (a black-holed network) left a
+session's call waiting on the kernel, about 15 minutes, while a revoke
+waited for its last commit (found by review): unless the DSN says
+otherwise, sessions get a connect timeout, TCP keepalives and libpq's
+``tcp_user_timeout`` (:data:`SESSION_DEFAULTS`), so such a call fails within
+about half a minute as a retriable transport error.
+
 Blocking (psycopg's sync API): call from the worker thread that owns the session.
 """
 
@@ -18,7 +25,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IDLE_IN_TRANSACTION_S", "connect", "session_lost"]
+__all__ = ["IDLE_IN_TRANSACTION_S", "SESSION_DEFAULTS", "connect", "session_lost"]
+
+#: libpq settings of every session here that its DSN does not set (seconds; ms for
+#: tcp_user_timeout): a dead path is found in about 30 s instead of the kernel's minutes
+SESSION_DEFAULTS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 
 #: default for ``idle_in_transaction_s``: far above any pause of a healthy process
 IDLE_IN_TRANSACTION_S = 5.0
@@ -27,8 +45,14 @@ IDLE_IN_TRANSACTION_S = 5.0
 def connect(dsn: str, idle_in_transaction_s: float) -> Any:
     """An autocommit psycopg connection with the idle-in-transaction timeout (0: none)."""
     import psycopg  # lazily: only PostgreSQL users need the driver loaded
+    from psycopg.conninfo import conninfo_to_dict
 
-    conn = psycopg.connect(dsn, autocommit=True)
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        given = {}  # (psycopg.connect reports the DSN's problem, as before)
+    extra: dict[str, Any] = {k: v for k, v in SESSION_DEFAULTS.items() if k not in given}
+    conn = psycopg.connect(dsn, autocommit=True, **extra)
     try:
         if idle_in_transaction_s > 0:
             ms = max(1, round(idle_in_transaction_s * 1000))

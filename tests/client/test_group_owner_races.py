@@ -1,0 +1,118 @@
+"""Unit ownership races found by review, against stand-ins for the member and the store.
+
+* A unit whose acquisition was cancelled (the target lost it) and that came back
+  into the target before the cancelled task ended was skipped as "being
+  acquired", and nothing looked at it again: it stayed with no owner until the
+  target changed once more.
+* A unit the store fenced (another member claimed it) is claimed again at once;
+  the window the application still held of the old claim advanced the new one.
+
+And the PostgreSQL sessions of unit stores and replicas get keepalives and
+timeouts unless their DSN sets its own (a dead path held a revoke for minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+
+from changebus.client import ConsumerConfig
+from changebus.client._group_units import UnitOwner
+from changebus.client._pgsession import SESSION_DEFAULTS, connect
+from changebus.schemas import Unit, UnitClaim
+
+
+class _Member:
+    def __init__(self) -> None:
+        self.target: frozenset[Unit] = frozenset()
+        self.owned: frozenset[Unit] = frozenset()
+        self.member_id = "m-1"
+
+    async def acquire(self, unit: Unit) -> None:
+        self.owned |= {unit}
+
+    async def release(self, units: Any) -> None:
+        self.owned -= frozenset(units)
+
+
+class _SlowStore:
+    """Claims take a while, and a cancelled one waits for its thread (as ZkUnitStore)."""
+
+    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)
+            raise
+        return UnitClaim(unit, None, token=1, generation=1)
+
+
+async def test_a_unit_targeted_again_while_its_cancelled_claim_ends_is_taken() -> None:
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+    member = _Member()
+    started: list[list[Unit]] = []
+    owner = UnitOwner(cfg, member, _SlowStore(), None, None, None, lambda: None)  # type: ignore[arg-type]
+    owner._start = lambda claims: started.append([c.unit for c in claims])  # type: ignore[method-assign]
+    task = asyncio.create_task(owner.run())
+    unit = Unit("p", 0)
+
+    def target(units: set[Unit]) -> None:
+        member.target = frozenset(units)
+        owner.on_target(member.target)
+
+    try:
+        target({unit})
+        await asyncio.sleep(0.1)  # (its claim is under way)
+        target(set())  # the target loses it: the claim is cancelled ...
+        await asyncio.sleep(0.05)
+        target({unit})  # ... and gets it back before the cancelled claim has ended
+        for _ in range(40):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    assert started == [[unit]]
+
+
+def test_sessions_get_keepalives_and_timeouts_unless_the_dsn_sets_them(pg_dsn: str) -> None:
+    conn = connect(pg_dsn, 0)
+    try:
+        given = {o.keyword.decode(): o.val for o in conn.pgconn.info if o.val is not None}
+    finally:
+        conn.close()
+    for key, value in SESSION_DEFAULTS.items():
+        assert given[key] == str(value).encode(), key
+    conn = connect(pg_dsn + " keepalives_idle=99", 0)
+    try:
+        given = {o.keyword.decode(): o.val for o in conn.pgconn.info if o.val is not None}
+    finally:
+        conn.close()
+    assert given["keepalives_idle"] == b"99"
+    with pytest.raises(psycopg.Error):
+        connect(pg_dsn + " nonsense", 0)
+
+
+def test_a_fenced_units_yielded_window_does_not_advance_its_next_claim() -> None:
+    """The store fenced a unit (another member claimed it) and it is claimed again at
+    once: the window of the old claim the application still held advanced the new
+    claim's position at the next commit (found by review). It is forgotten."""
+    from changebus.client._group import GroupConsumer
+    from changebus.client._model import Window
+
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+    group = GroupConsumer(cfg, None, None, None)
+    fenced, kept = Unit("p", 0), Unit("p", 1)
+    group._uncommitted = {
+        str(fenced): Window(scn=100, timestamp_ns=0, partition="p"),
+        str(kept): Window(scn=90, timestamp_ns=0, partition="p"),
+    }
+    group._on_fenced(frozenset({fenced}))
+    assert list(group._uncommitted) == [str(kept)]
