@@ -250,6 +250,15 @@ class ZkSession:
 
         try:
             sid = await self._in_thread(start)
+        except asyncio.CancelledError:
+            # stopped (a SIGTERM) during start-up: no session may go on connecting in the
+            # background (found by review)
+            self._zk = None
+            with contextlib.suppress(Exception):
+                await self._in_thread(lambda: _close_quietly(zk))
+            self._shutdown_pool()
+            self.state = self.thread_state = "closed"
+            raise
         except KazooTimeoutError:
             self._zk = None
             await self._in_thread(lambda: _close_quietly(zk))
