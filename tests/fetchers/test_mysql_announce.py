@@ -35,7 +35,7 @@ from changebus.schemas import (
 pytestmark = pytest.mark.mysql
 
 
-def _binlog_of(server: EmbeddedMariaDB, db: str, *statements: str) -> list[Any]:
+def binlog_of(server: EmbeddedMariaDB, db: str, *statements: str) -> list[Any]:
     """The binlog events ``statements`` write, run in one session (then committed)."""
     conn = server.connect(db)
     try:
@@ -53,7 +53,7 @@ def _binlog_of(server: EmbeddedMariaDB, db: str, *statements: str) -> list[Any]:
 def _events(server: EmbeddedMariaDB, db: str) -> list[Any]:
     """The binlog events of one transaction inserting a row into a new table."""
     execute(server, db, "CREATE TABLE t (id int PRIMARY KEY, v varchar(20))")
-    return _binlog_of(server, db, "INSERT INTO t VALUES (1, 'a')")
+    return binlog_of(server, db, "INSERT INTO t VALUES (1, 'a')")
 
 
 def _feed(assembler: BinlogAssembler, events: list[Any], upto: str = "") -> list[Any]:
@@ -113,7 +113,7 @@ def test_rows_rolled_back_to_a_savepoint_are_not_sent(
         "CREATE TABLE i (id int PRIMARY KEY) ENGINE=InnoDB",
         "CREATE TRIGGER i_to_m AFTER INSERT ON i FOR EACH ROW INSERT INTO m VALUES (NEW.id)",
     )
-    events = _binlog_of(
+    events = binlog_of(
         mysql_server,
         mysql_db,
         "BEGIN",
@@ -150,7 +150,7 @@ def test_an_update_changing_the_key_is_followed_by_the_old_keys_delete(
     old key's row stayed with its reader, or was deleted there out of order (found by
     review). The old key's DELETE now follows the update, routed by the old key."""
     execute(mysql_server, mysql_db, "CREATE TABLE k (id int PRIMARY KEY, v varchar(20))")
-    events = _binlog_of(
+    events = binlog_of(
         mysql_server,
         mysql_db,
         "BEGIN",
@@ -204,7 +204,7 @@ def test_more_tables_than_the_layout_cache_holds_are_not_compiled_again(
     execute(
         mysql_server, mysql_db, *(f"CREATE TABLE {n} (id int PRIMARY KEY, v int)" for n in names)
     )
-    events = _binlog_of(
+    events = binlog_of(
         mysql_server,
         mysql_db,
         *(f"INSERT INTO {n} VALUES ({r}, {r})" for r in range(3) for n in names),

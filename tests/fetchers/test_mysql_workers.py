@@ -17,8 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from test_mysql_announce import binlog_of
 from test_mysql_fetcher import execute
-from test_mysql_oversized import binlog_events, feed
+from test_mysql_oversized import feed
 
 from changebus.fetchers.mysql import BinlogAssembler, DeclaredTypes, EmbeddedMariaDB, _workers
 from changebus.fetchers.mysql._columns import T_LONG, ColumnLayout, TableLayout
@@ -27,21 +28,6 @@ from changebus.fetchers.mysql._workers import start_workers
 from changebus.schemas import SchemaRegistry
 
 _COLUMNS = 150
-
-
-def _binlog_of(server: EmbeddedMariaDB, db: str, *statements: str) -> list[Any]:
-    """The binlog events ``statements`` write, run in one session (then committed)."""
-    conn = server.connect(db)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-            for statement in statements:
-                cur.execute(statement)
-        conn.commit()
-    finally:
-        conn.close()
-    return list(binlog_events(server, file, int(pos)))
 
 
 def _feed(assembler: BinlogAssembler, events: list[Any]) -> list[Any]:
@@ -54,7 +40,7 @@ def _wide_table_events(server: EmbeddedMariaDB, db: str) -> list[Any]:
     cols = ", ".join(f"c{i} varchar(12)" for i in range(_COLUMNS))
     execute(server, db, f"CREATE TABLE w (id int PRIMARY KEY, {cols}) CHARSET latin1")
     values = ", ".join(f"'v{i}'" for i in range(_COLUMNS))
-    return _binlog_of(
+    return binlog_of(
         server,
         db,
         "BEGIN",

@@ -109,8 +109,7 @@ class Transcoders:
             self.compiled += 1
             self._keep(oid, table)
         elif oid != self._last:
-            self._lru.move_to_end(oid)
-            self._last = oid
+            self._keep(oid, table)
         return found
 
     def encoder(self, oid: int, table: Table) -> RowEncoder:
@@ -121,14 +120,14 @@ class Transcoders:
             self.encoders_made += 1
             self._keep(oid, table)
         elif oid != self._last:
-            self._lru.move_to_end(oid)
-            self._last = oid
+            self._keep(oid, table)
         return found
 
     def _keep(self, oid: int, table: Table) -> None:
-        """``table`` just got its transcoder or encoder: the most recently used."""
+        """``table`` was used, or just got its transcoder or encoder: the most recently
+        used (kept, the least recently used dropped past the bound)."""
         self._last = oid
-        if oid in self._lru:  # (it had the other one)
+        if oid in self._lru:
             self._lru.move_to_end(oid)
             return
         self._lru[oid] = table
