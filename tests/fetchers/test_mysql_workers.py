@@ -40,7 +40,7 @@ def _wide_table_events(server: EmbeddedMariaDB, db: str) -> list[Any]:
     cols = ", ".join(f"c{i} varchar(12)" for i in range(_COLUMNS))
     execute(server, db, f"CREATE TABLE w (id int PRIMARY KEY, {cols}) CHARSET latin1")
     values = ", ".join(f"'v{i}'" for i in range(_COLUMNS))
-    return binlog_of(
+    events: list[Any] = binlog_of(
         server,
         db,
         "BEGIN",
@@ -49,6 +49,7 @@ def _wide_table_events(server: EmbeddedMariaDB, db: str) -> list[Any]:
         *(f"DELETE FROM w WHERE id = {r}" for r in range(10)),
         "COMMIT",
     )
+    return events
 
 
 @pytest.mark.mysql
