@@ -202,6 +202,8 @@ async def test_fell_off_the_relay_raises_typed_410(make_relay: MakeRelay) -> Non
     assert isinstance(err, ScnNotFoundError)
     assert (err.oldest_scn, err.prev_scn, err.requested_scn) == (m.min_scn, m.prev_scn, 1000)
     assert err.partition == "syn" and err.details["oldest_scn"] == m.min_scn
+    # where the source resumes after prev_scn (a follower relay restarts its buffer there)
+    assert err.prev_position == m.prev_pos == f"synthetic:{m.prev_scn}"
 
 
 async def test_sync_consumer_iterates_in_a_thread(make_relay: MakeRelay) -> None:

@@ -198,7 +198,11 @@ def test_fell_off_is_reported_with_oldest_scn(buf: EventBuffer) -> None:
     assert m.prev_scn > 1
     with pytest.raises(ScnNotFoundError) as info:
         buf.select(1, -1, 1000)
-    assert info.value.details == {"oldest_scn": m.min_scn, "prev_scn": m.prev_scn}
+    assert info.value.details == {
+        "oldest_scn": m.min_scn,
+        "prev_scn": m.prev_scn,
+        "prev_position": f"pos{m.prev_scn}",
+    }
     assert info.value.retriable
     seen, _ = drain(buf, m.prev_scn, -1, 1 << 20)  # exactly at prev_scn: no gap
     assert seen[0] == (m.min_scn, 0)
@@ -276,6 +280,55 @@ def test_the_buffer_says_whether_windows_before_prev_scn_were_evicted(tmp_path: 
     path.write_bytes(body.ljust(512, b"\0"))
     old = MetaFile(path).load()
     assert old is not None and (old.prev_scn, old.evicted, old.capacity) == (41, 1, CAP)
+
+
+def test_the_position_after_prev_scn_is_kept(tmp_path: Path) -> None:
+    """An empty buffer complete after ``prev_scn`` knows where its source resumes.
+
+    A cluster follower restarted at its upstream's ``prev_scn`` and elected
+    before its first window started its Postgres fetcher from wherever the
+    slot was, unchecked (review): the end of window ``prev_scn`` was not kept.
+    Evictions keep it now, followers get it from the upstream, and it
+    survives a restart; an older meta file has none ("")."""
+    import struct
+    import zlib
+
+    from changebus.relay._meta import _STRUCT_2, POSITION_BYTES, MetaFile
+
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path / "a", cfg)
+    b.set_start(0, position="start")
+    assert b.last_source_position == "start"
+    b.append_window(make_window(1, [300]))
+    assert b.last_source_position == "pos1" and b.meta.prev_pos == "start"
+    for scn in range(2, 200):
+        b.append_window(make_window(scn, [900]))
+    m = b.meta
+    assert m.prev_scn > 1 and m.prev_pos == f"pos{m.prev_scn}"  # the evicted window's
+    assert b.last_source_position == "pos199"
+    b.restart_after(250, "upstream-pos")  # (a follower whose upstream moved on)
+    assert (b.meta.prev_scn, b.meta.prev_pos) == (250, "upstream-pos")
+    assert b.last_source_position == "upstream-pos"
+    b.close()
+    b = EventBuffer(tmp_path / "a", cfg)  # kept across a restart
+    assert (b.meta.prev_scn, b.last_source_position) == (250, "upstream-pos")
+    b.restart_after(260)  # an upstream that did not say: not known
+    assert b.last_source_position == ""
+    b.close()
+    # a position too long for the meta file is not kept (not known), never cut short
+    c = EventBuffer(tmp_path / "c", cfg)
+    c.set_start(7, position="x" * (POSITION_BYTES + 1))
+    c.close()
+    c = EventBuffer(tmp_path / "c", cfg)
+    assert (c.meta.prev_scn, c.last_source_position) == (7, "")
+    c.close()
+    # a format-2 meta file (before prev_pos) reads as not known
+    path = tmp_path / "old.dat"
+    fields = (0x4D425243, 2, 7, CAP, 10, 10, 0, 0, 0, 0, 41, 41, -1, 0, 0, 0, 0, 0, 1, 5, 0)
+    body = _STRUCT_2.pack(*fields)[:-8]
+    path.write_bytes((body + struct.pack("<Q", zlib.crc32(body))).ljust(512, b"\0"))
+    old = MetaFile(path).load()
+    assert old is not None and (old.prev_scn, old.prev_ts, old.prev_pos) == (41, 5, "")
 
 
 def test_recovery_discards_damaged_events(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from changebus.schemas import (
     HEADER_SIZE,
     ConfigError,
     DataLoss,
+    EndOfWindow,
     Op,
     SourceConfigError,
     decode_control,
@@ -114,15 +115,19 @@ def window_scns(body: bytes) -> list[int]:
     return [int(h["scn"]) for h in headers if int(h["op"]) == int(Op.END_OF_WINDOW)]
 
 
-def data_losses(body: bytes) -> list[DataLoss]:
+def controls(body: bytes, op: Op) -> list[Any]:
+    """The control events ``op`` in a stream answer, decoded, in order."""
     offsets, headers = parse_stream(body)
-    out = []
-    for off, h in zip(offsets.tolist(), headers, strict=True):
-        if int(h["op"]) == int(Op.DATA_LOSS):
-            payload = body[off + HEADER_SIZE : off + int(h["total_length"])]
-            loss = decode_control(Op.DATA_LOSS, payload)
-            assert isinstance(loss, DataLoss)
-            out.append(loss)
+    return [
+        decode_control(op, body[off + HEADER_SIZE : off + int(h["total_length"])])
+        for off, h in zip(offsets.tolist(), headers, strict=True)
+        if int(h["op"]) == int(op)
+    ]
+
+
+def data_losses(body: bytes) -> list[DataLoss]:
+    out = controls(body, Op.DATA_LOSS)
+    assert all(isinstance(loss, DataLoss) for loss in out)
     return out
 
 
@@ -279,6 +284,13 @@ async def test_follower_started_after_the_schema_changes_were_evicted(tmp_path: 
                 leader.hosts[PART].buffer.meta.evicted,
                 follower.hosts[PART].buffer.meta.evicted,
             ) == (1, 1)
+            # and where the source resumes after it (a follower that leads before its
+            # first window checks the source against it): the evicted window's position
+            up = leader.hosts[PART].buffer.meta
+            assert up.prev_pos == f"synthetic:{up.prev_scn}"
+            assert follower.hosts[PART].buffer.meta.prev_pos == up.prev_pos
+            status = await get_json(http, f"{leader.url}/v1/status")
+            assert [p["prev_position"] for p in status["partitions"]] == [up.prev_pos]
             assert len(await same_registry(http, leader, follower)) == 2
             windows = await read_windows(follower.url, lambda w: w.scn >= 3999)
     assert windows[0].scn == window_scns(held)[0] and windows[-1].scn == 3999
@@ -363,6 +375,10 @@ async def test_follower_that_fell_off_records_one_data_loss_window(tmp_path: Pat
                 DataLoss(stopped_at + 1, upstream.prev_scn, data_losses(body)[0].reason)
             ]
             assert window_scns(body)[0] == upstream.prev_scn  # the loss window, then on
+            # it ends at the upstream's position after prev_scn (a restart resumes there)
+            eow = controls(body, Op.END_OF_WINDOW)[0]
+            assert isinstance(eow, EndOfWindow)
+            assert eow.source_position == upstream.prev_pos == f"synthetic:{upstream.prev_scn}"
             assert body.endswith(await stream_bytes(http, leader))  # the upstream's, as they are
             status = follower.hosts[PART].status()["fetcher"]
             assert status["data_loss_windows"] == 1

@@ -151,6 +151,9 @@ async def test_a_follower_that_fell_off_restarts_its_buffer_instead_of_a_data_lo
             await wait_until(lambda: last_scn(follower) == 4999, 30, "the follower's tail")
             meta = follower.hosts[PART].buffer.meta
             assert meta.prev_scn == upstream.prev_scn  # complete exactly where the leader is
+            # with the leader's position after it (the 410 said it): were this member
+            # elected before its first window, its source is checked against it
+            assert meta.prev_pos == upstream.prev_pos == f"synthetic:{upstream.prev_scn}"
             body = await stream_bytes(http, follower, upstream.prev_scn)
             assert count_data_losses(body) == 0
             assert body == await stream_bytes(http, leader, upstream.prev_scn)
@@ -161,6 +164,7 @@ async def test_a_follower_that_fell_off_restarts_its_buffer_instead_of_a_data_lo
             params = {"partition": PART, "scn": str(stopped_at)}
             async with http.get(f"{follower.url}/v1/stream", params=params) as resp:
                 assert resp.status == 410, await resp.text()
+                assert (await resp.json())["prev_position"] == meta.prev_pos
 
 
 def test_on_fell_off_is_checked() -> None:

@@ -44,9 +44,11 @@ class FellOffRelayError(ScnNotFoundError):
     """The consumer's position is older than what every relay keeps (HTTP 410).
 
     ``oldest_scn`` is the oldest window a relay still has and ``prev_scn`` the
-    newest one it evicted; ``requested_scn`` is where the consumer asked to
-    continue. The consumer must catch up from a bootstrap server, or restart
-    from ``prev_scn`` if the application accepts the gap.
+    newest one it evicted (``prev_position``: the source position at that
+    window's end, "" when the relay did not say); ``requested_scn`` is where
+    the consumer asked to continue. The consumer must catch up from a
+    bootstrap server, or restart from ``prev_scn`` if the application accepts
+    the gap.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class FellOffRelayError(ScnNotFoundError):
         prev_scn: int,
         relay: str,
         retriable: bool | None = None,
+        prev_position: str = "",
     ) -> None:
         super().__init__(
             message,
@@ -68,11 +71,13 @@ class FellOffRelayError(ScnNotFoundError):
             oldest_scn=oldest_scn,
             prev_scn=prev_scn,
             relay=relay,
+            prev_position=prev_position,
         )
         self.partition = partition
         self.requested_scn = requested_scn
         self.oldest_scn = oldest_scn
         self.prev_scn = prev_scn
+        self.prev_position = prev_position
         self.relay = relay
 
 

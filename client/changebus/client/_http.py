@@ -298,6 +298,7 @@ def _fell_off(
         oldest_scn=oldest,
         prev_scn=prev,
         relay=where.removeprefix("relay "),
+        prev_position=str(body.get("prev_position") or ""),
     )
 
 

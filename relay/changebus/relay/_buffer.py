@@ -75,14 +75,10 @@ import numpy as np
 import numpy.typing as npt
 
 from changebus.schemas import (
-    HEADER_SIZE,
-    CorruptEventError,
     DataLoss,
     EndOfWindow,
-    Op,
     PartitionFilter,
     ScnNotFoundError,
-    decode_control,
     encode_control,
     source_table,
 )
@@ -326,13 +322,17 @@ class EventBuffer(BufferWriter):
         """The last published state (a consistent, immutable snapshot)."""
         return self._meta
 
-    def set_start(self, scn: int, *, evicted: bool = False) -> None:
+    def set_start(self, scn: int, *, evicted: bool = False, position: str = "") -> None:
         """Declare an empty buffer complete after ``scn`` (sets ``prev_scn``).
 
         Used when a fetcher starts at a known source position with nothing
         buffered yet: consumers at ``scn`` or later have missed nothing.
         ``evicted``: windows before ``scn`` existed and are gone (else the
-        buffer's ``evicted`` mark stays as it was).
+        buffer's ``evicted`` mark stays as it was). ``position``: the source
+        position at the end of the window at ``scn`` when it is known (a
+        follower learns it from its upstream): the fetcher resumes from it,
+        and a Postgres slot confirmed beyond it is a DATA_LOSS, not a silent
+        jump.
         """
         with self._lock:
             m = self._meta
@@ -343,41 +343,38 @@ class EventBuffer(BufferWriter):
                 prev_scn=scn,
                 last_scn=max(m.last_scn, scn),
                 evicted=1 if evicted else m.evicted,
+                prev_pos=position,
             )
             self._metafile.publish(self._meta)
 
-    def restart_after(self, scn: int) -> None:
+    def restart_after(self, scn: int, position: str = "") -> None:
         """Evict every window and declare the buffer complete after ``scn`` (writer thread).
 
         For a follower whose upstream evicted what follows its newest window: its
-        buffer starts again where the upstream's is complete. Readers of the evicted
-        windows are waited for as by any eviction; a consumer positioned before
-        ``scn`` is then older than the buffer keeps (410).
+        buffer starts again where the upstream's is complete (``position``: the
+        upstream's, see :meth:`set_start`). Readers of the evicted windows are
+        waited for as by any eviction; a consumer positioned before ``scn`` is
+        then older than the buffer keeps (410).
         """
         m = self._meta
         if scn < m.last_scn:
             raise ValueError(f"restart_after({scn}) is before the newest window {m.last_scn}")
         self._make_room(m.tail_pos, m.tail_event)
-        self.set_start(scn, evicted=True)
+        self.set_start(scn, evicted=True, position=position)
 
     @property
     def last_source_position(self) -> str:
-        """The source position in the newest window's END_OF_WINDOW ("" if none).
+        """The source position after the newest window the buffer is complete to ("" if none).
 
-        An empty buffer (new, started with :meth:`set_start`, or emptied by
-        recovery) has no position: the fetcher resumes from the SCN alone.
+        The newest window's END_OF_WINDOW; for an empty buffer, the position
+        of the window at ``prev_scn`` when it is known (``prev_pos``: kept by
+        an eviction, given to :meth:`set_start`); else "" and the fetcher
+        resumes from the SCN alone.
         """
         m = self._meta
         if m.tail_event == m.head_event:
-            return ""
-        rec = self._events.at(m.tail_event - 1)
-        start = int(rec["pos"]) % self.capacity
-        payload = bytes(self._ring_view[start + HEADER_SIZE : start + int(rec["length"])])
-        try:
-            eow = decode_control(Op.END_OF_WINDOW, payload)
-        except CorruptEventError:
-            return ""
-        return str(getattr(eow, "source_position", ""))
+            return m.prev_pos if m.prev_scn == m.last_scn else ""
+        return self._position_at(m.tail_event - 1)
 
     # ------------------------------------------------------------------
     # reader side (see :mod:`._reader`)

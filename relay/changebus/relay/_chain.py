@@ -134,9 +134,11 @@ class RestartBufferError(ChangebusError):
 
     retriable = True
 
-    def __init__(self, message: str, *, scn: int) -> None:
-        super().__init__(message, scn=scn)
+    def __init__(self, message: str, *, scn: int, position: str = "") -> None:
+        super().__init__(message, scn=scn, position=position)
         self.scn = scn
+        #: the upstream's source position at the end of the window at ``scn`` ("": not said)
+        self.position = position
 
 
 class ChainFetcher:
@@ -193,6 +195,9 @@ class ChainFetcher:
         self.upstream_last_scn = -1
         #: the upstream's buffer had evicted windows before where this one starts
         self.start_evicted = False
+        #: the upstream's source position after its ``prev_scn`` ("": not said), for
+        #: the local buffer's start (:meth:`start` returned that SCN)
+        self.start_position = ""
         self.upstream_epoch: int | None = None
         self._response_epoch: int | None = None
         self._newest_ts = 0
@@ -227,6 +232,8 @@ class ChainFetcher:
             await self.close()
             raise
         self.position = resume.scn if resume.scn >= 0 else upstream_prev
+        if resume.scn >= 0:
+            self.start_position = ""  # (the local buffer knows its own)
         self._task = asyncio.create_task(self._run(), name=f"chain-{self.name}")
         log.info(
             "partition %s: following %s (partition %s) after SCN %d",
@@ -317,6 +324,7 @@ class ChainFetcher:
         self.upstream_last_scn = found.max_scn
         # (an upstream that does not say: evicted once it has a prev_scn)
         self.start_evicted = bool(found.raw.get("evicted", found.prev_scn >= 0))
+        self.start_position = str(found.raw.get("prev_position") or "")
         return found.prev_scn
 
     async def _learn_schemas(self) -> tuple[Entry, ...]:
@@ -432,7 +440,7 @@ class ChainFetcher:
             f" were evicted there (it is complete after {lost_to})"
         )
         if self.config.on_fell_off == "restart":
-            raise RestartBufferError(reason, scn=lost_to)
+            raise RestartBufferError(reason, scn=lost_to, position=exc.prev_position)
         log.error(
             "partition %s: %s; recorded as data loss %d..%d", self.name, reason, lost_from, lost_to
         )
@@ -441,7 +449,9 @@ class ChainFetcher:
         loss = encode_control(
             DataLoss(lost_from, lost_to, reason), lost_to, 0, ts, partition=self.partition_id
         )
-        end = encode_control(EndOfWindow(0, ""), lost_to, 1, ts, partition=self.partition_id)
+        end = encode_control(
+            EndOfWindow(0, exc.prev_position), lost_to, 1, ts, partition=self.partition_id
+        )
         window = Window(
             lost_to, ts, loss + end, 2, event_sizes=(len(loss), len(end)), schemas=pending
         )

@@ -445,8 +445,12 @@ class PartitionHost(SourceAcks):
                 start_scn = await self.fetcher.start(resume)
                 if meta.tail_event == meta.head_event and meta.prev_scn < 0 and start_scn >= 0:
                     lost = bool(getattr(self.fetcher, "start_evicted", False))
+                    # (a follower: where the upstream's source resumes after start_scn)
+                    position = str(getattr(self.fetcher, "start_position", ""))
                     await self._writer.run(
-                        functools.partial(self.buffer.set_start, start_scn, evicted=lost)
+                        functools.partial(
+                            self.buffer.set_start, start_scn, evicted=lost, position=position
+                        )
                     )
                 self.state = "streaming"
                 self.last_error = ""
@@ -495,7 +499,7 @@ class PartitionHost(SourceAcks):
                     self.last_error,
                     exc.scn,
                 )
-                await self._writer.run(self.buffer.restart_after, exc.scn)
+                await self._writer.run(self.buffer.restart_after, exc.scn, exc.position)
                 delay = cfg.retry_initial_s
                 self.state = "retrying"  # not streaming: the fetcher is closed below
             except _Fenced as exc:

@@ -114,6 +114,8 @@ def partition_status(host: PartitionHost, *, consumers: bool = True) -> dict[str
         "evicted": bool(m.evicted),
         # the commit time of the window at prev_scn, when an eviction set it (0: not known)
         "evicted_timestamp_ns": m.prev_ts,
+        # the source position at the end of the window at prev_scn ("": not known)
+        "prev_position": m.prev_pos,
         "bytes_used": m.tail_pos - m.head_pos,
         "capacity_bytes": m.capacity,
         "events": m.tail_event - m.head_event,

@@ -27,12 +27,15 @@ __all__ = ["BufferMeta", "MetaFile"]
 
 _SLOT: Final = 256
 _MAGIC: Final = 0x4D425243  # "CRBM"
-_FORMAT: Final = 2
+_FORMAT: Final = 3
+#: room for ``prev_pos`` (UTF-8); a longer position is stored as "" (not known)
+POSITION_BYTES: Final = 88
 # magic, format, seq, capacity, event_slots, index_slots,
 # head_event, tail_event, head_pos, tail_pos, prev_scn, last_scn, min_scn,
-# index_head, index_tail, first_ts, last_ts, windows, evicted, prev_ts, crc
-_STRUCT: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQqQ")
-#: format 1 (before ``evicted``): read, never written
+# index_head, index_tail, first_ts, last_ts, windows, evicted, prev_ts, prev_pos, crc
+_STRUCT: Final = struct.Struct(f"<IIQQQQQQQQqqqQQqqQQq{POSITION_BYTES}sQ")
+#: format 2 (before ``prev_pos``) and 1 (before ``evicted``): read, never written
+_STRUCT_2: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQqQ")
 _STRUCT_1: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQ")
 
 
@@ -52,7 +55,12 @@ class BufferMeta:
     it); a buffer of format 1 did not say, and counts as 1. ``prev_ts`` is
     the commit time of the window at ``prev_scn`` when an eviction set it (0:
     not known). ``first_ts`` / ``last_ts`` are those of the oldest and the
-    newest kept window.
+    newest kept window. ``prev_pos`` is the source position in the
+    END_OF_WINDOW of the window at ``prev_scn`` ("" when not known: a buffer
+    of an older format, a window that did not say, a position longer than
+    :data:`POSITION_BYTES`); for an empty buffer it is where its source
+    resumes, and what the source's own gap check compares with (a Postgres
+    slot confirmed beyond it: DATA_LOSS).
     """
 
     capacity: int
@@ -72,6 +80,7 @@ class BufferMeta:
     windows: int = 0
     evicted: int = 0
     prev_ts: int = 0
+    prev_pos: str = ""
 
 
 class MetaFile:
@@ -94,7 +103,7 @@ class MetaFile:
         for slot in range(2):
             at = slot * _SLOT
             fmt = int.from_bytes(bytes(self._map[at + 4 : at + 8]), "little")
-            layout = {1: _STRUCT_1, _FORMAT: _STRUCT}.get(fmt)
+            layout = {1: _STRUCT_1, 2: _STRUCT_2, _FORMAT: _STRUCT}.get(fmt)
             if layout is None:
                 continue
             raw = bytes(self._map[at : at + layout.size])
@@ -102,7 +111,10 @@ class MetaFile:
             if fields[0] != _MAGIC or zlib.crc32(raw[: layout.size - 8]) != fields[-1]:
                 continue
             seq = fields[2]
-            meta = BufferMeta(*fields[3:-1])
+            values = list(fields[3:-1])
+            if fmt == _FORMAT:
+                values[-1] = values[-1].rstrip(b"\0").decode("utf-8", "replace")
+            meta = BufferMeta(*values)
             if fmt == 1 and meta.prev_scn >= 0:
                 meta = replace(meta, evicted=1)  # (format 1 did not say: maybe)
             if best is None or seq > best[0]:
@@ -136,6 +148,7 @@ class MetaFile:
             meta.windows,
             meta.evicted,
             meta.prev_ts,
+            _position_bytes(meta.prev_pos),
             0,
         )[: _STRUCT.size - 8]
         record = body + struct.pack("<Q", zlib.crc32(body))
@@ -155,3 +168,9 @@ class MetaFile:
         mm = getattr(self._map, "_mmap", None)
         if mm is not None:
             mm.close()
+
+
+def _position_bytes(position: str) -> bytes:
+    """``position`` as stored: UTF-8, or empty when it does not fit (not known)."""
+    raw = position.encode("utf-8")
+    return raw if len(raw) <= POSITION_BYTES else b""

@@ -136,6 +136,7 @@ def locate(
             "have; resume from the last complete window (prev_scn)",
             oldest_scn=m.min_scn,
             prev_scn=m.prev_scn,
+            prev_position=m.prev_pos,
         )
     if window_offset >= after - first_at:
         # a relay never hands out such an offset (a window read to its end
@@ -153,6 +154,8 @@ def _too_old(name: str, scn: int, m: BufferMeta) -> ScnNotFoundError:
         f"complete after {m.prev_scn}); catch up from the bootstrap server",
         oldest_scn=m.min_scn,
         prev_scn=m.prev_scn,
+        # (where the source resumes after prev_scn: a follower restarted there keeps it)
+        prev_position=m.prev_pos,
     )
 
 

@@ -247,7 +247,9 @@ def _rewind(
 
 def _emptied(meta: BufferMeta, after_scn: int, *, lost: bool = False) -> BufferMeta:
     """``meta`` with no live event, complete after ``after_scn`` (its prev and last SCN);
-    ``lost``: the windows dropped are gone for good (not sent again by the source)."""
+    ``lost``: the windows dropped are gone for good (not sent again by the source).
+    The position after ``after_scn`` is kept when it is the one already known
+    (``prev_scn``), else not known."""
     return BufferMeta(
         meta.capacity,
         meta.event_slots,
@@ -261,6 +263,8 @@ def _emptied(meta: BufferMeta, after_scn: int, *, lost: bool = False) -> BufferM
         index_head=meta.index_tail,
         index_tail=meta.index_tail,
         evicted=1 if lost else meta.evicted,
+        prev_ts=meta.prev_ts if after_scn == meta.prev_scn else 0,
+        prev_pos=meta.prev_pos if after_scn == meta.prev_scn else "",
     )
 
 

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import HEADER_DTYPE, EventTooLargeError
+from changebus.schemas import (
+    HEADER_DTYPE,
+    HEADER_SIZE,
+    CorruptEventError,
+    EndOfWindow,
+    EventTooLargeError,
+    Op,
+    decode_control,
+)
 from changebus.schemas.errors import BadRequestError
 
 from ._evict import Pin, plan_eviction, wait_for_readers
@@ -354,6 +362,7 @@ class BufferWriter:
                 windows=m.windows + group.windows,
                 evicted=m.evicted,
                 prev_ts=m.prev_ts,
+                prev_pos=m.prev_pos,
             )
             self._metafile.publish(self._meta)
         self._prefault.advance(group.tail_pos)
@@ -369,11 +378,28 @@ class BufferWriter:
         at = pos % self.capacity + TS_OFFSET
         return int(self._ring[at : at + 8].view("<i8")[0])
 
+    def _position_at(self, event: int) -> str:
+        """The source position of the END_OF_WINDOW numbered ``event`` ("" if unreadable).
+
+        The event must still be in the ring (live, or evicted and not yet
+        overwritten).
+        """
+        rec = self._events.at(event)
+        start = int(rec["pos"]) % self.capacity
+        payload = bytes(self._ring_view[start + HEADER_SIZE : start + int(rec["length"])])
+        try:
+            eow = decode_control(Op.END_OF_WINDOW, payload)
+        except CorruptEventError:
+            return ""
+        return eow.source_position if isinstance(eow, EndOfWindow) else ""
+
     def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
         """Evict whole oldest windows until the head is past both bounds."""
         plan = plan_eviction(self._events, self._index, self._meta, min_head_pos, min_head_event)
         if plan is None:
             return
+        # (the evicted bytes are still in the ring: nothing overwrote them yet)
+        prev_pos = self._position_at(plan.head_event - 1)
         with self._pins_changed:
             self.stats["pins_overrun"] += wait_for_readers(
                 self._pins,
@@ -393,8 +419,8 @@ class BufferWriter:
                 index_head=plan.index_head,
                 windows=m.windows - plan.windows,
                 evicted=1,
-                # (the evicted bytes are still in the ring: nothing overwrote them yet)
                 prev_ts=self._timestamp_at(int(self._events.at(plan.head_event - 1)["pos"])),
+                prev_pos=prev_pos,
                 first_ts=(
                     self._timestamp_at(plan.head_pos) if plan.head_event < m.tail_event else 0
                 ),

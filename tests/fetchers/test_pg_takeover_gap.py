@@ -1,0 +1,152 @@
+"""A relay that takes the slot over with an empty buffer checks the slot against it.
+
+A cluster follower's buffer can be empty and complete after the upstream's
+``prev_scn`` P (a new member, or one restarted after its upstream evicted
+what it lacked). It used to know only P, not where window P ends in the WAL,
+so when it became leader the Postgres fetcher started from wherever the slot
+was confirmed: a slot confirmed past P (the old leader had acknowledged more
+while this member was away) skipped the transactions in between without a
+DATA_LOSS window (found by review). The buffer now keeps the position at the
+end of window P (its upstream says it: ``prev_position``), so the slot is
+checked as for a buffer with windows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_pg_fetcher import source, workload
+
+from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.schemas import (
+    ChangeDecoder,
+    DataLoss,
+    Op,
+    SchemaRegistry,
+    decode_control,
+    event_at,
+    lsn_to_scn,
+    parse_stream,
+    verify_event,
+)
+from fix_pg import caught_up, wait_until
+
+pytestmark = pytest.mark.pg
+
+
+def _config(data_dir: Path, fetcher: FetcherConfig) -> RelayConfig:
+    return RelayConfig(
+        data_dir=data_dir,
+        http=HttpConfig(port=0),
+        partitions=(PartitionConfig("pg", 1, capacity_bytes=8 << 20, fetcher=fetcher),),
+        flush_interval_s=0,
+    )
+
+
+def _postgres(dsn: str) -> FetcherConfig:
+    return FetcherConfig("postgres", {"dsn": dsn, "status_interval_s": 0.2})
+
+
+def _confirmed(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+            " WHERE slot_name = 'changebus'"
+        ).fetchone()
+    assert row is not None
+    return lsn_to_scn(row[0])
+
+
+def _fold(relay: Relay, rows: dict[int, dict[str, Any]]) -> tuple[list[DataLoss], list[int]]:
+    """Apply the relay's windows to ``rows``; the DATA_LOSS events and window SCNs."""
+    host = relay.hosts["pg"]
+    sel = host.buffer.select(-1, -1, 1 << 30)
+    assert sel is not None
+    data = b"".join(bytes(v) for v in sel.views)
+    assert host.buffer.release(sel)
+    registry: SchemaRegistry = host.registry
+    losses: list[DataLoss] = []
+    scns: list[int] = []
+    offsets, _ = parse_stream(data)
+    for off in offsets.tolist():
+        h = verify_event(data, off)
+        if h.op == Op.END_OF_WINDOW:
+            scns.append(h.scn)
+        if h.op == Op.DATA_LOSS:
+            loss = decode_control(Op.DATA_LOSS, event_at(data, off, h)[1])
+            assert isinstance(loss, DataLoss)
+            losses.append(loss)
+        if h.op.is_control:
+            continue
+        table = registry.get(registry.name_for_id(h.source_id), h.schema_version)
+        change = ChangeDecoder(table).decode(event_at(data, off, h)[1])
+        if h.op == Op.DELETE:
+            assert change.before is not None
+            rows.pop(change.before["id"], None)
+        elif change.after is not None:
+            rows[change.after["id"]] = {k: change.after[k] for k in ("id", "bal", "name")}
+    return losses, scns
+
+
+async def _take_over(data_dir: Path, dsn: str, after: int, position: str) -> Relay:
+    """A relay with no source and an empty buffer complete after ``after`` (as a
+    follower restarted at its upstream's ``prev_scn``) that then leads: its
+    fetcher becomes the Postgres one (``switch_fetcher``, as an elected member's)."""
+    relay = Relay(_config(data_dir, FetcherConfig()))
+    await relay.start()
+    host = relay.hosts["pg"]
+    host.buffer.set_start(after, evicted=True, position=position)
+    assert host.buffer.last_source_position == position
+    await host.switch_fetcher(_postgres(dsn))
+    await wait_until(lambda: host.state == "streaming")
+    return relay
+
+
+async def test_an_empty_buffer_taking_the_slot_over_sees_a_slot_confirmed_past_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int8 PRIMARY KEY, bal int8, name text)")
+    async with Relay(_config(tmp_path / "old-leader", _postgres(pg_dsn))) as leader:
+        await wait_until(lambda: leader.hosts["pg"].state == "streaming")
+        workload(pg_dsn, 1, 20)
+        await caught_up(leader, pg_dsn)
+        at = leader.hosts["pg"].buffer.meta.last_scn
+        position = leader.hosts["pg"].buffer.last_source_position
+        # the old leader acknowledges its last window: the slot then ends where it does
+        await wait_until(lambda: _confirmed(pg_dsn) == lsn_to_scn(position))
+    assert lsn_to_scn(position) > at
+    state_at = source(pg_dsn)
+
+    # 1. the slot where the buffer says it is complete: no gap, nothing lost or doubled
+    relay = await _take_over(tmp_path / "member-a", pg_dsn, at, position)
+    try:
+        workload(pg_dsn, 2, 20)
+        await caught_up(relay, pg_dsn)
+        rows = dict(state_at)
+        losses, scns = _fold(relay, rows)
+        assert losses == []
+        assert scns == sorted(set(scns)) and scns[0] > at
+        assert rows == source(pg_dsn)  # the state at P plus what came after: the source
+        stale = relay.hosts["pg"].buffer.meta.last_scn
+        end = lsn_to_scn(relay.hosts["pg"].buffer.last_source_position)
+        await wait_until(lambda: _confirmed(pg_dsn) == end)
+    finally:
+        await relay.stop()
+
+    # 2. the slot confirmed past the buffer's end (here by member a; in a cluster by
+    # the old leader while this member was away): one DATA_LOSS window, then on
+    relay = await _take_over(tmp_path / "member-b", pg_dsn, at, position)
+    try:
+        workload(pg_dsn, 3, 10)
+        await caught_up(relay, pg_dsn)
+        losses, scns = _fold(relay, {})
+        assert len(losses) == 1
+        assert losses[0].from_scn == at + 1 and losses[0].to_scn >= stale
+        assert "confirmed beyond" in losses[0].reason
+        assert scns[0] == losses[0].to_scn and scns == sorted(set(scns)) and len(scns) > 1
+    finally:
+        await relay.stop()
