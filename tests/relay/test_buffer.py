@@ -306,8 +306,10 @@ def test_the_position_after_prev_scn_is_kept(tmp_path: Path) -> None:
     m = b.meta
     assert m.prev_scn > 1 and m.prev_pos == f"pos{m.prev_scn}"  # the evicted window's
     assert b.last_source_position == "pos199"
+    assert b.meta.prev_ts > 0
     b.restart_after(250, "upstream-pos")  # (a follower whose upstream moved on)
     assert (b.meta.prev_scn, b.meta.prev_pos) == (250, "upstream-pos")
+    assert b.meta.prev_ts == 0  # (the eviction's time was of its own last window: not known)
     assert b.last_source_position == "upstream-pos"
     b.close()
     b = EventBuffer(tmp_path / "a", cfg)  # kept across a restart
@@ -318,6 +320,7 @@ def test_the_position_after_prev_scn_is_kept(tmp_path: Path) -> None:
     # a position too long for the meta file is not kept (not known), never cut short
     c = EventBuffer(tmp_path / "c", cfg)
     c.set_start(7, position="x" * (POSITION_BYTES + 1))
+    assert c.last_source_position == ""  # (the same before a restart as after it)
     c.close()
     c = EventBuffer(tmp_path / "c", cfg)
     assert (c.meta.prev_scn, c.last_source_position) == (7, "")

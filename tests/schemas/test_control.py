@@ -17,6 +17,7 @@ from changebus.schemas import (
     control_schema_id,
     decode_control,
     encode_control,
+    end_of_window_position,
     event_at,
     verify_event,
 )
@@ -69,3 +70,24 @@ def test_garbage_payload_is_rejected() -> None:
         decode_control(Op.END_OF_WINDOW, b"\xff\xff\xff")
     with pytest.raises(CorruptEventError, match="not a control op"):
         decode_control(Op.INSERT, b"")
+
+
+@given(st.integers(-(2**63), 2**63 - 1), st.text(max_size=300))
+def test_the_fast_end_of_window_position_reads_what_the_avro_reader_does(
+    count: int, position: str
+) -> None:
+    """The relay reads the position at every eviction without fastavro."""
+    data = encode_control(EndOfWindow(count, position), 1, 0, 0)
+    payload = event_at(data, 0, verify_event(data, 0))[1]
+    assert end_of_window_position(payload) == position
+    eow = decode_control(Op.END_OF_WINDOW, payload)
+    assert isinstance(eow, EndOfWindow) and eow.source_position == position
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\x80", b"\x02", b"\x02\x0a", b"\x02\x04\xff\xfe", b"\x02\x01", b"\x80" * 11],
+)
+def test_the_fast_end_of_window_position_refuses_garbage(payload: bytes) -> None:
+    with pytest.raises(CorruptEventError):
+        end_of_window_position(payload)

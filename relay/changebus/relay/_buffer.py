@@ -87,7 +87,7 @@ from changebus.schemas.files import narrow_files, private_dir, private_file
 
 from ._evict import Pin
 from ._index import cut_points
-from ._meta import BufferMeta, MetaFile
+from ._meta import BufferMeta, MetaFile, kept_position
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
@@ -343,7 +343,8 @@ class EventBuffer(BufferWriter):
                 prev_scn=scn,
                 last_scn=max(m.last_scn, scn),
                 evicted=1 if evicted else m.evicted,
-                prev_pos=position,
+                prev_ts=0,  # (not known: an eviction's was of another window)
+                prev_pos=kept_position(position),
             )
             self._metafile.publish(self._meta)
 

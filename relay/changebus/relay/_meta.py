@@ -23,7 +23,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["BufferMeta", "MetaFile"]
+__all__ = ["POSITION_BYTES", "BufferMeta", "MetaFile", "kept_position"]
 
 _SLOT: Final = 256
 _MAGIC: Final = 0x4D425243  # "CRBM"
@@ -174,3 +174,9 @@ def _position_bytes(position: str) -> bytes:
     """``position`` as stored: UTF-8, or empty when it does not fit (not known)."""
     raw = position.encode("utf-8")
     return raw if len(raw) <= POSITION_BYTES else b""
+
+
+def kept_position(position: str) -> str:
+    """``position`` as the meta file keeps it ("" when too long): what a ``prev_pos``
+    is set to, so the buffer says the same before and after a restart."""
+    return position if len(position.encode("utf-8")) <= POSITION_BYTES else ""

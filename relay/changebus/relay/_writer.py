@@ -37,16 +37,14 @@ from changebus.schemas import (
     HEADER_DTYPE,
     HEADER_SIZE,
     CorruptEventError,
-    EndOfWindow,
     EventTooLargeError,
-    Op,
-    decode_control,
+    end_of_window_position,
 )
 from changebus.schemas.errors import BadRequestError
 
 from ._evict import Pin, plan_eviction, wait_for_readers
 from ._index import add_windows, add_windows_small
-from ._meta import BufferMeta, MetaFile
+from ._meta import BufferMeta, MetaFile, kept_position
 from ._prefault import Prefaulter
 from ._tables import EVENT_DTYPE, CircularTable
 from ._validate import validate
@@ -382,16 +380,16 @@ class BufferWriter:
         """The source position of the END_OF_WINDOW numbered ``event`` ("" if unreadable).
 
         The event must still be in the ring (live, or evicted and not yet
-        overwritten).
+        overwritten). About 2 µs: every eviction reads one.
         """
         rec = self._events.at(event)
         start = int(rec["pos"]) % self.capacity
-        payload = bytes(self._ring_view[start + HEADER_SIZE : start + int(rec["length"])])
         try:
-            eow = decode_control(Op.END_OF_WINDOW, payload)
+            return end_of_window_position(
+                self._ring_view[start + HEADER_SIZE : start + int(rec["length"])]
+            )
         except CorruptEventError:
             return ""
-        return eow.source_position if isinstance(eow, EndOfWindow) else ""
 
     def _make_room(self, min_head_pos: int, min_head_event: int) -> None:
         """Evict whole oldest windows until the head is past both bounds."""
@@ -399,7 +397,7 @@ class BufferWriter:
         if plan is None:
             return
         # (the evicted bytes are still in the ring: nothing overwrote them yet)
-        prev_pos = self._position_at(plan.head_event - 1)
+        prev_pos = kept_position(self._position_at(plan.head_event - 1))
         with self._pins_changed:
             self.stats["pins_overrun"] += wait_for_readers(
                 self._pins,

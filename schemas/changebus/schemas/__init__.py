@@ -31,6 +31,7 @@ from ._control import (
     control_schema_id as control_schema_id,
     decode_control as decode_control,
     encode_control as encode_control,
+    end_of_window_position as end_of_window_position,
 )
 from ._crc import crc32 as crc32
 from ._envelope import (
@@ -238,6 +239,7 @@ __all__ = [
     "decode_header",
     "encode_control",
     "encode_event",
+    "end_of_window_position",
     "event_at",
     "event_mask",
     "field_name",

@@ -50,6 +50,7 @@ __all__ = [
     "control_schema_id",
     "decode_control",
     "encode_control",
+    "end_of_window_position",
 ]
 
 
@@ -223,3 +224,34 @@ def decode_control(op: Op | int, payload: bytes | memoryview) -> ControlPayload:
         record["fingerprint"] += 1 << 64
     result: ControlPayload = cls(**record)
     return result
+
+
+def end_of_window_position(payload: bytes | memoryview) -> str:
+    """The ``source_position`` of an END_OF_WINDOW payload, read without the Avro reader.
+
+    The same answer as ``decode_control(Op.END_OF_WINDOW, payload).source_position``
+    for a valid payload (two fields: a long, then a string), in about a quarter of
+    its time: the relay reads it at every eviction. Raises
+    :class:`CorruptEventError` for a payload it cannot read.
+    """
+    view = memoryview(payload)
+    pos, size = 0, len(view)
+    value = 0
+    for _field in range(2):
+        value, shift = 0, 0
+        while True:
+            if pos >= size or shift > 63:
+                raise CorruptEventError("undecodable END_OF_WINDOW payload: truncated varint")
+            byte = view[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+    length = (value >> 1) ^ -(value & 1)
+    if length < 0 or pos + length > size:
+        raise CorruptEventError("undecodable END_OF_WINDOW payload: bad string length")
+    try:
+        return str(view[pos : pos + length], "utf-8")
+    except UnicodeDecodeError:
+        raise CorruptEventError("undecodable END_OF_WINDOW payload: not UTF-8") from None
