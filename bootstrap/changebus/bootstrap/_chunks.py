@@ -32,7 +32,10 @@ watermark arrives in the stream. How a source finds its tag:
 rows, the table's :class:`JobState` (the reader's cursor after the chunk,
 chunk and row counts, the first tag). A seed restarted after a crash (kill
 -9 of the bootstrap server) continues after the last chunk stored: at most
-the chunk in flight is read again.
+the chunk in flight is read again. A keyset cursor is stored with the key
+order it belongs to (:attr:`ChunkReader.key_id`); when the table's key has
+changed since (a new primary key), the table is read again from its start:
+its old key's values compared with the new key's columns would skip rows.
 
 **End of a table.** A whole-table snapshot then *sweeps*: a snapshot row of
 the table older than the first tag that no chunk rewrote is a row the
@@ -48,10 +51,11 @@ Postgres' unchanged TOAST values whose earlier image no chunk brought: a row
 moved to a key the snapshot had passed) are read again by key and merged
 (:mod:`._refill`), before the table counts as seeded.
 
-**Throttle.** :class:`Throttle` keeps a rows/s budget and a share of wall
-time spent in source reads (``source_time_budget``: 0.25 = the source is
-busy with the snapshot at most a quarter of the time), sleeping between
-chunks.
+**Throttle.** :class:`~._pacing.Throttle` keeps a rows/s budget and a
+share of wall time spent in source reads (``source_time_budget``: 0.25 = the
+source is busy with the snapshot at most a quarter of the time), sleeping
+between chunks; :class:`~._pacing.ChunkSizer` keeps chunk transactions
+under ``max_chunk_txn_s``.
 
 Thread-safety: :func:`run_chunked` runs in the seeder's worker thread; it
 touches the reader (its own), the sink (which hops to the store's writer
@@ -66,11 +70,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from changebus.schemas import ChangebusError, ConfigError, SourceConfigError
 
+from ._pacing import ChunkSizer as ChunkSizer, Throttle
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = [
@@ -164,12 +169,16 @@ class ChunkReader(Protocol):
     slices) or ``single_transaction`` (the documented fallback for a table
     without a usable unique key: one transaction, not resumable).
     ``estimate_rows`` -- rows the scope holds, about (-1: unknown), for
-    progress and ETA. :meth:`read` reads up to ``limit`` rows after
-    ``cursor`` (None: from the start) in one source transaction.
+    progress and ETA. ``key_id`` -- what orders a ``keyset`` reader's
+    cursors (its key columns and their types; "" for other modes): a stored
+    cursor of another key order is not resumed (:func:`run_chunked`).
+    :meth:`read` reads up to ``limit`` rows after ``cursor`` (None: from the
+    start) in one source transaction.
     """
 
     mode: str
     estimate_rows: int
+    key_id: str
 
     def read(self, cursor: str | None, limit: int) -> Chunk: ...
 
@@ -227,11 +236,11 @@ class JobState:
     first_tag: int = -1
     last_tag: int = -1
 
-    def after(self, chunk: Chunk) -> JobState:
-        """The state once ``chunk`` is stored."""
+    def after(self, chunk: Chunk, cursor: str | None = None) -> JobState:
+        """The state once ``chunk`` is stored (``cursor``: as stored, default the chunk's)."""
         return replace(
             self,
-            cursor=chunk.cursor,
+            cursor=chunk.cursor if cursor is None else cursor,
             chunks=self.chunks + 1,
             rows=self.rows + chunk.row_count,
             first_tag=chunk.tag if self.first_tag < 0 else min(self.first_tag, chunk.tag),
@@ -294,73 +303,6 @@ class WriterSink:
 
     def finish(self, scope: SnapshotScope, job: JobState) -> None:
         self.write(scope.table, [], max(job.first_tag, 0))
-
-
-@dataclass
-class ChunkSizer:
-    """Rows for the next chunk: ``rows``, fewer while chunk transactions run over ``max_txn_s``.
-
-    After each chunk, :meth:`after` aims the next chunk's transaction at 70 %
-    of ``max_txn_s`` (seconds; 0: off, always ``rows``), assuming time grows
-    with rows: the limit shrinks at once, and grows back at most 2x a chunk,
-    only after a full chunk, never above ``rows`` nor below ``min(rows, 100)``.
-    A reader that does not time its transactions (``txn_s`` < 0) leaves it
-    as it is. Not thread-safe (the seeder's).
-    """
-
-    rows: int
-    max_txn_s: float = 0.0
-    limit: int = field(default=0, init=False)
-
-    def __post_init__(self) -> None:
-        if self.max_txn_s < 0:
-            raise ConfigError("max_chunk_txn_s must not be negative (0: off)")
-        self.limit = self.rows
-
-    def after(self, rows_read: int, txn_s: float) -> int:
-        """Note a chunk of ``rows_read`` rows whose transaction took ``txn_s``; the next limit."""
-        if self.max_txn_s <= 0 or txn_s < 0:
-            return self.limit
-        want = int(self.limit * 0.7 * self.max_txn_s / max(txn_s, 1e-6))
-        if want > self.limit and rows_read < self.limit:
-            return self.limit  # a short chunk (the scope's end) says nothing of a full one
-        want = min(want, 2 * self.limit, self.rows)
-        self.limit = max(want, min(self.rows, 100))
-        return self.limit
-
-
-@dataclass
-class Throttle:
-    """Paces chunks: at most ``rows_per_s`` rows a second (0: no limit) and the source
-    busy with reads at most ``time_budget`` of the wall time (1: no limit).
-
-    :meth:`pause` says how long to wait before the next chunk, given the rows
-    and the source time of the chunk just read. Not thread-safe (the seeder's).
-    """
-
-    rows_per_s: float = 0.0
-    time_budget: float = 1.0
-    clock: Callable[[], float] = time.monotonic
-    _start: float = field(default=-1.0, init=False)
-    _rows: int = field(default=0, init=False)
-
-    def __post_init__(self) -> None:
-        if self.rows_per_s < 0:
-            raise ConfigError("max_rows_per_s must not be negative")
-        if not 0 < self.time_budget <= 1:
-            raise ConfigError("source_time_budget must be in (0, 1]")
-
-    def pause(self, rows: int, busy_s: float) -> float:
-        now = self.clock()
-        if self._start < 0:
-            self._start = now - busy_s
-        self._rows += rows
-        wait = 0.0
-        if self.rows_per_s > 0:
-            wait = max(wait, self._start + self._rows / self.rows_per_s - now)
-        if self.time_budget < 1:
-            wait = max(wait, busy_s * (1 / self.time_budget - 1))
-        return wait
 
 
 def run_chunked(
@@ -436,6 +378,19 @@ def _run_tables(
             single = reader.mode == "single_transaction"
             if single:
                 stored = None
+            key, cursor = _unwrap(stored.cursor if stored is not None else None)
+            if stored is not None and cursor is not None and key != reader.key_id:
+                # the key changed since (a new primary key, another collation): the
+                # stored cursor would be compared with other columns and skip rows
+                # (found by review); a cursor stored without its key_id may be one
+                log.warning(
+                    "%s: the stored snapshot's cursor is for %s, the table is now read by"
+                    " %s: it starts again",
+                    name,
+                    key or "a key an older version did not record",
+                    reader.key_id,
+                )
+                stored, cursor = None, None
             job = stored or JobState(name, scope.as_json())
             progress.start_table(name, reader.mode, reader.estimate_rows, job.rows, job.chunks)
             if stored is not None and stored.chunks:
@@ -445,21 +400,22 @@ def _run_tables(
                     stored.chunks,
                     stored.rows,
                 )
-            while job.cursor is not None or job.chunks == 0:
+            while cursor is not None or job.chunks == 0:
                 if stop.is_set():
                     raise ChangebusError("seeding stopped", retriable=True)
                 started = time.monotonic()
-                chunk = reader.read(job.cursor, sizer.limit)
+                chunk = reader.read(cursor, sizer.limit)
                 busy = time.monotonic() - started
                 if stop.is_set():  # (a gap recorded meanwhile: this chunk must not be stored)
                     raise ChangebusError("seeding stopped", retriable=True)
-                if chunk.cursor is not None and chunk.cursor == job.cursor:
+                if chunk.cursor is not None and chunk.cursor == cursor:
                     raise SourceConfigError(
                         f"snapshot of {name}: a chunk ended where it started, so the read "
                         "would never end (does the where condition hold an OR outside its "
                         "parentheses?)"
                     )
-                job = job.after(chunk)
+                cursor = chunk.cursor
+                job = job.after(chunk, _wrap(reader.key_id, cursor))
                 sink.chunk(scope, job, chunk)
                 progress.chunk_done(chunk.row_count, chunk.tag, chunk.txn_s)
                 progress.chunk_limit = sizer.after(chunk.row_count, chunk.txn_s)
@@ -489,6 +445,31 @@ def _run_tables(
     progress.state = "copied"
     progress.table = ""
     return progress.scn
+
+
+#: the head of a stored cursor (not JSON: an older version refuses it, never misreads it)
+_KEYED = "keyed:"
+
+
+def _wrap(key: str, cursor: str | None) -> str | None:
+    """A reader's cursor as stored: with what it means (``key``: the reader's key_id)."""
+    if cursor is None:
+        return None
+    return _KEYED + json.dumps([key, cursor], separators=(",", ":"))
+
+
+def _unwrap(stored: str | None) -> tuple[str | None, str | None]:
+    """``(key_id, reader's cursor)`` of a stored cursor; key_id None: stored by an older
+    version, which did not say (its cursor may be of another mode or key order)."""
+    if stored is None or not stored.startswith(_KEYED):
+        return None, stored
+    try:
+        key, cursor = json.loads(stored[len(_KEYED) :])
+    except ValueError:
+        return None, stored
+    if not isinstance(key, str) or not isinstance(cursor, str):
+        return None, stored
+    return key, cursor
 
 
 #: listings of rows lacking columns one refill reads at most (each up to 10,000 keys)

@@ -308,11 +308,11 @@ class PostgresChunkSource:
         nsp, rel, kind = str(info[3]), str(info[4]), str(info[5])
         cols = conn.execute(
             "SELECT attname::text, atttypid::int, atttypmod::int, "
-            "format_type(atttypid, atttypmod) FROM pg_attribute "
+            "format_type(atttypid, atttypmod), attcollation::int FROM pg_attribute "
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
             (oid,),
         ).fetchall()
-        self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f in cols]
+        self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f, _o in cols]
         self.names[oid] = name
         ident = _identity_columns(conn, oid, identity, self.resolver)
         relation = Relation(
@@ -320,7 +320,7 @@ class PostgresChunkSource:
             nsp,
             rel,
             identity,
-            tuple(RelationColumn(c, t, m, c in ident) for c, t, m, _f in cols),
+            tuple(RelationColumn(c, t, m, c in ident) for c, t, m, _f, _o in cols),
         )
         self.assembler.feed(Begin(0, time.time_ns(), 0))
         self.assembler.feed(relation)
@@ -339,7 +339,7 @@ class PostgresChunkSource:
                 "in chunks: add a primary key (ALTER TABLE ... ADD PRIMARY KEY), or set "
                 "REPLICA IDENTITY FULL (then it is read in one long transaction)"
             )
-        types = {str(c): str(f) for c, _t, _m, f in cols}
+        types = {str(c): str(f) for c, _t, _m, f, _o in cols}
         missing = [k for k in key if k not in types]
         if missing:
             raise SourceConfigError(
@@ -380,7 +380,10 @@ class PostgresChunkSource:
         if scope.where:
             self._check_where(name, table, scope.where)
             estimate = -1
-        return KeysetReader(self, name, oid, table, estimate, scope.where)
+        # what orders the keyset's cursor: the key columns' types and collations (not
+        # their typmods nor how format_type spells them, which change nothing of it)
+        order = {str(c): [str(c), int(t), int(o)] for c, t, _m, _f, o in cols}
+        return KeysetReader(self, name, oid, table, estimate, scope.where, [order[k] for k in key])
 
     def _check_where(self, name: str, table: PgTable, where: str) -> None:
         """``EXPLAIN`` the condition once, read-only: a bad one is refused with the server's words."""

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
@@ -307,7 +308,21 @@ class MySQLChunkReader:
         with source_errors(f"reading {self.name}"), source.conn.cursor() as cur:
             cur.execute(f"SELECT * FROM {self._table} LIMIT 0", ())
             rows.bind(column_names(cur))  # the columns are the relay's (else: retriable)
+            # what orders a keyset cursor: the key columns' types and collations
+            cur.execute(
+                "SELECT COLUMN_NAME, DATA_TYPE, COLLATION_NAME FROM information_schema.COLUMNS"
+                " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s",
+                (db, table),
+            )
+            found = {str(r[0]): [str(r[0]), str(r[1]), str(r[2] or "")] for r in cur.fetchall()}
         self.mode = "keys" if scope.keys else "keyset"
+        #: what its cursors mean (:attr:`~._chunks.ChunkReader.key_id`)
+        self.key_id = (
+            "keys"
+            if scope.keys
+            else "keyset:"
+            + json.dumps([found.get(k, [k]) for k in schema.key], separators=(",", ":"))
+        )
         if scope.keys:
             self._init_keys(scope.keys)
             self.estimate_rows = len(self._keys)

@@ -33,6 +33,8 @@ class Reader:
     def __init__(self, source: PostgresChunkSource, name: str, oid: int, table: PgTable) -> None:
         self.source, self.name, self.oid, self.table = source, name, oid, table
         self.estimate_rows = -1
+        #: what its cursors mean (:attr:`~._chunks.ChunkReader.key_id`)
+        self.key_id = self.mode
 
     def read(self, cursor: str | None, limit: int) -> Chunk:
         conn = self.source.conn
@@ -66,10 +68,14 @@ class KeysetReader(Reader):
         table: PgTable,
         estimate: int,
         where: str,
+        order: list[Any],
     ) -> None:
         super().__init__(source, name, oid, table)
         self.estimate_rows = estimate
         self.where = where
+        # the cursor holds the key columns' values, in the order of their types and
+        # collations (``order``: name, type oid and collation oid of each)
+        self.key_id = "keyset:" + json.dumps(order, separators=(",", ":"))
 
     def _read(self, cursor: str | None, limit: int) -> Chunk:
         after = None if cursor is None else [str(v) for v in json.loads(cursor)]

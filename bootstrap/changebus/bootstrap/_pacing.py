@@ -1,0 +1,84 @@
+"""Pacing a chunked snapshot: how many rows the next chunk reads, and when.
+
+One job: :class:`ChunkSizer` keeps chunk transactions under a time budget,
+:class:`Throttle` keeps the seed under a rows-per-second and source-time
+budget (:func:`~._chunks.run_chunked` asks both after every chunk). Both
+belong to one seeder thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from changebus.schemas import ConfigError
+
+__all__ = ["ChunkSizer", "Throttle"]
+
+
+@dataclass
+class ChunkSizer:
+    """Rows for the next chunk: ``rows``, fewer while chunk transactions run over ``max_txn_s``.
+
+    After each chunk, :meth:`after` aims the next chunk's transaction at 70 %
+    of ``max_txn_s`` (seconds; 0: off, always ``rows``), assuming time grows
+    with rows: the limit shrinks at once, and grows back at most 2x a chunk,
+    only after a full chunk, never above ``rows`` nor below ``min(rows, 100)``.
+    A reader that does not time its transactions (``txn_s`` < 0) leaves it
+    as it is. Not thread-safe (the seeder's).
+    """
+
+    rows: int
+    max_txn_s: float = 0.0
+    limit: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_txn_s < 0:
+            raise ConfigError("max_chunk_txn_s must not be negative (0: off)")
+        self.limit = self.rows
+
+    def after(self, rows_read: int, txn_s: float) -> int:
+        """Note a chunk of ``rows_read`` rows whose transaction took ``txn_s``; the next limit."""
+        if self.max_txn_s <= 0 or txn_s < 0:
+            return self.limit
+        want = int(self.limit * 0.7 * self.max_txn_s / max(txn_s, 1e-6))
+        if want > self.limit and rows_read < self.limit:
+            return self.limit  # a short chunk (the scope's end) says nothing of a full one
+        want = min(want, 2 * self.limit, self.rows)
+        self.limit = max(want, min(self.rows, 100))
+        return self.limit
+
+
+@dataclass
+class Throttle:
+    """Paces chunks: at most ``rows_per_s`` rows a second (0: no limit) and the source
+    busy with reads at most ``time_budget`` of the wall time (1: no limit).
+
+    :meth:`pause` says how long to wait before the next chunk, given the rows
+    and the source time of the chunk just read. Not thread-safe (the seeder's).
+    """
+
+    rows_per_s: float = 0.0
+    time_budget: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    _start: float = field(default=-1.0, init=False)
+    _rows: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.rows_per_s < 0:
+            raise ConfigError("max_rows_per_s must not be negative")
+        if not 0 < self.time_budget <= 1:
+            raise ConfigError("source_time_budget must be in (0, 1]")
+
+    def pause(self, rows: int, busy_s: float) -> float:
+        now = self.clock()
+        if self._start < 0:
+            self._start = now - busy_s
+        self._rows += rows
+        wait = 0.0
+        if self.rows_per_s > 0:
+            wait = max(wait, self._start + self._rows / self.rows_per_s - now)
+        if self.time_budget < 1:
+            wait = max(wait, busy_s * (1 / self.time_budget - 1))
+        return wait
