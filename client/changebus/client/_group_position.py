@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
+from typing import Any
 
 from changebus.schemas import (
     Checkpoint,
@@ -223,7 +224,20 @@ class GroupPositions:
 
         ``units`` limits the write (revoke). ``quiet``: a store error is
         logged (the next flush tries again) instead of raised.
+
+        A cancelled caller does not cancel the write: it runs on in a task of
+        its own, holding the lock until the store answered and ``stored`` /
+        ``token`` say what it wrote. Cancelled mid-write, the write went on
+        in the store's thread while the lock was free, and the next flush
+        (the final one of a shutdown) could land first and be overwritten by
+        the older checkpoint (found by review).
         """
+        task = asyncio.ensure_future(self._flush(units, quiet))
+        task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
+
+    async def _flush(self, units: Iterable[Unit] | None, quiet: bool) -> frozenset[Unit]:
+        """:meth:`flush`'s write, under the lock."""
         async with self._lock:
             self._last_flush = time.monotonic()
             if units is None:
@@ -266,3 +280,10 @@ class GroupPositions:
                 )
                 self.on_fenced(fenced)
             return fenced
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A flush whose caller was cancelled has nobody to raise to: what it did not
+    write stays unwritten (``stored`` unchanged), and the next flush writes it."""
+    if not task.cancelled():
+        task.exception()

@@ -38,8 +38,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -61,6 +61,8 @@ from ._group_position import GroupPositions
 from ._queue import BoundedQueue
 
 __all__ = ["UnitOwner"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +316,7 @@ class UnitOwner:
                 # the unit's generation under no owner, fencing its rightful next owner
                 await member.release([unit])
                 return None
-            claim = await self.store.claim(self.config.group, unit, member.member_id)
+            claim = await _uncancelled(self.store.claim(self.config.group, unit, member.member_id))
         except BaseException:
             self._spawn(member.release([unit]))
             raise
@@ -370,12 +372,41 @@ class UnitOwner:
                 log.warning("group %s: %r", self.config.group, exc)
 
     async def stop_reading(self) -> None:
-        """Cancel acquisitions and stop every lane (the units stay held)."""
-        for task in self._acquiring.values():
+        """Cancel acquisitions and stop every lane (the units stay held).
+
+        Returns once the claims in flight are through the store (:func:`_uncancelled`):
+        the member's owner nodes are deleted after this, and a claim landing after
+        that would fence the units' next owners.
+        """
+        claims = list(self._acquiring.values())
+        for task in claims:
             task.cancel()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        if claims:
+            await asyncio.wait(claims)
         await self.lanes.stop()
+
+
+async def _uncancelled(call: Awaitable[T]) -> T:
+    """Await a unit store's call; when cancelled, wait until the call is through, then raise.
+
+    A store's write runs in a thread (PostgreSQL, files), where a cancel does not
+    stop it. The caller releases the unit's owner node when cancelled: a claim
+    still in flight would land after that, raise the unit's generation under the
+    next owner and fence it (found by review). ZooKeeper's store waits for its
+    own; waiting here covers every store.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # (retrieved: the cancel is what the caller gets)
+        raise
