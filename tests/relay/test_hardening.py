@@ -688,3 +688,48 @@ async def test_the_largest_ndjson_request_does_not_block_the_loop(tmp_path: Path
     assert lag.worst_cpu < LOOP_BLOCK_BOUND_S
     assert lag.worst < WALL_BOUND_S
     assert probes and max(probes) < WALL_BOUND_S
+
+
+def test_readers_arriving_during_an_eviction_do_not_extend_it(tmp_path: Path) -> None:
+    """A client asking for the oldest windows every fraction of a second, reading
+    nothing: each request pinned the head while the writer waited for the one before,
+    so every append waited the whole pin_timeout_s (review). Readers that begin during
+    the wait are overrun at once, and one whose first piece has not left after
+    _PACE_MIN_S counts as slow."""
+    from changebus.relay._evict import Pin
+
+    buffer = EventBuffer(tmp_path / "buf", BufferConfig(capacity_bytes=1 << 20, pin_timeout_s=2))
+    try:
+        scn = append_windows(buffer, 1, upto_pos=900_000)
+        first = buffer.select(-1, -1, 1 << 20)  # there before the eviction: waited for
+        assert first is not None and first.pin is not None
+        late: list[Any] = []
+        stop = threading.Event()
+
+        def pester() -> None:  # a new request every 50 ms, its first piece never leaving
+            while not stop.wait(0.05):
+                sel = buffer.select(-1, -1, 1 << 20)
+                if sel is not None and sel.pin is not None:
+                    sel.pin.total, sel.pin.since = sel.nbytes, time.monotonic()
+                    late.append(sel)
+
+        finish = threading.Timer(0.3, lambda: buffer.release(first))
+        pest = threading.Thread(target=pester)
+        pest.start()
+        finish.start()
+        t0 = time.monotonic()
+        scn = append_windows(buffer, scn, windows=20)  # past the whole ring
+        took = time.monotonic() - t0
+        stop.set()
+        pest.join()
+        finish.join()
+        assert 0.25 <= took < 1.0  # the first reader's 0.3 s, not 2 s per eviction
+        assert late and all(s.pin.overrun for s in late if s.pin.pos < buffer.meta.head_pos)
+        for sel in late:
+            buffer.release(sel)
+    finally:
+        buffer.close()
+    # the pace rule alone: a reader sending for 0.2 s without its first piece is slow
+    pin = Pin(0, total=1 << 20, since=time.monotonic() - 0.2)
+    assert pin.eta(time.monotonic()) == float("inf")
+    assert Pin(0, total=1 << 20, since=time.monotonic()).eta(time.monotonic()) == 0.0

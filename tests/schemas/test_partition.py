@@ -164,6 +164,35 @@ def test_the_costliest_mod_filter_parses_in_milliseconds() -> None:
     assert str(every_other) == "mod:16:0-3,6,8-9,15"
 
 
+def test_a_mod_filter_holds_its_table_not_a_set_of_buckets() -> None:
+    """``mod:65536:0-65534``, 17 characters, was a set of 65,535 ints: about 4 MB held
+    by each request that sent it, for as long as a long-poll or a follow stream lives
+    (review). A filter is its bucket table now (at most 64 KiB); the set is built only
+    when asked for."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        f = PartitionFilter.parse("mod:65536:0-65534")
+        f.mask(np.arange(1024, dtype=np.uint64))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 200_000, held
+    assert f == PartitionFilter.parse("mod:65536:0-65533,65534")
+    assert hash(f) == hash(PartitionFilter.parse("mod:65536:0-65533,65534"))
+    assert f != PartitionFilter.parse("mod:65536:0-65533")
+    assert f.matches(65534) and not f.matches(65535) and f.matches(65536 + 7)
+    assert len(f.buckets) == 65535 and 65535 not in f.buckets  # (built on demand)
+    small = PartitionFilter.mod(4, {1, 3})
+    assert small.buckets == frozenset({1, 3}) and repr(small) == "PartitionFilter('mod:4:1,3')"
+    with pytest.raises(BadRequestError):
+        PartitionFilter.mod(4, {4})
+    with pytest.raises(BadRequestError):
+        PartitionFilter.mod(4, set())
+
+
 def _headers(ops: list[int], hashes: list[int], sources: list[int]) -> np.ndarray:
     h = np.zeros(len(ops), dtype=HEADER_DTYPE)
     h["op"], h["key_hash"], h["source_id"] = ops, hashes, sources

@@ -97,10 +97,18 @@ class Pin:
     since: float = 0.0
 
     def eta(self, now: float) -> float:
-        """Seconds the reader needs for the rest at its pace so far; 0 when unknown yet."""
+        """Seconds the reader needs for the rest at its pace so far; 0 when unknown yet.
+
+        A reader that has been sending for :data:`_PACE_MIN_S` without its
+        first piece leaving has no pace yet but is slow (infinite): a client
+        that does not read (a tiny receive window) looked unknown until it
+        counted as stalled, and was waited for meanwhile (found by review).
+        """
         elapsed = now - self.since
-        if self.since <= 0 or elapsed < _PACE_MIN_S or self.sent <= 0:
+        if self.since <= 0 or elapsed < _PACE_MIN_S:
             return 0.0
+        if self.sent <= 0:
+            return float("inf")
         return max(self.total - self.sent, 0) * elapsed / self.sent
 
 
@@ -182,20 +190,29 @@ def wait_for_readers(
     ``slow_s`` to finish, are overrun at once, without waiting; the
     others are waited for, and those still below ``head_pos`` after
     ``timeout`` are marked overrun. Returns how many pins were overrun.
+
+    Only readers that were there when the wait began are waited for: one that
+    pinned bytes below ``head_pos`` meanwhile (the lock is free while the
+    writer waits) is overrun at once. Else a client sending a request every
+    fraction of a second kept every eviction, so every append, waiting the
+    whole ``timeout`` (found by review).
     """
     deadline = time.monotonic() + timeout
     overrun = 0
+    before = {p for p in pins if p.pos < head_pos and not p.overrun}
     while True:
         waiting = 0
         now = time.monotonic()
         for p in pins:
             if p.pos < head_pos and not p.overrun:
                 eta = p.eta(now)
-                if p.stalled or eta > slow_s:
+                if p.stalled or eta > slow_s or p not in before:
                     p.overrun = True
                     overrun += 1
                     if p.stalled:
                         log.info("buffer %s: overran a reader whose client stopped reading", name)
+                    elif p not in before:
+                        log.debug("buffer %s: overran a reader that began during an eviction", name)
                     else:
                         log.info(
                             "buffer %s: overran a reader that needed %.1f s more (%d of %d "

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Final
 
@@ -116,14 +116,17 @@ def _number(text: str, what: str, hi: int) -> int:
 class PartitionFilter:
     """A set of key hashes: ``mod`` buckets or a ``[lo, hi)`` range.
 
-    ``modulus`` set (with ``buckets``) means a mod filter, else ``[lo, hi)``.
-    A mod filter keeps a lookup table (``modulus`` booleans, built once, at
-    most 64 KiB) that :meth:`mask` indexes with ``hash % modulus``.
-    Instances are immutable and safe to share between threads.
+    ``modulus`` set means a mod filter, else ``[lo, hi)``. A mod filter is
+    its lookup table (``modulus`` booleans, at most 64 KiB: ``table[b]`` is
+    true for every kept bucket ``b``), which :meth:`mask` indexes with
+    ``hash % modulus``; it is also what makes two filters equal.
+    :attr:`buckets` is built only when asked for: a filter is a request
+    parameter, and ``mod:65536:0-65534`` as a set of ints is 4 MB (found by
+    review). Instances are immutable and safe to share between threads.
     """
 
     modulus: int | None = None
-    buckets: frozenset[int] = frozenset()
+    table: bytes = field(default=b"", repr=False)
     lo: int = 0
     hi: int = HASH_SPACE
 
@@ -133,23 +136,27 @@ class PartitionFilter:
                 raise BadRequestError(
                     f"mod filter modulus must be 1..{MAX_MODULUS}, got {self.modulus}"
                 )
-            if not self.buckets or min(self.buckets) < 0 or max(self.buckets) >= self.modulus:
-                shown = f"{min(self.buckets)}..{max(self.buckets)}" if self.buckets else "none"
-                raise BadRequestError(
-                    f"mod filter buckets must be within 0..{self.modulus - 1}, got {shown}"
-                )
+            if len(self.table) != self.modulus or not any(self.table):
+                raise BadRequestError("a mod filter needs a bucket table of its modulus, not empty")
         elif not 0 <= self.lo < self.hi <= HASH_SPACE:
             raise BadRequestError(
                 f"range filter needs 0 <= lo < hi <= 2**64, got [{self.lo}, {self.hi})"
             )
 
+    def __repr__(self) -> str:
+        return f"PartitionFilter({str(self)!r})"
+
     @cached_property
     def _table(self) -> npt.NDArray[np.bool_]:
-        """``table[b]`` is True for every bucket ``b`` (mod filters only)."""
-        assert self.modulus is not None
-        table = np.zeros(self.modulus, dtype=bool)
-        table[np.fromiter(self.buckets, dtype=np.intp, count=len(self.buckets))] = True
-        return table
+        """:attr:`table` as a numpy view (mod filters only)."""
+        return np.frombuffer(self.table, dtype=bool)
+
+    @cached_property
+    def buckets(self) -> frozenset[int]:
+        """The kept buckets of a mod filter (empty for a range filter)."""
+        if self.modulus is None:
+            return frozenset()
+        return frozenset(np.flatnonzero(self._table).tolist())
 
     # ---- constructors -------------------------------------------------
 
@@ -158,8 +165,17 @@ class PartitionFilter:
         cls, modulus: int, buckets: int | set[int] | frozenset[int] | list[int]
     ) -> PartitionFilter:
         """Keep events whose ``key_hash % modulus`` is one of ``buckets``."""
-        b = frozenset([buckets]) if isinstance(buckets, int) else frozenset(buckets)
-        return cls(modulus=modulus, buckets=b)
+        b = [buckets] if isinstance(buckets, int) else sorted(buckets)
+        if not 1 <= modulus <= MAX_MODULUS:
+            raise BadRequestError(f"mod filter modulus must be 1..{MAX_MODULUS}, got {modulus}")
+        if not b or b[0] < 0 or b[-1] >= modulus:
+            shown = f"{b[0]}..{b[-1]}" if b else "none"
+            raise BadRequestError(
+                f"mod filter buckets must be within 0..{modulus - 1}, got {shown}"
+            )
+        table = np.zeros(modulus, dtype=bool)
+        table[b] = True
+        return cls(modulus=modulus, table=table.tobytes())
 
     @classmethod
     def range(cls, lo: int, hi: int = HASH_SPACE) -> PartitionFilter:
@@ -225,16 +241,14 @@ class PartitionFilter:
             if hi > end:
                 table[max(lo, end + 1) : hi + 1] = True
                 end = hi
-        result = cls(modulus=modulus, buckets=frozenset(np.flatnonzero(table).tolist()))
-        result.__dict__["_table"] = table  # the cached_property, already built
-        return result
+        return cls(modulus=modulus, table=table.tobytes())
 
     # ---- evaluation ---------------------------------------------------
 
     def matches(self, hash_value: int) -> bool:
         """Whether one key hash passes."""
         if self.modulus is not None:
-            return hash_value % self.modulus in self.buckets
+            return self.table[hash_value % self.modulus] != 0
         return self.lo <= hash_value < self.hi
 
     def mask(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
