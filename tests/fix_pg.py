@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,8 +75,28 @@ def pg_dsn(pg_server: PgServer) -> Iterator[str]:
             for (slot,) in conn.execute(
                 "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
             ).fetchall():
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                _drop_slot(conn, slot)
             conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+def _drop_slot(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Drop ``slot``; a walsender still holding it (a test's stream, closing) is ended
+    first. Slot names are the server's, not the database's: one left behind fails the
+    next test that creates it."""
+    deadline = time.monotonic() + 10
+    while True:
+        conn.execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND active_pid IS NOT NULL",
+            (slot,),
+        )
+        try:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            return
+        except psycopg.errors.ObjectInUse:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 async def caught_up(relay: Relay, dsn: str) -> None:

@@ -30,6 +30,7 @@ from changebus.schemas import (
     event_at,
     lsn_to_scn,
     parse_stream,
+    scn_to_lsn,
     verify_event,
 )
 from fix_pg import caught_up, wait_until
@@ -150,3 +151,33 @@ async def test_an_empty_buffer_taking_the_slot_over_sees_a_slot_confirmed_past_i
         assert scns[0] == losses[0].to_scn and scns == sorted(set(scns)) and len(scns) > 1
     finally:
         await relay.stop()
+
+
+async def test_a_new_relay_keeps_where_its_slot_started(tmp_path: Path, pg_dsn: str) -> None:
+    """A relay started on a slot with nothing buffered yet is complete after one
+    before the slot's confirmed position C, and keeps C: restarted before its first
+    window, it resumes from C and checks the slot against it (review). Before, it
+    kept the SCN C alone: a commit starting exactly at C was dropped as held, and a
+    slot moved meanwhile (another reader, an operator's advance) went unseen."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int8 PRIMARY KEY, bal int8, name text)")
+    cfg = _config(tmp_path / "relay", _postgres(pg_dsn))
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        meta = relay.hosts["pg"].buffer.meta
+        start = _confirmed(pg_dsn)
+        assert (meta.prev_scn, meta.last_scn, meta.evicted) == (start - 1, start - 1, 0)
+        assert relay.hosts["pg"].buffer.last_source_position == scn_to_lsn(start)
+    # the slot moves on while the relay is down and holds no window
+    workload(pg_dsn, 4, 10)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_replication_slot_advance('changebus', pg_current_wal_lsn())")
+    moved = _confirmed(pg_dsn)
+    assert moved > start
+    async with Relay(cfg) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        workload(pg_dsn, 5, 5)
+        await caught_up(relay, pg_dsn)
+        losses, scns = _fold(relay, {})
+    assert len(losses) == 1 and losses[0].from_scn == start
+    assert losses[0].to_scn == moved - 1 and scns[0] == losses[0].to_scn

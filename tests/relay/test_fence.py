@@ -74,7 +74,8 @@ async def test_a_withdrawn_lease_stops_appending_and_acknowledging(tmp_path: Pat
         assert fetcher.status()["acknowledged_scn"] <= held
 
         fence.valid = False
-        await wait_until(lambda: host.state == "fenced", 10, "fenced")
+        # (the refusal is told once the fetcher is closed, a moment after the state)
+        await wait_until(lambda: host.state == "fenced" and fence.refusals, 10, "fenced")
         last, acked = host.buffer.meta.last_scn, fetcher.status()["acknowledged_scn"]
         assert acked <= held
         assert len(fence.refusals) == 1 and "not valid" in fence.refusals[0]

@@ -87,6 +87,8 @@ class PostgresFetcher:
             "unconfirmed_wal_bytes": -1,
         }
         self._slot_state = ""
+        #: where the stream starts when the relay holds nothing yet (:meth:`start`)
+        self.start_position = ""
         #: the reader of the current (or last) stream: "socket" or "libpq"
         self.stream_reader = ""
 
@@ -96,14 +98,25 @@ class PostgresFetcher:
         """Check the server, create publication and slot when missing.
 
         Returns the SCN after which the stream is complete: the relay's last
-        SCN when it has one, else the slot's confirmed position (changes
-        committed before the slot existed are not in the stream).
+        SCN when it has one, else one before the slot's confirmed position C
+        (changes committed before the slot existed are not in the stream; a
+        commit record starting exactly at C is). :attr:`start_position` is
+        then C, which the relay keeps with its empty buffer: a restart before
+        the first window resumes from it and checks the slot against it
+        (with the SCN alone, such a commit was dropped as already held, and a
+        slot moved meanwhile was not seen: review).
         """
         self._resume = resume
+        self.start_position = ""
         plan = await asyncio.to_thread(set_up, self.config, resume, self.name)
         # the stream continues after a gap's DATA_LOSS window, not the relay's old end
         self._resume, self._data_loss = plan.resume, plan.data_loss
-        return resume.scn if resume.scn >= 0 else plan.confirmed
+        if resume.scn >= 0:
+            return resume.scn
+        if plan.confirmed <= 0:
+            return plan.confirmed
+        self.start_position = scn_to_lsn(plan.confirmed)
+        return plan.confirmed - 1
 
     def window_feed(self) -> ThreadFeed[Window]:
         """Start streaming; the windows as a queue (see :class:`WindowFeed`)."""
