@@ -82,6 +82,8 @@ class PostgresFetcher:
         self.stats: dict[str, Any] = {
             "windows": 0,
             "keepalives": 0,
+            #: quiet periods past io_timeout_s while the walsender was busy decoding
+            "quiet_decoding": 0,
             "heartbeats": 0,
             "retained_wal_bytes": -1,
             "unconfirmed_wal_bytes": -1,

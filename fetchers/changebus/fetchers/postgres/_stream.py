@@ -109,7 +109,21 @@ def stream(
     written = 0
     feed = fetcher._feed
     stats = fetcher.stats
-    duties = _StreamDuties(fetcher, reader.send_copy_data)
+    walsender = repl.info.backend_pid
+
+    def decoding() -> bool:
+        # a walsender replaying a big transaction (one of tables outside the publication
+        # sends nothing at all) answers no keepalive request until it is done: busy on
+        # the CPU or reading WAL or its spill files, it is alive. Waiting for WAL, for
+        # the client or not there at all, it would have answered: the path is broken
+        row = ticker.catalog.execute(
+            "SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = %s",
+            (walsender,),
+            timeout_s=max(cfg.io_timeout_s / 2, 0.5),  # (a frozen path: cut soon after all)
+        ).fetchone()
+        return row is not None and row[0] == "active" and row[1] in (None, "IO")
+
+    duties = _StreamDuties(fetcher, reader.send_copy_data, decoding)
     read = reader.read
     xlog = _XLOG.unpack_from
     try:
@@ -273,9 +287,15 @@ class _StreamDuties:
     looks like a silent server.
     """
 
-    def __init__(self, fetcher: PostgresFetcher, send: Callable[[bytes], None]) -> None:
+    def __init__(
+        self,
+        fetcher: PostgresFetcher,
+        send: Callable[[bytes], None],
+        decoding: Callable[[], bool] | None = None,
+    ) -> None:
         self._fetcher = fetcher
         self._send = send
+        self._decoding = decoding
         self._interval = fetcher.config.status_interval_s
         self._timeout = fetcher.config.io_timeout_s
         self._last_status = 0.0
@@ -297,11 +317,20 @@ class _StreamDuties:
             if self.last_rx >= self._asked:
                 self._asked = 0.0  # answered (or nothing asked)
             elif self._timeout and now - self._asked >= self._timeout:
-                raise SourceError(
-                    f"Postgres did not answer on the replication stream for "
-                    f"{now - self._asked:.0f} s although asked for a keepalive (a frozen"
-                    " server or a broken network path): reconnecting"
-                )
+                if self._decoding is not None and self._decoding():
+                    log.info(
+                        "the walsender has been decoding for %.0f s without a word (a big"
+                        " transaction): waiting for it",
+                        now - self._asked,
+                    )
+                    self._fetcher.stats["quiet_decoding"] += 1
+                    self._asked = now
+                else:
+                    raise SourceError(
+                        f"Postgres did not answer on the replication stream for "
+                        f"{now - self._asked:.0f} s although asked for a keepalive (a frozen"
+                        " server or a broken network path): reconnecting"
+                    )
             ask = now - self.last_rx >= self._interval
             _send_status(self._send, max(written, flush), flush, reply=ask)
             if ask and not self._asked:
