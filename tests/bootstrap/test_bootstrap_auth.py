@@ -218,5 +218,10 @@ async def test_sources_schemas_status_show_only_what_is_granted(
     assert (await call(http, f"{boot.url}/v1/schemas/synthetic.t1", WIDE))[0] == 200
     _, body, _ = await call(http, f"{boot.url}/v1/status", READER)
     assert [p["partition"] for p in body["partitions"]] == ["syn"]
+    # granted one source: positions, not the partition's error and traffic (review)
+    mine = body["partitions"][0]
+    assert "applier_scn" in mine and "producer_scn" in mine
+    assert not {"last_error", "events_appended", "applier_lag_events", "gap"} & set(mine)
     _, body, _ = await call(http, f"{boot.url}/v1/status", WIDE)
     assert {p["partition"] for p in body["partitions"]} == {"syn", "idle"}
+    assert all("last_error" in p and "events_appended" in p for p in body["partitions"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,63 @@ async def test_pages_for_clients_that_do_not_read_stay_within_the_copy_budget(
                 sock.close()
         await wait_until(lambda: budget.holders == 0, 30, "the grants given back")
         assert budget.held == 0
+
+
+async def test_a_client_reading_a_page_a_trickle_at_a_time_is_cut_off(tmp_path: Path) -> None:
+    """A client reading a few hundred bytes a second looked alive to the frame's write
+    watchdog, so it kept its page and its share of the budget for hours (review). A page
+    goes out in pieces that must each leave within http.write_timeout_s."""
+    from changebus.bootstrap._pagesend import BUDGET
+
+    cfg = BootstrapConfig(
+        relays=(f"http://127.0.0.1:{closed_port()}",),
+        partitions=("p",),
+        data_dir=tmp_path / "boot",
+        store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+        http=HttpConfig(port=0, write_timeout_s=2.0),
+    )
+    async with BootstrapServer(cfg) as boot:
+        data = b"".join(
+            window(100 + i, [("public.t1", Op.INSERT, i, "x" * 50_000)]) for i in range(320)
+        )
+        await boot.service.stores.write(lambda s: s.append("p", data, start_scn=99))
+        budget = boot.server.app[BUDGET]
+        path = "/v1/bootstrap/catchup?partition=p&after=99&target=419&max_bytes=16777216"
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", boot.port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: boot\r\n\r\n".encode())
+
+        stop = threading.Event()
+
+        def trickle() -> int:
+            """Read 2,000 bytes every 0.1 s (the watchdog sees progress) until told to
+            stop or the server closes."""
+            import time
+
+            sock.settimeout(1)
+            got = 0
+            while not stop.is_set():
+                try:
+                    chunk = sock.recv(2000)
+                except (TimeoutError, OSError):
+                    break
+                if not chunk:
+                    break
+                got += len(chunk)
+                time.sleep(0.1)
+            return got
+
+        reading = asyncio.create_task(asyncio.to_thread(trickle))
+        try:
+            await wait_until(lambda: budget.holders == 1, 10, "the page under way")
+            # the page (16 MB) would take this client 15 minutes: it is cut off after
+            # a piece did not leave within write_timeout_s, and its grant is given back
+            # (the kernel may go on sending what it had queued: the client cannot tell)
+            await wait_until(lambda: budget.holders == 0, 20, "the grant given back")
+            assert not reading.done()  # (while the client still reads)
+        finally:
+            stop.set()
+            got = await reading
+            sock.close()
+        assert got < 15_000_000

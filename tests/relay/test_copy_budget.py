@@ -170,3 +170,49 @@ async def test_an_ndjson_answer_many_times_its_events_stays_within_the_budget(
     for x in inserts:  # the values of every row, as written
         i = x["after"]["id"]
         assert [x["after"][c] for c in _WIDE] == [(i + c) % 30000 for c in range(len(_WIDE))]
+
+
+async def test_ndjson_long_polls_woken_together_share_the_budget(tmp_path: Path) -> None:
+    """ndjson long-polls sized their answers by the budget before they waited: woken by
+    one big commit, each copied that much, and together they held several times the
+    budget (review). Each is sized when it selects now, seeing the grants before it."""
+    from test_hardening import big_window
+
+    limit = 1 << 20
+    cfg = ring_config(tmp_path, 16 << 20, max_copy_bytes=limit, max_connections=4)
+    async with Relay(cfg) as relay:
+        buffer = relay.hosts["ring"].buffer
+        await asyncio.to_thread(buffer.append_window, big_window(1))
+        path = "/v1/stream?partition=ring&scn=1&wait=10&format=ndjson&max_bytes=4194304"
+        socks = [_raw_request(relay.port, path) for _ in range(3)]
+        try:
+            await asyncio.sleep(0.3)  # (all three wait)
+            group = [big_window(scn) for scn in range(2, 40)]  # 2.4 MB in one commit
+            await asyncio.to_thread(buffer.append_windows, group)
+            events = []
+            for sock in socks:
+                head = await asyncio.to_thread(_head, sock)
+                assert head.startswith(b"HTTP/1.1 200"), head[:100]
+                line = [
+                    x for x in head.split(b"\r\n") if x.lower().startswith(b"x-changebus-events")
+                ]
+                events.append(int(line[0].split(b":")[1]))
+        finally:
+            for sock in socks:
+                sock.close()
+    # each event is ~16 KB: what the three selected together stays near the budget
+    # (at most one event over it each), not three times what one could have alone
+    assert sum(events) * 16_000 <= limit + 3 * 16_100, events
+    assert min(events) >= 1
+
+
+def _head(sock: socket.socket) -> bytes:
+    """The response head (status and headers) of a raw request, not its body."""
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\r\n\r\n", 1)[0]

@@ -555,3 +555,23 @@ async def test_the_accept_backlog_follows_max_connections() -> None:
             for c in conns:
                 if c is not None:
                     c[1].close()
+
+
+async def test_a_request_head_of_too_many_fields_is_refused() -> None:
+    """aiohttp took 128 header fields of 8,190 bytes: a megabyte a head, and a connection
+    queues pipelined heads behind a long-poll (review). A head has at most 32 fields."""
+    from changebus.schemas.server import MAX_HEADERS
+
+    async with serving(ConnectionLimits(header_timeout_s=5)) as (s, _):
+        reader, writer = await connect(s)
+        extra = "".join(f"X-Pad-{i}: {'y' * 100}\r\n" for i in range(MAX_HEADERS + 5))
+        writer.write(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+        status, _headers, _ = await read_answer(reader)
+        assert status == 400
+        writer.close()
+        reader, writer = await connect(s)  # and it serves the next client as before
+        extra = "".join(f"X-Pad-{i}: y\r\n" for i in range(MAX_HEADERS - 8))
+        writer.write(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+        status, _headers, _ = await read_answer(reader)
+        assert status == 200
+        writer.close()

@@ -73,7 +73,7 @@ from changebus.schemas.server import (
 from ._chunks import SnapshotScope
 from ._http_admin import add_admin_routes, scope_kind
 from ._metrics import BootstrapMetrics
-from ._pagesend import BUDGET, send_page
+from ._pagesend import BUDGET, PIECE_TIMEOUT, send_page
 from ._plan import check_position, plan_bootstrap
 from ._service import BootstrapService
 from ._store import Store
@@ -423,6 +423,18 @@ async def schemas(request: web.Request) -> web.Response:
     return json_response({"source": name, "partitions": found})
 
 
+#: status fields a principal granted only some sources does not see
+_WHOLE_PARTITION = (
+    "last_error",
+    "applier_lag_events",
+    "windows_appended",
+    "events_appended",
+    "events_applied",
+    "tombstones_purged",
+    "gap",
+)
+
+
 async def status_all(request: web.Request) -> web.Response:
     """``GET /v1/status``: every partition's producer, applier and seed.
 
@@ -439,6 +451,12 @@ async def status_all(request: web.Request) -> web.Response:
         if not principal.allows_partition(w.name):
             continue
         st = w.status()
+        if principal.sources is not None:
+            # granted some sources only: the positions a consumer needs, not what tells of
+            # the other sources (an error names their tables, the counts show their
+            # traffic), as the relay's status does
+            for key in _WHOLE_PARTITION:
+                st.pop(key, None)
         seed = st["seed"]
         if seed.get("table") and not principal.allows_source(seed["table"]):
             # a table not granted: its name, figures and error (a source's words) are hidden
@@ -492,6 +510,7 @@ def build_app(service: BootstrapService) -> web.Application:
     app[METRICS] = metrics
     http = service.config.http
     app[BUDGET] = CopyBudget(http.max_copy_bytes, http.max_connections)
+    app[PIECE_TIMEOUT] = http.write_timeout_s
     app.router.add_get("/v1/bootstrap/start", start)
     app.router.add_get("/v1/bootstrap/status", status)
     # (no HEAD: a streamed page would write its body anyway, and the next answer on the

@@ -187,9 +187,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     wait = min(query_float(query, "wait", default=0.0, lo=0.0, hi=_WAIT_LIMIT_S), cfg.max_wait_s)
     fmt = query_choice(query, "format", ("binary", "ndjson"), default="binary")
     if fmt == "ndjson":
-        # decoding is slow: less per request; and the answer must fit the copy budget
-        spare = request.app[COPIES].spare() - NDJSON_PIECE_BYTES
-        max_bytes = min(max_bytes, cfg.max_ndjson_bytes, max(spare, MIN_FLOOR))
+        max_bytes = min(max_bytes, cfg.max_ndjson_bytes)  # decoding is slow: less per request
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(request, host, query.get("sources"))
     # (escaped: it reaches log lines, /v1/status and /metrics)
@@ -213,16 +211,23 @@ async def stream(request: web.Request) -> web.StreamResponse:
             request, host, ask, cache, copies, metrics, cfg.send_timeout_s, broadcast
         )
     deadline = time.monotonic() + wait
-    key = (scn, offset, max_bytes, filter_text, sources)
     selection: Selection | CachedResponse | None
     resume = -1  # (where this request's scan of a window longer than a scan got to)
     while True:
+        want = max_bytes
+        if fmt == "ndjson":
+            # the answer must fit the copy budget as it is now: long-polls woken by one
+            # window each see the grants taken before them (the selection, its copy and
+            # its grant follow without a pause), not the budget before they waited
+            spare = request.app[COPIES].spare() - NDJSON_PIECE_BYTES
+            want = min(max_bytes, max(spare, MIN_FLOOR))
+        key = (scn, offset, want, filter_text, sources)
         tail = host.buffer.meta.tail_event
         selection = cache.get(tail, key, host.buffer.meta.head_pos)
         if selection is None:
             try:
                 selection = host.buffer.select(
-                    scn, offset, max_bytes, key_filter=key_filter, sources=sources, skip_to=resume
+                    scn, offset, want, key_filter=key_filter, sources=sources, skip_to=resume
                 )
             except ScnNotFoundError:
                 metrics.fell_off(host.name)  # answered 410

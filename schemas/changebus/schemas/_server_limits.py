@@ -80,6 +80,7 @@ from ._server_stats import CONNECTION_STATS, ConnectionStats
 __all__ = [
     "CONNECTION_STATS",
     "MAX_BACKLOG",
+    "MAX_HEADERS",
     "ConnectionLimits",
     "ConnectionStats",
     "LimitedSite",
@@ -92,6 +93,8 @@ __all__ = [
 CLIENT_CLOSED: Final = 499
 #: how long a refused connection may take to send its request head
 _REFUSE_WAIT_S: Final = 1.0
+#: header fields a request head may have (more: 400)
+MAX_HEADERS: Final = 32
 #: bytes read from a refused connection before it is answered anyway
 _REFUSE_READ_BYTES: Final = 16 * 1024
 #: refusals pending at once (beyond: aborted at once, no answer)
@@ -101,8 +104,17 @@ _WARN_EVERY_S: Final = 60.0
 
 
 def runner_options(limits: ConnectionLimits) -> dict[str, Any]:
-    """The ``web.AppRunner`` keyword arguments that apply ``limits`` (module docstring)."""
-    return {"keepalive_timeout": limits.keepalive_timeout_s, "handler_cancellation": True}
+    """The ``web.AppRunner`` keyword arguments that apply ``limits`` (module docstring).
+
+    A request head has at most :data:`MAX_HEADERS` fields (aiohttp's default is
+    128 of 8,190 bytes each: 1 MB a head, and a connection may queue pipelined
+    requests behind a long-poll; no changebus client sends more than a dozen).
+    """
+    return {
+        "keepalive_timeout": limits.keepalive_timeout_s,
+        "handler_cancellation": True,
+        "max_headers": MAX_HEADERS,
+    }
 
 
 def client_gone(request: web.BaseRequest) -> bool:

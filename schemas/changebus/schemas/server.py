@@ -51,7 +51,7 @@ from ._server_app import (
     json_text as json_text,
     server_app as server_app,
 )
-from ._server_limits import ConnectionLimits as ConnectionLimits
+from ._server_limits import MAX_HEADERS as MAX_HEADERS, ConnectionLimits as ConnectionLimits
 from ._server_query import (
     MAX_DIGITS as MAX_DIGITS,
     check_params as check_params,
@@ -64,6 +64,7 @@ from ._server_query import (
 __all__ = [
     "HTTP_METRICS",
     "MAX_DIGITS",
+    "MAX_HEADERS",
     "MIN_FLOOR",
     "PROMETHEUS_CONTENT_TYPE",
     "REGISTRY",
