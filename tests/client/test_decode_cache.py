@@ -27,3 +27,24 @@ def test_a_newer_version_rebuilds_only_its_tables_decoders() -> None:
     assert len(cache._decoder_keys["s.t7"]) == 1
     cache.clear()
     assert not cache._decoder_keys and cache.latest("s.t7") is None
+
+
+def test_a_reader_with_a_fixed_schema_refuses_rows_of_a_newer_shape() -> None:
+    """The Spark source's executors decoded rows of a version newer than the driver
+    planned with into the query's schema: the new columns were dropped, silently
+    (review: a range whose start was evicted after planning comes from a snapshot at
+    the newest versions). With ``refuse_newer`` such a row stops the read."""
+    import pytest
+
+    from changebus.schemas import SchemaChangedError
+
+    v1, v2 = _table("s.t", 1), _table("s.t", 2)
+    cache = SchemaCache({"s.t": v1}, refuse_newer=True)
+    assert cache.decoder(1, v1).reader is v1  # its own version, and older ones: as before
+    with pytest.raises(SchemaChangedError) as info:
+        cache.decoder(1, v2)  # a column more
+    assert info.value.retriable and info.value.details["writer_version"] == 2
+    same = TableSchema("s.t", v1.columns, ("id",), 3)  # a newer version, same columns
+    assert cache.decoder(1, same).reader is v1
+    # without the option rows are resolved into the reader's shape, as before
+    assert SchemaCache({"s.t": v1}).decoder(1, v2).reader is v1

@@ -91,7 +91,11 @@ class ConsumerConfig:
     past a window when the next one is asked for (otherwise call
     :meth:`~changebus.client.Consumer.commit`). Schemas: ``reader_schemas`` maps a source name to the
     schema the application reads its rows as; ``resolve_latest`` reads every
-    other source as its newest known version. ``columnar`` leaves the data
+    other source as its newest known version; ``refuse_newer_writers`` -- a
+    row of a version newer than its reader schema whose columns differ
+    raises the retriable :class:`~changebus.schemas.SchemaChangedError`
+    instead of being read into the reader's shape, which drops the new
+    columns (a reader whose schema is fixed: the Spark source). ``columnar`` leaves the data
     events of relay windows undecoded (``Window.raw_events``, for a columnar
     decoder such as :func:`changebus.client.spark.arrow_batches`; ``events``
     is then empty).
@@ -165,6 +169,7 @@ class ConsumerConfig:
     auto_commit: bool = True
     reader_schemas: Mapping[str, TableSchema] = field(default_factory=dict, hash=False)
     resolve_latest: bool = False
+    refuse_newer_writers: bool = False
     columnar: bool = False
     callback_time_budget_s: float = 300.0
     max_rollbacks: int = 10

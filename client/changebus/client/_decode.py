@@ -40,6 +40,7 @@ from changebus.schemas import (
     Heartbeat,
     LogicalMessage,
     SchemaChange,
+    SchemaChangedError,
     TableSchema,
     UnknownSchemaError,
     check_compatible,
@@ -49,7 +50,7 @@ from changebus.schemas import (
 from ._assembler import RawWindow
 from ._model import _FROM_OP, ChangeEvent, RawEvents, Window, _EventTwin
 
-__all__ = ["SchemaCache", "SchemaSource", "decode_window"]
+__all__ = ["SchemaCache", "SchemaSource", "decode_window", "same_columns"]
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,15 @@ class SchemaCache:
     """Writer schemas by ``(source_id, version)``, and decoders (module docstring)."""
 
     def __init__(
-        self, readers: Mapping[str, TableSchema] | None = None, *, resolve_latest: bool = False
+        self,
+        readers: Mapping[str, TableSchema] | None = None,
+        *,
+        resolve_latest: bool = False,
+        refuse_newer: bool = False,
     ) -> None:
         self._readers = dict(readers or {})
         self._resolve_latest = resolve_latest
+        self._refuse_newer = refuse_newer
         self._schemas: dict[tuple[int, int], TableSchema] = {}
         self._names: dict[int, str] = {}
         self._latest: dict[str, TableSchema] = {}
@@ -151,6 +157,19 @@ class SchemaCache:
             return dec
         reader = self._readers.get(writer.name)
         if reader is not None:
+            if (
+                self._refuse_newer
+                and writer.version > reader.version
+                and not same_columns(reader, writer)
+            ):
+                raise SchemaChangedError(
+                    f"a row of {writer.name} has schema version {writer.version}, newer than"
+                    f" the reader's {reader.version}, with other columns: reading it into the"
+                    " reader's shape would lose them; start again with the new schema",
+                    table=writer.name,
+                    reader_version=reader.version,
+                    writer_version=writer.version,
+                )
             check_compatible(writer, reader)
         elif self._resolve_latest:
             reader = self._latest.get(writer.name)
@@ -159,6 +178,16 @@ class SchemaCache:
         dec = self._decoders[key] = ChangeDecoder(writer, reader)
         self._decoder_keys.setdefault(writer.name, []).append(key)
         return dec
+
+
+def same_columns(a: TableSchema, b: TableSchema) -> bool:
+    """Whether rows of ``b`` read into ``a`` by Avro resolution come out exactly as written
+    (the same column names, types and nullability, in order)."""
+
+    def shape(t: TableSchema) -> list[tuple[str, Any, bool]]:
+        return [(c.name, c.type, c.nullable) for c in t.columns]
+
+    return shape(a) == shape(b)
 
 
 async def decode_window(

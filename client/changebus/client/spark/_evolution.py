@@ -65,6 +65,7 @@ from changebus.schemas import (
     parse_stream,
 )
 
+from .._decode import same_columns
 from .._errors import FellOffRelayError
 from .._http import read_body, response_error
 from .._info import PartitionSources, RelayInfo
@@ -144,15 +145,6 @@ def check_marked_schema(given: StructType, derived: pa.Schema | None) -> None:
         " query's schema in a log (option schemaTrackingLocation)",
         columns=[f.name for f in derived],
     )
-
-
-def _same_avro(a: TableSchema, b: TableSchema) -> bool:
-    """Whether rows of ``b`` read into ``a`` by Avro resolution come out exactly as written."""
-
-    def shape(t: TableSchema) -> list[tuple[str, Any, bool]]:
-        return [(c.name, c.type, c.nullable) for c in t.columns]
-
-    return shape(a) == shape(b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +250,7 @@ class SchemaGuard:
                 old = self.tables.get(name)
                 if new is None:
                     continue
-                if old is not None and _same_avro(old, new):
+                if old is not None and same_columns(old, new):
                     self._harmless.add((part, name, v))
                     continue
                 out.setdefault(part, {})[(sid, v)] = new

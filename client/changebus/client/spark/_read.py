@@ -134,6 +134,10 @@ def _config(
         yield_empty_windows=True,
         auto_commit=False,
         reader_schemas=dict(tables),
+        # rows of a newer version than the driver planned with (the range's start
+        # evicted, so a snapshot at the newest versions; a guard scan that ended early)
+        # stop the task instead of losing their new columns (found by review)
+        refuse_newer_writers=True,
         columnar=not opts.include_not_sent,
         bootstrap_servers=boot,
         zookeeper=opts.zookeeper if routed else "",
