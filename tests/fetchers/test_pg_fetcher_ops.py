@@ -233,6 +233,26 @@ def test_a_new_slot_behind_the_relay_is_a_data_loss(pg_dsn: str) -> None:
         set_up(replace(cfg, on_slot_lost="fail"), ResumePoint(ahead, scn_to_lsn(ahead)), "pg")
 
 
+def test_a_server_whose_wal_is_behind_the_relay_is_a_data_loss(pg_dsn: str) -> None:
+    """The slot is there and not lost, but the server's WAL ends before the relay's last
+    window: restored from a backup together with its slot, or a standby promoted before
+    it had replayed the relay's changes. Its new commits take SCNs the relay passed; a
+    slot behind the relay counted as harmless, so they were skipped silently (review)."""
+    make_table(pg_dsn)
+    cfg = PostgresConfig(dsn=pg_dsn)
+    now = set_up(cfg, ResumePoint(-1, ""), "pg").confirmed  # the slot, created
+    plan = set_up(cfg, ResumePoint(now, scn_to_lsn(now)), "pg")
+    assert plan.data_loss is None
+    ahead = wal_lsn(pg_dsn) + (1 << 30)
+    plan = set_up(cfg, ResumePoint(ahead, scn_to_lsn(ahead)), "pg")
+    assert plan.data_loss is not None
+    lo, hi, why = plan.data_loss
+    assert (lo, hi) == (ahead + 1, ahead + 1) and "WAL ends at" in why and "went back" in why
+    # the relay's end within the server's WAL and the slot behind it: no gap, as before
+    plan = set_up(cfg, ResumePoint(now, scn_to_lsn(now)), "pg")
+    assert plan.data_loss is None
+
+
 async def test_lost_slot_can_fail_instead(tmp_path: Path, pg_dsn: str) -> None:
     make_table(pg_dsn)
     cfg = config(tmp_path, pg_dsn, on_slot_lost="fail")

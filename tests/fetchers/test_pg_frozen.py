@@ -325,18 +325,21 @@ def _bulk_insert(dsn: str, rows: int) -> None:
         )
 
 
+@pytest.mark.parametrize("mode", ["stream", "sql"])
 async def test_a_big_transaction_outside_the_publication_is_waited_for(
-    tmp_path: Path, pg_dsn: str
+    tmp_path: Path, pg_dsn: str, mode: str
 ) -> None:
     """The walsender replays a big transaction of a table outside the publication
     without a word, and answers no keepalive request meanwhile. The fetcher took that
     for a frozen server, cut the connection after ``io_timeout_s``, and the next
     stream replayed the same transaction again: cut again, for ever (review). It asks
-    the catalog connection first now: a walsender that is busy is waited for."""
+    the catalog connection first now: a walsender that is busy is waited for. The SQL
+    mode's peek was waited for already; its slot advance, which decodes the same
+    transaction again, was cut the same way."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE acct (id int8 PRIMARY KEY, bal int8, name text)")
         conn.execute("CREATE TABLE bulk (id int8 PRIMARY KEY, v text)")
-    cfg = config(tmp_path, pg_dsn, io_timeout_s=1.0, tables=["public.acct"])
+    cfg = config(tmp_path, pg_dsn, io_timeout_s=1.0, tables=["public.acct"], mode=mode)
     async with Relay(cfg) as relay:
         host = relay.hosts["pg"]
         await wait_until(lambda: host.state == "streaming")
@@ -348,7 +351,8 @@ async def test_a_big_transaction_outside_the_publication_is_waited_for(
         await _caught_up(relay, pg_dsn)
         fetcher = host.status()["fetcher"]
         assert host.stats["fetcher_restarts"] == restarts, host.last_error
-        assert fetcher["quiet_decoding"] >= 1  # (it was quiet longer than io_timeout_s)
+        if mode == "stream":
+            assert fetcher["quiet_decoding"] >= 1  # (it was quiet longer than io_timeout_s)
         rows, scns = replay_buffer(relay)
     assert scns == sorted(set(scns))
     assert rows == await asyncio.to_thread(source, pg_dsn)

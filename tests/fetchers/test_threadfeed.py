@@ -174,3 +174,26 @@ async def test_the_end_of_the_stream_is_none() -> None:
     assert await feed.get() == 7
     assert await feed.get() is None
     await feed.close()
+
+
+@pytest.mark.parametrize("bound", ["slots", "bytes"])
+async def test_a_producer_waiting_for_room_calls_on_wait(bound: str) -> None:
+    """The Postgres stream thread blocked handing a window to a busy relay sent no
+    status update, and the walsender ended the connection after wal_sender_timeout
+    (review): the feed calls ``on_wait`` (in the producer's thread) while it waits."""
+    calls: list[str] = []
+
+    def produce(emit: Callable[[bytes], None], stopping: threading.Event) -> None:
+        for _ in range(3):
+            emit(b"x" * 600)
+
+    if bound == "slots":
+        feed = ThreadFeed(produce, maxsize=1)
+    else:
+        feed = ThreadFeed(produce, maxsize=1000, weigh=len, max_bytes=1000)
+    feed.on_wait = lambda: calls.append(threading.current_thread().name)
+    await asyncio.sleep(0.9)  # nothing consumed: the producer waits, about 4 times
+    assert len(calls) >= 2 and set(calls) == {feed._thread.name}
+    got = [item async for item in feed.items()]
+    assert len(got) == 3
+    await feed.close()

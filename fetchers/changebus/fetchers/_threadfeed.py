@@ -83,6 +83,9 @@ class ThreadFeed(Generic[T]):
         self._loop = asyncio.get_running_loop()
         self.stopping = threading.Event()
         self._error: BaseException | None = None
+        #: called by the producer thread about every 0.2 s while it waits for room (a
+        #: source connection's own keepalives; outside the feed's lock)
+        self.on_wait: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -92,6 +95,8 @@ class ThreadFeed(Generic[T]):
             while not self._slots.acquire(timeout=0.2):
                 if self.stopping.is_set():
                     raise _Stopped
+                if self.on_wait is not None:
+                    self.on_wait()
         if self.stopping.is_set():
             raise _Stopped
         if self._weigh is not None:
@@ -108,12 +113,19 @@ class ThreadFeed(Generic[T]):
                 self._bytes += size
                 return
         self.flush()  # the consumer must see what is held before the producer waits
-        with self._lock:
-            while self._bytes and self._bytes + size > self._max_bytes:
+        while True:
+            with self._lock:
+                if not self._bytes or self._bytes + size <= self._max_bytes:
+                    self._bytes += size
+                    return
                 self._room.wait(0.2)
-                if self.stopping.is_set():
-                    raise _Stopped
-            self._bytes += size
+                if not self._bytes or self._bytes + size <= self._max_bytes:
+                    self._bytes += size
+                    return
+            if self.stopping.is_set():
+                raise _Stopped
+            if self.on_wait is not None:
+                self.on_wait()
 
     def _give_room(self, size: int) -> None:
         """Loop thread: the consumer took an item of ``size`` bytes."""

@@ -141,10 +141,11 @@ def _prepare(
             )
             log.info("created replication slot %s", cfg.slot)
         row = catalog.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text"
+            " FROM pg_replication_slots WHERE slot_name = %s",
             (cfg.slot,),
         ).fetchone()
-        return _check_gap(cfg, resume, partition, lost, lsn_to_scn(row[0]))
+        return _check_gap(cfg, resume, partition, lost, lsn_to_scn(row[0]), lsn_to_scn(row[1]))
     except psycopg.errors.InsufficientPrivilege as exc:
         raise SourceConfigError(
             f"the Postgres user lacks a privilege: {exc.diag.message_primary}"
@@ -152,7 +153,12 @@ def _prepare(
 
 
 def _check_gap(
-    cfg: PostgresConfig, resume: ResumePoint, partition: str, lost: str, confirmed: int
+    cfg: PostgresConfig,
+    resume: ResumePoint,
+    partition: str,
+    lost: str,
+    confirmed: int,
+    current: int = -1,
 ) -> tuple[ResumePoint, tuple[int, int, str] | None]:
     """Plan a DATA_LOSS window when the slot starts after the relay's last window.
 
@@ -160,11 +166,21 @@ def _check_gap(
     beyond the end of the relay's last window (``resume.source_position``)
     means changes in between were consumed elsewhere or are gone with a lost
     slot. Checked at every start, so a relay restarted before announcing
-    the loss announces it then.
+    the loss announces it then. A server whose WAL (``current``) ends before
+    the relay's last window went back in time (restored from a backup with
+    its slot, a standby promoted before it had replayed it): its new commits
+    take SCNs the relay passed, which cannot be delivered in order.
     """
     if resume.scn < 0 or resume.source_position.count("/") != 1:
         return resume, None  # the relay holds nothing from this slot yet
     end = lsn_to_scn(resume.source_position)
+    if not lost and 0 <= current < end:  # (a lost slot says so below, the same way)
+        what = (
+            f"the server's WAL ends at {scn_to_lsn(current)}, before the relay's last window"
+            f" ({resume.source_position}): it was restored from a backup or is a standby"
+            " promoted before it had replayed the relay's changes"
+        )
+        return _announce_loss(resume, partition, what, confirmed)
     if confirmed == end or (confirmed < end and not lost):
         return resume, None
     # (a new slot behind the relay's end: the server's WAL went back, see _announce_loss)

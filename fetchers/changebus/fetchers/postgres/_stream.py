@@ -51,6 +51,7 @@ from ._watchdog import Watchdog, received_within
 from ._wire import ServerError
 
 if TYPE_CHECKING:
+    from ._config import PostgresConfig
     from ._fetcher import PostgresFetcher
 
 __all__ = ["HOLD_S", "HOLD_WINDOWS", "Ticker", "poll_sql", "stream"]
@@ -124,6 +125,10 @@ def stream(
         return row is not None and row[0] == "active" and row[1] in (None, "IO")
 
     duties = _StreamDuties(fetcher, reader.send_copy_data, decoding)
+    if feed is not None:
+        # blocked handing a window to a busy relay, the loop sends no status update: the
+        # walsender ends the connection after wal_sender_timeout (60 s) without one
+        feed.on_wait = lambda: duties.keepalive(time.monotonic(), written)
     read = reader.read
     xlog = _XLOG.unpack_from
     try:
@@ -193,23 +198,11 @@ def poll_sql(
     )
     with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as conn:
         peeker = watchdog.guard(conn)
-        pid = conn.info.backend_pid
-        sock = conn.pgconn.socket
-
-        def still_active() -> bool:
-            # the peek decodes a whole transaction before it answers: a big one takes
-            # long, which the watchdog asks the server about instead of cutting it
-            with connect(
-                cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s
-            ) as probe:
-                row = probe.execute(
-                    "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
-                ).fetchone()
-            if row is None or row[0] != "active":
-                return False
-            # a backend writing its answer waits on ClientWrite: progress while its bytes
-            # arrive here, none when the path died (TCP would retry for many minutes)
-            return row[1] != "ClientWrite" or received_within(sock, cfg.io_timeout_s)
+        # the peek decodes a whole transaction before it answers, and the slot's advance
+        # decodes what it passes: a big one takes long, which the watchdog asks the
+        # server about instead of cutting it (and reading it again, for ever)
+        still_active = _activity_probe(cfg, conn.info.backend_pid, conn.pgconn.socket)
+        advancing = _activity_probe(cfg, catalog.conn.info.backend_pid, catalog.conn.pgconn.socket)
 
         while not stopping.is_set():
             # wait (briefly) for the relay to take what was emitted: peeking
@@ -226,6 +219,7 @@ def poll_sql(
                 catalog.execute(
                     "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
                     (cfg.slot, scn_to_lsn(acked)),
+                    probe=advancing,
                 )
                 advanced = acked
             # every peek starts at the slot's confirmed position: what it reads up to
@@ -256,6 +250,24 @@ def poll_sql(
             else:
                 ticker.tick(now, idle=True)
                 stopping.wait(cfg.sql_poll_interval_s)
+
+
+def _activity_probe(cfg: PostgresConfig, pid: int, sock: int) -> Callable[[], bool]:
+    """A watchdog probe: is backend ``pid`` still working on its query (asked on a
+    connection of its own)?"""
+
+    def active() -> bool:
+        with connect(cfg.dsn, "cannot connect to Postgres", timeout_s=cfg.io_timeout_s) as probe:
+            row = probe.execute(
+                "SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+        if row is None or row[0] != "active":
+            return False
+        # a backend writing its answer waits on ClientWrite: progress while its bytes
+        # arrive here, none when the path died (TCP would retry for many minutes)
+        return row[1] != "ClientWrite" or received_within(sock, cfg.io_timeout_s)
+
+    return active
 
 
 def _send_status(
@@ -335,6 +347,15 @@ class _StreamDuties:
             _send_status(self._send, max(written, flush), flush, reply=ask)
             if ask and not self._asked:
                 self._asked = now
+            self._last_status, self._sent_flush = now, flush
+
+    def keepalive(self, now: float, written: int) -> None:
+        """A status update every ``status_interval_s`` while the loop cannot read (it is
+        blocked handing a window over): it asks for no reply, whose answer would wait
+        unread and look like a silent server."""
+        if now - self._last_status >= self._interval:
+            flush = self._fetcher._acked_end_lsn
+            _send_status(self._send, max(written, flush), flush)
             self._last_status, self._sent_flush = now, flush
 
     def reply(self, written: int) -> None:
