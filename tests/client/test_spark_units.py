@@ -523,3 +523,24 @@ def test_a_range_from_the_start_is_read_from_scn_0_without_a_bootstrap_server() 
     booted = SourceOptions.parse({"relays": "http://x", "bootstrapUrl": "http://b"})
     assert _config(booted, spec, -1, {}).start == "earliest"  # a snapshot comes first
     assert _config(plain, spec, 17, {}).start == "17"
+
+
+def test_a_partition_that_appears_mid_query_is_read_whole_or_its_loss_is_refused() -> None:
+    """A partition added after the query started entered at its relays' oldest window
+    with only a warning, failOnDataLoss or not, and with a bootstrap server that could
+    have read it whole (review). All of it is new to the query, as Kafka reads an added
+    partition from its earliest offset."""
+    from changebus.client import FellOffRelayError
+    from changebus.client.spark._relay import PartitionBounds
+    from changebus.client.spark._source import _new_partition_start
+
+    fresh = PartitionBounds("p2", 11, 40, 10, 0, evicted=False)
+    evicted = PartitionBounds("p2", 501, 900, 500, 0, evicted=True)
+    relays = {"relays": "http://x"}
+    assert _new_partition_start(SourceOptions.parse(relays), fresh) == 10  # nothing missed
+    booting = SourceOptions.parse({**relays, "bootstrapUrl": "http://b"})
+    assert _new_partition_start(booting, evicted) == -1  # a snapshot first
+    with pytest.raises(FellOffRelayError, match="appeared after the query started"):
+        _new_partition_start(SourceOptions.parse(relays), evicted)
+    lenient = SourceOptions.parse({**relays, "failOnDataLoss": "false"})
+    assert _new_partition_start(lenient, evicted) == 500

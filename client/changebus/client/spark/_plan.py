@@ -51,9 +51,7 @@ def _resolve(
     for name, b in bounds.items():
         if isinstance(position, AtTime):
             ending = what.startswith("ending")
-            out[name] = run_sync(
-                position_at_time(opts, b, position.time_ms * 1_000_000, inclusive=ending)
-            )
+            out[name] = run_sync(position_at_time(opts, b, position.time_ms * 1_000_000))
             if not ending and out[name] == b.prev_scn >= 0 and _lost_since(position, b):
                 _start_time_evicted(opts, position, b)
         elif position == "earliest":

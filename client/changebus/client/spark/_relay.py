@@ -468,22 +468,22 @@ async def end_within(
     return await _with_relays(opts, call, partition=partition)
 
 
-async def position_at_time(
-    opts: SourceOptions, bounds: PartitionBounds, time_ns: int, *, inclusive: bool
-) -> int:
+async def position_at_time(opts: SourceOptions, bounds: PartitionBounds, time_ns: int) -> int:
     """The position before the first window committed at/after ``time_ns`` (binary search).
 
-    With ``inclusive`` false the result ``p`` is the last window committed
-    before ``time_ns`` (a start: the stream continues at the first window at
-    or after it); with ``inclusive`` true the last window committed at or
-    before it (an end). Bounded by the relay's buffer: before the oldest kept
+    The result ``p`` is the last window committed before ``time_ns``: a
+    start continues at the first window at or after it, an end includes the
+    windows committed before it (Kafka's ``endingTimestamp`` is exclusive
+    too; an inclusive end read a window committed exactly then twice when
+    one read ended and the next began at that time: found by review).
+    Bounded by the relay's buffer: before the oldest kept
     window gives ``prev_scn``, after the newest ``max_scn``. Commit times
     follow commit order, so each probe (the first event after a position,
     ``max_bytes=1``) halves the SCN interval; about 40 probes for Postgres LSNs.
     """
 
     def passes(ts: int) -> bool:
-        return ts > time_ns if inclusive else ts >= time_ns
+        return ts >= time_ns
 
     async def call(info: RelayInfo) -> int:
         lo, hi = bounds.prev_scn, max(bounds.max_scn, bounds.prev_scn)

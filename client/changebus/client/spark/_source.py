@@ -282,16 +282,8 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         for name, b in bounds.items():
             if name not in start:
                 # a partition that appeared after the query started: it enters the
-                # offsets at its oldest position and is read from the next batch on
-                end[name] = b.prev_scn
-                if b.evicted:  # (not silently: what came before is not read)
-                    log.warning(
-                        "changebus partition %s appeared after the query started; it is "
-                        "read from SCN %d on, its relay's oldest position: the windows it "
-                        "evicted before are not read",
-                        name,
-                        b.prev_scn,
-                    )
+                # offsets and is read from the next batch on, from its start
+                end[name] = _new_partition_start(self.opts, b)
                 continue
             since = int(start[name])
             head = b.max_scn
@@ -489,3 +481,35 @@ class ChangebusDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return ChangebusStreamReader(self._options("stream"), schema)
+
+
+def _new_partition_start(opts: SourceOptions, b: PartitionBounds) -> int:
+    """Where a partition that appeared after the query started enters its offsets.
+
+    All of it is new to the query (as Kafka reads an added partition from its
+    earliest offset). Its relays' oldest position when they evicted nothing
+    before it; else through a bootstrap server (-1: a snapshot first); else
+    its windows before are gone, which ``failOnDataLoss`` refuses (it was only
+    a warning: found by review).
+    """
+    if not b.evicted:
+        return b.prev_scn
+    if opts.bootstrap:
+        return -1
+    text = (
+        f"partition {b.name} appeared after the query started, and its relays evicted its"
+        f" windows up to SCN {b.prev_scn}: they are gone"
+    )
+    if not opts.fail_on_data_loss:
+        log.warning("%s; it is read from there on (failOnDataLoss=false)", text)
+        return b.prev_scn
+    raise FellOffRelayError(
+        f"{text}: give the query a bootstrap server (bootstrapUrl) to read it whole, or set"
+        " failOnDataLoss=false to read it from its relays' oldest window",
+        partition=b.name,
+        requested_scn=-1,
+        oldest_scn=b.min_scn,
+        prev_scn=b.prev_scn,
+        relay="",
+        retriable=False,
+    )
