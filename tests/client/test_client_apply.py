@@ -309,3 +309,29 @@ def test_a_column_another_replica_added_is_not_added_again(tmp_path: Path) -> No
     finally:
         first._close()
         second._close()
+
+
+def test_a_failed_commit_does_not_leave_the_sqlite_transaction_open(tmp_path: Path) -> None:
+    """COMMIT ran outside the rollback's reach: one that failed (busy, disk full, a
+    deferred constraint) left the transaction open, and every later BEGIN failed until
+    the process restarted (review)."""
+    from changebus.client import SqliteReplica
+
+    replica = SqliteReplica(tmp_path / "r.db")
+    conn = replica._connect()
+    try:
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("CREATE TABLE p (id INTEGER PRIMARY KEY)")
+        conn.execute(
+            "CREATE TABLE c (id INTEGER PRIMARY KEY,"
+            " p INTEGER REFERENCES p(id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+        with pytest.raises(sqlite3.IntegrityError), replica._transaction(conn):
+            conn.execute("INSERT INTO c VALUES (1, 99)")  # fails at COMMIT
+        assert not conn.in_transaction
+        with replica._transaction(conn):  # the next window's transaction begins
+            conn.execute("INSERT INTO p VALUES (1)")
+        assert conn.execute("SELECT id FROM p").fetchall() == [(1,)]
+        assert conn.execute("SELECT id FROM c").fetchall() == []
+    finally:
+        conn.close()

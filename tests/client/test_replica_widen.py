@@ -109,3 +109,28 @@ async def test_columns_follow_the_sources_widening(pg_dsn: str) -> None:
         assert types == [("amount", "numeric(12,4)"), ("count", "bigint"), ("note", "text")]
     finally:
         await replica.close()
+
+
+@pytest.mark.pg
+async def test_names_with_a_percent_sign_are_written(pg_dsn: str) -> None:
+    """Every statement runs with parameters, so psycopg took a % in a quoted name for a
+    placeholder: a column named "growth%" (common in MySQL) stopped the replica
+    (review). Names are escaped in the statements' text, and widening finds them."""
+    first = TableSchema(
+        "app.rate%s",
+        (Column("id", "long", nullable=False), Column("growth%", "int"), Column("a%sb", "int")),
+        ("id",),
+        1,
+    )
+    wider = TableSchema(
+        "app.rate%s", (*first.columns[:1], Column("growth%", "long"), first.columns[2]), ("id",), 2
+    )
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await deliver(replica, window(10, first, {"id": 1, "growth%": 5, "a%sb": 6}))
+        await deliver(replica, window(20, wider, {"id": 2, "growth%": 2**40, "a%sb": 7}))
+        await deliver(replica, window(30, first, {"id": 1, "growth%": 8, "a%sb": 9}))
+        rows = replica.query('SELECT id, "growth%%", "a%%sb" FROM "app"."rate%%s" ORDER BY id')
+        assert rows == [(1, 8, 9), (2, 2**40, 7)]
+    finally:
+        await replica.close()

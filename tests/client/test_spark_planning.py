@@ -249,3 +249,48 @@ async def test_the_held_first_batch_counts_as_the_first_trigger_for_min_rows(
         first, held, waited = await asyncio.to_thread(plan)
     assert held == first  # the held first batch
     assert waited == dict.fromkeys(first, 1000)  # skipped: fewer rows than the minimum
+
+
+async def test_the_read_limit_is_shared_by_the_partitions_with_something_new(
+    make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """maxRowsPerTrigger was divided by every partition, idle ones included, and their
+    share went unused: with eight partitions and one busy, a batch read an eighth of the
+    limit (review). The partitions with something new share it."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._relay import PartitionBounds
+
+    async with make_relay() as relay:
+        opts = SourceOptions.parse({"relays": relay.url}, mode="stream")
+
+        def make() -> Any:
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            return _source.ChangebusStreamReader(opts, schema)
+
+        reader = await asyncio.to_thread(make)
+    reader._hold_first = False
+    asked: dict[str, int] = {}
+
+    async def bounds(_opts: Any) -> dict[str, PartitionBounds]:
+        return {
+            f"p{i}": PartitionBounds(f"p{i}", 1, 900 if i == 0 else 100, 0, 0) for i in range(8)
+        }
+
+    async def limited(name: str, since: int, head: int, rows: int, size: int) -> int:
+        asked[name] = rows
+        return since + rows
+
+    async def unguarded(start: Any, end: dict[str, int], boot: Any) -> dict[str, int]:
+        return end
+
+    monkeypatch.setattr(_source, "partition_bounds", bounds)
+    monkeypatch.setattr(reader, "_limited_end", limited)
+    monkeypatch.setattr(reader._guard, "check", unguarded)
+    start = {"p0": 100, **{f"p{i}": 100 for i in range(1, 8)}}  # only p0 has new windows
+    end = await reader._latest(start, ReadMaxRows(800))
+    assert asked == {"p0": 800}  # the whole limit, not 100
+    assert end == {"p0": 900, **{f"p{i}": 100 for i in range(1, 8)}}

@@ -296,6 +296,47 @@ def test_a_probe_saying_no_after_its_call_ended_cuts_nothing() -> None:
         theirs.close()
 
 
+def test_a_cut_never_reaches_a_socket_that_took_the_descriptor_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog decided to cut a call, let its lock go, then shut down the call's
+    descriptor by number: if the call had ended meanwhile and its connection closed,
+    the number could belong to another socket by then (the relay's HTTP sockets share
+    the process), which it shut down instead (review). It takes a duplicate while the
+    call still runs, under its lock."""
+    from changebus.fetchers.postgres import _watchdog
+    from changebus.fetchers.postgres._watchdog import Watchdog
+
+    ours, theirs = socket.socketpair()
+    number = ours.fileno()
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+
+    def between(*_args: object) -> None:  # after the decision to cut, before the cut
+        ours.close()  # the call ended, its connection closed ...
+        pairs.append(socket.socketpair())  # ... and another socket got its number
+
+    monkeypatch.setattr(_watchdog.log, "warning", between)
+    dog = Watchdog(0.2, "test")
+    try:
+        dog.arm(1, number, "a query")
+        deadline = time.monotonic() + 5
+        while not dog.fired and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        assert dog.fired and pairs
+        a, b = pairs[0]
+        assert number in (a.fileno(), b.fileno())
+        a.sendall(b"x")
+        b.sendall(b"y")
+        assert b.recv(1) == b"x" and a.recv(1) == b"y"  # both ends still work
+    finally:
+        dog.close()
+        theirs.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 def test_received_within_reads_the_sockets_last_data() -> None:
     """A backend writing its answer (ClientWrite) makes progress while bytes arrive."""
     from changebus.fetchers.postgres._watchdog import received_within

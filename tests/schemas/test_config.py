@@ -105,3 +105,52 @@ def test_missing_and_bad_files(tmp_path: Path) -> None:
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+def test_config_errors_never_quote_a_secret(tmp_path: Path) -> None:
+    """A section that fit none of its types was quoted whole (a [cluster] table with its
+    zk_password), an override named its value (a DSN, a token), a URL its password
+    (review). Errors name keys and types; URLs are shown without their user."""
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.client import ConsumerConfig
+    from changebus.relay import FetcherConfig, RelayConfig
+
+    toml = tmp_path / "relay.toml"
+    toml.write_text(
+        '[cluster]\nzookeeper = "127.0.0.1:2181"\nzk_user = "cb"\n'
+        'zk_password = "hunter2-zk"\nlease_fraction = 7\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(RelayConfig, toml, env={})
+    assert "hunter2-zk" not in str(info.value) and "cluster" in str(info.value)
+    for item in (
+        "debug.dsn=postgresql://u:hunter2@h/db",  # a table where a flag goes
+        "http.port.dsn=postgresql://u:hunter2@h/db",  # through a non-section value
+        "http.port=postgresql://u:hunter2@h/db",  # a DSN where a number goes
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(Cfg, env={}, overrides=[item])
+        assert "hunter2" not in str(info.value), item
+        assert item.partition(".")[0] in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(Cfg, env={}, overrides=["token-s3cr3t"])
+    assert "s3cr3t" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        ConsumerConfig(relays=("htps://admin:pw-s3cr3t@relay:8470",))
+    assert "pw-s3cr3t" not in str(info.value) and "relay:8470" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        BootstrapConfig(relays=("HTTPS://admin:pw-s3cr3t@relay",), partitions=("p",))
+    assert "pw-s3cr3t" not in str(info.value)
+    # a fetcher's options (DSNs, keys) are redacted in its repr
+    shown = repr(FetcherConfig("postgres", {"dsn": "postgresql://u:hunter2@h/db", "slot": "s"}))
+    assert "hunter2" not in shown and "'slot': 's'" in shown
+
+
+def test_a_replica_dsn_libpq_cannot_parse_is_refused_without_quoting_it() -> None:
+    """libpq quotes the piece of a DSN it choked on: with an unquoted password that
+    holds a space, a piece of the password (review)."""
+    from changebus.client._pgsession import connect
+
+    with pytest.raises(ConfigError) as info:
+        connect("host=127.0.0.1 password=correct horse battery", 0)
+    assert "horse" not in str(info.value) and "battery" not in str(info.value)

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from changebus.client import open_session, safe_url
 from changebus.schemas import ChangebusError, ConfigError
+from changebus.schemas.config import scrub_exception
 from changebus.schemas.security import ClientAuth
 
 from ._seedtypes import table_name_problem
@@ -202,7 +203,8 @@ async def _request(
 
 
 def _reason(exc: BaseException) -> str:
-    return type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    # (scrubbed: aiohttp's invalid-URL error quotes the URL, password and all: review)
+    return scrub_exception(exc)
 
 
 async def _follow(session: aiohttp.ClientSession, base: str, part: str, interval: float) -> int:

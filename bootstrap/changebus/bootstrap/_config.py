@@ -56,7 +56,7 @@ from typing import Literal
 from changebus.cluster import ClusterConfig
 from changebus.fetchers import ColumnPolicyOptions
 from changebus.schemas import ConfigError
-from changebus.schemas.config import secret, size_field
+from changebus.schemas.config import secret, size_field, url_without_user
 from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits, check_copy_budget
@@ -284,7 +284,9 @@ class BootstrapConfig:
             raise ConfigError("cluster.member_id is required for a bootstrap server in a cluster")
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(
+                    f"relays: {url_without_user(url)!r} is not an http:// or https:// URL"
+                )
         object.__setattr__(self, "relays", tuple(u.rstrip("/") for u in self.relays))
         for name in self.partitions:
             if not safe_name(name):

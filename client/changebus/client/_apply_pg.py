@@ -119,6 +119,11 @@ class PostgresReplica(UnitReplica):
         with conn.cursor() as cur:
             cur.executemany(sql, rows)
 
+    def _quote(self, name: str) -> str:
+        # every statement runs with parameters, so psycopg reads % in its text as a
+        # placeholder: a column named "growth%" stopped the replica (found by review)
+        return super()._quote(name).replace("%", "%%")
+
     def _split(self, table: str) -> tuple[str | None, str]:
         schema, dot, name = table.rpartition(".")
         return (schema if dot else None), name
@@ -188,7 +193,7 @@ class PostgresReplica(UnitReplica):
             conn,
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
             " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            (self._qualified(table),),
+            (self._qualified(table).replace("%%", "%"),),  # (a value: no placeholders)
         )
         return {str(n): str(t) for n, t in rows}
 

@@ -88,10 +88,13 @@ class SqliteReplica(UnitReplica):
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            # (a COMMIT that failed, busy or out of space, left the transaction open: every
+            # later BEGIN failed until a restart; found by review)
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     def _execute(
         self, conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()

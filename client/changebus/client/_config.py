@@ -22,6 +22,7 @@ from changebus.schemas import (
     check_group_name,
     parse_scn,
 )
+from changebus.schemas.config import url_without_user
 from changebus.schemas.security import ClientAuth
 
 from ._assembler import DEFAULT_MAX_WINDOW_BYTES
@@ -217,7 +218,9 @@ class ConsumerConfig:
         cleaned = []
         for url in relays:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ConfigError(f"relays: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(
+                    f"relays: {url_without_user(url)!r} is not an http:// or https:// URL"
+                )
             cleaned.append(url.rstrip("/"))
         object.__setattr__(self, "relays", tuple(cleaned))
         if self.group and not self.cluster.strip() and not cleaned:
@@ -231,7 +234,10 @@ class ConsumerConfig:
             raise ConfigError("bootstrap_servers: give a list of URLs")
         for url in servers:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ConfigError(f"bootstrap_servers: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(
+                    f"bootstrap_servers: {url_without_user(url)!r} is not an http:// or"
+                    " https:// URL"
+                )
         object.__setattr__(self, "bootstrap_servers", tuple(u.rstrip("/") for u in servers))
         if self.on_fell_off not in ("raise", "latest"):
             raise ConfigError("on_fell_off must be 'raise' or 'latest'")

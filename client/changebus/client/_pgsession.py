@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from changebus.schemas import ConfigError
+
 __all__ = ["IDLE_IN_TRANSACTION_S", "SESSION_DEFAULTS", "connect", "session_lost"]
 
 #: libpq settings of every session here that its DSN does not set (seconds; ms for
@@ -52,7 +54,14 @@ def connect(dsn: str, idle_in_transaction_s: float) -> Any:
     except psycopg.Error:
         given = {}  # (psycopg.connect reports the DSN's problem, as before)
     extra: dict[str, Any] = {k: v for k, v in SESSION_DEFAULTS.items() if k not in given}
-    conn = psycopg.connect(dsn, autocommit=True, **extra)
+    try:
+        conn = psycopg.connect(dsn, autocommit=True, **extra)
+    except psycopg.ProgrammingError:
+        # libpq quotes the piece of the DSN it choked on, which may be (part of) the
+        # password (found by review)
+        raise ConfigError(
+            "the PostgreSQL DSN cannot be parsed (quote values with spaces: password='...')"
+        ) from None
     try:
         if idle_in_transaction_s > 0:
             ms = max(1, round(idle_in_transaction_s * 1000))

@@ -60,7 +60,7 @@ from typing import Any, Literal
 
 from changebus.cluster import ClusterConfig
 from changebus.schemas import ConfigError
-from changebus.schemas.config import size_field
+from changebus.schemas.config import redacted, size_field
 from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits, check_copy_budget
@@ -115,13 +115,23 @@ class HttpConfig(ConnectionLimits):
 
 @dataclass(frozen=True)
 class FetcherConfig:
-    """Which fetcher feeds a partition, and its own options table."""
+    """Which fetcher feeds a partition, and its own options table.
+
+    Its ``repr`` shows the options redacted: they hold DSNs, passwords and keys
+    (a traceback's locals, a debugger or a ``%r`` printed them whole: review).
+    """
 
     kind: str = "none"
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
     #: first delay before restarting a failed fetcher (doubles up to max)
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+
+    def __repr__(self) -> str:
+        return (
+            f"FetcherConfig(kind={self.kind!r}, options={redacted(self.options)!r},"
+            f" retry_initial_s={self.retry_initial_s!r}, retry_max_s={self.retry_max_s!r})"
+        )
 
 
 @dataclass(frozen=True)

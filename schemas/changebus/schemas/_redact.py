@@ -41,6 +41,7 @@ __all__ = [
     "scrub_exception",
     "secret_key",
     "secret_values",
+    "url_without_user",
 ]
 
 #: what replaces a secret
@@ -192,3 +193,20 @@ def printable(text: str, limit: int = 200) -> str:
     ``%0A`` is a line break that would forge a second line).
     """
     return repr(text[:limit])[1:-1]
+
+
+def url_without_user(url: object) -> str:
+    """``url`` for a message: without its user name and password (``user:pw@``).
+
+    For any text, a URL or not (a configuration's value may be anything):
+    whatever precedes the last ``@`` of the part after ``scheme://`` and
+    before the next ``/`` is left out.
+    """
+    text = printable(str(url))[:200]
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    host, slash, path = rest.partition("/")
+    if "@" in host:
+        host = "***@" + host.rpartition("@")[2]
+    return f"{scheme}{sep}{host}{slash}{path}"

@@ -44,6 +44,7 @@ from ._redact import (
     scrub_exception as scrub_exception,
     secret_key as secret_key,
     secret_values as secret_values,
+    url_without_user as url_without_user,
 )
 from .errors import ConfigError
 
@@ -59,6 +60,7 @@ __all__ = [
     "secret_values",
     "size_field",
     "unknown_key",
+    "url_without_user",
 ]
 
 T = TypeVar("T")
@@ -67,15 +69,23 @@ _SIZE_RE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?
 _SCALE: Final = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
+def _shown(value: object) -> str:
+    """A bad value as an error message quotes it: a table is not quoted (it may hold a
+    password), a text is scrubbed of passwords (DSNs, URLs) and cut to 200 characters."""
+    if isinstance(value, Mapping):
+        return "a table"
+    return scrub(repr(value))[:200]
+
+
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string like ``"64MiB"``, ``"1.5GB"``, ``"4096"``."""
     if isinstance(value, bool):
-        raise ConfigError(f"expected a size, got {value!r}")
+        raise ConfigError(f"expected a size, got {_shown(value)}")
     if isinstance(value, int):
         return value
     m = _SIZE_RE.fullmatch(value)
     if not m:
-        raise ConfigError(f"bad size {value!r}: expected bytes or e.g. '64MiB', '2GB'")
+        raise ConfigError(f"bad size {_shown(value)}: expected bytes or e.g. '64MiB', '2GB'")
     base = 1024 if m.group(3) or m.group(2) == "" else 1000
     return int(float(m.group(1)) * base ** _SCALE[m.group(2).lower()])
 
@@ -126,20 +136,23 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(arg, value, where, None)
             except ConfigError as exc:
-                errors.append(str(exc))
+                errors.append(exc)
+        if len(errors) == 1:  # (X | None: X's own error says what is wrong)
+            raise errors[0]
+        # (not the value: a section may hold a password, which the text would quote)
         raise ConfigError(
-            f"{where}: {value!r} fits none of the accepted types ({'; '.join(errors)})"
+            f"{where}: fits none of the accepted types ({'; '.join(str(e) for e in errors)})"
         )
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+            raise ConfigError(f"{where}: {_shown(value)} is not one of {list(typing.get_args(tp))}")
         return value
     if origin is tuple:
         args = typing.get_args(tp)
@@ -149,34 +162,34 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
         return tuple(_convert(item, v, f"{where}[{i}]", None) for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
+            raise ConfigError(f"{where}: expected a table, got {_shown(value)}")
         return dict(value)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a section (table), got {value!r}")
+            raise ConfigError(f"{where}: expected a section (table), got {_shown(value)}")
         return _build(tp, value, where)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {_shown(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {_shown(value)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{where}: expected a number (seconds or a ratio), got {value!r}")
+        raise ConfigError(f"{where}: expected a number (seconds or a ratio), got {_shown(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
     if tp is Path:
         if isinstance(value, str | Path):
             return Path(value)
-        raise ConfigError(f"{where}: expected a path, got {value!r}")
+        raise ConfigError(f"{where}: expected a path, got {_shown(value)}")
     raise ConfigError(f"{where}: unsupported config type {tp!r}")  # pragma: no cover
 
 
@@ -245,9 +258,12 @@ def load_config(
                 _set_path(tree, parts, _parse_text(text), f"environment variable {name}")
     for item in overrides:
         key, sep, text = item.partition("=")
+        # (named by key only: the value may be a DSN or a token)
         if not sep or not key.strip():
-            raise ConfigError(f"bad override {item!r}: expected key.path=value")
-        _set_path(tree, key.strip().split("."), _parse_text(text.strip()), f"override {item!r}")
+            raise ConfigError("bad override: expected key.path=value")
+        _set_path(
+            tree, key.strip().split("."), _parse_text(text.strip()), f"override of {key.strip()}"
+        )
     return _build(cls, tree, "")
 
 

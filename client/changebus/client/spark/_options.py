@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from changebus.schemas import ChangebusError, ConfigError, PartitionFilter, parse_scn
+from changebus.schemas.config import url_without_user
 from changebus.schemas.security import ClientAuth
 
 from .._assembler import DEFAULT_MAX_WINDOW_BYTES
@@ -335,10 +336,15 @@ class SourceOptions:
             )
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"option relays: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(
+                    f"option relays: {url_without_user(url)!r} is not an http:// or https:// URL"
+                )
         for url in self.bootstrap:
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"option bootstrapUrl: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(
+                    f"option bootstrapUrl: {url_without_user(url)!r} is not an http:// or"
+                    " https:// URL"
+                )
         if self.num_partitions < 1 or self.arrow_batch_rows < 1 or self.max_bytes_per_request < 1:
             raise ConfigError("numPartitions, arrowBatchRows, maxBytesPerRequest must be >= 1")
         if self.max_bytes_per_request > self.max_window_bytes:

@@ -299,10 +299,14 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         booting = any(end[n] > int(start[n]) for n in boot)
         if min_rows and not booting and await self._delay(start, heads, min_rows):
             return {str(k): int(v) for k, v in start.items()}
-        if (max_rows or max_bytes) and heads:
-            rows = max(1, max_rows // len(heads)) if max_rows else 0
-            size = max(1, max_bytes // len(heads)) if max_bytes else 0
-            for name, head in heads.items():
+        busy = {name: head for name, head in heads.items() if head > int(start[name])}
+        if (max_rows or max_bytes) and busy:
+            # shared by the partitions with something new: an idle one's share went unused,
+            # and eight partitions with one busy read an eighth of the limit (review)
+            rows = max(1, max_rows // len(busy)) if max_rows else 0
+            size = max(1, max_bytes // len(busy)) if max_bytes else 0
+            end.update(heads)
+            for name, head in busy.items():
                 since = int(start[name])
                 try:
                     end[name] = await self._limited_end(name, since, head, rows, size)

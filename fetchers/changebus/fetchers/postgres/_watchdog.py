@@ -137,12 +137,18 @@ class Watchdog:
                 with self._lock:
                     if self._running.get(key) != call:
                         continue  # that call ended while its probe ran: nothing to cut
+                    # a duplicate taken while the call still runs is its socket's: once the
+                    # lock is let go the call may end and its descriptor be closed, and its
+                    # number reused by another socket (found by review)
+                    dup = _dup(fd)
+                if dup is None:
+                    continue
                 self.fired = (
                     f"Postgres did not answer {what} within {self.timeout_s:g} s (a frozen "
                     "server or a broken network path): the connection was cut"
                 )
                 log.warning("partition %s: %s", self.name, self.fired)
-                _shut_down(fd)
+                _shut_down(dup)
 
 
 def _ask(probe: Callable[[], bool], timeout_s: float) -> bool:
@@ -185,15 +191,26 @@ def received_within(fd: int, seconds: float) -> bool:
     return int.from_bytes(info[52:56], sys.byteorder) < seconds * 1000
 
 
-def _shut_down(fd: int) -> None:
-    """Shut the socket behind ``fd`` down (both ways), without closing ``fd`` itself."""
-    with contextlib.suppress(OSError):
-        dup = os.dup(fd)
+def _dup(fd: int) -> int | None:
+    """A duplicate of descriptor ``fd`` (None: it is closed)."""
+    try:
+        return os.dup(fd)
+    except OSError:
+        return None
+
+
+def _shut_down(dup: int) -> None:
+    """Shut the socket behind ``dup`` (a duplicate, closed here) down, both ways."""
+    try:
         sock = socket.socket(fileno=dup)
-        try:
+    except OSError:
+        os.close(dup)
+        return
+    try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
+    finally:
+        sock.close()
 
 
 class Guarded:
