@@ -134,3 +134,71 @@ async def test_names_with_a_percent_sign_are_written(pg_dsn: str) -> None:
         assert rows == [(1, 8, 9), (2, 2**40, 7)]
     finally:
         await replica.close()
+
+
+def test_runs_of_one_statement_are_bounded_and_keep_their_order() -> None:
+    from changebus.client._apply_rows import RUN_ROWS, runs
+
+    statements = [("A", [i]) for i in range(2 * RUN_ROWS + 500)] + [("B", [-1])]
+    groups = list(runs(iter(statements)))
+    assert [(sql, len(rows)) for sql, rows in groups] == [
+        ("A", RUN_ROWS),
+        ("A", RUN_ROWS),
+        ("A", 500),
+        ("B", 1),
+    ]
+    assert [r[0] for _, rows in groups for r in rows] == [p[0] for _, p in statements]
+
+
+@pytest.mark.pg
+async def test_a_big_window_does_not_idle_its_transaction_past_the_timeout(pg_dsn: str) -> None:
+    """A window's rows were grouped whole before the first was sent: building the
+    parameters of a bulk update of some 400k rows left the session idle in its
+    transaction for seconds, and the server ended it (idle_in_transaction_s) on every
+    retry: the replica stopped for good (review). Groups are bounded now."""
+    table = TableSchema(
+        "app.bulk", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1
+    )
+    events = tuple(
+        ChangeEvent(
+            10,
+            i,
+            ChangeOp.INSERT,
+            table.name,
+            {"id": i},
+            {"id": i, "v": "x" * 20},
+            None,
+            schema=table,
+        )
+        for i in range(120_000)
+    )
+    replica = PostgresReplica(pg_dsn, idle_in_transaction_s=0.5)
+    try:
+        await deliver(replica, Window(scn=10, timestamp_ns=10, partition="p", events=events))
+        assert replica.query('SELECT count(*) FROM "app"."bulk"') == [(120_000,)]
+    finally:
+        await replica.close()
+
+
+@pytest.mark.pg
+async def test_names_longer_than_postgres_keeps_survive_a_restart(pg_dsn: str) -> None:
+    """PostgreSQL keeps the first 63 bytes of a name. A replica created such a table and
+    column, and after a restart looked them up in full: not found, so it added the
+    column again (DuplicateColumn) or created the table again, and stopped (review)."""
+    long_table = "app." + "t" * 70
+    long_column = "é" * 40  # 80 bytes
+    table = TableSchema(
+        long_table, (Column("id", "long", nullable=False), Column(long_column, "int")), ("id",), 1
+    )
+    for scn, value in ((10, 1), (20, 2)):  # a second replica: what a restart is
+        replica = PostgresReplica(pg_dsn)
+        try:
+            await deliver(replica, window(scn, table, {"id": scn, long_column: value}))
+        finally:
+            await replica.close()
+    replica = PostgresReplica(pg_dsn)
+    try:
+        rows = replica.query(f'SELECT id, "{long_column}" FROM "app"."{"t" * 70}" ORDER BY id')
+        assert rows == [(10, 1), (20, 2)]
+    finally:
+        await replica.close()

@@ -168,6 +168,10 @@ class Replica(RowStatements, AsyncCallbacks):
     def _quote(self, name: str) -> str:
         return '"' + name.replace('"', '""') + '"'
 
+    def _kept_name(self, name: str) -> str:
+        """``name`` as the target database keeps it (PostgreSQL shortens long names)."""
+        return name
+
     def _qualified(self, table: str) -> str:
         return self._quote(table)
 
@@ -405,7 +409,12 @@ class Replica(RowStatements, AsyncCallbacks):
         if schema is None:
             raise ConfigError(f"event of {event.table!r} carries no table schema")
         table = self.table_for(event.table)
-        known, wanted = self._columns.get(table), {c.name for c in schema.columns}
+        known, wanted = self._columns.get(table), {self._kept_name(c.name) for c in schema.columns}
+        if len(wanted) != len(schema.columns):
+            raise ConfigError(
+                f"table {schema.name!r}: two columns are one name to the target database"
+                " (it shortens long names): rename one at the source"
+            )
         shaped = schema.fingerprint in self._shapes.get(table, ())
         if known is not None and wanted <= known and shaped:
             return
@@ -423,13 +432,13 @@ class Replica(RowStatements, AsyncCallbacks):
                     have = set(wanted)
                     log.info("replica created table %s for source %s", table, schema.name)
                 for column in schema.columns:
-                    if column.name not in have:
+                    if self._kept_name(column.name) not in have:
                         self._execute(
                             conn,
                             f"ALTER TABLE {self._qualified(table)} ADD COLUMN"
                             f" {self._quote(column.name)} {self._column_type(column)}",
                         )
-                        have.add(column.name)
+                        have.add(self._kept_name(column.name))
         except Exception:
             # another replica made the same change at the same time: fine when it is there
             now = self._existing_columns(conn, table)

@@ -55,6 +55,10 @@ _LOGICAL = {
 }
 
 
+#: the bytes of a name PostgreSQL keeps (NAMEDATALEN - 1)
+_NAME_BYTES = 63
+
+
 class PostgresReplica(UnitReplica):
     """Applies a change stream to a PostgreSQL database (see :mod:`._apply`)."""
 
@@ -124,6 +128,12 @@ class PostgresReplica(UnitReplica):
         # placeholder: a column named "growth%" stopped the replica (found by review)
         return super()._quote(name).replace("%", "%%")
 
+    def _kept_name(self, name: str) -> str:
+        # PostgreSQL keeps the first 63 bytes of a name (whole characters): a longer one
+        # was looked up in full after a restart, not found, and created again (review)
+        raw = name.encode()
+        return name if len(raw) <= _NAME_BYTES else raw[:_NAME_BYTES].decode("utf-8", "ignore")
+
     def _split(self, table: str) -> tuple[str | None, str]:
         schema, dot, name = table.rpartition(".")
         return (schema if dot else None), name
@@ -143,7 +153,7 @@ class PostgresReplica(UnitReplica):
             conn,
             "SELECT column_name FROM information_schema.columns"
             " WHERE table_schema = coalesce(%s, current_schema()) AND table_name = %s",
-            (schema, name),
+            (None if schema is None else self._kept_name(schema), self._kept_name(name)),
         )
         return {str(r[0]) for r in rows} if rows else None
 
@@ -154,7 +164,10 @@ class PostgresReplica(UnitReplica):
 
         types = self._column_types(conn, table)
         for column in schema.columns:
-            have, want = types.get(column.name), canonical(self._column_type(column))
+            have, want = (
+                types.get(self._kept_name(column.name)),
+                canonical(self._column_type(column)),
+            )
             target = join(have, want) if have else None
             if target is None or target == have:
                 continue
@@ -169,7 +182,7 @@ class PostgresReplica(UnitReplica):
             except psycopg.Error as exc:
                 if session_lost(exc):
                     raise  # the window is tried again on a new connection
-                now = self._column_types(conn, table).get(column.name)
+                now = self._column_types(conn, table).get(self._kept_name(column.name))
                 if now is not None and join(now, want) == now:
                     continue  # another writer widened it meanwhile
                 raise ConfigError(

@@ -160,12 +160,25 @@ def _unsent_move(table: str, columns: list[str]) -> str:
     )
 
 
-def runs(statements: Iterator[tuple[str, list[Any]]]) -> Iterator[tuple[str, list[list[Any]]]]:
-    """Consecutive statements with the same SQL, grouped for ``executemany``."""
+#: statements one ``executemany`` takes at most
+RUN_ROWS = 2000
+
+
+def runs(
+    statements: Iterator[tuple[str, list[Any]]], limit: int = RUN_ROWS
+) -> Iterator[tuple[str, list[list[Any]]]]:
+    """Consecutive statements with the same SQL, grouped for ``executemany``, at most
+    ``limit`` a group.
+
+    Bounded: the parameters of a group are built inside the window's transaction
+    before it is sent, and a whole window's (a bulk update of 400k rows) left the
+    session idle in its transaction for seconds, past the server's
+    ``idle_in_transaction_session_timeout``, on every retry (found by review).
+    """
     sql: str | None = None
     rows: list[list[Any]] = []
     for text, params in statements:
-        if text != sql and sql is not None:
+        if sql is not None and (text != sql or len(rows) >= limit):
             yield sql, rows
             rows = []
         sql = text
