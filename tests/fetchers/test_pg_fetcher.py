@@ -60,15 +60,18 @@ def workload(dsn: str, seed: int, txns: int) -> None:
                         conn.execute("DELETE FROM acct WHERE id = %s", (k,))
 
 
-def replay_buffer(relay: Relay) -> tuple[dict[int, dict[str, Any]], list[int]]:
-    """Rebuild the table from everything in the relay's buffer."""
+def replay_buffer(
+    relay: Relay, rows: dict[int, dict[str, Any]] | None = None
+) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    """Rebuild the table from everything in the relay's buffer (applied to ``rows``:
+    the table as it was before the buffer's first window; empty by default)."""
     host = relay.hosts["pg"]
     sel = host.buffer.select(-1, -1, 1 << 30)
     assert sel is not None
     data = b"".join(bytes(v) for v in sel.views)
     assert host.buffer.release(sel)
     registry: SchemaRegistry = host.registry
-    rows: dict[int, dict[str, Any]] = {}
+    rows = {} if rows is None else rows
     scns: list[int] = []
     offsets, _ = parse_stream(data)
     for off in offsets.tolist():

@@ -14,24 +14,17 @@ checked as for a buffer with windows.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
-from test_pg_fetcher import source, workload
+from test_pg_fetcher import replay_buffer, source, workload
+from test_pg_fetcher_ops import control_events
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import (
-    ChangeDecoder,
-    DataLoss,
     Op,
-    SchemaRegistry,
-    decode_control,
-    event_at,
     lsn_to_scn,
-    parse_stream,
     scn_to_lsn,
-    verify_event,
 )
 from fix_pg import caught_up, wait_until
 
@@ -59,37 +52,6 @@ def _confirmed(dsn: str) -> int:
         ).fetchone()
     assert row is not None
     return lsn_to_scn(row[0])
-
-
-def _fold(relay: Relay, rows: dict[int, dict[str, Any]]) -> tuple[list[DataLoss], list[int]]:
-    """Apply the relay's windows to ``rows``; the DATA_LOSS events and window SCNs."""
-    host = relay.hosts["pg"]
-    sel = host.buffer.select(-1, -1, 1 << 30)
-    assert sel is not None
-    data = b"".join(bytes(v) for v in sel.views)
-    assert host.buffer.release(sel)
-    registry: SchemaRegistry = host.registry
-    losses: list[DataLoss] = []
-    scns: list[int] = []
-    offsets, _ = parse_stream(data)
-    for off in offsets.tolist():
-        h = verify_event(data, off)
-        if h.op == Op.END_OF_WINDOW:
-            scns.append(h.scn)
-        if h.op == Op.DATA_LOSS:
-            loss = decode_control(Op.DATA_LOSS, event_at(data, off, h)[1])
-            assert isinstance(loss, DataLoss)
-            losses.append(loss)
-        if h.op.is_control:
-            continue
-        table = registry.get(registry.name_for_id(h.source_id), h.schema_version)
-        change = ChangeDecoder(table).decode(event_at(data, off, h)[1])
-        if h.op == Op.DELETE:
-            assert change.before is not None
-            rows.pop(change.before["id"], None)
-        elif change.after is not None:
-            rows[change.after["id"]] = {k: change.after[k] for k in ("id", "bal", "name")}
-    return losses, scns
 
 
 async def _take_over(data_dir: Path, dsn: str, after: int, position: str) -> Relay:
@@ -127,9 +89,8 @@ async def test_an_empty_buffer_taking_the_slot_over_sees_a_slot_confirmed_past_i
     try:
         workload(pg_dsn, 2, 20)
         await caught_up(relay, pg_dsn)
-        rows = dict(state_at)
-        losses, scns = _fold(relay, rows)
-        assert losses == []
+        rows, scns = replay_buffer(relay, dict(state_at))
+        assert control_events(relay, Op.DATA_LOSS) == []
         assert scns == sorted(set(scns)) and scns[0] > at
         assert rows == source(pg_dsn)  # the state at P plus what came after: the source
         stale = relay.hosts["pg"].buffer.meta.last_scn
@@ -144,7 +105,8 @@ async def test_an_empty_buffer_taking_the_slot_over_sees_a_slot_confirmed_past_i
     try:
         workload(pg_dsn, 3, 10)
         await caught_up(relay, pg_dsn)
-        losses, scns = _fold(relay, {})
+        _, scns = replay_buffer(relay)
+        losses = [loss for _, loss in control_events(relay, Op.DATA_LOSS)]
         assert len(losses) == 1
         assert losses[0].from_scn == at + 1 and losses[0].to_scn >= stale
         assert "confirmed beyond" in losses[0].reason
@@ -178,6 +140,7 @@ async def test_a_new_relay_keeps_where_its_slot_started(tmp_path: Path, pg_dsn: 
         await wait_until(lambda: relay.hosts["pg"].state == "streaming")
         workload(pg_dsn, 5, 5)
         await caught_up(relay, pg_dsn)
-        losses, scns = _fold(relay, {})
+        _, scns = replay_buffer(relay)
+        losses = [loss for _, loss in control_events(relay, Op.DATA_LOSS)]
     assert len(losses) == 1 and losses[0].from_scn == start
     assert losses[0].to_scn == moved - 1 and scns[0] == losses[0].to_scn

@@ -133,11 +133,7 @@ class Consumer:
         #: a bounded read (``until_scn``) yielded its last window
         self._range_ended = False
         self._route: ClusterRoute | None = None
-        self.cache = SchemaCache(
-            config.reader_schemas,
-            resolve_latest=config.resolve_latest,
-            refuse_newer=config.refuse_newer_writers,
-        )
+        self.cache = SchemaCache.for_config(config)
 
     # ---- lifecycle ----------------------------------------------------
 

@@ -89,6 +89,15 @@ class SchemaCache:
         self._complete: set[str] = set()  # sources whose versions were all fetched
         self.fetches = 0
 
+    @classmethod
+    def for_config(cls, config: Any) -> SchemaCache:
+        """The cache a consumer's ``config`` (a :class:`~._config.ConsumerConfig`) asks for."""
+        return cls(
+            config.reader_schemas,
+            resolve_latest=config.resolve_latest,
+            refuse_newer=config.refuse_newer_writers,
+        )
+
     def clear(self) -> None:
         """Forget everything (source ids differ between relays)."""
         self._schemas.clear()

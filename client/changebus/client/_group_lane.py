@@ -163,11 +163,7 @@ class Lane:
         self.dequeued: LaneBatch | None = None
         self.start_checkpoint = start
         self._start_setting = config.start
-        self.cache = SchemaCache(
-            config.reader_schemas,
-            resolve_latest=config.resolve_latest,
-            refuse_newer=config.refuse_newer_writers,
-        )
+        self.cache = SchemaCache.for_config(config)
         position, latest, resume = start_point(start, config, f"units {self.describe()}")
         self.fetcher = RelayFetcher(
             config,

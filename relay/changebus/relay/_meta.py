@@ -172,8 +172,7 @@ class MetaFile:
 
 def _position_bytes(position: str) -> bytes:
     """``position`` as stored: UTF-8, or empty when it does not fit (not known)."""
-    raw = position.encode("utf-8")
-    return raw if len(raw) <= POSITION_BYTES else b""
+    return kept_position(position).encode("utf-8")
 
 
 def kept_position(position: str) -> str:

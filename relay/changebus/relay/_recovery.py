@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from changebus.schemas import HEADER_SIZE, CorruptEventError, EndOfWindow, Op, decode_control
+from changebus.schemas import HEADER_SIZE, CorruptEventError, Op, end_of_window_position
 
 from ._index import rebuild
 from ._meta import BufferMeta, MetaFile
@@ -316,9 +316,7 @@ def _last_position(ring: memoryview, meta: BufferMeta, rec: Any) -> str:
     if pos + int(h["total_length"]) != meta.tail_pos:
         return ""
     start = pos % len(ring)
-    payload = bytes(ring[start + HEADER_SIZE : start + int(h["total_length"])])
     try:
-        eow = decode_control(Op.END_OF_WINDOW, payload)
+        return end_of_window_position(ring[start + HEADER_SIZE : start + int(h["total_length"])])
     except CorruptEventError:
         return ""
-    return eow.source_position if isinstance(eow, EndOfWindow) else ""
