@@ -110,6 +110,9 @@ async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> Non
             assert r.status == 404
         async with http.get(boot.url + "/v1/bootstrap/start?partition=p&bogus=1") as r:
             assert r.status == 400
+        async with http.get(boot.url + "/v1/bootstrap/start?partition=p&mode=fast") as r:
+            assert r.status == 400
+            assert "must be auto or catchup" in (await r.json())["message"]
         for page in ("snapshot", "catchup"):  # (a streamed page would write its body)
             async with http.head(f"{boot.url}/v1/bootstrap/{page}?partition=p") as r:
                 assert r.status == 405

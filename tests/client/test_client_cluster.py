@@ -280,11 +280,13 @@ async def test_spark_options_resolve_the_relays_from_the_table(
             resolved, RangeSpec("syn", -1, 1299), -1, {}
         )  # an executor's consumer follows the table
         assert cfg.uses_cluster and cfg.prefer_followers and cfg.relays == resolved.relays
-        # one of several SCN sub-ranges must not bootstrap: it reads the relays resolved at
-        # planning, not the table (whose registered bootstrap servers its consumer took)
+        # one of several SCN sub-ranges must not take a snapshot: it reads the relays
+        # resolved at planning, not the table, and the bootstrap server's log only
         sub = _config(resolved, RangeSpec("syn", -1, 600, may_bootstrap=False), -1, {})
-        assert not sub.uses_cluster and sub.bootstrap_servers == ()
+        assert not sub.uses_cluster and sub.bootstrap_catchup_only
         assert sub.relays == resolved.relays
+        assert sub.bootstrap_servers == resolved.bootstrap
+        assert not cfg.bootstrap_catchup_only
 
 
 async def test_replicate_with_zookeeper_applies_the_stream(

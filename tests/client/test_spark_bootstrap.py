@@ -171,3 +171,88 @@ def test_earliest_snapshots_and_an_evicted_checkpoint_recovers(
             assert served(boot.url, "/v1/bootstrap/snapshot") > snapshots  # recovered there
         finally:
             relay.call(boot.stop())
+
+
+def test_an_evicted_scn_sub_range_is_read_from_the_bootstrap_log(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A task of one SCN sub-range (splitBy=scn) whose start the relays evicted during the
+    batch reads the same windows from the bootstrap server's log (mode=catchup), never a
+    snapshot: its rows equal what the relay gave for the range before the eviction. Once
+    the bootstrap server pruned that part of its log too, the task fails and says so; it
+    used to fail as soon as the relays evicted the start. (Tasks read as executors do; no
+    Spark needed.)"""
+    from changebus.client import FellOffRelayError
+    from changebus.client.spark._evolution import query_tables
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._read import RangeSpec, read_range
+    from changebus.client.spark._source import source_schema
+    from changebus.schemas import BootstrapFailedError
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(base.TABLE)
+    with RelayThread(pg_relay_config(tmp_path, pg_dsn, TINY)) as relay:
+        wait_for(lambda: relay.state("pg") == "streaming", "the relay")
+        bcfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=BootHttp(port=0),
+        )
+
+        async def make() -> BootstrapServer:
+            server = BootstrapServer(bcfg)
+            await server.start()
+            return server
+
+        boot = relay.call(make())
+        try:
+            worker = boot.service.workers["pg"]
+
+            def load(seed: int, txns: int) -> int:
+                base.workload(pg_dsn, seed, txns)
+                m = marker(pg_dsn)
+                wait_for(lambda: relay.meta("pg").last_scn >= m, "the relay")
+                wait_for(lambda: worker.applier_scn >= m, "the bootstrap server")
+                return m
+
+            since = load(1, 50)
+            until = load(2, 60)
+            plain = SourceOptions.parse({"relays": relay.url, "sources": "public.acct"})
+            booted = SourceOptions.parse(
+                {"relays": relay.url, "sources": "public.acct", "bootstrapUrl": boot.url}
+            )
+            schema = source_schema(plain)
+            tables = query_tables(plain, ["pg"])
+            spec = RangeSpec("pg", since, until, may_bootstrap=False)
+
+            def rows(opts: SourceOptions) -> list[tuple[Any, ...]]:
+                out: list[tuple[Any, ...]] = []
+                for batch in read_range(opts, spec, schema, tables):
+                    d = batch.to_pydict()
+                    out.extend(zip(*(d[n] for n in schema.names), strict=True))
+                return out
+
+            before = rows(plain)  # the relay still holds the range
+            assert len(before) >= 60
+            assert {r[schema.names.index("_commit_scn")] for r in before} <= set(
+                range(since + 1, until + 1)
+            )
+            load(3, 700)
+            assert relay.relay.hosts["pg"].status()["prev_scn"] > until  # all of it evicted
+            with pytest.raises(FellOffRelayError):
+                rows(plain)
+            snapshots = served(boot.url, "/v1/bootstrap/snapshot")
+            catchups = served(boot.url, "/v1/bootstrap/catchup")
+            assert rows(booted) == before  # the same rows, in the same order
+            assert served(boot.url, "/v1/bootstrap/catchup") > catchups
+            assert served(boot.url, "/v1/bootstrap/snapshot") == snapshots  # never a snapshot
+
+            # the bootstrap server prunes its log past the range's start: the task fails
+            pruned = relay.call(boot.service.stores.write(lambda s: s.prune_log("pg", since + 1)))
+            assert pruned > 0
+            with pytest.raises(BootstrapFailedError, match="no longer holds it either"):
+                rows(booted)
+            assert served(boot.url, "/v1/bootstrap/snapshot") == snapshots
+        finally:
+            relay.call(boot.stop())

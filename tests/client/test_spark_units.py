@@ -480,8 +480,8 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
     )
     got = sorted((p.spec.partition, p.spec.since, p.spec.until) for p in by_scn)
     assert got == [("a", -1, 90), ("b", 10, 90), ("c", 40, 56), ("c", 56, 73), ("c", 73, 90)]
-    # a sub-range whose start the relays evict while it is read may not bootstrap: its
-    # snapshot (every row changed since, up to now) would repeat the other tasks' rows
+    # a sub-range whose start the relays evict while it is read may not take a snapshot
+    # (every row changed since, up to now: the other tasks' rows too), only the log
     from changebus.client.spark._read import _config
 
     may = {(p.spec.partition, p.spec.since): p.spec.may_bootstrap for p in by_scn}
@@ -489,7 +489,9 @@ def test_ranges_before_the_relay_go_to_one_bootstrap_task() -> None:
         ("c", 73): False
     }
     sub = next(p.spec for p in by_scn if p.spec.partition == "c")
-    assert _config(boot, sub, 40, {}).bootstrap_servers == ()
+    cfg = _config(boot, sub, 40, {})
+    assert cfg.bootstrap_servers == ("http://b",) and cfg.bootstrap_catchup_only
+    assert not _config(boot, parts[0].spec, -1, {}).bootstrap_catchup_only
     assert all(p.spec.may_bootstrap for p in parts)  # key slices each bootstrap their keys
     assert SourceOptions.parse({"relays": "http://x"}).bootstrap == ()
     assert _resolve(boot, "earliest", bounds, "startingScn") == {"a": -1, "b": -1, "c": -1}

@@ -87,7 +87,7 @@ METRICS: web.AppKey[BootstrapMetrics] = web.AppKey("metrics", BootstrapMetrics)
 
 
 _PARAMS = {
-    "start": {"partition", "since"},
+    "start": {"partition", "since", "mode"},
     "status": {"partition"},
     "snapshot": {"partition", "since", "start", "position", "max_bytes", "sources", "filter"},
     "catchup": {"partition", "after", "target", "max_bytes", "sources", "filter"},
@@ -166,6 +166,9 @@ async def start(request: web.Request) -> web.Response:
     _check_params(request, "start")
     part = _partition(request)
     since = _scn(request, "since")
+    mode = request.query.get("mode", "auto")
+    if mode not in ("auto", "catchup"):
+        raise BadRequestError(f"mode {mode[:32]!r} must be auto or catchup")
     config = request.app[SERVICE].config
     ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
     w = request.app[SERVICE].workers.get(part)
@@ -174,7 +177,9 @@ async def start(request: web.Request) -> web.Response:
     )
     visible = principal_of(request).allows_source
     plan = await request.app[SERVICE].stores.read(
-        lambda s: plan_bootstrap(s, part, since, ratio, seeding, running, visible)
+        lambda s: plan_bootstrap(
+            s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
+        )
     )
     return json_response(plan)
 

@@ -96,9 +96,16 @@ def plan_bootstrap(
     seeding: bool = True,
     seed_running: frozenset[str] | None = None,
     visible: Callable[[str], bool] = lambda _table: True,
+    *,
+    catchup_only: bool = False,
 ) -> dict[str, Any]:
     """The plan of ``/v1/bootstrap/start``; ``visible``: the tables the principal may read
-    (the others are neither named nor waited for: its pages leave them out)."""
+    (the others are neither named nor waited for: its pages leave them out).
+
+    ``catchup_only`` (``mode=catchup``): the log's windows after ``since`` as
+    they are, never a snapshot (a reader that must see every window once, such
+    as a Spark task reading one SCN sub-range), or 410 when the log no longer
+    holds them all."""
     st = check_position(store, part, since, seeding)
     if st.producer_scn < 0:
         raise NotYetError("the bootstrap server has no windows yet; retry soon")
@@ -106,9 +113,17 @@ def plan_bootstrap(
         raise NotYetError(
             f"the bootstrap server's log ends at {st.producer_scn}, before position {since}"
         )
+    if catchup_only and since < st.log_min_scn:
+        raise ScnNotFoundError(
+            f"a catch-up only from position {since} needs log windows this server pruned (it "
+            f"keeps those after {st.log_min_scn}); only a snapshot can serve that position",
+            log_min_scn=st.log_min_scn,
+        )
     snapshot = True
     start = st.applier_scn
-    if since >= st.log_min_scn:
+    if catchup_only:
+        snapshot, start = False, since if since >= 0 else max(store.first_log_scn(part) - 1, 0)
+    elif since >= st.log_min_scn:
         # counted up to what the choice needs: past PLAN_COUNT_LIMIT snapshot rows the
         # snapshot may be dearer still, and past ratio x rows log events the catch-up is
         rows = store.snapshot_changed(part, since, st.applier_scn, PLAN_COUNT_LIMIT)

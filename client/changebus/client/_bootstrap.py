@@ -445,12 +445,19 @@ class Bootstrapper:
         params = {"since": str(since)}
         if self.partition is not None:
             params["partition"] = self.partition
+        if self.config.bootstrap_catchup_only:
+            params["mode"] = "catchup"
         info = self._info(url)
         plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
         with malformed_answer(info.where, "/v1/bootstrap/start"):
             start, snapshot = int(plan["start_scn"]), bool(plan["snapshot"])
             unseeded = int(plan.get("unseeded_count", 0))
             names = [str(n) for n in plan.get("unseeded", [])][:5]
+        if self.config.bootstrap_catchup_only and (snapshot or (since >= 0 and start != since)):
+            raise ProtocolError(
+                f"{info.where}: asked for a catch-up only after SCN {since}, planned a"
+                f" {'snapshot' if snapshot else 'catch-up'} at SCN {start}"
+            )
         if unseeded:
             # the server says its snapshot lacks rows: not an error (an operator may
             # capture without seeding on purpose), but never silent

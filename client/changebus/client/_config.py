@@ -108,7 +108,12 @@ class ConsumerConfig:
     snapshot then the catch-up log from a bootstrap server and returns to the
     relays at the catch-up target; windows say so (``Window.phase``) and the
     checkpoint holds the bootstrap progress (a restart resumes it).
-    ``bootstrap_page_bytes`` bounds one snapshot or catch-up page. Without
+    ``bootstrap_page_bytes`` bounds one snapshot or catch-up page.
+    ``bootstrap_catchup_only`` never takes a snapshot: the bootstrap server
+    replays its log's windows after the position as they are (a reader that
+    must see each window exactly once, such as a Spark task reading an SCN
+    sub-range), and a position its log no longer reaches raises
+    :class:`~changebus.schemas.ScnNotFoundError`. Without
     bootstrap servers a consumer that fell off raises
     :class:`~changebus.client.FellOffRelayError`, unless ``on_fell_off =
     "latest"``: it then jumps to the relay's newest SCN, skipping the changes
@@ -179,6 +184,7 @@ class ConsumerConfig:
     max_replay_bytes: int = 0
     bootstrap_servers: tuple[str, ...] = ()
     bootstrap_page_bytes: int = 1 << 20
+    bootstrap_catchup_only: bool = False
     on_fell_off: Literal["raise", "latest"] = "raise"
     zookeeper: str = ""
     cluster: str = ""

@@ -23,7 +23,10 @@ window is read as a snapshot (every page taken whole: its rows are at their
 latest version, possibly newer than ``until``), then the catch-up log and the
 relays up to ``until``. Such a replayed range gives the same keys but maybe
 newer row versions; the windows after ``until`` follow in the next batch, so
-an upsert sink ordered by ``_commit_scn`` converges to the same state.
+an upsert sink ordered by ``_commit_scn`` converges to the same state. An
+SCN sub-range (``splitBy=scn``, :attr:`RangeSpec.may_bootstrap` false) whose
+start the relays evicted reads the bootstrap server's log from there instead,
+the same windows the relays had.
 
 Nothing here is shared between threads; each call owns its loop and client.
 """
@@ -37,7 +40,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
-from changebus.schemas import Op, TableSchema
+from changebus.schemas import BootstrapFailedError, Op, TableSchema
 
 from .._config import ConsumerConfig
 from .._consumer import Consumer
@@ -68,8 +71,10 @@ class RangeSpec:
     until: int
     key_filter: str | None = None
     #: False for one of several SCN sub-ranges of a range (``splitBy=scn``): it may not
-    #: bootstrap when the relays evicted its start (a snapshot is of every row changed
-    #: since, up to now: each sub-range's would repeat the others' rows)
+    #: take a snapshot when the relays evicted its start (a snapshot is of every row
+    #: changed since, up to now: each sub-range's would repeat the others' rows); it
+    #: reads the bootstrap server's log instead, window for window
+    #: (``bootstrap_catchup_only``), or fails when that log was pruned too
     may_bootstrap: bool = True
     #: False for all but the first of the key slices of a range (``splitBy=key``): a
     #: TRUNCATE passes every key filter, and each slice's task made it a row (review)
@@ -107,9 +112,9 @@ def read_range(
 def _config(
     opts: SourceOptions, spec: RangeSpec, position: int, tables: Mapping[str, TableSchema]
 ) -> ConsumerConfig:
-    boot = opts.bootstrap if spec.may_bootstrap else ()
-    # a sub-range that may not bootstrap reads the relays resolved when it was planned: a
-    # consumer following the cluster's table takes its bootstrap servers from there
+    # a sub-range that may not take a snapshot reads the relays resolved when it was
+    # planned (a consumer following the cluster's table takes its bootstrap servers from
+    # there), and a start the relays evicted from the bootstrap server's log as it is
     routed = spec.may_bootstrap or not opts.relays
     return ConsumerConfig(
         relays=spec.relays or opts.relays,
@@ -119,7 +124,7 @@ def _config(
         # -1 without a bootstrap server: the very start, SCN 0 (every SCN is past it),
         # so that a relay that evicted windows meanwhile answers 410 instead of
         # serving from its oldest ("earliest") and skipping them
-        start="earliest" if position < 0 and boot else str(max(position, 0)),
+        start="earliest" if position < 0 and opts.bootstrap else str(max(position, 0)),
         client_id=f"spark:{spec.partition}:{spec.key_filter or 'all'}",
         follow=False,
         until_scn=spec.until,  # fetch nothing past the range
@@ -139,7 +144,8 @@ def _config(
         # stop the task instead of losing their new columns (found by review)
         refuse_newer_writers=True,
         columnar=not opts.include_not_sent,
-        bootstrap_servers=boot,
+        bootstrap_servers=opts.bootstrap,
+        bootstrap_catchup_only=not spec.may_bootstrap,
         zookeeper=opts.zookeeper if routed else "",
         cluster=opts.cluster if routed else "",
         prefer_followers=opts.prefer_followers,
@@ -223,16 +229,17 @@ async def _read(
                 " not reached yet, such as an endingScn past the relay's newest window, is"
                 " waited for: give an end the relay holds, or endingScn=latest)"
             ) from None
+        except BootstrapFailedError as exc:
+            if spec.may_bootstrap:
+                raise
+            raise BootstrapFailedError(
+                f"partition {spec.partition}: the relays evicted SCN {position} while this"
+                f" batch's range ({spec.since}, {spec.until}] was read in SCN sub-ranges"
+                " (splitBy=scn), and the bootstrap server's log no longer holds it either"
+                f" ({exc.message}). Run the batch again: with its start evicted it is planned"
+                " as one task through the bootstrap server's snapshot"
+            ) from exc
         except FellOffRelayError as exc:
-            if opts.bootstrap and not spec.may_bootstrap:
-                raise _fell_off(
-                    exc,
-                    f"partition {spec.partition}: the relays evicted SCN {exc.requested_scn}"
-                    f" while this batch's range ({spec.since}, {spec.until}] was read in SCN"
-                    " sub-ranges (splitBy=scn); a sub-range cannot be served by the bootstrap"
-                    " server. Run the batch again: with its start evicted it is planned as"
-                    " one task through the bootstrap server",
-                ) from exc
             if opts.fail_on_data_loss:
                 raise _fell_off(
                     exc,
