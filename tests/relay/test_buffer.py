@@ -334,6 +334,51 @@ def test_the_position_after_prev_scn_is_kept(tmp_path: Path) -> None:
     assert old is not None and (old.prev_scn, old.prev_ts, old.prev_pos) == (41, 5, "")
 
 
+def test_a_meta_file_of_256_byte_slots_is_upgraded_in_place(tmp_path: Path) -> None:
+    """Format 3 kept at most 88 bytes of ``prev_pos``: a MariaDB position naming a
+    host-named binlog after a failover (``base``), or an open XA transaction, passed
+    that and was lost at a restart with an empty buffer. Format 4 keeps 352; a file
+    of the old slots is rewritten in the new format when opened, its state kept."""
+    import struct
+    import zlib
+
+    from changebus.relay._meta import _STRUCT_3, POSITION_BYTES, MetaFile
+
+    long_pos = (
+        "gtid=0-1-1234567;file=mariadb-primary-0-bin.000042;pos=123456789;server=1;"
+        "base=8589934592000;xa=0-1-1234560@mariadb-primary-0-bin.000042:123450000"
+    )
+    assert 88 < len(long_pos) <= POSITION_BYTES
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path / "a", cfg)
+    b.set_start(7, position=long_pos)
+    b.close()
+    b = EventBuffer(tmp_path / "a", cfg)
+    assert (b.meta.prev_scn, b.last_source_position) == (7, long_pos)
+    b.close()
+    assert (tmp_path / "a" / "meta.dat").stat().st_size == 1024
+    # a format-3 file (two 256-byte slots, the newer in slot 1): upgraded, state kept
+    path = tmp_path / "old.dat"
+    fields = (0x4D425243, 3, 9, CAP, 10, 10, 0, 0, 0, 0, 41, 41, -1, 0, 0, 0, 0, 0, 1, 5)
+    body = _STRUCT_3.pack(*fields, b"gtid=0-1-5;file=b.000001;pos=4", 0)[:-8]
+    slot = (body + struct.pack("<Q", zlib.crc32(body))).ljust(256, b"\0")
+    path.write_bytes(bytes(256) + slot)
+    meta = MetaFile(path)
+    old = meta.load()
+    assert old is not None
+    assert (old.prev_scn, old.prev_ts, old.prev_pos) == (41, 5, "gtid=0-1-5;file=b.000001;pos=4")
+    assert path.stat().st_size == 1024 and not meta.created
+    meta.publish(old)  # the next sequence number goes on from the old file's
+    meta.close()
+    again = MetaFile(path)
+    assert again.load() == old and again._seq == 10
+    again.close()
+    # an old-size file with no intact slot stays as it was: the buffer starts afresh
+    broken = tmp_path / "broken.dat"
+    broken.write_bytes(bytes(512))
+    assert MetaFile(broken).created
+
+
 def test_recovery_discards_damaged_events(tmp_path: Path) -> None:
     cfg = BufferConfig(capacity_bytes=CAP)
     b = EventBuffer(tmp_path, cfg)

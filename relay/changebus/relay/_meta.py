@@ -15,6 +15,7 @@ Thread-safety: only the writer thread calls :meth:`MetaFile.publish`.
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from dataclasses import dataclass, replace
@@ -23,20 +24,32 @@ from typing import Final
 
 import numpy as np
 
+from changebus.schemas.files import open_private
+
 __all__ = ["POSITION_BYTES", "BufferMeta", "MetaFile", "kept_position"]
 
-_SLOT: Final = 256
+_SLOT: Final = 512
+#: the slots of formats 1 to 3 (a file of two is rewritten in format 4 when opened)
+_OLD_SLOT: Final = 256
 _MAGIC: Final = 0x4D425243  # "CRBM"
-_FORMAT: Final = 3
-#: room for ``prev_pos`` (UTF-8); a longer position is stored as "" (not known)
-POSITION_BYTES: Final = 88
+_FORMAT: Final = 4
+#: room for ``prev_pos`` (UTF-8); a longer position is stored as "" (not known). A
+#: MySQL position names its binlog file twice with an XA transaction open, and a
+#: host-named binlog (``mariadb-primary-0-bin``) after a failover's SCN base already
+#: passed the 88 bytes of format 3
+POSITION_BYTES: Final = 352
 # magic, format, seq, capacity, event_slots, index_slots,
 # head_event, tail_event, head_pos, tail_pos, prev_scn, last_scn, min_scn,
 # index_head, index_tail, first_ts, last_ts, windows, evicted, prev_ts, prev_pos, crc
 _STRUCT: Final = struct.Struct(f"<IIQQQQQQQQqqqQQqqQQq{POSITION_BYTES}sQ")
-#: format 2 (before ``prev_pos``) and 1 (before ``evicted``): read, never written
+#: formats 3 (``prev_pos`` of 88 bytes), 2 (before ``prev_pos``) and 1 (before
+#: ``evicted``), in 256-byte slots: read, never written
+_STRUCT_3: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQq88sQ")
 _STRUCT_2: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQqQ")
 _STRUCT_1: Final = struct.Struct("<IIQQQQQQQQqqqQQqqQQ")
+_LAYOUTS: Final = {1: _STRUCT_1, 2: _STRUCT_2, 3: _STRUCT_3, _FORMAT: _STRUCT}
+assert _STRUCT.size <= _SLOT
+assert _STRUCT_3.size <= _OLD_SLOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +101,8 @@ class MetaFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        if path.exists() and path.stat().st_size == 2 * _OLD_SLOT:
+            _upgrade(path)
         created = not path.exists() or path.stat().st_size != 2 * _SLOT
         self._map = np.memmap(
             path, dtype=np.uint8, mode="w+" if created else "r+", shape=(2 * _SLOT,)
@@ -99,26 +114,7 @@ class MetaFile:
 
     def load(self) -> BufferMeta | None:
         """The newest intact slot, or None when neither slot is valid."""
-        best: tuple[int, BufferMeta] | None = None
-        for slot in range(2):
-            at = slot * _SLOT
-            fmt = int.from_bytes(bytes(self._map[at + 4 : at + 8]), "little")
-            layout = {1: _STRUCT_1, 2: _STRUCT_2, _FORMAT: _STRUCT}.get(fmt)
-            if layout is None:
-                continue
-            raw = bytes(self._map[at : at + layout.size])
-            fields = layout.unpack(raw)
-            if fields[0] != _MAGIC or zlib.crc32(raw[: layout.size - 8]) != fields[-1]:
-                continue
-            seq = fields[2]
-            values = list(fields[3:-1])
-            if fmt == _FORMAT:
-                values[-1] = values[-1].rstrip(b"\0").decode("utf-8", "replace")
-            meta = BufferMeta(*values)
-            if fmt == 1 and meta.prev_scn >= 0:
-                meta = replace(meta, evicted=1)  # (format 1 did not say: maybe)
-            if best is None or seq > best[0]:
-                best = (seq, meta)
+        best = _newest(bytes(self._slots), _SLOT)
         if best is None:
             return None
         self._seq = best[0]
@@ -127,31 +123,7 @@ class MetaFile:
     def publish(self, meta: BufferMeta) -> None:
         """Write ``meta`` into the older slot (never the one last written)."""
         self._seq += 1
-        body = _STRUCT.pack(
-            _MAGIC,
-            _FORMAT,
-            self._seq,
-            meta.capacity,
-            meta.event_slots,
-            meta.index_slots,
-            meta.head_event,
-            meta.tail_event,
-            meta.head_pos,
-            meta.tail_pos,
-            meta.prev_scn,
-            meta.last_scn,
-            meta.min_scn,
-            meta.index_head,
-            meta.index_tail,
-            meta.first_ts,
-            meta.last_ts,
-            meta.windows,
-            meta.evicted,
-            meta.prev_ts,
-            _position_bytes(meta.prev_pos),
-            0,
-        )[: _STRUCT.size - 8]
-        record = body + struct.pack("<Q", zlib.crc32(body))
+        record = _record(meta, self._seq)
         start = (self._seq % 2) * _SLOT
         self._slots[start : start + len(record)] = np.frombuffer(record, dtype=np.uint8)
 
@@ -168,6 +140,91 @@ class MetaFile:
         mm = getattr(self._map, "_mmap", None)
         if mm is not None:
             mm.close()
+
+
+def _newest(data: bytes, slot_bytes: int) -> tuple[int, BufferMeta] | None:
+    """``(seq, meta)`` of the intact slot of ``data`` with the highest sequence number."""
+    best: tuple[int, BufferMeta] | None = None
+    for slot in range(2):
+        at = slot * slot_bytes
+        fmt = int.from_bytes(data[at + 4 : at + 8], "little")
+        layout = _LAYOUTS.get(fmt)
+        if layout is None or layout.size > slot_bytes:
+            continue
+        raw = data[at : at + layout.size]
+        fields = layout.unpack(raw)
+        if fields[0] != _MAGIC or zlib.crc32(raw[: layout.size - 8]) != fields[-1]:
+            continue
+        seq = fields[2]
+        values = list(fields[3:-1])
+        if fmt >= 3:
+            values[-1] = values[-1].rstrip(b"\0").decode("utf-8", "replace")
+        meta = BufferMeta(*values)
+        if fmt == 1 and meta.prev_scn >= 0:
+            meta = replace(meta, evicted=1)  # (format 1 did not say: maybe)
+        if best is None or seq > best[0]:
+            best = (seq, meta)
+    return best
+
+
+def _upgrade(path: Path) -> None:
+    """Rewrite a meta file of 256-byte slots (formats 1 to 3) in format 4, atomically.
+
+    The newest intact slot is written into a new file beside it (the other
+    slot empty), which is synced and renamed over the old one: a crash
+    leaves either file whole. A file with no intact slot is left as it is
+    (the buffer starts empty, as it did before).
+    """
+    best = _newest(path.read_bytes(), _OLD_SLOT)
+    if best is None:
+        return
+    seq, meta = best
+    record = _record(meta, seq)
+    data = bytearray(2 * _SLOT)
+    at = (seq % 2) * _SLOT
+    data[at : at + len(record)] = record
+    tmp = path.with_name(path.name + ".upgrade")
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, bytes(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _record(meta: BufferMeta, seq: int) -> bytes:
+    """One slot's bytes for ``meta`` at sequence number ``seq`` (format 4, with its CRC)."""
+    body = _STRUCT.pack(
+        _MAGIC,
+        _FORMAT,
+        seq,
+        meta.capacity,
+        meta.event_slots,
+        meta.index_slots,
+        meta.head_event,
+        meta.tail_event,
+        meta.head_pos,
+        meta.tail_pos,
+        meta.prev_scn,
+        meta.last_scn,
+        meta.min_scn,
+        meta.index_head,
+        meta.index_tail,
+        meta.first_ts,
+        meta.last_ts,
+        meta.windows,
+        meta.evicted,
+        meta.prev_ts,
+        _position_bytes(meta.prev_pos),
+        0,
+    )[: _STRUCT.size - 8]
+    return body + struct.pack("<Q", zlib.crc32(body))
 
 
 def _position_bytes(position: str) -> bytes:
