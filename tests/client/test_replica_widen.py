@@ -71,7 +71,8 @@ def test_the_join_holds_both_types_and_never_narrows() -> None:
     assert join("timestamp(3) with time zone", "timestamp with time zone") == (
         "timestamp(3) with time zone"
     )
-    assert join("json", "jsonb") == "json"
+    assert join("json", "jsonb") == "json" and join("jsonb", "json") == "jsonb"
+    assert join("json", "text") == "text"  # (a source's json column became text)
     # a timestamp with or without time zone against the other: no conversion in the zone
     assert join("timestamp without time zone", "timestamp with time zone") == (
         "timestamp without time zone"
@@ -200,5 +201,35 @@ async def test_names_longer_than_postgres_keeps_survive_a_restart(pg_dsn: str) -
     try:
         rows = replica.query(f'SELECT id, "{long_column}" FROM "app"."{"t" * 70}" ORDER BY id')
         assert rows == [(10, 1), (20, 2)]
+    finally:
+        await replica.close()
+
+
+@pytest.mark.pg
+async def test_a_json_column_keeps_the_sources_text(pg_dsn: str) -> None:
+    """A source's json column went to a jsonb column: a value with a "\\u0000" escape
+    (valid json, refused by jsonb) failed its window on every retry, and the text was
+    rewritten (key order, duplicate keys). Such columns are json now; jsonb stays jsonb."""
+    table = TableSchema(
+        "app.docs",
+        (
+            Column("id", "long", nullable=False),
+            Column("doc", {"type": "string", "changebus.type": "json"}),
+            Column("bin", {"type": "string", "changebus.type": "jsonb"}),
+        ),
+        ("id",),
+        1,
+    )
+    text = '{"b": "x\\u0000y", "a": 1, "a": 2}'
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await deliver(replica, window(10, table, {"id": 1, "doc": text, "bin": '{"b": 1}'}))
+        rows = replica.query('SELECT doc::text, bin::text FROM "app"."docs"')
+        assert rows == [(text, '{"b": 1}')]
+        types = replica.query(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid"
+            " = 'app.docs'::regclass AND attnum > 1 ORDER BY attnum"
+        )
+        assert types == [("json",), ("jsonb",)]
     finally:
         await replica.close()

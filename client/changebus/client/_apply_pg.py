@@ -3,8 +3,8 @@
 Column types come from the Avro types: int/long -> integer/bigint,
 float/double -> real/double precision, boolean, bytes -> bytea, decimal ->
 numeric(p,s), date, time-micros -> time, timestamp-micros -> timestamptz,
-local-timestamp-micros -> timestamp, uuid, JSON columns and records, arrays
-and maps -> jsonb, anything else text. A source ``schema.table`` goes to the
+local-timestamp-micros -> timestamp, uuid, a source's json -> json (its text
+as it is), jsonb and records, arrays and maps -> jsonb, anything else text. A source ``schema.table`` goes to the
 same schema and table (created when missing) unless ``table_names`` says
 otherwise.
 
@@ -220,11 +220,11 @@ class PostgresReplica(UnitReplica):
                 return f"numeric({int(t.get('precision', 38))},{int(t.get('scale', 0))})"
             if isinstance(logical, str) and logical in _LOGICAL:
                 return _LOGICAL[logical]
-            if t.get("changebus.type") in ("json", "jsonb") or t.get("type") in (
-                "record",
-                "array",
-                "map",
-            ):
+            if t.get("changebus.type") == "json":
+                # json, not jsonb: the source's text kept as it is, and a "\u0000" escape
+                # (which jsonb refuses) no longer fails the window on every retry
+                return "json"
+            if t.get("changebus.type") == "jsonb" or t.get("type") in ("record", "array", "map"):
                 return "jsonb"
             base = t.get("type")
             if isinstance(base, str) and base in _SIMPLE and logical is None:

@@ -57,11 +57,17 @@ _OWN: Final = frozenset(
         "timestamp with time zone",
         "timestamp without time zone",
         "uuid",
+        "json",
         "jsonb",
     }
 )
 _FLOATS: Final = frozenset({"real", "double precision"})
-_TIMESTAMPS: Final = frozenset({"timestamp with time zone", "timestamp without time zone"})
+#: pairs whose column stays as it is: timestamps (module docstring); json against jsonb
+#: (replicas made before 2026-12-01 have jsonb for a source's json: no rewrite of them)
+_KEEP: Final = (
+    frozenset({"timestamp with time zone", "timestamp without time zone"}),
+    frozenset({"json", "jsonb"}),
+)
 #: the largest precision of a numeric type modifier
 _MAX_PRECISION: Final = 1000
 
@@ -94,7 +100,7 @@ def join(have: str, new: str) -> str:
     (module docstring); ``text`` when no other type holds both (every value
     has a text form).
     """
-    if have == new or have == "text" or not _own(have) or {have, new} == _TIMESTAMPS:
+    if have == new or have == "text" or not _own(have) or {have, new} in _KEEP:
         return have
     if new == "text":
         return new
