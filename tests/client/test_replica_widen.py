@@ -9,6 +9,7 @@ decimals in the replica without a word, and an ``integer`` widened to
 from __future__ import annotations
 
 import decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,7 +47,7 @@ def window(scn: int, table: TableSchema, row: dict[str, Any]) -> Window:
     return Window(scn=scn, timestamp_ns=scn, partition="p", events=(event,))
 
 
-async def deliver(replica: PostgresReplica, w: Window) -> None:
+async def deliver(replica: Any, w: Window) -> None:
     assert await replica.on_start_window(w) is None
     for e in w.events:
         assert await replica.on_event(e) is None
@@ -233,3 +234,43 @@ async def test_a_json_column_keeps_the_sources_text(pg_dsn: str) -> None:
         assert types == [("json",), ("jsonb",)]
     finally:
         await replica.close()
+
+
+async def test_two_sources_the_target_cannot_tell_apart_are_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``a_b.c`` and ``a.b_c`` are both SQLite table ``a_b_c`` (``App.T`` and ``app.t``
+    too: SQLite names ignore case): the second source's rows were merged into the first
+    one's table, keys overwriting each other (review). The second is refused with a
+    clear error; sources that table_names sends to one table on purpose are not."""
+    import logging
+
+    from changebus.client import CallbackResult, SqliteReplica
+
+    def table(name: str) -> TableSchema:
+        return TableSchema(
+            name, (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1
+        )
+
+    replica = SqliteReplica(tmp_path / "r.db")
+    try:
+        await deliver(replica, window(10, table("a_b.c"), {"id": 1, "v": "x"}))
+        await deliver(replica, window(20, table("a_b.c"), {"id": 2, "v": "y"}))  # same source
+        for other in ("a.b_c", "A_B.C"):
+            w = window(30, table(other), {"id": 1, "v": "clobbered"})
+            assert await replica.on_start_window(w) is None
+            assert await replica.on_event(w.events[0]) is None
+            with caplog.at_level(logging.ERROR):
+                assert await replica.on_end_window(w) is CallbackResult.FATAL
+            assert f"and {other!r} would both write replica table" in caplog.text
+            caplog.clear()
+        assert replica.query("SELECT id, v FROM a_b_c ORDER BY id") == [(1, "x"), (2, "y")]
+    finally:
+        await replica.close()
+    shards = SqliteReplica(tmp_path / "s.db", table_names={"s1.t": "t", "s2.t": "t"})
+    try:
+        await deliver(shards, window(10, table("s1.t"), {"id": 1, "v": "a"}))
+        await deliver(shards, window(20, table("s2.t"), {"id": 2, "v": "b"}))
+        assert shards.query("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b")]
+    finally:
+        await shards.close()

@@ -98,6 +98,9 @@ class Replica(RowStatements, AsyncCallbacks):
     ) -> None:
         self.consumer_name = consumer_name
         self._table_names = table_names
+        #: target table (as the database tells them apart) -> (its source, by the
+        #: default naming): :meth:`_claim_table`; worker thread only
+        self._claimed: dict[str, tuple[str, bool]] = {}
         self.checkpoint_table = checkpoint_table
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-replica")
         self._conn: Any = None  # worker thread only
@@ -171,6 +174,31 @@ class Replica(RowStatements, AsyncCallbacks):
     def _kept_name(self, name: str) -> str:
         """``name`` as the target database keeps it (PostgreSQL shortens long names)."""
         return name
+
+    def _table_key(self, table: str) -> str:
+        """What the target database tells tables apart by (:meth:`_claim_table`)."""
+        return ".".join(self._kept_name(part) for part in table.split("."))
+
+    def _claim_table(self, table: str, source: str) -> None:
+        """Refuse a second source whose rows would go to ``table`` by the default naming.
+
+        ``a_b.c`` and ``a.b_c`` are both ``a_b_c`` in SQLite (so are ``App.T``
+        and ``app.t``: its names ignore case), and two long names that share
+        their first 63 bytes are one table in PostgreSQL: their rows were
+        merged into one table, keys of one overwriting the other's. Sources
+        that ``table_names`` sends to one table on purpose (shards into one)
+        are left alone. Worker thread only.
+        """
+        key = self._table_key(table)
+        named = self._table_names
+        defaulted = named is None or (not callable(named) and source not in named)
+        owner = self._claimed.setdefault(key, (source, defaulted))
+        if owner[0] != source and (defaulted or owner[1]):
+            raise ConfigError(
+                f"sources {owner[0]!r} and {source!r} would both write replica table {table!r}"
+                " (the target database cannot tell their names apart): map one of them"
+                " elsewhere with table_names"
+            )
 
     def _qualified(self, table: str) -> str:
         return self._quote(table)
@@ -409,6 +437,7 @@ class Replica(RowStatements, AsyncCallbacks):
         if schema is None:
             raise ConfigError(f"event of {event.table!r} carries no table schema")
         table = self.table_for(event.table)
+        self._claim_table(table, schema.name)
         known, wanted = self._columns.get(table), {self._kept_name(c.name) for c in schema.columns}
         if len(wanted) != len(schema.columns):
             raise ConfigError(

@@ -104,6 +104,9 @@ class SqliteReplica(UnitReplica):
     def _executemany(self, conn: sqlite3.Connection, sql: str, rows: list[list[Any]]) -> None:
         conn.executemany(sql, rows)
 
+    def _table_key(self, table: str) -> str:
+        return table.encode().lower().decode()  # (SQLite's names ignore ASCII case)
+
     def _existing_columns(self, conn: sqlite3.Connection, table: str) -> set[str] | None:
         rows = conn.execute(f"PRAGMA table_info({self._quote(table)})").fetchall()
         return {str(r[1]) for r in rows} if rows else None
