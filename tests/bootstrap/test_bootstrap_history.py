@@ -233,3 +233,61 @@ async def test_a_bounded_read_s_catch_up_stops_at_until_scn(tmp_path: Path) -> N
         scns = [w.scn for w in queue._items if w.events]
     assert target == until
     assert scns and max(scns) <= until
+
+
+async def test_a_catch_up_goes_on_after_its_last_window_on_another_server(
+    tmp_path: Path,
+) -> None:
+    """A catch-up that failed over to another bootstrap server was planned again there
+    from its ``since``: the windows queued already came a second time, SCNs going
+    backwards (found by review). It goes on after the last window queued."""
+    async with synthetic_boot(tmp_path, 40) as (relay, boot), aiohttp.ClientSession() as http:
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        since, done = last - 6, last - 3  # (windows the server's log keeps)
+        log_min = (await boot.service.stores.read(lambda s: s.state("syn"))).log_min_scn
+        assert log_min <= since
+        for catchup_only in (False, True):
+            config = ConsumerConfig(
+                relays=(relay.url,),
+                partition="syn",
+                bootstrap_servers=(boot.url,),
+                bootstrap_catchup_only=catchup_only,
+            )
+            queue = WindowQueue(1 << 16, 1 << 30)
+            runner = Bootstrapper(config, http, queue, SchemaCache())
+            progress = BootstrapProgress(
+                since_scn=since, start_scn=since, target_scn=last, server="http://a.gone:1"
+            )
+            resume = PartitionCheckpoint(
+                window_scn=done, prev_scn=done, mode=Mode.CATCHUP, bootstrap=progress
+            )
+            target = await asyncio.wait_for(runner._run_once(boot.url, since, resume, True), 30)
+            scns = [w.scn for w in queue._items if w.events]
+            assert target >= last
+            assert scns == sorted(scns) and scns[0] == done + 1, (catchup_only, scns[:3])
+
+
+async def test_a_bounded_read_through_a_bootstrap_ends_at_until_scn(tmp_path: Path) -> None:
+    """A consumer from the earliest window with ``until_scn`` at the source's last
+    window: the bootstrap's catch-up reached it, but the read ended only on a relay
+    window, so it waited for the next change of a quiet source for ever (review)."""
+    from changebus.client import Consumer
+
+    async with synthetic_boot(tmp_path, 40) as (relay, boot):
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        config = ConsumerConfig(
+            relays=(relay.url,),
+            partition="syn",
+            bootstrap_servers=(boot.url,),
+            start="earliest",
+            until_scn=last,
+        )
+        seen = []
+
+        async def read() -> None:
+            async with Consumer(config) as consumer:
+                async for window in consumer:
+                    seen.append((window.phase, window.scn))
+
+        await asyncio.wait_for(read(), 30)
+    assert seen[0][0] == "snapshot" and seen[-1][1] == last

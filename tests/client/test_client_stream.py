@@ -385,6 +385,56 @@ async def test_a_seek_forgets_the_relays_fell_off_answers() -> None:
             await stream._failover.failed(fell)  # now a too: every relay refused
 
 
+async def test_a_jump_to_latest_forgets_the_relays_fell_off_answers() -> None:
+    """``on_fell_off="latest"``: after every relay answered 410 the stream jumps to the
+    newest window. The 410s were kept, so any failure of the next request (a relay
+    restarting) raised the old 410 again at once, without backoff, attempts or another
+    relay: a hot loop for ever (review). Now a failure there is an ordinary one."""
+    cfg = StreamConfig(relays=("http://a.test:1", "http://b.test:1"), partition="p", **FAST)
+    async with aiohttp.ClientSession() as http:
+        stream = RelayStream(cfg, http)
+        fell = FellOffRelayError(
+            "fell off", partition="p", requested_scn=5, oldest_scn=9, prev_scn=8, relay="a"
+        )
+        await stream._failover.failed(fell)
+        with pytest.raises(FellOffRelayError):
+            await stream._failover.failed(fell)  # every relay refused: on_fell_off decides
+        stream.seek_latest()
+        url = stream._failover.url
+        await stream._failover.failed(TransportError("connection refused"))  # retried
+        assert stream._failover.attempts == 1 and stream._failover.url != url
+
+
+async def test_a_close_while_the_consumer_starts_ends_it(make_relay: MakeRelay) -> None:
+    """close() while start() awaited its checkpoint (a SIGTERM handler) found nothing to
+    release and returned; the start then opened its session and fetcher, and the
+    iteration went on delivering windows of a closed consumer, its task and session
+    leaked (review). The start sees the close now: nothing is opened, iteration ends."""
+
+    class SlowLoad(MemoryCheckpointPersister):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+        async def load(self) -> Checkpoint | None:
+            self.entered.set()
+            await self.go.wait()
+            return None
+
+    async with make_relay(max_windows=20) as relay:
+        slow = SlowLoad()
+        consumer = Consumer(config(relay.url), persister=slow)
+        first = asyncio.ensure_future(consumer.__anext__())
+        await asyncio.wait_for(slow.entered.wait(), 5)
+        await consumer.close()
+        slow.go.set()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(first, 5)
+        assert consumer._task is None and consumer._session is None
+        with pytest.raises(StopAsyncIteration):
+            await consumer.__anext__()
+
+
 async def test_sync_consumer_stats_from_its_own_loop_and_after_close(
     make_relay: MakeRelay,
 ) -> None:

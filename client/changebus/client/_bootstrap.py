@@ -148,6 +148,19 @@ class Bootstrapper:
                 )
                 break
             except RestartBootstrap as exc:
+                if self.config.bootstrap_catchup_only:
+                    # no snapshot to run again, and a new catch-up from ``since`` would
+                    # send the windows queued so far a second time
+                    # (another server's log may: the failover raises when none has it)
+                    at = current.window_scn if current is not None else since
+                    await self._failover.failed(
+                        BootstrapFailedError(
+                            f"{safe_url(url)}: its log no longer holds the windows after SCN"
+                            f" {at} (pruned), and this consumer takes no snapshot"
+                            " (bootstrap_catchup_only)"
+                        )
+                    )
+                    continue
                 # the log moved on: snapshot again (with deletes: the consumer has rows)
                 log.warning("%s", exc.message)
                 prior = current.bootstrap if current is not None else None
@@ -251,7 +264,14 @@ class Bootstrapper:
                     await self._check_history(url, start, since, upto)
             elif resume is None and held is not None:
                 await self._check_history(url, held[0], held[1], None)
-            if dirty and since < 0:
+            if resume is not None and resume.mode is Mode.CATCHUP and resume.window_scn >= 0:
+                # in the catch-up of another server: the consumer has every change up to
+                # its last window, so this one plans from there (the server's own checks
+                # and choice, a catch-up after it or a snapshot of what changed since),
+                # where a plan from ``since`` sent the windows queued already a second
+                # time, SCNs going backwards (found by review)
+                since = resume.window_scn
+            elif dirty and since < 0:
                 since = max((await self._status(url)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)
         since = prog.since_scn
@@ -270,20 +290,31 @@ class Bootstrapper:
             )
         if mode is Mode.SNAPSHOT:
             prog = await self._snapshot(url, prog)
+        after = prog.start_scn
+        if (
+            resume is not None
+            and resume.mode is Mode.CATCHUP
+            and resume.bootstrap is not None
+            and (resume.bootstrap.since_scn, resume.bootstrap.start_scn)
+            == (prog.since_scn, prog.start_scn)
+        ):
+            after = max(after, resume.window_scn)
         if prog.target_scn < 0:
             status = await self._status(url)
-            target = max(status.producer_scn, prog.start_scn)
-            until = self.config.until_scn
-            if until is not None and until >= 0:
-                # a bounded read: the catch-up stops there, and the relays' next window ends
-                # the read as it does without a bootstrap (the catch-up went on to the
-                # server's newest window, past until_scn: found by review)
-                target = max(min(target, until), prog.start_scn)
-            prog = dataclasses.replace(prog, target_scn=target)
-        after = prog.start_scn
-        if resume is not None and resume.mode is Mode.CATCHUP and resume.bootstrap == prog:
-            after = max(after, resume.window_scn)
+            # (never before what was queued: a server whose log ends there sends nothing)
+            prog = dataclasses.replace(prog, target_scn=self._target(status, prog, after))
         return await self._catchup(url, prog, after)
+
+    def _target(self, status: BootstrapStatus, prog: BootstrapProgress, after: int) -> int:
+        """The catch-up's target: the server's newest window, at most ``until_scn`` (a
+        bounded read: the catch-up stops there, and the read ends as it does without a
+        bootstrap; it went on to the server's newest window: found by review), and never
+        before the snapshot's start or ``after``, the last window queued."""
+        target = status.producer_scn
+        until = self.config.until_scn
+        if until is not None and until >= 0:
+            target = min(target, until)
+        return max(target, prog.start_scn, after)
 
     async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
         self.phase = "snapshot"
@@ -306,7 +337,7 @@ class Bootstrapper:
                     retriable=True,
                 )
             if complete:
-                target = max((await self._status(url)).producer_scn, prog.start_scn)
+                target = self._target(await self._status(url), prog, prog.start_scn)
                 prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
                 pc = PartitionCheckpoint(
                     mode=Mode.CATCHUP,
@@ -454,7 +485,8 @@ class Bootstrapper:
             unseeded = int(plan.get("unseeded_count", 0))
             names = [str(n) for n in plan.get("unseeded", [])][:5]
         if self.config.bootstrap_catchup_only and (snapshot or (since >= 0 and start != since)):
-            raise ProtocolError(
+            # (an older server, which ignores mode=catchup: the next one may know it)
+            raise BootstrapFailedError(
                 f"{info.where}: asked for a catch-up only after SCN {since}, planned a"
                 f" {'snapshot' if snapshot else 'catch-up'} at SCN {start}"
             )

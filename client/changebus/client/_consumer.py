@@ -164,6 +164,12 @@ class Consumer:
                 await self._route.stop()
                 self._route = None
             raise
+        if self._closed_meanwhile():
+            # close() ran while this start awaited (a SIGTERM handler): it found nothing
+            # to release, so what the start opened goes now, and the iteration ends (the
+            # start went on and delivered windows from a closed consumer: found by review)
+            await self._release()
+            return
         if resume is not None:
             log.info("resuming the bootstrap of partition %s (%s)", partition, resume.mode.value)
         elif pc is not None and pc.has_position:
@@ -189,6 +195,10 @@ class Consumer:
                 self._route.on_bootstrap_change(
                     self._fetcher.set_bootstrap_servers, cfg.bootstrap_servers
                 )
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether :meth:`close` ran (read after an await: another task may have)."""
+        return self._closed
 
     async def _route_cluster(self, cfg: ConsumerConfig) -> ConsumerConfig:
         """Open the cluster's routing table; ``cfg`` with the relays it lists (waits for one)."""
@@ -220,16 +230,20 @@ class Consumer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, QueueClosed):
                 await self._task
-        if self._route is not None:
-            await self._route.stop()
-            self._route = None
         try:
             if self._mode == "iterator" and self._position is not None and self._failed is None:
                 await self._position.persist()
         finally:
-            if self._own_session and self._session is not None:
-                await self._session.close()
-                self._session = None
+            await self._release()
+
+    async def _release(self) -> None:
+        """Stop the routing table's ZooKeeper session and close an HTTP session of ours."""
+        if self._route is not None:
+            await self._route.stop()
+            self._route = None
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def stop(self) -> None:
         """Ask a running :meth:`run` or iteration to end after the current window.
@@ -341,6 +355,8 @@ class Consumer:
         if self._closed:
             raise StopAsyncIteration
         await self.start()
+        if self._closed_meanwhile():
+            raise StopAsyncIteration
         assert self._queue is not None
         assert self._position is not None
         if self.config.auto_commit and self._uncommitted is not None:
@@ -379,8 +395,15 @@ class Consumer:
         if window.data_loss is not None and self.config.on_data_loss == "raise":
             self._failed = DataLossDetectedError.reported_in(window)
             raise self._failed
+        return window, self._ends_read(window)
+
+    def _ends_read(self, window: Window) -> bool:
+        """Whether ``window`` ends a bounded read (``until_scn``): a relay window or a
+        bootstrap's catch-up window at or past it (a catch-up that reached the end
+        waited for a relay window that might never come: found by review); never a
+        snapshot page, whose SCN is the snapshot's."""
         until = self.config.until_scn
-        return window, until is not None and window.phase == "online" and window.scn >= until
+        return until is not None and window.phase != "snapshot" and window.scn >= until
 
     async def _next_unmarked(self) -> Window:
         """For batch iterators (:func:`changebus.client.spark.arrow_batches`): the next
@@ -438,9 +461,11 @@ class Consumer:
             raise RuntimeError(f"this consumer is already used in {self._mode} mode")
         self._mode = "callbacks"
         await self.start()
+        if self._closed_meanwhile():  # (nothing to dispatch)
+            return
         assert self._queue is not None
         assert self._position is not None
-        queue, until = self._queue, self.config.until_scn
+        queue = self._queue
         ended = False
 
         async def next_window() -> Window:
@@ -449,7 +474,7 @@ class Consumer:
             if ended:
                 raise QueueClosed
             window = await queue.get()
-            ended = until is not None and window.phase == "online" and window.scn >= until
+            ended = self._ends_read(window)
             return window
 
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)

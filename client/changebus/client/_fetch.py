@@ -205,6 +205,10 @@ class RelayFetcher:
         assert self._boot is not None
         self._boot.partition = self.stream.partition
         target = await self._boot.run(since, resume)
+        until = self.config.until_scn
+        if until is not None and target >= until:
+            # a bounded read the bootstrap completed: fetch nothing more; close() cancels
+            await asyncio.Event().wait()
         self._since_bootstrap = 0
         self.stream.learn_partition(self._boot.partition)
         self.stream.seek(target)

@@ -306,10 +306,16 @@ class RelayStream:
         self._failover.succeeded()
 
     def seek_latest(self) -> None:
-        """Continue with the windows committed from now on (skipping the rest)."""
+        """Continue with the windows committed from now on (skipping the rest).
+
+        The relays' "fell off" answers are forgotten as by :meth:`seek`: kept,
+        any failure of the next request raised the old 410 again at once,
+        without backoff, attempts or another relay, for ever (found by review).
+        """
         self._latest = True
         self._whole_window = False
         self._restart_window()
+        self._failover.succeeded()
 
     def learn_partition(self, name: str | None) -> None:
         """Adopt ``name`` when no partition is set; refuse a different one."""
