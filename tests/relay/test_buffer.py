@@ -379,6 +379,38 @@ def test_a_meta_file_of_256_byte_slots_is_upgraded_in_place(tmp_path: Path) -> N
     assert MetaFile(broken).created
 
 
+@pytest.mark.parametrize("mode", ["page_cache", "fsync"])
+def test_oldest_windows_overwritten_before_their_eviction_was_published(
+    tmp_path: Path, mode: str
+) -> None:
+    """The writer evicts the oldest windows in memory, overwrites their bytes with the
+    new window's, then publishes the new head. A machine that went down in between
+    (the ring's pages on disk, the meta file's not: a sync or the kernel's writeback)
+    left a published head whose first windows hold newer bytes; recovery refused the
+    very first event and dropped the whole buffer, synced and acknowledged windows
+    too (review). Those windows now count as evicted; the rest is kept."""
+    cfg = BufferConfig(capacity_bytes=CAP)
+    b = EventBuffer(tmp_path, cfg)
+    b.set_start(0)
+    for scn in range(1, 200):
+        b.append_window(make_window(scn, [900]))
+    before = b.meta
+    assert before.prev_scn > 0  # wrapped: the ring is full
+    published = (tmp_path / "meta.dat").read_bytes()
+    b.append_window(make_window(200, [2500]))  # evicts and overwrites the oldest windows
+    assert b.meta.min_scn > before.min_scn
+    b.close()
+    (tmp_path / "meta.dat").write_bytes(published)  # the new head never reached the disk
+    again = EventBuffer(tmp_path, BufferConfig(capacity_bytes=CAP, durability=mode))  # type: ignore[arg-type]
+    m = again.meta
+    assert before.min_scn < m.min_scn <= 200 and m.last_scn == before.last_scn == 199
+    assert m.prev_scn == m.min_scn - 1 and m.evicted == 1
+    assert again.stats["recovery_events_dropped"] > 0
+    seen, _ = drain(again, m.prev_scn, -1, 1 << 20)
+    assert sorted({scn for scn, _ in seen}) == list(range(m.min_scn, 200))
+    again.close()
+
+
 def test_recovery_discards_damaged_events(tmp_path: Path) -> None:
     cfg = BufferConfig(capacity_bytes=CAP)
     b = EventBuffer(tmp_path, cfg)
@@ -391,10 +423,13 @@ def test_recovery_discards_damaged_events(tmp_path: Path) -> None:
     raw[100] ^= 0xFF
     ring.write_bytes(bytes(raw))
     b2 = EventBuffer(tmp_path, cfg)
-    assert b2.meta.head_event == b2.meta.tail_event  # nothing damaged is served
-    assert b2.meta.prev_scn == 9  # and consumers before 9 are told to bootstrap
+    # nothing damaged is served: the damaged oldest window counts as evicted, so
+    # consumers before it are told to bootstrap, and the intact ones are served
+    assert (b2.meta.min_scn, b2.meta.prev_scn) == (2, 1)
     with pytest.raises(ScnNotFoundError):
-        b2.select(3, -1, 1000)
+        b2.select(0, -1, 1000)
+    seen, _ = drain(b2, 1, -1, 1 << 20)
+    assert sorted({scn for scn, _ in seen}) == list(range(2, 10))
     b2.close()
 
 

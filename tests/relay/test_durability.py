@@ -189,11 +189,15 @@ def _damage_ring_from(directory: Path, capacity: int, event: int) -> tuple[int, 
     return scn, meta.last_scn
 
 
-@pytest.mark.parametrize("durability", ["fsync", "page_cache"])
+@pytest.mark.parametrize("durability", ["fsync", "page_cache", "chained"])
 def test_recovery_rewinds_with_fsync_and_owes_data_loss_with_page_cache(
     tmp_path: Path, durability: str
 ) -> None:
-    cfg = BufferConfig(capacity_bytes=CAP, durability=durability)  # type: ignore[arg-type]
+    """``chained``: a page_cache relay following another relay rewinds as with fsync (its
+    upstream still has the windows; a DATA_LOSS window stopped its consumers: review)."""
+    chained = durability == "chained"
+    mode = "page_cache" if chained else durability
+    cfg = BufferConfig(capacity_bytes=CAP, durability=mode)  # type: ignore[arg-type]
     buf = EventBuffer(tmp_path, cfg)
     buf.set_start(0)
     for scn in range(1, 101):
@@ -202,7 +206,7 @@ def test_recovery_rewinds_with_fsync_and_owes_data_loss_with_page_cache(
     # window 71 starts at event (71 - 1) * 3: damage from there on
     bad, last = _damage_ring_from(tmp_path, CAP, 70 * 3)
     assert (bad, last) == (71, 100)
-    again = EventBuffer(tmp_path, cfg)
+    again = EventBuffer(tmp_path, cfg, replayable=chained)
     m = again.meta
     sel = again.select(-1, -1, 1 << 24)
     assert sel is not None
@@ -210,7 +214,7 @@ def test_recovery_rewinds_with_fsync_and_owes_data_loss_with_page_cache(
     again.release(sel)
     _, headers = parse_stream(data)
     ops = headers["op"].tolist()
-    if durability == "fsync":
+    if durability != "page_cache":
         assert m.last_scn == 70
         assert Op.DATA_LOSS not in ops
         assert again.last_source_position == "pos-70"  # the fetcher resumes there
@@ -400,3 +404,55 @@ async def test_a_failed_sync_makes_the_partition_not_ready(
         stuck = syncer.synced_scn
         await asyncio.sleep(0.3)
         assert syncer.synced_scn == stuck
+        # and nothing more is ingested (the fetcher's unacknowledged windows and the
+        # source's retained log grew until a restart: review)
+        await wait_until(lambda: host.state == "failed")
+        assert "ingest stopped" in host.last_error
+        last = host.buffer.meta.last_scn
+        await asyncio.sleep(0.3)
+        assert host.buffer.meta.last_scn == last
+
+
+def test_a_fsync_follower_registers_the_newest_window_on_its_disk() -> None:
+    """A follower's registered ``max_scn`` is what the leader may acknowledge to the source
+    up to. It was the newest window in the follower's buffer, also with ``durability =
+    "fsync"``, so the leader acknowledged windows that follower would lose in an OS crash
+    (review). Now it is the newest synced one; a leader and a page_cache follower say
+    their buffer's newest."""
+    from types import SimpleNamespace
+
+    from changebus.relay._cluster import PartitionRole
+
+    meta = SimpleNamespace(min_scn=10, last_scn=90)
+
+    def state(plan: str, synced: int | None) -> tuple[str, int]:
+        syncer = None if synced is None else SimpleNamespace(synced_scn=synced)
+        role = SimpleNamespace(
+            host=SimpleNamespace(buffer=SimpleNamespace(meta=meta), syncer=syncer, epoch=4),
+            plan=(plan, 0, ""),
+        )
+        st = PartitionRole.state(role)  # type: ignore[arg-type]
+        return st.role, st.max_scn
+
+    assert state("follow", 70) == ("follower", 70)
+    assert state("follow", -1) == ("follower", 0)
+    assert state("follow", None) == ("follower", 90)
+    assert state("lead", 70) == ("leader", 90)
+
+
+async def test_a_chained_relay_s_buffer_replays_what_recovery_drops(tmp_path: Path) -> None:
+    """The host opens a follower's (fetcher ``relay``) buffer as replayable."""
+    from changebus.relay._host import PartitionHost
+
+    for kind, options, replayable in (
+        ("relay", {"upstream": ["http://127.0.0.1:9"]}, True),
+        ("synthetic", {}, False),
+    ):
+        part = PartitionConfig(
+            "syn", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig(kind, options)
+        )
+        host = PartitionHost(part, tmp_path / kind)
+        try:
+            assert host.buffer.replayable is replayable
+        finally:
+            host.buffer.close()

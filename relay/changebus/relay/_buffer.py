@@ -196,12 +196,17 @@ class EventBuffer(BufferWriter):
         name: str = "default",
         partition_id: int = 0,
         on_publish: Callable[[], None] | None = None,
+        replayable: bool = False,
     ) -> None:
         self.directory = directory
         self.config = config
         self.name = name
         self.partition_id = partition_id
         self.on_publish = on_publish
+        #: windows recovery drops are sent again by the source (``durability = "fsync"``:
+        #: it was acknowledged for synced ones only) or by the upstream relay of a chained
+        #: one: no DATA_LOSS window for them (:mod:`._recovery`)
+        self.replayable = replayable or config.durability == "fsync"
         self.capacity = config.capacity_bytes
         self.block = config.block
         index_slots = math.ceil(self.capacity / self.block) + 4
@@ -270,7 +275,7 @@ class EventBuffer(BufferWriter):
                 self._metafile,
                 name,
                 self.stats,
-                replayable=config.durability == "fsync",
+                replayable=self.replayable,
             )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)

@@ -438,12 +438,21 @@ class PartitionRole:
         return (1 << 63) - 1 if hold is None else hold
 
     def state(self) -> PartitionState:
+        """What this member registers for the partition. A follower's ``max_scn`` is the
+        leader's hold (:meth:`follower_hold`): with ``durability = "fsync"`` the newest
+        window on its disk, not in its buffer (the leader acknowledged windows a follower
+        would lose in an OS crash: found by review)."""
         meta = self.host.buffer.meta
+        leader = self.plan[0] == "lead"
+        last = meta.last_scn
+        syncer = self.host.syncer
+        if syncer is not None and not leader:
+            last = min(last, syncer.synced_scn)
         return PartitionState(
-            "leader" if self.plan[0] == "lead" else "follower",
+            "leader" if leader else "follower",
             self.host.epoch or 0,
             max(meta.min_scn, 0),
-            max(meta.last_scn, 0),
+            max(last, 0),
         )
 
 

@@ -70,6 +70,7 @@ from changebus.schemas import (
     ChangebusError,
     EventTooLargeError,
     SchemaRegistry,
+    StoreUnavailableError,
     TableSchema,
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
@@ -142,6 +143,10 @@ class PartitionHost(SourceAcks):
             name=config.name,
             partition_id=config.id,
             on_publish=self.wakeups.published,
+            # a chained relay's upstream still holds what an OS crash took from its disk
+            # (or says 410): windows recovery drops are read again, not lost (a DATA_LOSS
+            # window stopped its consumers for windows the upstream had; found by review)
+            replayable=config.fetcher.kind == "relay",
         )
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
         self._writer = WriterThread(config.name)
@@ -350,15 +355,23 @@ class PartitionHost(SourceAcks):
         try:
             self.buffer.append_windows(datas, before_publish=self._register_schemas, sizes=sizes)
         except EventTooLargeError:
-            # one window has more events than the event table: find it, one by one
+            # one window has more events than the event table, or too many bytes for the
+            # ring with its largest event: find it, one by one. Groups of the batch before
+            # the failing one are in already: appended again, the first of them failed the
+            # SCN order, and the partition for good (found by review)
+            done = self.buffer.meta.last_scn
             for window, data, size in zip(batch, datas, sizes, strict=True):
+                if window.scn <= done:
+                    continue
                 try:
                     self.buffer.append_windows(
                         [data], before_publish=self._register_schemas, sizes=[size]
                     )
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
-                    self.losses["window_too_many_events"] += 1
+                    # (the ring's check names the window's size; the event table's does not)
+                    sized = "size" in exc.details
+                    self.losses["window_too_large" if sized else "window_too_many_events"] += 1
                     log.error(
                         "partition %s: %s; recorded as data loss at SCN %d",
                         self.name,
@@ -378,8 +391,18 @@ class PartitionHost(SourceAcks):
         per commit, each a wake-up that costs a quarter of a millisecond of a
         window's latency on an idle machine. Anything else goes to the writer
         thread. With ``durability = "fsync"`` the acknowledger acknowledges
-        after the sync.
+        after the sync. Once a sync failed for good nothing more is appended: the
+        source is acknowledged no further, so ingesting on only grew the fetcher's
+        unacknowledged windows and the source's retained log until someone restarted
+        the relay (found by review); the partition fails instead, and a restart
+        replays the unsynced windows from the source.
         """
+        syncer = self.syncer
+        if syncer is not None and syncer.error:
+            raise StoreUnavailableError(
+                f"{syncer.error}: ingest stopped; restart the relay once its disk works",
+                retriable=False,
+            )
         if fits_inline(self._writer, self.buffer, batch):
             appended = self._append(batch)
         else:

@@ -24,9 +24,15 @@ that window and everything after it are dropped, never served:
   (:class:`Loss`, appended by the buffer through its normal write path), so
   a consumer past the kept windows is told, as for other losses in the
   relay; the fetcher resumes after the last published SCN as before;
-* when nothing is kept (damage in the oldest window), the buffer starts
-  empty after the last published SCN (``prev_scn = last_scn``), so older
-  consumers are sent to the bootstrap server (``scn_not_found``).
+* when the damage is confined to the oldest windows (every event from a
+  later window start verifies up to the published tail), those windows
+  count as evicted and the rest is kept (:func:`_later_head`: what a machine
+  that went down between an eviction's overwrite and its published head
+  leaves);
+* when nothing else is kept (damage in the oldest window and later), the
+  buffer starts empty after the last published SCN (``prev_scn =
+  last_scn``), so older consumers are sent to the bootstrap server
+  (``scn_not_found``).
 
 The state published by recovery keeps ``last_scn`` (the source was read
 that far): a buffer whose newest window is older than ``last_scn`` owes the
@@ -121,6 +127,15 @@ def recover(
     check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
+    loaded = meta
+    if keep == 0:
+        later = _later_head(ring, meta, records, name)
+        if later is not None:
+            meta, check = later
+            n = meta.tail_event - meta.head_event
+            records = records[-n:]
+            eows = np.flatnonzero(check.headers["op"] == _EOW)
+            keep = n
     stats["recovery_records_rewritten"] = _repair_events(
         events, meta.head_event, records[:keep], check, name
     )
@@ -133,12 +148,12 @@ def recover(
         check.headers["scn"][:keep],
     )
     stats["recovery_index_rebuilt"] = int(reindexed)
-    stats["recovery_events_dropped"] = n - keep
+    stats["recovery_events_dropped"] = loaded.tail_event - loaded.head_event - keep
     if reindexed:
         log.warning("buffer %s: the SCN index did not match the events; rebuilt it", name)
     if keep == n:
         fixed = replace(meta, index_head=index_head, index_tail=index_tail)
-        if fixed != meta:
+        if fixed != loaded:
             metafile.publish(fixed)
         last = int(check.headers["scn"][-1])
         if last < meta.last_scn:  # a marker owed by an earlier recovery that did not finish
@@ -195,6 +210,73 @@ def recover(
     )
     position = _last_position(ring, meta, records[-1])
     return trimmed, Loss(last_kept + 1, meta.last_scn, meta.last_ts, position, reason)
+
+
+def _later_head(
+    ring: memoryview, meta: BufferMeta, records: npt.NDArray[Any], name: str
+) -> tuple[BufferMeta, RingCheck] | None:
+    """The state with the oldest windows evicted when they alone are damaged, or None.
+
+    The writer evicts windows in memory before it overwrites their bytes
+    with new ones, and publishes the new head after the bytes: a machine
+    that went down in between (the ring's pages written back, by a sync or
+    by the kernel, the meta file's not) leaves a published head whose
+    first windows hold newer bytes. Everything after them is intact, synced
+    and acknowledged; dropping the whole buffer for them lost it (found by
+    review). So the first window start (the event table's, a hint) from
+    which every event verifies up to the published tail becomes the head,
+    and the windows before it count as evicted (``prev_scn`` just below the
+    new oldest window: never above what was really evicted, so no consumer
+    is served across a gap). Damage in a window further on is not this
+    case: None. A binary search over the window starts (verification from
+    one start implies it from every later one), each step one check.
+    """
+    n = len(records)
+    starts = np.flatnonzero(records["op"][:-1] == _EOW) + 1
+    if starts.size == 0:
+        return None
+
+    def verified(i: int) -> RingCheck | None:
+        rest = records[i:]
+        check = check_ring(ring, int(rest["pos"][0]), meta.tail_pos, int(rest["scn"][0]), rest)
+        return check if check.good == n - i else None
+
+    if verified(int(starts[-1])) is None:
+        return None
+    lo, hi = 0, starts.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if verified(int(starts[mid])) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    first = int(starts[lo])
+    check = verified(first)
+    assert check is not None
+    h = check.headers
+    moved = replace(
+        meta,
+        head_event=meta.head_event + first,
+        head_pos=int(check.pos[0]),
+        min_scn=int(h["scn"][0]),
+        prev_scn=max(int(h["scn"][0]) - 1, meta.prev_scn),
+        first_ts=int(h["timestamp_ns"][0]),
+        windows=int(np.count_nonzero(h["op"] == _EOW)),
+        evicted=1,
+        prev_ts=0,
+        prev_pos="",
+    )
+    log.warning(
+        "buffer %s: its %d oldest events (SCN %d..) were overwritten by newer bytes before the"
+        " head that evicted them was published (the machine went down between the two):"
+        " counted as evicted; the %d events from SCN %d on are intact",
+        name,
+        first,
+        meta.min_scn,
+        n - first,
+        moved.min_scn,
+    )
+    return moved, check
 
 
 def _rewind(
