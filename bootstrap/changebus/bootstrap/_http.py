@@ -202,7 +202,7 @@ async def status(request: web.Request) -> web.Response:
             "base_scn": max(st.base_scn, purged),
             "tomb_scn": purged,
             "lost_ranges": [list(r) for r in lost],
-            "state": w.state,
+            "state": w.current_state(),
         }
     )
 
@@ -506,7 +506,10 @@ def build_app(service: BootstrapService) -> web.Application:
     metrics = BootstrapMetrics(service)
     app = server_app(
         "bootstrap",
-        readiness=lambda: (service.ready, {w.name: w.state for w in service.workers.values()}),
+        readiness=lambda: (
+            service.ready,
+            {w.name: w.current_state() for w in service.workers.values()},
+        ),
         collectors=[metrics],
         logger=log,
         security=service.config.security,

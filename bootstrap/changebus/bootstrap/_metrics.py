@@ -130,7 +130,8 @@ class BootstrapMetrics:
             st["producer_fell_off"] = w.fell_off
             for n in _COUNTERS:
                 cfams[n].add_metric([w.name], float(st[n]))
-            ready.add_metric([w.name, w.state], 1.0 if w.state == "streaming" else 0.0)
+            state = w.current_state()
+            ready.add_metric([w.name, state], 1.0 if state == "streaming" else 0.0)
         served = CounterMetricFamily(
             "changebus_bootstrap_served",
             "Snapshot rows, catch-up events and bytes sent",

@@ -111,7 +111,8 @@ class Pipelines(Seeding):
                     )
                 stream = RelayStream(stream_cfg, self._session, position=w.producer_scn)
                 current[:] = [stream]
-                w.state = "streaming"
+                w.stream = stream
+                w.state = "streaming"  # ("connecting" until a relay answers: current_state)
                 try:
                     await stream.run(put)
                 except FellOffRelayError as exc:

@@ -149,7 +149,8 @@ class BootstrapService(Pipelines):
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers) and all(w.state == "streaming" for w in self.workers.values())
+        workers = self.workers.values()
+        return bool(self.workers) and all(w.current_state() == "streaming" for w in workers)
 
     async def _publish(self) -> None:
         """Publish each partition's applier and producer SCNs in the member node."""

@@ -58,6 +58,23 @@ class PartitionWorker:
     seed_tables: frozenset[str] = frozenset()
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: the producer's relay stream while it reads (its ``answering`` and ``last_error``)
+    stream: Any = None
+
+    def current_state(self) -> str:
+        """:attr:`state`, but ``connecting`` while the producer's stream gets no answer
+        from any relay: it retries for ever, so a server whose relays were all down
+        said ``streaming`` and ready (found by review)."""
+        stream = self.stream
+        if self.state == "streaming" and stream is not None and not stream.answering:
+            return "connecting"
+        return self.state
+
+    def current_error(self) -> str:
+        """:attr:`last_error`, or the stream's while it is connecting."""
+        if self.current_state() == "connecting":
+            return str(self.stream.last_error) or self.last_error
+        return self.last_error
 
     def new_seed(self) -> SeedProgress:
         """A new seed run's progress (state ``starting``) replaces :attr:`seed`, whose
@@ -71,7 +88,7 @@ class PartitionWorker:
     def status(self) -> dict[str, Any]:
         return {
             "partition": self.name,
-            "state": self.state,
+            "state": self.current_state(),
             "producer_scn": self.producer_scn,
             "applier_scn": self.applier_scn,
             "log_min_scn": self.log_min_scn,
@@ -84,7 +101,7 @@ class PartitionWorker:
             "events_applied": self.events_applied,
             "fell_off": self.fell_off,
             "data_loss": self.data_loss,
-            "last_error": self.last_error,
+            "last_error": self.current_error(),
             "gap": self.gap.as_dict() if self.gap is not None else None,
             "seed": self.seed.as_dict(),
         }

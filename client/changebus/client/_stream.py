@@ -226,6 +226,11 @@ class RelayStream:
         #: the relay's newest SCN as its last answer said (``X-Changebus-Last-Scn``; -1:
         #: none yet); a follow response says it once, when it starts (progress displays)
         self.head_scn = -1
+        #: whether the last request got an answer (200 or 204, headers checked); False
+        #: from a failure until the next answer (a daemon's readiness: the bootstrap's)
+        self.answering = False
+        #: why the last request failed ("" since an answer)
+        self.last_error = ""
         self._session = session
         self._position = position
         self._latest = latest
@@ -353,6 +358,8 @@ class RelayStream:
                 self._moved = False
             self._restart_window()
             if not moved:
+                self.answering = False
+                self.last_error = getattr(error, "message", "") or type(error).__name__
                 await failover.failed(error)
 
     def _restart_window(self) -> None:
@@ -420,6 +427,7 @@ class RelayStream:
                     )
                 self._response = resp
                 self._moved = False
+                self.answering, self.last_error = True, ""
                 head = resp.headers.get("X-Changebus-Last-Scn", "")
                 if head.isdigit():
                     self.head_scn = int(head)
