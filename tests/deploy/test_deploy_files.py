@@ -422,6 +422,14 @@ def test_kubernetes_pods_run_unprivileged_with_resources_and_probes(name: str) -
     assert port is not None and int(port.group(1)) in ports.values()
 
 
+def test_kubernetes_pods_take_no_service_links() -> None:
+    """The kubelet's service-link variables of the Service changebus-bootstrap
+    (``CHANGEBUS_BOOTSTRAP_PORT=tcp://...``) read as config overrides (review)."""
+    for obj in _workloads():
+        spec = obj["spec"]["template"]["spec"]
+        assert spec.get("enableServiceLinks") is False, obj["metadata"]["name"]
+
+
 def test_compose_has_the_whole_system() -> None:
     services = _compose()["services"]
     pg = " ".join(services["postgres"]["command"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -154,3 +155,61 @@ def test_a_replica_dsn_libpq_cannot_parse_is_refused_without_quoting_it() -> Non
     with pytest.raises(ConfigError) as info:
         connect("host=127.0.0.1 password=correct horse battery", 0)
     assert "horse" not in str(info.value) and "battery" not in str(info.value)
+
+
+#: what the kubelet puts in a pod's environment for a Service changebus-bootstrap
+#: (port 8471, named http) and a Service changebus-bootstrap-metrics (9102/UDP)
+SERVICE_LINKS = {
+    "CHANGEBUS_BOOTSTRAP_SERVICE_HOST": "10.96.0.7",
+    "CHANGEBUS_BOOTSTRAP_SERVICE_PORT": "8471",
+    "CHANGEBUS_BOOTSTRAP_SERVICE_PORT_HTTP": "8471",
+    "CHANGEBUS_BOOTSTRAP_PORT": "tcp://10.96.0.7:8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP": "tcp://10.96.0.7:8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_PROTO": "tcp",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_PORT": "8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_ADDR": "10.96.0.7",
+    "CHANGEBUS_BOOTSTRAP_METRICS_SERVICE_HOST": "10.96.0.8",
+    "CHANGEBUS_BOOTSTRAP_METRICS_PORT_9102_UDP_ADDR": "10.96.0.8",
+}
+
+
+def test_kubernetes_service_links_are_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    """A Service named changebus-bootstrap made every pod of the namespace fail its
+    ``--check`` with "unknown config key port" (review): service-link variables that
+    are no config key are skipped (debug line, name only); real keys and other
+    unknown names are not."""
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.relay import RelayConfig
+
+    env = {
+        **SERVICE_LINKS,
+        "CHANGEBUS_BOOTSTRAP_RELAYS": '["http://127.0.0.1:8470"]',
+        "CHANGEBUS_BOOTSTRAP_HTTP__PORT": "9000",  # ends in _PORT, and is http.port
+    }
+    with caplog.at_level(logging.DEBUG, logger="changebus.schemas"):
+        cfg = load_config(BootstrapConfig, env=env, env_prefix="CHANGEBUS_BOOTSTRAP_")
+    assert cfg.http.port == 9000 and cfg.relays == ("http://127.0.0.1:8470",)
+    skipped = {
+        r.getMessage().split()[2] for r in caplog.records if "service link" in r.getMessage()
+    }
+    assert skipped == set(SERVICE_LINKS)
+    assert "10.96.0" not in caplog.text  # names, not values
+    relay_links = {k.replace("BOOTSTRAP", "RELAY", 1): v for k, v in SERVICE_LINKS.items()}
+    assert load_config(RelayConfig, env=relay_links, env_prefix="CHANGEBUS_RELAY_") == (
+        load_config(RelayConfig, env={})
+    )
+    # a config key of that form is a key
+    assert load_config(Port, env={"CB_PORT": "9"}, env_prefix="CB_").port == 9
+    # names of no other form still fail, naming the nearest key
+    for name, message in (
+        ("CHANGEBUS_BOOTSTRAP_HTTP__PROT", "did you mean http.port"),
+        ("CHANGEBUS_BOOTSTRAP_PORTS", "unknown config key ports"),
+        ("CHANGEBUS_BOOTSTRAP_PORT_8471_HTTP", "unknown config key port_8471_http"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(BootstrapConfig, env={**env, name: "1"}, env_prefix="CHANGEBUS_BOOTSTRAP_")
+
+
+@dataclass(frozen=True)
+class Port:
+    port: int = 0
