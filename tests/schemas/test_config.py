@@ -213,3 +213,51 @@ def test_kubernetes_service_links_are_skipped(caplog: pytest.LogCaptureFixture) 
 @dataclass(frozen=True)
 class Port:
     port: int = 0
+
+
+def test_env_values_of_string_keys_stay_text() -> None:
+    """CHANGEBUS_RELAY_CLUSTER__ZK_PASSWORD=123456 became the integer 123456 and was
+    refused (review): a string key takes the variable's text as it is, whatever TOML
+    would read in it; keys of other types still parse."""
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.relay import RelayConfig
+
+    env = {
+        "CHANGEBUS_RELAY_CLUSTER__ZOOKEEPER": "127.0.0.1:2181",
+        "CHANGEBUS_RELAY_CLUSTER__NAME": "2024-01-01",  # a TOML date
+        "CHANGEBUS_RELAY_CLUSTER__MEMBER_ID": "0x1F",  # a TOML integer (31)
+        "CHANGEBUS_RELAY_CLUSTER__ZK_USER": "true",  # a TOML boolean
+        "CHANGEBUS_RELAY_CLUSTER__ZK_PASSWORD": "123456",  # a secret field
+        "CHANGEBUS_RELAY_UPSTREAM__TOKEN": '"quoted"',  # taken with its quotes
+        "CHANGEBUS_RELAY_DATA_DIR": "1e3",  # a Path
+        "CHANGEBUS_RELAY_HTTP__PORT": "9000",
+        "CHANGEBUS_RELAY_HTTP__MAX_COPY_BYTES": "64MiB",
+        "CHANGEBUS_RELAY_CLUSTER__ZK_WORLD_READABLE": "false",
+        "CHANGEBUS_RELAY_CLUSTER__LEASE_FRACTION": "0.25",
+    }
+    cfg = load_config(RelayConfig, env=env, env_prefix="CHANGEBUS_RELAY_")
+    assert cfg.cluster is not None
+    assert cfg.cluster.name == "2024-01-01" and cfg.cluster.member_id == "0x1F"
+    assert cfg.cluster.zk_user == "true" and cfg.cluster.zk_password == "123456"
+    assert cfg.upstream.token == '"quoted"' and cfg.data_dir == Path("1e3")
+    assert cfg.http.port == 9000 and cfg.http.max_copy_bytes == 64 << 20
+    assert cfg.cluster.zk_world_readable is False and cfg.cluster.lease_fraction == 0.25
+    # items of a list of strings: text, unless the value is a TOML array
+    boot = {"CHANGEBUS_BOOTSTRAP_RELAYS": '["http://127.0.0.1:8470"]'}
+    for text, partitions in (("1", ("1",)), ("1,2", ("1", "2")), ('["3", "x"]', ("3", "x"))):
+        env = {**boot, "CHANGEBUS_BOOTSTRAP_PARTITIONS": text}
+        cfg2 = load_config(BootstrapConfig, env=env, env_prefix="CHANGEBUS_BOOTSTRAP_")
+        assert cfg2.partitions == partitions, text
+    # --set keeps TOML's reading: a number for a string key is refused, quoted it passes
+    with pytest.raises(ConfigError, match=r"cluster\.zk_password: bad value"):
+        load_config(RelayConfig, env={}, overrides=[*_ZK, "cluster.zk_password=123456"])
+    cfg = load_config(RelayConfig, env={}, overrides=[*_ZK, 'cluster.zk_password="123456"'])
+    assert cfg.cluster is not None and cfg.cluster.zk_password == "123456"
+
+
+_ZK = [
+    "cluster.zookeeper=127.0.0.1:2181",
+    "cluster.name=c",
+    "cluster.member_id=m",
+    "cluster.zk_user=cb",
+]

@@ -20,6 +20,15 @@ that form and is *not* a config key is skipped with a debug log line; a real
 key always wins (``CHANGEBUS_RELAY_HTTP__PORT`` ends in ``_PORT`` and is
 ``http.port``), and any other unknown name stays an error (typos do not pass
 silently). Values are never logged (a variable may hold a DSN).
+
+Values (:func:`env_value`): a variable for a key of type ``str`` or ``Path``
+(or ``X | None`` of them) is taken as it is, never parsed: a password, token
+or member id that reads as a TOML number, date or boolean (``123456``,
+``2024-01-01``, ``true``) stays the text it is, quotes included. The items
+of a ``tuple[str, ...]`` key are text too unless the value is a TOML array
+(``a,b`` splits at commas, ``["a", "b"]`` is parsed). Other values are
+parsed as TOML when they parse (``8080``, ``true``, ``[1, 2]``), else taken
+as text (``64MiB``): the key's own conversion then accepts or refuses them.
 """
 
 from __future__ import annotations
@@ -31,9 +40,17 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["NOT_A_KEY", "env_overrides", "is_service_link", "key_type", "parse_text"]
+__all__ = [
+    "NOT_A_KEY",
+    "env_overrides",
+    "env_value",
+    "is_service_link",
+    "key_type",
+    "parse_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +114,26 @@ def key_type(cls: type[Any], path: Sequence[str]) -> Any:
     return tp
 
 
+def _text(tp: Any) -> bool:
+    """Whether a key of type ``tp`` holds text: ``str``, ``Path``, or either ``| None``."""
+    if tp in (str, Path):
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        return bool(arms) and all(a in (str, Path) for a in arms)
+    return False
+
+
+def env_value(tp: Any, text: str) -> Any:
+    """The value of an environment variable ``text`` for a key of type ``tp`` (module docstring)."""
+    if _text(tp):
+        return text
+    value = parse_text(text)
+    if typing.get_origin(tp) is tuple and _text(typing.get_args(tp)[0]):
+        return value if isinstance(value, list) else text
+    return value
+
+
 def env_overrides(
     cls: type[Any], environ: Mapping[str, str], prefix: str
 ) -> list[tuple[str, list[str], Any]]:
@@ -111,8 +148,9 @@ def env_overrides(
         if not name.upper().startswith(prefix.upper()) or len(name) <= len(prefix):
             continue
         path = name[len(prefix) :].lower().split("__")
-        if key_type(cls, path) is NOT_A_KEY and is_service_link(name):
+        tp = key_type(cls, path)
+        if tp is NOT_A_KEY and is_service_link(name):
             log.debug("environment variable %s skipped: a Kubernetes service link", name)
             continue
-        found.append((name, path, parse_text(text)))
+        found.append((name, path, parse_text(text) if tp is NOT_A_KEY else env_value(tp, text)))
     return found

@@ -15,8 +15,11 @@ in increasing priority:
    that are no config key are skipped);
 4. ``--set key.path=value`` overrides from the command line.
 
-Env and CLI values are parsed as TOML values when they parse (``8080``,
-``true``, ``["a", "b"]``) and taken as plain strings otherwise.
+An env value for a string or path key is taken as it is (a password
+``123456`` stays text: :func:`._config_env.env_value`); other env values and
+all ``--set`` values are parsed as TOML values when they parse (``8080``,
+``true``, ``["a", "b"]``) and taken as plain strings otherwise (``--set
+'cluster.zk_password="123456"'`` quotes a string that reads as a number).
 
 Fields whose metadata holds ``{"secret": True}`` (DSNs, passwords) are shown
 as ``"***"`` by :func:`redacted`, which is what daemons log; so are values of
