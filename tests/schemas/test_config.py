@@ -261,3 +261,20 @@ _ZK = [
     "cluster.member_id=m",
     "cluster.zk_user=cb",
 ]
+
+
+def test_keys_inside_arrays_of_tables_have_no_override(tmp_path: Path) -> None:
+    """What docs/operations.md says: an array of tables is overridden whole or not at all;
+    an override of a key inside one is an error, never silently dropped."""
+    from changebus.relay import RelayConfig
+
+    path = tmp_path / "relay.toml"
+    path.write_text('[[partitions]]\nname = "a"\nid = 1\n')
+    prefix = "CHANGEBUS_RELAY_"
+    with pytest.raises(ConfigError, match=r"partitions\.0\.name"):
+        load_config(RelayConfig, path, env={f"{prefix}PARTITIONS__0__NAME": "b"}, env_prefix=prefix)
+    with pytest.raises(ConfigError, match=r"partitions\.0\.name"):
+        load_config(RelayConfig, path, env={}, overrides=["partitions.0.name=b"])
+    whole = {f"{prefix}PARTITIONS": '[{name = "b", id = 2}]'}
+    cfg = load_config(RelayConfig, path, env=whole, env_prefix=prefix)
+    assert [(p.name, p.id) for p in cfg.partitions] == [("b", 2)]
