@@ -346,6 +346,35 @@ def test_systemd_units_are_hardened(unit: str, data_dir: str) -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_systemd_recipe_installs_the_configs_of_the_units_it_enables() -> None:
+    """deploy/README.md's recipe enabled changebus-bootstrap but installed only relay.toml:
+    the unit's ExecStartPre --check failed on the missing bootstrap.toml (review)."""
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme.split("## systemd", 1)[1].split("\n## ", 1)[0]
+    recipe = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    installed: dict[str, str] = {}  # destination -> source
+    enabled: list[str] = []
+    for line in recipe.splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv[:1] == ["install"] and "-d" not in argv:
+            installed[argv[-1]] = argv[-2]
+        if argv[:3] == ["systemctl", "enable", "--now"]:
+            enabled += argv[3:]
+    assert enabled, recipe
+    for unit in enabled:
+        assert (SYSTEMD / f"{unit}.service").is_file(), unit
+        s = _unit(f"{unit}.service")
+        for line in [*s["ExecStartPre"], *s["ExecStart"]]:
+            for arg in shlex.split(line):
+                if arg.startswith("/etc/changebus/") and arg.endswith(".toml"):
+                    assert arg in installed, (
+                        f"{unit} reads {arg}, which the recipe does not install"
+                    )
+                    assert (ROOT / installed[arg]).is_file(), installed[arg]
+        for env_file in s.get("EnvironmentFile", []):
+            assert env_file.lstrip("-") in installed, f"{unit}: {env_file} is not created"
+
+
 def test_systemd_units_verify(tmp_path: Path) -> None:
     """systemd itself knows every directive and value (the program path is not installed here)."""
     units = []
@@ -420,6 +449,14 @@ def test_kubernetes_pods_run_unprivileged_with_resources_and_probes(name: str) -
     text = _pod_files(spec, c)[config_file]
     port = re.search(r"^port = (\d+)", text, re.M)
     assert port is not None and int(port.group(1)) in ports.values()
+
+
+def test_kubernetes_pods_take_no_service_links() -> None:
+    """The kubelet's service-link variables of the Service changebus-bootstrap
+    (``CHANGEBUS_BOOTSTRAP_PORT=tcp://...``) read as config overrides (review)."""
+    for obj in _workloads():
+        spec = obj["spec"]["template"]["spec"]
+        assert spec.get("enableServiceLinks") is False, obj["metadata"]["name"]
 
 
 def test_compose_has_the_whole_system() -> None:

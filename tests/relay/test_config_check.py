@@ -8,6 +8,7 @@ with status 2. Nothing is started (no port is bound, no database is asked).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -213,3 +214,66 @@ def test_check_as_a_command(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "did you mean http.port?" in result.stdout + result.stderr
+
+
+REFUSED = "refusing to listen on '0.0.0.0'"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "fmt", "needle"),
+    [
+        # a start refused by the daemon: the config's log_format, from each place it can be set
+        (["--log-format", "json", "--set", "http.host=0.0.0.0"], {}, "json", REFUSED),
+        (["--set", "http.host=0.0.0.0", "--set", "log_format=json"], {}, "json", REFUSED),
+        (["--set", "http.host=0.0.0.0"], {"CHANGEBUS_RELAY_LOG_FORMAT": "json"}, "json", REFUSED),
+        (["--set", "http.host=0.0.0.0"], {}, "text", REFUSED),
+        # the same refused by --check
+        (["--check", "--log-format", "json", "--set", "http.host=0.0.0.0"], {}, "json", REFUSED),
+        (["--check", "--set", "http.host=0.0.0.0"], {}, "text", REFUSED),
+        # a config that does not load: the format it asked for, as far as it can be read
+        (["--set", "http.prot=1", "--log-format", "json"], {}, "json", "did you mean http.port"),
+        (["--set", "http.prot=1", "--set", "log_format=json"], {}, "json", "did you mean"),
+        (["--set", "http.prot=1"], {"CHANGEBUS_RELAY_LOG_FORMAT": "json"}, "json", "did you mean"),
+        (["--check", "--set", "http.prot=1"], {}, "text", "did you mean http.port"),
+    ],
+)
+def test_fatal_errors_are_log_lines_on_stderr(
+    tmp_path: Path, argv: list[str], env: dict[str, str], fmt: str, needle: str
+) -> None:
+    """A start-up error was printed as plain text on stdout while the log went to stderr as
+    JSON (review): it is an error line of the daemon's log, on stderr, in its format."""
+    config = tmp_path / "relay.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n[http]\nport = 0\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "changebus.schemas", "relay", "--config", str(config), *argv],
+        env={**ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    last = result.stderr.splitlines()[-1]
+    if fmt == "json":
+        assert all(json.loads(line) for line in result.stderr.splitlines())
+        entry = json.loads(last)
+        assert entry["level"] == "error" and entry["logger"] == "changebus.relay"
+        assert needle in entry["message"]
+    else:
+        assert " ERROR changebus.relay: changebus relay: " in last and needle in last
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_file_log_format_applies_to_a_config_that_does_not_load(tmp_path: Path) -> None:
+    config = tmp_path / "boot.toml"
+    config.write_text('log_format = "json"\nrelays = ["http://127.0.0.1:1"]\nrelay = 1\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "changebus.schemas", "bootstrap", "--config", str(config)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    entry = json.loads(result.stderr)
+    assert entry["logger"] == "changebus.bootstrap" and "did you mean relays?" in entry["message"]

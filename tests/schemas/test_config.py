@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -154,3 +155,126 @@ def test_a_replica_dsn_libpq_cannot_parse_is_refused_without_quoting_it() -> Non
     with pytest.raises(ConfigError) as info:
         connect("host=127.0.0.1 password=correct horse battery", 0)
     assert "horse" not in str(info.value) and "battery" not in str(info.value)
+
+
+#: what the kubelet puts in a pod's environment for a Service changebus-bootstrap
+#: (port 8471, named http) and a Service changebus-bootstrap-metrics (9102/UDP)
+SERVICE_LINKS = {
+    "CHANGEBUS_BOOTSTRAP_SERVICE_HOST": "10.96.0.7",
+    "CHANGEBUS_BOOTSTRAP_SERVICE_PORT": "8471",
+    "CHANGEBUS_BOOTSTRAP_SERVICE_PORT_HTTP": "8471",
+    "CHANGEBUS_BOOTSTRAP_PORT": "tcp://10.96.0.7:8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP": "tcp://10.96.0.7:8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_PROTO": "tcp",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_PORT": "8471",
+    "CHANGEBUS_BOOTSTRAP_PORT_8471_TCP_ADDR": "10.96.0.7",
+    "CHANGEBUS_BOOTSTRAP_METRICS_SERVICE_HOST": "10.96.0.8",
+    "CHANGEBUS_BOOTSTRAP_METRICS_PORT_9102_UDP_ADDR": "10.96.0.8",
+}
+
+
+def test_kubernetes_service_links_are_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    """A Service named changebus-bootstrap made every pod of the namespace fail its
+    ``--check`` with "unknown config key port" (review): service-link variables that
+    are no config key are skipped (debug line, name only); real keys and other
+    unknown names are not."""
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.relay import RelayConfig
+
+    env = {
+        **SERVICE_LINKS,
+        "CHANGEBUS_BOOTSTRAP_RELAYS": '["http://127.0.0.1:8470"]',
+        "CHANGEBUS_BOOTSTRAP_HTTP__PORT": "9000",  # ends in _PORT, and is http.port
+    }
+    with caplog.at_level(logging.DEBUG, logger="changebus.schemas"):
+        cfg = load_config(BootstrapConfig, env=env, env_prefix="CHANGEBUS_BOOTSTRAP_")
+    assert cfg.http.port == 9000 and cfg.relays == ("http://127.0.0.1:8470",)
+    skipped = {
+        r.getMessage().split()[2] for r in caplog.records if "service link" in r.getMessage()
+    }
+    assert skipped == set(SERVICE_LINKS)
+    assert "10.96.0" not in caplog.text  # names, not values
+    relay_links = {k.replace("BOOTSTRAP", "RELAY", 1): v for k, v in SERVICE_LINKS.items()}
+    assert load_config(RelayConfig, env=relay_links, env_prefix="CHANGEBUS_RELAY_") == (
+        load_config(RelayConfig, env={})
+    )
+    # a config key of that form is a key
+    assert load_config(Port, env={"CB_PORT": "9"}, env_prefix="CB_").port == 9
+    # names of no other form still fail, naming the nearest key
+    for name, message in (
+        ("CHANGEBUS_BOOTSTRAP_HTTP__PROT", "did you mean http.port"),
+        ("CHANGEBUS_BOOTSTRAP_PORTS", "unknown config key ports"),
+        ("CHANGEBUS_BOOTSTRAP_PORT_8471_HTTP", "unknown config key port_8471_http"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(BootstrapConfig, env={**env, name: "1"}, env_prefix="CHANGEBUS_BOOTSTRAP_")
+
+
+@dataclass(frozen=True)
+class Port:
+    port: int = 0
+
+
+def test_env_values_of_string_keys_stay_text() -> None:
+    """CHANGEBUS_RELAY_CLUSTER__ZK_PASSWORD=123456 became the integer 123456 and was
+    refused (review): a string key takes the variable's text as it is, whatever TOML
+    would read in it; keys of other types still parse."""
+    from changebus.bootstrap import BootstrapConfig
+    from changebus.relay import RelayConfig
+
+    env = {
+        "CHANGEBUS_RELAY_CLUSTER__ZOOKEEPER": "127.0.0.1:2181",
+        "CHANGEBUS_RELAY_CLUSTER__NAME": "2024-01-01",  # a TOML date
+        "CHANGEBUS_RELAY_CLUSTER__MEMBER_ID": "0x1F",  # a TOML integer (31)
+        "CHANGEBUS_RELAY_CLUSTER__ZK_USER": "true",  # a TOML boolean
+        "CHANGEBUS_RELAY_CLUSTER__ZK_PASSWORD": "123456",  # a secret field
+        "CHANGEBUS_RELAY_UPSTREAM__TOKEN": '"quoted"',  # taken with its quotes
+        "CHANGEBUS_RELAY_DATA_DIR": "1e3",  # a Path
+        "CHANGEBUS_RELAY_HTTP__PORT": "9000",
+        "CHANGEBUS_RELAY_HTTP__MAX_COPY_BYTES": "64MiB",
+        "CHANGEBUS_RELAY_CLUSTER__ZK_WORLD_READABLE": "false",
+        "CHANGEBUS_RELAY_CLUSTER__LEASE_FRACTION": "0.25",
+    }
+    cfg = load_config(RelayConfig, env=env, env_prefix="CHANGEBUS_RELAY_")
+    assert cfg.cluster is not None
+    assert cfg.cluster.name == "2024-01-01" and cfg.cluster.member_id == "0x1F"
+    assert cfg.cluster.zk_user == "true" and cfg.cluster.zk_password == "123456"
+    assert cfg.upstream.token == '"quoted"' and cfg.data_dir == Path("1e3")
+    assert cfg.http.port == 9000 and cfg.http.max_copy_bytes == 64 << 20
+    assert cfg.cluster.zk_world_readable is False and cfg.cluster.lease_fraction == 0.25
+    # items of a list of strings: text, unless the value is a TOML array
+    boot = {"CHANGEBUS_BOOTSTRAP_RELAYS": '["http://127.0.0.1:8470"]'}
+    for text, partitions in (("1", ("1",)), ("1,2", ("1", "2")), ('["3", "x"]', ("3", "x"))):
+        env = {**boot, "CHANGEBUS_BOOTSTRAP_PARTITIONS": text}
+        cfg2 = load_config(BootstrapConfig, env=env, env_prefix="CHANGEBUS_BOOTSTRAP_")
+        assert cfg2.partitions == partitions, text
+    # --set keeps TOML's reading: a number for a string key is refused, quoted it passes
+    with pytest.raises(ConfigError, match=r"cluster\.zk_password: bad value"):
+        load_config(RelayConfig, env={}, overrides=[*_ZK, "cluster.zk_password=123456"])
+    cfg = load_config(RelayConfig, env={}, overrides=[*_ZK, 'cluster.zk_password="123456"'])
+    assert cfg.cluster is not None and cfg.cluster.zk_password == "123456"
+
+
+_ZK = [
+    "cluster.zookeeper=127.0.0.1:2181",
+    "cluster.name=c",
+    "cluster.member_id=m",
+    "cluster.zk_user=cb",
+]
+
+
+def test_keys_inside_arrays_of_tables_have_no_override(tmp_path: Path) -> None:
+    """What docs/operations.md says: an array of tables is overridden whole or not at all;
+    an override of a key inside one is an error, never silently dropped."""
+    from changebus.relay import RelayConfig
+
+    path = tmp_path / "relay.toml"
+    path.write_text('[[partitions]]\nname = "a"\nid = 1\n')
+    prefix = "CHANGEBUS_RELAY_"
+    with pytest.raises(ConfigError, match=r"partitions\.0\.name"):
+        load_config(RelayConfig, path, env={f"{prefix}PARTITIONS__0__NAME": "b"}, env_prefix=prefix)
+    with pytest.raises(ConfigError, match=r"partitions\.0\.name"):
+        load_config(RelayConfig, path, env={}, overrides=["partitions.0.name=b"])
+    whole = {f"{prefix}PARTITIONS": '[{name = "b", id = 2}]'}
+    cfg = load_config(RelayConfig, path, env=whole, env_prefix=prefix)
+    assert [(p.name, p.id) for p in cfg.partitions] == [("b", 2)]

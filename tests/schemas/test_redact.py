@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +167,36 @@ def test_a_secret_of_the_wrong_type_is_not_quoted_in_the_config_error() -> None:
         assert "918273645" not in info.value.message and "secret" in info.value.message
     with pytest.raises(ConfigError, match="918273645"):  # not a secret: shown
         load_config_dict(Options, {"port": "918273645"}, "fetcher")
+
+
+def test_an_empty_secret_is_shown_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``token = ""`` was printed ``upstream.token = ***`` by ``--check`` and ``'dsn': ''``
+    became ``'dsn': '***'``: the mask claimed a value that is not set (review). Empty
+    values show as empty; set ones stay masked."""
+    from changebus.schemas._cli import main
+    from changebus.schemas._daemon_check import config_summary
+
+    assert main(["relay", "--check", "--set", f"data_dir={tmp_path}/relay"]) == 0
+    out = capsys.readouterr().out
+    assert '  upstream.token = ""' in out.splitlines() and "***" not in out
+    empty = Config(fetchers=(Fetcher(options={"dsn": "", "password": "", "slot": "s"}),))
+    shown = redacted(empty)
+    assert shown["store_dsn"] == ""
+    assert shown["fetchers"][0]["options"] == {"dsn": "", "password": "", "slot": "s"}
+    lines = config_summary(empty)
+    assert 'store_dsn = ""' in lines
+    assert 'fetchers[0].options.dsn = ""' in lines
+    for text in (
+        'upstream.token = ""',
+        "upstream.token = ''",
+        "host=db password='' dbname=x",
+        "{'dsn': '', 'slot': 's'}",
+        '{"password": "", "user": "cb"}',
+    ):
+        assert scrub(text) == text, text
+    # a value that is set is still masked, in each of those forms
+    assert scrub('upstream.token = "t0ken-x"') == "upstream.token = ***"
+    assert scrub("host=db password='pw' dbname=x") == "host=db password=*** dbname=x"
+    assert scrub("{'dsn': 'x', 'slot': 's'}") == "{'dsn': '***', 'slot': 's'}"
+    assert scrub('{"password": "p", "user": "cb"}') == '{"password": "***", "user": "cb"}'
+    assert redacted(Config(store_dsn="x"))["store_dsn"] == "***"

@@ -24,8 +24,9 @@ ZooKeeper work runs in the cluster session's own worker threads, never on
 the event loop (:class:`changebus.cluster.ZkSession`). The session is
 read-only: it creates no znode (``create_paths=False``), so a client can
 watch a cluster that does not exist yet. The connect string holds no secret
-(changebus uses no ZooKeeper authentication); relay URLs are logged through
-:func:`~._http.safe_url` only.
+(a member's ZooKeeper credentials are separate config fields, and a consumer
+reads the world-readable routing table without any); relay URLs are logged
+through :func:`~._http.safe_url` only.
 
 One-look readers (:func:`read_route`, :func:`read_routes`: the Spark
 driver and executors, which ask once per decision and per partition) share

@@ -19,8 +19,9 @@ class ClusterConfig:
     """Where the cluster's ZooKeeper is and who this member is.
 
     * ``zookeeper``: the connect string, ``host:port[,host:port...]`` with an
-      optional ``/chroot``. It holds no secret (changebus uses no ZooKeeper
-      authentication), so it may be logged.
+      optional ``/chroot``. It holds no secret (the ZooKeeper credentials, when
+      used, are ``zk_user`` / ``zk_password`` below, never part of it), so it
+      may be logged.
     * ``name``: the cluster; every znode lives under ``/changebus/<name>/``.
     * ``session_timeout_s``: the ZooKeeper session timeout asked for (the
       server clamps it to 2..20 ticks). A crashed leader is replaced after

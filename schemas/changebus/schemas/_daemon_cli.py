@@ -12,14 +12,17 @@ runs the daemon's coroutine (which serves through
 checks of a start (:mod:`._daemon_check`: listen address vs security, TLS
 files, upstream token and certificates, the daemon's own ``check``, e.g.
 the relay's fetcher options), prints ``config OK`` and the effective config
-with its secrets masked, and exits 0; a problem exits 2 with one line
-naming it (an unknown key names the nearest valid one). Nothing is opened,
-bound or connected.
+with its secrets masked on stdout, and exits 0; a problem exits 2 with one
+error line naming it, logged on stderr (an unknown key names the nearest
+valid one). Nothing is opened, bound or connected.
 
 Exit statuses, the same for every daemon: 0 after SIGTERM or SIGINT
 (whether the daemon was serving or still starting); 2 for a bad config or
-a fatal start-up error (a :class:`ChangebusError`, printed as one line);
-anything else is a bug and ends with its traceback (1). What is printed or
+a fatal start-up error (a :class:`ChangebusError`, one error line); anything
+else is a bug and ends with its traceback (1). Those errors are log lines of
+the daemon's logger on stderr, in the configured ``log_format``
+(:mod:`._daemon_log`; before a config has loaded, the format it asked for
+as far as it can be read); stdout never holds them. What is printed or
 logged is scrubbed of the config's secrets (:func:`~.config.scrub`).
 """
 
@@ -27,14 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
+import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ._daemon_check import check_daemon_config, config_summary
+from ._daemon_log import early_log_format, log_fatal
 from ._logsetup import setup_logging
-from .config import load_config, scrub, scrub_exception, secret_values
+from .config import load_config, scrub, secret_values
 from .errors import ChangebusError
 
 __all__ = ["add_daemon_parser", "run_daemon"]
@@ -86,6 +90,8 @@ def run_daemon(
     ``check``: the daemon's own offline checks for ``--check`` (raise
     :class:`ConfigError`), after the common ones.
     """
+    log = logging.getLogger(f"changebus.{name}")
+    env_prefix = f"CHANGEBUS_{name.upper()}_"
     overrides = list(args.overrides)
     if args.log_format:
         overrides.append(f"log_format={args.log_format}")
@@ -95,11 +101,12 @@ def run_daemon(
         config = load_config(
             config_cls,
             args.config,
-            env_prefix=f"CHANGEBUS_{name.upper()}_",
+            env_prefix=env_prefix,
             overrides=overrides,
         )
     except ChangebusError as exc:
-        print(f"changebus {name}: {exc.message}")
+        fmt = early_log_format(args, env_prefix)
+        log_fatal(log, f"changebus {name}: {scrub(exc.message)}", configure=("info", fmt))
         return 2
     secrets = secret_values(config)
     if getattr(args, "check", False):
@@ -112,10 +119,10 @@ def run_daemon(
     try:
         asyncio.run(run(config))
     except ChangebusError as exc:
-        print(f"changebus {name}: {scrub(exc.message, secrets)}")
+        log_fatal(log, f"changebus {name}: {scrub(exc.message, secrets)}")
         return 2
-    except Exception as exc:  # noqa: BLE001 - a bug: its traceback, without the secrets
-        print(scrub_exception(exc, secrets, trace=True), file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - a bug: its traceback (the log scrubs secrets)
+        log_fatal(log, f"changebus {name}: unexpected error", exc=exc)
         return 1
     return 0
 
@@ -131,7 +138,12 @@ def _check(
     try:
         check_daemon_config(config, check)
     except ChangebusError as exc:
-        print(f"changebus {name}: {scrub(exc.message, secrets)}")
+        log_fatal(
+            logging.getLogger(f"changebus.{name}"),
+            f"changebus {name}: {scrub(exc.message, secrets)}",
+            configure=(getattr(config, "log_level", "info"), getattr(config, "log_format", "text")),
+            secrets=secrets,
+        )
         return 2
     print(f"changebus {name}: config OK ({path if path is not None else 'no file: defaults'})")
     for line in config_summary(config):

@@ -17,6 +17,10 @@ Three tools, all pure functions (thread-safe, no state), and :func:`printable`
   error body, whether or not the message is known to quote a DSN (driver
   messages change between versions).
 
+An empty secret is shown empty, never as ``***`` (an unset ``token`` reads
+``token = ""`` in ``--check``; the mask would claim a value is set): every
+pattern and :func:`redact_value` mask only a value that has characters.
+
 Known values shorter than :data:`_MIN_SECRET` characters are not replaced
 (replacing every ``a`` would make a message unreadable and still hint at the
 value); the DSN patterns mask them anyway where the text quotes a DSN.
@@ -70,15 +74,16 @@ _PLACE_WORDS: Final = frozenset({"env", "file", "path", "dir", "name"})
 
 #: ``scheme://user:password@`` (the password part; no ``/``, ``@`` or blank in it)
 _URL_PASSWORD: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):([^@/\s]+)@")
-#: libpq ``password=value`` (or a quoted value, possibly unterminated) and look-alikes
+#: libpq ``password=value`` (or a quoted value, possibly unterminated) and look-alikes;
+#: never an empty value (``token = ""``: nothing to hide, and ``***`` would say there is)
 _KV_PASSWORD: Final = re.compile(
     r"""(\b(?:password|passwd|pwd|passphrase|secret|token)\s*=\s*)"""
-    r"""('(?:[^'\\]|\\.)*(?:'|$)|"(?:[^"\\]|\\.)*(?:"|$)|[^\s'",;&]+)""",
+    r"""('(?:[^'\\]|\\.)+(?:'|$)|"(?:[^"\\]|\\.)+(?:"|$)|[^\s'",;&]+)""",
     re.IGNORECASE,
 )
-#: ``'password': 'value'`` as a Python or JSON mapping prints it
+#: ``'password': 'value'`` as a Python or JSON mapping prints it (not ``'dsn': ''``)
 _MAP_PASSWORD: Final = re.compile(
-    r"""((["'])(?:password|passwd|pwd|secret|token|dsn)\2\s*:\s*)(["'])(?:(?!\3)[^\\]|\\.)*\3""",
+    r"""((["'])(?:password|passwd|pwd|secret|token|dsn)\2\s*:\s*)(["'])(?:(?!\3)[^\\]|\\.)+\3""",
     re.IGNORECASE,
 )
 _CAMEL: Final = re.compile(r"([a-z0-9])([A-Z])")

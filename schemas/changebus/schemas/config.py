@@ -9,11 +9,17 @@ in increasing priority:
 2. a TOML file (sections are nested dataclasses; arrays of tables are
    ``tuple[SomeDataclass, ...]`` fields);
 3. environment variables ``<PREFIX><SECTION>__<KEY>`` (double underscore
-   between levels, case-insensitive), e.g. ``CHANGEBUS_RELAY_HTTP__PORT=9000``;
+   between levels, case-insensitive), e.g. ``CHANGEBUS_RELAY_HTTP__PORT=9000``
+   (:mod:`._config_env`: keys inside arrays of tables such as ``partitions``
+   have none; Kubernetes service links such as ``CHANGEBUS_BOOTSTRAP_PORT``
+   that are no config key are skipped);
 4. ``--set key.path=value`` overrides from the command line.
 
-Env and CLI values are parsed as TOML values when they parse (``8080``,
-``true``, ``["a", "b"]``) and taken as plain strings otherwise.
+An env value for a string or path key is taken as it is (a password
+``123456`` stays text: :func:`._config_env.env_value`); other env values and
+all ``--set`` values are parsed as TOML values when they parse (``8080``,
+``true``, ``["a", "b"]``) and taken as plain strings otherwise (``--set
+'cluster.zk_password="123456"'`` quotes a string that reads as a number).
 
 Fields whose metadata holds ``{"secret": True}`` (DSNs, passwords) are shown
 as ``"***"`` by :func:`redacted`, which is what daemons log; so are values of
@@ -38,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from ._config_env import env_overrides, parse_text as _parse_text
 from ._redact import (
     redact_value,
     scrub as scrub,
@@ -99,13 +106,6 @@ def secret(default: Any = "", **kwargs: Any) -> Any:
 def size_field(default: int, **kwargs: Any) -> Any:
     """A dataclass field holding bytes; accepts ``"64MiB"``-style strings."""
     return dataclasses.field(default=default, metadata={"unit": "bytes"}, **kwargs)
-
-
-def _parse_text(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def _set_path(tree: dict[str, Any], path: Sequence[str], value: Any, origin: str) -> None:
@@ -252,10 +252,8 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     if env_prefix:
         source = os.environ if env is None else env
-        for name, text in sorted(source.items()):
-            if name.upper().startswith(env_prefix.upper()) and len(name) > len(env_prefix):
-                parts = name[len(env_prefix) :].lower().split("__")
-                _set_path(tree, parts, _parse_text(text), f"environment variable {name}")
+        for name, parts, value in env_overrides(cls, source, env_prefix):
+            _set_path(tree, parts, value, f"environment variable {name}")
     for item in overrides:
         key, sep, text = item.partition("=")
         # (named by key only: the value may be a DSN or a token)
