@@ -277,3 +277,36 @@ def test_the_file_log_format_applies_to_a_config_that_does_not_load(tmp_path: Pa
     assert result.returncode == 2 and result.stdout == ""
     entry = json.loads(result.stderr)
     assert entry["logger"] == "changebus.bootstrap" and "did you mean relays?" in entry["message"]
+
+
+def test_a_cluster_member_on_a_wildcard_host_must_say_its_url(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without ``advertised_url`` a member registered ``http://<http.host>:<port>``: with a
+    wildcard host, ``http://0.0.0.0:8470``, so followers and clients on other machines
+    connected to themselves (review). Refused now; a loopback default is allowed (a
+    cluster on one machine) with a warning at start."""
+    import logging
+
+    from changebus.bootstrap import BootstrapConfig, HttpConfig as BootHttp
+    from changebus.cluster import ClusterConfig, warn_loopback_advertised
+    from changebus.relay import HttpConfig, RelayConfig
+    from changebus.schemas import ConfigError
+
+    zk = ClusterConfig(zookeeper="127.0.0.1:2181", name="c", member_id="m1")
+    for host in ("0.0.0.0", "::"):
+        with pytest.raises(ConfigError, match=r"cluster\.advertised_url: set it"):
+            RelayConfig(http=HttpConfig(host=host), cluster=zk)
+        with pytest.raises(ConfigError, match=r"cluster\.advertised_url: set it"):
+            BootstrapConfig(http=BootHttp(host=host), cluster=zk)
+    named = ClusterConfig(
+        zookeeper="127.0.0.1:2181", name="c", member_id="m1", advertised_url="http://r1:8470"
+    )
+    assert RelayConfig(http=HttpConfig(host="0.0.0.0"), cluster=named).cluster == named
+    RelayConfig(http=HttpConfig(host="127.0.0.1"), cluster=zk)  # one machine: allowed
+    with caplog.at_level(logging.WARNING, logger="changebus.cluster"):
+        warn_loopback_advertised("http://127.0.0.1:8470")
+        warn_loopback_advertised("http://relay-1.internal:8470")
+    assert [r.getMessage()[:39] for r in caplog.records] == [
+        "advertising http://127.0.0.1:8470 to th"
+    ]

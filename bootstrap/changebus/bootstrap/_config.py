@@ -282,6 +282,8 @@ class BootstrapConfig:
             )
         if self.cluster is not None and not self.cluster.member_id:
             raise ConfigError("cluster.member_id is required for a bootstrap server in a cluster")
+        if self.cluster is not None:
+            self.cluster.check_listen_host(self.http.host)
         for url in self.relays:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(

@@ -40,6 +40,7 @@ from changebus.cluster import (
     RoutingSnapshot,
     RoutingTable,
     ZkSession,
+    warn_loopback_advertised,
 )
 
 __all__ = ["ClusterMember"]
@@ -75,6 +76,8 @@ class ClusterMember:
 
     async def register(self, url: str) -> None:
         """Create the member node (``advertised_url`` or ``url``) with what was published."""
+        if not self.config.advertised_url:
+            warn_loopback_advertised(url)
         registry = Registry(self.session, "bootstrap", url=self.config.advertised_url or url)
         registry.update(self._published)
         await registry.start()

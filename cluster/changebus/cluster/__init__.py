@@ -34,7 +34,10 @@ and the lease in ``changebus.cluster._election``.
 from __future__ import annotations
 
 from ._assign import assign as assign
-from ._config import ClusterConfig as ClusterConfig
+from ._config import (
+    ClusterConfig as ClusterConfig,
+    warn_loopback_advertised as warn_loopback_advertised,
+)
 from ._election import (
     LeaderInfo as LeaderInfo,
     Leadership as Leadership,
@@ -90,4 +93,5 @@ __all__ = [
     "group_root",
     "member_path",
     "read_group",
+    "warn_loopback_advertised",
 ]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from changebus.schemas.config import load_config_dict, secret
 from changebus.schemas.errors import ConfigError
 
-__all__ = ["ClusterConfig"]
+log = logging.getLogger("changebus.cluster")
+
+__all__ = ["ClusterConfig", "warn_loopback_advertised"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,18 @@ class ClusterConfig:
         if self.zk_password and self.zk_password_file:
             raise ConfigError("give cluster.zk_password or cluster.zk_password_file, not both")
 
+    def check_listen_host(self, host: str) -> None:
+        """Refuse a wildcard ``host`` (the daemon's ``http.host``) without an
+        ``advertised_url``: the default URL (``http://<host>:<port>``) would tell
+        the other machines to connect to ``0.0.0.0``, themselves (found by review).
+        A loopback host is allowed (a cluster on one machine); the daemon warns."""
+        if not self.advertised_url and host.strip("[]") in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"cluster.advertised_url: set it (http.host is {host!r}, a wildcard: the other"
+                " members and the clients would be told to connect to it, which is"
+                " themselves)"
+            )
+
     def zk_credentials(self) -> tuple[str, str] | None:
         """``(user, password)`` for ZooKeeper digest authentication, or None.
 
@@ -125,3 +141,15 @@ class ClusterConfig:
         if not isinstance(table, Mapping):
             raise ConfigError(f"{path}: [cluster] must be a table")
         return cls.from_table(table)
+
+
+def warn_loopback_advertised(url: str) -> None:
+    """Log a warning when a member advertises a loopback URL by default (only processes on
+    its own machine can reach it: right for a cluster on one machine, wrong on several)."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        log.warning(
+            "advertising %s to the cluster (the default, from http.host): only this machine"
+            " can reach it; set cluster.advertised_url when members or clients run elsewhere",
+            url,
+        )

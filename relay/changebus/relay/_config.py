@@ -212,6 +212,8 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if self.cluster is not None and not self.cluster.member_id:
             raise ConfigError("cluster.member_id is required for a relay in a cluster")
+        if self.cluster is not None:
+            self.cluster.check_listen_host(self.http.host)
         names = [p.name for p in self.partitions]
         ids = [p.id for p in self.partitions]
         if len(set(names)) != len(names) or len(set(ids)) != len(ids):

@@ -27,7 +27,7 @@ from typing import Self
 
 from aiohttp import web
 
-from changebus.cluster import ClusterConfig, CoordinationError
+from changebus.cluster import ClusterConfig, CoordinationError, warn_loopback_advertised
 from changebus.schemas.config import redacted
 from changebus.schemas.files import private_dir
 from changebus.schemas.security import ClientAuth
@@ -166,6 +166,7 @@ class Relay:
             return
         if not cluster.advertised_url:
             cluster = dataclasses.replace(cluster, advertised_url=self.url)
+            warn_loopback_advertised(self.url)
         try:
             self.cluster = await self._join(cluster)
         except CoordinationError as exc:
