@@ -65,20 +65,20 @@ class SnapshotFold(StoreDb):
         st = self.state(part)
         if st.applier_scn >= st.producer_scn:
             return st
-        # the SCN up to which to apply: the window holding the max_events-th row
-        # (windows are appended in SCN order, so the rows past ``applier_id`` are those
-        # past ``applier_scn``: bounding by SCN lets the (part, scn, id) index find
-        # them, where ``id > ?`` alone read the partition's whole log on every step)
+        # the SCN up to which to apply: the window holding the max_events-th row. Whole
+        # windows are applied, so the SCN alone says what is left; row ids only order a
+        # window's rows (SQLite reuses them once a prune emptied the log: a filter on
+        # ``id > applier_id`` then left new windows out, found by review)
         row = self._one(
-            "SELECT scn FROM cb_log WHERE part = {p} AND scn > {p} AND id > {p} "
+            "SELECT scn FROM cb_log WHERE part = {p} AND scn > {p} "
             "ORDER BY scn, id LIMIT 1 OFFSET {p}",
-            (part, st.applier_scn, st.applier_id, max_events - 1),
+            (part, st.applier_scn, max_events - 1),
         )
         upto = st.producer_scn if row is None else min(int(row[0]), st.producer_scn)
         rows = self._all(
             "SELECT id, source_id, op, scn, event FROM cb_log WHERE part = {p} AND scn > {p} "
-            "AND id > {p} AND scn <= {p} ORDER BY scn, id",
-            (part, st.applier_scn, st.applier_id, upto),
+            "AND scn <= {p} ORDER BY scn, id",
+            (part, st.applier_scn, upto),
         )
         if not rows:
             return st

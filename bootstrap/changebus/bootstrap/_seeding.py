@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from changebus.client import RelayInfo
 from changebus.schemas import (
@@ -53,6 +54,7 @@ from ._lost import Gap, repair_hint
 from ._seeders import Seeder, seeder_for
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter, table_name_problem
 from ._sink import StoreSink
+from ._store import Store
 from ._storethreads import StoreThreads
 from ._upstream import Upstream
 from ._worker import PartitionWorker
@@ -311,8 +313,9 @@ class Seeding(Upstream):
         cfg = self.config
         try:
             await self._wait_for_schemas(w, tables)
-            rows = await self.stores.write(lambda s: s.schemas(w.name))
-            schemas = [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
+            # (parsed in a reader thread: thousands of versions take seconds, which held
+            # the event loop at every seed start and retry; found by review)
+            rows, schemas = await self.stores.read(lambda s: _parsed_schemas(s, w.name))
             names = tables or sorted({n for _s, _v, n, _j in rows})
             w.seed_tables = frozenset(names)  # (a consumer from nothing waits for these)
             if again and scope.whole:
@@ -428,3 +431,11 @@ class Seeding(Upstream):
                     "nothing was seeded"
                 )
             await asyncio.sleep(0.1)
+
+
+def _parsed_schemas(
+    store: Store, part: str
+) -> tuple[list[tuple[Any, ...]], list[tuple[int, TableSchema]]]:
+    """The partition's stored schema rows and each parsed (a store thread)."""
+    rows = store.schemas(part)
+    return rows, [(sid, TableSchema.from_json(json.loads(j))) for sid, _v, _n, j in rows]
