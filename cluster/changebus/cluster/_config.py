@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from changebus.schemas.config import load_config_dict, secret
+from changebus.schemas.config import load_config_dict, read_secret_file, secret
 from changebus.schemas.errors import ConfigError
 
 __all__ = ["ClusterConfig"]
@@ -94,14 +94,7 @@ class ClusterConfig:
             return None
         if self.zk_password:
             return self.zk_user, self.zk_password
-        try:
-            password = Path(self.zk_password_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"cluster.zk_password_file {self.zk_password_file}: {exc.strerror}"
-            ) from None
-        if not password:
-            raise ConfigError(f"cluster.zk_password_file {self.zk_password_file} is empty")
+        password = read_secret_file(self.zk_password_file, "cluster.zk_password_file")
         return self.zk_user, password
 
     @classmethod
