@@ -170,9 +170,13 @@ class SeedConfig(ColumnPolicyOptions):
     """Seeding the snapshot from the source (see :mod:`._seeders`).
 
     ``kind`` -- ``postgres`` (a libpq DSN) or ``mysql`` (MySQL/MariaDB: a
-    ``mysql://user:password@host:port`` URL). ``dsn`` -- the source database
-    (secret: never logged); empty: no seeding. ``tables`` -- ``schema.table`` names (empty: every source of
-    the partition the relay has seen). ``on_start`` -- seed once at start-up
+    ``mysql://user:password@host:port`` URL whose query may carry the mysql
+    fetcher's ``password_file`` and TLS options instead of the password, e.g.
+    ``mysql://changebus@db:3306?password_file=/etc/changebus/db.pw&tls_ca_file=/etc/db-ca.pem``;
+    checked here, the files read when a seed starts). ``dsn`` -- the source
+    database (secret: never logged); empty: no seeding. ``tables`` --
+    ``schema.table`` names (empty: every source of the partition the relay
+    has seen). ``on_start`` -- seed once at start-up
     (tables already seeded are skipped; ``POST /v1/seed`` re-seeds on
     demand). ``partition`` -- the partition the source feeds (empty: the
     only one). ``column_policy`` / ``column_policy_file``,
@@ -245,6 +249,11 @@ class SeedConfig(ColumnPolicyOptions):
             raise ConfigError(
                 "seed.dsn must be a mysql://user:password@host:port URL for kind mysql"
             )
+        if self.kind == "mysql" and self.dsn:
+            from changebus.fetchers.mysql import MySQLConfig
+
+            # its query options (password_file, tls_*) checked now, the files read at start
+            MySQLConfig.from_dsn(self.dsn, "seed.dsn")
 
 
 @dataclass(frozen=True)

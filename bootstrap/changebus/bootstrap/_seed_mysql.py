@@ -5,7 +5,10 @@ The MariaDB :class:`~._chunks.ChunkSource` of :func:`._chunks.run_chunked`
 :func:`seed_mysql`, the public seeder over it:
 
 1. One PyMySQL connection per seed run (``program_name`` ``changebus-seed``,
-   session time zone UTC, ``REPEATABLE READ``, autocommit between chunks).
+   session time zone UTC, ``REPEATABLE READ``, autocommit between chunks),
+   opened like the fetcher's (:func:`changebus.fetchers.mysql.open_connection`:
+   ``seed.dsn``'s ``password_file`` and TLS options; a certificate that does
+   not verify is a non-retriable error).
    Its ``@@server_id`` must be the server the relay's fetcher reads (binlog
    positions, hence SCNs, are a server's own), and the relay's fetcher
    status gives the SCN base (0 unless the relay failed over to this
@@ -63,6 +66,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 from changebus.fetchers import ColumnPolicy
+from changebus.fetchers.mysql import open_connection
 from changebus.schemas import (
     ChangebusError,
     RowEncoder,
@@ -135,13 +139,11 @@ class MySQLChunkSource:
     def __enter__(self) -> MySQLChunkSource:
         import pymysql
 
-        cfg = mysql_config_from_dsn(self.request.dsn)
+        # (the password file is read now, at the seed's start; TLS as the fetcher's)
+        cfg = mysql_config_from_dsn(self.request.dsn).resolved()
         try:
-            self.conn = pymysql.connect(
-                host=cfg.host,
-                port=cfg.port,
-                user=cfg.user,
-                password=cfg.password,
+            self.conn = open_connection(
+                cfg,
                 connect_timeout=cfg.connect_timeout_s,
                 autocommit=True,
                 charset="utf8mb4",

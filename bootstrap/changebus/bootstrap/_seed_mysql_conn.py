@@ -1,7 +1,8 @@
 """The MariaDB seeder's connection: its settings, its server's errors, SQL text helpers.
 
 :func:`mysql_config_from_dsn` turns ``seed.dsn`` into connection settings
-(never quoting the DSN: it holds the password); :func:`relay_origin` reads
+(the fetcher's: password file and TLS options as query parameters; never
+quoting the DSN: it holds the password); :func:`relay_origin` reads
 the server id and SCN base a seed must align with; :func:`source_errors`
 maps PyMySQL errors to retriable :class:`~changebus.schemas.SourceError`;
 :func:`check_readable` tells a dropped table from one the seed's user may
@@ -11,11 +12,10 @@ not read. Blocking (PyMySQL): the seeder's thread.
 from __future__ import annotations
 
 import contextlib
-import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
-from changebus.schemas import ConfigError, SourceConfigError, SourceError
+from changebus.schemas import SourceConfigError, SourceError
 
 __all__ = [
     "check_readable",
@@ -30,26 +30,19 @@ __all__ = [
 
 
 def mysql_config_from_dsn(dsn: str) -> Any:
-    """A :class:`~changebus.fetchers.mysql.MySQLConfig` from ``mysql://user:password@host:port``.
+    """A :class:`~changebus.fetchers.mysql.MySQLConfig` from ``seed.dsn``.
 
-    ``mariadb://`` is accepted too; user and password are percent-decoded.
-    Errors never quote the DSN (it holds the password).
+    ``mysql://user[:password]@host:port[?option=value&...]`` (``mariadb://``
+    too; user and password percent-decoded): the query takes the fetcher's
+    connection options (``password_file``, ``require_tls``, ``tls_ca_file``,
+    ``tls_cert_file``, ``tls_key_file``, ``tls_check_hostname``), so the seed
+    logs in and verifies the server as the relay's fetcher does. The
+    password file is not read here (:meth:`MySQLConfig.resolved`, at the
+    seed's start). Errors never quote the DSN (it may hold the password).
     """
     from changebus.fetchers.mysql import MySQLConfig
 
-    parts = urllib.parse.urlsplit(dsn)
-    if parts.scheme not in ("mysql", "mariadb") or not parts.hostname:
-        raise ConfigError("seed.dsn must be a mysql://user:password@host:port URL for kind mysql")
-    try:
-        port = parts.port or 3306
-    except ValueError:
-        raise ConfigError("seed.dsn has a bad port") from None
-    return MySQLConfig(
-        host=parts.hostname,
-        port=port,
-        user=urllib.parse.unquote(parts.username or "changebus"),
-        password=urllib.parse.unquote(parts.password or ""),
-    )
+    return MySQLConfig.from_dsn(dsn, "seed.dsn")
 
 
 def relay_origin(relay_fetcher: Mapping[str, Any] | None) -> tuple[int, int]:

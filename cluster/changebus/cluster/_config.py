@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from changebus.schemas.config import load_config_dict, secret
+from changebus.schemas.config import load_config_dict, read_secret_file, secret
 from changebus.schemas.errors import ConfigError
 
 log = logging.getLogger("changebus.cluster")
@@ -110,14 +110,7 @@ class ClusterConfig:
             return None
         if self.zk_password:
             return self.zk_user, self.zk_password
-        try:
-            password = Path(self.zk_password_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"cluster.zk_password_file {self.zk_password_file}: {exc.strerror}"
-            ) from None
-        if not password:
-            raise ConfigError(f"cluster.zk_password_file {self.zk_password_file} is empty")
+        password = read_secret_file(self.zk_password_file, "cluster.zk_password_file")
         return self.zk_user, password
 
     @classmethod

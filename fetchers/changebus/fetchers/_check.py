@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -164,25 +163,13 @@ def mysql_options_from_dsn(dsn: str) -> dict[str, Any]:
     """Options of the ``mysql`` fetcher from ``mysql://user:password@host:port[/db,db...]``.
 
     ``mariadb://`` is accepted too; user and password are percent-decoded; the path,
-    when given, names the databases to capture. Errors never quote the DSN.
+    when given, names the databases to capture; query parameters are the connection
+    options (``?password_file=...&tls_ca_file=...``:
+    :func:`changebus.fetchers.mysql._config.dsn_options`). Errors never quote the DSN.
     """
-    parts = urllib.parse.urlsplit(dsn.strip())
-    if parts.scheme.lower() not in ("mysql", "mariadb") or not parts.hostname:
-        raise ConfigError("a MySQL/MariaDB DSN must be a mysql://user:password@host:port URL")
-    try:
-        port = parts.port or 3306
-    except ValueError:
-        raise ConfigError("the MySQL/MariaDB DSN has a bad port") from None
-    options: dict[str, Any] = {
-        "host": parts.hostname,
-        "port": port,
-        "user": urllib.parse.unquote(parts.username or "changebus"),
-        "password": urllib.parse.unquote(parts.password or ""),
-    }
-    databases = [d for d in urllib.parse.unquote(parts.path).strip("/").split(",") if d]
-    if databases:
-        options["databases"] = databases
-    return options
+    from .mysql._config import dsn_options
+
+    return dsn_options(dsn)
 
 
 async def check_source(
@@ -227,10 +214,10 @@ async def check_source(
         target, server, found = await asyncio.to_thread(check_postgres, pg)
     else:
         from .mysql._check import check_mysql
-        from .mysql._config import MySQLConfig
+        from .mysql._config import DSN_QUERY_OPTIONS, MySQLConfig
 
         if dsn:
-            for key in ("host", "port", "user", "password", "databases"):
+            for key in ("host", "port", "user", "password", "databases", *DSN_QUERY_OPTIONS):
                 opts.pop(key, None)
             opts.update(mysql_options_from_dsn(dsn))
         my = load_config_dict(MySQLConfig, opts, "fetcher options")

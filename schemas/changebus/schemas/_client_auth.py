@@ -36,7 +36,7 @@ from typing import Any
 from .config import secret
 from .errors import ConfigError
 
-__all__ = ["ClientAuth"]
+__all__ = ["ClientAuth", "client_ssl_context"]
 
 
 @dataclass(frozen=True)
@@ -103,31 +103,9 @@ class ClientAuth:
         return ctx
 
     def _build_context(self) -> ssl.SSLContext:
-        try:
-            ctx = ssl.create_default_context(
-                cafile=str(self.ca_file) if self.ca_file is not None else None
-            )
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"ca_file {self.ca_file}: cannot load CA certificates: {_why(exc)}"
-            ) from None
-        # without the name check the chain is still verified (CERT_REQUIRED stays)
-        ctx.check_hostname = self.check_hostname
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        if self.cert_file is not None:
-            try:
-                ctx.load_cert_chain(
-                    str(self.cert_file),
-                    str(self.key_file) if self.key_file is not None else None,
-                )
-            except (OSError, ssl.SSLError) as exc:
-                files = f"cert_file {self.cert_file}" + (
-                    f", key_file {self.key_file}" if self.key_file is not None else ""
-                )
-                raise ConfigError(
-                    f"{files}: cannot load the client certificate: {_why(exc)}"
-                ) from None
-        return ctx
+        return client_ssl_context(
+            self.ca_file, self.cert_file, self.key_file, check_hostname=self.check_hostname
+        )
 
     def headers(self) -> dict[str, str]:
         """``{"Authorization": "Bearer ..."}`` with a token, else ``{}`` (reads ``token_file`` once).
@@ -159,6 +137,46 @@ class ClientAuth:
         """Build the SSL context and read the token now (e.g. in a worker thread)."""
         self.ssl_context()
         self.headers()
+
+
+def client_ssl_context(
+    ca_file: Path | str | None,
+    cert_file: Path | str | None = None,
+    key_file: Path | str | None = None,
+    *,
+    check_hostname: bool = True,
+    option_prefix: str = "",
+) -> ssl.SSLContext:
+    """A client context that verifies the server: what every outgoing TLS connection uses.
+
+    The chain is always verified (``CERT_REQUIRED``), against ``ca_file``
+    (None or empty: the system's CA store); ``check_hostname`` False skips
+    only the comparison of the certificate's names with the host connected
+    to. ``cert_file`` / ``key_file``: a client certificate (mTLS). A file
+    that is missing or not PEM of the right kind is a :class:`ConfigError`
+    naming the option (``option_prefix`` + ``ca_file``, e.g. ``tls_ca_file``
+    of the MySQL fetcher) and the path, never the file's content. Blocking
+    (reads the files).
+    """
+    ca = str(ca_file) if ca_file else None
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"{option_prefix}ca_file {ca_file}: cannot load CA certificates: {_why(exc)}"
+        ) from None
+    # without the name check the chain is still verified (CERT_REQUIRED stays)
+    ctx.check_hostname = check_hostname
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if cert_file:
+        try:
+            ctx.load_cert_chain(str(cert_file), str(key_file) if key_file else None)
+        except (OSError, ssl.SSLError) as exc:
+            files = f"{option_prefix}cert_file {cert_file}" + (
+                f", {option_prefix}key_file {key_file}" if key_file else ""
+            )
+            raise ConfigError(f"{files}: cannot load the client certificate: {_why(exc)}") from None
+    return ctx
 
 
 def _check_token(token: str, where: str) -> None:

@@ -27,7 +27,11 @@ free-form option tables under secret-looking keys (``dsn``, ``password``,
 ``column_hash_key``, ``token``...: :func:`secret_key`) and passwords inside
 any DSN or URL string. :func:`scrub` removes a config's secrets
 (:func:`secret_values`) and DSN passwords from any text: every error message
-that can reach a log, a status page or an HTTP body goes through it. Size fields with
+that can reach a log, a status page or an HTTP body goes through it. A secret
+kept in a file is named by a ``*_file`` option beside it (``zk_password_file``,
+the MySQL fetcher's ``password_file``; the client's ``token_file``), never both:
+:func:`read_secret_file` reads it when the component starts, and its errors
+name the option and the path, never the content. Size fields with
 ``{"unit": "bytes"}`` also accept strings such as ``"64MiB"`` or ``"2GB"``.
 """
 
@@ -59,6 +63,7 @@ __all__ = [
     "load_config",
     "load_config_dict",
     "parse_size",
+    "read_secret_file",
     "redacted",
     "scrub",
     "scrub_exception",
@@ -101,6 +106,28 @@ def secret(default: Any = "", **kwargs: Any) -> Any:
     """A dataclass field whose value must never be logged (left out of the repr too)."""
     kwargs.setdefault("repr", False)
     return dataclasses.field(default=default, metadata={"secret": True}, **kwargs)
+
+
+def read_secret_file(path: str | Path, option: str) -> str:
+    """The secret a ``*_file`` option names: the file's text, surrounding whitespace stripped.
+
+    The one way the configs read a secret kept in a file (``zk_password_file``,
+    the MySQL fetcher's ``password_file``): read when the component starts
+    (blocking: call it off the event loop), never kept in the config itself.
+    A file that cannot be read, is not UTF-8 or holds only whitespace is a
+    :class:`ConfigError` naming ``option`` and the path, never the content
+    (nor the byte a decoding error stopped at).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{option} {path}: cannot read it (not UTF-8 text)") from None
+    secret_text = text.strip()
+    if not secret_text:
+        raise ConfigError(f"{option} {path} is empty")
+    return secret_text
 
 
 def size_field(default: int, **kwargs: Any) -> Any:

@@ -20,7 +20,9 @@ Server side (the relay and the bootstrap server, through the server frame
 Client side: :class:`ClientAuth` -- how an outgoing changebus connection
 (consumer, CLI, Spark source, bootstrap -> relay, relay -> relay) verifies
 the server (CA file, host name check), presents a client certificate (mTLS)
-and a bearer token (:mod:`changebus.schemas._client_auth`).
+and a bearer token (:mod:`changebus.schemas._client_auth`);
+:func:`client_ssl_context` -- the verifying context it builds, also used for
+connections to source databases (the MySQL fetcher's ``tls_*`` options).
 
 This module imports aiohttp (for the request type); ``changebus.schemas``
 itself does not import it.
@@ -36,7 +38,7 @@ from ._auth import (
     new_token as new_token,
     principal_of as principal_of,
 )
-from ._client_auth import ClientAuth as ClientAuth
+from ._client_auth import ClientAuth as ClientAuth, client_ssl_context as client_ssl_context
 from ._security_config import (
     SCOPES as SCOPES,
     PrincipalConfig as PrincipalConfig,
@@ -65,6 +67,7 @@ __all__ = [
     "TlsConfig",
     "auth_middleware",
     "check_bind",
+    "client_ssl_context",
     "hash_token",
     "is_loopback",
     "new_token",

@@ -6,7 +6,9 @@ mysql-replication and PyMySQL). This package exposes its configuration, its
 building blocks (TABLE_MAP layouts, their compiled row decoders and
 binlog-to-Avro transcoders, the
 declared-type history that follows DDL, the binlog-to-window assembler), the
-consistent-snapshot helper the bootstrap server seeds from, and
+consistent-snapshot helper the bootstrap server seeds from,
+:func:`open_connection` (every connection to a source: login, password
+file, TLS), and
 :class:`EmbeddedMariaDB`, a private throwaway server for tests and benchmarks.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 from .._base import Fetcher
 from ._assembler import BinlogAssembler as BinlogAssembler
 from ._config import MySQLConfig as MySQLConfig
+from ._connect import open_connection as open_connection
 from ._ddl import DdlEffect as DdlEffect, DeclaredTypes as DeclaredTypes
 from ._embedded import EmbeddedMariaDB as EmbeddedMariaDB, find_mariadb_bin as find_mariadb_bin
 from ._fetcher import MySQLFetcher as MySQLFetcher, _factory
@@ -56,5 +59,6 @@ __all__ = [
     "find_mariadb_bin",
     "format_position",
     "layout_from_table_map",
+    "open_connection",
     "parse_position",
 ]

@@ -1,7 +1,7 @@
 """The preflight of a MariaDB/MySQL source for the ``mysql`` fetcher (``changebus check-source``).
 
-:func:`check_mysql` logs in as the fetcher would (host, port, user and
-password of its options), reads variables, grants and
+:func:`check_mysql` logs in as the fetcher would (host, port, user,
+password or password file, and TLS of its options), reads variables, grants and
 ``information_schema`` only, and returns the findings in :mod:`.._check`'s
 model: binary logging on, ``binlog_format = ROW``, ``binlog_row_image =
 FULL``, ``binlog_row_metadata = FULL`` (MariaDB 10.5+ / MySQL 8.0+: the

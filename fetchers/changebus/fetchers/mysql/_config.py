@@ -1,16 +1,42 @@
-"""Options of the ``mysql`` fetcher kind (docs/mysql.md has the table)."""
+"""Options of the ``mysql`` fetcher kind (docs/mysql.md has the table).
+
+Connection secrets and TLS (one set of options for every connection the
+fetcher, ``changebus check-source`` and the bootstrap's MariaDB seeder open:
+:mod:`._connect`):
+
+* ``password`` or ``password_file`` (never both): the file is read when the
+  fetcher starts (:meth:`MySQLConfig.resolved`), with
+  :func:`~changebus.schemas.config.read_secret_file` like every ``*_file``
+  secret of the project (surrounding whitespace stripped; errors name the
+  path, never the content).
+* ``require_tls`` or any ``tls_*_file``: every connection speaks TLS and
+  verifies the server's certificate (against ``tls_ca_file``, else the
+  system's CA store; its names against ``host`` unless
+  ``tls_check_hostname = false``); ``tls_cert_file`` / ``tls_key_file``
+  present a client certificate. Without them the connection is whatever
+  PyMySQL does by default (1.2: encrypted when the server offers it, the
+  certificate not checked; 1.1: plain): no protection against a network
+  attacker.
+
+A ``mysql://user:password@host:port[/db,...][?option=value&...]`` DSN
+(:func:`dsn_options`: ``changebus check-source``, the seeder's
+``seed.dsn``) takes these options (not ``password``) as query parameters.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import urllib.parse
 import zlib
 from dataclasses import dataclass
+from typing import Any, Final
 
 from changebus.schemas import ConfigError
-from changebus.schemas.config import secret, size_field
+from changebus.schemas.config import load_config_dict, read_secret_file, secret, size_field
 
 from .._policy import ColumnPolicyOptions
 
-__all__ = ["SYSTEM_DATABASES", "MySQLConfig"]
+__all__ = ["DSN_QUERY_OPTIONS", "SYSTEM_DATABASES", "MySQLConfig", "dsn_options"]
 
 #: never captured
 SYSTEM_DATABASES = frozenset(("mysql", "information_schema", "performance_schema", "sys"))
@@ -24,6 +50,17 @@ class MySQLConfig(ColumnPolicyOptions):
     port: int = 3306
     user: str = "changebus"
     password: str = secret()
+    #: a file holding the password instead (read at start, whitespace around it stripped)
+    password_file: str = ""
+    #: TLS with the server's certificate verified, even without tls_ca_file (system CA store)
+    require_tls: bool = False
+    #: the CA the server's certificate is verified against (turns TLS on)
+    tls_ca_file: str = ""
+    #: a client certificate and its key (PEM; the key unencrypted), for REQUIRE X509 users
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: compare the certificate's names with ``host`` (the chain is verified either way)
+    tls_check_hostname: bool = True
     #: databases to capture; empty = every database except the system ones
     databases: tuple[str, ...] = ()
     #: this reader's replication server id; 0 = derived from the partition (see server_id_for)
@@ -91,6 +128,45 @@ class MySQLConfig(ColumnPolicyOptions):
             raise ConfigError("fetcher option server_id must be within 0..2**32-1")
         if not 0 < self.port < 65536:
             raise ConfigError("fetcher option port must be within 1..65535")
+        if self.password and self.password_file:
+            raise ConfigError("give fetcher option password or password_file, not both")
+        if self.tls_key_file and not self.tls_cert_file:
+            raise ConfigError(
+                "fetcher option tls_key_file needs tls_cert_file (the certificate it belongs to)"
+            )
+        if not self.tls_check_hostname and not self.tls:
+            raise ConfigError(
+                "fetcher option tls_check_hostname = false needs TLS: set tls_ca_file "
+                "(or require_tls)"
+            )
+
+    @property
+    def tls(self) -> bool:
+        """Whether every connection must speak TLS and verify the server (module docstring)."""
+        return self.require_tls or bool(self.tls_ca_file or self.tls_cert_file)
+
+    def resolved(self) -> MySQLConfig:
+        """This config with ``password_file`` read into ``password`` (blocking: at start).
+
+        The copy is what the connections use; it has no ``password_file``, so
+        it reads nothing again. A file that cannot be read or is empty is a
+        :class:`ConfigError` naming the path (never the content).
+        """
+        if not self.password_file:
+            return self
+        password = read_secret_file(self.password_file, "fetcher option password_file")
+        return dataclasses.replace(self, password=password, password_file="")
+
+    @classmethod
+    def from_dsn(cls, dsn: str, where: str = "the MySQL/MariaDB DSN") -> MySQLConfig:
+        """A config from a ``mysql://`` DSN (:func:`dsn_options`; ``where`` names it in errors)."""
+        options = dsn_options(dsn, where)
+        try:
+            return load_config_dict(cls, options, where)
+        except ConfigError as exc:
+            if exc.message.startswith(where):
+                raise
+            raise ConfigError(f"{where}: {exc.message}") from None
 
     @property
     def read_timeout_s(self) -> float:
@@ -115,3 +191,55 @@ class MySQLConfig(ColumnPolicyOptions):
             return self.server_id
         mixed = (partition_id * 0x9E37 ^ zlib.crc32(partition_name.encode())) & 0xFFFF
         return 0x4342_0000 | mixed or 0x4342_0001
+
+
+#: the options a DSN may carry as query parameters (the connection's, not ``password``)
+DSN_QUERY_OPTIONS: Final = (
+    "password_file",
+    "require_tls",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_check_hostname",
+)
+
+
+def dsn_options(dsn: str, where: str = "the MySQL/MariaDB DSN") -> dict[str, Any]:
+    """Options from ``mysql://user:password@host:port[/db,db...][?option=value&...]``.
+
+    ``mariadb://`` is accepted too; user and password are percent-decoded; the
+    path, when given, names the databases to capture; query parameters are
+    the connection options of :data:`DSN_QUERY_OPTIONS`
+    (``?password_file=/etc/changebus/mysql.pw&tls_ca_file=/etc/changebus/db-ca.pem``).
+    Errors name ``where``, never the DSN (it may hold the password).
+    """
+    parts = urllib.parse.urlsplit(dsn.strip())
+    if parts.scheme.lower() not in ("mysql", "mariadb") or not parts.hostname:
+        raise ConfigError(f"{where} must be a mysql://user:password@host:port URL")
+    try:
+        port = parts.port or 3306
+    except ValueError:
+        raise ConfigError(f"{where} has a bad port") from None
+    options: dict[str, Any] = {
+        "host": parts.hostname,
+        "port": port,
+        "user": urllib.parse.unquote(parts.username or "changebus"),
+        "password": urllib.parse.unquote(parts.password or ""),
+    }
+    databases = [d for d in urllib.parse.unquote(parts.path).strip("/").split(",") if d]
+    if databases:
+        options["databases"] = databases
+    try:
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise ConfigError(f"{where} has a malformed query (option=value&...)") from None
+    for key, value in query:
+        if key not in DSN_QUERY_OPTIONS:
+            shown = key if key.isidentifier() and len(key) <= 40 else "(not shown)"
+            raise ConfigError(
+                f"{where}: query parameter {shown} is not one of {', '.join(DSN_QUERY_OPTIONS)}"
+            )
+        if key in options:
+            raise ConfigError(f"{where}: query parameter {key} is given twice")
+        options[key] = value
+    return options

@@ -73,6 +73,8 @@ class MySQLFetcher:
     def __init__(self, name: str, partition_id: int, config: MySQLConfig) -> None:
         self.name = name
         self.partition_id = partition_id
+        #: the options as configured; ``config`` is them with ``password_file`` read at start
+        self.options = config
         self.config = config
         self.server_id = config.server_id_for(name, partition_id)
         self._resume = ResumePoint()
@@ -167,6 +169,8 @@ class MySQLFetcher:
     # ---- set-up (a worker thread; _setup) -------------------------------------
 
     def _setup(self) -> int:
+        # the password file is read at each start (a rotated password takes a restart)
+        self.config = self.options.resolved()
         plan = set_up(self.config, self._resume, self._declared, self.name)
         self._start, self._server, self._base = plan.start, plan.server, plan.base
         self._checksum, self._data_loss = plan.checksum, plan.data_loss

@@ -42,6 +42,7 @@ from changebus.schemas import (
 
 from .._base import ResumePoint
 from ._config import SYSTEM_DATABASES, MySQLConfig
+from ._connect import open_connection
 from ._ddl import DeclaredTypes
 from ._failover import gtid_parts, locate_gtid
 from ._position import format_position, parse_position, parse_restart
@@ -125,7 +126,8 @@ def set_up(
 
 
 def connect(cfg: MySQLConfig, **extra: Any) -> Any:
-    """A PyMySQL connection; a refused login is a :class:`SourceConfigError`.
+    """A PyMySQL connection (:func:`._connect.open_connection`: TLS as configured);
+    a refused login or TLS failure is a :class:`SourceConfigError`.
 
     Its reads and writes time out like the binlog stream's
     (:attr:`MySQLConfig.read_timeout_s`): a frozen server or a half-open path
@@ -135,11 +137,8 @@ def connect(cfg: MySQLConfig, **extra: Any) -> Any:
 
     timeout = cfg.read_timeout_s
     try:
-        return pymysql.connect(
-            host=cfg.host,
-            port=cfg.port,
-            user=cfg.user,
-            password=cfg.password,
+        return open_connection(
+            cfg,
             connect_timeout=cfg.connect_timeout_s,
             read_timeout=timeout,
             write_timeout=timeout,

@@ -30,6 +30,7 @@ from typing import Any
 from changebus.schemas import SourceConfigError, binlog_file_number, binlog_to_scn
 
 from ._config import MySQLConfig
+from ._connect import open_connection
 
 __all__ = ["MySQLSnapshot", "consistent_snapshot"]
 
@@ -83,11 +84,8 @@ def consistent_snapshot(config: MySQLConfig) -> MySQLSnapshot:
     import pymysql
 
     try:
-        conn = pymysql.connect(
-            host=config.host,
-            port=config.port,
-            user=config.user,
-            password=config.password,
+        conn = open_connection(
+            config,
             connect_timeout=config.connect_timeout_s,
             autocommit=False,
             charset="utf8mb4",

@@ -15,7 +15,8 @@ stream at the end of the last window it emitted (up to
 relay, which restarts the fetcher from its buffer). mysql-replication's own
 reconnect (which re-reads from its last *event*, inside a transaction) is
 disabled: the connection factory handed to it refuses a second stream
-connection.
+connection. Both of its connections (control and stream) are opened by
+:func:`._connect.open_connection`, with the fetcher's TLS settings.
 
 Decode workers (``decode_workers`` > 0): row events are transcoded in
 spawned processes (:func:`._workers.start_workers`) while the stream reads on;
@@ -40,6 +41,7 @@ from changebus.schemas import DataLoss, Op, SchemaRegistry, SourceConfigError, S
 
 from .._base import Window
 from ._assembler import BinlogAssembler, PendingWindow
+from ._connect import connection_args, open_connection
 from ._position import parse_position, resume_point
 from ._setup import reason
 
@@ -148,23 +150,19 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
 
     def connect(**settings: Any) -> Any:
         nonlocal streams
-        import pymysql
-
         if "db" in settings:  # the control connection (PyMySQL deprecates the name)
             settings["database"] = settings.pop("db")
         else:  # the stream connection
             streams += 1
             if streams > 1:
                 raise _LibraryReconnect("the server closed the binlog stream")
-        return pymysql.connect(**settings)
+        # (TLS enforced and its failures non-retriable, as for every connection)
+        return open_connection(cfg, **settings)
 
     file, pos = fetcher._start
     return BinLogStreamReader(
         connection_settings={
-            "host": cfg.host,
-            "port": cfg.port,
-            "user": cfg.user,
-            "password": cfg.password,
+            **connection_args(cfg),
             "connect_timeout": cfg.connect_timeout_s,
             "read_timeout": cfg.read_timeout_s,
         },
