@@ -48,3 +48,19 @@ def test_a_reader_with_a_fixed_schema_refuses_rows_of_a_newer_shape() -> None:
     assert cache.decoder(1, same).reader is v1
     # without the option rows are resolved into the reader's shape, as before
     assert SchemaCache({"s.t": v1}).decoder(1, v2).reader is v1
+
+
+def test_another_schema_under_a_known_id_and_version_replaces_its_decoder() -> None:
+    """A relay whose registry was rebuilt numbers its tables afresh: the cache took the
+    new schema under a known (source id, version) but kept the old decoder, which read
+    the new rows with the old columns (review)."""
+    cache = SchemaCache()
+    first = _table("s.a", 3)
+    cache.add(1, first)
+    old = cache.decoder(1, first)
+    other = TableSchema("s.b", (Column("key", "string", nullable=False),), ("key",), 3)
+    cache.add(1, other)
+    new = cache.decoder(1, other)
+    assert new is not old and [c.name for c in new.writer.columns] == ["key"]
+    cache.add(1, other)  # the same schema again: the decoder stays
+    assert cache.decoder(1, other) is new

@@ -108,8 +108,17 @@ class SchemaCache:
         self._complete.clear()
 
     def add(self, source_id: int, schema: TableSchema) -> None:
-        """Record one writer schema version."""
-        self._schemas[(source_id, schema.version)] = schema
+        """Record one writer schema version.
+
+        A different schema under a known ``(source_id, version)`` (a relay whose
+        registry was rebuilt and numbered afresh) replaces it and its decoder: the
+        decoder kept decoded the new bytes with the old columns (found by review).
+        """
+        key = (source_id, schema.version)
+        known = self._schemas.get(key)
+        if known is not None and known.fingerprint != schema.fingerprint:
+            self._decoders.pop(key, None)
+        self._schemas[key] = schema
         self._names[source_id] = schema.name
         newest = self._latest.get(schema.name)
         if newest is None or schema.version > newest.version:
