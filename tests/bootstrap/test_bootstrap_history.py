@@ -291,3 +291,38 @@ async def test_a_bounded_read_through_a_bootstrap_ends_at_until_scn(tmp_path: Pa
 
         await asyncio.wait_for(read(), 30)
     assert seen[0][0] == "snapshot" and seen[-1][1] == last
+
+
+async def test_an_older_server_refusing_mode_catchup_is_failed_over(tmp_path: Path) -> None:
+    """A server from before mode=catchup refuses the parameter (400, not retriable): a
+    catch-up-only consumer stopped at once instead of trying the next server (review).
+    It is a BootstrapFailedError now, which the failover moves on from."""
+    from aiohttp import web
+
+    async def start(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"error": "bad_request", "message": "unknown parameter(s): mode", "retriable": False},
+            status=400,
+        )
+
+    app = web.Application()
+    app.router.add_get("/v1/bootstrap/start", start)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        old = f"http://127.0.0.1:{port}"
+        config = ConsumerConfig(
+            relays=("http://127.0.0.1:9",),
+            partition="syn",
+            bootstrap_servers=(old,),
+            bootstrap_catchup_only=True,
+        )
+        async with aiohttp.ClientSession() as http:
+            boot = Bootstrapper(config, http, WindowQueue(16, 1 << 20), SchemaCache())
+            with pytest.raises(BootstrapFailedError, match="cannot plan a catch-up only"):
+                await boot._start(old, 5)
+    finally:
+        await runner.cleanup()

@@ -439,6 +439,16 @@ def test_a_fsync_follower_registers_the_newest_window_on_its_disk() -> None:
     assert state("follow", None) == ("follower", 90)
     assert state("lead", 70) == ("leader", 90)
 
+    # a follower whose syncs failed for good registers nothing (it would hold the
+    # leader's acknowledgements back until restarted); a leader still registers
+    def registered(plan: str, error: str) -> bool:
+        syncer = SimpleNamespace(synced_scn=70, error=error)
+        role = SimpleNamespace(host=SimpleNamespace(syncer=syncer), plan=(plan, 0, ""))
+        return bool(PartitionRole.registered(role))  # type: ignore[arg-type]
+
+    assert registered("follow", "") and registered("lead", "msync failed")
+    assert not registered("follow", "msync failed")
+
 
 async def test_a_chained_relay_s_buffer_replays_what_recovery_drops(tmp_path: Path) -> None:
     """The host opens a follower's (fetcher ``relay``) buffer as replayable."""

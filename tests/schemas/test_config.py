@@ -205,6 +205,10 @@ def test_kubernetes_service_links_are_skipped(caplog: pytest.LogCaptureFixture) 
         ("CHANGEBUS_BOOTSTRAP_HTTP__PROT", "did you mean http.port"),
         ("CHANGEBUS_BOOTSTRAP_PORTS", "unknown config key ports"),
         ("CHANGEBUS_BOOTSTRAP_PORT_8471_HTTP", "unknown config key port_8471_http"),
+        # a service link's name without a service link's value: a typo (one _ for two),
+        # refused, not skipped (review)
+        ("CHANGEBUS_BOOTSTRAP_HTTP_PORT", "unknown config key http_port"),
+        ("CHANGEBUS_BOOTSTRAP_PARTITIONS__PORT", "partitions"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(BootstrapConfig, env={**env, name: "1"}, env_prefix="CHANGEBUS_BOOTSTRAP_")

@@ -48,6 +48,7 @@ from typing import Literal
 import aiohttp
 
 from changebus.schemas import (
+    BadRequestError,
     BootstrapFailedError,
     BootstrapProgress,
     CorruptEventError,
@@ -479,13 +480,22 @@ class Bootstrapper:
         if self.config.bootstrap_catchup_only:
             params["mode"] = "catchup"
         info = self._info(url)
-        plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
+        try:
+            plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
+        except BadRequestError as exc:
+            if "mode" not in params:
+                raise
+            # an older server refuses the parameter (400, not retriable): the next
+            # server may know it, so the failover goes on (found by review)
+            raise BootstrapFailedError(
+                f"{info.where}: cannot plan a catch-up only (an older version?): {exc.message}"
+            ) from exc
         with malformed_answer(info.where, "/v1/bootstrap/start"):
             start, snapshot = int(plan["start_scn"]), bool(plan["snapshot"])
             unseeded = int(plan.get("unseeded_count", 0))
             names = [str(n) for n in plan.get("unseeded", [])][:5]
         if self.config.bootstrap_catchup_only and (snapshot or (since >= 0 and start != since)):
-            # (an older server, which ignores mode=catchup: the next one may know it)
+            # (a server that ignored mode=catchup: the next one may know it)
             raise BootstrapFailedError(
                 f"{info.where}: asked for a catch-up only after SCN {since}, planned a"
                 f" {'snapshot' if snapshot else 'catch-up'} at SCN {start}"

@@ -35,8 +35,11 @@ while it cannot prove it leads; everyone keeps serving what it holds.
 No window lost at failover (Postgres). The leader acknowledges the source
 no further than the lowest SCN held by the live followers of the partition
 (:meth:`PartitionRole.follower_hold`): each follower's ``max_scn`` as it
-registers it itself (its buffer's newest window, published within about
-``_TICK_S + _REGISTRY_INTERVAL_S``: it lags, never leads). The positions
+registers it itself (its buffer's newest window, or with ``durability =
+"fsync"`` the newest window on its disk; published within about ``_TICK_S +
+_REGISTRY_INTERVAL_S``: it lags, never leads; a follower whose syncs failed
+for good does not register the partition: :meth:`PartitionRole.registered`).
+The positions
 of its ``/v1/stream`` requests are *not* used: a follow response moves the
 position the leader sees as windows are *sent*, before the follower has
 appended them. A follower whose member node is gone holds nothing back. So
@@ -437,6 +440,15 @@ class PartitionRole:
             hold = self._lead_from if hold is None else min(hold, self._lead_from)
         return (1 << 63) - 1 if hold is None else hold
 
+    def registered(self) -> bool:
+        """Whether this member registers the partition at all: not as a follower whose
+        ``durability = "fsync"`` syncs failed for good (its synced SCN no longer moves
+        and its ingest stopped: as a follower it would hold the leader's acknowledgements
+        back, and the source's log would grow, until someone restarted it; found by
+        review). Clients then do not read it there either."""
+        syncer = self.host.syncer
+        return self.plan[0] == "lead" or syncer is None or not syncer.error
+
     def state(self) -> PartitionState:
         """What this member registers for the partition. A follower's ``max_scn`` is the
         leader's hold (:meth:`follower_hold`): with ``durability = "fsync"`` the newest
@@ -577,7 +589,7 @@ class ClusterMember:
             role.kick()
 
     def _states(self) -> dict[str, PartitionState]:
-        return {name: role.state() for name, role in self.roles.items()}
+        return {name: role.state() for name, role in self.roles.items() if role.registered()}
 
     async def _publish(self) -> None:
         last: dict[str, PartitionState] = {}

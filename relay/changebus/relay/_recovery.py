@@ -227,9 +227,11 @@ def _later_head(
     which every event verifies up to the published tail becomes the head,
     and the windows before it count as evicted (``prev_scn`` just below the
     new oldest window: never above what was really evicted, so no consumer
-    is served across a gap). Damage in a window further on is not this
-    case: None. A binary search over the window starts (verification from
-    one start implies it from every later one), each step one check.
+    is served across a gap); damage also in a middle window moves the head
+    past it (the intact windows before it count as evicted: safe, if more
+    than needed). Damage in the newest window: None. A binary search over the
+    window starts (verification from one start implies it from every later
+    one), each step one check.
     """
     n = len(records)
     starts = np.flatnonzero(records["op"][:-1] == _EOW) + 1
@@ -267,9 +269,9 @@ def _later_head(
         prev_pos="",
     )
     log.warning(
-        "buffer %s: its %d oldest events (SCN %d..) were overwritten by newer bytes before the"
-        " head that evicted them was published (the machine went down between the two):"
-        " counted as evicted; the %d events from SCN %d on are intact",
+        "buffer %s: its %d oldest events (SCN %d..) do not verify (damaged, or overwritten"
+        " by newer bytes before the head that evicted them was published): counted as"
+        " evicted; the %d events from SCN %d on are intact",
         name,
         first,
         meta.min_scn,

@@ -58,10 +58,22 @@ log = logging.getLogger(__name__)
 NOT_A_KEY: Final = object()
 
 #: the names Kubernetes gives service-link variables (upper case; ``<NAME>`` is the
-#: Service's name with ``-`` as ``_``)
-_SERVICE_LINK: Final = re.compile(
-    r"[A-Z0-9_]+_(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
-    r"|PORT(?:_[0-9]+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)"
+#: Service's name with ``-`` as ``_``), each with the form of its value: an address,
+#: a port number, a protocol or an ``tcp://address:port`` URL. A name alone matched
+#: typos too (``..._HTTP_PORT=9000`` for ``HTTP__PORT``: skipped, not refused; review)
+_ADDRESS: Final = r"[0-9a-fA-F.:]+"
+_PORT_NUMBER: Final = r"[0-9]{1,5}"
+_PROTOCOL: Final = r"(?:TCP|UDP|SCTP)"
+_SERVICE_LINKS: Final = tuple(
+    (re.compile(rf"[A-Z0-9_]+_{name}"), re.compile(value, re.IGNORECASE))
+    for name, value in (
+        ("SERVICE_HOST", _ADDRESS),
+        ("SERVICE_PORT(?:_[A-Z0-9_]+)?", _PORT_NUMBER),
+        (f"PORT(?:_[0-9]+_{_PROTOCOL})?", rf"{_PROTOCOL}://\[?{_ADDRESS}\]?:{_PORT_NUMBER}"),
+        (f"PORT_[0-9]+_{_PROTOCOL}_PROTO", _PROTOCOL),
+        (f"PORT_[0-9]+_{_PROTOCOL}_PORT", _PORT_NUMBER),
+        (f"PORT_[0-9]+_{_PROTOCOL}_ADDR", _ADDRESS),
+    )
 )
 
 
@@ -74,9 +86,14 @@ def parse_text(text: str) -> Any:
         return text
 
 
-def is_service_link(name: str) -> bool:
-    """Whether ``name`` has the form of a Kubernetes service-link variable (module docstring)."""
-    return _SERVICE_LINK.fullmatch(name.upper()) is not None
+def is_service_link(name: str, value: str) -> bool:
+    """Whether ``name`` and ``value`` have the form of a Kubernetes service-link variable
+    (module docstring)."""
+    upper, text = name.upper(), value.strip()
+    return any(
+        form.fullmatch(upper) is not None and value_form.fullmatch(text) is not None
+        for form, value_form in _SERVICE_LINKS
+    )
 
 
 def _section(tp: Any) -> type[Any] | None:
@@ -149,7 +166,7 @@ def env_overrides(
             continue
         path = name[len(prefix) :].lower().split("__")
         tp = key_type(cls, path)
-        if tp is NOT_A_KEY and is_service_link(name):
+        if tp is NOT_A_KEY and is_service_link(name, text):
             log.debug("environment variable %s skipped: a Kubernetes service link", name)
             continue
         found.append((name, path, parse_text(text) if tp is NOT_A_KEY else env_value(tp, text)))
