@@ -267,6 +267,21 @@ async def test_two_sources_the_target_cannot_tell_apart_are_refused(
         assert replica.query("SELECT id, v FROM a_b_c ORDER BY id") == [(1, "x"), (2, "y")]
     finally:
         await replica.close()
+    # after a restart the other source alone: the first source's table is still its own
+    again = SqliteReplica(tmp_path / "r.db")
+    try:
+        w = window(40, table("a.b_c"), {"id": 1, "v": "clobbered"})
+        assert await again.on_start_window(w) is None
+        assert await again.on_event(w.events[0]) is None
+        assert await again.on_end_window(w) is CallbackResult.FATAL
+        await deliver(again, window(50, table("a_b.c"), {"id": 3, "v": "z"}))
+        assert again.query("SELECT id, v FROM a_b_c ORDER BY id") == [
+            (1, "x"),
+            (2, "y"),
+            (3, "z"),
+        ]
+    finally:
+        await again.close()
     shards = SqliteReplica(tmp_path / "s.db", table_names={"s1.t": "t", "s2.t": "t"})
     try:
         await deliver(shards, window(10, table("s1.t"), {"id": 1, "v": "a"}))

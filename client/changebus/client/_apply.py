@@ -98,10 +98,12 @@ class Replica(RowStatements, AsyncCallbacks):
     ) -> None:
         self.consumer_name = consumer_name
         self._table_names = table_names
-        #: target table (as the database tells them apart) -> (its source, by the
-        #: default naming): :meth:`_claim_table`; worker thread only
-        self._claimed: dict[str, tuple[str, bool]] = {}
+        #: (target table as the database tells them apart, source) pairs checked against
+        #: the sources table (:meth:`_claim_table`); worker thread only
+        self._claimed: set[tuple[str, str]] = set()
         self.checkpoint_table = checkpoint_table
+        #: which source first wrote each target table (:meth:`_claim_table`)
+        self.sources_table = f"{checkpoint_table}_sources"
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-replica")
         self._conn: Any = None  # worker thread only
         #: other writers apply other keys of the same tables (a key filter; the units
@@ -179,7 +181,7 @@ class Replica(RowStatements, AsyncCallbacks):
         """What the target database tells tables apart by (:meth:`_claim_table`)."""
         return ".".join(self._kept_name(part) for part in table.split("."))
 
-    def _claim_table(self, table: str, source: str) -> None:
+    def _claim_table(self, conn: Any, table: str, source: str) -> None:
         """Refuse a second source whose rows would go to ``table`` by the default naming.
 
         ``a_b.c`` and ``a.b_c`` are both ``a_b_c`` in SQLite (so are ``App.T``
@@ -187,18 +189,32 @@ class Replica(RowStatements, AsyncCallbacks):
         their first 63 bytes are one table in PostgreSQL: their rows were
         merged into one table, keys of one overwriting the other's. Sources
         that ``table_names`` sends to one table on purpose (shards into one)
-        are left alone. Worker thread only.
+        are left alone. The first source of each table is kept in the
+        database (:attr:`sources_table`), so the check holds across restarts
+        and between the processes writing one database (a group's members).
+        Worker thread only; once per table and source in a process.
         """
         key = self._table_key(table)
+        if (key, source) in self._claimed:
+            return
         named = self._table_names
         defaulted = named is None or (not callable(named) and source not in named)
-        owner = self._claimed.setdefault(key, (source, defaulted))
-        if owner[0] != source and (defaulted or owner[1]):
+        q, p = self._quote(self.sources_table), self.placeholder
+        self._execute(
+            conn,
+            f"INSERT INTO {q} (tbl, source, defaulted) VALUES ({p}, {p}, {p})"
+            " ON CONFLICT (tbl) DO NOTHING",
+            (key, source, int(defaulted)),
+        )
+        rows = self._execute(conn, f"SELECT source, defaulted FROM {q} WHERE tbl = {p}", (key,))
+        owner, owner_defaulted = str(rows[0][0]), bool(rows[0][1])
+        if owner != source and (defaulted or owner_defaulted):
             raise ConfigError(
-                f"sources {owner[0]!r} and {source!r} would both write replica table {table!r}"
+                f"sources {owner!r} and {source!r} would both write replica table {table!r}"
                 " (the target database cannot tell their names apart): map one of them"
                 " elsewhere with table_names"
             )
+        self._claimed.add((key, source))
 
     def _qualified(self, table: str) -> str:
         return self._quote(table)
@@ -254,6 +270,12 @@ class Replica(RowStatements, AsyncCallbacks):
                     " (consumer TEXT PRIMARY KEY, checkpoint TEXT NOT NULL)",
                 )
                 self._create_missing(conn, self._ledger.table, self._ledger.create)
+                self._create_missing(
+                    conn,
+                    self.sources_table,
+                    f"CREATE TABLE IF NOT EXISTS {self._quote(self.sources_table)}"
+                    " (tbl TEXT PRIMARY KEY, source TEXT NOT NULL, defaulted INTEGER NOT NULL)",
+                )
             except BaseException:
                 self._close_connection(conn)
                 raise
@@ -437,7 +459,7 @@ class Replica(RowStatements, AsyncCallbacks):
         if schema is None:
             raise ConfigError(f"event of {event.table!r} carries no table schema")
         table = self.table_for(event.table)
-        self._claim_table(table, schema.name)
+        self._claim_table(conn, table, schema.name)
         known, wanted = self._columns.get(table), {self._kept_name(c.name) for c in schema.columns}
         if len(wanted) != len(schema.columns):
             raise ConfigError(
