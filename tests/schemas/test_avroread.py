@@ -285,6 +285,57 @@ def test_recursive_types_fall_back_to_fastavro() -> None:
     assert compile_change_reader(_parsed(schema), {}, tuple) is None
 
 
+def test_array_items_of_zero_bytes_fall_back_to_fastavro() -> None:
+    for items in ("null", {"type": "record", "name": "E", "fields": []}):
+        schema = {
+            "type": "record",
+            "name": "r",
+            "fields": [{"name": "a", "type": {"type": "array", "items": items}}],
+        }
+        assert compile_change_reader(_parsed(schema), {}, tuple) is None
+
+
+def _varint(n: int) -> bytes:
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z >= 0x80:
+        out.append(z & 0x7F | 0x80)
+        z >>= 7
+    return bytes(out + bytes([z]))
+
+
+def test_a_block_counting_more_items_than_bytes_left_is_corrupt() -> None:
+    """Refused at the count, before any item is read (the bytes past the record are
+    valid longs: the reader went on there, and made a list of their number)."""
+    table = TableSchema(
+        "public.arrays",
+        (Column("id", "long", nullable=False), Column("a", {"type": "array", "items": "long"})),
+        key=("id",),
+    )
+    dec = ChangeDecoder(table)
+
+    def payload(count: int) -> bytes:  # after: id 1, a: the count, then 1, 2, 3 and the end
+        return b"\x02\x02\x02\x02" + _varint(count) + b"\x02\x04\x06\x00" + b"\x00\x00\x00"
+
+    assert dec.decode(payload(3)).after == {"id": 1, "a": [1, 2, 3]}
+    for count in (100, 2**40, -100):  # (a negative count: a block with its byte size)
+        data = payload(count)
+        if count < 0:
+            data = data.replace(b"\x02\x04\x06", b"\x06\x02\x04\x06")
+        body = data + b"\x02" * 1000  # more longs, past the record's end
+        for decode in (dec.decode_many, _columns(dec)):
+            with pytest.raises(CorruptEventError, match=f"a block of {abs(count)} items in the"):
+                decode(body, [0], [len(data)])
+
+
+def _columns(dec: ChangeDecoder) -> Any:
+    def decode(buf: bytes, starts: list[int], stops: list[int]) -> Any:
+        names = dec.columns
+        return dec.decode_columns(buf, starts, stops, [[] for _ in names], [[] for _ in names])
+
+    return decode
+
+
 @settings(max_examples=300, deadline=None)
 @given(ROWS, st.data())
 def test_malformed_payloads_raise_corrupt_event_error(row: dict[str, Any], data: Any) -> None:

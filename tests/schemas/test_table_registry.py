@@ -310,6 +310,48 @@ def test_invalid_tables(make: Any, needle: str) -> None:
         make()
 
 
+_EMPTY = {"type": "record", "name": "Empty", "fields": []}
+_NULLS = {"type": "record", "name": "Nulls", "fields": [{"name": "n", "type": "null"}]}
+
+
+@pytest.mark.parametrize(
+    ("avro", "needle"),
+    [
+        ({"type": "array", "items": "null"}, "array items"),
+        ({"type": "array", "items": {"type": "null"}}, "array items"),
+        ({"type": "array", "items": ["null"]}, None),  # a union: its branch byte
+        ({"type": "array", "items": _EMPTY}, "array items"),
+        ({"type": "array", "items": _NULLS}, "array items"),
+        ({"type": "array", "items": {"type": "array", "items": "null"}}, "array items"),
+        ({"type": "map", "values": "null"}, "map values"),
+        ({"type": "array", "items": {"type": "fixed", "name": "F", "size": 0}}, "fixed size 0"),
+        ({"type": "fixed", "name": "F", "size": 0}, "fixed size 0"),
+        ({"type": "fixed", "name": "F", "size": -1}, "fixed size -1"),
+        ({"type": "fixed", "name": "F", "size": 2.5}, "fixed size 2.5"),
+        ({"type": "fixed", "name": "F", "size": True}, "fixed size True"),
+        ({"type": "fixed", "name": "F", "size": "3"}, "fixed size '3'"),
+        ({"type": "array", "items": ["null", "long"]}, None),
+        ({"type": "array", "items": {"type": "fixed", "name": "F", "size": 1}}, None),
+        (_NULLS, None),  # a column of zero bytes is no loop
+    ],
+)
+def test_types_whose_items_take_no_bytes_are_refused(avro: Any, needle: str | None) -> None:
+    """A count of 20,000,000 ``null`` items is 4 bytes: such types are refused."""
+    if needle is None:
+        TableSchema("t", (Column("id", "long"), Column("a", avro)), ("id",))
+        return
+    with pytest.raises(SchemaError, match=f"column 'a': {needle}"):
+        TableSchema("t", (Column("id", "long"), Column("a", avro)), ("id",))
+
+
+def test_items_of_a_named_type_defined_in_another_column_are_checked() -> None:
+    with pytest.raises(SchemaError, match="column 'b': array items"):
+        TableSchema(
+            "t",
+            (Column("a", _EMPTY), Column("b", {"type": "array", "items": "changebus.row.Empty"})),
+        )
+
+
 @pytest.mark.parametrize(
     "data",
     [

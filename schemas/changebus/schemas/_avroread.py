@@ -25,7 +25,10 @@ Errors: malformed input raises whatever Python raises while reading
 (``IndexError`` past the end, ``UnicodeDecodeError``, ``struct.error``,
 ``ValueError``); the caller wraps them (see
 :class:`~changebus.schemas.ChangeDecoder`). Every record must end exactly
-at its stop offset.
+at its stop offset, and a block of an array or map may not count more items
+than bytes are left before that offset (every item takes one at least: array
+items of zero bytes, which table schemas refuse, are left to fastavro), so a
+few bytes cannot make a list of millions.
 
 Thread-safety: generated functions keep no state and may be shared.
 """
@@ -57,6 +60,29 @@ _DAYS_TO_ORDINAL: Final = date(1970, 1, 1).toordinal()
 
 class _Unsupported(Exception):
     """The schema uses something the generator does not handle."""
+
+
+def takes_no_bytes(
+    schema: Any, named: Mapping[str, Any], seen: frozenset[str] = frozenset()
+) -> bool:
+    """Whether every value of ``schema`` is zero bytes long (``null``, an empty record,
+    ``fixed`` of size 0, records of such): as array items or map values, a few bytes
+    of counts would stand for any number of them."""
+    if isinstance(schema, str):
+        if schema in named and schema not in seen:
+            return takes_no_bytes(named[schema], named, seen | {schema})
+        return schema == "null"
+    if not isinstance(schema, dict):
+        return False  # a union: a branch index, one byte at least
+    kind = schema.get("type")
+    if kind in ("record", "error"):
+        inner = seen | {schema["name"]} if isinstance(schema.get("name"), str) else seen
+        return all(takes_no_bytes(f.get("type"), named, inner) for f in schema.get("fields", ()))
+    if kind == "fixed":
+        return schema.get("size") == 0
+    if isinstance(kind, str | dict):
+        return kind not in ("enum", "array", "map") and takes_no_bytes(kind, named, seen)
+    return False
 
 
 def _long(buf: bytes, pos: int) -> tuple[int, int]:
@@ -141,6 +167,12 @@ def _bad_branch(byte: int, where: str) -> CorruptEventError:
     return CorruptEventError(f"bad union branch byte 0x{byte:02x} in {where}")
 
 
+def _block_past_end(count: int, left: int) -> CorruptEventError:
+    return CorruptEventError(
+        f"a block of {count} items in the {max(left, 0)} bytes left of its record"
+    )
+
+
 class _Writer:
     """Accumulates the generated source and the constants it refers to."""
 
@@ -152,6 +184,7 @@ class _Writer:
             "_size": _size,
             "_string_array": _string_array,
             "_bad_branch": _bad_branch,
+            "_block_past_end": _block_past_end,
             "_Corrupt": CorruptEventError,
             "_f32": struct.Struct("<f").unpack_from,
             "_f64": struct.Struct("<d").unpack_from,
@@ -274,7 +307,9 @@ class _Writer:
             self.varint(i, ind)
             self.emit(ind, f"{target} = {symbols}[{i}]")
         elif kind == "fixed":
-            size = int(schema["size"])
+            size = schema.get("size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise _Unsupported(f"fixed of size {size!r}")  # (refused in table schemas)
             self.emit(ind, f"{target} = buf[pos:pos + {size}]")
             self.emit(ind, f"pos += {size}")
         elif kind == "array":
@@ -318,6 +353,9 @@ class _Writer:
 
     def blocks(self, item: Any, key: str | None, target: str, ind: int) -> None:
         """An array (``key`` None) or a map: blocks of items until a zero count."""
+        if key is None and takes_no_bytes(item, self.named):
+            # (refused in table schemas) a count alone would stand for any number of them
+            raise _Unsupported("array items of zero bytes")
         count, k, v = self.name("k"), self.name("mk"), self.name("it")
         self.emit(ind, f"{target} = {{}}" if key else f"{target} = []")
         self.emit(ind, "while True:")
@@ -327,6 +365,10 @@ class _Writer:
         self.emit(ind + 1, f"if {count} < 0:")
         self.emit(ind + 2, f"{count} = -{count}")
         self.emit(ind + 2, "_, pos = _size(buf, pos)")
+        # every item (every map entry: its key) takes a byte at least, so a count past
+        # the bytes left is corrupt: refused before a list of that many is built
+        self.emit(ind + 1, f"if {count} > stop - pos:")
+        self.emit(ind + 2, f"raise _block_past_end({count}, stop - pos)")
         self.emit(ind + 1, f"for _ in range({count}):")
         if key:
             self.primitive(key, k, ind + 2)
@@ -448,7 +490,7 @@ def compile_change_reader(
         resolve = None if reader is None else _plan(parsed_row, reader)
         # the row reader (used for before-images), then the batch loop with
         # the after-image's code inline
-        w.emit(0, "def read_row(buf, pos):")
+        w.emit(0, "def read_row(buf, pos, stop):")
         w.record(dict(parsed_row), "row", 1, rename, resolve)
         w.emit(1, "return row, pos")
         w.emit(0, "def read_changes(buf, starts, stops):")
@@ -466,7 +508,7 @@ def compile_change_reader(
         w.emit(2, "b = buf[pos]")
         w.emit(2, "pos += 1")
         w.emit(2, "if b == 2:")
-        w.emit(3, "before, pos = read_row(buf, pos)")
+        w.emit(3, "before, pos = read_row(buf, pos, stop)")
         w.emit(2, "elif b == 0:")
         w.emit(3, "before = None")
         w.emit(2, "else:")

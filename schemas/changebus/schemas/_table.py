@@ -41,8 +41,11 @@ the fingerprint.
 Invariants, checked on construction (:class:`SchemaError` otherwise): a name
 of 1..512 characters; 1..65535 columns with unique non-empty names; key
 columns exist and are distinct; ``version`` in 0..65535; the derived Avro
-schemas parse. Instances are immutable: a column's type is deep-copied (as
-JSON) when the :class:`Column` is made, and the derived schemas are cached.
+schemas parse; a ``fixed`` has a size of 1 at least; the items of an array
+and the values of a map take bytes (not ``null`` or an empty record: a
+payload's count of them would cost nothing per item). Instances are
+immutable: a column's type is deep-copied (as JSON) when the :class:`Column`
+is made, and the derived schemas are cached.
 """
 
 from __future__ import annotations
@@ -53,11 +56,12 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import Any, Final, Union
+from typing import Any, Final, Union, cast
 
 import fastavro
 from fastavro.schema import SchemaParseException, UnknownType
 
+from ._avroread import takes_no_bytes
 from ._crc import avro_fingerprint
 from .errors import SchemaError
 
@@ -107,6 +111,51 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
             raise SchemaError(f"column {column!r}: {b!r} is not an Avro type")
     result: AvroType = copy
     return result
+
+
+def _check_fixed(column: str, t: Any) -> None:
+    """Every ``fixed`` in the type ``t`` has an int size of 1 at least."""
+    if isinstance(t, list):
+        for b in t:
+            _check_fixed(column, b)
+        return
+    if not isinstance(t, dict):
+        return
+    if t.get("type") == "fixed":
+        size = t.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise SchemaError(f"column {column!r}: fixed size {size!r} is not an int of 1 or more")
+    for k in ("type", "items", "values"):
+        _check_fixed(column, t.get(k))
+    fields_ = t.get("fields")
+    if isinstance(fields_, list):
+        for f in fields_:
+            if isinstance(f, dict):
+                _check_fixed(column, f.get("type"))
+
+
+def _empty_items(t: Any, named: dict[str, Any], seen: frozenset[str]) -> str | None:
+    """``"array"`` or ``"map"`` if the (parsed) type ``t`` has one whose items or
+    values take no bytes; None otherwise."""
+    if isinstance(t, str):
+        if t in named and t not in seen:
+            return _empty_items(named[t], named, seen | {t})
+        return None
+    if isinstance(t, list):
+        return next((e for b in t if (e := _empty_items(b, named, seen)) is not None), None)
+    if not isinstance(t, dict):
+        return None
+    kind = t.get("type")
+    if kind in ("array", "map"):
+        item = t["items" if kind == "array" else "values"]
+        if takes_no_bytes(item, named):
+            return str(kind)
+        return _empty_items(item, named, seen)
+    if kind in ("record", "error"):
+        inner = seen | {t["name"]} if isinstance(t.get("name"), str) else seen
+        types = [f["type"] for f in t["fields"]]
+        return next((e for f in types if (e := _empty_items(f, named, inner)) is not None), None)
+    return _empty_items(kind, named, seen) if isinstance(kind, dict | list) else None
 
 
 def _fullname(name: str, namespace: Any, enclosing: str) -> str:
@@ -166,6 +215,7 @@ class Column:
         if not isinstance(name, str) or not name:
             raise SchemaError(f"a column name must be a non-empty string, not {name!r}")
         object.__setattr__(self, "type", _normalise_type(self.name, self.type))
+        _check_fixed(self.name, self.type)
         object.__setattr__(self, "nullable", bool(self.nullable))
         object.__setattr__(self, "source_type", str(self.source_type))
         object.__setattr__(self, "policy", str(self.policy))
@@ -216,10 +266,20 @@ class TableSchema:
         if not isinstance(version, int) or not 0 <= version <= 65535:
             raise SchemaError(f"table {self.name!r}: version must be 0..65535")
         try:
-            fastavro.parse_schema(self.change_schema)
+            change = cast(dict[str, Any], fastavro.parse_schema(self.change_schema))
             fastavro.parse_schema(self.key_schema)
         except (SchemaParseException, UnknownType, KeyError, TypeError, ValueError) as exc:
             raise SchemaError(f"table {self.name!r}: invalid Avro column types: {exc}") from None
+        # items of zero bytes: a payload's few bytes of counts could stand for millions
+        named = change["__named_schemas"]
+        row = named[f"changebus.row.{self.record_name}"]
+        for col, f in zip(self.columns, row["fields"], strict=True):
+            kind = _empty_items(f["type"], named, frozenset())
+            if kind is not None:
+                raise SchemaError(
+                    f"column {col.name!r}: {kind} {'items' if kind == 'array' else 'values'}"
+                    " must not be of a type that takes no bytes (null, an empty record)"
+                )
         self.release_derived()
 
     def __hash__(self) -> int:
