@@ -28,10 +28,12 @@ from changebus.schemas import (
     Op,
     RowEncoder,
     TableSchema,
+    _avroread,
     mysql_avro_type,
     parse_stream,
     pg_avro_type,
 )
+from changebus.schemas._avrocols import compile_column_reader
 from changebus.schemas._avroread import compile_change_reader
 
 PG_TYPES = [
@@ -283,6 +285,64 @@ def test_recursive_types_fall_back_to_fastavro() -> None:
         "fields": [{"name": "next", "type": ["null", "node"]}],
     }
     assert compile_change_reader(_parsed(schema), {}, tuple) is None
+
+
+def _nullable_arrays(levels: int) -> Any:
+    t: Any = "long"
+    for _ in range(levels):
+        t = {"type": "array", "items": ["null", t]}
+    return t
+
+
+@pytest.mark.parametrize("levels", [8, 9, 10, 15])
+def test_deeply_nested_types_fall_back_to_fastavro(levels: int) -> None:
+    """Ten arrays of nullables deep, compile() raised SyntaxError ("too many statically
+    nested blocks") out of ChangeDecoder; nested deeper than the generated code can
+    be, a schema is read by fastavro."""
+    table = TableSchema(
+        "public.nested",
+        (Column("id", "long", nullable=False), Column("a", _nullable_arrays(levels))),
+        key=("id",),
+        version=1,
+    )
+    value: Any = [1, None]
+    for _ in range(levels - 1):
+        value = [value, None, []]
+    row = {"id": 1, "a": value}
+    data = _events(table, [(Op.INSERT, row, None, (), ())])
+    starts, stops = _payload_spans(data)
+    dec = ChangeDecoder(table)
+    assert (dec._fast is not None) == (levels <= 8)
+    assert dec.decode_many(data, starts, stops)[0].after == row
+    after: list[list[Any]] = [[], []]
+    dec.decode_columns(data, starts, stops, after, [[], []])
+    assert after == [[1], [value]]
+    assert (dec._columnar is not None) == (levels <= 8)
+
+
+def test_records_nested_past_pythons_indentation_fall_back_to_fastavro() -> None:
+    t: Any = "long"
+    for i in range(120):  # (deeper than a table schema may nest: the generator's own guard)
+        t = {"type": "record", "name": f"R{i}", "fields": [{"name": "f", "type": ["null", t]}]}
+    schema = {"type": "record", "name": "r", "fields": [{"name": "a", "type": t}]}
+    assert compile_change_reader(_parsed(schema), {}, tuple) is None
+    assert compile_column_reader(_parsed(schema)) is None
+
+
+def test_what_python_refuses_to_compile_is_left_to_fastavro(monkeypatch: Any) -> None:
+    """Past the generator's own limits: compile()'s SyntaxError, decimal.Context's
+    ValueError and OverflowError make no reader (they were raised out of ChangeDecoder)."""
+    monkeypatch.setattr(_avroread, "_MAX_NESTED_BLOCKS", 100)
+    deep = {"type": "record", "name": "r", "fields": [{"name": "a", "type": _nullable_arrays(12)}]}
+    assert compile_change_reader(_parsed(deep), {}, tuple) is None
+    assert compile_column_reader(_parsed(deep)) is None
+    for precision in (0, 10**20):  # (refused in table schemas)
+        dec = {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": 0}
+        schema = {"type": "record", "name": "r", "fields": [{"name": "d", "type": dec}]}
+        parsed = _parsed({**schema, "fields": [{"name": "d", "type": "bytes"}]})
+        parsed["fields"][0]["type"] = dec  # (fastavro refuses precision 0 itself)
+        assert compile_change_reader(parsed, {}, tuple) is None
+        assert compile_column_reader(parsed) is None
 
 
 def test_array_items_of_zero_bytes_fall_back_to_fastavro() -> None:

@@ -18,8 +18,9 @@ ones call fastavro's own ``LOGICAL_READERS`` functions), and
 every type the type mappers produce. Resolution to a reader schema is done
 here for what schema evolution usually brings (columns added as nullable,
 columns dropped); anything else (type promotions, aliases, recursive named
-types) makes :func:`compile_change_reader` return ``None``, and the caller
-keeps using fastavro.
+types, types nested deeper than generated Python code can be) makes
+:func:`compile_change_reader` return ``None``, and the caller keeps using
+fastavro.
 
 Errors: malformed input raises whatever Python raises while reading
 (``IndexError`` past the end, ``UnicodeDecodeError``, ``struct.error``,
@@ -56,6 +57,15 @@ _PRIMITIVES: Final = frozenset(
     ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
 )
 _DAYS_TO_ORDINAL: Final = date(1970, 1, 1).toordinal()
+#: arrays and maps nested in each other at most (two loops each): Python compiles
+#: at most 20 nested loops (the batch loop is one)
+_MAX_NESTED_BLOCKS: Final = 8
+#: indentation levels of generated code at most (Python's limit is 100)
+_MAX_INDENT: Final = 64
+#: what compiling generated code may raise for a schema it cannot take (too deep for
+#: Python's parser or compiler, a decimal context Python refuses, ...): the caller
+#: falls back to fastavro
+_CANNOT_COMPILE: Final = (SyntaxError, RecursionError, ValueError, OverflowError)
 
 
 class _Unsupported(Exception):
@@ -198,6 +208,14 @@ class _Writer:
         }
         self._n = 0
         self._open: set[str] = set()
+        self._blocks = 0  # arrays and maps open around the code being emitted
+
+    def compile(self, function: str, filename: str) -> Any:
+        """The generated ``function``; may raise what :data:`_CANNOT_COMPILE` lists."""
+        namespace = dict(self.consts)
+        code = compile("\n".join(self.lines) + "\n", filename, "exec")
+        exec(code, namespace)  # our own generated source: schema names appear only as literals
+        return namespace[function]
 
     def name(self, prefix: str = "v") -> str:
         self._n += 1
@@ -240,6 +258,8 @@ class _Writer:
 
     def value(self, schema: Any, target: str, ind: int) -> None:
         """Emit code reading one value of ``schema`` at ``pos`` into ``target``."""
+        if ind > _MAX_INDENT:
+            raise _Unsupported("types nested too deeply")
         if isinstance(schema, list):
             self.union(schema, target, ind)
         elif isinstance(schema, str):
@@ -356,6 +376,8 @@ class _Writer:
         if key is None and takes_no_bytes(item, self.named):
             # (refused in table schemas) a count alone would stand for any number of them
             raise _Unsupported("array items of zero bytes")
+        if self._blocks >= _MAX_NESTED_BLOCKS:
+            raise _Unsupported("arrays or maps nested too deeply")
         count, k, v = self.name("k"), self.name("mk"), self.name("it")
         self.emit(ind, f"{target} = {{}}" if key else f"{target} = []")
         self.emit(ind, "while True:")
@@ -372,7 +394,9 @@ class _Writer:
         self.emit(ind + 1, f"for _ in range({count}):")
         if key:
             self.primitive(key, k, ind + 2)
+        self._blocks += 1
         self.value(item, v, ind + 2)
+        self._blocks -= 1
         self.emit(ind + 2, f"{target}[{k}] = {v}" if key else f"{target}.append({v})")
 
     def record(
@@ -522,12 +546,9 @@ def compile_change_reader(
         w.emit(3, "raise _Corrupt('change record does not end where its event ends')")
         w.emit(2, "append(_new((after, before, after_ns, before_ns)))")
         w.emit(1, "return out")
-    except _Unsupported:
+        compiled: ChangeReader = w.compile(
+            "read_changes", f"<changebus reader {parsed_row.get('name')}>"
+        )
+    except (_Unsupported, *_CANNOT_COMPILE):
         return None
-    namespace = dict(w.consts)
-    code = compile(
-        "\n".join(w.lines) + "\n", f"<changebus reader {parsed_row.get('name')}>", "exec"
-    )
-    exec(code, namespace)  # our own generated source: schema names appear only as literals
-    compiled: ChangeReader = namespace["read_changes"]
     return compiled

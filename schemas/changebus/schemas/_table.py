@@ -41,7 +41,9 @@ the fingerprint.
 Invariants, checked on construction (:class:`SchemaError` otherwise): a name
 of 1..512 characters; 1..65535 columns with unique non-empty names; key
 columns exist and are distinct; ``version`` in 0..65535; the derived Avro
-schemas parse; a ``fixed`` has a size of 1 at least; the items of an array
+schemas parse; a ``fixed`` has a size of 1 at least; a ``decimal`` has a
+precision of 1 to ``decimal.MAX_PREC`` and a scale of 0 to its precision;
+types nest at most ``MAX_TYPE_DEPTH`` levels; the items of an array
 and the values of a map take bytes (not ``null`` or an empty record: a
 payload's count of them would cost nothing per item). Instances are
 immutable: a column's type is deep-copied (as JSON) when the :class:`Column`
@@ -50,13 +52,14 @@ is made, and the derived schemas are cached.
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import Any, Final, Union, cast
+from typing import Any, Final, TypeGuard, Union, cast
 
 import fastavro
 from fastavro.schema import SchemaParseException, UnknownType
@@ -73,6 +76,9 @@ AvroType = Union[str, dict[str, Any], list[Any]]  # noqa: UP007
 _AVRO_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NAMED: Final = frozenset({"record", "error", "enum", "fixed"})
 MAX_COLUMNS: Final = 65535
+#: how deep a column type may nest (unions, arrays, maps, records, each a level): the
+#: readers generated per schema are Python code, which nests only so far
+MAX_TYPE_DEPTH: Final = 32
 #: the derived Avro schemas :meth:`TableSchema.release_derived` drops (cached properties)
 _DERIVED: Final = ("row_schema", "key_schema", "change_schema")
 
@@ -99,6 +105,8 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
         copy = json.loads(json.dumps(avro_type))
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"column {column!r}: type is not JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaError(f"column {column!r}: type nested too deeply") from None
     branches = copy if isinstance(copy, list) else [copy]
     if not branches:
         raise SchemaError(f"column {column!r}: empty union type")
@@ -113,25 +121,45 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
     return result
 
 
-def _check_fixed(column: str, t: Any) -> None:
-    """Every ``fixed`` in the type ``t`` has an int size of 1 at least."""
+def _check_type(column: str, t: Any, depth: int = 0) -> None:
+    """What fastavro lets pass in the type ``t`` but the readers cannot take: a ``fixed``
+    of no int size of 1 at least; a ``decimal`` without a precision of 1 to
+    ``decimal.MAX_PREC`` and a scale of 0 to that; nesting beyond ``MAX_TYPE_DEPTH``."""
+    if depth > MAX_TYPE_DEPTH:
+        raise SchemaError(f"column {column!r}: type nested more than {MAX_TYPE_DEPTH} levels deep")
     if isinstance(t, list):
         for b in t:
-            _check_fixed(column, b)
+            _check_type(column, b, depth + 1)
         return
     if not isinstance(t, dict):
         return
-    if t.get("type") == "fixed":
+    kind = t.get("type")
+    if kind == "fixed":
         size = t.get("size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if not _is_int(size) or size < 1:
             raise SchemaError(f"column {column!r}: fixed size {size!r} is not an int of 1 or more")
+    if kind in ("bytes", "fixed") and t.get("logicalType") == "decimal":
+        precision, scale = t.get("precision"), t.get("scale", 0)
+        if not _is_int(precision) or not 1 <= precision <= decimal.MAX_PREC:
+            raise SchemaError(
+                f"column {column!r}: decimal precision {precision!r} is not an int"
+                f" of 1 to {decimal.MAX_PREC}"
+            )
+        if not _is_int(scale) or not 0 <= scale <= precision:
+            raise SchemaError(
+                f"column {column!r}: decimal scale {scale!r} is not an int of 0 to its precision"
+            )
     for k in ("type", "items", "values"):
-        _check_fixed(column, t.get(k))
+        _check_type(column, t.get(k), depth + 1)
     fields_ = t.get("fields")
     if isinstance(fields_, list):
         for f in fields_:
             if isinstance(f, dict):
-                _check_fixed(column, f.get("type"))
+                _check_type(column, f.get("type"), depth + 1)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _empty_items(t: Any, named: dict[str, Any], seen: frozenset[str]) -> str | None:
@@ -215,7 +243,7 @@ class Column:
         if not isinstance(name, str) or not name:
             raise SchemaError(f"a column name must be a non-empty string, not {name!r}")
         object.__setattr__(self, "type", _normalise_type(self.name, self.type))
-        _check_fixed(self.name, self.type)
+        _check_type(self.name, self.type)
         object.__setattr__(self, "nullable", bool(self.nullable))
         object.__setattr__(self, "source_type", str(self.source_type))
         object.__setattr__(self, "policy", str(self.policy))
