@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import io
+import time
 import uuid
 from typing import Any
 
@@ -394,6 +395,96 @@ def _columns(dec: ChangeDecoder) -> Any:
         return dec.decode_columns(buf, starts, stops, [[] for _ in names], [[] for _ in names])
 
     return decode
+
+
+_DEC = {"logicalType": "decimal", "precision": 10, "scale": 2}
+DECIMALS = TableSchema(
+    "public.decimals",
+    (
+        Column("id", "long", nullable=False),
+        Column("d", {"type": "bytes", **_DEC}),
+        Column("f", {"type": "fixed", "name": "F", "size": 16, **_DEC}),
+        Column("day", {"type": "int", "logicalType": "date"}),
+    ),
+    key=("id",),
+    version=1,
+)
+
+
+def _decimals(d: bytes, f: bytes = bytes(16), day: int = 0) -> bytes:
+    """A change record of DECIMALS with these unscaled bytes (and day)."""
+    return (
+        b"\x02\x02\x02"
+        + (b"\x02" + _varint(len(d)) + d)
+        + (b"\x02" + f)
+        + (b"\x02" + _varint(day))
+        + b"\x00\x00\x00"
+    )
+
+
+def _decoders() -> list[Any]:
+    """Every path a record can take: generated rows, generated columns, fastavro."""
+    dec = ChangeDecoder(DECIMALS)
+    return [dec.decode_many, _columns(dec), _fastavro_decoder(DECIMALS).decode_many]
+
+
+@pytest.mark.parametrize(
+    ("d", "f", "day"),
+    [
+        (b"\x7f" + b"\x11" * 200_000, bytes(16), 0),  # 8 s in Decimal() before
+        (b"\x80" + b"\x11" * 200_000, bytes(16), 0),
+        (b"\x00\x80" + bytes(4), bytes(16), 0),  # 2**39: 6 bytes, where 10 digits take 5
+        (b"\xff\x7f" + b"\xff" * 4, bytes(16), 0),  # -(2**39) - 1
+        (b"\x01", b"\x00" * 10 + b"\x01" + bytes(5), 0),  # the fixed: 2**40
+        (b"\x01", b"\x7f" + b"\xff" * 15, 0),
+        (b"\x7f" + b"\x11" * 200_000, bytes(16), 10**7),  # a date past 9999 first: plain path
+    ],
+    ids=["200KB", "200KB-negative", "6-bytes", "6-bytes-negative", "fixed", "fixed-max", "plain"],
+)
+def test_decimals_longer_than_their_precision_are_corrupt(d: bytes, f: bytes, day: int) -> None:
+    data = _decimals(d, f, day)
+    for decode in _decoders():
+        started = time.process_time()
+        with pytest.raises(CorruptEventError, match=r"a decimal of \d+ bytes, more than its"):
+            decode(data, [0], [len(data)])
+        assert time.process_time() - started < 0.5
+
+
+@pytest.mark.parametrize(
+    ("d", "f"),
+    [
+        (b"\x00\x7f" + b"\xff" * 4, bytes(16)),  # 2**39 - 1: 5 bytes, padded with a sign byte
+        (b"\xff" * 30 + b"\x85", b"\xff" * 15 + b"\x85"),  # -123: padded
+        (b"\x7f" + b"\xff" * 4, b"\xff" * 11 + b"\x80" + bytes(4)),  # 5 bytes, past 10 digits
+        (b"", bytes(16)),  # (0)
+    ],
+    ids=["padded", "padded-negative", "rounded", "empty"],
+)
+def test_decimals_within_their_bytes_read_as_fastavro_reads_them(d: bytes, f: bytes) -> None:
+    data = _decimals(d, f)
+    bio = io.BytesIO(data[1:])
+    expected = fastavro.schemaless_reader(bio, _parsed(DECIMALS.row_schema), None)
+    assert isinstance(expected, dict)
+    for decode in _decoders():
+        got = decode(data, [0], [len(data)])
+        if isinstance(got, tuple):  # the columns
+            assert got[0] == [1]
+            continue
+        assert _same(got[0].after, expected)
+    after: list[list[Any]] = [[] for _ in DECIMALS.columns]
+    ChangeDecoder(DECIMALS).decode_columns(data, [0], [len(data)], after, [[]] * 4)
+    assert _same([c[0] for c in after[:3]], [1, expected["d"], expected["f"]])
+
+
+def test_decimal_keys_longer_than_their_precision_are_corrupt() -> None:
+    table = TableSchema("public.k", (Column("d", {"type": "bytes", **_DEC}),), ("d",), 1)
+    dec = ChangeDecoder(table)
+    assert dec.decode_key(b"\x04\x04\xd2") == {"d": decimal.Decimal("12.34")}
+    big = b"\x7f" + b"\x11" * 200_000
+    started = time.process_time()
+    with pytest.raises(CorruptEventError, match="a decimal of 200001 bytes, more than its"):
+        dec.decode_key(_varint(len(big)) + big)
+    assert time.process_time() - started < 0.5
 
 
 @settings(max_examples=300, deadline=None)

@@ -29,7 +29,10 @@ Errors: malformed input raises whatever Python raises while reading
 at its stop offset, and a block of an array or map may not count more items
 than bytes are left before that offset (every item takes one at least: array
 items of zero bytes, which table schemas refuse, are left to fastavro), so a
-few bytes cannot make a list of millions.
+few bytes cannot make a list of millions. A decimal whose unscaled value takes
+more bytes than its precision needs (:func:`decimal_max_bytes`) is corrupt
+too: ``Decimal(int)`` takes time quadratic in its digits. Values within that
+length read as fastavro reads them (rounded to the precision).
 
 Thread-safety: generated functions keep no state and may be shared.
 """
@@ -37,7 +40,9 @@ Thread-safety: generated functions keep no state and may be shared.
 from __future__ import annotations
 
 import decimal
+import functools
 import json
+import math
 import struct
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -183,6 +188,28 @@ def _block_past_end(count: int, left: int) -> CorruptEventError:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def decimal_max_bytes(precision: int) -> int:
+    """The most bytes the unscaled value of a decimal of ``precision`` digits takes
+    (big-endian two's complement, as Avro writes it: ``±(10**precision - 1)``)."""
+    if precision <= 4000:
+        top: int = 10**precision - 1
+        bits = top.bit_length()
+    else:  # (an over-estimate, without the number itself)
+        bits = math.ceil(precision * math.log2(10)) + 1
+    return bits // 8 + 1  # with the sign bit
+
+
+def _decimal_too_long(data: bytes, limit: int, precision: int) -> None:
+    """The rare path of a decimal of more than ``limit`` bytes: refused unless its
+    value fits them (a writer may pad with sign bytes)."""
+    value = int.from_bytes(data, "big", signed=True)  # (linear in the bytes)
+    if (value if value >= 0 else ~value).bit_length() >= 8 * limit:
+        raise CorruptEventError(
+            f"a decimal of {len(data)} bytes, more than its precision {precision} takes"
+        )
+
+
 class _Writer:
     """Accumulates the generated source and the constants it refers to."""
 
@@ -195,6 +222,7 @@ class _Writer:
             "_string_array": _string_array,
             "_bad_branch": _bad_branch,
             "_block_past_end": _block_past_end,
+            "_decimal_too_long": _decimal_too_long,
             "_Corrupt": CorruptEventError,
             "_f32": struct.Struct("<f").unpack_from,
             "_f64": struct.Struct("<d").unpack_from,
@@ -278,7 +306,9 @@ class _Writer:
         else:
             raise _Unsupported(f"bad schema {schema!r}")
 
-    def primitive(self, kind: str, target: str, ind: int) -> None:
+    def primitive(self, kind: str, target: str, ind: int) -> str | None:
+        """Emit code reading a value of a primitive type; the name of the variable with
+        its length for bytes and string (None for the others)."""
         if kind == "null":
             self.emit(ind, f"{target} = None")
         elif kind == "boolean":
@@ -300,6 +330,8 @@ class _Writer:
             self.emit(ind, f"end = pos + {n}")
             self.emit(ind, f"{target} = buf[pos:end]" + (".decode()" if kind == "string" else ""))
             self.emit(ind, "pos = end")
+            return n
+        return None
 
     def union(self, branches: list[Any], target: str, ind: int) -> None:
         """A union: the branch index, then that branch (non-null branches tested first)."""
@@ -319,6 +351,8 @@ class _Writer:
     def complex(self, schema: dict[str, Any], target: str, ind: int) -> None:
         kind = schema.get("type")
         logical = schema.get("logicalType")
+        length = None  # (bytes) the variable holding the value's length
+        size = None  # (fixed) the size
         if kind == "record" or kind == "error":
             self.record(schema, target, ind, None)
         elif kind == "enum":
@@ -337,7 +371,7 @@ class _Writer:
         elif kind == "map":
             self.blocks(schema["values"], "string", target, ind)
         elif isinstance(kind, str) and kind in _PRIMITIVES:
-            self.primitive(kind, target, ind)
+            length = self.primitive(kind, target, ind)
         elif isinstance(kind, str | list | dict):
             self.value(kind, target, ind)
         else:
@@ -355,8 +389,18 @@ class _Writer:
             # fastavro's reader in two calls, with a context of the column's own (fastavro
             # sets the precision of one shared context at every value: 1.0 against 0.5 us,
             # and racy between threads); the same value, exponent and rounding
-            context = self.const(decimal.Context(prec=int(schema["precision"])), "_dc")
+            precision = int(schema["precision"])
+            context = self.const(decimal.Context(prec=precision), "_dc")
             scale = int(schema.get("scale", 0))
+            # Decimal(int) takes time quadratic in the digits (8 s for 200 KB): an
+            # unscaled value longer than the precision allows is refused first (one
+            # compare of the length; a fixed no longer than that needs none)
+            limit = decimal_max_bytes(precision)
+            if length is not None:
+                self.emit(ind, f"if {length} > {limit}:")
+                self.emit(ind + 1, f"_decimal_too_long({target}, {limit}, {precision})")
+            elif size is None or size > limit:
+                self.emit(ind, f"_decimal_too_long({target}, {limit}, {precision})")
             self.emit(
                 ind,
                 f"{target} = _Decimal(_from_bytes({target}, 'big', signed=True))"
