@@ -432,24 +432,28 @@ class ChangeDecoder:
         return images[0], images[1]
 
     def decode_key(self, key: bytes | memoryview) -> dict[str, Any]:
-        """Decode key bytes into ``{column: value}``.
+        """Decode key bytes (one key record exactly) into ``{column: value}``.
 
         Dates and timestamps outside Python's years 1-9999 come back as their
         Avro ints (days, or µs, since 1970-01-01), as in :meth:`decode_many`.
         """
+        bio = io.BytesIO(key)
         try:
             try:
-                row = cast(
-                    dict[str, Any], fastavro.schemaless_reader(io.BytesIO(key), self._wkey, None)
-                )
+                row = cast(dict[str, Any], fastavro.schemaless_reader(bio, self._wkey, None))
             except (ValueError, OverflowError):
                 if self._plain_key is None:
                     self._plain_key = _PlainReader(self.writer.key_schema, None)
-                row = cast(dict[str, Any], self._plain_key.read(io.BytesIO(key)))
+                bio.seek(0)
+                row = cast(dict[str, Any], self._plain_key.read(bio))
         except CorruptEventError:
             raise
         except Exception as exc:
             raise CorruptEventError(f"undecodable {self.writer.name!r} key: {exc!r}") from exc
+        if bio.tell() != len(key):
+            raise CorruptEventError(
+                f"{self.writer.name!r} key: trailing bytes ({len(key) - bio.tell()})"
+            )
         if self.writer.column_for_field:
             row = {self.writer.column_for_field.get(k, k): v for k, v in row.items()}
         return row
