@@ -42,6 +42,10 @@ def test_paths() -> None:
     for bad in ("", "a/b", "..", "x" * 129):
         with pytest.raises(ConfigError):
             group_root(bad)
+    assert Unit.parse("a.b.17") == Unit("a.b", 17)
+    for bad in ("orders.\u00b2", "orders.\u0661\u0662", "orders.x", "orders"):  # ², Arabic 12
+        with pytest.raises(ConfigError, match=r"is not <partition>\.<bucket>"):
+            Unit.parse(bad)  # (str.isdigit() let ² through: int() raised ValueError)
     assert member_seq("m-0000000042") == 42
     assert member_seq("c-0000000042") == member_seq("m-") == member_seq("m-12x") == -1
 

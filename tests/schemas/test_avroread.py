@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import io
+import time
 import uuid
 from typing import Any
 
@@ -28,10 +29,12 @@ from changebus.schemas import (
     Op,
     RowEncoder,
     TableSchema,
+    _avroread,
     mysql_avro_type,
     parse_stream,
     pg_avro_type,
 )
+from changebus.schemas._avrocols import compile_column_reader
 from changebus.schemas._avroread import compile_change_reader
 
 PG_TYPES = [
@@ -283,6 +286,205 @@ def test_recursive_types_fall_back_to_fastavro() -> None:
         "fields": [{"name": "next", "type": ["null", "node"]}],
     }
     assert compile_change_reader(_parsed(schema), {}, tuple) is None
+
+
+def _nullable_arrays(levels: int) -> Any:
+    t: Any = "long"
+    for _ in range(levels):
+        t = {"type": "array", "items": ["null", t]}
+    return t
+
+
+@pytest.mark.parametrize("levels", [8, 9, 10, 15])
+def test_deeply_nested_types_fall_back_to_fastavro(levels: int) -> None:
+    """Ten arrays of nullables deep, compile() raised SyntaxError ("too many statically
+    nested blocks") out of ChangeDecoder; nested deeper than the generated code can
+    be, a schema is read by fastavro."""
+    table = TableSchema(
+        "public.nested",
+        (Column("id", "long", nullable=False), Column("a", _nullable_arrays(levels))),
+        key=("id",),
+        version=1,
+    )
+    value: Any = [1, None]
+    for _ in range(levels - 1):
+        value = [value, None, []]
+    row = {"id": 1, "a": value}
+    data = _events(table, [(Op.INSERT, row, None, (), ())])
+    starts, stops = _payload_spans(data)
+    dec = ChangeDecoder(table)
+    assert (dec._fast is not None) == (levels <= 8)
+    assert dec.decode_many(data, starts, stops)[0].after == row
+    after: list[list[Any]] = [[], []]
+    dec.decode_columns(data, starts, stops, after, [[], []])
+    assert after == [[1], [value]]
+    assert (dec._columnar is not None) == (levels <= 8)
+
+
+def test_records_nested_past_pythons_indentation_fall_back_to_fastavro() -> None:
+    t: Any = "long"
+    for i in range(120):  # (deeper than a table schema may nest: the generator's own guard)
+        t = {"type": "record", "name": f"R{i}", "fields": [{"name": "f", "type": ["null", t]}]}
+    schema = {"type": "record", "name": "r", "fields": [{"name": "a", "type": t}]}
+    assert compile_change_reader(_parsed(schema), {}, tuple) is None
+    assert compile_column_reader(_parsed(schema)) is None
+
+
+def test_what_python_refuses_to_compile_is_left_to_fastavro(monkeypatch: Any) -> None:
+    """Past the generator's own limits: compile()'s SyntaxError, decimal.Context's
+    ValueError and OverflowError make no reader (they were raised out of ChangeDecoder)."""
+    monkeypatch.setattr(_avroread, "_MAX_NESTED_BLOCKS", 100)
+    deep = {"type": "record", "name": "r", "fields": [{"name": "a", "type": _nullable_arrays(12)}]}
+    assert compile_change_reader(_parsed(deep), {}, tuple) is None
+    assert compile_column_reader(_parsed(deep)) is None
+    for precision in (0, 10**20):  # (refused in table schemas)
+        dec = {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": 0}
+        schema = {"type": "record", "name": "r", "fields": [{"name": "d", "type": dec}]}
+        parsed = _parsed({**schema, "fields": [{"name": "d", "type": "bytes"}]})
+        parsed["fields"][0]["type"] = dec  # (fastavro refuses precision 0 itself)
+        assert compile_change_reader(parsed, {}, tuple) is None
+        assert compile_column_reader(parsed) is None
+
+
+def test_array_items_of_zero_bytes_fall_back_to_fastavro() -> None:
+    for items in ("null", {"type": "record", "name": "E", "fields": []}):
+        schema = {
+            "type": "record",
+            "name": "r",
+            "fields": [{"name": "a", "type": {"type": "array", "items": items}}],
+        }
+        assert compile_change_reader(_parsed(schema), {}, tuple) is None
+
+
+def _varint(n: int) -> bytes:
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z >= 0x80:
+        out.append(z & 0x7F | 0x80)
+        z >>= 7
+    return bytes(out + bytes([z]))
+
+
+def test_a_block_counting_more_items_than_bytes_left_is_corrupt() -> None:
+    """Refused at the count, before any item is read (the bytes past the record are
+    valid longs: the reader went on there, and made a list of their number)."""
+    table = TableSchema(
+        "public.arrays",
+        (Column("id", "long", nullable=False), Column("a", {"type": "array", "items": "long"})),
+        key=("id",),
+    )
+    dec = ChangeDecoder(table)
+
+    def payload(count: int) -> bytes:  # after: id 1, a: the count, then 1, 2, 3 and the end
+        return b"\x02\x02\x02\x02" + _varint(count) + b"\x02\x04\x06\x00" + b"\x00\x00\x00"
+
+    assert dec.decode(payload(3)).after == {"id": 1, "a": [1, 2, 3]}
+    for count in (100, 2**40, -100):  # (a negative count: a block with its byte size)
+        data = payload(count)
+        if count < 0:
+            data = data.replace(b"\x02\x04\x06", b"\x06\x02\x04\x06")
+        body = data + b"\x02" * 1000  # more longs, past the record's end
+        for decode in (dec.decode_many, _columns(dec)):
+            with pytest.raises(CorruptEventError, match=f"a block of {abs(count)} items in the"):
+                decode(body, [0], [len(data)])
+
+
+def _columns(dec: ChangeDecoder) -> Any:
+    def decode(buf: bytes, starts: list[int], stops: list[int]) -> Any:
+        names = dec.columns
+        return dec.decode_columns(buf, starts, stops, [[] for _ in names], [[] for _ in names])
+
+    return decode
+
+
+_DEC = {"logicalType": "decimal", "precision": 10, "scale": 2}
+DECIMALS = TableSchema(
+    "public.decimals",
+    (
+        Column("id", "long", nullable=False),
+        Column("d", {"type": "bytes", **_DEC}),
+        Column("f", {"type": "fixed", "name": "F", "size": 16, **_DEC}),
+        Column("day", {"type": "int", "logicalType": "date"}),
+    ),
+    key=("id",),
+    version=1,
+)
+
+
+def _decimals(d: bytes, f: bytes = bytes(16), day: int = 0) -> bytes:
+    """A change record of DECIMALS with these unscaled bytes (and day)."""
+    return (
+        b"\x02\x02\x02"
+        + (b"\x02" + _varint(len(d)) + d)
+        + (b"\x02" + f)
+        + (b"\x02" + _varint(day))
+        + b"\x00\x00\x00"
+    )
+
+
+def _decoders() -> list[Any]:
+    """Every path a record can take: generated rows, generated columns, fastavro."""
+    dec = ChangeDecoder(DECIMALS)
+    return [dec.decode_many, _columns(dec), _fastavro_decoder(DECIMALS).decode_many]
+
+
+@pytest.mark.parametrize(
+    ("d", "f", "day"),
+    [
+        (b"\x7f" + b"\x11" * 200_000, bytes(16), 0),  # 8 s in Decimal() before
+        (b"\x80" + b"\x11" * 200_000, bytes(16), 0),
+        (b"\x00\x80" + bytes(4), bytes(16), 0),  # 2**39: 6 bytes, where 10 digits take 5
+        (b"\xff\x7f" + b"\xff" * 4, bytes(16), 0),  # -(2**39) - 1
+        (b"\x01", b"\x00" * 10 + b"\x01" + bytes(5), 0),  # the fixed: 2**40
+        (b"\x01", b"\x7f" + b"\xff" * 15, 0),
+        (b"\x7f" + b"\x11" * 200_000, bytes(16), 10**7),  # a date past 9999 first: plain path
+    ],
+    ids=["200KB", "200KB-negative", "6-bytes", "6-bytes-negative", "fixed", "fixed-max", "plain"],
+)
+def test_decimals_longer_than_their_precision_are_corrupt(d: bytes, f: bytes, day: int) -> None:
+    data = _decimals(d, f, day)
+    for decode in _decoders():
+        started = time.process_time()
+        with pytest.raises(CorruptEventError, match=r"a decimal of \d+ bytes, more than its"):
+            decode(data, [0], [len(data)])
+        assert time.process_time() - started < 0.5
+
+
+@pytest.mark.parametrize(
+    ("d", "f"),
+    [
+        (b"\x00\x7f" + b"\xff" * 4, bytes(16)),  # 2**39 - 1: 5 bytes, padded with a sign byte
+        (b"\xff" * 30 + b"\x85", b"\xff" * 15 + b"\x85"),  # -123: padded
+        (b"\x7f" + b"\xff" * 4, b"\xff" * 11 + b"\x80" + bytes(4)),  # 5 bytes, past 10 digits
+        (b"", bytes(16)),  # (0)
+    ],
+    ids=["padded", "padded-negative", "rounded", "empty"],
+)
+def test_decimals_within_their_bytes_read_as_fastavro_reads_them(d: bytes, f: bytes) -> None:
+    data = _decimals(d, f)
+    bio = io.BytesIO(data[1:])
+    expected = fastavro.schemaless_reader(bio, _parsed(DECIMALS.row_schema), None)
+    assert isinstance(expected, dict)
+    for decode in _decoders():
+        got = decode(data, [0], [len(data)])
+        if isinstance(got, tuple):  # the columns
+            assert got[0] == [1]
+            continue
+        assert _same(got[0].after, expected)
+    after: list[list[Any]] = [[] for _ in DECIMALS.columns]
+    ChangeDecoder(DECIMALS).decode_columns(data, [0], [len(data)], after, [[]] * 4)
+    assert _same([c[0] for c in after[:3]], [1, expected["d"], expected["f"]])
+
+
+def test_decimal_keys_longer_than_their_precision_are_corrupt() -> None:
+    table = TableSchema("public.k", (Column("d", {"type": "bytes", **_DEC}),), ("d",), 1)
+    dec = ChangeDecoder(table)
+    assert dec.decode_key(b"\x04\x04\xd2") == {"d": decimal.Decimal("12.34")}
+    big = b"\x7f" + b"\x11" * 200_000
+    started = time.process_time()
+    with pytest.raises(CorruptEventError, match="a decimal of 200001 bytes, more than its"):
+        dec.decode_key(_varint(len(big)) + big)
+    assert time.process_time() - started < 0.5
 
 
 @settings(max_examples=300, deadline=None)

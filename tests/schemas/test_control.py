@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
+import fastavro
 import pytest
 from hypothesis import given, strategies as st
 
 from changebus.schemas import (
+    CONTROL_SCHEMAS,
     CheckpointMarker,
     CorruptEventError,
     DataLoss,
@@ -34,7 +38,12 @@ payloads = st.one_of(
         st.integers(0, 2**64 - 1),
         text,
     ),
-    st.builds(DataLoss, st.integers(0, 2**62), st.integers(0, 2**62), text),
+    st.builds(
+        lambda a, b, reason: DataLoss(min(a, b), max(a, b), reason),
+        st.integers(0, 2**62),
+        st.integers(0, 2**62),
+        text,
+    ),
     st.builds(CheckpointMarker, text),
     st.builds(LogicalMessage, text, st.binary(max_size=50), st.booleans()),
 )
@@ -72,6 +81,55 @@ def test_garbage_payload_is_rejected() -> None:
         decode_control(Op.INSERT, b"")
 
 
+def _avro(op: Op, record: dict[str, object]) -> bytes:
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(CONTROL_SCHEMAS[op]), record)
+    return out.getvalue()
+
+
+_MESSAGE = {"prefix": "p", "content": b"x", "transactional": True}
+_CHANGE = {"source_id": 7, "source": "s", "version": 1, "fingerprint": -1, "schema": "{}"}
+
+
+@pytest.mark.parametrize(
+    ("op", "payload", "needle"),
+    [
+        (Op.MESSAGE, _avro(Op.MESSAGE, _MESSAGE)[:-1] + b"\x07", "transactional byte 0x07"),
+        (Op.MESSAGE, _avro(Op.MESSAGE, _MESSAGE)[:-1] + b"\xff", "transactional byte 0xff"),
+        (Op.MESSAGE, _avro(Op.MESSAGE, _MESSAGE) + b"JUNK", r"trailing bytes \(4\)"),
+        (Op.END_OF_WINDOW, _avro(Op.END_OF_WINDOW, {"event_count": 1, "source_position": ""})
+         + b"\x00", r"trailing bytes \(1\)"),
+        (Op.SCHEMA_CHANGE, _avro(Op.SCHEMA_CHANGE, {**_CHANGE, "source_id": 2**42}),
+         "source id 4398046511104"),
+        (Op.SCHEMA_CHANGE, _avro(Op.SCHEMA_CHANGE, {**_CHANGE, "source_id": 65536}),
+         "source id 65536"),
+        (Op.SCHEMA_CHANGE, _avro(Op.SCHEMA_CHANGE, {**_CHANGE, "source_id": -1}), "source id -1"),
+        (Op.DATA_LOSS, _avro(Op.DATA_LOSS, {"from_scn": -1, "to_scn": -2, "reason": ""}),
+         r"SCN range -1\.\.-2"),
+        (Op.DATA_LOSS, _avro(Op.DATA_LOSS, {"from_scn": 5, "to_scn": 4, "reason": ""}),
+         r"SCN range 5\.\.4"),
+        (Op.DATA_LOSS, _avro(Op.DATA_LOSS, {"from_scn": -1, "to_scn": 4, "reason": ""}),
+         r"SCN range -1\.\.4"),
+    ],
+)  # fmt: skip
+def test_payloads_avro_reads_but_the_fields_cannot_hold_are_refused(
+    op: Op, payload: bytes, needle: str
+) -> None:
+    with pytest.raises(CorruptEventError, match=f"{op.name} payload: {needle}"):
+        decode_control(op, payload)
+
+
+def test_the_edges_of_the_ranges_are_accepted() -> None:
+    for op, record in [
+        (Op.MESSAGE, {**_MESSAGE, "transactional": False}),
+        (Op.SCHEMA_CHANGE, {**_CHANGE, "source_id": 65535}),
+        (Op.SCHEMA_CHANGE, {**_CHANGE, "source_id": 0}),
+        (Op.DATA_LOSS, {"from_scn": 0, "to_scn": 0, "reason": ""}),
+        (Op.DATA_LOSS, {"from_scn": 2**63 - 1, "to_scn": 2**63 - 1, "reason": ""}),
+    ]:
+        decode_control(op, memoryview(_avro(op, record)))
+
+
 @given(st.integers(-(2**63), 2**63 - 1), st.text(max_size=300))
 def test_the_fast_end_of_window_position_reads_what_the_avro_reader_does(
     count: int, position: str
@@ -86,7 +144,16 @@ def test_the_fast_end_of_window_position_reads_what_the_avro_reader_does(
 
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"\x80", b"\x02", b"\x02\x0a", b"\x02\x04\xff\xfe", b"\x02\x01", b"\x80" * 11],
+    [
+        b"",
+        b"\x80",
+        b"\x02",
+        b"\x02\x0a",
+        b"\x02\x04\xff\xfe",
+        b"\x02\x01",
+        b"\x80" * 11,
+        b"\x02\x02xJ",  # a byte after the record, as decode_control refuses it
+    ],
 )
 def test_the_fast_end_of_window_position_refuses_garbage(payload: bytes) -> None:
     with pytest.raises(CorruptEventError):

@@ -120,6 +120,21 @@ def test_renamed_columns_round_trip() -> None:
     assert dec.decode_key(key) == {"my id": 7}
 
 
+def test_a_key_is_one_key_record_exactly() -> None:
+    """Bytes after the key record were ignored (b'\\x02JUNK' decoded as id 1)."""
+    table = TableSchema("public.k", (Column("id", "long", nullable=False),), ("id",), 1)
+    dec = ChangeDecoder(table)
+    assert dec.decode_key(b"\x02") == {"id": 1}
+    for key in (b"\x02JUNK", b"\x02\x00"):
+        with pytest.raises(CorruptEventError, match=r"'public.k' key: trailing bytes \(\d\)"):
+            dec.decode_key(key)
+    # the second try, for a date past Python's years
+    day = TableSchema("public.d", (Column("d", {"type": "int", "logicalType": "date"}),), ("d",), 1)
+    assert ChangeDecoder(day).decode_key(b"\x80\xa4\xe8\x03") == {"d": 4_000_000}
+    with pytest.raises(CorruptEventError, match="trailing bytes"):
+        ChangeDecoder(day).decode_key(b"\x80\xa4\xe8\x03\x00")
+
+
 def test_errors() -> None:
     with pytest.raises(SchemaError, match="registered"):
         RowEncoder(TABLE.with_version(0), source_id=1)

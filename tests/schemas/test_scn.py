@@ -71,6 +71,10 @@ def test_binlog_file_numbers() -> None:
         "99999999999:1",
         "1.5",
         str(2**63),
+        "²",  # str.isdigit() says yes to these; int() refused it (ValueError)
+        "١٢",  # (int() reads 12)
+        "\uff11\uff12",  # (fullwidth 12)
+        "1²",
     ],
 )
 def test_garbage_is_rejected_clearly(text: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import io
 import itertools
 import json
@@ -18,6 +19,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from changebus.schemas import (
+    HEADER_SIZE,
     ChangeDecoder,
     Column,
     Op,
@@ -27,10 +29,11 @@ from changebus.schemas import (
     TableSchema,
     UnknownSchemaError,
     crc32,
+    parse_stream,
     pg_avro_type,
 )
 from changebus.schemas._crc import avro_fingerprint
-from changebus.schemas._table import field_name
+from changebus.schemas._table import MAX_TYPE_DEPTH, field_name
 
 
 def users(*extra: Column, key: tuple[str, ...] = ("id",)) -> TableSchema:
@@ -308,6 +311,99 @@ def test_column_types_are_private_copies() -> None:
 def test_invalid_tables(make: Any, needle: str) -> None:
     with pytest.raises(SchemaError, match=needle):
         make()
+
+
+_EMPTY = {"type": "record", "name": "Empty", "fields": []}
+_NULLS = {"type": "record", "name": "Nulls", "fields": [{"name": "n", "type": "null"}]}
+
+
+@pytest.mark.parametrize(
+    ("avro", "needle"),
+    [
+        ({"type": "array", "items": "null"}, "array items"),
+        ({"type": "array", "items": {"type": "null"}}, "array items"),
+        ({"type": "array", "items": ["null"]}, None),  # a union: its branch byte
+        ({"type": "array", "items": _EMPTY}, "array items"),
+        ({"type": "array", "items": _NULLS}, "array items"),
+        ({"type": "array", "items": {"type": "array", "items": "null"}}, "array items"),
+        ({"type": "map", "values": "null"}, "map values"),
+        ({"type": "array", "items": {"type": "fixed", "name": "F", "size": 0}}, "fixed size 0"),
+        ({"type": "fixed", "name": "F", "size": 0}, "fixed size 0"),
+        ({"type": "fixed", "name": "F", "size": -1}, "fixed size -1"),
+        ({"type": "fixed", "name": "F", "size": 2.5}, "fixed size 2.5"),
+        ({"type": "fixed", "name": "F", "size": True}, "fixed size True"),
+        ({"type": "fixed", "name": "F", "size": "3"}, "fixed size '3'"),
+        ({"type": "array", "items": ["null", "long"]}, None),
+        ({"type": "array", "items": {"type": "fixed", "name": "F", "size": 1}}, None),
+        (_NULLS, None),  # a column of zero bytes is no loop
+    ],
+)
+def test_types_whose_items_take_no_bytes_are_refused(avro: Any, needle: str | None) -> None:
+    """A count of 20,000,000 ``null`` items is 4 bytes: such types are refused."""
+    if needle is None:
+        TableSchema("t", (Column("id", "long"), Column("a", avro)), ("id",))
+        return
+    with pytest.raises(SchemaError, match=f"column 'a': {needle}"):
+        TableSchema("t", (Column("id", "long"), Column("a", avro)), ("id",))
+
+
+def _decimal(precision: Any, scale: Any = 0) -> dict[str, Any]:
+    return {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": scale}
+
+
+@pytest.mark.parametrize(
+    ("avro", "needle"),
+    [
+        (_decimal(0), "decimal precision 0 is not"),
+        (_decimal(10**20), "decimal precision 100000000000000000000 is not"),
+        (_decimal(True), "decimal precision True is not"),
+        (_decimal("5"), "decimal precision '5' is not"),
+        ({"type": "bytes", "logicalType": "decimal"}, "decimal precision None is not"),
+        (_decimal(5, -1), "decimal scale -1 is not"),
+        (_decimal(5, 6), "decimal scale 6 is not"),
+        (_decimal(5, None), "decimal scale None is not"),
+        (_decimal(5, True), "decimal scale True is not"),
+        ({**_decimal(0), "type": "fixed", "name": "F", "size": 4}, "decimal precision 0 is not"),
+        ({"type": "array", "items": ["null", _decimal(0)]}, "decimal precision 0 is not"),
+    ],
+)
+def test_decimals_need_a_precision_python_can_take(avro: Any, needle: str) -> None:
+    """Precision 0 or 10**20 made building a decoder raise ValueError / OverflowError."""
+    with pytest.raises(SchemaError, match=f"column 'd': {needle}"):
+        Column("d", avro)
+
+
+def test_the_widest_decimal_python_takes_is_accepted() -> None:
+    columns = (Column("id", "long"), Column("d", _decimal(decimal.MAX_PREC, 2)))
+    table = TableSchema("t", columns, ("id",), version=1)
+    row = {"id": 1, "d": decimal.Decimal("-1.25")}
+    data = RowEncoder(table, source_id=1).encode(Op.INSERT, 5, 0, 0, row)
+    offsets, headers = parse_stream(data)
+    start = int(offsets[0]) + HEADER_SIZE + int(headers["key_length"][0])
+    assert ChangeDecoder(table).decode(data[start:]).after == row
+
+
+def _nested(levels: int) -> Any:
+    t: Any = "long"
+    for _ in range(levels):
+        t = {"type": "array", "items": t}
+    return t
+
+
+def test_types_nest_only_so_deep() -> None:
+    Column("a", _nested(MAX_TYPE_DEPTH))
+    with pytest.raises(SchemaError, match="column 'a': type nested more than 32 levels deep"):
+        Column("a", _nested(MAX_TYPE_DEPTH + 1))
+    with pytest.raises(SchemaError, match="column 'a': type nested too deeply"):
+        Column("a", _nested(5000))  # past what json.dumps takes (it raised RecursionError)
+
+
+def test_items_of_a_named_type_defined_in_another_column_are_checked() -> None:
+    with pytest.raises(SchemaError, match="column 'b': array items"):
+        TableSchema(
+            "t",
+            (Column("a", _EMPTY), Column("b", {"type": "array", "items": "changebus.row.Empty"})),
+        )
 
 
 @pytest.mark.parametrize(

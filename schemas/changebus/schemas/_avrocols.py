@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from ._avroread import _plan, _Resolution, _Unsupported, _Writer
+from ._avroread import _CANNOT_COMPILE, _plan, _Resolution, _Unsupported, _Writer
 
 __all__ = ["ColumnReader", "compile_column_reader"]
 
@@ -189,12 +189,9 @@ def compile_column_reader(
         w.emit(2, "if after_ns or before_ns:")
         w.emit(3, "not_sent.append((i, after_ns, before_ns))")
         w.emit(1, "return present, not_sent")
-    except _Unsupported:
+        compiled: ColumnReader = w.compile(
+            "read_columns", f"<changebus column reader {parsed_row.get('name')}>"
+        )
+    except (_Unsupported, *_CANNOT_COMPILE):
         return None
-    namespace = dict(w.consts)
-    code = compile(
-        "\n".join(w.lines) + "\n", f"<changebus column reader {parsed_row.get('name')}>", "exec"
-    )
-    exec(code, namespace)  # our own generated source: schema names appear only as literals
-    compiled: ColumnReader = namespace["read_columns"]
     return compiled

@@ -18,14 +18,21 @@ ones call fastavro's own ``LOGICAL_READERS`` functions), and
 every type the type mappers produce. Resolution to a reader schema is done
 here for what schema evolution usually brings (columns added as nullable,
 columns dropped); anything else (type promotions, aliases, recursive named
-types) makes :func:`compile_change_reader` return ``None``, and the caller
-keeps using fastavro.
+types, types nested deeper than generated Python code can be) makes
+:func:`compile_change_reader` return ``None``, and the caller keeps using
+fastavro.
 
 Errors: malformed input raises whatever Python raises while reading
 (``IndexError`` past the end, ``UnicodeDecodeError``, ``struct.error``,
 ``ValueError``); the caller wraps them (see
 :class:`~changebus.schemas.ChangeDecoder`). Every record must end exactly
-at its stop offset.
+at its stop offset, and a block of an array or map may not count more items
+than bytes are left before that offset (every item takes one at least: array
+items of zero bytes, which table schemas refuse, are left to fastavro), so a
+few bytes cannot make a list of millions. A decimal whose unscaled value takes
+more bytes than its precision needs (:func:`decimal_max_bytes`) is corrupt
+too: ``Decimal(int)`` takes time quadratic in its digits. Values within that
+length read as fastavro reads them (rounded to the precision).
 
 Thread-safety: generated functions keep no state and may be shared.
 """
@@ -33,7 +40,9 @@ Thread-safety: generated functions keep no state and may be shared.
 from __future__ import annotations
 
 import decimal
+import functools
 import json
+import math
 import struct
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -53,10 +62,42 @@ _PRIMITIVES: Final = frozenset(
     ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
 )
 _DAYS_TO_ORDINAL: Final = date(1970, 1, 1).toordinal()
+#: arrays and maps nested in each other at most (two loops each): Python compiles
+#: at most 20 nested loops (the batch loop is one)
+_MAX_NESTED_BLOCKS: Final = 8
+#: indentation levels of generated code at most (Python's limit is 100)
+_MAX_INDENT: Final = 64
+#: what compiling generated code may raise for a schema it cannot take (too deep for
+#: Python's parser or compiler, a decimal context Python refuses, ...): the caller
+#: falls back to fastavro
+_CANNOT_COMPILE: Final = (SyntaxError, RecursionError, ValueError, OverflowError)
 
 
 class _Unsupported(Exception):
     """The schema uses something the generator does not handle."""
+
+
+def takes_no_bytes(
+    schema: Any, named: Mapping[str, Any], seen: frozenset[str] = frozenset()
+) -> bool:
+    """Whether every value of ``schema`` is zero bytes long (``null``, an empty record,
+    ``fixed`` of size 0, records of such): as array items or map values, a few bytes
+    of counts would stand for any number of them."""
+    if isinstance(schema, str):
+        if schema in named and schema not in seen:
+            return takes_no_bytes(named[schema], named, seen | {schema})
+        return schema == "null"
+    if not isinstance(schema, dict):
+        return False  # a union: a branch index, one byte at least
+    kind = schema.get("type")
+    if kind in ("record", "error"):
+        inner = seen | {schema["name"]} if isinstance(schema.get("name"), str) else seen
+        return all(takes_no_bytes(f.get("type"), named, inner) for f in schema.get("fields", ()))
+    if kind == "fixed":
+        return schema.get("size") == 0
+    if isinstance(kind, str | dict):
+        return kind not in ("enum", "array", "map") and takes_no_bytes(kind, named, seen)
+    return False
 
 
 def _long(buf: bytes, pos: int) -> tuple[int, int]:
@@ -141,6 +182,34 @@ def _bad_branch(byte: int, where: str) -> CorruptEventError:
     return CorruptEventError(f"bad union branch byte 0x{byte:02x} in {where}")
 
 
+def _block_past_end(count: int, left: int) -> CorruptEventError:
+    return CorruptEventError(
+        f"a block of {count} items in the {max(left, 0)} bytes left of its record"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def decimal_max_bytes(precision: int) -> int:
+    """The most bytes the unscaled value of a decimal of ``precision`` digits takes
+    (big-endian two's complement, as Avro writes it: ``±(10**precision - 1)``)."""
+    if precision <= 4000:
+        top: int = 10**precision - 1
+        bits = top.bit_length()
+    else:  # (an over-estimate, without the number itself)
+        bits = math.ceil(precision * math.log2(10)) + 1
+    return bits // 8 + 1  # with the sign bit
+
+
+def _decimal_too_long(data: bytes, limit: int, precision: int) -> None:
+    """The rare path of a decimal of more than ``limit`` bytes: refused unless its
+    value fits them (a writer may pad with sign bytes)."""
+    value = int.from_bytes(data, "big", signed=True)  # (linear in the bytes)
+    if (value if value >= 0 else ~value).bit_length() >= 8 * limit:
+        raise CorruptEventError(
+            f"a decimal of {len(data)} bytes, more than its precision {precision} takes"
+        )
+
+
 class _Writer:
     """Accumulates the generated source and the constants it refers to."""
 
@@ -152,6 +221,8 @@ class _Writer:
             "_size": _size,
             "_string_array": _string_array,
             "_bad_branch": _bad_branch,
+            "_block_past_end": _block_past_end,
+            "_decimal_too_long": _decimal_too_long,
             "_Corrupt": CorruptEventError,
             "_f32": struct.Struct("<f").unpack_from,
             "_f64": struct.Struct("<d").unpack_from,
@@ -165,6 +236,14 @@ class _Writer:
         }
         self._n = 0
         self._open: set[str] = set()
+        self._blocks = 0  # arrays and maps open around the code being emitted
+
+    def compile(self, function: str, filename: str) -> Any:
+        """The generated ``function``; may raise what :data:`_CANNOT_COMPILE` lists."""
+        namespace = dict(self.consts)
+        code = compile("\n".join(self.lines) + "\n", filename, "exec")
+        exec(code, namespace)  # our own generated source: schema names appear only as literals
+        return namespace[function]
 
     def name(self, prefix: str = "v") -> str:
         self._n += 1
@@ -207,6 +286,8 @@ class _Writer:
 
     def value(self, schema: Any, target: str, ind: int) -> None:
         """Emit code reading one value of ``schema`` at ``pos`` into ``target``."""
+        if ind > _MAX_INDENT:
+            raise _Unsupported("types nested too deeply")
         if isinstance(schema, list):
             self.union(schema, target, ind)
         elif isinstance(schema, str):
@@ -225,7 +306,9 @@ class _Writer:
         else:
             raise _Unsupported(f"bad schema {schema!r}")
 
-    def primitive(self, kind: str, target: str, ind: int) -> None:
+    def primitive(self, kind: str, target: str, ind: int) -> str | None:
+        """Emit code reading a value of a primitive type; the name of the variable with
+        its length for bytes and string (None for the others)."""
         if kind == "null":
             self.emit(ind, f"{target} = None")
         elif kind == "boolean":
@@ -247,6 +330,8 @@ class _Writer:
             self.emit(ind, f"end = pos + {n}")
             self.emit(ind, f"{target} = buf[pos:end]" + (".decode()" if kind == "string" else ""))
             self.emit(ind, "pos = end")
+            return n
+        return None
 
     def union(self, branches: list[Any], target: str, ind: int) -> None:
         """A union: the branch index, then that branch (non-null branches tested first)."""
@@ -266,6 +351,8 @@ class _Writer:
     def complex(self, schema: dict[str, Any], target: str, ind: int) -> None:
         kind = schema.get("type")
         logical = schema.get("logicalType")
+        length = None  # (bytes) the variable holding the value's length
+        size = None  # (fixed) the size
         if kind == "record" or kind == "error":
             self.record(schema, target, ind, None)
         elif kind == "enum":
@@ -274,7 +361,9 @@ class _Writer:
             self.varint(i, ind)
             self.emit(ind, f"{target} = {symbols}[{i}]")
         elif kind == "fixed":
-            size = int(schema["size"])
+            size = schema.get("size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise _Unsupported(f"fixed of size {size!r}")  # (refused in table schemas)
             self.emit(ind, f"{target} = buf[pos:pos + {size}]")
             self.emit(ind, f"pos += {size}")
         elif kind == "array":
@@ -282,7 +371,7 @@ class _Writer:
         elif kind == "map":
             self.blocks(schema["values"], "string", target, ind)
         elif isinstance(kind, str) and kind in _PRIMITIVES:
-            self.primitive(kind, target, ind)
+            length = self.primitive(kind, target, ind)
         elif isinstance(kind, str | list | dict):
             self.value(kind, target, ind)
         else:
@@ -300,8 +389,18 @@ class _Writer:
             # fastavro's reader in two calls, with a context of the column's own (fastavro
             # sets the precision of one shared context at every value: 1.0 against 0.5 us,
             # and racy between threads); the same value, exponent and rounding
-            context = self.const(decimal.Context(prec=int(schema["precision"])), "_dc")
+            precision = int(schema["precision"])
+            context = self.const(decimal.Context(prec=precision), "_dc")
             scale = int(schema.get("scale", 0))
+            # Decimal(int) takes time quadratic in the digits (8 s for 200 KB): an
+            # unscaled value longer than the precision allows is refused first (one
+            # compare of the length; a fixed no longer than that needs none)
+            limit = decimal_max_bytes(precision)
+            if length is not None:
+                self.emit(ind, f"if {length} > {limit}:")
+                self.emit(ind + 1, f"_decimal_too_long({target}, {limit}, {precision})")
+            elif size is None or size > limit:
+                self.emit(ind, f"_decimal_too_long({target}, {limit}, {precision})")
             self.emit(
                 ind,
                 f"{target} = _Decimal(_from_bytes({target}, 'big', signed=True))"
@@ -318,6 +417,11 @@ class _Writer:
 
     def blocks(self, item: Any, key: str | None, target: str, ind: int) -> None:
         """An array (``key`` None) or a map: blocks of items until a zero count."""
+        if key is None and takes_no_bytes(item, self.named):
+            # (refused in table schemas) a count alone would stand for any number of them
+            raise _Unsupported("array items of zero bytes")
+        if self._blocks >= _MAX_NESTED_BLOCKS:
+            raise _Unsupported("arrays or maps nested too deeply")
         count, k, v = self.name("k"), self.name("mk"), self.name("it")
         self.emit(ind, f"{target} = {{}}" if key else f"{target} = []")
         self.emit(ind, "while True:")
@@ -327,10 +431,16 @@ class _Writer:
         self.emit(ind + 1, f"if {count} < 0:")
         self.emit(ind + 2, f"{count} = -{count}")
         self.emit(ind + 2, "_, pos = _size(buf, pos)")
+        # every item (every map entry: its key) takes a byte at least, so a count past
+        # the bytes left is corrupt: refused before a list of that many is built
+        self.emit(ind + 1, f"if {count} > stop - pos:")
+        self.emit(ind + 2, f"raise _block_past_end({count}, stop - pos)")
         self.emit(ind + 1, f"for _ in range({count}):")
         if key:
             self.primitive(key, k, ind + 2)
+        self._blocks += 1
         self.value(item, v, ind + 2)
+        self._blocks -= 1
         self.emit(ind + 2, f"{target}[{k}] = {v}" if key else f"{target}.append({v})")
 
     def record(
@@ -448,7 +558,7 @@ def compile_change_reader(
         resolve = None if reader is None else _plan(parsed_row, reader)
         # the row reader (used for before-images), then the batch loop with
         # the after-image's code inline
-        w.emit(0, "def read_row(buf, pos):")
+        w.emit(0, "def read_row(buf, pos, stop):")
         w.record(dict(parsed_row), "row", 1, rename, resolve)
         w.emit(1, "return row, pos")
         w.emit(0, "def read_changes(buf, starts, stops):")
@@ -466,7 +576,7 @@ def compile_change_reader(
         w.emit(2, "b = buf[pos]")
         w.emit(2, "pos += 1")
         w.emit(2, "if b == 2:")
-        w.emit(3, "before, pos = read_row(buf, pos)")
+        w.emit(3, "before, pos = read_row(buf, pos, stop)")
         w.emit(2, "elif b == 0:")
         w.emit(3, "before = None")
         w.emit(2, "else:")
@@ -480,12 +590,9 @@ def compile_change_reader(
         w.emit(3, "raise _Corrupt('change record does not end where its event ends')")
         w.emit(2, "append(_new((after, before, after_ns, before_ns)))")
         w.emit(1, "return out")
-    except _Unsupported:
+        compiled: ChangeReader = w.compile(
+            "read_changes", f"<changebus reader {parsed_row.get('name')}>"
+        )
+    except (_Unsupported, *_CANNOT_COMPILE):
         return None
-    namespace = dict(w.consts)
-    code = compile(
-        "\n".join(w.lines) + "\n", f"<changebus reader {parsed_row.get('name')}>", "exec"
-    )
-    exec(code, namespace)  # our own generated source: schema names appear only as literals
-    compiled: ChangeReader = namespace["read_changes"]
     return compiled

@@ -209,19 +209,41 @@ def encode_control(
 
 
 def decode_control(op: Op | int, payload: bytes | memoryview) -> ControlPayload:
-    """Decode the payload of a control event of type ``op``."""
+    """Decode the payload of a control event of type ``op``.
+
+    :class:`CorruptEventError` for a payload that is not one record of the op's
+    schema exactly (bytes after it too), a boolean byte other than 0 or 1, a
+    schema change's source id outside 0..65535, a data loss's SCN range that is
+    not ``0 <= from_scn <= to_scn``.
+    """
     try:
         cls, _schema = _SPECS[Op(op)]
     except (KeyError, ValueError):
         raise CorruptEventError(f"op {int(op)} is not a control op") from None
+    name = Op(op).name
+    bio = io.BytesIO(payload)
     try:
-        record = fastavro.schemaless_reader(io.BytesIO(payload), _PARSED[Op(op)], None)
+        record = fastavro.schemaless_reader(bio, _PARSED[Op(op)], None)
     except Exception as exc:  # fastavro raises assorted errors on garbage
-        raise CorruptEventError(f"undecodable {Op(op).name} payload: {exc}") from exc
+        raise CorruptEventError(f"undecodable {name} payload: {exc}") from exc
     if not isinstance(record, dict):
-        raise CorruptEventError(f"undecodable {Op(op).name} payload")
-    if cls is SchemaChange and record["fingerprint"] < 0:
-        record["fingerprint"] += 1 << 64
+        raise CorruptEventError(f"undecodable {name} payload")
+    if bio.tell() != len(payload):
+        raise CorruptEventError(f"{name} payload: trailing bytes ({len(payload) - bio.tell()})")
+    # what Avro's types let through but the fields cannot be
+    if cls is LogicalMessage and payload[-1] > 1:  # (the boolean is the last byte)
+        raise CorruptEventError(
+            f"{name} payload: transactional byte 0x{payload[-1]:02x} is no boolean"
+        )
+    if cls is SchemaChange:
+        if not 0 <= record["source_id"] <= 0xFFFF:
+            raise CorruptEventError(f"{name} payload: source id {record['source_id']}")
+        if record["fingerprint"] < 0:
+            record["fingerprint"] += 1 << 64
+    if cls is DataLoss and not 0 <= record["from_scn"] <= record["to_scn"]:
+        raise CorruptEventError(
+            f"{name} payload: SCN range {record['from_scn']}..{record['to_scn']}"
+        )
     result: ControlPayload = cls(**record)
     return result
 
@@ -251,6 +273,8 @@ def end_of_window_position(payload: bytes | memoryview) -> str:
     length = (value >> 1) ^ -(value & 1)
     if length < 0 or pos + length > size:
         raise CorruptEventError("undecodable END_OF_WINDOW payload: bad string length")
+    if pos + length != size:
+        raise CorruptEventError(f"END_OF_WINDOW payload: trailing bytes ({size - pos - length})")
     try:
         return str(view[pos : pos + length], "utf-8")
     except UnicodeDecodeError:

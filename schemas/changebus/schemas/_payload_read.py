@@ -4,7 +4,9 @@
 layout) written with one writer :class:`TableSchema`, as rows of a reader
 schema: generated readers (:mod:`._avroread`) for the common cases, fastavro
 for the other resolutions, and a second try that keeps dates and timestamps
-outside Python's range as their Avro ints instead of failing.
+outside Python's range as their Avro ints instead of failing. Decimals longer
+than their precision takes are refused on every path (fastavro's schemas name
+a logical type of this module's, whose reader checks that first).
 
 Thread-safety: decoders hold only immutable state (parsed schemas and
 compiled readers; the columnar reader is compiled on first use, which two
@@ -20,9 +22,10 @@ from functools import partial
 from typing import Any, Final, NamedTuple, cast
 
 import fastavro
+from fastavro.read import LOGICAL_READERS
 
 from ._avrocols import ColumnReader, compile_column_reader
-from ._avroread import ChangeReader, compile_change_reader
+from ._avroread import ChangeReader, _decimal_too_long, compile_change_reader, decimal_max_bytes
 from ._table import TableSchema
 from .errors import CorruptEventError
 
@@ -31,6 +34,46 @@ __all__ = ["ChangeDecoder", "DecodedChange"]
 _read_row: Callable[..., Any] = fastavro.schemaless_reader
 _NULL: Final = b"\x00"
 _PRESENT: Final = b"\x02"
+
+#: fastavro reads decimals with ``Decimal(int)``, quadratic in the digits (8 s for a
+#: value of 200 KB), whatever the precision: the schemas it reads with (the fallback
+#: for rows, keys) name this logical type instead, whose reader refuses a value
+#: longer than its precision allows first, as the generated readers do
+_DECIMAL: Final = "changebus.decimal"
+_fastavro_decimal: Final[Callable[..., Any]] = LOGICAL_READERS["bytes-decimal"]
+
+
+def _read_decimal(data: Any, writer_schema: Any, reader_schema: Any = None) -> Any:
+    precision = writer_schema["precision"]
+    limit = decimal_max_bytes(precision)
+    if len(data) > limit:
+        _decimal_too_long(data, limit, precision)
+    return _fastavro_decimal(data, writer_schema, reader_schema)
+
+
+# (fastavro's documented way to read a logical type of one's own)
+LOGICAL_READERS[f"bytes-{_DECIMAL}"] = _read_decimal
+LOGICAL_READERS[f"fixed-{_DECIMAL}"] = _read_decimal
+
+
+def _guarded(schema: Any) -> Any:
+    """``schema`` with every ``decimal`` logical type read by :func:`_read_decimal`."""
+    if isinstance(schema, list):
+        return [_guarded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _guarded(v) if k in ("type", "items", "values") else v for k, v in schema.items()}
+    if out.get("logicalType") == "decimal":
+        out["logicalType"] = _DECIMAL
+    if "fields" in schema:
+        out["fields"] = [{**f, "type": _guarded(f["type"])} for f in schema["fields"]]
+    return out
+
+
+def _parse_guarded(schema: dict[str, Any], parsed: Any) -> Any:
+    """:func:`_guarded` ``schema`` parsed (``parsed``, the schema's own, without decimals)."""
+    guarded = _guarded(schema)
+    return parsed if guarded == schema else fastavro.parse_schema(guarded)
 
 
 def _read_long(bio: io.BytesIO) -> int:
@@ -86,7 +129,8 @@ def _plain(schema: Any) -> Any:
         return schema
     out = {k: _plain(v) for k, v in schema.items() if k != "logicalType"}
     if schema.get("logicalType") not in _WIDE_LOGICAL and "logicalType" in schema:
-        out["logicalType"] = schema["logicalType"]
+        logical = schema["logicalType"]
+        out["logicalType"] = _DECIMAL if logical == "decimal" else logical
     if "fields" in schema:
         out["fields"] = [{**f, "type": _plain(f["type"])} for f in schema["fields"]]
     return out
@@ -212,7 +256,7 @@ class ChangeDecoder:
             if reader is None or reader.fingerprint == writer.fingerprint
             else fastavro.parse_schema(reader.row_schema)
         )
-        self._wkey = fastavro.parse_schema(writer.key_schema)
+        self._wkey = fastavro.parse_schema(_guarded(writer.key_schema))
         self._rename = dict(self.reader.column_for_field)
         # a generated reader (see _avroread); it does the common resolutions
         # (columns added or dropped) itself and leaves the rest to fastavro
@@ -227,6 +271,16 @@ class ChangeDecoder:
         self._plain_key: _PlainReader | None = None
         self._columnar: ColumnReader | None = None
         self._columnar_tried = False
+        self._generic: tuple[Any, Any] | None = None  # fastavro's (writer, reader) schemas
+
+    def _generic_schemas(self) -> tuple[Any, Any]:
+        """The parsed writer and reader schemas fastavro reads rows with (made on first use)."""
+        generic = self._generic
+        if generic is None:
+            w = _parse_guarded(self.writer.row_schema, self._w)
+            r = None if self._r is None else _parse_guarded(self.reader.row_schema, self._r)
+            generic = self._generic = (w, r)
+        return generic
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -313,7 +367,7 @@ class ChangeDecoder:
                 raise self._undecodable(exc) from exc
         bio = io.BytesIO(buf)
         read, seek, tell = bio.read, bio.seek, bio.tell
-        w, r, rename = self._w, self._r, self._rename
+        (w, r), rename = self._generic_schemas(), self._rename
         out: list[DecodedChange] = []
         append = out.append
         try:
@@ -378,22 +432,28 @@ class ChangeDecoder:
         return images[0], images[1]
 
     def decode_key(self, key: bytes | memoryview) -> dict[str, Any]:
-        """Decode key bytes into ``{column: value}``.
+        """Decode key bytes (one key record exactly) into ``{column: value}``.
 
         Dates and timestamps outside Python's years 1-9999 come back as their
         Avro ints (days, or µs, since 1970-01-01), as in :meth:`decode_many`.
         """
+        bio = io.BytesIO(key)
         try:
             try:
-                row = cast(
-                    dict[str, Any], fastavro.schemaless_reader(io.BytesIO(key), self._wkey, None)
-                )
+                row = cast(dict[str, Any], fastavro.schemaless_reader(bio, self._wkey, None))
             except (ValueError, OverflowError):
                 if self._plain_key is None:
                     self._plain_key = _PlainReader(self.writer.key_schema, None)
-                row = cast(dict[str, Any], self._plain_key.read(io.BytesIO(key)))
+                bio.seek(0)
+                row = cast(dict[str, Any], self._plain_key.read(bio))
+        except CorruptEventError:
+            raise
         except Exception as exc:
             raise CorruptEventError(f"undecodable {self.writer.name!r} key: {exc!r}") from exc
+        if bio.tell() != len(key):
+            raise CorruptEventError(
+                f"{self.writer.name!r} key: trailing bytes ({len(key) - bio.tell()})"
+            )
         if self.writer.column_for_field:
             row = {self.writer.column_for_field.get(k, k): v for k, v in row.items()}
         return row

@@ -101,7 +101,7 @@ def format_scn(scn: int, kind: Literal["plain", "pg", "mysql"] = "plain") -> str
 def parse_scn(text: str) -> int:
     """Parse a decimal SCN, a Postgres LSN ``X/Y`` or a binlog ``file:position``."""
     t = text.strip()
-    if t.isdigit() and len(t) <= 19:
+    if t.isascii() and t.isdigit() and len(t) <= 19:  # ("²".isdigit() and "١٢".isdigit() too)
         return _check(int(t))
     if "/" in t:
         return lsn_to_scn(t)

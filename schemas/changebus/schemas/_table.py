@@ -41,23 +41,30 @@ the fingerprint.
 Invariants, checked on construction (:class:`SchemaError` otherwise): a name
 of 1..512 characters; 1..65535 columns with unique non-empty names; key
 columns exist and are distinct; ``version`` in 0..65535; the derived Avro
-schemas parse. Instances are immutable: a column's type is deep-copied (as
-JSON) when the :class:`Column` is made, and the derived schemas are cached.
+schemas parse; a ``fixed`` has a size of 1 at least; a ``decimal`` has a
+precision of 1 to ``decimal.MAX_PREC`` and a scale of 0 to its precision;
+types nest at most ``MAX_TYPE_DEPTH`` levels; the items of an array
+and the values of a map take bytes (not ``null`` or an empty record: a
+payload's count of them would cost nothing per item). Instances are
+immutable: a column's type is deep-copied (as JSON) when the :class:`Column`
+is made, and the derived schemas are cached.
 """
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import Any, Final, Union
+from typing import Any, Final, TypeGuard, Union, cast
 
 import fastavro
 from fastavro.schema import SchemaParseException, UnknownType
 
+from ._avroread import takes_no_bytes
 from ._crc import avro_fingerprint
 from .errors import SchemaError
 
@@ -69,6 +76,9 @@ AvroType = Union[str, dict[str, Any], list[Any]]  # noqa: UP007
 _AVRO_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NAMED: Final = frozenset({"record", "error", "enum", "fixed"})
 MAX_COLUMNS: Final = 65535
+#: how deep a column type may nest (unions, arrays, maps, records, each a level): the
+#: readers generated per schema are Python code, which nests only so far
+MAX_TYPE_DEPTH: Final = 32
 #: the derived Avro schemas :meth:`TableSchema.release_derived` drops (cached properties)
 _DERIVED: Final = ("row_schema", "key_schema", "change_schema")
 
@@ -95,6 +105,8 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
         copy = json.loads(json.dumps(avro_type))
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"column {column!r}: type is not JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaError(f"column {column!r}: type nested too deeply") from None
     branches = copy if isinstance(copy, list) else [copy]
     if not branches:
         raise SchemaError(f"column {column!r}: empty union type")
@@ -107,6 +119,71 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
             raise SchemaError(f"column {column!r}: {b!r} is not an Avro type")
     result: AvroType = copy
     return result
+
+
+def _check_type(column: str, t: Any, depth: int = 0) -> None:
+    """What fastavro lets pass in the type ``t`` but the readers cannot take: a ``fixed``
+    of no int size of 1 at least; a ``decimal`` without a precision of 1 to
+    ``decimal.MAX_PREC`` and a scale of 0 to that; nesting beyond ``MAX_TYPE_DEPTH``."""
+    if depth > MAX_TYPE_DEPTH:
+        raise SchemaError(f"column {column!r}: type nested more than {MAX_TYPE_DEPTH} levels deep")
+    if isinstance(t, list):
+        for b in t:
+            _check_type(column, b, depth + 1)
+        return
+    if not isinstance(t, dict):
+        return
+    kind = t.get("type")
+    if kind == "fixed":
+        size = t.get("size")
+        if not _is_int(size) or size < 1:
+            raise SchemaError(f"column {column!r}: fixed size {size!r} is not an int of 1 or more")
+    if kind in ("bytes", "fixed") and t.get("logicalType") == "decimal":
+        precision, scale = t.get("precision"), t.get("scale", 0)
+        if not _is_int(precision) or not 1 <= precision <= decimal.MAX_PREC:
+            raise SchemaError(
+                f"column {column!r}: decimal precision {precision!r} is not an int"
+                f" of 1 to {decimal.MAX_PREC}"
+            )
+        if not _is_int(scale) or not 0 <= scale <= precision:
+            raise SchemaError(
+                f"column {column!r}: decimal scale {scale!r} is not an int of 0 to its precision"
+            )
+    for k in ("type", "items", "values"):
+        _check_type(column, t.get(k), depth + 1)
+    fields_ = t.get("fields")
+    if isinstance(fields_, list):
+        for f in fields_:
+            if isinstance(f, dict):
+                _check_type(column, f.get("type"), depth + 1)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _empty_items(t: Any, named: dict[str, Any], seen: frozenset[str]) -> str | None:
+    """``"array"`` or ``"map"`` if the (parsed) type ``t`` has one whose items or
+    values take no bytes; None otherwise."""
+    if isinstance(t, str):
+        if t in named and t not in seen:
+            return _empty_items(named[t], named, seen | {t})
+        return None
+    if isinstance(t, list):
+        return next((e for b in t if (e := _empty_items(b, named, seen)) is not None), None)
+    if not isinstance(t, dict):
+        return None
+    kind = t.get("type")
+    if kind in ("array", "map"):
+        item = t["items" if kind == "array" else "values"]
+        if takes_no_bytes(item, named):
+            return str(kind)
+        return _empty_items(item, named, seen)
+    if kind in ("record", "error"):
+        inner = seen | {t["name"]} if isinstance(t.get("name"), str) else seen
+        types = [f["type"] for f in t["fields"]]
+        return next((e for f in types if (e := _empty_items(f, named, inner)) is not None), None)
+    return _empty_items(kind, named, seen) if isinstance(kind, dict | list) else None
 
 
 def _fullname(name: str, namespace: Any, enclosing: str) -> str:
@@ -166,6 +243,7 @@ class Column:
         if not isinstance(name, str) or not name:
             raise SchemaError(f"a column name must be a non-empty string, not {name!r}")
         object.__setattr__(self, "type", _normalise_type(self.name, self.type))
+        _check_type(self.name, self.type)
         object.__setattr__(self, "nullable", bool(self.nullable))
         object.__setattr__(self, "source_type", str(self.source_type))
         object.__setattr__(self, "policy", str(self.policy))
@@ -216,10 +294,20 @@ class TableSchema:
         if not isinstance(version, int) or not 0 <= version <= 65535:
             raise SchemaError(f"table {self.name!r}: version must be 0..65535")
         try:
-            fastavro.parse_schema(self.change_schema)
+            change = cast(dict[str, Any], fastavro.parse_schema(self.change_schema))
             fastavro.parse_schema(self.key_schema)
         except (SchemaParseException, UnknownType, KeyError, TypeError, ValueError) as exc:
             raise SchemaError(f"table {self.name!r}: invalid Avro column types: {exc}") from None
+        # items of zero bytes: a payload's few bytes of counts could stand for millions
+        named = change["__named_schemas"]
+        row = named[f"changebus.row.{self.record_name}"]
+        for col, f in zip(self.columns, row["fields"], strict=True):
+            kind = _empty_items(f["type"], named, frozenset())
+            if kind is not None:
+                raise SchemaError(
+                    f"column {col.name!r}: {kind} {'items' if kind == 'array' else 'values'}"
+                    " must not be of a type that takes no bytes (null, an empty record)"
+                )
         self.release_derived()
 
     def __hash__(self) -> int:

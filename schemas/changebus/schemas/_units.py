@@ -79,7 +79,7 @@ class Unit:
     def parse(cls, text: str) -> Unit:
         """The unit of text ``<partition>.<bucket>`` (ConfigError when malformed)."""
         partition, dot, bucket = text.rpartition(".")
-        if not dot or not bucket.isdigit() or len(bucket) > 4:
+        if not dot or not (bucket.isascii() and bucket.isdigit()) or len(bucket) > 4:
             raise ConfigError(f"unit: {text[:160]!r} is not <partition>.<bucket>")
         return cls(partition, int(bucket))
 
