@@ -24,6 +24,8 @@ from kazoo.client import KazooClient
 
 JAR = Path("/usr/share/java/zookeeper.jar")
 CONF_DIR = Path("/etc/zookeeper/conf")
+#: the server's tick: it expires sessions on tick boundaries, up to a tick after their timeout
+TICK_MS = 500
 
 
 def _free_port() -> int:
@@ -45,7 +47,7 @@ class ZkServer:
         self.cfg.write_text(
             "\n".join(
                 [
-                    "tickTime=500",
+                    f"tickTime={TICK_MS}",
                     f"dataDir={base / 'data'}",
                     f"clientPort={self.port}",
                     "clientPortAddress=127.0.0.1",

@@ -19,9 +19,10 @@ every line with ``t`` = ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for
 all processes of the host) and ``pid``:
 
 * ``{"ev": "win", "m": member_id, "u": unit, "scn": s, "n": events, "applied": bool,
-  "t_start": t0}`` -- one per window handed to ``on_end_window`` (``applied``:
-  the replica wrote it; false when it skipped a replay or the unit was
-  fenced; ``t_start``: when its ``on_start_window`` came);
+  "t_start": t0, "admitted": t1}`` -- one per window handed to ``on_end_window``
+  (``applied``: the replica wrote it; false when it skipped a replay or the
+  unit was fenced; ``t_start``: when its ``on_start_window`` came;
+  ``admitted``: when the group's fence let it through, just before);
 * ``{"ev": "assigned" | "revoked" | "lost", "m": member_id, "units": [...]}``
   -- the rebalance callbacks;
 * ``{"ev": "claim", "m", "u", "token", "generation"}`` and
@@ -109,9 +110,13 @@ class LoggingReplica(PostgresReplica):
         self.claims: dict[Unit, UnitClaim] = {}
         self.positions: dict[Unit, PartitionCheckpoint] = {}
         self.window_started = 0.0  # when the window being delivered began (on_start_window)
+        self.window_admitted = 0.0  # when the group's fence let that window through
 
     async def on_start_window(self, window: Window) -> Any:
         self.window_started = time.monotonic()
+        consumer = self.member.consumer
+        group = consumer._group if consumer is not None else None
+        self.window_admitted = group.admitted_at if group is not None else 0.0
         return await super().on_start_window(window)
 
     async def on_end_window(self, window: Window) -> Any:
@@ -134,6 +139,7 @@ class LoggingReplica(PostgresReplica):
             n=len(window.events),
             applied=self.windows_applied > before,
             t_start=t,
+            admitted=self.window_admitted,
         )
         if window.unit:
             self.positions[Unit.parse(window.unit)] = window.position_after(PartitionCheckpoint())

@@ -32,12 +32,15 @@ from test_e2e_pg import (
     sync_marker,
 )
 
+from _zk import TICK_MS
 from fix_pg import wait_until, writer_txn
 
 MEMBER = Path(__file__).with_name("group_member.py")
 PART = "pg"
 BUCKETS = 12
 SESSION_S = 2.0
+#: the ZooKeeper server's tick: it expires a session up to a tick after its timeout
+TICK_S = TICK_MS / 1000
 #: the longest pause allowed to a unit that stays with its member while writers run
 GAP_S = 1.0
 KEYS = 400

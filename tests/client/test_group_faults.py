@@ -10,7 +10,8 @@ from the logs. Writer threads run inserts, updates and deletes over many keys
 by comparing the target tables with the source, row by row.
 
 * kill -9 of the group's leader: its units deliver again at the other members
-  within the session timeout + 1 s;
+  within 1 s of the server's expiry of its session (which comes a session
+  timeout after its last packet, rounded up to the server's tick);
 * scale out 1 -> 4 members and back to 2: only the moved units move (the
   fewest moves), the units that stay with a member never pause (no delivery
   gap over ``GAP_S`` while the writers run);
@@ -36,6 +37,7 @@ from group_procs import (
     BUCKETS,
     GAP_S,
     SESSION_S,
+    TICK_S,
     UNITS,
     Proc,
     first_after,
@@ -74,7 +76,8 @@ async def test_kill_9_of_the_leader_moves_its_units_within_session_timeout(
         assigned = first_after(rest, "assigned", unit, killed_at)
         assert assigned is not None, f"{unit} was never assigned again"
         took[unit] = round((delivered if delivered is not None else assigned) - killed_at, 3)
-    assert max(took.values()) <= SESSION_S + 1.0, f"kill -> delivering elsewhere: {took}"
+    # ZooKeeper expires sessions on its tick boundaries: up to a tick after the timeout
+    assert max(took.values()) <= SESSION_S + TICK_S + 1.0, f"kill -> delivering elsewhere: {took}"
     # the survivors kept theirs: nothing was revoked from them
     assert not [x for p in rest for x in p.lines("revoked") if x["t"] > killed_at]
 
@@ -239,20 +242,24 @@ async def test_sigstopped_member_loses_its_units_and_its_checkpoint_writes_are_r
     # it learnt that it lost them
     told = set().union(*(set(x["units"]) for x in after if x["ev"] == "lost"))
     assert lost <= told
-    # it delivered none of them after waking up: not under its old member id, and not at all
-    # before it claimed the unit again (as a new member)
+    # no window of them passed its fence after waking up: not under its old member id, and
+    # not at all before it claimed the unit again (as a new member)
     reclaimed_at: dict[str, float] = {}
     for x in after:
         if x["ev"] == "claim":
             reclaimed_at.setdefault(x["u"], x["t"])
+    woke = [x for x in zombie.lines("win") if x["t_start"] > woke_at and x["u"] in lost]
     late = [
         x
-        for x in zombie.lines("win")
-        if x["t_start"] > woke_at
-        and x["u"] in lost
-        and (x["m"] == old_id or x["t_start"] < reclaimed_at.get(x["u"], float("inf")))
+        for x in woke
+        if x["admitted"] > woke_at
+        and (x["m"] == old_id or x["admitted"] < reclaimed_at.get(x["u"], float("inf")))
     ]
     assert not late, json.dumps({"late": late[:5], "after": after[:40]})
+    # a stop that came between a window's fence and its first callback (microseconds, on
+    # the loop) lets that one window start on waking: it is an old owner's, written by nobody
+    in_flight = [x for x in woke if x["admitted"] <= woke_at]
+    assert len(in_flight) <= 1 and not [x for x in in_flight if x["applied"]], in_flight
     if where == "mid_window":  # the window cut by the stop failed: the replay came at once
         assert [x for x in after if x["ev"] == "fail"], after[:20]
     # its checkpoint writes with its old tokens were refused ...

@@ -227,6 +227,7 @@ def test_a_message_longer_than_many_reads_is_joined_once() -> None:
     import socket
     import struct
     import threading
+    import time
 
     big = bytes(range(256)) * (6 * 4096)
     small = b"after"
@@ -236,10 +237,16 @@ def test_a_message_longer_than_many_reads_is_joined_once() -> None:
     reader = CopyBothSocket(ours.fileno(), recv_bytes=64 << 10)
 
     def send() -> None:
+        # one piece at a time, the next once the reader has read this one: a busy machine
+        # could otherwise let the socket fill up between two reads (fewer, bigger pieces)
         theirs.settimeout(10)
+        deadline = time.monotonic() + 30
         try:
             for at in range(0, len(wire), 64 << 10):
-                theirs.sendall(wire[at : at + (64 << 10)])
+                piece = wire[at : at + (64 << 10)]
+                theirs.sendall(piece)
+                while reader.bytes_read < at + len(piece) and time.monotonic() < deadline:
+                    time.sleep(0.0002)
         except OSError:
             pass  # (the test failed and closed its end)
 
@@ -260,4 +267,4 @@ def test_a_message_longer_than_many_reads_is_joined_once() -> None:
         sender.join()
         theirs.close()
     assert got == [big, small]
-    assert collected > 10  # (it did arrive in pieces)
+    assert collected > 50  # (it did arrive in pieces: 97 of 64 KiB)

@@ -124,6 +124,9 @@ class GroupConsumer:
         #: stop() came before the queue existed (during start): start closes it at once
         self._stop_requested = False
         self.windows = 0
+        #: ``time.monotonic()`` when the fence last let a window through (a window handed
+        #: on starts after it; a frozen member's in-flight window is told apart by it)
+        self.admitted_at = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -315,6 +318,7 @@ class GroupConsumer:
                 if unit in member.owned:
                     if waited:
                         log.info("group %s: the lease is back; delivering again", self.config.group)
+                    self.admitted_at = time.monotonic()
                     return True
                 owner.drop([unit])  # the owner node is gone: someone else may hold it
                 return False
