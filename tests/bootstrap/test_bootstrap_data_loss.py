@@ -40,6 +40,7 @@ from changebus.bootstrap import (
     SeedConfig,
     StoreConfig,
 )
+from changebus.bootstrap._plan import plan_bootstrap
 from changebus.bootstrap._store import Store
 from changebus.client import Consumer, ConsumerConfig, RelayUnavailableError
 from changebus.fetchers import ResumePoint, Window, register_fetcher
@@ -176,6 +177,25 @@ def test_a_data_loss_window_opens_a_gap_with_it(store: Store) -> None:
     store.append("q", window(20, loss=True), start_scn=9, lost=(-1, 20))
     assert store.lost_ranges("q") == [(9, 20)] and store.lost_range("q", 9) is None
     assert store.lost_range("p", 20) is None and store.lost_range("p", 29) == (21, 30)
+
+
+def test_a_gap_on_a_quiet_source_leaves_a_snapshot_a_catch_up_can_follow(store: Store) -> None:
+    """A producer that fell off the relay of a source that then went quiet: the log starts
+    again at the gap's end with no window after it. The applier stayed before it, so a
+    consumer from nothing got a snapshot at an SCN the log no longer holds windows after,
+    the catch-up was refused (410, run the snapshot again), and it looped until the source
+    wrote again (found by review)."""
+    store.append("p", b"".join(d for _s, d in SCRIPT[:5]), start_scn=9)  # 10..14
+    store.apply("p")
+    store.mark_gap("p", 20)  # fell off: SCNs up to 20 may be missing, no window at 20
+    store.put_schemas("p", [(SID, 1, TABLE.name, _schema_json())])
+    store.seed_rows("p", TABLE.name, [], 500)
+    assert store.clear_gap("p")
+    store.apply("p")  # (the applier runs on; no window came)
+    st = store.state("p")
+    assert (st.applier_scn, st.log_min_scn, st.producer_scn) == (20, 20, 20)
+    plan = plan_bootstrap(store, "p", -1, 0.5)
+    assert plan["snapshot"] and plan["start_scn"] >= plan["log_min_scn"], plan
 
 
 def test_windows_and_their_gap_commit_together(

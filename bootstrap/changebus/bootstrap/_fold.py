@@ -81,7 +81,16 @@ class SnapshotFold(StoreDb):
             (part, st.applier_scn, upto),
         )
         if not rows:
-            return st
+            # nothing in the log up to the producer: the snapshot is the fold up to it
+            # (a gap's end, where the log starts again, with no window after it yet: an
+            # applier left before it planned snapshots no catch-up could follow)
+            with self._txn():
+                cur = self.state(part)
+                new = PartitionState(
+                    cur.producer_scn, upto, st.applier_id, cur.log_min_scn, cur.base_scn
+                )
+                self._put_state(part, new)
+            return new
         upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
         lacking: dict[tuple[int, bytes], int] = {}  # (source id, key) -> SCN
         with self._txn():
