@@ -64,3 +64,71 @@ def test_another_schema_under_a_known_id_and_version_replaces_its_decoder() -> N
     assert new is not old and [c.name for c in new.writer.columns] == ["key"]
     cache.add(1, other)  # the same schema again: the decoder stays
     assert cache.decoder(1, other) is new
+
+
+class _Registry:
+    """A relay's registry as the cache sees it (the SchemaSource protocol): ``schemas``
+    are its answers, ``asked`` counts the questions."""
+
+    def __init__(self, schemas: dict[int, TableSchema]) -> None:
+        self.schemas = schemas
+        self.asked = 0
+
+    async def source_names(self) -> dict[int, str]:
+        self.asked += 1
+        return {sid: s.name for sid, s in self.schemas.items()}
+
+    async def source_schemas(self, name: str) -> list[tuple[int, TableSchema]]:
+        self.asked += 1
+        return [(sid, s) for sid, s in self.schemas.items() if s.name == name]
+
+
+async def test_events_naming_another_schema_than_the_known_one_are_not_decoded_with_it() -> None:
+    """An event header carries its writer's fingerprint (``schema_id``); the cache looked
+    schemas up by (source id, version) alone, so rows written after a relay's registry
+    was rebuilt (its tables numbered afresh) were read with the old columns (review)."""
+    import pytest
+
+    from changebus.client._assembler import RawWindow
+    from changebus.client._decode import decode_window
+    from changebus.schemas import (
+        CorruptEventError,
+        EndOfWindow,
+        Op,
+        RowEncoder,
+        encode_control,
+        parse_stream,
+    )
+
+    old = TableSchema("s.a", (Column("id", "long", nullable=False),), ("id",), 1)
+    new = TableSchema(
+        "s.b", (Column("k", "string", nullable=False), Column("n", "long")), ("k",), 1
+    )
+    enc = RowEncoder(new, source_id=1, partition=1)
+    data = enc.encode(Op.INSERT, 50, 0, 7, {"k": "x", "n": 5}, None) + encode_control(
+        EndOfWindow(1, "p"), 50, 1, 7, partition=1
+    )
+    offsets, headers = parse_stream(data)
+
+    def raw() -> RawWindow:
+        return RawWindow(50, 7, data, offsets, headers)
+
+    cache = SchemaCache()
+    cache.add(1, old)
+    registry = _Registry({1: new})
+    window = await decode_window(raw(), "p", cache, registry)
+    assert registry.asked == 2  # asked again: names, then the versions
+    (event,) = window.events
+    assert event.table == "s.b" and event.after == {"k": "x", "n": 5}
+    window = await decode_window(raw(), "p", cache, registry)  # known now: not asked again
+    assert registry.asked == 2 and window.events[0].after == {"k": "x", "n": 5}
+    # a registry that still answers with the old schema: refused, not read as its columns
+    cache = SchemaCache()
+    cache.add(1, old)
+    with pytest.raises(CorruptEventError, match="name schema"):
+        await decode_window(raw(), "p", cache, _Registry({1: old}))
+    # the columnar path checks them the same way
+    cache = SchemaCache()
+    cache.add(1, old)
+    with pytest.raises(CorruptEventError):
+        await decode_window(raw(), "p", cache, _Registry({1: old}), columnar=True)

@@ -7,7 +7,10 @@ and from the relay (``GET /v1/sources`` for id -> name, then
 ``GET /v1/schemas/{source}``) through a :class:`SchemaSource` when an event
 names a version it has not seen (a consumer that starts after the
 SCHEMA_CHANGE). Source ids are per relay partition, so the fetcher clears the
-cache when it switches relays.
+cache when it switches relays. Every group of events is checked against the
+fingerprint its header carries (``schema_id``): a schema known under the same
+numbers but with another fingerprint is asked for again, and a stream that
+still disagrees is refused (:meth:`SchemaCache.writer`).
 
 Decoders (:class:`~changebus.schemas.ChangeDecoder`) are cached by writer
 and reader: with a reader schema (``ConsumerConfig.reader_schemas``, checked
@@ -35,6 +38,7 @@ from changebus.schemas import (
     HEADER_SIZE,
     ChangeDecoder,
     CheckpointMarker,
+    CorruptEventError,
     DataLoss,
     EndOfWindow,
     Heartbeat,
@@ -136,9 +140,30 @@ class SchemaCache:
             schema = schema.with_version(change.version)
         self.add(change.source_id, schema)
 
-    async def writer(self, source_id: int, version: int, source: SchemaSource) -> TableSchema:
-        """The writer schema an event names, fetched from ``source`` when unknown."""
-        found = self._schemas.get((source_id, version))
+    async def writer(
+        self, source_id: int, version: int, source: SchemaSource, schema_id: int | None = None
+    ) -> TableSchema:
+        """The writer schema an event names, fetched from ``source`` when unknown.
+
+        ``schema_id``: the fingerprint the event's header carries. A schema known
+        under ``(source_id, version)`` with another fingerprint is asked for again
+        once (the relay's registry was rebuilt and numbered afresh since it was
+        learnt); a :class:`CorruptEventError` when the answer does not match it
+        either: decoding with it would read the row's bytes as other columns.
+        """
+        key = (source_id, version)
+        found = self._schemas.get(key)
+        if found is not None and schema_id is not None and found.fingerprint != schema_id:
+            log.info(
+                "source id %d v%d: events name another schema than the one known; asking again",
+                source_id,
+                version,
+            )
+            del self._schemas[key]
+            self._decoders.pop(key, None)
+            self._names.pop(source_id, None)
+            self._complete.discard(found.name)
+            found = None
         if found is not None:
             if self._resolve_latest and found.name not in self._complete:
                 await self._fetch_versions(found.name, source)  # to know the newest
@@ -151,9 +176,14 @@ class SchemaCache:
             if name is None:
                 raise UnknownSchemaError(f"the relay knows no source with id {source_id}")
         await self._fetch_versions(name, source)
-        found = self._schemas.get((source_id, version))
+        found = self._schemas.get(key)
         if found is None:
             raise UnknownSchemaError(f"the relay has no version {version} of source {name!r}")
+        if schema_id is not None and found.fingerprint != schema_id:
+            raise CorruptEventError(
+                f"events of source {name!r} (id {source_id}) version {version} name schema"
+                f" {schema_id:016x}, but the relay's version {version} is {found.fingerprint:016x}"
+            )
         log.debug("fetched writer schema %s v%d", name, version)
         return found
 
@@ -285,10 +315,15 @@ async def _raw_events(
     else:
         headers, offsets = raw.headers[idx], raw.offsets[idx]
     decoders: dict[tuple[int, int], ChangeDecoder] = {}
-    for sid, version in set(
-        zip(headers["source_id"].tolist(), headers["schema_version"].tolist(), strict=True)
+    for sid, version, schema_id in set(
+        zip(
+            headers["source_id"].tolist(),
+            headers["schema_version"].tolist(),
+            headers["schema_id"].tolist(),
+            strict=True,
+        )
     ):
-        writer = await cache.writer(sid, version, source)
+        writer = await cache.writer(sid, version, source, schema_id)
         decoders[(sid, version)] = cache.decoder(sid, writer)
     return RawEvents(raw.body, offsets, headers, decoders)
 
@@ -327,8 +362,11 @@ async def _decode_data(
     scn, ts = raw.scn, raw.timestamp_ns
     twin = _EventTwin
     from_op = _FROM_OP
+    schema_ids = h["schema_id"]
     for (sid, version), members in groups.items():
-        writer = await cache.writer(sid, version, source)
+        # (the group's first event's fingerprint: a rebuilt registry renumbers whole
+        # tables; one event's own bytes are the CRC's business)
+        writer = await cache.writer(sid, version, source, int(schema_ids[members[0]]))
         dec = cache.decoder(sid, writer)
         starts = [offs[i] + HEADER_SIZE + klens[i] for i in members]
         stops = [offs[i] + totals[i] for i in members]
