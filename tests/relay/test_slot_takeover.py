@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
-from changebus.relay._cluster import _terminate_slot_holder
+from changebus.relay._slotholder import terminate_slot_holder
 from fix_pg import wait_until
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
@@ -45,7 +45,7 @@ async def test_the_slot_holder_is_ended_only_while_the_term_holds(
             await asyncio.sleep(0.05)
         assert holder is not None
         # the term was lost meanwhile: the walsender (here: a successor's) stays
-        ended = await asyncio.to_thread(_terminate_slot_holder, pg_dsn, "changebus", lambda: False)
+        ended = await asyncio.to_thread(terminate_slot_holder, pg_dsn, "changebus", lambda: False)
         assert ended is None and await asyncio.to_thread(_holder, pg_dsn) == holder
-        ended = await asyncio.to_thread(_terminate_slot_holder, pg_dsn, "changebus", lambda: True)
+        ended = await asyncio.to_thread(terminate_slot_holder, pg_dsn, "changebus", lambda: True)
         assert ended == holder

@@ -25,7 +25,7 @@ Target tables are created from the event's table schema when missing
 (column types from the Avro types, primary key = the source key), and
 columns added by later schema versions are added with ``ALTER TABLE``;
 a column whose type changed at the source is widened where the dialect
-types its columns (:mod:`._apply_pgtypes`).
+types its columns (:mod:`._apply_pgtypes`). (The shaping: :mod:`._apply_tables`.)
 Tables without a key cannot be upserted: the replica stops (FATAL).
 
 Consumer groups: the dialects are :class:`~._apply_units.UnitReplica`
@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +67,7 @@ from changebus.schemas import (
 from ._apply_reset import TableLedger, reset_config
 from ._apply_rows import RowStatements, runs
 from ._apply_shared import SharedTables
+from ._apply_tables import TableShapes
 from ._callbacks import AsyncCallbacks, CallbackResult, Result
 from ._config import ConsumerConfig
 from ._model import ChangeEvent, Window
@@ -77,7 +77,7 @@ __all__ = ["Replica"]
 log = logging.getLogger(__name__)
 
 
-class Replica(RowStatements, AsyncCallbacks):
+class Replica(TableShapes, RowStatements, AsyncCallbacks):
     """Base of the database replicas (module docstring); use a dialect subclass.
 
     ``consumer_name`` keys the stored checkpoint (several replicas may share
@@ -177,45 +177,6 @@ class Replica(RowStatements, AsyncCallbacks):
         """``name`` as the target database keeps it (PostgreSQL shortens long names)."""
         return name
 
-    def _table_key(self, table: str) -> str:
-        """What the target database tells tables apart by (:meth:`_claim_table`)."""
-        return ".".join(self._kept_name(part) for part in table.split("."))
-
-    def _claim_table(self, conn: Any, table: str, source: str) -> None:
-        """Refuse a second source whose rows would go to ``table`` by the default naming.
-
-        ``a_b.c`` and ``a.b_c`` are both ``a_b_c`` in SQLite (so are ``App.T``
-        and ``app.t``: its names ignore case), and two long names that share
-        their first 63 bytes are one table in PostgreSQL: their rows were
-        merged into one table, keys of one overwriting the other's. Sources
-        that ``table_names`` sends to one table on purpose (shards into one)
-        are left alone. The first source of each table is kept in the
-        database (:attr:`sources_table`), so the check holds across restarts
-        and between the processes writing one database (a group's members).
-        Worker thread only; once per table and source in a process.
-        """
-        key = self._table_key(table)
-        if (key, source) in self._claimed:
-            return
-        named = self._table_names
-        defaulted = named is None or (not callable(named) and source not in named)
-        q, p = self._quote(self.sources_table), self.placeholder
-        self._execute(
-            conn,
-            f"INSERT INTO {q} (tbl, source, defaulted) VALUES ({p}, {p}, {p})"
-            " ON CONFLICT (tbl) DO NOTHING",
-            (key, source, int(defaulted)),
-        )
-        rows = self._execute(conn, f"SELECT source, defaulted FROM {q} WHERE tbl = {p}", (key,))
-        owner, owner_defaulted = str(rows[0][0]), bool(rows[0][1])
-        if owner != source and (defaulted or owner_defaulted):
-            raise ConfigError(
-                f"sources {owner!r} and {source!r} would both write replica table {table!r}"
-                " (the target database cannot tell their names apart): map one of them"
-                " elsewhere with table_names"
-            )
-        self._claimed.add((key, source))
-
     def _qualified(self, table: str) -> str:
         return self._quote(table)
 
@@ -281,20 +242,6 @@ class Replica(RowStatements, AsyncCallbacks):
                 raise
             self._conn = conn
         return self._conn
-
-    def _create_missing(self, conn: Any, table: str, create: str) -> None:
-        """Run ``create`` (``CREATE TABLE IF NOT EXISTS``) in a transaction of its own.
-
-        Replicas opening one database at once race on it (PostgreSQL: a
-        duplicate-type error; SQLite: a busy snapshot): when the statement
-        fails and the table exists now, another session made it.
-        """
-        try:
-            with self._transaction(conn):
-                self._execute(conn, create)
-        except Exception:
-            if not self._existing_columns(conn, table):
-                raise
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
         q, p = self._quote, self.placeholder
@@ -453,82 +400,6 @@ class Replica(RowStatements, AsyncCallbacks):
             return key_hash(encoder.key_bytes(event.before))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
-
-    def _ensure_table(self, conn: Any, event: ChangeEvent) -> None:
-        schema = event.schema
-        if schema is None:
-            raise ConfigError(f"event of {event.table!r} carries no table schema")
-        table = self.table_for(event.table)
-        self._claim_table(conn, table, schema.name)
-        known, wanted = self._columns.get(table), {self._kept_name(c.name) for c in schema.columns}
-        if len(wanted) != len(schema.columns):
-            raise ConfigError(
-                f"table {schema.name!r}: two columns are one name to the target database"
-                " (it shortens long names): rename one at the source"
-            )
-        shaped = schema.fingerprint in self._shapes.get(table, ())
-        if known is not None and wanted <= known and shaped:
-            return
-        if not schema.key:
-            raise ConfigError(f"table {schema.name!r} has no key: rows cannot be upserted")
-        # the database's columns, not the cache's: another replica of the same database
-        # (a group member) may have added them meanwhile
-        found = self._existing_columns(conn, table)
-        have = set(found) if found is not None else None
-        try:
-            with self._transaction(conn):
-                if have is None:
-                    self._prepare_table(conn, table)
-                    self._execute(conn, self._create_sql(table, schema))
-                    have = set(wanted)
-                    log.info("replica created table %s for source %s", table, schema.name)
-                for column in schema.columns:
-                    if self._kept_name(column.name) not in have:
-                        self._execute(
-                            conn,
-                            f"ALTER TABLE {self._qualified(table)} ADD COLUMN"
-                            f" {self._quote(column.name)} {self._column_type(column)}",
-                        )
-                        have.add(self._kept_name(column.name))
-        except Exception:
-            # another replica made the same change at the same time: fine when it is there
-            now = self._existing_columns(conn, table)
-            if now is None or not wanted <= set(now):
-                raise
-            have = set(now)
-        self._columns[table] = have
-        if schema.nullable_key:
-            self._key_index(conn, table, schema)
-        self._widen_columns(conn, table, schema)
-        self._shapes.setdefault(table, set()).add(schema.fingerprint)
-        with self._transaction(conn):
-            self._ledger.record(conn, self.consumer_name, table)
-
-    def _key_index(self, conn: Any, table: str, schema: TableSchema) -> None:
-        """A (non-unique) index on the key columns of a table without a primary key
-        (``nullable_key``): each change deletes its old row by key. Made by the
-        first replica that needs it, so tables of older versions get it too."""
-        digest = hashlib.sha256("\0".join((table, *schema.key)).encode()).hexdigest()[:16]
-        key = ", ".join(self._quote(k) for k in schema.key)
-        try:
-            with self._transaction(conn):
-                self._execute(
-                    conn,
-                    f"CREATE INDEX IF NOT EXISTS {self._quote('cb_key_' + digest)}"
-                    f" ON {self._qualified(table)} ({key})",
-                )
-        except Exception as exc:  # noqa: BLE001 - the replica works without it, only slower
-            # (another replica making it at the same moment: it is there either way)
-            log.warning("replica table %s: no index on its key columns (%s)", table, exc)
-
-    def _create_sql(self, table: str, schema: TableSchema) -> str:
-        q = self._quote
-        cols = [f"{q(c.name)} {self._column_type(c)}" for c in schema.columns]
-        if schema.nullable_key or not schema.key:
-            # keyed by all its columns, any of them NULL: no primary key can hold it
-            return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)})"
-        key = ", ".join(q(k) for k in schema.key)
-        return f"CREATE TABLE {self._qualified(table)} ({', '.join(cols)}, PRIMARY KEY ({key}))"
 
     async def run(self, config: ConsumerConfig) -> None:
         """Consume ``config``'s stream into this replica until :meth:`stop` or an error.

@@ -69,7 +69,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from changebus.cluster import (
@@ -85,6 +85,7 @@ from changebus.schemas.security import ClientAuth
 
 from ._config import FetcherConfig
 from ._host import PartitionHost
+from ._slotholder import terminate_slot_holder
 
 __all__ = ["ClusterMember", "LeaderFence", "PartitionRole", "member_server_id"]
 
@@ -405,7 +406,7 @@ class PartitionRole:
         if not dsn or not term.valid():
             return
         try:
-            ended = await asyncio.to_thread(_terminate_slot_holder, dsn, slot, term.valid)
+            ended = await asyncio.to_thread(terminate_slot_holder, dsn, slot, term.valid)
         except Exception as exc:  # noqa: BLE001 - best effort: the fetcher retries a busy slot
             log.warning(
                 "partition %s: could not check the slot's holder: %s", self.name, type(exc).__name__
@@ -466,38 +467,6 @@ class PartitionRole:
             max(meta.min_scn, 0),
             max(last, 0),
         )
-
-
-def _terminate_slot_holder(dsn: str, slot: str, still_leader: Callable[[], bool]) -> int | None:
-    """Terminate the backend holding ``slot`` and wait (2 s at most) until it let go.
-
-    Blocking: a worker thread. Returns the ended backend's pid, None when the
-    slot was free or ``still_leader()`` (the term's lease, thread-safe) said
-    no once connected: a term lost during the connect (a pause) must not end
-    its successor's walsender.
-    """
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-        if not still_leader():
-            return None
-        row = conn.execute(
-            "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND active_pid IS NOT NULL",
-            (slot,),
-        ).fetchone()
-        if row is None:
-            return None
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            held = conn.execute(
-                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
-                (slot, row[0]),
-            ).fetchone()
-            if held is None:
-                break
-            time.sleep(0.02)
-    return int(row[0])
 
 
 class ClusterMember:

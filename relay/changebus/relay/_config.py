@@ -65,7 +65,7 @@ from changebus.schemas.files import NAME_RULE, safe_name
 from changebus.schemas.security import ClientAuth, SecurityConfig
 from changebus.schemas.server import ConnectionLimits, check_copy_budget
 
-from ._buffer import BufferConfig, Durability, check_durability
+from ._bufconfig import BufferConfig, Durability, check_durability
 
 __all__ = ["FetcherConfig", "HttpConfig", "MetricsConfig", "PartitionConfig", "RelayConfig"]
 

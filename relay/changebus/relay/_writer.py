@@ -50,7 +50,7 @@ from ._tables import EVENT_DTYPE, CircularTable
 from ._validate import validate
 
 if TYPE_CHECKING:
-    from ._buffer import BufferConfig
+    from ._bufconfig import BufferConfig
 
 __all__ = ["BufferWriter", "Hook"]
 
