@@ -325,3 +325,71 @@ def test_older_relation_after_the_key_was_renamed(
         }
     else:
         assert {k: r["v"] for k, r in rows.items()} == {(2,): "c", (3,): "d"}
+
+
+def _changes(windows: list[Any], asm: Assembler) -> list[tuple[Op, Any]]:
+    """Every data event of ``windows`` as (op, decoded change), in order."""
+    out: list[tuple[Op, Any]] = []
+    for w in windows:
+        offsets, _headers = parse_stream(w.data)
+        for off in offsets.tolist():
+            h = verify_event(w.data, off)
+            if h.op.is_control:
+                continue
+            table = asm.registry.get(asm.registry.name_for_id(h.source_id), h.schema_version)
+            out.append((h.op, ChangeDecoder(table).decode(event_at(w.data, off, h)[1])))
+    return out
+
+
+def test_a_new_replica_identity_of_the_same_schema_changes_the_before_images(
+    pg_dsn: str,
+) -> None:
+    """ALTER TABLE ... REPLICA IDENTITY keeps the columns and the key, so the schema is
+    the same, but the Relation message's key flags change: the assembler kept the old
+    ones, and after FULL -> DEFAULT its key-only DELETEs said the other columns were
+    NULL instead of not sent (review)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in SETUP:
+            conn.execute(stmt)
+        conn.execute("CREATE TABLE ident (id int8 PRIMARY KEY, v text, w text UNIQUE NOT NULL)")
+        conn.execute("ALTER TABLE ident REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO ident VALUES (1, 'a', 'w1'), (2, 'b', 'w2'), (3, 'c', 'w3')")
+        conn.execute("DELETE FROM ident WHERE id = 1")
+        conn.execute("ALTER TABLE ident REPLICA IDENTITY DEFAULT")
+        conn.execute("DELETE FROM ident WHERE id = 2")
+        conn.execute("ALTER TABLE ident REPLICA IDENTITY FULL")
+        conn.execute("DELETE FROM ident WHERE id = 3")
+        resolver = TypeResolver(conn)
+        asm = Assembler(1, resolver.resolve, primary_key=resolver.primary_key)
+        windows = windows_from(conn, asm)
+    deletes = [c for op, c in _changes(windows, asm) if op == Op.DELETE]
+    assert [(c.before, tuple(c.before_not_sent)) for c in deletes] == [
+        ({"id": 1, "v": "a", "w": "w1"}, ()),
+        ({"id": 2, "v": None, "w": None}, ("v", "w")),
+        ({"id": 3, "v": "c", "w": "w3"}, ()),
+    ]
+    assert [t.version for t in asm.registry.versions("public.ident")] == [1]
+
+
+def test_an_unchanged_key_stored_out_of_line_comes_from_the_logged_old_key(pg_dsn: str) -> None:
+    """An UPDATE that leaves a TOASTed key alone sends it as unchanged ('u'), and
+    Postgres logs the old key with it: the key was taken from the new row only, so
+    the encoder failed on a NULL key and the partition stopped for good (review)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in SETUP:
+            conn.execute(stmt)
+        conn.execute("CREATE TABLE bigkey (k text PRIMARY KEY, v int4)")
+        conn.execute("ALTER TABLE bigkey ALTER COLUMN k SET STORAGE EXTERNAL")
+        key = "".join(f"{i:04d}" for i in range(600))  # 2,400 bytes: stored out of line
+        conn.execute("INSERT INTO bigkey VALUES (%s, 1), ('short', 1)", (key,))
+        conn.execute("UPDATE bigkey SET v = 2")
+        resolver = TypeResolver(conn)
+        asm = Assembler(1, resolver.resolve, primary_key=resolver.primary_key)
+        windows = windows_from(conn, asm)
+    updates = [c for op, c in _changes(windows, asm) if op == Op.UPDATE]
+    assert sorted((c.after["k"], c.after["v"], tuple(c.after_not_sent)) for c in updates) == [
+        (key, 2, ()),
+        ("short", 2, ()),
+    ]
+    state = replay(windows, asm)
+    assert {k: r["v"] for k, r in state["public.bigkey"].items()} == {(key,): 2, ("short",): 2}

@@ -225,16 +225,20 @@ class Assembler:
             found = self.registry.find(wanted)  # read again: a version the relay holds
         table = found if found is not None else self.registry.register(wanted)
         old = self._tables.get(rel.oid)
+        key_flags = tuple(c.key for c in rel.columns)
         if (
             old is not None
             and old.schema.version == table.version
             and old.schema.name == table.name
+            and old.key_flags == key_flags
         ):
             return  # Postgres re-sends unchanged Relation messages after reconnects
+        # (a new replica identity keeps the schema but changes which columns a key-only
+        # before-image holds: the table is made again, or its DELETEs said NULL for
+        # columns never sent)
         source_id = self.registry.source_id(table.name)
         names = tuple(c.name for c in rel.columns)
         adapters = tuple(adapter(t.avro) for t in types)
-        key_flags = tuple(c.key for c in rel.columns)
         key_places = [names.index(k) for k in key]
         rules = plan.rules if plan is not None else None
         self.transcoders.forget(rel.oid)
@@ -371,9 +375,10 @@ class Assembler:
             before, before_ns = self._row(table, old)
             if old_kind == "K":  # only the key columns were sent
                 before_ns = list(table.key_only_not_sent)
-        if after_ns and before is not None and old_kind == "O":
-            # the whole old row (FULL identity; pgoutput flattens its TOASTed values):
-            # an unchanged TOASTed value of the new row is the old row's
+        if after_ns and before is not None:
+            # an unchanged TOASTed value of the new row is the old row's: the whole old
+            # row (FULL identity; pgoutput flattens its TOASTed values), or its key
+            # (Postgres logs a key stored out of line with the update, ``K``)
             for name in [n for n in after_ns if n not in before_ns]:
                 after_ns.remove(name)
                 assert after is not None

@@ -27,8 +27,9 @@ from ._setup import connect, reason
 
 __all__ = ["check_postgres"]
 
-#: the oldest server the fetcher supports (pg_replication_slots.wal_status)
-_MIN_VERSION = 130000
+#: the oldest server the fetcher supports: pgoutput's ``binary`` and ``messages``
+#: options, which every START_REPLICATION of the fetcher asks for, came in 14
+_MIN_VERSION = 140000
 _RESTART = "then restart the server (this setting needs a restart)"
 _SETTINGS = ("wal_level", "max_replication_slots", "max_wal_senders", "max_slot_wal_keep_size")
 
@@ -107,11 +108,12 @@ def _checks(conn: Any, cfg: PostgresConfig) -> tuple[str, list[Finding]]:
         out.append(
             Finding.fail(
                 "server_version",
-                f"PostgreSQL {version}; the postgres fetcher needs 13 or newer",
-                "upgrade the server to PostgreSQL 13 or newer",
+                f"PostgreSQL {version}; the postgres fetcher needs 14 or newer (pgoutput's"
+                " binary and messages options)",
+                "upgrade the server to PostgreSQL 14 or newer",
             )
         )
-        return f"PostgreSQL {version}", out  # the catalog queries below need 13
+        return f"PostgreSQL {version}", out  # (the catalog queries below need 13)
     out.append(Finding.ok("server_version", f"PostgreSQL {version}"))
     if one("SELECT pg_is_in_recovery()")[0]:
         out.append(
