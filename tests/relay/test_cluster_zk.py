@@ -401,3 +401,60 @@ async def test_a_leader_behind_an_epoch_a_member_registered_takes_a_newer_one(
         finally:
             await registry.stop()
             await ghost.stop()
+
+
+@pytest.mark.pg
+@pytest.mark.usefixtures("no_blocking")
+async def test_a_leader_whose_disk_syncs_failed_leaves_the_election_at_once(
+    tmp_path: Path,
+    pg_dsn: str,
+    zk_server: ZkServer,
+    zk_cluster: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``durability = "fsync"`` and the leader's msync fails for good: its ingest stops.
+    It used to keep the term, unread, for ``source_give_up_s`` (60 s), and to take it
+    again whenever it stood alone in line (review). It leaves the election at once."""
+    import dataclasses
+
+    slot = _table_and_slot(pg_dsn)
+
+    def config(name: str) -> RelayConfig:
+        cfg = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, name, 2.0)
+        (part,) = cfg.partitions
+        return dataclasses.replace(cfg, partitions=(dataclasses.replace(part, durability="fsync"),))
+
+    async with Relay(config("a")) as a, Relay(config("b")) as b:
+        leader = await _leader_and_follower(a, b)
+        other = b if leader is a else a
+        broken = leader.hosts[PART]
+
+        def failing(since: Any, upto: Any) -> Any:
+            raise OSError(5, "msync: Input/output error")
+
+        # (this relay's disk only: the other's buffer syncs as before)
+        monkeypatch.setattr(broken.buffer, "sync_spans", failing)
+        with Writer(pg_dsn, rate=200) as w:
+            await wait_until(
+                lambda: (
+                    other.hosts[PART].role == "leader" and other.hosts[PART].state == "streaming"
+                ),
+                15,
+                "the other member leading",
+            )
+            assert leader.cluster is not None
+            role = leader.cluster.roles[PART]
+            assert role.withdrawn and broken.role != "leader"
+            before = w.committed
+            await wait_until(lambda: w.committed >= before + 50, 30, "50 more transactions")
+        end = marker(pg_dsn)
+        await wait_until(
+            lambda: other.hosts[PART].buffer.meta.last_scn >= end, 30, "the new leader caught up"
+        )
+        async with aiohttp_session() as http, http.get(f"{leader.url}/readyz") as resp:
+            assert resp.status == 503
+            body = await resp.json()
+        assert body["partitions"][PART].startswith("sync failed"), body
+        # it stays out: nothing brings it back into the line while it runs
+        await asyncio.sleep(1.0)
+        assert leader.hosts[PART].role != "leader" and role.election.leadership is None

@@ -173,6 +173,8 @@ class PartitionRole:
         self._unread_since = 0.0
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: this member left the election for good: its buffer's syncs failed
+        self.withdrawn = False
 
     async def start(self) -> None:
         await self.election.start()
@@ -194,7 +196,8 @@ class PartitionRole:
                 await self.host.switch_fetcher(FetcherConfig())
             finally:
                 self.plan = ("none", 0, "")
-        await self.election.stop()
+        if not self.withdrawn:
+            await self.election.stop()
 
     def kick(self) -> None:
         self._kick.set()
@@ -259,6 +262,8 @@ class PartitionRole:
         )
 
     def _wanted(self) -> _Plan:
+        if self.withdrawn:
+            return ("none", 0, "")
         term = self.election.leadership
         leader = self.member.table.leader(self.name)
         if leader is not None:
@@ -295,10 +300,29 @@ class PartitionRole:
             return ("follow", leader.epoch, leader.url)
         return ("none", 0, "")
 
+    async def _withdraw_if_store_failed(self) -> None:
+        """Leave the election for good once the buffer's syncs failed (``durability =
+        "fsync"``): the ingest stopped, so as a leader this member would hold the
+        partition, unread, until ``source_give_up_s`` requeued it (and take it again
+        when no other member stands), and as a follower it can append nothing."""
+        syncer = self.host.syncer
+        if self.withdrawn or syncer is None or not syncer.error:
+            return
+        self.withdrawn = True
+        self.step_down_reason = f"its buffer's syncs failed ({syncer.error})"
+        log.error(
+            "partition %s: %s leaves the election until it is restarted: %s",
+            self.name,
+            self.member_id,
+            self.step_down_reason,
+        )
+        await self.election.stop()
+
     async def _run(self) -> None:
         while True:
             self._kick.clear()
             try:
+                await self._withdraw_if_store_failed()
                 wanted = self._wanted()
                 if wanted != self.plan:
                     await self._apply(wanted)
