@@ -419,3 +419,25 @@ async def test_a_wake_without_a_new_assignment_decodes_nothing(
     third = await make_member("c2")  # a new assignment: decoded, and followed
     await wait_until(lambda: settled([*pairs, third]), 10, "three members settled")
     assert decoded > before
+
+
+async def test_two_members_of_one_group_cannot_share_a_session(zk_session, group) -> None:
+    """Ownership is per session: an owner node the session holds counts as the member's
+    own, so a second member of the group on the same session took the first's units at
+    once, and both delivered them (review). The second is refused; after the first
+    stops, a new member may use the session."""
+    session = await zk_session("shared")
+    first = GroupMember(session, group, ["orders"], 4, name="first")
+    await first.start()
+    try:
+        with pytest.raises(ConfigError, match="a session of its own"):
+            await GroupMember(session, group, ["orders"], 4, name="second").start()
+        assert first.member_id  # the first one runs on
+        other = GroupMember(session, f"{group}-other", ["orders"], 4, name="elsewhere")
+        await other.start()  # another group on the same session is fine
+        await other.stop()
+    finally:
+        await first.stop()
+    again = GroupMember(session, group, ["orders"], 4, name="again")
+    await again.start()
+    await again.stop()

@@ -72,6 +72,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -108,6 +109,11 @@ __all__ = ["GroupMember"]
 
 log = logging.getLogger("changebus.cluster.group")
 
+#: the groups with a started member on each session: ownership is per session (an
+#: owner node of the session counts as the member's own, :mod:`._group_nodes`), so two
+#: members of one group on one session would take each other's units (review)
+_GROUPS_ON: weakref.WeakKeyDictionary[ZkSession, set[str]] = weakref.WeakKeyDictionary()
+
 UnitsCallback = Callable[[frozenset[Unit]], None]
 
 
@@ -117,7 +123,8 @@ class GroupMember:
     ``partitions`` and ``buckets`` define the group's units and must match
     what the group stored in ZooKeeper; ``name`` is shown on status pages
     (default ``host:pid``). The session is the caller's: :meth:`stop` leaves
-    it running.
+    it running. One member of a group per session: :meth:`start` refuses a
+    second (:class:`ConfigError`).
     """
 
     def __init__(
@@ -195,6 +202,20 @@ class GroupMember:
         """
         if self._tasks:
             return
+        groups = _GROUPS_ON.setdefault(self.session, set())
+        if self.group in groups:
+            raise ConfigError(
+                f"group {self.group}: another member of it runs on this ZooKeeper session;"
+                " each member needs a session of its own"
+            )
+        groups.add(self.group)
+        try:
+            await self._start()
+        except BaseException:
+            groups.discard(self.group)
+            raise
+
+    async def _start(self) -> None:
         self._stopping = False
         self._loop = asyncio.get_running_loop()
         await self.session.wait_connected()
@@ -221,6 +242,7 @@ class GroupMember:
     async def stop(self) -> None:
         """Release the owner nodes, delete the member node and stop (the session stays)."""
         self._stopping = True
+        _GROUPS_ON.get(self.session, set()).discard(self.group)
         if self._remove_listener is not None:
             self._remove_listener()
             self._remove_listener = None
