@@ -85,6 +85,8 @@ class PostgresFetcher:
             #: quiet periods past io_timeout_s while the walsender was busy decoding
             "quiet_decoding": 0,
             "heartbeats": 0,
+            #: reads of the slot's figures (retained and unconfirmed WAL, its state)
+            "slot_stats_reads": 0,
             "retained_wal_bytes": -1,
             "unconfirmed_wal_bytes": -1,
         }

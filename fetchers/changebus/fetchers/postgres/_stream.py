@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import struct
 import threading
 import time
@@ -131,6 +132,7 @@ def stream(
         feed.on_wait = lambda: duties.keepalive(time.monotonic(), written)
     read = reader.read
     xlog = _XLOG.unpack_from
+    stats_every = cfg.slot_stats_interval_s or math.inf
     try:
         while not stopping.is_set():
             now = time.monotonic()
@@ -138,6 +140,10 @@ def stream(
             batch = read()
             if batch:
                 duties.last_rx = now
+                if now - ticker.last_stats >= stats_every:
+                    # (a backlog keeps every read busy: the slot's figures are read
+                    # meanwhile too, when an operator watches them most)
+                    ticker.tick(now, idle=False)
             else:
                 if feed is not None:
                     feed.flush()
@@ -247,6 +253,7 @@ def poll_sql(
             now = time.monotonic()
             if fresh:
                 ticker.activity(now)
+                ticker.tick(now, idle=False)  # (the slot's figures, when due)
             else:
                 ticker.tick(now, idle=True)
                 stopping.wait(cfg.sql_poll_interval_s)
@@ -401,6 +408,7 @@ class Ticker:
             self.last_activity = now
         if cfg.slot_stats_interval_s and now - self.last_stats >= cfg.slot_stats_interval_s:
             self.last_stats = now
+            stats["slot_stats_reads"] += 1
             row = self.catalog.execute(
                 "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, "
                 "(pg_current_wal_lsn() - confirmed_flush_lsn)::int8, wal_status "
