@@ -706,3 +706,28 @@ def test_a_byte_bound_cut_short_by_a_wrap_gap_is_looked_past(buf: EventBuffer, m
     _, headers = parse_stream(b"".join(bytes(v) for v in sel.views))
     assert [int(h["scn"]) for h in headers] == [scn] * 8
     buf.release(sel)
+
+
+def test_a_position_too_long_to_keep_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions over POSITION_BYTES are kept as not known: an operator is told, once
+    (evictions come often), rather than finding resumes from the SCN alone (review)."""
+    import logging
+
+    from changebus.relay import _meta
+
+    monkeypatch.setattr(_meta, "_too_long_logged", False)
+    b = EventBuffer(tmp_path / "a", BufferConfig(capacity_bytes=CAP))
+    with caplog.at_level(logging.WARNING, logger="changebus.relay.buffer"):
+        b.set_start(7, position="y" * (_meta.POSITION_BYTES + 10))
+        b.set_start(8, position="z" * (_meta.POSITION_BYTES + 20))
+        b.set_start(9, position="short")
+    b.close()
+    logged = [r.getMessage() for r in caplog.records if "longer than" in r.getMessage()]
+    assert logged == [
+        f"a source position of {_meta.POSITION_BYTES + 10} bytes is longer than the "
+        f"{_meta.POSITION_BYTES} the buffer's meta file keeps: the position before the oldest "
+        "window is not known (a fetcher starting on an empty buffer resumes from the SCN "
+        "alone, and chained relays get no position with a fall-off)"
+    ]

@@ -15,6 +15,7 @@ Thread-safety: only the writer thread calls :meth:`MetaFile.publish`.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import zlib
@@ -27,6 +28,8 @@ import numpy as np
 from changebus.schemas.files import open_private
 
 __all__ = ["POSITION_BYTES", "BufferMeta", "MetaFile", "kept_position"]
+
+log = logging.getLogger("changebus.relay.buffer")
 
 _SLOT: Final = 512
 #: the slots of formats 1 to 3 (a file of two is rewritten in format 4 when opened)
@@ -232,7 +235,26 @@ def _position_bytes(position: str) -> bytes:
     return kept_position(position).encode("utf-8")
 
 
+#: a position too long to keep was logged (once a process: evictions come often)
+_too_long_logged = False
+
+
 def kept_position(position: str) -> str:
     """``position`` as the meta file keeps it ("" when too long): what a ``prev_pos``
-    is set to, so the buffer says the same before and after a restart."""
-    return position if len(position.encode("utf-8")) <= POSITION_BYTES else ""
+    is set to, so the buffer says the same before and after a restart. The first
+    position too long to keep is logged (a warning, once a process)."""
+    size = len(position.encode("utf-8"))
+    if size <= POSITION_BYTES:
+        return position
+    global _too_long_logged
+    if not _too_long_logged:
+        _too_long_logged = True
+        log.warning(
+            "a source position of %d bytes is longer than the %d the buffer's meta file "
+            "keeps: the position before the oldest window is not known (a fetcher "
+            "starting on an empty buffer resumes from the SCN alone, and chained relays "
+            "get no position with a fall-off)",
+            size,
+            POSITION_BYTES,
+        )
+    return ""
