@@ -93,3 +93,19 @@ def test_statements_up_to_a_table_s_valid_at_leave_it_as_it_is() -> None:
     declared.apply("DROP TABLE r", "d", 150)
     declared.apply("CREATE TABLE r (v int)", "d", 160)
     assert declared.get("d", "r") == {"v": "inet6"}
+
+
+def test_create_table_if_not_exists_of_a_known_table_changes_nothing() -> None:
+    """The server logs CREATE TABLE IF NOT EXISTS even when the table was there (and left
+    as it was): an idempotent schema script run at every boot, with an old column list,
+    replaced the tracked types, and uuid/json columns came as bytes and text (review)."""
+    types = DeclaredTypes()
+    types.set("app", "t", {"id": "int", "u": "uuid", "js": "longtext /* json */"})
+    effect = types.apply("CREATE TABLE IF NOT EXISTS t (id int PRIMARY KEY, u binary(16))", "app")
+    assert effect.kind == "other"
+    assert types.get("app", "t") == {"id": "int", "u": "uuid", "js": "longtext /* json */"}
+    # a table not known yet is created as before; so is one without IF NOT EXISTS
+    types.apply("CREATE TABLE IF NOT EXISTS n (id int PRIMARY KEY, u uuid)", "app")
+    assert types.get("app", "n") == {"id": "int", "u": "uuid"}
+    types.apply("CREATE OR REPLACE TABLE t (id int PRIMARY KEY)", "app")
+    assert types.get("app", "t") == {"id": "int"}

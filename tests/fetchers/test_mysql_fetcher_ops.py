@@ -244,6 +244,47 @@ async def test_a_statement_logged_change_stops_the_stream_with_a_clear_error(
     assert list(rows) == [1]  # the row change before it is kept
 
 
+@pytest.mark.parametrize("how", ["commented_statement", "compressed"])
+async def test_changes_the_library_cannot_read_stop_the_stream_instead_of_being_skipped(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str, how: str
+) -> None:
+    """Review: a statement-logged change after a comment (``-- c``) did not match the
+    statement check, and compressed events (MariaDB's log_bin_compress, checked only at
+    start, turned on while the relay ran) were skipped by the library: both changes were
+    lost without a word (MariaDB compresses query events: statements, DDL). Both now
+    stop the partition with the binlog position."""
+    make_tables(mysql_server, mysql_db)
+    try:
+        async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+            await wait_until(lambda: relay.hosts["my"].state == "streaming")
+            execute(mysql_server, mysql_db, "INSERT INTO acct VALUES (1, 1, 'row')")
+            if how == "compressed":
+                execute(mysql_server, mysql_db, "SET GLOBAL log_bin_compress = ON")
+                # a statement past log_bin_compress_min_len (256 bytes) is logged as a
+                # compressed query event: a DDL the fetcher would not have seen
+                execute(
+                    mysql_server,
+                    mysql_db,
+                    f"ALTER TABLE acct ADD COLUMN extra int COMMENT '{'c' * 300}'",
+                )
+                needle = "compressed event (MariaDB log_bin_compress = ON)"
+            else:
+                execute(
+                    mysql_server,
+                    mysql_db,
+                    "SET SESSION binlog_format = 'STATEMENT'",
+                    "-- a comment first\nINSERT INTO acct VALUES (2, 2, 'statement')",
+                )
+                needle = "logged as a statement"
+            host = relay.hosts["my"]
+            await wait_until(lambda: host.state == "failed")
+            assert needle in host.last_error, host.last_error
+            rows, _, _ = replay(relay, "acct")
+    finally:
+        execute(mysql_server, mysql_db, "SET GLOBAL log_bin_compress = OFF")
+    assert list(rows) == [1]  # the row change before it is kept
+
+
 async def test_fetcher_reconnects_after_the_server_drops_its_stream(
     tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
 ) -> None:

@@ -97,8 +97,13 @@ log = logging.getLogger("changebus.fetchers.mysql")
 #: table layouts the assembler keeps compiled besides each table's last one
 _CACHED_LAYOUTS = 4096
 
-#: a statement that changes rows (statement-based logging of DML)
-_DML = re.compile(r"\s*(?:/\*.*?\*/\s*)*(insert|update|delete|replace|load\s+data)\b", re.I | re.S)
+#: a statement that changes rows (statement-based logging of DML), after any comments
+#: (``/* */``, ``-- ``, ``#``); a logged statement starting with WITH is a DML one
+_DML = re.compile(
+    r"(?:\s+|/\*.*?\*/|--[^\n]*(?:\n|$)|#[^\n]*(?:\n|$))*"
+    r"(insert|update|delete|replace|load\s+data|with)\b",
+    re.I | re.S,
+)
 #: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
 _SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
 _ROLLBACK_TO = re.compile(

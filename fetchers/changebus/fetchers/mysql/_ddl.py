@@ -310,10 +310,16 @@ class DeclaredTypes:
             t.accept("temporary")
             if not t.accept("table"):
                 return DdlEffect("other")
+            if_missing = False
             if t.accept("if"):
                 t.accept("not")
                 t.accept("exists")
+                if_missing = True
             name = t.table(db)
+            if if_missing and name in self._tables:
+                # logged even when the table was there (and so left as it was): an
+                # idempotent schema script's column list may be out of date (review)
+                return DdlEffect("other")
             if t.accept("like"):
                 src = t.table(db)
                 src_columns = self._tables.get(src)

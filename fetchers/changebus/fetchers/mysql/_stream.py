@@ -52,6 +52,31 @@ __all__ = ["run"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
+#: binlog events that carry changes the replication library cannot read (it skips
+#: them): each stops the stream with :func:`_refuse_unread` rather than lose them
+_UNREAD: dict[int, str] = {
+    0x11: "a LOAD DATA logged as a statement (its rows are not in the binlog)",
+    0x12: "a LOAD DATA logged as a statement (its rows are not in the binlog)",
+    0x1A: "an INCIDENT event: the server says changes were lost here",
+    0x28: "a compressed transaction (MySQL binlog_transaction_compression = ON)",
+    **dict.fromkeys(range(0xA5, 0xAC), "a compressed event (MariaDB log_bin_compress = ON)"),
+}
+
+
+def _refuse_unread(event_type: int, file: str, end_pos: int) -> None:
+    """Stop on an event of :data:`_UNREAD` (others the library does not read hold no
+    changes: MySQL's anonymous GTIDs, say)."""
+    what = _UNREAD.get(event_type)
+    if what is None:
+        return
+    raise SourceConfigError(
+        f"binlog event type {event_type} at {file}:{end_pos} is {what}; the fetcher cannot "
+        "capture its changes and stops rather than skip them. Turn it off (log_bin_compress "
+        "= OFF, binlog_transaction_compression = OFF, binlog_format = ROW for every "
+        "session), then restart the relay and reseed the tables it changed"
+    )
+
+
 #: committed windows waiting for decode workers before the stream waits for them
 _MAX_PENDING = 32
 
@@ -130,9 +155,12 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
     """A ``BinLogStreamReader`` from the fetcher's start position (one stream connection)."""
     from pymysqlreplication import BinLogStreamReader
     from pymysqlreplication.event import (
+        BeginLoadQueryEvent,
+        ExecuteLoadQueryEvent,
         GtidEvent,
         HeartbeatLogEvent,
         MariadbGtidEvent,
+        NotImplementedEvent,
         QueryEvent,
         RotateEvent,
         XAPrepareEvent,
@@ -185,7 +213,12 @@ def _open_reader(fetcher: MySQLFetcher) -> Any:
             XidEvent,
             XAPrepareEvent,
             HeartbeatLogEvent,
+            # read to be refused when they carry changes (_refuse_unread)
+            NotImplementedEvent,
+            BeginLoadQueryEvent,
+            ExecuteLoadQueryEvent,
         ],
+        filter_non_implemented_events=False,
         pymysql_wrapper=connect,
         enable_logging=False,
     )
@@ -199,9 +232,12 @@ def _stream(
 ) -> None:
     """Read events until ``stopping`` (or an error: the caller reconnects)."""
     from pymysqlreplication.event import (
+        BeginLoadQueryEvent,
+        ExecuteLoadQueryEvent,
         GtidEvent,
         HeartbeatLogEvent,
         MariadbGtidEvent,
+        NotImplementedEvent,
         QueryEvent,
         RotateEvent,
         XAPrepareEvent,
@@ -321,6 +357,8 @@ def _stream(
                 window = assembler.xa_prepare(key, event.one_phase, event.packet.log_pos)
             elif cls is RotateEvent:
                 assembler.rotate(event.next_binlog)
+            elif cls in (NotImplementedEvent, BeginLoadQueryEvent, ExecuteLoadQueryEvent):
+                _refuse_unread(event.event_type, assembler.file, event.packet.log_pos)
             elif cls is HeartbeatLogEvent:
                 fetcher.stats["heartbeats"] += 1
                 if resolver is not None:
