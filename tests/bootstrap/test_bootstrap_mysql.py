@@ -303,6 +303,7 @@ TYPES = {
     "biu": ("bigint unsigned", "18446744073709551615"),
     "de": ("decimal(20,6)", "-12345678901234.567891"),
     "fl": ("float", "0.1"),
+    "fl7": ("float", "1.2345678"),  # (7 digits: the text protocol prints a FLOAT with 6)
     "db": ("double", "1.5e300"),
     "bt": ("bit(5)", "b'10101'"),
     "bt64": ("bit(64)", "b'1111111111111111111111111111111111111111111111111111111111111111'"),
@@ -327,10 +328,21 @@ TYPES = {
 }
 
 
+@pytest.mark.parametrize("server_mode", ["", "PAD_CHAR_TO_FULL_LENGTH,EMPTY_STRING_IS_NULL"])
 async def test_a_seeded_row_is_encoded_as_the_fetcher_encodes_it(
-    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str, server_mode: str
 ) -> None:
-    server, db = mysql_server, mysql_db
+    """Also with a server default mode that changes what a SELECT returns (CHAR values
+    padded, '' read as NULL): the seed's session used it (review)."""
+    if server_mode:
+        mysql_execute(mysql_server, mysql_db, f"SET GLOBAL sql_mode = '{server_mode}'")
+    try:
+        await _seeded_like_streamed(tmp_path, mysql_server, mysql_db)
+    finally:
+        mysql_execute(mysql_server, mysql_db, "SET GLOBAL sql_mode = DEFAULT")
+
+
+async def _seeded_like_streamed(tmp_path: Path, server: EmbeddedMariaDB, db: str) -> None:
     cols = ", ".join(f"`{n}` {t}" for n, (t, _) in TYPES.items())
     mysql_execute(
         server, db, "SET SESSION sql_mode = ''", f"CREATE TABLE ty (id int PRIMARY KEY, {cols})"
@@ -431,3 +443,22 @@ def test_seed_config_of_kind_mysql_wants_a_mysql_url() -> None:
     request = SeedRequest(cfg.dsn, 1, ("d.t",), done=frozenset({"d.t"}))
     assert seed_mysql(request, lambda *_: None, progress) == 7
     assert progress.state == "copied" and progress.tables_done == 1
+
+
+def test_a_table_whose_name_holds_a_percent_sign_is_found(
+    mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """The readability check ran its query without parameters, so the doubled ``%`` of
+    the quoted name stayed doubled: the table was not found, and a seed recorded it as
+    gone, copied nothing, and a gap repair ended without it (review)."""
+    from changebus.bootstrap._seed_mysql_conn import check_readable
+
+    mysql_execute(mysql_server, mysql_db, "CREATE TABLE `t%x` (id int PRIMARY KEY)")
+    conn = mysql_server.connect()
+    try:
+        check_readable(conn, f"{mysql_db}.t%x")  # raised SourceConfigError(gone=True)
+        with pytest.raises(SourceConfigError) as err:
+            check_readable(conn, f"{mysql_db}.t%y")
+        assert err.value.details.get("gone") is True
+    finally:
+        conn.close()

@@ -167,6 +167,11 @@ class MySQLChunkSource:
 
         with source_errors("setting up the seed connection"), self.conn.cursor() as cur:
             cur.execute("SET SESSION time_zone = '+00:00'")
+            # values as the binlog holds them whatever the server's default mode: no CHAR
+            # padding (PAD_CHAR_TO_FULL_LENGTH), '' not NULL (EMPTY_STRING_IS_NULL, a
+            # cursor at '' became "k > NULL"), backslash escapes for the driver's literals
+            # (NO_BACKSLASH_ESCAPES): found by review
+            cur.execute("SET SESSION sql_mode = ''")
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             with contextlib.suppress(pymysql.err.MySQLError):  # MySQL, MariaDB < 10.3.18
                 cur.execute("SET SESSION in_predicate_conversion_threshold = 0")
@@ -309,7 +314,8 @@ class MySQLChunkReader:
         self._absent_keys: list[bytes | None] = []
         with source_errors(f"reading {self.name}"), source.conn.cursor() as cur:
             cur.execute(f"SELECT * FROM {self._table} LIMIT 0", ())
-            rows.bind(column_names(cur))  # the columns are the relay's (else: retriable)
+            names = column_names(cur)
+            rows.bind(names)  # the columns are the relay's (else: retriable)
             # what orders a keyset cursor: the key columns' types and collations
             cur.execute(
                 "SELECT COLUMN_NAME, DATA_TYPE, COLLATION_NAME FROM information_schema.COLUMNS"
@@ -317,6 +323,15 @@ class MySQLChunkReader:
                 (db, table),
             )
             found = {str(r[0]): [str(r[0]), str(r[1]), str(r[2] or "")] for r in cur.fetchall()}
+        #: the select list: FLOAT columns as DOUBLE (the text protocol prints a FLOAT with
+        #: 6 significant digits, the binlog holds its 4 bytes; a DOUBLE prints exactly, and
+        #: a keyset cursor on a FLOAT key compares exactly too: found by review)
+        floats = {n for n, (_, dtype, _) in found.items() if dtype.lower() == "float"}
+        self._select = (
+            ", ".join(f"CAST({q(n)} AS DOUBLE) AS {q(n)}" if n in floats else q(n) for n in names)
+            if floats
+            else "*"
+        )
         self.mode = "keys" if scope.keys else "keyset"
         #: what its cursors mean (:attr:`~._chunks.ChunkReader.key_id`)
         self.key_id = (
@@ -467,14 +482,14 @@ class MySQLChunkReader:
                 conds.append(sql)
                 args.extend(self._ordinal(i, bound[i]) for i in at)
             cur.execute(
-                f"SELECT * {head}{where_sql([*conds, self._where])} ORDER BY {self._key_list}",
+                f"SELECT {self._select} {head}{where_sql([*conds, self._where])} ORDER BY {self._key_list}",
                 tuple(args),
             )
             rows = list(cur.fetchall())
             self._rows.bind(column_names(cur))
             return rows, None if bound is None else key_json(bound)
         cur.execute(
-            f"SELECT * {head}{where_sql(conds)} ORDER BY {self._key_list} LIMIT {limit}",
+            f"SELECT {self._select} {head}{where_sql(conds)} ORDER BY {self._key_list} LIMIT {limit}",
             tuple(args),
         )
         rows = list(cur.fetchall())
@@ -512,7 +527,10 @@ class MySQLChunkReader:
         args = tuple(v for k in keys for v in k)
 
         def read(cur: Any) -> list[Any]:
-            cur.execute(f"SELECT * FROM {self._table} WHERE {cond} ORDER BY {self._key_list}", args)
+            cur.execute(
+                f"SELECT {self._select} FROM {self._table} WHERE {cond} ORDER BY {self._key_list}",
+                args,
+            )
             rows = list(cur.fetchall())
             self._rows.bind(column_names(cur))
             return rows
