@@ -257,3 +257,40 @@ def test_inlined_varints_equal_avro_longs_at_every_boundary() -> None:
         n = (z >> 1) ^ -(z & 1)  # the long whose zig-zag value is z
         assert eval(ce._Z_EXPR, env, {"z": z}) == avro_long(n), z
         assert eval(ce._PZ_EXPR, env, {"z": z}) == b"\x02" + avro_long(n), z
+
+
+def test_a_table_rewritten_during_a_chunk_is_read_whole(
+    pg_dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A rewriting ALTER TABLE (same columns: the shape check passes) that committed after
+    the chunk's snapshot but before the COPY took its lock left the COPY a new file whose
+    rows the snapshot cannot see: an empty chunk, read as the table's end, and the sweep
+    would have made the rest tombstones (review). The chunk's transaction takes the
+    table's lock before its snapshot, so the ALTER waits for the chunk."""
+    import threading
+
+    conn.execute("CREATE TABLE rw (id int8 PRIMARY KEY, v int4)")
+    conn.execute("INSERT INTO rw SELECT g, g FROM generate_series(1, 100) g")
+    entries = table_schema_entries(conn, "public.rw")
+    request = SeedRequest(pg_dsn, 1, ("public.rw",), schemas=tuple(entries))
+    altered = threading.Event()
+
+    def rewrite() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as other:
+            other.execute("SET lock_timeout = '30s'")
+            other.execute("ALTER TABLE rw ALTER COLUMN v TYPE int4 USING v + 0")
+        altered.set()
+
+    with PostgresChunkSource(request) as src:
+        reader = src.reader(SnapshotScope("public.rw"))
+        t, oid = reader.table, reader.oid
+        src.begin_chunk("public.rw")
+        thread = threading.Thread(target=rewrite)
+        thread.start()
+        altered.wait(1.0)  # (without the lock it commits at once)
+        sql, params = t.keyset(None, "", 1000)
+        data = src.copy_data(sql, oid, params)
+        src.conn.execute("COMMIT")
+        thread.join(30)
+    assert altered.is_set()
+    assert len(copy_rows(data, oid, len(t.columns))) == 100

@@ -173,6 +173,9 @@ class PostgresChunkSource:
         #: the columns (name, type oid, typmod) each table had when its reader was made
         self.shapes: dict[int, list[tuple[str, int, int]]] = {}
         self.names: dict[int, str] = {}
+        #: per table name, the statement taking its ACCESS SHARE lock: the first of each
+        #: chunk's transaction, before its snapshot (:meth:`begin_chunk`)
+        self._locks: dict[str, Any] = {}
         #: COPY encoders by (table oid, extra fields); rows they encoded, rows the general way
         self.encoders: dict[tuple[int, int], Any] = {}
         self.rows_fast = 0
@@ -314,6 +317,11 @@ class PostgresChunkSource:
         ).fetchall()
         self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f, _o in cols]
         self.names[oid] = name
+        from psycopg import sql
+
+        self._locks[name] = sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+            sql.Identifier(nsp, rel)
+        )
         ident = _identity_columns(conn, oid, identity, self.resolver)
         relation = Relation(
             oid,
@@ -421,6 +429,13 @@ class PostgresChunkSource:
             xid = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
             self.samples.append((lsn_to_scn(str(lsn)) - 1, int(xid)))
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            lock = self._locks.get(table)
+            if lock is not None:
+                # the table's lock before the snapshot (as pg_dump takes it): a rewriting
+                # ALTER TABLE that committed between the snapshot and the COPY's own lock
+                # left the COPY a new file whose rows the snapshot cannot see, an empty
+                # chunk read as the table's end (found by review)
+                conn.execute(lock)
             row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
             xmin = int(row.fetchone()[0])
             tag = next((t for t, n in reversed(self.samples) if n <= xmin), None)
