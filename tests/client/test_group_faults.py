@@ -44,7 +44,8 @@ from group_procs import (
     group_setup,
 )
 
-pytestmark = [pytest.mark.pg, pytest.mark.zk]
+# (timing: the move and pause bounds hold on a machine no other test is loading)
+pytestmark = [pytest.mark.pg, pytest.mark.zk, pytest.mark.timing]
 
 # ---- kill -9 ------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import shutil
@@ -283,6 +284,32 @@ async def test_changes_the_library_cannot_read_stop_the_stream_instead_of_being_
     finally:
         execute(mysql_server, mysql_db, "SET GLOBAL log_bin_compress = OFF")
     assert list(rows) == [1]  # the row change before it is kept
+
+
+async def test_a_dropped_partition_is_logged_as_rows_removed_without_events(
+    tmp_path: Path,
+    mysql_server: EmbeddedMariaDB,
+    mysql_db: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DROP/TRUNCATE PARTITION remove rows with no row events; the fetcher said so only
+    at INFO as any DDL (review): now a warning naming the table and what to do."""
+    execute(
+        mysql_server,
+        mysql_db,
+        "CREATE TABLE parted (id int PRIMARY KEY) PARTITION BY RANGE (id) "
+        "(PARTITION p0 VALUES LESS THAN (10), PARTITION p1 VALUES LESS THAN MAXVALUE)",
+    )
+    caplog.set_level(logging.INFO, logger="changebus.fetchers.mysql")
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, "INSERT INTO parted VALUES (1), (20)")
+        execute(mysql_server, mysql_db, "ALTER TABLE parted ADD COLUMN v int")
+        execute(mysql_server, mysql_db, "ALTER TABLE parted DROP PARTITION p0")
+        await wait_until(lambda: "removes rows of" in caplog.text)
+    warned = [r for r in caplog.records if "removes rows of" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert f"{mysql_db}.parted" in warned[0].getMessage()
 
 
 async def test_fetcher_reconnects_after_the_server_drops_its_stream(

@@ -104,6 +104,8 @@ _DML = re.compile(
     r"(insert|update|delete|replace|load\s+data|with)\b",
     re.I | re.S,
 )
+#: an ALTER TABLE that removes rows without row events
+_PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
 #: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
 _SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
 _ROLLBACK_TO = re.compile(
@@ -435,10 +437,23 @@ class BinlogAssembler:
                 make = lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None)  # noqa: E731
                 self._add(txn, (make, True), 100)
         elif effect.kind in ("alter", "drop", "rename", "create"):
+            removes = effect.kind == "alter" and _PARTITION_DROP.search(text) is not None
             for db, name in effect.tables:
                 table = self._find(db, name)
-                if table is not None:
-                    where = f"{self.file}:{end_pos}"
+                if table is None:
+                    continue
+                where = f"{self.file}:{end_pos}"
+                if removes:
+                    # rows gone without row events: no consumer hears of it
+                    log.warning(
+                        "DDL at %s removes rows of %s without row events (a partition "
+                        "dropped, truncated or exchanged): consumers and bootstrap "
+                        "snapshots keep those rows; snapshot the table again "
+                        "(docs/bootstrap.md) if they must go",
+                        where,
+                        table.layout.name,
+                    )
+                else:
                     log.info("DDL (%s) on %s at %s", effect.kind, table.layout.name, where)
         if txn.standalone:
             return self.commit(end_pos)
