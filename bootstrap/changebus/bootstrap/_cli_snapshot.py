@@ -50,6 +50,9 @@ __all__ = ["register_snapshot"]
 TOKEN_ENV = "CHANGEBUS_TOKEN"
 #: how long the server may stay unreachable while a snapshot is followed (a restart)
 _UNREACHABLE_S = 120.0
+#: how long the partition may show no seed run while a snapshot is followed (a restart
+#: that did not resume it: a finished job's, a key list's)
+_IDLE_S = 30.0
 _PROG = "changebus bootstrap snapshot"
 
 
@@ -211,7 +214,7 @@ async def _follow(session: aiohttp.ClientSession, base: str, part: str, interval
     """Poll ``/v1/status`` until the partition's seed run ends; show its progress."""
     where = safe_url(base)
     view = _Progress(sys.stderr)
-    failing_since = 0.0
+    failing_since = idle_since = 0.0
     try:
         while True:
             await asyncio.sleep(interval)
@@ -239,6 +242,18 @@ async def _follow(session: aiohttp.ClientSession, base: str, part: str, interval
                 return 1
             view.show(seed)
             state = seed.get("state")
+            if state == "idle":
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > _IDLE_S:
+                    view.close()
+                    print(
+                        f"{_PROG}: {where} runs no snapshot of {part!r} any more (it "
+                        "restarted without resuming this one?): run the snapshot again",
+                        file=sys.stderr,
+                    )
+                    return 1
+                continue
+            idle_since = 0.0
             if state == "done":
                 view.close()
                 print(_summary(seed), flush=True)

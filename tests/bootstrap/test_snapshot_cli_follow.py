@@ -1,0 +1,67 @@
+"""``changebus bootstrap snapshot`` following a run on a server that restarted without it.
+
+The CLI polls ``/v1/status`` until the partition's seed run ends. A server that
+restarted and did not resume the run (a finished job's, a key list's) shows the
+partition ``idle`` for good: the CLI polled for ever (review). A small aiohttp
+server on loopback answers the status as such a server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from changebus.bootstrap import _cli_snapshot
+
+
+@asynccontextmanager
+async def status_server(states: list[str]) -> AsyncIterator[str]:
+    """A server whose ``/v1/status`` shows partition ``p``'s seed in ``states`` in turn
+    (the last one for good); its base URL."""
+    seen = 0
+
+    async def status(_request: web.Request) -> web.Response:
+        nonlocal seen
+        state = states[min(seen, len(states) - 1)]
+        seen += 1
+        return web.json_response({"partitions": [{"partition": "p", "seed": {"state": state}}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_run_the_server_no_longer_has_ends_the_follow(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_cli_snapshot, "_IDLE_S", 0.3)
+    async with status_server(["running", "idle"]) as base, aiohttp.ClientSession() as session:
+        async with asyncio.timeout(10):  # (it polled for ever)
+            code = await _cli_snapshot._follow(session, base, "p", 0.02)
+    assert code == 1
+    assert "runs no snapshot of 'p' any more" in capsys.readouterr().err
+
+
+async def test_a_short_idle_spell_before_the_run_starts_is_waited_through(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_cli_snapshot, "_IDLE_S", 5.0)
+    states: list[Any] = ["idle", "idle", "running", "done"]
+    async with status_server(states) as base, aiohttp.ClientSession() as session:
+        async with asyncio.timeout(10):
+            code = await _cli_snapshot._follow(session, base, "p", 0.02)
+    assert code == 0
