@@ -70,8 +70,11 @@ class _Registry:
     """A relay's registry as the cache sees it (the SchemaSource protocol): ``schemas``
     are its answers, ``asked`` counts the questions."""
 
-    def __init__(self, schemas: dict[int, TableSchema]) -> None:
+    def __init__(
+        self, schemas: dict[int, TableSchema], older: list[TableSchema] | None = None
+    ) -> None:
         self.schemas = schemas
+        self.older = older or []  # (earlier versions of the same source id)
         self.asked = 0
 
     async def source_names(self) -> dict[int, str]:
@@ -80,7 +83,8 @@ class _Registry:
 
     async def source_schemas(self, name: str) -> list[tuple[int, TableSchema]]:
         self.asked += 1
-        return [(sid, s) for sid, s in self.schemas.items() if s.name == name]
+        found = [(sid, s) for sid, s in self.schemas.items() if s.name == name]
+        return [(sid, s) for sid, _ in found for s in self.older] + found
 
 
 async def test_events_naming_another_schema_than_the_known_one_are_not_decoded_with_it() -> None:
@@ -132,3 +136,54 @@ async def test_events_naming_another_schema_than_the_known_one_are_not_decoded_w
     cache.add(1, old)
     with pytest.raises(CorruptEventError):
         await decode_window(raw(), "p", cache, _Registry({1: old}), columnar=True)
+
+
+def test_resolve_latest_reads_an_incompatible_version_in_its_own_shape() -> None:
+    """resolve_latest resolved every version to the newest without check_compatible: an
+    int column that became text failed its old rows as corrupt, and a plain numeric that
+    became numeric(10,2) came as bytes in old rows, as Decimal in new ones (review)."""
+    v1 = TableSchema("s.t", (Column("id", "long", nullable=False), Column("n", "int")), ("id",), 1)
+    v2 = TableSchema(
+        "s.t", (Column("id", "long", nullable=False), Column("n", "string")), ("id",), 2
+    )
+    v3 = TableSchema(
+        "s.t",
+        (Column("id", "long", nullable=False), Column("n", "string"), Column("x", "long")),
+        ("id",),
+        3,
+    )
+    cache = SchemaCache(resolve_latest=True)
+    for v in (v1, v2, v3):
+        cache.add(1, v)
+    assert cache.decoder(1, v1).reader is v1  # int cannot be read as string: its own shape
+    assert cache.decoder(1, v2).reader is v3  # a column added: resolved as before
+
+
+async def test_a_renumbered_registry_leaves_no_stale_newest_version() -> None:
+    """After a registry was rebuilt and numbered afresh, the cache kept the old numbering's
+    newest (v3) as the table's latest, and resolve_latest read the new v2's rows into it,
+    dropping the column only the new v2 has (review)."""
+    from changebus.client._assembler import RawWindow
+    from changebus.client._decode import decode_window
+    from changebus.schemas import EndOfWindow, Op, RowEncoder, encode_control, parse_stream
+
+    def version(names: str, number: int) -> TableSchema:
+        cols = [Column("id", "long", nullable=False)] + [Column(c, "string") for c in names]
+        return TableSchema("s.t", tuple(cols), ("id",), number)
+
+    cache = SchemaCache(resolve_latest=True)
+    for number, names in ((1, "a"), (2, "ab"), (3, "abc")):
+        cache.add(1, version(names, number))
+    new_v1, new_v2 = version("abc", 1), version("abcd", 2)
+    enc = RowEncoder(new_v2, source_id=1, partition=1)
+    row = {"id": 1, "a": "A", "b": "B", "c": "C", "d": "D"}
+    data = enc.encode(Op.INSERT, 50, 0, 7, row, None) + encode_control(
+        EndOfWindow(1, "p"), 50, 1, 7, partition=1
+    )
+    offsets, headers = parse_stream(data)
+    window = await decode_window(
+        RawWindow(50, 7, data, offsets, headers), "p", cache, _Registry({1: new_v2}, [new_v1])
+    )
+    assert window.events[0].after == row
+    latest = cache.latest("s.t")
+    assert latest is not None and latest.fingerprint == new_v2.fingerprint

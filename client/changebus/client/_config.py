@@ -92,7 +92,9 @@ class ConsumerConfig:
     past a window when the next one is asked for (otherwise call
     :meth:`~changebus.client.Consumer.commit`). Schemas: ``reader_schemas`` maps a source name to the
     schema the application reads its rows as; ``resolve_latest`` reads every
-    other source as its newest known version; ``refuse_newer_writers`` -- a
+    other source as its newest known version (a version that cannot be read
+    as it, a column's type changed incompatibly, comes in its own shape, with a
+    warning); ``refuse_newer_writers`` -- a
     row of a version newer than its reader schema whose columns differ
     raises the retriable :class:`~changebus.schemas.SchemaChangedError`
     instead of being read into the reader's shape, which drops the new
