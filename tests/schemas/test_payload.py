@@ -256,3 +256,35 @@ def test_time_of_24_00_decodes_to_its_avro_int() -> None:
         "arr": [datetime.time(12, 34, 56, 7)],
     }
     assert decoder.decode_key(key) == {"k": day}
+
+
+def test_the_out_of_range_fallback_converts_with_the_writers_logical_types() -> None:
+    """A row with one date outside Python's range is read the plain way; its other values
+    were then converted with the *reader's* logical types (fastavro uses the writer's):
+    a date column read as a timestamp became microseconds since 1970 in those rows only,
+    a date in the others (review)."""
+    date = {"type": "int", "logicalType": "date"}
+    lts = {"type": "long", "logicalType": "local-timestamp-micros"}
+    v1 = TableSchema(
+        "s.f",
+        (Column("k", "long", nullable=False), Column("d", date), Column("e", date)),
+        ("k",),
+        1,
+    )
+    v2 = TableSchema(
+        "s.f", (Column("k", "long", nullable=False), Column("d", lts), Column("e", date)), ("k",), 2
+    )
+    from changebus.schemas import check_compatible
+
+    check_compatible(v1, v2)
+    enc = RowEncoder(v1, source_id=1)
+    decoder = ChangeDecoder(v1, v2)
+    rows = []
+    for e in (18262, 3_000_000):  # in range; past year 9999 (the plain way)
+        event = enc.encode(Op.INSERT, 9, 0, 0, {"k": 1, "d": 18262, "e": e}, None)
+        h = decode_header(event)
+        change = decoder.decode(event[HEADER_SIZE + h.key_length :])
+        assert change.after is not None
+        rows.append(change.after)
+    assert [r["d"] for r in rows] == [datetime.date(2020, 1, 1)] * 2  # as fastavro gives it
+    assert rows[1]["e"] == 3_000_000  # (out of range: the Avro int)

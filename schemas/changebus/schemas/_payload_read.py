@@ -202,14 +202,17 @@ class _PlainReader:
 
     fastavro raises when it builds such a ``date`` / ``datetime``; this
     reader reads the row with the wide logical types dropped, then converts
-    every value in range as fastavro would and leaves the others as the Avro
-    int itself (days, or µs, since 1970-01-01).
+    every value in range as fastavro would (by the writer's logical types) and
+    leaves the others as the Avro int itself (days, or µs, since 1970-01-01).
     """
 
     def __init__(self, writer: dict[str, Any], reader: dict[str, Any] | None) -> None:
         self.writer = fastavro.parse_schema(_plain(writer))
         self.reader = None if reader is None else fastavro.parse_schema(_plain(reader))
-        convert = _converter(reader if reader is not None else writer)
+        # the writer's logical types, as fastavro converts them (the reader's turned a
+        # date read as a timestamp into microseconds in these rows only: found by review);
+        # a field only the reader has holds its default (null), nothing to convert
+        convert = _converter(writer)
         self.convert: Callable[[Any], Any] = convert if convert is not None else (lambda v: v)
 
     def read(self, bio: io.BytesIO) -> Any:
