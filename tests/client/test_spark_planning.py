@@ -294,3 +294,32 @@ async def test_the_read_limit_is_shared_by_the_partitions_with_something_new(
     end = await reader._latest(start, ReadMaxRows(800))
     assert asked == {"p0": 800}  # the whole limit, not 100
     assert end == {"p0": 900, **{f"p{i}": 100 for i in range(1, 8)}}
+
+
+async def test_available_now_pins_an_empty_relay_at_where_it_is_complete_to(
+    make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay whose buffer is empty says max_scn -1: AvailableNow pinned -1, so a query
+    from nothing with a bootstrap server never got its snapshot batch and ended having
+    read nothing (review). The pin is where the relay is complete to (prev_scn)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._relay import PartitionBounds
+
+    async def empty(opts: Any) -> dict[str, PartitionBounds]:
+        return {"syn": PartitionBounds("syn", -1, -1, 100, 0, evicted=False)}
+
+    async with make_relay() as relay:
+        opts = SourceOptions.parse({"relays": relay.url}, mode="stream")
+
+        def pin() -> dict[str, int] | None:
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            reader = _source.ChangebusStreamReader(opts, schema)
+            monkeypatch.setattr(_source, "partition_bounds", empty)
+            reader.prepareForTriggerAvailableNow()
+            return reader._target
+
+        target = await asyncio.to_thread(pin)
+    assert target == {"syn": 100}

@@ -58,7 +58,7 @@ def _resolve(
             # with a bootstrap server: before everything (a snapshot comes first)
             out[name] = -1 if opts.bootstrap else b.prev_scn
         elif position == "latest":
-            out[name] = b.max_scn if b.max_scn >= 0 else b.prev_scn
+            out[name] = b.reached
         elif isinstance(position, int):
             out[name] = position
         elif isinstance(position, dict):

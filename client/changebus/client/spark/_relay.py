@@ -100,6 +100,12 @@ class PartitionBounds:
     evicted: bool = True
     evicted_timestamp_ns: int = 0
 
+    @property
+    def reached(self) -> int:
+        """The newest SCN the relay is complete to: ``max_scn``, or ``prev_scn`` while its
+        buffer is empty (a relay just started, or all evicted)."""
+        return self.max_scn if self.max_scn >= 0 else self.prev_scn
+
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on a private event loop (for the Spark driver's blocking calls)."""

@@ -254,7 +254,9 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
 
     def prepareForTriggerAvailableNow(self) -> None:
         """Pin the newest SCN of every partition: the query drains up to there and stops."""
-        self._target = {n: b.max_scn for n, b in self._bounds().items()}
+        # (reached: an empty buffer's -1 pinned a query at -1 there, and its bootstrap
+        # batch never came: the run ended with nothing read; found by review)
+        self._target = {n: b.reached for n, b in self._bounds().items()}
         log.info("changebus AvailableNow target %s", self._target)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
@@ -286,7 +288,7 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                 end[name] = _new_partition_start(self.opts, b)
                 continue
             since = int(start[name])
-            head = b.max_scn
+            head = b.reached
             if self._target is not None:
                 head = min(head, self._target.get(name, since))
             if name in boot:
