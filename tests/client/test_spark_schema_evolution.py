@@ -557,3 +557,58 @@ async def test_a_range_evicted_while_a_limited_batch_is_planned_goes_to_the_boot
             )
 
         await asyncio.to_thread(plan)
+
+
+async def test_a_replayed_relay_batch_holding_a_newer_version_stops_and_logs_it(
+    scripted_relay: Any, window_type: Any, tmp_path: Path
+) -> None:
+    """A batch planned without seeing v2 (a lagging relay answered the driver's scan) and
+    logged, then replayed after a restart: Spark does not plan it again, so only its
+    executors met the v2 rows and refused them, on every replay, and the schema log never
+    learnt v2 (review). The replay is held against the guard: it stops and logs v2, and
+    the next start reads the batch with the new column."""
+    import asyncio
+
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._schemalog import SchemaLog
+    from changebus.schemas import Op
+
+    t1, t2, _t3 = _schemas()
+    w = window_type
+    windows = [
+        w(10, rows=[(t1, 1, Op.INSERT, {"id": 1, "a": "x", "n": 1}, None)], announce=[(1, t1)]),
+        w(
+            30,
+            rows=[(t2, 1, Op.INSERT, {"id": 3, "a": "z", "n": 3, "c": "c3"}, None)],
+            announce=[(1, t2)],
+        ),
+    ]
+    where = tmp_path / "schemas"
+    SchemaLog(where, ("s.t",), ()).append({"s.t": t1})
+    async with scripted_relay(windows) as relay:
+
+        def reader() -> Any:
+            opts = SourceOptions.parse(
+                {"relays": relay.url, "sources": "s.t", "schemaTrackingLocation": str(where)}
+            )
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            return _source.ChangebusStreamReader(opts, schema)
+
+        def replay() -> list[dict[str, Any]]:
+            with pytest.raises(SchemaChangedError, match=r"s.t v1 -> v2: added \['c'\]"):
+                reader().partitions({"syn": 9}, {"syn": 30})  # (logged before the restart)
+            r = reader()  # the next start: v2 logged
+            assert "c" in r.arrow_schema.names
+            parts = r.partitions({"syn": 9}, {"syn": 30})
+            got: list[dict[str, Any]] = pa.Table.from_batches(
+                [b for p in parts for b in r.read(p)]
+            ).to_pylist()
+            return got
+
+        rows = await asyncio.to_thread(replay)
+    assert [(x["id"], x["c"]) for x in rows] == [(1, None), (3, "c3")]
+    assert len(list(where.glob("*.json"))) == 2

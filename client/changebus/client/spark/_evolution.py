@@ -172,12 +172,19 @@ class SchemaGuard:
         self._pending_checked = False
 
     async def check(
-        self, start: Mapping[str, Any], end: dict[str, int], boot: set[str]
+        self,
+        start: Mapping[str, Any],
+        end: dict[str, int],
+        boot: set[str],
+        *,
+        logged: bool = False,
     ) -> dict[str, int]:
         """``end``, cut before the first window of a newer version; raises at such a window.
 
         ``start`` / ``end`` are the batch's offsets, ``boot`` the partitions
-        whose range goes through a bootstrap server (never cut).
+        whose range goes through a bootstrap server (never cut). ``logged``:
+        the batch's end is logged already (a replay), so it cannot be cut: a
+        newer version anywhere in it stops the query.
         """
         self._check_pending(start)
         reading = [p for p, e in end.items() if p in start and int(e) > int(start[p])]
@@ -195,7 +202,7 @@ class SchemaGuard:
             hit = await self._scan(part, since, int(end[part]), set(candidates))
             if hit is not None:
                 hits.append(hit)
-        first = [h for h in hits if h.before <= int(start[h.partition])]
+        first = [h for h in hits if logged or h.before <= int(start[h.partition])]
         if first:
             self._stop(start, first, newer)
         for h in hits:

@@ -405,19 +405,21 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
         A range that starts before what the relays keep is one task when a
         bootstrap server is configured (:func:`_needs_bootstrap`). A batch
         replayed after a restart, which ``latestOffset`` did not plan, is held
-        against the schema guard when it goes through the bootstrap server: its
-        snapshot rows come at their newest version, which the guard stops at.
+        against the schema guard: its planning may have missed a newer version
+        (a lagging relay answered it), which its executors then refuse on every
+        replay, and a range through the bootstrap server comes at the newest
+        versions. The guard stops the query at such a version and logs it.
         """
         whole: set[str] = set()
+        planned, self._planned = self._planned, None
+        replayed = planned is None or planned[0] != _offsets_key(start)
         if self.opts.bootstrap:
-            planned, self._planned = self._planned, None
-            replayed = planned is None or planned[0] != _offsets_key(start)
             # (latestOffset of this batch asked already, unless replayed after a restart)
-            bounds = self._bounds() if planned is None or replayed else planned[1]
+            bounds = self._bounds() if replayed or planned is None else planned[1]
             whole = _needs_bootstrap(self.opts, start, bounds)
-            if replayed and whole:  # evicted while the query was down: versions checked now
-                ends = {str(n): int(e) for n, e in end.items()}
-                run_sync(self._guard.check(start, ends, whole))
+        if replayed:  # versions checked now (the query was down: found by review)
+            ends = {str(n): int(e) for n, e in end.items()}
+            run_sync(self._guard.check(start, ends, whole, logged=True))
         cuts = _split_points(self.opts, start, end, whole)
         parts = _range_partitions(self.opts, start, end, whole, cuts)
         if self.opts.zookeeper and any(not p.spec.may_bootstrap for p in parts):
