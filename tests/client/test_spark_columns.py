@@ -423,3 +423,21 @@ async def test_a_commit_after_a_batch_never_covers_a_window_read_ahead(
         assert second == [20] and saved.get("p").window_scn == 20
     finally:
         await batches.aclose()
+
+
+def test_decimals_wider_than_spark_holds_come_as_positional_text() -> None:
+    """Decimals over 38 digits are strings; str() wrote a numeric(40,10) zero as "0E-10"
+    and 5e-10 as "5E-10", where an unconstrained numeric's text reads "0.0000000000"
+    (review)."""
+    import decimal
+
+    import pyarrow as pa
+
+    from changebus.client.spark._arrow import arrow_converter
+
+    conv = arrow_converter(pa.string())
+    assert conv is not None
+    assert conv(decimal.Decimal(0).scaleb(-10)) == "0.0000000000"
+    assert conv(decimal.Decimal(5).scaleb(-10)) == "0.0000000005"
+    assert conv(decimal.Decimal("1E+40")) == "1" + "0" * 40
+    assert conv(decimal.Decimal("-12.50")) == "-12.50"

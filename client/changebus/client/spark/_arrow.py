@@ -198,7 +198,11 @@ def _time_micros(v: Any) -> Any:
 def _to_text(v: Any) -> Any:
     if v is None or isinstance(v, str):
         return v
-    if isinstance(v, uuid.UUID | decimal.Decimal):
+    if isinstance(v, decimal.Decimal):
+        # positional, as Postgres prints it: str() gave "0E-10" for a numeric(40,10)
+        # zero, where an unconstrained numeric's text says "0.0000000000" (review)
+        return format(v, "f")
+    if isinstance(v, uuid.UUID):
         return str(v)
     return json.dumps(v, default=str, separators=(",", ":"))
 
