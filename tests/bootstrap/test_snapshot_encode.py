@@ -294,3 +294,48 @@ def test_a_table_rewritten_during_a_chunk_is_read_whole(
         thread.join(30)
     assert altered.is_set()
     assert len(copy_rows(data, oid, len(t.columns))) == 100
+
+
+def test_a_table_and_a_condition_holding_a_percent_sign_are_read(pg_dsn: str) -> None:
+    """psycopg reads ``%`` as a placeholder mark when a query has parameters: the quoted
+    name of a table ``t%x`` failed the seed from its second chunk on (ProgrammingError,
+    not retriable), found by review. Every query now has parameters, and every ``%``
+    doubled, names and conditions alike."""
+    from changebus.bootstrap._chunks import SnapshotScope as Scope
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute('CREATE TABLE "t%x" (id int8 PRIMARY KEY, v text)')
+        c.execute("""INSERT INTO "t%x" SELECT g, 'a' || g FROM generate_series(1, 25) g""")
+        c.execute("""INSERT INTO "t%x" VALUES (26, 'b%s')""")
+        oid = c.execute("""SELECT 'public."t%x"'::regclass::oid::int""").fetchone()[0]  # type: ignore[index]
+        resolver = TypeResolver(c)
+        registry = SchemaRegistry()
+        asm = Assembler(1, resolver.resolve, registry, primary_key=resolver.primary_key)
+        asm.feed(Begin(0, 0, 0))
+        asm.feed(
+            Relation(
+                oid,
+                "public",
+                "t%x",
+                "d",
+                (RelationColumn("id", 20, -1, True), RelationColumn("v", 25, -1, False)),
+            )
+        )
+    name = "public.t%x"
+    entries = [(registry.source_id(name), s) for s in registry.versions(name)]
+    request = SeedRequest(pg_dsn, 1, (name,), schemas=tuple(entries))
+    with PostgresChunkSource(request) as src:
+        for where, want in (("", 26), ("v LIKE 'b%'", 1)):
+            reader = src.reader(Scope(name, where=where))
+            t, oid = reader.table, reader.oid
+            got, after = 0, None
+            while True:  # chunks of 10 rows: parameters from the second one on
+                sql, params = t.keyset(after, where, 10)
+                src.begin_chunk(name)
+                rows = copy_rows(src.copy_data(sql, oid, params), oid, len(t.columns))
+                src.conn.execute("COMMIT")
+                got += len(rows)
+                if len(rows) < 10:
+                    break
+                after = [v.decode() for v in rows[-1][1] if v is not None]
+            assert got == want, where

@@ -403,7 +403,8 @@ class PostgresChunkSource:
             raise SourceConfigError(f"the snapshot condition of {name} may not hold ';'")
         self.conn.execute("BEGIN READ ONLY")
         try:
-            self.conn.execute(f"EXPLAIN SELECT 1 FROM {table.name} WHERE ({where})")
+            where_sql = where.replace("%", "%%")  # (run with parameters: see quote())
+            self.conn.execute(f"EXPLAIN SELECT 1 FROM {table.name} WHERE ({where_sql})", [])
         except psycopg.OperationalError:
             raise
         except psycopg.Error as exc:
@@ -482,6 +483,10 @@ class PostgresChunkSource:
         columns its reader was made for: a DDL since is a retriable refusal.
         """
         buf = bytearray()
+        # the generated SQL doubles every % (see quote()); psycopg merges parameters into a
+        # COPY, and reads %% as %, only when there are some
+        if not params:
+            sql, params = sql.replace("%%", "%"), None
         with self.conn.cursor().copy(sql, params) as copy:
             for block in copy:
                 buf += block

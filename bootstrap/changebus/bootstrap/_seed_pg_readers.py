@@ -104,7 +104,7 @@ class KeysetReader(Reader):
         src, table = self.source, self.table
         tag = src.begin_chunk(self.name)
         sql, params = table.bound(after, limit)
-        row = src.conn.execute(sql, params or None).fetchone()
+        row = src.conn.execute(sql, params).fetchone()
         upto = None if row is None else [str(v) for v in row]  # (key columns: NOT NULL)
         sql, kparams = table.keyset(after, self.where, limit, upto)
         data = src.copy_data(sql, self.oid, kparams)
