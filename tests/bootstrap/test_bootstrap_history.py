@@ -27,6 +27,7 @@ from changebus.schemas import (
     NotYetError,
     PartitionCheckpoint,
 )
+from stub_http import serve_routes
 
 pytestmark = pytest.mark.usefixtures("no_blocking")
 
@@ -305,15 +306,7 @@ async def test_an_older_server_refusing_mode_catchup_is_failed_over(tmp_path: Pa
             status=400,
         )
 
-    app = web.Application()
-    app.router.add_get("/v1/bootstrap/start", start)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        old = f"http://127.0.0.1:{port}"
+    async with serve_routes({"/v1/bootstrap/start": start}) as old:
         config = ConsumerConfig(
             relays=("http://127.0.0.1:9",),
             partition="syn",
@@ -324,5 +317,3 @@ async def test_an_older_server_refusing_mode_catchup_is_failed_over(tmp_path: Pa
             boot = Bootstrapper(config, http, WindowQueue(16, 1 << 20), SchemaCache())
             with pytest.raises(BootstrapFailedError, match="cannot plan a catch-up only"):
                 await boot._start(old, 5)
-    finally:
-        await runner.cleanup()

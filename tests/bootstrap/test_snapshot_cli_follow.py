@@ -3,14 +3,13 @@
 The CLI polls ``/v1/status`` until the partition's seed run ends. A server that
 restarted and did not resume the run (a finished job's, a key list's) shows the
 partition ``idle`` for good: the CLI polled for ever (review). A small aiohttp
-server on loopback answers the status as such a server does.
+server on loopback (``stub_http``) answers the status as such a server does.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import aiohttp
@@ -18,10 +17,10 @@ import pytest
 from aiohttp import web
 
 from changebus.bootstrap import _cli_snapshot
+from stub_http import serve_routes
 
 
-@asynccontextmanager
-async def status_server(states: list[str]) -> AsyncIterator[str]:
+def status_server(states: list[str]) -> AbstractAsyncContextManager[str]:
     """A server whose ``/v1/status`` shows partition ``p``'s seed in ``states`` in turn
     (the last one for good); its base URL."""
     seen = 0
@@ -32,17 +31,8 @@ async def status_server(states: list[str]) -> AsyncIterator[str]:
         seen += 1
         return web.json_response({"partitions": [{"partition": "p", "seed": {"state": state}}]})
 
-    app = web.Application()
-    app.router.add_get("/v1/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    server: AbstractAsyncContextManager[str] = serve_routes({"/v1/status": status})
+    return server
 
 
 async def test_a_run_the_server_no_longer_has_ends_the_follow(

@@ -40,6 +40,7 @@ from changebus.relay.chain import ChainConfig
 from changebus.schemas import ConfigError, ForbiddenError, TransportError, UnauthorizedError
 from changebus.schemas.config import load_config, redacted
 from changebus.schemas.security import PrincipalConfig, SecurityConfig, TlsConfig, hash_token
+from stub_http import serve_routes
 
 #: fix_tls.TlsFiles (fix_tls is not on mypy's path: the fixture is typed loosely here)
 TlsFiles = Any
@@ -549,23 +550,15 @@ async def test_the_token_never_goes_in_clear_to_another_host(
         async def close(self) -> None:
             return None
 
-    app = web.Application()
-    app.router.add_get("/v1/status", echo)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     monkeypatch.setattr(
         aiohttp, "TCPConnector", functools.partial(aiohttp.TCPConnector, resolver=ToLoopback())
     )
-    try:
+    async with serve_routes({"/v1/status": echo}) as base:
+        port = yarl.URL(base).port
         async with await open_session(ClientAuth(token=TOKEN)) as session:
             for url in (f"http://127.0.0.1:{port}", f"http://relay.test:{port}"):
                 async with session.get(f"{url}/v1/status") as resp:
                     assert resp.status == 200
-    finally:
-        await runner.cleanup()
     assert seen == [f"Bearer {TOKEN}", None]
     assert _may_carry_token(yarl.URL("https://relay.example:8470"))
     assert _may_carry_token(yarl.URL("http://[::1]:8470"))

@@ -10,10 +10,9 @@ client holds no more than the bound meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import aiohttp
@@ -22,6 +21,7 @@ from aiohttp import web
 
 from changebus.client._stream import RelayStream, StreamConfig
 from changebus.schemas import ChangebusError, Heartbeat, ProtocolError, encode_control
+from stub_http import Handler, serve_routes
 
 LIMIT = 1 << 20
 FAST: dict[str, Any] = {"wait_s": 0.3, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
@@ -32,22 +32,9 @@ def open_event(seq: int) -> bytes:
     return encode_control(Heartbeat("x" * 1000), 5, seq, time.time_ns(), partition=0)
 
 
-Handler = Callable[[web.Request], Any]
-
-
-@contextlib.asynccontextmanager
-async def serve(handler: Handler) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_get("/v1/stream", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+def serve(handler: Handler) -> AbstractAsyncContextManager[str]:
+    server: AbstractAsyncContextManager[str] = serve_routes({"/v1/stream": handler})
+    return server
 
 
 async def endless_window(request: web.Request) -> web.StreamResponse:

@@ -82,6 +82,7 @@ from changebus.schemas import MAX_BUCKETS, Unit
 from changebus.schemas.errors import ConfigError
 
 from ._errors import CoordinationError
+from ._group_calls import UnitsCallback, add_callback, fire_callbacks, report_crash
 from ._group_follow import run_follower
 from ._group_layout import (
     GroupMeta,
@@ -113,8 +114,6 @@ log = logging.getLogger("changebus.cluster.group")
 #: owner node of the session counts as the member's own, :mod:`._group_nodes`), so two
 #: members of one group on one session would take each other's units (review)
 _GROUPS_ON: weakref.WeakKeyDictionary[ZkSession, set[str]] = weakref.WeakKeyDictionary()
-
-UnitsCallback = Callable[[frozenset[Unit]], None]
 
 
 class GroupMember:
@@ -237,7 +236,7 @@ class GroupMember:
             asyncio.create_task(run_leader(self), name=f"{loop_name}-leader"),
         ]
         for task in self._tasks:
-            task.add_done_callback(_report_crash)
+            task.add_done_callback(report_crash)
 
     async def stop(self) -> None:
         """Release the owner nodes, delete the member node and stop (the session stays)."""
@@ -269,11 +268,11 @@ class GroupMember:
 
     def on_target(self, callback: UnitsCallback) -> Callable[[], None]:
         """Call ``callback(target)`` on the event loop when the target changes; returns the remover."""
-        return _add(self._target_cbs, callback)
+        return add_callback(self._target_cbs, callback)
 
     def on_lost(self, callback: UnitsCallback) -> Callable[[], None]:
         """Call ``callback(units)`` when the membership is lost with the owner nodes of ``units``."""
-        return _add(self._lost_cbs, callback)
+        return add_callback(self._lost_cbs, callback)
 
     @property
     def member_path(self) -> str:
@@ -414,7 +413,7 @@ class GroupMember:
         self.is_leader = False
         self.owned = frozenset()
         self._registered.clear()
-        _fire(self._lost_cbs, lost, "on_lost")
+        fire_callbacks(self._lost_cbs, lost, "on_lost")
         self._set_target(frozenset())
         for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
             event.set()
@@ -586,7 +585,7 @@ class GroupMember:
             len(removed),
         )
         self.target = target
-        _fire(self._target_cbs, target, "on_target")
+        fire_callbacks(self._target_cbs, target, "on_target")
 
     def __repr__(self) -> str:
         return (
@@ -594,27 +593,3 @@ class GroupMember:
             f"target={len(self.target)}, owned={len(self.owned)}"
             f"{', leader' if self.is_leader else ''})"
         )
-
-
-def _add(callbacks: list[UnitsCallback], callback: UnitsCallback) -> Callable[[], None]:
-    callbacks.append(callback)
-
-    def remove() -> None:
-        with contextlib.suppress(ValueError):
-            callbacks.remove(callback)
-
-    return remove
-
-
-def _fire(callbacks: list[UnitsCallback], units: frozenset[Unit], what: str) -> None:
-    for callback in list(callbacks):
-        try:
-            callback(units)
-        except Exception:
-            log.exception("a group %s callback failed", what)
-
-
-def _report_crash(task: asyncio.Task[None]) -> None:
-    """Log a member loop that ended with an unexpected exception (a bug)."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("group loop %s crashed", task.get_name(), exc_info=task.exception())

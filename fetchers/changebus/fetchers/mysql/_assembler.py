@@ -35,7 +35,8 @@
   Postgres fetcher) / DELETE (full before image) events; ``TRUNCATE`` becomes a
   TRUNCATE event; other DDL updates the declared-type history
   (:class:`._ddl.DeclaredTypes`) and its window holds no text of the
-  statement (it can hold passwords).
+  statement (it can hold passwords); what a statement's text means
+  (savepoints, a data change logged as a statement) is :mod:`._statements`.
 
 Large transactions: with ``max_window_bytes`` set, a transaction past it is
 no longer kept (its rows are only counted; of its decode worker futures only
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
@@ -80,6 +80,7 @@ from ._config import SYSTEM_DATABASES
 from ._ddl import DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
+from ._statements import is_dml, log_ddl, rollback_to_name, savepoint_name, statement_logged
 from ._txn import (
     MappedTable as _Table,
     OpenTxn as _Txn,
@@ -96,26 +97,6 @@ __all__ = ["BinlogAssembler", "PendingWindow"]
 log = logging.getLogger("changebus.fetchers.mysql")
 #: table layouts the assembler keeps compiled besides each table's last one
 _CACHED_LAYOUTS = 4096
-
-#: a statement that changes rows (statement-based logging of DML), after any comments
-#: (``/* */``, ``-- ``, ``#``); a logged statement starting with WITH is a DML one
-_DML = re.compile(
-    r"(?:\s+|/\*.*?\*/|--[^\n]*(?:\n|$)|#[^\n]*(?:\n|$))*"
-    r"(insert|update|delete|replace|load\s+data|with)\b",
-    re.I | re.S,
-)
-#: an ALTER TABLE that removes rows without row events
-_PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
-#: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
-_SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
-_ROLLBACK_TO = re.compile(
-    r"rollback\s+(?:work\s+)?to\s+(?:savepoint\s+)?(`(?:[^`]|``)+`|\w+)", re.I
-)
-
-
-def _name(quoted: str) -> str:
-    return quoted[1:-1].replace("``", "`") if quoted.startswith("`") else quoted
-
 
 #: header, CRC, union branches and empty not-sent arrays of one row event (a bound)
 _EVENT_OVERHEAD = 72
@@ -388,11 +369,11 @@ class BinlogAssembler:
             return self.commit(end_pos)
         if head.startswith("XA "):
             return self._xa_end(text, end_pos)
-        if (m := _SAVEPOINT.match(text)) and self._txn is not None:
-            self._txn.savepoints[_name(m[1])] = len(self._txn.events)
+        if (saved := savepoint_name(text)) is not None and self._txn is not None:
+            self._txn.savepoints[saved] = len(self._txn.events)
             return None
-        if (m := _ROLLBACK_TO.match(text)) and self._txn is not None:
-            if not self._txn.rollback_to(_name(m[1])):
+        if (back := rollback_to_name(text)) is not None and self._txn is not None:
+            if not self._txn.rollback_to(back):
                 raise SourceConfigError(
                     f"ROLLBACK TO an unknown savepoint at {self.file}:{end_pos}"
                 )
@@ -405,15 +386,10 @@ class BinlogAssembler:
                 self._unannounce(txn)
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
-        if _DML.match(text) and self._may_touch_captured(schema or "", text):
+        if is_dml(text) and self._may_touch_captured(schema or "", text):
             # a session ran with binlog_format = STATEMENT or MIXED: the rows it
             # changed are not in the binlog, only its text (never forwarded)
-            raise SourceConfigError(
-                f"a data change was logged as a statement (at {self.file}:{end_pos}), not as "
-                "rows: a client session ran with binlog_format = STATEMENT or MIXED. Its rows "
-                "cannot be captured; keep binlog_format = ROW for every session (revoke "
-                "SUPER / BINLOG ADMIN from applications), then reseed the tables it changed"
-            )
+            raise statement_logged(f"{self.file}:{end_pos}")
         # (read again after a rewind: declared types are at the relay's last window)
         at = self.scn_at(end_pos)
         effect = self.declared.apply(text, schema or "", at, keep=at <= self.replay_until)
@@ -437,24 +413,10 @@ class BinlogAssembler:
                 make = lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None)  # noqa: E731
                 self._add(txn, (make, True), 100)
         elif effect.kind in ("alter", "drop", "rename", "create"):
-            removes = effect.kind == "alter" and _PARTITION_DROP.search(text) is not None
             for db, name in effect.tables:
                 table = self._find(db, name)
-                if table is None:
-                    continue
-                where = f"{self.file}:{end_pos}"
-                if removes:
-                    # rows gone without row events: no consumer hears of it
-                    log.warning(
-                        "DDL at %s removes rows of %s without row events (a partition "
-                        "dropped, truncated or exchanged): consumers and bootstrap "
-                        "snapshots keep those rows; snapshot the table again "
-                        "(docs/bootstrap.md) if they must go",
-                        where,
-                        table.layout.name,
-                    )
-                else:
-                    log.info("DDL (%s) on %s at %s", effect.kind, table.layout.name, where)
+                if table is not None:
+                    log_ddl(effect.kind, text, table.layout.name, f"{self.file}:{end_pos}")
         if txn.standalone:
             return self.commit(end_pos)
         return None

@@ -116,7 +116,16 @@ from ._pgoutput import (
     Update,
     parse_message,
 )
-from ._tables import Table, Transcoders, adapter, apply_rules, choose_key, depth, refuse_unsupported
+from ._tables import (
+    Table,
+    Transcoders,
+    adapter,
+    apply_rules,
+    choose_key,
+    depth,
+    old_key,
+    refuse_unsupported,
+)
 from ._transcode import Fallback, Transcoder
 from ._types import ColumnType
 from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
@@ -401,7 +410,7 @@ class Assembler:
         if (
             after is not None
             and before is not None
-            and self._old_key(table, encoder, before) not in (None, encoder.key_bytes(after))
+            and old_key(table, encoder, before) not in (None, encoder.key_bytes(after))
         ):  # the old key's delete of a key-changing update (module docstring)
             self._add(
                 txn,
@@ -416,17 +425,6 @@ class Assembler:
                 ),
             )
             txn.data_events += 1
-
-    @staticmethod
-    def _old_key(table: Table, encoder: RowEncoder, before: dict[str, Any]) -> bytes | None:
-        """The event key of an update's before-image; None when it does not hold the key
-        (REPLICA IDENTITY USING INDEX on other columns than the key: no old key is known,
-        and the update goes without the old key's DELETE)."""
-        schema = table.schema
-        if not schema.nullable_key and any(before.get(k) is None for k in schema.key):
-            return None
-        key: bytes = encoder.key_bytes(before)
-        return key
 
     # ---- COPY rows (the bootstrap seeder) -------------------------------
 

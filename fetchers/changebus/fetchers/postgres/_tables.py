@@ -31,7 +31,15 @@ from ._pgoutput import Relation
 from ._transcode import Transcoder
 from ._types import ColumnType
 
-__all__ = ["Table", "adapter", "apply_rules", "choose_key", "depth", "refuse_unsupported"]
+__all__ = [
+    "Table",
+    "adapter",
+    "apply_rules",
+    "choose_key",
+    "depth",
+    "old_key",
+    "refuse_unsupported",
+]
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -258,3 +266,14 @@ def depth(value: Any) -> int:
         depth += 1
         value = value[0]
     return depth
+
+
+def old_key(table: Table, encoder: RowEncoder, before: dict[str, Any]) -> bytes | None:
+    """The event key of an update's before-image; None when it does not hold the key
+    (REPLICA IDENTITY USING INDEX on other columns than the key: no old key is known,
+    and the update goes without the old key's DELETE)."""
+    schema = table.schema
+    if not schema.nullable_key and any(before.get(k) is None for k in schema.key):
+        return None
+    key: bytes = encoder.key_bytes(before)
+    return key

@@ -1,0 +1,82 @@
+"""What the text of a logged statement (a binlog QueryEvent) tells the assembler.
+
+Savepoints set and rolled back to (their names), a data change logged as a
+statement (its rows are not in the binlog: the stream stops, :func:`statement_logged`),
+and what a DDL is worth saying in the log (:func:`log_ddl`: a partition dropped,
+truncated or exchanged removes rows with no row events). Pure functions of the
+text; the assembler (:mod:`._assembler`) keeps the transaction state.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from changebus.schemas import SourceConfigError
+
+__all__ = ["is_dml", "log_ddl", "rollback_to_name", "savepoint_name", "statement_logged"]
+
+log = logging.getLogger("changebus.fetchers.mysql")
+
+#: a statement that changes rows (statement-based logging of DML), after any comments
+#: (``/* */``, ``-- ``, ``#``); a logged statement starting with WITH is a DML one
+_DML = re.compile(
+    r"(?:\s+|/\*.*?\*/|--[^\n]*(?:\n|$)|#[^\n]*(?:\n|$))*"
+    r"(insert|update|delete|replace|load\s+data|with)\b",
+    re.I | re.S,
+)
+#: an ALTER TABLE that removes rows without row events
+_PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
+#: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
+_SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
+_ROLLBACK_TO = re.compile(
+    r"rollback\s+(?:work\s+)?to\s+(?:savepoint\s+)?(`(?:[^`]|``)+`|\w+)", re.I
+)
+
+
+def _name(quoted: str) -> str:
+    return quoted[1:-1].replace("``", "`") if quoted.startswith("`") else quoted
+
+
+def savepoint_name(text: str) -> str | None:
+    """The savepoint a ``SAVEPOINT`` statement sets (None: it is no such statement)."""
+    m = _SAVEPOINT.match(text)
+    return _name(m[1]) if m else None
+
+
+def rollback_to_name(text: str) -> str | None:
+    """The savepoint a ``ROLLBACK TO`` statement goes back to (None: no such statement)."""
+    m = _ROLLBACK_TO.match(text)
+    return _name(m[1]) if m else None
+
+
+def is_dml(text: str) -> bool:
+    """Whether the statement changes rows (logged as a statement, its rows are not)."""
+    return _DML.match(text) is not None
+
+
+def statement_logged(where: str) -> SourceConfigError:
+    """The error of a data change logged as a statement at ``where`` (its text is never
+    shown: it may hold data)."""
+    return SourceConfigError(
+        f"a data change was logged as a statement (at {where}), not as "
+        "rows: a client session ran with binlog_format = STATEMENT or MIXED. Its rows "
+        "cannot be captured; keep binlog_format = ROW for every session (revoke "
+        "SUPER / BINLOG ADMIN from applications), then reseed the tables it changed"
+    )
+
+
+def log_ddl(kind: str, text: str, table: str, where: str) -> None:
+    """Log a DDL statement of ``kind`` on captured ``table``: a warning when it removes
+    rows without row events (no consumer hears of it), else at INFO."""
+    if kind == "alter" and _PARTITION_DROP.search(text) is not None:
+        log.warning(
+            "DDL at %s removes rows of %s without row events (a partition "
+            "dropped, truncated or exchanged): consumers and bootstrap "
+            "snapshots keep those rows; snapshot the table again "
+            "(docs/bootstrap.md) if they must go",
+            where,
+            table,
+        )
+    else:
+        log.info("DDL (%s) on %s at %s", kind, table, where)
