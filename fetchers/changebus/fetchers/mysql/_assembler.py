@@ -208,13 +208,23 @@ class BinlogAssembler:
     # ---- events -----------------------------------------------------------
 
     def begin(self, gtid: str, timestamp_s: int, flags: int, start_pos: int = 0) -> None:
-        """A GTID event starting at ``start_pos``: a transaction (or a standalone
-        statement) starts."""
+        """A MariaDB GTID event starting at ``start_pos``: a transaction (or, with
+        the standalone flag, one statement: DDL, TRUNCATE) starts."""
         if self._txn is not None:  # (an open group the binlog never ended: not sent)
             self._unannounce(self._txn)
         self._txn = _Txn(gtid, timestamp_s * 1_000_000_000, bool(flags & _FL_STANDALONE))
         self._txn.start = (self.file, start_pos)
         self.row_count += self.prepared.count_done()  # (what their finished workers hold)
+
+    def begin_mysql(self, gtid: str, timestamp_s: int, start_pos: int = 0) -> None:
+        """A MySQL GTID event (or anonymous GTID event) starting at ``start_pos``.
+
+        MySQL's event carries no standalone flag: a transaction's group goes on
+        with a ``BEGIN`` query (which makes it a transaction, ended by its XID
+        or COMMIT), a DDL or ``TRUNCATE`` statement's group is that one query.
+        So the group counts as standalone until a ``BEGIN`` comes.
+        """
+        self.begin(gtid, timestamp_s, _FL_STANDALONE, start_pos)
 
     def table_map(self, event: Any) -> None:
         if not self.captured(event.schema):
@@ -364,6 +374,8 @@ class BinlogAssembler:
         if head.startswith("BEGIN"):
             if self._txn is None:
                 self._txn = _Txn("", event.timestamp * 1_000_000_000, False)
+            else:  # (after MySQL's GTID event: a transaction, not one statement)
+                self._txn.standalone = False
             return None
         if head.startswith("COMMIT"):
             return self.commit(end_pos)

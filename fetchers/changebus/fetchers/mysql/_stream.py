@@ -349,9 +349,9 @@ def _stream(
                 window = assembler.commit(event.packet.log_pos)
             elif cls is QueryEvent:
                 window = assembler.query(event, event.packet.log_pos)
-            elif cls is GtidEvent:  # MySQL: a BEGIN query follows
+            elif cls is GtidEvent:  # MySQL: a BEGIN query follows, unless a DDL/TRUNCATE does
                 start = event.packet.log_pos - event.packet.event_size
-                assembler.begin(event.gtid, event.timestamp, 0, start)
+                assembler.begin_mysql(event.gtid, event.timestamp, start)
             elif cls is XAPrepareEvent:
                 key = (event.xid_format_id, event.xid_gtrid, event.xid_bqual)
                 window = assembler.xa_prepare(key, event.one_phase, event.packet.log_pos)
