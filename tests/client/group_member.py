@@ -145,8 +145,8 @@ class LoggingReplica(PostgresReplica):
             self.positions[Unit.parse(window.unit)] = window.position_after(PartitionCheckpoint())
         return result
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
-        claim = await super().claim(group, unit, owner)
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
+        claim = await super().claim(group, unit, owner, fence)
         self.claims[unit] = claim
         self.log(
             "claim",

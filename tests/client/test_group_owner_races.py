@@ -30,8 +30,9 @@ class _Member:
         self.owned: frozenset[Unit] = frozenset()
         self.member_id = "m-1"
 
-    async def acquire(self, unit: Unit) -> None:
+    async def acquire(self, unit: Unit) -> int:
         self.owned |= {unit}
+        return 1
 
     async def release(self, units: Any) -> None:
         self.owned -= frozenset(units)
@@ -40,7 +41,7 @@ class _Member:
 class _SlowStore:
     """Claims take a while, and a cancelled one waits for its thread (as ZkUnitStore)."""
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         try:
             await asyncio.sleep(0.3)
         except asyncio.CancelledError:

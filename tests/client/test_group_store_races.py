@@ -37,8 +37,9 @@ class _Member:
         self.member_id = "m-1"
         self.released = asyncio.Event()
 
-    async def acquire(self, unit: Unit) -> None:
+    async def acquire(self, unit: Unit) -> int:
         self.owned |= {unit}
+        return 1  # (the owner node's czxid: the claim's fence)
 
     async def release(self, units: Any) -> None:
         self.owned -= frozenset(units)
@@ -100,7 +101,7 @@ async def test_a_cancelled_claim_lands_before_the_unit_is_released(tmp_path: Pat
         gate.set()
         await asyncio.wait_for(member.released.wait(), 10)
         # the next owner acquires the released owner node and claims
-        claim = await theirs.claim("g", UNIT, "m-2")
+        claim = await theirs.claim("g", UNIT, "m-2", 2)  # (a later owner node: a larger zxid)
         await asyncio.sleep(0.1)  # (a claim still in flight would land now)
         stored = (await theirs.read("g"))[UNIT]
         commit = UnitCommit(UNIT, PartitionCheckpoint(window_scn=5, prev_scn=5), claim.token)

@@ -39,6 +39,7 @@ from changebus.client._pgsession import session_lost
 from changebus.schemas import (
     CheckpointError,
     Column,
+    FencedError,
     PartitionCheckpoint,
     TableSchema,
     TransportError,
@@ -155,6 +156,35 @@ async def test_concurrent_claims_get_distinct_generations(make_store: MakeStore)
     assert won == [24]  # only the newest claim may write
     stored = (await stores[0].read(G))[U]
     assert (stored.generation, stored.checkpoint) == (24, cp(24))
+
+
+@pytest.mark.parametrize("make_store", KINDS, indirect=True)
+async def test_a_claim_with_an_older_fence_is_refused_and_writes_nothing(
+    make_store: MakeStore,
+) -> None:
+    """A member paused between taking the unit's owner node and claiming it wakes
+    after the next owner claimed: its claim (an older owner node's zxid) is refused,
+    and the rightful owner's token still commits."""
+    zombie, owner = make_store(), make_store()
+    first = await zombie.claim(G, U, "m-zombie", 100)
+    assert first.generation == 1
+    second = await owner.claim(G, U, "m-owner", 250)
+    assert second.generation == 2
+    with pytest.raises(FencedError) as raised:
+        await zombie.claim(G, U, "m-zombie", 100)
+    assert raised.value.units == frozenset({str(U)}) and not raised.value.retriable
+    with pytest.raises(FencedError):
+        await zombie.claim(G, U, "m-zombie")  # (no fence at all: lower than any)
+    stored = (await make_store().read(G))[U]
+    assert (stored.owner, stored.generation, stored.fence) == ("m-owner", 2, 250)
+    done = await owner.commit(G, [UnitCommit(U, cp(7), second.token)])
+    assert done.fenced == frozenset()
+    # the same fence again (a claim whose answer was lost, retried) and a newer one pass
+    again = await owner.claim(G, U, "m-owner", 250)
+    assert (again.checkpoint, again.generation) == (cp(7), 3)
+    newer = await zombie.claim(G, U, "m-next", 300)
+    assert newer.generation == 4
+    assert (await make_store().read(G))[U].fence == 300
 
 
 # ---- file store ---------------------------------------------------------------
@@ -428,3 +458,45 @@ async def test_a_commit_prepared_while_a_window_applied_does_not_write_behind_it
     assert U in result.tokens
     stored = (await replica.read(G))[U].checkpoint
     assert stored is not None and stored.window_scn == 20
+
+
+@pytest.mark.parametrize("make_store", KINDS[1:], indirect=True)
+async def test_a_unit_table_of_an_older_version_gets_its_fence_column(
+    make_store: MakeStore, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A table made before claims had fences (no ``fence`` column) keeps its rows and
+    takes fenced claims after the store adds the column."""
+    kind = request.node.callspec.params["make_store"]
+    old = (
+        "CREATE TABLE changebus_unit_checkpoints (group_name text NOT NULL,"
+        " unit text NOT NULL, checkpoint text, owner text NOT NULL, generation bigint NOT NULL,"
+        " updated_at {t} NOT NULL, PRIMARY KEY (group_name, unit))"
+    )
+    row = (G, str(U), json.dumps(cp(9).to_dict()), "m-old", 4)
+    if kind == "sqlite_replica":
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "replica.db") as conn:
+            conn.execute(old.format(t="INTEGER"))
+            conn.execute("INSERT INTO changebus_unit_checkpoints VALUES (?, ?, ?, ?, ?, 1)", row)
+    else:
+        import psycopg
+
+        with psycopg.connect(request.getfixturevalue("pg_dsn"), autocommit=True) as conn:
+            conn.execute(old.format(t="timestamptz"))
+            conn.execute(
+                "INSERT INTO changebus_unit_checkpoints VALUES (%s, %s, %s, %s, %s, now())", row
+            )
+    store = make_store()
+    stored = (await store.read(G))[U]
+    assert (stored.checkpoint, stored.owner, stored.generation, stored.fence) == (
+        cp(9),
+        "m-old",
+        4,
+        -1,
+    )
+    claim = await store.claim(G, U, "m-new", 42)
+    assert (claim.checkpoint, claim.generation) == (cp(9), 5)
+    with pytest.raises(FencedError):
+        await make_store().claim(G, U, "m-late", 41)
+    assert (await store.read(G))[U].fence == 42

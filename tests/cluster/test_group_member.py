@@ -208,7 +208,7 @@ async def test_acquire_waits_while_another_member_holds_the_unit(make_member, gr
     a, _ = await make_member("a", follow=False)
     b, _ = await make_member("b", follow=False)
     unit = Unit("orders", 3)
-    await a.acquire(unit)
+    fence_a = await a.acquire(unit)
     assert a.owned == {unit}
     waiting = asyncio.create_task(b.acquire(unit))
     await asyncio.sleep(0.5)
@@ -223,13 +223,42 @@ async def test_acquire_waits_while_another_member_holds_the_unit(make_member, gr
     await a.release([unit])  # idempotent
     assert a.owned == frozenset()
     async with asyncio.timeout(2):
-        await waiting
+        fence_b = await waiting
     assert b.owned == {unit}
     data, stat = await b.session.op("get", owner_path(group, unit))
     assert stat.ephemeralOwner == b.session.session_id and b.member_id.encode() in data
-    await b.acquire(unit)  # already owned: returns at once
+    # the fence to claim with is the owner node's creation zxid: larger for each later owner
+    assert fence_b == stat.czxid > fence_a > 0
+    assert await b.acquire(unit) == fence_b  # already owned: returns at once
     with pytest.raises(ConfigError):
         await b.acquire(Unit("elsewhere", 0))
+
+
+async def test_a_late_claim_with_an_older_owner_node_is_refused_by_a_file_store(
+    make_member, group, tmp_path
+) -> None:
+    """Stores other than ZooKeeper's cannot check the owner node in the claim: a member
+    paused between its acquire and its claim, past its session, raised the generation
+    after its successor had claimed, fencing the rightful owner (found by review). The
+    claim carries the owner node's czxid now, and the store refuses an older one."""
+    from changebus.client import FileUnitStore
+    from changebus.schemas import FencedError
+
+    a, _ = await make_member("a", follow=False)
+    b, _ = await make_member("b", follow=False)
+    unit = Unit("orders", 1)
+    store = FileUnitStore(tmp_path / "units")
+    fence_a = await a.acquire(unit)
+    await a.release([unit])  # (as the expiry of a's session would: the node goes)
+    fence_b = await b.acquire(unit)
+    claim_b = await store.claim(group, unit, b.member_id, fence_b)
+    with pytest.raises(FencedError):
+        await store.claim(group, unit, a.member_id, fence_a)  # a wakes and claims late
+    at = PartitionCheckpoint(window_scn=5, prev_scn=5)
+    done = await store.commit(group, [UnitCommit(unit, at, claim_b.token)])
+    assert done.fenced == frozenset()  # the rightful owner was not fenced
+    stored = (await store.read(group))[unit]
+    assert (stored.owner, stored.generation, stored.fence) == (b.member_id, 1, fence_b)
 
 
 async def test_zk_unit_store_claims_fence_and_read(zk_session, group) -> None:

@@ -60,6 +60,7 @@ from ._unitsql import (
     UnitSql,
     UnitTime,
     checkpoint_text,
+    claim_fenced,
     parse_checkpoint,
     stored_unit,
 )
@@ -127,10 +128,10 @@ class UnitReplica(Replica):
 
     # ---- UnitStore -------------------------------------------------------------
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         """Claim ``unit`` in the unit table; its windows are applied fenced by the new token."""
         check_group_name(group)
-        claim = await self._store_call(self._claim_unit, group, unit, owner)
+        claim = await self._store_call(self._claim_unit, group, unit, owner, fence)
         self._held[str(unit)] = _Held(group, claim.token, claim.checkpoint)
         self._fenced.discard(str(unit))
         return claim
@@ -239,6 +240,8 @@ class UnitReplica(Replica):
         if not self._unit_table_ready:
             self._prepare_table(conn, self.unit_table)
             self._create_missing(conn, self.unit_table, self._unit_sql.create)
+            if "fence" not in (self._existing_columns(conn, self.unit_table) or ()):
+                self._create_missing(conn, self.unit_table, self._unit_sql.add_fence)
             self._unit_table_ready = True
         return conn
 
@@ -246,11 +249,13 @@ class UnitReplica(Replica):
         super()._close()
         self._unit_table_ready = False
 
-    def _claim_unit(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    def _claim_unit(self, group: str, unit: Unit, owner: str, fence: int) -> UnitClaim:
         conn = self._unit_connection()
         with self._transaction(conn):
-            params = (group, str(unit), owner, time.time_ns())
+            params = (group, str(unit), owner, fence, time.time_ns())
             rows = self._execute(conn, self._unit_sql.claim, params)
+        if not rows:
+            raise claim_fenced(group, unit, owner, fence)
         checkpoint = parse_checkpoint(rows[0][0], f"replica unit table, unit {unit}")
         generation = int(rows[0][1])
         return UnitClaim(unit, checkpoint, token=generation, generation=generation)

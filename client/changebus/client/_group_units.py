@@ -47,6 +47,7 @@ from changebus.cluster import GroupMember
 from changebus.schemas import (
     ChangebusError,
     ConfigError,
+    FencedError,
     Mode,
     PartitionCheckpoint,
     Unit,
@@ -115,6 +116,7 @@ class UnitOwner:
         self._lost: set[Unit] = set()
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._foreign_fences: set[Unit] = set()  # (logged once each; the group's units)
         self._target: frozenset[Unit] = frozenset()
         #: the application's path has units to revoke
         self.revoke_due = False
@@ -306,7 +308,7 @@ class UnitOwner:
 
     async def _claim(self, unit: Unit) -> UnitClaim | None:
         member = self.member
-        await member.acquire(unit)
+        fence = await member.acquire(unit)
         try:
             if unit not in member.target:
                 await member.release([unit])
@@ -316,7 +318,25 @@ class UnitOwner:
                 # the unit's generation under no owner, fencing its rightful next owner
                 await member.release([unit])
                 return None
-            claim = await _uncancelled(self.store.claim(self.config.group, unit, member.member_id))
+            claim = await _uncancelled(
+                self.store.claim(self.config.group, unit, member.member_id, fence)
+            )
+        except FencedError:
+            self._spawn(member.release([unit]))
+            if unit in member.owned and member.lease_valid() and unit not in self._foreign_fences:
+                # its owner node is this member's and no later one can exist while it does:
+                # the stored fence comes from another ZooKeeper history
+                self._foreign_fences.add(unit)
+                log.error(
+                    "group %s: the unit store refused the claim of %s by its owner (fence %d):"
+                    " it holds a higher fence, which a ZooKeeper ensemble replaced with a new"
+                    " one (its data lost) leaves behind; reset the group's stored fences"
+                    " (docs/client.md, 'Claim fences')",
+                    self.config.group,
+                    unit,
+                    fence,
+                )
+            raise
         except BaseException:
             self._spawn(member.release([unit]))
             raise

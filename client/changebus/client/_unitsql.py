@@ -11,14 +11,18 @@ keep the fenced checkpoints of a group's units (see
     owner       text      -- the member that claimed the unit last
     generation  bigint    -- claims so far; the fencing token
     updated_at  timestamp -- wall clock of the last write (dialect type)
+    fence       bigint    -- the highest claim fence (-1: none; added to older tables)
     PRIMARY KEY (group_name, unit)
 
 The token handed out by a claim is the generation. A claim is one upsert
 raising the generation (``RETURNING`` the stored checkpoint and the new
-generation); a commit is ``UPDATE ... WHERE generation = token RETURNING
-generation``: no row back means another member claimed the unit since (the
-commit is fenced). Both statements are single-row and atomic in either
-database, so two claimers never get the same generation.
+generation) unless the stored fence is higher than the claim's: then no
+row comes back and the claim is refused (:func:`claim_fenced`; see
+:class:`changebus.schemas.UnitStore`). A commit is ``UPDATE ... WHERE
+generation = token RETURNING generation``: no row back means another member
+claimed the unit since (the commit is fenced). Both statements are
+single-row and atomic in either database, so two claimers never get the
+same generation.
 
 Dialects differ in the parameter placeholder and the timestamp column
 (:class:`UnitTime`); the statements are built by :meth:`UnitSql.build`.
@@ -32,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from changebus.schemas import CheckpointError, PartitionCheckpoint, StoredUnit, Unit
+from changebus.schemas import CheckpointError, FencedError, PartitionCheckpoint, StoredUnit, Unit
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -41,6 +45,7 @@ __all__ = [
     "UnitSql",
     "UnitTime",
     "checkpoint_text",
+    "claim_fenced",
     "parse_checkpoint",
     "stored_unit",
 ]
@@ -77,13 +82,17 @@ class UnitSql:
     """The statements on one unit-checkpoint table in one dialect.
 
     * ``create`` -- the table when missing (no parameters);
-    * ``claim`` -- (group, unit, owner, now_ns) -> one row (checkpoint, generation);
+    * ``add_fence`` -- the ``fence`` column, to a table made by an older version
+      (run when the column is missing);
+    * ``claim`` -- (group, unit, owner, fence, now_ns) -> one row (checkpoint,
+      generation), none when the claim is fenced;
     * ``commit`` -- (checkpoint, now_ns, group, unit, token) -> one row (generation)
       when written, none when fenced;
-    * ``read`` -- (group,) -> rows (unit, checkpoint, owner, generation, updated_ns).
+    * ``read`` -- (group,) -> rows (unit, checkpoint, owner, generation, updated_ns, fence).
     """
 
     create: str
+    add_fence: str
     claim: str
     commit: str
     read: str
@@ -99,14 +108,17 @@ class UnitSql:
                 "group_name text NOT NULL, unit text NOT NULL, checkpoint text,"
                 " owner text NOT NULL, generation bigint NOT NULL,"
                 f" updated_at {time.column_type} NOT NULL,"
+                " fence bigint NOT NULL DEFAULT -1,"
                 " PRIMARY KEY (group_name, unit))"
             ),
+            add_fence=f"ALTER TABLE {table} ADD COLUMN fence bigint NOT NULL DEFAULT -1",
             claim=(
                 f"INSERT INTO {table} AS u"
-                " (group_name, unit, checkpoint, owner, generation, updated_at)"
-                f" VALUES ({p}, {p}, NULL, {p}, 1, {now})"
+                " (group_name, unit, checkpoint, owner, generation, fence, updated_at)"
+                f" VALUES ({p}, {p}, NULL, {p}, 1, {p}, {now})"
                 " ON CONFLICT (group_name, unit) DO UPDATE SET owner = excluded.owner,"
-                " generation = u.generation + 1, updated_at = excluded.updated_at"
+                " generation = u.generation + 1, fence = excluded.fence,"
+                " updated_at = excluded.updated_at WHERE u.fence <= excluded.fence"
                 " RETURNING checkpoint, generation"
             ),
             commit=(
@@ -116,10 +128,20 @@ class UnitSql:
             ),
             read=(
                 "SELECT unit, checkpoint, owner, generation,"
-                f" {time.read.format(c='updated_at')} FROM {table}"
+                f" {time.read.format(c='updated_at')}, fence FROM {table}"
                 f" WHERE group_name = {p} ORDER BY unit"
             ),
         )
+
+
+def claim_fenced(group: str, unit: Unit, owner: str, fence: int, stored: int = -1) -> FencedError:
+    """The error of a claim refused by its fence (a later owner of the unit claimed it)."""
+    seen = f" {stored}" if stored >= 0 else " higher"
+    return FencedError(
+        f"group {group}: the claim of unit {unit} by {owner} is fenced (its fence {fence},"
+        f" the unit's{seen}): a later owner of the unit claimed it",
+        units=frozenset({str(unit)}),
+    )
 
 
 def checkpoint_text(checkpoint: PartitionCheckpoint | None) -> str | None:
@@ -146,11 +168,12 @@ def parse_checkpoint(value: Any, where: str) -> PartitionCheckpoint | None:
 
 def stored_unit(row: Sequence[Any], where: str) -> StoredUnit:
     """A :class:`StoredUnit` from a row of :attr:`UnitSql.read`."""
-    unit, checkpoint, owner, generation, updated_ns = row
+    unit, checkpoint, owner, generation, updated_ns, fence = row
     return StoredUnit(
         unit=Unit.parse(str(unit)),
         checkpoint=parse_checkpoint(checkpoint, f"{where} unit {unit}"),
         owner=str(owner),
         generation=int(generation),
         updated_ns=int(updated_ns),
+        fence=int(fence),
     )

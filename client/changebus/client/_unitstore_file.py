@@ -11,7 +11,9 @@ Fencing: the token is the generation. Every claim and commit reads, compares
 and writes under an exclusive ``fcntl.flock`` on ``<directory>/<group>/.lock``,
 so claims and commits of all processes (and threads) of the host on one
 group are serialised: two claimers never get the same generation and a
-commit with an older token writes nothing. Reads take no lock (a reader sees
+commit with an older token writes nothing. The record also keeps the
+highest claim fence (``"fence"``, absent in files of older versions: -1); a
+claim with a lower one is refused. Reads take no lock (a reader sees
 the old or the new file). The directory must be on a local file system
 (flock over NFS is not to be trusted).
 """
@@ -42,7 +44,7 @@ from changebus.schemas import (
 from changebus.schemas.files import open_private, private_dir
 
 from ._persist import write_atomically
-from ._unitsql import parse_checkpoint
+from ._unitsql import claim_fenced, parse_checkpoint
 
 __all__ = ["FileUnitStore"]
 
@@ -66,9 +68,9 @@ class FileUnitStore:
 
     # ---- UnitStore -----------------------------------------------------------
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         """Raise the unit's generation under the group lock; the new generation is the token."""
-        return await asyncio.to_thread(self._claim, check_group_name(group), unit, owner)
+        return await asyncio.to_thread(self._claim, check_group_name(group), unit, owner, fence)
 
     async def commit(self, group: str, commits: Sequence[UnitCommit]) -> CommitResult:
         """Write each checkpoint whose token is the stored generation (under the group lock)."""
@@ -97,13 +99,16 @@ class FileUnitStore:
         finally:
             os.close(fd)
 
-    def _claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    def _claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         with self._locked(group) as folder:
             path = folder / f"{unit}{_SUFFIX}"
             record = _load(path, unit)
+            if record is not None and fence < record.fence:
+                raise claim_fenced(group, unit, owner, fence, record.fence)
             generation = (record.generation if record is not None else 0) + 1
             checkpoint = record.checkpoint if record is not None else None
-            _write(path, StoredUnit(unit, checkpoint, owner, generation, time.time_ns()))
+            fence = max(fence, record.fence if record is not None else -1)
+            _write(path, StoredUnit(unit, checkpoint, owner, generation, time.time_ns(), fence))
         log.debug("group %s: unit %s claimed by %s (generation %d)", group, unit, owner, generation)
         return UnitClaim(unit, checkpoint, token=generation, generation=generation)
 
@@ -119,7 +124,10 @@ class FileUnitStore:
                     fenced.add(c.unit)
                     tokens.pop(c.unit, None)
                     continue
-                _write(path, StoredUnit(c.unit, c.checkpoint, record.owner, c.token, now))
+                _write(
+                    path,
+                    StoredUnit(c.unit, c.checkpoint, record.owner, c.token, now, record.fence),
+                )
                 tokens[c.unit] = c.token
         if fenced:
             log.info("group %s: commits of %d unit(s) fenced", group, len(fenced))
@@ -159,18 +167,19 @@ def _load(path: Path, unit: Unit) -> StoredUnit | None:
         generation = data["generation"]
         updated_ns = data.get("updated_ns", 0)
         owner = data.get("owner", "")
+        fence = data.get("fence", -1)
         if not (
             isinstance(generation, int)
             and isinstance(updated_ns, int)
             and isinstance(owner, str)
+            and isinstance(fence, int)
             and generation >= 0
         ):
             raise TypeError("bad field types")
     except (ValueError, TypeError, KeyError):
         raise CheckpointError(f"{where} is corrupt") from None
-    return StoredUnit(
-        unit, parse_checkpoint(data.get("checkpoint"), where), owner, generation, updated_ns
-    )
+    checkpoint = parse_checkpoint(data.get("checkpoint"), where)
+    return StoredUnit(unit, checkpoint, owner, generation, updated_ns, fence)
 
 
 def _write(path: Path, record: StoredUnit) -> None:
@@ -179,5 +188,6 @@ def _write(path: Path, record: StoredUnit) -> None:
         "owner": record.owner,
         "generation": record.generation,
         "updated_ns": record.updated_ns,
+        "fence": record.fence,
     }
     write_atomically(path, json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")

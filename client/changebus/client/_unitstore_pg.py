@@ -42,6 +42,7 @@ from ._unitsql import (
     POSTGRES_TIME,
     UnitSql,
     checkpoint_text,
+    claim_fenced,
     parse_checkpoint,
     stored_unit,
 )
@@ -90,10 +91,10 @@ class PostgresUnitStore:
 
     # ---- UnitStore -----------------------------------------------------------
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         """Upsert the unit's row raising its generation; the new generation is the token."""
         check_group_name(group)
-        return await self._run(self._claim, group, unit, owner)
+        return await self._run(self._claim, group, unit, owner, fence)
 
     async def commit(self, group: str, commits: Sequence[UnitCommit]) -> CommitResult:
         """Write the checkpoints whose token is the row's generation, in one transaction."""
@@ -142,6 +143,7 @@ class PostgresUnitStore:
             conn = connect(self._dsn, self._idle_in_transaction_s)
             try:
                 _create(conn, self._sql.create)
+                _add_fence(conn, self._sql.add_fence)
             except BaseException:
                 conn.close()
                 raise
@@ -153,8 +155,11 @@ class PostgresUnitStore:
         if conn is not None:
             conn.close()
 
-    def _claim(self, conn: Any, group: str, unit: Unit, owner: str) -> UnitClaim:
-        row = conn.execute(self._sql.claim, (group, str(unit), owner, time.time_ns())).fetchone()
+    def _claim(self, conn: Any, group: str, unit: Unit, owner: str, fence: int) -> UnitClaim:
+        params = (group, str(unit), owner, fence, time.time_ns())
+        row = conn.execute(self._sql.claim, params).fetchone()
+        if row is None:
+            raise claim_fenced(group, unit, owner, fence)
         checkpoint = parse_checkpoint(row[0], f"unit store {self.table} unit {unit}")
         generation = int(row[1])
         log.debug("group %s: unit %s claimed by %s (generation %d)", group, unit, owner, generation)
@@ -190,3 +195,11 @@ def _create(conn: Any, sql: str) -> None:
     # IF NOT EXISTS races in PostgreSQL: then the other session's table is there
     with contextlib.suppress(errors.DuplicateTable, errors.DuplicateObject, errors.UniqueViolation):
         conn.execute(sql)
+
+
+def _add_fence(conn: Any, sql: str) -> None:
+    """Add the ``fence`` column to a table made by an older version (autocommit)."""
+    from psycopg import errors
+
+    with contextlib.suppress(errors.DuplicateColumn):  # (the usual case: it is there)
+        conn.execute(sql.replace("ADD COLUMN", "ADD COLUMN IF NOT EXISTS", 1))

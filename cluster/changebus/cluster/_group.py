@@ -52,8 +52,8 @@ must not block, so they start tasks)::
             await commit_last_positions(unit)
             await member.release([unit])
         for unit in target - member.owned:        # assign: own, claim, then read
-            await member.acquire(unit)            # waits for the previous owner
-            claim = await store.claim(group, unit, member.member_id)
+            fence = await member.acquire(unit)    # waits for the previous owner
+            claim = await store.claim(group, unit, member.member_id, fence)
             start_reading(unit, claim)
 
 and before handing a window of ``unit`` to the application:
@@ -168,6 +168,9 @@ class GroupMember:
         self._deleted_path = ""  # set by the member node's watch (kazoo's thread)
         self._started_ns = time.time_ns()
         self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
+        # per owned unit, its owner node's creation zxid (the claim's fence; bounded by
+        # the group's units)
+        self._fences: dict[Unit, int] = {}
         # one lock per unit: this member's creates and deletes of a unit's owner node
         # run one at a time, so a delete sent earlier cannot land after a create that
         # took the node over (the unit would be owned without its node)
@@ -295,10 +298,12 @@ class GroupMember:
             and time.monotonic() - self.confirmed_at < self.lease_s
         )
 
-    async def acquire(self, unit: Unit) -> None:
+    async def acquire(self, unit: Unit) -> int:
         """Create ``owners/<unit>`` for this member, waiting while another member holds it.
 
-        Cancellable. Raises a retriable :class:`CoordinationError` when the
+        Returns the owner node's creation zxid: the fence to claim the unit
+        with (:meth:`changebus.schemas.UnitStore.claim`); each later owner
+        node of the unit has a larger one. Cancellable. Raises a retriable :class:`CoordinationError` when the
         membership is lost while waiting (the unit then is not acquired), and
         :class:`ConfigError` for a unit outside the group.
         """
@@ -314,7 +319,7 @@ class GroupMember:
 
         while True:
             if unit in self.owned:
-                return
+                return self._fences.get(unit, -1)
             if self._stopping:
                 raise CoordinationError(
                     f"group {self.group}: the member is stopped", retriable=False
@@ -348,7 +353,7 @@ class GroupMember:
                 raise
             if outcome == "created":
                 if unit in self.owned:  # (marked by _create, under the unit's lock)
-                    return
+                    return self._fences.get(unit, -1)
                 self._stale.add(unit)  # made for a registration that ended meanwhile
                 continue
             if outcome == "member gone":
@@ -433,8 +438,9 @@ class GroupMember:
         registration marks the unit owned before the lock is let go, so a delete
         waiting for the lock sees it owned."""
         async with self._node_lock(unit):
-            outcome = await create_owner(self.session, self.group, path, sid, unit, watch)
+            outcome, czxid = await create_owner(self.session, self.group, path, sid, unit, watch)
             if outcome == "created" and path == self._member_path:
+                self._fences[unit] = czxid
                 self.owned = self.owned | {unit}
                 self._stale.discard(unit)  # (a node of this session taken over)
             return outcome

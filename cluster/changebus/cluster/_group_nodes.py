@@ -157,45 +157,51 @@ async def create_owner(
     member_sid: int,
     unit: Unit,
     watch: Callable[[Any], None],
-) -> CreateOutcome:
-    """Try to create ``owners/<unit>`` for the member of ``member_path``.
+) -> tuple[CreateOutcome, int]:
+    """Try to create ``owners/<unit>`` for the member of ``member_path``; (outcome, czxid).
 
     ``created``: the node is the member's (also when an earlier create of the
     same session made it); ``held``: another session holds it and ``watch``
     is set on it (it fires when the node goes); ``member gone``: the member
     node no longer exists; ``retry``: the node vanished meanwhile, try again.
+    With ``created`` comes the node's creation zxid: every later owner node
+    of the unit has a larger one (the claim's fence, see
+    :class:`changebus.schemas.UnitStore`); -1 with the other outcomes.
     """
     node, parent = owner_path(group, unit), owners_path(group)
     member_id = member_path.rpartition("/")[2]
     data, timeout = encode_owner(member_id), session.op_timeout_s
 
-    def run(zk: Any) -> CreateOutcome:
+    def run(zk: Any) -> tuple[CreateOutcome, int]:
         tx = zk.transaction()
         tx.check(member_path, -1)
         tx.create(node, data, ephemeral=True)
         results = tx.commit_async().get(timeout=timeout)
         if not any(isinstance(r, Exception) for r in results):
-            return "created"
+            stat = zk.exists_async(node).get(timeout=timeout)  # (its czxid)
+            if stat is None or stat.ephemeralOwner != member_sid:
+                return "retry", -1  # gone with the session meanwhile: look again
+            return "created", int(stat.czxid)
         if isinstance(results[0], NoNodeError):
-            return "member gone"
+            return "member gone", -1
         if isinstance(results[1], NoNodeError):  # the owners/ parent is missing
             zk.ensure_path_async(parent).get(timeout=timeout)
-            return "retry"
+            return "retry", -1
         if not isinstance(results[1], NodeExistsError):
             names = ", ".join(type(r).__name__ for r in results)
             raise CoordinationError(f"ZooKeeper refused creating {node}: {names}", retriable=False)
         stat = zk.exists_async(node, watch=watch).get(timeout=timeout)
         if stat is None:
-            return "retry"
+            return "retry", -1
         if stat.ephemeralOwner != member_sid:
-            return "held"
+            return "held", -1
         try:  # ours from before: name the current member
             zk.set_async(node, data, version=stat.version).get(timeout=timeout)
         except (NoNodeError, BadVersionError):
-            return "retry"  # it went (or changed) meanwhile: look again
-        return "created"
+            return "retry", -1  # it went (or changed) meanwhile: look again
+        return "created", int(stat.czxid)
 
-    outcome: CreateOutcome = await mapped(f"creating {node}", session.call(run))
+    outcome: tuple[CreateOutcome, int] = await mapped(f"creating {node}", session.call(run))
     return outcome
 
 

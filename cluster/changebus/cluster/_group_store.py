@@ -101,21 +101,26 @@ class ZkUnitStore:
             await mapped(f"creating {path}", self.session.ensure_path(path))
             self._ready.add(group)
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
-        """Raise ``unit``'s generation for ``owner``; the token is the new znode version."""
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
+        """Raise ``unit``'s generation for ``owner``; the token is the new znode version.
+
+        ``fence`` is not needed here: with the store's member fence the
+        claim checks the unit's owner node itself in the same transaction.
+        """
+        del fence
         node, parent = checkpoint_path(group, unit), checkpoints_path(group)
         await self._ensure(group)
         timeout = self.session.op_timeout_s
 
-        fence = self.fence
+        member_fence = self.fence
         owner_node = owner_path(group, unit)
 
         def guards(zk: Any) -> list[tuple[str, int]]:
             """(path, version) of the claimant's member node and of the unit's owner node,
             which must name the claimant's member; none without a fence."""
-            if fence is None:
+            if member_fence is None:
                 return []
-            path = fence()
+            path = member_fence()
             stat = zk.exists_async(path).get(timeout=timeout) if path else None
             if stat is None:
                 raise _NotAMember

@@ -15,6 +15,16 @@ a unit (a zombie paused past its ZooKeeper session, a member whose unit was
 given to another) thus cannot overwrite the new owner's checkpoint: its
 commit comes back in :attr:`CommitResult.fenced`.
 
+Claims are fenced too. A claim carries a *fence*: a number that grows with
+every ownership of the unit (a group member passes its ZooKeeper owner
+node's creation zxid, which is larger for each later owner node of the
+unit). A store keeps the highest fence it has seen per unit and refuses a
+claim with a lower one (:class:`~changebus.schemas.FencedError`). So a
+member that paused between taking the unit's owner node and claiming the
+unit, and whose session expired meanwhile, cannot claim after the unit's
+next owner did: its late claim would otherwise fence the rightful owner's
+commits.
+
 Implementations: ``changebus.cluster.ZkUnitStore`` (the default, a znode per
 unit, the token is the znode version), ``changebus.client.FileUnitStore``,
 ``changebus.client.PostgresUnitStore`` and the replicas
@@ -136,16 +146,20 @@ class StoredUnit:
     owner: str
     generation: int
     updated_ns: int = 0
+    #: the highest claim fence seen (-1: none; module docstring)
+    fence: int = -1
 
 
 @runtime_checkable
 class UnitStore(Protocol):
     """Fenced checkpoints of a consumer group's units (module docstring)."""
 
-    async def claim(self, group: str, unit: Unit, owner: str) -> UnitClaim:
+    async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         """Start a new ownership of ``unit`` by ``owner``: raise its generation, return the claim.
 
         Any token handed out before for this unit is refused from now on.
+        ``fence`` (-1: none) below the highest fence the store has seen for
+        the unit: :class:`~changebus.schemas.FencedError`, nothing written.
         """
         ...
 
