@@ -323,3 +323,53 @@ async def test_available_now_pins_an_empty_relay_at_where_it_is_complete_to(
 
         target = await asyncio.to_thread(pin)
     assert target == {"syn": 100}
+
+
+async def test_a_batch_rerouted_to_the_bootstrap_server_stops_at_the_available_now_target(
+    make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limited batch whose range was evicted between the bounds and the cut goes through
+    the bootstrap server; it was planned up to the relay's newest SCN, past the
+    AvailableNow target the query must stop at (review). It ends at the target now."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from changebus.client import FellOffRelayError
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._relay import PartitionBounds
+
+    async with make_relay() as relay:
+        opts = SourceOptions.parse(
+            {"relays": relay.url, "bootstrapUrl": "http://127.0.0.1:9"}, mode="stream"
+        )
+
+        def make() -> Any:
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            return _source.ChangebusStreamReader(opts, schema)
+
+        reader = await asyncio.to_thread(make)
+    reader._hold_first = False
+    reader._target = {"p": 500}  # (prepareForTriggerAvailableNow pinned it)
+    reads = [PartitionBounds("p", 101, 600, 100, 0), PartitionBounds("p", 801, 1000, 800, 0)]
+
+    async def bounds(_opts: Any) -> dict[str, PartitionBounds]:
+        return {"p": reads.pop(0) if len(reads) > 1 else reads[0]}
+
+    async def evicted(name: str, since: int, head: int, rows: int, size: int) -> int:
+        raise FellOffRelayError(
+            "gone", partition=name, requested_scn=since, oldest_scn=801, prev_scn=800, relay=""
+        )
+
+    async def server_target(_opts: Any, _name: str) -> int:
+        return 2000  # the bootstrap server has it all, and more
+
+    async def unguarded(start: Any, end: dict[str, int], boot: Any) -> dict[str, int]:
+        return end
+
+    monkeypatch.setattr(_source, "partition_bounds", bounds)
+    monkeypatch.setattr(_source, "bootstrap_target", server_target)
+    monkeypatch.setattr(reader, "_limited_end", evicted)
+    monkeypatch.setattr(reader._guard, "check", unguarded)
+    end = await reader._latest({"p": 200}, ReadMaxRows(50))
+    assert end == {"p": 500}

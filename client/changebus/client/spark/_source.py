@@ -316,12 +316,14 @@ class ChangebusStreamReader(_ReaderBase, DataSourceStreamReader, SupportsTrigger
                     if not self.opts.bootstrap:
                         raise
                     # evicted since the bounds were read: this batch goes through the
-                    # bootstrap server, planned as one task (partitions() reads the bounds)
+                    # bootstrap server, planned as one task (partitions() reads the bounds).
+                    # It ends at most at the head planned above: under AvailableNow that is
+                    # capped by the target (the relay's newest went past it, found by review)
                     bounds = await partition_bounds(self.opts)
                     self._planned = (_offsets_key(start), bounds)
                     boot = _needs_bootstrap(self.opts, start, bounds)
                     b = bounds[name]
-                    end[name] = await self._boot_end(name, since, b.max_scn, b, True)
+                    end[name] = await self._boot_end(name, since, min(head, b.reached), b, True)
         else:
             end.update(heads)
         return await self._guard.check(start, end, boot)
