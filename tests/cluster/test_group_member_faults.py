@@ -255,3 +255,51 @@ async def test_a_killed_member_process_moves_its_units_within_the_session_timeou
             proc.kill()
             await proc.wait()
         reader.cancel()
+
+
+async def test_nodes_of_a_stop_while_zookeeper_is_away_go_when_the_session_reconnects(
+    make_member, zk_session, zk_server, group
+) -> None:
+    """A group member and an election stopped while the connection was down left their
+    ephemeral nodes (review). The program's session lives on: the group leader gave units
+    to a member nobody ran, and a stopped candidate at the head of the line kept every
+    other one from leading. The nodes are deleted once the same session is back."""
+    from changebus.cluster import PartitionElection
+    from changebus.cluster._group_layout import owner_path
+
+    session = await zk_session("away", session_timeout_s=10.0)  # outlives the restart
+    member, _ = await make_member("away", session=session, follow=False)
+    unit = Unit("orders", 2)
+    await member.acquire(unit)
+    election = PartitionElection(session, "p-away")
+    await election.start()
+    async with asyncio.timeout(10):
+        await election.wait_elected()
+    nodes = [member.member_path, owner_path(group, unit), election._candidate]
+    assert all(nodes)
+    sid = session.session_id
+    try:
+        await asyncio.to_thread(zk_server.stop)
+        await wait_until(lambda: not session.connected, 10, "the connection to drop")
+        await member.stop()
+        await election.stop()
+        await asyncio.to_thread(zk_server.start)
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    async with asyncio.timeout(15):
+        await session.wait_connected()
+    assert session.session_id == sid  # the same session: its ephemeral nodes lived on
+    observer = await zk_session("observer")
+    left: list[str] = list(nodes)
+
+    async def still_there() -> list[str]:
+        return [n for n in nodes if await observer.op("exists", n) is not None]
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = await still_there()
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    assert left == []

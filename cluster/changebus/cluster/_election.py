@@ -252,6 +252,11 @@ class PartitionElection:
         if candidate is not None and self.session.connected:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", candidate)
+                candidate = None
+        if candidate is not None:
+            # ZooKeeper away: left, the node would stay at the head of the line for as long
+            # as the session lives on in this program (no other candidate could lead)
+            self.session.delete_later({candidate: (-1, None)})
 
     def requeue(self, reason: str) -> None:
         """Give up any term and go to the back of the line: the candidacy starts over

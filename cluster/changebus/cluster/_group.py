@@ -25,9 +25,8 @@ quorum from confirming the lease out of its own stale copy).
 :meth:`GroupMember.lease_valid` is true only while kazoo reports the
 connection up and the newest heartbeat that found the node was *sent* less
 than ``lease_s`` (``lease_fraction`` x the session timeout the server
-granted) ago:
-ZooKeeper cannot expire the session, and so cannot let another member take
-the units, sooner than a session timeout after that. A member frozen past its
+granted) ago: ZooKeeper cannot expire the session, and so cannot let another
+member take the units, sooner than a session timeout after that. A member frozen past its
 session (SIGSTOP, a long pause) sees ``lease_valid() == False`` the moment it
 runs again. The consumer checks it before it hands a window to the
 application.
@@ -101,6 +100,7 @@ from ._group_nodes import (
     create_member,
     create_owner,
     delete_owners,
+    leave_for_later,
     mapped,
     retry_pause,
 )
@@ -254,14 +254,19 @@ class GroupMember:
         for task in [*tasks, *self._background]:  # undoing cancelled acquires: let them end
             with contextlib.suppress(asyncio.CancelledError, CoordinationError):
                 await task
-        path, owned = self._member_path, self.owned
+        path, owned, member_id = self._member_path, self.owned, self.member_id
         if path and self.session.connected:
             with contextlib.suppress(CoordinationError):
                 await self._delete(path, owned)
+                owned = frozenset()
             with contextlib.suppress(CoordinationError):
                 await self._drop_stale()
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", path)
+                path = ""
+        if self._member_sid and self._member_sid == self.session.session_id:  # (not deleted)
+            units = {u: self._fences.get(u, -1) for u in owned | self._stale}
+            leave_for_later(self.session, self.group, path, member_id, units)
         self.owned = frozenset()
         self._member_path, self.member_id, self._member_sid = "", "", 0
         self.is_leader = False
@@ -471,9 +476,8 @@ class GroupMember:
         return lock
 
     def _unknown_create(self, unit: Unit) -> None:
-        """A create whose answer never came may have made the node: delete it later
-        unless the unit is acquired by then (else it blocks the unit's next owner
-        for as long as this session lives)."""
+        """A create whose answer never came may have made the node: delete it later unless
+        the unit is acquired by then (else it blocks its next owner while the session lives)."""
         if unit not in self.owned:
             self._stale.add(unit)
             self._wake_keeper.set()
@@ -483,12 +487,10 @@ class GroupMember:
     ) -> None:
         """A cancelled acquire's create that succeeded after all (or whose outcome is
         unknown): delete the node, unless a newer acquire of the unit came since."""
-        if attempt.cancelled():
+        if attempt.cancelled() or (attempt.exception() is None and attempt.result() != "created"):
             return
         if attempt.exception() is not None:
             self._unknown_create(unit)
-            return
-        if attempt.result() != "created":
             return
         task = asyncio.ensure_future(self._undo(path, unit, number))
         self._background.add(task)
@@ -594,8 +596,5 @@ class GroupMember:
         fire_callbacks(self._target_cbs, target, "on_target")
 
     def __repr__(self) -> str:
-        return (
-            f"GroupMember({self.group!r}, {self.member_id or 'unregistered'}, "
-            f"target={len(self.target)}, owned={len(self.owned)}"
-            f"{', leader' if self.is_leader else ''})"
-        )
+        who, lead = self.member_id or "unregistered", ", leader" if self.is_leader else ""
+        return f"GroupMember({self.group!r}, {who}, target={len(self.target)}, owned={len(self.owned)}{lead})"

@@ -22,6 +22,11 @@ the node was deleted by hand) :func:`delete_owners` deletes only the nodes
 whose ephemeral owner is the client's current session: those are this
 process's and nobody else's.
 
+* :func:`leave_for_later`: the nodes a stop could not delete (ZooKeeper
+  away), deleted when the session is connected again
+  (:meth:`ZkSession.delete_later`): a live session would otherwise keep a
+  member nobody runs, which the leader gives units to.
+
 Thread-safety: coroutines of the session's event loop.
 """
 
@@ -61,6 +66,7 @@ __all__ = [
     "create_member",
     "create_owner",
     "delete_owners",
+    "leave_for_later",
     "mapped",
     "retry_pause",
 ]
@@ -285,3 +291,18 @@ async def retry_pause(session: ZkSession, failures: int, what: str, exc: Excepti
     )
     await asyncio.sleep(delay)
     return True
+
+
+def leave_for_later(
+    session: ZkSession, group: str, member_path: str, member_id: str, units: dict[Unit, int]
+) -> None:
+    """Hand the member's undeleted nodes to the session: owner nodes of ``units``
+    (unit -> czxid, -1: unknown; deleted only while they still name ``member_id``),
+    then the member node (``member_path``; "" when it was deleted)."""
+    mine = encode_owner(member_id)
+    nodes: dict[str, tuple[int, bytes | None]] = {
+        owner_path(group, u): (czxid, mine) for u, czxid in sorted(units.items())
+    }
+    if member_path:
+        nodes[member_path] = (-1, None)
+    session.delete_later(nodes)

@@ -34,8 +34,18 @@ member sets that ACL on the persistent nodes of its cluster's tree, so a
 tree created earlier without credentials (or by someone else) is taken back.
 ``/changebus`` itself stays open, so clusters with other credentials share it.
 
-Thread-safety: :meth:`start`, :meth:`stop`, :meth:`op`, :meth:`commit` and the
-listeners belong to the event loop that called :meth:`start`;
+Leftovers. An ephemeral node its owner could not delete (an election or a
+group member stopped while the connection was down, with the session going
+on for the rest of the program) would stay as long as the session does: a
+stopped candidate at the head of an election's line, a stopped member the
+group leader gives units to. :meth:`ZkSession.delete_later` keeps such
+nodes and deletes them when the same session is connected again; a node
+that changed hands meanwhile (another creation: a different czxid; or other
+data) is left alone, and a new session forgets them (they went with the old
+one).
+
+Thread-safety: :meth:`start`, :meth:`stop`, :meth:`op`, :meth:`commit`,
+:meth:`delete_later` and the listeners belong to the event loop that called :meth:`start`;
 :attr:`thread_state` and :attr:`last_ok` may be read from any thread.
 """
 
@@ -52,6 +62,7 @@ from typing import Any, Literal, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
+    BadVersionError,
     ConnectionClosedError,
     ConnectionLoss,
     NodeExistsError,
@@ -173,6 +184,11 @@ class ZkSession:
         #: the session timeout the server granted (s; 0: no session yet), written by
         #: kazoo's connection thread at every connect
         self.negotiated_timeout_s = 0.0
+        #: ephemeral nodes to delete once connected again: path -> (czxid or -1, data or
+        #: None), of session ``_leftover_sid`` (see the module docstring)
+        self._leftovers: dict[str, tuple[int, bytes | None]] = {}
+        self._leftover_sid = 0
+        self._sweeping: asyncio.Task[None] | None = None
 
     @property
     def session_timeout_s(self) -> float:
@@ -352,6 +368,53 @@ class ZkSession:
 
         return remove
 
+    def delete_later(self, nodes: dict[str, tuple[int, bytes | None]]) -> None:
+        """Delete these ephemeral nodes of this session when it is connected (again).
+
+        ``nodes``: path -> (its czxid, -1: any; its data, None: any), in the order
+        to delete them. A node that is gone, of another session, or whose czxid or
+        data differ is skipped. Forgotten when the session ends.
+        """
+        if not nodes or self._zk is None or not self.session_id:
+            return
+        if self._leftover_sid != self.session_id:
+            self._leftovers.clear()
+            self._leftover_sid = self.session_id
+        self._leftovers.update(nodes)
+        if self.state == "connected":
+            self._sweep_soon()
+
+    def _sweep_soon(self) -> None:
+        if self._sweeping is None or self._sweeping.done():
+            self._sweeping = asyncio.get_running_loop().create_task(
+                self._sweep(), name="changebus-zk-leftovers"
+            )
+
+    async def _sweep(self) -> None:
+        """Delete the leftovers (kept for the next connect when ZooKeeper does not answer)."""
+        nodes, sid = dict(self._leftovers), self._leftover_sid
+        timeout = self.op_timeout_s
+
+        def run(zk: Any) -> None:
+            for path, (czxid, data) in nodes.items():
+                try:
+                    found, stat = zk.get_async(path).get(timeout=timeout)
+                    mine = stat.ephemeralOwner == sid and czxid in (-1, stat.czxid)
+                    if mine and (data is None or found == data):
+                        zk.delete_async(path, version=stat.version).get(timeout=timeout)
+                        log.info("ZooKeeper: deleted %s, left by a stop while away", path)
+                except (NoNodeError, BadVersionError):
+                    pass  # gone, or changed meanwhile: not ours to delete
+                if self._leftovers.get(path) == (czxid, data):
+                    del self._leftovers[path]
+
+        try:
+            await self.call(run)
+        except CoordinationError as exc:
+            log.info(
+                "ZooKeeper: %d leftover node(s) stay for the next connect: %s", len(nodes), exc
+            )
+
     async def wait_connected(self) -> None:
         """Wait until the session is connected (bound it with ``asyncio.timeout``)."""
         while self.state != "connected":
@@ -503,6 +566,11 @@ class ZkSession:
         self.state = state
         self._changed.set()
         self._changed = asyncio.Event()
+        if self._leftovers:
+            if new_session or state in ("lost", "closed"):
+                self._leftovers.clear()  # (they went with the session)
+            elif state == "connected" and self.session_id == self._leftover_sid:
+                self._sweep_soon()
         change = StateChange(state, self.session_id, new_session)
         for callback in list(self._listeners):
             try:
