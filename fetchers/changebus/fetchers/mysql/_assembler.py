@@ -77,7 +77,7 @@ from changebus.schemas import (
 from .._base import Window
 from .._policy import ColumnPolicy
 from ._config import SYSTEM_DATABASES
-from ._ddl import DeclaredTypes
+from ._ddl import MODE_ANSI_QUOTES, DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
 from ._statements import is_dml, log_ddl, rollback_to_name, savepoint_name, statement_logged
@@ -404,7 +404,10 @@ class BinlogAssembler:
             raise statement_logged(f"{self.file}:{end_pos}")
         # (read again after a rewind: declared types are at the relay's last window)
         at = self.scn_at(end_pos)
-        effect = self.declared.apply(text, schema or "", at, keep=at <= self.replay_until)
+        ansi = bool(getattr(event, "sql_mode", 0) & MODE_ANSI_QUOTES)
+        effect = self.declared.apply(
+            text, schema or "", at, keep=at <= self.replay_until, ansi_quotes=ansi
+        )
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)

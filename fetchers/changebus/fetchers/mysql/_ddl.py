@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["DdlEffect", "DeclaredTypes"]
+__all__ = ["MODE_ANSI_QUOTES", "DdlEffect", "DeclaredTypes"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
@@ -55,6 +55,17 @@ _TOKEN: Final = re.compile(
     |(?P<p>.)""",
     re.S | re.X,
 )
+#: the same under the session's ``sql_mode`` ANSI_QUOTES: ``"name"`` quotes a name
+_TOKEN_ANSI: Final = re.compile(
+    r"""\s+|/\*.*?\*/|--[^\n]*|\#[^\n]*
+    |(?P<q>`(?:[^`]|``)*`|"(?:[^"]|"")*")
+    |(?P<s>'(?:[^'\\]|\\.|'')*')
+    |(?P<w>[A-Za-z0-9_$@]+)
+    |(?P<p>.)""",
+    re.S | re.X,
+)
+#: the ANSI_QUOTES bit of a binlog query event's ``sql_mode`` (MySQL and MariaDB)
+MODE_ANSI_QUOTES: Final = 4
 _NOT_COLUMNS: Final = frozenset(
     [
         "index",
@@ -84,17 +95,18 @@ class DdlEffect:
 
 
 class _Tokens:
-    def __init__(self, sql: str) -> None:
+    def __init__(self, sql: str, ansi_quotes: bool = False) -> None:
         self.items: list[
             tuple[str, str]
         ] = []  # (kind, text): w word, q quoted name, s string, p punct
-        for m in _TOKEN.finditer(sql):
+        for m in (_TOKEN_ANSI if ansi_quotes else _TOKEN).finditer(sql):
             kind = m.lastgroup
             if kind is None:
                 continue
             text = m.group(kind)
             if kind == "q":
-                text = text[1:-1].replace("``", "`")
+                mark = text[0]
+                text = text[1:-1].replace(mark + mark, mark)
             self.items.append((kind, text))
         self.i = 0
 
@@ -228,15 +240,24 @@ class DeclaredTypes:
     def known(self, database: str, table: str) -> bool:
         return (database.lower(), table.lower()) in self._tables
 
-    def apply(self, sql: str, default_db: str, at: int = -1, *, keep: bool = False) -> DdlEffect:
+    def apply(
+        self,
+        sql: str,
+        default_db: str,
+        at: int = -1,
+        *,
+        keep: bool = False,
+        ansi_quotes: bool = False,
+    ) -> DdlEffect:
         """Follow one statement (at SCN ``at``); never raises (an unparsable one is 'other').
 
         Tables whose types are valid at ``at`` or later (``set(valid_at=...)``)
         keep them: the statement is already in them. With ``keep`` every table
-        does (a statement read again: only its effect is wanted).
+        does (a statement read again: only its effect is wanted). ``ansi_quotes``:
+        the statement ran under ``sql_mode`` ANSI_QUOTES (``"name"`` is a name).
         """
         self._undo, self._at, self._keep = {}, at, keep
-        tokens = _Tokens(sql)
+        tokens = _Tokens(sql, ansi_quotes)
         try:
             return self._apply(tokens, default_db)
         except (ValueError, IndexError):

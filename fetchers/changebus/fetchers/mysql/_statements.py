@@ -27,15 +27,19 @@ _DML = re.compile(
 )
 #: an ALTER TABLE that removes rows without row events
 _PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
-#: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name
-_SAVEPOINT = re.compile(r"savepoint\s+(`(?:[^`]|``)+`|\w+)", re.I)
+#: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name, quoted
+#: with backticks or (a session with sql_mode ANSI_QUOTES) double quotes, or bare
+_SAVEPOINT = re.compile(r'savepoint\s+(`(?:[^`]|``)+`|"(?:[^"]|"")+"|\w+)', re.I)
 _ROLLBACK_TO = re.compile(
-    r"rollback\s+(?:work\s+)?to\s+(?:savepoint\s+)?(`(?:[^`]|``)+`|\w+)", re.I
+    r'rollback\s+(?:work\s+)?to\s+(?:savepoint\s+)?(`(?:[^`]|``)+`|"(?:[^"]|"")+"|\w+)', re.I
 )
+#: any ROLLBACK TO (one whose name is not read must not pass for a whole ROLLBACK)
+_ANY_ROLLBACK_TO = re.compile(r"rollback\s+(?:work\s+)?to\b", re.I)
 
 
 def _name(quoted: str) -> str:
-    return quoted[1:-1].replace("``", "`") if quoted.startswith("`") else quoted
+    mark = quoted[0]
+    return quoted[1:-1].replace(mark + mark, mark) if mark in '`"' else quoted
 
 
 def savepoint_name(text: str) -> str | None:
@@ -45,8 +49,17 @@ def savepoint_name(text: str) -> str | None:
 
 
 def rollback_to_name(text: str) -> str | None:
-    """The savepoint a ``ROLLBACK TO`` statement goes back to (None: no such statement)."""
+    """The savepoint a ``ROLLBACK TO`` statement goes back to (None: no such statement).
+
+    Raises :class:`SourceConfigError` for a ``ROLLBACK TO`` whose name it cannot
+    read: taken for a whole ROLLBACK, it would drop the transaction's rows.
+    """
     m = _ROLLBACK_TO.match(text)
+    if m is None and _ANY_ROLLBACK_TO.match(text):
+        raise SourceConfigError(
+            "a ROLLBACK TO statement names its savepoint in a form the fetcher cannot read;"
+            " the transaction's rows would be lost"
+        )
     return _name(m[1]) if m else None
 
 
