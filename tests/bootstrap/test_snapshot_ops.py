@@ -218,7 +218,8 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
     for doc, words in bad:
         status, body = await stack.call("POST", path, ADMIN, doc)
         assert status == 400 and words in body["message"], (doc, status, body)
-    for raw in (b"{not json", b"\xff\xfe", b""):
+    # (nested past the interpreter's stack: a RecursionError, a 500 before; review)
+    for raw in (b"{not json", b"\xff\xfe", b"", b"[" * 100_000):
         async with stack.http.post(
             stack.boot.url + path, data=raw, headers={"Authorization": f"Bearer {ADMIN}"}
         ) as r:
@@ -502,3 +503,10 @@ async def test_a_principal_granted_some_sources_sees_and_runs_only_theirs(stack:
     await wait_seed_end(stack)
     status, plan = await stack.call("GET", "/v1/bootstrap/start?partition=pg&since=-1", PAIR)
     assert status == 200 and plan["unseeded"] == ["public.pair"], plan
+    # a seed that failed between tables: its error may name any table (review)
+    seed = stack.boot.service.workers["pg"].seed
+    seed.table, seed.error = "", "relation public.big: permission denied"
+    status, st = await stack.call("GET", "/v1/status", PAIR)
+    assert status == 200 and "big" not in json.dumps(st), st
+    status, st = await stack.call("GET", "/v1/status", ADMIN)
+    assert "public.big: permission denied" in json.dumps(st)

@@ -352,3 +352,26 @@ async def test_a_token_that_is_not_utf8_is_a_401_not_a_500(
                 writer.close()
                 assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_unauthenticated_clients_keep_no_connection_open() -> None:
+    """A 401 (or an open endpoint's answer to a client without credentials) left the
+    connection kept alive for 75 s: a few hundred such sockets from one address held all
+    of its connection slots without ever authenticating (review). They are closed."""
+    async with running(security(None)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        for path in ("/v1/whoami", "/healthz"):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                await writer.drain()
+                async with asyncio.timeout(5):
+                    answer = await reader.read(-1)  # (to EOF: the server closes)
+            finally:
+                writer.close()
+            head = answer.split(b"\r\n\r\n", 1)[0].lower()
+            assert head.startswith(b"http/1.1 401" if "whoami" in path else b"http/1.1 200")
+            assert b"connection: close" in head
+        # an authenticated client keeps its connection
+        status, _, h = await get(f"{server.url}/v1/whoami", None, bearer(READER_TOKEN))
+        assert status == 200 and h.get("Connection", "").lower() != "close"

@@ -463,6 +463,8 @@ async def status_all(request: web.Request) -> web.Response:
             for key in _WHOLE_PARTITION:
                 st.pop(key, None)
         seed = st["seed"]
+        if principal.sources is not None and not seed.get("table"):
+            seed["error"] = ""  # (between tables: an error may name any table or the source)
         if seed.get("table") and not principal.allows_source(seed["table"]):
             # a table not granted: its name, figures and error (a source's words) are hidden
             seed.update(

@@ -139,6 +139,8 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
             raise _too_large(len(data))
     try:
         doc = json.loads(bytes(data))
+    except RecursionError:  # (nested deeper than the interpreter's stack: a 500 before)
+        raise BadRequestError("the body is not a JSON document (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
         why = (
             f" ({exc.msg} at character {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""

@@ -295,15 +295,21 @@ def auth_middleware(security: SecurityConfig) -> Any:
                     request.remote,
                     exc.message,
                 )
-                return web.json_response(
+                refused = web.json_response(
                     exc.to_json(),
                     status=exc.http_status,
                     headers={"WWW-Authenticate": 'Bearer realm="changebus"'},
                 )
+                refused.force_close()  # (an idle kept-alive socket would hold a slot)
+                return refused
         request[_PRINCIPAL] = principal
         try:
             principal.check_scope("read" if request.method in _SAFE_METHODS else "admin")
             response: web.StreamResponse = await handler(request)
+            if principal is PUBLIC and not response.prepared:
+                # an unauthenticated client (an open endpoint) keeps no connection
+                # open: idle, it would hold one of its address' connection slots
+                response.force_close()
         except ForbiddenError as exc:
             warnings.warning(
                 f"403 {principal.name}",
