@@ -16,11 +16,13 @@ their input: no connection, no state.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from changebus.schemas import ConfigError
 
+from ._apply_wide import written
 from ._model import ChangeEvent, ChangeOp
 
 __all__ = ["RowStatements", "runs"]
@@ -52,7 +54,11 @@ class RowStatements:
         fetchers follow it with the old key's DELETE, which goes there). An old key
         of this writer's own is moved as by a lone writer (its DELETE comes here too)."""
         q, p = self._quote, self.placeholder
-        for e in events:
+        for event in events:
+            e, theirs = written(event), foreign
+            if foreign is not None and e is not event:
+                # (the old key's routing hash is of the values as decoded)
+                theirs = functools.partial(_as_decoded, foreign, event)
             schema = e.schema
             assert schema is not None
             table = self._qualified(self.table_for(e.table))
@@ -62,7 +68,7 @@ class RowStatements:
                 yield f"DELETE FROM {table}", []
                 continue
             if schema.nullable_key:
-                yield from self._whole_row_statements(e, table, foreign)
+                yield from self._whole_row_statements(e, table, theirs)
                 continue
             if e.op is ChangeOp.DELETE or e.after is None:
                 image = e.key or (e.before or {})
@@ -74,7 +80,7 @@ class RowStatements:
                 moved = all(v is not None for v in old.values()) and old != {
                     k: e.key[k] for k in key
                 }
-                if moved and foreign is not None and foreign(e):
+                if moved and theirs is not None and theirs(e):
                     if skip - set(key):
                         raise ConfigError(_unsent_move(schema.name, sorted(skip - set(key))))
                 elif moved:
@@ -149,6 +155,12 @@ class RowStatements:
             f" VALUES ({', '.join(p for _ in cols)})",
             [self._adapt(image[c]) for c in cols],
         )
+
+
+def _as_decoded(
+    foreign: Callable[[ChangeEvent], bool], decoded: ChangeEvent, _written: ChangeEvent
+) -> bool:
+    return foreign(decoded)
 
 
 def _unsent_move(table: str, columns: list[str]) -> str:
