@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-from changebus.schemas import ConfigError
+from changebus.schemas import Column, ConfigError
 
 from ._apply_wide import written
 from ._model import ChangeEvent, ChangeOp
@@ -41,6 +41,10 @@ class RowStatements:
 
     def _adapt(self, value: Any) -> Any:
         raise NotImplementedError
+
+    def _key_equals(self, column: Column) -> str:
+        """The SQL matching ``column`` with a parameter (a dialect may need a cast)."""
+        return f"{self._quote(column.name)} = {self.placeholder}"
 
     def table_for(self, source: str) -> str:
         raise NotImplementedError
@@ -127,13 +131,14 @@ class RowStatements:
         (``foreign``) is left to that writer (:meth:`_statements`)."""
         q, p = self._quote, self.placeholder
         key = e.schema.key if e.schema is not None else ()
+        columns = {c.name: c for c in e.schema.columns} if e.schema is not None else {}
 
         def delete(values: list[Any]) -> tuple[str, list[Any]]:
             # NULL-safe, one statement per pattern of NULLs: ``k IS NULL`` / ``k = ?``
             # use the key columns' index (:meth:`_ensure_table`), where Postgres's
             # ``IS NOT DISTINCT FROM`` scanned the table for every event
             where = " AND ".join(
-                f"{q(k)} IS NULL" if v is None else f"{q(k)} = {p}"
+                f"{q(k)} IS NULL" if v is None else self._key_equals(columns[k])
                 for k, v in zip(key, values, strict=True)
             )
             return f"DELETE FROM {table} WHERE {where}", [v for v in values if v is not None]
