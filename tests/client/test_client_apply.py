@@ -335,3 +335,45 @@ def test_a_failed_commit_does_not_leave_the_sqlite_transaction_open(tmp_path: Pa
         assert conn.execute("SELECT id FROM c").fetchall() == []
     finally:
         conn.close()
+
+
+async def test_replicators_of_one_consumer_name_keep_each_others_partitions(
+    tmp_path: Path,
+) -> None:
+    """Two replicators with the same consumer name (``replicate`` defaults it to
+    "default") writing one database, each its own partition: each commit wrote the
+    whole checkpoint row and erased the other's position (review)."""
+    from changebus.client import ChangeEvent
+
+    table = TableSchema("app.t", (Column("id", "long", nullable=False),), ("id",), 1)
+
+    def window(partition: str, scn: int, key: int) -> Window:
+        event = ChangeEvent(
+            scn, 0, ChangeOp.INSERT, table.name, {"id": key}, {"id": key}, None, schema=table
+        )
+        return Window(scn=scn, timestamp_ns=scn, partition=partition, events=(event,))
+
+    db = tmp_path / "shared.db"
+    a, b = SqliteReplica(db), SqliteReplica(db)
+    try:
+        await a.load()
+        await b.load()
+        for replica, w in (
+            (a, window("pa", 10, 1)),
+            (b, window("pb", 20, 2)),
+            (a, window("pa", 30, 3)),
+        ):
+            assert await replica.on_start_window(w) is None
+            for e in w.events:
+                assert await replica.on_event(e) is None
+            assert await replica.on_end_window(w) is None
+    finally:
+        await a.close()
+        await b.close()
+    fresh = SqliteReplica(db)
+    try:
+        stored = await fresh.load()
+    finally:
+        await fresh.close()
+    assert stored is not None
+    assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 30, "pb": 20}

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 from changebus.schemas import (
     BootstrapFailedError,
     Checkpoint,
+    CheckpointError,
     Column,
     ConfigError,
     PartitionCheckpoint,
@@ -244,7 +245,24 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         return self._conn
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
+        """Write this consumer's checkpoint; partitions it does not hold stay as stored.
+
+        Two replicators of one consumer name writing one database (each its own
+        partitions) each wrote the whole row: one's commit erased the other's
+        position, which on restart started over from ``--from`` (review).
+        """
         q, p = self._quote, self.placeholder
+        rows = self._execute(
+            conn,
+            f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}"
+            + self._row_lock(True),
+            (self.consumer_name,),
+        )
+        if rows:
+            with contextlib.suppress(CheckpointError):  # (unreadable: this one replaces it)
+                for name, pc in Checkpoint.parse(rows[0][0]).partitions.items():
+                    if name not in checkpoint.partitions:
+                        checkpoint = checkpoint.with_partition(name, pc)
         self._execute(
             conn,
             f"INSERT INTO {q(self.checkpoint_table)} (consumer, checkpoint) VALUES ({p}, {p})"
