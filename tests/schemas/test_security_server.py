@@ -207,8 +207,10 @@ def write_server_cert(ca: trustme.CA, tls: TlsFiles) -> None:
 
 
 async def http_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> int:
-    """One keep-alive HTTP/1.1 request on an open connection; returns the status."""
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    """One keep-alive HTTP/1.1 request on an open connection, authenticated (an
+    unauthenticated client's connection is closed after its answer); returns the status."""
+    auth = f"Authorization: Bearer {READER_TOKEN}\r\n"
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
@@ -227,7 +229,7 @@ async def test_reload_swaps_the_certificate_for_new_connections_only(
         old_ctx = client_ctx(tls_files)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port, ssl=old_ctx)
         try:
-            assert await http_on(reader, writer, "/healthz") == 200
+            assert await http_on(reader, writer, "/v1/whoami") == 200
             old_cert = writer.get_extra_info("peercert")
             # a bad file: the old certificate stays, the failure is logged
             tls_files.server_cert.write_text("not a certificate")
@@ -244,7 +246,7 @@ async def test_reload_swaps_the_certificate_for_new_connections_only(
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
                 await get(f"{server.url}/healthz", old_ctx)
             # the connection opened before keeps working, with its certificate
-            assert await http_on(reader, writer, "/healthz") == 200
+            assert await http_on(reader, writer, "/v1/whoami") == 200
             assert writer.get_extra_info("peercert") == old_cert
         finally:
             writer.close()
@@ -263,6 +265,34 @@ async def test_reload_also_reloads_the_client_ca(tls_files: TlsFiles, tmp_path: 
         # the client certificate is not from the new client CA any more: refused
         with pytest.raises(aiohttp.ClientError):
             await get(url, client_ctx(tls_files, ca=server_ca, cert=True))
+
+
+async def test_a_connection_from_before_a_client_ca_reload_is_not_trusted(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """Dropping a client CA with a reload (revoking what it signed) left kept-alive
+    connections, and sessions resumed from tickets, authenticating with certificates the
+    old CA had checked (review). Such a connection gets a retriable 503 and is closed;
+    no session tickets are issued when client certificates are checked."""
+    sec = security(tls_files, client_ca=True, client_cert="required")
+    async with running(sec) as server:
+        assert server.tls is not None and server.tls.context.num_tickets == 0
+        url = f"{server.url}/v1/whoami"
+        server_ca = tmp_path / "server-ca.pem"
+        server_ca.write_bytes(tls_files.ca.read_bytes())
+        ctx = client_ctx(tls_files, ca=server_ca, cert=True)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url, ssl=ctx) as resp:
+                assert resp.status == 200
+            tls_files.ca.write_bytes(tls_files.other_ca.read_bytes())  # the client CA changes
+            assert await server.reload_tls()
+            async with http.get(url, ssl=ctx) as resp:  # (the same kept-alive connection)
+                body = await resp.json()
+                assert resp.status == 503 and body["retriable"] is True, body
+                assert resp.headers.get("Connection", "").lower() == "close"
+            with pytest.raises(aiohttp.ClientError):  # a new connection: the new CA decides
+                async with http.get(url, ssl=ctx) as resp:
+                    await resp.read()
 
 
 def test_non_loopback_bind_refused_without_security(tls_files: TlsFiles) -> None:

@@ -48,7 +48,8 @@ from aiohttp import web
 
 from ._redact import printable
 from ._security_config import SCOPES, SecurityConfig, Subject
-from .errors import ConfigError, ForbiddenError, UnauthorizedError
+from ._tls_server import RETIRED
+from .errors import ConfigError, ForbiddenError, NotYetError, UnauthorizedError
 
 __all__ = [
     "ANONYMOUS",
@@ -248,6 +249,14 @@ class _Authenticator:
         if self.subjects and request.transport is not None:
             cert = request.transport.get_extra_info("peercert")
             if cert:
+                tls = request.transport.get_extra_info("ssl_object")
+                if getattr(getattr(tls, "context", None), RETIRED, False):
+                    # set up before a TLS reload: its certificate was checked against
+                    # the client CA of then, which the reload may have dropped
+                    raise NotYetError(
+                        "this TLS connection predates a reload of the server's"
+                        " certificates: connect again"
+                    )
                 have = _subject_attributes(cert)
                 try:
                     found = self._matched[have]
@@ -283,6 +292,10 @@ def auth_middleware(security: SecurityConfig) -> Any:
     async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             principal = auth.authenticate(request)
+        except NotYetError as exc:  # (a connection of a retired TLS context: reconnect)
+            stale = web.json_response(exc.to_json(), status=exc.http_status)
+            stale.force_close()
+            return stale
         except UnauthorizedError as exc:
             if _route(request) in auth.open:
                 principal = PUBLIC

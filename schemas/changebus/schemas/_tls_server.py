@@ -17,7 +17,19 @@ copies it at its start), so nothing is dropped.
 
 The verification mode (``client_cert``) is the listening context's and is
 not changed by a reload (it is config, not a file); the client CA is
-reloaded with the certificate.
+reloaded with the certificate. A reload is how an operator drops a client
+CA (revoking the certificates it signed), so with a client CA:
+
+* no session tickets are issued (``num_tickets = 0``, ``OP_NO_TICKET``): a
+  resumed session skips the chain check and restores the peer certificate
+  verified by the CA of its day (TLS 1.3 then never resumes; TLS 1.2 may
+  resume from the listening context's session cache, whose entries expire
+  after 300 s);
+* the context a reload replaces is marked :data:`RETIRED` on it; a request
+  on a connection set up under a retired context that authenticates by its
+  certificate gets a retriable 503 and the connection is closed
+  (:mod:`._auth`): the client reconnects and its certificate is checked
+  against the current CA.
 
 :func:`reload_all` reloads every started server's TLS in this process: the
 daemon's SIGHUP handler (:func:`~._server.serve`).
@@ -37,7 +49,10 @@ import weakref
 from ._security_config import TlsConfig
 from .errors import ConfigError
 
-__all__ = ["ServerTls", "reload_all", "server_ssl_context"]
+__all__ = ["RETIRED", "ServerTls", "reload_all", "server_ssl_context"]
+
+#: the attribute a reload sets (True) on the context it replaces
+RETIRED = "changebus_retired"
 
 log = logging.getLogger("changebus.server.tls")
 
@@ -70,6 +85,8 @@ def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
                 f"security.tls: cannot load client_ca_file {tls.client_ca_file}: {_reason(exc)}"
             ) from None
         ctx.verify_mode = ssl.CERT_REQUIRED if tls.client_cert == "required" else ssl.CERT_OPTIONAL
+        ctx.options |= ssl.OP_NO_TICKET
+        ctx.num_tickets = 0  # (module docstring: no resumption past a CA reload)
     return ctx
 
 
@@ -106,7 +123,8 @@ class ServerTls:
         except ConfigError as exc:
             log.warning("TLS reload failed, the previous certificate stays in use: %s", exc.message)
             return False
-        self.current = fresh
+        old, self.current = self.current, fresh
+        setattr(old, RETIRED, True)  # (its connections' certificates: the old CA's)
         self.reloads += 1
         log.info("TLS certificate reloaded from %s", self.config.cert_file)
         return True
