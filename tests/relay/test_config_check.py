@@ -118,6 +118,32 @@ def test_good_configs_pass_with_secrets_masked(
         ),
         ("relay", RELAY, 'kind = "postgres"', 'kind = "oracle"', "unknown fetcher kind 'oracle'"),
         ("relay", RELAY, "[http]", "[htp]", "unknown config key htp; did you mean http?"),
+        # (review: each of these passed --check, then the relay refused to start or spun)
+        ("relay", RELAY, "id = 1\n", 'id = 1\ncapacity_bytes = "32KiB"\n', "partition pg:"),
+        ("relay", RELAY, "id = 1\n", "id = 1\npin_timeout_s = 0\n", "partition pg:"),
+        (
+            "relay",
+            RELAY,
+            'kind = "postgres"',
+            'kind = "postgres"\nretry_initial_s = 0',
+            "retry_initial_s must be above 0",
+        ),
+        (
+            "relay",
+            RELAY,
+            "port = 0",
+            'port = 0\ndefault_max_bytes = "2GiB"',
+            "must not exceed http.max_response_bytes",
+        ),
+        ("relay", RELAY, "port = 0", "port = 0\nmax_response_bytes = 1.5", "whole number"),
+        (
+            "relay",
+            RELAY,
+            "[http]",
+            '[cluster]\nzookeeper = "127.0.0.1:1"\nname = "c"\nmember_id = "m1"\n'
+            'zk_user = "cb"\nzk_password_file = "/nonexistent/zk-password"\n\n[http]',
+            "zk_password_file",
+        ),
         (
             "bootstrap",
             BOOTSTRAP,

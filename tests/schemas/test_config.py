@@ -282,3 +282,24 @@ def test_keys_inside_arrays_of_tables_have_no_override(tmp_path: Path) -> None:
     whole = {f"{prefix}PARTITIONS": '[{name = "b", id = 2}]'}
     cfg = load_config(RelayConfig, path, env=whole, env_prefix=prefix)
     assert [(p.name, p.id) for p in cfg.partitions] == [("b", 2)]
+
+
+@dataclass(frozen=True)
+class Files:
+    ca_file: Path | None = None
+    data_dir: Path = Path("var")
+    buffer_bytes: int = size_field(1 << 20)
+
+
+def test_a_float_size_and_an_empty_path() -> None:
+    """Found by review: a float size (TOML ``6.4e7``, env ``1e8``) raised a TypeError (a
+    traceback, not the one-line config error), and ``""`` for an optional path became
+    ``Path(".")`` (the working directory) instead of clearing it."""
+    cfg = load_config(Files, env={}, overrides=["buffer_bytes=6.4e7", 'ca_file=""'])
+    assert (cfg.buffer_bytes, cfg.ca_file) == (64_000_000, None)
+    cfg = load_config(Files, env={"X_BUFFER_BYTES": "1e8"}, env_prefix="X_")
+    assert cfg.buffer_bytes == 100_000_000
+    with pytest.raises(ConfigError, match="whole number"):
+        load_config(Files, env={}, overrides=["buffer_bytes=1.5"])
+    with pytest.raises(ConfigError, match="empty string"):
+        load_config(Files, env={}, overrides=['data_dir=""'])

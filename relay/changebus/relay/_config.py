@@ -110,6 +110,12 @@ class HttpConfig(ConnectionLimits):
             raise ConfigError("http limits must be positive")
         if self.response_cache_bytes < 0:
             raise ConfigError("http.response_cache_bytes must not be negative")
+        if self.default_max_bytes > self.max_response_bytes:
+            # (a request without max_bytes got the default unclamped: the cap was lifted)
+            raise ConfigError(
+                f"http.default_max_bytes ({self.default_max_bytes}) must not exceed"
+                f" http.max_response_bytes ({self.max_response_bytes})"
+            )
         check_copy_budget(self.max_copy_bytes, self.max_connections)
 
 
@@ -126,6 +132,14 @@ class FetcherConfig:
     #: first delay before restarting a failed fetcher (doubles up to max)
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_initial_s <= self.retry_max_s:
+            # (0 restarted a failing fetcher in a tight loop: a connection storm on the source)
+            raise ConfigError(
+                "fetcher: retry_initial_s must be above 0 and at most retry_max_s, got"
+                f" {self.retry_initial_s} and {self.retry_max_s}"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -160,6 +174,10 @@ class PartitionConfig:
         if not 0 <= self.id <= 65535:
             raise ConfigError(f"partition {self.name}: id must be 0..65535")
         check_durability(self.durability, f"partition {self.name}")
+        try:
+            self.buffer  # noqa: B018 - its rules, at load (and --check), not at start only
+        except ConfigError as exc:
+            raise ConfigError(f"partition {self.name}: {exc.message}") from None
 
     @property
     def buffer(self) -> BufferConfig:

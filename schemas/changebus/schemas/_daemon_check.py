@@ -5,8 +5,8 @@ touches the network or the data, on a config already built by
 :func:`~.config.load_config` (which checked keys, types and each section's
 own rules): the listen address is allowed for the security settings
 (:func:`~._security_config.check_bind`), the server's TLS certificate, key
-and client CA load, the ``[upstream]`` TLS files and token file are
-readable, ``data_dir`` is not a file, and then the daemon's own offline
+and client CA load, the ``[upstream]`` TLS files and token file and the
+``[cluster]`` password file are readable, ``data_dir`` is not a file, and then the daemon's own offline
 checks (the relay builds each partition's fetcher from its options without
 starting it). Any problem is a :class:`~.errors.ConfigError`.
 
@@ -47,6 +47,10 @@ def check_daemon_config(config: Any, extra: Callable[[Any], None] | None = None)
             upstream.load()
         except ConfigError as exc:
             raise ConfigError(f"upstream: {exc.message}") from None
+    cluster = getattr(config, "cluster", None)
+    credentials = getattr(cluster, "zk_credentials", None)
+    if callable(credentials):  # (reads cluster.zk_password_file: a start's first step)
+        credentials()
     data_dir = getattr(config, "data_dir", None)
     if isinstance(data_dir, Path) and data_dir.exists() and not data_dir.is_dir():
         raise ConfigError(f"data_dir {data_dir} exists and is not a directory")

@@ -89,12 +89,16 @@ def _shown(value: object) -> str:
     return scrub(repr(value))[:200]
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like ``"64MiB"``, ``"1.5GB"``, ``"4096"``."""
-    if isinstance(value, bool):
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int, a whole float (``6.4e7``) or a string like ``"64MiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"expected a size, got {_shown(value)}")
     if isinstance(value, int):
         return value
+    if isinstance(value, float):  # (a TOML float or an env "1e8": a TypeError before)
+        if not value.is_integer():
+            raise ConfigError(f"bad size {_shown(value)}: expected a whole number of bytes")
+        return int(value)
     m = _SIZE_RE.fullmatch(value)
     if not m:
         raise ConfigError(f"bad size {_shown(value)}: expected bytes or e.g. '64MiB', '2GB'")
@@ -161,8 +165,8 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
+        if type(None) in args and (value is None or (value == "" and Path in args)):
+            return None  # ("" clears an optional path: it was Path("."), the working directory)
         errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
@@ -214,6 +218,8 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
             return value
         raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
     if tp is Path:
+        if value == "":
+            raise ConfigError(f"{where}: expected a path, got an empty string")
         if isinstance(value, str | Path):
             return Path(value)
         raise ConfigError(f"{where}: expected a path, got {_shown(value)}")

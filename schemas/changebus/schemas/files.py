@@ -21,10 +21,13 @@ thread when on an event loop.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Final
+
+log = logging.getLogger("changebus.files")
 
 __all__ = [
     "DIR_MODE",
@@ -71,7 +74,12 @@ def private_dir(path: Path, *, narrow: bool = True) -> None:
             directory.mkdir(mode=DIR_MODE)
         os.chmod(directory, DIR_MODE)
     if narrow and not missing:
-        os.chmod(path, DIR_MODE)
+        try:
+            os.chmod(path, DIR_MODE)
+        except PermissionError:
+            # not its owner (a volume's root owned by root, shared by group): the
+            # directory is usable as it is; its mode is the owner's choice
+            log.warning("%s: not narrowed to mode 0700 (this user does not own it)", path)
 
 
 def open_private(path: Path, flags: int) -> int:
