@@ -458,3 +458,66 @@ async def test_a_leader_whose_disk_syncs_failed_leaves_the_election_at_once(
         # it stays out: nothing brings it back into the line while it runs
         await asyncio.sleep(1.0)
         assert leader.hosts[PART].role != "leader" and role.election.leadership is None
+
+
+@pytest.mark.pg
+@pytest.mark.usefixtures("no_blocking")
+async def test_a_follower_whose_chain_failed_for_good_follows_again_and_holds_nothing_meanwhile(
+    tmp_path: Path,
+    pg_dsn: str,
+    zk_server: ZkServer,
+    zk_cluster: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follower's chain stopped by a non-retriable error (a 401 after a token rotation,
+    a TLS error) was never started again, and the follower stayed registered with a
+    frozen max_scn: the leader held the source's acknowledgements at it for good, and the
+    slot's WAL grew (review). It is not registered while failed, and follows again."""
+    from changebus.schemas import ChangebusError
+
+    slot = _table_and_slot(pg_dsn)
+
+    def config(name: str) -> RelayConfig:
+        return _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, name, 2.0)
+
+    async with Relay(config("a")) as a, Relay(config("b")) as b:
+        leader = await _leader_and_follower(a, b)
+        follower = b if leader is a else a
+        host = follower.hosts[PART]
+        real = host._create_fetcher
+        made = 0
+
+        async def refused_once() -> Any:
+            nonlocal made
+            fetcher = await real()
+            made += 1
+            if made == 1:
+
+                async def refuse(_resume: Any) -> int:
+                    raise ChangebusError("401 from the leader: unknown bearer token")
+
+                fetcher.start = refuse  # type: ignore[method-assign,assignment]
+            return fetcher
+
+        monkeypatch.setattr(host, "_create_fetcher", refused_once)
+        await host.switch_fetcher(host.config.fetcher)  # (its chain starts again: refused)
+        await wait_until(lambda: host.state == "failed", 10, "the chain failed")
+        assert follower.cluster is not None and leader.cluster is not None
+        assert not follower.cluster.roles[PART].registered()
+        me = follower.cluster.config.member_id
+
+        def unlisted() -> bool:  # (what the leader's follower hold and the clients go by)
+            assert leader.cluster is not None
+            members = leader.cluster.table.snapshot().members
+            return me in members and PART not in members[me].partitions
+
+        await wait_until(unlisted, 10, "the failed follower out of the routing table")
+        with Writer(pg_dsn, rate=200) as w:
+            await wait_until(lambda: w.committed >= 50, 30, "50 transactions")
+        end = marker(pg_dsn)
+        await wait_until(
+            lambda: host.state == "streaming" and host.buffer.meta.last_scn >= end,
+            30,
+            "the follower following again and caught up",
+        )
+        assert made >= 2 and host.role == "follower"

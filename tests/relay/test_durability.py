@@ -443,7 +443,8 @@ def test_a_fsync_follower_registers_the_newest_window_on_its_disk() -> None:
     # leader's acknowledgements back until restarted); a leader still registers
     def registered(plan: str, error: str) -> bool:
         syncer = SimpleNamespace(synced_scn=70, error=error)
-        role = SimpleNamespace(host=SimpleNamespace(syncer=syncer), plan=(plan, 0, ""))
+        host = SimpleNamespace(syncer=syncer, state="streaming")
+        role = SimpleNamespace(host=host, plan=(plan, 0, ""))
         return bool(PartitionRole.registered(role))  # type: ignore[arg-type]
 
     assert registered("follow", "") and registered("lead", "msync failed")

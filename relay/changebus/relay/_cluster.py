@@ -1,6 +1,6 @@
 """A relay as a member of a relay cluster (``[cluster]``, ``docs/cluster.md``).
 
-:class:`ClusterMember` owns the relay's one :class:`~changebus.cluster.ZkSession`,
+:class:`~._cluster_member.ClusterMember` owns the relay's one :class:`~changebus.cluster.ZkSession`,
 its :class:`~changebus.cluster.Registry` node (kind ``relay``), a
 :class:`~changebus.cluster.RoutingTable` and, per partition, a
 :class:`PartitionRole`: the partition's :class:`~changebus.cluster.PartitionElection`
@@ -69,25 +69,18 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from changebus.cluster import (
-    ClusterConfig,
-    Leadership,
-    PartitionElection,
-    PartitionState,
-    Registry,
-    RoutingTable,
-    ZkSession,
-)
-from changebus.schemas.security import ClientAuth
+from changebus.cluster import Leadership, PartitionElection, PartitionState
 
 from ._config import FetcherConfig
 from ._host import PartitionHost
 from ._slotholder import terminate_slot_holder
 
-__all__ = ["ClusterMember", "LeaderFence", "PartitionRole", "member_server_id"]
+if TYPE_CHECKING:
+    from ._cluster_member import ClusterMember
+
+__all__ = ["LeaderFence", "PartitionRole", "member_server_id"]
 
 log = logging.getLogger("changebus.relay.cluster")
 
@@ -97,8 +90,9 @@ _TICK_S = 0.25
 #: how long after a term began the leader holds the source at its buffer's end
 #: then (followers register again within a few routing-table refreshes)
 _HOLD_GRACE_S = 10.0
-#: the registry's write throttle
-_REGISTRY_INTERVAL_S = 0.5
+#: a follower whose chain failed for good (a 401 after a token rotation, a TLS error)
+#: starts it again after this long (it re-reads its token and files)
+_REFOLLOW_S = 5.0
 #: what a follower's stream requests are called (the leader finds them in host.consumers)
 FOLLOWER_CLIENT = "relay-follower-{member}"
 
@@ -175,6 +169,7 @@ class PartitionRole:
         self._task: asyncio.Task[None] | None = None
         #: this member left the election for good: its buffer's syncs failed
         self.withdrawn = False
+        self._failed_since = 0.0  # (monotonic) a follower's chain stopped for good
 
     async def start(self) -> None:
         await self.election.start()
@@ -324,7 +319,7 @@ class PartitionRole:
             try:
                 await self._withdraw_if_store_failed()
                 wanted = self._wanted()
-                if wanted != self.plan:
+                if wanted != self.plan or self._refollow_due():
                     await self._apply(wanted)
                 if self.plan[0] == "lead":
                     self.hold = self.follower_hold()
@@ -465,6 +460,26 @@ class PartitionRole:
             hold = self._lead_from if hold is None else min(hold, self._lead_from)
         return (1 << 63) - 1 if hold is None else hold
 
+    def _refollow_due(self) -> bool:
+        """A follower's chain failed for good: start it again every ``_REFOLLOW_S`` (it
+        stayed failed, and registered, until the relay restarted: review)."""
+        if self.plan[0] != "follow" or self.host.state != "failed":
+            self._failed_since = 0.0
+            return False
+        now = time.monotonic()
+        if not self._failed_since:
+            self._failed_since = now
+        if now - self._failed_since < _REFOLLOW_S:
+            return False
+        self._failed_since = 0.0
+        log.warning(
+            "partition %s: following %s again after: %s",
+            self.name,
+            self.plan[2],
+            self.host.last_error,
+        )
+        return True
+
     def registered(self) -> bool:
         """Whether this member registers the partition at all: not as a follower whose
         ``durability = "fsync"`` syncs failed for good (its synced SCN no longer moves
@@ -472,6 +487,8 @@ class PartitionRole:
         back, and the source's log would grow, until someone restarted it; found by
         review). Clients then do not read it there either."""
         syncer = self.host.syncer
+        if self.plan[0] == "follow" and self.host.state == "failed":
+            return False  # (nor one whose chain failed: it holds nothing and serves nothing)
         return self.plan[0] == "lead" or syncer is None or not syncer.error
 
     def state(self) -> PartitionState:
@@ -491,104 +508,3 @@ class PartitionRole:
             max(meta.min_scn, 0),
             max(last, 0),
         )
-
-
-class ClusterMember:
-    """A relay's membership in its cluster: session, registry, routing table, roles."""
-
-    def __init__(
-        self,
-        config: ClusterConfig,
-        hosts: Mapping[str, PartitionHost],
-        sources: Mapping[str, FetcherConfig],
-        *,
-        upstream: ClientAuth | None = None,
-    ) -> None:
-        self.config = config
-        #: TLS and token of a follower's chain to the leader (the relay's ``[upstream]``)
-        self.upstream = upstream or ClientAuth()
-        self.session = ZkSession(config)
-        self.registry = Registry(self.session, "relay", min_interval_s=_REGISTRY_INTERVAL_S)
-        self.table = RoutingTable(self.session, refresh_s=2.0)
-        self.roles = {
-            name: PartitionRole(self, host, sources[name]) for name, host in hosts.items()
-        }
-        self._task: asyncio.Task[None] | None = None
-        self._remove_listener: Any = None
-
-    async def start(self) -> None:
-        """Connect, register, read the routing table, stand for election in every partition."""
-        await self.session.start()
-        try:
-            self.registry.update(self._states())
-            await self.registry.start()
-            await self.table.start()
-            self._remove_listener = self.table.add_listener(self._changed)
-            for role in self.roles.values():
-                await role.start()
-        except BaseException:
-            await self.stop()
-            raise
-        self._task = asyncio.create_task(self._publish(), name="cluster-registry")
-        log.info(
-            "relay %s joined cluster %s (%s)",
-            self.config.member_id,
-            self.config.name,
-            self.config.advertised_url,
-        )
-
-    async def stop(self) -> None:
-        """Leave: stop the roles (a leader's source stops), deregister, close the session."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._remove_listener is not None:
-            self._remove_listener()
-            self._remove_listener = None
-        for role in self.roles.values():
-            try:
-                await role.stop()
-            except Exception:
-                log.exception("partition %s: leaving the election failed", role.name)
-        with contextlib.suppress(Exception):
-            await self.table.stop()
-        with contextlib.suppress(Exception):
-            await self.registry.stop()
-        await self.session.stop()
-
-    def status(self) -> dict[str, Any]:
-        """The member's view, for /v1/status."""
-        return {
-            "member_id": self.config.member_id,
-            "cluster": self.config.name,
-            "session": self.session.state,
-            "partitions": {
-                name: {
-                    "role": role.plan[0],
-                    "epoch": role.plan[1],
-                    "leader_url": role.plan[2],
-                    "min_epoch": role.min_epoch,
-                    "terms": role.terms,
-                    "step_down_reason": role.step_down_reason,
-                }
-                for name, role in self.roles.items()
-            },
-        }
-
-    def _changed(self, _snapshot: object) -> None:
-        for role in self.roles.values():
-            role.kick()
-
-    def _states(self) -> dict[str, PartitionState]:
-        return {name: role.state() for name, role in self.roles.items() if role.registered()}
-
-    async def _publish(self) -> None:
-        last: dict[str, PartitionState] = {}
-        while True:
-            states = self._states()
-            if states != last:
-                self.registry.update(states)
-                last = states
-            await asyncio.sleep(_TICK_S)

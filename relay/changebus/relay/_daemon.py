@@ -9,7 +9,7 @@ stops, then the partitions close in reverse order (fetchers stop, buffers are
 msynced and unmapped). A failed or cancelled start-up closes the partitions
 it had opened. With a ``[cluster]`` table the partitions open without their
 fetchers; once the relay listens (its URL is known: the default advertised
-URL) a :class:`~._cluster.ClusterMember` joins the cluster and decides per
+URL) a :class:`~._cluster_member.ClusterMember` joins the cluster and decides per
 partition whether the source fetcher or a chain to the leader runs; it
 leaves first when the relay stops. :func:`run` is the daemon's main (:func:`~changebus.schemas.server.serve`:
 SIGTERM/SIGINT stop it gracefully, during start-up too).
@@ -33,7 +33,7 @@ from changebus.schemas.files import private_dir
 from changebus.schemas.security import ClientAuth
 from changebus.schemas.server import Server, serve
 
-from ._cluster import ClusterMember
+from ._cluster_member import ClusterMember
 from ._config import FetcherConfig, PartitionConfig, RelayConfig
 from ._host import PartitionHost
 from ._http import build_app
