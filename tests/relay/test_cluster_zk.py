@@ -484,6 +484,8 @@ async def test_a_follower_whose_chain_failed_for_good_follows_again_and_holds_no
         leader = await _leader_and_follower(a, b)
         follower = b if leader is a else a
         host = follower.hosts[PART]
+        # (and a member's recovery re-reads what a crash dropped: it is not data loss)
+        assert host.buffer.replayable and leader.hosts[PART].buffer.replayable
         real = host._create_fetcher
         made = 0
 

@@ -131,7 +131,9 @@ class ConsumerSeen:
 class PartitionHost(SourceAcks):
     """Owns everything of one physical partition inside the relay."""
 
-    def __init__(self, config: PartitionConfig, data_dir: Path) -> None:
+    def __init__(
+        self, config: PartitionConfig, data_dir: Path, *, replayable: bool = False
+    ) -> None:
         self.config = config
         self.name = config.name
         self.directory = data_dir / config.name
@@ -146,7 +148,7 @@ class PartitionHost(SourceAcks):
             # a chained relay's upstream still holds what an OS crash took from its disk
             # (or says 410): windows recovery drops are read again, not lost (a DATA_LOSS
             # window stopped its consumers for windows the upstream had; found by review)
-            replayable=config.fetcher.kind == "relay",
+            replayable=replayable or config.fetcher.kind == "relay",
         )
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
         self._writer = WriterThread(config.name)
