@@ -445,3 +445,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_plan_before_the_applier_folded_anything_says_not_yet(store: Store) -> None:
+    """A store whose history starts after the source's (log_min_scn >= 0) and whose
+    applier has folded nothing yet planned a snapshot at SCN -1: the client could not
+    hold that snapshot's position and stopped with a non-retriable error (review)."""
+    from changebus.schemas import NotYetError
+
+    store.append("p", b"".join(d for _s, d in SCRIPT[:5]), start_scn=9)  # 10..14, not folded
+    st = store.state("p")
+    assert st.applier_scn == -1 and st.log_min_scn >= 0 and st.producer_scn == 14
+    with pytest.raises(NotYetError, match="no window yet"):
+        plan_bootstrap(store, "p", -1, 0.5)
+    store.apply("p")
+    plan = plan_bootstrap(store, "p", -1, 0.5)
+    assert plan["start_scn"] >= 0, plan

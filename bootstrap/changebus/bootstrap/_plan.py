@@ -135,6 +135,10 @@ def plan_bootstrap(
                 start = max(store.first_log_scn(part) - 1, 0)
     if snapshot and start < since:
         raise NotYetError(f"the snapshot is at {start}, before position {since}; retry soon")
+    if snapshot and start < 0:
+        # (the applier has folded nothing yet: a snapshot "at -1" broke the client's
+        # snapshot position for good, a non-retriable error; review)
+        raise NotYetError("the snapshot holds no window yet (its applier starts); retry soon")
     # from nothing, with a history that starts after the source's: tables never seeded
     # lack the rows nobody changed since (docs/bootstrap.md "Seeding: why it is needed")
     unseeded = (
