@@ -193,3 +193,37 @@ async def test_a_410_inside_a_window_reads_it_again_whole(
         got = await _read(cfg, 20)
     assert refused, "no continuation was refused"
     assert got == [(10, list(range(40))), (20, [999])]
+
+
+async def test_a_continuation_past_the_window_now_at_its_scn_reads_it_again_whole(
+    scripted_relay: Any, window_type: Any
+) -> None:
+    """A relay that restarted after an OS crash replaced the window being read with the
+    DATA_LOSS window it owed at that SCN (two events): a continuation past them is a 400
+    ``bad_checkpoint``, which ended the consumer's stream for good (review). It reads
+    the window at that SCN again whole, as after a 410."""
+    rows = [(A, 1, Op.INSERT, {"id": i, "v": "x" * 200}, None) for i in range(40)]
+    script = [
+        window_type(10, rows=rows, announce=[(1, A)]),
+        window_type(20, rows=[(A, 1, Op.INSERT, {"id": 999, "v": "z"}, None)]),
+    ]
+    refused: list[str] = []
+
+    def past_once(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+        if request.query.get("offset", "-1") != "-1" and not refused:
+            refused.append(request.query["scn"])
+            return web.json_response(
+                {
+                    "error": "bad_checkpoint",
+                    "message": "offset 12 is past window 10's 2 events",
+                    "retriable": False,
+                },
+                status=400,
+            )
+        return None
+
+    async with scripted_relay(script) as relay, _proxy(relay.url, past_once) as url:
+        cfg = ConsumerConfig(relays=(url,), partition="syn", max_bytes=3000, **FAST)
+        got = await _read(cfg, 20)
+    assert refused, "no continuation was refused"
+    assert got == [(10, list(range(40))), (20, [999])]

@@ -731,3 +731,22 @@ def test_a_position_too_long_to_keep_is_logged_once(
         "window is not known (a fetcher starting on an empty buffer resumes from the SCN "
         "alone, and chained relays get no position with a fall-off)"
     ]
+
+
+def test_a_position_inside_a_window_the_buffer_never_had_is_a_410(tmp_path: Path) -> None:
+    """A checkpoint inside a window between ``prev_scn`` and the oldest one, or newer than
+    the newest, was answered from the next window on (or with nothing): a reader of
+    ``checkpoint=`` tokens took its half-read window as complete (review). Such a place
+    gets a 410 (the client reads that window again whole); complete positions as before."""
+    b = EventBuffer(tmp_path, BufferConfig(capacity_bytes=CAP))
+    b.set_start(10)
+    with pytest.raises(ScnNotFoundError, match="inside window 12"):
+        drain(b, 12, 1, 1 << 20)  # (an empty buffer)
+    for scn in (20, 30):
+        b.append_window(make_window(scn, [50, 50]))
+    for scn, offset in ((15, 1), (25, 1), (35, 1)):
+        with pytest.raises(ScnNotFoundError, match=f"inside window {scn}"):
+            drain(b, scn, offset, 1 << 20)
+    assert [s for s, _ in drain(b, 15, -1, 1 << 20)[0]][:1] == [20]  # complete: from 20
+    assert drain(b, 20, 1, 1 << 20)[0][0] == (20, 1)  # inside a window it has: from there
+    assert drain(b, 35, -1, 1 << 20)[0] == []  # complete and newer: nothing yet

@@ -403,11 +403,13 @@ class RelayStream:
                 self._session.get(f"{url}/v1/stream", params=params, timeout=self._timeout) as resp,
             ):
                 head_wait.reschedule(None)  # (the body: the read timeout alone)
-                if resp.status == 410 and params.get("offset", "-1") != "-1":
+                if resp.status in (400, 410) and params.get("offset", "-1") != "-1":
                     # a place inside a window this relay does not hold (it restarted and
                     # lost the window's unsynced tail, or evicted it): the window is read
                     # again whole, from the last whole one, where only a 410 means the
-                    # consumer fell off (it was taken for one: found by review)
+                    # consumer fell off (it was taken for one: found by review). A 400:
+                    # the offset is past the events of the window now at that SCN (one
+                    # that replaced it at a restart, a DATA_LOSS): a fatal error before
                     log.info(
                         "partition %s: %s has no longer the window being read (SCN %s); "
                         "reading it again whole",

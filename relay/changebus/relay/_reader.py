@@ -114,13 +114,21 @@ def locate(
     complete = window_offset < 0
     if m.tail_event == m.head_event:
         if m.prev_scn < 0 or window_scn > m.prev_scn or (window_scn == m.prev_scn and complete):
+            if not complete and window_scn > m.prev_scn:
+                raise _inside_missing(name, window_scn, m)
             return m.tail_event, m.tail_event
         raise _too_old(name, window_scn, m)
     if window_scn < m.min_scn:
         if m.prev_scn >= 0 and (window_scn > m.prev_scn or (window_scn == m.prev_scn and complete)):
+            if not complete:  # (inside a window between prev_scn and the oldest: never held)
+                raise _inside_missing(name, window_scn, m)
             return m.head_event, m.head_event
         raise _too_old(name, window_scn, m)
     if window_scn > m.last_scn or (window_scn == m.last_scn and complete):
+        if not complete and window_scn > m.last_scn:
+            # inside a window newer than any here (another relay's, or one a restart
+            # lost): its first part was taken as a whole window before (review)
+            raise _inside_missing(name, window_scn, m)
         return m.tail_event, m.tail_event
     # binary search in the SCN index, then a short scan of the event table
     # (bisected in place: the range is a whole transaction when the window is big, and
@@ -131,13 +139,7 @@ def locate(
     if complete:
         return after, after
     if first_at == after:
-        raise ScnNotFoundError(
-            f"checkpoint is inside window {window_scn}, which buffer {name!r} does not "
-            "have; resume from the last complete window (prev_scn)",
-            oldest_scn=m.min_scn,
-            prev_scn=m.prev_scn,
-            prev_position=m.prev_pos,
-        )
+        raise _inside_missing(name, window_scn, m)
     if window_offset >= after - first_at:
         # a relay never hands out such an offset (a window read to its end
         # checkpoints as complete): refuse it rather than skip what follows
@@ -146,6 +148,18 @@ def locate(
             f"which has {after - first_at} events"
         )
     return first_at + window_offset, first_at
+
+
+def _inside_missing(name: str, window_scn: int, m: BufferMeta) -> ScnNotFoundError:
+    """A checkpoint inside a window this buffer does not have (a 410: the client reads
+    that window again whole, from its last complete one)."""
+    return ScnNotFoundError(
+        f"checkpoint is inside window {window_scn}, which buffer {name!r} does not "
+        "have; resume from the last complete window (prev_scn)",
+        oldest_scn=m.min_scn,
+        prev_scn=m.prev_scn,
+        prev_position=m.prev_pos,
+    )
 
 
 def _too_old(name: str, scn: int, m: BufferMeta) -> ScnNotFoundError:
