@@ -186,9 +186,9 @@ class EventBuffer(BufferWriter):
         #: (start event, key filter, sources) of a request inside a window longer than
         #: a scan may read -> the event its last scan stopped at (nothing kept before it);
         #: so the next selection of any such request goes on from there (LRU, bounded)
-        self._scanned: OrderedDict[
-            tuple[int, PartitionFilter | None, frozenset[int] | None], int
-        ] = OrderedDict()
+        #: (a filter by its text: the object of a ``mod`` filter holds its 64 KiB table,
+        #: which 1,024 entries pinned per partition outside every budget; review)
+        self._scanned: OrderedDict[tuple[int, str, frozenset[int] | None], int] = OrderedDict()
         self.stats = {
             "windows_appended": 0,
             "events_appended": 0,
@@ -416,9 +416,11 @@ class EventBuffer(BufferWriter):
             if start >= m.tail_event:
                 return None
             scanned = self._scanned
-            where = (start, key_filter, sources)
-            skip = scanned.get(where, -1) if scanned else -1
-            if skip >= 0:
+            # (the filter's text only when a long window was scanned: a mod filter's is
+            # built from its bucket table)
+            where = _scan_key(start, key_filter, sources) if scanned else None
+            skip = scanned.get(where, -1) if where is not None else -1
+            if skip >= 0 and where is not None:
                 scanned.move_to_end(where)  # (kept after the scan ends: the same requests
                 # of other consumers go on from there too, and a window never changes)
             skip = max(skip, skip_to)
@@ -434,7 +436,7 @@ class EventBuffer(BufferWriter):
                 skip,
             )
             if result.resume_at >= 0:
-                scanned[where] = result.resume_at
+                scanned[where or _scan_key(start, key_filter, sources)] = result.resume_at
                 if len(scanned) > _SCANNED_MAX:
                     scanned.popitem(last=False)
             pin = Pin(low)
@@ -541,3 +543,10 @@ class EventBuffer(BufferWriter):
         self._events.close()
         self._index.close()
         self._metafile.close()
+
+
+def _scan_key(
+    start: int, key_filter: PartitionFilter | None, sources: frozenset[int] | None
+) -> tuple[int, str, frozenset[int] | None]:
+    """A request's key in :attr:`EventBuffer._scanned`: the filter by its text."""
+    return start, "" if key_filter is None else str(key_filter), sources
