@@ -292,3 +292,33 @@ async def _replayed_key_move(tmp_path: Path, pg_dsn: str | None) -> None:
 @pytest.mark.pg
 async def test_a_replayed_key_move_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
     await _replayed_key_move(tmp_path, pg_dsn)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("pg", marks=pytest.mark.pg)])
+async def test_a_source_key_change_stops_the_replica_with_a_clear_error(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The source's primary key changed (a table without one got one, or another column
+    became the key): every upsert failed in the database (``ON CONFLICT`` names no
+    constraint), was rolled back and retried until the replica gave up, with the
+    database's words only (review). The window is refused at once, naming the fix."""
+    from changebus.client import CallbackResult
+
+    keyed = TableSchema("app.log", (Column("a", "long"), Column("t", "string")), ("a",), 2)
+    replica: Any = (
+        SqliteReplica(tmp_path / "w.db")
+        if kind == "sqlite"
+        else PostgresReplica(request.getfixturevalue("pg_dsn"))
+    )
+    try:
+        await apply(replica, [whole(10, ChangeOp.INSERT, {"a": 1, "t": "x"})])  # (keyless)
+        e = ChangeEvent(
+            20, 0, ChangeOp.INSERT, keyed.name, {"a": 2}, {"a": 2, "t": "y"}, None, schema=keyed
+        )
+        w = Window(scn=20, timestamp_ns=20, partition="p", events=(e,))
+        assert await replica.on_start_window(w) is None
+        assert await replica.on_event(e) is None
+        assert await replica.on_end_window(w) is CallbackResult.FATAL
+    finally:
+        await replica.close()
+    assert "its primary key is none, the key of source 'app.log' is now (a)" in caplog.text

@@ -231,6 +231,15 @@ class PostgresReplica(UnitReplica):
                 return _SIMPLE[base]
         return "text"
 
+    def _primary_key(self, conn: Any, table: str) -> tuple[str, ...] | None:
+        rows = self._execute(
+            conn,
+            "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
+            " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = to_regclass(%s) AND i.indisprimary",
+            (self._qualified(table).replace("%%", "%"),),  # (a value: no placeholders)
+        )
+        return tuple(str(r[0]) for r in rows)
+
     def _indexable(self, schema: TableSchema, column: Column) -> bool:
         # a table keyed by all its columns (REPLICA IDENTITY FULL, no primary key): a
         # btree over its long values refused every row past ~2.7 KB on every retry, and

@@ -107,6 +107,10 @@ class SqliteReplica(UnitReplica):
     def _table_key(self, table: str) -> str:
         return table.encode().lower().decode()  # (SQLite's names ignore ASCII case)
 
+    def _primary_key(self, conn: sqlite3.Connection, table: str) -> tuple[str, ...] | None:
+        rows = conn.execute(f"PRAGMA table_info({self._quote(table)})").fetchall()
+        return tuple(str(r[1]) for r in sorted(rows, key=lambda r: r[5]) if r[5])
+
     def _existing_columns(self, conn: sqlite3.Connection, table: str) -> set[str] | None:
         rows = conn.execute(f"PRAGMA table_info({self._quote(table)})").fetchall()
         return {str(r[1]) for r in rows} if rows else None

@@ -176,12 +176,38 @@ class TableShapes:
                 raise
             have = set(now)
         self._columns[table] = have
+        self._check_key(conn, table, schema)
         if schema.nullable_key:
             self._key_index(conn, table, schema)
         self._widen_columns(conn, table, schema)
         self._shapes.setdefault(table, set()).add(schema.fingerprint)
         with self._transaction(conn):
             self._ledger.record(conn, self.consumer_name, table)
+
+    def _check_key(self, conn: Any, table: str, schema: TableSchema) -> None:
+        """Refuse a table whose primary key is not the source's key (it changed at the
+        source): every upsert of it failed, rolled back and retried until the replica
+        gave up, with the database's words only (review)."""
+        have = self._primary_key(conn, table)
+        if have is None:
+            return  # (the dialect does not say)
+        want = () if schema.nullable_key else tuple(self._kept_name(k) for k in schema.key)
+        if sorted(have) == sorted(want):
+            return
+
+        def shown(cols: tuple[str, ...]) -> str:
+            return f"({', '.join(cols)})" if cols else "none"
+
+        raise ConfigError(
+            f"replica table {table}: its primary key is {shown(have)}, the key of source"
+            f" {schema.name!r} is now {shown(want)}: its changes cannot be applied; drop the"
+            " table and replicate from nothing again (a new consumer name, or its checkpoint"
+            " deleted), or give the source's rows another table (table_names)"
+        )
+
+    def _primary_key(self, conn: Any, table: str) -> tuple[str, ...] | None:
+        """The primary key columns of ``table`` (() none; None: the dialect does not say)."""
+        return None
 
     def _key_index(self, conn: Any, table: str, schema: TableSchema) -> None:
         """A (non-unique) index on the key columns of a table without a primary key
