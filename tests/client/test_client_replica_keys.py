@@ -322,3 +322,24 @@ async def test_a_source_key_change_stops_the_replica_with_a_clear_error(
     finally:
         await replica.close()
     assert "its primary key is none, the key of source 'app.log' is now (a)" in caplog.text
+
+
+@pytest.mark.pg
+async def test_a_nul_byte_in_text_stops_a_postgres_replica_with_a_clear_error(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MySQL text may hold NUL bytes, which PostgreSQL text cannot: psycopg refused the
+    value and the window was retried until the replica gave up (review)."""
+    from changebus.client import CallbackResult
+
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await apply(replica, [event(10, ChangeOp.INSERT, {"id": 1, "n": 1, "body": "fine"})])
+        w = event(20, ChangeOp.INSERT, {"id": 2, "n": 2, "body": "a\x00b"})
+        assert await replica.on_start_window(w) is None
+        for e in w.events:
+            assert await replica.on_event(e) is None
+        assert await replica.on_end_window(w) is CallbackResult.FATAL
+    finally:
+        await replica.close()
+    assert "holds a NUL byte" in caplog.text

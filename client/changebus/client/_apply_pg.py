@@ -261,6 +261,14 @@ class PostgresReplica(UnitReplica):
             # (arrays of uuid, numeric, dates, bytes: plain json.dumps refused them, and
             # the window failed on every retry)
             return Jsonb(value, dumps=_dumps)
+        if type(value) is str and "\x00" in value:
+            # (MySQL text may hold NUL bytes; PostgreSQL text cannot: psycopg refused the
+            # value and the window was retried until the replica gave up; review)
+            raise ConfigError(
+                "a text value holds a NUL byte (0x00), which PostgreSQL text cannot store:"
+                " the replica cannot equal its source; exclude or hash the column at the"
+                " source (column_policy), or replicate this table into SQLite"
+            )
         return value
 
 
