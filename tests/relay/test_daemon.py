@@ -206,8 +206,8 @@ from changebus.relay import _daemon
 
 real = _daemon._new_host
 
-def slow(config, data_dir):
-    host = real(config, data_dir)
+def slow(config, data_dir, *more):
+    host = real(config, data_dir, *more)
     if config.name == "slow":
         print("opening partition slow", flush=True)
         time.sleep(1.5)
