@@ -426,3 +426,33 @@ async def test_an_epoch_race_lost_keeps_the_candidacy(zk_session, zk_cluster) ->
     assert bumped and bumped[0] and term.candidate == bumped[0]  # the same node throughout
     assert term.epoch == 6  # past the epoch written in the race
     await election.stop()
+
+
+async def test_watches_do_not_pile_up_over_terms(zk_session) -> None:
+    """Each term registered a new closure watching the candidate node, and kazoo keeps a
+    set of watchers per node: one more per term for as long as the candidate lived
+    (review). The watch is one bound method now; deleting the candidate still ends the
+    current term at once."""
+    session = await zk_session("r-watch", session_timeout_s=2.0)
+    election = PartitionElection(session, "p-watch")
+    await election.start()
+    try:
+        async with asyncio.timeout(10):
+            term = await election.wait_elected()
+        candidate = term.candidate
+        for i in range(6):  # terms end (a lapsed lease, a refused fence) and come again
+            term.lose(f"test {i}")
+            async with asyncio.timeout(10):
+                while election.leadership is None or election.leadership is term:
+                    await asyncio.sleep(0.02)
+            term = election.leadership
+            await asyncio.sleep(0.3)  # (a heartbeat or two: the watches registered)
+        assert term.candidate == candidate  # (the same candidate node all along)
+        watchers = session.client._data_watchers.get(candidate, set())
+        assert 1 <= len(watchers) <= 2, watchers
+        await session.op("delete", candidate)
+        async with asyncio.timeout(5):
+            await term.wait_lost()
+        assert term.lost_reason == "candidate node gone" and not term.valid()
+    finally:
+        await election.stop()

@@ -226,11 +226,13 @@ class PartitionElection:
         self._task: asyncio.Task[None] | None = None
         self._remove_listener: Callable[[], None] | None = None
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # (for kazoo's watch thread)
 
     async def start(self) -> None:
         """Join the election (returns at once; the candidacy runs in a task)."""
         if self._task is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._remove_listener = self.session.add_listener(self._on_state)
         self._task = asyncio.create_task(
             self._run(), name=f"election-{self.partition}-{self.member_id}"
@@ -383,16 +385,32 @@ class PartitionElection:
             with contextlib.suppress(NoNodeError):
                 await self.session.op("delete", path)
 
-    async def _wait_turn(self) -> bool:
-        """Wait until our candidate is the lowest; False if it is gone or the session changed."""
-        loop = asyncio.get_running_loop()
+    # -- watches (kazoo's thread) ------------------------------------------------------
+    # Bound methods, equal for every pass, wait and term: kazoo keeps a *set* of watchers
+    # per node, where a new closure each time piled up for as long as the node lived (a
+    # predecessor for months; review).
 
-        def fired(_event: Any) -> None:
-            # one function for every pass: kazoo keeps a set of watchers per node, and
-            # a new closure each pass piled up until the predecessor went
+    def _predecessor_fired(self, _event: Any) -> None:
+        loop = self._loop
+        if loop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._kick.set)
 
+    def _candidate_fired(self, event: Any) -> None:
+        """The candidate node of the current term was deleted: the lease ends at once."""
+        term, loop = self.leadership, self._loop
+        if getattr(event, "type", None) != "DELETED" or term is None or loop is None:
+            return
+        if getattr(event, "path", None) != term.candidate:
+            return  # (an earlier candidate's node: not this term's)
+        term.revoked = True
+        term.confirmed_at = float("-inf")
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(term.lose, "candidate node gone")
+
+    async def _wait_turn(self) -> bool:
+        """Wait until our candidate is the lowest; False if it is gone or the session changed."""
+        fired = self._predecessor_fired
         while not self._stopping:
             candidate = self._candidate
             if candidate is None:
@@ -487,13 +505,6 @@ class PartitionElection:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(term.lose, "the epoch moved on")
 
-        def candidate_watch(event: Any) -> None:
-            if getattr(event, "type", None) == "DELETED":
-                term.revoked = True
-                term.confirmed_at = float("-inf")
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(term.lose, "candidate node gone")
-
         if self.on_elected is not None:
             try:
                 self.on_elected(term)
@@ -510,7 +521,7 @@ class PartitionElection:
             # its sync does not complete, so the lease runs out instead
             pending_sync = zk.sync_async(node)
             pending_epoch = zk.get_async(node, watch=watch)
-            pending_candidate = zk.exists_async(candidate, watch=candidate_watch)
+            pending_candidate = zk.exists_async(candidate, watch=self._candidate_fired)
             pending_sync.get(timeout=timeout)
             data, _stat = pending_epoch.get(timeout=timeout)
             return decode_epoch(data).epoch, pending_candidate.get(timeout=timeout) is not None
