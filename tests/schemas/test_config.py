@@ -303,3 +303,29 @@ def test_a_float_size_and_an_empty_path() -> None:
         load_config(Files, env={}, overrides=["buffer_bytes=1.5"])
     with pytest.raises(ConfigError, match="empty string"):
         load_config(Files, env={}, overrides=['data_dir=""'])
+
+
+def test_a_secret_read_from_a_file_later_is_scrubbed_by_formatters_built_before(
+    tmp_path: Path,
+) -> None:
+    """The daemons build their log formatters, with the config's secrets, before any
+    secret file is read (cluster.zk_password_file, the MySQL password_file, the upstream
+    token file): those passwords were hidden by patterns only (review)."""
+    from changebus.schemas._logsetup import _JsonFormatter, _TextFormatter
+    from changebus.schemas.config import read_secret_file
+
+    text, structured = _TextFormatter(()), _JsonFormatter(())  # (built first)
+    path = tmp_path / "zk-password"
+    path.write_text("zk-Pa55-read-later\n")
+    assert read_secret_file(path, "cluster.zk_password_file") == "zk-Pa55-read-later"
+    record = logging.LogRecord(
+        "changebus.test",
+        logging.ERROR,
+        __file__,
+        1,
+        "auth failed for %s",
+        ("zk-Pa55-read-later",),
+        None,
+    )
+    assert "zk-Pa55-read-later" not in text.format(record)
+    assert "zk-Pa55-read-later" not in structured.format(record)

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from changebus.schemas import Column, ConfigError, SourceConfigError, TableSchema
-from changebus.schemas.config import secret
+from changebus.schemas.config import remember_secret, secret
 
 __all__ = ["ColumnPolicy", "ColumnRule", "TablePlan", "canonical_bytes"]
 
@@ -237,6 +237,7 @@ class ColumnPolicy:
         key = hash_key
         if hash_key_env:
             key = (os.environ if environ is None else environ).get(hash_key_env, "")
+            remember_secret(key)  # (read after the log formatters were built)
             if not key:
                 raise ConfigError(
                     f"column_hash_key_env names the environment variable {hash_key_env!r}, "

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._redact import remember_secret
 from .config import secret
 from .errors import ConfigError
 
@@ -131,6 +132,7 @@ class ClientAuth:
             raise ConfigError(f"token_file {path}: cannot read the token: {_why(exc)}") from None
         token = text.strip()
         _check_token(token, f"token_file {path}")
+        remember_secret(token)  # (read after the log formatters were built)
         return token
 
     def load(self) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "dsn_passwords",
     "printable",
     "redact_value",
+    "remember_secret",
     "scrub",
     "scrub_exception",
     "secret_key",
@@ -144,12 +145,28 @@ def secret_values(config: Any) -> tuple[str, ...]:
     return tuple(sorted(found, key=len, reverse=True))
 
 
+#: secrets read from files after start-up (:func:`remember_secret`): every scrub
+#: removes them too, so the log formatters, built before they were read, hide them
+_READ_SECRETS: set[str] = set()
+_READ_SECRETS_MAX: Final = 256
+
+
+def remember_secret(value: str) -> None:
+    """Have every later :func:`scrub` remove ``value`` (a password read from a file).
+
+    Thread-safe (a set's ``add`` under the GIL); at most ``_READ_SECRETS_MAX`` are kept.
+    """
+    if len(value) >= _MIN_SECRET and len(_READ_SECRETS) < _READ_SECRETS_MAX:
+        _READ_SECRETS.add(value)
+
+
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` without the known ``secrets`` and without passwords of DSNs it quotes.
 
-    ``secrets`` may hold whole DSNs: their passwords are removed as well.
+    ``secrets`` may hold whole DSNs: their passwords are removed as well; the
+    secrets read from files (:func:`remember_secret`) are removed always.
     """
-    known: set[str] = set()
+    known: set[str] = set(_READ_SECRETS)
     for s in secrets:
         if s:
             known.add(s)

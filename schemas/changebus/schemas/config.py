@@ -51,6 +51,7 @@ from typing import Any, Final, TypeVar
 from ._config_env import env_overrides, parse_text as _parse_text
 from ._redact import (
     redact_value,
+    remember_secret as remember_secret,
     scrub as scrub,
     scrub_exception as scrub_exception,
     secret_key as secret_key,
@@ -65,6 +66,7 @@ __all__ = [
     "parse_size",
     "read_secret_file",
     "redacted",
+    "remember_secret",
     "scrub",
     "scrub_exception",
     "secret",
@@ -131,6 +133,7 @@ def read_secret_file(path: str | Path, option: str) -> str:
     secret_text = text.strip()
     if not secret_text:
         raise ConfigError(f"{option} {path} is empty")
+    remember_secret(secret_text)  # (the log formatters were built before it was read)
     return secret_text
 
 
