@@ -12,11 +12,11 @@ from __future__ import annotations
 import datetime
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
+from test_replica_widen import deliver, window
 
-from changebus.client import ChangeEvent, ChangeOp, PostgresReplica, SqliteReplica, Window
+from changebus.client import PostgresReplica, SqliteReplica
 from changebus.client._apply_wide import date_text
 from changebus.schemas import MYSQL_ZERO_DATE_KEY, Column, TableSchema
 
@@ -51,20 +51,6 @@ PLAIN = {
 }
 
 
-def window(scn: int, row: dict[str, Any]) -> Window:
-    event = ChangeEvent(
-        scn, 0, ChangeOp.INSERT, SCHEMA.name, {"id": row["id"]}, row, None, schema=SCHEMA
-    )
-    return Window(scn=scn, timestamp_ns=scn, partition="p", events=(event,))
-
-
-async def deliver(replica: Any, w: Window) -> None:
-    assert await replica.on_start_window(w) is None
-    for e in w.events:
-        assert await replica.on_event(e) is None
-    assert await replica.on_end_window(w) is None
-
-
 def test_the_text_of_wide_dates() -> None:
     assert date_text(0) == "1970-01-01"
     assert date_text(-719_162) == "0001-01-01" and date_text(-719_163) == "0001-12-31 BC"
@@ -81,8 +67,8 @@ async def test_a_postgres_replica_stores_wide_dates_and_times(pg_dsn: str) -> No
 
     replica = PostgresReplica(pg_dsn)
     try:
-        await deliver(replica, window(10, WIDE))
-        await deliver(replica, window(11, PLAIN))
+        await deliver(replica, window(10, SCHEMA, WIDE))
+        await deliver(replica, window(11, SCHEMA, PLAIN))
     finally:
         await replica.close()
     with psycopg.connect(pg_dsn) as conn:
@@ -107,8 +93,8 @@ async def test_a_sqlite_replica_stores_wide_dates_as_text(tmp_path: Path) -> Non
     replica = SqliteReplica(tmp_path / "r.db")
     zero_key = {**WIDE, "id": 3, "d": MYSQL_ZERO_DATE_KEY + 1}  # (left as it is)
     try:
-        await deliver(replica, window(10, WIDE))
-        await deliver(replica, window(11, zero_key))
+        await deliver(replica, window(10, SCHEMA, WIDE))
+        await deliver(replica, window(11, SCHEMA, zero_key))
     finally:
         await replica.close()
     with sqlite3.connect(tmp_path / "r.db") as conn:

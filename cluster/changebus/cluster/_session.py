@@ -391,11 +391,16 @@ class ZkSession:
             )
 
     async def _sweep(self) -> None:
-        """Delete the leftovers (kept for the next connect when ZooKeeper does not answer)."""
+        """Delete the leftovers (kept for the next connect when ZooKeeper does not answer).
+
+        The worker thread only reads its own copy; the loop forgets the nodes
+        it settled, and sweeps again for nodes handed over meanwhile.
+        """
         nodes, sid = dict(self._leftovers), self._leftover_sid
         timeout = self.op_timeout_s
 
-        def run(zk: Any) -> None:
+        def run(zk: Any) -> list[str]:
+            settled: list[str] = []
             for path, (czxid, data) in nodes.items():
                 try:
                     found, stat = zk.get_async(path).get(timeout=timeout)
@@ -405,15 +410,22 @@ class ZkSession:
                         log.info("ZooKeeper: deleted %s, left by a stop while away", path)
                 except (NoNodeError, BadVersionError):
                     pass  # gone, or changed meanwhile: not ours to delete
-                if self._leftovers.get(path) == (czxid, data):
-                    del self._leftovers[path]
+                settled.append(path)
+            return settled
 
         try:
-            await self.call(run)
+            settled = await self.call(run)
         except CoordinationError as exc:
             log.info(
                 "ZooKeeper: %d leftover node(s) stay for the next connect: %s", len(nodes), exc
             )
+            return
+        for path in settled:
+            if self._leftovers.get(path) == nodes[path]:  # (not handed over again meanwhile)
+                del self._leftovers[path]
+        if self._leftovers and self.state == "connected" and sid == self._leftover_sid:
+            self._sweeping = None
+            self._sweep_soon()  # (nodes handed over while this sweep ran)
 
     async def wait_connected(self) -> None:
         """Wait until the session is connected (bound it with ``asyncio.timeout``)."""
