@@ -222,3 +222,41 @@ async def test_budget_and_idle_end_parked_responses_whole(tmp_path: Path) -> Non
             assert await resp.read() == b""
         took = time.monotonic() - t0
     assert 0.5 <= took < 3
+
+
+async def test_a_follow_response_ends_its_connection(tmp_path: Path) -> None:
+    """A follow response locks the socket's send buffer small and its write limit at 0;
+    the connection closes with the response, so a keep-alive reuse cannot pull the next
+    (large) answers through them (review)."""
+    created: list[object] = []
+    trace = aiohttp.TraceConfig()
+
+    async def on_create(*_args: object) -> None:
+        created.append(1)
+
+    trace.on_connection_create_end.append(on_create)
+    connector = aiohttp.TCPConnector(limit=1)
+    async with (
+        Relay(_config(tmp_path, 300)) as relay,
+        aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as http,
+    ):
+        start = await _live_tail(relay)
+        params: dict[str, Any] = {
+            "partition": "syn",
+            "scn": start,
+            "follow": 1,
+            "wait": 20,
+            "follow_bytes": 5_000,
+        }
+        async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+            assert resp.headers.get("Connection", "").lower() == "close"
+            assert len(await resp.read()) >= 5_000
+        pull = {"partition": "syn", "scn": start, "max_bytes": 100_000}
+        async with http.get(f"{relay.url}/v1/stream", params=pull) as resp:
+            assert resp.status == 200
+            assert resp.headers.get("Connection", "").lower() != "close"
+            await resp.read()
+        async with http.get(f"{relay.url}/v1/stream", params=pull) as resp:
+            assert resp.status == 200
+            await resp.read()
+    assert len(created) == 2  # the follow's connection was not reused; the pulls' was

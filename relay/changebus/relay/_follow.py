@@ -104,6 +104,10 @@ async def follow(
     resp.enable_chunked_encoding()
     transport = request.transport
     if transport is not None:
+        # the socket's send buffer is locked small and its write limit is 0 for good
+        # (Linux stops autotuning a buffer once set): the connection ends with the
+        # response, or a keep-alive reuse would pull large answers through 64 KiB
+        resp.force_close()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -218,7 +222,8 @@ async def _pushes(
         metrics.streamed(host.name, len(cached.body), cached.events)
         sent += len(cached.body)
         scn, offset = cached.next_scn, cached.next_offset
-        host.saw_consumer(ask.client, scn, m.tail_pos - m.head_pos, request.remote or "")
+        reached = cached.start_pos + len(cached.body) if cached.start_pos >= 0 else -1
+        host.saw_consumer(ask.client, scn, request.remote or "", reached)
         idle_until = time.monotonic() + ask.wait
         own_push = broadcast is None  # the next push: the broadcast's again
     with contextlib.suppress(ConnectionResetError):
