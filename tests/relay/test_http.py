@@ -243,12 +243,19 @@ async def test_sources_schemas_status_metrics(relay: Relay, http: aiohttp.Client
     async with http.get(f"{relay.url}/v1/schemas/missing.table") as resp:
         assert resp.status == 404
     await read_all(http, relay, client="tester")
+    params = {"partition": "syn", "scn": -1, "max_bytes": 4096, "client": "slowpoke"}
+    async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
+        first = len(await resp.read())
     async with http.get(f"{relay.url}/v1/status") as resp:
         status = {p["name"]: p for p in (await resp.json())["partitions"]}
     syn = status["syn"]
     assert syn["windows"] == 300 and syn["max_scn"] > syn["min_scn"] > 0
     assert syn["state"] in ("streaming", "finished")
-    assert any(c["client"] == "tester" for c in syn["consumers"])
+    seen = {c["client"]: c for c in syn["consumers"]}
+    # behind: what the buffer holds after the consumer's answer (it was the buffer's
+    # size for every consumer: review)
+    assert seen["tester"]["behind_bytes"] == 0
+    assert seen["slowpoke"]["behind_bytes"] == syn["bytes_used"] - first > 0
     async with http.get(f"{relay.url}/metrics") as resp:
         text = await resp.text()
     assert 'changebus_relay_buffer_windows{partition="syn"} 300.0' in text

@@ -216,9 +216,13 @@ async def test_sources_schemas_status_show_only_what_is_granted(
     consumers = [c for p in body["partitions"] for c in p["consumers"]]
     assert consumers and all("client" not in c and "peer" not in c for c in consumers)
     assert "fetcher" in next(p for p in body["partitions"] if p["name"] == "syn")
+    # another principal naming its consumer alike gets a row of its own: ids are per
+    # principal, so none can overwrite (hide) another's lag (review)
+    await call(http, f"{relay.url}/v1/stream", READER, partition="syn", client="orders-app")
     _, body = await call(http, f"{relay.url}/v1/status", ADMIN)
     clients = {c["client"] for p in body["partitions"] for c in p["consumers"]}
-    assert "orders-app" in clients
+    assert {"wide/orders-app", "t0-reader/orders-app"} <= clients
+    assert "orders-app" not in clients
 
 
 async def test_errors_name_only_the_partitions_granted(

@@ -142,7 +142,7 @@ async def test_metrics_and_status_cost_does_not_follow_made_up_consumers(
             lambda: [host.buffer.append_window(big_window(s)) for s in range(10, 30)]
         )
         for i in range(1000):
-            host.saw_consumer(f"made-up-{i}", 10 + i % 10, 0, "127.0.0.1")
+            host.saw_consumer(f"made-up-{i}", 10 + i % 10, "127.0.0.1")
         async with http.get(f"{relay.url}/metrics") as resp:
             assert resp.status == 200
             text = await resp.text()

@@ -338,8 +338,7 @@ class TailBroadcast:
         now = time.monotonic()
         moved: list[Parked] = []
         host = self._host
-        m = host.buffer.meta
-        behind = m.tail_pos - m.head_pos  # (as the task reports it)
+        reached = push.start_pos + size if push.start_pos >= 0 else -1
         written = 0
         for stream in group:
             transport = stream.transport
@@ -355,7 +354,7 @@ class TailBroadcast:
             stream.idle_until = now + stream.wait
             if now - stream.seen_at >= SEEN_S:  # (/v1/status's consumer list: a second is fresh)
                 stream.seen_at = now
-                host.saw_consumer(stream.client, stream.scn, behind, stream.request.remote or "")
+                host.saw_consumer(stream.client, stream.scn, stream.request.remote or "", reached)
             if transport.get_write_buffer_size():
                 self._release(stream, "drain")
             elif stream.sent >= stream.budget:

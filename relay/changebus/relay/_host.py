@@ -292,8 +292,14 @@ class PartitionHost(SourceAcks):
         """Wait until a window is published (True) or ``seconds`` pass."""
         return await self.wakeups.wait(seconds)
 
-    def saw_consumer(self, client: str, scn: int, behind_bytes: int, peer: str) -> None:
+    def saw_consumer(self, client: str, scn: int, peer: str, reached: int = -1) -> None:
         """Note a consumer's request for ``/v1/status``.
+
+        ``reached``: the virtual byte position just past the answer it got (the
+        answer's ``start_pos`` plus its bytes; -1: nothing to send, it is at the
+        tail). Its ``behind_bytes`` are the buffer's bytes after that: exact for
+        an unfiltered answer, an upper bound for a filtered one (the events a
+        filter skipped after the answer count).
 
         ``consumers`` is kept in least-recently-seen order (a consumer seen
         again moves to the end) and holds at most :attr:`max_consumers`
@@ -303,7 +309,8 @@ class PartitionHost(SourceAcks):
         """
         consumers = self.consumers
         consumers.pop(client, None)
-        consumers[client] = ConsumerSeen(scn, behind_bytes, time.monotonic(), peer)
+        behind = max(self.buffer.meta.tail_pos - reached, 0) if reached >= 0 else 0
+        consumers[client] = ConsumerSeen(scn, behind, time.monotonic(), peer)
         if len(consumers) > self.max_consumers:
             del consumers[next(iter(consumers))]
             self.consumers_forgotten += 1

@@ -47,7 +47,7 @@ from changebus.schemas import (
     UnknownSourceError,
 )
 from changebus.schemas.files import NAME_RULE, safe_name
-from changebus.schemas.security import Principal, principal_of
+from changebus.schemas.security import ANONYMOUS, Principal, principal_of
 from changebus.schemas.server import (
     MIN_FLOOR,
     CopyBudget,
@@ -191,7 +191,12 @@ async def stream(request: web.Request) -> web.StreamResponse:
     key_filter = query_parsed(query, "filter", PartitionFilter.parse)
     sources = _source_ids(request, host, query.get("sources"))
     # (escaped: it reaches log lines, /v1/status and /metrics)
-    client = printable(query.get("client", "")[:MAX_CLIENT_ID]) or (request.remote or "unknown")
+    client = printable(query.get("client", "")[:MAX_CLIENT_ID])
+    if client and principal_of(request) is not ANONYMOUS:
+        # (per principal: one may not take over another's row of /v1/status and /metrics,
+        # to hide a lagging consumer, say: review)
+        client = f"{principal_of(request).name}/{client}"
+    client = client or request.remote or "unknown"
     # (the filter as parsed, not as sent: a key of the response cache and of the
     # follow broadcast, where padded variants of one filter would each make an entry)
     filter_text = None if key_filter is None else str(key_filter)
@@ -241,13 +246,14 @@ async def stream(request: web.Request) -> web.StreamResponse:
             break
         left = deadline - time.monotonic()
         if left <= 0:
-            host.saw_consumer(client, scn, 0, request.remote or "")
+            host.saw_consumer(client, scn, request.remote or "")
             headers = next_headers(host, scn, offset, checkpoint)
             return web.Response(status=204, headers=headers)
         await host.wait_for_window(left)
 
-    m = host.buffer.meta
-    host.saw_consumer(client, scn, m.tail_pos - m.head_pos, request.remote or "")
+    size = selection.nbytes if isinstance(selection, Selection) else len(selection.body)
+    reached = selection.start_pos + size if selection.start_pos >= 0 else -1
+    host.saw_consumer(client, scn, request.remote or "", reached)
     if isinstance(selection, Selection) and (fmt == "ndjson" or selection.nbytes <= _COPY_BYTES):
         # small, or for people: one copy, checked against the pin (OverwrittenError
         # when the writer overran it), shared with identical requests when small
