@@ -354,6 +354,47 @@ async def test_sql_interface_mode_exactly_once_across_restart(tmp_path: Path, pg
     assert rows == source(pg_dsn)
 
 
+async def test_sql_mode_reads_past_a_slot_behind_the_relay_by_more_than_a_peek(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A slot behind what the relay holds by more than ``sql_batch_changes`` (a restart
+    before the last batch's advance): every peek started at the slot and returned only
+    windows the relay holds, none was emitted or acknowledged, the slot never moved,
+    and the partition stood still for good (review)."""
+    make_table(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        # a second slot, far behind once the first relay run has read the workload
+        conn.execute("SELECT pg_create_logical_replication_slot('behind', 'pgoutput')")
+    first = config(tmp_path, pg_dsn, slot="first")
+    async with Relay(first) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 1, 60)
+        await caught_up(relay, pg_dsn)
+        held = relay.hosts["pg"].buffer.meta.last_scn
+    sql = config(
+        tmp_path, pg_dsn, slot="behind", mode="sql", sql_batch_changes=15, sql_poll_interval_s=0.02
+    )
+    async with Relay(sql) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        await asyncio.to_thread(workload, pg_dsn, 2, 20)
+        await caught_up(relay, pg_dsn)
+        rows, scns = replay_buffer(relay)
+        assert scns == sorted(set(scns)) and scns[-1] > held
+        assert rows == source(pg_dsn)
+        # and the slot follows the acknowledgements
+        await wait_until(lambda: slot_confirmed(pg_dsn, "behind") > held)
+
+
+def slot_confirmed(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+    assert row is not None
+    return lsn_to_scn(row[0])
+
+
 async def test_sql_mode_streams_a_big_peek_instead_of_holding_it(
     tmp_path: Path, pg_dsn: str
 ) -> None:

@@ -197,6 +197,11 @@ def poll_sql(
     emitted = fetcher._resume.scn
     emitted_end = 0
     advanced = 0
+    # changes a peek asks for: doubled while whole peeks hold only windows the relay has
+    # (a slot behind it by more than one peek, after a restart before the last advance):
+    # such a peek emitted nothing, so nothing was acknowledged, the slot never moved,
+    # and every peek read the same changes again, for good (review)
+    batch = cfg.sql_batch_changes
     peek = (
         "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s, "
         "'proto_version', '1', 'publication_names', %s, 'binary', 'true', "
@@ -231,15 +236,16 @@ def poll_sql(
             # every peek starts at the slot's confirmed position: what it reads up to
             # the last window emitted is read again (the relay holds it)
             assembler.replay_until = emitted
-            fresh = 0
+            fresh = peeked = 0
             rows = peeker.stream(
                 peek,
-                (cfg.slot, cfg.sql_batch_changes, cfg.publication),
+                (cfg.slot, batch, cfg.publication),
                 size=PEEK_CHUNK_ROWS,
                 probe=still_active,
             )
             with contextlib.closing(rows):
                 for (data,) in rows:
+                    peeked += 1
                     window = assembler.feed_raw(data)
                     if window is not None and window.scn > emitted:
                         fetcher._emit(window, emit)
@@ -250,6 +256,10 @@ def poll_sql(
                         break
             if fetcher._feed is not None:
                 fetcher._feed.flush()  # the acks waited for above need the loop to see them
+            if fresh or stopping.is_set():
+                batch = cfg.sql_batch_changes
+            elif peeked >= batch:  # (a peek ends at a transaction's end past the count)
+                batch = min(batch * 2, _MAX_PEEK_CHANGES)
             now = time.monotonic()
             if fresh:
                 ticker.activity(now)
@@ -257,6 +267,10 @@ def poll_sql(
             else:
                 ticker.tick(now, idle=True)
                 stopping.wait(cfg.sql_poll_interval_s)
+
+
+#: the most changes one peek asks for (its argument is an int4)
+_MAX_PEEK_CHANGES = 2**31 - 1
 
 
 def _activity_probe(cfg: PostgresConfig, pid: int, sock: int) -> Callable[[], bool]:
