@@ -238,7 +238,8 @@ def connect(
     timeout_s: float = 0.0,
     **kwargs: Any,
 ) -> Any:
-    """``psycopg.connect(dsn, autocommit=True, **kwargs)``; errors never quote the DSN.
+    """``psycopg.connect(dsn, autocommit=True, client_encoding="UTF8", **kwargs)``; errors
+    never quote the DSN.
 
     ``timeout_s`` (> 0) becomes libpq's ``connect_timeout`` unless the DSN
     sets its own: a server that accepts the TCP connection and never answers
@@ -254,6 +255,10 @@ def connect(
 
     if timeout_s > 0 and "connect_timeout" not in dsn:
         kwargs.setdefault("connect_timeout", max(2, math.ceil(timeout_s)))
+    # every decoder reads text as UTF-8, and the walsender, the SQL interface and COPY
+    # send it in the connection's encoding, which follows the database's by default
+    # (a LATIN1 database's "é" stopped the partition: review); a DSN's own is overridden
+    kwargs["client_encoding"] = "UTF8"
     try:
         return psycopg.connect(dsn, autocommit=True, **kwargs)
     except psycopg.OperationalError as exc:
