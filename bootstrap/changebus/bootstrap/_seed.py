@@ -100,7 +100,8 @@ APPLICATION_NAME = "changebus-seed"
 #: a table's columns, to notice a DDL during its snapshot
 _SHAPE = (
     "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
-    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+    "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' "
+    "ORDER BY attnum"
 )
 #: low-watermark samples kept (the newest valid one gives the tag)
 _SAMPLES = 16
@@ -312,7 +313,10 @@ class PostgresChunkSource:
         cols = conn.execute(
             "SELECT attname::text, atttypid::int, atttypmod::int, "
             "format_type(atttypid, atttypmod), attcollation::int FROM pg_attribute "
-            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            # (not generated columns: pgoutput never sends them, so the relay's schema
+            # lacks them, and with them the table was refused as changed, on every try)
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' "
+            "ORDER BY attnum",
             (oid,),
         ).fetchall()
         self.shapes[oid] = [(str(c), int(t), int(m)) for c, t, m, _f, _o in cols]
