@@ -354,17 +354,23 @@ class Bootstrapper:
                     prev_scn=prog.since_scn,
                     bootstrap=prog,
                 )
-            await self._put_snapshot_page(body, prog.start_scn, pc, source)
+            await self._put_snapshot_page(body, prog.start_scn, pc, source, headers)
             if complete:
                 return prog
 
     async def _put_snapshot_page(
-        self, body: bytes, start_scn: int, pc: PartitionCheckpoint, source: RelaySchemas
+        self,
+        body: bytes,
+        start_scn: int,
+        pc: PartitionCheckpoint,
+        source: RelaySchemas,
+        answer: Mapping[str, str],
     ) -> None:
         try:
             offsets, headers = parse_stream(body)  # validates every event
         except CorruptEventError as exc:  # damaged on the way: another attempt may cure it
             raise CorruptEventError(exc.message, retriable=True) from exc
+        _check_events(answer, int(offsets.size), "snapshot")
         if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
             raise CorruptEventError("a snapshot page holds control events", retriable=True)
         raw = RawWindow(start_scn, 0, body, offsets, headers)
@@ -400,6 +406,7 @@ class Bootstrapper:
             }
             body, headers = await self._get_body(url, "catchup", params)
             raws = assembler.feed(body)
+            _check_events(headers, assembler.fed_events, "catch-up")
             if assembler.in_window:
                 raise CorruptEventError("a catch-up page ends inside a window", retriable=True)
             for raw in raws:
@@ -534,3 +541,16 @@ class Bootstrapper:
                 limit = self.config.bootstrap_page_bytes + self.config.max_window_bytes
                 body = await read_body(resp, limit, where)
                 return body, resp.headers  # (case-insensitive: proxies lower-case names)
+
+
+def _check_events(headers: Mapping[str, str], got: int, what: str) -> None:
+    """Refuse (retriably, before any of it is used) a page that holds other than the
+    events its ``X-Changebus-Events`` header counts: a proxy that cut it at an event
+    boundary. Its position header would skip the rows cut off, for good, and a last
+    catch-up page would go online past the windows cut off (review)."""
+    said = headers.get("X-Changebus-Events", "")
+    if said.isdigit() and int(said) != got:
+        raise ProtocolError(
+            f"a {what} page holds {got} events, its header says {said} (cut on the way?)",
+            retriable=True,
+        )
