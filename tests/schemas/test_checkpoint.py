@@ -107,6 +107,13 @@ def test_window_progress() -> None:
         ("cb1z." + base64.urlsafe_b64encode(b"not zlib").decode(), "base64url/zlib"),
         ("cb9.abc", "must start with"),
         ("{" + " " * 70000 + "}", "longer than"),
+        # wrong JSON types that Python let through (review)
+        ('{"v":true,"partitions":{}}', "version"),
+        (
+            '{"v":1,"partitions":{"p":{"mode":"bootstrap-snapshot",'
+            '"bootstrap":{"source":null}}}}',
+            "source must be a string",
+        ),
     ],
 )
 def test_garbage_is_rejected(text: str, needle: str) -> None:

@@ -128,6 +128,8 @@ class BootstrapProgress:
         for name in ("since_scn", "start_scn", "target_scn"):
             _int(name, getattr(self, name))
         _int("source_index", self.source_index, 0, 1 << 20)
+        if self.source is None:  # (a str: null passed as no source, then broke a reader)
+            raise CheckpointError("checkpoint field source must be a string")
         _opt_str("source", self.source, 512)
         _opt_str("snapshot_position", self.snapshot_position)
         _opt_str("server", self.server, 1024)
@@ -307,7 +309,8 @@ class Checkpoint:
     def from_dict(cls, data: object) -> Checkpoint:
         if not isinstance(data, Mapping):
             raise CheckpointError("a checkpoint must be a JSON object")
-        if data.get("v") != FORMAT_VERSION:
+        version = data.get("v")
+        if type(version) is not int or version != FORMAT_VERSION:  # (true == 1 in Python)
             raise CheckpointError(
                 f"unsupported checkpoint format version {_short(data.get('v'))}; expected 1"
             )
