@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from changebus.client import Consumer, ConsumerConfig, Window
@@ -33,7 +34,9 @@ from changebus.client.spark._arrow import BatchBuilder, union_schema
 from changebus.client.spark._columns import ArrowDecoder, arrow_batches
 from changebus.schemas import (
     HEADER_SIZE,
+    ChangeDecoder,
     Column,
+    CorruptEventError,
     Op,
     RowEncoder,
     TableSchema,
@@ -441,3 +444,29 @@ def test_decimals_wider_than_spark_holds_come_as_positional_text() -> None:
     assert conv(decimal.Decimal(5).scaleb(-10)) == "0.0000000005"
     assert conv(decimal.Decimal("1E+40")) == "1" + "0" * 40
     assert conv(decimal.Decimal("-12.50")) == "-12.50"
+
+
+def test_a_record_cut_short_is_a_corrupt_event_on_the_vector_path() -> None:
+    """A payload that ends inside its record (a valid CRC over bad bytes) read past the
+    buffer's padding: numpy's IndexError, where the row path says CorruptEventError
+    (review)."""
+    cols = [("id", "long")] + [(f"c{i}", "int") for i in range(30)]
+    table = TableSchema(
+        name="public.t", columns=tuple(Column(n, t) for n, t in cols), key=("id",), version=1
+    )
+    body = encode_event(
+        Op.INSERT,
+        10,
+        0,
+        0,
+        b"\x02",
+        b"\x02",
+        source_id=1,
+        schema_id=table.fingerprint,
+        schema_version=1,
+    )
+    offsets, headers = parse_stream(body)
+    change = ChangeDecoder(table)
+    decoder = ArrowDecoder(union_schema([table]))
+    with pytest.raises(CorruptEventError):
+        decoder.add_events(body, offsets, headers, lambda _s, _v: change, "p0")

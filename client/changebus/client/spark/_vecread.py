@@ -156,6 +156,20 @@ class VectorReader:
         writer lacks (all null). ``present`` and ``not_sent`` as the
         generated reader returns them (``changebus.schemas._avrocols``).
         """
+        try:
+            return self._read(buf, starts, stops, padded)
+        except IndexError:
+            # a record cut short reads past the padding (the ends are checked once its
+            # fields are read): the error the row path gives, not numpy's (review)
+            raise CorruptEventError("a change record ends before its fields") from None
+
+    def _read(
+        self,
+        buf: bytes,
+        starts: Sequence[int] | _I64,
+        stops: Sequence[int] | _I64,
+        padded: npt.NDArray[np.uint8] | None,
+    ) -> tuple[list[pa.Array | None], list[pa.Array | None], _I64, list[Any]]:
         u8 = padded_bytes(buf) if padded is None else padded
         size = len(buf)
         pos = np.asarray(starts, np.int64).copy()
