@@ -393,3 +393,31 @@ def test_an_unchanged_key_stored_out_of_line_comes_from_the_logged_old_key(pg_ds
     ]
     state = replay(windows, asm)
     assert {k: r["v"] for k, r in state["public.bigkey"].items()} == {(key,): 2, ("short",): 2}
+
+
+def test_a_replica_identity_on_another_unique_index_keys_the_events(pg_dsn: str) -> None:
+    """``REPLICA IDENTITY USING INDEX`` on an index other than the primary key: pgoutput's
+    old keys (a DELETE's, a key-changing UPDATE's) hold only that index's columns. Keyed by
+    the primary key, the first DELETE failed the partition for good (its key NULL), and an
+    UPDATE of only the primary key sent no old key, so replicas kept the old row (review).
+    The events are keyed by the identity index now."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for stmt in SETUP:
+            conn.execute(stmt)
+        conn.execute("CREATE TABLE ui (id int8 PRIMARY KEY, code text NOT NULL, v text)")
+        conn.execute("CREATE UNIQUE INDEX ui_code ON ui (code)")
+        conn.execute("ALTER TABLE ui REPLICA IDENTITY USING INDEX ui_code")
+        conn.execute("INSERT INTO ui SELECT g, 'c' || g, 'v' || g FROM generate_series(1, 6) g")
+        conn.execute("UPDATE ui SET id = 100 WHERE id = 1")  # the primary key only
+        conn.execute("UPDATE ui SET code = 'moved' WHERE id = 2")  # the identity
+        conn.execute("UPDATE ui SET v = 'x' WHERE id = 3")
+        conn.execute("DELETE FROM ui WHERE id = 4")
+        conn.execute("DELETE FROM ui WHERE code = 'moved'")
+        resolver = TypeResolver(conn)
+        asm = Assembler(1, resolver.resolve, primary_key=resolver.primary_key)
+        windows = windows_from(conn, asm)
+        assert asm.registry.latest("public.ui").key == ("code",)
+        state = replay(windows, asm)
+        source = source_rows(conn, "ui", ("code",))
+    assert state["public.ui"] == source
+    assert {r["id"] for r in source.values()} == {100, 3, 5, 6}

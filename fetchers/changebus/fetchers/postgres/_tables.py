@@ -162,7 +162,8 @@ def choose_key(
 ) -> tuple[tuple[str, ...], bool]:
     """The event key of a Relation message's table, and whether its columns are NOT NULL.
 
-    The key is the catalog's primary key, else the replica identity the
+    The key is the replica identity index under ``REPLICA IDENTITY USING
+    INDEX``, else the catalog's primary key, else the replica identity the
     message flags. Their columns are NOT NULL, except under ``REPLICA
     IDENTITY FULL`` without a primary key: the table is keyed by all its
     columns, any of which may be NULL.
@@ -178,6 +179,13 @@ def choose_key(
     names = {c.name for c in rel.columns}
     identity = tuple(c.name for c in rel.columns if c.key)
     full = len(identity) == len(rel.columns)
+    if rel.replica_identity == "i" and identity and not full:
+        # REPLICA IDENTITY USING INDEX: the old keys pgoutput sends (a DELETE's, an
+        # UPDATE's that changed them) hold that index's columns only, so they key the
+        # events; keyed by another primary key, a DELETE's key was NULL (the partition
+        # failed) and an UPDATE of the primary key alone came without the old key
+        # (review). The index is unique, not partial, on NOT NULL columns (Postgres').
+        return identity, True
     pk = primary_key(rel.oid) if primary_key is not None else None
     if not pk:
         return identity, not full
