@@ -122,3 +122,39 @@ def test_replays_and_a_new_query_are_told_apart_by_position(spark: Any, tmp_path
     bare(batch(spark, first).drop("_partition"), 0)
     assert rows(spark, bare) == [(1, "a"), (2, "b")]
     assert (bare.current() or {})["applied"] == {"": [10, 1]}
+
+
+def test_changes_between_a_bootstrap_batch_end_and_its_snapshot_rows_are_applied(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A batch read through a bootstrap server ends at the relay's newest SCN when it was
+    planned (here 150), but its snapshot rows are at their newest version (row 2 at 210).
+    Row 1's change at 200 and row 3's insert at 205 come in the next batch: the mirror
+    took 210 as applied and dropped both as older (review)."""
+    from changebus.client.spark import ParquetMirror
+
+    mirror = ParquetMirror(tmp_path / "m", ["id"])
+    mirror(batch(spark, [(1, "a", "insert", 100, 0), (2, "b2", "update_postimage", 210, 0)]), 0)
+    later = [
+        (1, "a", "update_preimage", 200, 0),
+        (1, "a2", "update_postimage", 200, 0),
+        (3, "c", "insert", 205, 0),
+        (2, "b1", "update_postimage", 208, 0),  # older than the snapshot row: kept out
+        (2, "b2", "update_postimage", 210, 0),
+        (4, "d", "insert", 220, 0),
+    ]
+    mirror(batch(spark, later), 1)
+    assert rows(spark, mirror) == [(1, "a2"), (2, "b2"), (3, "c"), (4, "d")]
+    mirror(batch(spark, later), 1)  # replayed: nothing changes
+    assert rows(spark, mirror) == [(1, "a2"), (2, "b2"), (3, "c"), (4, "d")]
+    assert (mirror.current() or {})["applied"] == {"pg": [220, 0]}
+    # a truncate, replayed: what followed it stays, what preceded it does not come back
+    emptied = [(5, "e", "insert", 300, 0), (None, None, "truncate", 301, 0),
+               (6, "f", "insert", 302, 0)]  # fmt: skip
+    mirror(batch(spark, emptied), 2)
+    assert rows(spark, mirror) == [(6, "f")]
+    mirror(batch(spark, emptied), 2)
+    assert rows(spark, mirror) == [(6, "f")]
+    cur = mirror.current() or {}
+    assert "_cb_scn" not in (mirror.read(spark) or spark.range(0)).columns
+    assert cur["applied"] == {"pg": [302, 0]}

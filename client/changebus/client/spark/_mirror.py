@@ -4,22 +4,31 @@
 Parquet directories ``v=<batch_id>`` and a small pointer file ``_current.json``
 naming the newest complete one. Applying micro-batch ``batch_id``:
 
-1. drop the batch's changes at or before the newest one the mirror holds of
-   their partition (``_partition``: ``(_commit_scn, _txn_seq)``, recorded in
-   the pointer): Spark replays the last batch after a crash, and a new query
-   (a new checkpoint, whose batch ids start at 0 again) may start before
-   that point. Idempotence by position, not by batch id: a new query that
-   starts later was skipped up to the old batch id;
-2. take the last change per key in what is left (ordered by
-   ``_commit_scn``, ``_txn_seq``; an update that changed its row's key also
-   deletes the old key, from its pre-image), drop the keys it touches (NULL
-   keys included: a table keyed by all its columns) from the current
-   copy, add the rows whose last change is not a delete (a truncate in the
-   batch empties the copy first), and write the result to ``v=<batch_id>``
+1. take the last change per key of the batch (ordered by ``_commit_scn``,
+   ``_txn_seq``; an update that changed its row's key also deletes the old
+   key, from its pre-image) and keep those newer than the version the copy
+   holds of their key (each row of the copy keeps its change's position in
+   the hidden columns ``_cb_scn``, ``_cb_seq``; a key the copy lacks takes
+   any change). Idempotence by key and position, not by batch id: Spark
+   replays the last batch after a crash, and a new query (a new checkpoint,
+   whose batch ids start at 0 again) may start before the mirror's position.
+   Not by one position per partition either: a batch read through a
+   bootstrap server holds snapshot rows at their newest version, past the
+   batch's end, and the changes between that end and those versions, which
+   come in the next batches, were dropped as older than the batch (review);
+2. drop the keys of the changes kept (NULL keys included: a table keyed by
+   all its columns) from the current copy, add the rows whose last change is
+   not a delete (a truncate in the batch empties the copy first, unless the
+   pointer shows it applied already), and write the result to ``v=<batch_id>``
    in the batch's columns (after a schema change: a new column is null in the
    rows kept, a dropped one goes, a retyped one is cast); copies are numbered
    in order (``v=<n>``), whatever the batch ids;
 3. replace the pointer atomically (write + rename), then remove older copies.
+
+The pointer also records each partition's newest ``(_commit_scn, _txn_seq)``
+applied (``applied``). The copy keeps no deleted keys: a new query started
+before the mirror's position inserts again, for a while, a row the mirror
+deleted later, until the query reads that delete again.
 
 A crash between 2 and 3 leaves an unreferenced directory that the replay
 overwrites. Readers use :meth:`ParquetMirror.read` (or the directory the
@@ -54,6 +63,8 @@ __all__ = ["ParquetMirror"]
 log = logging.getLogger(__name__)
 
 _META = [f.name for f in META_COLUMNS]
+#: the copy's hidden columns: the position of each row's change
+_SCN, _SEQ = "_cb_scn", "_cb_seq"
 
 
 class ParquetMirror:
@@ -98,7 +109,8 @@ class ParquetMirror:
         cur = self.current()
         if cur is None or cur.get("version") is None:
             return None
-        return spark.read.parquet(str(self._dir(int(cur["version"]))))
+        df = spark.read.parquet(str(self._dir(int(cur["version"]))))
+        return df.drop(_SCN, _SEQ)
 
     # ---- applying a batch ---------------------------------------------
 
@@ -115,26 +127,33 @@ class ParquetMirror:
             df = df.withColumn("_partition", F.lit(""))
         df = df.persist()
         try:
-            fresh = _after(df, applied)
-            newest = fresh.groupBy("_partition").agg(
+            newest = df.groupBy("_partition").agg(
                 F.max(F.struct(F.col("_commit_scn"), F.col("_txn_seq"))).alias("at")
             )
             seen = {
                 str(r["_partition"]): [int(r["at"][0]), int(r["at"][1])] for r in newest.collect()
             }
-            if not seen:
-                log.info("batch %d holds no change after the mirror's: skipped", batch_id)
-                return
             number = 0 if version is None else int(version) + 1
-            new_version = self._apply(fresh, number, version)
+            new_version = self._apply(df, number, version, applied)
         finally:
             df.unpersist()
+        if new_version is _UNCHANGED:
+            log.info("batch %d holds no change newer than the mirror's: skipped", batch_id)
+            return
+        assert not isinstance(new_version, str)
+        for p, at in seen.items():  # (never backwards: a new query may start earlier)
+            if p in applied and applied[p] > at:
+                seen[p] = applied[p]
         self._set_current(batch_id, new_version, {**applied, **seen})
         for child in self.path.glob("v=*"):
             if new_version is None or child.name != f"v={new_version}":
                 shutil.rmtree(child, ignore_errors=True)
 
-    def _apply(self, df: DataFrame, batch_id: int, version: int | None) -> int | None:
+    def _apply(
+        self, df: DataFrame, batch_id: int, version: int | None, applied: dict[str, list[int]]
+    ) -> int | str | None:
+        """Write the copy with the batch applied as ``v=<batch_id>``: its number, or
+        :data:`_UNCHANGED` when no change is newer than the copy's."""
         spark = df.sparkSession
         # (the first action reads the batch once, into the cache: the moved keys'
         # self-join below would otherwise read the source twice, counted twice too)
@@ -150,7 +169,7 @@ class ParquetMirror:
             F.countDistinct("_source").alias("tables"),
         ).collect()[0]
         if stats["n"] == 0:
-            return version
+            return _UNCHANGED
         if stats["tables"] > 1:
             raise ValueError(
                 "ParquetMirror mirrors one table: read the stream with option sources=<table>"
@@ -162,7 +181,11 @@ class ParquetMirror:
             base = spark.read.parquet(str(self._dir(version)))
         truncate = stats["truncate"]
         if truncate is not None:
-            base = None  # the table was emptied inside this batch
+            # the table was emptied inside this batch: what came before goes; the copy
+            # goes too, unless the pointer shows the truncate applied (a replay: the copy
+            # holds what followed it, and the key versions sort out the rest)
+            if not self._applied_before(df, truncate, applied):
+                base = None
             later = (F.col("_commit_scn") > truncate[0]) | (
                 (F.col("_commit_scn") == truncate[0]) & (F.col("_txn_seq") > truncate[1])
             )
@@ -176,7 +199,13 @@ class ParquetMirror:
             .where(F.col("_rank") == 1)
             .drop("_rank")
         )
-        upserts = last.where(F.col("_change_type") != "delete").select(*data_cols)
+        if base is not None:
+            last = self._newer(last, base)
+        if last.limit(1).count() == 0:
+            return _UNCHANGED
+        upserts = last.where(F.col("_change_type") != "delete").select(
+            *data_cols, F.col("_commit_scn").alias(_SCN), F.col("_txn_seq").alias(_SEQ)
+        )
         if base is not None:
             # NULL-safe: a table keyed by all its columns may have NULLs in its key
             touched = last.select(*self.key)
@@ -187,6 +216,41 @@ class ParquetMirror:
             result = upserts
         result.write.mode("overwrite").parquet(str(self._dir(batch_id)))
         return batch_id
+
+    def _newer(self, last: DataFrame, base: DataFrame) -> DataFrame:
+        """The changes of ``last`` newer than the copy's version of their key (a key the
+        copy lacks, or holds without a version: a copy written before versions, takes
+        any change)."""
+        if _SCN in base.columns:
+            versions = base.select(*self.key, _SCN, _SEQ)
+        else:
+            versions = base.select(
+                *self.key,
+                F.lit(None).cast("long").alias(_SCN),
+                F.lit(None).cast("long").alias(_SEQ),
+            )
+        c, b = last.alias("_c"), versions.alias("_b")
+        same = F.lit(True)
+        for k in self.key:
+            same = same & F.col(f"_c.{k}").eqNullSafe(F.col(f"_b.{k}"))
+        newer = (
+            F.col(f"_b.{_SCN}").isNull()
+            | (F.col("_c._commit_scn") > F.col(f"_b.{_SCN}"))
+            | (
+                (F.col("_c._commit_scn") == F.col(f"_b.{_SCN}"))
+                & (F.col("_c._txn_seq") > F.col(f"_b.{_SEQ}"))
+            )
+        )
+        return c.join(b, on=same, how="left").where(newer).select("_c.*")
+
+    @staticmethod
+    def _applied_before(df: DataFrame, truncate: Any, applied: dict[str, list[int]]) -> bool:
+        """Whether the batch's truncate is at or before what the pointer says was applied
+        of its partition (a replayed batch, or a new query that started earlier)."""
+        parts = [r[0] for r in df.select("_partition").distinct().limit(2).collect()]
+        if len(parts) != 1 or str(parts[0]) not in applied:
+            return False
+        return [int(truncate[0]), int(truncate[1])] <= applied[str(parts[0])]
 
     def _moved(self, df: DataFrame) -> DataFrame:
         """The old key of every update that changed its row's key, as a delete.
@@ -214,17 +278,8 @@ class ParquetMirror:
         )
 
 
-def _after(df: DataFrame, applied: dict[str, list[int]]) -> DataFrame:
-    """The rows of ``df`` after the newest change the mirror holds of their partition."""
-    if not applied:
-        return df
-    keep = F.lit(True)
-    for partition, (scn, seq) in applied.items():
-        later = (F.col("_commit_scn") > scn) | (
-            (F.col("_commit_scn") == scn) & (F.col("_txn_seq") > seq)
-        )
-        keep = F.when(F.col("_partition") == partition, later).otherwise(keep)
-    return df.where(keep)
+#: what :meth:`ParquetMirror._apply` returns when no change is newer than the copy's
+_UNCHANGED = "unchanged"
 
 
 def _conform(df: DataFrame, schema: StructType) -> DataFrame:
