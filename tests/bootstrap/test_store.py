@@ -690,3 +690,36 @@ def test_a_plan_counts_a_bounded_part_of_the_store(store: Store) -> None:
     assert store.changed_since("p", -1, st.producer_scn, 7) == 7
     rows = store.snapshot_changed("p", -1, st.applier_scn, 1 << 40)
     assert rows > 5 and store.snapshot_changed("p", -1, st.applier_scn, 3) == 3
+
+
+def test_a_chunk_read_before_a_row_moved_to_its_key_does_not_complete_that_row(
+    store: Store,
+) -> None:
+    """Key 2 held row X when a chunk read it (tag 90); X was deleted (100) and row Y moved
+    from key 1 to key 2 without its TOAST column (110, the applier had no image of Y). The
+    chunk, stored after, completed Y with X's value, a deleted row's data, and the row no
+    longer counted as lacking, so the refill never mended it (review). It stays lacking
+    until a read after the move."""
+    from changebus.bootstrap._chunks import JobState, SnapshotScope
+
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    gone = enc.encode(Op.DELETE, 100, 0, 1000, None, {"id": 2, "v": None})
+    moved = enc.encode(
+        Op.UPDATE, 110, 0, 1100, {"id": 2, "v": None}, {"id": 1, "v": None},
+        after_not_sent=("v",), before_not_sent=("v",),
+    )  # fmt: skip
+    store.append("p", gone + encode_control(EndOfWindow(1, ""), 100, 1, 1000), start_scn=0)
+    store.append("p", moved + encode_control(EndOfWindow(1, ""), 110, 1, 1100), start_scn=0)
+    store.apply("p")
+    assert _live_rows(store, t) == {2: (None, ("v",))}
+    scope = SnapshotScope(t.name)
+    early = enc.encode(Op.INSERT, 90, 0, 0, {"id": 2, "v": "X-secret"})
+    store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 1, 1, 90, 90), [early], 90)
+    assert _live_rows(store, t) == {2: (None, ("v",))}
+    assert [k for k, _v in store.unfilled_keys("p", t.name)] == [enc.key_bytes({"id": 2})]
+    # the refill's read, after the move
+    after = enc.encode(Op.INSERT, 111, 0, 0, {"id": 2, "v": "Y-own"})
+    store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 3, 3, 111, 111), [after], 111)
+    assert _live_rows(store, t) == {2: ("Y-own", ())}

@@ -14,8 +14,8 @@ database itself.
 * **Tables**: all of them are created here (:data:`_DDL`); each is described
   with the part that writes it: ``cb_log`` in :mod:`._logstore`, ``cb_snap``
   and ``cb_trunc`` in :mod:`._fold`, ``cb_seed`` and ``cb_lost`` in :mod:`._gaps`,
-  ``cb_snapjob`` in :mod:`._snapjobs`, ``cb_unfilled`` in :mod:`._fold` and
-  :mod:`._refill`, ``cb_purge`` in :mod:`._purge`.
+  ``cb_snapjob`` in :mod:`._snapjobs`, ``cb_unfilled`` and ``cb_moved`` in
+  :mod:`._fold` and :mod:`._refill`, ``cb_purge`` in :mod:`._purge`.
 * ``cb_state`` -- per partition: ``producer_scn`` (newest window in the log),
   ``applier_scn`` / ``applier_id`` (the snapshot reflects every window up to
   it), ``log_min_scn`` (windows after it are all in the log), ``base_scn``
@@ -69,6 +69,11 @@ _DDL = [
         chunks BIGINT NOT NULL, nrows BIGINT NOT NULL, first_tag BIGINT NOT NULL,
         last_tag BIGINT NOT NULL, PRIMARY KEY (part, name))""",
     """CREATE TABLE IF NOT EXISTS cb_unfilled (
+        part TEXT NOT NULL, source_id INTEGER NOT NULL, key {blob} NOT NULL,
+        scn BIGINT NOT NULL, PRIMARY KEY (part, source_id, key))""",
+    # keys whose row lacking columns moved there from another key, and when (a chunk read
+    # before that held another row at the key: it must not complete this one)
+    """CREATE TABLE IF NOT EXISTS cb_moved (
         part TEXT NOT NULL, source_id INTEGER NOT NULL, key {blob} NOT NULL,
         scn BIGINT NOT NULL, PRIMARY KEY (part, source_id, key))""",
     """CREATE TABLE IF NOT EXISTS cb_purge (

@@ -93,6 +93,7 @@ class SnapshotFold(StoreDb):
             return new
         upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
         lacking: dict[tuple[int, bytes], int] = {}  # (source id, key) -> SCN
+        moved: dict[tuple[int, bytes], int] = {}  # of those, moved there (cb_moved)
         with self._txn():
             for _id, source_id, op, scn, event in rows:
                 if op == _TRUNCATE:
@@ -103,7 +104,9 @@ class SnapshotFold(StoreDb):
                     h = decode_header(event)
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
                     if op == _UPDATE:
-                        event = self._fold_update(part, h, key, event, (upserts, lacking))
+                        event = self._fold_update(
+                            part, h, key, event, (upserts, lacking, moved)
+                        )
                     upserts[(int(source_id), key)] = (
                         part,
                         int(source_id),
@@ -117,6 +120,11 @@ class SnapshotFold(StoreDb):
                 "INSERT INTO cb_unfilled (part, source_id, key, scn) VALUES ({p}, {p}, {p}, {p}) "
                 "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn",
                 [(part, sid, key, scn) for (sid, key), scn in lacking.items()],
+            )
+            self._many(
+                "INSERT INTO cb_moved (part, source_id, key, scn) VALUES ({p}, {p}, {p}, {p}) "
+                "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn",
+                [(part, sid, key, scn) for (sid, key), scn in moved.items()],
             )
             cur = self.state(part)
             new = PartitionState(
@@ -132,12 +140,17 @@ class SnapshotFold(StoreDb):
         h: EventHeader,
         key: bytes,
         event: bytes,
-        batch: tuple[dict[tuple[int, bytes], tuple[Any, ...]], dict[tuple[int, bytes], int]],
+        batch: tuple[
+            dict[tuple[int, bytes], tuple[Any, ...]],
+            dict[tuple[int, bytes], int],
+            dict[tuple[int, bytes], int],
+        ],
     ) -> bytes:
         """What an UPDATE leaves in the snapshot; returns the event to store for its key.
 
-        ``batch``: the snapshot rows of the fold step so far, and the keys whose
-        rows still lack columns (``cb_unfilled``), both written at its end.
+        ``batch``: the snapshot rows of the fold step so far, the keys whose
+        rows still lack columns (``cb_unfilled``), and those of them whose row moved
+        there from another key (``cb_moved``), all written at its end.
 
         * A key change (the before-image has another key) leaves a tombstone
           for the old key, so no stale row survives under it, and stores the
@@ -146,7 +159,7 @@ class SnapshotFold(StoreDb):
         * Columns the source did not send (Postgres' unchanged TOAST values)
           are taken from the row's previous image, so a snapshot row is whole.
         """
-        upserts, lacking = batch
+        upserts, lacking, moved = batch
         codec = self._codec(part, h)
         if codec is None:
             return event
@@ -177,6 +190,10 @@ class SnapshotFold(StoreDb):
                 and (filled is None or self._lacked(part, h, source_key, lacking))
             ):
                 lacking[(h.source_id, key)] = h.scn
+                if source_key != key:
+                    # (a chunk read before this moved here holds another row at this key:
+                    # it must not lend it the columns it lacks; review)
+                    moved[(h.source_id, key)] = h.scn
         if source_key != key:
             upserts[(h.source_id, source_key)] = (part, h.source_id, source_key, h.scn, 1, tomb)
             # the moved row is stored anew, after every row: kept in the new key's old row

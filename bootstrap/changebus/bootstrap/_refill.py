@@ -74,10 +74,12 @@ class Refills(SnapshotJobs):
                         settled.append((part, sid, bytes(key)))
                     else:
                         out.append((bytes(key), values))
-                self._many(
-                    "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
-                    settled,
-                )
+                for table_of in ("cb_unfilled", "cb_moved"):
+                    self._many(
+                        f"DELETE FROM {table_of} WHERE part = {{p}} AND source_id = {{p}} "
+                        "AND key = {p}",
+                        settled,
+                    )
             if len(rows) < limit:
                 break
             after = bytes(rows[-1][0])
@@ -122,12 +124,14 @@ class Refills(SnapshotJobs):
             if sid is None:
                 return
             keys = [k for _s, k, _ev in rows] + list(absent)
-            self._many(
-                "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p} "
-                "AND scn <= {p}",
-                [(part, sid, k, tag) for k in keys],
-            )
-            self._many(
-                "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} AND key = {p}",
-                [(part, sid, k) for k in skipped],
-            )
+            for table_of in ("cb_unfilled", "cb_moved"):
+                self._many(
+                    f"DELETE FROM {table_of} WHERE part = {{p}} AND source_id = {{p}} "
+                    "AND key = {p} AND scn <= {p}",
+                    [(part, sid, k, tag) for k in keys],
+                )
+                self._many(
+                    f"DELETE FROM {table_of} WHERE part = {{p}} AND source_id = {{p}} "
+                    "AND key = {p}",
+                    [(part, sid, k) for k in skipped],
+                )

@@ -184,8 +184,22 @@ class SnapshotJobs(SeedLedger):
                     f"AND deleted = 0 AND scn > {{p}} AND key IN ({marks})",
                     (part, sid, tag, *batch),
                 )
+                if not newer:
+                    continue
+                # rows that moved to their key after the chunk was read: the chunk's copy
+                # is of the row the key held then (deleted since), not of this one
+                moved = {
+                    bytes(r[0])
+                    for r in self._all(
+                        "SELECT key FROM cb_moved WHERE part = {p} AND source_id = {p} "
+                        f"AND scn > {{p}} AND key IN ({marks})",
+                        (part, sid, tag, *batch),
+                    )
+                }
                 fixed = []
                 for key, scn, event in newer:
+                    if bytes(key) in moved:
+                        continue
                     merged = self._merge_from(part, bytes(event), by_key[(sid, bytes(key))])
                     if merged is not None:
                         fixed.append((part, sid, bytes(key), int(scn), 0, merged))
@@ -284,6 +298,13 @@ class SnapshotJobs(SeedLedger):
                     self._conn.execute(
                         self._sql(
                             "DELETE FROM cb_unfilled WHERE part = {p} AND source_id = {p} "
+                            "AND scn <= {p}"
+                        ),
+                        (part, sid, job.last_tag),
+                    )
+                    self._conn.execute(
+                        self._sql(
+                            "DELETE FROM cb_moved WHERE part = {p} AND source_id = {p} "
                             "AND scn <= {p}"
                         ),
                         (part, sid, job.last_tag),

@@ -10,7 +10,8 @@ each described with the part of :class:`Store` that writes it:
 ``cb_seed`` -- tables copied from the source in full, and gaps in the log
   (:mod:`._gaps`); ``cb_snapjob`` -- chunked snapshots in progress
   (:mod:`._snapjobs`); ``cb_unfilled`` -- rows lacking columns a seed re-reads
-  (:mod:`._refill`); ``cb_purge`` -- how far old tombstones were deleted
+  (:mod:`._refill`), and ``cb_moved`` -- those of them that moved to their key,
+  when (no chunk read before completes them); ``cb_purge`` -- how far old tombstones were deleted
   (:mod:`._purge`).
 ``cb_state`` / ``cb_schema`` -- positions per partition and table schemas
   (:mod:`._db`, which also holds the dialects and the DDL).
