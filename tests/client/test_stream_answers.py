@@ -227,3 +227,41 @@ async def test_a_continuation_past_the_window_now_at_its_scn_reads_it_again_whol
         got = await _read(cfg, 20)
     assert refused, "no continuation was refused"
     assert got == [(10, list(range(40))), (20, [999])]
+
+
+async def test_continuations_refused_again_and_again_back_off(
+    scripted_relay: Any, window_type: Any
+) -> None:
+    """A window longer than ``max_bytes`` whose continuations a relay keeps refusing (two
+    relays behind one address, one lacking the window): each refusal read the window's
+    first part again at once with the backoff reset, thousands of requests a second, for
+    as long as it lasted (review). A second refusal of the same window is a failure now:
+    the backoff applies, and the window is read once the relay holds it."""
+    rows = [(A, 1, Op.INSERT, {"id": i, "v": "x" * 200}, None) for i in range(40)]
+    script = [
+        window_type(10, rows=rows, announce=[(1, A)]),
+        window_type(20, rows=[(A, 1, Op.INSERT, {"id": 999, "v": "z"}, None)]),
+    ]
+    refused: list[float] = []
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 1.5
+
+    def refuse(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+        if request.query.get("offset", "-1") != "-1" and loop.time() < until:
+            refused.append(loop.time())
+            return web.json_response(
+                {"error": "bad_checkpoint", "message": "not that window", "retriable": False},
+                status=400,
+            )
+        return None
+
+    async with scripted_relay(script) as relay, _proxy(relay.url, refuse) as url:
+        cfg = ConsumerConfig(
+            relays=(url,),
+            partition="syn",
+            max_bytes=3000,
+            **{**FAST, "backoff_initial_s": 0.1, "backoff_max_s": 0.4},
+        )
+        got = await _read(cfg, 20)
+    assert got == [(10, list(range(40))), (20, [999])]
+    assert 2 <= len(refused) <= 12, f"{len(refused)} refused continuations in 1.5 s"

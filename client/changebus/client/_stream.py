@@ -237,6 +237,9 @@ class RelayStream:
         self._check = check_response
         self._assembler = WindowAssembler(position, config.max_window_bytes)
         self._continue: tuple[int, int] | None = None
+        #: the window (SCN) whose continuation a relay refused last (-1: none since it
+        #: was read whole): a second refusal of it is a failure (backoff, next relay)
+        self._refused_scn = -1
         #: the relay the continuation point came from (its event offsets are its own)
         self._continue_url = ""
         #: follow mode asks by long-poll until the window in hand is whole: a follow
@@ -346,7 +349,8 @@ class RelayStream:
             moved = False
             try:
                 await self._request(failover.url, sink)
-                failover.succeeded()
+                if self._refused_scn < 0 or self._position >= self._refused_scn:
+                    failover.succeeded()  # (not a first part of a window refused before)
                 continue
             except _FromSink as wrapped:
                 error = wrapped.error  # raised again below as the sink's own, unwrapped
@@ -403,6 +407,8 @@ class RelayStream:
                 self._session.get(f"{url}/v1/stream", params=params, timeout=self._timeout) as resp,
             ):
                 head_wait.reschedule(None)  # (the body: the read timeout alone)
+                if self._position >= self._refused_scn:
+                    self._refused_scn = -1  # (read past it)
                 if resp.status in (400, 410) and params.get("offset", "-1") != "-1":
                     # a place inside a window this relay does not hold (it restarted and
                     # lost the window's unsynced tail, or evicted it): the window is read
@@ -418,6 +424,16 @@ class RelayStream:
                         params["scn"],
                     )
                     self._restart_window()
+                    scn = int(params["scn"])
+                    if self._refused_scn == scn:
+                        # again: relays behind one address that do not all hold it, say.
+                        # Returning reset the backoff and read the window's first part
+                        # again at once, for as long as it lasted (review)
+                        raise ProtocolError(
+                            f"{where} refused the continuation of the window at SCN {scn} again",
+                            retriable=True,
+                        )
+                    self._refused_scn = scn
                     return
                 if resp.status not in (200, 204):
                     raise await response_error(
