@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -467,3 +468,55 @@ async def test_a_chained_relay_s_buffer_replays_what_recovery_drops(tmp_path: Pa
             assert host.buffer.replayable is replayable
         finally:
             host.buffer.close()
+
+
+def test_a_sync_never_covers_a_window_the_meta_file_does_not_name_yet(tmp_path: Path) -> None:
+    """The writer set the buffer's meta before it wrote the meta file, and the syncer
+    reads the meta without the lock: a sync between the two reported the new window
+    synced, and the source was acknowledged past what recovery would find after an OS
+    crash (review)."""
+    from test_buffer import make_window
+
+    from changebus.relay._buffer import BufferConfig, EventBuffer
+    from changebus.relay._meta import _SLOT, _newest
+
+    buf = EventBuffer(tmp_path / "b", BufferConfig(capacity_bytes=1 << 20, durability="fsync"))
+    buf.set_start(0)
+    buf.append_window(make_window(1, [100]))
+    syncer = GroupSyncer(buf)
+    runner = threading.Thread(target=syncer._run, daemon=True)
+    runner.start()
+    gate, entered = threading.Event(), threading.Event()
+    try:
+        deadline = time.monotonic() + 10
+        while syncer.synced_scn < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert syncer.synced_scn == 1
+        publish = buf._metafile.publish
+
+        def slow(meta: Any) -> None:
+            if meta.last_scn == 2:
+                entered.set()
+                gate.wait(10)
+            publish(meta)
+
+        buf._metafile.publish = slow  # type: ignore[method-assign]
+        writer = threading.Thread(target=buf.append_window, args=(make_window(2, [100]),))
+        writer.start()
+        assert entered.wait(10)
+        syncer.request()
+        time.sleep(0.3)  # (a sync round, had it seen window 2)
+        on_disk = _newest((tmp_path / "b" / "meta.dat").read_bytes(), _SLOT)[1]
+        assert syncer.synced_scn <= on_disk.last_scn == 1
+        gate.set()
+        writer.join(10)
+        syncer.request()
+        deadline = time.monotonic() + 10
+        while syncer.synced_scn < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert syncer.synced_scn == 2
+    finally:
+        gate.set()
+        syncer.stop()
+        runner.join(10)
+        buf.close()

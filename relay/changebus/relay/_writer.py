@@ -359,7 +359,7 @@ class BufferWriter:
         with self._lock:
             m = self._meta
             empty_before = m.tail_event == m.head_event
-            self._meta = BufferMeta(
+            new = BufferMeta(
                 m.capacity,
                 m.event_slots,
                 m.index_slots,
@@ -379,7 +379,11 @@ class BufferWriter:
                 prev_ts=m.prev_ts,
                 prev_pos=m.prev_pos,
             )
-            self._metafile.publish(self._meta)
+            # the file first: the fsync syncer reads ``meta`` without the lock, and a sync
+            # of the files must never cover a window the meta file does not name yet (the
+            # source was acknowledged past what recovery finds after an OS crash: review)
+            self._metafile.publish(new)
+            self._meta = new
         self._prefault.advance(group.tail_pos)
         self._prefault_events.advance((group.first_event + group.events) * EVENT_DTYPE.itemsize)
         self.stats["windows_appended"] += group.windows
