@@ -723,3 +723,52 @@ def test_a_chunk_read_before_a_row_moved_to_its_key_does_not_complete_that_row(
     after = enc.encode(Op.INSERT, 111, 0, 0, {"id": 2, "v": "Y-own"})
     store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 3, 3, 111, 111), [after], 111)
     assert _live_rows(store, t) == {2: ("Y-own", ())}
+
+
+def test_a_catchup_update_that_moved_a_row_is_served_with_the_columns_it_lacked(
+    store: Store,
+) -> None:
+    """Planned at SCN 10, a bootstrap's pages are read after the applier folded a DELETE of
+    key 2 (20) and an UPDATE moving key 1 to key 2 without its TOAST column (30): the
+    snapshot holds key 2 whole at 30, and the catch-up replays 20 (deleting it) and 30,
+    whose UPDATE a consumer that never held key 1 could only store without the column
+    (review). The log now serves that UPDATE as the fold filled it in."""
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    enc = ENC[t.name]
+    eow = encode_control
+    first = enc.encode(Op.INSERT, 10, 0, 100, {"id": 1, "v": "X"}) + enc.encode(
+        Op.INSERT, 10, 1, 100, {"id": 2, "v": "Y"}
+    )
+    store.append("p", first + eow(EndOfWindow(2, ""), 10, 2, 100), start_scn=0)
+    store.apply("p")
+    start = store.state("p").applier_scn
+    gone = enc.encode(Op.DELETE, 20, 0, 200, None, {"id": 2, "v": None})
+    moved = enc.encode(
+        Op.UPDATE, 30, 0, 300, {"id": 2, "v": None}, {"id": 1, "v": None},
+        after_not_sent=("v",), before_not_sent=("v",),
+    ) + enc.encode(Op.DELETE, 30, 1, 300, None, {"id": 1, "v": None})  # fmt: skip
+    store.append("p", gone + eow(EndOfWindow(1, ""), 20, 1, 200), start_scn=0)
+    store.append("p", moved + eow(EndOfWindow(2, ""), 30, 2, 300), start_scn=0)
+    store.apply("p")
+    have: dict[tuple[str, int], str | None] = {}
+    pos = (0, 0)
+    while True:
+        page = store.snapshot_page(
+            "p", sorted(SID), since_scn=-1, start_scn=start, position=pos, max_bytes=300
+        )
+        if page.data:
+            replay(page.data, have)
+        pos = page.position
+        if page.complete:
+            break
+    assert have == {(t.name, 2): "X"}
+    after = start
+    while True:
+        cpage = store.catchup_page("p", after_scn=after, target_scn=30, max_bytes=500)
+        if cpage.data:
+            replay(cpage.data, have)
+        after = cpage.last_scn
+        if cpage.complete:
+            break
+    assert have == {(t.name, 2): "X"}

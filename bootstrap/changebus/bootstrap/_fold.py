@@ -94,8 +94,9 @@ class SnapshotFold(StoreDb):
         upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
         lacking: dict[tuple[int, bytes], int] = {}  # (source id, key) -> SCN
         moved: dict[tuple[int, bytes], int] = {}  # of those, moved there (cb_moved)
+        whole: list[tuple[bytes, int]] = []  # UPDATEs filled in: (event, log row id)
         with self._txn():
-            for _id, source_id, op, scn, event in rows:
+            for row_id, source_id, op, scn, event in rows:
                 if op == _TRUNCATE:
                     self._flush_upserts(upserts)
                     self._truncate(part, int(source_id), int(scn), bytes(event))
@@ -104,9 +105,12 @@ class SnapshotFold(StoreDb):
                     h = decode_header(event)
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
                     if op == _UPDATE:
+                        sent = event
                         event = self._fold_update(
                             part, h, key, event, (upserts, lacking, moved)
                         )
+                        if event is not sent:
+                            whole.append((event, int(row_id)))
                     upserts[(int(source_id), key)] = (
                         part,
                         int(source_id),
@@ -116,6 +120,11 @@ class SnapshotFold(StoreDb):
                         event,
                     )
             self._flush_upserts(upserts)
+            # the log serves catch-ups the UPDATEs as filled in: a consumer that lacks the
+            # row's previous image (it moved from a key the consumer never held: a
+            # snapshot sent it at its newest version, deleted) otherwise stored the row
+            # without the columns Postgres left out, or moved a newer row onto it (review)
+            self._many("UPDATE cb_log SET event = {p} WHERE id = {p}", whole)
             self._many(
                 "INSERT INTO cb_unfilled (part, source_id, key, scn) VALUES ({p}, {p}, {p}, {p}) "
                 "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn",
@@ -241,14 +250,18 @@ class SnapshotFold(StoreDb):
         pending = upserts.get((h.source_id, source_key))
         if pending is not None:
             prev: bytes | None = None if pending[4] else pending[5]
+            at = int(pending[3])
         else:
             row = self._one(
-                "SELECT event, deleted FROM cb_snap WHERE part = {p} AND source_id = {p} "
+                "SELECT event, deleted, scn FROM cb_snap WHERE part = {p} AND source_id = {p} "
                 "AND key = {p}",
                 (part, h.source_id, source_key),
             )
             prev = bytes(row[0]) if row is not None and not row[1] else None
-        if prev is None:
+            at = int(row[2]) if row is not None else -1
+        if prev is None or at > h.scn:
+            # (an image newer than the UPDATE, seeded ahead of the applier, is of a later
+            # state of the key: of another row when this one moved away from it since)
             return None
         ph = decode_header(prev)
         pcodec = self._codec(part, ph)
