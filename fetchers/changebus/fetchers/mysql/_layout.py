@@ -17,6 +17,7 @@ module is where the package and the assembler take them from.
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -138,6 +139,48 @@ def _agrees(declared: str, binlog_type: int, codec: str, meta: dict[str, int]) -
     return False
 
 
+#: a quoted label of a declared ENUM / SET type (``''`` is a quote inside one)
+_LABEL = re.compile(r"'((?:[^'\\]|''|\\.)*)'")
+_LABEL_UNESCAPE: Final = re.compile(r"\\\\|''|\\'")
+_LABEL_ESCAPES: Final = {"\\\\": "\\", "''": "'", "\\'": "'"}
+
+
+def _labels(col: Any, labels: tuple[str, ...], declared: str | None) -> tuple[str, ...]:
+    """The labels of an ENUM or SET column as the server holds them.
+
+    mysql-replication reads the table map's labels as UTF-8, whatever the
+    column's character set: a latin1 ``é`` became ``''`` and a ucs2 ``b``
+    ``'\\x00b'`` (review). In another character set the declared type's labels
+    (information_schema, kept by the DDL the stream reads) are taken when they
+    are as many; else the binlog's bytes are decoded again with the column's
+    character set, unless some of them were lost (refused: the values would
+    name the wrong labels).
+    """
+    charset = (getattr(col, "character_set_name", None) or "").lower()
+    codec = _CODECS.get(charset, charset or "utf-8")
+    if codec in ("utf-8", "ascii"):
+        return labels
+    if declared is not None:
+        kind = base_type(declared)
+        if kind in ("enum", "set"):
+            found = tuple(
+                _LABEL_UNESCAPE.sub(lambda m: _LABEL_ESCAPES[m.group(0)], s)
+                for s in _LABEL.findall(declared[declared.index("(") :])
+            )
+            if len(found) == len(labels):
+                return found
+    if "" not in labels:  # (a label that was not UTF-8 became "")
+        try:
+            return tuple(v.encode("utf-8").decode(codec) for v in labels)
+        except (LookupError, UnicodeError):
+            pass
+    raise SourceConfigError(
+        f"column {getattr(col, 'name', '?')}: the binlog's {charset} labels of this ENUM/SET "
+        "cannot be read (mysql-replication reads them as UTF-8), and information_schema "
+        "does not tell them either: restart the relay to read them from there"
+    )
+
+
 def _width(col: Any) -> int:
     """Bytes per character of a text column's character set (for the declared length)."""
     collation = (getattr(col, "collation_name", None) or "").lower()
@@ -227,12 +270,18 @@ def layout_from_table_map(
         elif t in (T_ENUM, T_SET):
             meta["size"] = col.size
         labels: tuple[str, ...] = ()
+        hint = declared.get(col.name.lower())
         if t == T_ENUM:
             labels = tuple(col.enum_values or ())[1:]
         elif t == T_SET:
             labels = tuple(col.set_values or ())
+        if t in (T_ENUM, T_SET):
+            labels = _labels(col, labels, hint)
+            if t == T_ENUM:  # (the synthesised type names them)
+                col.enum_values = ["", *labels]
+            else:
+                col.set_values = list(labels)
         source_type = _synthesised(col, codec)
-        hint = declared.get(col.name.lower())
         if hint is not None and _agrees(hint, t, codec, meta):
             base = base_type(hint)
             if t == T_TINY:

@@ -91,6 +91,7 @@ def set_up(
     try:
         with conn.cursor() as cur:
             _check_settings(cur)
+            _register_collations(cur)
             cur.execute("SELECT @@binlog_checksum, @@server_id")
             row = cur.fetchone()
             checksum = 0 if row is None or str(row[0]).upper() == "NONE" else 4
@@ -123,6 +124,42 @@ def set_up(
     finally:
         conn.close()
     return StartPlan(planner.start, server, planner.base, checksum, planner.data_loss, start_scn)
+
+
+def _register_collations(cur: Any) -> None:
+    """Teach mysql-replication the server's collation ids it does not know.
+
+    It takes an unknown id (MariaDB 10.10's ``uca1400`` collations, a newer
+    server's) for UTF-8: the bytes of a utf16 column went out as UTF-8 text no
+    consumer could decode (review). The ids and their character sets come from
+    the server; its registry is process-wide and only grows (an id names one
+    collation on every server of a kind).
+    """
+    import pymysql
+    from pymysqlreplication.constants import CHARSET
+
+    cur.execute("SELECT VERSION()")
+    row = cur.fetchone()
+    dbms = "mariadb" if row is not None and "mariadb" in str(row[0]).lower() else "mysql"
+    found: list[tuple[Any, ...]] = []
+    try:  # (MariaDB 10.10+: the collations of every character set, with their ids)
+        cur.execute(
+            "SELECT ID, CHARACTER_SET_NAME, FULL_COLLATION_NAME FROM "
+            "information_schema.COLLATION_CHARACTER_SET_APPLICABILITY WHERE ID IS NOT NULL"
+        )
+        found.extend(cur.fetchall())
+    except (pymysql.err.OperationalError, pymysql.err.ProgrammingError):
+        pass  # (MySQL, an older MariaDB: COLLATIONS has them all)
+    cur.execute(
+        "SELECT ID, CHARACTER_SET_NAME, COLLATION_NAME FROM information_schema.COLLATIONS "
+        "WHERE ID IS NOT NULL"
+    )
+    found.extend(cur.fetchall())
+    for ident, charset, collation in found:
+        if CHARSET.charset_by_id(int(ident), dbms) is None:
+            CHARSET.charsets.add(
+                CHARSET.Charset(int(ident), str(charset), str(collation), False, dbms)
+            )
 
 
 def connect(cfg: MySQLConfig, **extra: Any) -> Any:
