@@ -10,6 +10,7 @@ uuid column the type of an int one, and its values came as raw bytes.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from test_mysql_fetcher import caught_up, execute, relay_config, replay, wait_until
@@ -109,3 +110,49 @@ def test_create_table_if_not_exists_of_a_known_table_changes_nothing() -> None:
     assert types.get("app", "n") == {"id": "int", "u": "uuid"}
     types.apply("CREATE OR REPLACE TABLE t (id int PRIMARY KEY)", "app")
     assert types.get("app", "t") == {"id": "int"}
+
+
+async def test_a_reconnect_behind_a_pending_xa_transaction_applies_no_ddl_twice(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """With an XA transaction prepared and not committed, a reconnect reads the binlog again
+    from its PREPARE. A RENAME read before the reconnect, after the last window the relay
+    took (its own window is an idle HEARTBEAT, not sent), was applied a second time: the
+    table was no longer known under its old name, its declared types were lost, and the
+    uuid column came as raw bytes under a new schema version (review)."""
+    from test_mysql_fetcher_ops import kill_binlog_dumps
+
+    execute(
+        mysql_server,
+        mysql_db,
+        "CREATE TABLE t (id int PRIMARY KEY, u uuid)",
+        "CREATE TABLE o (id int PRIMARY KEY)",
+    )
+    cfg = relay_config(tmp_path, mysql_server, mysql_db)
+    async with Relay(cfg) as relay:
+        host = relay.hosts["my"]
+        await wait_until(lambda: host.state == "streaming")
+        execute(
+            mysql_server,
+            mysql_db,
+            "XA START 'cbx'",
+            "INSERT INTO o VALUES (1)",
+            "XA END 'cbx'",
+            "XA PREPARE 'cbx'",
+        )
+        try:
+            before = host.buffer.meta.last_scn
+            execute(mysql_server, mysql_db, f"INSERT INTO t VALUES (1, '{UID}')")
+            await wait_until(lambda: host.buffer.meta.last_scn > before)
+            execute(mysql_server, mysql_db, "RENAME TABLE t TO t2")
+            await asyncio.sleep(0.5)  # (read by the fetcher, no window sent)
+            assert kill_binlog_dumps(mysql_server) >= 1
+            execute(mysql_server, mysql_db, f"INSERT INTO t2 VALUES (2, '{UID}')")
+        finally:
+            execute(mysql_server, mysql_db, "XA COMMIT 'cbx'")
+        await caught_up(relay, mysql_server, mysql_db)
+        assert host.status()["fetcher"]["reconnects"] >= 1
+        versions = host.registry.versions(f"{mysql_db}.t2")
+        rows, _, _ = replay(relay, "t2")
+    assert [{c.name: c.source_type for c in v.columns}["u"] for v in versions] == ["uuid"]
+    assert str(rows[2]["u"]) == UID

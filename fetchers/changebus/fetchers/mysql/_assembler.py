@@ -168,6 +168,11 @@ class BinlogAssembler:
         #: rewound to a pending XA prepare), their table layouts are versions the
         #: relay knows, found by content rather than registered anew
         self.replay_until = -1
+        #: the SCN of the newest statement the declared types followed: one read again
+        #: (a reconnect goes back to a pending XA prepare, before windows never sent,
+        #: such as a DDL's idle HEARTBEAT) is not applied twice (a RENAME read twice
+        #: lost the table's types: review)
+        self.ddl_applied = -1
 
     # ---- positions ----------------------------------------------------------
 
@@ -405,9 +410,10 @@ class BinlogAssembler:
         # (read again after a rewind: declared types are at the relay's last window)
         at = self.scn_at(end_pos)
         ansi = bool(getattr(event, "sql_mode", 0) & MODE_ANSI_QUOTES)
-        effect = self.declared.apply(
-            text, schema or "", at, keep=at <= self.replay_until, ansi_quotes=ansi
-        )
+        keep = at <= max(self.replay_until, self.ddl_applied)
+        effect = self.declared.apply(text, schema or "", at, keep=keep, ansi_quotes=ansi)
+        if not keep:
+            self.ddl_applied = at
         txn = self._txn
         if txn is None:  # a statement without a GTID event (old servers)
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
