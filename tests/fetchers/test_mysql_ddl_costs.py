@@ -146,3 +146,21 @@ def test_the_assembler_finds_a_ddl_s_table_without_walking_every_table(
     assembler.query(event, 4)
     assert declared.get(mysql_db, "t5") is None
     assert declared._tables.walks == 0  # type: ignore[attr-defined]
+
+
+def test_columns_swapped_in_one_statement_keep_their_types() -> None:
+    """Every clause of an ALTER names the columns as they were before it: applied one after
+    the other, swapping two by RENAME (or CHANGE) left one column with the other's type
+    and lost the other (review)."""
+    declared = DeclaredTypes()
+    declared.set("d", "t", {"id": "int", "a": "uuid", "b": "binary(16)"})
+    declared.apply("ALTER TABLE t RENAME COLUMN a TO b, RENAME COLUMN b TO a", "d", at=10)
+    assert declared.get("d", "t") == {"id": "int", "a": "binary(16)", "b": "uuid"}
+    declared.apply("ALTER TABLE t CHANGE a b binary(16), CHANGE b a uuid", "d", at=20)
+    assert declared.get("d", "t") == {"id": "int", "a": "uuid", "b": "binary(16)"}
+    declared.apply(
+        "ALTER TABLE t DROP COLUMN a, ADD COLUMN a int, MODIFY b varchar(3), ADD (c uuid)",
+        "d",
+        at=30,
+    )
+    assert declared.get("d", "t") == {"id": "int", "a": "int", "b": "varchar(3)", "c": "uuid"}

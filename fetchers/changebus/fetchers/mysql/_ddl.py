@@ -393,8 +393,16 @@ class DeclaredTypes:
         return cols
 
     def _alter(self, t: _Tokens, name: TableName, db: str) -> TableName | None:
-        """Apply ALTER TABLE specifications; the table's (new) name, None if not understood."""
-        cols = dict(self._tables.get(name, {}))
+        """Apply ALTER TABLE specifications; the table's (new) name, None if not understood.
+
+        Every clause names the columns as they were before the statement, as the
+        server reads them: ``RENAME COLUMN a TO b, RENAME COLUMN b TO a`` swaps
+        them (applied one after the other, the second found the first's result:
+        review)."""
+        before = dict(self._tables.get(name, {}))
+        moved: dict[str, tuple[str, str | None]] = {}  # old name -> (new name, new type)
+        dropped: set[str] = set()
+        added: dict[str, str] = {}
         target = name
         while t.peek() != "":
             op = t.peek()
@@ -413,24 +421,35 @@ class DeclaredTypes:
                     t.accept("not")
                     t.accept("exists")
                 if op == "add" and t.accept("("):
-                    cols.update(self._definitions(t))
-                elif op in ("add", "modify"):
+                    added.update(self._definitions(t))
+                elif op == "add":
                     col = t.name().lower()
-                    cols[col] = t.column_type()
+                    added[col] = t.column_type()
+                elif op == "modify":
+                    col = t.name().lower()
+                    moved[col] = (col, t.column_type())
                 elif op == "change":
                     old = t.name().lower()
                     new_col = t.name().lower()
-                    cols.pop(old, None)
-                    cols[new_col] = t.column_type()
+                    moved[old] = (new_col, t.column_type())
                 elif op == "drop":
-                    cols.pop(t.name().lower(), None)
+                    dropped.add(t.name().lower())
                 else:  # rename column
                     old = t.name().lower()
                     t.accept("to")
                     new_col = t.name().lower()
-                    if old in cols:
-                        cols[new_col] = cols.pop(old)
+                    if old in before:
+                        moved[old] = (new_col, None)
             t.until_comma()
+        cols: dict[str, str] = {}
+        for col, kind in before.items():
+            if col in dropped:
+                continue
+            new_col, new_kind = moved.pop(col, (col, None))
+            cols[new_col] = kind if new_kind is None else new_kind
+        # (a column changed that this tracker did not know)
+        cols.update({c: k for c, k in moved.values() if k is not None})
+        cols.update(added)
         known = name in self._tables
         self._put(name, None)
         if known:
