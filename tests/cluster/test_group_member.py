@@ -470,3 +470,40 @@ async def test_two_members_of_one_group_cannot_share_a_session(zk_session, group
     again = GroupMember(session, group, ["orders"], 4, name="again")
     await again.start()
     await again.stop()
+
+
+async def test_a_zk_unit_store_without_a_member_fence_checks_the_claims_fence(
+    zk_session, group
+) -> None:
+    """A ZkUnitStore the application made (no member fence) threw the claim's fence away:
+    a member paused between taking the unit's owner node and claiming it, whose node was
+    made again by the next owner meanwhile, raised the generation over that owner's
+    claim (review). The fence (the owner node's czxid) is checked in the claim's
+    transaction now."""
+    from changebus.schemas import FencedError
+
+    session = await zk_session("fence")
+    store = ZkUnitStore(session)
+    unit = Unit("orders", 7)
+    path = owner_path(group, unit)
+
+    def make_owner(zk: Any) -> int:
+        zk.create(path, b"m", makepath=True)
+        return int(zk.exists(path).czxid)
+
+    def drop_owner(zk: Any) -> None:
+        zk.delete(path)
+
+    first = await session.call(make_owner)
+    assert (await store.claim(group, unit, "m-1", first)).generation == 1
+    await session.call(drop_owner)
+    second = await session.call(make_owner)  # the next owner's node
+    assert second > first
+    with pytest.raises(FencedError) as raised:
+        await store.claim(group, unit, "m-1", first)
+    assert raised.value.units == frozenset({str(unit)})
+    assert (await store.claim(group, unit, "m-2", second)).generation == 2
+    await session.call(drop_owner)
+    with pytest.raises(FencedError):  # (no owner node at all)
+        await store.claim(group, unit, "m-2", second)
+    assert (await store.read(group))[unit].generation == 2

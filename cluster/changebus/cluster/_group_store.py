@@ -45,7 +45,7 @@ from typing import Any
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from changebus.schemas import CommitResult, StoredUnit, Unit, UnitClaim, UnitCommit
-from changebus.schemas.errors import ChangebusError
+from changebus.schemas.errors import ChangebusError, FencedError
 
 from ._errors import CoordinationError
 from ._group_layout import (
@@ -69,6 +69,10 @@ class _NotAMember(Exception):
 
 class _NotTheOwner(Exception):
     """The unit's owner node is gone or names another member: the claim must not land."""
+
+
+class _Replaced(Exception):
+    """The unit's owner node is not the one the claim's fence names (made since)."""
 
 
 log = logging.getLogger("changebus.cluster.group.store")
@@ -104,10 +108,14 @@ class ZkUnitStore:
     async def claim(self, group: str, unit: Unit, owner: str, fence: int = -1) -> UnitClaim:
         """Raise ``unit``'s generation for ``owner``; the token is the new znode version.
 
-        ``fence`` is not needed here: with the store's member fence the
-        claim checks the unit's owner node itself in the same transaction.
+        With the store's member fence the claim checks the unit's owner node
+        itself in the same transaction. Without one (a store the application
+        made), ``fence`` (the owner node's czxid, >= 0) is checked against the
+        owner node in that transaction instead: a claimant paused between its
+        acquire and its claim, whose node was replaced meanwhile, is refused with
+        :class:`~changebus.schemas.FencedError` (it was a bare read-modify-write,
+        and the late claim fenced the unit's rightful owner: review).
         """
-        del fence
         node, parent = checkpoint_path(group, unit), checkpoints_path(group)
         await self._ensure(group)
         timeout = self.session.op_timeout_s
@@ -119,7 +127,15 @@ class ZkUnitStore:
             """(path, version) of the claimant's member node and of the unit's owner node,
             which must name the claimant's member; none without a fence."""
             if member_fence is None:
-                return []
+                if fence < 0:
+                    return []
+                try:
+                    ostat = zk.exists_async(owner_node).get(timeout=timeout)
+                except NoNodeError:
+                    ostat = None
+                if ostat is None or int(ostat.czxid) != fence:
+                    raise _Replaced
+                return [(owner_node, int(ostat.version))]
             path = member_fence()
             stat = zk.exists_async(path).get(timeout=timeout) if path else None
             if stat is None:
@@ -146,6 +162,8 @@ class ZkUnitStore:
             failed = failed_op(results)
             if failed is not None and failed < len(checks):
                 if isinstance(results[failed], NoNodeError):
+                    if member_fence is None:
+                        raise _Replaced
                     raise _NotTheOwner if failed else _NotAMember
                 raise BadVersionError()  # a guard node changed: read them again
             last = results[-1]
@@ -197,6 +215,12 @@ class ZkUnitStore:
             # the generation: that would fence the unit's rightful next owner
             raise CoordinationError(
                 f"group {group}: {owner} is no member now; {unit} not claimed", retriable=True
+            ) from None
+        except _Replaced:
+            raise FencedError(
+                f"group {group}: {unit}'s owner node was made again since {owner}'s fence "
+                f"{fence}: not claimed",
+                units=frozenset({str(unit)}),
             ) from None
         except _NotTheOwner:
             # a member still in the group but without the unit's owner node (released, or
