@@ -40,6 +40,7 @@ Runs on the consumer's event loop; not thread-safe.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -112,6 +113,11 @@ class Bootstrapper:
         )
         #: the checkpoint after the last window queued in the current bootstrap
         self._last: PartitionCheckpoint | None = None
+        #: the pause before a snapshot runs again (a server said to restart it): they
+        #: came at once, for ever, with two stores behind one address (review)
+        self._restarts = Backoff(
+            config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier
+        )
 
     def set_servers(self, servers: tuple[str, ...]) -> None:
         """Ask ``servers`` from now on (a cluster's table changed); the progress is kept.
@@ -164,6 +170,17 @@ class Bootstrapper:
                     continue
                 # the log moved on: snapshot again (with deletes: the consumer has rows)
                 log.warning("%s", exc.message)
+                if self._restarts.failures:  # (the first at once: the log moved on)
+                    delay = self._restarts.next_delay()
+                    log.warning(
+                        "partition %s: snapshot restarted %d times; the next in %.2f s",
+                        self.partition,
+                        self._restarts.failures,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+                else:
+                    self._restarts.failures = 1
                 prior = current.bootstrap if current is not None else None
                 if (
                     prior is not None
@@ -176,6 +193,7 @@ class Bootstrapper:
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
                 await self._failover.failed(exc)
         self._failover.succeeded()
+        self._restarts.reset()
         self.phase = "online"
         log.info(
             "bootstrap of partition %s done at SCN %d; back to the relays", self.partition, target
