@@ -129,9 +129,10 @@ async def test_windows_purged_while_readmit_waits_are_skipped() -> None:
         replay[:] = [w for w in replay if w.unit != "p.1"]
         return window.unit != "p.1"
 
-    dispatcher, _positions = await _run(windows, cb, readmit, every=8, holder=holder)
+    dispatcher, positions = await _run(windows, cb, readmit, every=8, holder=holder)
     assert cb.started == [1, 2, 3, 4, 1, 3]
-    assert [w.scn for w in dispatcher.replay] == [1, 3]
+    assert positions.advanced[-2:] == [1, 3]  # (the replay: purged windows skipped)
+    assert dispatcher.replay == []  # (checkpointed when the stream ended)
 
 
 class _CountingPositions(_Positions):
@@ -174,3 +175,27 @@ async def test_a_checkpoint_is_built_only_for_an_on_checkpoint_that_looks_at_it(
         assert positions.built == built
         if isinstance(callbacks, _Watching):
             assert callbacks.seen == 5
+
+
+async def test_the_windows_processed_before_the_stream_ends_are_checkpointed() -> None:
+    """With ``checkpoint_every_windows`` above 1, the windows processed after the last
+    checkpoint were not stored when the stream ended (``stop()``, a bounded read's end,
+    a fetch error): the next run replayed them (review)."""
+    config = ConsumerConfig(relays=("http://127.0.0.1:1",), checkpoint_every_windows=5)
+    positions = _CountingPositions()
+    windows = [_window(s, "p.0") for s in range(1, 4)]
+    with contextlib.suppress(QueueClosed):
+        await Dispatcher(_Watching(), config, positions, _feeder(windows)).run()
+    assert positions.persisted == 1 and positions.built == 1
+
+    positions = _CountingPositions()
+    items = [_window(s, "p.0") for s in range(1, 3)]
+
+    async def failing() -> Window:
+        if not items:
+            raise ConnectionError("the relay went away for good")
+        return items.pop(0)
+
+    with contextlib.suppress(ConnectionError):
+        await Dispatcher(_Watching(), config, positions, failing).run()
+    assert positions.persisted == 1

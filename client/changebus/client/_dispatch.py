@@ -360,9 +360,13 @@ class Dispatcher:
             while True:
                 try:
                     window = await self._next_window()
-                except (QueueClosed, ConsumerAbortedError, DataLossDetectedError):
+                except QueueClosed:
+                    await self._last_checkpoint()
+                    raise
+                except (ConsumerAbortedError, DataLossDetectedError):
                     raise
                 except Exception as exc:
+                    await self._last_checkpoint()
                     await self._report(exc)
                     raise
                 self.replay.append(window)
@@ -436,6 +440,17 @@ class Dispatcher:
             await self._rollback(outcome, window)
             pending = deque(self.replay)
             replaying = True
+
+    async def _last_checkpoint(self) -> None:
+        """The stream ended (``stop()``, a bounded read's end, a fetch error): store the
+        position of the windows processed since the last checkpoint, which are all
+        whole (up to ``checkpoint_every_windows - 1`` of them were replayed by the next
+        run, a bounded read's tail included: review)."""
+        if not self.replay:
+            return
+        outcome = await self._checkpoint()
+        if not outcome.ok:
+            log.warning("the last checkpoint was not stored: %s", _describe(outcome))
 
     async def _checkpoint(self) -> _Outcome:
         outcome = _OK
