@@ -218,6 +218,18 @@ def arrow_converter(t: pa.DataType) -> Callable[[Any], Any] | None:
         if inner is None:
             return None
         return lambda v: None if v is None else [None if x is None else inner(x) for x in v]
+    if pa.types.is_map(t):
+        # (values Arrow does not take as they are: a map's every task failed; review)
+        values = arrow_converter(t.item_type)
+        if values is None:
+            return None
+
+        def pairs(v: Any) -> Any:
+            if not isinstance(v, dict):
+                return v
+            return [(k, None if x is None else values(x)) for k, x in v.items()]
+
+        return pairs
     if pa.types.is_struct(t):
         convs = {t.field(i).name: arrow_converter(t.field(i).type) for i in range(t.num_fields)}
         if all(c is None for c in convs.values()):
