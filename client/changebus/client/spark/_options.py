@@ -446,7 +446,7 @@ class SourceOptions:
 
         Without a ``key_filter`` the hash space is cut into equal ranges
         (``slice:i/n``); a range filter is cut the same way; a mod filter's
-        buckets are dealt out round-robin (at most one slice per bucket).
+        buckets are cut into contiguous runs (at most one slice per bucket).
         Together the slices select exactly what ``key_filter`` selects.
         """
         n = self.num_partitions
@@ -461,5 +461,9 @@ class SourceOptions:
             bounds = [f.lo + i * width // n for i in range(n + 1)]
             return [PartitionFilter.range(bounds[i], bounds[i + 1]) for i in range(n)]
         buckets = sorted(f.buckets)
-        groups = [buckets[i :: min(n, len(buckets))] for i in range(min(n, len(buckets)))]
-        return [PartitionFilter.mod(f.modulus, g) for g in groups]
+        k = min(n, len(buckets))
+        # contiguous runs of buckets, whose text stays short (``mod:M:a-b``): dealt out
+        # round-robin, a wide filter's slices listed every other bucket, past what a
+        # filter may hold, and every task failed (review)
+        cuts = [i * len(buckets) // k for i in range(k + 1)]
+        return [PartitionFilter.mod(f.modulus, buckets[cuts[i] : cuts[i + 1]]) for i in range(k)]
