@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import ipaddress
 import struct
 import uuid
 from collections.abc import Callable
@@ -71,7 +70,7 @@ from changebus.schemas import CorruptEventError
 
 from . import _pgtext as pgtext, _textcompose as textcompose
 from ._pgoutput import UNCHANGED, Cell
-from ._pgtext import numeric_value, time_text
+from ._pgtext import inet_text, numeric_value, time_text
 
 __all__ = [
     "DECODERS",
@@ -213,18 +212,6 @@ def _interval(b: bytes) -> dict[str, int]:
     return {"months": months, "days": days, "micros": micros}
 
 
-def _inet(b: bytes, *, cidr: bool = False) -> str:
-    family, bits, is_cidr, nb = b[0], b[1], b[2], b[3]
-    addr_bytes = b[4 : 4 + nb]
-    addr: ipaddress.IPv4Address | ipaddress.IPv6Address = (
-        ipaddress.IPv4Address(addr_bytes) if family == 2 else ipaddress.IPv6Address(addr_bytes)
-    )
-    full = 32 if family == 2 else 128
-    if cidr or is_cidr or bits != full:
-        return f"{addr}/{bits}"
-    return str(addr)
-
-
 def _macaddr(b: bytes) -> str:
     return ":".join(f"{x:02x}" for x in b)
 
@@ -307,12 +294,12 @@ DECODERS: Final[dict[int, Callable[[bytes], Any]]] = {
     26: lambda b: _S_U32.unpack(b)[0],
     114: _text,
     142: _text,
-    650: lambda b: _inet(b, cidr=True),
+    650: lambda b: inet_text(b, cidr=True),
     700: lambda b: _S_F32.unpack(b)[0],
     701: lambda b: _S_F64.unpack(b)[0],
     790: _money,
     829: _macaddr,
-    869: _inet,
+    869: inet_text,
     1042: _text,
     1043: _text,
     1082: _date,
