@@ -473,3 +473,48 @@ async def test_a_table_with_a_generated_column_is_seeded(tmp_path: Path, pg_dsn:
         )
     assert progress.rows == len(got) == 250
     assert progress.chunks >= 3
+
+
+async def test_a_seed_source_of_another_cluster_is_refused(
+    tmp_path: Path, pg_dsn: str, pg_server: Any
+) -> None:
+    """Chunks are tagged with the seed source's LSNs: a source other than the cluster the
+    relay reads (a logical replica, a clone) ordered its rows against another WAL, ahead
+    of the stream's changes or behind them, silently (review). Refused now, by the
+    clusters' system identifiers."""
+    import shutil
+    import tempfile
+
+    from fix_pg import start_pg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE dup (id int8 PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO dup SELECT g, 'v' FROM generate_series(1, 10) g")
+    base = Path(tempfile.mkdtemp(prefix="changebus-pg-"))  # (the server's user reads it)
+    other = start_pg(base)
+    try:
+        with psycopg.connect(other.dsn(), autocommit=True) as conn:
+            conn.execute("CREATE TABLE dup (id int8 PRIMARY KEY, v text)")
+        async with Relay(relay_config(tmp_path, pg_dsn, 8 << 20)) as relay:
+            await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE dup SET v = 'w' WHERE id = 1")
+            await caught_up(relay, pg_dsn)
+            fetcher = relay.hosts["pg"].status()["fetcher"]
+            assert fetcher["system_identifier"]
+            request = dataclasses.replace(
+                relay_request(relay, other.dsn(), "public.dup"), relay_fetcher=fetcher
+            )
+            with pytest.raises(SourceConfigError, match="another Postgres cluster") as refused:
+                await asyncio.to_thread(
+                    seed_postgres, request, lambda *_: pytest.fail("written"), SeedProgress()
+                )
+            assert not refused.value.retriable
+            # the cluster the relay reads: seeded
+            same = dataclasses.replace(request, dsn=pg_dsn)
+            progress = SeedProgress()
+            await asyncio.to_thread(seed_postgres, same, lambda *_: None, progress)
+            assert progress.rows == 10
+    finally:
+        other.stop()
+        shutil.rmtree(base, ignore_errors=True)

@@ -106,9 +106,7 @@ class SnapshotFold(StoreDb):
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
                     if op == _UPDATE:
                         sent = event
-                        event = self._fold_update(
-                            part, h, key, event, (upserts, lacking, moved)
-                        )
+                        event = self._fold_update(part, h, key, event, (upserts, lacking, moved))
                         if event is not sent:
                             whole.append((event, int(row_id)))
                     upserts[(int(source_id), key)] = (

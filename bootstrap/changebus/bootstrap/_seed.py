@@ -121,8 +121,10 @@ def seed_postgres(
     one, to ``write(table, events, tag)`` (``write(table, [], first_tag)``
     ends a table); ``progress`` is updated after every chunk; a set
     ``stop`` ends the run between chunks (and while waiting for a
-    watermark) with a retriable error. ``request.relay_fetcher`` is not
-    needed (commit LSNs are the server's own SCNs) and ignored.
+    watermark) with a retriable error. ``request.relay_fetcher`` names the
+    cluster the relay reads (its system identifier): a seed source of another
+    cluster (a logical replica, a clone) is refused, since commit LSNs, the
+    chunks' tags, are a cluster's own.
     """
     opener = functools.partial(PostgresChunkSource, stop=stop)
     return run_chunked(request, opener, sink or WriterSink(write), progress, stop=stop)
@@ -226,6 +228,23 @@ class PostgresChunkSource:
             return None
         return message_scn(str(row[0]))
 
+    def _check_cluster(self) -> None:
+        """Refuse a seed source other than the cluster the relay reads: its LSNs, the
+        chunks' tags, would order its rows against another WAL's (rows written ahead
+        of the stream's changes, or behind them, silently: review)."""
+        from changebus.fetchers.postgres import pg_system_identifier
+
+        relay = str((self.request.relay_fetcher or {}).get("system_identifier") or "")
+        if not relay:
+            return  # (a relay of an older version, or a role that may not read it)
+        own = pg_system_identifier(self.conn)
+        if own and own != relay:
+            raise SourceConfigError(
+                f"the seed source is another Postgres cluster (system identifier {own}) than "
+                f"the relay reads ({relay}): seed from the cluster the relay reads (commit "
+                "LSNs, hence SCNs, are a cluster's own)"
+            )
+
     def __enter__(self) -> PostgresChunkSource:
         from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
 
@@ -249,6 +268,7 @@ class PostgresChunkSource:
         self.conn.execute("SET DateStyle = 'ISO, MDY'")
         self.conn.execute("SET IntervalStyle = 'postgres'")
         self.conn.execute("SET TimeZone = 'UTC'")
+        self._check_cluster()
         self.resolver = TypeResolver(self.conn)
         self.assembler = Assembler(
             self.request.partition_id,

@@ -473,7 +473,9 @@ _WHOLE_PARTITION = (
 )
 #: the fetcher's figures such a principal still gets: which source server and SCN space
 #: the partition reads (a bootstrap server seeding the granted tables needs them)
-_FETCHER_IDENTITY = frozenset({"kind", "server_id", "mysql_server_id", "scn_base"})
+_FETCHER_IDENTITY = frozenset(
+    {"kind", "server_id", "mysql_server_id", "scn_base", "system_identifier"}
+)
 
 
 async def status(request: web.Request) -> web.Response:

@@ -34,7 +34,11 @@ from ._pgoutput import (
     Update as Update,
     parse_message as parse_message,
 )
-from ._setup import connect as pg_connect, reason as pg_error_reason
+from ._setup import (
+    connect as pg_connect,
+    reason as pg_error_reason,
+    system_identifier as pg_system_identifier,
+)
 from ._transcode import Fallback as Fallback
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
@@ -79,4 +83,5 @@ __all__ = [
     "parse_message",
     "pg_connect",
     "pg_error_reason",
+    "pg_system_identifier",
 ]

@@ -95,6 +95,8 @@ class PostgresFetcher:
         self.start_position = ""
         #: the reader of the current (or last) stream: "socket" or "libpq"
         self.stream_reader = ""
+        #: the cluster's system identifier ("": not known): a seed checks it is the same
+        self.system_identifier = ""
 
     # ---- Fetcher protocol -------------------------------------------------
 
@@ -115,6 +117,7 @@ class PostgresFetcher:
         plan = await asyncio.to_thread(set_up, self.config, resume, self.name)
         # the stream continues after a gap's DATA_LOSS window, not the relay's old end
         self._resume, self._data_loss = plan.resume, plan.data_loss
+        self.system_identifier = plan.system
         if resume.scn >= 0:
             return resume.scn
         if plan.confirmed <= 0:
@@ -156,6 +159,7 @@ class PostgresFetcher:
             "slot": self.config.slot,
             "slot_wal_status": self._slot_state,
             "stream_reader": self.stream_reader,
+            "system_identifier": self.system_identifier,
             "acked_lsn": scn_to_lsn(self._acked_end_lsn) if self._acked_end_lsn else "",
             **{k: v for k, v in self.stats.items() if v != -1},
         }

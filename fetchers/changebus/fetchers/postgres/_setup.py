@@ -43,11 +43,14 @@ class StartPlan:
     slot's start, right after the DATA_LOSS window. ``data_loss``:
     ``(from_scn, to_scn, reason)`` of that window, None without a gap.
     ``confirmed``: the slot's confirmed position as an SCN (-1: unknown).
+    ``system``: the cluster's system identifier (its WAL positions are its own;
+    "": not known).
     """
 
     resume: ResumePoint
     data_loss: tuple[int, int, str] | None
     confirmed: int
+    system: str = ""
 
 
 def set_up(config: PostgresConfig, resume: ResumePoint, partition: str) -> StartPlan:
@@ -63,12 +66,24 @@ def set_up(config: PostgresConfig, resume: ResumePoint, partition: str) -> Start
                 "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
                 (config.slot,),
             ).fetchone()
+            system = system_identifier(catalog)
     except psycopg.OperationalError as exc:
         watchdog.check()
         raise SourceError(f"cannot connect to Postgres: {reason(exc)}") from None
     finally:
         watchdog.close()
-    return StartPlan(resume, data_loss, lsn_to_scn(row[0]) if row and row[0] else -1)
+    return StartPlan(resume, data_loss, lsn_to_scn(row[0]) if row and row[0] else -1, system)
+
+
+def system_identifier(conn: Any) -> str:
+    """The cluster's system identifier ("" when the role may not read it)."""
+    import psycopg
+
+    try:
+        row = conn.execute("SELECT system_identifier::text FROM pg_control_system()").fetchone()
+    except psycopg.errors.InsufficientPrivilege:  # (autocommit: nothing to roll back)
+        return ""
+    return str(row[0]) if row and row[0] else ""
 
 
 def _prepare(
