@@ -28,13 +28,17 @@ Hook = Callable[[web.Request, int, dict[str, str], bytes], web.Response | None]
 
 
 @contextlib.asynccontextmanager
-async def proxy(upstream: str, hook: Hook) -> AsyncIterator[str]:
+async def proxy(
+    upstream: str, hook: Hook, rewrite: Callable[[web.Request], str] | None = None
+) -> AsyncIterator[str]:
     """Forwards GETs to ``upstream``; ``hook(request, status, headers, body)`` may answer
-    instead (None: the upstream's answer)."""
+    instead (None: the upstream's answer); ``rewrite(request)``: the path and query
+    asked of the upstream instead of the request's."""
     session = aiohttp.ClientSession()
 
     async def forward(request: web.Request) -> web.Response:
-        async with session.get(f"{upstream}{request.path_qs}") as resp:
+        asked = request.path_qs if rewrite is None else rewrite(request)
+        async with session.get(f"{upstream}{asked}") as resp:
             body = await resp.read()
             headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
             status = resp.status
@@ -150,3 +154,78 @@ async def test_snapshots_restarted_again_and_again_back_off(tmp_path: Path) -> N
             )
         assert got == want
     assert 2 <= len(refused) <= 12, f"{len(refused)} restarts in 1.5 s"
+
+
+async def test_catchup_windows_past_the_target_are_left_to_the_relays(tmp_path: Path) -> None:
+    """A catch-up page holding windows past the consumer's target (a server that ignored
+    it): they were queued, the consumer went on at the relays after the target, and the
+    relays sent them again (review). The catch-up now ends at its target."""
+    import json
+
+    async with synthetic_boot(tmp_path, windows=60) as (relay, boot):
+        buffer = relay.hosts["syn"].buffer
+        sel = buffer.select(-1, -1, 1 << 30)
+        assert sel is not None
+        data = b"".join(bytes(v) for v in sel.views)
+        buffer.release(sel)
+        _, hdr = parse_stream(data)
+        scns = sorted({int(h["scn"]) for h in hdr})
+        mid = scns[len(scns) // 2]
+
+        def low_status(
+            request: web.Request, status: int, headers: dict[str, str], body: bytes
+        ) -> Any:
+            if request.path == "/v1/bootstrap/status" and status == 200:
+                doc = json.loads(body)
+                doc["producer_scn"] = mid  # (the consumer's target: mid)
+                return web.json_response(doc)
+            return None
+
+        def ignore_target(request: web.Request) -> str:
+            if request.path != "/v1/bootstrap/catchup":
+                return request.path_qs
+            query = dict(request.query)
+            query["target"] = str(scns[-1])
+            return request.path + "?" + "&".join(f"{k}={v}" for k, v in query.items())
+
+        def evicted(request: web.Request, status: int, headers: dict[str, str], body: bytes) -> Any:
+            # the relay as one that evicted the windows up to mid
+            if request.path == "/v1/stream" and int(request.query.get("scn", "-1")) < mid:
+                return web.json_response(
+                    {
+                        "error": "scn_not_found",
+                        "message": "evicted",
+                        "retriable": False,
+                        "oldest_scn": mid,
+                        "prev_scn": mid,
+                    },
+                    status=410,
+                )
+            return None
+
+        got: list[int] = []
+        async with (
+            proxy(boot.url, low_status, ignore_target) as boot_url,
+            proxy(relay.url, evicted) as relay_url,
+        ):
+            cfg = ConsumerConfig(
+                relays=(relay_url,),
+                partition="syn",
+                start=str(scns[0] - 1),
+                bootstrap_servers=(boot_url,),
+                bootstrap_catchup_only=True,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.2,
+                wait_s=0.2,
+            )
+            async with Consumer(cfg) as consumer:
+                stream = aiter(consumer)
+                while True:
+                    try:
+                        window = await asyncio.wait_for(anext(stream), 2.0)
+                    except TimeoutError:
+                        break
+                    if window.events:
+                        got.append(window.scn)
+    assert got == sorted(set(got)), "windows repeated"
+    assert got and got[-1] == scns[-1]
