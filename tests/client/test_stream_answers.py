@@ -15,6 +15,7 @@ answer must be bent, an aiohttp proxy in front of it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -265,3 +266,64 @@ async def test_continuations_refused_again_and_again_back_off(
         got = await _read(cfg, 20)
     assert got == [(10, list(range(40))), (20, [999])]
     assert 2 <= len(refused) <= 12, f"{len(refused)} refused continuations in 1.5 s"
+
+
+async def test_a_relay_dropped_while_its_request_waits_for_headers_hands_nothing_on(
+    make_relay: Any,
+) -> None:
+    """``set_relays`` closed the response being read, but a request still connecting or
+    waiting for its headers had none yet: its answer was read until it ended on its own,
+    windows and all, from a relay no longer listed (review)."""
+    from changebus.client._stream import RelayStream, StreamConfig
+
+    async with make_relay(wait=False, windows_per_s=50, max_windows=2000) as relay:
+        host = relay.hosts["syn"]
+        while host.buffer.meta.windows < 2:
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as http:
+
+            async def slow(request: web.Request) -> web.StreamResponse:
+                await asyncio.sleep(1.0)  # (the headers come late)
+                async with http.get(relay.url + request.path_qs) as r:
+                    body = await r.read()
+                    headers = {k: v for k, v in r.headers.items() if k.startswith("X-Changebus")}
+                    status = r.status
+                return web.Response(
+                    status=status, body=body if status != 204 else None, headers=headers
+                )
+
+            app = web.Application()
+            app.router.add_get("/{path:.*}", slow)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            dropped = f"http://127.0.0.1:{port}"
+            try:
+                cfg = StreamConfig(
+                    relays=(dropped,),
+                    partition="syn",
+                    follow=False,
+                    wait_s=0.3,
+                    **{k: v for k, v in FAST.items() if k.startswith("backoff")},
+                )
+                stream = RelayStream(cfg, http)
+                handed: list[tuple[str, int]] = []
+                changed = asyncio.Event()
+
+                async def sink(window: Any, url: str) -> None:
+                    handed.append((url, window.scn))
+                    if changed.is_set() and len([u for u, _ in handed if u == relay.url]) >= 3:
+                        raise asyncio.CancelledError
+
+                task = asyncio.create_task(stream.run(sink))
+                await asyncio.sleep(0.3)  # (the request waits for its headers)
+                stream.set_relays((relay.url,))
+                changed.set()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 20)
+            finally:
+                await runner.cleanup()
+    assert not [s for u, s in handed if u == dropped], "windows from the dropped relay"
+    assert [u for u, _ in handed] and all(u == relay.url for u, _ in handed)

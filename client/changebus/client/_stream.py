@@ -347,8 +347,9 @@ class RelayStream:
         while True:
             error: Exception
             moved = False
+            url = failover.url
             try:
-                await self._request(failover.url, sink)
+                await self._request(url, sink)
                 if self._refused_scn < 0 or self._position >= self._refused_scn:
                     failover.succeeded()  # (not a first part of a window refused before)
                 continue
@@ -356,7 +357,9 @@ class RelayStream:
                 error = wrapped.error  # raised again below as the sink's own, unwrapped
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
                 error = exc
-                moved = self._moved  # set_relays closed the response: not a failure
+                # set_relays closed the response, or dropped the relay while it connected:
+                # not a failure of the new list's relay
+                moved = self._moved or url != failover.url
             finally:
                 self._response = None
                 self._moved = False
@@ -443,6 +446,11 @@ class RelayStream:
                         partition=self.partition or "",
                         requested_scn=int(params.get("scn", "-1")),
                     )
+                if url != self._failover.url:
+                    # set_relays dropped this relay while the request waited for its
+                    # headers (no response to close then): nothing of it is read (review)
+                    self._restart_window()
+                    return
                 self._response = resp
                 self._moved = False
                 self.answering, self.last_error = True, ""
