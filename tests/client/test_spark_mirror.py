@@ -158,3 +158,28 @@ def test_changes_between_a_bootstrap_batch_end_and_its_snapshot_rows_are_applied
     cur = mirror.current() or {}
     assert "_cb_scn" not in (mirror.read(spark) or spark.range(0)).columns
     assert cur["applied"] == {"pg": [302, 0]}
+
+
+def test_a_truncate_alone_and_one_between_a_bootstrap_batch_end_and_its_rows(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A batch holding only a truncate left the copy as it was (nothing followed it, so
+    the batch looked empty); a truncate between a bootstrap batch's end and its snapshot
+    rows' versions kept every row, the older ones too (review of this session's mirror).
+    A truncate now drops the copy's rows older than it, one by one."""
+    from changebus.client.spark import ParquetMirror
+
+    mirror = ParquetMirror(tmp_path / "alone", ["id"])
+    mirror(batch(spark, [(1, "a", "insert", 10, 0), (2, "b", "insert", 10, 1)]), 0)
+    mirror(batch(spark, [(None, None, "truncate", 20, 0)]), 1)
+    df = mirror.read(spark)
+    assert df is not None and df.count() == 0
+    mirror(batch(spark, [(None, None, "truncate", 20, 0)]), 1)  # replayed
+    mirror(batch(spark, [(3, "c", "insert", 30, 0)]), 2)
+    assert rows(spark, mirror) == [(3, "c")]
+
+    # a bootstrap batch: row 1 at 100 (its page read before the truncate), row 2 at 210
+    boot = ParquetMirror(tmp_path / "boot", ["id"])
+    boot(batch(spark, [(1, "a", "insert", 100, 0), (2, "b2", "update_postimage", 210, 0)]), 0)
+    boot(batch(spark, [(None, None, "truncate", 205, 0), (2, "b2", "insert", 210, 0)]), 1)
+    assert rows(spark, boot) == [(2, "b2")]

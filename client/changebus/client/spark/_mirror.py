@@ -18,8 +18,8 @@ naming the newest complete one. Applying micro-batch ``batch_id``:
    come in the next batches, were dropped as older than the batch (review);
 2. drop the keys of the changes kept (NULL keys included: a table keyed by
    all its columns) from the current copy, add the rows whose last change is
-   not a delete (a truncate in the batch empties the copy first, unless the
-   pointer shows it applied already), and write the result to ``v=<batch_id>``
+   not a delete (a truncate in the batch first drops the copy's rows older than
+   it, and its changes before it), and write the result to ``v=<batch_id>``
    in the batch's columns (after a schema change: a new column is null in the
    rows kept, a dropped one goes, a retyped one is cast); copies are numbered
    in order (``v=<n>``), whatever the batch ids;
@@ -134,7 +134,7 @@ class ParquetMirror:
                 str(r["_partition"]): [int(r["at"][0]), int(r["at"][1])] for r in newest.collect()
             }
             number = 0 if version is None else int(version) + 1
-            new_version = self._apply(df, number, version, applied)
+            new_version = self._apply(df, number, version)
         finally:
             df.unpersist()
         if new_version is _UNCHANGED:
@@ -149,9 +149,7 @@ class ParquetMirror:
             if new_version is None or child.name != f"v={new_version}":
                 shutil.rmtree(child, ignore_errors=True)
 
-    def _apply(
-        self, df: DataFrame, batch_id: int, version: int | None, applied: dict[str, list[int]]
-    ) -> int | str | None:
+    def _apply(self, df: DataFrame, batch_id: int, version: int | None) -> int | str | None:
         """Write the copy with the batch applied as ``v=<batch_id>``: its number, or
         :data:`_UNCHANGED` when no change is newer than the copy's."""
         spark = df.sparkSession
@@ -180,16 +178,26 @@ class ParquetMirror:
         if version is not None:
             base = spark.read.parquet(str(self._dir(version)))
         truncate = stats["truncate"]
+        emptied = False
         if truncate is not None:
-            # the table was emptied inside this batch: what came before goes; the copy
-            # goes too, unless the pointer shows the truncate applied (a replay: the copy
-            # holds what followed it, and the key versions sort out the rest)
-            if not self._applied_before(df, truncate, applied):
-                base = None
-            later = (F.col("_commit_scn") > truncate[0]) | (
-                (F.col("_commit_scn") == truncate[0]) & (F.col("_txn_seq") > truncate[1])
+            # the table was emptied inside this batch: what came before it goes, in the
+            # batch and in the copy, row by row (a replay's copy keeps what followed it; a
+            # copy after a bootstrap batch holds rows of both sides: review)
+            scn, seq = int(truncate[0]), int(truncate[1])
+            later = (F.col("_commit_scn") > scn) | (
+                (F.col("_commit_scn") == scn) & (F.col("_txn_seq") > seq)
             )
             changes = changes.where(later)
+            if base is not None and _SCN in base.columns:
+                after = F.coalesce(
+                    (F.col(_SCN) > scn) | ((F.col(_SCN) == scn) & (F.col(_SEQ) > seq)),
+                    F.lit(False),  # (a row without a version: older)
+                )
+                emptied = base.where(~after).limit(1).count() > 0
+                base = base.where(after)
+            else:
+                emptied = base is not None  # (a copy without versions: all of it is older)
+                base = None
         changes = changes.where(F.col("_change_type") != "truncate")
         order = Window.partitionBy(*self.key).orderBy(
             F.col("_commit_scn").desc(), F.col("_txn_seq").desc()
@@ -201,7 +209,7 @@ class ParquetMirror:
         )
         if base is not None:
             last = self._newer(last, base)
-        if last.limit(1).count() == 0:
+        if last.limit(1).count() == 0 and not emptied:
             return _UNCHANGED
         upserts = last.where(F.col("_change_type") != "delete").select(
             *data_cols, F.col("_commit_scn").alias(_SCN), F.col("_txn_seq").alias(_SEQ)
@@ -242,15 +250,6 @@ class ParquetMirror:
             )
         )
         return c.join(b, on=same, how="left").where(newer).select("_c.*")
-
-    @staticmethod
-    def _applied_before(df: DataFrame, truncate: Any, applied: dict[str, list[int]]) -> bool:
-        """Whether the batch's truncate is at or before what the pointer says was applied
-        of its partition (a replayed batch, or a new query that started earlier)."""
-        parts = [r[0] for r in df.select("_partition").distinct().limit(2).collect()]
-        if len(parts) != 1 or str(parts[0]) not in applied:
-            return False
-        return [int(truncate[0]), int(truncate[1])] <= applied[str(parts[0])]
 
     def _moved(self, df: DataFrame) -> DataFrame:
         """The old key of every update that changed its row's key, as a delete.
