@@ -780,3 +780,13 @@ def test_a_catchup_update_that_moved_a_row_is_served_with_the_columns_it_lacked(
         if cpage.complete:
             break
     assert have == {(t.name, 2): "X"}
+    # an UPDATE that moved nothing stays as Postgres sent it (a consumer completes it
+    # from the row it holds; filled in, a bulk UPDATE of TOASTed rows grew many times)
+    plain = enc.encode(Op.UPDATE, 40, 0, 400, {"id": 2, "v": None}, after_not_sent=("v",))
+    store.append("p", plain + eow(EndOfWindow(1, ""), 40, 1, 400), start_scn=0)
+    store.apply("p")
+    cpage = store.catchup_page("p", after_scn=30, target_scn=40, max_bytes=1 << 20)
+    offsets, _ = parse_stream(cpage.data)
+    h = verify_event(cpage.data, int(offsets[0]))
+    logged = ChangeDecoder(t).decode(event_at(cpage.data, int(offsets[0]), h)[1])
+    assert h.op == Op.UPDATE and tuple(logged.after_not_sent) == ("v",)

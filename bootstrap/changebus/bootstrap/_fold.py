@@ -94,7 +94,8 @@ class SnapshotFold(StoreDb):
         upserts: dict[tuple[int, bytes], tuple[Any, ...]] = {}
         lacking: dict[tuple[int, bytes], int] = {}  # (source id, key) -> SCN
         moved: dict[tuple[int, bytes], int] = {}  # of those, moved there (cb_moved)
-        whole: list[tuple[bytes, int]] = []  # UPDATEs filled in: (event, log row id)
+        # UPDATEs that moved a row and were filled in: (event, log row id)
+        refilled: list[tuple[bytes, int]] = []
         with self._txn():
             for row_id, source_id, op, scn, event in rows:
                 if op == _TRUNCATE:
@@ -105,10 +106,9 @@ class SnapshotFold(StoreDb):
                     h = decode_header(event)
                     key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
                     if op == _UPDATE:
-                        sent = event
-                        event = self._fold_update(part, h, key, event, (upserts, lacking, moved))
-                        if event is not sent:
-                            whole.append((event, int(row_id)))
+                        event = self._fold_update(
+                            part, h, key, event, (upserts, lacking, moved), refilled, row_id
+                        )
                     upserts[(int(source_id), key)] = (
                         part,
                         int(source_id),
@@ -118,11 +118,13 @@ class SnapshotFold(StoreDb):
                         event,
                     )
             self._flush_upserts(upserts)
-            # the log serves catch-ups the UPDATEs as filled in: a consumer that lacks the
-            # row's previous image (it moved from a key the consumer never held: a
-            # snapshot sent it at its newest version, deleted) otherwise stored the row
-            # without the columns Postgres left out, or moved a newer row onto it (review)
-            self._many("UPDATE cb_log SET event = {p} WHERE id = {p}", whole)
+            # the log serves catch-ups the UPDATEs that moved a row as filled in: a
+            # consumer may lack the row's previous image (it moved from a key the consumer
+            # never held: a snapshot sent it at its newest version, deleted) and stored
+            # the row without the columns Postgres left out, or moved a newer row onto it
+            # (review). Only those: others a consumer completes from the row it holds,
+            # and filled in, a bulk UPDATE of TOASTed rows would grow many times over
+            self._many("UPDATE cb_log SET event = {p} WHERE id = {p}", refilled)
             self._many(
                 "INSERT INTO cb_unfilled (part, source_id, key, scn) VALUES ({p}, {p}, {p}, {p}) "
                 "ON CONFLICT (part, source_id, key) DO UPDATE SET scn = excluded.scn",
@@ -152,12 +154,16 @@ class SnapshotFold(StoreDb):
             dict[tuple[int, bytes], int],
             dict[tuple[int, bytes], int],
         ],
+        refilled: list[tuple[bytes, int]],
+        row_id: int,
     ) -> bytes:
         """What an UPDATE leaves in the snapshot; returns the event to store for its key.
 
         ``batch``: the snapshot rows of the fold step so far, the keys whose
         rows still lack columns (``cb_unfilled``), and those of them whose row moved
-        there from another key (``cb_moved``), all written at its end.
+        there from another key (``cb_moved``), all written at its end. A moved row's
+        UPDATE, filled in, goes to ``refilled`` with its log ``row_id`` (the log's copy
+        is replaced by it).
 
         * A key change (the before-image has another key) leaves a tombstone
           for the old key, so no stale row survives under it, and stores the
@@ -191,6 +197,8 @@ class SnapshotFold(StoreDb):
             whole = filled is not None and filled[1]
             if filled is not None:
                 event = filled[0]
+                if source_key != key:  # (the log's copy too: see fold)
+                    refilled.append((event, int(row_id)))
             if (
                 not whole
                 and h.key_length
