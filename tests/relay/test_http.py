@@ -246,6 +246,11 @@ async def test_sources_schemas_status_metrics(relay: Relay, http: aiohttp.Client
     params = {"partition": "syn", "scn": -1, "max_bytes": 4096, "client": "slowpoke"}
     async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
         first = len(await resp.read())
+    # a filter that skips most of what its answer covers, up to the tail: caught up
+    kept = {"partition": "syn", "scn": -1, "max_bytes": 1 << 24, "client": "filtered"}
+    async with http.get(f"{relay.url}/v1/stream", params={**kept, "filter": "mod:8:0"}) as resp:
+        assert resp.status == 200
+        await resp.read()
     async with http.get(f"{relay.url}/v1/status") as resp:
         status = {p["name"]: p for p in (await resp.json())["partitions"]}
     syn = status["syn"]
@@ -256,6 +261,7 @@ async def test_sources_schemas_status_metrics(relay: Relay, http: aiohttp.Client
     # size for every consumer: review)
     assert seen["tester"]["behind_bytes"] == 0
     assert seen["slowpoke"]["behind_bytes"] == syn["bytes_used"] - first > 0
+    assert seen["filtered"]["behind_bytes"] == 0
     async with http.get(f"{relay.url}/metrics") as resp:
         text = await resp.text()
     assert 'changebus_relay_buffer_windows{partition="syn"} 300.0' in text

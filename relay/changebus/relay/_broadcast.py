@@ -338,7 +338,7 @@ class TailBroadcast:
         now = time.monotonic()
         moved: list[Parked] = []
         host = self._host
-        reached = push.start_pos + size if push.start_pos >= 0 else -1
+        reached = -1 if push.to_tail or push.start_pos < 0 else push.start_pos + size
         written = 0
         for stream in group:
             transport = stream.transport

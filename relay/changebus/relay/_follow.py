@@ -222,7 +222,9 @@ async def _pushes(
         metrics.streamed(host.name, len(cached.body), cached.events)
         sent += len(cached.body)
         scn, offset = cached.next_scn, cached.next_offset
-        reached = cached.start_pos + len(cached.body) if cached.start_pos >= 0 else -1
+        reached = (
+            -1 if cached.to_tail or cached.start_pos < 0 else cached.start_pos + len(cached.body)
+        )
         host.saw_consumer(ask.client, scn, request.remote or "", reached)
         idle_until = time.monotonic() + ask.wait
         own_push = broadcast is None  # the next push: the broadcast's again

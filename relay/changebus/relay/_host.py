@@ -297,9 +297,10 @@ class PartitionHost(SourceAcks):
 
         ``reached``: the virtual byte position just past the answer it got (the
         answer's ``start_pos`` plus its bytes; -1: nothing to send, it is at the
-        tail). Its ``behind_bytes`` are the buffer's bytes after that: exact for
-        an unfiltered answer, an upper bound for a filtered one (the events a
-        filter skipped after the answer count).
+        tail, or the answer reached it). Its ``behind_bytes`` are the buffer's
+        bytes after that: exact for an unfiltered answer, an upper bound for a
+        filtered one that stopped before the tail (the events a filter skipped
+        after the answer count).
 
         ``consumers`` is kept in least-recently-seen order (a consumer seen
         again moves to the end) and holds at most :attr:`max_consumers`

@@ -252,7 +252,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
         await host.wait_for_window(left)
 
     size = selection.nbytes if isinstance(selection, Selection) else len(selection.body)
-    reached = selection.start_pos + size if selection.start_pos >= 0 else -1
+    # (an answer that reached the tail: caught up, also when a filter skipped most of it)
+    reached = -1 if selection.to_tail or selection.start_pos < 0 else selection.start_pos + size
     host.saw_consumer(client, scn, request.remote or "", reached)
     if isinstance(selection, Selection) and (fmt == "ndjson" or selection.nbytes <= _COPY_BYTES):
         # small, or for people: one copy, checked against the pin (OverwrittenError
