@@ -114,7 +114,11 @@ class ZkUnitStore:
         owner node in that transaction instead: a claimant paused between its
         acquire and its claim, whose node was replaced meanwhile, is refused with
         :class:`~changebus.schemas.FencedError` (it was a bare read-modify-write,
-        and the late claim fenced the unit's rightful owner: review).
+        and the late claim fenced the unit's rightful owner: review). A narrow
+        window remains there: the czxid is read before the transaction, which
+        can check only the node's version, and a node deleted and made again in
+        between has version 0 as the untouched one had. The consumer's own store
+        (with the member fence) has no such window.
         """
         node, parent = checkpoint_path(group, unit), checkpoints_path(group)
         await self._ensure(group)
