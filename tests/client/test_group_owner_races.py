@@ -118,3 +118,40 @@ def test_a_fenced_units_yielded_window_does_not_advance_its_next_claim() -> None
     }
     group._on_fenced(frozenset({fenced}))
     assert list(group._uncommitted) == [str(kept)]
+
+
+async def test_a_claim_that_found_its_unit_not_owned_is_tried_again() -> None:
+    """A claim whose owner node went meanwhile (returned None, the unit still targeted) was
+    not tried again until the target changed: the unit stayed with no owner (review)."""
+    import changebus.client._group_units as units
+
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+
+    class _LosesOnce(_Member):
+        lost = False
+
+        async def acquire(self, unit: Unit) -> int:
+            fence = await super().acquire(unit)
+            if not self.lost:  # (its node deleted under it: a session hiccup, say)
+                self.lost = True
+                self.owned -= {unit}
+            return fence
+
+    member = _LosesOnce()
+    started: list[list[Unit]] = []
+    owner = UnitOwner(cfg, member, _SlowStore(), None, None, None, lambda: None)  # type: ignore[arg-type]
+    owner._start = lambda claims: started.append([c.unit for c in claims])  # type: ignore[method-assign]
+    task = asyncio.create_task(owner.run())
+    unit = Unit("p", 0)
+    try:
+        member.target = frozenset({unit})
+        owner.on_target(member.target)
+        for _ in range(int((units._RETRY_S + 3) / 0.05)):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    assert member.lost and started == [[unit]]

@@ -294,6 +294,10 @@ class UnitOwner:
                     claim = task.result()
                     if claim is not None:
                         claims.append(claim)
+                    elif unit in self.member.target:
+                        # (its owner node went meanwhile: nothing else looks at the unit
+                        # again until the target changes; found by review)
+                        failed = True
                 if claims:
                     self._start(claims)
         finally:
