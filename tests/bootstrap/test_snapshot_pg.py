@@ -482,6 +482,7 @@ async def test_a_seed_source_of_another_cluster_is_refused(
     relay reads (a logical replica, a clone) ordered its rows against another WAL, ahead
     of the stream's changes or behind them, silently (review). Refused now, by the
     clusters' system identifiers."""
+    import gc
     import shutil
     import tempfile
 
@@ -510,6 +511,8 @@ async def test_a_seed_source_of_another_cluster_is_refused(
                     seed_postgres, request, lambda *_: pytest.fail("written"), SeedProgress()
                 )
             assert not refused.value.retriable
+            del refused
+            gc.collect()  # (its connection is closed: a leak fails this test, not a later one)
             # the cluster the relay reads: seeded
             same = dataclasses.replace(request, dsn=pg_dsn)
             progress = SeedProgress()

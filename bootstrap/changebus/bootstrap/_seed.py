@@ -246,7 +246,7 @@ class PostgresChunkSource:
             )
 
     def __enter__(self) -> PostgresChunkSource:
-        from changebus.fetchers.postgres import Assembler, TypeResolver, pg_connect
+        from changebus.fetchers.postgres import pg_connect
 
         self.conn = pg_connect(
             self.request.dsn,
@@ -254,6 +254,18 @@ class PostgresChunkSource:
             option="seed.dsn",
             application_name=APPLICATION_NAME,
         )
+        try:
+            self._set_up()
+        except BaseException:
+            self.__exit__()  # (no __exit__ after a failed __enter__: the connection leaked)
+            raise
+        return self
+
+    def _set_up(self) -> None:
+        """The session's settings, the cluster check, the type resolver and assembler."""
+        from changebus.fetchers.postgres import Assembler, TypeResolver
+
+        assert self.conn is not None
         # the only writes are the watermark samples' empty commits: no need to wait for a flush
         self.conn.execute("SET synchronous_commit = off")
         # a chunk queued behind a lock (an ALTER TABLE waiting or running) would wait with
@@ -278,7 +290,6 @@ class PostgresChunkSource:
             array_dims=self.resolver.array_dims,
             policy=self.policy,
         )
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.conn is not None:
