@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from changebus.cluster import (
@@ -125,8 +127,12 @@ async def test_registry_registers_again_after_the_session_expires(
             admin.stop()
             admin.close()
         other = KazooClient(hosts=zk_hosts, client_id=(sid, password), timeout=1.0)
-        other.start(timeout=10)
-        other.stop()
+        # (on a loaded machine the 1 s session may have expired by itself meanwhile: the
+        # server then refuses its id and the take-over times out, which is no failure;
+        # the new session below is what counts)
+        with contextlib.suppress(KazooTimeoutError):
+            other.start(timeout=10)
+            other.stop()
         other.close()
 
     await asyncio.to_thread(expire)
