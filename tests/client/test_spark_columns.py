@@ -500,7 +500,11 @@ def test_maps_whose_values_arrow_does_not_take_as_they_are() -> None:
         offsets, headers = parse_stream(body)
         change = ChangeDecoder(table)
         decoder = ArrowDecoder(union_schema([table]))
-        decoder.add_events(body, offsets, headers, lambda _s, _v, c=change: c, "p0")
+
+        def decoder_of(_s: int, _v: int, c: ChangeDecoder = change) -> ChangeDecoder:
+            return c
+
+        decoder.add_events(body, offsets, headers, decoder_of, "p0")
         batch = decoder.flush()
         got = dict(batch.column("m").to_pylist()[0])
         if want is not None:

@@ -251,7 +251,7 @@ async def test_a_follow_response_ends_its_connection(tmp_path: Path) -> None:
         async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
             assert resp.headers.get("Connection", "").lower() == "close"
             assert len(await resp.read()) >= 5_000
-        pull = {"partition": "syn", "scn": start, "max_bytes": 100_000}
+        pull: dict[str, Any] = {"partition": "syn", "scn": start, "max_bytes": 100_000}
         async with http.get(f"{relay.url}/v1/stream", params=pull) as resp:
             assert resp.status == 200
             assert resp.headers.get("Connection", "").lower() != "close"

@@ -506,7 +506,9 @@ def test_a_sync_never_covers_a_window_the_meta_file_does_not_name_yet(tmp_path: 
         assert entered.wait(10)
         syncer.request()
         time.sleep(0.3)  # (a sync round, had it seen window 2)
-        on_disk = _newest((tmp_path / "b" / "meta.dat").read_bytes(), _SLOT)[1]
+        newest = _newest((tmp_path / "b" / "meta.dat").read_bytes(), _SLOT)
+        assert newest is not None
+        on_disk = newest[1]
         assert syncer.synced_scn <= on_disk.last_scn == 1
         gate.set()
         writer.join(10)

@@ -243,11 +243,21 @@ async def test_sources_schemas_status_metrics(relay: Relay, http: aiohttp.Client
     async with http.get(f"{relay.url}/v1/schemas/missing.table") as resp:
         assert resp.status == 404
     await read_all(http, relay, client="tester")
-    params = {"partition": "syn", "scn": -1, "max_bytes": 4096, "client": "slowpoke"}
+    params: dict[str, Any] = {
+        "partition": "syn",
+        "scn": -1,
+        "max_bytes": 4096,
+        "client": "slowpoke",
+    }
     async with http.get(f"{relay.url}/v1/stream", params=params) as resp:
         first = len(await resp.read())
     # a filter that skips most of what its answer covers, up to the tail: caught up
-    kept = {"partition": "syn", "scn": -1, "max_bytes": 1 << 24, "client": "filtered"}
+    kept: dict[str, Any] = {
+        "partition": "syn",
+        "scn": -1,
+        "max_bytes": 1 << 24,
+        "client": "filtered",
+    }
     async with http.get(f"{relay.url}/v1/stream", params={**kept, "filter": "mod:8:0"}) as resp:
         assert resp.status == 200
         await resp.read()

@@ -110,8 +110,7 @@ def test_window_progress() -> None:
         # wrong JSON types that Python let through (review)
         ('{"v":true,"partitions":{}}', "version"),
         (
-            '{"v":1,"partitions":{"p":{"mode":"bootstrap-snapshot",'
-            '"bootstrap":{"source":null}}}}',
+            '{"v":1,"partitions":{"p":{"mode":"bootstrap-snapshot","bootstrap":{"source":null}}}}',
             "source must be a string",
         ),
     ],
