@@ -10,6 +10,7 @@ database per test module. Debian's binaries are used; `make test` installs
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -65,9 +66,17 @@ def pg_server() -> Iterator[PgServer]:
 @pytest.fixture
 def pg_dsn(pg_server: PgServer) -> Iterator[str]:
     """A fresh database on the session's server; dropped afterwards."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
+    with fresh_database(pg_server) as dsn:
+        yield dsn
+
+
+@contextlib.contextmanager
+def fresh_database(pg_server: PgServer, options: str = "", prefix: str = "t_") -> Iterator[str]:
+    """A new database on ``pg_server`` (``CREATE DATABASE ... options``): its DSN; dropped
+    afterwards with its replication slots."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}" {options}')
     try:
         yield pg_server.dsn(name)
     finally:

@@ -18,8 +18,9 @@ import aiohttp
 from aiohttp import web
 from synthetic_boot import synthetic_boot
 
-from changebus.client import Consumer, ConsumerConfig
+from changebus.client import Consumer, ConsumerConfig, Window
 from changebus.schemas import Op, parse_stream
+from stub_http import serve_routes
 
 _HOP = frozenset({"content-length", "transfer-encoding", "content-encoding", "connection"})
 
@@ -34,31 +35,21 @@ async def proxy(
     """Forwards GETs to ``upstream``; ``hook(request, status, headers, body)`` may answer
     instead (None: the upstream's answer); ``rewrite(request)``: the path and query
     asked of the upstream instead of the request's."""
-    session = aiohttp.ClientSession()
+    async with aiohttp.ClientSession() as session:
 
-    async def forward(request: web.Request) -> web.Response:
-        asked = request.path_qs if rewrite is None else rewrite(request)
-        async with session.get(f"{upstream}{asked}") as resp:
-            body = await resp.read()
-            headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
-            status = resp.status
-        answer = hook(request, status, headers, body)
-        if answer is not None:  # (not ``or``: a response is a mapping, empty: false)
-            return answer
-        return web.Response(status=status, body=body, headers=headers)
+        async def forward(request: web.Request) -> web.Response:
+            asked = request.path_qs if rewrite is None else rewrite(request)
+            async with session.get(f"{upstream}{asked}") as resp:
+                body = await resp.read()
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+                status = resp.status
+            answer = hook(request, status, headers, body)
+            if answer is not None:  # (not ``or``: a response is a mapping, empty: false)
+                return answer
+            return web.Response(status=status, body=body, headers=headers)
 
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-        await session.close()
+        async with serve_routes({"/{tail:.*}": forward}) as url:
+            yield url
 
 
 @contextlib.asynccontextmanager
@@ -95,18 +86,25 @@ async def _read(relay_url: str, boot_url: str, **config: Any) -> dict[str, Any]:
         **options,
     )
     rows: dict[str, Any] = {}
+    for window in await _windows(cfg):
+        for e in window.events:
+            if e.after is None:
+                rows.pop(repr(e.key), None)
+            else:
+                rows[repr(e.key)] = e.after
+    return rows
+
+
+async def _windows(cfg: ConsumerConfig) -> list[Window]:
+    """The windows a consumer gets until none comes for 2 s (the relay's source ended)."""
+    got: list[Window] = []
     async with Consumer(cfg) as consumer:
         stream = aiter(consumer)
         while True:
             try:
-                window = await asyncio.wait_for(anext(stream), 2.0)
+                got.append(await asyncio.wait_for(anext(stream), 2.0))
             except TimeoutError:
-                return rows
-            for e in window.events:
-                if e.after is None:
-                    rows.pop(repr(e.key), None)
-                else:
-                    rows[repr(e.key)] = e.after
+                return got
 
 
 async def test_a_cut_snapshot_page_is_read_again(tmp_path: Path) -> None:
@@ -216,7 +214,6 @@ async def test_catchup_windows_past_the_target_are_left_to_the_relays(tmp_path: 
                 )
             return None
 
-        got: list[int] = []
         async with (
             proxy(boot.url, low_status, ignore_target) as boot_url,
             proxy(relay.url, evicted) as relay_url,
@@ -231,15 +228,7 @@ async def test_catchup_windows_past_the_target_are_left_to_the_relays(tmp_path: 
                 backoff_max_s=0.2,
                 wait_s=0.2,
             )
-            async with Consumer(cfg) as consumer:
-                stream = aiter(consumer)
-                while True:
-                    try:
-                        window = await asyncio.wait_for(anext(stream), 2.0)
-                    except TimeoutError:
-                        break
-                    if window.events:
-                        got.append(window.scn)
+            got = [w.scn for w in await _windows(cfg) if w.events]
     assert got == sorted(set(got)), "windows repeated"
     assert got == with_rows, "windows lost"
     assert cut, "no catch-up page was cut"

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from changebus.client import Consumer, ConsumerConfig
 from changebus.schemas import Column, Op, TableSchema, scan_offsets
+from stub_http import serve_routes
 
 A = TableSchema("app.a", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1)
 B = TableSchema("app.b", (Column("id", "long", nullable=False), Column("v", "string")), ("id",), 1)
@@ -75,12 +76,14 @@ async def test_a_big_event_after_filtered_ones_is_read(
 
 
 @asynccontextmanager
-async def _proxy(upstream: str, bend: Any) -> AsyncIterator[str]:
+async def _proxy(upstream: str, bend: Any, delay_s: float = 0.0) -> AsyncIterator[str]:
     """An HTTP proxy to ``upstream``; ``bend(request, status, headers, body)`` may return
-    a response of its own (None: pass the relay's on, changebus headers and body)."""
+    a response of its own (None: pass the relay's on, changebus headers and body);
+    ``delay_s``: how long each request waits before it is passed on."""
     async with aiohttp.ClientSession() as http:
 
         async def handle(request: web.Request) -> web.StreamResponse:
+            await asyncio.sleep(delay_s)
             async with http.get(upstream + request.path_qs) as r:
                 body = await r.read()
                 headers = {k: v for k, v in r.headers.items() if k.startswith("X-Changebus")}
@@ -92,17 +95,8 @@ async def _proxy(upstream: str, bend: Any) -> AsyncIterator[str]:
                 status=status, body=body if status != 204 else None, headers=headers
             )
 
-        app = web.Application()
-        app.router.add_get("/{path:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
+        async with serve_routes({"/{path:.*}": handle}) as url:
+            yield url
 
 
 async def test_a_part_of_a_window_cut_on_the_way_is_refused_and_read_again(
@@ -280,50 +274,31 @@ async def test_a_relay_dropped_while_its_request_waits_for_headers_hands_nothing
         host = relay.hosts["syn"]
         while host.buffer.meta.windows < 2:
             await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession() as http:
+        async with (
+            aiohttp.ClientSession() as http,
+            _proxy(relay.url, lambda *_: None, delay_s=1.0) as dropped,  # (headers come late)
+        ):
+            cfg = StreamConfig(
+                relays=(dropped,),
+                partition="syn",
+                follow=False,
+                wait_s=0.3,
+                **{k: v for k, v in FAST.items() if k.startswith("backoff")},
+            )
+            stream = RelayStream(cfg, http)
+            handed: list[tuple[str, int]] = []
+            changed = asyncio.Event()
 
-            async def slow(request: web.Request) -> web.StreamResponse:
-                await asyncio.sleep(1.0)  # (the headers come late)
-                async with http.get(relay.url + request.path_qs) as r:
-                    body = await r.read()
-                    headers = {k: v for k, v in r.headers.items() if k.startswith("X-Changebus")}
-                    status = r.status
-                return web.Response(
-                    status=status, body=body if status != 204 else None, headers=headers
-                )
+            async def sink(window: Any, url: str) -> None:
+                handed.append((url, window.scn))
+                if changed.is_set() and len([u for u, _ in handed if u == relay.url]) >= 3:
+                    raise asyncio.CancelledError
 
-            app = web.Application()
-            app.router.add_get("/{path:.*}", slow)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            dropped = f"http://127.0.0.1:{port}"
-            try:
-                cfg = StreamConfig(
-                    relays=(dropped,),
-                    partition="syn",
-                    follow=False,
-                    wait_s=0.3,
-                    **{k: v for k, v in FAST.items() if k.startswith("backoff")},
-                )
-                stream = RelayStream(cfg, http)
-                handed: list[tuple[str, int]] = []
-                changed = asyncio.Event()
-
-                async def sink(window: Any, url: str) -> None:
-                    handed.append((url, window.scn))
-                    if changed.is_set() and len([u for u, _ in handed if u == relay.url]) >= 3:
-                        raise asyncio.CancelledError
-
-                task = asyncio.create_task(stream.run(sink))
-                await asyncio.sleep(0.3)  # (the request waits for its headers)
-                stream.set_relays((relay.url,))
-                changed.set()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait_for(task, 20)
-            finally:
-                await runner.cleanup()
+            task = asyncio.create_task(stream.run(sink))
+            await asyncio.sleep(0.3)  # (the request waits for its headers)
+            stream.set_relays((relay.url,))
+            changed.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 20)
     assert not [s for u, s in handed if u == dropped], "windows from the dropped relay"
     assert [u for u, _ in handed] and all(u == relay.url for u, _ in handed)

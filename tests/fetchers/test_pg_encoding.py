@@ -10,7 +10,6 @@ have passed as other characters (review).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,28 +19,16 @@ from test_pg_fetcher import replay_buffer
 from test_pg_fetcher_ops import config
 
 from changebus.relay import Relay
-from fix_pg import PgServer, _drop_slot, caught_up, wait_until
+from fix_pg import PgServer, caught_up, fresh_database, wait_until
 
 pytestmark = pytest.mark.pg
 
 
 @pytest.fixture
 def latin1_dsn(pg_server: PgServer) -> Iterator[str]:
-    name = f"l_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-        conn.execute(
-            f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
-            "TEMPLATE template0"
-        )
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-            for (slot,) in conn.execute(
-                "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
-            ).fetchall():
-                _drop_slot(conn, slot)
-            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    options = "ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+    with fresh_database(pg_server, options, "l_") as dsn:
+        yield dsn
 
 
 @pytest.mark.parametrize("mode", ["stream", "sql"])
