@@ -86,6 +86,7 @@ from ._seed_pg_keys import (
     row_fields,
 )
 from ._seed_pg_readers import KeysetReader, KeysReader, Reader, SingleReader
+from ._seed_pg_session import open_session
 from ._seedtypes import SeedProgress, SeedRequest, SeedWriter
 
 __all__ = ["PostgresChunkSource", "seed_postgres"]
@@ -95,8 +96,6 @@ _TEMPORAL = frozenset({"date", "time", "timestamp", "local"})
 
 log = logging.getLogger("changebus.bootstrap.seed")
 
-#: application_name of every seeder connection (operators and tests find its transactions by it)
-APPLICATION_NAME = "changebus-seed"
 #: a table's columns, to notice a DDL during its snapshot
 _SHAPE = (
     "SELECT attname::text, atttypid::int, atttypmod::int FROM pg_attribute "
@@ -228,68 +227,24 @@ class PostgresChunkSource:
             return None
         return message_scn(str(row[0]))
 
-    def _check_cluster(self) -> None:
-        """Refuse a seed source other than the cluster the relay reads: its LSNs, the
-        chunks' tags, would order its rows against another WAL's (rows written ahead
-        of the stream's changes, or behind them, silently: review)."""
-        from changebus.fetchers.postgres import pg_system_identifier
-
-        relay = str((self.request.relay_fetcher or {}).get("system_identifier") or "")
-        if not relay:
-            return  # (a relay of an older version, or a role that may not read it)
-        own = pg_system_identifier(self.conn)
-        if own and own != relay:
-            raise SourceConfigError(
-                f"the seed source is another Postgres cluster (system identifier {own}) than "
-                f"the relay reads ({relay}): seed from the cluster the relay reads (commit "
-                "LSNs, hence SCNs, are a cluster's own)"
-            )
-
     def __enter__(self) -> PostgresChunkSource:
-        from changebus.fetchers.postgres import pg_connect
-
-        self.conn = pg_connect(
-            self.request.dsn,
-            "cannot connect to the seed source",
-            option="seed.dsn",
-            application_name=APPLICATION_NAME,
-        )
-        try:
-            self._set_up()
-        except BaseException:
-            self.__exit__()  # (no __exit__ after a failed __enter__: the connection leaked)
-            raise
-        return self
-
-    def _set_up(self) -> None:
-        """The session's settings, the cluster check, the type resolver and assembler."""
         from changebus.fetchers.postgres import Assembler, TypeResolver
 
-        assert self.conn is not None
-        # the only writes are the watermark samples' empty commits: no need to wait for a flush
-        self.conn.execute("SET synchronous_commit = off")
-        # a chunk queued behind a lock (an ALTER TABLE waiting or running) would wait with
-        # its snapshot open, holding back vacuum, and a stop could not end the wait
-        self.conn.execute(f"SET lock_timeout = {int(LOCK_TIMEOUT_S * 1000)}")
-        # row-level security would show the seed a subset of the rows, and the sweep would
-        # then take the others for deleted: off, a table it would filter fails loudly
-        # (found by review). Key cursors are key values as text: floats in full, times in
-        # ISO form and UTC, whatever the role or database sets.
-        self.conn.execute("SET row_security = off")
-        self.conn.execute("SET extra_float_digits = 3")
-        self.conn.execute("SET DateStyle = 'ISO, MDY'")
-        self.conn.execute("SET IntervalStyle = 'postgres'")
-        self.conn.execute("SET TimeZone = 'UTC'")
-        self._check_cluster()
-        self.resolver = TypeResolver(self.conn)
-        self.assembler = Assembler(
-            self.request.partition_id,
-            self.resolver.resolve,
-            self.registry,
-            primary_key=self.resolver.primary_key,
-            array_dims=self.resolver.array_dims,
-            policy=self.policy,
-        )
+        self.conn = open_session(self.request, LOCK_TIMEOUT_S)
+        try:
+            self.resolver = TypeResolver(self.conn)
+            self.assembler = Assembler(
+                self.request.partition_id,
+                self.resolver.resolve,
+                self.registry,
+                primary_key=self.resolver.primary_key,
+                array_dims=self.resolver.array_dims,
+                policy=self.policy,
+            )
+        except BaseException:
+            self.__exit__()  # (no __exit__ after a failed __enter__)
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.conn is not None:

@@ -168,10 +168,8 @@ class BinlogAssembler:
         #: rewound to a pending XA prepare), their table layouts are versions the
         #: relay knows, found by content rather than registered anew
         self.replay_until = -1
-        #: the SCN of the newest statement the declared types followed: one read again
-        #: (a reconnect goes back to a pending XA prepare, before windows never sent,
-        #: such as a DDL's idle HEARTBEAT) is not applied twice (a RENAME read twice
-        #: lost the table's types: review)
+        #: the SCN of the newest statement the declared types followed: none is applied
+        #: twice when a reconnect reads again from a pending XA prepare (review)
         self.ddl_applied = -1
 
     # ---- positions ----------------------------------------------------------
