@@ -7,8 +7,12 @@ bits in one of its files and reopens it:
 * a damaged key hash in the event table must not send an event to the wrong
   mod-filter consumer;
 * a damaged event position in the event table is repaired from the ring;
-* damage in the ring keeps every complete window before the damaged one and
-  replaces the rest by one DATA_LOSS window (never a silent gap);
+* damage in a middle window of the ring, with every later window intact,
+  counts the windows up to it as evicted (consumers behind them catch up
+  from the bootstrap server, those past them go on);
+* damage that reaches the newest window keeps every complete window before
+  the first damaged one and replaces the rest by one DATA_LOSS window (never
+  a silent gap);
 * undamaged buffers (wrapped many times) reopen exactly as they were.
 """
 
@@ -204,7 +208,7 @@ def _loss_of(event: bytes) -> DataLoss:
 
 
 @pytest.mark.parametrize("where", ["payload", "header", "eow"])
-def test_damage_in_the_ring_keeps_the_windows_before_it(
+def test_damage_in_the_ring_up_to_the_newest_window_keeps_the_windows_before_it(
     tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     buf = fill(tmp_path, 1, 700)
@@ -217,8 +221,10 @@ def test_damage_in_the_ring_keeps_the_windows_before_it(
     k = next(i for i, e in enumerate(before) if e[0] == bad_scn and e[1] == seq)
     phys = int(buf._events.at(m.head_event + k)["pos"]) % CAP
     offset = phys + (HEADER_SIZE + 20 if where == "payload" else 9)
+    newest = int(buf._events.at(m.tail_event - 2)["pos"]) % CAP  # the newest window's data
     buf.close()
     flip(tmp_path / "ring.dat", offset, 5)
+    flip(tmp_path / "ring.dat", newest + HEADER_SIZE + 3, 1)  # no later window start verifies
     with caplog.at_level(logging.WARNING, logger="changebus.relay.buffer"):
         again = EventBuffer(tmp_path, CFG)
     assert any("data loss" in r.getMessage() for r in caplog.records)
@@ -254,6 +260,59 @@ def test_damage_in_the_ring_keeps_the_windows_before_it(
     third = EventBuffer(tmp_path, CFG)
     assert third.meta == after
     assert window_scns(read_all(third))[-2:] == [m.last_scn, m.last_scn + 1]
+    third.close()
+
+
+def spaced(directory: Path, scns: list[int]) -> EventBuffer:
+    """A buffer holding windows at ``scns`` (gaps between them: an exact ``prev_scn``
+    differs from "just below the next window")."""
+    buf = EventBuffer(directory, CFG)
+    buf.set_start(scns[0] - 1)
+    for scn in scns:
+        buf.append_window(make_window(scn))
+    return buf
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "eow"])
+def test_damage_in_a_middle_window_evicts_up_to_it_and_keeps_the_intact_rest(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every later window verifies: the windows up to the damaged one count as evicted
+    (recording the intact windows after it as lost stopped every consumer past the
+    damage: review). ``prev_scn`` is the damaged window's own SCN when its END_OF_WINDOW
+    is intact, so a consumer that had read it goes on from the relay."""
+    buf = spaced(tmp_path, list(range(10, 5010, 10)))
+    m = buf.meta
+    before = read_all(buf)
+    scns = window_scns(before)
+    bad_scn = scns[len(scns) // 2]
+    seq = 3 if where == "eow" else 1
+    k = next(i for i, e in enumerate(before) if e[0] == bad_scn and e[1] == seq)
+    phys = int(buf._events.at(m.head_event + k)["pos"]) % CAP
+    buf.close()
+    flip(tmp_path / "ring.dat", phys + (HEADER_SIZE + 20 if where == "payload" else 9), 5)
+    with caplog.at_level(logging.WARNING, logger="changebus.relay.buffer"):
+        again = EventBuffer(tmp_path, CFG)
+    assert not any("data loss" in r.getMessage() for r in caplog.records)
+    rest = [e for e in before if e[0] > bad_scn]
+    assert read_all(again) == rest, "every window after the damage is served, nothing else"
+    assert Op.DATA_LOSS not in [e[2] for e in read_all(again)]
+    m2 = again.meta
+    assert (m2.min_scn, m2.last_scn, m2.evicted) == (bad_scn + 10, m.last_scn, 1)
+    assert again.stats["recovery_events_dropped"] == len(before) - len(rest)
+    # prev_scn: the damaged window's SCN from its intact END_OF_WINDOW, else just below
+    # the new oldest window (never lower than the newest window it evicts)
+    assert m2.prev_scn == (bad_scn + 9 if where == "eow" else bad_scn)
+    assert again.meta.prev_pos == ("" if where == "eow" else f"pos-{bad_scn}")
+    assert read_all(again, bad_scn + 9, -1) == rest
+    with pytest.raises(ScnNotFoundError):
+        again.select(bad_scn - 1, -1, 1000)  # behind it: to the bootstrap server
+    again.append_window(make_window(m.last_scn + 10))
+    after = again.meta
+    again.close()
+    third = EventBuffer(tmp_path, CFG)  # the recovered state was published
+    assert third.meta == after
+    assert third.stats["recovery_events_dropped"] == 0
     third.close()
 
 
@@ -360,8 +419,10 @@ def test_an_interrupted_recovery_still_records_the_loss(
     before = read_all(buf)
     pos = int(buf._events.at(m.head_event + 200)["pos"])
     bad_scn = before[200][0]
+    newest = int(buf._events.at(m.tail_event - 2)["pos"])
     buf.close()
     flip(tmp_path / "ring.dat", pos % CAP + HEADER_SIZE + 2, 7)
+    flip(tmp_path / "ring.dat", newest % CAP + HEADER_SIZE + 2, 7)  # the tail too: a loss
 
     def crash(self: EventBuffer, loss: object) -> None:
         raise RuntimeError("killed before the DATA_LOSS window was written")
@@ -393,21 +454,25 @@ def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:
         buf.append_window(make_window(scn))
     m = buf.meta
     before = read_all(buf)
+    start = (m.tail_pos - 8192) // 4096 * 4096  # virtual position of the stale page
+    stale = {  # the SCNs of the windows with bytes on it
+        int(r["scn"])
+        for r in buf._events.get(m.head_event, m.tail_event)
+        if int(r["pos"]) < start + 4096 and int(r["pos"]) + int(r["length"]) > start
+    }
     buf.close()
     ring = bytearray((tmp_path / "ring.dat").read_bytes())
-    page = (m.tail_pos - 8192) % CAP // 4096 * 4096
+    page = start % CAP
     assert ring[page : page + 4096] != old_ring[page : page + 4096]
     ring[page : page + 4096] = old_ring[page : page + 4096]
     (tmp_path / "ring.dat").write_bytes(bytes(ring))
     again = EventBuffer(tmp_path, CFG)
     got = read_all(again)
-    events = [e for e in got if e[2] != Op.DATA_LOSS and e[0] != m.last_scn]
-    assert events == before[: len(events)], "only windows before the stale page are served"
-    assert len(events) < len(before)
-    assert [(e[0], e[2]) for e in got[len(events) :]] == [
-        (m.last_scn, Op.DATA_LOSS),
-        (m.last_scn, Op.END_OF_WINDOW),
-    ]
+    # the intact windows after the stale page are served, those up to it count as evicted
+    assert 0 < len(got) < len(before)
+    assert got == before[len(before) - len(got) :]
+    assert again.meta.min_scn > max(stale)
+    assert Op.DATA_LOSS not in [e[2] for e in got]
     again.close()
 
 
@@ -512,7 +577,9 @@ def _windows(port: int) -> list[tuple[int, int]]:
         scn = int(headers["X-Changebus-Next-Scn"])
 
 
-def test_relay_restarted_on_a_damaged_ring_keeps_the_windows_before_it(tmp_path: Path) -> None:
+def test_relay_restarted_on_a_damaged_ring_serves_the_intact_windows_after_it(
+    tmp_path: Path,
+) -> None:
     port = _free_port()
     cfg = tmp_path / "relay.toml"
     cfg.write_text(
@@ -548,12 +615,11 @@ def test_relay_restarted_on_a_damaged_ring_keeps_the_windows_before_it(tmp_path:
         relay.send_signal(signal.SIGTERM)
         relay.wait(20)
     scns = [scn for scn, _ in after]
-    kept = scns.index(m.last_scn)
-    # every window before the damaged one, in order, then the loss, then the fetcher goes on
-    assert scns[:kept] == list(range(m.min_scn, bad_scn))
-    assert after[kept] == (m.last_scn, Op.DATA_LOSS)
-    assert scns[kept + 1 :] == list(range(m.last_scn + 1, m.last_scn + 1 + len(scns) - kept - 1))
-    assert len(scns) > kept + 1
+    # every window after the damaged one, then the fetcher goes on; no loss recorded
+    assert scns[0] == bad_scn + 1
+    assert scns == list(range(bad_scn + 1, bad_scn + 1 + len(scns)))
+    assert scns[-1] > m.last_scn
+    assert Op.DATA_LOSS not in [op for _, op in after]
     assert status["stats"]["recovery_events_dropped"] > 0
 
 

@@ -16,19 +16,26 @@ are derived data and are checked or rebuilt from the ring:
   entry can never make a reader skip windows.
 
 Damage in the ring itself (a torn page after the machine went down, a
-flipped bit) keeps every complete window before the first damaged event;
-that window and everything after it are dropped, never served:
+flipped bit) is never served; what is kept around it:
 
-* when windows are kept, the buffer owes a DATA_LOSS window for
-  ``(last kept SCN + 1 .. last published SCN)`` at the last published SCN
+* when every event from some window start after the damage verifies up to
+  the published tail, the windows from that start on are kept and those
+  before it count as evicted (:func:`_later_head`). That is what a machine
+  that went down between an eviction's overwrite and its published head
+  leaves (damage in the oldest windows), and the better choice for damage
+  in a middle window too: consumers behind the new head catch up from the
+  bootstrap server, which holds what the relay had served it, while every
+  consumer past the damage goes on; keeping the windows before the damage
+  instead would stop those with a DATA_LOSS for windows that are intact.
+  With ``durability = "fsync"`` only damage in the oldest window is
+  handled so (below: the source sends the dropped windows again);
+* otherwise (the newest window is damaged too) every complete window
+  before the first damaged event is kept, and that window and everything
+  after it are dropped: the buffer owes a DATA_LOSS window for ``(last kept
+  SCN + 1 .. last published SCN)`` at the last published SCN
   (:class:`Loss`, appended by the buffer through its normal write path), so
   a consumer past the kept windows is told, as for other losses in the
   relay; the fetcher resumes after the last published SCN as before;
-* when the damage is confined to the oldest windows (every event from a
-  later window start verifies up to the published tail), those windows
-  count as evicted and the rest is kept (:func:`_later_head`: what a machine
-  that went down between an eviction's overwrite and its published head
-  leaves);
 * when nothing else is kept (damage in the oldest window and later), the
   buffer starts empty after the last published SCN (``prev_scn =
   last_scn``), so older consumers are sent to the bootstrap server
@@ -128,7 +135,7 @@ def recover(
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
     loaded = meta
-    if keep == 0:
+    if keep < n and (keep == 0 or not replayable):
         later = _later_head(ring, meta, records, name)
         if later is not None:
             meta, check = later
@@ -215,7 +222,7 @@ def recover(
 def _later_head(
     ring: memoryview, meta: BufferMeta, records: npt.NDArray[Any], name: str
 ) -> tuple[BufferMeta, RingCheck] | None:
-    """The state with the oldest windows evicted when they alone are damaged, or None.
+    """The state with every window up to the last damaged one evicted, or None.
 
     The writer evicts windows in memory before it overwrites their bytes
     with new ones, and publishes the new head after the bytes: a machine
@@ -225,11 +232,12 @@ def _later_head(
     and acknowledged; dropping the whole buffer for them lost it (found by
     review). So the first window start (the event table's, a hint) from
     which every event verifies up to the published tail becomes the head,
-    and the windows before it count as evicted (``prev_scn`` just below the
-    new oldest window: never above what was really evicted, so no consumer
-    is served across a gap); damage also in a middle window moves the head
-    past it (the intact windows before it count as evicted: safe, if more
-    than needed). Damage in the newest window: None. A binary search over the
+    and the windows before it count as evicted: ``prev_scn`` is the SCN of
+    the newest of them when its END_OF_WINDOW verifies (:func:`_window_before`),
+    else just below the new oldest window, never below what was really
+    evicted, so no consumer is served across a gap. Damage also in a middle
+    window moves the head past it (the intact windows before it count as
+    evicted). Damage in the newest window: None. A binary search over the
     window starts (verification from one start implies it from every later
     one), each step one check.
     """
@@ -256,17 +264,20 @@ def _later_head(
     check = verified(first)
     assert check is not None
     h = check.headers
+    head_pos, min_scn = int(check.pos[0]), int(h["scn"][0])
+    before = _window_before(ring, meta, int(records["pos"][first - 1]), head_pos, min_scn)
+    prev_scn, prev_ts, prev_pos = before or (min_scn - 1, 0, "")
     moved = replace(
         meta,
         head_event=meta.head_event + first,
-        head_pos=int(check.pos[0]),
-        min_scn=int(h["scn"][0]),
-        prev_scn=max(int(h["scn"][0]) - 1, meta.prev_scn),
+        head_pos=head_pos,
+        min_scn=min_scn,
+        prev_scn=max(prev_scn, meta.prev_scn),
         first_ts=int(h["timestamp_ns"][0]),
         windows=int(np.count_nonzero(h["op"] == _EOW)),
         evicted=1,
-        prev_ts=0,
-        prev_pos="",
+        prev_ts=prev_ts,
+        prev_pos=prev_pos,
     )
     log.warning(
         "buffer %s: its %d oldest events (SCN %d..) do not verify (damaged, or overwritten"
@@ -279,6 +290,38 @@ def _later_head(
         moved.min_scn,
     )
     return moved, check
+
+
+def _window_before(
+    ring: memoryview, meta: BufferMeta, pos: int, head_pos: int, min_scn: int
+) -> tuple[int, int, str] | None:
+    """``(SCN, commit time, source position)`` of the window just before a new head, or None.
+
+    A new head's ``prev_scn`` must be at least the SCN of the newest window
+    it evicts (a consumer at a lower checkpoint would be served across the
+    gap); just below the new oldest window is always that, but sends the
+    consumers that had read the evicted windows to the bootstrap server for
+    nothing. The exact SCN is taken only from an END_OF_WINDOW (``pos``, the
+    event table's hint) that verifies (both CRCs), ends right at the new head
+    and belongs to the published live range (``meta.min_scn <= SCN <
+    min_scn``): bytes of an earlier lap hold older SCNs (a stale page could
+    otherwise make ``prev_scn`` too low), bytes written after the published
+    tail newer ones.
+    """
+    h = verified_event(ring, pos)
+    if h is None or int(h["op"]) != _EOW or pos + int(h["total_length"]) != head_pos:
+        return None
+    scn = int(h["scn"])
+    if not meta.min_scn <= scn < min_scn:
+        return None
+    start = pos % len(ring)
+    try:
+        position = end_of_window_position(
+            ring[start + HEADER_SIZE : start + int(h["total_length"])]
+        )
+    except CorruptEventError:
+        position = ""
+    return scn, int(h["timestamp_ns"]), position
 
 
 def _rewind(
