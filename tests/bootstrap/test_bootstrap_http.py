@@ -14,7 +14,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from changebus.bootstrap import BootstrapConfig, BootstrapServer, HttpConfig, StoreConfig
+from changebus.bootstrap import (
+    BootstrapConfig,
+    BootstrapServer,
+    HttpConfig,
+    SeedConfig,
+    StoreConfig,
+)
 
 # the bootstrap server runs in the test's event loop: it may not block that loop
 pytestmark = pytest.mark.usefixtures("no_blocking")
@@ -123,3 +129,41 @@ async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> Non
         in text
     )
     assert 'changebus_bootstrap_producer_scn{partition="p"} -1.0' in text
+
+
+@pytest.mark.parametrize("seed_partition", ["a", ""])
+async def test_the_seed_source_seeds_its_own_partition_only(
+    tmp_path: Path, seed_partition: str
+) -> None:
+    """``seed.dsn`` is the source of ``seed.partition`` (or of the only partition): a
+    seed or snapshot of another partition is refused. It was accepted, and filled that
+    partition's snapshot from the other database (two databases of one Postgres
+    cluster pass the seeder's identity check); a gap there re-seeded it so too."""
+    cfg = BootstrapConfig(
+        relays=(f"http://127.0.0.1:{closed_port()}",),
+        partitions=("a", "b"),
+        data_dir=tmp_path / "boot",
+        store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+        http=HttpConfig(port=0),
+        seed=SeedConfig(
+            dsn=f"host=127.0.0.1 port={closed_port()} dbname=a", partition=seed_partition
+        ),
+    )
+    async with BootstrapServer(cfg) as server, aiohttp.ClientSession() as http:
+        assert [server.service.seeds(p) for p in "ab"] == [seed_partition == "a", False]
+        for part in "ab":
+            async with http.post(f"{server.url}/v1/seed?partition={part}&tables=public.t") as r:
+                body = await r.json()
+            if part == "a" and seed_partition:
+                # refused for another reason only: the table is not known (no relay)
+                assert r.status == 503, body
+                continue
+            assert r.status == 400, body
+            assert "not the source of partition " + part in body["message"]
+            assert "port=" not in body["message"]  # (the DSN is a secret)
+            doc = {"partition": part, "table": "public.t"}
+            async with http.post(f"{server.url}/v1/snapshot", json=doc) as r:
+                body = await r.json()
+            assert r.status == 400, body
+            assert "not the source of partition " + part in body["message"]
+        assert all(w.seeding is None for w in server.service.workers.values())

@@ -218,6 +218,31 @@ def test_snapshot_bodies_take_tagged_key_values() -> None:
             parse_snapshot_body({"table": "db.t", "keys": bad})
 
 
+def test_a_stored_scope_s_kind_is_read_without_parsing_its_keys() -> None:
+    """``/v1/status`` and each snapshot request look at every stored job's kind: a
+    keys scope of a megabyte was parsed whole each time (review). The cheap read
+    agrees with the parsed scope, and a request names at most MAX_KEYS keys."""
+    from changebus.bootstrap._http_admin import MAX_KEYS, parse_snapshot_body
+
+    for scope in (
+        SnapshotScope("s.t"),
+        SnapshotScope("s.t", where="a > 1"),
+        SnapshotScope("s.t", keys=((1,), (2,))),
+        SnapshotScope("s.t", keys=(("x", None),)),
+    ):
+        text = scope.as_json()
+        assert SnapshotScope.kind_of_json(text) == scope.kind
+        assert SnapshotScope.from_json(text) == scope
+    # texts written some other way are parsed
+    assert SnapshotScope.kind_of_json('{"table": "s.t", "keys": [[1]]}') == "keys"
+    assert SnapshotScope.kind_of_json('{"where": "a", "table": "s.t"}') == "where"
+    assert len(parse_snapshot_body({"table": "s.t", "keys": list(range(MAX_KEYS))}).keys) == (
+        MAX_KEYS
+    )
+    with pytest.raises(BadRequestError, match=f"at most {MAX_KEYS}"):
+        parse_snapshot_body({"table": "s.t", "keys": list(range(MAX_KEYS + 1))})
+
+
 class TableSource(ScriptedSource):
     """A source table in memory (``rows``: key -> v), read in chunks of ``CHUNK`` keys
     tagged ``base + first key``, or by key (a ``keys`` scope, tagged ``key_tag``)."""

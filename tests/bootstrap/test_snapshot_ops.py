@@ -250,7 +250,9 @@ async def test_snapshot_requests_are_checked(stack: Stack) -> None:
     assert (body["partition"], body["table"], body["scope"]) == ("pg", "public.big", "keys")
     assert body["seed"]["state"] == "starting"
     status, again = await stack.call("POST", path, ADMIN, good)
-    assert status == 400 and "being seeded already" in again["message"]
+    # (retriable: the same request succeeds once the run ended; it was a 400)
+    assert status == 503 and "being seeded already" in again["message"], again
+    assert again["retriable"] is True
     seed = await wait_seed_end(stack)
     assert seed["state"] == "done", seed
     assert seed["rows"] == 3 and seed["tables_total"] == 1

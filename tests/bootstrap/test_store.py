@@ -790,3 +790,28 @@ def test_a_catchup_update_that_moved_a_row_is_served_with_the_columns_it_lacked(
     h = verify_event(cpage.data, int(offsets[0]))
     logged = ChangeDecoder(t).decode(event_at(cpage.data, int(offsets[0]), h)[1])
     assert h.op == Op.UPDATE and tuple(logged.after_not_sent) == ("v",)
+
+
+def test_a_big_window_past_max_bytes_is_read_in_few_queries(store: Store) -> None:
+    """A catch-up page past ``max_bytes`` inside a window reads the rest of it in
+    doubling batches: it read one row a query, so a reader asking ``max_bytes=1`` made
+    the store run a query per event of a big window (review)."""
+    rows: list[tuple[str, Op, int, str | None]] = [
+        (TABLES[0].name, Op.INSERT, k, f"v{k}") for k in range(3000)
+    ]
+    store.append("p", bytes(window(101, rows)), start_scn=100)
+    store.append("p", bytes(window(102, rows[:5])))
+    calls: list[str] = []
+    real = store._all
+
+    def counted(sql: str, params: Any) -> Any:
+        calls.append(sql)
+        return real(sql, params)
+
+    store._all = counted  # type: ignore[method-assign,assignment]
+    page = store.catchup_page("p", after_scn=100, target_scn=102, max_bytes=1)
+    assert page.events == 3001 and page.last_scn == 101 and not page.complete
+    assert len(calls) <= 12, len(calls)
+    _offsets, headers = parse_stream(page.data)
+    assert {int(x) for x in headers["scn"]} == {101}
+    assert int(headers["op"][-1]) == Op.END_OF_WINDOW

@@ -77,6 +77,11 @@ def test_layers_apply_in_order(tmp_path: Path) -> None:
         (["buffer_bytes=lots"], "bad size"),
         (["sources=[{name='x', kind='oracle'}]"], "not one of"),
         (["justtext"], "bad override"),
+        # inf and nan (TOML has both): a deadline that never expires, a ratio whose
+        # product with 0 is nan (bootstrap's catchup_ratio = inf made a plan fail: review)
+        (["poll_seconds=inf"], "expected a finite number"),
+        (["poll_seconds=nan"], "expected a finite number"),
+        (["poll_seconds=-inf"], "expected a finite number"),
     ],
 )
 def test_errors_are_clear(overrides: list[str], message: str) -> None:
@@ -329,3 +334,10 @@ def test_a_secret_read_from_a_file_later_is_scrubbed_by_formatters_built_before(
     )
     assert "zk-Pa55-read-later" not in text.format(record)
     assert "zk-Pa55-read-later" not in structured.format(record)
+
+
+def test_a_bootstrap_catchup_ratio_of_inf_is_refused() -> None:
+    from changebus.bootstrap import BootstrapConfig
+
+    with pytest.raises(ConfigError, match="catchup_ratio: expected a finite number"):
+        load_config(BootstrapConfig, env={}, overrides=["catchup_ratio=inf"])

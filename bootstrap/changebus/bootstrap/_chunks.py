@@ -118,11 +118,30 @@ class SnapshotScope:
         """The whole table (no ``where``, no ``keys``): the end of it sweeps."""
         return not self.where and not self.keys
 
+    @property
+    def kind(self) -> str:
+        """``table``, ``where`` or ``keys``: what it reads, in one word (for status)."""
+        return "keys" if self.keys else "where" if self.where else "table"
+
     def as_json(self) -> str:
         return json.dumps(
             {"table": self.table, "where": self.where, "keys": [list(k) for k in self.keys]},
             sort_keys=True,
         )
+
+    @staticmethod
+    def kind_of_json(text: str) -> str:
+        """``table``, ``where`` or ``keys``: what the scope stored as ``text`` reads.
+
+        Without parsing a key list: one may be a megabyte of JSON, and the
+        status page and each snapshot request look at every stored job
+        (parsed whole, that held a reader thread or the event loop for
+        about half a second a job; review). :meth:`as_json` sorts the keys,
+        so an empty key list opens the text.
+        """
+        if not text.startswith('{"keys": []'):
+            return "keys" if text.startswith('{"keys": [') else SnapshotScope.from_json(text).kind
+        return "where" if json.loads(text).get("where") else "table"
 
     @classmethod
     def from_json(cls, text: str) -> SnapshotScope:

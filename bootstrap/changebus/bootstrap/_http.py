@@ -71,7 +71,7 @@ from changebus.schemas.server import (
 )
 
 from ._chunks import SnapshotScope
-from ._http_admin import add_admin_routes, scope_kind
+from ._http_admin import add_admin_routes
 from ._metrics import BootstrapMetrics
 from ._pagesend import BUDGET, PIECE_TIMEOUT, send_page
 from ._plan import check_position, plan_bootstrap
@@ -170,7 +170,7 @@ async def start(request: web.Request) -> web.Response:
     if mode not in ("auto", "catchup"):
         raise BadRequestError(f"mode {mode[:32]!r} must be auto or catchup")
     config = request.app[SERVICE].config
-    ratio, seeding = config.catchup_ratio, bool(config.seed.dsn)
+    ratio, seeding = config.catchup_ratio, request.app[SERVICE].seeds(part)
     w = request.app[SERVICE].workers.get(part)
     running = (
         w.seed_tables if w is not None and w.seeding is not None and not w.seeding.done() else None
@@ -247,7 +247,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
                 "URL, or a rebuilt store): run the snapshot again",
                 restart_snapshot=True,
             )
-        st = check_position(store, part, since, bool(service.config.seed.dsn))
+        st = check_position(store, part, since, service.seeds(part))
         if start_scn > st.applier_scn:
             # another server behind this URL planned it, or this store is older (restored
             # from a backup): this one gets there, or the client's next try goes elsewhere
@@ -268,7 +268,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
         # the purge may delete tombstones while the page is read (statements of their own):
         # a page that may lack some of the deletes after ``since`` must not go out (the last
         # page would be taken as whole, and the catch-up after it never sends them)
-        check_position(store, part, since, bool(service.config.seed.dsn))
+        check_position(store, part, since, service.seeds(part))
         return found
 
     async def build(limit: int) -> tuple[bytes, dict[str, str]]:
@@ -478,10 +478,10 @@ async def status_all(request: web.Request) -> web.Response:
                 rows_per_s=0.0,
                 eta_s=None,
             )
-        # (a keys scope may be 1 MB of JSON: parsed in the store's thread, not on the loop)
+        # (a keys scope may be 1 MB of JSON: its kind is read without parsing the keys)
         jobs = await service.stores.read(
             lambda s, p=w.name: [  # type: ignore[misc]
-                (j, scope_kind(SnapshotScope.from_json(j.scope))) for j in s.snapshot_jobs(p)
+                (j, SnapshotScope.kind_of_json(j.scope)) for j in s.snapshot_jobs(p)
             ]
         )
         st["seed"]["jobs"] = [

@@ -4,8 +4,11 @@ Both need scope ``admin`` (with ``[security]`` principals; 403 otherwise,
 before anything else is looked at) and a seed source (``seed.dsn``), and
 start a seed run in the background (:meth:`~._seeding.Seeding.start_seed`):
 the answer is 202 with its progress, which ``/v1/status`` shows under
-``seed`` until it ends. At most one seed runs per partition: a request while
-one runs is refused (400, the running one goes on).
+``seed`` until it ends. ``seed.dsn`` is the source of ``seed.partition`` (or
+of the only partition): a request for another partition is 400. At most one
+seed runs per partition: a request while one runs is refused (503
+``not_yet``, retriable: the same request succeeds once that run ended; the
+running one goes on).
 
 ``POST /v1/seed?partition=P&tables=a,b`` re-seeds whole tables (none: every
 table the partition knows).
@@ -19,7 +22,8 @@ of it or a part, in chunks (:mod:`._chunks`); its JSON body::
      "keys": [[1, "a"], [2, "b"]]}  # optional: key values (a scalar per row for one column)
 
 ``where`` and ``keys`` exclude each other. The body is at most
-:data:`MAX_BODY` bytes (413 beyond); malformed JSON, unknown or mistyped
+:data:`MAX_BODY` bytes (413 beyond) and names at most :data:`MAX_KEYS` keys;
+it is parsed in a thread, not on the event loop. Malformed JSON, more keys, unknown or mistyped
 fields, a ``where`` holding ``;``, keys that are not lists of JSON scalars
 (or whose length is not the table's key length), tables the partition
 lacks and a ``where`` / ``keys`` snapshot of a table whose whole-table
@@ -32,6 +36,7 @@ Event loop only (the store is read through its reader threads).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -46,10 +51,12 @@ from ._chunks import SnapshotScope
 from ._seed_mysql_values import KEY_TAGS
 from ._service import BootstrapService
 
-__all__ = ["MAX_BODY", "add_admin_routes", "parse_snapshot_body", "scope_kind"]
+__all__ = ["MAX_BODY", "MAX_KEYS", "add_admin_routes", "parse_snapshot_body"]
 
 #: the largest ``POST /v1/snapshot`` body accepted (bytes)
 MAX_BODY = 1 << 20
+#: the most keys one ``POST /v1/snapshot`` names
+MAX_KEYS = 100_000
 
 #: ``partition_of(request, name)``: the partition ``name`` names (None: the only one), checked
 PartitionOf = Callable[[web.Request, str | None], str]
@@ -87,7 +94,8 @@ def add_admin_routes(
         principal.check_scope("admin")
         doc = await _json_body(request)
         part = partition_of(request, _optional_str(doc, "partition"))
-        scope = parse_snapshot_body(doc)
+        # (up to MAX_KEYS keys: a tenth of a second of Python, not on the event loop)
+        scope = await asyncio.to_thread(parse_snapshot_body, doc)
         principal.restrict_sources((scope.table,), ())  # (403 for a table not granted)
         if scope.where and (principal.sources is not None or principal.partitions is not None):
             # a condition is SQL run with the seed's credentials: a subquery in it reads
@@ -97,8 +105,7 @@ def add_admin_routes(
                 "may snapshot "
                 "a table whole or by keys, not by a where condition"
             )
-        if not service.config.seed.dsn:
-            raise BadRequestError("no source to snapshot from: set seed.dsn")
+        service.check_seeds(part)
         await service.check_seed_tables(part, [scope.table])
         if scope.keys:
             await _check_key_length(service, part, scope)
@@ -109,7 +116,7 @@ def add_admin_routes(
             {
                 "partition": part,
                 "table": scope.table,
-                "scope": scope_kind(scope),
+                "scope": scope.kind,
                 "seed": progress.as_dict(),
             },
             status=202,
@@ -117,11 +124,6 @@ def add_admin_routes(
 
     app.router.add_post("/v1/seed", seed)
     app.router.add_post("/v1/snapshot", snapshot)
-
-
-def scope_kind(scope: SnapshotScope) -> str:
-    """``table``, ``where`` or ``keys``: what ``scope`` reads, in one word (for status)."""
-    return "keys" if scope.keys else "where" if scope.where else "table"
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -138,7 +140,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         if len(data) > MAX_BODY:
             raise _too_large(len(data))
     try:
-        doc = json.loads(bytes(data))
+        doc = await asyncio.to_thread(json.loads, bytes(data))  # (up to MAX_BODY bytes)
     except RecursionError:  # (nested deeper than the interpreter's stack: a 500 before)
         raise BadRequestError("the body is not a JSON document (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
@@ -237,6 +239,10 @@ def _parse_keys(raw: Any) -> tuple[tuple[Any, ...], ...]:
             "keys must be a non-empty JSON list of keys: [[v1, v2], ...] (one value per key "
             "column), or [v, ...] for a one-column key"
         )
+    if len(raw) > MAX_KEYS:
+        raise BadRequestError(
+            f"{len(raw)} keys: at most {MAX_KEYS} a request (send several, or a where condition)"
+        )
     keys: list[tuple[Any, ...]] = []
     for i, item in enumerate(raw):
         key = tuple(item) if isinstance(item, list) else (item,)
@@ -272,7 +278,7 @@ async def _check_no_whole_job(service: BootstrapService, part: str, table: str) 
     """
     jobs = await service.stores.read(lambda s: s.snapshot_jobs(part))
     for job in jobs:
-        if job.table == table and SnapshotScope.from_json(job.scope).whole:
+        if job.table == table and SnapshotScope.kind_of_json(job.scope) == "table":
             raise BadRequestError(
                 f"a snapshot of the whole table {table} is stored in progress ({job.chunks} "
                 f"chunks); finish it first: POST /v1/seed?partition={part}&tables={table} "

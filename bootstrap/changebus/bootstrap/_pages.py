@@ -205,8 +205,15 @@ class Pages(StoreDb):
         # (scn, id) of the last row read; windows have one SCN each and
         # ``after_scn``'s window was sent already: start past all of it
         cursor_scn, cursor_id = after_scn, _MAX_ID
+        want = 0
         while True:
-            want = _rows_to_fetch(batch_rows, max_bytes, size, (events, size))
+            if size < max_bytes:
+                want = _rows_to_fetch(batch_rows, max_bytes, size, (events, size))
+            else:
+                # past max_bytes inside a window, which goes out whole: reads that double
+                # (one row a read, as the estimate gives, took a query per row of a big
+                # window: any reader could ask for that with max_bytes=1; review)
+                want = min(batch_rows, max(2 * want, 16))
             rows = self._all(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
                 # (``scn >= cursor``, implied by the OR, is what lets the index start at

@@ -123,7 +123,7 @@ class Pipelines(Seeding):
                     log.error(
                         "partition %s: the producer fell off the relay: %s", w.name, w.last_error
                     )
-                    if cfg.seed.dsn:
+                    if self.seeds(w.name):
                         await sink.join()
                         try:
                             await self._repair_gap(w, stream.relay)

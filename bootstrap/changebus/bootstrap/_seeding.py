@@ -77,6 +77,7 @@ class Seeding(Upstream):
     secrets: tuple[str, ...]
     stores: StoreThreads
     workers: dict[str, PartitionWorker]
+    partition_names: tuple[str, ...]
     _stop_seed: threading.Event
 
     def _failure(self, exc: BaseException) -> str:
@@ -107,7 +108,7 @@ class Seeding(Upstream):
         A seed running is restarted: it may have copied tables before the
         gap was recorded (and every table must be copied after it).
         """
-        w.gap = Gap(gap_end, reason, repair_hint(w.name, seed_source=bool(self.config.seed.dsn)))
+        w.gap = Gap(gap_end, reason, repair_hint(w.name, seed_source=self.seeds(w.name)))
         w.last_error = reason
         log.error(
             "partition %s: %s; the snapshot misses the changes lost there, so positions "
@@ -118,7 +119,7 @@ class Seeding(Upstream):
             gap_end,
             w.gap.repair,
         )
-        if not self.config.seed.dsn:
+        if not self.seeds(w.name):
             return
         old = w.seeding
         if old is not None and not old.done():
@@ -180,6 +181,23 @@ class Seeding(Upstream):
 
     # ---- seeding -------------------------------------------------------------
 
+    def seeds(self, part: str) -> bool:
+        """Whether ``seed.dsn`` is the source of partition ``part``.
+
+        It is the source of ``seed.partition``, or of the only partition
+        served when that is empty; of no other. (Any partition was seeded from
+        it before: a second database of the same Postgres cluster or MySQL
+        server passes the seeders' identity checks, so its snapshot was filled
+        with the other database's rows, and its real rows swept as deleted;
+        found by review.)
+        """
+        if not self.config.seed.dsn:
+            return False
+        name = self.config.seed.partition
+        if name:
+            return part == name
+        return bool(self.partition_names == (part,))
+
     def _seed_partition(self) -> str:
         name = self.config.seed.partition
         if name:
@@ -192,6 +210,7 @@ class Seeding(Upstream):
 
     async def seed_on_demand(self, part: str, tables: list[str]) -> SeedProgress:
         """``POST /v1/seed``: check ``tables`` (400 naming a bad one), then re-seed them."""
+        self.check_seeds(part)
         await self.check_seed_tables(part, tables)
         return self.start_seed(part, tables, again=True)
 
@@ -229,6 +248,21 @@ class Seeding(Upstream):
                 "the relay has seen a change of)"
             )
 
+    def check_seeds(self, part: str) -> None:
+        """400 unless ``seed.dsn`` is ``part``'s source (:meth:`seeds`)."""
+        if not self.config.seed.dsn:
+            raise BadRequestError("no source to seed from: set seed.dsn")
+        if not self.seeds(part):
+            raise BadRequestError(
+                f"seed.dsn is not the source of partition {part}: it seeds "
+                + (
+                    f"partition {self.config.seed.partition}"
+                    if self.config.seed.partition
+                    else "the only partition served, and this server serves several "
+                    "(set seed.partition)"
+                )
+            )
+
     def start_seed(
         self,
         part: str,
@@ -242,11 +276,13 @@ class Seeding(Upstream):
         ``again``: copy them even when seeded before (re-seed on demand).
         ``scope``: one table's rows narrowed by ``where`` or ``keys``.
         """
-        if not self.config.seed.dsn:
-            raise BadRequestError("no source to seed from: set seed.dsn")
+        self.check_seeds(part)
         w = self.workers[part]
         if w.seeding is not None and not w.seeding.done():
-            raise BadRequestError(f"partition {part} is being seeded already")
+            raise NotYetError(
+                f"partition {part} is being seeded already; retry when that run ended "
+                "(GET /v1/status, seed.state)"
+            )
         w.new_seed()
         w.seeding = asyncio.create_task(
             self._seed_repairing(w, tables, again, scope), name=f"seed-{part}"
@@ -263,9 +299,9 @@ class Seeding(Upstream):
         then each ``where`` / ``keys`` job in a run of its own. Each table
         continues after its last stored chunk (:func:`~._chunks.run_chunked`).
         """
-        if not self.config.seed.dsn:
-            return
         for w in self.workers.values():
+            if not self.seeds(w.name):
+                continue
             jobs = await self.stores.write(lambda s, n=w.name: s.snapshot_jobs(n))  # type: ignore[misc]
             if not jobs:
                 continue

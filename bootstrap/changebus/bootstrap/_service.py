@@ -70,6 +70,8 @@ class BootstrapService(Pipelines):
         self.secrets = secret_values(config)
         self.stores = StoreThreads(config)
         self.workers: dict[str, PartitionWorker] = {}
+        #: the partitions served, from :meth:`start` on (:meth:`seeds`)
+        self.partition_names: tuple[str, ...] = ()
         self._session: aiohttp.ClientSession | None = None
         self._stop_seed = threading.Event()
         #: membership of a relay cluster (``[cluster]``), from :meth:`start` on
@@ -85,6 +87,7 @@ class BootstrapService(Pipelines):
             await self.member.start()
             self._publisher = asyncio.create_task(self._publish(), name="cluster-publisher")
         names = list(cfg.partitions) or await self._relay_partitions()
+        self.partition_names = tuple(names)
         for name in names:
             w = PartitionWorker(name)
             st = await self.stores.write(lambda s, n=name: s.state(n))  # type: ignore[misc]
@@ -98,7 +101,7 @@ class BootstrapService(Pipelines):
             )
             gap = await self.stores.write(lambda s, n=name: s.gap(n))  # type: ignore[misc]
             if gap is not None:
-                hint = repair_hint(name, seed_source=bool(cfg.seed.dsn))
+                hint = repair_hint(name, seed_source=self.seeds(name))
                 w.gap = Gap(gap, "recorded before this server restarted", hint)
             self.workers[name] = w
             w.tasks.append(asyncio.create_task(self._produce(w), name=f"producer-{name}"))
@@ -114,7 +117,7 @@ class BootstrapService(Pipelines):
                     w.gap.before_scn,
                     w.gap.repair,
                 )
-                if cfg.seed.dsn and (w.seeding is None or w.seeding.done()):
+                if self.seeds(w.name) and (w.seeding is None or w.seeding.done()):
                     self.start_seed(w.name, [], again=False)
         await self.resume_snapshots()  # after those: one seed task per partition
         log.info(

@@ -202,6 +202,14 @@ class Relay:
                 self._not_joined(exc.message)
                 delay = min(delay * 2, 10.0)
                 continue
+            except Exception as exc:  # noqa: BLE001 - kazoo's own (NoAuthError...): try again
+                # (only CoordinationError was caught: anything else ended this task for
+                # good, and the relay never joined; review)
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log.error("joining cluster %s failed: %s; trying again", cluster.name, why)
+                self._not_joined(why)
+                delay = min(delay * 2, 10.0)
+                continue
             log.info("joined cluster %s after ZooKeeper came back", cluster.name)
             return
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -214,6 +215,10 @@ def _convert(tp: Any, value: Any, where: str, field: dataclasses.Field[Any] | No
         raise ConfigError(f"{where}: expected an integer, got {_shown(value)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                # (inf or nan: a deadline that never expires, a ratio whose product with
+                # 0 is nan; every float setting has a finite largest useful value)
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{where}: expected a number (seconds or a ratio), got {_shown(value)}")
     if tp is str:
