@@ -100,6 +100,17 @@ async def test_long_numbers_are_short_bad_requests_without_tracebacks(
     assert not [rec for rec in caplog.records if rec.levelno >= 40 or rec.exc_info]
 
 
+@pytest.mark.parametrize("sources", ["", ", ,"])
+async def test_sources_naming_none_is_a_bad_request(boot: BootstrapServer, sources: str) -> None:
+    """As on the relay: ``sources=`` naming no source is 400 (here it meant every source,
+    there messages only)."""
+    query = f"/v1/bootstrap/snapshot?partition=p&start=1&sources={sources}"
+    async with aiohttp.ClientSession() as http, http.get(boot.url + query) as r:
+        body = await r.json()
+    assert r.status == 400, body
+    assert "names no source" in body["message"]
+
+
 async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(boot.url + "/healthz") as r:

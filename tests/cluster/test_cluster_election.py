@@ -293,6 +293,29 @@ async def test_an_orphan_candidate_of_its_own_session_does_not_block_its_turn(
     await second.stop()
 
 
+async def test_a_stopped_election_leaves_no_candidate_of_its_session(zk_session) -> None:
+    """``requeue`` leaves the old candidate node for the next pass's orphan scan; a
+    ``stop`` before that pass (a relay withdrawing a partition after its syncs failed)
+    left it in place while the session lived on: every other member queued behind it,
+    and the partition had no leader until this process ended (review)."""
+    s1, s2 = await zk_session("r1"), await zk_session("r2")
+    first = PartitionElection(s1, "p7")
+    await first.start()
+    async with asyncio.timeout(10):
+        term = await first.wait_elected()
+    first.requeue("the store failed")
+    await first.stop()  # before the candidacy's loop ran again
+    assert term.lost
+    path = election_path(s1.config.name, "p7")
+    assert await s1.op("get_children", path) == []
+    second = PartitionElection(s2, "p7")
+    await second.start()
+    async with asyncio.timeout(10):
+        other = await second.wait_elected()
+    assert other.epoch == term.epoch + 1
+    await second.stop()
+
+
 async def test_an_error_from_zookeeper_does_not_end_the_candidacy(
     zk_session, zk_hosts: str, zk_cluster: str, caplog: pytest.LogCaptureFixture
 ) -> None:

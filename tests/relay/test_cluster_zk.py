@@ -382,6 +382,52 @@ async def test_a_new_leader_holds_the_source_until_followers_registered_again(
         await wait_until(lambda: role.follower_hold() == (1 << 63) - 1, 10, "the grace's end")
 
 
+@pytest.mark.pg
+async def test_a_new_term_holds_the_source_where_its_followers_were_last_seen(
+    tmp_path: Path,
+    pg_dsn: str,
+    zk_server: ZkServer,
+    zk_cluster: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member elected again while its followers are not registered (their sessions
+    ended with its own) held the source only at its buffer's end during the grace: a
+    follower that lagged behind it then lacked windows the slot no longer kept (review).
+    The grace now also holds where the followers were when this member last saw them."""
+    from changebus.relay import _cluster
+
+    monkeypatch.setattr(_cluster, "_HOLD_GRACE_S", 0.0)  # (the second term's: below)
+    slot = _table_and_slot(pg_dsn)
+    cfg_a = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, "a", 2.0)
+    cfg_b = _pg_relay_config(tmp_path, pg_dsn, zk_server, zk_cluster, slot, "b", 2.0)
+    async with Relay(cfg_a) as a:
+        ha = a.hosts[PART]
+        await wait_until(lambda: ha.role == "leader", 30, "a leads")
+        assert a.cluster is not None
+        role = a.cluster.roles[PART]
+        async with Relay(cfg_b) as b:
+            hb = b.hosts[PART]
+            await wait_until(lambda: hb.role == "follower", 30, "b follows")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO t SELECT g, g FROM generate_series(1, 50) g")
+            end = marker(pg_dsn)
+            await wait_until(lambda: role._followers_held >= end, 30, "b registered the rows")
+            seen = role._followers_held
+        # b is gone (its node with it: it holds nothing back now); a goes on alone
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO t SELECT g, g FROM generate_series(51, 100) g")
+        later = marker(pg_dsn)
+        await wait_until(lambda: ha.buffer.meta.last_scn >= later, 30, "a read on")
+        assert role.follower_hold() == (1 << 63) - 1  # (no grace for a's first term)
+        assert role._followers_held == seen  # where b was last seen
+        monkeypatch.setattr(_cluster, "_HOLD_GRACE_S", 30.0)
+        terms = role.terms
+        role.election.requeue("a new term, as after a session lost")
+        await wait_until(lambda: role.terms > terms and ha.role == "leader", 30, "a leads again")
+        # no follower registered now: the new term holds at b's last position, not a's end
+        assert role.follower_hold() == seen < ha.buffer.meta.last_scn
+
+
 async def test_a_leader_behind_an_epoch_a_member_registered_takes_a_newer_one(
     tmp_path: Path, pg_dsn: str, zk_server: ZkServer, zk_cluster: str
 ) -> None:

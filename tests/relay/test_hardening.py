@@ -423,6 +423,58 @@ def _unsent_bytes(relay: Relay) -> int:
     return max(sizes, default=0)
 
 
+async def test_tls_followers_that_stop_reading_hold_little(tmp_path: Path, tls_files: Any) -> None:
+    """Over TLS (required off loopback) a follow stream that reads nothing holds a few
+    pushes, as over plain TCP: the TLS transport's default limit let each hold about
+    600 KiB of encrypted bytes that ``get_write_buffer_size()`` reported as 0 until
+    then, unseen by the copy budget (20 streams: 12 MiB; review)."""
+    import ssl
+
+    from changebus.schemas.security import SecurityConfig, TlsConfig
+
+    cfg = dataclasses.replace(
+        ring_config(tmp_path, 64 << 20, max_copy_bytes=8 << 20, send_timeout_s=30),
+        security=SecurityConfig(tls=TlsConfig(tls_files.server_cert, tls_files.server_key)),
+    )
+    ctx = ssl.create_default_context(cafile=str(tls_files.ca))
+
+    def tls_request(port: int, path: str) -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n".encode())
+        return tls
+
+    async with Relay(cfg) as relay:
+        nxt = await fill(relay, 1, 1 << 20)
+        last = relay.hosts["ring"].buffer.meta.last_scn
+        path = f"/v1/stream?partition=ring&scn={last}&follow=1&wait=60"
+        socks = [await asyncio.to_thread(tls_request, relay.port, path) for _ in range(20)]
+        try:
+            await asyncio.sleep(0.5)
+            for _ in range(40):  # 10 MiB of new windows, pushed to readers that read nothing
+                nxt = await fill(relay, nxt, 256 << 10)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1)
+            runner = relay.server._runner
+            assert runner is not None and runner.server is not None
+            held = 0
+            for h in runner.server.connections:
+                t = h.transport
+                if t is None:
+                    continue
+                held += t.get_write_buffer_size()  # encrypted, not yet handed to TCP
+                tcp = getattr(getattr(t, "_ssl_protocol", None), "_transport", None)
+                if tcp is not None:
+                    held += tcp.get_write_buffer_size()  # handed to TCP, not yet sent
+            # 20 streams: about 2.3 MiB now (12.2 MiB before); plain TCP holds about 0.5
+            assert held < 4 << 20, held
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 async def test_a_client_that_stops_reading_does_not_hold_up_the_writer(tmp_path: Path) -> None:
     """The writer overruns a stalled reader at once (not after pin_timeout_s); it is cut off."""
     cfg = ring_config(tmp_path, 8 << 20, pin_timeout_s=10, send_timeout_s=5)

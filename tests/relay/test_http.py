@@ -188,6 +188,9 @@ async def test_too_old_checkpoint_gets_410_with_oldest_scn(
         ({"partition": "syn", "from": "yesterday"}, 400, "earliest"),
         ({"partition": "syn", "checkpoint": "{{{"}, 400, "checkpoint"),
         ({"partition": "syn", "sources": "no.such"}, 404, "no source"),
+        # (naming none meant "messages only": a 200 moving past every data event)
+        ({"partition": "syn", "sources": ""}, 400, "names no source"),
+        ({"partition": "syn", "sources": " , ,"}, 400, "names no source"),
         ({"partition": "syn", "bogus": "1"}, 400, "unknown parameter"),
         ({"scn": "5"}, 400, "name the partition"),
     ],

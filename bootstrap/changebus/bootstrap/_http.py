@@ -148,11 +148,13 @@ async def _source_ids(request: web.Request, part: str) -> list[int] | None:
     """Ids of the ``sources`` parameter (None: all), limited to the principal's grant."""
     text = request.query.get("sources")
     principal = principal_of(request)
-    if not text and principal.sources is None:
-        return None
     wanted: set[str] | frozenset[str] = {s.strip() for s in (text or "").split(",") if s.strip()}
+    if text is not None and not wanted:  # (as the relay: not "every source")
+        raise BadRequestError("sources= names no source: name some, or leave sources out")
+    if text is None and principal.sources is None:
+        return None
     ids = await request.app[SERVICE].stores.read(lambda s: s.source_names(part))
-    granted = principal.restrict_sources(wanted if text else None, ids)
+    granted = principal.restrict_sources(wanted if text is not None else None, ids)
     if granted is not None:
         wanted = granted
     missing = sorted(wanted - set(ids))

@@ -16,7 +16,6 @@ never logged (and scrubbed from the unit store's errors).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,7 +25,7 @@ from changebus.schemas.config import scrub_exception
 
 from ._apply_pgtypes import canonical, join
 from ._apply_units import UnitReplica
-from ._json import jsonable
+from ._json import json_text
 from ._pgsession import IDLE_IN_TRANSACTION_S, connect, session_lost
 from ._unitsql import DEFAULT_TABLE, POSTGRES_TIME
 
@@ -273,5 +272,5 @@ class PostgresReplica(UnitReplica):
 
 
 def _dumps(value: Any) -> str:
-    """JSON text of a decoded value: what :func:`~._json.jsonable` gives for the rest."""
-    return json.dumps(value, default=jsonable, separators=(",", ":"))
+    """JSON text of a decoded value (:func:`~._json.json_text`) for the rest."""
+    return json_text(value)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import decimal
-import json
 import os
 import sqlite3
 import time
@@ -27,7 +26,7 @@ from typing import Any
 from changebus.schemas import ChangebusError, Column, TransportError
 
 from ._apply_units import UnitReplica
-from ._json import jsonable
+from ._json import json_text
 from ._unitsql import DEFAULT_TABLE
 
 __all__ = ["SqliteReplica"]
@@ -140,4 +139,4 @@ class SqliteReplica(UnitReplica):
             return str(value)
         if isinstance(value, datetime.date | datetime.time | datetime.datetime):
             return value.isoformat()
-        return json.dumps(value, default=jsonable, separators=(",", ":"))
+        return json_text(value)

@@ -1,20 +1,18 @@
 """JSON forms of decoded events (``changebus tail``, JSON columns of replicas).
 
-Decoded Avro values include types JSON lacks; :func:`jsonable` (shared with
+Decoded Avro values include types JSON lacks; :func:`json_text` (shared with
 the relay's ``format=ndjson``, from :mod:`changebus.schemas._jsonable`) maps
 them: bytes as base64, decimals and UUIDs as text, dates and times in ISO
-8601, sets and tuples as lists.
+8601, sets and tuples as lists, NaN and infinities as text.
 """
 
 from __future__ import annotations
 
-import json
-
-from changebus.schemas import jsonable
+from changebus.schemas import json_text, jsonable
 
 from ._model import ChangeEvent
 
-__all__ = ["event_json", "jsonable"]
+__all__ = ["event_json", "json_text", "jsonable"]
 
 
 def event_json(event: ChangeEvent, *, unit: str = "", phase: str = "online") -> str:
@@ -41,4 +39,4 @@ def event_json(event: ChangeEvent, *, unit: str = "", phase: str = "online") -> 
         doc["unit"] = unit
     if phase != "online":
         doc["phase"] = phase
-    return json.dumps(doc, default=jsonable, separators=(",", ":"))
+    return json_text(doc)

@@ -255,6 +255,12 @@ class PartitionElection:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", candidate)
                 candidate = None
+        if self.session.connected:
+            # and a node ``requeue`` left for the next pass's orphan scan, or a create whose
+            # answer the cancel cut off: left, it headed the line while this session lived
+            # on (a relay goes on after withdrawing a partition) and nobody else led (review)
+            with contextlib.suppress(Exception):
+                await self._drop_orphans(self.session.session_id)
         if candidate is not None:
             # ZooKeeper away: left, the node would stay at the head of the line for as long
             # as the session lives on in this program (no other candidate could lead)

@@ -155,6 +155,9 @@ class PartitionRole:
         #: when this member's current term began (monotonic) and its buffer's end then
         self._lead_since = float("-inf")
         self._lead_from = -1
+        #: the lowest SCN the live followers held when this member last saw any (-1:
+        #: never); a new term of this member holds the source there too (follower_hold)
+        self._followers_held = -1
         #: the newest leader epoch seen (a follower's min_epoch)
         self.min_epoch = 0
         #: the current plan
@@ -342,6 +345,10 @@ class PartitionRole:
             term = self.election.leadership
             assert term is not None
             self._lead_since, self._lead_from = time.monotonic(), host.buffer.meta.last_scn
+            if self._followers_held >= 0:
+                # (followers behind this buffer's end when they were last seen lack those
+                # windows still, unless they caught up since: they say so when they register)
+                self._lead_from = min(self._lead_from, self._followers_held)
             self.hold = self.follower_hold()
             fence = LeaderFence(self, term)
             await self._take_over_source(term)
@@ -442,10 +449,13 @@ class PartitionRole:
         """The lowest SCN held by a live follower of this partition (no follower: no limit).
 
         For :data:`_HOLD_GRACE_S` after a term began, also no further than this
-        member's buffer reached then: followers whose sessions ended with the
-        leader's (ZooKeeper restarting, a network cut) are not in the routing
-        table again yet, and acknowledging past them would lose what they lack
-        should one of them lead next.
+        member's buffer reached then, nor than the followers held when this
+        member last saw any (a previous term): followers whose sessions ended
+        with the leader's (ZooKeeper restarting, a network cut) are not in the
+        routing table again yet, and acknowledging past them would lose what
+        they lack should one of them lead next. (The buffer's end alone let a
+        re-elected leader acknowledge what a lagging follower still lacked:
+        review.)
         """
         snapshot = self.member.table.snapshot()
         hold: int | None = None
@@ -456,6 +466,8 @@ class PartitionRole:
             if state is None or state.role != "follower":
                 continue
             hold = state.max_scn if hold is None else min(hold, state.max_scn)
+        if hold is not None:
+            self._followers_held = hold
         if time.monotonic() - self._lead_since < _HOLD_GRACE_S:
             hold = self._lead_from if hold is None else min(hold, self._lead_from)
         return (1 << 63) - 1 if hold is None else hold

@@ -351,7 +351,9 @@ def _source_ids(
     principal is granted only some sources.
     """
     requested = None if text is None else [n for n in (s.strip() for s in text.split(",")) if n]
-
+    if requested == []:
+        # (it meant "messages only": a 200 whose position moved past every data event)
+        raise BadRequestError("sources= names no source: name some, or leave sources out")
     principal = principal_of(request)
     # (a test per granted name: listing every source of the registry per request cost
     # what the partition's tables are many)

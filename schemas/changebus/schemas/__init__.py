@@ -54,7 +54,7 @@ from ._envelope import (
     verify_event as verify_event,
     verify_payloads as verify_payloads,
 )
-from ._jsonable import jsonable as jsonable
+from ._jsonable import json_text as json_text, jsonable as jsonable
 from ._partition import (
     HASH_SPACE as HASH_SPACE,
     UNATTACHED as UNATTACHED,
@@ -245,6 +245,7 @@ __all__ = [
     "field_name",
     "format_scn",
     "headers_at",
+    "json_text",
     "jsonable",
     "key_hash",
     "lsn_to_scn",

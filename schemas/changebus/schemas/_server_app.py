@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ._auth import auth_middleware
-from ._jsonable import jsonable
+from ._jsonable import json_text, jsonable
 from ._redact import printable
 from ._security_config import SecurityConfig
 from ._server_limits import CLIENT_CLOSED, client_gone
@@ -92,11 +92,6 @@ class Collector(Protocol):
 
 def _dumps(data: Any) -> str:
     return json.dumps(data, default=jsonable)
-
-
-def json_text(data: Any) -> str:
-    """Compact JSON text (e.g. one line of NDJSON); decoded Avro values as :func:`jsonable` says."""
-    return json.dumps(data, default=jsonable, separators=(",", ":"))
 
 
 def json_response(
