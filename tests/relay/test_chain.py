@@ -392,6 +392,52 @@ async def test_follower_that_fell_off_records_one_data_loss_window(tmp_path: Pat
             assert windows[-1].data_loss is not None and windows[-1].scn == upstream.prev_scn
 
 
+async def test_an_upstream_down_for_a_moment_is_not_a_data_loss(tmp_path: Path) -> None:
+    """Upstreams L (down for a moment: a rolling restart) and P (a small ring, past the
+    follower's position): the stream gave up after P's 410 and a few failed tries of L,
+    and the follower recorded a DATA_LOSS for windows L held all along (review). It now
+    asks every upstream first, and reads again while one may hold them."""
+    import dataclasses
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "windows_per_s": 1000, "max_windows": 4000})
+    lcfg = config(tmp_path / "leader", syn, capacity=16 << 20)
+    lcfg = dataclasses.replace(lcfg, http=HttpConfig(port=port, max_wait_s=10))
+    lurl = f"http://127.0.0.1:{port}"
+    async with (
+        aiohttp.ClientSession() as http,
+        Relay(lcfg) as leader,
+        relay(tmp_path / "p", chain(lurl), capacity=256 << 10) as peer,
+    ):
+        async with relay(tmp_path / "f", chain(lurl), capacity=16 << 20) as follower:
+            await wait_until(lambda: last_scn(follower) >= 1100, 30)
+            host = follower.hosts[PART]
+        stopped_at = host.buffer.meta.last_scn
+        await wait_until(lambda: last_scn(leader) == 4999, 60)
+        await same_tail(leader, peer)
+        assert peer.hosts[PART].buffer.meta.prev_scn > stopped_at  # P lacks them
+        purl = peer.url
+        # L goes away for a moment; the follower starts meanwhile
+        await leader.stop()
+        async with relay(tmp_path / "f", chain(lurl, purl), capacity=16 << 20) as follower:
+            await asyncio.sleep(3)  # (it gave up within about 0.3 s before)
+            # (a DATA_LOSS window would have moved its newest SCN to P's prev_scn)
+            assert last_scn(follower) == stopped_at
+            assert follower.hosts[PART].state != "failed"
+            async with Relay(lcfg) as leader_again:
+                await same_tail(leader_again, follower)
+                body = await stream_bytes(http, follower, stopped_at)
+                assert data_losses(body) == []
+                scns = window_scns(body)  # (L's synthetic source goes on after 4999)
+                assert scns == list(range(stopped_at + 1, stopped_at + 1 + len(scns)))
+                assert scns[-1] >= 4999
+                assert (await stream_bytes(http, leader_again, stopped_at)).startswith(body)
+                assert follower.hosts[PART].status()["fetcher"]["data_loss_windows"] == 0
+
+
 # ---- fencing -----------------------------------------------------------------------
 
 

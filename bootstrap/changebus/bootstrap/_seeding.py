@@ -46,6 +46,7 @@ from changebus.schemas import (
     SourceConfigError,
     TableSchema,
     UnknownSourceError,
+    ended,
 )
 from changebus.schemas.config import scrub, scrub_exception
 
@@ -130,8 +131,7 @@ class Seeding(Upstream):
     async def _reseed(self, w: PartitionWorker, old: asyncio.Task[None] | None) -> None:
         """Seed every table of ``w`` again, after ``old`` (cancelled) has ended."""
         if old is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await old
+            await ended(old)  # (the service's stop cancelling this re-seed is raised)
             w.new_seed()  # the old one's end set it
         # (not "again": the gap forgot every seed; tables seeded since it are done,
         # also when a retry runs after a failure)

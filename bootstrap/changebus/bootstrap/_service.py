@@ -44,6 +44,7 @@ import threading
 import aiohttp
 
 from changebus.client import open_session, safe_url
+from changebus.schemas import ended
 from changebus.schemas.config import secret_values
 
 from ._config import BootstrapConfig
@@ -135,8 +136,7 @@ class BootstrapService(Pipelines):
                 t.cancel()
         for w in self.workers.values():
             for t in w.tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+                await ended(t)
         if self._publisher is not None:
             self._publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

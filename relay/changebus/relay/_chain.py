@@ -34,7 +34,9 @@ window (:attr:`changebus.fetchers.Window.schemas`): the relay registers
 them, with the upstream's source ids and versions, before publishing it.
 
 Falling off. When the upstream evicted the windows after our position (410
-from every upstream), chaining cannot fill the gap. The fetcher never jumps
+from every upstream: asked once more, each of them, before anything is
+recorded; one that does not answer makes it read again later, since it may
+hold them), chaining cannot fill the gap. The fetcher never jumps
 silently: it queues one DATA_LOSS window ``(position + 1 .. upstream
 prev_scn)`` at the upstream's ``prev_scn``, logs it, counts it in
 :meth:`ChainFetcher.status` and continues with the upstream's oldest
@@ -60,7 +62,6 @@ Not thread-safe: everything runs on the relay's event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -89,6 +90,7 @@ from changebus.schemas import (
     SourceError,
     UnknownSourceError,
     encode_control,
+    stop_task,
 )
 from changebus.schemas.config import load_config_dict
 from changebus.schemas.security import ClientAuth
@@ -258,9 +260,7 @@ class ChainFetcher:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await stop_task(self._task)  # (a cancel of this close is raised, not swallowed)
             self._task = None
         if self._session is not None:
             await self._session.close()
@@ -435,6 +435,7 @@ class ChainFetcher:
                 f" says it is complete after {lost_to}"
             ) from exc
         lost_from = self.position + 1
+        await self._gone_everywhere(exc)
         reason = (
             f"this relay fell off its upstream relay {exc.relay}: SCNs after {self.position}"
             f" were evicted there (it is complete after {lost_to})"
@@ -460,6 +461,38 @@ class ChainFetcher:
         self.data_loss_windows += 1
         self.lost_scns += lost_to - lost_from + 1
         self.position = lost_to
+
+    async def _gone_everywhere(self, exc: FellOffRelayError) -> None:
+        """Unless every upstream answers and lacks what follows our position: a retriable
+        :class:`SourceError` (read again later), never a DATA_LOSS window or an emptied buffer.
+
+        The stream gives up once one upstream refused the position (410) and the
+        others failed to answer a few times in a row: right for a consumer, which
+        may bootstrap after. A relay cannot take back a DATA_LOSS window or its
+        emptied buffer, and an upstream that was down for a moment (a rolling
+        restart) may hold every window (found by review). An upstream that answers
+        with a non-retriable error (it lacks the partition) holds nothing.
+        """
+        assert self._queries is not None
+        for url in self._queries.urls:
+            if url == exc.relay:
+                continue
+            info = self._queries.info(url)
+            try:
+                found = (await info.status()).get(self.upstream_partition)
+            except Exception as failed:  # noqa: BLE001 - transport errors included
+                if isinstance(failed, ChangebusError) and not failed.retriable:
+                    continue
+                raise SourceError(
+                    f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
+                    f" {self.position + 1}, and {safe_url(url)} did not answer whether it"
+                    " does; reading again before recording anything"
+                ) from None
+            if found is not None and found.prev_scn <= self.position:
+                raise SourceError(
+                    f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
+                    f" {self.position + 1}, {safe_url(url)} does; reading again"
+                )
 
 
 def make_fetcher_factory(*, min_epoch: Callable[[], int] | None = None) -> FetcherFactory:

@@ -72,6 +72,7 @@ from changebus.schemas import (
     SchemaRegistry,
     StoreUnavailableError,
     TableSchema,
+    stop_task,
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
 
@@ -564,10 +565,9 @@ class PartitionHost(SourceAcks):
                 )
             finally:
                 for task in (pump, acker):
-                    if task is not None:
-                        task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await task
+                    # (a stop() cancelling the ingest meanwhile is raised here: suppressed,
+                    # the ingest restarted its fetcher while stop() waited for it; review)
+                    await stop_task(task)
                 if self.fetcher is not None and failed:
                     with contextlib.suppress(Exception):
                         await self.fetcher.close()

@@ -88,6 +88,7 @@ from ._table import (
     avro_name as avro_name,
     field_name as field_name,
 )
+from ._tasks import ended as ended, stop_task as stop_task
 from ._types_mysql import (
     MYSQL_ZERO_DATE_KEY as MYSQL_ZERO_DATE_KEY,
     MYSQL_ZERO_DATETIME_KEY as MYSQL_ZERO_DATETIME_KEY,
@@ -240,6 +241,7 @@ __all__ = [
     "encode_control",
     "encode_event",
     "end_of_window_position",
+    "ended",
     "event_at",
     "event_mask",
     "field_name",
@@ -269,6 +271,7 @@ __all__ = [
     "scn_to_binlog",
     "scn_to_lsn",
     "source_table",
+    "stop_task",
     "verify_event",
     "verify_payloads",
 ]

@@ -43,7 +43,6 @@ after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import Counter
@@ -51,6 +50,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from changebus.schemas import stop_task
 from changebus.schemas.config import load_config_dict
 
 from .._base import ResumePoint, Window, window_bytes
@@ -145,9 +145,7 @@ class MySQLFetcher:
 
     async def close(self) -> None:
         if self._distance is not None:
-            self._distance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._distance
+            await stop_task(self._distance)
             self._distance = None
         if self._feed is not None:
             await self._feed.close()
