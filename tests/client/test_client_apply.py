@@ -377,3 +377,25 @@ async def test_replicators_of_one_consumer_name_keep_each_others_partitions(
         await fresh.close()
     assert stored is not None
     assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 30, "pb": 20}
+
+    # both restart: each loads the other's position too, and must not write it back
+    # stale (B's pb=40 was set back to 20 by A's next commit; review)
+    a, b = SqliteReplica(db), SqliteReplica(db)
+    try:
+        await a.load()
+        await b.load()
+        for replica, w in ((b, window("pb", 40, 4)), (a, window("pa", 50, 5))):
+            assert await replica.on_start_window(w) is None
+            for e in w.events:
+                assert await replica.on_event(e) is None
+            assert await replica.on_end_window(w) is None
+    finally:
+        await a.close()
+        await b.close()
+    fresh = SqliteReplica(db)
+    try:
+        stored = await fresh.load()
+    finally:
+        await fresh.close()
+    assert stored is not None
+    assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 50, "pb": 40}

@@ -289,3 +289,55 @@ async def test_two_sources_the_target_cannot_tell_apart_are_refused(
         assert shards.query("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b")]
     finally:
         await shards.close()
+
+
+@pytest.mark.pg
+async def test_floats_and_timestamps_keep_their_values_across_type_changes(pg_dsn: str) -> None:
+    """A float column widened to numeric kept 15 digits (``float8::numeric``), and floats
+    written into it were rounded the same way; a ``timestamp`` column kept when its source
+    turned ``timestamptz`` took UTC values in the session's zone (a database defaulting to
+    Europe/Berlin shifted 12:00Z to 13:00). Review; compared value by value."""
+    import datetime
+
+    import psycopg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        db = conn.execute("SELECT current_database()").fetchone()
+        assert db is not None
+        conn.execute(f"ALTER DATABASE \"{db[0]}\" SET timezone = 'Europe/Berlin'")
+    local_ts = {"type": "long", "logicalType": "local-timestamp-micros"}
+    utc_ts = {"type": "long", "logicalType": "timestamp-micros"}
+
+    def table(version: int, f: Any, r: Any, ts: Any) -> TableSchema:
+        cols = (Column("id", "long", nullable=False), Column("f", f), Column("r", r))
+        return TableSchema("app.m", (*cols, Column("ts", ts)), ("id",), version)
+
+    v1, v2 = table(1, "double", "float", local_ts), table(2, dec(30, 20), "long", utc_ts)
+    noon = datetime.datetime(2026, 1, 15, 12, 0)
+    third, big = 1 / 3, 16777216.0
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await deliver(replica, window(10, v1, {"id": 1, "f": third, "r": big, "ts": noon}))
+        await deliver(
+            replica,
+            window(
+                20,
+                v2,
+                {
+                    "id": 2,
+                    "f": decimal.Decimal("0.1"),
+                    "r": 2**40,
+                    "ts": noon.replace(tzinfo=datetime.UTC),
+                },
+            ),
+        )
+        # a row still of version 1 after the widening (a snapshot, a late window)
+        await deliver(replica, window(30, v1, {"id": 3, "f": 2 / 3, "r": 0.1, "ts": noon}))
+        rows = replica.query('SELECT id, f, r, ts FROM "app"."m" ORDER BY id')
+    finally:
+        await replica.close()
+    assert rows == [
+        (1, decimal.Decimal(repr(third)), decimal.Decimal("16777216"), noon),
+        (2, decimal.Decimal("0.1"), decimal.Decimal(2**40), noon),
+        (3, decimal.Decimal(repr(2 / 3)), decimal.Decimal(repr(0.1)), noon),
+    ]

@@ -141,6 +141,8 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         self._shapes: dict[str, set[int]] = {}  # worker thread only
         self._pending: list[ChangeEvent] = []
         self._stored: Checkpoint | None = None
+        #: the partitions this replicator moved (the only ones it writes: _write_checkpoint)
+        self._advanced: set[str] = set()
         self._consumer: Any = None
         self.windows_applied = 0
         self.windows_skipped = 0
@@ -245,11 +247,14 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         return self._conn
 
     def _write_checkpoint(self, conn: Any, checkpoint: Checkpoint) -> None:
-        """Write this consumer's checkpoint; partitions it does not hold stay as stored.
+        """Write this consumer's checkpoint: the partitions it moved; others stay as stored.
 
         Two replicators of one consumer name writing one database (each its own
         partitions) each wrote the whole row: one's commit erased the other's
-        position, which on restart started over from ``--from`` (review).
+        position, which on restart started over from ``--from`` (review). Only
+        missing partitions were kept at first, but after a restart each held the
+        other's partitions as loaded, and wrote those stale positions back: the
+        next restart applied windows again (review).
         """
         q, p = self._quote, self.placeholder
         rows = self._execute(
@@ -260,9 +265,11 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         )
         if rows:
             with contextlib.suppress(CheckpointError):  # (unreadable: this one replaces it)
-                for name, pc in Checkpoint.parse(rows[0][0]).partitions.items():
-                    if name not in checkpoint.partitions:
-                        checkpoint = checkpoint.with_partition(name, pc)
+                merged = Checkpoint.parse(rows[0][0])
+                for name, pc in checkpoint.partitions.items():
+                    if name in self._advanced or name not in merged.partitions:
+                        merged = merged.with_partition(name, pc)
+                checkpoint = merged
         self._execute(
             conn,
             f"INSERT INTO {q(self.checkpoint_table)} (consumer, checkpoint) VALUES ({p}, {p})"
@@ -299,6 +306,10 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         """Store a checkpoint not written with rows already (empty windows)."""
         if checkpoint == self._stored:
             return
+        before = self._stored.partitions if self._stored is not None else {}
+        self._advanced.update(
+            name for name, pc in checkpoint.partitions.items() if before.get(name) != pc
+        )
         await self._in_thread(self._store, checkpoint)
         self._stored = checkpoint
 
@@ -335,6 +346,7 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
             window.partition, window.position_after(base.get(window.partition))
         )
         events, self._pending = self._pending, []
+        self._advanced.add(window.partition)
         try:
             await self._in_thread(self._apply, events, after, window.partition)
         except ConfigError as exc:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["canonical", "join"]
+__all__ = ["FLOAT_TYPES", "canonical", "join"]
 
 #: the replica's type names whose ``format_type`` spelling differs
 _SPELLING: Final = {
@@ -62,6 +62,8 @@ _OWN: Final = frozenset(
     }
 )
 _FLOATS: Final = frozenset({"real", "double precision"})
+#: (the float types, for the replica's widening)
+FLOAT_TYPES: Final = _FLOATS
 #: pairs whose column stays as it is: timestamps (module docstring); json against jsonb
 #: (replicas made before 2026-12-01 have jsonb for a source's json: no rewrite of them)
 _KEEP: Final = (

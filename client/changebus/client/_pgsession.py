@@ -18,6 +18,8 @@ otherwise, sessions get a connect timeout, TCP keepalives and libpq's
 ``tcp_user_timeout`` (:data:`SESSION_DEFAULTS`), so such a call fails within
 about half a minute as a retriable transport error.
 
+Sessions run in UTC (``TimeZone``), whatever the server's default.
+
 Blocking (psycopg's sync API): call from the worker thread that owns the session.
 """
 
@@ -63,6 +65,11 @@ def connect(dsn: str, idle_in_transaction_s: float) -> Any:
             "the PostgreSQL DSN cannot be parsed (quote values with spaces: password='...')"
         ) from None
     try:
+        # UTC, whatever the server's or the database's default: a timezone-aware value
+        # stored into a ``timestamp`` column (a replica column kept when its source
+        # column turned ``timestamptz``) is converted by the session's zone (a
+        # Europe/Berlin default shifted 12:00Z to 14:00; review)
+        conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
         if idle_in_transaction_s > 0:
             ms = max(1, round(idle_in_transaction_s * 1000))
             conn.execute(
