@@ -142,7 +142,20 @@ async def test_health_readiness_metrics_and_errors(boot: BootstrapServer) -> Non
     assert 'changebus_bootstrap_producer_scn{partition="p"} -1.0' in text
 
 
-@pytest.mark.parametrize("seed_partition", ["a", ""])
+def test_a_seed_source_of_several_partitions_must_name_its_own(tmp_path: Path) -> None:
+    """``seed.dsn`` with partitions listed and no ``seed.partition``: refused by ``--check``
+    (the start-up seed raised at start, and the daemon exited; review)."""
+    from changebus.schemas import ConfigError
+
+    for seed, why in (
+        (SeedConfig(dsn="host=127.0.0.1 dbname=a"), "name it"),
+        (SeedConfig(dsn="host=127.0.0.1 dbname=a", partition="c"), "not one of partitions"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            BootstrapConfig(relays=("http://127.0.0.1:1",), partitions=("a", "b"), seed=seed)
+
+
+@pytest.mark.parametrize("seed_partition", ["a"])
 async def test_the_seed_source_seeds_its_own_partition_only(
     tmp_path: Path, seed_partition: str
 ) -> None:
@@ -178,3 +191,42 @@ async def test_the_seed_source_seeds_its_own_partition_only(
             assert r.status == 400, body
             assert "not the source of partition " + part in body["message"]
         assert all(w.seeding is None for w in server.service.workers.values())
+
+
+async def test_a_start_up_seed_with_no_partition_to_seed_does_not_stop_the_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``partitions = []`` (every partition of the relay), ``seed.on_start`` and no
+    ``seed.partition``, the relay serving two: the start-up seed raised, the daemon
+    exited and its supervisor restarted it into the same failure (review). It serves,
+    seeds nothing and says why."""
+    from changebus.relay import (
+        FetcherConfig,
+        HttpConfig as RelayHttp,
+        PartitionConfig,
+        Relay,
+        RelayConfig,
+    )
+
+    syn = FetcherConfig("synthetic", {"windows_per_s": 20, "tables": 1})
+    rcfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=RelayHttp(port=0),
+        partitions=tuple(
+            PartitionConfig(n, i, capacity_bytes=1 << 20, fetcher=syn)
+            for i, n in ((1, "a"), (2, "b"))
+        ),
+    )
+    async with Relay(rcfg) as relay:
+        cfg = BootstrapConfig(
+            relays=(relay.url,),
+            data_dir=tmp_path / "boot",
+            store=StoreConfig(kind="sqlite", path=tmp_path / "boot" / "b.db"),
+            http=HttpConfig(port=0),
+            seed=SeedConfig(dsn=f"host=127.0.0.1 port={closed_port()}", on_start=True),
+        )
+        async with BootstrapServer(cfg) as server:
+            assert sorted(server.service.workers) == ["a", "b"]
+            assert not any(server.service.seeds(p) for p in "ab")
+            assert all(w.seeding is None for w in server.service.workers.values())
+    assert any("no seed at start-up" in r.getMessage() for r in caplog.records)

@@ -304,6 +304,14 @@ class BootstrapConfig:
                 raise ConfigError(f"partition name {name[:140]!r} must match {NAME_RULE}")
         if len(set(self.partitions)) != len(self.partitions):
             raise ConfigError("partitions must be unique")
+        seed = self.seed
+        if seed.dsn and not seed.partition and len(self.partitions) > 1:
+            raise ConfigError(
+                "seed.dsn feeds one partition: name it (seed.partition), one of "
+                + ", ".join(self.partitions)
+            )
+        if seed.partition and self.partitions and seed.partition not in self.partitions:
+            raise ConfigError(f"seed.partition {seed.partition!r} is not one of partitions")
         if self.catchup_ratio < 0:
             raise ConfigError("catchup_ratio must not be negative")
 
