@@ -16,6 +16,7 @@ import io
 import json
 import os
 import signal
+import socket
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -179,3 +180,20 @@ async def test_replicate_progress_catches_up_and_the_replica_equals_the_source(
         rest = await asyncio.wait_for(proc.stderr.read(), 30)
         assert await proc.wait() == 0
         assert "Traceback" not in "".join(err) + rest.decode()
+
+
+async def test_replicate_into_an_unreachable_postgres_ends_with_one_line() -> None:
+    """The target's driver error went out as a traceback with status 1 (not the
+    documented statuses; not JSON with --log-format json; review): one line, no secret."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dsn = f"host=127.0.0.1 port={port} dbname=r user=u password=s3cret-pw connect_timeout=3"
+    proc = await cli(
+        "replicate", "--relay", f"http://127.0.0.1:{port}", "--partition", "p", "--postgres", dsn
+    )
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    text = err.decode()
+    assert proc.returncode == 3, text
+    assert "Traceback" not in text and "s3cret-pw" not in text
+    assert "the replica's database failed" in text

@@ -230,3 +230,23 @@ def test_a_plain_checkpoint_persister_is_refused_in_a_group() -> None:
         Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",)), listener=Callbacks())
     with pytest.raises(ConfigError, match="give the relays"):
         ConsumerConfig(partition="syn", group="g", zookeeper="127.0.0.1:1")
+
+
+async def test_columnar_is_refused_where_windows_are_split_or_events_handed_on() -> None:
+    """``columnar`` leaves ``events`` empty: a group (which splits windows by their
+    events) moved every unit's position on with nothing delivered, and callbacks or a
+    replica saw no event while the checkpoint passed the rows (review)."""
+    with pytest.raises(ConfigError, match="not in a group"):
+        ConsumerConfig(
+            relays=("http://127.0.0.1:1",),
+            partition="syn",
+            group="g",
+            zookeeper="127.0.0.1:1",
+            columnar=True,
+        )
+    consumer = Consumer(ConsumerConfig(relays=("http://127.0.0.1:1",), columnar=True))
+    try:
+        with pytest.raises(ConfigError, match="iterator"):
+            await consumer.run(Callbacks())
+    finally:
+        await consumer.close()

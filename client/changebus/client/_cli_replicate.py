@@ -12,8 +12,8 @@ value, so that a password need not appear on the command line (where ``ps``
 shows it); it is never logged. SIGTERM or Ctrl-C stop after the current
 window with status 0; a gap in the stream, or a position the relays no longer
 keep when no bootstrap server is known (``--bootstrap URL``, or the ones
-registered in ``--cluster``), ends the command with a message on stderr and
-status 3. ``--progress`` shows catching up on stderr (:mod:`._progress`).
+registered in ``--cluster``), or the replica's database failing (unreachable,
+refusing a write), ends the command with a message on stderr and status 3. ``--progress`` shows catching up on stderr (:mod:`._progress`).
 With a bootstrap server the replica goes through a snapshot and a
 catch-up and is not transactionally consistent until the catch-up ends (see
 docs/guarantees.md).
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from changebus.schemas import ChangebusError
 from changebus.schemas.cli import setup_logging
+from changebus.schemas.config import scrub_exception
 
 from ._cli import (
     add_group_arguments,
@@ -136,6 +137,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"changebus replicate: {exc.message}", file=sys.stderr)
         return 2
     replica: Replica
+    dsn = ""
     if args.sqlite is not None:
         replica = SqliteReplica(args.sqlite, consumer_name=args.consumer_name)
     else:
@@ -155,6 +157,13 @@ async def _run(args: argparse.Namespace) -> int:
     except ChangebusError as exc:
         print(f"changebus replicate: {exc.message}", file=sys.stderr)
         return 3
+    except Exception as exc:
+        if not _target_error(exc):
+            raise
+        # (a traceback, status 1 and no JSON log line before: review)
+        text = scrub_exception(exc, (dsn,) if dsn else ())
+        print(f"changebus replicate: the replica's database failed: {text}", file=sys.stderr)
+        return 3
     finally:
         if progress is not None:
             progress.cancel()
@@ -164,6 +173,16 @@ async def _run(args: argparse.Namespace) -> int:
         "stopped: %d windows applied, %d skipped", replica.windows_applied, replica.windows_skipped
     )
     return 0
+
+
+def _target_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the replica database driver's own (not a bug of changebus)."""
+    import sqlite3
+
+    if isinstance(exc, sqlite3.Error):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.Error)
 
 
 async def _progress(replica: Replica) -> None:

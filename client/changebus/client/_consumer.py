@@ -457,6 +457,12 @@ class Consumer:
         """
         if self._group is not None:
             return await self._group.run(callbacks)
+        if self.config.columnar:
+            # (callbacks and replicas are handed decoded events: none came, and the
+            # checkpoint moved past every row; review)
+            raise ConfigError(
+                "a columnar consumer is read as an iterator (async for), not run(callbacks)"
+            )
         if self._mode:
             raise RuntimeError(f"this consumer is already used in {self._mode} mode")
         self._mode = "callbacks"
