@@ -299,6 +299,34 @@ async def test_follower_started_after_the_schema_changes_were_evicted(tmp_path: 
     assert {e.table for w in windows for e in w.events} <= names
 
 
+async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
+    tmp_path: Path,
+) -> None:
+    """A follower reads its upstream's registry when its stream starts; an upstream that
+    registered schemas out of band afterwards (its own start or fall-off mirrored them
+    from its upstream: no SCHEMA_CHANGE in the stream) sent rows this relay could not
+    register, and its readers could not decode (review). The first row of a schema it
+    lacks makes it read the registry again. Here the follower's registry read is undone
+    after start, as if it had come before the upstream had those schemas."""
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 3000, "row_bytes": 200})
+    async with relay(tmp_path / "leader", syn, capacity=256 << 10) as leader:
+        await wait_until(lambda: last_scn(leader) == 3999, 60)
+        fetcher = ChainFetcher(PART, 1, ChainConfig(upstream=(leader.url,), wait_s=0.2))
+        await fetcher.start(ResumePoint())
+        try:
+            assert {e["schema"]["name"] for e in fetcher._pending} == {
+                "synthetic.t0",
+                "synthetic.t1",
+            }
+            fetcher._pending, fetcher._known, fetcher._known_ids = (), set(), set()
+            async with asyncio.timeout(20):
+                window = await anext(aiter(fetcher.windows()))
+            names = {e["schema"]["name"] for e in window.schemas}
+            assert names == {"synthetic.t0", "synthetic.t1"}
+        finally:
+            await fetcher.close()
+
+
 # ---- restart ------------------------------------------------------------------
 
 

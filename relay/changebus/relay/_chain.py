@@ -32,6 +32,9 @@ reads the upstream's registry (``/v1/sources``, ``/v1/schemas/{source}``)
 and hands the entries the local registry lacks to the relay with that
 window (:attr:`changebus.fetchers.Window.schemas`): the relay registers
 them, with the upstream's source ids and versions, before publishing it.
+A row of a schema the fetcher does not know (its upstream registered it out
+of band after the registry was read: a chained upstream's own start or
+fall-off) makes it read the registry again before that window.
 
 Falling off. When the upstream evicted the windows after our position (410
 from every upstream: asked once more, each of them, before anything is
@@ -81,6 +84,7 @@ from changebus.client import (
 )
 from changebus.fetchers import Fetcher, FetcherFactory, ResumePoint, Window
 from changebus.schemas import (
+    FIRST_CONTROL_OP,
     ChangebusError,
     ConfigError,
     DataLoss,
@@ -186,6 +190,8 @@ class ChainFetcher:
         self._task: asyncio.Task[None] | None = None
         self._stream: RelayStream | None = None
         self._known: set[tuple[str, int]] = set()  # (table, version) in the local registry
+        #: (source id, schema version) of every data event's schema known here (_sink)
+        self._known_ids: set[tuple[int, int]] = set()
         self._pending: tuple[Entry, ...] = ()  # entries to hand over with the next window
         #: the SCN of the newest window queued for the relay (-1: none)
         self.position = -1
@@ -227,6 +233,7 @@ class ChainFetcher:
         self._known = {
             (str(e["schema"]["name"]), int(e["schema"]["version"])) for e in resume.schemas
         }
+        self._known_ids = {_entry_id(e) for e in resume.schemas}
         try:
             upstream_prev = await self._queries.first(self._bounds)
             self._pending = await self._learn_schemas()
@@ -335,6 +342,7 @@ class ChainFetcher:
             e for e in entries if (e["schema"]["name"], e["schema"]["version"]) not in self._known
         )
         self._known.update((e["schema"]["name"], e["schema"]["version"]) for e in new)
+        self._known_ids.update(_entry_id(e) for e in new)
         if new:
             log.info(
                 "partition %s: %d schema versions learned from the upstream registry",
@@ -417,6 +425,17 @@ class ChainFetcher:
     async def _sink(self, raw: RawWindow, relay: str) -> None:
         if self._min_epoch is not None:
             self._fence(relay)  # a leader deposed during a long follow answer
+        h = raw.headers
+        data = h[h["op"] < FIRST_CONTROL_OP]
+        if len(data):
+            ids = set(zip(data["source_id"].tolist(), data["schema_version"].tolist(), strict=True))
+            if not ids <= self._known_ids:
+                # rows of schemas the upstream registered out of band after this stream read
+                # its registry (its own start or fall-off mirrored them, with no
+                # SCHEMA_CHANGE in the stream): learned again now, or this relay served
+                # rows its readers could not decode (found by review)
+                self._pending += await self._learn_schemas()
+                self._known_ids |= ids  # (or announced in this window: not asked again)
         window = Window(
             raw.scn, raw.timestamp_ns, raw.body, len(raw.offsets), schemas=self._pending
         )
@@ -493,6 +512,11 @@ class ChainFetcher:
                     f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
                     f" {self.position + 1}, {safe_url(url)} does; reading again"
                 )
+
+
+def _entry_id(entry: Entry) -> tuple[int, int]:
+    """``(source id, schema version)`` of a registry entry."""
+    return int(entry["source_id"]), int(entry["schema"]["version"])
 
 
 def make_fetcher_factory(*, min_epoch: Callable[[], int] | None = None) -> FetcherFactory:
