@@ -399,3 +399,35 @@ async def test_replicators_of_one_consumer_name_keep_each_others_partitions(
         await fresh.close()
     assert stored is not None
     assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 50, "pb": 40}
+
+
+async def test_a_nan_double_is_kept_in_sqlite(tmp_path: Path) -> None:
+    """SQLite stores a float NaN as NULL: a Postgres source's float8 'NaN' turned NULL in
+    the replica (review). Infinities are REAL values and stay so."""
+    import math
+
+    from changebus.client import ChangeEvent
+
+    table = TableSchema(
+        "app.f", (Column("id", "long", nullable=False), Column("v", "double")), ("id",), 1
+    )
+    db = tmp_path / "f.db"
+    replica = SqliteReplica(db)
+    try:
+        await replica.load()
+        events = tuple(
+            ChangeEvent(
+                10, i, ChangeOp.INSERT, table.name, {"id": i}, {"id": i, "v": v}, None, schema=table
+            )
+            for i, v in enumerate((math.nan, math.inf, -math.inf, 1.5))
+        )
+        w = Window(scn=10, timestamp_ns=10, partition="p", events=events)
+        assert await replica.on_start_window(w) is None
+        for e in w.events:
+            assert await replica.on_event(e) is None
+        assert await replica.on_end_window(w) is None
+    finally:
+        await replica.close()
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute('SELECT id, v FROM "app_f" ORDER BY id').fetchall()
+    assert rows == [(0, "NaN"), (1, math.inf), (2, -math.inf), (3, 1.5)]

@@ -133,6 +133,10 @@ class SqliteReplica(UnitReplica):
         return "TEXT"
 
     def _adapt(self, value: Any) -> Any:
+        if type(value) is float and value != value:
+            # SQLite stores a NaN as NULL: the text keeps the value (as JSON and decimal
+            # NaN are written; review); infinities are REAL values of their own
+            return "NaN"
         if value is None or isinstance(value, int | float | str | bytes):
             return value  # bool is an int: stored as 0 / 1
         if isinstance(value, decimal.Decimal | uuid.UUID):
