@@ -299,6 +299,34 @@ async def test_follower_started_after_the_schema_changes_were_evicted(tmp_path: 
     assert {e.table for w in windows for e in w.events} <= names
 
 
+async def test_a_dead_upstream_in_the_list_delays_the_loss_but_does_not_stop_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower asks every upstream before recording a loss; one that never answers
+    (a decommissioned URL) kept it reading again for ever (review of this session's
+    change): after _CONFIRM_S the loss is recorded, as before."""
+    import socket
+
+    from changebus.relay import _chain
+
+    monkeypatch.setattr(_chain, "_CONFIRM_S", 1.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "windows_per_s": 1000, "max_windows": 4000})
+    async with relay(tmp_path / "leader", syn, capacity=256 << 10) as leader:
+        async with relay(tmp_path / "f", chain(leader.url), capacity=4 << 20) as follower:
+            await wait_until(lambda: last_scn(follower) >= 1100, 30)
+            host = follower.hosts[PART]
+        stopped_at = host.buffer.meta.last_scn
+        await wait_until(lambda: last_scn(leader) == 4999, 60)
+        async with relay(tmp_path / "f", chain(leader.url, dead), capacity=4 << 20) as follower:
+            await same_tail(leader, follower)
+            status = follower.hosts[PART].status()["fetcher"]
+            assert status["data_loss_windows"] == 1
+            assert last_scn(follower) == 4999 > stopped_at
+
+
 async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
     tmp_path: Path,
 ) -> None:

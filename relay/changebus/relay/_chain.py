@@ -71,6 +71,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from changebus.client import (
     FellOffRelayError,
@@ -117,6 +118,12 @@ EPOCH_HEADER = "X-Changebus-Epoch"
 
 #: the JSON form of one registry entry (SchemaRegistry.to_json)
 Entry = Mapping[str, Any]
+
+#: how long a follower that fell off one upstream waits for a silent one to say whether
+#: it holds the windows, before it records them lost (seconds)
+_CONFIRM_S = 60.0
+#: partition -> (position, monotonic time) of its first fall-off there (one entry each)
+_FELL_OFF_AT: dict[str, tuple[int, float]] = {}
 
 
 class StaleUpstreamError(ProtocolError):
@@ -426,9 +433,12 @@ class ChainFetcher:
         if self._min_epoch is not None:
             self._fence(relay)  # a leader deposed during a long follow answer
         h = raw.headers
-        data = h[h["op"] < FIRST_CONTROL_OP]
-        if len(data):
-            ids = set(zip(data["source_id"].tolist(), data["schema_version"].tolist(), strict=True))
+        mask = h["op"] < FIRST_CONTROL_OP
+        if mask.any():
+            keys = np.unique(
+                (h["source_id"][mask].astype(np.int64) << 16) | h["schema_version"][mask]
+            ).tolist()
+            ids = {(k >> 16, k & 0xFFFF) for k in keys}
             if not ids <= self._known_ids:
                 # rows of schemas the upstream registered out of band after this stream read
                 # its registry (its own start or fall-off mirrored them, with no
@@ -490,9 +500,19 @@ class ChainFetcher:
         may bootstrap after. A relay cannot take back a DATA_LOSS window or its
         emptied buffer, and an upstream that was down for a moment (a rolling
         restart) may hold every window (found by review). An upstream that answers
-        with a non-retriable error (it lacks the partition) holds nothing.
+        with a non-retriable error (it lacks the partition) holds nothing, nor one
+        whose buffer does not reach past our position (empty, or behind). One that
+        stays silent is waited for :data:`_CONFIRM_S` from the first fall-off at this
+        position, then the loss is recorded (a dead URL in the list must not keep the
+        partition from ever passing the gap: review).
         """
         assert self._queries is not None
+        now = time.monotonic()
+        # (kept per partition across fetchers: the relay makes a new one at each retry)
+        at = _FELL_OFF_AT.get(self.name)
+        if at is None or at[0] != self.position:
+            _FELL_OFF_AT[self.name] = at = (self.position, now)
+        patient = now - at[1] < _CONFIRM_S
         for url in self._queries.urls:
             if url == exc.relay:
                 continue
@@ -502,12 +522,22 @@ class ChainFetcher:
             except Exception as failed:  # noqa: BLE001 - transport errors included
                 if isinstance(failed, ChangebusError) and not failed.retriable:
                     continue
+                if not patient:
+                    log.warning(
+                        "partition %s: %s did not answer for %.0f s whether it holds SCN %d;"
+                        " recording the loss",
+                        self.name,
+                        safe_url(url),
+                        _CONFIRM_S,
+                        self.position + 1,
+                    )
+                    continue
                 raise SourceError(
                     f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
                     f" {self.position + 1}, and {safe_url(url)} did not answer whether it"
                     " does; reading again before recording anything"
                 ) from None
-            if found is not None and found.prev_scn <= self.position:
+            if found is not None and found.prev_scn <= self.position < found.max_scn:
                 raise SourceError(
                     f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
                     f" {self.position + 1}, {safe_url(url)} does; reading again"
