@@ -354,51 +354,35 @@ async def test_replicators_of_one_consumer_name_keep_each_others_partitions(
         return Window(scn=scn, timestamp_ns=scn, partition=partition, events=(event,))
 
     db = tmp_path / "shared.db"
-    a, b = SqliteReplica(db), SqliteReplica(db)
-    try:
-        await a.load()
-        await b.load()
-        for replica, w in (
-            (a, window("pa", 10, 1)),
-            (b, window("pb", 20, 2)),
-            (a, window("pa", 30, 3)),
-        ):
-            assert await replica.on_start_window(w) is None
-            for e in w.events:
-                assert await replica.on_event(e) is None
-            assert await replica.on_end_window(w) is None
-    finally:
-        await a.close()
-        await b.close()
-    fresh = SqliteReplica(db)
-    try:
-        stored = await fresh.load()
-    finally:
-        await fresh.close()
-    assert stored is not None
-    assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 30, "pb": 20}
 
+    async def restart_and_apply(steps: list[tuple[int, Window]]) -> dict[str, int]:
+        """Two replicators (0, 1) load, apply ``steps`` in order, close; the stored SCNs."""
+        replicas = (SqliteReplica(db), SqliteReplica(db))
+        try:
+            for r in replicas:
+                await r.load()
+            for i, w in steps:
+                assert await replicas[i].on_start_window(w) is None
+                for e in w.events:
+                    assert await replicas[i].on_event(e) is None
+                assert await replicas[i].on_end_window(w) is None
+        finally:
+            for r in replicas:
+                await r.close()
+        fresh = SqliteReplica(db)
+        try:
+            stored = await fresh.load()
+        finally:
+            await fresh.close()
+        assert stored is not None
+        return {n: pc.window_scn for n, pc in stored.partitions.items()}
+
+    steps = [(0, window("pa", 10, 1)), (1, window("pb", 20, 2)), (0, window("pa", 30, 3))]
+    assert await restart_and_apply(steps) == {"pa": 30, "pb": 20}
     # both restart: each loads the other's position too, and must not write it back
     # stale (B's pb=40 was set back to 20 by A's next commit; review)
-    a, b = SqliteReplica(db), SqliteReplica(db)
-    try:
-        await a.load()
-        await b.load()
-        for replica, w in ((b, window("pb", 40, 4)), (a, window("pa", 50, 5))):
-            assert await replica.on_start_window(w) is None
-            for e in w.events:
-                assert await replica.on_event(e) is None
-            assert await replica.on_end_window(w) is None
-    finally:
-        await a.close()
-        await b.close()
-    fresh = SqliteReplica(db)
-    try:
-        stored = await fresh.load()
-    finally:
-        await fresh.close()
-    assert stored is not None
-    assert {n: pc.window_scn for n, pc in stored.partitions.items()} == {"pa": 50, "pb": 40}
+    steps = [(1, window("pb", 40, 4)), (0, window("pa", 50, 5))]
+    assert await restart_and_apply(steps) == {"pa": 50, "pb": 40}
 
 
 async def test_a_nan_double_is_kept_in_sqlite(tmp_path: Path) -> None:
