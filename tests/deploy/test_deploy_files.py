@@ -346,6 +346,9 @@ def test_systemd_units_are_hardened(unit: str, data_dir: str) -> None:
     # `systemctl reload` (certbot's and cert-manager's hooks) is SIGHUP: it reloads the
     # certificates; without ExecReload it failed ("not applicable"; review)
     assert s["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    # the daemon says READY=1 once it serves: start returns then, a reload waits for it
+    assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
+    assert s["TimeoutStartSec"] == ["infinity"]  # a bootstrap waits for a relay, unbounded
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")

@@ -105,7 +105,7 @@ def register_snapshot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help=f"file holding the bearer token (or set ${TOKEN_ENV}; never on the command line)",
     )
-    p.set_defaults(func=_main)
+    p.set_defaults(func=_main, daemon=False)  # a client command: a hangup ends it
 
 
 def _main(args: argparse.Namespace) -> int:

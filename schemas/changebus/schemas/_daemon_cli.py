@@ -24,6 +24,13 @@ the daemon's logger on stderr, in the configured ``log_format``
 (:mod:`._daemon_log`; before a config has loaded, the format it asked for
 as far as it can be read); stdout never holds them. What is printed or
 logged is scrubbed of the config's secrets (:func:`~.config.scrub`).
+
+SIGHUP (reload) is ignored from the start of :func:`run_daemon` until
+:func:`~._server.serve` installs its handler, and again after it: a reload
+sent while the daemon loads its config or starts must not end it (the
+default action of SIGHUP). The command's imports before that take about two
+seconds; under systemd (``Type=notify``, deploy/systemd) a ``systemctl
+reload`` waits for the daemon's ``READY=1`` (:mod:`._sdnotify`) instead.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,6 +63,7 @@ def add_daemon_parser(
 ) -> argparse.ArgumentParser:
     """Add subcommand ``name`` with the common daemon options; returns its parser."""
     p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(daemon=True)  # SIGHUP is a reload request, from the start (_cli.main)
     p.add_argument("--config", type=Path, help=f"{name} TOML file (see docs/operations.md)")
     p.add_argument(
         "--set",
@@ -91,6 +100,10 @@ def run_daemon(
     :class:`ConfigError`), after the common ones.
     """
     log = logging.getLogger(f"changebus.{name}")
+    if not getattr(args, "check", False):
+        # SIGHUP asks a daemon to reload (serve() handles it); until the handler is
+        # installed, a reload sent to a daemon that is still starting must not kill it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     env_prefix = f"CHANGEBUS_{name.upper()}_"
     overrides = list(args.overrides)
     if args.log_format:

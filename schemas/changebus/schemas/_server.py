@@ -57,6 +57,7 @@ from typing import Protocol, Self
 
 from aiohttp import web
 
+from ._sdnotify import notify
 from ._security_config import SecurityConfig, TlsConfig, check_bind
 from ._server_limits import ConnectionLimits, LimitedSite, runner_options
 from ._server_log import protocol_log
@@ -190,6 +191,9 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
     A start-up error propagates (after what was started is stopped); a
     signal during start-up cancels the start-up and returns normally.
     SIGHUP reloads the TLS certificates (:func:`~._tls_server.reload_all`).
+    A service manager (``NOTIFY_SOCKET``) hears ``READY=1`` once the daemon
+    serves, ``RELOADING=1``/``READY=1`` around a reload and ``STOPPING=1``
+    (:mod:`._sdnotify`). SIGHUP is ignored once the handler is removed.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -197,7 +201,8 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     reloads: set[asyncio.Task[int]] = set()
-    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, reloads)
+    serving = asyncio.Event()  # READY=1 sent: a reload says RELOADING=1, then READY=1 again
+    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, reloads, serving)
     try:
         starting = asyncio.create_task(service.start(), name=f"{name}-start")
         stopping = asyncio.create_task(stop.wait(), name=f"{name}-signal")
@@ -215,14 +220,32 @@ async def serve(service: Service, *, name: str, logger: logging.Logger) -> None:
             else:
                 starting.result()  # a start-up error ends the daemon
                 _settle_heap(logger)
+                notify("READY=1", f"STATUS={name} serving")
+                serving.set()
                 await stopping
                 logger.info("%s shutting down", name)
         finally:
             stopping.cancel()
+            serving.clear()
+            notify("STOPPING=1", f"STATUS={name} shutting down")
             await service.stop()
     finally:
         for sig in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        # a reload request while the daemon winds down is not a reason to die
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+async def _reload(serving: asyncio.Event) -> int:
+    """Reload the certificates; the service manager hears of it once the daemon serves."""
+    if not serving.is_set():
+        return await reload_all()  # still starting: READY=1 is not this reload's to send
+    notify("RELOADING=1")
+    try:
+        return await reload_all()
+    finally:
+        if serving.is_set():
+            notify("READY=1")
 
 
 def _settle_heap(logger: logging.Logger) -> None:
@@ -234,7 +257,7 @@ def _settle_heap(logger: logging.Logger) -> None:
     )
 
 
-def _reload_on_signal(tasks: set[asyncio.Task[int]]) -> None:
-    task = asyncio.get_running_loop().create_task(reload_all(), name="tls-reload")
+def _reload_on_signal(tasks: set[asyncio.Task[int]], serving: asyncio.Event) -> None:
+    task = asyncio.get_running_loop().create_task(_reload(serving), name="tls-reload")
     tasks.add(task)  # held until done
     task.add_done_callback(tasks.discard)
