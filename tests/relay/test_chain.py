@@ -327,6 +327,39 @@ async def test_a_dead_upstream_in_the_list_delays_the_loss_but_does_not_stop_it(
             assert last_scn(follower) == 4999 > stopped_at
 
 
+async def test_two_followers_of_one_process_wait_for_a_dead_upstream_each_on_its_own_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for a silent upstream was timed per partition name across the process:
+    two relays of one process that fell off the same partition at different positions
+    reset each other's clock at every retry, and neither ever recorded its loss."""
+    import socket
+
+    from changebus.relay import _chain
+
+    monkeypatch.setattr(_chain, "_CONFIRM_S", 1.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "windows_per_s": 1000, "max_windows": 4000})
+    async with relay(tmp_path / "leader", syn, capacity=256 << 10) as leader:
+        async with relay(tmp_path / "a", chain(leader.url), capacity=4 << 20) as a:
+            await wait_until(lambda: last_scn(a) >= 1100, 30)
+            a_host = a.hosts[PART]
+        async with relay(tmp_path / "b", chain(leader.url), capacity=4 << 20) as b:
+            await wait_until(lambda: last_scn(b) >= a_host.buffer.meta.last_scn + 300, 30)
+        await wait_until(lambda: last_scn(leader) == 4999, 60)
+        ups = chain(leader.url, dead)
+        async with (
+            relay(tmp_path / "a", ups, capacity=4 << 20) as a,
+            relay(tmp_path / "b", ups, capacity=4 << 20) as b,
+        ):
+            await same_tail(leader, a, b)
+            for r in (a, b):
+                assert r.hosts[PART].status()["fetcher"]["data_loss_windows"] == 1
+                assert last_scn(r) == 4999
+
+
 async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
     tmp_path: Path,
 ) -> None:

@@ -122,8 +122,14 @@ Entry = Mapping[str, Any]
 #: how long a follower that fell off one upstream waits for a silent one to say whether
 #: it holds the windows, before it records them lost (seconds)
 _CONFIRM_S = 60.0
-#: partition -> (position, monotonic time) of its first fall-off there (one entry each)
-_FELL_OFF_AT: dict[str, tuple[int, float]] = {}
+#: (partition, upstream URLs, position) -> monotonic time of the first fall-off there.
+#: Kept across fetchers (the relay makes a new one at each retry); keyed by position
+#: too, so that two relays of one process following the same partition from
+#: different positions keep their own clocks (one key by partition alone was reset
+#: by each in turn, and neither ever stopped waiting). Entries older than
+#: :data:`_FORGET_S` are dropped when one is added.
+_FELL_OFF_AT: dict[tuple[str, tuple[str, ...], int], float] = {}
+_FORGET_S = 600.0
 
 
 class StaleUpstreamError(ProtocolError):
@@ -508,11 +514,13 @@ class ChainFetcher:
         """
         assert self._queries is not None
         now = time.monotonic()
-        # (kept per partition across fetchers: the relay makes a new one at each retry)
-        at = _FELL_OFF_AT.get(self.name)
-        if at is None or at[0] != self.position:
-            _FELL_OFF_AT[self.name] = at = (self.position, now)
-        patient = now - at[1] < _CONFIRM_S
+        key = (self.name, tuple(self.config.upstream), self.position)
+        since = _FELL_OFF_AT.get(key)
+        if since is None:
+            for old in [k for k, t in _FELL_OFF_AT.items() if now - t > _FORGET_S]:
+                del _FELL_OFF_AT[old]
+            _FELL_OFF_AT[key] = since = now
+        patient = now - since < _CONFIRM_S
         for url in self._queries.urls:
             if url == exc.relay:
                 continue
