@@ -9,6 +9,7 @@ upstream as one DATA_LOSS window, and refuse an upstream of a stale epoch.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from changebus.client import (
     Consumer,
     ConsumerConfig,
+    RelayQueries,
     RelayUnavailableError,
     Window as ClientWindow,
 )
@@ -384,6 +386,46 @@ async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
                 window = await anext(aiter(fetcher.windows()))
             names = {e["schema"]["name"] for e in window.schemas}
             assert names == {"synthetic.t0", "synthetic.t1"}
+        finally:
+            await fetcher.close()
+
+
+async def test_schemas_are_learned_again_from_the_upstream_that_sent_the_rows(
+    tmp_path: Path,
+) -> None:
+    """Rows of unknown schemas made the follower read the registry of the first upstream
+    that answered, which may be another one, lacking them (review): it asks the
+    upstream whose window held the rows, and the first that answers if that one fails."""
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 50})
+    other_syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 50, "first_table": 5})
+    async with (
+        relay(tmp_path / "leader", syn) as leader,
+        relay(tmp_path / "other", other_syn) as other,
+    ):
+        await wait_until(lambda: last_scn(leader) >= 1049 and last_scn(other) >= 1049, 30)
+        ups = (other.url, leader.url)
+        fetcher = ChainFetcher(PART, 1, ChainConfig(upstream=ups, wait_s=0.2))
+        await fetcher.start(ResumePoint())
+        try:
+
+            def names(entries: tuple[Any, ...]) -> set[str]:
+                return {e["schema"]["name"] for e in entries}
+
+            assert names(fetcher._pending) == {"synthetic.t5", "synthetic.t6"}  # the first
+            assert names(await fetcher._learn_schemas(leader.url)) == {
+                "synthetic.t0",
+                "synthetic.t1",
+            }
+            fetcher._known, fetcher._known_ids = set(), set()
+            with socket.socket() as sock:  # a serving upstream gone since: the first answers
+                sock.bind(("127.0.0.1", 0))
+                dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            assert fetcher._queries is not None
+            assert fetcher._session is not None
+            fetcher._queries = RelayQueries(
+                fetcher._session, (dead, *ups), timeout=aiohttp.ClientTimeout(total=2)
+            )
+            assert names(await fetcher._learn_schemas(dead)) == {"synthetic.t5", "synthetic.t6"}
         finally:
             await fetcher.close()
 

@@ -347,10 +347,25 @@ class ChainFetcher:
         self.start_position = str(found.raw.get("prev_position") or "")
         return found.prev_scn
 
-    async def _learn_schemas(self) -> tuple[Entry, ...]:
-        """The upstream registry's entries this relay's registry lacks (by table and version)."""
+    async def _learn_schemas(self, serving: str | None = None) -> tuple[Entry, ...]:
+        """The upstream registry's entries this relay's registry lacks (by table and version).
+
+        Asked of ``serving`` (the upstream whose window holds rows of schemas unknown
+        here) when given, else of the first upstream that answers: another upstream
+        may lag and lack the very schemas in question (review). A serving upstream
+        that does not answer now is replaced by the first that does.
+        """
         assert self._queries is not None
-        entries = await self._queries.first(self._registry)
+        entries: list[Entry] | None = None
+        if serving is not None and serving in self._queries.urls:
+            try:
+                entries = await self._registry(self._queries.info(serving))
+            except Exception as exc:
+                if isinstance(exc, ChangebusError) and not exc.retriable:
+                    raise
+                log.debug("partition %s: registry of %s: %s", self.name, safe_url(serving), exc)
+        if entries is None:
+            entries = await self._queries.first(self._registry)
         new = tuple(
             e for e in entries if (e["schema"]["name"], e["schema"]["version"]) not in self._known
         )
@@ -450,7 +465,7 @@ class ChainFetcher:
                 # its registry (its own start or fall-off mirrored them, with no
                 # SCHEMA_CHANGE in the stream): learned again now, or this relay served
                 # rows its readers could not decode (found by review)
-                self._pending += await self._learn_schemas()
+                self._pending += await self._learn_schemas(relay)
                 self._known_ids |= ids  # (or announced in this window: not asked again)
         window = Window(
             raw.scn, raw.timestamp_ns, raw.body, len(raw.offsets), schemas=self._pending
