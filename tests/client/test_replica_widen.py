@@ -341,3 +341,42 @@ async def test_floats_and_timestamps_keep_their_values_across_type_changes(pg_ds
         (2, decimal.Decimal("0.1"), decimal.Decimal(2**40), noon),
         (3, decimal.Decimal(repr(2 / 3)), decimal.Decimal(repr(0.1)), noon),
     ]
+
+
+@pytest.mark.pg
+async def test_negative_zero_and_non_finite_floats_keep_their_values(pg_dsn: str) -> None:
+    """Floats went to Postgres as the decimal of their text, and numeric has no negative
+    zero: a source's -0.0 came back 0.0 in a float8 column (review). Compared bit by bit,
+    NaN and the infinities with them; a numeric column takes NaN and the infinities too."""
+    import math
+    import struct
+
+    values = (-0.0, 0.0, math.nan, math.inf, -math.inf, 1 / 3, -5e-324, 1.7976931348623157e308)
+    cols = (Column("id", "long", nullable=False), Column("f", "double"))
+    v1 = TableSchema("app.z", cols, ("id",), 1)
+    v2 = TableSchema("app.z", (cols[0], Column("f", dec(38, 10))), ("id",), 2)
+    replica = PostgresReplica(pg_dsn)
+    try:
+        for i, v in enumerate(values):
+            await deliver(replica, window(10 + i, v1, {"id": i, "f": v}))
+        floats = replica.query('SELECT id, f FROM "app"."z" ORDER BY id')
+        # widened to numeric: NaN and the infinities written as floats still land
+        await deliver(replica, window(100, v2, {"id": 100, "f": decimal.Decimal("1.5")}))
+        for i, v in enumerate((math.nan, math.inf, -math.inf, -0.0)):
+            await deliver(replica, window(200 + i, v1, {"id": 200 + i, "f": v}))
+        numerics = replica.query('SELECT id, f::text FROM "app"."z" WHERE id >= 100 ORDER BY id')
+    finally:
+        await replica.close()
+
+    def bits(x: float) -> bytes:
+        return struct.pack("<d", x)
+
+    assert [i for i, _ in floats] == list(range(len(values)))
+    assert [bits(f) for _, f in floats] == [bits(v) for v in values]
+    assert numerics == [
+        (100, "1.5"),
+        (200, "NaN"),
+        (201, "Infinity"),
+        (202, "-Infinity"),
+        (203, "0"),
+    ]

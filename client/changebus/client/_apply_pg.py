@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import decimal
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -261,7 +262,11 @@ class PostgresReplica(UnitReplica):
         if type(value) is float:
             # as the decimal of its shortest exact text: sent as float8 it was rounded to
             # 15 digits when the column is numeric (a float column widened; review); a
-            # float column takes the decimal back exactly
+            # float column takes the decimal back exactly. Zero and the non-finite
+            # go as float8: numeric has no -0 (-0.0 came back as 0), and a numeric
+            # column takes NaN and the infinities from float8 as they are
+            if value == 0.0 or not math.isfinite(value):
+                return value
             return decimal.Decimal(repr(value))
         if isinstance(value, dict | list):
             from psycopg.types.json import Jsonb
