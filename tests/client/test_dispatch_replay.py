@@ -199,3 +199,24 @@ async def test_the_windows_processed_before_the_stream_ends_are_checkpointed() -
     with contextlib.suppress(ConnectionError):
         await Dispatcher(_Watching(), config, positions, failing).run()
     assert positions.persisted == 1
+
+
+async def test_a_window_purged_while_its_callbacks_run_does_not_move_the_position() -> None:
+    """A consumer group lost the unit of a window in its callbacks (session expiry) and
+    may have claimed it again before they returned: the window moved the new claim's
+    position, or failed the consumer with a CheckpointError (review)."""
+    holder: list[Dispatcher] = []
+
+    class _LoseUnit(_FailOnce):
+        async def on_end_window(self, window: Window) -> CallbackResult:
+            if window.scn == 2:  # the group purges the lost unit's windows meanwhile
+                dispatcher = holder[0]
+                dispatcher.replay[:] = [w for w in dispatcher.replay if w.unit != window.unit]
+            return await super().on_end_window(window)
+
+    windows = [_window(s, "p.0" if s % 2 else "p.1") for s in range(1, 5)]
+    cb = _LoseUnit(fail_scn=-1)
+    dispatcher, positions = await _run(windows, cb, every=100, holder=holder)
+    assert cb.started == [1, 2, 3, 4]
+    assert positions.advanced == [1, 3, 4]
+    assert dispatcher.windows == 3

@@ -389,6 +389,37 @@ REPLICAS = [
 
 
 @pytest.mark.parametrize("make_store", REPLICAS, indirect=True)
+async def test_a_fenced_apply_does_not_fence_the_units_new_claim(make_store: MakeStore) -> None:
+    """A window applied under a claim another member took in the meantime is refused;
+    when this replica claimed the unit again before that answer came back, the refusal
+    fenced the new claim, whose windows were then skipped (review)."""
+    from changebus.client._apply_units import UnitReplica
+
+    a, b = make_store(), make_store()
+    assert isinstance(a, UnitReplica) and isinstance(b, UnitReplica)
+    await a.claim(G, U, "m-a")
+    await b.claim(G, U, "m-b")  # a's session expired; b took the unit
+    run = a._in_thread
+    reclaimed: list[Any] = []
+
+    async def in_thread(fn: Any, *args: Any) -> Any:
+        result = await run(fn, *args)
+        if getattr(fn, "__name__", "") == "_apply_unit":  # a claims it again meanwhile
+            reclaimed.append(await a.claim(G, U, "m-a"))
+        return result
+
+    a._in_thread = in_thread  # type: ignore[method-assign]
+    assert await deliver(a, window(20, {2: "bob"})) is None  # the stale claim's window
+    a._in_thread = run  # type: ignore[method-assign]
+    assert rows_of(a) == {} and a.windows_applied == 0
+    assert await deliver(a, window(20, {2: "bob"})) is None  # the new claim's, applied
+    assert rows_of(a) == {2: "bob"} and a.windows_applied == 1
+    assert (await a.read(G))[U].owner == "m-a"
+    result = await a.commit(G, [UnitCommit(U, cp(20), reclaimed[0].token)])
+    assert not result.fenced and U in result.tokens
+
+
+@pytest.mark.parametrize("make_store", REPLICAS, indirect=True)
 async def test_replica_applies_unit_windows_fenced(make_store: MakeStore) -> None:
     a, b = make_store(), make_store()
     assert isinstance(a, Replica) and isinstance(b, Replica)

@@ -427,6 +427,11 @@ class Dispatcher:
                     self.replay[:] = [w for w in self.replay if w is not window]
                     continue
             outcome = _OK if window.is_empty else await self._runner.run(window_plan(window))
+            if outcome.ok and not self._kept(window):
+                # purged while its callbacks ran (a consumer group lost its unit): its
+                # position belongs to a claim that is gone, maybe already replaced by a
+                # new claim of the same unit, which it must not move (review)
+                continue
             if outcome.ok:
                 self._position.advance(window)
                 self.windows += 1
@@ -440,6 +445,11 @@ class Dispatcher:
             await self._rollback(outcome, window)
             pending = deque(self.replay)
             replaying = True
+
+    def _kept(self, window: Window) -> bool:
+        """``window`` is still in ``replay`` (the newest one, but for a purge)."""
+        replay = self.replay
+        return (bool(replay) and replay[-1] is window) or any(w is window for w in replay)
 
     async def _last_checkpoint(self) -> None:
         """The stream ended (``stop()``, a bounded read's end, a fetch error): store the
