@@ -44,6 +44,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def default_hangup() -> None:
+    """SIGHUP's default action in the child: the test suite may run under ``nohup``,
+    whose ignored SIGHUP every child inherits (the daemon then survives any hangup)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.fixture
 def manager() -> Iterator[tuple[socket.socket, str]]:
     """A fake service manager: its socket and the ``NOTIFY_SOCKET`` value naming it."""
@@ -81,6 +87,7 @@ def test_relay_tells_its_manager_and_survives_sighup_while_starting(
         env={**ENV, "NOTIFY_SOCKET": address},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        preexec_fn=default_hangup,
     )
     try:
         assert proc.stdout is not None
@@ -95,7 +102,7 @@ def test_relay_tells_its_manager_and_survives_sighup_while_starting(
             proc.send_signal(signal.SIGHUP)
             hups += 1
             notes += received(sock)
-        assert hups >= 10
+        assert hups >= 3  # (about one each 50 ms: the start-up takes 0.4-2 s)
         # READY=1 is the first word: nothing said "ready" while starting
         assert notes[0] == "READY=1|STATUS=relay serving", notes
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
@@ -137,7 +144,12 @@ HANGUP = (
 
 def test_other_commands_still_end_on_a_hangup_that_came_while_loading() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", HANGUP], env=ENV, capture_output=True, timeout=60, check=False
+        [sys.executable, "-c", HANGUP],
+        env=ENV,
+        capture_output=True,
+        timeout=60,
+        check=False,
+        preexec_fn=default_hangup,
     )
     assert done.stdout.decode().splitlines() == ["held", "alive True"]
     assert done.returncode == -signal.SIGHUP
