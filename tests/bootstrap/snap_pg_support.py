@@ -200,7 +200,7 @@ class RecordingSink:
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         self.chunks.append(chunk)
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None:
         self.finished.append(job)
 
     def rows(self, relay: Relay, table: str, cols: list[str]) -> set[tuple[Any, ...]]:

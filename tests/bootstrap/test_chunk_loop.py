@@ -62,7 +62,7 @@ class StoreSink:
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         self.store.refill_chunk("p", scope.table, chunk.events, chunk.tag, chunk.absent, skipped)
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None:
         after: int | None = 0
         while after is not None:
             after = self.store.sweep_step("p", scope.table, job.first_tag, after)
@@ -447,3 +447,46 @@ def test_a_stored_cursor_of_another_key_order_starts_the_table_again(store: Stor
         run_chunked(request, lambda r: ScriptedSource(400, reads), StoreSink(store),
                     SeedProgress(), stop=threading.Event())  # fmt: skip
         assert reads == expected
+
+
+def test_the_end_of_table_sweep_ends_at_a_stop() -> None:
+    """The sweep after a table's last chunk went on to its end whatever happened: a
+    service stop waited for thousands of steps of a big table (review). The real sink
+    checks ``stop`` between steps; a sweep stopped is done again after a restart."""
+    import asyncio
+
+    from changebus.bootstrap._sink import StoreSink as ThreadedSink
+    from changebus.schemas import ChangebusError
+
+    stop = threading.Event()
+    steps: list[Any] = []
+
+    class Recorder:
+        def sweep_step(self, part: str, table: str, first_tag: int, after: int) -> int:
+            steps.append(after)
+            if len(steps) == 3:
+                stop.set()  # a service stop, in the middle of the sweep
+            return after + 20_000
+
+        def finish_snapshot(self, part: str, job: JobState, *, seeded: bool) -> None:
+            steps.append("finished")
+
+    class Stores:
+        async def write(self, fn: Any) -> Any:
+            return fn(Recorder())
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        sink = ThreadedSink(Stores(), "p", loop)  # type: ignore[arg-type]
+        scope = SnapshotScope("public.t")
+        job = JobState("public.t", scope.as_json(), None, 9, 900, 5, 50)
+        with pytest.raises(ChangebusError, match="stopped") as info:
+            sink.finish(scope, job, stop)
+        assert info.value.retriable
+        assert steps == [0, 20_000, 40_000]  # neither swept on nor recorded as seeded
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -83,7 +83,7 @@ class RecordingSink:
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
         self.chunks.append(chunk)
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None:
         self.finished.append(job)
 
     def rows(self, schema: TableSchema) -> list[dict[str, Any]]:

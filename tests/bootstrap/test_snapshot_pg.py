@@ -521,3 +521,50 @@ async def test_a_seed_source_of_another_cluster_is_refused(
     finally:
         other.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_a_partitioned_table_without_a_key_is_read_in_bounded_ranges(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A partitioned table (published via its root) with REPLICA IDENTITY FULL and no key
+    takes the single_transaction fallback, whose chunks are ctid ranges sized by the
+    table's pages: a partitioned table has none of its own, so it went in ONE COPY,
+    whole, however big (review). Each range now spans every leaf."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE pfull (x int4, y text) PARTITION BY RANGE (x)")
+        for i in range(3):
+            conn.execute(
+                f"CREATE TABLE pfull_{i} PARTITION OF pfull"
+                f" FOR VALUES FROM ({i * 1000}) TO ({(i + 1) * 1000})"
+            )
+            conn.execute(f"ALTER TABLE pfull_{i} REPLICA IDENTITY FULL")
+        conn.execute("ALTER TABLE pfull REPLICA IDENTITY FULL")
+        conn.execute(
+            "INSERT INTO pfull SELECT g, repeat('y', 200) || g FROM generate_series(0, 2999) g"
+        )
+        conn.execute("ANALYZE pfull")
+        conn.execute(
+            "CREATE PUBLICATION changebus FOR ALL TABLES WITH (publish_via_partition_root)"
+        )
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO pfull VALUES (2999, 'learn')")
+        await caught_up(relay, pg_dsn)
+        progress = SeedProgress()
+        got: list[bytes] = []
+        sizes: list[int] = []
+
+        def chunk(_t: Any, events: list[bytes], _s: Any) -> None:
+            got.extend(events)
+            sizes.append(len(events))
+
+        await asyncio.to_thread(
+            seed_postgres,
+            relay_request(relay, pg_dsn, "public.pfull", chunk_rows=300),
+            chunk,
+            progress,
+        )
+    assert progress.mode == "single_transaction"
+    assert len(got) == 3001
+    assert len(sizes) >= 5 and max(sizes) <= 2 * 300, sizes

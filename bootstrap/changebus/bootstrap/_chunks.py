@@ -290,7 +290,7 @@ class SnapshotSink(Protocol):
 
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None: ...
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None: ...
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None: ...
 
 
 @dataclass
@@ -320,7 +320,7 @@ class WriterSink:
         if chunk.events:
             self.write(scope.table, chunk.events, chunk.tag)
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None:
         self.write(scope.table, [], max(job.first_tag, 0))
 
 
@@ -385,7 +385,7 @@ def _run_tables(
                 # consumers that follow the stream keep them too
                 log.warning("%s: %s; recorded as seeded, its rows left as they are", name, exc)
                 progress.start_table(name, "gone", 0, 0, 0)
-                sink.finish(scope, JobState(name, scope.as_json(), first_tag=request.min_tag))
+                sink.finish(scope, JobState(name, scope.as_json(), first_tag=request.min_tag), stop)
                 progress.table_done()
                 continue
             stored = sink.resume(scope)
@@ -458,7 +458,7 @@ def _run_tables(
                     _refill(source, sink, scope, (job.last_tag, sizer.rows), stop)
                 finally:
                     progress.mode = mode
-            sink.finish(scope, job)
+            sink.finish(scope, job, stop)
             progress.table_done()
             log.info("seeded %s: %d rows in %d chunks", name, job.rows, job.chunks)
     progress.state = "copied"

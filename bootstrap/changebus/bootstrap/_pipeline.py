@@ -45,7 +45,7 @@ from changebus.client import (
     StreamConfig,
     safe_url,
 )
-from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss, SchemaError
+from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss, SchemaError, stop_task
 from changebus.schemas.config import scrub
 
 from ._lost import DATA_LOSS_OP, loss_in, loss_reason
@@ -146,9 +146,7 @@ class Pipelines(Seeding):
                 # resume after what was written (the sink may still be draining)
                 await sink.join()
         finally:
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            await stop_task(writer)
 
     async def _write_log(
         self, w: PartitionWorker, sink: asyncio.Queue[tuple[RawWindow, str]]

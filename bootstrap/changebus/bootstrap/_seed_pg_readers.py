@@ -181,6 +181,7 @@ class SingleReader(Reader):
         self.estimate_rows = estimate
         self.tag = -1
         self.pages = 0
+        self.leaves = 1  # (the leaf partitions a ctid range covers)
         self.rows_per_page = 100.0
 
     def _read(self, cursor: str | None, limit: int) -> Chunk:
@@ -191,18 +192,26 @@ class SingleReader(Reader):
                     "%s: single_transaction snapshots do not resume: starting again", self.name
                 )
             self.tag = src.begin_chunk(self.name)
+            # a partitioned table has no pages of its own: its ctid ranges apply to each
+            # leaf (the largest sets the end), so a chunk spans every leaf and is sized by
+            # their count. Read as the table's size (0) it went in ONE whole COPY,
+            # however big (found by review)
             row = src.conn.execute(
-                "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
-                "c.reltuples, c.relpages FROM pg_class c WHERE c.oid = %s",
+                "SELECT coalesce(max(pg_relation_size(c.oid)), 0)"
+                " / current_setting('block_size')::int, sum(greatest(c.reltuples, 0)),"
+                " sum(c.relpages), count(*) FILTER (WHERE c.relkind <> 'p')"
+                " FROM pg_class c WHERE c.oid = %s OR c.oid IN"
+                " (SELECT relid FROM pg_partition_tree(%s) WHERE isleaf)",
                 (self.oid, self.oid),
             ).fetchone()
             self.pages = int(row[0])
+            self.leaves = max(int(row[3]), 1)
             if float(row[1]) > 0 and int(row[2]) > 0:
                 self.rows_per_page = max(float(row[1]) / int(row[2]), 1.0)
             first = 0
         else:
             first = int(json.loads(cursor))
-        step = max(1, int(limit / self.rows_per_page))
+        step = max(1, int(limit / self.rows_per_page / self.leaves))
         end: int | None = first + step
         if end is not None and end >= self.pages:
             end = None  # the last range has no end: nothing visible lies beyond

@@ -37,14 +37,13 @@ Thread-safety: event loop only (see the parts for their threads).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 
 import aiohttp
 
 from changebus.client import open_session, safe_url
-from changebus.schemas import ChangebusError, ended
+from changebus.schemas import ChangebusError, ended, stop_task
 from changebus.schemas.config import secret_values
 
 from ._config import BootstrapConfig
@@ -145,9 +144,7 @@ class BootstrapService(Pipelines):
             for t in w.tasks:
                 await ended(t)
         if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+            await stop_task(self._publisher)
             self._publisher = None
         if self.member is not None:
             await self.member.stop()

@@ -130,10 +130,14 @@ class StoreSink:
             )
         )
 
-    def finish(self, scope: SnapshotScope, job: JobState) -> None:
+    def finish(self, scope: SnapshotScope, job: JobState, stop: threading.Event) -> None:
         if scope.whole and job.chunks:  # (no chunk: a table gone from the source, nothing read)
             after: int | None = 0
             while after is not None:
+                if stop.is_set():
+                    # (a service stop waited for the whole sweep, thousands of steps
+                    # of a big table; a sweep stopped is done again after a restart)
+                    raise ChangebusError("seeding stopped", retriable=True)
                 start = after
                 after = self._call(
                     lambda s, a=start: s.sweep_step(self._part, scope.table, job.first_tag, a)  # type: ignore[misc]
