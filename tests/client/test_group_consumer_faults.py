@@ -417,3 +417,44 @@ async def test_a_stop_during_start_is_kept(
         finally:
             await consumer.close()
         assert run.done() and run.exception() is None
+
+
+@pytest.mark.parametrize("mode", ["iterator", "callbacks"])
+async def test_close_during_a_start_that_waits_for_zookeeper_ends_it(mode: str) -> None:
+    """ZooKeeper away at start-up is waited for without limit (``max_attempts`` 0); a
+    close() meanwhile (a SIGTERM handler) found nothing to release and returned, and the
+    start went on: it would have joined, claimed units and delivered windows from a
+    closed consumer whose nodes nobody removed (review). The start ends with close()."""
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = ConsumerConfig(
+        relays=("http://127.0.0.1:1",),
+        zookeeper=f"127.0.0.1:{port}",
+        group="g",
+        partitions=("p",),
+        buckets=2,
+        connect_timeout_s=0.2,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
+    consumer = Consumer(cfg)
+    got: list[Any] = []
+
+    async def consume() -> None:
+        if mode == "iterator":
+            async for window in consumer:
+                got.append(window)
+        else:
+            await consumer.run(AsyncCallbacks())
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(1.0)  # a few attempts to connect
+    assert not task.done()
+    await asyncio.wait_for(consumer.close(), 10)
+    await asyncio.wait_for(task, 10)  # the iteration or run ends, without an error
+    assert got == []
+    group = consumer._group
+    assert group._zk is None and group.member is None and not group._tasks

@@ -64,7 +64,7 @@ from typing import Any, Literal
 import aiohttp
 
 from changebus.cluster import CoordinationError, GroupMember, ZkSession, ZkUnitStore
-from changebus.schemas import Checkpoint, Unit, UnitStore
+from changebus.schemas import Checkpoint, Unit, UnitStore, ended, stop_task
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._cluster import ClusterRoute
@@ -121,6 +121,8 @@ class GroupConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
+        self._starting: asyncio.Task[None] | None = None
+        self._start_ended = asyncio.Event()  # (set once start() released or finished)
         #: stop() came before the queue existed (during start): start closes it at once
         self._stop_requested = False
         self.windows = 0
@@ -141,13 +143,32 @@ class GroupConsumer:
         if self._closed:
             raise RuntimeError("this consumer is closed")
         self._started = True
-        cfg = self.config
         self._loop = asyncio.get_running_loop()
+        # the start runs as a task of its own, which close() can end: it may wait for
+        # ZooKeeper for ever (``max_attempts`` 0), and a close() meanwhile found nothing
+        # to release, then the start went on, joined, claimed units and delivered
+        # windows from a closed consumer whose nodes nobody removed (review)
+        starting = self._starting = asyncio.create_task(
+            self._start(self.config), name="changebus-group-start"
+        )
         try:
-            await self._start(cfg)
-        except BaseException:
-            await self._shutdown()
-            raise
+            try:
+                await asyncio.wait({starting})
+                starting.result()
+            except BaseException:
+                await stop_task(starting)  # (this caller cancelled: the start ends too)
+                await self._shutdown()
+                if self._closed_meanwhile() and starting.cancelled():
+                    return  # ended by close(): the consumer is closed
+                raise
+            if self._closed_meanwhile():  # close() came as the start ended: left to us
+                await self._shutdown()
+        finally:
+            self._start_ended.set()
+
+    def _closed_meanwhile(self) -> bool:
+        """close() ran (a fresh read: mypy keeps ``_closed`` narrowed across awaits)."""
+        return self._closed
 
     async def _start(self, cfg: ConsumerConfig) -> None:
         zk = self._zk = await connect(cfg)
@@ -216,14 +237,17 @@ class GroupConsumer:
         if self._closed:
             return
         self._closed = True
+        if self._starting is not None and not self._start_ended.is_set():
+            self._starting.cancel()  # start() releases what it opened, then returns
+            await self._start_ended.wait()
+            return
         await self._shutdown()
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await ended(task)
         self._tasks.clear()
         owner, member = self._owner, self.member
         try:
@@ -403,6 +427,8 @@ class GroupConsumer:
         if self._closed:
             raise StopAsyncIteration
         await self.start()
+        if self._closed:  # (close() ran while the start awaited)
+            raise StopAsyncIteration
         if self.config.auto_commit and self._uncommitted:
             await self._commit(force=False)
         try:
@@ -441,6 +467,8 @@ class GroupConsumer:
             raise RuntimeError(f"this consumer is already used in {self._mode} mode")
         self._mode = "callbacks"
         await self.start()
+        if self._closed:  # (close() ran while the start awaited)
+            return
         assert self._positions is not None
         dispatcher = Dispatcher(
             callbacks, self.config, self._positions, self.next_window, self._readmit

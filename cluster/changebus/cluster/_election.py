@@ -55,6 +55,8 @@ from typing import Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
+from changebus.schemas import stop_task
+
 from ._errors import CoordinationError
 from ._layout import (
     CANDIDATE_PREFIX,
@@ -247,9 +249,7 @@ class PartitionElection:
             self._remove_listener()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         candidate, self._candidate = self._candidate, None
         if candidate is not None and self.session.connected:
             with contextlib.suppress(CoordinationError, NoNodeError):

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
+from changebus.schemas import stop_task
+
 from ._errors import CoordinationError
 from ._layout import Kind, MemberInfo, PartitionState, encode_member, member_path, members_path
 from ._session import StateChange, ZkSession
@@ -80,9 +82,7 @@ class Registry:
             self._remove_listener()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         if self.session.connected and self._registered:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", self.path)

@@ -33,6 +33,8 @@ from typing import Any
 
 from kazoo.exceptions import NoNodeError
 
+from changebus.schemas import stop_task
+
 from ._election import LeaderInfo
 from ._errors import CoordinationError
 from ._layout import (
@@ -145,9 +147,7 @@ class RoutingTable:
             self._remove_listener()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
 
     def snapshot(self) -> RoutingSnapshot:
         """The newest snapshot (immutable)."""

@@ -72,6 +72,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 from changebus.cluster import Leadership, PartitionElection, PartitionState
+from changebus.schemas import stop_task
 
 from ._config import FetcherConfig
 from ._host import PartitionHost
@@ -186,9 +187,7 @@ class PartitionRole:
         """
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         if self.plan[0] != "none" or self.host.fetcher is not None:
             try:
                 await self.host.switch_fetcher(FetcherConfig())

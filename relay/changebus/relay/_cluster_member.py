@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from changebus.cluster import ClusterConfig, PartitionState, Registry, RoutingTable, ZkSession
+from changebus.schemas import stop_task
 from changebus.schemas.security import ClientAuth
 
 from ._cluster import _TICK_S, PartitionRole
@@ -83,9 +84,7 @@ class ClusterMember:
         """Leave: stop the roles (a leader's source stops), deregister, close the session."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         if self._remove_listener is not None:
             self._remove_listener()
             self._remove_listener = None

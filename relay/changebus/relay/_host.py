@@ -204,9 +204,7 @@ class PartitionHost(SourceAcks):
     async def stop(self) -> None:
         self.wakeups.stop()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
         if self.fetcher is not None:
             await self.fetcher.close()
         if self.syncer is not None:  # before the buffer's mappings go
@@ -232,9 +230,7 @@ class PartitionHost(SourceAcks):
         """
         async with self._switching:
             if self._task is not None:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+                await stop_task(self._task)
                 self._task = None
             if self.fetcher is not None:
                 with contextlib.suppress(Exception):
