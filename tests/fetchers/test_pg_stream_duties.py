@@ -28,3 +28,32 @@ def test_keepalive_sends_a_status_update_per_interval_and_asks_no_reply() -> Non
         kind, write, flush, apply, _clock, reply = struct.unpack("!cQQQqB", message)
         assert kind == b"r" and (write, flush, apply) == (written, 1000, 1000)
         assert reply == 0
+
+
+async def test_windows_waiting_for_their_acknowledgement_are_bounded() -> None:
+    """A relay cluster's fence holds acknowledgements back while a follower is down: the
+    fetcher kept one entry per window emitted meanwhile, for hours (review). Past
+    MAX_PENDING every other entry goes; an acknowledgement then confirms the end of
+    the newest kept window at or below it: later, never sooner."""
+    from changebus.fetchers import Window
+    from changebus.fetchers.postgres import PostgresConfig
+    from changebus.fetchers.postgres._fetcher import MAX_PENDING, PostgresFetcher
+    from changebus.schemas import scn_to_lsn
+
+    fetcher = PostgresFetcher("pg", 1, PostgresConfig(dsn="host=127.0.0.1"))
+    emitted: list[int] = []
+    n = 3 * MAX_PENDING
+    for scn in range(1000, 1000 + n):  # window scn ends at lsn scn + 10
+        window = Window(scn, 0, b"", 0, source_position=scn_to_lsn(scn + 10))
+        fetcher._emit(window, lambda w: emitted.append(w.scn))
+    assert len(emitted) == n
+    assert len(fetcher._pending) <= MAX_PENDING
+    scns = [s for s, _ in fetcher._pending]
+    assert scns == sorted(scns) and scns[-1] == 999 + n
+    # an acknowledgement never confirms past what it covers, and the newest is exact
+    for acked in (1000, 1000 + n // 2, 1000 + n - 2):
+        await fetcher.acknowledge(acked)
+        assert fetcher._acked_end_lsn <= acked + 10
+    assert fetcher._acked_end_lsn >= 1000 + n // 2  # (it moved)
+    await fetcher.acknowledge(999 + n)
+    assert fetcher._acked_end_lsn == 999 + n + 10 and not fetcher._pending

@@ -37,6 +37,7 @@ the reason in ``/v1/status``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -55,6 +56,9 @@ from ._types import TypeResolver
 from ._watchdog import Watchdog
 
 __all__ = ["PostgresConfig", "PostgresFetcher"]
+
+#: emitted windows remembered for their acknowledgement, at most (thinned beyond)
+MAX_PENDING = 65_536
 
 
 class PostgresFetcher:
@@ -229,6 +233,12 @@ class PostgresFetcher:
 
     def _emit(self, window: Window, emit: Callable[[Window], None]) -> None:
         with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                # acknowledgements held back for long (a relay cluster's fence waits for
+                # a follower that is down): every other entry goes, so an acknowledged
+                # SCN between two kept ones confirms the older one's end only. Later,
+                # never sooner, and bounded (review; it grew by a window's entry)
+                self._pending = deque(itertools.islice(self._pending, 1, None, 2))
             self._pending.append((window.scn, lsn_to_scn(window.source_position)))
         emit(window)
         self.stats["windows"] += 1
