@@ -100,6 +100,35 @@ async def test_members_with_credentials_lock_out_writers_without(
     assert PASSWORD not in caplog.text
 
 
+async def test_a_start_whose_acl_walk_fails_leaves_no_session(
+    zk_hosts: str, zk_cluster: str
+) -> None:
+    """A node the member may not read or re-ACL (another user's) fails the start's ACL
+    walk; the session stayed connected, and each join retry left one more live session
+    with its threads and a connection of the server's per-host limit (review)."""
+    from kazoo.security import make_digest_acl
+
+    zk = _plain(zk_hosts)
+    try:
+        zk.ensure_path(f"/changebus/{zk_cluster}/partitions")
+        zk.create(
+            f"/changebus/{zk_cluster}/partitions/p0",
+            b"",
+            acl=[make_digest_acl("someone", "else", all=True)],
+        )
+        member = ZkSession(
+            _config(zk_hosts, zk_cluster, "r1", zk_user="relay", zk_password=PASSWORD)
+        )
+        with pytest.raises(Exception) as info:
+            await member.start()
+        assert PASSWORD not in str(info.value)
+        assert member._zk is None and not member.connected
+        assert member.state == "closed"
+    finally:
+        zk.stop()
+        zk.close()
+
+
 async def test_a_tree_created_open_is_taken_back(zk_hosts: str, zk_cluster: str) -> None:
     zk = _plain(zk_hosts)
     try:

@@ -292,7 +292,13 @@ class ZkSession:
         else:  # lost again already: kazoo's queued reports say so, then its next CONNECTED
             self.session_id = sid
         if credentials is not None:
-            await self._secure_tree(security["default_acl"])
+            try:
+                await self._secure_tree(security["default_acl"])
+            except BaseException:
+                # (not left connected: each join retry of a member left a live session,
+                # its threads and a connection of the server's per-host limit; review)
+                await self.stop()
+                raise
 
     async def _secure_tree(self, acl: list[ACL]) -> None:
         """Create the cluster's root with ``acl`` and set it on its persistent nodes.
