@@ -674,3 +674,40 @@ def test_a_new_tables_id_needs_no_walk_of_the_others() -> None:
         t = reg.register(TableSchema(f"s.t{i}", (Column("id", "long", nullable=False),), ("id",)))
         assert reg.source_id(t.name) == i + 1
     assert Walked.walks == 0
+
+
+def test_lookups_do_not_wait_for_a_registrations_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration held the one lock across its file append and fsync, and the relay's
+    HTTP handlers took that lock on the event loop: a DDL stalled every partition for as
+    long as the disk took (review). Lookups wait for the maps only."""
+    registry = SchemaRegistry(tmp_path / "schemas.jsonl")
+    first = registry.register(users())
+    syncing, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        syncing.set()
+        assert release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    done: list[TableSchema] = []
+    writer = threading.Thread(
+        target=lambda: done.append(registry.register(users(Column("email", "string"))))
+    )
+    writer.start()
+    try:
+        assert syncing.wait(10)
+        # the new version is not visible before it is on disk; every lookup answers now
+        assert registry.latest("public.users") == first
+        assert registry.sources() == [(1, "public.users")]
+        assert len(registry.to_json()) == 1
+    finally:
+        release.set()
+        writer.join(10)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert done and done[0].version == 2
+    assert registry.latest("public.users") == done[0]
+    assert SchemaRegistry(tmp_path / "schemas.jsonl").latest("public.users") == done[0]

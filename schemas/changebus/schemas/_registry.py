@@ -22,10 +22,14 @@ append overwrites it; damage anywhere else raises :class:`SchemaError` rather
 than guessing. Opening never modifies the file, so other processes may read
 a file while one process (the only writer) appends to it.
 
-Thread-safety. One :class:`threading.Lock` guards all state; every public
-method takes it, :meth:`register` holds it across the file append. The
-registry may be shared by a fetcher thread, the relay's writer and its HTTP
-handlers.
+Thread-safety. Two locks. ``_write_lock`` serialises the registrations
+(checks, the file append, the fsync); ``_lock`` guards the in-memory maps,
+which only a registration holding both changes, after its line is on disk.
+Lookups take ``_lock`` only, so the relay's HTTP handlers never wait for a
+fetcher's or the writer's fsync (they waited on the event loop, every
+partition with them, whenever a DDL came while a request read a schema:
+found by review). The registry may be shared by a fetcher thread, the
+relay's writer and its HTTP handlers.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class SchemaRegistry:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps (module docstring)
+        self._write_lock = threading.Lock()  # registrations, file I/O included
         self._versions: dict[str, list[TableSchema]] = {}
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
@@ -156,9 +161,11 @@ class SchemaRegistry:
         self._by_fp.setdefault(table.fingerprint, table)
 
     def _commit(self, table: TableSchema, source_id: int) -> None:
+        # (the caller holds _write_lock: nothing else changes the maps meanwhile)
         self._check(table, source_id)
         self._append(table, source_id)  # disk first: memory never runs ahead of it
-        self._add(table, source_id)
+        with self._lock:
+            self._add(table, source_id)
 
     def _next_source_id(self) -> int:
         if self._top < _MAX_SOURCE_ID:
@@ -176,7 +183,7 @@ class SchemaRegistry:
         ``table.version`` is ignored. A new table also gets its source id.
         """
         fingerprint = table.fingerprint  # computed outside the lock
-        with self._lock:
+        with self._write_lock:
             versions = self._versions.get(table.name, [])
             if versions and versions[-1].fingerprint == fingerprint:
                 return versions[-1]
@@ -209,7 +216,7 @@ class SchemaRegistry:
         a gap in the versions or another source id raise :class:`SchemaError`.
         """
         fingerprint = table.fingerprint
-        with self._lock:
+        with self._write_lock:
             versions = self._versions.get(table.name, [])
             if 0 < table.version <= len(versions):
                 have = versions[table.version - 1]
