@@ -554,3 +554,38 @@ def test_a_partition_that_appears_mid_query_is_read_whole_or_its_loss_is_refused
         _new_partition_start(SourceOptions.parse(relays), evicted)
     lenient = SourceOptions.parse({**relays, "failOnDataLoss": "false"})
     assert _new_partition_start(lenient, evicted) == 500
+
+
+def test_a_user_schema_may_not_declare_a_column_the_source_fills_with_nulls_not_null() -> None:
+    """A user schema's NOT NULL was taken as it is, and Spark trusts the flag: rows with
+    nulls there (a truncate, a delete's unkeyed columns, a value not sent) read wrong
+    (review). Refused; nullable and narrower schemas are taken."""
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from changebus.client.spark._source import _check_user_schema
+
+    derived = pa.schema([pa.field("id", pa.int64()), pa.field("name", pa.string())])
+    narrow = StructType([StructField("name", StringType(), True)])
+    assert _check_user_schema(narrow, derived).names == ["name"]
+    strict = StructType(
+        [StructField("id", LongType(), True), StructField("name", StringType(), False)]
+    )
+    with pytest.raises(ConfigError, match="'name' is NOT NULL"):
+        _check_user_schema(strict, derived)
+    kept = pa.schema([pa.field("id", pa.int64(), nullable=False)])  # never null: either way
+    assert _check_user_schema(StructType([StructField("id", LongType(), False)]), kept)
+
+
+def test_the_vectorised_decimal_check_sees_the_lowest_eight_byte_value() -> None:
+    """The unscaled -2**63 passed the precision check (its np.abs overflows to itself): a
+    19-digit value reached a decimal of 18 digits (review). The batch goes to the
+    generated reader instead, which fails it as it does any value beyond precision."""
+    from changebus.client.spark._vecread import Fallback, _decimal, _Field
+
+    field = _Field({"type": "bytes", "logicalType": "decimal", "precision": 18, "scale": 2}, 0)
+    raw = np.frombuffer(b"\x80" + b"\x00" * 7 + b"\x00\x01", dtype=np.uint8)
+    first, length = np.array([0, 8], np.int64), np.array([8, 2], np.int64)
+    with pytest.raises(Fallback, match="beyond its precision"):
+        _decimal(field, raw, first, length, None, 2)
+    ok = _decimal(field, raw, first[1:], length[1:], None, 1)
+    assert ok.to_pylist() == [decimal.Decimal("0.01")]
