@@ -36,6 +36,7 @@ from changebus.schemas import (
     HEADER_SIZE,
     ChangeDecoder,
     Column,
+    ConfigError,
     CorruptEventError,
     Op,
     RowEncoder,
@@ -511,3 +512,45 @@ def test_maps_whose_values_arrow_does_not_take_as_they_are() -> None:
             assert got == want
         else:  # (a union of several types: text)
             assert got["y"] is None and got["x"] is not None
+
+
+def test_wide_windows_are_decoded_and_batched_by_their_bytes_too() -> None:
+    """Relay windows waited for 16,384 events before they were decoded, and a Spark batch
+    for 65,536 rows, whatever their size: rows of 64 KB made 4 GB batches, past Arrow's
+    2 GiB string columns, and the task failed on every retry (review). Bytes count too."""
+    from changebus.client import RawEvents
+    from changebus.client.spark._options import SourceOptions
+
+    table = TableSchema(
+        "public.wide",
+        (Column("id", "long", nullable=False), Column("doc", "string")),
+        key=("id",),
+        version=1,
+    )
+    enc = RowEncoder(table, source_id=1)
+    change = ChangeDecoder(table)
+    decoder = ArrowDecoder(union_schema([table]), drain_bytes=1 << 20)
+    drained: list[int] = []
+    real = decoder._drain
+
+    def drain() -> None:
+        drained.append(decoder._pending_events)
+        real()
+
+    decoder._drain = drain  # type: ignore[method-assign]
+    doc = "x" * (100 << 10)
+    for i in range(25):  # 25 windows of one ~100 KB row: a drain each ~1 MiB
+        body = enc.encode(Op.INSERT, 10 + i, 0, TS, {"id": i, "doc": doc})
+        offsets, headers = parse_stream(body)
+        raw = RawEvents(body, offsets, headers, {(1, 1): change})
+        decoder.add_window(
+            Window(scn=10 + i, timestamp_ns=TS, partition="p", raw_events=raw, nbytes=len(body))
+        )
+    assert drained and max(drained) <= 11, drained
+    batch = decoder.flush()
+    assert batch.num_rows == 25 and batch.column("id").to_pylist() == list(range(25))
+    # the read loop's own bound: the option, parsed and checked
+    opts = SourceOptions.parse({"relays": "http://127.0.0.1:1", "arrowBatchBytes": "2097152"})
+    assert opts.arrow_batch_bytes == 2 << 20
+    with pytest.raises(ConfigError, match=r"(?i)arrowbatchbytes"):
+        SourceOptions.parse({"relays": "http://127.0.0.1:1", "arrowBatchBytes": "1000"})

@@ -62,12 +62,17 @@ class ArrowDecoder:
     :meth:`add` or :meth:`add_events` and come out, in the order added, from
     :meth:`flush`. Relay windows are decoded in bulk: their events wait until
     ``drain_events`` of them are gathered (or :meth:`flush`), then each writer
-    schema's events are decoded in one pass, whatever windows they came in.
-    Not thread-safe.
+    schema's events are decoded in one pass, whatever windows they came in
+    (or ``drain_bytes`` of their wire bytes: wide rows). Not thread-safe.
     """
 
     def __init__(
-        self, schema: pa.Schema, *, include_preimage: bool = True, drain_events: int = 16_384
+        self,
+        schema: pa.Schema,
+        *,
+        include_preimage: bool = True,
+        drain_events: int = 16_384,
+        drain_bytes: int = 32 << 20,
     ) -> None:
         self.schema = schema
         self.include_preimage = include_preimage
@@ -78,7 +83,9 @@ class ArrowDecoder:
         #: relay windows not decoded yet: (events, partition, commit time)
         self._pending: list[tuple[RawEvents, str, int]] = []
         self._pending_events = 0
+        self._pending_bytes = 0
         self._drain_at = drain_events
+        self._drain_bytes = drain_bytes
 
     @property
     def rows(self) -> int:
@@ -94,7 +101,11 @@ class ArrowDecoder:
             if len(raw):
                 self._pending.append((raw, window.partition, window.timestamp_ns))
                 self._pending_events += len(raw)
-                if self._pending_events >= self._drain_at:
+                self._pending_bytes += window.nbytes
+                if (
+                    self._pending_events >= self._drain_at
+                    or self._pending_bytes >= self._drain_bytes
+                ):
                     self._drain()
         elif window.events:
             self._drain()
@@ -111,7 +122,7 @@ class ArrowDecoder:
     def _drain(self) -> None:
         """Decode the pending relay windows' events, one pass per writer schema."""
         pending, self._pending = self._pending, []
-        self._pending_events = 0
+        self._pending_events = self._pending_bytes = 0
         if not pending:
             return
         k = len(pending)

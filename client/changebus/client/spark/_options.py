@@ -78,6 +78,7 @@ OPTION_NAMES: dict[str, str] = {
     "maxwindowbytes": "the largest transaction (window) a task holds (512 MiB): a larger one"
     " stops the query; raise it for larger transactions (a task holds several times it)",
     "arrowbatchrows": "rows per Arrow record batch handed to Spark",
+    "arrowbatchbytes": "wire bytes of the windows in an Arrow record batch, at most (about)",
     "requesttimeouts": "seconds a relay request may take before failing over",
     "includepreimage": "true: updates with a before-image also give an update_preimage row",
     "includenotsent": "true: a _not_sent column names the values the source did not send",
@@ -278,7 +279,10 @@ class SourceOptions:
       fails the query (else it is skipped with a warning, as Spark's Kafka
       source does);
     * ``max_bytes_per_request``, ``arrow_batch_rows``, ``request_timeout_s`` --
-      transfer tuning; ``max_window_bytes`` -- the largest window (transaction)
+      transfer tuning; ``arrow_batch_bytes`` -- an Arrow batch is handed to
+      Spark once its windows' wire bytes reach it, whatever its rows (wide rows:
+      65,536 of 64 KB each made a 4 GB batch, past Arrow's 2 GiB string
+      columns); ``max_window_bytes`` -- the largest window (transaction)
       a task or the driver holds (the client's ``max_window_bytes``); ``include_preimage`` -- emit ``update_preimage`` rows;
     * ``include_not_sent`` -- add the ``_not_sent`` column (the values the
       source did not send, Postgres' unchanged TOAST);
@@ -312,6 +316,7 @@ class SourceOptions:
     max_bytes_per_request: int = 4 << 20
     max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES
     arrow_batch_rows: int = 65536
+    arrow_batch_bytes: int = 64 << 20
     request_timeout_s: float = 30.0
     include_preimage: bool = True
     include_not_sent: bool = False
@@ -429,6 +434,7 @@ class SourceOptions:
             max_bytes_per_request=_int(opts, "maxbytesperrequest", 4 << 20, 1024),
             max_window_bytes=_int(opts, "maxwindowbytes", DEFAULT_MAX_WINDOW_BYTES, 1 << 20),
             arrow_batch_rows=_int(opts, "arrowbatchrows", 65536, 1),
+            arrow_batch_bytes=_int(opts, "arrowbatchbytes", 64 << 20, 1 << 20),
             request_timeout_s=timeout_s,
             include_preimage=_bool(opts, "includepreimage", True),
             include_not_sent=_bool(opts, "includenotsent", False),

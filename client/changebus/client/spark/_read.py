@@ -190,6 +190,13 @@ async def _read(
     else:
         builder = ArrowDecoder(schema, include_preimage=opts.include_preimage)
     position = spec.since
+    gathered = 0  # wire bytes of the windows in the batch being built
+
+    def full() -> bool:
+        # by bytes too: 65,536 rows of 64 KB made a 4 GB batch, past what an executor
+        # holds and Arrow's 2 GiB string columns, failing the task on every retry
+        return builder.rows >= opts.arrow_batch_rows or gathered >= opts.arrow_batch_bytes
+
     # a relay that stops answering usefully fails the task after this long
     idle_s = max(4 * opts.request_timeout_s, 60.0)
     while position < spec.until:
@@ -203,8 +210,9 @@ async def _read(
                     # step runs in a task of its own, and a timeout belongs to one task
                     async with asyncio.timeout(idle_s) as deadline:
                         moved = loop.time()
-                        while position < spec.until and builder.rows < opts.arrow_batch_rows:
+                        while position < spec.until and not full():
                             window = await anext(it)
+                            gathered += window.nbytes
                             now = loop.time()
                             if now - moved > 1.0:  # not per window: a window may take 10 us
                                 deadline.reschedule(now + idle_s)
@@ -220,7 +228,8 @@ async def _read(
                             position = window.scn
                             _check_loss(opts, spec, window)
                             builder.add_window(window if spec.truncates else _no_truncate(window))
-                    if builder.rows >= opts.arrow_batch_rows:
+                    if full():
+                        gathered = 0
                         yield builder.flush()
         except TimeoutError:
             raise TimeoutError(
