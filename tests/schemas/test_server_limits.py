@@ -69,6 +69,12 @@ class Handlers:
         while True:
             await resp.write(b"x" * (1 << 20))
 
+    async def big(self, request: web.Request) -> web.Response:
+        """8 MB, all of it taken by the transport at once (no pause: never watched)."""
+        assert request.transport is not None
+        request.transport.set_write_buffer_limits(high=1 << 30)
+        return web.Response(body=b"x" * (8 << 20))
+
     async def upstream(self, request: web.Request) -> web.Response:
         """The server's own connection to an upstream fails: a server error, not the client."""
         raise ConnectionResetError("upstream reset the connection")
@@ -83,6 +89,7 @@ async def serving(
     app.router.add_get("/slow", handlers.slow)
     app.router.add_get("/nap", handlers.nap)
     app.router.add_get("/flood", handlers.flood)
+    app.router.add_get("/big", handlers.big)
     app.router.add_get("/upstream", handlers.upstream)
     async with Server(
         app,
@@ -313,6 +320,26 @@ async def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout() 
             await wait_until(lambda: stats.open == 0, 5, "its connection closed")
         text = await scrape(s)
     assert "changebus_limitstest_http_write_timeouts_total 1.0" in text
+
+
+async def test_an_answer_left_below_the_watchdogs_mark_does_not_hold_its_slot() -> None:
+    """The write watchdog arms only past the transport's high-water mark: bytes left
+    below it, to a client that reads nothing, waited in close() for as long as the
+    client kept its socket open, its slot of the caps with them (review). The kernel
+    gives up on a shut window 10 s after the write timeout."""
+    limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=1, header_timeout_s=5)
+    async with serving(limits) as (s, _):
+        stats = s.app[CONNECTION_STATS]
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+            await loop.sock_sendall(sock, get("/big"))
+            await wait_until(lambda: stats.open == 1, 5, "the connection counted")
+            # never read: the kept-alive connection's close() waits on unsent bytes
+            await wait_until(lambda: stats.open == 0, 30, "the stuck connection let go")
+            assert stats.write_timeouts == 0  # (not the watchdog's: it never armed)
 
 
 # ---- connection caps ----------------------------------------------------------------

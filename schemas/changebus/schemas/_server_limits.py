@@ -48,7 +48,10 @@ bounds all of that, and the pieces below apply it:
     (the client reads nothing) for ``write_timeout_s`` is dropped. aiohttp
     itself waits for a full buffer to drain without a limit, so a client
     pipelining requests (even unauthenticated ones, each a 401) and never
-    reading held its connection, and what was written for it, forever.
+    reading held its connection, and what was written for it, forever. The
+    watchdog arms past the transport's high-water mark; below it, the
+    kernel ends a connection whose client window stays shut for
+    ``write_timeout_s`` + 10 s (``TCP_USER_TIMEOUT``).
 
 * :class:`~._server_stats.ConnectionStats` -- the Prometheus collector of the above
   (its own module).
@@ -66,6 +69,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import socket
 import sys
 import termios
 import time
@@ -115,6 +119,23 @@ def runner_options(limits: ConnectionLimits) -> dict[str, Any]:
         "handler_cancellation": True,
         "max_headers": MAX_HEADERS,
     }
+
+
+def _bound_unacked(transport: asyncio.Transport, seconds: float) -> None:
+    """The kernel ends the connection when what was sent stays unacknowledged, or the
+    client's window stays shut, for ``seconds`` (``TCP_USER_TIMEOUT``).
+
+    The write watchdog arms only when the transport's buffer passes its high-water
+    mark (64 KiB): an answer whose last bytes stayed below it, to a client that never
+    reads, was left to ``close()``, which waits for them to drain; the connection, and
+    its slot of the caps, stayed for as long as the client kept its socket open
+    (found by review). Not TCP (a Unix socket): nothing to do.
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(int(seconds * 1000), 1))
 
 
 def client_gone(request: web.BaseRequest) -> bool:
@@ -284,6 +305,10 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         gate = self._gate
         self._transport = transport
+        # (10 s more than the watchdog's: where it can see a stall, it drops and counts
+        # it first; the kernel's clock starts as the window shuts, which may be long
+        # before the transport's buffer passes its mark and arms the watchdog)
+        _bound_unacked(transport, gate.limits.write_timeout_s + 10.0)
         peer = transport.get_extra_info("peername")
         self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         reason = gate.admit(self._ip)
@@ -416,7 +441,7 @@ class _Connection(asyncio.Protocol):
             transport.write(_HEADER_TIMEOUT)
         transport.close()
 
-    def _arm_stall(self) -> None:
+    def _arm_stall(self) -> None:  # (see also _bound_unacked, for what stays below it)
         gate = self._gate
         self._stall_size = self._unsent()
         self._stall = gate.loop.call_later(gate.limits.write_timeout_s, self._stalled)
