@@ -29,12 +29,18 @@ ENV = {
         str(ROOT / s) for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
     ),
 }
-#: loads the command's modules, says so, then runs it (the test signals it from then on)
+#: runs the command, saying "loaded" once main() holds SIGHUP back (the test signals it
+#: from then on: a hangup before main() runs ends any Python program, as it should)
 LAUNCH = (
     "import sys\n"
-    "from changebus.schemas._cli import main\n"
-    "print('loaded', flush=True)\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "from changebus.schemas import _cli\n"
+    "install = _cli._HangupWhileLoading.install\n"
+    "def said():\n"
+    "    held = install()\n"
+    "    print('loaded', flush=True)\n"
+    "    return held\n"
+    "_cli._HangupWhileLoading.install = said\n"
+    "sys.exit(_cli.main(sys.argv[1:]))\n"
 )
 
 
@@ -124,6 +130,8 @@ def test_relay_tells_its_manager_and_survives_sighup_while_starting(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()  # (left open, a failure here warned in a later test)
     assert proc.returncode == 0, out.decode()
     assert b"no TLS certificate to reload" in out
 
