@@ -117,6 +117,9 @@ async def test_zookeeper_restart_under_load(
                 for r in (a, b):  # both keep serving what they hold
                     async with http.get(f"{r.url}/v1/stream?partition={PART}&scn=-1") as resp:
                         assert resp.status == 200
+                        if r is leader:  # no longer under its epoch: every fence refuses it
+                            assert "X-Changebus-Epoch" not in resp.headers
+                assert host.epoch is None
             # nobody acknowledges the slot while nobody can prove it leads
             await wait_until(lambda: not walsenders(pg_dsn), 10, "the source closed")
             confirmed = slot_state(pg_dsn, slot)[1]

@@ -384,6 +384,10 @@ class PartitionRole:
                     term.lost_reason or "lease not valid" if term else "leadership lost"
                 )
             if was_leader:
+                # its windows no longer come under that epoch: advertised still, a
+                # follower whose routing table lagged took a deposed leader's late
+                # window as the leader's (review); no epoch is refused by every fence
+                host.epoch = None
                 log.error(
                     "partition %s: %s stepped down (%s); no leader to follow yet",
                     self.name,
