@@ -569,11 +569,19 @@ async def test_a_follower_whose_chain_failed_for_good_follows_again_and_holds_no
                 fetcher.start = refuse  # type: ignore[method-assign,assignment]
             return fetcher
 
+        assert follower.cluster is not None and leader.cluster is not None
+        election = follower.cluster.roles[PART].election
+        place = election._candidate
         monkeypatch.setattr(host, "_create_fetcher", refused_once)
         await host.switch_fetcher(host.config.fetcher)  # (its chain starts again: refused)
         await wait_until(lambda: host.state == "failed", 10, "the chain failed")
-        assert follower.cluster is not None and leader.cluster is not None
         assert not follower.cluster.roles[PART].registered()
+        # and it went to the back of the leader line: elected next, it would lead from
+        # behind what the source acknowledged meanwhile (a DATA_LOSS a healthy follower
+        # avoids)
+        await wait_until(
+            lambda: election._candidate not in (None, place), 10, "the candidacy requeued"
+        )
         me = follower.cluster.config.member_id
 
         def unlisted() -> bool:  # (what the leader's follower hold and the clients go by)

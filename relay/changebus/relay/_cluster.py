@@ -174,6 +174,8 @@ class PartitionRole:
         #: this member left the election for good: its buffer's syncs failed
         self.withdrawn = False
         self._failed_since = 0.0  # (monotonic) a follower's chain stopped for good
+        #: the candidacy went to the back of the line for the chain failure under way
+        self._yielded = False
 
     async def start(self) -> None:
         await self.election.start()
@@ -320,6 +322,7 @@ class PartitionRole:
             self._kick.clear()
             try:
                 await self._withdraw_if_store_failed()
+                self._yield_if_chain_failed()
                 wanted = self._wanted()
                 if wanted != self.plan or self._refollow_due():
                     await self._apply(wanted)
@@ -474,6 +477,30 @@ class PartitionRole:
         if time.monotonic() - self._lead_since < _HOLD_GRACE_S:
             hold = self._lead_from if hold is None else min(hold, self._lead_from)
         return (1 << 63) - 1 if hold is None else hold
+
+    def _yield_if_chain_failed(self) -> None:
+        """A follower whose chain failed for good goes to the back of the line, once per
+        failure (until it streams again).
+
+        It is out of the routing table meanwhile, so the leader acknowledges the
+        source past it: elected next (its candidate node older than a healthy
+        follower's), it would find the source moved on and record a DATA_LOSS
+        that a healthy follower could have avoided (found by review). Alone in
+        the line, it still leads.
+        """
+        if self.host.state == "streaming":
+            self._yielded = False
+            return
+        if self._yielded or self.plan[0] != "follow" or self.host.state != "failed":
+            return
+        self._yielded = True
+        log.warning(
+            "partition %s: %s goes to the back of the leader line: its chain failed (%s)",
+            self.name,
+            self.member_id,
+            self.host.last_error,
+        )
+        self.election.requeue(f"its chain failed: {self.host.last_error}")
 
     def _refollow_due(self) -> bool:
         """A follower's chain failed for good: start it again every ``_REFOLLOW_S`` (it
