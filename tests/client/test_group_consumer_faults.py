@@ -457,4 +457,5 @@ async def test_close_during_a_start_that_waits_for_zookeeper_ends_it(mode: str) 
     await asyncio.wait_for(task, 10)  # the iteration or run ends, without an error
     assert got == []
     group = consumer._group
+    assert group is not None
     assert group._zk is None and group.member is None and not group._tasks
