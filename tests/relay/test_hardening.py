@@ -203,6 +203,19 @@ def test_response_cache_is_lru_bounded_by_bytes_and_forgets_old_tails() -> None:
     assert len(off) == 0
 
 
+def test_a_tail_answer_whose_windows_were_evicted_at_the_same_tail_is_not_served() -> None:
+    """A follower's buffer restarting after its upstream's loss evicts every window and
+    leaves the tail where it was: the tail answers cached before were served still, the
+    evicted windows in them, until the next append (review)."""
+    cache = ResponseCache(max_bytes=1 << 20, max_entry_bytes=1 << 16)
+    cache.put(5, ("a",), CachedResponse(b"x" * 10, 9, -1, 1, 1, False, start_pos=100))
+    cache.put(5, ("empty",), CachedResponse(b"", 9, -1, 0, 0, False))  # nothing after it
+    assert cache.get(5, ("a",), head_pos=100) is not None
+    assert cache.get(5, ("a",), head_pos=101) is None  # its first event is gone
+    assert len(cache) == 1 and cache.nbytes == _cost("empty", 0)
+    assert cache.get(5, ("empty",), head_pos=10_000) is not None
+
+
 def test_empty_answers_for_ever_new_keys_stay_within_the_budget() -> None:
     """Only bodies were charged: empty answers (the position moved past other sources'
     events) under ever new keys (a padded filter text, another max_bytes) cost nothing,

@@ -96,6 +96,12 @@ class ResponseCache:
         if tail == self.tail:
             found = self._entries.get(key)
             if found is not None:
+                if 0 <= found.start_pos < head_pos:
+                    # evicted at an unchanged tail: a follower's buffer restarted after
+                    # its upstream's loss (its consumers get their 410 now; review)
+                    del self._entries[key]
+                    self.nbytes -= _cost(key, found)
+                    return None
                 self._entries.move_to_end(key)
                 return found
         found = self._settled.get(key)
