@@ -378,13 +378,19 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
         server,
         db,
         "INSERT INTO kv SELECT seq, CONCAT('v', seq), seq % 10 FROM seq_1_to_300",
+        # FLOAT keys 1 + n * 2**-23, next to each other: the text protocol prints them
+        # all as 1
+        "CREATE TABLE fk (k float PRIMARY KEY, v int NOT NULL)",
+        "INSERT INTO fk SELECT 1 + seq * POW(2, -23), seq FROM seq_1_to_200",
     )
     store = tmp_path / "boot" / "b.db"
     async with Relay(relay_config(tmp_path, server, db)) as relay:
         host = relay.hosts["my"]
         await wait_until(lambda: host.state == "streaming")
         mysql_execute(server, db, "UPDATE kv SET v = 'first' WHERE id = 1")
+        mysql_execute(server, db, "UPDATE fk SET v = 1000 WHERE v = 1")
         await wait_until(lambda: table in {n for _s, n in host.registry.sources()}, 30)
+        await wait_until(lambda: f"{db}.fk" in {n for _s, n in host.registry.sources()}, 30)
         async with BootstrapServer(boot_config(tmp_path, relay, server, 40)) as boot:
             w = boot.service.workers["my"]
             await wait_until(lambda: w.seed.state in ("done", "failed"), 60, "the seed")
@@ -430,6 +436,12 @@ async def test_keys_and_where_snapshots_rewrite_only_their_rows(
             assert changed == {k for k in range(1, 301) if k % 10 == 3}
             assert all(final[k].after["v"] == "hidden-w" for k in changed)
             assert final[11].after["v"] == "v11"  # outside the condition: not rewritten
+
+            # where on FLOAT keys: each chunk's bound was read printed with 6 digits, the
+            # same as the cursor, and the read failed as a chunk "ended where it started"
+            progress = await run_scoped(boot, SnapshotScope(f"{db}.fk", where="v >= 100"))
+            assert (progress.mode, progress.rows) == ("keyset", 102)  # (and v = 1000)
+            assert progress.chunks >= 200 // 40
 
         # the scopes are checked before a row is read
         request = SeedRequest(

@@ -332,6 +332,12 @@ class MySQLChunkReader:
             if floats
             else "*"
         )
+        #: the key columns as a where chunk's bound reads them (a FLOAT key printed with
+        #: 6 digits gave a bound equal to the cursor again and again, and the chunk
+        #: "ended where it started": found by review)
+        self._key_select = ", ".join(
+            f"CAST({q(k)} AS DOUBLE)" if k in floats else q(k) for k in schema.key
+        )
         self.mode = "keys" if scope.keys else "keyset"
         #: what its cursors mean (:attr:`~._chunks.ChunkReader.key_id`)
         self.key_id = (
@@ -478,7 +484,7 @@ class MySQLChunkReader:
         head = f"FROM {self._table}"
         if self._where:
             cur.execute(
-                f"SELECT {self._key_list} {head}{where_sql(conds)} ORDER BY {self._key_list} "
+                f"SELECT {self._key_select} {head}{where_sql(conds)} ORDER BY {self._key_list} "
                 f"LIMIT 1 OFFSET {limit - 1}",
                 tuple(args),
             )
