@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from changebus.bootstrap._pacing import Throttle
+from changebus.bootstrap._pacing import ChunkSizer, Throttle
 from changebus.schemas import ConfigError
 
 
@@ -66,3 +66,27 @@ def test_bad_budgets_are_refused() -> None:
         Throttle(rows_per_s=-1)
     with pytest.raises(ConfigError, match="source_time_budget"):
         Throttle(time_budget=0)
+
+
+def test_wide_rows_make_small_chunks_and_narrow_ones_grow_back() -> None:
+    """5,000 rows of 2 MB made one 10 GB chunk, held a few times over (review): a table
+    starts at 256 rows with a byte budget, and each chunk aims at 70 % of it."""
+    sizer = ChunkSizer(5000, max_bytes=64 << 20)
+    assert sizer.limit == 5000 and sizer.start_table() == 256
+    # 2 MB rows: 256 of them are 512 MB; the next chunks fit 70 % of 64 MiB
+    assert sizer.after(256, -1.0, 256 * (2 << 20)) == 22
+    assert sizer.after(22, -1.0, 22 * (2 << 20)) == 22
+    # a 60 MB row: one a chunk
+    assert sizer.after(22, -1.0, 22 * (60 << 20)) == 1
+    # a narrow table: from 256, doubling to chunk_rows
+    assert sizer.start_table() == 256
+    limits = [sizer.after(sizer.limit, -1.0, sizer.limit * 500) for _ in range(6)]
+    assert limits == [512, 1024, 2048, 4096, 5000, 5000]
+    # the time rule still holds alongside; without a budget the table starts at once
+    both = ChunkSizer(5000, max_txn_s=1.0, max_bytes=64 << 20)
+    both.start_table()
+    assert both.after(256, 10.0, 256 * 500) == 100  # too slow: the time floor
+    plain = ChunkSizer(5000)
+    assert plain.start_table() == 5000 and plain.after(5000, -1.0, 5000 << 20) == 5000
+    with pytest.raises(ConfigError, match="max_chunk_bytes"):
+        ChunkSizer(5000, max_bytes=-1)

@@ -90,6 +90,7 @@ async def test_kill_9_mid_table_resumes_after_the_last_chunk(tmp_path: Path, pg_
             f'[store]\npath = "{store}"\n[http]\nport = {port}\n'
             f'[seed]\ndsn = "{pg_dsn}"\ntables = ["public.big"]\nchunk_rows = {BIG_CHUNK}\n'
             "max_rows_per_s = 3000\nlog_every_chunks = 10\n"
+            "max_chunk_bytes = 0\n"  # (chunks of chunk_rows each: counted below)
         )
         first, second = tmp_path / "first.toml", tmp_path / "second.toml"
         first.write_text(common + "on_start = true\n")

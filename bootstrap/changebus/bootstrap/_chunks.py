@@ -345,7 +345,7 @@ def run_chunked(
         progress.state = "copied"
         return progress.scn
     throttle = Throttle(request.max_rows_per_s, request.source_time_budget)
-    sizer = ChunkSizer(request.chunk_rows, request.max_chunk_txn_s)
+    sizer = ChunkSizer(request.chunk_rows, request.max_chunk_txn_s, request.max_chunk_bytes)
     progress.chunk_limit = sizer.limit
     stop = stop or threading.Event()
     try:
@@ -411,6 +411,7 @@ def _run_tables(
                 )
                 stored, cursor = None, None
             job = stored or JobState(name, scope.as_json())
+            progress.chunk_limit = sizer.start_table()
             progress.start_table(name, reader.mode, reader.estimate_rows, job.rows, job.chunks)
             if stored is not None and stored.chunks:
                 log.info(
@@ -437,7 +438,9 @@ def _run_tables(
                 job = job.after(chunk, _wrap(reader.key_id, cursor))
                 sink.chunk(scope, job, chunk)
                 progress.chunk_done(chunk.row_count, chunk.tag, chunk.txn_s)
-                progress.chunk_limit = sizer.after(chunk.row_count, chunk.txn_s)
+                progress.chunk_limit = sizer.after(
+                    chunk.row_count, chunk.txn_s, sum(map(len, chunk.events))
+                )
                 if request.log_every_chunks and job.chunks % request.log_every_chunks == 0:
                     log.info(
                         "%s: %d chunks, %d rows (%s)",

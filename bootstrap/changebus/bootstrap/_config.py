@@ -200,7 +200,11 @@ class SeedConfig(ColumnPolicyOptions):
     ``log_every_chunks`` -- a progress line in the log every so many chunks;
     ``max_chunk_txn_s`` -- seconds a chunk's source transaction should stay
     under: chunks that take longer make the next ones smaller (default 0.5;
-    0: off, every chunk reads ``chunk_rows``; MariaDB only, Postgres does not time them).
+    0: off, every chunk reads ``chunk_rows``; MariaDB only, Postgres does not time them);
+    ``max_chunk_bytes`` -- bytes a chunk's rows should stay under: the seeder
+    holds a few chunks at once, so wide rows (large text, json or blobs) make
+    chunks of fewer rows (0: off). A table's first chunks start at 256 rows and
+    grow at most 2x a chunk.
     """
 
     kind: Literal["postgres", "mysql"] = "postgres"
@@ -216,9 +220,12 @@ class SeedConfig(ColumnPolicyOptions):
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
     max_chunk_txn_s: float = 0.5
+    max_chunk_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start
+        if self.max_chunk_bytes < 0:
+            raise ConfigError("seed.max_chunk_bytes must not be negative (0: off)")
         if self.chunk_rows <= 0:
             raise ConfigError("seed.chunk_rows must be positive")
         if self.max_chunk_txn_s < 0:

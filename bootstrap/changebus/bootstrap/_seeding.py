@@ -390,6 +390,7 @@ class Seeding(Upstream):
                 watermark_wait_s=cfg.seed.watermark_wait_s,
                 log_every_chunks=cfg.seed.log_every_chunks,
                 max_chunk_txn_s=cfg.seed.max_chunk_txn_s,
+                max_chunk_bytes=cfg.seed.max_chunk_bytes,
             )
             sink = StoreSink(self.stores, w.name, loop)
             await self._run_seeder(seeder_for(cfg.seed.kind), request, write, w.seed, sink)

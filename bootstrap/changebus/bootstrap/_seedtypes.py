@@ -69,6 +69,7 @@ class SeedRequest:
     ``source_time_budget`` (share of wall time spent in source reads, 1: no
     limit) pace the chunks (:class:`~._chunks.Throttle`); ``max_chunk_txn_s``
     (seconds, 0: off) shrinks chunks whose source transaction runs longer
+    and ``max_chunk_bytes`` (0: off) those whose rows are wide
     (:class:`~._chunks.ChunkSizer`);
     ``log_every_chunks`` -- a progress line every so many chunks (0: none).
     """
@@ -89,8 +90,11 @@ class SeedRequest:
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
     max_chunk_txn_s: float = 0.0
+    max_chunk_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_chunk_bytes < 0:
+            raise ConfigError("seed max_chunk_bytes must not be negative (0: off)")
         if self.chunk_rows <= 0:
             raise ConfigError("seed chunk_rows must be positive")
         if self.max_chunk_txn_s < 0:
