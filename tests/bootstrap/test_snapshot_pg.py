@@ -568,3 +568,42 @@ async def test_a_partitioned_table_without_a_key_is_read_in_bounded_ranges(
     assert progress.mode == "single_transaction"
     assert len(got) == 3001
     assert len(sizes) >= 5 and max(sizes) <= 2 * 300, sizes
+
+
+async def test_a_table_with_a_publication_row_filter_is_refused(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A row filter of the relay's publication (Postgres 15) leaves rows out of the
+    stream that a seed copied, and the snapshot kept them for good (review): refused,
+    naming the filter, until the seed applies it."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE rf (id int PRIMARY KEY, region text NOT NULL)")
+        conn.execute("CREATE TABLE plain (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO rf SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END"
+                     " FROM generate_series(1, 10) g")  # fmt: skip
+        conn.execute("CREATE PUBLICATION changebus FOR TABLE rf WHERE (id % 2 = 0), plain")
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        host = relay.hosts["pg"]
+        await wait_until(lambda: host.state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE rf SET region = 'fr' WHERE id = 2")
+            conn.execute("INSERT INTO plain VALUES (1)")
+        await caught_up(relay, pg_dsn)
+        assert host.fetcher is not None
+        status = host.fetcher.status()
+        assert status["publication"] == "changebus"
+        with pytest.raises(SourceConfigError, match=r"public\.rf has a row filter.*id"):
+            await asyncio.to_thread(
+                seed_postgres,
+                relay_request(relay, pg_dsn, "public.rf", relay_fetcher=status),
+                lambda *_: None,
+                SeedProgress(),
+            )
+        got: list[bytes] = []
+        await asyncio.to_thread(  # a table without one is seeded as ever
+            seed_postgres,
+            relay_request(relay, pg_dsn, "public.plain", relay_fetcher=status),
+            lambda _t, ev, _s: got.extend(ev),
+            SeedProgress(),
+        )
+        assert len(got) == 1

@@ -161,6 +161,7 @@ class PostgresFetcher:
             "kind": "postgres",
             "mode": self.config.mode,
             "slot": self.config.slot,
+            "publication": self.config.publication,
             "slot_wal_status": self._slot_state,
             "stream_reader": self.stream_reader,
             "system_identifier": self.system_identifier,
