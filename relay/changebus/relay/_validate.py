@@ -195,6 +195,8 @@ def _parse_small(
             raise BadRequestError(_EOW_INSIDE if op == _EOW else _UNCLOSED)
         rows.append((pos, scn, khash, total, op, source, ts, seq_next == 0))
         if op == _EOW:
+            if seq_next >= slots:  # (a window's events; a group's more: the writer splits it)
+                raise _too_many_events(slots)
             wi += 1
             seq_next = 0
             last = scn
@@ -203,8 +205,6 @@ def _parse_small(
         pos = end
     if not rows or wi != len(windows):
         raise BadRequestError(_UNCLOSED)
-    if len(rows) > slots:
-        raise _too_many_events(slots)
     ev = np.array(rows, dtype=PARSED_DTYPE)
     return ev, ev["off"], None
 

@@ -178,6 +178,13 @@ class BufferWriter:
         data = windows[0] if len(windows) == 1 else self._gather(windows)
         try:
             ev, _offsets, _headers = validate(windows, data, sizes, self.config.slots)
+            if len(ev) > self.config.slots and len(windows) > 1:
+                # more events than the event table holds (groups are cut by bytes): in
+                # halves. Whole, it overran the table after evicting every window, and
+                # the ingest failed on it for good (found by review)
+                half = len(windows) // 2
+                self._append_group(windows[:half], sizes[:half], before_publish)
+                return self._append_group(windows[half:], sizes[half:], before_publish)
             # placed where it straddles the ring's end, a window's events from the one that
             # does not fit on go to the next lap's start, skipping less than that event's
             # length (never the first event's: the whole window moves then): a tail that
