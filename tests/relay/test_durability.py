@@ -227,6 +227,44 @@ def test_recovery_rewinds_with_fsync_and_owes_data_loss_with_page_cache(
     again.close()
 
 
+@pytest.mark.parametrize("durability", ["fsync", "page_cache"])
+def test_damage_before_windows_intact_to_the_tail_keeps_them_with_fsync_too(
+    tmp_path: Path, durability: str
+) -> None:
+    """With fsync, damage in a middle window (an eviction's bytes there: a group placed at
+    the next lap's start over a window that follows intact ones, then an OS crash before
+    the meta file's sync; or a flipped bit) rewound the buffer to before it: the windows
+    after it, synced and acknowledged, were dropped, and the source no longer held them
+    (review). Windows that verify to the tail are kept, those before count as evicted."""
+    cfg = BufferConfig(capacity_bytes=CAP, durability=durability)  # type: ignore[arg-type]
+    buf = EventBuffer(tmp_path, cfg)
+    buf.set_start(0)
+    for scn in range(1, 101):
+        buf.append_window(make_window(scn))
+    buf.close()
+    meta = MetaFile(tmp_path / "meta.dat").load()
+    assert meta is not None
+    table = CircularTable(tmp_path / "events.dat", EVENT_DTYPE, meta.event_slots, create=False)
+    first = table.at(meta.head_event)
+    start, end = int(table.at(70 * 3)["pos"]), int(table.at(71 * 3)["pos"])  # window 71
+    oldest = int(first["scn"])
+    table.close()
+    zero_ring(tmp_path / "ring.dat", CAP, start, end)
+    again = EventBuffer(tmp_path, cfg)
+    m = again.meta
+    assert (m.prev_scn, m.min_scn, m.last_scn) == (71, 72, 100)
+    assert again.last_source_position == "pos-100"  # the fetcher resumes where it was
+    sel = again.select(71, -1, 1 << 24)
+    assert sel is not None
+    data = b"".join(bytes(v) for v in sel.views)
+    again.release(sel)
+    _, headers = parse_stream(data)
+    assert Op.DATA_LOSS not in headers["op"].tolist()
+    assert sorted(set(headers["scn"].tolist())) == list(range(72, 101))
+    assert oldest < 71  # (the windows before the damage were there: counted as evicted)
+    again.close()
+
+
 def test_fsync_recovery_of_a_damaged_oldest_window_starts_after_prev_scn(tmp_path: Path) -> None:
     cfg = BufferConfig(capacity_bytes=CAP, durability="fsync")
     buf = EventBuffer(tmp_path, cfg)

@@ -27,8 +27,8 @@ flipped bit) is never served; what is kept around it:
   bootstrap server, which holds what the relay had served it, while every
   consumer past the damage goes on; keeping the windows before the damage
   instead would stop those with a DATA_LOSS for windows that are intact.
-  With ``durability = "fsync"`` only damage in the oldest window is
-  handled so (below: the source sends the dropped windows again);
+  With ``durability = "fsync"`` too: the windows after such damage were
+  synced and acknowledged, and the source no longer holds them;
 * otherwise (the newest window is damaged too) every complete window
   before the first damaged event is kept, and that window and everything
   after it are dropped: the buffer owes a DATA_LOSS window for ``(last kept
@@ -47,15 +47,16 @@ marker, and a crash before it is written is found again at the next start.
 
 With ``durability = "fsync"`` (``replayable``) the source was acknowledged
 only up to windows that were synced to disk (:mod:`._syncer`), so damage
-beyond the kept windows is what an OS crash left unsynced, and the source
-still holds it: the dropped windows are *not* recorded as data loss. The
+that reaches the newest window is what an OS crash left unsynced, and the
+source still holds it: the dropped windows are *not* recorded as data loss. The
 published state goes back to the last kept window (``last_scn`` = its SCN)
 and the fetcher resumes from that window's source position, so the source
 sends them again (same SCNs, same changes). When nothing is kept, the buffer
 starts empty after ``prev_scn`` (the newest evicted window) for the same
-reason. Damage within synced windows (a bit flip on disk) is then caught by
-the source's own check where it has one (Postgres: a slot confirmed beyond
-the relay's last window is announced as DATA_LOSS).
+reason. Damage within synced windows that also reaches the newest one (a
+bit flip on disk there) is then caught by the source's own check where it
+has one (Postgres: a slot confirmed beyond the relay's last window is
+announced as DATA_LOSS).
 
 Runs once, in the buffer's constructor, before any reader or writer exists.
 """
@@ -135,7 +136,12 @@ def recover(
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
     loaded = meta
-    if keep < n and (keep == 0 or not replayable):
+    if keep < n:
+        # (also with fsync: damage before windows that verify to the tail is not an
+        # unsynced tail, which the source would send again, but an eviction's bytes,
+        # such as a group placed at the next lap's start over a window after intact
+        # ones, or a flipped bit: the windows after it were synced and acknowledged,
+        # and rewinding to before it dropped them for good; found by review)
         later = _later_head(ring, meta, records, name)
         if later is not None:
             meta, check = later
