@@ -38,6 +38,7 @@ from changebus.schemas import (
     EventHeader,
     Op,
     RowEncoder,
+    SchemaError,
     decode_header,
 )
 
@@ -302,8 +303,9 @@ def merge_unsent(
     """The UPDATE ``change`` (header ``h``) re-encoded at its own SCN with the columns
     the source did not send taken from ``image``'s after-image (an earlier state of
     the row: its previous snapshot row, or a snapshot chunk's copy of it), and whether
-    every column is sent now; None when ``image`` has no after-image. Columns
-    ``image`` lacks stay unsent."""
+    every column is sent now; None when ``image`` has no after-image, or values
+    its schema version gave that the UPDATE's no longer takes (a column's type
+    changed). Columns ``image`` lacks stay unsent."""
     assert change.after is not None
     if image.after is None:
         return None
@@ -314,14 +316,22 @@ def merge_unsent(
             merged[col] = image.after[col]
         else:
             still.append(col)
-    event = enc.encode(
-        Op.UPDATE,
-        h.scn,
-        h.seq,
-        h.timestamp_ns,
-        merged,
-        change.before,
-        after_not_sent=still,
-        before_not_sent=change.before_not_sent,
-    )
+    try:
+        event = enc.encode(
+            Op.UPDATE,
+            h.scn,
+            h.seq,
+            h.timestamp_ns,
+            merged,
+            change.before,
+            after_not_sent=still,
+            before_not_sent=change.before_not_sent,
+        )
+    except SchemaError:
+        # a value of the image's schema version that the UPDATE's no longer takes (the
+        # column's type changed since: text to bytea, say): nothing is filled, the
+        # columns are filled from the source like any the image lacks. Raised, it
+        # stopped the applier on this UPDATE for good, and the log grew without a bound
+        # (found by review)
+        return None
     return event, not still
