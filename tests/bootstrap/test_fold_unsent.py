@@ -31,7 +31,9 @@ def test_a_value_the_new_schema_takes_is_filled_and_one_it_does_not_is_left_unse
     UPDATE's encoder raise, and the applier retried the same batch for ever while the
     log grew (review). It is left unsent, to be filled from the source."""
     v1 = table(1, "string")
-    image = RowEncoder(v1, source_id=1).encode(Op.INSERT, 10, 0, 0, {"id": 1, "body": "big text", "n": 1})
+    image = RowEncoder(v1, source_id=1).encode(
+        Op.INSERT, 10, 0, 0, {"id": 1, "body": "big text", "n": 1}
+    )
     _, old = decoded(v1, image)
     for v2, fits in ((table(2, "string", "long"), True), (table(2, "bytes"), False)):
         enc = RowEncoder(v2, source_id=1)

@@ -608,6 +608,84 @@ def test_an_update_without_unsent_columns_is_completed_by_an_older_chunk(store: 
     assert _live_rows(store, t) == {1: ("big1", ()), 2: ("big2", ())}
 
 
+def _count_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes of the event rows each page read holds: all its rows when the store's
+    cursor holds them (Postgres), those taken when it steps the query (SQLite)."""
+    read: list[int] = []
+    real = getattr(store, "_each", None)
+
+    def counting(sql: str, params: Any = ()) -> Any:
+        assert real is not None
+        rows = real(sql, params)
+        if "event" not in sql:
+            return rows
+        if store.dialect != "sqlite":
+            held = list(rows)
+            read.append(sum(len(r[-1] or b"") for r in held))
+            rows.close()
+            return _Closing(iter(held))
+        read.append(0)
+
+        def taken() -> Any:
+            for row in rows:
+                read[-1] += len(row[-1] or b"")
+                yield row
+
+        return _Closing(taken(), rows.close)
+
+    every = store._all
+
+    def counting_all(sql: str, params: Any = ()) -> Any:  # (reads that hold their rows)
+        rows = every(sql, params)
+        if "event" in sql:
+            read.append(sum(len(r[-1] or b"") for r in rows))
+        return rows
+
+    if real is not None:
+        monkeypatch.setattr(store, "_each", counting)
+    monkeypatch.setattr(store, "_all", counting_all)
+    return read
+
+
+class _Closing:
+    """An iterator with ``close()`` (a cursor's stand-in)."""
+
+    def __init__(self, it: Any, close: Any = None) -> None:
+        self._it, self._close = it, close
+
+    def __iter__(self) -> Any:
+        return self._it
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+
+def test_a_page_that_moves_from_small_rows_to_big_ones_holds_about_max_bytes(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read was sized by the rows read before it in the page: after a table of small
+    rows (or rows unchanged since the consumer's position) it asked for 2,000 rows,
+    and the next table's rows were 100 KB each: 200 MB held for one 1 MiB page
+    (review). The rows are taken as the page needs them (SQLite), or reads grow from
+    16 rows per table (Postgres)."""
+    small = [window(100 + i, [("public.t1", Op.INSERT, k, "s") for k in range(i * 100, i * 100 + 100)])
+             for i in range(10)]  # fmt: skip
+    big = "x" * 100_000
+    large = [window(200 + i, [("public.t2", Op.INSERT, i, big)]) for i in range(60)]
+    for data in small + large:
+        store.append("p", data)
+    store.apply("p")
+    read = _count_reads(store, monkeypatch)
+    sids = sorted(REG.source_id(t) for t in ("public.t1", "public.t2"))
+    st = store.state("p")
+    page = store.snapshot_page(
+        "p", sids, since_scn=-1, start_scn=st.applier_scn, position=(0, 0), max_bytes=1 << 20
+    )
+    assert not page.complete and 1 << 20 <= len(page.data) < 3 << 20
+    assert max(read) < 3 << 20, read  # not 60 big rows (6 MB) in one read
+
+
 def test_a_page_of_big_rows_reads_about_max_bytes(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -618,16 +696,7 @@ def test_a_page_of_big_rows_reads_about_max_bytes(
     for data in windows:
         store.append("p", data)
     store.apply("p")
-    read: list[int] = []
-    real = store._all
-
-    def counting(sql: str, params: Any = ()) -> Any:
-        rows = real(sql, params)
-        if "event" in sql:
-            read.append(sum(len(r[-1]) for r in rows))
-        return rows
-
-    monkeypatch.setattr(store, "_all", counting)
+    read = _count_reads(store, monkeypatch)
     sid = REG.source_id("public.t1")
     st = store.state("p")
     page = store.snapshot_page(

@@ -180,6 +180,12 @@ class StoreDb:
     def _all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         return list(self._conn.execute(self._sql(sql), params).fetchall())
 
+    def _each(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """The rows of ``sql`` as an iterator (close it when done). SQLite steps the query
+        as the rows are taken, so a reader that stops early never holds the rest; a
+        client-side Postgres cursor holds them all (its reads are sized to match)."""
+        return self._conn.execute(self._sql(sql), params)
+
     def _many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run ``sql`` (an ``INSERT ... VALUES ({p}, ...)``, or any statement) for each row.
 

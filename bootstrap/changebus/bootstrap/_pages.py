@@ -133,6 +133,7 @@ class Pages(StoreDb):
                 continue
             if sid > src:
                 after = 0
+            reads = 0  # (this table's: its rows' size is not known from another's)
             if after == 0:
                 trunc = self._one(
                     "SELECT scn, event FROM cb_trunc WHERE part = {p} AND source_id = {p}",
@@ -147,36 +148,45 @@ class Pages(StoreDb):
                     events += 1
             while True:
                 want = _rows_to_fetch(batch_rows, max_bytes, size, seen)
+                if self.dialect != "sqlite":  # (a client-side cursor holds all it reads)
+                    want = min(want, 16 << reads)
+                    reads = min(reads + 1, 16)
                 # rows the page does not send (older than ``since_scn``; tombstones for a
                 # consumer from nothing) are read, not filtered in SQL, so that they count
                 # in the scan budget: filtered there (neither column is in the index), one
                 # LIMIT query read the whole source to find a few changed rows. Their
                 # events are not read (CASE), and each counts :data:`SKIPPED_ROW_BYTES`.
-                rows = self._all(
+                # (taken row by row, and left as soon as the page is full: a read sized
+                # by the rows before (a table of small rows, rows unchanged since
+                # ``since_scn``) held 2,000 of the next table's 1 MB rows at once; review)
+                rows = self._each(
                     "SELECT id, CASE WHEN scn > {p} AND (deleted = 0 OR {p}) THEN event END "
                     "FROM cb_snap WHERE part = {p} AND source_id = {p} AND id > {p} "
                     "ORDER BY id LIMIT {p}",
                     (since_scn, since_scn >= 0, part, sid, after, want),
                 )
-                seen = (
-                    seen[0] + len(rows),
-                    seen[1] + sum(SKIPPED_ROW_BYTES if r[1] is None else len(r[1]) for r in rows),
-                )
-                for rid, event in rows:
-                    after = int(rid)
-                    if event is None:
-                        continue
-                    ev = bytes(event)
-                    if key_filter is not None and not key_filter.matches(
-                        decode_header(ev).key_hash
-                    ):
-                        continue
-                    chunks.append(ev)
-                    size += len(ev)
-                    events += 1
-                    if size >= max_bytes:
-                        return SnapshotPage(b"".join(chunks), events, (sid, after), False)
-                if len(rows) < want:
+                got = 0
+                try:
+                    for rid, event in rows:
+                        got += 1
+                        after = int(rid)
+                        n = SKIPPED_ROW_BYTES if event is None else len(event)
+                        seen = (seen[0] + 1, seen[1] + n)
+                        if event is None:
+                            continue
+                        ev = bytes(event)
+                        if key_filter is not None and not key_filter.matches(
+                            decode_header(ev).key_hash
+                        ):
+                            continue
+                        chunks.append(ev)
+                        size += len(ev)
+                        events += 1
+                        if size >= max_bytes:
+                            return SnapshotPage(b"".join(chunks), events, (sid, after), False)
+                finally:
+                    rows.close()
+                if got < want:
                     break
                 if seen[1] >= scan_limit:  # (rows were left: the next page goes on here)
                     return SnapshotPage(b"".join(chunks), events, (sid, after), False)
@@ -205,7 +215,7 @@ class Pages(StoreDb):
         # (scn, id) of the last row read; windows have one SCN each and
         # ``after_scn``'s window was sent already: start past all of it
         cursor_scn, cursor_id = after_scn, _MAX_ID
-        want = 0
+        want = reads = 0
         while True:
             if size < max_bytes:
                 want = _rows_to_fetch(batch_rows, max_bytes, size, (events, size))
@@ -214,7 +224,10 @@ class Pages(StoreDb):
                 # (one row a read, as the estimate gives, took a query per row of a big
                 # window: any reader could ask for that with max_bytes=1; review)
                 want = min(batch_rows, max(2 * want, 16))
-            rows = self._all(
+            if self.dialect != "sqlite":  # (as in snapshot_page)
+                want = min(want, 16 << reads)
+                reads = min(reads + 1, 16)
+            rows = self._each(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
                 # (``scn >= cursor``, implied by the OR, is what lets the index start at
                 # the cursor: without it every page read the log from its beginning)
@@ -222,17 +235,23 @@ class Pages(StoreDb):
                 "ORDER BY scn, id LIMIT {p}",
                 (part, cursor_scn, cursor_scn, cursor_scn, cursor_id, target_scn, want),
             )
-            for rid, scn, op, event in rows:
-                cursor_scn, cursor_id = int(scn), int(rid)
-                chunks.append(bytes(event))
-                size += len(event)
-                events += 1
-                if op == _EOW:
-                    last_scn, last_id = int(scn), int(rid)
-                    if size >= max_bytes:
-                        data = b"".join(chunks)
-                        return CatchupPage(data, events, last_scn, last_id, last_scn >= target_scn)
-            if len(rows) < want:
+            got = 0
+            try:
+                for rid, scn, op, event in rows:
+                    got += 1
+                    cursor_scn, cursor_id = int(scn), int(rid)
+                    chunks.append(bytes(event))
+                    size += len(event)
+                    events += 1
+                    if op == _EOW:
+                        last_scn, last_id = int(scn), int(rid)
+                        if size >= max_bytes:
+                            data = b"".join(chunks)
+                            done = last_scn >= target_scn
+                            return CatchupPage(data, events, last_scn, last_id, done)
+            finally:
+                rows.close()
+            if got < want:
                 break
         # drop a trailing partial window (cannot happen with whole-window appends)
         return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
