@@ -884,3 +884,21 @@ def test_a_big_window_past_max_bytes_is_read_in_few_queries(store: Store) -> Non
     _offsets, headers = parse_stream(page.data)
     assert {int(x) for x in headers["scn"]} == {101}
     assert int(headers["op"][-1]) == Op.END_OF_WINDOW
+
+
+def test_the_applier_folds_a_bounded_number_of_bytes_at_once(store: Store) -> None:
+    """The applier took 20,000 log events at once whatever their size: 1 MB events made
+    a 20 GB transaction in memory (review). It stops at ``max_bytes`` (whole windows)."""
+    big = "x" * 100_000
+    windows = [window(100 + i * 10, [("public.t1", Op.INSERT, i, big)]) for i in range(10)]
+    for data in windows:
+        store.append("p", data)
+    st = store.apply("p", 10_000, 250_000)  # the third window passes 250 KB: up to it
+    assert st.applier_scn == 120
+    st = store.apply("p", 10_000, 250_000)
+    assert st.applier_scn == 150
+    st = store.apply("p", 2, 1 << 30)  # (and the count still bounds it: an event and
+    assert st.applier_scn == 160  # its window's end)
+    st = store.apply("p")
+    assert st.applier_scn == st.producer_scn == 190
+    assert len(_live_rows(store, TABLES[0])) == 10

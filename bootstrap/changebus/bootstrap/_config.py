@@ -142,6 +142,9 @@ class ApplierConfig:
 
     #: log events folded in one transaction (about: whole windows)
     batch_events: int = 20_000
+    #: bytes of log events folded in one transaction, at most (about: whole windows;
+    #: all of them are held at once: 20,000 events of 1 MB were 20 GB)
+    batch_bytes: int = 64 << 20
     #: longest sleep when there is nothing to apply
     idle_s: float = 0.5
     #: log events kept (about: whole windows); older applied windows are pruned
@@ -155,8 +158,10 @@ class ApplierConfig:
     purge_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.batch_events <= 0 or self.idle_s <= 0:
-            raise ConfigError("applier.batch_events and applier.idle_s must be positive")
+        if self.batch_events <= 0 or self.idle_s <= 0 or self.batch_bytes <= 0:
+            raise ConfigError(
+                "applier.batch_events, applier.batch_bytes and applier.idle_s must be positive"
+            )
         if self.log_keep_events < 0:
             raise ConfigError("applier.log_keep_events must not be negative")
         if self.tombstone_keep_s < 0 or self.purge_interval_s <= 0:

@@ -278,7 +278,7 @@ class Pipelines(Seeding):
                 s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
             ) -> tuple[PartitionState, int, int]:
                 done = s.applied_events
-                st = s.apply(w.name, batch)
+                st = s.apply(w.name, batch, self.config.applier.batch_bytes)
                 if keep and st.applier_scn != before:
                     s.prune_to(w.name, keep)
                     st = s.state(w.name)
