@@ -18,12 +18,13 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from boot_e2e import bootstrap_config
+from boot_e2e import bootstrap_config, relay_config
 
 from changebus.bootstrap import BootstrapServer, SeedConfig, SeedRequest
 from changebus.bootstrap._chunks import Chunk, JobState, SnapshotScope
@@ -38,7 +39,7 @@ from changebus.schemas import (
     parse_stream,
     verify_event,
 )
-from fix_pg import writer_txn
+from fix_pg import caught_up, writer_txn
 from waiting import wait_until
 
 
@@ -170,6 +171,21 @@ async def seed_and_wait(
     await wait_until(lambda: w.seed.state in ("done", "failed"), 180, "the seed")
     assert w.seed.state == "done", w.seed.error
     return w.seed
+
+
+@asynccontextmanager
+async def streaming_relay(
+    tmp: Path, dsn: str, *statements: str, capacity: int = 64 << 20
+) -> AsyncIterator[Relay]:
+    """A relay on ``dsn``, streaming, that has seen ``statements`` (run once it streams:
+    changes that make it learn the tables' schemas)."""
+    async with Relay(relay_config(tmp, dsn, capacity)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in statements:
+                conn.execute(statement)
+        await caught_up(relay, dsn)
+        yield relay
 
 
 def relay_request(relay: Relay, dsn: str, table: str, **kw: Any) -> SeedRequest:

@@ -37,6 +37,7 @@ from snap_pg_support import (
     source_rows,
     store_rows,
     streamed_key,
+    streaming_relay,
 )
 
 from changebus.bootstrap import BootstrapServer, SeedProgress, _seed as seed_module, seed_postgres
@@ -185,16 +186,16 @@ async def test_key_kinds_nullable_columns_and_tables_without_a_key(
         )
         conn.execute("INSERT INTO fullt SELECT g % 501, 'y' || g FROM generate_series(1, 1200) g")
         conn.execute("INSERT INTO nokey VALUES (1, 'a')")
-    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("UPDATE comp SET v = v WHERE a = 0 AND b = 'b1'")
-            conn.execute("UPDATE tkey SET v = v WHERE k = 'k1'")
-            conn.execute("INSERT INTO ukey VALUES (gen_random_uuid(), 'first')")
-            conn.execute("UPDATE nt SET v = v WHERE v = 1")
-            conn.execute("INSERT INTO fullt VALUES (9999, 'learn')")
-            conn.execute("INSERT INTO nokey VALUES (2, 'b')")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(
+        tmp_path,
+        pg_dsn,
+        "UPDATE comp SET v = v WHERE a = 0 AND b = 'b1'",
+        "UPDATE tkey SET v = v WHERE k = 'k1'",
+        "INSERT INTO ukey VALUES (gen_random_uuid(), 'first')",
+        "UPDATE nt SET v = v WHERE v = 1",
+        "INSERT INTO fullt VALUES (9999, 'learn')",
+        "INSERT INTO nokey VALUES (2, 'b')",
+    ) as relay:
         # a table without a key: refused, naming the fix
         with pytest.raises(
             SourceConfigError, match=r"public\.nokey.*primary key.*REPLICA IDENTITY FULL"
@@ -261,11 +262,7 @@ async def test_the_watermark_waits_for_an_old_transaction_and_fails_retriably_wh
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE kv (id int8 PRIMARY KEY, v text)")
         conn.execute("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 3000) g")
-    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("UPDATE kv SET v = v WHERE id = 1")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(tmp_path, pg_dsn, "UPDATE kv SET v = v WHERE id = 1") as relay:
         blocker = psycopg.connect(pg_dsn)
         try:
             # an open transaction holding an xid (and a row the seed must then see)
@@ -328,12 +325,9 @@ async def test_keys_and_where_scopes_rewrite_only_their_rows(
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE kv (id int8 PRIMARY KEY, v text)")
         conn.execute("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 1000) g")
-    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("INSERT INTO kv VALUES (5000, 'gone')")
-            conn.execute("DELETE FROM kv WHERE id = 5000")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(
+        tmp_path, pg_dsn, "INSERT INTO kv VALUES (5000, 'gone')", "DELETE FROM kv WHERE id = 5000"
+    ) as relay:
         # keys, through seed_postgres: the found rows, and the absent keys' store keys
         sink = RecordingSink()
         keys = ((5,), (17,), (5000,), (42,), (5,), (999,))
@@ -408,11 +402,9 @@ async def test_a_composite_text_key_snapshot_resumes_after_its_last_chunk_and_re
             "generate_series(0, 30) b"
         )
     cols = ["a", "b", "v"]
-    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("UPDATE comp SET v = 'x' WHERE a = 0 AND b = 'b0'")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(
+        tmp_path, pg_dsn, "UPDATE comp SET v = 'x' WHERE a = 0 AND b = 'b0'"
+    ) as relay:
         req = relay_request(relay, pg_dsn, "public.comp", chunk_rows=40)
         first = ResumingSink()
         await asyncio.to_thread(seed_postgres, req, lambda *_: None, SeedProgress(), sink=first)
@@ -458,11 +450,9 @@ async def test_a_table_with_a_generated_column_is_seeded(tmp_path: Path, pg_dsn:
         conn.execute(
             "INSERT INTO gen (id, a, b) SELECT g, g, 'b' || g FROM generate_series(1, 250) g"
         )
-    async with Relay(relay_config(tmp_path, pg_dsn, 8 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("UPDATE gen SET a = a WHERE id = 1")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(
+        tmp_path, pg_dsn, "UPDATE gen SET a = a WHERE id = 1", capacity=8 << 20
+    ) as relay:
         got: list[bytes] = []
         progress = SeedProgress()
         await asyncio.to_thread(
@@ -546,11 +536,9 @@ async def test_a_partitioned_table_without_a_key_is_read_in_bounded_ranges(
         conn.execute(
             "CREATE PUBLICATION changebus FOR ALL TABLES WITH (publish_via_partition_root)"
         )
-    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
-        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute("INSERT INTO pfull VALUES (2999, 'learn')")
-        await caught_up(relay, pg_dsn)
+    async with streaming_relay(
+        tmp_path, pg_dsn, "INSERT INTO pfull VALUES (2999, 'learn')"
+    ) as relay:
         progress = SeedProgress()
         got: list[bytes] = []
         sizes: list[int] = []

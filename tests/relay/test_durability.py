@@ -178,6 +178,17 @@ def test_a_flush_syncs_every_file_whole_through_libc(tmp_path: Path, monkeypatch
 # ---- recovery ------------------------------------------------------------------
 
 
+def _hundred_windows(directory: Path, durability: str) -> BufferConfig:
+    """A closed buffer of windows 1..100 (wrapped); its config."""
+    cfg = BufferConfig(capacity_bytes=CAP, durability=durability)  # type: ignore[arg-type]
+    buf = EventBuffer(directory, cfg)
+    buf.set_start(0)
+    for scn in range(1, 101):
+        buf.append_window(make_window(scn))
+    buf.close()
+    return cfg
+
+
 def _damage_ring_from(directory: Path, capacity: int, event: int) -> tuple[int, int]:
     """Zero the ring from event number ``event`` to the tail; (its SCN, last SCN)."""
     meta = MetaFile(directory / "meta.dat").load()
@@ -198,12 +209,7 @@ def test_recovery_rewinds_with_fsync_and_owes_data_loss_with_page_cache(
     upstream still has the windows; a DATA_LOSS window stopped its consumers: review)."""
     chained = durability == "chained"
     mode = "page_cache" if chained else durability
-    cfg = BufferConfig(capacity_bytes=CAP, durability=mode)  # type: ignore[arg-type]
-    buf = EventBuffer(tmp_path, cfg)
-    buf.set_start(0)
-    for scn in range(1, 101):
-        buf.append_window(make_window(scn))
-    buf.close()
+    cfg = _hundred_windows(tmp_path, mode)
     # window 71 starts at event (71 - 1) * 3: damage from there on
     bad, last = _damage_ring_from(tmp_path, CAP, 70 * 3)
     assert (bad, last) == (71, 100)
@@ -236,12 +242,7 @@ def test_damage_before_windows_intact_to_the_tail_keeps_them_with_fsync_too(
     the meta file's sync; or a flipped bit) rewound the buffer to before it: the windows
     after it, synced and acknowledged, were dropped, and the source no longer held them
     (review). Windows that verify to the tail are kept, those before count as evicted."""
-    cfg = BufferConfig(capacity_bytes=CAP, durability=durability)  # type: ignore[arg-type]
-    buf = EventBuffer(tmp_path, cfg)
-    buf.set_start(0)
-    for scn in range(1, 101):
-        buf.append_window(make_window(scn))
-    buf.close()
+    cfg = _hundred_windows(tmp_path, durability)
     meta = MetaFile(tmp_path / "meta.dat").load()
     assert meta is not None
     table = CircularTable(tmp_path / "events.dat", EVENT_DTYPE, meta.event_slots, create=False)

@@ -109,6 +109,19 @@ async def connect(server: Server, local: str | None = None) -> Conn:
     )
 
 
+@asynccontextmanager
+async def small_window_client(
+    server: Server,
+) -> AsyncIterator[tuple[socket.socket, asyncio.AbstractEventLoop]]:
+    """A raw client connection with a 4 KiB receive buffer (its window shuts quickly)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        yield sock, loop
+
+
 def get(path: str, keep_alive: bool = True) -> bytes:
     connection = "keep-alive" if keep_alive else "close"
     return f"GET {path} HTTP/1.1\r\nHost: test\r\nConnection: {connection}\r\n\r\n".encode()
@@ -303,11 +316,7 @@ async def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout() 
     connection stayed open for good (and uncounted by the request metrics)."""
     limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=30, header_timeout_s=5)
     async with serving(limits) as (s, _):
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+        async with small_window_client(s) as (sock, _loop):
             requests = get("/nothing-here") * 20000  # ~1 MB; the answers ~4 MB
             sent, deadline = 0, time.monotonic() + 3
             while sent < len(requests) and time.monotonic() < deadline:
@@ -330,11 +339,7 @@ async def test_an_answer_left_below_the_watchdogs_mark_does_not_hold_its_slot() 
     limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=1, header_timeout_s=5)
     async with serving(limits) as (s, _):
         stats = s.app[CONNECTION_STATS]
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+        async with small_window_client(s) as (sock, loop):
             await loop.sock_sendall(sock, get("/big"))
             await wait_until(lambda: stats.open == 1, 5, "the connection counted")
             # never read: the kept-alive connection's close() waits on unsent bytes
@@ -512,11 +517,7 @@ async def test_a_slow_reader_is_not_taken_for_a_stalled_one() -> None:
     limits = ConnectionLimits(write_timeout_s=0.5, keepalive_timeout_s=30, header_timeout_s=5)
     async with serving(limits) as (s, _):
         stats = s.app[CONNECTION_STATS]
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await loop.sock_connect(sock, ("127.0.0.1", s.port))
+        async with small_window_client(s) as (sock, loop):
             await loop.sock_sendall(sock, get("/flood"))
             got = 0
             deadline = time.monotonic() + 2.0  # four write timeouts, reading all along
