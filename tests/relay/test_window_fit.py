@@ -107,3 +107,43 @@ async def test_a_batch_whose_later_group_is_refused_keeps_the_earlier_groups(
         assert got[1] == [int(Op.INSERT), int(Op.END_OF_WINDOW)]
         assert got[2] == [int(Op.DATA_LOSS), int(Op.END_OF_WINDOW)]
         assert got[3] == [int(Op.INSERT), int(Op.END_OF_WINDOW)]
+
+
+async def test_a_lease_that_lapses_before_a_group_is_published_stops_it(
+    tmp_path: Path,
+) -> None:
+    """The fence admitted a group before any work: a leader paused after that (its lease
+    lapsed, a new leader elected) published the group when it woke, and followers whose
+    routing table still named it took it (review). The lease is asked again just before
+    the group is published; refused there, nothing of it is published."""
+
+    class Lapsing:
+        """Valid for the first ``valid`` questions."""
+
+        def __init__(self, valid: int) -> None:
+            self.valid, self.asked = valid, 0
+
+        def admit(self) -> bool:
+            self.asked += 1
+            return self.asked <= self.valid
+
+        def ack_scn(self, scn: int) -> int | None:
+            return None
+
+        def refused(self, reason: str) -> None:
+            pass
+
+    async with Relay(relay_config(tmp_path, capacity_bytes=CAP)) as relay:
+        host = relay.hosts["syn"]
+        await wait_until(lambda: host.state == "finished")
+        before, served = host.buffer.meta, ops_by_scn(relay)
+        lapsing = Lapsing(1)
+        host.fence = lapsing
+        assert not await host._writer.run(lambda: host._append([window(1, [10]), window(2, [10])]))
+        assert lapsing.asked == 2  # at the start, then just before publishing
+        after = host.buffer.meta
+        assert (after.last_scn, after.windows) == (before.last_scn, before.windows)
+        assert ops_by_scn(relay) == served
+        host.fence = Lapsing(10)  # a valid lease: appended as ever
+        assert await host._writer.run(lambda: host._append([window(1, [10])]))
+        assert ops_by_scn(relay) == {**served, 1: [int(Op.INSERT), int(Op.END_OF_WINDOW)]}

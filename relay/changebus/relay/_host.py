@@ -97,6 +97,10 @@ __all__ = [
 log = logging.getLogger("changebus.relay.ingest")
 
 
+class _LeaseLapsed(Exception):
+    """The fence refused a group's part just before it was published (writer thread)."""
+
+
 #: windows waiting between the fetcher and the writer (back-pressure beyond), by
 #: count and by bytes (see ._windowqueue)
 _QUEUE_WINDOWS = 4096
@@ -315,6 +319,15 @@ class PartitionHost(SourceAcks):
 
     # ---- ingest -------------------------------------------------------
 
+    def _publish_fenced(
+        self, fence: IngestFence, data: bytes | memoryview, ev: npt.NDArray[Any]
+    ) -> None:
+        """Writer thread, the last step before a part of a group is published: the lease
+        once more (raises :class:`_LeaseLapsed`), then :meth:`_register_schemas`."""
+        if not fence.admit():
+            raise _LeaseLapsed
+        self._register_schemas(data, ev)
+
     def _register_schemas(self, data: bytes | memoryview, ev: npt.NDArray[Any]) -> None:
         """Writer thread, before readers see the windows: record new table schemas.
 
@@ -331,11 +344,25 @@ class PartitionHost(SourceAcks):
     def _append(self, batch: list[Window]) -> bool:
         """Writer thread: append a group of windows (one group commit).
 
-        False (nothing appended) when the fence refuses the group.
+        False (not appended) when the fence refuses the group: before any work,
+        and again just before each part is published. A leader paused between
+        the two (its lease lapsed, a new leader elected meanwhile) published the
+        group when it woke, and followers whose routing table still named it
+        took it (found by review). A part refused there is not published (its
+        bytes lie past the tail); parts published before it stay.
         """
         fence = self.fence
         if fence is not None and not fence.admit():
             return False
+        try:
+            return self._append_admitted(batch, fence)
+        except _LeaseLapsed:
+            return False
+
+    def _append_admitted(self, batch: list[Window], fence: IngestFence | None) -> bool:
+        hook = self._register_schemas
+        if fence is not None:
+            hook = functools.partial(self._publish_fenced, fence)
         limit = self.buffer.config.window_limit
         datas: list[bytes] = []
         sizes: list[tuple[int, ...]] = []
@@ -360,7 +387,7 @@ class PartitionHost(SourceAcks):
                 datas.append(window.data)
                 sizes.append(window.event_sizes)
         try:
-            self.buffer.append_windows(datas, before_publish=self._register_schemas, sizes=sizes)
+            self.buffer.append_windows(datas, before_publish=hook, sizes=sizes)
         except EventTooLargeError:
             # one window has more events than the event table, or too many bytes for the
             # ring with its largest event: find it, one by one. Groups of the batch before
@@ -371,9 +398,7 @@ class PartitionHost(SourceAcks):
                 if window.scn <= done:
                     continue
                 try:
-                    self.buffer.append_windows(
-                        [data], before_publish=self._register_schemas, sizes=[size]
-                    )
+                    self.buffer.append_windows([data], before_publish=hook, sizes=[size])
                 except EventTooLargeError as exc:
                     self.stats["windows_data_loss"] += 1
                     # (the ring's check names the window's size; the event table's does not)
