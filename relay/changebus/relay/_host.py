@@ -54,7 +54,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import time
 from collections import Counter
@@ -63,15 +62,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy.typing as npt
-
 from changebus.fetchers import Fetcher, ResumePoint, Window, WindowFeed, create_fetcher
 from changebus.schemas import (
     ChangebusError,
-    EventTooLargeError,
     SchemaRegistry,
     StoreUnavailableError,
-    TableSchema,
     stop_task,
 )
 from changebus.schemas.config import scrub, scrub_exception, secret_values
@@ -80,8 +75,8 @@ from ._acks import Fenced as _Fenced, IngestFence as IngestFence, SourceAcks
 from ._buffer import EventBuffer
 from ._chain import RestartBufferError
 from ._config import FetcherConfig, PartitionConfig
+from ._hostappend import GroupAppend
 from ._hoststatus import data_loss_events, fetcher_losses, partition_status
-from ._lossmarker import loss_marker, schema_changes
 from ._syncer import GroupSyncer
 from ._wakeups import Wakeups
 from ._windowqueue import WindowQueue
@@ -95,10 +90,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("changebus.relay.ingest")
-
-
-class _LeaseLapsed(Exception):
-    """The fence refused a group's part just before it was published (writer thread)."""
 
 
 #: windows waiting between the fetcher and the writer (back-pressure beyond), by
@@ -133,7 +124,7 @@ class ConsumerSeen:
     peer: str
 
 
-class PartitionHost(SourceAcks):
+class PartitionHost(SourceAcks, GroupAppend):
     """Owns everything of one physical partition inside the relay."""
 
     def __init__(
@@ -318,102 +309,6 @@ class PartitionHost(SourceAcks):
             self.consumers_forgotten += 1
 
     # ---- ingest -------------------------------------------------------
-
-    def _publish_fenced(
-        self, fence: IngestFence, data: bytes | memoryview, ev: npt.NDArray[Any]
-    ) -> None:
-        """Writer thread, the last step before a part of a group is published: the lease
-        once more (raises :class:`_LeaseLapsed`), then :meth:`_register_schemas`."""
-        if not fence.admit():
-            raise _LeaseLapsed
-        self._register_schemas(data, ev)
-
-    def _register_schemas(self, data: bytes | memoryview, ev: npt.NDArray[Any]) -> None:
-        """Writer thread, before readers see the windows: record new table schemas.
-
-        ``ev``: the group's validated event table (``PARSED_DTYPE``).
-        """
-        for change in schema_changes(data, ev["off"], ev["op"], ev["length"]):
-            table = TableSchema.from_json(json.loads(change.schema))
-            self.registry.register_as(table, change.source_id)
-
-    def _loss_marker(self, window: Window, reason: str) -> bytes:
-        """A window that says SCN ``window.scn`` was lost (never a silent gap)."""
-        return loss_marker(window, reason, self.config.id)
-
-    def _append(self, batch: list[Window]) -> bool:
-        """Writer thread: append a group of windows (one group commit).
-
-        False (not appended) when the fence refuses the group: before any work,
-        and again just before each part is published. A leader paused between
-        the two (its lease lapsed, a new leader elected meanwhile) published the
-        group when it woke, and followers whose routing table still named it
-        took it (found by review). A part refused there is not published (its
-        bytes lie past the tail); parts published before it stay.
-        """
-        fence = self.fence
-        if fence is not None and not fence.admit():
-            return False
-        try:
-            return self._append_admitted(batch, fence)
-        except _LeaseLapsed:
-            return False
-
-    def _append_admitted(self, batch: list[Window], fence: IngestFence | None) -> bool:
-        hook = self._register_schemas
-        if fence is not None:
-            hook = functools.partial(self._publish_fenced, fence)
-        limit = self.buffer.config.window_limit
-        datas: list[bytes] = []
-        sizes: list[tuple[int, ...]] = []
-        for window in batch:
-            if window.schemas:  # a mirrored registry: known before the window is published
-                self.registry.import_entries(window.schemas)
-            if len(window.data) > limit:
-                self.stats["windows_data_loss"] += 1
-                self.losses["window_too_large"] += 1
-                reason = (
-                    f"window of {len(window.data)} bytes exceeds the buffer limit of {limit} bytes"
-                )
-                log.error(
-                    "partition %s: %s; recorded as data loss at SCN %d",
-                    self.name,
-                    reason,
-                    window.scn,
-                )
-                datas.append(self._loss_marker(window, reason))
-                sizes.append(())
-            else:
-                datas.append(window.data)
-                sizes.append(window.event_sizes)
-        try:
-            self.buffer.append_windows(datas, before_publish=hook, sizes=sizes)
-        except EventTooLargeError:
-            # one window has more events than the event table, or too many bytes for the
-            # ring with its largest event: find it, one by one. Groups of the batch before
-            # the failing one are in already: appended again, the first of them failed the
-            # SCN order, and the partition for good (found by review)
-            done = self.buffer.meta.last_scn
-            for window, data, size in zip(batch, datas, sizes, strict=True):
-                if window.scn <= done:
-                    continue
-                try:
-                    self.buffer.append_windows([data], before_publish=hook, sizes=[size])
-                except EventTooLargeError as exc:
-                    self.stats["windows_data_loss"] += 1
-                    # (the ring's check names the window's size; the event table's does not)
-                    sized = "size" in exc.details
-                    self.losses["window_too_large" if sized else "window_too_many_events"] += 1
-                    log.error(
-                        "partition %s: %s; recorded as data loss at SCN %d",
-                        self.name,
-                        exc.message,
-                        window.scn,
-                    )
-                    self.buffer.append_windows([self._loss_marker(window, exc.message)])
-        if self.syncer is not None:
-            self.syncer.request()
-        return True
 
     async def _commit(self, fetcher: Fetcher, batch: list[Window]) -> None:
         """Append ``batch``, then acknowledge it; raises _Fenced if refused.
