@@ -230,3 +230,34 @@ async def test_a_start_up_seed_with_no_partition_to_seed_does_not_stop_the_serve
             assert not any(server.service.seeds(p) for p in "ab")
             assert all(w.seeding is None for w in server.service.workers.values())
     assert any("no seed at start-up" in r.getMessage() for r in caplog.records)
+
+
+async def test_plans_wait_for_each_other_and_a_long_wait_is_a_retriable_busy(
+    boot: BootstrapServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each plan may count a million snapshot rows on a store reader thread: a few hundred
+    concurrent ``start`` requests queued on the two readers, and every page and status
+    read waited behind them (review). One plan runs at a time; the others wait on the
+    loop, and a long wait is a retriable 503 the client retries."""
+    from changebus.bootstrap import _http
+
+    monkeypatch.setattr(_http, "PLAN_WAIT_S", 0.3)
+    plans = boot.server.app[_http.PLANS]
+    url = boot.url + "/v1/bootstrap/start?partition=p&since=-1"
+    async with aiohttp.ClientSession() as http:
+        await plans.acquire()  # a plan under way
+        try:
+            async with http.get(url) as r:
+                assert r.status == 503
+                body = await r.json()
+            assert body["retriable"] is True and "busy planning" in body["message"]
+            # meanwhile, what does not plan is answered at once
+            async with http.get(boot.url + "/v1/bootstrap/status?partition=p") as r:
+                assert r.status in (200, 503)
+                assert "busy" not in (await r.json()).get("message", "")
+        finally:
+            plans.release()
+        async with http.get(url) as r:  # its turn: planned (no windows yet: not yet)
+            body = await r.json()
+        assert "busy planning" not in body["message"]
+        assert plans._value == 1  # (released again)

@@ -39,6 +39,7 @@ need scope ``admin``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -84,6 +85,13 @@ log = logging.getLogger("changebus.bootstrap.http")
 
 SERVICE: web.AppKey[BootstrapService] = web.AppKey("service", BootstrapService)
 METRICS: web.AppKey[BootstrapMetrics] = web.AppKey("metrics", BootstrapMetrics)
+#: plans counted at once (each may count up to a million snapshot rows and twice as
+#: many log events on a store reader thread): a few hundred concurrent ``start``
+#: requests queued on the two readers, and every page, status and schema read waited
+#: behind them (found by review). The rest wait here, on the loop, at most
+#: :data:`PLAN_WAIT_S`, then get a retriable 503.
+PLANS: web.AppKey[asyncio.Semaphore] = web.AppKey("plans", asyncio.Semaphore)
+PLAN_WAIT_S = 10.0
 
 
 _PARAMS = {
@@ -178,11 +186,23 @@ async def start(request: web.Request) -> web.Response:
         w.seed_tables if w is not None and w.seeding is not None and not w.seeding.done() else None
     )
     visible = principal_of(request).allows_source
-    plan = await request.app[SERVICE].stores.read(
-        lambda s: plan_bootstrap(
-            s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
+    plans = request.app[PLANS]
+    try:
+        async with asyncio.timeout(PLAN_WAIT_S):
+            await plans.acquire()
+    except TimeoutError:
+        raise NotYetError(
+            f"the bootstrap server is busy planning other bootstraps (more than"
+            f" {PLAN_WAIT_S:g} s waiting); retry soon"
+        ) from None
+    try:
+        plan = await request.app[SERVICE].stores.read(
+            lambda s: plan_bootstrap(
+                s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
+            )
         )
-    )
+    finally:
+        plans.release()
     return json_response(plan)
 
 
@@ -520,6 +540,7 @@ def build_app(service: BootstrapService) -> web.Application:
     )
     app[SERVICE] = service
     app[METRICS] = metrics
+    app[PLANS] = asyncio.Semaphore(1)  # (one of the two store readers; pages get the other)
     http = service.config.http
     app[BUDGET] = CopyBudget(http.max_copy_bytes, http.max_connections)
     app[PIECE_TIMEOUT] = http.write_timeout_s
