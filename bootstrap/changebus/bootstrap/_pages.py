@@ -147,10 +147,8 @@ class Pages(StoreDb):
                     size += len(trunc[1])
                     events += 1
             while True:
-                want = _rows_to_fetch(batch_rows, max_bytes, size, seen)
-                if self.dialect != "sqlite":  # (a client-side cursor holds all it reads)
-                    want = min(want, 16 << reads)
-                    reads = min(reads + 1, 16)
+                want = self._held_rows(_rows_to_fetch(batch_rows, max_bytes, size, seen), reads)
+                reads += 1
                 # rows the page does not send (older than ``since_scn``; tombstones for a
                 # consumer from nothing) are read, not filtered in SQL, so that they count
                 # in the scan budget: filtered there (neither column is in the index), one
@@ -194,6 +192,12 @@ class Pages(StoreDb):
         last = sources[-1] if sources else 0
         return SnapshotPage(b"".join(chunks), events, (last, after), True)
 
+    def _held_rows(self, want: int, reads: int) -> int:
+        """Rows a page's ``reads``-th read of one table may ask for: ``want``. Postgres'
+        client-side cursor holds all it reads, sized by the rows read before (of another
+        table, or skipped): there reads start at 16 rows and at most double."""
+        return want if self.dialect == "sqlite" else min(want, 16 << min(reads, 16))
+
     def catchup_page(
         self,
         part: str,
@@ -224,9 +228,8 @@ class Pages(StoreDb):
                 # (one row a read, as the estimate gives, took a query per row of a big
                 # window: any reader could ask for that with max_bytes=1; review)
                 want = min(batch_rows, max(2 * want, 16))
-            if self.dialect != "sqlite":  # (as in snapshot_page)
-                want = min(want, 16 << reads)
-                reads = min(reads + 1, 16)
+            want = self._held_rows(want, reads)
+            reads += 1
             rows = self._each(
                 "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
                 # (``scn >= cursor``, implied by the OR, is what lets the index start at

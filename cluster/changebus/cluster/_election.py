@@ -248,8 +248,7 @@ class PartitionElection:
         if self._remove_listener is not None:
             self._remove_listener()
         task, self._task = self._task, None
-        if task is not None:
-            await stop_task(task)
+        await stop_task(task)
         candidate, self._candidate = self._candidate, None
         if candidate is not None and self.session.connected:
             with contextlib.suppress(CoordinationError, NoNodeError):

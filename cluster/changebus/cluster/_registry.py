@@ -81,8 +81,7 @@ class Registry:
         if self._remove_listener is not None:
             self._remove_listener()
         task, self._task = self._task, None
-        if task is not None:
-            await stop_task(task)
+        await stop_task(task)
         if self.session.connected and self._registered:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", self.path)

@@ -146,8 +146,7 @@ class RoutingTable:
         if self._remove_listener is not None:
             self._remove_listener()
         task, self._task = self._task, None
-        if task is not None:
-            await stop_task(task)
+        await stop_task(task)
 
     def snapshot(self) -> RoutingSnapshot:
         """The newest snapshot (immutable)."""

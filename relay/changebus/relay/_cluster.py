@@ -188,8 +188,7 @@ class PartitionRole:
         elected, so two readers never overlap on a graceful stop.
         """
         task, self._task = self._task, None
-        if task is not None:
-            await stop_task(task)
+        await stop_task(task)
         if self.plan[0] != "none" or self.host.fetcher is not None:
             try:
                 await self.host.switch_fetcher(FetcherConfig())

@@ -83,8 +83,7 @@ class ClusterMember:
     async def stop(self) -> None:
         """Leave: stop the roles (a leader's source stops), deregister, close the session."""
         task, self._task = self._task, None
-        if task is not None:
-            await stop_task(task)
+        await stop_task(task)
         if self._remove_listener is not None:
             self._remove_listener()
             self._remove_listener = None

@@ -198,8 +198,7 @@ class PartitionHost(SourceAcks, GroupAppend):
 
     async def stop(self) -> None:
         self.wakeups.stop()
-        if self._task is not None:
-            await stop_task(self._task)
+        await stop_task(self._task)
         if self.fetcher is not None:
             await self.fetcher.close()
         if self.syncer is not None:  # before the buffer's mappings go
@@ -224,9 +223,8 @@ class PartitionHost(SourceAcks, GroupAppend):
         source's windows meet the old fence, the new fetcher's the new one).
         """
         async with self._switching:
-            if self._task is not None:
-                await stop_task(self._task)
-                self._task = None
+            task, self._task = self._task, None
+            await stop_task(task)
             if self.fetcher is not None:
                 with contextlib.suppress(Exception):
                     await self.fetcher.close()

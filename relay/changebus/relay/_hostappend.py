@@ -144,7 +144,8 @@ class GroupAppend:
                         exc.message,
                         window.scn,
                     )
-                    self.buffer.append_windows([self._loss_marker(window, exc.message)])
+                    marker = self._loss_marker(window, exc.message)
+                    self.buffer.append_windows([marker], before_publish=hook)
         if self.syncer is not None:
             self.syncer.request()
         return True

@@ -31,7 +31,6 @@ from ._columns import (
     T_FLOAT,
     T_GEOMETRY,
     T_INT24,
-    T_JSON,
     T_LONG,
     T_LONGLONG,
     T_NEWDECIMAL,
@@ -145,7 +144,7 @@ def value_code(c: ColumnLayout, i: int) -> list[str]:
         else:
             code.append("@v = buf[pos:pos + ln]")
         return [*code, "pos += ln"]
-    if t in (T_BLOB, T_GEOMETRY, T_JSON):
+    if t in (T_BLOB, T_GEOMETRY):
         n = c.m("length")
         code = [f"ln = _from(buf[pos:pos + {n}], 'little')", f"pos += {n}"]
         if c.codec:

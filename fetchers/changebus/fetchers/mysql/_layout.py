@@ -134,7 +134,7 @@ def _agrees(declared: str, binlog_type: int, codec: str, meta: dict[str, int]) -
             base in ("inet6", "inet4", "binary")
             and meta.get("length") == {"inet6": 16, "inet4": 4}.get(base, meta.get("length"))
         )
-    if binlog_type in (T_BLOB, T_JSON) and codec:
+    if binlog_type == T_BLOB and codec:
         return base in ("json", "longtext", "text", "mediumtext", "tinytext")
     return False
 
@@ -224,7 +224,7 @@ def _synthesised(col: Any, codec: str) -> str:
         )
     if t in (T_STRING, T_VAR_STRING):
         return f"char({col.max_length // _width(col)})" if codec else f"binary({col.max_length})"
-    if t in (T_BLOB, T_JSON):
+    if t == T_BLOB:
         kind = {1: "tiny", 2: "", 3: "medium", 4: "long"}.get(col.length_size, "long")
         return f"{kind}text" if codec else f"{kind}blob"
     if t == T_GEOMETRY:
@@ -262,11 +262,11 @@ def layout_from_table_map(
                 " not decode that form yet and stops rather than send its bytes as text."
                 " Capture the table from MariaDB, or store the column as text"
             )
-        codec = _codec(col) if t in (T_VARCHAR, T_STRING, T_VAR_STRING, T_BLOB, T_JSON) else ""
+        codec = _codec(col) if t in (T_VARCHAR, T_STRING, T_VAR_STRING, T_BLOB) else ""
         meta: dict[str, int] = {}
         if t in (T_VARCHAR, T_STRING, T_VAR_STRING):
             meta["length"] = col.max_length
-        elif t in (T_BLOB, T_GEOMETRY, T_JSON):
+        elif t in (T_BLOB, T_GEOMETRY):
             meta["length"] = col.length_size
         elif t in (T_TIME2, T_DATETIME2, T_TIMESTAMP2):
             meta["fsp"] = col.fsp

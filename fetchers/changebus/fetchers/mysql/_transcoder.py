@@ -34,7 +34,6 @@ from ._columns import (
     T_DATETIME2,
     T_DOUBLE,
     T_FLOAT,
-    T_JSON,
     T_LONGLONG,
     T_NEWDECIMAL,
     T_STRING,
@@ -81,8 +80,8 @@ def _transcode_code(c: ColumnLayout, i: int) -> list[str]:
     t = c.binlog_type
     kind = _avro_kind(c.avro)
     # the hot types, without a Python value in between where the bytes allow it
-    if t in (T_VARCHAR, T_STRING, T_VAR_STRING, T_BLOB, T_JSON) and c.codec == "utf-8":
-        if t in (T_BLOB, T_JSON):
+    if t in (T_VARCHAR, T_STRING, T_VAR_STRING, T_BLOB) and c.codec == "utf-8":
+        if t == T_BLOB:
             n = c.m("length")
             head = [f"ln = _from(buf[pos:pos + {n}], 'little')", f"pos += {n}"]
         elif c.m("length") > 255:
