@@ -317,3 +317,46 @@ async def test_an_older_server_refusing_mode_catchup_is_failed_over(tmp_path: Pa
             boot = Bootstrapper(config, http, WindowQueue(16, 1 << 20), SchemaCache())
             with pytest.raises(BootstrapFailedError, match="cannot plan a catch-up only"):
                 await boot._start(old, 5)
+
+
+async def test_a_checkpoint_names_the_bootstrap_server_without_its_password(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint's ``server`` was the configured URL, user and password included: they
+    reached checkpoint files, ``on_checkpoint`` and debug logs (review). A checkpoint
+    written so still resumes on that server."""
+    async with synthetic_boot(tmp_path, 40) as (relay, boot), aiohttp.ClientSession() as http:
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        secret_url = boot.url.replace("http://", "http://reader:s3cret@")
+        config = ConsumerConfig(
+            relays=(relay.url,), partition="syn", bootstrap_servers=(secret_url,)
+        )
+        queue = WindowQueue(1 << 16, 1 << 30)
+        runner = Bootstrapper(config, http, queue, SchemaCache())
+        assert await asyncio.wait_for(runner.run(-1, None), 30) >= last
+        first = await queue.get()
+        queued = first.checkpoint
+        assert first.phase == "snapshot"
+        assert queued is not None and queued.bootstrap is not None
+        text = repr(queued)
+        assert "s3cret" not in str(text) and "reader@" not in str(text)
+        assert queued.bootstrap.server == boot.url
+        # an older checkpoint naming the server with its password resumes there too
+        old = PartitionCheckpoint(
+            window_scn=-1,
+            prev_scn=-1,
+            mode=Mode.SNAPSHOT,
+            bootstrap=BootstrapProgress(
+                since_scn=-1, start_scn=queued.bootstrap.start_scn, server=secret_url
+            ),
+        )
+        queue = WindowQueue(1 << 16, 1 << 30)
+        again = Bootstrapper(config, http, queue, SchemaCache())
+        assert await asyncio.wait_for(again.run(-1, old), 30) >= last
+        resumed = (await queue.get()).checkpoint
+        assert (
+            resumed is not None and resumed.bootstrap is not None and "s3cret" not in repr(resumed)
+        )
+        # (on another server it would plan afresh from -1, a new start)
+        assert resumed.bootstrap.start_scn == queued.bootstrap.start_scn
+        assert resumed.bootstrap.server == boot.url

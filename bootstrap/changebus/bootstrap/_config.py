@@ -126,12 +126,18 @@ class ProducerConfig:
     wait_s: float = 5.0
     #: windows appended to the log in one transaction at most
     batch_windows: int = 500
+    #: bytes of windows appended to the log in one transaction, at most (whole windows:
+    #: one bigger window goes alone); the queue before the log holds twice this at most
+    batch_bytes: int = size_field(64 << 20)
     #: delay before retrying after the relay said the producer fell off
     fell_off_retry_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.max_bytes <= 0 or self.batch_windows <= 0:
-            raise ConfigError("producer.max_bytes and producer.batch_windows must be positive")
+        if self.max_bytes <= 0 or self.batch_windows <= 0 or self.batch_bytes <= 0:
+            raise ConfigError(
+                "producer.max_bytes, producer.batch_windows and producer.batch_bytes must be "
+                "positive"
+            )
         if self.wait_s < 0 or self.fell_off_retry_s <= 0:
             raise ConfigError("producer.wait_s must be >= 0 and fell_off_retry_s > 0")
 

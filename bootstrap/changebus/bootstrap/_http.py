@@ -454,6 +454,7 @@ async def schemas(request: web.Request) -> web.Response:
 _WHOLE_PARTITION = (
     "last_error",
     "applier_lag_events",
+    "queued_bytes",
     "windows_appended",
     "events_appended",
     "events_applied",

@@ -31,6 +31,8 @@ _GAUGES = {
     "applier_scn": "Newest window SCN folded into the snapshot",
     "applier_lag_events": "Log events not yet folded into the snapshot",
     "applier_lag_scn": "producer_scn - applier_scn",
+    "queued_bytes": "Bytes of windows read from the relay and not yet stored in the log "
+    "(at most 2 x producer.batch_bytes, or one bigger window)",
     "log_min_scn": "Windows after this SCN are all in the log",
     "tomb_scn": "The newest purged tombstone: positions before it are refused (-1: none purged)",
     "gap_before_scn": "A gap in the log not repaired yet: positions before this SCN are "

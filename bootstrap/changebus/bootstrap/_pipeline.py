@@ -7,8 +7,11 @@ Structure::
                      applier (log -> snapshot) <---- wake-up ------------------+
 
 The queue between the producer and the log writer is bounded
-(``producer.batch_windows`` x 2): a slow store slows reading from the
-relay, it never grows memory. The log writer appends a batch of windows and
+(``producer.batch_windows`` x 2 windows, and ``producer.batch_bytes`` x 2
+bytes of them: :class:`_QueuedBytes`): a slow store slows reading from the
+relay, it never grows memory. A log transaction takes at most
+``batch_windows`` windows and ``batch_bytes`` bytes (one bigger window
+alone). The log writer appends a batch of windows and
 the producer SCN in one store transaction, copies the relay's schemas of
 any (source, version) it has not seen first, and turns DATA_LOSS windows
 into a gap (:class:`~._seeding.Seeding`); the applier folds the log into the
@@ -62,6 +65,32 @@ log = logging.getLogger("changebus.bootstrap")
 _APPLIER_RETRY_S = 1.0
 
 
+class _QueuedBytes:
+    """Bytes of the windows between the producer and the end of their log transaction.
+
+    :meth:`reserve` waits while ``limit`` would be passed, unless nothing is
+    held (one window bigger than the limit still goes through, alone);
+    :meth:`release` is called once the log writer stored them. Windows of up
+    to the relay's window limit (hundreds of MiB) made a queue counted in
+    windows hold gigabytes behind a slow store (review). Event loop only.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._freed = asyncio.Event()
+
+    async def reserve(self, n: int) -> None:
+        while self.held and self.held + n > self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.held += n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        self._freed.set()
+
+
 class Pipelines(Seeding):
     """Producer, log writer and applier tasks (module docstring); a base of the service."""
 
@@ -71,6 +100,7 @@ class Pipelines(Seeding):
         cfg = self.config
         assert self._session is not None
         sink: asyncio.Queue[tuple[RawWindow, str]] = asyncio.Queue(cfg.producer.batch_windows * 2)
+        queued = _QueuedBytes(cfg.producer.batch_bytes * 2)
         relays = cfg.relays
         current: list[RelayStream] = []
         if self.member is not None:
@@ -99,9 +129,11 @@ class Pipelines(Seeding):
                 await sink.join()
                 await self._sync_schemas(w, relay)
                 checked[:] = [relay]
+            await queued.reserve(len(raw.body))
+            w.queued_bytes = queued.held
             await sink.put((raw, relay))
 
-        writer = asyncio.create_task(self._write_log(w, sink), name=f"log-writer-{w.name}")
+        writer = asyncio.create_task(self._write_log(w, sink, queued), name=f"log-writer-{w.name}")
         try:
             while True:
                 # a fresh reader after the newest window in the log
@@ -126,7 +158,9 @@ class Pipelines(Seeding):
                     if self.seeds(w.name):
                         await sink.join()
                         try:
-                            await self._repair_gap(w, stream.relay)
+                            # (the relay that answered 410, not the one in use: a relay
+                            # down counts as gone too, and asking it failed for ever; review)
+                            await self._repair_gap(w, exc.relay or stream.relay, exc.prev_scn)
                         except Exception as failed:  # noqa: BLE001 - the relay, the store: again
                             w.state = "error"
                             w.last_error = self._failure(failed)
@@ -142,6 +176,12 @@ class Pipelines(Seeding):
                     w.state = "error"
                     w.last_error = scrub(exc.message, self.secrets)
                     log.error("partition %s: producer stopped: %s", w.name, w.last_error)
+                except Exception as exc:  # noqa: BLE001 - a producer that died would stall for ever
+                    # (a store error in the schema copy, not a ChangebusError, ended the
+                    # task for good while the partition still said "streaming"; review)
+                    w.state = "error"
+                    w.last_error = self._failure(exc)
+                    log.error("partition %s: producer failed (retrying): %s", w.name, w.last_error)
                 await asyncio.sleep(cfg.producer.fell_off_retry_s)
                 # resume after what was written (the sink may still be draining)
                 await sink.join()
@@ -149,14 +189,26 @@ class Pipelines(Seeding):
             await stop_task(writer)
 
     async def _write_log(
-        self, w: PartitionWorker, sink: asyncio.Queue[tuple[RawWindow, str]]
+        self,
+        w: PartitionWorker,
+        sink: asyncio.Queue[tuple[RawWindow, str]],
+        queued: _QueuedBytes,
     ) -> None:
         known: set[tuple[int, int]] | None = None  # the (source id, version) pairs stored
         start_scn: int | None = None
+        cfg = self.config.producer
+        carried: tuple[RawWindow, str] | None = None  # taken, over the last batch's bytes
         while True:
-            batch = [await sink.get()]
-            while len(batch) < self.config.producer.batch_windows and not sink.empty():
-                batch.append(sink.get_nowait())
+            batch = [carried if carried is not None else await sink.get()]
+            carried = None
+            size = len(batch[0][0].body)
+            while len(batch) < cfg.batch_windows and not sink.empty():
+                item = sink.get_nowait()
+                size += len(item[0].body)
+                if size > cfg.batch_bytes:
+                    carried = item
+                    break
+                batch.append(item)
             failed = False
             while True:  # the batch stays until it is stored; the producer waits on the queue
                 try:
@@ -175,8 +227,10 @@ class Pipelines(Seeding):
                     await asyncio.sleep(self.config.producer.fell_off_retry_s)
             if failed and w.state == "error":
                 w.state = "streaming"
-            for _ in batch:
+            for raw, _url in batch:
+                queued.release(len(raw.body))
                 sink.task_done()
+            w.queued_bytes = queued.held
 
     async def _store_batch(
         self,
@@ -203,7 +257,7 @@ class Pipelines(Seeding):
             elif not losses:
                 received.append(raw.scn)
         if not wanted <= known:
-            known |= await self._sync_schemas(w, batch[-1][1])
+            known |= await self._sync_schemas_from(w, batch[-1][1], wanted - known)
         if start_scn is None and w.producer_scn < 0:
             start_scn = await self._relay_prev_scn(w, batch[0][1])
         data = b"".join(raw.body for raw, _ in batch)
@@ -232,6 +286,42 @@ class Pipelines(Seeding):
         w.last_window_ts_ns = batch[-1][0].timestamp_ns
         w.wake.set()
         return start_scn
+
+    async def _sync_schemas_from(
+        self, w: PartitionWorker, url: str, missing: set[tuple[int, int]]
+    ) -> set[tuple[int, int]]:
+        """The schemas of ``missing`` from the relay ``url`` that sent them, else from the
+        stream's other relays (the ``(source, version)`` pairs now stored).
+
+        A relay that sent a window and died before its batch was stored made
+        the log writer ask it again every few seconds, for ever: the stream had
+        moved to another relay and waited for the writer. A relay cluster
+        shares one registry, and a registry that disagrees is refused
+        (:meth:`_sync_schemas`), so any relay may answer. The first error is
+        raised when no relay answered.
+        """
+        others = [u for u in (w.stream.relays if w.stream is not None else ()) if u != url]
+        got: set[tuple[int, int]] = set()
+        first: Exception | None = None
+        for candidate in (url, *others):
+            try:
+                got |= await self._sync_schemas(w, candidate)
+            except SchemaError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next relay may answer
+                first = first or exc
+                log.warning(
+                    "partition %s: relay %s could not give its schemas: %s",
+                    w.name,
+                    safe_url(candidate),
+                    self._failure(exc),
+                )
+                continue
+            if missing <= got:
+                break
+        if not got and first is not None:
+            raise first
+        return got
 
     async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
         """Copy the relay's table schemas of the partition into the store.

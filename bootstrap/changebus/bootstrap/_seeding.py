@@ -91,9 +91,19 @@ class Seeding(Upstream):
 
     # ---- gaps ------------------------------------------------------------------
 
-    async def _repair_gap(self, w: PartitionWorker, relay: str) -> None:
-        """Jump over the windows the relay evicted and seed the snapshot again."""
-        gap_end = await self._relay_prev_scn(w, relay)
+    async def _repair_gap(self, w: PartitionWorker, relay: str, evicted: int = -1) -> None:
+        """Jump over the windows the relay evicted and seed the snapshot again.
+
+        ``evicted``: the newest SCN the relay said it evicted (its 410), used when
+        its status cannot be read now; the status is newer when it answers.
+        """
+        try:
+            gap_end = await self._relay_prev_scn(w, relay)
+        except Exception:
+            if evicted < 0:
+                raise
+            gap_end = -1
+        gap_end = max(gap_end, evicted)
         st = await self.stores.write(lambda s: s.mark_gap(w.name, gap_end))
         w.producer_scn, w.log_min_scn = st.producer_scn, st.log_min_scn
         self._gap_recorded(

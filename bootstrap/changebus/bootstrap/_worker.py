@@ -60,6 +60,8 @@ class PartitionWorker:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: the producer's relay stream while it reads (its ``answering`` and ``last_error``)
     stream: Any = None
+    #: bytes of windows between the producer and their log transaction (``/v1/status``)
+    queued_bytes: int = 0
 
     def current_state(self) -> str:
         """:attr:`state`, but ``connecting`` while the producer's stream gets no answer
@@ -96,6 +98,7 @@ class PartitionWorker:
             "tomb_scn": self.tomb_scn,
             "tombstones_purged": self.tombstones_purged,
             "applier_lag_events": self.lag_events,
+            "queued_bytes": self.queued_bytes,
             "windows_appended": self.windows_appended,
             "events_appended": self.events_appended,
             "events_applied": self.events_applied,

@@ -272,8 +272,15 @@ class Bootstrapper:
             self._learn_partition((await self._status(url)).partition)
         if resume is not None and resume.mode is Mode.ONLINE and self._queued() is not None:
             return resume.window_scn  # everything was queued before the failure
-        if resume is not None and resume.bootstrap is not None and resume.bootstrap.server == url:
-            prog, mode = resume.bootstrap, resume.mode
+        # (the checkpoint names the server without its user and password, which reached
+        # checkpoint files, on_checkpoint and debug logs: review; older ones with them)
+        if (
+            resume is not None
+            and resume.bootstrap is not None
+            and resume.bootstrap.server in (url, safe_url(url))
+        ):
+            prog = dataclasses.replace(resume.bootstrap, server=safe_url(url))
+            mode = resume.mode
         else:
             if resume is not None and resume.bootstrap is not None:
                 since = resume.bootstrap.since_scn
@@ -296,7 +303,7 @@ class Bootstrapper:
         since = prog.since_scn
         if mode is Mode.SNAPSHOT and prog.start_scn < 0:
             start, snapshot = await self._start(url, since)
-            prog = BootstrapProgress(since_scn=since, start_scn=start, server=url)
+            prog = BootstrapProgress(since_scn=since, start_scn=start, server=safe_url(url))
             if not snapshot:
                 mode = Mode.CATCHUP
             log.info(

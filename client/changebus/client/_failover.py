@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import logging
 
-from changebus.schemas import BootstrapFailedError, ChangebusError
+from changebus.schemas import BootstrapFailedError, ChangebusError, SchemaChangedError
 
 from ._backoff import Backoff
 from ._errors import FellOffRelayError, RelayUnavailableError
@@ -133,6 +133,11 @@ class Failover:
 
     async def failed(self, exc: BaseException) -> None:
         """Account for ``exc``: return to retry (on :attr:`url`), or raise."""
+        if isinstance(exc, SchemaChangedError):
+            # retriable for the application (start again with the new schema), but no
+            # server answers otherwise: it was taken for a server's failure and the same
+            # window fetched again for ever, or until "no relay answered" (review)
+            raise exc
         if isinstance(exc, FellOffRelayError | BootstrapFailedError):
             # this server cannot serve the position (a relay evicted it, a bootstrap
             # server's history starts after it): another may; raise when none can
