@@ -7,9 +7,13 @@ and answers requests from its empty SQLite store meanwhile.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -21,6 +25,7 @@ from changebus.bootstrap import (
     SeedConfig,
     StoreConfig,
 )
+from waiting import wait_until
 
 # the bootstrap server runs in the test's event loop: it may not block that loop
 pytestmark = pytest.mark.usefixtures("no_blocking")
@@ -261,3 +266,50 @@ async def test_plans_wait_for_each_other_and_a_long_wait_is_a_retriable_busy(
             body = await r.json()
         assert "busy planning" not in body["message"]
         assert plans._value == 1  # (released again)
+
+
+async def test_a_plan_whose_client_went_away_keeps_its_slot_until_it_ends(
+    boot: BootstrapServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disconnect cancels the handler, not the plan in its reader thread: the slot was
+    released at once and the next plan ran beside the first (review)."""
+    from changebus.bootstrap import _http
+
+    gate = threading.Event()
+    running: list[int] = [0, 0]  # now, most at once
+    lock = threading.Lock()
+
+    def slow_plan(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+        try:
+            gate.wait(20)
+            return {"partition": "p", "planned": True}
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(_http, "plan_bootstrap", slow_plan)
+    url = boot.url + "/v1/bootstrap/start?partition=p&since=-1"
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ask() -> int:
+                async with http.get(url) as r:
+                    return r.status
+
+            first = asyncio.create_task(ask())
+            await wait_until(lambda: running[0] == 1, what="the first plan")
+            first.cancel()  # the client goes away (its connection is closed)
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            second = asyncio.create_task(ask())
+            await asyncio.sleep(1.0)
+            assert running[1] == 1  # the second waits for the slot the first still holds
+            gate.set()
+            assert await second == 200
+            assert running[1] == 1
+    finally:
+        gate.set()
+    await wait_until(lambda: boot.server.app[_http.PLANS]._value == 1, what="the slot back")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from binascii import hexlify
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.security import make_digest_acl_credential
 
 from changebus.cluster import (
     ClusterConfig,
@@ -57,6 +59,7 @@ async def test_members_with_credentials_lock_out_writers_without(
         _config(zk_hosts, zk_cluster, "r1", zk_user="relay", zk_password_file=str(secret_file))
     )
     await member.start()
+    session_passwd = bytes(member.client._session_passwd)
     try:
         registry = Registry(member, "relay", min_interval_s=0.05)
         await registry.start()
@@ -98,6 +101,13 @@ async def test_members_with_credentials_lock_out_writers_without(
     finally:
         await member.stop()
     assert PASSWORD not in caplog.text
+    # kazoo's debug lines printed the session's password (its Connect request) and the
+    # digest ACLs' password hash (Create): the first lets anyone take the session over
+    assert "Sending request" in caplog.text  # (kazoo's debug lines were there)
+    assert repr(session_passwd) not in caplog.text
+    assert hexlify(session_passwd).decode() not in caplog.text
+    digest = make_digest_acl_credential("relay", PASSWORD).split(":", 1)[1]
+    assert digest not in caplog.text
 
 
 async def test_a_start_whose_acl_walk_fails_leaves_no_session(
@@ -156,6 +166,12 @@ async def test_a_tree_created_open_is_taken_back(zk_hosts: str, zk_cluster: str)
     finally:
         zk.stop()
         zk.close()
+
+
+def test_a_cluster_may_not_be_named_like_the_consumer_groups_tree() -> None:
+    with pytest.raises(ConfigError, match="'groups' is taken"):
+        ClusterConfig(zookeeper="127.0.0.1:1", name="groups")
+    ClusterConfig(zookeeper="127.0.0.1:1", name="groups2")
 
 
 def test_credential_settings_are_checked_and_never_shown() -> None:

@@ -480,3 +480,46 @@ async def test_a_members_new_positions_are_read_without_the_whole_table(zk_sessi
     await wait_until(lambda: table.snapshot().members == {}, 10, "the member gone")
     assert whole >= 1
     await table.stop()
+
+
+async def test_the_registry_keeps_trying_after_a_thousand_failed_writes(
+    zk_session, zk_cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its back-off was ``0.05 * 2**failures``: at 1,024 failures in a row (about 17
+    minutes of a ZooKeeper refusing the writes, an ACL changed say) the float overflowed
+    and the task ended without a word; the relay was never written again (review)."""
+    session = await zk_session("r9")
+    registry = Registry(session, "relay", min_interval_s=0.0)
+    await registry.start()
+    path = member_path(zk_cluster, "r9")
+    real_op, real_sleep = session.op, asyncio.sleep
+    refused = [0]
+
+    async def refusing(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in ("set", "create") and refused[0] < 1100:
+            refused[0] += 1
+            raise CoordinationError("refused (test)")
+        return await real_op(name, *args, **kwargs)
+
+    async def quick(_delay: float, *args: Any) -> Any:
+        return await real_sleep(0, *args)
+
+    monkeypatch.setattr(session, "op", refusing)
+    monkeypatch.setattr(asyncio, "sleep", quick)  # (the back-off, 1 s a try, skipped)
+    try:
+        registry.update({"p0": PartitionState("leader", 3, 1, 77)})
+
+        async def written() -> bool:
+            data, _ = await real_op("get", path)
+            return bool(json.loads(data)["partitions"].get("p0", {}).get("max_scn") == 77)
+
+        for _ in range(400):
+            if await written():
+                break
+            await real_sleep(0.05)
+        assert refused[0] == 1100
+        assert registry._task is not None and not registry._task.done()
+        assert await written()
+    finally:
+        monkeypatch.undo()
+        await registry.stop()

@@ -33,7 +33,7 @@ from changebus.schemas import (
     pg_avro_type,
 )
 from changebus.schemas._crc import avro_fingerprint
-from changebus.schemas._table import MAX_TYPE_DEPTH, field_name
+from changebus.schemas._table import MAX_DECIMAL_PRECISION, MAX_TYPE_DEPTH, field_name
 
 
 def users(*extra: Column, key: tuple[str, ...] = ("id",)) -> TableSchema:
@@ -356,6 +356,9 @@ def _decimal(precision: Any, scale: Any = 0) -> dict[str, Any]:
     [
         (_decimal(0), "decimal precision 0 is not"),
         (_decimal(10**20), "decimal precision 100000000000000000000 is not"),
+        # (10**9 turned the length check off: a 200 KB value took seconds to parse)
+        (_decimal(10**9), "decimal precision 1000000000 is not an int of 1 to 2000"),
+        (_decimal(2001), "decimal precision 2001 is not"),
         (_decimal(True), "decimal precision True is not"),
         (_decimal("5"), "decimal precision '5' is not"),
         ({"type": "bytes", "logicalType": "decimal"}, "decimal precision None is not"),
@@ -373,8 +376,9 @@ def test_decimals_need_a_precision_python_can_take(avro: Any, needle: str) -> No
         Column("d", avro)
 
 
-def test_the_widest_decimal_python_takes_is_accepted() -> None:
-    columns = (Column("id", "long"), Column("d", _decimal(decimal.MAX_PREC, 2)))
+def test_the_widest_decimal_a_source_has_is_accepted() -> None:
+    # Postgres' numeric(1000, -1000)
+    columns = (Column("id", "long"), Column("d", _decimal(MAX_DECIMAL_PRECISION, 2)))
     table = TableSchema("t", columns, ("id",), version=1)
     row = {"id": 1, "d": decimal.Decimal("-1.25")}
     data = RowEncoder(table, source_id=1).encode(Op.INSERT, 5, 0, 0, row)
@@ -590,6 +594,15 @@ def test_import_entries_from_json(tmp_path: Path) -> None:
     assert client.import_entries([(1, server.get("public.users", 1))])[0].version == 1
     with pytest.raises(SchemaError, match="bad schema entry"):
         client.import_entries([{"schema": {}}])
+    # a source id must be an int as JSON sent it (true was 1, 3.9 was 3, "7" was 7: the
+    # table filed under another id; 1e400 raised OverflowError), an entry an object
+    entry = served[0]
+    for bad in (True, 3.9, "7", float("inf"), 10**400, 0, 70000, None):
+        with pytest.raises(SchemaError, match="source_id"):
+            client.import_entries([{**entry, "source_id": bad}])
+    for junk in (["a", "b"], 5, "x"):
+        with pytest.raises(SchemaError, match="bad schema entry"):
+            client.import_entries([junk])  # type: ignore[list-item]
 
 
 def test_concurrent_registration(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from changebus.schemas import ended, stop_task
+from changebus.schemas import ended, held_until_done, stop_task
 
 
 async def _slow_to_stop(stopped: asyncio.Event) -> None:
@@ -57,3 +57,36 @@ async def test_the_task_s_own_outcome_is_not_raised() -> None:
     assert isinstance(task.exception(), RuntimeError)
     await stop_task(asyncio.create_task(asyncio.sleep(60)))
     await stop_task(None)
+
+
+async def test_held_until_done_releases_when_abandoned_work_ends() -> None:
+    """The caller is cancelled while the work runs: the work goes on, and what it holds is
+    released once it ended, not at the cancellation (a bootstrap plan's slot, a page's
+    budget: the next request ran beside work still going; review)."""
+    released: list[str] = []
+    go = asyncio.Event()
+
+    async def work() -> int:
+        await go.wait()
+        return 7
+
+    caller = asyncio.create_task(held_until_done(work(), lambda: released.append("late")))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert released == []  # still running
+    go.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert released == ["late"]
+
+    # not cancelled: the caller releases (the helper does not), failures are raised
+    assert await held_until_done(work(), lambda: released.append("no")) == 7
+
+    async def fails() -> int:
+        raise ValueError("x")
+
+    with pytest.raises(ValueError, match="x"):
+        await held_until_done(fails(), lambda: released.append("no"))
+    assert released == ["late"]

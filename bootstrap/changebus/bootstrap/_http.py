@@ -57,6 +57,7 @@ from changebus.schemas import (
     TableSchema,
     UnknownSourceError,
     event_mask,
+    held_until_done,
     parse_stream,
 )
 from changebus.schemas.files import NAME_RULE, safe_name
@@ -196,13 +197,22 @@ async def start(request: web.Request) -> web.Response:
             f" {PLAN_WAIT_S:g} s waiting); retry soon"
         ) from None
     try:
-        plan = await request.app[SERVICE].stores.read(
-            lambda s: plan_bootstrap(
-                s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
-            )
+        # (a client that went away cancels this handler, not the plan in its reader
+        # thread: the slot stays taken until that ends; review)
+        plan = await held_until_done(
+            request.app[SERVICE].stores.read(
+                lambda s: plan_bootstrap(
+                    s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
+                )
+            ),
+            plans.release,
         )
-    finally:
+    except asyncio.CancelledError:
+        raise  # (released once the plan ends)
+    except BaseException:
         plans.release()
+        raise
+    plans.release()
     return json_response(plan)
 
 

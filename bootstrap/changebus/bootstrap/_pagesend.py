@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from changebus.schemas import held_until_done
 from changebus.schemas.server import CopyBudget
 
 __all__ = ["BUDGET", "EVENTS_TYPE", "PIECE_BYTES", "PIECE_TIMEOUT", "send_page"]
@@ -49,9 +50,17 @@ async def send_page(
     headers) within a grant of the budget, send it, and give the grant back."""
     budget = request.app[BUDGET]
     granted = budget.grant(want)
+    try:
+        # (a client that went away cancels this handler, not the read in its store
+        # thread: the grant stays counted until that ends; review)
+        data, headers = await held_until_done(build(granted), lambda: budget.release(granted))
+    except asyncio.CancelledError:
+        raise  # (released once the build ends)
+    except BaseException:
+        budget.release(granted)
+        raise
     charged = granted
     try:
-        data, headers = await build(granted)
         charged = budget.resize(granted, len(data))
         response = web.StreamResponse(headers=headers)
         response.content_type = EVENTS_TYPE

@@ -66,6 +66,12 @@ class ClusterConfig:
             raise ConfigError("cluster.zookeeper: a connect string host:port[,host:port] is needed")
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"cluster.name: {self.name!r} is not a znode name")
+        if self.name == "groups":
+            # (/changebus/groups is the consumer groups' tree: a cluster there put its
+            # digest ACLs on the groups' nodes and locked their consumers out; review)
+            raise ConfigError(
+                "cluster.name: 'groups' is taken (/changebus/groups holds the consumer groups)"
+            )
         if "/" in self.member_id or self.member_id in (".", ".."):
             raise ConfigError(f"cluster.member_id: {self.member_id!r} is not a znode name")
         if not 0.2 <= self.session_timeout_s <= 600:

@@ -88,7 +88,7 @@ from ._table import (
     avro_name as avro_name,
     field_name as field_name,
 )
-from ._tasks import ended as ended, stop_task as stop_task
+from ._tasks import ended as ended, held_until_done as held_until_done, stop_task as stop_task
 from ._types_mysql import (
     MYSQL_ZERO_DATE_KEY as MYSQL_ZERO_DATE_KEY,
     MYSQL_ZERO_DATETIME_KEY as MYSQL_ZERO_DATETIME_KEY,
@@ -247,6 +247,7 @@ __all__ = [
     "field_name",
     "format_scn",
     "headers_at",
+    "held_until_done",
     "json_text",
     "jsonable",
     "key_hash",

@@ -247,12 +247,25 @@ class SchemaRegistry:
         pairs: list[tuple[int, TableSchema]] = []
         for e in entries:
             if isinstance(e, Mapping):
+                sid = e.get("source_id")
+                # (int() took true as 1, 3.9 as 3 and "7" as 7: a table filed under
+                # another source id; 1e400 raised OverflowError; review)
+                if type(sid) is not int or not 1 <= sid <= _MAX_SOURCE_ID:
+                    raise SchemaError(
+                        f"bad schema entry: source_id {str(sid)[:32]!r} is not an int of"
+                        f" 1 to {_MAX_SOURCE_ID}"
+                    )
                 try:
-                    pairs.append((int(e["source_id"]), TableSchema.from_json(e["schema"])))
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise SchemaError(f"bad schema entry: {exc!r}") from None
-            else:
+                    pairs.append((sid, TableSchema.from_json(e["schema"])))
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise SchemaError(f"bad schema entry: {exc!r}"[:300]) from None
+            elif _is_pair(e):
                 pairs.append((e[0], e[1]))
+            else:
+                raise SchemaError(
+                    f"bad schema entry: a {type(e).__name__}, not an object with source_id"
+                    " and schema"
+                )
         pairs.sort(key=lambda p: (p[1].name, p[1].version))
         return [self.register_as(table, source_id) for source_id, table in pairs]
 
@@ -324,3 +337,8 @@ class SchemaRegistry:
                 for name in sorted(self._versions)
                 for t in self._versions[name]
             ]
+
+
+def _is_pair(item: object) -> bool:
+    """``item`` is a ``(source_id, TableSchema)`` tuple (from JSON it never is)."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], TableSchema)

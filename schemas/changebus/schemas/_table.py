@@ -42,7 +42,7 @@ Invariants, checked on construction (:class:`SchemaError` otherwise): a name
 of 1..512 characters; 1..65535 columns with unique non-empty names; key
 columns exist and are distinct; ``version`` in 0..65535; the derived Avro
 schemas parse; a ``fixed`` has a size of 1 at least; a ``decimal`` has a
-precision of 1 to ``decimal.MAX_PREC`` and a scale of 0 to its precision;
+precision of 1 to ``MAX_DECIMAL_PRECISION`` and a scale of 0 to its precision;
 types nest at most ``MAX_TYPE_DEPTH`` levels; the items of an array
 and the values of a map take bytes (not ``null`` or an empty record: a
 payload's count of them would cost nothing per item). Instances are
@@ -52,7 +52,6 @@ is made, and the derived schemas are cached.
 
 from __future__ import annotations
 
-import decimal
 import json
 import re
 import zlib
@@ -79,6 +78,10 @@ MAX_COLUMNS: Final = 65535
 #: how deep a column type may nest (unions, arrays, maps, records, each a level): the
 #: readers generated per schema are Python code, which nests only so far
 MAX_TYPE_DEPTH: Final = 32
+#: a decimal's precision at most: Postgres' widest, numeric(1000, -1000) (MySQL's is 65).
+#: A value's bytes are checked against its precision before Python's int parses them, in
+#: time quadratic in their length: a precision of 10**9 let a 200 KB value take seconds
+MAX_DECIMAL_PRECISION: Final = 2000
 #: the derived Avro schemas :meth:`TableSchema.release_derived` drops (cached properties)
 _DERIVED: Final = ("row_schema", "key_schema", "change_schema")
 
@@ -124,7 +127,7 @@ def _normalise_type(column: str, avro_type: Any) -> AvroType:
 def _check_type(column: str, t: Any, depth: int = 0) -> None:
     """What fastavro lets pass in the type ``t`` but the readers cannot take: a ``fixed``
     of no int size of 1 at least; a ``decimal`` without a precision of 1 to
-    ``decimal.MAX_PREC`` and a scale of 0 to that; nesting beyond ``MAX_TYPE_DEPTH``."""
+    ``MAX_DECIMAL_PRECISION`` and a scale of 0 to that; nesting beyond ``MAX_TYPE_DEPTH``."""
     if depth > MAX_TYPE_DEPTH:
         raise SchemaError(f"column {column!r}: type nested more than {MAX_TYPE_DEPTH} levels deep")
     if isinstance(t, list):
@@ -140,10 +143,10 @@ def _check_type(column: str, t: Any, depth: int = 0) -> None:
             raise SchemaError(f"column {column!r}: fixed size {size!r} is not an int of 1 or more")
     if kind in ("bytes", "fixed") and t.get("logicalType") == "decimal":
         precision, scale = t.get("precision"), t.get("scale", 0)
-        if not _is_int(precision) or not 1 <= precision <= decimal.MAX_PREC:
+        if not _is_int(precision) or not 1 <= precision <= MAX_DECIMAL_PRECISION:
             raise SchemaError(
                 f"column {column!r}: decimal precision {precision!r} is not an int"
-                f" of 1 to {decimal.MAX_PREC}"
+                f" of 1 to {MAX_DECIMAL_PRECISION}"
             )
         if not _is_int(scale) or not 0 <= scale <= precision:
             raise SchemaError(

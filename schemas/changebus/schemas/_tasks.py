@@ -9,15 +9,22 @@ fetcher for ever while ``stop()`` waited on it (found by review).
 :func:`ended` waits with :func:`asyncio.wait`, which raises only the
 caller's cancellation, never the task's outcome.
 
+:func:`held_until_done` is the other side: work that cannot be stopped (a
+call in a thread) keeps what it holds counted after its caller is cancelled
+(an HTTP handler whose client went away).
+
 Event loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-__all__ = ["ended", "stop_task"]
+__all__ = ["ended", "held_until_done", "stop_task"]
+
+T = TypeVar("T")
 
 
 async def ended(task: asyncio.Future[Any]) -> None:
@@ -38,3 +45,31 @@ async def stop_task(task: asyncio.Future[Any] | None) -> None:
         return
     task.cancel()
     await ended(task)
+
+
+async def held_until_done(work: Awaitable[T], release: Callable[[], None]) -> T:
+    """``await work`` in a task of its own; when the caller is cancelled first, the task
+    goes on and ``release()`` runs once it ended (its outcome dropped), and the caller's
+    cancellation is raised.
+
+    For work holding a slot or a budget's bytes that cancelling cannot stop (a
+    store read in a thread): a handler that released them on its client's
+    disconnect let the next request run beside the work still going (review).
+    Otherwise ``release`` is not called: the caller releases as usual, also
+    when ``work`` raised.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.done():
+            _settled(task, release)
+        else:
+            task.add_done_callback(lambda t: _settled(t, release))
+        raise
+
+
+def _settled(task: asyncio.Future[Any], release: Callable[[], None]) -> None:
+    if not task.cancelled():
+        task.exception()  # (retrieved: nobody awaits it any more)
+    release()

@@ -143,7 +143,7 @@ def run(fetcher: MySQLFetcher, emit: Callable[[Window], None], stopping: threadi
             if failures > cfg.reconnect_attempts:
                 raise SourceError(f"lost the MySQL binlog stream: {reason(exc)}") from None
             fetcher.stats["reconnects"] += 1
-            delay = cfg.reconnect_backoff_s * 2 ** (failures - 1)
+            delay = cfg.reconnect_backoff_s * 2 ** min(failures - 1, 30)  # (no float overflow)
             log.warning(
                 "partition %s: binlog stream lost (%s); reconnecting from %s:%d in %.1fs",
                 fetcher.name,
