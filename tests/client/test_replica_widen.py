@@ -380,3 +380,57 @@ async def test_negative_zero_and_non_finite_floats_keep_their_values(pg_dsn: str
         (202, "-Infinity"),
         (203, "0"),
     ]
+
+
+@pytest.mark.pg
+async def test_keys_of_a_column_widened_to_text_still_match(pg_dsn: str) -> None:
+    """A key (and a whole-row table's column) that became text holding another type's
+    values: psycopg sends a uuid, an int or a date as that type, and ``text = uuid`` has
+    no operator. Inserts passed (assignment casts), every DELETE and key move failed on
+    every retry until the replica gave up (review)."""
+    import uuid
+
+    def keyed(version: int, id_type: Any) -> TableSchema:
+        return TableSchema(
+            "app.tokens",
+            (Column("id", id_type, nullable=False), Column("n", "int")),
+            ("id",),
+            version,
+        )
+
+    def whole(version: int, at_type: Any) -> TableSchema:  # no primary key: all columns
+        return TableSchema(
+            "app.events", (Column("at", at_type), Column("n", "int")), ("at", "n"), version
+        )
+
+    text_key, uuid_key = keyed(1, "string"), keyed(2, {"type": "string", "logicalType": "uuid"})
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    date = {"type": "int", "logicalType": "date"}
+    ts = {"type": "long", "logicalType": "timestamp-micros"}
+
+    def change(scn: int, table: TableSchema, op: ChangeOp, row: dict[str, Any]) -> Window:
+        key = {k: row[k] for k in table.key}
+        after = None if op is ChangeOp.DELETE else row
+        before = row if op is ChangeOp.DELETE else None
+        event = ChangeEvent(scn, 0, op, table.name, key, after, before, schema=table)
+        return Window(scn=scn, timestamp_ns=scn, partition="p", events=(event,))
+
+    replica = PostgresReplica(pg_dsn)
+    try:
+        await deliver(replica, change(10, text_key, ChangeOp.INSERT, {"id": "a", "n": 1}))
+        await deliver(replica, change(20, uuid_key, ChangeOp.INSERT, {"id": u, "n": 2}))
+        await deliver(replica, change(30, uuid_key, ChangeOp.DELETE, {"id": u, "n": 2}))
+        assert replica.query('SELECT id, n FROM "app"."tokens"') == [("a", 1)]
+        # a whole-row table: a date column widened to timestamp, a row of each
+        import datetime as dt
+
+        day = dt.date(2026, 12, 2)
+        noon = dt.datetime(2026, 12, 2, 12, 0)
+        first, second = whole(1, date), whole(2, ts)
+        await deliver(replica, change(40, first, ChangeOp.INSERT, {"at": day, "n": 1}))
+        await deliver(replica, change(50, second, ChangeOp.INSERT, {"at": noon, "n": 2}))
+        await deliver(replica, change(60, first, ChangeOp.DELETE, {"at": day, "n": 1}))
+        rows = replica.query('SELECT at::text, n FROM "app"."events"')
+        assert rows == [(str(noon), 2)]  # (the day's row went; the column is text now)
+    finally:
+        await replica.close()

@@ -170,8 +170,9 @@ async def test_a_tree_created_open_is_taken_back(zk_hosts: str, zk_cluster: str)
 
 def test_a_cluster_may_not_be_named_like_the_consumer_groups_tree() -> None:
     with pytest.raises(ConfigError, match="'groups' is taken"):
-        ClusterConfig(zookeeper="127.0.0.1:1", name="groups")
-    ClusterConfig(zookeeper="127.0.0.1:1", name="groups2")
+        ClusterConfig(zookeeper="127.0.0.1:1", name="groups", zk_user="u", zk_password="p")
+    ClusterConfig(zookeeper="127.0.0.1:1", name="groups2", zk_user="u", zk_password="p")
+    ClusterConfig(zookeeper="127.0.0.1:1", name="groups")  # (a consumer group's session)
 
 
 def test_credential_settings_are_checked_and_never_shown() -> None:

@@ -82,10 +82,18 @@ class StoreConfig:
     path: Path | None = None
     #: Postgres connection string (secret: never logged)
     dsn: str = secret("")
+    #: Postgres: a store call without an answer this long makes the server be asked on a
+    #: new connection; when that gets no answer either (a frozen server, a dead network
+    #: path), the call's connection is cut and the call retried (0: never)
+    io_timeout_s: float = 60.0
+    #: on stop, seconds store calls in progress may take before their connections are cut
+    stop_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.kind == "postgres" and not self.dsn:
             raise ConfigError("store.dsn is needed when store.kind = 'postgres'")
+        if self.io_timeout_s < 0 or self.stop_grace_s < 0:
+            raise ConfigError("store.io_timeout_s and store.stop_grace_s must not be negative")
 
 
 @dataclass(frozen=True)

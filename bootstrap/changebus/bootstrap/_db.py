@@ -148,6 +148,15 @@ class StoreDb:
     def close(self) -> None:
         self._conn.close()
 
+    def socket(self) -> int | None:
+        """A Postgres store's connection socket (None: SQLite, or closed)."""
+        if self.dialect != "postgres" or self._conn.closed:
+            return None
+        try:
+            return int(self._conn.pgconn.socket)
+        except Exception:  # noqa: BLE001 - a connection gone: no socket
+            return None
+
     def connection_lost(self) -> bool:
         """Whether the connection is gone (Postgres closed it, or the network did)."""
         return self.dialect == "postgres" and bool(self._conn.closed or self._conn.broken)

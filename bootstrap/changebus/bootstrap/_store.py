@@ -51,6 +51,16 @@ from ._refill import Refills
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
 
+#: libpq settings of the Postgres store's sessions (:meth:`Store.postgres`)
+_SESSION: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+
 class Store(LogStore, SnapshotFold, Refills, Pages, TombstonePurge, StoreDb):
     """One bootstrap database (see the module docstring). Not thread-safe."""
 
@@ -84,7 +94,12 @@ class Store(LogStore, SnapshotFold, Refills, Pages, TombstonePurge, StoreDb):
         """Open a Postgres store (the tables are created when missing)."""
         from changebus.fetchers.postgres import pg_connect
 
-        conn = pg_connect(dsn, "cannot open the Postgres store", option="store.dsn", timeout_s=10)
+        # TCP keepalives and libpq's tcp_user_timeout unless the DSN sets its own: a dead
+        # network path fails a call in about 30 s instead of the kernel's minutes
+        extra = {k: v for k, v in _SESSION.items() if k not in dsn}
+        conn = pg_connect(
+            dsn, "cannot open the Postgres store", option="store.dsn", timeout_s=10, **extra
+        )
         return cls(conn, "postgres")
 
     def append(

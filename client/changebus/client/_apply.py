@@ -261,7 +261,7 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
             conn,
             f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}"
             + self._row_lock(True),
-            (self.consumer_name,),
+            (self._checkpoint_key,),
         )
         if rows:
             with contextlib.suppress(CheckpointError):  # (unreadable: this one replaces it)
@@ -274,8 +274,19 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
             conn,
             f"INSERT INTO {q(self.checkpoint_table)} (consumer, checkpoint) VALUES ({p}, {p})"
             " ON CONFLICT (consumer) DO UPDATE SET checkpoint = excluded.checkpoint",
-            (self.consumer_name, checkpoint.to_json()),
+            (self._checkpoint_key, checkpoint.to_json()),
         )
+
+    @property
+    def _checkpoint_key(self) -> str:
+        """The checkpoint row's key: the consumer name, and the key filter when there is
+        one. Replicators of one name and partition with other filters (``mod:2:0`` and
+        ``mod:2:1``) shared one row: the one ahead wrote its position, and the other,
+        restarted, skipped the windows in between as applied; their changes to its keys
+        were lost for good (review)."""
+        if self.key_filter is None:
+            return self.consumer_name
+        return f"{self.consumer_name} {self.key_filter}"
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -295,8 +306,23 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         rows = self._execute(
             conn,
             f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}",
-            (self.consumer_name,),
+            (self._checkpoint_key,),
         )
+        if not rows and self._checkpoint_key != self.consumer_name:
+            # (written before filters had rows of their own: under the name alone)
+            rows = self._execute(
+                conn,
+                f"SELECT checkpoint FROM {q(self.checkpoint_table)} WHERE consumer = {p}",
+                (self.consumer_name,),
+            )
+            if rows:
+                log.warning(
+                    "replica %s: the checkpoint of filter %s is taken from the one stored "
+                    "under the consumer name alone (an older version); from now on it has "
+                    "its own row",
+                    self.consumer_name,
+                    self.key_filter,
+                )
         if not rows:  # from nothing: the ledger will list every table it writes
             with self._transaction(conn):
                 self._ledger.mark_complete(conn, self.consumer_name)

@@ -87,6 +87,10 @@ class PostgresReplica(UnitReplica):
         )
         self._dsn = dsn
         self._idle_in_transaction_s = idle_in_transaction_s
+        #: target table -> its columns' types (``format_type``), as last read or widened
+        #: (:meth:`_widen_columns`, once per table and schema version): key matches cast
+        #: an event's value to a column's type when that is wider (:meth:`_key_equals`)
+        self._actual_types: dict[str, dict[str, str]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -164,6 +168,7 @@ class PostgresReplica(UnitReplica):
         import psycopg
 
         types = self._column_types(conn, table)
+        self._actual_types[table] = types
         for column in schema.columns:
             have, want = (
                 types.get(self._kept_name(column.name)),
@@ -194,6 +199,7 @@ class PostgresReplica(UnitReplica):
                     f"{have} to {target} (source {schema.name} version {schema.version}): "
                     f"{scrub_exception(exc, (self._dsn,))}"
                 ) from None
+            types[self._kept_name(column.name)] = target
             log.warning(
                 "replica table %s: column %s widened from %s to %s (source %s version %d)",
                 table,
@@ -253,10 +259,18 @@ class PostgresReplica(UnitReplica):
         kind = self._column_type(column)
         return kind not in ("text", "bytea", "json", "jsonb") and not kind.endswith("[]")
 
-    def _key_equals(self, column: Column) -> str:
-        if self._column_type(column) == "json":  # (json has no = operator: jsonb's)
-            return f"{self._quote(column.name)}::jsonb = {self.placeholder}::jsonb"
-        return super()._key_equals(column)
+    def _key_equals(self, column: Column, table: str = "", alias: str = "") -> str:
+        name, p = f"{alias}{self._quote(column.name)}", self.placeholder
+        actual = self._actual_types.get(table, {}).get(self._kept_name(column.name))
+        natural = self._column_type(column)
+        if actual == "json" or (actual is None and natural == "json"):
+            return f"{name}::jsonb = {p}::jsonb"  # (json has no = operator: jsonb's)
+        if actual is not None and actual != canonical(natural):
+            # the column was widened past this event's type (text holding a source's
+            # varchar then uuid): psycopg sends a uuid, int or date as that type, and
+            # "text = uuid" has no operator; every DELETE and key move failed (review)
+            return f"{name} = {p}::{actual}"
+        return f"{name} = {p}"
 
     def _adapt(self, value: Any) -> Any:
         if type(value) is float:

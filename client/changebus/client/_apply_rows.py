@@ -42,9 +42,11 @@ class RowStatements:
     def _adapt(self, value: Any) -> Any:
         raise NotImplementedError
 
-    def _key_equals(self, column: Column) -> str:
-        """The SQL matching ``column`` with a parameter (a dialect may need a cast)."""
-        return f"{self._quote(column.name)} = {self.placeholder}"
+    def _key_equals(self, column: Column, table: str = "", alias: str = "") -> str:
+        """The SQL matching ``column`` of target ``table`` (unqualified; "" : unknown) with
+        a parameter, the column named through ``alias`` when given (a dialect may need a
+        cast: the column's type in the target may be wider than the event's)."""
+        return f"{alias}{self._quote(column.name)} = {self.placeholder}"
 
     def table_for(self, source: str) -> str:
         raise NotImplementedError
@@ -65,14 +67,16 @@ class RowStatements:
                 theirs = functools.partial(_as_decoded, foreign, event)
             schema = e.schema
             assert schema is not None
-            table = self._qualified(self.table_for(e.table))
+            target = self.table_for(e.table)
+            table = self._qualified(target)
             key = schema.key
-            where = " AND ".join(f"{q(k)} = {p}" for k in key)
+            by_name = {c.name: c for c in schema.columns}
+            where = " AND ".join(self._key_equals(by_name[k], target) for k in key)
             if e.op is ChangeOp.TRUNCATE:
                 yield f"DELETE FROM {table}", []
                 continue
             if schema.nullable_key:
-                yield from self._whole_row_statements(e, table, theirs)
+                yield from self._whole_row_statements(e, target, theirs)
                 continue
             if e.op is ChangeOp.DELETE or e.after is None:
                 image = e.key or (e.before or {})
@@ -97,7 +101,9 @@ class RowStatements:
                         # whatever came to it later)
                         new_values = [self._adapt(e.key[k]) for k in key]
                         sets = ", ".join(f"{q(k)} = {p}" for k in key)
-                        taken = " AND ".join(f"x.{q(k)} = {p}" for k in key)
+                        taken = " AND ".join(
+                            self._key_equals(by_name[k], target, "x.") for k in key
+                        )
                         yield (
                             f"UPDATE {table} SET {sets} WHERE {where} AND NOT EXISTS"
                             f" (SELECT 1 FROM {table} AS x WHERE {taken})",
@@ -130,6 +136,7 @@ class RowStatements:
         update removes all of them. An update's old row of another writer's key
         (``foreign``) is left to that writer (:meth:`_statements`)."""
         q, p = self._quote, self.placeholder
+        target, table = table, self._qualified(table)
         key = e.schema.key if e.schema is not None else ()
         columns = {c.name: c for c in e.schema.columns} if e.schema is not None else {}
 
@@ -138,7 +145,7 @@ class RowStatements:
             # use the key columns' index (:meth:`_ensure_table`), where Postgres's
             # ``IS NOT DISTINCT FROM`` scanned the table for every event
             where = " AND ".join(
-                f"{q(k)} IS NULL" if v is None else self._key_equals(columns[k])
+                f"{q(k)} IS NULL" if v is None else self._key_equals(columns[k], target)
                 for k, v in zip(key, values, strict=True)
             )
             return f"DELETE FROM {table} WHERE {where}", [v for v in values if v is not None]

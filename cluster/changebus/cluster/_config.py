@@ -66,9 +66,10 @@ class ClusterConfig:
             raise ConfigError("cluster.zookeeper: a connect string host:port[,host:port] is needed")
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"cluster.name: {self.name!r} is not a znode name")
-        if self.name == "groups":
-            # (/changebus/groups is the consumer groups' tree: a cluster there put its
-            # digest ACLs on the groups' nodes and locked their consumers out; review)
+        if self.name == "groups" and self.zk_user:
+            # (/changebus/groups is the consumer groups' tree: a cluster there with
+            # credentials put its digest ACLs on the groups' nodes and locked their
+            # consumers out; review. Sessions of consumer groups alone use the name)
             raise ConfigError(
                 "cluster.name: 'groups' is taken (/changebus/groups holds the consumer groups)"
             )

@@ -42,6 +42,7 @@ from ._setup import (
 from ._transcode import Fallback as Fallback
 from ._types import ColumnType as ColumnType, TypeResolver as TypeResolver
 from ._values import TYPE_OIDS as TYPE_OIDS, decode_value as decode_value
+from ._watchdog import Watchdog as PgWatchdog, cut_socket as pg_cut_socket
 
 
 def fetcher_factory(name: str, partition_id: int, options: Mapping[str, Any]) -> Fetcher:
@@ -69,6 +70,7 @@ __all__ = [
     "Insert",
     "LogicalMessage",
     "Origin",
+    "PgWatchdog",
     "PostgresConfig",
     "Relation",
     "RelationColumn",
@@ -82,6 +84,7 @@ __all__ = [
     "message_scn",
     "parse_message",
     "pg_connect",
+    "pg_cut_socket",
     "pg_error_reason",
     "pg_system_identifier",
 ]

@@ -50,7 +50,7 @@ from typing import Any
 
 from changebus.schemas import SourceError
 
-__all__ = ["Guarded", "Watchdog", "received_within"]
+__all__ = ["Guarded", "Watchdog", "cut_socket", "received_within"]
 
 log = logging.getLogger("changebus.fetchers.postgres")
 
@@ -316,3 +316,11 @@ class _Fetched:
 
     def __iter__(self) -> Any:
         return iter(self._rows)
+
+
+def cut_socket(fd: int) -> None:
+    """Shut the socket ``fd`` down now: a call blocked on it fails at once (the caller
+    holds what keeps ``fd`` that socket's while this runs: the call still in progress)."""
+    dup = _dup(fd)
+    if dup is not None:
+        _shut_down(dup)
