@@ -415,3 +415,91 @@ async def test_windows_kept_for_replay_are_bounded(make_relay: MakeRelay) -> Non
                 await asyncio.wait_for(c.run(cb), 20)
     # about 8 KB a window: the eighth or so passes 64 KiB
     assert 5 <= cb.windows <= 9, cb.windows
+
+
+class Gated(Callbacks):
+    """Holds the first window's end on ``gate``; records the calls and when they were made."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[tuple[str, float]] = []
+
+    def on_end_window(self, window: Window) -> CallbackResult | None:
+        self.calls.append(("end_window", time.monotonic()))
+        self.entered.set()
+        self.gate.wait(20)
+        return None
+
+    def on_checkpoint(self, checkpoint: Checkpoint) -> CallbackResult | None:
+        self.calls.append(("checkpoint", time.monotonic()))
+        return None
+
+
+async def test_close_waits_for_the_window_a_run_is_in(make_relay: MakeRelay) -> None:
+    """close() from another task returned at once while run() went on with the window's
+    callbacks and checkpoint after it (the application's sink closed under them; review).
+    It now returns once run() finished that window and ended."""
+    async with make_relay(max_windows=20) as relay:
+        cb = Gated()
+        consumer = Consumer(config(relay.url))
+        run = asyncio.create_task(consumer.run(cb))
+        await asyncio.to_thread(cb.entered.wait, 20)
+        closing = asyncio.create_task(consumer.close())
+        await asyncio.sleep(0.5)
+        assert not closing.done()  # the window's end is still under way
+        cb.gate.set()
+        await asyncio.wait_for(closing, 20)
+        closed_at = time.monotonic()
+        assert run.done()
+        await run
+        assert [name for name, _ in cb.calls] == ["end_window", "checkpoint"]
+        assert all(at <= closed_at for _, at in cb.calls)
+
+
+async def test_a_sync_close_ends_a_run_in_another_thread(make_relay: MakeRelay) -> None:
+    """SyncConsumer.close() stopped the loop under a run() that then never returned
+    (review); from inside a callback it is refused (it would wait for itself)."""
+    async with make_relay(max_windows=20) as relay:
+        cb = Gated()
+        sync = SyncConsumer(config(relay.url))
+        done = threading.Event()
+
+        def running() -> None:
+            try:
+                sync.run(cb)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=running)
+        thread.start()
+        try:
+            await asyncio.to_thread(cb.entered.wait, 20)
+            closer = asyncio.create_task(asyncio.to_thread(sync.close))
+            await asyncio.sleep(0.3)
+            cb.gate.set()
+            await asyncio.wait_for(closer, 20)
+            assert await asyncio.to_thread(done.wait, 10)
+        finally:
+            cb.gate.set()
+            await asyncio.to_thread(thread.join, 10)
+        assert not thread.is_alive()
+
+        class ClosesItself(Callbacks):
+            error: BaseException | None = None
+
+            def on_end_window(self, window: Window) -> CallbackResult | None:
+                try:
+                    own.close()
+                except RuntimeError as exc:
+                    self.error = exc
+                own.stop()
+                return None
+
+        own = SyncConsumer(config(relay.url))
+        me = ClosesItself()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(own.run, me), 20)
+        finally:
+            await asyncio.to_thread(own.close)
+        assert isinstance(me.error, RuntimeError) and "stop()" in str(me.error)

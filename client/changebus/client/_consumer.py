@@ -35,7 +35,6 @@ Thread-safety: every method is for the consumer's event loop, except
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import replace
 from types import TracebackType
@@ -43,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import aiohttp
 
-from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore
+from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore, stop_task
 
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
@@ -125,6 +124,9 @@ class Consumer:
         self._task: asyncio.Task[None] | None = None
         self._position: PositionTracker | None = None
         self._mode: Literal["", "iterator", "callbacks"] = ""
+        #: set once :meth:`run` ended; the task running it (what :meth:`close` waits for)
+        self._run_ended: asyncio.Event | None = None
+        self._run_task: asyncio.Task[Any] | None = None
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
         self._closed = False
@@ -226,10 +228,21 @@ class Consumer:
         self._closed = True
         if self._queue is not None:
             await self._queue.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, QueueClosed):
-                await self._task
+        # (cancel and wait without suppressing CancelledError: that swallowed the
+        # cancellation of the task calling close() too; review)
+        await stop_task(self._task)
+        running = self._run_ended
+        if (
+            running is not None
+            and not running.is_set()
+            and asyncio.current_task() is not self._run_task
+        ):
+            # run() finishes the window under way (its callbacks, checkpoint and store)
+            # and ends on the closed queue: the session goes after that. close()
+            # returned at once and the window's callbacks went on after it (the
+            # application's sink closed under them), and a SyncConsumer's loop stopped
+            # under a run() that then never returned (review)
+            await running.wait()
         try:
             if self._mode == "iterator" and self._position is not None and self._failed is None:
                 await self._position.persist()
@@ -484,6 +497,7 @@ class Consumer:
             return window
 
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
+        self._run_ended, self._run_task = asyncio.Event(), asyncio.current_task()
         try:
             await dispatcher.run()
         except QueueClosed:
@@ -491,3 +505,5 @@ class Consumer:
         except Exception as exc:
             self._failed = exc
             raise
+        finally:
+            self._run_ended.set()

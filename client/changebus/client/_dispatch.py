@@ -40,9 +40,18 @@ from ._model import Window
 from ._position import Positions
 from ._queue import QueueClosed
 
-__all__ = ["Dispatcher", "window_plan"]
+__all__ = ["Dispatcher", "in_callback", "window_plan"]
 
 log = logging.getLogger(__name__)
+
+#: ``active`` is True in a callback thread while it runs a plan (:func:`in_callback`)
+_CALLBACK = threading.local()
+
+
+def in_callback() -> bool:
+    """Whether this thread is running a consumer's sync callback now."""
+    return bool(getattr(_CALLBACK, "active", False))
+
 
 Plan = list[tuple[str, tuple[Any, ...]]]
 
@@ -133,6 +142,13 @@ class _ThreadRunner:
         self._stuck: tuple[asyncio.Future[_Outcome], str] | None = None
 
     def _run_plan(self, plan: Plan, abandon: threading.Event, state: _CallState) -> _Outcome:
+        _CALLBACK.active = True
+        try:
+            return self._run_calls(plan, abandon, state)
+        finally:
+            _CALLBACK.active = False
+
+    def _run_calls(self, plan: Plan, abandon: threading.Event, state: _CallState) -> _Outcome:
         last = CallbackResult.SUCCESS
         for name, args in plan:
             if abandon.is_set():

@@ -26,6 +26,7 @@ from changebus.schemas import Checkpoint, Unit, UnitStore
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._consumer import Consumer
+from ._dispatch import in_callback
 from ._model import Window
 from ._persist import CheckpointPersister
 
@@ -139,9 +140,19 @@ class SyncConsumer:
             return self.consumer.stats()
 
     def close(self) -> None:
-        """Close the consumer and stop the background loop; idempotent."""
+        """Close the consumer and stop the background loop; idempotent.
+
+        A :meth:`run` under way finishes its window first (its callbacks and
+        checkpoint), then returns. From inside a callback that would wait for
+        itself: call :meth:`stop` there, and ``close`` once ``run`` returned.
+        """
         if self._closed:
             return
+        if in_callback():
+            raise RuntimeError(
+                "SyncConsumer.close() inside a callback would wait for the callback itself:"
+                " call stop() there, and close() once run() returned"
+            )
         try:
             self._call(self.consumer.close())
             if self._may_use_tls():
