@@ -18,6 +18,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from changebus.cluster import (
     ClusterConfig,
+    CoordinationError,
     Leadership,
     PartitionElection,
     current_leader,
@@ -477,5 +478,31 @@ async def test_watches_do_not_pile_up_over_terms(zk_session) -> None:
         async with asyncio.timeout(5):
             await term.wait_lost()
         assert term.lost_reason == "candidate node gone" and not term.valid()
+    finally:
+        await election.stop()
+
+
+async def test_a_heartbeat_that_cannot_read_the_epoch_ends_the_term(zk_session) -> None:
+    """A non-retriable error in the leader's heartbeat (a malformed epoch node, its watch
+    gone with a reconnect) was swallowed: the term was neither renewed nor lost, and its
+    candidate held the line with nothing logged (review). It ends the term now."""
+    session = await zk_session("r-beat", session_timeout_s=2.0)
+    election = PartitionElection(session, "p-beat")
+    await election.start()
+    try:
+        async with asyncio.timeout(10):
+            term = await election.wait_elected()
+        call = session.call
+
+        async def failing(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(fn, "__name__", "") == "beat":
+                raise CoordinationError("malformed epoch node (test)", retriable=False)
+            return await call(fn, *args, **kwargs)
+
+        session.call = failing
+        async with asyncio.timeout(10):
+            await term.wait_lost()
+        assert "epoch unreadable" in (term.lost_reason or "")
+        session.call = call
     finally:
         await election.stop()

@@ -536,8 +536,13 @@ class PartitionElection:
                 t0 = time.monotonic()
                 try:
                     epoch, alive = await self.session.call(beat)
-                except CoordinationError:
-                    pass  # the lease runs out by itself; the session state decides the rest
+                except CoordinationError as exc:
+                    if not exc.retriable:
+                        # (a malformed epoch node: the term was neither renewed nor
+                        # lost, and its candidate held the line without a word; review)
+                        log.error("partition %s: %s", self.partition, exc.message)
+                        term.lose(f"epoch unreadable: {exc.message}")
+                    # else the lease runs out by itself; the session state decides the rest
                 else:
                     if epoch != expected:
                         term.lose(f"epoch is now {epoch}")
