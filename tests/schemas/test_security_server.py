@@ -405,3 +405,50 @@ async def test_unauthenticated_clients_keep_no_connection_open() -> None:
         # an authenticated client keeps its connection
         status, _, h = await get(f"{server.url}/v1/whoami", None, bearer(READER_TOKEN))
         assert status == 200 and h.get("Connection", "").lower() != "close"
+
+
+def _whoami_over(
+    port: int, ctx: ssl.SSLContext, session: ssl.SSLSession | None
+) -> tuple[int, ssl.SSLSession | None, bool]:
+    """GET /v1/whoami on a new TLS connection (resuming ``session`` when given): the status,
+    the connection's session and whether it was resumed."""
+    import socket
+
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls,
+    ):
+        tls.sendall(b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+        return int(data.split(b" ", 2)[1]), tls.session, bool(tls.session_reused)
+
+
+async def test_a_tls12_session_resumed_past_a_client_ca_reload_is_not_trusted(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """TLS 1.2 resumes sessions from the listening context's cache (no tickets needed): a
+    resumed handshake skips the chain check and restores the certificate the old CA had
+    checked, and the SNI callback put it on the new context, so the retired-context
+    check never fired; a CA dropped by a reload kept working for 300 s (review)."""
+    sec = security(tls_files, client_ca=True, client_cert="required")
+    async with running(sec) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        server_ca = tmp_path / "server-ca.pem"
+        server_ca.write_bytes(tls_files.ca.read_bytes())
+        ctx = client_ctx(tls_files, ca=server_ca, cert=True)
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        status, session, _ = await asyncio.to_thread(_whoami_over, port, ctx, None)
+        assert status == 200 and session is not None
+        # (resumption works before a reload: the check below is not vacuous)
+        status, _, resumed = await asyncio.to_thread(_whoami_over, port, ctx, session)
+        assert status == 200 and resumed
+        tls_files.ca.write_bytes(tls_files.other_ca.read_bytes())  # the client CA changes
+        await asyncio.sleep(1.1)  # (sessions are stamped in whole seconds)
+        assert await server.reload_tls()
+        try:
+            status, _, resumed = await asyncio.to_thread(_whoami_over, port, ctx, session)
+        except (ssl.SSLError, ConnectionError):
+            return  # refused at the handshake: as good
+        assert status == 503, (status, resumed)

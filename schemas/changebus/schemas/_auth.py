@@ -48,7 +48,7 @@ from aiohttp import web
 
 from ._redact import printable
 from ._security_config import SCOPES, SecurityConfig, Subject
-from ._tls_server import RETIRED
+from ._tls_server import CURRENT_SINCE, RETIRED
 from .errors import ConfigError, ForbiddenError, NotYetError, UnauthorizedError
 
 __all__ = [
@@ -250,7 +250,9 @@ class _Authenticator:
             cert = request.transport.get_extra_info("peercert")
             if cert:
                 tls = request.transport.get_extra_info("ssl_object")
-                if getattr(getattr(tls, "context", None), RETIRED, False):
+                if getattr(getattr(tls, "context", None), RETIRED, False) or _resumed_from_before(
+                    tls
+                ):
                     # set up before a TLS reload: its certificate was checked against
                     # the client CA of then, which the reload may have dropped
                     raise NotYetError(
@@ -269,6 +271,17 @@ class _Authenticator:
                     return found
                 raise UnauthorizedError("no principal has this client certificate's subject")
         raise UnauthorizedError("credentials required: a bearer token or a client certificate")
+
+
+def _resumed_from_before(tls: Any) -> bool:
+    """Whether ``tls`` (an SSL object) resumed a session set up before its context became
+    current (a TLS 1.2 session from the cache, from before a reload: its certificate was
+    checked against the client CA of then)."""
+    if not getattr(tls, "session_reused", False):
+        return False
+    since = getattr(getattr(tls, "context", None), CURRENT_SINCE, None)
+    session = getattr(tls, "session", None)
+    return since is not None and session is not None and session.time <= since
 
 
 def _subject_attributes(cert: Mapping[str, Any]) -> frozenset[tuple[str, str]]:

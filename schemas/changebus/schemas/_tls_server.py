@@ -29,7 +29,10 @@ CA (revoking the certificates it signed), so with a client CA:
   on a connection set up under a retired context that authenticates by its
   certificate gets a retriable 503 and the connection is closed
   (:mod:`._auth`): the client reconnects and its certificate is checked
-  against the current CA.
+  against the current CA. A TLS 1.2 session resumed from the cache lands on
+  the current context (the SNI callback moves it there), so the context made
+  current also records when (:data:`CURRENT_SINCE`): a resumed session
+  older than that gets the same 503 (review).
 
 :func:`reload_all` reloads every started server's TLS in this process: the
 daemon's SIGHUP handler (:func:`~._server.serve`).
@@ -44,15 +47,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import weakref
 
 from ._security_config import TlsConfig
 from .errors import ConfigError
 
-__all__ = ["RETIRED", "ServerTls", "reload_all", "server_ssl_context"]
+__all__ = ["CURRENT_SINCE", "RETIRED", "ServerTls", "reload_all", "server_ssl_context"]
 
 #: the attribute a reload sets (True) on the context it replaces
 RETIRED = "changebus_retired"
+#: the attribute a reload sets on the context it makes current: when (``time.time()``)
+#: a TLS 1.2 session resumed onto it from before then was set up under the old CA
+CURRENT_SINCE = "changebus_current_since"
 
 log = logging.getLogger("changebus.server.tls")
 
@@ -123,6 +130,7 @@ class ServerTls:
         except ConfigError as exc:
             log.warning("TLS reload failed, the previous certificate stays in use: %s", exc.message)
             return False
+        setattr(fresh, CURRENT_SINCE, time.time())
         old, self.current = self.current, fresh
         setattr(old, RETIRED, True)  # (its connections' certificates: the old CA's)
         self.reloads += 1
