@@ -117,3 +117,23 @@ async def test_the_relay_applies_its_connection_cap(tmp_path: Path) -> None:
         assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
         for _, w in [*held, (reader, writer)]:
             w.close()
+
+
+async def test_a_principal_flooding_client_ids_forgets_its_own(relay: Relay) -> None:
+    """With the table full, the least recently seen of all went: a principal sending a
+    thousand made-up ids pushed another principal's lagging consumer out of /v1/status
+    and the lag metrics (review). The owner holding the most entries loses its own."""
+    host = relay.hosts["idle"]
+    host.max_consumers = 50
+    host.saw_consumer("payroll/etl", 10, "10.0.0.1")  # lagging, seen once, long ago
+    host.saw_consumer("10.0.0.9", 11, "10.0.0.9")  # an id without a principal
+    for i in range(500):
+        host.saw_consumer(f"reader/made-up-{i}", 12, "10.0.0.2")
+    assert "payroll/etl" in host.consumers and "10.0.0.9" in host.consumers
+    assert len(host.consumers) == 50
+    assert host.consumers_forgotten == 502 - 50
+    mine = [c for c in host.consumers if c.startswith("reader/")]
+    assert mine[-1] == "reader/made-up-499" and "reader/made-up-0" not in mine
+    # the owners' counts stay right through moves and forgetting
+    host.saw_consumer("payroll/etl", 13, "10.0.0.1")
+    assert host._owned == {"payroll": 1, "": 1, "reader": 48}

@@ -114,6 +114,12 @@ def _nothing() -> None:
     """Run on the writer thread to wait for the work submitted before it."""
 
 
+def _owner(client: str) -> str:
+    """The principal a consumer id ``principal/client`` names ("" for other ids)."""
+    owner, slash, _rest = client.partition("/")
+    return owner if slash else ""
+
+
 @dataclass
 class ConsumerSeen:
     """What the relay last saw of one consumer (for /v1/status only)."""
@@ -155,6 +161,8 @@ class PartitionHost(SourceAcks, GroupAppend):
         #: what error texts must never show: the fetcher's secret option values
         self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
+        #: entries of :attr:`consumers` per owner (:meth:`saw_consumer`)
+        self._owned: dict[str, int] = {}
         #: how many consumers :attr:`consumers` remembers (the daemon raises it to
         #: ``http.max_connections``), and how many it forgot for want of room
         self.max_consumers = MAX_CONSUMERS
@@ -294,16 +302,30 @@ class PartitionHost(SourceAcks, GroupAppend):
 
         ``consumers`` is kept in least-recently-seen order (a consumer seen
         again moves to the end) and holds at most :attr:`max_consumers`
-        entries: beyond, the least recently seen is forgotten (and counted in
+        entries: beyond, one is forgotten (and counted in
         :attr:`consumers_forgotten`), so made-up client ids cannot grow it
-        (the HTTP layer cuts ids to :data:`MAX_CLIENT_ID` characters).
+        (the HTTP layer cuts ids to :data:`MAX_CLIENT_ID` characters). The
+        one forgotten is the least recently seen of the *owner* holding the
+        most entries (the principal a ``principal/client`` id names; "" for
+        the others, ``_owned`` counts them): a principal sending a thousand
+        made-up ids pushed every other principal's lagging consumer out of
+        ``/v1/status`` and the lag metrics (review); now it pushes out its own.
         """
         consumers = self.consumers
-        consumers.pop(client, None)
+        known = consumers.pop(client, None) is not None
         behind = max(self.buffer.meta.tail_pos - reached, 0) if reached >= 0 else 0
         consumers[client] = ConsumerSeen(scn, behind, time.monotonic(), peer)
+        owned = self._owned
+        if not known:
+            owner = _owner(client)
+            owned[owner] = owned.get(owner, 0) + 1
         if len(consumers) > self.max_consumers:
-            del consumers[next(iter(consumers))]
+            most = max(owned, key=owned.__getitem__)
+            victim = next(c for c in consumers if _owner(c) == most)
+            del consumers[victim]
+            owned[most] -= 1
+            if not owned[most]:
+                del owned[most]
             self.consumers_forgotten += 1
 
     # ---- ingest -------------------------------------------------------
