@@ -151,3 +151,36 @@ async def test_schemas_come_from_another_relay_when_the_sender_died(tmp_path: Pa
             # the batch's relay is the dead one: the stream's other relay answers
             got = await boot.service._sync_schemas_from(w, dead, pairs)
             assert pairs and pairs <= got
+
+
+async def test_the_log_is_pruned_once_a_tenth_more_came_not_every_step(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Finding the cut walks ``log_keep_events`` index entries, and it ran after every
+    applier step, even of one window: a second a step at 10M events kept (review)."""
+    from changebus.bootstrap import ApplierConfig
+    from changebus.bootstrap._store import Store
+
+    calls: list[int] = []
+    real = Store.prune_to
+
+    def counted(self: Store, part: str, keep: int) -> int:
+        calls.append(keep)
+        return real(self, part, keep)
+
+    monkeypatch.setattr(Store, "prune_to", counted)
+    windows = 300  # of 4 events, one at a time (100 a second): a step each
+    async with Relay(synthetic_relay(tmp_path / "relay", windows, windows_per_s=100)) as relay:
+        host = relay.hosts["syn"]
+        cfg = dataclasses.replace(
+            _config(tmp_path, relay.url), applier=ApplierConfig(log_keep_events=400)
+        )
+        async with BootstrapServer(cfg) as boot:
+            w = boot.service.workers["syn"]
+            await wait_until(lambda: host.buffer.meta.windows >= windows, 30, "the windows")
+            await wait_until(lambda: w.applier_scn >= host.buffer.meta.last_scn, 30, "applied")
+            counts = await boot.service.stores.read(lambda s: s.counts("syn"))
+    # 1,200 row events (and each window's own) appended: a prune each 40 at most, not
+    # one a step (about 300)
+    assert 1 <= len(calls) <= 60, len(calls)
+    assert counts["log_events"] <= 400 + 40 + 4 * 10  # (about keep; a step's windows more)

@@ -355,8 +355,14 @@ class Pipelines(Seeding):
     async def _apply(self, w: PartitionWorker) -> None:
         batch = self.config.applier.batch_events
         purge_at = time.monotonic()
+        keep = self.config.applier.log_keep_events
+        # the log is pruned once a tenth of ``keep`` more events came: finding the cut
+        # walks ``keep`` index entries, and after every step of the applier (even one
+        # window's) that was a second per step at 10M events kept (review)
+        pruned_at = -keep
         while True:
             before = w.applier_scn
+            prune = bool(keep) and w.events_appended - pruned_at >= max(keep // 10, 1)
             purging = False  # (a purge step found more to do: its next one comes at once)
             if self.config.applier.tombstone_keep_s and time.monotonic() >= purge_at:
                 purging = await self._purge(w)
@@ -365,11 +371,11 @@ class Pipelines(Seeding):
                     purge_at += self.config.applier.purge_interval_s
 
             def step(
-                s: Store, before: int = before, keep: int = self.config.applier.log_keep_events
+                s: Store, before: int = before, prune: bool = prune
             ) -> tuple[PartitionState, int, int]:
                 done = s.applied_events
                 st = s.apply(w.name, batch, self.config.applier.batch_bytes)
-                if keep and st.applier_scn != before:
+                if prune and st.applier_scn != before:
                     s.prune_to(w.name, keep)
                     st = s.state(w.name)
                 return st, s.applied_events - done, s.unapplied_events(w.name)
@@ -382,6 +388,8 @@ class Pipelines(Seeding):
                 await asyncio.sleep(_APPLIER_RETRY_S)
                 continue
             if st.applier_scn != before:
+                if prune:
+                    pruned_at = w.events_appended
                 w.events_applied += applied
                 w.lag_events = left
                 w.applier_scn, w.log_min_scn = st.applier_scn, st.log_min_scn
