@@ -590,3 +590,32 @@ def test_added_and_dropped_columns_are_resolved_by_the_generated_reader() -> Non
     promoted = ChangeDecoder(v1, v3)
     assert promoted._fast is None  # int -> long: fastavro resolves it
     assert promoted.decode_many(data, starts, stops)[1].before == {"id": 2, "span": None, "n": None}
+
+
+def test_the_column_reader_refuses_a_uuid_the_row_reader_refuses() -> None:
+    """Any 36 lowercase characters passed the column reader as a uuid, where decode()
+    refused them: the two paths disagreed on one payload (review)."""
+    table = TableSchema(
+        "public.u",
+        (
+            Column("id", "long", nullable=False),
+            Column("u", {"type": "string", "logicalType": "uuid"}),
+        ),
+        ("id",),
+        1,
+    )
+    good = uuid.UUID("b97ed2f1-743f-4b1e-9f6d-1234567890ab")
+    data = RowEncoder(table, source_id=1).encode(Op.INSERT, 5, 0, 0, {"id": 1, "u": good})
+    offsets, headers = parse_stream(data)
+    start = int(offsets[0]) + HEADER_SIZE + int(headers["key_length"][0])
+    record = data[start:]
+    dec = ChangeDecoder(table)
+    after: list[list[Any]] = [[], []]
+    dec.decode_columns(record, [0], [len(record)], after, [[], []])
+    assert after[1] == [str(good)]
+    bad = record.replace(str(good).encode(), b"b97ed2f\x02-743f-4b1e-9f6d-1234567890ab")
+    assert bad != record
+    with pytest.raises(CorruptEventError):
+        dec.decode(bad)
+    with pytest.raises(CorruptEventError):
+        ChangeDecoder(table).decode_columns(bad, [0], [len(bad)], [[], []], [[], []])

@@ -43,6 +43,7 @@ lists passed in belong to the caller.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -67,8 +68,14 @@ _RAW: Final = {
     "int-date": "{}",
     "long-time-micros": "{}",
     "int-time-millis": "{} * 1000",
-    "string-uuid": "{0} if len({0}) == 36 and {0}.islower() else _uuid_text({0})",
+    # (any 36 lowercase characters passed as a uuid, where decode() refused them: review)
+    "string-uuid": "{0} if _canonical_uuid({0}) else _uuid_text({0})",
 }
+
+#: whether a text is a uuid as Python writes it (else it is parsed, or refused)
+_canonical_uuid: Final = re.compile(
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+).fullmatch
 
 
 def _uuid_text(text: str) -> str:
@@ -81,6 +88,7 @@ class _ColumnWriter(_Writer):
     def __init__(self, named: Mapping[str, Any]) -> None:
         super().__init__(named)
         self.consts["_uuid_text"] = _uuid_text
+        self.consts["_canonical_uuid"] = _canonical_uuid
         self.top = False  # set while emitting a top-level field's value
 
     def complex(self, schema: dict[str, Any], target: str, ind: int) -> None:
