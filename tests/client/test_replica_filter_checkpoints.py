@@ -12,7 +12,8 @@ older version is still loaded.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from test_replica_widen import deliver
 
 from changebus.client import ChangeEvent, ChangeOp, SqliteReplica, Window
 from changebus.schemas import Checkpoint, Column, PartitionFilter, TableSchema
@@ -26,13 +27,6 @@ def window(scn: int, key: int) -> Window:
     row = {"id": key, "v": f"v{scn}"}
     event = ChangeEvent(scn, 0, ChangeOp.INSERT, T.name, {"id": key}, row, None, schema=T)
     return Window(scn=scn, timestamp_ns=scn, partition="p", events=(event,))
-
-
-async def deliver(replica: Any, w: Window) -> None:
-    assert await replica.on_start_window(w) is None
-    for e in w.events:
-        assert await replica.on_event(e) is None
-    assert await replica.on_end_window(w) is None
 
 
 def filtered(path: Path, text: str) -> SqliteReplica:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from test_e2e_pg import pg_relay
 
 from changebus.client import Consumer, ConsumerConfig
-from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
 from changebus.schemas import SchemaChangedError
 from fix_pg import wait_until
 
@@ -29,20 +29,7 @@ async def test_a_newer_writer_stops_the_consumer_with_schema_changed(
 ) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, a text)")
-    config = RelayConfig(
-        data_dir=tmp_path / "relay",
-        http=HttpConfig(port=0),
-        partitions=(
-            PartitionConfig(
-                "pg",
-                1,
-                capacity_bytes=4 << 20,
-                fetcher=FetcherConfig("postgres", {"dsn": pg_dsn, "status_interval_s": 0.2}),
-            ),
-        ),
-        flush_interval_s=0,
-    )
-    async with Relay(config) as relay:
+    async with pg_relay(tmp_path, pg_dsn, 0) as relay:
         host = relay.hosts["pg"]
         await wait_until(lambda: host.state == "streaming")
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
