@@ -523,3 +523,58 @@ async def test_the_registry_keeps_trying_after_a_thousand_failed_writes(
     finally:
         monkeypatch.undo()
         await registry.stop()
+
+
+async def test_a_refresh_asks_for_every_partitions_first_candidate_at_once(zk_session) -> None:
+    """Each partition's first candidate was read in turn, one round trip each: seconds a
+    refresh at a thousand partitions (review). They are asked for all at once now."""
+    s1 = await zk_session("r-pipe")
+    elections = [PartitionElection(s1, f"pp{i}") for i in range(4)]
+    for e in elections:
+        await e.start()
+    async with asyncio.timeout(10):
+        for e in elections:
+            await e.wait_elected()
+    watcher = await zk_session("")
+    table = RoutingTable(watcher, refresh_s=60.0)
+    await table.start()
+    try:
+        await wait_until(lambda: all(table.leader(f"pp{i}") for i in range(4)), 10, "leaders")
+        steps: list[str] = []
+        call = watcher.call
+
+        class Recorded:
+            def __init__(self, result: Any, path: str) -> None:
+                self.result, self.path = result, path
+
+            def get(self, timeout: float | None = None) -> Any:
+                steps.append(f"wait {self.path}")
+                return self.result.get(timeout=timeout)
+
+        class Client:
+            def __init__(self, zk: Any) -> None:
+                self.zk = zk
+
+            def get_async(self, path: str, *args: Any, **kwargs: Any) -> Recorded:
+                steps.append(f"ask {path}")
+                return Recorded(self.zk.get_async(path, *args, **kwargs), path)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.zk, name)
+
+        async def recorded(func: Any) -> Any:
+            return await call(lambda zk: func(Client(zk)))
+
+        watcher.call = recorded
+        await table._refresh()
+        watcher.call = call
+        candidates = [s for s in steps if "/election/" in s]
+        asked = [i for i, s in enumerate(steps) if s in candidates and s.startswith("ask")]
+        waited = [i for i, s in enumerate(steps) if s in candidates and s.startswith("wait")]
+        assert len(asked) == 4 and len(waited) == 4
+        assert max(asked) < min(waited), candidates  # all asked before the first wait
+        assert all(table.leader(f"pp{i}") for i in range(4))
+    finally:
+        await table.stop()
+        for e in elections:
+            await e.stop()

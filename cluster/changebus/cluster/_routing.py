@@ -38,6 +38,7 @@ from changebus.schemas import stop_task
 from ._election import LeaderInfo
 from ._errors import CoordinationError
 from ._layout import (
+    EpochRecord,
     MemberInfo,
     candidate_seq,
     decode_candidate,
@@ -300,7 +301,9 @@ class RoutingTable:
                     continue
                 except CoordinationError as exc:
                     log.warning("routing table: %s", exc)
-            leaders: dict[str, LeaderInfo] = {}
+            # each partition's first candidate, asked for all at once too (one round trip
+            # a partition, in turn, was seconds a refresh at a thousand partitions: review)
+            firsts: list[tuple[str, EpochRecord, Any]] = []
             for p, epoch_result, election_result in pending_parts:
                 try:
                     record = decode_epoch(epoch_result.get(timeout=timeout)[0])
@@ -310,10 +313,11 @@ class RoutingTable:
                 ordered = sorted((n for n in names if candidate_seq(n) >= 0), key=candidate_seq)
                 if not record.member_id or not ordered:
                     continue
+                firsts.append((p, record, zk.get_async(f"{proot}/{p}/election/{ordered[0]}")))
+            leaders: dict[str, LeaderInfo] = {}
+            for p, record, first in firsts:
                 try:
-                    data, _ = zk.get_async(f"{proot}/{p}/election/{ordered[0]}").get(
-                        timeout=timeout
-                    )
+                    data, _ = first.get(timeout=timeout)
                 except NoNodeError:
                     continue
                 if decode_candidate(data)[0] == record.member_id:
