@@ -550,6 +550,8 @@ REQUIRED_ALERT_METRICS = {
     "relay not ready": "changebus_relay_ready",
     "data loss": "changebus_relay_data_loss_events_total",
     "consumer fell off": "changebus_relay_consumers_fell_off_total",
+    # (a daemon down exports nothing: only Prometheus's own series sees it)
+    "daemon down": "up",
 }
 
 
