@@ -503,3 +503,23 @@ async def test_a_sync_close_ends_a_run_in_another_thread(make_relay: MakeRelay) 
         finally:
             await asyncio.to_thread(own.close)
         assert isinstance(me.error, RuntimeError) and "stop()" in str(me.error)
+
+
+async def test_close_from_an_async_callback_does_not_wait_for_itself(
+    make_relay: MakeRelay,
+) -> None:
+    """close() waits for run() to finish its window; from inside that window's callback
+    (even through a task of its own, as wait_for makes on Python 3.11) it must not."""
+    async with make_relay(max_windows=20) as relay:
+        consumer = Consumer(config(relay.url))
+        closed: list[float] = []
+
+        class Closes(AsyncCallbacks):
+            async def on_end_window(self, window: Window) -> CallbackResult | None:
+                await asyncio.wait_for(consumer.close(), 5)
+                closed.append(time.monotonic())
+                return None
+
+        started = time.monotonic()
+        await asyncio.wait_for(consumer.run(Closes()), 20)
+        assert closed and closed[0] - started < 5

@@ -198,6 +198,53 @@ def test_bad_configs_fail_clearly(tmp_path: Path, body: str, needle: str) -> Non
     assert needle in result.stdout + result.stderr
 
 
+def _relay(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "changebus.schemas", "relay", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_files_and_ports_that_fail_are_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """A config that is a directory or not UTF-8, a port in use, a data_dir that cannot be
+    made: a traceback and exit 1 before (review); one line and exit 2 now."""
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b"# caf\xe9\nbogus = 1\n")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "busy").mkdir()
+        busy = write_config(tmp_path / "busy", port)
+        (tmp_path / "free").mkdir()
+        free = write_config(tmp_path / "free", free_port())
+        cases = [
+            (("--config", str(tmp_path), "--check"), "cannot be read"),
+            (("--config", str(latin), "--check"), "is not UTF-8 text"),
+            (("--config", str(busy)), "address already in use"),
+            (
+                (
+                    "--config",
+                    str(free),
+                    "--set",
+                    f"data_dir={blocked / 'data'}",
+                ),
+                "Not a directory",
+            ),
+        ]
+        for args, needle in cases:
+            result = _relay(*args)
+            out = result.stdout + result.stderr
+            assert result.returncode == 2, (args, out)
+            assert needle in out, (args, out)
+            assert "Traceback" not in out, (args, out)
+
+
 #: ``python -c`` program: the relay daemon, with the opening of partition
 #: "slow" made to take a while (so that a signal surely arrives meanwhile)
 SLOW_OPEN = """

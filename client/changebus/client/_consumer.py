@@ -35,6 +35,7 @@ Thread-safety: every method is for the consumer's event loop, except
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from dataclasses import replace
 from types import TracebackType
@@ -47,7 +48,7 @@ from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore, st
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, in_callback
 from ._errors import DataLossDetectedError
 from ._fetch import RelayFetcher, start_point
 from ._http import open_session
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
     from ._group import GroupConsumer
 
 __all__ = ["Consumer"]
+
+#: True in run()'s task and the tasks its async callbacks make (:meth:`Consumer.close`)
+_DISPATCHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "changebus_dispatching", default=False
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,28 +232,44 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
-        if self._queue is not None:
-            await self._queue.close()
-        # (cancel and wait without suppressing CancelledError: that swallowed the
-        # cancellation of the task calling close() too; review)
-        await stop_task(self._task)
-        running = self._run_ended
-        if (
-            running is not None
-            and not running.is_set()
-            and asyncio.current_task() is not self._run_task
-        ):
-            # run() finishes the window under way (its callbacks, checkpoint and store)
-            # and ends on the closed queue: the session goes after that. close()
-            # returned at once and the window's callbacks went on after it (the
-            # application's sink closed under them), and a SyncConsumer's loop stopped
-            # under a run() that then never returned (review)
-            await running.wait()
         try:
+            if self._queue is not None:
+                await self._queue.close()
+            # (cancel and wait without suppressing CancelledError: that swallowed the
+            # cancellation of the task calling close() too; review)
+            await stop_task(self._task)
+            await self._run_finished()
             if self._mode == "iterator" and self._position is not None and self._failed is None:
                 await self._position.persist()
         finally:
             await self._release()
+
+    async def _run_finished(self) -> None:
+        """Wait for a :meth:`run` under way to finish its window and end (the queue is
+        closed), at most a callback's time budget and a second.
+
+        run() finishes the window under way (its callbacks, checkpoint and
+        store) and ends on the closed queue: the session goes after that.
+        close() returned at once and the window's callbacks went on after it
+        (the application's sink closed under them), and a SyncConsumer's loop
+        stopped under a run() that then never returned (review). A close from
+        inside a callback (the run's own task, a task it made, a sync
+        callback's thread) does not wait: that would wait for itself.
+        """
+        running = self._run_ended
+        if running is None or running.is_set() or _DISPATCHING.get() or in_callback():
+            return
+        if asyncio.current_task() is self._run_task:
+            return
+        budget = self.config.callback_time_budget_s + 1.0
+        try:
+            async with asyncio.timeout(budget):
+                await running.wait()
+        except TimeoutError:
+            log.warning(
+                "close(): run() did not finish its window within %.0f s; closing under it",
+                budget,
+            )
 
     async def _release(self) -> None:
         """Stop the routing table's ZooKeeper session and close an HTTP session of ours."""
@@ -498,6 +520,7 @@ class Consumer:
 
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
         self._run_ended, self._run_task = asyncio.Event(), asyncio.current_task()
+        token = _DISPATCHING.set(True)  # (tasks made by async callbacks inherit it)
         try:
             await dispatcher.run()
         except QueueClosed:
@@ -506,4 +529,5 @@ class Consumer:
             self._failed = exc
             raise
         finally:
+            _DISPATCHING.reset(token)
             self._run_ended.set()

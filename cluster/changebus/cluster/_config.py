@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from changebus.schemas.config import load_config_dict, read_secret_file, secret
+from changebus.schemas.config import load_config_dict, read_secret_file, read_toml, secret
 from changebus.schemas.errors import ConfigError
 
 log = logging.getLogger("changebus.cluster")
@@ -128,13 +127,7 @@ class ClusterConfig:
     @classmethod
     def from_toml(cls, path: Path | str) -> ClusterConfig | None:
         """The ``[cluster]`` table of a TOML file, or None when it has none."""
-        try:
-            with Path(path).open("rb") as fh:
-                tree = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        tree = read_toml(path)
         table = tree.get("cluster")
         if table is None:
             return None

@@ -26,13 +26,12 @@ import argparse
 import asyncio
 import json
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from changebus.schemas import ChangebusError, ConfigError
-from changebus.schemas.config import scrub
+from changebus.schemas.config import read_toml, scrub
 
 from ._check import KINDS, CheckReport, check_source, render_text
 
@@ -123,13 +122,7 @@ def _partitions(
     path: Path, only: str | None, env_dsn: str
 ) -> list[tuple[str, str, dict[str, Any]]]:
     """``(partition, kind, fetcher options)`` of a relay config's checkable partitions."""
-    try:
-        with path.open("rb") as fh:
-            tree = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    tree = read_toml(path)
     jobs = []
     names = []
     for part in tree.get("partitions", ()):

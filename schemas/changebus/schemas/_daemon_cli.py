@@ -134,6 +134,15 @@ def run_daemon(
     except ChangebusError as exc:
         log_fatal(log, f"changebus {name}: {scrub(exc.message, secrets)}")
         return 2
+    except OSError as exc:
+        # a port in use, a data_dir the user may not create, a full disk: one line that
+        # says what and where, as for a bad config (a traceback and exit 1 before:
+        # review); the traceback at debug level
+        log.debug("changebus %s", name, exc_info=exc)
+        what = exc.strerror or type(exc).__name__
+        where = f" ({exc.filename})" if exc.filename else ""
+        log_fatal(log, f"changebus {name}: {scrub(what + where, secrets)}")
+        return 2
     except Exception as exc:  # noqa: BLE001 - a bug: its traceback (the log scrubs secrets)
         log_fatal(log, f"changebus {name}: unexpected error", exc=exc)
         return 1

@@ -55,7 +55,7 @@ def early_log_format(args: argparse.Namespace, env_prefix: str) -> str:
         try:
             with open(path, "rb") as fh:
                 return _format(tomllib.load(fh).get("log_format")) or "text"
-        except (OSError, tomllib.TOMLDecodeError):
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             pass
     return "text"
 

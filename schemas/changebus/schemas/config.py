@@ -66,6 +66,7 @@ __all__ = [
     "load_config_dict",
     "parse_size",
     "read_secret_file",
+    "read_toml",
     "redacted",
     "remember_secret",
     "scrub",
@@ -273,6 +274,25 @@ def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file ``path`` parsed; every way it can fail is a :class:`ConfigError`
+    naming the file (a directory, a file the user may not read and bytes that are not
+    UTF-8 gave a traceback: review)."""
+    try:
+        with Path(path).open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {exc.reason}") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {path} cannot be read: {exc.strerror or type(exc).__name__}"
+        ) from None
+
+
 def load_config(
     cls: type[T],
     path: Path | str | None = None,
@@ -284,13 +304,7 @@ def load_config(
     """Build ``cls`` from defaults, a TOML file, env variables and overrides."""
     tree: dict[str, Any] = {}
     if path is not None:
-        try:
-            with Path(path).open("rb") as fh:
-                _merge(tree, tomllib.load(fh))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        _merge(tree, read_toml(path))
     if env_prefix:
         source = os.environ if env is None else env
         for name, parts, value in env_overrides(cls, source, env_prefix):
