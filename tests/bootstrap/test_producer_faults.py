@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from synthetic_boot import synthetic_relay
 
 from changebus.bootstrap import (
@@ -32,6 +33,7 @@ from changebus.bootstrap import (
     StoreConfig,
 )
 from changebus.relay import Relay
+from changebus.schemas import TransportError
 from waiting import wait_until
 
 
@@ -151,6 +153,17 @@ async def test_schemas_come_from_another_relay_when_the_sender_died(tmp_path: Pa
             # the batch's relay is the dead one: the stream's other relay answers
             got = await boot.service._sync_schemas_from(w, dead, pairs)
             assert pairs and pairs <= got
+            # a version no relay has: the batch waits (it was stored with events no
+            # stored schema decodes, when some other relay answered at all)
+            with pytest.raises(TransportError, match="no relay gave the schemas of 1 v99"):
+                await boot.service._sync_schemas_from(w, dead, {(1, 99)})
+            # a new log whose first window's relay died: its history starts just before
+            # that window (another relay's start says nothing of what this one evicted)
+            assert await boot.service._first_prev_scn(w, 5000, dead) == 4999
+            assert (
+                await boot.service._first_prev_scn(w, 5000, relay.url)
+                == (host.status()["prev_scn"])
+            )
 
 
 async def test_the_log_is_pruned_once_a_tenth_more_came_not_every_step(

@@ -48,7 +48,14 @@ from changebus.client import (
     StreamConfig,
     safe_url,
 )
-from changebus.schemas import FIRST_CONTROL_OP, ChangebusError, DataLoss, SchemaError, stop_task
+from changebus.schemas import (
+    FIRST_CONTROL_OP,
+    ChangebusError,
+    DataLoss,
+    SchemaError,
+    TransportError,
+    stop_task,
+)
 from changebus.schemas.config import scrub
 
 from ._lost import DATA_LOSS_OP, loss_in, loss_reason
@@ -63,6 +70,10 @@ log = logging.getLogger("changebus.bootstrap")
 
 #: the applier's pause after a failed store transaction (a lost store connection)
 _APPLIER_RETRY_S = 1.0
+#: a new log asks the relay of its first window where its history starts this many
+#: times, this far apart, before it starts just before that window (_first_prev_scn)
+_PREV_SCN_TRIES = 3
+_PREV_SCN_PAUSE_S = 1.0
 
 
 class _QueuedBytes:
@@ -160,7 +171,11 @@ class Pipelines(Seeding):
                         try:
                             # (the relay that answered 410, not the one in use: a relay
                             # down counts as gone too, and asking it failed for ever; review)
-                            await self._repair_gap(w, exc.relay or stream.relay, exc.prev_scn)
+                            said = next(  # (the error names it without credentials)
+                                (u for u in stream.relays if safe_url(u) == exc.relay),
+                                stream.relay,
+                            )
+                            await self._repair_gap(w, said, exc.prev_scn)
                         except Exception as failed:  # noqa: BLE001 - the relay, the store: again
                             w.state = "error"
                             w.last_error = self._failure(failed)
@@ -259,7 +274,7 @@ class Pipelines(Seeding):
         if not wanted <= known:
             known |= await self._sync_schemas_from(w, batch[-1][1], wanted - known)
         if start_scn is None and w.producer_scn < 0:
-            start_scn = await self._relay_prev_scn(w, batch[0][1])
+            start_scn = await self._first_prev_scn(w, batch[0][0].scn, batch[0][1])
         data = b"".join(raw.body for raw, _ in batch)
         events = sum(len(raw.offsets) for raw, _ in batch)
         first = start_scn if start_scn is not None else -1
@@ -319,9 +334,42 @@ class Pipelines(Seeding):
                 continue
             if missing <= got:
                 break
-        if not got and first is not None:
-            raise first
+        if not missing <= got:
+            # (a lagging relay answered without the newest versions: the batch waits,
+            # rather than be stored with events no stored schema decodes; review)
+            why = f" ({self._failure(first)})" if first is not None else ""
+            raise TransportError(
+                f"partition {w.name}: no relay gave the schemas of "
+                f"{', '.join(f'{sid} v{v}' for sid, v in sorted(missing - got)[:5])}{why}",
+                retriable=True,
+            )
         return got
+
+    async def _first_prev_scn(self, w: PartitionWorker, first_scn: int, url: str) -> int:
+        """Where a new log's history starts: the ``prev_scn`` of relay ``url``, which sent
+        its first window (``first_scn``). When that relay does not answer any more (it
+        died meanwhile, and the writer asked it for ever: review), just before that
+        window: true of any source (no window lies between), if later than the relay
+        could have said, so consumers at positions between are refused, never served
+        a catch-up that lacks windows. (Another relay's ``prev_scn`` says nothing of
+        what this one had evicted.)"""
+        reason = ""
+        for attempt in range(_PREV_SCN_TRIES):
+            if attempt:
+                await asyncio.sleep(_PREV_SCN_PAUSE_S)
+            try:
+                return await self._relay_prev_scn(w, url)
+            except Exception as exc:  # noqa: BLE001 - a blip, or the relay died
+                reason = self._failure(exc)
+        log.warning(
+            "partition %s: relay %s did not say where its history starts (%s); the log's "
+            "starts just before its first window, SCN %d",
+            w.name,
+            safe_url(url),
+            reason,
+            first_scn,
+        )
+        return first_scn - 1
 
     async def _sync_schemas(self, w: PartitionWorker, url: str) -> set[tuple[int, int]]:
         """Copy the relay's table schemas of the partition into the store.
