@@ -378,6 +378,11 @@ class Replica(TableShapes, RowStatements, AsyncCallbacks):
         except ConfigError as exc:
             log.error("replica cannot apply window %d: %s", window.scn, exc.message)
             return CallbackResult.FATAL
+        except Exception:
+            # the window is tried again: with the tables looked at afresh (another
+            # writer may have widened a column, whose type the key matches follow)
+            self._shapes.clear()
+            raise
         self._stored = after
         self.windows_applied += 1
         return None

@@ -265,11 +265,14 @@ class PostgresReplica(UnitReplica):
         natural = self._column_type(column)
         if actual == "json" or (actual is None and natural == "json"):
             return f"{name}::jsonb = {p}::jsonb"  # (json has no = operator: jsonb's)
-        if actual is not None and actual != canonical(natural):
-            # the column was widened past this event's type (text holding a source's
-            # varchar then uuid): psycopg sends a uuid, int or date as that type, and
-            # "text = uuid" has no operator; every DELETE and key move failed (review)
-            return f"{name} = {p}::{actual}"
+        if actual == "text" and natural not in ("text", "json"):
+            # the column became text holding another type's values too (a source's
+            # varchar, then uuid): psycopg sends a uuid, int or date as that type, and
+            # "text = uuid" has no operator; every DELETE and key move failed (review).
+            # Only text: its cast is lossless, and the other widenings (int to numeric,
+            # date to timestamp) compare as they are; a cast to a type an operator made
+            # (varchar(n), char(n)) would cut or pad the value
+            return f"{name} = {p}::text"
         return f"{name} = {p}"
 
     def _adapt(self, value: Any) -> Any:
