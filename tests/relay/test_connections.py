@@ -137,3 +137,9 @@ async def test_a_principal_flooding_client_ids_forgets_its_own(relay: Relay) -> 
     # the owners' counts stay right through moves and forgetting
     host.saw_consumer("payroll/etl", 13, "10.0.0.1")
     assert host._owned == {"payroll": 1, "": 1, "reader": 48}
+    # an anonymous client cannot pose as an owner ("/" names a principal)
+    async with aiohttp.ClientSession() as http:
+        params = {"partition": "idle", "from": "earliest", "client": "a1/x"}
+        async with http.get(f"{relay.url}/v1/stream", params=params) as r:
+            assert r.status == 204
+    assert "a1_x" in host.consumers and "a1/x" not in host.consumers

@@ -196,6 +196,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
         # (per principal: one may not take over another's row of /v1/status and /metrics,
         # to hide a lagging consumer, say: review)
         client = f"{principal_of(request).name}/{client}"
+    else:
+        # ("/" names the principal that owns an id, which the consumer table counts:
+        # an anonymous "a1/x", "a2/x", ... posed as owners of their own; review)
+        client = client.replace("/", "_")
     client = client or request.remote or "unknown"
     # (the filter as parsed, not as sent: a key of the response cache and of the
     # follow broadcast, where padded variants of one filter would each make an entry)
