@@ -452,3 +452,10 @@ async def test_a_tls12_session_resumed_past_a_client_ca_reload_is_not_trusted(
         except (ssl.SSLError, ConnectionError):
             return  # refused at the handshake: as good
         assert status == 503, (status, resumed)
+        # and the session is gone from the server's cache: not resumed (and so refused at
+        # the handshake by the new client CA) rather than a 503 again and again
+        try:
+            status, _, resumed = await asyncio.to_thread(_whoami_over, port, ctx, session)
+        except (ssl.SSLError, ConnectionError):
+            return
+        assert not resumed and status != 200, (status, resumed)

@@ -308,6 +308,13 @@ def auth_middleware(security: SecurityConfig) -> Any:
         except NotYetError as exc:  # (a connection of a retired TLS context: reconnect)
             stale = web.json_response(exc.to_json(), status=exc.http_status)
             stale.force_close()
+            await stale.prepare(request)
+            await stale.write_eof()
+            if request.transport is not None:
+                # cut without a TLS close_notify: OpenSSL then drops the session from
+                # its cache, which a clean close left resumable, and a client resuming
+                # it got this 503 again and again for the cache's 300 s (review)
+                request.transport.abort()
             return stale
         except UnauthorizedError as exc:
             if _route(request) in auth.open:
