@@ -183,6 +183,10 @@ def test_client_auth_keeps_the_token_secret(tls_files: TlsFiles, tmp_path: Path)
     with pytest.raises(ConfigError) as err:
         ClientAuth(token="has space")
     assert "has space" not in err.value.message
+    # servers refuse tokens under 32 characters: one passed --check, then got 401s
+    with pytest.raises(ConfigError, match="shorter than 32") as err:
+        ClientAuth(token="shortsecretXYZ")
+    assert "shortsecretXYZ" not in err.value.message
 
 
 def test_upstream_tables_and_option_overrides(tls_files: TlsFiles, tmp_path: Path) -> None:

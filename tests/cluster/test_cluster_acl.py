@@ -283,3 +283,32 @@ async def test_securing_the_tree_pipelines_each_level() -> None:
     session.call = call  # type: ignore[method-assign,assignment]
     await session._secure_tree(["acl"])
     assert flight["most"] >= len(parts)  # (a level's requests in flight together)
+
+
+def test_cluster_status_with_bad_arguments_is_one_line() -> None:
+    """``--cluster a/b`` or ``--timeout 0`` printed a ConfigError traceback (review)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            str(root / s)
+            for s in ("schemas", "cluster", "fetchers", "relay", "bootstrap", "client")
+        ),
+    }
+    for extra in (("--cluster", "a/b"), ("--cluster", "c", "--timeout", "0")):
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "changebus.schemas", "cluster", "status"),
+                *("--zookeeper", "127.0.0.1:1", *extra),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result
+        assert "Traceback" not in result.stderr and "cluster" in result.stderr

@@ -237,7 +237,7 @@ def test_env_values_of_string_keys_stay_text() -> None:
         "CHANGEBUS_RELAY_CLUSTER__MEMBER_ID": "0x1F",  # a TOML integer (31)
         "CHANGEBUS_RELAY_CLUSTER__ZK_USER": "true",  # a TOML boolean
         "CHANGEBUS_RELAY_CLUSTER__ZK_PASSWORD": "123456",  # a secret field
-        "CHANGEBUS_RELAY_UPSTREAM__TOKEN": '"quoted"',  # taken with its quotes
+        "CHANGEBUS_RELAY_UPSTREAM__TOKEN": '"quoted' + "q" * 30 + '"',  # taken with its quotes
         "CHANGEBUS_RELAY_DATA_DIR": "1e3",  # a Path
         "CHANGEBUS_RELAY_HTTP__PORT": "9000",
         "CHANGEBUS_RELAY_HTTP__MAX_COPY_BYTES": "64MiB",
@@ -248,7 +248,7 @@ def test_env_values_of_string_keys_stay_text() -> None:
     assert cfg.cluster is not None
     assert cfg.cluster.name == "2024-01-01" and cfg.cluster.member_id == "0x1F"
     assert cfg.cluster.zk_user == "true" and cfg.cluster.zk_password == "123456"
-    assert cfg.upstream.token == '"quoted"' and cfg.data_dir == Path("1e3")
+    assert cfg.upstream.token == '"quoted' + "q" * 30 + '"' and cfg.data_dir == Path("1e3")
     assert cfg.http.port == 9000 and cfg.http.max_copy_bytes == 64 << 20
     assert cfg.cluster.zk_world_readable is False and cfg.cluster.lease_fraction == 0.25
     # items of a list of strings: text, unless the value is a TOML array

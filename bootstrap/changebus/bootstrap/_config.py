@@ -158,7 +158,7 @@ class ApplierConfig:
     batch_events: int = 20_000
     #: bytes of log events folded in one transaction, at most (about: whole windows;
     #: all of them are held at once: 20,000 events of 1 MB were 20 GB)
-    batch_bytes: int = 64 << 20
+    batch_bytes: int = size_field(64 << 20)
     #: longest sleep when there is nothing to apply
     idle_s: float = 0.5
     #: log events kept (about: whole windows); older applied windows are pruned
@@ -239,7 +239,7 @@ class SeedConfig(ColumnPolicyOptions):
     watermark_wait_s: float = 300.0
     log_every_chunks: int = 100
     max_chunk_txn_s: float = 0.5
-    max_chunk_bytes: int = 64 << 20
+    max_chunk_bytes: int = size_field(64 << 20)
 
     def __post_init__(self) -> None:
         self.column_rules()  # checked at start

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from changebus.schemas import ChangebusError
 from changebus.schemas.cli import command_group
 
 from ._config import ClusterConfig
@@ -61,6 +62,9 @@ def _status(args: argparse.Namespace) -> int:
     except CoordinationError as exc:
         print(f"changebus cluster status: {exc}", file=sys.stderr)
         return 1
+    except ChangebusError as exc:  # (a bad --cluster or --timeout: a traceback; review)
+        print(f"changebus cluster status: {exc.message}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"cluster": args.cluster, **snapshot.to_json()}, indent=2))
     else:

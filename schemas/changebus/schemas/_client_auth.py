@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._auth import MIN_TOKEN_CHARS
 from ._redact import remember_secret
 from .config import secret
 from .errors import ConfigError
@@ -188,6 +189,12 @@ def _check_token(token: str, where: str) -> None:
     if any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
         raise ConfigError(
             f"{where}: the token holds whitespace or characters a header cannot carry"
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        # (servers refuse shorter ones: it passed --check and got 401 at run time; review)
+        raise ConfigError(
+            f"{where}: the token is shorter than {MIN_TOKEN_CHARS} characters, which no"
+            " server accepts (make one with `changebus token new`)"
         )
 
 
