@@ -381,7 +381,7 @@ async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
                 "synthetic.t0",
                 "synthetic.t1",
             }
-            fetcher._pending, fetcher._known, fetcher._known_ids = (), set(), set()
+            fetcher._pending, fetcher._known, fetcher._known_ids = (), {}, set()
             async with asyncio.timeout(20):
                 window = await anext(aiter(fetcher.windows()))
             names = {e["schema"]["name"] for e in window.schemas}
@@ -416,7 +416,7 @@ async def test_schemas_are_learned_again_from_the_upstream_that_sent_the_rows(
                 "synthetic.t0",
                 "synthetic.t1",
             }
-            fetcher._known, fetcher._known_ids = set(), set()
+            fetcher._known, fetcher._known_ids = {}, set()
             with socket.socket() as sock:  # a serving upstream gone since: the first answers
                 sock.bind(("127.0.0.1", 0))
                 dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -693,3 +693,25 @@ async def test_a_follower_takes_over_as_leader_and_back(tmp_path: Path) -> None:
         assert body == await stream_bytes(http, a)
         assert host.status()["fetcher"]["kind"] == "relay" and host.state == "streaming"
         assert host.status()["fetcher"]["data_loss_windows"] == 0
+
+
+async def test_an_upstream_whose_registry_numbers_tables_otherwise_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A follower whose registry names t0 source id 2 and t1 source id 1, following an
+    upstream that numbers them the other way round (an upstream rebuilt, or another
+    relay's): entries of tables it knew were dropped as known, and the upstream's rows
+    were appended as they came, decoded as the other table (review). It is refused."""
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 50})
+    async with relay(tmp_path / "leader", syn) as leader:
+        await wait_until(lambda: last_scn(leader) >= 1049, 30)
+        entries = leader.hosts[PART].registry.to_json()
+        assert {e["source_id"] for e in entries} == {1, 2}
+        swapped = tuple({**e, "source_id": 3 - e["source_id"]} for e in entries)
+        fetcher = ChainFetcher(PART, 1, ChainConfig(upstream=(leader.url,), wait_s=0.2))
+        with pytest.raises(SourceConfigError, match="schema registry is not this relay's"):
+            await fetcher.start(ResumePoint(scn=1049, schemas=swapped))
+        # the same registry: followed
+        same = ChainFetcher(PART, 1, ChainConfig(upstream=(leader.url,), wait_s=0.2))
+        await same.start(ResumePoint(scn=1049, schemas=tuple(entries)))
+        await same.close()

@@ -93,6 +93,7 @@ from changebus.schemas import (
     ProtocolError,
     SourceConfigError,
     SourceError,
+    TableSchema,
     UnknownSourceError,
     encode_control,
     stop_task,
@@ -202,7 +203,8 @@ class ChainFetcher:
         self._queries: RelayQueries | None = None
         self._task: asyncio.Task[None] | None = None
         self._stream: RelayStream | None = None
-        self._known: set[tuple[str, int]] = set()  # (table, version) in the local registry
+        #: (table, version) in the local registry -> its (source id, fingerprint)
+        self._known: dict[tuple[str, int], tuple[int, int]] = {}
         #: (source id, schema version) of every data event's schema known here (_sink)
         self._known_ids: set[tuple[int, int]] = set()
         self._pending: tuple[Entry, ...] = ()  # entries to hand over with the next window
@@ -243,9 +245,7 @@ class ChainFetcher:
         self._queries = RelayQueries(
             self._session, self.config.upstream, timeout=self._stream_config.info_timeout
         )
-        self._known = {
-            (str(e["schema"]["name"]), int(e["schema"]["version"])) for e in resume.schemas
-        }
+        self._known = {_entry_key(e): _entry_identity(e) for e in resume.schemas}
         self._known_ids = {_entry_id(e) for e in resume.schemas}
         try:
             upstream_prev = await self._queries.first(self._bounds)
@@ -366,10 +366,22 @@ class ChainFetcher:
                 log.debug("partition %s: registry of %s: %s", self.name, safe_url(serving), exc)
         if entries is None:
             entries = await self._queries.first(self._registry)
-        new = tuple(
-            e for e in entries if (e["schema"]["name"], e["schema"]["version"]) not in self._known
-        )
-        self._known.update((e["schema"]["name"], e["schema"]["version"]) for e in new)
+        new = tuple(e for e in entries if _entry_key(e) not in self._known)
+        for e in entries:
+            known = self._known.get(_entry_key(e))
+            if known is not None and known != _entry_identity(e):
+                # another registry (an upstream rebuilt, or another relay's): its source
+                # ids name other tables here, and its rows were appended as they came,
+                # to be decoded as the wrong table (review)
+                name, version = _entry_key(e)
+                raise SourceConfigError(
+                    f"partition {self.name}: the upstream's schema registry is not this "
+                    f"relay's: {name} v{version} is source id {e['source_id']} there, "
+                    f"{known[0]} here (or its columns differ). Follow relays that share "
+                    "one registry (a cluster), or rebuild this relay's buffer (data_dir) "
+                    "from the upstream"
+                )
+        self._known.update((_entry_key(e), _entry_identity(e)) for e in new)
         self._known_ids.update(_entry_id(e) for e in new)
         if new:
             log.info(
@@ -565,6 +577,17 @@ class ChainFetcher:
                     f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
                     f" {self.position + 1}, {safe_url(url)} does; reading again"
                 )
+
+
+def _entry_key(entry: Entry) -> tuple[str, int]:
+    """``(table, schema version)`` of a registry entry."""
+    return str(entry["schema"]["name"]), int(entry["schema"]["version"])
+
+
+def _entry_identity(entry: Entry) -> tuple[int, int]:
+    """``(source id, schema fingerprint)`` of a registry entry: what must agree between
+    two registries holding its table and version."""
+    return int(entry["source_id"]), TableSchema.from_json(entry["schema"]).fingerprint
 
 
 def _entry_id(entry: Entry) -> tuple[int, int]:
