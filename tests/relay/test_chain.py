@@ -715,3 +715,15 @@ async def test_an_upstream_whose_registry_numbers_tables_otherwise_is_refused(
         same = ChainFetcher(PART, 1, ChainConfig(upstream=(leader.url,), wait_s=0.2))
         await same.start(ResumePoint(scn=1049, schemas=tuple(entries)))
         await same.close()
+
+
+def test_the_largest_window_taken_from_the_upstream_is_an_option() -> None:
+    """It was the client's 512 MiB, and no option could change it: an upstream's bigger
+    window stopped the follower for good (review)."""
+    from changebus.schemas.config import load_config_dict
+
+    cfg = load_config_dict(
+        ChainConfig, {"upstream": "http://127.0.0.1:1", "max_window_bytes": "1GiB"}
+    )
+    fetcher = ChainFetcher(PART, 1, cfg)
+    assert fetcher._stream_config.max_window_bytes == 1 << 30

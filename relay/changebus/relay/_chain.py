@@ -195,6 +195,7 @@ class ChainFetcher:
             backoff_max_s=config.backoff_max_s,
             backoff_multiplier=config.backoff_multiplier,
             max_attempts=config.max_attempts,
+            max_window_bytes=config.max_window_bytes,
         )
         self._queue: WindowQueue[Window | BaseException] = WindowQueue(
             config.queue_windows, config.queue_bytes

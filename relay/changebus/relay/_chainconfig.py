@@ -55,6 +55,10 @@ class ChainConfig:
     max_attempts: int = 0
     queue_windows: int = 1024
     queue_bytes: int = size_field(8 << 20)
+    #: the largest window taken from the upstream (as the client's ``max_window_bytes``;
+    #: a bigger one stops the partition with a clear error: raise this, up to the
+    #: upstream's own window limit)
+    max_window_bytes: int = size_field(512 << 20)  # (the client's default)
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
