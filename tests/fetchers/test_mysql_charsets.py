@@ -46,3 +46,29 @@ async def test_labels_and_text_in_other_character_sets_arrive_as_the_server_hold
         1: ("ü", ["é", "ü"], "b", ["x", "y"], "héllo wörld"),
         2: ("a", [], "a", ["y"], "ascii"),
     }
+
+
+async def test_mixed_case_labels_of_a_latin1_enum_keep_their_case(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """The labels of a non-UTF-8 column come from information_schema's COLUMN_TYPE, which
+    the fetcher lowercased: 'Active' went out as 'active' for every table that existed
+    when the relay started (latin1 is MariaDB 10.11's default: review)."""
+    execute(
+        mysql_server,
+        mysql_db,
+        "CREATE TABLE st (id int PRIMARY KEY, e enum('Active','Done','ÉTÉ') CHARACTER SET "
+        "latin1, s set('Red','Blue') CHARACTER SET latin1)",
+    )
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(
+            mysql_server,
+            mysql_db,
+            "INSERT INTO st VALUES (1, 'Active', 'Red,Blue')",
+            "INSERT INTO st VALUES (2, 'ÉTÉ', 'Blue')",
+        )
+        await caught_up(relay, mysql_server, mysql_db)
+        rows, _, _ = replay(relay, "st")
+    got = {k: (r["e"], sorted(r["s"])) for k, r in rows.items()}
+    assert got == {1: ("Active", ["Blue", "Red"]), 2: ("ÉTÉ", ["Blue"])}

@@ -25,7 +25,7 @@ from changebus.schemas import SourceError
 
 from .._check import Finding
 from ._config import SYSTEM_DATABASES, MySQLConfig
-from ._setup import connect, reason
+from ._setup import connect, foreign_key_actions, reason
 
 __all__ = ["check_mysql"]
 
@@ -87,6 +87,17 @@ def _checks(cur: Any, cfg: MySQLConfig, tables: tuple[str, ...]) -> tuple[str, l
     out += _grants(cur, cfg, grantee, mariadb)
     out.append(_retention(values, mariadb))
     out.append(_keys(cur, cfg, tables))
+    actions = foreign_key_actions(cur, cfg.databases)
+    if actions:
+        out.append(
+            Finding.warn(
+                "foreign_key_actions",
+                "; ".join(actions),
+                "their changes cannot be captured from the binlog",
+            )
+        )
+    else:
+        out.append(Finding.ok("foreign_key_actions", "no captured table is changed by one"))
     return server, out
 
 

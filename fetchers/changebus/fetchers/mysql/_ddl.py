@@ -196,6 +196,23 @@ class _Tokens:
         return " ".join([base + args, *flags])
 
 
+#: a quoted ENUM/SET label in a COLUMN_TYPE text ('' is a quote inside one)
+_QUOTED = re.compile(r"'(?:[^']|'')*'")
+
+
+def _lower_keeping_labels(type_text: str) -> str:
+    """``type_text`` in lower case but its quoted labels: ``enum('Active','Done')`` kept
+    its labels' case (they were lowercased, and a latin1 ENUM's values with them, since
+    the labels of a non-UTF-8 column come from here: review)."""
+    out, at = [], 0
+    for m in _QUOTED.finditer(type_text):
+        out.append(type_text[at : m.start()].lower())
+        out.append(m.group(0))
+        at = m.end()
+    out.append(type_text[at:].lower())
+    return "".join(out)
+
+
 class DeclaredTypes:
     """Declared column types per table, following the DDL (see the module docstring)."""
 
@@ -222,7 +239,7 @@ class DeclaredTypes:
         """The table's declared types; ``valid_at``: as they are at that SCN, so the
         statements :meth:`apply` is given up to it (read again) leave them as they are."""
         name = (database.lower(), table.lower())
-        self._tables[name] = {k.lower(): v.lower() for k, v in columns.items()}
+        self._tables[name] = {k.lower(): _lower_keeping_labels(v) for k, v in columns.items()}
         if valid_at >= 0:
             self._valid_at[name] = valid_at
             heapq.heappush(self._expiry, (valid_at, name))

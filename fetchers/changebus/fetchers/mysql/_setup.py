@@ -91,6 +91,8 @@ def set_up(
     try:
         with conn.cursor() as cur:
             _check_settings(cur)
+            for text in foreign_key_actions(cur, config.databases):
+                log.warning("partition %s: %s", partition, text)
             _register_collations(cur)
             cur.execute("SELECT @@binlog_checksum, @@server_id")
             row = cur.fetchone()
@@ -188,6 +190,37 @@ def connect(cfg: MySQLConfig, **extra: Any) -> Any:
         if code in (1044, 1045, 1049):  # access denied, unknown database
             raise SourceConfigError(f"cannot log in to MySQL: {reason(exc)}") from None
         raise SourceError(f"cannot connect to MySQL: {reason(exc)}") from None
+
+
+def foreign_key_actions(cur: Any, databases: tuple[str, ...]) -> list[str]:
+    """What to say of the captured tables that are children of a foreign key with an
+    ON DELETE / ON UPDATE action (CASCADE, SET NULL, SET DEFAULT): InnoDB carries the
+    action out below the SQL layer, and the row-based binlog holds only the
+    statement's own rows, so the child rows it deletes or changes reach no binlog
+    reader (review). One text per foreign key, at most 20."""
+    cur.execute(
+        "SELECT CONSTRAINT_SCHEMA, TABLE_NAME, REFERENCED_TABLE_NAME, DELETE_RULE, "
+        "UPDATE_RULE FROM information_schema.REFERENTIAL_CONSTRAINTS WHERE DELETE_RULE "
+        "<> 'RESTRICT' AND DELETE_RULE <> 'NO ACTION' OR UPDATE_RULE <> 'RESTRICT' AND "
+        "UPDATE_RULE <> 'NO ACTION' ORDER BY 1, 2"
+    )
+    wanted = {d.lower() for d in databases}
+    out = []
+    for db, table, parent, on_delete, on_update in cur.fetchall():
+        if str(db).lower() in SYSTEM_DATABASES or (wanted and str(db).lower() not in wanted):
+            continue
+        actions = [
+            f"ON {what} {rule}"
+            for what, rule in (("DELETE", on_delete), ("UPDATE", on_update))
+            if str(rule).upper() not in ("RESTRICT", "NO ACTION")
+        ]
+        out.append(
+            f"{db}.{table} is the child of a foreign key to {db}.{parent} with "
+            f"{' and '.join(actions)}: the rows these actions change are not in the "
+            "binlog, so consumers and the bootstrap snapshot keep them (delete or update "
+            "the children in the same transaction instead, or re-snapshot the table)"
+        )
+    return out[:20]
 
 
 def _check_settings(cur: Any) -> None:
