@@ -417,7 +417,13 @@ class BinlogAssembler:
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
         if effect.kind == "truncate":
             db, name = effect.tables[0]
-            table = self._find(db, name)
+            written = effect.written
+            # (the table as written first: by the lower-case name alone, TRUNCATE orders
+            # emptied app.Orders where both existed, a server with lower_case_table_names
+            # = 0 keeping them apart; review)
+            table = (
+                self._latest.get(f"{written[0]}.{written[1]}") if written is not None else None
+            ) or self._find(db, name)
             encoder = None
             if table is not None:
                 if not txn.oversized:

@@ -92,6 +92,9 @@ class DdlEffect:
 
     kind: str  # create, alter, drop, rename, truncate, other
     tables: tuple[TableName, ...] = ()
+    #: a truncate's table as the statement wrote it (its case: with
+    #: lower_case_table_names = 0, ``Orders`` and ``orders`` are two tables)
+    written: TableName | None = None
 
 
 class _Tokens:
@@ -135,11 +138,15 @@ class _Tokens:
         return text
 
     def table(self, default_db: str) -> TableName:
+        db, name = self.table_as_written(default_db)
+        return db.lower(), name.lower()
+
+    def table_as_written(self, default_db: str) -> TableName:
         first = self.name()
         if self.peek() == ".":
             self.i += 1
-            return first.lower(), self.name().lower()
-        return default_db.lower(), first.lower()
+            return first, self.name()
+        return default_db, first
 
     def skip_group(self) -> None:
         """Skip a parenthesised group (at ``(``)."""
@@ -313,7 +320,10 @@ class DeclaredTypes:
         if head == "truncate":
             t.i += 1
             t.accept("table")
-            return DdlEffect("truncate", (t.table(db),))
+            written = t.table_as_written(db)
+            return DdlEffect(
+                "truncate", ((written[0].lower(), written[1].lower()),), written=written
+            )
         if head == "drop":
             t.i += 1
             t.accept("temporary")
