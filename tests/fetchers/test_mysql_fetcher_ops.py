@@ -610,3 +610,33 @@ def test_a_mysql_binary_json_column_is_refused_with_a_clear_error() -> None:
         layout_from_table_map(event)
     assert "'doc' of shop.docs is a MySQL json column" in info.value.message
     assert not info.value.retriable
+
+
+async def test_create_table_select_is_rows_in_row_format_and_stops_in_statement_format(
+    tmp_path: Path, mysql_server: EmbeddedMariaDB, mysql_db: str
+) -> None:
+    """ROW format logs ``CREATE TABLE ... SELECT`` as a plain CREATE TABLE and the new
+    table's rows as row events: captured. A statement-format session logged the SELECT
+    itself, taken for DDL: the new table's rows were lost without a word (review)."""
+    make_tables(mysql_server, mysql_db)
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        host = relay.hosts["my"]
+        await wait_until(lambda: host.state == "streaming")
+        execute(
+            mysql_server,
+            mysql_db,
+            "INSERT INTO acct VALUES (1, 1, 'a'), (2, 2, 'b')",
+            "CREATE TABLE copied (PRIMARY KEY (id)) SELECT * FROM acct",
+        )
+        await caught_up(relay, mysql_server, mysql_db)
+        assert host.state == "streaming", host.last_error
+        rows, _, _ = replay(relay, "copied")
+        assert sorted(rows) == [1, 2]
+        execute(
+            mysql_server,
+            mysql_db,
+            "SET SESSION binlog_format = 'STATEMENT'",
+            "CREATE TABLE copied2 (PRIMARY KEY (id)) SELECT * FROM acct",
+        )
+        await wait_until(lambda: host.state == "failed")
+        assert "logged as a statement" in host.last_error

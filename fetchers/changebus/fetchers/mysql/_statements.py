@@ -25,6 +25,18 @@ _DML = re.compile(
     r"(insert|update|delete|replace|load\s+data|with)\b",
     re.I | re.S,
 )
+#: a CREATE [OR REPLACE] [TEMPORARY] TABLE, after any comments (group 1: TEMPORARY)
+_CREATE_TABLE = re.compile(
+    r"(?:\s+|/\*.*?\*/|--[^\n]*(?:\n|$)|#[^\n]*(?:\n|$))*"
+    r"create\s+(?:or\s+replace\s+)?(temporary\s+)?table\b",
+    re.I | re.S,
+)
+#: quoted names, strings and comments of a statement's text
+_QUOTED_PARTS = re.compile(
+    r"`(?:[^`]|``)*`|'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|/\*.*?\*/|--[^\n]*|#[^\n]*",
+    re.S,
+)
+_SELECT_WORD = re.compile(r"\bselect\b", re.I)
 #: an ALTER TABLE that removes rows without row events
 _PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
 #: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name, quoted
@@ -64,8 +76,19 @@ def rollback_to_name(text: str) -> str | None:
 
 
 def is_dml(text: str) -> bool:
-    """Whether the statement changes rows (logged as a statement, its rows are not)."""
-    return _DML.match(text) is not None
+    """Whether the statement changes rows (logged as a statement, its rows are not):
+    a DML statement, or a ``CREATE TABLE ... SELECT`` (ROW format logs that as a plain
+    CREATE TABLE and the rows as row events; a statement-format session logged the
+    SELECT, and the new table's rows were lost without a word: review). A temporary
+    table is not captured: its CREATE ... SELECT is none."""
+    if _DML.match(text) is not None:
+        return True
+    head = _CREATE_TABLE.match(text)
+    if head is None or head.group(1):
+        return False
+    # an unquoted SELECT word after it (quoted names and strings stripped first)
+    bare = _QUOTED_PARTS.sub(" ", text[head.end() :])
+    return _SELECT_WORD.search(bare) is not None
 
 
 def statement_logged(where: str) -> SourceConfigError:
