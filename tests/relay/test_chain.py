@@ -727,3 +727,35 @@ def test_the_largest_window_taken_from_the_upstream_is_an_option() -> None:
     )
     fetcher = ChainFetcher(PART, 1, cfg)
     assert fetcher._stream_config.max_window_bytes == 1 << 30
+
+
+async def test_rows_of_schemas_no_upstream_gives_are_not_appended(tmp_path: Path) -> None:
+    """Rows of schemas this relay lacks make it read the registry again; when that read
+    did not bring them (a lagging upstream answered), they were marked known all the
+    same and the window appended, its rows undecodable here for good (review). The
+    window is fetched again instead, until a registry holds them."""
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "max_windows": 50})
+    async with relay(tmp_path / "leader", syn) as leader:
+        await wait_until(lambda: last_scn(leader) >= 1049, 30)
+        fetcher = ChainFetcher(PART, 1, ChainConfig(upstream=(leader.url,), wait_s=0.2))
+        await fetcher.start(ResumePoint(scn=1020))  # (past the SCHEMA_CHANGE events)
+        try:
+            learned = fetcher._learn_schemas
+            asked: list[str | None] = []
+
+            async def lagging(serving: str | None = None) -> tuple[Any, ...]:
+                asked.append(serving)
+                return () if len(asked) < 3 else await learned(serving)
+
+            fetcher._pending, fetcher._known, fetcher._known_ids = (), {}, set()
+            fetcher._learn_schemas = lagging  # type: ignore[method-assign]
+            async with asyncio.timeout(30):
+                window = await anext(aiter(fetcher.windows()))
+            # the first two reads brought nothing: the window waited for the third
+            assert len(asked) == 3
+            assert {e["schema"]["name"] for e in window.schemas} == {
+                "synthetic.t0",
+                "synthetic.t1",
+            }
+        finally:
+            await fetcher.close()

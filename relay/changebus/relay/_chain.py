@@ -102,6 +102,7 @@ from changebus.schemas.config import load_config_dict
 from changebus.schemas.security import ClientAuth
 
 from ._chainconfig import ChainConfig
+from ._lossmarker import schema_changes
 from ._windowqueue import WindowQueue
 
 __all__ = [
@@ -479,7 +480,21 @@ class ChainFetcher:
                 # SCHEMA_CHANGE in the stream): learned again now, or this relay served
                 # rows its readers could not decode (found by review)
                 self._pending += await self._learn_schemas(relay)
-                self._known_ids |= ids  # (or announced in this window: not asked again)
+                announced = {
+                    (c.source_id, c.version)
+                    for c in schema_changes(raw.body, raw.offsets, h["op"], h["total_length"])
+                }
+                missing = ids - self._known_ids - announced
+                if missing:
+                    # (marked known all the same before: a lagging upstream's registry
+                    # without them, and the window was appended with rows no reader here
+                    # could decode, for good; review) fetched again, retriably
+                    raise SourceError(
+                        f"partition {self.name}: the upstream registries do not hold "
+                        f"{', '.join(f'source {i} v{v}' for i, v in sorted(missing)[:5])} "
+                        "that its rows use; trying again"
+                    )
+                self._known_ids |= ids
         window = Window(
             raw.scn, raw.timestamp_ns, raw.body, len(raw.offsets), schemas=self._pending
         )
