@@ -523,3 +523,30 @@ async def test_close_from_an_async_callback_does_not_wait_for_itself(
         started = time.monotonic()
         await asyncio.wait_for(consumer.run(Closes()), 20)
         assert closed and closed[0] - started < 5
+
+
+async def test_cancelling_run_does_not_wait_for_a_blocked_callback(
+    make_relay: MakeRelay,
+) -> None:
+    """A cancelled run() (a shutdown, a wait_for) waited, in its close, for a sync
+    callback still within its time budget, however long it stayed blocked (review)."""
+    async with make_relay(max_windows=20) as relay:
+        gate = threading.Event()
+        entered = threading.Event()
+
+        class Blocks(Callbacks):
+            def on_end_window(self, window: Window) -> CallbackResult | None:
+                entered.set()
+                gate.wait(30)
+                return None
+
+        consumer = Consumer(config(relay.url, callback_time_budget_s=60))
+        task = asyncio.create_task(consumer.run(Blocks()))
+        try:
+            await asyncio.to_thread(entered.wait, 20)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=3)
+            assert task in done  # ended at once, the callback still blocked
+        finally:
+            gate.set()
+            await consumer.close()

@@ -195,18 +195,19 @@ class _ThreadRunner:
                     return future.result()
         except asyncio.CancelledError:
             abandon.set()
-            name, since = state.current
-            if since + self._budget <= time.monotonic():  # (a call within its budget: not stuck)
+            name, _since = state.current
+            if not future.done():
+                # cancelled (a shutdown, a wait_for): the call still running is not waited
+                # for, within its budget or not; close() waited for a call blocked on I/O
+                # for ever before, and the cancellation with it (review)
                 self._stuck = (future, name)
             raise
 
     async def close(self) -> None:
         if self._stuck is not None and not self._stuck[0].done():
-            # a callback that overran its budget is still running: do not wait for it
-            log.warning(
-                "callback %s is still running past its time budget; not waiting for it",
-                self._stuck[1],
-            )
+            # a callback that overran its budget, or whose run was cancelled, is still
+            # running: do not wait for it
+            log.warning("callback %s is still running; not waiting for it", self._stuck[1])
             self._executor.shutdown(wait=False, cancel_futures=True)
             return
         await asyncio.to_thread(self._executor.shutdown, True)
