@@ -39,3 +39,13 @@ async def test_a_truncate_empties_the_table_of_its_own_case(
         lower, _, _ = replay(relay, "orders")
     assert sorted(upper) == [1, 2, 4]
     assert lower == {}
+    # after a restart, Orders is not mapped in this run (only registered), orders is:
+    # TRUNCATE Orders must not fall back to the lower-case name
+    async with Relay(relay_config(tmp_path, mysql_server, mysql_db)) as relay:
+        await wait_until(lambda: relay.hosts["my"].state == "streaming")
+        execute(mysql_server, mysql_db, "INSERT INTO orders VALUES (5)", "TRUNCATE TABLE Orders")
+        await caught_up(relay, mysql_server, mysql_db)
+        upper, _, _ = replay(relay, "Orders")
+        lower, _, _ = replay(relay, "orders")
+    assert upper == {}
+    assert sorted(lower) == [5]

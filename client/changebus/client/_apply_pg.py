@@ -265,13 +265,13 @@ class PostgresReplica(UnitReplica):
         natural = self._column_type(column)
         if actual == "json" or (actual is None and natural == "json"):
             return f"{name}::jsonb = {p}::jsonb"  # (json has no = operator: jsonb's)
-        if actual == "text" and natural not in ("text", "json"):
+        if _stringy(actual) and natural not in ("text", "json"):
             # the column became text holding another type's values too (a source's
             # varchar, then uuid): psycopg sends a uuid, int or date as that type, and
             # "text = uuid" has no operator; every DELETE and key move failed (review).
-            # Only text: its cast is lossless, and the other widenings (int to numeric,
-            # date to timestamp) compare as they are; a cast to a type an operator made
-            # (varchar(n), char(n)) would cut or pad the value
+            # Only to text (also for an operator's varchar(n) or char(n) column: a cast to
+            # those would cut or pad the value, text compares with them losslessly); the
+            # other widenings (int to numeric, date to timestamp) compare as they are
             return f"{name} = {p}::text"
         return f"{name} = {p}"
 
@@ -305,3 +305,10 @@ class PostgresReplica(UnitReplica):
 def _dumps(value: Any) -> str:
     """JSON text of a decoded value (:func:`~._json.json_text`) for the rest."""
     return json_text(value)
+
+
+def _stringy(pg_type: str | None) -> bool:
+    """Whether a column of ``pg_type`` (``format_type``'s text) holds text."""
+    return pg_type is not None and (
+        pg_type == "text" or pg_type.startswith(("character varying", "character("))
+    )

@@ -80,7 +80,14 @@ from ._config import SYSTEM_DATABASES
 from ._ddl import MODE_ANSI_QUOTES, DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
-from ._statements import is_dml, log_ddl, rollback_to_name, savepoint_name, statement_logged
+from ._statements import (
+    created_from_select,
+    is_dml,
+    log_ddl,
+    rollback_to_name,
+    savepoint_name,
+    statement_logged,
+)
 from ._txn import (
     MappedTable as _Table,
     OpenTxn as _Txn,
@@ -401,7 +408,10 @@ class BinlogAssembler:
                 self._unannounce(txn)
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
-        if is_dml(text) and self._may_touch_captured(schema or "", text):
+        filled = created_from_select(text, schema or "")
+        if (is_dml(text) and self._may_touch_captured(schema or "", text)) or (
+            filled is not None and self.captured(filled)
+        ):
             # a session ran with binlog_format = STATEMENT or MIXED: the rows it
             # changed are not in the binlog, only its text (never forwarded)
             raise statement_logged(f"{self.file}:{end_pos}")
@@ -417,22 +427,20 @@ class BinlogAssembler:
             txn = self._txn = _Txn("", event.timestamp * 1_000_000_000, True)
         if effect.kind == "truncate":
             db, name = effect.tables[0]
-            written = effect.written
-            # (the table as written first: by the lower-case name alone, TRUNCATE orders
-            # emptied app.Orders where both existed, a server with lower_case_table_names
-            # = 0 keeping them apart; review)
-            table = (
-                self._latest.get(f"{written[0]}.{written[1]}") if written is not None else None
-            ) or self._find(db, name)
+            # the table as written, else the one table of that name in any case (by the
+            # lower-case name alone, TRUNCATE orders emptied app.Orders where both
+            # exist, a server with lower_case_table_names = 0 keeping them apart: review)
+            target = self._truncated(effect.written or (db, name))
+            table = self._latest.get(target) if target is not None else None
             encoder = None
             if table is not None:
                 if not txn.oversized:
                     self._announce(txn, table)
                 encoder = table.encoder
-            elif self.captured(db):
+            elif target is not None and self.captured(db):
                 # not mapped in this run yet (a TRUNCATE before any row change since the
                 # start): the relay's registry knows the table if it ever sent its rows
-                encoder = self._registered_encoder(f"{db}.{name}")
+                encoder = self._registered_encoder(target)
             if encoder is not None and not txn.oversized:
                 ts = txn.ts_ns
                 make = lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None)  # noqa: E731
@@ -534,12 +542,21 @@ class BinlogAssembler:
         lowered = text.lower()
         return any(db in lowered for db in self._databases)
 
+    def _truncated(self, written: tuple[str, str]) -> str | None:
+        """The ``db.table`` a TRUNCATE of ``written`` (its names as the statement gave
+        them) empties: that name when a table of it was mapped or registered, else the
+        one table whose name differs from it in case only (None: none, or several)."""
+        exact = f"{written[0]}.{written[1]}"
+        known = set(self._latest) | {n for _, n in self.registry.sources()}
+        if exact in known:
+            return exact
+        twins = {n for n in known if n.lower() == exact.lower()}
+        return next(iter(twins)) if len(twins) == 1 else None
+
     def _registered_encoder(self, name: str) -> RowEncoder | None:
-        """An encoder of the registry's newest schema of ``name`` (None: never sent; a
-        name registered as given is found at once, other cases are searched for)."""
+        """An encoder of the registry's newest schema of ``name`` (None: never sent)."""
         reg = self.registry
         found = name if reg.has(name) else None
-        found = found or next((n for _, n in reg.sources() if n.lower() == name.lower()), None)
         if found is None:
             return None
         return RowEncoder(

@@ -14,7 +14,14 @@ import re
 
 from changebus.schemas import SourceConfigError
 
-__all__ = ["is_dml", "log_ddl", "rollback_to_name", "savepoint_name", "statement_logged"]
+__all__ = [
+    "created_from_select",
+    "is_dml",
+    "log_ddl",
+    "rollback_to_name",
+    "savepoint_name",
+    "statement_logged",
+]
 
 log = logging.getLogger("changebus.fetchers.mysql")
 
@@ -33,10 +40,13 @@ _CREATE_TABLE = re.compile(
 )
 #: quoted names, strings and comments of a statement's text
 _QUOTED_PARTS = re.compile(
-    r"`(?:[^`]|``)*`|'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|/\*.*?\*/|--[^\n]*|#[^\n]*",
+    r"`(?:[^`]|``)*`|'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|/\*.*?\*/|--\s[^\n]*|#[^\n]*",
     re.S,
 )
-_SELECT_WORD = re.compile(r"\bselect\b", re.I)
+_SELECT_WORD = re.compile(r"(?<![\w$])select(?![\w$])", re.I)
+#: the table a CREATE TABLE names (``[IF NOT EXISTS] [db.]table``): group 2 when qualified
+_NAME = r"(`(?:[^`]|``)+`|\"(?:[^\"]|\"\")+\"|[\w$]+)"
+_TARGET = re.compile(rf"\s*(?:if\s+not\s+exists\s+)?{_NAME}(?:\s*\.\s*{_NAME})?", re.I)
 #: an ALTER TABLE that removes rows without row events
 _PARTITION_DROP = re.compile(r"\b(?:drop|truncate|exchange)\s+partition\b", re.I)
 #: a savepoint set, and a ROLLBACK to one (the transaction goes on); the name, quoted
@@ -76,19 +86,31 @@ def rollback_to_name(text: str) -> str | None:
 
 
 def is_dml(text: str) -> bool:
-    """Whether the statement changes rows (logged as a statement, its rows are not):
-    a DML statement, or a ``CREATE TABLE ... SELECT`` (ROW format logs that as a plain
-    CREATE TABLE and the rows as row events; a statement-format session logged the
-    SELECT, and the new table's rows were lost without a word: review). A temporary
-    table is not captured: its CREATE ... SELECT is none."""
-    if _DML.match(text) is not None:
-        return True
+    """Whether the statement changes rows (logged as a statement, its rows are not)."""
+    return _DML.match(text) is not None
+
+
+def created_from_select(text: str, default_db: str) -> str | None:
+    """The database of the table a ``CREATE TABLE ... SELECT`` logged as a statement fills
+    (None: the text is no such statement).
+
+    ROW format logs that statement as a plain CREATE TABLE and the rows as row
+    events; a statement-format session logged the SELECT, taken for DDL, and the
+    new table's rows were lost without a word (review). A temporary table is never
+    captured: its CREATE ... SELECT is none.
+    """
     head = _CREATE_TABLE.match(text)
     if head is None or head.group(1):
-        return False
-    # an unquoted SELECT word after it (quoted names and strings stripped first)
+        return None
+    target = _TARGET.match(text, head.end())
+    if target is None:
+        return None
+    # an unquoted SELECT word after it (quoted names, strings and comments stripped)
     bare = _QUOTED_PARTS.sub(" ", text[head.end() :])
-    return _SELECT_WORD.search(bare) is not None
+    if _SELECT_WORD.search(bare) is None:
+        return None
+    first, second = target.group(1), target.group(2)
+    return _name(first) if second is not None else default_db
 
 
 def statement_logged(where: str) -> SourceConfigError:
