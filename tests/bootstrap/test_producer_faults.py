@@ -136,7 +136,12 @@ async def test_a_store_error_in_the_schema_copy_does_not_end_the_producer(
             await boot.stop()
 
 
-async def test_schemas_come_from_another_relay_when_the_sender_died(tmp_path: Path) -> None:
+async def test_schemas_come_from_another_relay_when_the_sender_died(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from changebus.bootstrap import _pipeline
+
+    monkeypatch.setattr(_pipeline, "_PREV_SCN_PAUSE_S", 0.05)
     async with Relay(synthetic_relay(tmp_path / "relay", 40)) as relay:
         host = relay.hosts["syn"]
 

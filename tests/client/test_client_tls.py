@@ -148,7 +148,9 @@ def consumer_config(url: str, auth: ClientAuth, **kw: Any) -> ConsumerConfig:
 # ---- ClientAuth itself ------------------------------------------------------------------------
 
 
-def test_client_auth_keeps_the_token_secret(tls_files: TlsFiles, tmp_path: Path) -> None:
+def test_client_auth_keeps_the_token_secret(
+    tls_files: TlsFiles, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     auth = ClientAuth(ca_file=tls_files.ca, token=TOKEN)
     assert TOKEN not in repr(auth) and TOKEN not in str(redacted(auth))
     assert redacted(auth)["token"] == "***"
@@ -183,10 +185,11 @@ def test_client_auth_keeps_the_token_secret(tls_files: TlsFiles, tmp_path: Path)
     with pytest.raises(ConfigError) as err:
         ClientAuth(token="has space")
     assert "has space" not in err.value.message
-    # servers refuse tokens under 32 characters: one passed --check, then got 401s
-    with pytest.raises(ConfigError, match="shorter than 32") as err:
+    # servers refuse tokens under 32 characters: one passed --check silently, then got
+    # 401s (a warning: a server without principals, or a proxy, may take it)
+    with caplog.at_level(logging.WARNING, logger="changebus.security"):
         ClientAuth(token="shortsecretXYZ")
-    assert "shortsecretXYZ" not in err.value.message
+    assert "shorter than 32" in caplog.text and "shortsecretXYZ" not in caplog.text
 
 
 def test_upstream_tables_and_option_overrides(tls_files: TlsFiles, tmp_path: Path) -> None:

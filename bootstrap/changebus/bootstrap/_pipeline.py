@@ -72,8 +72,8 @@ log = logging.getLogger("changebus.bootstrap")
 _APPLIER_RETRY_S = 1.0
 #: a new log asks the relay of its first window where its history starts this many
 #: times, this far apart, before it starts just before that window (_first_prev_scn)
-_PREV_SCN_TRIES = 3
-_PREV_SCN_PAUSE_S = 1.0
+_PREV_SCN_TRIES = 10
+_PREV_SCN_PAUSE_S = 3.0
 
 
 class _QueuedBytes:

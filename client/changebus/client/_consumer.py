@@ -48,7 +48,7 @@ from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore, st
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
-from ._dispatch import Dispatcher, in_callback
+from ._dispatch import Dispatcher
 from ._errors import DataLossDetectedError
 from ._fetch import RelayFetcher, start_point
 from ._http import open_session
@@ -133,6 +133,7 @@ class Consumer:
         #: set once :meth:`run` ended; the task running it (what :meth:`close` waits for)
         self._run_ended: asyncio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
+        self._dispatcher: Dispatcher | None = None
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
         self._closed = False
@@ -246,30 +247,38 @@ class Consumer:
 
     async def _run_finished(self) -> None:
         """Wait for a :meth:`run` under way to finish its window and end (the queue is
-        closed), at most a callback's time budget and a second.
+        closed), for as long as it starts a callback within each time budget (and a
+        second).
 
         run() finishes the window under way (its callbacks, checkpoint and
         store) and ends on the closed queue: the session goes after that.
         close() returned at once and the window's callbacks went on after it
         (the application's sink closed under them), and a SyncConsumer's loop
         stopped under a run() that then never returned (review). A close from
-        inside a callback (the run's own task, a task it made, a sync
-        callback's thread) does not wait: that would wait for itself.
+        inside a callback (the run's own task, or a task it made) does not wait:
+        that would wait for itself (a sync callback's close, through the loop,
+        gives up after a budget with no callback started).
         """
-        running = self._run_ended
-        if running is None or running.is_set() or _DISPATCHING.get() or in_callback():
+        running, dispatcher = self._run_ended, self._dispatcher
+        if running is None or running.is_set() or _DISPATCHING.get():
             return
-        if asyncio.current_task() is self._run_task:
+        if asyncio.current_task() is self._run_task or dispatcher is None:
             return
+        # as long as callbacks go on being started: a window's calls are each bounded by
+        # the budget, not the window (its thousands of events may take longer)
         budget = self.config.callback_time_budget_s + 1.0
-        try:
-            async with asyncio.timeout(budget):
-                await running.wait()
-        except TimeoutError:
-            log.warning(
-                "close(): run() did not finish its window within %.0f s; closing under it",
-                budget,
-            )
+        seen = -1
+        while dispatcher.calls != seen:
+            seen = dispatcher.calls
+            try:
+                async with asyncio.timeout(budget):
+                    await running.wait()
+                return
+            except TimeoutError:
+                continue
+        log.warning(
+            "close(): run() started no callback in %.0f s; closing under its window", budget
+        )
 
     async def _release(self) -> None:
         """Stop the routing table's ZooKeeper session and close an HTTP session of ours."""
@@ -519,6 +528,7 @@ class Consumer:
             return window
 
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
+        self._dispatcher = dispatcher
         self._run_ended, self._run_task = asyncio.Event(), asyncio.current_task()
         token = _DISPATCHING.set(True)  # (tasks made by async callbacks inherit it)
         try:

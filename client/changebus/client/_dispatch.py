@@ -99,6 +99,9 @@ class _Runner(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def calls(self) -> int: ...
+
 
 def _result(value: object, name: str) -> _Outcome:
     if value is None or value is CallbackResult.SUCCESS:
@@ -140,6 +143,8 @@ class _ThreadRunner:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="changebus-callbacks")
         #: the plan of an abandoned call the worker is still in, and that call's name
         self._stuck: tuple[asyncio.Future[_Outcome], str] | None = None
+        #: callbacks started so far (the worker thread counts; others only read it)
+        self.calls = 0
 
     def _run_plan(self, plan: Plan, abandon: threading.Event, state: _CallState) -> _Outcome:
         _CALLBACK.active = True
@@ -155,6 +160,7 @@ class _ThreadRunner:
                 return _Outcome(CallbackResult.ERROR, name, timed_out=True)
             started = time.monotonic()
             state.current = (name, started)
+            self.calls += 1
             try:
                 value = getattr(self._cb, name)(*args)
             except Exception as exc:  # noqa: BLE001 - a failed callback is a recoverable error
@@ -227,6 +233,8 @@ class _LoopRunner:
         self._cb = callbacks
         self._budget = budget_s
         self._skip = _inherited_noops(callbacks)
+        #: callbacks started so far
+        self.calls = 0
 
     async def run(self, plan: Plan) -> _Outcome:
         loop = asyncio.get_running_loop()
@@ -240,6 +248,7 @@ class _LoopRunner:
                     if name in skip:
                         continue
                     budget.start(name)
+                    self.calls += 1
                     try:
                         value = await getattr(self._cb, name)(*args)
                     except Exception as exc:  # noqa: BLE001 - a failed callback is recoverable
@@ -342,6 +351,11 @@ def _describe(outcome: _Outcome) -> str:
 
 class Dispatcher:
     """Feeds windows to callbacks with rollback and replay (module docstring)."""
+
+    @property
+    def calls(self) -> int:
+        """Callbacks started so far (progress, for a close waiting on the run)."""
+        return self._runner.calls
 
     def __init__(
         self,

@@ -207,6 +207,9 @@ class ChainFetcher:
         self._stream: RelayStream | None = None
         #: (table, version) in the local registry -> its (source id, fingerprint)
         self._known: dict[tuple[str, int], tuple[int, int]] = {}
+        #: the (table, version) pairs an upstream's registry was found to agree on (an
+        #: entry is parsed once: a registry is append-only)
+        self._checked: set[tuple[str, int]] = set()
         #: (source id, schema version) of every data event's schema known here (_sink)
         self._known_ids: set[tuple[int, int]] = set()
         self._pending: tuple[Entry, ...] = ()  # entries to hand over with the next window
@@ -370,8 +373,11 @@ class ChainFetcher:
             entries = await self._queries.first(self._registry)
         new = tuple(e for e in entries if _entry_key(e) not in self._known)
         for e in entries:
-            known = self._known.get(_entry_key(e))
-            if known is not None and known != _entry_identity(e):
+            key = _entry_key(e)
+            known = self._known.get(key)
+            if known is None or key in self._checked:
+                continue
+            if known != _entry_identity(e):  # (parses the schema: once a key)
                 # another registry (an upstream rebuilt, or another relay's): its source
                 # ids name other tables here, and its rows were appended as they came,
                 # to be decoded as the wrong table (review)
@@ -383,7 +389,9 @@ class ChainFetcher:
                     "one registry (a cluster), or rebuild this relay's buffer (data_dir) "
                     "from the upstream"
                 )
+            self._checked.add(key)
         self._known.update((_entry_key(e), _entry_identity(e)) for e in new)
+        self._checked.update(_entry_key(e) for e in new)
         self._known_ids.update(_entry_id(e) for e in new)
         if new:
             log.info(

@@ -135,11 +135,14 @@ def run_daemon(
         log_fatal(log, f"changebus {name}: {scrub(exc.message, secrets)}")
         return 2
     except OSError as exc:
+        if exc.errno is None:  # (a TimeoutError that escaped, say: a bug, with its traceback)
+            log_fatal(log, f"changebus {name}: unexpected error", exc=exc)
+            return 1
         # a port in use, a data_dir the user may not create, a full disk: one line that
         # says what and where, as for a bad config (a traceback and exit 1 before:
         # review); the traceback at debug level
         log.debug("changebus %s", name, exc_info=exc)
-        what = exc.strerror or type(exc).__name__
+        what = exc.strerror or str(exc)
         where = f" ({exc.filename})" if exc.filename else ""
         log_fatal(log, f"changebus {name}: {scrub(what + where, secrets)}")
         return 2
