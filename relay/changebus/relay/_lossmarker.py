@@ -49,12 +49,27 @@ def loss_marker(window: Window, reason: str, partition_id: int) -> bytes:
     events.append(
         encode_control(DataLoss(scn, scn, reason), scn, len(events), ts, partition=partition_id)
     )
+    # (a chained window comes with its position in its own END_OF_WINDOW only: the
+    # marker carried "" and a MySQL leader elected after it lost its binlog position)
+    position = window.source_position or _end_position(window.data)
     events.append(
-        encode_control(
-            EndOfWindow(0, window.source_position), scn, len(events), ts, partition=partition_id
-        )
+        encode_control(EndOfWindow(0, position), scn, len(events), ts, partition=partition_id)
     )
     return b"".join(events)
+
+
+def _end_position(data: bytes | memoryview) -> str:
+    """The source position of an encoded window's END_OF_WINDOW ("" when it has none)."""
+    try:
+        offsets, headers = parse_stream(data)
+        if not len(offsets) or int(headers["op"][-1]) != int(Op.END_OF_WINDOW):
+            return ""
+        start = int(offsets[-1])
+        payload = bytes(data[start + HEADER_SIZE : start + int(headers["total_length"][-1])])
+        end = decode_control(Op.END_OF_WINDOW, payload)
+    except ChangebusError:
+        return ""
+    return end.source_position if isinstance(end, EndOfWindow) else ""
 
 
 def schema_changes(
