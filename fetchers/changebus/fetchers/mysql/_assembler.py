@@ -547,10 +547,11 @@ class BinlogAssembler:
         them) empties: that name when a table of it was mapped or registered, else the
         one table whose name differs from it in case only (None: none, or several)."""
         exact = f"{written[0]}.{written[1]}"
-        known = set(self._latest) | {n for _, n in self.registry.sources()}
-        if exact in known:
-            return exact
-        twins = {n for n in known if n.lower() == exact.lower()}
+        if exact in self._latest or self.registry.has(exact):
+            return exact  # (the common case: no walk over every table)
+        lowered = exact.lower()
+        twins = {n for n in self._latest if n.lower() == lowered}
+        twins |= {n for _, n in self.registry.sources() if n.lower() == lowered}
         return next(iter(twins)) if len(twins) == 1 else None
 
     def _registered_encoder(self, name: str) -> RowEncoder | None:
