@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -202,8 +203,9 @@ async def test_the_process_group_is_frozen_together_and_cleaned_up_after_a_kill(
     sup.add(spec("relay-m", "relay", parent, tmp_path, delay=0.1))
     await sup.start("relay-m")
     log = sup.base / "relay-m.1.log"
-    await wait_until(lambda: log.exists() and "worker" in log.read_text(), 10)
-    worker = int(log.read_text().split()[1])
+    # (the whole line: "worker" alone was read once, before its pid was written)
+    await wait_until(lambda: log.exists() and re.search(r"worker \d+\n", log.read_text()), 10)
+    worker = int(re.search(r"worker (\d+)\n", log.read_text())[1])  # type: ignore[index]
     assert alive(worker)
     sup.stop("relay-m")
     await wait_until(lambda: proc_state(worker) == "T", 5, "the worker frozen too")
