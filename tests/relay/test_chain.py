@@ -28,6 +28,7 @@ from changebus.client import (
 )
 from changebus.fetchers import ResumePoint
 from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+from changebus.relay._chainschemas import KnownSchemas
 from changebus.relay.chain import (
     EPOCH_HEADER,
     ChainConfig,
@@ -381,7 +382,7 @@ async def test_rows_of_schemas_the_follower_lacks_make_it_learn_them_again(
                 "synthetic.t0",
                 "synthetic.t1",
             }
-            fetcher._pending, fetcher._known, fetcher._known_ids = (), {}, set()
+            fetcher._pending, fetcher._schemas = (), KnownSchemas()
             async with asyncio.timeout(20):
                 window = await anext(aiter(fetcher.windows()))
             names = {e["schema"]["name"] for e in window.schemas}
@@ -416,7 +417,7 @@ async def test_schemas_are_learned_again_from_the_upstream_that_sent_the_rows(
                 "synthetic.t0",
                 "synthetic.t1",
             }
-            fetcher._known, fetcher._known_ids = {}, set()
+            fetcher._schemas = KnownSchemas()
             with socket.socket() as sock:  # a serving upstream gone since: the first answers
                 sock.bind(("127.0.0.1", 0))
                 dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -747,7 +748,7 @@ async def test_rows_of_schemas_no_upstream_gives_are_not_appended(tmp_path: Path
                 asked.append(serving)
                 return () if len(asked) < 3 else await learned(serving)
 
-            fetcher._pending, fetcher._known, fetcher._known_ids = (), {}, set()
+            fetcher._pending, fetcher._schemas = (), KnownSchemas()
             fetcher._learn_schemas = lagging  # type: ignore[method-assign]
             async with asyncio.timeout(30):
                 window = await anext(aiter(fetcher.windows()))

@@ -81,12 +81,14 @@ async def test_held_until_done_releases_when_abandoned_work_ends() -> None:
         await asyncio.sleep(0)
     assert released == ["late"]
 
-    # not cancelled: the caller releases (the helper does not), failures are raised
+    # done: what it holds is the caller's (not released here)
     assert await held_until_done(work(), lambda: released.append("no")) == 7
+    assert released == ["late"]
 
     async def fails() -> int:
         raise ValueError("x")
 
+    # failed: released once, the error raised
     with pytest.raises(ValueError, match="x"):
-        await held_until_done(fails(), lambda: released.append("no"))
-    assert released == ["late"]
+        await held_until_done(fails(), lambda: released.append("failed"))
+    assert released == ["late", "failed"]

@@ -196,22 +196,16 @@ async def start(request: web.Request) -> web.Response:
             f"the bootstrap server is busy planning other bootstraps (more than"
             f" {PLAN_WAIT_S:g} s waiting); retry soon"
         ) from None
-    try:
-        # (a client that went away cancels this handler, not the plan in its reader
-        # thread: the slot stays taken until that ends; review)
-        plan = await held_until_done(
-            request.app[SERVICE].stores.read(
-                lambda s: plan_bootstrap(
-                    s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
-                )
-            ),
-            plans.release,
-        )
-    except asyncio.CancelledError:
-        raise  # (released once the plan ends)
-    except BaseException:
-        plans.release()
-        raise
+    # (a client that went away cancels this handler, not the plan in its reader thread:
+    # the slot stays taken until that ends; review)
+    plan = await held_until_done(
+        request.app[SERVICE].stores.read(
+            lambda s: plan_bootstrap(
+                s, part, since, ratio, seeding, running, visible, catchup_only=mode == "catchup"
+            )
+        ),
+        plans.release,
+    )
     plans.release()
     return json_response(plan)
 

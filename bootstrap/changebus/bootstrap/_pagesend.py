@@ -50,15 +50,9 @@ async def send_page(
     headers) within a grant of the budget, send it, and give the grant back."""
     budget = request.app[BUDGET]
     granted = budget.grant(want)
-    try:
-        # (a client that went away cancels this handler, not the read in its store
-        # thread: the grant stays counted until that ends; review)
-        data, headers = await held_until_done(build(granted), lambda: budget.release(granted))
-    except asyncio.CancelledError:
-        raise  # (released once the build ends)
-    except BaseException:
-        budget.release(granted)
-        raise
+    # (a client that went away cancels this handler, not the read in its store thread:
+    # the grant stays counted until that ends; review)
+    data, headers = await held_until_done(build(granted), lambda: budget.release(granted))
     charged = granted
     try:
         charged = budget.resize(granted, len(data))

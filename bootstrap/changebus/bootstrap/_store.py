@@ -51,16 +51,6 @@ from ._refill import Refills
 __all__ = ["CatchupPage", "PartitionState", "SnapshotPage", "Store"]
 
 
-#: libpq settings of the Postgres store's sessions (:meth:`Store.postgres`)
-_SESSION: dict[str, int] = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 30_000,
-}
-
-
 class Store(LogStore, SnapshotFold, Refills, Pages, TombstonePurge, StoreDb):
     """One bootstrap database (see the module docstring). Not thread-safe."""
 
@@ -92,11 +82,13 @@ class Store(LogStore, SnapshotFold, Refills, Pages, TombstonePurge, StoreDb):
     @classmethod
     def postgres(cls, dsn: str) -> Store:
         """Open a Postgres store (the tables are created when missing)."""
+        from changebus.client import pg_session_defaults
         from changebus.fetchers.postgres import pg_connect
 
-        # TCP keepalives and libpq's tcp_user_timeout unless the DSN sets its own: a dead
-        # network path fails a call in about 30 s instead of the kernel's minutes
-        extra = {k: v for k, v in _SESSION.items() if k not in dsn}
+        # TCP keepalives and libpq's tcp_user_timeout unless the DSN sets its own (the
+        # client's sessions' rule): a dead path fails a call in about 30 s, not minutes
+        extra = pg_session_defaults(dsn)
+        extra.pop("connect_timeout", None)  # (pg_connect's timeout_s says it)
         conn = pg_connect(
             dsn, "cannot open the Postgres store", option="store.dsn", timeout_s=10, **extra
         )

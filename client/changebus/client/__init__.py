@@ -49,7 +49,9 @@ TLS and authentication: :class:`ClientAuth` (from
 :mod:`changebus.schemas.security`; ``ConsumerConfig(auth=...)``) holds the
 CA file, client certificate, host name check and bearer token;
 :func:`open_session` opens the :class:`aiohttp.ClientSession` that every
-changebus connection (consumer, relay chaining, bootstrap server) uses.
+changebus connection (consumer, relay chaining, bootstrap server) uses, and
+:func:`pg_session_defaults` the libpq settings (TCP keepalives, ``tcp_user_timeout``)
+its Postgres sessions take unless their DSN sets them.
 
 With ``bootstrap_servers`` configured, a consumer that fell off the relays
 (or starts from nothing) reads a snapshot and the catch-up log from a
@@ -99,6 +101,7 @@ from ._persist import (
     FileCheckpointPersister as FileCheckpointPersister,
     MemoryCheckpointPersister as MemoryCheckpointPersister,
 )
+from ._pgsession import pg_session_defaults as pg_session_defaults
 from ._rebalance import RebalanceListener as RebalanceListener
 from ._stream import (
     RelayStream as RelayStream,
@@ -150,5 +153,6 @@ __all__ = [
     "SyncConsumer",
     "Window",
     "open_session",
+    "pg_session_defaults",
     "safe_url",
 ]

@@ -169,6 +169,7 @@ class PostgresReplica(UnitReplica):
 
         types = self._column_types(conn, table)
         self._actual_types[table] = types
+        self._forget_key_matches()
         for column in schema.columns:
             have, want = (
                 types.get(self._kept_name(column.name)),

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-from changebus.schemas import Column, ConfigError
+from changebus.schemas import Column, ConfigError, TableSchema
 
 from ._apply_wide import written
 from ._model import ChangeEvent, ChangeOp
@@ -48,6 +48,24 @@ class RowStatements:
         cast: the column's type in the target may be wider than the event's)."""
         return f"{alias}{self._quote(column.name)} = {self.placeholder}"
 
+    def _key_where(self, target: str, schema: TableSchema, alias: str = "") -> str:
+        """The WHERE text matching ``schema``'s key in target table ``target``, built once
+        per (table, schema version, alias) instead of for every event
+        (:meth:`_forget_key_matches` when a column's type changes)."""
+        cache: dict[tuple[str, int, str], str] = self.__dict__.setdefault("_key_wheres", {})
+        k = (target, schema.fingerprint, alias)
+        where = cache.get(k)
+        if where is None:
+            by_name = {c.name: c for c in schema.columns}
+            where = cache[k] = " AND ".join(
+                self._key_equals(by_name[c], target, alias) for c in schema.key
+            )
+        return where
+
+    def _forget_key_matches(self) -> None:
+        """Build the key matches again (a target column's type changed)."""
+        self.__dict__.pop("_key_wheres", None)
+
     def table_for(self, source: str) -> str:
         raise NotImplementedError
 
@@ -70,8 +88,7 @@ class RowStatements:
             target = self.table_for(e.table)
             table = self._qualified(target)
             key = schema.key
-            by_name = {c.name: c for c in schema.columns}
-            where = " AND ".join(self._key_equals(by_name[k], target) for k in key)
+            where = self._key_where(target, schema)
             if e.op is ChangeOp.TRUNCATE:
                 yield f"DELETE FROM {table}", []
                 continue
@@ -101,9 +118,7 @@ class RowStatements:
                         # whatever came to it later)
                         new_values = [self._adapt(e.key[k]) for k in key]
                         sets = ", ".join(f"{q(k)} = {p}" for k in key)
-                        taken = " AND ".join(
-                            self._key_equals(by_name[k], target, "x.") for k in key
-                        )
+                        taken = self._key_where(target, schema, "x.")
                         yield (
                             f"UPDATE {table} SET {sets} WHERE {where} AND NOT EXISTS"
                             f" (SELECT 1 FROM {table} AS x WHERE {taken})",

@@ -130,9 +130,8 @@ class Consumer:
         self._task: asyncio.Task[None] | None = None
         self._position: PositionTracker | None = None
         self._mode: Literal["", "iterator", "callbacks"] = ""
-        #: set once :meth:`run` ended; the task running it (what :meth:`close` waits for)
+        #: set once :meth:`run` ended (what :meth:`close` waits for)
         self._run_ended: asyncio.Event | None = None
-        self._run_task: asyncio.Task[Any] | None = None
         self._dispatcher: Dispatcher | None = None
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
@@ -260,9 +259,7 @@ class Consumer:
         gives up after a budget with no callback started).
         """
         running, dispatcher = self._run_ended, self._dispatcher
-        if running is None or running.is_set() or _DISPATCHING.get():
-            return
-        if asyncio.current_task() is self._run_task or dispatcher is None:
+        if running is None or running.is_set() or dispatcher is None or _DISPATCHING.get():
             return
         # as long as callbacks go on being started: a window's calls are each bounded by
         # the budget, not the window (its thousands of events may take longer)
@@ -529,8 +526,8 @@ class Consumer:
 
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
         self._dispatcher = dispatcher
-        self._run_ended, self._run_task = asyncio.Event(), asyncio.current_task()
-        token = _DISPATCHING.set(True)  # (tasks made by async callbacks inherit it)
+        self._run_ended = asyncio.Event()
+        token = _DISPATCHING.set(True)  # (run's own task and those its callbacks make)
         try:
             await dispatcher.run()
         except QueueClosed:

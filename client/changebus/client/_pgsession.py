@@ -29,7 +29,13 @@ from typing import Any
 
 from changebus.schemas import ConfigError
 
-__all__ = ["IDLE_IN_TRANSACTION_S", "SESSION_DEFAULTS", "connect", "session_lost"]
+__all__ = [
+    "IDLE_IN_TRANSACTION_S",
+    "SESSION_DEFAULTS",
+    "connect",
+    "pg_session_defaults",
+    "session_lost",
+]
 
 #: libpq settings of every session here that its DSN does not set (seconds; ms for
 #: tcp_user_timeout): a dead path is found in about 30 s instead of the kernel's minutes
@@ -46,16 +52,25 @@ SESSION_DEFAULTS: dict[str, int] = {
 IDLE_IN_TRANSACTION_S = 5.0
 
 
-def connect(dsn: str, idle_in_transaction_s: float) -> Any:
-    """An autocommit psycopg connection with the idle-in-transaction timeout (0: none)."""
+def pg_session_defaults(dsn: str) -> dict[str, int]:
+    """The :data:`SESSION_DEFAULTS` the DSN does not set itself (for ``psycopg.connect``'s
+    keyword arguments: changebus's other Postgres sessions, the bootstrap store's, take
+    them too)."""
     import psycopg  # lazily: only PostgreSQL users need the driver loaded
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         given = conninfo_to_dict(dsn)
     except psycopg.Error:
-        given = {}  # (psycopg.connect reports the DSN's problem, as before)
-    extra: dict[str, Any] = {k: v for k, v in SESSION_DEFAULTS.items() if k not in given}
+        given = {}  # (psycopg.connect reports the DSN's problem)
+    return {k: v for k, v in SESSION_DEFAULTS.items() if k not in given}
+
+
+def connect(dsn: str, idle_in_transaction_s: float) -> Any:
+    """An autocommit psycopg connection with the idle-in-transaction timeout (0: none)."""
+    import psycopg  # lazily: only PostgreSQL users need the driver loaded
+
+    extra: dict[str, Any] = pg_session_defaults(dsn)
     try:
         conn = psycopg.connect(dsn, autocommit=True, **extra)
     except psycopg.ProgrammingError:

@@ -80,6 +80,7 @@ from changebus.schemas.errors import ConfigError
 
 from ._config import ClusterConfig
 from ._errors import CoordinationError
+from ._kazoolog import KAZOO_LOG as _KAZOO_LOG
 from ._layout import cluster_root
 
 __all__ = ["SessionState", "StateChange", "ZkSession", "cluster_acl", "failed_op"]
@@ -97,56 +98,6 @@ def failed_op(results: list[Any]) -> int | None:
             return i
     return None
 
-
-#: fields of kazoo's requests and answers (named tuples) its debug lines must not show:
-#: an ``Auth``'s credentials, a ``Connect``'s session password (whoever has it and the
-#: session id can take the session over: close a leader's, or keep a dead one alive),
-#: and the digest ACLs of ``Create``/``SetACL`` (a salted hash of the password)
-_SECRET_FIELDS = ("auth", "passwd", "acl", "acls")
-
-
-def _blanked(arg: Any, depth: int = 0) -> Any:
-    """``arg`` with :data:`_SECRET_FIELDS` and digest ids blanked, through the tuples and
-    lists of an answer (a ``GetACL``'s ``([ACL, ...], stat)``), three levels deep."""
-    if depth > 3 or not isinstance(arg, tuple | list):
-        return arg
-    if type(arg) in (tuple, list):
-        return type(arg)(_blanked(a, depth + 1) for a in arg)
-    named: Any = arg  # (a named tuple of kazoo's, or a class of no fields)
-    fields = getattr(named, "_fields", None)
-    if not fields:
-        return arg
-    if fields == ("scheme", "id") and getattr(named, "scheme", "") == "digest":
-        return named._replace(id="***")
-    hidden = {f: "***" for f in _SECRET_FIELDS if f in fields}
-    if hidden:
-        return named._replace(**hidden)
-    return named._replace(**{f: _blanked(getattr(named, f), depth + 1) for f in fields})
-
-
-class _HideAuth(logging.Filter):
-    """Blanks credentials and session passwords in kazoo's debug log lines
-    (:data:`_SECRET_FIELDS`, and the ``session_passwd`` its connect lines print)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if not isinstance(args, tuple):
-            return True
-        if "session_passwd" in str(record.msg):
-            # ("Using session_id: %r session_passwd: %s", "Session created, ...")
-            record.args = tuple("***" if i == 1 else a for i, a in enumerate(args))
-            return True
-        try:
-            record.args = tuple(_blanked(a) for a in args)
-        except Exception:  # noqa: BLE001 - a shape not foreseen: the line goes, args unshown
-            record.args = ()
-            record.msg = f"{record.msg} (arguments not shown)"
-        return True
-
-
-#: kazoo logs through this logger (given to every KazooClient here)
-_KAZOO_LOG = logging.getLogger("changebus.cluster.kazoo")
-_KAZOO_LOG.addFilter(_HideAuth())
 
 T = TypeVar("T")
 

@@ -93,7 +93,6 @@ from changebus.schemas import (
     ProtocolError,
     SourceConfigError,
     SourceError,
-    TableSchema,
     UnknownSourceError,
     encode_control,
     stop_task,
@@ -102,6 +101,7 @@ from changebus.schemas.config import load_config_dict
 from changebus.schemas.security import ClientAuth
 
 from ._chainconfig import ChainConfig
+from ._chainschemas import Entry, KnownSchemas
 from ._lossmarker import schema_changes
 from ._windowqueue import WindowQueue
 
@@ -119,7 +119,6 @@ log = logging.getLogger("changebus.relay.chain")
 EPOCH_HEADER = "X-Changebus-Epoch"
 
 #: the JSON form of one registry entry (SchemaRegistry.to_json)
-Entry = Mapping[str, Any]
 
 #: how long a follower that fell off one upstream waits for a silent one to say whether
 #: it holds the windows, before it records them lost (seconds)
@@ -205,13 +204,8 @@ class ChainFetcher:
         self._queries: RelayQueries | None = None
         self._task: asyncio.Task[None] | None = None
         self._stream: RelayStream | None = None
-        #: (table, version) in the local registry -> its (source id, fingerprint)
-        self._known: dict[tuple[str, int], tuple[int, int]] = {}
-        #: the (table, version) pairs an upstream's registry was found to agree on (an
-        #: entry is parsed once: a registry is append-only)
-        self._checked: set[tuple[str, int]] = set()
-        #: (source id, schema version) of every data event's schema known here (_sink)
-        self._known_ids: set[tuple[int, int]] = set()
+        #: the local registry's entries, and the ids whose rows may be appended
+        self._schemas = KnownSchemas()
         self._pending: tuple[Entry, ...] = ()  # entries to hand over with the next window
         #: the SCN of the newest window queued for the relay (-1: none)
         self.position = -1
@@ -250,8 +244,7 @@ class ChainFetcher:
         self._queries = RelayQueries(
             self._session, self.config.upstream, timeout=self._stream_config.info_timeout
         )
-        self._known = {_entry_key(e): _entry_identity(e) for e in resume.schemas}
-        self._known_ids = {_entry_id(e) for e in resume.schemas}
+        self._schemas = KnownSchemas(resume.schemas)
         try:
             upstream_prev = await self._queries.first(self._bounds)
             self._pending = await self._learn_schemas()
@@ -371,28 +364,7 @@ class ChainFetcher:
                 log.debug("partition %s: registry of %s: %s", self.name, safe_url(serving), exc)
         if entries is None:
             entries = await self._queries.first(self._registry)
-        new = tuple(e for e in entries if _entry_key(e) not in self._known)
-        for e in entries:
-            key = _entry_key(e)
-            known = self._known.get(key)
-            if known is None or key in self._checked:
-                continue
-            if known != _entry_identity(e):  # (parses the schema: once a key)
-                # another registry (an upstream rebuilt, or another relay's): its source
-                # ids name other tables here, and its rows were appended as they came,
-                # to be decoded as the wrong table (review)
-                name, version = _entry_key(e)
-                raise SourceConfigError(
-                    f"partition {self.name}: the upstream's schema registry is not this "
-                    f"relay's: {name} v{version} is source id {e['source_id']} there, "
-                    f"{known[0]} here (or its columns differ). Follow relays that share "
-                    "one registry (a cluster), or rebuild this relay's buffer (data_dir) "
-                    "from the upstream"
-                )
-            self._checked.add(key)
-        self._known.update((_entry_key(e), _entry_identity(e)) for e in new)
-        self._checked.update(_entry_key(e) for e in new)
-        self._known_ids.update(_entry_id(e) for e in new)
+        new = self._schemas.learn(entries, self.name)
         if new:
             log.info(
                 "partition %s: %d schema versions learned from the upstream registry",
@@ -482,7 +454,7 @@ class ChainFetcher:
                 (h["source_id"][mask].astype(np.int64) << 16) | h["schema_version"][mask]
             ).tolist()
             ids = {(k >> 16, k & 0xFFFF) for k in keys}
-            if not ids <= self._known_ids:
+            if not ids <= self._schemas.ids:
                 # rows of schemas the upstream registered out of band after this stream read
                 # its registry (its own start or fall-off mirrored them, with no
                 # SCHEMA_CHANGE in the stream): learned again now, or this relay served
@@ -492,7 +464,7 @@ class ChainFetcher:
                     (c.source_id, c.version)
                     for c in schema_changes(raw.body, raw.offsets, h["op"], h["total_length"])
                 }
-                missing = ids - self._known_ids - announced
+                missing = ids - self._schemas.ids - announced
                 if missing:
                     # (marked known all the same before: a lagging upstream's registry
                     # without them, and the window was appended with rows no reader here
@@ -502,7 +474,7 @@ class ChainFetcher:
                         f"{', '.join(f'source {i} v{v}' for i, v in sorted(missing)[:5])} "
                         "that its rows use; trying again"
                     )
-                self._known_ids |= ids
+                self._schemas.ids |= ids
         window = Window(
             raw.scn, raw.timestamp_ns, raw.body, len(raw.offsets), schemas=self._pending
         )
@@ -601,22 +573,6 @@ class ChainFetcher:
                     f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
                     f" {self.position + 1}, {safe_url(url)} does; reading again"
                 )
-
-
-def _entry_key(entry: Entry) -> tuple[str, int]:
-    """``(table, schema version)`` of a registry entry."""
-    return str(entry["schema"]["name"]), int(entry["schema"]["version"])
-
-
-def _entry_identity(entry: Entry) -> tuple[int, int]:
-    """``(source id, schema fingerprint)`` of a registry entry: what must agree between
-    two registries holding its table and version."""
-    return int(entry["source_id"]), TableSchema.from_json(entry["schema"]).fingerprint
-
-
-def _entry_id(entry: Entry) -> tuple[int, int]:
-    """``(source id, schema version)`` of a registry entry."""
-    return int(entry["source_id"]), int(entry["schema"]["version"])
 
 
 def make_fetcher_factory(*, min_epoch: Callable[[], int] | None = None) -> FetcherFactory:

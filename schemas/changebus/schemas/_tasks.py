@@ -48,15 +48,14 @@ async def stop_task(task: asyncio.Future[Any] | None) -> None:
 
 
 async def held_until_done(work: Awaitable[T], release: Callable[[], None]) -> T:
-    """``await work`` in a task of its own; when the caller is cancelled first, the task
-    goes on and ``release()`` runs once it ended (its outcome dropped), and the caller's
-    cancellation is raised.
+    """``await work`` in a task of its own and return its result: what the work holds is
+    then the caller's to release. When the work fails, ``release()`` runs and its error
+    is raised; when the caller is cancelled first, the task goes on and ``release()``
+    runs once it ended (its outcome dropped), and the caller's cancellation is raised.
 
     For work holding a slot or a budget's bytes that cancelling cannot stop (a
     store read in a thread): a handler that released them on its client's
     disconnect let the next request run beside the work still going (review).
-    Otherwise ``release`` is not called: the caller releases as usual, also
-    when ``work`` raised.
     """
     task = asyncio.ensure_future(work)
     try:
@@ -66,6 +65,9 @@ async def held_until_done(work: Awaitable[T], release: Callable[[], None]) -> T:
             _settled(task, release)
         else:
             task.add_done_callback(lambda t: _settled(t, release))
+        raise
+    except BaseException:
+        release()
         raise
 
 

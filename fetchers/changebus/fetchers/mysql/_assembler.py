@@ -81,8 +81,7 @@ from ._ddl import MODE_ANSI_QUOTES, DeclaredTypes
 from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
 from ._statements import (
-    created_from_select,
-    is_dml,
+    changes_captured_rows,
     log_ddl,
     rollback_to_name,
     savepoint_name,
@@ -408,10 +407,7 @@ class BinlogAssembler:
                 self._unannounce(txn)
             return None
         schema = event.schema.decode() if isinstance(event.schema, bytes) else event.schema
-        filled = created_from_select(text, schema or "")
-        if (is_dml(text) and self._may_touch_captured(schema or "", text)) or (
-            filled is not None and self.captured(filled)
-        ):
+        if changes_captured_rows(text, schema or "", self.captured, self._databases):
             # a session ran with binlog_format = STATEMENT or MIXED: the rows it
             # changed are not in the binlog, only its text (never forwarded)
             raise statement_logged(f"{self.file}:{end_pos}")
@@ -534,13 +530,6 @@ class BinlogAssembler:
             txn.announced = head.announced
         self._txn = txn
         return self.commit(end_pos)
-
-    def _may_touch_captured(self, schema: str, text: str) -> bool:
-        """Whether a statement run in ``schema`` may have changed a captured table."""
-        if not self._databases or self.captured(schema):
-            return True
-        lowered = text.lower()
-        return any(db in lowered for db in self._databases)
 
     def _truncated(self, written: tuple[str, str]) -> str | None:
         """The ``db.table`` a TRUNCATE of ``written`` (its names as the statement gave

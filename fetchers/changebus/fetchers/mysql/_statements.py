@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Collection
 
 from changebus.schemas import SourceConfigError
 
 __all__ = [
+    "changes_captured_rows",
     "created_from_select",
     "is_dml",
     "log_ddl",
@@ -111,6 +113,22 @@ def created_from_select(text: str, default_db: str) -> str | None:
         return None
     first, second = target.group(1), target.group(2)
     return _name(first) if second is not None else default_db
+
+
+def changes_captured_rows(
+    text: str, schema: str, captured: Callable[[str], bool], databases: Collection[str]
+) -> bool:
+    """Whether a statement logged as text (run in ``schema``) changed rows of a captured
+    database: a DML one that may touch one (run there, or naming one: ``databases``,
+    lower case, empty for all), or a ``CREATE TABLE ... SELECT`` filling a table of one
+    (:func:`created_from_select`). Its rows are not in the binlog (:func:`statement_logged`)."""
+    if is_dml(text):
+        if not databases or captured(schema):
+            return True
+        lowered = text.lower()
+        return any(db in lowered for db in databases)
+    filled = created_from_select(text, schema)
+    return filled is not None and captured(filled)
 
 
 def statement_logged(where: str) -> SourceConfigError:
