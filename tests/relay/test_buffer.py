@@ -750,3 +750,68 @@ def test_a_position_inside_a_window_the_buffer_never_had_is_a_410(tmp_path: Path
     assert [s for s, _ in drain(b, 15, -1, 1 << 20)[0]][:1] == [20]  # complete: from 20
     assert drain(b, 20, 1, 1 << 20)[0][0] == (20, 1)  # inside a window it has: from there
     assert drain(b, 35, -1, 1 << 20)[0] == []  # complete and newer: nothing yet
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_the_buffer_files_have_their_disk_space_reserved(tmp_path: Path) -> None:
+    """Written through a mapping, a sparse file allocates blocks at page faults: costly for
+    the writer, and SIGBUS at some write when the disk is full. The files are reserved whole
+    at open, and a sparse ring an older version left is reserved at reopen, its windows kept."""
+    cap = 4 << 20
+    cfg = BufferConfig(capacity_bytes=cap, event_slots=4096)
+    b = EventBuffer(tmp_path, cfg)
+    b.set_start(0)
+    for name, size in (("ring.dat", cap), ("events.dat", 4096 * 32)):
+        assert _allocated(tmp_path / name) >= size, name
+    assert _allocated(tmp_path / "index.dat") >= (tmp_path / "index.dat").stat().st_size
+    for scn in range(1, 20):
+        b.append_window(make_window(scn, [300, 20]))
+    before, _ = drain(b, -1, -1, 1 << 20)
+    b.close()
+    # an older version's ring: the same bytes in a sparse file
+    ring = tmp_path / "ring.dat"
+    data = ring.read_bytes()
+    ring.unlink()
+    with ring.open("wb") as f:
+        f.truncate(cap)
+        f.seek(0)
+        f.write(data[: 1 << 16])
+        assert data[1 << 16 :].count(0) == cap - (1 << 16)  # only the start was written
+    assert _allocated(ring) < cap // 2
+    b2 = EventBuffer(tmp_path, cfg)
+    try:
+        assert _allocated(ring) >= cap
+        assert drain(b2, -1, -1, 1 << 20)[0] == before
+    finally:
+        b2.close()
+
+
+def test_a_file_system_that_cannot_reserve_leaves_the_file_sparse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from changebus.schemas.files import reserve_file
+
+    path = tmp_path / "f.dat"
+    path.write_bytes(b"x")
+
+    def refuse(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    assert reserve_file(path, 1 << 20) is False
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError) as err:
+        reserve_file(path, 1 << 20)
+    assert err.value.errno == errno.ENOSPC
+    assert str(path) in str(err.value) and "1048576 bytes" in str(err.value)
+    assert path.read_bytes() == b"x"

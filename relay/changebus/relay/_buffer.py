@@ -82,7 +82,7 @@ from changebus.schemas import (
     source_table,
 )
 from changebus.schemas.errors import BadRequestError
-from changebus.schemas.files import narrow_files, private_dir, private_file
+from changebus.schemas.files import narrow_files, private_dir, private_file, reserve_file
 
 from ._bufconfig import DURABILITY_MODES, BufferConfig, Durability, check_durability
 from ._evict import Pin
@@ -172,6 +172,8 @@ class EventBuffer(BufferWriter):
             mode="w+" if create else "r+",
             shape=(self.capacity,),
         )
+        # blocks reserved: the prefaulter's first pass costs a tenth, a full disk stops the start
+        reserve_file(directory / "ring.dat", self.capacity)
         self._ring: npt.NDArray[np.uint8] = self._ring_map.view(np.ndarray)
         self._ring_view = memoryview(self._ring)  # type: ignore[arg-type]
         self._events = CircularTable(

@@ -27,6 +27,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from changebus.schemas.files import reserve_file
+
 __all__ = ["EVENT_DTYPE", "INDEX_DTYPE", "CircularTable"]
 
 EVENT_DTYPE: Final = np.dtype(
@@ -55,6 +57,7 @@ class CircularTable:
         self.path = path
         self.slots = slots
         self._mm = np.memmap(path, dtype=dtype, mode="w+" if create else "r+", shape=(slots,))
+        reserve_file(path, slots * dtype.itemsize)  # no page-fault block allocation, no SIGBUS
         # a plain ndarray view: np.memmap's Python-level __getitem__ costs
         # microseconds per slice, and this table is sliced on every request
         self.data: npt.NDArray[Any] = self._mm.view(np.ndarray)

@@ -21,6 +21,7 @@ thread when on an event loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ __all__ = [
     "open_private",
     "private_dir",
     "private_file",
+    "reserve_file",
     "safe_name",
 ]
 
@@ -107,3 +109,34 @@ def narrow_files(directory: Path) -> None:
     for entry in directory.iterdir():
         if entry.is_file() and not entry.is_symlink():
             os.chmod(entry, FILE_MODE)
+
+
+#: errors of ``posix_fallocate`` that mean "this file system cannot reserve": not fatal
+_NO_RESERVE: Final = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+
+
+def reserve_file(path: Path, size: int) -> bool:
+    """Allocate the disk blocks of ``path``'s first ``size`` bytes; contents untouched.
+
+    For a file that is memory-mapped and written through the mapping (the
+    relay's ring and tables): a sparse file's blocks are allocated by the page
+    faults of the first writes, which costs the writer (or its prefaulter)
+    about ten times the CPU of faulting in reserved blocks, and a full disk
+    then kills the process with SIGBUS at some write instead of refusing to
+    start. Reserved up front, the space is the file's from the start.
+
+    Returns False when the file system cannot reserve (the file stays sparse,
+    logged at debug); raises :class:`OSError` naming ``path`` when the disk
+    lacks the space (``ENOSPC``) or the file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_RESERVE:
+            log.debug("%s: disk space not reserved (%s)", path, exc.strerror)
+            return False
+        raise OSError(exc.errno, f"cannot reserve {size} bytes: {exc.strerror}", str(path)) from exc
+    finally:
+        os.close(fd)
+    return True
