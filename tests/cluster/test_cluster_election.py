@@ -506,3 +506,48 @@ async def test_a_heartbeat_that_cannot_read_the_epoch_ends_the_term(zk_session) 
         session.call = call
     finally:
         await election.stop()
+
+
+async def test_a_candidate_created_after_a_stop_while_zookeeper_was_away_is_deleted(
+    zk_session, zk_server
+) -> None:
+    """A candidacy's create that kazoo queued while the connection was down runs once it is
+    back, after ``stop`` gave up on it: its node then headed the line for as long as the
+    session lived on, and no other member could lead the partition (review). It is deleted
+    when the session connects again, and the other member leads."""
+    s1 = await zk_session("r1", session_timeout_s=40.0)
+    s2 = await zk_session("r2", session_timeout_s=40.0)
+    first = PartitionElection(s1, "p9")
+    await first.start()
+    async with asyncio.timeout(10):
+        term = await first.wait_elected()
+    path = election_path(s1.config.name, "p9")
+    sid = s1.session_id
+    try:
+        await asyncio.to_thread(zk_server.stop)
+        await wait_until(lambda: not s1.connected, 10, "the connection to drop")
+        # what a candidacy cut off by stop() leaves: its create waiting in kazoo's queue
+        queued = s1.client.create_async(
+            f"{path}/{CANDIDATE_PREFIX}",
+            first._candidate_data,
+            ephemeral=True,
+            sequence=True,
+        )
+        await first.stop()
+        assert term.lost
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    await wait_until(lambda: s1.connected and s2.connected, 20, "both sessions back")
+    assert s1.session_id == sid  # the same session: the queued create ran in it
+    assert str(await asyncio.to_thread(queued.get, timeout=10)).startswith(f"{path}/")
+    other = PartitionElection(s2, "p9")
+    await other.start()
+    async with asyncio.timeout(20):
+        later = await other.wait_elected()
+    assert later.valid() and later.epoch > term.epoch
+    names: list[str] = await s1.op("get_children", path)
+    assert len(names) == 1, names
+    _data, stat = await s1.op("get", f"{path}/{names[0]}")
+    assert stat.ephemeralOwner == s2.session_id
+    await other.stop()

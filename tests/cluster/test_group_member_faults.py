@@ -303,3 +303,47 @@ async def test_nodes_of_a_stop_while_zookeeper_is_away_go_when_the_session_recon
             break
         await asyncio.sleep(0.1)
     assert left == []
+
+
+async def test_a_member_node_created_after_a_stop_while_zookeeper_was_away_is_deleted(
+    make_member, zk_session, zk_server, group
+) -> None:
+    """A registration's create that kazoo queued while the connection was down runs once it
+    is back, after ``stop``: the leader then gave units to a member nobody ran, for as long
+    as the session lived on (review). It is deleted when the session connects again, and
+    the other member takes every unit."""
+    from changebus.cluster._group_layout import MEMBER_PREFIX, group_members_path
+
+    session = await zk_session("away", session_timeout_s=40.0)  # outlives the restart
+    member, _ = await make_member("away", session=session, follow=False)
+    other, _ = await make_member("stays")
+    parent = group_members_path(group)
+    sid = session.session_id
+    try:
+        await asyncio.to_thread(zk_server.stop)
+        await wait_until(lambda: not session.connected, 10, "the connection to drop")
+        # what a registration cut off by stop() leaves: its create waiting in kazoo's queue
+        queued = session.client.create_async(
+            f"{parent}/{MEMBER_PREFIX}", member._record(), ephemeral=True, sequence=True
+        )
+        await member.stop()
+    finally:
+        if zk_server.proc is None:
+            await asyncio.to_thread(zk_server.start)
+    await wait_until(lambda: session.connected, 20, "the session back")
+    assert session.session_id == sid  # the same session: the queued create ran in it
+    assert str(await asyncio.to_thread(queued.get, timeout=10)).startswith(f"{parent}/")
+
+    async def owners_of_session() -> list[str]:
+        found = []
+        for name in await session.op("get_children", parent):
+            stat = await session.op("exists", f"{parent}/{name}")
+            if stat is not None and stat.ephemeralOwner == sid:
+                found.append(name)
+        return found
+
+    deadline = time.monotonic() + 10
+    while await owners_of_session() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert await owners_of_session() == []
+    await wait_until(lambda: len(other.target) == 12, 20, "the other member to get every unit")

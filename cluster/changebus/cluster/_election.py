@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,6 +223,9 @@ class PartitionElection:
         #: the current term, while leading (None between terms)
         self.leadership: Leadership | None = None
         self._candidate: str | None = None  # full path
+        #: this object's candidate nodes' data: a token tells them from those of a later
+        #: election of this member in this session (``stop`` while ZooKeeper is away)
+        self._candidate_data = encode_candidate(self.member_id, self.url, secrets.token_hex(8))
         self._candidate_session = 0
         self._kick = asyncio.Event()
         self._elected = asyncio.Event()
@@ -254,12 +258,18 @@ class PartitionElection:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", candidate)
                 candidate = None
+        dropped = False
         if self.session.connected:
             # and a node ``requeue`` left for the next pass's orphan scan, or a create whose
             # answer the cancel cut off: left, it headed the line while this session lived
             # on (a relay goes on after withdrawing a partition) and nobody else led (review)
             with contextlib.suppress(Exception):
                 await self._drop_orphans(self.session.session_id)
+                dropped = True
+        if not dropped:
+            # ZooKeeper away: a create the cancel cut off may wait in kazoo's queue and run
+            # once the connection is back, its node then heading the line (review)
+            self.session.delete_children_later(self.election, self._candidate_data)
         if candidate is not None:
             # ZooKeeper away: left, the node would stay at the head of the line for as long
             # as the session lives on in this program (no other candidate could lead)
@@ -361,7 +371,7 @@ class PartitionElection:
         path = await session.op(
             "create",
             f"{self.election}/{CANDIDATE_PREFIX}",
-            encode_candidate(self.member_id, self.url),
+            self._candidate_data,
             ephemeral=True,
             sequence=True,
         )

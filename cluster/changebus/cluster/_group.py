@@ -204,6 +204,8 @@ class GroupMember:
         """
         if self._tasks:
             return
+        # a start after a stop registers anew: a record unlike the one the stop left to delete
+        self._started_ns = max(time.time_ns(), self._started_ns + 1)
         groups = _GROUPS_ON.setdefault(self.session, set())
         if self.group in groups:
             raise ConfigError(
@@ -264,9 +266,11 @@ class GroupMember:
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", path)
                 path = ""
-        if self._member_sid and self._member_sid == self.session.session_id:  # (not deleted)
-            units = {u: self._fences.get(u, -1) for u in owned | self._stale}
-            leave_for_later(self.session, self.group, path, member_id, units)
+        mine = self._member_sid and self._member_sid == self.session.session_id  # (not deleted)
+        units = {u: self._fences.get(u, -1) for u in owned | self._stale} if mine else {}
+        leave_for_later(
+            self.session, self.group, path if mine else "", member_id, units, self._record()
+        )
         self.owned = frozenset()
         self._member_path, self.member_id, self._member_sid = "", "", 0
         self.is_leader = False
@@ -390,11 +394,16 @@ class GroupMember:
 
     # -- meta and registration ----------------------------------------------------------
 
+    def _record(self) -> bytes:
+        """This registration's member node data (unique: pid and start time)."""
+        return encode_member_record(self.name, self._host, self._pid, self._started_ns)
+
     async def _register(self) -> None:
         """Create the member node (a new member id)."""
-        data = encode_member_record(self.name, self._host, self._pid, self._started_ns)
         t0 = time.monotonic()
-        path, sid = await create_member(self.session, self.group, data, self._started_ns, self._pid)
+        path, sid = await create_member(
+            self.session, self.group, self._record(), self._started_ns, self._pid
+        )
         self._member_path, self._member_sid = path, sid
         self.member_id = path.rpartition("/")[2]
         self.confirmed_at = t0

@@ -294,11 +294,19 @@ async def retry_pause(session: ZkSession, failures: int, what: str, exc: Excepti
 
 
 def leave_for_later(
-    session: ZkSession, group: str, member_path: str, member_id: str, units: dict[Unit, int]
+    session: ZkSession,
+    group: str,
+    member_path: str,
+    member_id: str,
+    units: dict[Unit, int],
+    record: bytes,
 ) -> None:
     """Hand the member's undeleted nodes to the session: owner nodes of ``units``
     (unit -> czxid, -1: unknown; deleted only while they still name ``member_id``),
-    then the member node (``member_path``; "" when it was deleted)."""
+    then the member node (``member_path``; "" when it was deleted); and any member node
+    of this session holding ``record``: a registration whose create kazoo still holds
+    (queued while the connection was down, or cut off by the stop's cancel) runs later,
+    and the leader would give units to a member nobody runs (review)."""
     mine = encode_owner(member_id)
     nodes: dict[str, tuple[int, bytes | None]] = {
         owner_path(group, u): (czxid, mine) for u, czxid in sorted(units.items())
@@ -306,3 +314,4 @@ def leave_for_later(
     if member_path:
         nodes[member_path] = (-1, None)
     session.delete_later(nodes)
+    session.delete_children_later(group_members_path(group), record)

@@ -218,9 +218,17 @@ def decode_epoch(data: bytes | None) -> EpochRecord:
         raise CoordinationError(f"malformed epoch node ({exc})", retriable=False) from None
 
 
-def encode_candidate(member_id: str, url: str) -> bytes:
-    """The JSON bytes of an election candidate node."""
-    return json.dumps({"member_id": member_id, "url": url}, separators=(",", ":")).encode()
+def encode_candidate(member_id: str, url: str, candidacy: str = "") -> bytes:
+    """The JSON bytes of an election candidate node.
+
+    ``candidacy``: a token unique to the election object that creates the node, so
+    its nodes are told from those of a later election of the same member in the same
+    session (readers ignore it; older versions wrote none).
+    """
+    body = {"member_id": member_id, "url": url}
+    if candidacy:
+        body["candidacy"] = candidacy
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode_candidate(data: bytes) -> tuple[str, str]:

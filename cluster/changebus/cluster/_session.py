@@ -42,7 +42,9 @@ group leader gives units to. :meth:`ZkSession.delete_later` keeps such
 nodes and deletes them when the same session is connected again; a node
 that changed hands meanwhile (another creation: a different czxid; or other
 data) is left alone, and a new session forgets them (they went with the old
-one).
+one). :meth:`ZkSession.delete_children_later` does the same for nodes not
+known by path: a create that was queued in kazoo while the connection was
+down still runs when it comes back, after its caller gave up on it.
 
 Thread-safety: :meth:`start`, :meth:`stop`, :meth:`op`, :meth:`commit`,
 :meth:`delete_later` and the listeners belong to the event loop that called :meth:`start`;
@@ -173,6 +175,9 @@ class ZkSession:
         #: ephemeral nodes to delete once connected again: path -> (czxid or -1, data or
         #: None), of session ``_leftover_sid`` (see the module docstring)
         self._leftovers: dict[str, tuple[int, bytes | None]] = {}
+        #: (parent, data) -> nothing: this session's ephemeral children of parent that
+        #: hold exactly data, to delete once connected again (same session)
+        self._leftover_children: dict[tuple[str, bytes], None] = {}
         self._leftover_sid = 0
         self._sweeping: asyncio.Task[None] | None = None
 
@@ -367,14 +372,34 @@ class ZkSession:
         to delete them. A node that is gone, of another session, or whose czxid or
         data differ is skipped. Forgotten when the session ends.
         """
-        if not nodes or self._zk is None or not self.session_id:
+        if not nodes or not self._own_leftovers():
             return
-        if self._leftover_sid != self.session_id:
-            self._leftovers.clear()
-            self._leftover_sid = self.session_id
         self._leftovers.update(nodes)
         if self.state == "connected":
             self._sweep_soon()
+
+    def delete_children_later(self, parent: str, data: bytes) -> None:
+        """Delete this session's ephemeral children of ``parent`` holding exactly ``data``
+        when it is connected (again), whatever their names: for a sequential node whose
+        create may still run (queued in kazoo while the connection was down, or sent
+        and not answered). ``data`` must be unique to the caller (an election's token).
+        Forgotten when the session ends; settled by one pass once connected.
+        """
+        if not self._own_leftovers():
+            return
+        self._leftover_children[(parent, data)] = None
+        if self.state == "connected":
+            self._sweep_soon()
+
+    def _own_leftovers(self) -> bool:
+        """Whether leftovers can be kept (a session); those of an older session are dropped."""
+        if self._zk is None or not self.session_id:
+            return False
+        if self._leftover_sid != self.session_id:
+            self._leftovers.clear()
+            self._leftover_children.clear()
+            self._leftover_sid = self.session_id
+        return True
 
     def _sweep_soon(self) -> None:
         if self._sweeping is None or self._sweeping.done():
@@ -389,10 +414,24 @@ class ZkSession:
         it settled, and sweeps again for nodes handed over meanwhile.
         """
         nodes, sid = dict(self._leftovers), self._leftover_sid
+        scans = list(self._leftover_children)
         timeout = self.op_timeout_s
 
         def run(zk: Any) -> list[str]:
             settled: list[str] = []
+            for parent, want in scans:
+                with contextlib.suppress(NoNodeError):
+                    # after the queued requests (one connection, in order): a create
+                    # sent before is answered, so its node is seen
+                    zk.sync_async(parent).get(timeout=timeout)
+                    names = zk.get_children_async(parent).get(timeout=timeout)
+                    for name in names:
+                        path = f"{parent}/{name}"
+                        with contextlib.suppress(NoNodeError, BadVersionError):
+                            found, stat = zk.get_async(path).get(timeout=timeout)
+                            if stat.ephemeralOwner == sid and found == want:
+                                zk.delete_async(path, version=stat.version).get(timeout=timeout)
+                                log.info("ZooKeeper: deleted %s, created after its stop", path)
             for path, (czxid, data) in nodes.items():
                 try:
                     found, stat = zk.get_async(path).get(timeout=timeout)
@@ -409,13 +448,19 @@ class ZkSession:
             settled = await self.call(run)
         except CoordinationError as exc:
             log.info(
-                "ZooKeeper: %d leftover node(s) stay for the next connect: %s", len(nodes), exc
+                "ZooKeeper: %d leftover node(s) stay for the next connect: %s",
+                len(nodes) + len(scans),
+                exc,
             )
             return
+        if sid == self._leftover_sid:
+            for scan in scans:
+                self._leftover_children.pop(scan, None)
         for path in settled:
             if self._leftovers.get(path) == nodes[path]:  # (not handed over again meanwhile)
                 del self._leftovers[path]
-        if self._leftovers and self.state == "connected" and sid == self._leftover_sid:
+        left = self._leftovers or self._leftover_children
+        if left and self.state == "connected" and sid == self._leftover_sid:
             self._sweeping = None
             self._sweep_soon()  # (nodes handed over while this sweep ran)
 
@@ -570,9 +615,10 @@ class ZkSession:
         self.state = state
         self._changed.set()
         self._changed = asyncio.Event()
-        if self._leftovers:
+        if self._leftovers or self._leftover_children:
             if new_session or state in ("lost", "closed"):
                 self._leftovers.clear()  # (they went with the session)
+                self._leftover_children.clear()
             elif state == "connected" and self.session_id == self._leftover_sid:
                 self._sweep_soon()
         change = StateChange(state, self.session_id, new_session)
