@@ -310,9 +310,9 @@ async def test_a_dead_upstream_in_the_list_delays_the_loss_but_does_not_stop_it(
     change): after _CONFIRM_S the loss is recorded, as before."""
     import socket
 
-    from changebus.relay import _chain
+    from changebus.relay import _chainloss
 
-    monkeypatch.setattr(_chain, "_CONFIRM_S", 1.0)
+    monkeypatch.setattr(_chainloss, "_CONFIRM_S", 1.0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -338,9 +338,9 @@ async def test_two_followers_of_one_process_wait_for_a_dead_upstream_each_on_its
     reset each other's clock at every retry, and neither ever recorded its loss."""
     import socket
 
-    from changebus.relay import _chain
+    from changebus.relay import _chainloss
 
-    monkeypatch.setattr(_chain, "_CONFIRM_S", 1.0)
+    monkeypatch.setattr(_chainloss, "_CONFIRM_S", 1.0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -522,6 +522,44 @@ async def test_follower_that_fell_off_records_one_data_loss_window(tmp_path: Pat
                 follower.url, lambda w: w.data_loss is not None, on_data_loss="deliver"
             )
             assert windows[-1].data_loss is not None and windows[-1].scn == upstream.prev_scn
+
+
+async def test_a_loss_ends_where_the_upstream_keeping_the_most_starts(tmp_path: Path) -> None:
+    """Two upstreams that both evicted what follows the follower's position, at their own
+    pace: the loss ended at the first one's ``prev_scn`` (the stream's 410), and the windows
+    the other one still held between the two were recorded lost (review). It ends at the
+    smallest ``prev_scn`` of the upstreams, and the rest comes from that one."""
+    syn = FetcherConfig("synthetic", {**SYNTHETIC, "windows_per_s": 1000, "max_windows": 4000})
+    async with (
+        aiohttp.ClientSession() as http,
+        relay(tmp_path / "leader", syn, capacity=16 << 20) as leader,
+        relay(tmp_path / "small", chain(leader.url), capacity=256 << 10) as small,
+        relay(tmp_path / "large", chain(leader.url), capacity=1 << 20) as large,
+    ):
+        async with relay(tmp_path / "f", chain(leader.url), capacity=16 << 20) as follower:
+            await wait_until(lambda: last_scn(follower) >= 1100, 30)
+            host = follower.hosts[PART]
+        stopped_at = host.buffer.meta.last_scn
+        await wait_until(lambda: last_scn(leader) == 4999, 60)
+        await same_tail(leader, small, large)
+        small_prev = small.hosts[PART].buffer.meta.prev_scn
+        large_meta = large.hosts[PART].buffer.meta
+        assert small_prev > large_meta.prev_scn > stopped_at  # both lack what it needs
+        async with relay(tmp_path / "f", chain(small.url, large.url), capacity=16 << 20) as f:
+            await same_tail(leader, f)
+            body = await stream_bytes(http, f, stopped_at)
+            losses = data_losses(body)
+            assert [(d.from_scn, d.to_scn) for d in losses] == [
+                (stopped_at + 1, large_meta.prev_scn)
+            ]
+            eow = controls(body, Op.END_OF_WINDOW)[0]
+            assert isinstance(eow, EndOfWindow)
+            assert eow.source_position == large_meta.prev_pos
+            scns = window_scns(body)
+            assert scns == [large_meta.prev_scn, *range(large_meta.prev_scn + 1, 5000)]
+            assert f.hosts[PART].status()["fetcher"]["lost_scns"] == (
+                large_meta.prev_scn - stopped_at
+            )
 
 
 async def test_an_upstream_down_for_a_moment_is_not_a_data_loss(tmp_path: Path) -> None:

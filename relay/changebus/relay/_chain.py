@@ -101,6 +101,7 @@ from changebus.schemas.config import load_config_dict
 from changebus.schemas.security import ClientAuth
 
 from ._chainconfig import ChainConfig
+from ._chainloss import loss_end
 from ._chainschemas import Entry, KnownSchemas
 from ._lossmarker import schema_changes
 from ._windowqueue import WindowQueue
@@ -119,18 +120,6 @@ log = logging.getLogger("changebus.relay.chain")
 EPOCH_HEADER = "X-Changebus-Epoch"
 
 #: the JSON form of one registry entry (SchemaRegistry.to_json)
-
-#: how long a follower that fell off one upstream waits for a silent one to say whether
-#: it holds the windows, before it records them lost (seconds)
-_CONFIRM_S = 60.0
-#: (partition, upstream URLs, position) -> monotonic time of the first fall-off there.
-#: Kept across fetchers (the relay makes a new one at each retry); keyed by position
-#: too, so that two relays of one process following the same partition from
-#: different positions keep their own clocks (one key by partition alone was reset
-#: by each in turn, and neither ever stopped waiting). Entries older than
-#: :data:`_FORGET_S` are dropped when one is added.
-_FELL_OFF_AT: dict[tuple[str, tuple[str, ...], int], float] = {}
-_FORGET_S = 600.0
 
 
 class StaleUpstreamError(ProtocolError):
@@ -493,13 +482,21 @@ class ChainFetcher:
                 f" says it is complete after {lost_to}"
             ) from exc
         lost_from = self.position + 1
-        await self._gone_everywhere(exc)
+        assert self._queries is not None
+        lost_to, prev_position, where = await loss_end(
+            self._queries,
+            self.name,
+            self.upstream_partition,
+            self.config.upstream,
+            self.position,
+            exc,
+        )
         reason = (
             f"this relay fell off its upstream relay {exc.relay}: SCNs after {self.position}"
-            f" were evicted there (it is complete after {lost_to})"
+            f" were evicted there (complete after {lost_to} on {where})"
         )
         if self.config.on_fell_off == "restart":
-            raise RestartBufferError(reason, scn=lost_to, position=exc.prev_position)
+            raise RestartBufferError(reason, scn=lost_to, position=prev_position)
         log.error(
             "partition %s: %s; recorded as data loss %d..%d", self.name, reason, lost_from, lost_to
         )
@@ -509,7 +506,7 @@ class ChainFetcher:
             DataLoss(lost_from, lost_to, reason), lost_to, 0, ts, partition=self.partition_id
         )
         end = encode_control(
-            EndOfWindow(0, exc.prev_position), lost_to, 1, ts, partition=self.partition_id
+            EndOfWindow(0, prev_position), lost_to, 1, ts, partition=self.partition_id
         )
         window = Window(
             lost_to, ts, loss + end, 2, event_sizes=(len(loss), len(end)), schemas=pending
@@ -519,60 +516,6 @@ class ChainFetcher:
         self.data_loss_windows += 1
         self.lost_scns += lost_to - lost_from + 1
         self.position = lost_to
-
-    async def _gone_everywhere(self, exc: FellOffRelayError) -> None:
-        """Unless every upstream answers and lacks what follows our position: a retriable
-        :class:`SourceError` (read again later), never a DATA_LOSS window or an emptied buffer.
-
-        The stream gives up once one upstream refused the position (410) and the
-        others failed to answer a few times in a row: right for a consumer, which
-        may bootstrap after. A relay cannot take back a DATA_LOSS window or its
-        emptied buffer, and an upstream that was down for a moment (a rolling
-        restart) may hold every window (found by review). An upstream that answers
-        with a non-retriable error (it lacks the partition) holds nothing, nor one
-        whose buffer does not reach past our position (empty, or behind). One that
-        stays silent is waited for :data:`_CONFIRM_S` from the first fall-off at this
-        position, then the loss is recorded (a dead URL in the list must not keep the
-        partition from ever passing the gap: review).
-        """
-        assert self._queries is not None
-        now = time.monotonic()
-        key = (self.name, tuple(self.config.upstream), self.position)
-        since = _FELL_OFF_AT.get(key)
-        if since is None:
-            for old in [k for k, t in _FELL_OFF_AT.items() if now - t > _FORGET_S]:
-                del _FELL_OFF_AT[old]
-            _FELL_OFF_AT[key] = since = now
-        patient = now - since < _CONFIRM_S
-        for url in self._queries.urls:
-            if url == exc.relay:
-                continue
-            info = self._queries.info(url)
-            try:
-                found = (await info.status()).get(self.upstream_partition)
-            except Exception as failed:  # noqa: BLE001 - transport errors included
-                if isinstance(failed, ChangebusError) and not failed.retriable:
-                    continue
-                if not patient:
-                    log.warning(
-                        "partition %s: %s did not answer for %.0f s whether it holds SCN %d;"
-                        " recording the loss",
-                        self.name,
-                        safe_url(url),
-                        _CONFIRM_S,
-                        self.position + 1,
-                    )
-                    continue
-                raise SourceError(
-                    f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
-                    f" {self.position + 1}, and {safe_url(url)} did not answer whether it"
-                    " does; reading again before recording anything"
-                ) from None
-            if found is not None and found.prev_scn <= self.position < found.max_scn:
-                raise SourceError(
-                    f"partition {self.name}: {safe_url(exc.relay)} no longer holds SCN"
-                    f" {self.position + 1}, {safe_url(url)} does; reading again"
-                )
 
 
 def make_fetcher_factory(*, min_epoch: Callable[[], int] | None = None) -> FetcherFactory:
