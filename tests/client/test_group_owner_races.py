@@ -155,3 +155,83 @@ async def test_a_claim_that_found_its_unit_not_owned_is_tried_again() -> None:
     finally:
         task.cancel()
     assert member.lost and started == [[unit]]
+
+
+class _Positions:
+    """GroupPositions over a store that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.written: dict[Unit, Any] = {}
+
+    async def commit(self, group: str, commits: Any) -> Any:
+        from changebus.schemas import CommitResult
+
+        for c in commits:
+            self.written[c.unit] = c.checkpoint
+        return CommitResult(tokens={c.unit: c.token for c in commits}, fenced=frozenset())
+
+
+class _RevokingOwner:
+    """The UnitOwner calls ``_rebalance`` makes, revoking ``gone``; ``let_go`` writes their
+    final positions as the real one does."""
+
+    def __init__(self, held: dict[Unit, Any], gone: frozenset[Unit], positions: Any) -> None:
+        self.held = held
+        self.revoke_due = True
+        self._gone = gone
+        self._positions = positions
+
+    def take_lost(self) -> frozenset[Unit]:
+        return frozenset()
+
+    def revocable(self) -> tuple[frozenset[Unit], frozenset[Unit]]:
+        self.revoke_due = False
+        return self._gone, self._gone
+
+    async def let_go(self, gone: frozenset[Unit]) -> dict[Any, Any]:
+        await self._positions.flush(gone, quiet=True)
+        for unit in gone:
+            del self.held[unit]
+        return {}
+
+    def take_assigned(self) -> frozenset[Unit]:
+        return frozenset()
+
+
+async def test_a_revoked_units_window_yielded_and_not_committed_is_read_again_by_the_next_owner() -> (
+    None
+):
+    """Iterator mode without auto_commit: the application holds window W (SCN 110) of unit U
+    when U is revoked, and the lane's next batch (SCN 120, events of V only) waits for its
+    position-only advance. The revoke accepted U's position first and advanced it past W
+    after, so U's stored checkpoint said 120 and no owner ever read W again (review)."""
+    from changebus.client._group import GroupConsumer
+    from changebus.client._group_lane import Lane, LaneBatch
+    from changebus.client._group_position import GroupPositions
+    from changebus.client._model import Window
+    from changebus.schemas import PartitionCheckpoint
+
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+    store = _Positions()
+    positions = GroupPositions(store, "g", 1.0)  # type: ignore[arg-type]
+    u, v = Unit("p", 0), Unit("p", 1)
+    start = PartitionCheckpoint(window_scn=100, prev_scn=100, timestamp_ns=1)
+    for unit in (u, v):
+        positions.add(UnitClaim(unit, start, token=1, generation=1))
+    lane = object.__new__(Lane)
+    lane.partition, lane.units, lane.texts = "p", {0: u, 1: v}, {0: str(u), 1: str(v)}
+    w = Window(110, 2, "p", unit=str(u))  # yielded, not committed
+    wv = Window(120, 3, "p", unit=str(v))
+    lane.unadvanced = LaneBatch(lane, 120, 3, None, ((v, wv),), 10)
+    consumer = GroupConsumer(cfg, None, None, None)
+    consumer._mode = "iterator"
+    consumer._positions = positions
+    consumer._uncommitted = {str(u): w, str(v): wv}
+    owner = _RevokingOwner({u: lane, v: lane}, frozenset({u}), positions)
+    await consumer._rebalance(owner)  # type: ignore[arg-type]
+    # its position stays before W (written as it was, or not at all: the claim's is kept),
+    # so W is the next owner's first window
+    assert store.written.get(u, start).window_scn == 100
+    assert str(u) not in consumer._uncommitted and str(v) in consumer._uncommitted

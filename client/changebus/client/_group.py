@@ -371,13 +371,15 @@ class GroupConsumer:
             if gone:
                 await self._calls.revoked(announced)
                 gone = frozenset(u for u in gone if u in owner.held)
-                if self._mode == "iterator":
-                    self._accept_iterator(gone)
                 texts = {str(u) for u in gone}
                 self._purge_replay(texts)
                 for lane in {owner.held[u] for u in gone}:
                     if lane.unadvanced is not None:  # their final positions as far as known
                         lane.advance_idle(lane.unadvanced, self._positions_(), self._held())
+                if self._mode == "iterator":
+                    # after the advance: a unit's window yielded and not committed holds its
+                    # position back there (accepted first, the unit moved past it: review)
+                    self._accept_iterator(gone)
                 replaced = await owner.let_go(gone)
                 if replaced:  # windows not handed out yet now belong to the narrowed lanes
                     self._ready = deque(
