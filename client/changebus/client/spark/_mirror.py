@@ -96,8 +96,19 @@ class ParquetMirror:
     ) -> None:
         tmp = self.path / "_current.json.tmp"
         doc = {"batch_id": batch_id, "version": version, "applied": applied}
-        tmp.write_text(json.dumps(doc))
+        # durable before Spark records the batch as committed: a pointer lost to a power
+        # cut (a rename not synced) came back empty or old, and Spark does not replay the
+        # batch (review); the Parquet files are Spark's to sync (docs/spark.md)
+        with tmp.open("w") as f:
+            f.write(json.dumps(doc))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self._pointer)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _dir(self, version: int) -> Path:
         return self.path / f"v={version}"
