@@ -404,6 +404,46 @@ def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
     assert _plan(store, "p", -1, 1e18)["snapshot"] is True
 
 
+def test_a_consumer_from_nothing_gets_a_snapshot_while_tables_are_seeded_again(
+    store: Store,
+) -> None:
+    """A re-seed marks its tables "not seeded" until it ends, and a snapshot of keys
+    records no table seeded: with no seeded table left, a consumer from nothing was sent
+    a catch-up from the log, which lacks every row only a copy brought (review)."""
+    from changebus.bootstrap._plan import plan_bootstrap as _plan
+
+    wins = random_windows(7, 20)
+    store.append("p", b"".join(wins), start_scn=-1)
+    store.apply("p")
+    assert _plan(store, "p", -1, 1e18)["snapshot"] is False  # nothing copied: the log
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    rows = [ENC[t.name].encode(Op.INSERT, 5, i, 50, {"id": 500 + i, "v": "s"}) for i in range(3)]
+    store.seed_rows("p", t.name, rows, 5)
+    store.seed_rows("p", t.name, [], 5)
+    assert _plan(store, "p", -1, 1e18)["snapshot"] is True
+    store.forget_seed("p", [t.name])  # a whole re-seed starts
+    assert store.seeded("p") == {}
+    assert _plan(store, "p", -1, 1e18)["snapshot"] is True
+
+
+def test_a_snapshot_of_keys_alone_sends_consumers_from_nothing_to_the_snapshot(
+    store: Store,
+) -> None:
+    from changebus.bootstrap._chunks import JobState
+    from changebus.bootstrap._plan import plan_bootstrap as _plan
+
+    store.append("p", b"".join(random_windows(8, 20)), start_scn=-1)
+    store.apply("p")
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    assert _plan(store, "p", -1, 1e18)["snapshot"] is False
+    job = JobState(t.name, '{"keys": [[500]]}', first_tag=5, last_tag=5)
+    store.finish_snapshot("p", job, seeded=False)
+    assert store.seeded("p") == {} and store.never_seeded("p") == [t.name]
+    assert _plan(store, "p", -1, 1e18)["snapshot"] is True
+
+
 def test_prune_to_keeps_about_n_events(store: Store) -> None:
     wins = random_windows(6, 60)
     store.append("p", b"".join(wins), start_scn=-1)

@@ -59,6 +59,9 @@ class SeedLedger(StoreDb):
 
     #: the ``cb_seed`` name of a gap: reserved, never a table (no dot)
     _GAP = "*gap*"
+    #: the ``cb_seed`` name that says rows were copied from the source by a snapshot of
+    #: keys or a range, which records no table as seeded (:meth:`copied`)
+    _COPIED = "*copied*"
 
     #: lost ranges :meth:`lost_ranges` lists at most (the newest)
     LOST_RANGES_SHOWN = 100
@@ -239,10 +242,35 @@ class SeedLedger(StoreDb):
         return {
             str(n): int(s)
             for n, s in self._all(
-                "SELECT name, scn FROM cb_seed WHERE part = {p} AND name <> {p} AND scn >= 0",
-                (part, self._GAP),
+                "SELECT name, scn FROM cb_seed WHERE part = {p} AND name <> {p} AND name <> {p} "
+                "AND scn >= 0",
+                (part, self._GAP, self._COPIED),
             )
         }
+
+    def copied(self, part: str) -> bool:
+        """Whether the snapshot holds rows copied from the source since the last gap: a
+        table seeded, being seeded again (:meth:`forget_seed`), or a snapshot of keys or a
+        range, finished or in progress. Such rows are not in the log: a consumer from
+        nothing needs the snapshot, whatever :meth:`seeded` says now (review)."""
+        return (
+            self._one(
+                "SELECT 1 FROM cb_seed WHERE part = {p} AND name <> {p} LIMIT 1",
+                (part, self._GAP),
+            )
+            is not None
+            or self._one("SELECT 1 FROM cb_snapjob WHERE part = {p} LIMIT 1", (part,)) is not None
+        )
+
+    def mark_copied(self, part: str) -> None:
+        """Record that a snapshot of keys or a range copied rows (:meth:`copied`)."""
+        self._conn.execute(
+            self._sql(
+                "INSERT INTO cb_seed (part, name, scn) VALUES ({p}, {p}, 0) "
+                "ON CONFLICT (part, name) DO NOTHING"
+            ),
+            (part, self._COPIED),
+        )
 
     def never_seeded(self, part: str) -> list[str]:
         """Known tables never seeded in full since the last gap (their snapshot may lack

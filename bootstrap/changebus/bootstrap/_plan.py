@@ -130,8 +130,9 @@ def plan_bootstrap(
         enough = int(min(ratio * rows, 2.0**62)) + 1  # (a huge ratio: every log event)
         log_events = store.changed_since(part, since, st.producer_scn, enough)
         # (from nothing, rows a seed copied are in the snapshot only, never in the log:
-        # a catch-up from the log's start lacked them; review)
-        seeded = since < 0 and bool(store.seeded(part))
+        # a catch-up from the log's start lacked them; also while a table is seeded
+        # again, or after a snapshot of keys; review)
+        seeded = since < 0 and store.copied(part)
         if (log_events <= ratio * rows or st.applier_scn <= since) and not seeded:
             snapshot, start = False, since
             if start < 0:  # from nothing: just before the log's first window (an SCN >= 0)

@@ -309,6 +309,8 @@ class SnapshotJobs(SeedLedger):
                         ),
                         (part, sid, job.last_tag),
                     )
+            else:
+                self.mark_copied(part)  # (rows the log lacks, though no table is seeded)
             self._conn.execute(
                 self._sql("DELETE FROM cb_snapjob WHERE part = {p} AND name = {p}"),
                 (part, job.table),
