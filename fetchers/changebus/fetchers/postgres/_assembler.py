@@ -235,11 +235,13 @@ class Assembler:
         table = found if found is not None else self.registry.register(wanted)
         old = self._tables.get(rel.oid)
         key_flags = tuple(c.key for c in rel.columns)
+        type_ids = tuple((c.type_oid, c.typmod) for c in rel.columns)
         if (
             old is not None
             and old.schema.version == table.version
             and old.schema.name == table.name
             and old.key_flags == key_flags
+            and old.type_ids == type_ids  # (a type made again under its old name: review)
         ):
             return  # Postgres re-sends unchanged Relation messages after reconnects
         # (a new replica identity keeps the schema but changes which columns a key-only
@@ -275,6 +277,7 @@ class Assembler:
                 n for n, k in zip(names, key_flags, strict=True) if not k and n not in excluded
             ),
             excluded=excluded,
+            type_ids=type_ids,
         )
 
     def _announce(self, txn: _Txn, table: Table) -> None:

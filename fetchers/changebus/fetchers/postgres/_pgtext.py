@@ -117,7 +117,11 @@ def _shortest(value: float, single: bool) -> decimal.Decimal:
     ties = {(exact + fractions.Fraction(n)) / 2 for n in neighbours if math.isfinite(n)}
     while True:
         text = f"{value:.{max(places, 0)}e}"
-        back = _F32.unpack(_F32.pack(float(text)))[0] if single else float(text)
+        try:
+            back = _F32.unpack(_F32.pack(float(text)))[0] if single else float(text)
+        except OverflowError:  # rounded past the float4 maximum (3.403e+38): more digits
+            places += 1
+            continue
         if back == value and fractions.Fraction(decimal.Decimal(text)) not in ties:
             return decimal.Decimal(text)
         places += 1

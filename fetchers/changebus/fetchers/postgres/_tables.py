@@ -75,6 +75,8 @@ class Table:
     key_only_not_sent: tuple[str, ...] = ()
     #: the columns the column policy excludes (never decoded)
     excluded: frozenset[str] = frozenset()
+    #: (type OID, typmod) per column, as the Relation message gave them
+    type_ids: tuple[tuple[int, int], ...] = ()
 
 
 #: tables whose transcoder and row encoder an assembler keeps (a 10-column table's

@@ -41,9 +41,11 @@ from changebus.schemas import AvroType, CorruptEventError, pg_avro_type
 
 from . import _textcompose as compose
 from ._pgoutput import UNCHANGED, Cell
-from ._values import DECODERS, TEXT_FORMS, array_decoder, decode_value
+from ._values import DECODERS, TEXT_FORMS, array_decoder, decode_value, money_decoder
 
 __all__ = ["ColumnType", "TypeResolver"]
+
+_MONEY: Final = 790
 
 _QUERY = """
 SELECT t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory,
@@ -234,6 +236,10 @@ class TypeResolver:
             return ColumnType(formatted, oid, False, None, decoder=_no_binary)
         if send in _TEXT_SENDS:
             return ColumnType(formatted, oid, False, None, decoder=_utf8, render=_utf8, utf8=True)
+        if oid == _MONEY:  # its decimals are lc_monetary's (the database's default)
+            scale = self._conn.execute("SELECT scale('0'::money::numeric)").fetchone()
+            decoder = money_decoder(int(scale[0]) if scale and scale[0] is not None else 2)
+            return ColumnType(formatted, oid, False, None, decoder=decoder)
         if oid in DECODERS:
             return ColumnType(
                 formatted, oid, False, None, decoder=DECODERS[oid], render=TEXT_FORMS.get(oid)

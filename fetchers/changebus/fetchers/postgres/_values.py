@@ -31,7 +31,8 @@ uuid                              uuid.UUID
 json, jsonb                       str (the JSON text)
 inet, cidr                        str, as Postgres prints it
 macaddr                           str ``08:00:2b:01:02:03``
-money                             str with two decimals (the minor unit count / 100)
+money                             str with the decimals of the database's
+                                  ``lc_monetary`` (:func:`money_decoder`)
 "char", pg_lsn, xid, xid8, cid,   str, Postgres' own text form (:mod:`._pgtext`):
 tid, macaddr8, bit, varbit,       ``\\351`` ("char" above 0x7F, Postgres 15),
 int2vector, oidvector,            ``16/B374D848``, ``1010``, ``1 2 3``,
@@ -81,6 +82,7 @@ __all__ = [
     "array_decoder",
     "contains_out_of_range",
     "decode_value",
+    "money_decoder",
     "non_finite",
 ]
 
@@ -170,7 +172,9 @@ def _time(b: bytes) -> datetime.time | int:
 
 def _timetz(b: bytes) -> str:
     us, zone_west = _S_TIMETZ.unpack(b)
-    t = time_text(us) if us == _DAY_US else _time_of_day(us).isoformat()
+    if not 0 <= us <= _DAY_US:
+        raise ValueError(f"a time of {us} µs")
+    t = time_text(us)  # Postgres' text, as in a composite or a range (not isoformat)
     east = -zone_west
     sign = "+" if east >= 0 else "-"
     hh, rem = divmod(abs(east), 3600)
@@ -219,6 +223,20 @@ def _macaddr(b: bytes) -> str:
 def _money(b: bytes) -> str:
     (cents,) = _S_I64.unpack(b)
     return str(decimal.Decimal(cents).scaleb(-2))
+
+
+def money_decoder(scale: int) -> Callable[[bytes], str]:
+    """``money`` with ``scale`` decimals: Postgres keeps a count of the minor unit of
+    ``lc_monetary`` (two decimals in most locales and in C, none for yen, three for
+    dinars); read as if it had two, ¥1000 became ``"10.00"`` (review)."""
+    if scale == 2:
+        return _money
+
+    def money(b: bytes) -> str:
+        (units,) = _S_I64.unpack(b)
+        return str(decimal.Decimal(units).scaleb(-scale))
+
+    return money
 
 
 def _jsonb(b: bytes) -> str:
