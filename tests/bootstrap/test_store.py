@@ -444,6 +444,34 @@ def test_a_snapshot_of_keys_alone_sends_consumers_from_nothing_to_the_snapshot(
     assert _plan(store, "p", -1, 1e18)["snapshot"] is True
 
 
+def test_a_page_of_big_rows_after_many_skipped_ones_holds_about_a_page(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows a page skips (unchanged since the consumer's position) counted little in the
+    size of the next read, which asked Postgres for 2,000 rows; its client-side cursor
+    held them all, 1 MiB rows included, for a 1 MiB page (review). A read now holds
+    about what the page still takes; the pages after it still cover every row once."""
+    t = TABLES[0].name
+    store.append("p", window(100, [(t, Op.INSERT, k, "s") for k in range(3000)]), start_scn=-1)
+    big = "x" * (1 << 20)
+    for k in range(3000, 3030):
+        store.append("p", window(300 + k, [(t, Op.INSERT, k, big)]))
+    store.apply("p")
+    sid = REG.source_id(t)
+    read = _count_reads(store, monkeypatch)
+    position, seen = (0, 0), 0
+    while True:
+        page = store.snapshot_page(
+            "p", [sid], since_scn=200, start_scn=10_000, position=position, max_bytes=1 << 20
+        )
+        seen += page.events
+        position = page.position
+        if page.complete:
+            break
+    assert seen == 30
+    assert max(read) < 3 << 20, read  # not 30 rows of 1 MiB in one read
+
+
 def test_prune_to_keeps_about_n_events(store: Store) -> None:
     wins = random_windows(6, 60)
     store.append("p", b"".join(wins), start_scn=-1)
@@ -648,6 +676,11 @@ def test_an_update_without_unsent_columns_is_completed_by_an_older_chunk(store: 
     assert _live_rows(store, t) == {1: ("big1", ()), 2: ("big2", ())}
 
 
+def _blob_bytes(row: Any) -> int:
+    """Bytes of a row's events (its bytes-like columns: the event is not always last)."""
+    return sum(len(v) for v in row if isinstance(v, bytes | memoryview))
+
+
 def _count_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Bytes of the event rows each page read holds: all its rows when the store's
     cursor holds them (Postgres), those taken when it steps the query (SQLite)."""
@@ -661,14 +694,14 @@ def _count_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return rows
         if store.dialect != "sqlite":
             held = list(rows)
-            read.append(sum(len(r[-1] or b"") for r in held))
+            read.append(sum(_blob_bytes(r) for r in held))
             rows.close()
             return _Closing(iter(held))
         read.append(0)
 
         def taken() -> Any:
             for row in rows:
-                read[-1] += len(row[-1] or b"")
+                read[-1] += _blob_bytes(row)
                 yield row
 
         return _Closing(taken(), rows.close)
@@ -678,7 +711,7 @@ def _count_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     def counting_all(sql: str, params: Any = ()) -> Any:  # (reads that hold their rows)
         rows = every(sql, params)
         if "event" in sql:
-            read.append(sum(len(r[-1] or b"") for r in rows))
+            read.append(sum(_blob_bytes(r) for r in rows))
         return rows
 
     if real is not None:
@@ -792,6 +825,51 @@ def test_a_page_whose_filter_matches_little_reads_a_bounded_part_of_the_store(
         if part.complete:
             break
     assert keys == set(range(600))
+
+
+def test_a_page_over_many_small_tables_keeps_to_its_scan_budget(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan budget was checked only after a read that came back full: tables of fewer
+    rows than a read asks for were each read to their end, and one request read every
+    table of the store (review). A page now stops before a new table once the budget is
+    spent; the pages after it go on from there, every table's rows once."""
+    from changebus.bootstrap import _pages
+
+    monkeypatch.setattr(_pages, "MIN_SCAN_BYTES", 16 << 10)
+    monkeypatch.setattr(_pages, "SCAN_PAGES", 1)
+    reg = SchemaRegistry()
+    tables = [
+        reg.register(TableSchema(f"public.m{i}", (Column("id", "long", nullable=False),), ("id",)))
+        for i in range(100)
+    ]
+    events = []
+    for t in tables:
+        enc = RowEncoder(t, source_id=reg.source_id(t.name), partition=1)
+        events += [enc.encode(Op.INSERT, 100, k, 1000, {"id": k}) for k in range(12)]
+    changed = RowEncoder(tables[-1], source_id=reg.source_id(tables[-1].name), partition=1)
+    store.append(
+        "p", b"".join(events) + encode_control(EndOfWindow(len(events), ""), 100, len(events), 1000)
+    )
+    store.append(
+        "p",
+        changed.encode(Op.INSERT, 300, 0, 3000, {"id": 99})
+        + encode_control(EndOfWindow(1, ""), 300, 1, 3000),
+    )
+    store.apply("p")
+    sids = sorted(reg.source_id(t.name) for t in tables)
+    position, pages, sent = (0, 0), 0, 0
+    while True:
+        page = store.snapshot_page(
+            "p", sids, since_scn=200, start_scn=300, position=position, max_bytes=16 << 10
+        )
+        pages += 1
+        sent += page.events
+        position = page.position
+        if page.complete:
+            break
+    assert pages >= 10  # 1,200 skipped rows of 256 bytes, 16 KiB of them a page
+    assert sent == 1  # the one row changed after 200, in the last table, once
 
 
 def test_a_plan_counts_a_bounded_part_of_the_store(store: Store) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from changebus.schemas import FIRST_CONTROL_OP, Op, PartitionFilter, decode_header
 
@@ -132,6 +133,10 @@ class Pages(StoreDb):
             if sid < src:
                 continue
             if sid > src:
+                if seen[1] >= scan_limit:
+                    # (checked after full reads only, tables of few rows each were read to
+                    # the end of the store in one request: review) the next page starts it
+                    return SnapshotPage(b"".join(chunks), events, (src, after), False)
                 after = 0
             reads = 0  # (this table's: its rows' size is not known from another's)
             if after == 0:
@@ -157,16 +162,18 @@ class Pages(StoreDb):
                 # (taken row by row, and left as soon as the page is full: a read sized
                 # by the rows before (a table of small rows, rows unchanged since
                 # ``since_scn``) held 2,000 of the next table's 1 MB rows at once; review)
-                rows = self._each(
-                    "SELECT id, CASE WHEN scn > {p} AND (deleted = 0 OR {p}) THEN event END "
-                    "FROM cb_snap WHERE part = {p} AND source_id = {p} AND id > {p} "
-                    "ORDER BY id LIMIT {p}",
+                budget = max_bytes - size  # (> 0: a full page has returned)
+                rows = self._page_rows(
+                    _SNAP_SQLITE,
+                    _SNAP_PG,
                     (since_scn, since_scn >= 0, part, sid, after, want),
+                    budget,
                 )
-                got = 0
+                got = cut = 0
                 try:
-                    for rid, event in rows:
+                    for rid, event, upto in rows:
                         got += 1
+                        cut = int(upto) >= budget  # (Postgres: the rows after it were not sent)
                         after = int(rid)
                         n = SKIPPED_ROW_BYTES if event is None else len(event)
                         seen = (seen[0] + 1, seen[1] + n)
@@ -184,13 +191,21 @@ class Pages(StoreDb):
                             return SnapshotPage(b"".join(chunks), events, (sid, after), False)
                 finally:
                     rows.close()
-                if got < want:
+                if got < want and not cut:
                     break
                 if seen[1] >= scan_limit:  # (rows were left: the next page goes on here)
                     return SnapshotPage(b"".join(chunks), events, (sid, after), False)
             src = sid
         last = sources[-1] if sources else 0
         return SnapshotPage(b"".join(chunks), events, (last, after), True)
+
+    def _page_rows(
+        self, sqlite: str, postgres: str, params: tuple[object, ...], budget: int
+    ) -> Any:
+        """A page read's rows (close them): on Postgres cut after ``budget`` bytes."""
+        if self.dialect == "sqlite":
+            return self._each(sqlite, params)
+        return self._each(postgres, (*params, budget))
 
     def _held_rows(self, want: int, reads: int) -> int:
         """Rows a page's ``reads``-th read of one table may ask for: ``want``. Postgres'
@@ -230,18 +245,19 @@ class Pages(StoreDb):
                 want = min(batch_rows, max(2 * want, 16))
             want = self._held_rows(want, reads)
             reads += 1
-            rows = self._each(
-                "SELECT id, scn, op, event FROM cb_log WHERE part = {p} AND "
-                # (``scn >= cursor``, implied by the OR, is what lets the index start at
-                # the cursor: without it every page read the log from its beginning)
-                "scn >= {p} AND (scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} "
-                "ORDER BY scn, id LIMIT {p}",
+            # (a window goes out whole: past max_bytes, reads of a few MiB until its end)
+            budget = max_bytes - size if size < max_bytes else _WINDOW_READ_BYTES
+            rows = self._page_rows(
+                _LOG_SQLITE,
+                _LOG_PG,
                 (part, cursor_scn, cursor_scn, cursor_scn, cursor_id, target_scn, want),
+                budget,
             )
-            got = 0
+            got = cut = 0
             try:
-                for rid, scn, op, event in rows:
+                for rid, scn, op, event, upto in rows:
                     got += 1
+                    cut = int(upto) >= budget
                     cursor_scn, cursor_id = int(scn), int(rid)
                     chunks.append(bytes(event))
                     size += len(event)
@@ -254,11 +270,43 @@ class Pages(StoreDb):
                             return CatchupPage(data, events, last_scn, last_id, done)
             finally:
                 rows.close()
-            if got < want:
+            if got < want and not cut:
                 break
         # drop a trailing partial window (cannot happen with whole-window appends)
         return CatchupPage(b"".join(chunks), events, last_scn, last_id, True)
 
+
+# The reads of a page. Postgres' client-side cursor holds a whole result: its queries
+# stop after the row that passes ``budget`` bytes of events sent (a running sum of
+# their sizes, which ``octet_length`` reads without fetching a TOASTed value), and the
+# rows after it are read by the next query. Before, a read sized by rows seen (a
+# table's skipped rows count 256 bytes each) held 2,000 rows of 1 MiB for a 1 MiB page
+# (review). SQLite steps its query as rows are taken: a reader that stops early holds
+# nothing more. Columns: the rows', then that running sum (0 on SQLite).
+_SENT = "CASE WHEN scn > {p} AND (deleted = 0 OR {p}) THEN event END"
+_SNAP_FROM = "FROM cb_snap WHERE part = {p} AND source_id = {p} AND id > {p} ORDER BY id LIMIT {p}"
+_SNAP_SQLITE = f"SELECT id, {_SENT}, 0 {_SNAP_FROM}"
+_SNAP_PG = (
+    "SELECT id, ev, upto FROM (SELECT id, ev, sum(coalesce(octet_length(ev), 0)) OVER "
+    f"(ORDER BY id ROWS UNBOUNDED PRECEDING) AS upto FROM (SELECT id, {_SENT} AS ev "
+    f"{_SNAP_FROM}) l) q WHERE upto - coalesce(octet_length(ev), 0) < {{p}} ORDER BY id"
+)
+_LOG_FROM = (
+    "FROM cb_log WHERE part = {p} AND "
+    # (``scn >= cursor``, implied by the OR, is what lets the index start at the
+    # cursor: without it every page read the log from its beginning)
+    "scn >= {p} AND (scn > {p} OR (scn = {p} AND id > {p})) AND scn <= {p} "
+    "ORDER BY scn, id LIMIT {p}"
+)
+_LOG_SQLITE = f"SELECT id, scn, op, event, 0 {_LOG_FROM}"
+_LOG_PG = (
+    "SELECT id, scn, op, event, upto FROM (SELECT id, scn, op, event, "
+    "sum(octet_length(event)) OVER (ORDER BY scn, id ROWS UNBOUNDED PRECEDING) AS upto "
+    f"FROM (SELECT id, scn, op, event {_LOG_FROM}) l) q "
+    "WHERE upto - octet_length(event) < {p} ORDER BY scn, id"
+)
+#: a catch-up read's budget past ``max_bytes``, inside a window that goes out whole
+_WINDOW_READ_BYTES = 4 << 20
 
 #: a snapshot page reads at most this many times its ``max_bytes`` of rows...
 SCAN_PAGES = 16
