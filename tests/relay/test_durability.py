@@ -561,3 +561,53 @@ def test_a_sync_never_covers_a_window_the_meta_file_does_not_name_yet(tmp_path: 
         syncer.stop()
         runner.join(10)
         buf.close()
+
+
+async def test_a_periodic_flush_runs_one_at_a_time_and_logs_its_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay's periodic flush was queued on the writer thread every interval, whether
+    the one before had ended or not (slow flushes piled up ahead of appends), and its
+    result was dropped: a failed msync showed only as an unretrieved future (review)."""
+    import asyncio
+    import errno
+    import logging
+    import threading
+
+    from changebus.relay import FetcherConfig, HttpConfig, PartitionConfig, Relay, RelayConfig
+
+    cfg = RelayConfig(
+        data_dir=tmp_path / "relay",
+        http=HttpConfig(port=0),
+        partitions=(
+            PartitionConfig(
+                "fl", 1, capacity_bytes=1 << 20, fetcher=FetcherConfig("synthetic", {"tables": 1})
+            ),
+        ),
+        flush_interval_s=0,
+    )
+    async with Relay(cfg) as relay:
+        host = relay.hosts["fl"]
+        calls: list[int] = []
+        release = threading.Event()
+
+        def slow() -> None:
+            calls.append(1)
+            release.wait(5)
+
+        host.buffer.flush = slow  # type: ignore[method-assign]
+        first = asyncio.create_task(host.flush())
+        await asyncio.sleep(0.05)
+        await asyncio.gather(host.flush(), host.flush())  # skipped: one is running
+        release.set()
+        await first
+        assert calls == [1]
+
+        def failing() -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        host.buffer.flush = failing  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR, logger="changebus.relay.ingest"):
+            await host.flush()
+        assert "partition fl: flushing the buffer failed" in caplog.text
+        del host.buffer.flush  # (the real one closes the buffer)

@@ -102,7 +102,7 @@ async def test_relay_bootstrap_and_checkpoint_files_are_private(tmp_path: Path) 
             w = boot.service.workers["syn"]
             await wait_until(lambda: w.applier_scn > 0, 30, "the applier")
             assert_private(tmp_path / "boot", BOOT_FILES)
-        relay.hosts["syn"].flush()
+        await relay.hosts["syn"].flush()
         assert_private(tmp_path / "relay", RELAY_FILES)
     await FileCheckpointPersister(checkpoint).store(
         Checkpoint({"syn": PartitionCheckpoint(window_scn=5, prev_scn=4)})

@@ -155,8 +155,7 @@ class Relay:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.flush_interval_s)
-            for host in self.hosts.values():
-                host.flush()
+            await asyncio.gather(*(host.flush() for host in list(self.hosts.values())))
 
     async def start(self) -> None:
         """Open the partitions, listen, join the cluster (stops what it started when it fails).

@@ -158,6 +158,7 @@ class PartitionHost(SourceAcks, GroupAppend):
         self.fetcher: Fetcher | None = None
         self.state = "idle" if config.fetcher.kind == "none" else "starting"
         self.last_error = ""
+        self._flushing = False  # (a periodic flush is running: see flush)
         #: what error texts must never show: the fetcher's secret option values
         self._secrets = secret_values(config.fetcher)
         self.consumers: dict[str, ConsumerSeen] = {}
@@ -261,13 +262,23 @@ class PartitionHost(SourceAcks, GroupAppend):
             create_fetcher, cfg.kind, self.name, self.config.id, cfg.options
         )
 
-    def flush(self) -> None:
+    async def flush(self) -> None:
         """msync the buffer (runs on the writer thread to stay ordered with appends).
 
         Nothing to do with ``durability = "fsync"``: the syncer keeps it synced.
+        One at a time: a tick while a flush runs is skipped (queued each interval,
+        slow flushes piled up on the writer thread ahead of appends), and a failed
+        one is logged with the partition's name (it was dropped unread: review).
         """
-        if self.syncer is None:
-            self._writer.run(self.buffer.flush)
+        if self.syncer is not None or self._flushing:
+            return
+        self._flushing = True
+        try:
+            await self._writer.run(self.buffer.flush)
+        except OSError as exc:
+            log.error("partition %s: flushing the buffer failed: %s", self.name, exc)
+        finally:
+            self._flushing = False
 
     @property
     def ready(self) -> bool:
