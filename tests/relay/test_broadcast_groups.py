@@ -181,3 +181,54 @@ async def test_a_pass_for_a_group_behind_skips_the_groups_at_the_tail(
         task.cancel()
     await asyncio.sleep(0)
     assert copies.parked == 0
+
+
+async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stopped(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """One pass pushed to every group behind the tail in one callback: with dozens of
+    filtered groups catching up, 100-200 ms of event loop at a time, back to back (review).
+    A pass yields after PASS_S; the next one starts with the groups not reached, so every
+    group gets its pushes and all of them catch up."""
+    from changebus.relay import _broadcast
+
+    monkeypatch.setattr(_broadcast, "PASS_S", 0.0)  # one group a pass
+    buffer, copies, broadcast = _setup(tmp_path)
+    for scn in range(1, 21):
+        buffer.append_window(
+            _event(scn, 0, 2000, 1) + encode_control(EndOfWindow(1, "p"), scn, 1, scn * 1000)
+        )
+    tail = buffer.meta.last_scn
+    streams = [_parked(_Transport(), max_bytes=4096, filter_text=f"f{i}") for i in range(8)]
+    waiting = [asyncio.ensure_future(broadcast.park(s)) for s in streams]
+    pushes: list[int] = []
+    push = broadcast._push
+
+    def counting(by_pos: Any, pos: Any, group: Any, cap: int) -> None:
+        pushes.append(id(group[0]))
+        push(by_pos, pos, group, cap)
+
+    monkeypatch.setattr(broadcast, "_push", counting)
+    per_pass: list[int] = []
+    real = broadcast._broadcast
+
+    def counted() -> None:
+        before = len(pushes)
+        real()
+        per_pass.append(len(pushes) - before)
+
+    monkeypatch.setattr(broadcast, "_broadcast", counted)
+    await asyncio.sleep(0)
+    broadcast._woken()
+    for _ in range(2000):
+        await asyncio.sleep(0)
+        if all(s.scn == tail for s in streams):
+            break
+    assert all(s.scn == tail for s in streams)
+    assert per_pass and max(per_pass) == 1  # each pass yielded after one group
+    # round-robin: once every group is parked, each eight pushes in a row reach all eight
+    assert len(pushes) >= 24 and len(set(pushes[8:16])) == len(set(pushes[16:24])) == 8
+    for task in waiting:
+        task.cancel()
+    await asyncio.sleep(0)
+    assert copies.parked == 0

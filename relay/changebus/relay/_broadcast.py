@@ -82,6 +82,9 @@ _SPARE_SHARE = 8
 _FEW_STREAMS = 16
 #: a parked consumer is reported to the host's consumer list at most this often
 SEEN_S = 1.0
+#: the event loop time one broadcast pass takes at most before it yields (s): the
+#: groups it did not reach go first in the next pass, which runs at once after
+PASS_S = 0.005
 
 Why = Literal["drain", "budget", "idle", "closed", "task"]
 
@@ -139,6 +142,7 @@ class TailBroadcast:
         self._tick: asyncio.Handle | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._last = 0.0
+        self._next = 0  # (where the next pass starts in its list of groups: PASS_S)
         self._loop = asyncio.get_running_loop()
         host.add_wake_listener(self._woken)
 
@@ -238,7 +242,17 @@ class TailBroadcast:
             for pos, group in by_pos.items()
             if pos != tail
         ]
-        for by_pos, pos, group in groups:
+        # (one filtered select of groups behind costs up to milliseconds: a pass over
+        # dozens of them in one callback starved long-polls, probes and ingest; review)
+        start = self._next % len(groups) if groups else 0
+        deadline = time.perf_counter() + PASS_S
+        for i in range(len(groups)):
+            by_pos, pos, group = groups[(start + i) % len(groups)]
+            if i and time.perf_counter() > deadline:
+                self._next = start + i  # the first group not reached goes first next time
+                if self._tick is None:
+                    self._tick = self._loop.call_soon(self._broadcast)
+                return
             if by_pos.get(pos) is not group:
                 continue  # (emptied meanwhile)
             self._push(by_pos, pos, group, cap)
