@@ -79,3 +79,59 @@ async def test_small_groups_are_appended_on_the_loop_unless_a_reader_holds_a_pin
         assert headers["seq"][start : end + 1].tolist() == list(range(end + 1 - start))
         assert set(scns[start : end + 1]) == {scns[end]}
         start = end + 1
+
+
+def _window(scn: int, n: int, size: int) -> bytes:
+    from changebus.schemas import EndOfWindow, encode_control, encode_event, key_hash
+
+    events = [
+        encode_event(
+            Op.INSERT,
+            scn,
+            i,
+            scn,
+            f"k{i}".encode(),
+            b"x" * size,
+            key_hash=key_hash(b"k"),
+            source_id=1,
+        )
+        for i in range(n)
+    ]
+    return b"".join(events) + encode_control(EndOfWindow(n, "p"), scn, n, scn)
+
+
+def test_a_group_whose_room_evicts_part_of_a_huge_window_goes_to_the_writer_thread(
+    tmp_path: Path,
+) -> None:
+    """An inline group that evicts the first part of the oldest window, one of many events,
+    made the eviction find that window's end by scanning its events on the event loop
+    (38 ms for 8 million; review). Such a group goes to the writer thread; one whose room
+    is a few whole small windows is still appended inline."""
+    from changebus.fetchers import Window
+    from changebus.relay._buffer import BufferConfig, EventBuffer
+    from changebus.relay._writerthread import WriterThread, fits_inline
+
+    data = _window(10_000, 2, 100)
+    _, h = parse_stream(data)
+    sizes = tuple(int(x) for x in h["total_length"])
+    small = Window(10_000, 1, data, len(sizes), event_sizes=sizes)
+    writer = WriterThread("t")
+    try:
+        # its event table full: the group's room is the oldest window's first events
+        huge = EventBuffer(
+            tmp_path / "huge", BufferConfig(capacity_bytes=8 << 20, event_slots=40_002)
+        )
+        huge.set_start(0)
+        huge.append_window(_window(1, 40_000, 20))
+        assert not fits_inline(writer, huge, [small])
+        many = EventBuffer(
+            tmp_path / "many", BufferConfig(capacity_bytes=8 << 20, event_slots=40_002)
+        )
+        many.set_start(0)
+        for scn in range(1, 2001):
+            many.append_window(_window(scn, 19, 20))  # 40,000 events, 20 a window
+        assert fits_inline(writer, many, [small])
+        huge.close()
+        many.close()
+    finally:
+        writer._executor.shutdown()

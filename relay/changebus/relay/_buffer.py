@@ -85,7 +85,7 @@ from changebus.schemas.errors import BadRequestError
 from changebus.schemas.files import narrow_files, private_dir, private_file, reserve_file
 
 from ._bufconfig import DURABILITY_MODES, BufferConfig, Durability, check_durability
-from ._evict import Pin
+from ._evict import Pin, eviction_is_small
 from ._index import cut_points
 from ._meta import BufferMeta, MetaFile, kept_position
 from ._prefault import Prefaulter
@@ -447,6 +447,19 @@ class EventBuffer(BufferWriter):
         rv = self._ring_view
         result.views = [rv[a:b] for a, b in result.spans]
         return result
+
+    def room_is_cheap(self, size: int, events: int, max_events: int) -> bool:
+        """Whether making room for ``size`` bytes and ``events`` events evicts at most
+        ``max_events`` events without a scan (bounds taken high: a wrap's skip is less
+        than ``size``)."""
+        m = self._meta
+        return eviction_is_small(
+            self._events,
+            m,
+            m.tail_pos + 2 * size - self.capacity,
+            m.tail_event + events - self.config.slots,
+            max_events,
+        )
 
     @property
     def pinned(self) -> bool:

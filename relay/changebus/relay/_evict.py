@@ -156,6 +156,30 @@ def plan_eviction(
     )
 
 
+def eviction_is_small(
+    events: CircularTable,
+    m: BufferMeta,
+    min_head_pos: int,
+    min_head_event: int,
+    max_events: int,
+) -> bool:
+    """Whether :func:`plan_eviction` for these bounds (or lower ones) evicts at most
+    ``max_events`` events: two bisections and a look at most ``max_events`` ahead. For an
+    append on the event loop: evicting the first part of a window of millions of events
+    scanned to its end there (review)."""
+    if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
+        return True
+    cand = events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
+    cand = max(cand, min_head_event)
+    if cand <= m.head_event:
+        return True
+    if cand >= m.tail_event:
+        return cand - m.head_event <= max_events
+    # the window's end that plan_eviction finds: within max_events of the head
+    ahead = events.get(cand - 1, min(m.tail_event, m.head_event + max_events), "op")
+    return bool(np.any(ahead == _EOW))
+
+
 def _find(
     events: CircularTable,
     tail: int,

@@ -27,6 +27,8 @@ T = TypeVar("T")
 #: a group at most this large may be appended on the event loop, by bytes and by events
 INLINE_BYTES = 256 * 1024
 INLINE_EVENTS = 256
+#: events an inline append may evict (their windows are counted on the loop)
+_INLINE_EVICT_EVENTS = 16 * 1024
 _SCHEMA_CHANGE = int(Op.SCHEMA_CHANGE)
 
 
@@ -68,7 +70,8 @@ def fits_inline(writer: WriterThread, buffer: EventBuffer, batch: Sequence[Windo
     (event sizes known: no scan, no CRCs), one ``append_windows`` call (no
     mirrored registry entries, no SCHEMA_CHANGE event: registering one
     writes the registry file) and need no wait for readers: no reader holds
-    a pin (readers pin only on the loop, so none can appear meanwhile).
+    a pin (readers pin only on the loop, so none can appear meanwhile); and
+    the room it needs must be quick to make (``EventBuffer.room_is_cheap``).
     """
     if not writer.idle or buffer.pinned:
         return False
@@ -89,4 +92,6 @@ def fits_inline(writer: WriterThread, buffer: EventBuffer, batch: Sequence[Windo
             if data[at] == _SCHEMA_CHANGE:
                 return False
             at += n
-    return True
+    # and the room it needs is quick to make: a few whole windows evicted, found by
+    # bisection (the head of a window of millions of events was scanned to its end)
+    return buffer.room_is_cheap(size, events, _INLINE_EVICT_EVENTS)
