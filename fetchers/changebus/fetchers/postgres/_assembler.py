@@ -581,8 +581,9 @@ class Assembler:
                 f"{what}; raise max_transaction_bytes (and the relay's buffer) or set "
                 "on_oversized_transaction = 'skip' to replace it by a data-loss event"
             )
-        log.error("%s: replaced by a data-loss event", what)
-        self.losses["transaction_too_large"] += 1
+        if txn.scn > self.replay_until:  # (read again in SQL mode: counted the first time)
+            log.error("%s: replaced by a data-loss event", what)
+            self.losses["transaction_too_large"] += 1
         return self.control_window(DataLoss(txn.scn, txn.scn, what), txn.scn, position, txn.ts_ns)
 
     def _close(self, txn: _Txn, position: str) -> Window:
