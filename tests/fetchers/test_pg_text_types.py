@@ -412,3 +412,36 @@ def test_an_oversized_transaction_read_again_is_counted_once(
         asm.replay_until = windows[-1].scn  # the second read: what the relay holds
     assert len(windows) == 2 and windows[0].scn == windows[1].scn
     assert asm.losses["transaction_too_large"] == 1
+
+
+def test_rows_of_an_enum_dropped_before_they_were_streamed_keep_their_labels(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """``ALTER COLUMN s TYPE text; DROP TYPE`` with rows of the enum still to stream, read
+    by a fetcher that started again (its type cache empty): today's catalog lacks the type,
+    and the partition stopped for good at that WAL (review). The column is read as the enum
+    of the table's last known version."""
+
+    def changes() -> list[Any]:
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_get_binary_changes('s', NULL, NULL, "
+            "'proto_version', '1', 'publication_names', 'pub', 'binary', 'true')"
+        ).fetchall()
+        return [parse_message(bytes(d)) for (d,) in rows]
+
+    conn.execute("CREATE TYPE state AS ENUM ('new', 'done')")
+    conn.execute("CREATE TABLE job (id int PRIMARY KEY, s state)")
+    conn.execute("INSERT INTO job VALUES (1, 'new')")
+    first = TypeResolver(conn)
+    registry = SchemaRegistry()
+    asm = Assembler(1, first.resolve, registry, primary_key=first.primary_key)
+    datas = [w.data for m in changes() if (w := asm.feed(m)) is not None]
+    conn.execute("INSERT INTO job VALUES (2, 'done')")  # not streamed yet
+    conn.execute("ALTER TABLE job ALTER COLUMN s TYPE text")
+    conn.execute("DROP TYPE state")
+    conn.execute("INSERT INTO job VALUES (3, 'later')")
+    again = TypeResolver(conn)  # a restart: nothing cached
+    asm = Assembler(1, again.resolve, registry, primary_key=again.primary_key)
+    datas += [w.data for m in changes() if (w := asm.feed(m)) is not None]
+    got = [c.after for c in decoded(datas, registry)]
+    assert got == [{"id": 1, "s": "new"}, {"id": 2, "s": "done"}, {"id": 3, "s": "later"}]

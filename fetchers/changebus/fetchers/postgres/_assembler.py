@@ -123,6 +123,7 @@ from ._tables import (
     apply_rules,
     choose_key,
     depth,
+    dropped_enum,
     old_key,
     refuse_unsupported,
 )
@@ -209,13 +210,16 @@ class Assembler:
     # ---- relations ----------------------------------------------------
 
     def _relation(self, rel: Relation) -> None:
-        types = tuple(self._resolve(c.type_oid, c.typmod) for c in rel.columns)
+        name = f"{rel.namespace}.{rel.name}"
+        types = tuple(
+            dropped_enum(self.registry, name, c.name, self._resolve(c.type_oid, c.typmod))
+            for c in rel.columns
+        )
         if self._array_dims is not None and any(t.is_array for t in types):
             dims = self._array_dims(rel.oid)
             types = tuple(
                 t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
             )
-        name = f"{rel.namespace}.{rel.name}"
         key, not_null = choose_key(rel, name, self.registry, self._primary_key, self._key_positions)
         columns = tuple(
             Column(

@@ -29,7 +29,7 @@ from changebus.schemas import (
 from .._policy import ColumnRule
 from ._pgoutput import Relation
 from ._transcode import Transcoder
-from ._types import ColumnType
+from ._types import ColumnType, enum_type
 
 __all__ = [
     "Table",
@@ -37,6 +37,7 @@ __all__ = [
     "apply_rules",
     "choose_key",
     "depth",
+    "dropped_enum",
     "old_key",
     "refuse_unsupported",
 ]
@@ -251,6 +252,36 @@ def apply_rules(
                 not_sent.remove(name)
         elif name not in not_sent:
             row[name] = rule.apply(row.get(name))
+
+
+def dropped_enum(
+    registry: SchemaRegistry, table: str, column: str, ctype: ColumnType
+) -> ColumnType:
+    """The type of a column whose type OID today's catalog lacks (dropped since the WAL
+    being read was written: ``ALTER ... TYPE text; DROP TYPE``, with rows of the old type
+    still to stream): when the table's newest known version has the column as an enum, an
+    enum of those labels (its binary form is the label's text), else ``ctype`` (refused).
+    A relay restart empties the type cache, and every restart met the same WAL: the
+    partition stopped for good (review)."""
+    if ctype.unsupported is None or not ctype.formatted.startswith("oid "):
+        return ctype
+    try:
+        known = registry.latest(table)
+    except UnknownSchemaError:
+        return ctype
+    for col in known.columns:
+        avro = col.type
+        if col.name == column and isinstance(avro, dict) and avro.get("changebus.type") == "enum":
+            log.warning(
+                "column %s.%s: its type (oid %d) is gone from the catalog; read as the enum "
+                "%s of the table's last known version",
+                table,
+                column,
+                ctype.decode_oid,
+                col.source_type,
+            )
+            return enum_type(col.source_type or "enum", ctype.decode_oid, avro["changebus.symbols"])
+    return ctype
 
 
 def refuse_unsupported(

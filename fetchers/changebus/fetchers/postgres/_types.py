@@ -32,7 +32,7 @@ excludes the column. Nothing is ever decoded by guesswork.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from struct import error as struct_error
 from typing import Any, Final
@@ -75,6 +75,11 @@ _TEXT_SENDS: Final = frozenset(
 
 def _utf8(b: bytes) -> str:
     return b.decode()
+
+
+def enum_type(formatted: str, oid: int, labels: Sequence[str]) -> ColumnType:
+    """An enum: its binary form is the label's UTF-8 text."""
+    return ColumnType(formatted, oid, False, tuple(labels), decoder=_utf8, render=_utf8, utf8=True)
 
 
 def _no_binary(b: bytes) -> Any:
@@ -213,9 +218,7 @@ class TypeResolver:
         if typtype == "d":  # a domain travels as its base type
             return self.resolve(int(base), int(base_typmod))
         if typtype == "e":
-            return ColumnType(
-                formatted, oid, False, tuple(labels), decoder=_utf8, render=_utf8, utf8=True
-            )
+            return enum_type(formatted, oid, labels)
         if category == "A" and send == "array_send":
             inner = self.resolve(int(elem), -1)
             if inner.decoder is _no_binary:
