@@ -872,6 +872,38 @@ def test_a_page_over_many_small_tables_keeps_to_its_scan_budget(
     assert sent == 1  # the one row changed after 200, in the last table, once
 
 
+def test_a_truncate_that_fills_a_page_is_followed_by_its_tables_rows(store: Store) -> None:
+    """A table's TRUNCATE (after the consumer's position) is taken into the page before its
+    rows; when it filled the page, the Postgres read had no byte left, read no row, and the
+    table was taken as done: its rows never sent (review of this session's change)."""
+    t1, t2 = TABLES[0].name, TABLES[1].name
+    store.append(
+        "p",
+        window(100, [(t1, Op.INSERT, k, "a") for k in range(3)]),
+        start_scn=-1,
+    )
+    store.append("p", window(200, [(t2, Op.TRUNCATE, 0, None)]))
+    store.append("p", window(300, [(t2, Op.INSERT, k, "b") for k in range(5)]))
+    store.append("p", window(400, [(t1, Op.INSERT, k, "c") for k in range(3)]))
+    store.apply("p")
+    sids = sorted(REG.source_id(t) for t in (t1, t2))
+    truth: dict[tuple[str, int], str | None] = {(t1, k): "a" for k in range(3)}
+    for max_bytes in (1, 50, 120, 200, 400):
+        have = dict(truth)
+        position = (0, 0)
+        while True:
+            page = store.snapshot_page(
+                "p", sids, since_scn=150, start_scn=400, position=position, max_bytes=max_bytes
+            )
+            if page.data:
+                replay(page.data, have)
+            position = page.position
+            if page.complete:
+                break
+        want = {**{(t1, k): "c" for k in range(3)}, **{(t2, k): "b" for k in range(5)}}
+        assert have == want, max_bytes
+
+
 def test_a_plan_counts_a_bounded_part_of_the_store(store: Store) -> None:
     """``/v1/bootstrap/start`` chose between a catch-up and a snapshot by counting every
     log event and snapshot row after ``since``: with the log never pruned, each request

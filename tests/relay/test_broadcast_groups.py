@@ -194,12 +194,16 @@ async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stoppe
 
     monkeypatch.setattr(_broadcast, "PASS_S", 0.0)  # one group a pass
     buffer, copies, broadcast = _setup(tmp_path)
-    for scn in range(1, 21):
+    for scn in range(1, 61):
         buffer.append_window(
             _event(scn, 0, 2000, 1) + encode_control(EndOfWindow(1, "p"), scn, 1, scn * 1000)
         )
     tail = buffer.meta.last_scn
     streams = [_parked(_Transport(), max_bytes=4096, filter_text=f"f{i}") for i in range(8)]
+    for scn in (10, 20, 30, 40):  # one key, several positions: a push moves a group to the
+        stream = _parked(_Transport(), max_bytes=4096, filter_text="same")  # end of them
+        stream.scn = scn
+        streams.append(stream)
     waiting = [asyncio.ensure_future(broadcast.park(s)) for s in streams]
     pushes: list[int] = []
     push = broadcast._push
@@ -226,8 +230,9 @@ async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stoppe
             break
     assert all(s.scn == tail for s in streams)
     assert per_pass and max(per_pass) == 1  # each pass yielded after one group
-    # round-robin: once every group is parked, each eight pushes in a row reach all eight
-    assert len(pushes) >= 24 and len(set(pushes[8:16])) == len(set(pushes[16:24])) == 8
+    # round-robin: once every group is parked, each twelve pushes in a row reach all twelve
+    assert len(pushes) >= 48
+    assert len(set(pushes[12:24])) == len(set(pushes[24:36])) == len(set(pushes[36:48])) == 12
     for task in waiting:
         task.cancel()
     await asyncio.sleep(0)

@@ -162,7 +162,9 @@ class Pages(StoreDb):
                 # (taken row by row, and left as soon as the page is full: a read sized
                 # by the rows before (a table of small rows, rows unchanged since
                 # ``since_scn``) held 2,000 of the next table's 1 MB rows at once; review)
-                budget = max_bytes - size  # (> 0: a full page has returned)
+                # (at least 1: a TRUNCATE taken above may fill the page, and a budget of 0
+                # read no row, which ended the table with its rows unsent: review)
+                budget = max(max_bytes - size, 1)
                 rows = self._page_rows(
                     _SNAP_SQLITE,
                     _SNAP_PG,

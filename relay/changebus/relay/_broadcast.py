@@ -115,6 +115,8 @@ class Parked:
     #: where the scan of a window longer than a scan got to, for the group this stream
     #: leads (-1: none; see ``EventBuffer.select``'s ``skip_to``)
     resume_at: int = -1
+    #: the broadcast's number of the last push that reached this stream (0: none yet)
+    pushed: int = 0
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -142,7 +144,7 @@ class TailBroadcast:
         self._tick: asyncio.Handle | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._last = 0.0
-        self._next = 0  # (where the next pass starts in its list of groups: PASS_S)
+        self._pushes = 0  # pushes written so far (``Parked.pushed``: the order of a pass)
         self._loop = asyncio.get_running_loop()
         host.add_wake_listener(self._woken)
 
@@ -244,12 +246,13 @@ class TailBroadcast:
         ]
         # (one filtered select of groups behind costs up to milliseconds: a pass over
         # dozens of them in one callback starved long-polls, probes and ingest; review)
-        start = self._next % len(groups) if groups else 0
+        # A pass yields after PASS_S; the groups pushed longest ago go first, so the next
+        # pass, at once, starts with those it did not reach (by position in the list, a
+        # group pushed moved behind them, and went first again: review)
+        groups.sort(key=lambda g: g[2][0].pushed)
         deadline = time.perf_counter() + PASS_S
-        for i in range(len(groups)):
-            by_pos, pos, group = groups[(start + i) % len(groups)]
+        for i, (by_pos, pos, group) in enumerate(groups):
             if i and time.perf_counter() > deadline:
-                self._next = start + i  # the first group not reached goes first next time
                 if self._tick is None:
                     self._tick = self._loop.call_soon(self._broadcast)
                 return
@@ -354,7 +357,9 @@ class TailBroadcast:
         host = self._host
         reached = -1 if push.to_tail or push.start_pos < 0 else push.start_pos + size
         written = 0
+        self._pushes += 1
         for stream in group:
+            stream.pushed = self._pushes
             transport = stream.transport
             if transport.is_closing():
                 self._release(stream, "closed")

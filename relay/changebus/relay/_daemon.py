@@ -153,9 +153,18 @@ class Relay:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.flush_interval_s)
-            await asyncio.gather(*(host.flush() for host in list(self.hosts.values())))
+        # a task per partition and tick: one slow partition's flush (behind its appends,
+        # or a slow disk) holds back no other's; its next tick is skipped meanwhile
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.config.flush_interval_s)
+                for host in list(self.hosts.values()):
+                    task = asyncio.create_task(host.flush(), name=f"relay-flush-{host.name}")
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+        finally:
+            await asyncio.gather(*running, return_exceptions=True)
 
     async def start(self) -> None:
         """Open the partitions, listen, join the cluster (stops what it started when it fails).

@@ -275,7 +275,7 @@ class PartitionHost(SourceAcks, GroupAppend):
         self._flushing = True
         try:
             await self._writer.run(self.buffer.flush)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - logged, tried again at the next tick
             log.error("partition %s: flushing the buffer failed: %s", self.name, exc)
         finally:
             self._flushing = False
