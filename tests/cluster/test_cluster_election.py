@@ -551,3 +551,28 @@ async def test_a_candidate_created_after_a_stop_while_zookeeper_was_away_is_dele
     _data, stat = await s1.op("get", f"{path}/{names[0]}")
     assert stat.ephemeralOwner == s2.session_id
     await other.stop()
+
+
+async def test_a_requeue_while_the_epoch_is_taken_does_not_lead(zk_session) -> None:
+    """A follower whose chain failed for good requeues to let a healthy member lead; when
+    that landed between its read of the epoch node and its commit, the commit went on and
+    it led on its old candidate node all the same (review)."""
+    s1 = await zk_session("r1")
+    election = PartitionElection(s1, "p10")
+    real = s1.commit
+    requeued: list[int] = []
+
+    async def commit(build: Any) -> Any:
+        if not requeued:
+            requeued.append(1)
+            election.requeue("its chain failed")
+        return await real(build)
+
+    s1.commit = commit
+    await election.start()
+    async with asyncio.timeout(10):
+        term = await election.wait_elected()
+    assert requeued == [1]
+    assert term.epoch >= 2  # the epoch taken as it requeued was given up
+    assert term.candidate != ""
+    await election.stop()

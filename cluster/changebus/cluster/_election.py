@@ -504,6 +504,11 @@ class PartitionElection:
         if self.session.thread_state != "connected":
             term.lose("ZooKeeper session not connected")
             return None
+        if self._candidate != candidate or self._stopping:
+            # requeued (or stopped) while the epoch was taken: the member gave its turn
+            # up, so it does not lead on the old candidate node (review)
+            term.lose("requeued while taking the epoch")
+            return None
         log.info("partition %s: %s leads with epoch %d", self.partition, self.member_id, new.epoch)
         return term
 

@@ -169,6 +169,7 @@ class PartitionRole:
         self._refused_epoch = 0
         #: leading: since when the source has not streamed (monotonic)
         self._unread_since = 0.0
+        self._failing = (0, 0.0)  # (term epoch, since): its role change keeps failing
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: this member left the election for good: its buffer's syncs failed
@@ -221,7 +222,24 @@ class PartitionRole:
             return
         if now - self._unread_since < limit:
             return
-        reason = f"its source was not read for {limit:g} s (state {self.host.state})"
+        self._requeue(f"its source was not read for {limit:g} s (state {self.host.state})")
+
+    def _give_up_if_failing(self) -> None:
+        """The role change to lead failed (its fetcher cannot be made: options this member
+        lacks, ...): for ``source_give_up_s`` of failures under one term, requeue, as for a
+        source not read (the failing member kept the term for good: review)."""
+        term = self.election.leadership
+        limit = self.member.config.source_give_up_s
+        if term is None or term.lost or not limit:
+            return
+        now = time.monotonic()
+        if self._failing[0] != term.epoch:
+            self._failing = (term.epoch, now)
+        elif now - self._failing[1] >= limit:
+            self._failing = (0, now)
+            self._requeue(f"it could not take up its term for {limit:g} s")
+
+    def _requeue(self, reason: str) -> None:
         log.error(
             "partition %s: %s gives up its term: %s; it queues again behind the others",
             self.name,
@@ -229,7 +247,7 @@ class PartitionRole:
             reason,
         )
         self.step_down_reason = reason
-        self._unread_since = now
+        self._unread_since = time.monotonic()
         self.election.requeue(reason)
         self._kick.set()
 
@@ -325,6 +343,7 @@ class PartitionRole:
                 wanted = self._wanted()
                 if wanted != self.plan or self._refollow_due():
                     await self._apply(wanted)
+                    self._failing = (0, 0.0)
                 if self.plan[0] == "lead":
                     self.hold = self.follower_hold()
                     await self.host.acknowledge_held()
@@ -333,6 +352,7 @@ class PartitionRole:
                 raise
             except Exception:
                 log.exception("partition %s: role change failed; retrying", self.name)
+                self._give_up_if_failing()
                 self.plan = ("none", -1, "")  # differs from every plan: try again
                 await asyncio.sleep(0.5)
             with contextlib.suppress(TimeoutError):
@@ -545,7 +565,10 @@ class PartitionRole:
             last = min(last, syncer.synced_scn)
         return PartitionState(
             "leader" if leader else "follower",
-            self.host.epoch or 0,
+            # the newest epoch seen, also after stepping down (epoch None): a member that
+            # registered 0 then hid from a leader of a smaller epoch, after ZooKeeper lost
+            # its data, the newer one it refuses to follow (review)
+            max(self.host.epoch or 0, self.min_epoch),
             max(meta.min_scn, 0),
             max(last, 0),
         )
