@@ -368,6 +368,16 @@ def test_a_key_moved_onto_a_deleted_key_behind_the_scan_is_sent_whole(store: Sto
     assert (int(Op.DELETE), 1, None) in sent, sent
 
 
+def _seed_first_table(store: Store) -> TableSchema:
+    """Seed TABLES[0] with three rows at SCN 5 (its schema registered first)."""
+    t = TABLES[0]
+    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
+    rows = [ENC[t.name].encode(Op.INSERT, 5, i, 50, {"id": 500 + i, "v": "s"}) for i in range(3)]
+    store.seed_rows("p", t.name, rows, 5)
+    store.seed_rows("p", t.name, [], 5)
+    return t
+
+
 def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
     from changebus.bootstrap._plan import plan_bootstrap as _plan
     from changebus.schemas import NotYetError
@@ -396,11 +406,7 @@ def test_plan_chooses_catchup_or_snapshot(store: Store) -> None:
     assert far["snapshot"] is True and far["start_scn"] == last
     # seeded rows are in the snapshot only: a consumer from nothing gets a snapshot, even
     # with the log cheaper to replay (it lacked them; review)
-    t = TABLES[0]
-    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
-    rows = [ENC[t.name].encode(Op.INSERT, 5, i, 50, {"id": 500 + i, "v": "s"}) for i in range(3)]
-    store.seed_rows("p", t.name, rows, 5)
-    store.seed_rows("p", t.name, [], 5)
+    _seed_first_table(store)
     assert _plan(store, "p", -1, 1e18)["snapshot"] is True
 
 
@@ -416,11 +422,7 @@ def test_a_consumer_from_nothing_gets_a_snapshot_while_tables_are_seeded_again(
     store.append("p", b"".join(wins), start_scn=-1)
     store.apply("p")
     assert _plan(store, "p", -1, 1e18)["snapshot"] is False  # nothing copied: the log
-    t = TABLES[0]
-    store.put_schemas("p", [(REG.source_id(t.name), t.version, t.name, json.dumps(t.to_json()))])
-    rows = [ENC[t.name].encode(Op.INSERT, 5, i, 50, {"id": 500 + i, "v": "s"}) for i in range(3)]
-    store.seed_rows("p", t.name, rows, 5)
-    store.seed_rows("p", t.name, [], 5)
+    t = _seed_first_table(store)
     assert _plan(store, "p", -1, 1e18)["snapshot"] is True
     store.forget_seed("p", [t.name])  # a whole re-seed starts
     assert store.seeded("p") == {}

@@ -123,6 +123,18 @@ class Eviction(NamedTuple):
     windows: int
 
 
+def _first_kept(
+    events: CircularTable, m: BufferMeta, min_head_pos: int, min_head_event: int
+) -> int | None:
+    """The first event the bounds keep, before moving to a window's start (None: the
+    head is past both already; two bisections)."""
+    if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
+        return None
+    cand = events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
+    cand = max(cand, min_head_event)
+    return None if cand <= m.head_event else cand
+
+
 def plan_eviction(
     events: CircularTable,
     index: CircularTable,
@@ -131,11 +143,8 @@ def plan_eviction(
     min_head_event: int,
 ) -> Eviction | None:
     """Whole oldest windows to evict so the head is past both bounds (None: none)."""
-    if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
-        return None
-    cand = events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
-    cand = max(cand, min_head_event)
-    if cand <= m.head_event:
+    cand = _first_kept(events, m, min_head_pos, min_head_event)
+    if cand is None:
         return None
     if cand < m.tail_event and int(events.at(cand - 1)["op"]) != _EOW:
         cand = _find(events, m.tail_event, cand, lambda r: r["op"] == _EOW) + 1
@@ -167,11 +176,8 @@ def eviction_is_small(
     ``max_events`` events: two bisections and a look at most ``max_events`` ahead. For an
     append on the event loop: evicting the first part of a window of millions of events
     scanned to its end there (review)."""
-    if m.head_pos >= min_head_pos and m.head_event >= min_head_event:
-        return True
-    cand = events.searchsorted(m.head_event, m.tail_event, "pos", max(min_head_pos, 0))
-    cand = max(cand, min_head_event)
-    if cand <= m.head_event:
+    cand = _first_kept(events, m, min_head_pos, min_head_event)
+    if cand is None:
         return True
     if cand >= m.tail_event:
         return cand - m.head_event <= max_events
