@@ -793,23 +793,23 @@ def test_a_file_system_that_cannot_reserve_leaves_the_file_sparse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import errno
-    import os
 
+    from changebus.schemas import files
     from changebus.schemas.files import reserve_file
 
     path = tmp_path / "f.dat"
     path.write_bytes(b"x")
 
-    def refuse(fd: int, offset: int, size: int) -> None:
+    def refuse(fd: int, size: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    monkeypatch.setattr(files, "_allocate", refuse)
     assert reserve_file(path, 1 << 20) is False
 
-    def full(fd: int, offset: int, size: int) -> None:
+    def full(fd: int, size: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(files, "_allocate", full)
     with pytest.raises(OSError) as err:
         reserve_file(path, 1 << 20)
     assert err.value.errno == errno.ENOSPC
