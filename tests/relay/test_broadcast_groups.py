@@ -237,3 +237,48 @@ async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stoppe
         task.cancel()
     await asyncio.sleep(0)
     assert copies.parked == 0
+
+
+async def test_a_group_scanning_a_long_window_does_not_hold_the_others_back(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A filtered group scanning a window longer than one scan, which it mostly filters out,
+    is not pushed until it finds something: ordered by their last push, it went first in
+    every pass that yielded, and a group with a window to get waited for its whole scan
+    (review). Groups go by their last visit."""
+    from changebus.relay import _broadcast, _reader
+
+    monkeypatch.setattr(_broadcast, "PASS_S", 0.0)  # one group a pass
+    monkeypatch.setattr(_reader, "MAX_SCAN_EVENTS", 64)
+    monkeypatch.setattr(_reader, "SCAN_CHUNK", 32)
+    buffer, copies, broadcast = _setup(tmp_path)
+    n = 3000
+    buffer.append_window(
+        b"".join(_event(1, i, 10, 1) for i in range(n))
+        + encode_control(EndOfWindow(n, "p"), 1, n, 1000)
+    )
+    scanning = _parked(_Transport(), sources=frozenset({99}))  # keeps nothing of it
+    waiting = _parked(_Transport())
+    waiting.scn = 1  # past the long window
+    tasks = [asyncio.ensure_future(broadcast.park(s)) for s in (scanning, waiting)]
+    await asyncio.sleep(0)
+    buffer.append_window(_event(2, 0, 10, 1) + encode_control(EndOfWindow(1, "p"), 2, 1, 2000))
+    visits: list[str] = []
+    push = broadcast._push
+
+    def counting(by_pos: Any, pos: Any, group: Any, cap: int) -> None:
+        visits.append("scanning" if group[0] is scanning else "waiting")
+        push(by_pos, pos, group, cap)
+
+    monkeypatch.setattr(broadcast, "_push", counting)
+    broadcast._woken()
+    for _ in range(500):
+        await asyncio.sleep(0)
+        if waiting.scn == 2:
+            break
+    assert waiting.scn == 2
+    assert visits.index("waiting") <= 2, visits[:10]  # not after the whole scan
+    for task in tasks:
+        task.cancel()
+    await asyncio.sleep(0)
+    assert copies.parked == 0

@@ -115,7 +115,8 @@ class Parked:
     #: where the scan of a window longer than a scan got to, for the group this stream
     #: leads (-1: none; see ``EventBuffer.select``'s ``skip_to``)
     resume_at: int = -1
-    #: the broadcast's number of the last push that reached this stream (0: none yet)
+    #: the broadcast's number of the last visit of this stream's group, or of the last
+    #: push that reached it (0: none yet): a pass serves the lowest first
     pushed: int = 0
 
     @property
@@ -258,6 +259,10 @@ class TailBroadcast:
                 return
             if by_pos.get(pos) is not group:
                 continue  # (emptied meanwhile)
+            # visited, pushed or not (a group scanning a long window it mostly filters out
+            # stayed first, pass after pass, and the others waited: review)
+            self._pushes += 1
+            group[0].pushed = self._pushes
             self._push(by_pos, pos, group, cap)
 
     def _push(
