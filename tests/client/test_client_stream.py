@@ -471,3 +471,25 @@ async def test_a_jump_ends_the_long_poll_for_a_large_window() -> None:
             assert "follow" not in stream._params()
             jump()
             assert stream._params().get("follow") == "1"
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["long_poll", "follow"])
+async def test_a_latest_start_says_where_it_resolved(make_relay: MakeRelay, follow: bool) -> None:
+    """``resolved_latest``: where "from now on" began, so a group unit moved before its
+    lane handed anything out is stored there, not skipped to the next owner's own newest
+    window (review)."""
+    async with make_relay(max_windows=0, windows_per_s=100) as relay:
+        await wait_until(lambda: relay.hosts["syn"].buffer.meta.windows >= 20, 20, "windows")
+        last = relay.hosts["syn"].buffer.meta.last_scn
+        cfg = StreamConfig(relays=(relay.url,), partition="syn", follow=follow, **FAST)
+        got: list[int] = []
+
+        async def sink(raw: RawWindow, _url: str) -> None:
+            got.append(raw.scn)
+
+        async with aiohttp.ClientSession() as http:
+            stream = RelayStream(cfg, http, latest=True)
+            before = stream.resolved_latest
+            await _stream_into(stream, sink, lambda: len(got) >= 3)
+    resolved = stream.resolved_latest
+    assert before is None and resolved is not None and last <= resolved < got[0]

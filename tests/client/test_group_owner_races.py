@@ -235,3 +235,31 @@ async def test_a_revoked_units_window_yielded_and_not_committed_is_read_again_by
     # so W is the next owner's first window
     assert store.written.get(u, start).window_scn == 100
     assert str(u) not in consumer._uncommitted and str(v) in consumer._uncommitted
+
+
+async def test_a_unit_moved_before_its_lane_handed_anything_is_stored_where_the_lane_began() -> (
+    None
+):
+    """A unit claimed without a checkpoint, its lane started at the newest window, moved to
+    another member before any batch was dequeued: nothing was written, and the next owner
+    started at its own newest window; the windows between were read by nobody (review).
+    The lane's resolved start is written."""
+    from types import SimpleNamespace
+
+    from changebus.client._group_lane import Lane
+    from changebus.client._group_position import GroupPositions
+
+    store = _Positions()
+    positions = GroupPositions(store, "g", 1.0)  # type: ignore[arg-type]
+    u = Unit("p", 0)
+    positions.add(UnitClaim(u, None, token=1, generation=1))
+    lane = object.__new__(Lane)
+    lane.dequeued, lane.start_checkpoint, lane._start_setting = None, None, "latest"
+    lane.fetcher = SimpleNamespace(stream=SimpleNamespace(resolved_latest=None))  # type: ignore[assignment]
+    assert lane.restart_point() == (False, None)  # the relay has not said where yet
+    lane.fetcher.stream.resolved_latest = 500
+    possible, start = lane.restart_point()
+    assert possible and start is not None and start.window_scn == 500
+    positions.settle_unstarted(u, start)
+    await positions.flush([u], quiet=True)
+    assert store.written[u].window_scn == 500

@@ -182,13 +182,17 @@ class Lane:
         """``(possible, start)``: where a lane for (some of) these units would go on from.
 
         After the last batch dequeued: a new lane started there neither skips
-        nor repeats a window of the units. Not while bootstrapping, nor before
-        anything came when the lane started at the newest window.
+        nor repeats a window of the units. Not while bootstrapping, nor, when the
+        lane started at the newest window, before the relay said where that is.
         """
         batch = self.dequeued
         if batch is None:
-            possible = self.start_checkpoint is not None or self._start_setting != "latest"
-            return possible, self.start_checkpoint
+            if self.start_checkpoint is not None or self._start_setting != "latest":
+                return True, self.start_checkpoint
+            resolved = self.fetcher.stream.resolved_latest  # (the relay said where)
+            if resolved is None:
+                return False, None
+            return True, PartitionCheckpoint(window_scn=resolved, prev_scn=resolved)
         if batch.checkpoint is not None:
             return False, None
         return True, PartitionCheckpoint(

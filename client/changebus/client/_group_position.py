@@ -193,6 +193,16 @@ class GroupPositions:
         else:
             self._moved.add(entry)
 
+    def settle_unstarted(self, unit: Unit, checkpoint: PartitionCheckpoint) -> None:
+        """A unit with no position yet (claimed without a checkpoint, its lane started at
+        the newest window and handed nothing out): ``checkpoint``, where that lane's
+        windows start, becomes it, so a final flush writes it. Without it the next owner
+        started at its own newest window and the windows between were read by nobody
+        (review)."""
+        entry = self._entries.get(str(unit))
+        if entry is not None and entry.accepted == _EMPTY and entry.current == _EMPTY:
+            entry.current = entry.accepted = checkpoint
+
     async def persist(self) -> None:
         """Accept every current position; write to the store when ``commit_interval_s`` passed."""
         for entry in self._moved:

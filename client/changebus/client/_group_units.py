@@ -209,6 +209,10 @@ class UnitOwner:
         gone = [u for u in units if u in self.held]
         if not gone:
             return {}
+        for unit in gone:  # units whose lane handed nothing out yet: where it started
+            possible, start = self.held[unit].restart_point()
+            if possible and start is not None:
+                self.positions.settle_unstarted(unit, start)
         try:
             await self.positions.flush(gone, quiet=True)
         finally:

@@ -234,6 +234,9 @@ class RelayStream:
         self._session = session
         self._position = position
         self._latest = latest
+        #: where the newest "from now on" start resolved (an SCN: the stream's windows
+        #: are those after it); None while unresolved or when it started by position
+        self.resolved_latest: int | None = None
         self._check = check_response
         self._assembler = WindowAssembler(position, config.max_window_bytes)
         self._continue: tuple[int, int] | None = None
@@ -470,6 +473,7 @@ class RelayStream:
                             retriable=True,
                         )
                     self.seek(int(start))
+                    self.resolved_latest = int(start)
                 if resp.status == 204:
                     return
                 if self.config.follow and not self._whole_window:
@@ -506,6 +510,7 @@ class RelayStream:
                 # "from now on" starts with this window: after a failure, ask for it
                 # again by position (from=latest would then start after it; review)
                 self._position, self._latest = self._assembler.pending_scn - 1, False
+                self.resolved_latest = self._position
             try:
                 self._continue = (
                     int(resp.headers["X-Changebus-Next-Scn"]),
@@ -546,6 +551,8 @@ class RelayStream:
             await sink(raw, url)
         except Exception as exc:
             raise _FromSink(exc) from exc
+        if self._latest:  # (the first window from now on, no start given before it)
+            self.resolved_latest = raw.scn - 1
         self._position = raw.scn
         self._latest = False
         self.windows += 1
