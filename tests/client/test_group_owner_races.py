@@ -237,6 +237,33 @@ async def test_a_revoked_units_window_yielded_and_not_committed_is_read_again_by
     assert str(u) not in consumer._uncommitted and str(v) in consumer._uncommitted
 
 
+async def test_a_unit_with_no_position_whose_lane_handed_windows_out_is_not_settled() -> None:
+    """The settling is for a lane that handed nothing out: with a batch dequeued, the
+    unit's windows may wait undelivered, and a position at that batch skipped them
+    (review of the change)."""
+    from types import SimpleNamespace
+
+    from changebus.client._group_lane import Lane
+    from changebus.client._group_position import GroupPositions
+
+    store = _Positions()
+    positions = GroupPositions(store, "g", 1.0)  # type: ignore[arg-type]
+    u = Unit("p", 0)
+    positions.add(UnitClaim(u, None, token=1, generation=1))
+    lane = object.__new__(Lane)
+    lane.dequeued = SimpleNamespace(scn=110, timestamp_ns=1, checkpoint=None)  # type: ignore[assignment]
+    lane.start_checkpoint, lane._start_setting = None, "earliest"
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+    owner = UnitOwner(cfg, _Member(), None, positions, None, None, lambda: None)  # type: ignore[arg-type]
+    owner.held[u] = lane
+    lane.drop = lambda units: True  # type: ignore[method-assign]
+    owner.lanes.retire = lambda lane: None  # type: ignore[method-assign]
+    await owner.let_go([u], narrow=False)
+    assert u not in store.written  # the next owner starts as its config says, not at 110
+
+
 async def test_a_unit_moved_before_its_lane_handed_anything_is_stored_where_the_lane_began() -> (
     None
 ):
@@ -255,11 +282,23 @@ async def test_a_unit_moved_before_its_lane_handed_anything_is_stored_where_the_
     positions.add(UnitClaim(u, None, token=1, generation=1))
     lane = object.__new__(Lane)
     lane.dequeued, lane.start_checkpoint, lane._start_setting = None, None, "latest"
-    lane.fetcher = SimpleNamespace(stream=SimpleNamespace(resolved_latest=None))  # type: ignore[assignment]
+    stream = SimpleNamespace(resolved_latest=None)
+    fetcher = SimpleNamespace(stream=stream, phase="online")
+    lane.fetcher = fetcher  # type: ignore[assignment]
     assert lane.restart_point() == (False, None)  # the relay has not said where yet
-    lane.fetcher.stream.resolved_latest = 500
-    possible, start = lane.restart_point()
-    assert possible and start is not None and start.window_scn == 500
-    positions.settle_unstarted(u, start)
-    await positions.flush([u], quiet=True)
+    stream.resolved_latest = -1  # an empty buffer: "latest" again, not a position
+    assert lane.restart_point() == (False, None)
+    stream.resolved_latest = 500
+    fetcher.phase = "snapshot"  # bootstrapping: past that
+    assert lane.restart_point() == (False, None)
+    fetcher.phase = "online"
+    cfg = ConsumerConfig(
+        relays=("http://relay:1",), zookeeper="zk:1", group="g", partitions=("p",), buckets=2
+    )
+    member = _Member()
+    owner = UnitOwner(cfg, member, None, positions, None, None, lambda: None)  # type: ignore[arg-type]
+    owner.held[u] = lane
+    lane.drop = lambda units: True  # type: ignore[method-assign]
+    owner.lanes.retire = lambda lane: None  # type: ignore[method-assign]
+    await owner.let_go([u], narrow=False)
     assert store.written[u].window_scn == 500

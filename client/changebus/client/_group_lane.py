@@ -190,7 +190,9 @@ class Lane:
             if self.start_checkpoint is not None or self._start_setting != "latest":
                 return True, self.start_checkpoint
             resolved = self.fetcher.stream.resolved_latest  # (the relay said where)
-            if resolved is None:
+            if resolved is None or resolved < 0 or self.fetcher.phase != "online":
+                # (-1: an empty buffer, a start that means "latest" again; a bootstrap
+                # moved past it)
                 return False, None
             return True, PartitionCheckpoint(window_scn=resolved, prev_scn=resolved)
         if batch.checkpoint is not None:

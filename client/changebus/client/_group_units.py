@@ -210,9 +210,11 @@ class UnitOwner:
         if not gone:
             return {}
         for unit in gone:  # units whose lane handed nothing out yet: where it started
-            possible, start = self.held[unit].restart_point()
-            if possible and start is not None:
-                self.positions.settle_unstarted(unit, start)
+            lane = self.held[unit]
+            if lane.dequeued is None:  # (else windows of it may wait, undelivered)
+                possible, start = lane.restart_point()
+                if possible and start is not None:
+                    self.positions.settle_unstarted(unit, start)
         try:
             await self.positions.flush(gone, quiet=True)
         finally:

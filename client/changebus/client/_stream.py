@@ -324,6 +324,7 @@ class RelayStream:
         without backoff, attempts or another relay, for ever (found by review).
         """
         self._latest = True
+        self.resolved_latest = None  # (resolved again by the next answer)
         self._whole_window = False
         self._restart_window()
         self._failover.succeeded()

@@ -131,7 +131,7 @@ def reserve_file(path: Path, size: int) -> bool:
     falls back to writing a byte per block on a file system that cannot
     reserve (NFS v3: millions of round trips for a large ring, at every start).
     Returns False when the file system cannot reserve (the file stays sparse,
-    logged at debug); raises :class:`OSError` naming ``path`` when the disk
+    logged as a warning: ext3, older ZFS, NFS); raises :class:`OSError` naming ``path`` when the disk
     lacks the space (``ENOSPC``) or the file cannot be opened.
     """
     fd = os.open(path, os.O_RDWR)
@@ -139,7 +139,13 @@ def reserve_file(path: Path, size: int) -> bool:
         _allocate(fd, size)
     except OSError as exc:
         if exc.errno in _NO_RESERVE:
-            log.debug("%s: disk space not reserved (%s)", path, exc.strerror)
+            log.warning(
+                "%s: its %d bytes of disk were not reserved (%s): a disk that fills up may "
+                "stop the process at a write (SIGBUS) instead of at start",
+                path,
+                size,
+                exc.strerror,
+            )
             return False
         raise OSError(exc.errno, f"cannot reserve {size} bytes: {exc.strerror}", str(path)) from exc
     finally:
@@ -152,7 +158,7 @@ def _fallocate() -> Callable[[int, int], None]:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         native = libc.fallocate64
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (no libc of that kind: Windows, macOS)
         return lambda fd, size: os.posix_fallocate(fd, 0, size)
     native.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     native.restype = ctypes.c_int
