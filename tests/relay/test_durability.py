@@ -469,6 +469,7 @@ def test_a_fsync_follower_registers_the_newest_window_on_its_disk() -> None:
         syncer = None if synced is None else SimpleNamespace(synced_scn=synced)
         role = SimpleNamespace(
             host=SimpleNamespace(buffer=SimpleNamespace(meta=meta), syncer=syncer, epoch=4),
+            min_epoch=4,
             plan=(plan, 0, ""),
         )
         st = PartitionRole.state(role)  # type: ignore[arg-type]
