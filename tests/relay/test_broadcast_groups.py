@@ -99,6 +99,14 @@ def _chunks(writes: list[bytes]) -> list[int]:
     return [int(w.split(b"\r\n", 1)[0], 16) for w in writes]
 
 
+async def _cancel_parked(tasks: list[Any], copies: CopyBudget) -> None:
+    """End the parked streams' tasks; none holds a grant of the copy budget after."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.sleep(0)
+    assert copies.parked == 0
+
+
 async def test_a_push_whose_filter_kept_nothing_writes_no_empty_chunk(tmp_path: Path) -> None:
     """A filtered selection cut before any event it keeps moves the position only. Written
     as a chunk it would be ``0\\r\\n\\r\\n``: the end of the response, with more after it."""
@@ -177,10 +185,7 @@ async def test_a_pass_for_a_group_behind_skips_the_groups_at_the_tail(
             break
     assert behind.scn == tail  # caught up, a push or so a pass
     assert selects <= 2 * 41  # (before: 51 selects a pass)
-    for task in waiting:
-        task.cancel()
-    await asyncio.sleep(0)
-    assert copies.parked == 0
+    await _cancel_parked(waiting, copies)
 
 
 async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stopped(
@@ -233,10 +238,7 @@ async def test_a_pass_yields_after_its_time_and_the_next_goes_on_where_it_stoppe
     # round-robin: once every group is parked, each twelve pushes in a row reach all twelve
     assert len(pushes) >= 48
     assert len(set(pushes[12:24])) == len(set(pushes[24:36])) == len(set(pushes[36:48])) == 12
-    for task in waiting:
-        task.cancel()
-    await asyncio.sleep(0)
-    assert copies.parked == 0
+    await _cancel_parked(waiting, copies)
 
 
 async def test_a_group_scanning_a_long_window_does_not_hold_the_others_back(
@@ -278,7 +280,4 @@ async def test_a_group_scanning_a_long_window_does_not_hold_the_others_back(
             break
     assert waiting.scn == 2
     assert visits.index("waiting") <= 2, visits[:10]  # not after the whole scan
-    for task in tasks:
-        task.cancel()
-    await asyncio.sleep(0)
-    assert copies.parked == 0
+    await _cancel_parked(tasks, copies)

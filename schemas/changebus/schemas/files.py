@@ -122,17 +122,18 @@ def reserve_file(path: Path, size: int) -> bool:
 
     For a file that is memory-mapped and written through the mapping (the
     relay's ring and tables): a sparse file's blocks are allocated by the page
-    faults of the first writes, which costs the writer (or its prefaulter)
-    about ten times the CPU of faulting in reserved blocks, and a full disk
-    then kills the process with SIGBUS at some write instead of refusing to
-    start. Reserved up front, the space is the file's from the start.
+    faults of the first writes, and a full disk then kills the process with
+    SIGBUS at some write instead of refusing to start. Reserved up front, the
+    space is the file's from the start (the first pass's page faults cost about
+    the same either way on this machine: docs/benchmarks.md, 2026-12-02).
 
     Linux's ``fallocate(2)`` where there is one: glibc's ``posix_fallocate``
     falls back to writing a byte per block on a file system that cannot
     reserve (NFS v3: millions of round trips for a large ring, at every start).
     Returns False when the file system cannot reserve (the file stays sparse,
-    logged as a warning: ext3, older ZFS, NFS); raises :class:`OSError` naming ``path`` when the disk
-    lacks the space (``ENOSPC``) or the file cannot be opened.
+    logged as a warning: ext3, older ZFS, NFS); raises :class:`OSError` naming
+    ``path`` when the disk lacks the space (``ENOSPC``) or the file cannot be
+    opened.
     """
     fd = os.open(path, os.O_RDWR)
     try:
