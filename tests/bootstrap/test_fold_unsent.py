@@ -41,7 +41,8 @@ def test_a_value_the_new_schema_takes_is_filled_and_one_it_does_not_is_left_unse
             Op.UPDATE, 20, 0, 0, {"id": 1, "body": None, "n": 2}, after_not_sent=("body",)
         )
         h, change = decoded(v2, update)
-        merged = merge_unsent(h, change, enc, old)
+        key = update[HEADER_SIZE : HEADER_SIZE + h.key_length]
+        merged = merge_unsent(h, key, change, enc, old)
         if not fits:
             assert merged is None
             continue

@@ -30,6 +30,7 @@ Not thread-safe: a connection and its cache belong to one thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -156,6 +157,25 @@ class StoreDb:
             return int(self._conn.pgconn.socket)
         except Exception:  # noqa: BLE001 - a connection gone: no socket
             return None
+
+    def interrupt(self) -> None:
+        """Cut the call in progress on this store from another thread (a stop's last resort).
+
+        SQLite: ``sqlite3.Connection.interrupt`` (the statement fails with
+        "interrupted" at its next step; a thread stuck inside one disk
+        syscall still finishes that syscall first). Postgres: the
+        connection's socket is shut down, so the call fails as a lost
+        connection. Safe to call from any thread, also when no call runs.
+        """
+        if self.dialect == "sqlite":
+            with contextlib.suppress(sqlite3.ProgrammingError):  # (closed meanwhile)
+                self._conn.interrupt()
+            return
+        fd = self.socket()
+        if fd is not None:
+            from changebus.fetchers.postgres import pg_cut_socket
+
+            pg_cut_socket(fd)
 
     def connection_lost(self) -> bool:
         """Whether the connection is gone (Postgres closed it, or the network did)."""

@@ -195,20 +195,32 @@ class SnapshotFold(StoreDb):
         change = dec.decode(memoryview(event)[HEADER_SIZE + h.key_length :])
         source_key = key  # where the row's previous image is
         if change.before is not None and h.key_length:
-            tomb = enc.encode(
-                Op.DELETE,
-                h.scn,
-                h.seq,
-                h.timestamp_ns,
-                None,
-                change.before,
-                before_not_sent=change.before_not_sent,
+            try:
+                tomb = enc.encode(
+                    Op.DELETE,
+                    h.scn,
+                    h.seq,
+                    h.timestamp_ns,
+                    None,
+                    change.before,
+                    before_not_sent=change.before_not_sent,
+                )
+            except SchemaError:
+                if all(change.before.get(k) is not None for k in enc.table.key):
+                    raise
+                # a key column without a value in the before-image (a MySQL zero date:
+                # its key value is the stream's own, which the image cannot give):
+                # taken as the same key (docs/mysql.md, Types)
+                tomb = None
+            old = (
+                key
+                if tomb is None
+                else tomb[HEADER_SIZE : HEADER_SIZE + decode_header(tomb).key_length]
             )
-            old = tomb[HEADER_SIZE : HEADER_SIZE + decode_header(tomb).key_length]
             if old != key:
                 source_key = old
         if change.after_not_sent and change.after is not None:
-            filled = self._fill_unsent(part, h, source_key, change, enc, upserts)
+            filled = self._fill_unsent(part, h, (key, source_key), change, enc, upserts)
             whole = filled is not None and filled[1]
             if filled is not None:
                 event = filled[0]
@@ -260,13 +272,15 @@ class SnapshotFold(StoreDb):
         self,
         part: str,
         h: EventHeader,
-        source_key: bytes,
+        keys: tuple[bytes, bytes],
         change: DecodedChange,
         enc: RowEncoder,
         upserts: dict[tuple[int, bytes], tuple[Any, ...]],
     ) -> tuple[bytes, bool] | None:
-        """The UPDATE re-encoded with its unsent columns from the row's previous image,
-        and whether it is whole now (None: no such image)."""
+        """The UPDATE (event key ``keys[0]``) re-encoded with its unsent columns from the
+        row's previous image (at ``keys[1]``), and whether it is whole now (None: no
+        such image)."""
+        key, source_key = keys
         assert change.after is not None
         pending = upserts.get((h.source_id, source_key))
         if pending is not None:
@@ -289,7 +303,7 @@ class SnapshotFold(StoreDb):
         if pcodec is None:
             return None
         old_change = pcodec[0].decode(memoryview(prev)[HEADER_SIZE + ph.key_length :])
-        return merge_unsent(h, change, enc, old_change)
+        return merge_unsent(h, key, change, enc, old_change)
 
     def _flush_upserts(self, upserts: dict[tuple[int, bytes], tuple[Any, ...]]) -> None:
         self._many(UPSERT_SNAP, upserts.values())
@@ -312,9 +326,10 @@ class SnapshotFold(StoreDb):
 
 
 def merge_unsent(
-    h: EventHeader, change: DecodedChange, enc: RowEncoder, image: DecodedChange
+    h: EventHeader, key: bytes, change: DecodedChange, enc: RowEncoder, image: DecodedChange
 ) -> tuple[bytes, bool] | None:
-    """The UPDATE ``change`` (header ``h``) re-encoded at its own SCN with the columns
+    """The UPDATE ``change`` (header ``h``, event key ``key``: kept as it is, since
+    an image cannot give a MySQL zero date's key value) re-encoded at its own SCN with the columns
     the source did not send taken from ``image``'s after-image (an earlier state of
     the row: its previous snapshot row, or a snapshot chunk's copy of it), and whether
     every column is sent now; None when ``image`` has no after-image, or values
@@ -340,6 +355,7 @@ def merge_unsent(
             change.before,
             after_not_sent=still,
             before_not_sent=change.before_not_sent,
+            key=key,
         )
     except SchemaError:
         # a value of the image's schema version that the UPDATE's no longer takes (the

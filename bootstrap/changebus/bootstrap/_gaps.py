@@ -205,7 +205,8 @@ class SeedLedger(StoreDb):
                 continue
             change = codec[0].decode(memoryview(ev)[HEADER_SIZE + h.key_length :])
             image = change.after if change.after is not None else change.before
-            tomb = codec[1].encode(Op.DELETE, scn, 0, max(h.timestamp_ns, now), None, image)
+            when = max(h.timestamp_ns, now)
+            tomb = codec[1].encode(Op.DELETE, scn, 0, when, None, image, key=bytes(key))
             tombs.append((part, h.source_id, bytes(key), scn, 1, tomb))
         return tombs
 

@@ -37,6 +37,7 @@ from changebus.schemas import (
     Op,
     RowEncoder,
     SourceConfigError,
+    SourceError,
     mysql_avro_type,
     mysql_bit,
     mysql_boolean,
@@ -45,6 +46,7 @@ from changebus.schemas import (
     mysql_time_micros,
     mysql_unsigned_bigint,
     mysql_uuid,
+    mysql_zero_date_key,
 )
 
 __all__ = [
@@ -139,9 +141,18 @@ class RowConverter:
         self.encoder = encoder
         schema = encoder.table
         rules = policy.rules_for(schema.name)
+        columns = {c.name: c for c in schema.columns}
         self._convert = [(c.name, policy_converter(c, rules.get(c.name))) for c in schema.columns]
         self._wanted = {c.name for c in schema.columns}
         self._excluded = {c for c, r in rules.items() if r.action == "exclude"}
+        #: key columns holding dates (true: with a time): a zero date there has the key
+        #: value the live stream gives it (:func:`mysql_zero_date_key`), not null
+        self._date_keys = {
+            name: logical != "date"
+            for name in schema.key
+            for logical in (_logical(columns[name].type),)
+            if logical in ("date", "timestamp-micros", "local-timestamp-micros")
+        }
         self._names: tuple[str, ...] = ()
         self._plan: list[tuple[str, int, Callable[[Any], Any]]] = []
         #: positions of the key columns in the bound result
@@ -166,10 +177,12 @@ class RowConverter:
         self.key_at = tuple(at[k] for k in schema.key)
         self._names = names
 
-    def row(self, source: Sequence[Any]) -> tuple[dict[str, Any], list[str]]:
-        """The Avro row of a bound result's tuple, and its columns not sent."""
+    def row(self, source: Sequence[Any]) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+        """The Avro row of a bound result's tuple, its columns not sent, and the row to
+        take the event key from when that differs (a zero date in a key column)."""
         row: dict[str, Any] = {}
         not_sent: list[str] = []
+        key_row: dict[str, Any] | None = None
         for col, i, fn in self._plan:
             value = source[i]
             if value is not None:
@@ -177,8 +190,14 @@ class RowConverter:
                 if value is NOT_SENT:
                     value = None
                     not_sent.append(col)
+                    if col in self._date_keys:
+                        if key_row is None:
+                            key_row = {}
+                        key_row[col] = _zero_date_key(source[i], self._date_keys[col])
             row[col] = value
-        return row, not_sent
+        if key_row is not None:
+            key_row = {**row, **key_row}
+        return row, not_sent, key_row
 
     def events(
         self, rows: Sequence[Sequence[Any]], scn: int, keys: set[bytes] | None = None
@@ -189,11 +208,25 @@ class RowConverter:
         encode, key_bytes = self.encoder.encode, self.encoder.key_bytes
         events: list[bytes] = []
         for seq, source in enumerate(rows):
-            row, not_sent = self.row(source)
-            events.append(encode(Op.INSERT, scn, seq, ts, row, after_not_sent=not_sent))
+            row, not_sent, key_row = self.row(source)
+            key = None if key_row is None else key_bytes(key_row)
+            events.append(encode(Op.INSERT, scn, seq, ts, row, after_not_sent=not_sent, key=key))
             if keys is not None:
-                keys.add(key_bytes(row))
+                keys.add(key_bytes(row) if key is None else key)
         return events
+
+
+def _logical(avro: Any) -> Any:
+    return avro.get("logicalType") if isinstance(avro, dict) else None
+
+
+def _zero_date_key(value: Any, with_time: bool) -> int:
+    """The key value of a zero date PyMySQL gave as text (or bytes)."""
+    text = value.decode("ascii") if isinstance(value, bytes | bytearray) else str(value)
+    try:
+        return mysql_zero_date_key(text, with_time=with_time)
+    except ValueError:
+        raise SourceError(f"a key column holds {text!r}, which is not a MySQL date") from None
 
 
 # ---- key values as JSON ----------------------------------------------------------

@@ -217,9 +217,9 @@ class SnapshotJobs(SeedLedger):
         if not change.after_not_sent or change.after is None:
             return None
         ih = decode_header(image)
-        merged = merge_unsent(
-            h, change, codec[1], icodec[0].decode(memoryview(image)[HEADER_SIZE + ih.key_length :])
-        )
+        key = event[HEADER_SIZE : HEADER_SIZE + h.key_length]
+        image_change = icodec[0].decode(memoryview(image)[HEADER_SIZE + ih.key_length :])
+        merged = merge_unsent(h, key, change, codec[1], image_change)
         return None if merged is None else merged[0]
 
     def sweep_step(

@@ -27,8 +27,10 @@ thread every partition shares. Each call on a Postgres store is watched
 past the timeout the server is asked on a new connection, and when that
 gets no answer either the call's connection is cut, the call fails as a
 lost connection, and the callers retry. :meth:`StoreThreads.close` waits
-``store.stop_grace_s`` for calls in progress, then cuts the connections
-still in a call: a stop (SIGTERM) once waited for ever on a frozen store.
+``store.stop_grace_s`` for calls in progress, then interrupts the calls
+still running (:meth:`~._db.StoreDb.interrupt`: a Postgres connection is
+cut, a SQLite statement is interrupted): a stop (SIGTERM) once waited for
+ever on a frozen store, or on a long SQLite statement.
 """
 
 from __future__ import annotations
@@ -157,31 +159,27 @@ class StoreThreads:
 
     def close(self) -> None:
         """Stop the threads: calls queued are dropped, calls in progress get
-        ``store.stop_grace_s``, then their Postgres connections are cut (module docstring)."""
+        ``store.stop_grace_s``, then they are interrupted (module docstring)."""
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._readers.shutdown(wait=False, cancel_futures=True)
         grace = self._config.store.stop_grace_s
         if not self._wait_idle(grace):
-            from changebus.fetchers.postgres import pg_cut_socket
-
             with self._lock:
-                stuck = [s for s in self._in_call.values() if s.dialect == "postgres"]
+                stuck = list(self._in_call.values())
                 log.warning(
-                    "%d bootstrap store call(s) still running after %g s of the stop; cutting"
-                    " their connections",
-                    len(self._in_call),
+                    "%d bootstrap store call(s) still running after %g s of the stop;"
+                    " interrupting them",
+                    len(stuck),
                     grace,
                 )
                 for store in stuck:  # (under the lock: their calls, and descriptors, go on)
-                    fd = store.socket()
-                    if fd is not None:
-                        pg_cut_socket(fd)
+                    store.interrupt()
             self._wait_idle(max(grace, 1.0))
         if self._watchdog is not None:
             self._watchdog.close()
         with self._lock:
             if self._in_call:
-                # (a SQLite call on a stalled disk: nothing cuts it; the process exit waits)
+                # (a SQLite call stuck in one disk syscall: the interrupt acts after it)
                 log.error("%d bootstrap store call(s) did not end", len(self._in_call))
                 return
         self._writer.shutdown(wait=True)

@@ -167,18 +167,23 @@ class RowEncoder:
         *,
         after_not_sent: Sequence[str] = (),
         before_not_sent: Sequence[str] = (),
+        key: bytes | None = None,
     ) -> bytes:
         """Encode one data event (header + key + change record payload).
 
         The key comes from ``after``, or from ``before`` when there is no
         after-image (a delete). TRUNCATE events have neither and no key.
+        ``key``: the event key already encoded (:meth:`key_bytes` of a row
+        whose key columns differ from the image's: a MySQL zero date, null
+        in the image, has a key value of its own).
         """
         if self._rename:
             after = None if after is None else self._fields(after)
             before = None if before is None else self._fields(before)
         image = after if after is not None else before
         try:
-            key = b"" if image is None else self._key_bytes(image)
+            if key is None:
+                key = b"" if image is None else self._key_bytes(image)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SchemaError(
                 f"cannot encode the key of a {self.table.name!r} row: {exc!r}"
