@@ -122,8 +122,8 @@ from ._tables import (
     adapter,
     apply_rules,
     choose_key,
+    column_types,
     depth,
-    dropped_enum,
     old_key,
     refuse_unsupported,
 )
@@ -174,6 +174,7 @@ class Assembler:
         primary_key: Callable[[int], tuple[str, ...] | None] | None = None,
         key_positions: Callable[[int], tuple[tuple[int, int], ...] | None] | None = None,
         array_dims: Callable[[int], dict[str, int]] | None = None,
+        type_named: Callable[[str], ColumnType | None] | None = None,
         max_window_bytes: int = 0,
         on_oversized: str = "fail",
         known: Iterable[TableSchema] = (),
@@ -190,6 +191,8 @@ class Assembler:
         self._primary_key = primary_key
         self._key_positions = key_positions
         self._array_dims = array_dims
+        #: a type by its text, for types dropped since (``TypeResolver.named``)
+        self._type_named = type_named
         self._policy = policy if policy else None
         self.registry = registry or SchemaRegistry()
         #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
@@ -211,15 +214,9 @@ class Assembler:
 
     def _relation(self, rel: Relation) -> None:
         name = f"{rel.namespace}.{rel.name}"
-        types = tuple(
-            dropped_enum(self.registry, name, c.name, self._resolve(c.type_oid, c.typmod))
-            for c in rel.columns
+        types = column_types(
+            rel, name, self.registry, self._resolve, self._array_dims, self._type_named
         )
-        if self._array_dims is not None and any(t.is_array for t in types):
-            dims = self._array_dims(rel.oid)
-            types = tuple(
-                t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
-            )
         key, not_null = choose_key(rel, name, self.registry, self._primary_key, self._key_positions)
         columns = tuple(
             Column(

@@ -200,6 +200,7 @@ class PostgresFetcher:
                 primary_key=resolver.primary_key,
                 key_positions=resolver.key_positions,
                 array_dims=resolver.array_dims,
+                type_named=resolver.named,
                 max_window_bytes=cfg.max_transaction_bytes,
                 on_oversized=cfg.on_oversized_transaction,
                 known=known,

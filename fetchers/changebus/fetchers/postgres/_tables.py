@@ -4,8 +4,11 @@
 NOT NULL); :class:`Table` is the assembler's per-table state;
 :func:`adapter` converts decoded values to what fastavro takes;
 :func:`apply_rules` applies the column policy to a decoded row;
-:func:`refuse_unsupported` stops at a column of a type changebus cannot
-decode. Pure functions and a plain data class: no thread-safety of their own.
+:func:`column_types` resolves a Relation message's column types, those
+dropped from the catalog since from the registered schema
+(:func:`dropped_type`); :func:`refuse_unsupported` stops at a column of a
+type changebus cannot decode. Pure functions and a plain data class: no
+thread-safety of their own.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import decimal
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from changebus.schemas import (
@@ -29,15 +32,16 @@ from changebus.schemas import (
 from .._policy import ColumnRule
 from ._pgoutput import Relation
 from ._transcode import Transcoder
-from ._types import ColumnType, enum_type
+from ._types import ColumnType, recovered
 
 __all__ = [
     "Table",
     "adapter",
     "apply_rules",
     "choose_key",
+    "column_types",
     "depth",
-    "dropped_enum",
+    "dropped_type",
     "old_key",
     "refuse_unsupported",
 ]
@@ -254,34 +258,77 @@ def apply_rules(
             row[name] = rule.apply(row.get(name))
 
 
-def dropped_enum(
-    registry: SchemaRegistry, table: str, column: str, ctype: ColumnType
+def column_types(
+    rel: Relation,
+    table: str,
+    registry: SchemaRegistry,
+    resolve: Callable[[int, int], ColumnType],
+    array_dims: Callable[[int], dict[str, int]] | None,
+    named: Callable[[str], ColumnType | None] | None,
+) -> tuple[ColumnType, ...]:
+    """The types of a Relation message's columns (``resolve``: through the catalog), arrays
+    with their declared dimensions (``array_dims``), types dropped since from the table's
+    registered schema (:func:`dropped_type`)."""
+    types = tuple(resolve(c.type_oid, c.typmod) for c in rel.columns)
+    if array_dims is not None and any(t.is_array for t in types):
+        dims = array_dims(rel.oid)
+        types = tuple(
+            t.with_dims(dims.get(c.name, 1)) for c, t in zip(rel.columns, types, strict=True)
+        )
+    return tuple(
+        dropped_type(registry, table, c.name, t, resolve, named)
+        for c, t in zip(rel.columns, types, strict=True)
+    )
+
+
+def dropped_type(
+    registry: SchemaRegistry,
+    table: str,
+    column: str,
+    ctype: ColumnType,
+    resolve: Callable[[int, int], ColumnType],
+    named: Callable[[str], ColumnType | None] | None = None,
 ) -> ColumnType:
     """The type of a column whose type OID today's catalog lacks (dropped since the WAL
     being read was written: ``ALTER ... TYPE text; DROP TYPE``, with rows of the old type
-    still to stream): when the table's newest known version has the column as an enum, an
-    enum of those labels (its binary form is the label's text), else ``ctype`` (refused).
+    still to stream): the column's type in the table's newest known version, rebuilt from
+    its Avro type (:func:`~._types.recovered`: an enum, a composite, a range, a domain's
+    base type ``named`` finds), with a warning; else ``ctype``, refused with the reason.
     A relay restart empties the type cache, and every restart met the same WAL: the
     partition stopped for good (review)."""
     if ctype.unsupported is None or not ctype.formatted.startswith("oid "):
         return ctype
     try:
-        known = registry.latest(table)
+        col = next((c for c in registry.latest(table).columns if c.name == column), None)
     except UnknownSchemaError:
-        return ctype
-    for col in known.columns:
-        avro = col.type
-        if col.name == column and isinstance(avro, dict) and avro.get("changebus.type") == "enum":
-            log.warning(
-                "column %s.%s: its type (oid %d) is gone from the catalog; read as the enum "
-                "%s of the table's last known version",
-                table,
-                column,
-                ctype.decode_oid,
-                col.source_type,
-            )
-            return enum_type(col.source_type or "enum", ctype.decode_oid, avro["changebus.symbols"])
-    return ctype
+        col = None
+    found = None
+    if col is not None and not col.policy.startswith("hmac"):  # (hashed: its type is gone)
+        found = recovered(
+            col.type,
+            col.source_type,
+            ctype.decode_oid,
+            lambda oid: resolve(oid, -1).render,
+            named or (lambda _text: None),
+        )
+    if found is None:
+        why = "no registered version of the table has the column" if col is None else (
+            f"the table's last known version has it as {col.source_type or col.type}, "
+            "whose structure its schema does not tell"
+        )  # fmt: skip
+        return replace(
+            ctype,
+            unsupported=f"the type was dropped before these rows were read, and {why}",
+        )
+    log.warning(
+        "column %s.%s: its type (oid %d) is gone from the catalog; read as %s, its type "
+        "in the table's last known version",
+        table,
+        column,
+        ctype.decode_oid,
+        found.formatted,
+    )
+    return found
 
 
 def refuse_unsupported(

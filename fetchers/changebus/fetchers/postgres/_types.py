@@ -22,6 +22,12 @@ its own; the resolver picks it once per type, never per row:
 * arrays of any of these: lists of the element's values;
 * types without a send function: Postgres sends their text, used as is.
 
+Structure. The Avro type of a composite carries ``"changebus.kind":
+"composite"``, a range's (multirange's) ``"changebus.kind": "range"``
+(``"multirange"``) and ``"changebus.bound"``, its bounds' type text: a type
+dropped from the catalog while rows of it wait in the WAL is rebuilt from
+the table's registered schema (:func:`recovered`), as it was before the drop.
+
 Any other type (``money`` inside a range or composite, the ``reg*`` types,
 extension types with a binary format of their own such as ``hstore`` or
 PostGIS ``geometry``) gets :attr:`ColumnType.unsupported`: the assembler
@@ -37,15 +43,23 @@ from dataclasses import dataclass, field, replace
 from struct import error as struct_error
 from typing import Any, Final
 
+import psycopg
+
 from changebus.schemas import AvroType, CorruptEventError, pg_avro_type
 
 from . import _textcompose as compose
 from ._pgoutput import UNCHANGED, Cell
 from ._values import DECODERS, TEXT_FORMS, array_decoder, decode_value, money_decoder
 
-__all__ = ["ColumnType", "TypeResolver"]
+__all__ = ["ColumnType", "TypeResolver", "recovered"]
 
 _MONEY: Final = 790
+#: the first OID a database gives its own objects: types below it are built into Postgres
+#: (their binary forms never change)
+_FIRST_NORMAL_OID: Final = 16384
+#: the Avro attributes that tell a type's structure (see the module docstring)
+_KIND: Final = "changebus.kind"
+_BOUND: Final = "changebus.bound"
 
 _QUERY = """
 SELECT t.typtype, t.typbasetype, t.typtypmod, t.typelem, t.typcategory,
@@ -108,10 +122,18 @@ class ColumnType:
     render: Callable[[bytes], str] | None = field(default=None, compare=False, repr=False)
     utf8: bool = False
     unsupported: str | None = None
+    #: Avro attributes of the (element) type telling its structure: ``((name, text), ...)``
+    attrs: tuple[tuple[str, str], ...] = ()
 
     @property
     def avro(self) -> AvroType:
         avro = pg_avro_type(self.formatted, enum_labels=self.enum_labels)
+        if self.attrs:
+            leaf = avro
+            while isinstance(leaf, dict) and leaf.get("type") == "array":
+                leaf = leaf["items"][-1] if isinstance(leaf["items"], list) else leaf["items"]
+            if isinstance(leaf, dict):
+                leaf.update(self.attrs)
         for _ in range(self.dims - 1):
             avro = {"type": "array", "items": avro}
         return avro
@@ -234,6 +256,7 @@ class TypeResolver:
                 decoder=array_decoder(_element(inner)),
                 render=render,
                 unsupported=inner.unsupported and f"its elements: {inner.unsupported}",
+                attrs=inner.attrs,
             )
         if send is None:  # no binary form: Postgres sends the text
             return ColumnType(formatted, oid, False, None, decoder=_no_binary)
@@ -251,12 +274,15 @@ class TypeResolver:
             bound = self.resolve(int(subtype), -1)
             if bound.render is None:
                 return self._refused(formatted, oid, f"its bounds' type {bound.formatted}", bound)
-            return self._text_form(formatted, oid, compose.range_text(bound.render))
+            render = compose.range_text(bound.render)
+            return _text_form(formatted, oid, render, ((_KIND, "range"), (_BOUND, bound.formatted)))
         if typtype == "m":
             one = self.resolve(int(multi_of), -1)
             if one.render is None:
                 return self._refused(formatted, oid, f"its ranges' type {one.formatted}", one)
-            return self._text_form(formatted, oid, compose.multirange_text(one.render))
+            of = tuple(a for a in one.attrs if a[0] == _BOUND)  # (the range's bound type)
+            render = compose.multirange_text(one.render)
+            return _text_form(formatted, oid, render, ((_KIND, "multirange"), *of))
         if typtype == "c":
             fields = []
             for name, field_oid, field_typmod in self._conn.execute(_FIELDS, (relid,)).fetchall():
@@ -266,9 +292,8 @@ class TypeResolver:
                         formatted, oid, f"its field {name} of type {ftype.formatted}", ftype
                     )
                 fields.append((int(field_oid), ftype.render))
-            return self._text_form(
-                formatted, oid, compose.record_text(fields, lambda o: self.resolve(o, -1).render)
-            )
+            render = compose.record_text(fields, self._field_render)
+            return _text_form(formatted, oid, render, ((_KIND, "composite"),))
         return ColumnType(
             formatted,
             oid,
@@ -277,14 +302,111 @@ class TypeResolver:
             unsupported=f"its binary format (send function {send}) is not one changebus decodes",
         )
 
-    @staticmethod
-    def _text_form(formatted: str, oid: int, render: Callable[[bytes], str]) -> ColumnType:
-        return ColumnType(formatted, oid, False, None, decoder=render, render=render)
+    def _field_render(self, oid: int) -> Callable[[bytes], str] | None:
+        """The renderer of a composite field of type ``oid`` (None: none known)."""
+        return self.resolve(oid, -1).render
+
+    def named(self, text: str) -> ColumnType | None:
+        """The type ``text`` names (``format_type``'s text, as a registered schema keeps
+        it) when its binary form is known whatever became of that name since: a type built
+        into Postgres, or one whose binary form is its UTF-8 text; else None."""
+        try:
+            row = self._conn.execute("SELECT to_regtype(%s)::oid", (text,)).fetchone()
+        except (psycopg.ProgrammingError, psycopg.DataError):  # not a type's text at all
+            return None
+        if row is None or row[0] is None:
+            return None
+        found = self.resolve(int(row[0]), -1)
+        trusted = int(row[0]) < _FIRST_NORMAL_OID or found.utf8
+        return found if trusted and found.unsupported is None else None
 
     @staticmethod
     def _refused(formatted: str, oid: int, part: str, inner: ColumnType) -> ColumnType:
         why = inner.unsupported or "has no text form changebus writes"
         return ColumnType(formatted, oid, False, None, unsupported=f"{part}: {why}")
+
+
+def _text_form(
+    formatted: str, oid: int, render: Callable[[bytes], str], attrs: tuple[tuple[str, str], ...]
+) -> ColumnType:
+    return ColumnType(formatted, oid, False, None, decoder=render, render=render, attrs=attrs)
+
+
+def recovered(
+    avro: AvroType,
+    formatted: str,
+    oid: int,
+    field_render: Callable[[int], Callable[[bytes], str] | None],
+    named: Callable[[str], ColumnType | None],
+) -> ColumnType | None:
+    """The column type whose Avro type is ``avro`` and whose text is ``formatted`` (a
+    registered column's), rebuilt without the type's catalog entry (type ``oid``, dropped
+    since); None when they do not tell how its binary form reads.
+
+    An enum's labels are its Avro type's symbols (its binary form is the label); a
+    composite's value names its fields' type OIDs (``field_render`` renders them); a
+    range's (multirange's) bounds are of the type ``"changebus.bound"`` names
+    (``named``); any other type, a domain's (registered as its base type), is the type
+    ``formatted`` names (``named``: built into Postgres, or text). The result's Avro type
+    is ``avro`` exactly, else None: never a value of another type.
+    """
+    dims, base = 1, avro
+    while (
+        isinstance(base, dict) and base.get("type") == "array" and isinstance(base["items"], dict)
+    ):
+        dims, base = dims + 1, base["items"]
+    is_array = isinstance(base, dict) and base.get("type") == "array"
+    elem = base["items"][-1] if is_array and isinstance(base, dict) else base
+    inner = _structured(elem, formatted.removesuffix("[]"), oid, field_render, named)
+    found: ColumnType | None
+    if inner is None:
+        found = named(formatted)  # a domain's base type, or the type itself
+        found = None if found is None else replace(found, formatted=formatted)
+    elif is_array:
+        assert inner.render is not None
+        found = ColumnType(
+            formatted,
+            oid,
+            True,
+            inner.enum_labels,
+            decoder=array_decoder(_element(inner)),
+            render=compose.array_text(inner.render),
+            attrs=inner.attrs,
+        )
+    else:
+        found = inner
+    if found is None or (dims > 1 and not found.is_array):
+        return None
+    found = found.with_dims(dims)
+    return found if found.unsupported is None and found.avro == avro else None
+
+
+def _structured(
+    avro: Any,
+    formatted: str,
+    oid: int,
+    field_render: Callable[[int], Callable[[bytes], str] | None],
+    named: Callable[[str], ColumnType | None],
+) -> ColumnType | None:
+    """An enum, composite, range or multirange whose Avro type ``avro`` tells its structure
+    (see :func:`recovered`); None for any other."""
+    if not isinstance(avro, dict):
+        return None
+    if avro.get("changebus.type") == "enum":
+        return enum_type(formatted, oid, [str(s) for s in avro.get("changebus.symbols", ())])
+    kind = avro.get(_KIND)
+    attrs = tuple((k, str(avro[k])) for k in (_KIND, _BOUND) if k in avro)
+    if kind == "composite":
+        return _text_form(formatted, oid, compose.record_text((), field_render), attrs)
+    if kind in ("range", "multirange"):
+        bound = named(str(avro.get(_BOUND, "")))
+        if bound is None or bound.render is None:
+            return None
+        render = compose.range_text(bound.render)
+        if kind == "multirange":
+            render = compose.multirange_text(render)
+        return _text_form(formatted, oid, render, attrs)
+    return None
 
 
 def _element(inner: ColumnType) -> Callable[[bytes], Any]:
