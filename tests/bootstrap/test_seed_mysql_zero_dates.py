@@ -119,6 +119,7 @@ async def test_tables_keyed_by_zero_dates_seed_and_follow_their_changes(
     assert {(r.after["n"], r.after["v"]) for r in live_d} == {(n, v) for _k, n, v in want_d}
     assert len(live_dt) == len(want_dt) == 8
     assert {r.after["v"] for r in live_dt} == {v for _k, v in want_dt}
+
     # the store's keys are the stream's keys: Avro of (k, n) / (k)
     def zigzag(x: int) -> bytes:
         z, out = (x << 1) ^ (x >> 63), bytearray()

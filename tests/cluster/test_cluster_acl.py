@@ -244,6 +244,7 @@ async def test_securing_the_tree_pipelines_each_level() -> None:
 
     from changebus.cluster import ClusterConfig
     from changebus.cluster._session import ZkSession
+    from changebus.cluster._session_acl import secure_tree
 
     parts = [f"p{i}" for i in range(50)]
     kids = {"/changebus/c1": ["members", "partitions"], "/changebus/c1/partitions": parts}
@@ -281,7 +282,7 @@ async def test_securing_the_tree_pipelines_each_level() -> None:
         return fn(Client())
 
     session.call = call  # type: ignore[method-assign,assignment]
-    await session._secure_tree(["acl"])
+    await secure_tree(session, ["acl"])
     assert flight["most"] >= len(parts)  # (a level's requests in flight together)
 
 

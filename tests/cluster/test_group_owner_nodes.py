@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from changebus.cluster import CoordinationError, GroupMember, ZkUnitStore, _group as group_module
+from changebus.cluster import CoordinationError, GroupMember, ZkUnitStore, _group_owners
 from changebus.cluster._group_layout import checkpoint_path, checkpoints_path, owner_path
 from changebus.schemas import Unit
 
@@ -52,16 +52,16 @@ async def test_a_create_whose_answer_was_lost_does_not_block_the_unit(
     waits for as long as this member's session lives."""
     a, b = await member("a"), await member("b")
     unit = Unit("orders", 1)
-    real = group_module.create_owner  # type: ignore[attr-defined]
+    real = _group_owners.create_owner  # type: ignore[attr-defined]
 
     async def answer_lost(*args: Any, **kw: Any) -> Any:
         await real(*args, **kw)
         raise CoordinationError("ZooKeeper request failed: ConnectionLoss")
 
-    monkeypatch.setattr(group_module, "create_owner", answer_lost)
+    monkeypatch.setattr(_group_owners, "create_owner", answer_lost)
     with pytest.raises(CoordinationError):
         await a.acquire(unit)
-    monkeypatch.setattr(group_module, "create_owner", real)
+    monkeypatch.setattr(_group_owners, "create_owner", real)
     assert unit not in a.owned
     async with asyncio.timeout(10):  # the unit moved to b: b gets it
         await b.acquire(unit)
@@ -79,13 +79,13 @@ async def test_a_delete_in_flight_does_not_undo_the_same_members_new_create(
     a = await member("a")
     unit = Unit("orders", 0)
     await a.acquire(unit)
-    real = group_module.delete_owners  # type: ignore[attr-defined]
+    real = _group_owners.delete_owners  # type: ignore[attr-defined]
 
     async def slow(*args: Any, **kw: Any) -> None:
         await asyncio.sleep(0.3)
         await real(*args, **kw)
 
-    monkeypatch.setattr(group_module, "delete_owners", slow)
+    monkeypatch.setattr(_group_owners, "delete_owners", slow)
     releasing = asyncio.create_task(a.release([unit]))
     await asyncio.sleep(0.05)
     assert unit not in a.owned  # released at once; its delete still on the way
@@ -125,9 +125,9 @@ async def test_a_stale_node_taken_over_meanwhile_is_not_deleted(
     unit = Unit("orders", 1)
     await a.acquire(unit)
     a.owned = a.owned - {unit}  # as after a create whose answer was lost
-    a._stale.add(unit)
-    async with a._node_lock(unit):  # a take-over holds the unit while the drop starts
-        dropping = asyncio.create_task(a._drop_stale())
+    a._owners.stale.add(unit)
+    async with a._owners.lock(unit):  # a take-over holds the unit while the drop starts
+        dropping = asyncio.create_task(a._owners.drop_stale())
         await asyncio.sleep(0.1)
         assert not dropping.done()
         a.owned = a.owned | {unit}  # (the take-over done: the node is the owner's)
@@ -146,12 +146,12 @@ async def test_a_stale_drop_waiting_for_a_take_over_does_not_delete_its_node(
     unit = Unit("orders", 0)
     await a.acquire(unit)
     a.owned = a.owned - {unit}  # as after a create whose answer was lost
-    a._stale.add(unit)
+    a._owners.stale.add(unit)
     taking = asyncio.create_task(a.acquire(unit))
     for _ in range(5):  # until its create holds the unit's lock
         await asyncio.sleep(0)
-    assert a._node_lock(unit).locked()
-    await asyncio.gather(taking, a._drop_stale())
+    assert a._owners.lock(unit).locked()
+    await asyncio.gather(taking, a._owners.drop_stale())
     assert a.owned == {unit}
     stat = await a.session.op("exists", owner_path(group, unit))
     assert stat is not None and stat.ephemeralOwner == a.session.session_id

@@ -197,9 +197,9 @@ def test_more_tables_than_the_layout_cache_holds_are_not_compiled_again(
     """Past 4,096 layouts the cache was cleared whole, and a server cycling through more
     tables rebuilt and recompiled a table's layout at every TABLE_MAP (3.4 ms each). Each
     table's last layout is kept beside the cache; each version is announced once."""
-    from changebus.fetchers.mysql import _assembler
+    from changebus.fetchers.mysql import _tablemap
 
-    monkeypatch.setattr(_assembler, "_CACHED_LAYOUTS", 4)
+    monkeypatch.setattr(_tablemap, "_CACHED_LAYOUTS", 4)
     names = [f"c{i}" for i in range(12)]
     execute(
         mysql_server, mysql_db, *(f"CREATE TABLE {n} (id int PRIMARY KEY, v int)" for n in names)
@@ -210,14 +210,14 @@ def test_more_tables_than_the_layout_cache_holds_are_not_compiled_again(
         *(f"INSERT INTO {n} VALUES ({r}, {r})" for r in range(3) for n in names),
     )
     compiled = 0
-    real = _assembler.compile_transcoder  # type: ignore[attr-defined]
+    real = _tablemap.compile_transcoder  # type: ignore[attr-defined]
 
     def counting(layout: Any) -> Any:
         nonlocal compiled
         compiled += 1
         return real(layout)
 
-    monkeypatch.setattr(_assembler, "compile_transcoder", counting)
+    monkeypatch.setattr(_tablemap, "compile_transcoder", counting)
     assembler = BinlogAssembler(1, SchemaRegistry(), DeclaredTypes(), databases=(mysql_db,))
     windows = _feed(assembler, events)
     assert compiled == len(names)  # once per table, not per TABLE_MAP (36 of them)

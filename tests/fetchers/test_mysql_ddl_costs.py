@@ -131,7 +131,7 @@ def test_the_assembler_finds_a_ddl_s_table_without_walking_every_table(
     windows = []
     for event in events:
         if type(event).__name__ == "QueryEvent" and "TRUNCATE" in str(event.query):
-            tables_walked = assembler._latest = _Walked(assembler._latest)
+            tables_walked = assembler._tables.latest = _Walked(assembler._tables.latest)
             _, _ = _watched(declared)
         window = feed(assembler, event)
         if window is not None:

@@ -79,7 +79,7 @@ def test_rows_events_carry_a_layout_id_not_the_layout(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     assert window.data == expected.data  # the same window as transcoded in this thread
-    layout = next(iter(assembler._latest.values())).layout
+    layout = next(iter(assembler._tables.latest.values())).layout
     layout_bytes = len(pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL))
     assert len(sizes) == 30 and layout_bytes > 5000
     # the layout went once (one worker); each other event: its bytes and under 300

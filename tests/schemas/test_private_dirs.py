@@ -32,16 +32,22 @@ def test_a_data_dir_owned_by_root_and_shared_by_group_is_used_as_it_is() -> None
         volume.mkdir()
         os.chown(volume, 0, NOBODY)
         os.chmod(volume, 0o2775)  # (what fsGroup makes of a volume's root)
-        # the module alone (it imports nothing of the package), run by a Python any user
-        # may start (the virtualenv's links into root's home)
-        module = base / "files.py"
-        module.write_bytes((ROOT / "schemas/changebus/schemas/files.py").read_bytes())
-        os.chmod(module, 0o644)
+        # the module and the one module of the package it imports (._libc), as a package
+        # of their own, run by a Python any user may start (the virtualenv's links into
+        # root's home)
+        package = base / "alone"
+        package.mkdir()
+        os.chmod(package, 0o755)
+        (package / "__init__.py").write_bytes(b"")
+        for name in ("files.py", "_libc.py"):
+            (package / name).write_bytes((ROOT / "schemas/changebus/schemas" / name).read_bytes())
+        for module in package.iterdir():
+            os.chmod(module, 0o644)
         code = (
             "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
             "from pathlib import Path\n"
             "sys.path.insert(0, sys.argv[2])\n"
-            "from files import private_dir\n"
+            "from alone.files import private_dir\n"
             "private_dir(Path(sys.argv[1]))\n"
             "private_dir(Path(sys.argv[1]) / 'buffers')\n"
             "print('ok')\n"

@@ -16,9 +16,12 @@ Layout and invariants: :mod:`changebus.cluster._group_layout`. A member
    ``owners/<unit>``, waiting while another member still holds it) and gives
    it back with :meth:`GroupMember.release`. The consumer acquires a unit
    before it claims its checkpoint and releases it after its last commit, so
-   a unit moving from one member to another is never read by both.
+   a unit moving from one member to another is never read by both. The
+   per-unit locks, fences and stale owner nodes behind them are
+   :mod:`._group_owners`.
 
-Lease. Every ``lease_s / 3`` a heartbeat syncs the server with the
+Lease. Every ``lease_s / 3`` a heartbeat (``_group_keeper``, which also
+registers the member again after a loss) syncs the server with the
 ensemble's leader and checks that the member node still exists (one round
 trip, two pipelined requests; the sync keeps a server cut off from the
 quorum from confirming the lease out of its own stale copy).
@@ -83,6 +86,7 @@ from changebus.schemas.errors import ConfigError
 from ._errors import CoordinationError
 from ._group_calls import UnitsCallback, add_callback, fire_callbacks, report_crash
 from ._group_follow import run_follower
+from ._group_keeper import run_keeper
 from ._group_layout import (
     GroupMeta,
     assignment_path,
@@ -93,17 +97,8 @@ from ._group_layout import (
     units_text,
 )
 from ._group_leader import run_leader
-from ._group_nodes import (
-    LOOP_ERRORS,
-    CreateOutcome,
-    check_meta,
-    create_member,
-    create_owner,
-    delete_owners,
-    leave_for_later,
-    mapped,
-    retry_pause,
-)
+from ._group_nodes import check_meta, create_member, leave_for_later, mapped
+from ._group_owners import OwnerNodes
 from ._session import StateChange, ZkSession
 
 __all__ = ["GroupMember"]
@@ -167,17 +162,8 @@ class GroupMember:
         self._member_sid = 0
         self._deleted_path = ""  # set by the member node's watch (kazoo's thread)
         self._started_ns = time.time_ns()
-        self._stale: set[Unit] = set()  # owner nodes of a dropped registration, session alive
-        # per owned unit, its owner node's creation zxid (the claim's fence; bounded by
-        # the group's units)
-        self._fences: dict[Unit, int] = {}
-        # one lock per unit: this member's creates and deletes of a unit's owner node
-        # run one at a time, so a delete sent earlier cannot land after a create that
-        # took the node over (the unit would be owned without its node)
-        self._node_locks: dict[Unit, asyncio.Lock] = {}
-        # per unit, the number of the newest create asked for (an undo of an older,
-        # cancelled one must not delete what a newer one made)
-        self._creates: dict[Unit, int] = {}
+        #: locks, fences, numbered creates and stale units of the owner nodes
+        self._owners = OwnerNodes(self)
         self._target_cbs: list[UnitsCallback] = []
         self._lost_cbs: list[UnitsCallback] = []
         self._registered = asyncio.Event()
@@ -189,7 +175,6 @@ class GroupMember:
         #: and balanced again (:mod:`._group_leader`)
         self._balanced: tuple[int, tuple[str, ...], str] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
         self._remove_listener: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -236,7 +221,7 @@ class GroupMember:
         self._remove_listener = session.add_listener(self._on_state)
         loop_name = f"group-{self.group}"
         self._tasks = [
-            asyncio.create_task(self._keep(), name=f"{loop_name}-keeper"),
+            asyncio.create_task(run_keeper(self), name=f"{loop_name}-keeper"),
             asyncio.create_task(run_follower(self), name=f"{loop_name}-assignment"),
             asyncio.create_task(run_leader(self), name=f"{loop_name}-leader"),
         ]
@@ -253,21 +238,22 @@ class GroupMember:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in [*tasks, *self._background]:  # undoing cancelled acquires: let them end
+        for task in [*tasks, *self._owners.background]:  # undoing cancelled acquires: let them end
             with contextlib.suppress(asyncio.CancelledError, CoordinationError):
                 await task
         path, owned, member_id = self._member_path, self.owned, self.member_id
         if path and self.session.connected:
             with contextlib.suppress(CoordinationError):
-                await self._delete(path, owned)
+                await self._owners.delete(path, owned)
                 owned = frozenset()
             with contextlib.suppress(CoordinationError):
-                await self._drop_stale()
+                await self._owners.drop_stale()
             with contextlib.suppress(CoordinationError, NoNodeError):
                 await self.session.op("delete", path)
                 path = ""
         mine = self._member_sid and self._member_sid == self.session.session_id  # (not deleted)
-        units = {u: self._fences.get(u, -1) for u in owned | self._stale} if mine else {}
+        fences, stale = self._owners.fences, self._owners.stale
+        units = {u: fences.get(u, -1) for u in owned | stale} if mine else {}
         leave_for_later(
             self.session, self.group, path if mine else "", member_id, units, self._record()
         )
@@ -318,6 +304,7 @@ class GroupMember:
         """
         if unit not in self._unit_set:
             raise ConfigError(f"group {self.group}: {unit} is not one of its units")
+        owners = self._owners
         registration = ""
         loop = asyncio.get_running_loop()
         freed = asyncio.Event()
@@ -328,7 +315,7 @@ class GroupMember:
 
         while True:
             if unit in self.owned:
-                return self._fences.get(unit, -1)
+                return owners.fences.get(unit, -1)
             if self._stopping:
                 raise CoordinationError(
                     f"group {self.group}: the member is stopped", retriable=False
@@ -348,22 +335,22 @@ class GroupMember:
                 )
             registration = path
             freed.clear()
-            number = self._creates[unit] = self._creates.get(unit, 0) + 1
-            attempt = asyncio.ensure_future(self._create(path, sid, unit, watch))
+            number = owners.creates[unit] = owners.creates.get(unit, 0) + 1
+            attempt = asyncio.ensure_future(owners.create(path, sid, unit, watch))
             try:
                 outcome = await asyncio.shield(attempt)
             except asyncio.CancelledError:
                 attempt.add_done_callback(
-                    functools.partial(self._undo_create, unit=unit, path=path, number=number)
+                    functools.partial(owners.undo_create, unit=unit, path=path, number=number)
                 )
                 raise
             except Exception:
-                self._unknown_create(unit)
+                owners.unknown_create(unit)
                 raise
             if outcome == "created":
-                if unit in self.owned:  # (marked by _create, under the unit's lock)
-                    return self._fences.get(unit, -1)
-                self._stale.add(unit)  # made for a registration that ended meanwhile
+                if unit in self.owned:  # (marked by owners.create, under the unit's lock)
+                    return owners.fences.get(unit, -1)
+                owners.stale.add(unit)  # made for a registration that ended meanwhile
                 continue
             if outcome == "member gone":
                 self._member_gone(path, "member node gone")
@@ -384,10 +371,10 @@ class GroupMember:
             return
         self.owned = self.owned - mine
         try:
-            await self._delete(self._member_path, mine)
+            await self._owners.delete(self._member_path, mine)
         except CoordinationError as exc:
             log.info("group %s: releasing %s later: %s", self.group, units_text(list(mine)), exc)
-            self._stale |= mine
+            self._owners.stale |= mine
             self._wake_keeper.set()
             return
         log.debug("group %s: %s released %s", self.group, self.member_id, units_text(list(mine)))
@@ -426,7 +413,7 @@ class GroupMember:
         )
         lost = self.owned
         if self.session.session_id == self._member_sid and self.session.thread_state != "lost":
-            self._stale |= lost  # the session lives: its owner nodes too, until deleted
+            self._owners.stale |= lost  # the session lives: its owner nodes too, until deleted
         self._member_path, self.member_id, self._member_sid = "", "", 0
         self.confirmed_at = float("-inf")
         self.is_leader = False
@@ -447,97 +434,7 @@ class GroupMember:
         for event in (self._wake_keeper, self._wake_assignment, self._wake_leader):
             event.set()
 
-    async def _create(self, path: str, sid: int, unit: Unit, watch: Any) -> CreateOutcome:
-        """Create (or take over) the unit's owner node; "created" for the current
-        registration marks the unit owned before the lock is let go, so a delete
-        waiting for the lock sees it owned."""
-        async with self._node_lock(unit):
-            outcome, czxid = await create_owner(self.session, self.group, path, sid, unit, watch)
-            if outcome == "created" and path == self._member_path:
-                self._fences[unit] = czxid
-                self.owned = self.owned | {unit}
-                self._stale.discard(unit)  # (a node of this session taken over)
-            return outcome
-
-    async def _delete(
-        self, path: str, units: frozenset[Unit], *, unless_owned: bool = False
-    ) -> None:
-        """Delete the owner nodes of ``units``; ``unless_owned``: not those owned by the
-        time the locks are held (taken again meanwhile: the node is the owner's now)."""
-        async with contextlib.AsyncExitStack() as stack:
-            for unit in sorted(units):  # (one order everywhere: no deadlock)
-                await stack.enter_async_context(self._node_lock(unit))
-            if unless_owned:
-                units = units - self.owned
-            await delete_owners(self.session, self.group, path, units)
-
-    async def _undo(self, path: str, unit: Unit, number: int) -> None:
-        async with self._node_lock(unit):
-            if self._creates.get(unit) != number:
-                return  # a newer acquire: the node is its
-            self.owned = self.owned - {unit}  # (nobody holds it: its acquire was cancelled)
-            await delete_owners(self.session, self.group, path, frozenset({unit}))
-
-    def _node_lock(self, unit: Unit) -> asyncio.Lock:
-        lock = self._node_locks.get(unit)
-        if lock is None:  # (bounded: units are the group's)
-            lock = self._node_locks[unit] = asyncio.Lock()
-        return lock
-
-    def _unknown_create(self, unit: Unit) -> None:
-        """A create whose answer never came may have made the node: delete it later unless
-        the unit is acquired by then (else it blocks its next owner while the session lives)."""
-        if unit not in self.owned:
-            self._stale.add(unit)
-            self._wake_keeper.set()
-
-    def _undo_create(
-        self, attempt: asyncio.Future[CreateOutcome], *, unit: Unit, path: str, number: int
-    ) -> None:
-        """A cancelled acquire's create that succeeded after all (or whose outcome is
-        unknown): delete the node, unless a newer acquire of the unit came since."""
-        if attempt.cancelled() or (attempt.exception() is None and attempt.result() != "created"):
-            return
-        if attempt.exception() is not None:
-            self._unknown_create(unit)
-            return
-        task = asyncio.ensure_future(self._undo(path, unit, number))
-        self._background.add(task)
-
-        def done(t: asyncio.Future[None]) -> None:
-            self._background.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                self._stale.add(unit)
-
-        task.add_done_callback(done)
-
-    # -- the loops -------------------------------------------------------------------------
-
-    async def _keep(self) -> None:
-        """Registration (again after a loss), stale owner nodes, and the heartbeat."""
-        failures = 0
-        while not self._stopping:
-            try:
-                if not self._member_path:
-                    await self.session.wait_connected()
-                    await self._try_drop_stale()
-                    if self.registrations:  # the group may have been deleted meanwhile
-                        meta = GroupMeta(self.buckets, self.partitions)
-                        await check_meta(self.session, self.group, meta)
-                    await self._register()
-                self._wake_keeper.clear()
-                await self._beat()
-                failures = 0
-            except LOOP_ERRORS as exc:
-                if not await retry_pause(self.session, failures, f"group {self.group}", exc):
-                    return
-                failures += 1
-                continue
-            if self._stale:
-                await self._try_drop_stale()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.lease_s / 3):
-                    await self._wake_keeper.wait()
+    # -- the lease and the target ----------------------------------------------------------
 
     def _node_watch(self, event: Any) -> None:
         """The member node's watch (kazoo's thread; one function, so kazoo keeps it once)."""
@@ -549,44 +446,6 @@ class GroupMember:
         if loop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._wake_keeper.set)
-
-    async def _beat(self) -> None:
-        path, sid = self._member_path, self._member_sid
-        if not path:
-            return
-        t0 = time.monotonic()
-        watch, timeout = self._node_watch, self.session.op_timeout_s
-
-        def beat(zk: Any) -> Any:
-            # a sync first, as the election's heartbeat does: the answer is the quorum's
-            pending_sync = zk.sync_async(path)
-            pending = zk.exists_async(path, watch=watch)
-            pending_sync.get(timeout=timeout)
-            return pending.get(timeout=timeout)
-
-        stat = await self.session.call(beat)
-        if path != self._member_path:
-            return
-        if stat is None or stat.ephemeralOwner != sid or self._deleted_path == path:
-            self._member_gone(path, "member node gone")
-        elif t0 > self.confirmed_at:
-            self.confirmed_at = t0
-
-    async def _try_drop_stale(self) -> None:
-        """:meth:`_drop_stale`, its failure logged (tried again on the next round)."""
-        try:
-            await self._drop_stale()
-        except CoordinationError as exc:
-            log.info("group %s: stale owner nodes stay for now: %s", self.group, exc)
-
-    async def _drop_stale(self) -> None:
-        """Delete owner nodes of an ended registration that the live session still holds."""
-        stale = frozenset(self._stale) - self.owned
-        self._stale -= self.owned
-        if not stale:
-            return
-        await self._delete("", stale, unless_owned=True)
-        self._stale -= stale
 
     def _set_target(self, target: frozenset[Unit]) -> None:
         """Adopt a new target and tell the ``on_target`` callbacks (on the loop)."""

@@ -28,23 +28,15 @@ the session alive no earlier than that, so a lease counted from it is
 conservative.
 
 Access control. With digest credentials in the config
-(:meth:`ClusterConfig.zk_credentials`), the session authenticates and its
-creates carry the cluster's ACL (:func:`cluster_acl`); after connecting, a
-member sets that ACL on the persistent nodes of its cluster's tree, so a
-tree created earlier without credentials (or by someone else) is taken back.
-``/changebus`` itself stays open, so clusters with other credentials share it.
+(:meth:`ClusterConfig.zk_credentials`), the session authenticates, its
+creates carry the cluster's ACL, and after connecting it takes its cluster's
+tree back (:mod:`._session_acl`).
 
-Leftovers. An ephemeral node its owner could not delete (an election or a
-group member stopped while the connection was down, with the session going
-on for the rest of the program) would stay as long as the session does: a
-stopped candidate at the head of an election's line, a stopped member the
-group leader gives units to. :meth:`ZkSession.delete_later` keeps such
-nodes and deletes them when the same session is connected again; a node
-that changed hands meanwhile (another creation: a different czxid; or other
-data) is left alone, and a new session forgets them (they went with the old
-one). :meth:`ZkSession.delete_children_later` does the same for nodes not
-known by path: a create that was queued in kazoo while the connection was
-down still runs when it comes back, after its caller gave up on it.
+Leftovers. An ephemeral node its owner could not delete (a candidate or a
+group member stopped while the connection was down) is handed to
+:meth:`ZkSession.delete_later` (or, not known by path,
+:meth:`ZkSession.delete_children_later`) and deleted when the same session
+is connected again (:mod:`._session_leftovers`).
 
 Thread-safety: :meth:`start`, :meth:`stop`, :meth:`op`, :meth:`commit`,
 :meth:`delete_later` and the listeners belong to the event loop that called :meth:`start`;
@@ -64,11 +56,8 @@ from typing import Any, Literal, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
-    BadVersionError,
     ConnectionClosedError,
     ConnectionLoss,
-    NodeExistsError,
-    NoNodeError,
     OperationTimeoutError,
     RolledBackError,
     RuntimeInconsistency,
@@ -76,7 +65,6 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
-from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from changebus.schemas.errors import ConfigError
 
@@ -84,8 +72,10 @@ from ._config import ClusterConfig
 from ._errors import CoordinationError
 from ._kazoolog import KAZOO_LOG as _KAZOO_LOG
 from ._layout import cluster_root
+from ._session_acl import cluster_acl, secure_tree
+from ._session_leftovers import Leftovers
 
-__all__ = ["SessionState", "StateChange", "ZkSession", "cluster_acl", "failed_op"]
+__all__ = ["SessionState", "StateChange", "ZkSession", "failed_op"]
 
 log = logging.getLogger("changebus.cluster.session")
 
@@ -139,14 +129,6 @@ class StateChange:
     new_session: bool
 
 
-def cluster_acl(user: str, password: str, *, world_readable: bool) -> list[ACL]:
-    """The ACL of a cluster's znodes: ``user`` may do anything, the world may read (or not)."""
-    acl = [make_digest_acl(user, password, all=True)]
-    if world_readable:
-        acl.append(make_acl("world", "anyone", read=True))
-    return acl
-
-
 class ZkSession:
     """One kazoo client and its session, driven from an asyncio event loop.
 
@@ -172,14 +154,8 @@ class ZkSession:
         #: the session timeout the server granted (s; 0: no session yet), written by
         #: kazoo's connection thread at every connect
         self.negotiated_timeout_s = 0.0
-        #: ephemeral nodes to delete once connected again: path -> (czxid or -1, data or
-        #: None), of session ``_leftover_sid`` (see the module docstring)
-        self._leftovers: dict[str, tuple[int, bytes | None]] = {}
-        #: (parent, data) -> nothing: this session's ephemeral children of parent that
-        #: hold exactly data, to delete once connected again (same session)
-        self._leftover_children: dict[tuple[str, bytes], None] = {}
-        self._leftover_sid = 0
-        self._sweeping: asyncio.Task[None] | None = None
+        #: ephemeral nodes to delete once connected again (see the module docstring)
+        self._leftovers = Leftovers(self)
 
     @property
     def session_timeout_s(self) -> float:
@@ -284,62 +260,12 @@ class ZkSession:
             self.session_id = sid
         if credentials is not None:
             try:
-                await self._secure_tree(security["default_acl"])
+                await secure_tree(self, security["default_acl"])
             except BaseException:
                 # (not left connected: each join retry of a member left a live session,
                 # its threads and a connection of the server's per-host limit; review)
                 await self.stop()
                 raise
-
-    async def _secure_tree(self, acl: list[ACL]) -> None:
-        """Create the cluster's root with ``acl`` and set it on its persistent nodes.
-
-        ``/changebus`` is created open (shared by every cluster). Ephemeral
-        nodes are left alone: their owners' sessions created them.
-        """
-        root = self.root
-        top = root.rsplit("/", 1)[0]
-
-        def run(zk: Any) -> int:
-            timeout = self.op_timeout_s
-            if zk.exists_async(top).get(timeout=timeout) is None:
-                with contextlib.suppress(NodeExistsError):
-                    zk.create_async(top, b"", acl=OPEN_ACL_UNSAFE).get(timeout=timeout)
-            zk.ensure_path_async(root).get(timeout=timeout)
-            wanted = sorted(map(str, acl))
-            changed = 0
-            # a level of the tree at a time, its requests pipelined (one round trip per
-            # request made a start with credentials take 10 s at 1,024 partitions); a
-            # node gone meanwhile is skipped
-            level = [root]
-            while level:
-                found = [(path, zk.exists_async(path)) for path in level]
-                kept = [
-                    path
-                    for path, result in found
-                    if (stat := result.get(timeout=timeout)) is not None and not stat.ephemeralOwner
-                ]
-                acls = [(path, zk.get_acls_async(path)) for path in kept]
-                kids = [(path, zk.get_children_async(path)) for path in kept]
-                sets = []
-                for path, result in acls:
-                    with contextlib.suppress(NoNodeError):
-                        current, _ = result.get(timeout=timeout)
-                        if sorted(map(str, current)) != wanted:
-                            sets.append(zk.set_acls_async(path, acl))
-                for result in sets:
-                    with contextlib.suppress(NoNodeError):
-                        result.get(timeout=timeout)
-                        changed += 1
-                level = []
-                for path, result in kids:
-                    with contextlib.suppress(NoNodeError):
-                        level.extend(f"{path}/{child}" for child in result.get(timeout=timeout))
-            return changed
-
-        changed = await self.call(run)
-        if changed:
-            log.warning("set the cluster's ACL on %d znode(s) under %s", changed, root)
 
     async def stop(self) -> None:
         """Close the session (its ephemeral nodes go at once) and the client."""
@@ -372,11 +298,7 @@ class ZkSession:
         to delete them. A node that is gone, of another session, or whose czxid or
         data differ is skipped. Forgotten when the session ends.
         """
-        if not nodes or not self._own_leftovers():
-            return
-        self._leftovers.update(nodes)
-        if self.state == "connected":
-            self._sweep_soon()
+        self._leftovers.add(nodes, self._leftover_sid())
 
     def delete_children_later(self, parent: str, data: bytes) -> None:
         """Delete this session's ephemeral children of ``parent`` holding exactly ``data``
@@ -385,84 +307,11 @@ class ZkSession:
         and not answered). ``data`` must be unique to the caller (an election's token).
         Forgotten when the session ends; settled by one pass once connected.
         """
-        if not self._own_leftovers():
-            return
-        self._leftover_children[(parent, data)] = None
-        if self.state == "connected":
-            self._sweep_soon()
+        self._leftovers.add_children(parent, data, self._leftover_sid())
 
-    def _own_leftovers(self) -> bool:
-        """Whether leftovers can be kept (a session); those of an older session are dropped."""
-        if self._zk is None or not self.session_id:
-            return False
-        if self._leftover_sid != self.session_id:
-            self._leftovers.clear()
-            self._leftover_children.clear()
-            self._leftover_sid = self.session_id
-        return True
-
-    def _sweep_soon(self) -> None:
-        if self._sweeping is None or self._sweeping.done():
-            self._sweeping = asyncio.get_running_loop().create_task(
-                self._sweep(), name="changebus-zk-leftovers"
-            )
-
-    async def _sweep(self) -> None:
-        """Delete the leftovers (kept for the next connect when ZooKeeper does not answer).
-
-        The worker thread only reads its own copy; the loop forgets the nodes
-        it settled, and sweeps again for nodes handed over meanwhile.
-        """
-        nodes, sid = dict(self._leftovers), self._leftover_sid
-        scans = list(self._leftover_children)
-        timeout = self.op_timeout_s
-
-        def run(zk: Any) -> list[str]:
-            settled: list[str] = []
-            for parent, want in scans:
-                with contextlib.suppress(NoNodeError):
-                    # after the queued requests (one connection, in order): a create
-                    # sent before is answered, so its node is seen
-                    zk.sync_async(parent).get(timeout=timeout)
-                    names = zk.get_children_async(parent).get(timeout=timeout)
-                    for name in names:
-                        path = f"{parent}/{name}"
-                        with contextlib.suppress(NoNodeError, BadVersionError):
-                            found, stat = zk.get_async(path).get(timeout=timeout)
-                            if stat.ephemeralOwner == sid and found == want:
-                                zk.delete_async(path, version=stat.version).get(timeout=timeout)
-                                log.info("ZooKeeper: deleted %s, created after its stop", path)
-            for path, (czxid, data) in nodes.items():
-                try:
-                    found, stat = zk.get_async(path).get(timeout=timeout)
-                    mine = stat.ephemeralOwner == sid and czxid in (-1, stat.czxid)
-                    if mine and (data is None or found == data):
-                        zk.delete_async(path, version=stat.version).get(timeout=timeout)
-                        log.info("ZooKeeper: deleted %s, left by a stop while away", path)
-                except (NoNodeError, BadVersionError):
-                    pass  # gone, or changed meanwhile: not ours to delete
-                settled.append(path)
-            return settled
-
-        try:
-            settled = await self.call(run)
-        except CoordinationError as exc:
-            log.info(
-                "ZooKeeper: %d leftover node(s) stay for the next connect: %s",
-                len(nodes) + len(scans),
-                exc,
-            )
-            return
-        if sid == self._leftover_sid:
-            for scan in scans:
-                self._leftover_children.pop(scan, None)
-        for path in settled:
-            if self._leftovers.get(path) == nodes[path]:  # (not handed over again meanwhile)
-                del self._leftovers[path]
-        left = self._leftovers or self._leftover_children
-        if left and self.state == "connected" and sid == self._leftover_sid:
-            self._sweeping = None
-            self._sweep_soon()  # (nodes handed over while this sweep ran)
+    def _leftover_sid(self) -> int:
+        """The session leftovers are kept for now (0: none, nothing is kept)."""
+        return self.session_id if self._zk is not None else 0
 
     async def wait_connected(self) -> None:
         """Wait until the session is connected (bound it with ``asyncio.timeout``)."""
@@ -615,12 +464,7 @@ class ZkSession:
         self.state = state
         self._changed.set()
         self._changed = asyncio.Event()
-        if self._leftovers or self._leftover_children:
-            if new_session or state in ("lost", "closed"):
-                self._leftovers.clear()  # (they went with the session)
-                self._leftover_children.clear()
-            elif state == "connected" and self.session_id == self._leftover_sid:
-                self._sweep_soon()
+        self._leftovers.on_state(state, new_session)
         change = StateChange(state, self.session_id, new_session)
         for callback in list(self._listeners):
             try:

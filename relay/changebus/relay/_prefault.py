@@ -25,13 +25,14 @@ calls: a buffer dropped without :meth:`close` does not leak its mapping.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import threading
 import weakref
 
 import numpy as np
 import numpy.typing as npt
+
+from changebus.schemas.files import libc_function
 
 __all__ = ["Prefaulter"]
 
@@ -43,14 +44,8 @@ _PAGE = 4096
 
 
 def _madvise() -> ctypes._NamedFuncPointer | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
+    """libc's ``madvise`` (None: no libc, or no such function there)."""
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
 
 
 class Prefaulter:

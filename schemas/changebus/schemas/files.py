@@ -14,6 +14,11 @@ directories, the bootstrap store's rows) must be :func:`safe_name`: one
 component of ``[A-Za-z0-9_.-]``, at most 128 characters, never ``.`` or
 ``..``.
 
+The system calls Python has no call for, or only one holding the GIL
+(``fallocate`` here, the relay's ``msync`` and ``madvise`` on its mappings),
+go through :func:`libc_function`: libc found and loaded once per process
+(:mod:`._libc`).
+
 Every function here blocks (file system calls): call them from a worker
 thread when on an event loop.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import re
@@ -30,12 +36,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from ._libc import libc_function as libc_function
+
 log = logging.getLogger("changebus.files")
 
 __all__ = [
     "DIR_MODE",
     "FILE_MODE",
     "NAME_RULE",
+    "libc_function",
     "narrow_files",
     "open_private",
     "private_dir",
@@ -154,15 +163,15 @@ def reserve_file(path: Path, size: int) -> bool:
     return True
 
 
+@functools.cache
 def _fallocate() -> Callable[[int, int], None]:
-    """``fallocate(fd, 0, 0, size)`` through libc when it has it, else ``posix_fallocate``."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        native = libc.fallocate64
-    except (OSError, AttributeError, TypeError):  # (no libc of that kind: Windows, macOS)
+    """``fallocate(fd, 0, 0, size)`` through libc when it has it, else ``posix_fallocate``
+    (looked up at the first reservation, not at import: :mod:`._libc`)."""
+    native = libc_function(
+        "fallocate64", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int
+    )
+    if native is None:  # (no libc of that kind: Windows, macOS)
         return lambda fd, size: os.posix_fallocate(fd, 0, size)
-    native.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    native.restype = ctypes.c_int
 
     def allocate(fd: int, size: int) -> None:
         while native(fd, 0, 0, size) != 0:
@@ -173,5 +182,6 @@ def _fallocate() -> Callable[[int, int], None]:
     return allocate
 
 
-#: reserves ``size`` bytes of ``fd`` (raises OSError; EOPNOTSUPP where it cannot)
-_allocate = _fallocate()
+def _allocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes of ``fd`` (raises OSError; EOPNOTSUPP where it cannot)."""
+    _fallocate()(fd, size)

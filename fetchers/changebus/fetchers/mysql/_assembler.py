@@ -8,9 +8,9 @@
   ``BEGIN``) and ends at its ``XID`` event, at ``COMMIT`` (non-transactional
   engines), or right after its one statement (DDL: standalone GTID);
 * an XA transaction's rows are logged at its ``XA PREPARE`` (a group ending
-  with an XA_PREPARE event): they are kept (:mod:`._xa`) and become a window
-  at its ``XA COMMIT`` (that event group's SCN, GTID and position: commit
-  order), or are dropped at its ``XA ROLLBACK``. While one is pending, every
+  with an XA_PREPARE event): they are kept (:mod:`._xa`, :mod:`._xa_events`)
+  and become a window at its ``XA COMMIT`` (that event group's SCN, GTID and
+  position: commit order), or are dropped at its ``XA ROLLBACK``. While one is pending, every
   position names the start of the oldest pending prepared group (``xa=``),
   where a restart must read from; an ``XA COMMIT`` whose prepared half this
   assembler never read (prepared before the fetcher's first start) becomes a
@@ -23,7 +23,8 @@
   5): where to resume, on which server, with which SCN base;
 * row images are decoded by the layout's compiled decoder
   (:mod:`._layout`) straight from the event bytes: TABLE_MAP gives the layout
-  valid at that position; a new or changed layout is a new schema version,
+  valid at that position (the tables, compiled and cached:
+  :mod:`._tablemap`); a new or changed layout is a new schema version,
   announced by a SCHEMA_CHANGE event before its first row. A table is
   announced in the first window of this assembler touching it unless its
   schema is one of the ``known`` ones (those the relay holds: the registry of
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -64,7 +65,6 @@ from changebus.schemas import (
     DataLoss,
     Heartbeat,
     Op,
-    RowEncoder,
     SchemaChange,
     SchemaRegistry,
     SourceConfigError,
@@ -78,7 +78,6 @@ from .._base import Window
 from .._policy import ColumnPolicy
 from ._config import SYSTEM_DATABASES
 from ._ddl import MODE_ANSI_QUOTES, DeclaredTypes
-from ._layout import compile_transcoder, layout_from_table_map
 from ._position import format_position
 from ._statements import (
     changes_captured_rows,
@@ -87,6 +86,7 @@ from ._statements import (
     savepoint_name,
     statement_logged,
 )
+from ._tablemap import TableCatalog
 from ._txn import (
     MappedTable as _Table,
     OpenTxn as _Txn,
@@ -95,15 +95,13 @@ from ._txn import (
     control_window,
     encode_window,
 )
-from ._workers import WorkerDispatch, layout_id, transcode_changes
-from ._xa import Prepared, PreparedSet, XaKey, parse_xa_end, xid_text
+from ._workers import WorkerDispatch, transcode_changes
+from ._xa import PreparedSet, XaKey
+from ._xa_events import xa_end, xa_prepare
 
 __all__ = ["BinlogAssembler", "PendingWindow"]
 
 log = logging.getLogger("changebus.fetchers.mysql")
-#: table layouts the assembler keeps compiled besides each table's last one
-_CACHED_LAYOUTS = 4096
-
 #: header, CRC, union branches and empty not-sent arrays of one row event (a bound)
 _EVENT_OVERHEAD = 72
 
@@ -130,8 +128,6 @@ class BinlogAssembler:
         policy: ColumnPolicy | None = None,
     ) -> None:
         self.partition_id = partition_id
-        #: column policies, applied to each table's layout when it is first mapped
-        self._policy = policy if policy else None
         self.registry = registry
         #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
         self._known = frozenset(
@@ -140,7 +136,6 @@ class BinlogAssembler:
         self.declared = declared
         self._databases = frozenset(d.lower() for d in databases)
         self._checksum = checksum_bytes
-        self._boolean = tinyint1_as_boolean
         self.max_window_bytes = max_window_bytes
         self.on_oversized = on_oversized
         #: data-loss windows made here, by cause (the fetcher shares its own counter)
@@ -155,12 +150,17 @@ class BinlogAssembler:
         self.scn_base = 0
         #: the server's ``@@server_id`` (0: unknown), recorded in every position
         self.server = 0
-        self._by_id: dict[int, _Table | None] = {}  # table id -> table (None: not captured)
-        #: layout bytes + declared -> table, least recently used first (at most
-        #: :data:`_CACHED_LAYOUTS`; each table's last one stays in ``_latest`` too)
-        self._cache: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
-        self._latest: dict[str, _Table] = {}  # "db.table" -> newest table seen
-        self._lower: dict[str, _Table] = {}  # the same by lower-case name (DDL finds)
+        #: the mapped tables: by table id, by name, compiled layouts (column policies
+        #: applied to each table's layout when it is first mapped)
+        self._tables = TableCatalog(
+            registry,
+            declared,
+            partition_id,
+            checksum_bytes=checksum_bytes,
+            tinyint1_as_boolean=tinyint1_as_boolean,
+            policy=policy if policy else None,
+            workers=pool is not None,
+        )
         #: fingerprints of the schema versions announced (SCHEMA_CHANGE sent, or known
         #: by the relay): shared by every layout of a version
         self._announced: set[int] = set()
@@ -184,7 +184,7 @@ class BinlogAssembler:
         """The stream moved to ``next_file`` (a RotateEvent; also at connect)."""
         self.file = next_file
         self._file_number = binlog_file_number(next_file)
-        self._by_id.clear()  # table ids are only valid within one binlog file
+        self._tables.by_id.clear()  # table ids are only valid within one binlog file
 
     def scn_at(self, end_pos: int) -> int:
         return binlog_to_scn(self._file_number, end_pos) + self.scn_base
@@ -236,58 +236,25 @@ class BinlogAssembler:
         self.begin(gtid, timestamp_s, _FL_STANDALONE, start_pos)
 
     def table_map(self, event: Any) -> None:
+        """A TABLE_MAP event: the layout of ``event.table_id`` from here on (:mod:`._tablemap`)."""
         if not self.captured(event.schema):
-            self._by_id[event.table_id] = None
+            self._tables.by_id[event.table_id] = None
             return
-        raw = event.packet.packet._data
-        declared = self.declared.get(event.schema, event.table) or {}
-        key = (
-            event.schema,
-            event.table,
-            bytes(raw[26 : len(raw) - self._checksum]),  # after the table id
-            tuple(sorted(declared.items())),
+        table, compiled = self._tables.map(
+            event, lambda: self.scn_at(int(event.packet.log_pos)) <= self.replay_until
         )
-        table = self._cache.get(key)
-        if table is not None:
-            self._cache.move_to_end(key)
-        else:  # (more tables than the cache holds: not compiled again at every TABLE_MAP)
-            last = self._latest.get(f"{event.schema}.{event.table}")
-            table = last if last is not None and last.key == key else None
-        if table is None:
-            layout = layout_from_table_map(event, declared, tinyint1_as_boolean=self._boolean)
-            layout = layout.with_policy(self._policy)
-            wanted = layout.table_schema()
-            found = None
-            if self.scn_at(int(event.packet.log_pos)) <= self.replay_until:
-                found = self.registry.find(wanted)
-            schema = found if found is not None else self.registry.register(wanted)
-            table = _Table(
-                layout,
-                RowEncoder(
-                    schema,
-                    source_id=self.registry.source_id(schema.name),
-                    partition=self.partition_id,
-                ),
-                compile_transcoder(layout),
-                len(layout.columns),
-                key,
-                layout_id(layout) if self._pool is not None else b"",
-            )
-            if (table.encoder.source_id, schema.name, schema.version, schema.fingerprint) in (
-                self._known
-            ):
-                self._announced.add(schema.fingerprint)
-            if len(self._cache) >= _CACHED_LAYOUTS:
-                self._cache.popitem(last=False)
-            self._cache[key] = table
-        self._by_id[event.table_id] = table
-        self._latest[table.layout.name] = self._lower[table.layout.name.lower()] = table
+        schema = table.encoder.table
+        if compiled and (
+            (table.encoder.source_id, schema.name, schema.version, schema.fingerprint)
+            in self._known
+        ):
+            self._announced.add(schema.fingerprint)
 
     def rows(self, event: Any, op: Op) -> None:
         txn = self._txn
         if txn is None:
             raise SourceConfigError("a rows event outside a transaction")
-        table = self._by_id.get(event.table_id)
+        table = self._tables.by_id.get(event.table_id)
         if table is None:
             return  # not captured
         packet = event.packet.packet
@@ -389,7 +356,7 @@ class BinlogAssembler:
         if head.startswith("COMMIT"):
             return self.commit(end_pos)
         if head.startswith("XA "):
-            return self._xa_end(text, end_pos)
+            return xa_end(self, text, end_pos)
         if (saved := savepoint_name(text)) is not None and self._txn is not None:
             self._txn.savepoints[saved] = len(self._txn.events)
             return None
@@ -426,8 +393,8 @@ class BinlogAssembler:
             # the table as written, else the one table of that name in any case (by the
             # lower-case name alone, TRUNCATE orders emptied app.Orders where both
             # exist, a server with lower_case_table_names = 0 keeping them apart: review)
-            target = self._truncated(effect.written or (db, name))
-            table = self._latest.get(target) if target is not None else None
+            target = self._tables.truncated(effect.written or (db, name))
+            table = self._tables.latest.get(target) if target is not None else None
             encoder = None
             if table is not None:
                 if not txn.oversized:
@@ -436,14 +403,14 @@ class BinlogAssembler:
             elif target is not None and self.captured(db):
                 # not mapped in this run yet (a TRUNCATE before any row change since the
                 # start): the relay's registry knows the table if it ever sent its rows
-                encoder = self._registered_encoder(target)
+                encoder = self._tables.registered_encoder(target)
             if encoder is not None and not txn.oversized:
                 ts = txn.ts_ns
                 make = lambda scn, seq, e=encoder: e.encode(Op.TRUNCATE, scn, seq, ts, None)  # noqa: E731
                 self._add(txn, (make, True), 100)
         elif effect.kind in ("alter", "drop", "rename", "create"):
             for db, name in effect.tables:
-                table = self._find(db, name)
+                table = self._tables.find(db, name)
                 if table is not None:
                     log_ddl(effect.kind, text, table.layout.name, f"{self.file}:{end_pos}")
         if txn.standalone:
@@ -457,105 +424,8 @@ class BinlogAssembler:
     ) -> Window | PendingWindow | None:
         """An XA_PREPARE event ending at ``end_pos``: the open transaction is prepared
         (kept until its XA COMMIT), or, ``one_phase`` (MySQL's ``XA COMMIT ..
-        ONE PHASE``), committed."""
-        if one_phase:
-            return self.commit(end_pos)
-        txn = self._txn
-        self._txn = None
-        if txn is None:
-            raise SourceConfigError(
-                f"an XA PREPARE of {xid_text(key)} without its transaction (at "
-                f"{self.file}:{end_pos})"
-            )
-        # its SCHEMA_CHANGE events go: windows committed before it must announce
-        # those tables themselves; the commit announces what is still needed then
-        txn.events = [p for p in txn.events if isinstance(p[0], RowEncoder) or p[1]]
-        self._unannounce(txn)
-        held = self.prepared.held_bytes() + (0 if txn.oversized else txn.size)
-        if self.max_window_bytes and held > self.max_window_bytes and not txn.oversized:
-            # all the prepared halves together are bounded like one transaction: past
-            # it, this one is only counted (its commit is a data loss, or an error)
-            log.warning(
-                "XA transaction %s: prepared transactions hold %d bytes together, more "
-                "than max_transaction_bytes (%d); its rows are let go",
-                xid_text(key),
-                held,
-                self.max_window_bytes,
-            )
-            self._let_go(txn)
-        self.prepared.add(key, Prepared(txn, txn.gtid, *txn.start))  # (after: it counts it)
-        return None
-
-    def _xa_end(self, text: str, end_pos: int) -> Window | PendingWindow | None:
-        """An ``XA`` query ending at ``end_pos``: ``XA COMMIT`` / ``XA ROLLBACK`` end
-        their event group (and deliver or drop the prepared half); others
-        (``XA START``, ``XA END``) are inside a transaction."""
-        parsed = parse_xa_end(text)
-        if parsed is None:
-            if text[:9].upper().startswith(("XA COMMIT", "XA ROLLBA")):
-                raise SourceConfigError(
-                    f"an XA statement at {self.file}:{end_pos} names its transaction in a "
-                    "form the fetcher cannot read; its rows would be lost"
-                )
-            return None
-        kind, key = parsed
-        group = self._txn or _Txn("", 0, True)
-        prepared = self.prepared.pop(key)
-        if kind == "ROLLBACK":
-            self._txn = group  # nothing of it is sent: the group is an empty window
-            return self.commit(end_pos)
-        if prepared is None:
-            # prepared before the stream's start (the fetcher's first start, a seed
-            # position): its rows were never read
-            self._txn = None
-            self.last_empty = False
-            scn = self.scn_at(end_pos)
-            position = self.position_at(group.gtid, end_pos)
-            what = (
-                f"XA transaction {xid_text(key)} was committed at {self.file}:{end_pos} "
-                f"(GTID {group.gtid or 'none'}), but it was prepared before the fetcher's "
-                "start position: its changes, if it made any to captured tables, are missing"
-            )
-            if scn > self.replay_until:  # (read again after a rewind: the relay has it)
-                log.error("%s", what)
-                self.losses["xa_prepared_before_start"] += 1
-            return self.control_window(DataLoss(scn, scn, what), scn, position, group.ts_ns)
-        txn = prepared.txn
-        txn.gtid, txn.ts_ns = group.gtid, group.ts_ns or txn.ts_ns
-        if not txn.oversized:  # announce what windows since the prepare did not
-            head = _Txn(txn.gtid, txn.ts_ns, False)
-            for table in txn.touched:
-                self._announce(head, table)
-            txn.events[:0] = head.events
-            txn.announced = head.announced
-        self._txn = txn
-        return self.commit(end_pos)
-
-    def _truncated(self, written: tuple[str, str]) -> str | None:
-        """The ``db.table`` a TRUNCATE of ``written`` (its names as the statement gave
-        them) empties: that name when a table of it was mapped or registered, else the
-        one table whose name differs from it in case only (None: none, or several)."""
-        exact = f"{written[0]}.{written[1]}"
-        if exact in self._latest or self.registry.has(exact):
-            return exact  # (the common case: no walk over every table)
-        lowered = exact.lower()
-        twins = {n for n in self._latest if n.lower() == lowered}
-        twins |= {n for _, n in self.registry.sources() if n.lower() == lowered}
-        return next(iter(twins)) if len(twins) == 1 else None
-
-    def _registered_encoder(self, name: str) -> RowEncoder | None:
-        """An encoder of the registry's newest schema of ``name`` (None: never sent)."""
-        reg = self.registry
-        found = name if reg.has(name) else None
-        if found is None:
-            return None
-        return RowEncoder(
-            reg.latest(found), source_id=reg.source_id(found), partition=self.partition_id
-        )
-
-    def _find(self, db: str, name: str) -> _Table | None:
-        """The newest table mapped as ``db.name`` (lower case, as DDL effects name them)."""
-        return self._lower.get(f"{db}.{name}")
+        ONE PHASE``), committed (:func:`._xa_events.xa_prepare`)."""
+        return xa_prepare(self, key, one_phase, end_pos)
 
     def commit(self, end_pos: int) -> Window | PendingWindow | None:
         """The transaction ends with the event ending at ``end_pos`` (XID or COMMIT).
