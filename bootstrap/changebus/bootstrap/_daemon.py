@@ -23,8 +23,8 @@ from typing import Self
 
 from aiohttp import web
 
+from changebus.schemas import DirLock
 from changebus.schemas.config import redacted
-from changebus.schemas.files import private_dir
 from changebus.schemas.server import Server, serve
 
 from ._config import BootstrapConfig
@@ -64,12 +64,17 @@ class BootstrapServer:
         return self.server.url
 
     async def _running(self, app: web.Application) -> AsyncIterator[None]:
+        # one process at a time in the data directory (its SQLite store, seed state):
+        # taken before anything there is opened, dropped after the service stopped
+        lock = await asyncio.to_thread(DirLock, self.config.data_dir, "bootstrap server")
         try:
-            await asyncio.to_thread(private_dir, self.config.data_dir)
             await self.service.start()
             yield
         finally:
-            await self.service.stop()
+            try:
+                await self.service.stop()
+            finally:
+                lock.release()
 
     async def start(self) -> None:
         """Start the service, then listen (stops what it started when it fails).

@@ -65,6 +65,7 @@ from typing import Any
 from changebus.fetchers import Fetcher, ResumePoint, Window, WindowFeed, create_fetcher
 from changebus.schemas import (
     ChangebusError,
+    DirLock,
     SchemaRegistry,
     StoreUnavailableError,
     stop_task,
@@ -141,17 +142,24 @@ class PartitionHost(SourceAcks, GroupAppend):
         self.directory = data_dir / config.name
         #: waking readers when windows are published (:mod:`._wakeups`)
         self.wakeups = Wakeups(config.name)
-        self.buffer = EventBuffer(
-            self.directory,
-            config.buffer,
-            name=config.name,
-            partition_id=config.id,
-            on_publish=self.wakeups.published,
-            # a chained relay's upstream still holds what an OS crash took from its disk
-            # (or says 410): windows recovery drops are read again, not lost (a DATA_LOSS
-            # window stopped its consumers for windows the upstream had; found by review)
-            replayable=replayable or config.fetcher.kind == "relay",
-        )
+        #: one process at a time in the partition's directory: taken before recovery
+        #: reads (and repairs) anything there, released by :meth:`stop`
+        self._dir_lock = DirLock(self.directory, f"relay partition {config.name!r}")
+        try:
+            self.buffer = EventBuffer(
+                self.directory,
+                config.buffer,
+                name=config.name,
+                partition_id=config.id,
+                on_publish=self.wakeups.published,
+                # a chained relay's upstream still holds what an OS crash took from its disk
+                # (or says 410): windows recovery drops are read again, not lost (a DATA_LOSS
+                # window stopped its consumers for windows the upstream had; found by review)
+                replayable=replayable or config.fetcher.kind == "relay",
+            )
+        except BaseException:
+            self._dir_lock.release()
+            raise
         self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
         self._writer = WriterThread(config.name)
         self._task: asyncio.Task[None] | None = None
@@ -215,6 +223,7 @@ class PartitionHost(SourceAcks, GroupAppend):
         await self._writer.run(self.buffer.close)
         # the writer thread only has to exit now, but joining it is a wait: not on the loop
         await self._writer.shutdown()
+        self._dir_lock.release()
 
     async def switch_fetcher(
         self, fetcher: FetcherConfig, *, fence: IngestFence | None = None

@@ -34,6 +34,7 @@ from ._control import (
     end_of_window_position as end_of_window_position,
 )
 from ._crc import crc32 as crc32
+from ._dirlock import DirLock as DirLock
 from ._envelope import (
     FIRST_CONTROL_OP as FIRST_CONTROL_OP,
     HEADER_DTYPE as HEADER_DTYPE,
@@ -189,6 +190,7 @@ __all__ = [
     "DataLoss",
     "DataLossError",
     "DecodedChange",
+    "DirLock",
     "EndOfWindow",
     "EventHeader",
     "EventTooLargeError",
