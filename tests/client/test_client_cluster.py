@@ -189,6 +189,50 @@ async def test_bootstrap_servers_come_from_the_table(
                         await asyncio.sleep(0.02)
 
 
+async def test_bootstrap_servers_without_a_scheme_are_skipped(
+    make_relay: MakeRelay,
+    register: Any,
+    zk_hosts: str,
+    zk_cluster: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A member that registered an advertised_url without its scheme: relays were
+    skipped, bootstrap servers were not. Every consumer of the cluster failed at
+    start (ConfigError), or, from a change of the table, the URL reached the
+    failover and was retried for ever (found by review). Skipped now, with a
+    warning that names it without its password."""
+    from changebus.client._cluster import read_route
+
+    bad = "reader:s3cret@127.0.0.1:9/boot"
+    good = "http://127.0.0.1:9/boot"
+    caplog.set_level("WARNING", logger="changebus.client._cluster")
+    async with (
+        make_relay() as relay,
+        register("r1", relay.url),
+        register("b0", bad, kind="bootstrap"),
+        Consumer(config(zk_hosts, zk_cluster, start="latest")) as c,
+    ):
+
+        def boot_urls() -> tuple[str, ...]:
+            assert c._fetcher is not None
+            boot = c._fetcher._boot
+            return () if boot is None else boot._failover.urls
+
+        assert boot_urls() == ()  # none usable (yet)
+        async with register("b1", good, kind="bootstrap"):
+            async with asyncio.timeout(20):  # the table's good one is followed
+                while boot_urls() != (good,):
+                    await asyncio.sleep(0.02)
+            async with register("b2", "127.0.0.1:9/boot2", kind="bootstrap"):
+                await asyncio.sleep(0.5)  # (a change of the table: not passed on)
+                assert boot_urls() == (good,)
+                found = await read_route(zk_hosts, zk_cluster, ("syn",), kind="bootstrap")
+                assert found == (good,)
+    text = caplog.text
+    assert "'127.0.0.1:9/boot'" in text and "127.0.0.1:9/boot2" in text and "skipped" in text
+    assert "s3cret" not in text and "reader" not in text
+
+
 async def test_failover_set_urls_keeps_the_server_in_use_and_wakes_a_backoff() -> None:
     from changebus.client._backoff import Backoff
     from changebus.client._failover import Failover

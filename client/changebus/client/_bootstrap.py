@@ -30,7 +30,10 @@ little behind gets just the changed keys, deletes as tombstones).
 A restart resumes from the checkpoint: the snapshot at its position when the
 same server is used (positions are per server), otherwise from the start
 with the same ``since``; the catch-up after its last window. A catch-up
-whose log was pruned meanwhile (410) restarts the snapshot. Retriable
+whose log was pruned meanwhile (410) restarts the snapshot, with deletes;
+on the server the catch-up ran on, a gap it recorded meanwhile does not stop
+that (the rows the consumer holds are its store's own, which its re-seed
+repairs), a history starting after the snapshot does. Retriable
 failures (connection errors, 5xx, a server not ready yet) move to the next
 bootstrap server with backoff: the same :class:`~._failover.Failover` as
 relay failover. Error answers are mapped by :func:`~._http.response_error`.
@@ -44,7 +47,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import aiohttp
 
@@ -66,7 +69,14 @@ from ._backoff import Backoff
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._failover import Failover
-from ._http import RestartBootstrap, read_body, response_error, safe_url, transport_errors
+from ._http import (
+    CatchupPruned,
+    RestartBootstrap,
+    read_body,
+    response_error,
+    safe_url,
+    transport_errors,
+)
 from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
 from ._model import ChangeOp, Window
 from ._queue import WindowSink
@@ -75,6 +85,18 @@ from ._stream import StreamConfig
 __all__ = ["Bootstrapper"]
 
 log = logging.getLogger(__name__)
+
+
+class _Held(NamedTuple):
+    """(start, since) of the oldest snapshot the consumer holds rows of, once a restart
+    forgot its checkpoint; ``own``: the server (safe URL) all those rows came from when
+    its own catch-up was pruned (else ""). Its lost ranges do not matter there: what the
+    consumer holds is that store's (SCNs it had), which its re-seed and sweep repair;
+    they refused it for good, though the server accepts the new snapshot (review)."""
+
+    start: int
+    since: int
+    own: str = ""
 
 
 class Bootstrapper:
@@ -110,6 +132,10 @@ class Bootstrapper:
             Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),
             max_attempts=config.max_attempts,
             what="bootstrap server",
+            # one server's refusal is final only when every server refused: a re-seeding
+            # (503), busy or restarting one is retried (the way out wipes the consumer's
+            # state: found by review); max_attempts bounds the wait
+            unreachable_rounds=0,
         )
         #: the checkpoint after the last window queued in the current bootstrap
         self._last: PartitionCheckpoint | None = None
@@ -139,7 +165,7 @@ class Bootstrapper:
         dirty = resume is not None
         # (start, since) of the oldest snapshot the consumer holds rows of, once a restart
         # forgot its checkpoint: a new snapshot must come from a history reaching back to it
-        held: tuple[int, int] | None = None
+        held: _Held | None = None
         decoded_for = ""  # the server whose source ids the schema cache holds
         while True:
             url = self._failover.url
@@ -182,12 +208,15 @@ class Bootstrapper:
                 else:
                     self._restarts.failures = 1
                 prior = current.bootstrap if current is not None else None
-                if (
-                    prior is not None
-                    and prior.start_scn >= 0
-                    and (held is None or prior.start_scn < held[0])
-                ):
-                    held = (prior.start_scn, prior.since_scn)
+                if prior is not None and prior.start_scn >= 0:
+                    # (a pruned catch-up on the server it ran on: its store's rows only)
+                    pruned = isinstance(exc, CatchupPruned)
+                    own = safe_url(url) if pruned and prior.server in (url, safe_url(url)) else ""
+                    if held is None or prior.start_scn < held.start:
+                        mine = own if held is None or held.own == own else ""
+                        held = _Held(prior.start_scn, prior.since_scn, mine)
+                    elif held.own != own:
+                        held = held._replace(own="")
                 resume, self._last, dirty = None, None, True
                 continue
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
@@ -204,7 +233,9 @@ class Bootstrapper:
         """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
         return self._last
 
-    async def _check_history(self, url: str, held: int, since: int, upto: int | None) -> None:
+    async def _check_history(
+        self, url: str, held: int, since: int, upto: int | None, *, lost: bool = True
+    ) -> None:
         """Refuse a server whose history starts after ``held``, the start of the
         snapshot whose rows the consumer holds (part of them, from another server
         or from this URL before its store was rebuilt).
@@ -215,17 +246,18 @@ class Bootstrapper:
         SCNs it never received (its lost ranges) that the consumer may hold: any
         range after ``since`` and before ``upto``, the newest change the consumer
         holds (its catch-up's window; None in a snapshot, whose pages carry rows
-        at their latest version: any newer range then).
+        at their latest version: any newer range then). ``lost=False``: the rows are
+        this server's own (:class:`_Held`), only its history's start is checked.
         """
         status = await self._status(url)
         base = status.base_scn
-        lost = [
+        ranges = [
             (after, end)
-            for after, end in status.lost_ranges
+            for after, end in (status.lost_ranges if lost else ())
             if end > since and (upto is None or after < upto)
         ]
-        if lost:
-            after, end = lost[0]
+        if ranges:
+            after, end = ranges[0]
             raise BootstrapFailedError(
                 f"{safe_url(url)}: it never received SCNs {after} < SCN < {end}, and this "
                 f"consumer holds rows of another server's bootstrap from SCN {held} that may "
@@ -254,7 +286,7 @@ class Bootstrapper:
         since: int,
         resume: PartitionCheckpoint | None,
         dirty: bool,
-        held: tuple[int, int] | None = None,
+        held: _Held | None = None,
     ) -> int:
         """One attempt on ``url``: continue ``resume`` there, or start (again).
 
@@ -262,9 +294,10 @@ class Bootstrapper:
         bootstrap. A new snapshot for it must include deletes even when it
         started from nothing, so it asks for everything after the server's
         ``base_scn`` (all the server holds, tombstones included). ``held``:
-        (start, since) of such a snapshot whose checkpoint a restart forgot
-        (the server's store was rebuilt meanwhile): its history is checked as
-        for another server's (it skipped that check; found by review).
+        such a snapshot whose checkpoint a restart forgot (:class:`_Held`; the
+        server's store was rebuilt meanwhile): its history is checked as for
+        another server's (it skipped that check; found by review), its lost
+        ranges only when the rows may be another store's.
         """
         prog: BootstrapProgress
         mode = Mode.SNAPSHOT
@@ -289,7 +322,8 @@ class Bootstrapper:
                     upto = resume.window_scn if resume.mode is Mode.CATCHUP else None
                     await self._check_history(url, start, since, upto)
             elif resume is None and held is not None:
-                await self._check_history(url, held[0], held[1], None)
+                own = held.own == safe_url(url)
+                await self._check_history(url, held.start, held.since, None, lost=not own)
             if resume is not None and resume.mode is Mode.CATCHUP and resume.window_scn >= 0:
                 # in the catch-up of another server: the consumer has every change up to
                 # its last window, so this one plans from there (the server's own checks

@@ -26,7 +26,11 @@ read-only: it creates no znode (``create_paths=False``), so a client can
 watch a cluster that does not exist yet. The connect string holds no secret
 (a member's ZooKeeper credentials are separate config fields, and a consumer
 reads the world-readable routing table without any); relay URLs are logged
-through :func:`~._http.safe_url` only.
+through :func:`~._http.safe_url` only. A member whose URL is not http(s)
+(an ``advertised_url`` registered without its scheme) is skipped, relay or
+bootstrap server, with a warning naming it without user and password: a
+bootstrap server's made every consumer of the cluster fail at start, or was
+retried for ever (found by review).
 
 One-look readers (:func:`read_route`, :func:`read_routes`: the Spark
 driver and executors, which ask once per decision and per partition) share
@@ -56,6 +60,7 @@ from changebus.cluster import (
     RoutingTable,
     ZkSession,
 )
+from changebus.schemas.config import scrub
 
 from ._backoff import Backoff
 from ._errors import RelayUnavailableError
@@ -79,6 +84,35 @@ T = TypeVar("T")
 
 #: a member's URL must be one of these to be used (others are skipped)
 _SCHEMES = ("http://", "https://")
+#: the unusable URLs warned of already (each once per process), at most _WARNED_MAX
+_WARNED: set[str] = set()
+_WARNED_MAX = 256
+
+
+def _shown(url: str) -> str:
+    """``url`` for a log line: without user and password, also with no scheme
+    (where :func:`~._http.safe_url` cannot parse it), and scrubbed."""
+    shown = safe_url(url)
+    if shown == "<unparsable url>" or "@" in shown:
+        head, sep, rest = url.partition("://")
+        shown = f"{head}{sep}{rest.rpartition('@')[2]}" if sep else url.rpartition("@")[2]
+    return scrub(shown)[:200]
+
+
+def _usable(urls: list[str], what: str) -> list[str]:
+    """``urls`` that are http(s); the others are skipped, with a warning (once each)."""
+    good = [u for u in urls if u.startswith(_SCHEMES)]
+    for url in urls:
+        if not url.startswith(_SCHEMES) and url not in _WARNED:
+            if len(_WARNED) < _WARNED_MAX:
+                _WARNED.add(url)
+            log.warning(
+                "the cluster's routing table lists %s %r, not an http:// or https:// URL"
+                " (its advertised_url lacks the scheme?): skipped",
+                what,
+                _shown(url),
+            )
+    return good
 
 
 def relays_serving(
@@ -89,7 +123,8 @@ def relays_serving(
     Members whose URL is not http(s) are skipped. The leader is the elected one; when the partition has no election (or
     no live leader) a member whose payload says ``leader`` counts as it.
     """
-    members = [m for m in snapshot.serving(partition) if m.url.startswith(_SCHEMES)]
+    urls = set(_usable([m.url for m in snapshot.serving(partition) if m.url], "relay"))
+    members = [m for m in snapshot.serving(partition) if m.url in urls]
     elected = snapshot.leaders.get(partition)
     leader = elected.member_id if elected is not None else None
     if leader is None:
@@ -159,13 +194,9 @@ class ClusterRoute:
     def bootstrap_servers(self) -> tuple[str, ...]:
         """The bootstrap servers the table lists for the partition (registration order: by id)."""
         snap = self.table.snapshot()
-        found = [m.url.rstrip("/") for m in snap.serving(self.partition, "bootstrap") if m.url]
+        found = _serving(snap, self.partition, "bootstrap", False)
         if not found:  # a bootstrap server may register without naming partitions
-            found = [
-                m.url.rstrip("/")
-                for _, m in sorted(snap.members.items())
-                if m.kind == "bootstrap" and m.url and not m.partitions
-            ]
+            found = _serving_all(snap, "bootstrap")
         return tuple(dict.fromkeys(found))
 
     async def wait_relays(self, max_attempts: int, backoff: Backoff) -> tuple[str, ...]:
@@ -397,18 +428,20 @@ def _route_names(snap: RoutingSnapshot, partitions: tuple[str, ...], kind: str) 
 def _serving(snap: RoutingSnapshot, partition: str, kind: str, prefer_followers: bool) -> list[str]:
     if kind == "relay":
         return list(relays_serving(snap, partition, prefer_followers=prefer_followers))
-    return [m.url.rstrip("/") for m in snap.serving(partition, kind) if m.url]
+    urls = [m.url.rstrip("/") for m in snap.serving(partition, kind) if m.url]
+    return _usable(urls, f"{kind} server" if kind == "bootstrap" else kind)
 
 
 def _serving_all(snap: RoutingSnapshot, kind: str) -> list[str]:
     """Members of ``kind`` naming no partition (bootstrap servers serving all); none for relays."""
     if kind == "relay":
         return []
-    return [
+    urls = [
         m.url.rstrip("/")
         for _, m in sorted(snap.members.items())
         if m.kind == kind and m.url and not m.partitions
     ]
+    return _usable(urls, f"{kind} server" if kind == "bootstrap" else kind)
 
 
 def config_backoff(cfg: ConsumerConfig) -> Backoff:

@@ -22,11 +22,18 @@ Rules, decided by data (the exception's ``retriable`` attribute, which
   gone everywhere), and so it is when the others failed in
   :data:`UNREACHABLE_ROUNDS` attempts each in a row (a relay left down, or
   decommissioned but still listed, kept a consumer that had fallen off the
-  others waiting for ever instead of bootstrapping: found by review);
+  others waiting for ever instead of bootstrapping: found by review).
+  That second way applies to relays only (``unreachable_rounds``): for
+  bootstrap servers the way out is a consumer starting from nothing (a
+  replica with ``on_unservable=reset`` wipes its tables), so one that is
+  re-seeding after a gap (503 ``not_yet``, minutes), busy or restarting is
+  retried, bounded by ``max_attempts``; it took one server's refusal as final
+  after a few seconds of another's 503s (found by review);
 * a retriable error counts one attempt and moves to the next server at once;
   after a whole round of failures it sleeps (:class:`~._backoff.Backoff`,
   exponential with jitter); ``max_attempts`` consecutive failures (0: no
-  limit) raise :class:`~._errors.RelayUnavailableError`;
+  limit) raise :class:`~._errors.RelayUnavailableError` (quoting a refusal
+  of another server, if any);
 * anything else (not a :class:`~changebus.schemas.ChangebusError`, or one
   that is not retriable: a bad request, an unknown source) is raised as it is.
 
@@ -79,6 +86,7 @@ class Failover:
         *,
         max_attempts: int = 0,
         what: str = "relay",
+        unreachable_rounds: int = UNREACHABLE_ROUNDS,
     ) -> None:
         if not urls:
             raise ValueError("Failover needs at least one URL")
@@ -91,6 +99,9 @@ class Failover:
         self._backoff = backoff
         self._max_attempts = max_attempts
         self._what = what
+        #: a server failing this many attempts in a row counts as unable to serve a
+        #: position the others said is gone (0: never; module docstring)
+        self._unreachable_rounds = unreachable_rounds
         self._failed_in_round = 0
         self._fell_off: dict[str, FellOffRelayError | BootstrapFailedError] = {}
         #: consecutive failed attempts per server since the last success
@@ -152,12 +163,14 @@ class Failover:
         assert isinstance(exc, ChangebusError)
         self.attempts += 1
         self._unreachable[self.url] = self._unreachable.get(self.url, 0) + 1
-        if self._fell_off:
+        if self._fell_off and self._unreachable_rounds:
             self._raise_if_gone_everywhere(None)
         if self._max_attempts and self.attempts >= self._max_attempts:
+            refused = next(iter(self._fell_off.values()), None)
+            also = f"; before that: {refused.message}" if refused is not None else ""
             raise RelayUnavailableError(
                 f"no {self._what} of {len(self.urls)} answered in {self.attempts} attempts;"
-                f" last: {exc.message}"
+                f" last: {exc.message}{also}"
             ) from exc
         log.warning("%s %s failed: %s", self._what, safe_url(self.url), exc.message)
         self._switch()
@@ -174,10 +187,11 @@ class Failover:
     def _raise_if_gone_everywhere(self, exc: BaseException | None) -> None:
         """Raise the first server's fell-off error when every server either said the
         position is gone or failed :data:`UNREACHABLE_ROUNDS` times in a row."""
+        rounds = self._unreachable_rounds
         down = [
             u
             for u in set(self.urls)
-            if u not in self._fell_off and self._unreachable.get(u, 0) >= UNREACHABLE_ROUNDS
+            if u not in self._fell_off and rounds and self._unreachable.get(u, 0) >= rounds
         ]
         if len(self._fell_off) + len(down) < len(set(self.urls)):
             return
@@ -187,7 +201,7 @@ class Failover:
                 "%d attempts each",
                 self._what,
                 ", ".join(safe_url(u) for u in sorted(down)),
-                UNREACHABLE_ROUNDS,
+                rounds,
             )
         first = self._fell_off.get(self.urls[0]) or exc or next(iter(self._fell_off.values()))
         raise first from None

@@ -65,6 +65,7 @@ from ._assembler import too_large
 from ._errors import FellOffRelayError
 
 __all__ = [
+    "CatchupPruned",
     "RestartBootstrap",
     "json_body",
     "open_session",
@@ -93,6 +94,13 @@ class RestartBootstrap(ChangebusError):
     """
 
     retriable = True
+
+
+class CatchupPruned(RestartBootstrap):
+    """A catch-up page's 410: the server's log no longer holds the windows after the
+    position (pruned, or moved past a gap). Unlike a snapshot position of another
+    store (a plain :class:`RestartBootstrap`), the rows the consumer holds may all
+    be this server's own (:class:`~._bootstrap.Bootstrapper` decides)."""
 
 
 @contextlib.contextmanager
@@ -277,7 +285,7 @@ async def response_error(
     if kind == "stream":
         return _fell_off(body, where, partition, requested_scn)
     if kind == "catchup":
-        return RestartBootstrap(f"{exc.message}; running the snapshot again")
+        return CatchupPruned(f"{exc.message}; running the snapshot again")
     if kind == "bootstrap":
         if body.get("restart_snapshot") is True:  # a position of another store
             return RestartBootstrap(f"{exc.message}; running the snapshot again")
