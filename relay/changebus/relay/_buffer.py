@@ -93,6 +93,7 @@ from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
 from ._syncer import Span, circular_spans, msync_spans
 from ._tables import EVENT_DTYPE, INDEX_DTYPE, CircularTable
+from ._watermark import SyncedMark
 from ._writer import TS_OFFSET as _TS_OFFSET, BufferWriter
 
 __all__ = [
@@ -205,6 +206,13 @@ class EventBuffer(BufferWriter):
             # DATA_LOSS windows recovery appended (windows a crash lost)
             "recovery_data_loss": 0,
         }
+        #: how far the syncer made the files durable (``durability = "fsync"`` only; a
+        #: stale one of a replaced buffer or of another mode is removed: :mod:`._watermark`)
+        self.watermark: SyncedMark | None = None
+        if config.durability != "fsync" or not compatible:
+            (directory / "synced.dat").unlink(missing_ok=True)
+        if config.durability == "fsync":
+            self.watermark = SyncedMark(directory / "synced.dat")
         loss: Loss | None = None
         if compatible and previous is not None:
             self._meta, loss = recover(
@@ -217,6 +225,7 @@ class EventBuffer(BufferWriter):
                 name,
                 self.stats,
                 replayable=self.replayable,
+                watermark=self.watermark,
             )
         else:
             self._meta = BufferMeta(self.capacity, config.slots, index_slots)
@@ -558,6 +567,8 @@ class EventBuffer(BufferWriter):
         self._events.close()
         self._index.close()
         self._metafile.close()
+        if self.watermark is not None:
+            self.watermark.close()
 
 
 def _scan_key(

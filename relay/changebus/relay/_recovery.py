@@ -27,8 +27,15 @@ flipped bit) is never served; what is kept around it:
   bootstrap server, which holds what the relay had served it, while every
   consumer past the damage goes on; keeping the windows before the damage
   instead would stop those with a DATA_LOSS for windows that are intact.
-  With ``durability = "fsync"`` too: the windows after such damage were
-  synced and acknowledged, and the source no longer holds them;
+  With ``durability = "fsync"`` and a synced watermark (:mod:`._watermark`)
+  only damage at or below it is handled so, and the windows from the new
+  head on need to verify up to the watermark only (not to the tail): the
+  windows it covers were synced and acknowledged, and the source no longer
+  holds them; damage above it is an unsynced tail, trimmed as below, never
+  jumped over (the source still holds it); when no synced window verifies
+  from any start, the oldest included, the buffer starts empty after the
+  watermark's SCN (damage after intact oldest windows that reaches the
+  newest synced one is not an eviction's: trimmed, as below);
 * otherwise (the newest window is damaged too) every complete window
   before the first damaged event is kept, and that window and everything
   after it are dropped: the buffer owes a DATA_LOSS window for ``(last kept
@@ -56,7 +63,8 @@ starts empty after ``prev_scn`` (the newest evicted window) for the same
 reason. Damage within synced windows that also reaches the newest one (a
 bit flip on disk there) is then caught by the source's own check where it
 has one (Postgres: a slot confirmed beyond the relay's last window is
-announced as DATA_LOSS).
+announced as DATA_LOSS). Without a watermark (files of an older version, or
+before the first sync) damage is handled as without fsync, then rewound.
 
 Runs once, in the buffer's constructor, before any reader or writer exists.
 """
@@ -76,6 +84,7 @@ from ._index import rebuild
 from ._meta import BufferMeta, MetaFile
 from ._ringcheck import RingCheck, check_ring, verified_event
 from ._tables import EVENT_DTYPE, CircularTable
+from ._watermark import Synced, SyncedMark
 
 __all__ = ["Loss", "recover"]
 
@@ -119,6 +128,7 @@ def recover(
     stats: dict[str, int],
     *,
     replayable: bool = False,
+    watermark: SyncedMark | None = None,
 ) -> tuple[BufferMeta, Loss | None]:
     """Verify what the last published state says is live; repair side tables; trim damage.
 
@@ -127,7 +137,31 @@ def recover(
     the source replays what was dropped, see the module docstring). Counts what it did in
     ``stats`` (the buffer's): ``recovery_records_rewritten``,
     ``recovery_index_rebuilt`` (0 or 1) and ``recovery_events_dropped``.
+    ``watermark``: the synced watermark (``durability = "fsync"``); it is lowered
+    to the recovered state when that ends before it (it never names bytes that
+    recovery gave up, which new windows overwrite).
     """
+    state, loss = _recover(
+        meta, events, index, block, ring, metafile, name, stats, replayable, watermark
+    )
+    synced = watermark.load() if watermark is not None else None
+    if watermark is not None and synced is not None and state.tail_event < synced.tail_event:
+        watermark.store(Synced(state.tail_event, state.tail_pos, state.last_scn))
+    return state, loss
+
+
+def _recover(
+    meta: BufferMeta,
+    events: CircularTable,
+    index: CircularTable,
+    block: int,
+    ring: memoryview,
+    metafile: MetaFile,
+    name: str,
+    stats: dict[str, int],
+    replayable: bool,
+    watermark: SyncedMark | None,
+) -> tuple[BufferMeta, Loss | None]:
     n = meta.tail_event - meta.head_event
     if n <= 0:
         return meta, None
@@ -136,19 +170,27 @@ def recover(
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
     loaded = meta
-    if keep < n:
-        # (also with fsync: damage before windows that verify to the tail is not an
-        # unsynced tail, which the source would send again, but an eviction's bytes,
-        # such as a group placed at the next lap's start over a window after intact
-        # ones, or a flipped bit: the windows after it were synced and acknowledged,
-        # and rewinding to before it dropped them for good; found by review)
-        later = _later_head(ring, meta, records, name)
+    synced = _synced_events(meta, watermark, name)
+    if keep < n and (synced is None or keep < synced):
+        # (also with fsync: damage before windows that verify is not an unsynced tail,
+        # which the source would send again, but an eviction's bytes, such as a group
+        # placed at the next lap's start over a window after intact ones, or a flipped
+        # bit: the windows after it were synced and acknowledged, and rewinding to
+        # before it dropped them for good; found by review. With a watermark only
+        # damage at or below it is, and the windows from the new head on must verify
+        # up to it; damage above it alone is trimmed below, never jumped over)
+        later = _later_head(ring, meta, records, name, n if synced is None else synced)
         if later is not None:
             meta, check = later
             n = meta.tail_event - meta.head_event
             records = records[-n:]
             eows = np.flatnonzero(check.headers["op"] == _EOW)
-            keep = n
+            keep = int(eows[-1]) + 1 if eows.size else 0
+        elif keep == 0 and synced is not None and watermark is not None:
+            return _synced_gone(ring, meta, records, synced, watermark, metafile, name, stats)
+        # (else, with a watermark: damage in synced windows after intact ones at the head,
+        # up to the newest synced one, is no eviction's: trimmed below, and the source's
+        # own check says whether it still holds what follows, as without a watermark)
     stats["recovery_records_rewritten"] = _repair_events(
         events, meta.head_event, records[:keep], check, name
     )
@@ -225,8 +267,68 @@ def recover(
     return trimmed, Loss(last_kept + 1, meta.last_scn, meta.last_ts, position, reason)
 
 
+def _synced_events(meta: BufferMeta, watermark: SyncedMark | None, name: str) -> int | None:
+    """How many live events (from the head) the synced watermark covers; None: no watermark.
+
+    A watermark beyond the published state (a ``meta.dat`` older than it: never
+    left so by the syncer, which syncs ``meta.dat`` first) is not used.
+    """
+    synced = watermark.load() if watermark is not None else None
+    if synced is None:
+        return None
+    if (
+        synced.tail_event > meta.tail_event
+        or synced.tail_pos > meta.tail_pos
+        or synced.last_scn > meta.last_scn
+    ):
+        log.warning(
+            "buffer %s: its synced watermark (SCN %d) is beyond its published state"
+            " (SCN %d): not used",
+            name,
+            synced.last_scn,
+            meta.last_scn,
+        )
+        return None
+    return max(0, min(synced.tail_event - meta.head_event, meta.tail_event - meta.head_event))
+
+
+def _synced_gone(
+    ring: memoryview,
+    meta: BufferMeta,
+    records: npt.NDArray[Any],
+    synced: int,
+    watermark: SyncedMark,
+    metafile: MetaFile,
+    name: str,
+    stats: dict[str, int],
+) -> tuple[BufferMeta, None]:
+    """Not even the oldest window verifies, nor any window at or below the watermark from
+    a later start: an eviction's newer bytes over all of them (a lap written during one
+    sync), and all count as evicted; the unsynced rest is dropped (the source sends it
+    again): empty after the watermark.
+    """
+    mark = watermark.load()
+    assert mark is not None
+    n = len(records)
+    at = int(records["pos"][synced - 1])
+    position = _eow_position(ring, at, mark.last_scn, mark.tail_pos)
+    fresh = replace(_emptied(meta, mark.last_scn, lost=True), prev_pos=position)
+    metafile.publish(fresh)
+    stats["recovery_events_dropped"] = n
+    log.warning(
+        "buffer %s: no synced window verifies (overwritten by newer bytes before the head"
+        " that evicted them was published, or damaged): all %d events dropped, those up to"
+        " the synced watermark (SCN %d) counted as evicted; starting empty after it"
+        " (the source sends the rest again)",
+        name,
+        n,
+        mark.last_scn,
+    )
+    return fresh, None
+
+
 def _later_head(
-    ring: memoryview, meta: BufferMeta, records: npt.NDArray[Any], name: str
+    ring: memoryview, meta: BufferMeta, records: npt.NDArray[Any], name: str, need: int
 ) -> tuple[BufferMeta, RingCheck] | None:
     """The state with every window up to the last damaged one evicted, or None.
 
@@ -246,16 +348,24 @@ def _later_head(
     evicted). Damage in the newest window: None. A binary search over the
     window starts (verification from one start implies it from every later
     one), each step one check.
+
+    Events ``[0, need)`` must verify from the new head on: all of them (``need
+    = len(records)``) without a synced watermark; with one, those it covers,
+    and the caller trims the unsynced windows after them at their first damage.
+    A start whose event table position is outside the published live bytes (a
+    flipped bit) does not verify.
     """
-    n = len(records)
-    starts = np.flatnonzero(records["op"][:-1] == _EOW) + 1
+    starts = np.flatnonzero(records["op"][: max(need - 1, 0)] == _EOW) + 1
     if starts.size == 0:
         return None
 
     def verified(i: int) -> RingCheck | None:
         rest = records[i:]
-        check = check_ring(ring, int(rest["pos"][0]), meta.tail_pos, int(rest["scn"][0]), rest)
-        return check if check.good == n - i else None
+        at = int(rest["pos"][0])  # (the event table's: a hint)
+        if not meta.head_pos <= at < meta.tail_pos:
+            return None
+        check = check_ring(ring, at, meta.tail_pos, int(rest["scn"][0]), rest)
+        return check if check.good >= need - i else None
 
     if verified(int(starts[-1])) is None:
         return None
@@ -292,7 +402,7 @@ def _later_head(
         name,
         first,
         meta.min_scn,
-        n - first,
+        check.good,
         moved.min_scn,
     )
     return moved, check
@@ -442,11 +552,16 @@ def _repair_events(
 
 def _last_position(ring: memoryview, meta: BufferMeta, rec: Any) -> str:
     """The source position in the newest window's END_OF_WINDOW, if it is intact ("" if not)."""
-    pos = int(rec["pos"])
+    return _eow_position(ring, int(rec["pos"]), meta.last_scn, meta.tail_pos)
+
+
+def _eow_position(ring: memoryview, pos: int, scn: int, end: int) -> str:
+    """The source position in the END_OF_WINDOW at ``pos`` of the window at ``scn``
+    ending at ``end``, if it is intact ("" if not)."""
     h = verified_event(ring, pos)
-    if h is None or int(h["op"]) != _EOW or int(h["scn"]) != meta.last_scn:
+    if h is None or int(h["op"]) != _EOW or int(h["scn"]) != scn:
         return ""
-    if pos + int(h["total_length"]) != meta.tail_pos:
+    if pos + int(h["total_length"]) != end:
         return ""
     start = pos % len(ring)
     try:

@@ -18,6 +18,9 @@ the state ``S`` of its previous sync, in this order:
 2. the event table records ``[S.tail_event, T.tail_event)`` and the SCN
    index entries ``[S.index_tail, T.index_tail)`` (likewise circular);
 3. ``meta.dat`` (one page: both slots);
+4. the synced watermark ``synced.dat`` (``T``'s tail and last SCN, synced:
+   :mod:`._watermark`), which recovery uses to tell windows that were synced
+   and acknowledged from an unsynced tail;
 
 then sets ``synced_scn = T.last_scn`` and wakes :meth:`GroupSyncer.wait_synced`
 on the event loop. Whatever the
@@ -33,9 +36,12 @@ writes dirty pages back when it likes); the unsynced events it names are
 then found damaged (or stale, from an earlier lap) and dropped, and the
 source, never told about them, sends them again. A window at or below
 ``synced_scn`` is never dropped: its bytes were on disk before any
-``meta.dat`` naming it was synced. The event table and index are derived
-data (recovery repairs them from the ring); they are synced so that a
-recovery rarely has to.
+``meta.dat`` naming it was synced, and before the watermark that tells
+recovery it was (damage at or below the watermark can only be an eviction's
+newer bytes over the oldest windows: those count as evicted, the rest is
+kept; damage above it is trimmed, never jumped over). The event table and
+index are derived data (recovery repairs them from the ring); they are
+synced so that a recovery rarely has to.
 
 Readers see windows before they are synced (waiting for the disk would
 cost every consumer the sync's latency). That is safe: after an OS crash
@@ -71,7 +77,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import logging
 import mmap
@@ -82,6 +87,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from changebus.schemas import ConfigError
+from changebus.schemas.files import libc_function
+
+from ._watermark import Synced
 
 if TYPE_CHECKING:
     from ._buffer import EventBuffer
@@ -120,10 +128,9 @@ def _libc_msync() -> Any:
     flag = _MS_SYNC.get(sys.platform)
     if flag is None:
         raise ConfigError(f"durability = 'fsync' needs msync: not supported on {sys.platform}")
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fn = libc.msync
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
+    fn = libc_function("msync", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    if fn is None:
+        raise ConfigError(f"durability = 'fsync' needs msync: libc has none on {sys.platform}")
     return fn
 
 
@@ -229,6 +236,9 @@ class GroupSyncer:
             started = time.perf_counter()
             try:
                 msync_spans(self._buffer.sync_spans(since, upto))
+                mark = self._buffer.watermark
+                if mark is not None:  # before any acknowledgement of it (module docstring)
+                    mark.store(Synced(upto.tail_event, upto.tail_pos, upto.last_scn))
             except OSError as exc:
                 self.error = f"msync failed, the source is acknowledged no further: {exc}"
                 log.error("buffer %s: %s; restart the relay", self._buffer.name, self.error)

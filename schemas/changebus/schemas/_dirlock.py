@@ -51,6 +51,8 @@ class DirLock:
         private_dir(directory)
         self.path = directory / LOCK_NAME
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        with contextlib.suppress(OSError):  # (one left wider, or made under another umask)
+            os.fchmod(self._fd, FILE_MODE)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
