@@ -12,8 +12,10 @@ Phases, and the checkpoint entry that holds after each delivered window
 
 * **snapshot** -- each page of rows changed after ``since`` at their
   latest version becomes one window (``phase = "snapshot"``); after it the
-  checkpoint is ``bootstrap-snapshot`` with the page's resume position, or,
-  after the last page, ``bootstrap-catchup`` at ``start`` with the target.
+  checkpoint is ``bootstrap-snapshot`` with the page's resume position (and,
+  in ``target_scn``, the newest row SCN the pages sent so far when it is past
+  ``start``), or, after the last page, ``bootstrap-catchup`` at ``start``
+  with the target.
 * **catch-up** -- the log windows in ``(start, target]``, validated like
   relay windows (``phase = "catchup"``); checkpoint ``bootstrap-catchup`` at
   the window, and ``online`` at ``target`` after the last one.
@@ -22,8 +24,12 @@ Why the end state is consistent: a snapshot row sent at a version newer
 than ``start`` has those changes in ``(start, target]``, which the catch-up
 replays in order; columns a replayed UPDATE does not carry keep the
 snapshot's value, which no change in between touched (docs/protocol.md
-section 7.1). So after the target window the consumer holds the source
-state at ``target`` -- as if it had read every window. Nothing is skipped: a
+section 7.1). The target is the server's newest window, and never before
+the newest row SCN the pages sent: a seed stores the rows it copies at its
+chunk's tag, which may be ahead of the server's log (a re-seed running
+during the snapshot); the catch-up then waits (the server's retriable 503)
+until the log gets there. So after the target window the consumer holds the
+source state at ``target`` -- as if it had read every window. Nothing is skipped: a
 snapshot row is sent only when it changed after ``since`` (a consumer a
 little behind gets just the changed keys, deletes as tombstones).
 
@@ -139,6 +145,10 @@ class Bootstrapper:
         )
         #: the checkpoint after the last window queued in the current bootstrap
         self._last: PartitionCheckpoint | None = None
+        #: the newest row version the consumer may hold from this bootstrap's snapshot
+        #: pages (their largest event SCN, -1: none): the catch-up's target is never
+        #: before it (module docstring, "Why the end state is consistent")
+        self._floor = -1
         #: the pause before a snapshot runs again (a server said to restart it): they
         #: came at once, for ever, with two stores behind one address (review)
         self._restarts = Backoff(
@@ -161,6 +171,10 @@ class Bootstrapper:
         self.bootstraps += 1
         self._last = None
         self.rows, self.catchup_scn, self.target_scn = 0, -1, -1
+        # the rows a resumed bootstrap's pages already delivered: in a snapshot its
+        # checkpoint's target_scn is their newest SCN so far, in a catch-up the target
+        # (kept for a plan on another server too: the consumer holds those rows)
+        self._floor = resume.bootstrap.target_scn if resume and resume.bootstrap else -1
         # the consumer holds part of a bootstrap's rows: a new snapshot must carry deletes
         dirty = resume is not None
         # (start, since) of the oldest snapshot the consumer holds rows of, once a restart
@@ -370,7 +384,10 @@ class Bootstrapper:
         bounded read: the catch-up stops there, and the read ends as it does without a
         bootstrap; it went on to the server's newest window: found by review), and never
         before the snapshot's start or ``after``, the last window queued."""
-        target = status.producer_scn
+        # (and never before the newest row a snapshot page sent: a seed stores the rows it
+        # copies at its chunk's tag, often ahead of the log; online before it, the relay
+        # windows up to there took those rows back to older versions: found by review)
+        target = max(status.producer_scn, self._floor)
         until = self.config.until_scn
         if until is not None and until >= 0:
             target = min(target, until)
@@ -379,6 +396,7 @@ class Bootstrapper:
     async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
         self.phase = "snapshot"
         source = self._schemas(url)
+        self._floor = max(self._floor, prog.target_scn)
         while True:
             params = {
                 "since": str(prog.since_scn),
@@ -396,6 +414,9 @@ class Bootstrapper:
                     "a snapshot page came without a position and is not the last",
                     retriable=True,
                 )
+            raw = _snapshot_page(body, prog.start_scn, headers)
+            if raw.offsets.size:
+                self._floor = max(self._floor, int(raw.headers["scn"].max()))
             if complete:
                 target = self._target(await self._status(url), prog, prog.start_scn)
                 prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
@@ -406,33 +427,25 @@ class Bootstrapper:
                     bootstrap=prog,
                 )
             else:
-                prog = dataclasses.replace(prog, snapshot_position=position)
+                # in a snapshot, target_scn holds the newest row SCN sent so far (when
+                # past the start): a restart from this checkpoint keeps it (the field
+                # every version reads; one before this set no target in a snapshot)
+                floor = self._floor if self._floor > prog.start_scn else -1
+                prog = dataclasses.replace(prog, snapshot_position=position, target_scn=floor)
                 pc = PartitionCheckpoint(
                     mode=Mode.SNAPSHOT,
                     window_scn=prog.since_scn,
                     prev_scn=prog.since_scn,
                     bootstrap=prog,
                 )
-            await self._put_snapshot_page(body, prog.start_scn, pc, source, headers)
+            await self._put_snapshot_page(raw, pc, source)
             if complete:
                 return prog
 
     async def _put_snapshot_page(
-        self,
-        body: bytes,
-        start_scn: int,
-        pc: PartitionCheckpoint,
-        source: RelaySchemas,
-        answer: Mapping[str, str],
+        self, raw: RawWindow, pc: PartitionCheckpoint, source: RelaySchemas
     ) -> None:
-        try:
-            offsets, headers = parse_stream(body)  # validates every event
-        except CorruptEventError as exc:  # damaged on the way: another attempt may cure it
-            raise CorruptEventError(exc.message, retriable=True) from exc
-        _check_events(answer, int(offsets.size), "snapshot")
-        if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
-            raise CorruptEventError("a snapshot page holds control events", retriable=True)
-        raw = RawWindow(start_scn, 0, body, offsets, headers)
+        headers = raw.headers
         window = await decode_window(raw, self.partition or "", self._cache, source)
         scns, stamps = headers["scn"].tolist(), headers["timestamp_ns"].tolist()
         events = tuple(
@@ -608,6 +621,18 @@ class Bootstrapper:
                 limit = self.config.bootstrap_page_bytes + self.config.max_window_bytes
                 body = await read_body(resp, limit, where)
                 return body, resp.headers  # (case-insensitive: proxies lower-case names)
+
+
+def _snapshot_page(body: bytes, start_scn: int, answer: Mapping[str, str]) -> RawWindow:
+    """A snapshot page's events, validated (one raw window at the snapshot's SCN)."""
+    try:
+        offsets, headers = parse_stream(body)  # validates every event
+    except CorruptEventError as exc:  # damaged on the way: another attempt may cure it
+        raise CorruptEventError(exc.message, retriable=True) from exc
+    _check_events(answer, int(offsets.size), "snapshot")
+    if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
+        raise CorruptEventError("a snapshot page holds control events", retriable=True)
+    return RawWindow(start_scn, 0, body, offsets, headers)
 
 
 def _check_events(headers: Mapping[str, str], got: int, what: str) -> None:

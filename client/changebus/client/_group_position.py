@@ -41,6 +41,7 @@ from typing import Any
 
 from changebus.schemas import (
     Checkpoint,
+    CheckpointError,
     Mode,
     PartitionCheckpoint,
     Unit,
@@ -172,7 +173,8 @@ class GroupPositions:
         """A lane window without events of ``unit``: its position moves past it.
 
         ``online`` is the online checkpoint after the window (shared by the
-        lane's units); ``checkpoint`` the window's own (bootstrap progress).
+        lane's units); ``checkpoint`` the window's own (bootstrap progress;
+        None: a relay window, after which the unit is online).
         Accepted as well when nothing of the unit waits for a commit.
         """
         entry = self._entries.get(unit)
@@ -181,12 +183,20 @@ class GroupPositions:
         before = entry.current
         if checkpoint is not None:
             after = checkpoint
-        elif before.mode is Mode.ONLINE:
-            if scn <= before.window_scn:
-                return
-            after = online
+        elif before.mode is Mode.ONLINE and scn <= before.window_scn:
+            return
         else:
-            after = before.on_end_of_window(scn, timestamp_ns)
+            # a relay window (a bootstrap's windows carry their checkpoint): online
+            # whatever ``before`` says, as Window.position_after. The lane's last catch-up
+            # batch, which carries the online checkpoint, may have been passed over (the
+            # advances are throttled): a unit left in bootstrap-catchup past the target
+            # went back to the target after a restart or a move, read the relays again
+            # from there, and showed the wrong mode (found by review)
+            if scn < before.window_scn:
+                raise CheckpointError(
+                    f"window SCN {scn} goes back before checkpoint {before.window_scn}"
+                )
+            after = online
         entry.current = after
         if entry.accepted is before:
             entry.accepted = after
