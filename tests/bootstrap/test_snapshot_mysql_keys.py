@@ -77,7 +77,7 @@ class RecordingSink:
 
     def unfilled(
         self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
-    ) -> list[tuple[bytes, tuple[Any, ...]]]:
+    ) -> list[tuple[bytes, tuple[Any, ...], int]]:
         return []
 
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -105,6 +108,69 @@ async def test_a_row_moved_behind_the_seed_keeps_its_toasted_value(
             # a marker before each listing (the moved row, then none left): the refill
             # waited for the applier to fold what came before them, the move too
             assert _markers(db) == ["public.mv"] * 2 and _applier_scn(db) >= moved[0]
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            want = source_rows(pg_dsn, "mv", cols)
+            assert (-5, 481, "doc480 " * 1000) in want
+            assert_same(store_rows(db, "public.mv", cols), want, "mv")
+
+
+async def test_a_moved_row_read_again_under_an_in_flight_transaction_gets_its_value(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Postgres chunk's tag is only a lower bound of its snapshot: while a write
+    transaction older than the newest sample runs, an older sample gives it. Here one
+    (an xid taken before the move) stays open from before row 480 moves to key -5 until
+    a second after the refill listed -5: the refill's read of -5, whole, was tagged
+    below the move, lost to the stored UPDATE without ``doc`` and could not complete it,
+    and the next listing (-5 again) ended the refill: -5 lacked ``doc`` for good
+    (review). The read now waits for a tag at or above the move's SCN."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE mv (id int8 PRIMARY KEY, bal int8, doc text)")
+        conn.execute("ALTER TABLE mv ALTER COLUMN doc SET STORAGE EXTERNAL")  # (out of line)
+        conn.execute(
+            "INSERT INTO mv SELECT g, g, repeat('doc' || g || ' ', 1000) "
+            "FROM generate_series(1, 500) g"
+        )
+    cols = ["id", "bal", "doc"]
+    db = tmp_path / "boot" / "b.db"
+    held: list[psycopg.Connection[Any]] = []
+    listed: list[float] = []
+    ended = threading.Event()
+    real_chunk, real_unfilled = StoreSink.chunk, StoreSink.unfilled
+
+    def end_held() -> None:
+        held[0].rollback()
+        held[0].close()
+        ended.set()
+
+    def chunk_then_move(self: StoreSink, scope: SnapshotScope, job: JobState, chunk: Chunk) -> None:
+        real_chunk(self, scope, job, chunk)
+        if job.chunks == 3 and not held:  # (seeder thread) keys 1..150 are read
+            held.append(psycopg.connect(pg_dsn))  # (a transaction: an xid, open)
+            held[0].execute("SELECT pg_current_xact_id()")
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE mv SET id = -5, bal = bal + 1 WHERE id = 480")
+
+    def unfilled(self: StoreSink, scope: SnapshotScope, *a: Any, **kw: Any) -> Any:
+        found = real_unfilled(self, scope, *a, **kw)
+        if found and not listed:  # the first listing: end the transaction a second later
+            listed.append(time.monotonic())
+            threading.Timer(1.0, end_held).start()
+        return found
+
+    monkeypatch.setattr(StoreSink, "chunk", chunk_then_move)
+    monkeypatch.setattr(StoreSink, "unfilled", unfilled)
+    async with Relay(relay_config(tmp_path, pg_dsn, 64 << 20)) as relay:
+        await wait_until(lambda: relay.hosts["pg"].state == "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE mv SET bal = bal WHERE id = 1")  # the relay learns the schema
+        async with BootstrapServer(boot_config(tmp_path, relay.url, pg_dsn, 50)) as boot:
+            await bootstrap_caught_up(boot, sync_marker(pg_dsn))
+            try:
+                seed = await seed_and_wait(boot, ["public.mv"])
+            finally:
+                await asyncio.to_thread(ended.wait, 30)
+            assert held and listed and seed.chunks >= 10
             await bootstrap_caught_up(boot, sync_marker(pg_dsn))
             want = source_rows(pg_dsn, "mv", cols)
             assert (-5, 481, "doc480 " * 1000) in want

@@ -947,7 +947,7 @@ def test_a_chunk_read_before_a_row_moved_to_its_key_does_not_complete_that_row(
     early = enc.encode(Op.INSERT, 90, 0, 0, {"id": 2, "v": "X-secret"})
     store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 1, 1, 90, 90), [early], 90)
     assert _live_rows(store, t) == {2: (None, ("v",))}
-    assert [k for k, _v in store.unfilled_keys("p", t.name)] == [enc.key_bytes({"id": 2})]
+    assert [k for k, _v, _s in store.unfilled_keys("p", t.name)] == [enc.key_bytes({"id": 2})]
     # the refill's read, after the move
     after = enc.encode(Op.INSERT, 111, 0, 0, {"id": 2, "v": "Y-own"})
     store.snapshot_chunk("p", JobState(t.name, scope.as_json(), None, 3, 3, 111, 111), [after], 111)

@@ -215,7 +215,10 @@ class ChunkSource(Protocol):
 
     def __exit__(self, *exc: object) -> None: ...
 
-    def reader(self, scope: SnapshotScope) -> ChunkReader: ...
+    def reader(self, scope: SnapshotScope, *, min_tag: int = -1) -> ChunkReader:
+        """A reader of ``scope`` whose chunks' tags are at least ``min_tag`` (and
+        ``request.min_tag``): it waits for such a tag like for the latter."""
+        ...
 
     #: whether the source's UPDATEs may leave columns out that a read by key brings
     #: (Postgres' unchanged TOAST values): the end of a table refills rows lacking them
@@ -274,9 +277,9 @@ class SnapshotSink(Protocol):
     another scope). :meth:`chunk` -- merge ``chunk`` and store ``job`` (the
     state after it) in one store transaction. :meth:`unfilled` -- once the
     applier has folded the stream up to ``upto`` (not ``exact``: or the
-    stream is quiet), the keys (store key, values) of the table's rows that
-    lack columns; :meth:`refill` merges their re-read and forgets the
-    ``skipped`` keys (:mod:`._refill`). :meth:`finish` -- the table is
+    stream is quiet), the keys (store key, values, the SCN they were
+    listed at) of the table's rows that lack columns; :meth:`refill` merges
+    their re-read and forgets the ``skipped`` keys (:mod:`._refill`). :meth:`finish` -- the table is
     done: sweep (whole-table scopes), record it seeded, drop the job.
     """
 
@@ -286,7 +289,7 @@ class SnapshotSink(Protocol):
 
     def unfilled(
         self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
-    ) -> list[tuple[bytes, tuple[Any, ...]]]: ...
+    ) -> list[tuple[bytes, tuple[Any, ...], int]]: ...
 
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None: ...
 
@@ -313,7 +316,7 @@ class WriterSink:
 
     def unfilled(
         self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
-    ) -> list[tuple[bytes, tuple[Any, ...]]]:
+    ) -> list[tuple[bytes, tuple[Any, ...], int]]:
         return []  # (no store: nothing to refill)
 
     def refill(self, scope: SnapshotScope, chunk: Chunk, skipped: list[bytes]) -> None:
@@ -510,13 +513,18 @@ def _refill(
 
     Before each listing, the source writes a marker into its log and the
     store's applier must pass it (without one: the newest tag, or a quiet
-    stream). A key without a ``keys`` form is logged and forgotten; a read
-    the source refuses for good is logged and ends the refill (the table
-    is seeded, those rows lacking columns); a retriable error ends the seed
-    run (it resumes here).
+    stream). Each re-read waits for a tag at or above the newest SCN its
+    rows were listed at: a lower one (a Postgres tag is a lower bound of
+    the read's snapshot, an older sample's when a transaction was in
+    flight) cannot complete an UPDATE folded after it, and the next listing
+    held the same rows, read as "nothing changes", for good (review). A key
+    without a ``keys`` form is logged and forgotten; a read the source
+    refuses for good is logged and ends the refill (the table is seeded,
+    those rows lacking columns); a retriable error ends the seed run (it
+    resumes here).
     """
     tag, limit = at
-    previous: set[bytes] = set()
+    previous: dict[bytes, int] = {}
     for _ in range(_REFILL_ROUNDS):
         marker = source.marker(scope.table)
         found = sink.unfilled(
@@ -524,7 +532,8 @@ def _refill(
         )
         if not found:
             return
-        wanted = {key: source.key_values(scope.table, values) for key, values in found}
+        wanted = {key: source.key_values(scope.table, values) for key, values, _scn in found}
+        listed = {key: scn for key, _values, scn in found}
         skipped = [key for key, k in wanted.items() if k is None]
         if skipped:
             log.warning(
@@ -533,18 +542,22 @@ def _refill(
                 scope.table,
                 len(skipped),
             )
-        if set(wanted) == previous:  # (read already, nothing changed)
+        if listed == previous:  # (read already at a tag at or above each, nothing changed)
             log.warning(
                 "%s: %d row(s) still lack columns after reading them again",
                 scope.table,
                 len(wanted),
             )
             return
-        previous = set(wanted)
+        previous = listed
         keys = tuple(k for k in wanted.values() if k is not None)
         log.info("%s: reading %d row(s) again that lack columns", scope.table, len(keys))
         try:
-            reader = source.reader(SnapshotScope(scope.table, keys=keys)) if keys else None
+            reader = (
+                source.reader(SnapshotScope(scope.table, keys=keys), min_tag=max(listed.values()))
+                if keys
+                else None
+            )
             cursor: str | None = None
             while reader is not None:
                 if stop.is_set():

@@ -16,7 +16,7 @@ seed wrote into the source's log after its last chunk (so every change
 committed before it), :meth:`Refills.unfilled_keys` lists the keys of the table whose
 stored row still lacks columns (dropping entries whose rows are whole or
 gone by now), the seeder reads those keys from the source as a ``keys``
-chunk, and :meth:`Refills.refill_chunk` merges it like any chunk (a newer
+chunk (at a tag at or above the SCNs they were listed at), and :meth:`Refills.refill_chunk` merges it like any chunk (a newer
 stored UPDATE is completed from it) and drops the entries it covered.
 
 Not thread-safe (a part of :class:`~._store.Store`: the writer thread's).
@@ -43,9 +43,14 @@ class Refills(SnapshotJobs):
 
     def unfilled_keys(
         self, part: str, table: str, limit: int = UNFILLED_BATCH
-    ) -> list[tuple[bytes, tuple[Any, ...]]]:
+    ) -> list[tuple[bytes, tuple[Any, ...], int]]:
         """Up to ``limit`` rows of ``table`` whose snapshot row is an UPDATE still lacking
-        columns: (store key, key values as the store decodes them, in key column order).
+        columns: (store key, key values as the store decodes them, in key column order,
+        the entry's SCN: the newest of its ``cb_unfilled`` and ``cb_moved`` ones).
+
+        A re-read completes such a row only when its tag is at or above that
+        SCN: :meth:`refill_chunk` keeps the entries of a read tagged lower
+        (a Postgres tag is only a lower bound of what its read saw).
 
         Entries whose rows are whole, deleted or gone are dropped on the way,
         ``limit`` at a time in key order (one store transaction each), until
@@ -56,24 +61,28 @@ class Refills(SnapshotJobs):
         sid = self._source_id(part, table)
         if sid is None:
             return []
-        out: list[tuple[bytes, tuple[Any, ...]]] = []
+        out: list[tuple[bytes, tuple[Any, ...], int]] = []
         after = b""
         while not out:
             settled: list[tuple[str, int, bytes]] = []
             with self._txn():
                 rows = self._all(
-                    "SELECT u.key, s.deleted, s.event FROM cb_unfilled u LEFT JOIN cb_snap s "
+                    "SELECT u.key, s.deleted, s.event, u.scn, m.scn FROM cb_unfilled u "
+                    "LEFT JOIN cb_snap s "
                     "ON s.part = u.part AND s.source_id = u.source_id AND s.key = u.key "
+                    "LEFT JOIN cb_moved m "
+                    "ON m.part = u.part AND m.source_id = u.source_id AND m.key = u.key "
                     "WHERE u.part = {p} AND u.source_id = {p} AND u.key > {p} "
                     "ORDER BY u.key LIMIT {p}",
                     (part, sid, after, limit),
                 )
-                for key, deleted, event in rows:
+                for key, deleted, event, scn, moved_scn in rows:
                     values = None if event is None or deleted else self._lacking_key(part, event)
                     if values is None:
                         settled.append((part, sid, bytes(key)))
                     else:
-                        out.append((bytes(key), values))
+                        at = max(int(scn), -1 if moved_scn is None else int(moved_scn))
+                        out.append((bytes(key), values, at))
                 for table_of in ("cb_unfilled", "cb_moved"):
                     self._many(
                         f"DELETE FROM {table_of} WHERE part = {{p}} AND source_id = {{p}} "
@@ -114,8 +123,9 @@ class Refills(SnapshotJobs):
         lacks), drop the entries of the keys it read that are not newer than ``tag``,
         and those of the ``skipped`` keys (which cannot be read again by key).
 
-        One transaction. An entry newer than ``tag`` stays: its UPDATE came after
-        the read, and the next listing checks whether the merge completed it.
+        One transaction. An entry newer than ``tag`` stays: its UPDATE was folded
+        after the listing (the refill reads at a tag at or above the SCNs it
+        listed), and the next listing checks whether the merge completed it.
         """
         _check_tables([table])
         with self._txn():

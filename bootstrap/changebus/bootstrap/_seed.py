@@ -45,7 +45,8 @@ assigned before N, so it had ended -- it is visible. Hence ``tag =
 lsn_to_scn(P) - 1`` (window SCNs are commit LSNs) of the newest sample
 with ``N <= X``; older samples stay valid (X only grows), so a few are
 kept. No valid sample (a transaction older than every sample still runs)
-or a tag below ``request.min_tag``: the chunk transaction is rolled back
+or a tag below ``request.min_tag`` (or the reader's own minimum, a refill's:
+:func:`~._chunks._refill`): the chunk transaction is rolled back
 at once, and the reader sleeps (0.05 s doubling to 1 s) and samples again;
 after ``request.watermark_wait_s`` it fails, retriably, naming the blocking
 backend (pid, state, age; never its query text).
@@ -253,9 +254,13 @@ class PostgresChunkSource:
 
     # ---- tables ------------------------------------------------------------
 
-    def reader(self, scope: SnapshotScope) -> Reader:
+    def reader(self, scope: SnapshotScope, *, min_tag: int = -1) -> Reader:
+        """A reader of ``scope`` (:class:`~._chunks.ChunkSource`): each chunk waits for a
+        tag at or above ``min_tag`` too (:meth:`begin_chunk`)."""
         try:
-            return self._reader(scope)
+            reader = self._reader(scope)
+            reader.min_tag = min_tag
+            return reader
         except Exception as exc:
             err = _psycopg_error(f"cannot read table {scope.table}", exc)
             if err is exc:
@@ -428,13 +433,15 @@ class PostgresChunkSource:
                 " supported yet (drop the filter, or leave the table out of the seed)"
             )
 
-    def begin_chunk(self, table: str) -> int:
+    def begin_chunk(self, table: str, min_tag: int = -1) -> int:
         """Open a chunk's transaction at a proven tag (module docstring); returns the tag.
 
-        Waits (the transaction closed) while no sample is valid, at most
+        Waits (the transaction closed) while no sample is valid or the tag is
+        below ``request.min_tag`` or ``min_tag``, at most
         ``request.watermark_wait_s``; then a retriable :class:`SourceError`.
         """
         conn, request = self.conn, self.request
+        floor = max(request.min_tag, min_tag)
         deadline = time.monotonic() + request.watermark_wait_s
         delay = 0.05
         while True:
@@ -452,20 +459,20 @@ class PostgresChunkSource:
             row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
             xmin = int(row.fetchone()[0])
             tag = next((t for t, n in reversed(self.samples) if n <= xmin), None)
-            if tag is not None and tag >= request.min_tag:
+            if tag is not None and tag >= floor:
                 return tag
             conn.execute("ROLLBACK")
             if time.monotonic() >= deadline:
-                raise self._blocked(table, xmin, tag)
+                raise self._blocked(table, xmin, tag, floor)
             if self.stop.wait(delay):
                 raise ChangebusError("seeding stopped", retriable=True)
             delay = min(delay * 2, 1.0)
 
-    def _blocked(self, table: str, xmin: int, tag: int | None) -> SourceError:
+    def _blocked(self, table: str, xmin: int, tag: int | None, floor: int) -> SourceError:
         waited = f"{self.request.watermark_wait_s:g}s (seed.watermark_wait_s)"
         if tag is not None:
             return SourceError(
-                f"snapshot of {table}: the source did not pass SCN {self.request.min_tag} "
+                f"snapshot of {table}: the source did not pass SCN {floor} "
                 f"within {waited}; try again later",
                 retriable=True,
             )

@@ -223,7 +223,7 @@ class MySQLChunkSource:
         pos = int(status["binlog_snapshot_position"])
         return self.scn_base + binlog_to_scn(binlog_file_number(file), pos)
 
-    def snapshot(self, read: Callable[[Any], T], what: str) -> tuple[int, T]:
+    def snapshot(self, read: Callable[[Any], T], what: str, min_tag: int = -1) -> tuple[int, T]:
         """``read(cursor)`` in one consistent-snapshot transaction; returns ``(tag, result)``.
 
         :attr:`last_txn_s` is then how long that transaction was open, from
@@ -232,11 +232,12 @@ class MySQLChunkSource:
         trip at most).
 
         A tag below ``request.min_tag`` (the end of a gap to repair: the read
-        must be newer) is not used: the transaction ends unread and a new
+        must be newer) or ``min_tag`` is not used: the transaction ends unread and a new
         one is tried (0.05 s doubling to 1 s), for at most
         ``request.watermark_wait_s`` (then a retriable error).
         """
         deadline = time.monotonic() + self.request.watermark_wait_s
+        floor = max(self.request.min_tag, min_tag)
         pause = 0.05
         while True:
             with source_errors(what), self.conn.cursor() as cur:
@@ -244,7 +245,7 @@ class MySQLChunkSource:
                 cur.execute(self._start)
                 try:
                     tag = self._tag(cur)
-                    if tag >= self.request.min_tag:
+                    if tag >= floor:
                         result = read(cur)
                         self.conn.commit()
                         self.last_txn_s = time.monotonic() - began
@@ -257,7 +258,7 @@ class MySQLChunkSource:
             if time.monotonic() >= deadline:
                 raise SourceError(
                     f"the source's binlog position (SCN {tag}) stayed behind SCN "
-                    f"{self.request.min_tag} (the end of the gap to repair) for "
+                    f"{floor} (the end of the gap to repair) for "
                     f"{self.request.watermark_wait_s:g}s: is the seed reading the relay's server?",
                     retriable=True,
                 )
@@ -265,8 +266,9 @@ class MySQLChunkSource:
                 raise ChangebusError("seeding stopped", retriable=True)
             pause = min(pause * 2, 1.0)
 
-    def reader(self, scope: SnapshotScope) -> MySQLChunkReader:
-        """A reader of ``scope`` after checking the table (see :class:`~._chunks.ChunkSource`)."""
+    def reader(self, scope: SnapshotScope, *, min_tag: int = -1) -> MySQLChunkReader:
+        """A reader of ``scope`` after checking the table (see :class:`~._chunks.ChunkSource`:
+        its chunks' tags are at least ``min_tag`` too)."""
         name = scope.table
         try:
             schema = self.registry.latest(name)
@@ -286,7 +288,9 @@ class MySQLChunkSource:
         encoder = RowEncoder(
             schema, source_id=self.registry.source_id(name), partition=self.request.partition_id
         )
-        return MySQLChunkReader(self, scope, RowConverter(encoder, self.policy))
+        reader = MySQLChunkReader(self, scope, RowConverter(encoder, self.policy))
+        reader.min_tag = min_tag
+        return reader
 
 
 class MySQLChunkReader:
@@ -302,6 +306,8 @@ class MySQLChunkReader:
         self._source = source
         self._rows = rows
         self.name = scope.table
+        #: the lowest tag a chunk may have, beyond ``request.min_tag``
+        self.min_tag = -1
         schema = rows.encoder.table
         db, _, table = self.name.partition(".")
         self._table = f"{q(db)}.{q(table)}"
@@ -464,7 +470,7 @@ class MySQLChunkReader:
             return self._read_keys(int(cursor or 0), limit)
         after = None if cursor is None else key_values(cursor)
         tag, (rows, nxt) = self._source.snapshot(
-            lambda cur: self._read_range(cur, after, limit), f"reading {self.name}"
+            lambda cur: self._read_range(cur, after, limit), f"reading {self.name}", self.min_tag
         )
         txn_s = self._source.last_txn_s
         return Chunk(self._rows.events(rows, tag), tag, nxt, txn_s=txn_s)
@@ -547,7 +553,7 @@ class MySQLChunkReader:
             self._rows.bind(column_names(cur))
             return rows
 
-        tag, rows = self._source.snapshot(read, f"reading keys of {self.name}")
+        tag, rows = self._source.snapshot(read, f"reading keys of {self.name}", self.min_tag)
         txn_s = self._source.last_txn_s
         found: set[bytes] = set()
         events = self._rows.events(rows, tag, found)

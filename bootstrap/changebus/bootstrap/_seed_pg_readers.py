@@ -35,6 +35,9 @@ class Reader:
         self.estimate_rows = -1
         #: what its cursors mean (:attr:`~._chunks.ChunkReader.key_id`)
         self.key_id = self.mode
+        #: the lowest tag a chunk may have, beyond ``request.min_tag`` (a refill's: the
+        #: newest SCN its rows were listed at, :func:`~._chunks._refill`)
+        self.min_tag = -1
 
     def read(self, cursor: str | None, limit: int) -> Chunk:
         conn = self.source.conn
@@ -83,7 +86,7 @@ class KeysetReader(Reader):
         if self.where:
             return self._read_where(after, limit)
         sql, params = self.table.keyset(after, self.where, limit)
-        tag = src.begin_chunk(self.name)
+        tag = src.begin_chunk(self.name, self.min_tag)
         data = src.copy_data(sql, self.oid, params)
         src.conn.execute("COMMIT")
         ncols = len(self.table.columns)
@@ -102,7 +105,7 @@ class KeysetReader(Reader):
         bound, so chunks may hold fewer rows, or none.
         """
         src, table = self.source, self.table
-        tag = src.begin_chunk(self.name)
+        tag = src.begin_chunk(self.name, self.min_tag)
         sql, params = table.bound(after, limit)
         row = src.conn.execute(sql, params).fetchone()
         upto = None if row is None else [str(v) for v in row]  # (key columns: NOT NULL)
@@ -135,7 +138,7 @@ class KeysReader(Reader):
         first = 0 if cursor is None else int(json.loads(cursor))
         part = self.keys[first : first + limit]
         src, table = self.source, self.table
-        tag = src.begin_chunk(self.name)
+        tag = src.begin_chunk(self.name, self.min_tag)
         rows = []
         if part:
             sql, params = table.by_keys(part, first)
@@ -191,7 +194,7 @@ class SingleReader(Reader):
                 log.warning(
                     "%s: single_transaction snapshots do not resume: starting again", self.name
                 )
-            self.tag = src.begin_chunk(self.name)
+            self.tag = src.begin_chunk(self.name, self.min_tag)
             # a partitioned table has no pages of its own: its ctid ranges apply to each
             # leaf (the largest sets the end), so a chunk spans every leaf and is sized by
             # their count. Read as the table's size (0) it went in ONE whole COPY,

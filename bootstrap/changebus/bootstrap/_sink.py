@@ -84,9 +84,10 @@ class StoreSink:
 
     def unfilled(
         self, scope: SnapshotScope, upto: int, stop: threading.Event, *, exact: bool
-    ) -> list[tuple[bytes, tuple[Any, ...]]]:
+    ) -> list[tuple[bytes, tuple[Any, ...], int]]:
         """Once the applier has folded the stream up to ``upto``, the keys of rows of
-        ``scope.table`` that lack columns: (store key, values) (:mod:`._refill`).
+        ``scope.table`` that lack columns: (store key, values, SCN of the entry)
+        (:mod:`._refill`).
 
         ``exact``: ``upto`` is a marker the source wrote, which the stream
         brings. Else it is a tag, which a source with no commit after it never
