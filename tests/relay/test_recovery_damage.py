@@ -445,6 +445,82 @@ def test_an_interrupted_recovery_still_records_the_loss(
     again.close()
 
 
+def test_a_recovery_interrupted_after_its_room_evicted_every_kept_window_records_the_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The room the DATA_LOSS window needs evicts the only kept window (here the event
+    slots: one window holds 7 of 8) and is published before the marker; a kill before the
+    marker left an empty buffer with ``last_scn > prev_scn``, served as complete after
+    ``prev_scn``: a consumer behind the dropped windows skipped them silently (review)."""
+    cfg = BufferConfig(capacity_bytes=CAP, event_slots=8)
+    buf = EventBuffer(tmp_path, cfg)
+    buf.set_start(9)
+    buf.append_window(make_window(10, events=6))  # 7 events
+    buf.append_window(make_window(20, events=0))  # 1 event: its END_OF_WINDOW
+    m = buf.meta
+    assert (m.tail_event - m.head_event, m.prev_scn, m.last_scn) == (8, 9, 20)
+    newest = int(buf._events.at(m.tail_event - 1)["pos"])
+    buf.close()
+    flip(tmp_path / "ring.dat", newest % CAP + HEADER_SIZE + 2, 3)  # window 20: dropped
+
+    def killed(self: EventBuffer, window: object) -> int:
+        raise RuntimeError("killed before the DATA_LOSS window was appended")
+
+    monkeypatch.setattr(EventBuffer, "append_window", killed)
+    with pytest.raises(RuntimeError):
+        EventBuffer(tmp_path, cfg)
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="changebus.relay.buffer"):
+        again = EventBuffer(tmp_path, cfg)
+    assert any("interrupted recovery" in r.getMessage() for r in caplog.records)
+    assert again.stats["recovery_data_loss"] == 1
+    for checkpoint in (10, 15):  # at the evicted window, and inside the dropped range
+        got = read_all(again, checkpoint, -1)
+        assert [(e[0], e[2]) for e in got] == [(20, Op.DATA_LOSS), (20, Op.END_OF_WINDOW)]
+        loss = _loss_of(got[0][4])
+        assert (loss.from_scn, loss.to_scn) == (11, 20)
+    with pytest.raises(ScnNotFoundError):
+        again.select(9, -1, 1000)  # the evicted window 10: to the bootstrap server
+    again.append_window(make_window(21))
+    assert window_scns(read_all(again, 15, -1)) == [20, 21]
+    again.close()
+
+
+def test_more_wrong_event_records_in_a_row_than_one_walk_follows_are_all_rebuilt(
+    tmp_path: Path,
+) -> None:
+    """Over 65,536 zeroed records of ``events.dat`` in a row (2 MiB the machine did not
+    write back: the ring and the table are written back independently): the walk along
+    the ring stopped at its limit and undid everything, and the intact windows from the
+    first zeroed record on were dropped (review). Every event is found again now."""
+    cfg = BufferConfig(capacity_bytes=16 << 20, event_slots=1 << 18)
+    buf = EventBuffer(tmp_path, cfg)
+    buf.set_start(0)
+    for scn in range(1, 401):
+        parts = [
+            encode_event(Op.INSERT, scn, i, scn * 1000 + i, b"k%d" % i, b"v" * 8)
+            for i in range(199)
+        ]
+        parts.append(encode_control(EndOfWindow(199, f"pos-{scn}"), scn, 199, scn * 1000))
+        buf.append_window(b"".join(parts))
+    m = buf.meta
+    assert (m.head_event, m.tail_event) == (0, 80000)
+    before = read_all(buf)
+    buf.close()
+    first, count = 1010, 70000  # from inside a window on
+    size = EVENT_DTYPE.itemsize
+    raw = bytearray((tmp_path / "events.dat").read_bytes())
+    raw[first * size : (first + count) * size] = bytes(count * size)
+    (tmp_path / "events.dat").write_bytes(bytes(raw))
+    again = EventBuffer(tmp_path, cfg)
+    assert again.meta == m
+    assert again.stats["recovery_events_dropped"] == 0
+    assert again.stats["recovery_records_rewritten"] == count
+    assert read_all(again) == before
+    again.close()
+
+
 def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:
     """A page the machine never wrote back holds older events whose CRCs still match."""
     buf = fill(tmp_path, 1, 300)

@@ -40,7 +40,8 @@ side, :mod:`._writer`), validating them (:mod:`._validate`), the SCN index
 (:mod:`._index`), eviction and reader pins (:mod:`._evict`), selecting what
 a reader sends (:mod:`._reader`) and recovery on open (:mod:`._recovery`,
 which checks the live events against the ring with :mod:`._ringcheck`);
-its configuration is :mod:`._bufconfig`. This module holds the state they
+its configuration is :mod:`._bufconfig`, and whether the files on disk are
+recovered, reset or (another size) refused is :mod:`._bufopen`. This module holds the state they
 share, its files and its lock, and the reader entry points.
 
 Concurrency
@@ -82,12 +83,13 @@ from changebus.schemas import (
     source_table,
 )
 from changebus.schemas.errors import BadRequestError
-from changebus.schemas.files import narrow_files, private_dir, private_file, reserve_file
+from changebus.schemas.files import reserve_file
 
 from ._bufconfig import DURABILITY_MODES, BufferConfig, Durability, check_durability
+from ._bufopen import open_meta
 from ._evict import Pin, eviction_is_small
 from ._index import cut_points
-from ._meta import BufferMeta, MetaFile, kept_position
+from ._meta import BufferMeta, kept_position
 from ._prefault import Prefaulter
 from ._reader import Selection, locate, select_events
 from ._recovery import Loss, recover
@@ -109,9 +111,6 @@ __all__ = [
 log = logging.getLogger("changebus.relay.buffer")
 
 
-#: the buffer's files, created mode 0600 before they are mapped (a side file added
-#: later must be created through :func:`changebus.schemas.files.private_file` too)
-_FILES = ("meta.dat", "ring.dat", "events.dat", "index.dat")
 #: requests inside an over-long window whose scan position is remembered (``_scanned``)
 _SCANNED_MAX = 1024
 
@@ -137,7 +136,10 @@ class EventBuffer(BufferWriter):
         partition_id: int = 0,
         on_publish: Callable[[], None] | None = None,
         replayable: bool = False,
+        resize: bool = False,
     ) -> None:
+        """``resize``: files of a buffer of other sizes are moved aside and the buffer
+        starts empty (else a :class:`~changebus.schemas.ConfigError`: :mod:`._bufopen`)."""
         self.directory = directory
         self.config = config
         self.name = name
@@ -150,22 +152,19 @@ class EventBuffer(BufferWriter):
         self.capacity = config.capacity_bytes
         self.block = config.block
         index_slots = math.ceil(self.capacity / self.block) + 4
-        private_dir(directory)  # row data: the owner's only (0700 / 0600)
-        for file in _FILES:
-            private_file(directory / file)
-        narrow_files(directory)  # the registry and any side file, also from older versions
-        self._metafile = MetaFile(directory / "meta.dat")
-        previous = None if self._metafile.created else self._metafile.load()
-        compatible = (
-            previous is not None
-            and previous.capacity == self.capacity
-            and previous.event_slots == config.slots
-            and previous.index_slots == index_slots
-            and (directory / "ring.dat").exists()
-            and (directory / "ring.dat").stat().st_size == self.capacity
+        try:
+            self._open(config, index_slots, resize)
+        except BaseException:
+            self._release(failed=True)  # (a full disk, a failed recovery: nothing left open)
+            raise
+
+    def _open(self, config: BufferConfig, index_slots: int, resize: bool) -> None:
+        """The constructor's part that opens files, maps them and recovers."""
+        directory, name = self.directory, self.name
+        self._metafile, previous = open_meta(
+            directory, (self.capacity, config.slots, index_slots), name, resize=resize
         )
-        if previous is not None and not compatible:
-            log.warning("buffer %s: sizes changed or files missing; starting empty", name)
+        compatible = previous is not None
         create = not compatible
         self._ring_map = np.memmap(
             directory / "ring.dat",
@@ -558,17 +557,37 @@ class EventBuffer(BufferWriter):
         self._prefault_events.close()
         del self._event_bytes  # a view of the event table's mapping, closed below
         self.flush()
-        self._ring_view.release()
-        del self._ring
-        mm = getattr(self._ring_map, "_mmap", None)
-        del self._ring_map
+        self._release()
+
+    def _release(self, *, failed: bool = False) -> None:
+        """Stop the prefaulters, unmap and close every file opened so far; also for a
+        constructor that failed half way (``failed``: closed at once, not by the collector,
+        review), when the ring's mapping is left to the collector if a view of it is
+        still referenced (by the failure's traceback)."""
+        opened = self.__dict__
+        for prefaulter in ("_prefault", "_prefault_events"):
+            if prefaulter in opened:
+                opened[prefaulter].close()
+        opened.pop("_event_bytes", None)
+        if "_ring_view" in opened:
+            try:
+                self._ring_view.release()
+            except BufferError:
+                if not failed:
+                    raise
+                opened.pop("_ring_map", None)  # (its mapping: the collector's)
+        opened.pop("_ring", None)
+        ring_map = opened.pop("_ring_map", None)
+        mm = getattr(ring_map, "_mmap", None)
+        del ring_map
         if mm is not None:
             mm.close()
-        self._events.close()
-        self._index.close()
-        self._metafile.close()
-        if self.watermark is not None:
-            self.watermark.close()
+        for table in ("_events", "_index", "_metafile"):
+            if table in opened:
+                opened[table].close()
+        watermark = opened.get("watermark")
+        if watermark is not None:
+            watermark.close()
 
 
 def _scan_key(

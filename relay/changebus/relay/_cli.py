@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_daemon_parser(
         sub, "relay", help="run the relay daemon", description="Run the changebus relay daemon."
     )
+    p.add_argument(
+        "--resize-buffers",
+        action="store_true",
+        help="start a partition whose buffer files hold other sizes than configured empty,"
+        " moving its old files to a resized-<time> subdirectory (without it such a start is"
+        " refused); the same as --set resize_buffers=true",
+    )
     p.set_defaults(func=_main)
 
 
@@ -52,6 +59,8 @@ def check_fetchers(config: RelayConfig) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if getattr(args, "resize_buffers", False):
+        args.overrides = [*args.overrides, "resize_buffers=true"]
     return run_daemon(
         args, "relay", RelayConfig, run, prepare=_switch_interval, check=check_fetchers
     )

@@ -226,6 +226,10 @@ class RelayConfig:
     upstream: ClientAuth = field(default_factory=ClientAuth)
     #: bounds of /metrics (label cardinality)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: a partition whose buffer files hold other sizes than configured starts empty, its
+    #: old files moved to a ``resized-<time>`` subdirectory (else the start is refused);
+    #: meant for one start (``changebus relay --resize-buffers``), not for the file
+    resize_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not self.cluster.member_id:

@@ -43,19 +43,23 @@ __all__ = ["Relay", "run"]
 log = logging.getLogger("changebus.relay")
 
 
-def _new_host(config: PartitionConfig, data_dir: Path, replayable: bool) -> PartitionHost:
-    return PartitionHost(config, data_dir, replayable=replayable)
+def _new_host(
+    config: PartitionConfig, data_dir: Path, replayable: bool, resize: bool
+) -> PartitionHost:
+    return PartitionHost(config, data_dir, replayable=replayable, resize=resize)
 
 
 async def _open_host(
-    config: PartitionConfig, data_dir: Path, *, replayable: bool = False
+    config: PartitionConfig, data_dir: Path, *, replayable: bool = False, resize: bool = False
 ) -> PartitionHost:
     """A new :class:`PartitionHost`, built in a thread (it opens and maps files).
 
     Cancelled meanwhile, it waits for the thread, closes what it opened and
     re-raises: a cancelled start-up leaks no buffer.
     """
-    opening = asyncio.ensure_future(asyncio.to_thread(_new_host, config, data_dir, replayable))
+    opening = asyncio.ensure_future(
+        asyncio.to_thread(_new_host, config, data_dir, replayable, resize)
+    )
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
@@ -128,7 +132,12 @@ class Relay:
                 # a cluster member's recovery drops no window as lost: as a follower it
                 # reads them again from the leader; as a leader its source's own check
                 # (Postgres: a slot confirmed past the buffer) says what is gone (review)
-                host = await _open_host(part, cfg.data_dir, replayable=cfg.cluster is not None)
+                host = await _open_host(
+                    part,
+                    cfg.data_dir,
+                    replayable=cfg.cluster is not None,
+                    resize=cfg.resize_buffers,
+                )
                 # (a consumer that polls holds at most one connection at a time: room for
                 # as many as may be connected, so /v1/status and the lag series see them all)
                 host.max_consumers = max(host.max_consumers, cfg.http.max_connections)

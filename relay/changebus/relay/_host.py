@@ -135,8 +135,15 @@ class PartitionHost(SourceAcks, GroupAppend):
     """Owns everything of one physical partition inside the relay."""
 
     def __init__(
-        self, config: PartitionConfig, data_dir: Path, *, replayable: bool = False
+        self,
+        config: PartitionConfig,
+        data_dir: Path,
+        *,
+        replayable: bool = False,
+        resize: bool = False,
     ) -> None:
+        """``resize``: a buffer whose files hold other sizes starts empty, its old files
+        moved aside (else the start is refused: :mod:`._bufopen`)."""
         self.config = config
         self.name = config.name
         self.directory = data_dir / config.name
@@ -145,8 +152,9 @@ class PartitionHost(SourceAcks, GroupAppend):
         #: one process at a time in the partition's directory: taken before recovery
         #: reads (and repairs) anything there, released by :meth:`stop`
         self._dir_lock = DirLock(self.directory, f"relay partition {config.name!r}")
+        buffer: EventBuffer | None = None
         try:
-            self.buffer = EventBuffer(
+            buffer = EventBuffer(
                 self.directory,
                 config.buffer,
                 name=config.name,
@@ -156,11 +164,22 @@ class PartitionHost(SourceAcks, GroupAppend):
                 # (or says 410): windows recovery drops are read again, not lost (a DATA_LOSS
                 # window stopped its consumers for windows the upstream had; found by review)
                 replayable=replayable or config.fetcher.kind == "relay",
+                resize=resize,
             )
+            self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
+            #: the grouped syncer (``durability = "fsync"`` only: see :mod:`._syncer`)
+            self.syncer: GroupSyncer | None = None
+            if config.durability == "fsync":
+                self.syncer = GroupSyncer(buffer)
         except BaseException:
-            self._dir_lock.release()
+            # what was opened is closed now, not by the collector (review)
+            try:
+                if buffer is not None:
+                    buffer.close()
+            finally:
+                self._dir_lock.release()
             raise
-        self.registry = SchemaRegistry(self.directory / "schemas.jsonl")
+        self.buffer = buffer
         self._writer = WriterThread(config.name)
         self._task: asyncio.Task[None] | None = None
         self.fetcher: Fetcher | None = None
@@ -194,10 +213,6 @@ class PartitionHost(SourceAcks, GroupAppend):
         #: the partition's role in a relay cluster ("leader", "follower" or "": none)
         self.role = ""
         self._switching = asyncio.Lock()
-        #: the grouped syncer (``durability = "fsync"`` only: see :mod:`._syncer`)
-        self.syncer: GroupSyncer | None = None
-        if config.durability == "fsync":
-            self.syncer = GroupSyncer(self.buffer)
         #: the newest SCN acknowledged to ``_acked_by`` (acks never go backwards)
         self._acked_by: Fetcher | None = None
         self._acked_scn = -1

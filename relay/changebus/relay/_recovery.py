@@ -51,6 +51,11 @@ flipped bit) is never served; what is kept around it:
 The state published by recovery keeps ``last_scn`` (the source was read
 that far): a buffer whose newest window is older than ``last_scn`` owes the
 marker, and a crash before it is written is found again at the next start.
+So does an *empty* buffer with ``last_scn > prev_scn``: the room the marker
+needed evicted every kept window (one window filling the ring, or the event
+slots) and was published before it; nothing else leaves that state (an
+eviction of everything sets ``prev_scn`` to the newest SCN), and serving it
+as complete after ``prev_scn`` skipped the dropped windows silently.
 
 With ``durability = "fsync"`` (``replayable``) the source was acknowledged
 only up to windows that were synced to disk (:mod:`._syncer`), so damage
@@ -164,6 +169,16 @@ def _recover(
 ) -> tuple[BufferMeta, Loss | None]:
     n = meta.tail_event - meta.head_event
     if n <= 0:
+        if meta.last_scn > meta.prev_scn:  # (never left so but by the room for a marker)
+            log.warning(
+                "buffer %s: windows %d..%d were dropped by an interrupted recovery that"
+                " evicted every kept window; recorded as data loss now",
+                name,
+                meta.prev_scn + 1,
+                meta.last_scn,
+            )
+            lost = _interrupted(meta.prev_scn)
+            return meta, Loss(meta.prev_scn + 1, meta.last_scn, meta.last_ts, "", lost)
         return meta, None
     records = events.get(meta.head_event, meta.tail_event)  # compared before anything is rewritten
     check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)

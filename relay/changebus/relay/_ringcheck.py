@@ -53,8 +53,8 @@ _EOW: Final = int(Op.END_OF_WINDOW)
 _VALID_OP = np.zeros(256, dtype=bool)
 _VALID_OP[[int(op) for op in Op]] = True
 #: stretches of wrong event positions one recovery follows in the ring (each costs a
-#: check of all events) and events per stretch (a Python step each), before it
-#: calls the rest damaged
+#: check of all events), before it calls the rest damaged; and events one walk follows
+#: (a Python step each) before the checks run again (a longer stretch goes on)
 _MAX_WALKS: Final = 16
 _MAX_WALK: Final = 1 << 16
 #: offset of the header CRC in a header (it covers the bytes before it)
@@ -101,11 +101,11 @@ def check_ring(
         bad, problem = _first_bad(raw, capacity, published, pos, headers)
         if bad == len(pos) or walks >= _MAX_WALKS:
             break
-        moved = _walk(raw, capacity, published, pos, headers, bad)
+        moved, capped = _walk(raw, capacity, published, pos, headers, bad)
         if moved == 0:
             break
         repaired += moved
-        walks += 1
+        walks += 0 if capped else 1  # (a stretch longer than a walk goes on: same stretch)
     payload_bad = first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
     if payload_bad < bad:
         bad, problem = payload_bad, "payload checksum mismatch"
@@ -230,7 +230,7 @@ def _walk(
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
     i: int,
-) -> int:
+) -> tuple[int, bool]:
     """Follow the ring from event ``i`` while the event table's positions are wrong.
 
     Event ``i`` is the first one the checks refused; all before it are
@@ -241,7 +241,11 @@ def _walk(
     never meets the table again before the published tail is refused (it
     could skip events). Fixes ``pos`` and ``headers`` in place; returns how
     many positions it took from the ring (0: none, event ``i`` counts as
-    damaged in the ring).
+    damaged in the ring) and whether it stopped at :data:`_MAX_WALK` steps:
+    then what it followed is kept (each step verified as above) and the
+    caller checks again and goes on from there. More wrong records in a row
+    than that (2 MiB of ``events.dat`` the machine did not write back) undid
+    the whole walk before, and intact windows after it were dropped (review).
     """
     head_pos, tail_pos, min_scn = published
     n = len(pos)
@@ -263,18 +267,20 @@ def _walk(
                 found = cand, h
                 break
         if found is not None and found[0] == int(pos[j]) and j > i:
-            return j - i  # the table is right again
+            return j - i, False  # the table is right again
         if found is None or found[0] == int(pos[j]):
             break
         pos[j], headers[j] = found
         j += 1
     if j == n:
-        return j - i  # followed to the published tail
+        return j - i, False  # followed to the published tail
+    if j - i >= _MAX_WALK:
+        return j - i, True  # kept: the checks run again and the walk goes on after it
     # damaged in the ring at event i, or a path that never meets the table again (it
     # would skip events: e.g. a window at the next lap's start): undone
     pos[i : i + len(saved_pos)] = saved_pos
     headers[i : i + len(saved_headers)] = saved_headers
-    return 0
+    return 0, False
 
 
 def _continues(prev: Any | None, h: Any, min_scn: int) -> bool:
