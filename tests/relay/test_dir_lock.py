@@ -87,3 +87,24 @@ def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path: Path) -> No
             proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+async def test_a_stop_whose_fetcher_fails_to_close_still_frees_the_directory(
+    tmp_path: Path,
+) -> None:
+    cfg = synthetic_relay(tmp_path / "relay", 20)
+    relay = Relay(cfg)
+    await relay.start()
+    host = relay.hosts["syn"]
+    await wait_until(lambda: host.buffer.meta.windows >= 20, what="the windows")
+    assert host.fetcher is not None
+
+    async def broken_close() -> None:
+        raise RuntimeError("the fetcher did not close")
+
+    host.fetcher.close = broken_close  # type: ignore[method-assign]
+    await relay.stop()  # (logged: the partition did not stop cleanly)
+    with DirLock(tmp_path / "relay" / "syn", "test"):  # free, and the files closed
+        pass
+    async with Relay(cfg) as again:
+        assert again.hosts["syn"].buffer.meta.windows >= 20

@@ -16,6 +16,7 @@ during start-up too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -66,7 +67,15 @@ class BootstrapServer:
     async def _running(self, app: web.Application) -> AsyncIterator[None]:
         # one process at a time in the data directory (its SQLite store, seed state):
         # taken before anything there is opened, dropped after the service stopped
-        lock = await asyncio.to_thread(DirLock, self.config.data_dir, "bootstrap server")
+        taking = asyncio.ensure_future(
+            asyncio.to_thread(DirLock, self.config.data_dir, "bootstrap server")
+        )
+        try:
+            lock = await asyncio.shield(taking)
+        except asyncio.CancelledError:  # (the thread goes on: its lock must not stay held)
+            with contextlib.suppress(Exception):
+                (await taking).release()
+            raise
         try:
             await self.service.start()
             yield

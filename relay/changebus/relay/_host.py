@@ -230,15 +230,20 @@ class PartitionHost(SourceAcks, GroupAppend):
 
     async def stop(self) -> None:
         self.wakeups.stop()
-        await stop_task(self._task)
-        if self.fetcher is not None:
-            await self.fetcher.close()
-        if self.syncer is not None:  # before the buffer's mappings go
-            await asyncio.to_thread(self.syncer.stop)
-        await self._writer.run(self.buffer.close)
-        # the writer thread only has to exit now, but joining it is a wait: not on the loop
-        await self._writer.shutdown()
-        self._dir_lock.release()
+        try:
+            await stop_task(self._task)
+            if self.fetcher is not None:
+                await self.fetcher.close()
+        finally:  # (a fetcher that failed to close still leaves the files closed, unlocked)
+            try:
+                if self.syncer is not None:  # before the buffer's mappings go
+                    await asyncio.to_thread(self.syncer.stop)
+                await self._writer.run(self.buffer.close)
+                # the writer thread only has to exit now, but joining it is a wait: not on
+                # the loop
+                await self._writer.shutdown()
+            finally:
+                self._dir_lock.release()
 
     async def switch_fetcher(
         self, fetcher: FetcherConfig, *, fence: IngestFence | None = None
