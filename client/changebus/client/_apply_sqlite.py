@@ -28,6 +28,7 @@ from changebus.schemas import ChangebusError, Column, TableSchema, TransportErro
 
 from ._apply_units import UnitReplica
 from ._json import json_text
+from ._sqlite_retype import AFFINITIES, affinity_join, retype
 from ._unitsql import DEFAULT_TABLE
 
 __all__ = ["SqliteReplica"]
@@ -38,63 +39,6 @@ _INTEGER = frozenset({"int", "long", "boolean"})
 _REAL = frozenset({"float", "double"})
 #: how long a new connection retries switching to WAL while other connections hold locks
 _LOCKED_WAIT_S = 5.0
-
-
-#: the declared types the replica makes (each one affinity)
-_AFFINITIES = frozenset({"INTEGER", "REAL", "TEXT", "BLOB"})
-
-
-def _affinity_join(have: str, want: str) -> str:
-    """The narrowest of the replica's column types that holds values of both."""
-    if have == want:
-        return have
-    if "BLOB" in (have, want):
-        return "BLOB"  # (no conversion at all: every value as it is given)
-    if {have, want} == {"INTEGER", "REAL"}:
-        return "REAL"
-    return "TEXT"
-
-
-def _rebuild(
-    conn: sqlite3.Connection,
-    table: str,
-    info: Sequence[Any],
-    types: Mapping[str, str],
-    quote: Callable[[str], str],
-) -> None:
-    """Copy ``table`` (``PRAGMA table_info`` rows ``info``) into a new table whose columns
-    ``types`` names have those declared types, inside the caller's transaction."""
-    q = quote
-    temp = f"{table}__changebus_retype"
-    cols, key = [], []
-    for row in info:
-        name, declared, notnull, default, pk = str(row[1]), str(row[2]), row[3], row[4], row[5]
-        spec = f"{q(name)} {types.get(name, declared)}".rstrip()
-        if notnull:
-            spec += " NOT NULL"
-        if default is not None:
-            spec += f" DEFAULT {default}"
-        cols.append(spec)
-        if pk:
-            key.append((int(pk), name))
-    if key:
-        cols.append(f"PRIMARY KEY ({', '.join(q(n) for _i, n in sorted(key))})")
-    names = ", ".join(q(str(r[1])) for r in info)
-    extras = [
-        str(sql)
-        for (sql,) in conn.execute(
-            "SELECT sql FROM sqlite_master WHERE tbl_name = ? AND type IN ('index', 'trigger')"
-            " AND sql IS NOT NULL",
-            (table,),
-        )
-    ]
-    conn.execute(f"DROP TABLE IF EXISTS {q(temp)}")
-    conn.execute(f"CREATE TABLE {q(temp)} ({', '.join(cols)})")
-    conn.execute(f"INSERT INTO {q(temp)} ({names}) SELECT {names} FROM {q(table)}")
-    conn.execute(f"DROP TABLE {q(table)}")
-    conn.execute(f"ALTER TABLE {q(temp)} RENAME TO {q(table)}")
-    for sql in extras:
-        conn.execute(sql)
 
 
 class SqliteReplica(UnitReplica):
@@ -175,18 +119,15 @@ class SqliteReplica(UnitReplica):
         return {str(r[1]) for r in rows} if rows else None
 
     def _widen_columns(self, conn: sqlite3.Connection, table: str, schema: TableSchema) -> None:
-        """Rebuild ``table`` when a column's affinity no longer holds ``schema``'s values.
+        """Change the columns whose affinity no longer holds ``schema``'s values.
 
         SQLite converts what it stores by the column's declared affinity: after
         the source turned an integer column into text, ``'007'`` was stored as
         ``7``, and a decimal's ``'1.50'`` became the REAL ``1.5``. The column
-        gets the join of both affinities (:func:`_affinity_join`: INTEGER and
-        REAL give REAL, anything with TEXT gives TEXT, BLOB stays BLOB), which
-        SQLite can only do by copying the table: a new table with the same
-        columns and key, the rows copied (values keep their storage class,
-        converted as the new affinity says), the old one dropped, the new one
-        renamed, and the table's indexes and triggers made again, in one
-        transaction (another replica doing the same at once finds it done).
+        gets the join of both affinities (:func:`~._sqlite_retype.affinity_join`:
+        INTEGER and REAL give REAL, anything with TEXT gives TEXT, BLOB stays
+        BLOB) and its values are converted (:func:`~._sqlite_retype.retype`), in
+        one transaction (another replica doing the same at once finds it done).
         It never narrows a column, as the Postgres replica does not.
         """
         want = {self._kept_name(c.name): self._column_type(c) for c in schema.columns}
@@ -197,10 +138,10 @@ class SqliteReplica(UnitReplica):
             changed = self._short_columns(conn, table, want, info)
             if not changed:
                 return  # (another replica rebuilt it meanwhile)
-            _rebuild(conn, table, info, changed, self._quote)
+            retype(conn, table, changed, self._quote)
         log.warning(
             "replica table %s: column(s) %s now hold the values of source %s version %d"
-            " (%s); the table was copied to change them",
+            " (%s); their type was changed and their values converted",
             table,
             ", ".join(sorted(changed)),
             schema.name,
@@ -223,9 +164,9 @@ class SqliteReplica(UnitReplica):
         for row in info:
             name, declared = str(row[1]), str(row[2]).upper()
             wanted = want.get(name)
-            if wanted is None or declared not in _AFFINITIES:
+            if wanted is None or declared not in AFFINITIES:
                 continue  # (a column of the operator's own, or a type the replica never makes)
-            joined = _affinity_join(declared, wanted)
+            joined = affinity_join(declared, wanted)
             if joined != declared:
                 out[name] = joined
         return out
