@@ -19,7 +19,8 @@ replica (:meth:`~._apply_sqlite.SqliteReplica._widen_columns`) calls
   indexes, constraints and generated columns stay as they are;
 * a column that is the table's rowid (a lone ``INTEGER`` primary key) is
   stored in the b-tree's key, not in the records, so the table is copied
-  instead: a new table from the rewritten text, the rows copied (converted
+  instead (so it is too where SQLite is built to refuse writes to its
+  schema table, ``SQLITE_DBCONFIG_DEFENSIVE``): a new table from the rewritten text, the rows copied (converted
   by the new affinity), the old one dropped and the new one renamed (with
   ``legacy_alter_table``, so views over it are not checked while it is
   briefly gone), its indexes and triggers made again.
@@ -87,6 +88,10 @@ def retype(
             "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = ?", (text, name)
         )
         conn.execute(f"PRAGMA schema_version = {version + 1}")
+    except sqlite3.OperationalError:
+        # (a SQLite built "defensive" refuses writes to its schema table: copied instead)
+        _copy(conn, name, text, quote)
+        return
     finally:
         conn.execute("PRAGMA writable_schema = OFF")
     for column, declared in types.items():
