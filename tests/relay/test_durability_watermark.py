@@ -14,6 +14,10 @@ again), found by review:
 * W1 synced and acknowledged, W2 and W3 not synced, W2 torn and W3 written
   back: the buffer rewinds to W1 (it jumped to W3, and W2 was never read
   from the source again);
+* the same crash with the synced state's oldest windows in a lap's last
+  bytes, skipped by a later lap's window placed at the lap's start, and the
+  synced windows from there overwritten: the buffer rewound below the
+  watermark to those evicted windows (Postgres announced DATA_LOSS);
 * a flipped high bit of an event position in the event table (>= 2**63)
   made every restart crash (OverflowError).
 
@@ -215,6 +219,60 @@ async def test_synced_damage_after_intact_oldest_windows_is_trimmed(tmp_path: Pa
     try:
         assert _served(again) == {scn: make_window(scn) for scn in range(1, 6)}
         _check_resumes_at(again, 5)
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("at_lap_start", [False, True])
+async def test_a_lap_written_during_a_sync_over_windows_after_a_skipped_lap_end(
+    tmp_path: Path, at_lap_start: bool
+) -> None:
+    """The synced state's oldest windows lie in a lap's last bytes, the rest from the
+    next lap's start to the watermark; then (unsynced, ``meta.dat`` on disk not written
+    back) a window too large for the room left before the ring's end goes to the next
+    lap's start, skipping those oldest windows' bytes (evicted, intact), and newer windows
+    overwrite everything from the lap's start through the newest synced window. The
+    synced windows count as evicted: the buffer starts empty after the watermark (it
+    rewound to the last intact window below it, and a Postgres slot confirmed past that
+    was announced as DATA_LOSS; found by review). ``at_lap_start``: the synced window
+    at the lap's start begins there (its first event did not fit either), so the newer
+    window written over it begins where it did."""
+    cfg = BufferConfig(capacity_bytes=SMALL, event_slots=4096, durability="fsync")
+    buf = EventBuffer(tmp_path, cfg)
+    buf.set_start(0)
+    scn = 0
+    while True:
+        scn += 1
+        m = buf.meta
+        moved = at_lap_start and m.tail_pos < SMALL and SMALL - m.tail_pos < 1300
+        buf.append_window(make_window(scn, size=1230 if moved else 100))
+        at_lap_start &= not moved
+        m = buf.meta
+        if m.tail_pos > SMALL and SMALL - m.tail_pos % SMALL <= 2000:
+            break
+    await _sync(buf, scn)
+    on_disk = buf.meta
+    meta_bytes = (tmp_path / "meta.dat").read_bytes()
+    lap = on_disk.tail_pos - on_disk.tail_pos % SMALL
+    assert on_disk.head_pos < lap - len(make_window(1))  # whole oldest windows before it
+    newest, _ = _window_span(tmp_path, scn, on_disk.tail_pos)
+    big = make_window(scn + 1, size=2400)  # its first event does not fit before the end
+    buf.append_window(big)
+    assert buf.meta.tail_pos == lap + SMALL + len(big)  # placed at the next lap's start
+    while buf.meta.tail_pos % SMALL <= newest % SMALL:  # over the newest synced window
+        buf.append_window(make_window(buf.meta.last_scn + 1, events=1, size=37))
+    assert buf.meta.tail_pos % SMALL <= on_disk.head_pos % SMALL  # the oldest kept intact
+    buf.close()
+    (tmp_path / "meta.dat").write_bytes(meta_bytes)
+
+    again = EventBuffer(tmp_path, cfg)
+    try:
+        m = again.meta
+        assert (m.tail_event - m.head_event, m.evicted) == (0, 1)
+        assert m.prev_scn == m.last_scn == on_disk.last_scn  # not below the watermark
+        assert read_all(again) == []
+        assert again.stats["recovery_data_loss"] == 0
+        _check_resumes_at(again, on_disk.last_scn)  # (its END_OF_WINDOW is intact)
     finally:
         again.close()
 

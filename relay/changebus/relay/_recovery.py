@@ -33,9 +33,12 @@ flipped bit) is never served; what is kept around it:
   windows it covers were synced and acknowledged, and the source no longer
   holds them; damage above it is an unsynced tail, trimmed as below, never
   jumped over (the source still holds it); when no synced window verifies
-  from any start, the oldest included, the buffer starts empty after the
-  watermark's SCN (damage after intact oldest windows that reaches the
-  newest synced one is not an eviction's: trimmed, as below);
+  from any start, the oldest included, or the damage that reaches the
+  newest synced one begins at a lap's start after intact oldest windows (a
+  later lap's window that did not fit before the ring's end went there and
+  skipped their bytes: evicted too), the buffer starts empty after the
+  watermark's SCN; damage after intact oldest windows that reaches the
+  newest synced one from elsewhere is not an eviction's: trimmed, as below;
 * otherwise (the newest window is damaged too) every complete window
   before the first damaged event is kept, and that window and everything
   after it are dropped: the buffer owes a DATA_LOSS window for ``(last kept
@@ -87,7 +90,7 @@ from changebus.schemas import HEADER_SIZE, CorruptEventError, Op, end_of_window_
 
 from ._index import rebuild
 from ._meta import BufferMeta, MetaFile
-from ._ringcheck import RingCheck, check_ring, verified_event
+from ._ringcheck import RingCheck, check_ring, damage_at_lap_start, verified_event
 from ._tables import EVENT_DTYPE, CircularTable
 from ._watermark import Synced, SyncedMark
 
@@ -181,7 +184,7 @@ def _recover(
             return meta, Loss(meta.prev_scn + 1, meta.last_scn, meta.last_ts, "", lost)
         return meta, None
     records = events.get(meta.head_event, meta.tail_event)  # compared before anything is rewritten
-    check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, records)
+    check = check_ring(ring, meta.head_pos, meta.tail_pos, meta.min_scn, meta.last_scn, records)
     eows = np.flatnonzero(check.headers["op"] == _EOW)
     keep = int(eows[-1]) + 1 if eows.size else 0
     loaded = meta
@@ -201,11 +204,18 @@ def _recover(
             records = records[-n:]
             eows = np.flatnonzero(check.headers["op"] == _EOW)
             keep = int(eows[-1]) + 1 if eows.size else 0
-        elif keep == 0 and synced is not None and watermark is not None:
+        elif (
+            synced is not None
+            and watermark is not None
+            and (keep == 0 or damage_at_lap_start(records, check, len(ring)))
+        ):
             return _synced_gone(ring, meta, records, synced, watermark, metafile, name, stats)
         # (else, with a watermark: damage in synced windows after intact ones at the head,
-        # up to the newest synced one, is no eviction's: trimmed below, and the source's
-        # own check says whether it still holds what follows, as without a watermark)
+        # up to the newest synced one, and not from a lap's start, is no eviction's:
+        # trimmed below, and the source's own check says whether it still holds what
+        # follows, as without a watermark. From a lap's start it is: a window that did
+        # not fit before the ring's end went there, and its lap skipped the intact ones,
+        # evicted too; rewound, they were announced as DATA_LOSS by Postgres: review)
     stats["recovery_records_rewritten"] = _repair_events(
         events, meta.head_event, records[:keep], check, name
     )
@@ -317,10 +327,11 @@ def _synced_gone(
     name: str,
     stats: dict[str, int],
 ) -> tuple[BufferMeta, None]:
-    """Not even the oldest window verifies, nor any window at or below the watermark from
-    a later start: an eviction's newer bytes over all of them (a lap written during one
-    sync), and all count as evicted; the unsynced rest is dropped (the source sends it
-    again): empty after the watermark.
+    """No window at or below the watermark verifies from a later start, and not even the
+    oldest does, or those that do lie in a lap's last bytes before damage from its start
+    (skipped by a later lap's window placed there): an eviction's newer bytes over the
+    rest (a lap written during one sync), and all count as evicted; the unsynced rest is
+    dropped (the source sends it again): empty after the watermark.
     """
     mark = watermark.load()
     assert mark is not None
@@ -331,8 +342,8 @@ def _synced_gone(
     metafile.publish(fresh)
     stats["recovery_events_dropped"] = n
     log.warning(
-        "buffer %s: no synced window verifies (overwritten by newer bytes before the head"
-        " that evicted them was published, or damaged): all %d events dropped, those up to"
+        "buffer %s: no synced window can be kept (overwritten by newer bytes before the"
+        " head that evicted them was published, or damaged): all %d events dropped, those up to"
         " the synced watermark (SCN %d) counted as evicted; starting empty after it"
         " (the source sends the rest again)",
         name,
@@ -379,7 +390,7 @@ def _later_head(
         at = int(rest["pos"][0])  # (the event table's: a hint)
         if not meta.head_pos <= at < meta.tail_pos:
             return None
-        check = check_ring(ring, at, meta.tail_pos, int(rest["scn"][0]), rest)
+        check = check_ring(ring, at, meta.tail_pos, int(rest["scn"][0]), meta.last_scn, rest)
         return check if check.good >= need - i else None
 
     if verified(int(starts[-1])) is None:

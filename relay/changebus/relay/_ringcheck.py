@@ -17,9 +17,11 @@ over all events at once, unless said otherwise):
   end of the ring; the last one ends at the published ``tail_pos``;
 * the window rules: seq numbers ``0, 1, 2, ...`` restart after each
   END_OF_WINDOW, the events of a window share its SCN and window SCNs
-  increase from the published ``min_scn`` on (so stale events of an earlier
-  lap, left by a page the machine did not write before it went down, are
-  refused even though their CRCs match);
+  increase from the published ``min_scn`` on, never above the published
+  ``last_scn`` (so stale events of an earlier lap, left by a page the
+  machine did not write before it went down, and newer ones of a later lap,
+  written over evicted windows before the head that evicted them was
+  published, are refused even though their CRCs match);
 * its header CRC matches, and then its payload CRC (both checked with a
   few large CRC calls, see :mod:`._crcbatch`; the payloads last, and only
   those of the events that passed everything else).
@@ -47,7 +49,7 @@ from changebus.schemas import HEADER_DTYPE, HEADER_SIZE, MAGIC, VERSION, Op, crc
 
 from ._crcbatch import first_bad_header, first_bad_payload
 
-__all__ = ["RingCheck", "check_ring", "verified_event"]
+__all__ = ["RingCheck", "check_ring", "damage_at_lap_start", "verified_event"]
 
 _EOW: Final = int(Op.END_OF_WINDOW)
 _VALID_OP = np.zeros(256, dtype=bool)
@@ -84,18 +86,19 @@ def check_ring(
     head_pos: int,
     tail_pos: int,
     min_scn: int,
+    last_scn: int,
     records: npt.NDArray[Any],
 ) -> RingCheck:
     """Verify the live events (``records``: their event table rows) against the ring.
 
-    ``head_pos``, ``tail_pos`` and ``min_scn`` (the oldest window's SCN)
-    come from the published state.
+    ``head_pos``, ``tail_pos``, ``min_scn`` (the oldest window's SCN) and
+    ``last_scn`` (no live window is newer) come from the published state.
     """
     capacity = len(ring)
     raw = np.frombuffer(ring, dtype=np.uint8)
     pos = records["pos"].astype(np.int64)
     headers = _gather(raw, pos, capacity)
-    published = (head_pos, tail_pos, min_scn)
+    published = (head_pos, tail_pos, min_scn, last_scn)
     repaired = walks = 0
     while True:
         bad, problem = _first_bad(raw, capacity, published, pos, headers)
@@ -112,6 +115,20 @@ def check_ring(
     return RingCheck(pos[:bad], headers[:bad], bad, repaired, problem)
 
 
+def damage_at_lap_start(records: npt.NDArray[Any], check: RingCheck, capacity: int) -> bool:
+    """Whether the first damaged event (``check.good``, after at least one verified
+    event) lies at a lap's start, right after verified events in the last bytes of
+    the lap before: where a later lap's window that did not fit before the ring's end
+    began, its bytes written over the events there while those it skipped stay intact.
+    Its position is the event table's (a hint) unless the verified events end at the
+    ring's end (then the placement rule puts it at the lap's start).
+    """
+    good = check.good
+    end = int(check.pos[good - 1]) + int(check.headers["total_length"][good - 1])
+    lap = -(-end // capacity) * capacity
+    return end == lap or int(records["pos"][good]) == lap
+
+
 def _gather(raw: npt.NDArray[np.uint8], pos: npt.NDArray[np.int64], capacity: int) -> Any:
     """The headers at ``pos`` (a copy); positions too close to the end read offset 0."""
     phys = pos % capacity
@@ -125,15 +142,15 @@ def _gather(raw: npt.NDArray[np.uint8], pos: npt.NDArray[np.int64], capacity: in
 def _first_bad(
     raw: npt.NDArray[np.uint8],
     capacity: int,
-    published: tuple[int, int, int],
+    published: tuple[int, int, int, int],
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
 ) -> tuple[int, str]:
     """The first event failing a structural, placement, window or header CRC check.
 
-    ``published`` is ``(head_pos, tail_pos, min_scn)`` of the published state.
+    ``published`` is ``(head_pos, tail_pos, min_scn, last_scn)`` of the published state.
     """
-    head_pos, tail_pos, min_scn = published
+    head_pos, tail_pos, min_scn, last_scn = published
     n = len(pos)
     if n == 0:
         return 0, ""
@@ -176,6 +193,7 @@ def _first_bad(
     rising[0] = int(scn[0]) == min_scn
     np.greater(scn[1:], scn[:-1], out=rising[1:])
     out_of_window |= np.where(opens, ~rising, ~same)
+    out_of_window |= scn > last_scn  # (a later lap's bytes: review)
     checks = (
         (malformed, "malformed event header"),
         (misplaced, "event not where the event table and the ring say"),
@@ -226,7 +244,7 @@ def verified_event(ring: memoryview, pos: int) -> Any | None:
 def _walk(
     raw: npt.NDArray[np.uint8],
     capacity: int,
-    published: tuple[int, int, int],
+    published: tuple[int, int, int, int],
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
     i: int,
@@ -247,7 +265,7 @@ def _walk(
     than that (2 MiB of ``events.dat`` the machine did not write back) undid
     the whole walk before, and intact windows after it were dropped (review).
     """
-    head_pos, tail_pos, min_scn = published
+    head_pos, tail_pos, min_scn, last_scn = published
     n = len(pos)
     saved_pos, saved_headers = pos[i : i + _MAX_WALK].copy(), headers[i : i + _MAX_WALK].copy()
     j = i
@@ -263,7 +281,7 @@ def _walk(
             end = cand + int(h["total_length"])
             if end > tail_pos or (j == n - 1 and end != tail_pos):
                 continue
-            if _continues(prev, h, min_scn):
+            if _continues(prev, h, min_scn, last_scn):
                 found = cand, h
                 break
         if found is not None and found[0] == int(pos[j]) and j > i:
@@ -283,9 +301,11 @@ def _walk(
     return 0, False
 
 
-def _continues(prev: Any | None, h: Any, min_scn: int) -> bool:
+def _continues(prev: Any | None, h: Any, min_scn: int, last_scn: int) -> bool:
     """Whether header ``h`` may follow header ``prev`` (None: it opens the buffer)."""
     seq, scn = int(h["seq"]), int(h["scn"])
+    if scn > last_scn:
+        return False
     if prev is None:
         return seq == 0 and scn == min_scn
     if int(prev["op"]) == _EOW:
