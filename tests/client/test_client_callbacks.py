@@ -550,3 +550,35 @@ async def test_cancelling_run_does_not_wait_for_a_blocked_callback(
         finally:
             gate.set()
             await consumer.close()
+
+
+async def test_a_close_from_a_task_a_callback_left_running_waits_for_the_run(
+    make_relay: MakeRelay,
+) -> None:
+    """A callback starts a shutdown task and returns (a detached close). The task used to
+    inherit the callbacks' exemption from waiting for good: its close() returned at once
+    while run() went on with later windows' callbacks. Once the window that made it
+    ended, it waits like any other task."""
+    async with make_relay(max_windows=20) as relay:
+        consumer = Consumer(config(relay.url))
+        calls: list[float] = []
+        closed: list[float] = []
+        tasks: list[asyncio.Task[None]] = []
+
+        async def shutdown() -> None:
+            await asyncio.sleep(0.3)  # (after the window that made it ended)
+            await consumer.close()
+            closed.append(time.monotonic())
+
+        class Detaches(AsyncCallbacks):
+            async def on_end_window(self, window: Window) -> CallbackResult | None:
+                if not tasks:
+                    tasks.append(asyncio.create_task(shutdown()))
+                await asyncio.sleep(0.2)  # (the windows after it are still under way)
+                calls.append(time.monotonic())
+                return None
+
+        await asyncio.wait_for(consumer.run(Detaches()), 20)
+        await asyncio.wait_for(tasks[0], 20)
+        assert closed and calls
+        assert all(at <= closed[0] for at in calls)  # no callback after close() returned

@@ -35,7 +35,6 @@ Thread-safety: every method is for the consumer's event loop, except
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from dataclasses import replace
 from types import TracebackType
@@ -48,7 +47,7 @@ from changebus.schemas import Checkpoint, ConfigError, Mode, Unit, UnitStore, st
 from ._callbacks import AsyncCallbacks, Callbacks
 from ._config import ConsumerConfig
 from ._decode import SchemaCache
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, in_async_callback
 from ._errors import DataLossDetectedError
 from ._fetch import RelayFetcher, start_point
 from ._http import open_session
@@ -62,11 +61,6 @@ if TYPE_CHECKING:
     from ._group import GroupConsumer
 
 __all__ = ["Consumer"]
-
-#: True in run()'s task and the tasks its async callbacks make (:meth:`Consumer.close`)
-_DISPATCHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "changebus_dispatching", default=False
-)
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +248,16 @@ class Consumer:
         close() returned at once and the window's callbacks went on after it
         (the application's sink closed under them), and a SyncConsumer's loop
         stopped under a run() that then never returned (review). A close from
-        inside a callback (the run's own task, or a task it made) does not wait:
-        that would wait for itself (a sync callback's close, through the loop,
-        gives up after a budget with no callback started).
+        inside a window's async callbacks still under way (a callback, or a task
+        it made, which it may await) does not wait: that would wait for itself.
+        A task a callback made and left running waits once that window's
+        callbacks ended, as any other task does (it inherited the exemption
+        for good before, and its close returned under the next windows). A
+        sync callback's close, through the loop, gives up after a budget with
+        no callback started.
         """
         running, dispatcher = self._run_ended, self._dispatcher
-        if running is None or running.is_set() or dispatcher is None or _DISPATCHING.get():
+        if running is None or running.is_set() or dispatcher is None or in_async_callback():
             return
         # as long as callbacks go on being started: a window's calls are each bounded by
         # the budget, not the window (its thousands of events may take longer)
@@ -527,7 +525,6 @@ class Consumer:
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
         self._dispatcher = dispatcher
         self._run_ended = asyncio.Event()
-        token = _DISPATCHING.set(True)  # (run's own task and those its callbacks make)
         try:
             await dispatcher.run()
         except QueueClosed:
@@ -536,5 +533,4 @@ class Consumer:
             self._failed = exc
             raise
         finally:
-            _DISPATCHING.reset(token)
             self._run_ended.set()

@@ -24,6 +24,7 @@ budget of each call.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from ._model import Window
 from ._position import Positions
 from ._queue import QueueClosed
 
-__all__ = ["Dispatcher", "in_callback", "window_plan"]
+__all__ = ["Dispatcher", "in_async_callback", "in_callback", "window_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,30 @@ _CALLBACK = threading.local()
 def in_callback() -> bool:
     """Whether this thread is running a consumer's sync callback now."""
     return bool(getattr(_CALLBACK, "active", False))
+
+
+class _Plan:
+    """A plan of async callbacks under way (``active`` until it ends); see
+    :func:`in_async_callback`."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = True
+
+
+#: the plan of async callbacks the current task runs in, or was made in (a task a
+#: callback created inherits it, and with it the plan's ``active`` flag)
+_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("changebus_plan", default=None)
+
+
+def in_async_callback() -> bool:
+    """Whether the current task runs inside a plan of async callbacks that is still under
+    way: a callback itself, or a task it made (and maybe awaits). A task a callback made
+    and left running (a detached shutdown, say) is in none once that window's callbacks
+    ended."""
+    plan = _PLAN.get()
+    return plan is not None and plan.active
 
 
 Plan = list[tuple[str, tuple[Any, ...]]]
@@ -241,6 +266,8 @@ class _LoopRunner:
         last = CallbackResult.SUCCESS
         budget = _Budget(loop, self._budget)
         skip = self._skip
+        plan_now = _Plan()
+        token = _PLAN.set(plan_now)
         try:
             async with asyncio.timeout(None) as scope:
                 budget.scope = scope
@@ -263,6 +290,8 @@ class _LoopRunner:
         except TimeoutError:  # only the scope's expiry gets here (a callback's own is caught)
             return _Outcome(CallbackResult.ERROR, budget.name, timed_out=True)
         finally:
+            plan_now.active = False
+            _PLAN.reset(token)
             budget.stop()
         return _Outcome(last) if last is not CallbackResult.SUCCESS else _OK
 
