@@ -417,6 +417,80 @@ async def test_driver_cuts_batches_at_the_change_and_logs_it(
         await asyncio.to_thread(plan)
 
 
+async def test_a_version_adding_only_type_annotations_does_not_stop_the_query(
+    scripted_relay: Any, window_type: Any, tmp_path: Path
+) -> None:
+    """A version whose column types differ only in the annotations a Postgres fetcher
+    began to record (``changebus.kind`` / ``changebus.bound`` of composites and ranges:
+    the first version it registers after its upgrade) is harmless: the query reads past it
+    with its schema, every row. It stopped every stream of such a table once, with
+    SchemaChangedError and no change listed (review)."""
+    import asyncio
+
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from changebus.client.spark import _source
+    from changebus.client.spark._options import SourceOptions
+    from changebus.client.spark._schemalog import SchemaLog
+    from changebus.schemas import Op
+
+    def column(name: str, of: str, **notes: str) -> Column:
+        items = {"type": "string", "changebus.type": of, **notes}
+        return Column(name, {"type": "array", "items": ["null", items]} if name == "rs" else items)
+
+    key = Column("id", "long", False)
+    t1 = TableSchema(
+        "s.t",
+        (key, column("r", "int4range"), column("c", "pair"), column("rs", "int4range")),
+        ("id",),
+        1,
+    )
+    bound = {"changebus.kind": "range", "changebus.bound": "integer"}
+    t2 = TableSchema(
+        "s.t",
+        (
+            key,
+            column("r", "int4range", **bound),
+            column("c", "pair", **{"changebus.kind": "composite"}),
+            column("rs", "int4range", **bound),
+        ),
+        ("id",),
+        2,
+    )
+    assert t1.fingerprint != t2.fingerprint
+    row = {"id": 1, "r": "[1,5)", "c": '(1,"a,b")', "rs": ["[1,2)", None]}
+    w = window_type
+    windows = [
+        w(10, rows=[(t1, 1, Op.INSERT, row, None)], announce=[(1, t1)]),
+        w(20, rows=[(t2, 1, Op.INSERT, {**row, "id": 2}, None)], announce=[(1, t2)]),
+        w(30, rows=[(t2, 1, Op.UPDATE, {**row, "r": "empty"}, None)]),
+    ]
+    where = tmp_path / "schemas"
+    SchemaLog(where, ("s.t",), ()).append({"s.t": t1})  # the query was defined at v1
+    async with scripted_relay(windows) as relay:
+
+        def plan() -> None:
+            opts = SourceOptions.parse(
+                {"relays": relay.url, "sources": "s.t", "schemaTrackingLocation": str(where)}
+            )
+            schema = from_arrow_schema(_source.source_schema(opts), prefer_timestamp_ntz=True)
+            r: Any = _source.ChangebusStreamReader(opts, schema)
+            assert r.latestOffset({"syn": 9}, ReadAllAvailable()) == {"syn": 30}  # not cut
+            rows = pa.Table.from_batches(
+                [b for p in r.partitions({"syn": 9}, {"syn": 30}) for b in r.read(p)]
+            ).to_pylist()
+            assert [(x["id"], x["r"], x["c"], x["rs"]) for x in rows] == [
+                (1, "[1,5)", '(1,"a,b")', ["[1,2)", None]),
+                (2, "[1,5)", '(1,"a,b")', ["[1,2)", None]),
+                (1, "empty", '(1,"a,b")', ["[1,2)", None]),
+            ]
+            assert len(list(where.glob("*.json"))) == 1  # no new entry in the schema log
+
+        await asyncio.to_thread(plan)
+
+
 @pytest.mark.spark
 @pytest.mark.pg
 def test_a_version_between_load_and_start_stops_the_query(

@@ -50,6 +50,7 @@ from changebus.schemas import (
     UnknownSchemaError,
     check_compatible,
     decode_control,
+    same_column_type,
 )
 
 from ._assembler import RawWindow
@@ -255,12 +256,14 @@ class SchemaCache:
 
 def same_columns(a: TableSchema, b: TableSchema) -> bool:
     """Whether rows of ``b`` read into ``a`` by Avro resolution come out exactly as written
-    (the same column names, types and nullability, in order)."""
-
-    def shape(t: TableSchema) -> list[tuple[str, Any, bool]]:
-        return [(c.name, c.type, c.nullable) for c in t.columns]
-
-    return shape(a) == shape(b)
+    (the same column names, types and nullability, in order). Types that differ only in
+    annotations (:func:`~changebus.schemas.same_column_type`: the ``changebus.kind`` a
+    Postgres fetcher began to record) are the same: such a version stopped every Spark
+    stream reading the table once (review)."""
+    return len(a.columns) == len(b.columns) and all(
+        x.name == y.name and x.nullable == y.nullable and same_column_type(x.type, y.type)
+        for x, y in zip(a.columns, b.columns, strict=True)
+    )
 
 
 async def decode_window(

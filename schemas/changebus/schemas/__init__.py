@@ -18,7 +18,13 @@ from ._checkpoint import (
     Mode as Mode,
     PartitionCheckpoint as PartitionCheckpoint,
 )
-from ._compat import check_compatible as check_compatible
+from ._compat import (
+    ANNOTATIONS as ANNOTATIONS,
+    bare_type as bare_type,
+    check_compatible as check_compatible,
+    same_but_annotations as same_but_annotations,
+    same_column_type as same_column_type,
+)
 from ._control import (
     CONTROL_SCHEMAS as CONTROL_SCHEMAS,
     CheckpointMarker as CheckpointMarker,
@@ -156,6 +162,7 @@ from .errors import (
 )
 
 __all__ = [
+    "ANNOTATIONS",
     "AVRO_PRESENT_SMALL",
     "CONTROL_SCHEMAS",
     "FIRST_CONTROL_OP",
@@ -231,6 +238,7 @@ __all__ = [
     "avro_long",
     "avro_name",
     "avro_present_long",
+    "bare_type",
     "binlog_file_number",
     "binlog_to_scn",
     "check_compatible",
@@ -270,6 +278,8 @@ __all__ = [
     "pg_avro_type",
     "pg_interval",
     "pg_numeric_text",
+    "same_but_annotations",
+    "same_column_type",
     "scan_offsets",
     "scn_to_binlog",
     "scn_to_lsn",

@@ -19,16 +19,41 @@ schemas, by Avro's schema resolution rules as fastavro applies them:
 
 Beyond Avro, the two tables must have the same record name (be the same
 table) and each shared column the same field name.
+
+Annotations. A few attributes of a column type only annotate it: they tell
+how the source's type is built (a Postgres composite's or range's
+``"changebus.kind"`` and ``"changebus.bound"``, recorded so that rows of a
+type dropped later can still be read), not what its values are, how they
+are encoded or what they mean (:data:`ANNOTATIONS`). A version that differs
+from another only in them (the first one a fetcher registers for such a
+table after an upgrade that began to record them) holds the same rows:
+:func:`same_column_type` and :func:`same_but_annotations` say so, for a
+seed that must write under the relay's version and a reader that must not
+take it for a change of columns. Every other attribute counts:
+``changebus.type`` (json or jsonb, a replica's column type),
+``changebus.symbols`` (an enum's labels), ``changebus.bits``, logical
+types, and the field properties of :class:`~._table.Column`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Final
 
-from ._table import AvroType, TableSchema
+from ._table import AvroType, Column, TableSchema
 from .errors import IncompatibleSchemaError
 
-__all__ = ["check_compatible"]
+__all__ = [
+    "ANNOTATIONS",
+    "bare_type",
+    "check_compatible",
+    "same_but_annotations",
+    "same_column_type",
+]
+
+#: attributes of a column type (at any depth) that change nothing of its values
+#: (module docstring, "Annotations")
+ANNOTATIONS: Final = frozenset({"changebus.kind", "changebus.bound"})
 
 _PRIMITIVES: Final = frozenset(
     {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
@@ -171,3 +196,53 @@ def check_compatible(writer: TableSchema, reader: TableSchema) -> None:
         why = _why_not(col.type, other.type)
         if why:
             raise IncompatibleSchemaError(f"{where}: {why}")
+
+
+def bare_type(t: Any) -> Any:
+    """The Avro type ``t`` without its :data:`ANNOTATIONS` (on it and on the types it holds:
+    a union's branches, an array's items, a map's values, a record's fields' types);
+    anything else (symbols, defaults, logical types) as it is. ``t`` is not changed."""
+    if isinstance(t, list):
+        return [bare_type(b) for b in t]
+    if not isinstance(t, dict):
+        return t
+    out = {k: v for k, v in t.items() if k not in ANNOTATIONS}
+    for k in ("type", "items", "values"):
+        if isinstance(out.get(k), dict | list):
+            out[k] = bare_type(out[k])
+    if isinstance(out.get("fields"), list):
+        out["fields"] = [
+            {**f, "type": bare_type(f["type"])} if isinstance(f, dict) and "type" in f else f
+            for f in out["fields"]
+        ]
+    return out
+
+
+def same_column_type(a: AvroType, b: AvroType) -> bool:
+    """Whether two column types differ at most in :data:`ANNOTATIONS` (the same values,
+    the same bytes)."""
+    return a == b or bare_type(a) == bare_type(b)
+
+
+def _bare(t: TableSchema) -> TableSchema:
+    return replace(
+        t,
+        columns=tuple(
+            Column(c.name, bare_type(c.type), c.nullable, c.source_type, c.policy)
+            for c in t.columns
+        ),
+        version=0,
+    )
+
+
+def same_but_annotations(a: TableSchema, b: TableSchema) -> bool:
+    """Whether two table schemas differ at most in their column types' :data:`ANNOTATIONS`
+    (their versions aside): the same name, key, columns, field names, nullability, source
+    types and policies, so an event of one is, byte for byte, an event of the other."""
+    if a.fingerprint == b.fingerprint:
+        return True
+    if a.name != b.name or len(a.columns) != len(b.columns):
+        return False
+    if not all(same_column_type(x.type, y.type) for x, y in zip(a.columns, b.columns, strict=True)):
+        return False
+    return _bare(a).fingerprint == _bare(b).fingerprint

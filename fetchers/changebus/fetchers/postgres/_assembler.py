@@ -61,6 +61,14 @@ as the previous reader did (the same events, the same ``seq`` numbers), while
 new tables and changed schemas are announced as always. The check runs once
 per Relation message, never per row.
 
+A seed's assembler (``adopt_annotated``): a Relation whose schema differs from
+the table's newest registered version only in annotations
+(:func:`~changebus.schemas.same_but_annotations`: a relay that registered it
+before it began to record ``changebus.kind`` / ``changebus.bound``, or has
+not seen a change of the table since) is read under that version, the
+relay's: its rows are the same bytes. The fetcher's own registers a new
+version (harmless to readers), which records the annotations for good.
+
 The event key is the table's primary key (from ``primary_key``, the catalog)
 and falls back to the replica identity columns pgoutput flags; a table
 without either has no key.
@@ -93,8 +101,10 @@ from changebus.schemas import (
     SchemaRegistry,
     SourceConfigError,
     TableSchema,
+    UnknownSchemaError,
     encode_control,
     lsn_to_scn,
+    same_but_annotations,
     scn_to_lsn,
 )
 
@@ -179,6 +189,7 @@ class Assembler:
         on_oversized: str = "fail",
         known: Iterable[TableSchema] = (),
         policy: ColumnPolicy | None = None,
+        adopt_annotated: bool = False,
     ) -> None:
         if on_oversized not in ("fail", "skip"):
             raise ValueError(f"on_oversized must be 'fail' or 'skip', not {on_oversized!r}")
@@ -194,6 +205,9 @@ class Assembler:
         #: a type by its text, for types dropped since (``TypeResolver.named``)
         self._type_named = type_named
         self._policy = policy if policy else None
+        #: a schema differing from the newest version only in annotations is that version
+        #: (a seed's: module docstring)
+        self._adopt_annotated = adopt_annotated
         self.registry = registry or SchemaRegistry()
         #: ``(source id, name, version, fingerprint)`` of the schemas the relay holds
         self._known = frozenset(
@@ -233,6 +247,8 @@ class Assembler:
         found = None
         if self._txn is not None and self._txn.scn <= self.replay_until:
             found = self.registry.find(wanted)  # read again: a version the relay holds
+        if found is None and self._adopt_annotated:
+            found = self._annotated_latest(wanted)
         table = found if found is not None else self.registry.register(wanted)
         old = self._tables.get(rel.oid)
         key_flags = tuple(c.key for c in rel.columns)
@@ -280,6 +296,14 @@ class Assembler:
             excluded=excluded,
             type_ids=type_ids,
         )
+
+    def _annotated_latest(self, wanted: TableSchema) -> TableSchema | None:
+        """The table's newest version when ``wanted`` differs from it only in annotations."""
+        try:
+            latest = self.registry.latest(wanted.name)
+        except UnknownSchemaError:
+            return None
+        return latest if same_but_annotations(latest, wanted) else None
 
     def _announce(self, txn: _Txn, table: Table) -> None:
         if table.announced:
