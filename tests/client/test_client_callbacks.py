@@ -582,3 +582,22 @@ async def test_a_close_from_a_task_a_callback_left_running_waits_for_the_run(
         await asyncio.wait_for(tasks[0], 20)
         assert closed and calls
         assert all(at <= closed[0] for at in calls)  # no callback after close() returned
+
+
+async def test_a_close_from_run_s_own_task_does_not_wait_for_itself(
+    make_relay: MakeRelay,
+) -> None:
+    """A checkpoint persister (run()'s own task, outside any callback) that closes the
+    consumer on a storage failure: its close must not wait for the run it is part of."""
+    async with make_relay(max_windows=20) as relay:
+        consumer: Consumer
+
+        class ClosesOnStore(MemoryCheckpointPersister):
+            async def store(self, checkpoint: Checkpoint) -> None:
+                await super().store(checkpoint)
+                await consumer.close()
+
+        consumer = Consumer(config(relay.url, callback_time_budget_s=30), persister=ClosesOnStore())
+        started = time.monotonic()
+        await asyncio.wait_for(consumer.run(AsyncCallbacks()), 20)
+        assert time.monotonic() - started < 10

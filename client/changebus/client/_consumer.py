@@ -126,6 +126,9 @@ class Consumer:
         self._mode: Literal["", "iterator", "callbacks"] = ""
         #: set once :meth:`run` ended (what :meth:`close` waits for)
         self._run_ended: asyncio.Event | None = None
+        #: the task running :meth:`run` (its own close, from a checkpoint store, say,
+        #: must not wait for itself)
+        self._run_task: asyncio.Task[Any] | None = None
         self._dispatcher: Dispatcher | None = None
         self._uncommitted: Window | None = None
         self._failed: BaseException | None = None
@@ -250,14 +253,19 @@ class Consumer:
         stopped under a run() that then never returned (review). A close from
         inside a window's async callbacks still under way (a callback, or a task
         it made, which it may await) does not wait: that would wait for itself.
-        A task a callback made and left running waits once that window's
-        callbacks ended, as any other task does (it inherited the exemption
-        for good before, and its close returned under the next windows). A
-        sync callback's close, through the loop, gives up after a budget with
-        no callback started.
+        Nor does run()'s own task (a checkpoint store's close). A task a
+        callback made and left running waits once that window's callbacks
+        ended, as any other task does (it inherited the exemption for good
+        before, and its close returned under the next windows); such a task
+        that later callbacks await must call :meth:`stop`, not close (close
+        would wait for a callback that waits for it, until the callback's
+        budget). A sync callback's close, through the loop, gives up after a
+        budget with no callback started.
         """
         running, dispatcher = self._run_ended, self._dispatcher
-        if running is None or running.is_set() or dispatcher is None or in_async_callback():
+        if running is None or running.is_set() or dispatcher is None:
+            return
+        if in_async_callback() or asyncio.current_task() is self._run_task:
             return
         # as long as callbacks go on being started: a window's calls are each bounded by
         # the budget, not the window (its thousands of events may take longer)
@@ -525,6 +533,7 @@ class Consumer:
         dispatcher = Dispatcher(callbacks, self.config, self._position, next_window)
         self._dispatcher = dispatcher
         self._run_ended = asyncio.Event()
+        self._run_task = asyncio.current_task()
         try:
             await dispatcher.run()
         except QueueClosed:
