@@ -316,7 +316,7 @@ async def test_an_older_server_refusing_mode_catchup_is_failed_over(tmp_path: Pa
         async with aiohttp.ClientSession() as http:
             boot = Bootstrapper(config, http, WindowQueue(16, 1 << 20), SchemaCache())
             with pytest.raises(BootstrapFailedError, match="cannot plan a catch-up only"):
-                await boot._start(old, 5)
+                await boot._api.start(old, 5, boot.partition)
 
 
 async def test_a_checkpoint_names_the_bootstrap_server_without_its_password(

@@ -39,10 +39,12 @@ with the same ``since``; the catch-up after its last window. A catch-up
 whose log was pruned meanwhile (410) restarts the snapshot, with deletes;
 on the server the catch-up ran on, a gap it recorded meanwhile does not stop
 that (the rows the consumer holds are its store's own, which its re-seed
-repairs), a history starting after the snapshot does. Retriable
+repairs), a history starting after the snapshot does
+(:mod:`._bootstrap_history`). Retriable
 failures (connection errors, 5xx, a server not ready yet) move to the next
 bootstrap server with backoff: the same :class:`~._failover.Failover` as
-relay failover. Error answers are mapped by :func:`~._http.response_error`.
+relay failover. The requests, and the checks of a page before it is used,
+live in :mod:`._bootstrap_api`.
 
 Runs on the consumer's event loop; not thread-safe.
 """
@@ -52,38 +54,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Literal, NamedTuple
 
 import aiohttp
 
 from changebus.schemas import (
-    BadRequestError,
     BootstrapFailedError,
     BootstrapProgress,
     CorruptEventError,
     Mode,
-    Op,
     PartitionCheckpoint,
     ProtocolError,
     TransportError,
-    parse_stream,
 )
 
 from ._assembler import RawWindow, WindowAssembler
 from ._backoff import Backoff
+from ._bootstrap_api import BootstrapApi, check_events, snapshot_page
+from ._bootstrap_history import Held, check_history, held_after_restart
 from ._config import ConsumerConfig
 from ._decode import SchemaCache, decode_window
 from ._failover import Failover
-from ._http import (
-    CatchupPruned,
-    RestartBootstrap,
-    read_body,
-    response_error,
-    safe_url,
-    transport_errors,
-)
-from ._info import BootstrapStatus, RelayInfo, RelaySchemas, malformed_answer
+from ._http import CatchupPruned, RestartBootstrap, safe_url
+from ._info import BootstrapStatus, RelaySchemas
 from ._model import ChangeOp, Window
 from ._queue import WindowSink
 from ._stream import StreamConfig
@@ -91,18 +83,6 @@ from ._stream import StreamConfig
 __all__ = ["Bootstrapper"]
 
 log = logging.getLogger(__name__)
-
-
-class _Held(NamedTuple):
-    """(start, since) of the oldest snapshot the consumer holds rows of, once a restart
-    forgot its checkpoint; ``own``: the server (safe URL) all those rows came from when
-    its own catch-up was pruned (else ""). Its lost ranges do not matter there: what the
-    consumer holds is that store's (SCNs it had), which its re-seed and sweep repair;
-    they refused it for good, though the server accepts the new snapshot (review)."""
-
-    start: int
-    since: int
-    own: str = ""
 
 
 class Bootstrapper:
@@ -129,10 +109,10 @@ class Bootstrapper:
         self.rows = 0
         self.catchup_scn = -1
         self.target_scn = -1
-        self._session = session
         self._queue = queue
         self._cache = cache
-        self._timeout = StreamConfig.of(config).timeout  # the relays' request timeouts
+        #: the requests (with the relays' request timeouts)
+        self._api = BootstrapApi(config, session, StreamConfig.of(config).timeout)
         self._failover = Failover(
             config.bootstrap_servers,
             Backoff(config.backoff_initial_s, config.backoff_max_s, config.backoff_multiplier),
@@ -179,7 +159,7 @@ class Bootstrapper:
         dirty = resume is not None
         # (start, since) of the oldest snapshot the consumer holds rows of, once a restart
         # forgot its checkpoint: a new snapshot must come from a history reaching back to it
-        held: _Held | None = None
+        held: Held | None = None
         decoded_for = ""  # the server whose source ids the schema cache holds
         while True:
             url = self._failover.url
@@ -222,15 +202,7 @@ class Bootstrapper:
                 else:
                     self._restarts.failures = 1
                 prior = current.bootstrap if current is not None else None
-                if prior is not None and prior.start_scn >= 0:
-                    # (a pruned catch-up on the server it ran on: its store's rows only)
-                    pruned = isinstance(exc, CatchupPruned)
-                    own = safe_url(url) if pruned and prior.server in (url, safe_url(url)) else ""
-                    if held is None or prior.start_scn < held.start:
-                        mine = own if held is None or held.own == own else ""
-                        held = _Held(prior.start_scn, prior.since_scn, mine)
-                    elif held.own != own:
-                        held = held._replace(own="")
+                held = held_after_restart(held, prior, url, isinstance(exc, CatchupPruned))
                 resume, self._last, dirty = None, None, True
                 continue
             except Exception as exc:  # noqa: BLE001 - Failover decides, by data
@@ -247,47 +219,6 @@ class Bootstrapper:
         """The checkpoint after the last window queued in this bootstrap (None: none yet)."""
         return self._last
 
-    async def _check_history(
-        self, url: str, held: int, since: int, upto: int | None, *, lost: bool = True
-    ) -> None:
-        """Refuse a server whose history starts after ``held``, the start of the
-        snapshot whose rows the consumer holds (part of them, from another server
-        or from this URL before its store was rebuilt).
-
-        Its tombstones cover the deletes after its ``base_scn`` only: a row the
-        consumer holds that was deleted between ``held`` and that base (before
-        the server was seeded) would stay for good. The same holds for rows of
-        SCNs it never received (its lost ranges) that the consumer may hold: any
-        range after ``since`` and before ``upto``, the newest change the consumer
-        holds (its catch-up's window; None in a snapshot, whose pages carry rows
-        at their latest version: any newer range then). ``lost=False``: the rows are
-        this server's own (:class:`_Held`), only its history's start is checked.
-        """
-        status = await self._status(url)
-        base = status.base_scn
-        ranges = [
-            (after, end)
-            for after, end in (status.lost_ranges if lost else ())
-            if end > since and (upto is None or after < upto)
-        ]
-        if ranges:
-            after, end = ranges[0]
-            raise BootstrapFailedError(
-                f"{safe_url(url)}: it never received SCNs {after} < SCN < {end}, and this "
-                f"consumer holds rows of another server's bootstrap from SCN {held} that may "
-                "come from there: it cannot tell which of them were deleted since. Use another "
-                "bootstrap server, or reset the consumer's state (its rows and checkpoint) and "
-                "bootstrap from nothing"
-            )
-        if base > held:
-            raise BootstrapFailedError(
-                f"{safe_url(url)}: its history starts at SCN {base}, after SCN {held}, where "
-                "the snapshot this consumer holds rows of started: it cannot tell which of "
-                "those rows were deleted since. Use a bootstrap server whose history starts "
-                f"at or before SCN {held}, or reset the consumer's state (its rows and "
-                "checkpoint) and bootstrap from nothing"
-            )
-
     def _learn_partition(self, name: str) -> None:
         if self.partition is None:
             self.partition = name
@@ -300,7 +231,7 @@ class Bootstrapper:
         since: int,
         resume: PartitionCheckpoint | None,
         dirty: bool,
-        held: _Held | None = None,
+        held: Held | None = None,
     ) -> int:
         """One attempt on ``url``: continue ``resume`` there, or start (again).
 
@@ -308,7 +239,7 @@ class Bootstrapper:
         bootstrap. A new snapshot for it must include deletes even when it
         started from nothing, so it asks for everything after the server's
         ``base_scn`` (all the server holds, tombstones included). ``held``:
-        such a snapshot whose checkpoint a restart forgot (:class:`_Held`; the
+        such a snapshot whose checkpoint a restart forgot (:class:`~._bootstrap_history.Held`; the
         server's store was rebuilt meanwhile): its history is checked as for
         another server's (it skipped that check; found by review), its lost
         ranges only when the rows may be another store's.
@@ -316,7 +247,7 @@ class Bootstrapper:
         prog: BootstrapProgress
         mode = Mode.SNAPSHOT
         if self.partition is None:
-            self._learn_partition((await self._status(url)).partition)
+            self._learn_partition((await self._api.status(url, self.partition)).partition)
         if resume is not None and resume.mode is Mode.ONLINE and self._queued() is not None:
             return resume.window_scn  # everything was queued before the failure
         # (the checkpoint names the server without its user and password, which reached
@@ -334,10 +265,12 @@ class Bootstrapper:
                 start = resume.bootstrap.start_scn if dirty else -1
                 if start >= 0:
                     upto = resume.window_scn if resume.mode is Mode.CATCHUP else None
-                    await self._check_history(url, start, since, upto)
+                    status = await self._api.status(url, self.partition)
+                    check_history(status, url, start, since, upto)
             elif resume is None and held is not None:
                 own = held.own == safe_url(url)
-                await self._check_history(url, held.start, held.since, None, lost=not own)
+                status = await self._api.status(url, self.partition)
+                check_history(status, url, held.start, held.since, None, lost=not own)
             if resume is not None and resume.mode is Mode.CATCHUP and resume.window_scn >= 0:
                 # in the catch-up of another server: the consumer has every change up to
                 # its last window, so this one plans from there (the server's own checks
@@ -346,11 +279,11 @@ class Bootstrapper:
                 # time, SCNs going backwards (found by review)
                 since = resume.window_scn
             elif dirty and since < 0:
-                since = max((await self._status(url)).base_scn, 0)
+                since = max((await self._api.status(url, self.partition)).base_scn, 0)
             prog = BootstrapProgress(since_scn=since)
         since = prog.since_scn
         if mode is Mode.SNAPSHOT and prog.start_scn < 0:
-            start, snapshot = await self._start(url, since)
+            start, snapshot = await self._api.start(url, since, self.partition)
             prog = BootstrapProgress(since_scn=since, start_scn=start, server=safe_url(url))
             if not snapshot:
                 mode = Mode.CATCHUP
@@ -374,7 +307,7 @@ class Bootstrapper:
         ):
             after = max(after, resume.window_scn)
         if prog.target_scn < 0:
-            status = await self._status(url)
+            status = await self._api.status(url, self.partition)
             # (never before what was queued: a server whose log ends there sends nothing)
             prog = dataclasses.replace(prog, target_scn=self._target(status, prog, after))
         return await self._catchup(url, prog, after)
@@ -395,7 +328,7 @@ class Bootstrapper:
 
     async def _snapshot(self, url: str, prog: BootstrapProgress) -> BootstrapProgress:
         self.phase = "snapshot"
-        source = self._schemas(url)
+        source = self._api.schemas(url, self.partition)
         self._floor = max(self._floor, prog.target_scn)
         while True:
             params = {
@@ -405,7 +338,7 @@ class Bootstrapper:
             }
             if prog.snapshot_position:
                 params["position"] = prog.snapshot_position
-            body, headers = await self._get_body(url, "snapshot", params)
+            body, headers = await self._api.page(url, "snapshot", params, self.partition)
             position = headers.get("X-Changebus-Snapshot-Position", "")
             complete = headers.get("X-Changebus-Snapshot-Complete") == "1"
             if not complete and not position:
@@ -414,11 +347,13 @@ class Bootstrapper:
                     "a snapshot page came without a position and is not the last",
                     retriable=True,
                 )
-            raw = _snapshot_page(body, prog.start_scn, headers)
+            raw = snapshot_page(body, prog.start_scn, headers)
             if raw.offsets.size:
                 self._floor = max(self._floor, int(raw.headers["scn"].max()))
             if complete:
-                target = self._target(await self._status(url), prog, prog.start_scn)
+                target = self._target(
+                    await self._api.status(url, self.partition), prog, prog.start_scn
+                )
                 prog = dataclasses.replace(prog, snapshot_position=None, target_scn=target)
                 pc = PartitionCheckpoint(
                     mode=Mode.CATCHUP,
@@ -466,7 +401,7 @@ class Bootstrapper:
     async def _catchup(self, url: str, prog: BootstrapProgress, after: int) -> int:
         self.phase = "catchup"
         target = self.target_scn = prog.target_scn
-        source = self._schemas(url)
+        source = self._api.schemas(url, self.partition)
         assembler = WindowAssembler(after, self.config.max_window_bytes)
         last_ts = 0
         online = False
@@ -476,9 +411,9 @@ class Bootstrapper:
                 "target": str(target),
                 "max_bytes": str(self.config.bootstrap_page_bytes),
             }
-            body, headers = await self._get_body(url, "catchup", params)
+            body, headers = await self._api.page(url, "catchup", params, self.partition)
             raws = assembler.feed(body)
-            _check_events(headers, assembler.fed_events, "catch-up")
+            check_events(headers, assembler.fed_events, "catch-up")
             if assembler.in_window:
                 raise CorruptEventError("a catch-up page ends inside a window", retriable=True)
             past = False
@@ -535,114 +470,3 @@ class Bootstrapper:
             )
             self._last = pc
         return target
-
-    # ---- HTTP ---------------------------------------------------------------
-
-    def _boot_params(self, extra: dict[str, str]) -> dict[str, str]:
-        params = dict(extra)
-        if self.partition is not None:
-            params["partition"] = self.partition
-        if self.config.sources:
-            params["sources"] = ",".join(self.config.sources)
-        if self.config.key_filter is not None:
-            params["filter"] = str(self.config.key_filter)
-        return params
-
-    def _info(self, url: str) -> RelayInfo:
-        return RelayInfo(self._session, url, what="bootstrap server", timeout=self._timeout)
-
-    def _schemas(self, url: str) -> RelaySchemas:
-        return RelaySchemas(
-            self._session, url, self.partition, self._timeout, what="bootstrap server"
-        )
-
-    async def _status(self, url: str) -> BootstrapStatus:
-        return await self._info(url).bootstrap_status(self.partition)
-
-    async def _start(self, url: str, since: int) -> tuple[int, bool]:
-        """``/v1/bootstrap/start``: the plan's ``(start_scn, snapshot)``."""
-        params = {"since": str(since)}
-        if self.partition is not None:
-            params["partition"] = self.partition
-        if self.config.bootstrap_catchup_only:
-            params["mode"] = "catchup"
-        info = self._info(url)
-        try:
-            plan = await info.get_json("/v1/bootstrap/start", params, kind="bootstrap")
-        except BadRequestError as exc:
-            if "mode" not in params:
-                raise
-            # an older server refuses the parameter (400, not retriable): the next
-            # server may know it, so the failover goes on (found by review)
-            raise BootstrapFailedError(
-                f"{info.where}: cannot plan a catch-up only (an older version?): {exc.message}"
-            ) from exc
-        with malformed_answer(info.where, "/v1/bootstrap/start"):
-            start, snapshot = int(plan["start_scn"]), bool(plan["snapshot"])
-            unseeded = int(plan.get("unseeded_count", 0))
-            names = [str(n) for n in plan.get("unseeded", [])][:5]
-        if self.config.bootstrap_catchup_only and (snapshot or (since >= 0 and start != since)):
-            # (a server that ignored mode=catchup: the next one may know it)
-            raise BootstrapFailedError(
-                f"{info.where}: asked for a catch-up only after SCN {since}, planned a"
-                f" {'snapshot' if snapshot else 'catch-up'} at SCN {start}"
-            )
-        if unseeded:
-            # the server says its snapshot lacks rows: not an error (an operator may
-            # capture without seeding on purpose), but never silent
-            log.warning(
-                "%s: %d table(s) were never seeded (%s%s): the snapshot lacks any of their"
-                " rows that existed before the server's history began and never changed"
-                " since (none when a table was empty then); seed them (POST /v1/seed) for a"
-                " complete snapshot",
-                info.where,
-                unseeded,
-                ", ".join(names),
-                ", ..." if unseeded > len(names) else "",
-            )
-        return start, snapshot
-
-    async def _get_body(
-        self, url: str, what: Literal["snapshot", "catchup"], params: dict[str, str]
-    ) -> tuple[bytes, Mapping[str, str]]:
-        where = f"bootstrap server {safe_url(url)}"
-        with transport_errors(where):
-            async with self._session.get(
-                f"{url}/v1/bootstrap/{what}",
-                params=self._boot_params(params),
-                timeout=self._timeout,
-            ) as resp:
-                if resp.status != 200:
-                    kind: Literal["bootstrap", "catchup"] = (
-                        "catchup" if what == "catchup" else "bootstrap"
-                    )
-                    raise await response_error(resp, where, kind=kind)
-                # a page is up to its max_bytes and then one whole window more
-                limit = self.config.bootstrap_page_bytes + self.config.max_window_bytes
-                body = await read_body(resp, limit, where)
-                return body, resp.headers  # (case-insensitive: proxies lower-case names)
-
-
-def _snapshot_page(body: bytes, start_scn: int, answer: Mapping[str, str]) -> RawWindow:
-    """A snapshot page's events, validated (one raw window at the snapshot's SCN)."""
-    try:
-        offsets, headers = parse_stream(body)  # validates every event
-    except CorruptEventError as exc:  # damaged on the way: another attempt may cure it
-        raise CorruptEventError(exc.message, retriable=True) from exc
-    _check_events(answer, int(offsets.size), "snapshot")
-    if offsets.size and int(headers["op"].max()) >= int(Op.END_OF_WINDOW):
-        raise CorruptEventError("a snapshot page holds control events", retriable=True)
-    return RawWindow(start_scn, 0, body, offsets, headers)
-
-
-def _check_events(headers: Mapping[str, str], got: int, what: str) -> None:
-    """Refuse (retriably, before any of it is used) a page that holds other than the
-    events its ``X-Changebus-Events`` header counts: a proxy that cut it at an event
-    boundary. Its position header would skip the rows cut off, for good, and a last
-    catch-up page would go online past the windows cut off (review)."""
-    said = headers.get("X-Changebus-Events", "")
-    if said.isdigit() and int(said) != got:
-        raise ProtocolError(
-            f"a {what} page holds {got} events, its header says {said} (cut on the way?)",
-            retriable=True,
-        )

@@ -28,7 +28,7 @@ the cluster name; layout in ``changebus.cluster._group_layout``):
 The ZooKeeper layout (``/changebus/<cluster>/members/<id>``,
 ``partitions/<p>/election/c-<seq>``, ``partitions/<p>/epoch``) and its
 invariants are documented in ``changebus.cluster._layout``; the election
-and the lease in ``changebus.cluster._election``.
+in ``changebus.cluster._election``, the lease in ``changebus.cluster._leadership``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from ._config import (
 )
 from ._election import (
     LeaderInfo as LeaderInfo,
-    Leadership as Leadership,
     PartitionElection as PartitionElection,
     current_leader as current_leader,
 )
@@ -58,6 +57,7 @@ from ._layout import (
     epoch_path as epoch_path,
     member_path as member_path,
 )
+from ._leadership import Leadership as Leadership
 from ._registry import Registry as Registry
 from ._routing import RoutingSnapshot as RoutingSnapshot, RoutingTable as RoutingTable
 from ._session import (

@@ -35,15 +35,15 @@ returns a :class:`~changebus.fetchers.Window` at every Commit:
   and skips the message.
 
 Large transactions: with ``max_window_bytes`` set, a transaction whose
-encoded events pass the limit stops being kept (its rows are only counted, so
-memory stays bounded by the limit). At its Commit, ``on_oversized="fail"``
+encoded events pass the limit stops being kept (:class:`~._txn.OpenTxn`: its
+rows are only counted, memory stays bounded). At its Commit, ``on_oversized="fail"``
 raises a non-retriable :class:`~changebus.schemas.SourceConfigError` naming
 the transaction and the option to raise, and ``"skip"`` returns a window
 holding one DATA_LOSS event for the transaction's SCN instead of its rows:
 never a silent gap.
 
 Two entries: :meth:`Assembler.feed` takes parsed messages and decodes every
-value to Python before fastavro encodes the row (the general path);
+value to Python (:func:`~._rowdecode.decode_row`), then fastavro the row (the general path);
 :meth:`Assembler.feed_raw` takes the raw message bytes and sends Insert /
 Update / Delete messages of known tables through the table's
 :class:`~._transcode.Transcoder` (pgoutput binary straight to Avro, about 3x
@@ -79,25 +79,21 @@ Not thread-safe: one assembler per fetcher thread.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from changebus.schemas import (
     Column,
     ControlPayload,
     DataLoss,
-    EndOfWindow,
     Heartbeat,
     LogicalMessage as MessagePayload,
     Op,
     RowEncoder,
-    SchemaChange,
     SchemaRegistry,
     SourceConfigError,
     TableSchema,
@@ -113,7 +109,6 @@ from .._policy import ColumnPolicy
 from ._cellwalk import nullable_key
 from ._copyenc import CopyEncoder
 from ._pgoutput import (
-    UNCHANGED,
     Begin,
     Cell,
     Commit,
@@ -126,20 +121,19 @@ from ._pgoutput import (
     Update,
     parse_message,
 )
+from ._rowdecode import decode_row
 from ._tables import (
     Table,
     Transcoders,
     adapter,
-    apply_rules,
     choose_key,
     column_types,
-    depth,
     old_key,
     refuse_unsupported,
 )
 from ._transcode import Fallback, Transcoder
+from ._txn import OpenTxn
 from ._types import ColumnType
-from ._values import OUT_OF_RANGE, contains_out_of_range, non_finite
 
 __all__ = ["HEARTBEAT_PREFIX", "Assembler", "message_scn"]
 
@@ -159,17 +153,6 @@ def message_scn(lsn: str) -> int:
 
 
 log = logging.getLogger("changebus.fetchers.postgres")
-
-
-@dataclass
-class _Txn:
-    scn: int
-    ts_ns: int
-    events: list[bytes] = field(default_factory=list)
-    data_events: int = 0
-    size: int = 0
-    oversized: bool = False
-    announced: list[Table] = field(default_factory=list)
 
 
 class Assembler:
@@ -215,7 +198,7 @@ class Assembler:
         )
         self._tables: dict[int, Table] = {}
         self.transcoders = Transcoders()
-        self._txn: _Txn | None = None
+        self._txn: OpenTxn | None = None
         #: the relay's last SCN (-1: none): a transaction at or before it is read again
         #: (the SQL mode peeks from the slot's confirmed position); its Relation
         #: messages are versions the relay holds, found by content, not registered anew
@@ -305,89 +288,7 @@ class Assembler:
             return None
         return latest if same_but_annotations(latest, wanted) else None
 
-    def _announce(self, txn: _Txn, table: Table) -> None:
-        if table.announced:
-            return
-        schema = table.schema
-        change = SchemaChange(
-            table.source_id,
-            schema.name,
-            schema.version,
-            schema.fingerprint,
-            json.dumps(schema.to_json(), separators=(",", ":")),
-        )
-        txn.events.append(
-            encode_control(change, txn.scn, len(txn.events), txn.ts_ns, partition=self.partition_id)
-        )
-        table.announced = True
-        txn.announced.append(table)
-
-    def _add(self, txn: _Txn, event: bytes) -> None:
-        txn.events.append(event)
-        txn.size += len(event)
-        if self.max_window_bytes and txn.size > self.max_window_bytes:
-            # stop keeping the transaction; its schema announcements are
-            # repeated in the next window that uses those tables
-            txn.oversized = True
-            txn.events.clear()
-            for table in txn.announced:
-                table.announced = False
-            txn.announced.clear()
-
     # ---- rows ---------------------------------------------------------
-
-    def _row(self, table: Table, cells: tuple[Cell, ...]) -> tuple[dict[str, Any], list[str]]:
-        row: dict[str, Any] = {}
-        not_sent: list[str] = []
-        for name, ctype, adapt, cell in zip(
-            table.names, table.types, table.adapters, cells, strict=True
-        ):
-            if cell is UNCHANGED:
-                row[name] = None
-                not_sent.append(name)
-                continue
-            if name in table.excluded:
-                continue
-            value = ctype.decode(cell)
-            if ctype.is_array and value and depth(value) != ctype.dims:
-                # Postgres does not enforce declared dimensions; Avro types do
-                log.warning(
-                    "%s.%s holds a %d-dimensional array in a column declared with %d; "
-                    "sent as not-sent",
-                    table.schema.name,
-                    name,
-                    depth(value),
-                    ctype.dims,
-                )
-                row[name] = None
-                not_sent.append(name)
-                continue
-            if value is OUT_OF_RANGE or (ctype.is_array and contains_out_of_range(value)):
-                log.warning(
-                    "%s.%s holds a timestamp after 294247-01-10, beyond an Avro long's "
-                    "microseconds; sent as not-sent",
-                    table.schema.name,
-                    name,
-                )
-                row[name] = None
-                not_sent.append(name)
-                continue
-            if adapt is None and non_finite(value):
-                # NaN/Infinity in a numeric(p,s) column (or numeric(p,s)[] element): Avro's
-                # decimal cannot hold it
-                log.warning(
-                    "%s.%s holds %s, which numeric(p,s) maps cannot carry; sent as not-sent",
-                    table.schema.name,
-                    name,
-                    value,
-                )
-                row[name] = None
-                not_sent.append(name)
-                continue
-            row[name] = value if adapt is None or value is None else adapt(value)
-        if table.rules is not None:
-            apply_rules(table.names, table.rules, row, not_sent)
-        return row, not_sent
 
     def _data(
         self,
@@ -404,12 +305,12 @@ class Assembler:
             txn.data_events += 1
             return
         table = self._tables[rel_oid]
-        self._announce(txn, table)
-        after, after_ns = self._row(table, new) if new is not None else (None, [])
+        txn.announce(table, self.partition_id)
+        after, after_ns = decode_row(table, new) if new is not None else (None, [])
         before: dict[str, Any] | None = None
         before_ns: list[str] = []
         if old is not None:
-            before, before_ns = self._row(table, old)
+            before, before_ns = decode_row(table, old)
             if old_kind == "K":  # only the key columns were sent
                 before_ns = list(table.key_only_not_sent)
         if after_ns and before is not None:
@@ -421,8 +322,7 @@ class Assembler:
                 assert after is not None
                 after[name] = before.get(name)
         encoder = self.transcoders.encoder(rel_oid, table)
-        self._add(
-            txn,
+        txn.add(
             encoder.encode(
                 op,
                 txn.scn,
@@ -433,6 +333,7 @@ class Assembler:
                 after_not_sent=after_ns,
                 before_not_sent=before_ns,
             ),
+            self.max_window_bytes,
         )
         txn.data_events += 1
         if (
@@ -440,8 +341,7 @@ class Assembler:
             and before is not None
             and old_key(table, encoder, before) not in (None, encoder.key_bytes(after))
         ):  # the old key's delete of a key-changing update (module docstring)
-            self._add(
-                txn,
+            txn.add(
                 encoder.encode(
                     Op.DELETE,
                     txn.scn,
@@ -451,6 +351,7 @@ class Assembler:
                     before,
                     before_not_sent=before_ns,
                 ),
+                self.max_window_bytes,
             )
             txn.data_events += 1
 
@@ -507,12 +408,18 @@ class Assembler:
                     pass  # malformed: the general path says what is wrong
                 else:
                     if not table.announced:
-                        self._announce(txn, table)
+                        txn.announce(table, self.partition_id)
                     frame = (table.encoder or self.transcoders.encoder(oid, table)).frame
-                    self._add(txn, frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body))
+                    txn.add(
+                        frame(op, txn.scn, len(txn.events), txn.ts_ns, key, body),
+                        self.max_window_bytes,
+                    )
                     txn.data_events += 1
                     if old is not None:  # the old key's delete of a key-changing update
-                        self._add(txn, frame(3, txn.scn, len(txn.events), txn.ts_ns, *old))
+                        txn.add(
+                            frame(3, txn.scn, len(txn.events), txn.ts_ns, *old),
+                            self.max_window_bytes,
+                        )
                         txn.data_events += 1
                     self.rows_transcoded += 1
                     return None
@@ -523,7 +430,7 @@ class Assembler:
     def feed(self, msg: Message) -> Window | None:
         """Take one message; returns a complete window at a Commit."""
         if isinstance(msg, Begin):
-            self._txn = _Txn(msg.final_lsn, msg.commit_ts_ns)
+            self._txn = OpenTxn(msg.final_lsn, msg.commit_ts_ns)
         elif isinstance(msg, Relation):
             self._relation(msg)
         elif isinstance(msg, Insert):
@@ -541,18 +448,18 @@ class Assembler:
                 if txn.oversized:
                     continue
                 table = self._tables[oid]
-                self._announce(txn, table)
+                txn.announce(table, self.partition_id)
                 encoder = self.transcoders.encoder(oid, table)
-                self._add(
-                    txn, encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None)
+                txn.add(
+                    encoder.encode(Op.TRUNCATE, txn.scn, len(txn.events), txn.ts_ns, None),
+                    self.max_window_bytes,
                 )
         elif isinstance(msg, LogicalMessage):
             if msg.transactional and self._txn is not None:
                 txn = self._txn
                 if not txn.oversized:
                     payload = MessagePayload(msg.prefix, msg.content, msg.transactional)
-                    self._add(
-                        txn,
+                    txn.add(
                         encode_control(
                             payload,
                             txn.scn,
@@ -560,6 +467,7 @@ class Assembler:
                             txn.ts_ns,
                             partition=self.partition_id,
                         ),
+                        self.max_window_bytes,
                     )
             else:
                 payload_: ControlPayload = (
@@ -576,7 +484,7 @@ class Assembler:
                 raise ValueError("a commit without a begin")
             if txn.oversized:
                 return self._oversized(txn, scn_to_lsn(msg.end_lsn))
-            return self._close(txn, scn_to_lsn(msg.end_lsn))
+            return txn.close(scn_to_lsn(msg.end_lsn), self.partition_id)
         return None
 
     @property
@@ -592,11 +500,11 @@ class Assembler:
         ``position`` defaults to ``scn`` as an LSN, the timestamp to now.
         """
         ts = timestamp_ns or time.time_ns()
-        txn = _Txn(scn, ts)
+        txn = OpenTxn(scn, ts)
         txn.events.append(encode_control(payload, scn, 0, ts, partition=self.partition_id))
-        return self._close(txn, position or scn_to_lsn(scn))
+        return txn.close(position or scn_to_lsn(scn), self.partition_id)
 
-    def _oversized(self, txn: _Txn, position: str) -> Window:
+    def _oversized(self, txn: OpenTxn, position: str) -> Window:
         what = (
             f"transaction at LSN {scn_to_lsn(txn.scn)} has {txn.data_events} changes and "
             f"more than {self.max_window_bytes} bytes of events (max_transaction_bytes)"
@@ -610,19 +518,3 @@ class Assembler:
             log.error("%s: replaced by a data-loss event", what)
             self.losses["transaction_too_large"] += 1
         return self.control_window(DataLoss(txn.scn, txn.scn, what), txn.scn, position, txn.ts_ns)
-
-    def _close(self, txn: _Txn, position: str) -> Window:
-        txn.events.append(
-            encode_control(
-                EndOfWindow(txn.data_events, position),
-                txn.scn,
-                len(txn.events),
-                txn.ts_ns,
-                partition=self.partition_id,
-            )
-        )
-        events = txn.events
-        # framed here by RowEncoder / encode_control: the relay may trust the sizes
-        return Window(
-            txn.scn, txn.ts_ns, b"".join(events), len(events), position, tuple(map(len, events))
-        )
