@@ -187,3 +187,74 @@ def test_a_partition_whose_registry_fails_closes_its_buffer(
     host = PartitionHost(part, tmp_path)  # the directory's lock was released
     host.buffer.close()
     host._dir_lock.release()
+
+
+def test_a_resize_interrupted_half_way_leaves_the_old_buffer_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after the first rename of a resize: ``meta.dat`` went first, and the next
+    start created a new buffer over the old ring, event table and index (review). It is
+    moved last now: a start without ``--resize-buffers`` is refused and touches nothing,
+    one with it finishes the move into the same directory."""
+    fill(tmp_path, 1, 300).close()
+    files = snapshot(tmp_path)
+    bigger = BufferConfig(capacity_bytes=2 * CAP, event_slots=4096)
+    renamed: list[Path] = []
+    rename = os.rename
+
+    def killed_after_one(src: Path, dst: Path) -> None:
+        if renamed:
+            raise KeyboardInterrupt("killed during the resize")
+        renamed.append(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        EventBuffer(tmp_path, bigger, resize=True)
+    monkeypatch.undo()
+    (aside,) = tmp_path.glob("resized-*")
+    for cfg in (bigger, CFG):
+        with pytest.raises(ConfigError, match="interrupted"):
+            EventBuffer(tmp_path, cfg)
+    assert {f: (tmp_path / f).read_bytes() for f in FILES if (tmp_path / f).exists()} == {
+        f: files[f] for f in FILES if not (aside / f).exists()
+    }, "nothing truncated"
+    buf = EventBuffer(tmp_path, bigger, resize=True)
+    assert buf.meta.head_event == buf.meta.tail_event == 0
+    buf.close()
+    assert [p.name for p in tmp_path.glob("resized-*")] == [aside.name]
+    assert snapshot(aside) == files, "the old files are kept, whole"
+
+
+def test_a_start_that_failed_before_its_first_state_is_no_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resize (or a first start) on a disk too small failed before the new buffer's
+    state was published: ``meta.dat`` all zeros. The next start logged an error that the
+    buffer was damaged and its windows lost (review): it is a new buffer. The full disk's
+    error names the old files moved aside, which hold the space."""
+    fill(tmp_path, 1, 300).close()
+    bigger = BufferConfig(capacity_bytes=2 * CAP, event_slots=4096)
+
+    def full(path: Path, size: int) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("changebus.relay._buffer.reserve_file", full)
+    with pytest.raises(OSError) as failed:
+        EventBuffer(tmp_path, bigger, resize=True)
+    assert failed.value.errno == errno.ENOSPC
+    (aside,) = tmp_path.glob("resized-*")
+    assert str(aside) in str(failed.value) and "--resize-buffers" in str(failed.value)
+    assert not mapped(tmp_path)
+    monkeypatch.undo()
+    assert not (tmp_path / "meta.dat").read_bytes().strip(b"\0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="changebus.relay.buffer"):
+        buf = EventBuffer(tmp_path, bigger)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert buf.meta.head_event == buf.meta.tail_event == 0
+    buf.append_window(make_window(301))
+    buf.close()
+    again = EventBuffer(tmp_path, bigger)
+    assert window_scns(read_all(again)) == [301]
+    again.close()

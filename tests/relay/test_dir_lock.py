@@ -11,6 +11,7 @@ leaves no stale lock.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from changebus.relay import (
     Relay,
     RelayConfig,
 )
-from changebus.schemas import ConfigError, DirLock
+from changebus.schemas import ConfigError, DirLock, stop_task
 from waiting import wait_until
 
 
@@ -108,3 +109,45 @@ async def test_a_stop_whose_fetcher_fails_to_close_still_frees_the_directory(
         pass
     async with Relay(cfg) as again:
         assert again.hosts["syn"].buffer.meta.windows >= 20
+
+
+async def test_a_stop_cancelled_while_the_ingest_task_runs_keeps_the_files_and_the_lock(
+    tmp_path: Path,
+) -> None:
+    """``stop()`` cancelled while it waited for the ingest task (which goes on a while):
+    its clean-up closed the buffer and freed the directory under the running task
+    (review). Both stay until a stop that saw the task end."""
+    cfg = synthetic_relay(tmp_path / "relay", 20)
+    relay = Relay(cfg)
+    await relay.start()
+    host = relay.hosts["syn"]
+    await wait_until(lambda: host.buffer.meta.windows >= 20, what="the windows")
+    await stop_task(host._task)
+    done = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        while True:
+            try:
+                await done.wait()
+                return
+            except asyncio.CancelledError:
+                continue  # (still busy: ends once done)
+
+    host._task = task = asyncio.create_task(slow_to_end())
+    try:
+        stopping = asyncio.create_task(host.stop())
+        await asyncio.sleep(0.05)
+        stopping.cancel()
+        await asyncio.wait({stopping})
+        assert stopping.cancelled()
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        with pytest.raises(ConfigError, match="in use"):
+            DirLock(tmp_path / "relay" / "syn", "test")
+        assert host.buffer.meta.windows >= 20  # still mapped
+    finally:
+        done.set()
+        await asyncio.wait({task})
+    await relay.stop()  # the task ended: files closed, directory freed
+    with DirLock(tmp_path / "relay" / "syn", "test"):
+        pass

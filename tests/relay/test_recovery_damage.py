@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from changebus.relay import _ringcheck
 from changebus.relay._buffer import BufferConfig, EventBuffer
 from changebus.relay._crcbatch import first_bad_header, first_bad_payload
 from changebus.relay._tables import EVENT_DTYPE, INDEX_DTYPE
@@ -488,12 +489,14 @@ def test_a_recovery_interrupted_after_its_room_evicted_every_kept_window_records
 
 
 def test_more_wrong_event_records_in_a_row_than_one_walk_follows_are_all_rebuilt(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over 65,536 zeroed records of ``events.dat`` in a row (2 MiB the machine did not
     write back: the ring and the table are written back independently): the walk along
     the ring stopped at its limit and undid everything, and the intact windows from the
-    first zeroed record on were dropped (review). Every event is found again now."""
+    first zeroed record on were dropped (review). Every event is found again now, and
+    each event's header CRC is checked once (the checks after each walk of the stretch
+    went over all events again: review)."""
     cfg = BufferConfig(capacity_bytes=16 << 20, event_slots=1 << 18)
     buf = EventBuffer(tmp_path, cfg)
     buf.set_start(0)
@@ -513,12 +516,77 @@ def test_more_wrong_event_records_in_a_row_than_one_walk_follows_are_all_rebuilt
     raw = bytearray((tmp_path / "events.dat").read_bytes())
     raw[first * size : (first + count) * size] = bytes(count * size)
     (tmp_path / "events.dat").write_bytes(bytes(raw))
+    checked: list[int] = []
+
+    def counted(headers: Any) -> int:
+        checked.append(len(headers))
+        return first_bad_header(headers)
+
+    monkeypatch.setattr(_ringcheck, "first_bad_header", counted)
     again = EventBuffer(tmp_path, cfg)
+    assert sum(checked) == 80000
     assert again.meta == m
     assert again.stats["recovery_events_dropped"] == 0
     assert again.stats["recovery_records_rewritten"] == count
     assert read_all(again) == before
     again.close()
+
+
+def _small_window(scn: int, events: int) -> bytes:
+    parts = [encode_event(Op.INSERT, scn, i, scn * 1000 + i, b"k", b"") for i in range(events)]
+    parts.append(encode_control(EndOfWindow(events, f"pos-{scn}"), scn, events, scn * 1000))
+    return b"".join(parts)
+
+
+def test_a_long_walk_that_skips_a_torn_window_at_the_lap_end_is_refused_whole(
+    tmp_path: Path,
+) -> None:
+    """Window B, the last before the ring's end, has a torn page; window C opens the next
+    lap with a first event larger than the room at B's start, and over 65,536 events
+    follow. The walk along the ring at B takes C's lap start (the placement rule allows
+    it), its events shifted by B's; such a path never meets the table again. Only its
+    last 65,536-event segment was undone: A, C, ... were kept and B dropped silently, the
+    DATA_LOSS window (the newest window torn too) starting after the kept ones (review).
+    The whole path is refused now: B's loss is recorded."""
+    cap = 8 << 20
+    cfg = BufferConfig(capacity_bytes=cap, event_slots=1 << 17)
+    buf = EventBuffer(tmp_path, cfg)
+    buf.set_start(0)
+    for scn in range(1, 120):  # about 7.8 MiB of lap 0
+        buf.append_window(_window_sized(scn, 64 * 1024))
+    a_scn, b_scn, c_scn = 200, 201, 202
+    b = _small_window(b_scn, 1)
+    room = cap - buf.meta.tail_pos % cap
+    buf.append_window(_window_sized(a_scn, room - len(b) - 100))  # B ends 100 bytes before
+    b_at = buf.meta.tail_pos
+    buf.append_window(b)
+    big = encode_event(Op.INSERT, c_scn, 0, 1, b"c", b"c" * 4000)  # > len(b) + 100
+    buf.append_window(big + encode_control(EndOfWindow(1, "pos-c"), c_scn, 1, 2))
+    assert int(buf._events.at(buf.meta.tail_event - 2)["pos"]) == cap  # C: at lap 1's start
+    for scn in range(300, 370):  # 70,070 small events after C
+        buf.append_window(_small_window(scn, 1000))
+    m = buf.meta
+    assert m.min_scn <= a_scn and m.tail_event - m.head_event < cfg.slots
+    newest = int(buf._events.at(m.tail_event - 2)["pos"]) % cap
+    buf.close()
+    ring = bytearray((tmp_path / "ring.dat").read_bytes())
+    ring[b_at % cap :] = bytes(cap - b_at % cap)  # B's page: its end never written back
+    ring[newest + 8] ^= 0x10  # the newest window torn too: no later head verifies
+    (tmp_path / "ring.dat").write_bytes(bytes(ring))
+    again = EventBuffer(tmp_path, cfg)
+    got = read_all(again, a_scn, -1)  # a consumer that read window A
+    assert [(e[0], e[2]) for e in got] == [(369, Op.DATA_LOSS), (369, Op.END_OF_WINDOW)]
+    loss = _loss_of(got[0][4])
+    assert (loss.from_scn, loss.to_scn) == (b_scn, 369)
+    again.close()
+
+
+def _window_sized(scn: int, size: int) -> bytes:
+    """One data event and an END_OF_WINDOW, ``size`` bytes in all."""
+    eow = encode_control(EndOfWindow(1, f"pos-{scn}"), scn, 1, scn * 1000)
+    data = encode_event(Op.INSERT, scn, 0, scn * 1000, b"k", b"x" * (size - len(eow) - 65))
+    assert len(data) + len(eow) == size
+    return data + eow
 
 
 def test_a_stale_page_of_an_earlier_lap_is_not_served(tmp_path: Path) -> None:

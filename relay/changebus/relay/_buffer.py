@@ -86,7 +86,7 @@ from changebus.schemas.errors import BadRequestError
 from changebus.schemas.files import reserve_file
 
 from ._bufconfig import DURABILITY_MODES, BufferConfig, Durability, check_durability
-from ._bufopen import open_meta
+from ._bufopen import open_meta, with_resized_hint
 from ._evict import Pin, eviction_is_small
 from ._index import cut_points
 from ._meta import BufferMeta, kept_position
@@ -153,7 +153,8 @@ class EventBuffer(BufferWriter):
         self.block = config.block
         index_slots = math.ceil(self.capacity / self.block) + 4
         try:
-            self._open(config, index_slots, resize)
+            with with_resized_hint(directory):  # (a full disk: names old files moved aside)
+                self._open(config, index_slots, resize)
         except BaseException:
             self._release(failed=True)  # (a full disk, a failed recovery: nothing left open)
             raise

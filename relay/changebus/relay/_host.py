@@ -230,20 +230,29 @@ class PartitionHost(SourceAcks, GroupAppend):
 
     async def stop(self) -> None:
         self.wakeups.stop()
+        task = self._task
         try:
-            await stop_task(self._task)
+            await stop_task(task)
             if self.fetcher is not None:
                 await self.fetcher.close()
         finally:  # (a fetcher that failed to close still leaves the files closed, unlocked)
-            try:
-                if self.syncer is not None:  # before the buffer's mappings go
-                    await asyncio.to_thread(self.syncer.stop)
-                await self._writer.run(self.buffer.close)
-                # the writer thread only has to exit now, but joining it is a wait: not on
-                # the loop
-                await self._writer.shutdown()
-            finally:
-                self._dir_lock.release()
+            if task is None or task.done():
+                await self._close_files()
+            else:
+                # cancelled while the ingest task still runs: it may append yet, so the
+                # files stay open and the directory locked (closed under it, and another
+                # process let in, before: review); the process is going away
+                log.warning("partition %s: stop cancelled before its ingest ended", self.name)
+
+    async def _close_files(self) -> None:
+        try:
+            if self.syncer is not None:  # before the buffer's mappings go
+                await asyncio.to_thread(self.syncer.stop)
+            await self._writer.run(self.buffer.close)
+            # the writer thread only has to exit now, but joining it is a wait: not on the loop
+            await self._writer.shutdown()
+        finally:
+            self._dir_lock.release()
 
     async def switch_fetcher(
         self, fetcher: FetcherConfig, *, fence: IngestFence | None = None

@@ -30,9 +30,12 @@ When event ``i`` fails a check, the table's position may be the damaged
 part (a flipped bit, or a whole page of ``events.dat`` the machine did not
 write back): the ring is followed from the last verified event, event by
 event, by the placement rule and the window rules, as long as the table
-disagrees with it (:func:`_walk`); then the checks run again (at most
-:data:`_MAX_WALKS` times). When not even event ``i`` can be found that
-way, it is damaged in the ring and the verified prefix ends before it.
+disagrees with it (:func:`_walk`); then the checks run again, from event
+``i`` on (at most :data:`_MAX_WALKS` times). When not even event ``i`` can
+be found that way, it is damaged in the ring and the verified prefix ends
+before it; so it does when the path followed never meets the table again
+nor ends at the published tail, however many walks of :data:`_MAX_WALK`
+events it took (it may have skipped events).
 
 Pure functions over a read-only view of the ring; run once at recovery.
 """
@@ -59,6 +62,10 @@ _VALID_OP[[int(op) for op in Op]] = True
 #: (a Python step each) before the checks run again (a longer stretch goes on)
 _MAX_WALKS: Final = 16
 _MAX_WALK: Final = 1 << 16
+#: events the first slice of a check covers (each next slice twice as many): the checks
+#: stop at the slice holding the first failure, so a check after a walk costs about
+#: the events it walked, not all events (a long stretch took one check of all per walk)
+_CHECK_SLICE: Final = 1 << 16
 #: offset of the header CRC in a header (it covers the bytes before it)
 _HCRC_AT: Final = 60
 
@@ -99,16 +106,35 @@ def check_ring(
     pos = records["pos"].astype(np.int64)
     headers = _gather(raw, pos, capacity)
     published = (head_pos, tail_pos, min_scn, last_scn)
-    repaired = walks = 0
+    repaired = walks = start = 0
+    # what the capped walks of the stretch being followed replaced, and the state before
+    # it: a stretch that ends neither at the table nor at the tail is undone whole (only
+    # its last walk was: a path that skipped a torn window at the ring's end for the
+    # next lap's first one was kept, and the skipped window served as never there; review)
+    segments: list[tuple[int, npt.NDArray[np.int64], Any]] = []
+    stretch = (0, "", 0)
     while True:
-        bad, problem = _first_bad(raw, capacity, published, pos, headers)
+        bad, problem = _first_bad(raw, capacity, published, pos, headers, start)
         if bad == len(pos) or walks >= _MAX_WALKS:
             break
+        if not segments:
+            stretch = (bad, problem, repaired)
+        saved = (bad, pos[bad : bad + _MAX_WALK].copy(), headers[bad : bad + _MAX_WALK].copy())
         moved, capped = _walk(raw, capacity, published, pos, headers, bad)
+        start = bad  # (the events before it are verified and the walk left them)
         if moved == 0:
+            for at, was_pos, was_headers in (saved, *reversed(segments)):
+                pos[at : at + len(was_pos)] = was_pos
+                headers[at : at + len(was_headers)] = was_headers
+            if segments:
+                bad, problem, repaired = stretch
             break
         repaired += moved
-        walks += 0 if capped else 1  # (a stretch longer than a walk goes on: same stretch)
+        if capped:  # (a stretch longer than a walk goes on: same stretch)
+            segments.append(saved)
+        else:
+            segments.clear()
+            walks += 1
     payload_bad = first_bad_payload(ring, pos[:bad] % capacity, headers[:bad])
     if payload_bad < bad:
         bad, problem = payload_bad, "payload checksum mismatch"
@@ -145,47 +171,72 @@ def _first_bad(
     published: tuple[int, int, int, int],
     pos: npt.NDArray[np.int64],
     headers: npt.NDArray[Any],
+    start: int = 0,
 ) -> tuple[int, str]:
-    """The first event failing a structural, placement, window or header CRC check.
+    """The first event from ``start`` on (those before it verified) failing a structural,
+    placement, window or header CRC check; ``len(pos)``: none.
 
     ``published`` is ``(head_pos, tail_pos, min_scn, last_scn)`` of the published state.
+    Checks slices of growing size and stops at the first one holding a failure.
     """
-    head_pos, tail_pos, min_scn, last_scn = published
     n = len(pos)
-    if n == 0:
-        return 0, ""
-    phys = pos % capacity
-    total = headers["total_length"].astype(np.int64)
+    lo, size = start, _CHECK_SLICE
+    while lo < n:
+        hi = min(n, lo + size)
+        bad, problem = _first_bad_in(raw, capacity, published, pos, headers, lo, hi)
+        if bad < hi:
+            return bad, problem
+        lo, size = hi, size * 2
+    return n, ""
+
+
+def _first_bad_in(
+    raw: npt.NDArray[np.uint8],
+    capacity: int,
+    published: tuple[int, int, int, int],
+    pos: npt.NDArray[np.int64],
+    headers: npt.NDArray[Any],
+    lo: int,
+    hi: int,
+) -> tuple[int, str]:
+    """:func:`_first_bad` over events ``[lo, hi)`` (``hi``: none fails); event ``lo - 1``,
+    verified, is their context."""
+    head_pos, tail_pos, min_scn, last_scn = published
+    at = lo - 1 if lo > 0 else 0  # the slice checked, with its context event first
+    p, h = pos[at:hi], headers[at:hi]
+    n = len(p)
+    phys = p % capacity
+    total = h["total_length"].astype(np.int64)
     malformed = (
         (phys > capacity - HEADER_SIZE)
-        | (headers["magic"] != MAGIC)
-        | (headers["version"] != VERSION)
-        | ~_VALID_OP[headers["op"]]
+        | (h["magic"] != MAGIC)
+        | (h["version"] != VERSION)
+        | ~_VALID_OP[h["op"]]
         | (
             total
-            != HEADER_SIZE
-            + headers["key_length"].astype(np.int64)
-            + headers["payload_length"].astype(np.int64)
+            != HEADER_SIZE + h["key_length"].astype(np.int64) + h["payload_length"].astype(np.int64)
         )
         | (phys + total > capacity)
     )
     # placement: right after the previous event, or at the next lap when it does not fit
     expected = np.empty(n, dtype=np.int64)
     expected[0] = head_pos
-    np.add(pos[:-1], total[:-1], out=expected[1:])
+    np.add(p[:-1], total[:-1], out=expected[1:])
     room = capacity - expected % capacity
     expected = np.where(total > room, expected + room, expected)
-    misplaced = pos != expected
-    misplaced[-1] |= int(pos[-1]) + int(total[-1]) != tail_pos
-    # the window rules
-    op = headers["op"]
-    scn = headers["scn"].astype(np.int64)
+    misplaced = p != expected
+    if hi == len(pos):
+        misplaced[-1] |= int(p[-1]) + int(total[-1]) != tail_pos
+    # the window rules: seq numbers 0, 1, 2, ... restarting after each END_OF_WINDOW
+    op = h["op"]
+    scn = h["scn"].astype(np.int64)
+    seq = h["seq"].astype(np.int64)
     opens = np.empty(n, dtype=bool)
     opens[0] = True
     np.equal(op[:-1], _EOW, out=opens[1:])
-    index = np.arange(n, dtype=np.int64)
-    first = np.maximum.accumulate(np.where(opens, index, 0))
-    out_of_window = headers["seq"].astype(np.int64) != index - first
+    want_seq = np.zeros(n, dtype=np.int64)
+    want_seq[1:] = np.where(opens[1:], 0, seq[:-1] + 1)
+    out_of_window = seq != want_seq
     same = np.empty(n, dtype=bool)
     same[0] = True
     np.equal(scn[1:], scn[:-1], out=same[1:])
@@ -199,15 +250,16 @@ def _first_bad(
         (misplaced, "event not where the event table and the ring say"),
         (out_of_window, "event breaks the window rules"),
     )
+    skip = lo - at  # (the context event is verified)
     bad, problem = n, ""
     for mask, why in checks:
-        hits = np.flatnonzero(mask[:bad])
+        hits = np.flatnonzero(mask[skip:bad]) + skip
         if hits.size:
             bad, problem = int(hits[0]), why
-    crc_bad = first_bad_header(headers[:bad])
+    crc_bad = skip + first_bad_header(h[skip:bad])
     if crc_bad < bad:
         bad, problem = crc_bad, "header checksum mismatch"
-    return bad, problem
+    return at + bad, problem
 
 
 def _header_at(raw: npt.NDArray[np.uint8], capacity: int, pos: int) -> Any | None:
@@ -259,15 +311,15 @@ def _walk(
     never meets the table again before the published tail is refused (it
     could skip events). Fixes ``pos`` and ``headers`` in place; returns how
     many positions it took from the ring (0: none, event ``i`` counts as
-    damaged in the ring) and whether it stopped at :data:`_MAX_WALK` steps:
-    then what it followed is kept (each step verified as above) and the
-    caller checks again and goes on from there. More wrong records in a row
-    than that (2 MiB of ``events.dat`` the machine did not write back) undid
-    the whole walk before, and intact windows after it were dropped (review).
+    damaged in the ring, and the caller undoes what it changed) and whether
+    it stopped at :data:`_MAX_WALK` steps: then the caller checks again and
+    goes on from there, and keeps the whole path only if it finally meets
+    the table or the tail (more wrong records in a row than one walk, 2 MiB
+    of ``events.dat`` the machine did not write back, undid the whole path
+    before, and intact windows after it were dropped: review).
     """
     head_pos, tail_pos, min_scn, last_scn = published
     n = len(pos)
-    saved_pos, saved_headers = pos[i : i + _MAX_WALK].copy(), headers[i : i + _MAX_WALK].copy()
     j = i
     while j < n and j - i < _MAX_WALK:
         prev = headers[j - 1] if j > 0 else None
@@ -295,9 +347,7 @@ def _walk(
     if j - i >= _MAX_WALK:
         return j - i, True  # kept: the checks run again and the walk goes on after it
     # damaged in the ring at event i, or a path that never meets the table again (it
-    # would skip events: e.g. a window at the next lap's start): undone
-    pos[i : i + len(saved_pos)] = saved_pos
-    headers[i : i + len(saved_headers)] = saved_headers
+    # would skip events: e.g. a window at the next lap's start): undone by the caller
     return 0, False
 
 
