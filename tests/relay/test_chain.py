@@ -229,6 +229,9 @@ async def test_leader_and_two_chained_followers_serve_identical_bytes(
         relay(tmp_path / "f2", chain(f1.url, follow=False, max_bytes=4096)) as f2,
         aiohttp.ClientSession() as http,
     ):
+        # (the slot exists once the fetcher streams: transactions before it are not captured,
+        # and a loaded machine took long enough for a third of the workload to pass)
+        await wait_until(lambda: leader.hosts[PART].state == "streaming", 30)
         await asyncio.to_thread(workload, pg_dsn, 150, 0)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a second schema version
             conn.execute("ALTER TABLE acct ADD COLUMN extra text")
